@@ -1,0 +1,1 @@
+"""GPU worker: dense model, KV cache, expert slot cache, copy streams, CUDA graphs."""

@@ -1,0 +1,1 @@
+"""Triton kernels, each with a plain PyTorch reference beside it."""

@@ -1,0 +1,1 @@
+"""Every cross-process contract in one place: config schema, environment knobs, messages, layouts."""

@@ -1,0 +1,105 @@
+"""The one registry of FREETOKEN_* environment knobs.
+
+Each knob is also a config field (``ServiceConfig.<field>``) and a CLI flag (``--<field with dashes>``).
+Precedence: CLI flag > environment variable > default. Unknown FREETOKEN_* variables are reported,
+not silently ignored, so a typo does not change behaviour unnoticed.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping
+
+ENV_PREFIX = "FREETOKEN_"
+
+
+@dataclass(frozen=True)
+class Knob:
+    env: str                       # environment variable name
+    field: str                     # ServiceConfig field / CLI flag name (underscores)
+    parse: Callable[[str], Any]    # str -> typed value; raises ValueError on bad input
+    default: Any
+    help: str
+    choices: tuple[str, ...] | None = None
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.field.replace("_", "-")
+
+    def convert(self, raw: str, source: str) -> Any:
+        if self.choices is not None and raw not in self.choices:
+            raise ValueError(
+                f"{source}={raw!r} is not valid; choose one of: {', '.join(self.choices)}"
+            )
+        try:
+            return self.parse(raw)
+        except ValueError as exc:
+            raise ValueError(f"{source}={raw!r} is not valid: {exc}") from None
+
+
+def _nonneg_int(raw: str) -> int:
+    value = int(raw)
+    if value < 0:
+        raise ValueError("must be >= 0")
+    return value
+
+
+KNOBS: tuple[Knob, ...] = (
+    Knob("FREETOKEN_HYBRID_FETCH_ROUND", "fetch_round", str, "min-wait",
+         "rounding of f*M to a fetch count: min-wait (finish both sides together), stochastic "
+         "(seeded, unbiased), prefer-fetch (ceil)",
+         choices=("min-wait", "stochastic", "prefer-fetch")),
+    Knob("FREETOKEN_HYBRID_FETCH", "fetch_select", str, "recency",
+         "which misses are fetched first: recency (most recently routed first) or lowest_id",
+         choices=("recency", "lowest_id")),
+    Knob("FREETOKEN_MOE_PREFETCH", "moe_prefetch", str, "off",
+         "next-layer expert prefetch: off, measure (predict and count, install nothing), on",
+         choices=("off", "measure", "on")),
+    Knob("FREETOKEN_MOE_PREFETCH_BUDGET", "moe_prefetch_budget", _nonneg_int, 4,
+         "experts a prefetch may install per layer"),
+    Knob("FREETOKEN_MOE_PREFETCH_K", "moe_prefetch_k", _nonneg_int, 8,
+         "top-k of the predicted router used as prefetch candidates"),
+    Knob("FREETOKEN_MOE_PREFETCH_VERIFY", "moe_prefetch_verify", str, "meta",
+         "prefetch verification: meta (check slot maps only) or 1 (also compare slot bytes)",
+         choices=("meta", "1")),
+    Knob("FREETOKEN_MOE_SLOT_AUDIT", "moe_slot_audit", _nonneg_int, 0,
+         "every N decode steps, check the slot-cache invariants on the host (0 = never)"),
+    Knob("FREETOKEN_BENCHBW_PATH", "benchbw_path", str, "",
+         "path of the `ft bench bw` bandwidth profile (JSON); empty = the default location"),
+)
+
+KNOBS_BY_ENV = {k.env: k for k in KNOBS}
+KNOBS_BY_FIELD = {k.field: k for k in KNOBS}
+
+
+def read_env(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """Typed values of every knob set in the environment (unset knobs are absent)."""
+    environ = os.environ if environ is None else environ
+    unknown = sorted(k for k in environ if k.startswith(ENV_PREFIX) and k not in KNOBS_BY_ENV)
+    if unknown:
+        raise ValueError(
+            f"unknown environment variable(s) {', '.join(unknown)}; known knobs: "
+            + ", ".join(sorted(KNOBS_BY_ENV))
+        )
+    return {k.field: k.convert(environ[k.env], k.env) for k in KNOBS if k.env in environ}
+
+
+def add_cli_flags(parser: argparse.ArgumentParser) -> None:
+    """Add one flag per knob; defaults are None so that env and config defaults apply."""
+    group = parser.add_argument_group("expert-cache knobs (also FREETOKEN_* environment variables)")
+    for k in KNOBS:
+        group.add_argument(k.flag, dest=k.field, default=None, choices=k.choices,
+                           type=(None if k.choices else k.parse),
+                           help=f"{k.help} [env {k.env}, default {k.default!r}]")
+
+
+def resolve(cli_values: Mapping[str, Any] | None = None,
+            environ: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """Knob values by precedence: CLI flag (not None) > environment > default."""
+    values = {k.field: k.default for k in KNOBS}
+    values.update(read_env(environ))
+    for field, value in (cli_values or {}).items():
+        if field in KNOBS_BY_FIELD and value is not None:
+            values[field] = value
+    return values
