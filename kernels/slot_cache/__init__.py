@@ -1,0 +1,9 @@
+"""The expert slot cache: which routed experts are on the GPU, which are fetched, which go to the CPU.
+
+Contract: ../../../shared/DESIGN.md section 4 (restated in docs/slot_cache.md).
+"""
+from .api import ensure, prefetch_ensure, raise_on_error, set_policy
+from .state import ROUND_MODES, SELECT_MODES, SlotCache, reset
+
+__all__ = ["SlotCache", "ensure", "prefetch_ensure", "reset", "set_policy", "raise_on_error",
+           "ROUND_MODES", "SELECT_MODES"]

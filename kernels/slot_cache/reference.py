@@ -1,0 +1,130 @@
+"""Plain reference of the slot-cache contract (DESIGN.md section 4), written for clarity.
+
+Works on CPU copies of the state (numpy) and writes the result back, so it serves both as the
+CPU implementation and as the lockstep oracle for the Triton kernels.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from .fetch_rule import fetch_count
+from .state import SELECT_MODES, SlotCache
+
+
+class _HostState:
+    """numpy views of a cache's tensors; `commit()` writes changed ones back to the device."""
+
+    NAMES = ("slot_for_id", "id_of_slot", "usage", "step", "expert_recency", "evict_slots",
+             "src_indices", "num_indices", "num_missing_full", "prefetch_evict_slots",
+             "prefetch_src_indices", "prefetch_num_indices", "mark")
+
+    def __init__(self, cache: SlotCache):
+        self.cache = cache
+        self.on_cpu = cache.device.type == "cpu"
+        for name in self.NAMES:
+            t = getattr(cache, name)
+            arr = t.numpy() if self.on_cpu else t.cpu().numpy()
+            setattr(self, name, arr.reshape(-1))
+
+    def commit(self) -> None:
+        if self.on_cpu:
+            return  # the arrays are views of the tensors
+        for name in self.NAMES:
+            getattr(self.cache, name).copy_(torch.from_numpy(getattr(self, name)).view(
+                getattr(self.cache, name).shape))
+
+
+def _victims(st: _HostState, base: int, num_slots: int, step: int, count: int) -> list[int]:
+    """The `count` slots with the smallest (usage, slot) among those not used at `step`."""
+    usage = st.usage[base:base + num_slots]
+    eligible = np.nonzero(usage != step)[0]
+    order = np.lexsort((eligible, usage[eligible]))  # by usage, then slot index
+    return [base + int(s) for s in eligible[order[:count]]]
+
+
+def _install(st: _HostState, slot: int, flat_id: int, usage: int) -> None:
+    old = int(st.id_of_slot[slot])
+    if old >= 0:
+        st.slot_for_id[old] = -1
+    st.id_of_slot[slot] = flat_id
+    st.slot_for_id[flat_id] = slot
+    st.usage[slot] = usage
+
+
+def ensure_reference(cache: SlotCache, layer: int, expert_ids: torch.Tensor, *,
+                     max_fetch: int, frac_q16: int, round_mode: int, select: int, promote: bool,
+                     seed: int) -> None:
+    """In place: mark hits, fetch misses by policy, rewrite routes to slot ids or -1.
+
+    `max_fetch >= 0` is the fixed cap; `max_fetch < 0` selects the fraction rule.
+    """
+    st = _HostState(cache)
+    num_experts, num_slots = cache.num_experts, cache.num_slots
+    base = cache.pool_base(layer)
+    row = layer * num_experts
+    step = int(st.step[0]) + 1
+    st.step[0] = step
+
+    ids = expert_ids.reshape(-1).cpu().numpy().astype(np.int64)
+    routed = np.unique(ids[ids >= 0])                       # distinct experts, ascending
+    st.mark[routed] = step
+    slots = st.slot_for_id[row + routed]
+    hits, misses = routed[slots >= 0], routed[slots < 0]
+    st.usage[st.slot_for_id[row + hits]] = step             # 1. hits are used now
+
+    recency = st.expert_recency[row + misses]               # 2. order the misses
+    if select == SELECT_MODES["recency"]:
+        misses = misses[np.lexsort((misses, -recency))]
+    num_misses = len(misses)
+
+    if max_fetch >= 0:                                      # 3. how many to fetch
+        k = min(num_misses, max_fetch)
+        promoted = False
+    else:
+        k = fetch_count(num_misses, frac_q16, round_mode, seed=seed, step=step, layer=layer)
+        promoted = (promote and k == 0 and num_misses > 0
+                    and st.expert_recency[row + misses[0]] >= 0)
+        if promoted:
+            k = 1
+    k = min(k, num_slots - len(hits))
+
+    victims = _victims(st, base, num_slots, step, k)         # 4. evict and install
+    if promoted and victims and st.usage[victims[0]] != -1:
+        victims = []                                         # promotion only fills empty slots
+    for i, (e, slot) in enumerate(zip(misses[:len(victims)], victims)):
+        _install(st, slot, row + int(e), step)
+        st.evict_slots[i] = slot
+        st.src_indices[i] = int(e)
+    st.num_indices[0] = len(victims)
+    st.num_missing_full[0] = num_misses
+
+    out = np.full(ids.shape, -1, dtype=np.int64)            # 5. rewrite routes
+    valid = ids >= 0
+    out[valid] = st.slot_for_id[row + ids[valid]]
+    st.expert_recency[row + routed] = step                  # 6. recency
+    st.commit()
+    expert_ids.copy_(torch.from_numpy(out).view(expert_ids.shape).to(expert_ids.dtype))
+
+
+def prefetch_ensure_reference(cache: SlotCache, layer: int, candidates: torch.Tensor,
+                              budget: int) -> None:
+    """Install the first `budget` non-resident candidates as low-priority (usage 0) slots."""
+    st = _HostState(cache)
+    num_experts = cache.num_experts
+    base = cache.pool_base(layer)
+    row = layer * num_experts
+    step = int(st.step[0])
+    chosen: list[int] = []
+    for e in candidates.reshape(-1).cpu().tolist():
+        if len(chosen) == budget:
+            break
+        if 0 <= e < num_experts and e not in chosen and st.slot_for_id[row + e] < 0:
+            chosen.append(e)
+    victims = _victims(st, base, cache.num_slots, step, len(chosen))
+    for i, (e, slot) in enumerate(zip(chosen, victims)):
+        _install(st, slot, row + e, 0)
+        st.prefetch_evict_slots[i] = slot
+        st.prefetch_src_indices[i] = e
+    st.prefetch_num_indices[0] = len(victims)
+    st.commit()

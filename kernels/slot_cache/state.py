@@ -1,0 +1,126 @@
+"""Expert slot-cache state: device tensors shared by the reference and the Triton kernels.
+
+Legend: L layers, E experts per layer, S slots per pool, P pools (1 global pool, or L per-layer pools).
+Slot ids are global: pool p owns slots [p*S, (p+1)*S). Flat expert id of (layer l, expert e) = l*E + e.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+ROUND_MODES = {"min-wait": 0, "stochastic": 1, "prefer-fetch": 2}
+SELECT_MODES = {"recency": 0, "lowest_id": 1}
+Q16_ONE = 1 << 16
+# The victim key packs (usage + 1, pool-local slot) into one int64: slot in the low SLOT_BITS bits.
+SLOT_BITS = 25
+MAX_SLOTS_PER_POOL = 1 << SLOT_BITS
+# Policy tensor layout (int64), read by the kernels when a call uses the cache's device policy.
+POLICY_MAX_FETCH, POLICY_FRAC_Q16, POLICY_ROUND, POLICY_SELECT, POLICY_PROMOTE, POLICY_SEED = range(6)
+POLICY_LEN = 6
+# Error flag bits written by the kernels (host checks them off the hot path).
+ERR_EXPERT_ID = 1
+
+
+@dataclass
+class SlotCache:
+    num_layers: int
+    num_experts: int
+    num_slots: int            # slots per pool
+    per_layer: bool
+    slot_for_id: torch.Tensor       # [L, E] int32: slot holding (l, e), or -1
+    id_of_slot: torch.Tensor        # [P*S] int32: flat id l*E+e held by the slot, or -1
+    usage: torch.Tensor             # [P*S] int64: -1 empty, 0 low priority, >=1 step of last use
+    step: torch.Tensor              # [1] int64: incremented by every ensure
+    expert_recency: torch.Tensor    # [L, E] int64: step at which (l, e) was last routed, or -1
+    evict_slots: torch.Tensor       # [S] int32: copy plan, destination slots
+    src_indices: torch.Tensor       # [S] int32: copy plan, layer-local expert rows
+    num_indices: torch.Tensor       # [1] int32: entries in the copy plan
+    num_missing_full: torch.Tensor  # [1] int32: distinct misses of the call, before any cap
+    prefetch_evict_slots: torch.Tensor   # [S] int32: prefetch's own copy plan
+    prefetch_src_indices: torch.Tensor   # [S] int32
+    prefetch_num_indices: torch.Tensor   # [1] int32
+    mark: torch.Tensor              # [E] int64 scratch: step at which e was routed in this call
+    error: torch.Tensor             # [1] int32: ERR_* bits set by kernels on bad input
+    policy: torch.Tensor            # [POLICY_LEN] int64: device copy of the fetch policy
+
+    @classmethod
+    def create(cls, num_layers: int, num_experts: int, num_slots: int, *,
+               device: torch.device | str = "cpu", per_layer: bool = False) -> "SlotCache":
+        for name, value in (("num_layers", num_layers), ("num_experts", num_experts),
+                            ("num_slots", num_slots)):
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"SlotCache.create: {name} must be a positive int, got {value!r}")
+        if num_slots >= MAX_SLOTS_PER_POOL:
+            raise ValueError(f"SlotCache.create: num_slots={num_slots} exceeds the kernel's limit "
+                             f"of {MAX_SLOTS_PER_POOL - 1} slots per pool")
+        device = torch.device(device)
+        total = num_slots * (num_layers if per_layer else 1)
+
+        def full(shape, value, dtype):
+            return torch.full(shape, value, dtype=dtype, device=device)
+
+        cache = cls(
+            num_layers=num_layers, num_experts=num_experts, num_slots=num_slots,
+            per_layer=per_layer,
+            slot_for_id=full((num_layers, num_experts), -1, torch.int32),
+            id_of_slot=full((total,), -1, torch.int32),
+            usage=full((total,), -1, torch.int64),
+            step=full((1,), 0, torch.int64),
+            expert_recency=full((num_layers, num_experts), -1, torch.int64),
+            evict_slots=full((num_slots,), -1, torch.int32),
+            src_indices=full((num_slots,), -1, torch.int32),
+            num_indices=full((1,), 0, torch.int32),
+            num_missing_full=full((1,), 0, torch.int32),
+            prefetch_evict_slots=full((num_slots,), -1, torch.int32),
+            prefetch_src_indices=full((num_slots,), -1, torch.int32),
+            prefetch_num_indices=full((1,), 0, torch.int32),
+            mark=full((num_experts,), -1, torch.int64),
+            error=full((1,), 0, torch.int32),
+            policy=full((POLICY_LEN,), 0, torch.int64),
+        )
+        return cache
+
+    @property
+    def device(self) -> torch.device:
+        return self.usage.device
+
+    @property
+    def total_slots(self) -> int:
+        return self.usage.numel()
+
+    def pool_base(self, layer: int) -> int:
+        """First global slot of the pool that serves `layer`."""
+        return layer * self.num_slots if self.per_layer else 0
+
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        """Every tensor of the state, by name (for tests, audits and save/restore)."""
+        return {name: getattr(self, name) for name in STATE_FIELDS}
+
+    def clone(self) -> "SlotCache":
+        copy = SlotCache(self.num_layers, self.num_experts, self.num_slots, self.per_layer,
+                         **{k: v.clone() for k, v in self.state_tensors().items()})
+        return copy
+
+    def copy_from(self, other: "SlotCache") -> None:
+        """Overwrite this state with `other`'s, in place (keeps tensor addresses for CUDA graphs)."""
+        for name, tensor in self.state_tensors().items():
+            tensor.copy_(getattr(other, name))
+
+    def to(self, device: torch.device | str) -> "SlotCache":
+        return SlotCache(self.num_layers, self.num_experts, self.num_slots, self.per_layer,
+                         **{k: v.to(device) for k, v in self.state_tensors().items()})
+
+
+STATE_FIELDS = ("slot_for_id", "id_of_slot", "usage", "step", "expert_recency", "evict_slots",
+                "src_indices", "num_indices", "num_missing_full", "prefetch_evict_slots",
+                "prefetch_src_indices", "prefetch_num_indices", "mark", "error", "policy")
+
+
+def reset(cache: SlotCache) -> None:
+    """Empty every slot and forget all history, in place."""
+    for name in ("slot_for_id", "id_of_slot", "usage", "expert_recency", "evict_slots",
+                 "src_indices", "prefetch_evict_slots", "prefetch_src_indices", "mark"):
+        getattr(cache, name).fill_(-1)
+    for name in ("step", "num_indices", "num_missing_full", "prefetch_num_indices", "error"):
+        getattr(cache, name).zero_()

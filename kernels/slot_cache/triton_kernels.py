@@ -1,0 +1,242 @@
+"""Triton kernels of the slot-cache contract (DESIGN.md section 4); `reference.py` is the oracle.
+
+One program (grid (1,)) does a whole call: the work is sequential by nature (victim i+1 depends on
+victim i) and small, so one block, scanning the pool in tiles of SLOT_TILE slots, keeps it to one
+launch that a CUDA graph can replay.  Results do not depend on SLOT_TILE: victims are picked by a
+strict total order on the packed key (usage + 1) << SLOT_BITS | slot, and the i-th victim is the
+smallest key above the (i-1)-th, which equals picking one slot at a time and marking it used.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .state import SLOT_BITS
+
+INT64_MAX = 0x7FFFFFFFFFFFFFFF
+
+
+@triton.jit
+def _mix32(x):
+    # 32-bit xor-shift-multiply finaliser on int64 holders of uint32 values.  Each 32x32 product is
+    # split into 16-bit halves of the constant so that no intermediate overflows int64.
+    x = x ^ (x >> 16)
+    x = (x * 0x352D + (((x * 0x7FEB) & 0xFFFF) << 16)) & 0xFFFFFFFF    # x * 0x7FEB352D
+    x = x ^ (x >> 15)
+    x = (x * 0xA68B + (((x * 0x846C) & 0xFFFF) << 16)) & 0xFFFFFFFF    # x * 0x846CA68B
+    x = x ^ (x >> 16)
+    return x
+
+
+@triton.jit
+def _draw16(seed, step, layer):
+    h = _mix32((seed & 0xFFFFFFFF) ^ 0x9E3779B9)
+    h = _mix32(h ^ (step & 0xFFFFFFFF))
+    h = _mix32(h ^ ((step >> 32) & 0xFFFFFFFF))
+    h = _mix32(h ^ (layer & 0xFFFFFFFF))
+    return h >> 16
+
+
+@triton.jit
+def _next_victim(usage_ptr, pool_base, num_slots, step, prev_key, SLOT_TILE: tl.constexpr):
+    # Smallest packed key above prev_key among slots of the pool not used at `step`.
+    best = tl.full((), 0x7FFFFFFFFFFFFFFF, tl.int64)
+    for t0 in range(0, num_slots, SLOT_TILE):
+        offs = t0 + tl.arange(0, SLOT_TILE)                          # [SLOT_TILE] pool-local
+        in_pool = offs < num_slots
+        u = tl.load(usage_ptr + pool_base + offs, mask=in_pool, other=0)
+        key = ((u + 1) << 25) | offs.to(tl.int64)               # SLOT_BITS = 25
+        ok = in_pool & (u != step) & (key > prev_key)
+        key = tl.where(ok, key, 0x7FFFFFFFFFFFFFFF)
+        best = tl.minimum(best, tl.min(key, axis=0))
+    return best
+
+
+@triton.jit
+def _install(slot_for_id_ptr, id_of_slot_ptr, usage_ptr, slot, flat_id, usage_value):
+    old = tl.load(id_of_slot_ptr + slot)
+    tl.store(slot_for_id_ptr + old, -1, mask=old >= 0)
+    tl.store(id_of_slot_ptr + slot, flat_id.to(tl.int32))
+    tl.store(slot_for_id_ptr + flat_id, slot.to(tl.int32))
+    tl.store(usage_ptr + slot, usage_value)
+
+
+@triton.jit
+def ensure_kernel(
+    ids_ptr,              # [N] int32|int64 routed expert ids (-1 = padding), rewritten in place
+    num_routes,           # N
+    slot_for_id_ptr,      # [L*E] int32
+    id_of_slot_ptr,       # [P*S] int32
+    usage_ptr,            # [P*S] int64
+    step_ptr,             # [1] int64
+    recency_ptr,          # [L*E] int64
+    mark_ptr,             # [E] int64 scratch
+    evict_ptr,            # [S] int32 copy plan: destination slots
+    src_ptr,              # [S] int32 copy plan: layer-local expert rows
+    num_indices_ptr,      # [1] int32
+    num_missing_ptr,      # [1] int32
+    error_ptr,            # [1] int32 error bits
+    policy_ptr,           # [6] int64 device policy (read when USE_POLICY)
+    layer,                # MoE layer of this call
+    pool_base,            # first global slot of the layer's pool
+    num_slots,            # S, slots in the pool
+    max_fetch,            # fixed cap (>= 0) or -1 for the fraction rule
+    frac_q16,             # f in Q16
+    round_mode,           # 0 min-wait, 1 stochastic, 2 prefer-fetch
+    select_mode,          # 0 recency, 1 lowest_id
+    promote,              # recency promotion on (1) / off (0)
+    seed,                 # stochastic seed
+    NUM_EXPERTS: tl.constexpr,   # E
+    E_BLOCK: tl.constexpr,       # next power of two >= E
+    ROUTE_TILE: tl.constexpr,    # routes per tile
+    SLOT_TILE: tl.constexpr,     # slots per tile of the victim scan
+    USE_POLICY: tl.constexpr,    # read the policy scalars from policy_ptr
+):
+    if USE_POLICY:
+        max_fetch = tl.load(policy_ptr + 0)
+        frac_q16 = tl.load(policy_ptr + 1)
+        round_mode = tl.load(policy_ptr + 2)
+        select_mode = tl.load(policy_ptr + 3)
+        promote = tl.load(policy_ptr + 4)
+        seed = tl.load(policy_ptr + 5)
+    zero = tl.zeros((), tl.int64)   # widen scalar args (int32, or constexpr when specialised)
+    max_fetch = max_fetch + zero
+    frac_q16 = frac_q16 + zero
+    round_mode = round_mode + zero
+    select_mode = select_mode + zero
+    promote = promote + zero
+    seed = seed + zero
+    layer = layer + zero
+    step = tl.load(step_ptr) + 1
+    row = layer * NUM_EXPERTS
+
+    # A. mark every routed expert with this step (duplicates write the same value)
+    for r0 in range(0, num_routes, ROUTE_TILE):
+        offs = r0 + tl.arange(0, ROUTE_TILE)                             # [R]
+        in_range = offs < num_routes
+        e = tl.load(ids_ptr + offs, mask=in_range, other=-1).to(tl.int64)
+        bad = in_range & ((e < -1) | (e >= NUM_EXPERTS))
+        tl.atomic_or(error_ptr, 1, mask=tl.max(bad.to(tl.int32), axis=0) > 0)
+        tl.store(mark_ptr + e, step, mask=in_range & (e >= 0) & (e < NUM_EXPERTS))
+    tl.debug_barrier()
+
+    # B. hits and misses over all experts of the layer
+    ev = tl.arange(0, E_BLOCK)                                           # [E_BLOCK]
+    in_e = ev < NUM_EXPERTS
+    routed = in_e & (tl.load(mark_ptr + ev, mask=in_e, other=-1) == step)
+    slot = tl.load(slot_for_id_ptr + row + ev, mask=in_e, other=-1)
+    hit = routed & (slot >= 0)
+    miss = routed & (slot < 0)
+    tl.store(usage_ptr + slot, step, mask=hit)
+    num_hits = tl.sum(hit.to(tl.int64), axis=0)
+    num_misses = tl.sum(miss.to(tl.int64), axis=0)
+    rec = tl.load(recency_ptr + row + ev, mask=in_e, other=-1)
+    # order key, larger first: recency desc then id asc, or id asc alone
+    id_key = (E_BLOCK - 1 - ev).to(tl.int64)
+    order_key = tl.where(select_mode == 0, (rec + 1) * E_BLOCK + id_key, id_key)
+    order_key = tl.where(miss, order_key, -1)
+    first_key = tl.max(order_key, axis=0)
+    first_rec = tl.max(tl.where(miss & (order_key == first_key), rec, -2), axis=0)
+
+    # C. how many misses to fetch
+    prod = frac_q16 * num_misses
+    lo = prod >> 16
+    hi = lo + 1
+    cost_lo = tl.maximum(lo * (65536 - frac_q16), (num_misses - lo) * frac_q16)
+    cost_hi = tl.maximum(hi * (65536 - frac_q16), (num_misses - hi) * frac_q16)
+    k_minwait = tl.where(cost_hi < cost_lo, hi, lo)
+    k_stoch = lo + (_draw16(seed, step, layer) < (prod & 0xFFFF)).to(tl.int64)
+    k_ceil = (prod + 65535) >> 16
+    k_frac = tl.where(round_mode == 0, k_minwait, tl.where(round_mode == 1, k_stoch, k_ceil))
+    k_frac = tl.minimum(k_frac, num_misses)
+    promoted = (promote != 0) & (k_frac == 0) & (num_misses > 0) & (first_rec >= 0)
+    k_frac = tl.where(promoted, 1, k_frac)
+    promoted = promoted & (max_fetch < 0)
+    k = tl.where(max_fetch >= 0, tl.minimum(num_misses, max_fetch), k_frac)
+    k = tl.minimum(k, num_slots - num_hits)
+
+    # D. one victim per fetched miss, in order
+    installed = tl.zeros((), tl.int32)
+    prev_order = tl.full((), 0x7FFFFFFFFFFFFFFF, tl.int64)
+    prev_victim = tl.full((), -1, tl.int64)
+    for i in range(0, k):
+        cur = tl.max(tl.where(order_key < prev_order, order_key, -1), axis=0)
+        prev_order = cur
+        expert = (E_BLOCK - 1) - (cur % E_BLOCK)
+        vkey = _next_victim(usage_ptr, pool_base, num_slots, step, prev_victim, SLOT_TILE)
+        prev_victim = vkey
+        victim = pool_base + (vkey & ((1 << 25) - 1))
+        victim_was_empty = (vkey >> 25) == 0
+        if (promoted == 0) | victim_was_empty:
+            _install(slot_for_id_ptr, id_of_slot_ptr, usage_ptr, victim, row + expert, step)
+            tl.store(evict_ptr + i, victim.to(tl.int32))
+            tl.store(src_ptr + i, expert.to(tl.int32))
+            installed += 1
+    tl.store(num_indices_ptr, installed.to(tl.int32))
+    tl.store(num_missing_ptr, num_misses.to(tl.int32))
+    tl.debug_barrier()
+
+    # E. rewrite routes: every thread loads its tile before any thread stores into it
+    for r0 in range(0, num_routes, ROUTE_TILE):
+        offs = r0 + tl.arange(0, ROUTE_TILE)
+        in_range = offs < num_routes
+        e = tl.load(ids_ptr + offs, mask=in_range, other=-1)
+        valid = in_range & (e >= 0) & (e < NUM_EXPERTS)
+        s = tl.load(slot_for_id_ptr + row + e, mask=valid, other=-1)
+        out = tl.where(valid, s, -1).to(e.dtype)
+        tl.debug_barrier()
+        tl.store(ids_ptr + offs, out, mask=in_range)
+
+    # F. recency and the step counter
+    tl.store(recency_ptr + row + ev, step, mask=routed)
+    tl.store(step_ptr, step)
+
+
+@triton.jit
+def prefetch_kernel(
+    cand_ptr,             # [C] int32|int64 candidate experts in priority order (-1 = none)
+    num_cand,             # C
+    budget,               # most installs
+    slot_for_id_ptr,      # [L*E] int32
+    id_of_slot_ptr,       # [P*S] int32
+    usage_ptr,            # [P*S] int64
+    step_ptr,             # [1] int64 (read only)
+    evict_ptr,            # [S] int32 prefetch copy plan
+    src_ptr,              # [S] int32
+    num_indices_ptr,      # [1] int32
+    layer, pool_base, num_slots,
+    NUM_EXPERTS: tl.constexpr,
+    C_BLOCK: tl.constexpr,       # next power of two >= C
+    SLOT_TILE: tl.constexpr,
+):
+    step = tl.load(step_ptr)
+    row = layer * NUM_EXPERTS
+    ci = tl.arange(0, C_BLOCK)                                           # [C]
+    e = tl.load(cand_ptr + ci, mask=ci < num_cand, other=-1).to(tl.int64)
+    valid = (e >= 0) & (e < NUM_EXPERTS)
+    # first occurrence only: [C, C] comparison against earlier candidates
+    same = (e[:, None] == e[None, :]) & (ci[None, :] < ci[:, None])
+    dup = tl.max(same.to(tl.int32), axis=1) > 0
+    resident = tl.load(slot_for_id_ptr + row + e, mask=valid, other=-1) >= 0
+    want = valid & (dup == 0) & (resident == 0)
+    rank = tl.cumsum(want.to(tl.int32), axis=0) - 1
+    chosen = want & (rank < budget)
+    num_chosen = tl.sum(chosen.to(tl.int32), axis=0)
+
+    installed = tl.zeros((), tl.int32)
+    prev_victim = tl.full((), -1, tl.int64)
+    for i in range(0, num_chosen):
+        expert = tl.sum(tl.where(chosen & (rank == i), e, 0), axis=0)
+        vkey = _next_victim(usage_ptr, pool_base, num_slots, step, prev_victim, SLOT_TILE)
+        prev_victim = vkey
+        if vkey != 0x7FFFFFFFFFFFFFFF:
+            victim = pool_base + (vkey & ((1 << 25) - 1))
+            _install(slot_for_id_ptr, id_of_slot_ptr, usage_ptr, victim, row + expert,
+                     tl.zeros((), tl.int64))
+            tl.store(evict_ptr + installed, victim.to(tl.int32))
+            tl.store(src_ptr + installed, expert.to(tl.int32))
+            installed += 1
+    tl.store(num_indices_ptr, installed.to(tl.int32))
+
+
+assert SLOT_BITS == 25  # the kernels spell the constant out (constexpr arithmetic)

@@ -1,0 +1,26 @@
+"""Test set-up shared by every test module.
+
+Without a GPU, Triton kernels run in the Triton interpreter, which must be switched on before any
+kernel is defined: that is why this happens here, before test modules import the kernels.
+"""
+import os
+
+import pytest
+import torch
+
+HAS_CUDA = torch.cuda.is_available()
+if not HAS_CUDA:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+# The device the Triton kernels run on in the lockstep tests: the GPU where there is one,
+# else CPU tensors through the interpreter.
+KERNEL_DEVICE = "cuda" if HAS_CUDA else "cpu"
+
+
+def pytest_collection_modifyitems(config, items):
+    if HAS_CUDA:
+        return
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU (run on the GPU machine)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip_gpu)
