@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from .fetch_rule import fetch_count
-from .state import SELECT_MODES, SlotCache
+from .state import SELECT_MODES, SLOT_BITS, SlotCache
 
 
 class _HostState:
@@ -37,10 +37,19 @@ class _HostState:
 
 def _victims(st: _HostState, base: int, num_slots: int, step: int, count: int) -> list[int]:
     """The `count` slots with the smallest (usage, slot) among those not used at `step`."""
+    if count <= 0:
+        return []
     usage = st.usage[base:base + num_slots]
-    eligible = np.nonzero(usage != step)[0]
-    order = np.lexsort((eligible, usage[eligible]))  # by usage, then slot index
-    return [base + int(s) for s in eligible[order[:count]]]
+    slots = np.arange(num_slots, dtype=np.int64)
+    eligible = usage != step
+    # (usage, slot) order, as one int64 key; ineligible slots sort last
+    key = np.where(eligible, ((usage + 1) << SLOT_BITS) | slots, np.iinfo(np.int64).max)
+    count = min(count, int(eligible.sum()))
+    if count == 0:
+        return []
+    first = np.argpartition(key, count - 1)[:count] if count < num_slots else slots
+    first = first[np.argsort(key[first], kind="stable")]
+    return [base + int(s) for s in first]
 
 
 def _install(st: _HostState, slot: int, flat_id: int, usage: int) -> None:

@@ -128,6 +128,7 @@ def ensure_kernel(
     hit = routed & (slot >= 0)
     miss = routed & (slot < 0)
     tl.store(usage_ptr + slot, step, mask=hit)
+    tl.debug_barrier()   # the victim scans below must see every hit's usage == step
     num_hits = tl.sum(hit.to(tl.int64), axis=0)
     num_misses = tl.sum(miss.to(tl.int64), axis=0)
     rec = tl.load(recency_ptr + row + ev, mask=in_e, other=-1)
@@ -223,6 +224,8 @@ def prefetch_kernel(
     chosen = want & (rank < budget)
     num_chosen = tl.sum(chosen.to(tl.int32), axis=0)
 
+    # Pick every victim before installing any: an install sets usage 0, which would put the slot
+    # back above the scan threshold and let a later pick take it again.
     installed = tl.zeros((), tl.int32)
     prev_victim = tl.full((), -1, tl.int64)
     for i in range(0, num_chosen):
@@ -231,11 +234,15 @@ def prefetch_kernel(
         prev_victim = vkey
         if vkey != 0x7FFFFFFFFFFFFFFF:
             victim = pool_base + (vkey & ((1 << 25) - 1))
-            _install(slot_for_id_ptr, id_of_slot_ptr, usage_ptr, victim, row + expert,
-                     tl.zeros((), tl.int64))
             tl.store(evict_ptr + installed, victim.to(tl.int32))
             tl.store(src_ptr + installed, expert.to(tl.int32))
             installed += 1
+    tl.debug_barrier()
+    for i in range(0, installed):
+        victim = tl.load(evict_ptr + i).to(tl.int64)
+        expert = tl.load(src_ptr + i).to(tl.int64)
+        _install(slot_for_id_ptr, id_of_slot_ptr, usage_ptr, victim, row + expert,
+                 tl.zeros((), tl.int64))
     tl.store(num_indices_ptr, installed.to(tl.int32))
 
 

@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# Everything that needs the GPU machine, in one call: GPU tests, then benchmarks; short tables last.
+# Usage: bash bench/run_gpu.sh [kernels] [engine] [cpu]   (default: all sections)
+# Logs go to $OUT (the device tool's output folder) when it is set, else ./out.
+set -u
+OUT=${OUT:-./out}; mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+if compgen -G ".whl/*.whl" >/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl && export PYTHONPATH=$PYTHONPATH:/tmp/site
+fi
+sections=${*:-kernels engine cpu}
+status=0
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
+python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'
+for s in $sections; do
+  case $s in
+    kernels)
+      python3 -m pytest -q -p no:cacheprovider tests/test_slot_cache_gpu.py \
+        tests/test_slot_cache_lockstep.py tests/test_slot_cache_errors.py \
+        tests/test_slot_cache_properties.py 2>&1 | tee "$OUT/kernels_tests.log" | tail -n 5
+      [ "${PIPESTATUS[0]}" = 0 ] || status=1
+      python3 -m kernels.slot_cache.bench 2>&1 | tee "$OUT/kernels_bench.log" | tail -n 30 || status=1
+      ;;
+    engine)
+      [ -f bench/bench_engine.py ] && { python3 bench/bench_engine.py 2>&1 | tee "$OUT/engine_bench.log" | tail -n 30 || status=1; }
+      ;;
+    cpu)
+      [ -f bench/bench_cpu_experts.py ] && { python3 bench/bench_cpu_experts.py 2>&1 | tee "$OUT/cpu_bench.log" | tail -n 20 || status=1; }
+      [ -f bench/bench_handoff.py ] && { python3 bench/bench_handoff.py 2>&1 | tee "$OUT/handoff_bench.log" | tail -n 10 || status=1; }
+      ;;
+  esac
+done
+exit $status

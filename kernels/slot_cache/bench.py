@@ -1,0 +1,123 @@
+"""Benchmark of the slot-cache ensure kernel inside CUDA graphs (microseconds per call, median).
+
+Each replay restores the cache state and the routes, then runs CALLS_PER_REPLAY ensure calls, so
+every call sees the same situation: a full pool with top-k routes that are all hits, or all hits
+but one miss that is fetched (evicting the least recently used slot). A graph with the restore
+alone is timed too and subtracted. Usage: python -m kernels.slot_cache.bench [--quick]
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+
+import torch
+
+from . import SlotCache, ensure
+
+CALLS_PER_REPLAY = 64
+TOP_K = 10
+# (slots, layers, experts): the expert count exceeds the pool so that the pool can be full
+POOLS = [(64, 48, 128), (2048, 48, 128), (18432, 61, 512), (23197, 61, 512)]
+VARIANTS = [(1024, 4), (2048, 4), (4096, 8), (8192, 16)]   # (slot tile, warps)
+
+
+def _fill(cache: SlotCache) -> None:
+    """Fill the pool: other layers' experts first (older), layer 0's hot experts last."""
+    need = cache.num_slots - TOP_K
+    layer = 1
+    while need > 0:
+        count = min(need, cache.num_experts)
+        ensure(cache, layer, torch.arange(count, device="cuda"), fetch_fraction=1.0)
+        need -= count
+        layer += 1
+    ensure(cache, 0, torch.arange(TOP_K, device="cuda"), fetch_fraction=1.0)
+    assert int((cache.id_of_slot >= 0).sum()) == cache.num_slots
+
+
+def _time_graph(graph: torch.cuda.CUDAGraph, reps: int) -> float:
+    start = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    end = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    for _ in range(5):
+        graph.replay()
+    for i in range(reps):
+        start[i].record()
+        graph.replay()
+        end[i].record()
+    torch.cuda.synchronize()
+    return statistics.median(s.elapsed_time(e) * 1e3 for s, e in zip(start, end))  # us
+
+
+def bench_case(num_slots, layers, experts, miss: bool, tile: int, warps: int, reps: int):
+    cache = SlotCache.create(layers, experts, num_slots, device="cuda")
+    _fill(cache)
+    snapshot = cache.clone()
+    base = torch.arange(TOP_K, device="cuda")
+    routes = torch.stack([base.clone() for _ in range(CALLS_PER_REPLAY)])   # [C, K]
+    if miss:   # replace the last route of call i with a non-resident expert of layer 0
+        routes[:, -1] = TOP_K + torch.arange(CALLS_PER_REPLAY, device="cuda")
+    pristine = routes.clone()
+    kwargs = dict(fetch_fraction=1.0, impl="triton", check_ids=False, slot_tile=tile,
+                  num_warps=warps)
+    ensure(cache, 0, routes[0].clone(), **kwargs)          # compile outside the capture
+    cache.copy_from(snapshot)
+    stream = torch.cuda.Stream()
+    full, restore = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream):
+        with torch.cuda.graph(restore, stream=stream):
+            cache.copy_from(snapshot)
+            routes.copy_(pristine)
+        with torch.cuda.graph(full, stream=stream):
+            cache.copy_from(snapshot)
+            routes.copy_(pristine)
+            for c in range(CALLS_PER_REPLAY):
+                ensure(cache, 0, routes[c], **kwargs)
+    full.replay()
+    torch.cuda.synchronize()
+    fetched = int(cache.num_indices)
+    assert fetched == (1 if miss else 0), f"expected {int(miss)} fetch per call, saw {fetched}"
+    t_full, t_restore = _time_graph(full, reps), _time_graph(restore, reps)
+    return (t_full - t_restore) / CALLS_PER_REPLAY
+
+
+def resource_report(tile: int, warps: int) -> tuple[int, int]:
+    """(registers, spills) of the compiled ensure kernel for the large-pool configuration."""
+    from .triton_kernels import ensure_kernel
+    cache = SlotCache.create(61, 512, 23197, device="cuda")
+    ids = torch.arange(TOP_K, device="cuda")
+    from .api import DEFAULT_SLOT_TILE  # noqa: F401  (the default the engine uses)
+    compiled = ensure_kernel[(1,)](
+        ids, ids.numel(), cache.slot_for_id, cache.id_of_slot, cache.usage, cache.step,
+        cache.expert_recency, cache.mark, cache.evict_slots, cache.src_indices,
+        cache.num_indices, cache.num_missing_full, cache.error, cache.policy,
+        0, 0, cache.num_slots, -1, 1 << 16, 0, 0, 1, 0,
+        NUM_EXPERTS=512, E_BLOCK=512, ROUTE_TILE=16, SLOT_TILE=tile, USE_POLICY=False,
+        num_warps=warps)
+    return int(getattr(compiled, "n_regs", -1)), int(getattr(compiled, "n_spills", -1))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer variants and repetitions")
+    parser.add_argument("--reps", type=int, default=200)
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise RuntimeError("the slot-cache benchmark needs a CUDA GPU")
+    variants = VARIANTS[1:2] if args.quick else VARIANTS
+    rows = []
+    for tile, warps in variants:
+        regs, spills = resource_report(tile, warps)
+        for num_slots, layers, experts in POOLS:
+            hit = bench_case(num_slots, layers, experts, False, tile, warps, args.reps)
+            one = bench_case(num_slots, layers, experts, True, tile, warps, args.reps)
+            rows.append((num_slots, tile, warps, regs, spills, hit, one))
+    print(f"\nslot-cache ensure, {torch.cuda.get_device_name()}, top-{TOP_K}, "
+          f"{CALLS_PER_REPLAY} calls per graph replay, median of {args.reps} replays")
+    print(f"{'slots':>6} {'tile':>5} {'warps':>5} {'regs':>4} {'spill':>5} "
+          f"{'all hits us':>11} {'1 fetch us':>10}")
+    for num_slots, tile, warps, regs, spills, hit, one in rows:
+        print(f"{num_slots:>6} {tile:>5} {warps:>5} {regs:>4} {spills:>5} {hit:>11.2f} {one:>10.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

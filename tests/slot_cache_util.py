@@ -1,0 +1,56 @@
+"""Shared helpers for the slot-cache tests: skewed random routes and state comparison."""
+from __future__ import annotations
+
+import torch
+
+from kernels.slot_cache import SlotCache
+
+
+class RouteGen:
+    """Seeded routes with a skewed (Zipf-like) expert popularity per layer, as real routers show."""
+
+    def __init__(self, num_layers: int, num_experts: int, seed: int, skew: float = 1.0):
+        self.gen = torch.Generator().manual_seed(seed)
+        self.num_experts = num_experts
+        ranks = torch.arange(1, num_experts + 1, dtype=torch.float64)
+        base = ranks.pow(-skew)
+        self.weights = torch.stack([base[torch.randperm(num_experts, generator=self.gen)]
+                                    for _ in range(num_layers)])        # [L, E]
+
+    def routes(self, layer: int, num_tokens: int, top_k: int,
+               dtype: torch.dtype = torch.int64) -> torch.Tensor:
+        w = self.weights[layer].expand(num_tokens, -1)
+        ids = torch.multinomial(w, top_k, replacement=False, generator=self.gen)  # [T, K]
+        return ids.to(dtype)
+
+    def candidates(self, num: int) -> torch.Tensor:
+        return torch.randint(-1, self.num_experts, (num,), generator=self.gen)
+
+
+def assert_same_state(ref: SlotCache, other: SlotCache, context: str) -> None:
+    for name, tensor in ref.state_tensors().items():
+        got = getattr(other, name).cpu()
+        if not torch.equal(tensor.cpu(), got):
+            diff = (tensor.cpu() != got).nonzero()[:8].tolist()
+            raise AssertionError(f"{context}: state tensor {name!r} differs at {diff}: "
+                                 f"reference {tensor.cpu().reshape(-1)[:16].tolist()} "
+                                 f"kernel {got.reshape(-1)[:16].tolist()}")
+
+
+def check_invariants(cache: SlotCache) -> None:
+    """Slot maps inverse, no slot owned twice, usage consistent with occupancy."""
+    sfi = cache.slot_for_id.cpu().reshape(-1)
+    ios = cache.id_of_slot.cpu()
+    usage = cache.usage.cpu()
+    owned = ios[ios >= 0]
+    assert owned.unique().numel() == owned.numel(), "an expert is held by two slots"
+    for slot in (ios >= 0).nonzero().reshape(-1).tolist():
+        assert sfi[ios[slot]] == slot, f"slot {slot} holds {int(ios[slot])} but the map disagrees"
+        flat = int(ios[slot])
+        layer = flat // cache.num_experts
+        assert cache.pool_base(layer) <= slot < cache.pool_base(layer) + cache.num_slots, \
+            f"slot {slot} serves layer {layer} outside that layer's pool"
+    for flat in (sfi >= 0).nonzero().reshape(-1).tolist():
+        assert ios[sfi[flat]] == flat, f"expert {flat} maps to a slot that holds another"
+    assert torch.equal(ios < 0, usage < 0), "empty slots and usage -1 disagree"
+    assert int(usage.max()) <= int(cache.step.cpu()), "a usage is ahead of the step counter"

@@ -1,0 +1,135 @@
+"""Lockstep: the Triton kernels against the reference, call by call, state and routes equal.
+
+On a machine without a GPU the kernels run in the Triton interpreter (conftest.py sets it up).
+"""
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from kernels.slot_cache import SlotCache, ensure, prefetch_ensure
+from tests.conftest import KERNEL_DEVICE
+from tests.slot_cache_util import RouteGen, assert_same_state, check_invariants
+
+NUM_CALLS = 36
+
+
+def run_lockstep(*, num_layers, num_experts, num_slots, per_layer, calls, slot_tile,
+                 num_tokens=2, top_k=3, prefetch_every=0, seed=0, **policy):
+    ref = SlotCache.create(num_layers, num_experts, num_slots, per_layer=per_layer)
+    ker = SlotCache.create(num_layers, num_experts, num_slots, per_layer=per_layer,
+                           device=KERNEL_DEVICE)
+    gen = RouteGen(num_layers, num_experts, seed)
+    fetched = 0
+    for call in range(calls):
+        layer = call % num_layers
+        ids = gen.routes(layer, num_tokens, top_k)
+        ids_ref, ids_ker = ids.clone(), ids.to(KERNEL_DEVICE)
+        ensure(ref, layer, ids_ref, impl="reference", seed=seed, **policy)
+        ensure(ker, layer, ids_ker, impl="triton", seed=seed, slot_tile=slot_tile, **policy)
+        assert torch.equal(ids_ref, ids_ker.cpu()), f"call {call}: routes differ"
+        assert_same_state(ref, ker, f"call {call}")
+        fetched += int(ref.num_indices)
+        if prefetch_every and call % prefetch_every == prefetch_every - 1:
+            cand = gen.candidates(5)
+            nxt = (layer + 1) % num_layers
+            prefetch_ensure(ref, nxt, cand, 2, impl="reference")
+            prefetch_ensure(ker, nxt, cand.to(KERNEL_DEVICE), 2, impl="triton",
+                            slot_tile=slot_tile)
+            assert_same_state(ref, ker, f"prefetch after call {call}")
+    check_invariants(ref)
+    return ref, fetched
+
+
+POOLS = {
+    # name: (layers, experts, slots per pool, per_layer, slot tile)
+    "one-tile": (3, 16, 24, False, 32),
+    "several-tiles": (3, 16, 40, False, 16),
+    "per-layer": (3, 16, 10, True, 16),
+}
+POLICIES = {
+    "min-wait-recency": dict(fetch_fraction=0.4, round_mode="min-wait", select="recency"),
+    "stochastic-recency": dict(fetch_fraction=0.35, round_mode="stochastic", select="recency"),
+    "prefer-fetch-lowest": dict(fetch_fraction=0.3, round_mode="prefer-fetch", select="lowest_id"),
+    "min-wait-lowest-nopromote": dict(fetch_fraction=0.2, round_mode="min-wait",
+                                      select="lowest_id", promote=False),
+    "zero-fraction-promote": dict(fetch_fraction=0.0, promote=True),
+    "zero-fraction-nopromote": dict(fetch_fraction=0.0, promote=False),
+    "offload": dict(fetch_fraction=1.0),
+    "cap-0": dict(max_fetch=0),
+    "cap-1": dict(max_fetch=1, select="lowest_id"),
+}
+
+
+@pytest.mark.parametrize("pool", list(POOLS))
+@pytest.mark.parametrize("policy", list(POLICIES))
+def test_lockstep(pool, policy):
+    layers, experts, slots, per_layer, tile = POOLS[pool]
+    ref, fetched = run_lockstep(num_layers=layers, num_experts=experts, num_slots=slots,
+                                per_layer=per_layer, calls=NUM_CALLS, slot_tile=tile,
+                                prefetch_every=4, **POLICIES[policy])
+    if policy not in ("cap-0", "zero-fraction-nopromote"):
+        assert fetched > 0, "the sequence never fetched: it does not exercise the fetch path"
+
+
+def test_pool_goes_from_empty_to_full_and_evicts():
+    ref, fetched = run_lockstep(num_layers=2, num_experts=16, num_slots=12, per_layer=False,
+                                calls=40, slot_tile=16, fetch_fraction=1.0)
+    assert int((ref.id_of_slot >= 0).sum()) == 12, "the pool never filled"
+    assert fetched > 12, "nothing was evicted"
+
+
+@pytest.mark.parametrize("tile", [16, 32, 64])
+def test_results_do_not_depend_on_tile_size(tile):
+    # 50 slots: 4, 2 and 1 tiles; the reference is the same in each case
+    run_lockstep(num_layers=2, num_experts=32, num_slots=50, per_layer=False, calls=30,
+                 slot_tile=tile, num_tokens=3, top_k=4, fetch_fraction=0.6, prefetch_every=3)
+
+
+def test_int32_routes_and_padding():
+    ref = SlotCache.create(2, 8, 6)
+    ker = SlotCache.create(2, 8, 6, device=KERNEL_DEVICE)
+    for call, row in enumerate([[0, 1, -1], [2, -1, -1], [0, 3, 4], [-1, -1, -1], [5, 6, 7]]):
+        ids = torch.tensor([row], dtype=torch.int32)
+        a, b = ids.clone(), ids.to(KERNEL_DEVICE)
+        ensure(ref, call % 2, a, fetch_fraction=1.0, impl="reference")
+        ensure(ker, call % 2, b, fetch_fraction=1.0, impl="triton")
+        assert torch.equal(a, b.cpu()) and a.dtype == torch.int32
+        assert all(v == -1 for v, e in zip(a[0].tolist(), row) if e == -1), "padding rewritten"
+        assert_same_state(ref, ker, f"call {call}")
+
+
+@pytest.mark.parametrize("mode", ["min-wait", "stochastic", "prefer-fetch"])
+def test_device_policy_matches_arguments(mode):
+    from kernels.slot_cache import set_policy
+    a = SlotCache.create(2, 16, 12, device=KERNEL_DEVICE)
+    b = SlotCache.create(2, 16, 12, device=KERNEL_DEVICE)
+    set_policy(b, fetch_fraction=0.45, round_mode=mode, select="lowest_id", seed=11)
+    gen = RouteGen(2, 16, 3)
+    for call in range(12):
+        ids = gen.routes(call % 2, 2, 3).to(KERNEL_DEVICE)
+        ia, ib = ids.clone(), ids.clone()
+        ensure(a, call % 2, ia, fetch_fraction=0.45, round_mode=mode, select="lowest_id",
+               seed=11, impl="triton")
+        ensure(b, call % 2, ib, use_device_policy=True, impl="triton")
+        assert torch.equal(ia, ib)
+        for name in ("slot_for_id", "usage", "num_indices"):
+            assert torch.equal(getattr(a, name), getattr(b, name)), name
+
+
+def test_back_to_back_calls_without_host_copies():
+    """Many calls queued without reading anything back, then one comparison at the end."""
+    layers, experts, slots = 4, 32, 20
+    ref = SlotCache.create(layers, experts, slots)
+    ker = SlotCache.create(layers, experts, slots, device=KERNEL_DEVICE)
+    gen = RouteGen(layers, experts, 5)
+    batches = [gen.routes(c % layers, 2, 4) for c in range(40)]
+    outs = torch.stack(batches).to(KERNEL_DEVICE)        # [calls, T, K], rewritten in place
+    for c in range(40):
+        ensure(ker, c % layers, outs[c], fetch_fraction=0.5, impl="triton", check_ids=False)
+    for c, ids in enumerate(batches):
+        ensure(ref, c % layers, ids, fetch_fraction=0.5, impl="reference")
+    assert torch.equal(torch.stack(batches), outs.cpu())
+    assert_same_state(ref, ker, "after 40 queued calls")
