@@ -1,0 +1,141 @@
+"""NUMA discovery and worker placement on fixture sysfs trees (1, 2 and 4 nodes) and on this machine."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from cpu_expert_pool.topology import (WorkerPlacement, discover_placements, format_cpulist, parse_cpulist,
+                                      plan_workers, read_core_of_cpu, read_numa_nodes)
+
+FIXTURES = Path(__file__).parent / "fixtures" / "numa"
+ALL_16 = range(16)
+
+
+@pytest.mark.parametrize("text, cpus", [
+    ("0-3,8-11", (0, 1, 2, 3, 8, 9, 10, 11)),
+    ("5", (5,)),
+    ("", ()),
+    ("\n", ()),
+    ("0,2-3,7\n", (0, 2, 3, 7)),
+    ("0-6:2", (0, 2, 4, 6)),
+    ("3,1,2", (1, 2, 3)),
+], ids=["ranges", "single", "empty", "newline", "mixed", "stride", "unsorted"])
+def test_parse_cpulist(text, cpus):
+    assert parse_cpulist(text) == cpus
+
+
+@pytest.mark.parametrize("bad", ["a", "3-1", "0-", "1,,x"])
+def test_parse_cpulist_rejects_garbage(bad):
+    with pytest.raises(ValueError, match="bad CPU list"):
+        parse_cpulist(bad)
+
+
+def test_format_cpulist_round_trips():
+    for cpus in [(0, 1, 2, 3, 8, 9, 10, 11), (5,), (), (0, 2, 4), (1, 2, 3, 7, 8)]:
+        assert parse_cpulist(format_cpulist(cpus)) == cpus
+    assert format_cpulist([0, 1, 2, 3, 8]) == "0-3,8"
+
+
+def test_read_nodes_of_each_fixture():
+    one = read_numa_nodes(str(FIXTURES / "one_node"))
+    assert [(n.node_id, n.cpus) for n in one] == [(0, tuple(range(8)))]
+    two = read_numa_nodes(str(FIXTURES / "two_node"))
+    assert [(n.node_id, n.cpus) for n in two] == [(0, (0, 1, 2, 3, 8, 9, 10, 11)), (1, (4, 5, 6, 7, 12, 13, 14, 15))]
+    four = read_numa_nodes(str(FIXTURES / "four_node"))
+    assert [n.node_id for n in four] == [0, 1, 2, 3, 4]
+    assert four[4].cpus == ()          # memory-only node
+
+
+def test_core_siblings_are_read_and_missing_ones_default_to_self():
+    core_of = read_core_of_cpu(range(16), str(FIXTURES / "two_node"))
+    assert core_of[9] == 1 and core_of[1] == 1 and core_of[15] == 7
+    assert read_core_of_cpu([5], str(FIXTURES / "four_node")) == {5: 5}
+
+
+def test_one_node_default_is_one_worker_one_thread_per_core():
+    (p,) = discover_placements(sysfs_root=str(FIXTURES / "one_node"), allowed_cpus=range(8))
+    assert p == WorkerPlacement(0, 0, tuple(range(8)), (0, 1, 2, 3))
+
+
+def test_one_node_split_into_core_groups_keeps_smt_siblings_together():
+    placements = discover_placements(num_workers=2, sysfs_root=str(FIXTURES / "one_node"), allowed_cpus=range(8))
+    assert [p.cpus for p in placements] == [(0, 1, 4, 5), (2, 3, 6, 7)]
+    assert [p.compute_cpus for p in placements] == [(0, 1), (2, 3)]
+    assert {p.node_id for p in placements} == {0}
+
+
+def test_one_node_uneven_split_and_too_many_workers():
+    placements = discover_placements(num_workers=3, sysfs_root=str(FIXTURES / "one_node"), allowed_cpus=range(8))
+    assert [p.compute_cpus for p in placements] == [(0, 1), (2,), (3,)]
+    with pytest.raises(ValueError, match="fewer than the 5 workers"):
+        discover_placements(num_workers=5, sysfs_root=str(FIXTURES / "one_node"), allowed_cpus=range(8))
+
+
+def test_two_nodes_one_worker_each_on_its_own_node():
+    placements = discover_placements(sysfs_root=str(FIXTURES / "two_node"), allowed_cpus=ALL_16)
+    assert [(p.worker_index, p.node_id) for p in placements] == [(0, 0), (1, 1)]
+    assert placements[0].cpus == (0, 1, 2, 3, 8, 9, 10, 11)
+    assert placements[0].compute_cpus == (0, 1, 2, 3)
+    assert placements[1].compute_cpus == (4, 5, 6, 7)
+
+
+def test_two_nodes_intersect_with_affinity_and_reserved():
+    # affinity excludes 4-5 and their siblings 12-13 (taskset); CPU 0 and its sibling 8 reserved for the GPU worker.
+    allowed = [c for c in ALL_16 if c not in (4, 5, 12, 13)]
+    placements = discover_placements(sysfs_root=str(FIXTURES / "two_node"), allowed_cpus=allowed,
+                                     reserved_cpus=[0, 8])
+    assert placements[0].cpus == (1, 2, 3, 9, 10, 11)
+    assert placements[1].cpus == (6, 7, 14, 15)
+    assert placements[1].compute_cpus == (6, 7)
+
+
+def test_affinity_confined_to_one_node_gives_one_worker():
+    placements = discover_placements(sysfs_root=str(FIXTURES / "two_node"), allowed_cpus=[4, 5, 6, 7])
+    assert [(p.node_id, p.cpus) for p in placements] == [(1, (4, 5, 6, 7))]
+
+
+def test_workers_never_span_nodes():
+    with pytest.raises(ValueError, match="multiple of the 2 usable"):
+        discover_placements(num_workers=3, sysfs_root=str(FIXTURES / "two_node"), allowed_cpus=ALL_16)
+    placements = discover_placements(num_workers=4, sysfs_root=str(FIXTURES / "two_node"), allowed_cpus=ALL_16)
+    assert [p.node_id for p in placements] == [0, 0, 1, 1]
+    assert [p.compute_cpus for p in placements] == [(0, 1), (2, 3), (4, 5), (6, 7)]
+
+
+def test_four_nodes_skip_the_memory_only_node():
+    placements = discover_placements(sysfs_root=str(FIXTURES / "four_node"), allowed_cpus=ALL_16)
+    assert [p.node_id for p in placements] == [0, 1, 2, 3]
+    assert [p.cpus for p in placements] == [(0, 1, 2, 3), (4, 5, 6, 7), (8, 9, 10, 11), (12, 13, 14, 15)]
+    assert all(p.cpus == p.compute_cpus for p in placements)     # no SMT info: every CPU a core
+    assert sorted(c for p in placements for c in p.cpus) == list(ALL_16)
+
+
+def test_no_cpu_left_is_a_clear_error():
+    with pytest.raises(ValueError, match="reserve fewer CPUs"):
+        plan_workers(read_numa_nodes(str(FIXTURES / "four_node")), [0, 1], reserved_cpus=[0, 1])
+
+
+def test_missing_node_tree_means_one_node_of_allowed_cpus(tmp_path):
+    (p,) = discover_placements(sysfs_root=str(tmp_path))
+    assert p.node_id == 0 and set(p.cpus) == os.sched_getaffinity(0)
+
+
+def test_bind_current_process_on_this_machine():
+    # In a child so this test process keeps its affinity.
+    code = (
+        "import os, sys\n"
+        "from cpu_expert_pool.topology import discover_placements, bind_current_process\n"
+        "p = discover_placements()[0]\n"
+        "p = type(p)(0, p.node_id, p.cpus[:1], p.compute_cpus[:1])\n"
+        "r = bind_current_process(p)\n"
+        "assert sorted(os.sched_getaffinity(0)) == list(p.cpus), (os.sched_getaffinity(0), p.cpus)\n"
+        "print(r.mempolicy_bound, r.note)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                         cwd=Path(__file__).parents[1])
+    assert out.returncode == 0, out.stderr
+    assert "affinity" in out.stdout
