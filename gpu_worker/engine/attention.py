@@ -1,0 +1,95 @@
+"""Attention contexts over the `KVCache`, one built per forward.
+
+Both fold the G = Hq / Hkv query heads that share a kv head into SDPA's query-length axis, so grouped
+query attention reads each cached key once and never copies K/V to Hq heads:
+
+    q [T, Hq, D] -> [rows, Hkv, G * T_row, D];  k, v: cache views [rows, Hkv, S_attn, D]
+
+- `PrefillAttention`: one request, a chunk of C tokens at positions start..start+C-1; writes the chunk's
+  K/V into the request's row, attends causally over positions [0, start + C).
+- `DecodeAttention`: one token for each of T requests. Fixed shapes for CUDA graphs: it attends over
+  cache rows [0, R) and positions [0, bucket) with a mask from a device tensor of sequence lengths;
+  no host sync. Rows in [0, R) that are not decoding this step attend to one finite dummy position and
+  their output is dropped.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .kv_cache import KVCache
+
+MIN_DECODE_BUCKET_TOKENS = 64
+
+
+def decode_bucket_tokens(max_seq_len: int, max_context_tokens: int) -> int:
+    """Attention span for a decode step: the next power of two >= max_seq_len (>= 64), capped."""
+    bucket = MIN_DECODE_BUCKET_TOKENS
+    while bucket < max_seq_len:
+        bucket *= 2
+    return min(bucket, max_context_tokens)
+
+
+class PrefillAttention:
+    def __init__(self, kv: KVCache, slot: int, start_pos: int, num_tokens: int,
+                 sliding_window: int | None = None):
+        self.kv, self.slot, self.start, self.end = kv, slot, start_pos, start_pos + num_tokens
+        if self.end > kv.max_context_tokens:
+            raise ValueError(f"chunk ends at position {self.end} > max_context_tokens {kv.max_context_tokens}")
+        device = kv.k.device
+        q_pos = torch.arange(start_pos, self.end, device=device)[:, None]     # [C, 1]
+        k_pos = torch.arange(self.end, device=device)[None, :]                # [1, S_attn]
+        mask = k_pos <= q_pos                                                  # [C, S_attn]
+        if sliding_window is not None:
+            mask &= k_pos > q_pos - sliding_window
+        self.mask = mask
+
+    def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        C, Hq, D = q.shape
+        Hkv = k.shape[1]
+        G = Hq // Hkv
+        self.kv.k[layer_idx, self.slot, self.start:self.end].copy_(k)
+        self.kv.v[layer_idx, self.slot, self.start:self.end].copy_(v)
+        keys = self.kv.k[layer_idx, self.slot, : self.end].transpose(0, 1).unsqueeze(0)    # [1, Hkv, S, D]
+        values = self.kv.v[layer_idx, self.slot, : self.end].transpose(0, 1).unsqueeze(0)  # [1, Hkv, S, D]
+        qf = q.view(C, Hkv, G, D).permute(1, 2, 0, 3).reshape(1, Hkv, G * C, D)           # row g*C + c
+        mask = self.mask.repeat(G, 1)                                                      # [G*C, S]
+        out = F.scaled_dot_product_attention(qf, keys, values, attn_mask=mask, scale=D ** -0.5)
+        return out.view(Hkv, G, C, D).permute(2, 0, 1, 3).reshape(C, Hq, D)
+
+
+class DecodeAttention:
+    """slot_ids, positions: [T] int64 device tensors (each slot at most once); num_rows R and bucket
+    are host ints (R > max slot id, bucket >= max position + 1); rows_are_slots: slot_ids == arange(T)."""
+
+    def __init__(self, kv: KVCache, slot_ids: torch.Tensor, positions: torch.Tensor, num_rows: int,
+                 bucket_tokens: int, rows_are_slots: bool, sliding_window: int | None = None):
+        self.kv, self.slot_ids, self.num_rows, self.bucket = kv, slot_ids, num_rows, bucket_tokens
+        self.rows_are_slots = rows_are_slots
+        device = kv.k.device
+        self.flat_index = slot_ids * kv.max_context_tokens + positions                    # [T]
+        seq_lens = torch.ones(num_rows, dtype=torch.int64, device=device)                  # idle rows: 1
+        seq_lens.index_copy_(0, slot_ids, positions + 1)                                   # [R]
+        k_pos = torch.arange(bucket_tokens, device=device)[None, :]                        # [1, bucket]
+        mask = k_pos < seq_lens[:, None]                                                   # [R, bucket]
+        if sliding_window is not None:
+            mask &= k_pos >= seq_lens[:, None] - sliding_window
+        self.mask = mask[:, None, None, :]                                                 # [R, 1, 1, bucket]
+
+    def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        T, Hq, D = q.shape
+        Hkv = k.shape[1]
+        G = Hq // Hkv
+        k_flat, v_flat = self.kv.flat(layer_idx)                                           # [B*S, Hkv, D]
+        k_flat.index_copy_(0, self.flat_index, k)
+        v_flat.index_copy_(0, self.flat_index, v)
+        R, S = self.num_rows, self.bucket
+        keys = self.kv.k[layer_idx, :R, :S].transpose(1, 2)                                # [R, Hkv, S, D]
+        values = self.kv.v[layer_idx, :R, :S].transpose(1, 2)                              # [R, Hkv, S, D]
+        qg = q.view(T, Hkv, G, D)
+        if not self.rows_are_slots:
+            qg = torch.zeros(R, Hkv, G, D, dtype=q.dtype, device=q.device).index_copy_(0, self.slot_ids, qg)
+        out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=self.mask, scale=D ** -0.5)
+        if not self.rows_are_slots:
+            out = out.index_select(0, self.slot_ids)                                       # [T, Hkv, G, D]
+        return out.reshape(T, Hq, D)

@@ -1,0 +1,65 @@
+"""A request's life in the engine: waiting -> prefilling (chunk by chunk) -> decoding -> finished."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Hashable, NamedTuple
+
+from .sampling import FINISH_LENGTH, FINISH_STOP, RequestSampler, SamplingParams
+
+
+class StepOutput(NamedTuple):
+    """One new token of one request; unpacks as (request_id, new_token_id, finished, finish_reason)."""
+    request_id: Hashable
+    new_token_id: int
+    finished: bool
+    finish_reason: str | None   # "stop" | "length" | None while running
+
+
+@dataclass
+class Request:
+    request_id: Hashable
+    prompt_ids: list[int]
+    params: SamplingParams
+    sampler: RequestSampler
+    eos_token_ids: frozenset[int]
+    max_context_tokens: int
+    slot: int | None = None                 # KV cache row while running
+    num_prefilled: int = 0                  # prompt tokens already in the KV cache
+    output_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    arrival_time_s: float = field(default_factory=time.perf_counter)
+    first_token_time_s: float | None = None
+    finish_time_s: float | None = None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def in_prefill(self) -> bool:
+        return self.num_prefilled < self.num_prompt_tokens
+
+    @property
+    def seq_len(self) -> int:
+        """Tokens of this request so far (prompt + generated)."""
+        return self.num_prompt_tokens + len(self.output_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def append_token(self, token_id: int, now_s: float) -> StepOutput:
+        """Record a generated token and decide whether the request is finished."""
+        self.output_ids.append(token_id)
+        if self.first_token_time_s is None:
+            self.first_token_time_s = now_s
+        p = self.params
+        if token_id in p.stop_token_ids or (not p.ignore_eos and token_id in self.eos_token_ids):
+            self.finish_reason = FINISH_STOP
+        elif len(self.output_ids) >= p.max_new_tokens or self.seq_len > self.max_context_tokens:
+            # seq_len > max_context_tokens: the token just made has no KV position left to be fed at
+            self.finish_reason = FINISH_LENGTH
+        if self.finished:
+            self.finish_time_s = now_s
+        return StepOutput(self.request_id, token_id, self.finished, self.finish_reason)

@@ -1,0 +1,111 @@
+"""The dense (non-expert) weights: embeddings, attention, norms, routers, lm head.
+
+Kept as plain tensors in dataclasses (no nn.Module): the GPU worker owns them, CUDA graphs capture
+them, and the prefetch predictor reads ``layers[l].router`` directly.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+
+from .checkpoint import CheckpointReader
+from .config import MoeConfig
+from .expert_sources import seeded_generator
+from .weight_names import EMBED, FINAL_NORM, LM_HEAD, dense_layer_names, router_alt_name
+
+
+@dataclass
+class LayerWeights:
+    attn_norm: torch.Tensor          # [H]
+    q_proj: torch.Tensor             # [Hq*D, H]
+    k_proj: torch.Tensor             # [Hkv*D, H]
+    v_proj: torch.Tensor             # [Hkv*D, H]
+    o_proj: torch.Tensor             # [H, Hq*D]
+    mlp_norm: torch.Tensor           # [H]
+    router: torch.Tensor             # [E, H]
+    q_norm: torch.Tensor | None = None   # qwen3: [D]; olmoe: [Hq*D]
+    k_norm: torch.Tensor | None = None   # qwen3: [D]; olmoe: [Hkv*D]
+
+
+@dataclass
+class DenseWeights:
+    embed: torch.Tensor              # [V, H]
+    layers: list[LayerWeights]
+    final_norm: torch.Tensor         # [H]
+    lm_head: torch.Tensor            # [V, H] (the embedding itself when tied)
+
+    @property
+    def nbytes(self) -> int:
+        seen: set[int] = set()
+        total = 0
+        tensors = [self.embed, self.final_norm, self.lm_head]
+        for layer in self.layers:
+            tensors += [getattr(layer, f.name) for f in fields(layer)]
+        for t in tensors:
+            if t is not None and t.data_ptr() not in seen:
+                seen.add(t.data_ptr())
+                total += t.numel() * t.element_size()
+        return total
+
+
+def load_dense_weights(reader: CheckpointReader, cfg: MoeConfig, device: torch.device | str,
+                       dtype: torch.dtype) -> DenseWeights:
+    """Read every dense tensor, check its shape against ``cfg``, move it to ``device`` as ``dtype``."""
+    def get(name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        return reader.get(name, shape).to(device=device, dtype=dtype)
+
+    V, H = cfg.vocab_size, cfg.hidden_size
+    layers = []
+    for i in range(cfg.num_layers):
+        values = {}
+        for field_name, (name, shape) in dense_layer_names(cfg, i).items():
+            alt = router_alt_name(cfg, i) if field_name == "router" else None
+            if alt is not None and not reader.has(name) and reader.has(alt):
+                name = alt
+            values[field_name] = get(name, shape)
+        layers.append(LayerWeights(**values))
+    embed = get(EMBED, (V, H))
+    if cfg.tie_word_embeddings and not reader.has(LM_HEAD):
+        lm_head = embed
+    else:
+        lm_head = get(LM_HEAD, (V, H))
+    return DenseWeights(embed=embed, layers=layers, final_norm=get(FINAL_NORM, (H,)), lm_head=lm_head)
+
+
+def random_dense_weights(cfg: MoeConfig, device: torch.device | str, dtype: torch.dtype, seed: int,
+                         std: float = 0.02) -> DenseWeights:
+    """Seeded random dense weights generated on ``device`` (norm weights are ones, as at init).
+
+    Each tensor has its own generator keyed by (seed, layer, field), so values do not depend on the
+    order of generation; they do depend on the device kind.
+    """
+    def normal(shape: tuple[int, ...], *key: int) -> torch.Tensor:
+        out = torch.empty(shape, device=device, dtype=dtype)
+        return out.normal_(0.0, std, generator=seeded_generator(device, seed, *key))
+
+    def ones(shape: tuple[int, ...]) -> torch.Tensor:
+        return torch.ones(shape, device=device, dtype=dtype)
+
+    layers = []
+    for i in range(cfg.num_layers):
+        values = {}
+        for k, (field_name, (_, shape)) in enumerate(sorted(dense_layer_names(cfg, i).items())):
+            is_norm = field_name.endswith("norm")
+            values[field_name] = ones(shape) if is_norm else normal(shape, 2, i, k)
+        layers.append(LayerWeights(**values))
+    V, H = cfg.vocab_size, cfg.hidden_size
+    embed = normal((V, H), 3, 0)
+    lm_head = embed if cfg.tie_word_embeddings else normal((V, H), 3, 1)
+    return DenseWeights(embed=embed, layers=layers, final_norm=ones((H,)), lm_head=lm_head)
+
+
+def dense_state_dict(cfg: MoeConfig, weights: DenseWeights) -> dict[str, torch.Tensor]:
+    """Hub tensor names -> tensors (for writing a checkpoint)."""
+    state = {EMBED: weights.embed, FINAL_NORM: weights.final_norm}
+    if not cfg.tie_word_embeddings:
+        state[LM_HEAD] = weights.lm_head
+    for i, layer in enumerate(weights.layers):
+        for field_name, (name, _) in dense_layer_names(cfg, i).items():
+            state[name] = getattr(layer, field_name)
+    return state

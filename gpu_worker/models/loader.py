@@ -1,0 +1,139 @@
+"""Loading: a checkpoint directory, a preset, or the tiny default -> a ready `MoeModel`.
+
+Two steps, so that processes that need only part of a model can stop after the first:
+- ``open_model_source(model_dir, preset)`` -> `ModelSource`: config, dtype, tokenizer, EOS ids, the
+  `ExpertSource` (the coordinator fills the shared-memory expert store from it) and a dense loader.
+- ``load_model(...)`` -> `LoadedModel`: dense weights on the device, the expert backend chosen by
+  ``moe_strategy`` (expert_backends.py), and the `MoeModel`.
+
+Which source: ``model_dir`` only: that checkpoint. ``preset`` only: random weights of that shape made
+in memory on the device (``tiny``: the cached tiny checkpoint). Both: the preset is written to
+``model_dir`` first if it holds no config.json. Neither: the tiny default.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from .checkpoint import CheckpointReader
+from .checkpoint_writer import write_checkpoint
+from .config import MoeConfig
+from .dense_weights import DenseWeights, load_dense_weights
+from .device import resolve_device, resolve_dtype
+from .expert_backends import make_expert_backend
+from .expert_sources import CheckpointExpertSource, ExpertSource, RandomExpertSource
+from .model import MoeModel
+from .presets import TINY, preset_config, random_model_parts
+from .tiny import ensure_tiny_checkpoint, write_tiny_checkpoint
+from .tokenizer import TextTokenizer, generation_eos_ids
+
+
+@dataclass
+class ModelSource:
+    cfg: MoeConfig
+    dtype: torch.dtype                              # dense and expert weights' dtype
+    experts: ExpertSource
+    tokenizer: TextTokenizer | None
+    eos_token_ids: tuple[int, ...]
+    description: str                                # for logs: where the weights come from
+    load_dense: Callable[[torch.device], DenseWeights]
+    model_dir: Path | None = None
+
+
+@dataclass
+class LoadedModel:
+    source: ModelSource
+    model: MoeModel
+    device: torch.device
+    load_time_s: float
+
+    @property
+    def cfg(self) -> MoeConfig:
+        return self.source.cfg
+
+    @property
+    def tokenizer(self) -> TextTokenizer | None:
+        return self.source.tokenizer
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        return self.source.eos_token_ids
+
+
+def _checkpoint_source(model_dir: Path, dtype: str | torch.dtype | None) -> ModelSource:
+    cfg = MoeConfig.from_dir(model_dir)
+    reader = CheckpointReader(model_dir)
+    wdtype = resolve_dtype(dtype, cfg.dtype)
+    tokenizer = TextTokenizer.from_dir(model_dir)
+    eos = set(cfg.eos_token_ids) | set(generation_eos_ids(model_dir))
+    if tokenizer is not None:
+        eos |= set(tokenizer.eos_token_ids)
+    return ModelSource(
+        cfg=cfg, dtype=wdtype, experts=CheckpointExpertSource(reader, cfg, wdtype), tokenizer=tokenizer,
+        eos_token_ids=tuple(sorted(eos)), description=f"checkpoint {model_dir}",
+        load_dense=lambda device: load_dense_weights(reader, cfg, device, wdtype), model_dir=model_dir)
+
+
+def _random_source(preset: str, dtype: str | torch.dtype | None, seed: int,
+                   device: torch.device) -> ModelSource:
+    cfg = preset_config(preset)
+    wdtype = resolve_dtype(dtype, cfg.dtype)
+    experts = RandomExpertSource(cfg, wdtype, seed, std=float(cfg.extra.get("initializer_range", 0.02)))
+    tokenizer = TextTokenizer.from_dir(ensure_tiny_checkpoint())   # encodes text; random ids mostly decode to ""
+
+    def load_dense(dev: torch.device) -> DenseWeights:
+        return random_model_parts(cfg, dev, wdtype, seed)[1]
+
+    return ModelSource(cfg=cfg, dtype=wdtype, experts=experts, tokenizer=tokenizer,
+                       eos_token_ids=cfg.eos_token_ids,
+                       description=f"preset {preset} (random weights, seed {seed}, made on {device.type})",
+                       load_dense=load_dense)
+
+
+def _write_preset(preset: str, model_dir: Path, seed: int) -> None:
+    if preset == TINY:
+        write_tiny_checkpoint(model_dir)
+        return
+    cfg = preset_config(preset)
+    _, dense, experts = random_model_parts(cfg, "cpu", getattr(torch, cfg.dtype), seed)
+    tok_dir = ensure_tiny_checkpoint()          # the tiny tokenizer, so that --prompt text works
+    extra = {"tokenizer.json": (tok_dir / "tokenizer.json").read_text()}  # not its EOS ids / template
+    write_checkpoint(model_dir, cfg, dense, experts, shards="per_layer", extra_files=extra)
+
+
+def open_model_source(model_dir: str | Path | None = None, preset: str | None = None,
+                      dtype: str | torch.dtype | None = "auto", seed: int = 0,
+                      device: str | torch.device = "auto") -> ModelSource:
+    """Resolve where the weights come from (see the module docstring); reads no expert yet."""
+    device = resolve_device(device)
+    if preset is not None and preset != TINY:
+        preset_config(preset)                                        # fail early on a typo
+    if model_dir is None:
+        if preset is None or preset == TINY:
+            return _checkpoint_source(ensure_tiny_checkpoint(), dtype)
+        return _random_source(preset, dtype, seed, device)
+    model_dir = Path(model_dir).expanduser()
+    if preset is not None and not (model_dir / "config.json").is_file():
+        _write_preset(preset, model_dir, seed)
+    return _checkpoint_source(model_dir, dtype)
+
+
+def load_model(model_dir: str | Path | None = None, preset: str | None = None, *,
+               device: str | torch.device = "auto", dtype: str | torch.dtype | None = "auto",
+               moe_strategy: str = "resident", moe_cache_size: int | None = None, seed: int = 0,
+               expert_compute: str = "auto") -> LoadedModel:
+    """Load dense weights and build the expert backend on ``device``; see module docstring."""
+    t0 = time.perf_counter()
+    device = resolve_device(device)
+    source = open_model_source(model_dir, preset, dtype=dtype, seed=seed, device=device)
+    experts = make_expert_backend(moe_strategy, source.experts, device, cache_size=moe_cache_size,
+                                  mode=expert_compute)
+    dense = source.load_dense(device)
+    model = MoeModel(source.cfg, dense, experts, max_positions=min(32768, source.cfg.max_position_embeddings))
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return LoadedModel(source=source, model=model, device=device, load_time_s=time.perf_counter() - t0)
