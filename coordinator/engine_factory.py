@@ -1,0 +1,65 @@
+"""Build the in-process engine for `ft serve`: load the model once, make engines from it on demand.
+
+The model (dense weights + expert backend) is loaded once; `engine_factory()` makes a fresh Engine
+around it (used at start and by RestartWorker), so a restart does not reload weights.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from coordinator.policy import ExpertFormat
+from coordinator.text_codec import TextCodec
+
+log = logging.getLogger("ft.coordinator.engine_factory")
+
+
+@dataclass
+class ServedEngine:
+    engine_factory: Callable[[], Any]
+    codec: TextCodec
+    model_name: str
+    context_length: int
+    expert_format: ExpertFormat | None
+    gpu_name: str                      # "" on the CPU
+    description: str
+
+
+def load_served_engine(model_dir: str | None, preset: str | None, device: str, *, moe_strategy: str = "resident",
+                       moe_cache_size: int | None = None, max_running_requests: int = 8,
+                       max_context_tokens: int | None = None, served_model_name: str | None = None) -> ServedEngine:
+    import torch
+
+    from gpu_worker.engine import Engine, EngineConfig
+    from gpu_worker.models import load_model
+
+    loaded = load_model(model_dir, preset, device=device, moe_strategy=moe_strategy, moe_cache_size=moe_cache_size)
+    tokenizer = loaded.tokenizer
+    if tokenizer is None:
+        raise FileNotFoundError(f"{model_dir or preset} has no tokenizer.json; the HTTP API needs one to turn "
+                                f"text into tokens (put the model's tokenizer.json beside its weights)")
+    codec = TextCodec.from_text_tokenizer(tokenizer, loaded.eos_token_ids)
+    config = EngineConfig(max_running_requests=max_running_requests, max_context_tokens=max_context_tokens)
+
+    def engine_factory() -> Any:
+        return Engine(loaded.model, config, loaded.eos_token_ids)
+
+    probe = engine_factory()          # fails here, at start, if the configuration is impossible
+    first = [probe]
+
+    def factory_reusing_probe() -> Any:
+        return first.pop() if first else engine_factory()
+
+    cfg = loaded.cfg
+    name = served_model_name or (os.path.basename(os.path.normpath(model_dir)) if model_dir else (preset or "tiny"))
+    expert_format = None
+    try:
+        expert_format = ExpertFormat(str(cfg.dtype).replace("torch.", ""), cfg.hidden_size,
+                                     cfg.expert_intermediate_size)
+    except (ValueError, AttributeError) as exc:
+        log.info("expert format unknown to the policy (%s); bandwidth profiles will not apply", exc)
+    gpu_name = torch.cuda.get_device_name(loaded.device) if loaded.device.type == "cuda" else ""
+    return ServedEngine(factory_reusing_probe, codec, name, probe.max_context_tokens, expert_format, gpu_name,
+                        loaded.source.description)

@@ -1,0 +1,193 @@
+"""Service figures: one snapshot function for gRPC GetStats and /metrics (Prometheus text format 0.0.4).
+
+Series (docs/METRICS.md lists them with their meaning):
+  ft_uptime_seconds, ft_draining, ft_engine_healthy                           gauges
+  ft_requests_running, ft_requests_waiting                                   gauges (queue depth)
+  ft_requests_total, ft_requests_failed_total, ft_requests_aborted_total     counters
+  ft_requests_finished_total{reason}                                         counter
+  ft_prompt_tokens_total, ft_generation_tokens_total                         counters
+  ft_generation_tokens_per_second                                            gauge, last 5 s
+  ft_expert_hit_ratio, ft_expert_misses_per_token, ft_pcie_gigabytes_per_second     gauges
+  ft_experts_fetched_total, ft_experts_cpu_total, ft_cpu_expert_seconds_total       counters
+  ft_fetch_fraction, ft_fetch_fraction_target, ft_policy_pcie_gigabytes_per_second,
+  ft_policy_cpu_gigabytes_per_second, ft_cpu_worker_share{worker}             gauges
+  ft_policy_decisions_total                                                   counter
+  ft_http_requests_total{route,code}                                          counter
+  ft_time_to_first_token_seconds, ft_request_duration_seconds                 histograms
+  ft_engine_stat{name}                                                        every numeric engine stat
+"""
+from __future__ import annotations
+
+import bisect
+import threading
+import time
+from typing import TYPE_CHECKING, Any, Iterable
+
+if TYPE_CHECKING:
+    from coordinator.engine_service import EngineService
+
+# Engine stat names (flattened, cumulative) read for the derived expert figures, first found wins.
+# The engine's own names come first; the rest are accepted spellings.
+STAT_ALIASES: dict[str, tuple[str, ...]] = {
+    "hits": ("expert_hits_total", "expert_hits", "hits"),
+    "misses": ("expert_misses_total", "expert_misses", "misses"),
+    "tokens": ("decode_tokens_total", "tokens_generated_total", "generated_tokens", "tokens"),
+    "fetched": ("experts_fetched_total", "experts_fetched", "fetched"),
+    "cpu": ("cpu_experts_total", "experts_cpu_total", "experts_cpu"),
+    "copy_bytes": ("copy_bytes_total", "bytes_copied_total", "h2d_bytes_total"),
+    "copy_time_s": ("copy_time_s_total", "copy_time_s"),
+    "cpu_time_s": ("cpu_expert_time_s_total", "cpu_time_s_total", "cpu_time_s"),
+}
+
+LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+
+
+def _stat(stats: dict[str, float], key: str) -> float | None:
+    for name in STAT_ALIASES[key]:
+        if name in stats:
+            return stats[name]
+    return None
+
+
+def expert_figures(stats: dict[str, float]) -> dict[str, float]:
+    """Hit rate, misses per token, fetched / CPU experts, PCIe GB/s, CPU time from engine stats."""
+    hits, misses, tokens = _stat(stats, "hits"), _stat(stats, "misses"), _stat(stats, "tokens")
+    copy_bytes, copy_s = _stat(stats, "copy_bytes"), _stat(stats, "copy_time_s")
+    routed = (hits or 0.0) + (misses or 0.0)
+    return {
+        "expert_hit_rate": (hits or 0.0) / routed if routed else 0.0,
+        "expert_misses_per_token": (misses or 0.0) / tokens if tokens else 0.0,
+        "experts_fetched_total": _stat(stats, "fetched") or 0.0,
+        "experts_cpu_total": _stat(stats, "cpu") or 0.0,
+        "pcie_gb_s": (copy_bytes / copy_s / 1e9) if copy_bytes and copy_s else 0.0,
+        "cpu_expert_time_s_total": _stat(stats, "cpu_time_s") or 0.0,
+    }
+
+
+class Histogram:
+    def __init__(self, buckets: Iterable[float] = LATENCY_BUCKETS_S):
+        self.buckets = tuple(buckets)
+        self.counts = [0] * (len(self.buckets) + 1)
+        self.total = 0.0
+        self.count = 0
+        self._lock = threading.Lock()
+
+    def observe(self, value: float) -> None:
+        with self._lock:
+            self.counts[bisect.bisect_left(self.buckets, value)] += 1
+            self.total += value
+            self.count += 1
+
+
+class HttpCounters:
+    def __init__(self) -> None:
+        self.by_route_code: dict[tuple[str, int], int] = {}
+        self.ttft = Histogram()
+        self.duration = Histogram()
+
+    def count(self, route: str, code: int) -> None:
+        key = (route, code)
+        self.by_route_code[key] = self.by_route_code.get(key, 0) + 1
+
+
+def service_stats(service: "EngineService") -> dict[str, Any]:
+    """Every figure of the service as plain data (GetStats and /metrics both read this)."""
+    stats = dict(service.engine_stats)
+    out: dict[str, Any] = {
+        "uptime_s": time.monotonic() - service.started_at,
+        "draining": service.draining,
+        "engine_healthy": service.engine_healthy,
+        "requests_running": service.requests_running,
+        "requests_waiting": service.requests_waiting,
+        "requests_total": service.requests_total,
+        "requests_failed_total": service.requests_failed_total,
+        "requests_aborted_total": service.requests_aborted_total,
+        "requests_finished_by_reason": dict(service.finished_by_reason),
+        "prompt_tokens_total": service.prompt_tokens_total,
+        "generated_tokens_total": service.generated_tokens_total,
+        "generated_tokens_per_s": service.tokens_per_s(),
+        "engine": stats,
+        "engine_error": service.last_error,
+        "policy": service.policy.snapshot() if service.policy is not None else None,
+    }
+    out.update(expert_figures(stats))
+    return out
+
+
+def _escape(value: str) -> str:
+    return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+
+
+def _fmt(v: float) -> str:
+    return repr(float(v))
+
+
+def render_prometheus(service: "EngineService", http: HttpCounters | None = None) -> str:
+    s = service_stats(service)
+    lines: list[str] = []
+
+    def metric(name: str, kind: str, help_text: str, samples: Iterable[tuple[dict[str, str], float]]) -> None:
+        lines.append(f"# HELP {name} {help_text}")
+        lines.append(f"# TYPE {name} {kind}")
+        for labels, value in samples:
+            label_text = ",".join(f'{k}="{_escape(str(v))}"' for k, v in labels.items())
+            lines.append(f"{name}{{{label_text}}} {_fmt(value)}" if label_text else f"{name} {_fmt(value)}")
+
+    def one(name: str, kind: str, help_text: str, value: float) -> None:
+        metric(name, kind, help_text, [({}, value)])
+
+    one("ft_uptime_seconds", "gauge", "Seconds since the service started.", s["uptime_s"])
+    one("ft_draining", "gauge", "1 while the service drains (accepts no new requests).", s["draining"])
+    one("ft_engine_healthy", "gauge", "1 while the engine steps without errors.", s["engine_healthy"])
+    one("ft_requests_running", "gauge", "Requests admitted to the engine and not finished.", s["requests_running"])
+    one("ft_requests_waiting", "gauge", "Queue depth: requests accepted but not yet running.", s["requests_waiting"])
+    one("ft_requests_total", "counter", "Generation requests accepted.", s["requests_total"])
+    one("ft_requests_failed_total", "counter", "Requests ended by an engine error.", s["requests_failed_total"])
+    one("ft_requests_aborted_total", "counter", "Requests aborted (client gone, drained).", s["requests_aborted_total"])
+    metric("ft_requests_finished_total", "counter", "Requests finished, by finish reason.",
+           [({"reason": r}, n) for r, n in sorted(s["requests_finished_by_reason"].items())])
+    one("ft_prompt_tokens_total", "counter", "Prompt tokens of accepted requests.", s["prompt_tokens_total"])
+    one("ft_generation_tokens_total", "counter", "Tokens generated.", s["generated_tokens_total"])
+    one("ft_generation_tokens_per_second", "gauge", "Tokens generated per second over the last 5 s.",
+        s["generated_tokens_per_s"])
+    one("ft_expert_hit_ratio", "gauge", "Routed experts found in a GPU slot / all routed experts.",
+        s["expert_hit_rate"])
+    one("ft_expert_misses_per_token", "gauge", "Expert misses per generated token (all layers).",
+        s["expert_misses_per_token"])
+    one("ft_experts_fetched_total", "counter", "Experts copied host to GPU.", s["experts_fetched_total"])
+    one("ft_experts_cpu_total", "counter", "Experts computed by the CPU expert pool.", s["experts_cpu_total"])
+    one("ft_pcie_gigabytes_per_second", "gauge", "Host-to-GPU expert copy bandwidth (bytes / copy time).",
+        s["pcie_gb_s"])
+    one("ft_cpu_expert_seconds_total", "counter", "CPU time spent computing experts.", s["cpu_expert_time_s_total"])
+    p = s["policy"]
+    if p is not None:
+        one("ft_fetch_fraction", "gauge", "Fetch fraction f in force (fetch about f*M of M misses).",
+            p["fetch_fraction"])
+        one("ft_fetch_fraction_target", "gauge", "B_pcie/(B_pcie+B_cpu) from the tuner's estimates.",
+            p["target_fraction"])
+        one("ft_policy_pcie_gigabytes_per_second", "gauge", "Tuner's estimate of PCIe expert bandwidth.",
+            p["pcie_gb_s"])
+        one("ft_policy_cpu_gigabytes_per_second", "gauge", "Tuner's estimate of CPU expert bandwidth.",
+            p["cpu_gb_s"])
+        one("ft_policy_decisions_total", "counter", "Times the fetch fraction changed.", p["decisions_total"])
+        metric("ft_cpu_worker_share", "gauge", "Share of CPU-assigned experts per CPU worker.",
+               [({"worker": w["name"]}, w["share"]) for w in p["workers"]])
+    if http is not None:
+        metric("ft_http_requests_total", "counter", "HTTP requests by route and status code.",
+               [({"route": r, "code": str(c)}, n) for (r, c), n in sorted(http.by_route_code.items())])
+        for name, help_text, h in (
+                ("ft_time_to_first_token_seconds", "Seconds from request to its first token.", http.ttft),
+                ("ft_request_duration_seconds", "Seconds from request to its last token.", http.duration)):
+            lines.append(f"# HELP {name} {help_text}")
+            lines.append(f"# TYPE {name} histogram")
+            with h._lock:
+                cumulative = 0
+                for bound, n in zip(h.buckets, h.counts):
+                    cumulative += n
+                    lines.append(f'{name}_bucket{{le="{bound}"}} {cumulative}')
+                lines.append(f'{name}_bucket{{le="+Inf"}} {h.count}')
+                lines.append(f"{name}_sum {_fmt(h.total)}")
+                lines.append(f"{name}_count {h.count}")
+    metric("ft_engine_stat", "gauge", "Every numeric statistic the engine reports, by flattened name.",
+           [({"name": k}, v) for k, v in sorted(s["engine"].items())])
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,164 @@
+"""Text in and out of the engine: the model's tokenizer, its chat template, its end-of-sequence ids.
+
+Loaded from a model directory in the Hugging Face layout: tokenizer.json (a `tokenizers.Tokenizer`),
+tokenizer_config.json (chat_template, bos/eos tokens), optionally generation_config.json (eos ids).
+The chat template is rendered with jinja2 in a sandbox, as transformers does; a model without a
+template (or a machine without jinja2) gets a built-in ChatML format, and says so in a log line.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any, Sequence
+
+log = logging.getLogger("ft.coordinator.text")
+
+CHATML_ROLES = ("system", "user", "assistant", "tool", "developer")
+
+
+@dataclass
+class ChatMessage:
+    role: str
+    content: str
+
+
+def _token_text(value: Any) -> str | None:
+    """tokenizer_config.json writes special tokens as a string or as {"content": ...}."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def render_chatml(messages: Sequence[ChatMessage], add_generation_prompt: bool = True) -> str:
+    out = [f"<|im_start|>{m.role}\n{m.content}<|im_end|>\n" for m in messages]
+    if add_generation_prompt:
+        out.append("<|im_start|>assistant\n")
+    return "".join(out)
+
+
+class ChatTemplate:
+    """A Hugging Face chat template (jinja2), or ChatML when `source` is None."""
+
+    def __init__(self, source: str | None, bos_token: str | None = None, eos_token: str | None = None):
+        self.source = source
+        self.special = {"bos_token": bos_token or "", "eos_token": eos_token or ""}
+        self._compiled = None
+        if source is not None:
+            try:
+                self._compiled = self._compile(source)
+            except ImportError:
+                log.warning("jinja2 is not installed: using the built-in ChatML format instead of the "
+                            "model's chat template; `pip install jinja2` to use the model's own")
+
+    @staticmethod
+    def _compile(source: str):
+        import jinja2
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        def raise_exception(message: str):
+            raise ValueError(f"chat template refused the messages: {message}")
+
+        def tojson(value, indent=None, ensure_ascii=False, sort_keys=False):
+            return json.dumps(value, indent=indent, ensure_ascii=ensure_ascii, sort_keys=sort_keys)
+
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                            extensions=["jinja2.ext.loopcontrols"],
+                                            undefined=jinja2.Undefined)
+        env.filters["tojson"] = tojson
+        env.globals["raise_exception"] = raise_exception
+        env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+        try:
+            return env.from_string(source)
+        except jinja2.TemplateError as exc:
+            raise ValueError(f"the model's chat template does not compile: {exc}; fix "
+                             f"tokenizer_config.json's chat_template") from None
+
+    @property
+    def kind(self) -> str:
+        return "jinja2" if self._compiled is not None else "chatml"
+
+    def render(self, messages: Sequence[ChatMessage], add_generation_prompt: bool = True) -> str:
+        if self._compiled is None:
+            return render_chatml(messages, add_generation_prompt)
+        import jinja2
+        try:
+            return self._compiled.render(messages=[{"role": m.role, "content": m.content} for m in messages],
+                                         add_generation_prompt=add_generation_prompt, **self.special)
+        except jinja2.TemplateError as exc:
+            raise ValueError(f"chat template failed on these messages: {exc}") from None
+
+
+@dataclass
+class TextCodec:
+    tokenizer: Any                          # tokenizers.Tokenizer
+    chat_template: ChatTemplate
+    eos_token_ids: list[int] = field(default_factory=list)
+
+    @classmethod
+    def from_model_dir(cls, model_dir: str) -> "TextCodec":
+        from tokenizers import Tokenizer
+
+        path = os.path.join(model_dir, "tokenizer.json")
+        if not os.path.exists(path):
+            raise FileNotFoundError(f"{path} is missing: a model directory needs the tokenizer.json of its "
+                                    f"model (Hugging Face layout)")
+        tokenizer = Tokenizer.from_file(path)
+        config = _read_json(os.path.join(model_dir, "tokenizer_config.json"))
+        template = config.get("chat_template")
+        if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
+            named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+            template = named.get("default") or next(iter(named.values()), None)
+        if not isinstance(template, str):
+            log.info("%s has no chat template: chat requests use ChatML", model_dir)
+            template = None
+        bos, eos = _token_text(config.get("bos_token")), _token_text(config.get("eos_token"))
+        eos_ids: list[int] = []
+        gen = _read_json(os.path.join(model_dir, "generation_config.json"))
+        raw = gen.get("eos_token_id")
+        if isinstance(raw, int):
+            eos_ids.append(raw)
+        elif isinstance(raw, list):
+            eos_ids.extend(i for i in raw if isinstance(i, int))
+        if eos is not None and tokenizer.token_to_id(eos) is not None:
+            eos_ids.append(tokenizer.token_to_id(eos))
+        return cls(tokenizer, ChatTemplate(template, bos, eos), sorted(set(eos_ids)))
+
+    @classmethod
+    def from_text_tokenizer(cls, text_tokenizer: Any, eos_token_ids: Sequence[int] = ()) -> "TextCodec":
+        """From gpu_worker.models' TextTokenizer (the model loader already read the directory)."""
+        template = getattr(text_tokenizer, "chat_template", None)
+        if isinstance(template, list):
+            named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+            template = named.get("default") or next(iter(named.values()), None)
+        chat = ChatTemplate(template if isinstance(template, str) else None,
+                            getattr(text_tokenizer, "bos_token", None), getattr(text_tokenizer, "eos_token", None))
+        eos = set(eos_token_ids) | set(getattr(text_tokenizer, "eos_token_ids", ()) or ())
+        return cls(text_tokenizer.tokenizer, chat, sorted(eos))
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids)
+
+    def encode_chat(self, messages: Sequence[ChatMessage]) -> list[int]:
+        # The template writes the special tokens (BOS included) itself.
+        return self.encode(self.chat_template.render(messages), add_special_tokens=False)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tokenizer.get_vocab_size(with_added_tokens=True)
+
+
+def _read_json(path: str) -> dict:
+    if not os.path.exists(path):
+        return {}
+    try:
+        with open(path, encoding="utf-8") as fh:
+            doc = json.load(fh)
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"{path} is not valid JSON ({exc}); restore it from the model's release") from None
+    return doc if isinstance(doc, dict) else {}
