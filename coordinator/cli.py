@@ -14,6 +14,8 @@ from importlib import metadata
 # (subcommand, module, one-line help). Nested groups use "group sub" names.
 COMMANDS: list[tuple[str, str, str]] = [
     ("bench kernels", "kernels.slot_cache.bench_cli", "time the slot-cache kernels (GPU)"),
+    ("serve", "coordinator.serve_cli", "serve the OpenAI-compatible HTTP API and the gRPC control plane"),
+    ("ctl", "coordinator.ctl_cli", "control a running server over gRPC (stats, policy, workers, drain, ...)"),
 ]
 
 
