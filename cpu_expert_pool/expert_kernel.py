@@ -1,0 +1,134 @@
+"""One MoE layer's CPU share: the torch path and the compiled path behind one interface.
+
+``ExpertKernel(store, kernel=..., num_threads=...)(layer, hidden, token_idx, expert_id, weight, out)``
+computes out[:T] = sum_k weight_k * FFN_{expert_k}(hidden[token_k]) in fp32, reading every used
+expert's bytes once (triples are grouped by expert), weights in place from the store.
+
+Kernels: ``torch`` (bf16 F.linear per expert; always available, the fallback), ``native-<isa>``
+(cpu_expert_pool/native/expert_ffn.c: avx512_bf16, avx512, avx2, scalar), ``native`` (best ISA
+here), ``auto`` (native when it builds, else torch, with a log line saying why).
+Legend: T tokens, H hidden, I intermediate, E experts, n triples, B tokens of one expert.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import torch
+import torch.nn.functional as F
+
+from cpu_expert_pool.native.build import ISA_BY_NAME, ISA_NAMES, NativeLib, try_load_native
+from proto.expert_store import ExpertStore
+
+log = logging.getLogger(__name__)
+
+KERNELS = ("auto", "torch", "native", *(f"native-{name}" for name in ISA_BY_NAME))
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerStats:
+    num_experts: int        # distinct experts computed
+    weight_bytes: int       # expert bytes read
+
+
+def torch_moe_layer(store: ExpertStore, layer: int, hidden: torch.Tensor, token_idx: torch.Tensor,
+                    expert_id: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> LayerStats:
+    """hidden [T, H] bf16/fp32, token_idx/expert_id [n] int32, weight [n] fp32, out [T, H] fp32 (overwritten)."""
+    _check_triples(store, hidden.shape[0], token_idx, expert_id)
+    out.zero_()
+    if token_idx.numel() == 0:
+        return LayerStats(0, 0)
+    inter = store.shape.intermediate
+    x = hidden.to(store.dtype)                                           # [T, H]
+    order = torch.argsort(expert_id, stable=True)
+    experts, counts = torch.unique_consecutive(expert_id[order], return_counts=True)
+    start = 0
+    for e, count in zip(experts.tolist(), counts.tolist()):
+        rows = order[start:start + count]
+        start += count
+        toks = token_idx[rows].long()                                    # [B]
+        w13, w2 = store.expert_views(layer, e)                           # [2I, H], [H, I]
+        gate_up = F.linear(x[toks], w13)                                 # [B, 2I]
+        h = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]              # [B, I]
+        y = F.linear(h, w2)                                              # [B, H]
+        out.index_add_(0, toks, y.float() * weight[rows, None])
+    return LayerStats(len(counts), len(counts) * store.expert_bytes)
+
+
+def _check_triples(store: ExpertStore, num_tokens: int, token_idx: torch.Tensor, expert_id: torch.Tensor) -> None:
+    if token_idx.numel() and (int(token_idx.min()) < 0 or int(token_idx.max()) >= num_tokens):
+        raise ValueError(f"CPU expert kernel: a token index is outside [0, {num_tokens})")
+    if expert_id.numel() and (int(expert_id.min()) < 0 or int(expert_id.max()) >= store.num_experts):
+        raise ValueError(f"CPU expert kernel: an expert id is outside [0, {store.num_experts})")
+
+
+class ExpertKernel:
+    """The kernel a CPU worker uses; construct once per process (sets thread counts)."""
+
+    def __init__(self, store: ExpertStore, *, kernel: str = "auto", num_threads: int = 1):
+        if kernel not in KERNELS:
+            raise ValueError(f"kernel {kernel!r} is not known; choose one of {', '.join(KERNELS)}")
+        if num_threads <= 0:
+            raise ValueError(f"num_threads must be > 0, got {num_threads}")
+        self.store = store
+        self.num_threads = num_threads
+        self._native: NativeLib | None = None
+        self._isa = -1
+        if kernel != "torch":
+            self._native, why = try_load_native()
+            if self._native is None:
+                if kernel != "auto":
+                    raise RuntimeError(f"kernel {kernel!r} unavailable: {why}")
+                log.warning("compiled CPU expert kernel unavailable, using torch: %s", why)
+        if self._native is not None:
+            if store.dtype != torch.bfloat16:
+                if kernel != "auto":
+                    raise ValueError(f"the compiled kernel reads bf16 weights; this store is {store.dtype}: "
+                                     "use --kernel torch")
+                self._native = None
+            elif kernel in ("auto", "native"):
+                self._isa = self._native.best_isa
+            else:
+                self._isa = ISA_BY_NAME[kernel.removeprefix("native-")]
+                if self._isa > self._native.best_isa:
+                    raise ValueError(f"kernel {kernel!r} needs {ISA_NAMES[self._isa]}, this CPU tops out at "
+                                     f"{self._native.best_isa_name}; use --kernel native")
+        torch.set_num_threads(num_threads)
+
+    @property
+    def name(self) -> str:
+        return "torch" if self._native is None else f"native-{ISA_NAMES[self._isa]}"
+
+    def pin_threads(self, cpus: list[int]) -> bool:
+        """Pin compute thread i to cpus[i] (needs the compiled library; best effort)."""
+        if self._native is None or len(cpus) != self.num_threads:
+            return False
+        return self._native.pin_threads(list(cpus)) == 0
+
+    def __call__(self, layer: int, hidden: torch.Tensor, token_idx: torch.Tensor, expert_id: torch.Tensor,
+                 weight: torch.Tensor, out: torch.Tensor) -> LayerStats:
+        """hidden [T, H] bf16/fp32 contiguous; token_idx/expert_id [n] int32; weight [n] fp32; out [T, H] fp32."""
+        num_tokens, hidden_size = hidden.shape
+        if hidden_size != self.store.shape.hidden or tuple(out.shape) != (num_tokens, hidden_size):
+            raise ValueError(f"hidden {tuple(hidden.shape)} / out {tuple(out.shape)} do not match H="
+                             f"{self.store.shape.hidden}")
+        if self._native is None:
+            return torch_moe_layer(self.store, layer, hidden, token_idx, expert_id, weight, out)
+        for t, dtype in ((token_idx, torch.int32), (expert_id, torch.int32), (weight, torch.float32),
+                         (out, torch.float32)):
+            if t.dtype != dtype or not t.is_contiguous():
+                raise ValueError(f"compiled kernel needs contiguous {dtype} triples and out, got {t.dtype}")
+        if hidden.dtype not in (torch.bfloat16, torch.float32) or not hidden.is_contiguous():
+            raise ValueError(f"hidden must be contiguous bf16 or fp32, got {hidden.dtype}")
+        if not 0 <= layer < self.store.num_layers:
+            raise IndexError(f"layer {layer} is outside the store's {self.store.num_layers} layers")
+        n = token_idx.numel()
+        if expert_id.numel() != n or weight.numel() != n:
+            raise ValueError("token_idx, expert_id and weight must have the same length")
+        shape = self.store.shape
+        groups, num_bytes = self._native.moe_layer(
+            self._isa, self.num_threads, self.store.data_ptr + self.store.expert_offset(layer, 0),
+            self.store.expert_stride, shape.num_experts, shape.hidden, shape.intermediate, hidden.data_ptr(),
+            hidden.dtype == torch.bfloat16, num_tokens, token_idx.data_ptr(), expert_id.data_ptr(),
+            weight.data_ptr(), n, out.data_ptr())
+        return LayerStats(groups, num_bytes)

@@ -1,0 +1,160 @@
+"""CPU expert kernels in lockstep with the float32 reference: torch path and every compiled ISA here."""
+from __future__ import annotations
+
+import os
+import uuid
+
+import pytest
+import torch
+
+from cpu_expert_pool.expert_kernel import ExpertKernel, torch_moe_layer
+from cpu_expert_pool.native.build import ISA_NAMES, try_load_native
+from cpu_expert_pool.reference import reference_moe_layer
+from proto.expert_store import ExpertStore
+
+NATIVE, WHY_NOT = try_load_native()
+NATIVE_KERNELS = [f"native-{ISA_NAMES[i]}" for i in range(NATIVE.best_isa + 1)] if NATIVE else []
+BF16_UNIT_ROUNDOFF = 2.0 ** -8
+# Paths that round x, h (and, in torch, the GEMM outputs) to bf16: a few bf16 roundings of the output scale.
+BF16_PATH_TOL = 4 * BF16_UNIT_ROUNDOFF
+FP32_PATH_TOL = 1e-5            # bf16 weights widened exactly, fp32 math: only summation order differs
+BF16_PATHS = {"torch", "native-avx512_bf16"}
+
+# (H, I, E): multiples of the vector widths, and sizes with tails on every ISA.
+SHAPES = {"aligned": (128, 64, 6), "tails": (88, 40, 5)}
+# (T, n-per-token, all-on-one-expert)
+BATCHES = {"one-token": (1, 1, False), "topk2-T5": (5, 2, False), "B20-one-expert": (20, 1, True),
+           "topk4-T17": (17, 4, False)}
+
+
+def make_store(hidden: int, inter: int, experts: int, layers: int = 2) -> ExpertStore:
+    name = f"ft-test-kern-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    store = ExpertStore.create(name, num_layers=layers, num_experts=experts, hidden=hidden, intermediate=inter,
+                               dtype=torch.bfloat16, config_hash="k")
+    g = torch.Generator().manual_seed(hidden * 1000 + inter)
+    for layer in range(layers):
+        w = torch.randn(experts, store.shape.expert_numel, generator=g) / hidden ** 0.5
+        store.write_layer(layer, w.to(torch.bfloat16))
+    return store
+
+
+@pytest.fixture(scope="module", params=list(SHAPES), ids=list(SHAPES))
+def store(request):
+    s = make_store(*SHAPES[request.param])
+    yield s
+    s.close()
+    s.unlink()
+
+
+def make_batch(store: ExpertStore, num_tokens: int, per_token: int, one_expert: bool, hidden_dtype, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(num_tokens, store.shape.hidden, generator=g).to(hidden_dtype)          # [T, H]
+    experts = store.num_experts
+    if one_expert:
+        expert_id = torch.full((num_tokens,), experts - 1, dtype=torch.int32)
+        token_idx = torch.arange(num_tokens, dtype=torch.int32)
+    else:   # distinct experts per token, like a router's top-k
+        expert_id = torch.stack([torch.randperm(experts, generator=g)[:per_token] for _ in range(num_tokens)])
+        expert_id = expert_id.flatten().to(torch.int32)
+        token_idx = torch.arange(num_tokens, dtype=torch.int32).repeat_interleave(per_token)
+    weight = torch.rand(token_idx.numel(), generator=g, dtype=torch.float32)
+    return hidden, token_idx, expert_id, weight
+
+
+def rel_max_error(got: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((got - ref).abs().max() / ref.abs().max().clamp_min(1e-30))
+
+
+@pytest.mark.parametrize("kernel", ["torch", *NATIVE_KERNELS])
+@pytest.mark.parametrize("hidden_dtype", [torch.bfloat16, torch.float32], ids=["x-bf16", "x-fp32"])
+@pytest.mark.parametrize("batch", list(BATCHES))
+def test_kernel_matches_fp32_reference(store, kernel, hidden_dtype, batch):
+    hidden, token_idx, expert_id, weight = make_batch(store, *BATCHES[batch], hidden_dtype, seed=len(batch))
+    ref = reference_moe_layer(store, 1, hidden, token_idx, expert_id, weight)
+    out = torch.full(ref.shape, float("nan"))            # the kernel must overwrite every element
+    stats = ExpertKernel(store, kernel=kernel, num_threads=2)(1, hidden, token_idx, expert_id, weight, out)
+    assert stats.num_experts == len(set(expert_id.tolist()))
+    assert stats.weight_bytes == stats.num_experts * store.expert_bytes
+    tol = BF16_PATH_TOL if kernel in BF16_PATHS else FP32_PATH_TOL
+    err = rel_max_error(out, ref)
+    assert err <= tol, f"{kernel}: max error {err:.2e} of the output scale, allowed {tol:.2e}"
+    untouched = torch.ones(ref.shape[0], dtype=torch.bool)
+    untouched[token_idx.long()] = False
+    assert bool((out[untouched] == 0).all())
+
+
+def test_reading_the_wrong_layer_is_caught(store):
+    """The tolerance is tight enough to see a wrong expert: layer 0 vs layer 1 differ far beyond it."""
+    hidden, token_idx, expert_id, weight = make_batch(store, 3, 2, False, torch.bfloat16, seed=3)
+    ref = reference_moe_layer(store, 1, hidden, token_idx, expert_id, weight)
+    out = torch.empty_like(ref)
+    ExpertKernel(store, kernel="auto", num_threads=1)(0, hidden, token_idx, expert_id, weight, out)
+    assert rel_max_error(out, ref) > 50 * BF16_PATH_TOL
+
+
+@pytest.mark.skipif(NATIVE is None, reason=f"compiled kernel unavailable: {WHY_NOT}")
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_native_is_deterministic_across_thread_counts_and_calls(store, threads):
+    hidden, token_idx, expert_id, weight = make_batch(store, 9, 3, False, torch.bfloat16, seed=11)
+    outs = []
+    for _ in range(2):
+        out = torch.empty(hidden.shape, dtype=torch.float32)
+        ExpertKernel(store, kernel="native", num_threads=threads)(1, hidden, token_idx, expert_id, weight, out)
+        outs.append(out)
+    single = torch.empty_like(outs[0])
+    ExpertKernel(store, kernel="native", num_threads=1)(1, hidden, token_idx, expert_id, weight, single)
+    # Each output element is computed by one thread in a fixed order: bit-identical whatever the split.
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], single)
+
+
+@pytest.mark.parametrize("kernel", ["torch", *(["native"] if NATIVE else [])])
+def test_bad_triples_are_rejected_not_read_out_of_bounds(store, kernel):
+    hidden, token_idx, expert_id, weight = make_batch(store, 4, 1, False, torch.bfloat16, seed=5)
+    out = torch.empty(hidden.shape, dtype=torch.float32)
+    k = ExpertKernel(store, kernel=kernel, num_threads=1)
+    bad_token = token_idx.clone()
+    bad_token[2] = 4
+    with pytest.raises(ValueError, match="token index"):
+        k(1, hidden, bad_token, expert_id, weight, out)
+    bad_expert = expert_id.clone()
+    bad_expert[0] = store.num_experts
+    with pytest.raises(ValueError, match="expert id"):
+        k(1, hidden, token_idx, bad_expert, weight, out)
+
+
+def test_empty_request_zeroes_out(store):
+    hidden = torch.randn(3, store.shape.hidden).to(torch.bfloat16)
+    none = torch.empty(0, dtype=torch.int32)
+    for kernel in ["torch", *(["native"] if NATIVE else [])]:
+        out = torch.full((3, store.shape.hidden), 7.0)
+        stats = ExpertKernel(store, kernel=kernel, num_threads=1)(0, hidden, none, none,
+                                                                  torch.empty(0), out)
+        assert stats.num_experts == 0 and bool((out == 0).all())
+
+
+def test_unknown_kernel_and_unsupported_isa_are_clear_errors(store):
+    with pytest.raises(ValueError, match="choose one of"):
+        ExpertKernel(store, kernel="fast")
+    if NATIVE is not None and NATIVE.best_isa < 3:
+        with pytest.raises(ValueError, match="tops out at"):
+            ExpertKernel(store, kernel="native-avx512_bf16")
+
+
+def test_torch_path_is_the_fallback_for_non_bf16_stores():
+    name = f"ft-test-kern-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    s = ExpertStore.create(name, num_layers=1, num_experts=2, hidden=32, intermediate=16, dtype=torch.float32,
+                           config_hash="k")
+    s.write_layer(0, torch.randn(2, s.shape.expert_numel) / 32 ** 0.5)
+    k = ExpertKernel(s, kernel="auto", num_threads=1)
+    assert k.name == "torch"
+    hidden = torch.randn(2, 32)
+    tok, exp, w = torch.tensor([0, 1], dtype=torch.int32), torch.tensor([1, 1], dtype=torch.int32), torch.ones(2)
+    out = torch.empty(2, 32)
+    k(0, hidden, tok, exp, w, out)
+    ref = reference_moe_layer(s, 0, hidden, tok, exp, w)
+    assert rel_max_error(out, ref) <= FP32_PATH_TOL
+    torch_out = torch.empty(2, 32)
+    torch_moe_layer(s, 0, hidden, tok, exp, w, torch_out)
+    assert torch.equal(out, torch_out)
+    s.close()
+    s.unlink()
