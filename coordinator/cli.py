@@ -16,6 +16,7 @@ COMMANDS: list[tuple[str, str, str]] = [
     ("bench kernels", "kernels.slot_cache.bench_cli", "time the slot-cache kernels (GPU)"),
     ("serve", "coordinator.serve_cli", "serve the OpenAI-compatible HTTP API and the gRPC control plane"),
     ("ctl", "coordinator.ctl_cli", "control a running server over gRPC (stats, policy, workers, drain, ...)"),
+    ("generate", "gpu_worker.generate_cli", "run one completion through the engine in this process (no server)"),
 ]
 
 

@@ -46,23 +46,22 @@ def grouped_expert_ffn(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: to
     """
     T, K = topk_ids.shape
     inter = w2.shape[2]
-    flat_ids = topk_ids.reshape(-1)                                   # [T*K]
+    flat_ids = topk_ids.reshape(-1)                                   # [P = T*K]
     order = torch.argsort(flat_ids, stable=True)                      # pairs grouped by expert
     counts = torch.bincount(flat_ids, minlength=w13.shape[0]).tolist()  # host sync
-    token_of_pair = order // K                                        # [T*K]
-    weight_of_pair = topk_weights.reshape(-1)[order]                  # [T*K] fp32
-    out = torch.zeros(T, x.shape[1], dtype=torch.float32, device=x.device)  # accumulate in fp32
+    x_sorted = x.index_select(0, order // K)                          # [P, H]
+    y_sorted = torch.empty(T * K, x.shape[1], dtype=torch.float32, device=x.device)  # [P, H]
     start = 0
     for expert, count in enumerate(counts):
         if count == 0:
             continue
-        tokens = token_of_pair[start:start + count]                   # [C]
-        h = F.linear(x[tokens], w13[expert])                          # [C, 2I]
+        h = F.linear(x_sorted[start:start + count], w13[expert])      # [C, 2I]
         h = F.silu(h[:, :inter]) * h[:, inter:]                       # [C, I]
-        y = F.linear(h, w2[expert])                                   # [C, H]
-        out.index_add_(0, tokens, y.float() * weight_of_pair[start:start + count, None])
+        y_sorted[start:start + count] = F.linear(h, w2[expert])       # [C, H]
         start += count
-    return out.to(x.dtype)
+    y = torch.empty_like(y_sorted).index_copy_(0, order, y_sorted)    # back to (token, k) order
+    # Weighted sum over k in a fixed order: deterministic, no atomics.
+    return (y.view(T, K, -1) * topk_weights.unsqueeze(-1)).sum(dim=1).to(x.dtype)
 
 
 def gathered_expert_ffn(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,

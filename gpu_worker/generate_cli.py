@@ -1,0 +1,134 @@
+"""`ft generate`: load a model and run one completion through the engine, in one process.
+
+    ft generate --prompt "Hello" --max-new-tokens 32                 # the tiny built-in model
+    ft generate --model /models/Qwen3-30B-A3B --prompt-ids 1,2,3 --json
+    ft generate --preset qwen3-30b-a3b --prompt-ids 1,2,3 --device cuda   # random weights, real shape
+
+With --json the last stdout line is one JSON object: token_ids, text, finish_reason and timing.
+Torch is imported only inside ``run`` so that ``ft --help`` stays fast.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+DEVICE_CHOICES = ("auto", "cpu", "cuda")
+DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
+PRESET_CHOICES = ("tiny", "qwen3-30b-a3b", "olmoe-1b-7b", "mixtral-8x7b")   # models/presets.py
+STRATEGY_CHOICES = ("resident", "offload")
+
+
+def _int_list(raw: str) -> list[int]:
+    try:
+        return [int(t) for t in raw.replace(" ", "").split(",") if t]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{raw!r} is not a comma-separated list of integers") from None
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    src = parser.add_argument_group("model (neither: the tiny built-in model)")
+    src.add_argument("--model", metavar="DIR", help="Hugging Face checkpoint directory (safetensors)")
+    src.add_argument("--preset", choices=PRESET_CHOICES,
+                     help="a real model's shape with seeded random weights, made in memory; with --model, "
+                          "written to DIR first if DIR has no config.json")
+    src.add_argument("--seed-weights", type=int, default=0, help="seed of a preset's random weights")
+    prompt = parser.add_mutually_exclusive_group(required=True)
+    prompt.add_argument("--prompt", metavar="TEXT", help="prompt text (needs the model's tokenizer.json)")
+    prompt.add_argument("--prompt-ids", metavar="IDS", type=_int_list, help="prompt token ids, e.g. 1,2,3")
+    parser.add_argument("--chat", action="store_true", help="wrap --prompt in the chat template as a user turn")
+    samp = parser.add_argument_group("sampling")
+    samp.add_argument("--max-new-tokens", type=int, default=64)
+    samp.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    samp.add_argument("--top-p", type=float, default=1.0)
+    samp.add_argument("--top-k", type=int, default=0, help="0 = off")
+    samp.add_argument("--seed", type=int, default=None, help="sampling seed (reproducible output)")
+    samp.add_argument("--ignore-eos", action="store_true", help="keep going past EOS")
+    samp.add_argument("--stop-token-ids", type=_int_list, default=[], metavar="IDS")
+    run_g = parser.add_argument_group("engine")
+    run_g.add_argument("--moe-strategy", choices=STRATEGY_CHOICES, default="resident")
+    run_g.add_argument("--moe-cache-size", type=int, default=None, metavar="N",
+                       help="GPU expert slots (offload)")
+    run_g.add_argument("--device", choices=DEVICE_CHOICES, default="auto")
+    run_g.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto", help="auto: the checkpoint's")
+    run_g.add_argument("--max-context-tokens", type=int, default=None,
+                       help="KV cache length (default: prompt + max new tokens)")
+    run_g.add_argument("--prefill-chunk-tokens", type=int, default=512)
+    parser.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+
+
+def _prompt_ids(args: argparse.Namespace, tokenizer) -> list[int]:
+    if args.prompt_ids is not None:
+        if args.chat:
+            raise ValueError("--chat needs --prompt text, not --prompt-ids")
+        return args.prompt_ids
+    if tokenizer is None:
+        raise ValueError("this checkpoint has no tokenizer.json, so --prompt text cannot be encoded; "
+                         "pass --prompt-ids instead")
+    text = args.prompt
+    if args.chat:
+        text = tokenizer.apply_chat_template([{"role": "user", "content": text}])
+    return tokenizer.encode(text)
+
+
+def run(args: argparse.Namespace) -> int:
+    from gpu_worker.engine import Engine, EngineConfig, SamplingParams
+    from gpu_worker.models import load_model
+
+    t_start = time.perf_counter()
+    params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                            top_p=args.top_p, top_k=args.top_k, seed=args.seed, ignore_eos=args.ignore_eos,
+                            stop_token_ids=tuple(args.stop_token_ids))
+    loaded = load_model(args.model, args.preset, device=args.device, dtype=args.dtype,
+                        moe_strategy=args.moe_strategy, moe_cache_size=args.moe_cache_size,
+                        seed=args.seed_weights)
+    tokenizer = loaded.tokenizer
+    prompt = _prompt_ids(args, tokenizer)
+    max_ctx = args.max_context_tokens or len(prompt) + args.max_new_tokens
+    engine = Engine(loaded.model, EngineConfig(max_running_requests=1, max_context_tokens=max_ctx,
+                                               prefill_chunk_tokens=args.prefill_chunk_tokens),
+                    eos_token_ids=loaded.eos_token_ids)
+    t_run = time.perf_counter()
+    engine.add_request(prompt, params)
+    tokens: list[int] = []
+    ttft_s, finish_reason, printed = None, None, ""
+    while engine.has_work():
+        for _, token, _, reason in engine.step():
+            ttft_s = ttft_s if ttft_s is not None else time.perf_counter() - t_run
+            tokens.append(token)
+            finish_reason = reason
+            if not args.json and tokenizer is not None:
+                printed = _stream(tokenizer.decode(tokens), printed)
+    total_s = time.perf_counter() - t_run
+    text = tokenizer.decode(tokens) if tokenizer is not None else ""
+    s = engine.stats
+    timing = {"load_s": loaded.load_time_s, "ttft_s": ttft_s, "prefill_s": s.prefill_time_s,
+              "decode_s": s.decode_time_s, "generate_s": total_s,
+              "total_s": time.perf_counter() - t_start,
+              "prefill_tokens_per_s": s.prefill_tokens_per_s, "decode_tokens_per_s": s.decode_tokens_per_s}
+    if args.json:
+        print(json.dumps({"token_ids": tokens, "text": text, "prompt_token_ids": prompt,
+                          "finish_reason": finish_reason, "model": loaded.source.description,
+                          "device": str(loaded.device), "moe_strategy": args.moe_strategy,
+                          "timing": timing}))
+    else:
+        if tokenizer is None:
+            print(" ".join(map(str, tokens)))
+        else:
+            _stream(text, printed)
+            print()
+        print(f"[{len(tokens)} tokens, {finish_reason}; load {timing['load_s']:.2f} s, "
+              f"prefill {len(prompt)} tokens {s.prefill_time_s:.3f} s, "
+              f"decode {s.decode_tokens_per_s:.1f} tok/s on {loaded.device}; {loaded.source.description}]",
+              file=sys.stderr)
+    return 0
+
+
+def _stream(text: str, printed: str) -> str:
+    """Print the part of ``text`` not printed yet; hold back a trailing incomplete UTF-8 character."""
+    if text.endswith("\ufffd") or not text.startswith(printed):
+        return printed
+    sys.stdout.write(text[len(printed):])
+    sys.stdout.flush()
+    return text
