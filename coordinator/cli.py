@@ -17,6 +17,7 @@ COMMANDS: list[tuple[str, str, str]] = [
     ("serve", "coordinator.serve_cli", "serve the OpenAI-compatible HTTP API and the gRPC control plane"),
     ("ctl", "coordinator.ctl_cli", "control a running server over gRPC (stats, policy, workers, drain, ...)"),
     ("generate", "gpu_worker.generate_cli", "run one completion through the engine in this process (no server)"),
+    ("worker cpu", "cpu_expert_pool.cli", "run one CPU expert worker (computes expert misses on the CPU)"),
 ]
 
 

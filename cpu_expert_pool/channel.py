@@ -1,0 +1,401 @@
+"""Both ends of the hot-path channel (layout and state machine: proto/shm_layout.py).
+
+``CpuPoolClient`` is the GPU worker's end (submit a layer's CPU share, wait for its partial sums);
+``WorkerChannel`` is the CPU worker's end (poll for requests, publish results, heartbeat);
+``IdleWaiter`` is the worker's waiting policy (spin while hot, then short growing sleeps).
+No sockets and no pickling here: plain loads and stores on shared memory.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import select
+import time
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from proto.shm_layout import (NUM_SLOTS, STATUS_NAMES, STATUS_OK, STATUS_PROTOCOL_ERROR, WORKER_SERVING,
+                              WORKER_STARTING, WORKER_STATE_NAMES, WORKER_STOPPED, ChannelLayout, ChannelViews,
+                              ShmSegment, attach_channel, create_channel, process_start_ticks)
+
+NS_PER_S = 1_000_000_000
+LIVENESS_CHECK_INTERVAL_S = 0.001     # client: how often a waiting call checks that the worker lives
+CLIENT_SPIN_S = 0.002                 # client: spin this long in wait() before sleeping between checks
+CLIENT_SLEEP_S = 50e-6
+
+
+class WorkerDead(RuntimeError):
+    """The CPU worker process is gone (or restarted): fall back to fetching; reconnect after a restart."""
+
+
+class WorkerTimeout(TimeoutError):
+    """The CPU worker lives but did not answer in time (stopped, hung or overloaded)."""
+
+
+class ChannelBusy(RuntimeError):
+    """Another live worker already serves this channel."""
+
+
+class WorkerError(RuntimeError):
+    """The CPU worker answered with an error status (bad request, compute error)."""
+
+
+def channel_name_for(store_name: str, worker_index: int) -> str:
+    """The default channel name of worker `worker_index` of the pool serving `store_name`."""
+    return f"{store_name}.cpu{worker_index}"
+
+
+def create_worker_channel(name: str, *, t_max: int, hidden: int, max_triples: int,
+                          hidden_dtype: str = "bfloat16") -> ShmSegment:
+    """Coordinator: create one worker's channel (it outlives worker restarts; unlink it at shutdown)."""
+    return create_channel(name, ChannelLayout(t_max, hidden, max_triples, hidden_dtype))
+
+
+class _Words:
+    """The doorbell words as a memoryview of int64 (a load or store is one aligned 8-byte access)."""
+
+    def __init__(self, views: ChannelViews):
+        def word(arr: np.ndarray) -> memoryview:
+            return memoryview(arr).cast("B").cast("q")
+
+        self.request_seq = word(views.request_seq)
+        self.done_seq = word(views.done_seq)
+        self.heartbeat_ns = word(views.heartbeat_ns)
+        self.worker_pid = word(views.worker_pid)
+        self.worker_epoch = word(views.worker_epoch)
+        self.worker_state = word(views.worker_state)
+
+
+@dataclasses.dataclass
+class _SlotTensors:
+    hidden: torch.Tensor       # [T_max, H] bf16 or fp32
+    token_idx: torch.Tensor    # [max_triples] int32
+    expert_id: torch.Tensor    # [max_triples] int32
+    weight: torch.Tensor       # [max_triples] fp32
+    out: torch.Tensor          # [T_max, H] fp32
+
+
+class _Lines:
+    """One slot's request and response lines as memoryviews of their fields (REQUEST_LINE / RESPONSE_LINE)."""
+
+    def __init__(self, request: np.ndarray, response: np.ndarray):
+        def field(line: np.ndarray, name: str) -> memoryview:
+            ftype, offset = line.dtype.fields[name][:2]
+            raw = line.view(np.uint8)[offset:offset + ftype.itemsize]
+            return memoryview(raw).cast("B").cast("q" if ftype.itemsize == 8 else "i")
+
+        self.req_seq, self.req_layer = field(request, "seq"), field(request, "layer")
+        self.req_tokens, self.req_triples = field(request, "num_tokens"), field(request, "num_triples")
+        self.resp_seq, self.resp_status = field(response, "seq"), field(response, "status")
+        self.resp_experts, self.resp_compute_ns = field(response, "num_experts"), field(response, "compute_ns")
+
+
+def _slot_tensors(views: ChannelViews) -> list[_SlotTensors]:
+    tensors = []
+    for slot in views.slots:
+        hidden = torch.from_numpy(slot.hidden)
+        if views.layout.hidden_dtype == "bfloat16":
+            hidden = hidden.view(torch.bfloat16)
+        tensors.append(_SlotTensors(hidden, torch.from_numpy(slot.token_idx), torch.from_numpy(slot.expert_id),
+                                    torch.from_numpy(slot.weight), torch.from_numpy(slot.out)))
+    return tensors
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU side
+# ---------------------------------------------------------------------------------------------
+class CpuPoolClient:
+    """The GPU worker's end of one CPU worker's channel."""
+
+    def __init__(self, channel_name: str):
+        self._seg, self.layout = attach_channel(channel_name)
+        self.name = channel_name
+        self._views = ChannelViews(self._seg, self.layout)
+        self._words = _Words(self._views)
+        self._slots = _slot_tensors(self._views)
+        self._lines = [_Lines(slot.request, slot.response) for slot in self._views.slots]
+        self._pending: list[tuple[int, int] | None] = [None] * NUM_SLOTS    # (seq, num_tokens) per slot
+        self._pid = 0
+        self._epoch = -1
+        self._pidfd: int | None = None
+        self._start_ticks: int | None = None
+
+    # -- connection -----------------------------------------------------------------------------
+    @property
+    def connected(self) -> bool:
+        return self._pid > 0
+
+    @property
+    def worker_pid(self) -> int:
+        return self._pid
+
+    def wait_for_worker(self, timeout_s: float) -> int:
+        """Block until a live worker serves the channel with nothing in flight; returns its pid."""
+        self._disconnect()
+        w = self._words
+        deadline = time.monotonic() + timeout_s
+        while True:
+            pid, epoch, state = w.worker_pid[0], w.worker_epoch[0], w.worker_state[0]
+            if (state == WORKER_SERVING and pid > 0 and process_start_ticks(pid) is not None
+                    and w.done_seq[0] >= w.request_seq[0]):
+                self._connect(pid, epoch)
+                return pid
+            if time.monotonic() > deadline:
+                raise WorkerTimeout(f"no CPU worker serves channel {self.name!r} after {timeout_s:.1f} s (state "
+                                    f"{WORKER_STATE_NAMES.get(state, state)}, pid {pid}); start `ft worker cpu` "
+                                    "for it or check its log")
+            time.sleep(0.001)
+
+    def _connect(self, pid: int, epoch: int) -> None:
+        try:
+            self._pidfd = os.pidfd_open(pid)
+        except (OSError, AttributeError):      # not Linux >= 5.3: fall back to /proc checks
+            self._pidfd = None
+        self._start_ticks = process_start_ticks(pid)
+        self._pid, self._epoch = pid, epoch
+        self._pending = [None] * NUM_SLOTS
+
+    def _disconnect(self) -> None:
+        if self._pidfd is not None:
+            os.close(self._pidfd)
+        self._pidfd = None
+        self._pid = 0
+
+    def worker_alive(self) -> bool:
+        if self._pid <= 0:
+            return False
+        if self._pidfd is not None:
+            readable, _, _ = select.select([self._pidfd], [], [], 0)
+            if readable:
+                return False
+        elif process_start_ticks(self._pid) != self._start_ticks:
+            return False
+        return self._words.worker_epoch[0] == self._epoch and self._words.worker_state[0] != WORKER_STOPPED
+
+    def heartbeat_age_s(self) -> float:
+        return (time.monotonic_ns() - self._words.heartbeat_ns[0]) / NS_PER_S
+
+    # -- requests -------------------------------------------------------------------------------
+    def submit(self, layer: int, hidden: torch.Tensor,
+               triples: Sequence[torch.Tensor | np.ndarray]) -> int:
+        """Hand layer `layer`'s CPU share to the worker; returns the request's sequence number.
+
+        hidden: [T, H] (cast to the channel's dtype); triples: (token_idx [n] int, expert_id [n] int,
+        weight [n] float). The slot is ``layer % 2``; its previous request must have been waited for.
+        """
+        if not self.connected:
+            raise WorkerDead(f"channel {self.name!r} has no connected CPU worker; call wait_for_worker()")
+        token_idx, expert_id, weight = triples
+        num_tokens, hidden_size = hidden.shape
+        n = len(token_idx)
+        if hidden_size != self.layout.hidden or num_tokens > self.layout.t_max:
+            raise ValueError(f"hidden {tuple(hidden.shape)} does not fit channel {self.name!r} "
+                             f"(T <= {self.layout.t_max}, H = {self.layout.hidden})")
+        if n > self.layout.max_triples or len(expert_id) != n or len(weight) != n:
+            raise ValueError(f"{n} triples (expert_id {len(expert_id)}, weight {len(weight)}) do not fit channel "
+                             f"{self.name!r} (max {self.layout.max_triples}, equal lengths)")
+        slot_index = layer % NUM_SLOTS
+        if self._pending[slot_index] is not None:
+            raise RuntimeError(f"slot {slot_index} still holds request {self._pending[slot_index][0]}; "
+                               f"wait() for layer {layer - NUM_SLOTS} before submitting layer {layer}")
+        slot, lines = self._slots[slot_index], self._lines[slot_index]
+        slot.hidden[:num_tokens].copy_(hidden)
+        slot.token_idx[:n].copy_(torch.as_tensor(token_idx))
+        slot.expert_id[:n].copy_(torch.as_tensor(expert_id))
+        slot.weight[:n].copy_(torch.as_tensor(weight))
+        seq = int(self._words.request_seq[0]) + 1
+        lines.req_layer[0] = layer
+        lines.req_tokens[0] = num_tokens
+        lines.req_triples[0] = n
+        lines.req_seq[0] = seq                   # the request line is complete ...
+        self._words.request_seq[0] = seq         # ... before the doorbell rings (x86-64 stores are ordered)
+        self._pending[slot_index] = (seq, num_tokens)
+        return seq
+
+    def wait(self, layer: int, deadline_s: float) -> torch.Tensor:
+        """Partial sums [T, H] fp32 of layer `layer`'s request: a view of the response buffer, valid until
+        the next submit into the same slot (layer + 2). Gives up `deadline_s` seconds after the call."""
+        slot_index = layer % NUM_SLOTS
+        pending = self._pending[slot_index]
+        if pending is None:
+            raise RuntimeError(f"no request in flight for layer {layer} (slot {slot_index})")
+        seq, num_tokens = pending
+        done = self._words.done_seq
+        start = time.monotonic()
+        if done[0] < seq:
+            next_check = start + LIVENESS_CHECK_INTERVAL_S
+            spin_until = start + CLIENT_SPIN_S
+            give_up = start + deadline_s
+            while done[0] < seq:
+                now = time.monotonic()
+                if now >= next_check:
+                    next_check = now + LIVENESS_CHECK_INTERVAL_S
+                    if not self.worker_alive():
+                        self._fail()
+                        raise WorkerDead(f"CPU worker {self._pid_for_message()} of channel {self.name!r} died "
+                                         f"with layer {layer} (request {seq}) in flight; the coordinator restarts "
+                                         "it, meanwhile fetch instead")
+                    if now >= give_up:
+                        age = self.heartbeat_age_s()
+                        self._fail()
+                        raise WorkerTimeout(f"CPU worker of channel {self.name!r} did not finish layer {layer} "
+                                            f"(request {seq}) within {deadline_s * 1e3:.1f} ms; its last heartbeat "
+                                            f"was {age * 1e3:.1f} ms ago")
+                if now >= spin_until:
+                    time.sleep(CLIENT_SLEEP_S)
+        self._pending[slot_index] = None
+        lines = self._lines[slot_index]
+        if lines.resp_seq[0] != seq:
+            raise WorkerError(f"channel {self.name!r}: response for request {lines.resp_seq[0]}, expected {seq} "
+                              f"({STATUS_NAMES[STATUS_PROTOCOL_ERROR]})")
+        status = lines.resp_status[0]
+        if status != STATUS_OK:
+            raise WorkerError(f"CPU worker answered layer {layer} with {STATUS_NAMES.get(status, status)}; "
+                              "see its log")
+        return self._slots[slot_index].out[:num_tokens]
+
+    def call(self, layer: int, hidden: torch.Tensor, triples: Sequence[torch.Tensor | np.ndarray],
+             deadline_s: float) -> torch.Tensor:
+        self.submit(layer, hidden, triples)
+        return self.wait(layer, deadline_s)
+
+    def last_compute_ns(self, layer: int) -> int:
+        return self._lines[layer % NUM_SLOTS].resp_compute_ns[0]
+
+    def _pid_for_message(self) -> str:
+        return f"(pid {self._pid})" if self._pid else ""
+
+    def _fail(self) -> None:
+        """After WorkerDead/WorkerTimeout: disconnected until wait_for_worker() succeeds again."""
+        self._disconnect()
+        self._pending = [None] * NUM_SLOTS
+
+    def close(self) -> None:
+        self._disconnect()
+        del self._slots, self._lines, self._views, self._words
+        self._seg.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# CPU side
+# ---------------------------------------------------------------------------------------------
+@dataclasses.dataclass
+class Request:
+    seq: int
+    slot: int
+    layer: int
+    num_tokens: int
+    num_triples: int
+    hidden: torch.Tensor       # [T, H] view
+    token_idx: torch.Tensor    # [n] int32 view
+    expert_id: torch.Tensor    # [n] int32 view
+    weight: torch.Tensor       # [n] fp32 view
+    out: torch.Tensor          # [T, H] fp32 view
+
+
+class WorkerChannel:
+    """The CPU worker's end: one process at a time serves a channel."""
+
+    def __init__(self, channel_name: str):
+        self._seg, self.layout = attach_channel(channel_name)
+        self.name = channel_name
+        self._views = ChannelViews(self._seg, self.layout)
+        self._words = _Words(self._views)
+        self._slots = _slot_tensors(self._views)
+        self._lines = [_Lines(slot.request, slot.response) for slot in self._views.slots]
+        self._done = 0
+        self.epoch = 0          # 0 until start() claims the channel
+
+    def start(self) -> int:
+        """Claim the channel: drop what a dead predecessor left in flight; returns the new epoch."""
+        w = self._words
+        pid = w.worker_pid[0]
+        if w.worker_state[0] in (WORKER_STARTING, WORKER_SERVING) and pid != os.getpid() \
+                and process_start_ticks(pid) is not None:
+            raise ChannelBusy(f"channel {self.name!r} is served by live process {pid}; stop that worker first "
+                              "(one worker per channel)")
+        w.worker_state[0] = WORKER_STARTING
+        w.worker_pid[0] = os.getpid()
+        self.epoch = int(w.worker_epoch[0]) + 1
+        w.worker_epoch[0] = self.epoch
+        self._done = int(w.request_seq[0])
+        w.done_seq[0] = self._done
+        self.beat()
+        return self.epoch
+
+    def serve(self) -> None:
+        self.beat()
+        self._words.worker_state[0] = WORKER_SERVING
+
+    def stop(self) -> None:
+        if self.epoch and self._words.worker_pid[0] == os.getpid():
+            self._words.worker_state[0] = WORKER_STOPPED
+
+    def beat(self, now_ns: int | None = None) -> None:
+        self._words.heartbeat_ns[0] = time.monotonic_ns() if now_ns is None else now_ns
+
+    def has_request(self) -> bool:
+        return self._words.request_seq[0] > self._done
+
+    def next_request(self) -> Request | None:
+        """The next request in order, or None. A request whose slot is missing is answered at once."""
+        if self._words.request_seq[0] <= self._done:
+            return None
+        seq = self._done + 1
+        for s, lines in enumerate(self._lines):
+            if lines.req_seq[0] == seq:
+                t, n = lines.req_tokens[0], lines.req_triples[0]
+                tensors = self._slots[s]
+                return Request(seq, s, lines.req_layer[0], t, n, tensors.hidden[:t], tensors.token_idx[:n],
+                               tensors.expert_id[:n], tensors.weight[:n], tensors.out[:t])
+        self._done = seq                     # request_seq rang without a slot: answer so nobody hangs
+        self._words.done_seq[0] = seq
+        return None
+
+    def complete(self, request: Request, status: int, *, num_experts: int = 0, compute_ns: int = 0) -> None:
+        lines = self._lines[request.slot]
+        lines.resp_status[0] = status
+        lines.resp_experts[0] = num_experts
+        lines.resp_compute_ns[0] = compute_ns
+        lines.resp_seq[0] = request.seq          # the response line is complete ...
+        self._done = request.seq
+        self._words.done_seq[0] = request.seq    # ... before done_seq moves
+
+    def close(self) -> None:
+        del self._slots, self._lines, self._views, self._words
+        self._seg.close()
+
+
+@dataclasses.dataclass
+class IdlePolicy:
+    hot_s: float = 0.050          # after a request, spin continuously this long
+    spin_s: float = 50e-6         # when cold, spin this long between sleeps
+    sleep_min_s: float = 20e-6    # cold sleeps grow from this ...
+    sleep_max_s: float = 1e-3     # ... doubling up to this (the worst added latency of a cold request)
+
+
+class IdleWaiter:
+    """The worker's waiting policy between requests; call ``pause`` on every idle turn of the loop."""
+
+    def __init__(self, policy: IdlePolicy):
+        self.policy = policy
+        self._last_work_ns = time.monotonic_ns()
+        self._spin_until_ns = 0
+        self._sleep_s = policy.sleep_min_s
+
+    def worked(self, now_ns: int) -> None:
+        self._last_work_ns = now_ns
+        self._sleep_s = self.policy.sleep_min_s
+
+    def pause(self, now_ns: int) -> None:
+        if now_ns - self._last_work_ns < self.policy.hot_s * NS_PER_S:
+            return                                            # hot: pure spin
+        if self._spin_until_ns == 0:
+            self._spin_until_ns = now_ns + int(self.policy.spin_s * NS_PER_S)
+        if now_ns < self._spin_until_ns:
+            return                                            # cold, spinning between sleeps
+        time.sleep(self._sleep_s)
+        self._sleep_s = min(2 * self._sleep_s, self.policy.sleep_max_s)
+        self._spin_until_ns = 0

@@ -1,0 +1,53 @@
+"""Which CPU worker computes which experts: an owner map [L, E] of worker indices.
+
+The coordinator chooses it (contiguous expert ranges by default, so each NUMA-bound worker owns the
+experts whose bytes it can place on its node) and changes it with REBALANCE; the GPU worker uses the
+same map to route each CPU-assigned triple to its owner's channel. On the wire: int16 [L * E] bytes.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+OWNER_DTYPE = np.dtype("<i2")
+
+
+class ExpertSplit:
+    def __init__(self, owner: np.ndarray, num_workers: int):
+        # owner: [L, E] int16 worker index per (layer, expert)
+        if owner.ndim != 2:
+            raise ValueError(f"owner map must be [layers, experts], got shape {owner.shape}")
+        if owner.size and (owner.min() < 0 or owner.max() >= num_workers):
+            raise ValueError(f"owner map names workers outside [0, {num_workers})")
+        self.owner = owner.astype(OWNER_DTYPE, copy=False)
+        self.num_workers = num_workers
+
+    @classmethod
+    def contiguous(cls, num_layers: int, num_experts: int, num_workers: int) -> "ExpertSplit":
+        """Worker w owns experts [w*E/N, (w+1)*E/N) of every layer."""
+        if num_workers <= 0:
+            raise ValueError(f"num_workers must be > 0, got {num_workers}")
+        row = (np.arange(num_experts) * num_workers) // num_experts
+        return cls(np.tile(row, (num_layers, 1)), num_workers)
+
+    @classmethod
+    def from_bytes(cls, data: bytes, num_layers: int, num_experts: int, num_workers: int) -> "ExpertSplit":
+        expected = num_layers * num_experts * OWNER_DTYPE.itemsize
+        if len(data) != expected:
+            raise ValueError(f"owner map is {len(data)} bytes, expected {expected} (int16 [{num_layers} x "
+                             f"{num_experts}])")
+        return cls(np.frombuffer(data, dtype=OWNER_DTYPE).reshape(num_layers, num_experts).copy(), num_workers)
+
+    def to_bytes(self) -> bytes:
+        return self.owner.astype(OWNER_DTYPE).tobytes()
+
+    def num_owned(self, worker: int) -> int:
+        return int((self.owner == worker).sum())
+
+    def split_triples(self, layer: int, expert_id: np.ndarray) -> list[np.ndarray]:
+        """Indices of the triples each worker computes: list over workers of int64 index arrays."""
+        owners = self.owner[layer][np.asarray(expert_id, dtype=np.int64)]
+        return [np.flatnonzero(owners == w) for w in range(self.num_workers)]
+
+    def foreign_count(self, layer: int, expert_id: np.ndarray, worker: int) -> int:
+        """How many of these triples belong to another worker."""
+        return int((self.owner[layer][np.asarray(expert_id, dtype=np.int64)] != worker).sum())
