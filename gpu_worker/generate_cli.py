@@ -85,7 +85,8 @@ def run(args: argparse.Namespace) -> int:
                         seed=args.seed_weights)
     tokenizer = loaded.tokenizer
     prompt = _prompt_ids(args, tokenizer)
-    max_ctx = args.max_context_tokens or len(prompt) + args.max_new_tokens
+    # Default KV length: just what this request can use, up to 32K (the engine stops at a full context).
+    max_ctx = args.max_context_tokens or max(len(prompt), min(len(prompt) + args.max_new_tokens, 32768))
     engine = Engine(loaded.model, EngineConfig(max_running_requests=1, max_context_tokens=max_ctx,
                                                prefill_chunk_tokens=args.prefill_chunk_tokens),
                     eos_token_ids=loaded.eos_token_ids)

@@ -65,6 +65,7 @@ class RequestSampler:
             before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs    # mass of strictly better tokens
             sorted_probs = sorted_probs.masked_fill(before >= p.top_p, 0.0)  # keeps at least the best
             probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
+            probs = probs / probs.sum()
         return probs
 
     def sample(self, logits: torch.Tensor) -> torch.Tensor:

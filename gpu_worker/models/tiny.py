@@ -3,8 +3,10 @@
 ``ensure_tiny_checkpoint()`` writes it on first use to ``$FT_CACHE_DIR/tiny-qwen3-moe`` (default
 ``~/.cache/ft-expert-service/tiny-qwen3-moe``) and returns the directory. Weights are seeded random
 (generated on the CPU, float32); the tokenizer is a byte-level BPE trained deterministically on the
-text below, with ChatML special tokens and a chat template. Its output is fluent-looking nonsense:
-it exists so that every code path (tokenize, prefill, decode, detokenize, serve) runs anywhere.
+text below, with ChatML special tokens and a chat template. The embedding and lm head are a rank-H
+factorisation of the text's bigram log-probabilities, and the random layers are small next to them,
+so the model babbles words of that text (sample with temperature ~0.7) instead of byte soup. It
+exists so that every code path (tokenize, prefill, decode, detokenize, serve) runs anywhere.
 """
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ from .dense_weights import random_dense_weights
 from .expert_sources import RandomExpertSource
 
 TINY_DIR_NAME = "tiny-qwen3-moe"
-TINY_VERSION = "1"              # bump when the tiny model changes; old caches are rebuilt
+TINY_VERSION = "2"              # bump when the tiny model changes; old caches are rebuilt
 TINY_SEED = 1234
 TINY_BPE_VOCAB = 1024
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
@@ -50,6 +52,18 @@ def add(a, b):
     return a + b
 for i in range(10):
     print(i, add(i, i))
+<|im_start|>user
+Hello!<|im_end|>
+<|im_start|>assistant
+Hello! How are you today?<|im_end|>
+<|im_start|>user
+What is a mixture of experts?<|im_end|>
+<|im_start|>assistant
+A model that lets a router choose a few experts for each token.<|im_end|>
+<|im_start|>user
+Tell me a story.<|im_end|>
+<|im_start|>assistant
+Once upon a time there was a small model that wanted to speak.<|im_end|>
 """
 
 
@@ -92,11 +106,30 @@ def tokenizer_files(tok: Tokenizer, eos_ids: tuple[int, ...]) -> dict[str, str]:
     }
 
 
+def bigram_factors(tok: Tokenizer, hidden: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(embed [V, H], lm_head [V, H]) with embed[a] . lm_head[b] ~ log P(b | a) in TRAINING_TEXT
+    (row-centred, add-a-little smoothing); embed rows have mean RMS 1."""
+    vocab = tok.get_vocab_size()
+    ids = torch.tensor(tok.encode(TRAINING_TEXT).ids)
+    counts = torch.zeros(vocab, vocab, dtype=torch.float64)
+    counts.index_put_((ids[:-1], ids[1:]), torch.ones(len(ids) - 1, dtype=torch.float64), accumulate=True)
+    unigram = torch.bincount(ids, minlength=vocab).double() + 0.1
+    probs = counts + 0.01 * unigram / unigram.sum()
+    logp = (probs / probs.sum(1, keepdim=True)).log()
+    logp = logp - logp.mean(1, keepdim=True)                       # softmax ignores a row constant
+    u, s, vh = torch.linalg.svd(logp)
+    embed = u[:, :hidden] * s[:hidden].sqrt()                      # [V, H]
+    lm_head = vh[:hidden].T * s[:hidden].sqrt()                    # [V, H]
+    scale = embed.pow(2).mean(1).sqrt().mean()
+    return (embed / scale).float(), (lm_head * scale).float()
+
+
 def write_tiny_checkpoint(out_dir: str | Path) -> Path:
     tok = build_tokenizer()
     eos_ids = (tok.token_to_id("<|im_end|>"), tok.token_to_id("<|endoftext|>"))
     cfg = tiny_config(tok.get_vocab_size(), eos_ids)
     dense = random_dense_weights(cfg, "cpu", torch.float32, TINY_SEED)
+    dense.embed, dense.lm_head = bigram_factors(tok, cfg.hidden_size)
     experts = RandomExpertSource(cfg, torch.float32, TINY_SEED, std=0.02)
     return write_checkpoint(out_dir, cfg, dense, experts, extra_files=tokenizer_files(tok, eos_ids))
 
