@@ -37,8 +37,10 @@ class ListenConfig:
 
 
 class CoordinatorServer:
-    def __init__(self, service: EngineService, model: ModelInfo, policy: FetchPolicy, listen: ListenConfig):
+    def __init__(self, service: EngineService, model: ModelInfo, policy: FetchPolicy, listen: ListenConfig,
+                 supervisor: Any = None):
         self.service = service
+        self.supervisor = supervisor          # coordinator.supervisor.Supervisor of worker processes, if any
         self.model = model
         self.policy = policy
         self.listen = listen
@@ -109,11 +111,15 @@ class CoordinatorServer:
     # -------------------------------------------------------------- control-plane hooks
 
     def workers(self) -> list[dict[str, Any]]:
-        return self.service.worker_info()
+        supervised = self.supervisor.worker_info() if self.supervisor is not None else []
+        return self.service.worker_info() + supervised
 
     async def restart_worker(self, name: str) -> None:
         if name == "engine":
             await self.service.restart_engine()
+            return
+        if self.supervisor is not None:
+            await asyncio.get_running_loop().run_in_executor(None, self.supervisor.restart, name)
             return
         raise ValueError(f"worker {name!r} cannot be restarted here")
 
