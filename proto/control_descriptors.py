@@ -2,10 +2,10 @@
 
 The compiled FileDescriptorSet (base64) of the control plane and the standard health service.
 """
-PROTO_FILES = ('grpc/health/v1/health.proto', 'control.proto')
+PROTO_FILES = ('grpc_health/v1/health.proto', 'control.proto')
 
 DESCRIPTOR_SET_B64 = (
-    "CpkGChtncnBjL2hlYWx0aC92MS9oZWFsdGgucHJvdG8SDmdycGMuaGVhbHRoLnYxIi4KEkhlYWx0aENoZWNrUmVxdWVzdBIY"
+    "CpkGChtncnBjX2hlYWx0aC92MS9oZWFsdGgucHJvdG8SDmdycGMuaGVhbHRoLnYxIi4KEkhlYWx0aENoZWNrUmVxdWVzdBIY"
     "CgdzZXJ2aWNlGAEgASgJUgdzZXJ2aWNlIrEBChNIZWFsdGhDaGVja1Jlc3BvbnNlEkkKBnN0YXR1cxgBIAEoDjIxLmdycGMu"
     "aGVhbHRoLnYxLkhlYWx0aENoZWNrUmVzcG9uc2UuU2VydmluZ1N0YXR1c1IGc3RhdHVzIk8KDVNlcnZpbmdTdGF0dXMSCwoH"
     "VU5LTk9XThAAEgsKB1NFUlZJTkcQARIPCgtOT1RfU0VSVklORxACEhMKD1NFUlZJQ0VfVU5LTk9XThADIhMKEUhlYWx0aExp"

@@ -17,7 +17,8 @@ import textwrap
 
 PROTO_DIR = os.path.dirname(os.path.abspath(__file__))
 # Files compiled into the set, relative to PROTO_DIR (dependencies first).
-PROTO_FILES = ("grpc/health/v1/health.proto", "control.proto")
+# grpc_health/, not grpc/: a folder named grpc beside these modules could shadow grpcio.
+PROTO_FILES = ("grpc_health/v1/health.proto", "control.proto")
 OUTPUT_PATH = os.path.join(PROTO_DIR, "control_descriptors.py")
 
 
