@@ -1,0 +1,242 @@
+"""The hot-path channel in one process: layout contract, request/response protocol, double buffering,
+restart semantics, the worker's idle policy."""
+from __future__ import annotations
+
+import os
+import threading
+import time
+import uuid
+
+import pytest
+import torch
+
+from cpu_expert_pool import channel as ch
+from cpu_expert_pool.channel import (CpuPoolClient, IdlePolicy, IdleWaiter, WorkerChannel, WorkerError,
+                                     WorkerTimeout, create_worker_channel)
+from cpu_expert_pool.expert_kernel import ExpertKernel
+from cpu_expert_pool.reference import reference_moe_layer
+from proto import shm_layout as sl
+from proto.expert_store import ExpertStore
+
+H, I, E, L = 64, 32, 4, 3
+T_MAX, MAX_TRIPLES = 8, 16
+
+
+@pytest.fixture
+def names():
+    tag = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    store_name, chan_name = f"ft-test-chs-{tag}", f"ft-test-ch-{tag}"
+    yield store_name, chan_name
+    for name in (store_name, chan_name):
+        try:
+            os.unlink(os.path.join(sl.SHM_DIR, name))
+        except FileNotFoundError:
+            pass
+
+
+@pytest.fixture
+def store(names):
+    s = ExpertStore.create(names[0], num_layers=L, num_experts=E, hidden=H, intermediate=I, dtype=torch.bfloat16,
+                           config_hash="c")
+    g = torch.Generator().manual_seed(0)
+    for layer in range(L):
+        s.write_layer(layer, (torch.randn(E, s.shape.expert_numel, generator=g) / H ** 0.5).to(torch.bfloat16))
+    s.mark_ready()
+    yield s
+    s.close()
+
+
+@pytest.fixture
+def chan(names):
+    seg = create_worker_channel(names[1], t_max=T_MAX, hidden=H, max_triples=MAX_TRIPLES)
+    yield names[1]
+    seg.close()
+
+
+class ThreadWorker:
+    """A WorkerChannel served by a thread with the real torch kernel (stands in for the process)."""
+
+    def __init__(self, chan_name: str, store: ExpertStore):
+        self.wc = WorkerChannel(chan_name)
+        self.kernel = ExpertKernel(store, kernel="torch", num_threads=1)
+        self.stop_event = threading.Event()
+        self.hold = threading.Event()        # set: take requests but never answer (a hang)
+        self.thread = threading.Thread(target=self.loop, daemon=True)
+
+    def start(self) -> "ThreadWorker":
+        self.wc.start()
+        self.wc.serve()
+        self.thread.start()
+        return self
+
+    def loop(self) -> None:
+        while not self.stop_event.is_set():
+            if self.hold.is_set():
+                time.sleep(0.001)
+                continue
+            req = self.wc.next_request()
+            if req is None:
+                time.sleep(0)
+                continue
+            try:
+                self.kernel(req.layer, req.hidden, req.token_idx, req.expert_id, req.weight, req.out)
+                status = sl.STATUS_OK
+            except ValueError:
+                status = sl.STATUS_BAD_REQUEST
+            self.wc.complete(req, status, num_experts=1, compute_ns=123)
+
+    def stop(self) -> None:
+        self.stop_event.set()
+        self.thread.join()
+
+
+def batch(num_tokens: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(num_tokens, H, generator=g).to(torch.bfloat16)
+    token_idx = torch.arange(num_tokens, dtype=torch.int32).repeat_interleave(2)
+    expert_id = torch.stack([torch.randperm(E, generator=g)[:2] for _ in range(num_tokens)]).flatten().int()
+    weight = torch.rand(2 * num_tokens, generator=g)
+    return hidden, (token_idx, expert_id, weight)
+
+
+def test_layout_puts_each_counter_on_its_own_line_and_arrays_on_pages():
+    layout = sl.ChannelLayout(t_max=5, hidden=72, max_triples=11, hidden_dtype="bfloat16")
+    words = [sl.REQUEST_SEQ_OFFSET, sl.DONE_SEQ_OFFSET, sl.HEARTBEAT_NS_OFFSET, sl.WORKER_PID_OFFSET,
+             sl.WORKER_EPOCH_OFFSET, sl.WORKER_STATE_OFFSET]
+    lines = [w // sl.CACHE_LINE_BYTES for w in words]
+    assert all(w % 8 == 0 for w in words) and len(set(lines)) == len(lines)
+    assert words[0] >= sl.COMMON_HEADER_BYTES + sl.CHANNEL_META_CAPACITY_BYTES
+    slot_lines = sl.SLOT_LINES_OFFSET + sl.NUM_SLOTS * sl.SLOT_LINES_BYTES
+    assert sl.SLOT_LINES_OFFSET > max(words) and slot_lines <= sl.CONTROL_PAGE_BYTES
+    spans = []
+    for s in range(sl.NUM_SLOTS):
+        offsets = layout.slot_offsets(s)
+        assert all(off % sl.PAGE_BYTES == 0 for off in offsets.values())
+        spans += sorted(offsets.values())
+    assert spans == sorted(spans) and len(set(spans)) == len(spans)     # no overlap, in order
+    assert layout.slot_offsets(1)["out"] + layout.out_bytes <= layout.nbytes
+    assert sl.ChannelLayout.from_meta(layout.meta()) == layout
+
+
+def test_round_trip_matches_the_reference(store, chan):
+    worker = ThreadWorker(chan, store).start()
+    client = CpuPoolClient(chan)
+    assert client.wait_for_worker(timeout_s=5) == os.getpid()
+    for layer in range(L):
+        hidden, triples = batch(5, seed=layer)
+        partial = client.call(layer, hidden, triples, deadline_s=5)
+        ref = reference_moe_layer(store, layer, hidden, *triples)
+        assert partial.shape == (5, H)
+        torch.testing.assert_close(partial, ref, rtol=0.02, atol=0.02 * float(ref.abs().max()))
+        assert client.last_compute_ns(layer) == 123
+    worker.stop()
+    client.close()
+
+
+def test_double_buffering_two_layers_in_flight(store, chan):
+    worker = ThreadWorker(chan, store)
+    worker.hold.set()
+    worker.start()
+    client = CpuPoolClient(chan)
+    client.wait_for_worker(timeout_s=5)
+    h0, t0 = batch(3, seed=10)
+    h1, t1 = batch(4, seed=11)
+    client.submit(0, h0, t0)
+    client.submit(1, h1, t1)
+    with pytest.raises(RuntimeError, match="wait\\(\\) for layer 0"):
+        client.submit(2, h0, t0)                      # slot 0 is still busy
+    worker.hold.clear()
+    out1 = client.wait(1, deadline_s=5).clone()
+    out0 = client.wait(0, deadline_s=5).clone()
+    torch.testing.assert_close(out0, reference_moe_layer(store, 0, h0, *t0), rtol=0.02, atol=0.02)
+    torch.testing.assert_close(out1, reference_moe_layer(store, 1, h1, *t1), rtol=0.02, atol=0.02)
+    worker.stop()
+    client.close()
+
+
+def test_bad_request_is_answered_with_an_error_status(store, chan):
+    worker = ThreadWorker(chan, store).start()
+    client = CpuPoolClient(chan)
+    client.wait_for_worker(timeout_s=5)
+    hidden, (tok, exp, w) = batch(2, seed=1)
+    exp = exp.clone()
+    exp[0] = E + 3
+    with pytest.raises(WorkerError, match="bad request"):
+        client.call(0, hidden, (tok, exp, w), deadline_s=5)
+    hidden, triples = batch(2, seed=2)                # the channel keeps working
+    assert client.call(0, hidden, triples, deadline_s=5).shape == (2, H)
+    with pytest.raises(ValueError, match="does not fit channel"):
+        client.submit(1, torch.zeros(T_MAX + 1, H), triples)
+    worker.stop()
+    client.close()
+
+
+def test_hang_times_out_and_a_new_worker_drops_stale_requests(store, chan):
+    worker = ThreadWorker(chan, store)
+    worker.hold.set()
+    worker.start()
+    client = CpuPoolClient(chan)
+    client.wait_for_worker(timeout_s=5)
+    hidden, triples = batch(2, seed=3)
+    t0 = time.monotonic()
+    with pytest.raises(WorkerTimeout, match="did not finish layer 0"):
+        client.call(0, hidden, triples, deadline_s=0.2)
+    assert 0.2 <= time.monotonic() - t0 < 1.0
+    assert not client.connected
+    with pytest.raises(ch.WorkerDead, match="wait_for_worker"):
+        client.submit(0, hidden, triples)
+    worker.stop()
+    # A replacement claims the channel: the request left in flight is dropped, a new epoch begins.
+    old_epoch = worker.wc.epoch
+    replacement = ThreadWorker(chan, store).start()
+    assert replacement.wc.epoch == old_epoch + 1
+    client.wait_for_worker(timeout_s=5)
+    out = client.call(0, hidden, triples, deadline_s=5)
+    torch.testing.assert_close(out, reference_moe_layer(store, 0, hidden, *triples), rtol=0.02, atol=0.02)
+    replacement.stop()
+    client.close()
+
+
+def test_doorbell_without_a_request_line_does_not_hang_the_worker(store, chan):
+    wc = WorkerChannel(chan)
+    wc.start()
+    wc.serve()
+    seg, layout = sl.attach_channel(chan)
+    views = sl.ChannelViews(seg, layout)
+    views.request_seq[0] += 1                         # a buggy client rings without writing a slot
+    assert wc.has_request() and wc.next_request() is None
+    assert int(views.done_seq[0]) == int(views.request_seq[0])
+    del views
+    seg.close()
+    wc.close()
+
+
+def test_wait_for_worker_names_the_fix_when_none_serves(chan):
+    client = CpuPoolClient(chan)
+    with pytest.raises(WorkerTimeout, match="ft worker cpu"):
+        client.wait_for_worker(timeout_s=0.05)
+    client.close()
+
+
+def test_idle_waiter_spins_while_hot_then_sleeps_growing(monkeypatch):
+    sleeps = []
+    monkeypatch.setattr(ch.time, "sleep", sleeps.append)
+    policy = IdlePolicy(hot_s=0.010, spin_s=50e-6, sleep_min_s=20e-6, sleep_max_s=100e-6)
+    waiter = IdleWaiter(policy)
+    ms = 1_000_000
+    waiter.worked(0)
+    for now in range(0, 10 * ms, ms // 10):            # 10 ms of hot turns: never sleeps
+        waiter.pause(now)
+    assert sleeps == []
+    now = 11 * ms
+    waiter.pause(now)                                  # cold: first a 50 us spin
+    assert sleeps == []
+    for _ in range(6):
+        now += 60_000                                  # past the spin window each time
+        waiter.pause(now)
+        waiter.pause(now + 60_000)
+    assert sleeps[:4] == [20e-6, 40e-6, 80e-6, 100e-6] and max(sleeps) == 100e-6
+    waiter.worked(now)
+    waiter.pause(now + 20 * ms)
+    waiter.pause(now + 20 * ms + 60_000)
+    assert sleeps[-1] == 20e-6                         # work resets the back-off

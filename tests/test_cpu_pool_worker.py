@@ -1,0 +1,238 @@
+"""Real CPU worker processes: the control conversation, and faults (SIGKILL, SIGSTOP, restart)."""
+from __future__ import annotations
+
+import hashlib
+import os
+import signal
+import time
+import uuid
+
+import pytest
+import torch
+
+from cpu_expert_pool.channel import CpuPoolClient, WorkerDead, WorkerTimeout, create_worker_channel
+from cpu_expert_pool.proc import ControlServer, CpuWorkerProc
+from cpu_expert_pool.reference import reference_moe_layer
+from cpu_expert_pool.split import ExpertSplit
+from proto import messages as m
+from proto import shm_layout as sl
+from proto.expert_store import ExpertStore
+
+H, I, E, L = 64, 32, 4, 2
+T_MAX, MAX_TRIPLES = 8, 16
+START_TIMEOUT_S = 60          # a worker imports torch and may build the kernel on a cold cache
+DEATH_DEADLINE_S = 2.0        # the client must notice a dead or stopped worker within this
+WORKER_ARGS = ["--threads", "1", "--hot-ms", "5", "--no-pin"]
+
+
+@pytest.fixture(scope="module")
+def store():
+    name = f"ft-test-wstore-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+    s = ExpertStore.create(name, num_layers=L, num_experts=E, hidden=H, intermediate=I, dtype=torch.bfloat16,
+                           config_hash="cfg-w")
+    g = torch.Generator().manual_seed(0)
+    for layer in range(L):
+        s.write_layer(layer, (torch.randn(E, s.shape.expert_numel, generator=g) / H ** 0.5).to(torch.bfloat16))
+    s.mark_ready()
+    yield s
+    s.close()
+    s.unlink()
+
+
+@pytest.fixture
+def channel(store):
+    name = f"{store.name}.cpu0-{uuid.uuid4().hex[:6]}"
+    seg = create_worker_channel(name, t_max=T_MAX, hidden=H, max_triples=MAX_TRIPLES)
+    yield name
+    seg.close()
+    seg.unlink()
+
+
+@pytest.fixture
+def procs(tmp_path):
+    started: list[CpuWorkerProc] = []
+
+    def start(**kwargs) -> CpuWorkerProc:
+        proc = CpuWorkerProc(log_path=tmp_path / f"worker{len(started)}.log", **kwargs).start()
+        started.append(proc)
+        return proc
+
+    yield start
+    for proc in started:
+        proc.stop(timeout_s=5)
+
+
+def batch(num_tokens: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(num_tokens, H, generator=g).to(torch.bfloat16)
+    token_idx = torch.arange(num_tokens, dtype=torch.int32).repeat_interleave(2)
+    expert_id = torch.stack([torch.randperm(E, generator=g)[:2] for _ in range(num_tokens)]).flatten().int()
+    return hidden, (token_idx, expert_id, torch.rand(2 * num_tokens, generator=g))
+
+
+def check(store: ExpertStore, client: CpuPoolClient, layer: int, seed: int) -> None:
+    hidden, triples = batch(3, seed)
+    out = client.call(layer, hidden, triples, deadline_s=10)
+    ref = reference_moe_layer(store, layer, hidden, *triples)
+    torch.testing.assert_close(out, ref, rtol=0.02, atol=0.02 * float(ref.abs().max()))
+
+
+def store_digest(store: ExpertStore) -> str:
+    return hashlib.sha256(store.layer_view(0).view(torch.int16).numpy().tobytes()
+                          + store.layer_view(1).view(torch.int16).numpy().tobytes()).hexdigest()
+
+
+def test_control_conversation_with_a_real_worker(store, channel, procs):
+    server = ControlServer("tcp://127.0.0.1:*")
+    # Worker 0 of a pool of 2: it owns experts 0-1 of each layer, worker 1 (absent here) experts 2-3.
+    proc = procs(store_name=store.name, channel_name=channel, control_addr=server.addr, num_workers=2,
+                 extra_args=WORKER_ARGS)
+    split = ExpertSplit.contiguous(L, E, 2)
+    identity, hello, ready = server.handshake(m.Config(kernel="auto", num_threads=1, hot_ms=5.0, split_epoch=1,
+                                                       owner_map=split.to_bytes()),
+                                              timeout_s=START_TIMEOUT_S, expect_config_hash="cfg-w")
+    assert (hello.pid, hello.store_name, hello.channel_name, hello.config_hash) == (proc.pid, store.name, channel,
+                                                                                    "cfg-w")
+    assert (hello.worker_index, hello.num_workers) == (0, 2)
+    assert hello.cpus and set(hello.compute_cpus) <= set(hello.cpus)
+    assert ready.pid == proc.pid and ready.num_threads == 1 and ready.split_epoch == 1
+    assert ready.kernel == "torch" or ready.kernel.startswith("native-")
+
+    client = CpuPoolClient(channel)
+    assert client.wait_for_worker(timeout_s=10) == proc.pid
+    foreign = 0
+    for i in range(4):
+        foreign += int((batch(3, i)[1][1] >= 2).sum())    # triples on experts 2-3 (worker 1's)
+        check(store, client, layer=i % L, seed=i)
+
+    server.send(identity, m.StatsRequest())
+    _, stats = server.recv_type(m.Stats, timeout_s=10)
+    assert stats.requests == 4 and stats.triples == 24 and stats.tokens == 12
+    assert stats.weight_bytes == stats.expert_calls * store.expert_bytes > 0
+    assert stats.foreign_triples == foreign > 0 and stats.errors == 0 and stats.split_epoch == 1
+
+    server.send(identity, m.Rebalance(2, ExpertSplit.contiguous(L, E, 1).to_bytes()))   # all experts to worker 0
+    _, rebalanced = server.recv_type(m.Rebalanced, timeout_s=10)
+    assert rebalanced == m.Rebalanced(worker_index=0, split_epoch=2, num_owned=L * E)
+    server.send(identity, m.Rebalance(3, b"\x00"))   # malformed map: refused, the worker keeps serving
+    _, error = server.recv_type(m.Error, timeout_s=10)
+    assert "REBALANCE refused" in error.message and not error.fatal
+    check(store, client, layer=0, seed=9)
+    server.send(identity, m.StatsRequest())
+    _, stats = server.recv_type(m.Stats, timeout_s=10)
+    assert stats.requests == 5 and stats.foreign_triples == foreign and stats.split_epoch == 2
+
+    server.send(identity, m.Shutdown("test over"))
+    assert proc.wait(timeout_s=20) == 0
+    seg, layout = sl.attach_channel(channel)
+    assert int(sl.ChannelViews(seg, layout).worker_state[0]) == sl.WORKER_STOPPED
+    seg.close()
+    with pytest.raises(WorkerDead):
+        check(store, client, layer=0, seed=10)
+    client.close()
+    server.close()
+
+
+def test_wrong_config_hash_is_refused_by_the_coordinator(store, channel, procs):
+    server = ControlServer("tcp://127.0.0.1:*")
+    proc = procs(store_name=store.name, channel_name=channel, control_addr=server.addr, extra_args=WORKER_ARGS)
+    with pytest.raises(RuntimeError, match="config hash 'cfg-w', expected 'other'"):
+        server.handshake(m.Config(), timeout_s=START_TIMEOUT_S, expect_config_hash="other")
+    assert proc.wait(timeout_s=20) == 0              # told to shut down before serving
+    server.close()
+
+
+def test_missing_store_exits_with_a_clear_error(channel, procs, tmp_path):
+    proc = procs(store_name="ft-test-no-such-store", channel_name=channel, extra_args=WORKER_ARGS)
+    assert proc.wait(timeout_s=START_TIMEOUT_S) == 2
+    log = (tmp_path / "worker0.log").read_text()
+    assert "no expert store named 'ft-test-no-such-store'" in log and "start the coordinator" in log
+
+
+def test_sigkill_mid_run_is_seen_as_dead_and_a_restart_reattaches_without_copying(store, channel, procs):
+    digest_before = store_digest(store)
+    inode_before = os.stat(os.path.join(sl.SHM_DIR, store.name)).st_ino
+    proc = procs(store_name=store.name, channel_name=channel, extra_args=WORKER_ARGS)
+    client = CpuPoolClient(channel)
+    client.wait_for_worker(timeout_s=START_TIMEOUT_S)
+    for i in range(5):
+        check(store, client, layer=i % L, seed=i)
+
+    hidden, triples = batch(3, seed=99)
+    seen_dead_after_s = None
+    for i in range(200):                              # a run of requests; the kill lands in the middle
+        layer = i % L
+        client.submit(layer, hidden, triples)
+        if i == 20:
+            killed_at = time.monotonic()
+            os.kill(proc.pid, signal.SIGKILL)
+        try:
+            client.wait(layer, deadline_s=DEATH_DEADLINE_S + 5)
+        except WorkerDead as exc:
+            seen_dead_after_s = time.monotonic() - killed_at
+            assert "died" in str(exc)
+            break
+    assert i >= 20 and seen_dead_after_s is not None and seen_dead_after_s < DEATH_DEADLINE_S
+    assert proc.wait(timeout_s=5) == -signal.SIGKILL
+
+    restarted = procs(store_name=store.name, channel_name=channel, extra_args=WORKER_ARGS)
+    assert client.wait_for_worker(timeout_s=START_TIMEOUT_S) == restarted.pid
+    for i in range(4):
+        check(store, client, layer=i % L, seed=100 + i)
+    # Same segment, same bytes, mapped read-only and shared: nothing was reloaded or copied.
+    assert os.stat(os.path.join(sl.SHM_DIR, store.name)).st_ino == inode_before
+    assert store_digest(store) == digest_before and store.is_ready
+    mapping = _store_mapping(restarted.pid, store.name)
+    assert mapping["perms"] == "r--s"
+    assert mapping["Rss"] > 0 and mapping["Private_Dirty"] == 0 and mapping["Anonymous"] == 0
+    client.close()
+
+
+def test_sigstop_is_seen_as_a_timeout_within_the_deadline(store, channel, procs):
+    proc = procs(store_name=store.name, channel_name=channel, extra_args=WORKER_ARGS)
+    client = CpuPoolClient(channel)
+    client.wait_for_worker(timeout_s=START_TIMEOUT_S)
+    check(store, client, layer=0, seed=1)
+    os.kill(proc.pid, signal.SIGSTOP)
+    try:
+        hidden, triples = batch(3, seed=2)
+        deadline_s = 0.3
+        t0 = time.monotonic()
+        with pytest.raises(WorkerTimeout, match="heartbeat"):
+            client.call(1, hidden, triples, deadline_s=deadline_s)
+        elapsed = time.monotonic() - t0
+        assert deadline_s <= elapsed < deadline_s + 0.5
+    finally:
+        os.kill(proc.pid, signal.SIGCONT)
+    # Resumed, it finishes the stale request; the client reconnects once nothing is in flight.
+    assert client.wait_for_worker(timeout_s=10) == proc.pid
+    check(store, client, layer=0, seed=3)
+    client.close()
+
+
+def test_second_worker_on_a_served_channel_is_refused(store, channel, procs, tmp_path):
+    procs(store_name=store.name, channel_name=channel, extra_args=WORKER_ARGS)
+    client = CpuPoolClient(channel)
+    client.wait_for_worker(timeout_s=START_TIMEOUT_S)
+    second = procs(store_name=store.name, channel_name=channel, extra_args=WORKER_ARGS)
+    assert second.wait(timeout_s=START_TIMEOUT_S) == 2
+    assert "is served by live process" in (tmp_path / "worker1.log").read_text()
+    check(store, client, layer=1, seed=4)             # the first one still serves
+    client.close()
+
+
+def _store_mapping(pid: int, store_name: str) -> dict:
+    """/proc/<pid>/smaps entry of the store segment: perms and kB fields."""
+    entry: dict = {}
+    with open(f"/proc/{pid}/smaps") as f:
+        inside = False
+        for line in f:
+            fields = line.split()
+            if len(fields) >= 5 and "-" in fields[0] and ":" not in fields[0]:
+                inside = line.rstrip().endswith(os.path.join(sl.SHM_DIR, store_name))
+                if inside:
+                    entry["perms"] = fields[1]
+            elif inside and fields[0].endswith(":") and len(fields) >= 2 and fields[1].isdigit():
+                entry[fields[0][:-1]] = int(fields[1])
+    assert entry, f"the store {store_name} is not mapped by process {pid}"
+    return entry
