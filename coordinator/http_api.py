@@ -74,8 +74,11 @@ class HttpApi:
 
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> int:
         """Listen on host:port (0 = a free port); returns the port."""
-        self._runner = web.AppRunner(self.build_app(), handler_cancellation=True, access_log=None,
-                                     keepalive_timeout=KEEPALIVE_TIMEOUT_S)
+        try:
+            self._runner = web.AppRunner(self.build_app(), handler_cancellation=True, access_log=None,
+                                         keepalive_timeout=KEEPALIVE_TIMEOUT_S)
+        except TypeError:  # aiohttp < 3.9 has no such option and cancels handlers on disconnect anyway
+            self._runner = web.AppRunner(self.build_app(), access_log=None, keepalive_timeout=KEEPALIVE_TIMEOUT_S)
         await self._runner.setup()
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         sock = socket.socket(family, socket.SOCK_STREAM)

@@ -1,0 +1,43 @@
+"""The policy inside a live server: engine stats become telemetry, decisions reach the engine."""
+from __future__ import annotations
+
+import os
+import sys
+
+import grpc
+import openai
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))
+from coordinator_support import MODEL_NAME, live_server  # noqa: E402
+
+from coordinator.engine_service import flatten_stats, telemetry_from_stats  # noqa: E402
+from proto import control_rpc as rpc  # noqa: E402
+
+
+def test_engine_counters_drive_the_tuner_and_the_engine_gets_each_decision(tmp_path):
+    # The fake engine reports 1 fetch per 50 us and 1 CPU expert per 100 us: f* = 20k / (20k + 10k) = 2/3.
+    with live_server(tmp_path, engine_kwargs={"step_delay_s": 0.002}) as ls:
+        c = openai.OpenAI(base_url=ls.base_url + "/v1", api_key="x", max_retries=0)
+        for _ in range(3):
+            c.completions.create(model=MODEL_NAME, prompt="x", max_tokens=100)
+        with grpc.insecure_channel(ls.grpc_address) as channel:
+            policy = rpc.ControlStub(channel).GetPolicy(rpc.msg.GetPolicyRequest(), timeout=10)
+        assert policy.telemetry_steps_total > 0 and policy.source == "online"
+        assert policy.target_fraction == pytest.approx(2 / 3, abs=0.01)
+        assert policy.fetch_fraction > 0.55                        # moved from 0.5 toward 2/3
+        pushed = [call["fetch_fraction"] for call in ls.engine.policy_calls]
+        assert pushed[0] == 0.5 and pushed[-1] == pytest.approx(policy.fetch_fraction)
+
+
+def test_telemetry_from_stats_reads_per_worker_counters():
+    prev = flatten_stats({"experts_fetched_total": 10, "copy_time_s_total": 0.001,
+                          "cpu_workers": {"numa0": {"experts_total": 4, "time_s_total": 0.002}}})
+    cur = flatten_stats({"experts_fetched_total": 30, "copy_time_s_total": 0.003,
+                         "cpu_workers": {"numa0": {"experts_total": 14, "time_s_total": 0.007}},
+                         "gpu_wait_for_cpu_s_total": 0.0001})
+    t = telemetry_from_stats(prev, cur)
+    assert t.experts_fetched == 20 and t.copy_time_s == pytest.approx(0.002)
+    assert t.cpu_experts == {"numa0": 10} and t.cpu_time_s["numa0"] == pytest.approx(0.005)
+    assert t.gpu_wait_for_cpu_s == pytest.approx(0.0001)
+    assert telemetry_from_stats(cur, cur) is None              # nothing happened: no telemetry
