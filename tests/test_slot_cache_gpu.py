@@ -34,7 +34,8 @@ def test_gpu_lockstep(num_slots):
     gen = RouteGen(NUM_LAYERS, NUM_EXPERTS, seed=num_slots, skew=0.6)
     for call in range(STEP_CALLS):
         layer = call % NUM_LAYERS
-        ids = gen.routes(layer, TOKENS, TOP_K)
+        # every 10th call is prefill-sized (128 routes): the general kernel; the rest decode-sized
+        ids = gen.routes(layer, 16 if call % 10 == 9 else TOKENS, TOP_K)
         a, b = ids.clone(), ids.cuda()
         ensure(ref, layer, a, impl="reference", **_policy(call))
         ensure(ker, layer, b, impl="triton", check_ids=False, **_policy(call))

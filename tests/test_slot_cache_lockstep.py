@@ -17,7 +17,7 @@ NUM_CALLS = 36
 
 
 def run_lockstep(*, num_layers, num_experts, num_slots, per_layer, calls, slot_tile,
-                 num_tokens=2, top_k=3, prefetch_every=0, seed=0, **policy):
+                 num_tokens=2, top_k=3, prefetch_every=0, seed=0, path="auto", **policy):
     ref = SlotCache.create(num_layers, num_experts, num_slots, per_layer=per_layer)
     ker = SlotCache.create(num_layers, num_experts, num_slots, per_layer=per_layer,
                            device=KERNEL_DEVICE)
@@ -28,7 +28,8 @@ def run_lockstep(*, num_layers, num_experts, num_slots, per_layer, calls, slot_t
         ids = gen.routes(layer, num_tokens, top_k)
         ids_ref, ids_ker = ids.clone(), ids.to(KERNEL_DEVICE)
         ensure(ref, layer, ids_ref, impl="reference", seed=seed, **policy)
-        ensure(ker, layer, ids_ker, impl="triton", seed=seed, slot_tile=slot_tile, **policy)
+        ensure(ker, layer, ids_ker, impl="triton", seed=seed, slot_tile=slot_tile, path=path,
+               **policy)
         assert torch.equal(ids_ref, ids_ker.cpu()), f"call {call}: routes differ"
         assert_same_state(ref, ker, f"call {call}")
         fetched += int(ref.num_indices)
@@ -63,13 +64,15 @@ POLICIES = {
 }
 
 
+@pytest.mark.parametrize("path", ["small", "general"])
 @pytest.mark.parametrize("pool", list(POOLS))
 @pytest.mark.parametrize("policy", list(POLICIES))
-def test_lockstep(pool, policy):
+def test_lockstep(pool, policy, path):
+    """`small`: the decode kernel, its pool scan split over programs; `general`: one program."""
     layers, experts, slots, per_layer, tile = POOLS[pool]
     ref, fetched = run_lockstep(num_layers=layers, num_experts=experts, num_slots=slots,
                                 per_layer=per_layer, calls=NUM_CALLS, slot_tile=tile,
-                                prefetch_every=4, **POLICIES[policy])
+                                prefetch_every=4, path=path, **POLICIES[policy])
     if policy not in ("cap-0", "zero-fraction-nopromote"):
         assert fetched > 0, "the sequence never fetched: it does not exercise the fetch path"
 
@@ -81,11 +84,19 @@ def test_pool_goes_from_empty_to_full_and_evicts():
     assert fetched > 12, "nothing was evicted"
 
 
+@pytest.mark.parametrize("path", ["small", "general"])
 @pytest.mark.parametrize("tile", [16, 32, 64])
-def test_results_do_not_depend_on_tile_size(tile):
-    # 50 slots: 4, 2 and 1 tiles; the reference is the same in each case
+def test_results_do_not_depend_on_tile_size(tile, path):
+    # 50 slots: 4, 2 and 1 tiles (or programs); the reference is the same in each case
     run_lockstep(num_layers=2, num_experts=32, num_slots=50, per_layer=False, calls=30,
-                 slot_tile=tile, num_tokens=3, top_k=4, fetch_fraction=0.6, prefetch_every=3)
+                 slot_tile=tile, num_tokens=3, top_k=4, fetch_fraction=0.6, prefetch_every=3,
+                 path=path)
+
+
+def test_large_calls_take_the_general_kernel():
+    # 24 tokens x 3 = 72 routes: more than the decode kernel takes, so "auto" runs the general one
+    run_lockstep(num_layers=2, num_experts=32, num_slots=40, per_layer=False, calls=12,
+                 slot_tile=16, num_tokens=24, top_k=3, fetch_fraction=0.5)
 
 
 def test_int32_routes_and_padding():

@@ -11,11 +11,12 @@ import torch
 
 from . import reference
 from .fetch_rule import fraction_to_q16
-from .state import (ERR_EXPERT_ID, POLICY_FRAC_Q16, POLICY_LEN, POLICY_MAX_FETCH,
+from .state import (ERR_EXPERT_ID, MIN_PART, SMALL_ROUTES_MAX, POLICY_FRAC_Q16, POLICY_LEN, POLICY_MAX_FETCH,
                     POLICY_PROMOTE, POLICY_ROUND, POLICY_SEED, POLICY_SELECT, ROUND_MODES,
                     SELECT_MODES, SlotCache)
 
-DEFAULT_SLOT_TILE = 2048
+DEFAULT_SLOT_TILE = 2048      # general kernel: slots per tile of its pool scan
+DEFAULT_PART = 2048           # decode kernel: slots per program (one program up to 2,048 slots)
 MAX_ROUTE_TILE = 1024
 MAX_PREFETCH_CANDIDATES = 128
 
@@ -95,7 +96,7 @@ def ensure(cache: SlotCache, layer: int, expert_ids: torch.Tensor, *,
            max_fetch: int | None = None, fetch_fraction: float = 0.0, round_mode: str = "min-wait",
            select: str = "recency", promote: bool = True, seed: int = 0, impl: str = "auto",
            use_device_policy: bool = False, check_ids: bool | None = None,
-           slot_tile: int | None = None, num_warps: int = 4) -> None:
+           slot_tile: int | None = None, num_warps: int = 4, path: str = "auto") -> None:
     """Make the routed experts of `layer` resident where the policy says so; rewrite routes in place.
 
     expert_ids: [...] int32|int64 (-1 = padding). Afterwards each entry is the slot holding that
@@ -105,6 +106,9 @@ def ensure(cache: SlotCache, layer: int, expert_ids: torch.Tensor, *,
     `use_device_policy`: take every policy value from `cache.policy` (see `set_policy`).
     `check_ids`: verify id ranges on the host (a device sync); default: unless capturing a graph.
     Out-of-range ids that reach the kernel unchecked are ignored and flag `cache.error`.
+    `path` (Triton only): "small" (decode-sized calls, <= SMALL_ROUTES_MAX routes, pool scan
+    spread over several programs), "general" (any size, one program), "auto" picks by size.
+    `slot_tile` is the small path's slots per program, or the general path's scan tile.
     """
     _check_layer(cache, layer)
     _check_ids(cache, "expert_ids", expert_ids, check_ids)
@@ -125,8 +129,29 @@ def ensure(cache: SlotCache, layer: int, expert_ids: torch.Tensor, *,
                                    frac_q16=frac_q16, round_mode=round_c, select=select_c,
                                    promote=bool(promote_c), seed=seed_c)
         return
-    from .triton_kernels import ensure_kernel
     num_routes = expert_ids.numel()
+    if path not in ("auto", "small", "general"):
+        raise ValueError(f"path must be 'auto', 'small' or 'general', got {path!r}")
+    if path == "small" and num_routes > SMALL_ROUTES_MAX:
+        raise ValueError(f"path='small' takes at most {SMALL_ROUTES_MAX} routes, got {num_routes}")
+    if path != "general" and num_routes <= SMALL_ROUTES_MAX:
+        from .triton_kernels import ensure_small_kernel
+        part = max(MIN_PART, _next_pow2(slot_tile or min(cache.num_slots, DEFAULT_PART)))
+        programs = -(-cache.num_slots // part)
+        route_block = max(16, _next_pow2(num_routes))
+        ensure_small_kernel[(programs,)](
+            expert_ids, num_routes, cache.slot_for_id, cache.id_of_slot, cache.usage, cache.step,
+            cache.expert_recency, cache.mark, cache.evict_slots, cache.src_indices,
+            cache.num_indices, cache.num_missing_full, cache.error, cache.policy,
+            cache.part_keys, cache.part_owner, cache.arrive, layer, cache.pool_base(layer),
+            cache.num_slots, *codes,
+            NUM_EXPERTS=cache.num_experts, E_BLOCK=max(16, _next_pow2(cache.num_experts)),
+            ROUTE_BLOCK=route_block, PART=part,
+            MERGE_BLOCK=_next_pow2(programs * route_block), USE_POLICY=use_device_policy,
+            MULTI=programs > 1,
+            num_warps=num_warps)
+        return
+    from .triton_kernels import ensure_kernel
     tile = slot_tile or min(_next_pow2(cache.num_slots), DEFAULT_SLOT_TILE)
     ensure_kernel[(1,)](
         expert_ids, num_routes, cache.slot_for_id, cache.id_of_slot, cache.usage, cache.step,

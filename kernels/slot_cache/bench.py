@@ -18,7 +18,10 @@ CALLS_PER_REPLAY = 64
 TOP_K = 10
 # (slots, layers, experts): the expert count exceeds the pool so that the pool can be full
 POOLS = [(64, 48, 128), (2048, 48, 128), (18432, 61, 512), (23197, 61, 512)]
-VARIANTS = [(1024, 4), (2048, 4), (4096, 8), (8192, 16)]   # (slot tile, warps)
+# (slots per program, warps) of the decode kernel, which calls of <= 64 routes take
+VARIANTS = [(512, 4), (1024, 4), (2048, 4), (2048, 8), (4096, 8)]
+# (scan tile, warps) of the general kernel (prefill-sized calls): compiled for its resource report
+GENERAL_VARIANTS = [(1024, 4), (2048, 4), (2048, 8), (4096, 8), (8192, 16)]
 
 
 def _fill(cache: SlotCache) -> None:
@@ -79,19 +82,26 @@ def bench_case(num_slots, layers, experts, miss: bool, tile: int, warps: int, re
     return (t_full - t_restore) / CALLS_PER_REPLAY
 
 
-def resource_report(tile: int, warps: int) -> tuple[int, int]:
-    """(registers, spills) of the compiled ensure kernel for the large-pool configuration."""
-    from .triton_kernels import ensure_kernel
+def resource_report(kernel_name: str, tile: int, warps: int) -> tuple[int, int]:
+    """(registers, spills) of a compiled ensure kernel at the large-pool configuration."""
+    from . import triton_kernels
     cache = SlotCache.create(61, 512, 23197, device="cuda")
     ids = torch.arange(TOP_K, device="cuda")
-    from .api import DEFAULT_SLOT_TILE  # noqa: F401  (the default the engine uses)
-    compiled = ensure_kernel[(1,)](
-        ids, ids.numel(), cache.slot_for_id, cache.id_of_slot, cache.usage, cache.step,
-        cache.expert_recency, cache.mark, cache.evict_slots, cache.src_indices,
-        cache.num_indices, cache.num_missing_full, cache.error, cache.policy,
-        0, 0, cache.num_slots, -1, 1 << 16, 0, 0, 1, 0,
-        NUM_EXPERTS=512, E_BLOCK=512, ROUTE_TILE=16, SLOT_TILE=tile, USE_POLICY=False,
-        num_warps=warps)
+    common = (ids, ids.numel(), cache.slot_for_id, cache.id_of_slot, cache.usage, cache.step,
+              cache.expert_recency, cache.mark, cache.evict_slots, cache.src_indices,
+              cache.num_indices, cache.num_missing_full, cache.error, cache.policy)
+    policy = (0, 0, cache.num_slots, -1, 1 << 16, 0, 0, 1, 0)
+    if kernel_name == "small":
+        programs = -(-cache.num_slots // tile)
+        compiled = triton_kernels.ensure_small_kernel[(programs,)](
+            *common, cache.part_keys, cache.part_owner, cache.arrive, *policy, NUM_EXPERTS=512,
+            E_BLOCK=512,
+            ROUTE_BLOCK=16, PART=tile, MERGE_BLOCK=1 << (programs * 16 - 1).bit_length(),
+            USE_POLICY=False, MULTI=programs > 1, num_warps=warps)
+    else:
+        compiled = triton_kernels.ensure_kernel[(1,)](
+            *common, *policy, NUM_EXPERTS=512, E_BLOCK=512, ROUTE_TILE=1024, SLOT_TILE=tile,
+            USE_POLICY=False, num_warps=warps)
     return int(getattr(compiled, "n_regs", -1)), int(getattr(compiled, "n_spills", -1))
 
 
@@ -102,17 +112,22 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         raise RuntimeError("the slot-cache benchmark needs a CUDA GPU")
-    variants = VARIANTS[1:2] if args.quick else VARIANTS
+    variants = VARIANTS[2:3] if args.quick else VARIANTS
     rows = []
     for tile, warps in variants:
-        regs, spills = resource_report(tile, warps)
+        regs, spills = resource_report("small", tile, warps)
         for num_slots, layers, experts in POOLS:
             hit = bench_case(num_slots, layers, experts, False, tile, warps, args.reps)
             one = bench_case(num_slots, layers, experts, True, tile, warps, args.reps)
             rows.append((num_slots, tile, warps, regs, spills, hit, one))
-    print(f"\nslot-cache ensure, {torch.cuda.get_device_name()}, top-{TOP_K}, "
+    print("\ngeneral kernel (prefill-sized calls), resources at 23,197 slots:")
+    print(f"{'tile':>5} {'warps':>5} {'regs':>4} {'spill':>5}")
+    for tile, warps in GENERAL_VARIANTS:
+        regs, spills = resource_report("general", tile, warps)
+        print(f"{tile:>5} {warps:>5} {regs:>4} {spills:>5}")
+    print(f"\nslot-cache ensure (decode kernel), {torch.cuda.get_device_name()}, top-{TOP_K}, "
           f"{CALLS_PER_REPLAY} calls per graph replay, median of {args.reps} replays")
-    print(f"{'slots':>6} {'tile':>5} {'warps':>5} {'regs':>4} {'spill':>5} "
+    print(f"{'slots':>6} {'part':>5} {'warps':>5} {'regs':>4} {'spill':>5} "
           f"{'all hits us':>11} {'1 fetch us':>10}")
     for num_slots, tile, warps, regs, spills, hit, one in rows:
         print(f"{num_slots:>6} {tile:>5} {warps:>5} {regs:>4} {spills:>5} {hit:>11.2f} {one:>10.2f}")

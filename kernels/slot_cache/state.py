@@ -18,6 +18,10 @@ MAX_SLOTS_PER_POOL = 1 << SLOT_BITS
 # Policy tensor layout (int64), read by the kernels when a call uses the cache's device policy.
 POLICY_MAX_FETCH, POLICY_FRAC_Q16, POLICY_ROUND, POLICY_SELECT, POLICY_PROMOTE, POLICY_SEED = range(6)
 POLICY_LEN = 6
+# Calls with at most SMALL_ROUTES_MAX routes (decode) take the per-route kernel, whose pool scan is
+# split over programs of at least MIN_PART slots each.
+SMALL_ROUTES_MAX = 64
+MIN_PART = 16
 # Error flag bits written by the kernels (host checks them off the hot path).
 ERR_EXPERT_ID = 1
 
@@ -43,6 +47,19 @@ class SlotCache:
     mark: torch.Tensor              # [E] int64 scratch: step at which e was routed in this call
     error: torch.Tensor             # [1] int32: ERR_* bits set by kernels on bad input
     policy: torch.Tensor            # [POLICY_LEN] int64: device copy of the fetch policy
+    # kernel scratch, not part of the contract's state: per-program victim keys and arrivals
+    part_keys: torch.Tensor = None  # [max programs * SMALL_ROUTES_MAX] int64
+    part_owner: torch.Tensor = None  # [max programs * SMALL_ROUTES_MAX] int32
+    arrive: torch.Tensor = None     # [1] int32, 0 between calls
+
+    def __post_init__(self):
+        if self.part_keys is None:
+            programs = -(-self.num_slots // MIN_PART)
+            self.part_keys = torch.empty(programs * SMALL_ROUTES_MAX, dtype=torch.int64,
+                                         device=self.usage.device)
+            self.part_owner = torch.empty(programs * SMALL_ROUTES_MAX, dtype=torch.int32,
+                                          device=self.usage.device)
+            self.arrive = torch.zeros(1, dtype=torch.int32, device=self.usage.device)
 
     @classmethod
     def create(cls, num_layers: int, num_experts: int, num_slots: int, *,
@@ -122,5 +139,6 @@ def reset(cache: SlotCache) -> None:
     for name in ("slot_for_id", "id_of_slot", "usage", "expert_recency", "evict_slots",
                  "src_indices", "prefetch_evict_slots", "prefetch_src_indices", "mark"):
         getattr(cache, name).fill_(-1)
-    for name in ("step", "num_indices", "num_missing_full", "prefetch_num_indices", "error"):
+    for name in ("step", "num_indices", "num_missing_full", "prefetch_num_indices", "error",
+                 "arrive"):
         getattr(cache, name).zero_()

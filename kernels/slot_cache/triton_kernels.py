@@ -247,3 +247,160 @@ def prefetch_kernel(
 
 
 assert SLOT_BITS == 25  # the kernels spell the constant out (constexpr arithmetic)
+
+
+@triton.jit
+def ensure_small_kernel(
+    ids_ptr,              # [N] int32|int64 routed expert ids (-1 = padding), rewritten in place
+    num_routes,           # N <= ROUTE_BLOCK
+    slot_for_id_ptr,      # [L*E] int32
+    id_of_slot_ptr,       # [P*S] int32
+    usage_ptr,            # [P*S] int64
+    step_ptr,             # [1] int64
+    recency_ptr,          # [L*E] int64
+    mark_ptr,             # [E] int64 scratch (kept equal to the reference's)
+    evict_ptr,            # [S] int32 copy plan: destination slots
+    src_ptr,              # [S] int32 copy plan: layer-local expert rows
+    num_indices_ptr,      # [1] int32
+    num_missing_ptr,      # [1] int32
+    error_ptr,            # [1] int32 error bits
+    policy_ptr,           # [6] int64 device policy (read when USE_POLICY)
+    part_keys_ptr,        # [G * ROUTE_BLOCK] int64 scratch: each program's smallest victim keys
+    part_owner_ptr,       # [G * ROUTE_BLOCK] int32 scratch: the flat ids those slots hold
+    arrive_ptr,           # [1] int32 scratch: programs done with their part (reset to 0 at exit)
+    layer, pool_base, num_slots, max_fetch, frac_q16, round_mode, select_mode, promote, seed,
+    NUM_EXPERTS: tl.constexpr,   # E
+    E_BLOCK: tl.constexpr,       # next power of two >= E (order-key radix)
+    ROUTE_BLOCK: tl.constexpr,   # power of two >= N
+    PART: tl.constexpr,          # slots scanned by each program
+    MERGE_BLOCK: tl.constexpr,   # power of two >= G * ROUTE_BLOCK
+    USE_POLICY: tl.constexpr,    # read the policy scalars from policy_ptr
+    MULTI: tl.constexpr,         # more than one program (G > 1)
+):
+    """Decode-sized calls (N <= ROUTE_BLOCK routes): per-route work, the pool scan split over a grid.
+
+    Each program loads its PART slots (usage and owner) at once, beside the routes, analyses the
+    routes itself (hits, misses and k need no communication), and takes its k smallest victim
+    keys, leaving out the slots this call hits. With one program it applies the call directly;
+    with several, each writes its candidates and the last to arrive merges them and applies the
+    call: no program may rewrite routes or maps that another has yet to read.
+    """
+    pid = tl.program_id(0)
+    zero = tl.zeros((), tl.int64)
+    # the pool part: independent of the routes, so these loads overlap the route loads
+    part = pid * PART + tl.arange(0, PART)                                # [PART] pool-local
+    in_part = part < num_slots
+    u = tl.load(usage_ptr + pool_base + part, mask=in_part, other=0)
+    owner = tl.load(id_of_slot_ptr + pool_base + part, mask=in_part, other=-1)
+    if USE_POLICY:
+        max_fetch = tl.load(policy_ptr + 0)
+        frac_q16 = tl.load(policy_ptr + 1)
+        round_mode = tl.load(policy_ptr + 2)
+        select_mode = tl.load(policy_ptr + 3)
+        promote = tl.load(policy_ptr + 4)
+        seed = tl.load(policy_ptr + 5)
+    max_fetch = max_fetch + zero
+    frac_q16 = frac_q16 + zero
+    layer = layer + zero
+    step = tl.load(step_ptr) + 1
+    row = layer * NUM_EXPERTS
+
+    # routes: distinct experts are the first occurrence of each id
+    r = tl.arange(0, ROUTE_BLOCK)                                         # [R]
+    in_r = r < num_routes
+    e = tl.load(ids_ptr + r, mask=in_r, other=-1)
+    e64 = e.to(tl.int64)
+    valid = in_r & (e64 >= 0) & (e64 < NUM_EXPERTS)
+    same = (e64[:, None] == e64[None, :]) & (r[None, :] < r[:, None]) & valid[None, :]
+    distinct = valid & (tl.max(same.to(tl.int32), axis=1) == 0)
+    slot = tl.load(slot_for_id_ptr + row + e64, mask=valid, other=-1).to(tl.int64)
+    rec = tl.load(recency_ptr + row + e64, mask=valid, other=-1)
+    hit = distinct & (slot >= 0)
+    miss = distinct & (slot < 0)
+    num_hits = tl.sum(hit.to(tl.int64), axis=0)
+    num_misses = tl.sum(miss.to(tl.int64), axis=0)
+    id_key = (E_BLOCK - 1 - e64)
+    order_key = tl.where(select_mode == 0, (rec + 1) * E_BLOCK + id_key, id_key)
+    order_key = tl.where(miss, order_key, -1)
+    first_key = tl.max(order_key, axis=0)
+    first_rec = tl.max(tl.where(miss & (order_key == first_key), rec, -2), axis=0)
+
+    prod = frac_q16 * num_misses
+    lo = prod >> 16
+    hi = lo + 1
+    cost_lo = tl.maximum(lo * (65536 - frac_q16), (num_misses - lo) * frac_q16)
+    cost_hi = tl.maximum(hi * (65536 - frac_q16), (num_misses - hi) * frac_q16)
+    k_minwait = tl.where(cost_hi < cost_lo, hi, lo)
+    k_stoch = lo + (_draw16(seed + zero, step, layer) < (prod & 0xFFFF)).to(tl.int64)
+    k_ceil = (prod + 65535) >> 16
+    k_frac = tl.where(round_mode == 0, k_minwait, tl.where(round_mode == 1, k_stoch, k_ceil))
+    k_frac = tl.minimum(k_frac, num_misses)
+    promoted = (promote != 0) & (k_frac == 0) & (num_misses > 0) & (first_rec >= 0)
+    k_frac = tl.where(promoted, 1, k_frac)
+    promoted = promoted & (max_fetch < 0)
+    k = tl.where(max_fetch >= 0, tl.minimum(num_misses, max_fetch), k_frac)
+    k = tl.minimum(k, num_slots - num_hits)
+
+    # victim keys of the part; the slots this call hits are used now, so they are left out
+    hit_slot = tl.where(hit, slot - pool_base, -1)                        # [R] pool-local
+    is_hit = tl.max(((part[:, None] == hit_slot[None, :])).to(tl.int32), axis=1) > 0
+    key = tl.where(in_part & (u != step) & (is_hit == 0), ((u + 1) << 25) | part.to(tl.int64),
+                   0x7FFFFFFFFFFFFFFF)                                    # [PART]
+    if MULTI:
+        prev = tl.full((), -1, tl.int64)
+        for j in range(0, k):
+            best = tl.min(tl.where(key > prev, key, 0x7FFFFFFFFFFFFFFF), axis=0)
+            best_owner = tl.max(tl.where(key == best, owner, -1), axis=0)
+            tl.store(part_keys_ptr + pid * ROUTE_BLOCK + j, best)
+            tl.store(part_owner_ptr + pid * ROUTE_BLOCK + j, best_owner)
+            prev = best
+        tl.debug_barrier()
+        arrived = tl.atomic_add(arrive_ptr, 1, sem="acq_rel")
+        applies = arrived == tl.num_programs(0) - 1
+    else:
+        applies = pid == 0
+
+    if applies:
+        tl.store(usage_ptr + slot, step, mask=hit)
+        out = tl.where(valid, slot, -1)                                   # [R]
+        installed = tl.zeros((), tl.int32)
+        if k > 0:
+            if MULTI:
+                m = tl.arange(0, MERGE_BLOCK)                             # [G*R] candidates
+                m_ok = ((m // ROUTE_BLOCK) < tl.num_programs(0)) & ((m % ROUTE_BLOCK) < k)
+                cand = tl.load(part_keys_ptr + m, mask=m_ok, other=0x7FFFFFFFFFFFFFFF,
+                               volatile=True)
+                cand_owner = tl.load(part_owner_ptr + m, mask=m_ok, other=-1, volatile=True)
+            else:
+                cand = key
+                cand_owner = owner
+            prev_order = tl.full((), 0x7FFFFFFFFFFFFFFF, tl.int64)
+            prev_victim = tl.full((), -1, tl.int64)
+            for i in range(0, k):
+                cur = tl.max(tl.where(order_key < prev_order, order_key, -1), axis=0)
+                prev_order = cur
+                expert = (E_BLOCK - 1) - (cur % E_BLOCK)
+                vkey = tl.min(tl.where(cand > prev_victim, cand, 0x7FFFFFFFFFFFFFFF), axis=0)
+                old = tl.max(tl.where(cand == vkey, cand_owner, -1), axis=0)
+                prev_victim = vkey
+                victim = pool_base + (vkey & ((1 << 25) - 1))
+                if (promoted == 0) | ((vkey >> 25) == 0):
+                    tl.store(slot_for_id_ptr + old, -1, mask=old >= 0)
+                    tl.store(id_of_slot_ptr + victim, (row + expert).to(tl.int32))
+                    tl.store(slot_for_id_ptr + row + expert, victim.to(tl.int32))
+                    tl.store(usage_ptr + victim, step)
+                    tl.store(evict_ptr + i, victim.to(tl.int32))
+                    tl.store(src_ptr + i, expert.to(tl.int32))
+                    out = tl.where(e64 == expert, victim, out)
+                    installed += 1
+        if MULTI:
+            tl.store(arrive_ptr, 0)
+        bad = in_r & ((e64 < -1) | (e64 >= NUM_EXPERTS))
+        tl.atomic_or(error_ptr, 1, mask=tl.max(bad.to(tl.int32), axis=0) > 0)
+        tl.store(num_indices_ptr, installed)
+        tl.store(num_missing_ptr, num_misses.to(tl.int32))
+        tl.store(mark_ptr + e64, step, mask=valid)
+        tl.store(recency_ptr + row + e64, step, mask=valid)
+        tl.debug_barrier()   # every thread has read its routes before any is rewritten
+        tl.store(ids_ptr + r, out.to(e.dtype), mask=in_r)
+        tl.store(step_ptr, step)
