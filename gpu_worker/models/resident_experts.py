@@ -73,7 +73,7 @@ def gathered_expert_ffn(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: t
     T, K = topk_ids.shape
     inter = w2.shape[2]
     flat_ids = topk_ids.reshape(-1)                                   # [P = T*K]
-    xp = x.repeat_interleave(K, dim=0).unsqueeze(2)                   # [P, H, 1]
+    xp = x.unsqueeze(1).expand(T, K, x.shape[1]).reshape(T * K, -1, 1)  # [P, H, 1], pair p = t*K + k
     h = torch.bmm(w13.index_select(0, flat_ids), xp).squeeze(2)       # [P, 2I]
     h = (F.silu(h[:, :inter]) * h[:, inter:]).unsqueeze(2)            # [P, I, 1]
     y = torch.bmm(w2.index_select(0, flat_ids), h).squeeze(2)         # [P, H]
