@@ -189,6 +189,8 @@ class CpuWorker:
         t0 = time.perf_counter_ns()
         layer_stats = LayerStats(0, 0)
         try:
+            if req.malformed:
+                raise ValueError("token or triple count outside the channel's layout")
             if req.num_triples == 0:
                 req.out.zero_()
             else:
