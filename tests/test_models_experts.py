@@ -100,6 +100,25 @@ def test_checkpoint_source_fills_hub_and_fused_layouts_identically(tmp_path):
         assert torch.equal(w13, ref_w13) and torch.equal(w2, ref_w2), fmt
 
 
+def test_sources_fill_a_padded_row_view_in_place(tmp_path):
+    """The shared-memory store pads each expert to 4 KiB; sources write straight into such a view."""
+    hf = hf_model("olmoe", seed=6)
+    d = save_hf(hf, tmp_path / "o")
+    src = CheckpointExpertSource(CheckpointReader(d), MoeConfig.from_dir(d), torch.float32)
+    n = src.layout.expert_numel
+    backing = torch.full((E, n + 1024 // 4), -7.0)                       # row stride padded by 1 KiB
+    view = backing[:, :n]
+    src.fill_layer(0, view)
+    w13, w2 = unpack_experts(view, src.layout)
+    assert torch.equal(w13, hf.model.layers[0].mlp.experts.gate_up_proj.detach())
+    assert torch.equal(w2, hf.model.layers[0].mlp.experts.down_proj.detach())
+    assert torch.all(backing[:, n:] == -7.0)                             # padding untouched
+    x, ids, weights = torch.randn(3, H), torch.tensor([[0, 5], [7, 1], [5, 2]]), torch.full((3, 2), 0.5)
+    for mode in ("grouped", "gather"):
+        out = ResidentExperts([view], src.layout, mode=mode).forward(0, x, ids, weights)
+        assert rel_err(out, naive_moe(x, ids, weights, w13, w2)) < 1e-5, mode
+
+
 def test_random_source_is_seeded_per_layer_and_order_independent():
     cfg = MoeConfig(arch="qwen3", vocab_size=32, hidden_size=H, num_layers=3, num_heads=4, num_kv_heads=2,
                     head_dim=16, num_experts=E, top_k=2, expert_intermediate_size=I, rms_norm_eps=1e-6,
@@ -121,7 +140,7 @@ def test_random_source_is_seeded_per_layer_and_order_independent():
     assert 0.015 < again.std().item() < 0.025
 
 
-def test_backend_factory_resident_and_offload_not_yet():
+def test_backend_factory_resident_and_offload():
     cfg = MoeConfig(arch="mixtral", vocab_size=32, hidden_size=H, num_layers=2, num_heads=4, num_kv_heads=2,
                     head_dim=16, num_experts=E, top_k=2, expert_intermediate_size=I, rms_norm_eps=1e-5,
                     rope_theta=1e6, max_position_embeddings=64)
@@ -129,7 +148,12 @@ def test_backend_factory_resident_and_offload_not_yet():
     backend = make_expert_backend("resident", src, "cpu")
     assert isinstance(backend, ResidentExperts) and backend.num_layers == 2 and backend.num_experts == E
     assert backend.nbytes == 2 * E * src.layout.expert_nbytes
-    with pytest.raises(BackendNotAvailableError, match="not available yet"):
-        make_expert_backend("offload", src, "cpu", cache_size=4)
+    offload = make_expert_backend("offload", src, "cpu", cache_size=E + 1)
+    try:
+        assert offload.cache.num_slots == E + 1 and offload.num_layers == 2
+    finally:
+        offload.close()
+    with pytest.raises(ValueError, match=f"at least {E} slots"):
+        make_expert_backend("offload", src, "cpu", cache_size=E - 1)
     with pytest.raises(ValueError, match="not one of"):
         make_expert_backend("magic", src, "cpu")

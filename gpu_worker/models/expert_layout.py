@@ -4,7 +4,8 @@ A layer's experts live in one flat tensor ``packed: [E, N]`` with ``N = expert_n
 expert e: its ``w13`` [2I, H] (gate rows, then up rows) followed by its ``w2`` [H, I], row-major,
 in the checkpoint dtype. The offload backend's slots, the shared-memory expert store and the CPU
 expert pool all use exactly this layout, so an expert moves between them as one copy of
-``expert_nbytes`` bytes.
+``expert_nbytes`` bytes. Rows may be padded (row stride > N, as in proto/expert_store.py's
+``layer_view``); every function here accepts such a view.
 
     packed[e] = [ gate (I*H) | up (I*H) | down (H*I) ]
                   \\____ w13: 2*I*H ____/  \\_ w2: H*I _/
@@ -51,8 +52,9 @@ class ExpertLayout:
                              f"I={self.intermediate_size})")
         if packed.dtype != self.dtype:
             raise ValueError(f"packed experts are {packed.dtype}, layout expects {self.dtype}")
-        if packed.stride(1) != 1 or packed.stride(0) != self.expert_numel:
-            raise ValueError("packed experts must be contiguous rows of expert_numel elements")
+        if packed.stride(1) != 1 or packed.stride(0) < self.expert_numel:
+            raise ValueError("packed experts must be rows of expert_numel contiguous elements (a row "
+                             "stride padded beyond expert_numel is fine, e.g. the shared-memory store's)")
 
 
 def pack_experts(w13: torch.Tensor, w2: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
