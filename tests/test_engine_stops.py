@@ -74,8 +74,11 @@ def test_add_request_validation(model):
     with pytest.raises(ValueError, match=r"outside the vocabulary \[0, 128\)"):
         engine.add_request([1, 128, 2])
     engine.add_request([1, 2], request_id="x")
+    engine.add_request([1, 2], request_id=0)
+    assert engine.add_request([1, 2]) == 1                 # fresh ids skip ids a caller chose
     with pytest.raises(ValueError, match="already in use"):
         engine.add_request([3], request_id="x")
     with pytest.raises(RuntimeError, match="idle engine"):
         engine.generate([[1]])
-    assert engine.abort("x") and not engine.has_work() and not engine.abort("nope")
+    assert engine.abort("x") and engine.abort(0) and engine.abort(1)
+    assert not engine.has_work() and not engine.abort("nope")

@@ -88,6 +88,8 @@ class Engine:
             raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
         if request_id is None:
             request_id = next(self._ids)
+            while self.scheduler.find(request_id) is not None:   # a caller used this int already
+                request_id = next(self._ids)
         elif self.scheduler.find(request_id) is not None:
             raise ValueError(f"request id {request_id!r} is already in use")
         self.scheduler.add(Request(request_id, prompt_ids, params, RequestSampler(params, self.device),
