@@ -22,6 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from cpu_expert_pool.expert_kernel import ExpertKernel  # noqa: E402
+from cpu_expert_pool.topology import discover_placements  # noqa: E402
 from cpu_expert_pool.native.build import ISA_NAMES, try_load_native  # noqa: E402
 from proto.expert_store import ExpertStore  # noqa: E402
 
@@ -64,7 +65,8 @@ def fill_store(store: ExpertStore) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
+    parser.add_argument("--threads", type=int, default=None,
+                        help="compute threads (default: one per physical core of this process's affinity)")
     parser.add_argument("--experts", type=int, default=128, help="experts in the store (one layer)")
     parser.add_argument("--batches", default="1,4,16", help="tokens per expert per call")
     parser.add_argument("--repeats", type=int, default=40)
@@ -73,6 +75,8 @@ def main() -> int:
     parser.add_argument("--no-pin", action="store_true", help="do not pin compute threads to cores")
     args = parser.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
+    if args.threads is None:
+        args.threads = sum(p.num_threads for p in discover_placements())
 
     name = f"ft-bench-experts-{os.getpid()}"
     store = ExpertStore.create(name, num_layers=1, num_experts=args.experts, dtype=torch.bfloat16,
@@ -94,7 +98,8 @@ def main() -> int:
             kernels.append("native")
             if args.isas:
                 kernels += [f"native-{ISA_NAMES[i]}" for i in range(native.best_isa - 1, -1, -1)]
-        cpus = sorted(os.sched_getaffinity(0))[:args.threads]
+        # One compute thread per physical core (SMT siblings left idle), as the worker pins them.
+        cpus = list(discover_placements()[0].compute_cpus)[:args.threads]
         rows = []
         for kernel_name in kernels:
             kernel = ExpertKernel(store, kernel=kernel_name, num_threads=args.threads)

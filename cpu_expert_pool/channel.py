@@ -16,9 +16,10 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from proto.shm_layout import (NUM_SLOTS, STATUS_NAMES, STATUS_OK, STATUS_PROTOCOL_ERROR, WORKER_SERVING,
-                              WORKER_STARTING, WORKER_STATE_NAMES, WORKER_STOPPED, ChannelLayout, ChannelViews,
-                              ShmSegment, attach_channel, create_channel, process_start_ticks)
+from proto.shm_layout import (DONE_SEQ_OFFSET, HEARTBEAT_NS_OFFSET, NUM_SLOTS, REQUEST_SEQ_OFFSET, STATUS_NAMES,
+                              STATUS_OK, STATUS_PROTOCOL_ERROR, WORKER_SERVING, WORKER_STARTING, WORKER_STATE_NAMES,
+                              WORKER_STOPPED, ChannelLayout, ChannelViews, ShmSegment, attach_channel,
+                              create_channel, cuda_host_register, cuda_host_unregister, process_start_ticks)
 
 NS_PER_S = 1_000_000_000
 LIVENESS_CHECK_INTERVAL_S = 0.001     # client: how often a waiting call checks that the worker lives
@@ -138,6 +139,7 @@ class CpuPoolClient:
         self._epoch = -1
         self._pidfd: int | None = None
         self._start_ticks: int | None = None
+        self._pinned = False
 
     # -- connection -----------------------------------------------------------------------------
     @property
@@ -193,6 +195,27 @@ class CpuPoolClient:
 
     def heartbeat_age_s(self) -> float:
         return (time.monotonic_ns() - self._words.heartbeat_ns[0]) / NS_PER_S
+
+    # -- GPU stream access ----------------------------------------------------------------------
+    def pin_for_cuda(self) -> bool:
+        """cudaHostRegister the whole channel (doorbell + buffers), so copy engines can move hidden
+        states and partial sums directly and the stream can write/await the counters. False without CUDA."""
+        if not self._pinned:
+            self._pinned = cuda_host_register(self._seg.address, self._seg.nbytes, readonly=False,
+                                              what=f"CPU-worker channel {self.name!r}")
+        return self._pinned
+
+    def doorbell_addresses(self) -> dict[str, int]:
+        """Host addresses of the 8-byte counters (for cuStreamWriteValue64 / cuStreamWaitValue64 after
+        pin_for_cuda; with unified addressing the device pointer is the same address)."""
+        base = self._seg.address
+        return {"request_seq": base + REQUEST_SEQ_OFFSET, "done_seq": base + DONE_SEQ_OFFSET,
+                "heartbeat_ns": base + HEARTBEAT_NS_OFFSET}
+
+    def slot_addresses(self, layer: int) -> dict[str, int]:
+        """Host addresses of the buffers of layer `layer`'s slot (see ChannelLayout.slot_offsets)."""
+        base = self._seg.address
+        return {name: base + offset for name, offset in self.layout.slot_offsets(layer % NUM_SLOTS).items()}
 
     # -- requests -------------------------------------------------------------------------------
     def submit(self, layer: int, hidden: torch.Tensor,
@@ -293,6 +316,9 @@ class CpuPoolClient:
 
     def close(self) -> None:
         self._disconnect()
+        if self._pinned:
+            cuda_host_unregister(self._seg.address)
+            self._pinned = False
         del self._slots, self._lines, self._views, self._words
         self._seg.close()
 

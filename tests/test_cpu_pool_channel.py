@@ -2,6 +2,7 @@
 restart semantics, the worker's idle policy."""
 from __future__ import annotations
 
+import ctypes
 import os
 import threading
 import time
@@ -121,6 +122,10 @@ def test_layout_puts_each_counter_on_its_own_line_and_arrays_on_pages():
 def test_round_trip_matches_the_reference(store, chan):
     worker = ThreadWorker(chan, store).start()
     client = CpuPoolClient(chan)
+    assert client.pin_for_cuda() is torch.cuda.is_available()
+    doorbell = client.doorbell_addresses()
+    assert all(addr % sl.CACHE_LINE_BYTES == 0 for addr in doorbell.values())
+    assert client.slot_addresses(3)["hidden"] == client.slot_addresses(1)["hidden"] != client.slot_addresses(0)["hidden"]
     assert client.wait_for_worker(timeout_s=5) == os.getpid()
     for layer in range(L):
         hidden, triples = batch(5, seed=layer)
@@ -129,6 +134,9 @@ def test_round_trip_matches_the_reference(store, chan):
         assert partial.shape == (5, H)
         torch.testing.assert_close(partial, ref, rtol=0.02, atol=0.02 * float(ref.abs().max()))
         assert client.last_compute_ns(layer) == 123
+    # The published addresses are the counters themselves (what a GPU stream would write / await).
+    assert ctypes.c_int64.from_address(doorbell["done_seq"]).value == L
+    assert ctypes.c_int64.from_address(doorbell["request_seq"]).value == L
     worker.stop()
     client.close()
 
