@@ -48,7 +48,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     samp.add_argument("--stop-token-ids", type=_int_list, default=[], metavar="IDS")
     run_g = parser.add_argument_group("engine")
     run_g.add_argument("--moe-strategy", choices=STRATEGY_CHOICES, default="resident")
-    run_g.add_argument("--moe-cache-size", type=int, default=None, metavar="N",
+    run_g.add_argument("--moe-cache-size", type=str, default=None, metavar="N|FRACTION",
                        help="GPU expert slots (offload)")
     run_g.add_argument("--device", choices=DEVICE_CHOICES, default="auto")
     run_g.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto", help="auto: the checkpoint's")
@@ -108,8 +108,18 @@ def run(args: argparse.Namespace) -> int:
               "decode_s": s.decode_time_s, "generate_s": total_s,
               "total_s": time.perf_counter() - t_start,
               "prefill_tokens_per_s": s.prefill_tokens_per_s, "decode_tokens_per_s": s.decode_tokens_per_s}
+    experts = loaded.model.experts
+    expert_stats = None
+    if hasattr(experts, "stats"):   # offload: fetch counters and measured copy bandwidth
+        copy_s = experts.collect_copy_time()
+        st = experts.stats
+        expert_stats = {"fetched": st.fetched, "distinct_misses": st.distinct_misses,
+                        "copy_bytes": st.copy_bytes, "copy_time_s": copy_s,
+                        "copy_gb_per_s": st.copy_bytes / copy_s / 1e9 if copy_s > 0 else None}
+    if hasattr(experts, "close"):
+        experts.close()             # the offload backend unlinks its shared-memory store
     if args.json:
-        print(json.dumps({"token_ids": tokens, "text": text, "prompt_token_ids": prompt,
+        print(json.dumps({"token_ids": tokens, "experts": expert_stats, "text": text, "prompt_token_ids": prompt,
                           "finish_reason": finish_reason, "model": loaded.source.description,
                           "device": str(loaded.device), "moe_strategy": args.moe_strategy,
                           "timing": timing}))

@@ -60,7 +60,7 @@ def test_plain_output_streams_text(capsys):
 
 
 @pytest.mark.parametrize("argv,message", [
-    (["--prompt-ids", "1,2", "--moe-strategy", "offload", "--moe-cache-size", "8"], "offload is not available yet"),
+    (["--prompt-ids", "1,2", "--moe-strategy", "offload", "--moe-cache-size", "5"], "at least 8 slots"),
     (["--prompt-ids", "1,2", "--model", "/nonexistent/model"], "config.json not found"),
     (["--prompt-ids", "1,99999"], "outside the vocabulary"),
     (["--prompt-ids", "1,2", "--chat"], "--chat needs --prompt"),

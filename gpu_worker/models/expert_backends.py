@@ -19,18 +19,29 @@ class BackendNotAvailableError(RuntimeError):
 
 
 def make_expert_backend(strategy: str, source: ExpertSource, device: torch.device | str,
-                        cache_size: int | None = None, mode: str = "auto") -> ExpertBackend:
+                        cache_size: int | float | str | None = None, mode: str = "auto",
+                        per_layer: bool = False) -> ExpertBackend:
     """Build the expert backend for ``strategy`` on ``device``.
 
-    cache_size: GPU expert slots for ``offload`` (ignored by ``resident``, which holds all experts).
+    cache_size: GPU expert slots for ``offload``: a count, or a fraction in (0, 1] of all experts
+        (default 0.25); ignored by ``resident``, which holds all experts.
+    per_layer: ``offload`` gives every layer its own pool of cache_size // num_layers slots.
     mode: ``ResidentExperts`` compute mode (auto | grouped | gather).
     """
     if strategy == "resident":
         return ResidentExperts.from_source(source, device, mode=mode)
     if strategy == "offload":
-        raise BackendNotAvailableError(
-            "--moe-strategy offload is not available yet (the expert slot-cache backend is still being "
-            "wired in); use --moe-strategy resident, which needs GPU memory for every expert "
-            f"({source.num_layers * source.num_experts * source.layout.expert_nbytes / 2**30:.1f} GiB "
-            "for this model)")
+        import atexit
+
+        from gpu_worker.offload import HostExperts, OffloadExperts, resolve_cache_slots
+        slots = resolve_cache_slots(cache_size, source.num_layers, source.num_experts, per_layer)
+        device = torch.device(device)
+        host = HostExperts.create_filled(source, staging_device=device if device.type == "cuda" else None)
+        try:
+            backend = OffloadExperts(host, slots, device, per_layer=per_layer, mode=mode)
+        except BaseException:
+            host.close()
+            raise
+        atexit.register(backend.close)     # the shared-memory store is unlinked by its creator
+        return backend
     raise ValueError(f"--moe-strategy {strategy!r} is not one of {', '.join(STRATEGIES)}")

@@ -124,7 +124,7 @@ def open_model_source(model_dir: str | Path | None = None, preset: str | None = 
 
 def load_model(model_dir: str | Path | None = None, preset: str | None = None, *,
                device: str | torch.device = "auto", dtype: str | torch.dtype | None = "auto",
-               moe_strategy: str = "resident", moe_cache_size: int | None = None, seed: int = 0,
+               moe_strategy: str = "resident", moe_cache_size: int | float | str | None = None, seed: int = 0,
                expert_compute: str = "auto") -> LoadedModel:
     """Load dense weights and build the expert backend on ``device``; see module docstring."""
     t0 = time.perf_counter()

@@ -1,0 +1,161 @@
+"""`OffloadExperts`: every expert in host memory, a slot pool on the GPU, misses fetched per layer.
+
+forward(layer, x, topk_ids, topk_weights):
+  1. `ensure` (kernels/slot_cache) marks hits, plans a copy for every miss (fraction 1.0: offload)
+     and rewrites the routes to slot ids.
+  2. `copy_missing` executes the plan on the copy stream: one DMA of expert_nbytes per miss,
+     host store -> slot, ordered after every GEMM already queued (an event on the compute stream)
+     so that no slot is overwritten while an earlier layer still reads it.
+  3. The expert GEMMs run over slot ids once the copies' event completes, with the same functions
+     as `ResidentExperts`, so greedy tokens equal the resident backend's.
+
+The plan's length lives on the device; reading it costs one small device-to-host copy per layer
+(the DMA engines need host-issued copies). Hybrid splitting (routes left at -1 for the CPU pool)
+plugs in at step 3: `cpu_share(...)` below is the seam.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from gpu_worker.models.expert_layout import ExpertLayout, unpack_experts
+from gpu_worker.models.resident_experts import MODES, gathered_expert_ffn, grouped_expert_ffn
+from kernels.slot_cache import SlotCache, ensure
+
+from .host_store import HostExperts
+
+
+def resolve_cache_slots(cache_size: float | int | str | None, num_layers: int, num_experts: int,
+                        per_layer: bool = False) -> int:
+    """Slots per pool from --moe-cache-size: an int (slots) or a fraction in (0, 1] of all experts."""
+    total = num_layers * num_experts
+    if cache_size is None:
+        cache_size = 0.25
+    if isinstance(cache_size, str):
+        cache_size = float(cache_size) if "." in cache_size else int(cache_size)
+    if isinstance(cache_size, float):
+        if not 0.0 < cache_size <= 1.0:
+            raise ValueError(f"--moe-cache-size {cache_size} as a fraction must be in (0, 1]; or "
+                             f"give a slot count")
+        slots = max(1, round(cache_size * total))
+    else:
+        slots = int(cache_size)
+    if per_layer:
+        slots = slots // num_layers
+    need = num_experts
+    if slots < need:
+        where = "per layer" if per_layer else "in the pool"
+        raise ValueError(f"--moe-cache-size gives {slots} slots {where}, but one prefill call can "
+                         f"route all {need} experts of a layer: give at least {need} slots"
+                         f"{' per layer' if per_layer else ''} (of {total} experts in all)")
+    return slots
+
+
+@dataclass
+class OffloadStats:
+    calls: int = 0
+    routed_pairs: int = 0       # (token, expert) routes seen
+    distinct_misses: int = 0    # distinct experts missing, summed over calls
+    fetched: int = 0            # experts copied host -> GPU
+    copy_bytes: int = 0
+
+
+class OffloadExperts:
+    """Expert backend over a GPU slot pool; see the module docstring."""
+
+    def __init__(self, host: HostExperts, num_slots: int, device: torch.device | str, *,
+                 per_layer: bool = False, mode: str = "auto", gather_max_pairs: int = 16):
+        if mode not in MODES:
+            raise ValueError(f"expert compute mode {mode!r} is not one of {', '.join(MODES)}")
+        self.host, self.layout = host, host.layout
+        self.num_layers, self.num_experts = host.num_layers, host.num_experts
+        self.device = torch.device(device)
+        self.mode, self.gather_max_pairs = mode, gather_max_pairs
+        self.cache = SlotCache.create(self.num_layers, self.num_experts, num_slots,
+                                      device=self.device, per_layer=per_layer)
+        # slots: [S_total, N], the GPU copies of experts, in the same packed layout as the host
+        self.slots = self.layout.empty_layer(self.cache.total_slots, device=self.device)
+        self.w13, self.w2 = unpack_experts(self.slots, self.layout)
+        self.on_cuda = self.device.type == "cuda"
+        if self.on_cuda:
+            self.copy_stream = torch.cuda.Stream(device=self.device)
+            self._plan_host = torch.empty(2 + 2 * num_slots, dtype=torch.int32, pin_memory=True)
+        self.stats = OffloadStats()
+        self._copy_events: list[tuple[torch.cuda.Event, torch.cuda.Event, int]] = []
+        self.copy_time_s = 0.0
+
+    @property
+    def expert_nbytes(self) -> int:
+        return self.layout.expert_nbytes
+
+    def forward(self, layer_idx: int, x: torch.Tensor, topk_ids: torch.Tensor,
+                topk_weights: torch.Tensor) -> torch.Tensor:
+        slot_ids = topk_ids.to(torch.int64).contiguous().clone()         # [T, K] -> slot ids
+        ensure(self.cache, layer_idx, slot_ids, fetch_fraction=1.0, check_ids=False)
+        self.copy_missing(layer_idx)
+        self.stats.calls += 1
+        self.stats.routed_pairs += slot_ids.numel()
+        mode = self.mode
+        if mode == "auto":
+            mode = "gather" if self.on_cuda and slot_ids.numel() <= self.gather_max_pairs else "grouped"
+        ffn = gathered_expert_ffn if mode == "gather" else grouped_expert_ffn
+        return ffn(x, slot_ids, topk_weights, self.w13, self.w2)
+
+    def _read_plan(self) -> tuple[int, int, list[int], list[int]]:
+        """(copies, distinct misses, destination slots, source rows): one small D2H copy."""
+        c = self.cache
+        if not self.on_cuda:
+            n = int(c.num_indices)
+            return (n, int(c.num_missing_full), c.evict_slots[:n].tolist(),
+                    c.src_indices[:n].tolist())
+        s = c.num_slots
+        buf = self._plan_host
+        buf[0:1].copy_(c.num_indices, non_blocking=True)
+        buf[1:2].copy_(c.num_missing_full, non_blocking=True)
+        buf[2:2 + s].copy_(c.evict_slots, non_blocking=True)
+        buf[2 + s:2 + 2 * s].copy_(c.src_indices, non_blocking=True)
+        torch.cuda.current_stream(self.device).synchronize()
+        n = int(buf[0])
+        return n, int(buf[1]), buf[2:2 + n].tolist(), buf[2 + s:2 + s + n].tolist()
+
+    def copy_missing(self, layer_idx: int) -> None:
+        """Execute the copy plan of the last `ensure` (host store -> slots)."""
+        n, misses, dst, src = self._read_plan()
+        self.stats.distinct_misses += misses
+        if n == 0:
+            return
+        self.stats.fetched += n
+        self.stats.copy_bytes += n * self.expert_nbytes
+        host_layer = self.host.layers[layer_idx]                          # [E, N] host
+        if not self.on_cuda:
+            for d, s in zip(dst, src):
+                self.slots[d].copy_(host_layer[s])
+            return
+        compute = torch.cuda.current_stream(self.device)
+        queued = torch.cuda.Event()
+        queued.record(compute)                     # every GEMM already queued reads its slot first
+        start, done = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        with torch.cuda.stream(self.copy_stream):
+            self.copy_stream.wait_event(queued)
+            start.record(self.copy_stream)
+            for d, s in zip(dst, src):
+                self.slots[d].copy_(host_layer[s], non_blocking=True)
+            done.record(self.copy_stream)
+        compute.wait_event(done)
+        self._copy_events.append((start, done, n))
+
+    def collect_copy_time(self) -> float:
+        """Seconds the copy stream spent on copies so far (syncs on outstanding events)."""
+        for start, done, _ in self._copy_events:
+            done.synchronize()
+            self.copy_time_s += start.elapsed_time(done) / 1e3
+        self._copy_events.clear()
+        return self.copy_time_s
+
+    @property
+    def nbytes(self) -> int:
+        return self.slots.numel() * self.slots.element_size()
+
+    def close(self) -> None:
+        self.host.close()

@@ -1,0 +1,112 @@
+"""The `offload` backend: a slot pool fed from the host expert store, lossless against `resident`."""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from coordinator.cli import main
+from gpu_worker.engine import Engine, EngineConfig, SamplingParams
+from gpu_worker.models import load_model
+from gpu_worker.models.expert_backends import make_expert_backend
+from gpu_worker.offload import resolve_cache_slots
+
+PROMPT = [5, 17, 42, 99, 3, 250, 7, 64, 11, 300, 8]
+
+
+@pytest.fixture(autouse=True)
+def cache_dir(monkeypatch, tmp_path):
+    monkeypatch.setenv("FT_CACHE_DIR", str(tmp_path / "cache"))
+
+
+def greedy_tokens(loaded, n: int = 24, prompts=(PROMPT,)) -> list[list[int]]:
+    engine = Engine(loaded.model, EngineConfig(max_running_requests=2, max_context_tokens=128,
+                                               prefill_chunk_tokens=4),
+                    eos_token_ids=())
+    return engine.generate([list(p) for p in prompts], SamplingParams(max_new_tokens=n,
+                                                                      ignore_eos=True))
+
+
+@pytest.mark.parametrize("cache_size, per_layer", [(8, False), (13, False), ("0.5", False),
+                                                   ("1.0", False), (32, True)])
+def test_offload_gives_the_resident_tokens(cache_size, per_layer):
+    prompts = (PROMPT, PROMPT[::-1][:7])
+    resident = greedy_tokens(load_model(device="cpu"), prompts=prompts)
+    loaded = load_model(device="cpu", moe_strategy="offload", moe_cache_size=cache_size)
+    if per_layer:   # rebuild the backend with per-layer pools over the same weights
+        loaded.model.experts.close()
+        loaded.model.experts = make_expert_backend("offload", loaded.source.experts, "cpu",
+                                                   cache_size=cache_size, per_layer=True)
+    backend = loaded.model.experts
+    try:
+        assert greedy_tokens(loaded, prompts=prompts) == resident
+        stats = backend.stats
+        assert stats.fetched > 0 and stats.fetched <= stats.distinct_misses
+        total = backend.num_layers * backend.num_experts
+        if backend.cache.total_slots < total:
+            # a pool smaller than the model must have evicted: more fetches than slots
+            assert stats.fetched > backend.cache.total_slots
+        else:
+            assert stats.fetched <= total, "a pool that holds every expert fetches each once"
+    finally:
+        backend.close()
+
+
+def test_the_store_is_one_shared_segment_unlinked_on_close():
+    loaded = load_model(device="cpu", moe_strategy="offload", moe_cache_size=16)
+    backend = loaded.model.experts
+    path = f"/dev/shm/{backend.host.store.name}"
+    assert os.path.exists(path)
+    experts_bytes = backend.num_layers * backend.num_experts * backend.layout.expert_nbytes
+    assert backend.host.nbytes >= experts_bytes
+    backend.close()
+    assert not os.path.exists(path), "the creator must unlink the shared-memory store"
+
+
+@pytest.mark.parametrize("size, message", [
+    (7, "at least 8 slots"), ("1.5", r"fraction must be in \(0, 1\]"), ("0.01", "at least 8 slots"),
+])
+def test_cache_size_errors(size, message):
+    with pytest.raises(ValueError, match=message):
+        resolve_cache_slots(size, 4, 8)
+
+
+def test_cache_size_forms():
+    assert resolve_cache_slots(None, 48, 128) == round(0.25 * 48 * 128)
+    assert resolve_cache_slots("0.1", 48, 128) == 614
+    assert resolve_cache_slots("700", 48, 128) == 700
+    assert resolve_cache_slots(6144, 48, 128, per_layer=True) == 128
+    with pytest.raises(ValueError, match="at least 128 slots per layer"):
+        resolve_cache_slots(700, 48, 128, per_layer=True)
+
+
+def test_ft_generate_offload_matches_resident(capsys):
+    argv = ["generate", "--prompt-ids", "5,17,42,99", "--max-new-tokens", "12", "--ignore-eos",
+            "--device", "cpu", "--json"]
+    assert main(argv) == 0
+    resident = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert main(argv + ["--moe-strategy", "offload", "--moe-cache-size", "9"]) == 0
+    offload = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert offload["token_ids"] == resident["token_ids"] and offload["moe_strategy"] == "offload"
+
+
+def test_ft_generate_offload_cache_too_small(capsys):
+    assert main(["generate", "--prompt-ids", "5,17", "--max-new-tokens", "2", "--device", "cpu",
+                 "--moe-strategy", "offload", "--moe-cache-size", "3"]) == 2
+    assert "at least 8 slots" in capsys.readouterr().err
+
+
+@pytest.mark.gpu
+def test_gpu_offload_matches_resident_on_the_gpu():
+    prompts = (PROMPT, PROMPT[:5])
+    resident = greedy_tokens(load_model(device="cuda"), n=32, prompts=prompts)
+    loaded = load_model(device="cuda", moe_strategy="offload", moe_cache_size=9)
+    try:
+        assert greedy_tokens(loaded, n=32, prompts=prompts) == resident
+        assert loaded.model.experts.stats.fetched > 9
+        assert loaded.model.experts.collect_copy_time() > 0
+    finally:
+        loaded.model.experts.close()
+    assert torch.cuda.is_available()
