@@ -140,7 +140,7 @@ def test_random_source_is_seeded_per_layer_and_order_independent():
     assert 0.015 < again.std().item() < 0.025
 
 
-def test_backend_factory_resident_and_offload_not_yet():
+def test_backend_factory_resident_and_offload():
     cfg = MoeConfig(arch="mixtral", vocab_size=32, hidden_size=H, num_layers=2, num_heads=4, num_kv_heads=2,
                     head_dim=16, num_experts=E, top_k=2, expert_intermediate_size=I, rms_norm_eps=1e-5,
                     rope_theta=1e6, max_position_embeddings=64)
@@ -148,7 +148,12 @@ def test_backend_factory_resident_and_offload_not_yet():
     backend = make_expert_backend("resident", src, "cpu")
     assert isinstance(backend, ResidentExperts) and backend.num_layers == 2 and backend.num_experts == E
     assert backend.nbytes == 2 * E * src.layout.expert_nbytes
-    with pytest.raises(BackendNotAvailableError, match="not available yet"):
-        make_expert_backend("offload", src, "cpu", cache_size=4)
+    offload = make_expert_backend("offload", src, "cpu", cache_size=E + 1)
+    try:
+        assert offload.cache.num_slots == E + 1 and offload.num_layers == 2
+    finally:
+        offload.close()
+    with pytest.raises(ValueError, match=f"at least {E} slots"):
+        make_expert_backend("offload", src, "cpu", cache_size=E - 1)
     with pytest.raises(ValueError, match="not one of"):
         make_expert_backend("magic", src, "cpu")
