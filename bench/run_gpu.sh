@@ -18,7 +18,8 @@ for s in $sections; do
     kernels)
       python3 -m pytest -q -p no:cacheprovider tests/test_slot_cache_gpu.py \
         tests/test_slot_cache_lockstep.py tests/test_slot_cache_errors.py \
-        tests/test_slot_cache_properties.py 2>&1 | tee "$OUT/kernels_tests.log" | tail -n 5
+        tests/test_slot_cache_properties.py tests/test_offload.py tests/test_engine_gpu.py \
+        2>&1 | tee "$OUT/kernels_tests.log" | tail -n 8
       [ "${PIPESTATUS[0]}" = 0 ] || status=1
       python3 -m kernels.slot_cache.bench 2>&1 | tee "$OUT/kernels_bench.log" | tail -n 30 || status=1
       ;;

@@ -1,0 +1,169 @@
+"""Decode benchmark of the engine on a real model's shape (resident and offload), on one GPU.
+
+qwen3-30b-a3b preset (seeded random weights, bf16), batch 1, a 1K-token prompt, N decode tokens,
+median of R runs after a warm-up. Offload runs share one host expert store; greedy tokens of every
+offload run are checked against the resident run's. Prints a table last.
+Usage: python bench/bench_engine.py [--runs 5] [--decode-tokens 256] [--fractions 0.1,0.25,0.5]
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from gpu_worker.engine import Engine, EngineConfig, SamplingParams  # noqa: E402
+from gpu_worker.models import load_model  # noqa: E402
+from gpu_worker.offload import HostExperts, OffloadExperts, resolve_cache_slots  # noqa: E402
+
+
+def pcie_bandwidth(expert_bytes: int, reps: int = 50) -> float:
+    """Host (pinned) -> GPU bandwidth for expert-sized copies, bytes/s (median of reps)."""
+    src = torch.empty(expert_bytes, dtype=torch.uint8, pin_memory=True)
+    dst = torch.empty(expert_bytes, dtype=torch.uint8, device="cuda")
+    times = []
+    for _ in range(reps + 5):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        dst.copy_(src, non_blocking=True)
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / 1e3)
+    return expert_bytes / statistics.median(times[5:])
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _reset_peak() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+
+
+def _peak() -> int:
+    return torch.cuda.max_memory_allocated() if torch.cuda.is_available() else 0
+
+
+def decode_run(engine: Engine, prompt: list[int], num_tokens: int, backend) -> dict:
+    """One request: prefill, then decode; counters of the decode phase only."""
+    params = SamplingParams(max_new_tokens=num_tokens, ignore_eos=True)
+    engine.add_request(prompt, params)
+    tokens = []
+    while not tokens:                                   # prefill (chunks) up to the first token
+        tokens += [out.new_token_id for out in engine.step()]
+    before = None
+    if backend is not None:
+        backend.collect_copy_time()
+        before = (backend.stats.distinct_misses, backend.stats.fetched, backend.stats.copy_bytes,
+                  backend.copy_time_s)
+    _sync()
+    t0 = time.perf_counter()
+    while engine.has_work():
+        tokens += [out.new_token_id for out in engine.step()]
+    _sync()
+    elapsed = time.perf_counter() - t0
+    result = {"tokens": tokens, "decode_tok_s": (len(tokens) - 1) / elapsed}
+    if backend is not None:
+        backend.collect_copy_time()
+        n = len(tokens) - 1
+        misses, fetched, nbytes, copy_s = (a - b for a, b in zip(
+            (backend.stats.distinct_misses, backend.stats.fetched, backend.stats.copy_bytes,
+             backend.copy_time_s), before))
+        result.update(misses_per_token=misses / n, fetched_per_token=fetched / n,
+                      copy_gb_s=nbytes / copy_s / 1e9 if copy_s else 0.0)
+    return result
+
+
+def measure(engine, prompt, args, backend=None) -> dict:
+    decode_run(engine, prompt, min(args.decode_tokens, 32), backend)          # warm-up
+    runs = [decode_run(engine, prompt, args.decode_tokens, backend) for _ in range(args.runs)]
+    best = sorted(runs, key=lambda r: r["decode_tok_s"])[len(runs) // 2]       # the median run
+    best["all_tok_s"] = [round(r["decode_tok_s"], 2) for r in runs]
+    return best
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--preset", default="qwen3-30b-a3b")
+    parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument("--prompt-tokens", type=int, default=1024)
+    parser.add_argument("--decode-tokens", type=int, default=256)
+    parser.add_argument("--fractions", default="0.1,0.25,0.5")
+    parser.add_argument("--device", default="cuda", help="cpu: a smoke test of this script")
+    args = parser.parse_args()
+    proc = psutil.Process()
+    gen = torch.Generator().manual_seed(0)
+    rows = []
+
+    t0 = time.perf_counter()
+    loaded = load_model(preset=args.preset, device=args.device, moe_strategy="resident")
+    cfg = loaded.cfg
+    prompt = torch.randint(0, cfg.vocab_size, (args.prompt_tokens,), generator=gen).tolist()
+    print(f"loaded {args.preset} resident in {time.perf_counter() - t0:.1f} s", flush=True)
+    econf = EngineConfig(max_running_requests=1,
+                         max_context_tokens=args.prompt_tokens + args.decode_tokens + 16)
+    _reset_peak()
+    engine = Engine(loaded.model, econf, eos_token_ids=())
+    res = measure(engine, prompt, args)
+    rows.append(("resident", "-", res, _peak(), proc.memory_info().rss))
+    print("resident", res["all_tok_s"], flush=True)
+    reference_tokens = res["tokens"]
+
+    source = loaded.source.experts
+    expert_bytes = source.layout.expert_nbytes
+    total_expert_bytes = source.num_layers * source.num_experts * expert_bytes
+    loaded.model.experts = None
+    del engine
+    gc.collect()
+    torch.cuda.empty_cache()
+    t0 = time.perf_counter()
+    host = HostExperts.create_filled(source, staging_device=args.device)
+    print(f"host store {host.nbytes / 1e9:.1f} GB filled and pinned ({host.pinned}) in "
+          f"{time.perf_counter() - t0:.1f} s", flush=True)
+    bw = pcie_bandwidth(expert_bytes) if args.device == "cuda" else 1e9
+    try:
+        for frac in [float(f) for f in args.fractions.split(",")]:
+            slots = resolve_cache_slots(frac, source.num_layers, source.num_experts)
+            backend = OffloadExperts(host, slots, args.device)
+            loaded.model.experts = backend
+            _reset_peak()
+            engine = Engine(loaded.model, econf, eos_token_ids=())
+            r = measure(engine, prompt, args, backend)
+            r["lossless"] = r["tokens"] == reference_tokens
+            rows.append((f"offload {frac:.0%}", slots, r, _peak(),
+                         proc.memory_info().rss))
+            print(f"offload {frac}", r["all_tok_s"], flush=True)
+            loaded.model.experts = None
+            del engine, backend
+            gc.collect()
+            torch.cuda.empty_cache()
+    finally:
+        host.close()
+
+    print(f"\n{args.preset} {source.layout.dtype}, {torch.cuda.get_device_name() if args.device == 'cuda' else 'cpu'}, batch 1, prompt "
+          f"{args.prompt_tokens}, {args.decode_tokens} decode tokens, median of {args.runs} runs; "
+          f"expert {expert_bytes / 1e6:.2f} MB, experts {total_expert_bytes / 1e9:.1f} GB; "
+          f"PCIe (pinned, expert-sized copies) {bw / 1e9:.1f} GB/s")
+    print(f"{'backend':<13} {'slots':>5} {'tok/s':>7} {'roofline':>8} {'%roof':>5} {'miss/tok':>8} "
+          f"{'copy GB/s':>9} {'lossless':>8} {'GPU GiB':>7} {'RSS/exp':>7}")
+    for name, slots, r, peak, rss in rows:
+        miss = r.get("misses_per_token")
+        roof = bw / (miss * expert_bytes) if miss else float("nan")
+        pct = 100 * r["decode_tok_s"] / roof if miss else float("nan")
+        print(f"{name:<13} {slots!s:>5} {r['decode_tok_s']:>7.2f} {roof:>8.2f} {pct:>5.0f} "
+              f"{(miss or 0):>8.1f} {r.get('copy_gb_s', 0):>9.1f} {str(r.get('lossless', '-')):>8} "
+              f"{peak / 2**30:>7.1f} {rss / total_expert_bytes:>7.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
