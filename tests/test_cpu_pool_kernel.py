@@ -18,7 +18,7 @@ BF16_UNIT_ROUNDOFF = 2.0 ** -8
 # Paths that round x, h (and, in torch, the GEMM outputs) to bf16: a few bf16 roundings of the output scale.
 BF16_PATH_TOL = 4 * BF16_UNIT_ROUNDOFF
 FP32_PATH_TOL = 1e-5            # bf16 weights widened exactly, fp32 math: only summation order differs
-BF16_PATHS = {"torch", "native-avx512_bf16"}
+BF16_PATHS = {"torch", "native-avx512_bf16", "native-amx_bf16"}
 
 # (H, I, E): multiples of the vector widths, and sizes with tails on every ISA.
 SHAPES = {"aligned": (128, 64, 6), "tails": (88, 40, 5)}

@@ -24,7 +24,7 @@ SOURCE = Path(__file__).with_name("expert_ffn.c")
 CFLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-fno-strict-aliasing", "-Wall")
 LIBS = ("-lm",)
 BUILD_TIMEOUT_S = 120
-ISA_NAMES = {0: "scalar", 1: "avx2", 2: "avx512", 3: "avx512_bf16"}
+ISA_NAMES = {0: "scalar", 1: "avx2", 2: "avx512", 3: "avx512_bf16", 4: "amx_bf16"}
 ISA_BY_NAME = {v: k for k, v in ISA_NAMES.items()}
 ERRORS = {-1: "a token index is outside [0, T)", -2: "an expert id is outside [0, E)",
           -3: "out of memory for scratch buffers", -4: "that ISA is not supported by this CPU",

@@ -8,9 +8,11 @@
  * gate/up rows of all groups into contiguous ranges (h = silu(g) * u); phase 2 splits the H output
  * rows, each thread adding every group's contribution to its own rows (no atomics, no races).
  *
- * ISAs, chosen at run time (ft_best_isa): 3 AVX-512 BF16 (_mm512_dpbf16_ps; x and h rounded to
- * bf16, fp32 accumulation), 2 AVX-512F, 1 AVX2+FMA (bf16 weights widened to fp32, fp32 x and h),
- * 0 portable C. Built without -march: only the functions with a target attribute use those units.
+ * ISAs, chosen at run time (ft_best_isa): 4 AMX-BF16 tiles for experts with >= AMX_MIN_TOKENS
+ * tokens (16 weight rows x 16 tokens per tile multiply), AVX-512 BF16 for the others; 3 AVX-512 BF16
+ * (_mm512_dpbf16_ps); both round x and h to bf16 and accumulate in fp32. 2 AVX-512F, 1 AVX2+FMA
+ * (bf16 weights widened to fp32, fp32 x and h); 0 portable C. Built without -march: only functions
+ * with a target attribute use those units.
  *
  * Legend: T tokens, H hidden, I intermediate, E experts, n triples, G experts used, B tokens of one.
  */
@@ -22,13 +24,18 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 #if defined(__x86_64__)
 #include <immintrin.h>
 #endif
 
-enum { ISA_SCALAR = 0, ISA_AVX2 = 1, ISA_AVX512 = 2, ISA_AVX512_BF16 = 3 };
+enum { ISA_SCALAR = 0, ISA_AVX2 = 1, ISA_AVX512 = 2, ISA_AVX512_BF16 = 3, ISA_AMX_BF16 = 4 };
 enum { ERR_BAD_TOKEN = -1, ERR_BAD_EXPERT = -2, ERR_NO_MEMORY = -3, ERR_BAD_ISA = -4, ERR_BAD_ARGS = -5 };
 #define TOKEN_CHUNK 256   /* tokens of one expert handled per pass over a weight row pair */
+#define TILE 16           /* AMX: rows of a tile, tokens of a tile, K pairs of a tile */
+#define TILE_K 32         /* AMX: bf16 elements of K per tile multiply */
+#define AMX_MIN_TOKENS 4  /* experts with fewer tokens use the AVX-512 BF16 dot products */
 #define ALIGN_BYTES 64
 
 /* ---------------------------------------------------------------- bf16 helpers */
@@ -44,16 +51,30 @@ static inline uint16_t f32_to_bf16(float f) {            /* round to nearest eve
 static inline float silu(float g) { return g / (1.0f + expf(-g)); }
 
 /* ---------------------------------------------------------------- CPU features */
+static int amx_permitted(void) {                 /* Linux: a process must ask before using AMX tiles */
+#if defined(__x86_64__) && defined(SYS_arch_prctl)
+    const long arch_req_xcomp_perm = 0x1023, xfeature_xtiledata = 18;
+    return syscall(SYS_arch_prctl, arch_req_xcomp_perm, xfeature_xtiledata) == 0;
+#else
+    return 0;
+#endif
+}
+
 int ft_best_isa(void) {
+    static int best = -1;
+    if (best >= 0) return best;
+    best = ISA_SCALAR;
 #if defined(__x86_64__)
     __builtin_cpu_init();
     int avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw")
                  && __builtin_cpu_supports("avx512vl");
-    if (avx512 && __builtin_cpu_supports("avx512bf16")) return ISA_AVX512_BF16;
-    if (avx512) return ISA_AVX512;
-    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return ISA_AVX2;
+    if (avx512 && __builtin_cpu_supports("avx512bf16"))
+        best = __builtin_cpu_supports("amx-bf16") && __builtin_cpu_supports("amx-tile") && amx_permitted()
+               ? ISA_AMX_BF16 : ISA_AVX512_BF16;
+    else if (avx512) best = ISA_AVX512;
+    else if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) best = ISA_AVX2;
 #endif
-    return ISA_SCALAR;
+    return best;
 }
 
 /* ---------------------------------------------------------------- dot products
@@ -272,23 +293,96 @@ static inline void dot2_rows_bf16(const uint16_t *wa, const uint16_t *wb, int K,
 #endif
 }
 
+/* ---------------------------------------------------------------- AMX tiles
+ * Tiles: 0, 1 accumulators C [16 rows][16 tokens] fp32; 2, 3 weights A [16 rows][32 K] bf16, loaded
+ * straight from the store (row stride = the row length); 4 activations B [16 K pairs][16 tokens x 2]
+ * bf16 in the "VNNI" layout: B[kk][n][p] = x[n][2 kk + p], packed once per call. */
+#if defined(__x86_64__)
+#define T_AMX __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,amx-tile,amx-bf16")))
+typedef struct { uint8_t palette, start_row, reserved[14]; uint16_t colsb[16]; uint8_t rows[16]; } tile_config;
+
+/* A global, not a stack struct: GCC 12 does not see ldtilecfg read its operand and drops the stores. */
+static const tile_config TILE_CONFIG = {1, 0, {0}, {64, 64, 64, 64, 64, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0},
+                                        {TILE, TILE, TILE, TILE, TILE, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0}};
+
+T_AMX static void amx_configure(void) { _tile_loadconfig(&TILE_CONFIG); }
+T_AMX static void amx_release(void) { _tile_release(); }
+
+/* c0 [16][16] = A(wa rows) . B, c1 = A(wb rows) . B over K (a multiple of 32); row strides in elements. */
+T_AMX static void amx_two_blocks(const uint16_t *wa, const uint16_t *wb, int64_t wstride, int K,
+                                 const uint16_t *bv, float *c0, float *c1) {
+    _tile_zero(0);
+    _tile_zero(1);
+    for (int k = 0; k < K; k += TILE_K) {
+        _tile_loadd(2, wa + k, wstride * 2);
+        _tile_loadd(3, wb + k, wstride * 2);
+        _tile_loadd(4, bv + (int64_t)(k / 2) * TILE * 2, 64);
+        _tile_dpbf16ps(0, 2, 4);
+        _tile_dpbf16ps(1, 3, 4);
+    }
+    _tile_stored(0, c0, 64);
+    _tile_stored(1, c1, 64);
+}
+#endif
+
 /* ---------------------------------------------------------------- scratch (grow-only, per process) */
 static pthread_mutex_t g_lock = PTHREAD_MUTEX_INITIALIZER;
-static void *g_scratch = NULL;
-static size_t g_scratch_bytes = 0;
+typedef struct { void *ptr; size_t bytes; } buffer;
+static buffer g_meta = {NULL, 0};     /* the sort and per-group offsets */
+static buffer g_work = {NULL, 0};     /* converted x, h, packed x */
 
 static size_t align_up(size_t v) { return (v + ALIGN_BYTES - 1) / ALIGN_BYTES * ALIGN_BYTES; }
 
-static void *scratch(size_t nbytes) {
-    if (nbytes <= g_scratch_bytes) return g_scratch;
-    free(g_scratch);
-    g_scratch_bytes = 0;
-    g_scratch = aligned_alloc(ALIGN_BYTES, align_up(nbytes));
-    if (g_scratch) g_scratch_bytes = align_up(nbytes);
-    return g_scratch;
+static void *reserve(buffer *b, size_t nbytes) {    /* contents are not kept when it grows */
+    if (nbytes <= b->bytes && b->ptr) return b->ptr;
+    free(b->ptr);
+    b->bytes = 0;
+    b->ptr = aligned_alloc(ALIGN_BYTES, align_up(nbytes ? nbytes : 1));
+    if (b->ptr) b->bytes = align_up(nbytes ? nbytes : 1);
+    return b->ptr;
 }
 
 /* ---------------------------------------------------------------- the layer call */
+/* Phase-1 rows i0 .. i0+nrows of group g, dot-product path: h[b][i] row-major for the group's tokens. */
+static void phase1_rows_dot(int isa, int use_bf16, const uint16_t *w13, int H, int I, int i0, int nrows,
+                            const void *x, const int32_t *toks, int B, void *h, float *ra, float *rb) {
+    for (int i = i0; i < i0 + nrows; ++i) {
+        const uint16_t *gate = w13 + (int64_t)i * H, *up = w13 + (int64_t)(I + i) * H;
+        for (int b0 = 0; b0 < B; b0 += TOKEN_CHUNK) {
+            const int nb = B - b0 < TOKEN_CHUNK ? B - b0 : TOKEN_CHUNK;
+            if (use_bf16) {
+                dot2_rows_bf16(gate, up, H, (const uint16_t *)x, H, toks + b0, nb, ra, rb);
+                for (int b = 0; b < nb; ++b) ((uint16_t *)h)[(int64_t)(b0 + b) * I + i] = f32_to_bf16(silu(ra[b]) * rb[b]);
+            } else {
+                dot2_rows_f32(isa, gate, up, H, (const float *)x, H, toks + b0, nb, ra, rb);
+                for (int b = 0; b < nb; ++b) ((float *)h)[(int64_t)(b0 + b) * I + i] = silu(ra[b]) * rb[b];
+            }
+        }
+    }
+}
+
+/* Phase-2 rows j0 .. j1 of one group, dot-product path: out[tok][j] += w * (down_j . h). */
+static void phase2_rows_dot(int isa, int use_bf16, const uint16_t *w2, int H, int I, int j0, int j1,
+                            const void *h, const int32_t *toks, const float *wts, int B, const int32_t *iota,
+                            float *out, float *ra, float *rb) {
+    for (int j = j0; j < j1; j += 2) {
+        const int pair = j + 1 < j1;                    /* odd tail: the second row repeats the first */
+        const uint16_t *wa = w2 + (int64_t)j * I, *wb = w2 + (int64_t)(j + pair) * I;
+        for (int b0 = 0; b0 < B; b0 += TOKEN_CHUNK) {
+            const int nb = B - b0 < TOKEN_CHUNK ? B - b0 : TOKEN_CHUNK;
+            if (use_bf16)
+                dot2_rows_bf16(wa, wb, I, (const uint16_t *)h + (int64_t)b0 * I, I, iota, nb, ra, rb);
+            else
+                dot2_rows_f32(isa, wa, wb, I, (const float *)h + (int64_t)b0 * I, I, iota, nb, ra, rb);
+            for (int b = 0; b < nb; ++b) {
+                float *o = out + (int64_t)toks[b0 + b] * H + j;
+                o[0] += wts[b0 + b] * ra[b];
+                if (pair) o[1] += wts[b0 + b] * rb[b];
+            }
+        }
+    }
+}
+
 /* Returns 0, or a negative ERR_*. stats_out[0] = experts used (G), stats_out[1] = weight bytes read. */
 int ft_moe_layer(int isa, int num_threads,
                  const void *layer_base, int64_t expert_stride_bytes, int num_experts, int H, int I,
@@ -301,30 +395,26 @@ int ft_moe_layer(int isa, int num_threads,
         if (tok[k] < 0 || tok[k] >= T) return ERR_BAD_TOKEN;
         if (expert[k] < 0 || expert[k] >= num_experts) return ERR_BAD_EXPERT;
     }
-    const int use_bf16 = isa == ISA_AVX512_BF16;
+    /* AMX needs whole tiles: K (H for gate/up, I for down) in 32s, rows in 16s. */
+    const int amx = isa == ISA_AMX_BF16 && H % TILE_K == 0 && I % TILE_K == 0;
+    const int use_bf16 = isa >= ISA_AVX512_BF16;
     const int need_x = use_bf16 ? !hidden_is_bf16 : hidden_is_bf16;   /* convert x into scratch? */
     const size_t xitem = use_bf16 ? 2 : 4;
 
     pthread_mutex_lock(&g_lock);
-    /* scratch: counts [E+1] | stok [n] | swt [n] | g_expert [G] | g_start [G+1] | iota [n] | x [T,H] | h [n,I] */
-    size_t off_counts = 0;
-    size_t off_stok = align_up(off_counts + (size_t)(num_experts + 1) * 4);
-    size_t off_swt = align_up(off_stok + (size_t)n * 4);
-    size_t off_gexp = align_up(off_swt + (size_t)n * 4);
-    size_t off_gstart = align_up(off_gexp + (size_t)n * 4);
-    size_t off_iota = align_up(off_gstart + (size_t)(n + 1) * 4);
-    size_t off_x = align_up(off_iota + (size_t)n * 4);
-    size_t off_h = align_up(off_x + (need_x ? (size_t)T * H * xitem : 0));
-    size_t total = align_up(off_h + (size_t)n * I * xitem);
-    uint8_t *s = (uint8_t *)scratch(total);
+    /* counting sort of the triples by expert (stable), in a small first scratch area */
+    const size_t meta_bytes = align_up((size_t)(num_experts + 1) * 4) + 2 * align_up((size_t)n * 4)
+                              + 4 * align_up((size_t)(n + 1) * 8) + align_up((size_t)n * 4);
+    uint8_t *s = (uint8_t *)reserve(&g_meta, meta_bytes);
     if (!s) { pthread_mutex_unlock(&g_lock); return ERR_NO_MEMORY; }
-    int32_t *counts = (int32_t *)(s + off_counts), *stok = (int32_t *)(s + off_stok);
-    float *swt = (float *)(s + off_swt);
-    int32_t *g_expert = (int32_t *)(s + off_gexp), *g_start = (int32_t *)(s + off_gstart);
-    int32_t *iota = (int32_t *)(s + off_iota);
-    void *xconv = s + off_x, *hbuf = s + off_h;
-
-    /* counting sort of the triples by expert (stable) */
+    int32_t *counts = (int32_t *)s;
+    int32_t *g_expert = (int32_t *)(s + align_up((size_t)(num_experts + 1) * 4));
+    int32_t *g_start = g_expert + align_up((size_t)(n + 1) * 8) / 4;
+    int64_t *g_hoff = (int64_t *)(g_start + align_up((size_t)(n + 1) * 8) / 4);   /* h offset (elements) */
+    int64_t *g_xoff = g_hoff + align_up((size_t)(n + 1) * 8) / 8;                 /* packed-x offset, -1: none */
+    int32_t *stok = (int32_t *)(g_xoff + align_up((size_t)(n + 1) * 8) / 8);
+    float *swt = (float *)(stok + align_up((size_t)n * 4) / 4);
+    int32_t *iota = (int32_t *)(swt + align_up((size_t)n * 4) / 4);
     memset(counts, 0, (size_t)(num_experts + 1) * 4);
     for (int k = 0; k < n; ++k) counts[expert[k] + 1]++;
     int G = 0;
@@ -339,14 +429,35 @@ int ft_moe_layer(int isa, int num_threads,
         swt[pos] = weight[k];
     }
     for (int k = 0; k < n; ++k) iota[k] = k;
+    /* per group: h rows (padded to whole 16-token tiles for AMX groups) and packed x (AMX groups only) */
+    int64_t h_elems = 0, xv_elems = 0;
+    for (int g = 0; g < G; ++g) {
+        const int B = g_start[g + 1] - g_start[g];
+        const int tiles = amx && B >= AMX_MIN_TOKENS ? (B + TILE - 1) / TILE : 0;
+        g_hoff[g] = h_elems;
+        h_elems += tiles ? (int64_t)tiles * TILE * I : (int64_t)B * I;
+        g_xoff[g] = tiles ? xv_elems : -1;
+        xv_elems += (int64_t)tiles * TILE * H;
+    }
+    const size_t off_h = align_up(need_x ? (size_t)T * H * xitem : 0);
+    const size_t off_xv = align_up(off_h + (size_t)h_elems * xitem);
+    uint8_t *w = (uint8_t *)reserve(&g_work, off_xv + (size_t)xv_elems * 2);
+    if (!w) { pthread_mutex_unlock(&g_lock); return ERR_NO_MEMORY; }
+    void *xconv = w, *hbuf = w + off_h;
+    uint16_t *xv = (uint16_t *)(w + off_xv);
 
     const uint8_t *base = (const uint8_t *)layer_base;
     const int64_t w2_off_elems = (int64_t)2 * I * H;
-    const int64_t rows1 = (int64_t)G * I;           /* phase-1 work items: (group, gate/up row pair) */
+    const int rows_per_item = amx ? TILE : 1;                  /* phase-1 work item: a block of row pairs */
+    const int64_t items1 = (int64_t)G * (I / rows_per_item);
+    const int row_blocks2 = amx ? H / TILE : H;                /* phase-2 partition unit */
 
     #pragma omp parallel num_threads(num_threads)
     {
         const int tid = omp_get_thread_num(), nth = omp_get_num_threads();
+#if defined(__x86_64__)
+        if (amx) amx_configure();
+#endif
         /* phase 0: zero out[T, H], convert x where the ISA wants the other format */
         int64_t t0 = (int64_t)T * tid / nth, t1 = (int64_t)T * (tid + 1) / nth;
         memset(out + t0 * H, 0, (size_t)(t1 - t0) * H * 4);
@@ -358,54 +469,81 @@ int ft_moe_layer(int isa, int num_threads,
         }
         const void *x = need_x ? xconv : hidden;
         #pragma omp barrier
+        if (amx) {   /* phase 0b: pack x of AMX groups, tile by tile: xv[kk][n] (bf16 pairs) = x[tok n][kk] */
+            #pragma omp for schedule(static)
+            for (int g = 0; g < G; ++g) {
+                if (g_xoff[g] < 0) continue;
+                const int B = g_start[g + 1] - g_start[g];
+                for (int tb = 0; tb < B; tb += TILE) {
+                    uint32_t *dst = (uint32_t *)(xv + g_xoff[g] + (int64_t)tb * H);
+                    for (int nn = 0; nn < TILE; ++nn) {
+                        const uint32_t *src = tb + nn < B ? (const uint32_t *)((const uint16_t *)x
+                                              + (int64_t)stok[g_start[g] + tb + nn] * H) : NULL;
+                        for (int kk = 0; kk < H / 2; ++kk) dst[(int64_t)kk * TILE + nn] = src ? src[kk] : 0;
+                    }
+                }
+            }   /* implicit barrier */
+        }
 
-        /* phase 1: h[row, i] = silu(gate_i . x) * (up_i . x) for every (group, i) in this thread's range */
+        /* phase 1: h = silu(gate . x) * (up . x) for this thread's work items */
         float ra[TOKEN_CHUNK], rb[TOKEN_CHUNK];
-        int g = 0;
-        for (int64_t r = rows1 * tid / nth, r1 = rows1 * (tid + 1) / nth; r < r1; ++r) {
-            while ((int64_t)(g + 1) * I <= r) ++g;
-            const int i = (int)(r - (int64_t)g * I);
+        for (int64_t item = items1 * tid / nth, end1 = items1 * (tid + 1) / nth; item < end1; ++item) {
+            const int g = (int)(item / (I / rows_per_item));
+            const int i0 = (int)(item % (I / rows_per_item)) * rows_per_item;
             const int B = g_start[g + 1] - g_start[g];
             const uint16_t *w13 = (const uint16_t *)(base + (int64_t)g_expert[g] * expert_stride_bytes);
-            const uint16_t *gate = w13 + (int64_t)i * H, *up = w13 + (int64_t)(I + i) * H;
-            const int32_t *toks = stok + g_start[g];
-            for (int b0 = 0; b0 < B; b0 += TOKEN_CHUNK) {
-                const int nb = B - b0 < TOKEN_CHUNK ? B - b0 : TOKEN_CHUNK;
-                const int64_t hrow = (int64_t)(g_start[g] + b0) * I + i;
-                if (use_bf16) {
-                    dot2_rows_bf16(gate, up, H, (const uint16_t *)x, H, toks + b0, nb, ra, rb);
-                    for (int b = 0; b < nb; ++b) ((uint16_t *)hbuf)[hrow + (int64_t)b * I] = f32_to_bf16(silu(ra[b]) * rb[b]);
-                } else {
-                    dot2_rows_f32(isa, gate, up, H, (const float *)x, H, toks + b0, nb, ra, rb);
-                    for (int b = 0; b < nb; ++b) ((float *)hbuf)[hrow + (int64_t)b * I] = silu(ra[b]) * rb[b];
+            void *h = (uint8_t *)hbuf + g_hoff[g] * xitem;
+#if defined(__x86_64__)
+            if (g_xoff[g] >= 0) {
+                float cg[TILE * TILE], cu[TILE * TILE];
+                for (int tb = 0; tb < B; tb += TILE) {
+                    amx_two_blocks(w13 + (int64_t)i0 * H, w13 + (int64_t)(I + i0) * H, H, H,
+                                   xv + g_xoff[g] + (int64_t)tb * H, cg, cu);
+                    uint16_t *hv = (uint16_t *)h + (int64_t)tb * I;          /* hv[i/2][n][i%2] */
+                    for (int r = 0; r < TILE; ++r)
+                        for (int nn = 0; nn < TILE; ++nn) {
+                            const float v = tb + nn < B ? silu(cg[r * TILE + nn]) * cu[r * TILE + nn] : 0.0f;
+                            hv[((int64_t)((i0 + r) / 2) * TILE + nn) * 2 + ((i0 + r) & 1)] = f32_to_bf16(v);
+                        }
                 }
+                continue;
             }
+#endif
+            phase1_rows_dot(isa, use_bf16, w13, H, I, i0, rows_per_item, x, stok + g_start[g], B, h, ra, rb);
         }
         #pragma omp barrier
 
-        /* phase 2: out[tok, j] += w * (down_j . h) for this thread's rows j (two at a time), every group */
-        const int j0 = (int)((int64_t)H * tid / nth), j1 = (int)((int64_t)H * (tid + 1) / nth);
-        for (int gg = 0; gg < G; ++gg) {
-            const int start = g_start[gg], B = g_start[gg + 1] - start;
-            const uint16_t *w2 = (const uint16_t *)(base + (int64_t)g_expert[gg] * expert_stride_bytes) + w2_off_elems;
-            for (int j = j0; j < j1; j += 2) {
-                const int pair = j + 1 < j1;                    /* odd tail: the second row repeats the first */
-                const uint16_t *wa = w2 + (int64_t)j * I, *wb = w2 + (int64_t)(j + pair) * I;
-                for (int b0 = 0; b0 < B; b0 += TOKEN_CHUNK) {
-                    const int nb = B - b0 < TOKEN_CHUNK ? B - b0 : TOKEN_CHUNK;
-                    if (use_bf16)
-                        dot2_rows_bf16(wa, wb, I, (const uint16_t *)hbuf + (int64_t)(start + b0) * I, I, iota, nb, ra, rb);
-                    else
-                        dot2_rows_f32(isa, wa, wb, I, (const float *)hbuf + (int64_t)(start + b0) * I, I, iota, nb, ra, rb);
-                    for (int b = 0; b < nb; ++b) {
-                        float *o = out + (int64_t)stok[start + b0 + b] * H + j;
-                        const float wt = swt[start + b0 + b];
-                        o[0] += wt * ra[b];
-                        if (pair) o[1] += wt * rb[b];
+        /* phase 2: out[tok, j] += w * (down_j . h) for this thread's rows j, every group */
+        const int j0 = (int)((int64_t)row_blocks2 * tid / nth) * (amx ? TILE : 1);
+        const int j1 = (int)((int64_t)row_blocks2 * (tid + 1) / nth) * (amx ? TILE : 1);
+        for (int g = 0; g < G; ++g) {
+            const int start = g_start[g], B = g_start[g + 1] - start;
+            const uint16_t *w2 = (const uint16_t *)(base + (int64_t)g_expert[g] * expert_stride_bytes) + w2_off_elems;
+            const void *h = (const uint8_t *)hbuf + g_hoff[g] * xitem;
+#if defined(__x86_64__)
+            if (g_xoff[g] >= 0) {
+                float c0[TILE * TILE], c1[TILE * TILE];
+                for (int j = j0; j < j1; j += 2 * TILE) {
+                    const int two = j + TILE < j1;               /* a lone last block computes itself twice */
+                    for (int tb = 0; tb < B; tb += TILE) {
+                        amx_two_blocks(w2 + (int64_t)j * I, w2 + (int64_t)(j + (two ? TILE : 0)) * I, I, I,
+                                       (const uint16_t *)h + (int64_t)tb * I, c0, c1);
+                        for (int nn = 0; nn < TILE && tb + nn < B; ++nn) {
+                            float *o = out + (int64_t)stok[start + tb + nn] * H + j;
+                            const float wt = swt[start + tb + nn];
+                            for (int r = 0; r < TILE; ++r) o[r] += wt * c0[r * TILE + nn];
+                            if (two) for (int r = 0; r < TILE; ++r) o[TILE + r] += wt * c1[r * TILE + nn];
+                        }
                     }
                 }
+                continue;
             }
+#endif
+            phase2_rows_dot(isa, use_bf16, w2, H, I, j0, j1, h, stok + start, swt + start, B, iota, out, ra, rb);
         }
+#if defined(__x86_64__)
+        if (amx) amx_release();
+#endif
     }
     pthread_mutex_unlock(&g_lock);
     if (stats_out) {
