@@ -43,6 +43,13 @@ class PrefillAttention:
         if sliding_window is not None:
             mask &= k_pos > q_pos - sliding_window
         self.mask = mask
+        self._folded: dict[int, torch.Tensor] = {}   # G -> mask repeated for the folded heads
+
+    def folded_mask(self, group: int) -> torch.Tensor:
+        """[G*C, S_attn]: row g*C + c is query c's mask (built once per forward, shared by layers)."""
+        if group not in self._folded:
+            self._folded[group] = self.mask.repeat(group, 1)
+        return self._folded[group]
 
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         C, Hq, D = q.shape
@@ -53,8 +60,8 @@ class PrefillAttention:
         keys = self.kv.k[layer_idx, self.slot, : self.end].transpose(0, 1).unsqueeze(0)    # [1, Hkv, S, D]
         values = self.kv.v[layer_idx, self.slot, : self.end].transpose(0, 1).unsqueeze(0)  # [1, Hkv, S, D]
         qf = q.view(C, Hkv, G, D).permute(1, 2, 0, 3).reshape(1, Hkv, G * C, D)           # row g*C + c
-        mask = self.mask.repeat(G, 1)                                                      # [G*C, S]
-        out = F.scaled_dot_product_attention(qf, keys, values, attn_mask=mask, scale=D ** -0.5)
+        out = F.scaled_dot_product_attention(qf, keys, values, attn_mask=self.folded_mask(G),
+                                             scale=D ** -0.5)
         return out.view(Hkv, G, C, D).permute(2, 0, 1, 3).reshape(C, Hq, D)
 
 
