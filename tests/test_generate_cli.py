@@ -82,3 +82,10 @@ def test_help_lists_generate(capsys):
     out = capsys.readouterr().out
     for flag in ("--model", "--preset", "--prompt-ids", "--moe-strategy", "--moe-cache-size", "--json", "--device"):
         assert flag in out
+
+
+def test_cli_preset_choices_match_the_registry():
+    """generate_cli repeats the names (it must not import torch for --help); keep them in step."""
+    from gpu_worker.generate_cli import PRESET_CHOICES
+    from gpu_worker.models import PRESET_NAMES
+    assert tuple(PRESET_CHOICES) == tuple(PRESET_NAMES)
