@@ -19,6 +19,7 @@ VARIANTS = {
     "olmoe-clip_qkv": ("olmoe", {"clip_qkv": 0.3}),
     "mixtral-sliding_window": ("mixtral", {"sliding_window": 8}),
     "qwen3-no_norm_topk-gqa4": ("qwen3", {"norm_topk_prob": False, "num_key_value_heads": 1}),
+    "qwen3-head_dim32": ("qwen3", {"head_dim": 32}),        # Hq*D != H, as in Qwen3-30B-A3B
 }
 REL_TOL = 1e-4
 
