@@ -13,7 +13,9 @@ Every MoE layer routes, then calls ``experts.forward(layer_idx, x, topk_ids, top
   One host sync per layer (the per-expert counts); reads each routed expert once. For prefill.
 - ``gather``: gather the K routed experts of every token and run batched GEMVs. No host sync and
   fixed shapes (CUDA-graph capturable), but it copies T*K experts; for small decode batches.
-``auto`` takes ``gather`` on CUDA when T*K <= gather_max_pairs, else ``grouped``.
+``auto`` takes ``gather`` on CUDA when T*K <= gather_max_pairs (default 16, settable), else
+``grouped``. Forcing ``gather`` (mode="gather") applies to prefill too, where a long prompt would copy
+T*K experts: meant for tests and for capturing decode graphs.
 """
 from __future__ import annotations
 
