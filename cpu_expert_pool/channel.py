@@ -201,7 +201,7 @@ class CpuPoolClient:
         """cudaHostRegister the whole channel (doorbell + buffers), so copy engines can move hidden
         states and partial sums directly and the stream can write/await the counters. False without CUDA."""
         if not self._pinned:
-            self._pinned = cuda_host_register(self._seg.address, self._seg.nbytes, readonly=False,
+            self._pinned = cuda_host_register(self._seg.address, self._seg.nbytes,
                                               what=f"CPU-worker channel {self.name!r}")
         return self._pinned
 

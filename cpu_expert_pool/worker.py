@@ -34,6 +34,8 @@ LINGER_MS = 1000                # ControlLink: how long unsent control messages 
 STORE_READY_POLL_S = 0.05
 LOG_EVERY_N_ERRORS = 1000       # after the first few, log one bad request in this many
 WARMUP_TOP_K = 8
+SUPERVISOR_FD_ENV = "FT_SUPERVISOR_FD"   # coordinator/supervised_child.py's link, when it started us
+SUPERVISOR_HEARTBEAT_S = 1.0
 
 
 @dataclasses.dataclass
@@ -289,6 +291,29 @@ def _wait_config(inbox: queue.Queue, timeout_s: float) -> m.Config | None:
             inbox.put(msg)
 
 
+class SupervisorBridge:
+    """When started by coordinator/supervisor.py ($FT_SUPERVISOR_FD set): its HELLO (the store's config
+    hash) / READY / heartbeat link, with its SHUTDOWN (or the parent's end-of-file) put into the inbox."""
+
+    def __init__(self, inbox: queue.Queue):
+        from coordinator.supervised_child import SupervisorLink
+
+        self.link = SupervisorLink.from_env()
+        self.inbox = inbox
+
+    def hello(self, config_hash: str, timeout_s: float) -> None:
+        self.link.hello(config_hash, timeout_s=timeout_s)
+
+    def ready(self, heartbeat_interval_s: float) -> None:
+        self.link.ready()
+        self.link.start_background(heartbeat_interval_s)
+        threading.Thread(target=self._forward_shutdown, name="supervisor-shutdown", daemon=True).start()
+
+    def _forward_shutdown(self) -> None:
+        self.link.shutdown_requested.wait()
+        self.inbox.put(m.Shutdown("supervisor"))
+
+
 def run_cpu_worker(options: WorkerOptions) -> int:
     """Entry point of one CPU expert worker (after process_setup). Returns the exit code."""
     inbox: queue.Queue = queue.Queue()
@@ -299,6 +324,7 @@ def run_cpu_worker(options: WorkerOptions) -> int:
     if options.control_addr:
         link = ControlLink(options.control_addr, inbox, outbox, f"cpu{options.worker_index}-{os.getpid()}".encode())
         link.start()
+    supervisor = SupervisorBridge(inbox) if SUPERVISOR_FD_ENV in os.environ else None
     store = channel = None
     try:
         placements = discover_placements(num_workers=options.num_workers, reserved_cpus=options.reserved_cpus,
@@ -312,6 +338,8 @@ def run_cpu_worker(options: WorkerOptions) -> int:
             raise ShmError(f"expert store {store.name!r} has config hash {store.config_hash!r}, expected "
                            f"{options.expect_config_hash!r}: it holds another model or settings; restart the "
                            "coordinator so it reloads the store")
+        if supervisor is not None:
+            supervisor.hello(store.config_hash, options.handshake_timeout_s)
         _wait_store_ready(store, options.handshake_timeout_s)
         channel = WorkerChannel(options.channel_name)
         if channel.layout.hidden != store.shape.hidden:
@@ -334,6 +362,8 @@ def run_cpu_worker(options: WorkerOptions) -> int:
         channel.start()
         channel.serve()
         outbox.put(worker.ready_message(warmup_gbps))
+        if supervisor is not None:
+            supervisor.ready(SUPERVISOR_HEARTBEAT_S)
         log.info("serving channel %r (epoch %d), kernel %s, warm-up %.1f GB/s", channel.name, channel.epoch,
                  worker.kernel.name if worker.kernel else "?", warmup_gbps)
         cpu_busy_loop(worker, inbox)
@@ -363,3 +393,11 @@ def _cpu_features() -> list[str]:
     except OSError:
         pass
     return []
+
+
+if __name__ == "__main__":        # `python -m cpu_expert_pool.worker ...` = `ft worker cpu ...`
+    import sys
+
+    from cpu_expert_pool.cli import main
+
+    sys.exit(main())

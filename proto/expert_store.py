@@ -248,11 +248,18 @@ class ExpertStore:
 
     # -- CUDA -----------------------------------------------------------------------------------
     def pin_for_cuda(self) -> bool:
-        """cudaHostRegister the data region; False where CUDA is absent. Call after the store is filled."""
+        """cudaHostRegister the data region; False where CUDA is absent. Call after the store is filled.
+
+        The driver pins pages writable, so a read-only attach is first remapped writable in this process
+        (same addresses: views stay valid); the store's bytes are not touched."""
         if self._pinned:
             return True
-        self._pinned = cuda_host_register(self.data_ptr, self.nbytes, readonly=self.readonly,
-                                          what=f"{STORE_KIND} {self.name!r}")
+        import torch
+
+        if not torch.cuda.is_available():
+            return False
+        self._seg.remap_writable()
+        self._pinned = cuda_host_register(self.data_ptr, self.nbytes, what=f"{STORE_KIND} {self.name!r}")
         return self._pinned
 
     # -- lifetime -------------------------------------------------------------------------------

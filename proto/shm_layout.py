@@ -66,6 +66,7 @@ The client treats a dead pid (pidfd) as WorkerDead and a passed deadline as Work
 """
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import logging
 import mmap
@@ -90,6 +91,7 @@ COMMON_HEADER_BYTES = 64
 STATE_OFFSET = 32               # byte offset of the i64 state word in the common header
 SEGMENT_CREATING = 0
 SEGMENT_READY = 1
+_MAP_FIXED = getattr(mmap, "MAP_FIXED", 0x10)      # Linux value; the mmap module lacks it before 3.13
 
 _SHM_NAME_RE = re.compile(r"^[A-Za-z0-9._-]{1,200}$")
 
@@ -255,6 +257,28 @@ class ShmSegment:
     def set_state(self, state: int) -> None:
         self.u8[STATE_OFFSET:STATE_OFFSET + 8].view(np.int64)[0] = state
 
+    def remap_writable(self) -> None:
+        """Turn this process's read-only mapping into a writable one at the same address, so every view
+        stays valid (mmap MAP_FIXED over the same file range). cudaHostRegister needs a writable mapping."""
+        if not self.readonly:
+            return
+        try:
+            fd = os.open(self.path, os.O_RDWR)
+        except OSError as exc:
+            raise ShmError(f"cannot reopen {self.path} for writing ({exc.strerror}); run as the creator's user") from None
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.mmap.restype = ctypes.c_void_p
+            libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                                  ctypes.c_long]
+            got = libc.mmap(self.address, self.nbytes, mmap.PROT_READ | mmap.PROT_WRITE,
+                            mmap.MAP_SHARED | _MAP_FIXED, fd, 0)
+        finally:
+            os.close(fd)
+        if got != self.address:
+            raise ShmError(f"remapping {self.path} writable failed: {os.strerror(ctypes.get_errno())}")
+        self.readonly = False
+
     def creator_alive(self) -> bool:
         assert self.header is not None
         return creator_is_alive(self.header.creator_pid, self.header.creator_start_ticks)
@@ -321,8 +345,8 @@ def _reclaim_if_stale(path: str, name: str, magic: bytes, kind: str) -> None:
     os.unlink(path)
 
 
-def cuda_host_register(address: int, nbytes: int, *, readonly: bool, what: str) -> bool:
-    """cudaHostRegister a host range (portable). Returns False where CUDA is absent.
+def cuda_host_register(address: int, nbytes: int, *, what: str) -> bool:
+    """cudaHostRegister a host range (portable) of a writable mapping. Returns False where CUDA is absent.
 
     Register after the bytes are filled: registering first makes the driver touch (zero-fill) the
     pages. Raises RuntimeError naming the usual fixes when the driver refuses.
@@ -332,9 +356,7 @@ def cuda_host_register(address: int, nbytes: int, *, readonly: bool, what: str) 
     if not torch.cuda.is_available():
         return False
     host_register_portable = 0x01
-    host_register_read_only = 0x08
-    flags = host_register_portable | (host_register_read_only if readonly else 0)
-    code = int(torch.cuda.cudart().cudaHostRegister(address, nbytes, flags))
+    code = int(torch.cuda.cudart().cudaHostRegister(address, nbytes, host_register_portable))
     if code != 0:
         import resource
 
@@ -348,8 +370,7 @@ def cuda_host_register(address: int, nbytes: int, *, readonly: bool, what: str) 
             f"cudaHostRegister of {what} ({nbytes / 1024 ** 3:.2f} GiB at 0x{address:x}) failed: {reason}. "
             f"Fixes: raise the locked-memory limit (now {limit}; `ulimit -l unlimited`, systemd "
             "LimitMEMLOCK=infinity, docker --ulimit memlock=-1); some hosts cap pinned memory (WSL at about "
-            "half of RAM); " + ("attach with readonly=False when the device lacks read-only registration; "
-                                if readonly else "") + "or run without pinning (pageable copies are ~15x slower).")
+            "half of RAM); or run without pinning (pageable copies are ~15x slower).")
     return True
 
 

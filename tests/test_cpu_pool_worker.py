@@ -236,3 +236,47 @@ def _store_mapping(pid: int, store_name: str) -> dict:
                 entry[fields[0][:-1]] = int(fields[1])
     assert entry, f"the store {store_name} is not mapped by process {pid}"
     return entry
+
+
+def test_under_the_coordinator_supervisor_a_killed_worker_is_restarted(store, channel):
+    """coordinator/supervisor.py starts `ft worker cpu` (HELLO with the store's config hash, READY,
+    heartbeats), restarts it after SIGKILL, and the new process serves the same channel and store."""
+    import sys
+
+    from coordinator.supervisor import Supervisor, WorkerSpec
+    from cpu_expert_pool.proc import REPO_ROOT
+
+    argv = [sys.executable, "-m", "cpu_expert_pool.cli", "--store", store.name, "--channel", channel, *WORKER_ARGS]
+    spec = WorkerSpec("cpu0", argv, config_hash=store.config_hash, env={"PYTHONPATH": str(REPO_ROOT)},
+                      ready_timeout_s=START_TIMEOUT_S, backoff_initial_s=0.1, kind="cpu")
+    sup = Supervisor([spec])
+    sup.start(timeout_s=START_TIMEOUT_S)
+    client = CpuPoolClient(channel)
+    try:
+        first_pid = client.wait_for_worker(timeout_s=10)
+        assert first_pid == sup.worker_info()[0]["pid"]
+        check(store, client, layer=0, seed=1)
+        os.kill(first_pid, signal.SIGKILL)
+        with pytest.raises(WorkerDead):
+            check(store, client, layer=1, seed=2)
+        second_pid = client.wait_for_worker(timeout_s=START_TIMEOUT_S)
+        assert second_pid != first_pid and sup.worker_info()[0]["restarts"] == 1
+        check(store, client, layer=1, seed=3)
+    finally:
+        client.close()
+        sup.stop()
+    assert sup.worker_info()[0]["state"] == "stopped"
+
+
+def test_supervisor_rejects_a_worker_whose_store_has_another_config_hash(store, channel):
+    import sys
+
+    from coordinator.supervisor import Supervisor, WorkerError, WorkerSpec
+    from cpu_expert_pool.proc import REPO_ROOT
+
+    argv = [sys.executable, "-m", "cpu_expert_pool.cli", "--store", store.name, "--channel", channel, *WORKER_ARGS]
+    sup = Supervisor([WorkerSpec("cpu0", argv, config_hash="not-the-store", env={"PYTHONPATH": str(REPO_ROOT)},
+                                 ready_timeout_s=START_TIMEOUT_S, restart=False)])
+    with pytest.raises(WorkerError, match="cpu0"):
+        sup.start(timeout_s=START_TIMEOUT_S)
+    sup.stop()

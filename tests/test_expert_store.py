@@ -1,6 +1,7 @@
 """ExpertStore: byte layout contract, zero-copy attach, ownership, stale reclaim, clear errors."""
 from __future__ import annotations
 
+import ctypes
 import json
 import logging
 import os
@@ -102,6 +103,22 @@ def test_readonly_attach_refuses_writes_and_non_owner_cannot_unlink(shm_name):
         s.close()
     store.unlink()
     assert not os.path.exists(os.path.join(SHM_DIR, shm_name))
+
+
+def test_read_only_attach_can_be_remapped_writable_in_place(shm_name):
+    """What pin_for_cuda does before cudaHostRegister: same addresses, views stay valid, now writable."""
+    store = make_store(shm_name)
+    ro = ExpertStore.attach(shm_name)
+    w13, _ = ro.expert_views(1, 1)
+    address = ro.data_ptr
+    ro._seg.remap_writable()
+    assert not ro._seg.readonly and ro.data_ptr == address
+    ctypes.memset(w13.data_ptr(), 0x3F, 2)                       # would SIGSEGV on the read-only mapping
+    assert int(store.expert_views(1, 1)[0].view(torch.int16)[0, 0]) == 0x3F3F
+    assert int(w13.view(torch.int16)[0, 0]) == 0x3F3F            # the old view sees the same page
+    ro.close()
+    store.close()
+    store.unlink()
 
 
 def test_shape_and_index_errors_name_the_expected_values(shm_name):
