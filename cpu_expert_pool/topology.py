@@ -17,7 +17,12 @@ import logging
 import os
 import platform
 import re
-from typing import Iterable
+from typing import TYPE_CHECKING, Iterable
+
+if TYPE_CHECKING:
+    import numpy as np
+
+    from proto.expert_store import ExpertStore
 
 log = logging.getLogger(__name__)
 
@@ -252,3 +257,23 @@ def bind_current_process(placement: WorkerPlacement, *, mempolicy: str = "prefer
         note = f"affinity {format_cpulist(placement.cpus)}, memory policy unchanged ({why})"
     log.info("bound: %s", note)
     return BindResult(tuple(sorted(os.sched_getaffinity(0))), bound, note)
+
+
+def place_store_on_nodes(store: "ExpertStore", owner: "np.ndarray", placements: list[WorkerPlacement]) -> int:
+    """Bind each expert's pages to the NUMA node of the worker that owns it (owner: [L, E] worker index).
+
+    Call it in the store's creator before filling the store (pages are placed when first written;
+    pages already present are moved). The policy lives with the shared-memory file, so it holds for
+    every process. Returns how many experts were bound; 0 with a log line where mbind is unavailable.
+    """
+    node_of_worker = [p.node_id for p in placements]
+    bound = 0
+    for layer in range(store.num_layers):
+        for expert in range(store.num_experts):
+            node = node_of_worker[int(owner[layer, expert])]
+            ok, why = mbind_range(store.data_ptr + store.expert_offset(layer, expert), store.expert_stride, node)
+            if not ok:
+                log.info("expert pages not placed by NUMA node (%s); workers read across nodes", why)
+                return bound
+            bound += 1
+    return bound

@@ -139,3 +139,33 @@ def test_bind_current_process_on_this_machine():
                          cwd=Path(__file__).parents[1])
     assert out.returncode == 0, out.stderr
     assert "affinity" in out.stdout
+
+
+def test_store_pages_are_bound_to_the_owner_node(tmp_path):
+    import uuid
+
+    import torch
+
+    from cpu_expert_pool.split import ExpertSplit
+    from cpu_expert_pool.topology import place_store_on_nodes
+    from proto.expert_store import ExpertStore
+
+    placements = discover_placements()
+    name = f"ft-test-numa-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+    store = ExpertStore.create(name, num_layers=2, num_experts=3, hidden=64, intermediate=32, dtype=torch.bfloat16,
+                               config_hash="n")
+    try:
+        split = ExpertSplit.contiguous(2, 3, len(placements))
+        bound = place_store_on_nodes(store, split.owner, placements)
+        if bound == 0:
+            pytest.skip("mbind is not permitted here")
+        assert bound == 6
+        store.layer_view(0).fill_(1.0)
+        with open("/proc/self/numa_maps") as f:
+            policy_at = {int(line.split()[0], 16): line.split()[1] for line in f if name in line}
+        # The data region (from data_ptr) is bound; the header before it keeps the default policy.
+        assert policy_at.get(store.data_ptr) == f"bind:{placements[0].node_id}", policy_at
+        assert set(policy_at.values()) <= {"default", f"bind:{placements[0].node_id}"}
+    finally:
+        store.close()
+        store.unlink()
