@@ -29,6 +29,7 @@ from proto.expert_store import ExpertStore  # noqa: E402
 GB = 1e9
 QWEN3_30B_A3B = {"hidden": 2048, "intermediate": 768}
 TOP_K = 8
+SMALL_STORE_BYTES = 256e6          # below this, the store may fit a large last-level cache
 
 
 def median_s(fn, repeats: int, warmup: int) -> float:
@@ -69,12 +70,17 @@ def main() -> int:
                         help="compute threads (default: one per physical core of this process's affinity)")
     parser.add_argument("--experts", type=int, default=128, help="experts in the store (one layer)")
     parser.add_argument("--batches", default="1,4,16", help="tokens per expert per call")
+    parser.add_argument("--experts-per-call", type=int, default=TOP_K,
+                        help="experts each call computes (top-k); every token uses all of them")
     parser.add_argument("--repeats", type=int, default=40)
     parser.add_argument("--warmup", type=int, default=8)
     parser.add_argument("--isas", action="store_true", help="also time every compiled ISA this CPU has")
     parser.add_argument("--no-pin", action="store_true", help="do not pin compute threads to cores")
     args = parser.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
+    top_k = args.experts_per_call
+    if not 0 < top_k <= args.experts:
+        parser.error(f"--experts-per-call must be in [1, --experts={args.experts}]")
     if args.threads is None:
         args.threads = sum(p.num_threads for p in discover_placements())
 
@@ -84,7 +90,10 @@ def main() -> int:
     try:
         fill_store(store)
         print(f"store: {args.experts} experts x {store.expert_bytes / 1e6:.2f} MB = {store.nbytes / GB:.2f} GB, "
-              f"threads {args.threads}, torch {torch.__version__}")
+              f"{top_k} experts a call, threads {args.threads}, torch {torch.__version__}")
+        if store.nbytes < SMALL_STORE_BYTES:
+            print("note: a store this small may stay in the last-level cache: the GB/s below are then "
+                  "compute rates, not DRAM reads")
         dram = dram_read_gbps(store, args.threads, repeats=10)
         for what, gbps in dram.items():
             print(f"DRAM read bandwidth ({what}): {gbps:.1f} GB/s")
@@ -107,21 +116,21 @@ def main() -> int:
                 kernel.pin_threads(cpus)
             for batch in batches:
                 hidden = torch.randn(batch, store.shape.hidden).to(torch.bfloat16)               # [T, H]
-                token_idx = torch.arange(batch, dtype=torch.int32).repeat_interleave(TOP_K)     # [T*8]
-                weight = torch.full((batch * TOP_K,), 1.0 / TOP_K)
+                token_idx = torch.arange(batch, dtype=torch.int32).repeat_interleave(top_k)     # [T*k]
+                weight = torch.full((batch * top_k,), 1.0 / top_k)
                 out = torch.empty(batch, store.shape.hidden)
-                windows = args.experts // TOP_K
+                windows = args.experts // top_k
                 state = {"call": 0}
 
                 def one_call() -> None:
-                    first = (state["call"] % windows) * TOP_K
+                    first = (state["call"] % windows) * top_k
                     state["call"] += 1
-                    expert_id = torch.arange(first, first + TOP_K, dtype=torch.int32).repeat(batch)
+                    expert_id = torch.arange(first, first + top_k, dtype=torch.int32).repeat(batch)
                     kernel(0, hidden, token_idx, expert_id, weight, out)
 
                 sec = median_s(one_call, args.repeats, args.warmup)
-                gbps = TOP_K * store.expert_bytes / sec / GB
-                rows.append((kernel.name, batch, sec * 1e6, sec * 1e6 / TOP_K, gbps, 100 * gbps / dram_gbps))
+                gbps = top_k * store.expert_bytes / sec / GB
+                rows.append((kernel.name, batch, sec * 1e6, sec * 1e6 / top_k, gbps, 100 * gbps / dram_gbps))
         print()
         print(f"{'kernel':<22} {'batch':>5} {'us/call':>9} {'us/expert':>10} {'GB/s':>7} {'% DRAM':>7}")
         for kernel_name, batch, us, us_expert, gbps, pct in rows:
