@@ -289,6 +289,11 @@ class CpuPoolClient:
                     time.sleep(CLIENT_SLEEP_S)
         self._pending[slot_index] = None
         lines = self._lines[slot_index]
+        if lines.resp_seq[0] != seq and not self.worker_alive():
+            # A replacement claimed the channel (done_seq jumped) before this wait saw the death.
+            self._fail()
+            raise WorkerDead(f"the CPU worker of channel {self.name!r} was replaced with layer {layer} (request "
+                             f"{seq}) in flight; reconnect with wait_for_worker(), meanwhile fetch instead")
         if lines.resp_seq[0] != seq:
             raise WorkerError(f"channel {self.name!r}: response for request {lines.resp_seq[0]}, expected {seq} "
                               f"({STATUS_NAMES[STATUS_PROTOCOL_ERROR]})")

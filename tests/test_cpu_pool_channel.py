@@ -248,3 +248,21 @@ def test_idle_waiter_spins_while_hot_then_sleeps_growing(monkeypatch):
     waiter.pause(now + 20 * ms)
     waiter.pause(now + 20 * ms + 60_000)
     assert sleeps[-1] == 20e-6                         # work resets the back-off
+
+
+def test_a_replacement_claiming_the_channel_mid_wait_is_reported_as_dead(store, chan):
+    first = ThreadWorker(chan, store)
+    first.hold.set()
+    first.start()
+    client = CpuPoolClient(chan)
+    client.wait_for_worker(timeout_s=5)
+    hidden, triples = batch(2, seed=5)
+    client.submit(0, hidden, triples)
+    first.stop()
+    second = ThreadWorker(chan, store).start()        # done_seq jumps past the lost request
+    with pytest.raises(ch.WorkerDead, match="replaced"):
+        client.wait(0, deadline_s=5)
+    client.wait_for_worker(timeout_s=5)
+    assert client.call(0, hidden, triples, deadline_s=5).shape == (2, H)
+    second.stop()
+    client.close()
