@@ -142,11 +142,13 @@ def _split_evenly(items: list, parts: int) -> list[list]:
 def plan_workers(nodes: list[NumaNode], allowed_cpus: Iterable[int], *, num_workers: int | None = None,
                  reserved_cpus: Iterable[int] = (), core_of: dict[int, int] | None = None) -> list[WorkerPlacement]:
     """Placements for every worker: never two workers on one core, never one worker on two nodes."""
+    reserved_cpus = tuple(reserved_cpus)
     allowed = set(allowed_cpus) - set(reserved_cpus)
     usable = [(n.node_id, sorted(set(n.cpus) & allowed)) for n in nodes]
     usable = [(node_id, cpus) for node_id, cpus in usable if cpus]
     if not usable:
-        raise ValueError(f"no CPU left for the CPU expert pool: allowed after reservation {format_cpulist(allowed)}, reserved "
+        raise ValueError(f"no CPU left for the CPU expert pool: allowed after reservation "
+                         f"{format_cpulist(allowed)}, reserved "
                          f"{format_cpulist(reserved_cpus)}; reserve fewer CPUs or widen the process affinity")
     if num_workers is None:
         num_workers = len(usable)

@@ -265,7 +265,8 @@ class ShmSegment:
         try:
             fd = os.open(self.path, os.O_RDWR)
         except OSError as exc:
-            raise ShmError(f"cannot reopen {self.path} for writing ({exc.strerror}); run as the creator's user") from None
+            raise ShmError(f"cannot reopen {self.path} for writing ({exc.strerror}); "
+                           "run as the creator's user") from None
         try:
             libc = ctypes.CDLL(None, use_errno=True)
             libc.mmap.restype = ctypes.c_void_p

@@ -352,7 +352,8 @@ static void phase1_rows_dot(int isa, int use_bf16, const uint16_t *w13, int H, i
             const int nb = B - b0 < TOKEN_CHUNK ? B - b0 : TOKEN_CHUNK;
             if (use_bf16) {
                 dot2_rows_bf16(gate, up, H, (const uint16_t *)x, H, toks + b0, nb, ra, rb);
-                for (int b = 0; b < nb; ++b) ((uint16_t *)h)[(int64_t)(b0 + b) * I + i] = f32_to_bf16(silu(ra[b]) * rb[b]);
+                for (int b = 0; b < nb; ++b)
+                    ((uint16_t *)h)[(int64_t)(b0 + b) * I + i] = f32_to_bf16(silu(ra[b]) * rb[b]);
             } else {
                 dot2_rows_f32(isa, gate, up, H, (const float *)x, H, toks + b0, nb, ra, rb);
                 for (int b = 0; b < nb; ++b) ((float *)h)[(int64_t)(b0 + b) * I + i] = silu(ra[b]) * rb[b];
