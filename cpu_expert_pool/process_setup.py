@@ -26,7 +26,10 @@ def set_process_title(title: str) -> bool:
 
 
 def die_with_parent(expected_parent_pid: int | None = None) -> bool:
-    """SIGKILL this process when its parent exits. Exits now if the parent is already gone."""
+    """SIGKILL this process when its parent exits. Exits now if the parent is already gone.
+
+    Linux fires this when the parent *thread* that forked us exits: spawn workers from a long-lived
+    thread (the main thread or a supervisor's monitor thread), never from a short-lived helper."""
     try:
         libc = ctypes.CDLL(None, use_errno=True)
         ok = libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) == 0

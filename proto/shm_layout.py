@@ -63,6 +63,12 @@ registered with cudaHostRegister)::
 Worker (re)start: state=STARTING, pid, epoch += 1, done_seq = request_seq (requests of a dead
 predecessor are dropped: the client already gave up on them), then SERVING. Clean exit: STOPPED.
 The client treats a dead pid (pidfd) as WorkerDead and a passed deadline as WorkerTimeout.
+
+CUDA-graph note for the GPU side: cuStreamWriteValue64 / cuStreamWaitValue64 captured in a graph
+replay the constant values of capture time, while request_seq / done_seq grow. Inside a graph, ring
+the doorbell from a one-thread kernel that reads a device-side counter (seq = counter + 1, written
+through the registered mapping), and wait either with such a kernel or by leaving the join outside
+the graph; eagerly, stream memory ops with the host-computed seq work as they are.
 """
 from __future__ import annotations
 
