@@ -266,7 +266,7 @@ def ensure_small_kernel(
     error_ptr,            # [1] int32 error bits
     policy_ptr,           # [6] int64 device policy (read when USE_POLICY)
     part_keys_ptr,        # [G * ROUTE_BLOCK] int64 scratch: each program's smallest victim keys
-    part_owner_ptr,       # [G * ROUTE_BLOCK] int32 scratch: the flat ids those slots hold
+    part_owner_ptr,       # [G * ROUTE_BLOCK] int32 scratch (unused by this version)
     arrive_ptr,           # [1] int32 scratch: programs done with their part (reset to 0 at exit)
     layer, pool_base, num_slots, max_fetch, frac_q16, round_mode, select_mode, promote, seed,
     NUM_EXPERTS: tl.constexpr,   # E
@@ -279,19 +279,13 @@ def ensure_small_kernel(
 ):
     """Decode-sized calls (N <= ROUTE_BLOCK routes): per-route work, the pool scan split over a grid.
 
-    Each program loads its PART slots (usage and owner) at once, beside the routes, analyses the
-    routes itself (hits, misses and k need no communication), and takes its k smallest victim
-    keys, leaving out the slots this call hits. With one program it applies the call directly;
-    with several, each writes its candidates and the last to arrive merges them and applies the
-    call: no program may rewrite routes or maps that another has yet to read.
+    Every program analyses the routes itself (hits, misses and k need no communication), marks
+    the hits, scans its PART slots for its k smallest victim keys and writes them to scratch; the
+    last program to arrive merges the parts and applies the call (with k = 0 nobody scans, but the
+    last one still applies it: no program may rewrite routes or maps another has yet to read).
     """
     pid = tl.program_id(0)
     zero = tl.zeros((), tl.int64)
-    # the pool part: independent of the routes, so these loads overlap the route loads
-    part = pid * PART + tl.arange(0, PART)                                # [PART] pool-local
-    in_part = part < num_slots
-    u = tl.load(usage_ptr + pool_base + part, mask=in_part, other=0)
-    owner = tl.load(id_of_slot_ptr + pool_base + part, mask=in_part, other=-1)
     if USE_POLICY:
         max_fetch = tl.load(policy_ptr + 0)
         frac_q16 = tl.load(policy_ptr + 1)
@@ -341,19 +335,21 @@ def ensure_small_kernel(
     k = tl.where(max_fetch >= 0, tl.minimum(num_misses, max_fetch), k_frac)
     k = tl.minimum(k, num_slots - num_hits)
 
-    # victim keys of the part; the slots this call hits are used now, so they are left out
-    hit_slot = tl.where(hit, slot - pool_base, -1)                        # [R] pool-local
-    is_hit = tl.max(((part[:, None] == hit_slot[None, :])).to(tl.int32), axis=1) > 0
-    key = tl.where(in_part & (u != step) & (is_hit == 0), ((u + 1) << 25) | part.to(tl.int64),
-                   0x7FFFFFFFFFFFFFFF)                                    # [PART]
-    if MULTI:
+    if k > 0:
+        # every program marks the hits itself, so that its own part sees them as used
+        tl.store(usage_ptr + slot, step, mask=hit)
+        tl.debug_barrier()
+        part = pid * PART + tl.arange(0, PART)                            # [PART] pool-local
+        in_part = part < num_slots
+        u = tl.load(usage_ptr + pool_base + part, mask=in_part, other=0)
+        key = tl.where(in_part & (u != step), ((u + 1) << 25) | part.to(tl.int64),
+                       0x7FFFFFFFFFFFFFFF)
         prev = tl.full((), -1, tl.int64)
         for j in range(0, k):
             best = tl.min(tl.where(key > prev, key, 0x7FFFFFFFFFFFFFFF), axis=0)
-            best_owner = tl.max(tl.where(key == best, owner, -1), axis=0)
             tl.store(part_keys_ptr + pid * ROUTE_BLOCK + j, best)
-            tl.store(part_owner_ptr + pid * ROUTE_BLOCK + j, best_owner)
             prev = best
+    if MULTI:
         tl.debug_barrier()
         arrived = tl.atomic_add(arrive_ptr, 1, sem="acq_rel")
         applies = arrived == tl.num_programs(0) - 1
@@ -365,15 +361,10 @@ def ensure_small_kernel(
         out = tl.where(valid, slot, -1)                                   # [R]
         installed = tl.zeros((), tl.int32)
         if k > 0:
-            if MULTI:
-                m = tl.arange(0, MERGE_BLOCK)                             # [G*R] candidates
-                m_ok = ((m // ROUTE_BLOCK) < tl.num_programs(0)) & ((m % ROUTE_BLOCK) < k)
-                cand = tl.load(part_keys_ptr + m, mask=m_ok, other=0x7FFFFFFFFFFFFFFF,
-                               volatile=True)
-                cand_owner = tl.load(part_owner_ptr + m, mask=m_ok, other=-1, volatile=True)
-            else:
-                cand = key
-                cand_owner = owner
+            m = tl.arange(0, MERGE_BLOCK)                                 # [G*R] candidates
+            m_ok = ((m // ROUTE_BLOCK) < tl.num_programs(0)) & ((m % ROUTE_BLOCK) < k)
+            cand = tl.load(part_keys_ptr + m, mask=m_ok, other=0x7FFFFFFFFFFFFFFF,
+                           volatile=True)
             prev_order = tl.full((), 0x7FFFFFFFFFFFFFFF, tl.int64)
             prev_victim = tl.full((), -1, tl.int64)
             for i in range(0, k):
@@ -381,14 +372,11 @@ def ensure_small_kernel(
                 prev_order = cur
                 expert = (E_BLOCK - 1) - (cur % E_BLOCK)
                 vkey = tl.min(tl.where(cand > prev_victim, cand, 0x7FFFFFFFFFFFFFFF), axis=0)
-                old = tl.max(tl.where(cand == vkey, cand_owner, -1), axis=0)
                 prev_victim = vkey
                 victim = pool_base + (vkey & ((1 << 25) - 1))
                 if (promoted == 0) | ((vkey >> 25) == 0):
-                    tl.store(slot_for_id_ptr + old, -1, mask=old >= 0)
-                    tl.store(id_of_slot_ptr + victim, (row + expert).to(tl.int32))
-                    tl.store(slot_for_id_ptr + row + expert, victim.to(tl.int32))
-                    tl.store(usage_ptr + victim, step)
+                    _install(slot_for_id_ptr, id_of_slot_ptr, usage_ptr, victim, row + expert,
+                             step)
                     tl.store(evict_ptr + i, victim.to(tl.int32))
                     tl.store(src_ptr + i, expert.to(tl.int32))
                     out = tl.where(e64 == expert, victim, out)
