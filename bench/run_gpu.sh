@@ -23,8 +23,11 @@ for s in $sections; do
       [ "${PIPESTATUS[0]}" = 0 ] || status=1
       python3 -m kernels.slot_cache.bench 2>&1 | tee "$OUT/kernels_bench.log" | tail -n 30 || status=1
       ;;
+    kernel-bench)
+      python3 -m kernels.slot_cache.bench 2>&1 | tee "$OUT/kernels_bench.log" | tail -n 24 || status=1
+      ;;
     engine)
-      [ -f bench/bench_engine.py ] && { python3 bench/bench_engine.py 2>&1 | tee "$OUT/engine_bench.log" | tail -n 30 || status=1; }
+      [ -f bench/bench_engine.py ] && { python3 bench/bench_engine.py ${ENGINE_ARGS:-} 2>&1 | tee "$OUT/engine_bench.log" | tail -n 30 || status=1; }
       ;;
     cpu)
       [ -f bench/bench_cpu_experts.py ] && { python3 bench/bench_cpu_experts.py 2>&1 | tee "$OUT/cpu_bench.log" | tail -n 20 || status=1; }

@@ -19,7 +19,7 @@ TOP_K = 10
 # (slots, layers, experts): the expert count exceeds the pool so that the pool can be full
 POOLS = [(64, 48, 128), (2048, 48, 128), (18432, 61, 512), (23197, 61, 512)]
 # (slots per program, warps) of the decode kernel, which calls of <= 64 routes take
-VARIANTS = [(512, 4), (1024, 4), (2048, 4), (2048, 8), (4096, 8)]
+VARIANTS = [(512, 4), (1024, 4), (2048, 4), (2048, 8)]
 # (scan tile, warps) of the general kernel (prefill-sized calls): compiled for its resource report
 GENERAL_VARIANTS = [(1024, 4), (2048, 4), (2048, 8), (4096, 8), (8192, 16)]
 
