@@ -23,6 +23,11 @@ for s in $sections; do
       [ "${PIPESTATUS[0]}" = 0 ] || status=1
       python3 -m kernels.slot_cache.bench 2>&1 | tee "$OUT/kernels_bench.log" | tail -n 30 || status=1
       ;;
+    kernel-gpu-tests)
+      python3 -m pytest -q -p no:cacheprovider tests/test_slot_cache_gpu.py 2>&1 \
+        | tee "$OUT/kernels_gpu_tests.log" | tail -n 4
+      [ "${PIPESTATUS[0]}" = 0 ] || status=1
+      ;;
     kernel-bench)
       python3 -m kernels.slot_cache.bench 2>&1 | tee "$OUT/kernels_bench.log" | tail -n 24 || status=1
       ;;
@@ -30,8 +35,8 @@ for s in $sections; do
       [ -f bench/bench_engine.py ] && { python3 bench/bench_engine.py ${ENGINE_ARGS:-} 2>&1 | tee "$OUT/engine_bench.log" | tail -n 30 || status=1; }
       ;;
     cpu)
-      [ -f bench/bench_cpu_experts.py ] && { python3 bench/bench_cpu_experts.py 2>&1 | tee "$OUT/cpu_bench.log" | tail -n 20 || status=1; }
-      [ -f bench/bench_handoff.py ] && { python3 bench/bench_handoff.py 2>&1 | tee "$OUT/handoff_bench.log" | tail -n 10 || status=1; }
+      [ -f bench/bench_cpu_experts.py ] && { python3 bench/bench_cpu_experts.py --isas 2>&1 | tee "$OUT/cpu_bench.log" | tail -n 20 || status=1; }
+      [ -f bench/bench_handoff.py ] && { python3 bench/bench_handoff.py --client-cpu 0 2>&1 | tee "$OUT/handoff_bench.log" | tail -n 10 || status=1; }
       ;;
   esac
 done

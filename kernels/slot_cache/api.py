@@ -16,7 +16,10 @@ from .state import (ERR_EXPERT_ID, MIN_PART, SMALL_ROUTES_MAX, POLICY_FRAC_Q16, 
                     SELECT_MODES, SlotCache)
 
 DEFAULT_SLOT_TILE = 2048      # general kernel: slots per tile of its pool scan
-DEFAULT_PART = 2048           # decode kernel: slots per program (one program up to 2,048 slots)
+# Decode kernel: one program for pools up to SINGLE_PROGRAM_SLOTS, else DEFAULT_PART slots per
+# program (the fastest settings measured on the H200, docs/slot_cache.md).
+SINGLE_PROGRAM_SLOTS = 2048
+DEFAULT_PART = 512
 MAX_ROUTE_TILE = 1024
 MAX_PREFETCH_CANDIDATES = 128
 
@@ -136,7 +139,8 @@ def ensure(cache: SlotCache, layer: int, expert_ids: torch.Tensor, *,
         raise ValueError(f"path='small' takes at most {SMALL_ROUTES_MAX} routes, got {num_routes}")
     if path != "general" and num_routes <= SMALL_ROUTES_MAX:
         from .triton_kernels import ensure_small_kernel
-        part = max(MIN_PART, _next_pow2(slot_tile or min(cache.num_slots, DEFAULT_PART)))
+        default_part = cache.num_slots if cache.num_slots <= SINGLE_PROGRAM_SLOTS else DEFAULT_PART
+        part = max(MIN_PART, _next_pow2(slot_tile or default_part))
         programs = -(-cache.num_slots // part)
         route_block = max(16, _next_pow2(num_routes))
         ensure_small_kernel[(programs,)](

@@ -250,17 +250,6 @@ assert SLOT_BITS == 25  # the kernels spell the constant out (constexpr arithmet
 
 
 @triton.jit
-def _next_key_skipping(cand, prev, hit_slot, pool_base):
-    # Smallest key of `cand` above `prev` whose slot is not one this call hits ([R] hit_slot).
-    best = tl.min(tl.where(cand > prev, cand, 0x7FFFFFFFFFFFFFFF), axis=0)
-    is_hit = tl.max((hit_slot == pool_base + (best & ((1 << 25) - 1))).to(tl.int32), axis=0)
-    while (is_hit > 0) & (best != 0x7FFFFFFFFFFFFFFF):
-        best = tl.min(tl.where(cand > best, cand, 0x7FFFFFFFFFFFFFFF), axis=0)
-        is_hit = tl.max((hit_slot == pool_base + (best & ((1 << 25) - 1))).to(tl.int32), axis=0)
-    return best
-
-
-@triton.jit
 def ensure_small_kernel(
     ids_ptr,              # [N] int32|int64 routed expert ids (-1 = padding), rewritten in place
     num_routes,           # N <= ROUTE_BLOCK
@@ -277,7 +266,7 @@ def ensure_small_kernel(
     error_ptr,            # [1] int32 error bits
     policy_ptr,           # [6] int64 device policy (read when USE_POLICY)
     part_keys_ptr,        # [G * ROUTE_BLOCK] int64 scratch: each program's smallest victim keys
-    part_owner_ptr,       # [G * ROUTE_BLOCK] int32 scratch: the flat ids those slots hold
+    part_owner_ptr,       # [G * ROUTE_BLOCK] int32 scratch (unused by this version)
     arrive_ptr,           # [1] int32 scratch: programs done with their part (reset to 0 at exit)
     layer, pool_base, num_slots, max_fetch, frac_q16, round_mode, select_mode, promote, seed,
     NUM_EXPERTS: tl.constexpr,   # E
@@ -290,19 +279,13 @@ def ensure_small_kernel(
 ):
     """Decode-sized calls (N <= ROUTE_BLOCK routes): per-route work, the pool scan split over a grid.
 
-    Each program loads its PART slots (usage and owner) beside the routes, so those loads overlap;
-    analyses the routes itself (hits, misses and k need no communication); and takes victims in key
-    order, skipping the few slots this call hits (a scalar test per candidate, no [PART, R]
-    comparison). With one program it applies the call from registers; with several, each writes
-    its k candidates to scratch and the last to arrive merges them and applies the call: no program
-    may rewrite routes or maps that another has yet to read.
+    Every program analyses the routes itself (hits, misses and k need no communication), marks
+    the hits, scans its PART slots for its k smallest victim keys and writes them to scratch; the
+    last program to arrive merges the parts and applies the call (with k = 0 nobody scans, but the
+    last one still applies it: no program may rewrite routes or maps another has yet to read).
     """
     pid = tl.program_id(0)
     zero = tl.zeros((), tl.int64)
-    part = pid * PART + tl.arange(0, PART)                                # [PART] pool-local
-    in_part = part < num_slots
-    u = tl.load(usage_ptr + pool_base + part, mask=in_part, other=0)
-    owner = tl.load(id_of_slot_ptr + pool_base + part, mask=in_part, other=-1)
     if USE_POLICY:
         max_fetch = tl.load(policy_ptr + 0)
         frac_q16 = tl.load(policy_ptr + 1)
@@ -330,7 +313,6 @@ def ensure_small_kernel(
     miss = distinct & (slot < 0)
     num_hits = tl.sum(hit.to(tl.int64), axis=0)
     num_misses = tl.sum(miss.to(tl.int64), axis=0)
-    hit_slot = tl.where(hit, slot, -1)                                    # [R] global slots
     id_key = (E_BLOCK - 1 - e64)
     order_key = tl.where(select_mode == 0, (rec + 1) * E_BLOCK + id_key, id_key)
     order_key = tl.where(miss, order_key, -1)
@@ -353,16 +335,21 @@ def ensure_small_kernel(
     k = tl.where(max_fetch >= 0, tl.minimum(num_misses, max_fetch), k_frac)
     k = tl.minimum(k, num_slots - num_hits)
 
+    if k > 0:
+        # every program marks the hits itself, so that its own part sees them as used
+        tl.store(usage_ptr + slot, step, mask=hit)
+        tl.debug_barrier()
+        part = pid * PART + tl.arange(0, PART)                            # [PART] pool-local
+        in_part = part < num_slots
+        u = tl.load(usage_ptr + pool_base + part, mask=in_part, other=0)
+        key = tl.where(in_part & (u != step), ((u + 1) << 25) | part.to(tl.int64),
+                       0x7FFFFFFFFFFFFFFF)
+        prev = tl.full((), -1, tl.int64)
+        for j in range(0, k):
+            best = tl.min(tl.where(key > prev, key, 0x7FFFFFFFFFFFFFFF), axis=0)
+            tl.store(part_keys_ptr + pid * ROUTE_BLOCK + j, best)
+            prev = best
     if MULTI:
-        if k > 0:
-            key = tl.where(in_part, ((u + 1) << 25) | part.to(tl.int64), 0x7FFFFFFFFFFFFFFF)
-            prev = tl.full((), -1, tl.int64)
-            for j in range(0, k):
-                best = _next_key_skipping(key, prev, hit_slot, pool_base)
-                tl.store(part_keys_ptr + pid * ROUTE_BLOCK + j, best)
-                tl.store(part_owner_ptr + pid * ROUTE_BLOCK + j,
-                         tl.max(tl.where(key == best, owner, -1), axis=0))
-                prev = best
         tl.debug_barrier()
         arrived = tl.atomic_add(arrive_ptr, 1, sem="acq_rel")
         applies = arrived == tl.num_programs(0) - 1
@@ -374,30 +361,22 @@ def ensure_small_kernel(
         out = tl.where(valid, slot, -1)                                   # [R]
         installed = tl.zeros((), tl.int32)
         if k > 0:
-            if MULTI:
-                m = tl.arange(0, MERGE_BLOCK)                             # [G*R] candidates
-                m_ok = ((m // ROUTE_BLOCK) < tl.num_programs(0)) & ((m % ROUTE_BLOCK) < k)
-                cand = tl.load(part_keys_ptr + m, mask=m_ok, other=0x7FFFFFFFFFFFFFFF,
-                               volatile=True)
-                cand_owner = tl.load(part_owner_ptr + m, mask=m_ok, other=-1, volatile=True)
-            else:
-                cand = tl.where(in_part, ((u + 1) << 25) | part.to(tl.int64), 0x7FFFFFFFFFFFFFFF)
-                cand_owner = owner
+            m = tl.arange(0, MERGE_BLOCK)                                 # [G*R] candidates
+            m_ok = ((m // ROUTE_BLOCK) < tl.num_programs(0)) & ((m % ROUTE_BLOCK) < k)
+            cand = tl.load(part_keys_ptr + m, mask=m_ok, other=0x7FFFFFFFFFFFFFFF,
+                           volatile=True)
             prev_order = tl.full((), 0x7FFFFFFFFFFFFFFF, tl.int64)
             prev_victim = tl.full((), -1, tl.int64)
             for i in range(0, k):
                 cur = tl.max(tl.where(order_key < prev_order, order_key, -1), axis=0)
                 prev_order = cur
                 expert = (E_BLOCK - 1) - (cur % E_BLOCK)
-                vkey = _next_key_skipping(cand, prev_victim, hit_slot, pool_base)
-                old = tl.max(tl.where(cand == vkey, cand_owner, -1), axis=0)
+                vkey = tl.min(tl.where(cand > prev_victim, cand, 0x7FFFFFFFFFFFFFFF), axis=0)
                 prev_victim = vkey
                 victim = pool_base + (vkey & ((1 << 25) - 1))
                 if (promoted == 0) | ((vkey >> 25) == 0):
-                    tl.store(slot_for_id_ptr + old, -1, mask=old >= 0)
-                    tl.store(id_of_slot_ptr + victim, (row + expert).to(tl.int32))
-                    tl.store(slot_for_id_ptr + row + expert, victim.to(tl.int32))
-                    tl.store(usage_ptr + victim, step)
+                    _install(slot_for_id_ptr, id_of_slot_ptr, usage_ptr, victim, row + expert,
+                             step)
                     tl.store(evict_ptr + i, victim.to(tl.int32))
                     tl.store(src_ptr + i, expert.to(tl.int32))
                     out = tl.where(e64 == expert, victim, out)
