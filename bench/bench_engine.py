@@ -8,6 +8,7 @@ Usage: python bench/bench_engine.py [--runs 5] [--decode-tokens 256] [--fraction
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import statistics
 import sys
@@ -53,9 +54,13 @@ def _peak() -> int:
     return torch.cuda.max_memory_allocated() if torch.cuda.is_available() else 0
 
 
+engine_temperature = 1.0
+
+
 def decode_run(engine: Engine, prompt: list[int], num_tokens: int, backend) -> dict:
     """One request: prefill, then decode; counters of the decode phase only."""
-    params = SamplingParams(max_new_tokens=num_tokens, ignore_eos=True)
+    params = SamplingParams(max_new_tokens=num_tokens, ignore_eos=True,
+                            temperature=engine_temperature, seed=1234)
     engine.add_request(prompt, params)
     tokens = []
     while not tokens:                                   # prefill (chunks) up to the first token
@@ -91,6 +96,27 @@ def measure(engine, prompt, args, backend=None) -> dict:
     return best
 
 
+def _table(args, source, rows, bw) -> int:
+    expert_bytes = source.layout.expert_nbytes
+    total_expert_bytes = source.num_layers * source.num_experts * expert_bytes
+    device = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
+    print(f"\n{args.preset} {source.layout.dtype}, {device}, torch {torch.__version__}, batch 1, "
+          f"prompt {args.prompt_tokens}, {args.decode_tokens} decode tokens (temperature "
+          f"{args.temperature}, seeded), median of {args.runs} runs; expert "
+          f"{expert_bytes / 1e6:.2f} MB, experts {total_expert_bytes / 1e9:.1f} GB; PCIe (pinned, "
+          f"expert-sized copies) {(bw or 0) / 1e9:.1f} GB/s")
+    print(f"{'backend':<16} {'slots':>5} {'tok/s':>7} {'roofline':>8} {'%roof':>5} {'miss/tok':>8} "
+          f"{'copy GB/s':>9} {'lossless':>8} {'GPU GiB':>7} {'RSS/exp':>7}")
+    for name, slots, r, peak, rss in rows:
+        miss = r.get("misses_per_token")
+        roof = bw / (miss * expert_bytes) if miss and bw else float("nan")
+        pct = 100 * r["decode_tok_s"] / roof if miss and bw else float("nan")
+        print(f"{name:<16} {slots!s:>5} {r['decode_tok_s']:>7.2f} {roof:>8.2f} {pct:>5.0f} "
+              f"{(miss or 0):>8.1f} {r.get('copy_gb_s', 0):>9.1f} {str(r.get('lossless', '-')):>8} "
+              f"{peak / 2**30:>7.1f} {rss / total_expert_bytes:>7.2f}")
+    return 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--preset", default="qwen3-30b-a3b")
@@ -99,7 +125,13 @@ def main() -> int:
     parser.add_argument("--decode-tokens", type=int, default=256)
     parser.add_argument("--fractions", default="0.1,0.25,0.5")
     parser.add_argument("--device", default="cuda", help="cpu: a smoke test of this script")
+    parser.add_argument("--temperature", type=float, default=1.0,
+                        help="seeded sampling: varied tokens route like real text, not one loop")
+    parser.add_argument("--graphs", choices=("on", "off", "both"), default="on",
+                        help="CUDA graphs for resident decode (both: eager and graphs side by side)")
     args = parser.parse_args()
+    global engine_temperature
+    engine_temperature = args.temperature
     proc = psutil.Process()
     gen = torch.Generator().manual_seed(0)
     rows = []
@@ -111,18 +143,25 @@ def main() -> int:
     print(f"loaded {args.preset} resident in {time.perf_counter() - t0:.1f} s", flush=True)
     econf = EngineConfig(max_running_requests=1,
                          max_context_tokens=args.prompt_tokens + args.decode_tokens + 16)
-    _reset_peak()
-    engine = Engine(loaded.model, econf, eos_token_ids=())
-    res = measure(engine, prompt, args)
-    rows.append(("resident", "-", res, _peak(), proc.memory_info().rss))
-    print("resident", res["all_tok_s"], flush=True)
-    reference_tokens = res["tokens"]
-
+    reference_tokens = None
+    for graphs in ((False, True) if args.graphs == "both" else (args.graphs == "on",)):
+        _reset_peak()
+        conf = dataclasses.replace(econf, cuda_graphs=graphs)
+        engine = Engine(loaded.model, conf, eos_token_ids=())
+        res = measure(engine, prompt, args)
+        if reference_tokens is not None:
+            res["lossless"] = res["tokens"] == reference_tokens
+        reference_tokens = reference_tokens or res["tokens"]
+        name = "resident" + (" graphs" if graphs else " eager")
+        rows.append((name, "-", res, _peak(), proc.memory_info().rss))
+        print(name, res["all_tok_s"], flush=True)
+        del engine
     source = loaded.source.experts
+    if not args.fractions:
+        return _table(args, source, rows, None)
     expert_bytes = source.layout.expert_nbytes
     total_expert_bytes = source.num_layers * source.num_experts * expert_bytes
     loaded.model.experts = None
-    del engine
     gc.collect()
     torch.cuda.empty_cache()
     t0 = time.perf_counter()
@@ -131,7 +170,7 @@ def main() -> int:
           f"{time.perf_counter() - t0:.1f} s", flush=True)
     bw = pcie_bandwidth(expert_bytes) if args.device == "cuda" else 1e9
     try:
-        for frac in [float(f) for f in args.fractions.split(",")]:
+        for frac in [float(f) for f in args.fractions.split(",") if f]:
             slots = resolve_cache_slots(frac, source.num_layers, source.num_experts)
             backend = OffloadExperts(host, slots, args.device)
             loaded.model.experts = backend
@@ -149,20 +188,7 @@ def main() -> int:
     finally:
         host.close()
 
-    print(f"\n{args.preset} {source.layout.dtype}, {torch.cuda.get_device_name() if args.device == 'cuda' else 'cpu'}, batch 1, prompt "
-          f"{args.prompt_tokens}, {args.decode_tokens} decode tokens, median of {args.runs} runs; "
-          f"expert {expert_bytes / 1e6:.2f} MB, experts {total_expert_bytes / 1e9:.1f} GB; "
-          f"PCIe (pinned, expert-sized copies) {bw / 1e9:.1f} GB/s")
-    print(f"{'backend':<13} {'slots':>5} {'tok/s':>7} {'roofline':>8} {'%roof':>5} {'miss/tok':>8} "
-          f"{'copy GB/s':>9} {'lossless':>8} {'GPU GiB':>7} {'RSS/exp':>7}")
-    for name, slots, r, peak, rss in rows:
-        miss = r.get("misses_per_token")
-        roof = bw / (miss * expert_bytes) if miss else float("nan")
-        pct = 100 * r["decode_tok_s"] / roof if miss else float("nan")
-        print(f"{name:<13} {slots!s:>5} {r['decode_tok_s']:>7.2f} {roof:>8.2f} {pct:>5.0f} "
-              f"{(miss or 0):>8.1f} {r.get('copy_gb_s', 0):>9.1f} {str(r.get('lossless', '-')):>8} "
-              f"{peak / 2**30:>7.1f} {rss / total_expert_bytes:>7.2f}")
-    return 0
+    return _table(args, source, rows, bw)
 
 
 if __name__ == "__main__":

@@ -34,6 +34,7 @@ class EngineConfig:
     max_running_requests: int = 4          # KV cache rows = requests decoding together
     max_context_tokens: int | None = None  # None: min(32768, the model's max_position_embeddings)
     prefill_chunk_tokens: int = 512
+    cuda_graphs: bool = True               # replay decode forwards from CUDA graphs where safe
 
     def __post_init__(self) -> None:
         if self.max_running_requests < 1:
@@ -70,6 +71,10 @@ class Engine:
         self.scheduler = Scheduler(self.config.max_running_requests, self.config.prefill_chunk_tokens)
         self.stats = EngineStats()
         self._ids = itertools.count()
+        self.graphs = None
+        if self.config.cuda_graphs and self.device.type == "cuda":
+            from .cuda_graphs import DecodeGraphs
+            self.graphs = DecodeGraphs(self)
 
     # ---- public API ---------------------------------------------------------------------------
     def add_request(self, prompt_ids: list[int], params: SamplingParams | None = None,
@@ -126,7 +131,17 @@ class Engine:
                 self.scheduler.remove(self.scheduler.find(out.request_id))
                 self.stats.requests_finished += 1
         self.stats.generated_tokens += len(outputs)
+        counters = getattr(self.model.experts, "counters", None)
+        if counters is not None:                  # cpu / hybrid backends: telemetry for the policy tuner
+            self.stats.absorb_expert_counters(counters())
         return outputs
+
+    def set_policy(self, **fields) -> None:
+        """The coordinator's fetch policy (strategy, fetch_fraction, fetch_round, fetch_select, ...), passed
+        to the expert backend when it takes one (cpu / hybrid); other backends ignore it."""
+        setter = getattr(self.model.experts, "set_policy", None)
+        if setter is not None:
+            setter(**fields)
 
     def generate(self, prompts: list[list[int]], params: SamplingParams | None = None) -> list[list[int]]:
         """Run ``prompts`` to completion on an idle engine; the generated ids of each, in order."""
@@ -181,7 +196,11 @@ class Engine:
 
     def _decode(self, reqs: list[Request]) -> list[StepOutput]:
         t0 = time.perf_counter()
-        logits = self.decode_forward(self.decode_inputs(reqs))
+        inputs = self.decode_inputs(reqs)
+        if self.graphs is not None and self.graphs.usable(len(reqs)):
+            logits = self.graphs.run(inputs)
+        else:
+            logits = self.decode_forward(inputs)
         token_ids = sample_batch([r.sampler for r in reqs], logits)                   # host sync
         now = time.perf_counter()
         self.stats.num_decode_steps += 1

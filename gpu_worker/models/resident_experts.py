@@ -13,7 +13,7 @@ Every MoE layer routes, then calls ``experts.forward(layer_idx, x, topk_ids, top
   One host sync per layer (the per-expert counts); reads each routed expert once. For prefill.
 - ``gather``: gather the K routed experts of every token and run batched GEMVs. No host sync and
   fixed shapes (CUDA-graph capturable), but it copies T*K experts; for small decode batches.
-``auto`` takes ``gather`` on CUDA when T*K <= gather_max_pairs (default 16, settable), else
+``auto`` takes ``gather`` on CUDA when T*K <= gather_max_pairs (default 32, settable), else
 ``grouped``. Forcing ``gather`` (mode="gather") applies to prefill too, where a long prompt would copy
 T*K experts: meant for tests and for capturing decode graphs.
 """
@@ -87,7 +87,7 @@ class ResidentExperts:
     """All experts in device memory; ``packed[l]`` is layer l's [E, N] tensor."""
 
     def __init__(self, packed: list[torch.Tensor], layout: ExpertLayout, mode: str = "auto",
-                 gather_max_pairs: int = 16):
+                 gather_max_pairs: int = 32):
         if mode not in MODES:
             raise ValueError(f"expert compute mode {mode!r} is not one of {', '.join(MODES)}")
         for p in packed:
@@ -100,7 +100,7 @@ class ResidentExperts:
 
     @classmethod
     def from_source(cls, source: ExpertSource, device: torch.device | str, mode: str = "auto",
-                    gather_max_pairs: int = 16) -> "ResidentExperts":
+                    gather_max_pairs: int = 32) -> "ResidentExperts":
         """Allocate each layer on ``device`` and let the source fill it in place."""
         packed = []
         for layer in range(source.num_layers):
@@ -117,6 +117,10 @@ class ResidentExperts:
         if self.mode != "auto":
             return self.mode
         return "gather" if device.type == "cuda" and num_pairs <= self.gather_max_pairs else "grouped"
+
+    def graph_safe(self, num_pairs: int) -> bool:
+        """Capturable in a CUDA graph for this many (token, expert) pairs: the gather mode."""
+        return self.choose_mode(num_pairs, self.packed[0].device) == "gather"
 
     def forward(self, layer_idx: int, x: torch.Tensor, topk_ids: torch.Tensor,
                 topk_weights: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,84 @@
+"""CUDA graphs of the decode forward, captured per shape and replayed with each step's inputs.
+
+A decode forward has fixed shapes for a key (T requests, R KV rows, attention bucket, whether rows
+are the slots): `Engine.decode_forward` makes no host sync when the expert backend makes none.
+The first step with a new key captures a graph (after two eager warm-ups on a side stream, which
+write the same K/V values the replay writes); later steps copy their token ids, positions and KV
+rows into the graph's static inputs and replay it. All graphs share one memory pool, and the KV
+cache and weights are outside it, so every replay sees the live cache.
+
+An expert backend opts in with `graph_safe(num_pairs) -> bool` (no host sync, fixed shapes for
+that many (token, expert) pairs); `ResidentExperts` is safe in its gather mode. Backends without it
+(offload reads its copy plan on the host) run eagerly.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from .engine import DecodeInputs, Engine
+
+MAX_GRAPHS = 64
+WARMUP_RUNS = 2
+
+
+@dataclass
+class _Captured:
+    graph: torch.cuda.CUDAGraph
+    inputs: "DecodeInputs"      # static input tensors the graph reads
+    logits: torch.Tensor        # [T, V] static output the graph writes
+
+
+class DecodeGraphs:
+    def __init__(self, engine: "Engine", max_graphs: int = MAX_GRAPHS):
+        self.engine, self.max_graphs = engine, max_graphs
+        self.pool = torch.cuda.graph_pool_handle()
+        self.graphs: OrderedDict[tuple, _Captured] = OrderedDict()
+        self.captures = 0
+        self.replays = 0
+
+    def usable(self, num_requests: int) -> bool:
+        experts = self.engine.model.experts
+        safe = getattr(experts, "graph_safe", None)
+        return safe is not None and safe(num_requests * self.engine.model.cfg.top_k)
+
+    def run(self, inputs: "DecodeInputs") -> torch.Tensor:
+        """Logits [T, V] of the decode forward for `inputs`, through a captured graph."""
+        key = (inputs.token_ids.numel(), inputs.num_rows, inputs.bucket_tokens,
+               inputs.rows_are_slots)
+        captured = self.graphs.get(key)
+        if captured is None:
+            captured = self._capture(key, inputs)
+        else:
+            self.graphs.move_to_end(key)
+        static = captured.inputs
+        static.token_ids.copy_(inputs.token_ids)
+        static.positions.copy_(inputs.positions)
+        static.slot_ids.copy_(inputs.slot_ids)
+        captured.graph.replay()
+        self.replays += 1
+        return captured.logits
+
+    def _capture(self, key: tuple, inputs: "DecodeInputs") -> _Captured:
+        from .engine import DecodeInputs
+        static = DecodeInputs(inputs.token_ids.clone(), inputs.positions.clone(),
+                              inputs.slot_ids.clone(), inputs.num_rows, inputs.bucket_tokens,
+                              inputs.rows_are_slots)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(WARMUP_RUNS):
+                self.engine.decode_forward(static)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            logits = self.engine.decode_forward(static)
+        if len(self.graphs) >= self.max_graphs:
+            self.graphs.popitem(last=False)
+        self.graphs[key] = _Captured(graph, static, logits)
+        self.captures += 1
+        return self.graphs[key]
