@@ -20,7 +20,7 @@ from gpu_worker.models import load_model
 from gpu_worker.models.tiny import ensure_tiny_checkpoint
 from test_models_util import hf_greedy, hf_model, prompt_ids, rel_err, save_hf
 
-pytestmark = [pytest.mark.gpu,
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("no_tf32"),
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 GREEDY = SamplingParams(max_new_tokens=32, ignore_eos=True)
@@ -29,14 +29,6 @@ GREEDY = SamplingParams(max_new_tokens=32, ignore_eos=True)
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory):
     return ensure_tiny_checkpoint(tmp_path_factory.mktemp("cache") / "tiny")
-
-
-@pytest.fixture(autouse=True)
-def no_tf32():
-    old = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = False
-    yield
-    torch.backends.cuda.matmul.allow_tf32 = old
 
 
 def prompts(vocab):

@@ -38,6 +38,29 @@ def _draw16(seed, step, layer):
 
 
 @triton.jit
+def _fetch_count(num_misses, num_hits, num_slots, first_rec, max_fetch, frac_q16, round_mode,
+                 promote, seed, step, layer):
+    # (k, promoted): misses to fetch under the fixed cap or the fraction rule (fetch_rule.py),
+    # recency promotion, and the cap at the slots this call does not use.
+    prod = frac_q16 * num_misses
+    lo = prod >> 16
+    hi = lo + 1
+    cost_lo = tl.maximum(lo * (65536 - frac_q16), (num_misses - lo) * frac_q16)
+    cost_hi = tl.maximum(hi * (65536 - frac_q16), (num_misses - hi) * frac_q16)
+    k_minwait = tl.where(cost_hi < cost_lo, hi, lo)
+    k_stoch = lo + (_draw16(seed, step, layer) < (prod & 0xFFFF)).to(tl.int64)
+    k_ceil = (prod + 65535) >> 16
+    k_frac = tl.where(round_mode == 0, k_minwait, tl.where(round_mode == 1, k_stoch, k_ceil))
+    k_frac = tl.minimum(k_frac, num_misses)
+    promoted = (promote != 0) & (k_frac == 0) & (num_misses > 0) & (first_rec >= 0)
+    k_frac = tl.where(promoted, 1, k_frac)
+    promoted = promoted & (max_fetch < 0)
+    k = tl.where(max_fetch >= 0, tl.minimum(num_misses, max_fetch), k_frac)
+    k = tl.minimum(k, num_slots - num_hits)
+    return k, promoted
+
+
+@triton.jit
 def _next_victim(usage_ptr, pool_base, num_slots, step, prev_key, SLOT_TILE: tl.constexpr):
     # Smallest packed key above prev_key among slots of the pool not used at `step`.
     best = tl.full((), 0x7FFFFFFFFFFFFFFF, tl.int64)
@@ -140,21 +163,8 @@ def ensure_kernel(
     first_rec = tl.max(tl.where(miss & (order_key == first_key), rec, -2), axis=0)
 
     # C. how many misses to fetch
-    prod = frac_q16 * num_misses
-    lo = prod >> 16
-    hi = lo + 1
-    cost_lo = tl.maximum(lo * (65536 - frac_q16), (num_misses - lo) * frac_q16)
-    cost_hi = tl.maximum(hi * (65536 - frac_q16), (num_misses - hi) * frac_q16)
-    k_minwait = tl.where(cost_hi < cost_lo, hi, lo)
-    k_stoch = lo + (_draw16(seed, step, layer) < (prod & 0xFFFF)).to(tl.int64)
-    k_ceil = (prod + 65535) >> 16
-    k_frac = tl.where(round_mode == 0, k_minwait, tl.where(round_mode == 1, k_stoch, k_ceil))
-    k_frac = tl.minimum(k_frac, num_misses)
-    promoted = (promote != 0) & (k_frac == 0) & (num_misses > 0) & (first_rec >= 0)
-    k_frac = tl.where(promoted, 1, k_frac)
-    promoted = promoted & (max_fetch < 0)
-    k = tl.where(max_fetch >= 0, tl.minimum(num_misses, max_fetch), k_frac)
-    k = tl.minimum(k, num_slots - num_hits)
+    k, promoted = _fetch_count(num_misses, num_hits, num_slots, first_rec, max_fetch, frac_q16,
+                               round_mode, promote, seed, step, layer)
 
     # D. one victim per fetched miss, in order
     installed = tl.zeros((), tl.int32)
@@ -319,21 +329,8 @@ def ensure_small_kernel(
     first_key = tl.max(order_key, axis=0)
     first_rec = tl.max(tl.where(miss & (order_key == first_key), rec, -2), axis=0)
 
-    prod = frac_q16 * num_misses
-    lo = prod >> 16
-    hi = lo + 1
-    cost_lo = tl.maximum(lo * (65536 - frac_q16), (num_misses - lo) * frac_q16)
-    cost_hi = tl.maximum(hi * (65536 - frac_q16), (num_misses - hi) * frac_q16)
-    k_minwait = tl.where(cost_hi < cost_lo, hi, lo)
-    k_stoch = lo + (_draw16(seed + zero, step, layer) < (prod & 0xFFFF)).to(tl.int64)
-    k_ceil = (prod + 65535) >> 16
-    k_frac = tl.where(round_mode == 0, k_minwait, tl.where(round_mode == 1, k_stoch, k_ceil))
-    k_frac = tl.minimum(k_frac, num_misses)
-    promoted = (promote != 0) & (k_frac == 0) & (num_misses > 0) & (first_rec >= 0)
-    k_frac = tl.where(promoted, 1, k_frac)
-    promoted = promoted & (max_fetch < 0)
-    k = tl.where(max_fetch >= 0, tl.minimum(num_misses, max_fetch), k_frac)
-    k = tl.minimum(k, num_slots - num_hits)
+    k, promoted = _fetch_count(num_misses, num_hits, num_slots, first_rec, max_fetch, frac_q16,
+                               round_mode, promote, seed + zero, step, layer)
 
     if k > 0:
         # every program marks the hits itself, so that its own part sees them as used
