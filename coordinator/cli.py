@@ -14,6 +14,8 @@ from importlib import metadata
 # (subcommand, module, one-line help). Nested groups use "group sub" names.
 COMMANDS: list[tuple[str, str, str]] = [
     ("bench kernels", "kernels.slot_cache.bench_cli", "time the slot-cache kernels (GPU)"),
+    ("bench bw", "gpu_worker.hybrid.bench_bw_cli",
+     "measure PCIe and CPU-pool expert bandwidth; write the profile the fetch fraction starts from"),
     ("serve", "coordinator.serve_cli", "serve the OpenAI-compatible HTTP API and the gRPC control plane"),
     ("ctl", "coordinator.ctl_cli", "control a running server over gRPC (stats, policy, workers, drain, ...)"),
     ("generate", "gpu_worker.generate_cli", "run one completion through the engine in this process (no server)"),

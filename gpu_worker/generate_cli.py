@@ -3,6 +3,7 @@
     ft generate --prompt "Hello" --max-new-tokens 32                 # the tiny built-in model
     ft generate --model /models/Qwen3-30B-A3B --prompt-ids 1,2,3 --json
     ft generate --preset qwen3-30b-a3b --prompt-ids 1,2,3 --device cuda   # random weights, real shape
+    ft generate --moe-strategy hybrid --fetch-fraction 0.6 --cpu-workers 1 --prompt "Hi"   # docs/HYBRID.md
 
 With --json the last stdout line is one JSON object: token_ids, text, finish_reason and timing.
 Torch is imported only inside ``run`` so that ``ft --help`` stays fast.
@@ -14,10 +15,12 @@ import json
 import sys
 import time
 
+from proto.knobs import add_cli_flags, resolve
+
 DEVICE_CHOICES = ("auto", "cpu", "cuda")
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
 PRESET_CHOICES = ("tiny", "qwen3-30b-a3b", "olmoe-1b-7b", "mixtral-8x7b")   # models/presets.py
-STRATEGY_CHOICES = ("resident", "offload")
+STRATEGY_CHOICES = ("resident", "offload", "cpu", "hybrid")   # models/expert_backends.py
 
 
 def _int_list(raw: str) -> list[int]:
@@ -47,15 +50,41 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     samp.add_argument("--ignore-eos", action="store_true", help="keep going past EOS")
     samp.add_argument("--stop-token-ids", type=_int_list, default=[], metavar="IDS")
     run_g = parser.add_argument_group("engine")
-    run_g.add_argument("--moe-strategy", choices=STRATEGY_CHOICES, default="resident")
+    run_g.add_argument("--moe-strategy", choices=STRATEGY_CHOICES, default="resident",
+                       help="resident: every expert on the device; offload: fetch every miss; cpu: compute every "
+                            "miss in the CPU pool; hybrid: split the misses by --fetch-fraction")
     run_g.add_argument("--moe-cache-size", type=str, default=None, metavar="N|FRACTION",
-                       help="GPU expert slots (offload)")
+                       help="GPU expert slots (offload, cpu, hybrid; default 0.25 of all experts)")
     run_g.add_argument("--device", choices=DEVICE_CHOICES, default="auto")
     run_g.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto", help="auto: the checkpoint's")
     run_g.add_argument("--max-context-tokens", type=int, default=None,
                        help="KV cache length (default: prompt + max new tokens)")
     run_g.add_argument("--prefill-chunk-tokens", type=int, default=512)
+    hyb = parser.add_argument_group("cpu and hybrid strategies (docs/HYBRID.md)")
+    hyb.add_argument("--fetch-fraction", type=float, default=None, metavar="F",
+                     help="share of the misses fetched over PCIe, in [0, 1] (default: from the `ft bench bw` "
+                          "profile of this GPU and expert format, else 0.5)")
+    hyb.add_argument("--no-promote", action="store_true", help="no recency promotion (docs/slot_cache.md)")
+    hyb.add_argument("--cpu-workers", type=int, default=1, metavar="N", help="CPU expert worker processes")
+    hyb.add_argument("--cpu-threads", type=int, default=0, help="threads per CPU worker (0: one per core)")
+    hyb.add_argument("--cpu-deadline-ms", type=float, default=1000.0,
+                     help="a CPU share not answered within this is fetched instead (the worker is restarted)")
+    hyb.add_argument("--reserve-cpus", default=None, metavar="LIST",
+                     help="CPUs kept free of CPU workers (default: 0 on machines with >= 4 CPUs)")
+    add_cli_flags(parser)               # --fetch-round, --fetch-select, ... (FREETOKEN_* knobs)
     parser.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+
+
+def hybrid_options(args: argparse.Namespace):
+    """HybridOptions from the flags; knobs by precedence flag > FREETOKEN_* environment > default."""
+    from gpu_worker.hybrid import HybridOptions
+
+    knobs = resolve({k: getattr(args, k, None) for k in ("fetch_round", "fetch_select", "benchbw_path")})
+    return HybridOptions(fetch_fraction=args.fetch_fraction, fetch_round=knobs["fetch_round"],
+                         fetch_select=knobs["fetch_select"], promote=not args.no_promote,
+                         cpu_workers=args.cpu_workers, cpu_threads=args.cpu_threads,
+                         cpu_deadline_s=args.cpu_deadline_ms / 1e3, reserve_cpus=args.reserve_cpus,
+                         benchbw_path=knobs["benchbw_path"])
 
 
 def _prompt_ids(args: argparse.Namespace, tokenizer) -> list[int]:
@@ -80,9 +109,10 @@ def run(args: argparse.Namespace) -> int:
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                             top_p=args.top_p, top_k=args.top_k, seed=args.seed, ignore_eos=args.ignore_eos,
                             stop_token_ids=tuple(args.stop_token_ids))
+    hybrid = hybrid_options(args) if args.moe_strategy in ("cpu", "hybrid") else None
     loaded = load_model(args.model, args.preset, device=args.device, dtype=args.dtype,
                         moe_strategy=args.moe_strategy, moe_cache_size=args.moe_cache_size,
-                        seed=args.seed_weights)
+                        seed=args.seed_weights, hybrid=hybrid)
     tokenizer = loaded.tokenizer
     prompt = _prompt_ids(args, tokenizer)
     # Default KV length: just what this request can use, up to 32K (the engine stops at a full context).
@@ -110,7 +140,10 @@ def run(args: argparse.Namespace) -> int:
               "prefill_tokens_per_s": s.prefill_tokens_per_s, "decode_tokens_per_s": s.decode_tokens_per_s}
     experts = loaded.model.experts
     expert_stats = None
-    if hasattr(experts, "stats"):   # offload: fetch counters and measured copy bandwidth
+    if hasattr(experts, "counters"):  # cpu / hybrid: HybridStats, the split policy and where f came from
+        expert_stats = {**experts.counters(), "policy": dict(experts.policy),
+                        "fetch_fraction_source": experts.fetch_fraction_source}
+    elif hasattr(experts, "stats"):   # offload: fetch counters and measured copy bandwidth
         copy_s = experts.collect_copy_time()
         st = experts.stats
         expert_stats = {"fetched": st.fetched, "distinct_misses": st.distinct_misses,

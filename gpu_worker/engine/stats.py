@@ -1,7 +1,9 @@
-"""`EngineStats`: token counts and wall time spent in prefill and decode forwards."""
+"""`EngineStats`: token counts and wall time spent in prefill and decode forwards, and the expert
+backend's cumulative counters under the names the coordinator reads (docs/CONTROL_PLANE.md)."""
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
+from typing import Any, Mapping
 
 
 @dataclass
@@ -17,6 +19,23 @@ class EngineStats:
     requests_added: int = 0
     requests_finished: int = 0
     requests_aborted: int = 0
+    # Expert backend counters (cpu / hybrid backends; zero for the others), copied after every step.
+    expert_hits_total: int = 0
+    expert_misses_total: int = 0
+    experts_fetched_total: int = 0
+    copy_bytes_total: int = 0
+    copy_time_s_total: float = 0.0
+    cpu_experts_total: int = 0
+    cpu_expert_time_s_total: float = 0.0
+    gpu_wait_for_cpu_s_total: float = 0.0
+    gpu_wait_for_copy_s_total: float = 0.0
+    cpu_workers: dict[str, Any] = field(default_factory=dict)    # name -> {experts_total, time_s_total, ...}
+
+    def absorb_expert_counters(self, counters: Mapping[str, Any]) -> None:
+        """Take the backend's cumulative counters (only the names above)."""
+        for name in _EXPERT_COUNTERS:
+            if name in counters:
+                setattr(self, name, counters[name])
 
     @property
     def decode_tokens_per_s(self) -> float:
@@ -31,3 +50,8 @@ class EngineStats:
         out["decode_tokens_per_s"] = self.decode_tokens_per_s
         out["prefill_tokens_per_s"] = self.prefill_tokens_per_s
         return out
+
+
+_EXPERT_COUNTERS = ("expert_hits_total", "expert_misses_total", "experts_fetched_total", "copy_bytes_total",
+                    "copy_time_s_total", "cpu_experts_total", "cpu_expert_time_s_total", "gpu_wait_for_cpu_s_total",
+                    "gpu_wait_for_copy_s_total", "cpu_workers")

@@ -1,8 +1,8 @@
 """`make_expert_backend`: the one place that turns ``--moe-strategy`` into an `ExpertBackend`.
 
-To add a backend (offload, cpu, hybrid), build it here from the `ExpertSource` (which fills packed
-[E, N] layers wherever the backend wants them) and return an object with
-``forward(layer_idx, x, topk_ids, topk_weights) -> [T, H]``.
+To add a backend, build it here from the `ExpertSource` (which fills packed [E, N] layers wherever
+the backend wants them) and return an object with ``forward(layer_idx, x, topk_ids, topk_weights)
+-> [T, H]``. ``cpu`` and ``hybrid`` live in gpu_worker/hybrid (docs/HYBRID.md).
 """
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch
 from .expert_sources import ExpertSource
 from .resident_experts import ExpertBackend, ResidentExperts
 
-STRATEGIES = ("resident", "offload")
+STRATEGIES = ("resident", "offload", "cpu", "hybrid")
 
 
 class BackendNotAvailableError(RuntimeError):
@@ -20,13 +20,15 @@ class BackendNotAvailableError(RuntimeError):
 
 def make_expert_backend(strategy: str, source: ExpertSource, device: torch.device | str,
                         cache_size: int | float | str | None = None, mode: str = "auto",
-                        per_layer: bool = False) -> ExpertBackend:
+                        per_layer: bool = False, hybrid=None, top_k: int | None = None) -> ExpertBackend:
     """Build the expert backend for ``strategy`` on ``device``.
 
-    cache_size: GPU expert slots for ``offload``: a count, or a fraction in (0, 1] of all experts
-        (default 0.25); ignored by ``resident``, which holds all experts.
-    per_layer: ``offload`` gives every layer its own pool of cache_size // num_layers slots.
+    cache_size: GPU expert slots for ``offload``, ``cpu`` and ``hybrid``: a count, or a fraction in
+        (0, 1] of all experts (default 0.25); ignored by ``resident``, which holds all experts.
+    per_layer: give every layer its own pool of cache_size // num_layers slots.
     mode: ``ResidentExperts`` compute mode (auto | grouped | gather).
+    hybrid: ``gpu_worker.hybrid.HybridOptions`` for ``cpu`` and ``hybrid`` (None: defaults).
+    top_k: experts per token (sizes the CPU pool's channels); default: the source's config, else 8.
     """
     if strategy == "resident":
         return ResidentExperts.from_source(source, device, mode=mode)
@@ -44,4 +46,10 @@ def make_expert_backend(strategy: str, source: ExpertSource, device: torch.devic
             raise
         atexit.register(backend.close)     # the shared-memory store is unlinked by its creator
         return backend
+    if strategy in ("cpu", "hybrid"):
+        from gpu_worker.hybrid import build_hybrid_backend
+        if top_k is None:
+            top_k = getattr(getattr(source, "cfg", None), "top_k", 8)
+        return build_hybrid_backend(strategy, source, device, top_k=top_k, cache_size=cache_size, mode=mode,
+                                    per_layer=per_layer, options=hybrid)
     raise ValueError(f"--moe-strategy {strategy!r} is not one of {', '.join(STRATEGIES)}")

@@ -125,13 +125,15 @@ def open_model_source(model_dir: str | Path | None = None, preset: str | None = 
 def load_model(model_dir: str | Path | None = None, preset: str | None = None, *,
                device: str | torch.device = "auto", dtype: str | torch.dtype | None = "auto",
                moe_strategy: str = "resident", moe_cache_size: int | float | str | None = None, seed: int = 0,
-               expert_compute: str = "auto") -> LoadedModel:
-    """Load dense weights and build the expert backend on ``device``; see module docstring."""
+               expert_compute: str = "auto", hybrid=None) -> LoadedModel:
+    """Load dense weights and build the expert backend on ``device``; see module docstring.
+
+    hybrid: ``gpu_worker.hybrid.HybridOptions`` for the ``cpu`` and ``hybrid`` strategies."""
     t0 = time.perf_counter()
     device = resolve_device(device)
     source = open_model_source(model_dir, preset, dtype=dtype, seed=seed, device=device)
     experts = make_expert_backend(moe_strategy, source.experts, device, cache_size=moe_cache_size,
-                                  mode=expert_compute)
+                                  mode=expert_compute, hybrid=hybrid, top_k=source.cfg.top_k)
     dense = source.load_dense(device)
     model = MoeModel(source.cfg, dense, experts, max_positions=min(32768, source.cfg.max_position_embeddings))
     if device.type == "cuda":

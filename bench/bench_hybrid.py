@@ -1,0 +1,242 @@
+"""Decode benchmark of the miss strategies side by side: offload, cpu, hybrid (3 rounding modes x
+promotion on/off), on one GPU with one CPU expert pool; plus the hand-off round trip.
+
+qwen3-30b-a3b preset (seeded random weights, bf16), batch 1, a cache of 25% of all experts, a
+--prompt-tokens prompt, --decode-tokens decode tokens, median of --runs runs after a warm-up run.
+One host expert store and one CPU pool serve every backend. Per backend: decode tok/s, misses,
+fetched and CPU-computed experts per token, fallbacks, and the roofline
+    tok/s <= (B_pcie + B_cpu) / (misses/token * expert_bytes)
+with B_pcie and B_cpu measured here first (gpu_worker/hybrid/bandwidth.py, as `ft bench bw`).
+Greedy tokens are compared with the resident run's (offload must match; cpu/hybrid compute misses
+with the CPU kernel, whose bf16 accumulation order differs: a late divergence is expected there).
+Then the hand-off round trip GPU -> CPU process -> GPU (hidden state down, a 0-triple request through
+the channel, the zero partial sum up, synchronised) p50/p99 over --handoff-calls calls.
+
+    python bench/bench_hybrid.py                                   # on the H200
+    python bench/bench_hybrid.py --preset tiny --device cpu --runs 1 --decode-tokens 16 \\
+        --prompt-tokens 16 --handoff-calls 500                      # smoke test on a CPU machine
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from gpu_worker.engine import Engine, EngineConfig, SamplingParams  # noqa: E402
+from gpu_worker.hybrid import HybridExperts, HybridOptions, start_cpu_pool  # noqa: E402
+from gpu_worker.hybrid.bandwidth import copy_bandwidth, cpu_pool_bandwidth  # noqa: E402
+from gpu_worker.hybrid.options import device_name  # noqa: E402
+from gpu_worker.models import load_model  # noqa: E402
+from gpu_worker.offload import HostExperts, OffloadExperts, resolve_cache_slots  # noqa: E402
+
+ROUNDS = ("min-wait", "stochastic", "prefer-fetch")
+BW_CALLS = 100
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _counters(backend) -> dict:
+    """misses, fetched, cpu experts, fallbacks so far (offload: its OffloadStats)."""
+    if isinstance(backend, HybridExperts):
+        c = backend.counters()
+        return {"misses": c["expert_misses_total"], "fetched": c["experts_fetched_total"],
+                "cpu": c["cpu_experts_total"], "fallbacks": c["fallbacks_total"],
+                "wait_cpu_s": c["gpu_wait_for_cpu_s_total"], "wait_copy_s": c["gpu_wait_for_copy_s_total"]}
+    if backend is None:
+        return {}
+    s = backend.stats
+    return {"misses": s.distinct_misses, "fetched": s.fetched, "cpu": 0, "fallbacks": 0}
+
+
+def decode_run(engine: Engine, prompt: list[int], num_tokens: int, backend, device: torch.device) -> dict:
+    """One request: prefill, then decode; counters of the decode phase only."""
+    engine.add_request(prompt, SamplingParams(max_new_tokens=num_tokens, ignore_eos=True))
+    tokens: list[int] = []
+    while not tokens:                                   # prefill (chunks) up to the first token
+        tokens += [out.new_token_id for out in engine.step()]
+    before = _counters(backend)
+    _sync(device)
+    t0 = time.perf_counter()
+    while engine.has_work():
+        tokens += [out.new_token_id for out in engine.step()]
+    _sync(device)
+    elapsed = time.perf_counter() - t0
+    n = len(tokens) - 1
+    after = _counters(backend)
+    result = {"tokens": tokens, "decode_tok_s": n / elapsed}
+    result.update({f"{k}_per_token": (after[k] - before[k]) / n for k in after})
+    return result
+
+
+def measure(engine, prompt, args, backend, device) -> dict:
+    decode_run(engine, prompt, min(args.decode_tokens, 32), backend, device)       # warm-up
+    runs = [decode_run(engine, prompt, args.decode_tokens, backend, device) for _ in range(args.runs)]
+    best = sorted(runs, key=lambda r: r["decode_tok_s"])[len(runs) // 2]         # the median run
+    best["all_tok_s"] = [round(r["decode_tok_s"], 2) for r in runs]
+    return best
+
+
+def handoff_round_trip(pool, hidden: int, dtype: torch.dtype, device: torch.device, calls: int) -> dict:
+    """GPU -> CPU process -> GPU: x [1, H] down to pinned memory, a 0-triple request through worker 0's
+    channel, its partial sum [1, H] fp32 up, added on the device, synchronised. p50/p99 in us."""
+    client = pool.members[0].client
+    pin = device.type == "cuda"
+    x = torch.randn(1, hidden, device=device).to(dtype)
+    staged = torch.empty(1, hidden, dtype=torch.bfloat16 if pool.hidden_dtype == "bfloat16" else torch.float32,
+                         pin_memory=pin)
+    partial_host = torch.empty(1, hidden, dtype=torch.float32, pin_memory=pin)
+    empty = (np.empty(0, np.int32), np.empty(0, np.int32), np.empty(0, np.float32))
+    samples = []
+    for i in range(calls + calls // 10):
+        t0 = time.perf_counter_ns()
+        staged.copy_(x, non_blocking=True)
+        _sync(device)
+        client.submit(i % 2, staged, empty)
+        partial_host.copy_(client.wait(i % 2, deadline_s=10.0))
+        y = x.float() + partial_host.to(device, non_blocking=True)
+        _sync(device)
+        samples.append(time.perf_counter_ns() - t0)
+    del y
+    arr = np.asarray(samples[calls // 10:], dtype=np.float64) / 1e3
+    return {"calls": len(arr), "p50_us": float(np.percentile(arr, 50)), "p99_us": float(np.percentile(arr, 99)),
+            "max_us": float(arr.max())}
+
+
+def variants(args) -> list[tuple[str, dict | None]]:
+    out: list[tuple[str, dict | None]] = [("offload", None), ("cpu", {"strategy": "cpu"})]
+    for promote in (True, False):
+        for rnd in ROUNDS:
+            out.append((f"hybrid {rnd}{'' if promote else ' no-promo'}",
+                        {"strategy": "hybrid", "fetch_round": rnd, "promote": promote}))
+    if args.variants:
+        keep = [v.strip() for v in args.variants.split(",")]
+        out = [v for v in out if any(v[0].startswith(k) for k in keep)]
+    return out
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--preset", default="qwen3-30b-a3b")
+    parser.add_argument("--dtype", default="auto", help="auto: the preset's (bf16 for qwen3-30b-a3b)")
+    parser.add_argument("--device", default="cuda", help="cpu: a smoke test of this script")
+    parser.add_argument("--cache", default="0.25", help="GPU expert slots: a fraction of all experts, or a count")
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--prompt-tokens", type=int, default=512)
+    parser.add_argument("--decode-tokens", type=int, default=128)
+    parser.add_argument("--fetch-fraction", type=float, default=None,
+                        help="hybrid's f (default: B_pcie / (B_pcie + B_cpu) measured here)")
+    parser.add_argument("--cpu-workers", type=int, default=1)
+    parser.add_argument("--cpu-threads", type=int, default=0, help="0: one per physical core")
+    parser.add_argument("--variants", default="", help="comma list of name prefixes, e.g. offload,hybrid min-wait")
+    parser.add_argument("--no-resident", action="store_true", help="skip the resident run (no token check)")
+    parser.add_argument("--handoff-calls", type=int, default=10_000)
+    parser.add_argument("--json-out", default=None, help="write every row as JSON here (default: $OUT/bench_hybrid.json)")
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    gen = torch.Generator().manual_seed(0)
+    rows = []
+
+    t0 = time.perf_counter()
+    strategy = "offload" if args.no_resident else "resident"
+    loaded = load_model(preset=args.preset, device=device, dtype=args.dtype, moe_strategy=strategy,
+                        moe_cache_size=args.cache)
+    cfg = loaded.cfg
+    prompt = torch.randint(0, cfg.vocab_size, (args.prompt_tokens,), generator=gen).tolist()
+    econf = EngineConfig(max_running_requests=1, max_context_tokens=args.prompt_tokens + args.decode_tokens + 16)
+    reference_tokens = None
+    if not args.no_resident:
+        print(f"loaded {args.preset} resident in {time.perf_counter() - t0:.1f} s", flush=True)
+        res = measure(Engine(loaded.model, econf, eos_token_ids=()), prompt, args, None, device)
+        rows.append(("resident", res))
+        reference_tokens = res["tokens"]
+        print("resident", res["all_tok_s"], flush=True)
+    source = loaded.source.experts
+    layout = source.layout
+    if not args.no_resident:
+        loaded.model.experts = None
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        t0 = time.perf_counter()
+        host = HostExperts.create_filled(source, staging_device=device if device.type == "cuda" else None)
+    else:
+        host = loaded.model.experts.host                   # the offload backend's store (it owns it)
+    print(f"host store {host.nbytes / 1e9:.1f} GB (pinned: {host.pinned})", flush=True)
+
+    options = HybridOptions(cpu_workers=args.cpu_workers, cpu_threads=args.cpu_threads)
+    pcie = copy_bandwidth(host.store, device, BW_CALLS)
+    cpu = cpu_pool_bandwidth(host.store, top_k=cfg.top_k, calls=BW_CALLS, num_workers=args.cpu_workers,
+                             worker_flags=options.worker_flags() + ["--log-level", "WARNING"])
+    fraction = args.fetch_fraction if args.fetch_fraction is not None else pcie.gb_s / (pcie.gb_s + cpu.gb_s)
+    print(f"B_pcie {pcie.gb_s:.1f} GB/s, B_cpu {cpu.gb_s:.1f} GB/s -> f {fraction:.3f}", flush=True)
+    pool = start_cpu_pool(host, options, cfg.top_k)
+    slots = resolve_cache_slots(args.cache, source.num_layers, source.num_experts)
+    try:
+        handoff = handoff_round_trip(pool, cfg.hidden_size, loaded.source.dtype, device, args.handoff_calls)
+        print(f"hand-off round trip: p50 {handoff['p50_us']:.1f} us, p99 {handoff['p99_us']:.1f} us", flush=True)
+        for name, policy in variants(args):
+            if policy is None:
+                backend = OffloadExperts(host, slots, device)
+            else:
+                policy = {"fetch_fraction": fraction, **policy}
+                backend = HybridExperts(host, slots, device, pool, owns_host=False, owns_pool=False, **policy)
+            loaded.model.experts = backend
+            r = measure(Engine(loaded.model, econf, eos_token_ids=()), prompt, args, backend, device)
+            r["same_tokens"] = None if reference_tokens is None else r["tokens"] == reference_tokens
+            r["first_diff"] = None if reference_tokens is None else next(
+                (i for i, (a, b) in enumerate(zip(r["tokens"], reference_tokens)) if a != b), None)
+            rows.append((name, r))
+            print(name, r["all_tok_s"], flush=True)
+            loaded.model.experts = None
+            del backend
+            gc.collect()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    finally:
+        pool.close()
+        host.close()
+
+    expert_bytes = layout.expert_nbytes
+    both = (pcie.gb_s + cpu.gb_s) * 1e9
+    gpu = device_name(device)
+    print(f"\n{args.preset} {layout.dtype}, {gpu}, batch 1, cache {args.cache} ({slots} slots), prompt "
+          f"{args.prompt_tokens}, {args.decode_tokens} decode tokens, median of {args.runs} runs; expert "
+          f"{expert_bytes / 1e6:.2f} MB; B_pcie {pcie.gb_s:.1f} GB/s, B_cpu {cpu.gb_s:.1f} GB/s "
+          f"({args.cpu_workers} worker(s)); hybrid f {fraction:.3f}")
+    print(f"hand-off GPU -> CPU process -> GPU: p50 {handoff['p50_us']:.1f} us, p99 {handoff['p99_us']:.1f} us, "
+          f"max {handoff['max_us']:.0f} us over {handoff['calls']} calls")
+    print(f"{'backend':<28} {'tok/s':>7} {'miss/tok':>8} {'fetch/tok':>9} {'cpu/tok':>7} {'roofline':>8} "
+          f"{'%roof':>5} {'fallbk':>6} {'same tokens':>11}")
+    for name, r in rows:
+        miss = r.get("misses_per_token")
+        roof = both / (miss * expert_bytes) if miss else float("nan")
+        pct = 100 * r["decode_tok_s"] / roof if miss else float("nan")
+        same = "-" if r.get("same_tokens") is None else ("yes" if r["same_tokens"] else f"from {r['first_diff']}")
+        print(f"{name:<28} {r['decode_tok_s']:>7.2f} {(miss or 0):>8.1f} {r.get('fetched_per_token', 0):>9.1f} "
+              f"{r.get('cpu_per_token', 0):>7.1f} {roof:>8.2f} {pct:>5.0f} {r.get('fallbacks_per_token', 0):>6.2f} "
+              f"{same:>11}")
+    out_path = args.json_out or os.path.join(os.environ.get("OUT", "."), "bench_hybrid.json")
+    with open(out_path, "w") as fh:
+        json.dump({"preset": args.preset, "gpu": gpu, "pcie_gb_s": pcie.gb_s, "cpu_gb_s": cpu.gb_s,
+                   "fetch_fraction": fraction, "handoff": handoff, "expert_bytes": expert_bytes,
+                   "rows": [{"backend": n, **{k: v for k, v in r.items() if k != "tokens"}} for n, r in rows]},
+                  fh, indent=1)
+    print(f"rows written to {out_path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

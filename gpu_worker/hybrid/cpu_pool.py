@@ -1,0 +1,287 @@
+"""`CpuPool`: the CPU expert workers of one expert store, as the GPU worker sees them.
+
+    pool = CpuPool.start(store, num_workers=2, t_max=512, max_triples=4096, hidden_dtype="bfloat16",
+                         worker_flags=["--threads", "0"])
+    shares = pool.submit(layer, hidden_host, token_idx, expert_id, weight)   # [T, H], [n] each
+    ...                                                                        # GPU work meanwhile
+    failed = pool.join(layer, shares, out=partial)    # partial [T, H] fp32 = sum of the workers' sums
+    pool.poll()                                       # re-admit restarted workers (rate-limited)
+
+One channel per worker (created here, outliving worker restarts), each worker a `ft worker cpu`
+process under coordinator/supervisor.py (HELLO with the store's config hash, READY, heartbeats,
+restart with back-off after an exit). `CpuPool.attach` instead takes channels and workers that
+someone else (the coordinator of `ft serve`) created and supervises. Triples go to the worker that owns their expert
+(`ExpertSplit`, contiguous ranges). A worker that dies (WorkerDead) or misses the deadline
+(WorkerTimeout) is marked down; a late one is killed (SIGKILL: a stopped or hung process may never
+answer, and a restart costs a few seconds with the store still mapped), so the supervisor restarts
+it. `poll` re-admits a worker once its channel answers again (READY and nothing in flight).
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import signal
+import sys
+import time
+
+import numpy as np
+import torch
+
+from coordinator.supervisor import Supervisor, WorkerError as SupervisorError, WorkerGaveUp, WorkerSpec
+from cpu_expert_pool.channel import (CpuPoolClient, WorkerDead, WorkerError, WorkerTimeout, channel_name_for,
+                                     create_worker_channel)
+from cpu_expert_pool.proc import REPO_ROOT
+from cpu_expert_pool.split import ExpertSplit
+from proto.expert_store import ExpertStore
+from proto.shm_layout import process_start_ticks
+
+log = logging.getLogger("ft.hybrid.pool")
+
+CHANNEL_HIDDEN_DTYPES = {torch.bfloat16: "bfloat16", torch.float32: "float32", torch.float16: "float32"}
+
+
+def channel_hidden_dtype(model_dtype: torch.dtype) -> str:
+    """The channel carries hidden states in bf16 for bf16 models, else in fp32 (fp16 is widened)."""
+    if model_dtype not in CHANNEL_HIDDEN_DTYPES:
+        raise ValueError(f"the CPU pool takes bf16, fp16 or fp32 hidden states, not {model_dtype}")
+    return CHANNEL_HIDDEN_DTYPES[model_dtype]
+
+
+@dataclasses.dataclass
+class PoolMember:
+    index: int
+    name: str                      # supervisor name and telemetry key: "cpu<index>"
+    channel_name: str
+    client: CpuPoolClient
+    serving: bool = False          # takes work now
+    gave_up: bool = False          # the supervisor stopped restarting it
+    pid: int = 0                   # the process that served when it was admitted
+    start_ticks: int | None = None  # its start time (a kill must not hit a reused pid)
+    failures_total: int = 0
+    readmissions_total: int = 0
+    kills_total: int = 0           # late workers this pool killed for a restart
+    last_error: str = ""
+
+
+@dataclasses.dataclass
+class Share:
+    """One worker's part of a layer's CPU share."""
+    member: PoolMember
+    rows: np.ndarray               # [n_w] indices into the layer's triples
+    num_experts: int               # distinct experts among them
+    error: Exception | None = None
+    compute_s: float = 0.0
+
+
+class CpuPool:
+    def __init__(self, store: ExpertStore, *, num_workers: int, t_max: int, max_triples: int, hidden_dtype: str,
+                 deadline_s: float, readmit_poll_s: float):
+        self.store = store
+        self.num_workers = num_workers
+        self.t_max, self.max_triples, self.hidden_dtype = t_max, max_triples, hidden_dtype
+        self.deadline_s, self.readmit_poll_s = deadline_s, readmit_poll_s
+        self.split = ExpertSplit.contiguous(store.num_layers, store.num_experts, num_workers)
+        self.members: list[PoolMember] = []
+        self.supervisor: Supervisor | None = None
+        self._segments = []
+        self._next_poll_s = 0.0
+
+    # -- life cycle -------------------------------------------------------------------------------
+    @classmethod
+    def start(cls, store: ExpertStore, *, num_workers: int, t_max: int, max_triples: int, hidden_dtype: str,
+              worker_flags: list[str], deadline_s: float, readmit_poll_s: float, restart_backoff_s: float,
+              ready_timeout_s: float, heartbeat_timeout_s: float) -> "CpuPool":
+        """Create the channels, start the workers under a Supervisor, wait until every one serves."""
+        pool = cls(store, num_workers=num_workers, t_max=t_max, max_triples=max_triples, hidden_dtype=hidden_dtype,
+                   deadline_s=deadline_s, readmit_poll_s=readmit_poll_s)
+        try:
+            specs = []
+            for i in range(num_workers):
+                name = channel_name_for(store.name, i)
+                pool._segments.append(create_worker_channel(name, t_max=t_max, hidden=store.shape.hidden,
+                                                            max_triples=max_triples, hidden_dtype=hidden_dtype))
+                argv = [sys.executable, "-m", "cpu_expert_pool.cli", "--store", store.name, "--channel", name,
+                        "--worker-index", str(i), "--num-workers", str(num_workers), "--parent-pid",
+                        str(os.getpid()), *worker_flags]
+                specs.append(WorkerSpec(f"cpu{i}", argv, config_hash=store.config_hash,
+                                        env={"PYTHONPATH": os.pathsep.join(
+                                            filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH", "")]))},
+                                        ready_timeout_s=ready_timeout_s, heartbeat_timeout_s=heartbeat_timeout_s,
+                                        backoff_initial_s=restart_backoff_s, kind="cpu"))
+                pool.members.append(PoolMember(i, f"cpu{i}", name, CpuPoolClient(name)))
+            pool.supervisor = Supervisor(specs)
+            pool.supervisor.start(timeout_s=ready_timeout_s)
+            pool._admit_all(ready_timeout_s)
+        except BaseException:
+            pool.close()
+            raise
+        return pool
+
+    @classmethod
+    def attach(cls, store: ExpertStore, channel_names: list[str], *, deadline_s: float, readmit_poll_s: float,
+               ready_timeout_s: float) -> "CpuPool":
+        """Clients on existing channels (worker i serves channel_names[i]); whoever started the workers
+        restarts them. Channels and workers are left alone by close()."""
+        first = CpuPoolClient(channel_names[0])
+        lay = first.layout
+        pool = cls(store, num_workers=len(channel_names), t_max=lay.t_max, max_triples=lay.max_triples,
+                   hidden_dtype=lay.hidden_dtype, deadline_s=deadline_s, readmit_poll_s=readmit_poll_s)
+        try:
+            for i, name in enumerate(channel_names):
+                client = first if i == 0 else CpuPoolClient(name)
+                pool.members.append(PoolMember(i, f"cpu{i}", name, client))
+                if (client.layout.t_max, client.layout.max_triples) != (lay.t_max, lay.max_triples):
+                    raise ValueError(f"channel {name!r} is sized differently from {channel_names[0]!r}; create "
+                                     "every channel of a pool with the same t_max and max_triples")
+            pool._admit_all(ready_timeout_s)
+        except BaseException:
+            if not pool.members:
+                first.close()
+            pool.close()
+            raise
+        return pool
+
+    def _admit_all(self, timeout_s: float) -> None:
+        for m in self.members:
+            self._admit(m, m.client.wait_for_worker(timeout_s=timeout_s))
+        log.info("CPU pool: %d worker(s) serving store %r (pids %s)", self.num_workers, self.store.name,
+                 ", ".join(str(m.pid) for m in self.members))
+
+    @staticmethod
+    def _admit(m: PoolMember, pid: int) -> None:
+        m.pid, m.start_ticks, m.serving = pid, process_start_ticks(pid), True
+
+    def close(self) -> None:
+        if self.supervisor is not None:
+            self.supervisor.stop()
+            self.supervisor = None
+        for m in self.members:
+            m.client.close()
+        self.members = []
+        for seg in self._segments:
+            seg.close()
+            seg.unlink()
+        self._segments = []
+
+    # -- state ------------------------------------------------------------------------------------
+    @property
+    def all_serving(self) -> bool:
+        return bool(self.members) and all(m.serving for m in self.members)
+
+    def fits(self, num_tokens: int, num_triples: int) -> bool:
+        return num_tokens <= self.t_max and num_triples <= self.max_triples
+
+    def worker_pids(self) -> dict[str, int]:
+        """Current process of every worker, as the supervisor sees it (0 while restarting)."""
+        if self.supervisor is None:
+            return {}
+        return {w["name"]: w["pid"] for w in self.supervisor.worker_info()}
+
+    def restarts(self) -> dict[str, int]:
+        if self.supervisor is None:
+            return {}
+        return {w["name"]: w["restarts"] for w in self.supervisor.worker_info()}
+
+    # -- hot path ---------------------------------------------------------------------------------
+    def submit(self, layer: int, hidden: torch.Tensor, token_idx: np.ndarray, expert_id: np.ndarray,
+               weight: np.ndarray) -> list[Share]:
+        """Hand each owner its triples. hidden [T, H] host (channel dtype); token_idx, expert_id [n] int32,
+        weight [n] fp32 (ORIGINAL expert ids). A worker that cannot take its share is marked failed in it."""
+        shares = []
+        for m, rows in zip(self.members, self.split.split_triples(layer, expert_id)):
+            if rows.size == 0:
+                continue
+            experts = expert_id[rows]
+            share = Share(m, rows, int(np.unique(experts).size))
+            try:
+                m.client.submit(layer, hidden, (token_idx[rows], experts, weight[rows]))
+            except WorkerDead as exc:
+                share.error = exc
+                self._fail(m, exc)
+            shares.append(share)
+        return shares
+
+    def join(self, layer: int, shares: list[Share], out: torch.Tensor) -> list[Share]:
+        """Wait for every share; out [T, H] fp32 (host) = sum of the answered partial sums, in worker order
+        (zeros if none answered). Returns the shares that failed: the caller computes those otherwise."""
+        failed, first = [], True
+        for share in shares:
+            if share.error is None:
+                m = share.member
+                try:
+                    partial = m.client.wait(layer, deadline_s=self.deadline_s)       # [T, H] fp32 view
+                except (WorkerDead, WorkerTimeout) as exc:
+                    share.error = exc
+                    self._fail(m, exc)
+                except WorkerError as exc:       # answered with an error status: fetch this share, keep it
+                    share.error = exc
+                    m.failures_total += 1
+                    m.last_error = str(exc)
+                    log.error("CPU worker %s: %s; fetching its share of layer %d instead", m.name, exc, layer)
+                else:
+                    share.compute_s = m.client.last_compute_ns(layer) / 1e9
+                    if first:
+                        out.copy_(partial)
+                    else:
+                        out.add_(partial)
+                    first = False
+            if share.error is not None:
+                failed.append(share)
+        if first:
+            out.zero_()
+        return failed
+
+    def _fail(self, m: PoolMember, exc: Exception) -> None:
+        m.serving = False
+        m.failures_total += 1
+        m.last_error = str(exc)
+        if isinstance(exc, WorkerTimeout):
+            # A worker that missed its deadline is killed and restarted: stopped or hung, it may never
+            # answer; overloaded, it would keep the GPU waiting. Only the process we admitted is killed.
+            if m.pid > 0 and m.start_ticks is not None and process_start_ticks(m.pid) == m.start_ticks:
+                try:
+                    os.kill(m.pid, signal.SIGKILL)
+                    m.kills_total += 1
+                except ProcessLookupError:
+                    pass
+            log.error("CPU worker %s (pid %d) missed its %.0f ms deadline: killed for a restart; fetching "
+                      "instead meanwhile", m.name, m.pid, self.deadline_s * 1e3)
+        else:
+            log.error("CPU worker %s (pid %d) is gone (%s); the supervisor restarts it, fetching instead "
+                      "meanwhile", m.name, m.pid, exc)
+
+    def poll(self) -> list[PoolMember]:
+        """Re-admit workers whose channel serves again (at most every readmit_poll_s); returns them."""
+        now = time.monotonic()
+        if now < self._next_poll_s or self.all_serving:
+            return []
+        self._next_poll_s = now + self.readmit_poll_s
+        self._drain_supervisor_errors()
+        back = []
+        for m in self.members:
+            if m.serving or m.gave_up:
+                continue
+            try:
+                self._admit(m, m.client.wait_for_worker(timeout_s=0))
+            except WorkerTimeout:
+                continue
+            m.readmissions_total += 1
+            back.append(m)
+            log.warning("CPU worker %s re-admitted (pid %d)", m.name, m.pid)
+        return back
+
+    def _drain_supervisor_errors(self) -> None:
+        if self.supervisor is None:
+            return
+        while True:
+            try:
+                self.supervisor.check()
+                return
+            except WorkerGaveUp as exc:
+                for m in self.members:
+                    if m.name == exc.name:
+                        m.gave_up, m.serving = True, False
+                log.error("%s; the backend keeps fetching every miss", exc)
+            except SupervisorError:
+                pass                       # already logged by the supervisor; a restart follows

@@ -1,0 +1,115 @@
+"""`HybridOptions`: the settings of the `hybrid` and `cpu` expert backends, validated in one place.
+
+Every field is also a flag of `ft generate` (generate_cli.py); the fetch rounding and selection are
+FREETOKEN_* knobs (proto/knobs.py). Where the fetch fraction starts, in order: the given value
+(--fetch-fraction), the `ft bench bw` profile measured on this GPU (or "cpu") for this expert format,
+0.5. The profile is read by coordinator/policy.py's `load_bandwidth_profile`, which ignores a profile
+of other hardware or another expert format with a log line.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+
+import torch
+
+from kernels.slot_cache.state import ROUND_MODES, SELECT_MODES
+
+log = logging.getLogger("ft.hybrid")
+
+DEFAULT_FETCH_FRACTION = 0.5          # no flag, no matching profile: half the misses each way
+DEFAULT_CPU_DEADLINE_S = 1.0          # a CPU share not answered by then is fetched instead (worker killed)
+DEFAULT_CPU_MAX_TOKENS = 512          # forwards with more tokens fetch every miss (= the default prefill chunk)
+DEFAULT_RESTART_BACKOFF_S = 0.5       # supervisor: first restart delay of a failed CPU worker (doubles)
+DEFAULT_READY_TIMEOUT_S = 120.0       # a CPU worker imports torch, maps the store and warms up
+DEFAULT_HEARTBEAT_TIMEOUT_S = 10.0    # supervisor: a worker silent this long is killed (backstop)
+DEFAULT_READMIT_POLL_S = 0.02         # how often a forward looks for restarted workers
+RESERVE_CPU_MIN_CPUS = 4              # from this many CPUs on, CPU 0 is left to the GPU worker's thread
+
+
+@dataclasses.dataclass
+class HybridOptions:
+    fetch_fraction: float | None = None     # f in [0, 1]; None: profile, else DEFAULT_FETCH_FRACTION
+    fetch_round: str = "min-wait"           # rounding of f*M (ROUND_MODES)
+    fetch_select: str = "recency"           # which misses are fetched first (SELECT_MODES)
+    promote: bool = True                    # recency promotion (docs/slot_cache.md)
+    seed: int = 0                           # stochastic rounding's seed
+    cpu_workers: int = 1                    # `ft worker cpu` processes (a multiple of the NUMA nodes)
+    cpu_threads: int = 0                    # compute threads per worker (0: one per physical core)
+    cpu_deadline_s: float = DEFAULT_CPU_DEADLINE_S
+    cpu_max_tokens: int = DEFAULT_CPU_MAX_TOKENS
+    reserve_cpus: str | None = None         # CPU list kept free of workers; None: "0" on >= 4 CPUs
+    worker_args: tuple[str, ...] = ()       # more `ft worker cpu` flags (e.g. --hot-ms 5 --no-pin)
+    restart_backoff_s: float = DEFAULT_RESTART_BACKOFF_S
+    ready_timeout_s: float = DEFAULT_READY_TIMEOUT_S
+    heartbeat_timeout_s: float = DEFAULT_HEARTBEAT_TIMEOUT_S
+    readmit_poll_s: float = DEFAULT_READMIT_POLL_S
+    benchbw_path: str = ""                  # `ft bench bw` profile; "": $FREETOKEN_BENCHBW_PATH or default
+
+    def __post_init__(self) -> None:
+        if self.fetch_fraction is not None and not 0.0 <= float(self.fetch_fraction) <= 1.0:
+            raise ValueError(f"--fetch-fraction {self.fetch_fraction} must be within [0, 1] "
+                             f"(0: every miss to the CPU, 1: fetch every miss)")
+        if self.fetch_round not in ROUND_MODES:
+            raise ValueError(f"--fetch-round {self.fetch_round!r} is not one of {', '.join(ROUND_MODES)}")
+        if self.fetch_select not in SELECT_MODES:
+            raise ValueError(f"--fetch-select {self.fetch_select!r} is not one of {', '.join(SELECT_MODES)}")
+        if not isinstance(self.cpu_workers, int) or self.cpu_workers < 1:
+            raise ValueError(f"--cpu-workers {self.cpu_workers!r} must be an int >= 1")
+        if self.cpu_threads < 0:
+            raise ValueError(f"--cpu-threads {self.cpu_threads} must be >= 0 (0: one per physical core)")
+        for name in ("cpu_deadline_s", "restart_backoff_s", "ready_timeout_s", "readmit_poll_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name}={getattr(self, name)!r} must be > 0")
+        if self.cpu_max_tokens < 1:
+            raise ValueError(f"--cpu-max-tokens {self.cpu_max_tokens} must be >= 1")
+        self.worker_args = tuple(self.worker_args)
+
+    def for_strategy(self, strategy: str) -> "HybridOptions":
+        """`cpu` = hybrid with f = 0 and promotion off: every miss to the CPU (docs/HYBRID.md)."""
+        if strategy == "cpu":
+            return dataclasses.replace(self, fetch_fraction=0.0, promote=False)
+        if strategy != "hybrid":
+            raise ValueError(f"HybridOptions serve the cpu and hybrid strategies, not {strategy!r}")
+        return self
+
+    def reserved_cpus(self) -> str:
+        if self.reserve_cpus is not None:
+            return self.reserve_cpus
+        return "0" if len(os.sched_getaffinity(0)) >= RESERVE_CPU_MIN_CPUS else ""
+
+    def worker_flags(self) -> list[str]:
+        """`ft worker cpu` flags from these options (the store, channel and index are added per worker)."""
+        flags = ["--threads", str(self.cpu_threads)]
+        reserved = self.reserved_cpus()
+        if reserved:
+            flags += ["--reserve-cpus", reserved]
+        return flags + list(self.worker_args)
+
+
+def device_name(device: torch.device) -> str:
+    """The name a bandwidth profile is keyed on: the CUDA device's name, or "cpu"."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return "cpu"
+
+
+def resolve_fetch_fraction(options: HybridOptions, *, dtype: torch.dtype, hidden_size: int,
+                           intermediate_size: int, device: torch.device) -> tuple[float, str]:
+    """(f, where it came from): the given fraction, a matching `ft bench bw` profile entry, or 0.5."""
+    if options.fetch_fraction is not None:
+        return float(options.fetch_fraction), "flag"
+    from coordinator.policy import ExpertFormat, default_benchbw_path, load_bandwidth_profile
+
+    from proto.knobs import resolve
+
+    path = resolve({"benchbw_path": options.benchbw_path or None})["benchbw_path"] or default_benchbw_path()
+    fmt = ExpertFormat(str(dtype).removeprefix("torch."), hidden_size, intermediate_size)
+    profile = load_bandwidth_profile(path, fmt, device_name(device))
+    if profile is None:
+        log.info("fetch fraction %.2f (default): no matching bandwidth profile", DEFAULT_FETCH_FRACTION)
+        return DEFAULT_FETCH_FRACTION, "default"
+    log.info("fetch fraction %.3f from %s (PCIe %.1f GB/s, CPU %.1f GB/s)", profile.fetch_fraction, path,
+             profile.pcie_gb_s, profile.cpu_gb_s)
+    return profile.fetch_fraction, f"profile:{path}"

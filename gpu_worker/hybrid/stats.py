@@ -1,0 +1,89 @@
+"""Counters of the hybrid backend, under the names the coordinator's policy tuner reads.
+
+All counters are cumulative (the coordinator takes differences between snapshots, see
+docs/CONTROL_PLANE.md "Engine telemetry"). Times on the GPU side come from CUDA events resolved
+lazily (`StreamTimer.resolve`, no sync on the hot path); on a CPU device they are host wall times.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import torch
+
+
+@dataclasses.dataclass
+class WorkerCounters:
+    """One CPU worker's share of the work (key `cpu_workers.<name>.*`)."""
+    experts_total: int = 0          # distinct experts computed, summed over layer calls
+    triples_total: int = 0          # (token, expert) pairs computed
+    time_s_total: float = 0.0       # compute time the worker reported
+    failures_total: int = 0         # shares it did not answer (dead, deadline missed, error)
+    readmissions_total: int = 0     # times it was taken back after a restart
+
+
+@dataclasses.dataclass
+class HybridStats:
+    calls: int = 0                          # layer forwards
+    routed_pairs: int = 0                   # (token, expert) routes seen
+    expert_hits_total: int = 0              # distinct routed experts found in a slot, per layer call
+    expert_misses_total: int = 0            # distinct routed experts not in a slot
+    experts_fetched_total: int = 0          # experts copied host -> slot (fallback fetches included)
+    copy_bytes_total: int = 0
+    copy_time_s_total: float = 0.0          # copy-stream time
+    cpu_experts_total: int = 0              # distinct experts computed by the CPU pool, per layer call
+    cpu_triples_total: int = 0              # (token, expert) pairs computed by the CPU pool
+    cpu_expert_time_s_total: float = 0.0    # compute time reported by the workers, summed
+    gpu_wait_for_cpu_s_total: float = 0.0   # GPU idle at the join, waiting for CPU partial sums
+    gpu_wait_for_copy_s_total: float = 0.0  # GPU idle before the expert GEMMs, waiting for copies
+    handoff_s_total: float = 0.0            # host time from the routes' readback to the last submit
+    fallbacks_total: int = 0                # CPU shares fetched instead (worker dead / late / error)
+    fallback_experts_total: int = 0         # experts fetched by those fallbacks
+    offload_calls_total: int = 0            # layer calls run as offload (pool down, or too many tokens)
+    readmissions_total: int = 0             # pool back to full strength after a fallback
+    cpu_workers: dict[str, WorkerCounters] = dataclasses.field(default_factory=dict)
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+MAX_PENDING = 65536        # unresolved intervals kept before StreamTimer resolves them on its own
+
+
+class StreamTimer:
+    """Intervals between pairs of CUDA events, summed into HybridStats fields when resolved.
+
+    On CUDA, `mark` records events on a stream and nothing waits for them until `resolve`
+    (which the engine calls once a step, after its own sync). On the CPU, they read the host clock.
+    """
+
+    def __init__(self, on_cuda: bool, stats: HybridStats):
+        self.on_cuda, self.stats = on_cuda, stats
+        self._pending: list[tuple[str, object, object]] = []
+        self._free: list[torch.cuda.Event] = []        # resolved events, reused (creating one costs us)
+
+    def mark(self, stream: torch.cuda.Stream | None = None):
+        """A point in time: an event recorded on `stream` (default: the current one), or the host clock."""
+        if not self.on_cuda:
+            return time.perf_counter()
+        event = self._free.pop() if self._free else torch.cuda.Event(enable_timing=True)
+        event.record(stream)
+        return event
+
+    def add(self, field: str, start, stop) -> None:
+        self._pending.append((field, start, stop))
+        if len(self._pending) > MAX_PENDING:      # nobody reads the counters: keep memory bounded
+            self.resolve()
+
+    def resolve(self) -> None:
+        """Add every pending interval to its stats field (waits for events not complete yet)."""
+        stats = self.stats
+        for field, start, stop in self._pending:
+            if self.on_cuda:
+                stop.synchronize()
+                seconds = start.elapsed_time(stop) / 1e3
+                self._free += (start, stop)
+            else:
+                seconds = stop - start
+            setattr(stats, field, getattr(stats, field) + max(seconds, 0.0))
+        self._pending.clear()

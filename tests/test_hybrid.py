@@ -1,0 +1,300 @@
+"""The `hybrid` and `cpu` expert backends on the tiny model with real CPU worker processes.
+
+Lossless against `resident` (greedy, float32) for every rounding mode with and without promotion;
+faults in the middle of a generation (SIGKILL, SIGSTOP of one of two workers) finish with the
+resident tokens; the policy changes live; telemetry reaches the engine's stats.
+The tiny model's tokens are dominated by its bigram embedding, so equal tokens alone would miss
+wrong expert outputs: every layer call is also compared with `ResidentExperts` on the same inputs
+(`Lockstep`), within MAX_REL_DIFF (the CPU kernel's fp32 GEMMs group tokens differently, so the
+last bits may differ; a wrong route or weight is off by O(1)).
+One backend (2 workers) serves the whole module: starting workers is the slow part.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+import torch
+
+from gpu_worker.engine import Engine, EngineConfig, SamplingParams
+from gpu_worker.hybrid import HybridExperts, HybridOptions
+from gpu_worker.models import load_model
+from kernels.slot_cache import reset
+
+PROMPTS = ([5, 17, 42, 99, 3, 250, 7, 64, 11, 300, 8], [300, 11, 64, 7, 250, 3, 99])
+NEW_TOKENS = 24
+FAULT_TOKENS = 48
+CACHE_SLOTS = 12                  # of 4 layers x 8 experts: misses every step
+TEST_WORKER_ARGS = ("--threads", "1", "--no-pin", "--hot-ms", "1", "--sleep-max-us", "200")
+MAX_REL_DIFF = 1e-5              # |hybrid - resident|_max / |resident|_max per layer call (measured: 5e-7)
+RESTART_TIMEOUT_S = 60.0
+STOP_DEADLINE_S = 1.0             # the SIGSTOP test's deadline; the others use a lenient one (no false alarms)
+LENIENT_DEADLINE_S = 20.0
+
+
+def options_for_tests(**kw) -> HybridOptions:
+    return HybridOptions(worker_args=TEST_WORKER_ARGS, restart_backoff_s=0.1, cpu_deadline_s=LENIENT_DEADLINE_S,
+                         **kw)
+
+
+@pytest.fixture(scope="module")
+def tiny_cache(tmp_path_factory):
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("FT_CACHE_DIR", str(tmp_path_factory.mktemp("cache")))
+        yield
+
+
+def make_engine(loaded, running: int = 2) -> Engine:
+    return Engine(loaded.model, EngineConfig(max_running_requests=running, max_context_tokens=128,
+                                             prefill_chunk_tokens=4), eos_token_ids=())
+
+
+def greedy(loaded, prompts=PROMPTS, n: int = NEW_TOKENS) -> list[list[int]]:
+    return make_engine(loaded).generate([list(p) for p in prompts], SamplingParams(max_new_tokens=n, ignore_eos=True))
+
+
+@pytest.fixture(scope="module")
+def resident(tiny_cache):
+    loaded = load_model(device="cpu")
+    return {"tokens": greedy(loaded), "long": greedy(loaded, prompts=PROMPTS[:1], n=FAULT_TOKENS)[0]}
+
+
+class Lockstep:
+    """The hybrid backend as the model's experts, every call checked against the resident backend."""
+
+    def __init__(self, backend: HybridExperts, reference):
+        self.backend, self.reference = backend, reference
+        self.max_rel_diff, self.calls = 0.0, 0
+
+    def __getattr__(self, name):
+        return getattr(self.backend, name)
+
+    def forward(self, layer_idx, x, topk_ids, topk_weights):
+        out = self.backend.forward(layer_idx, x, topk_ids, topk_weights)
+        ref = self.reference.forward(layer_idx, x, topk_ids, topk_weights)
+        rel = ((out - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item()
+        self.max_rel_diff = max(self.max_rel_diff, rel)
+        self.calls += 1
+        return out
+
+
+@pytest.fixture(scope="module")
+def hybrid(tiny_cache):
+    loaded = load_model(device="cpu", moe_strategy="hybrid", moe_cache_size=CACHE_SLOTS,
+                        hybrid=options_for_tests(fetch_fraction=0.5, cpu_workers=2))
+    backend = loaded.model.experts
+    loaded.model.experts = Lockstep(backend, load_model(device="cpu").model.experts)
+    yield loaded
+    backend.close()
+
+
+def fresh(lockstep: Lockstep, **policy) -> dict:
+    """Empty the slot pool, apply a policy, return the counters to diff against."""
+    backend = lockstep.backend
+    backend.pool.deadline_s = LENIENT_DEADLINE_S
+    reset(backend.cache)
+    backend.set_policy(**policy)
+    lockstep.max_rel_diff, lockstep.calls = 0.0, 0
+    return backend.counters()
+
+
+def assert_lockstep(lockstep: Lockstep) -> None:
+    assert lockstep.calls > 0 and lockstep.max_rel_diff <= MAX_REL_DIFF
+
+
+def delta(backend: HybridExperts, before: dict, name: str) -> float:
+    return backend.counters()[name] - before[name]
+
+
+@pytest.mark.parametrize("fetch_round", ["min-wait", "stochastic", "prefer-fetch"])
+@pytest.mark.parametrize("promote", [True, False], ids=["promote", "no-promote"])
+def test_hybrid_gives_the_resident_tokens(hybrid, resident, fetch_round, promote):
+    lock = hybrid.model.experts
+    backend = lock.backend
+    before = fresh(lock, strategy="hybrid", fetch_fraction=0.5, fetch_round=fetch_round, promote=promote, seed=7)
+    assert greedy(hybrid) == resident["tokens"]
+    # both sides did work, nothing failed, and every slot still holds finite values
+    assert delta(backend, before, "experts_fetched_total") > 0
+    assert delta(backend, before, "cpu_triples_total") > 0
+    for name in ("cpu0", "cpu1"):
+        assert backend.counters()["cpu_workers"][name]["triples_total"] > before["cpu_workers"][name]["triples_total"]
+    assert delta(backend, before, "fallbacks_total") == 0 and not backend.degraded
+    assert torch.isfinite(backend.slots).all()
+    assert_lockstep(lock)
+
+
+def test_cpu_strategy_computes_every_miss_on_the_cpu(hybrid, resident):
+    lock = hybrid.model.experts
+    backend = lock.backend
+    before = fresh(lock, strategy="cpu")
+    assert greedy(hybrid) == resident["tokens"]
+    routed = delta(backend, before, "routed_pairs")
+    assert delta(backend, before, "experts_fetched_total") == 0 and delta(backend, before, "expert_hits_total") == 0
+    assert delta(backend, before, "cpu_triples_total") == routed > 0
+    assert_lockstep(lock)
+    # the device policy the kernel reads: f = 0 (Q16), promotion off
+    assert backend.cache.policy.tolist()[1] == 0 and backend.cache.policy.tolist()[4] == 0
+
+
+def test_hits_of_a_warm_pool_still_run_on_the_gpu_in_cpu_mode(hybrid, resident):
+    lock = hybrid.model.experts
+    backend = lock.backend
+    fresh(lock, strategy="offload")                   # warm the pool by fetching
+    assert greedy(hybrid) == resident["tokens"]
+    before = backend.counters()
+    backend.set_policy(strategy="cpu")
+    assert greedy(hybrid) == resident["tokens"]
+    assert delta(backend, before, "expert_hits_total") > 0 and delta(backend, before, "experts_fetched_total") == 0
+    assert 0 < delta(backend, before, "cpu_triples_total") < delta(backend, before, "routed_pairs")
+    assert_lockstep(lock)
+
+
+def test_policy_changes_live_and_bad_values_change_nothing(hybrid, resident):
+    lock = hybrid.model.experts
+    backend = lock.backend
+    before = fresh(lock, strategy="hybrid", fetch_fraction=1.0)
+    assert greedy(hybrid) == resident["tokens"]
+    assert delta(backend, before, "cpu_triples_total") == 0 and delta(backend, before, "experts_fetched_total") > 0
+    policy, device_policy = dict(backend.policy), backend.cache.policy.clone()
+    with pytest.raises(ValueError, match="fetch_fraction"):
+        backend.set_policy(fetch_fraction=1.5)
+    with pytest.raises(ValueError, match="resident needs a restart"):
+        backend.set_policy(strategy="resident")
+    assert backend.policy == policy and torch.equal(backend.cache.policy, device_policy)
+    # lowest_id selection through the engine's set_policy (what the coordinator calls)
+    engine = make_engine(hybrid)
+    engine.set_policy(strategy="hybrid", fetch_fraction=0.25, fetch_round="min-wait", fetch_select="lowest_id",
+                      moe_prefetch="off", moe_prefetch_budget=4)
+    assert backend.policy["fetch_select"] == "lowest_id" and backend.policy["fetch_fraction"] == 0.25
+    before = backend.counters()
+    assert engine.generate([list(p) for p in PROMPTS], SamplingParams(max_new_tokens=NEW_TOKENS,
+                                                                      ignore_eos=True)) == resident["tokens"]
+    assert delta(backend, before, "cpu_triples_total") > 0
+    assert_lockstep(lock)
+    # telemetry in the engine's stats under the coordinator's names
+    s = engine.stats
+    assert s.expert_hits_total > 0 and s.expert_misses_total > 0 and s.cpu_experts_total > 0
+    assert s.cpu_workers["cpu0"]["experts_total"] > 0 and s.gpu_wait_for_cpu_s_total > 0
+    assert s.experts_fetched_total == backend.counters()["experts_fetched_total"]
+
+
+def long_run_with_fault(loaded, resident_tokens, sig: int) -> tuple[list[int], dict]:
+    """One request of FAULT_TOKENS tokens; worker cpu1 gets `sig` after 6 steps. Once the backend has
+    fallen back, stepping pauses until the supervisor reports the restarted worker READY, so that the
+    re-admission lands inside the generation (a fast CPU would otherwise finish first)."""
+    backend = loaded.model.experts.backend
+    victim = backend.pool.members[1]
+    old_pid = victim.pid
+    engine = make_engine(loaded, running=1)
+    engine.add_request(list(PROMPTS[0]), SamplingParams(max_new_tokens=FAULT_TOKENS, ignore_eos=True))
+    tokens, steps, seen = [], 0, {}
+    try:
+        while engine.has_work():
+            tokens += [out.new_token_id for out in engine.step()]
+            steps += 1
+            if steps == 6:
+                os.kill(old_pid, sig)
+                seen["fault_at_token"] = len(tokens)
+            if backend.degraded and "fell_back_at_token" not in seen:
+                seen["fell_back_at_token"] = len(tokens)
+                deadline = time.monotonic() + RESTART_TIMEOUT_S
+                while not (backend.pool.worker_pids().get(victim.name) not in (0, old_pid)
+                           and _state(backend, victim.name) == "ready"):
+                    assert time.monotonic() < deadline, "the supervisor did not restart the worker"
+                    time.sleep(0.02)
+            if "fell_back_at_token" in seen and not backend.degraded and "readmitted_at_token" not in seen:
+                seen["readmitted_at_token"] = len(tokens)
+    finally:
+        if sig == signal.SIGSTOP and _alive(old_pid):
+            os.kill(old_pid, signal.SIGCONT)
+    assert tokens == resident_tokens
+    return tokens, seen
+
+
+def _state(backend: HybridExperts, name: str) -> str:
+    return {w["name"]: w["state"] for w in backend.pool.supervisor.worker_info()}[name]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP], ids=["sigkill", "sigstop"])
+def test_a_worker_fault_mid_generation_falls_back_then_readmits(hybrid, resident, sig):
+    lock = hybrid.model.experts
+    backend = lock.backend
+    before = fresh(lock, strategy="hybrid", fetch_fraction=0.25, fetch_round="min-wait", promote=True)
+    if sig == signal.SIGSTOP:
+        backend.pool.deadline_s = STOP_DEADLINE_S
+    victim = backend.pool.members[1]
+    old_pid, restarts_before = victim.pid, backend.pool.restarts()[victim.name]
+    store_path = f"/dev/shm/{backend.host.store.name}"
+    inode, layer0 = os.stat(store_path).st_ino, backend.host.layers[0].clone()
+    t0 = time.monotonic()
+    _, seen = long_run_with_fault(hybrid, resident["long"], sig)
+    assert_lockstep(lock)                     # the fetched-instead shares are right too
+    after = backend.counters()
+    # it fell back within the step of the fault (SIGKILL) or the deadline (SIGSTOP), fetched the share,
+    # ran as offload meanwhile, and took the restarted worker back before the generation ended
+    assert seen["fault_at_token"] <= seen["fell_back_at_token"] < seen["readmitted_at_token"] < FAULT_TOKENS
+    assert after["fallbacks_total"] - before["fallbacks_total"] >= 1
+    assert after["offload_calls_total"] > before["offload_calls_total"]
+    assert after["readmissions_total"] - before["readmissions_total"] == 1 and not backend.degraded
+    w_before, w_after = before["cpu_workers"][victim.name], after["cpu_workers"][victim.name]
+    assert w_after["failures_total"] > w_before["failures_total"]
+    assert w_after["readmissions_total"] == w_before["readmissions_total"] + 1
+    assert backend.pool.restarts()[victim.name] == restarts_before + 1
+    assert victim.pid != old_pid and not _alive_or_zombie(old_pid)
+    if sig == signal.SIGSTOP:                # killed by the pool for missing its deadline
+        assert victim.kills_total >= 1
+    # the restarted worker maps the same store: same segment, same bytes, nothing reloaded
+    assert os.stat(store_path).st_ino == inode and torch.equal(backend.host.layers[0], layer0)
+    # after re-admission the restarted worker computes again
+    before2 = backend.counters()
+    backend.pool.deadline_s = LENIENT_DEADLINE_S
+    assert greedy(hybrid, prompts=PROMPTS[:1], n=8) == [resident["long"][:8]]
+    assert_lockstep(lock)
+    assert (backend.counters()["cpu_workers"][victim.name]["triples_total"]
+            > before2["cpu_workers"][victim.name]["triples_total"])
+    assert time.monotonic() - t0 < RESTART_TIMEOUT_S
+
+
+def _alive_or_zombie(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("strategy", ["hybrid", "cpu"])
+def test_gpu_hybrid_and_cpu_match_resident_and_survive_a_sigkill(tiny_cache, strategy):
+    """The CUDA path: pinned readback, copy stream and events, GEMMs over slot ids, the H2D join."""
+    resident_loaded = load_model(device="cuda")
+    tokens, long = greedy(resident_loaded), greedy(resident_loaded, prompts=PROMPTS[:1], n=FAULT_TOKENS)[0]
+    loaded = load_model(device="cuda", moe_strategy=strategy, moe_cache_size=CACHE_SLOTS,
+                        hybrid=options_for_tests(fetch_fraction=0.5, cpu_workers=2))
+    backend = loaded.model.experts
+    lock = Lockstep(backend, resident_loaded.model.experts)
+    loaded.model.experts = lock
+    try:
+        assert greedy(loaded) == tokens
+        assert_lockstep(lock)
+        c = backend.counters()
+        assert c["cpu_triples_total"] > 0 and c["gpu_wait_for_cpu_s_total"] > 0
+        if strategy == "hybrid":
+            assert c["experts_fetched_total"] > 0 and c["copy_time_s_total"] > 0
+        backend.set_policy(strategy="hybrid", fetch_fraction=0.5)      # the fault test needs fetches too
+        _, seen = long_run_with_fault(loaded, long, signal.SIGKILL)
+        assert_lockstep(lock)
+        assert seen["fell_back_at_token"] < seen["readmitted_at_token"] < FAULT_TOKENS
+        assert backend.counters()["fallbacks_total"] >= 1 and torch.isfinite(backend.slots).all()
+    finally:
+        backend.close()
