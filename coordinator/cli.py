@@ -20,6 +20,7 @@ COMMANDS: list[tuple[str, str, str]] = [
     ("ctl", "coordinator.ctl_cli", "control a running server over gRPC (stats, policy, workers, drain, ...)"),
     ("generate", "gpu_worker.generate_cli", "run one completion through the engine in this process (no server)"),
     ("worker cpu", "cpu_expert_pool.cli", "run one CPU expert worker (computes expert misses on the CPU)"),
+    ("worker gpu", "gpu_worker.worker_cli", "run the GPU worker (model, KV cache, engine loop) for a coordinator"),
 ]
 
 

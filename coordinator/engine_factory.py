@@ -27,6 +27,20 @@ class ServedEngine:
     description: str
 
 
+def served_name(model_dir: str | None, preset: str | None, served_model_name: str | None) -> str:
+    """The model name clients use: --served-model-name, else the directory's name, the preset, or 'tiny'."""
+    return served_model_name or (os.path.basename(os.path.normpath(model_dir)) if model_dir else (preset or "tiny"))
+
+
+def expert_format_of(cfg: Any) -> ExpertFormat | None:
+    """The experts' dtype and shape for the policy's bandwidth profiles (None when the policy does not know it)."""
+    try:
+        return ExpertFormat(str(cfg.dtype).replace("torch.", ""), cfg.hidden_size, cfg.expert_intermediate_size)
+    except (ValueError, AttributeError) as exc:
+        log.info("expert format unknown to the policy (%s); bandwidth profiles will not apply", exc)
+        return None
+
+
 def load_served_engine(model_dir: str | None, preset: str | None, device: str, *, moe_strategy: str = "resident",
                        moe_cache_size: int | None = None, max_running_requests: int = 8,
                        max_context_tokens: int | None = None, served_model_name: str | None = None) -> ServedEngine:
@@ -53,13 +67,8 @@ def load_served_engine(model_dir: str | None, preset: str | None, device: str, *
         return first.pop() if first else engine_factory()
 
     cfg = loaded.cfg
-    name = served_model_name or (os.path.basename(os.path.normpath(model_dir)) if model_dir else (preset or "tiny"))
-    expert_format = None
-    try:
-        expert_format = ExpertFormat(str(cfg.dtype).replace("torch.", ""), cfg.hidden_size,
-                                     cfg.expert_intermediate_size)
-    except (ValueError, AttributeError) as exc:
-        log.info("expert format unknown to the policy (%s); bandwidth profiles will not apply", exc)
+    name = served_name(model_dir, preset, served_model_name)
+    expert_format = expert_format_of(cfg)
     gpu_name = torch.cuda.get_device_name(loaded.device) if loaded.device.type == "cuda" else ""
     return ServedEngine(factory_reusing_probe, codec, name, probe.max_context_tokens, expert_format, gpu_name,
                         loaded.source.description)

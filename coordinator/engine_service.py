@@ -8,7 +8,9 @@ strings). Aborts (client gone, stop string met, drain timeout) travel back as qu
 
 Engine contract (gpu_worker.engine): add_request(prompt_ids, params) -> rid;
 step() -> [(rid, token_id, finished, finish_reason)]; abort(rid); has_work(); stats.
-Optional: set_policy(**fields) receives the fetch policy whenever it changes.
+Optional: set_policy(**fields) receives the fetch policy whenever it changes; a step output may carry a
+fifth element, an error (str or EngineError) that fails that one request; `healthy` (bool), `kind`, `pid`
+and `restart_worker()` describe an engine that lives in another process (coordinator/remote_engine.py).
 """
 from __future__ import annotations
 
@@ -45,6 +47,10 @@ class ServiceUnavailable(Exception):
 
 class EngineError(Exception):
     """The engine failed this request (step raised, engine restarted). HTTP 500 / gRPC INTERNAL."""
+
+
+class EngineUnavailable(EngineError):
+    """The engine process is gone or not READY yet (it is being restarted). HTTP 503 / gRPC UNAVAILABLE."""
 
 
 class RequestTimeout(Exception):
@@ -154,7 +160,8 @@ class RequestStream:
         self._released = False
 
     # -- called on the loop by the service --
-    def _deliver(self, token_id: int | None, finished: bool, reason: str | None, error: str | None = None) -> None:
+    def _deliver(self, token_id: int | None, finished: bool, reason: str | None,
+                 error: str | EngineError | None = None) -> None:
         """An event from the engine thread (or a local terminal event); ignored once terminal."""
         if self.done:
             return
@@ -198,7 +205,7 @@ class RequestStream:
                     continue
                 if error is not None:
                     self.done = True
-                    raise EngineError(error)
+                    raise error if isinstance(error, EngineError) else EngineError(error)
                 text, ids = "", []
                 if token_id is not None:
                     ids.append(token_id)
@@ -343,9 +350,14 @@ class EngineService:
         return await asyncio.wait_for(fut, timeout_s)
 
     async def restart_engine(self) -> None:
-        """Fail the requests in flight and build a fresh engine from the factory."""
-        def rebuild(_engine):
+        """Fail the requests in flight and build a fresh engine from the factory (an engine in another
+        process restarts that process instead)."""
+        def rebuild(engine):
             self._fail_all("the engine was restarted by an operator; retry the request")
+            if hasattr(engine, "restart_worker"):
+                engine.restart_worker()
+                self.restarts += 1
+                return
             self.engine = None
             self.engine_healthy = False
             self.engine = self._engine_factory()
@@ -447,6 +459,9 @@ class EngineService:
                     max_new_tokens=s.max_new_tokens, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
                     seed=s.seed, ignore_eos=s.ignore_eos, stop_token_ids=list(s.stop_token_ids))
                 rid = self.engine.add_request(list(stream.prompt_ids), params)
+            except EngineError as exc:     # e.g. EngineUnavailable: no engine process is READY
+                self._post([(stream, None, False, None, exc)])
+                return
             except Exception as exc:  # noqa: BLE001 - the engine refused this one request
                 self._post([(stream, None, False, None, f"the engine refused the request: {exc}")])
                 return
@@ -475,13 +490,16 @@ class EngineService:
         batch = []
         for out in outputs:
             rid, token_id, finished, reason = out[0], out[1], bool(out[2]), out[3] if len(out) > 3 else None
+            error = out[4] if len(out) > 4 else None
             stream = by_rid.get(rid)
             if stream is None:
                 continue     # aborted meanwhile
-            if finished:
+            if finished or error is not None:
                 del by_rid[rid]
                 self._admitted -= 1
-            batch.append((stream, None if token_id is None else int(token_id), finished, reason, None))
+            if error is not None:
+                self.requests_failed_total += 1
+            batch.append((stream, None if token_id is None else int(token_id), finished, reason, error))
         n = sum(1 for b in batch if b[1] is not None)
         self.generated_tokens_total += n
         now = time.monotonic()
@@ -519,9 +537,14 @@ class EngineService:
     def _read_stats(self, prev: dict[str, float]) -> dict[str, float]:
         try:
             cur = flatten_stats(getattr(self.engine, "stats", {}))
+            healthy = getattr(self.engine, "healthy", None)      # an engine in another process says it
         except Exception as exc:  # noqa: BLE001
             log.warning("reading engine.stats failed: %s", exc)
             return prev
+        if healthy is not None:
+            self.engine_healthy = bool(healthy)
+            if not healthy:
+                self.last_error = str(getattr(self.engine, "last_error", "") or self.last_error)
         self.engine_stats = cur
         if self.policy is not None and prev:
             telemetry = telemetry_from_stats(prev, cur)
@@ -544,7 +567,8 @@ class EngineService:
         self._send(("call", (lambda _e: self._push_policy(), _NullFuture())))
 
     def worker_info(self) -> list[dict[str, Any]]:
-        return [{"name": "engine", "kind": "in-process", "pid": 0,
+        return [{"name": "engine", "kind": getattr(self.engine, "kind", "in-process"),
+                 "pid": int(getattr(self.engine, "pid", 0) or 0),
                  "state": "ready" if self.engine_healthy else ("stopped" if self.stopped else "failed"),
                  "restarts": self.restarts, "uptime_s": time.monotonic() - self.started_at,
                  "last_heartbeat_age_s": -1.0, "last_error": self.last_error}]

@@ -17,7 +17,8 @@ from typing import TYPE_CHECKING, Any
 import grpc
 
 from coordinator.auth import bearer_ok
-from coordinator.engine_service import (EngineError, RequestTimeout, Sampling, ServiceUnavailable)
+from coordinator.engine_service import (EngineError, EngineUnavailable, RequestTimeout, Sampling,
+                                        ServiceUnavailable)
 from coordinator.metrics import service_stats
 from coordinator.text_codec import ChatMessage
 from proto import control_rpc as rpc
@@ -160,6 +161,8 @@ class ControlServicer:
             try:
                 async for chunk in stream.chunks():
                     out.put(("chunk", chunk, stream))
+            except EngineUnavailable as exc:
+                out.put(("error", grpc.StatusCode.UNAVAILABLE, f"generation failed: {exc}"))
             except EngineError as exc:
                 out.put(("error", grpc.StatusCode.INTERNAL, f"generation failed: {exc}"))
             except RequestTimeout as exc:

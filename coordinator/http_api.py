@@ -19,8 +19,8 @@ from typing import Any, AsyncIterator
 from aiohttp import web
 
 from coordinator.auth import bearer_ok
-from coordinator.engine_service import (Chunk, EngineError, EngineService, RequestStream, RequestTimeout,
-                                        ServiceUnavailable)
+from coordinator.engine_service import (Chunk, EngineError, EngineService, EngineUnavailable, RequestStream,
+                                        RequestTimeout, ServiceUnavailable)
 from coordinator.metrics import HttpCounters, render_prometheus
 from coordinator.openai_requests import ApiError, GenerationPlan, ModelInfo, parse_chat, parse_completion
 
@@ -230,6 +230,8 @@ class HttpApi:
                        for i, (t, r) in enumerate(zip(texts, reasons))]
             return _json_response({"id": rid, "object": "text_completion", "created": created,
                                    "model": self.model.name, "choices": choices, "usage": usage})
+        except EngineUnavailable as exc:
+            raise _unavailable(exc) from None
         except EngineError as exc:
             raise ApiError(500, f"generation failed: {exc}", type="server_error", code="engine_error") from None
         except RequestTimeout as exc:
@@ -271,13 +273,19 @@ class HttpApi:
                 await resp.write(_sse({"id": rid, "object": obj, "created": created, "model": self.model.name,
                                        "choices": [], "usage": _usage(streams, plan.n)}))
         except (EngineError, RequestTimeout) as exc:
-            err = ApiError(500, f"generation failed: {exc}", type="server_error", code="engine_error")
+            err = _unavailable(exc) if isinstance(exc, EngineUnavailable) else \
+                ApiError(500, f"generation failed: {exc}", type="server_error", code="engine_error")
             await resp.write(_sse(err.body()))
         except (ConnectionResetError, ConnectionError):
             return resp                       # client gone: the caller's finally aborts the streams
         await resp.write(b"data: [DONE]\n\n")
         await resp.write_eof()
         return resp
+
+
+def _unavailable(exc: EngineUnavailable) -> ApiError:
+    """The engine process is gone or restarting: 503, and the client may retry."""
+    return ApiError(503, f"generation failed: {exc}", type="service_unavailable", code="engine_unavailable")
 
 
 def _usage(streams: list[RequestStream], n: int) -> dict[str, int]:

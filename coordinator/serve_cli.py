@@ -2,15 +2,24 @@
 
     ft serve                                  # the embedded tiny model, CPU or GPU (auto)
     ft serve --model /models/Qwen3-30B-A3B --device cuda --api-key "$KEY"
+    ft serve --attach --engine-addr ipc:///run/ft/engine.sock ...   # workers started by systemd
+    ft serve --workers inline                 # the engine in this process (debugging, no restarts)
 
 Listens on 127.0.0.1 unless --host says otherwise (a non-loopback address without --api-key prints a
 warning). SIGTERM / SIGINT drain: no new requests, the ones in flight finish (up to
---drain-timeout-s), then it stops. The engine runs in-process, in its own thread.
+--drain-timeout-s), then it stops (and stops its worker processes).
+
+--workers process (the default): this process is the coordinator; it creates the shared-memory expert
+store when the strategy needs one, starts `ft worker gpu` (and `ft worker cpu` for cpu/hybrid) as
+supervised children and restarts them (coordinator/process_set.py). --attach: the same, but the workers
+are started by someone else and connect. --workers inline: one process, the engine in a thread.
 """
 from __future__ import annotations
 
 import argparse
 import logging
+import os
+import signal
 import sys
 
 from proto.knobs import add_cli_flags, resolve
@@ -43,6 +52,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     net.add_argument("--request-timeout-s", type=float, default=600.0, help="longest a request may run")
     net.add_argument("--max-pending-requests", type=int, default=512,
                      help="requests accepted at once (running + queued); beyond: HTTP 503")
+    procs = parser.add_argument_group("worker processes")
+    procs.add_argument("--workers", default="process", choices=("process", "inline"),
+                       help="process (default): the engine runs in a supervised `ft worker gpu` child, restarted "
+                            "when it dies; inline: in a thread of this process (no isolation, no restarts)")
+    procs.add_argument("--attach", action="store_true",
+                       help="do not start workers: wait for independently started ones (systemd) to connect")
+    procs.add_argument("--engine-addr", default=os.environ.get("FT_ENGINE_ADDR"),
+                       help="loopback ZMQ address of the engine link (tcp://127.0.0.1:PORT or ipc://PATH) [env "
+                            "FT_ENGINE_ADDR; default: a free port, or tcp://127.0.0.1:1921 with --attach]")
+    procs.add_argument("--store-name", default=os.environ.get("FT_STORE_NAME"),
+                       help="name of the shared-memory expert store in /dev/shm (offload/cpu/hybrid) [env "
+                            "FT_STORE_NAME; default ft-experts-<port>]")
+    procs.add_argument("--num-cpu-workers", type=int, default=0,
+                       help="CPU expert workers for cpu/hybrid (0 = one per NUMA node or core group)")
+    procs.add_argument("--worker-ready-timeout-s", type=float, default=600.0,
+                       help="start-up: how long a worker may take to say READY (loading included)")
     pol = parser.add_argument_group("fetch policy")
     pol.add_argument("--fetch-fraction", type=float, default=None,
                      help="fixed fetch fraction f in [0, 1] (default: from `ft bench bw`'s profile, then tuned)")
@@ -74,14 +99,110 @@ def build_policy_from_args(args: argparse.Namespace, expert_format, gpu_name: st
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=getattr(logging, args.log_level), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.max_running_requests < 1:
+        raise ValueError("--max-running-requests must be >= 1")
+    if args.attach and args.workers == "inline":
+        raise ValueError("--attach waits for worker processes; it cannot be combined with --workers inline")
+    if args.workers == "inline":
+        return run_inline(args)
+    return run_processes(args)
+
+
+def serve_forever(server, listen, served_model_name: str, description: str) -> None:
+    from coordinator.server import run as run_loop
+
+    async def main() -> None:
+        await server.start()
+        server.install_signal_handlers()
+        for message in server.warnings:
+            print(message, file=sys.stderr)
+        grpc_note = f", gRPC on {listen.grpc_host or listen.host}:{server.grpc_port}" if server.grpc_port else ""
+        print(f"ft serve: {served_model_name} ({description}) on http://{listen.host}:{server.http_port}/v1"
+              f"{grpc_note}", file=sys.stderr, flush=True)
+        await server.wait_closed()
+
+    run_loop(main)
+
+
+def listen_config(args: argparse.Namespace, api_key: str | None):
+    from coordinator.server import ListenConfig
+
+    return ListenConfig(host=args.host, port=args.port, grpc_host=args.grpc_host, grpc_port=args.grpc_port,
+                        api_key=api_key, drain_timeout_s=args.drain_timeout_s)
+
+
+def run_processes(args: argparse.Namespace) -> int:
+    """The coordinator with its GPU worker (and CPU workers) as separate processes."""
+    from coordinator.auth import resolve_api_key
+    from coordinator.engine_factory import expert_format_of, served_name
+    from coordinator.engine_service import EngineService
+    from coordinator.openai_requests import ModelInfo
+    from coordinator.process_set import ProcessSet, ProcessSetOptions, default_store_name
+    from coordinator.server import CoordinatorServer
+    from coordinator.text_codec import TextCodec
+    from gpu_worker.models.loader import open_model_source
+    from proto.engine_messages import CPU_POOL_STRATEGIES, engine_config
+
+    api_key = resolve_api_key(args.api_key)
+    model_dir = os.path.abspath(args.model) if args.model else None
+    source = open_model_source(model_dir, args.preset, device="cpu")      # tokenizer, config, expert source
+    if source.tokenizer is None:
+        raise FileNotFoundError(f"{model_dir or args.preset} has no tokenizer.json; the HTTP API needs one to turn "
+                                f"text into tokens (put the model's tokenizer.json beside its weights)")
+    codec = TextCodec.from_text_tokenizer(source.tokenizer, source.eos_token_ids)
+    num_cpu_workers = args.num_cpu_workers
+    if args.moe_strategy in CPU_POOL_STRATEGIES and num_cpu_workers <= 0:
+        from cpu_expert_pool.topology import discover_placements
+        num_cpu_workers = len(discover_placements())
+    flags = ["--device", args.device,
+             "--moe-strategy", args.moe_strategy, "--max-running-requests", str(args.max_running_requests),
+             "--num-cpu-workers", str(num_cpu_workers)]
+    for flag, value in (("--model", model_dir), ("--preset", args.preset), ("--moe-cache-size", args.moe_cache_size),
+                        ("--max-context-tokens", args.max_context_tokens)):
+        if value is not None:
+            flags += [flag, str(value)]
+    config = engine_config(model=model_dir, preset=args.preset, dtype="auto", moe_strategy=args.moe_strategy,
+                           moe_cache_size=args.moe_cache_size, max_running_requests=args.max_running_requests,
+                           max_context_tokens=args.max_context_tokens, num_cpu_workers=num_cpu_workers)
+    options = ProcessSetOptions(attach=args.attach, config=config, engine_flags=flags,
+                                moe_strategy=args.moe_strategy, engine_addr=args.engine_addr,
+                                store_name=args.store_name or default_store_name(args.port),
+                                num_cpu_workers=num_cpu_workers, worker_ready_timeout_s=args.worker_ready_timeout_s,
+                                log_level=args.log_level)
+    procs = ProcessSet(options, source)
+
+    def interrupted(signum, _frame):            # before the event loop takes the signals over
+        raise KeyboardInterrupt(f"signal {signum} during start-up")
+
+    previous = {sig: signal.signal(sig, interrupted) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        facts = procs.start()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        policy = build_policy_from_args(args, expert_format_of(source.cfg), facts.gpu_name)
+        service = EngineService(procs.engine_factory, codec.decode, policy=policy,
+                                request_timeout_s=args.request_timeout_s,
+                                max_pending_requests=args.max_pending_requests)
+        name = served_name(model_dir, args.preset, args.served_model_name)
+        model = ModelInfo(name, facts.max_context_tokens, codec)
+        listen = listen_config(args, api_key)
+        server = CoordinatorServer(service, model, policy, listen, supervisor=procs.supervisor)
+        where = "attached" if args.attach else f"pid {facts.pid}"
+        serve_forever(server, listen, name, f"{source.description}; GPU worker {where} on {facts.device}")
+    finally:
+        procs.stop()
+    print("ft serve: stopped", file=sys.stderr)
+    return 0
+
+
+def run_inline(args: argparse.Namespace) -> int:
+    """One process: the engine in a thread of the coordinator."""
     from coordinator.auth import resolve_api_key
     from coordinator.engine_factory import load_served_engine
     from coordinator.engine_service import EngineService
     from coordinator.openai_requests import ModelInfo
-    from coordinator.server import CoordinatorServer, ListenConfig, run as run_loop
+    from coordinator.server import CoordinatorServer
 
-    if args.max_running_requests < 1:
-        raise ValueError("--max-running-requests must be >= 1")
     api_key = resolve_api_key(args.api_key)
     served = load_served_engine(args.model, args.preset, args.device, moe_strategy=args.moe_strategy,
                                 moe_cache_size=args.moe_cache_size, max_running_requests=args.max_running_requests,
@@ -90,20 +211,8 @@ def run(args: argparse.Namespace) -> int:
     service = EngineService(served.engine_factory, served.codec.decode, policy=policy,
                             request_timeout_s=args.request_timeout_s, max_pending_requests=args.max_pending_requests)
     model = ModelInfo(served.model_name, served.context_length, served.codec)
-    listen = ListenConfig(host=args.host, port=args.port, grpc_host=args.grpc_host, grpc_port=args.grpc_port,
-                          api_key=api_key, drain_timeout_s=args.drain_timeout_s)
+    listen = listen_config(args, api_key)
     server = CoordinatorServer(service, model, policy, listen)
-
-    async def main() -> None:
-        await server.start()
-        server.install_signal_handlers()
-        for message in server.warnings:
-            print(message, file=sys.stderr)
-        grpc_note = f", gRPC on {listen.grpc_host or listen.host}:{server.grpc_port}" if server.grpc_port else ""
-        print(f"ft serve: {served.model_name} ({served.description}) on http://{args.host}:{server.http_port}/v1"
-              f"{grpc_note}", file=sys.stderr, flush=True)
-        await server.wait_closed()
-
-    run_loop(main)
+    serve_forever(server, listen, served.model_name, f"{served.description}; engine in this process")
     print("ft serve: stopped", file=sys.stderr)
     return 0

@@ -38,13 +38,14 @@ class HostExperts:
 
     @classmethod
     def create_filled(cls, source: ExpertSource, *, name: str | None = None,
-                      staging_device: torch.device | str | None = None) -> "HostExperts":
+                      staging_device: torch.device | str | None = None, pin: bool = True) -> "HostExperts":
         """Create a store and fill it layer by layer from `source`.
 
         With a CUDA `staging_device`, each layer is produced on the GPU and copied down: random
         presets then hold the same values as a `resident` run on that GPU, and generating 58 GB
         of random weights stays fast. The store is pinned (cudaHostRegister) after it is filled,
-        since registering first would zero-fill it.
+        since registering first would zero-fill it. ``pin=False``: the creator never does DMA (the
+        coordinator, whose GPU worker pins its own attachment), so it makes no CUDA context.
         """
         lay = source.layout
         name = name or f"ft-experts-{os.getpid()}-{next(_store_numbers)}"
@@ -64,7 +65,7 @@ class HostExperts:
                     source.fill_layer(layer, staging)
                     view.copy_(staging)
             store.mark_ready()
-            if torch.cuda.is_available():
+            if pin and torch.cuda.is_available():
                 host.pinned = store.pin_for_cuda()
         except BaseException:
             store.close()

@@ -1,0 +1,268 @@
+"""The coordinator's end of the engine link: `EngineLinkServer`, an IO thread around a ROUTER socket.
+
+It accepts one GPU worker at a time: HELLO with the right config hash gets WELCOME (a new session),
+a wrong one gets REJECT naming the fields that differ, a second live worker gets REJECT too. It watches
+the peer through a pidfd on the pid its HELLO gave (loopback only: the worker is on this host) and
+through silence longer than peer_timeout_s; either way the session is *lost*. It sends heartbeats.
+
+What it learns goes to `events` (a queue the RemoteEngine drains on the engine thread):
+
+    ("ready", session, Ready)         the worker loaded the model and serves
+    ("lost", session, reason)         the worker died or went silent; its requests are gone
+    ("msg", session, message)         TOKEN_BATCH / REQUEST_FAILED / STATS / DRAINED / ERROR
+
+`wait_ready(timeout_s)` is the start-up handshake: READY, or one error naming the peer and the fix.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import select
+import threading
+import time
+from dataclasses import dataclass
+
+from proto import engine_messages as em
+from proto.link_io import LinkIO, check_loopback_address
+
+log = logging.getLogger("ft.coordinator.engine_link")
+
+
+class PeerMismatch(RuntimeError):
+    """A GPU worker with another config (or protocol) tried to connect."""
+
+
+class PeerMissing(RuntimeError):
+    """No GPU worker became READY in time."""
+
+
+@dataclass
+class Peer:
+    identity: bytes
+    hello: em.Hello
+    session: int
+    pidfd: int | None
+    last_rx: float
+    last_tx: float = 0.0
+    ready: em.Ready | None = None
+
+    @property
+    def label(self) -> str:
+        return f"{self.hello.name} (pid {self.hello.pid})"
+
+
+class EngineLinkServer(LinkIO):
+    def __init__(self, addr: str, config: dict, *, store_name: str = "", cpu_channels: tuple[str, ...] = (),
+                 heartbeat_interval_s: float = em.DEFAULT_HEARTBEAT_INTERVAL_S,
+                 peer_timeout_s: float = em.DEFAULT_PEER_TIMEOUT_S):
+        super().__init__("ft-engine-link")
+        check_loopback_address(addr)
+        self.config = config
+        self.config_hash = em.engine_config_hash(config)
+        self.store_name = store_name
+        self.cpu_channels = list(cpu_channels)
+        self.heartbeat_interval_s = heartbeat_interval_s
+        self.peer_timeout_s = peer_timeout_s
+        self.events: queue.SimpleQueue = queue.SimpleQueue()
+        self.peer: Peer | None = None
+        self.sessions_total = 0
+        self.lost_total = 0
+        self.rejections: list[str] = []
+        self.closing = False                  # set before a deliberate SHUTDOWN: the exit is no failure
+        self._cond = threading.Condition()
+        zmq = self.zmq
+        self.sock = self.ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        try:
+            self.sock.bind(addr[:-2] + ":*" if addr.startswith("tcp://") and addr.endswith(":0") else addr)
+        except zmq.ZMQError as exc:
+            self.sock.close(0)
+            raise RuntimeError(f"cannot listen for GPU workers on {addr}: {exc}; pick another --engine-addr "
+                               f"(or stop the process that holds it)") from None
+        self.address = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
+
+    # ------------------------------------------------------------------ any thread
+
+    def send_to(self, session: int, msg) -> None:
+        """Queue `msg` for the worker of `session`; dropped if that session is gone by then."""
+        self.send((session, msg))
+
+    @property
+    def ready_facts(self) -> em.Ready | None:
+        peer = self.peer
+        return peer.ready if peer is not None else None
+
+    @property
+    def peer_pid(self) -> int:
+        peer = self.peer
+        return peer.hello.pid if peer is not None else 0
+
+    def wait_ready(self, timeout_s: float, what: str = "a GPU worker") -> em.Ready:
+        """Block until a worker is READY; PeerMismatch at the first rejected HELLO, PeerMissing on timeout."""
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            while True:
+                if self.rejections:
+                    raise PeerMismatch(self.rejections[0])
+                peer = self.peer
+                if peer is not None and peer.ready is not None:
+                    return peer.ready
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    state = (f"{peer.label} said HELLO but was not READY" if peer is not None
+                             else "none connected")
+                    raise PeerMissing(f"{what} did not become READY on {self.address} within {timeout_s:g} s "
+                                      f"({state}); start it (`ft worker gpu --engine-addr {self.address} ...` or "
+                                      f"`systemctl start ft-gpu-worker@0`), or raise --worker-ready-timeout-s "
+                                      f"if it loads slowly")
+                self._cond.wait(min(remaining, 0.5))
+
+    def close(self, timeout_s: float = 2.0) -> None:
+        self.stop(timeout_s)
+
+    # ------------------------------------------------------------------ IO thread
+
+    def frames_for(self, item) -> list[bytes] | None:
+        session, msg = item
+        peer = self.peer
+        if peer is None or peer.session != session:
+            return None
+        peer.last_tx = time.monotonic()
+        return [peer.identity, *em.encode(msg)]
+
+    def on_frames(self, frames: list[bytes]) -> None:
+        if len(frames) < 2:
+            return
+        identity = frames[0]
+        try:
+            msg = em.decode(frames[1:])
+        except em.MessageError as exc:
+            log.warning("dropping a malformed engine-link message from %r: %s", identity, exc)
+            return
+        if isinstance(msg, em.Hello):
+            self._on_hello(identity, msg)
+            return
+        peer = self.peer
+        if peer is None or peer.identity != identity:
+            log.debug("ignoring %s from %r, which has no session", type(msg).__name__, identity)
+            return
+        peer.last_rx = time.monotonic()
+        if isinstance(msg, em.Ready):
+            if msg.session != peer.session or peer.ready is not None:
+                return
+            with self._cond:
+                peer.ready = msg
+                self._cond.notify_all()
+            log.info("GPU worker %s ready: %s, %s, load %.1f s", peer.label, msg.device, msg.expert_backend,
+                     msg.load_time_s)
+            self.events.put(("ready", peer.session, msg))
+        elif isinstance(msg, em.Heartbeat):
+            pass
+        else:
+            if isinstance(msg, em.Error):
+                log.error("GPU worker %s reports%s: %s", peer.label, " (fatal)" if msg.fatal else "", msg.message)
+            self.events.put(("msg", peer.session, msg))
+
+    def _reply(self, identity: bytes, msg) -> None:
+        self.send_frames([identity, *em.encode(msg)])
+
+    def _on_hello(self, identity: bytes, hello: em.Hello) -> None:
+        who = f"GPU worker {hello.name} (pid {hello.pid})"
+        if hello.protocol_version != em.ENGINE_PROTOCOL_VERSION:
+            self._reject(identity, f"{who} speaks engine-link protocol {hello.protocol_version}, the coordinator "
+                                   f"{em.ENGINE_PROTOCOL_VERSION}: install the same version of ft everywhere")
+            return
+        if hello.config_hash != self.config_hash:
+            self._reject(identity, f"{who} has config hash {hello.config_hash!r}, the coordinator expects "
+                                   f"{self.config_hash!r} ({em.config_diff(self.config, hello.config_json)}): "
+                                   f"start both from the same settings (deploy/ft.env)")
+            return
+        peer = self.peer
+        if peer is not None and peer.identity == identity:
+            self._welcome(peer)                          # a resent HELLO: same session
+            return
+        if peer is not None:
+            if _pid_alive(peer) and time.monotonic() - peer.last_rx <= self.peer_timeout_s:
+                self._reply(identity, em.Reject(f"{peer.label} is already connected; this coordinator drives one "
+                                                f"GPU worker: stop {who}"))
+                log.warning("refused %s: %s is already connected", who, peer.label)
+                return
+            self._lose(f"the GPU worker {peer.label} was replaced by {who}")
+        self.sessions_total += 1
+        pidfd = _open_pidfd(hello.pid)
+        now = time.monotonic()
+        peer = Peer(identity, hello, self.sessions_total, pidfd, last_rx=now)
+        if pidfd is not None:
+            self.watch_fd(pidfd)
+        with self._cond:
+            self.peer = peer
+            self._cond.notify_all()
+        log.info("%s said HELLO (session %d)", who, peer.session)
+        self._welcome(peer)
+
+    def _welcome(self, peer: Peer) -> None:
+        peer.last_tx = time.monotonic()
+        self._reply(peer.identity, em.Welcome(peer.session, os.getpid(), self.store_name, list(self.cpu_channels),
+                                              self.heartbeat_interval_s, self.peer_timeout_s))
+
+    def _reject(self, identity: bytes, reason: str) -> None:
+        log.error("%s", reason)
+        self._reply(identity, em.Reject(reason))
+        with self._cond:
+            self.rejections.append(reason)
+            self._cond.notify_all()
+
+    def on_fd(self, fd: int) -> None:
+        peer = self.peer
+        if peer is not None and fd == peer.pidfd:
+            self._lose(f"the GPU worker {peer.label} exited")
+
+    def on_tick(self, now: float) -> None:
+        peer = self.peer
+        if peer is None:
+            return
+        if now - peer.last_rx > self.peer_timeout_s:
+            self._lose(f"the GPU worker {peer.label} sent nothing for {now - peer.last_rx:.1f} s (hung or gone)")
+        elif now - peer.last_tx >= self.heartbeat_interval_s:
+            peer.last_tx = now
+            self.send_frames([peer.identity, *em.encode(em.Heartbeat())])
+
+    def on_closed(self) -> None:
+        peer = self.peer
+        if peer is not None and peer.pidfd is not None:
+            self.unwatch_fd(peer.pidfd)
+            os.close(peer.pidfd)
+            peer.pidfd = None
+
+    def _lose(self, reason: str) -> None:
+        peer = self.peer
+        if peer is None:
+            return
+        if peer.pidfd is not None:
+            self.unwatch_fd(peer.pidfd)
+            os.close(peer.pidfd)
+            peer.pidfd = None
+        with self._cond:
+            self.peer = None
+            self.lost_total += 1
+            self._cond.notify_all()
+        if self.closing:
+            log.info("%s (asked to stop)", reason)
+        else:
+            log.error("%s; requests in flight on it fail", reason)
+        self.events.put(("lost", peer.session, reason))
+
+
+def _open_pidfd(pid: int) -> int | None:
+    try:
+        return os.pidfd_open(pid)
+    except (AttributeError, OSError):     # not Linux, or not visible here: heartbeats still tell
+        return None
+
+
+def _pid_alive(peer: Peer) -> bool:
+    if peer.pidfd is None:
+        return True
+    readable, _, _ = select.select([peer.pidfd], [], [], 0)
+    return not readable

@@ -1,0 +1,196 @@
+"""The coordinator's worker processes (`ft serve --workers process`, and `--attach`): `ProcessSet`.
+
+start(), in this order:
+  1. the shared-memory expert store, when the strategy keeps experts in host memory (offload, cpu,
+     hybrid): created under a fixed name and filled from the checkpoint once. A segment of that name
+     left by a killed run (its creator is dead) is reclaimed; a live one is an error naming its pid.
+  2. one hot-path channel per CPU expert worker (cpu, hybrid).
+  3. the engine link (a ROUTER on --engine-addr, loopback only).
+  4. `--workers process`: the supervisor starts `ft worker cpu` x N and `ft worker gpu` and waits for
+     each HELLO (config hash) + READY; it restarts a dead one with back-off.
+     `--attach`: nothing is started; the GPU worker (systemd: ft-gpu-worker@0) must say HELLO + READY
+     within --worker-ready-timeout-s.
+  5. READY's facts are checked against the coordinator's model (vocabulary).
+stop(): SHUTDOWN to the GPU worker, the supervisor stops its children, the link closes, then the
+channels and the store are unlinked (by their creator, this process, only).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from coordinator.engine_link import EngineLinkServer
+from coordinator.remote_engine import RemoteEngine
+from proto import engine_messages as em
+
+log = logging.getLogger("ft.coordinator.process_set")
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_ATTACH_ENGINE_ADDR = "tcp://127.0.0.1:1921"
+PROCESS_ENGINE_ADDR = "tcp://127.0.0.1:0"          # a free loopback port, passed to the child
+GPU_WORKER_NAME = "gpu0"
+CPU_CHANNEL_T_MAX = 512                             # tokens per layer call on a CPU worker's channel
+LINK_READY_GRACE_S = 10.0                           # supervisor READY -> engine-link READY
+GPU_HEARTBEAT_TIMEOUT_S = 10.0
+CPU_STRATEGIES = ("cpu", "hybrid")
+HOST_STORE_STRATEGIES = ("offload", "cpu", "hybrid")
+
+
+def default_store_name(port: int) -> str:
+    """Fixed per HTTP port, so that the next start on that port finds (and reclaims) a killed run's store."""
+    return f"ft-experts-{port}" if port else f"ft-experts-pid{os.getpid()}"
+
+
+@dataclass
+class ProcessSetOptions:
+    attach: bool
+    config: dict[str, Any]                   # em.engine_config(...): hashed, sent in WELCOME's checks
+    engine_flags: list[str]                  # forwarded to `ft worker gpu` (the flags that make `config`)
+    moe_strategy: str = "resident"
+    engine_addr: str | None = None           # None: a free loopback port (process) / DEFAULT_ATTACH_ENGINE_ADDR
+    store_name: str = ""
+    num_cpu_workers: int = 0
+    worker_ready_timeout_s: float = 600.0
+    log_level: str = "INFO"
+    backoff_initial_s: float = 0.5
+    backoff_max_s: float = 30.0
+    max_restarts: int = 5
+    extra_env: dict[str, str] = field(default_factory=dict)
+
+
+class ProcessSet:
+    def __init__(self, options: ProcessSetOptions, source: Any):
+        self.options = options
+        self.source = source                 # gpu_worker.models.loader.ModelSource (experts, cfg, tokenizer)
+        self.host: Any = None                # HostExperts we created (owner: unlinks it)
+        self.channels: list[Any] = []        # ShmSegment per CPU worker (owner)
+        self.link: EngineLinkServer | None = None
+        self.supervisor: Any = None
+        self.remote: RemoteEngine | None = None
+
+    # ------------------------------------------------------------------ start
+
+    def start(self) -> em.Ready:
+        o = self.options
+        store_name, channel_names = "", []
+        if o.moe_strategy in HOST_STORE_STRATEGIES:
+            store_name = self._create_store()
+        if o.moe_strategy in CPU_STRATEGIES:
+            channel_names = self._create_channels(store_name)
+        addr = o.engine_addr or (DEFAULT_ATTACH_ENGINE_ADDR if o.attach else PROCESS_ENGINE_ADDR)
+        self.link = EngineLinkServer(addr, o.config, store_name=store_name, cpu_channels=tuple(channel_names))
+        self.link.start()
+        log.info("engine link on %s (config hash %s)", self.link.address, self.link.config_hash)
+        if o.attach:
+            print(f"ft serve: waiting up to {o.worker_ready_timeout_s:g} s for a GPU worker on {self.link.address}",
+                  file=sys.stderr, flush=True)
+            facts = self.link.wait_ready(o.worker_ready_timeout_s)
+        else:
+            from coordinator.supervisor import Supervisor
+
+            self.supervisor = Supervisor(self.worker_specs(store_name))   # it logs every failure
+            self.supervisor.start()
+            facts = self.link.wait_ready(LINK_READY_GRACE_S, what=f"GPU worker {GPU_WORKER_NAME}")
+        self._check_facts(facts)
+        return facts
+
+    def worker_specs(self, store_name: str) -> list[Any]:
+        """The supervised children: `ft worker cpu` x N (cpu/hybrid), then `ft worker gpu`."""
+        from coordinator.supervisor import WorkerSpec
+
+        o = self.options
+        assert self.link is not None
+        env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH", "")])),
+               **o.extra_env}
+        ft = [sys.executable, "-m", "coordinator.cli"]
+        common = dict(env=env, backoff_initial_s=o.backoff_initial_s, backoff_max_s=o.backoff_max_s,
+                      max_restarts=o.max_restarts)
+        specs = []
+        if o.moe_strategy in CPU_STRATEGIES:
+            from gpu_worker.offload.host_store import layout_hash
+
+            for i in range(o.num_cpu_workers):
+                argv = ft + ["worker", "cpu", "--store", store_name, "--worker-index", str(i), "--num-workers",
+                             str(o.num_cpu_workers), "--parent-pid", str(os.getpid()), "--log-level", o.log_level]
+                specs.append(WorkerSpec(f"cpu{i}", argv, layout_hash(self.source.experts), kind="cpu-worker",
+                                        ready_timeout_s=o.worker_ready_timeout_s, **common))
+        argv = ft + ["worker", "gpu", "--engine-addr", self.link.address, "--name", GPU_WORKER_NAME,
+                     "--parent-pid", str(os.getpid()), "--log-level", o.log_level, *o.engine_flags]
+        specs.append(WorkerSpec(GPU_WORKER_NAME, argv, self.link.config_hash, kind="gpu-worker",
+                                ready_timeout_s=o.worker_ready_timeout_s, heartbeat_timeout_s=GPU_HEARTBEAT_TIMEOUT_S,
+                                **common))
+        return specs
+
+    def _create_store(self) -> str:
+        from gpu_worker.offload import HostExperts
+
+        name = self.options.store_name or default_store_name(0)
+        t0 = time.perf_counter()
+        self.host = HostExperts.create_filled(self.source.experts, name=name, pin=False)
+        log.info("expert store %r filled: %.2f GiB in %.1f s", name, self.host.nbytes / 1024 ** 3,
+                 time.perf_counter() - t0)
+        return name
+
+    def _create_channels(self, store_name: str) -> list[str]:
+        from cpu_expert_pool.channel import channel_name_for, create_worker_channel
+
+        cfg = self.source.cfg
+        hidden_dtype = "bfloat16" if str(self.source.dtype).endswith("bfloat16") else "float32"
+        names = []
+        for i in range(self.options.num_cpu_workers):
+            name = channel_name_for(store_name, i)
+            self.channels.append(create_worker_channel(name, t_max=CPU_CHANNEL_T_MAX, hidden=cfg.hidden_size,
+                                                       max_triples=CPU_CHANNEL_T_MAX * cfg.top_k,
+                                                       hidden_dtype=hidden_dtype))
+            names.append(name)
+        return names
+
+    def _check_facts(self, facts: em.Ready) -> None:
+        vocab = self.source.cfg.vocab_size
+        if facts.vocab_size != vocab:
+            raise RuntimeError(f"the GPU worker (pid {facts.pid}) loaded a model with a vocabulary of "
+                               f"{facts.vocab_size} tokens, the coordinator's tokenizer model has {vocab}: start "
+                               f"both with the same --model")
+
+    # ------------------------------------------------------------------ engine
+
+    def engine_factory(self) -> RemoteEngine:
+        """EngineService's factory: the one RemoteEngine over the link (built on the engine thread)."""
+        if self.remote is None:
+            assert self.link is not None, "start() first"
+            restart = self._restart_gpu_worker if self.supervisor is not None else None
+            self.remote = RemoteEngine(self.link, vocab_size=self.source.cfg.vocab_size, restart_worker=restart)
+        return self.remote
+
+    def _restart_gpu_worker(self) -> None:
+        self.supervisor.restart(GPU_WORKER_NAME)
+
+    # ------------------------------------------------------------------ stop
+
+    def stop(self) -> None:
+        link, self.link = self.link, None
+        if link is not None:
+            link.closing = True
+            peer = link.peer
+            if peer is not None:
+                link.send_to(peer.session, em.Shutdown("the coordinator is stopping"))
+        if self.supervisor is not None:
+            try:
+                self.supervisor.stop()
+            except Exception:  # noqa: BLE001 - keep tearing down
+                log.exception("stopping the worker processes failed")
+            self.supervisor = None
+        if link is not None:
+            link.close()
+        for seg in self.channels:
+            seg.close()
+            seg.unlink()
+        self.channels = []
+        if self.host is not None:
+            self.host.close()                    # the creator: unlinks the store's name
+            self.host = None

@@ -1,0 +1,71 @@
+"""`ft worker gpu`: run the GPU worker (the model, the KV cache, the engine loop) as its own process.
+
+    ft worker gpu --engine-addr tcp://127.0.0.1:1921 --model /models/Qwen3-30B-A3B --moe-strategy offload
+
+`ft serve` starts it itself (and restarts it); run it by hand, or from systemd
+(deploy/ft-gpu-worker@.service), next to `ft serve --attach`. The engine flags (--model, --preset,
+--moe-strategy, --moe-cache-size, --max-running-requests, --max-context-tokens, --num-cpu-workers) must
+equal the coordinator's: the HELLO carries their hash and a mismatch is refused, naming the fields.
+Nothing heavy is imported at module level: the process checklist runs before torch is loaded.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+DEFAULT_ENGINE_ADDR = "tcp://127.0.0.1:1921"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    link = parser.add_argument_group("engine link")
+    link.add_argument("--engine-addr", default=os.environ.get("FT_ENGINE_ADDR", DEFAULT_ENGINE_ADDR),
+                      help=f"ZMQ address of the coordinator's engine link, loopback only "
+                           f"[env FT_ENGINE_ADDR, default {DEFAULT_ENGINE_ADDR}]")
+    link.add_argument("--name", default="gpu0", help="worker name in logs, HELLO and `ft ctl workers` (gpu<N>)")
+    link.add_argument("--handshake-timeout-s", type=float, default=120.0,
+                      help="how long to say HELLO before giving up (the coordinator may start later)")
+    link.add_argument("--drain-timeout-s", type=float, default=30.0,
+                      help="on SIGTERM: how long requests in flight may run on before they are aborted")
+    link.add_argument("--store", default=None, dest="store_name",
+                      help="expert store to attach (default: the name the coordinator's WELCOME gives)")
+    link.add_argument("--parent-pid", type=int, default=None,
+                      help="exit at once if this is not the parent (closes the die-with-parent race)")
+    model = parser.add_argument_group("engine (must match the coordinator's)")
+    model.add_argument("--model", default=None, metavar="DIR", help="model directory (default: the tiny model)")
+    model.add_argument("--preset", default=None, help="model preset (random weights of a real model's shape)")
+    model.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
+                       help="where the model runs (one GPU: pick it with CUDA_VISIBLE_DEVICES)")
+    model.add_argument("--moe-strategy", default="resident", choices=("resident", "offload", "cpu", "hybrid"))
+    model.add_argument("--moe-cache-size", type=int, default=None, help="GPU expert slots (offload/hybrid)")
+    model.add_argument("--max-running-requests", type=int, default=8, help="requests decoding together")
+    model.add_argument("--max-context-tokens", type=int, default=None, help="prompt + generated tokens per request")
+    model.add_argument("--num-cpu-workers", type=int, default=0, help="CPU expert workers (cpu/hybrid strategies)")
+    parser.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
+
+
+def run(args: argparse.Namespace) -> int:
+    from cpu_expert_pool.process_setup import setup_process
+
+    setup_process(f"gpu_worker[{args.name}]", expected_parent_pid=args.parent_pid, log_level=args.log_level)
+    from gpu_worker.worker_main import GpuWorkerOptions, run_gpu_worker   # torch is imported from here on
+
+    if args.max_running_requests < 1:
+        raise ValueError("--max-running-requests must be >= 1")
+    options = GpuWorkerOptions(
+        engine_addr=args.engine_addr, name=args.name, model=args.model, preset=args.preset, device=args.device,
+        moe_strategy=args.moe_strategy, moe_cache_size=args.moe_cache_size,
+        max_running_requests=args.max_running_requests, max_context_tokens=args.max_context_tokens,
+        num_cpu_workers=args.num_cpu_workers, store_name=args.store_name,
+        handshake_timeout_s=args.handshake_timeout_s, drain_timeout_s=args.drain_timeout_s)
+    return run_gpu_worker(options)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="ft worker gpu", description="run the GPU worker")
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

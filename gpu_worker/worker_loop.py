@@ -1,0 +1,200 @@
+"""`gpu_busy_loop`: the GPU worker's engine loop. No socket code: requests arrive as inbox items (the
+link's IO thread decodes them), outputs leave through `send` (which hands them to that thread).
+
+Each turn: take what the inbox holds (block up to IDLE_WAIT_S only when the engine is idle), run one
+`engine.step()`, send its tokens as one TOKEN_BATCH, and every STATS_INTERVAL_S the engine's counters.
+It returns an exit code: 0 after SHUTDOWN (or a SIGTERM drain), EXIT_COORDINATOR_LOST when the
+coordinator went silent, EXIT_ENGINE_FAILED after MAX_STEP_FAILURES failed steps in a row (a fresh
+process is the cure for a broken device context; the supervisor or systemd starts one).
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import queue
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from gpu_worker.engine import SamplingParams
+from proto import engine_messages as em
+
+from .worker_link import CoordinatorLost
+
+log = logging.getLogger("ft.gpu_worker.loop")
+
+IDLE_WAIT_S = 0.05                  # longest block on an empty inbox while the engine is idle
+MAX_ITEMS_PER_TURN = 10_000         # inbox items handled between two steps
+MAX_STEP_FAILURES = 3               # failed steps in a row before the process gives up
+EXIT_ENGINE_FAILED = 3
+EXIT_COORDINATOR_LOST = 75          # EX_TEMPFAIL: start again (systemd Restart=) and say HELLO anew
+
+
+@dataclass(frozen=True)
+class LocalStop:
+    """From this process: a signal (drain=True: finish the requests first) or the supervisor's SHUTDOWN."""
+    reason: str
+    drain: bool
+
+
+def engine_stats(engine: Any) -> tuple[list[str], list[float]]:
+    """The engine's counters as parallel (dotted name, value) lists, plus queue depths."""
+    flat: dict[str, float] = {}
+
+    def walk(obj: Any, prefix: str, depth: int) -> None:
+        if depth > 3:
+            return
+        if isinstance(obj, bool):
+            flat[prefix] = float(obj)
+        elif isinstance(obj, (int, float)):
+            if math.isfinite(obj):
+                flat[prefix] = float(obj)
+        elif isinstance(obj, dict):
+            for k, v in obj.items():
+                walk(v, f"{prefix}.{k}" if prefix else str(k), depth + 1)
+        elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+            for f in dataclasses.fields(obj):
+                walk(getattr(obj, f.name), f"{prefix}.{f.name}" if prefix else f.name, depth + 1)
+
+    walk(getattr(engine, "stats", {}), "", 0)
+    scheduler = getattr(engine, "scheduler", None)
+    for name, attr in (("num_running", "running"), ("num_waiting", "waiting")):
+        queued = getattr(scheduler, attr, None)
+        if queued is not None:
+            flat[name] = float(len(queued))
+    return list(flat), list(flat.values())
+
+
+class _Loop:
+    def __init__(self, engine: Any, send: Callable[[Any], None], drain_timeout_s: float):
+        self.engine, self.send, self.drain_timeout_s = engine, send, drain_timeout_s
+        self.live: set[int] = set()
+        self.steps = 0
+        self.finished = 0
+        self.drain_deadline: float | None = None
+        self.exit_after_drain = False
+        self.stats_dirty = True
+
+    def handle(self, item: Any) -> int | None:
+        """Apply one inbox item; an int means: stop with this exit code."""
+        engine = self.engine
+        if isinstance(item, em.AddRequest):
+            if self.drain_deadline is not None:
+                self.send(em.RequestFailed(item.request_id, "the GPU worker is draining and accepts no new "
+                                                            "requests; retry against another replica"))
+                return None
+            try:
+                params = SamplingParams(max_new_tokens=item.max_new_tokens, temperature=item.temperature,
+                                        top_p=item.top_p, top_k=item.top_k,
+                                        seed=item.seed if item.has_seed else None, ignore_eos=item.ignore_eos,
+                                        stop_token_ids=tuple(item.stop_token_ids))
+                engine.add_request(em.unpack_token_ids(item.prompt_ids), params, request_id=item.request_id)
+            except (ValueError, em.MessageError) as exc:
+                self.send(em.RequestFailed(item.request_id, str(exc)))
+                return None
+            self.live.add(item.request_id)
+        elif isinstance(item, em.Abort):
+            for rid in item.request_ids:
+                if rid in self.live:
+                    self.live.discard(rid)
+                    engine.abort(rid)
+        elif isinstance(item, em.SetPolicy):
+            set_policy = getattr(engine, "set_policy", None)
+            if set_policy is not None:
+                set_policy(**dataclasses.asdict(item))
+        elif isinstance(item, em.Drain):
+            self.drain_deadline = time.monotonic() + max(0.0, item.timeout_s)
+        elif isinstance(item, em.Shutdown):
+            log.info("SHUTDOWN from the coordinator%s", f": {item.reason}" if item.reason else "")
+            return 0
+        elif isinstance(item, LocalStop):
+            if not item.drain:
+                log.info("stopping: %s", item.reason)
+                return 0
+            log.info("%s: draining for up to %.0f s", item.reason, self.drain_timeout_s)
+            self.exit_after_drain = True
+            self.drain_deadline = time.monotonic() + self.drain_timeout_s
+        elif isinstance(item, CoordinatorLost):
+            log.error("%s; stopping so that a fresh worker says HELLO to the next one", item.reason)
+            return EXIT_COORDINATOR_LOST
+        else:
+            log.debug("ignoring %s", type(item).__name__)
+        return None
+
+    def fail_live(self, message: str) -> int:
+        failed = sorted(self.live)
+        for rid in failed:
+            try:
+                self.engine.abort(rid)
+            except Exception:  # noqa: BLE001 - the engine may be broken; the coordinator still hears of it
+                pass
+            self.send(em.RequestFailed(rid, message))
+        self.live.clear()
+        return len(failed)
+
+    def step(self) -> None:
+        outputs = self.engine.step()
+        self.stats_dirty = True
+        if not outputs:
+            return
+        self.steps += 1
+        rids, tokens, finished, reasons = [], [], [], []
+        for out in outputs:
+            rid, token, done, reason = out[0], out[1], bool(out[2]), out[3]
+            rids.append(int(rid))
+            tokens.append(int(token))
+            finished.append(done)
+            reasons.append(reason or "")
+            if done:
+                self.live.discard(rid)
+                self.finished += 1
+        self.send(em.TokenBatch(self.steps, rids, tokens, finished, reasons))
+
+
+def gpu_busy_loop(engine: Any, inbox: queue.SimpleQueue, send: Callable[[Any], None], *,
+                  drain_timeout_s: float = 30.0, stats_interval_s: float = em.STATS_INTERVAL_S) -> int:
+    """Serve until SHUTDOWN / a drain ends / the coordinator is lost; returns the exit code."""
+    loop = _Loop(engine, send, drain_timeout_s)
+    failures_in_row = 0
+    last_stats = 0.0
+    while True:
+        busy = engine.has_work()
+        try:
+            item = inbox.get_nowait() if busy else inbox.get(timeout=IDLE_WAIT_S)
+        except queue.Empty:
+            item = None
+        for _ in range(MAX_ITEMS_PER_TURN):
+            if item is None:
+                break
+            code = loop.handle(item)
+            if code is not None:
+                loop.fail_live("the GPU worker is stopping; retry the request")
+                return code
+            try:
+                item = inbox.get_nowait()
+            except queue.Empty:
+                item = None
+        if engine.has_work():
+            try:
+                loop.step()
+                failures_in_row = 0
+            except Exception as exc:  # noqa: BLE001 - one bad step fails its requests, not the process
+                failures_in_row += 1
+                log.exception("engine.step() failed (%d in a row)", failures_in_row)
+                loop.fail_live(f"engine step failed on the GPU worker: {type(exc).__name__}: {exc}")
+                if failures_in_row >= MAX_STEP_FAILURES:
+                    send(em.Error(f"{failures_in_row} engine steps failed in a row ({exc}); the GPU worker exits "
+                                  f"so that a fresh process takes over", fatal=True))
+                    return EXIT_ENGINE_FAILED
+        now = time.monotonic()
+        if loop.stats_dirty and now - last_stats >= stats_interval_s:
+            last_stats = now
+            loop.stats_dirty = False
+            send(em.Stats(*engine_stats(engine)))
+        if loop.drain_deadline is not None and (not engine.has_work() or now >= loop.drain_deadline):
+            aborted = loop.fail_live("the GPU worker drained and stopped waiting for this request")
+            send(em.Drained(loop.finished, aborted))
+            loop.drain_deadline = None
+            if loop.exit_after_drain:
+                return 0

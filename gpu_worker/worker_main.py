@@ -1,0 +1,199 @@
+"""The GPU worker process: `run_gpu_worker` (entry of `ft worker gpu`).
+
+Start-up, in this order: process checklist (done by the CLI before torch is imported); the supervisor
+link's HELLO when the coordinator started us (a wrong config fails here, before any loading); connect
+the engine link and say HELLO until WELCOME (which names the expert store to attach); load the dense
+model and the expert backend; READY on both links; then `gpu_busy_loop` until SHUTDOWN, SIGTERM
+(drain first), the parent's end-of-file on the supervisor link, or the coordinator going silent.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import queue
+import signal
+import threading
+import time
+from typing import Any
+
+from proto import engine_messages as em
+
+from .worker_link import CoordinatorLink
+from .worker_loop import LocalStop, gpu_busy_loop
+
+log = logging.getLogger("ft.gpu_worker")
+
+DEFAULT_HANDSHAKE_TIMEOUT_S = 120.0
+SUPERVISOR_HEARTBEAT_S = 1.0
+EXIT_BAD_CONFIG = 2
+
+
+class HandshakeFailed(RuntimeError):
+    """The coordinator refused us, or never answered."""
+
+
+@dataclasses.dataclass
+class GpuWorkerOptions:
+    engine_addr: str
+    name: str = "gpu0"
+    model: str | None = None
+    preset: str | None = None
+    device: str = "auto"
+    dtype: str = "auto"
+    moe_strategy: str = "resident"
+    moe_cache_size: int | None = None
+    max_running_requests: int = 8
+    max_context_tokens: int | None = None
+    num_cpu_workers: int = 0
+    store_name: str | None = None              # default: the name WELCOME gives
+    handshake_timeout_s: float = DEFAULT_HANDSHAKE_TIMEOUT_S
+    drain_timeout_s: float = 30.0
+
+    def engine_config(self) -> dict[str, Any]:
+        return em.engine_config(model=os.path.abspath(self.model) if self.model else None, preset=self.preset,
+                                dtype=self.dtype, moe_strategy=self.moe_strategy, moe_cache_size=self.moe_cache_size,
+                                max_running_requests=self.max_running_requests,
+                                max_context_tokens=self.max_context_tokens, num_cpu_workers=self.num_cpu_workers)
+
+
+@dataclasses.dataclass
+class LoadedEngine:
+    engine: Any
+    ready: em.Ready
+    experts: Any                      # the expert backend (closed at exit: detaches the store)
+
+
+def say_hello(link: CoordinatorLink, inbox: queue.SimpleQueue, hello: em.Hello, timeout_s: float) -> em.Welcome | None:
+    """HELLO (resent every HELLO_RESEND_S) until WELCOME; None when told to stop first."""
+    deadline = time.monotonic() + timeout_s
+    next_send = 0.0
+    while True:
+        now = time.monotonic()
+        if now >= deadline:
+            raise HandshakeFailed(f"no WELCOME from the coordinator at {link.addr} within {timeout_s:g} s; start it "
+                                  f"(`ft serve --attach --engine-addr {link.addr}`, systemctl start ft-coordinator) "
+                                  f"or check --engine-addr")
+        if now >= next_send:
+            link.send(hello)
+            next_send = now + em.HELLO_RESEND_S
+        try:
+            item = inbox.get(timeout=min(0.2, max(0.0, deadline - now)))
+        except queue.Empty:
+            continue
+        if isinstance(item, em.Welcome):
+            return item
+        if isinstance(item, em.Reject):
+            raise HandshakeFailed(f"the coordinator refused this worker: {item.reason}")
+        if isinstance(item, (em.Shutdown, LocalStop)):
+            return None
+
+
+def load_engine(opts: GpuWorkerOptions, welcome: em.Welcome) -> LoadedEngine:
+    """Dense model on the device + the expert backend (attached to the coordinator's store) + the Engine."""
+    t0 = time.perf_counter()
+    import torch
+
+    from gpu_worker.engine import Engine, EngineConfig
+    from gpu_worker.models.attached_backends import make_attached_expert_backend
+    from gpu_worker.models.device import resolve_device
+    from gpu_worker.models.loader import open_model_source
+    from gpu_worker.models.model import MoeModel
+
+    device = resolve_device(opts.device)
+    source = open_model_source(opts.model, opts.preset, dtype=opts.dtype, device=device)
+    experts = make_attached_expert_backend(opts.moe_strategy, source.experts, device,
+                                           store_name=opts.store_name or welcome.store_name,
+                                           cache_size=opts.moe_cache_size)
+    try:
+        dense = source.load_dense(device)
+        cfg = source.cfg
+        model = MoeModel(cfg, dense, experts, max_positions=min(32768, cfg.max_position_embeddings))
+        engine = Engine(model, EngineConfig(max_running_requests=opts.max_running_requests,
+                                            max_context_tokens=opts.max_context_tokens), source.eos_token_ids)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    except BaseException:
+        _close(experts)
+        raise
+    gpu_name = torch.cuda.get_device_name(device) if device.type == "cuda" else ""
+    ready = em.Ready(welcome.session, os.getpid(), str(device), gpu_name, cfg.vocab_size, engine.max_context_tokens,
+                     engine.config.max_running_requests, type(experts).__name__, time.perf_counter() - t0)
+    log.info("loaded %s on %s (%s experts) in %.1f s", source.description, device, type(experts).__name__,
+             ready.load_time_s)
+    return LoadedEngine(engine, ready, experts)
+
+
+def _close(experts: Any) -> None:
+    close = getattr(experts, "close", None)
+    if close is not None:
+        try:
+            close()
+        except Exception:  # noqa: BLE001 - exiting anyway
+            log.exception("closing the expert backend failed")
+
+
+class _SupervisorBridge:
+    """coordinator/supervisor.py's link when it started us: HELLO/READY/heartbeats; its SHUTDOWN (or the
+    parent's end-of-file) becomes a LocalStop in the inbox."""
+
+    def __init__(self, inbox: queue.SimpleQueue):
+        from coordinator.supervised_child import SupervisorLink
+
+        self.link = SupervisorLink.from_env()
+        self.inbox = inbox
+
+    def hello(self, config_hash: str) -> None:
+        self.link.hello(config_hash)
+
+    def ready(self) -> None:
+        self.link.ready()
+        self.link.start_background(SUPERVISOR_HEARTBEAT_S)
+        threading.Thread(target=self._forward_shutdown, name="supervisor-shutdown", daemon=True).start()
+
+    def _forward_shutdown(self) -> None:
+        self.link.shutdown_requested.wait()
+        self.inbox.put(LocalStop("the supervisor asked to stop (or the coordinator is gone)", drain=False))
+
+
+def run_gpu_worker(opts: GpuWorkerOptions) -> int:
+    """Entry point of one GPU worker (after the process checklist). Returns the exit code."""
+    from coordinator.supervised_child import ENV_FD, HandshakeRejected
+
+    inbox: queue.SimpleQueue = queue.SimpleQueue()
+    supervised = ENV_FD in os.environ
+    signal.signal(signal.SIGTERM, lambda *_: inbox.put(LocalStop("SIGTERM", drain=True)))
+    if supervised:      # Ctrl-C reaches the whole process group: the coordinator drains, then says SHUTDOWN
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+    else:
+        signal.signal(signal.SIGINT, lambda *_: inbox.put(LocalStop("SIGINT", drain=True)))
+    config = opts.engine_config()
+    config_hash = em.engine_config_hash(config)
+    supervisor = _SupervisorBridge(inbox) if supervised else None
+    link: CoordinatorLink | None = None
+    loaded: LoadedEngine | None = None
+    try:
+        if supervisor is not None:
+            supervisor.hello(config_hash)
+        link = CoordinatorLink(opts.engine_addr, f"{opts.name}-{os.getpid()}".encode(), inbox)
+        link.start()
+        hello = em.Hello(opts.name, os.getpid(), em.ENGINE_PROTOCOL_VERSION, config_hash, em.config_json(config))
+        welcome = say_hello(link, inbox, hello, opts.handshake_timeout_s)
+        if welcome is None:
+            return 0
+        log.info("WELCOME from the coordinator (pid %d, session %d)", welcome.coordinator_pid, welcome.session)
+        loaded = load_engine(opts, welcome)
+        link.send(loaded.ready)
+        if supervisor is not None:
+            supervisor.ready()
+        return gpu_busy_loop(loaded.engine, inbox, link.send, drain_timeout_s=opts.drain_timeout_s)
+    except (HandshakeFailed, HandshakeRejected, ValueError, FileNotFoundError, RuntimeError, TimeoutError) as exc:
+        log.error("%s", exc)
+        if link is not None:
+            link.send(em.Error(str(exc), fatal=True))
+        return EXIT_BAD_CONFIG
+    finally:
+        if link is not None:
+            link.stop()
+        if loaded is not None:
+            _close(loaded.experts)

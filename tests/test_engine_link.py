@@ -1,0 +1,333 @@
+"""The engine link without real workers: the message schema, the coordinator's EngineLinkServer and
+RemoteEngine against a scripted DEALER in this process, and gpu_busy_loop against a fake engine."""
+from __future__ import annotations
+
+import dataclasses
+import queue
+import subprocess
+import sys
+import time
+
+import pytest
+import zmq
+
+from coordinator.engine_link import EngineLinkServer, PeerMismatch, PeerMissing
+from coordinator.engine_service import EngineUnavailable
+from coordinator.remote_engine import RemoteEngine
+from gpu_worker.engine import SamplingParams
+from gpu_worker.worker_link import CoordinatorLost
+from gpu_worker.worker_loop import EXIT_COORDINATOR_LOST, EXIT_ENGINE_FAILED, LocalStop, gpu_busy_loop
+from proto import engine_messages as em
+from proto.link_io import check_loopback_address
+
+CONFIG = em.engine_config(model=None, preset=None, dtype="auto", moe_strategy="resident", moe_cache_size=None,
+                          max_running_requests=4, max_context_tokens=512, num_cpu_workers=0)
+
+
+def sample(cls):
+    """An instance of a message class with a typed value in every field."""
+    values = {bool: True, int: 7, float: 0.5, str: "x", bytes: b"\x01\x02", list[int]: [1, 2], list[str]: ["a"],
+              list[bool]: [True, False], list[float]: [1.5]}
+    import typing
+    return cls(**{f: values[t] for f, t in typing.get_type_hints(cls).items()})
+
+
+@pytest.mark.parametrize("cls", list(em.MESSAGE_TYPES.values()), ids=lambda c: c.__name__)
+def test_every_message_round_trips(cls):
+    msg = sample(cls)
+    assert em.decode(em.encode(msg)) == msg
+
+
+def test_decode_names_what_is_wrong():
+    frames = em.encode(em.Abort([1, 2]))
+    with pytest.raises(em.MessageError, match="unknown engine link message type 99"):
+        em.decode([b"\x63", frames[1]])
+    import msgpack
+    with pytest.raises(em.MessageError, match="Abort: unknown field"):
+        em.decode([frames[0], msgpack.packb({"request_ids": [1], "extra": 1})])
+    with pytest.raises(em.MessageError, match="Abort: missing field.*request_ids"):
+        em.decode([frames[0], msgpack.packb({})])
+    with pytest.raises(em.MessageError, match="Abort.request_ids"):
+        em.decode([frames[0], msgpack.packb({"request_ids": ["1"]})])
+    with pytest.raises(em.MessageError, match="not msgpack"):
+        em.decode([frames[0], b"\xc1"])
+    with pytest.raises(em.MessageError, match="is not"):
+        em.encode(em.Abort(["1"]))                       # type: ignore[list-item]
+
+
+def test_token_ids_pack_and_config_diff():
+    assert em.unpack_token_ids(em.pack_token_ids([0, 5, 2 ** 31 - 1])) == [0, 5, 2 ** 31 - 1]
+    with pytest.raises(em.MessageError):
+        em.unpack_token_ids(b"\x00\x01\x02")
+    other = dict(CONFIG, max_running_requests=2, moe_cache_size="64")
+    diff = em.config_diff(CONFIG, em.config_json(other))
+    assert diff == ("max_running_requests: coordinator=4, worker=2; moe_cache_size: coordinator='', worker='64'")
+    assert em.engine_config_hash(CONFIG) != em.engine_config_hash(other)
+    assert em.engine_config(model=None, preset=None, dtype="auto", moe_strategy="offload", moe_cache_size=None,
+                            max_running_requests=4, max_context_tokens=None, num_cpu_workers=3)["num_cpu_workers"] == 0
+
+
+def test_only_loopback_addresses_are_accepted():
+    for ok in ("tcp://127.0.0.1:1921", "tcp://localhost:5", "tcp://[::1]:5", "ipc:///run/ft/engine.sock"):
+        assert check_loopback_address(ok) == ok
+    for bad in ("tcp://0.0.0.0:1921", "tcp://10.0.0.1:1", "tcp://*:1921", "ipc://", "inproc://x"):
+        with pytest.raises(ValueError, match="not a loopback address"):
+            check_loopback_address(bad)
+
+
+class FakeWorker:
+    """A scripted GPU worker: a DEALER speaking the engine link by hand."""
+
+    def __init__(self, addr: str, name: str = "gpu0", pid: int | None = None, config: dict = CONFIG):
+        self.sock = zmq.Context.instance().socket(zmq.DEALER)
+        self.pid = pid if pid is not None else 10_000_000 + id(self) % 1000   # no such pid: no pidfd
+        self.sock.setsockopt(zmq.IDENTITY, f"{name}-{self.pid}".encode())
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(addr)
+        self.name, self.config = name, config
+
+    def send(self, msg) -> None:
+        self.sock.send_multipart(em.encode(msg))
+
+    def recv(self, timeout_s: float = 5.0, skip_heartbeats: bool = True):
+        deadline = time.monotonic() + timeout_s
+        while True:
+            remaining = deadline - time.monotonic()
+            assert remaining > 0 and self.sock.poll(int(remaining * 1000)), "no message from the coordinator"
+            msg = em.decode(self.sock.recv_multipart())
+            if not (skip_heartbeats and isinstance(msg, em.Heartbeat)):
+                return msg
+
+    def hello(self) -> em.Welcome | em.Reject:
+        self.send(em.Hello(self.name, self.pid, em.ENGINE_PROTOCOL_VERSION, em.engine_config_hash(self.config),
+                           em.config_json(self.config)))
+        return self.recv()
+
+    def ready(self, session: int) -> None:
+        self.send(em.Ready(session, self.pid, "cpu", "", 100, 512, 4, "ResidentExperts", 0.1))
+
+    def close(self) -> None:
+        self.sock.close(0)
+
+
+@pytest.fixture
+def link():
+    server = EngineLinkServer("tcp://127.0.0.1:0", CONFIG, store_name="ft-store-x", heartbeat_interval_s=0.1,
+                              peer_timeout_s=0.6)
+    server.start()
+    yield server
+    server.close()
+
+
+def params(n: int = 3) -> SamplingParams:
+    return SamplingParams(max_new_tokens=n, temperature=0.0, seed=5)
+
+
+def step_until(engine: RemoteEngine, count: int, timeout_s: float = 5.0) -> list[tuple]:
+    out: list[tuple] = []
+    deadline = time.monotonic() + timeout_s
+    while len(out) < count and time.monotonic() < deadline:
+        out += engine.step()
+    assert len(out) >= count, out
+    return out
+
+
+def test_mismatched_worker_is_rejected_naming_the_fields(link):
+    worker = FakeWorker(link.address, "gpu3", config=dict(CONFIG, max_context_tokens=1024))
+    try:
+        reply = worker.hello()
+        assert isinstance(reply, em.Reject)
+        assert f"GPU worker gpu3 (pid {worker.pid})" in reply.reason
+        assert "max_context_tokens: coordinator=512, worker=1024" in reply.reason
+        with pytest.raises(PeerMismatch, match="gpu3"):
+            link.wait_ready(2.0)
+    finally:
+        worker.close()
+
+
+def test_no_worker_is_a_timeout_naming_the_address(link):
+    with pytest.raises(PeerMissing, match=f"did not become READY on {link.address} within 0.3 s \\(none connected"):
+        link.wait_ready(0.3)
+
+
+def test_remote_engine_streams_tokens_and_fails_only_the_lost_sessions_requests(link):
+    first = FakeWorker(link.address)
+    second = None
+    try:
+        welcome = first.hello()
+        assert isinstance(welcome, em.Welcome) and welcome.session == 1 and welcome.store_name == "ft-store-x"
+        first.ready(welcome.session)
+        assert link.wait_ready(2.0).max_context_tokens == 512
+        engine = RemoteEngine(link, vocab_size=100)
+        assert engine.healthy and engine.max_context_tokens == 512
+        with pytest.raises(ValueError, match="outside the vocabulary"):
+            engine.add_request([5, 100], params())
+        rid = engine.add_request([5, 6], params())
+        add = first.recv()
+        assert isinstance(add, em.AddRequest) and add.request_id == rid
+        assert em.unpack_token_ids(add.prompt_ids) == [5, 6] and add.has_seed and add.seed == 5
+        first.send(em.TokenBatch(1, [rid, 999], [42, 1], [False, False], ["", ""]))   # 999: not ours
+        assert step_until(engine, 1) == [(rid, 42, False, None)]
+        engine.set_policy(strategy="offload", fetch_fraction=1.0, fetch_round="min-wait", fetch_select="recency",
+                          moe_prefetch="off", moe_prefetch_budget=4)
+        assert isinstance(first.recv(), em.SetPolicy)
+        first.close()                                          # silent from now on: lost after 0.6 s
+        deadline = time.monotonic() + 5
+        out = []
+        while not out and time.monotonic() < deadline:
+            out = engine.step()
+        ((lost_rid, token, finished, reason, error),) = out
+        assert (lost_rid, token, finished) == (rid, None, True) and isinstance(error, EngineUnavailable)
+        assert "sent nothing for" in str(error)
+        assert not engine.healthy and not engine.has_work()
+        with pytest.raises(EngineUnavailable, match="not ready"):
+            engine.add_request([1], params())
+        second = FakeWorker(link.address, pid=10_000_999)
+        welcome = second.hello()
+        assert welcome.session == 2
+        second.ready(2)
+        deadline = time.monotonic() + 5
+        while not engine.healthy and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert isinstance(second.recv(), em.SetPolicy)         # the policy is pushed to the new session
+        rid2 = engine.add_request([7], params(1))
+        assert second.recv().request_id == rid2
+        second.send(em.RequestFailed(rid2, "prompt too long"))
+        ((r, _, fin, _, err),) = step_until(engine, 1)
+        assert r == rid2 and fin and "refused the request: prompt too long" in err
+        assert engine.stats["link.sessions_lost_total"] == 1.0
+    finally:
+        first.close()
+        if second is not None:
+            second.close()
+
+
+def test_a_dead_worker_pid_is_seen_at_once_and_a_second_live_worker_is_refused(link):
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    worker = FakeWorker(link.address, pid=proc.pid)
+    intruder = FakeWorker(link.address, "gpu1", pid=proc.pid + 1_000_000)
+    try:
+        worker.ready(worker.hello().session)
+        link.wait_ready(2.0)
+        engine = RemoteEngine(link, vocab_size=100)
+        rid = engine.add_request([1], params())
+        reply = intruder.hello()
+        assert isinstance(reply, em.Reject) and "is already connected" in reply.reason
+        t0 = time.monotonic()
+        proc.kill()
+        out = []
+        while not out and time.monotonic() - t0 < 5:
+            out = engine.step()
+        assert out[0][0] == rid and f"(pid {proc.pid}) exited" in str(out[0][4])
+        assert time.monotonic() - t0 < 0.5                     # the pidfd, not the 0.6 s silence
+    finally:
+        proc.kill()
+        proc.wait()
+        worker.close()
+        intruder.close()
+
+
+@dataclasses.dataclass
+class _Req:
+    prompt: list[int]
+    params: SamplingParams
+    made: int = 0
+
+
+class FakeEngine:
+    """Engine contract with caller-chosen ids: one token (100 + n) per request per step."""
+
+    def __init__(self, fail_steps: int = 0):
+        self.reqs: dict[int, _Req] = {}
+        self.aborted: list[int] = []
+        self.fail_steps = fail_steps
+        self.stats = {"generated_tokens": 0}
+
+    def add_request(self, prompt, params, request_id=None):
+        if not prompt:
+            raise ValueError("the prompt is empty")
+        self.reqs[request_id] = _Req(prompt, params)
+        return request_id
+
+    def abort(self, rid):
+        self.aborted.append(rid)
+        return self.reqs.pop(rid, None) is not None
+
+    def has_work(self):
+        return bool(self.reqs)
+
+    def step(self):
+        if self.fail_steps:
+            self.fail_steps -= 1
+            raise RuntimeError("simulated device error")
+        out = []
+        for rid, r in list(self.reqs.items()):
+            r.made += 1
+            done = r.made >= r.params.max_new_tokens
+            out.append((rid, 100 + r.made, done, "length" if done else None))
+            if done:
+                del self.reqs[rid]
+        self.stats["generated_tokens"] += len(out)
+        return out
+
+
+def add(rid: int, n: int, prompt=(1, 2)) -> em.AddRequest:
+    return em.AddRequest(rid, em.pack_token_ids(list(prompt)), n, 0.0, 1.0, 0, 0, False, False, [])
+
+
+def run_bounded(engine, inbox: queue.SimpleQueue, send, timeout_s: float = 10.0, **kw) -> int:
+    """gpu_busy_loop in a thread, so that a loop that never ends fails the test instead of hanging it."""
+    import threading
+    result: list = []
+    t = threading.Thread(target=lambda: result.append(gpu_busy_loop(engine, inbox, send, **kw)), daemon=True)
+    t.start()
+    t.join(timeout_s)
+    if t.is_alive():
+        inbox.put(em.Shutdown("test timeout"))
+        t.join(5)
+        raise AssertionError(f"gpu_busy_loop did not return within {timeout_s} s")
+    return result[0]
+
+
+def run_loop(engine, items, **kw) -> tuple[int, list]:
+    inbox: queue.SimpleQueue = queue.SimpleQueue()
+    for item in items:
+        inbox.put(item)
+    sent: list = []
+    code = run_bounded(engine, inbox, sent.append, stats_interval_s=0.0, **kw)
+    return code, sent
+
+
+def test_busy_loop_batches_tokens_refuses_bad_requests_and_drains():
+    engine = FakeEngine()
+    code, sent = run_loop(engine, [add(1, 2), add(2, 3), add(3, 1, prompt=()), em.Abort([2]),
+                                   LocalStop("SIGTERM", drain=True)])
+    assert code == 0
+    batches = [m for m in sent if isinstance(m, em.TokenBatch)]
+    assert batches[0].request_ids == [1] and batches[0].token_ids == [101]       # 2 aborted before any step
+    assert batches[-1].finished == [True] and batches[-1].finish_reasons == ["length"]
+    assert [m.request_id for m in sent if isinstance(m, em.RequestFailed)] == [3]
+    assert engine.aborted == [2]
+    assert sent[-1] == em.Drained(finished=1, aborted=0)
+    stats = [m for m in sent if isinstance(m, em.Stats)]
+    assert stats and dict(zip(stats[-1].names, stats[-1].values))["generated_tokens"] == 2.0
+
+
+def test_busy_loop_exit_codes():
+    assert run_loop(FakeEngine(), [add(1, 50), em.Shutdown("bye")])[0] == 0
+    code, sent = run_loop(FakeEngine(), [add(1, 50), CoordinatorLost("silent")])
+    assert code == EXIT_COORDINATOR_LOST
+    assert any(isinstance(m, em.RequestFailed) and m.request_id == 1 for m in sent)
+    engine = FakeEngine(fail_steps=5)
+    inbox: queue.SimpleQueue = queue.SimpleQueue()
+    inbox.put(add(1, 5))
+    sent = []
+
+    def send(msg):
+        sent.append(msg)
+        if isinstance(msg, em.RequestFailed):
+            inbox.put(add(msg.request_id + 1, 5))   # a new request after each failed step keeps it stepping
+    assert run_bounded(engine, inbox, send) == EXIT_ENGINE_FAILED
+    assert isinstance(sent[-1], em.Error) and sent[-1].fatal and "3 engine steps failed" in sent[-1].message
+    assert "simulated device error" in next(m for m in sent if isinstance(m, em.RequestFailed)).message
+    assert engine.fail_steps == 2                  # it stopped after the third failure in a row

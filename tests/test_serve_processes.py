@@ -1,0 +1,206 @@
+"""`ft serve --workers process` / `--attach` as real processes on 127.0.0.1 with the tiny model (CPU):
+the same greedy answers as the inline engine; a GPU worker killed mid-stream fails its requests with a
+clear error and is restarted; a separately started worker attaches; a config mismatch and a missing
+worker fail fast with names; a killed run's shared-memory store is reclaimed by the next start."""
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import signal
+import sys
+import time
+
+import grpc
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))
+from coordinator_support import MODEL_NAME, live_server  # noqa: E402
+from serve_support import TINY_ARGS, Proc, Server, children_pids, free_port, pid_alive  # noqa: E402
+
+from proto import control_rpc as rpc  # noqa: E402
+
+PROMPTS = ["Hello", "The weather is", "Question: what is two plus two?"]
+LONG_CONTEXT_ARGS = ["--device", "cpu", "--max-context-tokens", "8192", "--max-running-requests", "4"]
+LONG_TOKENS = 8000                       # a stream that outlives the kill (~1.5 ms a token on the CI CPU)
+CHAT = [{"role": "user", "content": "Hello!"}]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """Greedy answers of the inline engine (the real tiny engine in this process)."""
+    with live_server(tmp_path_factory.mktemp("inline"), real_engine=True, grpc=False) as ls:
+        def post(path, body):
+            conn = http.client.HTTPConnection("127.0.0.1", ls.server.http_port, timeout=60)
+            conn.request("POST", path, json.dumps({"model": MODEL_NAME, **body}), {"Content-Type": "application/json"})
+            resp = conn.getresponse()
+            assert resp.status == 200
+            return json.loads(resp.read())
+        completions = {p: post("/v1/completions", {"prompt": p, "max_tokens": 24, "temperature": 0})
+                       for p in PROMPTS}
+        chat = post("/v1/chat/completions", {"messages": CHAT, "max_tokens": 16, "temperature": 0})
+    return {"completions": {p: (b["choices"][0]["text"], b["usage"]) for p, b in completions.items()},
+            "chat": chat["choices"][0]["message"]["content"]}
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    srv = Server(["--workers", "process", *LONG_CONTEXT_ARGS], tmp_path_factory.mktemp("serve") / "serve.log")
+    try:
+        yield srv.wait_listening()
+    finally:
+        code = srv.stop()
+        assert code == 0, srv.output()[-3000:]
+
+
+def _stream_events(srv: Server, body: dict, timeout_s: float = 60.0):
+    conn = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=timeout_s)
+    conn.request("POST", "/v1/completions", json.dumps({"model": "tiny", "stream": True, **body}),
+                 {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    assert resp.status == 200
+    return conn, resp
+
+
+def _read_events(resp) -> list[str]:
+    return [e for e in resp.read().decode().split("\n\n") if e]
+
+
+def test_process_mode_answers_like_the_inline_engine(server, reference):
+    for prompt in PROMPTS:
+        body = server.complete(prompt, 24)
+        assert (body["choices"][0]["text"], body["usage"]) == reference["completions"][prompt], prompt
+    conn, resp = _stream_events(server, {"prompt": PROMPTS[1], "max_tokens": 24, "temperature": 0})
+    events = _read_events(resp)
+    conn.close()
+    assert events[-1] == "data: [DONE]"
+    text = "".join(json.loads(e[6:])["choices"][0]["text"] for e in events[:-1])
+    assert text == reference["completions"][PROMPTS[1]][0]
+    status, chat = server.request("POST", "/v1/chat/completions",
+                                  {"model": "tiny", "messages": CHAT, "max_tokens": 16, "temperature": 0})
+    assert status == 200 and chat["choices"][0]["message"]["content"] == reference["chat"]
+    status, models = server.request("GET", "/v1/models")
+    assert models["data"][0]["max_model_len"] == 8192         # from the worker's READY facts
+    with grpc.insecure_channel(f"127.0.0.1:{server.grpc_port}") as channel:
+        workers = {w.name: w for w in rpc.ControlStub(channel).ListWorkers(rpc.msg.ListWorkersRequest(),
+                                                                          timeout=10).workers}
+    assert workers["gpu0"].state == "ready" and workers["gpu0"].kind == "gpu-worker"
+    assert workers["engine"].kind == "gpu-worker" and workers["engine"].pid == workers["gpu0"].pid
+    assert children_pids(server.pid, "worker gpu") == [workers["gpu0"].pid]
+
+
+def test_gpu_worker_killed_mid_stream_fails_clearly_then_is_restarted(server, reference):
+    (old_pid,) = children_pids(server.pid, "worker gpu")
+    conn, resp = _stream_events(server, {"prompt": "Hello", "max_tokens": LONG_TOKENS, "ignore_eos": True,
+                                         "temperature": 0})
+    assert resp.readline().startswith(b"data: ")              # tokens are flowing
+    with grpc.insecure_channel(f"127.0.0.1:{server.grpc_port}") as channel:
+        stub = rpc.ControlStub(channel)
+        sampling = rpc.msg.SamplingOptions(temperature=0, ignore_eos=True)
+        gen = stub.Generate(rpc.msg.GenerateRequest(prompt="Hi", max_tokens=LONG_TOKENS, sampling=sampling),
+                            timeout=60)
+        next(gen)
+        os.kill(old_pid, signal.SIGKILL)
+        with pytest.raises(grpc.RpcError) as info:
+            for _ in gen:
+                pass
+        assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "GPU worker gpu0" in info.value.details() and "exited" in info.value.details()
+    events = _read_events(resp)
+    conn.close()
+    assert events[-1] == "data: [DONE]"
+    error = json.loads(events[-2][6:])["error"]
+    assert error["code"] == "engine_unavailable" and f"pid {old_pid}" in error["message"], error
+    server.wait_healthy(60)                                   # restarted with back-off, READY again
+    body = server.complete(PROMPTS[0], 24)
+    assert body["choices"][0]["text"] == reference["completions"][PROMPTS[0]][0]
+    (new_pid,) = children_pids(server.pid, "worker gpu")
+    assert new_pid != old_pid
+    with grpc.insecure_channel(f"127.0.0.1:{server.grpc_port}") as channel:
+        workers = {w.name: w for w in rpc.ControlStub(channel).ListWorkers(rpc.msg.ListWorkersRequest(),
+                                                                          timeout=10).workers}
+    assert workers["gpu0"].restarts >= 1 and "killed by signal 9" in workers["gpu0"].last_error
+
+
+def test_attach_mode_serves_through_a_separately_started_worker(tmp_path, reference):
+    addr = f"tcp://127.0.0.1:{free_port()}"
+    worker = Proc(["worker", "gpu", "--engine-addr", addr, *TINY_ARGS], tmp_path / "worker.log")   # first: it waits
+    srv = Server(["--attach", "--engine-addr", addr, "--worker-ready-timeout-s", "60", *TINY_ARGS],
+                 tmp_path / "serve.log", grpc=False)
+    try:
+        srv.wait_listening()
+        assert children_pids(srv.pid, "worker gpu") == []     # nothing started by the coordinator
+        body = srv.complete(PROMPTS[2], 24)
+        assert body["choices"][0]["text"] == reference["completions"][PROMPTS[2]][0]
+        assert srv.stop() == 0
+        assert worker.wait(20) == 0, worker.output()[-2000:]  # SHUTDOWN from the stopping coordinator
+        assert "SHUTDOWN from the coordinator" in worker.output()
+    finally:
+        srv.kill()
+        worker.kill()
+
+
+def test_config_mismatch_fails_fast_naming_the_worker_and_the_field(tmp_path):
+    addr = f"tcp://127.0.0.1:{free_port()}"
+    srv = Server(["--attach", "--engine-addr", addr, "--worker-ready-timeout-s", "60", *TINY_ARGS],
+                 tmp_path / "serve.log", grpc=False)
+    worker = Proc(["worker", "gpu", "--engine-addr", addr, "--name", "gpu7", *TINY_ARGS[:-1], "2"],
+                  tmp_path / "worker.log")
+    try:
+        started = time.monotonic()
+        assert srv.wait(40) == 2
+        assert worker.wait(20) == 2
+        assert time.monotonic() - started < 40                # not the 60 s ready timeout
+        for out in (srv.output(), worker.output()):
+            assert "GPU worker gpu7" in out and f"pid {worker.pid}" in out
+            assert "max_running_requests: coordinator=4, worker=2" in out
+    finally:
+        srv.kill()
+        worker.kill()
+
+
+def test_attach_without_a_worker_fails_naming_the_missing_peer(tmp_path):
+    addr = f"tcp://127.0.0.1:{free_port()}"
+    srv = Server(["--attach", "--engine-addr", addr, "--worker-ready-timeout-s", "2", *TINY_ARGS],
+                 tmp_path / "serve.log", grpc=False)
+    try:
+        assert srv.wait(40) == 2
+        out = srv.output()
+        assert f"a GPU worker did not become READY on {addr} within 2 s (none connected)" in out
+        assert f"ft worker gpu --engine-addr {addr}" in out
+    finally:
+        srv.kill()
+
+
+def test_a_killed_runs_expert_store_is_reclaimed_by_the_next_start(tmp_path, reference):
+    from proto.shm_layout import _read_header_of_file, shm_path
+
+    store = f"ft-test-stale-{os.getpid()}"
+    args = ["--moe-strategy", "offload", "--store-name", store, *TINY_ARGS]
+    first = Server(args, tmp_path / "first.log", grpc=False)
+    second = None
+    try:
+        first.wait_listening()
+        (worker_pid,) = children_pids(first.pid, "worker gpu")
+        header = _read_header_of_file(shm_path(store))
+        assert header is not None and header.creator_pid == first.pid
+        first.popen.kill()                                    # kill -9 the coordinator: nothing unlinks
+        first.wait(10)
+        deadline = time.monotonic() + 10
+        while pid_alive(worker_pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not pid_alive(worker_pid), "the GPU worker outlived its coordinator"
+        assert os.path.exists(shm_path(store))                # the stale segment
+        second = Server(args, tmp_path / "second.log", grpc=False).wait_listening()
+        assert f"reclaiming stale expert store '{store}': its creator, process {first.pid}, is gone" in \
+            second.output()
+        body = second.complete(PROMPTS[0], 24)                # offload through the store == resident
+        assert body["choices"][0]["text"] == reference["completions"][PROMPTS[0]][0]
+        assert second.stop() == 0
+        assert not os.path.exists(shm_path(store))            # unlinked by its creator at shutdown
+    finally:
+        first.kill()
+        if second is not None:
+            second.kill()
+        if os.path.exists(shm_path(store)):
+            os.unlink(shm_path(store))
