@@ -134,8 +134,8 @@ def main() -> int:
     parser.add_argument("--device", default="cuda", help="cpu: a smoke test of this script")
     parser.add_argument("--cache", default="0.25", help="GPU expert slots: a fraction of all experts, or a count")
     parser.add_argument("--runs", type=int, default=3)
-    parser.add_argument("--prompt-tokens", type=int, default=512)
-    parser.add_argument("--decode-tokens", type=int, default=128)
+    parser.add_argument("--prompt-tokens", type=int, default=256)
+    parser.add_argument("--decode-tokens", type=int, default=96)
     parser.add_argument("--fetch-fraction", type=float, default=None,
                         help="hybrid's f (default: B_pcie / (B_pcie + B_cpu) measured here)")
     parser.add_argument("--cpu-workers", type=int, default=1)

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything that needs the GPU machine, in one call: GPU tests, then benchmarks; short tables last.
-# Usage: bash bench/run_gpu.sh [kernels] [engine] [cpu]   (default: all sections)
+# Usage: bash bench/run_gpu.sh [kernels] [engine] [cpu] [hybrid]   (default: kernels engine cpu)
 # Logs go to $OUT (the device tool's output folder) when it is set, else ./out.
 set -u
 OUT=${OUT:-./out}; mkdir -p "$OUT"
@@ -33,6 +33,15 @@ for s in $sections; do
       ;;
     engine)
       [ -f bench/bench_engine.py ] && { python3 bench/bench_engine.py ${ENGINE_ARGS:-} 2>&1 | tee "$OUT/engine_bench.log" | tail -n 30 || status=1; }
+      ;;
+    hybrid)
+      python3 -m pytest -q -p no:cacheprovider tests/test_hybrid.py tests/test_hybrid_pool.py \
+        tests/test_hybrid_cli.py 2>&1 | tee "$OUT/hybrid_tests.log" | tail -n 8
+      [ "${PIPESTATUS[0]}" = 0 ] || status=1
+      python3 -m coordinator.cli bench bw --preset qwen3-30b-a3b --out "$OUT/benchbw.json" --json 2>&1 \
+        | tee "$OUT/benchbw.log" | tail -n 3 || status=1
+      python3 bench/bench_hybrid.py --json-out "$OUT/bench_hybrid.json" ${HYBRID_ARGS:-} 2>&1 \
+        | tee "$OUT/hybrid_bench.log" | tail -n 16 || status=1
       ;;
     cpu)
       [ -f bench/bench_cpu_experts.py ] && { python3 bench/bench_cpu_experts.py --isas 2>&1 | tee "$OUT/cpu_bench.log" | tail -n 20 || status=1; }

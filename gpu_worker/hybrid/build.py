@@ -17,13 +17,23 @@ log = logging.getLogger("ft.hybrid")
 
 
 def start_cpu_pool(host: HostExperts, options: HybridOptions, top_k: int) -> CpuPool:
-    """The CPU workers of `host`'s store, sized for forwards of up to options.cpu_max_tokens tokens."""
+    """The CPU workers of `host`'s store, sized for forwards of up to options.cpu_max_tokens tokens.
+
+    Also limits this process's torch CPU threads (options.engine_thread_count(); the pool's close()
+    restores the previous count), so that they do not spin on the workers' cores."""
     t_max = options.cpu_max_tokens
-    return CpuPool.start(host.store, num_workers=options.cpu_workers, t_max=t_max, max_triples=t_max * top_k,
+    pool = CpuPool.start(host.store, num_workers=options.cpu_workers, t_max=t_max, max_triples=t_max * top_k,
                          hidden_dtype=channel_hidden_dtype(host.layout.dtype), worker_flags=options.worker_flags(),
                          deadline_s=options.cpu_deadline_s, readmit_poll_s=options.readmit_poll_s,
                          restart_backoff_s=options.restart_backoff_s, ready_timeout_s=options.ready_timeout_s,
                          heartbeat_timeout_s=options.heartbeat_timeout_s)
+    pool.restore_threads = torch.get_num_threads()
+    threads = options.engine_thread_count()
+    if threads != pool.restore_threads:
+        log.info("torch CPU threads of this process: %d -> %d (the CPU workers compute on the others)",
+                 pool.restore_threads, threads)
+        torch.set_num_threads(threads)
+    return pool
 
 
 def build_hybrid_backend(strategy: str, source: ExpertSource, device: torch.device | str, *, top_k: int,

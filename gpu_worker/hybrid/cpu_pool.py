@@ -84,6 +84,7 @@ class CpuPool:
         self.split = ExpertSplit.contiguous(store.num_layers, store.num_experts, num_workers)
         self.members: list[PoolMember] = []
         self.supervisor: Supervisor | None = None
+        self.restore_threads: int | None = None   # torch threads of this process before the pool (build.py)
         self._segments = []
         self._next_poll_s = 0.0
 
@@ -153,6 +154,9 @@ class CpuPool:
         m.pid, m.start_ticks, m.serving = pid, process_start_ticks(pid), True
 
     def close(self) -> None:
+        if self.restore_threads is not None:
+            torch.set_num_threads(self.restore_threads)
+            self.restore_threads = None
         if self.supervisor is not None:
             self.supervisor.stop()
             self.supervisor = None

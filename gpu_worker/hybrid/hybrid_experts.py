@@ -68,6 +68,7 @@ class HybridExperts:
                                  device=self.device)
         self.w13, self.w2 = unpack_experts(self.slots, self.layout)
         self.copy_stream = torch.cuda.Stream(device=self.device) if self.on_cuda else None
+        self._queued = torch.cuda.Event() if self.on_cuda else None
         self.readback = Readback(self.device, self._hidden_dtype())
         self._partial = torch.empty(0, dtype=torch.float32, pin_memory=self.on_cuda)   # [T, H] CPU sums
         self.stats = HybridStats(cpu_workers={m.name: WorkerCounters() for m in pool.members})
@@ -100,6 +101,8 @@ class HybridExperts:
             if value is not None:
                 p[key] = value
         fraction, promote_now = float(p["fetch_fraction"]), bool(p["promote"])
+        if not 0.0 <= fraction <= 1.0:
+            raise ValueError(f"fetch_fraction must be within [0, 1], got {fraction!r}")
         if p["strategy"] == "cpu":
             fraction, promote_now = 0.0, False
         elif p["strategy"] == "offload":
@@ -184,10 +187,9 @@ class HybridExperts:
             self.timer.add("gpu_wait_for_copy_s_total", t0, t1)      # the host copies before it computes
             return
         compute = torch.cuda.current_stream(self.device)
-        queued = torch.cuda.Event()
-        queued.record(compute)                   # every GEMM already queued reads its slot first
+        self._queued.record(compute)             # every GEMM already queued reads its slot first
         with torch.cuda.stream(self.copy_stream):
-            self.copy_stream.wait_event(queued)
+            self.copy_stream.wait_event(self._queued)     # (the wait takes the event as recorded now)
             start = self.timer.mark(self.copy_stream)
             for d, s in zip(plan.dst, plan.src):
                 self.slots[d].copy_(host_layer[s], non_blocking=True)

@@ -83,6 +83,9 @@ class Readback:
             torch.cuda.current_stream(self.device).synchronize()          # the layer's one host sync
         a = ints.numpy()
         n, misses = int(a[0]), int(a[1])
+        if n > p:
+            raise RuntimeError(f"the copy plan has {n} entries but only {p} were read back; pass a max_plan of at "
+                               f"least the call's distinct experts")
         routes_h = a[3 + 2 * p:3 + 2 * p + r] if routes is not None else None
         ids_h = a[3 + 2 * p + r:3 + 2 * p + 2 * r] if routes is not None else None
         distinct = int(np.unique(ids_h).size) if ids_h is not None else int(a[2])
