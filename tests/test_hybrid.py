@@ -274,6 +274,7 @@ def _alive_or_zombie(pid: int) -> bool:
 
 
 @pytest.mark.gpu
+@pytest.mark.usefixtures("no_tf32")
 @pytest.mark.parametrize("strategy", ["hybrid", "cpu"])
 def test_gpu_hybrid_and_cpu_match_resident_and_survive_a_sigkill(tiny_cache, strategy):
     """The CUDA path: pinned readback, copy stream and events, GEMMs over slot ids, the H2D join."""
