@@ -7,6 +7,12 @@ import os
 
 import pytest
 import torch
+from hypothesis import settings
+
+# CI runs the property tests with a fixed seed: a failure there reproduces on the next run.
+settings.register_profile("ci", derandomize=True, database=None)
+if os.environ.get("CI"):
+    settings.load_profile("ci")
 
 HAS_CUDA = torch.cuda.is_available()
 if not HAS_CUDA:
