@@ -63,6 +63,28 @@ class ProcessSetOptions:
     extra_env: dict[str, str] = field(default_factory=dict)
 
 
+def options_from_serve_args(args: Any) -> ProcessSetOptions:
+    """`ft serve`'s flags -> the engine config (hashed) and the `ft worker gpu` flags that give the same one."""
+    model_dir = os.path.abspath(args.model) if args.model else None
+    num_cpu_workers = args.num_cpu_workers
+    if args.moe_strategy in CPU_STRATEGIES and num_cpu_workers <= 0:
+        from cpu_expert_pool.topology import discover_placements
+        num_cpu_workers = len(discover_placements())
+    flags = ["--device", args.device, "--moe-strategy", args.moe_strategy,
+             "--max-running-requests", str(args.max_running_requests), "--num-cpu-workers", str(num_cpu_workers)]
+    for flag, value in (("--model", model_dir), ("--preset", args.preset), ("--moe-cache-size", args.moe_cache_size),
+                        ("--max-context-tokens", args.max_context_tokens)):
+        if value is not None:
+            flags += [flag, str(value)]
+    config = em.engine_config(model=model_dir, preset=args.preset, dtype="auto", moe_strategy=args.moe_strategy,
+                              moe_cache_size=args.moe_cache_size, max_running_requests=args.max_running_requests,
+                              max_context_tokens=args.max_context_tokens, num_cpu_workers=num_cpu_workers)
+    return ProcessSetOptions(attach=args.attach, config=config, engine_flags=flags, moe_strategy=args.moe_strategy,
+                             engine_addr=args.engine_addr, store_name=args.store_name or default_store_name(args.port),
+                             num_cpu_workers=num_cpu_workers, worker_ready_timeout_s=args.worker_ready_timeout_s,
+                             log_level=args.log_level)
+
+
 class ProcessSet:
     def __init__(self, options: ProcessSetOptions, source: Any):
         self.options = options

@@ -137,11 +137,10 @@ def run_processes(args: argparse.Namespace) -> int:
     from coordinator.engine_factory import expert_format_of, served_name
     from coordinator.engine_service import EngineService
     from coordinator.openai_requests import ModelInfo
-    from coordinator.process_set import ProcessSet, ProcessSetOptions, default_store_name
+    from coordinator.process_set import ProcessSet, options_from_serve_args
     from coordinator.server import CoordinatorServer
     from coordinator.text_codec import TextCodec
     from gpu_worker.models.loader import open_model_source
-    from proto.engine_messages import CPU_POOL_STRATEGIES, engine_config
 
     api_key = resolve_api_key(args.api_key)
     model_dir = os.path.abspath(args.model) if args.model else None
@@ -150,25 +149,7 @@ def run_processes(args: argparse.Namespace) -> int:
         raise FileNotFoundError(f"{model_dir or args.preset} has no tokenizer.json; the HTTP API needs one to turn "
                                 f"text into tokens (put the model's tokenizer.json beside its weights)")
     codec = TextCodec.from_text_tokenizer(source.tokenizer, source.eos_token_ids)
-    num_cpu_workers = args.num_cpu_workers
-    if args.moe_strategy in CPU_POOL_STRATEGIES and num_cpu_workers <= 0:
-        from cpu_expert_pool.topology import discover_placements
-        num_cpu_workers = len(discover_placements())
-    flags = ["--device", args.device,
-             "--moe-strategy", args.moe_strategy, "--max-running-requests", str(args.max_running_requests),
-             "--num-cpu-workers", str(num_cpu_workers)]
-    for flag, value in (("--model", model_dir), ("--preset", args.preset), ("--moe-cache-size", args.moe_cache_size),
-                        ("--max-context-tokens", args.max_context_tokens)):
-        if value is not None:
-            flags += [flag, str(value)]
-    config = engine_config(model=model_dir, preset=args.preset, dtype="auto", moe_strategy=args.moe_strategy,
-                           moe_cache_size=args.moe_cache_size, max_running_requests=args.max_running_requests,
-                           max_context_tokens=args.max_context_tokens, num_cpu_workers=num_cpu_workers)
-    options = ProcessSetOptions(attach=args.attach, config=config, engine_flags=flags,
-                                moe_strategy=args.moe_strategy, engine_addr=args.engine_addr,
-                                store_name=args.store_name or default_store_name(args.port),
-                                num_cpu_workers=num_cpu_workers, worker_ready_timeout_s=args.worker_ready_timeout_s,
-                                log_level=args.log_level)
+    options = options_from_serve_args(args)
     procs = ProcessSet(options, source)
 
     def interrupted(signum, _frame):            # before the event loop takes the signals over

@@ -168,6 +168,7 @@ def gpu_busy_loop(engine: Any, inbox: queue.SimpleQueue, send: Callable[[Any], N
             if item is None:
                 break
             code = loop.handle(item)
+            loop.stats_dirty = True                # queue depths changed (an add, an abort)
             if code is not None:
                 loop.fail_live("the GPU worker is stopping; retry the request")
                 return code

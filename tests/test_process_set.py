@@ -1,0 +1,51 @@
+"""ProcessSet's plan without starting anything: the children `ft serve --workers process` would start
+(the cpu/hybrid strategies add `ft worker cpu` per worker), each argv accepted by ft's own parser, and
+the GPU worker's flags giving exactly the coordinator's engine config (so its HELLO is accepted)."""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from coordinator.cli import build_parser
+from coordinator.process_set import ProcessSet, default_store_name, options_from_serve_args
+from gpu_worker.models.loader import open_model_source
+from gpu_worker.offload.host_store import layout_hash
+from gpu_worker.worker_main import GpuWorkerOptions
+from proto import engine_messages as em
+
+
+def worker_config(argv: list[str]) -> dict:
+    a = build_parser().parse_args(argv)
+    return GpuWorkerOptions(engine_addr=a.engine_addr, model=a.model, preset=a.preset, device=a.device,
+                            moe_strategy=a.moe_strategy, moe_cache_size=a.moe_cache_size,
+                            max_running_requests=a.max_running_requests, max_context_tokens=a.max_context_tokens,
+                            num_cpu_workers=a.num_cpu_workers).engine_config()
+
+
+@pytest.mark.parametrize("strategy,cpu_workers", [("resident", 0), ("offload", 0), ("hybrid", 2), ("cpu", 1)])
+def test_worker_specs_match_the_coordinators_config(strategy, cpu_workers, tmp_path):
+    from coordinator.engine_link import EngineLinkServer
+
+    serve = build_parser().parse_args(["serve", "--model", str(tmp_path / "m"), "--moe-strategy", strategy,
+                                       "--moe-cache-size", "16", "--max-context-tokens", "1024", "--port", "2345",
+                                       "--num-cpu-workers", str(cpu_workers)])
+    options = options_from_serve_args(serve)
+    assert options.store_name == default_store_name(2345) == "ft-experts-2345"
+    procs = ProcessSet(options, open_model_source(None, None, device="cpu"))
+    procs.link = EngineLinkServer("tcp://127.0.0.1:0", options.config)      # bound, not started
+    try:
+        specs = procs.worker_specs("ft-experts-2345")
+    finally:
+        procs.link.sock.close(0)
+    assert [s.name for s in specs] == [f"cpu{i}" for i in range(cpu_workers)] + ["gpu0"]
+    gpu = specs[-1]
+    assert gpu.argv[1:3] == ["-m", "coordinator.cli"] and gpu.kind == "gpu-worker"
+    assert gpu.config_hash == em.engine_config_hash(options.config)
+    assert worker_config(gpu.argv[3:]) == options.config                    # HELLO's hash will match
+    assert "--parent-pid" in gpu.argv and str(os.getpid()) in gpu.argv
+    for i, spec in enumerate(specs[:-1]):
+        args = build_parser().parse_args(spec.argv[3:])
+        assert (args.store, args.worker_index, args.num_workers) == ("ft-experts-2345", i, cpu_workers)
+        assert spec.config_hash == layout_hash(procs.source.experts)        # the store's hash, as the worker sends
+    assert options.config["num_cpu_workers"] == cpu_workers
