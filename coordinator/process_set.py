@@ -34,7 +34,6 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_ATTACH_ENGINE_ADDR = "tcp://127.0.0.1:1921"
 PROCESS_ENGINE_ADDR = "tcp://127.0.0.1:0"          # a free loopback port, passed to the child
 GPU_WORKER_NAME = "gpu0"
-CPU_CHANNEL_T_MAX = 512                             # tokens per layer call on a CPU worker's channel
 LINK_READY_GRACE_S = 10.0                           # supervisor READY -> engine-link READY
 GPU_HEARTBEAT_TIMEOUT_S = 10.0
 CPU_STRATEGIES = ("cpu", "hybrid")
@@ -134,11 +133,14 @@ class ProcessSet:
                       max_restarts=o.max_restarts)
         specs = []
         if o.moe_strategy in CPU_STRATEGIES:
+            from gpu_worker.hybrid import HybridOptions
             from gpu_worker.offload.host_store import layout_hash
 
+            flags = HybridOptions(cpu_workers=max(1, o.num_cpu_workers)).worker_flags()   # threads, reserved CPUs
             for i in range(o.num_cpu_workers):
                 argv = ft + ["worker", "cpu", "--store", store_name, "--worker-index", str(i), "--num-workers",
-                             str(o.num_cpu_workers), "--parent-pid", str(os.getpid()), "--log-level", o.log_level]
+                             str(o.num_cpu_workers), "--parent-pid", str(os.getpid()), "--log-level", o.log_level,
+                             *flags]
                 specs.append(WorkerSpec(f"cpu{i}", argv, layout_hash(self.source.experts), kind="cpu-worker",
                                         ready_timeout_s=o.worker_ready_timeout_s, **common))
         argv = ft + ["worker", "gpu", "--engine-addr", self.link.address, "--name", GPU_WORKER_NAME,
@@ -159,16 +161,18 @@ class ProcessSet:
         return name
 
     def _create_channels(self, store_name: str) -> list[str]:
+        """One channel per CPU worker, sized as gpu_worker/hybrid sizes its own (HybridOptions.cpu_max_tokens)."""
         from cpu_expert_pool.channel import channel_name_for, create_worker_channel
+        from gpu_worker.hybrid.cpu_pool import channel_hidden_dtype
+        from gpu_worker.hybrid.options import DEFAULT_CPU_MAX_TOKENS
 
         cfg = self.source.cfg
-        hidden_dtype = "bfloat16" if str(self.source.dtype).endswith("bfloat16") else "float32"
         names = []
         for i in range(self.options.num_cpu_workers):
             name = channel_name_for(store_name, i)
-            self.channels.append(create_worker_channel(name, t_max=CPU_CHANNEL_T_MAX, hidden=cfg.hidden_size,
-                                                       max_triples=CPU_CHANNEL_T_MAX * cfg.top_k,
-                                                       hidden_dtype=hidden_dtype))
+            self.channels.append(create_worker_channel(name, t_max=DEFAULT_CPU_MAX_TOKENS, hidden=cfg.hidden_size,
+                                                       max_triples=DEFAULT_CPU_MAX_TOKENS * cfg.top_k,
+                                                       hidden_dtype=channel_hidden_dtype(self.source.dtype)))
             names.append(name)
         return names
 

@@ -204,3 +204,36 @@ def test_a_killed_runs_expert_store_is_reclaimed_by_the_next_start(tmp_path, ref
             second.kill()
         if os.path.exists(shm_path(store)):
             os.unlink(shm_path(store))
+
+
+def _metric(srv: Server, name: str) -> float:
+    conn = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=10)
+    conn.request("GET", "/metrics")
+    text = conn.getresponse().read().decode()
+    conn.close()
+    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name + " "))
+
+
+def test_hybrid_process_set_supervises_cpu_workers_and_survives_losing_one(tmp_path, reference):
+    store = f"ft-test-hybrid-{os.getpid()}"
+    srv = Server(["--moe-strategy", "hybrid", "--num-cpu-workers", "1", "--store-name", store, *TINY_ARGS],
+                 tmp_path / "serve.log")
+    try:
+        srv.wait_listening()
+        assert os.path.exists(f"/dev/shm/{store}") and os.path.exists(f"/dev/shm/{store}.cpu0")   # coordinator's
+        (cpu_pid,) = children_pids(srv.pid, "worker cpu")
+        body = srv.complete(PROMPTS[0], 24)
+        assert body["choices"][0]["text"] == reference["completions"][PROMPTS[0]][0]
+        assert _metric(srv, "ft_experts_cpu_total") > 0          # misses went to the CPU worker
+        os.kill(cpu_pid, signal.SIGKILL)                           # the GPU worker fetches its share instead
+        body = srv.complete(PROMPTS[1], 24)
+        assert body["choices"][0]["text"] == reference["completions"][PROMPTS[1]][0]
+        deadline = time.monotonic() + 60
+        while children_pids(srv.pid, "worker cpu") in ([], [cpu_pid]) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        (new_pid,) = children_pids(srv.pid, "worker cpu")          # restarted by the coordinator's supervisor
+        assert new_pid != cpu_pid
+        assert srv.stop() == 0
+        assert not any(n.startswith(store) for n in os.listdir("/dev/shm"))
+    finally:
+        srv.kill()

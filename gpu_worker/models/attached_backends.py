@@ -3,7 +3,9 @@
 Beside `make_expert_backend` (expert_backends.py), which builds a backend that owns its experts (the
 single-process `ft generate` creates its own store), this one *attaches* to the shared-memory store
 the coordinator created and filled, by name: no second host copy, and the store is never unlinked here
-(`HostExperts.attach` makes a non-owner). `resident` needs no store and is built as usual.
+(`HostExperts.attach` makes a non-owner). `resident` needs no store and is built as usual. `cpu` and
+`hybrid` also attach to the CPU expert workers' channels the coordinator created (its supervisor runs
+and restarts the workers; `CpuPool.attach` only talks to them).
 """
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ from .expert_sources import ExpertSource
 from .resident_experts import ExpertBackend
 
 HOST_STORE_STRATEGIES = ("offload", "cpu", "hybrid")     # strategies whose experts live in the host store
+CPU_POOL_STRATEGIES = ("cpu", "hybrid")                  # ... and whose misses CPU workers compute
 
 
 def needs_host_store(strategy: str) -> bool:
@@ -21,32 +24,64 @@ def needs_host_store(strategy: str) -> bool:
 
 
 def make_attached_expert_backend(strategy: str, source: ExpertSource, device: torch.device | str, *,
-                                 store_name: str = "", cache_size: int | float | str | None = None,
-                                 mode: str = "auto", per_layer: bool = False) -> ExpertBackend:
+                                 store_name: str = "", cpu_channels: list[str] | tuple[str, ...] = (),
+                                 cache_size: int | float | str | None = None, mode: str = "auto",
+                                 per_layer: bool = False) -> ExpertBackend:
     """The backend for ``strategy``, reading experts from the store ``store_name`` where it needs one."""
     if not needs_host_store(strategy):
         return make_expert_backend(strategy, source, device, cache_size=cache_size, mode=mode)
-    if strategy != "offload":
-        raise ValueError(f"--moe-strategy {strategy} is not built into the GPU worker yet (only resident and "
-                         f"offload are); run with --moe-strategy offload")
     if not store_name:
-        raise ValueError("--moe-strategy offload needs the coordinator's expert store, but no store name came "
-                         "with WELCOME (nor --store); start the coordinator with the same --moe-strategy")
+        raise ValueError(f"--moe-strategy {strategy} needs the coordinator's expert store, but no store name came "
+                         f"with WELCOME (nor --store); start the coordinator with the same --moe-strategy")
+    if strategy in CPU_POOL_STRATEGIES and not cpu_channels:
+        raise ValueError(f"--moe-strategy {strategy} needs CPU expert workers, but WELCOME named no channels; "
+                         f"start the coordinator with --moe-strategy {strategy} and --num-cpu-workers >= 1")
     from gpu_worker.offload import HostExperts, OffloadExperts, resolve_cache_slots
-    from gpu_worker.offload.host_store import layout_hash
 
     slots = resolve_cache_slots(cache_size, source.num_layers, source.num_experts, per_layer)
     host = HostExperts.attach(store_name, source.layout)
     try:
-        expected = layout_hash(source)
-        if host.store.config_hash != expected:
-            raise ValueError(f"expert store {store_name!r} has config hash {host.store.config_hash!r}, this model "
-                             f"needs {expected!r}: the coordinator loaded another model; start both with the same "
-                             f"--model / --preset")
-        if not host.store.is_ready:
-            raise ValueError(f"expert store {store_name!r} is still being filled; the coordinator says WELCOME only "
-                             f"after filling it, so another process is writing it: restart the coordinator")
-        return OffloadExperts(host, slots, torch.device(device), per_layer=per_layer, mode=mode)
+        _check_store(host, source, store_name)
+        if strategy == "offload":
+            return OffloadExperts(host, slots, torch.device(device), per_layer=per_layer, mode=mode)
+        return _attached_hybrid(strategy, host, source, slots, torch.device(device), list(cpu_channels),
+                                per_layer=per_layer, mode=mode)
     except BaseException:
         host.close()
+        raise
+
+
+def _check_store(host, source: ExpertSource, store_name: str) -> None:
+    from gpu_worker.offload.host_store import layout_hash
+
+    expected = layout_hash(source)
+    if host.store.config_hash != expected:
+        raise ValueError(f"expert store {store_name!r} has config hash {host.store.config_hash!r}, this model "
+                         f"needs {expected!r}: the coordinator loaded another model; start both with the same "
+                         f"--model / --preset")
+    if not host.store.is_ready:
+        raise ValueError(f"expert store {store_name!r} is still being filled; the coordinator says WELCOME only "
+                         f"after filling it, so another process is writing it: restart the coordinator")
+
+
+def _attached_hybrid(strategy: str, host, source: ExpertSource, slots: int, device: torch.device,
+                     channels: list[str], *, per_layer: bool, mode: str) -> ExpertBackend:
+    """HybridExperts over the attached store and the coordinator's CPU workers (their channels)."""
+    from gpu_worker.hybrid import CpuPool, HybridExperts, HybridOptions
+    from gpu_worker.hybrid.options import resolve_fetch_fraction
+
+    options = HybridOptions(cpu_workers=len(channels)).for_strategy(strategy)
+    lay = source.layout
+    fraction, _ = resolve_fetch_fraction(options, dtype=lay.dtype, hidden_size=lay.hidden_size,
+                                         intermediate_size=lay.intermediate_size, device=device)
+    pool = CpuPool.attach(host.store, channels, deadline_s=options.cpu_deadline_s,
+                          readmit_poll_s=options.readmit_poll_s, ready_timeout_s=options.ready_timeout_s)
+    try:
+        torch.set_num_threads(options.engine_thread_count())    # idle OpenMP threads would spin on their cores
+        return HybridExperts(host, slots, device, pool, strategy=strategy, fetch_fraction=fraction,
+                             fetch_round=options.fetch_round, fetch_select=options.fetch_select,
+                             promote=options.promote, seed=options.seed, per_layer=per_layer, mode=mode,
+                             cpu_max_tokens=min(options.cpu_max_tokens, pool.t_max))
+    except BaseException:
+        pool.close()
         raise
