@@ -28,6 +28,12 @@ for s in $sections; do
         | tee "$OUT/kernels_gpu_tests.log" | tail -n 4
       [ "${PIPESTATUS[0]}" = 0 ] || status=1
       ;;
+    hybrid-gpu-tests)
+      python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_hybrid.py tests/test_hybrid_pool.py \
+        tests/test_hybrid_cli.py tests/test_offload.py tests/test_cuda_graphs_gpu.py 2>&1 \
+        | tee "$OUT/hybrid_gpu_tests.log" | tail -n 12
+      [ "${PIPESTATUS[0]}" = 0 ] || status=1
+      ;;
     kernel-bench)
       python3 -m kernels.slot_cache.bench 2>&1 | tee "$OUT/kernels_bench.log" | tail -n 24 || status=1
       ;;
