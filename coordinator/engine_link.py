@@ -28,6 +28,8 @@ from proto.link_io import LinkIO, check_loopback_address
 
 log = logging.getLogger("ft.coordinator.engine_link")
 
+MAX_REJECTIONS_KEPT = 16              # a misconfigured worker restarted in a loop must not grow memory
+
 
 class PeerMismatch(RuntimeError):
     """A GPU worker with another config (or protocol) tried to connect."""
@@ -210,7 +212,8 @@ class EngineLinkServer(LinkIO):
         log.error("%s", reason)
         self._reply(identity, em.Reject(reason))
         with self._cond:
-            self.rejections.append(reason)
+            if len(self.rejections) < MAX_REJECTIONS_KEPT:
+                self.rejections.append(reason)
             self._cond.notify_all()
 
     def on_fd(self, fd: int) -> None:

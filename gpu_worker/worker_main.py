@@ -27,10 +27,15 @@ log = logging.getLogger("ft.gpu_worker")
 DEFAULT_HANDSHAKE_TIMEOUT_S = 120.0
 SUPERVISOR_HEARTBEAT_S = 1.0
 EXIT_BAD_CONFIG = 2
+EXIT_REJECTED = 78                    # EX_CONFIG: the coordinator refused our config; restarting will not help
 
 
 class HandshakeFailed(RuntimeError):
-    """The coordinator refused us, or never answered."""
+    """The coordinator never answered."""
+
+
+class Rejected(RuntimeError):
+    """The coordinator (or the supervisor) refused this worker's config."""
 
 
 @dataclasses.dataclass
@@ -84,7 +89,7 @@ def say_hello(link: CoordinatorLink, inbox: queue.SimpleQueue, hello: em.Hello, 
         if isinstance(item, em.Welcome):
             return item
         if isinstance(item, em.Reject):
-            raise HandshakeFailed(f"the coordinator refused this worker: {item.reason}")
+            raise Rejected(f"the coordinator refused this worker: {item.reason}")
         if isinstance(item, (em.Shutdown, LocalStop)):
             return None
 
@@ -187,7 +192,10 @@ def run_gpu_worker(opts: GpuWorkerOptions) -> int:
         if supervisor is not None:
             supervisor.ready()
         return gpu_busy_loop(loaded.engine, inbox, link.send, drain_timeout_s=opts.drain_timeout_s)
-    except (HandshakeFailed, HandshakeRejected, ValueError, FileNotFoundError, RuntimeError, TimeoutError) as exc:
+    except (Rejected, HandshakeRejected) as exc:
+        log.error("%s", exc)
+        return EXIT_REJECTED
+    except (HandshakeFailed, ValueError, FileNotFoundError, RuntimeError, TimeoutError) as exc:
         log.error("%s", exc)
         if link is not None:
             link.send(em.Error(str(exc), fatal=True))
