@@ -200,6 +200,7 @@ class PolicySettings:
         choice("fetch_round", self.fetch_round, FETCH_ROUNDS)
         choice("fetch_select", self.fetch_select, FETCH_SELECTS)
         choice("moe_prefetch", self.moe_prefetch, PREFETCH_MODES)
+        KNOBS_BY_FIELD["moe_prefetch"].check_available(self.moe_prefetch, "moe_prefetch")
         for name in ("fetch_fraction", "fetch_fraction_min", "fetch_fraction_max"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not (0.0 <= value <= 1.0):

@@ -1,0 +1,45 @@
+"""The FREETOKEN_* knob registry: typed values, precedence, and clear errors."""
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from proto.knobs import KNOBS, add_cli_flags, read_env, resolve
+
+
+def test_every_knob_is_an_env_var_a_field_and_a_flag():
+    parser = argparse.ArgumentParser()
+    add_cli_flags(parser)
+    flags = {a.dest: a.option_strings for a in parser._actions}
+    for knob in KNOBS:
+        assert knob.env.startswith("FREETOKEN_")
+        assert flags[knob.field] == [knob.flag]
+
+
+def test_env_values_are_typed_and_cli_wins():
+    env = {"FREETOKEN_HYBRID_FETCH_ROUND": "stochastic", "FREETOKEN_MOE_PREFETCH_BUDGET": "7"}
+    assert read_env(env) == {"fetch_round": "stochastic", "moe_prefetch_budget": 7}
+    values = resolve({"fetch_round": "prefer-fetch", "fetch_select": None}, env)
+    assert values["fetch_round"] == "prefer-fetch"          # CLI over environment
+    assert values["moe_prefetch_budget"] == 7               # environment over default
+    assert values["fetch_select"] == "recency"              # default
+
+
+@pytest.mark.parametrize("env, message", [
+    ({"FREETOKEN_HYBRID_FETCH_ROUND": "nearest"}, "choose one of: min-wait, stochastic, prefer-fetch"),
+    ({"FREETOKEN_MOE_PREFETCH_BUDGET": "-2"}, "must be >= 0"),
+    ({"FREETOKEN_MOE_PREFETCH_BUDGET": "many"}, "is not valid"),
+    ({"FREETOKEN_HYBRID_FECTH": "recency"}, "unknown environment variable.*FREETOKEN_HYBRID_FECTH"),
+    ({"FREETOKEN_MOE_PREFETCH": "on"}, "not available yet.*leave it at 'off'"),
+    ({"FREETOKEN_MOE_SLOT_AUDIT": "10"}, "not available yet"),
+])
+def test_bad_environment_gets_a_clear_error(env, message):
+    with pytest.raises(ValueError, match=message):
+        read_env(env)
+
+
+def test_unavailable_knob_refused_from_the_cli_too():
+    with pytest.raises(ValueError, match="--moe-prefetch='on' is not available yet"):
+        resolve({"moe_prefetch": "on"}, {})
+    assert resolve({"moe_prefetch": "off"}, {})["moe_prefetch"] == "off"
