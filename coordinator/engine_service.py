@@ -557,7 +557,7 @@ class EngineService:
             return
         snap = self.policy.snapshot()
         try:
-            self.engine.set_policy(**{k: snap[k] for k in (
+            self.engine.set_policy(cpu_shares=self.policy.worker_shares(), **{k: snap[k] for k in (
                 "strategy", "fetch_fraction", "fetch_round", "fetch_select", "moe_prefetch", "moe_prefetch_budget")})
         except Exception as exc:  # noqa: BLE001
             log.warning("engine.set_policy failed: %s", exc)

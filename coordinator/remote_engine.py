@@ -26,7 +26,8 @@ log = logging.getLogger("ft.coordinator.remote_engine")
 
 STEP_WAIT_S = 0.01                # step(): longest wait for the worker's next TOKEN_BATCH
 MAX_EVENTS_PER_PUMP = 10_000
-POLICY_FIELDS = ("strategy", "fetch_fraction", "fetch_round", "fetch_select", "moe_prefetch", "moe_prefetch_budget")
+POLICY_FIELDS = ("strategy", "fetch_fraction", "fetch_round", "fetch_select", "moe_prefetch", "moe_prefetch_budget",
+                 "cpu_shares")
 
 
 class RemoteEngine:
@@ -114,6 +115,7 @@ class RemoteEngine:
                 "link.requests_in_flight": float(len(self._in_flight))}
 
     def set_policy(self, **fields: Any) -> None:
+        fields = {"cpu_shares": {}, **fields}          # no split given: the worker keeps its own
         self._policy = {k: fields[k] for k in POLICY_FIELDS if k in fields}
         self._push_policy()
 
@@ -132,9 +134,12 @@ class RemoteEngine:
         p = self._policy
         if not self._session or not p or len(p) != len(POLICY_FIELDS):
             return
+        shares = dict(p["cpu_shares"] or {})
         self.link.send_to(self._session, em.SetPolicy(str(p["strategy"]), float(p["fetch_fraction"]),
                                                       str(p["fetch_round"]), str(p["fetch_select"]),
-                                                      str(p["moe_prefetch"]), int(p["moe_prefetch_budget"])))
+                                                      str(p["moe_prefetch"]), int(p["moe_prefetch_budget"]),
+                                                      [str(n) for n in shares],
+                                                      [float(v) for v in shares.values()]))
 
     def _adopt(self, session: int, facts: em.Ready) -> None:
         self._session = session

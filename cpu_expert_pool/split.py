@@ -30,6 +30,22 @@ class ExpertSplit:
         return cls(np.tile(row, (num_layers, 1)), num_workers)
 
     @classmethod
+    def proportional(cls, num_layers: int, num_experts: int, shares: list[float]) -> "ExpertSplit":
+        """Contiguous expert ranges sized by `shares` (one per worker; normalised; >= 0).
+
+        Worker w owns the experts whose index falls in its slice of [0, E) by cumulative share,
+        rounded to whole experts, so a worker with twice the share owns about twice the experts.
+        """
+        weights = np.asarray(shares, dtype=np.float64)
+        if weights.ndim != 1 or weights.size == 0:
+            raise ValueError("shares must be a non-empty list, one per worker")
+        if not np.all(np.isfinite(weights)) or (weights < 0).any() or weights.sum() <= 0:
+            raise ValueError(f"shares must be finite, >= 0 and not all 0, got {list(shares)}")
+        bounds = np.rint(np.cumsum(weights) / weights.sum() * num_experts).astype(np.int64)
+        row = np.searchsorted(bounds, np.arange(num_experts), side="right")   # [E] owner index
+        return cls(np.tile(row, (num_layers, 1)), int(weights.size))
+
+    @classmethod
     def from_bytes(cls, data: bytes, num_layers: int, num_experts: int, num_workers: int) -> "ExpertSplit":
         expected = num_layers * num_experts * OWNER_DTYPE.itemsize
         if len(data) != expected:

@@ -102,7 +102,7 @@ class _Loop:
         elif isinstance(item, em.SetPolicy):
             set_policy = getattr(engine, "set_policy", None)
             if set_policy is not None:
-                set_policy(**dataclasses.asdict(item))
+                set_policy(**item.fields())
         elif isinstance(item, em.Drain):
             self.drain_deadline = time.monotonic() + max(0.0, item.timeout_s)
         elif isinstance(item, em.Shutdown):

@@ -133,6 +133,15 @@ class SetPolicy:
     fetch_select: str
     moe_prefetch: str
     moe_prefetch_budget: int
+    cpu_share_names: list[str]    # the tuner's CPU work split: worker names ...
+    cpu_share_values: list[float]  # ... and their shares (empty: keep the current split)
+
+    def fields(self) -> dict:
+        """As keyword arguments of Engine.set_policy (the split as a name -> share dict)."""
+        out = dataclasses.asdict(self)
+        names, values = out.pop("cpu_share_names"), out.pop("cpu_share_values")
+        out["cpu_shares"] = dict(zip(names, values))
+        return out
 
 
 # ---------------------------------------------------------------- lifecycle

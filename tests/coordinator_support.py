@@ -83,6 +83,7 @@ class FakeEngine:
         self.finished: list[int] = []
         self.fail_next_steps = 0
         self.policy_calls: list[dict] = []
+        self.cpu_workers: dict[str, dict] = {}
         self._next = 0
         self._thread: int | None = None
         self.counters = {"decode_tokens_total": 0, "steps_total": 0, "expert_hits_total": 0,
@@ -162,6 +163,11 @@ class FakeEngine:
         c["copy_bytes_total"] += 1_000_000 * len(out)
         c["copy_time_s_total"] += 50e-6 * len(out)
         c["cpu_expert_time_s_total"] += 100e-6 * len(out)
+        # two CPU workers: cpu0 computes 3 experts a token at 100 us each, cpu1 1 at 300 us
+        for name, experts, seconds in (("cpu0", 3, 100e-6), ("cpu1", 1, 300e-6)):
+            w = self.cpu_workers.setdefault(name, {"experts_total": 0, "time_s_total": 0.0})
+            w["experts_total"] += experts * len(out)
+            w["time_s_total"] += experts * seconds * len(out)
         return out
 
     def set_policy(self, **fields) -> None:
@@ -170,7 +176,8 @@ class FakeEngine:
 
     @property
     def stats(self) -> dict:
-        return {**self.counters, "num_running": len(self.running), "num_waiting": len(self.waiting)}
+        return {**self.counters, "num_running": len(self.running), "num_waiting": len(self.waiting),
+                "cpu_workers": {n: dict(w) for n, w in self.cpu_workers.items()}}
 
 
 def free_port() -> int:

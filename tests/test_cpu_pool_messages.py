@@ -95,3 +95,15 @@ def test_split_survives_the_wire_and_rejects_bad_maps():
         ExpertSplit.from_bytes(b"\x00" * 10, 3, 4, 2)
     with pytest.raises(ValueError, match="outside"):
         ExpertSplit.from_bytes(np.full(12, 5, dtype="<i2").tobytes(), 3, 4, 2)
+
+
+def test_proportional_split_sizes_ranges_by_share():
+    from cpu_expert_pool.split import ExpertSplit
+    split = ExpertSplit.proportional(2, 8, [3.0, 1.0])
+    assert split.num_owned(0) == 12 and split.num_owned(1) == 4        # 6 and 2 experts a layer
+    assert split.owner[0].tolist() == [0, 0, 0, 0, 0, 0, 1, 1]
+    idle = ExpertSplit.proportional(1, 8, [0.0, 1.0, 1.0])
+    assert idle.num_owned(0) == 0 and idle.num_owned(1) == 4 and idle.num_owned(2) == 4
+    for bad in ([], [1.0, -1.0], [0.0, 0.0], [float("nan")]):
+        with pytest.raises(ValueError, match="shares"):
+            ExpertSplit.proportional(1, 8, bad)

@@ -169,8 +169,10 @@ def test_remote_engine_streams_tokens_and_fails_only_the_lost_sessions_requests(
         first.send(em.TokenBatch(1, [rid, 999], [42, 1], [False, False], ["", ""]))   # 999: not ours
         assert step_until(engine, 1) == [(rid, 42, False, None)]
         engine.set_policy(strategy="offload", fetch_fraction=1.0, fetch_round="min-wait", fetch_select="recency",
-                          moe_prefetch="off", moe_prefetch_budget=4)
-        assert isinstance(first.recv(), em.SetPolicy)
+                          moe_prefetch="off", moe_prefetch_budget=4, cpu_shares={"cpu0": 0.75, "cpu1": 0.25})
+        policy = first.recv()
+        assert isinstance(policy, em.SetPolicy)
+        assert policy.fields()["cpu_shares"] == {"cpu0": 0.75, "cpu1": 0.25}
         first.close()                                          # silent from now on: lost after 0.6 s
         deadline = time.monotonic() + 5
         out = []

@@ -79,6 +79,16 @@ def test_attached_pool_splits_joins_and_survives_a_late_worker(store, workers):
                                   torch.from_numpy(weight))
         torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
 
+        # the coordinator's split: all of layer 0's experts to cpu0, same sum
+        pool.set_shares({"cpu0": 1.0, "cpu1": 0.0})
+        shares = pool.submit(0, hidden, token, expert, weight)
+        assert [s.member.name for s in shares] == ["cpu0"] and shares[0].rows.size == len(token)
+        assert pool.join(0, shares, out=out) == []
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
+        with pytest.raises(ValueError, match="unknown worker"):
+            pool.set_shares({"numa7": 1.0})
+        pool.set_shares({"cpu0": 1.0, "cpu1": 1.0})                    # back to halves
+
         # worker 1 stops: its share comes back as failed within the deadline, the process is killed
         pool.deadline_s = 0.5
         os.kill(procs[1].pid, signal.SIGSTOP)

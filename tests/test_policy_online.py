@@ -16,7 +16,8 @@ from proto import control_rpc as rpc  # noqa: E402
 
 
 def test_engine_counters_drive_the_tuner_and_the_engine_gets_each_decision(tmp_path):
-    # The fake engine reports 1 fetch per 50 us and 1 CPU expert per 100 us: f* = 20k / (20k + 10k) = 2/3.
+    # The fake engine reports 1 fetch per 50 us (20,000/s) and two CPU workers at 10,000 and 3,333
+    # experts/s: f* = 20k / (20k + 13.33k) = 0.6.
     with live_server(tmp_path, engine_kwargs={"step_delay_s": 0.002}) as ls:
         c = openai.OpenAI(base_url=ls.base_url + "/v1", api_key="x", max_retries=0)
         for _ in range(3):
@@ -24,10 +25,14 @@ def test_engine_counters_drive_the_tuner_and_the_engine_gets_each_decision(tmp_p
         with grpc.insecure_channel(ls.grpc_address) as channel:
             policy = rpc.ControlStub(channel).GetPolicy(rpc.msg.GetPolicyRequest(), timeout=10)
         assert policy.telemetry_steps_total > 0 and policy.source == "online"
-        assert policy.target_fraction == pytest.approx(2 / 3, abs=0.01)
-        assert policy.fetch_fraction > 0.55                        # moved from 0.5 toward 2/3
+        assert policy.target_fraction == pytest.approx(0.6, abs=0.01)
+        assert policy.fetch_fraction > 0.55                        # moved from 0.5 toward 0.6
         pushed = [call["fetch_fraction"] for call in ls.engine.policy_calls]
         assert pushed[0] == 0.5 and pushed[-1] == pytest.approx(policy.fetch_fraction)
+        # the CPU work split follows measured throughput: cpu0 10,000 experts/s, cpu1 3,333
+        shares = ls.engine.policy_calls[-1]["cpu_shares"]
+        assert shares["cpu0"] == pytest.approx(0.75, abs=0.02)
+        assert shares["cpu1"] == pytest.approx(0.25, abs=0.02)
 
 
 def test_telemetry_from_stats_reads_per_worker_counters():

@@ -187,6 +187,20 @@ class CpuPool:
             return {}
         return {w["name"]: w["restarts"] for w in self.supervisor.worker_info()}
 
+    def set_shares(self, shares: dict[str, float]) -> None:
+        """Re-split the experts among the workers in proportion to `shares` (name -> weight), as
+        the coordinator's tuner measured them; workers missing from `shares` keep the mean share."""
+        known = {m.name for m in self.members}
+        unknown = sorted(set(shares) - known)
+        if unknown:
+            raise ValueError(f"cpu_shares names unknown worker(s) {', '.join(unknown)}; this pool has "
+                             f"{', '.join(sorted(known))}")
+        if not shares:
+            return
+        mean = sum(shares.values()) / len(shares)
+        weights = [float(shares.get(m.name, mean)) for m in self.members]
+        self.split = ExpertSplit.proportional(self.store.num_layers, self.store.num_experts, weights)
+
     # -- hot path ---------------------------------------------------------------------------------
     def submit(self, layer: int, hidden: torch.Tensor, token_idx: np.ndarray, expert_id: np.ndarray,
                weight: np.ndarray) -> list[Share]:

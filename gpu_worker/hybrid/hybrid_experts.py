@@ -86,7 +86,8 @@ class HybridExperts:
     # -- policy -----------------------------------------------------------------------------------
     def set_policy(self, *, strategy: str | None = None, fetch_fraction: float | None = None,
                    fetch_round: str | None = None, fetch_select: str | None = None, promote: bool | None = None,
-                   seed: int | None = None, **other) -> None:
+                   seed: int | None = None, cpu_shares: dict[str, float] | None = None,
+                   **other) -> None:
         """Change the split live (the coordinator's engine.set_policy lands here): writes the device policy
         tensor that ensure reads. strategy: hybrid (f as given), cpu (f = 0, no promotion), offload (f = 1)."""
         unknown = sorted(set(other) - set(IGNORED_POLICY_FIELDS))
@@ -109,6 +110,8 @@ class HybridExperts:
             fraction = 1.0
         set_policy(self.cache, fetch_fraction=fraction, round_mode=p["fetch_round"], select=p["fetch_select"],
                    promote=promote_now, seed=int(p["seed"]))          # validates before writing
+        if cpu_shares and self.pool is not None:
+            self.pool.set_shares(cpu_shares)                          # the tuner's per-worker split
         self.policy = p
         self.strategy = p["strategy"]
 
