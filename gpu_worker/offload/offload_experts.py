@@ -91,7 +91,7 @@ class OffloadExperts:
 
     def forward(self, layer_idx: int, x: torch.Tensor, topk_ids: torch.Tensor,
                 topk_weights: torch.Tensor) -> torch.Tensor:
-        slot_ids = topk_ids.to(torch.int64).contiguous().clone()         # [T, K] -> slot ids
+        slot_ids = topk_ids.to(torch.int64, copy=True).contiguous()      # [T, K] -> slot ids
         ensure(self.cache, layer_idx, slot_ids, fetch_fraction=1.0, check_ids=False)
         self.copy_missing(layer_idx)
         self.stats.calls += 1
