@@ -22,7 +22,7 @@ import enum
 import typing
 from typing import Any, Union
 
-import msgpack
+from .typed_messages import MessageCodec, MessageError  # noqa: F401  (MessageError re-exported)
 
 PROTOCOL_VERSION = 1
 
@@ -37,10 +37,6 @@ class MsgType(enum.IntEnum):
     REBALANCED = 7
     SHUTDOWN = 8
     ERROR = 9
-
-
-class MessageError(ValueError):
-    """A control message does not match the declared schema."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -142,67 +138,14 @@ MESSAGE_TYPES: dict[MsgType, type] = {
 TYPE_OF_CLASS: dict[type, MsgType] = {cls: t for t, cls in MESSAGE_TYPES.items()}
 
 
-def _check_value(value: Any, annotation: Any) -> bool:
-    if annotation is bool:
-        return isinstance(value, bool)
-    if annotation is int:
-        return isinstance(value, int) and not isinstance(value, bool)
-    if annotation is float:
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
-    if annotation in (str, bytes):
-        return isinstance(value, annotation)
-    if typing.get_origin(annotation) is list:
-        (item,) = typing.get_args(annotation)
-        return isinstance(value, list) and all(_check_value(v, item) for v in value)
-    raise TypeError(f"unsupported schema type {annotation!r}")   # a bug in this module
-
-
-def _hints(cls: type) -> dict[str, Any]:
-    return typing.get_type_hints(cls)
+_CODEC = MessageCodec("CPU worker control", {int(t): cls for t, cls in MESSAGE_TYPES.items()})
 
 
 def encode(msg: Message) -> list[bytes]:
     """[type byte, msgpack map]; checks the fields against the schema first."""
-    cls = type(msg)
-    if cls not in TYPE_OF_CLASS:
-        raise MessageError(f"{cls.__name__} is not a control message")
-    payload = {}
-    for name, annotation in _hints(cls).items():
-        value = getattr(msg, name)
-        if isinstance(value, tuple):
-            value = list(value)
-        if not _check_value(value, annotation):
-            raise MessageError(f"{cls.__name__}.{name}={value!r} is not {annotation}")
-        payload[name] = value
-    return [bytes([TYPE_OF_CLASS[cls]]), msgpack.packb(payload, use_bin_type=True)]
+    return _CODEC.encode(msg)
 
 
 def decode(frames: list[bytes]) -> Message:
     """Inverse of ``encode``; raises MessageError naming what is wrong."""
-    if len(frames) != 2 or len(frames[0]) != 1:
-        raise MessageError(f"a control message is [type byte, msgpack map]; got {len(frames)} frame(s)")
-    try:
-        cls = MESSAGE_TYPES[MsgType(frames[0][0])]
-    except ValueError:
-        raise MessageError(f"unknown message type {frames[0][0]}") from None
-    try:
-        payload = msgpack.unpackb(frames[1], raw=False, strict_map_key=True)
-    except (ValueError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as exc:
-        raise MessageError(f"{cls.__name__}: payload is not msgpack ({exc})") from None
-    if not isinstance(payload, dict):
-        raise MessageError(f"{cls.__name__}: payload must be a map, got {type(payload).__name__}")
-    hints = _hints(cls)
-    unknown = sorted(set(payload) - set(hints))
-    if unknown:
-        raise MessageError(f"{cls.__name__}: unknown field(s) {', '.join(map(str, unknown))}")
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    missing = [n for n, f in fields.items() if n not in payload
-               and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
-    if missing:
-        raise MessageError(f"{cls.__name__}: missing field(s) {', '.join(missing)}")
-    for name, value in payload.items():
-        if not _check_value(value, hints[name]):
-            raise MessageError(f"{cls.__name__}.{name}={value!r} is not {hints[name]}")
-        if hints[name] is float:
-            payload[name] = float(value)
-    return cls(**payload)
+    return _CODEC.decode(frames)

@@ -43,7 +43,7 @@ def _frames(type_byte: int, payload: object) -> list[bytes]:
 
 def test_decode_rejects_what_the_schema_does_not_declare():
     good = dataclasses.asdict(m.Rebalanced(1, 3, 6))
-    with pytest.raises(m.MessageError, match="unknown message type 200"):
+    with pytest.raises(m.MessageError, match="unknown CPU worker control message type 200"):
         m.decode(_frames(200, good))
     with pytest.raises(m.MessageError, match="unknown field.*extra"):
         m.decode(_frames(m.MsgType.REBALANCED, {**good, "extra": 1}))
@@ -71,7 +71,7 @@ def test_defaults_fill_omitted_config_fields_and_ints_widen_to_float():
 def test_encode_checks_types_too():
     with pytest.raises(m.MessageError, match="Shutdown.reason"):
         m.encode(m.Shutdown(reason=3))                          # type: ignore[arg-type]
-    with pytest.raises(m.MessageError, match="not a control message"):
+    with pytest.raises(m.MessageError, match="not a CPU worker control message"):
         m.encode("hello")                                       # type: ignore[arg-type]
 
 
