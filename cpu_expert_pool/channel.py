@@ -124,8 +124,8 @@ def _slot_tensors(views: ChannelViews) -> list[_SlotTensors]:
 # ---------------------------------------------------------------------------------------------
 # GPU side
 # ---------------------------------------------------------------------------------------------
-class CpuPoolClient:
-    """The GPU worker's end of one CPU worker's channel."""
+class _ChannelEnd:
+    """What both ends of a channel map: the segment, its views, doorbell words and slot tensors."""
 
     def __init__(self, channel_name: str):
         self._seg, self.layout = attach_channel(channel_name)
@@ -134,6 +134,13 @@ class CpuPoolClient:
         self._words = _Words(self._views)
         self._slots = _slot_tensors(self._views)
         self._lines = [_Lines(slot.request, slot.response) for slot in self._views.slots]
+
+
+class CpuPoolClient(_ChannelEnd):
+    """The GPU worker's end of one CPU worker's channel."""
+
+    def __init__(self, channel_name: str):
+        super().__init__(channel_name)
         self._pending: list[tuple[int, int] | None] = [None] * NUM_SLOTS    # (seq, num_tokens) per slot
         self._pid = 0
         self._epoch = -1
@@ -346,16 +353,11 @@ class Request:
     malformed: bool = False    # counts outside the layout: answer STATUS_BAD_REQUEST without computing
 
 
-class WorkerChannel:
+class WorkerChannel(_ChannelEnd):
     """The CPU worker's end: one process at a time serves a channel."""
 
     def __init__(self, channel_name: str):
-        self._seg, self.layout = attach_channel(channel_name)
-        self.name = channel_name
-        self._views = ChannelViews(self._seg, self.layout)
-        self._words = _Words(self._views)
-        self._slots = _slot_tensors(self._views)
-        self._lines = [_Lines(slot.request, slot.response) for slot in self._views.slots]
+        super().__init__(channel_name)
         self._done = 0
         self.epoch = 0          # 0 until start() claims the channel
 
