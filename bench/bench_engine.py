@@ -105,13 +105,13 @@ def _table(args, source, rows, bw) -> int:
           f"{args.temperature}, seeded), median of {args.runs} runs; expert "
           f"{expert_bytes / 1e6:.2f} MB, experts {total_expert_bytes / 1e9:.1f} GB; PCIe (pinned, "
           f"expert-sized copies) {(bw or 0) / 1e9:.1f} GB/s")
-    print(f"{'backend':<16} {'slots':>5} {'tok/s':>7} {'roofline':>8} {'%roof':>5} {'miss/tok':>8} "
+    print(f"{'backend':<20} {'slots':>5} {'tok/s':>7} {'roofline':>8} {'%roof':>5} {'miss/tok':>8} "
           f"{'copy GB/s':>9} {'lossless':>8} {'GPU GiB':>7} {'RSS/exp':>7}")
     for name, slots, r, peak, rss in rows:
         miss = r.get("misses_per_token")
         roof = bw / (miss * expert_bytes) if miss and bw else float("nan")
         pct = 100 * r["decode_tok_s"] / roof if miss and bw else float("nan")
-        print(f"{name:<16} {slots!s:>5} {r['decode_tok_s']:>7.2f} {roof:>8.2f} {pct:>5.0f} "
+        print(f"{name:<20} {slots!s:>5} {r['decode_tok_s']:>7.2f} {roof:>8.2f} {pct:>5.0f} "
               f"{(miss or 0):>8.1f} {r.get('copy_gb_s', 0):>9.1f} {str(r.get('lossless', '-')):>8} "
               f"{peak / 2**30:>7.1f} {rss / total_expert_bytes:>7.2f}")
     return 0
@@ -125,6 +125,8 @@ def main() -> int:
     parser.add_argument("--decode-tokens", type=int, default=256)
     parser.add_argument("--fractions", default="0.1,0.25,0.5")
     parser.add_argument("--device", default="cuda", help="cpu: a smoke test of this script")
+    parser.add_argument("--offload-copy", default="dma",
+                        help="offload copy modes to compare, comma-separated: dma, kernel")
     parser.add_argument("--temperature", type=float, default=1.0,
                         help="seeded sampling: varied tokens route like real text, not one loop")
     parser.add_argument("--graphs", choices=("on", "off", "both"), default="on",
@@ -171,20 +173,21 @@ def main() -> int:
     bw = pcie_bandwidth(expert_bytes) if args.device == "cuda" else 1e9
     try:
         for frac in [float(f) for f in args.fractions.split(",") if f]:
-            slots = resolve_cache_slots(frac, source.num_layers, source.num_experts)
-            backend = OffloadExperts(host, slots, args.device)
-            loaded.model.experts = backend
-            _reset_peak()
-            engine = Engine(loaded.model, econf, eos_token_ids=())
-            r = measure(engine, prompt, args, backend)
-            r["lossless"] = r["tokens"] == reference_tokens
-            rows.append((f"offload {frac:.0%}", slots, r, _peak(),
-                         proc.memory_info().rss))
-            print(f"offload {frac}", r["all_tok_s"], flush=True)
-            loaded.model.experts = None
-            del engine, backend
-            gc.collect()
-            torch.cuda.empty_cache()
+            for copy_mode in args.offload_copy.split(","):
+                slots = resolve_cache_slots(frac, source.num_layers, source.num_experts)
+                backend = OffloadExperts(host, slots, args.device, copy_mode=copy_mode)
+                loaded.model.experts = backend
+                _reset_peak()
+                engine = Engine(loaded.model, econf, eos_token_ids=())
+                r = measure(engine, prompt, args, backend)
+                r["lossless"] = r["tokens"] == reference_tokens
+                rows.append((f"offload {frac:.0%} {copy_mode}", slots, r, _peak(),
+                             proc.memory_info().rss))
+                print(f"offload {frac} {copy_mode}", r["all_tok_s"], flush=True)
+                loaded.model.experts = None
+                del engine, backend
+                gc.collect()
+                torch.cuda.empty_cache()
     finally:
         host.close()
 

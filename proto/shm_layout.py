@@ -362,8 +362,11 @@ def cuda_host_register(address: int, nbytes: int, *, what: str) -> bool:
 
     if not torch.cuda.is_available():
         return False
-    host_register_portable = 0x01
-    code = int(torch.cuda.cudart().cudaHostRegister(address, nbytes, host_register_portable))
+    # portable (every context) | mapped (kernels may read it through its own address: the
+    # plan-copy kernel does, see kernels/expert_copy)
+    host_register_portable, host_register_mapped = 0x01, 0x02
+    code = int(torch.cuda.cudart().cudaHostRegister(address, nbytes,
+                                                    host_register_portable | host_register_mapped))
     if code != 0:
         import resource
 

@@ -110,3 +110,28 @@ def test_gpu_offload_matches_resident_on_the_gpu():
     finally:
         loaded.model.experts.close()
     assert torch.cuda.is_available()
+
+
+def test_kernel_copy_mode_counts_on_the_device_and_stays_lossless():
+    """--offload-copy kernel: no plan readback; counters live on the device until refreshed."""
+    prompts = (PROMPT, PROMPT[3:9])
+    resident = greedy_tokens(load_model(device="cpu"), prompts=prompts)
+    dma = load_model(device="cpu", moe_strategy="offload", moe_cache_size=10)
+    kernel = load_model(device="cpu", moe_strategy="offload", moe_cache_size=10, offload_copy="kernel")
+    try:
+        assert greedy_tokens(dma, prompts=prompts) == resident
+        assert greedy_tokens(kernel, prompts=prompts) == resident
+        a, b = dma.model.experts, kernel.model.experts
+        assert b.stats.fetched == 0, "the kernel mode must not count on the host per call"
+        b.refresh_stats()
+        assert (b.stats.fetched, b.stats.distinct_misses) == (a.stats.fetched, a.stats.distinct_misses)
+        assert b.stats.calls == a.stats.calls and b.stats.fetched > 10
+        assert not b.graph_safe(4), "graphs need CUDA"
+    finally:
+        dma.model.experts.close()
+        kernel.model.experts.close()
+
+
+def test_unknown_copy_mode_is_refused():
+    with pytest.raises(ValueError, match="copy mode 'pcie' is not one of dma, kernel"):
+        load_model(device="cpu", moe_strategy="offload", moe_cache_size=10, offload_copy="pcie")

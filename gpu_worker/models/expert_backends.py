@@ -20,7 +20,8 @@ class BackendNotAvailableError(RuntimeError):
 
 def make_expert_backend(strategy: str, source: ExpertSource, device: torch.device | str,
                         cache_size: int | float | str | None = None, mode: str = "auto",
-                        per_layer: bool = False, hybrid=None, top_k: int | None = None) -> ExpertBackend:
+                        per_layer: bool = False, hybrid=None, top_k: int | None = None,
+                        offload_copy: str = "dma") -> ExpertBackend:
     """Build the expert backend for ``strategy`` on ``device``.
 
     cache_size: GPU expert slots for ``offload``, ``cpu`` and ``hybrid``: a count, or a fraction in
@@ -29,6 +30,8 @@ def make_expert_backend(strategy: str, source: ExpertSource, device: torch.devic
     mode: ``ResidentExperts`` compute mode (auto | grouped | gather).
     hybrid: ``gpu_worker.hybrid.HybridOptions`` for ``cpu`` and ``hybrid`` (None: defaults).
     top_k: experts per token (sizes the CPU pool's channels); default: the source's config, else 8.
+    offload_copy: ``offload`` copies by DMA with a host readback of the plan (``dma``), or with a
+        device-side kernel through mapped host memory (``kernel``: no sync, CUDA-graph capturable).
     """
     if strategy == "resident":
         return ResidentExperts.from_source(source, device, mode=mode)
@@ -40,7 +43,8 @@ def make_expert_backend(strategy: str, source: ExpertSource, device: torch.devic
         device = torch.device(device)
         host = HostExperts.create_filled(source, staging_device=device if device.type == "cuda" else None)
         try:
-            backend = OffloadExperts(host, slots, device, per_layer=per_layer, mode=mode)
+            backend = OffloadExperts(host, slots, device, per_layer=per_layer, mode=mode,
+                                     copy_mode=offload_copy)
         except BaseException:
             host.close()
             raise

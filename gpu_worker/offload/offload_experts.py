@@ -21,6 +21,7 @@ import torch
 
 from gpu_worker.models.expert_layout import ExpertLayout, unpack_experts
 from gpu_worker.models.resident_experts import MODES, gathered_expert_ffn, grouped_expert_ffn
+from kernels.expert_copy import copy_plan
 from kernels.slot_cache import SlotCache, ensure
 
 from .host_store import HostExperts
@@ -52,6 +53,9 @@ def resolve_cache_slots(cache_size: float | int | str | None, num_layers: int, n
     return slots
 
 
+COPY_MODES = ("dma", "kernel")   # DMA from the host with a plan readback, or a device-side copy
+
+
 @dataclass
 class OffloadStats:
     calls: int = 0
@@ -65,9 +69,13 @@ class OffloadExperts:
     """Expert backend over a GPU slot pool; see the module docstring."""
 
     def __init__(self, host: HostExperts, num_slots: int, device: torch.device | str, *,
-                 per_layer: bool = False, mode: str = "auto", gather_max_pairs: int = 16):
+                 per_layer: bool = False, mode: str = "auto", gather_max_pairs: int = 32,
+                 copy_mode: str = "dma"):
         if mode not in MODES:
             raise ValueError(f"expert compute mode {mode!r} is not one of {', '.join(MODES)}")
+        if copy_mode not in COPY_MODES:
+            raise ValueError(f"copy mode {copy_mode!r} is not one of {', '.join(COPY_MODES)}")
+        self.copy_mode = copy_mode
         self.host, self.layout = host, host.layout
         self.num_layers, self.num_experts = host.num_layers, host.num_experts
         self.device = torch.device(device)
@@ -82,6 +90,8 @@ class OffloadExperts:
             self.copy_stream = torch.cuda.Stream(device=self.device)
             self._plan_host = torch.empty(2 + 2 * num_slots, dtype=torch.int32, pin_memory=True)
         self.stats = OffloadStats()
+        # kernel copy mode counts on the device (no host sync): [fetched, distinct misses, calls]
+        self._device_counts = torch.zeros(3, dtype=torch.int64, device=self.device)
         self._copy_events: list[tuple[torch.cuda.Event, torch.cuda.Event, int]] = []
         self.copy_time_s = 0.0
 
@@ -93,14 +103,39 @@ class OffloadExperts:
                 topk_weights: torch.Tensor) -> torch.Tensor:
         slot_ids = topk_ids.to(torch.int64, copy=True).contiguous()      # [T, K] -> slot ids
         ensure(self.cache, layer_idx, slot_ids, fetch_fraction=1.0, check_ids=False)
-        self.copy_missing(layer_idx)
-        self.stats.calls += 1
+        if self.copy_mode == "kernel":
+            self._copy_on_device(layer_idx, max_copies=min(slot_ids.numel(), self.cache.num_slots))
+        else:
+            self.copy_missing(layer_idx)
+            self.stats.calls += 1
         self.stats.routed_pairs += slot_ids.numel()
         mode = self.mode
         if mode == "auto":
             mode = "gather" if self.on_cuda and slot_ids.numel() <= self.gather_max_pairs else "grouped"
         ffn = gathered_expert_ffn if mode == "gather" else grouped_expert_ffn
         return ffn(x, slot_ids, topk_weights, self.w13, self.w2)
+
+    def graph_safe(self, num_pairs: int) -> bool:
+        """Capturable in a CUDA graph: device-side copies and the gather-mode GEMMs."""
+        return (self.copy_mode == "kernel" and self.on_cuda and self.mode in ("auto", "gather")
+                and num_pairs <= self.gather_max_pairs)
+
+    def _copy_on_device(self, layer_idx: int, max_copies: int) -> None:
+        """The plan copy as a kernel on the compute stream: no host sync, graph-capturable."""
+        c = self.cache
+        copy_plan(self.slots, self.host.layers[layer_idx], c.evict_slots, c.src_indices,
+                  c.num_indices, max_copies=max_copies)
+        self._device_counts[0] += c.num_indices[0]
+        self._device_counts[1] += c.num_missing_full[0]
+        self._device_counts[2] += 1
+
+    def refresh_stats(self) -> OffloadStats:
+        """Fold the device-side counters of the kernel copy mode into `stats` (a device sync)."""
+        if self.copy_mode == "kernel":
+            fetched, misses, calls = (int(v) for v in self._device_counts.tolist())
+            self.stats.fetched, self.stats.distinct_misses, self.stats.calls = fetched, misses, calls
+            self.stats.copy_bytes = fetched * self.expert_nbytes
+        return self.stats
 
     def _read_plan(self) -> tuple[int, int, list[int], list[int]]:
         """(copies, distinct misses, destination slots, source rows): one small D2H copy."""
@@ -146,7 +181,9 @@ class OffloadExperts:
         self._copy_events.append((start, done, n))
 
     def collect_copy_time(self) -> float:
-        """Seconds the copy stream spent on copies so far (syncs on outstanding events)."""
+        """Seconds the copy stream spent on copies so far (syncs on outstanding events); also
+        refreshes `stats`. The kernel copy mode copies on the compute stream: no separate time."""
+        self.refresh_stats()
         for start, done, _ in self._copy_events:
             done.synchronize()
             self.copy_time_s += start.elapsed_time(done) / 1e3

@@ -1,0 +1,53 @@
+"""`copy_plan`: validation and dispatch of the plan copy."""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from .reference import copy_plan_reference
+
+DEFAULT_CHUNKS = 64
+BLOCK_WORDS = 2048
+
+
+def _words(t: torch.Tensor, what: str) -> torch.Tensor:
+    if t.dim() != 2 or t.stride(1) != 1:
+        raise ValueError(f"{what} must be [rows, elements] with contiguous rows, got {tuple(t.shape)}")
+    if t.element_size() not in (2, 4):
+        raise ValueError(f"{what} must hold 2- or 4-byte elements, got {t.dtype}")
+    return t.view(torch.int16)
+
+
+def copy_plan(slots: torch.Tensor, host_rows: torch.Tensor, evict_slots: torch.Tensor,
+              src_indices: torch.Tensor, num_indices: torch.Tensor, *, max_copies: int,
+              impl: str = "auto", chunks: int = DEFAULT_CHUNKS) -> None:
+    """slots[evict[i]] = host_rows[src[i]] for i < num_indices, without reading the plan on the host.
+
+    slots: [S_total, N] device pool; host_rows: [E, N] host view (pinned / registered for the
+    device on CUDA); plan tensors as written by kernels.slot_cache.ensure; max_copies: an upper
+    bound of num_indices known on the host (e.g. the number of routes), which sizes the grid.
+    """
+    if slots.dtype != host_rows.dtype or slots.shape[1] != host_rows.shape[1]:
+        raise ValueError(f"slots {tuple(slots.shape)} {slots.dtype} and host rows "
+                         f"{tuple(host_rows.shape)} {host_rows.dtype} must share dtype and row size")
+    slot_words, host_words = _words(slots, "slots"), _words(host_rows, "host_rows")
+    if impl == "auto":
+        impl = "triton" if slots.device.type == "cuda" else "reference"
+    if impl == "reference":
+        copy_plan_reference(slot_words, host_words, evict_slots, src_indices, num_indices)
+        return
+    if impl != "triton":
+        raise ValueError(f"impl must be 'auto', 'triton' or 'reference', got {impl!r}")
+    if slots.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError("impl='triton' on CPU tensors needs TRITON_INTERPRET=1 (the interpreter)")
+    if max_copies <= 0:
+        return
+    from .triton_kernels import copy_plan_kernel
+    row_words = slot_words.shape[1]
+    chunk_words = -(-row_words // chunks)
+    chunk_words = -(-chunk_words // BLOCK_WORDS) * BLOCK_WORDS
+    grid = (max_copies, -(-row_words // chunk_words))
+    copy_plan_kernel[grid](slot_words, host_words.data_ptr(), host_words.stride(0), evict_slots,
+                           src_indices, num_indices, row_words, chunk_words, BLOCK=BLOCK_WORDS,
+                           num_warps=4)

@@ -1,0 +1,32 @@
+"""The plan-copy kernel. Grid (copies, chunks): program (i, c) copies chunk c of plan entry i when
+i < num_indices. Rows move as raw 16-bit words, so any 2- or 4-byte weight dtype copies exactly."""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def copy_plan_kernel(
+    slots_ptr,            # [S_total, W] int16: the GPU slot pool as raw words
+    host_addr,            # int: address of the layer's host row 0 (mapped for the device)
+    host_row_words,       # W_stride: words between host rows (store rows may be padded)
+    evict_ptr,            # [S] int32 plan: destination slots
+    src_ptr,              # [S] int32 plan: host rows
+    num_indices_ptr,      # [1] int32 plan length
+    row_words,            # W: words per expert
+    chunk_words,          # words each program copies
+    BLOCK: tl.constexpr,  # words per load/store
+):
+    i = tl.program_id(0)
+    c = tl.program_id(1)
+    if i < tl.load(num_indices_ptr):
+        dst_row = tl.load(evict_ptr + i).to(tl.int64)
+        src_row = tl.load(src_ptr + i).to(tl.int64)
+        host = host_addr.to(tl.pointer_type(tl.int16))
+        start = c * chunk_words
+        for w0 in range(start, tl.minimum(start + chunk_words, row_words), BLOCK):
+            offs = w0 + tl.arange(0, BLOCK)
+            m = offs < tl.minimum(start + chunk_words, row_words)
+            v = tl.load(host + src_row * host_row_words + offs, mask=m)
+            tl.store(slots_ptr + dst_row * row_words + offs, v, mask=m)
