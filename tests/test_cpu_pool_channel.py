@@ -18,6 +18,7 @@ from cpu_expert_pool.expert_kernel import ExpertKernel
 from cpu_expert_pool.reference import reference_moe_layer
 from proto import shm_layout as sl
 from proto.expert_store import ExpertStore
+from tests.cpu_pool_util import random_store
 
 H, I, E, L = 64, 32, 4, 3
 T_MAX, MAX_TRIPLES = 8, 16
@@ -37,12 +38,7 @@ def names():
 
 @pytest.fixture
 def store(names):
-    s = ExpertStore.create(names[0], num_layers=L, num_experts=E, hidden=H, intermediate=I, dtype=torch.bfloat16,
-                           config_hash="c")
-    g = torch.Generator().manual_seed(0)
-    for layer in range(L):
-        s.write_layer(layer, (torch.randn(E, s.shape.expert_numel, generator=g) / H ** 0.5).to(torch.bfloat16))
-    s.mark_ready()
+    s = random_store(names[0], num_layers=L, num_experts=E, hidden=H, intermediate=I, config_hash="c")
     yield s
     s.close()
 

@@ -17,6 +17,7 @@ from cpu_expert_pool.split import ExpertSplit
 from proto import messages as m
 from proto import shm_layout as sl
 from proto.expert_store import ExpertStore
+from tests.cpu_pool_util import random_store
 
 H, I, E, L = 64, 32, 4, 2
 T_MAX, MAX_TRIPLES = 8, 16
@@ -28,12 +29,7 @@ WORKER_ARGS = ["--threads", "1", "--hot-ms", "5", "--no-pin"]
 @pytest.fixture(scope="module")
 def store():
     name = f"ft-test-wstore-{os.getpid()}-{uuid.uuid4().hex[:6]}"
-    s = ExpertStore.create(name, num_layers=L, num_experts=E, hidden=H, intermediate=I, dtype=torch.bfloat16,
-                           config_hash="cfg-w")
-    g = torch.Generator().manual_seed(0)
-    for layer in range(L):
-        s.write_layer(layer, (torch.randn(E, s.shape.expert_numel, generator=g) / H ** 0.5).to(torch.bfloat16))
-    s.mark_ready()
+    s = random_store(name, num_layers=L, num_experts=E, hidden=H, intermediate=I, config_hash="cfg-w")
     yield s
     s.close()
     s.unlink()
