@@ -31,6 +31,7 @@ import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
+from coordinator.ports import free_loopback_port  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROMPTS = ["Hello", "The weather is", "Question: what is two plus two?", "Once upon a time",
@@ -52,10 +53,7 @@ BAD_BODIES = [b"{not json", json.dumps({"model": "soak", "prompt": "x", "max_tok
               json.dumps({"model": "soak", "prompt": "x", "temperature": "hot"}).encode()]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+free_port = free_loopback_port
 
 
 @dataclass

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import socket
 import threading
 import time
 from contextlib import contextmanager
@@ -17,6 +16,7 @@ from coordinator.openai_requests import ModelInfo
 from coordinator.policy import ExpertFormat, FetchPolicy, PolicySettings
 from coordinator.server import BackgroundServer, CoordinatorServer, ListenConfig
 from coordinator.text_codec import TextCodec
+from coordinator.ports import free_loopback_port  # noqa: E402
 
 MODEL_NAME = "tiny-test"
 CONTEXT_LENGTH = 256
@@ -180,10 +180,7 @@ class FakeEngine:
                 "cpu_workers": {n: dict(w) for n, w in self.cpu_workers.items()}}
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+free_port = free_loopback_port
 
 
 @dataclass
@@ -229,7 +226,7 @@ def live_server(tmp_path, *, api_key: str | None = None, engine_kwargs: dict | N
     box: list = []
     if real_engine:
         served = tiny_served_engine()
-        codec, context_length, name = served.codec, served.context_length, MODEL_NAME
+        codec, context_length = served.codec, served.context_length
 
         def factory():
             box.append(served.engine_factory())

@@ -7,11 +7,11 @@ import http.client
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
+from coordinator.ports import free_loopback_port  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", ""), "PYTHONUNBUFFERED": "1"}
@@ -19,10 +19,7 @@ FT = [sys.executable, "-m", "coordinator.cli"]
 TINY_ARGS = ["--device", "cpu", "--max-context-tokens", "512", "--max-running-requests", "4"]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+free_port = free_loopback_port
 
 
 class Proc:

@@ -8,17 +8,14 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 import http.client
+from coordinator.ports import free_loopback_port  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+_free_port = free_loopback_port
 
 
 def _wait_listening(port: int, proc: subprocess.Popen, timeout_s: float = 120.0) -> None:
