@@ -96,6 +96,37 @@ def measure(engine, prompt, args, backend=None) -> dict:
     return best
 
 
+def profile_decode(engine: Engine, prompt: list[int], steps: int, top: int = 25) -> None:
+    """Print the `top` GPU kernels by total time over `steps` decode steps (torch.profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+    params = SamplingParams(max_new_tokens=steps + 8, ignore_eos=True,
+                            temperature=engine_temperature, seed=1234)
+    engine.add_request(prompt, params)
+    for _ in range(4):                                  # prefill and a few steps outside
+        engine.step()
+    _sync()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            engine.step()
+        _sync()
+    while engine.has_work():
+        engine.step()
+    events = [e for e in prof.key_averages() if e.device_type.name == "CUDA" or
+              getattr(e, "self_device_time_total", 0) > 0]
+    if not events:
+        print("profile: no GPU kernels recorded")
+        return
+    key = "self_device_time_total" if hasattr(events[0], "self_device_time_total") else "self_cuda_time_total"
+    events.sort(key=lambda e: getattr(e, key), reverse=True)
+    total = sum(getattr(e, key) for e in events)
+    print(f"\nprofile: {steps} decode steps, GPU time {total / 1e3 / steps:.3f} ms/step "
+          f"({total / steps / 1e3:.3f} ms), top {top} kernels:")
+    print(f"{'us/step':>9} {'calls/step':>10} {'%':>5}  name")
+    for e in events[:top]:
+        t = getattr(e, key)
+        print(f"{t / steps:>9.1f} {e.count / steps:>10.1f} {100 * t / total:>5.1f}  {e.key[:90]}")
+
+
 def _table(args, source, rows, bw) -> int:
     expert_bytes = source.layout.expert_nbytes
     total_expert_bytes = source.num_layers * source.num_experts * expert_bytes
@@ -131,6 +162,9 @@ def main() -> int:
                         help="seeded sampling: varied tokens route like real text, not one loop")
     parser.add_argument("--graphs", choices=("on", "off", "both"), default="on",
                         help="CUDA graphs for resident decode (both: eager and graphs side by side)")
+    parser.add_argument("--profile", type=int, default=0,
+                        help="after each resident run, profile this many decode steps and print the "
+                             "top GPU kernels")
     args = parser.parse_args()
     global engine_temperature
     engine_temperature = args.temperature
@@ -157,6 +191,8 @@ def main() -> int:
         name = "resident" + (" graphs" if graphs else " eager")
         rows.append((name, "-", res, _peak(), proc.memory_info().rss))
         print(name, res["all_tok_s"], flush=True)
+        if args.profile and args.device == "cuda":
+            profile_decode(engine, prompt, args.profile)
         del engine
     source = loaded.source.experts
     if not args.fractions:

@@ -20,6 +20,9 @@ DEFAULT_SLOT_TILE = 2048      # general kernel: slots per tile of its pool scan
 # program (the fastest settings measured on the H200, docs/slot_cache.md).
 SINGLE_PROGRAM_SLOTS = 2048
 DEFAULT_PART = 512
+DEFAULT_SMALL_WARPS = 4
+DEFAULT_PRELOAD = True        # decode kernel: read the part beside the routes (see triton_kernels)
+DEFAULT_GENERAL_WARPS = 4
 MAX_ROUTE_TILE = 1024
 MAX_PREFETCH_CANDIDATES = 128
 
@@ -37,6 +40,12 @@ def _resolve_impl(impl: str, device: torch.device) -> str:
         raise ValueError("impl='triton' on CPU tensors needs the Triton interpreter: set "
                          "TRITON_INTERPRET=1 before importing kernels.slot_cache, or use a CUDA device")
     return impl
+
+
+def small_defaults(num_slots: int) -> tuple[int, int, bool]:
+    """(slots per program, warps, preload) of the decode kernel for a pool of `num_slots`."""
+    part = num_slots if num_slots <= SINGLE_PROGRAM_SLOTS else DEFAULT_PART
+    return max(MIN_PART, _next_pow2(part)), DEFAULT_SMALL_WARPS, DEFAULT_PRELOAD
 
 
 def _capturing(device: torch.device) -> bool:
@@ -99,7 +108,8 @@ def ensure(cache: SlotCache, layer: int, expert_ids: torch.Tensor, *,
            max_fetch: int | None = None, fetch_fraction: float = 0.0, round_mode: str = "min-wait",
            select: str = "recency", promote: bool = True, seed: int = 0, impl: str = "auto",
            use_device_policy: bool = False, check_ids: bool | None = None,
-           slot_tile: int | None = None, num_warps: int = 4, path: str = "auto") -> None:
+           slot_tile: int | None = None, num_warps: int | None = None, path: str = "auto",
+           preload: bool | None = None) -> None:
     """Make the routed experts of `layer` resident where the policy says so; rewrite routes in place.
 
     expert_ids: [...] int32|int64 (-1 = padding). Afterwards each entry is the slot holding that
@@ -111,7 +121,9 @@ def ensure(cache: SlotCache, layer: int, expert_ids: torch.Tensor, *,
     Out-of-range ids that reach the kernel unchecked are ignored and flag `cache.error`.
     `path` (Triton only): "small" (decode-sized calls, <= SMALL_ROUTES_MAX routes, pool scan
     spread over several programs), "general" (any size, one program), "auto" picks by size.
-    `slot_tile` is the small path's slots per program, or the general path's scan tile.
+    `slot_tile` is the small path's slots per program, or the general path's scan tile;
+    `num_warps` and `preload` (small path: read the pool part beside the routes) are tuning knobs
+    that never change the result; None takes the defaults measured fastest (docs/slot_cache.md).
     """
     _check_layer(cache, layer)
     _check_ids(cache, "expert_ids", expert_ids, check_ids)
@@ -139,10 +151,12 @@ def ensure(cache: SlotCache, layer: int, expert_ids: torch.Tensor, *,
         raise ValueError(f"path='small' takes at most {SMALL_ROUTES_MAX} routes, got {num_routes}")
     if path != "general" and num_routes <= SMALL_ROUTES_MAX:
         from .triton_kernels import ensure_small_kernel
-        default_part = cache.num_slots if cache.num_slots <= SINGLE_PROGRAM_SLOTS else DEFAULT_PART
+        default_part, default_warps, default_preload = small_defaults(cache.num_slots)
         part = max(MIN_PART, _next_pow2(slot_tile or default_part))
         programs = -(-cache.num_slots // part)
         route_block = max(16, _next_pow2(num_routes))
+        if preload is None:
+            preload = default_preload
         ensure_small_kernel[(programs,)](
             expert_ids, num_routes, cache.slot_for_id, cache.id_of_slot, cache.usage, cache.step,
             cache.expert_recency, cache.mark, cache.evict_slots, cache.src_indices,
@@ -152,8 +166,8 @@ def ensure(cache: SlotCache, layer: int, expert_ids: torch.Tensor, *,
             NUM_EXPERTS=cache.num_experts, E_BLOCK=max(16, _next_pow2(cache.num_experts)),
             ROUTE_BLOCK=route_block, PART=part,
             MERGE_BLOCK=_next_pow2(programs * route_block), USE_POLICY=use_device_policy,
-            MULTI=programs > 1,
-            num_warps=num_warps)
+            MULTI=programs > 1, PRELOAD=bool(preload),
+            num_warps=num_warps or default_warps)
         return
     from .triton_kernels import ensure_kernel
     tile = slot_tile or min(_next_pow2(cache.num_slots), DEFAULT_SLOT_TILE)
@@ -164,7 +178,8 @@ def ensure(cache: SlotCache, layer: int, expert_ids: torch.Tensor, *,
         layer, cache.pool_base(layer), cache.num_slots, *codes,
         NUM_EXPERTS=cache.num_experts, E_BLOCK=max(16, _next_pow2(cache.num_experts)),
         ROUTE_TILE=min(max(16, _next_pow2(num_routes)), MAX_ROUTE_TILE),
-        SLOT_TILE=max(16, _next_pow2(tile)), USE_POLICY=use_device_policy, num_warps=num_warps)
+        SLOT_TILE=max(16, _next_pow2(tile)), USE_POLICY=use_device_policy,
+        num_warps=num_warps or DEFAULT_GENERAL_WARPS)
 
 
 def prefetch_ensure(cache: SlotCache, layer: int, candidates: torch.Tensor, budget: int, *,

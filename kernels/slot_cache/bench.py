@@ -3,7 +3,7 @@
 Each replay restores the cache state and the routes, then runs CALLS_PER_REPLAY ensure calls, so
 every call sees the same situation: a full pool with top-k routes that are all hits, or all hits
 but one miss that is fetched (evicting the least recently used slot). A graph with the restore
-alone is timed too and subtracted. Usage: python -m kernels.slot_cache.bench [--quick]
+alone is timed too and subtracted. Usage: python -m kernels.slot_cache.bench [--sweep]
 """
 from __future__ import annotations
 
@@ -18,8 +18,14 @@ CALLS_PER_REPLAY = 64
 TOP_K = 10
 # (slots, layers, experts): the expert count exceeds the pool so that the pool can be full
 POOLS = [(64, 48, 128), (2048, 48, 128), (18432, 61, 512), (23197, 61, 512)]
-# (slots per program, warps) of the decode kernel, which calls of <= 64 routes take
-VARIANTS = [(512, 4), (1024, 4), (2048, 4), (2048, 8)]
+# decode-kernel settings swept with --sweep: (slots per program or None = the default, warps, preload)
+SWEEP = {
+    64: [(None, w, p) for w in (1, 2, 4) for p in (True, False)],
+    2048: [(None, w, p) for w in (1, 2, 4, 8) for p in (True, False)]
+          + [(part, w, True) for part in (256, 512) for w in (1, 2, 4)],
+    18432: [(part, w, True) for part in (256, 512, 1024) for w in (1, 2, 4)] + [(512, 4, False)],
+    23197: [(part, w, True) for part in (256, 512, 1024) for w in (1, 2, 4)] + [(512, 4, False)],
+}
 # (scan tile, warps) of the general kernel (prefill-sized calls): compiled for its resource report
 GENERAL_VARIANTS = [(1024, 4), (2048, 4), (2048, 8), (4096, 8), (8192, 16)]
 
@@ -50,7 +56,8 @@ def _time_graph(graph: torch.cuda.CUDAGraph, reps: int) -> float:
     return statistics.median(s.elapsed_time(e) * 1e3 for s, e in zip(start, end))  # us
 
 
-def bench_case(num_slots, layers, experts, miss: bool, tile: int, warps: int, reps: int):
+def bench_case(num_slots, layers, experts, miss: bool, tile: int | None, warps: int | None,
+               reps: int, preload: bool | None = None):
     cache = SlotCache.create(layers, experts, num_slots, device="cuda")
     _fill(cache)
     snapshot = cache.clone()
@@ -60,7 +67,7 @@ def bench_case(num_slots, layers, experts, miss: bool, tile: int, warps: int, re
         routes[:, -1] = TOP_K + torch.arange(CALLS_PER_REPLAY, device="cuda")
     pristine = routes.clone()
     kwargs = dict(fetch_fraction=1.0, impl="triton", check_ids=False, slot_tile=tile,
-                  num_warps=warps)
+                  num_warps=warps, preload=preload, path="small")
     ensure(cache, 0, routes[0].clone(), **kwargs)          # compile outside the capture
     cache.copy_from(snapshot)
     stream = torch.cuda.Stream()
@@ -82,10 +89,11 @@ def bench_case(num_slots, layers, experts, miss: bool, tile: int, warps: int, re
     return (t_full - t_restore) / CALLS_PER_REPLAY
 
 
-def resource_report(kernel_name: str, tile: int, warps: int) -> tuple[int, int]:
-    """(registers, spills) of a compiled ensure kernel at the large-pool configuration."""
+def resource_report(kernel_name: str, tile: int, warps: int, preload: bool = True,
+                    num_slots: int = 23197) -> tuple[int, int]:
+    """(registers, spills) of a compiled ensure kernel (default: the large-pool configuration)."""
     from . import triton_kernels
-    cache = SlotCache.create(61, 512, 23197, device="cuda")
+    cache = SlotCache.create(61, 512, num_slots, device="cuda")
     ids = torch.arange(TOP_K, device="cuda")
     common = (ids, ids.numel(), cache.slot_for_id, cache.id_of_slot, cache.usage, cache.step,
               cache.expert_recency, cache.mark, cache.evict_slots, cache.src_indices,
@@ -97,7 +105,7 @@ def resource_report(kernel_name: str, tile: int, warps: int) -> tuple[int, int]:
             *common, cache.part_keys, cache.part_owner, cache.arrive, *policy, NUM_EXPERTS=512,
             E_BLOCK=512,
             ROUTE_BLOCK=16, PART=tile, MERGE_BLOCK=1 << (programs * 16 - 1).bit_length(),
-            USE_POLICY=False, MULTI=programs > 1, num_warps=warps)
+            USE_POLICY=False, MULTI=programs > 1, PRELOAD=preload, num_warps=warps)
     else:
         compiled = triton_kernels.ensure_kernel[(1,)](
             *common, *policy, NUM_EXPERTS=512, E_BLOCK=512, ROUTE_TILE=1024, SLOT_TILE=tile,
@@ -106,31 +114,41 @@ def resource_report(kernel_name: str, tile: int, warps: int) -> tuple[int, int]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from .api import SINGLE_PROGRAM_SLOTS, small_defaults
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="fewer variants and repetitions")
+    parser.add_argument("--sweep", action="store_true",
+                        help="time every decode-kernel setting in SWEEP, not only the defaults")
     parser.add_argument("--reps", type=int, default=200)
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         raise RuntimeError("the slot-cache benchmark needs a CUDA GPU")
-    variants = VARIANTS[2:3] if args.quick else VARIANTS
     rows = []
-    for tile, warps in variants:
-        regs, spills = resource_report("small", tile, warps)
-        for num_slots, layers, experts in POOLS:
-            hit = bench_case(num_slots, layers, experts, False, tile, warps, args.reps)
-            one = bench_case(num_slots, layers, experts, True, tile, warps, args.reps)
-            rows.append((num_slots, tile, warps, regs, spills, hit, one))
+    for num_slots, layers, experts in POOLS:
+        default = small_defaults(num_slots)
+        settings = [(None, None, None)] + (SWEEP.get(num_slots, []) if args.sweep else [])
+        for tile, warps, preload in settings:
+            part, w, pre = (default[0] if tile is None else tile,
+                            default[1] if warps is None else warps,
+                            default[2] if preload is None else preload)
+            regs, spills = resource_report("small", part, w, pre, num_slots=num_slots)
+            hit = bench_case(num_slots, layers, experts, False, part, w, args.reps, pre)
+            one = bench_case(num_slots, layers, experts, True, part, w, args.reps, pre)
+            rows.append((num_slots, part, w, pre, tile is None and warps is None, regs, spills,
+                         hit, one))
     print("\ngeneral kernel (prefill-sized calls), resources at 23,197 slots:")
     print(f"{'tile':>5} {'warps':>5} {'regs':>4} {'spill':>5}")
     for tile, warps in GENERAL_VARIANTS:
         regs, spills = resource_report("general", tile, warps)
         print(f"{tile:>5} {warps:>5} {regs:>4} {spills:>5}")
     print(f"\nslot-cache ensure (decode kernel), {torch.cuda.get_device_name()}, top-{TOP_K}, "
-          f"{CALLS_PER_REPLAY} calls per graph replay, median of {args.reps} replays")
-    print(f"{'slots':>6} {'part':>5} {'warps':>5} {'regs':>4} {'spill':>5} "
+          f"{CALLS_PER_REPLAY} calls per graph replay, median of {args.reps} replays "
+          f"(one program up to {SINGLE_PROGRAM_SLOTS} slots by default)")
+    print(f"{'slots':>6} {'part':>5} {'warps':>5} {'preload':>7} {'regs':>4} {'spill':>5} "
           f"{'all hits us':>11} {'1 fetch us':>10}")
-    for num_slots, tile, warps, regs, spills, hit, one in rows:
-        print(f"{num_slots:>6} {tile:>5} {warps:>5} {regs:>4} {spills:>5} {hit:>11.2f} {one:>10.2f}")
+    for num_slots, part, w, pre, is_default, regs, spills, hit, one in rows:
+        mark = "  <- default" if is_default else ""
+        print(f"{num_slots:>6} {part:>5} {w:>5} {str(pre):>7} {regs:>4} {spills:>5} {hit:>11.2f} "
+              f"{one:>10.2f}{mark}")
     return 0
 
 

@@ -260,6 +260,15 @@ assert SLOT_BITS == 25  # the kernels spell the constant out (constexpr arithmet
 
 
 @triton.jit
+def _install_known(slot_for_id_ptr, id_of_slot_ptr, usage_ptr, slot, old, flat_id, usage_value):
+    # _install with the slot's previous owner already known (read before any program wrote)
+    tl.store(slot_for_id_ptr + old, -1, mask=old >= 0)
+    tl.store(id_of_slot_ptr + slot, flat_id.to(tl.int32))
+    tl.store(slot_for_id_ptr + flat_id, slot.to(tl.int32))
+    tl.store(usage_ptr + slot, usage_value)
+
+
+@triton.jit
 def ensure_small_kernel(
     ids_ptr,              # [N] int32|int64 routed expert ids (-1 = padding), rewritten in place
     num_routes,           # N <= ROUTE_BLOCK
@@ -276,7 +285,7 @@ def ensure_small_kernel(
     error_ptr,            # [1] int32 error bits
     policy_ptr,           # [6] int64 device policy (read when USE_POLICY)
     part_keys_ptr,        # [G * ROUTE_BLOCK] int64 scratch: each program's smallest victim keys
-    part_owner_ptr,       # [G * ROUTE_BLOCK] int32 scratch (unused by this version)
+    part_owner_ptr,       # [G * ROUTE_BLOCK] int32 scratch: those slots' owners (PRELOAD)
     arrive_ptr,           # [1] int32 scratch: programs done with their part (reset to 0 at exit)
     layer, pool_base, num_slots, max_fetch, frac_q16, round_mode, select_mode, promote, seed,
     NUM_EXPERTS: tl.constexpr,   # E
@@ -286,13 +295,18 @@ def ensure_small_kernel(
     MERGE_BLOCK: tl.constexpr,   # power of two >= G * ROUTE_BLOCK
     USE_POLICY: tl.constexpr,    # read the policy scalars from policy_ptr
     MULTI: tl.constexpr,         # more than one program (G > 1)
+    PRELOAD: tl.constexpr,       # read the part's usage and owners beside the routes
 ):
     """Decode-sized calls (N <= ROUTE_BLOCK routes): per-route work, the pool scan split over a grid.
 
-    Every program analyses the routes itself (hits, misses and k need no communication), marks
-    the hits, scans its PART slots for its k smallest victim keys and writes them to scratch; the
-    last program to arrive merges the parts and applies the call (with k = 0 nobody scans, but the
-    last one still applies it: no program may rewrite routes or maps another has yet to read).
+    Every program analyses the routes itself (hits, misses and k need no communication) and finds
+    the k smallest victim keys of its PART slots that are not this call's hits. PRELOAD reads the
+    part (usage and owners) beside the routes, before anything depends on them, and skips hit slots
+    one candidate at a time; without it, a program marks the hits used, then reads its part (one
+    more dependent round trip). One program keeps its candidates in registers; with several, each
+    writes them to scratch and the last to arrive merges the parts and applies the call (with k = 0
+    nobody scans, but the last one still applies it: no program may rewrite routes or maps another
+    has yet to read).
     """
     pid = tl.program_id(0)
     zero = tl.zeros((), tl.int64)
@@ -313,6 +327,11 @@ def ensure_small_kernel(
     r = tl.arange(0, ROUTE_BLOCK)                                         # [R]
     in_r = r < num_routes
     e = tl.load(ids_ptr + r, mask=in_r, other=-1)
+    part = pid * PART + tl.arange(0, PART)                                # [PART] pool-local
+    in_part = part < num_slots
+    if PRELOAD:
+        u = tl.load(usage_ptr + pool_base + part, mask=in_part, other=0)
+        own = tl.load(id_of_slot_ptr + pool_base + part, mask=in_part, other=-1)
     e64 = e.to(tl.int64)
     valid = in_r & (e64 >= 0) & (e64 < NUM_EXPERTS)
     same = (e64[:, None] == e64[None, :]) & (r[None, :] < r[:, None]) & valid[None, :]
@@ -332,20 +351,42 @@ def ensure_small_kernel(
     k, promoted = _fetch_count(num_misses, num_hits, num_slots, first_rec, max_fetch, frac_q16,
                                round_mode, promote, seed + zero, step, layer)
 
+    # this program's k smallest eligible keys (and their owners), ascending; unused entries MAX
+    j_idx = tl.arange(0, ROUTE_BLOCK)
+    cands = tl.full((ROUTE_BLOCK,), 0x7FFFFFFFFFFFFFFF, tl.int64)
+    owners = tl.full((ROUTE_BLOCK,), -1, tl.int32)
     if k > 0:
-        # every program marks the hits itself, so that its own part sees them as used
-        tl.store(usage_ptr + slot, step, mask=hit)
-        tl.debug_barrier()
-        part = pid * PART + tl.arange(0, PART)                            # [PART] pool-local
-        in_part = part < num_slots
-        u = tl.load(usage_ptr + pool_base + part, mask=in_part, other=0)
-        key = tl.where(in_part & (u != step), ((u + 1) << 25) | part.to(tl.int64),
-                       0x7FFFFFFFFFFFFFFF)
-        prev = tl.full((), -1, tl.int64)
-        for j in range(0, k):
-            best = tl.min(tl.where(key > prev, key, 0x7FFFFFFFFFFFFFFF), axis=0)
-            tl.store(part_keys_ptr + pid * ROUTE_BLOCK + j, best)
-            prev = best
+        if PRELOAD:
+            key = tl.where(in_part & (u != step), ((u + 1) << 25) | part.to(tl.int64),
+                           0x7FFFFFFFFFFFFFFF)
+            hit_local = tl.where(hit, slot - pool_base, -1)               # [R] hits' part offsets
+            prev = tl.full((), -1, tl.int64)
+            j = tl.zeros((), tl.int64)
+            while j < k:
+                best = tl.min(tl.where(key > prev, key, 0x7FFFFFFFFFFFFFFF), axis=0)
+                prev = best
+                best_local = best & ((1 << 25) - 1)
+                if tl.max((hit_local == best_local).to(tl.int32), axis=0) == 0:
+                    owner = tl.max(tl.where(part.to(tl.int64) == best_local, own, -1), axis=0)
+                    cands = tl.where(j_idx == j, best, cands)
+                    owners = tl.where(j_idx == j, owner, owners)
+                    j += 1
+        else:
+            # every program marks the hits itself, so that its own part sees them as used
+            tl.store(usage_ptr + slot, step, mask=hit)
+            tl.debug_barrier()
+            u = tl.load(usage_ptr + pool_base + part, mask=in_part, other=0)
+            key = tl.where(in_part & (u != step), ((u + 1) << 25) | part.to(tl.int64),
+                           0x7FFFFFFFFFFFFFFF)
+            prev = tl.full((), -1, tl.int64)
+            for j in range(0, k):
+                best = tl.min(tl.where(key > prev, key, 0x7FFFFFFFFFFFFFFF), axis=0)
+                cands = tl.where(j_idx == j, best, cands)
+                prev = best
+        if MULTI:
+            tl.store(part_keys_ptr + pid * ROUTE_BLOCK + j_idx, cands)
+            if PRELOAD:
+                tl.store(part_owner_ptr + pid * ROUTE_BLOCK + j_idx, owners)
     if MULTI:
         tl.debug_barrier()
         arrived = tl.atomic_add(arrive_ptr, 1, sem="acq_rel")
@@ -358,10 +399,16 @@ def ensure_small_kernel(
         out = tl.where(valid, slot, -1)                                   # [R]
         installed = tl.zeros((), tl.int32)
         if k > 0:
-            m = tl.arange(0, MERGE_BLOCK)                                 # [G*R] candidates
-            m_ok = ((m // ROUTE_BLOCK) < tl.num_programs(0)) & ((m % ROUTE_BLOCK) < k)
-            cand = tl.load(part_keys_ptr + m, mask=m_ok, other=0x7FFFFFFFFFFFFFFF,
-                           volatile=True)
+            if MULTI:
+                m = tl.arange(0, MERGE_BLOCK)                             # [G*R] candidates
+                m_ok = ((m // ROUTE_BLOCK) < tl.num_programs(0)) & ((m % ROUTE_BLOCK) < k)
+                cand = tl.load(part_keys_ptr + m, mask=m_ok, other=0x7FFFFFFFFFFFFFFF,
+                               volatile=True)
+                if PRELOAD:
+                    cand_owner = tl.load(part_owner_ptr + m, mask=m_ok, other=-1, volatile=True)
+            else:
+                cand = cands
+                cand_owner = owners
             prev_order = tl.full((), 0x7FFFFFFFFFFFFFFF, tl.int64)
             prev_victim = tl.full((), -1, tl.int64)
             for i in range(0, k):
@@ -372,8 +419,13 @@ def ensure_small_kernel(
                 prev_victim = vkey
                 victim = pool_base + (vkey & ((1 << 25) - 1))
                 if (promoted == 0) | ((vkey >> 25) == 0):
-                    _install(slot_for_id_ptr, id_of_slot_ptr, usage_ptr, victim, row + expert,
-                             step)
+                    if PRELOAD:
+                        old = tl.max(tl.where(cand == vkey, cand_owner, -1), axis=0)
+                        _install_known(slot_for_id_ptr, id_of_slot_ptr, usage_ptr, victim, old,
+                                       row + expert, step)
+                    else:
+                        _install(slot_for_id_ptr, id_of_slot_ptr, usage_ptr, victim, row + expert,
+                                 step)
                     tl.store(evict_ptr + i, victim.to(tl.int32))
                     tl.store(src_ptr + i, expert.to(tl.int32))
                     out = tl.where(e64 == expert, victim, out)
