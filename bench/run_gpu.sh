@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Everything that needs the GPU machine, in one call: GPU tests, then benchmarks; short tables last.
-# Usage: bash bench/run_gpu.sh [kernels] [engine] [cpu] [hybrid]   (default: kernels engine cpu)
+# Usage: bash bench/run_gpu.sh [kernels] [engine] [cpu] [hybrid] [sweep] [decode] [gpu-tests] [resident] [handoff]
+#        (default: kernels engine cpu). SECTION_TIMEOUT (s, default 540) bounds each command.
 # Logs go to $OUT (the device tool's output folder) when it is set, else ./out.
 set -u
 OUT=${OUT:-./out}; mkdir -p "$OUT"
@@ -10,6 +11,7 @@ if compgen -G ".whl/*.whl" >/dev/null; then
     --target /tmp/site .whl/*.whl && export PYTHONPATH=$PYTHONPATH:/tmp/site
 fi
 sections=${*:-kernels engine cpu}
+T=${SECTION_TIMEOUT:-540}
 status=0
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'
@@ -30,9 +32,37 @@ for s in $sections; do
       ;;
     hybrid-gpu-tests)
       python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_hybrid.py tests/test_hybrid_pool.py \
-        tests/test_hybrid_cli.py tests/test_offload.py tests/test_cuda_graphs_gpu.py 2>&1 \
+        tests/test_hybrid_cli.py tests/test_offload.py tests/test_cuda_graphs_gpu.py tests/test_stream_doorbell.py 2>&1 \
         | tee "$OUT/hybrid_gpu_tests.log" | tail -n 12
       [ "${PIPESTATUS[0]}" = 0 ] || status=1
+      ;;
+    sweep)
+      timeout "$T" python3 -m kernels.slot_cache.bench --sweep --reps ${REPS:-100} 2>&1 \
+        | tee "$OUT/kernels_sweep.log" | tail -n 60 || status=1
+      ;;
+    decode)
+      timeout "$T" python3 -m pytest -q -p no:cacheprovider tests/test_moe_decode.py 2>&1 \
+        | tee "$OUT/decode_tests.log" | tail -n 6
+      [ "${PIPESTATUS[0]}" = 0 ] || status=1
+      [ -f bench/bench_moe_decode.py ] && { timeout "$T" python3 bench/bench_moe_decode.py 2>&1 \
+        | tee "$OUT/decode_bench.log" | tail -n 30 || status=1; }
+      ;;
+    gpu-tests)
+      timeout "$T" python3 -m pytest -q -p no:cacheprovider -m gpu ${GPU_TESTS:-tests/test_expert_copy.py \
+        tests/test_offload.py tests/test_cuda_graphs_gpu.py tests/test_engine_gpu.py} 2>&1 \
+        | tee "$OUT/gpu_tests.log" | tail -n 15
+      [ "${PIPESTATUS[0]}" = 0 ] || status=1
+      ;;
+    resident)
+      timeout "$T" python3 bench/bench_engine.py --fractions "" ${RESIDENT_ARGS:---profile 8} 2>&1 \
+        | tee "$OUT/resident_bench.log" | tail -n 45 || status=1
+      ;;
+    handoff)
+      timeout "$T" python3 -m pytest -q -p no:cacheprovider tests/test_stream_doorbell.py 2>&1 \
+        | tee "$OUT/handoff_tests.log" | tail -n 6
+      [ "${PIPESTATUS[0]}" = 0 ] || status=1
+      timeout "$T" python3 bench/bench_handoff.py --mode both --client-cpu 0 2>&1 \
+        | tee "$OUT/handoff_bench.log" | tail -n 14 || status=1
       ;;
     kernel-bench)
       python3 -m kernels.slot_cache.bench 2>&1 | tee "$OUT/kernels_bench.log" | tail -n 24 || status=1
@@ -51,7 +81,7 @@ for s in $sections; do
       ;;
     cpu)
       [ -f bench/bench_cpu_experts.py ] && { python3 bench/bench_cpu_experts.py --isas 2>&1 | tee "$OUT/cpu_bench.log" | tail -n 20 || status=1; }
-      [ -f bench/bench_handoff.py ] && { python3 bench/bench_handoff.py --client-cpu 0 2>&1 | tee "$OUT/handoff_bench.log" | tail -n 10 || status=1; }
+      [ -f bench/bench_handoff.py ] && { python3 bench/bench_handoff.py --client-cpu 0 2>&1 | tee "$OUT/handoff_bench.log" | tail -n 14 || status=1; }
       ;;
   esac
 done

@@ -54,3 +54,32 @@ def check_invariants(cache: SlotCache) -> None:
         assert ios[sfi[flat]] == flat, f"expert {flat} maps to a slot that holds another"
     assert torch.equal(ios < 0, usage < 0), "empty slots and usage -1 disagree"
     assert int(usage.max()) <= int(cache.step.cpu()), "a usage is ahead of the step counter"
+
+
+def check_victim_list(cache: SlotCache, context: str = "") -> None:
+    """The decode kernel's victim list: per pool, entries ascending as built, owners as recorded,
+    and its live entries (slot usage unchanged) are exactly the pool's smallest keys."""
+    from kernels.slot_cache.state import KEY_NONE, SLOT_BITS
+    usage, owners = cache.usage.cpu(), cache.id_of_slot.cpu()
+    keys_all, owner_all = cache.victim_keys.cpu(), cache.victim_owner.cpu()
+    for pool in range(keys_all.shape[0]):
+        base = pool * cache.num_slots
+        keys = keys_all[pool][keys_all[pool] != KEY_NONE]
+        assert torch.all(keys[1:] > keys[:-1]), f"{context}: pool {pool} list not ascending: {keys.tolist()}"
+        slots = torch.arange(cache.num_slots)
+        current = ((usage[base:base + cache.num_slots] + 1) << SLOT_BITS) | slots       # [S]
+        entries = keys_all[pool]
+        used = entries != KEY_NONE
+        entry_slots = entries & ((1 << SLOT_BITS) - 1)
+        live = used & (current[entry_slots.clamp(max=cache.num_slots - 1)] == entries)
+        if not bool(live.any()):
+            continue
+        live_slots = set(entry_slots[live].tolist())
+        for j in live.nonzero().reshape(-1).tolist():
+            slot = int(entry_slots[j])
+            assert int(owner_all[pool][j]) == int(owners[base + slot]), \
+                f"{context}: pool {pool} list entry {j} (slot {slot}) records a stale owner"
+        max_live = int(entries[live].max())
+        smaller = set((current <= max_live).nonzero().reshape(-1).tolist())
+        assert smaller <= live_slots, (f"{context}: pool {pool} slots {sorted(smaller - live_slots)[:8]} "
+                                       f"have keys below the list's live entries but are not in it")

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from kernels.slot_cache import SlotCache, ensure, prefetch_ensure, raise_on_error
-from tests.slot_cache_util import RouteGen, assert_same_state, check_invariants
+from tests.slot_cache_util import RouteGen, assert_same_state, check_invariants, check_victim_list
 
 NUM_LAYERS, NUM_EXPERTS = 61, 512         # 31,232 experts: more than the largest pool
 TOKENS, TOP_K = 4, 8
@@ -26,20 +26,18 @@ def _policy(call: int) -> dict:
     return POLICIES[0] if call % 3 else POLICIES[1 + (call // 3) % (len(POLICIES) - 1)]
 
 
-# decode-kernel settings (preload, warps): each must give the reference's results
-KERNEL_SETTINGS = {"preload-4w": dict(preload=True, num_warps=4),
-                   "marked-4w": dict(preload=False, num_warps=4),
-                   "preload-1w": dict(preload=True, num_warps=1),
-                   "preload-2w": dict(preload=True, num_warps=2)}
+# decode-kernel settings: cache creation and call knobs; each must give the reference's results
+KERNEL_SETTINGS = {"default": ({}, {}), "no-list-4w": (dict(victim_list=0), dict(num_warps=4)),
+                   "list-8": (dict(victim_list=8), {})}
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("setting", list(KERNEL_SETTINGS))
 @pytest.mark.parametrize("num_slots", [2048, 8192, 18432, 23197])
 def test_gpu_lockstep(num_slots, setting):
-    knobs = KERNEL_SETTINGS[setting]
+    create, knobs = KERNEL_SETTINGS[setting]
     ref = SlotCache.create(NUM_LAYERS, NUM_EXPERTS, num_slots)
-    ker = SlotCache.create(NUM_LAYERS, NUM_EXPERTS, num_slots, device="cuda")
+    ker = SlotCache.create(NUM_LAYERS, NUM_EXPERTS, num_slots, device="cuda", **create)
     gen = RouteGen(NUM_LAYERS, NUM_EXPERTS, seed=num_slots, skew=0.6)
     for call in range(STEP_CALLS):
         layer = call % NUM_LAYERS
@@ -53,6 +51,7 @@ def test_gpu_lockstep(num_slots, setting):
         assert torch.equal(a, b.cpu()), f"call {call}: routes differ"
         if call % 50 == 0 or call == STEP_CALLS - 1:
             assert_same_state(ref, ker, f"call {call}")
+            check_victim_list(ker, f"call {call}")
         if call % 7 == 6:
             cand = gen.candidates(8)
             prefetch_ensure(ref, (layer + 1) % NUM_LAYERS, cand, 3, impl="reference")
@@ -72,6 +71,7 @@ def test_gpu_lockstep(num_slots, setting):
     assert mismatch.numel() == 0, f"routes differ first at call {int(mismatch[0])}"
     assert_same_state(ref, ker, "after the back-to-back run")
     check_invariants(ker)
+    check_victim_list(ker, "after the back-to-back run")
     raise_on_error(ker)
     assert int((ker.id_of_slot >= 0).sum()) == num_slots, "the pool never filled"
 

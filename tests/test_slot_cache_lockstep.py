@@ -11,17 +11,17 @@ import torch
 
 from kernels.slot_cache import SlotCache, ensure, prefetch_ensure
 from tests.conftest import KERNEL_DEVICE
-from tests.slot_cache_util import RouteGen, assert_same_state, check_invariants
+from tests.slot_cache_util import RouteGen, assert_same_state, check_invariants, check_victim_list
 
 NUM_CALLS = 36
 
 
 def run_lockstep(*, num_layers, num_experts, num_slots, per_layer, calls, slot_tile,
-                 num_tokens=2, top_k=3, prefetch_every=0, seed=0, path="auto", preload=None,
+                 num_tokens=2, top_k=3, prefetch_every=0, seed=0, path="auto", victim_list=4,
                  **policy):
     ref = SlotCache.create(num_layers, num_experts, num_slots, per_layer=per_layer)
     ker = SlotCache.create(num_layers, num_experts, num_slots, per_layer=per_layer,
-                           device=KERNEL_DEVICE)
+                           device=KERNEL_DEVICE, victim_list=victim_list)
     gen = RouteGen(num_layers, num_experts, seed)
     fetched = 0
     for call in range(calls):
@@ -30,9 +30,10 @@ def run_lockstep(*, num_layers, num_experts, num_slots, per_layer, calls, slot_t
         ids_ref, ids_ker = ids.clone(), ids.to(KERNEL_DEVICE)
         ensure(ref, layer, ids_ref, impl="reference", seed=seed, **policy)
         ensure(ker, layer, ids_ker, impl="triton", seed=seed, slot_tile=slot_tile, path=path,
-               preload=preload, **policy)
+               **policy)
         assert torch.equal(ids_ref, ids_ker.cpu()), f"call {call}: routes differ"
         assert_same_state(ref, ker, f"call {call}")
+        check_victim_list(ker, f"call {call}")
         fetched += int(ref.num_indices)
         if prefetch_every and call % prefetch_every == prefetch_every - 1:
             cand = gen.candidates(5)
@@ -41,6 +42,7 @@ def run_lockstep(*, num_layers, num_experts, num_slots, per_layer, calls, slot_t
             prefetch_ensure(ker, nxt, cand.to(KERNEL_DEVICE), 2, impl="triton",
                             slot_tile=slot_tile)
             assert_same_state(ref, ker, f"prefetch after call {call}")
+            check_victim_list(ker, f"prefetch after call {call}")
     check_invariants(ref)
     return ref, fetched
 
@@ -65,9 +67,10 @@ POLICIES = {
 }
 
 
-# (path, preload): the decode kernel reading its part beside the routes or after marking the hits
-KERNEL_VARIANTS = {"small-preload": ("small", True), "small-marked": ("small", False),
-                   "general": ("general", None)}
+# (path, victim-list length): the decode kernel with a short victim list (its fast path and its
+# rebuilds both run often) or none (every fetch scans), and the general kernel
+KERNEL_VARIANTS = {"small-list": ("small", 4), "small-nolist": ("small", 0),
+                   "general": ("general", 4)}
 
 
 @pytest.mark.parametrize("variant", list(KERNEL_VARIANTS))
@@ -76,10 +79,10 @@ KERNEL_VARIANTS = {"small-preload": ("small", True), "small-marked": ("small", F
 def test_lockstep(pool, policy, variant):
     """`small`: the decode kernel, its pool scan split over programs; `general`: one program."""
     layers, experts, slots, per_layer, tile = POOLS[pool]
-    path, preload = KERNEL_VARIANTS[variant]
+    path, vlist = KERNEL_VARIANTS[variant]
     ref, fetched = run_lockstep(num_layers=layers, num_experts=experts, num_slots=slots,
                                 per_layer=per_layer, calls=NUM_CALLS, slot_tile=tile,
-                                prefetch_every=4, path=path, preload=preload, **POLICIES[policy])
+                                prefetch_every=4, path=path, victim_list=vlist, **POLICIES[policy])
     if policy not in ("cap-0", "zero-fraction-nopromote"):
         assert fetched > 0, "the sequence never fetched: it does not exercise the fetch path"
 
@@ -87,15 +90,15 @@ def test_lockstep(pool, policy, variant):
 @pytest.mark.parametrize("variant", list(KERNEL_VARIANTS))
 def test_victim_skips_a_hit_that_is_least_recently_used(variant):
     """Expert 0 sits in the LRU slot and is routed again with a miss: the miss must evict the
-    next slot, not the hit (the preloading kernel sees slot 0 first and has to skip it)."""
-    path, preload = KERNEL_VARIANTS[variant]
+    next slot, not the hit (a scan or the victim list sees slot 0 first and has to skip it)."""
+    path, vlist = KERNEL_VARIANTS[variant]
     ref = SlotCache.create(1, 8, 4)
-    ker = SlotCache.create(1, 8, 4, device=KERNEL_DEVICE)
+    ker = SlotCache.create(1, 8, 4, device=KERNEL_DEVICE, victim_list=vlist)
     for row in ([0], [1], [2], [3], [0, 4], [5, 0, 1]):
         a = torch.tensor([row])
         b = a.clone().to(KERNEL_DEVICE)
         ensure(ref, 0, a, fetch_fraction=1.0, impl="reference")
-        ensure(ker, 0, b, fetch_fraction=1.0, impl="triton", path=path, preload=preload)
+        ensure(ker, 0, b, fetch_fraction=1.0, impl="triton", path=path)
         assert torch.equal(a, b.cpu()), f"routes {row}"
         assert_same_state(ref, ker, f"routes {row}")
     # [0, 4]: slot 0 (expert 0, LRU) is a hit, so 4 went to slot 1; [5, 0, 1]: 1 missed again
@@ -113,10 +116,10 @@ def test_pool_goes_from_empty_to_full_and_evicts():
 @pytest.mark.parametrize("tile", [16, 32, 64])
 def test_results_do_not_depend_on_tile_size(tile, variant):
     # 50 slots: 4, 2 and 1 tiles (or programs); the reference is the same in each case
-    path, preload = KERNEL_VARIANTS[variant]
+    path, vlist = KERNEL_VARIANTS[variant]
     run_lockstep(num_layers=2, num_experts=32, num_slots=50, per_layer=False, calls=30,
                  slot_tile=tile, num_tokens=3, top_k=4, fetch_fraction=0.6, prefetch_every=3,
-                 path=path, preload=preload)
+                 path=path, victim_list=vlist)
 
 
 def test_large_calls_take_the_general_kernel():

@@ -20,8 +20,8 @@ DEFAULT_SLOT_TILE = 2048      # general kernel: slots per tile of its pool scan
 # program (the fastest settings measured on the H200, docs/slot_cache.md).
 SINGLE_PROGRAM_SLOTS = 2048
 DEFAULT_PART = 512
-DEFAULT_SMALL_WARPS = 4
-DEFAULT_PRELOAD = True        # decode kernel: read the part beside the routes (see triton_kernels)
+DEFAULT_SMALL_WARPS = 4       # decode kernel, more than one program or a pool of <= 256 slots
+SINGLE_PROGRAM_WARPS = 8      # decode kernel, one program scanning a pool of > 256 slots
 DEFAULT_GENERAL_WARPS = 4
 MAX_ROUTE_TILE = 1024
 MAX_PREFETCH_CANDIDATES = 128
@@ -42,10 +42,12 @@ def _resolve_impl(impl: str, device: torch.device) -> str:
     return impl
 
 
-def small_defaults(num_slots: int) -> tuple[int, int, bool]:
-    """(slots per program, warps, preload) of the decode kernel for a pool of `num_slots`."""
-    part = num_slots if num_slots <= SINGLE_PROGRAM_SLOTS else DEFAULT_PART
-    return max(MIN_PART, _next_pow2(part)), DEFAULT_SMALL_WARPS, DEFAULT_PRELOAD
+def small_defaults(num_slots: int) -> tuple[int, int]:
+    """(slots per program, warps) of the decode kernel for a pool of `num_slots`."""
+    if num_slots <= SINGLE_PROGRAM_SLOTS:
+        warps = DEFAULT_SMALL_WARPS if num_slots <= 256 else SINGLE_PROGRAM_WARPS
+        return max(MIN_PART, _next_pow2(num_slots)), warps
+    return DEFAULT_PART, DEFAULT_SMALL_WARPS
 
 
 def _capturing(device: torch.device) -> bool:
@@ -108,8 +110,7 @@ def ensure(cache: SlotCache, layer: int, expert_ids: torch.Tensor, *,
            max_fetch: int | None = None, fetch_fraction: float = 0.0, round_mode: str = "min-wait",
            select: str = "recency", promote: bool = True, seed: int = 0, impl: str = "auto",
            use_device_policy: bool = False, check_ids: bool | None = None,
-           slot_tile: int | None = None, num_warps: int | None = None, path: str = "auto",
-           preload: bool | None = None) -> None:
+           slot_tile: int | None = None, num_warps: int | None = None, path: str = "auto") -> None:
     """Make the routed experts of `layer` resident where the policy says so; rewrite routes in place.
 
     expert_ids: [...] int32|int64 (-1 = padding). Afterwards each entry is the slot holding that
@@ -122,8 +123,8 @@ def ensure(cache: SlotCache, layer: int, expert_ids: torch.Tensor, *,
     `path` (Triton only): "small" (decode-sized calls, <= SMALL_ROUTES_MAX routes, pool scan
     spread over several programs), "general" (any size, one program), "auto" picks by size.
     `slot_tile` is the small path's slots per program, or the general path's scan tile;
-    `num_warps` and `preload` (small path: read the pool part beside the routes) are tuning knobs
-    that never change the result; None takes the defaults measured fastest (docs/slot_cache.md).
+    `num_warps` is a tuning knob too; neither changes the result; None takes the defaults
+    measured fastest (docs/slot_cache.md).
     """
     _check_layer(cache, layer)
     _check_ids(cache, "expert_ids", expert_ids, check_ids)
@@ -151,23 +152,23 @@ def ensure(cache: SlotCache, layer: int, expert_ids: torch.Tensor, *,
         raise ValueError(f"path='small' takes at most {SMALL_ROUTES_MAX} routes, got {num_routes}")
     if path != "general" and num_routes <= SMALL_ROUTES_MAX:
         from .triton_kernels import ensure_small_kernel
-        default_part, default_warps, default_preload = small_defaults(cache.num_slots)
+        default_part, default_warps = small_defaults(cache.num_slots)
         part = max(MIN_PART, _next_pow2(slot_tile or default_part))
         programs = -(-cache.num_slots // part)
         route_block = max(16, _next_pow2(num_routes))
-        if preload is None:
-            preload = default_preload
+        v = cache.victim_list
+        cand = _next_pow2(route_block + v)
+        pool = cache.pool_base(layer) // cache.num_slots
         ensure_small_kernel[(programs,)](
             expert_ids, num_routes, cache.slot_for_id, cache.id_of_slot, cache.usage, cache.step,
             cache.expert_recency, cache.mark, cache.evict_slots, cache.src_indices,
             cache.num_indices, cache.num_missing_full, cache.error, cache.policy,
-            cache.part_keys, cache.part_owner, cache.arrive, layer, cache.pool_base(layer),
-            cache.num_slots, *codes,
+            cache.part_keys, cache.arrive, cache.victim_keys[pool], cache.victim_owner[pool],
+            layer, cache.pool_base(layer), cache.num_slots, *codes,
             NUM_EXPERTS=cache.num_experts, E_BLOCK=max(16, _next_pow2(cache.num_experts)),
-            ROUTE_BLOCK=route_block, PART=part,
-            MERGE_BLOCK=_next_pow2(programs * route_block), USE_POLICY=use_device_policy,
-            MULTI=programs > 1, PRELOAD=bool(preload),
-            num_warps=num_warps or default_warps)
+            ROUTE_BLOCK=route_block, PART=part, V=v, CAND=cand,
+            MERGE_BLOCK=_next_pow2(programs * cand), USE_POLICY=use_device_policy,
+            MULTI=programs > 1, num_warps=num_warps or default_warps)
         return
     from .triton_kernels import ensure_kernel
     tile = slot_tile or min(_next_pow2(cache.num_slots), DEFAULT_SLOT_TILE)
@@ -204,12 +205,14 @@ def prefetch_ensure(cache: SlotCache, layer: int, candidates: torch.Tensor, budg
         return
     from .triton_kernels import prefetch_kernel
     tile = slot_tile or min(_next_pow2(cache.num_slots), DEFAULT_SLOT_TILE)
+    pool = cache.pool_base(layer) // cache.num_slots
     prefetch_kernel[(1,)](
         candidates, candidates.numel(), budget, cache.slot_for_id, cache.id_of_slot, cache.usage,
         cache.step, cache.prefetch_evict_slots, cache.prefetch_src_indices,
-        cache.prefetch_num_indices, layer, cache.pool_base(layer), cache.num_slots,
-        NUM_EXPERTS=cache.num_experts, C_BLOCK=max(16, _next_pow2(candidates.numel())),
-        SLOT_TILE=max(16, _next_pow2(tile)), num_warps=num_warps)
+        cache.prefetch_num_indices, cache.victim_keys[pool], layer, cache.pool_base(layer),
+        cache.num_slots, NUM_EXPERTS=cache.num_experts,
+        C_BLOCK=max(16, _next_pow2(candidates.numel())), SLOT_TILE=max(16, _next_pow2(tile)),
+        V_BLOCK=cache.victim_keys.shape[1], num_warps=num_warps)
 
 
 def raise_on_error(cache: SlotCache) -> None:

@@ -13,18 +13,20 @@ import statistics
 import torch
 
 from . import SlotCache, ensure
+from .state import DEFAULT_VICTIM_LIST
 
 CALLS_PER_REPLAY = 64
 TOP_K = 10
 # (slots, layers, experts): the expert count exceeds the pool so that the pool can be full
 POOLS = [(64, 48, 128), (2048, 48, 128), (18432, 61, 512), (23197, 61, 512)]
-# decode-kernel settings swept with --sweep: (slots per program or None = the default, warps, preload)
+# decode-kernel settings swept with --sweep: (slots per program or None = the default, warps,
+# victim-list length)
 SWEEP = {
-    64: [(None, w, p) for w in (1, 2, 4) for p in (True, False)],
-    2048: [(None, w, p) for w in (1, 2, 4, 8) for p in (True, False)]
-          + [(part, w, True) for part in (256, 512) for w in (1, 2, 4)],
-    18432: [(part, w, True) for part in (256, 512, 1024) for w in (1, 2, 4)] + [(512, 4, False)],
-    23197: [(part, w, True) for part in (256, 512, 1024) for w in (1, 2, 4)] + [(512, 4, False)],
+    64: [(None, w, v) for w in (1, 2, 4) for v in (0, 16, 32)],
+    2048: [(None, w, v) for w in (2, 4, 8) for v in (0, 16, 32, 64)]
+          + [(part, 4, 32) for part in (256, 512)],
+    18432: [(part, w, v) for part in (256, 512, 1024) for w in (2, 4) for v in (0, 32)],
+    23197: [(part, w, v) for part in (256, 512, 1024) for w in (2, 4) for v in (0, 32)],
 }
 # (scan tile, warps) of the general kernel (prefill-sized calls): compiled for its resource report
 GENERAL_VARIANTS = [(1024, 4), (2048, 4), (2048, 8), (4096, 8), (8192, 16)]
@@ -57,8 +59,8 @@ def _time_graph(graph: torch.cuda.CUDAGraph, reps: int) -> float:
 
 
 def bench_case(num_slots, layers, experts, miss: bool, tile: int | None, warps: int | None,
-               reps: int, preload: bool | None = None):
-    cache = SlotCache.create(layers, experts, num_slots, device="cuda")
+               reps: int, victim_list: int = DEFAULT_VICTIM_LIST):
+    cache = SlotCache.create(layers, experts, num_slots, device="cuda", victim_list=victim_list)
     _fill(cache)
     snapshot = cache.clone()
     base = torch.arange(TOP_K, device="cuda")
@@ -67,7 +69,7 @@ def bench_case(num_slots, layers, experts, miss: bool, tile: int | None, warps: 
         routes[:, -1] = TOP_K + torch.arange(CALLS_PER_REPLAY, device="cuda")
     pristine = routes.clone()
     kwargs = dict(fetch_fraction=1.0, impl="triton", check_ids=False, slot_tile=tile,
-                  num_warps=warps, preload=preload, path="small")
+                  num_warps=warps, path="small")
     ensure(cache, 0, routes[0].clone(), **kwargs)          # compile outside the capture
     cache.copy_from(snapshot)
     stream = torch.cuda.Stream()
@@ -89,11 +91,11 @@ def bench_case(num_slots, layers, experts, miss: bool, tile: int | None, warps: 
     return (t_full - t_restore) / CALLS_PER_REPLAY
 
 
-def resource_report(kernel_name: str, tile: int, warps: int, preload: bool = True,
+def resource_report(kernel_name: str, tile: int, warps: int, victim_list: int = DEFAULT_VICTIM_LIST,
                     num_slots: int = 23197) -> tuple[int, int]:
     """(registers, spills) of a compiled ensure kernel (default: the large-pool configuration)."""
     from . import triton_kernels
-    cache = SlotCache.create(61, 512, num_slots, device="cuda")
+    cache = SlotCache.create(61, 512, num_slots, device="cuda", victim_list=victim_list)
     ids = torch.arange(TOP_K, device="cuda")
     common = (ids, ids.numel(), cache.slot_for_id, cache.id_of_slot, cache.usage, cache.step,
               cache.expert_recency, cache.mark, cache.evict_slots, cache.src_indices,
@@ -101,11 +103,12 @@ def resource_report(kernel_name: str, tile: int, warps: int, preload: bool = Tru
     policy = (0, 0, cache.num_slots, -1, 1 << 16, 0, 0, 1, 0)
     if kernel_name == "small":
         programs = -(-cache.num_slots // tile)
+        cand = 1 << (16 + victim_list - 1).bit_length()
         compiled = triton_kernels.ensure_small_kernel[(programs,)](
-            *common, cache.part_keys, cache.part_owner, cache.arrive, *policy, NUM_EXPERTS=512,
-            E_BLOCK=512,
-            ROUTE_BLOCK=16, PART=tile, MERGE_BLOCK=1 << (programs * 16 - 1).bit_length(),
-            USE_POLICY=False, MULTI=programs > 1, PRELOAD=preload, num_warps=warps)
+            *common, cache.part_keys, cache.arrive, cache.victim_keys[0], cache.victim_owner[0],
+            *policy, NUM_EXPERTS=512, E_BLOCK=512, ROUTE_BLOCK=16, PART=tile, V=victim_list,
+            CAND=cand, MERGE_BLOCK=1 << (programs * cand - 1).bit_length(),
+            USE_POLICY=False, MULTI=programs > 1, num_warps=warps)
     else:
         compiled = triton_kernels.ensure_kernel[(1,)](
             *common, *policy, NUM_EXPERTS=512, E_BLOCK=512, ROUTE_TILE=1024, SLOT_TILE=tile,
@@ -126,14 +129,13 @@ def main(argv: list[str] | None = None) -> int:
     for num_slots, layers, experts in POOLS:
         default = small_defaults(num_slots)
         settings = [(None, None, None)] + (SWEEP.get(num_slots, []) if args.sweep else [])
-        for tile, warps, preload in settings:
-            part, w, pre = (default[0] if tile is None else tile,
-                            default[1] if warps is None else warps,
-                            default[2] if preload is None else preload)
-            regs, spills = resource_report("small", part, w, pre, num_slots=num_slots)
-            hit = bench_case(num_slots, layers, experts, False, part, w, args.reps, pre)
-            one = bench_case(num_slots, layers, experts, True, part, w, args.reps, pre)
-            rows.append((num_slots, part, w, pre, tile is None and warps is None, regs, spills,
+        for tile, warps, vlist in settings:
+            part, w = (default[0] if tile is None else tile, default[1] if warps is None else warps)
+            v = DEFAULT_VICTIM_LIST if vlist is None else vlist
+            regs, spills = resource_report("small", part, w, v, num_slots=num_slots)
+            hit = bench_case(num_slots, layers, experts, False, part, w, args.reps, v)
+            one = bench_case(num_slots, layers, experts, True, part, w, args.reps, v)
+            rows.append((num_slots, part, w, v, tile is None and warps is None, regs, spills,
                          hit, one))
     print("\ngeneral kernel (prefill-sized calls), resources at 23,197 slots:")
     print(f"{'tile':>5} {'warps':>5} {'regs':>4} {'spill':>5}")
@@ -143,11 +145,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nslot-cache ensure (decode kernel), {torch.cuda.get_device_name()}, top-{TOP_K}, "
           f"{CALLS_PER_REPLAY} calls per graph replay, median of {args.reps} replays "
           f"(one program up to {SINGLE_PROGRAM_SLOTS} slots by default)")
-    print(f"{'slots':>6} {'part':>5} {'warps':>5} {'preload':>7} {'regs':>4} {'spill':>5} "
+    print(f"{'slots':>6} {'part':>5} {'warps':>5} {'vlist':>5} {'regs':>4} {'spill':>5} "
           f"{'all hits us':>11} {'1 fetch us':>10}")
     for num_slots, part, w, pre, is_default, regs, spills, hit, one in rows:
         mark = "  <- default" if is_default else ""
-        print(f"{num_slots:>6} {part:>5} {w:>5} {str(pre):>7} {regs:>4} {spills:>5} {hit:>11.2f} "
+        print(f"{num_slots:>6} {part:>5} {w:>5} {pre:>5} {regs:>4} {spills:>5} {hit:>11.2f} "
               f"{one:>10.2f}{mark}")
     return 0
 

@@ -137,3 +137,5 @@ def prefetch_ensure_reference(cache: SlotCache, layer: int, candidates: torch.Te
         st.prefetch_src_indices[i] = e
     st.prefetch_num_indices[0] = len(victims)
     st.commit()
+    if victims:   # usage 0 lowers keys: the kernels' victim list is no longer the smallest keys
+        cache.forget_victims(base // cache.num_slots)

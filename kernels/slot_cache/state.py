@@ -22,6 +22,10 @@ POLICY_LEN = 6
 # split over programs of at least MIN_PART slots each.
 SMALL_ROUTES_MAX = 64
 MIN_PART = 16
+# The decode kernel keeps, per pool, a list of the pool's smallest victim keys (see VICTIM_LIST in
+# docs/slot_cache.md): a power of two, or 0 for none.
+DEFAULT_VICTIM_LIST = 32
+KEY_NONE = 0x7FFFFFFFFFFFFFFF
 # Error flag bits written by the kernels (host checks them off the hot path).
 ERR_EXPERT_ID = 1
 
@@ -47,23 +51,35 @@ class SlotCache:
     mark: torch.Tensor              # [E] int64 scratch: step at which e was routed in this call
     error: torch.Tensor             # [1] int32: ERR_* bits set by kernels on bad input
     policy: torch.Tensor            # [POLICY_LEN] int64: device copy of the fetch policy
-    # kernel scratch, not part of the contract's state: per-program victim keys and arrivals
-    part_keys: torch.Tensor = None  # [max programs * SMALL_ROUTES_MAX] int64
-    part_owner: torch.Tensor = None  # [max programs * SMALL_ROUTES_MAX] int32
+    # derived state, not the contract's: per pool, the smallest victim keys and their slots' owners
+    # as of the call that built it (entries go stale when their slot's usage changes); copied with
+    # the state, emptied by reset and by prefetch installs
+    victim_keys: torch.Tensor = None    # [P, max(V, 1)] int64 ascending, KEY_NONE = no entry
+    victim_owner: torch.Tensor = None   # [P, max(V, 1)] int32
+    # kernel scratch: per-program victim candidates and arrivals
+    part_keys: torch.Tensor = None  # [max programs * (SMALL_ROUTES_MAX + V)] int64
     arrive: torch.Tensor = None     # [1] int32, 0 between calls
+    victim_list: int = DEFAULT_VICTIM_LIST   # V
 
     def __post_init__(self):
+        device = self.usage.device
+        if self.victim_list < 0 or self.victim_list & (self.victim_list - 1):
+            raise ValueError(f"victim_list must be 0 or a power of two, got {self.victim_list}")
+        pools = self.usage.numel() // self.num_slots
+        if self.victim_keys is None:
+            width = max(self.victim_list, 1)
+            self.victim_keys = torch.full((pools, width), KEY_NONE, dtype=torch.int64, device=device)
+            self.victim_owner = torch.full((pools, width), -1, dtype=torch.int32, device=device)
         if self.part_keys is None:
             programs = -(-self.num_slots // MIN_PART)
-            self.part_keys = torch.empty(programs * SMALL_ROUTES_MAX, dtype=torch.int64,
-                                         device=self.usage.device)
-            self.part_owner = torch.empty(programs * SMALL_ROUTES_MAX, dtype=torch.int32,
-                                          device=self.usage.device)
-            self.arrive = torch.zeros(1, dtype=torch.int32, device=self.usage.device)
+            cand = 1 << (SMALL_ROUTES_MAX + self.victim_list - 1).bit_length()
+            self.part_keys = torch.empty(programs * cand, dtype=torch.int64, device=device)
+            self.arrive = torch.zeros(1, dtype=torch.int32, device=device)
 
     @classmethod
     def create(cls, num_layers: int, num_experts: int, num_slots: int, *,
-               device: torch.device | str = "cpu", per_layer: bool = False) -> "SlotCache":
+               device: torch.device | str = "cpu", per_layer: bool = False,
+               victim_list: int = DEFAULT_VICTIM_LIST) -> "SlotCache":
         for name, value in (("num_layers", num_layers), ("num_experts", num_experts),
                             ("num_slots", num_slots)):
             if not isinstance(value, int) or value < 1:
@@ -95,6 +111,7 @@ class SlotCache:
             mark=full((num_experts,), -1, torch.int64),
             error=full((1,), 0, torch.int32),
             policy=full((POLICY_LEN,), 0, torch.int64),
+            victim_list=victim_list,
         )
         return cache
 
@@ -114,24 +131,37 @@ class SlotCache:
         """Every tensor of the state, by name (for tests, audits and save/restore)."""
         return {name: getattr(self, name) for name in STATE_FIELDS}
 
+    def derived_tensors(self) -> dict[str, torch.Tensor]:
+        """State the kernels derive and keep beside the contract's (the victim list)."""
+        return {name: getattr(self, name) for name in DERIVED_FIELDS}
+
     def clone(self) -> "SlotCache":
-        copy = SlotCache(self.num_layers, self.num_experts, self.num_slots, self.per_layer,
-                         **{k: v.clone() for k, v in self.state_tensors().items()})
-        return copy
+        tensors = {**self.state_tensors(), **self.derived_tensors()}
+        return SlotCache(self.num_layers, self.num_experts, self.num_slots, self.per_layer,
+                         **{k: v.clone() for k, v in tensors.items()}, victim_list=self.victim_list)
 
     def copy_from(self, other: "SlotCache") -> None:
         """Overwrite this state with `other`'s, in place (keeps tensor addresses for CUDA graphs)."""
-        for name, tensor in self.state_tensors().items():
+        if other.victim_list != self.victim_list:
+            raise ValueError(f"copy_from: victim_list {other.victim_list} != {self.victim_list}")
+        for name, tensor in {**self.state_tensors(), **self.derived_tensors()}.items():
             tensor.copy_(getattr(other, name))
 
     def to(self, device: torch.device | str) -> "SlotCache":
+        tensors = {**self.state_tensors(), **self.derived_tensors()}
         return SlotCache(self.num_layers, self.num_experts, self.num_slots, self.per_layer,
-                         **{k: v.to(device) for k, v in self.state_tensors().items()})
+                         **{k: v.to(device) for k, v in tensors.items()}, victim_list=self.victim_list)
+
+    def forget_victims(self, pool: int | None = None) -> None:
+        """Empty the victim list (of one pool, or all): after any change that lowers a slot's key."""
+        rows = self.victim_keys if pool is None else self.victim_keys[pool]
+        rows.fill_(KEY_NONE)
 
 
 STATE_FIELDS = ("slot_for_id", "id_of_slot", "usage", "step", "expert_recency", "evict_slots",
                 "src_indices", "num_indices", "num_missing_full", "prefetch_evict_slots",
                 "prefetch_src_indices", "prefetch_num_indices", "mark", "error", "policy")
+DERIVED_FIELDS = ("victim_keys", "victim_owner")
 
 
 def reset(cache: SlotCache) -> None:
@@ -142,3 +172,4 @@ def reset(cache: SlotCache) -> None:
     for name in ("step", "num_indices", "num_missing_full", "prefetch_num_indices", "error",
                  "arrive"):
         getattr(cache, name).zero_()
+    cache.forget_victims()

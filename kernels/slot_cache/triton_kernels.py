@@ -215,10 +215,12 @@ def prefetch_kernel(
     evict_ptr,            # [S] int32 prefetch copy plan
     src_ptr,              # [S] int32
     num_indices_ptr,      # [1] int32
+    vkeys_ptr,            # [V] int64 the pool's victim list: emptied when anything is installed
     layer, pool_base, num_slots,
     NUM_EXPERTS: tl.constexpr,
     C_BLOCK: tl.constexpr,       # next power of two >= C
     SLOT_TILE: tl.constexpr,
+    V_BLOCK: tl.constexpr,       # victim-list length (>= 1)
 ):
     step = tl.load(step_ptr)
     row = layer * NUM_EXPERTS
@@ -253,6 +255,10 @@ def prefetch_kernel(
         expert = tl.load(src_ptr + i).to(tl.int64)
         _install(slot_for_id_ptr, id_of_slot_ptr, usage_ptr, victim, row + expert,
                  tl.zeros((), tl.int64))
+    # usage 0 lowers a key below used slots' keys: the list no longer holds the smallest keys
+    vb = tl.arange(0, V_BLOCK)
+    tl.store(vkeys_ptr + vb, tl.full((V_BLOCK,), 0x7FFFFFFFFFFFFFFF, tl.int64),
+             mask=vb < tl.where(installed > 0, V_BLOCK, 0))
     tl.store(num_indices_ptr, installed.to(tl.int32))
 
 
@@ -284,29 +290,31 @@ def ensure_small_kernel(
     num_missing_ptr,      # [1] int32
     error_ptr,            # [1] int32 error bits
     policy_ptr,           # [6] int64 device policy (read when USE_POLICY)
-    part_keys_ptr,        # [G * ROUTE_BLOCK] int64 scratch: each program's smallest victim keys
-    part_owner_ptr,       # [G * ROUTE_BLOCK] int32 scratch: those slots' owners (PRELOAD)
+    part_keys_ptr,        # [G * CAND] int64 scratch: each program's smallest victim keys
     arrive_ptr,           # [1] int32 scratch: programs done with their part (reset to 0 at exit)
+    vkeys_ptr,            # [V] int64 this pool's victim list: ascending keys, KEY_NONE = none
+    vowner_ptr,           # [V] int32 owners of those slots when the list was built
     layer, pool_base, num_slots, max_fetch, frac_q16, round_mode, select_mode, promote, seed,
     NUM_EXPERTS: tl.constexpr,   # E
     E_BLOCK: tl.constexpr,       # next power of two >= E (order-key radix)
     ROUTE_BLOCK: tl.constexpr,   # power of two >= N
     PART: tl.constexpr,          # slots scanned by each program
-    MERGE_BLOCK: tl.constexpr,   # power of two >= G * ROUTE_BLOCK
+    V: tl.constexpr,             # victim-list length (power of two; 0 = no list)
+    CAND: tl.constexpr,          # power of two >= ROUTE_BLOCK + V: candidates kept per program
+    MERGE_BLOCK: tl.constexpr,   # power of two >= G * CAND
     USE_POLICY: tl.constexpr,    # read the policy scalars from policy_ptr
     MULTI: tl.constexpr,         # more than one program (G > 1)
-    PRELOAD: tl.constexpr,       # read the part's usage and owners beside the routes
 ):
-    """Decode-sized calls (N <= ROUTE_BLOCK routes): per-route work, the pool scan split over a grid.
+    """Decode-sized calls (N <= ROUTE_BLOCK routes): per-route work, victims from a list or a scan.
 
-    Every program analyses the routes itself (hits, misses and k need no communication) and finds
-    the k smallest victim keys of its PART slots that are not this call's hits. PRELOAD reads the
-    part (usage and owners) beside the routes, before anything depends on them, and skips hit slots
-    one candidate at a time; without it, a program marks the hits used, then reads its part (one
-    more dependent round trip). One program keeps its candidates in registers; with several, each
-    writes them to scratch and the last to arrive merges the parts and applies the call (with k = 0
-    nobody scans, but the last one still applies it: no program may rewrite routes or maps another
-    has yet to read).
+    Every program analyses the routes itself (hits, misses and k need no communication).
+    Fast path: the pool's victim list holds the V smallest keys as of the call that built it. An
+    entry is live while its slot's usage is unchanged; keys only grow between builds, so the live
+    entries are still the pool's smallest keys, and when at least k of them are not hits of this
+    call, they are the victims: no scan. Slow path: every program marks the hits used, scans its
+    PART slots for its k + V smallest keys and writes them to scratch; the applier merges them,
+    takes the first k as victims and the next V as the new list. With several programs the last to
+    arrive applies the call (no program may rewrite routes or maps another has yet to read).
     """
     pid = tl.program_id(0)
     zero = tl.zeros((), tl.int64)
@@ -327,11 +335,16 @@ def ensure_small_kernel(
     r = tl.arange(0, ROUTE_BLOCK)                                         # [R]
     in_r = r < num_routes
     e = tl.load(ids_ptr + r, mask=in_r, other=-1)
-    part = pid * PART + tl.arange(0, PART)                                # [PART] pool-local
-    in_part = part < num_slots
-    if PRELOAD:
-        u = tl.load(usage_ptr + pool_base + part, mask=in_part, other=0)
-        own = tl.load(id_of_slot_ptr + pool_base + part, mask=in_part, other=-1)
+    if V > 0:
+        vj = tl.arange(0, V)                                              # [V]
+        vkey = tl.load(vkeys_ptr + vj)
+        vown = tl.load(vowner_ptr + vj)
+        vslot = vkey & ((1 << 25) - 1)
+        vused = vkey != 0x7FFFFFFFFFFFFFFF
+        vu = tl.load(usage_ptr + pool_base + vslot, mask=vused, other=0)
+    else:                                   # no list: the fast path below never runs
+        vkey = tl.full((1,), 0x7FFFFFFFFFFFFFFF, tl.int64)
+        vown = tl.full((1,), -1, tl.int32)
     e64 = e.to(tl.int64)
     valid = in_r & (e64 >= 0) & (e64 < NUM_EXPERTS)
     same = (e64[:, None] == e64[None, :]) & (r[None, :] < r[:, None]) & valid[None, :]
@@ -351,42 +364,33 @@ def ensure_small_kernel(
     k, promoted = _fetch_count(num_misses, num_hits, num_slots, first_rec, max_fetch, frac_q16,
                                round_mode, promote, seed + zero, step, layer)
 
-    # this program's k smallest eligible keys (and their owners), ascending; unused entries MAX
-    j_idx = tl.arange(0, ROUTE_BLOCK)
-    cands = tl.full((ROUTE_BLOCK,), 0x7FFFFFFFFFFFFFFF, tl.int64)
-    owners = tl.full((ROUTE_BLOCK,), -1, tl.int32)
-    if k > 0:
-        if PRELOAD:
-            key = tl.where(in_part & (u != step), ((u + 1) << 25) | part.to(tl.int64),
-                           0x7FFFFFFFFFFFFFFF)
-            hit_local = tl.where(hit, slot - pool_base, -1)               # [R] hits' part offsets
-            prev = tl.full((), -1, tl.int64)
-            j = tl.zeros((), tl.int64)
-            while j < k:
-                best = tl.min(tl.where(key > prev, key, 0x7FFFFFFFFFFFFFFF), axis=0)
-                prev = best
-                best_local = best & ((1 << 25) - 1)
-                if tl.max((hit_local == best_local).to(tl.int32), axis=0) == 0:
-                    owner = tl.max(tl.where(part.to(tl.int64) == best_local, own, -1), axis=0)
-                    cands = tl.where(j_idx == j, best, cands)
-                    owners = tl.where(j_idx == j, owner, owners)
-                    j += 1
-        else:
-            # every program marks the hits itself, so that its own part sees them as used
-            tl.store(usage_ptr + slot, step, mask=hit)
-            tl.debug_barrier()
-            u = tl.load(usage_ptr + pool_base + part, mask=in_part, other=0)
-            key = tl.where(in_part & (u != step), ((u + 1) << 25) | part.to(tl.int64),
-                           0x7FFFFFFFFFFFFFFF)
-            prev = tl.full((), -1, tl.int64)
-            for j in range(0, k):
-                best = tl.min(tl.where(key > prev, key, 0x7FFFFFFFFFFFFFFF), axis=0)
-                cands = tl.where(j_idx == j, best, cands)
-                prev = best
+    fast = k == 0
+    if V > 0:
+        if k > 0:
+            hit_local = tl.where(hit, slot - pool_base, -1)               # [R]
+            vhit = tl.max((vslot[:, None] == hit_local[None, :]).to(tl.int32), axis=1) > 0
+            live = vused & ((((vu + 1) << 25) | vslot) == vkey) & (vhit == 0)
+            vkey = tl.where(live, vkey, 0x7FFFFFFFFFFFFFFF)
+            fast = tl.sum(live.to(tl.int64), axis=0) >= k
+
+    cj = tl.arange(0, CAND)
+    cands = tl.full((CAND,), 0x7FFFFFFFFFFFFFFF, tl.int64)
+    if fast == 0:
+        # every program marks the hits itself, so that its own part sees them as used
+        tl.store(usage_ptr + slot, step, mask=hit)
+        tl.debug_barrier()
+        part = pid * PART + tl.arange(0, PART)                            # [PART] pool-local
+        in_part = part < num_slots
+        u = tl.load(usage_ptr + pool_base + part, mask=in_part, other=0)
+        key = tl.where(in_part & (u != step), ((u + 1) << 25) | part.to(tl.int64),
+                       0x7FFFFFFFFFFFFFFF)
+        prev = tl.full((), -1, tl.int64)
+        for j in range(0, k + V):
+            best = tl.min(tl.where(key > prev, key, 0x7FFFFFFFFFFFFFFF), axis=0)
+            cands = tl.where(cj == j, best, cands)
+            prev = best
         if MULTI:
-            tl.store(part_keys_ptr + pid * ROUTE_BLOCK + j_idx, cands)
-            if PRELOAD:
-                tl.store(part_owner_ptr + pid * ROUTE_BLOCK + j_idx, owners)
+            tl.store(part_keys_ptr + pid * CAND + cj, cands)
     if MULTI:
         tl.debug_barrier()
         arrived = tl.atomic_add(arrive_ptr, 1, sem="acq_rel")
@@ -399,37 +403,63 @@ def ensure_small_kernel(
         out = tl.where(valid, slot, -1)                                   # [R]
         installed = tl.zeros((), tl.int32)
         if k > 0:
-            if MULTI:
-                m = tl.arange(0, MERGE_BLOCK)                             # [G*R] candidates
-                m_ok = ((m // ROUTE_BLOCK) < tl.num_programs(0)) & ((m % ROUTE_BLOCK) < k)
-                cand = tl.load(part_keys_ptr + m, mask=m_ok, other=0x7FFFFFFFFFFFFFFF,
-                               volatile=True)
-                if PRELOAD:
-                    cand_owner = tl.load(part_owner_ptr + m, mask=m_ok, other=-1, volatile=True)
-            else:
-                cand = cands
-                cand_owner = owners
-            prev_order = tl.full((), 0x7FFFFFFFFFFFFFFF, tl.int64)
-            prev_victim = tl.full((), -1, tl.int64)
-            for i in range(0, k):
-                cur = tl.max(tl.where(order_key < prev_order, order_key, -1), axis=0)
-                prev_order = cur
-                expert = (E_BLOCK - 1) - (cur % E_BLOCK)
-                vkey = tl.min(tl.where(cand > prev_victim, cand, 0x7FFFFFFFFFFFFFFF), axis=0)
-                prev_victim = vkey
-                victim = pool_base + (vkey & ((1 << 25) - 1))
-                if (promoted == 0) | ((vkey >> 25) == 0):
-                    if PRELOAD:
-                        old = tl.max(tl.where(cand == vkey, cand_owner, -1), axis=0)
+            if fast:
+                # victims: the k smallest live list entries; owners as recorded in the list
+                prev_order = tl.full((), 0x7FFFFFFFFFFFFFFF, tl.int64)
+                prev_victim = tl.full((), -1, tl.int64)
+                for i in range(0, k):
+                    cur = tl.max(tl.where(order_key < prev_order, order_key, -1), axis=0)
+                    prev_order = cur
+                    expert = (E_BLOCK - 1) - (cur % E_BLOCK)
+                    vk = tl.min(tl.where(vkey > prev_victim, vkey, 0x7FFFFFFFFFFFFFFF), axis=0)
+                    prev_victim = vk
+                    victim = pool_base + (vk & ((1 << 25) - 1))
+                    if (promoted == 0) | ((vk >> 25) == 0):
+                        old = tl.max(tl.where(vkey == vk, vown, -1), axis=0)
                         _install_known(slot_for_id_ptr, id_of_slot_ptr, usage_ptr, victim, old,
                                        row + expert, step)
-                    else:
-                        _install(slot_for_id_ptr, id_of_slot_ptr, usage_ptr, victim, row + expert,
-                                 step)
-                    tl.store(evict_ptr + i, victim.to(tl.int32))
-                    tl.store(src_ptr + i, expert.to(tl.int32))
-                    out = tl.where(e64 == expert, victim, out)
-                    installed += 1
+                        tl.store(evict_ptr + i, victim.to(tl.int32))
+                        tl.store(src_ptr + i, expert.to(tl.int32))
+                        out = tl.where(e64 == expert, victim, out)
+                        installed += 1
+            else:
+                if MULTI:
+                    m = tl.arange(0, MERGE_BLOCK)                         # [G*CAND] candidates
+                    m_ok = ((m // CAND) < tl.num_programs(0)) & ((m % CAND) < k + V)
+                    pool_c = tl.load(part_keys_ptr + m, mask=m_ok, other=0x7FFFFFFFFFFFFFFF,
+                                     volatile=True)
+                    sel = tl.full((CAND,), 0x7FFFFFFFFFFFFFFF, tl.int64)
+                    prev = tl.full((), -1, tl.int64)
+                    for j in range(0, k + V):
+                        best = tl.min(tl.where(pool_c > prev, pool_c, 0x7FFFFFFFFFFFFFFF), axis=0)
+                        sel = tl.where(cj == j, best, sel)
+                        prev = best
+                else:
+                    sel = cands                                           # already merged
+                sel_used = sel != 0x7FFFFFFFFFFFFFFF
+                sel_slot = sel & ((1 << 25) - 1)
+                sel_own = tl.load(id_of_slot_ptr + pool_base + sel_slot, mask=sel_used, other=-1)
+                prev_order = tl.full((), 0x7FFFFFFFFFFFFFFF, tl.int64)
+                for i in range(0, k):
+                    cur = tl.max(tl.where(order_key < prev_order, order_key, -1), axis=0)
+                    prev_order = cur
+                    expert = (E_BLOCK - 1) - (cur % E_BLOCK)
+                    vk = tl.max(tl.where(cj == i, sel, -1), axis=0)
+                    victim = pool_base + (vk & ((1 << 25) - 1))
+                    if (promoted == 0) | ((vk >> 25) == 0):
+                        old = tl.max(tl.where(cj == i, sel_own, -1), axis=0)
+                        _install_known(slot_for_id_ptr, id_of_slot_ptr, usage_ptr, victim, old,
+                                       row + expert, step)
+                        tl.store(evict_ptr + i, victim.to(tl.int32))
+                        tl.store(src_ptr + i, expert.to(tl.int32))
+                        out = tl.where(e64 == expert, victim, out)
+                        installed += 1
+                if V > 0:
+                    # the new list: the V keys after the installed victims (untouched by this call)
+                    dst = cj - installed
+                    keep = (dst >= 0) & (dst < V)
+                    tl.store(vkeys_ptr + dst, sel, mask=keep)
+                    tl.store(vowner_ptr + dst, sel_own, mask=keep)
         if MULTI:
             tl.store(arrive_ptr, 0)
         bad = in_r & ((e64 < -1) | (e64 >= NUM_EXPERTS))
