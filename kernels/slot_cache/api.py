@@ -19,9 +19,8 @@ DEFAULT_SLOT_TILE = 2048      # general kernel: slots per tile of its pool scan
 # Decode kernel: one program for pools up to SINGLE_PROGRAM_SLOTS, else DEFAULT_PART slots per
 # program (the fastest settings measured on the H200, docs/slot_cache.md).
 SINGLE_PROGRAM_SLOTS = 2048
-DEFAULT_PART = 512
-DEFAULT_SMALL_WARPS = 4       # decode kernel, more than one program or a pool of <= 256 slots
-SINGLE_PROGRAM_WARPS = 8      # decode kernel, one program scanning a pool of > 256 slots
+DEFAULT_PART = 1024
+DEFAULT_SMALL_WARPS = 4
 DEFAULT_GENERAL_WARPS = 4
 MAX_ROUTE_TILE = 1024
 MAX_PREFETCH_CANDIDATES = 128
@@ -45,8 +44,7 @@ def _resolve_impl(impl: str, device: torch.device) -> str:
 def small_defaults(num_slots: int) -> tuple[int, int]:
     """(slots per program, warps) of the decode kernel for a pool of `num_slots`."""
     if num_slots <= SINGLE_PROGRAM_SLOTS:
-        warps = DEFAULT_SMALL_WARPS if num_slots <= 256 else SINGLE_PROGRAM_WARPS
-        return max(MIN_PART, _next_pow2(num_slots)), warps
+        return max(MIN_PART, _next_pow2(num_slots)), DEFAULT_SMALL_WARPS
     return DEFAULT_PART, DEFAULT_SMALL_WARPS
 
 
