@@ -1,19 +1,32 @@
-"""CPU <-> CPU process round trip through the shared-memory doorbell (CpuPoolClient <-> a real worker).
+"""Hand-off round trip through the shared-memory doorbell to a real `ft worker cpu` process.
 
-Starts one `ft worker cpu` process (standalone, on its own cores) and times client.call() round trips:
-submit (copy a 1-token hidden state, ring request_seq) -> the worker sees it, answers (zeroes the
-1-token partial sum; no expert work) -> done_seq -> the client sees it. Expert compute time is what
-bench_cpu_experts.py measures. Reports p50/p99 over --calls calls while the worker is hot,
-then a few calls after idle gaps longer than its hot window (the back-off's cost).
+Starts one worker (standalone, on its own cores; 0 triples, so no expert compute: the worker zeroes the
+1-token partial sum) and times round trips. Expert compute time is what bench_cpu_experts.py measures.
 
-    python bench/bench_handoff.py                 # 10,000 hot calls
-    python bench/bench_handoff.py --client-cpu 0  # pin this process; the worker gets the other CPUs
+--mode cpu: CPU <-> CPU. client.call(): submit (copy a 1-token hidden state, ring request_seq) -> the
+    worker answers -> done_seq -> the client sees it. p50/p99 over --calls hot calls, then a few calls
+    after idle gaps longer than the worker's hot window (the back-off's cost).
+--mode gpu: GPU -> CPU process -> GPU (gpu_worker/hybrid/stream_doorbell.py). Per call, on one CUDA stream:
+    D2H copy of the [1, H] bf16 hidden state into the channel, the request line's seq and request_seq by
+    cuStreamWriteValue64, cuStreamWaitValue64(done_seq >= seq), H2D copy of the [1, H] fp32 partial sum.
+    Each call is timed with CUDA events recorded before and after it on the stream. To time the device
+    side and not Python's enqueue speed, calls are enqueued in batches behind a closed gate (the stream
+    waits on a host word), then the gate opens and the batch runs back to back; "mean" is the batch's
+    elapsed time / calls. Rows also show: the same with the response status captured (valid() checks),
+    one call at a time with a host sync (what a synchronous caller sees), 10,000 calls enqueued without a
+    gate (bounded by the host's enqueue rate), and for reference the host-driven round trip from the GPU
+    side (D2H + sync, client.call, H2D + sync), which is what gpu_worker/hybrid does today.
+--mode both (the default with CUDA): both sets of rows.
+
+    python bench/bench_handoff.py                      # both where CUDA is available, else cpu
+    python bench/bench_handoff.py --mode gpu --client-cpu 0
 """
 from __future__ import annotations
 
 import argparse
 import os
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -30,22 +43,203 @@ HIDDEN = 2048              # qwen3-30b-a3b hidden size: the request carries one 
 TINY_INTERMEDIATE = 8      # the experts are never computed here (0 triples): keep the store small
 START_TIMEOUT_S = 120
 DEADLINE_S = 5.0
+MAX_GATED_BATCH = 64       # a stream blocked on the gate accepts ~1,000 queued operations before the host
+                           # blocks in a launch (a deadlock, the gate never opening); a call is ~8 of them
+GATE_SAFETY_S = 30.0       # open the gate anyway after this (and say so) rather than hang
 
 
-def percentiles_us(samples_ns: list[int]) -> tuple[float, float, float]:
+def percentiles_us(samples_ns) -> tuple[float, float, float]:
     arr = np.asarray(samples_ns, dtype=np.float64) / 1e3
     return float(np.percentile(arr, 50)), float(np.percentile(arr, 99)), float(arr.max())
 
 
+Row = tuple  # (label, calls, p50 us, p99 us, max us, mean us or None)
+
+
+def cpu_rows(client: CpuPoolClient, args) -> list[Row]:
+    rows: list[Row] = []
+    hidden = torch.zeros(1, HIDDEN, dtype=torch.bfloat16)                             # [1, H]
+    empty = (torch.empty(0, dtype=torch.int32), torch.empty(0, dtype=torch.int32), torch.empty(0))
+    samples = []
+    for i in range(args.warmup + args.calls):
+        t0 = time.perf_counter_ns()
+        client.call(i % 2, hidden, empty, deadline_s=DEADLINE_S)     # layers alternate slots
+        dt = time.perf_counter_ns() - t0
+        if i >= args.warmup:
+            samples.append(dt)
+    rows.append(("cpu: 1 token, 0 triples, worker hot", len(samples), *percentiles_us(samples), None))
+    cold = []
+    for i in range(args.cold_calls):
+        time.sleep(args.hot_ms / 1e3 + 0.05)
+        t0 = time.perf_counter_ns()
+        client.call(i % 2, hidden, empty, deadline_s=DEADLINE_S)
+        cold.append(time.perf_counter_ns() - t0)
+    if cold:
+        rows.append((f"cpu: the same after {args.hot_ms + 50:.0f} ms idle", len(cold), *percentiles_us(cold), None))
+    return rows
+
+
+class Gate:
+    """A host word the stream waits on (cuStreamWaitValue64 >= n): close() before enqueueing a batch,
+    open() after. A timer opens it for good after GATE_SAFETY_S (then `tripped` is set)."""
+
+    def __init__(self, drv, device):
+        from gpu_worker.hybrid.stream_doorbell import PinnedWords
+
+        self.drv = drv
+        self.words = PinnedWords(64, cuda_driver=drv, device=device, what="benchmark gate")
+        self.word = self.words.word(0)
+        self.value = 0
+        self.tripped = False
+        self._timer: threading.Timer | None = None
+
+    def close(self, stream) -> None:
+        self.value += 1
+        self.drv.wait_value64(stream.cuda_stream, self.words.dptr(0), self.value)
+        self._timer = threading.Timer(GATE_SAFETY_S, self._trip)
+        self._timer.daemon = True
+        self._timer.start()
+
+    def _trip(self) -> None:
+        self.tripped = True
+        self.word.value = 1 << 62
+
+    def open(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        self.word.value = max(self.word.value, self.value)
+
+    def release(self) -> None:
+        self.words.close()
+
+
+def gated_doorbell_rows(db, gate, hidden, out, args, label: str) -> list[Row]:
+    """Per-call CUDA event times of calls run back to back behind the gate, and the batch mean."""
+    stream = torch.cuda.current_stream()
+    total = args.warmup + args.calls
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(total)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(total)]
+    batch = max(1, min(args.batch, MAX_GATED_BATCH))
+    spans: list[tuple[int, int]] = []
+    calls = []
+    i = 0
+    while i < total:
+        n = min(batch, total - i)
+        gate.close(stream)
+        for k in range(i, i + n):
+            starts[k].record(stream)
+            calls.append(db.enqueue(k % 2, hidden, None, out))
+            ends[k].record(stream)
+        gate.open()
+        stream.synchronize()
+        spans.append((i, i + n - 1))
+        i += n
+    invalid = sum(not c.valid() for c in calls[-min(len(calls), db.ring_size):])
+    per_call = [starts[k].elapsed_time(ends[k]) * 1e6 for k in range(args.warmup, total)]      # ns
+    measured = [(a, b) for a, b in spans if a >= args.warmup]
+    mean_us = (sum(starts[a].elapsed_time(ends[b]) for a, b in measured) * 1e3
+               / max(sum(b - a + 1 for a, b in measured), 1))
+    note = f"{label}{' (GATE TRIPPED)' if gate.tripped else ''}{f' ({invalid} INVALID)' if invalid else ''}"
+    return [(note, len(per_call), *percentiles_us(per_call), mean_us)]
+
+
+def gpu_rows(client: CpuPoolClient, args) -> tuple[list[Row], list[str]]:
+    from gpu_worker.hybrid.stream_doorbell import StreamDoorbell, driver
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    rows: list[Row] = []
+    notes: list[str] = []
+    if not client.pin_for_cuda():
+        raise RuntimeError("cudaHostRegister of the channel failed")
+    stream = torch.cuda.current_stream()
+    hidden = torch.zeros(1, HIDDEN, dtype=torch.bfloat16, device=device)              # [1, H] bf16
+    out = torch.empty(1, HIDDEN, dtype=torch.float32, device=device)                  # [1, H] fp32 partial
+
+    # Reference: host-driven from the GPU side (what gpu_worker/hybrid does today).
+    staging = torch.empty(1, HIDDEN, dtype=torch.bfloat16, pin_memory=True)
+    empty = (torch.empty(0, dtype=torch.int32), torch.empty(0, dtype=torch.int32), torch.empty(0))
+    samples = []
+    for i in range(args.warmup + args.calls):
+        t0 = time.perf_counter_ns()
+        staging.copy_(hidden, non_blocking=True)
+        stream.synchronize()
+        partial = client.call(i % 2, staging, empty, deadline_s=DEADLINE_S)
+        out.copy_(partial, non_blocking=True)
+        stream.synchronize()
+        dt = time.perf_counter_ns() - t0
+        if i >= args.warmup:
+            samples.append(dt)
+    rows.append(("gpu host-driven: D2H+sync, submit/wait, H2D+sync", len(samples), *percentiles_us(samples), None))
+
+    drv = driver()
+    caps = drv.capabilities(device.index)
+    notes.append(f"{torch.cuda.get_device_name(device)}, driver {caps['driver_version']}, memops v{caps['memops_api']} "
+                 f"({caps['memops_resolved_by']}), 64-bit memops {caps['64_bit_stream_mem_ops']}, "
+                 f"host pointer for registered mem {caps['host_pointer_for_registered_mem']}")
+    gate = Gate(drv, device)
+    try:
+        for check_status, label in ((False, "gpu stream doorbell, per call (CUDA events)"),
+                                    (True, "gpu stream doorbell + status capture")):
+            db = StreamDoorbell(client, device, check_status=check_status, deadline_s=DEADLINE_S)
+            try:
+                rows += gated_doorbell_rows(db, gate, hidden, out, args, label)
+            except Exception as exc:  # keep the other rows
+                notes.append(f"{label}: FAILED {type(exc).__name__}: {exc}")
+            finally:
+                db.close()
+
+        db = StreamDoorbell(client, device, check_status=False, deadline_s=DEADLINE_S)
+        try:
+            samples = []                    # one call at a time, host-synchronised (host clock)
+            for i in range(args.warmup + args.calls):
+                t0 = time.perf_counter_ns()
+                db.enqueue(i % 2, hidden, None, out)
+                stream.synchronize()
+                dt = time.perf_counter_ns() - t0
+                if i >= args.warmup:
+                    samples.append(dt)
+            rows.append(("gpu stream doorbell, enqueue + stream sync", len(samples), *percentiles_us(samples), None))
+
+            first, last = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            t0 = time.perf_counter_ns()     # no gate: as fast as the host enqueues
+            first.record(stream)
+            for i in range(args.calls):
+                call = db.enqueue(i % 2, hidden, None, out)
+            last.record(stream)
+            stream.synchronize()
+            wall_us = (time.perf_counter_ns() - t0) / 1e3 / args.calls
+            device_us = first.elapsed_time(last) * 1e3 / args.calls
+            rows.append(("gpu stream doorbell, ungated stream of calls", args.calls, float("nan"), float("nan"),
+                         float("nan"), device_us))
+            notes.append(f"ungated: {device_us:.1f} us/call on the device, {wall_us:.1f} us/call host wall "
+                         f"(the host's enqueue rate bounds it when larger than the gated mean); last call "
+                         f"valid={call.valid()}")
+        except Exception as exc:
+            notes.append(f"eager doorbell rows: FAILED {type(exc).__name__}: {exc}")
+        finally:
+            db.close()
+    finally:
+        gate.release()
+    return rows, notes
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--mode", choices=("cpu", "gpu", "both"), default=None,
+                        help="default: both where CUDA is available, else cpu")
     parser.add_argument("--calls", type=int, default=10_000)
     parser.add_argument("--warmup", type=int, default=500)
+    parser.add_argument("--batch", type=int, default=32,
+                        help=f"gpu: calls per gated batch (at most {MAX_GATED_BATCH})")
     parser.add_argument("--client-cpu", type=int, default=None,
                         help="pin this process to this CPU and keep it out of the worker's set")
     parser.add_argument("--hot-ms", type=float, default=50.0, help="worker: spin this long after a request")
-    parser.add_argument("--cold-calls", type=int, default=20, help="calls after an idle gap > hot window")
+    parser.add_argument("--cold-calls", type=int, default=20, help="cpu: calls after an idle gap > hot window")
     args = parser.parse_args()
+    mode = args.mode or ("both" if torch.cuda.is_available() else "cpu")
+    if mode != "cpu" and not torch.cuda.is_available():
+        print("--mode gpu/both needs CUDA (torch sees no GPU); use --mode cpu", file=sys.stderr)
+        return 2
 
     tag = os.getpid()
     store = ExpertStore.create(f"ft-bench-handoff-{tag}", num_layers=2, num_experts=8, hidden=HIDDEN,
@@ -71,28 +265,15 @@ def main() -> int:
     else:
         proc.start()
     client = CpuPoolClient(chan_name)
-    rows = []
+    rows: list[Row] = []
+    notes: list[str] = []
     try:
         client.wait_for_worker(timeout_s=START_TIMEOUT_S)
-        hidden = torch.zeros(1, HIDDEN, dtype=torch.bfloat16)                             # [1, H]
-        empty = (torch.empty(0, dtype=torch.int32), torch.empty(0, dtype=torch.int32), torch.empty(0))
-        samples = []
-        for i in range(args.warmup + args.calls):
-            t0 = time.perf_counter_ns()
-            client.call(i % 2, hidden, empty, deadline_s=DEADLINE_S)     # layers alternate slots
-            dt = time.perf_counter_ns() - t0
-            if i >= args.warmup:
-                samples.append(dt)
-        rows.append(("1 token, 0 triples, worker hot", len(samples), *percentiles_us(samples)))
-        cold = []
-        for i in range(args.cold_calls):
-            time.sleep(args.hot_ms / 1e3 + 0.05)
-            t0 = time.perf_counter_ns()
-            client.call(i % 2, hidden, empty, deadline_s=DEADLINE_S)
-            cold.append(time.perf_counter_ns() - t0)
-        if cold:
-            rows.append((f"1 token, 0 triples, after {args.hot_ms + 50:.0f} ms idle", len(cold),
-                         *percentiles_us(cold)))
+        if mode in ("cpu", "both"):
+            rows += cpu_rows(client, args)
+        if mode in ("gpu", "both"):
+            gpu, notes = gpu_rows(client, args)
+            rows += gpu
     finally:
         client.close()
         proc.stop(timeout_s=10)
@@ -100,11 +281,16 @@ def main() -> int:
         chan.unlink()
         store.close()
         store.unlink()
-    print(f"worker pid {proc.pid}, client affinity {sorted(os.sched_getaffinity(0))}, {os.cpu_count()} CPUs")
+    print(f"worker pid {proc.pid}, client affinity {sorted(os.sched_getaffinity(0))}, {os.cpu_count()} CPUs, "
+          f"mode {mode}")
+    for note in notes:
+        print(note)
     print()
-    print(f"{'round trip':<42} {'calls':>6} {'p50 us':>8} {'p99 us':>8} {'max us':>8}")
-    for label, n, p50, p99, worst in rows:
-        print(f"{label:<42} {n:>6} {p50:>8.1f} {p99:>8.1f} {worst:>8.1f}")
+    print(f"{'round trip (1 token, H=2048, 0 triples)':<52} {'calls':>6} {'p50 us':>8} {'p99 us':>8} {'max us':>8} "
+          f"{'mean us':>8}")
+    for label, n, p50, p99, worst, mean in rows:
+        cells = " ".join("       -" if v != v else f"{v:>8.1f}" for v in (p50, p99, worst))
+        print(f"{label:<52} {n:>6} {cells} {'       -' if mean is None else f'{mean:>8.1f}'}")
     return 0
 
 

@@ -31,9 +31,11 @@ import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
-from coordinator.ports import free_loopback_port  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if REPO not in sys.path:        # run as a script from a checkout without `pip install -e`
+    sys.path.insert(0, REPO)
+from coordinator.ports import free_loopback_port  # noqa: E402
 PROMPTS = ["Hello", "The weather is", "Question: what is two plus two?", "Once upon a time",
            "The quick brown fox", "A mixture of experts model"]
 CHAT = [{"role": "user", "content": "Hello!"}]

@@ -8,7 +8,8 @@ from __future__ import annotations
 import importlib
 
 _EXPORTS = {"build_hybrid_backend": "build", "start_cpu_pool": "build", "CpuPool": "cpu_pool",
-            "HybridExperts": "hybrid_experts", "HybridOptions": "options", "HybridStats": "stats"}
+            "HybridExperts": "hybrid_experts", "HybridOptions": "options", "HybridStats": "stats",
+            "StreamDoorbell": "stream_doorbell"}
 __all__ = sorted(_EXPORTS)
 
 
