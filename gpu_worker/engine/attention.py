@@ -7,19 +7,35 @@ query attention reads each cached key once and never copies K/V to Hq heads:
 
 - `PrefillAttention`: one request, a chunk of C tokens at positions start..start+C-1; writes the chunk's
   K/V into the request's row, attends causally over positions [0, start + C).
-- `DecodeAttention`: one token for each of T requests. Fixed shapes for CUDA graphs: it attends over
-  cache rows [0, R) and positions [0, bucket) with a mask from a device tensor of sequence lengths;
-  no host sync. Rows in [0, R) that are not decoding this step attend to one finite dummy position and
-  their output is dropped.
+- `DecodeAttention`: one token for each of T requests. Fixed shapes for CUDA graphs (no host sync),
+  by one of two backends:
+  - "triton" (the default on CUDA): kernels/decode_attention, a flash-decoding kernel that reads only
+    the T requests' rows up to each one's sequence length (grid bounded by the bucket);
+  - "sdpa" (CPU, and the fallback on CUDA): SDPA over cache rows [0, R) and positions [0, bucket)
+    with a mask from a device tensor of sequence lengths. Rows in [0, R) that are not decoding this
+    step attend to one finite dummy position and their output is dropped.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
+from kernels.decode_attention import decode_attention
+
 from .kv_cache import KVCache
 
 MIN_DECODE_BUCKET_TOKENS = 64
+ATTENTION_BACKENDS = ("auto", "sdpa", "triton")
+
+
+def resolve_attention_backend(backend: str, device: torch.device) -> str:
+    """"auto" -> "triton" on CUDA, "sdpa" elsewhere; "triton" on CPU runs the Triton interpreter
+    (TRITON_INTERPRET=1 set before the kernels are defined: tests only)."""
+    if backend not in ATTENTION_BACKENDS:
+        raise ValueError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, got {backend!r}")
+    if backend == "auto":
+        return "triton" if device.type == "cuda" else "sdpa"
+    return backend
 
 
 def decode_bucket_tokens(max_seq_len: int, max_context_tokens: int) -> int:
@@ -67,14 +83,21 @@ class PrefillAttention:
 
 class DecodeAttention:
     """slot_ids, positions: [T] int64 device tensors (each slot at most once); num_rows R and bucket
-    are host ints (R > max slot id, bucket >= max position + 1); rows_are_slots: slot_ids == arange(T)."""
+    are host ints (R > max slot id, bucket >= max position + 1); rows_are_slots: slot_ids == arange(T).
+    backend: "auto" | "sdpa" | "triton" (see the module docstring)."""
 
     def __init__(self, kv: KVCache, slot_ids: torch.Tensor, positions: torch.Tensor, num_rows: int,
-                 bucket_tokens: int, rows_are_slots: bool, sliding_window: int | None = None):
+                 bucket_tokens: int, rows_are_slots: bool, sliding_window: int | None = None,
+                 backend: str = "auto"):
         self.kv, self.slot_ids, self.num_rows, self.bucket = kv, slot_ids, num_rows, bucket_tokens
-        self.rows_are_slots = rows_are_slots
+        self.rows_are_slots, self.sliding_window = rows_are_slots, sliding_window
+        self.backend = resolve_attention_backend(backend, kv.k.device)
         device = kv.k.device
         self.flat_index = slot_ids * kv.max_context_tokens + positions                    # [T]
+        if self.backend == "triton":
+            self.seq_lens = positions + 1                                                  # [T]
+            self.mask = None
+            return
         seq_lens = torch.ones(num_rows, dtype=torch.int64, device=device)                  # idle rows: 1
         seq_lens.index_copy_(0, slot_ids, positions + 1)                                   # [R]
         k_pos = torch.arange(bucket_tokens, device=device)[None, :]                        # [1, bucket]
@@ -84,12 +107,17 @@ class DecodeAttention:
         self.mask = mask[:, None, None, :]                                                 # [R, 1, 1, bucket]
 
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q [T, Hq, D], k/v [T, Hkv, D] (after rope): writes k/v at each request's position -> [T, Hq, D]."""
         T, Hq, D = q.shape
         Hkv = k.shape[1]
         G = Hq // Hkv
         k_flat, v_flat = self.kv.flat(layer_idx)                                           # [B*S, Hkv, D]
         k_flat.index_copy_(0, self.flat_index, k)
         v_flat.index_copy_(0, self.flat_index, v)
+        if self.backend == "triton":
+            return decode_attention(q, self.kv.k[layer_idx], self.kv.v[layer_idx], self.slot_ids,
+                                    self.seq_lens, scale=D ** -0.5, bucket=self.bucket,
+                                    sliding_window=self.sliding_window, impl="triton")
         R, S = self.num_rows, self.bucket
         keys = self.kv.k[layer_idx, :R, :S].transpose(1, 2)                                # [R, Hkv, S, D]
         values = self.kv.v[layer_idx, :R, :S].transpose(1, 2)                              # [R, Hkv, S, D]

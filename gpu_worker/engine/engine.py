@@ -19,7 +19,7 @@ from typing import Hashable, Iterable
 import torch
 
 from ..models.model import MoeModel
-from .attention import DecodeAttention, PrefillAttention, decode_bucket_tokens
+from .attention import ATTENTION_BACKENDS, DecodeAttention, PrefillAttention, decode_bucket_tokens
 from .kv_cache import KVCache
 from .request import Request, StepOutput
 from .sampling import FINISH_ABORT, RequestSampler, SamplingParams, sample_batch
@@ -35,6 +35,7 @@ class EngineConfig:
     max_context_tokens: int | None = None  # None: min(32768, the model's max_position_embeddings)
     prefill_chunk_tokens: int = 512
     cuda_graphs: bool = True               # replay decode forwards from CUDA graphs where safe
+    attention_backend: str = "auto"        # decode attention: "triton" | "sdpa"; auto: triton on CUDA
 
     def __post_init__(self) -> None:
         if self.max_running_requests < 1:
@@ -43,6 +44,9 @@ class EngineConfig:
             raise ValueError(f"prefill_chunk_tokens={self.prefill_chunk_tokens} must be >= 1")
         if self.max_context_tokens is not None and self.max_context_tokens < 2:
             raise ValueError(f"max_context_tokens={self.max_context_tokens} must be >= 2")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend={self.attention_backend!r} must be one of "
+                             f"{', '.join(ATTENTION_BACKENDS)}")
 
 
 @dataclass(frozen=True)
@@ -191,7 +195,8 @@ class Engine:
         """One token per request -> logits [T, V] fp32. Fixed shapes for (T, R, bucket); no host sync
         unless the expert backend makes one."""
         attn = DecodeAttention(self.kv, inputs.slot_ids, inputs.positions, inputs.num_rows,
-                               inputs.bucket_tokens, inputs.rows_are_slots, self.model.cfg.sliding_window)
+                               inputs.bucket_tokens, inputs.rows_are_slots, self.model.cfg.sliding_window,
+                               backend=self.config.attention_backend)
         return self.model.forward(inputs.token_ids, inputs.positions, attn)
 
     def _decode(self, reqs: list[Request]) -> list[StepOutput]:
