@@ -8,7 +8,7 @@ rows into the graph's static inputs and replay it. All graphs share one memory p
 cache and weights are outside it, so every replay sees the live cache.
 
 An expert backend opts in with `graph_safe(num_pairs) -> bool` (no host sync, fixed shapes for
-that many (token, expert) pairs); `ResidentExperts` is safe in its gather mode. Backends without it
+that many (token, expert) pairs); `ResidentExperts` is safe in its gemv and gather modes. Backends without it
 (offload reads its copy plan on the host) run eagerly.
 """
 from __future__ import annotations

@@ -26,6 +26,9 @@ class LayerWeights:
     router: torch.Tensor             # [E, H]
     q_norm: torch.Tensor | None = None   # qwen3: [D]; olmoe: [Hq*D]
     k_norm: torch.Tensor | None = None   # qwen3: [D]; olmoe: [Hkv*D]
+    # [Hq*D + 2*Hkv*D, H] after fuse_qkv (one GEMM for q, k, v); q_proj/k_proj/v_proj are then
+    # row views of it. Never read from or written to a checkpoint.
+    qkv_proj: torch.Tensor | None = None
 
 
 @dataclass
@@ -47,6 +50,20 @@ class DenseWeights:
                 seen.add(t.data_ptr())
                 total += t.numel() * t.element_size()
         return total
+
+
+def fuse_qkv(weights: DenseWeights) -> None:
+    """Concatenate each layer's q/k/v projections into ``qkv_proj`` [Hq*D + 2*Hkv*D, H] and make
+    ``q_proj`` / ``k_proj`` / ``v_proj`` row views of it (no second copy is kept), so attention runs
+    one GEMM instead of three. Values are unchanged: checkpoints and state dicts read the views.
+    Idempotent; one layer at a time (peak extra memory: one layer's projections)."""
+    for layer in weights.layers:
+        if layer.qkv_proj is not None:
+            continue
+        sizes = [layer.q_proj.shape[0], layer.k_proj.shape[0], layer.v_proj.shape[0]]
+        qkv = torch.cat([layer.q_proj, layer.k_proj, layer.v_proj], dim=0)
+        layer.q_proj, layer.k_proj, layer.v_proj = qkv.split(sizes, dim=0)
+        layer.qkv_proj = qkv
 
 
 def load_dense_weights(reader: CheckpointReader, cfg: MoeConfig, device: torch.device | str,

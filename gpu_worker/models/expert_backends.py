@@ -27,7 +27,7 @@ def make_expert_backend(strategy: str, source: ExpertSource, device: torch.devic
     cache_size: GPU expert slots for ``offload``, ``cpu`` and ``hybrid``: a count, or a fraction in
         (0, 1] of all experts (default 0.25); ignored by ``resident``, which holds all experts.
     per_layer: give every layer its own pool of cache_size // num_layers slots.
-    mode: ``ResidentExperts`` compute mode (auto | grouped | gather).
+    mode: ``ResidentExperts`` compute mode (auto | grouped | gather | gemv).
     hybrid: ``gpu_worker.hybrid.HybridOptions`` for ``cpu`` and ``hybrid`` (None: defaults).
     top_k: experts per token (sizes the CPU pool's channels); default: the source's config, else 8.
     offload_copy: ``offload`` copies by DMA with a host readback of the plan (``dma``), or with a

@@ -125,10 +125,12 @@ def open_model_source(model_dir: str | Path | None = None, preset: str | None = 
 def load_model(model_dir: str | Path | None = None, preset: str | None = None, *,
                device: str | torch.device = "auto", dtype: str | torch.dtype | None = "auto",
                moe_strategy: str = "resident", moe_cache_size: int | float | str | None = None, seed: int = 0,
-               expert_compute: str = "auto", hybrid=None, offload_copy: str = "dma") -> LoadedModel:
+               expert_compute: str = "auto", hybrid=None, offload_copy: str = "dma",
+               fused_kernels: bool | None = None) -> LoadedModel:
     """Load dense weights and build the expert backend on ``device``; see module docstring.
 
-    hybrid: ``gpu_worker.hybrid.HybridOptions`` for the ``cpu`` and ``hybrid`` strategies."""
+    hybrid: ``gpu_worker.hybrid.HybridOptions`` for the ``cpu`` and ``hybrid`` strategies.
+    fused_kernels: `MoeModel`'s fused forward (kernels/moe_decode); None: on CUDA only."""
     t0 = time.perf_counter()
     device = resolve_device(device)
     source = open_model_source(model_dir, preset, dtype=dtype, seed=seed, device=device)
@@ -136,7 +138,8 @@ def load_model(model_dir: str | Path | None = None, preset: str | None = None, *
                                   mode=expert_compute, hybrid=hybrid, top_k=source.cfg.top_k,
                                   offload_copy=offload_copy)
     dense = source.load_dense(device)
-    model = MoeModel(source.cfg, dense, experts, max_positions=min(32768, source.cfg.max_position_embeddings))
+    model = MoeModel(source.cfg, dense, experts, max_positions=min(32768, source.cfg.max_position_embeddings),
+                     fused_kernels=fused_kernels)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return LoadedModel(source=source, model=model, device=device, load_time_s=time.perf_counter() - t0)

@@ -8,14 +8,20 @@ Every MoE layer routes, then calls ``experts.forward(layer_idx, x, topk_ids, top
     returns       [T, H]  sum_k w_k * down(silu(gate x) * up x), model dtype
 
 `ResidentExperts` keeps every expert in device memory, one packed [E, N] tensor per layer
-(expert_layout). Two ways to compute, same result:
+(expert_layout). Three ways to compute, same result:
 - ``grouped``: sort the (token, expert) pairs by expert and run one GEMM pair per routed expert.
   One host sync per layer (the per-expert counts); reads each routed expert once. For prefill.
+- ``gemv``: `kernels.moe_decode.moe_gemv`, Triton GEMVs that read the T*K routed experts in place
+  (no copy). No host sync, fixed shapes (CUDA-graph capturable); for small decode batches. On CPU
+  it runs its torch reference.
 - ``gather``: gather the K routed experts of every token and run batched GEMVs. No host sync and
-  fixed shapes (CUDA-graph capturable), but it copies T*K experts; for small decode batches.
-``auto`` takes ``gather`` on CUDA when T*K <= gather_max_pairs (default 32, settable), else
-``grouped``. Forcing ``gather`` (mode="gather") applies to prefill too, where a long prompt would copy
-T*K experts: meant for tests and for capturing decode graphs.
+  fixed shapes too, but it copies T*K experts (what ``gemv`` replaced; kept for comparison).
+``gemv`` and ``gather`` round at the same points (they differ only in fp32 summation order).
+``auto`` takes ``gemv`` on CUDA when T*K <= gather_max_pairs (default 32, settable), else
+``grouped``. Forcing ``gemv`` or ``gather`` applies to prefill too, where a long prompt would read
+(gather: copy) T*K experts: meant for tests and for capturing decode graphs.
+The offload and hybrid backends choose with the same rule (`pick_mode`, `expert_ffn`), so that
+greedy tokens agree across backends.
 """
 from __future__ import annotations
 
@@ -24,10 +30,13 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
+from kernels.moe_decode import moe_gemv
+
 from .expert_layout import ExpertLayout, unpack_experts
 from .expert_sources import ExpertSource
 
-MODES = ("auto", "grouped", "gather")
+MODES = ("auto", "grouped", "gather", "gemv")
+GRAPH_SAFE_MODES = ("gather", "gemv")       # no host sync, fixed shapes
 
 
 class ExpertBackend(Protocol):
@@ -83,6 +92,34 @@ def gathered_expert_ffn(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: t
     return y.view(T, K, -1).sum(dim=1).to(x.dtype)                    # [T, H]
 
 
+def gemv_expert_ffn(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                    w13: torch.Tensor, w2: torch.Tensor, impl: str = "auto") -> torch.Tensor:
+    """The same FFN reading the routed experts in place (kernels.moe_decode.moe_gemv): no copy, no
+    host sync, fixed shapes. A route at -1 adds exactly 0.
+
+    x [T, H], topk_ids/topk_weights [T, K], w13 [E, 2I, H], w2 [E, H, I] -> [T, H]
+    """
+    return moe_gemv(x, topk_ids, topk_weights, w13, w2, impl=impl)
+
+
+def pick_mode(mode: str, on_cuda: bool, num_pairs: int, gather_max_pairs: int) -> str:
+    """The compute mode for a call of ``num_pairs`` (token, expert) pairs: ``mode`` unless "auto";
+    auto: ``gemv`` on CUDA for at most ``gather_max_pairs`` pairs, else ``grouped``."""
+    if mode != "auto":
+        return mode
+    return "gemv" if on_cuda and num_pairs <= gather_max_pairs else "grouped"
+
+
+def expert_ffn(mode: str, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+               w13: torch.Tensor, w2: torch.Tensor, kernel_impl: str = "auto") -> torch.Tensor:
+    """Run the FFN of a resolved ``mode`` (grouped | gather | gemv); see the module docstring."""
+    if mode == "gemv":
+        return gemv_expert_ffn(x, topk_ids, topk_weights, w13, w2, impl=kernel_impl)
+    if mode == "gather":
+        return gathered_expert_ffn(x, topk_ids, topk_weights, w13, w2)
+    return grouped_expert_ffn(x, topk_ids, topk_weights, w13, w2)
+
+
 class ResidentExperts:
     """All experts in device memory; ``packed[l]`` is layer l's [E, N] tensor."""
 
@@ -97,6 +134,7 @@ class ResidentExperts:
         self.num_layers = len(packed)
         self.num_experts = packed[0].shape[0] if packed else 0
         self._views = [unpack_experts(p, layout) for p in packed]    # (w13, w2) per layer, no copy
+        self.kernel_impl = "auto"     # moe_gemv: Triton on CUDA, reference on CPU ("triton": tests)
 
     @classmethod
     def from_source(cls, source: ExpertSource, device: torch.device | str, mode: str = "auto",
@@ -114,20 +152,17 @@ class ResidentExperts:
         return self._views[layer_idx]
 
     def choose_mode(self, num_pairs: int, device: torch.device) -> str:
-        if self.mode != "auto":
-            return self.mode
-        return "gather" if device.type == "cuda" and num_pairs <= self.gather_max_pairs else "grouped"
+        return pick_mode(self.mode, device.type == "cuda", num_pairs, self.gather_max_pairs)
 
     def graph_safe(self, num_pairs: int) -> bool:
-        """Capturable in a CUDA graph for this many (token, expert) pairs: the gather mode."""
-        return self.choose_mode(num_pairs, self.packed[0].device) == "gather"
+        """Capturable in a CUDA graph for this many (token, expert) pairs: the gemv and gather modes."""
+        return self.choose_mode(num_pairs, self.packed[0].device) in GRAPH_SAFE_MODES
 
     def forward(self, layer_idx: int, x: torch.Tensor, topk_ids: torch.Tensor,
                 topk_weights: torch.Tensor) -> torch.Tensor:
         w13, w2 = self._views[layer_idx]
-        if self.choose_mode(topk_ids.numel(), x.device) == "gather":
-            return gathered_expert_ffn(x, topk_ids, topk_weights, w13, w2)
-        return grouped_expert_ffn(x, topk_ids, topk_weights, w13, w2)
+        mode = self.choose_mode(topk_ids.numel(), x.device)
+        return expert_ffn(mode, x, topk_ids, topk_weights, w13, w2, kernel_impl=self.kernel_impl)
 
     @property
     def nbytes(self) -> int:

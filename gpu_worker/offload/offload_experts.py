@@ -7,7 +7,8 @@ forward(layer, x, topk_ids, topk_weights):
      host store -> slot, ordered after every GEMM already queued (an event on the compute stream)
      so that no slot is overwritten while an earlier layer still reads it.
   3. The expert GEMMs run over slot ids once the copies' event completes, with the same functions
-     as `ResidentExperts`, so greedy tokens equal the resident backend's.
+     and the same mode rule as `ResidentExperts` (`pick_mode`: moe_gemv on CUDA for decode-sized
+     calls, grouped GEMMs otherwise), so greedy tokens equal the resident backend's.
 
 The plan's length lives on the device; reading it costs one small device-to-host copy per layer
 (the DMA engines need host-issued copies). Hybrid splitting (routes left at -1 for the CPU pool)
@@ -20,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from gpu_worker.models.expert_layout import ExpertLayout, unpack_experts
-from gpu_worker.models.resident_experts import MODES, gathered_expert_ffn, grouped_expert_ffn
+from gpu_worker.models.resident_experts import GRAPH_SAFE_MODES, MODES, expert_ffn, pick_mode
 from kernels.expert_copy import copy_plan
 from kernels.slot_cache import SlotCache, ensure
 
@@ -80,6 +81,7 @@ class OffloadExperts:
         self.num_layers, self.num_experts = host.num_layers, host.num_experts
         self.device = torch.device(device)
         self.mode, self.gather_max_pairs = mode, gather_max_pairs
+        self.kernel_impl = "auto"     # moe_gemv: Triton on CUDA, reference on CPU ("triton": tests)
         self.cache = SlotCache.create(self.num_layers, self.num_experts, num_slots,
                                       device=self.device, per_layer=per_layer)
         # slots: [S_total, N], the GPU copies of experts, in the same packed layout as the host
@@ -109,16 +111,13 @@ class OffloadExperts:
             self.copy_missing(layer_idx)
             self.stats.calls += 1
         self.stats.routed_pairs += slot_ids.numel()
-        mode = self.mode
-        if mode == "auto":
-            mode = "gather" if self.on_cuda and slot_ids.numel() <= self.gather_max_pairs else "grouped"
-        ffn = gathered_expert_ffn if mode == "gather" else grouped_expert_ffn
-        return ffn(x, slot_ids, topk_weights, self.w13, self.w2)
+        mode = pick_mode(self.mode, self.on_cuda, slot_ids.numel(), self.gather_max_pairs)
+        return expert_ffn(mode, x, slot_ids, topk_weights, self.w13, self.w2, kernel_impl=self.kernel_impl)
 
     def graph_safe(self, num_pairs: int) -> bool:
-        """Capturable in a CUDA graph: device-side copies and the gather-mode GEMMs."""
-        return (self.copy_mode == "kernel" and self.on_cuda and self.mode in ("auto", "gather")
-                and num_pairs <= self.gather_max_pairs)
+        """Capturable in a CUDA graph: device-side copies and the gemv- or gather-mode GEMMs."""
+        return (self.copy_mode == "kernel" and self.on_cuda
+                and self.mode in ("auto", *GRAPH_SAFE_MODES) and num_pairs <= self.gather_max_pairs)
 
     def _copy_on_device(self, layer_idx: int, max_copies: int) -> None:
         """The plan copy as a kernel on the compute stream: no host sync, graph-capturable."""

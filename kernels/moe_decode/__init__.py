@@ -1,0 +1,13 @@
+"""Decode-path kernels: the MoE FFN read in place (`moe_gemv`), fused RMSNorm / residual add +
+RMSNorm, qwen3 q/k norm + rotary embedding, and top-k routing -- each a Triton kernel with a plain
+torch reference beside it (reference.py), dispatched by api.py (Triton on CUDA, reference on CPU).
+
+They exist to cut the number of kernels a decode step launches and the bytes it moves: the gather
+FFN copied the T*K routed experts before its batched GEMV; the torch norm / rope / router code is
+~6 small kernels per op. Numerics follow the torch code they replace (same rounding points).
+"""
+from .api import (DEFAULT_GEMV_BLOCKS, GemvBlocks, add_rms_norm, moe_gemv, qk_norm_rope, rms_norm, rope,
+                  route_topk)
+
+__all__ = ["moe_gemv", "rms_norm", "add_rms_norm", "qk_norm_rope", "rope", "route_topk", "GemvBlocks",
+           "DEFAULT_GEMV_BLOCKS"]
