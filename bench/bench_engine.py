@@ -22,6 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from gpu_worker.engine import Engine, EngineConfig, SamplingParams  # noqa: E402
 from gpu_worker.models import load_model  # noqa: E402
+from gpu_worker.models.synthetic_routing import SyntheticRouting  # noqa: E402
 from gpu_worker.offload import HostExperts, OffloadExperts, resolve_cache_slots  # noqa: E402
 
 
@@ -162,6 +163,10 @@ def main() -> int:
                         help="seeded sampling: varied tokens route like real text, not one loop")
     parser.add_argument("--graphs", choices=("on", "off", "both"), default="on",
                         help="CUDA graphs for resident decode (both: eager and graphs side by side)")
+    parser.add_argument("--routing", default="zipf:1.0",
+                        help="'model': the preset's router picks experts (random weights route nearly "
+                             "every token alike: almost no misses); 'zipf[:SKEW]': seeded per-position "
+                             "expert ids from a skewed popularity (gpu_worker/models/synthetic_routing.py)")
     parser.add_argument("--profile", type=int, default=0,
                         help="after each resident run, profile this many decode steps and print the "
                              "top GPU kernels")
@@ -179,6 +184,8 @@ def main() -> int:
     print(f"loaded {args.preset} resident in {time.perf_counter() - t0:.1f} s", flush=True)
     econf = EngineConfig(max_running_requests=1,
                          max_context_tokens=args.prompt_tokens + args.decode_tokens + 16)
+    loaded.model.routing_override = SyntheticRouting.parse(args.routing, cfg, econf.max_context_tokens,
+                                                           args.device)
     reference_tokens = None
     for graphs in ((False, True) if args.graphs == "both" else (args.graphs == "on",)):
         _reset_peak()

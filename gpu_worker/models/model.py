@@ -48,6 +48,9 @@ class MoeModel:
         self.rope = RotaryTable(cfg.head_dim, cfg.rope_theta, max_positions, self.device)
         self.fused_kernels = self.device.type == "cuda" if fused_kernels is None else bool(fused_kernels)
         self.kernel_impl = "auto"     # kernels.moe_decode impl of the fused forward ("triton": tests)
+        # benchmarks of random-weight presets: expert ids from a table (synthetic_routing.py)
+        self.routing_override = None
+        self._positions: torch.Tensor | None = None
         if self.fused_kernels:
             fuse_qkv(dense)
 
@@ -66,6 +69,7 @@ class MoeModel:
         """
         x = F.embedding(token_ids, self.dense.embed)                    # [T, H]
         cos, sin = self.rope.lookup(positions, self.dtype)              # [T, 1, D]
+        self._positions = positions
         if self.fused_kernels:
             return self._forward_fused(x, cos, sin, attn, logit_rows)
         for i, layer in enumerate(self.dense.layers):
@@ -101,6 +105,8 @@ class MoeModel:
 
     def _moe(self, i: int, layer: LayerWeights, h: torch.Tensor) -> torch.Tensor:
         topk_ids, topk_weights = route(self.cfg, h, layer.router)       # [T, K], [T, K]
+        if self.routing_override is not None:
+            topk_ids = self.routing_override.ids(i, self._positions)
         return self.experts.forward(i, h, topk_ids, topk_weights)       # [T, H]
 
     # -- the fused forward (kernels/moe_decode) ---------------------------------------------------
@@ -151,4 +157,6 @@ class MoeModel:
         topk_ids, topk_weights = kops.route_topk(logits, cfg.top_k, softmax_first=softmax_first,
                                                  renorm=softmax_first and cfg.norm_topk_prob,
                                                  impl=self.kernel_impl)  # [T, K] int64, [T, K] fp32
+        if self.routing_override is not None:
+            topk_ids = self.routing_override.ids(i, self._positions)
         return self.experts.forward(i, h, topk_ids, topk_weights)       # [T, H]

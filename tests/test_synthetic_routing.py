@@ -1,0 +1,67 @@
+"""Synthetic routing for benchmarks: a seeded table of distinct expert ids per position and layer,
+used by the model in place of the router's choice, the same for every backend."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gpu_worker.engine import Engine, EngineConfig, SamplingParams
+from gpu_worker.models import load_model
+from gpu_worker.models.synthetic_routing import SyntheticRouting
+
+PROMPT = [5, 17, 42, 99, 3, 250, 7, 64, 11, 300, 8]
+
+
+@pytest.fixture(autouse=True)
+def cache_dir(monkeypatch, tmp_path):
+    monkeypatch.setenv("FT_CACHE_DIR", str(tmp_path / "cache"))
+
+
+def test_table_is_seeded_distinct_and_skewed():
+    a = SyntheticRouting(4, 16, 3, 512, skew=1.2, seed=7)
+    b = SyntheticRouting(4, 16, 3, 512, skew=1.2, seed=7)
+    assert torch.equal(a.table, b.table) and a.table.shape == (512, 4, 3)
+    assert all(len(set(row.tolist())) == 3 for row in a.table.reshape(-1, 3)), "ids repeat in a row"
+    counts = torch.bincount(a.table[:, 0].reshape(-1), minlength=16)
+    assert counts.max() > 3 * counts.min().clamp(min=1), "no skew: popularity looks uniform"
+    flat = SyntheticRouting(1, 16, 3, 4096, skew=0.0, seed=1).table.reshape(-1)
+    uniform = torch.bincount(flat, minlength=16).float()
+    assert uniform.max() / uniform.min() < 1.3, "skew 0 should be uniform"
+    pos = torch.tensor([3, 0, 511])
+    assert torch.equal(a.ids(2, pos), a.table[pos, 2])
+
+
+def test_parse_specs():
+    class Cfg:
+        num_layers, num_experts, top_k = 2, 8, 2
+    assert SyntheticRouting.parse("model", Cfg, 16, "cpu") is None
+    assert SyntheticRouting.parse("zipf:0.5", Cfg, 16, "cpu").skew == 0.5
+    with pytest.raises(ValueError, match="zipf"):
+        SyntheticRouting.parse("uniform", Cfg, 16, "cpu")
+
+
+def _run(loaded, routing):
+    loaded.model.routing_override = routing
+    engine = Engine(loaded.model, EngineConfig(max_running_requests=1, max_context_tokens=64,
+                                               prefill_chunk_tokens=4), eos_token_ids=())
+    return engine.generate([list(PROMPT)], SamplingParams(max_new_tokens=16, ignore_eos=True))
+
+
+def test_offload_misses_more_and_stays_lossless_under_synthetic_routing():
+    resident = load_model(device="cpu")
+    cfg = resident.cfg
+    routing = SyntheticRouting(cfg.num_layers, cfg.num_experts, cfg.top_k, 64, skew=0.5, seed=3)
+    want = _run(resident, routing)
+    offload = load_model(device="cpu", moe_strategy="offload", moe_cache_size=cfg.num_experts)
+    try:
+        assert _run(offload, routing) == want
+        with_table = offload.model.experts.stats.distinct_misses
+    finally:
+        offload.model.experts.close()
+    plain = load_model(device="cpu", moe_strategy="offload", moe_cache_size=cfg.num_experts)
+    try:
+        _run(plain, None)
+        without = plain.model.experts.stats.distinct_misses
+    finally:
+        plain.model.experts.close()
+    assert with_table > without, f"the table should miss more ({with_table} vs {without})"
