@@ -3,7 +3,8 @@ promotion on/off), on one GPU with one CPU expert pool; plus the hand-off round 
 
 qwen3-30b-a3b preset (seeded random weights, bf16), batch 1, a cache of 25% of all experts, a
 --prompt-tokens prompt, --decode-tokens decode tokens, median of --runs runs after a warm-up run.
-One host expert store and one CPU pool serve every backend. Per backend: decode tok/s, misses,
+One host expert store and one CPU pool serve every backend; "... stream" rows hand the CPU share over
+on the GPU stream (StreamDoorbell, handoff="stream") instead of the host (submit/join). Per backend: decode tok/s, misses,
 fetched and CPU-computed experts per token, fallbacks, and the roofline
     tok/s <= (B_pcie + B_cpu) / (misses/token * expert_bytes)
 with B_pcie and B_cpu measured here first (gpu_worker/hybrid/bandwidth.py, as `ft bench bw`).
@@ -121,6 +122,10 @@ def variants(args) -> list[tuple[str, dict | None]]:
         for rnd in ROUNDS:
             out.append((f"hybrid {rnd}{'' if promote else ' no-promo'}",
                         {"strategy": "hybrid", "fetch_round": rnd, "promote": promote}))
+    # the GPU-stream hand-off (StreamDoorbell) next to the host-driven one above
+    out.append(("cpu stream", {"strategy": "cpu", "handoff": "stream"}))
+    out.append(("hybrid min-wait stream", {"strategy": "hybrid", "fetch_round": "min-wait", "promote": True,
+                                           "handoff": "stream"}))
     if args.variants:
         keep = [v.strip() for v in args.variants.split(",")]
         out = [v for v in out if any(v[0].startswith(k) for k in keep)]
@@ -140,7 +145,9 @@ def main() -> int:
                         help="hybrid's f (default: B_pcie / (B_pcie + B_cpu) measured here)")
     parser.add_argument("--cpu-workers", type=int, default=1)
     parser.add_argument("--cpu-threads", type=int, default=0, help="0: one per physical core")
-    parser.add_argument("--variants", default="", help="comma list of name prefixes, e.g. offload,hybrid min-wait")
+    parser.add_argument("--variants", default="",
+                        help="comma list of name prefixes, e.g. offload,hybrid min-wait (also matches "
+                             "'hybrid min-wait stream': host vs stream hand-off side by side)")
     parser.add_argument("--no-resident", action="store_true", help="skip the resident run (no token check)")
     parser.add_argument("--handoff-calls", type=int, default=10_000)
     parser.add_argument("--json-out", default=None, help="write every row as JSON here (default: $OUT/bench_hybrid.json)")
@@ -201,6 +208,8 @@ def main() -> int:
             rows.append((name, r))
             print(name, r["all_tok_s"], flush=True)
             loaded.model.experts = None
+            if isinstance(backend, HybridExperts):
+                backend.close()          # its stream doorbells (owns neither host nor pool)
             del backend
             gc.collect()
             if device.type == "cuda":

@@ -82,12 +82,13 @@ def hybrid_options(args: argparse.Namespace):
     """HybridOptions from the flags; knobs by precedence flag > FREETOKEN_* environment > default."""
     from gpu_worker.hybrid import HybridOptions
 
-    knobs = resolve({k: getattr(args, k, None) for k in ("fetch_round", "fetch_select", "benchbw_path")})
+    knobs = resolve({k: getattr(args, k, None) for k in ("fetch_round", "fetch_select", "benchbw_path",
+                                                         "hybrid_handoff")})
     return HybridOptions(fetch_fraction=args.fetch_fraction, fetch_round=knobs["fetch_round"],
                          fetch_select=knobs["fetch_select"], promote=not args.no_promote,
                          cpu_workers=args.cpu_workers, cpu_threads=args.cpu_threads,
                          cpu_deadline_s=args.cpu_deadline_ms / 1e3, reserve_cpus=args.reserve_cpus,
-                         benchbw_path=knobs["benchbw_path"])
+                         benchbw_path=knobs["benchbw_path"], handoff=knobs["hybrid_handoff"])
 
 
 def _prompt_ids(args: argparse.Namespace, tokenizer) -> list[int]:

@@ -41,6 +41,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     model.add_argument("--max-running-requests", type=int, default=8, help="requests decoding together")
     model.add_argument("--max-context-tokens", type=int, default=None, help="prompt + generated tokens per request")
     model.add_argument("--num-cpu-workers", type=int, default=0, help="CPU expert workers (cpu/hybrid strategies)")
+    model.add_argument("--hybrid-handoff", default=None, choices=("host", "stream"),
+                       help="cpu/hybrid: hand the CPU share over on the host or on the GPU stream (StreamDoorbell); "
+                            "local to this process, not part of the coordinator's config "
+                            "[env FREETOKEN_HYBRID_HANDOFF, default 'host']")
     parser.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
 
 
@@ -52,12 +56,15 @@ def run(args: argparse.Namespace) -> int:
 
     if args.max_running_requests < 1:
         raise ValueError("--max-running-requests must be >= 1")
+    from proto.knobs import resolve
+
+    handoff = resolve({"hybrid_handoff": args.hybrid_handoff})["hybrid_handoff"]
     options = GpuWorkerOptions(
         engine_addr=args.engine_addr, name=args.name, model=args.model, preset=args.preset, device=args.device,
         moe_strategy=args.moe_strategy, moe_cache_size=args.moe_cache_size,
         max_running_requests=args.max_running_requests, max_context_tokens=args.max_context_tokens,
         num_cpu_workers=args.num_cpu_workers, store_name=args.store_name,
-        handshake_timeout_s=args.handshake_timeout_s, drain_timeout_s=args.drain_timeout_s)
+        handshake_timeout_s=args.handshake_timeout_s, drain_timeout_s=args.drain_timeout_s, hybrid_handoff=handoff)
     return run_gpu_worker(options)
 
 

@@ -138,6 +138,21 @@ def test_cpu_strategy_computes_every_miss_on_the_cpu(hybrid, resident):
     assert backend.cache.policy.tolist()[1] == 0 and backend.cache.policy.tolist()[4] == 0
 
 
+def test_gemv_mode_takes_the_cpu_routes_at_minus_one(hybrid, resident):
+    """The gemv mode (moe_gemv, the CUDA decode default; its torch reference here) gets the routes left
+    to the CPU as -1 directly, no (slot 0, weight 0) substitution: same tokens, same per-call sums."""
+    lock = hybrid.model.experts
+    backend = lock.backend
+    before = fresh(lock, strategy="hybrid", fetch_fraction=0.5, seed=3)
+    backend.mode = "gemv"
+    try:
+        assert greedy(hybrid) == resident["tokens"]
+    finally:
+        backend.mode = "auto"
+    assert delta(backend, before, "cpu_triples_total") > 0 and delta(backend, before, "experts_fetched_total") > 0
+    assert_lockstep(lock)
+
+
 def test_hits_of_a_warm_pool_still_run_on_the_gpu_in_cpu_mode(hybrid, resident):
     lock = hybrid.model.experts
     backend = lock.backend
@@ -225,8 +240,52 @@ def _alive(pid: int) -> bool:
         return False
 
 
+@pytest.fixture(params=["host", "stream"])
+def handoff(request, hybrid):
+    """Run the test with the backend's hand-off set to host (CpuPool.submit/join) or stream (StreamDoorbell
+    per worker; on the CPU its host backend, a thread standing in for the CUDA stream)."""
+    backend = hybrid.model.experts.backend
+    backend.set_handoff(request.param)
+    try:
+        yield request.param
+    finally:
+        backend.set_handoff("host")
+
+
+def test_stream_handoff_gives_the_resident_tokens(hybrid, resident):
+    lock = hybrid.model.experts
+    backend = lock.backend
+    before = fresh(lock, strategy="hybrid", fetch_fraction=0.5, fetch_round="min-wait", promote=True, seed=7)
+    backend.set_handoff("stream")
+    try:
+        assert set(backend._doorbells) == {0, 1}                      # one doorbell per pool member
+        assert greedy(hybrid) == resident["tokens"]
+        counters = backend.counters()
+        assert counters["handoff"] == "stream"
+        calls = {i: db.progress() for i, db in backend._doorbells.items()}
+        assert all(db.in_flight == 0 and db.aborts == 0 for db in backend._doorbells.values())
+    finally:
+        backend.set_handoff("host")
+    assert backend._doorbells == {} and backend.counters()["handoff"] == "host"
+    assert all(n > 0 for n in calls.values())                        # both workers were rung by the stream
+    assert delta(backend, before, "experts_fetched_total") > 0
+    for name in ("cpu0", "cpu1"):
+        assert counters["cpu_workers"][name]["triples_total"] > before["cpu_workers"][name]["triples_total"]
+    assert delta(backend, before, "fallbacks_total") == 0 and not backend.degraded
+    assert_lockstep(lock)
+    # the host path works again on the same channels (the stream calls advanced their sequence)
+    assert greedy(hybrid, prompts=PROMPTS[:1], n=4) == [resident["tokens"][0][:4]]
+
+
+def test_a_bad_handoff_is_refused(hybrid):
+    with pytest.raises(ValueError, match="handoff must be one of host, stream"):
+        hybrid.model.experts.backend.set_handoff("dma")
+    with pytest.raises(ValueError, match="--hybrid-handoff 'dma'"):
+        HybridOptions(handoff="dma")
+
+
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP], ids=["sigkill", "sigstop"])
-def test_a_worker_fault_mid_generation_falls_back_then_readmits(hybrid, resident, sig):
+def test_a_worker_fault_mid_generation_falls_back_then_readmits(hybrid, resident, sig, handoff):
     lock = hybrid.model.experts
     backend = lock.backend
     before = fresh(lock, strategy="hybrid", fetch_fraction=0.25, fetch_round="min-wait", promote=True)
@@ -253,6 +312,8 @@ def test_a_worker_fault_mid_generation_falls_back_then_readmits(hybrid, resident
     assert victim.pid != old_pid and not _alive_or_zombie(old_pid)
     if sig == signal.SIGSTOP:                # killed by the pool for missing its deadline
         assert victim.kills_total >= 1
+    if handoff == "stream":                  # the doorbell's watchdog released the victim's call
+        assert backend._doorbells[victim.index].aborts >= 1
     # the restarted worker maps the same store: same segment, same bytes, nothing reloaded
     assert os.stat(store_path).st_ino == inode and torch.equal(backend.host.layers[0], layer0)
     # after re-admission the restarted worker computes again
@@ -262,6 +323,8 @@ def test_a_worker_fault_mid_generation_falls_back_then_readmits(hybrid, resident
     assert_lockstep(lock)
     assert (backend.counters()["cpu_workers"][victim.name]["triples_total"]
             > before2["cpu_workers"][victim.name]["triples_total"])
+    if handoff == "stream":                  # ... through its doorbell, reconnected to the new worker
+        assert backend._doorbells[victim.index].failed is None
     assert time.monotonic() - t0 < RESTART_TIMEOUT_S
 
 
@@ -275,13 +338,16 @@ def _alive_or_zombie(pid: int) -> bool:
 
 @pytest.mark.gpu
 @pytest.mark.usefixtures("no_tf32")
+@pytest.mark.parametrize("handoff", ["host", "stream"])
 @pytest.mark.parametrize("strategy", ["hybrid", "cpu"])
-def test_gpu_hybrid_and_cpu_match_resident_and_survive_a_sigkill(tiny_cache, strategy):
-    """The CUDA path: pinned readback, copy stream and events, GEMMs over slot ids, the H2D join."""
+def test_gpu_hybrid_and_cpu_match_resident_and_survive_a_sigkill(tiny_cache, strategy, handoff):
+    """The CUDA path: pinned readback, copy stream and events, GEMMs over slot ids, the H2D join (host), or
+    StreamDoorbell calls on side streams and the stream-ordered add (stream). Both give the resident tokens,
+    so stream = host; a SIGKILLed worker's stream call is released by the watchdog and fetched instead."""
     resident_loaded = load_model(device="cuda")
     tokens, long = greedy(resident_loaded), greedy(resident_loaded, prompts=PROMPTS[:1], n=FAULT_TOKENS)[0]
     loaded = load_model(device="cuda", moe_strategy=strategy, moe_cache_size=CACHE_SLOTS,
-                        hybrid=options_for_tests(fetch_fraction=0.5, cpu_workers=2))
+                        hybrid=options_for_tests(fetch_fraction=0.5, cpu_workers=2, handoff=handoff))
     backend = loaded.model.experts
     lock = Lockstep(backend, resident_loaded.model.experts)
     loaded.model.experts = lock
@@ -297,5 +363,9 @@ def test_gpu_hybrid_and_cpu_match_resident_and_survive_a_sigkill(tiny_cache, str
         assert_lockstep(lock)
         assert seen["fell_back_at_token"] < seen["readmitted_at_token"] < FAULT_TOKENS
         assert backend.counters()["fallbacks_total"] >= 1 and torch.isfinite(backend.slots).all()
+        if handoff == "stream":
+            assert backend.counters()["handoff"] == "stream"
+            assert all(db.backend == "cuda" for db in backend._doorbells.values())
+            assert backend._doorbells[1].aborts >= 1
     finally:
         backend.close()

@@ -99,3 +99,23 @@ def test_cpu_strategy_from_the_command_line(capsys, resident_tokens):
 def test_bad_hybrid_flags_say_what_to_do(capsys, flags, message):
     assert main(BASE + ["--moe-strategy", "hybrid", *flags]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_stream_handoff_from_the_flag_and_the_environment(monkeypatch, capsys, resident_tokens):
+    out = generate(capsys, "--moe-strategy", "hybrid", "--fetch-fraction", "0.5", "--hybrid-handoff", "stream")
+    assert out["token_ids"] == resident_tokens
+    assert out["experts"]["handoff"] == "stream" and out["experts"]["cpu_triples_total"] > 0
+    monkeypatch.setenv("FREETOKEN_HYBRID_HANDOFF", "stream")
+    out = generate(capsys, "--moe-strategy", "cpu", "--hybrid-handoff", "host")        # flag > environment
+    assert out["experts"]["handoff"] == "host" and out["token_ids"] == resident_tokens
+
+
+def test_worker_gpu_takes_the_handoff_flag_and_the_environment(monkeypatch):
+    import argparse
+
+    from gpu_worker.worker_cli import add_arguments
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    assert parser.parse_args(["--hybrid-handoff", "stream"]).hybrid_handoff == "stream"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--hybrid-handoff", "dma"])

@@ -250,6 +250,11 @@ class CpuPool:
             out.zero_()
         return failed
 
+    def mark_failed(self, m: PoolMember, exc: Exception) -> None:
+        """A share of m failed outside submit/join (the GPU-stream hand-off): as join would (a late worker,
+        WorkerTimeout, is killed for a restart)."""
+        self._fail(m, exc)
+
     def _fail(self, m: PoolMember, exc: Exception) -> None:
         m.serving = False
         m.failures_total += 1
@@ -281,9 +286,14 @@ class CpuPool:
             if m.serving or m.gave_up:
                 continue
             try:
-                self._admit(m, m.client.wait_for_worker(timeout_s=0))
+                pid = m.client.wait_for_worker(timeout_s=0)
             except WorkerTimeout:
                 continue
+            if pid == m.pid and process_start_ticks(pid) == m.start_ticks:
+                # The process that failed (dead, or killed for lateness, and not reaped yet): its channel
+                # can look served when a stream doorbell's watchdog released done_seq. Not re-admitted.
+                continue
+            self._admit(m, pid)
             m.readmissions_total += 1
             back.append(m)
             log.warning("CPU worker %s re-admitted (pid %d)", m.name, m.pid)

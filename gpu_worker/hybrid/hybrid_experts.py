@@ -8,9 +8,11 @@ forward(layer, x [T, H], topk_ids [T, K], topk_weights [T, K]) -> [T, H], per la
   3. Hand-off: the triples (token, ORIGINAL expert id, weight) of the routes at -1 and the hidden
      states go to the CPU workers that own those experts, before anything else is queued.
   4. Copies of the planned experts on the copy stream (after every GEMM already queued).
-  5. Expert GEMMs over the slot ids on the compute stream, after the copies' event. A route at -1
-     reads slot 0 with weight 0: the pool starts zeroed and only ever receives real experts, so
-     every slot holds finite values and such a route adds exactly 0 (never 0 * NaN).
+  5. Expert GEMMs over the slot ids on the compute stream, after the copies' event, with the mode
+     rule of `ResidentExperts` (`pick_mode`). In the gemv mode (moe_gemv) a route at -1 is skipped
+     and adds exactly 0. The gather and grouped modes read slot 0 with weight 0 instead: the pool
+     starts zeroed and only ever receives real experts, so every slot holds finite values and such
+     a route adds 0 too (never 0 * NaN); the sums are the same.
   6. Join: the workers' fp32 partial sums [T, H] are added; one output cast.
 A CPU share that is not answered (worker dead, deadline missed, error) is fetched instead: ensure
 again for those experts with fraction 1.0 (a normal ensure call, so the cache state stays
@@ -18,6 +20,11 @@ consistent), copy, GEMM, add. The backend then runs as offload (nothing to the C
 worker is back: the supervisor restarts it (the store in shared memory survives), `CpuPool.poll`
 re-admits it once its channel answers. Forwards with more than `cpu_max_tokens` tokens, or more
 triples than a channel holds, run as offload too.
+handoff="stream" (opt-in; default "host"): steps 3 and 6 go through `StreamDoorbell`s (one per pool
+member, each on its own side stream on CUDA) instead of submit/join: the hidden-state copy down, the
+doorbell, the wait for the worker and the partial-sum copy up are enqueued on the GPU, the join is a
+stream-ordered add; the host checks each call's validity (host-memory polling, no CUDA call) before
+the layer returns, so a failed share is fetched instead exactly as in "host" (docs/HYBRID.md).
 `cpu` = this backend with f = 0 and promotion off (docs/HYBRID.md says why the pool stays).
 Legend: T tokens, K top-k, H hidden, E experts per layer, S slots per pool, n triples.
 """
@@ -25,20 +32,30 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from gpu_worker.models.expert_layout import unpack_experts
-from gpu_worker.models.resident_experts import MODES, gathered_expert_ffn, grouped_expert_ffn
+from gpu_worker.models.resident_experts import MODES, expert_ffn, pick_mode
 from gpu_worker.offload import HostExperts
 from kernels.slot_cache import SlotCache, ensure, set_policy
 
+from cpu_expert_pool.channel import WorkerDead, WorkerError, WorkerTimeout
+
 from .cpu_pool import CpuPool, Share
+from .options import HANDOFFS          # host: CpuPool.submit/join; stream: StreamDoorbell on the GPU stream
 from .readback import LayerPlan, Readback
 from .stats import HybridStats, StreamTimer, WorkerCounters
 
+if TYPE_CHECKING:
+    from .stream_doorbell import StreamCall, StreamDoorbell
+
 log = logging.getLogger("ft.hybrid")
+
+STREAM_WAIT_SLACK_S = 5.0         # beyond the deadline, how long the host waits before aborting a call itself
+RECONNECT_TIMEOUT_S = 1.0         # a re-admitted worker's channel, when its doorbell reconnects
 
 STRATEGIES = ("hybrid", "cpu", "offload")     # what set_policy(strategy=...) may switch between
 IGNORED_POLICY_FIELDS = ("moe_prefetch", "moe_prefetch_budget")   # no prefetch in this backend yet
@@ -51,7 +68,7 @@ class HybridExperts:
                  strategy: str = "hybrid", fetch_fraction: float = 0.5, fetch_round: str = "min-wait",
                  fetch_select: str = "recency", promote: bool = True, seed: int = 0, per_layer: bool = False,
                  mode: str = "auto", gather_max_pairs: int = 32, cpu_max_tokens: int = 512,
-                 owns_host: bool = True, owns_pool: bool = True):
+                 owns_host: bool = True, owns_pool: bool = True, handoff: str = "host"):
         if mode not in MODES:
             raise ValueError(f"expert compute mode {mode!r} is not one of {', '.join(MODES)}")
         self.host, self.pool, self.layout = host, pool, host.layout
@@ -60,6 +77,7 @@ class HybridExperts:
         self.device = torch.device(device)
         self.on_cuda = self.device.type == "cuda"
         self.mode, self.gather_max_pairs = mode, gather_max_pairs
+        self.kernel_impl = "auto"     # moe_gemv: Triton on CUDA, reference on CPU ("triton": tests)
         self.cpu_max_tokens = min(cpu_max_tokens, pool.t_max)
         self.cache = SlotCache.create(self.num_layers, self.num_experts, num_slots, device=self.device,
                                       per_layer=per_layer)
@@ -79,6 +97,11 @@ class HybridExperts:
                         fetch_select=fetch_select, promote=promote, seed=seed)
         self.degraded = False             # a worker failed: offload until every one is back
         self.fetch_fraction_source = "given"   # or "flag", "default", "profile:PATH" (build.py)
+        self.handoff = "host"
+        self._doorbells: dict[int, StreamDoorbell] = {}        # pool member index -> its doorbell
+        self._handoff_streams: dict[int, torch.cuda.Stream] = {}
+        self._staging: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}   # pinned (ints [2n], weights [n])
+        self.set_handoff(handoff)
 
     def _hidden_dtype(self) -> torch.dtype:
         return torch.bfloat16 if self.pool.hidden_dtype == "bfloat16" else torch.float32
@@ -120,6 +143,19 @@ class HybridExperts:
         """Whether the next forward hands misses to the CPU pool."""
         return not self.degraded and self.strategy != "offload"
 
+    def set_handoff(self, handoff: str) -> None:
+        """"host" (CpuPool.submit/join) or "stream" (StreamDoorbell per pool member; on CUDA it needs
+        64-bit stream memory operations and raises StreamMemOpsUnavailable / CudaDriverError without them)."""
+        if handoff not in HANDOFFS:
+            raise ValueError(f"handoff must be one of {', '.join(HANDOFFS)}, not {handoff!r}")
+        if handoff == "stream":
+            for m in self.pool.members:
+                if m.serving:
+                    self._doorbell(m)          # fail here, not in the middle of a generation
+        else:
+            self._close_doorbells()
+        self.handoff = handoff
+
     # -- forward ----------------------------------------------------------------------------------
     def forward(self, layer_idx: int, x: torch.Tensor, topk_ids: torch.Tensor,
                 topk_weights: torch.Tensor) -> torch.Tensor:
@@ -140,37 +176,48 @@ class HybridExperts:
             ensure(self.cache, layer_idx, routes, fetch_fraction=1.0, round_mode=p["fetch_round"],
                    select=p["fetch_select"], promote=bool(p["promote"]), check_ids=False)
         t0 = time.perf_counter()
+        stream = self.handoff == "stream"
         plan = self.readback.read(self.cache, max_plan=min(self.num_experts, T * K), ids=ids,
                                   routes=routes if to_cpu else None, weights=topk_weights if to_cpu else None,
-                                  x=x if to_cpu else None)
+                                  x=x if to_cpu and not stream else None)     # stream: x goes down by DMA
         st.expert_misses_total += plan.num_misses
         st.expert_hits_total += plan.num_distinct - plan.num_misses
         shares: list[Share] = []
+        pending: list[tuple[Share, StreamCall | None]] | None = None
         triples = None
         if to_cpu:
             cpu_rows = np.flatnonzero(plan.routes < 0)                    # [n] flat routes left to the CPU
             if cpu_rows.size:
                 # (token, ORIGINAL expert id, weight): copies, so later readbacks cannot overwrite them
                 triples = ((cpu_rows // K).astype(np.int32), plan.ids[cpu_rows], plan.weights[cpu_rows])
-                shares = self.pool.submit(layer_idx, plan.hidden, *triples)
+                if stream:
+                    pending = self._enqueue_stream(layer_idx, x, triples)
+                else:
+                    shares = self.pool.submit(layer_idx, plan.hidden, *triples)
             st.handoff_s_total += time.perf_counter() - t0
         self._copy(layer_idx, plan)
         if triples is None:
             return self._gemm(x, routes, topk_weights, skip=False)
-        valid = routes >= 0
-        out = self._gemm(x, torch.where(valid, routes, 0), torch.where(valid, topk_weights, 0.0),
-                         skip=triples[0].size == T * K)
+        skip = triples[0].size == T * K
+        if self._mode(T * K) == "gemv":                                  # a -1 route adds exactly 0
+            out = self._gemm(x, routes, topk_weights, skip=skip)
+        else:
+            valid = routes >= 0
+            out = self._gemm(x, torch.where(valid, routes, 0), torch.where(valid, topk_weights, 0.0),
+                             skip=skip)
+        if pending is not None:
+            return self._join_stream(layer_idx, x, out, triples, pending).to(x.dtype)
         return self._join(layer_idx, x, out, triples, shares).to(x.dtype)
 
     def _gemm(self, x: torch.Tensor, slot_ids: torch.Tensor, weights: torch.Tensor, skip: bool) -> torch.Tensor:
         """sum_k w_k * FFN_{slot_k}(x) over slot ids [T, K] -> [T, H] (x.dtype); zeros when `skip`."""
         if skip:
             return torch.zeros_like(x)
-        mode = self.mode
-        if mode == "auto":
-            mode = "gather" if self.on_cuda and slot_ids.numel() <= self.gather_max_pairs else "grouped"
-        ffn = gathered_expert_ffn if mode == "gather" else grouped_expert_ffn
-        return ffn(x, slot_ids, weights, self.w13, self.w2)
+        return expert_ffn(self._mode(slot_ids.numel()), x, slot_ids, weights, self.w13, self.w2,
+                          kernel_impl=self.kernel_impl)
+
+    def _mode(self, num_pairs: int) -> str:
+        return pick_mode(self.mode, self.on_cuda, num_pairs, self.gather_max_pairs)
 
     def _copy(self, layer_idx: int, plan: LayerPlan) -> None:
         """Execute the copy plan: host store -> slots, on the copy stream after every queued GEMM."""
@@ -232,6 +279,153 @@ class HybridExperts:
             self._degrade()
         return total
 
+    # -- the GPU-stream hand-off (handoff="stream") --------------------------------------------------
+    def _doorbell(self, m) -> "StreamDoorbell":
+        """Member m's doorbell: created on first use, reconnected after a fault once m was re-admitted."""
+        db = self._doorbells.get(m.index)
+        if db is None:
+            from .stream_doorbell import StreamDoorbell
+
+            db = StreamDoorbell(m.client, self.device, deadline_s=self.pool.deadline_s)
+            self._doorbells[m.index] = db
+            if self.on_cuda:
+                self._handoff_streams[m.index] = torch.cuda.Stream(device=self.device)
+        elif db.failed is not None:
+            try:
+                db.reconnect(timeout_s=RECONNECT_TIMEOUT_S)
+            except WorkerTimeout as exc:        # no worker yet: not a late one (WorkerTimeout would kill it)
+                raise WorkerDead(str(exc)) from exc
+        return db
+
+    def _close_doorbells(self) -> None:
+        for db in self._doorbells.values():
+            db.close(timeout_s=max(self.pool.deadline_s, 1.0))
+        self._doorbells.clear()
+        self._handoff_streams.clear()
+        self._staging.clear()
+
+    def _enqueue_stream(self, layer_idx: int, x: torch.Tensor, triples: tuple[np.ndarray, np.ndarray, np.ndarray]
+                        ) -> list[tuple[Share, "StreamCall | None"]]:
+        """Each owner's share as one StreamDoorbell call (no host wait); a member whose doorbell refuses
+        (worker known dead or late) gets a share with its error set, fetched at the join."""
+        token, expert, weight = triples
+        pending = []
+        for m, rows in zip(self.pool.members, self.pool.split.split_triples(layer_idx, expert)):
+            if rows.size == 0:
+                continue
+            experts = expert[rows]
+            share = Share(m, rows, int(np.unique(experts).size))
+            call = None
+            try:
+                db = self._doorbell(m)
+                db.deadline_s = self.pool.deadline_s           # tests and operators change it live
+                call = self._enqueue_one(db, m.index, layer_idx, x, token[rows], experts, weight[rows])
+            except (WorkerDead, WorkerTimeout) as exc:
+                share.error = exc
+                self.pool.mark_failed(m, exc)
+            pending.append((share, call))
+        return pending
+
+    def _enqueue_one(self, db: "StreamDoorbell", index: int, layer_idx: int, x: torch.Tensor, token: np.ndarray,
+                     expert: np.ndarray, weight: np.ndarray) -> "StreamCall":
+        n = token.size
+        if not self.on_cuda:
+            return db.enqueue(layer_idx, x, (torch.from_numpy(token), torch.from_numpy(expert),
+                                             torch.from_numpy(weight)))
+        # Triples: numpy -> pinned staging (reused: the previous call of this member is done, the host waited
+        # for it) -> device on the member's side stream -> the channel (enqueue's D2H, stream-ordered).
+        ints, w = self._staging.get(index, (None, None))
+        if ints is None or ints.numel() < 2 * n:
+            ints = torch.empty(max(2 * n, 64), dtype=torch.int32, pin_memory=True)
+            w = torch.empty(max(n, 32), dtype=torch.float32, pin_memory=True)
+            self._staging[index] = (ints, w)
+        ints[:n].numpy()[:] = token
+        ints[n:2 * n].numpy()[:] = expert
+        w[:n].numpy()[:] = weight
+        T, H = x.shape
+        out = torch.empty(T, H, dtype=torch.float32, device=self.device)     # allocated on the compute stream
+        side = self._handoff_streams[index]
+        side.wait_stream(torch.cuda.current_stream(self.device))             # x is ready
+        with torch.cuda.stream(side):
+            dev_ints = ints[:2 * n].to(self.device, non_blocking=True)
+            dev_w = w[:n].to(self.device, non_blocking=True)
+            return db.enqueue(layer_idx, x, (dev_ints[:n], dev_ints[n:], dev_w), out=out, stream=side)
+
+    def _join_stream(self, layer_idx: int, x: torch.Tensor, out: torch.Tensor,
+                     triples: tuple[np.ndarray, np.ndarray, np.ndarray],
+                     pending: list[tuple[Share, "StreamCall | None"]]) -> torch.Tensor:
+        """out [T, H] (GPU part) + the calls' partial sums -> [T, H] fp32. On CUDA the add is queued behind
+        the side streams (the GPU waits for the CPU, the host does not), then the host waits for the calls
+        on host memory and checks them; a failed share is fetched instead (the sum is rebuilt from the
+        valid calls only, so a stale partial never reaches the output)."""
+        calls = [(share, call) for share, call in pending if call is not None]
+        total = None
+        if self.on_cuda:
+            compute = torch.cuda.current_stream(self.device)
+            wait_from = self.timer.mark(compute)
+            for share, _ in calls:
+                compute.wait_stream(self._handoff_streams[share.member.index])
+            self.timer.add("gpu_wait_for_cpu_s_total", wait_from, self.timer.mark(compute))
+            total = self._add_partials(out, calls)                       # stream-ordered
+            failed = self._settle(layer_idx, pending)
+        else:
+            wait_from = self.timer.mark()
+            failed = self._settle(layer_idx, pending)
+            self.timer.add("gpu_wait_for_cpu_s_total", wait_from, self.timer.mark())
+        if failed or total is None:
+            total = self._add_partials(out, [(s, c) for s, c in calls if s.error is None])
+        st = self.stats
+        for share in failed:
+            st.cpu_workers[share.member.name].failures_total += 1
+            total = self._fetch_instead(layer_idx, x, total, *(t[share.rows] for t in triples))
+        if failed:
+            self._degrade()
+        return total
+
+    @staticmethod
+    def _add_partials(out: torch.Tensor, calls: list) -> torch.Tensor:
+        total = out.float()
+        for _, call in calls:                                            # in worker order, as the host join
+            total = total + call.out
+        return total
+
+    def _settle(self, layer_idx: int, pending: list[tuple[Share, "StreamCall | None"]]) -> list[Share]:
+        """Wait for every call (host memory; the watchdog releases a call whose worker died or is late),
+        count the answered ones, mark the others failed. Returns the failed shares."""
+        failed, st = [], self.stats
+        for share, call in pending:
+            m = share.member
+            if call is not None:
+                db = call.doorbell
+                if not call.wait(timeout_s=db.deadline_s + STREAM_WAIT_SLACK_S):
+                    log.error("stream call %d of %s not released by the watchdog; aborting it", call.seq, m.name)
+                    db.abort("timeout")
+                    call.wait(timeout_s=STREAM_WAIT_SLACK_S)
+                status = call.status() if call.done() else "not done"
+                if status in ("ok", "unchecked"):
+                    share.compute_s = m.client.last_compute_ns(layer_idx) / 1e9
+                    wc = st.cpu_workers[m.name]
+                    wc.experts_total += share.num_experts
+                    wc.triples_total += share.rows.size
+                    wc.time_s_total += share.compute_s
+                    st.cpu_experts_total += share.num_experts
+                    st.cpu_triples_total += share.rows.size
+                    st.cpu_expert_time_s_total += share.compute_s
+                    continue
+                if status in ("aborted", "not done"):
+                    exc_type = WorkerTimeout if db.failed == "timeout" or status == "not done" else WorkerDead
+                    share.error = exc_type(f"CPU worker {m.name}: stream call {call.seq} (layer {layer_idx}) "
+                                           f"{status} ({db.failed or 'timeout'})")
+                    self.pool.mark_failed(m, share.error)
+                else:                       # the worker answered with an error status: fetch, keep the worker
+                    share.error = WorkerError(f"CPU worker answered layer {layer_idx} with {status}; see its log")
+                    m.failures_total += 1
+                    m.last_error = str(share.error)
+                    log.error("CPU worker %s: %s; fetching its share of layer %d instead", m.name, share.error,
+                              layer_idx)
+            failed.append(share)
+        return failed
+
     def _fetch_instead(self, layer_idx: int, x: torch.Tensor, total: torch.Tensor, token: np.ndarray,
                        expert: np.ndarray, weight: np.ndarray) -> torch.Tensor:
         """A CPU share nobody answered (token, expert, weight [n]): fetch its experts (ensure with fraction
@@ -267,6 +461,7 @@ class HybridExperts:
         self.timer.resolve()
         out = self.stats.as_dict()
         out["mode"] = "offload (CPU pool down)" if self.degraded else self.strategy
+        out["handoff"] = self.handoff
         return out
 
     @property
@@ -278,6 +473,7 @@ class HybridExperts:
         return self.slots.numel() * self.slots.element_size()
 
     def close(self) -> None:
+        self._close_doorbells()                # before the pool: a doorbell needs its client
         if self.owns_pool:
             self.pool.close()
         if self.owns_host:

@@ -1,7 +1,7 @@
 """`HybridOptions`: the settings of the `hybrid` and `cpu` expert backends, validated in one place.
 
-Every field is also a flag of `ft generate` (generate_cli.py); the fetch rounding and selection are
-FREETOKEN_* knobs (proto/knobs.py). Where the fetch fraction starts, in order: the given value
+Every field is also a flag of `ft generate` (generate_cli.py); the fetch rounding and selection and
+the hand-off (--hybrid-handoff) are FREETOKEN_* knobs (proto/knobs.py). Where the fetch fraction starts, in order: the given value
 (--fetch-fraction), the `ft bench bw` profile measured on this GPU (or "cpu") for this expert format,
 0.5. The profile is read by coordinator/policy.py's `load_bandwidth_profile`, which ignores a profile
 of other hardware or another expert format with a log line.
@@ -26,6 +26,7 @@ DEFAULT_RESTART_BACKOFF_S = 0.5       # supervisor: first restart delay of a fai
 DEFAULT_READY_TIMEOUT_S = 120.0       # a CPU worker imports torch, maps the store and warms up
 DEFAULT_HEARTBEAT_TIMEOUT_S = 10.0    # supervisor: a worker silent this long is killed (backstop)
 DEFAULT_READMIT_POLL_S = 0.02         # how often a forward looks for restarted workers
+HANDOFFS = ("host", "stream")          # HybridExperts' hand-off of the CPU share (hybrid_experts.HANDOFFS)
 RESERVE_CPU_MIN_CPUS = 4              # from this many CPUs on, CPU 0 is left to the GPU worker's thread
 
 
@@ -48,6 +49,7 @@ class HybridOptions:
     readmit_poll_s: float = DEFAULT_READMIT_POLL_S
     engine_threads: int | None = None       # torch threads of this process; None: the reserved CPUs' count, >= 1
     benchbw_path: str = ""                  # `ft bench bw` profile; "": $FREETOKEN_BENCHBW_PATH or default
+    handoff: str = "host"                   # host: CpuPool.submit/join; stream: StreamDoorbell (HANDOFFS)
 
     def __post_init__(self) -> None:
         if self.fetch_fraction is not None and not 0.0 <= float(self.fetch_fraction) <= 1.0:
@@ -64,6 +66,8 @@ class HybridOptions:
         for name in ("cpu_deadline_s", "restart_backoff_s", "ready_timeout_s", "readmit_poll_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name}={getattr(self, name)!r} must be > 0")
+        if self.handoff not in HANDOFFS:
+            raise ValueError(f"--hybrid-handoff {self.handoff!r} is not one of {', '.join(HANDOFFS)}")
         if self.cpu_max_tokens < 1:
             raise ValueError(f"--cpu-max-tokens {self.cpu_max_tokens} must be >= 1")
         self.worker_args = tuple(self.worker_args)

@@ -424,7 +424,8 @@ class HostStream:
                 fn = self._queue.popleft()
             try:
                 if self.error is None:
-                    fn()
+                    with torch.inference_mode():      # callers enqueue from inference mode (the engine's)
+                        fn()
             except BaseException as exc:  # kept for synchronize(); later work is skipped, as after a CUDA fault
                 self.error = exc
             with self._cv:
