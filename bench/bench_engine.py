@@ -157,8 +157,11 @@ def main() -> int:
     parser.add_argument("--decode-tokens", type=int, default=256)
     parser.add_argument("--fractions", default="0.1,0.25,0.5")
     parser.add_argument("--device", default="cuda", help="cpu: a smoke test of this script")
-    parser.add_argument("--offload-copy", default="dma",
+    parser.add_argument("--offload-copy", default="kernel,dma",
                         help="offload copy modes to compare, comma-separated: dma, kernel")
+    parser.add_argument("--dma-fractions", default=None,
+                        help="cache fractions for the dma copy mode (default: --fractions); the dma "
+                             "mode decodes eagerly, so it is the slow one to run")
     parser.add_argument("--temperature", type=float, default=1.0,
                         help="seeded sampling: varied tokens route like real text, not one loop")
     parser.add_argument("--graphs", choices=("on", "off", "both"), default="on",
@@ -215,8 +218,12 @@ def main() -> int:
           f"{time.perf_counter() - t0:.1f} s", flush=True)
     bw = pcie_bandwidth(expert_bytes) if args.device == "cuda" else 1e9
     try:
+        dma_fracs = args.fractions if args.dma_fractions is None else args.dma_fractions
+        dma_fracs = {float(f) for f in dma_fracs.split(",") if f}
         for frac in [float(f) for f in args.fractions.split(",") if f]:
             for copy_mode in args.offload_copy.split(","):
+                if copy_mode == "dma" and frac not in dma_fracs:
+                    continue
                 slots = resolve_cache_slots(frac, source.num_layers, source.num_experts)
                 backend = OffloadExperts(host, slots, args.device, copy_mode=copy_mode)
                 loaded.model.experts = backend

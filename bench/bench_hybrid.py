@@ -38,6 +38,7 @@ from gpu_worker.hybrid import HybridExperts, HybridOptions, start_cpu_pool  # no
 from gpu_worker.hybrid.bandwidth import copy_bandwidth, cpu_pool_bandwidth  # noqa: E402
 from gpu_worker.hybrid.options import device_name  # noqa: E402
 from gpu_worker.models import load_model  # noqa: E402
+from gpu_worker.models.synthetic_routing import SyntheticRouting  # noqa: E402
 from gpu_worker.offload import HostExperts, OffloadExperts, resolve_cache_slots  # noqa: E402
 
 ROUNDS = ("min-wait", "stochastic", "prefer-fetch")
@@ -58,7 +59,7 @@ def _counters(backend) -> dict:
                 "wait_cpu_s": c["gpu_wait_for_cpu_s_total"], "wait_copy_s": c["gpu_wait_for_copy_s_total"]}
     if backend is None:
         return {}
-    s = backend.stats
+    s = backend.refresh_stats()     # the kernel copy mode counts on the device
     return {"misses": s.distinct_misses, "fetched": s.fetched, "cpu": 0, "fallbacks": 0}
 
 
@@ -117,7 +118,8 @@ def handoff_round_trip(pool, hidden: int, dtype: torch.dtype, device: torch.devi
 
 
 def variants(args) -> list[tuple[str, dict | None]]:
-    out: list[tuple[str, dict | None]] = [("offload", None), ("cpu", {"strategy": "cpu"})]
+    out: list[tuple[str, dict | None]] = [("offload kernel graphs", {"copy_mode": "kernel"}),
+                                          ("offload", None), ("cpu", {"strategy": "cpu"})]
     for promote in (True, False):
         for rnd in ROUNDS:
             out.append((f"hybrid {rnd}{'' if promote else ' no-promo'}",
@@ -150,6 +152,9 @@ def main() -> int:
                              "'hybrid min-wait stream': host vs stream hand-off side by side)")
     parser.add_argument("--no-resident", action="store_true", help="skip the resident run (no token check)")
     parser.add_argument("--handoff-calls", type=int, default=10_000)
+    parser.add_argument("--routing", default="zipf:1.0",
+                        help="'model' or 'zipf[:SKEW]' (see bench_engine.py --routing): random-weight "
+                             "presets route every token alike unless the table decides")
     parser.add_argument("--json-out", default=None, help="write every row as JSON here (default: $OUT/bench_hybrid.json)")
     args = parser.parse_args()
     device = torch.device(args.device)
@@ -163,6 +168,7 @@ def main() -> int:
     cfg = loaded.cfg
     prompt = torch.randint(0, cfg.vocab_size, (args.prompt_tokens,), generator=gen).tolist()
     econf = EngineConfig(max_running_requests=1, max_context_tokens=args.prompt_tokens + args.decode_tokens + 16)
+    loaded.model.routing_override = SyntheticRouting.parse(args.routing, cfg, econf.max_context_tokens, device)
     reference_tokens = None
     if not args.no_resident:
         print(f"loaded {args.preset} resident in {time.perf_counter() - t0:.1f} s", flush=True)
@@ -197,6 +203,8 @@ def main() -> int:
         for name, policy in variants(args):
             if policy is None:
                 backend = OffloadExperts(host, slots, device)
+            elif "copy_mode" in policy:       # the device-side plan copy: decode runs in CUDA graphs
+                backend = OffloadExperts(host, slots, device, **policy)
             else:
                 policy = {"fetch_fraction": fraction, **policy}
                 backend = HybridExperts(host, slots, device, pool, owns_host=False, owns_pool=False, **policy)
@@ -222,7 +230,8 @@ def main() -> int:
     both = (pcie.gb_s + cpu.gb_s) * 1e9
     gpu = device_name(device)
     print(f"\n{args.preset} {layout.dtype}, {gpu}, batch 1, cache {args.cache} ({slots} slots), prompt "
-          f"{args.prompt_tokens}, {args.decode_tokens} decode tokens, median of {args.runs} runs; expert "
+          f"{args.prompt_tokens}, {args.decode_tokens} decode tokens, routing {args.routing}, median of "
+          f"{args.runs} runs; expert "
           f"{expert_bytes / 1e6:.2f} MB; B_pcie {pcie.gb_s:.1f} GB/s, B_cpu {cpu.gb_s:.1f} GB/s "
           f"({args.cpu_workers} worker(s)); hybrid f {fraction:.3f}")
     print(f"hand-off GPU -> CPU process -> GPU: p50 {handoff['p50_us']:.1f} us, p99 {handoff['p99_us']:.1f} us, "
