@@ -121,9 +121,13 @@ def wait_until(pred, timeout_s: float) -> bool:
 # Loading the driver: lazily, and clear errors without one
 # ---------------------------------------------------------------------------------------------
 def test_importing_loads_no_cuda_driver():
-    code = ("import gpu_worker.hybrid.stream_doorbell as m, gpu_worker.hybrid as h; assert m._DRIVER is None; "
+    # torch's CUDA build may map libcuda itself at import (it does on the H200 machine): what must
+    # not happen is that importing this module adds it
+    code = ("import torch; before = 'libcuda.so' in open('/proc/self/maps').read(); "
+            "import gpu_worker.hybrid.stream_doorbell as m, gpu_worker.hybrid as h; assert m._DRIVER is None; "
             "assert h.StreamDoorbell is m.StreamDoorbell; "
-            "maps = open('/proc/self/maps').read(); assert 'libcuda.so' not in maps, 'libcuda loaded at import'")
+            "after = 'libcuda.so' in open('/proc/self/maps').read(); "
+            "assert before or not after, 'libcuda loaded by importing stream_doorbell'")
     env = dict(os.environ, PYTHONPATH=str(REPO_ROOT))
     subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO_ROOT, env=env, timeout=120)
 
