@@ -134,7 +134,7 @@ def _table(args, source, rows, bw) -> int:
     device = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
     print(f"\n{args.preset} {source.layout.dtype}, {device}, torch {torch.__version__}, batch 1, "
           f"prompt {args.prompt_tokens}, {args.decode_tokens} decode tokens (temperature "
-          f"{args.temperature}, seeded), median of {args.runs} runs; expert "
+          f"{args.temperature}, seeded; routing {args.routing}), median of {args.runs} runs; expert "
           f"{expert_bytes / 1e6:.2f} MB, experts {total_expert_bytes / 1e9:.1f} GB; PCIe (pinned, "
           f"expert-sized copies) {(bw or 0) / 1e9:.1f} GB/s")
     print(f"{'backend':<20} {'slots':>5} {'tok/s':>7} {'roofline':>8} {'%roof':>5} {'miss/tok':>8} "
