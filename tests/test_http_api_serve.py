@@ -35,7 +35,7 @@ def test_ft_serve_answers_and_drains_on_sigterm(tmp_path):
     env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", ""),
            "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen([sys.executable, "-m", "coordinator.cli", "serve", "--device", "cpu", "--port", str(port),
-                             "--grpc-port", str(grpc_port), "--max-context-tokens", "2048", "--drain-timeout-s", "20",
+                             "--grpc-port", str(grpc_port), "--max-context-tokens", "2048", "--drain-timeout-s", "90",
                              "--served-model-name", "tiny"], cwd=REPO, env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
@@ -63,7 +63,7 @@ def test_ft_serve_answers_and_drains_on_sigterm(tmp_path):
         assert events[-1] == "data: [DONE]"
         finishes = [json.loads(e[6:])["choices"][0]["finish_reason"] for e in events[:-1]]
         assert finishes[-1] == "length"
-        assert proc.wait(30) == 0
+        assert proc.wait(120) == 0
         stderr = proc.stderr.read().decode()
         assert "drained: 1 finished, 0 aborted" in stderr, stderr[-2000:]
         assert "ft serve: stopped" in stderr
