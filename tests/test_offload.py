@@ -21,6 +21,17 @@ def cache_dir(monkeypatch, tmp_path):
     monkeypatch.setenv("FT_CACHE_DIR", str(tmp_path / "cache"))
 
 
+def assert_slots_hold_their_experts(backend) -> None:
+    """Every expert the slot cache maps to a slot has its host bytes in that slot (the tiny model's
+    tokens barely depend on expert outputs, so equal tokens alone would not catch stale slots)."""
+    for layer in range(backend.num_layers):
+        slots = backend.cache.slot_for_id[layer].cpu()
+        for expert in (slots >= 0).nonzero().reshape(-1).tolist():
+            got = backend.slots[int(slots[expert])].cpu()
+            assert torch.equal(got, backend.host.layers[layer][expert]), \
+                f"layer {layer} expert {expert}: its slot does not hold its weights"
+
+
 def greedy_tokens(loaded, n: int = 24, prompts=(PROMPT,)) -> list[list[int]]:
     engine = Engine(loaded.model, EngineConfig(max_running_requests=2, max_context_tokens=128,
                                                prefill_chunk_tokens=4),
@@ -42,6 +53,7 @@ def test_offload_gives_the_resident_tokens(cache_size, per_layer):
     backend = loaded.model.experts
     try:
         assert greedy_tokens(loaded, prompts=prompts) == resident
+        assert_slots_hold_their_experts(backend)
         stats = backend.stats
         assert stats.fetched > 0 and stats.fetched <= stats.distinct_misses
         total = backend.num_layers * backend.num_experts
@@ -135,3 +147,30 @@ def test_kernel_copy_mode_counts_on_the_device_and_stays_lossless():
 def test_unknown_copy_mode_is_refused():
     with pytest.raises(ValueError, match="copy mode 'pcie' is not one of dma, kernel"):
         load_model(device="cpu", moe_strategy="offload", moe_cache_size=10, offload_copy="pcie")
+
+
+def test_prefill_streams_the_next_layers_experts_and_stays_lossless():
+    """A prefill chunk that routes to most experts prefetches the next layer's experts behind its own
+    copies (prefill_prefetch); tokens equal resident's, and the next layers then miss less."""
+    prompt = [(7 * i + 3) % 300 for i in range(40)]
+
+    def run(loaded):
+        engine = Engine(loaded.model, EngineConfig(max_running_requests=1, max_context_tokens=128,
+                                                   prefill_chunk_tokens=32), eos_token_ids=())
+        return engine.generate([prompt], SamplingParams(max_new_tokens=8, ignore_eos=True))
+
+    want = run(load_model(device="cpu"))
+    stats = {}
+    for prefetch in (True, False):
+        loaded = load_model(device="cpu", moe_strategy="offload", moe_cache_size=32)
+        backend = loaded.model.experts
+        backend.prefill_prefetch = prefetch
+        try:
+            assert run(loaded) == want
+            assert_slots_hold_their_experts(backend)
+            stats[prefetch] = backend.stats
+        finally:
+            backend.close()
+    on, off = stats[True], stats[False]
+    assert on.prefetched > 0 and off.prefetched == 0
+    assert on.distinct_misses < off.distinct_misses, "prefetched experts should be hits"

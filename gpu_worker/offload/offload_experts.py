@@ -23,7 +23,8 @@ import torch
 from gpu_worker.models.expert_layout import ExpertLayout, unpack_experts
 from gpu_worker.models.resident_experts import GRAPH_SAFE_MODES, MODES, expert_ffn, pick_mode
 from kernels.expert_copy import copy_plan
-from kernels.slot_cache import SlotCache, ensure
+from kernels.slot_cache import SlotCache, ensure, prefetch_ensure
+from kernels.slot_cache.api import MAX_PREFETCH_CANDIDATES
 
 from .host_store import HostExperts
 
@@ -62,8 +63,9 @@ class OffloadStats:
     calls: int = 0
     routed_pairs: int = 0       # (token, expert) routes seen
     distinct_misses: int = 0    # distinct experts missing, summed over calls
-    fetched: int = 0            # experts copied host -> GPU
+    fetched: int = 0            # experts copied host -> GPU (demand and prefetch)
     copy_bytes: int = 0
+    prefetched: int = 0         # of those, copied ahead for the next layer during prefill
 
 
 class OffloadExperts:
@@ -71,12 +73,15 @@ class OffloadExperts:
 
     def __init__(self, host: HostExperts, num_slots: int, device: torch.device | str, *,
                  per_layer: bool = False, mode: str = "auto", gather_max_pairs: int = 32,
-                 copy_mode: str = "dma"):
+                 copy_mode: str = "dma", prefill_prefetch: bool = True):
         if mode not in MODES:
             raise ValueError(f"expert compute mode {mode!r} is not one of {', '.join(MODES)}")
         if copy_mode not in COPY_MODES:
             raise ValueError(f"copy mode {copy_mode!r} is not one of {', '.join(COPY_MODES)}")
         self.copy_mode = copy_mode
+        # prefill calls (a chunk routes to most experts) copy the next layer's experts while this
+        # layer computes: see `forward`
+        self.prefill_prefetch = prefill_prefetch
         self.host, self.layout = host, host.layout
         self.num_layers, self.num_experts = host.num_layers, host.num_experts
         self.device = torch.device(device)
@@ -90,8 +95,13 @@ class OffloadExperts:
         self.on_cuda = self.device.type == "cuda"
         if self.on_cuda:
             self.copy_stream = torch.cuda.Stream(device=self.device)
-            self._plan_host = torch.empty(2 + 2 * num_slots, dtype=torch.int32, pin_memory=True)
+            self._plan_host = torch.empty(3 + 4 * num_slots, dtype=torch.int32, pin_memory=True)
         self.stats = OffloadStats()
+        self._host_counts = [0, 0, 0]      # kernel copy mode: [fetched, misses, calls] of DMA calls
+        # prefill prefetch: layer -> event after its experts' copies (the layer's GEMMs wait on it)
+        self._prefetched: dict[int, torch.cuda.Event] = {}
+        self._candidates = torch.arange(min(self.num_experts, MAX_PREFETCH_CANDIDATES),
+                                        dtype=torch.int64, device=self.device)
         # kernel copy mode counts on the device (no host sync): [fetched, distinct misses, calls]
         self._device_counts = torch.zeros(3, dtype=torch.int64, device=self.device)
         self._copy_events: list[tuple[torch.cuda.Event, torch.cuda.Event, int]] = []
@@ -105,11 +115,23 @@ class OffloadExperts:
                 topk_weights: torch.Tensor) -> torch.Tensor:
         slot_ids = topk_ids.to(torch.int64, copy=True).contiguous()      # [T, K] -> slot ids
         ensure(self.cache, layer_idx, slot_ids, fetch_fraction=1.0, check_ids=False)
-        if self.copy_mode == "kernel":
+        # A prefill chunk routes to most experts of every layer: stream the next layer's experts
+        # (a low-priority prefetch of all of them, never evicting this layer's) on the copy stream
+        # behind this layer's own copies, so they land while this layer and the next one's
+        # attention compute. Decode calls keep their copy mode (and graphs, in kernel mode).
+        prefill = slot_ids.numel() >= self.num_experts and slot_ids.numel() > self.gather_max_pairs
+        nxt = layer_idx + 1 if (self.prefill_prefetch and prefill and layer_idx + 1 < self.num_layers) else None
+        if nxt is not None:
+            prefetch_ensure(self.cache, nxt, self._candidates, self._candidates.numel(), check_ids=False)
+        if self.copy_mode == "kernel" and not prefill:
             self._copy_on_device(layer_idx, max_copies=min(slot_ids.numel(), self.cache.num_slots))
         else:
-            self.copy_missing(layer_idx)
+            self.copy_missing(layer_idx, prefetch_layer=nxt)
             self.stats.calls += 1
+            self._host_counts[2] += 1
+        ready = self._prefetched.pop(layer_idx, None)     # experts prefetched for this layer
+        if ready is not None:
+            torch.cuda.current_stream(self.device).wait_event(ready)
         self.stats.routed_pairs += slot_ids.numel()
         mode = pick_mode(self.mode, self.on_cuda, slot_ids.numel(), self.gather_max_pairs)
         return expert_ffn(mode, x, slot_ids, topk_weights, self.w13, self.w2, kernel_impl=self.kernel_impl)
@@ -131,40 +153,55 @@ class OffloadExperts:
     def refresh_stats(self) -> OffloadStats:
         """Fold the device-side counters of the kernel copy mode into `stats` (a device sync)."""
         if self.copy_mode == "kernel":
-            fetched, misses, calls = (int(v) for v in self._device_counts.tolist())
+            fetched, misses, calls = (int(v) + h for v, h in zip(self._device_counts.tolist(),
+                                                                 self._host_counts))
             self.stats.fetched, self.stats.distinct_misses, self.stats.calls = fetched, misses, calls
             self.stats.copy_bytes = fetched * self.expert_nbytes
         return self.stats
 
-    def _read_plan(self) -> tuple[int, int, list[int], list[int]]:
-        """(copies, distinct misses, destination slots, source rows): one small D2H copy."""
+    def _read_plan(self, prefetch: bool = False) -> tuple[int, int, list[int], list[int], list[int], list[int]]:
+        """(copies, distinct misses, destination slots, source rows, and the prefetch plan's
+        destination slots and source rows when `prefetch`): one small D2H copy and one sync."""
         c = self.cache
         if not self.on_cuda:
-            n = int(c.num_indices)
-            return (n, int(c.num_missing_full), c.evict_slots[:n].tolist(),
-                    c.src_indices[:n].tolist())
+            n, p = int(c.num_indices), int(c.prefetch_num_indices) if prefetch else 0
+            return (n, int(c.num_missing_full), c.evict_slots[:n].tolist(), c.src_indices[:n].tolist(),
+                    c.prefetch_evict_slots[:p].tolist(), c.prefetch_src_indices[:p].tolist())
         s = c.num_slots
         buf = self._plan_host
         buf[0:1].copy_(c.num_indices, non_blocking=True)
         buf[1:2].copy_(c.num_missing_full, non_blocking=True)
-        buf[2:2 + s].copy_(c.evict_slots, non_blocking=True)
-        buf[2 + s:2 + 2 * s].copy_(c.src_indices, non_blocking=True)
+        buf[3:3 + s].copy_(c.evict_slots, non_blocking=True)
+        buf[3 + s:3 + 2 * s].copy_(c.src_indices, non_blocking=True)
+        if prefetch:
+            buf[2:3].copy_(c.prefetch_num_indices, non_blocking=True)
+            buf[3 + 2 * s:3 + 3 * s].copy_(c.prefetch_evict_slots, non_blocking=True)
+            buf[3 + 3 * s:3 + 4 * s].copy_(c.prefetch_src_indices, non_blocking=True)
         torch.cuda.current_stream(self.device).synchronize()
-        n = int(buf[0])
-        return n, int(buf[1]), buf[2:2 + n].tolist(), buf[2 + s:2 + s + n].tolist()
+        n, p = int(buf[0]), int(buf[2]) if prefetch else 0
+        return (n, int(buf[1]), buf[3:3 + n].tolist(), buf[3 + s:3 + s + n].tolist(),
+                buf[3 + 2 * s:3 + 2 * s + p].tolist(), buf[3 + 3 * s:3 + 3 * s + p].tolist())
 
-    def copy_missing(self, layer_idx: int) -> None:
-        """Execute the copy plan of the last `ensure` (host store -> slots)."""
-        n, misses, dst, src = self._read_plan()
-        self.stats.distinct_misses += misses
-        if n == 0:
+    def copy_missing(self, layer_idx: int, prefetch_layer: int | None = None) -> None:
+        """Execute the copy plan of the last `ensure` (host store -> slots); with `prefetch_layer`,
+        then the plan of the `prefetch_ensure` made for that layer, behind it on the copy stream."""
+        n, misses, dst, src, pdst, psrc = self._read_plan(prefetch=prefetch_layer is not None)
+        st = self.stats
+        st.distinct_misses += misses
+        st.fetched += n + len(pdst)
+        st.prefetched += len(pdst)
+        st.copy_bytes += (n + len(pdst)) * self.expert_nbytes
+        self._host_counts[0] += n + len(pdst)
+        self._host_counts[1] += misses
+        if n == 0 and not pdst:
             return
-        self.stats.fetched += n
-        self.stats.copy_bytes += n * self.expert_nbytes
-        host_layer = self.host.layers[layer_idx]                          # [E, N] host
+        jobs = [(self.host.layers[layer_idx], dst, src)]                  # [E, N] host rows
+        if pdst:
+            jobs.append((self.host.layers[prefetch_layer], pdst, psrc))
         if not self.on_cuda:
-            for d, s in zip(dst, src):
-                self.slots[d].copy_(host_layer[s])
+            for host_layer, dsts, srcs in jobs:
+                for d, s in zip(dsts, srcs):
+                    self.slots[d].copy_(host_layer[s])
             return
         compute = torch.cuda.current_stream(self.device)
         queued = torch.cuda.Event()
@@ -173,11 +210,20 @@ class OffloadExperts:
         with torch.cuda.stream(self.copy_stream):
             self.copy_stream.wait_event(queued)
             start.record(self.copy_stream)
-            for d, s in zip(dst, src):
+            host_layer, dsts, srcs = jobs[0]
+            for d, s in zip(dsts, srcs):
                 self.slots[d].copy_(host_layer[s], non_blocking=True)
             done.record(self.copy_stream)
-        compute.wait_event(done)
-        self._copy_events.append((start, done, n))
+            last = done
+            if pdst:
+                host_layer, dsts, srcs = jobs[1]
+                for d, s in zip(dsts, srcs):
+                    self.slots[d].copy_(host_layer[s], non_blocking=True)
+                last = torch.cuda.Event(enable_timing=True)
+                last.record(self.copy_stream)
+                self._prefetched[prefetch_layer] = last
+        compute.wait_event(done)                   # this layer's experts; the prefetch runs on
+        self._copy_events.append((start, last, n + len(pdst)))
 
     def collect_copy_time(self) -> float:
         """Seconds the copy stream spent on copies so far (syncs on outstanding events); also
