@@ -20,12 +20,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 from dataclasses import asdict, replace
 from pathlib import Path
 
 import torch
+
+from graph_timing import time_graph  # bench/graph_timing.py (this folder is sys.path[0])
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -50,34 +51,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--no-sdpa", action="store_true", help="skip the SDPA rows")
     p.add_argument("--json-out", default=None, help="write every result here as JSON")
     return p.parse_args(argv)
-
-
-def time_graph(fn, calls: int, reps: int, warmup: int) -> float:
-    """Median seconds per call of fn(i) for i in range(calls), captured in one CUDA graph."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for i in range(calls):                       # compile / allocate outside the graph
-            fn(i)
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(calls):
-            fn(i)
-    for _ in range(warmup):
-        graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3 / calls)
-    del graph
-    return statistics.median(times)
 
 
 def sweep_variants(b0):

@@ -22,6 +22,8 @@ from pathlib import Path
 
 import torch
 
+from graph_timing import time_graph  # bench/graph_timing.py (this folder is sys.path[0])
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 HBM_ROOFLINE_BPS = 4.8e12          # H200 HBM3e peak
@@ -45,34 +47,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--skip-small", action="store_true", help="only the MoE FFN (no norm / rope / router)")
     p.add_argument("--json-out", default=None, help="write every result here as JSON")
     return p.parse_args(argv)
-
-
-def time_graph(fn, calls: int, reps: int, warmup: int) -> float:
-    """Median seconds per call of fn(i) for i in range(calls), captured in one CUDA graph."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for i in range(calls):                       # compile / autotune / allocate outside the graph
-            fn(i)
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(calls):
-            fn(i)
-    for _ in range(warmup):
-        graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3 / calls)
-    del graph
-    return statistics.median(times)
 
 
 def moe_cases(args, dtype, rows: list[dict]) -> None:

@@ -272,6 +272,12 @@ class HybridExperts:
                 st.cpu_triples_total += share.rows.size
                 st.cpu_expert_time_s_total += share.compute_s
         total = out.float() + partial.to(self.device, non_blocking=True)     # [T, H] fp32
+        return self._recover(layer_idx, x, total, triples, failed)
+
+    def _recover(self, layer_idx: int, x: torch.Tensor, total: torch.Tensor,
+                 triples: tuple[np.ndarray, np.ndarray, np.ndarray], failed: list) -> torch.Tensor:
+        """Fetch the shares no worker answered into total [T, H] fp32; offload until re-admitted."""
+        st = self.stats
         for share in failed:
             st.cpu_workers[share.member.name].failures_total += 1
             total = self._fetch_instead(layer_idx, x, total, *(t[share.rows] for t in triples))
@@ -374,13 +380,7 @@ class HybridExperts:
             self.timer.add("gpu_wait_for_cpu_s_total", wait_from, self.timer.mark())
         if failed or total is None:
             total = self._add_partials(out, [(s, c) for s, c in calls if s.error is None])
-        st = self.stats
-        for share in failed:
-            st.cpu_workers[share.member.name].failures_total += 1
-            total = self._fetch_instead(layer_idx, x, total, *(t[share.rows] for t in triples))
-        if failed:
-            self._degrade()
-        return total
+        return self._recover(layer_idx, x, total, triples, failed)
 
     @staticmethod
     def _add_partials(out: torch.Tensor, calls: list) -> torch.Tensor:
