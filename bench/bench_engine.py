@@ -208,7 +208,6 @@ def main() -> int:
     if not args.fractions:
         return _table(args, source, rows, None)
     expert_bytes = source.layout.expert_nbytes
-    total_expert_bytes = source.num_layers * source.num_experts * expert_bytes
     loaded.model.experts = None
     gc.collect()
     torch.cuda.empty_cache()

@@ -23,7 +23,6 @@ import argparse
 import gc
 import json
 import os
-import statistics
 import sys
 import time
 from pathlib import Path

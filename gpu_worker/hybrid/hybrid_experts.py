@@ -261,18 +261,22 @@ class HybridExperts:
         partial = self._partial[:T * H].view(T, H)                       # [T, H] fp32 host
         failed = self.pool.join(layer_idx, shares, out=partial)
         self.timer.add("gpu_wait_for_cpu_s_total", gemm_done, self.timer.mark())
-        st = self.stats
         for share in shares:
             if share.error is None:
-                wc = st.cpu_workers[share.member.name]
-                wc.experts_total += share.num_experts
-                wc.triples_total += share.rows.size
-                wc.time_s_total += share.compute_s
-                st.cpu_experts_total += share.num_experts
-                st.cpu_triples_total += share.rows.size
-                st.cpu_expert_time_s_total += share.compute_s
+                self._count_cpu_share(share)
         total = out.float() + partial.to(self.device, non_blocking=True)     # [T, H] fp32
         return self._recover(layer_idx, x, total, triples, failed)
+
+    def _count_cpu_share(self, share) -> None:
+        """Fold an answered CPU share into the per-worker and total counters."""
+        st = self.stats
+        wc = st.cpu_workers[share.member.name]
+        wc.experts_total += share.num_experts
+        wc.triples_total += share.rows.size
+        wc.time_s_total += share.compute_s
+        st.cpu_experts_total += share.num_experts
+        st.cpu_triples_total += share.rows.size
+        st.cpu_expert_time_s_total += share.compute_s
 
     def _recover(self, layer_idx: int, x: torch.Tensor, total: torch.Tensor,
                  triples: tuple[np.ndarray, np.ndarray, np.ndarray], failed: list) -> torch.Tensor:
@@ -392,7 +396,7 @@ class HybridExperts:
     def _settle(self, layer_idx: int, pending: list[tuple[Share, "StreamCall | None"]]) -> list[Share]:
         """Wait for every call (host memory; the watchdog releases a call whose worker died or is late),
         count the answered ones, mark the others failed. Returns the failed shares."""
-        failed, st = [], self.stats
+        failed = []
         for share, call in pending:
             m = share.member
             if call is not None:
@@ -404,13 +408,7 @@ class HybridExperts:
                 status = call.status() if call.done() else "not done"
                 if status in ("ok", "unchecked"):
                     share.compute_s = m.client.last_compute_ns(layer_idx) / 1e9
-                    wc = st.cpu_workers[m.name]
-                    wc.experts_total += share.num_experts
-                    wc.triples_total += share.rows.size
-                    wc.time_s_total += share.compute_s
-                    st.cpu_experts_total += share.num_experts
-                    st.cpu_triples_total += share.rows.size
-                    st.cpu_expert_time_s_total += share.compute_s
+                    self._count_cpu_share(share)
                     continue
                 if status in ("aborted", "not done"):
                     exc_type = WorkerTimeout if db.failed == "timeout" or status == "not done" else WorkerDead
