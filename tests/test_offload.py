@@ -51,8 +51,10 @@ def test_offload_gives_the_resident_tokens(cache_size, per_layer):
         loaded.model.experts = make_expert_backend("offload", loaded.source.experts, "cpu",
                                                    cache_size=cache_size, per_layer=True)
     backend = loaded.model.experts
+    wrong = _check_each_layer_against_host_weights(backend, "cpu")
     try:
         assert greedy_tokens(loaded, prompts=prompts) == resident
+        assert not wrong, f"MoE outputs that disagree with the host weights: {wrong[:5]}"
         assert_slots_hold_their_experts(backend)
         stats = backend.stats
         assert stats.fetched > 0 and stats.fetched <= stats.distinct_misses
@@ -149,9 +151,33 @@ def test_unknown_copy_mode_is_refused():
         load_model(device="cpu", moe_strategy="offload", moe_cache_size=10, offload_copy="pcie")
 
 
-def test_prefill_streams_the_next_layers_experts_and_stays_lossless():
-    """A prefill chunk that routes to most experts prefetches the next layer's experts behind its own
-    copies (prefill_prefetch); tokens equal resident's, and the next layers then miss less."""
+def _check_each_layer_against_host_weights(backend, device: str) -> list:
+    """Wrap backend.forward: each call's output is compared with the same FFN over a resident copy
+    of the host weights (the tiny model's tokens hardly depend on expert outputs, and at the end of
+    a run every copy has landed, so only this catches a GEMM that read a slot too early).
+    Returns the list that collects (layer, relative error) of calls that disagree."""
+    from gpu_worker.models.expert_layout import unpack_experts
+    from gpu_worker.models.resident_experts import expert_ffn, pick_mode
+    weights = [unpack_experts(backend.host.layers[layer].to(device), backend.layout)
+               for layer in range(backend.num_layers)]
+    wrong = []
+    forward = backend.forward
+
+    def checked(layer, x, topk_ids, topk_weights):
+        out = forward(layer, x, topk_ids, topk_weights)
+        mode = pick_mode(backend.mode, backend.on_cuda, topk_ids.numel(), backend.gather_max_pairs)
+        ref = expert_ffn(mode, x, topk_ids, topk_weights, *weights[layer], kernel_impl=backend.kernel_impl)
+        err = float((out.float() - ref.float()).norm() / ref.float().norm().clamp(min=1e-12))
+        if err > 1e-2:
+            wrong.append((layer, err))
+        return out
+
+    backend.forward = checked
+    return wrong
+
+
+def _prefill_prefetch_case(device: str, copy_mode: str = "dma"):
+    """Tokens of a 40-token prompt (32-token prefill chunks) with prefill prefetch on and off."""
     prompt = [(7 * i + 3) % 300 for i in range(40)]
 
     def run(loaded):
@@ -159,18 +185,35 @@ def test_prefill_streams_the_next_layers_experts_and_stays_lossless():
                                                    prefill_chunk_tokens=32), eos_token_ids=())
         return engine.generate([prompt], SamplingParams(max_new_tokens=8, ignore_eos=True))
 
-    want = run(load_model(device="cpu"))
+    want = run(load_model(device=device))
     stats = {}
     for prefetch in (True, False):
-        loaded = load_model(device="cpu", moe_strategy="offload", moe_cache_size=32)
+        loaded = load_model(device=device, moe_strategy="offload", moe_cache_size=32)
         backend = loaded.model.experts
         backend.prefill_prefetch = prefetch
+        backend.copy_mode = copy_mode
+        wrong = _check_each_layer_against_host_weights(backend, device)
         try:
             assert run(loaded) == want
+            assert not wrong, f"MoE outputs that disagree with the host weights: {wrong[:5]}"
             assert_slots_hold_their_experts(backend)
-            stats[prefetch] = backend.stats
+            stats[prefetch] = backend.refresh_stats()
         finally:
             backend.close()
     on, off = stats[True], stats[False]
     assert on.prefetched > 0 and off.prefetched == 0
     assert on.distinct_misses < off.distinct_misses, "prefetched experts should be hits"
+
+
+def test_prefill_streams_the_next_layers_experts_and_stays_lossless():
+    """A prefill chunk that routes to most experts prefetches the next layer's experts behind its own
+    copies (prefill_prefetch); tokens equal resident's, and the next layers then miss less."""
+    _prefill_prefetch_case("cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("copy_mode", ["dma", "kernel"])
+def test_gpu_prefill_prefetch_is_lossless_and_lands_before_use(copy_mode):
+    """The same on the GPU, where the prefetch copies run on the copy stream behind the layer's own
+    and the next layer waits on their event: a missing wait would show as stale slot bytes or tokens."""
+    _prefill_prefetch_case("cuda", copy_mode)

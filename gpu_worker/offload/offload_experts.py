@@ -73,14 +73,14 @@ class OffloadExperts:
 
     def __init__(self, host: HostExperts, num_slots: int, device: torch.device | str, *,
                  per_layer: bool = False, mode: str = "auto", gather_max_pairs: int = 32,
-                 copy_mode: str = "dma", prefill_prefetch: bool = True):
+                 copy_mode: str = "dma", prefill_prefetch: bool = False):
         if mode not in MODES:
             raise ValueError(f"expert compute mode {mode!r} is not one of {', '.join(MODES)}")
         if copy_mode not in COPY_MODES:
             raise ValueError(f"copy mode {copy_mode!r} is not one of {', '.join(COPY_MODES)}")
         self.copy_mode = copy_mode
         # prefill calls (a chunk routes to most experts) copy the next layer's experts while this
-        # layer computes: see `forward`
+        # layer computes: see `forward`. Off by default until it has run on a GPU (docs/OFFLOAD.md).
         self.prefill_prefetch = prefill_prefetch
         self.host, self.layout = host, host.layout
         self.num_layers, self.num_experts = host.num_layers, host.num_experts
