@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from gpu_worker.models.expert_layout import ExpertLayout, unpack_experts
+from gpu_worker.models.expert_layout import unpack_experts
 from gpu_worker.models.resident_experts import GRAPH_SAFE_MODES, MODES, expert_ffn, pick_mode
 from kernels.expert_copy import copy_plan
 from kernels.slot_cache import SlotCache, ensure, prefetch_ensure
