@@ -23,7 +23,7 @@ import queue
 import threading
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable, Sequence
 
 from coordinator.detokenizer import IncrementalDetokenizer, StopStringMatcher

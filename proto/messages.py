@@ -19,8 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import typing
-from typing import Any, Union
+from typing import Union
 
 from .typed_messages import MessageCodec, MessageError  # noqa: F401  (MessageError re-exported)
 

@@ -6,7 +6,6 @@ import io
 import os
 import socket
 import sys
-import threading
 
 import grpc
 import pytest

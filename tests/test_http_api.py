@@ -8,7 +8,6 @@ import os
 import socket
 import sys
 import threading
-import time
 
 import openai
 import pytest

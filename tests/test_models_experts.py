@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from gpu_worker.models import (BackendNotAvailableError, ExpertLayout, RandomExpertSource, ResidentExperts,
+from gpu_worker.models import (ExpertLayout, RandomExpertSource, ResidentExperts,
                                make_expert_backend, pack_experts, unpack_experts)
 from gpu_worker.models.checkpoint import CheckpointReader
 from gpu_worker.models.config import MoeConfig

@@ -4,8 +4,6 @@ On a machine without a GPU the kernels run in the Triton interpreter (conftest.p
 """
 from __future__ import annotations
 
-import itertools
-
 import pytest
 import torch
 
