@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything that needs the GPU machine, in one call: GPU tests, then benchmarks; short tables last.
 # Usage: bash bench/run_gpu.sh [kernels] [engine] [cpu] [hybrid] [sweep] [decode] [gpu-tests] [resident]
-#        [attention] [handoff] [handoff]
+#        [attention] [handoff] [gpu-all]   (gpu-all: every test marked gpu) [handoff]
 #        (default: kernels engine cpu). SECTION_TIMEOUT (s, default 540) bounds each command.
 # Logs go to $OUT (the device tool's output folder) when it is set, else ./out.
 set -u
@@ -57,6 +57,11 @@ for s in $sections; do
     resident)
       timeout "$T" python3 bench/bench_engine.py --fractions "" ${RESIDENT_ARGS:---profile 8} 2>&1 \
         | tee "$OUT/resident_bench.log" | tail -n 45 || status=1
+      ;;
+    gpu-all)
+      timeout "$T" python3 -m pytest -q -p no:cacheprovider -m gpu tests/ 2>&1 \
+        | tee "$OUT/gpu_all_tests.log" | tail -n 15
+      [ "${PIPESTATUS[0]}" = 0 ] || status=1
       ;;
     attention)
       timeout "$T" python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_decode_attention.py 2>&1 \
