@@ -76,12 +76,42 @@ def _next_victim(usage_ptr, pool_base, num_slots, step, prev_key, SLOT_TILE: tl.
 
 
 @triton.jit
-def _install(slot_for_id_ptr, id_of_slot_ptr, usage_ptr, slot, flat_id, usage_value):
-    old = tl.load(id_of_slot_ptr + slot)
+def _install_known(slot_for_id_ptr, id_of_slot_ptr, usage_ptr, slot, old, flat_id, usage_value):
+    # flat_id takes `slot` from its previous owner `old` (-1: the slot was empty)
     tl.store(slot_for_id_ptr + old, -1, mask=old >= 0)
     tl.store(id_of_slot_ptr + slot, flat_id.to(tl.int32))
     tl.store(slot_for_id_ptr + flat_id, slot.to(tl.int32))
     tl.store(usage_ptr + slot, usage_value)
+
+
+@triton.jit
+def _install(slot_for_id_ptr, id_of_slot_ptr, usage_ptr, slot, flat_id, usage_value):
+    old = tl.load(id_of_slot_ptr + slot)
+    _install_known(slot_for_id_ptr, id_of_slot_ptr, usage_ptr, slot, old, flat_id, usage_value)
+
+
+@triton.jit
+def _next_miss(order_key, prev_order, E_BLOCK: tl.constexpr):
+    # (order key, expert) of the next miss to fetch: the largest order key below prev_order
+    cur = tl.max(tl.where(order_key < prev_order, order_key, -1), axis=0)
+    return cur, (E_BLOCK - 1) - (cur % E_BLOCK)
+
+
+@triton.jit
+def _place(slot_for_id_ptr, id_of_slot_ptr, usage_ptr, evict_ptr, src_ptr, i, vk, is_victim, owners, row,
+           expert, step, pool_base, promoted, e64, out, installed):
+    # plan entry i: expert takes the slot of victim key vk, unless a promotion finds no empty slot;
+    # the slot's previous owner is the entry of `owners` where `is_victim`; routes of the expert
+    # point at the slot. Returns (out, installed).
+    victim = pool_base + (vk & ((1 << 25) - 1))
+    if (promoted == 0) | ((vk >> 25) == 0):
+        old = tl.max(tl.where(is_victim, owners, -1), axis=0)
+        _install_known(slot_for_id_ptr, id_of_slot_ptr, usage_ptr, victim, old, row + expert, step)
+        tl.store(evict_ptr + i, victim.to(tl.int32))
+        tl.store(src_ptr + i, expert.to(tl.int32))
+        out = tl.where(e64 == expert, victim, out)
+        installed += 1
+    return out, installed
 
 
 @triton.jit
@@ -171,9 +201,7 @@ def ensure_kernel(
     prev_order = tl.full((), 0x7FFFFFFFFFFFFFFF, tl.int64)
     prev_victim = tl.full((), -1, tl.int64)
     for i in range(0, k):
-        cur = tl.max(tl.where(order_key < prev_order, order_key, -1), axis=0)
-        prev_order = cur
-        expert = (E_BLOCK - 1) - (cur % E_BLOCK)
+        prev_order, expert = _next_miss(order_key, prev_order, E_BLOCK)
         vkey = _next_victim(usage_ptr, pool_base, num_slots, step, prev_victim, SLOT_TILE)
         prev_victim = vkey
         victim = pool_base + (vkey & ((1 << 25) - 1))
@@ -263,15 +291,6 @@ def prefetch_kernel(
 
 
 assert SLOT_BITS == 25  # the kernels spell the constant out (constexpr arithmetic)
-
-
-@triton.jit
-def _install_known(slot_for_id_ptr, id_of_slot_ptr, usage_ptr, slot, old, flat_id, usage_value):
-    # _install with the slot's previous owner already known (read before any program wrote)
-    tl.store(slot_for_id_ptr + old, -1, mask=old >= 0)
-    tl.store(id_of_slot_ptr + slot, flat_id.to(tl.int32))
-    tl.store(slot_for_id_ptr + flat_id, slot.to(tl.int32))
-    tl.store(usage_ptr + slot, usage_value)
 
 
 @triton.jit
@@ -408,20 +427,12 @@ def ensure_small_kernel(
                 prev_order = tl.full((), 0x7FFFFFFFFFFFFFFF, tl.int64)
                 prev_victim = tl.full((), -1, tl.int64)
                 for i in range(0, k):
-                    cur = tl.max(tl.where(order_key < prev_order, order_key, -1), axis=0)
-                    prev_order = cur
-                    expert = (E_BLOCK - 1) - (cur % E_BLOCK)
+                    prev_order, expert = _next_miss(order_key, prev_order, E_BLOCK)
                     vk = tl.min(tl.where(vkey > prev_victim, vkey, 0x7FFFFFFFFFFFFFFF), axis=0)
                     prev_victim = vk
-                    victim = pool_base + (vk & ((1 << 25) - 1))
-                    if (promoted == 0) | ((vk >> 25) == 0):
-                        old = tl.max(tl.where(vkey == vk, vown, -1), axis=0)
-                        _install_known(slot_for_id_ptr, id_of_slot_ptr, usage_ptr, victim, old,
-                                       row + expert, step)
-                        tl.store(evict_ptr + i, victim.to(tl.int32))
-                        tl.store(src_ptr + i, expert.to(tl.int32))
-                        out = tl.where(e64 == expert, victim, out)
-                        installed += 1
+                    out, installed = _place(slot_for_id_ptr, id_of_slot_ptr, usage_ptr, evict_ptr, src_ptr,
+                                            i, vk, vkey == vk, vown, row, expert, step, pool_base, promoted,
+                                            e64, out, installed)
             else:
                 if MULTI:
                     m = tl.arange(0, MERGE_BLOCK)                         # [G*CAND] candidates
@@ -441,19 +452,11 @@ def ensure_small_kernel(
                 sel_own = tl.load(id_of_slot_ptr + pool_base + sel_slot, mask=sel_used, other=-1)
                 prev_order = tl.full((), 0x7FFFFFFFFFFFFFFF, tl.int64)
                 for i in range(0, k):
-                    cur = tl.max(tl.where(order_key < prev_order, order_key, -1), axis=0)
-                    prev_order = cur
-                    expert = (E_BLOCK - 1) - (cur % E_BLOCK)
+                    prev_order, expert = _next_miss(order_key, prev_order, E_BLOCK)
                     vk = tl.max(tl.where(cj == i, sel, -1), axis=0)
-                    victim = pool_base + (vk & ((1 << 25) - 1))
-                    if (promoted == 0) | ((vk >> 25) == 0):
-                        old = tl.max(tl.where(cj == i, sel_own, -1), axis=0)
-                        _install_known(slot_for_id_ptr, id_of_slot_ptr, usage_ptr, victim, old,
-                                       row + expert, step)
-                        tl.store(evict_ptr + i, victim.to(tl.int32))
-                        tl.store(src_ptr + i, expert.to(tl.int32))
-                        out = tl.where(e64 == expert, victim, out)
-                        installed += 1
+                    out, installed = _place(slot_for_id_ptr, id_of_slot_ptr, usage_ptr, evict_ptr, src_ptr,
+                                            i, vk, cj == i, sel_own, row, expert, step, pool_base, promoted,
+                                            e64, out, installed)
                 if V > 0:
                     # the new list: the V keys after the installed victims (untouched by this call)
                     dst = cj - installed
