@@ -1,8 +1,14 @@
 """Shared helpers for the CPU-pool tests."""
 from __future__ import annotations
 
+import signal
+import uuid
+
+import pytest
 import torch
 
+from cpu_expert_pool.channel import create_worker_channel
+from cpu_expert_pool.proc import CpuWorkerProc
 from proto.expert_store import ExpertStore
 
 
@@ -17,3 +23,38 @@ def random_store(name: str, *, num_layers: int, num_experts: int, hidden: int, i
         store.write_layer(layer, rows.to(torch.bfloat16))
     store.mark_ready()
     return store
+
+
+# Fixtures shared by the worker-process tests; a test module imports them by name and defines
+# T_MAX and MAX_TRIPLES (the channel's size), a `store` fixture, and optionally WORKER_PROC_ARGS
+# (flags every worker it starts gets).
+
+@pytest.fixture
+def channel(store, request):
+    """The name of a fresh worker channel beside `store`, unlinked afterwards."""
+    name = f"{store.name}.cpu0-{uuid.uuid4().hex[:6]}"
+    seg = create_worker_channel(name, t_max=request.module.T_MAX, hidden=store.shape.hidden,
+                                max_triples=request.module.MAX_TRIPLES)
+    yield name
+    seg.close()
+    seg.unlink()
+
+
+@pytest.fixture
+def procs(tmp_path, request):
+    """start(**kwargs) -> a started CpuWorkerProc; every one is continued (a test may have stopped
+    it) and stopped at teardown."""
+    started: list[CpuWorkerProc] = []
+    extra = getattr(request.module, "WORKER_PROC_ARGS", None)
+
+    def start(**kwargs) -> CpuWorkerProc:
+        if extra is not None:
+            kwargs = {"extra_args": extra, **kwargs}
+        proc = CpuWorkerProc(log_path=tmp_path / f"worker{len(started)}.log", **kwargs).start()
+        started.append(proc)
+        return proc
+
+    yield start
+    for proc in started:
+        proc.signal(signal.SIGCONT)
+        proc.stop(timeout_s=5)

@@ -10,14 +10,14 @@ import uuid
 import pytest
 import torch
 
-from cpu_expert_pool.channel import CpuPoolClient, WorkerDead, WorkerTimeout, create_worker_channel
-from cpu_expert_pool.proc import ControlServer, CpuWorkerProc
+from cpu_expert_pool.channel import CpuPoolClient, WorkerDead, WorkerTimeout
+from cpu_expert_pool.proc import ControlServer
 from cpu_expert_pool.reference import reference_moe_layer
 from cpu_expert_pool.split import ExpertSplit
 from proto import messages as m
 from proto import shm_layout as sl
 from proto.expert_store import ExpertStore
-from tests.cpu_pool_util import random_store
+from tests.cpu_pool_util import channel, procs, random_store  # noqa: F401 (fixtures)
 
 H, I, E, L = 64, 32, 4, 2
 T_MAX, MAX_TRIPLES = 8, 16
@@ -33,29 +33,6 @@ def store():
     yield s
     s.close()
     s.unlink()
-
-
-@pytest.fixture
-def channel(store):
-    name = f"{store.name}.cpu0-{uuid.uuid4().hex[:6]}"
-    seg = create_worker_channel(name, t_max=T_MAX, hidden=H, max_triples=MAX_TRIPLES)
-    yield name
-    seg.close()
-    seg.unlink()
-
-
-@pytest.fixture
-def procs(tmp_path):
-    started: list[CpuWorkerProc] = []
-
-    def start(**kwargs) -> CpuWorkerProc:
-        proc = CpuWorkerProc(log_path=tmp_path / f"worker{len(started)}.log", **kwargs).start()
-        started.append(proc)
-        return proc
-
-    yield start
-    for proc in started:
-        proc.stop(timeout_s=5)
 
 
 def batch(num_tokens: int, seed: int):

@@ -20,13 +20,13 @@ import uuid
 import pytest
 import torch
 
-from cpu_expert_pool.channel import CpuPoolClient, WorkerDead, WorkerTimeout, create_worker_channel
+from cpu_expert_pool.channel import CpuPoolClient, WorkerDead, WorkerTimeout
 from cpu_expert_pool.proc import REPO_ROOT, CpuWorkerProc
 from cpu_expert_pool.reference import reference_moe_layer
 from gpu_worker.hybrid import stream_doorbell as sd
 from gpu_worker.hybrid.stream_doorbell import (CudaDriver, CudaDriverError, StreamDoorbell, StreamMemOpsUnavailable,
                                                load_driver, resolve_stream_memops)
-from tests.cpu_pool_util import random_store
+from tests.cpu_pool_util import channel, procs, random_store  # noqa: F401 (fixtures)
 from tests.test_cpu_pool_channel import ThreadWorker
 
 H, I, E, L = 64, 32, 4, 2
@@ -34,6 +34,7 @@ T_MAX, MAX_TRIPLES = 8, 16
 START_TIMEOUT_S = 60
 DEATH_DEADLINE_S = 2.0          # a dead worker's stream must be released within this
 WORKER_ARGS = ["--threads", "1", "--hot-ms", "5", "--no-pin"]
+WORKER_PROC_ARGS = WORKER_ARGS       # every worker the `procs` fixture starts gets them
 
 
 @pytest.fixture(scope="module")
@@ -43,31 +44,6 @@ def store():
     yield s
     s.close()
     s.unlink()
-
-
-@pytest.fixture
-def channel(store):
-    name = f"{store.name}.cpu0-{uuid.uuid4().hex[:6]}"
-    seg = create_worker_channel(name, t_max=T_MAX, hidden=H, max_triples=MAX_TRIPLES)
-    yield name
-    seg.close()
-    seg.unlink()
-
-
-@pytest.fixture
-def procs(tmp_path):
-    started: list[CpuWorkerProc] = []
-
-    def start(**kwargs) -> CpuWorkerProc:
-        proc = CpuWorkerProc(log_path=tmp_path / f"worker{len(started)}.log", extra_args=WORKER_ARGS,
-                             **kwargs).start()
-        started.append(proc)
-        return proc
-
-    yield start
-    for proc in started:
-        proc.signal(signal.SIGCONT)
-        proc.stop(timeout_s=5)
 
 
 @pytest.fixture
