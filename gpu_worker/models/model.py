@@ -50,7 +50,6 @@ class MoeModel:
         self.kernel_impl = "auto"     # kernels.moe_decode impl of the fused forward ("triton": tests)
         # benchmarks of random-weight presets: expert ids from a table (synthetic_routing.py)
         self.routing_override = None
-        self._positions: torch.Tensor | None = None
         if self.fused_kernels:
             fuse_qkv(dense)
 
@@ -69,13 +68,12 @@ class MoeModel:
         """
         x = F.embedding(token_ids, self.dense.embed)                    # [T, H]
         cos, sin = self.rope.lookup(positions, self.dtype)              # [T, 1, D]
-        self._positions = positions
         if self.fused_kernels:
-            return self._forward_fused(x, cos, sin, attn, logit_rows)
+            return self._forward_fused(x, positions, cos, sin, attn, logit_rows)
         for i, layer in enumerate(self.dense.layers):
             x = x + self._attention(i, layer, rms_norm(x, layer.attn_norm, self.cfg.rms_norm_eps),
                                     cos, sin, attn)
-            x = x + self._moe(i, layer, rms_norm(x, layer.mlp_norm, self.cfg.rms_norm_eps))
+            x = x + self._moe(i, layer, rms_norm(x, layer.mlp_norm, self.cfg.rms_norm_eps), positions)
         if logit_rows is not None:
             x = x.index_select(0, logit_rows)                           # [R, H]
         x = rms_norm(x, self.dense.final_norm, self.cfg.rms_norm_eps)
@@ -103,15 +101,15 @@ class MoeModel:
         out = attn.attend(i, q, k, v)                                   # [T, Hq, D]
         return F.linear(out.reshape(T, cfg.q_size), layer.o_proj)       # [T, H]
 
-    def _moe(self, i: int, layer: LayerWeights, h: torch.Tensor) -> torch.Tensor:
+    def _moe(self, i: int, layer: LayerWeights, h: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         topk_ids, topk_weights = route(self.cfg, h, layer.router)       # [T, K], [T, K]
         if self.routing_override is not None:
-            topk_ids = self.routing_override.ids(i, self._positions)
+            topk_ids = self.routing_override.ids(i, positions)
         return self.experts.forward(i, h, topk_ids, topk_weights)       # [T, H]
 
     # -- the fused forward (kernels/moe_decode) ---------------------------------------------------
-    def _forward_fused(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionContext,
-                       logit_rows: torch.Tensor | None) -> torch.Tensor:
+    def _forward_fused(self, x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                       attn: AttentionContext, logit_rows: torch.Tensor | None) -> torch.Tensor:
         """The forward above with each residual add fused into the next norm: x [T, H] embeddings."""
         eps, impl = self.cfg.rms_norm_eps, self.kernel_impl
         layers = self.dense.layers
@@ -120,7 +118,8 @@ class MoeModel:
         for i, layer in enumerate(layers):
             x, h = kops.add_rms_norm(x, self._attention_fused(i, layer, h, cos, sin, attn), norms[2 * i + 1],
                                      eps, impl=impl)
-            x, h = kops.add_rms_norm(x, self._moe_fused(i, layer, h), norms[2 * i + 2], eps, impl=impl)
+            x, h = kops.add_rms_norm(x, self._moe_fused(i, layer, h, positions), norms[2 * i + 2], eps,
+                                     impl=impl)
         if logit_rows is not None:
             h = h.index_select(0, logit_rows)                           # [R, H] (the norm is per row)
         return F.linear(h, self.dense.lm_head).float()                  # [R, V]
@@ -150,7 +149,7 @@ class MoeModel:
         out = attn.attend(i, q, k, v)                                   # [T, Hq, D]
         return F.linear(out.reshape(T, cfg.q_size), layer.o_proj)       # [T, H]
 
-    def _moe_fused(self, i: int, layer: LayerWeights, h: torch.Tensor) -> torch.Tensor:
+    def _moe_fused(self, i: int, layer: LayerWeights, h: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         cfg = self.cfg
         logits = F.linear(h, layer.router)                              # [T, E]
         softmax_first = cfg.arch != "mixtral"
@@ -158,5 +157,5 @@ class MoeModel:
                                                  renorm=softmax_first and cfg.norm_topk_prob,
                                                  impl=self.kernel_impl)  # [T, K] int64, [T, K] fp32
         if self.routing_override is not None:
-            topk_ids = self.routing_override.ids(i, self._positions)
+            topk_ids = self.routing_override.ids(i, positions)
         return self.experts.forward(i, h, topk_ids, topk_weights)       # [T, H]
