@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from graph_timing import time_graph  # bench/graph_timing.py (this folder is sys.path[0])
+from graph_timing import add_graph_timing_args, time_graph  # bench/graph_timing.py (this folder is sys.path[0])
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -44,9 +44,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--window", type=int, default=None, help="sliding window (default: none)")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
-    p.add_argument("--calls", type=int, default=48, help="calls captured in one graph (48 = layers)")
-    p.add_argument("--reps", type=int, default=30, help="graph replays timed (median)")
-    p.add_argument("--warmup", type=int, default=3, help="untimed graph replays first")
+    add_graph_timing_args(p)
     p.add_argument("--sweep", action="store_true", help="also time DecodeAttentionBlocks variants")
     p.add_argument("--no-sdpa", action="store_true", help="skip the SDPA rows")
     p.add_argument("--json-out", default=None, help="write every result here as JSON")

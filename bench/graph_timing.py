@@ -1,9 +1,17 @@
 """Shared by the kernel micro-benchmarks in this folder: time a function inside one CUDA graph."""
 from __future__ import annotations
 
+import argparse
 import statistics
 
 import torch
+
+
+def add_graph_timing_args(p: argparse.ArgumentParser) -> None:
+    """--calls / --reps / --warmup of `time_graph`, with the same defaults in every benchmark."""
+    p.add_argument("--calls", type=int, default=48, help="calls captured in one graph (48 = layers)")
+    p.add_argument("--reps", type=int, default=30, help="graph replays timed (median)")
+    p.add_argument("--warmup", type=int, default=3, help="untimed graph replays first")
 
 
 def time_graph(fn, calls: int, reps: int, warmup: int) -> float:
