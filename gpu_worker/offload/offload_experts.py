@@ -115,15 +115,15 @@ class OffloadExperts:
                 topk_weights: torch.Tensor) -> torch.Tensor:
         slot_ids = topk_ids.to(torch.int64, copy=True).contiguous()      # [T, K] -> slot ids
         ensure(self.cache, layer_idx, slot_ids, fetch_fraction=1.0, check_ids=False)
-        # A prefill chunk routes to most experts of every layer: stream the next layer's experts
-        # (a low-priority prefetch of all of them, never evicting this layer's) on the copy stream
-        # behind this layer's own copies, so they land while this layer and the next one's
-        # attention compute. Decode calls keep their copy mode (and graphs, in kernel mode).
+        # A prefill chunk routes to most experts of every layer: with prefill_prefetch, stream the
+        # next layer's experts (a low-priority prefetch of all of them, never evicting this layer's)
+        # on the copy stream behind this layer's own copies, so they land while this layer and the
+        # next one's attention compute. That needs the DMA path; everything else keeps its copy mode.
         prefill = slot_ids.numel() >= self.num_experts and slot_ids.numel() > self.gather_max_pairs
         nxt = layer_idx + 1 if (self.prefill_prefetch and prefill and layer_idx + 1 < self.num_layers) else None
         if nxt is not None:
             prefetch_ensure(self.cache, nxt, self._candidates, self._candidates.numel(), check_ids=False)
-        if self.copy_mode == "kernel" and not prefill:
+        if self.copy_mode == "kernel" and nxt is None:
             self._copy_on_device(layer_idx, max_copies=min(slot_ids.numel(), self.cache.num_slots))
         else:
             self.copy_missing(layer_idx, prefetch_layer=nxt)
