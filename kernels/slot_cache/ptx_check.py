@@ -1,0 +1,88 @@
+"""Compile the slot-cache kernels for an NVIDIA target on a machine without a GPU and write their PTX
+with register names canonicalised (in order of first use) and debug lines dropped, so that two
+revisions of the kernels can be diffed at the instruction level:
+
+    python -m kernels.slot_cache.ptx_check --out /tmp/ptx-new          # in each checkout
+    diff -r /tmp/ptx-old /tmp/ptx-new
+
+Unset TRITON_INTERPRET first (the interpreter's kernels cannot be compiled ahead of time).
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import os
+import re
+import sys
+
+
+def canonical_ptx(ptx: str) -> str:
+    code = ptx.split(".section", 1)[0]                       # the debug sections follow the code
+    lines = [line for line in code.splitlines()
+             if not re.match(r"^\s*(\.loc|\.file|\.reg|//)|^\$L__(tmp|func_end)\d+:$", line)]
+    names: dict[str, str] = {}
+
+    def rename(m: re.Match) -> str:
+        kind = m.group(1)
+        return names.setdefault(m.group(0), f"%{kind}#{sum(k.startswith('%' + kind + '#') for k in names.values())}")
+
+    text = re.sub(r"%(rd|rs|r|p|fd|f|h|b)\d+", rename, "\n".join(lines))
+    return re.sub(r"\$L__BB\d+_\d+", "BB", text)
+
+
+def cases():
+    i64, i32 = "*i64", "*i32"
+    small = dict(ids_ptr=i64, num_routes="i32", slot_for_id_ptr=i32, id_of_slot_ptr=i32, usage_ptr=i64,
+                 step_ptr=i64, recency_ptr=i64, mark_ptr=i64, evict_ptr=i32, src_ptr=i32, num_indices_ptr=i32,
+                 num_missing_ptr=i32, error_ptr=i32, policy_ptr=i64, part_keys_ptr=i64, arrive_ptr=i32,
+                 vkeys_ptr=i64, vowner_ptr=i32, layer="i32", pool_base="i32", num_slots="i32", max_fetch="i32",
+                 frac_q16="i32", round_mode="i32", select_mode="i32", promote="i32", seed="i32")
+    general = {k: v for k, v in small.items() if k not in ("part_keys_ptr", "arrive_ptr", "vkeys_ptr", "vowner_ptr")}
+    for k in ("NUM_EXPERTS", "E_BLOCK", "ROUTE_BLOCK", "PART", "V", "CAND", "MERGE_BLOCK", "USE_POLICY", "MULTI"):
+        small[k] = "constexpr"
+    for k in ("NUM_EXPERTS", "E_BLOCK", "ROUTE_TILE", "SLOT_TILE", "USE_POLICY"):
+        general[k] = "constexpr"
+    return [
+        ("small-2048-list", "ensure_small_kernel", small,
+         dict(NUM_EXPERTS=128, E_BLOCK=128, ROUTE_BLOCK=16, PART=2048, V=32, CAND=64, MERGE_BLOCK=64,
+              USE_POLICY=True, MULTI=False)),
+        ("small-23197-multi", "ensure_small_kernel", small,
+         dict(NUM_EXPERTS=512, E_BLOCK=512, ROUTE_BLOCK=16, PART=1024, V=32, CAND=64, MERGE_BLOCK=2048,
+              USE_POLICY=False, MULTI=True)),
+        ("small-64-nolist", "ensure_small_kernel", small,
+         dict(NUM_EXPERTS=128, E_BLOCK=128, ROUTE_BLOCK=16, PART=64, V=0, CAND=16, MERGE_BLOCK=16,
+              USE_POLICY=False, MULTI=False)),
+        ("general", "ensure_kernel", general,
+         dict(NUM_EXPERTS=512, E_BLOCK=512, ROUTE_TILE=1024, SLOT_TILE=2048, USE_POLICY=False)),
+    ]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--arch", type=int, default=90)
+    parser.add_argument("--out", default=None, help="write NAME.ptx (canonical) files here")
+    args = parser.parse_args(argv)
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        print("SKIP: TRITON_INTERPRET=1; unset it")
+        return 0
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from . import triton_kernels
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+    for name, kernel, signature, constexprs in cases():
+        compiled = triton.compile(ASTSource(fn=getattr(triton_kernels, kernel), signature=signature,
+                                            constexprs=constexprs),
+                                  target=GPUTarget("cuda", args.arch, 32), options={"num_warps": 4})
+        text = canonical_ptx(compiled.asm["ptx"])
+        print(f"{name:20s} {hashlib.sha256(text.encode()).hexdigest()[:16]}  {len(text.splitlines())} lines")
+        if args.out:
+            with open(os.path.join(args.out, f"{name}.ptx"), "w") as fh:
+                fh.write(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
