@@ -1,0 +1,215 @@
+"""`DeviceDoorbell`: one CPU worker's channel driven by the device hand-off kernels (kernels/handoff).
+
+    db = DeviceDoorbell(client, device, member=0, fail=fail_flag, deadline_s=1.0)
+    db.ring(layer, x, ids, routes, weights, owner=owner_map)   # after ensure: the routes at -1 go to the worker
+    ...                                                         # copies and GPU GEMMs meanwhile
+    db.join(layer, gpu_part, total)                             # total = gpu_part + the worker's partial sums
+    ...                                                         # after the step (a stream sync):
+    code = db.failure()                                         # 0, or FAIL_TIMEOUT / FAIL_ABORTED / FAIL_STATUS
+
+Both calls are single kernel launches with no host synchronisation, so a decode step that uses them
+is capturable in a CUDA graph and each replay rings fresh sequence numbers (the ring kernel reads
+the channel's request_seq itself). The worker's side of the protocol is unchanged
+(proto/shm_layout.py). What the host still does, off the hot path:
+
+- the watchdog (the process-wide `DoorbellWatchdog` of stream_doorbell.py) looks at the channel's
+  request_seq / done_seq in host memory; when a rung request's worker is dead (pidfd) or the request
+  is older than `deadline_s`, it raises the doorbell's abort word, which every spinning join kernel
+  reads, and calls `on_abort` (the pool kills a late worker). The join kernel has its own deadline
+  too (the GPU's global timer), so a GPU never spins forever even without the watchdog;
+- after the step, `failure()` reads the host-visible failure word the join kernel set (the first
+  failure of the step; the kernel also sets the shared device flag so later rings of the step are
+  no-ops); `reset()` clears them before the step is re-run by fetching.
+
+Without CUDA the same kernels run in the Triton interpreter on the host mapping (TRITON_INTERPRET=1:
+how CI tests the protocol against real worker processes).
+"""
+from __future__ import annotations
+
+import ctypes
+import logging
+import threading
+import time
+from typing import Callable
+
+import torch
+
+from cpu_expert_pool.channel import CpuPoolClient, WorkerDead
+from kernels import handoff
+from proto.shm_layout import (CACHE_LINE_BYTES, NUM_SLOTS, REQUEST_SEQ_OFFSET, SLOT_LINES_BYTES, SLOT_LINES_OFFSET)
+
+log = logging.getLogger(__name__)
+
+ABORT_OFFSET = 0                 # int64 words of the doorbell's own registered page (own cache lines)
+HOST_FAIL_OFFSET = CACHE_LINE_BYTES
+FAIL_REASONS = {handoff.FAIL_TIMEOUT: "timeout", handoff.FAIL_ABORTED: "aborted", handoff.FAIL_STATUS: "error status"}
+ABORT_DEAD, ABORT_LATE = 1, 2    # what the watchdog writes into the abort word
+
+
+class DeviceDoorbell:
+    """One pool member's channel for the device hand-off kernels (see the module docstring).
+
+    client: a CpuPoolClient (connected: its worker's pidfd is what the watchdog checks); member: the
+    index in the owner map; fail: [1] int32 device flag shared by every doorbell of one backend;
+    always_ring: ring even with no triple (benchmarks of the bare round trip)."""
+
+    def __init__(self, client: CpuPoolClient, device: torch.device | str, *, member: int = 0,
+                 fail: torch.Tensor | None = None, deadline_s: float = 1.0, watchdog: bool = True,
+                 poll_s: float = 500e-6, on_abort: Callable[[str, int, int], None] | None = None,
+                 always_ring: bool = False):
+        from .stream_doorbell import DoorbellWatchdog, PinnedWords, driver
+
+        self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        self.on_cuda = self.device.type == "cuda"
+        if not client.connected:
+            raise WorkerDead(f"channel {client.name!r} has no connected CPU worker; call wait_for_worker() first")
+        self.client, self.layout, self.member = client, client.layout, member
+        self.deadline_s, self.poll_s, self.on_abort, self.always_ring = deadline_s, poll_s, on_abort, always_ring
+        self.hidden_bf16 = self.layout.hidden_dtype == "bfloat16"
+        drv = None
+        if self.on_cuda:
+            drv = driver()
+            with torch.cuda.device(self.device):
+                torch.cuda.current_stream(self.device).synchronize()      # the primary context is current
+                if not client.pin_for_cuda():
+                    raise RuntimeError(f"channel {client.name!r} could not be registered for CUDA")
+        self._words = PinnedWords(2 * CACHE_LINE_BYTES, cuda_driver=drv, device=self.device,
+                                  what=f"device doorbell words of {client.name!r}")
+        self._abort = self._words.word(ABORT_OFFSET)
+        self._host_fail = self._words.word(HOST_FAIL_OFFSET)
+        doorbell = client.doorbell_addresses()
+        base = doorbell["request_seq"] - REQUEST_SEQ_OFFSET
+        self._request_seq = ctypes.c_int64.from_address(doorbell["request_seq"])
+        self._done_seq = ctypes.c_int64.from_address(doorbell["done_seq"])
+
+        def dev(address: int) -> int:
+            if drv is None:
+                return address
+            with torch.cuda.device(self.device):
+                return drv.device_pointer(address)
+
+        common = {"request_seq": dev(doorbell["request_seq"]), "done_seq": dev(doorbell["done_seq"]),
+                  "abort": self._words.dptr(ABORT_OFFSET), "host_fail": self._words.dptr(HOST_FAIL_OFFSET)}
+        self._addrs = []
+        for s in range(NUM_SLOTS):
+            slot = {name: dev(addr) for name, addr in client.slot_addresses(s).items()}
+            slot["line"] = dev(base + SLOT_LINES_OFFSET + s * SLOT_LINES_BYTES)
+            self._addrs.append({**slot, **common})
+        self.fail = fail if fail is not None else torch.zeros(1, dtype=torch.int32, device=self.device)
+        self.state = torch.zeros(handoff.STATE_WORDS, dtype=torch.int64, device=self.device)
+        self._lock = threading.Lock()
+        self.aborts = 0
+        self.abort_reason: str | None = None
+        self._closed = False
+        self._watchdog = DoorbellWatchdog.shared() if watchdog else None
+        if self._watchdog is not None:
+            self._watchdog.add(self)
+
+    # -- the two kernels ---------------------------------------------------------------------------
+    def ring(self, layer: int, x: torch.Tensor, ids: torch.Tensor, routes: torch.Tensor, weights: torch.Tensor,
+             *, owner: torch.Tensor | None = None, owner_offset: int = 0) -> None:
+        """Hand layer `layer`'s routes at -1 (those of experts `owner` gives this member) to the worker.
+        x [T, H], ids / routes / weights [T, K] on this doorbell's device; owner [L * E] int32 (the member
+        of each (layer, expert), layer's row at owner_offset) or None (this member owns every expert)."""
+        T = x.shape[0]
+        if T > self.layout.t_max or ids.numel() > self.layout.max_triples or x.shape[1] != self.layout.hidden:
+            raise ValueError(f"{T} tokens x {ids.shape[1] if ids.dim() == 2 else '?'} routes, H={x.shape[1]} do not "
+                             f"fit channel {self.client.name!r} (T <= {self.layout.t_max}, T*K <= "
+                             f"{self.layout.max_triples}, H = {self.layout.hidden})")
+        handoff.ring(x, ids, routes, weights, owner=owner, owner_off=owner_offset, member=self.member,
+                     addrs=self._addrs[layer % NUM_SLOTS], fail=self.fail, state=self.state,
+                     slot=layer % NUM_SLOTS, layer=layer, hidden_bf16=self.hidden_bf16,
+                     always_ring=self.always_ring)
+
+    def join(self, layer: int, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """dst = src + the partial sums of layer `layer`'s call (dst = src when nothing was rung or it failed)."""
+        handoff.join(src, dst, addrs=self._addrs[layer % NUM_SLOTS], fail=self.fail, state=self.state,
+                     slot=layer % NUM_SLOTS, deadline_ns=int(self.deadline_s * 1e9))
+
+    # -- after the step ----------------------------------------------------------------------------
+    def failure(self) -> int:
+        """The first failure code the join kernel recorded since `reset` (0: none). Read after the step's
+        kernels have finished (a stream sync); host memory, no CUDA call."""
+        return int(self._host_fail.value)
+
+    def failure_reason(self) -> str:
+        code = self.failure()
+        reason = FAIL_REASONS.get(code, f"code {code}") if code else "ok"
+        if code == handoff.FAIL_ABORTED and self.abort_reason:
+            reason += f" ({self.abort_reason})"
+        return reason
+
+    def reset(self) -> None:
+        """Clear the failure word, the abort word and the shared device flag (before the step is re-run)."""
+        with self._lock:
+            self._host_fail.value = 0
+            self._abort.value = 0
+            self.abort_reason = None
+        self.fail.zero_()
+
+    def counters(self) -> dict[str, int]:
+        """Cumulative device counters (a device sync): rings, triples, answered, experts, compute_ns, failed."""
+        v = self.state.tolist()
+        return {"rings": v[handoff.ST_RINGS], "triples": v[handoff.ST_TRIPLES], "answered": v[handoff.ST_ANSWERED],
+                "experts": v[handoff.ST_EXPERTS], "compute_ns": v[handoff.ST_COMPUTE_NS],
+                "failed": v[handoff.ST_FAILED]}
+
+    def reconnect(self, timeout_s: float) -> int:
+        """After a fault: wait until a (restarted) worker serves the channel with nothing in flight."""
+        pid = self.client.wait_for_worker(timeout_s)
+        self.reset()
+        return pid
+
+    # -- watchdog (DoorbellWatchdog's interface) -----------------------------------------------------
+    @property
+    def in_flight(self) -> int:
+        if self._closed:
+            return 0
+        return max(0, int(self._request_seq.value) - int(self._done_seq.value))
+
+    def kick(self) -> None:
+        """Wake the watchdog (it otherwise looks every 0.1 s while nothing is in flight)."""
+        if self._watchdog is not None:
+            self._watchdog.kick()
+
+    def watchdog_check(self, now: float, state: dict) -> None:
+        """Raise the abort word when the worker of a rung, unanswered request is dead or late."""
+        with self._lock:
+            if self._closed:
+                return
+            requested, done = int(self._request_seq.value), int(self._done_seq.value)
+            if done >= requested or self._abort.value:
+                state.clear()
+                return
+            waiting_for = done + 1
+            if state.get("seq") != waiting_for:
+                state["seq"], state["since"] = waiting_for, now
+            if not self.client.worker_alive():
+                reason, word = "dead", ABORT_DEAD
+            elif now - state["since"] >= self.deadline_s:
+                reason, word = "timeout", ABORT_LATE
+            else:
+                return
+            self._abort.value = word
+            self.abort_reason = reason
+            self.aborts += 1
+            state.clear()
+        log.warning("device doorbell of channel %r: worker %s with requests %d..%d in flight; the GPU stops "
+                    "waiting (the step is re-run by fetching)", self.client.name,
+                    "died" if reason == "dead" else f"missed the {self.deadline_s * 1e3:.0f} ms deadline",
+                    done + 1, requested)
+        if self.on_abort is not None:
+            try:
+                self.on_abort(reason, done + 1, requested)
+            except Exception:  # the watchdog must keep running
+                log.exception("on_abort callback failed")
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._watchdog is not None:
+            self._watchdog.remove(self)
+        self._words.close()

@@ -1,0 +1,67 @@
+"""Launchers of the device hand-off kernels: validation, then one launch each."""
+from __future__ import annotations
+
+import os
+
+import torch
+
+RING_BLOCK_R = 64          # routes compacted per step of the ring's loop (decode: T*K <= 64 -> one step)
+RING_BLOCK_H = 1024
+JOIN_BLOCK = 1024          # elements of the partial sums per join program (T=1, H=2048: 2 programs)
+RING_WARPS = 4
+JOIN_WARPS = 4
+
+
+def _check_device(*tensors: torch.Tensor) -> bool:
+    dev = tensors[0].device
+    for t in tensors:
+        if t.device != dev:
+            raise ValueError(f"hand-off tensors must share one device, got {t.device} and {dev}")
+    if dev.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError("the device hand-off runs on CUDA tensors (or CPU tensors under TRITON_INTERPRET=1)")
+    return dev.type == "cuda"
+
+
+def ring(x: torch.Tensor, ids: torch.Tensor, routes: torch.Tensor, weights: torch.Tensor, *,
+         owner: torch.Tensor | None, owner_off: int, member: int, addrs: dict[str, int], fail: torch.Tensor,
+         state: torch.Tensor, slot: int, layer: int, hidden_bf16: bool, always_ring: bool = False) -> None:
+    """Hand the routes at -1 whose expert `member` owns (all of them when owner is None) to a CPU worker.
+
+    x [T, H] (rows contiguous); ids, routes [T, K] int (router ids, slot ids after ensure); weights [T, K];
+    addrs: device addresses of the slot's hidden/token_idx/expert_id/weight buffers, its request line
+    ("line") and the channel's "request_seq"; fail [1] int32 and state [8] int64 on the device.
+    always_ring: ring even when no route is left to this member (benchmarks of the bare round trip)."""
+    from .triton_kernels import ring_kernel
+    T, H = x.shape
+    if x.stride(1) != 1 or not (ids.is_contiguous() and routes.is_contiguous() and weights.is_contiguous()):
+        raise ValueError("ring: x needs contiguous rows and ids/routes/weights must be contiguous")
+    if ids.shape != routes.shape or ids.shape != weights.shape or ids.dim() != 2 or ids.shape[0] != T:
+        raise ValueError(f"ring: ids {tuple(ids.shape)}, routes {tuple(routes.shape)}, weights "
+                         f"{tuple(weights.shape)} must all be [T={T}, K]")
+    on_gpu = _check_device(x, ids, routes, weights, fail, state)
+    R, K = ids.numel(), ids.shape[1]
+    ring_kernel[(1,)](x, x.stride(0), T, H, ids, routes, weights, R, K,
+                      owner if owner is not None else state, owner_off, member,
+                      addrs["hidden"], addrs["token_idx"], addrs["expert_id"], addrs["weight"],
+                      addrs["line"], addrs["request_seq"], fail, state, slot, layer,
+                      HIDDEN_BF16=hidden_bf16, ALWAYS_RING=always_ring, USE_OWNER=owner is not None, BLOCK_R=RING_BLOCK_R,
+                      BLOCK_H=RING_BLOCK_H, ON_GPU=on_gpu, num_warps=RING_WARPS)
+
+
+def join(src: torch.Tensor, dst: torch.Tensor, *, addrs: dict[str, int], fail: torch.Tensor,
+         state: torch.Tensor, slot: int, deadline_ns: int) -> None:
+    """dst [T, H] = src + the worker's partial sums of the call rung into `slot` (after waiting for them),
+    or dst = src when nothing was rung or the call failed (then fail[0] = 1 and the host word is set).
+
+    addrs: device addresses of the slot's "out", its request "line", the channel's "done_seq", the
+    doorbell's "abort" and "host_fail" words."""
+    from .triton_kernels import join_kernel
+    if src.shape != dst.shape or not (src.is_contiguous() and dst.is_contiguous()):
+        raise ValueError(f"join: src {tuple(src.shape)} and dst {tuple(dst.shape)} must be contiguous and alike")
+    on_gpu = _check_device(src, dst, fail, state)
+    numel = src.numel()
+    grid = (max(1, -(-numel // JOIN_BLOCK)),)
+    join_kernel[grid](src, dst, numel, addrs["out"], addrs["line"], addrs["done_seq"], addrs["abort"],
+                      fail, addrs["host_fail"], state, slot, deadline_ns,
+                      SAME=src.data_ptr() == dst.data_ptr(), BLOCK=JOIN_BLOCK, ON_GPU=on_gpu,
+                      num_warps=JOIN_WARPS)

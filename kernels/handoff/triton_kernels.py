@@ -1,0 +1,209 @@
+"""The device-side hand-off kernels (see kernels/handoff/__init__.py for the protocol).
+
+Mapped host memory (the registered channel and the doorbell's own words) arrives as integer
+addresses and is cast to pointers here, as in kernels/expert_copy. On the GPU, the loads that
+observe the CPU use `ld.acquire.sys` and the ring is published behind `fence.sc.sys` by every
+thread and a block barrier (the `__threadfence_system(); __syncthreads(); flag = seq` pattern), so
+the CPU sees the hidden states, triples and request line before `request_seq` moves. The Triton
+interpreter (CI, no GPU) has no inline assembly: there, `ON_GPU=False` selects volatile loads and
+an iteration count instead of the global timer; host memory is coherent for it anyway.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+# Byte offsets inside a slot's request / response lines (proto/shm_layout.py REQUEST_LINE, RESPONSE_LINE).
+REQ_SEQ, REQ_LAYER, REQ_TOKENS, REQ_TRIPLES = 0, 8, 12, 16
+RESP_OFFSET = 64                        # the response line follows the request line (one cache line each)
+RESP_SEQ, RESP_STATUS, RESP_EXPERTS, RESP_COMPUTE_NS = 0, 8, 12, 16
+
+# Per-member device state words (int64), see DeviceHandoffState in api.py.
+ST_RUNG0 = 0            # seq rung into slot 0 by the last ring (0: nothing rung)
+ST_RUNG1 = 1            # ... slot 1
+ST_RINGS = 2            # requests rung
+ST_TRIPLES = 3          # triples handed off
+ST_ANSWERED = 4         # valid answers joined
+ST_EXPERTS = 5          # distinct experts the worker reported
+ST_COMPUTE_NS = 6       # worker-reported compute time
+ST_FAILED = 7           # calls that were not joined (timeout, abort, error status)
+STATE_WORDS = 8
+
+# Failure codes written into the host-visible failure word of a member (first failure wins).
+FAIL_TIMEOUT = 1        # the kernel's own deadline passed
+FAIL_ABORTED = 2        # the host watchdog raised the abort word (worker dead or late)
+FAIL_STATUS = 3         # the worker answered with an error status, or with another request's response
+
+# The same as constexprs for the kernels (Triton reads only constexpr globals).
+_REQ_SEQ = tl.constexpr(REQ_SEQ)
+_REQ_LAYER = tl.constexpr(REQ_LAYER)
+_REQ_TOKENS = tl.constexpr(REQ_TOKENS)
+_REQ_TRIPLES = tl.constexpr(REQ_TRIPLES)
+_RESP_OFFSET = tl.constexpr(RESP_OFFSET)
+_RESP_SEQ = tl.constexpr(RESP_SEQ)
+_RESP_STATUS = tl.constexpr(RESP_STATUS)
+_RESP_EXPERTS = tl.constexpr(RESP_EXPERTS)
+_RESP_COMPUTE_NS = tl.constexpr(RESP_COMPUTE_NS)
+_ST_RUNG0 = tl.constexpr(ST_RUNG0)
+_ST_RINGS = tl.constexpr(ST_RINGS)
+_ST_TRIPLES = tl.constexpr(ST_TRIPLES)
+_ST_ANSWERED = tl.constexpr(ST_ANSWERED)
+_ST_EXPERTS = tl.constexpr(ST_EXPERTS)
+_ST_COMPUTE_NS = tl.constexpr(ST_COMPUTE_NS)
+_ST_FAILED = tl.constexpr(ST_FAILED)
+_FAIL_TIMEOUT = tl.constexpr(FAIL_TIMEOUT)
+_FAIL_ABORTED = tl.constexpr(FAIL_ABORTED)
+_FAIL_STATUS = tl.constexpr(FAIL_STATUS)
+
+
+@triton.jit
+def _ld_sys(addr, ON_GPU: tl.constexpr, BITS: tl.constexpr = 64):
+    """Load of a 64- or 32-bit word of mapped host memory that observes the CPU's latest store."""
+    if BITS == 64:
+        p = addr.to(tl.pointer_type(tl.int64))
+        asm: tl.constexpr = "ld.acquire.sys.global.b64 $0, [$1];"
+        constraints: tl.constexpr = "=l,l"
+    else:
+        p = addr.to(tl.pointer_type(tl.int32))
+        asm: tl.constexpr = "ld.acquire.sys.global.b32 $0, [$1];"
+        constraints: tl.constexpr = "=r,l"
+    if ON_GPU:
+        v = tl.inline_asm_elementwise(asm, constraints, [p], dtype=p.dtype.element_ty, is_pure=False, pack=1)
+    else:
+        v = tl.load(p, volatile=True)
+    return v
+
+
+@triton.jit
+def _fence_sys(ON_GPU: tl.constexpr):
+    """Every thread's earlier stores are visible system-wide before its later ones."""
+    if ON_GPU:
+        tl.inline_asm_elementwise("fence.sc.sys; mov.u32 $0, 0;", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
+    tl.debug_barrier()
+
+
+@triton.jit
+def _now_ns(iteration, ON_GPU: tl.constexpr):
+    """The GPU's global timer; the interpreter counts spins as microseconds instead."""
+    if ON_GPU:
+        t = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1)
+    else:
+        t = iteration * 1000
+    return t
+
+
+@triton.jit
+def ring_kernel(
+    x_ptr, stride_x, T, H,              # [T, H] the MoE input (model dtype); rows stride_x apart
+    ids_ptr, routes_ptr, w_ptr, R, K,   # [R = T*K] router expert ids, routes after ensure (-1: CPU), weights
+    owner_ptr, owner_off, member,       # owner_ptr[owner_off + expert] = pool member; USE_OWNER=False: all
+    hidden_addr, token_addr, expert_addr, weight_addr,   # the slot's mapped buffers
+    line_addr, request_seq_addr,        # the slot's request line, the channel's request_seq
+    fail_ptr,                           # [1] int32 device: a hand-off of this step failed -> ring nothing
+    state_ptr,                          # [STATE_WORDS] int64 device: this member's state
+    slot, layer,
+    HIDDEN_BF16: tl.constexpr, ALWAYS_RING: tl.constexpr, USE_OWNER: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr,
+    ON_GPU: tl.constexpr,
+):
+    """One program: compact this member's CPU routes into triples in the channel, write the hidden
+    states and the request line, then ring request_seq. Rings nothing (rung seq 0) when the member
+    has no triple or a hand-off of this step already failed."""
+    failed = tl.load(fail_ptr)
+    seq = tl.load(state_ptr + _ST_RINGS) * 0          # int64 zero: nothing rung
+    if failed == 0:
+        token_p = token_addr.to(tl.pointer_type(tl.int32))
+        expert_p = expert_addr.to(tl.pointer_type(tl.int32))
+        weight_p = weight_addr.to(tl.pointer_type(tl.float32))
+        n = tl.sum(tl.zeros([BLOCK_R], dtype=tl.int32), axis=0)
+        for r0 in range(0, R, BLOCK_R):
+            offs = r0 + tl.arange(0, BLOCK_R)
+            inr = offs < R
+            eid = tl.load(ids_ptr + offs, mask=inr, other=-1).to(tl.int32)
+            route = tl.load(routes_ptr + offs, mask=inr, other=0)
+            m = inr & (eid >= 0) & (route < 0)
+            if USE_OWNER:
+                own = tl.load(owner_ptr + owner_off + eid, mask=m, other=-1)
+                m = m & (own == member)
+            mi = m.to(tl.int32)
+            pos = n + tl.cumsum(mi, axis=0) - 1
+            tl.store(token_p + pos, (offs // K).to(tl.int32), mask=m)
+            tl.store(expert_p + pos, eid, mask=m)
+            tl.store(weight_p + pos, tl.load(w_ptr + offs, mask=m, other=0.0).to(tl.float32), mask=m)
+            n += tl.sum(mi, axis=0)
+        if (n > 0) | ALWAYS_RING:
+            if HIDDEN_BF16:
+                hid_p = hidden_addr.to(tl.pointer_type(tl.bfloat16))
+            else:
+                hid_p = hidden_addr.to(tl.pointer_type(tl.float32))
+            for t in range(0, T):
+                for h0 in range(0, H, BLOCK_H):
+                    ho = h0 + tl.arange(0, BLOCK_H)
+                    hm = ho < H
+                    v = tl.load(x_ptr + t * stride_x + ho, mask=hm)
+                    tl.store(hid_p + t * H + ho, v.to(hid_p.dtype.element_ty), mask=hm)
+            # The channel's own sequence (the host-driven path may have moved it since our last ring).
+            seq = _ld_sys(request_seq_addr, ON_GPU) + 1
+            line32 = line_addr.to(tl.pointer_type(tl.int32))
+            tl.store(line32 + _REQ_LAYER // 4, layer)
+            tl.store(line32 + _REQ_TOKENS // 4, T)
+            tl.store(line32 + _REQ_TRIPLES // 4, n)
+            tl.store(line_addr.to(tl.pointer_type(tl.int64)), seq)
+            _fence_sys(ON_GPU)                       # data and line before the doorbell
+            tl.store(request_seq_addr.to(tl.pointer_type(tl.int64)), seq)
+            tl.store(state_ptr + _ST_RINGS, tl.load(state_ptr + _ST_RINGS) + 1)
+            tl.store(state_ptr + _ST_TRIPLES, tl.load(state_ptr + _ST_TRIPLES) + n)
+    tl.store(state_ptr + _ST_RUNG0 + slot, seq)
+
+
+@triton.jit
+def join_kernel(
+    src_ptr, dst_ptr, numel,            # [T*H]: dst = src + partial (src's dtype -> dst's), or dst = src
+    out_addr,                           # the slot's mapped fp32 partial sums [T, H]
+    line_addr, done_seq_addr,           # the slot's request line (response line after it), done_seq
+    abort_addr,                         # mapped int64 word the host watchdog raises (worker dead or late)
+    fail_ptr, host_fail_addr,           # [1] int32 device flag; mapped int64 word: first failure code
+    state_ptr, slot, deadline_ns,
+    SAME: tl.constexpr,                 # src and dst are one tensor: nothing to copy when nothing was rung
+    BLOCK: tl.constexpr, ON_GPU: tl.constexpr,
+):
+    """Grid (cdiv(numel, BLOCK),). Each program waits for done_seq >= the rung seq (or the abort word,
+    or the deadline), checks the response line, and adds its block of the partial sums."""
+    pid = tl.program_id(0)
+    offs = pid * BLOCK + tl.arange(0, BLOCK)
+    m = offs < numel
+    seq = tl.load(state_ptr + _ST_RUNG0 + slot)
+    if seq != 0:
+        start = _now_ns(0, ON_GPU)
+        done = _ld_sys(done_seq_addr, ON_GPU)
+        abort = _ld_sys(abort_addr, ON_GPU)
+        spins = 0
+        while (done < seq) & (abort == 0) & (_now_ns(spins, ON_GPU) - start < deadline_ns):
+            done = _ld_sys(done_seq_addr, ON_GPU)
+            abort = _ld_sys(abort_addr, ON_GPU)
+            spins += 1
+        resp = line_addr + _RESP_OFFSET
+        answered = done >= seq
+        ok = answered & (_ld_sys(resp + _RESP_SEQ, ON_GPU) == seq) & (_ld_sys(resp + _RESP_STATUS, ON_GPU, 32) == 0)
+        acc = tl.load(src_ptr + offs, mask=m).to(tl.float32)
+        if ok:
+            part = tl.load(out_addr.to(tl.pointer_type(tl.float32)) + offs, mask=m)
+            tl.store(dst_ptr + offs, (acc + part).to(dst_ptr.dtype.element_ty), mask=m)
+            if pid == 0:
+                tl.store(state_ptr + _ST_ANSWERED, tl.load(state_ptr + _ST_ANSWERED) + 1)
+                tl.store(state_ptr + _ST_EXPERTS, tl.load(state_ptr + _ST_EXPERTS)
+                         + _ld_sys(resp + _RESP_EXPERTS, ON_GPU, 32).to(tl.int64))
+                tl.store(state_ptr + _ST_COMPUTE_NS, tl.load(state_ptr + _ST_COMPUTE_NS)
+                         + _ld_sys(resp + _RESP_COMPUTE_NS, ON_GPU))
+        else:
+            if not SAME:
+                tl.store(dst_ptr + offs, acc.to(dst_ptr.dtype.element_ty), mask=m)
+            if pid == 0:
+                code = tl.where(answered, _FAIL_STATUS, tl.where(abort != 0, _FAIL_ABORTED, _FAIL_TIMEOUT))
+                tl.store(fail_ptr, 1)
+                hp = host_fail_addr.to(tl.pointer_type(tl.int64))
+                if tl.load(hp, volatile=True) == 0:
+                    tl.store(hp, code.to(tl.int64))
+                tl.store(state_ptr + _ST_FAILED, tl.load(state_ptr + _ST_FAILED) + 1)
+    else:
+        if not SAME:
+            tl.store(dst_ptr + offs, tl.load(src_ptr + offs, mask=m).to(dst_ptr.dtype.element_ty), mask=m)

@@ -1,0 +1,260 @@
+"""The device hand-off kernels (kernels/handoff) through `DeviceDoorbell` against real `ft worker cpu`
+processes: partial sums against the reference, the split by owner, padding, nothing rung, one sequence
+with the host-driven path, and the faults (SIGKILL, SIGSTOP past the deadline, an error status), each of
+which must leave dst = src, raise the failure flags and make later rings no-ops until reset.
+
+Without a GPU the kernels run in the Triton interpreter on the host mapping; with one (-m gpu) the same
+on CUDA tensors, plus a CUDA graph of two layers replayed with fresh sequence numbers.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import time
+import uuid
+
+import pytest
+import torch
+
+from conftest import KERNEL_DEVICE
+from cpu_expert_pool.channel import CpuPoolClient
+from cpu_expert_pool.reference import reference_moe_layer
+from gpu_worker.hybrid.device_doorbell import DeviceDoorbell
+from kernels import handoff
+from tests.cpu_pool_util import channel, procs, random_store  # noqa: F401 (fixtures)
+from tests.test_stream_doorbell import stop_worker, wait_until
+
+H, I, E, L = 64, 32, 6, 2
+T_MAX, MAX_TRIPLES = 8, 32
+START_TIMEOUT_S = 60
+WORKER_PROC_ARGS = ["--threads", "1", "--hot-ms", "5", "--no-pin"]
+
+
+@pytest.fixture(scope="module")
+def store():
+    s = random_store(f"ft-test-ddb-{os.getpid()}-{uuid.uuid4().hex[:6]}", num_layers=L, num_experts=E, hidden=H,
+                     intermediate=I, config_hash="cfg-ddb")
+    yield s
+    s.close()
+    s.unlink()
+
+
+@pytest.fixture
+def served(store, channel, procs):
+    """(worker process, connected client, [things to close])."""
+    proc = procs(store_name=store.name, channel_name=channel)
+    client = CpuPoolClient(channel)
+    client.wait_for_worker(timeout_s=START_TIMEOUT_S)
+    things = [client]
+    yield proc, client, things
+    for thing in reversed(things):
+        thing.close()
+
+
+def routes_case(T: int, K: int, seed: int, device: str, cpu_share: float = 0.5, pad_tokens: int = 0):
+    """x [T, H] bf16, router ids [T, K] (the last pad_tokens rows are padding: -1), routes after a
+    pretend ensure (-1 = CPU, else a slot id), weights [T, K], the CPU mask."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, H, generator=g).to(torch.bfloat16)
+    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)]).int()
+    if pad_tokens:
+        ids[T - pad_tokens:] = -1
+    cpu = (torch.rand(T, K, generator=g) < cpu_share) & (ids >= 0)
+    routes = torch.where(cpu | (ids < 0), -1, 7).int()
+    w = torch.rand(T, K, generator=g)
+    return [t.to(device) for t in (x, ids, routes, w)] + [cpu]
+
+
+def expected_partial(store, layer, x, ids, w, mask):
+    rows = mask.flatten().nonzero().flatten()
+    K = ids.shape[1]
+    return reference_moe_layer(store, layer, x.cpu(), (rows // K).int(), ids.cpu().flatten()[rows].int(),
+                               w.cpu().flatten()[rows])
+
+
+def assert_close_to(store, got, want):
+    torch.testing.assert_close(got.cpu(), want, rtol=0.02, atol=0.02 * float(want.abs().max()) + 1e-6)
+
+
+def test_ring_and_join_match_the_reference(store, served):
+    _, client, things = served
+    db = DeviceDoorbell(client, KERNEL_DEVICE, deadline_s=10)
+    things.append(db)
+    for i, (T, K, pad) in enumerate([(1, 4, 0), (3, 2, 0), (4, 3, 1), (2, 4, 0)]):
+        layer = i % L
+        x, ids, routes, w, cpu = routes_case(T, K, seed=i, device=KERNEL_DEVICE, pad_tokens=pad)
+        src = torch.randn(T, H, device=KERNEL_DEVICE).to(torch.bfloat16)
+        dst = torch.empty(T, H, device=KERNEL_DEVICE)
+        db.ring(layer, x, ids, routes, w)
+        db.join(layer, src, dst)
+        want = src.float().cpu() + expected_partial(store, layer, x, ids, w, cpu)
+        assert_close_to(store, dst, want)
+    assert db.failure() == 0
+    c = db.counters()
+    assert c["rings"] == c["answered"] == 4 and c["failed"] == 0 and c["triples"] > 0
+    assert c["compute_ns"] > 0 and c["experts"] > 0
+
+
+def test_only_the_members_experts_are_handed_off_and_an_empty_share_rings_nothing(store, served):
+    _, client, things = served
+    db = DeviceDoorbell(client, KERNEL_DEVICE, member=1, deadline_s=10)
+    things.append(db)
+    owner = torch.tensor([[0, 1, 1, 0, 1, 0]] * L, dtype=torch.int32).flatten().to(KERNEL_DEVICE)   # [L*E]
+    x, ids, routes, w, cpu = routes_case(3, 4, seed=3, device=KERNEL_DEVICE, cpu_share=0.7)
+    mine = cpu & (owner.cpu().view(L, E)[1][ids.cpu().clamp(min=0).long()] == 1)
+    assert mine.any() and (cpu & ~mine).any()
+    src = torch.zeros(3, H, device=KERNEL_DEVICE)
+    dst = torch.empty_like(src)
+    db.ring(1, x, ids, routes, w, owner=owner, owner_offset=E)
+    db.join(1, src, dst)
+    assert_close_to(store, dst, expected_partial(store, 1, x, ids, w, mine))
+    # No route left to the CPU for this member: nothing rung, dst = src, the sequence unchanged.
+    seq = client._words.request_seq[0]
+    src = torch.randn(3, H, device=KERNEL_DEVICE)
+    db.ring(0, x, ids, torch.full_like(routes, 3), w, owner=owner, owner_offset=0)
+    db.join(0, src, dst)
+    assert torch.equal(dst, src) and client._words.request_seq[0] == seq
+    # In place (src is dst) with nothing rung leaves it alone.
+    db.ring(1, x, ids, torch.full_like(routes, 3), w)
+    db.join(1, dst, dst)
+    assert torch.equal(dst, src) and db.failure() == 0
+
+
+def test_device_and_host_driven_calls_share_one_sequence(store, served):
+    _, client, things = served
+    x, ids, routes, w, cpu = routes_case(2, 3, seed=5, device=KERNEL_DEVICE, cpu_share=1.0)
+    rows = cpu.flatten().nonzero().flatten()
+    triples = ((rows // 3).int(), ids.cpu().flatten()[rows].int(), w.cpu().flatten()[rows])
+    host = client.call(0, x.cpu(), triples, deadline_s=10).clone()
+    db = DeviceDoorbell(client, KERNEL_DEVICE, deadline_s=10)
+    things.append(db)
+    dst = torch.empty(2, H, device=KERNEL_DEVICE)
+    db.ring(0, x, ids, routes, w)
+    db.join(0, torch.zeros(2, H, device=KERNEL_DEVICE), dst)
+    assert client._words.request_seq[0] == client._words.done_seq[0] == 2
+    assert torch.equal(dst.cpu(), host)
+    again = client.call(0, x.cpu(), triples, deadline_s=10)           # seq 3, after the device's 2
+    assert torch.equal(again, host) and client._words.done_seq[0] == 3
+
+
+def test_a_killed_worker_aborts_the_wait_and_later_rings_do_nothing_until_reset(store, channel, served, procs):
+    proc, client, things = served
+    aborts = []
+    db = DeviceDoorbell(client, KERNEL_DEVICE, deadline_s=30, poll_s=1e-3, on_abort=lambda *a: aborts.append(a))
+    things.append(db)
+    x, ids, routes, w, cpu = routes_case(2, 4, seed=7, device=KERNEL_DEVICE, cpu_share=1.0)
+    src = torch.randn(2, H, device=KERNEL_DEVICE)
+    dst = torch.empty_like(src)
+    stop_worker(proc)
+    db.ring(0, x, ids, routes, w)
+    killer = None
+    import threading
+
+    def kill_soon():
+        time.sleep(0.2)
+        proc.signal(signal.SIGKILL)
+        db.kick()
+    killer = threading.Thread(target=kill_soon)
+    killer.start()
+    t0 = time.monotonic()
+    db.join(0, src, dst)                                           # spins until the watchdog aborts it
+    if dst.is_cuda:
+        torch.cuda.synchronize()
+    waited = time.monotonic() - t0
+    killer.join()
+    assert waited < 5, f"the join spun {waited:.1f} s after the worker died"
+    assert db.failure() == handoff.FAIL_ABORTED and "dead" in db.failure_reason()
+    assert int(db.fail.item()) == 1 and torch.equal(dst, src)
+    assert aborts and aborts[0][0] == "dead"
+    # The step's later rings are no-ops while the flag is up.
+    seq = client._words.request_seq[0]
+    db.ring(1, x, ids, routes, w)
+    db.join(1, src, dst)
+    assert client._words.request_seq[0] == seq and torch.equal(dst, src)
+    # A restarted worker, reset flags: valid again, with a fresh sequence number.
+    proc.wait(timeout_s=5)
+    procs(store_name=store.name, channel_name=channel)
+    db.reconnect(timeout_s=START_TIMEOUT_S)
+    assert db.failure() == 0 and int(db.fail.item()) == 0
+    db.ring(0, x, ids, routes, w)
+    db.join(0, src, dst)
+    assert db.failure() == 0 and client._words.done_seq[0] > seq
+    assert_close_to(store, dst, src.cpu() + expected_partial(store, 0, x, ids, w, cpu))
+
+
+def test_a_stopped_worker_is_given_up_on_after_the_deadline(store, served):
+    proc, client, things = served
+    late = []
+    db = DeviceDoorbell(client, KERNEL_DEVICE, deadline_s=0.3, poll_s=1e-3, on_abort=lambda *a: late.append(a))
+    things.append(db)
+    x, ids, routes, w, _ = routes_case(1, 4, seed=8, device=KERNEL_DEVICE, cpu_share=1.0)
+    src = torch.randn(1, H, device=KERNEL_DEVICE)
+    dst = torch.empty_like(src)
+    stop_worker(proc)
+    db.ring(0, x, ids, routes, w)
+    db.kick()
+    t0 = time.monotonic()
+    db.join(0, src, dst)
+    if dst.is_cuda:
+        torch.cuda.synchronize()
+    assert time.monotonic() - t0 < 5
+    assert db.failure() in (handoff.FAIL_ABORTED, handoff.FAIL_TIMEOUT) and torch.equal(dst, src)
+    assert wait_until(lambda: bool(late), 2) and late[0][0] == "timeout"
+    proc.signal(signal.SIGCONT)
+
+
+def test_an_error_status_is_a_failure_and_not_joined(store, served):
+    _, client, things = served
+    db = DeviceDoorbell(client, KERNEL_DEVICE, deadline_s=10)
+    things.append(db)
+    x, ids, routes, w, _ = routes_case(1, 2, seed=9, device=KERNEL_DEVICE, cpu_share=1.0)
+    ids = torch.full_like(ids, E + 3)                      # out of the store's range: the worker refuses it
+    src = torch.randn(1, H, device=KERNEL_DEVICE)
+    dst = torch.empty_like(src)
+    db.ring(0, x, ids, routes, w)
+    db.join(0, src, dst)
+    assert db.failure() == handoff.FAIL_STATUS and torch.equal(dst, src)
+    assert db.counters()["failed"] == 1
+
+
+def test_arguments_are_checked(store, served):
+    _, client, things = served
+    db = DeviceDoorbell(client, KERNEL_DEVICE)
+    things.append(db)
+    x, ids, routes, w, _ = routes_case(2, 2, seed=1, device=KERNEL_DEVICE)
+    with pytest.raises(ValueError, match="do not fit channel"):
+        db.ring(0, torch.zeros(T_MAX + 1, H, device=KERNEL_DEVICE), ids, routes, w)
+    with pytest.raises(ValueError, match=r"must all be \[T=2, K\]"):
+        db.ring(0, x, ids, routes[:1], w)
+    with pytest.raises(ValueError, match="must be contiguous and alike"):
+        db.join(0, torch.zeros(2, H, device=KERNEL_DEVICE), torch.zeros(3, H, device=KERNEL_DEVICE))
+
+
+@pytest.mark.gpu
+def test_gpu_a_captured_graph_rings_fresh_sequence_numbers(store, served):
+    _, client, things = served
+    db = DeviceDoorbell(client, "cuda", deadline_s=10)
+    things.append(db)
+    x, ids, routes, w, cpu = routes_case(2, 4, seed=11, device="cuda", cpu_share=0.6)
+    src = torch.randn(2, H, device="cuda")
+    dst = [torch.empty(2, H, device="cuda") for _ in range(L)]
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):                        # warm-up (compiles) outside the capture
+        for layer in range(L):
+            db.ring(layer, x, ids, routes, w)
+            db.join(layer, src, dst[layer])
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for layer in range(L):
+            db.ring(layer, x, ids, routes, w)
+            db.join(layer, src, dst[layer])
+    for replay in range(3):
+        before = client._words.done_seq[0]
+        x.copy_(torch.randn(2, H, device="cuda").to(torch.bfloat16))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert client._words.done_seq[0] == before + L and db.failure() == 0
+        for layer in range(L):
+            assert_close_to(store, dst[layer], src.cpu() + expected_partial(store, layer, x, ids, w, cpu))
