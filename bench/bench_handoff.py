@@ -45,6 +45,7 @@ START_TIMEOUT_S = 120
 DEADLINE_S = 5.0
 MAX_GATED_BATCH = 64       # a stream blocked on the gate accepts ~1,000 queued operations before the host
                            # blocks in a launch (a deadlock, the gate never opening); a call is ~8 of them
+GRAPH_CALLS = 32           # device kernels: calls per captured graph (a decode step has 48 layers)
 GATE_SAFETY_S = 30.0       # open the gate anyway after this (and say so) rather than hang
 
 
@@ -114,33 +115,97 @@ class Gate:
 
 
 def gated_doorbell_rows(db, gate, hidden, out, args, label: str) -> list[Row]:
-    """Per-call CUDA event times of calls run back to back behind the gate, and the batch mean."""
+    """Per-call CUDA event times of StreamDoorbell calls run back to back behind the gate, and the batch mean."""
+    calls = []
+
+    def enqueue(k: int) -> None:
+        calls.append(db.enqueue(k % 2, hidden, None, out))
+
+    def invalid() -> int:
+        return sum(not c.valid() for c in calls[-min(len(calls), db.ring_size):])
+    return gated_rows(enqueue, invalid, gate, args, label)
+
+
+def gated_rows(enqueue, invalid, gate, args, label: str) -> list[Row]:
+    """Per-call CUDA event times of `enqueue(k)` calls run back to back behind the gate, and the batch mean.
+    invalid() -> how many of the calls failed (checked after the last batch)."""
     stream = torch.cuda.current_stream()
     total = args.warmup + args.calls
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(total)]
     ends = [torch.cuda.Event(enable_timing=True) for _ in range(total)]
     batch = max(1, min(args.batch, MAX_GATED_BATCH))
     spans: list[tuple[int, int]] = []
-    calls = []
     i = 0
     while i < total:
         n = min(batch, total - i)
         gate.close(stream)
         for k in range(i, i + n):
             starts[k].record(stream)
-            calls.append(db.enqueue(k % 2, hidden, None, out))
+            enqueue(k)
             ends[k].record(stream)
         gate.open()
         stream.synchronize()
         spans.append((i, i + n - 1))
         i += n
-    invalid = sum(not c.valid() for c in calls[-min(len(calls), db.ring_size):])
+    bad = invalid()
     per_call = [starts[k].elapsed_time(ends[k]) * 1e6 for k in range(args.warmup, total)]      # ns
     measured = [(a, b) for a, b in spans if a >= args.warmup]
     mean_us = (sum(starts[a].elapsed_time(ends[b]) for a, b in measured) * 1e3
                / max(sum(b - a + 1 for a, b in measured), 1))
-    note = f"{label}{' (GATE TRIPPED)' if gate.tripped else ''}{f' ({invalid} INVALID)' if invalid else ''}"
+    note = f"{label}{' (GATE TRIPPED)' if gate.tripped else ''}{f' ({bad} INVALID)' if bad else ''}"
     return [(note, len(per_call), *percentiles_us(per_call), mean_us)]
+
+
+def device_rows(client: CpuPoolClient, device, gate, hidden, args) -> list[Row]:
+    """The device hand-off kernels (gpu_worker/hybrid/device_doorbell.py): ring + join per call, gated
+    as the stream rows, then GRAPH_CALLS calls captured in one CUDA graph (what a decode step replays)."""
+    from gpu_worker.hybrid.device_doorbell import DeviceDoorbell
+
+    db = DeviceDoorbell(client, device, deadline_s=DEADLINE_S, always_ring=True)    # 0 triples, as the others
+    rows: list[Row] = []
+    try:
+        ids = torch.full((1, 1), -1, dtype=torch.int32, device=device)             # no route: 0 triples
+        weights = torch.zeros(1, 1, device=device)
+        src = torch.zeros(1, HIDDEN, device=device)
+        out = torch.empty(1, HIDDEN, device=device)
+
+        def call(k: int) -> None:
+            db.ring(k % 2, hidden, ids, ids, weights)
+            db.join(k % 2, src, out)
+
+        seq0 = int(client._words.done_seq[0])
+        rows += gated_rows(call, lambda: db.counters()["failed"], gate, args,
+                           "gpu device kernels (ring + join), per call")
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for k in range(GRAPH_CALLS):
+                call(k)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for k in range(GRAPH_CALLS):
+                call(k)
+        replays = max(1, args.calls // GRAPH_CALLS)
+        per_call = []
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        for r in range(replays + 10):
+            start.record()
+            graph.replay()
+            end.record()
+            end.synchronize()
+            if r >= 10:
+                per_call.append(start.elapsed_time(end) * 1e6 / GRAPH_CALLS)                 # ns
+        failed = db.counters()["failed"]
+        answered = int(client._words.done_seq[0]) - seq0
+        label = f"gpu device kernels, CUDA graph of {GRAPH_CALLS} (per-replay mean)"
+        rows.append((f"{label}{f' ({failed} INVALID)' if failed else ''}", replays * GRAPH_CALLS,
+                     *percentiles_us(per_call), float(np.mean(per_call)) / 1e3))
+        if answered < (replays + 10) * GRAPH_CALLS:
+            raise RuntimeError(f"only {answered} requests answered")
+    finally:
+        db.close()
+    return rows
 
 
 def gpu_rows(client: CpuPoolClient, args) -> tuple[list[Row], list[str]]:
@@ -187,6 +252,11 @@ def gpu_rows(client: CpuPoolClient, args) -> tuple[list[Row], list[str]]:
                 notes.append(f"{label}: FAILED {type(exc).__name__}: {exc}")
             finally:
                 db.close()
+
+        try:
+            rows += device_rows(client, device, gate, hidden, args)
+        except Exception as exc:  # keep the other rows
+            notes.append(f"device kernels: FAILED {type(exc).__name__}: {exc}")
 
         db = StreamDoorbell(client, device, check_status=False, deadline_s=DEADLINE_S)
         try:

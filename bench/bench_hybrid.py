@@ -4,7 +4,8 @@ promotion on/off), on one GPU with one CPU expert pool; plus the hand-off round 
 qwen3-30b-a3b preset (seeded random weights, bf16), batch 1, a cache of 25% of all experts, a
 --prompt-tokens prompt, --decode-tokens decode tokens, median of --runs runs after a warm-up run.
 One host expert store and one CPU pool serve every backend; "... stream" rows hand the CPU share over
-on the GPU stream (StreamDoorbell, handoff="stream") instead of the host (submit/join). Per backend: decode tok/s, misses,
+on the GPU stream (StreamDoorbell, handoff="stream") instead of the host (submit/join), "... device" rows by
+the device kernels inside the decode CUDA graph (DeviceDoorbell, handoff="device"). Per backend: decode tok/s, misses,
 fetched and CPU-computed experts per token, fallbacks, and the roofline
     tok/s <= (B_pcie + B_cpu) / (misses/token * expert_bytes)
 with B_pcie and B_cpu measured here first (gpu_worker/hybrid/bandwidth.py, as `ft bench bw`).
@@ -127,9 +128,15 @@ def variants(args) -> list[tuple[str, dict | None]]:
     out.append(("cpu stream", {"strategy": "cpu", "handoff": "stream"}))
     out.append(("hybrid min-wait stream", {"strategy": "hybrid", "fetch_round": "min-wait", "promote": True,
                                            "handoff": "stream"}))
+    # the device hand-off (DeviceDoorbell): the whole decode step in one CUDA graph
+    out.append(("cpu device", {"strategy": "cpu", "handoff": "device"}))
+    for promote in (True, False):
+        for rnd in ROUNDS:
+            out.append((f"hybrid {rnd}{'' if promote else ' no-promo'} device",
+                        {"strategy": "hybrid", "fetch_round": rnd, "promote": promote, "handoff": "device"}))
     if args.variants:
         keep = [v.strip() for v in args.variants.split(",")]
-        out = [v for v in out if any(v[0].startswith(k) for k in keep)]
+        out = [v for v in out if any(v[0].startswith(k) if not k.startswith("=") else v[0] == k[1:] for k in keep)]
     return out
 
 
@@ -148,7 +155,8 @@ def main() -> int:
     parser.add_argument("--cpu-threads", type=int, default=0, help="0: one per physical core")
     parser.add_argument("--variants", default="",
                         help="comma list of name prefixes, e.g. offload,hybrid min-wait (also matches "
-                             "'hybrid min-wait stream': host vs stream hand-off side by side)")
+                             "'hybrid min-wait stream': host vs stream hand-off side by side); '=NAME' "
+                             "matches NAME exactly")
     parser.add_argument("--no-resident", action="store_true", help="skip the resident run (no token check)")
     parser.add_argument("--handoff-calls", type=int, default=10_000)
     parser.add_argument("--routing", default="zipf:1.0",

@@ -46,13 +46,17 @@ class DecodeGraphs:
         safe = getattr(experts, "graph_safe", None)
         return safe is not None and safe(num_requests * self.engine.model.cfg.top_k)
 
+    def _key(self, inputs: "DecodeInputs") -> tuple:
+        graph_key = getattr(self.engine.model.experts, "graph_key", None)    # host state the forward reads
+        return (inputs.token_ids.numel(), inputs.num_rows, inputs.bucket_tokens, inputs.rows_are_slots,
+                graph_key() if graph_key is not None else None)
+
     def run(self, inputs: "DecodeInputs") -> torch.Tensor:
         """Logits [T, V] of the decode forward for `inputs`, through a captured graph."""
-        key = (inputs.token_ids.numel(), inputs.num_rows, inputs.bucket_tokens,
-               inputs.rows_are_slots)
+        key = self._key(inputs)
         captured = self.graphs.get(key)
         if captured is None:
-            captured = self._capture(key, inputs)
+            captured = self._capture(inputs)
         else:
             self.graphs.move_to_end(key)
         static = captured.inputs
@@ -63,7 +67,7 @@ class DecodeGraphs:
         self.replays += 1
         return captured.logits
 
-    def _capture(self, key: tuple, inputs: "DecodeInputs") -> _Captured:
+    def _capture(self, inputs: "DecodeInputs") -> _Captured:
         from .engine import DecodeInputs
         static = DecodeInputs(inputs.token_ids.clone(), inputs.positions.clone(),
                               inputs.slot_ids.clone(), inputs.num_rows, inputs.bucket_tokens,
@@ -74,6 +78,7 @@ class DecodeGraphs:
             for _ in range(WARMUP_RUNS):
                 self.engine.decode_forward(static)
         torch.cuda.current_stream().wait_stream(side)
+        key = self._key(static)            # after the warm-ups: they may have changed the backend's state
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
             logits = self.engine.decode_forward(static)
@@ -82,3 +87,5 @@ class DecodeGraphs:
         self.graphs[key] = _Captured(graph, static, logits)
         self.captures += 1
         return self.graphs[key]
+        # (a backend state that changes between this key and the capture's end would be a bug of the
+        # backend: HybridExperts changes it only in step_begin / step_end, outside the forward)

@@ -202,10 +202,20 @@ class Engine:
     def _decode(self, reqs: list[Request]) -> list[StepOutput]:
         t0 = time.perf_counter()
         inputs = self.decode_inputs(reqs)
-        if self.graphs is not None and self.graphs.usable(len(reqs)):
-            logits = self.graphs.run(inputs)
-        else:
-            logits = self.decode_forward(inputs)
+        experts = self.model.experts
+        begin, end = getattr(experts, "step_begin", None), getattr(experts, "step_end", None)
+        for attempt in range(2):
+            if begin is not None:
+                begin()
+            if self.graphs is not None and self.graphs.usable(len(reqs)):
+                logits = self.graphs.run(inputs)
+            else:
+                logits = self.decode_forward(inputs)
+            # A backend whose step can fail inside a graph (the device hand-off) says so here; it has then
+            # switched to fetching, and the step runs again (it rewrites the same K/V rows).
+            if end is None or end():
+                break
+            self.stats.decode_step_retries += 1
         token_ids = sample_batch([r.sampler for r in reqs], logits)                   # host sync
         now = time.perf_counter()
         self.stats.num_decode_steps += 1

@@ -25,12 +25,22 @@ member, each on its own side stream on CUDA) instead of submit/join: the hidden-
 doorbell, the wait for the worker and the partial-sum copy up are enqueued on the GPU, the join is a
 stream-ordered add; the host checks each call's validity (host-memory polling, no CUDA call) before
 the layer returns, so a failed share is fetched instead exactly as in "host" (docs/HYBRID.md).
+handoff="device": decode-sized forwards (T*K <= gather_max_pairs) make no host sync at all, so the
+engine captures the decode step in a CUDA graph: ensure, then per pool member one `ring` kernel (its
+triples and the hidden states written into its registered channel, request_seq rung), the copy plan
+as a kernel (kernels/expert_copy), the GEMMs, then one `join` kernel per member (spin on done_seq,
+add the partial sums in place). A failed share cannot be fetched inside the graph: the join leaves
+it out and raises a flag, later rings of the step do nothing, and after the step the engine asks
+`step_end()`, which marks the worker failed and has the step re-run as offload (a decode step is
+idempotent: the same K/V rows are rewritten). Eager calls (graph warm-ups, no graphs) check the
+flag after the layer and redo it as offload at once. Larger forwards (prefill) take the host path.
 `cpu` = this backend with f = 0 and promotion off (docs/HYBRID.md says why the pool stays).
 Legend: T tokens, K top-k, H hidden, E experts per layer, S slots per pool, n triples.
 """
 from __future__ import annotations
 
 import logging
+import os
 import time
 from typing import TYPE_CHECKING
 
@@ -38,13 +48,16 @@ import numpy as np
 import torch
 
 from gpu_worker.models.expert_layout import unpack_experts
-from gpu_worker.models.resident_experts import MODES, expert_ffn, pick_mode
+from gpu_worker.models.resident_experts import GRAPH_SAFE_MODES, MODES, expert_ffn, pick_mode
 from gpu_worker.offload import HostExperts
+from kernels import handoff as kernels_handoff
+from kernels.expert_copy import copy_plan
 from kernels.slot_cache import SlotCache, ensure, set_policy
 
 from cpu_expert_pool.channel import WorkerDead, WorkerError, WorkerTimeout
 
 from .cpu_pool import CpuPool, Share
+from .device_doorbell import DeviceDoorbell
 from .options import HANDOFFS          # host: CpuPool.submit/join; stream: StreamDoorbell on the GPU stream
 from .readback import LayerPlan, Readback
 from .stats import HybridStats, StreamTimer, WorkerCounters
@@ -58,6 +71,7 @@ STREAM_WAIT_SLACK_S = 5.0         # beyond the deadline, how long the host waits
 RECONNECT_TIMEOUT_S = 1.0         # a re-admitted worker's channel, when its doorbell reconnects
 
 STRATEGIES = ("hybrid", "cpu", "offload")     # what set_policy(strategy=...) may switch between
+DEVICE_COUNTERS = ("experts_fetched_total", "expert_misses_total", "calls", "offload_calls_total", "routed_pairs")
 IGNORED_POLICY_FIELDS = ("moe_prefetch", "moe_prefetch_budget")   # no prefetch in this backend yet
 
 
@@ -101,6 +115,13 @@ class HybridExperts:
         self._doorbells: dict[int, StreamDoorbell] = {}        # pool member index -> its doorbell
         self._handoff_streams: dict[int, torch.cuda.Stream] = {}
         self._staging: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}   # pinned (ints [2n], weights [n])
+        # handoff="device": one DeviceDoorbell per member, one failure flag for all, the owner map on the
+        # device, and the device path's own counters (no host sync): DEVICE_COUNTERS.
+        self._device_doorbells: dict[int, DeviceDoorbell] = {}
+        self._device_fail = torch.zeros(1, dtype=torch.int32, device=self.device)
+        self._owner = torch.from_numpy(pool.split.owner.astype(np.int32)).flatten().to(self.device)   # [L * E]
+        self._device_counts = torch.zeros(len(DEVICE_COUNTERS), dtype=torch.int64, device=self.device)
+        self._increments: dict[tuple[bool, int], torch.Tensor] = {}
         self.set_handoff(handoff)
 
     def _hidden_dtype(self) -> torch.dtype:
@@ -135,6 +156,7 @@ class HybridExperts:
                    promote=promote_now, seed=int(p["seed"]))          # validates before writing
         if cpu_shares and self.pool is not None:
             self.pool.set_shares(cpu_shares)                          # the tuner's per-worker split
+            self._owner.copy_(torch.from_numpy(self.pool.split.owner.astype(np.int32)).flatten())   # in place: graphs
         self.policy = p
         self.strategy = p["strategy"]
 
@@ -148,26 +170,36 @@ class HybridExperts:
         64-bit stream memory operations and raises StreamMemOpsUnavailable / CudaDriverError without them)."""
         if handoff not in HANDOFFS:
             raise ValueError(f"handoff must be one of {', '.join(HANDOFFS)}, not {handoff!r}")
-        if handoff == "stream":
-            for m in self.pool.members:
-                if m.serving:
-                    self._doorbell(m)          # fail here, not in the middle of a generation
-        else:
+        if handoff == "device" and not self.on_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError("the device hand-off runs its kernels on a CUDA GPU (on a CPU only in the Triton "
+                             "interpreter, TRITON_INTERPRET=1, for tests); use --hybrid-handoff host here")
+        if handoff != "stream":
             self._close_doorbells()
+        if handoff != "device":
+            self._close_device_doorbells()
+        for m in self.pool.members:
+            if m.serving:                      # fail here, not in the middle of a generation
+                if handoff == "stream":
+                    self._doorbell(m)
+                elif handoff == "device":
+                    self._device_doorbell(m)
         self.handoff = handoff
 
     # -- forward ----------------------------------------------------------------------------------
     def forward(self, layer_idx: int, x: torch.Tensor, topk_ids: torch.Tensor,
                 topk_weights: torch.Tensor) -> torch.Tensor:
         T, K = topk_ids.shape
-        if self.degraded:
+        device_path = self.handoff == "device" and self._device_sized(T * K)
+        if self.degraded and not device_path:      # the device path re-admits in step_begin (between graphs)
             self._readmit()
-        st = self.stats
-        st.calls += 1
-        st.routed_pairs += T * K
         ids = topk_ids.to(torch.int32)                                    # [T, K] the router's expert ids
         routes = ids.clone()                                              # [T, K] -> slot ids or -1
         to_cpu = self.cpu_active and self.pool.fits(T, T * K) and T <= self.cpu_max_tokens
+        if device_path:
+            return self._forward_device(layer_idx, x, ids, routes, topk_weights, to_cpu)
+        st = self.stats
+        st.calls += 1
+        st.routed_pairs += T * K
         p = self.policy
         if to_cpu:
             ensure(self.cache, layer_idx, routes, use_device_policy=True, check_ids=False)
@@ -208,6 +240,118 @@ class HybridExperts:
         if pending is not None:
             return self._join_stream(layer_idx, x, out, triples, pending).to(x.dtype)
         return self._join(layer_idx, x, out, triples, shares).to(x.dtype)
+
+    # -- the device hand-off (handoff="device") -------------------------------------------------------
+    def _device_sized(self, num_pairs: int) -> bool:
+        """Decode-sized: the GEMMs run in a graph-safe mode (no host sync, fixed shapes)."""
+        return num_pairs <= self.gather_max_pairs and self.mode in ("auto", *GRAPH_SAFE_MODES)
+
+    def graph_safe(self, num_pairs: int) -> bool:
+        """The engine may capture decode forwards of this size in a CUDA graph (handoff="device" only)."""
+        return self.handoff == "device" and self.on_cuda and self._device_sized(num_pairs)
+
+    def graph_key(self) -> tuple:
+        """What a captured decode graph depends on besides shapes: whether misses go to the CPU."""
+        return ("hybrid", self.cpu_active)
+
+    def _device_doorbell(self, m) -> DeviceDoorbell:
+        db = self._device_doorbells.get(m.index)
+        if db is None:
+            db = DeviceDoorbell(m.client, self.device, member=m.index, fail=self._device_fail,
+                                deadline_s=self.pool.deadline_s)
+            self._device_doorbells[m.index] = db
+        return db
+
+    def _close_device_doorbells(self) -> None:
+        for db in self._device_doorbells.values():
+            db.close()
+        self._device_doorbells.clear()
+
+    def _forward_device(self, layer_idx: int, x: torch.Tensor, ids: torch.Tensor, routes: torch.Tensor,
+                        topk_weights: torch.Tensor, to_cpu: bool) -> torch.Tensor:
+        """One layer without a host sync (see the module docstring): ensure, ring each member, copy plan
+        as a kernel, GEMMs over slot ids, join each member's partial sums into an fp32 total."""
+        T, K = ids.shape
+        c, p = self.cache, self.policy
+        if to_cpu:
+            ensure(c, layer_idx, routes, use_device_policy=True, check_ids=False)
+            weights = topk_weights.float().contiguous()
+            for m in self.pool.members:
+                self._device_doorbell(m).ring(layer_idx, x, ids, routes, weights, owner=self._owner,
+                                              owner_offset=layer_idx * self.num_experts)
+        else:
+            ensure(c, layer_idx, routes, fetch_fraction=1.0, round_mode=p["fetch_round"],
+                   select=p["fetch_select"], promote=bool(p["promote"]), check_ids=False)
+        copy_plan(self.slots, self.host.layers[layer_idx], c.evict_slots, c.src_indices, c.num_indices,
+                  max_copies=min(T * K, c.num_slots))
+        counts = self._device_counts                   # DEVICE_COUNTERS
+        counts[0:1] += c.num_indices
+        counts[1:2] += c.num_missing_full
+        counts += self._call_increment(to_cpu, T * K)
+        if self._mode(T * K) == "gemv":                                  # a -1 route adds exactly 0
+            out = self._gemm(x, routes, topk_weights, skip=False)
+        else:
+            valid = routes >= 0
+            out = self._gemm(x, torch.where(valid, routes, 0), torch.where(valid, topk_weights, 0.0), skip=False)
+        if not to_cpu:
+            return out
+        total = torch.empty(x.shape, dtype=torch.float32, device=self.device)
+        src = out
+        for m in self.pool.members:
+            self._device_doorbell(m).join(layer_idx, src, total)
+            src = total
+        if not (self.on_cuda and torch.cuda.is_current_stream_capturing()) and not self.step_end():
+            # Eager (a graph's warm-up, or no graphs): the failed share is known now; redo the layer as
+            # offload (its hits and fetched experts are resident by now, the rest is fetched).
+            return self._forward_device(layer_idx, x, ids, ids.clone(), topk_weights, to_cpu=False)
+        return total.to(x.dtype)
+
+    def _call_increment(self, to_cpu: bool, num_pairs: int) -> torch.Tensor:
+        """The constant part of one call's DEVICE_COUNTERS increment (made with fills: capture-safe)."""
+        inc = self._increments.get((to_cpu, num_pairs))
+        if inc is None:
+            inc = torch.zeros(len(DEVICE_COUNTERS), dtype=torch.int64, device=self.device)
+            inc[2], inc[3], inc[4] = 1, 0 if to_cpu else 1, num_pairs
+            self._increments[(to_cpu, num_pairs)] = inc
+        return inc
+
+    def step_begin(self) -> None:
+        """Before a decode step (the engine calls it): re-admit restarted workers, wake the watchdog."""
+        if self.degraded:
+            self._readmit()
+        for db in self._device_doorbells.values():
+            db.deadline_s = self.pool.deadline_s            # operators and tests change it live
+            db.kick()
+
+    def step_end(self) -> bool:
+        """After a step's kernels (syncs the stream first): False when a device hand-off failed, which
+        marks the worker failed (a late one is killed), clears the flags and switches to offload: the
+        caller re-runs the step, which then fetches every miss."""
+        if not self._device_doorbells:
+            return True
+        if self.on_cuda:
+            torch.cuda.current_stream(self.device).synchronize()
+        failed = [(m, db) for m in self.pool.members
+                  if (db := self._device_doorbells.get(m.index)) is not None and db.failure()]
+        if not failed:
+            return True
+        st = self.stats
+        for m, db in failed:
+            reason = db.failure_reason()
+            st.cpu_workers[m.name].failures_total += 1
+            if db.failure() == kernels_handoff.FAIL_STATUS:
+                m.failures_total += 1                           # a bad request is not a dead worker: kept
+                m.last_error = f"device hand-off: {reason}"
+                log.error("CPU worker %s answered with an error status; re-running the step by fetching", m.name)
+            elif "dead" in reason:
+                self.pool.mark_failed(m, WorkerDead(f"CPU worker {m.name}: device hand-off {reason}"))
+            else:
+                self.pool.mark_failed(m, WorkerTimeout(f"CPU worker {m.name}: device hand-off {reason}"))
+        for db in self._device_doorbells.values():
+            db.reset()
+        st.fallbacks_total += 1
+        self._degrade()
+        return False
 
     def _gemm(self, x: torch.Tensor, slot_ids: torch.Tensor, weights: torch.Tensor, skip: bool) -> torch.Tensor:
         """sum_k w_k * FFN_{slot_k}(x) over slot ids [T, K] -> [T, H] (x.dtype); zeros when `skip`."""
@@ -448,6 +592,9 @@ class HybridExperts:
     def _readmit(self) -> None:
         for m in self.pool.poll():
             self.stats.cpu_workers[m.name].readmissions_total += 1
+            db = self._device_doorbells.get(m.index)
+            if db is not None:
+                db.reset()                    # the client reconnected in poll(); clear the abort word
         if self.pool.all_serving:
             self.degraded = False
             self.stats.readmissions_total += 1
@@ -458,9 +605,33 @@ class HybridExperts:
         """Cumulative counters (HybridStats fields) with the event timings resolved; plus the mode."""
         self.timer.resolve()
         out = self.stats.as_dict()
+        self._add_device_counters(out)
         out["mode"] = "offload (CPU pool down)" if self.degraded else self.strategy
         out["handoff"] = self.handoff
         return out
+
+    def _add_device_counters(self, out: dict) -> None:
+        """Fold the device path's counters (a device sync) into `out`. Hits are not counted on that path
+        (the ensure kernel does not report distinct hits; misses, fetches and the CPU's share are)."""
+        counts = dict(zip(DEVICE_COUNTERS, self._device_counts.tolist()))
+        if not counts["calls"]:
+            return
+        for name, value in counts.items():
+            out[name] += value
+        out["copy_bytes_total"] += counts["experts_fetched_total"] * self.layout.expert_nbytes
+        workers = out["cpu_workers"]
+        for m in self.pool.members:
+            db = self._device_doorbells.get(m.index)
+            if db is None:
+                continue
+            d = db.counters()
+            w = workers[m.name]
+            w["experts_total"] += d["experts"]
+            w["triples_total"] += d["triples"]
+            w["time_s_total"] += d["compute_ns"] / 1e9
+            out["cpu_experts_total"] += d["experts"]
+            out["cpu_triples_total"] += d["triples"]
+            out["cpu_expert_time_s_total"] += d["compute_ns"] / 1e9
 
     @property
     def expert_nbytes(self) -> int:
@@ -472,6 +643,7 @@ class HybridExperts:
 
     def close(self) -> None:
         self._close_doorbells()                # before the pool: a doorbell needs its client
+        self._close_device_doorbells()
         if self.owns_pool:
             self.pool.close()
         if self.owns_host:

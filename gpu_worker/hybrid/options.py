@@ -26,7 +26,7 @@ DEFAULT_RESTART_BACKOFF_S = 0.5       # supervisor: first restart delay of a fai
 DEFAULT_READY_TIMEOUT_S = 120.0       # a CPU worker imports torch, maps the store and warms up
 DEFAULT_HEARTBEAT_TIMEOUT_S = 10.0    # supervisor: a worker silent this long is killed (backstop)
 DEFAULT_READMIT_POLL_S = 0.02         # how often a forward looks for restarted workers
-HANDOFFS = ("host", "stream")          # HybridExperts' hand-off of the CPU share (hybrid_experts.HANDOFFS)
+HANDOFFS = ("host", "stream", "device")   # HybridExperts' hand-off of the CPU share (hybrid_experts.HANDOFFS)
 RESERVE_CPU_MIN_CPUS = 4              # from this many CPUs on, CPU 0 is left to the GPU worker's thread
 
 
@@ -49,7 +49,7 @@ class HybridOptions:
     readmit_poll_s: float = DEFAULT_READMIT_POLL_S
     engine_threads: int | None = None       # torch threads of this process; None: the reserved CPUs' count, >= 1
     benchbw_path: str = ""                  # `ft bench bw` profile; "": $FREETOKEN_BENCHBW_PATH or default
-    handoff: str = "host"                   # host: CpuPool.submit/join; stream: StreamDoorbell (HANDOFFS)
+    handoff: str = "host"                   # host: CpuPool.submit/join; stream: StreamDoorbell; device: DeviceDoorbell
 
     def __post_init__(self) -> None:
         if self.fetch_fraction is not None and not 0.0 <= float(self.fetch_fraction) <= 1.0:
