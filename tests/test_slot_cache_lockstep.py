@@ -171,3 +171,36 @@ def test_back_to_back_calls_without_host_copies():
         ensure(ref, c % layers, ids, fetch_fraction=0.5, impl="reference")
     assert torch.equal(torch.stack(batches), outs.cpu())
     assert_same_state(ref, ker, "after 40 queued calls")
+
+
+def test_large_pool_default_parts_list_fast_path_and_rebuilds():
+    """A full pool above 2,048 slots at the default decode settings (1,024-slot parts, so several
+    programs and the arrival merge; a 32-entry list), evicting used slots: calls served by the
+    list alone and calls that rebuild it must both occur, each equal to the reference."""
+    from kernels.slot_cache.api import SINGLE_PROGRAM_SLOTS
+    layers, experts, slots = 4, 768, SINGLE_PROGRAM_SLOTS + 452
+    ref = SlotCache.create(layers, experts, slots, victim_list=32)
+    gen = RouteGen(layers, experts, 7, skew=0.2)
+    call = 0
+    while int((ref.id_of_slot >= 0).sum()) < slots:             # fill on the reference alone
+        ensure(ref, call % layers, gen.routes(call % layers, 4, 10), fetch_fraction=1.0,
+               impl="reference")
+        call += 1
+    ker = ref.clone().to(KERNEL_DEVICE)                        # the list starts empty
+    served_by_list = rebuilt = 0
+    for c in range(24):
+        layer = (call + c) % layers
+        ids = gen.routes(layer, 1, 10)
+        ids_ker = ids.clone().to(KERNEL_DEVICE)
+        before = ker.victim_keys.clone()
+        ensure(ref, layer, ids, fetch_fraction=1.0, impl="reference")
+        ensure(ker, layer, ids_ker, fetch_fraction=1.0, impl="triton")
+        assert torch.equal(ids, ids_ker.cpu()), f"call {c}: routes differ"
+        assert_same_state(ref, ker, f"call {c}")
+        check_victim_list(ker, f"call {c}")
+        if int(ref.num_indices) > 0:
+            if torch.equal(before, ker.victim_keys):
+                served_by_list += 1
+            else:
+                rebuilt += 1
+    assert served_by_list > 0 and rebuilt > 0, (served_by_list, rebuilt)

@@ -5,6 +5,10 @@ revisions of the kernels can be diffed at the instruction level:
     python -m kernels.slot_cache.ptx_check --out /tmp/ptx-new          # in each checkout
     diff -r /tmp/ptx-old /tmp/ptx-new
 
+Each config's line also gives what a GPU-less review can compare: registers and local memory (spills)
+of the cubin (cuobjdump of Triton's own ptxas output), and the PTX's block barriers (`bar.sync`),
+global atomics (`atom`/`red`) and instruction count. `--out` also writes the table as resources.txt.
+
 Unset TRITON_INTERPRET first (the interpreter's kernels cannot be compiled ahead of time).
 """
 from __future__ import annotations
@@ -13,7 +17,9 @@ import argparse
 import hashlib
 import os
 import re
+import subprocess
 import sys
+import tempfile
 
 
 def canonical_ptx(ptx: str) -> str:
@@ -28,6 +34,29 @@ def canonical_ptx(ptx: str) -> str:
 
     text = re.sub(r"%(rd|rs|r|p|fd|f|h|b)\d+", rename, "\n".join(lines))
     return re.sub(r"\$L__BB\d+_\d+", "BB", text)
+
+
+def ptx_counts(text: str) -> dict[str, int]:
+    """bar.sync, atom/red and instruction counts of canonical PTX (labels and directives excluded)."""
+    body = text.split("{", 1)[-1]
+    instrs = [line.strip() for line in body.splitlines()
+              if line.strip() and not re.match(r"^(\S+:|[{}]|\.|\))", line.strip())]
+    return {"bar.sync": sum("bar.sync" in i for i in instrs),
+            "atom/red": sum(bool(re.search(r"(^|\s)(atom|red)\.", i)) for i in instrs),
+            "instrs": len(instrs)}
+
+
+def cubin_resources(cubin: bytes) -> dict[str, int]:
+    """Registers and local memory (bytes; > 0 means spills) per cuobjdump --dump-resource-usage."""
+    import triton
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as fh:
+        fh.write(cubin)
+        fh.flush()
+        out = subprocess.run([tool, "--dump-resource-usage", fh.name], capture_output=True, text=True,
+                             check=True).stdout
+    return {"regs": int(re.search(r"REG:(\d+)", out).group(1)),
+            "local": int(re.search(r"LOCAL:(\d+)", out).group(1)) + int(re.search(r"STACK:(\d+)", out).group(1))}
 
 
 def cases():
@@ -49,6 +78,9 @@ def cases():
         ("small-23197-multi", "ensure_small_kernel", small,
          dict(NUM_EXPERTS=512, E_BLOCK=512, ROUTE_BLOCK=16, PART=1024, V=32, CAND=64, MERGE_BLOCK=2048,
               USE_POLICY=False, MULTI=True)),
+        ("small-64-list", "ensure_small_kernel", small,
+         dict(NUM_EXPERTS=128, E_BLOCK=128, ROUTE_BLOCK=16, PART=64, V=32, CAND=64, MERGE_BLOCK=64,
+              USE_POLICY=False, MULTI=False)),
         ("small-64-nolist", "ensure_small_kernel", small,
          dict(NUM_EXPERTS=128, E_BLOCK=128, ROUTE_BLOCK=16, PART=64, V=0, CAND=16, MERGE_BLOCK=16,
               USE_POLICY=False, MULTI=False)),
@@ -72,15 +104,23 @@ def main(argv: list[str] | None = None) -> int:
     from . import triton_kernels
     if args.out:
         os.makedirs(args.out, exist_ok=True)
+    table = [f"{'config':20s} {'sha256':16s} {'regs':>5s} {'local':>6s} {'bar.sync':>8s} {'atom/red':>8s} {'instrs':>6s}"]
+    print(table[0])
     for name, kernel, signature, constexprs in cases():
         compiled = triton.compile(ASTSource(fn=getattr(triton_kernels, kernel), signature=signature,
                                             constexprs=constexprs),
                                   target=GPUTarget("cuda", args.arch, 32), options={"num_warps": 4})
         text = canonical_ptx(compiled.asm["ptx"])
-        print(f"{name:20s} {hashlib.sha256(text.encode()).hexdigest()[:16]}  {len(text.splitlines())} lines")
+        res, counts = cubin_resources(compiled.asm["cubin"]), ptx_counts(text)
+        table.append(f"{name:20s} {hashlib.sha256(text.encode()).hexdigest()[:16]} {res['regs']:5d} "
+                     f"{res['local']:6d} {counts['bar.sync']:8d} {counts['atom/red']:8d} {counts['instrs']:6d}")
+        print(table[-1])
         if args.out:
             with open(os.path.join(args.out, f"{name}.ptx"), "w") as fh:
                 fh.write(text)
+    if args.out:
+        with open(os.path.join(args.out, "resources.txt"), "w") as fh:
+            fh.write("\n".join(table) + "\n")
     return 0
 
 

@@ -38,10 +38,11 @@ def _draw16(seed, step, layer):
 
 
 @triton.jit
-def _fetch_count(num_misses, num_hits, num_slots, first_rec, max_fetch, frac_q16, round_mode,
+def _fetch_count(num_misses, num_hits, num_slots, first_key, max_fetch, frac_q16, round_mode,
                  promote, seed, step, layer):
     # (k, promoted): misses to fetch under the fixed cap or the fraction rule (fetch_rule.py),
-    # recency promotion, and the cap at the slots this call does not use.
+    # recency promotion, and the cap at the slots this call does not use. first_key: the largest
+    # _order_key (its low bit says whether the first miss was routed before).
     prod = frac_q16 * num_misses
     lo = prod >> 16
     hi = lo + 1
@@ -52,7 +53,7 @@ def _fetch_count(num_misses, num_hits, num_slots, first_rec, max_fetch, frac_q16
     k_ceil = (prod + 65535) >> 16
     k_frac = tl.where(round_mode == 0, k_minwait, tl.where(round_mode == 1, k_stoch, k_ceil))
     k_frac = tl.minimum(k_frac, num_misses)
-    promoted = (promote != 0) & (k_frac == 0) & (num_misses > 0) & (first_rec >= 0)
+    promoted = (promote != 0) & (k_frac == 0) & (num_misses > 0) & ((first_key & 1) == 1)
     k_frac = tl.where(promoted, 1, k_frac)
     promoted = promoted & (max_fetch < 0)
     k = tl.where(max_fetch >= 0, tl.minimum(num_misses, max_fetch), k_frac)
@@ -91,26 +92,53 @@ def _install(slot_for_id_ptr, id_of_slot_ptr, usage_ptr, slot, flat_id, usage_va
 
 
 @triton.jit
-def _next_miss(order_key, prev_order, E_BLOCK: tl.constexpr):
-    # (order key, expert) of the next miss to fetch: the largest order key below prev_order
-    cur = tl.max(tl.where(order_key < prev_order, order_key, -1), axis=0)
-    return cur, (E_BLOCK - 1) - (cur % E_BLOCK)
+def _order_key(e, rec, miss, select_mode, E_BLOCK: tl.constexpr):
+    # Misses are fetched by descending key: recency desc then id asc (select 0), or id asc alone;
+    # -1 for anything else. Bit 0 holds rec >= 0, so that one max gives both the first miss and
+    # what promotion needs to know about it (no second reduction for its recency).
+    id_key = E_BLOCK - 1 - e
+    key = tl.where(select_mode == 0, (rec + 1) * E_BLOCK + id_key, id_key)
+    return tl.where(miss, key * 2 + (rec >= 0).to(tl.int64), -1)
 
 
 @triton.jit
-def _place(slot_for_id_ptr, id_of_slot_ptr, usage_ptr, evict_ptr, src_ptr, i, vk, is_victim, owners, row,
-           expert, step, pool_base, promoted, e64, out, installed):
-    # plan entry i: expert takes the slot of victim key vk, unless a promotion finds no empty slot;
-    # the slot's previous owner is the entry of `owners` where `is_victim`; routes of the expert
-    # point at the slot. Returns (out, installed).
-    victim = pool_base + (vk & ((1 << 25) - 1))
-    if (promoted == 0) | ((vk >> 25) == 0):
-        old = tl.max(tl.where(is_victim, owners, -1), axis=0)
-        _install_known(slot_for_id_ptr, id_of_slot_ptr, usage_ptr, victim, old, row + expert, step)
-        tl.store(evict_ptr + i, victim.to(tl.int32))
-        tl.store(src_ptr + i, expert.to(tl.int32))
-        out = tl.where(e64 == expert, victim, out)
-        installed += 1
+def _miss_expert(key, E_BLOCK: tl.constexpr):
+    # the (layer-local) expert of an _order_key
+    return (E_BLOCK - 1) - ((key >> 1) % E_BLOCK)
+
+
+@triton.jit
+def _next_miss(order_key, prev_order):
+    # the order key of the next miss to fetch: the largest one below prev_order
+    return tl.max(tl.where(order_key < prev_order, order_key, -1), axis=0)
+
+
+@triton.jit
+def _install_misses(slot_for_id_ptr, id_of_slot_ptr, usage_ptr, evict_ptr, src_ptr, keys, owners,
+                    order_key, first_key, k, row, step, pool_base, promoted, e64, out,
+                    E_BLOCK: tl.constexpr):
+    # The decode kernel's installs: the i-th miss in order takes the slot of the i-th smallest of
+    # `keys` (victim keys, KEY_NONE = none), whose previous owner is the same entry of `owners`,
+    # unless a promotion finds no empty slot; routes of the expert point at the slot.
+    # Returns (out, installed). The first miss is first_key, already reduced by the caller, so the
+    # usual k = 1 costs no reduction for the miss.
+    installed = tl.zeros((), tl.int32)
+    cur = first_key
+    prev_victim = tl.full((), -1, tl.int64)
+    for i in range(0, k):
+        if i > 0:
+            cur = _next_miss(order_key, cur)
+        expert = _miss_expert(cur, E_BLOCK)
+        vk = tl.min(tl.where(keys > prev_victim, keys, 0x7FFFFFFFFFFFFFFF), axis=0)
+        prev_victim = vk
+        victim = pool_base + (vk & ((1 << 25) - 1))
+        if (promoted == 0) | ((vk >> 25) == 0):
+            old = tl.max(tl.where(keys == vk, owners, -1), axis=0)
+            _install_known(slot_for_id_ptr, id_of_slot_ptr, usage_ptr, victim, old, row + expert, step)
+            tl.store(evict_ptr + i, victim.to(tl.int32))
+            tl.store(src_ptr + i, expert.to(tl.int32))
+            out = tl.where(e64 == expert, victim, out)
+            installed += 1
     return out, installed
 
 
@@ -185,23 +213,20 @@ def ensure_kernel(
     num_hits = tl.sum(hit.to(tl.int64), axis=0)
     num_misses = tl.sum(miss.to(tl.int64), axis=0)
     rec = tl.load(recency_ptr + row + ev, mask=in_e, other=-1)
-    # order key, larger first: recency desc then id asc, or id asc alone
-    id_key = (E_BLOCK - 1 - ev).to(tl.int64)
-    order_key = tl.where(select_mode == 0, (rec + 1) * E_BLOCK + id_key, id_key)
-    order_key = tl.where(miss, order_key, -1)
+    order_key = _order_key(ev.to(tl.int64), rec, miss, select_mode, E_BLOCK)
     first_key = tl.max(order_key, axis=0)
-    first_rec = tl.max(tl.where(miss & (order_key == first_key), rec, -2), axis=0)
 
     # C. how many misses to fetch
-    k, promoted = _fetch_count(num_misses, num_hits, num_slots, first_rec, max_fetch, frac_q16,
+    k, promoted = _fetch_count(num_misses, num_hits, num_slots, first_key, max_fetch, frac_q16,
                                round_mode, promote, seed, step, layer)
 
     # D. one victim per fetched miss, in order
     installed = tl.zeros((), tl.int32)
-    prev_order = tl.full((), 0x7FFFFFFFFFFFFFFF, tl.int64)
+    cur = tl.full((), 0x7FFFFFFFFFFFFFFF, tl.int64)
     prev_victim = tl.full((), -1, tl.int64)
     for i in range(0, k):
-        prev_order, expert = _next_miss(order_key, prev_order, E_BLOCK)
+        cur = _next_miss(order_key, cur)
+        expert = _miss_expert(cur, E_BLOCK)
         vkey = _next_victim(usage_ptr, pool_base, num_slots, step, prev_victim, SLOT_TILE)
         prev_victim = vkey
         victim = pool_base + (vkey & ((1 << 25) - 1))
@@ -372,21 +397,23 @@ def ensure_small_kernel(
     rec = tl.load(recency_ptr + row + e64, mask=valid, other=-1)
     hit = distinct & (slot >= 0)
     miss = distinct & (slot < 0)
-    num_hits = tl.sum(hit.to(tl.int64), axis=0)
-    num_misses = tl.sum(miss.to(tl.int64), axis=0)
-    id_key = (E_BLOCK - 1 - e64)
-    order_key = tl.where(select_mode == 0, (rec + 1) * E_BLOCK + id_key, id_key)
-    order_key = tl.where(miss, order_key, -1)
+    bad = in_r & ((e64 < -1) | (e64 >= NUM_EXPERTS))
+    # hits, misses and bad ids counted by one reduction, in 8-bit fields (ROUTE_BLOCK <= 64)
+    tl.static_assert(ROUTE_BLOCK < 256)
+    counts = tl.sum(hit.to(tl.int32) | (miss.to(tl.int32) << 8) | (bad.to(tl.int32) << 16), axis=0)
+    num_hits = (counts & 255).to(tl.int64)
+    num_misses = ((counts >> 8) & 255).to(tl.int64)
+    order_key = _order_key(e64, rec, miss, select_mode, E_BLOCK)
     first_key = tl.max(order_key, axis=0)
-    first_rec = tl.max(tl.where(miss & (order_key == first_key), rec, -2), axis=0)
 
-    k, promoted = _fetch_count(num_misses, num_hits, num_slots, first_rec, max_fetch, frac_q16,
+    k, promoted = _fetch_count(num_misses, num_hits, num_slots, first_key, max_fetch, frac_q16,
                                round_mode, promote, seed + zero, step, layer)
 
     fast = k == 0
     if V > 0:
         if k > 0:
-            hit_local = tl.where(hit, slot - pool_base, -1)               # [R]
+            # resident routes, duplicates included (they name the same slot): no wait for `distinct`
+            hit_local = tl.where(slot >= 0, slot - pool_base, -1)         # [R]
             vhit = tl.max((vslot[:, None] == hit_local[None, :]).to(tl.int32), axis=1) > 0
             live = vused & ((((vu + 1) << 25) | vslot) == vkey) & (vhit == 0)
             vkey = tl.where(live, vkey, 0x7FFFFFFFFFFFFFFF)
@@ -424,15 +451,9 @@ def ensure_small_kernel(
         if k > 0:
             if fast:
                 # victims: the k smallest live list entries; owners as recorded in the list
-                prev_order = tl.full((), 0x7FFFFFFFFFFFFFFF, tl.int64)
-                prev_victim = tl.full((), -1, tl.int64)
-                for i in range(0, k):
-                    prev_order, expert = _next_miss(order_key, prev_order, E_BLOCK)
-                    vk = tl.min(tl.where(vkey > prev_victim, vkey, 0x7FFFFFFFFFFFFFFF), axis=0)
-                    prev_victim = vk
-                    out, installed = _place(slot_for_id_ptr, id_of_slot_ptr, usage_ptr, evict_ptr, src_ptr,
-                                            i, vk, vkey == vk, vown, row, expert, step, pool_base, promoted,
-                                            e64, out, installed)
+                out, installed = _install_misses(
+                    slot_for_id_ptr, id_of_slot_ptr, usage_ptr, evict_ptr, src_ptr, vkey, vown,
+                    order_key, first_key, k, row, step, pool_base, promoted, e64, out, E_BLOCK)
             else:
                 if MULTI:
                     m = tl.arange(0, MERGE_BLOCK)                         # [G*CAND] candidates
@@ -450,13 +471,10 @@ def ensure_small_kernel(
                 sel_used = sel != 0x7FFFFFFFFFFFFFFF
                 sel_slot = sel & ((1 << 25) - 1)
                 sel_own = tl.load(id_of_slot_ptr + pool_base + sel_slot, mask=sel_used, other=-1)
-                prev_order = tl.full((), 0x7FFFFFFFFFFFFFFF, tl.int64)
-                for i in range(0, k):
-                    prev_order, expert = _next_miss(order_key, prev_order, E_BLOCK)
-                    vk = tl.max(tl.where(cj == i, sel, -1), axis=0)
-                    out, installed = _place(slot_for_id_ptr, id_of_slot_ptr, usage_ptr, evict_ptr, src_ptr,
-                                            i, vk, cj == i, sel_own, row, expert, step, pool_base, promoted,
-                                            e64, out, installed)
+                # sel ascends: its i-th smallest key is entry i (the k victims precede the list)
+                out, installed = _install_misses(
+                    slot_for_id_ptr, id_of_slot_ptr, usage_ptr, evict_ptr, src_ptr, sel, sel_own,
+                    order_key, first_key, k, row, step, pool_base, promoted, e64, out, E_BLOCK)
                 if V > 0:
                     # the new list: the V keys after the installed victims (untouched by this call)
                     dst = cj - installed
@@ -465,8 +483,9 @@ def ensure_small_kernel(
                     tl.store(vowner_ptr + dst, sel_own, mask=keep)
         if MULTI:
             tl.store(arrive_ptr, 0)
-        bad = in_r & ((e64 < -1) | (e64 >= NUM_EXPERTS))
-        tl.atomic_or(error_ptr, 1, mask=tl.max(bad.to(tl.int32), axis=0) > 0)
+        if (counts >> 16) > 0:
+            # behind a uniform branch: a scalar atomic brings two block barriers, paid only on error
+            tl.atomic_or(error_ptr, 1)
         tl.store(num_indices_ptr, installed)
         tl.store(num_missing_ptr, num_misses.to(tl.int32))
         tl.store(mark_ptr + e64, step, mask=valid)
