@@ -56,7 +56,8 @@ def _counters(backend) -> dict:
         c = backend.counters()
         return {"misses": c["expert_misses_total"], "fetched": c["experts_fetched_total"],
                 "cpu": c["cpu_experts_total"], "fallbacks": c["fallbacks_total"],
-                "wait_cpu_s": c["gpu_wait_for_cpu_s_total"], "wait_copy_s": c["gpu_wait_for_copy_s_total"]}
+                "wait_cpu_s": c["gpu_wait_for_cpu_s_total"], "wait_copy_s": c["gpu_wait_for_copy_s_total"],
+                "cpu_time_s": c["cpu_expert_time_s_total"]}
     if backend is None:
         return {}
     s = backend.refresh_stats()     # the kernel copy mode counts on the device
@@ -134,6 +135,10 @@ def variants(args) -> list[tuple[str, dict | None]]:
         for rnd in ROUNDS:
             out.append((f"hybrid {rnd}{'' if promote else ' no-promo'} device",
                         {"strategy": "hybrid", "fetch_round": rnd, "promote": promote, "handoff": "device"}))
+    for f in filter(None, (v.strip() for v in args.extra_fractions.split(","))):
+        out.append((f"hybrid min-wait device f={float(f):.3g}", {"strategy": "hybrid", "fetch_round": "min-wait",
+                                                              "promote": True, "handoff": "device",
+                                                              "fetch_fraction": float(f)}))
     if args.variants:
         keep = [v.strip() for v in args.variants.split(",")]
         out = [v for v in out if any(v[0].startswith(k) if not k.startswith("=") else v[0] == k[1:] for k in keep)]
@@ -157,6 +162,8 @@ def main() -> int:
                         help="comma list of name prefixes, e.g. offload,hybrid min-wait (also matches "
                              "'hybrid min-wait stream': host vs stream hand-off side by side); '=NAME' "
                              "matches NAME exactly")
+    parser.add_argument("--extra-fractions", default="",
+                        help="comma list: also 'hybrid min-wait device f=F' rows with these fetch fractions")
     parser.add_argument("--no-resident", action="store_true", help="skip the resident run (no token check)")
     parser.add_argument("--handoff-calls", type=int, default=10_000)
     parser.add_argument("--routing", default="zipf:1.0",
@@ -244,7 +251,7 @@ def main() -> int:
     print(f"hand-off GPU -> CPU process -> GPU: p50 {handoff['p50_us']:.1f} us, p99 {handoff['p99_us']:.1f} us, "
           f"max {handoff['max_us']:.0f} us over {handoff['calls']} calls")
     print(f"{'backend':<28} {'tok/s':>7} {'miss/tok':>8} {'fetch/tok':>9} {'cpu/tok':>7} {'roofline':>8} "
-          f"{'%roof':>5} {'fallbk':>6} {'same tokens':>11}")
+          f"{'%roof':>5} {'fallbk':>6} {'cpu ms/tok':>10} {'same tokens':>11}")
     for name, r in rows:
         miss = r.get("misses_per_token")
         roof = both / (miss * expert_bytes) if miss else float("nan")
@@ -252,7 +259,7 @@ def main() -> int:
         same = "-" if r.get("same_tokens") is None else ("yes" if r["same_tokens"] else f"from {r['first_diff']}")
         print(f"{name:<28} {r['decode_tok_s']:>7.2f} {(miss or 0):>8.1f} {r.get('fetched_per_token', 0):>9.1f} "
               f"{r.get('cpu_per_token', 0):>7.1f} {roof:>8.2f} {pct:>5.0f} {r.get('fallbacks_per_token', 0):>6.2f} "
-              f"{same:>11}")
+              f"{1e3 * r.get('cpu_time_s_per_token', 0):>10.2f} {same:>11}")
     out_path = args.json_out or os.path.join(os.environ.get("OUT", "."), "bench_hybrid.json")
     with open(out_path, "w") as fh:
         json.dump({"preset": args.preset, "gpu": gpu, "pcie_gb_s": pcie.gb_s, "cpu_gb_s": cpu.gb_s,

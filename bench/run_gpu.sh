@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything that needs the GPU machine, in one call: GPU tests, then benchmarks; short tables last.
 # Usage: bash bench/run_gpu.sh [kernels] [engine] [cpu] [hybrid] [sweep] [decode] [gpu-tests] [resident]
-#        [attention] [handoff] [gpu-all]   (gpu-all: every test marked gpu) [handoff]
+#        [attention] [handoff] [gpu-all]   (gpu-all: every test marked gpu) [handoff-bench] [hybrid-bench]
 #        (default: kernels engine cpu). SECTION_TIMEOUT (s, default 540) bounds each command.
 # Logs go to $OUT (the device tool's output folder) when it is set, else ./out.
 set -u
@@ -76,6 +76,14 @@ for s in $sections; do
       [ "${PIPESTATUS[0]}" = 0 ] || status=1
       timeout "$T" python3 bench/bench_handoff.py --mode both --client-cpu 0 2>&1 \
         | tee "$OUT/handoff_bench.log" | tail -n 14 || status=1
+      ;;
+    handoff-bench)
+      timeout "$T" python3 bench/bench_handoff.py --mode gpu --client-cpu 0 ${HANDOFF_ARGS:-} 2>&1 \
+        | tee "$OUT/handoff_bench.log" | tail -n 14 || status=1
+      ;;
+    hybrid-bench)    # HYBRID_VARIANTS: bench_hybrid.py --variants (names with spaces, comma-separated)
+      timeout "$T" python3 bench/bench_hybrid.py --json-out "$OUT/bench_hybrid.json" ${HYBRID_ARGS:-} \
+        ${HYBRID_VARIANTS:+--variants "$HYBRID_VARIANTS"} 2>&1 | tee "$OUT/hybrid_bench.log" | tail -n 24 || status=1
       ;;
     kernel-bench)
       python3 -m kernels.slot_cache.bench 2>&1 | tee "$OUT/kernels_bench.log" | tail -n 24 || status=1

@@ -295,16 +295,19 @@ class HybridExperts:
             out = self._gemm(x, torch.where(valid, routes, 0), torch.where(valid, topk_weights, 0.0), skip=False)
         if not to_cpu:
             return out
-        total = torch.empty(x.shape, dtype=torch.float32, device=self.device)
+        # Sums in fp32 inside each join; the last one writes the model dtype (one rounding, as the host join).
+        members = self.pool.members
+        total = torch.empty(x.shape, dtype=torch.float32, device=self.device) if len(members) > 1 else None
         src = out
-        for m in self.pool.members:
-            self._device_doorbell(m).join(layer_idx, src, total)
-            src = total
+        for i, m in enumerate(members):
+            dst = torch.empty_like(x) if i == len(members) - 1 else total
+            self._device_doorbell(m).join(layer_idx, src, dst)
+            src = dst
         if not (self.on_cuda and torch.cuda.is_current_stream_capturing()) and not self.step_end():
             # Eager (a graph's warm-up, or no graphs): the failed share is known now; redo the layer as
             # offload (its hits and fetched experts are resident by now, the rest is fetched).
             return self._forward_device(layer_idx, x, ids, ids.clone(), topk_weights, to_cpu=False)
-        return total.to(x.dtype)
+        return src
 
     def _call_increment(self, to_cpu: bool, num_pairs: int) -> torch.Tensor:
         """The constant part of one call's DEVICE_COUNTERS increment (made with fills: capture-safe)."""

@@ -50,4 +50,5 @@ def copy_plan(slots: torch.Tensor, host_rows: torch.Tensor, evict_slots: torch.T
     grid = (max_copies, -(-row_words // chunk_words))
     copy_plan_kernel[grid](slot_words, host_words.data_ptr(), host_words.stride(0), evict_slots,
                            src_indices, num_indices, row_words, chunk_words, BLOCK=BLOCK_WORDS,
+                           ALIGNED=host_words.data_ptr() % 16 == 0 and host_words.stride(0) % 8 == 0,
                            num_warps=4)

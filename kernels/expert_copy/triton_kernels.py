@@ -17,6 +17,7 @@ def copy_plan_kernel(
     row_words,            # W: words per expert
     chunk_words,          # words each program copies
     BLOCK: tl.constexpr,  # words per load/store
+    ALIGNED: tl.constexpr = False,   # host_addr 16-byte aligned (and rows a multiple of 8 words apart)
 ):
     i = tl.program_id(0)
     c = tl.program_id(1)
@@ -24,6 +25,10 @@ def copy_plan_kernel(
         dst_row = tl.load(evict_ptr + i).to(tl.int64)
         src_row = tl.load(src_ptr + i).to(tl.int64)
         host = host_addr.to(tl.pointer_type(tl.int16))
+        if ALIGNED:
+            # 16-byte aligned rows (the store's are page-aligned): say so, or the int -> pointer cast loses
+            # the alignment and every thread reads 2-byte words (64-byte PCIe reads per warp, not vectors).
+            host = tl.multiple_of(host, 16)
         start = c * chunk_words
         for w0 in range(start, tl.minimum(start + chunk_words, row_words), BLOCK):
             offs = w0 + tl.arange(0, BLOCK)

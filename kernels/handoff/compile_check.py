@@ -1,5 +1,7 @@
-"""Compile the hand-off kernels for an NVIDIA target without a GPU (Triton's front end, LLVM and the
-bundled ptxas), so the inline PTX (ld.acquire.sys, fence.sc.sys, %globaltimer) is checked on a CPU.
+"""Compile the kernels that touch mapped host memory for an NVIDIA target without a GPU (Triton's front
+end, LLVM and the bundled ptxas): the hand-off kernels, so their inline PTX (ld.acquire.sys,
+fence.acq_rel.sys, %globaltimer) is checked on a CPU, and the plan copy of kernels/expert_copy, whose
+PCIe reads must be 16-byte vectors (ld.global.v4), not 2-byte words.
 
     python -m kernels.handoff.compile_check [--arch 90] [--ptx DIR]
 
@@ -27,7 +29,12 @@ def cases():
     from .api import JOIN_BLOCK, RING_BLOCK_H, RING_BLOCK_R
     ring = dict(HIDDEN_BF16=True, ALWAYS_RING=False, USE_OWNER=True, BLOCK_R=RING_BLOCK_R, BLOCK_H=RING_BLOCK_H,
                 ON_GPU=True)
-    return [("ring owner bf16", "ring_kernel", ring_sig, ring),
+    copy_sig = {"slots_ptr": "*i16", "host_addr": "i64", "host_row_words": "i32", "evict_ptr": "*i32",
+                "src_ptr": "*i32", "num_indices_ptr": "*i32", "row_words": "i32", "chunk_words": "i32",
+                "BLOCK": "constexpr", "ALIGNED": "constexpr"}
+    from kernels.expert_copy.api import BLOCK_WORDS
+    return [("plan copy aligned", "copy_plan_kernel", copy_sig, dict(BLOCK=BLOCK_WORDS, ALIGNED=True)),
+            ("ring owner bf16", "ring_kernel", ring_sig, ring),
             ("ring all fp32", "ring_kernel", {**ring_sig, "x_ptr": "*fp32"},
              {**ring, "HIDDEN_BF16": False, "USE_OWNER": False, "ALWAYS_RING": True}),
             ("join bf16 -> fp32", "join_kernel", join_sig, dict(SAME=False, BLOCK=JOIN_BLOCK, ON_GPU=True)),
@@ -47,13 +54,19 @@ def main(argv: list[str] | None = None) -> int:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
+    from kernels.expert_copy import triton_kernels as copy_kernels
+
     from . import triton_kernels
     for name, kernel, signature, constexprs in cases():
-        compiled = triton.compile(ASTSource(fn=getattr(triton_kernels, kernel), signature=signature,
-                                            constexprs=constexprs),
+        fn = getattr(copy_kernels if kernel == "copy_plan_kernel" else triton_kernels, kernel)
+        # the JIT marks 16-divisible integer arguments (the page-aligned channel addresses) as such at launch
+        aligned = [a for a in signature if a.endswith(("_addr", "_ptr", "_words")) or a in ("numel", "H")]
+        attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in aligned}
+        compiled = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs),
                                   target=GPUTarget("cuda", args.arch, 32), options={"num_warps": 4})
         ptx = compiled.asm["ptx"]
-        counts = {op: ptx.count(op) for op in ("ld.acquire.sys", "fence.sc.sys", "%globaltimer", "bar.sync")}
+        counts = {op: ptx.count(op) for op in ("ld.acquire.sys", "fence.acq_rel.sys", "%globaltimer", "bar.sync",
+                                               "ld.global.v4", "ld.global.cv.v4", "st.global.v4")}
         print(f"{name:22s} " + "  ".join(f"{k} {v}" for k, v in counts.items()))
         if args.ptx:
             os.makedirs(args.ptx, exist_ok=True)

@@ -2,8 +2,9 @@
 
 Mapped host memory (the registered channel and the doorbell's own words) arrives as integer
 addresses and is cast to pointers here, as in kernels/expert_copy. On the GPU, the loads that
-observe the CPU use `ld.acquire.sys` and the ring is published behind `fence.sc.sys` by every
-thread and a block barrier (the `__threadfence_system(); __syncthreads(); flag = seq` pattern), so
+observe the CPU use `ld.acquire.sys` (or volatile loads whose order does not matter) and the ring
+is published behind `fence.acq_rel.sys` by every thread and a block barrier (the
+`__threadfence_system(); __syncthreads(); flag = seq` pattern), so
 the CPU sees the hidden states, triples and request line before `request_seq` moves. The Triton
 interpreter (CI, no GPU) has no inline assembly: there, `ON_GPU=False` selects volatile loads and
 an iteration count instead of the global timer; host memory is coherent for it anyway.
@@ -78,7 +79,8 @@ def _ld_sys(addr, ON_GPU: tl.constexpr, BITS: tl.constexpr = 64):
 def _fence_sys(ON_GPU: tl.constexpr):
     """Every thread's earlier stores are visible system-wide before its later ones."""
     if ON_GPU:
-        tl.inline_asm_elementwise("fence.sc.sys; mov.u32 $0, 0;", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
+        tl.inline_asm_elementwise("fence.acq_rel.sys; mov.u32 $0, 0;", "=r", [], dtype=tl.int32, is_pure=False,
+                                  pack=1)
     tl.debug_barrier()
 
 
@@ -110,6 +112,9 @@ def ring_kernel(
     has no triple or a hand-off of this step already failed."""
     failed = tl.load(fail_ptr)
     seq = tl.load(state_ptr + _ST_RINGS) * 0          # int64 zero: nothing rung
+    # The channel's own sequence (the host-driven path may have moved it since our last ring), loaded
+    # first so that its PCIe round trip overlaps the compaction and the hidden-state writes.
+    last = tl.load(request_seq_addr.to(tl.pointer_type(tl.int64)), volatile=True)
     if failed == 0:
         token_p = token_addr.to(tl.pointer_type(tl.int32))
         expert_p = expert_addr.to(tl.pointer_type(tl.int32))
@@ -132,17 +137,16 @@ def ring_kernel(
             n += tl.sum(mi, axis=0)
         if (n > 0) | ALWAYS_RING:
             if HIDDEN_BF16:
-                hid_p = hidden_addr.to(tl.pointer_type(tl.bfloat16))
+                hid_p = tl.multiple_of(hidden_addr.to(tl.pointer_type(tl.bfloat16)), 16)    # page-aligned
             else:
-                hid_p = hidden_addr.to(tl.pointer_type(tl.float32))
+                hid_p = tl.multiple_of(hidden_addr.to(tl.pointer_type(tl.float32)), 16)
             for t in range(0, T):
                 for h0 in range(0, H, BLOCK_H):
                     ho = h0 + tl.arange(0, BLOCK_H)
                     hm = ho < H
                     v = tl.load(x_ptr + t * stride_x + ho, mask=hm)
                     tl.store(hid_p + t * H + ho, v.to(hid_p.dtype.element_ty), mask=hm)
-            # The channel's own sequence (the host-driven path may have moved it since our last ring).
-            seq = _ld_sys(request_seq_addr, ON_GPU) + 1
+            seq = last + 1
             line32 = line_addr.to(tl.pointer_type(tl.int32))
             tl.store(line32 + _REQ_LAYER // 4, layer)
             tl.store(line32 + _REQ_TOKENS // 4, T)
@@ -166,39 +170,53 @@ def join_kernel(
     SAME: tl.constexpr,                 # src and dst are one tensor: nothing to copy when nothing was rung
     BLOCK: tl.constexpr, ON_GPU: tl.constexpr,
 ):
-    """Grid (cdiv(numel, BLOCK),). Each program waits for done_seq >= the rung seq (or the abort word,
-    or the deadline), checks the response line, and adds its block of the partial sums."""
+    """Grid (cdiv(numel, BLOCK),). Each program waits for the slot's response line to carry the rung
+    seq (or the abort word, or done_seq past it without that response, or the deadline), then adds its
+    block of the partial sums.
+
+    PCIe round trips are what a call costs here, so each spin iteration issues its three loads
+    together (abort and done_seq relaxed, the response seq last with acquire), and once the response
+    is seen its status, counters and the partial sums are read together behind that acquire (the
+    worker stores them before the response seq, and x86 keeps its stores in order)."""
     pid = tl.program_id(0)
     offs = pid * BLOCK + tl.arange(0, BLOCK)
     m = offs < numel
     seq = tl.load(state_ptr + _ST_RUNG0 + slot)
     if seq != 0:
-        start = _now_ns(0, ON_GPU)
-        done = _ld_sys(done_seq_addr, ON_GPU)
-        abort = _ld_sys(abort_addr, ON_GPU)
-        spins = 0
-        while (done < seq) & (abort == 0) & (_now_ns(spins, ON_GPU) - start < deadline_ns):
-            done = _ld_sys(done_seq_addr, ON_GPU)
-            abort = _ld_sys(abort_addr, ON_GPU)
-            spins += 1
         resp = line_addr + _RESP_OFFSET
-        answered = done >= seq
-        ok = answered & (_ld_sys(resp + _RESP_SEQ, ON_GPU) == seq) & (_ld_sys(resp + _RESP_STATUS, ON_GPU, 32) == 0)
+        start = _now_ns(0, ON_GPU)
+        abort = tl.load(abort_addr.to(tl.pointer_type(tl.int64)), volatile=True)
+        done = tl.load(done_seq_addr.to(tl.pointer_type(tl.int64)), volatile=True)
+        rseq = _ld_sys(resp + _RESP_SEQ, ON_GPU)
+        spins = 0
+        while (rseq != seq) & (abort == 0) & (done < seq) & (_now_ns(spins, ON_GPU) - start < deadline_ns):
+            abort = tl.load(abort_addr.to(tl.pointer_type(tl.int64)), volatile=True)
+            done = tl.load(done_seq_addr.to(tl.pointer_type(tl.int64)), volatile=True)
+            rseq = _ld_sys(resp + _RESP_SEQ, ON_GPU)
+            spins += 1
+        if (rseq != seq) & (done >= seq):
+            rseq = _ld_sys(resp + _RESP_SEQ, ON_GPU)     # done_seq moves after the response: look again
+        # status and partial sums in flight together (the partial is only used when the status is OK)
+        # (.cv: fetch again, never from a cache; vector loads, where volatile would split them into words)
+        out_p = tl.multiple_of(out_addr.to(tl.pointer_type(tl.float32)), 16)     # page-aligned channel buffer
+        part = tl.load(out_p + offs, mask=m, other=0.0, cache_modifier=".cv")
+        status = tl.load((resp + _RESP_STATUS).to(tl.pointer_type(tl.int32)), volatile=True)
+        ok = (rseq == seq) & (status == 0)
         acc = tl.load(src_ptr + offs, mask=m).to(tl.float32)
         if ok:
-            part = tl.load(out_addr.to(tl.pointer_type(tl.float32)) + offs, mask=m)
             tl.store(dst_ptr + offs, (acc + part).to(dst_ptr.dtype.element_ty), mask=m)
             if pid == 0:
+                experts = tl.load((resp + _RESP_EXPERTS).to(tl.pointer_type(tl.int32)), volatile=True).to(tl.int64)
+                compute_ns = tl.load((resp + _RESP_COMPUTE_NS).to(tl.pointer_type(tl.int64)), volatile=True)
                 tl.store(state_ptr + _ST_ANSWERED, tl.load(state_ptr + _ST_ANSWERED) + 1)
-                tl.store(state_ptr + _ST_EXPERTS, tl.load(state_ptr + _ST_EXPERTS)
-                         + _ld_sys(resp + _RESP_EXPERTS, ON_GPU, 32).to(tl.int64))
-                tl.store(state_ptr + _ST_COMPUTE_NS, tl.load(state_ptr + _ST_COMPUTE_NS)
-                         + _ld_sys(resp + _RESP_COMPUTE_NS, ON_GPU))
+                tl.store(state_ptr + _ST_EXPERTS, tl.load(state_ptr + _ST_EXPERTS) + experts)
+                tl.store(state_ptr + _ST_COMPUTE_NS, tl.load(state_ptr + _ST_COMPUTE_NS) + compute_ns)
         else:
             if not SAME:
                 tl.store(dst_ptr + offs, acc.to(dst_ptr.dtype.element_ty), mask=m)
             if pid == 0:
-                code = tl.where(answered, _FAIL_STATUS, tl.where(abort != 0, _FAIL_ABORTED, _FAIL_TIMEOUT))
+                code = tl.where(rseq == seq, _FAIL_STATUS,
+                                tl.where(done >= seq, _FAIL_STATUS, tl.where(abort != 0, _FAIL_ABORTED, _FAIL_TIMEOUT)))
                 tl.store(fail_ptr, 1)
                 hp = host_fail_addr.to(tl.pointer_type(tl.int64))
                 if tl.load(hp, volatile=True) == 0:
