@@ -176,8 +176,9 @@ def device_rows(client: CpuPoolClient, device, gate, hidden, args) -> list[Row]:
         out = torch.empty(1, HIDDEN, device=device)
 
         def call(k: int) -> None:
-            db.ring(k % 2, hidden, ids, ids, weights)
-            db.join(k % 2, src, out)
+            db.ring(k % 2, *call.ring_args)
+            db.join(k % 2, *call.join_args)
+        call.ring_args, call.join_args = (hidden, ids, ids, weights), (src, out)
 
         seq0 = int(client._words.done_seq[0])
         rows += gated_rows(call, lambda: db.counters()["failed"], gate, args,
@@ -202,16 +203,55 @@ def device_rows(client: CpuPoolClient, device, gate, hidden, args) -> list[Row]:
             end.synchronize()
             if r >= 10:
                 per_call.append(start.elapsed_time(end) * 1e6 / GRAPH_CALLS)                 # ns
-        failed = db.counters()["failed"]
+        c = db.counters()
         answered = int(client._words.done_seq[0]) - seq0
         label = f"gpu device kernels, CUDA graph of {GRAPH_CALLS} (per-replay mean)"
-        rows.append((f"{label}{f' ({failed} INVALID)' if failed else ''}", replays * GRAPH_CALLS,
+        bad = f" ({c['failed']} INVALID)" if c["failed"] else ""
+        rows.append((f"{label}{bad}", replays * GRAPH_CALLS,
                      *percentiles_us(per_call), float(np.mean(per_call)) / 1e3))
         if answered < (replays + 10) * GRAPH_CALLS:
             raise RuntimeError(f"only {answered} requests answered")
+        rows.append(("  of which: the worker's time per request (its compute_ns)", c["answered"],
+                     float("nan"), float("nan"), float("nan"), c["compute_ns"] / max(c["answered"], 1) / 1e3))
+        rows += [decomposed(db, call, replays, which) for which in ("ring", "join")]
     finally:
         db.close()
     return rows
+
+
+def decomposed(db, call, replays: int, which: str) -> Row:
+    """A CUDA graph of GRAPH_CALLS rings alone, or of GRAPH_CALLS joins of calls already answered (no wait):
+    the GPU side's own cost per call, to set beside the full round trip."""
+    def one(k: int) -> None:
+        if which == "ring":
+            db.ring(k % 2, *call.ring_args)
+        else:
+            db.join(k % 2, *call.join_args)
+
+    for k in range(2):
+        call(k)                                  # both slots rung and answered
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for k in range(GRAPH_CALLS):
+            one(k)
+    per_call = []
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    for r in range(replays + 10):
+        if which == "join":
+            for k in range(2):
+                call(k)                          # fresh answered calls in both slots (outside the timing)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        if which == "ring":
+            time.sleep(0.0005)                   # let the worker answer the rings before the next replay
+        if r >= 10:
+            per_call.append(start.elapsed_time(end) * 1e6 / GRAPH_CALLS)
+    label = (f"  of which: {GRAPH_CALLS} rings alone (graph)" if which == "ring"
+             else f"  of which: {GRAPH_CALLS} joins, already answered (graph)")
+    return (label, replays * GRAPH_CALLS, *percentiles_us(per_call), float(np.mean(per_call)) / 1e3)
 
 
 def gpu_rows(client: CpuPoolClient, args) -> tuple[list[Row], list[str]]:

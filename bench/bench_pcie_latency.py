@@ -38,7 +38,7 @@ def probe_kernel(host_addr, out_ptr, iters, MODE: tl.constexpr):
     if MODE == 0:
         v = t0 * 0
         for _ in range(iters):
-            v = _ld_sys(host_addr + (v & 0) * 8, True)        # the next address depends on the last value
+            v = _ld_sys(host_addr + (v & 1) * 8, True)        # A holds 0: the same word, but a real dependency
         t1 = _now_ns(0, True) + v * 0
     elif MODE == 1:
         buf = tl.multiple_of(host_addr.to(tl.pointer_type(tl.float32)), 16) + 256   # past A and B's lines
