@@ -99,7 +99,6 @@ class DeviceDoorbell:
             self._addrs.append({**slot, **common})
         self.fail = fail if fail is not None else torch.zeros(1, dtype=torch.int32, device=self.device)
         self.state = torch.zeros(handoff.STATE_WORDS, dtype=torch.int64, device=self.device)
-        self.sync_sequence()
         self._lock = threading.Lock()
         self.aborts = 0
         self.abort_reason: str | None = None
@@ -143,21 +142,12 @@ class DeviceDoorbell:
         return reason
 
     def reset(self) -> None:
-        """Clear the failure word, the abort word and the shared device flag (before the step is re-run),
-        and take the channel's sequence again (a restarted worker, or host-driven calls meanwhile)."""
+        """Clear the failure word, the abort word and the shared device flag (before the step is re-run)."""
         with self._lock:
             self._host_fail.value = 0
             self._abort.value = 0
             self.abort_reason = None
         self.fail.zero_()
-        self.sync_sequence()
-
-    def sync_sequence(self) -> None:
-        """The ring kernels number requests from a device-side copy of the channel's sequence (reading
-        request_seq itself would cost a PCIe round trip per ring). Call this after host-driven calls on
-        the channel (CpuPoolClient.submit), with no device call in flight; stream-ordered."""
-        last = max(int(self._request_seq.value), int(self._done_seq.value))
-        self.state[handoff.ST_SEQ].fill_(last)
 
     def counters(self) -> dict[str, int]:
         """Cumulative device counters (a device sync): rings, triples, answered, experts, compute_ns, failed."""

@@ -3,11 +3,10 @@
 `ring` (one program): the routes the slot cache left to the CPU (-1) whose expert this worker owns
 become (token, expert id, weight) triples written straight into the worker's registered channel,
 with the hidden states and the request line; then `request_seq` moves (the protocol of
-proto/shm_layout.py, unchanged for the worker). `join` (a few programs): spin on the response line
-with system-scope acquire loads, and add the partial sums read in place into the GPU's part. No copy
-engine, no host thread, no stream memory operation: the sequence number is a device-side counter
-that each ring advances, so replays of a captured graph ring fresh numbers (DeviceDoorbell re-syncs
-it from the channel after host-driven calls). A call that times out, is
+proto/shm_layout.py, unchanged for the worker). `join` (a few programs): spin on `done_seq` with
+system-scope loads, check the response line, and add the partial sums read in place into the GPU's
+part. No copy engine, no host thread, no stream memory operation: the sequence number is read from
+the channel itself, so replays of a captured graph ring fresh numbers. A call that times out, is
 aborted by the host watchdog, or is answered with an error is not added; it raises a device flag
 that makes every later ring of the step a no-op, and a host-visible word the engine checks after
 the step (which is then re-run with every miss fetched). `gpu_worker/hybrid/device_doorbell.py`
@@ -15,7 +14,7 @@ binds these to a CpuPoolClient channel; docs/HYBRID.md has the whole story.
 """
 from .api import join, ring
 from .triton_kernels import (FAIL_ABORTED, FAIL_STATUS, FAIL_TIMEOUT, ST_ANSWERED, ST_COMPUTE_NS, ST_EXPERTS,
-                             ST_FAILED, ST_RINGS, ST_SEQ, ST_TRIPLES, STATE_WORDS)
+                             ST_FAILED, ST_RINGS, ST_TRIPLES, STATE_WORDS)
 
 __all__ = ["ring", "join", "STATE_WORDS", "ST_RINGS", "ST_TRIPLES", "ST_ANSWERED", "ST_EXPERTS", "ST_COMPUTE_NS",
-           "ST_FAILED", "ST_SEQ", "FAIL_TIMEOUT", "FAIL_ABORTED", "FAIL_STATUS"]
+           "ST_FAILED", "FAIL_TIMEOUT", "FAIL_ABORTED", "FAIL_STATUS"]

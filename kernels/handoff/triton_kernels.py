@@ -28,9 +28,7 @@ ST_ANSWERED = 4         # valid answers joined
 ST_EXPERTS = 5          # distinct experts the worker reported
 ST_COMPUTE_NS = 6       # worker-reported compute time
 ST_FAILED = 7           # calls that were not joined (timeout, abort, error status)
-ST_SEQ = 8              # the channel's last request seq as the device knows it (DeviceDoorbell syncs it)
-STATE_WORDS = 9
-POLL_EVERY = 16         # join: look at the abort word and done_seq once every this many polls
+STATE_WORDS = 8
 
 # Failure codes written into the host-visible failure word of a member (first failure wins).
 FAIL_TIMEOUT = 1        # the kernel's own deadline passed
@@ -54,8 +52,6 @@ _ST_ANSWERED = tl.constexpr(ST_ANSWERED)
 _ST_EXPERTS = tl.constexpr(ST_EXPERTS)
 _ST_COMPUTE_NS = tl.constexpr(ST_COMPUTE_NS)
 _ST_FAILED = tl.constexpr(ST_FAILED)
-_ST_SEQ = tl.constexpr(ST_SEQ)
-_POLL_EVERY = tl.constexpr(POLL_EVERY)
 _FAIL_TIMEOUT = tl.constexpr(FAIL_TIMEOUT)
 _FAIL_ABORTED = tl.constexpr(FAIL_ABORTED)
 _FAIL_STATUS = tl.constexpr(FAIL_STATUS)
@@ -116,9 +112,9 @@ def ring_kernel(
     has no triple or a hand-off of this step already failed."""
     failed = tl.load(fail_ptr)
     seq = tl.load(state_ptr + _ST_RINGS) * 0          # int64 zero: nothing rung
-    # The sequence lives on the device (ST_SEQ): reading the channel's request_seq would cost a PCIe round
-    # trip (~4 us on the H200 machine). DeviceDoorbell re-syncs it after host-driven calls and faults.
-    last = tl.load(state_ptr + _ST_SEQ)
+    # The channel's own sequence (the host-driven path may have moved it since our last ring), loaded
+    # first so that its PCIe round trip overlaps the compaction and the hidden-state writes.
+    last = tl.load(request_seq_addr.to(tl.pointer_type(tl.int64)), volatile=True)
     if failed == 0:
         token_p = token_addr.to(tl.pointer_type(tl.int32))
         expert_p = expert_addr.to(tl.pointer_type(tl.int32))
@@ -158,7 +154,6 @@ def ring_kernel(
             tl.store(line_addr.to(tl.pointer_type(tl.int64)), seq)
             _fence_sys(ON_GPU)                       # data and line before the doorbell
             tl.store(request_seq_addr.to(tl.pointer_type(tl.int64)), seq)
-            tl.store(state_ptr + _ST_SEQ, seq)
             tl.store(state_ptr + _ST_RINGS, tl.load(state_ptr + _ST_RINGS) + 1)
             tl.store(state_ptr + _ST_TRIPLES, tl.load(state_ptr + _ST_TRIPLES) + n)
     tl.store(state_ptr + _ST_RUNG0 + slot, seq)
@@ -179,11 +174,10 @@ def join_kernel(
     seq (or the abort word, or done_seq past it without that response, or the deadline), then adds its
     block of the partial sums.
 
-    PCIe round trips (~4 us each on the H200 machine, bench/bench_pcie_latency.py) are what a call costs
-    here, and an acquire load holds back every load after it: so a poll is one acquire load of the
-    response seq (abort word and done_seq only every POLL_EVERY polls), and once the response is seen
-    its status, counters and the partial sums are read in one round behind that acquire (the worker
-    stores them before the response seq, and x86 keeps its stores in order)."""
+    PCIe round trips are what a call costs here, so each spin iteration issues its three loads
+    together (abort and done_seq relaxed, the response seq last with acquire), and once the response
+    is seen its status, counters and the partial sums are read together behind that acquire (the
+    worker stores them before the response seq, and x86 keeps its stores in order)."""
     pid = tl.program_id(0)
     offs = pid * BLOCK + tl.arange(0, BLOCK)
     m = offs < numel
@@ -191,32 +185,31 @@ def join_kernel(
     if seq != 0:
         resp = line_addr + _RESP_OFFSET
         start = _now_ns(0, ON_GPU)
-        abort = seq * 0
-        done = seq * 0
+        abort = tl.load(abort_addr.to(tl.pointer_type(tl.int64)), volatile=True)
+        done = tl.load(done_seq_addr.to(tl.pointer_type(tl.int64)), volatile=True)
         rseq = _ld_sys(resp + _RESP_SEQ, ON_GPU)
         spins = 0
         while (rseq != seq) & (abort == 0) & (done < seq) & (_now_ns(spins, ON_GPU) - start < deadline_ns):
-            spins += 1
-            if spins % _POLL_EVERY == 0:        # rarely: each load is a PCIe round trip on the poll's path
-                abort = tl.load(abort_addr.to(tl.pointer_type(tl.int64)), volatile=True)
-                done = tl.load(done_seq_addr.to(tl.pointer_type(tl.int64)), volatile=True)
+            abort = tl.load(abort_addr.to(tl.pointer_type(tl.int64)), volatile=True)
+            done = tl.load(done_seq_addr.to(tl.pointer_type(tl.int64)), volatile=True)
             rseq = _ld_sys(resp + _RESP_SEQ, ON_GPU)
+            spins += 1
         if (rseq != seq) & (done >= seq):
             rseq = _ld_sys(resp + _RESP_SEQ, ON_GPU)     # done_seq moves after the response: look again
-        # Behind the acquire that saw the response: its other words and the partial sums, all in flight
-        # together (.cv: fetched again, never from a cache; vector loads where volatile would split them).
+        # status and partial sums in flight together (the partial is only used when the status is OK)
+        # (.cv: fetch again, never from a cache; vector loads, where volatile would split them into words)
         out_p = tl.multiple_of(out_addr.to(tl.pointer_type(tl.float32)), 16)     # page-aligned channel buffer
         part = tl.load(out_p + offs, mask=m, other=0.0, cache_modifier=".cv")
-        status = tl.load((resp + _RESP_STATUS).to(tl.pointer_type(tl.int32)), cache_modifier=".cv")
-        experts = tl.load((resp + _RESP_EXPERTS).to(tl.pointer_type(tl.int32)), cache_modifier=".cv")
-        compute_ns = tl.load((resp + _RESP_COMPUTE_NS).to(tl.pointer_type(tl.int64)), cache_modifier=".cv")
+        status = tl.load((resp + _RESP_STATUS).to(tl.pointer_type(tl.int32)), volatile=True)
         ok = (rseq == seq) & (status == 0)
         acc = tl.load(src_ptr + offs, mask=m).to(tl.float32)
         if ok:
             tl.store(dst_ptr + offs, (acc + part).to(dst_ptr.dtype.element_ty), mask=m)
             if pid == 0:
+                experts = tl.load((resp + _RESP_EXPERTS).to(tl.pointer_type(tl.int32)), volatile=True).to(tl.int64)
+                compute_ns = tl.load((resp + _RESP_COMPUTE_NS).to(tl.pointer_type(tl.int64)), volatile=True)
                 tl.store(state_ptr + _ST_ANSWERED, tl.load(state_ptr + _ST_ANSWERED) + 1)
-                tl.store(state_ptr + _ST_EXPERTS, tl.load(state_ptr + _ST_EXPERTS) + experts.to(tl.int64))
+                tl.store(state_ptr + _ST_EXPERTS, tl.load(state_ptr + _ST_EXPERTS) + experts)
                 tl.store(state_ptr + _ST_COMPUTE_NS, tl.load(state_ptr + _ST_COMPUTE_NS) + compute_ns)
         else:
             if not SAME:
