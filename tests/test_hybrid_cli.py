@@ -110,6 +110,18 @@ def test_stream_handoff_from_the_flag_and_the_environment(monkeypatch, capsys, r
     assert out["experts"]["handoff"] == "host" and out["token_ids"] == resident_tokens
 
 
+def test_device_handoff_from_the_flag_and_its_error_without_a_gpu(monkeypatch, capsys, resident_tokens):
+    """Under the interpreter (set for tests) the device kernels run on the CPU and give the resident
+    tokens; without it and without a GPU, the flag is refused with what to use instead."""
+    out = generate(capsys, "--moe-strategy", "hybrid", "--fetch-fraction", "0.5", "--hybrid-handoff", "device")
+    assert out["token_ids"] == resident_tokens
+    ex = out["experts"]
+    assert ex["handoff"] == "device" and ex["cpu_triples_total"] > 0 and ex["experts_fetched_total"] > 0
+    monkeypatch.delenv("TRITON_INTERPRET")
+    assert main(BASE + ["--moe-strategy", "hybrid", "--hybrid-handoff", "device"]) == 2
+    assert "use --hybrid-handoff host here" in capsys.readouterr().err
+
+
 def test_worker_gpu_takes_the_handoff_flag_and_the_environment(monkeypatch):
     import argparse
 
