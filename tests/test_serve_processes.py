@@ -214,10 +214,13 @@ def _metric(srv: Server, name: str) -> float:
     return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name + " "))
 
 
-def test_hybrid_process_set_supervises_cpu_workers_and_survives_losing_one(tmp_path, reference):
-    store = f"ft-test-hybrid-{os.getpid()}"
-    srv = Server(["--moe-strategy", "hybrid", "--num-cpu-workers", "1", "--store-name", store, *TINY_ARGS],
-                 tmp_path / "serve.log")
+@pytest.mark.parametrize("handoff", ["host", "device"])
+def test_hybrid_process_set_supervises_cpu_workers_and_survives_losing_one(tmp_path, reference, handoff):
+    """handoff=device: the ring/join kernels in the GPU worker process (the Triton interpreter here: the
+    tests' environment has TRITON_INTERPRET=1, which the processes inherit)."""
+    store = f"ft-test-hybrid-{os.getpid()}-{handoff}"
+    srv = Server(["--moe-strategy", "hybrid", "--num-cpu-workers", "1", "--store-name", store,
+                  "--hybrid-handoff", handoff, *TINY_ARGS], tmp_path / "serve.log")
     try:
         srv.wait_listening()
         assert os.path.exists(f"/dev/shm/{store}") and os.path.exists(f"/dev/shm/{store}.cpu0")   # coordinator's
@@ -225,6 +228,8 @@ def test_hybrid_process_set_supervises_cpu_workers_and_survives_losing_one(tmp_p
         body = srv.complete(PROMPTS[0], 24)
         assert body["choices"][0]["text"] == reference["completions"][PROMPTS[0]][0]
         assert _metric(srv, "ft_experts_cpu_total") > 0          # misses went to the CPU worker
+        if handoff != "host":
+            assert f"CPU share hand-off: {handoff}" in srv.output()
         os.kill(cpu_pid, signal.SIGKILL)                           # the GPU worker fetches its share instead
         body = srv.complete(PROMPTS[1], 24)
         assert body["choices"][0]["text"] == reference["completions"][PROMPTS[1]][0]

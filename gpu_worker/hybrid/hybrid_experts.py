@@ -183,6 +183,8 @@ class HybridExperts:
                     self._doorbell(m)
                 elif handoff == "device":
                     self._device_doorbell(m)
+        if handoff != getattr(self, "handoff", handoff):
+            log.info("CPU share hand-off: %s", handoff)
         self.handoff = handoff
 
     # -- forward ----------------------------------------------------------------------------------
