@@ -258,3 +258,41 @@ def test_gpu_a_captured_graph_rings_fresh_sequence_numbers(store, served):
         assert client._words.done_seq[0] == before + L and db.failure() == 0
         for layer in range(L):
             assert_close_to(store, dst[layer], src.cpu() + expected_partial(store, layer, x, ids, w, cpu))
+
+
+def test_a_claimed_channel_is_a_replaced_worker_not_an_error_status(store, served):
+    """done_seq passing the request without its response is what a restarted worker's claim looks like."""
+    proc, client, things = served
+    db = DeviceDoorbell(client, KERNEL_DEVICE, deadline_s=30, watchdog=False)
+    things.append(db)
+    x, ids, routes, w, _ = routes_case(1, 2, seed=12, device=KERNEL_DEVICE, cpu_share=1.0)
+    src = torch.randn(1, H, device=KERNEL_DEVICE)
+    dst = torch.empty_like(src)
+    stop_worker(proc)
+    db.ring(0, x, ids, routes, w)
+    if dst.is_cuda:
+        torch.cuda.synchronize()
+    client._words.done_seq[0] = client._words.request_seq[0]        # a replacement's claim
+    db.join(0, src, dst)
+    assert db.failure() == handoff.FAIL_REPLACED and "replaced" in db.failure_reason()
+    assert torch.equal(dst, src)
+    proc.signal(signal.SIGKILL)
+
+
+def test_the_deadline_lives_in_the_state_and_a_stale_abort_is_cleared_on_arm(store, served):
+    _, client, things = served
+    db = DeviceDoorbell(client, KERNEL_DEVICE, deadline_s=2.5)
+    things.append(db)
+    assert int(db.state[handoff.ST_DEADLINE_NS]) == 2_500_000_000
+    db.deadline_s = 0.25                                  # a captured graph reads the word, not a constant
+    assert int(db.state[handoff.ST_DEADLINE_NS]) == 250_000_000
+    db._abort.value = 2                                   # raised during a host-driven call since answered
+    db.arm()
+    assert db._abort.value == 0 and db.in_flight >= 1     # armed: the watchdog keeps looking
+    db.disarm()
+    assert db.in_flight == 0
+    db._abort.value, db._host_fail.value = 2, handoff.FAIL_ABORTED    # a failure not yet handled: kept
+    db.arm()
+    assert db._abort.value == 2
+    db.reset()
+    assert db._abort.value == 0 and db.failure() == 0

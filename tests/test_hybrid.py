@@ -287,6 +287,21 @@ def test_stream_and_device_handoffs_give_the_resident_tokens(hybrid, resident, k
     assert greedy(hybrid, prompts=PROMPTS[:1], n=4) == [resident["tokens"][0][:4]]
 
 
+def test_graphs_are_keyed_by_the_doorbells_they_ring(hybrid):
+    """A captured graph holds its doorbells' addresses: switching the hand-off away and back must not
+    replay a graph that rings closed doorbells."""
+    backend = hybrid.model.experts.backend
+    try:
+        backend.set_handoff("device")
+        first = backend.graph_key()
+        backend.set_handoff("host")
+        assert backend.graph_key() != first
+        backend.set_handoff("device")
+        assert backend.graph_key() not in (first,) and backend.graph_key()[1] == "device"
+    finally:
+        backend.set_handoff("host")
+
+
 def test_a_bad_handoff_is_refused(hybrid):
     with pytest.raises(ValueError, match="handoff must be one of host, stream, device"):
         hybrid.model.experts.backend.set_handoff("dma")

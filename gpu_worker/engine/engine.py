@@ -29,6 +29,8 @@ from .stats import EngineStats
 DEFAULT_MAX_CONTEXT_TOKENS = 32768
 
 
+DECODE_ATTEMPTS = 2      # a decode step the expert backend failed is run once more (it then fetches)
+
 @dataclass(frozen=True)
 class EngineConfig:
     max_running_requests: int = 4          # KV cache rows = requests decoding together
@@ -204,7 +206,7 @@ class Engine:
         inputs = self.decode_inputs(reqs)
         experts = self.model.experts
         begin, end = getattr(experts, "step_begin", None), getattr(experts, "step_end", None)
-        for attempt in range(2):
+        for attempt in range(DECODE_ATTEMPTS):
             if begin is not None:
                 begin()
             if self.graphs is not None and self.graphs.usable(len(reqs)):
@@ -216,6 +218,9 @@ class Engine:
             if end is None or end():
                 break
             self.stats.decode_step_retries += 1
+        else:
+            raise RuntimeError(f"the expert backend failed the decode step {DECODE_ATTEMPTS} times (its re-run "
+                               "fetches every miss and should not fail); see the log for the cause")
         token_ids = sample_batch([r.sampler for r in reqs], logits)                   # host sync
         now = time.perf_counter()
         self.stats.num_decode_steps += 1

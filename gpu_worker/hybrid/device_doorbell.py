@@ -42,7 +42,8 @@ log = logging.getLogger(__name__)
 
 ABORT_OFFSET = 0                 # int64 words of the doorbell's own registered page (own cache lines)
 HOST_FAIL_OFFSET = CACHE_LINE_BYTES
-FAIL_REASONS = {handoff.FAIL_TIMEOUT: "timeout", handoff.FAIL_ABORTED: "aborted", handoff.FAIL_STATUS: "error status"}
+FAIL_REASONS = {handoff.FAIL_TIMEOUT: "timeout", handoff.FAIL_ABORTED: "aborted", handoff.FAIL_STATUS: "error status",
+                handoff.FAIL_REPLACED: "replaced (a restarted worker claimed the channel)"}
 ABORT_DEAD, ABORT_LATE = 1, 2    # what the watchdog writes into the abort word
 
 
@@ -66,7 +67,7 @@ class DeviceDoorbell:
         if not client.connected:
             raise WorkerDead(f"channel {client.name!r} has no connected CPU worker; call wait_for_worker() first")
         self.client, self.layout, self.member = client, client.layout, member
-        self.deadline_s, self.poll_s, self.on_abort, self.always_ring = deadline_s, poll_s, on_abort, always_ring
+        self.poll_s, self.on_abort, self.always_ring = poll_s, on_abort, always_ring
         self.hidden_bf16 = self.layout.hidden_dtype == "bfloat16"
         drv = None
         if self.on_cuda:
@@ -99,6 +100,9 @@ class DeviceDoorbell:
             self._addrs.append({**slot, **common})
         self.fail = fail if fail is not None else torch.zeros(1, dtype=torch.int32, device=self.device)
         self.state = torch.zeros(handoff.STATE_WORDS, dtype=torch.int64, device=self.device)
+        self._deadline_in_state = None
+        self.deadline_s = deadline_s                    # (the property writes it into the state)
+        self._armed = False                             # between arm() and disarm(): the watchdog looks often
         self._lock = threading.Lock()
         self.aborts = 0
         self.abort_reason: str | None = None
@@ -106,6 +110,20 @@ class DeviceDoorbell:
         self._watchdog = DoorbellWatchdog.shared() if watchdog else None
         if self._watchdog is not None:
             self._watchdog.add(self)
+
+    @property
+    def deadline_s(self) -> float:
+        return self._deadline_s
+
+    @deadline_s.setter
+    def deadline_s(self, value: float) -> None:
+        """The watchdog's deadline and the join kernel's own (a device word: captured graphs follow it).
+        Set it between steps (a stream-ordered fill when it changes)."""
+        self._deadline_s = float(value)
+        ns = int(self._deadline_s * 1e9)
+        if ns != self._deadline_in_state:
+            self.state[handoff.ST_DEADLINE_NS].fill_(ns)
+            self._deadline_in_state = ns
 
     # -- the two kernels ---------------------------------------------------------------------------
     def ring(self, layer: int, x: torch.Tensor, ids: torch.Tensor, routes: torch.Tensor, weights: torch.Tensor,
@@ -126,7 +144,7 @@ class DeviceDoorbell:
     def join(self, layer: int, src: torch.Tensor, dst: torch.Tensor) -> None:
         """dst = src + the partial sums of layer `layer`'s call (dst = src when nothing was rung or it failed)."""
         handoff.join(src, dst, addrs=self._addrs[layer % NUM_SLOTS], fail=self.fail, state=self.state,
-                     slot=layer % NUM_SLOTS, deadline_ns=int(self.deadline_s * 1e9))
+                     slot=layer % NUM_SLOTS)
 
     # -- after the step ----------------------------------------------------------------------------
     def failure(self) -> int:
@@ -165,12 +183,31 @@ class DeviceDoorbell:
     # -- watchdog (DoorbellWatchdog's interface) -----------------------------------------------------
     @property
     def in_flight(self) -> int:
+        """Requests rung and not answered; at least 1 while armed, so the watchdog keeps looking every
+        poll_s during a step (a ring happens on the GPU, where nothing can wake it)."""
         if self._closed:
             return 0
-        return max(0, int(self._request_seq.value) - int(self._done_seq.value))
+        pending = max(0, int(self._request_seq.value) - int(self._done_seq.value))
+        return max(pending, 1) if self._armed else pending
+
+    def arm(self) -> None:
+        """Before a step that may ring (HybridExperts.step_begin): clear an abort word left from a request
+        that has been answered since (host-driven calls move the same counters), and have the watchdog
+        look every poll_s until disarm()."""
+        with self._lock:
+            if self._abort.value and int(self._done_seq.value) >= int(self._request_seq.value) \
+                    and not self._host_fail.value:
+                self._abort.value = 0
+                self.abort_reason = None
+        self._armed = True
+        if self._watchdog is not None:
+            self._watchdog.kick()
+
+    def disarm(self) -> None:
+        self._armed = False
 
     def kick(self) -> None:
-        """Wake the watchdog (it otherwise looks every 0.1 s while nothing is in flight)."""
+        """Wake the watchdog now (it otherwise looks every 0.1 s while nothing is in flight)."""
         if self._watchdog is not None:
             self._watchdog.kick()
 

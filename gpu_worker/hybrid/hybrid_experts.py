@@ -118,6 +118,8 @@ class HybridExperts:
         # handoff="device": one DeviceDoorbell per member, one failure flag for all, the owner map on the
         # device, and the device path's own counters (no host sync): DEVICE_COUNTERS.
         self._device_doorbells: dict[int, DeviceDoorbell] = {}
+        self._doorbell_epoch = 0                          # graph_key: graphs hold the doorbells' addresses
+        self._hold_degraded = False                       # a failed device step's re-run must not re-admit
         self._device_fail = torch.zeros(1, dtype=torch.int32, device=self.device)
         self._owner = torch.from_numpy(pool.split.owner.astype(np.int32)).flatten().to(self.device)   # [L * E]
         self._device_counts = torch.zeros(len(DEVICE_COUNTERS), dtype=torch.int64, device=self.device)
@@ -253,8 +255,9 @@ class HybridExperts:
         return self.handoff == "device" and self.on_cuda and self._device_sized(num_pairs)
 
     def graph_key(self) -> tuple:
-        """What a captured decode graph depends on besides shapes: whether misses go to the CPU."""
-        return ("hybrid", self.cpu_active)
+        """What a captured decode graph depends on besides shapes: whether misses go to the CPU, and the
+        doorbells it rings (a graph holds their addresses: new doorbells, new graphs)."""
+        return ("hybrid", self.handoff, self._doorbell_epoch, self.cpu_active)
 
     def _device_doorbell(self, m) -> DeviceDoorbell:
         db = self._device_doorbells.get(m.index)
@@ -262,12 +265,26 @@ class HybridExperts:
             db = DeviceDoorbell(m.client, self.device, member=m.index, fail=self._device_fail,
                                 deadline_s=self.pool.deadline_s)
             self._device_doorbells[m.index] = db
+            self._doorbell_epoch += 1
         return db
 
     def _close_device_doorbells(self) -> None:
+        """Close them, keeping what they counted (their state tensors go with them)."""
+        if not self._device_doorbells:
+            return
+        totals = self.stats.as_dict()
+        self._add_doorbell_counters(totals)
+        st = self.stats
+        st.cpu_experts_total, st.cpu_triples_total = totals["cpu_experts_total"], totals["cpu_triples_total"]
+        st.cpu_expert_time_s_total = totals["cpu_expert_time_s_total"]
+        for name, w in totals["cpu_workers"].items():
+            wc = st.cpu_workers[name]
+            wc.experts_total, wc.triples_total, wc.time_s_total = w["experts_total"], w["triples_total"], \
+                w["time_s_total"]
         for db in self._device_doorbells.values():
             db.close()
         self._device_doorbells.clear()
+        self._doorbell_epoch += 1
 
     def _forward_device(self, layer_idx: int, x: torch.Tensor, ids: torch.Tensor, routes: torch.Tensor,
                         topk_weights: torch.Tensor, to_cpu: bool) -> torch.Tensor:
@@ -305,7 +322,7 @@ class HybridExperts:
             dst = torch.empty_like(x) if i == len(members) - 1 else total
             self._device_doorbell(m).join(layer_idx, src, dst)
             src = dst
-        if not (self.on_cuda and torch.cuda.is_current_stream_capturing()) and not self.step_end():
+        if not (self.on_cuda and torch.cuda.is_current_stream_capturing()) and not self._device_step_ok():
             # Eager (a graph's warm-up, or no graphs): the failed share is known now; redo the layer as
             # offload (its hits and fetched experts are resident by now, the rest is fetched).
             return self._forward_device(layer_idx, x, ids, ids.clone(), topk_weights, to_cpu=False)
@@ -322,16 +339,23 @@ class HybridExperts:
 
     def step_begin(self) -> None:
         """Before a decode step (the engine calls it): re-admit restarted workers, wake the watchdog."""
-        if self.degraded:
+        if self.degraded and not self._hold_degraded:
             self._readmit()
+        self._hold_degraded = False
         for db in self._device_doorbells.values():
             db.deadline_s = self.pool.deadline_s            # operators and tests change it live
-            db.kick()
+            db.arm()
 
     def step_end(self) -> bool:
         """After a step's kernels (syncs the stream first): False when a device hand-off failed, which
         marks the worker failed (a late one is killed), clears the flags and switches to offload: the
         caller re-runs the step, which then fetches every miss."""
+        for db in self._device_doorbells.values():
+            db.disarm()
+        return self._device_step_ok()
+
+    def _device_step_ok(self) -> bool:
+        """step_end without disarming (also after each eager layer): sync, then the failure words."""
         if not self._device_doorbells:
             return True
         if self.on_cuda:
@@ -348,7 +372,7 @@ class HybridExperts:
                 m.failures_total += 1                           # a bad request is not a dead worker: kept
                 m.last_error = f"device hand-off: {reason}"
                 log.error("CPU worker %s answered with an error status; re-running the step by fetching", m.name)
-            elif "dead" in reason:
+            elif "dead" in reason or db.failure() == kernels_handoff.FAIL_REPLACED:
                 self.pool.mark_failed(m, WorkerDead(f"CPU worker {m.name}: device hand-off {reason}"))
             else:
                 self.pool.mark_failed(m, WorkerTimeout(f"CPU worker {m.name}: device hand-off {reason}"))
@@ -356,6 +380,7 @@ class HybridExperts:
             db.reset()
         st.fallbacks_total += 1
         self._degrade()
+        self._hold_degraded = True          # the re-run fetches every miss, whatever re-admission would say
         return False
 
     def _gemm(self, x: torch.Tensor, slot_ids: torch.Tensor, weights: torch.Tensor, skip: bool) -> torch.Tensor:
@@ -624,6 +649,10 @@ class HybridExperts:
         for name, value in counts.items():
             out[name] += value
         out["copy_bytes_total"] += counts["experts_fetched_total"] * self.layout.expert_nbytes
+        self._add_doorbell_counters(out)
+
+    def _add_doorbell_counters(self, out: dict) -> None:
+        """Per worker and in total: what the open device doorbells counted (a device sync)."""
         workers = out["cpu_workers"]
         for m in self.pool.members:
             db = self._device_doorbells.get(m.index)

@@ -13,8 +13,8 @@ the step (which is then re-run with every miss fetched). `gpu_worker/hybrid/devi
 binds these to a CpuPoolClient channel; docs/HYBRID.md has the whole story.
 """
 from .api import join, ring
-from .triton_kernels import (FAIL_ABORTED, FAIL_STATUS, FAIL_TIMEOUT, ST_ANSWERED, ST_COMPUTE_NS, ST_EXPERTS,
-                             ST_FAILED, ST_RINGS, ST_TRIPLES, STATE_WORDS)
+from .triton_kernels import (FAIL_ABORTED, FAIL_REPLACED, FAIL_STATUS, FAIL_TIMEOUT, ST_ANSWERED, ST_COMPUTE_NS,
+                             ST_DEADLINE_NS, ST_EXPERTS, ST_FAILED, ST_RINGS, ST_TRIPLES, STATE_WORDS)
 
 __all__ = ["ring", "join", "STATE_WORDS", "ST_RINGS", "ST_TRIPLES", "ST_ANSWERED", "ST_EXPERTS", "ST_COMPUTE_NS",
-           "ST_FAILED", "FAIL_TIMEOUT", "FAIL_ABORTED", "FAIL_STATUS"]
+           "ST_FAILED", "ST_DEADLINE_NS", "FAIL_TIMEOUT", "FAIL_ABORTED", "FAIL_STATUS", "FAIL_REPLACED"]

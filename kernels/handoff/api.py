@@ -49,9 +49,10 @@ def ring(x: torch.Tensor, ids: torch.Tensor, routes: torch.Tensor, weights: torc
 
 
 def join(src: torch.Tensor, dst: torch.Tensor, *, addrs: dict[str, int], fail: torch.Tensor,
-         state: torch.Tensor, slot: int, deadline_ns: int) -> None:
-    """dst [T, H] = src + the worker's partial sums of the call rung into `slot` (after waiting for them),
-    or dst = src when nothing was rung or the call failed (then fail[0] = 1 and the host word is set).
+         state: torch.Tensor, slot: int) -> None:
+    """dst [T, H] = src + the worker's partial sums of the call rung into `slot` (after waiting for them,
+    at most state[ST_DEADLINE_NS]), or dst = src when nothing was rung or the call failed (then
+    fail[0] = 1 and the host word holds a failure code).
 
     addrs: device addresses of the slot's "out", its request "line", the channel's "done_seq", the
     doorbell's "abort" and "host_fail" words."""
@@ -62,6 +63,6 @@ def join(src: torch.Tensor, dst: torch.Tensor, *, addrs: dict[str, int], fail: t
     numel = src.numel()
     grid = (max(1, -(-numel // JOIN_BLOCK)),)
     join_kernel[grid](src, dst, numel, addrs["out"], addrs["line"], addrs["done_seq"], addrs["abort"],
-                      fail, addrs["host_fail"], state, slot, deadline_ns,
+                      fail, addrs["host_fail"], state, slot,
                       SAME=src.data_ptr() == dst.data_ptr(), BLOCK=JOIN_BLOCK, ON_GPU=on_gpu,
                       num_warps=JOIN_WARPS)

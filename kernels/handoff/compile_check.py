@@ -24,7 +24,7 @@ def cases():
                 "BLOCK_R": "constexpr", "BLOCK_H": "constexpr", "ON_GPU": "constexpr"}
     join_sig = {"src_ptr": "*bf16", "dst_ptr": "*fp32", "numel": "i32", "out_addr": "i64", "line_addr": "i64",
                 "done_seq_addr": "i64", "abort_addr": "i64", "fail_ptr": "*i32", "host_fail_addr": "i64",
-                "state_ptr": "*i64", "slot": "i32", "deadline_ns": "i64", "SAME": "constexpr",
+                "state_ptr": "*i64", "slot": "i32", "SAME": "constexpr",
                 "BLOCK": "constexpr", "ON_GPU": "constexpr"}
     from .api import JOIN_BLOCK, RING_BLOCK_H, RING_BLOCK_R
     ring = dict(HIDDEN_BF16=True, ALWAYS_RING=False, USE_OWNER=True, BLOCK_R=RING_BLOCK_R, BLOCK_H=RING_BLOCK_H,

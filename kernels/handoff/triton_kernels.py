@@ -28,12 +28,14 @@ ST_ANSWERED = 4         # valid answers joined
 ST_EXPERTS = 5          # distinct experts the worker reported
 ST_COMPUTE_NS = 6       # worker-reported compute time
 ST_FAILED = 7           # calls that were not joined (timeout, abort, error status)
-STATE_WORDS = 8
+ST_DEADLINE_NS = 8      # how long a join waits (DeviceDoorbell writes it: a captured graph follows changes)
+STATE_WORDS = 9
 
 # Failure codes written into the host-visible failure word of a member (first failure wins).
 FAIL_TIMEOUT = 1        # the kernel's own deadline passed
 FAIL_ABORTED = 2        # the host watchdog raised the abort word (worker dead or late)
-FAIL_STATUS = 3         # the worker answered with an error status, or with another request's response
+FAIL_STATUS = 3         # the worker answered this request with an error status
+FAIL_REPLACED = 4       # done_seq passed the request without its response: a restarted worker claimed the channel
 
 # The same as constexprs for the kernels (Triton reads only constexpr globals).
 _REQ_SEQ = tl.constexpr(REQ_SEQ)
@@ -52,6 +54,8 @@ _ST_ANSWERED = tl.constexpr(ST_ANSWERED)
 _ST_EXPERTS = tl.constexpr(ST_EXPERTS)
 _ST_COMPUTE_NS = tl.constexpr(ST_COMPUTE_NS)
 _ST_FAILED = tl.constexpr(ST_FAILED)
+_ST_DEADLINE_NS = tl.constexpr(ST_DEADLINE_NS)
+_FAIL_REPLACED = tl.constexpr(FAIL_REPLACED)
 _FAIL_TIMEOUT = tl.constexpr(FAIL_TIMEOUT)
 _FAIL_ABORTED = tl.constexpr(FAIL_ABORTED)
 _FAIL_STATUS = tl.constexpr(FAIL_STATUS)
@@ -77,11 +81,16 @@ def _ld_sys(addr, ON_GPU: tl.constexpr, BITS: tl.constexpr = 64):
 
 @triton.jit
 def _fence_sys(ON_GPU: tl.constexpr):
-    """Every thread's earlier stores are visible system-wide before its later ones."""
+    """Every thread's earlier stores are visible system-wide before any later store of the block: each
+    thread fences its own, the barrier orders them before the others' later work, and a second fence
+    after the barrier makes the storing thread's release cover what the barrier ordered before it."""
     if ON_GPU:
         tl.inline_asm_elementwise("fence.acq_rel.sys; mov.u32 $0, 0;", "=r", [], dtype=tl.int32, is_pure=False,
                                   pack=1)
     tl.debug_barrier()
+    if ON_GPU:
+        tl.inline_asm_elementwise("fence.acq_rel.sys; mov.u32 $0, 0;", "=r", [], dtype=tl.int32, is_pure=False,
+                                  pack=1)
 
 
 @triton.jit
@@ -165,63 +174,58 @@ def join_kernel(
     out_addr,                           # the slot's mapped fp32 partial sums [T, H]
     line_addr, done_seq_addr,           # the slot's request line (response line after it), done_seq
     abort_addr,                         # mapped int64 word the host watchdog raises (worker dead or late)
-    fail_ptr, host_fail_addr,           # [1] int32 device flag; mapped int64 word: first failure code
-    state_ptr, slot, deadline_ns,
+    fail_ptr, host_fail_addr,           # [1] int32 device flag; mapped int64 word: a failure code
+    state_ptr, slot,
     SAME: tl.constexpr,                 # src and dst are one tensor: nothing to copy when nothing was rung
     BLOCK: tl.constexpr, ON_GPU: tl.constexpr,
 ):
-    """Grid (cdiv(numel, BLOCK),). Each program waits for the slot's response line to carry the rung
-    seq (or the abort word, or done_seq past it without that response, or the deadline), then adds its
-    block of the partial sums.
+    """Grid (cdiv(numel, BLOCK),). Each program waits for done_seq >= the rung seq (or the abort word,
+    or the deadline in the state), checks the response line, and adds its block of the partial sums.
 
-    PCIe round trips are what a call costs here, so each spin iteration issues its three loads
-    together (abort and done_seq relaxed, the response seq last with acquire), and once the response
-    is seen its status, counters and the partial sums are read together behind that acquire (the
-    worker stores them before the response seq, and x86 keeps its stores in order)."""
+    Every thread loads and decides for itself (a scalar here is per thread: two warps, or two programs,
+    can see the answer arrive on either side of the deadline or the abort). So nothing after the wait
+    branches on the decision: each element takes `src + partial` or `src` by its own thread's verdict,
+    and every thread that judged the call failed raises the device flag and the host word itself. A
+    call with any failed part is therefore flagged, and the step is re-run (partial sums applied to
+    only some elements never reach a sampled token)."""
     pid = tl.program_id(0)
     offs = pid * BLOCK + tl.arange(0, BLOCK)
     m = offs < numel
     seq = tl.load(state_ptr + _ST_RUNG0 + slot)
-    if seq != 0:
-        resp = line_addr + _RESP_OFFSET
+    if seq != 0:                                            # uniform: every thread reads the same word
+        deadline_ns = tl.load(state_ptr + _ST_DEADLINE_NS)
         start = _now_ns(0, ON_GPU)
-        abort = tl.load(abort_addr.to(tl.pointer_type(tl.int64)), volatile=True)
-        done = tl.load(done_seq_addr.to(tl.pointer_type(tl.int64)), volatile=True)
-        rseq = _ld_sys(resp + _RESP_SEQ, ON_GPU)
+        done = _ld_sys(done_seq_addr, ON_GPU)
+        abort = _ld_sys(abort_addr, ON_GPU)
         spins = 0
-        while (rseq != seq) & (abort == 0) & (done < seq) & (_now_ns(spins, ON_GPU) - start < deadline_ns):
-            abort = tl.load(abort_addr.to(tl.pointer_type(tl.int64)), volatile=True)
-            done = tl.load(done_seq_addr.to(tl.pointer_type(tl.int64)), volatile=True)
-            rseq = _ld_sys(resp + _RESP_SEQ, ON_GPU)
+        while (done < seq) & (abort == 0) & (_now_ns(spins, ON_GPU) - start < deadline_ns):
+            done = _ld_sys(done_seq_addr, ON_GPU)
+            abort = _ld_sys(abort_addr, ON_GPU)
             spins += 1
-        if (rseq != seq) & (done >= seq):
-            rseq = _ld_sys(resp + _RESP_SEQ, ON_GPU)     # done_seq moves after the response: look again
-        # status and partial sums in flight together (the partial is only used when the status is OK)
-        # (.cv: fetch again, never from a cache; vector loads, where volatile would split them into words)
-        out_p = tl.multiple_of(out_addr.to(tl.pointer_type(tl.float32)), 16)     # page-aligned channel buffer
-        part = tl.load(out_p + offs, mask=m, other=0.0, cache_modifier=".cv")
-        status = tl.load((resp + _RESP_STATUS).to(tl.pointer_type(tl.int32)), volatile=True)
-        ok = (rseq == seq) & (status == 0)
+        resp = line_addr + _RESP_OFFSET
+        answered = done >= seq
+        rseq = _ld_sys(resp + _RESP_SEQ, ON_GPU)
+        status = _ld_sys(resp + _RESP_STATUS, ON_GPU, 32)
+        ok = answered & (rseq == seq) & (status == 0)
         acc = tl.load(src_ptr + offs, mask=m).to(tl.float32)
-        if ok:
-            tl.store(dst_ptr + offs, (acc + part).to(dst_ptr.dtype.element_ty), mask=m)
-            if pid == 0:
-                experts = tl.load((resp + _RESP_EXPERTS).to(tl.pointer_type(tl.int32)), volatile=True).to(tl.int64)
-                compute_ns = tl.load((resp + _RESP_COMPUTE_NS).to(tl.pointer_type(tl.int64)), volatile=True)
-                tl.store(state_ptr + _ST_ANSWERED, tl.load(state_ptr + _ST_ANSWERED) + 1)
-                tl.store(state_ptr + _ST_EXPERTS, tl.load(state_ptr + _ST_EXPERTS) + experts)
-                tl.store(state_ptr + _ST_COMPUTE_NS, tl.load(state_ptr + _ST_COMPUTE_NS) + compute_ns)
-        else:
-            if not SAME:
-                tl.store(dst_ptr + offs, acc.to(dst_ptr.dtype.element_ty), mask=m)
-            if pid == 0:
-                code = tl.where(rseq == seq, _FAIL_STATUS,
-                                tl.where(done >= seq, _FAIL_STATUS, tl.where(abort != 0, _FAIL_ABORTED, _FAIL_TIMEOUT)))
-                tl.store(fail_ptr, 1)
-                hp = host_fail_addr.to(tl.pointer_type(tl.int64))
-                if tl.load(hp, volatile=True) == 0:
-                    tl.store(hp, code.to(tl.int64))
-                tl.store(state_ptr + _ST_FAILED, tl.load(state_ptr + _ST_FAILED) + 1)
+        out_p = tl.multiple_of(out_addr.to(tl.pointer_type(tl.float32)), 16)     # page-aligned channel buffer
+        # (.cv: fetched again, never from a cache; vector loads, where volatile would split them into words)
+        part = tl.load(out_p + offs, mask=m, other=0.0, cache_modifier=".cv")     # used only where ok
+        tl.store(dst_ptr + offs, tl.where(ok, acc + part, acc).to(dst_ptr.dtype.element_ty), mask=m)
+        failed = tl.where(ok, offs < 0, offs >= 0)           # [BLOCK]: this thread's verdict (all true: failed)
+        code = tl.where(rseq == seq, _FAIL_STATUS,
+                        tl.where(answered, _FAIL_REPLACED, tl.where(abort != 0, _FAIL_ABORTED, _FAIL_TIMEOUT)))
+        tl.store(fail_ptr + offs * 0, tl.full([BLOCK], 1, tl.int32), mask=failed)
+        tl.store(host_fail_addr.to(tl.pointer_type(tl.int64)) + offs * 0,
+                 tl.full([BLOCK], 0, tl.int64) + code, mask=failed)
+        if pid == 0:                                         # counters (thread 0's verdict)
+            answered_ok = ok.to(tl.int64)
+            experts = _ld_sys(resp + _RESP_EXPERTS, ON_GPU, 32).to(tl.int64)
+            compute_ns = _ld_sys(resp + _RESP_COMPUTE_NS, ON_GPU)
+            tl.store(state_ptr + _ST_ANSWERED, tl.load(state_ptr + _ST_ANSWERED) + answered_ok)
+            tl.store(state_ptr + _ST_EXPERTS, tl.load(state_ptr + _ST_EXPERTS) + experts * answered_ok)
+            tl.store(state_ptr + _ST_COMPUTE_NS, tl.load(state_ptr + _ST_COMPUTE_NS) + compute_ns * answered_ok)
+            tl.store(state_ptr + _ST_FAILED, tl.load(state_ptr + _ST_FAILED) + 1 - answered_ok)
     else:
         if not SAME:
             tl.store(dst_ptr + offs, tl.load(src_ptr + offs, mask=m).to(dst_ptr.dtype.element_ty), mask=m)
