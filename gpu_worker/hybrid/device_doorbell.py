@@ -103,6 +103,7 @@ class DeviceDoorbell:
         self._deadline_in_state = None
         self.deadline_s = deadline_s                    # (the property writes it into the state)
         self._armed = False                             # between arm() and disarm(): the watchdog looks often
+        self._taken: dict[str, int] = {}                # counters() at the last take_counters()
         self._lock = threading.Lock()
         self.aborts = 0
         self.abort_reason: str | None = None
@@ -173,6 +174,12 @@ class DeviceDoorbell:
         return {"rings": v[handoff.ST_RINGS], "triples": v[handoff.ST_TRIPLES], "answered": v[handoff.ST_ANSWERED],
                 "experts": v[handoff.ST_EXPERTS], "compute_ns": v[handoff.ST_COMPUTE_NS],
                 "failed": v[handoff.ST_FAILED]}
+
+    def take_counters(self) -> dict[str, int]:
+        """What `counters()` grew by since the last take (for a caller that accumulates elsewhere)."""
+        now = self.counters()
+        taken, self._taken = self._taken, now
+        return {k: v - taken.get(k, 0) for k, v in now.items()}
 
     def reconnect(self, timeout_s: float) -> int:
         """After a fault: wait until a (restarted) worker serves the channel with nothing in flight."""

@@ -234,13 +234,7 @@ class HybridExperts:
         self._copy(layer_idx, plan)
         if triples is None:
             return self._gemm(x, routes, topk_weights, skip=False)
-        skip = triples[0].size == T * K
-        if self._mode(T * K) == "gemv":                                  # a -1 route adds exactly 0
-            out = self._gemm(x, routes, topk_weights, skip=skip)
-        else:
-            valid = routes >= 0
-            out = self._gemm(x, torch.where(valid, routes, 0), torch.where(valid, topk_weights, 0.0),
-                             skip=skip)
+        out = self._gemm_gpu_routes(x, routes, topk_weights, skip=triples[0].size == T * K)
         if pending is not None:
             return self._join_stream(layer_idx, x, out, triples, pending).to(x.dtype)
         return self._join(layer_idx, x, out, triples, shares).to(x.dtype)
@@ -272,15 +266,7 @@ class HybridExperts:
         """Close them, keeping what they counted (their state tensors go with them)."""
         if not self._device_doorbells:
             return
-        totals = self.stats.as_dict()
-        self._add_doorbell_counters(totals)
-        st = self.stats
-        st.cpu_experts_total, st.cpu_triples_total = totals["cpu_experts_total"], totals["cpu_triples_total"]
-        st.cpu_expert_time_s_total = totals["cpu_expert_time_s_total"]
-        for name, w in totals["cpu_workers"].items():
-            wc = st.cpu_workers[name]
-            wc.experts_total, wc.triples_total, wc.time_s_total = w["experts_total"], w["triples_total"], \
-                w["time_s_total"]
+        self._fold_device_counters()
         for db in self._device_doorbells.values():
             db.close()
         self._device_doorbells.clear()
@@ -307,11 +293,7 @@ class HybridExperts:
         counts[0:1] += c.num_indices
         counts[1:2] += c.num_missing_full
         counts += self._call_increment(to_cpu, T * K)
-        if self._mode(T * K) == "gemv":                                  # a -1 route adds exactly 0
-            out = self._gemm(x, routes, topk_weights, skip=False)
-        else:
-            valid = routes >= 0
-            out = self._gemm(x, torch.where(valid, routes, 0), torch.where(valid, topk_weights, 0.0), skip=False)
+        out = self._gemm_gpu_routes(x, routes, topk_weights, skip=False)
         if not to_cpu:
             return out
         # Sums in fp32 inside each join; the last one writes the model dtype (one rounding, as the host join).
@@ -390,6 +372,15 @@ class HybridExperts:
         return expert_ffn(self._mode(slot_ids.numel()), x, slot_ids, weights, self.w13, self.w2,
                           kernel_impl=self.kernel_impl)
 
+    def _gemm_gpu_routes(self, x: torch.Tensor, routes: torch.Tensor, weights: torch.Tensor,
+                         skip: bool) -> torch.Tensor:
+        """_gemm over routes some of which are -1 (the CPU's): gemv skips them (adds exactly 0); the other
+        modes read slot 0 with weight 0 (the module docstring, step 5, says why that adds 0 too)."""
+        if self._mode(routes.numel()) == "gemv":
+            return self._gemm(x, routes, weights, skip=skip)
+        valid = routes >= 0
+        return self._gemm(x, torch.where(valid, routes, 0), torch.where(valid, weights, 0.0), skip=skip)
+
     def _mode(self, num_pairs: int) -> str:
         return pick_mode(self.mode, self.on_cuda, num_pairs, self.gather_max_pairs)
 
@@ -443,14 +434,17 @@ class HybridExperts:
 
     def _count_cpu_share(self, share) -> None:
         """Fold an answered CPU share into the per-worker and total counters."""
+        self._count_cpu(share.member.name, share.num_experts, share.rows.size, share.compute_s)
+
+    def _count_cpu(self, worker: str, experts: int, triples: int, seconds: float) -> None:
         st = self.stats
-        wc = st.cpu_workers[share.member.name]
-        wc.experts_total += share.num_experts
-        wc.triples_total += share.rows.size
-        wc.time_s_total += share.compute_s
-        st.cpu_experts_total += share.num_experts
-        st.cpu_triples_total += share.rows.size
-        st.cpu_expert_time_s_total += share.compute_s
+        wc = st.cpu_workers[worker]
+        wc.experts_total += experts
+        wc.triples_total += triples
+        wc.time_s_total += seconds
+        st.cpu_experts_total += experts
+        st.cpu_triples_total += triples
+        st.cpu_expert_time_s_total += seconds
 
     def _recover(self, layer_idx: int, x: torch.Tensor, total: torch.Tensor,
                  triples: tuple[np.ndarray, np.ndarray, np.ndarray], failed: list) -> torch.Tensor:
@@ -634,38 +628,29 @@ class HybridExperts:
     def counters(self) -> dict:
         """Cumulative counters (HybridStats fields) with the event timings resolved; plus the mode."""
         self.timer.resolve()
+        self._fold_device_counters()
         out = self.stats.as_dict()
-        self._add_device_counters(out)
         out["mode"] = "offload (CPU pool down)" if self.degraded else self.strategy
         out["handoff"] = self.handoff
         return out
 
-    def _add_device_counters(self, out: dict) -> None:
-        """Fold the device path's counters (a device sync) into `out`. Hits are not counted on that path
-        (the ensure kernel does not report distinct hits; misses, fetches and the CPU's share are)."""
-        counts = dict(zip(DEVICE_COUNTERS, self._device_counts.tolist()))
-        if not counts["calls"]:
+    def _fold_device_counters(self) -> None:
+        """Move what the device path counted since the last fold into `stats` (a device sync; between steps,
+        so zeroing the device counts loses nothing). Hits are not counted on that path (the ensure kernel
+        does not report distinct hits; misses, fetches and the CPU's share are)."""
+        counts = self._device_counts.tolist()
+        if not any(counts):
             return
-        for name, value in counts.items():
-            out[name] += value
-        out["copy_bytes_total"] += counts["experts_fetched_total"] * self.layout.expert_nbytes
-        self._add_doorbell_counters(out)
-
-    def _add_doorbell_counters(self, out: dict) -> None:
-        """Per worker and in total: what the open device doorbells counted (a device sync)."""
-        workers = out["cpu_workers"]
+        self._device_counts.zero_()
+        st = self.stats
+        for name, value in zip(DEVICE_COUNTERS, counts):
+            setattr(st, name, getattr(st, name) + value)
+        st.copy_bytes_total += counts[0] * self.layout.expert_nbytes
         for m in self.pool.members:
             db = self._device_doorbells.get(m.index)
-            if db is None:
-                continue
-            d = db.counters()
-            w = workers[m.name]
-            w["experts_total"] += d["experts"]
-            w["triples_total"] += d["triples"]
-            w["time_s_total"] += d["compute_ns"] / 1e9
-            out["cpu_experts_total"] += d["experts"]
-            out["cpu_triples_total"] += d["triples"]
-            out["cpu_expert_time_s_total"] += d["compute_ns"] / 1e9
+            if db is not None:
+                d = db.take_counters()
+                self._count_cpu(m.name, d["experts"], d["triples"], d["compute_ns"] / 1e9)
 
     @property
     def expert_nbytes(self) -> int:
