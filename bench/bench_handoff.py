@@ -175,10 +175,11 @@ def device_rows(client: CpuPoolClient, device, gate, hidden, args) -> list[Row]:
         src = torch.zeros(1, HIDDEN, device=device)
         out = torch.empty(1, HIDDEN, device=device)
 
+        ring_args, join_args = (hidden, ids, ids, weights), (src, out)
+
         def call(k: int) -> None:
-            db.ring(k % 2, *call.ring_args)
-            db.join(k % 2, *call.join_args)
-        call.ring_args, call.join_args = (hidden, ids, ids, weights), (src, out)
+            db.ring(k % 2, *ring_args)
+            db.join(k % 2, *join_args)
 
         seq0 = int(client._words.done_seq[0])
         rows += gated_rows(call, lambda: db.counters()["failed"], gate, args,
@@ -213,20 +214,20 @@ def device_rows(client: CpuPoolClient, device, gate, hidden, args) -> list[Row]:
             raise RuntimeError(f"only {answered} requests answered")
         rows.append(("  of which: the worker's time per request (its compute_ns)", c["answered"],
                      float("nan"), float("nan"), float("nan"), c["compute_ns"] / max(c["answered"], 1) / 1e3))
-        rows += [decomposed(db, call, replays, which) for which in ("ring", "join")]
+        rows += [decomposed(db, call, ring_args, join_args, replays, which) for which in ("ring", "join")]
     finally:
         db.close()
     return rows
 
 
-def decomposed(db, call, replays: int, which: str) -> Row:
+def decomposed(db, call, ring_args: tuple, join_args: tuple, replays: int, which: str) -> Row:
     """A CUDA graph of GRAPH_CALLS rings alone, or of GRAPH_CALLS joins of calls already answered (no wait):
     the GPU side's own cost per call, to set beside the full round trip."""
     def one(k: int) -> None:
         if which == "ring":
-            db.ring(k % 2, *call.ring_args)
+            db.ring(k % 2, *ring_args)
         else:
-            db.join(k % 2, *call.join_args)
+            db.join(k % 2, *join_args)
 
     for k in range(2):
         call(k)                                  # both slots rung and answered

@@ -25,6 +25,16 @@ def random_store(name: str, *, num_layers: int, num_experts: int, hidden: int, i
     return store
 
 
+def serve_channel(procs, store: ExpertStore, channel: str, timeout_s: float):
+    """Start a worker process on `channel` (the `procs` fixture) and a client connected to it."""
+    from cpu_expert_pool.channel import CpuPoolClient
+
+    proc = procs(store_name=store.name, channel_name=channel)
+    client = CpuPoolClient(channel)
+    client.wait_for_worker(timeout_s=timeout_s)
+    return proc, client
+
+
 # Fixtures shared by the worker-process tests; a test module imports them by name and defines
 # T_MAX and MAX_TRIPLES (the channel's size), a `store` fixture, and optionally WORKER_PROC_ARGS
 # (flags every worker it starts gets).

@@ -17,11 +17,10 @@ import pytest
 import torch
 
 from conftest import KERNEL_DEVICE
-from cpu_expert_pool.channel import CpuPoolClient
 from cpu_expert_pool.reference import reference_moe_layer
 from gpu_worker.hybrid.device_doorbell import DeviceDoorbell
 from kernels import handoff
-from tests.cpu_pool_util import channel, procs, random_store  # noqa: F401 (fixtures)
+from tests.cpu_pool_util import channel, procs, random_store, serve_channel  # noqa: F401 (fixtures)
 from tests.test_stream_doorbell import stop_worker, wait_until
 
 H, I, E, L = 64, 32, 6, 2
@@ -42,9 +41,7 @@ def store():
 @pytest.fixture
 def served(store, channel, procs):
     """(worker process, connected client, [things to close])."""
-    proc = procs(store_name=store.name, channel_name=channel)
-    client = CpuPoolClient(channel)
-    client.wait_for_worker(timeout_s=START_TIMEOUT_S)
+    proc, client = serve_channel(procs, store, channel, START_TIMEOUT_S)
     things = [client]
     yield proc, client, things
     for thing in reversed(things):

@@ -26,7 +26,7 @@ from cpu_expert_pool.reference import reference_moe_layer
 from gpu_worker.hybrid import stream_doorbell as sd
 from gpu_worker.hybrid.stream_doorbell import (CudaDriver, CudaDriverError, StreamDoorbell, StreamMemOpsUnavailable,
                                                load_driver, resolve_stream_memops)
-from tests.cpu_pool_util import channel, procs, random_store  # noqa: F401 (fixtures)
+from tests.cpu_pool_util import channel, procs, random_store, serve_channel  # noqa: F401 (fixtures)
 from tests.test_cpu_pool_channel import ThreadWorker
 
 H, I, E, L = 64, 32, 4, 2
@@ -393,10 +393,8 @@ def test_closing_a_doorbell_whose_worker_hangs_does_not_hang(threaded, watchdog)
 
 # -- real worker processes ----------------------------------------------------------------------
 def test_host_backend_against_a_worker_process(store, channel, procs, closing):
-    procs(store_name=store.name, channel_name=channel)
-    client = CpuPoolClient(channel)
+    _, client = serve_channel(procs, store, channel, START_TIMEOUT_S)
     closing(client)
-    client.wait_for_worker(timeout_s=START_TIMEOUT_S)
     db = StreamDoorbell(client, "cpu", deadline_s=5)
     closing(db)
     calls = []
@@ -411,10 +409,8 @@ def test_host_backend_against_a_worker_process(store, channel, procs, closing):
 def test_the_watchdog_releases_the_stream_of_a_killed_worker(store, channel, procs, closing):
     """SIGKILL while the stream waits: released within the death deadline, the call invalid, new calls
     refused until reconnect(); a restarted worker then serves valid calls again."""
-    proc = procs(store_name=store.name, channel_name=channel)
-    client = CpuPoolClient(channel)
+    proc, client = serve_channel(procs, store, channel, START_TIMEOUT_S)
     closing(client)
-    client.wait_for_worker(timeout_s=START_TIMEOUT_S)
     aborts = []
     db = StreamDoorbell(client, "cpu", deadline_s=30, on_abort=lambda *a: aborts.append(a))   # death, not timeout
     closing(db)
@@ -443,10 +439,8 @@ def test_the_watchdog_releases_the_stream_of_a_killed_worker(store, channel, pro
 
 
 def test_the_watchdog_gives_up_on_a_stopped_worker_after_the_deadline(store, channel, procs, closing):
-    proc = procs(store_name=store.name, channel_name=channel)
-    client = CpuPoolClient(channel)
+    proc, client = serve_channel(procs, store, channel, START_TIMEOUT_S)
     closing(client)
-    client.wait_for_worker(timeout_s=START_TIMEOUT_S)
     killed = []
 
     def kill_late_worker(reason, first, last):          # what CpuPool does with a late worker
@@ -472,10 +466,8 @@ def test_the_watchdog_gives_up_on_a_stopped_worker_after_the_deadline(store, cha
 # ---------------------------------------------------------------------------------------------
 @pytest.mark.gpu
 def test_gpu_round_trips_match_the_reference(store, channel, procs, closing):
-    procs(store_name=store.name, channel_name=channel)
-    client = CpuPoolClient(channel)
+    _, client = serve_channel(procs, store, channel, START_TIMEOUT_S)
     closing(client)
-    client.wait_for_worker(timeout_s=START_TIMEOUT_S)
     db = StreamDoorbell(client, "cuda", deadline_s=5)
     closing(db)
     caps = db.capabilities()
@@ -498,10 +490,8 @@ def test_gpu_round_trips_match_the_reference(store, channel, procs, closing):
 
 @pytest.mark.gpu
 def test_gpu_watchdog_releases_the_stream_of_a_killed_worker(store, channel, procs, closing):
-    proc = procs(store_name=store.name, channel_name=channel)
-    client = CpuPoolClient(channel)
+    proc, client = serve_channel(procs, store, channel, START_TIMEOUT_S)
     closing(client)
-    client.wait_for_worker(timeout_s=START_TIMEOUT_S)
     db = StreamDoorbell(client, "cuda", deadline_s=30)
     closing(db)
     hidden, triples = batch(2, 2, seed=7, device="cuda")
@@ -527,10 +517,8 @@ def test_gpu_watchdog_releases_the_stream_of_a_killed_worker(store, channel, pro
 
 @pytest.mark.gpu
 def test_gpu_enqueue_refuses_graph_capture(store, channel, procs, closing):
-    procs(store_name=store.name, channel_name=channel)
-    client = CpuPoolClient(channel)
+    _, client = serve_channel(procs, store, channel, START_TIMEOUT_S)
     closing(client)
-    client.wait_for_worker(timeout_s=START_TIMEOUT_S)
     db = StreamDoorbell(client, "cuda", deadline_s=5)
     closing(db)
     hidden = torch.zeros(1, H, device="cuda", dtype=torch.bfloat16)
