@@ -293,3 +293,19 @@ def test_the_deadline_lives_in_the_state_and_a_stale_abort_is_cleared_on_arm(sto
     assert db._abort.value == 2
     db.reset()
     assert db._abort.value == 0 and db.failure() == 0
+
+
+def test_the_kernels_compile_for_sm90_without_a_gpu():
+    """Triton's real compiler on the hand-off kernels and the plan copy (the interpreter accepts what
+    PTX may not): the inline PTX assembles, the ring fences, the join spins with acquire loads, and the
+    mapped-memory reads are 16-byte vectors."""
+    import subprocess
+    import sys
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-m", "kernels.handoff.compile_check"], capture_output=True, text=True,
+                          env=env, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))), timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    rows = {line[:22].strip(): line[22:] for line in proc.stdout.splitlines() if line.strip()}
+    assert "ld.global.v4 2" in rows["plan copy aligned"]
+    assert "fence.acq_rel.sys 2" in rows["ring owner bf16"]
+    assert "ld.acquire.sys 0" not in rows["join bf16 -> fp32"] and "ld.global.cv.v4 2" in rows["join bf16 -> fp32"]

@@ -13,9 +13,7 @@ from __future__ import annotations
 
 import argparse
 import os
-import subprocess
 import sys
-import tempfile
 
 
 def _cases() -> list[tuple[str, str, dict, dict, dict, list[str]]]:
@@ -85,6 +83,8 @@ def main(argv: list[str] | None = None) -> int:
     except (ImportError, AttributeError, ValueError) as exc:
         print(f"SKIP: this triton cannot compile ahead of time here ({exc})")
         return 0
+    from kernels.slot_cache.ptx_check import cubin_resources
+
     from . import triton_kernels
     target = GPUTarget("cuda", args.arch, 32)
     cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
@@ -101,13 +101,8 @@ def main(argv: list[str] | None = None) -> int:
             continue
         line = f"ok   {name}"
         if args.resources and os.path.exists(cuobjdump):
-            with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-                f.write(kernel.asm["cubin"])
-                f.flush()
-                out = subprocess.run([cuobjdump, "--dump-resource-usage", f.name], capture_output=True,
-                                     text=True).stdout
-            usage = [part for row in out.splitlines() if "REG:" in row for part in row.split()[:2]]
-            line += "  " + " ".join(usage)
+            res = cubin_resources(kernel.asm["cubin"])
+            line += f"  regs {res['regs']} local {res['local']}"
         print(line, flush=True)
     print(f"{len(_cases()) - failed} compiled, {failed} failed (sm_{args.arch})")
     return 1 if failed else 0
