@@ -14,7 +14,6 @@ Rows (medians over --reps kernel launches; each launch averages --iters operatio
 from __future__ import annotations
 
 import argparse
-import ctypes
 import sys
 import threading
 import time

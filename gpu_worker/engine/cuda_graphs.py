@@ -78,7 +78,9 @@ class DecodeGraphs:
             for _ in range(WARMUP_RUNS):
                 self.engine.decode_forward(static)
         torch.cuda.current_stream().wait_stream(side)
-        key = self._key(static)            # after the warm-ups: they may have changed the backend's state
+        # After the warm-ups, which may have changed the backend's state (an eager failure); the capture itself
+        # must not change it (HybridExperts does so only in step_begin / step_end, outside the forward).
+        key = self._key(static)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
             logits = self.engine.decode_forward(static)
@@ -87,5 +89,3 @@ class DecodeGraphs:
         self.graphs[key] = _Captured(graph, static, logits)
         self.captures += 1
         return self.graphs[key]
-        # (a backend state that changes between this key and the capture's end would be a bug of the
-        # backend: HybridExperts changes it only in step_begin / step_end, outside the forward)

@@ -17,8 +17,8 @@ the channel's request_seq itself). The worker's side of the protocol is unchange
   is older than `deadline_s`, it raises the doorbell's abort word, which every spinning join kernel
   reads, and calls `on_abort` (the pool kills a late worker). The join kernel has its own deadline
   too (the GPU's global timer), so a GPU never spins forever even without the watchdog;
-- after the step, `failure()` reads the host-visible failure word the join kernel set (the first
-  failure of the step; the kernel also sets the shared device flag so later rings of the step are
+- after the step, `failure()` reads the host-visible failure word the join kernel set (a failure
+  code of the step; the kernel also sets the shared device flag so later rings of the step are
   no-ops); `reset()` clears them before the step is re-run by fetching.
 
 Without CUDA the same kernels run in the Triton interpreter on the host mapping (TRITON_INTERPRET=1:
@@ -29,7 +29,6 @@ from __future__ import annotations
 import ctypes
 import logging
 import threading
-import time
 from typing import Callable
 
 import torch
@@ -149,7 +148,7 @@ class DeviceDoorbell:
 
     # -- after the step ----------------------------------------------------------------------------
     def failure(self) -> int:
-        """The first failure code the join kernel recorded since `reset` (0: none). Read after the step's
+        """A failure code the join kernel recorded since `reset` (0: none). Read after the step's
         kernels have finished (a stream sync); host memory, no CUDA call."""
         return int(self._host_fail.value)
 

@@ -31,7 +31,7 @@ ST_FAILED = 7           # calls that were not joined (timeout, abort, error stat
 ST_DEADLINE_NS = 8      # how long a join waits (DeviceDoorbell writes it: a captured graph follows changes)
 STATE_WORDS = 9
 
-# Failure codes written into the host-visible failure word of a member (first failure wins).
+# Failure codes written into the host-visible failure word of a member (any nonzero code: the call failed).
 FAIL_TIMEOUT = 1        # the kernel's own deadline passed
 FAIL_ABORTED = 2        # the host watchdog raised the abort word (worker dead or late)
 FAIL_STATUS = 3         # the worker answered this request with an error status
