@@ -132,6 +132,10 @@ def test_device_and_host_driven_calls_share_one_sequence(store, served):
     assert torch.equal(dst.cpu(), host)
     again = client.call(0, x.cpu(), triples, deadline_s=10)           # seq 3, after the device's 2
     assert torch.equal(again, host) and client._words.done_seq[0] == 3
+    db.sync_sequence()                          # the device's copy of the sequence takes the host's call
+    db.ring(0, x, ids, routes, w)
+    db.join(0, torch.zeros(2, H, device=KERNEL_DEVICE), dst)
+    assert client._words.done_seq[0] == 4 and db.failure() == 0 and torch.equal(dst.cpu(), host)
 
 
 def test_a_killed_worker_aborts_the_wait_and_later_rings_do_nothing_until_reset(store, channel, served, procs):

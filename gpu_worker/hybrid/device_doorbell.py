@@ -101,6 +101,7 @@ class DeviceDoorbell:
         self.state = torch.zeros(handoff.STATE_WORDS, dtype=torch.int64, device=self.device)
         self._deadline_in_state = None
         self.deadline_s = deadline_s                    # (the property writes it into the state)
+        self.sync_sequence()
         self._armed = False                             # between arm() and disarm(): the watchdog looks often
         self._taken: dict[str, int] = {}                # counters() at the last take_counters()
         self._lock = threading.Lock()
@@ -166,6 +167,14 @@ class DeviceDoorbell:
             self._abort.value = 0
             self.abort_reason = None
         self.fail.zero_()
+        self.sync_sequence()
+
+    def sync_sequence(self) -> None:
+        """The ring numbers requests from a device-side copy of the channel's sequence (reading request_seq
+        would cost a PCIe round trip per ring). Call this after host-driven calls on the channel
+        (CpuPoolClient.submit), with no device call in flight; stream-ordered."""
+        last = max(int(self._request_seq.value), int(self._done_seq.value))
+        self.state[handoff.ST_SEQ].fill_(last)
 
     def counters(self) -> dict[str, int]:
         """Cumulative device counters (a device sync): rings, triples, answered, experts, compute_ns, failed."""

@@ -118,6 +118,7 @@ class HybridExperts:
         # handoff="device": one DeviceDoorbell per member, one failure flag for all, the owner map on the
         # device, and the device path's own counters (no host sync): DEVICE_COUNTERS.
         self._device_doorbells: dict[int, DeviceDoorbell] = {}
+        self._resync: set[DeviceDoorbell] = set()         # doorbells whose channel took host-driven calls
         self._doorbell_epoch = 0                          # graph_key: graphs hold the doorbells' addresses
         self._hold_degraded = False                       # a failed device step's re-run must not re-admit
         self._device_fail = torch.zeros(1, dtype=torch.int32, device=self.device)
@@ -230,6 +231,10 @@ class HybridExperts:
                     pending = self._enqueue_stream(layer_idx, x, triples)
                 else:
                     shares = self.pool.submit(layer_idx, plan.hidden, *triples)
+                    for share in shares:             # the device doorbells' sequence copies are now behind
+                        db = self._device_doorbells.get(share.member.index)
+                        if db is not None:
+                            self._resync.add(db)
             st.handoff_s_total += time.perf_counter() - t0
         self._copy(layer_idx, plan)
         if triples is None:
@@ -237,7 +242,10 @@ class HybridExperts:
         out = self._gemm_gpu_routes(x, routes, topk_weights, skip=triples[0].size == T * K)
         if pending is not None:
             return self._join_stream(layer_idx, x, out, triples, pending).to(x.dtype)
-        return self._join(layer_idx, x, out, triples, shares).to(x.dtype)
+        total = self._join(layer_idx, x, out, triples, shares).to(x.dtype)
+        while self._resync:                          # after the join: nothing of theirs in flight
+            self._resync.pop().sync_sequence()
+        return total
 
     # -- the device hand-off (handoff="device") -------------------------------------------------------
     def _device_sized(self, num_pairs: int) -> bool:

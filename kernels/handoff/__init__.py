@@ -6,7 +6,8 @@ with the hidden states and the request line; then `request_seq` moves (the proto
 proto/shm_layout.py, unchanged for the worker). `join` (a few programs): spin on `done_seq` with
 system-scope loads, check the response line, and add the partial sums read in place into the GPU's
 part. No copy engine, no host thread, no stream memory operation: the sequence number is read from
-the channel itself, so replays of a captured graph ring fresh numbers. A call that times out, is
+a device-side copy of the channel's sequence that each ring advances (DeviceDoorbell re-syncs it after
+host-driven calls), so replays of a captured graph ring fresh numbers. A call that times out, is
 aborted by the host watchdog, or is answered with an error is not added; it raises a device flag
 that makes every later ring of the step a no-op, and a host-visible word the engine checks after
 the step (which is then re-run with every miss fetched). `gpu_worker/hybrid/device_doorbell.py`
@@ -14,7 +15,7 @@ binds these to a CpuPoolClient channel; docs/HYBRID.md has the whole story.
 """
 from .api import join, ring
 from .triton_kernels import (FAIL_ABORTED, FAIL_REPLACED, FAIL_STATUS, FAIL_TIMEOUT, ST_ANSWERED, ST_COMPUTE_NS,
-                             ST_DEADLINE_NS, ST_EXPERTS, ST_FAILED, ST_RINGS, ST_TRIPLES, STATE_WORDS)
+                             ST_DEADLINE_NS, ST_EXPERTS, ST_FAILED, ST_RINGS, ST_SEQ, ST_TRIPLES, STATE_WORDS)
 
 __all__ = ["ring", "join", "STATE_WORDS", "ST_RINGS", "ST_TRIPLES", "ST_ANSWERED", "ST_EXPERTS", "ST_COMPUTE_NS",
-           "ST_FAILED", "ST_DEADLINE_NS", "FAIL_TIMEOUT", "FAIL_ABORTED", "FAIL_STATUS", "FAIL_REPLACED"]
+           "ST_FAILED", "ST_DEADLINE_NS", "ST_SEQ", "FAIL_TIMEOUT", "FAIL_ABORTED", "FAIL_STATUS", "FAIL_REPLACED"]

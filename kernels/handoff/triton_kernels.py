@@ -29,7 +29,9 @@ ST_EXPERTS = 5          # distinct experts the worker reported
 ST_COMPUTE_NS = 6       # worker-reported compute time
 ST_FAILED = 7           # calls that were not joined (timeout, abort, error status)
 ST_DEADLINE_NS = 8      # how long a join waits (DeviceDoorbell writes it: a captured graph follows changes)
-STATE_WORDS = 9
+ST_SEQ = 9              # the channel's last request seq as the device knows it (DeviceDoorbell syncs it)
+STATE_WORDS = 10
+POLL_EVERY = 16         # join: look at the abort word and done_seq once every this many polls
 
 # Failure codes written into the host-visible failure word of a member (any nonzero code: the call failed).
 FAIL_TIMEOUT = 1        # the kernel's own deadline passed
@@ -55,6 +57,8 @@ _ST_EXPERTS = tl.constexpr(ST_EXPERTS)
 _ST_COMPUTE_NS = tl.constexpr(ST_COMPUTE_NS)
 _ST_FAILED = tl.constexpr(ST_FAILED)
 _ST_DEADLINE_NS = tl.constexpr(ST_DEADLINE_NS)
+_ST_SEQ = tl.constexpr(ST_SEQ)
+_POLL_EVERY = tl.constexpr(POLL_EVERY)
 _FAIL_REPLACED = tl.constexpr(FAIL_REPLACED)
 _FAIL_TIMEOUT = tl.constexpr(FAIL_TIMEOUT)
 _FAIL_ABORTED = tl.constexpr(FAIL_ABORTED)
@@ -121,9 +125,9 @@ def ring_kernel(
     has no triple or a hand-off of this step already failed."""
     failed = tl.load(fail_ptr)
     seq = tl.load(state_ptr + _ST_RINGS) * 0          # int64 zero: nothing rung
-    # The channel's own sequence (the host-driven path may have moved it since our last ring), loaded
-    # first so that its PCIe round trip overlaps the compaction and the hidden-state writes.
-    last = tl.load(request_seq_addr.to(tl.pointer_type(tl.int64)), volatile=True)
+    # The sequence lives on the device (ST_SEQ): reading the channel's request_seq would cost a PCIe round
+    # trip (~4 us on the H200 machine). DeviceDoorbell re-syncs it after host-driven calls and faults.
+    last = tl.load(state_ptr + _ST_SEQ)
     if failed == 0:
         token_p = token_addr.to(tl.pointer_type(tl.int32))
         expert_p = expert_addr.to(tl.pointer_type(tl.int32))
@@ -163,6 +167,7 @@ def ring_kernel(
             tl.store(line_addr.to(tl.pointer_type(tl.int64)), seq)
             _fence_sys(ON_GPU)                       # data and line before the doorbell
             tl.store(request_seq_addr.to(tl.pointer_type(tl.int64)), seq)
+            tl.store(state_ptr + _ST_SEQ, seq)
             tl.store(state_ptr + _ST_RINGS, tl.load(state_ptr + _ST_RINGS) + 1)
             tl.store(state_ptr + _ST_TRIPLES, tl.load(state_ptr + _ST_TRIPLES) + n)
     tl.store(state_ptr + _ST_RUNG0 + slot, seq)
@@ -194,23 +199,33 @@ def join_kernel(
     seq = tl.load(state_ptr + _ST_RUNG0 + slot)
     if seq != 0:                                            # uniform: every thread reads the same word
         deadline_ns = tl.load(state_ptr + _ST_DEADLINE_NS)
-        start = _now_ns(0, ON_GPU)
-        done = _ld_sys(done_seq_addr, ON_GPU)
-        abort = _ld_sys(abort_addr, ON_GPU)
-        spins = 0
-        while (done < seq) & (abort == 0) & (_now_ns(spins, ON_GPU) - start < deadline_ns):
-            done = _ld_sys(done_seq_addr, ON_GPU)
-            abort = _ld_sys(abort_addr, ON_GPU)
-            spins += 1
         resp = line_addr + _RESP_OFFSET
-        answered = done >= seq
+        # An acquire load holds back every load after it, and each is a PCIe round trip (~4 us on the H200
+        # machine): a poll is one acquire load of the response seq; abort word and done_seq every
+        # POLL_EVERY polls; after the response, everything else in one round.
+        start = _now_ns(0, ON_GPU)
+        abort = seq * 0
+        done = seq * 0
         rseq = _ld_sys(resp + _RESP_SEQ, ON_GPU)
-        status = _ld_sys(resp + _RESP_STATUS, ON_GPU, 32)
-        ok = answered & (rseq == seq) & (status == 0)
-        acc = tl.load(src_ptr + offs, mask=m).to(tl.float32)
+        spins = 0
+        while (rseq != seq) & (abort == 0) & (done < seq) & (_now_ns(spins, ON_GPU) - start < deadline_ns):
+            spins += 1
+            if spins % _POLL_EVERY == 0:
+                abort = tl.load(abort_addr.to(tl.pointer_type(tl.int64)), volatile=True)
+                done = tl.load(done_seq_addr.to(tl.pointer_type(tl.int64)), volatile=True)
+            rseq = _ld_sys(resp + _RESP_SEQ, ON_GPU)
+        if (rseq != seq) & (done >= seq):
+            rseq = _ld_sys(resp + _RESP_SEQ, ON_GPU)     # done_seq moves after the response: look again
+        answered = (rseq == seq) | (done >= seq)
+        # Behind the acquire that saw the response, in one round: the partial sums, status, counters
+        # (.cv: fetched again, never from a cache; vector loads, where volatile would split them into words).
         out_p = tl.multiple_of(out_addr.to(tl.pointer_type(tl.float32)), 16)     # page-aligned channel buffer
-        # (.cv: fetched again, never from a cache; vector loads, where volatile would split them into words)
         part = tl.load(out_p + offs, mask=m, other=0.0, cache_modifier=".cv")     # used only where ok
+        status = tl.load((resp + _RESP_STATUS).to(tl.pointer_type(tl.int32)), cache_modifier=".cv")
+        experts = tl.load((resp + _RESP_EXPERTS).to(tl.pointer_type(tl.int32)), cache_modifier=".cv")
+        compute_ns = tl.load((resp + _RESP_COMPUTE_NS).to(tl.pointer_type(tl.int64)), cache_modifier=".cv")
+        ok = (rseq == seq) & (status == 0)
+        acc = tl.load(src_ptr + offs, mask=m).to(tl.float32)
         tl.store(dst_ptr + offs, tl.where(ok, acc + part, acc).to(dst_ptr.dtype.element_ty), mask=m)
         failed = tl.where(ok, offs < 0, offs >= 0)           # [BLOCK]: this thread's verdict (all true: failed)
         code = tl.where(rseq == seq, _FAIL_STATUS,
@@ -220,10 +235,8 @@ def join_kernel(
                  tl.full([BLOCK], 0, tl.int64) + code, mask=failed)
         if pid == 0:                                         # counters (thread 0's verdict)
             answered_ok = ok.to(tl.int64)
-            experts = _ld_sys(resp + _RESP_EXPERTS, ON_GPU, 32).to(tl.int64)
-            compute_ns = _ld_sys(resp + _RESP_COMPUTE_NS, ON_GPU)
             tl.store(state_ptr + _ST_ANSWERED, tl.load(state_ptr + _ST_ANSWERED) + answered_ok)
-            tl.store(state_ptr + _ST_EXPERTS, tl.load(state_ptr + _ST_EXPERTS) + experts * answered_ok)
+            tl.store(state_ptr + _ST_EXPERTS, tl.load(state_ptr + _ST_EXPERTS) + experts.to(tl.int64) * answered_ok)
             tl.store(state_ptr + _ST_COMPUTE_NS, tl.load(state_ptr + _ST_COMPUTE_NS) + compute_ns * answered_ok)
             tl.store(state_ptr + _ST_FAILED, tl.load(state_ptr + _ST_FAILED) + 1 - answered_ok)
     else:
