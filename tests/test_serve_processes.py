@@ -242,3 +242,43 @@ def test_hybrid_process_set_supervises_cpu_workers_and_survives_losing_one(tmp_p
         assert not any(n.startswith(store) for n in os.listdir("/dev/shm"))
     finally:
         srv.kill()
+
+
+@pytest.mark.gpu
+def test_hybrid_device_handoff_under_ft_serve_on_the_gpu(tmp_path):
+    """The whole process set on a GPU: the GPU worker decodes in CUDA graphs with the ring/join kernels
+    (`--hybrid-handoff device`), the coordinator supervises one CPU worker. Greedy answers equal a resident
+    `ft serve` on the same GPU, before and after the CPU worker is SIGKILLed mid-service (the failed step is
+    re-run as offload, the worker restarted and re-admitted)."""
+    gpu_args = ["--device", "cuda", *TINY_ARGS[2:]]
+    resident = Server(["--moe-strategy", "resident", *gpu_args], tmp_path / "resident.log")
+    try:
+        resident.wait_listening(180)
+        want = [resident.complete(p, 24)["choices"][0]["text"] for p in PROMPTS]
+        assert resident.stop() == 0
+    finally:
+        resident.kill()
+    store = f"ft-test-hybrid-gpu-{os.getpid()}"
+    srv = Server(["--moe-strategy", "hybrid", "--num-cpu-workers", "1", "--store-name", store,
+                  "--hybrid-handoff", "device", *gpu_args], tmp_path / "serve.log")
+    try:
+        srv.wait_listening(180)
+        assert "CPU share hand-off: device" in srv.output()
+        (cpu_pid,) = children_pids(srv.pid, "worker cpu")
+        assert srv.complete(PROMPTS[0], 24)["choices"][0]["text"] == want[0]
+        assert _metric(srv, "ft_experts_cpu_total") > 0
+        os.kill(cpu_pid, signal.SIGKILL)
+        assert srv.complete(PROMPTS[1], 24)["choices"][0]["text"] == want[1]
+        deadline = time.monotonic() + 60
+        while children_pids(srv.pid, "worker cpu") in ([], [cpu_pid]) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        (new_pid,) = children_pids(srv.pid, "worker cpu")
+        assert new_pid != cpu_pid
+        before = _metric(srv, "ft_experts_cpu_total")
+        deadline = time.monotonic() + 60                           # re-admitted: CPU shares resume
+        while _metric(srv, "ft_experts_cpu_total") <= before and time.monotonic() < deadline:
+            assert srv.complete(PROMPTS[2], 24)["choices"][0]["text"] == want[2]
+        assert _metric(srv, "ft_experts_cpu_total") > before, srv.output()[-3000:]
+        assert srv.stop() == 0
+    finally:
+        srv.kill()
