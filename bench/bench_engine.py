@@ -171,7 +171,7 @@ def main() -> int:
                              "every token alike: almost no misses); 'zipf[:SKEW]': seeded per-position "
                              "expert ids from a skewed popularity (gpu_worker/models/synthetic_routing.py)")
     parser.add_argument("--profile", type=int, default=0,
-                        help="after each resident run, profile this many decode steps and print the "
+                        help="after each resident and offload run, profile this many decode steps and print the "
                              "top GPU kernels")
     args = parser.parse_args()
     global engine_temperature
@@ -233,6 +233,8 @@ def main() -> int:
                 rows.append((f"offload {frac:.0%} {copy_mode}", slots, r, _peak(),
                              proc.memory_info().rss))
                 print(f"offload {frac} {copy_mode}", r["all_tok_s"], flush=True)
+                if args.profile and args.device == "cuda":
+                    profile_decode(engine, prompt, args.profile)
                 loaded.model.experts = None
                 del engine, backend
                 gc.collect()

@@ -170,8 +170,9 @@ class CpuPoolClient(_ChannelEnd):
                 return pid
             if time.monotonic() > deadline:
                 raise WorkerTimeout(f"no CPU worker serves channel {self.name!r} after {timeout_s:.1f} s (state "
-                                    f"{WORKER_STATE_NAMES.get(state, state)}, pid {pid}); start `ft worker cpu` "
-                                    "for it or check its log")
+                                    f"{WORKER_STATE_NAMES.get(state, state)}, pid {pid}, request_seq "
+                                    f"{int(w.request_seq[0])}, done_seq {int(w.done_seq[0])}); start `ft worker "
+                                    "cpu` for it or check its log")
             time.sleep(0.001)
 
     def _connect(self, pid: int, epoch: int) -> None:

@@ -214,6 +214,15 @@ def _metric(srv: Server, name: str) -> float:
     return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name + " "))
 
 
+def _expect_cpu_shares_resume(srv: Server, prompt: str, want: str, timeout_s: float = 60.0) -> None:
+    """The restarted CPU worker is re-admitted by the GPU worker: CPU shares resume, answers unchanged."""
+    before = _metric(srv, "ft_experts_cpu_total")
+    deadline = time.monotonic() + timeout_s
+    while _metric(srv, "ft_experts_cpu_total") <= before and time.monotonic() < deadline:
+        assert srv.complete(prompt, 24)["choices"][0]["text"] == want
+    assert _metric(srv, "ft_experts_cpu_total") > before, srv.output()[-3000:]
+
+
 @pytest.mark.parametrize("handoff", ["host", "device"])
 def test_hybrid_process_set_supervises_cpu_workers_and_survives_losing_one(tmp_path, reference, handoff):
     """handoff=device: the ring/join kernels in the GPU worker process (the Triton interpreter here: the
@@ -238,6 +247,7 @@ def test_hybrid_process_set_supervises_cpu_workers_and_survives_losing_one(tmp_p
             time.sleep(0.1)
         (new_pid,) = children_pids(srv.pid, "worker cpu")          # restarted by the coordinator's supervisor
         assert new_pid != cpu_pid
+        _expect_cpu_shares_resume(srv, PROMPTS[2], reference["completions"][PROMPTS[2]][0])
         assert srv.stop() == 0
         assert not any(n.startswith(store) for n in os.listdir("/dev/shm"))
     finally:
@@ -274,11 +284,7 @@ def test_hybrid_device_handoff_under_ft_serve_on_the_gpu(tmp_path):
             time.sleep(0.1)
         (new_pid,) = children_pids(srv.pid, "worker cpu")
         assert new_pid != cpu_pid
-        before = _metric(srv, "ft_experts_cpu_total")
-        deadline = time.monotonic() + 60                           # re-admitted: CPU shares resume
-        while _metric(srv, "ft_experts_cpu_total") <= before and time.monotonic() < deadline:
-            assert srv.complete(PROMPTS[2], 24)["choices"][0]["text"] == want[2]
-        assert _metric(srv, "ft_experts_cpu_total") > before, srv.output()[-3000:]
+        _expect_cpu_shares_resume(srv, PROMPTS[2], want[2])
         assert srv.stop() == 0
     finally:
         srv.kill()

@@ -62,6 +62,7 @@ class PoolMember:
     readmissions_total: int = 0
     kills_total: int = 0           # late workers this pool killed for a restart
     last_error: str = ""
+    waiting_for: str = ""          # why a failed worker is not re-admitted yet (logged once per reason)
 
 
 @dataclasses.dataclass
@@ -287,17 +288,28 @@ class CpuPool:
                 continue
             try:
                 pid = m.client.wait_for_worker(timeout_s=0)
-            except WorkerTimeout:
+            except WorkerTimeout as exc:
+                self._not_back(m, str(exc))
                 continue
             if pid == m.pid and process_start_ticks(pid) == m.start_ticks:
                 # The process that failed (dead, or killed for lateness, and not reaped yet): its channel
                 # can look served when a stream doorbell's watchdog released done_seq. Not re-admitted.
+                self._not_back(m, f"channel {m.channel_name!r} is still served by the failed process {pid}")
                 continue
+            m.waiting_for = ""
             self._admit(m, pid)
             m.readmissions_total += 1
             back.append(m)
             log.warning("CPU worker %s re-admitted (pid %d)", m.name, m.pid)
         return back
+
+    @staticmethod
+    def _not_back(m: PoolMember, why: str) -> None:
+        """Log why a failed worker is not re-admitted yet, once per distinct reason (operators and tests
+        see a re-admission that never comes)."""
+        if why != m.waiting_for:
+            m.waiting_for = why
+            log.info("CPU worker %s not re-admitted yet: %s", m.name, why)
 
     def _drain_supervisor_errors(self) -> None:
         if self.supervisor is None:
