@@ -220,7 +220,14 @@ def _expect_cpu_shares_resume(srv: Server, prompt: str, want: str, timeout_s: fl
     deadline = time.monotonic() + timeout_s
     while _metric(srv, "ft_experts_cpu_total") <= before and time.monotonic() < deadline:
         assert srv.complete(prompt, 24)["choices"][0]["text"] == want
-    assert _metric(srv, "ft_experts_cpu_total") > before, srv.output()[-3000:]
+    if _metric(srv, "ft_experts_cpu_total") <= before:
+        conn = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=10)
+        conn.request("GET", "/metrics")
+        stats = [line for line in conn.getresponse().read().decode().splitlines()
+                 if any(k in line for k in ("readmi", "fallback", "decode_step", "mode", "degraded", "failures"))]
+        conn.close()
+        raise AssertionError("CPU shares did not resume after the restart; engine stats:\n" + "\n".join(stats)
+                             + "\noutput:\n" + srv.output()[-8000:])
 
 
 @pytest.mark.parametrize("handoff", ["host", "device"])

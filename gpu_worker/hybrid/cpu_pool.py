@@ -37,6 +37,7 @@ from proto.expert_store import ExpertStore
 from proto.shm_layout import process_start_ticks
 
 log = logging.getLogger("ft.hybrid.pool")
+NOT_BACK_LOG_S = 10.0        # a failed worker still not re-admitted: say why again this often
 
 CHANNEL_HIDDEN_DTYPES = {torch.bfloat16: "bfloat16", torch.float32: "float32", torch.float16: "float32"}
 
@@ -62,7 +63,8 @@ class PoolMember:
     readmissions_total: int = 0
     kills_total: int = 0           # late workers this pool killed for a restart
     last_error: str = ""
-    waiting_for: str = ""          # why a failed worker is not re-admitted yet (logged once per reason)
+    waiting_for: str = ""          # why a failed worker is not re-admitted yet (CpuPool._not_back)
+    waiting_logged_s: float = 0.0
 
 
 @dataclasses.dataclass
@@ -305,10 +307,11 @@ class CpuPool:
 
     @staticmethod
     def _not_back(m: PoolMember, why: str) -> None:
-        """Log why a failed worker is not re-admitted yet, once per distinct reason (operators and tests
-        see a re-admission that never comes)."""
-        if why != m.waiting_for:
-            m.waiting_for = why
+        """Log why a failed worker is not re-admitted yet: when the reason changes, and every
+        NOT_BACK_LOG_S while it stays (operators and tests see a re-admission that never comes)."""
+        now = time.monotonic()
+        if why != m.waiting_for or now - m.waiting_logged_s >= NOT_BACK_LOG_S:
+            m.waiting_for, m.waiting_logged_s = why, now
             log.info("CPU worker %s not re-admitted yet: %s", m.name, why)
 
     def _drain_supervisor_errors(self) -> None:
