@@ -24,6 +24,11 @@ from gpu_worker.engine import Engine, EngineConfig, SamplingParams  # noqa: E402
 from gpu_worker.models import load_model  # noqa: E402
 from gpu_worker.models.synthetic_routing import SyntheticRouting  # noqa: E402
 from gpu_worker.offload import HostExperts, OffloadExperts, resolve_cache_slots  # noqa: E402
+import kernels.expert_copy.api as expert_copy_api  # noqa: E402
+
+
+def _copy_chunks(args) -> list[int]:
+    return [int(c) for c in args.copy_chunks.split(",") if c.strip()] or [expert_copy_api.DEFAULT_CHUNKS]
 
 
 def pcie_bandwidth(expert_bytes: int, reps: int = 50) -> float:
@@ -170,6 +175,9 @@ def main() -> int:
                         help="'model': the preset's router picks experts (random weights route nearly "
                              "every token alike: almost no misses); 'zipf[:SKEW]': seeded per-position "
                              "expert ids from a skewed popularity (gpu_worker/models/synthetic_routing.py)")
+    parser.add_argument("--copy-chunks", default="",
+                        help="comma list: run the kernel copy mode once per value of programs per expert "
+                             "(kernels.expert_copy.api.DEFAULT_CHUNKS; default: its value)")
     parser.add_argument("--profile", type=int, default=0,
                         help="after each resident and offload run, profile this many decode steps and print the "
                              "top GPU kernels")
@@ -220,9 +228,14 @@ def main() -> int:
         dma_fracs = args.fractions if args.dma_fractions is None else args.dma_fractions
         dma_fracs = {float(f) for f in dma_fracs.split(",") if f}
         for frac in [float(f) for f in args.fractions.split(",") if f]:
-            for copy_mode in args.offload_copy.split(","):
+            modes = [(m, c) for m in args.offload_copy.split(",")
+                     for c in (_copy_chunks(args) if m == "kernel" else [None])]
+            for copy_mode, chunks in modes:
                 if copy_mode == "dma" and frac not in dma_fracs:
                     continue
+                if chunks is not None:
+                    expert_copy_api.DEFAULT_CHUNKS = chunks
+                label = copy_mode + (f" c={chunks}" if chunks is not None and args.copy_chunks else "")
                 slots = resolve_cache_slots(frac, source.num_layers, source.num_experts)
                 backend = OffloadExperts(host, slots, args.device, copy_mode=copy_mode)
                 loaded.model.experts = backend
@@ -230,9 +243,9 @@ def main() -> int:
                 engine = Engine(loaded.model, econf, eos_token_ids=())
                 r = measure(engine, prompt, args, backend)
                 r["lossless"] = r["tokens"] == reference_tokens
-                rows.append((f"offload {frac:.0%} {copy_mode}", slots, r, _peak(),
+                rows.append((f"offload {frac:.0%} {label}", slots, r, _peak(),
                              proc.memory_info().rss))
-                print(f"offload {frac} {copy_mode}", r["all_tok_s"], flush=True)
+                print(f"offload {frac} {label}", r["all_tok_s"], flush=True)
                 if args.profile and args.device == "cuda":
                     profile_decode(engine, prompt, args.profile)
                 loaded.model.experts = None

@@ -309,6 +309,36 @@ def test_a_bad_handoff_is_refused(hybrid):
         HybridOptions(handoff="dma")
 
 
+def test_prefill_only_traffic_readmits_a_restarted_worker(hybrid, resident, handoff):
+    """Requests that end at their first token never run a decode step (where the device path re-admits
+    between graphs): their prefill re-admits a restarted worker itself."""
+    lock = hybrid.model.experts
+    backend = lock.backend
+    before = fresh(lock, strategy="hybrid", fetch_fraction=0.25, fetch_round="min-wait", promote=True)
+    victim = backend.pool.members[1]
+    old_pid = victim.pid
+    backend.pool.supervisor._workers[victim.name].failures_in_row = 0
+    engine = make_engine(hybrid, running=1)
+    one = SamplingParams(max_new_tokens=1, ignore_eos=True)
+    first = resident["tokens"][0][:1]
+    os.kill(old_pid, signal.SIGKILL)
+    assert engine.generate([list(PROMPTS[0])], one) == [first]
+    assert backend.degraded and engine.stats.num_decode_steps == 0
+    deadline = time.monotonic() + RESTART_TIMEOUT_S
+    while not (backend.pool.worker_pids().get(victim.name) not in (0, old_pid)
+               and _state(backend, victim.name) == "ready"):
+        assert time.monotonic() < deadline, "the supervisor did not restart the worker"
+        time.sleep(0.02)
+    while backend.degraded and time.monotonic() < deadline:
+        assert engine.generate([list(PROMPTS[0])], one) == [first]
+    assert not backend.degraded and engine.stats.num_decode_steps == 0
+    assert backend.counters()["readmissions_total"] == before["readmissions_total"] + 1
+    cpu_before = backend.counters()["cpu_triples_total"]
+    assert engine.generate([list(PROMPTS[0])], one) == [first]
+    assert backend.counters()["cpu_triples_total"] > cpu_before      # the CPU takes shares again
+    assert_lockstep(lock)
+
+
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP], ids=["sigkill", "sigstop"])
 def test_a_worker_fault_mid_generation_falls_back_then_readmits(hybrid, resident, sig, handoff):
     lock = hybrid.model.experts

@@ -121,6 +121,7 @@ class HybridExperts:
         self._resync: set[DeviceDoorbell] = set()         # doorbells whose channel took host-driven calls
         self._doorbell_epoch = 0                          # graph_key: graphs hold the doorbells' addresses
         self._hold_degraded = False                       # a failed device step's re-run must not re-admit
+        self._in_step = False                             # between step_begin and step_end (a decode step)
         self._device_fail = torch.zeros(1, dtype=torch.int32, device=self.device)
         self._owner = torch.from_numpy(pool.split.owner.astype(np.int32)).flatten().to(self.device)   # [L * E]
         self._device_counts = torch.zeros(len(DEVICE_COUNTERS), dtype=torch.int64, device=self.device)
@@ -195,7 +196,10 @@ class HybridExperts:
                 topk_weights: torch.Tensor) -> torch.Tensor:
         T, K = topk_ids.shape
         device_path = self.handoff == "device" and self._device_sized(T * K)
-        if self.degraded and not device_path:      # the device path re-admits in step_begin (between graphs)
+        # Re-admission changes what a forward does, so it happens between decode steps (step_begin) where a
+        # graph may run; elsewhere (prefill, the host paths, a generation that ends at its first token and
+        # never decodes) here, before layer 0.
+        if self.degraded and (not device_path or (layer_idx == 0 and not self._in_step)):
             self._readmit()
         ids = topk_ids.to(torch.int32)                                    # [T, K] the router's expert ids
         routes = ids.clone()                                              # [T, K] -> slot ids or -1
@@ -332,6 +336,7 @@ class HybridExperts:
         if self.degraded and not self._hold_degraded:
             self._readmit()
         self._hold_degraded = False
+        self._in_step = True
         for db in self._device_doorbells.values():
             db.deadline_s = self.pool.deadline_s            # operators and tests change it live
             db.arm()
@@ -340,6 +345,7 @@ class HybridExperts:
         """After a step's kernels (syncs the stream first): False when a device hand-off failed, which
         marks the worker failed (a late one is killed), clears the flags and switches to offload: the
         caller re-runs the step, which then fetches every miss."""
+        self._in_step = False
         for db in self._device_doorbells.values():
             db.disarm()
         return self._device_step_ok()
