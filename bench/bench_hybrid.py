@@ -220,7 +220,7 @@ def main() -> int:
             elif "copy_mode" in policy:       # the device-side plan copy: decode runs in CUDA graphs
                 backend = OffloadExperts(host, slots, device, **policy)
             else:
-                policy = {"fetch_fraction": fraction, **policy}
+                policy = {"fetch_fraction": fraction, "handoff": "host", **policy}     # named rows say otherwise
                 backend = HybridExperts(host, slots, device, pool, owns_host=False, owns_pool=False, **policy)
             loaded.model.experts = backend
             r = measure(Engine(loaded.model, econf, eos_token_ids=()), prompt, args, backend, device)

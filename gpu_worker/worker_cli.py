@@ -41,11 +41,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     model.add_argument("--max-running-requests", type=int, default=8, help="requests decoding together")
     model.add_argument("--max-context-tokens", type=int, default=None, help="prompt + generated tokens per request")
     model.add_argument("--num-cpu-workers", type=int, default=0, help="CPU expert workers (cpu/hybrid strategies)")
-    model.add_argument("--hybrid-handoff", default=None, choices=("host", "stream", "device"),
+    model.add_argument("--hybrid-handoff", default=None, choices=("auto", "host", "stream", "device"),
                        help="cpu/hybrid: hand the CPU share over on the host, on the GPU stream (StreamDoorbell) or "
-                            "by device kernels inside the decode CUDA graph (DeviceDoorbell); "
-                            "local to this process, not part of the coordinator's config "
-                            "[env FREETOKEN_HYBRID_HANDOFF, default 'host']")
+                            "by device kernels inside the decode CUDA graph (DeviceDoorbell); auto: device on a "
+                            "CUDA GPU, host elsewhere; local to this process, not part of the coordinator's config "
+                            "[env FREETOKEN_HYBRID_HANDOFF, default 'auto']")
     parser.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
 
 

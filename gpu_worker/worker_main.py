@@ -54,7 +54,7 @@ class GpuWorkerOptions:
     store_name: str | None = None              # default: the name WELCOME gives
     handshake_timeout_s: float = DEFAULT_HANDSHAKE_TIMEOUT_S
     drain_timeout_s: float = 30.0
-    hybrid_handoff: str = "host"               # cpu/hybrid: "stream" = StreamDoorbell (not in the config hash)
+    hybrid_handoff: str = "auto"               # cpu/hybrid: "stream" = StreamDoorbell (not in the config hash)
 
     def engine_config(self) -> dict[str, Any]:
         return em.engine_config(model=os.path.abspath(self.model) if self.model else None, preset=self.preset,
@@ -112,13 +112,12 @@ def load_engine(opts: GpuWorkerOptions, welcome: em.Welcome) -> LoadedEngine:
                                            store_name=opts.store_name or welcome.store_name,
                                            cpu_channels=welcome.cpu_channels, cache_size=opts.moe_cache_size)
     try:
-        if opts.hybrid_handoff != "host":
-            set_handoff = getattr(experts, "set_handoff", None)
-            if set_handoff is not None:
-                set_handoff(opts.hybrid_handoff)
-            else:
-                log.info("--hybrid-handoff %s ignored: the %s strategy has no CPU hand-off", opts.hybrid_handoff,
-                         opts.moe_strategy)
+        set_handoff = getattr(experts, "set_handoff", None)
+        if set_handoff is not None:
+            set_handoff(opts.hybrid_handoff)
+        elif opts.hybrid_handoff not in ("host", "auto"):
+            log.info("--hybrid-handoff %s ignored: the %s strategy has no CPU hand-off", opts.hybrid_handoff,
+                     opts.moe_strategy)
         dense = source.load_dense(device)
         cfg = source.cfg
         model = MoeModel(cfg, dense, experts, max_positions=min(32768, cfg.max_position_embeddings))

@@ -64,12 +64,13 @@ KNOBS: tuple[Knob, ...] = (
     Knob("FREETOKEN_HYBRID_FETCH", "fetch_select", str, "recency",
          "which misses are fetched first: recency (most recently routed first) or lowest_id",
          choices=("recency", "lowest_id")),
-    Knob("FREETOKEN_HYBRID_HANDOFF", "hybrid_handoff", str, "host",
-         "cpu/hybrid: how a layer's CPU share reaches the workers: host (submit, host waits, copies up) or "
+    Knob("FREETOKEN_HYBRID_HANDOFF", "hybrid_handoff", str, "auto",
+         "cpu/hybrid: how a layer's CPU share reaches the workers: auto (device on a CUDA GPU, host elsewhere), "
+         "host (submit, host waits, copies up) or "
          "stream (the GPU stream copies down, rings, waits and copies up: StreamDoorbell; CUDA needs 64-bit "
          "stream memory operations) or device (two kernels ring the worker and join its answer: capturable in "
          "the decode CUDA graph; needs CUDA)",
-         choices=("host", "stream", "device")),
+         choices=("auto", "host", "stream", "device")),
     Knob("FREETOKEN_MOE_PREFETCH", "moe_prefetch", str, "off",
          "next-layer expert prefetch: off, measure (predict and count, install nothing), on",
          choices=("off", "measure", "on"),

@@ -287,6 +287,26 @@ def test_stream_and_device_handoffs_give_the_resident_tokens(hybrid, resident, k
     assert greedy(hybrid, prompts=PROMPTS[:1], n=4) == [resident["tokens"][0][:4]]
 
 
+def test_the_device_path_counts_what_the_host_path_counts(hybrid, resident):
+    """Hits, misses, fetches, calls and routed pairs of the device path (counted on the GPU by
+    kernels.handoff.count_call, folded between steps) equal the host path's for the same generation."""
+    lock = hybrid.model.experts
+    backend = lock.backend
+    names = ("expert_hits_total", "expert_misses_total", "experts_fetched_total", "calls", "routed_pairs",
+             "offload_calls_total")
+    seen = {}
+    for kind in ("host", "device"):
+        before = fresh(lock, strategy="hybrid", fetch_fraction=0.5, fetch_round="min-wait", promote=True)
+        backend.set_handoff(kind)
+        try:
+            assert greedy(hybrid) == resident["tokens"]
+            seen[kind] = {n: delta(backend, before, n) for n in names}
+        finally:
+            backend.set_handoff("host")
+    assert seen["device"] == seen["host"]
+    assert seen["host"]["expert_hits_total"] > 0 and seen["host"]["expert_misses_total"] > 0
+
+
 def test_graphs_are_keyed_by_the_doorbells_they_ring(hybrid):
     """A captured graph holds its doorbells' addresses: switching the hand-off away and back must not
     replay a graph that rings closed doorbells."""
@@ -303,7 +323,7 @@ def test_graphs_are_keyed_by_the_doorbells_they_ring(hybrid):
 
 
 def test_a_bad_handoff_is_refused(hybrid):
-    with pytest.raises(ValueError, match="handoff must be one of host, stream, device"):
+    with pytest.raises(ValueError, match="handoff must be one of auto, host, stream, device"):
         hybrid.model.experts.backend.set_handoff("dma")
     with pytest.raises(ValueError, match="--hybrid-handoff 'dma'"):
         HybridOptions(handoff="dma")

@@ -110,6 +110,17 @@ def test_stream_handoff_from_the_flag_and_the_environment(monkeypatch, capsys, r
     assert out["experts"]["handoff"] == "host" and out["token_ids"] == resident_tokens
 
 
+def test_the_default_handoff_is_auto_host_without_a_gpu(capsys, resident_tokens):
+    """auto (the default): the device kernels on a CUDA GPU (tests/test_serve_processes.py checks that on
+    the GPU machine), the host hand-off elsewhere, the interpreter notwithstanding."""
+    from gpu_worker.hybrid.options import resolve_handoff
+    out = generate(capsys, "--moe-strategy", "hybrid", "--fetch-fraction", "0.5")
+    assert out["token_ids"] == resident_tokens
+    assert out["experts"]["handoff"] == "host" and out["experts"]["cpu_triples_total"] > 0
+    assert resolve_handoff("auto", on_cuda=True) == "device" and resolve_handoff("auto", on_cuda=False) == "host"
+    assert resolve_handoff("stream", on_cuda=True) == "stream"
+
+
 def test_device_handoff_from_the_flag_and_its_error_without_a_gpu(monkeypatch, capsys, resident_tokens):
     """Under the interpreter (set for tests) the device kernels run on the CPU and give the resident
     tokens; without it and without a GPU, the flag is refused with what to use instead."""

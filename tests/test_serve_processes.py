@@ -264,9 +264,9 @@ def test_hybrid_process_set_supervises_cpu_workers_and_survives_losing_one(tmp_p
 @pytest.mark.gpu
 def test_hybrid_device_handoff_under_ft_serve_on_the_gpu(tmp_path):
     """The whole process set on a GPU: the GPU worker decodes in CUDA graphs with the ring/join kernels
-    (`--hybrid-handoff device`), the coordinator supervises one CPU worker. Greedy answers equal a resident
-    `ft serve` on the same GPU, before and after the CPU worker is SIGKILLed mid-service (the failed step is
-    re-run as offload, the worker restarted and re-admitted)."""
+    (`--hybrid-handoff` left at its default, auto: device on a GPU), the coordinator supervises one CPU
+    worker. Greedy answers equal a resident `ft serve` on the same GPU, before and after the CPU worker is
+    SIGKILLed mid-service (the failed step is re-run as offload, the worker restarted and re-admitted)."""
     gpu_args = ["--device", "cuda", *TINY_ARGS[2:]]
     resident = Server(["--moe-strategy", "resident", *gpu_args], tmp_path / "resident.log")
     try:
@@ -276,8 +276,8 @@ def test_hybrid_device_handoff_under_ft_serve_on_the_gpu(tmp_path):
     finally:
         resident.kill()
     store = f"ft-test-hybrid-gpu-{os.getpid()}"
-    srv = Server(["--moe-strategy", "hybrid", "--num-cpu-workers", "1", "--store-name", store,
-                  "--hybrid-handoff", "device", *gpu_args], tmp_path / "serve.log")
+    srv = Server(["--moe-strategy", "hybrid", "--num-cpu-workers", "1", "--store-name", store, *gpu_args],
+                 tmp_path / "serve.log")
     try:
         srv.wait_listening(180)
         assert "CPU share hand-off: device" in srv.output()

@@ -58,7 +58,7 @@ from cpu_expert_pool.channel import WorkerDead, WorkerError, WorkerTimeout
 
 from .cpu_pool import CpuPool, Share
 from .device_doorbell import DeviceDoorbell
-from .options import HANDOFFS          # host: CpuPool.submit/join; stream: StreamDoorbell on the GPU stream
+from .options import HANDOFF_CHOICES, HANDOFFS, resolve_handoff   # host / stream / device (auto: resolved here)
 from .readback import LayerPlan, Readback
 from .stats import HybridStats, StreamTimer, WorkerCounters
 
@@ -71,7 +71,9 @@ STREAM_WAIT_SLACK_S = 5.0         # beyond the deadline, how long the host waits
 RECONNECT_TIMEOUT_S = 1.0         # a re-admitted worker's channel, when its doorbell reconnects
 
 STRATEGIES = ("hybrid", "cpu", "offload")     # what set_policy(strategy=...) may switch between
-DEVICE_COUNTERS = ("experts_fetched_total", "expert_misses_total", "calls", "offload_calls_total", "routed_pairs")
+# What the device path counts on the GPU (kernels.handoff.count_call, in its order), folded into stats between steps.
+DEVICE_COUNTERS = ("experts_fetched_total", "expert_misses_total", "calls", "offload_calls_total", "routed_pairs",
+                   "expert_hits_total")
 IGNORED_POLICY_FIELDS = ("moe_prefetch", "moe_prefetch_budget")   # no prefetch in this backend yet
 
 
@@ -82,7 +84,7 @@ class HybridExperts:
                  strategy: str = "hybrid", fetch_fraction: float = 0.5, fetch_round: str = "min-wait",
                  fetch_select: str = "recency", promote: bool = True, seed: int = 0, per_layer: bool = False,
                  mode: str = "auto", gather_max_pairs: int = 32, cpu_max_tokens: int = 512,
-                 owns_host: bool = True, owns_pool: bool = True, handoff: str = "host"):
+                 owns_host: bool = True, owns_pool: bool = True, handoff: str = "auto"):
         if mode not in MODES:
             raise ValueError(f"expert compute mode {mode!r} is not one of {', '.join(MODES)}")
         self.host, self.pool, self.layout = host, pool, host.layout
@@ -125,7 +127,6 @@ class HybridExperts:
         self._device_fail = torch.zeros(1, dtype=torch.int32, device=self.device)
         self._owner = torch.from_numpy(pool.split.owner.astype(np.int32)).flatten().to(self.device)   # [L * E]
         self._device_counts = torch.zeros(len(DEVICE_COUNTERS), dtype=torch.int64, device=self.device)
-        self._increments: dict[tuple[bool, int], torch.Tensor] = {}
         self.set_handoff(handoff)
 
     def _hidden_dtype(self) -> torch.dtype:
@@ -170,10 +171,12 @@ class HybridExperts:
         return not self.degraded and self.strategy != "offload"
 
     def set_handoff(self, handoff: str) -> None:
-        """"host" (CpuPool.submit/join) or "stream" (StreamDoorbell per pool member; on CUDA it needs
-        64-bit stream memory operations and raises StreamMemOpsUnavailable / CudaDriverError without them)."""
-        if handoff not in HANDOFFS:
-            raise ValueError(f"handoff must be one of {', '.join(HANDOFFS)}, not {handoff!r}")
+        """"host" (CpuPool.submit/join), "stream" (StreamDoorbell per pool member; on CUDA it needs 64-bit
+        stream memory operations and raises StreamMemOpsUnavailable / CudaDriverError without them), "device"
+        (DeviceDoorbell: the ring/join kernels) or "auto" (device on a CUDA GPU, host elsewhere)."""
+        if handoff not in HANDOFF_CHOICES:
+            raise ValueError(f"handoff must be one of {', '.join(HANDOFF_CHOICES)}, not {handoff!r}")
+        handoff = resolve_handoff(handoff, self.on_cuda)
         if handoff == "device" and not self.on_cuda and os.environ.get("TRITON_INTERPRET") != "1":
             raise ValueError("the device hand-off runs its kernels on a CUDA GPU (on a CPU only in the Triton "
                              "interpreter, TRITON_INTERPRET=1, for tests); use --hybrid-handoff host here")
@@ -301,10 +304,7 @@ class HybridExperts:
                    select=p["fetch_select"], promote=bool(p["promote"]), check_ids=False)
         copy_plan(self.slots, self.host.layers[layer_idx], c.evict_slots, c.src_indices, c.num_indices,
                   max_copies=min(T * K, c.num_slots))
-        counts = self._device_counts                   # DEVICE_COUNTERS
-        counts[0:1] += c.num_indices
-        counts[1:2] += c.num_missing_full
-        counts += self._call_increment(to_cpu, T * K)
+        kernels_handoff.count_call(self._device_counts, ids, c.num_indices, c.num_missing_full, offload=not to_cpu)
         out = self._gemm_gpu_routes(x, routes, topk_weights, skip=False)
         if not to_cpu:
             return out
@@ -321,15 +321,6 @@ class HybridExperts:
             # offload (its hits and fetched experts are resident by now, the rest is fetched).
             return self._forward_device(layer_idx, x, ids, ids.clone(), topk_weights, to_cpu=False)
         return src
-
-    def _call_increment(self, to_cpu: bool, num_pairs: int) -> torch.Tensor:
-        """The constant part of one call's DEVICE_COUNTERS increment (made with fills: capture-safe)."""
-        inc = self._increments.get((to_cpu, num_pairs))
-        if inc is None:
-            inc = torch.zeros(len(DEVICE_COUNTERS), dtype=torch.int64, device=self.device)
-            inc[2], inc[3], inc[4] = 1, 0 if to_cpu else 1, num_pairs
-            self._increments[(to_cpu, num_pairs)] = inc
-        return inc
 
     def step_begin(self) -> None:
         """Before a decode step (the engine calls it): re-admit restarted workers, wake the watchdog."""
@@ -650,8 +641,7 @@ class HybridExperts:
 
     def _fold_device_counters(self) -> None:
         """Move what the device path counted since the last fold into `stats` (a device sync; between steps,
-        so zeroing the device counts loses nothing). Hits are not counted on that path (the ensure kernel
-        does not report distinct hits; misses, fetches and the CPU's share are)."""
+        so zeroing the device counts loses nothing)."""
         counts = self._device_counts.tolist()
         if not any(counts):
             return

@@ -27,6 +27,7 @@ DEFAULT_READY_TIMEOUT_S = 120.0       # a CPU worker imports torch, maps the sto
 DEFAULT_HEARTBEAT_TIMEOUT_S = 10.0    # supervisor: a worker silent this long is killed (backstop)
 DEFAULT_READMIT_POLL_S = 0.02         # how often a forward looks for restarted workers
 HANDOFFS = ("host", "stream", "device")   # HybridExperts' hand-off of the CPU share (hybrid_experts.HANDOFFS)
+HANDOFF_CHOICES = ("auto", *HANDOFFS)     # auto: device on a CUDA GPU, host elsewhere (resolve_handoff)
 RESERVE_CPU_MIN_CPUS = 4              # from this many CPUs on, CPU 0 is left to the GPU worker's thread
 
 
@@ -49,7 +50,7 @@ class HybridOptions:
     readmit_poll_s: float = DEFAULT_READMIT_POLL_S
     engine_threads: int | None = None       # torch threads of this process; None: the reserved CPUs' count, >= 1
     benchbw_path: str = ""                  # `ft bench bw` profile; "": $FREETOKEN_BENCHBW_PATH or default
-    handoff: str = "host"                   # host: CpuPool.submit/join; stream: StreamDoorbell; device: DeviceDoorbell
+    handoff: str = "auto"                   # host: CpuPool.submit/join; stream: StreamDoorbell; device: DeviceDoorbell
 
     def __post_init__(self) -> None:
         if self.fetch_fraction is not None and not 0.0 <= float(self.fetch_fraction) <= 1.0:
@@ -66,8 +67,8 @@ class HybridOptions:
         for name in ("cpu_deadline_s", "restart_backoff_s", "ready_timeout_s", "readmit_poll_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name}={getattr(self, name)!r} must be > 0")
-        if self.handoff not in HANDOFFS:
-            raise ValueError(f"--hybrid-handoff {self.handoff!r} is not one of {', '.join(HANDOFFS)}")
+        if self.handoff not in HANDOFF_CHOICES:
+            raise ValueError(f"--hybrid-handoff {self.handoff!r} is not one of {', '.join(HANDOFF_CHOICES)}")
         if self.cpu_max_tokens < 1:
             raise ValueError(f"--cpu-max-tokens {self.cpu_max_tokens} must be >= 1")
         self.worker_args = tuple(self.worker_args)
@@ -128,3 +129,11 @@ def resolve_fetch_fraction(options: HybridOptions, *, dtype: torch.dtype, hidden
     log.info("fetch fraction %.3f from %s (PCIe %.1f GB/s, CPU %.1f GB/s)", profile.fetch_fraction, path,
              profile.pcie_gb_s, profile.cpu_gb_s)
     return profile.fetch_fraction, f"profile:{path}"
+
+
+def resolve_handoff(handoff: str, on_cuda: bool) -> str:
+    """"auto" -> "device" on a CUDA GPU (the ring/join kernels: the decode step stays one CUDA graph, about
+    3x the host hand-off's tok/s in docs/BENCHMARKS.md), "host" elsewhere; other values unchanged."""
+    if handoff == "auto":
+        return "device" if on_cuda else "host"
+    return handoff

@@ -39,7 +39,11 @@ def cases():
              {**ring, "HIDDEN_BF16": False, "USE_OWNER": False, "ALWAYS_RING": True}),
             ("join bf16 -> fp32", "join_kernel", join_sig, dict(SAME=False, BLOCK=JOIN_BLOCK, ON_GPU=True)),
             ("join fp32 in place", "join_kernel", {**join_sig, "src_ptr": "*fp32"},
-             dict(SAME=True, BLOCK=JOIN_BLOCK, ON_GPU=True))]
+             dict(SAME=True, BLOCK=JOIN_BLOCK, ON_GPU=True)),
+            ("count call", "count_call_kernel",
+             {"counts_ptr": "*i64", "ids_ptr": "*i32", "n": "i32", "num_indices_ptr": "*i32",
+              "num_missing_ptr": "*i32", "OFFLOAD": "constexpr", "BLOCK": "constexpr"},
+             dict(OFFLOAD=False, BLOCK=32))]
 
 
 def main(argv: list[str] | None = None) -> int:

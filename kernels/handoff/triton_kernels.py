@@ -242,3 +242,33 @@ def join_kernel(
     else:
         if not SAME:
             tl.store(dst_ptr + offs, tl.load(src_ptr + offs, mask=m).to(dst_ptr.dtype.element_ty), mask=m)
+
+
+# Device counters of one hybrid forward (gpu_worker/hybrid/hybrid_experts.py DEVICE_COUNTERS, in order).
+CNT_FETCHED, CNT_MISSES, CNT_CALLS, CNT_OFFLOAD_CALLS, CNT_PAIRS, CNT_HITS = 0, 1, 2, 3, 4, 5
+COUNTERS = 6
+
+
+@triton.jit
+def count_call_kernel(counts_ptr, ids_ptr, n, num_indices_ptr, num_missing_ptr,
+                      OFFLOAD: tl.constexpr, BLOCK: tl.constexpr):
+    """One program: add one ensure call's figures to the device counters (int64 [COUNTERS]): experts
+    fetched (the plan's length), distinct misses, one call (and one offload call), routed pairs, and
+    distinct hits = distinct routed experts - distinct misses, as the host path counts them."""
+    offs = tl.arange(0, BLOCK)
+    m = offs < n
+    ids = tl.load(ids_ptr + offs, mask=m, other=-1)
+    valid = m & (ids >= 0)
+    # an id is distinct where no earlier position holds it (n <= BLOCK is small: a BLOCK x BLOCK compare)
+    earlier = (ids[:, None] == ids[None, :]) & (offs[None, :] < offs[:, None]) & valid[None, :]
+    dup = tl.sum(earlier.to(tl.int32), axis=1)
+    distinct = tl.sum((valid & (dup == 0)).to(tl.int64), axis=0)
+    fetched = tl.load(num_indices_ptr).to(tl.int64)
+    missing = tl.load(num_missing_ptr).to(tl.int64)
+    tl.store(counts_ptr + 0, tl.load(counts_ptr + 0) + fetched)
+    tl.store(counts_ptr + 1, tl.load(counts_ptr + 1) + missing)
+    tl.store(counts_ptr + 2, tl.load(counts_ptr + 2) + 1)
+    if OFFLOAD:
+        tl.store(counts_ptr + 3, tl.load(counts_ptr + 3) + 1)
+    tl.store(counts_ptr + 4, tl.load(counts_ptr + 4) + n)
+    tl.store(counts_ptr + 5, tl.load(counts_ptr + 5) + distinct - missing)
