@@ -156,7 +156,11 @@ class ProcessSet:
 
         name = self.options.store_name or default_store_name(0)
         t0 = time.perf_counter()
-        self.host = HostExperts.create_filled(self.source.experts, name=name, pin=False)
+        place = None
+        if self.options.moe_strategy in CPU_STRATEGIES:
+            from gpu_worker.hybrid import HybridOptions
+            place = HybridOptions(cpu_workers=max(1, self.options.num_cpu_workers)).place_store
+        self.host = HostExperts.create_filled(self.source.experts, name=name, pin=False, before_fill=place)
         log.info("expert store %r filled: %.2f GiB in %.1f s", name, self.host.nbytes / 1024 ** 3,
                  time.perf_counter() - t0)
         return name

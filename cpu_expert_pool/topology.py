@@ -279,3 +279,29 @@ def place_store_on_nodes(store: "ExpertStore", owner: "np.ndarray", placements: 
                 return bound
             bound += 1
     return bound
+
+
+def place_store_for_workers(store: "ExpertStore", *, num_workers: int | None, reserved_cpus: Iterable[int] = (),
+                            sysfs_root: str = SYSFS_ROOT, allowed_cpus: Iterable[int] | None = None) -> int:
+    """The store's creator, before filling it: where the CPU workers land on two or more NUMA nodes,
+    bind each expert's pages to the node of the worker that owns it under the default split
+    (ExpertSplit.contiguous: contiguous expert ranges, workers placed node by node), so every worker
+    reads its experts from its own node. The workers plan their placement with the same inputs
+    (discover_placements with the same count and reserved CPUs; they inherit this process's affinity).
+    One node: nothing to do (returns 0). Returns how many experts were bound."""
+    from cpu_expert_pool.split import ExpertSplit
+    try:
+        placements = discover_placements(num_workers=num_workers, reserved_cpus=reserved_cpus,
+                                         sysfs_root=sysfs_root, allowed_cpus=allowed_cpus)
+    except (ValueError, OSError) as exc:     # the workers plan the same way and report it themselves
+        log.info("expert pages not placed by NUMA node: %s", exc)
+        return 0
+    nodes = sorted({p.node_id for p in placements})
+    if len(nodes) < 2:
+        return 0
+    split = ExpertSplit.contiguous(store.num_layers, store.num_experts, len(placements))
+    bound = place_store_on_nodes(store, split.owner, placements)
+    if bound:
+        log.info("expert store %r: %d experts' pages bound to the NUMA node of their worker (nodes %s)",
+                 store.name, bound, ", ".join(map(str, nodes)))
+    return bound

@@ -169,3 +169,65 @@ def test_store_pages_are_bound_to_the_owner_node(tmp_path):
     finally:
         store.close()
         store.unlink()
+
+
+def _small_store(tag: str):
+    import uuid
+
+    import torch
+
+    from proto.expert_store import ExpertStore
+    return ExpertStore.create(f"ft-test-place-{tag}-{os.getpid()}-{uuid.uuid4().hex[:6]}", num_layers=2,
+                              num_experts=4, hidden=64, intermediate=32, dtype=torch.bfloat16, config_hash="p")
+
+
+def test_store_pages_go_to_the_node_of_their_worker_on_two_nodes(monkeypatch):
+    """The store's creator binds expert e's pages to the node of the worker owning it (contiguous ranges:
+    experts 0-1 with worker 0 on node 0, experts 2-3 with worker 1 on node 1), every layer."""
+    from cpu_expert_pool import topology
+    calls = []
+    monkeypatch.setattr(topology, "mbind_range", lambda address, nbytes, node, move=True: (calls.append(
+        (address, nbytes, node)), (True, ""))[1])
+    store = _small_store("two")
+    try:
+        bound = topology.place_store_for_workers(store, num_workers=None, sysfs_root=str(FIXTURES / "two_node"),
+                                                 allowed_cpus=ALL_16)
+        assert bound == 8
+        want = [(store.data_ptr + store.expert_offset(layer, e), store.expert_stride, 0 if e < 2 else 1)
+                for layer in range(2) for e in range(4)]
+        assert calls == want
+    finally:
+        store.close()
+        store.unlink()
+
+
+def test_store_pages_are_left_alone_on_one_node_and_when_workers_do_not_fit(monkeypatch):
+    from cpu_expert_pool import topology
+    monkeypatch.setattr(topology, "mbind_range", lambda *a, **k: pytest.fail("mbind on one node"))
+    store = _small_store("one")
+    try:
+        assert topology.place_store_for_workers(store, num_workers=2, sysfs_root=str(FIXTURES / "one_node"),
+                                                allowed_cpus=range(8)) == 0
+        # 3 workers on 2 nodes do not fit (the workers say so themselves): no placement, no error here
+        assert topology.place_store_for_workers(store, num_workers=3, sysfs_root=str(FIXTURES / "two_node"),
+                                                allowed_cpus=ALL_16) == 0
+    finally:
+        store.close()
+        store.unlink()
+
+
+def test_the_store_creator_places_pages_before_filling():
+    """HostExperts.create_filled runs before_fill on the empty store (pages land where first written)."""
+    from gpu_worker.models import load_model
+    from gpu_worker.offload import HostExperts
+    source = load_model(device="cpu").source.experts
+    seen = []
+
+    def before_fill(store):
+        seen.append((store.is_ready, float(store.layer_view(0).float().abs().sum())))
+    host = HostExperts.create_filled(source, before_fill=before_fill, pin=False)
+    try:
+        assert seen == [(False, 0.0)]
+        assert host.store.is_ready and float(host.layers[0].float().abs().sum()) > 0
+    finally:
+        host.close()

@@ -51,7 +51,8 @@ def build_hybrid_backend(strategy: str, source: ExpertSource, device: torch.devi
                                                        intermediate_size=lay.intermediate_size, device=device)
     if strategy == "cpu":
         fraction_source = "strategy cpu"
-    host = HostExperts.create_filled(source, staging_device=device if device.type == "cuda" else None)
+    host = HostExperts.create_filled(source, staging_device=device if device.type == "cuda" else None,
+                                     before_fill=options.place_store)
     try:
         pool = start_cpu_pool(host, options, top_k)
         try:

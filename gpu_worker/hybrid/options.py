@@ -95,6 +95,12 @@ class HybridOptions:
         reserved = self.reserved_cpus()
         return max(1, len(parse_cpulist(reserved))) if reserved else 1
 
+    def place_store(self, store) -> int:
+        """HostExperts.create_filled's before_fill for these workers: expert pages on their NUMA nodes."""
+        from cpu_expert_pool.topology import place_store_for_workers
+        return place_store_for_workers(store, num_workers=self.cpu_workers,
+                                       reserved_cpus=parse_cpulist(self.reserved_cpus()))
+
     def worker_flags(self) -> list[str]:
         """`ft worker cpu` flags from these options (the store, channel and index are added per worker)."""
         flags = ["--threads", str(self.cpu_threads)]

@@ -10,6 +10,7 @@ import hashlib
 import itertools
 import logging
 import os
+from typing import Callable
 
 import torch
 
@@ -38,7 +39,8 @@ class HostExperts:
 
     @classmethod
     def create_filled(cls, source: ExpertSource, *, name: str | None = None,
-                      staging_device: torch.device | str | None = None, pin: bool = True) -> "HostExperts":
+                      staging_device: torch.device | str | None = None, pin: bool = True,
+                      before_fill: Callable[[ExpertStore], object] | None = None) -> "HostExperts":
         """Create a store and fill it layer by layer from `source`.
 
         With a CUDA `staging_device`, each layer is produced on the GPU and copied down: random
@@ -46,6 +48,8 @@ class HostExperts:
         of random weights stays fast. The store is pinned (cudaHostRegister) after it is filled,
         since registering first would zero-fill it. ``pin=False``: the creator never does DMA (the
         coordinator, whose GPU worker pins its own attachment), so it makes no CUDA context.
+        ``before_fill(store)`` runs on the empty store (pages are placed where they are first written:
+        the CPU strategies bind them to their workers' NUMA nodes there).
         """
         lay = source.layout
         name = name or f"ft-experts-{os.getpid()}-{next(_store_numbers)}"
@@ -55,6 +59,8 @@ class HostExperts:
                                    config_hash=layout_hash(source))
         try:
             host = cls(store, lay, owns=True)
+            if before_fill is not None:
+                before_fill(store)
             staging = None
             if staging_device is not None and torch.device(staging_device).type == "cuda":
                 staging = lay.empty_layer(source.num_experts, device=staging_device)
