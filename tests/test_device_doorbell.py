@@ -313,3 +313,42 @@ def test_the_kernels_compile_for_sm90_without_a_gpu():
     assert "ld.global.v4 2" in rows["plan copy aligned"]
     assert "fence.acq_rel.sys 2" in rows["ring owner bf16"]
     assert "ld.acquire.sys 0" not in rows["join bf16 -> fp32"] and "ld.global.cv.v4 2" in rows["join bf16 -> fp32"]
+
+
+def _count_reference(ids: torch.Tensor, fetched: int, missing: int, offload: bool) -> list[int]:
+    flat = ids.flatten().tolist()
+    distinct = len({e for e in flat if e >= 0})
+    return [fetched, missing, 1, int(offload), len(flat), distinct - missing]
+
+
+@pytest.mark.parametrize("n", [1, 2, 7, 16, 17, 32, 40, 256])
+def test_count_call_matches_a_plain_count(n):
+    """kernels.handoff.count_call (the device path's per-layer counters) against a Python count, call after
+    call on the same counters: plan length, distinct misses, calls, offload calls, pairs, distinct hits."""
+    gen = torch.Generator().manual_seed(n)
+    counts = torch.zeros(handoff.COUNTERS, dtype=torch.int64, device=KERNEL_DEVICE)
+    want = [0] * handoff.COUNTERS
+    for call in range(4):
+        ids = torch.randint(0, max(2, n // 2), (n,), generator=gen, dtype=torch.int32)   # duplicates on purpose
+        if call == 3 and n > 1:
+            ids = torch.stack([ids, ids], 1)[:, 0]                     # not contiguous: counted all the same
+            assert not ids.is_contiguous()
+        distinct = len(set(ids.tolist()))
+        missing = int(torch.randint(0, distinct + 1, (1,), generator=gen))
+        fetched = int(torch.randint(0, missing + 1, (1,), generator=gen))
+        offload = call % 2 == 1
+        handoff.count_call(counts, ids.to(KERNEL_DEVICE),
+                           torch.tensor([fetched], dtype=torch.int32, device=KERNEL_DEVICE),
+                           torch.tensor([missing], dtype=torch.int32, device=KERNEL_DEVICE), offload=offload)
+        want = [a + b for a, b in zip(want, _count_reference(ids, fetched, missing, offload))]
+        assert counts.tolist() == want, f"call {call}"
+
+
+def test_count_call_refuses_what_it_cannot_count():
+    counts = torch.zeros(handoff.COUNTERS, dtype=torch.int64, device=KERNEL_DEVICE)
+    one = torch.ones(1, dtype=torch.int32, device=KERNEL_DEVICE)
+    with pytest.raises(ValueError, match="1..256 entries"):
+        handoff.count_call(counts, torch.zeros(handoff.COUNT_MAX_PAIRS + 1, dtype=torch.int32,
+                                               device=KERNEL_DEVICE), one, one, offload=False)
+    with pytest.raises(ValueError, match="int64"):
+        handoff.count_call(counts.int(), one, one, one, offload=False)

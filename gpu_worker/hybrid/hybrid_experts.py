@@ -257,7 +257,8 @@ class HybridExperts:
     # -- the device hand-off (handoff="device") -------------------------------------------------------
     def _device_sized(self, num_pairs: int) -> bool:
         """Decode-sized: the GEMMs run in a graph-safe mode (no host sync, fixed shapes)."""
-        return num_pairs <= self.gather_max_pairs and self.mode in ("auto", *GRAPH_SAFE_MODES)
+        return (num_pairs <= min(self.gather_max_pairs, kernels_handoff.COUNT_MAX_PAIRS)
+                and self.mode in ("auto", *GRAPH_SAFE_MODES))
 
     def graph_safe(self, num_pairs: int) -> bool:
         """The engine may capture decode forwards of this size in a CUDA graph (handoff="device" only)."""
