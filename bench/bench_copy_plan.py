@@ -14,12 +14,12 @@ from __future__ import annotations
 import argparse
 import itertools
 import os
-import statistics
 import sys
 
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from graph_timing import time_graph  # noqa: E402  (bench/graph_timing.py: this folder is sys.path[0])
 from kernels.expert_copy import copy_plan  # noqa: E402
 
 QWEN3_EXPERT_BYTES = 3 * 2048 * 768 * 2        # gate, up, down of qwen3-30b-a3b in bf16: 9.44 MB
@@ -28,30 +28,6 @@ MAX_COPIES = 8                                   # batch 1, top-8: the engine's 
 
 def _ints(text: str) -> list[int]:
     return [int(v) for v in text.split(",") if v.strip()]
-
-
-def time_graph(fn, calls: int, reps: int) -> float:
-    """Seconds per call: median over reps of one graph replay of `calls` calls of fn."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()                                             # compile / warm up outside the capture
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graph.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) / 1e3 / calls)
-    return statistics.median(times)
 
 
 def main() -> int:
@@ -63,6 +39,7 @@ def main() -> int:
     parser.add_argument("--warps", default="4,8")
     parser.add_argument("--calls", type=int, default=10, help="calls per graph replay")
     parser.add_argument("--reps", type=int, default=15)
+    parser.add_argument("--warmup", type=int, default=1, help="untimed graph replays first")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("bench_copy_plan: needs a CUDA GPU")
@@ -78,20 +55,20 @@ def main() -> int:
     results = []
     gb = args.expert_bytes / 1e9
     for n in copies:
-        def dma(n=n):
+        def dma(_, n=n):
             for i in range(n):
                 slots[i].copy_(host[MAX_COPIES + i], non_blocking=True)
-        t = time_graph(dma, args.calls, args.reps)
+        t = time_graph(dma, args.calls, args.reps, args.warmup)
         results.append(("dma (copy engine)", n, t))
         print(f"dma n={n}: {t * 1e6:.1f} us, {n * gb / t:.1f} GB/s", flush=True)
     for chunks, block, warps in itertools.product(_ints(args.chunks), _ints(args.blocks), _ints(args.warps)):
         for n in copies:
             num = torch.tensor([n], dtype=torch.int32, device="cuda")
 
-            def kernel(num=num, chunks=chunks, block=block, warps=warps):
+            def kernel(_, num=num, chunks=chunks, block=block, warps=warps):
                 copy_plan(slots, host, evict, src, num, max_copies=MAX_COPIES, chunks=chunks, block_words=block,
                           num_warps=warps)
-            t = time_graph(kernel, args.calls, args.reps)
+            t = time_graph(kernel, args.calls, args.reps, args.warmup)
             results.append((f"kernel chunks={chunks} block={block} warps={warps}", n, t))
         print(f"kernel chunks={chunks} block={block} warps={warps}: " + ", ".join(
             f"n={n} {n * gb / t:.1f} GB/s" for name, n, t in results[-len(copies):]), flush=True)

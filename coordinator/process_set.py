@@ -134,10 +134,9 @@ class ProcessSet:
                       max_restarts=o.max_restarts)
         specs = []
         if o.moe_strategy in CPU_STRATEGIES:
-            from gpu_worker.hybrid import HybridOptions
             from gpu_worker.offload.host_store import layout_hash
 
-            flags = HybridOptions(cpu_workers=max(1, o.num_cpu_workers)).worker_flags()   # threads, reserved CPUs
+            flags = self._cpu_worker_options().worker_flags()   # threads, reserved CPUs
             for i in range(o.num_cpu_workers):
                 argv = ft + ["worker", "cpu", "--store", store_name, "--worker-index", str(i), "--num-workers",
                              str(o.num_cpu_workers), "--parent-pid", str(os.getpid()), "--log-level", o.log_level,
@@ -151,15 +150,17 @@ class ProcessSet:
                                 **common))
         return specs
 
+    def _cpu_worker_options(self):
+        """HybridOptions for the CPU workers this process set starts (their flags, their store placement)."""
+        from gpu_worker.hybrid import HybridOptions
+        return HybridOptions(cpu_workers=max(1, self.options.num_cpu_workers))
+
     def _create_store(self) -> str:
         from gpu_worker.offload import HostExperts
 
         name = self.options.store_name or default_store_name(0)
         t0 = time.perf_counter()
-        place = None
-        if self.options.moe_strategy in CPU_STRATEGIES:
-            from gpu_worker.hybrid import HybridOptions
-            place = HybridOptions(cpu_workers=max(1, self.options.num_cpu_workers)).place_store
+        place = self._cpu_worker_options().place_store if self.options.moe_strategy in CPU_STRATEGIES else None
         self.host = HostExperts.create_filled(self.source.experts, name=name, pin=False, before_fill=place)
         log.info("expert store %r filled: %.2f GiB in %.1f s", name, self.host.nbytes / 1024 ** 3,
                  time.perf_counter() - t0)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 import uuid
 
@@ -148,8 +149,6 @@ def test_a_killed_worker_aborts_the_wait_and_later_rings_do_nothing_until_reset(
     dst = torch.empty_like(src)
     stop_worker(proc)
     db.ring(0, x, ids, routes, w)
-    killer = None
-    import threading
 
     def kill_soon():
         time.sleep(0.2)

@@ -20,7 +20,7 @@ consistent), copy, GEMM, add. The backend then runs as offload (nothing to the C
 worker is back: the supervisor restarts it (the store in shared memory survives), `CpuPool.poll`
 re-admits it once its channel answers. Forwards with more than `cpu_max_tokens` tokens, or more
 triples than a channel holds, run as offload too.
-handoff="stream" (opt-in; default "host"): steps 3 and 6 go through `StreamDoorbell`s (one per pool
+handoff="stream" (opt-in; the default "auto" is "device" on a CUDA GPU, "host" elsewhere): steps 3 and 6 go through `StreamDoorbell`s (one per pool
 member, each on its own side stream on CUDA) instead of submit/join: the hidden-state copy down, the
 doorbell, the wait for the worker and the partial-sum copy up are enqueued on the GPU, the join is a
 stream-ordered add; the host checks each call's validity (host-memory polling, no CUDA call) before
@@ -58,7 +58,7 @@ from cpu_expert_pool.channel import WorkerDead, WorkerError, WorkerTimeout
 
 from .cpu_pool import CpuPool, Share
 from .device_doorbell import DeviceDoorbell
-from .options import HANDOFF_CHOICES, HANDOFFS, resolve_handoff   # host / stream / device (auto: resolved here)
+from .options import HANDOFF_CHOICES, resolve_handoff   # host / stream / device, and auto (resolved here)
 from .readback import LayerPlan, Readback
 from .stats import HybridStats, StreamTimer, WorkerCounters
 

@@ -26,7 +26,7 @@ DEFAULT_RESTART_BACKOFF_S = 0.5       # supervisor: first restart delay of a fai
 DEFAULT_READY_TIMEOUT_S = 120.0       # a CPU worker imports torch, maps the store and warms up
 DEFAULT_HEARTBEAT_TIMEOUT_S = 10.0    # supervisor: a worker silent this long is killed (backstop)
 DEFAULT_READMIT_POLL_S = 0.02         # how often a forward looks for restarted workers
-HANDOFFS = ("host", "stream", "device")   # HybridExperts' hand-off of the CPU share (hybrid_experts.HANDOFFS)
+HANDOFFS = ("host", "stream", "device")   # HybridExperts' hand-off of the CPU share (HybridExperts.set_handoff)
 HANDOFF_CHOICES = ("auto", *HANDOFFS)     # auto: device on a CUDA GPU, host elsewhere (resolve_handoff)
 RESERVE_CPU_MIN_CPUS = 4              # from this many CPUs on, CPU 0 is left to the GPU worker's thread
 

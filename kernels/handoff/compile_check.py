@@ -54,20 +54,15 @@ def main(argv: list[str] | None = None) -> int:
     if os.environ.get("TRITON_INTERPRET") == "1":
         print("SKIP: TRITON_INTERPRET=1; unset it")
         return 0
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
     from kernels.expert_copy import triton_kernels as copy_kernels
+    from kernels.slot_cache.ptx_check import compile_for_arch
 
     from . import triton_kernels
     for name, kernel, signature, constexprs in cases():
         fn = getattr(copy_kernels if kernel == "copy_plan_kernel" else triton_kernels, kernel)
         # the JIT marks 16-divisible integer arguments (the page-aligned channel addresses) as such at launch
         aligned = [a for a in signature if a.endswith(("_addr", "_ptr", "_words")) or a in ("numel", "H")]
-        attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in aligned}
-        compiled = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs),
-                                  target=GPUTarget("cuda", args.arch, 32), options={"num_warps": 4})
+        compiled = compile_for_arch(fn, signature, constexprs, args.arch, divisible=aligned)
         ptx = compiled.asm["ptx"]
         counts = {op: ptx.count(op) for op in ("ld.acquire.sys", "fence.acq_rel.sys", "%globaltimer", "bar.sync",
                                                "ld.global.v4", "ld.global.cv.v4", "st.global.v4")}

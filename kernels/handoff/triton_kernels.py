@@ -244,8 +244,7 @@ def join_kernel(
             tl.store(dst_ptr + offs, tl.load(src_ptr + offs, mask=m).to(dst_ptr.dtype.element_ty), mask=m)
 
 
-# Device counters of one hybrid forward (gpu_worker/hybrid/hybrid_experts.py DEVICE_COUNTERS, in order).
-CNT_FETCHED, CNT_MISSES, CNT_CALLS, CNT_OFFLOAD_CALLS, CNT_PAIRS, CNT_HITS = 0, 1, 2, 3, 4, 5
+# Device counters of one hybrid forward, in the order of gpu_worker/hybrid/hybrid_experts.py DEVICE_COUNTERS.
 COUNTERS = 6
 
 

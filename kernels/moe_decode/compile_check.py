@@ -77,24 +77,22 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     try:
         import triton
-        from triton.backends.compiler import GPUTarget
+        from triton.backends.compiler import GPUTarget  # noqa: F401 (a triton that can compile ahead of time)
         from triton.compiler import ASTSource
         ASTSource.__init__.__code__.co_varnames.index("constexprs")
     except (ImportError, AttributeError, ValueError) as exc:
         print(f"SKIP: this triton cannot compile ahead of time here ({exc})")
         return 0
-    from kernels.slot_cache.ptx_check import cubin_resources
+    from kernels.slot_cache.ptx_check import compile_for_arch, cubin_resources
 
     from . import triton_kernels
-    target = GPUTarget("cuda", args.arch, 32)
     cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     failed = 0
     for name, attr, sig, consts, opts, divisible in _cases():
         fn = getattr(triton_kernels, attr)
-        attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in divisible} if args.resources else None
         try:
-            kernel = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs),
-                                    target=target, options=dict(opts))
+            kernel = compile_for_arch(fn, sig, consts, args.arch, divisible=divisible if args.resources else (),
+                                      options=opts)
         except Exception as exc:                                          # report every failure
             failed += 1
             print(f"FAIL {name}: {type(exc).__name__}: {exc}")

@@ -59,6 +59,18 @@ def cubin_resources(cubin: bytes) -> dict[str, int]:
             "local": int(re.search(r"LOCAL:(\d+)", out).group(1)) + int(re.search(r"STACK:(\d+)", out).group(1))}
 
 
+def compile_for_arch(fn, signature: dict, constexprs: dict, arch: int, *, divisible=(), options=None):
+    """triton.compile of a @triton.jit `fn` for sm_<arch> without a GPU (Triton's front end, LLVM and its
+    bundled ptxas). divisible: argument names the JIT would mark 16-divisible at launch (aligned
+    pointers and sizes); options: compile options (default 4 warps)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in divisible} or None
+    return triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs),
+                          target=GPUTarget("cuda", arch, 32), options=dict(options or {"num_warps": 4}))
+
+
 def cases():
     i64, i32 = "*i64", "*i32"
     small = dict(ids_ptr=i64, num_routes="i32", slot_for_id_ptr=i32, id_of_slot_ptr=i32, usage_ptr=i64,
@@ -97,19 +109,13 @@ def main(argv: list[str] | None = None) -> int:
     if os.environ.get("TRITON_INTERPRET") == "1":
         print("SKIP: TRITON_INTERPRET=1; unset it")
         return 0
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
     from . import triton_kernels
     if args.out:
         os.makedirs(args.out, exist_ok=True)
     table = [f"{'config':20s} {'sha256':16s} {'regs':>5s} {'local':>6s} {'bar.sync':>8s} {'atom/red':>8s} {'instrs':>6s}"]
     print(table[0])
     for name, kernel, signature, constexprs in cases():
-        compiled = triton.compile(ASTSource(fn=getattr(triton_kernels, kernel), signature=signature,
-                                            constexprs=constexprs),
-                                  target=GPUTarget("cuda", args.arch, 32), options={"num_warps": 4})
+        compiled = compile_for_arch(getattr(triton_kernels, kernel), signature, constexprs, args.arch)
         text = canonical_ptx(compiled.asm["ptx"])
         res, counts = cubin_resources(compiled.asm["cubin"]), ptx_counts(text)
         table.append(f"{name:20s} {hashlib.sha256(text.encode()).hexdigest()[:16]} {res['regs']:5d} "
