@@ -139,16 +139,53 @@ def test_device_and_host_driven_calls_share_one_sequence(store, served):
     assert client._words.done_seq[0] == 4 and db.failure() == 0 and torch.equal(dst.cpu(), host)
 
 
-def test_a_killed_worker_aborts_the_wait_and_later_rings_do_nothing_until_reset(store, channel, served, procs):
+def ring_a_stopped_worker(served, seed: int, T: int = 2, **doorbell_kw):
+    """A doorbell on the served channel and layer 0's call (every route to the CPU) rung to its stopped
+    worker: (doorbell, (x, ids, routes, w, cpu), src [T, H], dst [T, H])."""
     proc, client, things = served
-    aborts = []
-    db = DeviceDoorbell(client, KERNEL_DEVICE, deadline_s=30, poll_s=1e-3, on_abort=lambda *a: aborts.append(a))
+    db = DeviceDoorbell(client, KERNEL_DEVICE, **doorbell_kw)
     things.append(db)
-    x, ids, routes, w, cpu = routes_case(2, 4, seed=7, device=KERNEL_DEVICE, cpu_share=1.0)
-    src = torch.randn(2, H, device=KERNEL_DEVICE)
-    dst = torch.empty_like(src)
+    case = routes_case(T, 4, seed=seed, device=KERNEL_DEVICE, cpu_share=1.0)
+    src = torch.randn(T, H, device=KERNEL_DEVICE)
     stop_worker(proc)
-    db.ring(0, x, ids, routes, w)
+    db.ring(0, *case[:4])
+    return db, case, src, torch.empty_like(src)
+
+
+def test_the_join_records_how_long_it_waited_for_the_worker(store, served):
+    """ST_WAIT_NS: a join that had to wait for a stopped worker adds a positive wait; one whose answer was
+    already in the channel adds less (the interpreter's clock counts spins: none, so nothing)."""
+    proc, client, _ = served
+    db, (x, ids, routes, w, cpu), src, dst = ring_a_stopped_worker(served, seed=13, deadline_s=30)
+    resume = threading.Timer(0.3, proc.signal, (signal.SIGCONT,))
+    resume.start()
+    db.join(0, src, dst)                                           # spins until the worker is back
+    resume.join()
+    waited = db.counters()["wait_ns"]
+    assert db.failure() == 0 and waited > 0
+    assert_close_to(store, dst, src.cpu() + expected_partial(store, 0, x, ids, w, cpu))
+    if dst.is_cuda:                                                # the global timer: real nanoseconds
+        assert waited >= 0.2e9
+    db.ring(1, x, ids, routes, w)
+    if dst.is_cuda:
+        torch.cuda.synchronize()
+    assert wait_until(lambda: client._words.done_seq[0] == client._words.request_seq[0], 10)
+    db.join(1, src, dst)                                           # the answer is there at the first poll
+    ready = db.counters()["wait_ns"] - waited
+    assert db.failure() == 0 and db.counters()["answered"] == 2
+    assert 0 <= ready < waited
+    if not dst.is_cuda:
+        assert ready == 0
+    db.ring(0, x, ids, torch.full_like(routes, 3), w)             # nothing rung: no wait counted
+    db.join(0, src, dst)
+    assert db.counters()["wait_ns"] == waited + ready
+
+
+def test_a_killed_worker_aborts_the_wait_and_later_rings_do_nothing_until_reset(store, channel, served, procs):
+    proc, client, _ = served
+    aborts = []
+    db, (x, ids, routes, w, cpu), src, dst = ring_a_stopped_worker(
+        served, seed=7, deadline_s=30, poll_s=1e-3, on_abort=lambda *a: aborts.append(a))
 
     def kill_soon():
         time.sleep(0.2)
@@ -183,15 +220,10 @@ def test_a_killed_worker_aborts_the_wait_and_later_rings_do_nothing_until_reset(
 
 
 def test_a_stopped_worker_is_given_up_on_after_the_deadline(store, served):
-    proc, client, things = served
+    proc = served[0]
     late = []
-    db = DeviceDoorbell(client, KERNEL_DEVICE, deadline_s=0.3, poll_s=1e-3, on_abort=lambda *a: late.append(a))
-    things.append(db)
-    x, ids, routes, w, _ = routes_case(1, 4, seed=8, device=KERNEL_DEVICE, cpu_share=1.0)
-    src = torch.randn(1, H, device=KERNEL_DEVICE)
-    dst = torch.empty_like(src)
-    stop_worker(proc)
-    db.ring(0, x, ids, routes, w)
+    db, _, src, dst = ring_a_stopped_worker(served, seed=8, T=1, deadline_s=0.3, poll_s=1e-3,
+                                            on_abort=lambda *a: late.append(a))
     db.kick()
     t0 = time.monotonic()
     db.join(0, src, dst)

@@ -11,9 +11,12 @@ One backend (2 workers) serves the whole module: starting workers is the slow pa
 """
 from __future__ import annotations
 
+import functools
 import os
 import signal
+import threading
 import time
+import types
 
 import pytest
 import torch
@@ -22,6 +25,7 @@ from gpu_worker.engine import Engine, EngineConfig, SamplingParams
 from gpu_worker.hybrid import HybridExperts, HybridOptions
 from gpu_worker.models import load_model
 from kernels.slot_cache import reset
+from tests.test_stream_doorbell import stop_worker
 
 PROMPTS = ([5, 17, 42, 99, 3, 250, 7, 64, 11, 300, 8], [300, 11, 64, 7, 250, 3, 99])
 NEW_TOKENS = 24
@@ -307,6 +311,57 @@ def test_the_device_path_counts_what_the_host_path_counts(hybrid, resident):
     assert seen["host"]["expert_hits_total"] > 0 and seen["host"]["expert_misses_total"] > 0
 
 
+def hold_first_answers(backend: HybridExperts, pause_s: float = 0.1) -> None:
+    """Until a worker's doorbell has recorded a wait, stop the worker before each ring and resume it pause_s
+    after the join began: in the interpreter the answer is otherwise in the channel before the join looks,
+    and the interpreter's clock (spins) records no wait."""
+    for m in backend.pool.members:
+        db = backend._device_doorbell(m)
+        held: list[int] = []                               # the worker stopped between a ring and its join
+
+        def ring(*args, m=m, db=db, ring=db.ring, held=held, **kw):
+            if db.counters()["wait_ns"] == 0:
+                stop_worker(types.SimpleNamespace(pid=m.pid, signal=functools.partial(os.kill, m.pid)))
+                held.append(m.pid)
+            ring(*args, **kw)
+
+        def join(*args, join=db.join, held=held, **kw):
+            if not held:
+                return join(*args, **kw)
+            resume = threading.Timer(pause_s, os.kill, (held.pop(), signal.SIGCONT))
+            resume.start()
+            try:
+                join(*args, **kw)
+            finally:
+                resume.join()
+
+        db.ring, db.join = ring, join
+
+
+def test_the_device_path_counts_the_gpus_wait_for_the_cpu(hybrid, resident):
+    """The join kernels' waits (ST_WAIT_NS) reach gpu_wait_for_cpu_s_total (the name the host path's CUDA
+    events fill) and cpu_workers.<name>.gpu_wait_s_total, and stay there once the doorbells are closed."""
+    lock = hybrid.model.experts
+    backend = lock.backend
+    before = fresh(lock, strategy="hybrid", fetch_fraction=0.5, fetch_round="min-wait", promote=True, seed=7)
+    backend.set_handoff("device")
+    try:
+        hold_first_answers(backend)
+        assert greedy(hybrid, prompts=PROMPTS[:1], n=4) == [resident["tokens"][0][:4]]
+        counters = backend.counters()
+        waited = {m.name: backend._device_doorbells[m.index].counters()["wait_ns"] / 1e9
+                  for m in backend.pool.members}
+    finally:
+        backend.set_handoff("host")
+    waits = {name: w["gpu_wait_s_total"] - before["cpu_workers"][name]["gpu_wait_s_total"]
+             for name, w in counters["cpu_workers"].items()}
+    assert waits == pytest.approx(waited) and all(w > 0 for w in waits.values()), waits
+    # prefill takes the host path, which adds its own wait to the total only (1e-9: float sums)
+    assert counters["gpu_wait_for_cpu_s_total"] - before["gpu_wait_for_cpu_s_total"] >= sum(waits.values()) - 1e-9
+    assert backend.counters()["cpu_workers"] == counters["cpu_workers"]          # closed doorbells' kept
+    assert not backend.degraded and counters["fallbacks_total"] == before["fallbacks_total"]
+
+
 def test_graphs_are_keyed_by_the_doorbells_they_ring(hybrid):
     """A captured graph holds its doorbells' addresses: switching the hand-off away and back must not
     replay a graph that rings closed doorbells."""
@@ -441,12 +496,13 @@ def test_gpu_hybrid_and_cpu_match_resident_and_survive_a_sigkill(tiny_cache, str
         assert c["cpu_triples_total"] > 0
         if strategy == "hybrid":
             assert c["experts_fetched_total"] > 0
-        if handoff != "device":                  # the device path keeps no CUDA-event timings
-            assert c["gpu_wait_for_cpu_s_total"] > 0
+        assert c["gpu_wait_for_cpu_s_total"] > 0          # device: the join kernels' global-timer waits
+        if handoff != "device":                  # the device path keeps no CUDA-event timings (copies)
             if strategy == "hybrid":
                 assert c["copy_time_s_total"] > 0
         else:
             assert backend.graph_safe(2) and c["calls"] > 0
+            assert all(w["gpu_wait_s_total"] > 0 for w in c["cpu_workers"].values())
         backend.set_policy(strategy="hybrid", fetch_fraction=0.5)      # the fault test needs fetches too
         _, seen = long_run_with_fault(loaded, long, signal.SIGKILL)
         assert_lockstep(lock)

@@ -177,11 +177,12 @@ class DeviceDoorbell:
         self.state[handoff.ST_SEQ].fill_(last)
 
     def counters(self) -> dict[str, int]:
-        """Cumulative device counters (a device sync): rings, triples, answered, experts, compute_ns, failed."""
+        """Cumulative device counters (a device sync): rings, triples, answered, experts, compute_ns, failed,
+        wait_ns (the joins' waits for the worker: the global timer's ns; in the interpreter 1000 per spin)."""
         v = self.state.tolist()
         return {"rings": v[handoff.ST_RINGS], "triples": v[handoff.ST_TRIPLES], "answered": v[handoff.ST_ANSWERED],
                 "experts": v[handoff.ST_EXPERTS], "compute_ns": v[handoff.ST_COMPUTE_NS],
-                "failed": v[handoff.ST_FAILED]}
+                "failed": v[handoff.ST_FAILED], "wait_ns": v[handoff.ST_WAIT_NS]}
 
     def take_counters(self) -> dict[str, int]:
         """What `counters()` grew by since the last take (for a caller that accumulates elsewhere)."""

@@ -656,6 +656,9 @@ class HybridExperts:
             if db is not None:
                 d = db.take_counters()
                 self._count_cpu(m.name, d["experts"], d["triples"], d["compute_ns"] / 1e9)
+                wait_s = d["wait_ns"] / 1e9        # the joins run one after another: their waits add up
+                st.cpu_workers[m.name].gpu_wait_s_total += wait_s
+                st.gpu_wait_for_cpu_s_total += wait_s
 
     @property
     def expert_nbytes(self) -> int:

@@ -3,6 +3,8 @@
 All counters are cumulative (the coordinator takes differences between snapshots, see
 docs/CONTROL_PLANE.md "Engine telemetry"). Times on the GPU side come from CUDA events resolved
 lazily (`StreamTimer.resolve`, no sync on the hot path); on a CPU device they are host wall times.
+The device hand-off has no events inside its graphs: its join kernels time their own waits (the
+GPU's global timer), folded in by HybridExperts.counters().
 """
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ class WorkerCounters:
     time_s_total: float = 0.0       # compute time the worker reported
     failures_total: int = 0         # shares it did not answer (dead, deadline missed, error)
     readmissions_total: int = 0     # times it was taken back after a restart
+    gpu_wait_s_total: float = 0.0   # GPU idle in its join kernel (device hand-off only; 0 on the other paths)
 
 
 @dataclasses.dataclass

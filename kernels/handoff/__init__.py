@@ -15,7 +15,9 @@ binds these to a CpuPoolClient channel; docs/HYBRID.md has the whole story.
 """
 from .api import COUNT_MAX_PAIRS, count_call, join, ring
 from .triton_kernels import (COUNTERS, FAIL_ABORTED, FAIL_REPLACED, FAIL_STATUS, FAIL_TIMEOUT, ST_ANSWERED, ST_COMPUTE_NS,
-                             ST_DEADLINE_NS, ST_EXPERTS, ST_FAILED, ST_RINGS, ST_SEQ, ST_TRIPLES, STATE_WORDS)
+                             ST_DEADLINE_NS, ST_EXPERTS, ST_FAILED, ST_RINGS, ST_SEQ, ST_TRIPLES, ST_WAIT_NS,
+                             STATE_WORDS)
 
 __all__ = ["ring", "join", "count_call", "COUNT_MAX_PAIRS", "COUNTERS", "STATE_WORDS", "ST_RINGS", "ST_TRIPLES", "ST_ANSWERED", "ST_EXPERTS", "ST_COMPUTE_NS",
-           "ST_FAILED", "ST_DEADLINE_NS", "ST_SEQ", "FAIL_TIMEOUT", "FAIL_ABORTED", "FAIL_STATUS", "FAIL_REPLACED"]
+           "ST_FAILED", "ST_DEADLINE_NS", "ST_SEQ", "ST_WAIT_NS", "FAIL_TIMEOUT", "FAIL_ABORTED", "FAIL_STATUS",
+           "FAIL_REPLACED"]

@@ -32,7 +32,7 @@ def ring(x: torch.Tensor, ids: torch.Tensor, routes: torch.Tensor, weights: torc
 
     x [T, H] (rows contiguous); ids, routes [T, K] int (router ids, slot ids after ensure); weights [T, K];
     addrs: device addresses of the slot's hidden/token_idx/expert_id/weight buffers, its request line
-    ("line") and the channel's "request_seq"; fail [1] int32 and state [8] int64 on the device.
+    ("line") and the channel's "request_seq"; fail [1] int32 and state [STATE_WORDS] int64 on the device.
     always_ring: ring even when no route is left to this member (benchmarks of the bare round trip)."""
     from .triton_kernels import ring_kernel
     T, H = x.shape
@@ -55,7 +55,7 @@ def join(src: torch.Tensor, dst: torch.Tensor, *, addrs: dict[str, int], fail: t
          state: torch.Tensor, slot: int) -> None:
     """dst [T, H] = src + the worker's partial sums of the call rung into `slot` (after waiting for them,
     at most state[ST_DEADLINE_NS]), or dst = src when nothing was rung or the call failed (then
-    fail[0] = 1 and the host word holds a failure code).
+    fail[0] = 1 and the host word holds a failure code). A rung call adds its wait to state[ST_WAIT_NS].
 
     addrs: device addresses of the slot's "out", its request "line", the channel's "done_seq", the
     doorbell's "abort" and "host_fail" words."""

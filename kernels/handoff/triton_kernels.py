@@ -30,7 +30,9 @@ ST_COMPUTE_NS = 6       # worker-reported compute time
 ST_FAILED = 7           # calls that were not joined (timeout, abort, error status)
 ST_DEADLINE_NS = 8      # how long a join waits (DeviceDoorbell writes it: a captured graph follows changes)
 ST_SEQ = 9              # the channel's last request seq as the device knows it (DeviceDoorbell syncs it)
-STATE_WORDS = 10
+ST_WAIT_NS = 10         # join: time spent waiting for the worker's answer, rung calls only (GPU: %globaltimer ns;
+                        # interpreter: 1000 per spin)
+STATE_WORDS = 11
 POLL_EVERY = 16         # join: look at the abort word and done_seq once every this many polls
 
 # Failure codes written into the host-visible failure word of a member (any nonzero code: the call failed).
@@ -58,6 +60,7 @@ _ST_COMPUTE_NS = tl.constexpr(ST_COMPUTE_NS)
 _ST_FAILED = tl.constexpr(ST_FAILED)
 _ST_DEADLINE_NS = tl.constexpr(ST_DEADLINE_NS)
 _ST_SEQ = tl.constexpr(ST_SEQ)
+_ST_WAIT_NS = tl.constexpr(ST_WAIT_NS)
 _POLL_EVERY = tl.constexpr(POLL_EVERY)
 _FAIL_REPLACED = tl.constexpr(FAIL_REPLACED)
 _FAIL_TIMEOUT = tl.constexpr(FAIL_TIMEOUT)
@@ -186,6 +189,9 @@ def join_kernel(
 ):
     """Grid (cdiv(numel, BLOCK),). Each program waits for done_seq >= the rung seq (or the abort word,
     or the deadline in the state), checks the response line, and adds its block of the partial sums.
+    Program 0 adds how long its wait took (from before the first poll to after the last, answered or
+    not) to the state's ST_WAIT_NS: the joins of one stream run one after the other, so the sum is the
+    GPU's time waiting for the CPU.
 
     Every thread loads and decides for itself (a scalar here is per thread: two warps, or two programs,
     can see the answer arrive on either side of the deadline or the abort). So nothing after the wait
@@ -214,6 +220,7 @@ def join_kernel(
                 abort = tl.load(abort_addr.to(tl.pointer_type(tl.int64)), volatile=True)
                 done = tl.load(done_seq_addr.to(tl.pointer_type(tl.int64)), volatile=True)
             rseq = _ld_sys(resp + _RESP_SEQ, ON_GPU)
+        waited_ns = _now_ns(spins, ON_GPU) - start          # this call's wait (pid 0's, into ST_WAIT_NS)
         if (rseq != seq) & (done >= seq):
             rseq = _ld_sys(resp + _RESP_SEQ, ON_GPU)     # done_seq moves after the response: look again
         answered = (rseq == seq) | (done >= seq)
@@ -233,12 +240,13 @@ def join_kernel(
         tl.store(fail_ptr + offs * 0, tl.full([BLOCK], 1, tl.int32), mask=failed)
         tl.store(host_fail_addr.to(tl.pointer_type(tl.int64)) + offs * 0,
                  tl.full([BLOCK], 0, tl.int64) + code, mask=failed)
-        if pid == 0:                                         # counters (thread 0's verdict)
+        if pid == 0:                                         # counters (thread 0's verdict; the wait: any verdict)
             answered_ok = ok.to(tl.int64)
             tl.store(state_ptr + _ST_ANSWERED, tl.load(state_ptr + _ST_ANSWERED) + answered_ok)
             tl.store(state_ptr + _ST_EXPERTS, tl.load(state_ptr + _ST_EXPERTS) + experts.to(tl.int64) * answered_ok)
             tl.store(state_ptr + _ST_COMPUTE_NS, tl.load(state_ptr + _ST_COMPUTE_NS) + compute_ns * answered_ok)
             tl.store(state_ptr + _ST_FAILED, tl.load(state_ptr + _ST_FAILED) + 1 - answered_ok)
+            tl.store(state_ptr + _ST_WAIT_NS, tl.load(state_ptr + _ST_WAIT_NS) + waited_ns)
     else:
         if not SAME:
             tl.store(dst_ptr + offs, tl.load(src_ptr + offs, mask=m).to(dst_ptr.dtype.element_ty), mask=m)
