@@ -7,7 +7,9 @@ start(), in this order:
   2. one hot-path channel per CPU expert worker (cpu, hybrid).
   3. the engine link (a ROUTER on --engine-addr, loopback only).
   4. `--workers process`: the supervisor starts `ft worker cpu` x N and `ft worker gpu` and waits for
-     each HELLO (config hash) + READY; it restarts a dead one with back-off.
+     each HELLO (config hash) + READY; it restarts a dead one with back-off. cpu/hybrid: the CPU workers
+     get this process's affinity (--allowed-cpus) and the reserved CPUs; the GPU worker gets the same
+     reserved CPUs and pins itself to them once loaded (--pin-gpu-worker).
      `--attach`: nothing is started; the GPU worker (systemd: ft-gpu-worker@0) must say HELLO + READY
      within --worker-ready-timeout-s.
   5. READY's facts are checked against the coordinator's model (vocabulary).
@@ -60,6 +62,8 @@ class ProcessSetOptions:
     backoff_max_s: float = 30.0
     max_restarts: int = 5
     extra_env: dict[str, str] = field(default_factory=dict)
+    reserve_cpus: str | None = None          # cpu/hybrid: kept free of CPU workers (HybridOptions; None: default)
+    pin_gpu_worker: bool = True              # cpu/hybrid: the GPU worker pins itself to those (not hashed)
 
 
 def options_from_serve_args(args: Any) -> ProcessSetOptions:
@@ -79,10 +83,14 @@ def options_from_serve_args(args: Any) -> ProcessSetOptions:
     config = em.engine_config(model=model_dir, preset=args.preset, dtype="auto", moe_strategy=args.moe_strategy,
                               moe_cache_size=args.moe_cache_size, max_running_requests=args.max_running_requests,
                               max_context_tokens=args.max_context_tokens, num_cpu_workers=num_cpu_workers)
+    from proto.knobs import resolve
+
+    pin = resolve({"pin_gpu_worker": getattr(args, "pin_gpu_worker", None)})["pin_gpu_worker"] == "on"
     return ProcessSetOptions(attach=args.attach, config=config, engine_flags=flags, moe_strategy=args.moe_strategy,
                              engine_addr=args.engine_addr, store_name=args.store_name or default_store_name(args.port),
                              num_cpu_workers=num_cpu_workers, worker_ready_timeout_s=args.worker_ready_timeout_s,
-                             log_level=args.log_level)
+                             log_level=args.log_level, reserve_cpus=getattr(args, "reserve_cpus", None),
+                             pin_gpu_worker=pin)
 
 
 class ProcessSet:
@@ -133,10 +141,15 @@ class ProcessSet:
         common = dict(env=env, backoff_initial_s=o.backoff_initial_s, backoff_max_s=o.backoff_max_s,
                       max_restarts=o.max_restarts)
         specs = []
+        gpu_flags: list[str] = []
         if o.moe_strategy in CPU_STRATEGIES:
             from gpu_worker.offload.host_store import layout_hash
 
-            flags = self._cpu_worker_options().worker_flags()   # threads, reserved CPUs
+            cpu_options = self._cpu_worker_options()
+            flags = cpu_options.worker_flags()       # threads, allowed and reserved CPUs
+            # the GPU worker pins itself to the CPUs these workers keep off (the same list, resolved here)
+            gpu_flags = ["--reserve-cpus", cpu_options.reserved_cpus(),
+                         "--pin-gpu-worker", "on" if cpu_options.pins_gpu_worker() else "off"]
             for i in range(o.num_cpu_workers):
                 argv = ft + ["worker", "cpu", "--store", store_name, "--worker-index", str(i), "--num-workers",
                              str(o.num_cpu_workers), "--parent-pid", str(os.getpid()), "--log-level", o.log_level,
@@ -144,7 +157,7 @@ class ProcessSet:
                 specs.append(WorkerSpec(f"cpu{i}", argv, layout_hash(self.source.experts), kind="cpu-worker",
                                         ready_timeout_s=o.worker_ready_timeout_s, **common))
         argv = ft + ["worker", "gpu", "--engine-addr", self.link.address, "--name", GPU_WORKER_NAME,
-                     "--parent-pid", str(os.getpid()), "--log-level", o.log_level, *o.engine_flags]
+                     "--parent-pid", str(os.getpid()), "--log-level", o.log_level, *o.engine_flags, *gpu_flags]
         specs.append(WorkerSpec(GPU_WORKER_NAME, argv, self.link.config_hash, kind="gpu-worker",
                                 ready_timeout_s=o.worker_ready_timeout_s, heartbeat_timeout_s=GPU_HEARTBEAT_TIMEOUT_S,
                                 **common))
@@ -153,7 +166,8 @@ class ProcessSet:
     def _cpu_worker_options(self):
         """HybridOptions for the CPU workers this process set starts (their flags, their store placement)."""
         from gpu_worker.hybrid import HybridOptions
-        return HybridOptions(cpu_workers=max(1, self.options.num_cpu_workers))
+        return HybridOptions(cpu_workers=max(1, self.options.num_cpu_workers), reserve_cpus=self.options.reserve_cpus,
+                             pin_gpu_worker=self.options.pin_gpu_worker)
 
     def _create_store(self) -> str:
         from gpu_worker.offload import HostExperts

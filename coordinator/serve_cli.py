@@ -66,6 +66,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                             "FT_STORE_NAME; default ft-experts-<port>]")
     procs.add_argument("--num-cpu-workers", type=int, default=0,
                        help="CPU expert workers for cpu/hybrid (0 = one per NUMA node or core group)")
+    procs.add_argument("--reserve-cpus", default=None, metavar="LIST",
+                       help="cpu/hybrid: CPUs the CPU workers keep off and the GPU worker pins itself to "
+                            "(--pin-gpu-worker; default: 0 on machines with >= 4 CPUs)")
     procs.add_argument("--worker-ready-timeout-s", type=float, default=600.0,
                        help="start-up: how long a worker may take to say READY (loading included)")
     pol = parser.add_argument_group("fetch policy")

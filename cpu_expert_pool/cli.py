@@ -23,6 +23,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="auto | torch | native | native-avx512_bf16 | native-avx512 | native-avx2 | native-scalar")
     parser.add_argument("--threads", type=int, default=0, help="compute threads (0 = one per physical core)")
     parser.add_argument("--reserve-cpus", default="", help="CPU list left to other processes, e.g. 0-1")
+    parser.add_argument("--allowed-cpus", default=None, metavar="LIST",
+                        help="CPUs to place this worker on, before --reserve-cpus (default: the affinity it "
+                             "inherited); the worker sets its affinity to its share of them, wider than the "
+                             "inherited one if need be. Its parent passes its own affinity from before it pinned "
+                             "itself to the reserved CPUs, so a restarted worker is placed as the first was")
     parser.add_argument("--mempolicy", default="preferred", choices=("preferred", "bind", "none"))
     parser.add_argument("--no-pin", action="store_true", help="do not pin compute threads one per core")
     parser.add_argument("--spin-us", type=float, default=50.0, help="idle: spin this long between sleeps")
@@ -53,7 +58,9 @@ def run(args: argparse.Namespace) -> int:
     options = WorkerOptions(
         store_name=args.store, channel_name=args.channel or channel_name_for(args.store, args.worker_index),
         worker_index=args.worker_index, num_workers=args.num_workers, control_addr=args.control, config=config,
-        reserved_cpus=parse_cpulist(args.reserve_cpus), mempolicy=args.mempolicy, pin_threads=not args.no_pin,
+        reserved_cpus=parse_cpulist(args.reserve_cpus),
+        allowed_cpus=None if args.allowed_cpus is None else parse_cpulist(args.allowed_cpus),
+        mempolicy=args.mempolicy, pin_threads=not args.no_pin,
         expect_config_hash=args.expect_config_hash, handshake_timeout_s=args.handshake_timeout_s,
         sysfs_root=args.sysfs_root, warmup=not args.no_warmup)
     return run_cpu_worker(options)

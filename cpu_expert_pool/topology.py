@@ -2,8 +2,10 @@
 
 One worker per NUMA node (its threads on that node's cores, its memory policy on that node), or, on a
 single-node machine, one worker per core group (the count is a setting). The CPU set is always
-intersected with the affinity the process already has (systemd CPUAffinity=, cgroups, taskset) and
-with ``reserved_cpus`` left for the GPU worker and the coordinator: every process gets its own cores.
+intersected with the affinity the process already has (systemd CPUAffinity=, cgroups, taskset), or
+with the allowed CPUs its parent passes (``ft worker cpu --allowed-cpus``), and with ``reserved_cpus``
+left for the GPU worker and the coordinator: every process gets its own cores. The process that drives
+the GPU pins itself to the reserved CPUs (``set_process_affinity``, every thread; HybridOptions).
 
 Sysfs is read under a root parameter so tests use fixture trees (tests/fixtures/numa/*):
 ``<sysfs_root>/node/node<N>/cpulist`` and ``<sysfs_root>/cpu/cpu<N>/topology/thread_siblings_list``.
@@ -94,8 +96,9 @@ def format_cpulist(cpus: Iterable[int]) -> str:
     return ",".join(parts)
 
 
-def read_numa_nodes(sysfs_root: str = SYSFS_ROOT) -> list[NumaNode]:
-    """NUMA nodes from <sysfs_root>/node; one node with every online CPU where that tree is absent."""
+def read_numa_nodes(sysfs_root: str = SYSFS_ROOT, fallback_cpus: Iterable[int] | None = None) -> list[NumaNode]:
+    """NUMA nodes from <sysfs_root>/node; where that tree is absent, one node of `fallback_cpus` (default:
+    this process's affinity)."""
     node_root = os.path.join(sysfs_root, "node")
     nodes: list[NumaNode] = []
     try:
@@ -110,7 +113,8 @@ def read_numa_nodes(sysfs_root: str = SYSFS_ROOT) -> list[NumaNode]:
             nodes.append(NumaNode(int(m.group(1)), parse_cpulist(f.read())))
     if not nodes:
         log.info("no NUMA information under %s; treating the machine as one node", node_root)
-        nodes = [NumaNode(0, tuple(sorted(os.sched_getaffinity(0))))]
+        cpus = os.sched_getaffinity(0) if fallback_cpus is None else fallback_cpus
+        nodes = [NumaNode(0, tuple(sorted(set(cpus))))]
     return sorted(nodes, key=lambda n: n.node_id)
 
 
@@ -177,9 +181,10 @@ def plan_workers(nodes: list[NumaNode], allowed_cpus: Iterable[int], *, num_work
 def discover_placements(*, num_workers: int | None = None, reserved_cpus: Iterable[int] = (),
                         sysfs_root: str = SYSFS_ROOT,
                         allowed_cpus: Iterable[int] | None = None) -> list[WorkerPlacement]:
-    """plan_workers on this machine (or a fixture tree), intersected with the current affinity."""
+    """plan_workers on this machine (or a fixture tree), intersected with `allowed_cpus` (default: the
+    current affinity; a worker started by a process that pinned itself is given its parent's wider set)."""
     allowed = tuple(os.sched_getaffinity(0)) if allowed_cpus is None else tuple(allowed_cpus)
-    nodes = read_numa_nodes(sysfs_root)
+    nodes = read_numa_nodes(sysfs_root, fallback_cpus=allowed)
     core_of = read_core_of_cpu(sorted({c for n in nodes for c in n.cpus}), sysfs_root)
     return plan_workers(nodes, allowed, num_workers=num_workers, reserved_cpus=reserved_cpus, core_of=core_of)
 
@@ -248,9 +253,38 @@ def mbind_range(address: int, num_bytes: int, node_id: int, *, move: bool = True
     return True, ""
 
 
+def thread_ids() -> list[int]:
+    """The ids of this process's threads (/proc/self/task)."""
+    return sorted(int(tid) for tid in os.listdir("/proc/self/task"))
+
+
+def set_process_affinity(cpus: Iterable[int]) -> int:
+    """Set the CPU affinity of every thread of this process; returns how many threads were set.
+
+    Linux's sched_setaffinity(0) sets the calling thread only (a new thread inherits its creator's
+    mask, a child process the forking thread's), so the threads already running (IO, heartbeat,
+    watchdog, supervisor threads) are set one by one from /proc/self/task, again until no new one has
+    appeared meanwhile. A thread that exits meanwhile is skipped. The mask may be wider than the current
+    one, within the cgroup's cpuset."""
+    cpus = tuple(cpus)
+    done: set[int] = set()
+    while True:
+        todo = [tid for tid in thread_ids() if tid not in done]
+        if not todo:
+            return len(done)
+        for tid in todo:
+            try:
+                os.sched_setaffinity(tid, cpus)
+            except ProcessLookupError:       # exited since the listing
+                pass
+            done.add(tid)
+
+
 def bind_current_process(placement: WorkerPlacement, *, mempolicy: str = "preferred") -> BindResult:
-    """Set CPU affinity to the placement's CPUs and, where possible, the memory policy to its node."""
-    os.sched_setaffinity(0, placement.cpus)
+    """Set CPU affinity (every thread) to the placement's CPUs and, where possible, the memory policy to
+    its node. The placement may be wider than the affinity this process inherited (a worker restarted
+    by a parent that pinned itself to the reserved CPUs): the new mask replaces the inherited one."""
+    set_process_affinity(placement.cpus)
     bound, why = (False, "memory policy not requested") if mempolicy == "none" else \
         set_mempolicy([placement.node_id], mempolicy)
     if bound:
@@ -287,7 +321,8 @@ def place_store_for_workers(store: "ExpertStore", *, num_workers: int | None, re
     bind each expert's pages to the node of the worker that owns it under the default split
     (ExpertSplit.contiguous: contiguous expert ranges, workers placed node by node), so every worker
     reads its experts from its own node. The workers plan their placement with the same inputs
-    (discover_placements with the same count and reserved CPUs; they inherit this process's affinity).
+    (discover_placements with the same count, reserved CPUs and allowed CPUs: `--allowed-cpus`, this
+    process's affinity, HybridOptions.worker_flags).
     One node: nothing to do (returns 0). Returns how many experts were bound."""
     from cpu_expert_pool.split import ExpertSplit
     try:

@@ -47,6 +47,7 @@ class WorkerOptions:
     control_addr: str | None = None          # ZMQ address of the coordinator's ROUTER; None = standalone
     config: m.Config = dataclasses.field(default_factory=m.Config)   # settings until CONFIG says otherwise
     reserved_cpus: tuple[int, ...] = ()
+    allowed_cpus: tuple[int, ...] | None = None   # placed within these (--allowed-cpus); None: the inherited affinity
     mempolicy: str = "preferred"             # preferred | bind | none
     pin_threads: bool = True
     expect_config_hash: str | None = None
@@ -314,6 +315,15 @@ class SupervisorBridge:
         self.inbox.put(m.Shutdown("supervisor"))
 
 
+def plan_placement(options: WorkerOptions) -> WorkerPlacement:
+    """This worker's share of the allowed CPUs (options.allowed_cpus, else the affinity it inherited)
+    minus the reserved ones. A parent that pinned itself to the reserved CPUs passes its earlier, wider
+    affinity: planned over the inherited mask, a restarted worker would find no CPU left."""
+    placements = discover_placements(num_workers=options.num_workers, reserved_cpus=options.reserved_cpus,
+                                     sysfs_root=options.sysfs_root, allowed_cpus=options.allowed_cpus)
+    return placements[options.worker_index]
+
+
 def run_cpu_worker(options: WorkerOptions) -> int:
     """Entry point of one CPU expert worker (after process_setup). Returns the exit code."""
     inbox: queue.Queue = queue.Queue()
@@ -327,9 +337,7 @@ def run_cpu_worker(options: WorkerOptions) -> int:
     supervisor = SupervisorBridge(inbox) if SUPERVISOR_FD_ENV in os.environ else None
     store = channel = None
     try:
-        placements = discover_placements(num_workers=options.num_workers, reserved_cpus=options.reserved_cpus,
-                                         sysfs_root=options.sysfs_root)
-        placement = placements[options.worker_index]
+        placement = plan_placement(options)
         log.info("%s", placement.describe())
         bind_current_process(placement, mempolicy=options.mempolicy)
 

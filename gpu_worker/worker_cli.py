@@ -14,6 +14,8 @@ import argparse
 import os
 import sys
 
+from proto.knobs import add_cli_flag
+
 DEFAULT_ENGINE_ADDR = "tcp://127.0.0.1:1921"
 
 
@@ -46,6 +48,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                             "by device kernels inside the decode CUDA graph (DeviceDoorbell); auto: device on a "
                             "CUDA GPU, host elsewhere; local to this process, not part of the coordinator's config "
                             "[env FREETOKEN_HYBRID_HANDOFF, default 'auto']")
+    cpus = parser.add_argument_group("CPUs (cpu/hybrid; local to this process, not part of the coordinator's config)")
+    cpus.add_argument("--reserve-cpus", default=None, metavar="LIST",
+                      help="the CPUs the CPU workers keep off, where this process pins itself once loaded (`ft "
+                           "serve` passes its own; default: 0 on machines with >= 4 CPUs)")
+    add_cli_flag(cpus, "pin_gpu_worker")
     parser.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
 
 
@@ -59,13 +66,15 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("--max-running-requests must be >= 1")
     from proto.knobs import resolve
 
-    handoff = resolve({"hybrid_handoff": args.hybrid_handoff})["hybrid_handoff"]
+    knobs = resolve({"hybrid_handoff": args.hybrid_handoff, "pin_gpu_worker": args.pin_gpu_worker})
     options = GpuWorkerOptions(
         engine_addr=args.engine_addr, name=args.name, model=args.model, preset=args.preset, device=args.device,
         moe_strategy=args.moe_strategy, moe_cache_size=args.moe_cache_size,
         max_running_requests=args.max_running_requests, max_context_tokens=args.max_context_tokens,
         num_cpu_workers=args.num_cpu_workers, store_name=args.store_name,
-        handshake_timeout_s=args.handshake_timeout_s, drain_timeout_s=args.drain_timeout_s, hybrid_handoff=handoff)
+        handshake_timeout_s=args.handshake_timeout_s, drain_timeout_s=args.drain_timeout_s,
+        hybrid_handoff=knobs["hybrid_handoff"], reserve_cpus=args.reserve_cpus,
+        pin_gpu_worker=knobs["pin_gpu_worker"] == "on")
     return run_gpu_worker(options)
 
 

@@ -55,6 +55,8 @@ class GpuWorkerOptions:
     handshake_timeout_s: float = DEFAULT_HANDSHAKE_TIMEOUT_S
     drain_timeout_s: float = 30.0
     hybrid_handoff: str = "auto"               # cpu/hybrid: "stream" = StreamDoorbell (not in the config hash)
+    reserve_cpus: str | None = None            # cpu/hybrid: the CPU workers' reserved CPUs (HybridOptions; not hashed)
+    pin_gpu_worker: bool | None = None         # cpu/hybrid: pin to them once loaded; None: $FREETOKEN_PIN_GPU_WORKER
 
     def engine_config(self) -> dict[str, Any]:
         return em.engine_config(model=os.path.abspath(self.model) if self.model else None, preset=self.preset,
@@ -136,6 +138,18 @@ def load_engine(opts: GpuWorkerOptions, welcome: em.Welcome) -> LoadedEngine:
     return LoadedEngine(engine, ready, experts)
 
 
+def pin_to_reserved_cpus(opts: GpuWorkerOptions) -> tuple[int, ...] | None:
+    """cpu/hybrid: pin this process (every thread) to the reserved CPUs the CPU workers keep off
+    (HybridOptions.pin_driving_process). Its CPU workers are the coordinator's children, not ours, so
+    nothing inherits the narrowed mask; a restarted GPU worker starts from its starter's affinity again."""
+    if opts.moe_strategy not in em.CPU_POOL_STRATEGIES:
+        return None
+    from gpu_worker.hybrid.options import HybridOptions
+
+    return HybridOptions(reserve_cpus=opts.reserve_cpus, pin_gpu_worker=opts.pin_gpu_worker).pin_driving_process(
+        f"GPU worker {opts.name}")
+
+
 def _close(experts: Any) -> None:
     close = getattr(experts, "close", None)
     if close is not None:
@@ -195,6 +209,7 @@ def run_gpu_worker(opts: GpuWorkerOptions) -> int:
             return 0
         log.info("WELCOME from the coordinator (pid %d, session %d)", welcome.coordinator_pid, welcome.session)
         loaded = load_engine(opts, welcome)
+        pin_to_reserved_cpus(opts)             # after loading, which uses every core it may
         link.send(loaded.ready)
         if supervisor is not None:
             supervisor.ready()

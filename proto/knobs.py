@@ -71,6 +71,11 @@ KNOBS: tuple[Knob, ...] = (
          "stream memory operations) or device (two kernels ring the worker and join its answer: capturable in "
          "the decode CUDA graph; needs CUDA)",
          choices=("auto", "host", "stream", "device")),
+    Knob("FREETOKEN_PIN_GPU_WORKER", "pin_gpu_worker", str, "on",
+         "cpu/hybrid: the process that drives the GPU (the GPU worker; `ft generate`) pins all its threads to "
+         "the reserved CPUs (--reserve-cpus) within its affinity, off the CPU workers' cores; off: it runs "
+         "anywhere",
+         choices=("on", "off")),
     Knob("FREETOKEN_MOE_PREFETCH", "moe_prefetch", str, "off",
          "next-layer expert prefetch: off, measure (predict and count, install nothing), on",
          choices=("off", "measure", "on"),
@@ -106,14 +111,21 @@ def read_env(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
     return {k.field: k.convert(environ[k.env], k.env) for k in KNOBS if k.env in environ}
 
 
+def add_cli_flag(parser: Any, field: str) -> None:
+    """Add the flag of one knob to a parser or argument group (default None, so that env and config
+    defaults apply); for a command that takes a few knobs, not all of them."""
+    k = KNOBS_BY_FIELD[field]
+    parser.add_argument(k.flag, dest=k.field, default=None, choices=k.choices,
+                        type=(None if k.choices else k.parse),
+                        help=f"{k.help} [env {k.env}, default {k.default!r}]"
+                        + (" (not available yet)" if k.not_available else ""))
+
+
 def add_cli_flags(parser: argparse.ArgumentParser) -> None:
     """Add one flag per knob; defaults are None so that env and config defaults apply."""
     group = parser.add_argument_group("expert-cache knobs (also FREETOKEN_* environment variables)")
     for k in KNOBS:
-        group.add_argument(k.flag, dest=k.field, default=None, choices=k.choices,
-                           type=(None if k.choices else k.parse),
-                           help=f"{k.help} [env {k.env}, default {k.default!r}]"
-                           + (" (not available yet)" if k.not_available else ""))
+        add_cli_flag(group, k.field)
 
 
 def resolve(cli_values: Mapping[str, Any] | None = None,

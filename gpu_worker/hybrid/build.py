@@ -19,8 +19,10 @@ log = logging.getLogger("ft.hybrid")
 def start_cpu_pool(host: HostExperts, options: HybridOptions, top_k: int) -> CpuPool:
     """The CPU workers of `host`'s store, sized for forwards of up to options.cpu_max_tokens tokens.
 
-    Also limits this process's torch CPU threads (options.engine_thread_count(); the pool's close()
-    restores the previous count), so that they do not spin on the workers' cores."""
+    Also limits this process's torch CPU threads (options.engine_thread_count()) and pins all its threads
+    to the reserved CPUs (options.pin_driving_process: this process drives the GPU), so that they do not
+    run on the workers' cores; the pool's close() restores both. The workers are started first, with
+    this process's affinity from before as their --allowed-cpus (options.worker_flags())."""
     t_max = options.cpu_max_tokens
     pool = CpuPool.start(host.store, num_workers=options.cpu_workers, t_max=t_max, max_triples=t_max * top_k,
                          hidden_dtype=channel_hidden_dtype(host.layout.dtype), worker_flags=options.worker_flags(),
@@ -33,6 +35,11 @@ def start_cpu_pool(host: HostExperts, options: HybridOptions, top_k: int) -> Cpu
         log.info("torch CPU threads of this process: %d -> %d (the CPU workers compute on the others)",
                  pool.restore_threads, threads)
         torch.set_num_threads(threads)
+    try:
+        pool.restore_affinity = options.pin_driving_process("the engine's process")
+    except BaseException:
+        pool.close()
+        raise
     return pool
 
 

@@ -15,6 +15,8 @@ someone else (the coordinator of `ft serve`) created and supervises. Triples go 
 (WorkerTimeout) is marked down; a late one is killed (SIGKILL: a stopped or hung process may never
 answer, and a restart costs a few seconds with the store still mapped), so the supervisor restarts
 it. `poll` re-admits a worker once its channel answers again (READY and nothing in flight).
+Their flags carry `--allowed-cpus` (HybridOptions.worker_flags), so that a worker restarted after this
+process pinned itself to the reserved CPUs (build.py) is placed as the first one was.
 """
 from __future__ import annotations
 
@@ -33,6 +35,7 @@ from cpu_expert_pool.channel import (CpuPoolClient, WorkerDead, WorkerError, Wor
                                      create_worker_channel)
 from cpu_expert_pool.proc import REPO_ROOT
 from cpu_expert_pool.split import ExpertSplit
+from cpu_expert_pool.topology import set_process_affinity
 from proto.expert_store import ExpertStore
 from proto.shm_layout import process_start_ticks
 
@@ -88,6 +91,7 @@ class CpuPool:
         self.members: list[PoolMember] = []
         self.supervisor: Supervisor | None = None
         self.restore_threads: int | None = None   # torch threads of this process before the pool (build.py)
+        self.restore_affinity: tuple[int, ...] | None = None   # its CPU affinity before it pinned itself (build.py)
         self._segments = []
         self._next_poll_s = 0.0
 
@@ -160,6 +164,9 @@ class CpuPool:
         if self.restore_threads is not None:
             torch.set_num_threads(self.restore_threads)
             self.restore_threads = None
+        if self.restore_affinity is not None:
+            set_process_affinity(self.restore_affinity)
+            self.restore_affinity = None
         if self.supervisor is not None:
             self.supervisor.stop()
             self.supervisor = None

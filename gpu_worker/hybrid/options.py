@@ -1,7 +1,8 @@
 """`HybridOptions`: the settings of the `hybrid` and `cpu` expert backends, validated in one place.
 
 Every field is also a flag of `ft generate` (generate_cli.py); the fetch rounding and selection and
-the hand-off (--hybrid-handoff) are FREETOKEN_* knobs (proto/knobs.py). Where the fetch fraction starts, in order: the given value
+the hand-off (--hybrid-handoff) and pinning the GPU-driving process (--pin-gpu-worker) are FREETOKEN_*
+knobs (proto/knobs.py). Where the fetch fraction starts, in order: the given value
 (--fetch-fraction), the `ft bench bw` profile measured on this GPU (or "cpu") for this expert format,
 0.5. The profile is read by coordinator/policy.py's `load_bandwidth_profile`, which ignores a profile
 of other hardware or another expert format with a log line.
@@ -14,7 +15,7 @@ import os
 
 import torch
 
-from cpu_expert_pool.topology import parse_cpulist
+from cpu_expert_pool.topology import format_cpulist, parse_cpulist, set_process_affinity
 from kernels.slot_cache.state import ROUND_MODES, SELECT_MODES
 
 log = logging.getLogger("ft.hybrid")
@@ -51,6 +52,7 @@ class HybridOptions:
     engine_threads: int | None = None       # torch threads of this process; None: the reserved CPUs' count, >= 1
     benchbw_path: str = ""                  # `ft bench bw` profile; "": $FREETOKEN_BENCHBW_PATH or default
     handoff: str = "auto"                   # host: CpuPool.submit/join; stream: StreamDoorbell; device: DeviceDoorbell
+    pin_gpu_worker: bool | None = None      # pin the GPU-driving process to the reserved CPUs; None: the knob
 
     def __post_init__(self) -> None:
         if self.fetch_fraction is not None and not 0.0 <= float(self.fetch_fraction) <= 1.0:
@@ -86,6 +88,50 @@ class HybridOptions:
             return self.reserve_cpus
         return "0" if len(os.sched_getaffinity(0)) >= RESERVE_CPU_MIN_CPUS else ""
 
+    def allowed_cpus(self) -> str:
+        """The CPUs the workers are placed on (before the reserved ones are taken out): this process's
+        affinity now, i.e. before it pins itself (pin_driving_process). Passed to every worker
+        (`--allowed-cpus`, worker_flags): a worker restarted by a pinned process inherits the narrow mask,
+        and planned over that it would find no CPU left."""
+        return format_cpulist(os.sched_getaffinity(0))
+
+    def pins_gpu_worker(self) -> bool:
+        if self.pin_gpu_worker is not None:
+            return self.pin_gpu_worker
+        from proto.knobs import resolve
+        return resolve()["pin_gpu_worker"] == "on"
+
+    def driving_process_cpus(self) -> tuple[int, ...]:
+        """Where the process that drives the GPU pins itself: the reserved CPUs within its affinity; ()
+        for nowhere (pinning off, nothing reserved, or no reserved CPU in its affinity)."""
+        if not self.pins_gpu_worker():
+            return ()
+        return tuple(sorted(set(parse_cpulist(self.reserved_cpus())) & os.sched_getaffinity(0)))
+
+    def pin_driving_process(self, what: str) -> tuple[int, ...] | None:
+        """Pin the process that drives the GPU (and hosts the backend) to driving_process_cpus(), so the
+        CPU workers, which keep off the reserved CPUs, have their cores to themselves. Returns the
+        affinity before (to restore: CpuPool.close), or None where nothing was pinned.
+
+        Every thread, not only the calling one (sched_setaffinity(0) sets one thread): the others
+        (engine-link IO, heartbeats, the doorbell watchdog, the supervisor's monitor, torch's pool, CUDA's
+        helper threads) would otherwise run on the workers' cores and preempt their busy loops; they
+        mostly sleep, so they do not crowd the reserved core. Threads started later inherit the mask.
+        The cost, CPU workers this process (re)starts inheriting the narrow mask, is met by
+        --allowed-cpus (allowed_cpus)."""
+        cpus = self.driving_process_cpus()
+        if not cpus:
+            reserved = self.reserved_cpus()
+            if reserved and self.pins_gpu_worker():
+                log.info("%s not pinned: none of the reserved CPUs %s is in its affinity %s", what, reserved,
+                         format_cpulist(os.sched_getaffinity(0)))
+            return None
+        before = tuple(sorted(os.sched_getaffinity(0)))
+        threads = set_process_affinity(cpus)
+        log.info("pinned %s (pid %d, %d threads) to CPU %s, the reserved CPUs (was %s); the CPU workers keep "
+                 "off them", what, os.getpid(), threads, format_cpulist(cpus), format_cpulist(before))
+        return before
+
     def engine_thread_count(self) -> int:
         """Torch CPU threads for the process that hosts the backend. Its idle OpenMP threads spin on the
         cores the workers compute on: with 2 threads on the 2-core CI VM, tiny-model hybrid decode ran
@@ -103,7 +149,7 @@ class HybridOptions:
 
     def worker_flags(self) -> list[str]:
         """`ft worker cpu` flags from these options (the store, channel and index are added per worker)."""
-        flags = ["--threads", str(self.cpu_threads)]
+        flags = ["--threads", str(self.cpu_threads), "--allowed-cpus", self.allowed_cpus()]
         reserved = self.reserved_cpus()
         if reserved:
             flags += ["--reserve-cpus", reserved]
