@@ -69,6 +69,10 @@ def test_bad_layer_and_budget(cache):
     (dict(num_slots=0), "num_slots must be a positive int"),
     (dict(num_slots=1 << 25), "exceeds the kernel's limit"),
     (dict(num_experts=-3), "num_experts must be a positive int"),
+    # the decode kernel packs owner ids (layer * E + expert) into 30 bits and list positions into 7
+    (dict(num_layers=1 << 15, num_experts=1 << 15), "experts in all"),
+    (dict(victim_list=128), "power of two up to 64"),
+    (dict(victim_list=24), "power of two up to 64"),
 ])
 def test_bad_create(kwargs, match):
     args = dict(num_layers=2, num_experts=8, num_slots=4)

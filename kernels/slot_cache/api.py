@@ -48,6 +48,16 @@ def small_defaults(num_slots: int) -> tuple[int, int]:
     return DEFAULT_PART, DEFAULT_SMALL_WARPS
 
 
+def small_launch(num_routes: int, num_slots: int, victim_list: int, slot_tile: int | None = None) -> dict:
+    """Grid size and block constexprs of the decode kernel (ensure_small_kernel) for one call."""
+    part = max(MIN_PART, _next_pow2(slot_tile or small_defaults(num_slots)[0]))
+    programs = -(-num_slots // part)
+    route_block = max(16, _next_pow2(num_routes))
+    cand = _next_pow2(route_block + victim_list)
+    return dict(programs=programs, PART=part, ROUTE_BLOCK=route_block, V=victim_list, CAND=cand,
+                MERGE_BLOCK=_next_pow2(programs * cand), MULTI=programs > 1)
+
+
 def _capturing(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
@@ -150,12 +160,8 @@ def ensure(cache: SlotCache, layer: int, expert_ids: torch.Tensor, *,
         raise ValueError(f"path='small' takes at most {SMALL_ROUTES_MAX} routes, got {num_routes}")
     if path != "general" and num_routes <= SMALL_ROUTES_MAX:
         from .triton_kernels import ensure_small_kernel
-        default_part, default_warps = small_defaults(cache.num_slots)
-        part = max(MIN_PART, _next_pow2(slot_tile or default_part))
-        programs = -(-cache.num_slots // part)
-        route_block = max(16, _next_pow2(num_routes))
-        v = cache.victim_list
-        cand = _next_pow2(route_block + v)
+        shape = small_launch(num_routes, cache.num_slots, cache.victim_list, slot_tile)
+        programs = shape.pop("programs")
         pool = cache.pool_base(layer) // cache.num_slots
         ensure_small_kernel[(programs,)](
             expert_ids, num_routes, cache.slot_for_id, cache.id_of_slot, cache.usage, cache.step,
@@ -164,9 +170,7 @@ def ensure(cache: SlotCache, layer: int, expert_ids: torch.Tensor, *,
             cache.part_keys, cache.arrive, cache.victim_keys[pool], cache.victim_owner[pool],
             layer, cache.pool_base(layer), cache.num_slots, *codes,
             NUM_EXPERTS=cache.num_experts, E_BLOCK=max(16, _next_pow2(cache.num_experts)),
-            ROUTE_BLOCK=route_block, PART=part, V=v, CAND=cand,
-            MERGE_BLOCK=_next_pow2(programs * cand), USE_POLICY=use_device_policy,
-            MULTI=programs > 1, num_warps=num_warps or default_warps)
+            USE_POLICY=use_device_policy, num_warps=num_warps or DEFAULT_SMALL_WARPS, **shape)
         return
     from .triton_kernels import ensure_kernel
     tile = slot_tile or min(_next_pow2(cache.num_slots), DEFAULT_SLOT_TILE)

@@ -95,6 +95,7 @@ def resource_report(kernel_name: str, tile: int, warps: int, victim_list: int = 
                     num_slots: int = 23197) -> tuple[int, int]:
     """(registers, spills) of a compiled ensure kernel (default: the large-pool configuration)."""
     from . import triton_kernels
+    from .api import small_launch
     cache = SlotCache.create(61, 512, num_slots, device="cuda", victim_list=victim_list)
     ids = torch.arange(TOP_K, device="cuda")
     common = (ids, ids.numel(), cache.slot_for_id, cache.id_of_slot, cache.usage, cache.step,
@@ -102,13 +103,11 @@ def resource_report(kernel_name: str, tile: int, warps: int, victim_list: int = 
               cache.num_indices, cache.num_missing_full, cache.error, cache.policy)
     policy = (0, 0, cache.num_slots, -1, 1 << 16, 0, 0, 1, 0)
     if kernel_name == "small":
-        programs = -(-cache.num_slots // tile)
-        cand = 1 << (16 + victim_list - 1).bit_length()
+        shape = small_launch(TOP_K, cache.num_slots, victim_list, tile)
+        programs = shape.pop("programs")
         compiled = triton_kernels.ensure_small_kernel[(programs,)](
             *common, cache.part_keys, cache.arrive, cache.victim_keys[0], cache.victim_owner[0],
-            *policy, NUM_EXPERTS=512, E_BLOCK=512, ROUTE_BLOCK=16, PART=tile, V=victim_list,
-            CAND=cand, MERGE_BLOCK=1 << (programs * cand - 1).bit_length(),
-            USE_POLICY=False, MULTI=programs > 1, num_warps=warps)
+            *policy, NUM_EXPERTS=512, E_BLOCK=512, USE_POLICY=False, num_warps=warps, **shape)
     else:
         compiled = triton_kernels.ensure_kernel[(1,)](
             *common, *policy, NUM_EXPERTS=512, E_BLOCK=512, ROUTE_TILE=1024, SLOT_TILE=tile,
@@ -122,13 +121,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sweep", action="store_true",
                         help="time every decode-kernel setting in SWEEP, not only the defaults")
     parser.add_argument("--reps", type=int, default=200)
+    parser.add_argument("--slots", default=None, help="comma-separated pool sizes of POOLS to time (default: all)")
+    parser.add_argument("--warps", default="", help="comma-separated warp counts to time beside the defaults")
     args = parser.parse_args(argv)
+    only = {int(v) for v in args.slots.split(",")} if args.slots else None
+    extra = [(None, int(w), None) for w in args.warps.split(",") if w]
     if not torch.cuda.is_available():
         raise RuntimeError("the slot-cache benchmark needs a CUDA GPU")
     rows = []
     for num_slots, layers, experts in POOLS:
+        if only is not None and num_slots not in only:
+            continue
         default = small_defaults(num_slots)
-        settings = [(None, None, None)] + (SWEEP.get(num_slots, []) if args.sweep else [])
+        settings = [(None, None, None)] + extra + (SWEEP.get(num_slots, []) if args.sweep else [])
         for tile, warps, vlist in settings:
             part, w = (default[0] if tile is None else tile, default[1] if warps is None else warps)
             v = DEFAULT_VICTIM_LIST if vlist is None else vlist
@@ -137,11 +142,12 @@ def main(argv: list[str] | None = None) -> int:
             one = bench_case(num_slots, layers, experts, True, part, w, args.reps, v)
             rows.append((num_slots, part, w, v, tile is None and warps is None, regs, spills,
                          hit, one))
-    print("\ngeneral kernel (prefill-sized calls), resources at 23,197 slots:")
-    print(f"{'tile':>5} {'warps':>5} {'regs':>4} {'spill':>5}")
-    for tile, warps in GENERAL_VARIANTS:
-        regs, spills = resource_report("general", tile, warps)
-        print(f"{tile:>5} {warps:>5} {regs:>4} {spills:>5}")
+    if only is None:
+        print("\ngeneral kernel (prefill-sized calls), resources at 23,197 slots:")
+        print(f"{'tile':>5} {'warps':>5} {'regs':>4} {'spill':>5}")
+        for tile, warps in GENERAL_VARIANTS:
+            regs, spills = resource_report("general", tile, warps)
+            print(f"{tile:>5} {warps:>5} {regs:>4} {spills:>5}")
     print(f"\nslot-cache ensure (decode kernel), {torch.cuda.get_device_name()}, top-{TOP_K}, "
           f"{CALLS_PER_REPLAY} calls per graph replay, median of {args.reps} replays "
           f"(one program up to {SINGLE_PROGRAM_SLOTS} slots by default)")

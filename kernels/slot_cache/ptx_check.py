@@ -83,19 +83,19 @@ def cases():
         small[k] = "constexpr"
     for k in ("NUM_EXPERTS", "E_BLOCK", "ROUTE_TILE", "SLOT_TILE", "USE_POLICY"):
         general[k] = "constexpr"
+    from .api import small_launch
+
+    def small_case(name, experts, slots, victim_list, use_policy):
+        shape = small_launch(10, slots, victim_list)
+        del shape["programs"]
+        return (name, "ensure_small_kernel", small,
+                dict(NUM_EXPERTS=experts, E_BLOCK=experts, USE_POLICY=use_policy, **shape))
+
     return [
-        ("small-2048-list", "ensure_small_kernel", small,
-         dict(NUM_EXPERTS=128, E_BLOCK=128, ROUTE_BLOCK=16, PART=2048, V=32, CAND=64, MERGE_BLOCK=64,
-              USE_POLICY=True, MULTI=False)),
-        ("small-23197-multi", "ensure_small_kernel", small,
-         dict(NUM_EXPERTS=512, E_BLOCK=512, ROUTE_BLOCK=16, PART=1024, V=32, CAND=64, MERGE_BLOCK=2048,
-              USE_POLICY=False, MULTI=True)),
-        ("small-64-list", "ensure_small_kernel", small,
-         dict(NUM_EXPERTS=128, E_BLOCK=128, ROUTE_BLOCK=16, PART=64, V=32, CAND=64, MERGE_BLOCK=64,
-              USE_POLICY=False, MULTI=False)),
-        ("small-64-nolist", "ensure_small_kernel", small,
-         dict(NUM_EXPERTS=128, E_BLOCK=128, ROUTE_BLOCK=16, PART=64, V=0, CAND=16, MERGE_BLOCK=16,
-              USE_POLICY=False, MULTI=False)),
+        small_case("small-2048-list", 128, 2048, 32, True),
+        small_case("small-23197-multi", 512, 23197, 32, False),
+        small_case("small-64-list", 128, 64, 32, False),
+        small_case("small-64-nolist", 128, 64, 0, False),
         ("general", "ensure_kernel", general,
          dict(NUM_EXPERTS=512, E_BLOCK=512, ROUTE_TILE=1024, SLOT_TILE=2048, USE_POLICY=False)),
     ]

@@ -25,6 +25,11 @@ MIN_PART = 16
 # The decode kernel keeps, per pool, a list of the pool's smallest victim keys (see VICTIM_LIST in
 # docs/slot_cache.md): a power of two, or 0 for none.
 DEFAULT_VICTIM_LIST = 32
+MAX_VICTIM_LIST = 64
+# The decode kernel packs (candidate index, slot, owner + 1) into one int64 so that one reduction
+# picks a victim and its owner (triton_kernels.PACK_*): owners (flat ids layer * E + expert) need
+# fewer than OWNER_BITS bits.
+OWNER_BITS = 30
 KEY_NONE = 0x7FFFFFFFFFFFFFFF
 # Error flag bits written by the kernels (host checks them off the hot path).
 ERR_EXPERT_ID = 1
@@ -63,8 +68,9 @@ class SlotCache:
 
     def __post_init__(self):
         device = self.usage.device
-        if self.victim_list < 0 or self.victim_list & (self.victim_list - 1):
-            raise ValueError(f"victim_list must be 0 or a power of two, got {self.victim_list}")
+        if self.victim_list < 0 or self.victim_list & (self.victim_list - 1) or self.victim_list > MAX_VICTIM_LIST:
+            raise ValueError(f"victim_list must be 0 or a power of two up to {MAX_VICTIM_LIST}, "
+                             f"got {self.victim_list}")
         pools = self.usage.numel() // self.num_slots
         if self.victim_keys is None:
             width = max(self.victim_list, 1)
@@ -84,6 +90,9 @@ class SlotCache:
                             ("num_slots", num_slots)):
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"SlotCache.create: {name} must be a positive int, got {value!r}")
+        if num_layers * num_experts >= (1 << OWNER_BITS) - 1:
+            raise ValueError(f"SlotCache.create: num_layers * num_experts = {num_layers * num_experts} exceeds "
+                             f"the kernel's limit of {(1 << OWNER_BITS) - 2} experts in all")
         if num_slots >= MAX_SLOTS_PER_POOL:
             raise ValueError(f"SlotCache.create: num_slots={num_slots} exceeds the kernel's limit "
                              f"of {MAX_SLOTS_PER_POOL - 1} slots per pool")

@@ -11,7 +11,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .state import SLOT_BITS
+from .state import OWNER_BITS, SLOT_BITS
 
 INT64_MAX = 0x7FFFFFFFFFFFFFFF
 
@@ -49,7 +49,9 @@ def _fetch_count(num_misses, num_hits, num_slots, first_key, max_fetch, frac_q16
     cost_lo = tl.maximum(lo * (65536 - frac_q16), (num_misses - lo) * frac_q16)
     cost_hi = tl.maximum(hi * (65536 - frac_q16), (num_misses - hi) * frac_q16)
     k_minwait = tl.where(cost_hi < cost_lo, hi, lo)
-    k_stoch = lo + (_draw16(seed, step, layer) < (prod & 0xFFFF)).to(tl.int64)
+    k_stoch = lo
+    if round_mode == 1:     # the draw is a chain of ~40 dependent integer ops: only when it is used
+        k_stoch = lo + (_draw16(seed, step, layer) < (prod & 0xFFFF)).to(tl.int64)
     k_ceil = (prod + 65535) >> 16
     k_frac = tl.where(round_mode == 0, k_minwait, tl.where(round_mode == 1, k_stoch, k_ceil))
     k_frac = tl.minimum(k_frac, num_misses)
@@ -113,27 +115,51 @@ def _next_miss(order_key, prev_order):
     return tl.max(tl.where(order_key < prev_order, order_key, -1), axis=0)
 
 
+# A victim candidate packed into one int64, so that one min picks the next victim and its owner:
+# bits 56-62 the candidate's index in its ascending list (list order = key order), bits 30-54 the
+# pool-local slot, bits 0-29 the owner + 1 (0: an empty slot). KEY_NONE: no candidate.
+PACK_INDEX_SHIFT = 56
+PACK_SLOT_SHIFT = 30
+PACK_OWNER_MASK = (1 << 30) - 1
+assert PACK_SLOT_SHIFT + SLOT_BITS <= PACK_INDEX_SHIFT and PACK_OWNER_MASK == (1 << OWNER_BITS) - 1
+
+
 @triton.jit
-def _install_misses(slot_for_id_ptr, id_of_slot_ptr, usage_ptr, evict_ptr, src_ptr, keys, owners,
+def _pack_victims(index, slot, owner, ok):
+    # [N] candidates in ascending key order -> packed (KEY_NONE where not ok)
+    packed = (index.to(tl.int64) << 56) | (slot.to(tl.int64) << 30) | (owner.to(tl.int64) + 1)
+    return tl.where(ok, packed, 0x7FFFFFFFFFFFFFFF)
+
+
+@triton.jit
+def _sum_max(a1, b1, a2, b2):
+    return a1 + a2, tl.maximum(b1, b2)
+
+
+@triton.jit
+def _sum_min(a1, b1, a2, b2):
+    return a1 + a2, tl.minimum(b1, b2)
+
+
+@triton.jit
+def _install_misses(slot_for_id_ptr, id_of_slot_ptr, usage_ptr, evict_ptr, src_ptr, packed, first_packed,
                     order_key, first_key, k, row, step, pool_base, promoted, e64, out,
                     E_BLOCK: tl.constexpr):
     # The decode kernel's installs: the i-th miss in order takes the slot of the i-th smallest of
-    # `keys` (victim keys, KEY_NONE = none), whose previous owner is the same entry of `owners`,
-    # unless a promotion finds no empty slot; routes of the expert point at the slot.
-    # Returns (out, installed). The first miss is first_key, already reduced by the caller, so the
-    # usual k = 1 costs no reduction for the miss.
+    # `packed` (_pack_victims), unless a promotion finds no empty slot; routes of the expert point at
+    # the slot. Returns (out, installed). The first miss and the first victim (first_key,
+    # first_packed) are already reduced by the caller, so the usual k = 1 costs no reduction here.
     installed = tl.zeros((), tl.int32)
     cur = first_key
-    prev_victim = tl.full((), -1, tl.int64)
+    pk = first_packed
     for i in range(0, k):
         if i > 0:
             cur = _next_miss(order_key, cur)
+            pk = tl.min(tl.where(packed > pk, packed, 0x7FFFFFFFFFFFFFFF), axis=0)
         expert = _miss_expert(cur, E_BLOCK)
-        vk = tl.min(tl.where(keys > prev_victim, keys, 0x7FFFFFFFFFFFFFFF), axis=0)
-        prev_victim = vk
-        victim = pool_base + (vk & ((1 << 25) - 1))
-        if (promoted == 0) | ((vk >> 25) == 0):
-            old = tl.max(tl.where(keys == vk, owners, -1), axis=0)
+        victim = pool_base + ((pk >> 30) & ((1 << 25) - 1))
+        old = (pk & ((1 << 30) - 1)) - 1
+        if (promoted == 0) | (old < 0):
             _install_known(slot_for_id_ptr, id_of_slot_ptr, usage_ptr, victim, old, row + expert, step)
             tl.store(evict_ptr + i, victim.to(tl.int32))
             tl.store(src_ptr + i, expert.to(tl.int32))
@@ -344,7 +370,7 @@ def ensure_small_kernel(
     ROUTE_BLOCK: tl.constexpr,   # power of two >= N
     PART: tl.constexpr,          # slots scanned by each program
     V: tl.constexpr,             # victim-list length (power of two; 0 = no list)
-    CAND: tl.constexpr,          # power of two >= ROUTE_BLOCK + V: candidates kept per program
+    CAND: tl.constexpr,          # power of two >= ROUTE_BLOCK + V: candidates kept per program (<= 128)
     MERGE_BLOCK: tl.constexpr,   # power of two >= G * CAND
     USE_POLICY: tl.constexpr,    # read the policy scalars from policy_ptr
     MULTI: tl.constexpr,         # more than one program (G > 1)
@@ -360,6 +386,7 @@ def ensure_small_kernel(
     takes the first k as victims and the next V as the new list. With several programs the last to
     arrive applies the call (no program may rewrite routes or maps another has yet to read).
     """
+    tl.static_assert(CAND <= 128)     # a candidate's index fits the packed victim's 7 index bits
     pid = tl.program_id(0)
     zero = tl.zeros((), tl.int64)
     if USE_POLICY:
@@ -375,49 +402,54 @@ def ensure_small_kernel(
     step = tl.load(step_ptr) + 1
     row = layer * NUM_EXPERTS
 
-    # routes: distinct experts are the first occurrence of each id
+    # routes: distinct experts are the first occurrence of each id. Every load that does not depend on
+    # another is issued before the first reduction (its barrier would hold the loads back).
     r = tl.arange(0, ROUTE_BLOCK)                                         # [R]
     in_r = r < num_routes
     e = tl.load(ids_ptr + r, mask=in_r, other=-1)
+    e64 = e.to(tl.int64)
+    valid = in_r & (e64 >= 0) & (e64 < NUM_EXPERTS)
+    slot = tl.load(slot_for_id_ptr + row + e64, mask=valid, other=-1).to(tl.int64)
+    rec = tl.load(recency_ptr + row + e64, mask=valid, other=-1)
     if V > 0:
-        vj = tl.arange(0, V)                                              # [V]
+        vj = tl.arange(0, V)                                              # [V] the victim list
         vkey = tl.load(vkeys_ptr + vj)
         vown = tl.load(vowner_ptr + vj)
         vslot = vkey & ((1 << 25) - 1)
         vused = vkey != 0x7FFFFFFFFFFFFFFF
         vu = tl.load(usage_ptr + pool_base + vslot, mask=vused, other=0)
-    else:                                   # no list: the fast path below never runs
-        vkey = tl.full((1,), 0x7FFFFFFFFFFFFFFF, tl.int64)
-        vown = tl.full((1,), -1, tl.int32)
-    e64 = e.to(tl.int64)
-    valid = in_r & (e64 >= 0) & (e64 < NUM_EXPERTS)
     same = (e64[:, None] == e64[None, :]) & (r[None, :] < r[:, None]) & valid[None, :]
     distinct = valid & (tl.max(same.to(tl.int32), axis=1) == 0)
-    slot = tl.load(slot_for_id_ptr + row + e64, mask=valid, other=-1).to(tl.int64)
-    rec = tl.load(recency_ptr + row + e64, mask=valid, other=-1)
+    if V > 0:
+        # An entry is live while its slot's usage is unchanged, and then its owner is the recorded one:
+        # an entry whose owner is routed now is a hit of this call (duplicates included; this waits for
+        # neither `distinct` nor the slot lookups).
+        routed_flat = tl.where(valid, row + e64, -2)                      # [R]
+        vhit = tl.max((vown[:, None].to(tl.int64) == routed_flat[None, :]).to(tl.int32), axis=1) > 0
     hit = distinct & (slot >= 0)
     miss = distinct & (slot < 0)
     bad = in_r & ((e64 < -1) | (e64 >= NUM_EXPERTS))
-    # hits, misses and bad ids counted by one reduction, in 8-bit fields (ROUTE_BLOCK <= 64)
+    order_key = _order_key(e64, rec, miss, select_mode, E_BLOCK)
+    # hits, misses and bad ids counted by one sum, in 8-bit fields (R <= 64); the same reduction gives
+    # the first miss (the largest order key)
     tl.static_assert(ROUTE_BLOCK < 256)
-    counts = tl.sum(hit.to(tl.int32) | (miss.to(tl.int32) << 8) | (bad.to(tl.int32) << 16), axis=0)
+    counts, first_key = tl.reduce(
+        (hit.to(tl.int32) | (miss.to(tl.int32) << 8) | (bad.to(tl.int32) << 16), order_key), 0, _sum_max)
+    if V > 0:
+        live = vused & ((((vu + 1) << 25) | vslot) == vkey) & (vhit == 0)
+        vpacked = _pack_victims(vj, vslot, vown, live)
+        # how many live entries, and the smallest (the first victim), in one reduction
+        num_live, first_v = tl.reduce((live.to(tl.int32), vpacked), 0, _sum_min)
+    else:                                   # no list: the fast path below never runs
+        vpacked = tl.full((1,), 0x7FFFFFFFFFFFFFFF, tl.int64)
+        first_v = tl.full((), 0x7FFFFFFFFFFFFFFF, tl.int64)
+        num_live = counts * 0
     num_hits = (counts & 255).to(tl.int64)
     num_misses = ((counts >> 8) & 255).to(tl.int64)
-    order_key = _order_key(e64, rec, miss, select_mode, E_BLOCK)
-    first_key = tl.max(order_key, axis=0)
 
     k, promoted = _fetch_count(num_misses, num_hits, num_slots, first_key, max_fetch, frac_q16,
                                round_mode, promote, seed + zero, step, layer)
-
-    fast = k == 0
-    if V > 0:
-        if k > 0:
-            # resident routes, duplicates included (they name the same slot): no wait for `distinct`
-            hit_local = tl.where(slot >= 0, slot - pool_base, -1)         # [R]
-            vhit = tl.max((vslot[:, None] == hit_local[None, :]).to(tl.int32), axis=1) > 0
-            live = vused & ((((vu + 1) << 25) | vslot) == vkey) & (vhit == 0)
-            vkey = tl.where(live, vkey, 0x7FFFFFFFFFFFFFFF)
-            fast = tl.sum(live.to(tl.int64), axis=0) >= k
+    fast = (k == 0) | (num_live >= k)      # victims from the list: no scan
 
     cj = tl.arange(0, CAND)
     cands = tl.full((CAND,), 0x7FFFFFFFFFFFFFFF, tl.int64)
@@ -452,7 +484,7 @@ def ensure_small_kernel(
             if fast:
                 # victims: the k smallest live list entries; owners as recorded in the list
                 out, installed = _install_misses(
-                    slot_for_id_ptr, id_of_slot_ptr, usage_ptr, evict_ptr, src_ptr, vkey, vown,
+                    slot_for_id_ptr, id_of_slot_ptr, usage_ptr, evict_ptr, src_ptr, vpacked, first_v,
                     order_key, first_key, k, row, step, pool_base, promoted, e64, out, E_BLOCK)
             else:
                 if MULTI:
@@ -472,9 +504,11 @@ def ensure_small_kernel(
                 sel_slot = sel & ((1 << 25) - 1)
                 sel_own = tl.load(id_of_slot_ptr + pool_base + sel_slot, mask=sel_used, other=-1)
                 # sel ascends: its i-th smallest key is entry i (the k victims precede the list)
+                sel_packed = _pack_victims(cj, sel_slot, sel_own, sel_used)
                 out, installed = _install_misses(
-                    slot_for_id_ptr, id_of_slot_ptr, usage_ptr, evict_ptr, src_ptr, sel, sel_own,
-                    order_key, first_key, k, row, step, pool_base, promoted, e64, out, E_BLOCK)
+                    slot_for_id_ptr, id_of_slot_ptr, usage_ptr, evict_ptr, src_ptr, sel_packed,
+                    tl.min(sel_packed, axis=0), order_key, first_key, k, row, step, pool_base, promoted,
+                    e64, out, E_BLOCK)
                 if V > 0:
                     # the new list: the V keys after the installed victims (untouched by this call)
                     dst = cj - installed
