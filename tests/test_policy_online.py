@@ -12,6 +12,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from coordinator_support import MODEL_NAME, live_server  # noqa: E402
 
 from coordinator.engine_service import flatten_stats, telemetry_from_stats  # noqa: E402
+from coordinator.policy import FetchPolicy, PolicySettings  # noqa: E402
 from proto import control_rpc as rpc  # noqa: E402
 
 
@@ -46,3 +47,21 @@ def test_telemetry_from_stats_reads_per_worker_counters():
     assert t.cpu_experts == {"numa0": 10} and t.cpu_time_s["numa0"] == pytest.approx(0.005)
     assert t.gpu_wait_for_cpu_s == pytest.approx(0.0001)
     assert telemetry_from_stats(cur, cur) is None              # nothing happened: no telemetry
+
+
+def test_device_path_waits_without_a_copy_side_do_not_reach_the_tuner():
+    # The device hand-off times its joins (GPU waiting for the CPU) but has no copy-side wait: those waits
+    # are reported for people and left out of the tuner's wait term, or the bias would only ever grow.
+    prev = flatten_stats({"experts_fetched_total": 10, "gpu_wait_for_cpu_s_total": 0.001,
+                          "gpu_wait_for_cpu_unpaired_s_total": 0.0})
+    cur = flatten_stats({"experts_fetched_total": 20, "gpu_wait_for_cpu_s_total": 0.011,
+                         "gpu_wait_for_cpu_unpaired_s_total": 0.008})
+    t = telemetry_from_stats(prev, cur)
+    assert t.gpu_wait_for_cpu_s == pytest.approx(0.002)       # only the host path's (paired) part
+    paired = FetchPolicy(PolicySettings(strategy="hybrid", fetch_fraction=0.5))
+    unpaired = FetchPolicy(PolicySettings(strategy="hybrid", fetch_fraction=0.5))
+    for _ in range(50):
+        unpaired.observe(telemetry_from_stats(prev, {**cur, "gpu_wait_for_cpu_s_total": 0.009}))
+        paired.observe(telemetry_from_stats(prev, {**cur, "gpu_wait_for_cpu_unpaired_s_total": 0.0}))
+    assert unpaired.snapshot()["wait_bias"] == 0.0
+    assert paired.snapshot()["wait_bias"] > 0.1               # the same waits, paired, do move it

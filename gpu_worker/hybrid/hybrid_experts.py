@@ -659,6 +659,7 @@ class HybridExperts:
                 wait_s = d["wait_ns"] / 1e9        # the joins run one after another: their waits add up
                 st.cpu_workers[m.name].gpu_wait_s_total += wait_s
                 st.gpu_wait_for_cpu_s_total += wait_s
+                st.gpu_wait_for_cpu_unpaired_s_total += wait_s
 
     @property
     def expert_nbytes(self) -> int:

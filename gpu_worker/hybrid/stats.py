@@ -39,6 +39,10 @@ class HybridStats:
     cpu_expert_time_s_total: float = 0.0    # compute time reported by the workers, summed
     gpu_wait_for_cpu_s_total: float = 0.0   # GPU idle at the join, waiting for CPU partial sums
     gpu_wait_for_copy_s_total: float = 0.0  # GPU idle before the expert GEMMs, waiting for copies
+    # the part of gpu_wait_for_cpu_s_total measured where the copy side's wait is not (the device hand-off's
+    # joins; its copies run in stream order, with no event around them): the tuner's wait term leaves it out,
+    # since a one-sided wait would read as "the CPU is always the slower side"
+    gpu_wait_for_cpu_unpaired_s_total: float = 0.0
     handoff_s_total: float = 0.0            # host time from the routes' readback to the last submit
     fallbacks_total: int = 0                # CPU shares fetched instead (worker dead / late / error)
     fallback_experts_total: int = 0         # experts fetched by those fallbacks
