@@ -26,8 +26,8 @@ for s in $sections; do
       [ "${PIPESTATUS[0]}" = 0 ] || status=1
       python3 -m kernels.slot_cache.bench 2>&1 | tee "$OUT/kernels_bench.log" | tail -n 30 || status=1
       ;;
-    kernel-gpu-tests)
-      python3 -m pytest -q -p no:cacheprovider tests/test_slot_cache_gpu.py 2>&1 \
+    kernel-gpu-tests)    # SLOT_CACHE_GPU_K: a pytest -k expression to run part of it (the whole file: ~340 s)
+      python3 -m pytest -q -p no:cacheprovider tests/test_slot_cache_gpu.py ${SLOT_CACHE_GPU_K:+-k "$SLOT_CACHE_GPU_K"} 2>&1 \
         | tee "$OUT/kernels_gpu_tests.log" | tail -n 4
       [ "${PIPESTATUS[0]}" = 0 ] || status=1
       ;;
@@ -85,8 +85,8 @@ for s in $sections; do
       timeout "$T" python3 bench/bench_hybrid.py --json-out "$OUT/bench_hybrid.json" ${HYBRID_ARGS:-} \
         ${HYBRID_VARIANTS:+--variants "$HYBRID_VARIANTS"} 2>&1 | tee "$OUT/hybrid_bench.log" | tail -n 24 || status=1
       ;;
-    kernel-bench)
-      python3 -m kernels.slot_cache.bench 2>&1 | tee "$OUT/kernels_bench.log" | tail -n 24 || status=1
+    kernel-bench)    # KERNEL_BENCH_ARGS: e.g. "--slots 64 --warps 2" (python -m kernels.slot_cache.bench --help)
+      python3 -m kernels.slot_cache.bench ${KERNEL_BENCH_ARGS:-} 2>&1 | tee "$OUT/kernels_bench.log" | tail -n 24 || status=1
       ;;
     engine)
       [ -f bench/bench_engine.py ] && { python3 bench/bench_engine.py ${ENGINE_ARGS:-} 2>&1 | tee "$OUT/engine_bench.log" | tail -n 30 || status=1; }

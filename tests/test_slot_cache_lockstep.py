@@ -204,3 +204,13 @@ def test_large_pool_default_parts_list_fast_path_and_rebuilds():
             else:
                 rebuilt += 1
     assert served_by_list > 0 and rebuilt > 0, (served_by_list, rebuilt)
+
+
+def test_decode_kernel_at_its_packing_limits():
+    # A 64-entry list and 64 routes (CAND = 128: a candidate's index uses all 7 bits of the packed
+    # victim) over three programs, with several fetches a call (k > 1: each further victim is one more
+    # reduction over the packed candidates) and list rebuilds.
+    ref, fetched = run_lockstep(num_layers=2, num_experts=96, num_slots=150, per_layer=False, calls=16,
+                                slot_tile=64, num_tokens=16, top_k=4, fetch_fraction=0.7, path="small",
+                                victim_list=64)
+    assert fetched > 150, "the pool never filled and evicted"
