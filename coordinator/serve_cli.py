@@ -179,6 +179,19 @@ def run_processes(args: argparse.Namespace) -> int:
     return 0
 
 
+def inline_hybrid_options(args: argparse.Namespace, environ=None):
+    """HybridOptions of the inline engine (cpu/hybrid). Its process also runs the HTTP and gRPC servers, so it
+    is pinned to the reserved CPUs only when asked (--pin-gpu-worker on, or FREETOKEN_PIN_GPU_WORKER set):
+    the process mode's default (on) would squeeze the servers onto one core with the engine."""
+    from gpu_worker.hybrid import HybridOptions
+
+    environ = os.environ if environ is None else environ
+    flag = getattr(args, "pin_gpu_worker", None)
+    asked = flag is not None or "FREETOKEN_PIN_GPU_WORKER" in environ
+    pin = asked and resolve({"pin_gpu_worker": flag}, environ)["pin_gpu_worker"] == "on"
+    return HybridOptions(reserve_cpus=getattr(args, "reserve_cpus", None), pin_gpu_worker=pin)
+
+
 def run_inline(args: argparse.Namespace) -> int:
     """One process: the engine in a thread of the coordinator."""
     from coordinator.auth import resolve_api_key
@@ -190,7 +203,8 @@ def run_inline(args: argparse.Namespace) -> int:
     api_key = resolve_api_key(args.api_key)
     served = load_served_engine(args.model, args.preset, args.device, moe_strategy=args.moe_strategy,
                                 moe_cache_size=args.moe_cache_size, max_running_requests=args.max_running_requests,
-                                max_context_tokens=args.max_context_tokens, served_model_name=args.served_model_name)
+                                max_context_tokens=args.max_context_tokens, served_model_name=args.served_model_name,
+                                hybrid=inline_hybrid_options(args))
     policy = build_policy_from_args(args, served.expert_format, served.gpu_name)
     service = EngineService(served.engine_factory, served.codec.decode, policy=policy,
                             request_timeout_s=args.request_timeout_s, max_pending_requests=args.max_pending_requests)

@@ -146,6 +146,36 @@ def test_a_worker_plans_over_the_allowed_cpus_not_its_inherited_mask(fake_affini
             plan_placement(without)
 
 
+@pytest.mark.parametrize("argv, environ, pinned", [
+    ([], {}, False),                                            # inline: the servers share the process
+    (["--pin-gpu-worker", "on"], {}, True),
+    ([], {"FREETOKEN_PIN_GPU_WORKER": "on"}, True),
+    (["--pin-gpu-worker", "off"], {"FREETOKEN_PIN_GPU_WORKER": "on"}, False),
+])
+def test_inline_serve_pins_only_when_asked(argv, environ, pinned):
+    from coordinator.serve_cli import inline_hybrid_options
+    args = build_parser().parse_args(["serve", "--workers", "inline", "--reserve-cpus", "0", *argv])
+    options = inline_hybrid_options(args, environ)
+    assert options.pin_gpu_worker is pinned and options.reserve_cpus == "0"
+
+
+def test_inline_serve_hands_its_options_to_the_engine(monkeypatch):
+    import coordinator.engine_factory as factory
+    from coordinator import serve_cli
+    seen = {}
+
+    def fake_load(*a, **kw):
+        seen.update(kw)
+        raise RuntimeError("stop here")
+
+    monkeypatch.setattr(factory, "load_served_engine", fake_load)
+    monkeypatch.delenv("FREETOKEN_PIN_GPU_WORKER", raising=False)
+    args = build_parser().parse_args(["serve", "--workers", "inline", "--moe-strategy", "hybrid"])
+    with pytest.raises(RuntimeError, match="stop here"):
+        serve_cli.run_inline(args)
+    assert isinstance(seen["hybrid"], HybridOptions) and seen["hybrid"].pin_gpu_worker is False
+
+
 def test_serve_and_generate_flags_reach_the_workers(tmp_path):
     from coordinator.engine_link import EngineLinkServer
     from coordinator.process_set import ProcessSet, options_from_serve_args
