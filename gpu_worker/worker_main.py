@@ -112,7 +112,8 @@ def load_engine(opts: GpuWorkerOptions, welcome: em.Welcome) -> LoadedEngine:
     source = open_model_source(opts.model, opts.preset, dtype=opts.dtype, device=device)
     experts = make_attached_expert_backend(opts.moe_strategy, source.experts, device,
                                            store_name=opts.store_name or welcome.store_name,
-                                           cpu_channels=welcome.cpu_channels, cache_size=opts.moe_cache_size)
+                                           cpu_channels=welcome.cpu_channels, cache_size=opts.moe_cache_size,
+                                           reserve_cpus=opts.reserve_cpus)
     try:
         set_handoff = getattr(experts, "set_handoff", None)
         if set_handoff is not None:

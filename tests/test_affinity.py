@@ -328,3 +328,35 @@ def test_ft_serve_pins_the_gpu_worker_and_its_cpu_workers_stay_off_it(tmp_path):
         assert srv.stop() == 0
     finally:
         srv.kill()
+
+
+@pytest.mark.parametrize("reserve, threads", [("0-1", 2), ("3", 1)])
+def test_the_attached_backend_sizes_torch_threads_by_the_reserved_list(monkeypatch, reserve, threads):
+    # ft serve hands its GPU worker the reserved list; the worker's torch CPU threads follow its size
+    import types
+
+    import torch
+
+    import gpu_worker.hybrid as hybrid
+    from gpu_worker.models import attached_backends
+    from gpu_worker.models.loader import open_model_source
+
+    class FakePool:
+        t_max = 4
+
+        @classmethod
+        def attach(cls, *args, **kwargs):
+            return cls()
+
+        def close(self):
+            pass
+
+    seen = []
+    monkeypatch.setattr(hybrid, "CpuPool", FakePool)
+    monkeypatch.setattr(hybrid, "HybridExperts", lambda *args, **kwargs: "backend")
+    monkeypatch.setattr(torch, "set_num_threads", seen.append)
+    source = open_model_source(None, None, device="cpu")
+    backend = attached_backends._attached_hybrid(
+        "hybrid", types.SimpleNamespace(store=None), source.experts, 8, torch.device("cpu"), ["ch0"],
+        per_layer=False, mode="auto", reserve_cpus=reserve)
+    assert backend == "backend" and seen == [threads]

@@ -26,8 +26,10 @@ def needs_host_store(strategy: str) -> bool:
 def make_attached_expert_backend(strategy: str, source: ExpertSource, device: torch.device | str, *,
                                  store_name: str = "", cpu_channels: list[str] | tuple[str, ...] = (),
                                  cache_size: int | float | str | None = None, mode: str = "auto",
-                                 per_layer: bool = False) -> ExpertBackend:
-    """The backend for ``strategy``, reading experts from the store ``store_name`` where it needs one."""
+                                 per_layer: bool = False, reserve_cpus: str | None = None) -> ExpertBackend:
+    """The backend for ``strategy``, reading experts from the store ``store_name`` where it needs one.
+    ``reserve_cpus``: the CPUs the coordinator kept free of CPU workers (the GPU worker's torch threads
+    follow their count; None: HybridOptions' default)."""
     if not needs_host_store(strategy):
         return make_expert_backend(strategy, source, device, cache_size=cache_size, mode=mode)
     if not store_name:
@@ -45,7 +47,7 @@ def make_attached_expert_backend(strategy: str, source: ExpertSource, device: to
         if strategy == "offload":
             return OffloadExperts(host, slots, torch.device(device), per_layer=per_layer, mode=mode)
         return _attached_hybrid(strategy, host, source, slots, torch.device(device), list(cpu_channels),
-                                per_layer=per_layer, mode=mode)
+                                per_layer=per_layer, mode=mode, reserve_cpus=reserve_cpus)
     except BaseException:
         host.close()
         raise
@@ -65,12 +67,13 @@ def _check_store(host, source: ExpertSource, store_name: str) -> None:
 
 
 def _attached_hybrid(strategy: str, host, source: ExpertSource, slots: int, device: torch.device,
-                     channels: list[str], *, per_layer: bool, mode: str) -> ExpertBackend:
+                     channels: list[str], *, per_layer: bool, mode: str,
+                     reserve_cpus: str | None = None) -> ExpertBackend:
     """HybridExperts over the attached store and the coordinator's CPU workers (their channels)."""
     from gpu_worker.hybrid import CpuPool, HybridExperts, HybridOptions
     from gpu_worker.hybrid.options import resolve_fetch_fraction
 
-    options = HybridOptions(cpu_workers=len(channels)).for_strategy(strategy)
+    options = HybridOptions(cpu_workers=len(channels), reserve_cpus=reserve_cpus).for_strategy(strategy)
     lay = source.layout
     fraction, _ = resolve_fetch_fraction(options, dtype=lay.dtype, hidden_size=lay.hidden_size,
                                          intermediate_size=lay.intermediate_size, device=device)
