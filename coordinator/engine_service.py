@@ -130,9 +130,10 @@ def telemetry_from_stats(prev: dict[str, float], cur: dict[str, float]) -> StepT
         cpu_time["cpu"] = delta("cpu_expert_time_s_total")
     t = StepTelemetry(experts_fetched=int(delta("experts_fetched_total")), copy_time_s=delta("copy_time_s_total"),
                       cpu_experts=cpu_experts, cpu_time_s=cpu_time,
-                      # waits whose copy-side counterpart was not measured would bias the tuner one way
-                      gpu_wait_for_cpu_s=delta("gpu_wait_for_cpu_s_total")
-                      - delta("gpu_wait_for_cpu_unpaired_s_total"),
+                      # waits whose copy-side counterpart was not measured would bias the tuner one way;
+                      # clamped at 0: the two sums round differently, and a tiny negative would drop the step
+                      gpu_wait_for_cpu_s=max(0.0, delta("gpu_wait_for_cpu_s_total")
+                                             - delta("gpu_wait_for_cpu_unpaired_s_total")),
                       gpu_wait_for_copy_s=delta("gpu_wait_for_copy_s_total"))
     if t.experts_fetched <= 0 and not any(v > 0 for v in cpu_experts.values()) \
             and t.gpu_wait_for_cpu_s <= 0 and t.gpu_wait_for_copy_s <= 0:

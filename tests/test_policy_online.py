@@ -13,6 +13,8 @@ from coordinator_support import MODEL_NAME, live_server  # noqa: E402
 
 from coordinator.engine_service import flatten_stats, telemetry_from_stats  # noqa: E402
 from coordinator.policy import FetchPolicy, PolicySettings  # noqa: E402
+from gpu_worker.engine.stats import EngineStats  # noqa: E402
+from gpu_worker.hybrid.stats import HybridStats  # noqa: E402
 from proto import control_rpc as rpc  # noqa: E402
 
 
@@ -52,10 +54,15 @@ def test_telemetry_from_stats_reads_per_worker_counters():
 def test_device_path_waits_without_a_copy_side_do_not_reach_the_tuner():
     # The device hand-off times its joins (GPU waiting for the CPU) but has no copy-side wait: those waits
     # are reported for people and left out of the tuner's wait term, or the bias would only ever grow.
-    prev = flatten_stats({"experts_fetched_total": 10, "gpu_wait_for_cpu_s_total": 0.001,
-                          "gpu_wait_for_cpu_unpaired_s_total": 0.0})
-    cur = flatten_stats({"experts_fetched_total": 20, "gpu_wait_for_cpu_s_total": 0.011,
-                         "gpu_wait_for_cpu_unpaired_s_total": 0.008})
+    # through the path the figures take: the backend's counters (HybridStats) -> EngineStats -> flat stats
+    def engine_side(**counters):
+        stats = EngineStats()
+        stats.absorb_expert_counters(HybridStats(**counters).as_dict())
+        return flatten_stats(stats)
+
+    prev = engine_side(experts_fetched_total=10, gpu_wait_for_cpu_s_total=0.001)
+    cur = engine_side(experts_fetched_total=20, gpu_wait_for_cpu_s_total=0.011,
+                      gpu_wait_for_cpu_unpaired_s_total=0.008)
     t = telemetry_from_stats(prev, cur)
     assert t.gpu_wait_for_cpu_s == pytest.approx(0.002)       # only the host path's (paired) part
     paired = FetchPolicy(PolicySettings(strategy="hybrid", fetch_fraction=0.5))

@@ -30,6 +30,7 @@ class EngineStats:
     cpu_expert_time_s_total: float = 0.0
     gpu_wait_for_cpu_s_total: float = 0.0
     gpu_wait_for_copy_s_total: float = 0.0
+    gpu_wait_for_cpu_unpaired_s_total: float = 0.0     # part of the CPU wait with no copy-side figure (HybridStats)
     cpu_workers: dict[str, Any] = field(default_factory=dict)    # name -> {experts_total, time_s_total, ...}
 
     def absorb_expert_counters(self, counters: Mapping[str, Any]) -> None:
@@ -55,4 +56,4 @@ class EngineStats:
 
 _EXPERT_COUNTERS = ("expert_hits_total", "expert_misses_total", "experts_fetched_total", "copy_bytes_total",
                     "copy_time_s_total", "cpu_experts_total", "cpu_expert_time_s_total", "gpu_wait_for_cpu_s_total",
-                    "gpu_wait_for_copy_s_total", "cpu_workers")
+                    "gpu_wait_for_copy_s_total", "gpu_wait_for_cpu_unpaired_s_total", "cpu_workers")
