@@ -31,6 +31,7 @@ from cpu_expert_pool import topology  # noqa: E402
 from cpu_expert_pool.topology import discover_placements, format_cpulist  # noqa: E402
 from cpu_expert_pool.worker import WorkerOptions, plan_placement  # noqa: E402
 from gpu_worker.hybrid.options import HybridOptions  # noqa: E402
+from gpu_worker.hybrid import options as hybrid_options  # noqa: E402
 
 FIXTURES = Path(__file__).parent / "fixtures" / "numa"
 RESTART_TIMEOUT_S = 60.0
@@ -45,6 +46,7 @@ def fake_affinity(monkeypatch):
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(state["mask"]))
     monkeypatch.setattr(os, "sched_setaffinity", lambda tid, cpus: state["set"].append((tid, tuple(cpus))))
     monkeypatch.setattr(topology, "thread_ids", lambda: [101, 102, 103])
+    monkeypatch.setattr(hybrid_options, "_affinity_before_pin", None)     # no pin left from another test
     return state
 
 
@@ -77,6 +79,17 @@ def test_pin_sets_every_thread_returns_the_old_affinity_and_logs_one_line(fake_a
     lines = [r.getMessage() for r in caplog.records if r.name == "ft.hybrid"]
     assert lines == [f"pinned the test process (pid {os.getpid()}, 3 threads) to CPU 0, the reserved CPUs "
                      f"(was 0-7); the CPU workers keep off them"]
+
+
+def test_defaults_read_the_affinity_from_before_the_pin(fake_affinity):
+    # After the pin the process sees one CPU; the default reservation and the workers' allowed set must
+    # still describe the machine (a second pool, or worker flags built later), until the pin is undone.
+    before = HybridOptions(pin_gpu_worker=True).pin_driving_process("the test process")
+    fake_affinity["mask"] = {0}                      # what the kernel now reports for this process
+    assert before == tuple(range(8))
+    assert HybridOptions().reserved_cpus() == "0" and HybridOptions().allowed_cpus() == "0-7"
+    hybrid_options.forget_pin()
+    assert HybridOptions().reserved_cpus() == "" and HybridOptions().allowed_cpus() == "0"
 
 
 def test_nothing_is_pinned_where_no_reserved_cpu_is_allowed(fake_affinity, caplog):

@@ -167,6 +167,8 @@ class CpuPool:
         if self.restore_affinity is not None:
             set_process_affinity(self.restore_affinity)
             self.restore_affinity = None
+            from gpu_worker.hybrid.options import forget_pin
+            forget_pin()
         if self.supervisor is not None:
             self.supervisor.stop()
             self.supervisor = None

@@ -32,6 +32,23 @@ HANDOFF_CHOICES = ("auto", *HANDOFFS)     # auto: device on a CUDA GPU, host els
 RESERVE_CPU_MIN_CPUS = 4              # from this many CPUs on, CPU 0 is left to the GPU worker's thread
 
 
+# This process's affinity from before pin_driving_process narrowed it (None: not pinned). The defaults that
+# read the affinity (the reserved CPU, the workers' allowed set) read this instead, so a call made after the
+# pin (a second pool, worker flags built later) sees the machine, not the one reserved core.
+_affinity_before_pin: tuple[int, ...] | None = None
+
+
+def unpinned_affinity() -> set[int]:
+    """This process's CPU affinity, or what it was before the process pinned itself to the reserved CPUs."""
+    return set(_affinity_before_pin) if _affinity_before_pin is not None else set(os.sched_getaffinity(0))
+
+
+def forget_pin() -> None:
+    """The affinity from before the pin has been restored (CpuPool.close)."""
+    global _affinity_before_pin
+    _affinity_before_pin = None
+
+
 @dataclasses.dataclass
 class HybridOptions:
     fetch_fraction: float | None = None     # f in [0, 1]; None: profile, else DEFAULT_FETCH_FRACTION
@@ -86,14 +103,14 @@ class HybridOptions:
     def reserved_cpus(self) -> str:
         if self.reserve_cpus is not None:
             return self.reserve_cpus
-        return "0" if len(os.sched_getaffinity(0)) >= RESERVE_CPU_MIN_CPUS else ""
+        return "0" if len(unpinned_affinity()) >= RESERVE_CPU_MIN_CPUS else ""
 
     def allowed_cpus(self) -> str:
         """The CPUs the workers are placed on (before the reserved ones are taken out): this process's
         affinity now, i.e. before it pins itself (pin_driving_process). Passed to every worker
         (`--allowed-cpus`, worker_flags): a worker restarted by a pinned process inherits the narrow mask,
         and planned over that it would find no CPU left."""
-        return format_cpulist(os.sched_getaffinity(0))
+        return format_cpulist(unpinned_affinity())
 
     def pins_gpu_worker(self) -> bool:
         if self.pin_gpu_worker is not None:
@@ -128,6 +145,9 @@ class HybridOptions:
             return None
         before = tuple(sorted(os.sched_getaffinity(0)))
         threads = set_process_affinity(cpus)
+        global _affinity_before_pin
+        if _affinity_before_pin is None:
+            _affinity_before_pin = before
         log.info("pinned %s (pid %d, %d threads) to CPU %s, the reserved CPUs (was %s); the CPU workers keep "
                  "off them", what, os.getpid(), threads, format_cpulist(cpus), format_cpulist(before))
         return before
