@@ -8,6 +8,7 @@ decides whether it keeps the PCIe link as busy as the copy engine does; a decode
 few experts (3.6 a layer at a 25% cache of qwen3-30b-a3b), so n = 1..4 matters most.
 
     python bench/bench_copy_plan.py [--copies 1,2,4,8] [--chunks 64,128,256] [--blocks 2048,4096] [--warps 4,8]
+        [--prefetch 0,1,2,4]     # L2 bulk prefetch that many blocks ahead (0: off; an experiment)
 """
 from __future__ import annotations
 
@@ -37,6 +38,7 @@ def main() -> int:
     parser.add_argument("--chunks", default="64,128,256,512")
     parser.add_argument("--blocks", default="2048,4096")
     parser.add_argument("--warps", default="4,8")
+    parser.add_argument("--prefetch", default="0", help="L2 bulk prefetch distances in blocks (0: off)")
     parser.add_argument("--calls", type=int, default=10, help="calls per graph replay")
     parser.add_argument("--reps", type=int, default=15)
     parser.add_argument("--warmup", type=int, default=1, help="untimed graph replays first")
@@ -61,33 +63,37 @@ def main() -> int:
         t = time_graph(dma, args.calls, args.reps, args.warmup)
         results.append(("dma (copy engine)", n, t))
         print(f"dma n={n}: {t * 1e6:.1f} us, {n * gb / t:.1f} GB/s", flush=True)
-    for chunks, block, warps in itertools.product(_ints(args.chunks), _ints(args.blocks), _ints(args.warps)):
+    for chunks, block, warps, ahead in itertools.product(_ints(args.chunks), _ints(args.blocks), _ints(args.warps),
+                                                         _ints(args.prefetch)):
+        label = f"kernel chunks={chunks} block={block} warps={warps}" + (f" prefetch={ahead}" if ahead else "")
         for n in copies:
             num = torch.tensor([n], dtype=torch.int32, device="cuda")
 
-            def kernel(_, num=num, chunks=chunks, block=block, warps=warps):
+            def kernel(_, num=num, chunks=chunks, block=block, warps=warps, ahead=ahead):
                 copy_plan(slots, host, evict, src, num, max_copies=MAX_COPIES, chunks=chunks, block_words=block,
-                          num_warps=warps)
+                          num_warps=warps, prefetch_blocks=ahead)
             t = time_graph(kernel, args.calls, args.reps, args.warmup)
-            results.append((f"kernel chunks={chunks} block={block} warps={warps}", n, t))
-        print(f"kernel chunks={chunks} block={block} warps={warps}: " + ", ".join(
+            results.append((label, n, t))
+        print(f"{label}: " + ", ".join(
             f"n={n} {n * gb / t:.1f} GB/s" for name, n, t in results[-len(copies):]), flush=True)
     num = torch.tensor([MAX_COPIES], dtype=torch.int32, device="cuda")
-    copy_plan(slots, host, evict, src, num, max_copies=MAX_COPIES)
-    torch.cuda.synchronize()
-    assert torch.equal(slots[:MAX_COPIES].cpu(), host[MAX_COPIES:]), "the plan copy moved the wrong bytes"
+    for ahead in _ints(args.prefetch):
+        slots.zero_()
+        copy_plan(slots, host, evict, src, num, max_copies=MAX_COPIES, prefetch_blocks=ahead)
+        torch.cuda.synchronize()
+        assert torch.equal(slots[:MAX_COPIES].cpu(), host[MAX_COPIES:]), f"prefetch={ahead}: wrong bytes moved"
 
     dma = {n: t for name, n, t in results if name.startswith("dma")}
     print(f"\n{torch.cuda.get_device_name()}, torch {torch.__version__}; expert {args.expert_bytes / 1e6:.2f} MB; "
           f"a graph of {args.calls} calls, median of {args.reps} replays; GB/s (% of DMA at the same n)")
-    print(f"{'copy':<42}" + "".join(f"{'n=' + str(n):>16}" for n in copies))
+    print(f"{'copy':<53}" + "".join(f"{'n=' + str(n):>16}" for n in copies))
     names = list(dict.fromkeys(name for name, _, _ in results))
     for name in names:
         cells = []
         for n in copies:
             t = next(t for nm, k, t in results if nm == name and k == n)
             cells.append(f"{n * gb / t:>9.1f} ({100 * dma[n] / t:>3.0f}%)")
-        print(f"{name:<42}" + "".join(f"{c:>16}" for c in cells))
+        print(f"{name:<53}" + "".join(f"{c:>16}" for c in cells))
     return 0
 
 

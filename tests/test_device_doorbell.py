@@ -341,7 +341,8 @@ def test_the_kernels_compile_for_sm90_without_a_gpu():
                           env=env, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))), timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     rows = {line[:22].strip(): line[22:] for line in proc.stdout.splitlines() if line.strip()}
-    assert "ld.global.v4 2" in rows["plan copy aligned"]
+    assert "ld.global.v4 2" in rows["plan copy aligned"] and "cp.async.bulk.prefetch.L2 0" in rows["plan copy aligned"]
+    assert "ld.global.v4 2" in rows["plan copy prefetch"] and "cp.async.bulk.prefetch.L2 1" in rows["plan copy prefetch"]
     assert "fence.acq_rel.sys 2" in rows["ring owner bf16"]
     assert "ld.acquire.sys 0" not in rows["join bf16 -> fp32"] and "ld.global.cv.v4 2" in rows["join bf16 -> fp32"]
 

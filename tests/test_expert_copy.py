@@ -38,6 +38,32 @@ def test_plan_copy_errors():
                   torch.zeros(1, dtype=torch.int32), torch.zeros(1, dtype=torch.int32),
                   torch.zeros(1, dtype=torch.int32), max_copies=1)
 
+    with pytest.raises(ValueError, match="prefetch_blocks -1 >= 0"):
+        copy_plan(torch.zeros(2, 4), torch.zeros(2, 4), torch.zeros(1, dtype=torch.int32),
+                  torch.zeros(1, dtype=torch.int32), torch.zeros(1, dtype=torch.int32), max_copies=1,
+                  impl="triton", prefetch_blocks=-1)
+
+
+@pytest.mark.parametrize("prefetch", [0, 1, 3])
+def test_plan_copy_with_the_l2_prefetch_moves_the_same_bytes(prefetch):
+    # On a GPU (pinned host rows, 16-byte aligned): thread 0 of each program prefetches a block ahead into
+    # L2, past the row's end too (clamped); on the CPU the interpreter takes the plain path.
+    gen = torch.Generator().manual_seed(prefetch)
+    experts, row = 6, 8200                                   # not a multiple of the 256-word block
+    host = torch.randn(experts, row, generator=gen).to(torch.bfloat16)
+    if KERNEL_DEVICE == "cuda":
+        host = host.pin_memory()
+    dst = torch.tensor([2, 0, 4], dtype=torch.int32)
+    src = torch.tensor([5, 1, 3], dtype=torch.int32)
+    slots = torch.zeros(5, row, dtype=torch.bfloat16, device=KERNEL_DEVICE)
+    copy_plan(slots, host, dst.to(KERNEL_DEVICE), src.to(KERNEL_DEVICE),
+              torch.tensor([3], dtype=torch.int32, device=KERNEL_DEVICE), max_copies=3, impl="triton",
+              chunks=3, block_words=256, prefetch_blocks=prefetch)
+    got = slots.cpu()
+    for d, e in zip(dst.tolist(), src.tolist()):
+        assert torch.equal(got[d].view(torch.int16), host[e].view(torch.int16))
+    assert not got[1].any() and not got[3].any()
+
 
 @pytest.mark.gpu
 def test_gpu_offload_with_the_copy_kernel_runs_in_graphs_and_matches_resident(tmp_path, monkeypatch,

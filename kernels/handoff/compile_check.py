@@ -31,9 +31,10 @@ def cases():
                 ON_GPU=True)
     copy_sig = {"slots_ptr": "*i16", "host_addr": "i64", "host_row_words": "i32", "evict_ptr": "*i32",
                 "src_ptr": "*i32", "num_indices_ptr": "*i32", "row_words": "i32", "chunk_words": "i32",
-                "BLOCK": "constexpr", "ALIGNED": "constexpr"}
+                "BLOCK": "constexpr", "ALIGNED": "constexpr", "PREFETCH": "constexpr"}
     from kernels.expert_copy.api import BLOCK_WORDS
-    return [("plan copy aligned", "copy_plan_kernel", copy_sig, dict(BLOCK=BLOCK_WORDS, ALIGNED=True)),
+    return [("plan copy aligned", "copy_plan_kernel", copy_sig, dict(BLOCK=BLOCK_WORDS, ALIGNED=True, PREFETCH=0)),
+            ("plan copy prefetch", "copy_plan_kernel", copy_sig, dict(BLOCK=BLOCK_WORDS, ALIGNED=True, PREFETCH=2)),
             ("ring owner bf16", "ring_kernel", ring_sig, ring),
             ("ring all fp32", "ring_kernel", {**ring_sig, "x_ptr": "*fp32"},
              {**ring, "HIDDEN_BF16": False, "USE_OWNER": False, "ALWAYS_RING": True}),
@@ -65,7 +66,8 @@ def main(argv: list[str] | None = None) -> int:
         compiled = compile_for_arch(fn, signature, constexprs, args.arch, divisible=aligned)
         ptx = compiled.asm["ptx"]
         counts = {op: ptx.count(op) for op in ("ld.acquire.sys", "fence.acq_rel.sys", "%globaltimer", "bar.sync",
-                                               "ld.global.v4", "ld.global.cv.v4", "st.global.v4")}
+                                               "ld.global.v4", "ld.global.cv.v4", "st.global.v4",
+                                               "cp.async.bulk.prefetch.L2")}
         print(f"{name:22s} " + "  ".join(f"{k} {v}" for k, v in counts.items()))
         if args.ptx:
             os.makedirs(args.ptx, exist_ok=True)
