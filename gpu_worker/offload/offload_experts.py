@@ -16,6 +16,7 @@ plugs in at step 3: `cpu_share(...)` below is the seam.
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -23,6 +24,7 @@ import torch
 from gpu_worker.models.expert_layout import unpack_experts
 from gpu_worker.models.resident_experts import GRAPH_SAFE_MODES, MODES, expert_ffn, pick_mode
 from kernels.expert_copy import copy_plan
+from kernels.handoff import COUNT_MAX_PAIRS, COUNTERS, count_call
 from kernels.slot_cache import SlotCache, ensure, prefetch_ensure
 from kernels.slot_cache.api import MAX_PREFETCH_CANDIDATES
 
@@ -102,8 +104,10 @@ class OffloadExperts:
         self._prefetched: dict[int, torch.cuda.Event] = {}
         self._candidates = torch.arange(min(self.num_experts, MAX_PREFETCH_CANDIDATES),
                                         dtype=torch.int64, device=self.device)
-        # kernel copy mode counts on the device (no host sync): [fetched, distinct misses, calls]
-        self._device_counts = torch.zeros(3, dtype=torch.int64, device=self.device)
+        # kernel copy mode counts on the device (no host sync): [fetched, distinct misses, calls, ...], the
+        # layout of kernels.handoff.count_call (one launch a layer on CUDA instead of three adds)
+        self._device_counts = torch.zeros(COUNTERS, dtype=torch.int64, device=self.device)
+        self._count_kernel = self.on_cuda or os.environ.get("TRITON_INTERPRET") == "1"
         self._copy_events: list[tuple[torch.cuda.Event, torch.cuda.Event, int]] = []
         self.copy_time_s = 0.0
 
@@ -124,7 +128,7 @@ class OffloadExperts:
         if nxt is not None:
             prefetch_ensure(self.cache, nxt, self._candidates, self._candidates.numel(), check_ids=False)
         if self.copy_mode == "kernel" and nxt is None:
-            self._copy_on_device(layer_idx, max_copies=min(slot_ids.numel(), self.cache.num_slots))
+            self._copy_on_device(layer_idx, max_copies=min(slot_ids.numel(), self.cache.num_slots), ids=topk_ids)
         else:
             self.copy_missing(layer_idx, prefetch_layer=nxt)
             self.stats.calls += 1
@@ -141,19 +145,22 @@ class OffloadExperts:
         return (self.copy_mode == "kernel" and self.on_cuda
                 and self.mode in ("auto", *GRAPH_SAFE_MODES) and num_pairs <= self.gather_max_pairs)
 
-    def _copy_on_device(self, layer_idx: int, max_copies: int) -> None:
+    def _copy_on_device(self, layer_idx: int, max_copies: int, ids: torch.Tensor) -> None:
         """The plan copy as a kernel on the compute stream: no host sync, graph-capturable."""
         c = self.cache
         copy_plan(self.slots, self.host.layers[layer_idx], c.evict_slots, c.src_indices,
                   c.num_indices, max_copies=max_copies)
-        self._device_counts[0] += c.num_indices[0]
-        self._device_counts[1] += c.num_missing_full[0]
-        self._device_counts[2] += 1
+        if self._count_kernel and ids.numel() <= COUNT_MAX_PAIRS:
+            count_call(self._device_counts, ids, c.num_indices, c.num_missing_full, offload=False)
+        else:                           # no Triton kernel on a CPU outside the interpreter; large calls
+            self._device_counts[0] += c.num_indices[0]
+            self._device_counts[1] += c.num_missing_full[0]
+            self._device_counts[2] += 1
 
     def refresh_stats(self) -> OffloadStats:
         """Fold the device-side counters of the kernel copy mode into `stats` (a device sync)."""
         if self.copy_mode == "kernel":
-            fetched, misses, calls = (int(v) + h for v, h in zip(self._device_counts.tolist(),
+            fetched, misses, calls = (int(v) + h for v, h in zip(self._device_counts.tolist()[:3],
                                                                  self._host_counts))
             self.stats.fetched, self.stats.distinct_misses, self.stats.calls = fetched, misses, calls
             self.stats.copy_bytes = fetched * self.expert_nbytes
