@@ -2,6 +2,7 @@
 # Everything that needs the GPU machine, in one call: GPU tests, then benchmarks; short tables last.
 # Usage: bash bench/run_gpu.sh [kernels] [engine] [cpu] [hybrid] [sweep] [decode] [gpu-tests] [resident]
 #        [attention] [handoff] [gpu-all]   (gpu-all: every test marked gpu) [handoff-bench] [hybrid-bench]
+#        [followup] (the fifth session's open checks)
 #        (default: kernels engine cpu). SECTION_TIMEOUT (s, default 540) bounds each command.
 # Logs go to $OUT (the device tool's output folder) when it is set, else ./out.
 set -u
@@ -84,6 +85,20 @@ for s in $sections; do
     hybrid-bench)    # HYBRID_VARIANTS: bench_hybrid.py --variants (names with spaces, comma-separated)
       timeout "$T" python3 bench/bench_hybrid.py --json-out "$OUT/bench_hybrid.json" ${HYBRID_ARGS:-} \
         ${HYBRID_VARIANTS:+--variants "$HYBRID_VARIANTS"} 2>&1 | tee "$OUT/hybrid_bench.log" | tail -n 24 || status=1
+      ;;
+    followup)    # the fifth session's open GPU checks in one call (~6 min): docs/BENCHMARKS.md "Fifth session"
+      timeout "$T" python3 -m pytest -q -p no:cacheprovider tests/test_slot_cache_gpu.py \
+        -k "23197-list-8 or graph_replay" 2>&1 | tee "$OUT/followup_slot_cache.log" | tail -n 4
+      [ "${PIPESTATUS[0]}" = 0 ] || status=1
+      for i in 1 2 3; do
+        python3 -m kernels.slot_cache.bench --reps 200 --slots 64,2048 --warps 2 2>&1 | grep -E "^ +[0-9]" \
+          | tee -a "$OUT/followup_kernel_bench.log" || status=1
+      done
+      timeout "$T" python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_expert_copy.py tests/test_offload.py 2>&1 \
+        | tee "$OUT/followup_copy_tests.log" | tail -n 4
+      [ "${PIPESTATUS[0]}" = 0 ] || status=1
+      timeout "$T" python3 bench/bench_copy_plan.py --chunks 64 --blocks 2048 --warps 4 --prefetch 0,1,2,4 2>&1 \
+        | tee "$OUT/followup_copy_plan.log" | tail -n 8 || status=1
       ;;
     kernel-bench)    # KERNEL_BENCH_ARGS: e.g. "--slots 64 --warps 2" (python -m kernels.slot_cache.bench --help)
       python3 -m kernels.slot_cache.bench ${KERNEL_BENCH_ARGS:-} 2>&1 | tee "$OUT/kernels_bench.log" | tail -n 24 || status=1
