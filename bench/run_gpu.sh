@@ -90,8 +90,8 @@ for s in $sections; do
       timeout "$T" python3 -m pytest -q -p no:cacheprovider tests/test_slot_cache_gpu.py \
         -k "23197-list-8 or graph_replay" 2>&1 | tee "$OUT/followup_slot_cache.log" | tail -n 4
       [ "${PIPESTATUS[0]}" = 0 ] || status=1
-      for i in 1 2 3; do
-        python3 -m kernels.slot_cache.bench --reps 200 --slots 64,2048 --warps 2 2>&1 | grep -E "^ +[0-9]" \
+      for args in "--slots 64,2048 --warps 2" "--slots 64 --sweep" "--slots 64,2048 --warps 2"; do
+        python3 -m kernels.slot_cache.bench --reps 200 $args 2>&1 | grep -E "^ +[0-9]" \
           | tee -a "$OUT/followup_kernel_bench.log" || status=1
       done
       timeout "$T" python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_expert_copy.py tests/test_offload.py 2>&1 \
