@@ -2,7 +2,7 @@
 # Everything that needs the GPU machine, in one call: GPU tests, then benchmarks; short tables last.
 # Usage: bash bench/run_gpu.sh [kernels] [engine] [cpu] [hybrid] [sweep] [decode] [gpu-tests] [resident]
 #        [attention] [handoff] [gpu-all]   (gpu-all: every test marked gpu) [handoff-bench] [hybrid-bench]
-#        [followup] (the fifth session's open checks)
+#        [followup] (the fifth session's open checks) [hybrid-pin] (pinned GPU worker against unpinned)
 #        (default: kernels engine cpu). SECTION_TIMEOUT (s, default 540) bounds each command.
 # Logs go to $OUT (the device tool's output folder) when it is set, else ./out.
 set -u
@@ -99,6 +99,14 @@ for s in $sections; do
       [ "${PIPESTATUS[0]}" = 0 ] || status=1
       timeout "$T" python3 bench/bench_copy_plan.py --chunks 64 --blocks 2048 --warps 4 --prefetch 0,1,2,4 2>&1 \
         | tee "$OUT/followup_copy_plan.log" | tail -n 8 || status=1
+      ;;
+    hybrid-pin)    # the GPU-driving process pinned to the reserved CPU (default) against unpinned, same variants
+      for pin in on off; do
+        FREETOKEN_PIN_GPU_WORKER=$pin timeout "$T" python3 bench/bench_hybrid.py --runs 3 --decode-tokens 64 \
+          --handoff-calls 1000 --no-resident --json-out "$OUT/bench_hybrid_pin_$pin.json" \
+          --variants "offload kernel graphs,=cpu device,=hybrid min-wait device,=hybrid min-wait no-promo device" 2>&1 \
+          | tee "$OUT/hybrid_pin_$pin.log" | tail -n 8 | sed "s/^/pin $pin: /" || status=1
+      done
       ;;
     kernel-bench)    # KERNEL_BENCH_ARGS: e.g. "--slots 64 --warps 2" (python -m kernels.slot_cache.bench --help)
       python3 -m kernels.slot_cache.bench ${KERNEL_BENCH_ARGS:-} 2>&1 | tee "$OUT/kernels_bench.log" | tail -n 24 || status=1
