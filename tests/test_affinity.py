@@ -88,7 +88,7 @@ def test_defaults_read_the_affinity_from_before_the_pin(fake_affinity):
     fake_affinity["mask"] = {0}                      # what the kernel now reports for this process
     assert before == tuple(range(8))
     assert HybridOptions().reserved_cpus() == "0" and HybridOptions().allowed_cpus() == "0-7"
-    hybrid_options.forget_pin()
+    hybrid_options.unpin_driving_process()
     assert HybridOptions().reserved_cpus() == "" and HybridOptions().allowed_cpus() == "0"
 
 

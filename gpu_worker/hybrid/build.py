@@ -36,7 +36,7 @@ def start_cpu_pool(host: HostExperts, options: HybridOptions, top_k: int) -> Cpu
                  pool.restore_threads, threads)
         torch.set_num_threads(threads)
     try:
-        pool.restore_affinity = options.pin_driving_process("the engine's process")
+        pool.pinned = options.pin_driving_process("the engine's process") is not None
     except BaseException:
         pool.close()
         raise

@@ -35,7 +35,6 @@ from cpu_expert_pool.channel import (CpuPoolClient, WorkerDead, WorkerError, Wor
                                      create_worker_channel)
 from cpu_expert_pool.proc import REPO_ROOT
 from cpu_expert_pool.split import ExpertSplit
-from cpu_expert_pool.topology import set_process_affinity
 from proto.expert_store import ExpertStore
 from proto.shm_layout import process_start_ticks
 
@@ -91,7 +90,7 @@ class CpuPool:
         self.members: list[PoolMember] = []
         self.supervisor: Supervisor | None = None
         self.restore_threads: int | None = None   # torch threads of this process before the pool (build.py)
-        self.restore_affinity: tuple[int, ...] | None = None   # its CPU affinity before it pinned itself (build.py)
+        self.pinned = False                        # this process pinned itself to the reserved CPUs (build.py)
         self._segments = []
         self._next_poll_s = 0.0
 
@@ -164,11 +163,10 @@ class CpuPool:
         if self.restore_threads is not None:
             torch.set_num_threads(self.restore_threads)
             self.restore_threads = None
-        if self.restore_affinity is not None:
-            set_process_affinity(self.restore_affinity)
-            self.restore_affinity = None
-            from gpu_worker.hybrid.options import forget_pin
-            forget_pin()
+        if self.pinned:
+            from gpu_worker.hybrid.options import unpin_driving_process
+            unpin_driving_process()
+            self.pinned = False
         if self.supervisor is not None:
             self.supervisor.stop()
             self.supervisor = None

@@ -43,10 +43,12 @@ def unpinned_affinity() -> set[int]:
     return set(_affinity_before_pin) if _affinity_before_pin is not None else set(os.sched_getaffinity(0))
 
 
-def forget_pin() -> None:
-    """The affinity from before the pin has been restored (CpuPool.close)."""
+def unpin_driving_process() -> None:
+    """Undo pin_driving_process (CpuPool.close): every thread back on the affinity from before the pin."""
     global _affinity_before_pin
-    _affinity_before_pin = None
+    if _affinity_before_pin is not None:
+        set_process_affinity(_affinity_before_pin)
+        _affinity_before_pin = None
 
 
 @dataclasses.dataclass
@@ -107,7 +109,7 @@ class HybridOptions:
 
     def allowed_cpus(self) -> str:
         """The CPUs the workers are placed on (before the reserved ones are taken out): this process's
-        affinity now, i.e. before it pins itself (pin_driving_process). Passed to every worker
+        affinity, as it was before it pinned itself (pin_driving_process). Passed to every worker
         (`--allowed-cpus`, worker_flags): a worker restarted by a pinned process inherits the narrow mask,
         and planned over that it would find no CPU left."""
         return format_cpulist(unpinned_affinity())
@@ -128,7 +130,7 @@ class HybridOptions:
     def pin_driving_process(self, what: str) -> tuple[int, ...] | None:
         """Pin the process that drives the GPU (and hosts the backend) to driving_process_cpus(), so the
         CPU workers, which keep off the reserved CPUs, have their cores to themselves. Returns the
-        affinity before (to restore: CpuPool.close), or None where nothing was pinned.
+        affinity before, or None where nothing was pinned; unpin_driving_process() restores it.
 
         Every thread, not only the calling one (sched_setaffinity(0) sets one thread): the others
         (engine-link IO, heartbeats, the doorbell watchdog, the supervisor's monitor, torch's pool, CUDA's
@@ -165,7 +167,8 @@ class HybridOptions:
         """HostExperts.create_filled's before_fill for these workers: expert pages on their NUMA nodes."""
         from cpu_expert_pool.topology import place_store_for_workers
         return place_store_for_workers(store, num_workers=self.cpu_workers,
-                                       reserved_cpus=parse_cpulist(self.reserved_cpus()))
+                                       reserved_cpus=parse_cpulist(self.reserved_cpus()),
+                                       allowed_cpus=unpinned_affinity())   # what worker_flags hands the workers
 
     def worker_flags(self) -> list[str]:
         """`ft worker cpu` flags from these options (the store, channel and index are added per worker)."""
