@@ -178,6 +178,9 @@ def main() -> int:
     parser.add_argument("--copy-chunks", default="",
                         help="comma list: run the kernel copy mode once per value of programs per expert "
                              "(kernels.expert_copy.api.DEFAULT_CHUNKS; default: its value)")
+    parser.add_argument("--copy-overlap", choices=("on", "off", "both"), default="on",
+                        help="kernel copy mode: the copy beside the hits' expert GEMMs (on, the default), or "
+                             "copy then every GEMM in one stream (off); both: side by side")
     parser.add_argument("--profile", type=int, default=0,
                         help="after each resident and offload run, profile this many decode steps and print the "
                              "top GPU kernels")
@@ -228,16 +231,20 @@ def main() -> int:
         dma_fracs = args.fractions if args.dma_fractions is None else args.dma_fractions
         dma_fracs = {float(f) for f in dma_fracs.split(",") if f}
         for frac in [float(f) for f in args.fractions.split(",") if f]:
-            modes = [(m, c) for m in args.offload_copy.split(",")
-                     for c in (_copy_chunks(args) if m == "kernel" else [None])]
-            for copy_mode, chunks in modes:
+            overlaps = {"on": [True], "off": [False], "both": [True, False]}[args.copy_overlap]
+            modes = [(m, c, o) for m in args.offload_copy.split(",")
+                     for c in (_copy_chunks(args) if m == "kernel" else [None])
+                     for o in (overlaps if m == "kernel" else [False])]
+            for copy_mode, chunks, overlap in modes:
                 if copy_mode == "dma" and frac not in dma_fracs:
                     continue
                 if chunks is not None:
                     expert_copy_api.DEFAULT_CHUNKS = chunks
                 label = copy_mode + (f" c={chunks}" if chunks is not None and args.copy_chunks else "")
+                if copy_mode == "kernel" and args.copy_overlap == "both":
+                    label += " overlap" if overlap else " serial"
                 slots = resolve_cache_slots(frac, source.num_layers, source.num_experts)
-                backend = OffloadExperts(host, slots, args.device, copy_mode=copy_mode)
+                backend = OffloadExperts(host, slots, args.device, copy_mode=copy_mode, overlap_copy=overlap)
                 loaded.model.experts = backend
                 _reset_peak()
                 engine = Engine(loaded.model, econf, eos_token_ids=())

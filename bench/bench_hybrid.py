@@ -120,6 +120,9 @@ def handoff_round_trip(pool, hidden: int, dtype: torch.dtype, device: torch.devi
 
 def variants(args, on_cuda: bool = True) -> list[tuple[str, dict | None]]:
     out: list[tuple[str, dict | None]] = [("offload kernel graphs", {"copy_mode": "kernel"}),
+                                          # the same with the copy and every GEMM in one stream, in turn
+                                          ("offload kernel graphs serial", {"copy_mode": "kernel",
+                                                                            "overlap_copy": False}),
                                           ("offload", None), ("cpu", {"strategy": "cpu"})]
     for promote in (True, False):
         for rnd in ROUNDS:
@@ -135,6 +138,8 @@ def variants(args, on_cuda: bool = True) -> list[tuple[str, dict | None]]:
         for rnd in ROUNDS:
             out.append((f"hybrid {rnd}{'' if promote else ' no-promo'} device",
                         {"strategy": "hybrid", "fetch_round": rnd, "promote": promote, "handoff": "device"}))
+    out.append(("hybrid min-wait device serial", {"strategy": "hybrid", "fetch_round": "min-wait", "promote": True,
+                                                  "handoff": "device", "overlap_copy": False}))
     for f in filter(None, (v.strip() for v in args.extra_fractions.split(","))):
         out.append((f"hybrid min-wait device f={float(f):.3g}", {"strategy": "hybrid", "fetch_round": "min-wait",
                                                               "promote": True, "handoff": "device",

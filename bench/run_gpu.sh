@@ -3,6 +3,7 @@
 # Usage: bash bench/run_gpu.sh [kernels] [engine] [cpu] [hybrid] [sweep] [decode] [gpu-tests] [resident]
 #        [attention] [handoff] [gpu-all]   (gpu-all: every test marked gpu) [handoff-bench] [hybrid-bench]
 #        [followup] (the fifth session's open checks) [hybrid-pin] (pinned GPU worker against unpinned)
+#        [overlap-tests] [overlap-engine] [overlap-hybrid] (sixth session: the plan copy beside the hits' GEMMs, on against off)
 #        (default: kernels engine cpu). SECTION_TIMEOUT (s, default 540) bounds each command.
 # Logs go to $OUT (the device tool's output folder) when it is set, else ./out.
 set -u
@@ -99,6 +100,21 @@ for s in $sections; do
       [ "${PIPESTATUS[0]}" = 0 ] || status=1
       timeout "$T" python3 bench/bench_copy_plan.py --chunks 64 --blocks 2048 --warps 4 --prefetch 0,1,2,4 2>&1 \
         | tee "$OUT/followup_copy_plan.log" | tail -n 8 || status=1
+      ;;
+    overlap-tests)    # sixth session: the plan copy beside the hits' expert GEMMs (copy_then_ffn)
+      timeout "$T" python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_copy_overlap.py tests/test_expert_copy.py \
+        tests/test_offload.py tests/test_moe_decode.py tests/test_hybrid.py tests/test_cuda_graphs_gpu.py 2>&1 \
+        | tee "$OUT/overlap_tests.log" | tail -n 6
+      [ "${PIPESTATUS[0]}" = 0 ] || status=1
+      ;;
+    overlap-engine)    # offload 25% / 50%, copy beside the GEMMs against copy then GEMMs, side by side
+      timeout "$T" python3 bench/bench_engine.py --runs 3 --prompt-tokens 256 --decode-tokens 64 --fractions 0.25,0.5 \
+        --offload-copy kernel --copy-overlap both 2>&1 | tee "$OUT/overlap_engine.log" | tail -n 14 || status=1
+      ;;
+    overlap-hybrid)    # the same in the hybrid's device path and the offload rows of bench_hybrid, side by side
+      timeout "$T" python3 bench/bench_hybrid.py --runs 3 --decode-tokens 64 --handoff-calls 1000 --no-resident \
+        --json-out "$OUT/bench_hybrid_overlap.json" --variants "offload kernel graphs,=cpu device,=hybrid min-wait \
+device,=hybrid min-wait device serial" 2>&1 | tee "$OUT/overlap_hybrid.log" | tail -n 9 || status=1
       ;;
     hybrid-pin)    # the GPU-driving process pinned to the reserved CPU (default) against unpinned, same variants
       for pin in on off; do

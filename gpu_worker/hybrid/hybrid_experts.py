@@ -50,6 +50,7 @@ import torch
 from gpu_worker.models.expert_layout import unpack_experts
 from gpu_worker.models.resident_experts import GRAPH_SAFE_MODES, MODES, expert_ffn, pick_mode
 from gpu_worker.offload import HostExperts
+from gpu_worker.offload.offload_experts import copy_then_ffn
 from kernels import handoff as kernels_handoff
 from kernels.expert_copy import copy_plan
 from kernels.slot_cache import SlotCache, ensure, set_policy
@@ -84,7 +85,8 @@ class HybridExperts:
                  strategy: str = "hybrid", fetch_fraction: float = 0.5, fetch_round: str = "min-wait",
                  fetch_select: str = "recency", promote: bool = True, seed: int = 0, per_layer: bool = False,
                  mode: str = "auto", gather_max_pairs: int = 32, cpu_max_tokens: int = 512,
-                 owns_host: bool = True, owns_pool: bool = True, handoff: str = "auto"):
+                 owns_host: bool = True, owns_pool: bool = True, handoff: str = "auto",
+                 overlap_copy: bool = True):
         if mode not in MODES:
             raise ValueError(f"expert compute mode {mode!r} is not one of {', '.join(MODES)}")
         self.host, self.pool, self.layout = host, pool, host.layout
@@ -102,6 +104,8 @@ class HybridExperts:
                                  device=self.device)
         self.w13, self.w2 = unpack_experts(self.slots, self.layout)
         self.copy_stream = torch.cuda.Stream(device=self.device) if self.on_cuda else None
+        # device hand-off, gemv mode: the plan copy on copy_stream beside the hits' GEMMs (copy_then_ffn)
+        self.overlap_copy = overlap_copy
         self._queued = torch.cuda.Event() if self.on_cuda else None
         self.readback = Readback(self.device, self._hidden_dtype())
         self._partial = torch.empty(0, dtype=torch.float32, pin_memory=self.on_cuda)   # [T, H] CPU sums
@@ -303,10 +307,17 @@ class HybridExperts:
         else:
             ensure(c, layer_idx, routes, fetch_fraction=1.0, round_mode=p["fetch_round"],
                    select=p["fetch_select"], promote=bool(p["promote"]), check_ids=False)
-        copy_plan(self.slots, self.host.layers[layer_idx], c.evict_slots, c.src_indices, c.num_indices,
-                  max_copies=min(T * K, c.num_slots))
+        max_copies = min(T * K, c.num_slots)
         kernels_handoff.count_call(self._device_counts, ids, c.num_indices, c.num_missing_full, offload=not to_cpu)
-        out = self._gemm_gpu_routes(x, routes, topk_weights, skip=False)
+        mode = self._mode(routes.numel())
+        if mode == "gemv":             # routes at -1 (the CPU's) add 0; the copy beside the hits' GEMMs
+            out = copy_then_ffn(self.slots, self.host.layers[layer_idx], c, max_copies, x, routes, topk_weights,
+                                self.w13, self.w2, mode=mode, kernel_impl=self.kernel_impl,
+                                side_stream=self.copy_stream if self.overlap_copy else None)
+        else:
+            copy_plan(self.slots, self.host.layers[layer_idx], c.evict_slots, c.src_indices, c.num_indices,
+                      max_copies=max_copies)
+            out = self._gemm_gpu_routes(x, routes, topk_weights, skip=False)
         if not to_cpu:
             return out
         # Sums in fp32 inside each join; the last one writes the model dtype (one rounding, as the host join).

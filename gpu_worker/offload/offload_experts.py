@@ -25,6 +25,7 @@ from gpu_worker.models.expert_layout import unpack_experts
 from gpu_worker.models.resident_experts import GRAPH_SAFE_MODES, MODES, expert_ffn, pick_mode
 from kernels.expert_copy import copy_plan
 from kernels.handoff import COUNT_MAX_PAIRS, COUNTERS, count_call
+from kernels.moe_decode import CopyPlan, moe_gemv
 from kernels.slot_cache import SlotCache, ensure, prefetch_ensure
 from kernels.slot_cache.api import MAX_PREFETCH_CANDIDATES
 
@@ -60,6 +61,29 @@ def resolve_cache_slots(cache_size: float | int | str | None, num_layers: int, n
 COPY_MODES = ("dma", "kernel")   # DMA from the host with a plan readback, or a device-side copy
 
 
+def copy_then_ffn(slots: torch.Tensor, host_layer: torch.Tensor, cache: SlotCache, max_copies: int,
+                  x: torch.Tensor, slot_ids: torch.Tensor, weights: torch.Tensor, w13: torch.Tensor,
+                  w2: torch.Tensor, *, mode: str, kernel_impl: str = "auto",
+                  side_stream: "torch.cuda.Stream | None" = None) -> torch.Tensor:
+    """The kernel copy of the last `ensure`'s plan, then the expert FFN over slot ids (routes at -1
+    add 0 in the gemv mode). With a `side_stream` (CUDA, gemv mode) the two overlap: the copy runs
+    on the side stream while moe_gemv computes the routes whose slot the plan does not fill (the
+    hits), then the compute stream waits for the copy and moe_gemv computes the fetched routes
+    (`kernels.moe_decode.CopyPlan`). Bit-identical to the serial order; both forms are
+    graph-capturable (the side stream forks from and joins the capturing stream)."""
+    c = cache
+    if side_stream is None or mode != "gemv":
+        copy_plan(slots, host_layer, c.evict_slots, c.src_indices, c.num_indices, max_copies=max_copies)
+        return expert_ffn(mode, x, slot_ids, weights, w13, w2, kernel_impl=kernel_impl)
+    compute = torch.cuda.current_stream(x.device)
+    side_stream.wait_stream(compute)            # ensure (and every GEMM reading the old slots) first
+    with torch.cuda.stream(side_stream):
+        copy_plan(slots, host_layer, c.evict_slots, c.src_indices, c.num_indices, max_copies=max_copies)
+    return moe_gemv(x, slot_ids, weights, w13, w2, impl=kernel_impl,
+                    plan=CopyPlan(c.evict_slots, c.num_indices, max_copies),
+                    between=lambda: compute.wait_stream(side_stream))
+
+
 @dataclass
 class OffloadStats:
     calls: int = 0
@@ -75,12 +99,15 @@ class OffloadExperts:
 
     def __init__(self, host: HostExperts, num_slots: int, device: torch.device | str, *,
                  per_layer: bool = False, mode: str = "auto", gather_max_pairs: int = 32,
-                 copy_mode: str = "dma", prefill_prefetch: bool = False):
+                 copy_mode: str = "dma", prefill_prefetch: bool = False, overlap_copy: bool = True):
         if mode not in MODES:
             raise ValueError(f"expert compute mode {mode!r} is not one of {', '.join(MODES)}")
         if copy_mode not in COPY_MODES:
             raise ValueError(f"copy mode {copy_mode!r} is not one of {', '.join(COPY_MODES)}")
         self.copy_mode = copy_mode
+        # kernel copy mode, decode-sized (gemv) calls on CUDA: the copy on copy_stream beside the hits'
+        # GEMMs (copy_then_ffn); False: copy, then every GEMM, on one stream
+        self.overlap_copy = overlap_copy
         # prefill calls (a chunk routes to most experts) copy the next layer's experts while this
         # layer computes: see `forward`. Off by default until it has run on a GPU (docs/OFFLOAD.md).
         self.prefill_prefetch = prefill_prefetch
@@ -127,17 +154,20 @@ class OffloadExperts:
         nxt = layer_idx + 1 if (self.prefill_prefetch and prefill and layer_idx + 1 < self.num_layers) else None
         if nxt is not None:
             prefetch_ensure(self.cache, nxt, self._candidates, self._candidates.numel(), check_ids=False)
+        mode = pick_mode(self.mode, self.on_cuda, slot_ids.numel(), self.gather_max_pairs)
+        self.stats.routed_pairs += slot_ids.numel()
         if self.copy_mode == "kernel" and nxt is None:
-            self._copy_on_device(layer_idx, max_copies=min(slot_ids.numel(), self.cache.num_slots), ids=topk_ids)
-        else:
-            self.copy_missing(layer_idx, prefetch_layer=nxt)
-            self.stats.calls += 1
-            self._host_counts[2] += 1
+            max_copies = min(slot_ids.numel(), self.cache.num_slots)
+            self._count_on_device(topk_ids)
+            return copy_then_ffn(self.slots, self.host.layers[layer_idx], self.cache, max_copies, x, slot_ids,
+                                 topk_weights, self.w13, self.w2, mode=mode, kernel_impl=self.kernel_impl,
+                                 side_stream=self.copy_stream if self.on_cuda and self.overlap_copy else None)
+        self.copy_missing(layer_idx, prefetch_layer=nxt)
+        self.stats.calls += 1
+        self._host_counts[2] += 1
         ready = self._prefetched.pop(layer_idx, None)     # experts prefetched for this layer
         if ready is not None:
             torch.cuda.current_stream(self.device).wait_event(ready)
-        self.stats.routed_pairs += slot_ids.numel()
-        mode = pick_mode(self.mode, self.on_cuda, slot_ids.numel(), self.gather_max_pairs)
         return expert_ffn(mode, x, slot_ids, topk_weights, self.w13, self.w2, kernel_impl=self.kernel_impl)
 
     def graph_safe(self, num_pairs: int) -> bool:
@@ -145,11 +175,9 @@ class OffloadExperts:
         return (self.copy_mode == "kernel" and self.on_cuda
                 and self.mode in ("auto", *GRAPH_SAFE_MODES) and num_pairs <= self.gather_max_pairs)
 
-    def _copy_on_device(self, layer_idx: int, max_copies: int, ids: torch.Tensor) -> None:
-        """The plan copy as a kernel on the compute stream: no host sync, graph-capturable."""
+    def _count_on_device(self, ids: torch.Tensor) -> None:
+        """The kernel copy mode's counters, on the device (reads the plan `ensure` just wrote)."""
         c = self.cache
-        copy_plan(self.slots, self.host.layers[layer_idx], c.evict_slots, c.src_indices,
-                  c.num_indices, max_copies=max_copies)
         if self._count_kernel and ids.numel() <= COUNT_MAX_PAIRS:
             count_call(self._device_counts, ids, c.num_indices, c.num_missing_full, offload=False)
         else:                           # no Triton kernel on a CPU outside the interpreter; large calls

@@ -10,6 +10,7 @@ CUDA-graph capturable for fixed shapes (outputs are allocated per call, inside t
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -48,6 +49,24 @@ class GemvBlocks:
 
 
 DEFAULT_GEMV_BLOCKS = GemvBlocks()
+
+
+@dataclass(frozen=True)
+class CopyPlan:
+    """The slots a copy running beside `moe_gemv` fills (the slot cache's plan, left on the device):
+    `slots[:length[0]]`, int32, with `length` an int32 tensor of one element and `max_len` a bound on
+    it known on the host (the copy's own `max_copies`)."""
+    slots: torch.Tensor
+    length: torch.Tensor
+    max_len: int
+
+    def check(self, device: torch.device) -> None:
+        for name, t in (("slots", self.slots), ("length", self.length)):
+            if t.dtype != torch.int32 or t.device != device:
+                raise ValueError(f"CopyPlan.{name} must be int32 on {device}, got {t.dtype} on {t.device}")
+        if self.length.numel() < 1 or self.max_len < 0 or self.max_len > self.slots.numel():
+            raise ValueError(f"CopyPlan: max_len {self.max_len} must be in [0, {self.slots.numel()}] "
+                             f"and length a one-element tensor")
 
 
 def _resolve_impl(impl: str, device: torch.device) -> str:
@@ -95,7 +114,8 @@ def _check_float(name: str, t: torch.Tensor) -> None:
 # ----------------------------------------------------------------------------------------------
 
 def moe_gemv(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: torch.Tensor,
-             w2: torch.Tensor, *, impl: str = "auto", blocks: GemvBlocks | None = None) -> torch.Tensor:
+             w2: torch.Tensor, *, impl: str = "auto", blocks: GemvBlocks | None = None,
+             plan: CopyPlan | None = None, between: Callable[[], None] | None = None) -> torch.Tensor:
     """MoE FFN of a decode batch, reading the routed experts in place: -> [T, H] in x.dtype.
 
         y[t] = sum_k weights[t, k] * down_e(silu(gate_e x[t]) * up_e x[t]),   e = ids[t, k]
@@ -110,6 +130,12 @@ def moe_gemv(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: tor
     Rounding as gathered_expert_ffn: gate/up in x.dtype, silu in x.dtype, act in x.dtype, down in
     x.dtype, times weight in fp32, summed over k in fp32 in k order (0, 1, ...), cast to x.dtype.
     Deterministic, no atomics. Three launches: gate/up -> act [P, I]; down -> y [P, H] fp32; sum.
+
+    Split around a copy (`plan`, a `CopyPlan` of the slots a concurrent copy is filling): gate/up and
+    down run first for the routes whose slot is not in the plan, then `between()` is called (the
+    caller makes the stream wait for the copy there), then gate/up and down for the routes in the
+    plan, then the sum: five launches, the same arithmetic, so the result is bit-identical to the
+    unsplit call. The routes outside the plan never read a slot the copy writes.
     """
     _check_float("x", x)
     if x.dim() != 2:
@@ -131,13 +157,18 @@ def moe_gemv(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: tor
     for name, t in (("x", x), ("ids", ids), ("weights", weights)):
         if t.device != w13.device or w2.device != w13.device:
             raise ValueError(f"{name} is on {t.device}, the experts on {w13.device} / {w2.device}")
+    if plan is not None:
+        plan.check(w13.device)
     impl = _resolve_impl(impl, x.device)
-    if impl == "reference":
-        return reference.moe_gemv_reference(x, ids, weights, w13, w2)
+    if impl == "reference" or T == 0 or K == 0 or plan is None:
+        if between is not None:
+            between()                   # nothing runs beside the copy: the order is all that matters
+        if impl == "reference":
+            return reference.moe_gemv_reference(x, ids, weights, w13, w2)
+        if T == 0 or K == 0:
+            return torch.zeros_like(x)
     if w13.stride(2) != 1 or w2.stride(2) != 1:
         raise ValueError("w13 and w2 need a contiguous last dimension")
-    if T == 0 or K == 0:
-        return torch.zeros_like(x)
     from .triton_kernels import moe_down_kernel, moe_gate_up_kernel, moe_sum_k_kernel
     b = blocks or DEFAULT_GEMV_BLOCKS
     inter = w2.shape[2]
@@ -148,17 +179,25 @@ def moe_gemv(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: tor
     rw_flat = weights.contiguous().view(-1)                           # [P]
     accurate = _accurate(x.device)
     act = torch.empty(P, inter, dtype=x.dtype, device=x.device)       # [P, I]
-    moe_gate_up_kernel[(P, _cdiv(inter, b.gate_up_block_n))](
-        x, ids_flat, w13, act, K, H, inter, x.stride(0), w13.stride(0), w13.stride(1),
-        BLOCK_N=b.gate_up_block_n, BLOCK_K=b.gate_up_block_k,
-        EVEN_N=inter % b.gate_up_block_n == 0, EVEN_K=H % b.gate_up_block_k == 0,
-        ACC_2D=bool(b.gate_up_acc_2d), ACCURATE=accurate, num_warps=b.gate_up_warps)
     y = torch.empty(P, H, dtype=torch.float32, device=x.device)       # [P, H] fp32
-    moe_down_kernel[(P, _cdiv(H, b.down_block_n))](
-        act, ids_flat, rw_flat, w2, y, H, inter, w2.stride(0), w2.stride(1),
-        BLOCK_N=b.down_block_n, BLOCK_K=b.down_block_k,
-        EVEN_N=H % b.down_block_n == 0, EVEN_K=inter % b.down_block_k == 0,
-        ACC_2D=bool(b.down_acc_2d), num_warps=b.down_warps)
+    if plan is None:
+        parts, plan_args, plan_max = (0,), (ids_flat, ids_flat), 1    # (the pointers are not read)
+    else:
+        parts, plan_args, plan_max = (1, 2), (plan.slots, plan.length), _next_pow2(max(1, plan.max_len))
+    for part in parts:
+        if part == 2 and between is not None:
+            between()                   # the copy's slots are read only after this
+        moe_gate_up_kernel[(P, _cdiv(inter, b.gate_up_block_n))](
+            x, ids_flat, w13, act, *plan_args, K, H, inter, x.stride(0), w13.stride(0), w13.stride(1),
+            BLOCK_N=b.gate_up_block_n, BLOCK_K=b.gate_up_block_k,
+            EVEN_N=inter % b.gate_up_block_n == 0, EVEN_K=H % b.gate_up_block_k == 0,
+            ACC_2D=bool(b.gate_up_acc_2d), ACCURATE=accurate, PLAN=part, PLAN_MAX=plan_max,
+            num_warps=b.gate_up_warps)
+        moe_down_kernel[(P, _cdiv(H, b.down_block_n))](
+            act, ids_flat, rw_flat, w2, y, *plan_args, H, inter, w2.stride(0), w2.stride(1),
+            BLOCK_N=b.down_block_n, BLOCK_K=b.down_block_k,
+            EVEN_N=H % b.down_block_n == 0, EVEN_K=inter % b.down_block_k == 0,
+            ACC_2D=bool(b.down_acc_2d), PLAN=part, PLAN_MAX=plan_max, num_warps=b.down_warps)
     out = torch.empty(T, H, dtype=x.dtype, device=x.device)           # [T, H]
     moe_sum_k_kernel[(T, _cdiv(H, b.sum_block))](y, out, K, H, BLOCK=b.sum_block,
                                                         num_warps=b.sum_warps)

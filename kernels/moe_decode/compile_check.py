@@ -20,15 +20,15 @@ def _cases() -> list[tuple[str, str, dict, dict, dict, list[str]]]:
     """(name, kernel attribute, signature, constexprs, options, 16-divisible args)."""
     dt = "bf16"
     gate_up_sig = {"x_ptr": f"*{dt}", "ids_ptr": "*i64", "w13_ptr": f"*{dt}", "act_ptr": f"*{dt}",
-                   "K": "i32", "H": "i32", "I": "i32", "stride_xt": "i32", "stride_we": "i64",
+                   "plan_ptr": "*i32", "nplan_ptr": "*i32", "K": "i32", "H": "i32", "I": "i32", "stride_xt": "i32", "stride_we": "i64",
                    "stride_wn": "i32", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr",
                    "EVEN_N": "constexpr", "EVEN_K": "constexpr", "ACC_2D": "constexpr",
-                   "ACCURATE": "constexpr"}
+                   "ACCURATE": "constexpr", "PLAN": "constexpr", "PLAN_MAX": "constexpr"}
     gate_up_div = ["x_ptr", "ids_ptr", "w13_ptr", "act_ptr", "H", "I", "stride_xt", "stride_we", "stride_wn"]
     down_sig = {"act_ptr": f"*{dt}", "ids_ptr": "*i32", "rw_ptr": "*fp32", "w2_ptr": f"*{dt}",
-                "y_ptr": "*fp32", "H": "i32", "I": "i32", "stride_we": "i64", "stride_wn": "i32",
+                "y_ptr": "*fp32", "plan_ptr": "*i32", "nplan_ptr": "*i32", "H": "i32", "I": "i32", "stride_we": "i64", "stride_wn": "i32",
                 "BLOCK_N": "constexpr", "BLOCK_K": "constexpr", "EVEN_N": "constexpr",
-                "EVEN_K": "constexpr", "ACC_2D": "constexpr"}
+                "EVEN_K": "constexpr", "ACC_2D": "constexpr", "PLAN": "constexpr", "PLAN_MAX": "constexpr"}
     down_div = ["act_ptr", "ids_ptr", "rw_ptr", "w2_ptr", "y_ptr", "H", "I", "stride_we", "stride_wn"]
     norm_sig = {"x_ptr": f"*{dt}", "d_ptr": f"*{dt}", "w_ptr": f"*{dt}", "xo_ptr": f"*{dt}",
                 "no_ptr": f"*{dt}", "R2": "i32", "N": "i32", "sx1": "i32", "sx2": "i32", "sd1": "i32",
@@ -43,15 +43,23 @@ def _cases() -> list[tuple[str, str, dict, dict, dict, list[str]]]:
                  "stride_t": "i32", "K": "constexpr", "BLOCK_E": "constexpr", "BLOCK_K": "constexpr",
                  "SOFTMAX_FIRST": "constexpr", "RENORM": "constexpr", "ACCURATE": "constexpr"}
     w4, w1 = {"num_warps": 4}, {"num_warps": 1}
+    whole = dict(PLAN=0, PLAN_MAX=1)          # an unsplit call (moe_gemv without a CopyPlan)
     return [
         ("gate_up 16x256 per-step even", "moe_gate_up_kernel", gate_up_sig,
-         dict(BLOCK_N=16, BLOCK_K=256, EVEN_N=True, EVEN_K=True, ACC_2D=False, ACCURATE=True), w4, gate_up_div),
+         dict(BLOCK_N=16, BLOCK_K=256, EVEN_N=True, EVEN_K=True, ACC_2D=False, ACCURATE=True, **whole),
+         w4, gate_up_div),
         ("gate_up 16x256 2-D ragged", "moe_gate_up_kernel", gate_up_sig,
-         dict(BLOCK_N=16, BLOCK_K=256, EVEN_N=False, EVEN_K=False, ACC_2D=True, ACCURATE=True), w4, gate_up_div),
+         dict(BLOCK_N=16, BLOCK_K=256, EVEN_N=False, EVEN_K=False, ACC_2D=True, ACCURATE=True, **whole),
+         w4, gate_up_div),
+        ("gate_up split: routes off the plan", "moe_gate_up_kernel", gate_up_sig,
+         dict(BLOCK_N=16, BLOCK_K=256, EVEN_N=True, EVEN_K=True, ACC_2D=False, ACCURATE=True, PLAN=1, PLAN_MAX=8),
+         w4, gate_up_div),
         ("down 16x256 per-step even", "moe_down_kernel", down_sig,
-         dict(BLOCK_N=16, BLOCK_K=256, EVEN_N=True, EVEN_K=True, ACC_2D=False), w4, down_div),
+         dict(BLOCK_N=16, BLOCK_K=256, EVEN_N=True, EVEN_K=True, ACC_2D=False, **whole), w4, down_div),
         ("down 16x256 2-D ragged", "moe_down_kernel", down_sig,
-         dict(BLOCK_N=16, BLOCK_K=256, EVEN_N=False, EVEN_K=False, ACC_2D=True), w4, down_div),
+         dict(BLOCK_N=16, BLOCK_K=256, EVEN_N=False, EVEN_K=False, ACC_2D=True, **whole), w4, down_div),
+        ("down split: routes in the plan", "moe_down_kernel", down_sig,
+         dict(BLOCK_N=16, BLOCK_K=256, EVEN_N=True, EVEN_K=True, ACC_2D=False, PLAN=2, PLAN_MAX=8), w4, down_div),
         ("sum over k", "moe_sum_k_kernel", {"y_ptr": "*fp32", "out_ptr": f"*{dt}", "K": "i32", "H": "i32",
                                             "BLOCK": "constexpr"}, dict(BLOCK=1024), w4, []),
         ("add + rms_norm", "rms_norm_kernel", norm_sig, dict(HAS_ADD=True, BLOCK=2048, ACCURATE=True), w4, []),

@@ -57,11 +57,30 @@ def _rsqrt(x, ACCURATE: tl.constexpr):
 # ----------------------------------------------------------------------------------------------
 
 @triton.jit
+def _route_active(e, plan_ptr, nplan_ptr, PLAN: tl.constexpr, PLAN_MAX: tl.constexpr):
+    """Whether this launch owns route (slot) e in a split call: PLAN 0 every route; 1 the routes whose
+    slot is not in the copy plan plan_ptr[:nplan_ptr[0]] (the -1 routes included); 2 only those in it."""
+    if PLAN == 0:
+        own = e == e
+    else:
+        offs = tl.arange(0, PLAN_MAX)
+        n = tl.load(nplan_ptr)
+        ps = tl.load(plan_ptr + offs, mask=offs < n, other=-1).to(tl.int64)
+        in_plan = tl.sum((ps == e).to(tl.int32), axis=0) > 0
+        if PLAN == 1:
+            own = in_plan == 0
+        else:
+            own = in_plan
+    return own
+
+
+@triton.jit
 def moe_gate_up_kernel(
     x_ptr,                # [T, H] x.dtype, row stride stride_xt, columns contiguous
     ids_ptr,              # [P] int32|int64: rows of w13 (-1: pair not on the GPU)
     w13_ptr,              # [S, 2I, H]: expert stride stride_we, row stride stride_wn, columns contiguous
     act_ptr,              # [P, I] x.dtype out: silu(gate) * up
+    plan_ptr, nplan_ptr,  # PLAN > 0: the copy plan's slots (int32) and its length (int32 [1])
     K, H, I,
     stride_xt, stride_we, stride_wn,
     BLOCK_N: tl.constexpr,    # gate rows (and as many up rows) per program
@@ -72,6 +91,8 @@ def moe_gate_up_kernel(
                               # end (no shuffles in the loop), or reduce every step into [BLOCK_N]
                               # (fewer registers: more programs per SM)
     ACCURATE: tl.constexpr,
+    PLAN: tl.constexpr,       # 0: every route; 1: routes not in the plan; 2: routes in it (_route_active)
+    PLAN_MAX: tl.constexpr,   # power of two >= the plan's largest length
 ):
     """Grid (P, cdiv(I, BLOCK_N)). Program (p, j): act[p, j*BLOCK_N : (j+1)*BLOCK_N].
 
@@ -82,7 +103,7 @@ def moe_gate_up_kernel(
     p = tl.program_id(0)
     j = tl.program_id(1)
     e = tl.load(ids_ptr + p).to(tl.int64)
-    if e >= 0:
+    if (e >= 0) & _route_active(e, plan_ptr, nplan_ptr, PLAN, PLAN_MAX):
         DT = act_ptr.dtype.element_ty
         t = p // K
         rows = j * BLOCK_N + tl.arange(0, BLOCK_N)                     # [BLOCK_N] gate rows
@@ -142,6 +163,7 @@ def moe_down_kernel(
     rw_ptr,               # [P] routing weights (fp32, or any float dtype: read as fp32)
     w2_ptr,               # [S, H, I]: expert stride stride_we, row stride stride_wn, columns contiguous
     y_ptr,                # [P, H] fp32 out: w_k * down (down rounded to x.dtype first)
+    plan_ptr, nplan_ptr,  # as in moe_gate_up_kernel
     H, I,
     stride_we, stride_wn,
     BLOCK_N: tl.constexpr,    # output rows (of H) per program
@@ -149,51 +171,54 @@ def moe_down_kernel(
     EVEN_N: tl.constexpr,     # H % BLOCK_N == 0
     EVEN_K: tl.constexpr,     # I % BLOCK_K == 0
     ACC_2D: tl.constexpr,     # as in moe_gate_up_kernel
+    PLAN: tl.constexpr,       # as in moe_gate_up_kernel: a route this launch does not own is not written
+    PLAN_MAX: tl.constexpr,
 ):
     """Grid (P, cdiv(H, BLOCK_N)). y[p, n] = float(x.dtype(w2[id, n] . act[p])) * w[p] (fp32);
     exactly 0.0 for a pair with id < 0, which reads neither weights nor its act row."""
     p = tl.program_id(0)
     j = tl.program_id(1)
     e = tl.load(ids_ptr + p).to(tl.int64)
-    rows = j * BLOCK_N + tl.arange(0, BLOCK_N)
-    y_row = y_ptr + p.to(tl.int64) * H
-    if e >= 0:
-        DT = act_ptr.dtype.element_ty
-        cols = tl.arange(0, BLOCK_K)
-        a_row = act_ptr + p.to(tl.int64) * I
-        w_base = w2_ptr + e * stride_we
-        offs = rows[:, None] * stride_wn + cols[None, :]               # [BLOCK_N, BLOCK_K]
-        if ACC_2D:
-            acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-        else:
-            acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-        for k0 in range(0, I, BLOCK_K):
-            if EVEN_K:
-                av = tl.load(a_row + k0 + cols).to(tl.float32)
-                if EVEN_N:
-                    w = tl.load(w_base + k0 + offs)
-                else:
-                    w = tl.load(w_base + k0 + offs, mask=rows[:, None] < H, other=0.0)
-            else:
-                cmask = (k0 + cols) < I
-                av = tl.load(a_row + k0 + cols, mask=cmask, other=0.0).to(tl.float32)
-                w = tl.load(w_base + k0 + offs, mask=(rows[:, None] < H) & cmask[None, :], other=0.0)
+    if _route_active(e, plan_ptr, nplan_ptr, PLAN, PLAN_MAX):
+        rows = j * BLOCK_N + tl.arange(0, BLOCK_N)
+        y_row = y_ptr + p.to(tl.int64) * H
+        if e >= 0:
+            DT = act_ptr.dtype.element_ty
+            cols = tl.arange(0, BLOCK_K)
+            a_row = act_ptr + p.to(tl.int64) * I
+            w_base = w2_ptr + e * stride_we
+            offs = rows[:, None] * stride_wn + cols[None, :]               # [BLOCK_N, BLOCK_K]
             if ACC_2D:
-                acc += w.to(tl.float32) * av[None, :]
+                acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
             else:
-                acc += tl.sum(w.to(tl.float32) * av[None, :], axis=1)
-        if ACC_2D:
-            down = tl.sum(acc, axis=1)
+                acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+            for k0 in range(0, I, BLOCK_K):
+                if EVEN_K:
+                    av = tl.load(a_row + k0 + cols).to(tl.float32)
+                    if EVEN_N:
+                        w = tl.load(w_base + k0 + offs)
+                    else:
+                        w = tl.load(w_base + k0 + offs, mask=rows[:, None] < H, other=0.0)
+                else:
+                    cmask = (k0 + cols) < I
+                    av = tl.load(a_row + k0 + cols, mask=cmask, other=0.0).to(tl.float32)
+                    w = tl.load(w_base + k0 + offs, mask=(rows[:, None] < H) & cmask[None, :], other=0.0)
+                if ACC_2D:
+                    acc += w.to(tl.float32) * av[None, :]
+                else:
+                    acc += tl.sum(w.to(tl.float32) * av[None, :], axis=1)
+            if ACC_2D:
+                down = tl.sum(acc, axis=1)
+            else:
+                down = acc
+            rw = tl.load(rw_ptr + p).to(tl.float32)
+            y = down.to(DT).to(tl.float32) * rw                            # [BLOCK_N]
         else:
-            down = acc
-        rw = tl.load(rw_ptr + p).to(tl.float32)
-        y = down.to(DT).to(tl.float32) * rw                            # [BLOCK_N]
-    else:
-        y = tl.zeros([BLOCK_N], dtype=tl.float32)
-    if EVEN_N:
-        tl.store(y_row + rows, y)
-    else:
-        tl.store(y_row + rows, y, mask=rows < H)
+            y = tl.zeros([BLOCK_N], dtype=tl.float32)
+        if EVEN_N:
+            tl.store(y_row + rows, y)
+        else:
+            tl.store(y_row + rows, y, mask=rows < H)
 
 
 @triton.jit

@@ -1,0 +1,196 @@
+"""The expert FFN split around a concurrent copy (kernels.moe_decode.CopyPlan, copy_then_ffn).
+
+moe_gemv with a plan computes the routes whose slot the plan does not fill, calls `between()` (where
+the caller waits for the copy), then the routes in the plan. The CPU tests poison the plan's slots
+until `between()` runs, so a result that used them before it is NaN; the GPU tests run the real copy
+on a side stream, eagerly and inside a CUDA graph, against an FFN over the host weights.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gpu_worker.models.expert_layout import ExpertLayout, unpack_experts
+from gpu_worker.models.resident_experts import expert_ffn
+from gpu_worker.offload.offload_experts import copy_then_ffn
+from kernels.moe_decode import CopyPlan, GemvBlocks, moe_gemv
+from kernels.moe_decode import reference as ref
+from tests.conftest import KERNEL_DEVICE
+
+DEV = KERNEL_DEVICE
+SMALL = GemvBlocks(gate_up_block_n=8, gate_up_block_k=16, down_block_n=16, down_block_k=16, sum_block=32)
+
+
+def _experts(S, H, I, seed):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(S, 2 * I, H, generator=g) * 0.1, torch.randn(S, H, I, generator=g) * 0.1)
+
+
+@pytest.mark.parametrize("plan_len", [0, 1, 3])
+def test_split_gemv_reads_the_plans_slots_only_after_between(plan_len):
+    T, K, H, I, S = 2, 4, 40, 24, 10
+    w13, w2 = _experts(S, H, I, seed=plan_len)
+    ids = torch.tensor([[3, 7, -1, 1], [7, 0, 5, -1]])
+    weights = torch.rand(T, K, generator=torch.Generator().manual_seed(1))
+    x = torch.randn(T, H, generator=torch.Generator().manual_seed(2))
+    # the plan fills slots 7, 5, 9 (9 is not routed); position 3 (slot 1, routed) is past the length
+    plan_slots = torch.tensor([7, 5, 9, 1, -1], dtype=torch.int32)
+    filled = plan_slots[:plan_len].long()
+    expected = ref.moe_gemv_reference(x, ids, weights, w13, w2)
+    unsplit = moe_gemv(x.to(DEV), ids.to(DEV), weights.to(DEV), w13.to(DEV), w2.to(DEV), impl="triton",
+                       blocks=SMALL)
+    p13, p2 = w13.clone().to(DEV), w2.clone().to(DEV)
+    p13[filled.to(DEV)] = float("nan")                    # the copy has not landed yet
+    p2[filled.to(DEV)] = float("nan")
+    calls = []
+
+    def between():                                        # the copy lands
+        calls.append(1)
+        p13[filled.to(DEV)] = w13[filled].to(DEV)
+        p2[filled.to(DEV)] = w2[filled].to(DEV)
+
+    plan = CopyPlan(plan_slots.to(DEV), torch.tensor([plan_len], dtype=torch.int32, device=DEV), max_len=5)
+    got = moe_gemv(x.to(DEV), ids.to(DEV), weights.to(DEV), p13, p2, impl="triton", blocks=SMALL,
+                   plan=plan, between=between)
+    assert calls == [1]
+    assert torch.isfinite(got).all(), "a launch read a slot of the plan before between()"
+    assert torch.equal(got.cpu(), unsplit.cpu()), "the split call must be bit-identical to the unsplit one"
+    assert ((got.cpu() - expected).abs().max() / expected.abs().max()) < 1e-5
+
+
+def test_split_gemv_leaves_no_route_out():
+    """Every route is computed exactly once whatever the plan holds: a route whose slot is in the plan
+    only in the second launch, the rest only in the first (a route computed by neither would be
+    missing from the sum; one computed by both, after between() corrupted it, would be NaN)."""
+    T, K, H, I, S = 3, 2, 32, 16, 6
+    w13, w2 = _experts(S, H, I, seed=9)
+    ids = torch.tensor([[0, 1], [2, 3], [4, 5]])
+    weights = torch.rand(T, K, generator=torch.Generator().manual_seed(3))
+    x = torch.randn(T, H, generator=torch.Generator().manual_seed(4))
+    plan_slots = torch.tensor([4, 1], dtype=torch.int32)
+    d13, d2 = w13.clone().to(DEV), w2.clone().to(DEV)
+
+    def between():                                        # the routes off the plan must be done by now
+        for s in (0, 2, 3, 5):
+            d13[s] = float("nan")
+            d2[s] = float("nan")
+
+    got = moe_gemv(x.to(DEV), ids.to(DEV), weights.to(DEV), d13, d2, impl="triton", blocks=SMALL,
+                   plan=CopyPlan(plan_slots.to(DEV), torch.tensor([2], dtype=torch.int32, device=DEV), 2),
+                   between=between)
+    expected = ref.moe_gemv_reference(x, ids, weights, w13, w2)
+    assert torch.isfinite(got).all()
+    assert ((got.cpu() - expected).abs().max() / expected.abs().max()) < 1e-5
+
+
+def test_between_runs_without_a_split_too():
+    x, (w13, w2) = torch.randn(1, 32), _experts(4, 32, 16, seed=1)
+    ids, weights = torch.tensor([[0, 2]]), torch.rand(1, 2)
+    calls = []
+    out = moe_gemv(x, ids, weights, w13, w2, impl="reference", between=lambda: calls.append(1),
+                   plan=CopyPlan(torch.zeros(2, dtype=torch.int32), torch.zeros(1, dtype=torch.int32), 2))
+    assert calls == [1] and torch.equal(out, ref.moe_gemv_reference(x, ids, weights, w13, w2))
+
+
+def test_copy_plan_errors():
+    x, (w13, w2) = torch.randn(1, 32), _experts(4, 32, 16, seed=1)
+    ids, weights = torch.tensor([[0, 2]]), torch.rand(1, 2)
+    with pytest.raises(ValueError, match="CopyPlan.slots must be int32"):
+        moe_gemv(x, ids, weights, w13, w2, plan=CopyPlan(torch.zeros(2, dtype=torch.int64),
+                                                         torch.zeros(1, dtype=torch.int32), 2))
+    with pytest.raises(ValueError, match="max_len 3 must be in"):
+        moe_gemv(x, ids, weights, w13, w2, plan=CopyPlan(torch.zeros(2, dtype=torch.int32),
+                                                         torch.zeros(1, dtype=torch.int32), 3))
+
+
+def test_copy_then_ffn_without_a_side_stream_is_copy_then_ffn():
+    from kernels.slot_cache import SlotCache, ensure
+    layout = ExpertLayout(32, 16, torch.float32)
+    E, S = 6, 4
+    g = torch.Generator().manual_seed(0)
+    host = torch.randn(E, layout.expert_numel, generator=g) * 0.1
+    cache = SlotCache.create(1, E, S, device="cpu")
+    slots = torch.zeros(S, layout.expert_numel)
+    w13, w2 = unpack_experts(slots, layout)
+    h13, h2 = unpack_experts(host, layout)
+    for routes in ([[0, 3]], [[3, 5]], [[1, 2]], [[0, 5]]):
+        ids = torch.tensor(routes)
+        slot_ids = ids.clone()
+        ensure(cache, 0, slot_ids, fetch_fraction=1.0)
+        x, w = torch.randn(1, 32, generator=g), torch.rand(1, 2, generator=g)
+        out = copy_then_ffn(slots, host, cache, 2, x, slot_ids, w, w13, w2, mode="gemv", kernel_impl="reference")
+        assert torch.equal(out, expert_ffn("gemv", x, ids, w, h13, h2, kernel_impl="reference"))
+
+
+# -- GPU: the copy really runs beside the GEMMs -------------------------------------------------------
+
+def _gpu_case(E=24, S=12, H=2048, I=768):
+    """A pool of S slots over E experts of the qwen3-30b-a3b shape (9.44 MB each, ~190 us a copy over
+    PCIe: a GEMM that did not wait for its copy would read the slot's previous expert)."""
+    from kernels.slot_cache import SlotCache
+    layout = ExpertLayout(H, I, torch.bfloat16)
+    g = torch.Generator().manual_seed(0)
+    host = (torch.randn(E, layout.expert_numel, generator=g) * 0.05).to(torch.bfloat16).pin_memory()
+    cache = SlotCache.create(1, E, S, device="cuda")
+    slots = torch.zeros(S, layout.expert_numel, dtype=torch.bfloat16, device="cuda")
+    resident = host.cuda()
+    return layout, host, cache, slots, resident
+
+
+def _routes(n, K, E, seed):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randperm(E, generator=g)[:K].view(1, K) for _ in range(n)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("overlap", [True, False])
+def test_gpu_copy_beside_the_gemms_matches_the_host_weights(overlap):
+    from kernels.slot_cache import ensure
+    layout, host, cache, slots, resident = _gpu_case()
+    w13, w2 = unpack_experts(slots, layout)
+    r13, r2 = unpack_experts(resident, layout)
+    side = torch.cuda.Stream() if overlap else None
+    g = torch.Generator().manual_seed(1)
+    for ids in _routes(40, 8, 24, seed=2):
+        ids = ids.cuda()
+        slot_ids = ids.clone()
+        ensure(cache, 0, slot_ids, fetch_fraction=1.0, check_ids=False)
+        x = (torch.randn(1, layout.hidden_size, generator=g) * 0.5).to(torch.bfloat16).cuda()
+        w = torch.rand(1, 8, generator=g).cuda()
+        out = copy_then_ffn(slots, host, cache, 8, x, slot_ids, w, w13, w2, mode="gemv", side_stream=side)
+        assert torch.equal(out, moe_gemv(x, ids, w, r13, r2))
+
+
+@pytest.mark.gpu
+def test_gpu_copy_beside_the_gemms_in_a_cuda_graph():
+    from kernels.slot_cache import ensure
+    layout, host, cache, slots, resident = _gpu_case()
+    w13, w2 = unpack_experts(slots, layout)
+    r13, r2 = unpack_experts(resident, layout)
+    side = torch.cuda.Stream()
+    routes_in = torch.zeros(1, 8, dtype=torch.int64, device="cuda")
+    x = torch.zeros(1, layout.hidden_size, dtype=torch.bfloat16, device="cuda")
+    w = torch.zeros(1, 8, device="cuda")
+
+    def step():
+        slot_ids = routes_in.clone()
+        ensure(cache, 0, slot_ids, fetch_fraction=1.0, check_ids=False)
+        return copy_then_ffn(slots, host, cache, 8, x, slot_ids, w, w13, w2, mode="gemv", side_stream=side)
+
+    g = torch.Generator().manual_seed(3)
+    routes = _routes(30, 8, 24, seed=4)
+    routes_in.copy_(routes[0])
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):                               # warm-up outside the capture
+        step()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    for ids in routes[1:]:
+        routes_in.copy_(ids)
+        x.copy_((torch.randn(1, layout.hidden_size, generator=g) * 0.5).to(torch.bfloat16))
+        w.copy_(torch.rand(1, 8, generator=g))
+        graph.replay()
+        assert torch.equal(out, moe_gemv(x, ids.cuda(), w, r13, r2))
