@@ -44,16 +44,20 @@ def test_split_gemv_reads_the_plans_slots_only_after_between(plan_len):
     p2[filled.to(DEV)] = float("nan")
     calls = []
 
-    def between():                                        # the copy lands
+    off_plan = torch.tensor([s for s in range(S) if s not in filled.tolist()], dtype=torch.long)
+
+    def between():             # the copy lands; the routes off the plan (slot 1 included) must be done
         calls.append(1)
         p13[filled.to(DEV)] = w13[filled].to(DEV)
         p2[filled.to(DEV)] = w2[filled].to(DEV)
+        p13[off_plan.to(DEV)] = float("nan")
+        p2[off_plan.to(DEV)] = float("nan")
 
     plan = CopyPlan(plan_slots.to(DEV), torch.tensor([plan_len], dtype=torch.int32, device=DEV), max_len=5)
     got = moe_gemv(x.to(DEV), ids.to(DEV), weights.to(DEV), p13, p2, impl="triton", blocks=SMALL,
                    plan=plan, between=between)
     assert calls == [1]
-    assert torch.isfinite(got).all(), "a launch read a slot of the plan before between()"
+    assert torch.isfinite(got).all(), "a route was computed in the wrong launch"
     assert torch.equal(got.cpu(), unsplit.cpu()), "the split call must be bit-identical to the unsplit one"
     assert ((got.cpu() - expected).abs().max() / expected.abs().max()) < 1e-5
 
@@ -83,6 +87,28 @@ def test_split_gemv_leaves_no_route_out():
     assert ((got.cpu() - expected).abs().max() / expected.abs().max()) < 1e-5
 
 
+def test_a_plan_longer_than_its_bound_falls_back_to_the_serial_order():
+    """length 3 with max_len 2: the kernels compare only two entries, so every route waits for between()."""
+    T, K, H, I, S = 1, 4, 32, 16, 8
+    w13, w2 = _experts(S, H, I, seed=5)
+    ids = torch.tensor([[0, 2, 4, 6]])
+    weights = torch.rand(T, K, generator=torch.Generator().manual_seed(6))
+    x = torch.randn(T, H, generator=torch.Generator().manual_seed(7))
+    p13, p2 = torch.full_like(w13, float("nan")).to(DEV), torch.full_like(w2, float("nan")).to(DEV)
+
+    def between():                                        # nothing is ready before this
+        p13.copy_(w13.to(DEV))
+        p2.copy_(w2.to(DEV))
+
+    plan = CopyPlan(torch.tensor([0, 2, 4, -1], dtype=torch.int32, device=DEV),
+                    torch.tensor([3], dtype=torch.int32, device=DEV), max_len=2)
+    got = moe_gemv(x.to(DEV), ids.to(DEV), weights.to(DEV), p13, p2, impl="triton", blocks=SMALL, plan=plan,
+                   between=between)
+    expected = ref.moe_gemv_reference(x, ids, weights, w13, w2)
+    assert torch.isfinite(got).all()
+    assert ((got.cpu() - expected).abs().max() / expected.abs().max()) < 1e-5
+
+
 def test_between_runs_without_a_split_too():
     x, (w13, w2) = torch.randn(1, 32), _experts(4, 32, 16, seed=1)
     ids, weights = torch.tensor([[0, 2]]), torch.rand(1, 2)
@@ -97,6 +123,12 @@ def test_copy_plan_errors():
     ids, weights = torch.tensor([[0, 2]]), torch.rand(1, 2)
     with pytest.raises(ValueError, match="CopyPlan.slots must be int32"):
         moe_gemv(x, ids, weights, w13, w2, plan=CopyPlan(torch.zeros(2, dtype=torch.int64),
+                                                         torch.zeros(1, dtype=torch.int32), 2))
+    with pytest.raises(ValueError, match="contiguous 1-D"):
+        moe_gemv(x, ids, weights, w13, w2, plan=CopyPlan(torch.zeros(2, 2, dtype=torch.int32),
+                                                         torch.zeros(1, dtype=torch.int32), 2), between=print)
+    with pytest.raises(ValueError, match="needs between"):
+        moe_gemv(x, ids, weights, w13, w2, plan=CopyPlan(torch.zeros(2, dtype=torch.int32),
                                                          torch.zeros(1, dtype=torch.int32), 2))
     with pytest.raises(ValueError, match="max_len 3 must be in"):
         moe_gemv(x, ids, weights, w13, w2, plan=CopyPlan(torch.zeros(2, dtype=torch.int32),

@@ -199,6 +199,7 @@ def _prefill_prefetch_case(device: str, copy_mode: str = "dma"):
             assert run(loaded) == want
             assert not wrong, f"MoE outputs that disagree with the host weights: {wrong[:5]}"
             assert_slots_hold_their_experts(backend)
+            assert not backend._prefetched, "a layer did not wait for the experts prefetched for it"
             stats[prefetch] = backend.refresh_stats()
         finally:
             backend.close()

@@ -76,12 +76,22 @@ def copy_then_ffn(slots: torch.Tensor, host_layer: torch.Tensor, cache: SlotCach
         copy_plan(slots, host_layer, c.evict_slots, c.src_indices, c.num_indices, max_copies=max_copies)
         return expert_ffn(mode, x, slot_ids, weights, w13, w2, kernel_impl=kernel_impl)
     compute = torch.cuda.current_stream(x.device)
+    plan = CopyPlan(c.evict_slots, c.num_indices, max_copies)
+    plan.check(w13.device)
     side_stream.wait_stream(compute)            # ensure (and every GEMM reading the old slots) first
     with torch.cuda.stream(side_stream):
         copy_plan(slots, host_layer, c.evict_slots, c.src_indices, c.num_indices, max_copies=max_copies)
-    return moe_gemv(x, slot_ids, weights, w13, w2, impl=kernel_impl,
-                    plan=CopyPlan(c.evict_slots, c.num_indices, max_copies),
-                    between=lambda: compute.wait_stream(side_stream))
+    joined = []
+
+    def between() -> None:
+        compute.wait_stream(side_stream)
+        joined.append(True)
+
+    try:
+        return moe_gemv(x, slot_ids, weights, w13, w2, impl=kernel_impl, plan=plan, between=between)
+    finally:
+        if not joined:                          # moe_gemv raised before the wait: join anyway, so
+            compute.wait_stream(side_stream)    # nothing later runs beside the copy (and a capture ends)
 
 
 @dataclass
@@ -156,16 +166,20 @@ class OffloadExperts:
             prefetch_ensure(self.cache, nxt, self._candidates, self._candidates.numel(), check_ids=False)
         mode = pick_mode(self.mode, self.on_cuda, slot_ids.numel(), self.gather_max_pairs)
         self.stats.routed_pairs += slot_ids.numel()
+        # experts a prefill prefetched for this layer (DMA on copy_stream): the GEMMs read them and a
+        # kernel copy may evict them, so both wait for their event
+        ready = self._prefetched.pop(layer_idx, None)
         if self.copy_mode == "kernel" and nxt is None:
+            if ready is not None:
+                torch.cuda.current_stream(self.device).wait_event(ready)
             max_copies = min(slot_ids.numel(), self.cache.num_slots)
             self._count_on_device(topk_ids)
             return copy_then_ffn(self.slots, self.host.layers[layer_idx], self.cache, max_copies, x, slot_ids,
                                  topk_weights, self.w13, self.w2, mode=mode, kernel_impl=self.kernel_impl,
                                  side_stream=self.copy_stream if self.on_cuda and self.overlap_copy else None)
-        self.copy_missing(layer_idx, prefetch_layer=nxt)
-        self.stats.calls += 1
+        self.copy_missing(layer_idx, prefetch_layer=nxt)     # (its plan readback does not wait for `ready`;
+        self.stats.calls += 1                                # its copies queue behind it on copy_stream)
         self._host_counts[2] += 1
-        ready = self._prefetched.pop(layer_idx, None)     # experts prefetched for this layer
         if ready is not None:
             torch.cuda.current_stream(self.device).wait_event(ready)
         return expert_ffn(mode, x, slot_ids, topk_weights, self.w13, self.w2, kernel_impl=self.kernel_impl)

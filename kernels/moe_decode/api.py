@@ -64,6 +64,9 @@ class CopyPlan:
         for name, t in (("slots", self.slots), ("length", self.length)):
             if t.dtype != torch.int32 or t.device != device:
                 raise ValueError(f"CopyPlan.{name} must be int32 on {device}, got {t.dtype} on {t.device}")
+        if self.slots.dim() != 1 or not self.slots.is_contiguous():
+            raise ValueError(f"CopyPlan.slots must be a contiguous 1-D tensor, got shape "
+                             f"{tuple(self.slots.shape)} with strides {self.slots.stride()}")
         if self.length.numel() < 1 or self.max_len < 0 or self.max_len > self.slots.numel():
             raise ValueError(f"CopyPlan: max_len {self.max_len} must be in [0, {self.slots.numel()}] "
                              f"and length a one-element tensor")
@@ -159,6 +162,9 @@ def moe_gemv(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: tor
             raise ValueError(f"{name} is on {t.device}, the experts on {w13.device} / {w2.device}")
     if plan is not None:
         plan.check(w13.device)
+        if between is None:
+            raise ValueError("moe_gemv with a CopyPlan needs between(): the wait for the copy that fills "
+                             "the plan's slots (without it the second launch would not wait)")
     impl = _resolve_impl(impl, x.device)
     if impl == "reference" or T == 0 or K == 0 or plan is None:
         if between is not None:

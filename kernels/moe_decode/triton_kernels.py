@@ -59,14 +59,15 @@ def _rsqrt(x, ACCURATE: tl.constexpr):
 @triton.jit
 def _route_active(e, plan_ptr, nplan_ptr, PLAN: tl.constexpr, PLAN_MAX: tl.constexpr):
     """Whether this launch owns route (slot) e in a split call: PLAN 0 every route; 1 the routes whose
-    slot is not in the copy plan plan_ptr[:nplan_ptr[0]] (the -1 routes included); 2 only those in it."""
+    slot is not in the copy plan plan_ptr[:nplan_ptr[0]] (the -1 routes included); 2 only those in it.
+    A plan longer than PLAN_MAX entries (not all compared) gives launch 2 every route: the serial order."""
     if PLAN == 0:
         own = e == e
     else:
         offs = tl.arange(0, PLAN_MAX)
         n = tl.load(nplan_ptr)
-        ps = tl.load(plan_ptr + offs, mask=offs < n, other=-1).to(tl.int64)
-        in_plan = tl.sum((ps == e).to(tl.int32), axis=0) > 0
+        ps = tl.load(plan_ptr + offs, mask=offs < n, other=-2).to(tl.int64)     # -2: matches no route
+        in_plan = (tl.sum((ps == e).to(tl.int32), axis=0) > 0) | (n > PLAN_MAX)
         if PLAN == 1:
             own = in_plan == 0
         else:
