@@ -44,15 +44,16 @@ def expert_format_of(cfg: Any) -> ExpertFormat | None:
 def load_served_engine(model_dir: str | None, preset: str | None, device: str, *, moe_strategy: str = "resident",
                        moe_cache_size: int | None = None, max_running_requests: int = 8,
                        max_context_tokens: int | None = None, served_model_name: str | None = None,
-                       hybrid: Any = None) -> ServedEngine:
-    """The engine `ft serve --workers inline` serves (`hybrid`: HybridOptions for cpu/hybrid, None: defaults)."""
+                       hybrid: Any = None, offload_copy: str = "dma") -> ServedEngine:
+    """The engine `ft serve --workers inline` serves (`hybrid`: HybridOptions for cpu/hybrid, None: defaults;
+    `offload_copy`: dma or kernel, for offload)."""
     import torch
 
     from gpu_worker.engine import Engine, EngineConfig
     from gpu_worker.models import load_model
 
     loaded = load_model(model_dir, preset, device=device, moe_strategy=moe_strategy, moe_cache_size=moe_cache_size,
-                        hybrid=hybrid)
+                        hybrid=hybrid, offload_copy=offload_copy)
     tokenizer = loaded.tokenizer
     if tokenizer is None:
         raise FileNotFoundError(f"{model_dir or preset} has no tokenizer.json; the HTTP API needs one to turn "

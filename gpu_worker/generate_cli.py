@@ -53,9 +53,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     run_g.add_argument("--moe-strategy", choices=STRATEGY_CHOICES, default="resident",
                        help="resident: every expert on the device; offload: fetch every miss; cpu: compute every "
                             "miss in the CPU pool; hybrid: split the misses by --fetch-fraction")
-    run_g.add_argument("--offload-copy", choices=("dma", "kernel"), default="dma",
-                       help="offload: DMA with a plan readback per layer, or a device-side copy kernel "
-                            "(no host sync; decode runs in CUDA graphs)")
     run_g.add_argument("--moe-cache-size", type=str, default=None, metavar="N|FRACTION",
                        help="GPU expert slots (offload, cpu, hybrid; default 0.25 of all experts)")
     run_g.add_argument("--device", choices=DEVICE_CHOICES, default="auto")
@@ -118,7 +115,8 @@ def run(args: argparse.Namespace) -> int:
     hybrid = hybrid_options(args) if args.moe_strategy in ("cpu", "hybrid") else None
     loaded = load_model(args.model, args.preset, device=args.device, dtype=args.dtype,
                         moe_strategy=args.moe_strategy, moe_cache_size=args.moe_cache_size,
-                        seed=args.seed_weights, hybrid=hybrid, offload_copy=args.offload_copy)
+                        seed=args.seed_weights, hybrid=hybrid,
+                        offload_copy=resolve({"offload_copy": args.offload_copy})["offload_copy"])
     tokenizer = loaded.tokenizer
     prompt = _prompt_ids(args, tokenizer)
     # Default KV length: just what this request can use, up to 32K (the engine stops at a full context).

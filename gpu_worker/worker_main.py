@@ -57,6 +57,7 @@ class GpuWorkerOptions:
     hybrid_handoff: str = "auto"               # cpu/hybrid: "stream" = StreamDoorbell (not in the config hash)
     reserve_cpus: str | None = None            # cpu/hybrid: the CPU workers' reserved CPUs (HybridOptions; not hashed)
     pin_gpu_worker: bool | None = None         # cpu/hybrid: pin to them once loaded; None: $FREETOKEN_PIN_GPU_WORKER
+    offload_copy: str = "dma"                  # offload: dma or kernel (lossless either way: not hashed)
 
     def engine_config(self) -> dict[str, Any]:
         return em.engine_config(model=os.path.abspath(self.model) if self.model else None, preset=self.preset,
@@ -113,7 +114,7 @@ def load_engine(opts: GpuWorkerOptions, welcome: em.Welcome) -> LoadedEngine:
     experts = make_attached_expert_backend(opts.moe_strategy, source.experts, device,
                                            store_name=opts.store_name or welcome.store_name,
                                            cpu_channels=welcome.cpu_channels, cache_size=opts.moe_cache_size,
-                                           reserve_cpus=opts.reserve_cpus)
+                                           reserve_cpus=opts.reserve_cpus, offload_copy=opts.offload_copy)
     try:
         set_handoff = getattr(experts, "set_handoff", None)
         if set_handoff is not None:

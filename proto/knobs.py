@@ -71,6 +71,11 @@ KNOBS: tuple[Knob, ...] = (
          "stream memory operations) or device (two kernels ring the worker and join its answer: capturable in "
          "the decode CUDA graph; needs CUDA)",
          choices=("auto", "host", "stream", "device")),
+    Knob("FREETOKEN_OFFLOAD_COPY", "offload_copy", str, "dma",
+         "offload: how misses reach the GPU: dma (the plan read back each layer, copy-engine copies, eager decode) or "
+         "kernel (a device-side copy kernel beside the hits' GEMMs: no host sync, decode in CUDA graphs; "
+         "docs/OFFLOAD.md)",
+         choices=("dma", "kernel")),
     Knob("FREETOKEN_PIN_GPU_WORKER", "pin_gpu_worker", str, "on",
          "cpu/hybrid: the process that drives the GPU (the GPU worker; `ft generate`) pins all its threads to "
          "the reserved CPUs (--reserve-cpus) within its affinity, off the CPU workers' cores; off: it runs "

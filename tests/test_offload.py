@@ -106,6 +106,56 @@ def test_ft_generate_offload_matches_resident(capsys):
     assert offload["token_ids"] == resident["token_ids"] and offload["moe_strategy"] == "offload"
 
 
+def test_the_offload_copy_mode_reaches_every_entry_point(monkeypatch, capsys):
+    """--offload-copy / FREETOKEN_OFFLOAD_COPY: ft generate (flag > environment > dma), the GPU worker's
+    attached backend, and ft serve's worker command line (local to the worker: not in the config hash)."""
+    import argparse
+
+    from coordinator.cli import build_parser
+    from coordinator.process_set import options_from_serve_args
+    from gpu_worker.models.attached_backends import make_attached_expert_backend
+    from gpu_worker.models.loader import open_model_source
+    from gpu_worker.offload import HostExperts, OffloadExperts
+    from gpu_worker.worker_cli import add_arguments
+
+    modes = []
+    init = OffloadExperts.__init__
+
+    def recording(self, *a, **kw):
+        init(self, *a, **kw)
+        modes.append(self.copy_mode)
+
+    monkeypatch.setattr(OffloadExperts, "__init__", recording)
+    argv = ["generate", "--prompt-ids", "5,17,42", "--max-new-tokens", "3", "--device", "cpu",
+            "--moe-strategy", "offload", "--moe-cache-size", "9"]
+    assert main(argv) == 0
+    monkeypatch.setenv("FREETOKEN_OFFLOAD_COPY", "kernel")
+    assert main(argv) == 0
+    assert main(argv + ["--offload-copy", "dma"]) == 0
+    assert modes == ["dma", "kernel", "dma"]
+    capsys.readouterr()
+
+    source = open_model_source(None, None, device="cpu")
+    name = f"ft-test-copy-{os.getpid()}"
+    store = HostExperts.create_filled(source.experts, name=name, pin=False)
+    try:
+        backend = make_attached_expert_backend("offload", source.experts, "cpu", store_name=name, cache_size=10,
+                                               offload_copy="kernel")
+        assert backend.copy_mode == "kernel"
+        backend.host.close()
+    finally:
+        store.close()
+
+    serve = build_parser().parse_args(["serve", "--moe-strategy", "offload", "--offload-copy", "kernel"])
+    flags = options_from_serve_args(serve).engine_flags
+    assert flags[flags.index("--offload-copy") + 1] == "kernel"
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    assert parser.parse_args(flags).offload_copy == "kernel"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--offload-copy", "pcie"])
+
+
 def test_ft_generate_offload_cache_too_small(capsys):
     assert main(["generate", "--prompt-ids", "5,17", "--max-new-tokens", "2", "--device", "cpu",
                  "--moe-strategy", "offload", "--moe-cache-size", "3"]) == 2
