@@ -76,22 +76,16 @@ def copy_then_ffn(slots: torch.Tensor, host_layer: torch.Tensor, cache: SlotCach
         copy_plan(slots, host_layer, c.evict_slots, c.src_indices, c.num_indices, max_copies=max_copies)
         return expert_ffn(mode, x, slot_ids, weights, w13, w2, kernel_impl=kernel_impl)
     compute = torch.cuda.current_stream(x.device)
-    plan = CopyPlan(c.evict_slots, c.num_indices, max_copies)
-    plan.check(w13.device)
     side_stream.wait_stream(compute)            # ensure (and every GEMM reading the old slots) first
     with torch.cuda.stream(side_stream):
         copy_plan(slots, host_layer, c.evict_slots, c.src_indices, c.num_indices, max_copies=max_copies)
-    joined = []
-
-    def between() -> None:
-        compute.wait_stream(side_stream)
-        joined.append(True)
-
     try:
-        return moe_gemv(x, slot_ids, weights, w13, w2, impl=kernel_impl, plan=plan, between=between)
-    finally:
-        if not joined:                          # moe_gemv raised before the wait: join anyway, so
-            compute.wait_stream(side_stream)    # nothing later runs beside the copy (and a capture ends)
+        return moe_gemv(x, slot_ids, weights, w13, w2, impl=kernel_impl,
+                        plan=CopyPlan(c.evict_slots, c.num_indices, max_copies),
+                        between=lambda: compute.wait_stream(side_stream))
+    except BaseException:                       # raised, perhaps before the wait: join anyway, so nothing
+        compute.wait_stream(side_stream)        # later runs beside the copy (and a capture can end)
+        raise
 
 
 @dataclass

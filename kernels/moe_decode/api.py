@@ -166,13 +166,13 @@ def moe_gemv(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: tor
             raise ValueError("moe_gemv with a CopyPlan needs between(): the wait for the copy that fills "
                              "the plan's slots (without it the second launch would not wait)")
     impl = _resolve_impl(impl, x.device)
-    if impl == "reference" or T == 0 or K == 0 or plan is None:
-        if between is not None:
-            between()                   # nothing runs beside the copy: the order is all that matters
-        if impl == "reference":
-            return reference.moe_gemv_reference(x, ids, weights, w13, w2)
-        if T == 0 or K == 0:
-            return torch.zeros_like(x)
+    split = plan is not None and impl != "reference" and T > 0 and K > 0
+    if not split and between is not None:
+        between()                       # no launch before it: waiting first keeps every read after the copy
+    if impl == "reference":
+        return reference.moe_gemv_reference(x, ids, weights, w13, w2)
+    if T == 0 or K == 0:
+        return torch.zeros_like(x)
     if w13.stride(2) != 1 or w2.stride(2) != 1:
         raise ValueError("w13 and w2 need a contiguous last dimension")
     from .triton_kernels import moe_down_kernel, moe_gate_up_kernel, moe_sum_k_kernel
@@ -186,7 +186,7 @@ def moe_gemv(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: tor
     accurate = _accurate(x.device)
     act = torch.empty(P, inter, dtype=x.dtype, device=x.device)       # [P, I]
     y = torch.empty(P, H, dtype=torch.float32, device=x.device)       # [P, H] fp32
-    if plan is None:
+    if not split:
         parts, plan_args, plan_max = (0,), (ids_flat, ids_flat), 1    # (the pointers are not read)
     else:
         parts, plan_args, plan_max = (1, 2), (plan.slots, plan.length), _next_pow2(max(1, plan.max_len))
