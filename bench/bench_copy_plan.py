@@ -7,8 +7,15 @@ with SM loads, so how many bytes are in flight (programs per expert, words per i
 decides whether it keeps the PCIe link as busy as the copy engine does; a decode layer copies only a
 few experts (3.6 a layer at a 25% cache of qwen3-30b-a3b), so n = 1..4 matters most.
 
+Hot and cold sources (`--source hot,cold`): `hot` copies the same few host rows in every call (what
+this script measured before the seventh session; they can stay in the host's last-level cache between
+calls); `cold` gives every call of the graph its own host rows from a pool of calls x max(n) experts
+(40 calls of 8: 3.0 GB), so each replay streams that many distinct bytes from host DRAM, as a decode
+step's misses do from the 58 GB expert store.
+
     python bench/bench_copy_plan.py [--copies 1,2,4,8] [--chunks 64,128,256] [--blocks 2048,4096] [--warps 4,8]
         [--prefetch 0,1,2,4]     # L2 bulk prefetch that many blocks ahead (0: off; an experiment)
+        [--source hot,cold]
 """
 from __future__ import annotations
 
@@ -42,48 +49,61 @@ def main() -> int:
     parser.add_argument("--calls", type=int, default=10, help="calls per graph replay")
     parser.add_argument("--reps", type=int, default=15)
     parser.add_argument("--warmup", type=int, default=1, help="untimed graph replays first")
+    parser.add_argument("--source", default="hot", help="hot, cold or hot,cold (see above)")
     args = parser.parse_args()
+    sources = [v.strip() for v in args.source.split(",") if v.strip()]
+    if not sources or any(v not in ("hot", "cold") for v in sources):
+        parser.error(f"--source {args.source!r}: use hot, cold or hot,cold")
     if not torch.cuda.is_available():
         print("bench_copy_plan: needs a CUDA GPU")
         return 2
     words = args.expert_bytes // 2
-    rows = 2 * MAX_COPIES
-    host = torch.empty((rows, words), dtype=torch.int16, pin_memory=True)
-    host.view(torch.uint8).random_(0, 256)
-    slots = torch.zeros((rows, words), dtype=torch.int16, device="cuda")
-    evict = torch.arange(MAX_COPIES, dtype=torch.int32, device="cuda")
-    src = torch.arange(MAX_COPIES, 2 * MAX_COPIES, dtype=torch.int32, device="cuda")
     copies = _ints(args.copies)
-    results = []
     gb = args.expert_bytes / 1e9
-    for n in copies:
-        def dma(_, n=n):
-            for i in range(n):
-                slots[i].copy_(host[MAX_COPIES + i], non_blocking=True)
-        t = time_graph(dma, args.calls, args.reps, args.warmup)
-        results.append(("dma (copy engine)", n, t))
-        print(f"dma n={n}: {t * 1e6:.1f} us, {n * gb / t:.1f} GB/s", flush=True)
-    for chunks, block, warps, ahead in itertools.product(_ints(args.chunks), _ints(args.blocks), _ints(args.warps),
-                                                         _ints(args.prefetch)):
-        label = f"kernel chunks={chunks} block={block} warps={warps}" + (f" prefetch={ahead}" if ahead else "")
+    pool_rows = max(2 * MAX_COPIES, args.calls * max(copies)) if "cold" in sources else 2 * MAX_COPIES
+    host = torch.empty((pool_rows, words), dtype=torch.int16, pin_memory=True)
+    host.view(torch.uint8)[: 2 * MAX_COPIES].random_(0, 256)
+    slots = torch.zeros((2 * MAX_COPIES, words), dtype=torch.int16, device="cuda")
+    evict = torch.arange(MAX_COPIES, dtype=torch.int32, device="cuda")
+    results = []
+    for source in sources:
+        def rows_of(i: int, n: int, source=source) -> list[int]:
+            """Host rows of call i: the same MAX_COPIES.. rows (hot), or call i's own n rows (cold)."""
+            return list(range(MAX_COPIES, MAX_COPIES + n)) if source == "hot" else list(range(i * n, i * n + n))
+        tag = "" if len(sources) == 1 else f" [{source}]"
         for n in copies:
-            num = torch.tensor([n], dtype=torch.int32, device="cuda")
+            def dma(i, n=n, rows_of=rows_of):
+                for j, r in enumerate(rows_of(i, n)):
+                    slots[j].copy_(host[r], non_blocking=True)
+            t = time_graph(dma, args.calls, args.reps, args.warmup)
+            results.append((f"dma (copy engine){tag}", n, t))
+            print(f"dma{tag} n={n}: {t * 1e6:.1f} us, {n * gb / t:.1f} GB/s", flush=True)
+        for chunks, block, warps, ahead in itertools.product(_ints(args.chunks), _ints(args.blocks),
+                                                             _ints(args.warps), _ints(args.prefetch)):
+            label = (f"kernel chunks={chunks} block={block} warps={warps}" + (f" prefetch={ahead}" if ahead else "")
+                     + tag)
+            for n in copies:
+                num = torch.tensor([n], dtype=torch.int32, device="cuda")
+                srcs = [torch.tensor(rows_of(i, n) + [0] * (MAX_COPIES - n), dtype=torch.int32, device="cuda")
+                        for i in range(args.calls)]
 
-            def kernel(_, num=num, chunks=chunks, block=block, warps=warps, ahead=ahead):
-                copy_plan(slots, host, evict, src, num, max_copies=MAX_COPIES, chunks=chunks, block_words=block,
-                          num_warps=warps, prefetch_blocks=ahead)
-            t = time_graph(kernel, args.calls, args.reps, args.warmup)
-            results.append((label, n, t))
-        print(f"{label}: " + ", ".join(
-            f"n={n} {n * gb / t:.1f} GB/s" for name, n, t in results[-len(copies):]), flush=True)
+                def kernel(i, num=num, srcs=srcs, chunks=chunks, block=block, warps=warps, ahead=ahead):
+                    copy_plan(slots, host, evict, srcs[i], num, max_copies=MAX_COPIES, chunks=chunks,
+                              block_words=block, num_warps=warps, prefetch_blocks=ahead)
+                t = time_graph(kernel, args.calls, args.reps, args.warmup)
+                results.append((label, n, t))
+            print(f"{label}: " + ", ".join(
+                f"n={n} {n * gb / t:.1f} GB/s" for name, n, t in results[-len(copies):]), flush=True)
+    src = torch.arange(MAX_COPIES, 2 * MAX_COPIES, dtype=torch.int32, device="cuda")
     num = torch.tensor([MAX_COPIES], dtype=torch.int32, device="cuda")
     for ahead in _ints(args.prefetch):
         slots.zero_()
         copy_plan(slots, host, evict, src, num, max_copies=MAX_COPIES, prefetch_blocks=ahead)
         torch.cuda.synchronize()
-        assert torch.equal(slots[:MAX_COPIES].cpu(), host[MAX_COPIES:]), f"prefetch={ahead}: wrong bytes moved"
+        assert torch.equal(slots[:MAX_COPIES].cpu(), host[MAX_COPIES:2 * MAX_COPIES]), \
+            f"prefetch={ahead}: wrong bytes moved"
 
-    dma = {n: t for name, n, t in results if name.startswith("dma")}
+    dma = {(name.partition("[")[2], n): t for name, n, t in results if name.startswith("dma")}
     print(f"\n{torch.cuda.get_device_name()}, torch {torch.__version__}; expert {args.expert_bytes / 1e6:.2f} MB; "
           f"a graph of {args.calls} calls, median of {args.reps} replays; GB/s (% of DMA at the same n)")
     print(f"{'copy':<53}" + "".join(f"{'n=' + str(n):>16}" for n in copies))
@@ -92,7 +112,7 @@ def main() -> int:
         cells = []
         for n in copies:
             t = next(t for nm, k, t in results if nm == name and k == n)
-            cells.append(f"{n * gb / t:>9.1f} ({100 * dma[n] / t:>3.0f}%)")
+            cells.append(f"{n * gb / t:>9.1f} ({100 * dma[(name.partition('[')[2], n)] / t:>3.0f}%)")
         print(f"{name:<53}" + "".join(f"{c:>16}" for c in cells))
     return 0
 

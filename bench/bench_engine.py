@@ -10,6 +10,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
+import os
+import re
 import statistics
 import sys
 import time
@@ -44,6 +46,27 @@ def pcie_bandwidth(expert_bytes: int, reps: int = 50) -> float:
         b.synchronize()
         times.append(a.elapsed_time(b) / 1e3)
     return expert_bytes / statistics.median(times[5:])
+
+
+def pcie_store_bandwidth(host: HostExperts, reps: int = 64, seed: int = 0) -> float:
+    """Host -> GPU bandwidth for copies of `reps` distinct experts of the pinned store itself, in a seeded
+    random (layer, expert) order, bytes/s (median of reps). Unlike `pcie_bandwidth`, which copies one
+    buffer again and again (it can be served from the host's last-level cache), each copy here reads
+    bytes not read before in this probe from host DRAM, as a decode step's misses do."""
+    gen = torch.Generator().manual_seed(seed)
+    total = host.num_layers * host.num_experts
+    picks = torch.randperm(total, generator=gen)[:reps + 5].tolist()
+    dst = torch.empty_like(host.layers[0][0], device="cuda")
+    times = []
+    for flat in picks:
+        layer, expert = divmod(flat, host.num_experts)
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        dst.copy_(host.layers[layer][expert], non_blocking=True)
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / 1e3)
+    return dst.numel() * dst.element_size() / statistics.median(times[5:])
 
 
 def _sync() -> None:
@@ -102,8 +125,9 @@ def measure(engine, prompt, args, backend=None) -> dict:
     return best
 
 
-def profile_decode(engine: Engine, prompt: list[int], steps: int, top: int = 25) -> None:
-    """Print the `top` GPU kernels by total time over `steps` decode steps (torch.profiler)."""
+def profile_decode(engine: Engine, prompt: list[int], steps: int, top: int = 25, trace: str | None = None) -> None:
+    """Print the `top` GPU kernels by total time over `steps` decode steps (torch.profiler); with `trace`,
+    also write the Chrome trace (every kernel with its stream, start and duration) to that path."""
     from torch.profiler import ProfilerActivity, profile
     params = SamplingParams(max_new_tokens=steps + 8, ignore_eos=True,
                             temperature=engine_temperature, seed=1234)
@@ -117,6 +141,9 @@ def profile_decode(engine: Engine, prompt: list[int], steps: int, top: int = 25)
         _sync()
     while engine.has_work():
         engine.step()
+    if trace:
+        prof.export_chrome_trace(trace)
+        print(f"profile: trace written to {trace}")
     events = [e for e in prof.key_averages() if e.device_type.name == "CUDA" or
               getattr(e, "self_device_time_total", 0) > 0]
     if not events:
@@ -133,22 +160,31 @@ def profile_decode(engine: Engine, prompt: list[int], steps: int, top: int = 25)
         print(f"{t / steps:>9.1f} {e.count / steps:>10.1f} {100 * t / total:>5.1f}  {e.key[:90]}")
 
 
-def _table(args, source, rows, bw) -> int:
+def _trace_path(args, name: str) -> str | None:
+    if not args.trace_dir:
+        return None
+    os.makedirs(args.trace_dir, exist_ok=True)
+    return os.path.join(args.trace_dir, "trace_" + re.sub(r"[^A-Za-z0-9.]+", "_", name).strip("_") + ".json")
+
+
+def _table(args, source, rows, bw, bw_hot=None) -> int:
     expert_bytes = source.layout.expert_nbytes
     total_expert_bytes = source.num_layers * source.num_experts * expert_bytes
     device = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
     print(f"\n{args.preset} {source.layout.dtype}, {device}, torch {torch.__version__}, batch 1, "
           f"prompt {args.prompt_tokens}, {args.decode_tokens} decode tokens (temperature "
           f"{args.temperature}, seeded; routing {args.routing}), median of {args.runs} runs; expert "
-          f"{expert_bytes / 1e6:.2f} MB, experts {total_expert_bytes / 1e9:.1f} GB; PCIe (pinned, "
-          f"expert-sized copies) {(bw or 0) / 1e9:.1f} GB/s")
-    print(f"{'backend':<20} {'slots':>5} {'tok/s':>7} {'roofline':>8} {'%roof':>5} {'miss/tok':>8} "
+          f"{expert_bytes / 1e6:.2f} MB, experts {total_expert_bytes / 1e9:.1f} GB; PCIe (DMA copies of "
+          f"distinct experts of the pinned store, the roofline's) {(bw or 0) / 1e9:.1f} GB/s; PCIe (one pinned "
+          f"buffer copied again and again: %hot) {(bw_hot or 0) / 1e9:.1f} GB/s")
+    print(f"{'backend':<20} {'slots':>5} {'tok/s':>7} {'roofline':>8} {'%roof':>5} {'%hot':>5} {'miss/tok':>8} "
           f"{'copy GB/s':>9} {'lossless':>8} {'GPU GiB':>7} {'RSS/exp':>7}")
     for name, slots, r, peak, rss in rows:
         miss = r.get("misses_per_token")
         roof = bw / (miss * expert_bytes) if miss and bw else float("nan")
         pct = 100 * r["decode_tok_s"] / roof if miss and bw else float("nan")
-        print(f"{name:<20} {slots!s:>5} {r['decode_tok_s']:>7.2f} {roof:>8.2f} {pct:>5.0f} "
+        pct_hot = 100 * r["decode_tok_s"] * miss * expert_bytes / bw_hot if miss and bw_hot else float("nan")
+        print(f"{name:<20} {slots!s:>5} {r['decode_tok_s']:>7.2f} {roof:>8.2f} {pct:>5.0f} {pct_hot:>5.0f} "
               f"{(miss or 0):>8.1f} {r.get('copy_gb_s', 0):>9.1f} {str(r.get('lossless', '-')):>8} "
               f"{peak / 2**30:>7.1f} {rss / total_expert_bytes:>7.2f}")
     return 0
@@ -181,6 +217,8 @@ def main() -> int:
     parser.add_argument("--copy-overlap", choices=("on", "off", "both"), default="on",
                         help="kernel copy mode: the copy beside the hits' expert GEMMs (on, the default), or "
                              "copy then every GEMM in one stream (off); both: side by side")
+    parser.add_argument("--trace-dir", default=None,
+                        help="with --profile: write each profiled run's Chrome trace (trace_<backend>.json) here")
     parser.add_argument("--profile", type=int, default=0,
                         help="after each resident and offload run, profile this many decode steps and print the "
                              "top GPU kernels")
@@ -213,7 +251,7 @@ def main() -> int:
         rows.append((name, "-", res, _peak(), proc.memory_info().rss))
         print(name, res["all_tok_s"], flush=True)
         if args.profile and args.device == "cuda":
-            profile_decode(engine, prompt, args.profile)
+            profile_decode(engine, prompt, args.profile, trace=_trace_path(args, name))
         del engine
     source = loaded.source.experts
     if not args.fractions:
@@ -226,7 +264,8 @@ def main() -> int:
     host = HostExperts.create_filled(source, staging_device=args.device)
     print(f"host store {host.nbytes / 1e9:.1f} GB filled and pinned ({host.pinned}) in "
           f"{time.perf_counter() - t0:.1f} s", flush=True)
-    bw = pcie_bandwidth(expert_bytes) if args.device == "cuda" else 1e9
+    bw_hot = pcie_bandwidth(expert_bytes) if args.device == "cuda" else 1e9
+    bw = pcie_store_bandwidth(host) if args.device == "cuda" else 1e9
     try:
         dma_fracs = args.fractions if args.dma_fractions is None else args.dma_fractions
         dma_fracs = {float(f) for f in dma_fracs.split(",") if f}
@@ -254,7 +293,7 @@ def main() -> int:
                              proc.memory_info().rss))
                 print(f"offload {frac} {label}", r["all_tok_s"], flush=True)
                 if args.profile and args.device == "cuda":
-                    profile_decode(engine, prompt, args.profile)
+                    profile_decode(engine, prompt, args.profile, trace=_trace_path(args, f"offload {frac} {label}"))
                 loaded.model.experts = None
                 del engine, backend
                 gc.collect()
@@ -262,7 +301,7 @@ def main() -> int:
     finally:
         host.close()
 
-    return _table(args, source, rows, bw)
+    return _table(args, source, rows, bw, bw_hot)
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ from gpu_worker.models.layers import apply_rope, rms_norm as model_rms_norm, rou
 from gpu_worker.models.model import MoeModel
 from gpu_worker.models.presets import random_model_parts
 from gpu_worker.models.resident_experts import gathered_expert_ffn, pick_mode
-from kernels.moe_decode import (GemvBlocks, add_rms_norm, moe_gemv, qk_norm_rope, rms_norm, rope,
+from kernels.moe_decode import (GemvBlocks, KvWrite, add_rms_norm, moe_gemv, qk_norm_rope, rms_norm, rope,
                                 route_topk)
 from kernels.moe_decode import reference as ref
 from tests.conftest import KERNEL_DEVICE
@@ -185,6 +185,53 @@ def test_qk_norm_rope_lockstep(T, Hq, Hkv, D):
     assert torch.equal(rq.cpu(), apply_rope(q, cos, sin)) and torch.equal(rk.cpu(), apply_rope(k, cos, sin))
 
 
+@pytest.mark.parametrize("impl", ["triton", "reference"])
+@pytest.mark.parametrize("norm", [True, False])
+def test_qk_norm_rope_writes_the_kv_cache_rows_it_is_given(impl, norm):
+    """The fused K/V write: rows kv.index of the caches get the returned k and the given v, exactly as
+    index_copy_ would put them; every other row keeps its bytes."""
+    T, Hq, Hkv, D, N = 3, 4, 2, 12, 10
+    g = torch.Generator().manual_seed(7)
+    qkv = torch.randn(T, (Hq + 2 * Hkv) * D, generator=g)
+    q = qkv[:, :Hq * D].view(T, Hq, D)
+    k = qkv[:, Hq * D:(Hq + Hkv) * D].view(T, Hkv, D)
+    v = qkv[:, (Hq + Hkv) * D:].view(T, Hkv, D)                       # strided, as the model's split
+    angles = torch.rand(T, 1, D, generator=g) * 6
+    cos, sin = angles.cos(), angles.sin()
+    qw, kw = (torch.rand(D, generator=g) + 0.5, torch.rand(D, generator=g) + 0.5) if norm else (None, None)
+    k_cache, v_cache = torch.randn(N, Hkv, D, generator=g), torch.randn(N, Hkv, D, generator=g)
+    index = torch.tensor([7, 0, 4])
+    exp_k_cache, exp_v_cache = k_cache.clone(), v_cache.clone()
+    dev = (lambda t: t.to(DEV)) if impl == "triton" else (lambda t: t)
+    kv = KvWrite(dev(k_cache), dev(v_cache), dev(index), dev(v))
+    got_q, got_k = qk_norm_rope(dev(q), dev(k), qw if qw is None else dev(qw), kw if kw is None else dev(kw),
+                                dev(cos), dev(sin), 1e-6, impl=impl, kv=kv)
+    plain_q, plain_k = qk_norm_rope(dev(q), dev(k), qw if qw is None else dev(qw), kw if kw is None else dev(kw),
+                                    dev(cos), dev(sin), 1e-6, impl=impl)
+    assert torch.equal(got_q.cpu(), plain_q.cpu()) and torch.equal(got_k.cpu(), plain_k.cpu())
+    exp_k_cache.index_copy_(0, index, got_k.cpu())
+    exp_v_cache.index_copy_(0, index, v)
+    assert torch.equal(kv.k_cache.cpu(), exp_k_cache)
+    assert torch.equal(kv.v_cache.cpu(), exp_v_cache)
+    untouched = [r for r in range(N) if r not in index.tolist()]
+    assert torch.equal(kv.k_cache.cpu()[untouched], k_cache[untouched])   # the others keep their bytes
+
+
+def test_kv_write_is_checked():
+    T, Hkv, D = 2, 2, 8
+    k = torch.randn(T, Hkv, D)
+    q = torch.randn(T, 4, D)
+    cos = sin = torch.ones(T, 1, D)
+    good = dict(k_cache=torch.zeros(5, Hkv, D), v_cache=torch.zeros(5, Hkv, D), index=torch.tensor([0, 1]),
+                v=torch.randn(T, Hkv, D))
+    bad = [dict(k_cache=torch.zeros(5, Hkv + 1, D)), dict(v_cache=torch.zeros(4, Hkv, D)),
+           dict(index=torch.tensor([0, 1], dtype=torch.int32)), dict(index=torch.tensor([0])),
+           dict(v=torch.randn(T, Hkv, D).to(torch.float64)), dict(k_cache=torch.zeros(D, Hkv, 5).transpose(0, 2))]
+    for change in bad:
+        with pytest.raises(ValueError, match="KvWrite"):
+            rope(q, k, cos, sin, impl="reference", kv=KvWrite(**{**good, **change}))
+
+
 # -- router --------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("arch, E, K", [("qwen3", 10, 3), ("qwen3", 16, 8), ("olmoe", 12, 2),
@@ -262,6 +309,36 @@ def test_fused_forward_matches_the_plain_forward(arch, no_tf32):
                                     logit_rows=torch.tensor([1, 3], device=DEV)))
     assert logits[1].shape == (2, cfg.vocab_size)
     assert rel_max(logits[1], logits[0]) < 1e-5
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "mixtral"])
+def test_fused_decode_step_writes_the_kv_cache_like_the_plain_forward(arch, no_tf32):
+    """A decode step of two requests through DecodeAttention: the fused forward writes K/V from its rope
+    kernel (KvWrite), the plain one by index_copy_; same cache rows, same logits."""
+    from gpu_worker.engine.attention import DecodeAttention, PrefillAttention
+    from gpu_worker.engine.kv_cache import KVCache
+    cfg = tiny_cfg(arch)
+    plain, fused = tiny_model(cfg, False, DEV), tiny_model(cfg, True, DEV)
+    prompts = [torch.tensor([5, 17, 42, 9], device=DEV), torch.tensor([3, 8, 1], device=DEV)]
+    results = []
+    for model in (plain, fused):
+        kv = KVCache(cfg, 2, 16, torch.float32, torch.device(DEV))
+        for slot, ids in enumerate(prompts):
+            n = ids.numel()
+            model.forward(ids, torch.arange(n, device=DEV), PrefillAttention(kv, slot, 0, n),
+                          logit_rows=torch.tensor([n - 1], device=DEV))
+        positions = torch.tensor([4, 3], device=DEV)
+        attn = DecodeAttention(kv, torch.tensor([0, 1], device=DEV), positions, num_rows=2, bucket_tokens=16,
+                               rows_are_slots=True)
+        logits = model.forward(torch.tensor([11, 12], device=DEV), positions, attn, logit_rows=None)
+        results.append((logits, kv))
+    (plain_logits, plain_kv), (fused_logits, fused_kv) = results
+    assert rel_max(fused_logits, plain_logits) < 1e-5
+    for layer in range(cfg.num_layers):
+        for a, b in ((fused_kv.k[layer], plain_kv.k[layer]), (fused_kv.v[layer], plain_kv.v[layer])):
+            assert rel_max(a[0, :5], b[0, :5]) < 1e-5 and rel_max(a[1, :4], b[1, :4]) < 1e-5
+            assert a[0, 4].abs().sum() > 0 and a[1, 3].abs().sum() > 0       # the decode rows were written
+            assert torch.all(a[0, 5:] == 0) and torch.all(a[1, 4:] == 0)    # and nothing past them
 
 
 def test_offload_gemv_mode_gives_the_resident_gemv_tokens(tmp_path, monkeypatch):

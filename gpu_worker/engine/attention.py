@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels.decode_attention import decode_attention
+from kernels.moe_decode import KvWrite
 
 from .kv_cache import KVCache
 
@@ -67,10 +68,16 @@ class PrefillAttention:
             self._folded[group] = self.mask.repeat(group, 1)
         return self._folded[group]
 
-    def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def kv_write(self, layer_idx: int, v: torch.Tensor) -> KvWrite | None:
+        return None                                   # a chunk's K/V: one contiguous copy each in attend
+
+    def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
+               kv_written: bool = False) -> torch.Tensor:
         C, Hq, D = q.shape
         Hkv = k.shape[1]
         G = Hq // Hkv
+        if kv_written:
+            raise ValueError("PrefillAttention writes the chunk's K/V itself (its kv_write gives None)")
         self.kv.k[layer_idx, self.slot, self.start:self.end].copy_(k)
         self.kv.v[layer_idx, self.slot, self.start:self.end].copy_(v)
         keys = self.kv.k[layer_idx, self.slot, : self.end].transpose(0, 1).unsqueeze(0)    # [1, Hkv, S, D]
@@ -106,14 +113,22 @@ class DecodeAttention:
             mask &= k_pos >= seq_lens[:, None] - sliding_window
         self.mask = mask[:, None, None, :]                                                 # [R, 1, 1, bucket]
 
-    def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """q [T, Hq, D], k/v [T, Hkv, D] (after rope): writes k/v at each request's position -> [T, Hq, D]."""
+    def kv_write(self, layer_idx: int, v: torch.Tensor) -> KvWrite:
+        """Each request's k/v row at its position, for the rope kernel to write (one launch fewer a layer)."""
+        k_flat, v_flat = self.kv.flat(layer_idx)                                           # [B*S, Hkv, D]
+        return KvWrite(k_flat, v_flat, self.flat_index, v)
+
+    def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
+               kv_written: bool = False) -> torch.Tensor:
+        """q [T, Hq, D], k/v [T, Hkv, D] (after rope): writes k/v at each request's position (unless
+        `kv_written`: the rope kernel wrote them through `kv_write`) -> [T, Hq, D]."""
         T, Hq, D = q.shape
         Hkv = k.shape[1]
         G = Hq // Hkv
-        k_flat, v_flat = self.kv.flat(layer_idx)                                           # [B*S, Hkv, D]
-        k_flat.index_copy_(0, self.flat_index, k)
-        v_flat.index_copy_(0, self.flat_index, v)
+        if not kv_written:
+            k_flat, v_flat = self.kv.flat(layer_idx)                                       # [B*S, Hkv, D]
+            k_flat.index_copy_(0, self.flat_index, k)
+            v_flat.index_copy_(0, self.flat_index, v)
         if self.backend == "triton":
             return decode_attention(q, self.kv.k[layer_idx], self.kv.v[layer_idx], self.slot_ids,
                                     self.seq_lens, scale=D ** -0.5, bucket=self.bucket,

@@ -30,8 +30,13 @@ from .resident_experts import ExpertBackend
 
 
 class AttentionContext(Protocol):
-    def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """q [T, Hq, D], k/v [T, Hkv, D] (after rope) -> [T, Hq, D]; stores k/v where it keeps them."""
+    def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
+               kv_written: bool = False) -> torch.Tensor:
+        """q [T, Hq, D], k/v [T, Hkv, D] (after rope) -> [T, Hq, D]; stores k/v where it keeps them,
+        unless `kv_written` (the rope kernel already wrote them where `kv_write` said)."""
+
+    def kv_write(self, layer_idx: int, v: torch.Tensor) -> "kops.KvWrite | None":
+        """Where the fused rope kernel may write this layer's k and v itself (None: attend writes them)."""
 
 
 class MoeModel:
@@ -142,11 +147,13 @@ class MoeModel:
         q = q.view(T, cfg.num_heads, cfg.head_dim)                      # [T, Hq, D]
         k = k.view(T, cfg.num_kv_heads, cfg.head_dim)                   # [T, Hkv, D]
         v = v.view(T, cfg.num_kv_heads, cfg.head_dim)                   # [T, Hkv, D]
+        kv = attn.kv_write(i, v)                                        # the KV write fused into rope
         if cfg.arch == "qwen3":                                         # norm per head, then rope
-            q, k = kops.qk_norm_rope(q, k, layer.q_norm, layer.k_norm, cos, sin, cfg.rms_norm_eps, impl=impl)
+            q, k = kops.qk_norm_rope(q, k, layer.q_norm, layer.k_norm, cos, sin, cfg.rms_norm_eps, impl=impl,
+                                     kv=kv)
         else:
-            q, k = kops.rope(q, k, cos, sin, impl=impl)
-        out = attn.attend(i, q, k, v)                                   # [T, Hq, D]
+            q, k = kops.rope(q, k, cos, sin, impl=impl, kv=kv)
+        out = attn.attend(i, q, k, v, kv_written=kv is not None)        # [T, Hq, D]
         return F.linear(out.reshape(T, cfg.q_size), layer.o_proj)       # [T, H]
 
     def _moe_fused(self, i: int, layer: LayerWeights, h: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

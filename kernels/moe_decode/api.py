@@ -72,6 +72,36 @@ class CopyPlan:
                              f"and length a one-element tensor")
 
 
+@dataclass(frozen=True)
+class KvWrite:
+    """Where `qk_norm_rope` also writes a decode step's keys and values (the KV cache write fused into
+    it): rows `index[t]` of the layer's cache views `k_cache` / `v_cache` [N, Hkv, D] (contiguous,
+    `KVCache.flat`) get the roped k[t] and `v[t]` [T, Hkv, D] (last dimension contiguous). `index` is
+    int64 [T], distinct rows in [0, N) (not checked: that would sync with the host)."""
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    index: torch.Tensor
+    v: torch.Tensor
+
+    def check(self, k: torch.Tensor) -> None:
+        T, Hkv, D = k.shape
+        for name, t in (("k_cache", self.k_cache), ("v_cache", self.v_cache)):
+            if t.dim() != 3 or tuple(t.shape[1:]) != (Hkv, D) or t.dtype != k.dtype or not t.is_contiguous():
+                raise ValueError(f"KvWrite.{name} must be a contiguous [N, {Hkv}, {D}] {k.dtype} tensor, got "
+                                 f"{tuple(t.shape)} {t.dtype}")
+        if self.k_cache.shape != self.v_cache.shape:
+            raise ValueError(f"KvWrite: k_cache {tuple(self.k_cache.shape)} and v_cache "
+                             f"{tuple(self.v_cache.shape)} differ")
+        if tuple(self.v.shape) != (T, Hkv, D) or self.v.dtype != k.dtype or self.v.stride(2) != 1:
+            raise ValueError(f"KvWrite.v must be [{T}, {Hkv}, {D}] {k.dtype} with a contiguous last dimension, "
+                             f"got {tuple(self.v.shape)} {self.v.dtype}")
+        if self.index.dtype != torch.int64 or tuple(self.index.shape) != (T,):
+            raise ValueError(f"KvWrite.index must be int64 [{T}], got {self.index.dtype} {tuple(self.index.shape)}")
+        for name, t in (("k_cache", self.k_cache), ("v_cache", self.v_cache), ("v", self.v), ("index", self.index)):
+            if t.device != k.device:
+                raise ValueError(f"KvWrite.{name} is on {t.device}, k on {k.device}")
+
+
 def _resolve_impl(impl: str, device: torch.device) -> str:
     if impl == "auto":
         return "triton" if device.type == "cuda" else "reference"
@@ -296,8 +326,10 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps
 
 def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, q_norm: torch.Tensor | None, k_norm: torch.Tensor | None,
                  cos: torch.Tensor, sin: torch.Tensor, eps: float = 0.0, *,
-                 impl: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+                 impl: str = "auto", kv: KvWrite | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """qwen3's per-head RMSNorm of q and k, then the rotary embedding, one launch for both.
+    With `kv` (a `KvWrite`), the same launch also writes the roped k and the given v into the KV cache
+    rows `kv.index` (bit-identical to index_copy_ of the returned k and of v).
 
     q [T, Hq, D], k [T, Hkv, D] (strided views allowed, last dimension contiguous); q_norm / k_norm
     [D] in q's dtype, or both None for the rotary embedding alone (mixtral; olmoe after its norm
@@ -323,8 +355,14 @@ def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, q_norm: torch.Tensor | None, 
     cos2, sin2 = cos.reshape(T, D), sin.reshape(T, D)
     if cos2.dtype != q.dtype or sin2.dtype != q.dtype:
         raise TypeError(f"cos / sin must already be in q's dtype {q.dtype} (RotaryTable.lookup does that)")
+    if kv is not None:
+        kv.check(k)
     if _resolve_impl(impl, q.device) == "reference":
-        return reference.qk_norm_rope_reference(q, k, q_norm, k_norm, cos, sin, eps)
+        q_out, k_out = reference.qk_norm_rope_reference(q, k, q_norm, k_norm, cos, sin, eps)
+        if kv is not None:
+            kv.k_cache.index_copy_(0, kv.index, k_out)
+            kv.v_cache.index_copy_(0, kv.index, kv.v)
+        return q_out, k_out
     from .triton_kernels import qk_norm_rope_kernel
     if q.stride(2) != 1:
         q = q.contiguous()
@@ -345,15 +383,19 @@ def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, q_norm: torch.Tensor | None, 
     qk_norm_rope_kernel[(T, Hq + Hkv)](
         q, k, q_out, k_out, q_norm if has_norm else q, k_norm if has_norm else k, cos2, sin2,
         Hq, Hkv, D, q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos2.stride(0), sin2.stride(0),
-        float(eps), 1.0 / D, HAS_NORM=has_norm, BLOCK_D=block, ACCURATE=_accurate(q.device),
+        float(eps), 1.0 / D,
+        kv.k_cache if kv is not None else k_out, kv.v_cache if kv is not None else k_out,
+        kv.v if kv is not None else k_out, kv.index if kv is not None else q_norm if has_norm else q,
+        kv.v.stride(0) if kv is not None else 0, kv.v.stride(1) if kv is not None else 0,
+        HAS_NORM=has_norm, BLOCK_D=block, ACCURATE=_accurate(q.device), HAS_KV=kv is not None,
         num_warps=_row_warps(block), enable_fp_fusion=False)   # x*cos + r*sin: no FMA, as torch
     return q_out, k_out
 
 
 def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *,
-         impl: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+         impl: str = "auto", kv: KvWrite | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The rotary embedding of q [T, Hq, D] and k [T, Hkv, D] alone, one launch (see qk_norm_rope)."""
-    return qk_norm_rope(q, k, None, None, cos, sin, 0.0, impl=impl)
+    return qk_norm_rope(q, k, None, None, cos, sin, 0.0, impl=impl, kv=kv)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -38,7 +38,9 @@ def _cases() -> list[tuple[str, str, dict, dict, dict, list[str]]]:
                 "qw_ptr": f"*{dt}", "kw_ptr": f"*{dt}", "cos_ptr": f"*{dt}", "sin_ptr": f"*{dt}",
                 "HQ": "i32", "HKV": "i32", "D": "i32", "sqt": "i32", "sqh": "i32", "skt": "i32",
                 "skh": "i32", "sct": "i32", "sst": "i32", "eps": "fp32", "inv_d": "fp32",
-                "HAS_NORM": "constexpr", "BLOCK_D": "constexpr", "ACCURATE": "constexpr"}
+                "kc_ptr": f"*{dt}", "vc_ptr": f"*{dt}", "v_ptr": f"*{dt}", "idx_ptr": "*i64", "svt": "i32",
+                "svh": "i32", "HAS_NORM": "constexpr", "BLOCK_D": "constexpr", "ACCURATE": "constexpr",
+                "HAS_KV": "constexpr"}
     route_sig = {"logits_ptr": f"*{dt}", "ids_ptr": "*i64", "w_ptr": "*fp32", "E": "i32",
                  "stride_t": "i32", "K": "constexpr", "BLOCK_E": "constexpr", "BLOCK_K": "constexpr",
                  "SOFTMAX_FIRST": "constexpr", "RENORM": "constexpr", "ACCURATE": "constexpr"}
@@ -64,9 +66,11 @@ def _cases() -> list[tuple[str, str, dict, dict, dict, list[str]]]:
                                             "BLOCK": "constexpr"}, dict(BLOCK=1024), w4, []),
         ("add + rms_norm", "rms_norm_kernel", norm_sig, dict(HAS_ADD=True, BLOCK=2048, ACCURATE=True), w4, []),
         ("rms_norm", "rms_norm_kernel", norm_sig, dict(HAS_ADD=False, BLOCK=128, ACCURATE=True), w1, []),
-        ("q/k norm + rope", "qk_norm_rope_kernel", rope_sig, dict(HAS_NORM=True, BLOCK_D=128, ACCURATE=True),
-         {"num_warps": 1, "enable_fp_fusion": False}, []),
-        ("rope", "qk_norm_rope_kernel", rope_sig, dict(HAS_NORM=False, BLOCK_D=128, ACCURATE=True),
+        ("q/k norm + rope", "qk_norm_rope_kernel", rope_sig,
+         dict(HAS_NORM=True, BLOCK_D=128, ACCURATE=True, HAS_KV=False), {"num_warps": 1, "enable_fp_fusion": False}, []),
+        ("q/k norm + rope + KV write", "qk_norm_rope_kernel", rope_sig,
+         dict(HAS_NORM=True, BLOCK_D=128, ACCURATE=True, HAS_KV=True), {"num_warps": 1, "enable_fp_fusion": False}, []),
+        ("rope", "qk_norm_rope_kernel", rope_sig, dict(HAS_NORM=False, BLOCK_D=128, ACCURATE=True, HAS_KV=False),
          {"num_warps": 1, "enable_fp_fusion": False}, []),
         ("route softmax/top-k/renorm", "route_topk_kernel", route_sig,
          dict(K=8, BLOCK_E=128, BLOCK_K=8, SOFTMAX_FIRST=True, RENORM=True, ACCURATE=True), w1, []),

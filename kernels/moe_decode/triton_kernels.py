@@ -285,7 +285,8 @@ def rms_norm_kernel(
 
 @triton.jit
 def _norm_rope_row(src, dst, w_ptr, c_row, s_row, D, eps, inv_d,
-                   HAS_NORM: tl.constexpr, BLOCK_D: tl.constexpr, ACCURATE: tl.constexpr):
+                   HAS_NORM: tl.constexpr, BLOCK_D: tl.constexpr, ACCURATE: tl.constexpr, dst2,
+                   HAS_DST2: tl.constexpr):
     """One head row of D: [n = DT(w * DT(x * rsqrt(mean(x^2) + eps)))], then
     DT(DT(n * cos) + DT(rotate_half(n) * sin)) -- rms_norm then layers.apply_rope, rounding alike."""
     half = D // 2
@@ -309,6 +310,8 @@ def _norm_rope_row(src, dst, w_ptr, c_row, s_row, D, eps, inv_d,
     a = (xf * c).to(DT).to(tl.float32)
     b = (xr * s).to(DT).to(tl.float32)
     tl.store(dst + d, (a + b).to(DT), mask=m)
+    if HAS_DST2:                                                      # the KV cache row as well
+        tl.store(dst2 + d, (a + b).to(DT), mask=m)
 
 
 @triton.jit
@@ -320,22 +323,35 @@ def qk_norm_rope_kernel(
     HQ, HKV, D,
     sqt, sqh, skt, skh, sct, sst,
     eps, inv_d,
+    kc_ptr, vc_ptr,       # HAS_KV: KV cache layer views [N, HKV, D] contiguous (rows: slot * S + position)
+    v_ptr, idx_ptr,       # HAS_KV: v [T, HKV, D] strides (svt, svh, 1); idx [T] int64 cache rows
+    svt, svh,
     HAS_NORM: tl.constexpr,
     BLOCK_D: tl.constexpr,    # >= D, a power of two
     ACCURATE: tl.constexpr,
+    HAS_KV: tl.constexpr = False,
 ):
-    """Grid (T, HQ + HKV): program (t, h) handles q head h (h < HQ) or k head h - HQ of token t."""
+    """Grid (T, HQ + HKV): program (t, h) handles q head h (h < HQ) or k head h - HQ of token t; with
+    HAS_KV, a k program also writes its result to kc[idx[t], hk] and copies v[t, hk] to vc[idx[t], hk]
+    (the decode step's KV cache write, which an index_copy per tensor did)."""
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     c_row = cos_ptr + t * sct
     s_row = sin_ptr + t * sst
     if h < HQ:
         _norm_rope_row(q_ptr + t * sqt + h * sqh, qo_ptr + (t * HQ + h) * D, qw_ptr, c_row, s_row,
-                       D, eps, inv_d, HAS_NORM, BLOCK_D, ACCURATE)
+                       D, eps, inv_d, HAS_NORM, BLOCK_D, ACCURATE, qo_ptr, False)
     else:
         hk = h - HQ
-        _norm_rope_row(k_ptr + t * skt + hk * skh, ko_ptr + (t * HKV + hk) * D, kw_ptr, c_row, s_row,
-                       D, eps, inv_d, HAS_NORM, BLOCK_D, ACCURATE)
+        if HAS_KV:
+            row = (tl.load(idx_ptr + t) * HKV + hk) * D
+            _norm_rope_row(k_ptr + t * skt + hk * skh, ko_ptr + (t * HKV + hk) * D, kw_ptr, c_row, s_row,
+                           D, eps, inv_d, HAS_NORM, BLOCK_D, ACCURATE, kc_ptr + row, True)
+            d = tl.arange(0, BLOCK_D)
+            tl.store(vc_ptr + row + d, tl.load(v_ptr + t * svt + hk * svh + d, mask=d < D), mask=d < D)
+        else:
+            _norm_rope_row(k_ptr + t * skt + hk * skh, ko_ptr + (t * HKV + hk) * D, kw_ptr, c_row, s_row,
+                           D, eps, inv_d, HAS_NORM, BLOCK_D, ACCURATE, ko_ptr, False)
 
 
 # ----------------------------------------------------------------------------------------------
