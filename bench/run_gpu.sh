@@ -4,6 +4,7 @@
 #        [attention] [handoff] [gpu-all]   (gpu-all: every test marked gpu) [handoff-bench] [hybrid-bench]
 #        [followup] (the fifth session's open checks) [hybrid-pin] (pinned GPU worker against unpinned)
 #        [overlap-tests] [overlap-engine] [overlap-hybrid] (sixth session: the plan copy beside the hits' GEMMs, on against off)
+#        [s7-probe] (seventh session: hot / cold copy sources, per-layer time from traces, the fused KV write)
 #        (default: kernels engine cpu). SECTION_TIMEOUT (s, default 540) bounds each command.
 # Logs go to $OUT (the device tool's output folder) when it is set, else ./out.
 set -u
@@ -115,6 +116,17 @@ for s in $sections; do
       timeout "$T" python3 bench/bench_hybrid.py --runs 3 --decode-tokens 64 --handoff-calls 1000 --no-resident \
         --json-out "$OUT/bench_hybrid_overlap.json" --variants "offload kernel graphs,=cpu device,=hybrid min-wait \
 device,=hybrid min-wait device serial" 2>&1 | tee "$OUT/overlap_hybrid.log" | tail -n 9 || status=1
+      ;;
+    s7-probe)    # seventh session: hot against cold copy sources, where an offload layer's time goes (traces), KV write fusion
+      timeout "$T" python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_moe_decode.py tests/test_engine_gpu.py \
+        tests/test_decode_attention.py 2>&1 | tee "$OUT/s7_tests.log" | tail -n 4
+      [ "${PIPESTATUS[0]}" = 0 ] || status=1
+      timeout "$T" python3 bench/bench_copy_plan.py --source hot,cold --calls 40 --copies 1,2,4 --chunks 64,256 \
+        --blocks 2048,4096 --warps 4,8 2>&1 | tee "$OUT/s7_copy_plan.log" | tail -n 20 || status=1
+      timeout "$T" python3 bench/bench_engine.py --runs 1 --prompt-tokens 256 --decode-tokens 64 --fractions 0.5 \
+        --offload-copy kernel --copy-overlap both --profile 4 --trace-dir "$OUT" 2>&1 | grep -v "^ " \
+        | tee "$OUT/s7_engine.log" | tail -n 8 || status=1
+      for f in "$OUT"/trace_*.json; do python3 bench/trace_summary.py "$f"; gzip -f "$f"; done 2>&1 | tee "$OUT/s7_layers.log"
       ;;
     hybrid-pin)    # the GPU-driving process pinned to the reserved CPU (default) against unpinned, same variants
       for pin in on off; do
