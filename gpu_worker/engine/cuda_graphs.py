@@ -13,6 +13,7 @@ that many (token, expert) pairs); `ResidentExperts` is safe in its gemv and gath
 """
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -40,6 +41,7 @@ class DecodeGraphs:
         self.graphs: OrderedDict[tuple, _Captured] = OrderedDict()
         self.captures = 0
         self.replays = 0
+        self.replay_host_s = 0.0    # host time inside graph.replay() (cudaGraphLaunch), summed over replays
 
     def usable(self, num_requests: int) -> bool:
         experts = self.engine.model.experts
@@ -63,7 +65,9 @@ class DecodeGraphs:
         static.token_ids.copy_(inputs.token_ids)
         static.positions.copy_(inputs.positions)
         static.slot_ids.copy_(inputs.slot_ids)
+        t0 = time.perf_counter()
         captured.graph.replay()
+        self.replay_host_s += time.perf_counter() - t0
         self.replays += 1
         return captured.logits
 
