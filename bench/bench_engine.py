@@ -228,6 +228,9 @@ def main() -> int:
     parser.add_argument("--copy-overlap", choices=("on", "off", "both"), default="on",
                         help="kernel copy mode: the copy beside the hits' expert GEMMs (on, the default), or "
                              "copy then every GEMM in one stream (off); both: side by side")
+    parser.add_argument("--dense-linear", default="gemv",
+                        help="the fused forward's dense projections: gemv (kernels/dense_gemv), torch (F.linear), "
+                             "or both comma-separated (resident runs for each; offload runs use the first)")
     parser.add_argument("--trace-dir", default=None,
                         help="with --profile: write each profiled run's Chrome trace (trace_<backend>.json) here")
     parser.add_argument("--profile", type=int, default=0,
@@ -250,15 +253,19 @@ def main() -> int:
     loaded.model.routing_override = SyntheticRouting.parse(args.routing, cfg, econf.max_context_tokens,
                                                            args.device)
     reference_tokens = None
-    for graphs in ((False, True) if args.graphs == "both" else (args.graphs == "on",)):
+    linears = [v.strip() for v in args.dense_linear.split(",") if v.strip()]
+    for linear, graphs in [(lin, g) for lin in reversed(linears)
+                           for g in ((False, True) if args.graphs == "both" else (args.graphs == "on",))]:
         _reset_peak()
+        loaded.model.dense_linear = linear     # the last one run (the first listed) stays for the offload runs
         conf = dataclasses.replace(econf, cuda_graphs=graphs)
         engine = Engine(loaded.model, conf, eos_token_ids=())
         res = measure(engine, prompt, args)
-        if reference_tokens is not None:
-            res["lossless"] = res["tokens"] == reference_tokens
-        reference_tokens = reference_tokens or res["tokens"]
-        name = "resident" + (" graphs" if graphs else " eager")
+        if linear == linears[0]:               # another dense_linear rounds differently: not comparable
+            if reference_tokens is not None:
+                res["lossless"] = res["tokens"] == reference_tokens
+            reference_tokens = reference_tokens or res["tokens"]
+        name = "resident" + (" graphs" if graphs else " eager") + (f" {linear}" if len(linears) > 1 else "")
         rows.append((name, "-", res, _peak(), proc.memory_info().rss))
         print(name, res["all_tok_s"], _launch_note(res), flush=True)
         if args.profile and args.device == "cuda":

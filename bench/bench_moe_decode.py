@@ -8,8 +8,13 @@ the median per call is reported after warm-up. GB/s counts the weight bytes a ca
 least (its distinct routed experts: w13 + w2), against the H200's HBM roofline (4.8 TB/s).
 Then the fused RMSNorm, residual add + RMSNorm, q/k norm + rope and router against the torch
 versions (layers.py), same method (their inputs stay in L2: these measure launches and latency).
-`--sweep` also times GemvBlocks variants of moe_gemv (one knob group at a time).
+Then the decode step's dense projections, qkv [(Hq + 2 Hkv) D, H], o_proj [H, Hq D] and the router
+[E, H]: cuBLAS `F.linear` against `linear_gemv` (kernels/dense_gemv), each call of a graph with its
+own weight tensor (CALLS of them, so that they do not sit in L2); GB/s counts the weight bytes.
+`--sweep` also times GemvBlocks variants of moe_gemv (one knob group at a time) and LinearBlocks
+variants of linear_gemv.
 Prints a short table last. Usage: python bench/bench_moe_decode.py [--tokens 1,2,4] [--sweep]
+[--linear-only | --skip-linear]
 """
 from __future__ import annotations
 
@@ -41,8 +46,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     add_graph_timing_args(p)
-    p.add_argument("--sweep", action="store_true", help="also time GemvBlocks variants of moe_gemv")
+    p.add_argument("--active", default="",
+                   help="comma list of routes per token left on the GPU (the rest id -1), e.g. 8,2: an offload "
+                        "layer's launch after its copy computes only the ~2 fetched routes (default: all K)")
+    p.add_argument("--sweep", action="store_true",
+                   help="also time GemvBlocks variants of moe_gemv and LinearBlocks variants of linear_gemv")
     p.add_argument("--skip-small", action="store_true", help="only the MoE FFN (no norm / rope / router)")
+    p.add_argument("--skip-linear", action="store_true", help="no dense projections (linear_gemv vs F.linear)")
+    p.add_argument("--linear-only", action="store_true", help="only the dense projections")
     p.add_argument("--json-out", default=None, help="write every result here as JSON")
     return p.parse_args(argv)
 
@@ -56,20 +67,26 @@ def moe_cases(args, dtype, rows: list[dict]) -> None:
     w2 = torch.empty(E, H, I, dtype=dtype, device="cuda").normal_(0, 0.02, generator=gen)
     expert_bytes = (w13[0].numel() + w2[0].numel()) * w13.element_size()
     cpu_gen = torch.Generator().manual_seed(1)
-    for T in [int(t) for t in args.tokens.split(",") if t]:
+    actives = [int(a) for a in args.active.split(",") if a.strip()] or [K]
+    for T, A in [(int(t), a) for t in args.tokens.split(",") if t for a in actives]:
         ids = [torch.stack([torch.randperm(E, generator=cpu_gen)[:K] for _ in range(T)]).cuda()
                for _ in range(args.calls)]                                # [T, K] per call
+        for i in ids:
+            i[:, A:] = -1                                                 # routes not on the GPU: read nothing
         weights = torch.softmax(torch.randn(T, K, device="cuda"), -1)
         x = torch.randn(T, H, device="cuda").to(dtype)
-        min_bytes = statistics.mean(int(torch.unique(i).numel()) for i in ids) * expert_bytes
+        min_bytes = statistics.mean(int(torch.unique(i[i >= 0]).numel()) for i in ids) * expert_bytes
+        tag = f" A={A}" if A != K else ""
 
         def add(name, blocks, fn):
+            if name.startswith("gathered") and A != K:
+                return                                                    # the gather path has no -1 routes
             s = time_graph(fn, args.calls, args.reps, args.warmup)
-            rows.append(dict(kind="moe", name=name, T=T, us=s * 1e6, gbps=min_bytes / s / 1e9,
+            rows.append(dict(kind="moe", name=name, T=T, A=A, K=K, us=s * 1e6, gbps=min_bytes / s / 1e9,
                              roofline=min_bytes / s / HBM_ROOFLINE_BPS,
                              blocks=asdict(blocks) if blocks is not None else None))
             r = rows[-1]
-            print(f"moe T={T} {name:<44} {r['us']:8.1f} us  {r['gbps']:7.0f} GB/s  "
+            print(f"moe T={T}{tag} {name:<44} {r['us']:8.1f} us  {r['gbps']:7.0f} GB/s  "
                   f"{100 * r['roofline']:5.1f}% of {HBM_ROOFLINE_BPS / 1e12:.1f} TB/s", flush=True)
 
         add("gathered_expert_ffn (torch)", None, lambda i: gathered_expert_ffn(x, ids[i], weights, w13, w2))
@@ -77,9 +94,9 @@ def moe_cases(args, dtype, rows: list[dict]) -> None:
         if args.sweep:
             b0 = DEFAULT_GEMV_BLOCKS
             variants = [replace(b0, gate_up_block_n=n, gate_up_block_k=k, gate_up_warps=w, gate_up_acc_2d=a)
-                        for n in (8, 16, 32) for k in (128, 256, 512) for w in (4, 8) for a in (False, True)]
+                        for n in (4, 8, 16, 32) for k in (256, 512) for w in (4, 8) for a in (False, True)]
             variants += [replace(b0, down_block_n=n, down_block_k=k, down_warps=w, down_acc_2d=a)
-                         for n in (8, 16, 32, 64) for k in (128, 256) for w in (4, 8) for a in (False, True)]
+                         for n in (4, 8, 16, 32) for k in (128, 256) for w in (4, 8) for a in (False, True)]
             for b in variants:
                 if b == b0:
                     continue
@@ -132,21 +149,113 @@ def small_cases(args, dtype, rows: list[dict]) -> None:
                   f"x{t_torch / t_fused:5.2f}", flush=True)
 
 
+def linear_variants(picked, K: int, dtype: torch.dtype) -> list:
+    """LinearBlocks for --sweep: (block_n, block_k, warps) with the warps along K, then split_k 2 / 4 of
+    the picked blocks (where K leaves each split at least one block_k step)."""
+    from dataclasses import replace as dc_replace
+
+    from kernels.dense_gemv import LinearBlocks
+    vec = 16 // torch.empty((), dtype=dtype).element_size()
+    out = []
+    for bk, nw in ((512, 2), (1024, 2), (1024, 4), (2048, 4), (2048, 8), (4096, 8)):
+        if bk < 32 * vec * nw or bk > max(512, 1 << (K - 1).bit_length()):
+            continue
+        for bn in (1, 2, 4, 8):
+            if bn * bk <= 16384:
+                out.append(LinearBlocks(block_n=bn, block_k=bk, num_warps=nw))
+    for sk in (2, 4):
+        if K >= sk * picked.block_k:
+            out.append(dc_replace(picked, split_k=sk))
+    out.append(LinearBlocks(block_n=4, block_k=512, num_warps=2, split_k=2))
+    seen, unique = {picked}, []
+    for b in out:
+        if b not in seen:
+            seen.add(b)
+            unique.append(b)
+    return unique
+
+
+def linear_cases(args, dtype, rows: list[dict]) -> None:
+    import torch.nn.functional as F
+
+    from kernels.dense_gemv import linear_gemv, pick_blocks
+    H, Hq, Hkv, D, E = args.hidden, args.heads, args.kv_heads, args.head_dim, args.experts
+    shapes = [("qkv", (Hq + 2 * Hkv) * D, H), ("o_proj", H, Hq * D), ("router", E, H)]
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    for short, N, K in shapes:
+        name = f"linear {short} {N}x{K}"
+        ws = torch.empty(args.calls, N, K, dtype=dtype, device="cuda").normal_(0, 0.02, generator=gen)
+        weight_bytes = N * K * ws.element_size()
+        picked = pick_blocks(N, K, dtype)
+        for T in [int(t) for t in args.tokens.split(",") if t]:
+            x = torch.randn(T, K, device="cuda").to(dtype)
+            ref = F.linear(x, ws[0]).float()
+            diff = ((linear_gemv(x, ws[0]).float() - ref).abs().max() / ref.abs().max()).item()
+
+            def add(label, blocks, fn):
+                s = time_graph(fn, args.calls, args.reps, args.warmup)
+                rows.append(dict(kind="linear", name=name, impl=label, T=T, us=s * 1e6,
+                                 gbps=weight_bytes / s / 1e9, roofline=weight_bytes / s / HBM_ROOFLINE_BPS,
+                                 blocks=asdict(blocks) if blocks is not None else None))
+                r = rows[-1]
+                print(f"{name} T={T} {label:<34} {r['us']:8.2f} us  {r['gbps']:7.0f} GB/s  "
+                      f"{100 * r['roofline']:5.1f}% of {HBM_ROOFLINE_BPS / 1e12:.1f} TB/s", flush=True)
+
+            add("F.linear", None, lambda i: F.linear(x, ws[i]))
+            add("linear_gemv", picked, lambda i: linear_gemv(x, ws[i]))
+            print(f"{name} T={T} linear_gemv vs F.linear: max |diff| / max |y| = {diff:.2e}", flush=True)
+            if args.sweep:
+                for b in linear_variants(picked, K, dtype):
+                    label = f"gemv n{b.block_n} k{b.block_k} w{b.num_warps} s{b.split_k}"
+                    try:
+                        add(label, b, lambda i, b=b: linear_gemv(x, ws[i], blocks=b))
+                    except Exception as exc:                          # e.g. out of resources
+                        print(f"{name} T={T} {label}: failed ({type(exc).__name__}: {exc})"[:200], flush=True)
+        del ws
+        torch.cuda.empty_cache()
+
+
+def _t_label(r: dict) -> str:
+    """T, and the routes a token leaves on the GPU where --active set fewer than K."""
+    return f"{r['T']}" + (f" (A={r['A']} of {r['K']})" if r.get("A", r.get("K")) != r.get("K") else "")
+
+
 def print_table(rows: list[dict]) -> None:
     moe = [r for r in rows if r["kind"] == "moe"]
     if moe:
         print("\n| MoE FFN | T | us / call | GB/s | % of 4.8 TB/s |")
         print("|---|---:|---:|---:|---:|")
-        best: dict[int, dict] = {}
+        best: dict[tuple[int, int], dict] = {}
         for r in moe:
+            key = (r["T"], r.get("A", 0))
             if r["name"].startswith("gu "):
-                if r["T"] not in best or r["us"] < best[r["T"]]["us"]:
-                    best[r["T"]] = r
+                if key not in best or r["us"] < best[key]["us"]:
+                    best[key] = r
                 continue
-            print(f"| {r['name']} | {r['T']} | {r['us']:.1f} | {r['gbps']:.0f} | {100 * r['roofline']:.1f} |")
-        for T, r in sorted(best.items()):
-            print(f"| best sweep variant: {r['name']} | {T} | {r['us']:.1f} | {r['gbps']:.0f} | "
+            print(f"| {r['name']} | {_t_label(r)} | {r['us']:.1f} | {r['gbps']:.0f} | {100 * r['roofline']:.1f} |")
+        for _, r in sorted(best.items()):
+            print(f"| best sweep variant: {r['name']} | {_t_label(r)} | {r['us']:.1f} | {r['gbps']:.0f} | "
                   f"{100 * r['roofline']:.1f} |")
+    linear = [r for r in rows if r["kind"] == "linear"]
+    if linear:
+        print("\n| dense projection | T | F.linear us | GB/s | linear_gemv us | GB/s | % of 4.8 TB/s | speedup |")
+        print("|---|---:|---:|---:|---:|---:|---:|---:|")
+        by_case: dict[tuple[str, int], dict[str, dict]] = {}
+        for r in linear:
+            by_case.setdefault((r["name"], r["T"]), {})[r["impl"]] = r
+        for (name, T), impls in by_case.items():
+            base, gemv = impls.get("F.linear"), impls.get("linear_gemv")
+            if base is None or gemv is None:
+                continue
+            print(f"| {name} | {T} | {base['us']:.2f} | {base['gbps']:.0f} | {gemv['us']:.2f} | {gemv['gbps']:.0f} | "
+                  f"{100 * gemv['roofline']:.1f} | {base['us'] / gemv['us']:.2f}x |")
+        for (name, T), impls in by_case.items():
+            sweep = [r for label, r in impls.items() if label.startswith("gemv ")]
+            if sweep and "F.linear" in impls:
+                r = min(sweep, key=lambda r: r["us"])
+                print(f"| {name}, best sweep variant: {r['impl']} | {T} | {impls['F.linear']['us']:.2f} | "
+                      f"{impls['F.linear']['gbps']:.0f} | {r['us']:.2f} | {r['gbps']:.0f} | "
+                      f"{100 * r['roofline']:.1f} | {impls['F.linear']['us'] / r['us']:.2f}x |")
     small = [r for r in rows if r["kind"] == "small"]
     if small:
         print("\n| op | T | torch us | fused us | speedup |")
@@ -167,10 +276,13 @@ def main(argv: list[str] | None = None) -> int:
           f"{args.dtype}, E={args.experts} H={args.hidden} I={args.inter} K={args.top_k}, "
           f"{args.calls} calls a graph, median of {args.reps} replays", flush=True)
     rows: list[dict] = []
-    moe_cases(args, dtype, rows)
-    torch.cuda.empty_cache()                                  # the experts of moe_cases are gone
-    if not args.skip_small:
-        small_cases(args, dtype, rows)
+    if not args.linear_only:
+        moe_cases(args, dtype, rows)
+        torch.cuda.empty_cache()                              # the experts of moe_cases are gone
+        if not args.skip_small:
+            small_cases(args, dtype, rows)
+    if not args.skip_linear:
+        linear_cases(args, dtype, rows)
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(rows, indent=2))
     print_table(rows)

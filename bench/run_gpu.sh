@@ -5,6 +5,7 @@
 #        [followup] (the fifth session's open checks) [hybrid-pin] (pinned GPU worker against unpinned)
 #        [overlap-tests] [overlap-engine] [overlap-hybrid] (sixth session: the plan copy beside the hits' GEMMs, on against off)
 #        [s7-probe] (seventh session: hot / cold copy sources, per-layer time from traces, the fused KV write)
+#        [s7-kernels] (seventh session: dense GEMV and moe_gemv sweeps, resident with both dense linears)
 #        (default: kernels engine cpu). SECTION_TIMEOUT (s, default 540) bounds each command.
 # Logs go to $OUT (the device tool's output folder) when it is set, else ./out.
 set -u
@@ -127,6 +128,17 @@ device,=hybrid min-wait device serial" 2>&1 | tee "$OUT/overlap_hybrid.log" | ta
         --offload-copy kernel --copy-overlap both --profile 4 --trace-dir "$OUT" 2>&1 | grep -v "^ " \
         | tee "$OUT/s7_engine.log" | tail -n 8 || status=1
       for f in "$OUT"/trace_*.json; do python3 bench/trace_summary.py "$f"; gzip -f "$f"; done 2>&1 | tee "$OUT/s7_layers.log"
+      ;;
+    s7-kernels)    # seventh session: dense GEMV and moe_gemv block sweeps (all / 2 routes on the GPU), engine with both linears
+      timeout "$T" python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_dense_gemv.py tests/test_moe_decode.py \
+        tests/test_engine_gpu.py 2>&1 | tee "$OUT/s7k_tests.log" | tail -n 4
+      [ "${PIPESTATUS[0]}" = 0 ] || status=1
+      python3 -m kernels.dense_gemv.compile_check --resources 2>&1 | tail -n 16 > "$OUT/s7k_resources.log"
+      timeout "$T" python3 bench/bench_moe_decode.py --tokens 1 --active 8,2 --sweep --skip-small 2>&1 \
+        > "$OUT/s7k_sweep.log"; tail -n 30 "$OUT/s7k_sweep.log"
+      timeout "$T" python3 bench/bench_moe_decode.py --tokens 2,4 --linear-only 2>&1 | tail -n 12
+      timeout "$T" python3 bench/bench_engine.py --runs 3 --prompt-tokens 256 --decode-tokens 64 --fractions 0.5 \
+        --offload-copy kernel --dense-linear gemv,torch 2>&1 | grep -v "^ " | tee "$OUT/s7k_engine.log" | tail -n 8 || status=1
       ;;
     hybrid-pin)    # the GPU-driving process pinned to the reserved CPU (default) against unpinned, same variants
       for pin in on off; do

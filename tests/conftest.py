@@ -39,3 +39,19 @@ def no_tf32():
     torch.backends.cuda.matmul.allow_tf32 = False
     yield
     torch.backends.cuda.matmul.allow_tf32 = old
+
+
+def assert_compile_check(module: str) -> None:
+    """Run `python -m <module>` (a kernels compile_check) without the interpreter: Triton's real compiler
+    (MLIR, LLVM, ptxas) on every case, which catches what only the interpreter accepts; skips where this
+    triton cannot compile ahead of time."""
+    import os
+    import subprocess
+    import sys
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-m", module], capture_output=True, text=True, env=env,
+                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))), timeout=300)
+    if proc.stdout.startswith("SKIP"):
+        pytest.skip(proc.stdout.strip())
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    assert "0 failed" in proc.stdout

@@ -21,6 +21,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
+from kernels import dense_gemv
 from kernels import moe_decode as kops
 
 from .config import MoeConfig
@@ -53,6 +54,9 @@ class MoeModel:
         self.rope = RotaryTable(cfg.head_dim, cfg.rope_theta, max_positions, self.device)
         self.fused_kernels = self.device.type == "cuda" if fused_kernels is None else bool(fused_kernels)
         self.kernel_impl = "auto"     # kernels.moe_decode impl of the fused forward ("triton": tests)
+        # the fused forward's dense projections (qkv, o_proj, router) of decode-sized calls (at most
+        # kernels.dense_gemv.MAX_T rows): "gemv" (kernels/dense_gemv, on CUDA) or "torch" (F.linear, cuBLAS)
+        self.dense_linear = "gemv" if self.device.type == "cuda" else "torch"
         # benchmarks of random-weight presets: expert ids from a table (synthetic_routing.py)
         self.routing_override = None
         if self.fused_kernels:
@@ -129,16 +133,22 @@ class MoeModel:
             h = h.index_select(0, logit_rows)                           # [R, H] (the norm is per row)
         return F.linear(h, self.dense.lm_head).float()                  # [R, V]
 
+    def _linear(self, h: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """A dense projection of the fused forward: kernels.dense_gemv for decode-sized calls, else F.linear."""
+        if self.dense_linear == "gemv" and h.shape[0] <= dense_gemv.MAX_T:
+            return dense_gemv.linear_gemv(h, w, impl=self.kernel_impl)
+        return F.linear(h, w)
+
     def _attention_fused(self, i: int, layer: LayerWeights, h: torch.Tensor, cos: torch.Tensor,
                          sin: torch.Tensor, attn: AttentionContext) -> torch.Tensor:
         cfg, impl = self.cfg, self.kernel_impl
         T = h.shape[0]
         kv_size = cfg.num_kv_heads * cfg.head_dim
         if layer.qkv_proj is not None:
-            qkv = F.linear(h, layer.qkv_proj)                           # [T, Hq*D + 2*Hkv*D]
+            qkv = self._linear(h, layer.qkv_proj)                       # [T, Hq*D + 2*Hkv*D]
             q, k, v = qkv.split([cfg.q_size, kv_size, kv_size], dim=1)  # strided views
         else:
-            q, k, v = F.linear(h, layer.q_proj), F.linear(h, layer.k_proj), F.linear(h, layer.v_proj)
+            q, k, v = self._linear(h, layer.q_proj), self._linear(h, layer.k_proj), self._linear(h, layer.v_proj)
         if cfg.arch == "olmoe":                                         # norm over the whole projection
             q = kops.rms_norm(q, layer.q_norm, cfg.rms_norm_eps, impl=impl)
             k = kops.rms_norm(k, layer.k_norm, cfg.rms_norm_eps, impl=impl)
@@ -154,11 +164,11 @@ class MoeModel:
         else:
             q, k = kops.rope(q, k, cos, sin, impl=impl, kv=kv)
         out = attn.attend(i, q, k, v, kv_written=kv is not None)        # [T, Hq, D]
-        return F.linear(out.reshape(T, cfg.q_size), layer.o_proj)       # [T, H]
+        return self._linear(out.reshape(T, cfg.q_size), layer.o_proj)   # [T, H]
 
     def _moe_fused(self, i: int, layer: LayerWeights, h: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         cfg = self.cfg
-        logits = F.linear(h, layer.router)                              # [T, E]
+        logits = self._linear(h, layer.router)                          # [T, E]
         softmax_first = cfg.arch != "mixtral"
         topk_ids, topk_weights = kops.route_topk(logits, cfg.top_k, softmax_first=softmax_first,
                                                  renorm=softmax_first and cfg.norm_topk_prob,

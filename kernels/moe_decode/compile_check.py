@@ -11,8 +11,6 @@ pointer and size arguments, as the JIT gives them at launch on aligned tensors.
 """
 from __future__ import annotations
 
-import argparse
-import os
 import sys
 
 
@@ -80,42 +78,10 @@ def _cases() -> list[tuple[str, str, dict, dict, dict, list[str]]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="compile the decode kernels for an NVIDIA target")
-    parser.add_argument("--arch", type=int, default=90, help="compute capability x10 (90 = H100/H200)")
-    parser.add_argument("--resources", action="store_true", help="registers / spills (cuobjdump)")
-    args = parser.parse_args(argv)
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        print("SKIP: TRITON_INTERPRET=1 (the kernels are interpreted functions); unset it")
-        return 0
-    try:
-        import triton
-        from triton.backends.compiler import GPUTarget  # noqa: F401 (a triton that can compile ahead of time)
-        from triton.compiler import ASTSource
-        ASTSource.__init__.__code__.co_varnames.index("constexprs")
-    except (ImportError, AttributeError, ValueError) as exc:
-        print(f"SKIP: this triton cannot compile ahead of time here ({exc})")
-        return 0
-    from kernels.slot_cache.ptx_check import compile_for_arch, cubin_resources
+    from kernels.compile_driver import run_compile_check
 
     from . import triton_kernels
-    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-    failed = 0
-    for name, attr, sig, consts, opts, divisible in _cases():
-        fn = getattr(triton_kernels, attr)
-        try:
-            kernel = compile_for_arch(fn, sig, consts, args.arch, divisible=divisible if args.resources else (),
-                                      options=opts)
-        except Exception as exc:                                          # report every failure
-            failed += 1
-            print(f"FAIL {name}: {type(exc).__name__}: {exc}")
-            continue
-        line = f"ok   {name}"
-        if args.resources and os.path.exists(cuobjdump):
-            res = cubin_resources(kernel.asm["cubin"])
-            line += f"  regs {res['regs']} local {res['local']}"
-        print(line, flush=True)
-    print(f"{len(_cases()) - failed} compiled, {failed} failed (sm_{args.arch})")
-    return 1 if failed else 0
+    return run_compile_check("compile the decode kernels for an NVIDIA target", _cases(), triton_kernels, argv)
 
 
 if __name__ == "__main__":

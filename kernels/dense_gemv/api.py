@@ -1,0 +1,160 @@
+"""Entry point of the decode-sized dense linear layer: validation, then the Triton kernel or the torch
+reference.
+
+`impl="auto"` runs the Triton kernel on CUDA tensors and the reference elsewhere; `"triton"` on CPU
+tensors needs TRITON_INTERPRET=1 set before this package's kernels are first used (the Triton
+interpreter; tests/conftest.py sets it); `"reference"` always runs the torch code.
+
+Nothing here syncs with the host or depends on tensor values on the host: `linear_gemv` is
+CUDA-graph capturable for fixed shapes (its output is allocated per call, inside the graph's pool).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kernels.moe_decode.api import IMPLS, _resolve_impl  # noqa: F401 (IMPLS re-exported: one dispatch rule)
+
+from . import reference
+
+MAX_T = 16                  # largest decode batch linear_gemv takes; larger ones belong to F.linear
+H200_SMS = 132              # the block heuristic's target GPU
+MIN_PROGRAMS = 2 * H200_SMS  # pick_blocks narrows block_n until the grid has at least this many programs
+SUM_BLOCK = 1024            # elements per program of the split-K sum
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (int(n) - 1).bit_length())
+
+
+def _is_pow2(n: int) -> bool:
+    return n >= 1 and n & (n - 1) == 0
+
+
+@dataclass(frozen=True)
+class LinearBlocks:
+    """Launch shape of `linear_gemv`. Results do not depend on these except through the order of fp32
+    summation inside a dot product (and, with split_k > 1, the grouping of K into splits). Defaults
+    are a first guess for the H200 (not yet tuned on the GPU: `python bench/bench_moe_decode.py
+    --sweep` times alternatives); `pick_blocks` chooses per shape.
+
+    Grid (cdiv(N, block_n), split_k): each program streams block_n weight rows of its K range in
+    block_k-column steps, every step a [block_n, block_k] tile in 16-byte vectors, multiplied with all
+    T rows of x. With block_k >= 256 * num_warps (bf16; 128 * num_warps for fp32) the warps lie along
+    K: each thread holds block_n rows x block_k / (32 * num_warps) columns of the tile and only its
+    own columns of x. With every program resident, the bytes in flight per loop step are about
+    N * block_k * split_k * 2 (bf16): block_k and split_k set the memory parallelism, block_n how
+    evenly the programs spread over the SMs.
+    Registers (ptxas for sm_90 through triton 3.9 on a CPU machine, bf16, aligned, no spills;
+    `python -m kernels.dense_gemv.compile_check --resources`): 4x1024 / 4 warps: 40 (T=1), 63 (T=2),
+    72 (T=4), 148 (T=16); 1x2048 / 4 warps: 32 (T=1), 40 (T=4); 4x2048 / 4 warps: 115 (T=4).
+
+    split_k > 1: fp32 partials [split_k, T, N] and a second launch that sums them in split order
+    (deterministic, no atomics); splits that would get no columns are dropped.
+    """
+    block_n: int = 4
+    block_k: int = 1024
+    num_warps: int = 4
+    split_k: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("block_n", "block_k", "num_warps", "split_k"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool):
+                raise ValueError(f"LinearBlocks.{name} must be an int, got {v!r}")
+        if not (_is_pow2(self.block_n) and self.block_n <= 256):
+            raise ValueError(f"LinearBlocks.block_n must be a power of two in [1, 256], got {self.block_n}")
+        if not (_is_pow2(self.block_k) and 16 <= self.block_k <= 16384):
+            raise ValueError(f"LinearBlocks.block_k must be a power of two in [16, 16384], got {self.block_k}")
+        if self.block_n * self.block_k > 65536:
+            raise ValueError(f"LinearBlocks: a block_n x block_k tile of at most 65536 elements, got "
+                             f"{self.block_n} x {self.block_k}")
+        if self.num_warps not in (1, 2, 4, 8, 16):
+            raise ValueError(f"LinearBlocks.num_warps must be 1, 2, 4, 8 or 16, got {self.num_warps}")
+        if not 1 <= self.split_k <= 64:
+            raise ValueError(f"LinearBlocks.split_k must be in [1, 64], got {self.split_k}")
+
+
+DEFAULT_LINEAR_BLOCKS = LinearBlocks()
+
+
+def pick_blocks(N: int, K: int, dtype: torch.dtype = torch.bfloat16) -> LinearBlocks:
+    """Blocks for an [N, K] weight (independent of T, so that a token's result does not depend on the
+    batch it is in). block_k = min(next_pow2(K), 1024); block_n = 4, halved down to 1 while the grid
+    would have fewer than MIN_PROGRAMS programs; a grid smaller than the GPU (N < 132 rows at block_n
+    1) takes K in one step where K <= 4096 (all of a small weight in flight at once); the warps: as
+    many as block_k fills with 16-byte vectors along K, at most 4. qwen3-30b-a3b: qkv [5120, 2048]
+    and o_proj [2048, 4096] -> 4x1024 / 4 warps (1280 and 512 programs); router [128, 2048] ->
+    1x2048 / 4 warps (128 programs, one step)."""
+    vec = max(1, 16 // torch.empty((), dtype=dtype).element_size())     # elements per 16-byte load
+    block_k = max(16, min(_next_pow2(K), 1024))
+    block_n = 4
+    while block_n > 1 and _cdiv(N, block_n) < MIN_PROGRAMS:
+        block_n //= 2
+    if _cdiv(N, block_n) < H200_SMS:
+        block_k = max(16, min(_next_pow2(K), 4096))
+    num_warps = max(1, min(4, block_k // (32 * vec)))
+    return LinearBlocks(block_n=block_n, block_k=block_k, num_warps=num_warps, split_k=1)
+
+
+def linear_gemv(x: torch.Tensor, w: torch.Tensor, *, impl: str = "auto",
+                blocks: LinearBlocks | None = None) -> torch.Tensor:
+    """Decode-sized dense linear layer without bias: y = x @ w.T -> [T, N] in x.dtype, freshly allocated.
+
+    x: [T, K] float32 | bfloat16 | float16 with 0 <= T <= MAX_T (16; a larger batch raises ValueError:
+        use F.linear), any row stride, contiguous last dimension (a column slice of a wider tensor
+        works).
+    w: [N, K] in x.dtype on x's device, any row stride, contiguous last dimension.
+    Numerics: products and sums in fp32, rounded to x.dtype once at the end (cuBLAS's bf16 GEMM with
+    fp32 compute), i.e. reference.linear_gemv_reference up to the order of the fp32 summation.
+    Deterministic (no atomics; split_k > 1 sums fp32 partials in a fixed order). Row t of the result
+    does not depend on the other rows of x, nor on T: for the same blocks (blocks=None picks them
+    from N, K and the dtype only), row t of a T = 4 call is bitwise the row computed with T = 1.
+    One launch (two with split_k > 1).
+    blocks: LinearBlocks, or None for pick_blocks(N, K, x.dtype).
+    """
+    if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise TypeError(f"x must be float32, bfloat16 or float16, got {x.dtype}")
+    if x.dim() != 2 or w.dim() != 2:
+        raise ValueError(f"x must be [T, K] and w [N, K], got x {tuple(x.shape)} and w {tuple(w.shape)}")
+    if w.dtype != x.dtype:
+        raise TypeError(f"w {tuple(w.shape)} {w.dtype} must have the dtype of x {tuple(x.shape)} {x.dtype}")
+    if w.shape[1] != x.shape[1]:
+        raise ValueError(f"x {tuple(x.shape)} and w {tuple(w.shape)} must be [T, K] and [N, K] with one K")
+    if w.device != x.device:
+        raise ValueError(f"x {tuple(x.shape)} is on {x.device}, w {tuple(w.shape)} on {w.device}")
+    T, K = x.shape
+    N = w.shape[0]
+    if T > MAX_T:
+        raise ValueError(f"linear_gemv takes at most MAX_T = {MAX_T} rows of x, got x {tuple(x.shape)}: "
+                         f"use F.linear for larger batches")
+    for name, t in (("x", x), ("w", w)):
+        if K > 1 and t.stride(1) != 1:
+            raise ValueError(f"{name} {tuple(t.shape)} needs a contiguous last dimension, got strides {t.stride()}")
+    if blocks is not None and not isinstance(blocks, LinearBlocks):
+        raise TypeError(f"blocks must be a LinearBlocks or None, got {type(blocks).__name__}")
+    if _resolve_impl(impl, x.device) == "reference":
+        return reference.linear_gemv_reference(x, w)
+    from .triton_kernels import linear_gemv_kernel, linear_split_sum_kernel
+    b = blocks or pick_blocks(N, K, x.dtype)
+    y = torch.empty(T, N, dtype=x.dtype, device=x.device)
+    if T == 0 or N == 0:
+        return y
+    if K == 0:
+        return y.zero_()
+    k_chunk = _cdiv(_cdiv(K, b.split_k), b.block_k) * b.block_k       # columns per split, whole steps
+    splits = _cdiv(K, k_chunk)                                         # <= split_k, each with columns
+    out = y if splits == 1 else torch.empty(splits, T, N, dtype=torch.float32, device=x.device)
+    linear_gemv_kernel[(_cdiv(N, b.block_n), splits)](
+        x, w, out, T, N, K, k_chunk, x.stride(0), w.stride(0),
+        BLOCK_N=b.block_n, BLOCK_K=b.block_k, T_PAD=_next_pow2(T), EVEN_K=splits * k_chunk == K,
+        num_warps=b.num_warps)
+    if splits > 1:
+        linear_split_sum_kernel[(_cdiv(T * N, SUM_BLOCK),)](out, y, T * N, splits, BLOCK=SUM_BLOCK,
+                                                             num_warps=4)
+    return y

@@ -1,0 +1,92 @@
+"""Triton kernels of `linear_gemv`; `reference.py` holds the plain torch oracle.
+
+Only plain features: tl.load / tl.store with masks, tl.sum, tl.where, tl.minimum, scalar `if`,
+`range` and `tl.static_range` loops. No tl.dot (T <= 16 rows of x against a weight tile is an
+elementwise product and a row sum per token, accumulated in fp32), no atomics.
+
+Legend: T tokens (rows of x), T_PAD the power of two >= T, N output features (rows of w), K input
+features, S = SPLIT_K programs along K per block of output rows.
+
+Layout: a program loads a [BLOCK_N, BLOCK_K] weight tile with 16-byte vectors along K (Triton's
+coalescing gives [1, 8] bf16 per thread, 32 lanes along K, then the warps along K as long as
+BLOCK_K >= 256 * num_warps for bf16, 128 * num_warps for fp32). x is loaded per token as a
+[1, BLOCK_K] row, which then gets the same layout as the tile's columns: no layout conversion, each
+thread reads only its own columns of x (from L1 / L2: x is small and shared by every program). With
+a smaller BLOCK_K the warps fall along N and x's row has fewer elements than threads x 8: its
+vectors are narrower than the tile's, and Triton converts it through shared memory every step
+(correct, slower; compile_check --resources shows it as `loop cvt 1`).
+Per step and token, tl.sum reduces the products over K: in-thread, 5 shuffle levels over the lanes,
+and across the warps through shared memory (two barriers).
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def linear_gemv_kernel(
+    x_ptr,                # [T, K] x.dtype, row stride stride_xt, columns contiguous
+    w_ptr,                # [N, K] x.dtype, row stride stride_wn, columns contiguous
+    out_ptr,              # [S, T, N] contiguous: y in x.dtype when S == 1, else fp32 partials
+    T, N, K,
+    K_CHUNK,              # columns per split: a multiple of BLOCK_K (K when S == 1, rounded up)
+    stride_xt, stride_wn,
+    BLOCK_N: tl.constexpr,    # output rows per program (a power of two)
+    BLOCK_K: tl.constexpr,    # columns per loop step (a power of two)
+    T_PAD: tl.constexpr,      # power of two >= T: the accumulator's width
+    EVEN_K: tl.constexpr,     # every loop step lies inside K: no column masks
+):
+    """Grid (cdiv(N, BLOCK_N), S). Program (j, s): out[s, t, n] for every token t < T and
+    n in [j*BLOCK_N, (j+1)*BLOCK_N), over the columns [s*K_CHUNK, (s+1)*K_CHUNK) of K.
+
+    Each weight tile is loaded once and multiplied with the x row of every token (x.dtype -> fp32,
+    products and sums in fp32); tl.sum reduces a token's [BLOCK_N, BLOCK_K] products over K into
+    its column of the [BLOCK_N, T_PAD] accumulator every step. Rows n >= N load row N-1 (in bounds,
+    never stored); tokens t >= T are skipped (a uniform branch). A token's result is the same
+    instruction sequence on the same registers whatever T is: row t of a T = 4 call equals the same
+    row computed alone (same blocks).
+    """
+    j = tl.program_id(0)
+    s = tl.program_id(1)
+    rows = j * BLOCK_N + tl.arange(0, BLOCK_N)                               # [BLOCK_N]
+    toks = tl.arange(0, T_PAD)                                               # [T_PAD]
+    cols = tl.arange(0, BLOCK_K)                                             # [BLOCK_K]
+    k_begin = s * K_CHUNK
+    w_rows = w_ptr + tl.minimum(rows, N - 1).to(tl.int64)[:, None] * stride_wn + k_begin   # [BLOCK_N, 1]
+    x_row0 = x_ptr + k_begin
+    acc = tl.zeros([BLOCK_N, T_PAD], dtype=tl.float32)
+    for k0 in range(0, K_CHUNK, BLOCK_K):
+        kk = k0 + cols[None, :]                                              # [1, BLOCK_K] in the split
+        if EVEN_K:
+            wv = tl.load(w_rows + kk).to(tl.float32)                         # [BLOCK_N, BLOCK_K]
+        else:
+            kmask = (k_begin + kk) < K
+            wv = tl.load(w_rows + kk, mask=kmask, other=0.0).to(tl.float32)
+        for t in tl.static_range(T_PAD):
+            if t < T:
+                if EVEN_K:
+                    xv = tl.load(x_row0 + t * stride_xt + kk).to(tl.float32)  # [1, BLOCK_K]
+                else:
+                    xv = tl.load(x_row0 + t * stride_xt + kk, mask=kmask, other=0.0).to(tl.float32)
+                part = tl.sum(wv * xv, axis=1)                                # [BLOCK_N]
+                acc = tl.where(toks[None, :] == t, acc + part[:, None], acc)
+    out = out_ptr + (s * T).to(tl.int64) * N + toks[None, :] * N + rows[:, None]   # [BLOCK_N, T_PAD]
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=(toks[None, :] < T) & (rows[:, None] < N))
+
+
+@triton.jit
+def linear_split_sum_kernel(
+    part_ptr,             # [S, M] fp32 partials (M = T * N)
+    y_ptr,                # [M] x.dtype out
+    M, S,                 # M = T * N < 2**31 (T <= 16)
+    BLOCK: tl.constexpr,
+):
+    """Grid (cdiv(M, BLOCK)). y[i] = x.dtype(((part[0, i] + part[1, i]) + part[2, i]) + ...): fp32,
+    in split order, one rounding."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = offs < M
+    acc = tl.load(part_ptr + offs, mask=m, other=0.0)
+    for s in range(1, S):
+        acc += tl.load(part_ptr + s * M + offs, mask=m, other=0.0)
+    tl.store(y_ptr + offs, acc.to(y_ptr.dtype.element_ty), mask=m)
