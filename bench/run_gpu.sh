@@ -6,6 +6,7 @@
 #        [overlap-tests] [overlap-engine] [overlap-hybrid] (sixth session: the plan copy beside the hits' GEMMs, on against off)
 #        [s7-probe] (seventh session: hot / cold copy sources, per-layer time from traces, the fused KV write)
 #        [s7-kernels] (seventh session: dense GEMV and moe_gemv sweeps, resident with both dense linears)
+#        [s7-final] [s7-hybrid] (seventh session: GPU tests and the issues' benchmark configurations)
 #        (default: kernels engine cpu). SECTION_TIMEOUT (s, default 540) bounds each command.
 # Logs go to $OUT (the device tool's output folder) when it is set, else ./out.
 set -u
@@ -139,6 +140,19 @@ device,=hybrid min-wait device serial" 2>&1 | tee "$OUT/overlap_hybrid.log" | ta
       timeout "$T" python3 bench/bench_moe_decode.py --tokens 2,4 --linear-only 2>&1 | tail -n 12
       timeout "$T" python3 bench/bench_engine.py --runs 3 --prompt-tokens 256 --decode-tokens 64 --fractions 0.5 \
         --offload-copy kernel --dense-linear gemv,torch 2>&1 | grep -v "^ " | tee "$OUT/s7k_engine.log" | tail -n 8 || status=1
+      ;;
+    s7-final)    # seventh session: GPU tests of the new blocks / kernels, then the issue's engine configuration
+      timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_dense_gemv.py tests/test_moe_decode.py \
+        tests/test_offload.py tests/test_copy_overlap.py 2>&1 | tee "$OUT/s7f_tests.log" | tail -n 4
+      [ "${PIPESTATUS[0]}" = 0 ] || status=1
+      timeout 385 python3 bench/bench_engine.py --runs 5 --prompt-tokens 1024 --decode-tokens 256 \
+        --fractions 0.1,0.25,0.5 --offload-copy kernel 2>&1 | grep -v "^ " | tee "$OUT/s7f_engine.log" | tail -n 9 || status=1
+      ;;
+    s7-hybrid)    # seventh session: bench_hybrid's side-by-side after the dense / expert GEMV changes
+      timeout "$T" python3 bench/bench_hybrid.py --runs 3 --decode-tokens 64 --handoff-calls 1000 --no-resident \
+        --json-out "$OUT/bench_hybrid_s7.json" --variants "=offload kernel graphs,=cpu device,=hybrid min-wait device,\
+=hybrid stochastic device,=hybrid prefer-fetch device,=hybrid min-wait no-promo device,=hybrid stochastic no-promo device,\
+=hybrid prefer-fetch no-promo device" 2>&1 | tee "$OUT/s7_hybrid.log" | tail -n 14 || status=1
       ;;
     hybrid-pin)    # the GPU-driving process pinned to the reserved CPU (default) against unpinned, same variants
       for pin in on off; do

@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels.dense_gemv import DEFAULT_LINEAR_BLOCKS, MAX_T, LinearBlocks, linear_gemv, pick_blocks
+from kernels.dense_gemv import DEFAULT_LINEAR_BLOCKS, MAX_T, LinearBlocks, linear_gemv, pick_blocks, preferred
 from kernels.dense_gemv import api as dense_api
 from kernels.dense_gemv import reference as ref
 from tests.conftest import KERNEL_DEVICE, assert_compile_check
@@ -183,17 +183,24 @@ def test_reference_rounds_once_like_cublas():
     assert rel_max(got, F.linear(x, w)) < 2 ** -7
 
 
+def test_preferred_follows_the_measured_rule():
+    assert preferred(1, 5120) and preferred(1, 2048) and preferred(1, 128)
+    assert preferred(4, 128) and not preferred(5, 128)
+    assert not preferred(2, 5120) and not preferred(4, 2048)
+
+
 def test_pick_blocks():
-    assert pick_blocks(5120, 2048) == DEFAULT_LINEAR_BLOCKS == LinearBlocks(4, 1024, 4, 1)
+    assert pick_blocks(5120, 2048) == DEFAULT_LINEAR_BLOCKS == LinearBlocks(1, 2048, 4, 1)
     assert pick_blocks(2048, 4096) == DEFAULT_LINEAR_BLOCKS
-    assert pick_blocks(128, 2048) == LinearBlocks(1, 2048, 4, 1)
+    assert pick_blocks(128, 2048) == DEFAULT_LINEAR_BLOCKS
+    assert pick_blocks(37, 70, torch.float32) == LinearBlocks(1, 128, 1, 1)
     for N, K, dtype in ((5120, 2048, torch.bfloat16), (2048, 4096, torch.float16), (128, 2048, torch.bfloat16),
                         (4096, 4096, torch.float32), (37, 70, torch.float32), (151936, 2048, torch.bfloat16)):
         b = pick_blocks(N, K, dtype)
         vec = 16 // torch.empty((), dtype=dtype).element_size()
         assert b.split_k == 1 and b.block_k >= min(K, 16)
         assert b.block_k >= 32 * vec * b.num_warps or b.num_warps == 1     # warps along K (no x conversion)
-        assert -(-N // b.block_n) >= min(dense_api.MIN_PROGRAMS, N)         # enough programs, or block_n 1
+        assert b.block_k <= 2048 and b.block_n == 1
 
 
 @pytest.mark.slow

@@ -54,8 +54,8 @@ class MoeModel:
         self.rope = RotaryTable(cfg.head_dim, cfg.rope_theta, max_positions, self.device)
         self.fused_kernels = self.device.type == "cuda" if fused_kernels is None else bool(fused_kernels)
         self.kernel_impl = "auto"     # kernels.moe_decode impl of the fused forward ("triton": tests)
-        # the fused forward's dense projections (qkv, o_proj, router) of decode-sized calls (at most
-        # kernels.dense_gemv.MAX_T rows): "gemv" (kernels/dense_gemv, on CUDA) or "torch" (F.linear, cuBLAS)
+        # the fused forward's dense projections (qkv, o_proj, router) where kernels/dense_gemv beats cuBLAS
+        # (dense_gemv.preferred: T = 1, the router to T = 4): "gemv" (on CUDA) or "torch" (F.linear everywhere)
         self.dense_linear = "gemv" if self.device.type == "cuda" else "torch"
         # benchmarks of random-weight presets: expert ids from a table (synthetic_routing.py)
         self.routing_override = None
@@ -134,8 +134,9 @@ class MoeModel:
         return F.linear(h, self.dense.lm_head).float()                  # [R, V]
 
     def _linear(self, h: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        """A dense projection of the fused forward: kernels.dense_gemv for decode-sized calls, else F.linear."""
-        if self.dense_linear == "gemv" and h.shape[0] <= dense_gemv.MAX_T:
+        """A dense projection of the fused forward: kernels.dense_gemv where it beats cuBLAS (one decode token;
+        the router up to 4), else F.linear."""
+        if self.dense_linear == "gemv" and dense_gemv.preferred(h.shape[0], w.shape[0]):
             return dense_gemv.linear_gemv(h, w, impl=self.kernel_impl)
         return F.linear(h, w)
 

@@ -19,8 +19,6 @@ from kernels.moe_decode.api import IMPLS, _resolve_impl  # noqa: F401 (IMPLS re-
 from . import reference
 
 MAX_T = 16                  # largest decode batch linear_gemv takes; larger ones belong to F.linear
-H200_SMS = 132              # the block heuristic's target GPU
-MIN_PROGRAMS = 2 * H200_SMS  # pick_blocks narrows block_n until the grid has at least this many programs
 SUM_BLOCK = 1024            # elements per program of the split-K sum
 
 
@@ -39,9 +37,9 @@ def _is_pow2(n: int) -> bool:
 @dataclass(frozen=True)
 class LinearBlocks:
     """Launch shape of `linear_gemv`. Results do not depend on these except through the order of fp32
-    summation inside a dot product (and, with split_k > 1, the grouping of K into splits). Defaults
-    are a first guess for the H200 (not yet tuned on the GPU: `python bench/bench_moe_decode.py
-    --sweep` times alternatives); `pick_blocks` chooses per shape.
+    summation inside a dot product (and, with split_k > 1, the grouping of K into splits).
+    `pick_blocks` chooses per shape (measured on the H200: its docstring); the class defaults are
+    its choice for qwen3-30b-a3b's qkv / o_proj.
 
     Grid (cdiv(N, block_n), split_k): each program streams block_n weight rows of its K range in
     block_k-column steps, every step a [block_n, block_k] tile in 16-byte vectors, multiplied with all
@@ -57,8 +55,8 @@ class LinearBlocks:
     split_k > 1: fp32 partials [split_k, T, N] and a second launch that sums them in split order
     (deterministic, no atomics); splits that would get no columns are dropped.
     """
-    block_n: int = 4
-    block_k: int = 1024
+    block_n: int = 1
+    block_k: int = 2048
     num_warps: int = 4
     split_k: int = 1
 
@@ -85,21 +83,23 @@ DEFAULT_LINEAR_BLOCKS = LinearBlocks()
 
 def pick_blocks(N: int, K: int, dtype: torch.dtype = torch.bfloat16) -> LinearBlocks:
     """Blocks for an [N, K] weight (independent of T, so that a token's result does not depend on the
-    batch it is in). block_k = min(next_pow2(K), 1024); block_n = 4, halved down to 1 while the grid
-    would have fewer than MIN_PROGRAMS programs; a grid smaller than the GPU (N < 132 rows at block_n
-    1) takes K in one step where K <= 4096 (all of a small weight in flight at once); the warps: as
-    many as block_k fills with 16-byte vectors along K, at most 4. qwen3-30b-a3b: qkv [5120, 2048]
-    and o_proj [2048, 4096] -> 4x1024 / 4 warps (1280 and 512 programs); router [128, 2048] ->
-    1x2048 / 4 warps (128 programs, one step)."""
+    batch it is in): one output row a program, block_k = min(next_pow2(K), 2048), the warps as many as
+    block_k fills with 16-byte vectors along K, at most 4. Measured on the H200 (seventh session,
+    `python bench/bench_moe_decode.py --tokens 1 --sweep`, docs/BENCHMARKS.md) at T = 1: qkv
+    [5120, 2048] 6.8 us, o_proj [2048, 4096] 6.0 us, router [128, 2048] 1.9 us (cuBLAS: 8.1, 9.3, 4.7),
+    each within the run's noise of the best of ~20 variants."""
     vec = max(1, 16 // torch.empty((), dtype=dtype).element_size())     # elements per 16-byte load
-    block_k = max(16, min(_next_pow2(K), 1024))
-    block_n = 4
-    while block_n > 1 and _cdiv(N, block_n) < MIN_PROGRAMS:
-        block_n //= 2
-    if _cdiv(N, block_n) < H200_SMS:
-        block_k = max(16, min(_next_pow2(K), 4096))
+    block_k = max(16, min(_next_pow2(K), 2048))
     num_warps = max(1, min(4, block_k // (32 * vec)))
-    return LinearBlocks(block_n=block_n, block_k=block_k, num_warps=num_warps, split_k=1)
+    return LinearBlocks(block_n=1, block_k=block_k, num_warps=num_warps, split_k=1)
+
+
+def preferred(T: int, N: int) -> bool:
+    """Whether linear_gemv beats cuBLAS for T tokens and N outputs, as measured on the H200 (seventh
+    session): at T = 1 for every qwen3-30b-a3b projection (1.2-2.7x); for a router-sized N (<= 512) up
+    to T = 4 (1.5-2.1x); not for qkv / o_proj at T = 2 and 4 (0.57-1.04x: each token's row sums cost
+    shuffles of their own), where F.linear stays."""
+    return T == 1 or (N <= 512 and T <= 4)
 
 
 def linear_gemv(x: torch.Tensor, w: torch.Tensor, *, impl: str = "auto",

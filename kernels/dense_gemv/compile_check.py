@@ -30,6 +30,8 @@ def _cases() -> list[tuple[str, str, dict, dict, dict, list[str]]]:
         return (name, "linear_gemv_kernel", sig(dt, out),
                 dict(BLOCK_N=bn, BLOCK_K=bk, T_PAD=t_pad, EVEN_K=even), opts, div)
     return [
+        gemv("qkv / o_proj / router 1x2048 T=1 (the default)", "bf16", "bf16", 1, 2048, 1),
+        gemv("router 1x2048 T=2", "bf16", "bf16", 1, 2048, 2),
         gemv("qkv / o_proj 4x1024 T=1", "bf16", "bf16", 4, 1024, 1),
         gemv("qkv / o_proj 4x1024 T=2", "bf16", "bf16", 4, 1024, 2),
         gemv("qkv / o_proj 4x1024 T=4", "bf16", "bf16", 4, 1024, 4),

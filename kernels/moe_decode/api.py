@@ -23,23 +23,26 @@ IMPLS = ("auto", "triton", "reference")
 @dataclass(frozen=True)
 class GemvBlocks:
     """Launch shape of `moe_gemv`'s kernels. Results do not depend on these except through the order
-    of fp32 summation inside a dot product. Defaults are a first guess for the H200 (not yet tuned
-    on the GPU: `python bench/bench_moe_decode.py --sweep` times alternatives).
+    of fp32 summation inside a dot product. Defaults picked on the H200 (seventh session,
+    `python bench/bench_moe_decode.py --tokens 1 --active 8,2 --sweep`, docs/BENCHMARKS.md): gate/up
+    4 x 512 / 4 warps / 2-D took a call from 34.7 to 28.1 us with all 8 routes on the GPU and from 28.5
+    to 15.6 us with 2 (an offload layer's launch after its copy); the down variants were within noise.
 
     gate/up kernel, grid (P, I / gate_up_block_n): each program streams 2 * gate_up_block_n rows of
     H weights (qwen3-30b-a3b: 32 rows * 2048 * 2 B = 128 KiB) in gate_up_block_k-column steps.
     down kernel, grid (P, H / down_block_n): down_block_n rows of I weights each.
     *_acc_2d: keep [block_n, block_k] fp32 partial products and reduce once at the end (no shuffles
     in the loop, ~2x the registers), or reduce every step (fewer registers, more programs per SM).
-    Registers (ptxas for sm_90 through triton 3.9 on a CPU machine, bf16, aligned): gate/up 16x256 /
-    4 warps: 80 per-step, 128 2-D; down 16x256 / 4 warps: 48 per-step, 72 2-D; no spills. With every
+    Registers (ptxas for sm_90 through triton 3.9 on a CPU machine, bf16, aligned): gate/up 4x512 /
+    4 warps 2-D (the default): 72; 16x256 / 4 warps: 80 per-step, 128 2-D; down 16x256 / 4 warps: 48
+    per-step, 72 2-D; no spills. With every
     program resident, the bytes in flight per loop step are P * rows * block_k * 2 (T=1: ~6 MB for
     gate/up), whatever block_n is; block_n sets how evenly the programs spread over the SMs.
     """
-    gate_up_block_n: int = 16
-    gate_up_block_k: int = 256
+    gate_up_block_n: int = 4
+    gate_up_block_k: int = 512
     gate_up_warps: int = 4
-    gate_up_acc_2d: bool = False
+    gate_up_acc_2d: bool = True
     down_block_n: int = 16
     down_block_k: int = 256
     down_warps: int = 4

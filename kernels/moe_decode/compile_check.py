@@ -45,6 +45,12 @@ def _cases() -> list[tuple[str, str, dict, dict, dict, list[str]]]:
     w4, w1 = {"num_warps": 4}, {"num_warps": 1}
     whole = dict(PLAN=0, PLAN_MAX=1)          # an unsplit call (moe_gemv without a CopyPlan)
     return [
+        ("gate_up 4x512 2-D even (the default)", "moe_gate_up_kernel", gate_up_sig,
+         dict(BLOCK_N=4, BLOCK_K=512, EVEN_N=True, EVEN_K=True, ACC_2D=True, ACCURATE=True, **whole),
+         w4, gate_up_div),
+        ("gate_up 4x512 2-D split: routes in the plan", "moe_gate_up_kernel", gate_up_sig,
+         dict(BLOCK_N=4, BLOCK_K=512, EVEN_N=True, EVEN_K=True, ACC_2D=True, ACCURATE=True, PLAN=2, PLAN_MAX=8),
+         w4, gate_up_div),
         ("gate_up 16x256 per-step even", "moe_gate_up_kernel", gate_up_sig,
          dict(BLOCK_N=16, BLOCK_K=256, EVEN_N=True, EVEN_K=True, ACC_2D=False, ACCURATE=True, **whole),
          w4, gate_up_div),
