@@ -6,7 +6,7 @@
 #        [overlap-tests] [overlap-engine] [overlap-hybrid] (sixth session: the plan copy beside the hits' GEMMs, on against off)
 #        [s7-probe] (seventh session: hot / cold copy sources, per-layer time from traces, the fused KV write)
 #        [s7-kernels] (seventh session: dense GEMV and moe_gemv sweeps, resident with both dense linears)
-#        [s7-final] [s7-hybrid] (seventh session: GPU tests and the issues' benchmark configurations)
+#        [s7-final] [s7-hybrid] [s7-last] (seventh session: GPU tests and the issues' benchmark configurations)
 #        (default: kernels engine cpu). SECTION_TIMEOUT (s, default 540) bounds each command.
 # Logs go to $OUT (the device tool's output folder) when it is set, else ./out.
 set -u
@@ -153,6 +153,13 @@ device,=hybrid min-wait device serial" 2>&1 | tee "$OUT/overlap_hybrid.log" | ta
         --json-out "$OUT/bench_hybrid_s7.json" --variants "=offload kernel graphs,=cpu device,=hybrid min-wait device,\
 =hybrid stochastic device,=hybrid prefer-fetch device,=hybrid min-wait no-promo device,=hybrid stochastic no-promo device,\
 =hybrid prefer-fetch no-promo device" 2>&1 | tee "$OUT/s7_hybrid.log" | tail -n 14 || status=1
+      ;;
+    s7-last)    # seventh session's last call: 50% with the sustained PCIe probe, then hybrid against offload and cpu
+      timeout 190 python3 bench/bench_engine.py --runs 3 --prompt-tokens 1024 --decode-tokens 256 --fractions 0.5 \
+        --offload-copy kernel 2>&1 | grep -v "^ " | tee "$OUT/s7l_engine.log" | tail -n 5 || status=1
+      timeout 230 python3 bench/bench_hybrid.py --runs 3 --decode-tokens 64 --handoff-calls 1000 --no-resident \
+        --json-out "$OUT/bench_hybrid_s7.json" --variants "=offload kernel graphs,=cpu device,=hybrid min-wait device" \
+        2>&1 | tee "$OUT/s7l_hybrid.log" | tail -n 9 || status=1
       ;;
     hybrid-pin)    # the GPU-driving process pinned to the reserved CPU (default) against unpinned, same variants
       for pin in on off; do
