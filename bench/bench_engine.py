@@ -23,7 +23,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from gpu_worker.engine import Engine, EngineConfig, SamplingParams  # noqa: E402
-from gpu_worker.models import load_model  # noqa: E402
+from gpu_worker.models import MoeModel, load_model  # noqa: E402
 from gpu_worker.models.synthetic_routing import SyntheticRouting  # noqa: E402
 from gpu_worker.offload import HostExperts, OffloadExperts, resolve_cache_slots  # noqa: E402
 import kernels.expert_copy.api as expert_copy_api  # noqa: E402
@@ -55,9 +55,13 @@ def pcie_store_bandwidth(host: HostExperts, batch: int = 16, batches: int = 8, s
     the roofline's figure. Single: each copy timed alone (it includes one launch and completion latency a
     copy), median. Unlike `pcie_bandwidth`, which copies one buffer again and again, every copy here reads
     bytes not read before in this probe, from host DRAM, as a decode step's misses do."""
+    if not host.pinned:
+        print("bench_engine: the host store is not pinned: its copies are staged through pageable memory, "
+              "and the PCIe figures below are not the link's", flush=True)
     gen = torch.Generator().manual_seed(seed)
     total = host.num_layers * host.num_experts
-    picks = torch.randperm(total, generator=gen)[:(batches + 1) * batch].tolist()
+    order = torch.randperm(total, generator=gen).tolist()
+    picks, more = order[:(batches + 1) * batch], order[(batches + 1) * batch:(batches + 5) * batch]
     rows = [host.layers[f // host.num_experts][f % host.num_experts] for f in picks]
     dst = torch.empty_like(rows[0], device="cuda")
     nbytes = dst.numel() * dst.element_size()
@@ -71,7 +75,6 @@ def pcie_store_bandwidth(host: HostExperts, batch: int = 16, batches: int = 8, s
         e.synchronize()
         if b:
             sustained.append(a.elapsed_time(e) / 1e3 / batch)
-    more = torch.randperm(total, generator=gen)[:batch * 4].tolist()
     for f in more:
         a, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
@@ -269,6 +272,8 @@ def main() -> int:
                                                            args.device)
     reference_tokens = None
     linears = [v.strip() for v in args.dense_linear.split(",") if v.strip()]
+    if not linears or any(v not in MoeModel.DENSE_LINEARS for v in linears):
+        raise SystemExit(f"--dense-linear {args.dense_linear!r}: give gemv, torch or both, comma-separated")
     for linear, graphs in [(lin, g) for lin in reversed(linears)
                            for g in ((False, True) if args.graphs == "both" else (args.graphs == "on",))]:
         _reset_peak()

@@ -161,6 +161,13 @@ device,=hybrid min-wait device serial" 2>&1 | tee "$OUT/overlap_hybrid.log" | ta
         --json-out "$OUT/bench_hybrid_s7.json" --variants "=offload kernel graphs,=cpu device,=hybrid min-wait device" \
         2>&1 | tee "$OUT/s7l_hybrid.log" | tail -n 9 || status=1
       ;;
+    s7-check)    # the seventh session's last minutes: linear_gemv at T = 2, 4 with the blocks now picked, then the
+                 # hybrid / CUDA-graph / engine GPU tests on the final code
+      timeout 70 python3 bench/bench_moe_decode.py --tokens 2,4 --linear-only --calls 24 --reps 15 2>&1 | tail -n 9
+      timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_hybrid.py tests/test_cuda_graphs_gpu.py \
+        tests/test_engine_gpu.py 2>&1 | tee "$OUT/s7c_tests.log" | tail -n 4
+      [ "${PIPESTATUS[0]}" = 0 ] || status=1
+      ;;
     hybrid-pin)    # the GPU-driving process pinned to the reserved CPU (default) against unpinned, same variants
       for pin in on off; do
         FREETOKEN_PIN_GPU_WORKER=$pin timeout "$T" python3 bench/bench_hybrid.py --runs 3 --decode-tokens 64 \

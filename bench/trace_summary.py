@@ -26,7 +26,7 @@ COPY = "copy_plan_kernel"
 FAMILIES = {
     "moe_gate_up_kernel": "gate/up", "moe_down_kernel": "down", SUM: "sum_k", COPY: "copy",
     "ensure": "ensure", "nvjet": "dense GEMM", "gemv": "dense GEMM", "splitKreduce": "dense GEMM",
-    "linear_gemv": "dense GEMM", "decode_attn": "attention", "index_copy": "kv write", "rms_norm": "norms",
+    "linear_gemv": "dense GEMM", "linear_split": "dense GEMM", "decode_attn": "attention", "index_copy": "kv write", "rms_norm": "norms",
     "qk_norm_rope": "norms", "route_topk": "router", "count_call": "counters",
 }
 

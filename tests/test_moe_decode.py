@@ -200,7 +200,7 @@ def test_qk_norm_rope_writes_the_kv_cache_rows_it_is_given(impl, norm):
     cos, sin = angles.cos(), angles.sin()
     qw, kw = (torch.rand(D, generator=g) + 0.5, torch.rand(D, generator=g) + 0.5) if norm else (None, None)
     k_cache, v_cache = torch.randn(N, Hkv, D, generator=g), torch.randn(N, Hkv, D, generator=g)
-    index = torch.tensor([7, 0, 4])
+    index = torch.tensor([[7, 1], [0, 2], [4, 3]])[:, 0]                 # a strided view: rows 7, 0, 4
     exp_k_cache, exp_v_cache = k_cache.clone(), v_cache.clone()
     dev = (lambda t: t.to(DEV)) if impl == "triton" else (lambda t: t)
     kv = KvWrite(dev(k_cache), dev(v_cache), dev(index), dev(v))
@@ -313,7 +313,7 @@ def test_fused_forward_matches_the_plain_forward(arch, no_tf32):
 
 
 @pytest.mark.parametrize("arch", ["qwen3", "mixtral"])
-def test_fused_decode_step_writes_the_kv_cache_like_the_plain_forward(arch, no_tf32):
+def test_fused_decode_step_writes_the_kv_cache_like_the_plain_forward(arch, no_tf32, monkeypatch):
     """A decode step of two requests through DecodeAttention: the fused forward writes K/V from its rope
     kernel (KvWrite), the plain one by index_copy_; same cache rows, same logits."""
     from gpu_worker.engine.attention import DecodeAttention, PrefillAttention
@@ -322,6 +322,13 @@ def test_fused_decode_step_writes_the_kv_cache_like_the_plain_forward(arch, no_t
     plain, fused = tiny_model(cfg, False, DEV), tiny_model(cfg, True, DEV)
     prompts = [torch.tensor([5, 17, 42, 9], device=DEV), torch.tensor([3, 8, 1], device=DEV)]
     results = []
+    written = []
+    real_attend = DecodeAttention.attend
+
+    def spy(self, layer_idx, q, k, v, *, kv_written=False):
+        written.append(kv_written)
+        return real_attend(self, layer_idx, q, k, v, kv_written=kv_written)
+    monkeypatch.setattr(DecodeAttention, "attend", spy)
     for model in (plain, fused):
         kv = KVCache(cfg, 2, 16, torch.float32, torch.device(DEV))
         for slot, ids in enumerate(prompts):
@@ -334,6 +341,8 @@ def test_fused_decode_step_writes_the_kv_cache_like_the_plain_forward(arch, no_t
         logits = model.forward(torch.tensor([11, 12], device=DEV), positions, attn, logit_rows=None)
         results.append((logits, kv))
     (plain_logits, plain_kv), (fused_logits, fused_kv) = results
+    L = cfg.num_layers
+    assert written == [False] * L + [True] * L        # the plain forward copies, the fused one writes in rope
     assert rel_max(fused_logits, plain_logits) < 1e-5
     for layer in range(cfg.num_layers):
         for a, b in ((fused_kv.k[layer], plain_kv.k[layer]), (fused_kv.v[layer], plain_kv.v[layer])):

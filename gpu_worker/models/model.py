@@ -56,11 +56,23 @@ class MoeModel:
         self.kernel_impl = "auto"     # kernels.moe_decode impl of the fused forward ("triton": tests)
         # the fused forward's dense projections (qkv, o_proj, router) where kernels/dense_gemv beats cuBLAS
         # (dense_gemv.preferred: T = 1, the router to T = 4): "gemv" (on CUDA) or "torch" (F.linear everywhere)
-        self.dense_linear = "gemv" if self.device.type == "cuda" else "torch"
+        self._dense_linear = "gemv" if self.device.type == "cuda" else "torch"
         # benchmarks of random-weight presets: expert ids from a table (synthetic_routing.py)
         self.routing_override = None
         if self.fused_kernels:
             fuse_qkv(dense)
+
+    DENSE_LINEARS = ("gemv", "torch")
+
+    @property
+    def dense_linear(self) -> str:
+        return self._dense_linear
+
+    @dense_linear.setter
+    def dense_linear(self, value: str) -> None:
+        if value not in self.DENSE_LINEARS:
+            raise ValueError(f"dense_linear must be one of {', '.join(self.DENSE_LINEARS)}, got {value!r}")
+        self._dense_linear = value
 
     def ensure_positions(self, max_positions: int) -> None:
         """Grow the rotary table to cover positions 0..max_positions-1."""
@@ -136,7 +148,7 @@ class MoeModel:
     def _linear(self, h: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """A dense projection of the fused forward: kernels.dense_gemv where it beats cuBLAS (one decode token;
         the router up to 4), else F.linear."""
-        if self.dense_linear == "gemv" and dense_gemv.preferred(h.shape[0], w.shape[0]):
+        if self._dense_linear == "gemv" and dense_gemv.preferred(h.shape[0], w.shape[0]):
             return dense_gemv.linear_gemv(h, w, impl=self.kernel_impl)
         return F.linear(h, w)
 

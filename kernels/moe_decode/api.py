@@ -80,7 +80,8 @@ class KvWrite:
     """Where `qk_norm_rope` also writes a decode step's keys and values (the KV cache write fused into
     it): rows `index[t]` of the layer's cache views `k_cache` / `v_cache` [N, Hkv, D] (contiguous,
     `KVCache.flat`) get the roped k[t] and `v[t]` [T, Hkv, D] (last dimension contiguous). `index` is
-    int64 [T], distinct rows in [0, N) (not checked: that would sync with the host)."""
+    int64 [T] (any stride), distinct rows in [0, N): not checked, since that would sync with the host,
+    and unlike index_copy_ (a device-side assert) a row outside [0, N) is an out-of-bounds store."""
     k_cache: torch.Tensor
     v_cache: torch.Tensor
     index: torch.Tensor
@@ -388,7 +389,7 @@ def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, q_norm: torch.Tensor | None, 
         Hq, Hkv, D, q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos2.stride(0), sin2.stride(0),
         float(eps), 1.0 / D,
         kv.k_cache if kv is not None else k_out, kv.v_cache if kv is not None else k_out,
-        kv.v if kv is not None else k_out, kv.index if kv is not None else q_norm if has_norm else q,
+        kv.v if kv is not None else k_out, kv.index.contiguous() if kv is not None else q_norm if has_norm else q,
         kv.v.stride(0) if kv is not None else 0, kv.v.stride(1) if kv is not None else 0,
         HAS_NORM=has_norm, BLOCK_D=block, ACCURATE=_accurate(q.device), HAS_KV=kv is not None,
         num_warps=_row_warps(block), enable_fp_fusion=False)   # x*cos + r*sin: no FMA, as torch
