@@ -97,12 +97,13 @@ def pick_blocks(N: int, K: int, dtype: torch.dtype = torch.bfloat16) -> LinearBl
 def preferred(T: int, N: int) -> bool:
     """Whether linear_gemv beats cuBLAS for T tokens and N outputs, as measured on the H200 (seventh
     session): at T = 1 for every qwen3-30b-a3b projection (1.2-2.7x); for a router-sized N (<= 512) up
-    to T = 4 (1.5-2.1x); not for qkv / o_proj at T = 2 and 4 (0.57-1.04x: each token's row sums cost
-    shuffles of their own), where F.linear stays. N <= 512 stands for "a router-sized projection" (at
+    to T = 4 (1.5-2.1x); not for qkv / o_proj at T = 2 and 4 (0.57-1.04x with 4 x 1024 blocks: each
+    token's row sums cost shuffles of their own), where F.linear stays. N <= 512 stands for "a router-sized projection" (at
     qwen3-30b-a3b shapes only the router; in the tiny test models every projection).
 
-    The T = 2 / 4 measurements were taken with the blocks of the time (4 x 1024), before pick_blocks moved
-    to 1 x 2048. A consequence of the rule: a sequence's dense projections round differently when it
+    Re-measured with pick_blocks' 1 x 2048 (seventh session's last call): qkv 0.90x / 0.61x at T = 2 / 4,
+    o_proj 1.13x / 0.78x, router 2.09x / 1.49x; o_proj at T = 2 alone would gain, which this shape-blind
+    rule leaves on cuBLAS. A consequence of the rule: a sequence's dense projections round differently when it
     decodes alone (T = 1: this kernel) and in a batch (cuBLAS); resident, offload and hybrid share the
     rule, so they stay token-identical to each other for the same schedule."""
     return T == 1 or (N <= 512 and T <= 4)
