@@ -33,18 +33,22 @@ def _copy_chunks(args) -> list[int]:
     return [int(c) for c in args.copy_chunks.split(",") if c.strip()] or [expert_copy_api.DEFAULT_CHUNKS]
 
 
+def _timed_copies(dst: torch.Tensor, sources: list[torch.Tensor]) -> float:
+    """Seconds the GPU took for `dst.copy_(src)` of every source back to back, between two CUDA events."""
+    a, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    for src in sources:
+        dst.copy_(src, non_blocking=True)
+    e.record()
+    e.synchronize()
+    return a.elapsed_time(e) / 1e3
+
+
 def pcie_bandwidth(expert_bytes: int, reps: int = 50) -> float:
     """Host (pinned) -> GPU bandwidth for expert-sized copies, bytes/s (median of reps)."""
     src = torch.empty(expert_bytes, dtype=torch.uint8, pin_memory=True)
     dst = torch.empty(expert_bytes, dtype=torch.uint8, device="cuda")
-    times = []
-    for _ in range(reps + 5):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        dst.copy_(src, non_blocking=True)
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) / 1e3)
+    times = [_timed_copies(dst, [src]) for _ in range(reps + 5)]
     return expert_bytes / statistics.median(times[5:])
 
 
@@ -61,28 +65,13 @@ def pcie_store_bandwidth(host: HostExperts, batch: int = 16, batches: int = 8, s
     gen = torch.Generator().manual_seed(seed)
     total = host.num_layers * host.num_experts
     order = torch.randperm(total, generator=gen).tolist()
-    picks, more = order[:(batches + 1) * batch], order[(batches + 1) * batch:(batches + 5) * batch]
-    rows = [host.layers[f // host.num_experts][f % host.num_experts] for f in picks]
+    rows = [host.layers[f // host.num_experts][f % host.num_experts] for f in order[:(batches + 5) * batch]]
     dst = torch.empty_like(rows[0], device="cuda")
     nbytes = dst.numel() * dst.element_size()
-    sustained, single = [], []
-    for b in range(batches + 1):                       # batch 0: warm-up
-        a, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for row in rows[b * batch:(b + 1) * batch]:
-            dst.copy_(row, non_blocking=True)
-        e.record()
-        e.synchronize()
-        if b:
-            sustained.append(a.elapsed_time(e) / 1e3 / batch)
-    for f in more:
-        a, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        dst.copy_(host.layers[f // host.num_experts][f % host.num_experts], non_blocking=True)
-        e.record()
-        e.synchronize()
-        single.append(a.elapsed_time(e) / 1e3)
-    return nbytes / statistics.median(sustained), nbytes / statistics.median(single[4:])
+    sustained = [_timed_copies(dst, rows[b * batch:(b + 1) * batch]) / batch
+                 for b in range(batches + 1)][1:]                      # batch 0: warm-up
+    single = [_timed_copies(dst, [row]) for row in rows[(batches + 1) * batch:]][4:]
+    return nbytes / statistics.median(sustained), nbytes / statistics.median(single)
 
 
 def _sync() -> None:

@@ -35,9 +35,9 @@ class GemvBlocks:
     in the loop, ~2x the registers), or reduce every step (fewer registers, more programs per SM).
     Registers (ptxas for sm_90 through triton 3.9 on a CPU machine, bf16, aligned): gate/up 4x512 /
     4 warps 2-D (the default): 72; 16x256 / 4 warps: 80 per-step, 128 2-D; down 16x256 / 4 warps: 48
-    per-step, 72 2-D; no spills. With every
-    program resident, the bytes in flight per loop step are P * rows * block_k * 2 (T=1: ~6 MB for
-    gate/up), whatever block_n is; block_n sets how evenly the programs spread over the SMs.
+    per-step, 72 2-D; no spills. With every program resident, the bytes in flight per loop step are
+    P * rows * block_k * 2 (T=1: ~6 MB for gate/up), whatever block_n is; block_n sets how evenly the
+    programs spread over the SMs.
     """
     gate_up_block_n: int = 4
     gate_up_block_k: int = 512
