@@ -235,6 +235,10 @@ def main() -> int:
     parser.add_argument("--copy-overlap", choices=("on", "off", "both"), default="on",
                         help="kernel copy mode: the copy beside the hits' expert GEMMs (on, the default), or "
                              "copy then every GEMM in one stream (off); both: side by side")
+    parser.add_argument("--copy-split", choices=("on", "off", "both"), default="on",
+                        help="kernel copy mode with the overlap: copy every planned w13, then every w2, the fetched "
+                             "routes' gate/up between the two (on, the default), or each expert whole (off); "
+                             "both: side by side")
     parser.add_argument("--dense-linear", default="gemv",
                         help="the fused forward's dense projections: gemv (kernels/dense_gemv), torch (F.linear), "
                              "or both comma-separated (resident runs for each; offload runs use the first)")
@@ -298,10 +302,12 @@ def main() -> int:
         dma_fracs = {float(f) for f in dma_fracs.split(",") if f}
         for frac in [float(f) for f in args.fractions.split(",") if f]:
             overlaps = {"on": [True], "off": [False], "both": [True, False]}[args.copy_overlap]
-            modes = [(m, c, o) for m in args.offload_copy.split(",")
+            splits = {"on": [True], "off": [False], "both": [True, False]}[args.copy_split]
+            modes = [(m, c, o, sp) for m in args.offload_copy.split(",")
                      for c in (_copy_chunks(args) if m == "kernel" else [None])
-                     for o in (overlaps if m == "kernel" else [False])]
-            for copy_mode, chunks, overlap in modes:
+                     for o in (overlaps if m == "kernel" else [False])
+                     for sp in (splits if m == "kernel" and o else [True])]
+            for copy_mode, chunks, overlap, split in modes:
                 if copy_mode == "dma" and frac not in dma_fracs:
                     continue
                 if chunks is not None:
@@ -309,8 +315,11 @@ def main() -> int:
                 label = copy_mode + (f" c={chunks}" if chunks is not None and args.copy_chunks else "")
                 if copy_mode == "kernel" and args.copy_overlap == "both":
                     label += " overlap" if overlap else " serial"
+                if copy_mode == "kernel" and overlap and args.copy_split == "both":
+                    label += " split" if split else " whole"
                 slots = resolve_cache_slots(frac, source.num_layers, source.num_experts)
-                backend = OffloadExperts(host, slots, args.device, copy_mode=copy_mode, overlap_copy=overlap)
+                backend = OffloadExperts(host, slots, args.device, copy_mode=copy_mode, overlap_copy=overlap,
+                                         split_copy=split)
                 loaded.model.experts = backend
                 _reset_peak()
                 engine = Engine(loaded.model, econf, eos_token_ids=())

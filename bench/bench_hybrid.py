@@ -138,6 +138,10 @@ def variants(args, on_cuda: bool = True) -> list[tuple[str, dict | None]]:
         for rnd in ROUNDS:
             out.append((f"hybrid {rnd}{'' if promote else ' no-promo'} device",
                         {"strategy": "hybrid", "fetch_round": rnd, "promote": promote, "handoff": "device"}))
+    # each planned expert copied whole (one part), against the default w13-then-w2 copy
+    out.append(("offload kernel graphs whole-copy", {"copy_mode": "kernel", "split_copy": False}))
+    out.append(("hybrid min-wait device whole-copy", {"strategy": "hybrid", "fetch_round": "min-wait",
+                                                      "promote": True, "handoff": "device", "split_copy": False}))
     out.append(("hybrid min-wait device serial", {"strategy": "hybrid", "fetch_round": "min-wait", "promote": True,
                                                   "handoff": "device", "overlap_copy": False}))
     for f in filter(None, (v.strip() for v in args.extra_fractions.split(","))):

@@ -7,6 +7,7 @@
 #        [s7-probe] (seventh session: hot / cold copy sources, per-layer time from traces, the fused KV write)
 #        [s7-kernels] (seventh session: dense GEMV and moe_gemv sweeps, resident with both dense linears)
 #        [s7-final] [s7-hybrid] [s7-last] (seventh session: GPU tests and the issues' benchmark configurations)
+#        [s8-split] (eighth session: the plan copy in two parts, w13 then w2)
 #        (default: kernels engine cpu). SECTION_TIMEOUT (s, default 540) bounds each command.
 # Logs go to $OUT (the device tool's output folder) when it is set, else ./out.
 set -u
@@ -167,6 +168,13 @@ device,=hybrid min-wait device serial" 2>&1 | tee "$OUT/overlap_hybrid.log" | ta
       timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_hybrid.py tests/test_cuda_graphs_gpu.py \
         tests/test_engine_gpu.py 2>&1 | tee "$OUT/s7c_tests.log" | tail -n 4
       [ "${PIPESTATUS[0]}" = 0 ] || status=1
+      ;;
+    s8-split)    # eighth session: the plan copy in two parts (w13, then w2), GPU tests, then split against whole at 50%
+      timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_copy_overlap.py tests/test_expert_copy.py \
+        tests/test_offload.py 2>&1 | tee "$OUT/s8s_tests.log" | tail -n 4
+      [ "${PIPESTATUS[0]}" = 0 ] || status=1
+      timeout 330 python3 bench/bench_engine.py --runs 3 --prompt-tokens 1024 --decode-tokens 256 --fractions 0.5 \
+        --offload-copy kernel --copy-split both 2>&1 | grep -v "^ " | tee "$OUT/s8s_engine.log" | tail -n 6 || status=1
       ;;
     hybrid-pin)    # the GPU-driving process pinned to the reserved CPU (default) against unpinned, same variants
       for pin in on off; do

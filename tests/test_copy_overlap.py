@@ -62,6 +62,51 @@ def test_split_gemv_reads_the_plans_slots_only_after_between(plan_len):
     assert ((got.cpu() - expected).abs().max() / expected.abs().max()) < 1e-5
 
 
+@pytest.mark.parametrize("plan_len", [0, 2, 3])
+def test_a_two_part_wait_reads_w13_after_between_and_w2_after_between_down(plan_len):
+    """The copy in two parts (w13, then w2): the plan's gate/up rows may be read only after between(),
+    its down rows only after between_down(), and the routes off the plan are done before either."""
+    T, K, H, I, S = 2, 4, 40, 24, 10
+    w13, w2 = _experts(S, H, I, seed=20 + plan_len)
+    ids = torch.tensor([[3, 7, -1, 1], [7, 0, 5, -1]])
+    weights = torch.rand(T, K, generator=torch.Generator().manual_seed(21))
+    x = torch.randn(T, H, generator=torch.Generator().manual_seed(22))
+    plan_slots = torch.tensor([7, 5, 9, 1, -1], dtype=torch.int32)
+    filled = plan_slots[:plan_len].long().to(DEV)
+    off_plan = torch.tensor([s for s in range(S) if s not in plan_slots[:plan_len].tolist()], device=DEV)
+    unsplit = moe_gemv(x.to(DEV), ids.to(DEV), weights.to(DEV), w13.to(DEV), w2.to(DEV), impl="triton",
+                       blocks=SMALL)
+    p13, p2 = w13.clone().to(DEV), w2.clone().to(DEV)
+    p13[filled] = float("nan")                            # neither part has landed
+    p2[filled] = float("nan")
+    calls = []
+
+    def between():                                        # w13 lands; the routes off the plan are done
+        calls.append("w13")
+        p13[filled] = w13.to(DEV)[filled]
+        p13[off_plan] = float("nan")
+        p2[off_plan] = float("nan")
+
+    def between_down():                                   # w2 lands; the plan's gate/up is done
+        calls.append("w2")
+        p2[filled] = w2.to(DEV)[filled]
+        if plan_len:
+            p13[filled] = float("nan")
+
+    plan = CopyPlan(plan_slots.to(DEV), torch.tensor([plan_len], dtype=torch.int32, device=DEV), max_len=5)
+    got = moe_gemv(x.to(DEV), ids.to(DEV), weights.to(DEV), p13, p2, impl="triton", blocks=SMALL,
+                   plan=plan, between=between, between_down=between_down)
+    assert calls == ["w13", "w2"]
+    assert torch.isfinite(got).all(), "a part of a route was read before its hook"
+    assert torch.equal(got.cpu(), unsplit.cpu())
+
+
+def test_between_down_needs_between():
+    x, (w13, w2) = torch.randn(1, 32), _experts(4, 32, 16, seed=1)
+    with pytest.raises(ValueError, match="give between"):
+        moe_gemv(x, torch.tensor([[0, 2]]), torch.rand(1, 2), w13, w2, between_down=print)
+
+
 def test_split_gemv_leaves_no_route_out():
     """Every route is computed exactly once whatever the plan holds: a route whose slot is in the plan
     only in the second launch, the rest only in the first (a route computed by neither would be
@@ -116,6 +161,10 @@ def test_between_runs_without_a_split_too():
     out = moe_gemv(x, ids, weights, w13, w2, impl="reference", between=lambda: calls.append(1),
                    plan=CopyPlan(torch.zeros(2, dtype=torch.int32), torch.zeros(1, dtype=torch.int32), 2))
     assert calls == [1] and torch.equal(out, ref.moe_gemv_reference(x, ids, weights, w13, w2))
+    out = moe_gemv(x, ids, weights, w13, w2, impl="reference", between=lambda: calls.append(2),
+                   between_down=lambda: calls.append(3),
+                   plan=CopyPlan(torch.zeros(2, dtype=torch.int32), torch.zeros(1, dtype=torch.int32), 2))
+    assert calls == [1, 2, 3] and torch.equal(out, ref.moe_gemv_reference(x, ids, weights, w13, w2))
 
 
 def test_copy_plan_errors():
@@ -175,8 +224,8 @@ def _routes(n, K, E, seed):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("overlap", [True, False])
-def test_gpu_copy_beside_the_gemms_matches_the_host_weights(overlap):
+@pytest.mark.parametrize("overlap,split", [(True, True), (True, False), (False, True)])
+def test_gpu_copy_beside_the_gemms_matches_the_host_weights(overlap, split):
     from kernels.slot_cache import ensure
     layout, host, cache, slots, resident = _gpu_case()
     w13, w2 = unpack_experts(slots, layout)
@@ -189,12 +238,14 @@ def test_gpu_copy_beside_the_gemms_matches_the_host_weights(overlap):
         ensure(cache, 0, slot_ids, fetch_fraction=1.0, check_ids=False)
         x = (torch.randn(1, layout.hidden_size, generator=g) * 0.5).to(torch.bfloat16).cuda()
         w = torch.rand(1, 8, generator=g).cuda()
-        out = copy_then_ffn(slots, host, cache, 8, x, slot_ids, w, w13, w2, mode="gemv", side_stream=side)
+        out = copy_then_ffn(slots, host, cache, 8, x, slot_ids, w, w13, w2, mode="gemv", side_stream=side,
+                            split_copy=split)
         assert torch.equal(out, moe_gemv(x, ids, w, r13, r2))
 
 
 @pytest.mark.gpu
-def test_gpu_copy_beside_the_gemms_in_a_cuda_graph():
+@pytest.mark.parametrize("split", [True, False])
+def test_gpu_copy_beside_the_gemms_in_a_cuda_graph(split):
     from kernels.slot_cache import ensure
     layout, host, cache, slots, resident = _gpu_case()
     w13, w2 = unpack_experts(slots, layout)
@@ -207,7 +258,8 @@ def test_gpu_copy_beside_the_gemms_in_a_cuda_graph():
     def step():
         slot_ids = routes_in.clone()
         ensure(cache, 0, slot_ids, fetch_fraction=1.0, check_ids=False)
-        return copy_then_ffn(slots, host, cache, 8, x, slot_ids, w, w13, w2, mode="gemv", side_stream=side)
+        return copy_then_ffn(slots, host, cache, 8, x, slot_ids, w, w13, w2, mode="gemv", side_stream=side,
+                             split_copy=split)
 
     g = torch.Generator().manual_seed(3)
     routes = _routes(30, 8, 24, seed=4)

@@ -29,6 +29,30 @@ def test_plan_copy_matches_the_reference(dtype, num):
         assert torch.equal(ref[plan_dst[i]], host[plan_src[i]])
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("cols", [(0, 1800), (1800, 3000), (1003, 1004), (700, 700)])
+def test_plan_copy_of_a_column_range_moves_those_words_only(dtype, cols):
+    # the two-part copy (w13, then w2) of an expert row: each part lands in full, nothing else is touched
+    gen = torch.Generator().manual_seed(cols[0])
+    experts, slots_n, row = 7, 6, 3000
+    host = torch.randn(experts, row + 40, generator=gen).to(dtype)[:, :row]
+    dst = torch.tensor([4, 1, 3], dtype=torch.int32)
+    src = torch.tensor([6, 0, 2], dtype=torch.int32)
+    before = torch.randn(slots_n, row, generator=gen).to(dtype)
+    ker = before.clone().to(KERNEL_DEVICE)
+    ref = before.clone()
+    count = torch.tensor([2], dtype=torch.int32)            # the third entry is past the plan's length
+    copy_plan(ref, host, dst, src, count, max_copies=3, impl="reference", cols=cols)
+    copy_plan(ker, host, dst.to(KERNEL_DEVICE), src.to(KERNEL_DEVICE), count.to(KERNEL_DEVICE), max_copies=3,
+              impl="triton", chunks=4, block_words=256, cols=cols)
+    assert torch.equal(ref.view(torch.int16), ker.cpu().view(torch.int16))
+    lo, hi = cols
+    expected = before.clone()
+    for d, e in zip(dst[:2].tolist(), src[:2].tolist()):
+        expected[d, lo:hi] = host[e, lo:hi]
+    assert torch.equal(ref.view(torch.int16), expected.view(torch.int16))
+
+
 def test_plan_copy_errors():
     with pytest.raises(ValueError, match="share dtype and row size"):
         copy_plan(torch.zeros(2, 4), torch.zeros(2, 5), torch.zeros(1, dtype=torch.int32),
@@ -38,6 +62,9 @@ def test_plan_copy_errors():
                   torch.zeros(1, dtype=torch.int32), torch.zeros(1, dtype=torch.int32),
                   torch.zeros(1, dtype=torch.int32), max_copies=1)
 
+    with pytest.raises(ValueError, match="cols"):
+        copy_plan(torch.zeros(2, 4), torch.zeros(2, 4), torch.zeros(1, dtype=torch.int32),
+                  torch.zeros(1, dtype=torch.int32), torch.zeros(1, dtype=torch.int32), max_copies=1, cols=(3, 5))
     with pytest.raises(ValueError, match="prefetch_blocks -1 >= 0"):
         copy_plan(torch.zeros(2, 4), torch.zeros(2, 4), torch.zeros(1, dtype=torch.int32),
                   torch.zeros(1, dtype=torch.int32), torch.zeros(1, dtype=torch.int32), max_copies=1,

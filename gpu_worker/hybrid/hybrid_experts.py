@@ -86,7 +86,7 @@ class HybridExperts:
                  fetch_select: str = "recency", promote: bool = True, seed: int = 0, per_layer: bool = False,
                  mode: str = "auto", gather_max_pairs: int = 32, cpu_max_tokens: int = 512,
                  owns_host: bool = True, owns_pool: bool = True, handoff: str = "auto",
-                 overlap_copy: bool = True):
+                 overlap_copy: bool = True, split_copy: bool = True):
         if mode not in MODES:
             raise ValueError(f"expert compute mode {mode!r} is not one of {', '.join(MODES)}")
         self.host, self.pool, self.layout = host, pool, host.layout
@@ -106,6 +106,7 @@ class HybridExperts:
         self.copy_stream = torch.cuda.Stream(device=self.device) if self.on_cuda else None
         # device hand-off, gemv mode: the plan copy on copy_stream beside the hits' GEMMs (copy_then_ffn)
         self.overlap_copy = overlap_copy
+        self.split_copy = split_copy            # the plan copy in two parts, w13 then w2 (copy_then_ffn)
         self._queued = torch.cuda.Event() if self.on_cuda else None
         self.readback = Readback(self.device, self._hidden_dtype())
         self._partial = torch.empty(0, dtype=torch.float32, pin_memory=self.on_cuda)   # [T, H] CPU sums
@@ -313,7 +314,8 @@ class HybridExperts:
         if mode == "gemv":             # routes at -1 (the CPU's) add 0; the copy beside the hits' GEMMs
             out = copy_then_ffn(self.slots, self.host.layers[layer_idx], c, max_copies, x, routes, topk_weights,
                                 self.w13, self.w2, mode=mode, kernel_impl=self.kernel_impl,
-                                side_stream=self.copy_stream if self.overlap_copy else None)
+                                side_stream=self.copy_stream if self.overlap_copy else None,
+                                split_copy=self.split_copy)
         else:
             copy_plan(self.slots, self.host.layers[layer_idx], c.evict_slots, c.src_indices, c.num_indices,
                       max_copies=max_copies)

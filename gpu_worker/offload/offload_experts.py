@@ -64,27 +64,45 @@ COPY_MODES = ("dma", "kernel")   # DMA from the host with a plan readback, or a 
 def copy_then_ffn(slots: torch.Tensor, host_layer: torch.Tensor, cache: SlotCache, max_copies: int,
                   x: torch.Tensor, slot_ids: torch.Tensor, weights: torch.Tensor, w13: torch.Tensor,
                   w2: torch.Tensor, *, mode: str, kernel_impl: str = "auto",
-                  side_stream: "torch.cuda.Stream | None" = None) -> torch.Tensor:
+                  side_stream: "torch.cuda.Stream | None" = None, split_copy: bool = True) -> torch.Tensor:
     """The kernel copy of the last `ensure`'s plan, then the expert FFN over slot ids (routes at -1
     add 0 in the gemv mode). With a `side_stream` (CUDA, gemv mode) the two overlap: the copy runs
     on the side stream while moe_gemv computes the routes whose slot the plan does not fill (the
     hits), then the compute stream waits for the copy and moe_gemv computes the fetched routes
-    (`kernels.moe_decode.CopyPlan`). Bit-identical to the serial order; both forms are
-    graph-capturable (the side stream forks from and joins the capturing stream)."""
+    (`kernels.moe_decode.CopyPlan`). With `split_copy` the copy goes in two parts, every planned
+    expert's w13 and then every one's w2 (`copy_plan(cols=...)`): the fetched routes' gate/up waits
+    for the first part only and runs while the w2 rows are still crossing the link, so after the last
+    byte lands only their down and the sum are left. Bit-identical to the serial order either way
+    (the same launches read the same bytes); graph-capturable (the side stream forks from and joins
+    the capturing stream)."""
     c = cache
     if side_stream is None or mode != "gemv":
         copy_plan(slots, host_layer, c.evict_slots, c.src_indices, c.num_indices, max_copies=max_copies)
         return expert_ffn(mode, x, slot_ids, weights, w13, w2, kernel_impl=kernel_impl)
     compute = torch.cuda.current_stream(x.device)
     side_stream.wait_stream(compute)            # ensure (and every GEMM reading the old slots) first
+    w13_cols = w13[0].numel() if split_copy and w13.data_ptr() == slots.data_ptr() else 0
     with torch.cuda.stream(side_stream):
-        copy_plan(slots, host_layer, c.evict_slots, c.src_indices, c.num_indices, max_copies=max_copies)
+        if w13_cols:                            # w13 is the first part of a packed row (expert_layout)
+            copy_plan(slots, host_layer, c.evict_slots, c.src_indices, c.num_indices, max_copies=max_copies,
+                      cols=(0, w13_cols))
+            w13_landed = torch.cuda.Event()
+            w13_landed.record(side_stream)
+            copy_plan(slots, host_layer, c.evict_slots, c.src_indices, c.num_indices, max_copies=max_copies,
+                      cols=(w13_cols, slots.shape[1]))
+        else:
+            copy_plan(slots, host_layer, c.evict_slots, c.src_indices, c.num_indices, max_copies=max_copies)
+
+    def all_landed() -> None:
+        compute.wait_stream(side_stream)
+
     try:
         return moe_gemv(x, slot_ids, weights, w13, w2, impl=kernel_impl,
                         plan=CopyPlan(c.evict_slots, c.num_indices, max_copies),
-                        between=lambda: compute.wait_stream(side_stream))
+                        between=(lambda: compute.wait_event(w13_landed)) if w13_cols else all_landed,
+                        between_down=all_landed if w13_cols else None)
     except BaseException:                       # raised, perhaps before the wait: join anyway, so nothing
-        compute.wait_stream(side_stream)        # later runs beside the copy (and a capture can end)
+        all_landed()                            # later runs beside the copy (and a capture can end)
         raise
 
 
@@ -103,7 +121,8 @@ class OffloadExperts:
 
     def __init__(self, host: HostExperts, num_slots: int, device: torch.device | str, *,
                  per_layer: bool = False, mode: str = "auto", gather_max_pairs: int = 32,
-                 copy_mode: str = "dma", prefill_prefetch: bool = False, overlap_copy: bool = True):
+                 copy_mode: str = "dma", prefill_prefetch: bool = False, overlap_copy: bool = True,
+                 split_copy: bool = True):
         if mode not in MODES:
             raise ValueError(f"expert compute mode {mode!r} is not one of {', '.join(MODES)}")
         if copy_mode not in COPY_MODES:
@@ -112,6 +131,8 @@ class OffloadExperts:
         # kernel copy mode, decode-sized (gemv) calls on CUDA: the copy on copy_stream beside the hits'
         # GEMMs (copy_then_ffn); False: copy, then every GEMM, on one stream
         self.overlap_copy = overlap_copy
+        # with overlap_copy: copy w13 then w2, the fetched routes' gate/up between them (copy_then_ffn)
+        self.split_copy = split_copy
         # prefill calls (a chunk routes to most experts) copy the next layer's experts while this
         # layer computes: see `forward`. Off by default until it has run on a GPU (docs/OFFLOAD.md).
         self.prefill_prefetch = prefill_prefetch
@@ -170,7 +191,8 @@ class OffloadExperts:
             self._count_on_device(topk_ids)
             return copy_then_ffn(self.slots, self.host.layers[layer_idx], self.cache, max_copies, x, slot_ids,
                                  topk_weights, self.w13, self.w2, mode=mode, kernel_impl=self.kernel_impl,
-                                 side_stream=self.copy_stream if self.on_cuda and self.overlap_copy else None)
+                                 side_stream=self.copy_stream if self.on_cuda and self.overlap_copy else None,
+                                 split_copy=self.split_copy)
         self.copy_missing(layer_idx, prefetch_layer=nxt)     # (its plan readback does not wait for `ready`;
         self.stats.calls += 1                                # its copies queue behind it on copy_stream)
         self._host_counts[2] += 1

@@ -24,7 +24,8 @@ def _words(t: torch.Tensor, what: str) -> torch.Tensor:
 def copy_plan(slots: torch.Tensor, host_rows: torch.Tensor, evict_slots: torch.Tensor,
               src_indices: torch.Tensor, num_indices: torch.Tensor, *, max_copies: int,
               impl: str = "auto", chunks: int | None = None, block_words: int | None = None,
-              num_warps: int | None = None, prefetch_blocks: int | None = None) -> None:
+              num_warps: int | None = None, prefetch_blocks: int | None = None,
+              cols: tuple[int, int] | None = None) -> None:
     """slots[evict[i]] = host_rows[src[i]] for i < num_indices, without reading the plan on the host.
 
     slots: [S_total, N] device pool; host_rows: [E, N] host view (pinned / registered for the
@@ -35,21 +36,29 @@ def copy_plan(slots: torch.Tensor, host_rows: torch.Tensor, evict_slots: torch.T
     call time (bench/bench_copy_plan.py sweeps them). prefetch_blocks (None: PREFETCH_BLOCKS): thread 0
     of each program asks for an L2 bulk prefetch of the block that many iterations ahead (Hopper's
     cp.async.bulk.prefetch; applied on a GPU with 16-byte aligned rows only, a no-op elsewhere).
+    cols = (lo, hi): copy only elements [lo, hi) of each planned row (an expert's w13 or w2, so that a
+    copy in two parts can release the GEMMs of the first part early); the chunk size stays the one of a
+    whole row, so a part takes proportionally fewer programs. None: the whole row.
     """
     if slots.dtype != host_rows.dtype or slots.shape[1] != host_rows.shape[1]:
         raise ValueError(f"slots {tuple(slots.shape)} {slots.dtype} and host rows "
                          f"{tuple(host_rows.shape)} {host_rows.dtype} must share dtype and row size")
     slot_words, host_words = _words(slots, "slots"), _words(host_rows, "host_rows")
+    per = slots.element_size() // 2                                  # 16-bit words per element
+    lo, hi = (0, slots.shape[1]) if cols is None else (int(cols[0]), int(cols[1]))
+    if not 0 <= lo <= hi <= slots.shape[1]:
+        raise ValueError(f"cols {cols} must satisfy 0 <= lo <= hi <= {slots.shape[1]} (the row's elements)")
+    lo, hi = lo * per, hi * per
     if impl == "auto":
         impl = "triton" if slots.device.type == "cuda" else "reference"
     if impl == "reference":
-        copy_plan_reference(slot_words, host_words, evict_slots, src_indices, num_indices)
+        copy_plan_reference(slot_words, host_words, evict_slots, src_indices, num_indices, lo, hi)
         return
     if impl != "triton":
         raise ValueError(f"impl must be 'auto', 'triton' or 'reference', got {impl!r}")
     if slots.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError("impl='triton' on CPU tensors needs TRITON_INTERPRET=1 (the interpreter)")
-    if max_copies <= 0:
+    if max_copies <= 0 or hi == lo:
         return
     from .triton_kernels import copy_plan_kernel
     chunks = DEFAULT_CHUNKS if chunks is None else int(chunks)
@@ -59,14 +68,14 @@ def copy_plan(slots: torch.Tensor, host_rows: torch.Tensor, evict_slots: torch.T
     if chunks < 1 or block < 8 or block & (block - 1) or warps not in (1, 2, 4, 8, 16) or prefetch < 0:
         raise ValueError(f"chunks {chunks} must be >= 1, block_words {block} a power of two >= 8, "
                          f"num_warps {warps} one of 1, 2, 4, 8, 16, prefetch_blocks {prefetch} >= 0")
-    aligned = host_words.data_ptr() % 16 == 0 and host_words.stride(0) % 8 == 0
+    aligned = host_words.data_ptr() % 16 == 0 and host_words.stride(0) % 8 == 0 and lo % 8 == 0
     if prefetch and (slots.device.type != "cuda" or not aligned
                      or torch.cuda.get_device_capability(slots.device)[0] < 9):
         prefetch = 0                     # the interpreter has no inline PTX; the bulk prefetch is sm_90+
     row_words = slot_words.shape[1]
     chunk_words = -(-row_words // chunks)
     chunk_words = -(-chunk_words // block) * block
-    grid = (max_copies, -(-row_words // chunk_words))
+    grid = (max_copies, -(-(hi - lo) // chunk_words))
     copy_plan_kernel[grid](slot_words, host_words.data_ptr(), host_words.stride(0), evict_slots,
-                           src_indices, num_indices, row_words, chunk_words, BLOCK=block,
+                           src_indices, num_indices, row_words, chunk_words, lo, hi, BLOCK=block,
                            ALIGNED=aligned, PREFETCH=prefetch, num_warps=warps)

@@ -1,5 +1,6 @@
-"""The plan-copy kernel. Grid (copies, chunks): program (i, c) copies chunk c of plan entry i when
-i < num_indices. Rows move as raw 16-bit words, so any 2- or 4-byte weight dtype copies exactly."""
+"""The plan-copy kernel. Grid (copies, chunks): program (i, c) copies chunk c of words [col_lo, col_hi)
+of plan entry i when i < num_indices (the whole row, or a part of it such as an expert's w13 or w2).
+Rows move as raw 16-bit words, so any 2- or 4-byte weight dtype copies exactly."""
 from __future__ import annotations
 
 import triton
@@ -24,8 +25,10 @@ def copy_plan_kernel(
     evict_ptr,            # [S] int32 plan: destination slots
     src_ptr,              # [S] int32 plan: host rows
     num_indices_ptr,      # [1] int32 plan length
-    row_words,            # W: words per expert
+    row_words,            # W: words per expert (the slot pool's row stride)
     chunk_words,          # words each program copies
+    col_lo,               # first word of each row to copy
+    col_hi,               # one past the last word to copy (<= W)
     BLOCK: tl.constexpr,  # words per load/store
     ALIGNED: tl.constexpr = False,   # host_addr 16-byte aligned (and rows a multiple of 8 words apart)
     PREFETCH: tl.constexpr = 0,      # > 0 (GPU, ALIGNED): L2 bulk prefetch of the block PREFETCH blocks ahead
@@ -40,8 +43,8 @@ def copy_plan_kernel(
             # 16-byte aligned rows (the store's are page-aligned): say so, or the int -> pointer cast loses
             # the alignment and every thread reads 2-byte words (64-byte PCIe reads per warp, not vectors).
             host = tl.multiple_of(host, 16)
-        start = c * chunk_words
-        end = tl.minimum(start + chunk_words, row_words)
+        start = col_lo + c * chunk_words
+        end = tl.minimum(start + chunk_words, col_hi)
         for w0 in range(start, end, BLOCK):
             if PREFETCH > 0:
                 # An experiment (docs/OFFLOAD.md): whether bulk requests from the TMA unit keep more of the PCIe

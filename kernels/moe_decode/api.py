@@ -152,7 +152,8 @@ def _check_float(name: str, t: torch.Tensor) -> None:
 
 def moe_gemv(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: torch.Tensor,
              w2: torch.Tensor, *, impl: str = "auto", blocks: GemvBlocks | None = None,
-             plan: CopyPlan | None = None, between: Callable[[], None] | None = None) -> torch.Tensor:
+             plan: CopyPlan | None = None, between: Callable[[], None] | None = None,
+             between_down: Callable[[], None] | None = None) -> torch.Tensor:
     """MoE FFN of a decode batch, reading the routed experts in place: -> [T, H] in x.dtype.
 
         y[t] = sum_k weights[t, k] * down_e(silu(gate_e x[t]) * up_e x[t]),   e = ids[t, k]
@@ -173,6 +174,10 @@ def moe_gemv(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: tor
     caller makes the stream wait for the copy there), then gate/up and down for the routes in the
     plan, then the sum: five launches, the same arithmetic, so the result is bit-identical to the
     unsplit call. The routes outside the plan never read a slot the copy writes.
+    `between_down()`, when given, is called after the plan's gate/up launch and before its down launch:
+    a copy in two parts (w13, then w2) waits for its first part in `between()` and for the second one
+    there, so the fetched routes' gate/up runs while their w2 is still on the way. Without a split (no
+    plan, a reference run, nothing to compute) both hooks run before any launch.
     """
     _check_float("x", x)
     if x.dim() != 2:
@@ -199,10 +204,14 @@ def moe_gemv(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: tor
         if between is None:
             raise ValueError("moe_gemv with a CopyPlan needs between(): the wait for the copy that fills "
                              "the plan's slots (without it the second launch would not wait)")
+    if between_down is not None and between is None:
+        raise ValueError("moe_gemv: between_down() is the second half of a two-part wait; give between() too")
     impl = _resolve_impl(impl, x.device)
     split = plan is not None and impl != "reference" and T > 0 and K > 0
     if not split and between is not None:
         between()                       # no launch before it: waiting first keeps every read after the copy
+        if between_down is not None:
+            between_down()
     if impl == "reference":
         return reference.moe_gemv_reference(x, ids, weights, w13, w2)
     if T == 0 or K == 0:
@@ -233,6 +242,8 @@ def moe_gemv(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: tor
             EVEN_N=inter % b.gate_up_block_n == 0, EVEN_K=H % b.gate_up_block_k == 0,
             ACC_2D=bool(b.gate_up_acc_2d), ACCURATE=accurate, PLAN=part, PLAN_MAX=plan_max,
             num_warps=b.gate_up_warps)
+        if part == 2 and between_down is not None:
+            between_down()              # the plan's w2 rows are read only after this
         moe_down_kernel[(P, _cdiv(H, b.down_block_n))](
             act, ids_flat, rw_flat, w2, y, *plan_args, H, inter, w2.stride(0), w2.stride(1),
             BLOCK_N=b.down_block_n, BLOCK_K=b.down_block_k,
