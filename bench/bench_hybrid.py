@@ -64,8 +64,10 @@ def _counters(backend) -> dict:
     return {"misses": s.distinct_misses, "fetched": s.fetched, "cpu": 0, "fallbacks": 0}
 
 
-def decode_run(engine: Engine, prompt: list[int], num_tokens: int, backend, device: torch.device) -> dict:
-    """One request: prefill, then decode; counters of the decode phase only."""
+def decode_run(engine: Engine, prompt: list[int], num_tokens: int, backend, device: torch.device,
+               tick=None) -> dict:
+    """One request: prefill, then decode; counters of the decode phase only. `tick()` (the live tuner) runs
+    after every decode step, inside the timed stretch, as the service's policy loop does."""
     engine.add_request(prompt, SamplingParams(max_new_tokens=num_tokens, ignore_eos=True))
     tokens: list[int] = []
     while not tokens:                                   # prefill (chunks) up to the first token
@@ -75,6 +77,8 @@ def decode_run(engine: Engine, prompt: list[int], num_tokens: int, backend, devi
     t0 = time.perf_counter()
     while engine.has_work():
         tokens += [out.new_token_id for out in engine.step()]
+        if tick is not None:
+            tick()
     _sync(device)
     elapsed = time.perf_counter() - t0
     n = len(tokens) - 1
@@ -84,9 +88,35 @@ def decode_run(engine: Engine, prompt: list[int], num_tokens: int, backend, devi
     return result
 
 
-def measure(engine, prompt, args, backend, device) -> dict:
-    decode_run(engine, prompt, min(args.decode_tokens, 32), backend, device)       # warm-up
-    runs = [decode_run(engine, prompt, args.decode_tokens, backend, device) for _ in range(args.runs)]
+def live_tuner(engine: Engine, backend, fraction: float, pcie_gb_s: float, cpu_gb_s: float, gpu: str):
+    """The coordinator's online policy (coordinator/policy.py), driven as EngineService drives it: after each
+    step, telemetry from two snapshots of engine.stats, `FetchPolicy.observe`, and a changed f goes to the
+    engine. Seeded with this run's probes as its bandwidth profile. -> (tick, policy)."""
+    from coordinator.engine_service import flatten_stats, telemetry_from_stats
+    from coordinator.policy import BandwidthProfile, ExpertFormat, FetchPolicy, PolicySettings
+    layout = backend.layout
+    fmt = ExpertFormat(str(layout.dtype), layout.hidden_size, layout.intermediate_size)
+    profile = BandwidthProfile(pcie_gb_s, cpu_gb_s, gpu, fmt, "bench_hybrid probes")
+    p = backend.policy
+    policy = FetchPolicy(PolicySettings(strategy="hybrid", fetch_fraction=fraction, fetch_round=p["fetch_round"],
+                                        fetch_select=p["fetch_select"]), expert_format=fmt, profile=profile)
+    prev: dict = {}
+    engine.set_policy(fetch_fraction=policy.effective_fraction())    # where the service starts it too
+
+    def tick() -> None:
+        nonlocal prev
+        cur = flatten_stats(engine.stats)
+        if prev:
+            telemetry = telemetry_from_stats(prev, cur)
+            if telemetry is not None and (f := policy.observe(telemetry)) is not None:
+                engine.set_policy(fetch_fraction=f, cpu_shares=policy.worker_shares())
+        prev = cur
+    return tick, policy
+
+
+def measure(engine, prompt, args, backend, device, tick=None) -> dict:
+    decode_run(engine, prompt, min(args.decode_tokens, 32), backend, device, tick)       # warm-up
+    runs = [decode_run(engine, prompt, args.decode_tokens, backend, device, tick) for _ in range(args.runs)]
     best = sorted(runs, key=lambda r: r["decode_tok_s"])[len(runs) // 2]         # the median run
     best["all_tok_s"] = [round(r["decode_tok_s"], 2) for r in runs]
     return best
@@ -118,6 +148,18 @@ def handoff_round_trip(pool, hidden: int, dtype: torch.dtype, device: torch.devi
             "max_us": float(arr.max())}
 
 
+def table_row(name: str, r: dict, both_bytes_s: float, expert_bytes: int) -> str:
+    """One line of the final table (also printed as each backend finishes: a cut-off run keeps its rows)."""
+    miss = r.get("misses_per_token")
+    roof = both_bytes_s / (miss * expert_bytes) if miss else float("nan")
+    pct = 100 * r["decode_tok_s"] / roof if miss else float("nan")
+    same = "-" if r.get("same_tokens") is None else ("yes" if r["same_tokens"] else f"from {r['first_diff']}")
+    return (f"{name:<28} {r['decode_tok_s']:>7.2f} {(miss or 0):>8.1f} {r.get('fetched_per_token', 0):>9.1f} "
+            f"{r.get('cpu_per_token', 0):>7.1f} {roof:>8.2f} {pct:>5.0f} {r.get('fallbacks_per_token', 0):>6.2f} "
+            f"{1e3 * r.get('cpu_time_s_per_token', 0):>10.2f} {1e3 * r.get('wait_cpu_s_per_token', 0):>11.2f} "
+            f"{same:>11} {r['fetch_fraction'] if 'fetch_fraction' in r else float('nan'):>5.3f}")
+
+
 def variants(args, on_cuda: bool = True) -> list[tuple[str, dict | None]]:
     out: list[tuple[str, dict | None]] = [("offload kernel graphs", {"copy_mode": "kernel"}),
                                           # the same with the copy and every GEMM in one stream, in turn
@@ -142,6 +184,9 @@ def variants(args, on_cuda: bool = True) -> list[tuple[str, dict | None]]:
     out.append(("offload kernel graphs whole-copy", {"copy_mode": "kernel", "split_copy": False}))
     out.append(("hybrid min-wait device whole-copy", {"strategy": "hybrid", "fetch_round": "min-wait",
                                                       "promote": True, "handoff": "device", "split_copy": False}))
+    # the coordinator's online tuner moving f from the probes' value while it decodes
+    out.append(("hybrid min-wait device tuned", {"strategy": "hybrid", "fetch_round": "min-wait", "promote": True,
+                                                 "handoff": "device", "tune": True}))
     out.append(("hybrid min-wait device serial", {"strategy": "hybrid", "fetch_round": "min-wait", "promote": True,
                                                   "handoff": "device", "overlap_copy": False}))
     for f in filter(None, (v.strip() for v in args.extra_fractions.split(","))):
@@ -150,6 +195,9 @@ def variants(args, on_cuda: bool = True) -> list[tuple[str, dict | None]]:
                                                               "fetch_fraction": float(f)}))
     if not on_cuda:     # the device hand-off's kernels need a GPU (the interpreter is for tests only)
         out = [v for v in out if (v[1] or {}).get("handoff") != "device"]
+        # the tuner on the host hand-off instead, so that the smoke test drives it too
+        out.append(("hybrid min-wait tuned", {"strategy": "hybrid", "fetch_round": "min-wait", "promote": True,
+                                              "tune": True}))
     if args.variants:
         keep = [v.strip() for v in args.variants.split(",")]
         out = [v for v in out if any(v[0].startswith(k) if not k.startswith("=") else v[0] == k[1:] for k in keep)]
@@ -226,20 +274,30 @@ def main() -> int:
         handoff = handoff_round_trip(pool, cfg.hidden_size, loaded.source.dtype, device, args.handoff_calls)
         print(f"hand-off round trip: p50 {handoff['p50_us']:.1f} us, p99 {handoff['p99_us']:.1f} us", flush=True)
         for name, policy in variants(args, on_cuda=device.type == "cuda"):
+            tune = False
             if policy is None:
                 backend = OffloadExperts(host, slots, device)
             elif "copy_mode" in policy:       # the device-side plan copy: decode runs in CUDA graphs
                 backend = OffloadExperts(host, slots, device, **policy)
             else:
                 policy = {"fetch_fraction": fraction, "handoff": "host", **policy}     # named rows say otherwise
+                tune = policy.pop("tune", False)
                 backend = HybridExperts(host, slots, device, pool, owns_host=False, owns_pool=False, **policy)
             loaded.model.experts = backend
-            r = measure(Engine(loaded.model, econf, eos_token_ids=()), prompt, args, backend, device)
+            engine = Engine(loaded.model, econf, eos_token_ids=())
+            tuner = None
+            if isinstance(backend, HybridExperts) and tune:
+                tick, tuner = live_tuner(engine, backend, fraction, pcie.gb_s, cpu.gb_s, device_name(device))
+            r = measure(engine, prompt, args, backend, device, tick if tuner is not None else None)
+            if isinstance(backend, HybridExperts):
+                r["fetch_fraction"] = float(backend.policy["fetch_fraction"])      # the tuner's last f
+            del engine
             r["same_tokens"] = None if reference_tokens is None else r["tokens"] == reference_tokens
             r["first_diff"] = None if reference_tokens is None else next(
                 (i for i, (a, b) in enumerate(zip(r["tokens"], reference_tokens)) if a != b), None)
             rows.append((name, r))
-            print(name, r["all_tok_s"], flush=True)
+            print("row:", table_row(name, r, (pcie.gb_s + cpu.gb_s) * 1e9, layout.expert_nbytes), r["all_tok_s"],
+                  flush=True)
             loaded.model.experts = None
             if isinstance(backend, HybridExperts):
                 backend.close()          # its stream doorbells (owns neither host nor pool)
@@ -262,16 +320,9 @@ def main() -> int:
     print(f"hand-off GPU -> CPU process -> GPU: p50 {handoff['p50_us']:.1f} us, p99 {handoff['p99_us']:.1f} us, "
           f"max {handoff['max_us']:.0f} us over {handoff['calls']} calls")
     print(f"{'backend':<28} {'tok/s':>7} {'miss/tok':>8} {'fetch/tok':>9} {'cpu/tok':>7} {'roofline':>8} "
-          f"{'%roof':>5} {'fallbk':>6} {'cpu ms/tok':>10} {'wait ms/tok':>11} {'same tokens':>11}")
+          f"{'%roof':>5} {'fallbk':>6} {'cpu ms/tok':>10} {'wait ms/tok':>11} {'same tokens':>11} {'f':>5}")
     for name, r in rows:
-        miss = r.get("misses_per_token")
-        roof = both / (miss * expert_bytes) if miss else float("nan")
-        pct = 100 * r["decode_tok_s"] / roof if miss else float("nan")
-        same = "-" if r.get("same_tokens") is None else ("yes" if r["same_tokens"] else f"from {r['first_diff']}")
-        print(f"{name:<28} {r['decode_tok_s']:>7.2f} {(miss or 0):>8.1f} {r.get('fetched_per_token', 0):>9.1f} "
-              f"{r.get('cpu_per_token', 0):>7.1f} {roof:>8.2f} {pct:>5.0f} {r.get('fallbacks_per_token', 0):>6.2f} "
-              f"{1e3 * r.get('cpu_time_s_per_token', 0):>10.2f} {1e3 * r.get('wait_cpu_s_per_token', 0):>11.2f} "
-              f"{same:>11}")
+        print(table_row(name, r, both, expert_bytes))
     out_path = args.json_out or os.path.join(os.environ.get("OUT", "."), "bench_hybrid.json")
     with open(out_path, "w") as fh:
         json.dump({"preset": args.preset, "gpu": gpu, "pcie_gb_s": pcie.gb_s, "cpu_gb_s": cpu.gb_s,

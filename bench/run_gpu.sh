@@ -7,7 +7,8 @@
 #        [s7-probe] (seventh session: hot / cold copy sources, per-layer time from traces, the fused KV write)
 #        [s7-kernels] (seventh session: dense GEMV and moe_gemv sweeps, resident with both dense linears)
 #        [s7-final] [s7-hybrid] [s7-last] (seventh session: GPU tests and the issues' benchmark configurations)
-#        [s8-split] (eighth session: the plan copy in two parts, w13 then w2)
+#        [s8-split] [s8-trace] (eighth session: the plan copy in two parts, w13 then w2; per-layer timelines)
+#        [s8-final] [s8-hybrid] (eighth session: GPU tests and the issues' benchmark configurations)
 #        (default: kernels engine cpu). SECTION_TIMEOUT (s, default 540) bounds each command.
 # Logs go to $OUT (the device tool's output folder) when it is set, else ./out.
 set -u
@@ -175,6 +176,28 @@ device,=hybrid min-wait device serial" 2>&1 | tee "$OUT/overlap_hybrid.log" | ta
       [ "${PIPESTATUS[0]}" = 0 ] || status=1
       timeout 330 python3 bench/bench_engine.py --runs 3 --prompt-tokens 1024 --decode-tokens 256 --fractions 0.5 \
         --offload-copy kernel --copy-split both 2>&1 | grep -v "^ " | tee "$OUT/s8s_engine.log" | tail -n 6 || status=1
+      ;;
+    s8-trace)    # eighth session: per-layer timelines of split / whole copies (profiled), and the offload path with no misses
+      timeout 400 python3 bench/bench_engine.py --runs 1 --prompt-tokens 256 --decode-tokens 64 --fractions 0.5,1.0 \
+        --offload-copy kernel --copy-split both --profile 2 --trace-dir "$OUT" 2>&1 | grep -v "^ " \
+        | tee "$OUT/s8t_engine.log" | tail -n 8 || status=1
+      for f in "$OUT"/trace_offload*0.5*.json; do python3 bench/trace_summary.py --timeline 3 "$f"; done 2>&1 \
+        > "$OUT/s8t_layers.log"; grep -A7 "layer  " "$OUT/s8t_layers.log"; gzip -f "$OUT"/trace_*.json
+      ;;
+    s8-final)    # eighth session: GPU tests of the changed paths, then the engine issue's configuration
+      timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_copy_overlap.py tests/test_expert_copy.py \
+        tests/test_offload.py tests/test_cuda_graphs_gpu.py tests/test_engine_gpu.py tests/test_hybrid.py 2>&1 \
+        | tee "$OUT/s8f_tests.log" | tail -n 4
+      [ "${PIPESTATUS[0]}" = 0 ] || status=1
+      timeout 385 python3 bench/bench_engine.py --runs 5 --prompt-tokens 1024 --decode-tokens 256 \
+        --fractions 0.1,0.25,0.5 --offload-copy kernel 2>&1 | grep -v "^ " | tee "$OUT/s8f_engine.log" | tail -n 7 || status=1
+      ;;
+    s8-hybrid)    # eighth session: the issue's side-by-side (3 rounding modes x promotion), the live tuner, whole copies
+      timeout 570 python3 bench/bench_hybrid.py --runs 3 --decode-tokens 64 --handoff-calls 1000 --no-resident \
+        --json-out "$OUT/bench_hybrid_s8.json" --variants "=offload kernel graphs,=cpu device,=hybrid min-wait device,\
+=hybrid min-wait device tuned,=hybrid stochastic device,=hybrid prefer-fetch device,=hybrid min-wait no-promo device,\
+=hybrid stochastic no-promo device,=hybrid prefer-fetch no-promo device,=hybrid min-wait device whole-copy" 2>&1 \
+        | tee "$OUT/s8_hybrid.log" | grep -v "^row:" | tail -n 16 || status=1
       ;;
     hybrid-pin)    # the GPU-driving process pinned to the reserved CPU (default) against unpinned, same variants
       for pin in on off; do

@@ -4,7 +4,8 @@ A layer is the stretch from one `moe_sum_k_kernel` end (the previous layer's MoE
 Within it, with the plan copy (`copy_plan_kernel`) as the landmark of an offload layer:
 
     before copy  previous sum end -> copy start: attention, norms, router, ensure (nothing to copy yet)
-    copy         the copy kernel's own duration
+    copy         first copy kernel start -> last copy kernel end (a copy in two parts, w13 then w2, has
+                 two kernels: `copy gap` is the idle time between them)
     after copy   copy end -> this layer's sum end: the fetched routes' GEMMs and the sum (the tail)
     layer        previous sum end -> this sum end
 
@@ -12,7 +13,10 @@ and, for every layer, the busy time of each kernel family inside it (a kernel co
 where it starts). Medians and means over the layers, in us; a layer without a copy kernel (a resident
 run, or an offload layer without misses) reports only `layer` and the families.
 
-    python bench/trace_summary.py TRACE.json [TRACE.json ...]
+    python bench/trace_summary.py [--timeline N] TRACE.json [TRACE.json ...]
+
+--timeline N also prints the kernels of N layers with copies (start relative to the layer's start,
+duration, stream), to see what runs beside what.
 """
 from __future__ import annotations
 
@@ -61,20 +65,26 @@ def layers(evs: list[dict]) -> list[dict]:
         row["families"] = dict(busy)
         copies = [e for e in inside if COPY in e["name"]]
         if copies:
-            c = copies[0]
-            row["before copy"] = c["ts"] - t0
-            row["copy"] = c["dur"]
-            row["after copy"] = t1 - (c["ts"] + c["dur"])
+            first, last = copies[0], max(copies, key=lambda e: e["ts"] + e["dur"])
+            row["before copy"] = first["ts"] - t0
+            row["copy"] = last["ts"] + last["dur"] - first["ts"]
+            row["copy gap"] = row["copy"] - sum(e["dur"] for e in copies)
+            row["after copy"] = t1 - (last["ts"] + last["dur"])
+            row["timeline"] = [(e["ts"] - t0, e["dur"], e.get("tid", "?"), e["name"]) for e in inside + [cur]]
         rows.append(row)
     return rows
 
 
-def summarise(path: str) -> None:
+def summarise(path: str, timeline: int = 0) -> None:
     rows = layers(kernels(path))
     print(f"\n{path}: {len(rows)} layers")
     if not rows:
         return
-    for key in ("layer", "before copy", "copy", "after copy"):
+    for r in [r for r in rows if "timeline" in r][:timeline]:
+        print(f"  layer of {r['layer']:.1f} us:")
+        for start, dur, stream, name in r["timeline"]:
+            print(f"    {start:8.1f} +{dur:7.1f}  stream {stream!s:<6} {name[:70]}")
+    for key in ("layer", "before copy", "copy", "copy gap", "after copy"):
         vals = [r[key] for r in rows if key in r]
         if vals:
             print(f"  {key:<12} median {statistics.median(vals):8.1f} us  mean {statistics.mean(vals):8.1f} us  "
@@ -89,8 +99,11 @@ def main(argv: list[str]) -> int:
     if not argv:
         print(__doc__)
         return 2
+    timeline = 0
+    if argv[:1] == ["--timeline"]:
+        timeline, argv = int(argv[1]), argv[2:]
     for path in argv:
-        summarise(path)
+        summarise(path, timeline)
     return 0
 
 

@@ -31,6 +31,21 @@ def test_table_is_seeded_distinct_and_skewed():
     assert torch.equal(a.ids(2, pos), a.table[pos, 2])
 
 
+def test_one_gather_a_forward_and_fresh_ids_for_new_or_rewritten_positions():
+    r = SyntheticRouting(5, 32, 4, 64, seed=3)
+    pos = torch.tensor([9, 2])
+    for layer in range(5):                                   # one forward: layer 0 gathers, the rest slice
+        got = r.ids(layer, pos)
+        assert got.is_contiguous() and torch.equal(got, r.table[pos, layer])
+    gathered = r._by_layer
+    r.ids(3, pos)
+    assert r._by_layer is gathered, "a later layer of the same forward gathered again"
+    pos[0] = 40                                              # a graph's static input, rewritten in place
+    assert torch.equal(r.ids(0, pos), r.table[pos, 0]) and torch.equal(r.ids(4, pos), r.table[pos, 4])
+    other = torch.tensor([7])                                # another tensor, even mid-forward
+    assert torch.equal(r.ids(2, other), r.table[other, 2])
+
+
 def test_parse_specs():
     class Cfg:
         num_layers, num_experts, top_k = 2, 8, 2

@@ -12,7 +12,8 @@ so the expert ids of a token depend on its position (the same for every backend,
 lossless checks meaningful) and consecutive tokens share experts only as often as popularity says.
 The router still runs and supplies the weights of its own top-k, which are then paired with the
 table's ids: the numerics are a benchmark's, not a model's. Lookups are a device gather (no host
-sync), so CUDA graphs capture them.
+sync), so CUDA graphs capture them: one gather of every layer's ids at layer 0 of a forward, which the
+other layers slice (a real router costs one kernel a layer; this table should not cost two).
 """
 from __future__ import annotations
 
@@ -37,6 +38,8 @@ class SyntheticRouting:
         self.table = torch.stack(layers, dim=1).to(device)                                 # [P, L, K]
         self.skew, self.seed = skew, seed
         self.max_positions, self.top_k = max_positions, top_k
+        self._positions: torch.Tensor | None = None      # the forward's positions (held: `is` stays exact)
+        self._by_layer: torch.Tensor | None = None       # [L, T, K] ids of that forward
 
     @classmethod
     def parse(cls, spec: str, cfg, max_positions: int, device) -> "SyntheticRouting | None":
@@ -50,5 +53,12 @@ class SyntheticRouting:
                    skew=float(value) if value else 1.0, device=device)
 
     def ids(self, layer: int, positions: torch.Tensor) -> torch.Tensor:
-        """positions [T] int64 (device) -> expert ids [T, K] int64 of `layer`."""
-        return self.table[:, layer].index_select(0, positions)
+        """positions [T] int64 (device) -> expert ids [T, K] int64 of `layer` (contiguous).
+
+        Layer 0, or positions other than the last call's tensor object, gathers every layer's ids at once;
+        the later layers of the same forward slice that. A forward visits layer 0 first, so positions
+        rewritten in place between forwards (a graph's static input) are gathered afresh."""
+        if layer == 0 or positions is not self._positions or self._by_layer is None:
+            self._by_layer = self.table.index_select(0, positions).transpose(0, 1).contiguous()   # [L, T, K]
+            self._positions = positions
+        return self._by_layer[layer]

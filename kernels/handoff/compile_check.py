@@ -31,7 +31,7 @@ def cases():
                 ON_GPU=True)
     copy_sig = {"slots_ptr": "*i16", "host_addr": "i64", "host_row_words": "i32", "evict_ptr": "*i32",
                 "src_ptr": "*i32", "num_indices_ptr": "*i32", "row_words": "i32", "chunk_words": "i32",
-                "BLOCK": "constexpr", "ALIGNED": "constexpr", "PREFETCH": "constexpr"}
+                "col_lo": "i32", "col_hi": "i32", "BLOCK": "constexpr", "ALIGNED": "constexpr", "PREFETCH": "constexpr"}
     from kernels.expert_copy.api import BLOCK_WORDS
     return [("plan copy aligned", "copy_plan_kernel", copy_sig, dict(BLOCK=BLOCK_WORDS, ALIGNED=True, PREFETCH=0)),
             ("plan copy prefetch", "copy_plan_kernel", copy_sig, dict(BLOCK=BLOCK_WORDS, ALIGNED=True, PREFETCH=2)),
@@ -62,7 +62,9 @@ def main(argv: list[str] | None = None) -> int:
     for name, kernel, signature, constexprs in cases():
         fn = getattr(copy_kernels if kernel == "copy_plan_kernel" else triton_kernels, kernel)
         # the JIT marks 16-divisible integer arguments (the page-aligned channel addresses) as such at launch
-        aligned = [a for a in signature if a.endswith(("_addr", "_ptr", "_words")) or a in ("numel", "H")]
+        # (and the plan copy's column range: 0 and an expert's w13 words, both multiples of 16 words)
+        aligned = [a for a in signature if a.endswith(("_addr", "_ptr", "_words"))
+                   or a in ("numel", "H", "col_lo", "col_hi")]
         compiled = compile_for_arch(fn, signature, constexprs, args.arch, divisible=aligned)
         ptx = compiled.asm["ptx"]
         counts = {op: ptx.count(op) for op in ("ld.acquire.sys", "fence.acq_rel.sys", "%globaltimer", "bar.sync",
