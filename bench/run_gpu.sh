@@ -199,7 +199,8 @@ device,=hybrid min-wait device serial" 2>&1 | tee "$OUT/overlap_hybrid.log" | ta
 =hybrid stochastic no-promo device,=hybrid prefer-fetch no-promo device,=hybrid min-wait device whole-copy" 2>&1 \
         | tee "$OUT/s8_hybrid.log" | grep -v "^row:" | tail -n 16 || status=1
       ;;
-    s8-tune)    # eighth session: the tuner's one-sided wait term (device hand-off) against fixed fractions
+    s8-tune)    # eighth session: the tuner against fixed fractions (run once with a one-sided wait term for the device
+                # hand-off, commit 82f1653, reverted after this run: docs/BENCHMARKS.md, eighth session)
       timeout 400 python3 bench/bench_hybrid.py --runs 3 --decode-tokens 64 --handoff-calls 300 --no-resident \
         --json-out "$OUT/bench_hybrid_s8t.json" --extra-fractions 0.5,0.55 --variants "=hybrid min-wait device,\
 =hybrid min-wait device tuned,=hybrid min-wait no-promo device,hybrid min-wait device f=" 2>&1 \

@@ -134,11 +134,9 @@ def telemetry_from_stats(prev: dict[str, float], cur: dict[str, float]) -> StepT
                       # clamped at 0: the two sums round differently, and a tiny negative would drop the step
                       gpu_wait_for_cpu_s=max(0.0, delta("gpu_wait_for_cpu_s_total")
                                              - delta("gpu_wait_for_cpu_unpaired_s_total")),
-                      gpu_wait_for_copy_s=delta("gpu_wait_for_copy_s_total"),
-                      gpu_wait_for_cpu_unpaired_s=max(0.0, delta("gpu_wait_for_cpu_unpaired_s_total")),
-                      decode_time_s=max(0.0, delta("decode_time_s")))
+                      gpu_wait_for_copy_s=delta("gpu_wait_for_copy_s_total"))
     if t.experts_fetched <= 0 and not any(v > 0 for v in cpu_experts.values()) \
-            and t.gpu_wait_for_cpu_s <= 0 and t.gpu_wait_for_copy_s <= 0 and t.gpu_wait_for_cpu_unpaired_s <= 0:
+            and t.gpu_wait_for_cpu_s <= 0 and t.gpu_wait_for_copy_s <= 0:
         return None
     return t
 

@@ -11,11 +11,6 @@ side (a throughput EWMA that weighs a step by its work, not one noisy ratio per 
 damped step toward f* each telemetry step, and adds a small bounded integral term from the waits
 (the GPU waiting on the CPU's partial outputs means the CPU side was slower: fetch more; waiting on
 copies means the opposite), which corrects for costs the per-expert times miss (hand-off latency).
-The device hand-off (the whole step in one CUDA graph) times only the CPU side's wait (its joins); the
-copies run inside the graph, untimed. There the term is one-sided: the CPU wait as a share of decode
-time is steered toward UNPAIRED_WAIT_TARGET (a join that polls finished outputs still costs a little,
-so the balanced point waits a few percent, and a share below that means the copies are the longer
-side: fetch less).
 f always stays within [fetch_fraction_min, fetch_fraction_max], a sub-range of [0, 1].
 
 Where f starts: a given fraction (`--fetch-fraction`), else the `ft bench bw` profile measured on
@@ -52,7 +47,6 @@ DEFAULT_DECAY = 0.9              # weight of history in the throughput sums, per
 DEFAULT_WAIT_GAIN = 0.02         # integral gain on the normalised wait imbalance
 WAIT_BIAS_LIMIT = 0.25           # |bias from waits| never exceeds this
 MIN_WAIT_SIGNAL_S = 20e-6        # waits below this (both sides together) carry no signal
-UNPAIRED_WAIT_TARGET = 0.03      # device hand-off: the CPU wait share of decode time the tuner aims at
 DECISION_STEP = 1.0 / 512        # a change of f smaller than this is not pushed to the engine
 
 _DTYPE_ALIASES = {
@@ -161,9 +155,6 @@ class StepTelemetry:
     cpu_time_s: Mapping[str, float] = field(default_factory=dict)    # per CPU worker: compute time
     gpu_wait_for_cpu_s: float = 0.0                   # GPU idle at the join, waiting for CPU outputs
     gpu_wait_for_copy_s: float = 0.0                  # GPU idle before expert GEMMs, waiting for copies
-    # GPU idle at joins with no copy-side figure (the device hand-off), and the decode time it happened in
-    gpu_wait_for_cpu_unpaired_s: float = 0.0
-    decode_time_s: float = 0.0
 
 
 class _DecayedRate:
@@ -350,16 +341,9 @@ class FetchPolicy:
                     self._cpu.pop("profile", None)  # measured workers replace the profile's prior
                 sampled |= rate.add(n, t.cpu_time_s.get(name, 0.0))
             waits = t.gpu_wait_for_cpu_s + t.gpu_wait_for_copy_s
-            imbalance = None
             if (math.isfinite(waits) and waits >= MIN_WAIT_SIGNAL_S and t.gpu_wait_for_cpu_s >= 0
                     and t.gpu_wait_for_copy_s >= 0):
                 imbalance = (t.gpu_wait_for_cpu_s - t.gpu_wait_for_copy_s) / waits  # in [-1, 1]
-            elif (t.decode_time_s > 0 and math.isfinite(t.decode_time_s)
-                  and 0 < t.gpu_wait_for_cpu_unpaired_s <= t.decode_time_s):
-                # one-sided (device hand-off): the CPU wait share against its target, in [-1, 1]
-                share = t.gpu_wait_for_cpu_unpaired_s / t.decode_time_s
-                imbalance = max(-1.0, min(1.0, (share - UNPAIRED_WAIT_TARGET) / UNPAIRED_WAIT_TARGET))
-            if imbalance is not None:
                 self._wait_bias = max(-WAIT_BIAS_LIMIT, min(WAIT_BIAS_LIMIT,
                                                            self._wait_bias + self.wait_gain * imbalance))
                 sampled = True

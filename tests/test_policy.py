@@ -9,8 +9,8 @@ import random
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from coordinator.policy import (DECISION_STEP, UNPAIRED_WAIT_TARGET, BandwidthProfile, ExpertFormat, FetchPolicy,
-                                PolicySettings, StepTelemetry, build_policy, fraction_to_q16, load_bandwidth_profile)
+from coordinator.policy import (DECISION_STEP, ExpertFormat, FetchPolicy, PolicySettings, StepTelemetry, build_policy,
+                                fraction_to_q16, load_bandwidth_profile)
 
 FMT = ExpertFormat("bf16", 2048, 768)                     # 9.44 MB experts, as in DESIGN.md section 7
 BPE = FMT.bytes_per_expert
@@ -64,49 +64,6 @@ def test_converges_to_the_finishing_together_point_and_follows_a_slowed_cpu_then
     snap = policy.snapshot()
     assert snap["source"] == "online" and snap["decisions_total"] > 3
     assert snap["pcie_gb_s"] == pytest.approx(8.0, rel=0.1) and snap["cpu_gb_s"] == pytest.approx(26.0, rel=0.1)
-
-
-def device_step(f: float, layers: int = 48, misses: float = 3.25, copy_s: float = 185e-6, cpu_s: float = 157e-6,
-                handoff_s: float = 35e-6, dense_s: float = 66e-6, poll_s: float = 4e-6) -> tuple[float, float, int, int]:
-    """A device hand-off decode step (the eighth session's H200 figures per layer): `misses` experts a layer,
-    k = f * misses copied (copy_s each) beside the CPU's share (cpu_s each, plus the hand-off), then the join,
-    which polls for poll_s even when the answer is there. -> (decode seconds, GPU wait at the joins, fetched,
-    CPU experts); the copies are not timed, as in the CUDA graph."""
-    k = f * misses
-    copy_side, cpu_side = k * copy_s, (misses - k) * cpu_s + handoff_s
-    wait = max(0.0, cpu_side - copy_side) + poll_s
-    layer = dense_s + max(copy_side, cpu_side) + poll_s
-    return layers * layer, layers * wait, round(layers * k), round(layers * (misses - k))
-
-
-def test_device_handoff_tuner_moves_f_to_the_shortest_step_from_the_cpu_wait_alone():
-    # The device path times its joins only: no copy time, no copy-side wait. The per-expert rates then miss the
-    # hand-off, so f* = r_pcie / (r_pcie + r_cpu) leaves the GPU waiting on the CPU; the one-sided wait term
-    # must close most of that gap, and never run away while the copies are the longer side.
-    profile = BandwidthProfile(pcie_gb_s=BPE / 185e-6 / 1e9, cpu_gb_s=BPE / 157e-6 / 1e9, gpu_name="H200",
-                               expert_format=FMT, path="test")
-    policy = FetchPolicy(PolicySettings(), expert_format=FMT, profile=profile)
-    rate_only = policy.effective_fraction()
-    for _ in range(400):
-        f = policy.effective_fraction()
-        step_s, wait_s, fetched, cpu = device_step(f)
-        policy.observe(StepTelemetry(experts_fetched=fetched, copy_time_s=0.0, cpu_experts={"cpu0": cpu},
-                                     cpu_time_s={"cpu0": cpu * 157e-6}, gpu_wait_for_cpu_unpaired_s=wait_s,
-                                     decode_time_s=step_s))
-    tuned = policy.effective_fraction()
-    best = min((device_step(g / 1000)[0], g / 1000) for g in range(50, 951))
-    assert device_step(rate_only)[0] > 1.03 * best[0], "the model should leave room for the wait term"
-    assert device_step(tuned)[0] < 1.02 * best[0]
-    share = device_step(tuned)[1] / device_step(tuned)[0]
-    assert share == pytest.approx(UNPAIRED_WAIT_TARGET, abs=0.01)
-    # copies made the longer side (the link slows): the wait drops to the poll floor and f comes down
-    for _ in range(400):
-        f = policy.effective_fraction()
-        step_s, wait_s, fetched, cpu = device_step(f, copy_s=400e-6)
-        policy.observe(StepTelemetry(experts_fetched=fetched, cpu_experts={"cpu0": cpu},
-                                     cpu_time_s={"cpu0": cpu * 157e-6}, gpu_wait_for_cpu_unpaired_s=wait_s,
-                                     decode_time_s=step_s))
-    assert policy.effective_fraction() < tuned - 0.05
 
 
 def test_at_convergence_both_sides_finish_together():
