@@ -8,7 +8,8 @@
 #        [s7-kernels] (seventh session: dense GEMV and moe_gemv sweeps, resident with both dense linears)
 #        [s7-final] [s7-hybrid] [s7-last] (seventh session: GPU tests and the issues' benchmark configurations)
 #        [s8-split] [s8-trace] (eighth session: the plan copy in two parts, w13 then w2; per-layer timelines)
-#        [s8-final] [s8-hybrid] (eighth session: GPU tests and the issues' benchmark configurations)
+#        [s8-final] [s8-hybrid] [s8-tune] [s8-confirm] (eighth session: GPU tests, the issues' benchmark
+#        configurations, the tuner against fixed fractions, the hand-off and CPU kernel re-measured)
 #        (default: kernels engine cpu). SECTION_TIMEOUT (s, default 540) bounds each command.
 # Logs go to $OUT (the device tool's output folder) when it is set, else ./out.
 set -u
@@ -205,6 +206,11 @@ device,=hybrid min-wait device serial" 2>&1 | tee "$OUT/overlap_hybrid.log" | ta
         --json-out "$OUT/bench_hybrid_s8t.json" --extra-fractions 0.5,0.55 --variants "=hybrid min-wait device,\
 =hybrid min-wait device tuned,=hybrid min-wait no-promo device,hybrid min-wait device f=" 2>&1 \
         | tee "$OUT/s8t_hybrid.log" | grep -v "^row:" | tail -n 9 || status=1
+      ;;
+    s8-confirm)    # eighth session's last call: the issue-4 figures already met, re-measured on this session's code
+      timeout 200 python3 bench/bench_handoff.py --mode gpu --client-cpu 0 2>&1 | tee "$OUT/s8c_handoff.log" | tail -n 12 \
+        || status=1
+      timeout 200 python3 bench/bench_cpu_experts.py --isas 2>&1 | tee "$OUT/s8c_cpu.log" | tail -n 14 || status=1
       ;;
     hybrid-pin)    # the GPU-driving process pinned to the reserved CPU (default) against unpinned, same variants
       for pin in on off; do
