@@ -67,11 +67,13 @@ def _counters(backend) -> dict:
 def decode_run(engine: Engine, prompt: list[int], num_tokens: int, backend, device: torch.device,
                tick=None) -> dict:
     """One request: prefill, then decode; counters of the decode phase only. `tick()` (the live tuner) runs
-    after every decode step, inside the timed stretch, as the service's policy loop does."""
+    after every engine step (the decode steps' ticks inside the timed stretch), as the service's loop does."""
     engine.add_request(prompt, SamplingParams(max_new_tokens=num_tokens, ignore_eos=True))
     tokens: list[int] = []
     while not tokens:                                   # prefill (chunks) up to the first token
         tokens += [out.new_token_id for out in engine.step()]
+        if tick is not None:
+            tick()
     before = _counters(backend)
     _sync(device)
     t0 = time.perf_counter()
@@ -88,10 +90,13 @@ def decode_run(engine: Engine, prompt: list[int], num_tokens: int, backend, devi
     return result
 
 
-def live_tuner(engine: Engine, backend, fraction: float, pcie_gb_s: float, cpu_gb_s: float, gpu: str):
+def live_tuner(engine: Engine, backend, fraction: float, pcie_gb_s: float, cpu_gb_s: float, gpu: str,
+               fraction_given: bool = False):
     """The coordinator's online policy (coordinator/policy.py), driven as EngineService drives it: after each
-    step, telemetry from two snapshots of engine.stats, `FetchPolicy.observe`, and a changed f goes to the
-    engine. Seeded with this run's probes as its bandwidth profile. -> (tick, policy)."""
+    engine step (prefill chunks too, as the service reads stats after every step), telemetry from two
+    snapshots of engine.stats, `FetchPolicy.observe`, and a changed f goes to the engine. It starts where
+    `build_policy` would: at a given --fetch-fraction, else at this run's probes used as the bandwidth
+    profile. The tuner keeps its state across the warm-up and the measured runs. -> (tick, policy)."""
     from coordinator.engine_service import flatten_stats, telemetry_from_stats
     from coordinator.policy import BandwidthProfile, ExpertFormat, FetchPolicy, PolicySettings
     layout = backend.layout
@@ -99,7 +104,8 @@ def live_tuner(engine: Engine, backend, fraction: float, pcie_gb_s: float, cpu_g
     profile = BandwidthProfile(pcie_gb_s, cpu_gb_s, gpu, fmt, "bench_hybrid probes")
     p = backend.policy
     policy = FetchPolicy(PolicySettings(strategy="hybrid", fetch_fraction=fraction, fetch_round=p["fetch_round"],
-                                        fetch_select=p["fetch_select"]), expert_format=fmt, profile=profile)
+                                        fetch_select=p["fetch_select"]), expert_format=fmt,
+                         profile=None if fraction_given else profile)
     prev: dict = {}
     engine.set_policy(fetch_fraction=policy.effective_fraction())    # where the service starts it too
 
@@ -287,7 +293,8 @@ def main() -> int:
             engine = Engine(loaded.model, econf, eos_token_ids=())
             tuner = None
             if isinstance(backend, HybridExperts) and tune:
-                tick, tuner = live_tuner(engine, backend, fraction, pcie.gb_s, cpu.gb_s, device_name(device))
+                tick, tuner = live_tuner(engine, backend, fraction, pcie.gb_s, cpu.gb_s, device_name(device),
+                                         fraction_given=args.fetch_fraction is not None)
             r = measure(engine, prompt, args, backend, device, tick if tuner is not None else None)
             if isinstance(backend, HybridExperts):
                 r["fetch_fraction"] = float(backend.policy["fetch_fraction"])      # the tuner's last f

@@ -203,6 +203,101 @@ def test_copy_then_ffn_without_a_side_stream_is_copy_then_ffn():
         assert torch.equal(out, expert_ffn("gemv", x, ids, w, h13, h2, kernel_impl="reference"))
 
 
+def _record_copy_then_ffn(monkeypatch, split_copy, fail_second_copy=False):
+    """copy_then_ffn with streams, events, the copy and the GEMV replaced by recorders (CPU): -> its log."""
+    import contextlib
+
+    from gpu_worker.offload import offload_experts as oe
+    from kernels.slot_cache import SlotCache
+    log = []
+
+    class Stream:
+        def __init__(self, name):
+            self.name = name
+
+        def wait_stream(self, other):
+            log.append(("wait_stream", self.name, other.name))
+
+        def wait_event(self, event):
+            log.append(("wait_event", self.name, event.name))
+
+    class Event:
+        count = 0
+
+        def __init__(self):
+            Event.count += 1
+            self.name = f"event{Event.count}"
+
+        def record(self, stream):
+            log.append(("record", self.name, stream.name))
+
+    compute, side, current = Stream("compute"), Stream("side"), ["compute"]
+
+    @contextlib.contextmanager
+    def on(stream):
+        current.append(stream.name)
+        yield
+        current.pop()
+
+    def copy_plan(slots, host, *plan, max_copies, cols=None):
+        if fail_second_copy and any(e[0] == "copy" for e in log):
+            raise RuntimeError("second copy launch failed")
+        log.append(("copy", current[-1], cols))
+
+    def moe_gemv(*args, plan, between, between_down=None, **kw):
+        log.append(("gate/up off the plan", current[-1]))
+        between()
+        log.append(("gate/up of the plan", current[-1]))
+        if between_down is not None:
+            between_down()
+        log.append(("down of the plan", current[-1]))
+        return "out"
+
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: compute)
+    monkeypatch.setattr(torch.cuda, "stream", on)
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(oe, "copy_plan", copy_plan)
+    monkeypatch.setattr(oe, "moe_gemv", moe_gemv)
+    layout = ExpertLayout(32, 16, torch.float32)
+    slots = torch.zeros(4, layout.expert_numel)
+    w13, w2 = unpack_experts(slots, layout)
+    cache = SlotCache.create(1, 6, 4, device="cpu")
+    x, ids, w = torch.zeros(1, 32), torch.zeros(1, 2, dtype=torch.long), torch.zeros(1, 2)
+    try:
+        out = oe.copy_then_ffn(slots, slots, cache, 2, x, ids, w, w13, w2, mode="gemv", side_stream=side,
+                               split_copy=split_copy)
+    except RuntimeError as exc:
+        log.append(("raised", str(exc)))
+    else:
+        assert out == "out"
+    return log, layout
+
+
+def test_the_two_part_copy_is_wired_w13_event_then_w2_and_the_waits_in_that_order(monkeypatch):
+    log, layout = _record_copy_then_ffn(monkeypatch, split_copy=True)
+    w13 = layout.w13_numel
+    assert log == [("wait_stream", "side", "compute"),                      # fork after ensure
+                   ("copy", "side", (0, w13)), ("record", "event1", "side"),
+                   ("copy", "side", (w13, layout.expert_numel)),
+                   ("gate/up off the plan", "compute"),
+                   ("wait_event", "compute", "event1"),                     # the w13 part only
+                   ("gate/up of the plan", "compute"),
+                   ("wait_stream", "compute", "side"),                      # the whole copy
+                   ("down of the plan", "compute")]
+
+
+def test_the_whole_copy_waits_once_before_the_plans_routes(monkeypatch):
+    log, _ = _record_copy_then_ffn(monkeypatch, split_copy=False)
+    assert log == [("wait_stream", "side", "compute"), ("copy", "side", None), ("gate/up off the plan", "compute"),
+                   ("wait_stream", "compute", "side"), ("gate/up of the plan", "compute"),
+                   ("down of the plan", "compute")]
+
+
+def test_a_failed_copy_launch_still_joins_the_side_stream(monkeypatch):
+    log, _ = _record_copy_then_ffn(monkeypatch, split_copy=True, fail_second_copy=True)
+    assert log[-2:] == [("wait_stream", "compute", "side"), ("raised", "second copy launch failed")]
+
+
 # -- GPU: the copy really runs beside the GEMMs -------------------------------------------------------
 
 def _gpu_case(E=24, S=12, H=2048, I=768):

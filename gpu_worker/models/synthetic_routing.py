@@ -35,11 +35,17 @@ class SyntheticRouting:
             draws = torch.multinomial(popularity.expand(max_positions, -1), top_k,
                                       replacement=False, generator=gen)                    # [P, K]
             layers.append(draws)
-        self.table = torch.stack(layers, dim=1).to(device)                                 # [P, L, K]
+        self._by_position = torch.stack(layers, dim=0).to(device)                          # [L, P, K]
         self.skew, self.seed = skew, seed
         self.max_positions, self.top_k = max_positions, top_k
         self._positions: torch.Tensor | None = None      # the forward's positions (held: `is` stays exact)
         self._by_layer: torch.Tensor | None = None       # [L, T, K] ids of that forward
+
+    @property
+    def table(self) -> torch.Tensor:
+        """[P, L, K]: the expert ids of position p at layer l (a view of the [L, P, K] storage, which
+        gathers all layers of a forward in one launch)."""
+        return self._by_position.transpose(0, 1)
 
     @classmethod
     def parse(cls, spec: str, cfg, max_positions: int, device) -> "SyntheticRouting | None":
@@ -59,6 +65,6 @@ class SyntheticRouting:
         the later layers of the same forward slice that. A forward visits layer 0 first, so positions
         rewritten in place between forwards (a graph's static input) are gathered afresh."""
         if layer == 0 or positions is not self._positions or self._by_layer is None:
-            self._by_layer = self.table.index_select(0, positions).transpose(0, 1).contiguous()   # [L, T, K]
+            self._by_layer = self._by_position.index_select(1, positions)                          # [L, T, K]
             self._positions = positions
         return self._by_layer[layer]

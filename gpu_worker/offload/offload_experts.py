@@ -80,23 +80,23 @@ def copy_then_ffn(slots: torch.Tensor, host_layer: torch.Tensor, cache: SlotCach
         copy_plan(slots, host_layer, c.evict_slots, c.src_indices, c.num_indices, max_copies=max_copies)
         return expert_ffn(mode, x, slot_ids, weights, w13, w2, kernel_impl=kernel_impl)
     compute = torch.cuda.current_stream(x.device)
-    side_stream.wait_stream(compute)            # ensure (and every GEMM reading the old slots) first
     w13_cols = w13[0].numel() if split_copy and w13.data_ptr() == slots.data_ptr() else 0
-    with torch.cuda.stream(side_stream):
-        if w13_cols:                            # w13 is the first part of a packed row (expert_layout)
-            copy_plan(slots, host_layer, c.evict_slots, c.src_indices, c.num_indices, max_copies=max_copies,
-                      cols=(0, w13_cols))
-            w13_landed = torch.cuda.Event()
-            w13_landed.record(side_stream)
-            copy_plan(slots, host_layer, c.evict_slots, c.src_indices, c.num_indices, max_copies=max_copies,
-                      cols=(w13_cols, slots.shape[1]))
-        else:
-            copy_plan(slots, host_layer, c.evict_slots, c.src_indices, c.num_indices, max_copies=max_copies)
 
     def all_landed() -> None:
         compute.wait_stream(side_stream)
 
-    try:
+    side_stream.wait_stream(compute)            # ensure (and every GEMM reading the old slots) first
+    try:                                        # from the fork on: whatever raises, the side stream joins
+        with torch.cuda.stream(side_stream):
+            if w13_cols:                        # w13 is the first part of a packed row (expert_layout)
+                copy_plan(slots, host_layer, c.evict_slots, c.src_indices, c.num_indices, max_copies=max_copies,
+                          cols=(0, w13_cols))
+                w13_landed = torch.cuda.Event()
+                w13_landed.record(side_stream)
+                copy_plan(slots, host_layer, c.evict_slots, c.src_indices, c.num_indices, max_copies=max_copies,
+                          cols=(w13_cols, slots.shape[1]))
+            else:
+                copy_plan(slots, host_layer, c.evict_slots, c.src_indices, c.num_indices, max_copies=max_copies)
         return moe_gemv(x, slot_ids, weights, w13, w2, impl=kernel_impl,
                         plan=CopyPlan(c.evict_slots, c.num_indices, max_copies),
                         between=(lambda: compute.wait_event(w13_landed)) if w13_cols else all_landed,
