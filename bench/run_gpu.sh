@@ -10,6 +10,7 @@
 #        [s8-split] [s8-trace] (eighth session: the plan copy in two parts, w13 then w2; per-layer timelines)
 #        [s8-final] [s8-hybrid] [s8-tune] [s8-confirm] (eighth session: GPU tests, the issues' benchmark
 #        configurations, the tuner against fixed fractions, the hand-off and CPU kernel re-measured)
+#        [s8-last] (eighth session: the review fixes on the GPU)
 #        (default: kernels engine cpu). SECTION_TIMEOUT (s, default 540) bounds each command.
 # Logs go to $OUT (the device tool's output folder) when it is set, else ./out.
 set -u
@@ -211,6 +212,13 @@ device,=hybrid min-wait device serial" 2>&1 | tee "$OUT/overlap_hybrid.log" | ta
       timeout 200 python3 bench/bench_handoff.py --mode gpu --client-cpu 0 2>&1 | tee "$OUT/s8c_handoff.log" | tail -n 12 \
         || status=1
       timeout 200 python3 bench/bench_cpu_experts.py --isas 2>&1 | tee "$OUT/s8c_cpu.log" | tail -n 14 || status=1
+      ;;
+    s8-last)    # eighth session's last call: the review fixes (copy wiring, layer-major routing table) on the GPU
+      timeout 170 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_copy_overlap.py tests/test_cuda_graphs_gpu.py \
+        tests/test_engine_gpu.py 2>&1 | tee "$OUT/s8l_tests.log" | tail -n 4
+      [ "${PIPESTATUS[0]}" = 0 ] || status=1
+      timeout 150 python3 bench/bench_engine.py --runs 2 --prompt-tokens 1024 --decode-tokens 128 --fractions 0.5 \
+        --offload-copy kernel 2>&1 | grep -v "^ " | tee "$OUT/s8l_engine.log" | tail -n 4 || status=1
       ;;
     hybrid-pin)    # the GPU-driving process pinned to the reserved CPU (default) against unpinned, same variants
       for pin in on off; do
