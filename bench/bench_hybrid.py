@@ -96,7 +96,7 @@ def live_tuner(engine: Engine, backend, fraction: float, pcie_gb_s: float, cpu_g
     engine step (prefill chunks too, as the service reads stats after every step), telemetry from two
     snapshots of engine.stats, `FetchPolicy.observe`, and a changed f goes to the engine. It starts where
     `build_policy` would: at a given --fetch-fraction, else at this run's probes used as the bandwidth
-    profile. The tuner keeps its state across the warm-up and the measured runs. -> (tick, policy)."""
+    profile. The tuner keeps its state across the warm-up and the measured runs. -> tick."""
     from coordinator.engine_service import flatten_stats, telemetry_from_stats
     from coordinator.policy import BandwidthProfile, ExpertFormat, FetchPolicy, PolicySettings
     layout = backend.layout
@@ -117,7 +117,7 @@ def live_tuner(engine: Engine, backend, fraction: float, pcie_gb_s: float, cpu_g
             if telemetry is not None and (f := policy.observe(telemetry)) is not None:
                 engine.set_policy(fetch_fraction=f, cpu_shares=policy.worker_shares())
         prev = cur
-    return tick, policy
+    return tick
 
 
 def measure(engine, prompt, args, backend, device, tick=None) -> dict:
@@ -274,6 +274,8 @@ def main() -> int:
                              worker_flags=options.worker_flags() + ["--log-level", "WARNING"])
     fraction = args.fetch_fraction if args.fetch_fraction is not None else pcie.gb_s / (pcie.gb_s + cpu.gb_s)
     print(f"B_pcie {pcie.gb_s:.1f} GB/s, B_cpu {cpu.gb_s:.1f} GB/s -> f {fraction:.3f}", flush=True)
+    expert_bytes = layout.expert_nbytes
+    both = (pcie.gb_s + cpu.gb_s) * 1e9                # the roofline's bandwidth, bytes a second
     pool = start_cpu_pool(host, options, cfg.top_k)
     slots = resolve_cache_slots(args.cache, source.num_layers, source.num_experts)
     try:
@@ -291,11 +293,9 @@ def main() -> int:
                 backend = HybridExperts(host, slots, device, pool, owns_host=False, owns_pool=False, **policy)
             loaded.model.experts = backend
             engine = Engine(loaded.model, econf, eos_token_ids=())
-            tuner = None
-            if isinstance(backend, HybridExperts) and tune:
-                tick, tuner = live_tuner(engine, backend, fraction, pcie.gb_s, cpu.gb_s, device_name(device),
-                                         fraction_given=args.fetch_fraction is not None)
-            r = measure(engine, prompt, args, backend, device, tick if tuner is not None else None)
+            tick = live_tuner(engine, backend, fraction, pcie.gb_s, cpu.gb_s, device_name(device),
+                              fraction_given=args.fetch_fraction is not None) if tune else None
+            r = measure(engine, prompt, args, backend, device, tick)
             if isinstance(backend, HybridExperts):
                 r["fetch_fraction"] = float(backend.policy["fetch_fraction"])      # the tuner's last f
             del engine
@@ -303,8 +303,7 @@ def main() -> int:
             r["first_diff"] = None if reference_tokens is None else next(
                 (i for i, (a, b) in enumerate(zip(r["tokens"], reference_tokens)) if a != b), None)
             rows.append((name, r))
-            print("row:", table_row(name, r, (pcie.gb_s + cpu.gb_s) * 1e9, layout.expert_nbytes), r["all_tok_s"],
-                  flush=True)
+            print("row:", table_row(name, r, both, expert_bytes), r["all_tok_s"], flush=True)
             loaded.model.experts = None
             if isinstance(backend, HybridExperts):
                 backend.close()          # its stream doorbells (owns neither host nor pool)
@@ -316,8 +315,6 @@ def main() -> int:
         pool.close()
         host.close()
 
-    expert_bytes = layout.expert_nbytes
-    both = (pcie.gb_s + cpu.gb_s) * 1e9
     gpu = device_name(device)
     print(f"\n{args.preset} {layout.dtype}, {gpu}, batch 1, cache {args.cache} ({slots} slots), prompt "
           f"{args.prompt_tokens}, {args.decode_tokens} decode tokens, routing {args.routing}, median of "

@@ -64,7 +64,7 @@ class SyntheticRouting:
         Layer 0, or positions other than the last call's tensor object, gathers every layer's ids at once;
         the later layers of the same forward slice that. A forward visits layer 0 first, so positions
         rewritten in place between forwards (a graph's static input) are gathered afresh."""
-        if layer == 0 or positions is not self._positions or self._by_layer is None:
+        if layer == 0 or positions is not self._positions:                     # (None until the first call)
             self._by_layer = self._by_position.index_select(1, positions)                          # [L, T, K]
             self._positions = positions
         return self._by_layer[layer]

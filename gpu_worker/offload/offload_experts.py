@@ -76,8 +76,12 @@ def copy_then_ffn(slots: torch.Tensor, host_layer: torch.Tensor, cache: SlotCach
     (the same launches read the same bytes); graph-capturable (the side stream forks from and joins
     the capturing stream)."""
     c = cache
+
+    def copy(cols: tuple[int, int] | None = None) -> None:
+        copy_plan(slots, host_layer, c.evict_slots, c.src_indices, c.num_indices, max_copies=max_copies, cols=cols)
+
     if side_stream is None or mode != "gemv":
-        copy_plan(slots, host_layer, c.evict_slots, c.src_indices, c.num_indices, max_copies=max_copies)
+        copy()
         return expert_ffn(mode, x, slot_ids, weights, w13, w2, kernel_impl=kernel_impl)
     compute = torch.cuda.current_stream(x.device)
     w13_cols = w13[0].numel() if split_copy and w13.data_ptr() == slots.data_ptr() else 0
@@ -89,14 +93,12 @@ def copy_then_ffn(slots: torch.Tensor, host_layer: torch.Tensor, cache: SlotCach
     try:                                        # from the fork on: whatever raises, the side stream joins
         with torch.cuda.stream(side_stream):
             if w13_cols:                        # w13 is the first part of a packed row (expert_layout)
-                copy_plan(slots, host_layer, c.evict_slots, c.src_indices, c.num_indices, max_copies=max_copies,
-                          cols=(0, w13_cols))
+                copy((0, w13_cols))
                 w13_landed = torch.cuda.Event()
                 w13_landed.record(side_stream)
-                copy_plan(slots, host_layer, c.evict_slots, c.src_indices, c.num_indices, max_copies=max_copies,
-                          cols=(w13_cols, slots.shape[1]))
+                copy((w13_cols, slots.shape[1]))
             else:
-                copy_plan(slots, host_layer, c.evict_slots, c.src_indices, c.num_indices, max_copies=max_copies)
+                copy()
         return moe_gemv(x, slot_ids, weights, w13, w2, impl=kernel_impl,
                         plan=CopyPlan(c.evict_slots, c.num_indices, max_copies),
                         between=(lambda: compute.wait_event(w13_landed)) if w13_cols else all_landed,
