@@ -14,6 +14,7 @@ import threading
 import time
 import uuid
 
+import numpy as np
 import pytest
 import torch
 
@@ -21,6 +22,8 @@ from conftest import KERNEL_DEVICE
 from cpu_expert_pool.reference import reference_moe_layer
 from gpu_worker.hybrid.device_doorbell import DeviceDoorbell
 from kernels import handoff
+from proto.shm_layout import (ANSWER_A_OFFSET, ANSWER_B_OFFSET, OUT_SENTINEL, RESPONSE_LINE, STATUS_BAD_REQUEST,
+                              STATUS_COMPUTE_ERROR, STATUS_OK, pack_answer, unpack_answer)
 from tests.cpu_pool_util import channel, procs, random_store, serve_channel  # noqa: F401 (fixtures)
 from tests.test_stream_doorbell import stop_worker, wait_until
 
@@ -181,6 +184,52 @@ def test_the_join_records_how_long_it_waited_for_the_worker(store, served):
     assert db.counters()["wait_ns"] == waited + ready
 
 
+@pytest.mark.parametrize("case", ["complete", "one word left", "answer_b stale", "error status"])
+def test_the_join_takes_an_answer_only_when_every_word_is_the_requests(store, served, case):
+    """The one-round join (proto/shm_layout.py): the ring fills out[:T] with the sentinel; out words still
+    holding it, or an answer word tagged for another request, are no answer (the call fails when the
+    watchdog gives up on the stopped worker); the same words complete are one, worker or not; a tagged
+    error status fails the call at once, without the response line."""
+    proc, client, _ = served
+    db, _, src, dst = ring_a_stopped_worker(served, seed=21, T=2, deadline_s=0.5, poll_s=1e-3)
+    seq = int(client._words.request_seq[0])
+    out = client._views.slots[0].out[:2]
+    lines = client._lines[0]
+    assert (out.view(np.uint32) == OUT_SENTINEL).all()               # the ring's sentinel, every word
+    partial = torch.randn(2, H, generator=torch.Generator().manual_seed(5))
+    a, b = pack_answer(seq, STATUS_COMPUTE_ERROR if case == "error status" else STATUS_OK, 3, 1234)
+    if case != "error status":
+        out[:] = partial.numpy()
+    if case == "one word left":
+        out[1, 5:6].view(np.uint32)[:] = OUT_SENTINEL
+    if case == "answer_b stale":
+        b = pack_answer(seq - 2, STATUS_OK, 3, 1234)[1]              # the slot's previous request's word
+    lines.resp_answer_b[0], lines.resp_answer_a[0] = b, a
+    db.join(0, src, dst)
+    c = db.counters()
+    if case == "complete":
+        assert db.failure() == 0 and torch.equal(dst.cpu(), src.cpu() + partial)
+        assert (c["answered"], c["experts"], c["compute_ns"]) == (1, 3, 1234)
+    else:
+        want = handoff.FAIL_STATUS if case == "error status" else (handoff.FAIL_ABORTED, handoff.FAIL_TIMEOUT)
+        assert db.failure() in (want if isinstance(want, tuple) else (want,))
+        assert torch.equal(dst, src) and c["answered"] == 0 and c["failed"] == 1
+    proc.signal(signal.SIGKILL)
+
+
+def test_the_answer_words_pack_and_unpack():
+    a, b = pack_answer((5 << 32) + 7, STATUS_BAD_REQUEST, 70_000, 2 ** 40)          # tags keep seq mod 2**32
+    assert unpack_answer(a, b) == (7, 7, STATUS_BAD_REQUEST, 70_000, 2 ** 32 - 1)   # compute_ns clamped
+    assert unpack_answer(*pack_answer(1, STATUS_OK, 2 ** 30, -5)) == (1, 1, STATUS_OK, 2 ** 24 - 1, 0)
+    assert a < 2 ** 64 and b < 2 ** 64
+    fields = RESPONSE_LINE.fields
+    assert fields["answer_a"][1] == handoff.triton_kernels.RESP_ANSWER_A == ANSWER_A_OFFSET
+    assert fields["answer_b"][1] == handoff.triton_kernels.RESP_ANSWER_B == ANSWER_B_OFFSET
+    assert ANSWER_A_OFFSET % 8 == 0 and ANSWER_B_OFFSET % 8 == 0 and RESPONSE_LINE.itemsize <= 64
+    sentinel = np.array([OUT_SENTINEL], dtype=np.uint32).view(np.float32)
+    assert np.isnan(sentinel).all() and np.array([np.nan, -np.nan], np.float32).view(np.uint32)[0] != OUT_SENTINEL
+
+
 def test_a_killed_worker_aborts_the_wait_and_later_rings_do_nothing_until_reset(store, channel, served, procs):
     proc, client, _ = served
     aborts = []
@@ -332,8 +381,8 @@ def test_the_deadline_lives_in_the_state_and_a_stale_abort_is_cleared_on_arm(sto
 
 def test_the_kernels_compile_for_sm90_without_a_gpu():
     """Triton's real compiler on the hand-off kernels and the plan copy (the interpreter accepts what
-    PTX may not): the inline PTX assembles, the ring fences, the join spins with acquire loads, and the
-    mapped-memory reads are 16-byte vectors."""
+    PTX may not): the inline PTX assembles, the ring fences, the join polls with .cv vector loads and no
+    acquire, and the mapped-memory reads are 16-byte vectors."""
     import subprocess
     import sys
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
@@ -344,7 +393,9 @@ def test_the_kernels_compile_for_sm90_without_a_gpu():
     assert "ld.global.v4 2" in rows["plan copy aligned"] and "cp.async.bulk.prefetch.L2 0" in rows["plan copy aligned"]
     assert "ld.global.v4 2" in rows["plan copy prefetch"] and "cp.async.bulk.prefetch.L2 1" in rows["plan copy prefetch"]
     assert "fence.acq_rel.sys 2" in rows["ring owner bf16"]
-    assert "ld.acquire.sys 0" not in rows["join bf16 -> fp32"] and "ld.global.cv.v4 2" in rows["join bf16 -> fp32"]
+    join = dict(zip(rows["join bf16 -> fp32"].split()[::2], map(int, rows["join bf16 -> fp32"].split()[1::2])))
+    # the one-round join: no acquire (nothing waits behind a load), the out block polled as 16-byte vectors
+    assert join["ld.acquire.sys"] == 0 and join["ld.global.cv.v4"] >= 2 and join["%globaltimer"] >= 1
 
 
 def _count_reference(ids: torch.Tensor, fetched: int, missing: int, offload: bool) -> list[int]:
