@@ -11,6 +11,7 @@
 #        [s8-final] [s8-hybrid] [s8-tune] [s8-confirm] (eighth session: GPU tests, the issues' benchmark
 #        configurations, the tuner against fixed fractions, the hand-off and CPU kernel re-measured)
 #        [s8-last] (eighth session: the review fixes on the GPU)
+#        [s9-a] (ninth session: the one-round device join, ring and counters beside the plan copy)
 #        (default: kernels engine cpu). SECTION_TIMEOUT (s, default 540) bounds each command.
 # Logs go to $OUT (the device tool's output folder) when it is set, else ./out.
 set -u
@@ -219,6 +220,17 @@ device,=hybrid min-wait device serial" 2>&1 | tee "$OUT/overlap_hybrid.log" | ta
       [ "${PIPESTATUS[0]}" = 0 ] || status=1
       timeout 150 python3 bench/bench_engine.py --runs 2 --prompt-tokens 1024 --decode-tokens 128 --fractions 0.5 \
         --offload-copy kernel 2>&1 | grep -v "^ " | tee "$OUT/s8l_engine.log" | tail -n 4 || status=1
+      ;;
+    s9-a)    # ninth session: the one-round device join and the ring/counters beside the plan copy (GPU tests,
+             # the hand-off round trip, offload at the issue's 25% and 50% caches)
+      timeout 240 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_device_doorbell.py tests/test_hybrid.py \
+        tests/test_copy_overlap.py tests/test_offload.py tests/test_cuda_graphs_gpu.py tests/test_stream_doorbell.py 2>&1 \
+        | tee "$OUT/s9a_tests.log" | tail -n 6
+      [ "${PIPESTATUS[0]}" = 0 ] || status=1
+      timeout 150 python3 bench/bench_handoff.py --mode gpu --client-cpu 0 2>&1 | tee "$OUT/s9a_handoff.log" | tail -n 12 \
+        || status=1
+      timeout 200 python3 bench/bench_engine.py --runs 3 --prompt-tokens 1024 --decode-tokens 256 \
+        --fractions 0.25,0.5 --offload-copy kernel 2>&1 | grep -v "^ " | tee "$OUT/s9a_engine.log" | tail -n 6 || status=1
       ;;
     hybrid-pin)    # the GPU-driving process pinned to the reserved CPU (default) against unpinned, same variants
       for pin in on off; do

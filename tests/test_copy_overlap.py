@@ -203,7 +203,7 @@ def test_copy_then_ffn_without_a_side_stream_is_copy_then_ffn():
         assert torch.equal(out, expert_ffn("gemv", x, ids, w, h13, h2, kernel_impl="reference"))
 
 
-def _record_copy_then_ffn(monkeypatch, split_copy, fail_second_copy=False):
+def _record_copy_then_ffn(monkeypatch, split_copy, fail_second_copy=False, after_fork=False, side=True):
     """copy_then_ffn with streams, events, the copy and the GEMV replaced by recorders (CPU): -> its log."""
     import contextlib
 
@@ -231,7 +231,7 @@ def _record_copy_then_ffn(monkeypatch, split_copy, fail_second_copy=False):
         def record(self, stream):
             log.append(("record", self.name, stream.name))
 
-    compute, side, current = Stream("compute"), Stream("side"), ["compute"]
+    compute, side_stream, current = Stream("compute"), Stream("side"), ["compute"]
 
     @contextlib.contextmanager
     def on(stream):
@@ -263,13 +263,14 @@ def _record_copy_then_ffn(monkeypatch, split_copy, fail_second_copy=False):
     w13, w2 = unpack_experts(slots, layout)
     cache = SlotCache.create(1, 6, 4, device="cpu")
     x, ids, w = torch.zeros(1, 32), torch.zeros(1, 2, dtype=torch.long), torch.zeros(1, 2)
+    hook = (lambda: log.append(("after fork", current[-1]))) if after_fork else None
     try:
-        out = oe.copy_then_ffn(slots, slots, cache, 2, x, ids, w, w13, w2, mode="gemv", side_stream=side,
-                               split_copy=split_copy)
+        out = oe.copy_then_ffn(slots, slots, cache, 2, x, ids, w, w13, w2, mode="gemv",
+                               side_stream=side_stream if side else None, split_copy=split_copy, after_fork=hook)
     except RuntimeError as exc:
         log.append(("raised", str(exc)))
     else:
-        assert out == "out"
+        assert not side or out == "out"                 # without the side stream: the real expert_ffn
     return log, layout
 
 
@@ -291,6 +292,18 @@ def test_the_whole_copy_waits_once_before_the_plans_routes(monkeypatch):
     assert log == [("wait_stream", "side", "compute"), ("copy", "side", None), ("gate/up off the plan", "compute"),
                    ("wait_stream", "compute", "side"), ("gate/up of the plan", "compute"),
                    ("down of the plan", "compute")]
+
+
+def test_after_fork_runs_on_the_compute_stream_beside_the_copy(monkeypatch):
+    """The ring and the counters (after_fork) go after the copy's launches, on the compute stream, before
+    the hits' GEMMs: they run beside the copy, not ahead of it. Without the side stream: before the copy."""
+    log, layout = _record_copy_then_ffn(monkeypatch, split_copy=True, after_fork=True)
+    w13 = layout.w13_numel
+    assert log[:5] == [("wait_stream", "side", "compute"), ("copy", "side", (0, w13)), ("record", "event1", "side"),
+                       ("copy", "side", (w13, layout.expert_numel)), ("after fork", "compute")]
+    assert log[5] == ("gate/up off the plan", "compute")
+    log, _ = _record_copy_then_ffn(monkeypatch, split_copy=True, after_fork=True, side=False)
+    assert log == [("after fork", "compute"), ("copy", "compute", None)]
 
 
 def test_a_failed_copy_launch_still_joins_the_side_stream(monkeypatch):

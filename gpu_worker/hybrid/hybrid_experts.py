@@ -301,22 +301,27 @@ class HybridExperts:
         c, p = self.cache, self.policy
         if to_cpu:
             ensure(c, layer_idx, routes, use_device_policy=True, check_ids=False)
-            weights = topk_weights.float().contiguous()
-            for m in self.pool.members:
-                self._device_doorbell(m).ring(layer_idx, x, ids, routes, weights, owner=self._owner,
-                                              owner_offset=layer_idx * self.num_experts)
         else:
             ensure(c, layer_idx, routes, fetch_fraction=1.0, round_mode=p["fetch_round"],
                    select=p["fetch_select"], promote=bool(p["promote"]), check_ids=False)
         max_copies = min(T * K, c.num_slots)
-        kernels_handoff.count_call(self._device_counts, ids, c.num_indices, c.num_missing_full, offload=not to_cpu)
+
+        def ring_and_count() -> None:  # beside the plan copy (copy_then_ffn): neither waits for the other
+            if to_cpu:
+                weights = topk_weights.float().contiguous()
+                for m in self.pool.members:
+                    self._device_doorbell(m).ring(layer_idx, x, ids, routes, weights, owner=self._owner,
+                                                  owner_offset=layer_idx * self.num_experts)
+            kernels_handoff.count_call(self._device_counts, ids, c.num_indices, c.num_missing_full,
+                                       offload=not to_cpu)
         mode = self._mode(routes.numel())
         if mode == "gemv":             # routes at -1 (the CPU's) add 0; the copy beside the hits' GEMMs
             out = copy_then_ffn(self.slots, self.host.layers[layer_idx], c, max_copies, x, routes, topk_weights,
                                 self.w13, self.w2, mode=mode, kernel_impl=self.kernel_impl,
                                 side_stream=self.copy_stream if self.overlap_copy else None,
-                                split_copy=self.split_copy)
+                                split_copy=self.split_copy, after_fork=ring_and_count)
         else:
+            ring_and_count()
             copy_plan(self.slots, self.host.layers[layer_idx], c.evict_slots, c.src_indices, c.num_indices,
                       max_copies=max_copies)
             out = self._gemm_gpu_routes(x, routes, topk_weights, skip=False)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -64,7 +65,8 @@ COPY_MODES = ("dma", "kernel")   # DMA from the host with a plan readback, or a 
 def copy_then_ffn(slots: torch.Tensor, host_layer: torch.Tensor, cache: SlotCache, max_copies: int,
                   x: torch.Tensor, slot_ids: torch.Tensor, weights: torch.Tensor, w13: torch.Tensor,
                   w2: torch.Tensor, *, mode: str, kernel_impl: str = "auto",
-                  side_stream: "torch.cuda.Stream | None" = None, split_copy: bool = True) -> torch.Tensor:
+                  side_stream: "torch.cuda.Stream | None" = None, split_copy: bool = True,
+                  after_fork: "Callable[[], None] | None" = None) -> torch.Tensor:
     """The kernel copy of the last `ensure`'s plan, then the expert FFN over slot ids (routes at -1
     add 0 in the gemv mode). With a `side_stream` (CUDA, gemv mode) the two overlap: the copy runs
     on the side stream while moe_gemv computes the routes whose slot the plan does not fill (the
@@ -74,13 +76,17 @@ def copy_then_ffn(slots: torch.Tensor, host_layer: torch.Tensor, cache: SlotCach
     for the first part only and runs while the w2 rows are still crossing the link, so after the last
     byte lands only their down and the sum are left. Bit-identical to the serial order either way
     (the same launches read the same bytes); graph-capturable (the side stream forks from and joins
-    the capturing stream)."""
+    the capturing stream). `after_fork` (work that reads the plan but not the slots: counters, the CPU
+    hand-off's ring) runs on the compute stream right after the copy is launched, beside it; without the
+    overlap, before the copy."""
     c = cache
 
     def copy(cols: tuple[int, int] | None = None) -> None:
         copy_plan(slots, host_layer, c.evict_slots, c.src_indices, c.num_indices, max_copies=max_copies, cols=cols)
 
     if side_stream is None or mode != "gemv":
+        if after_fork is not None:
+            after_fork()
         copy()
         return expert_ffn(mode, x, slot_ids, weights, w13, w2, kernel_impl=kernel_impl)
     compute = torch.cuda.current_stream(x.device)
@@ -99,6 +105,8 @@ def copy_then_ffn(slots: torch.Tensor, host_layer: torch.Tensor, cache: SlotCach
                 copy((w13_cols, slots.shape[1]))
             else:
                 copy()
+        if after_fork is not None:
+            after_fork()
         return moe_gemv(x, slot_ids, weights, w13, w2, impl=kernel_impl,
                         plan=CopyPlan(c.evict_slots, c.num_indices, max_copies),
                         between=(lambda: compute.wait_event(w13_landed)) if w13_cols else all_landed,
@@ -190,11 +198,10 @@ class OffloadExperts:
             if ready is not None:
                 torch.cuda.current_stream(self.device).wait_event(ready)
             max_copies = min(slot_ids.numel(), self.cache.num_slots)
-            self._count_on_device(topk_ids)
             return copy_then_ffn(self.slots, self.host.layers[layer_idx], self.cache, max_copies, x, slot_ids,
                                  topk_weights, self.w13, self.w2, mode=mode, kernel_impl=self.kernel_impl,
                                  side_stream=self.copy_stream if self.on_cuda and self.overlap_copy else None,
-                                 split_copy=self.split_copy)
+                                 split_copy=self.split_copy, after_fork=lambda: self._count_on_device(topk_ids))
         self.copy_missing(layer_idx, prefetch_layer=nxt)     # (its plan readback does not wait for `ready`;
         self.stats.calls += 1                                # its copies queue behind it on copy_stream)
         self._host_counts[2] += 1
