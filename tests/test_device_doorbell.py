@@ -354,7 +354,10 @@ def test_the_kernels_compile_for_sm90_without_a_gpu():
     assert "ld.global.v4 2" in rows["plan copy aligned"] and "cp.async.bulk.prefetch.L2 0" in rows["plan copy aligned"]
     assert "ld.global.v4 2" in rows["plan copy prefetch"] and "cp.async.bulk.prefetch.L2 1" in rows["plan copy prefetch"]
     assert "fence.acq_rel.sys 2" in rows["ring owner bf16"]
-    assert "ld.acquire.sys 0" not in rows["join bf16 -> fp32"] and "ld.global.cv.v4 2" in rows["join bf16 -> fp32"]
+    join = dict(zip(rows["join bf16 -> fp32"].split()[::2], map(int, rows["join bf16 -> fp32"].split()[1::2])))
+    # the join polls with acquire loads, then reads the partial sums as 16-byte vectors: `.cv` ones where the
+    # Triton version emits the modifier (3.9 in CI), plain ones where it does not (3.6 on the H200 machine)
+    assert join["ld.acquire.sys"] >= 1 and join["ld.global.cv.v4"] + join["ld.global.v4"] >= 2
 
 
 def _count_reference(ids: torch.Tensor, fetched: int, missing: int, offload: bool) -> list[int]:
