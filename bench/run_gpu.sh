@@ -11,7 +11,7 @@
 #        [s8-final] [s8-hybrid] [s8-tune] [s8-confirm] (eighth session: GPU tests, the issues' benchmark
 #        configurations, the tuner against fixed fractions, the hand-off and CPU kernel re-measured)
 #        [s8-last] (eighth session: the review fixes on the GPU)
-#        [s9-a] [s9-b] [s9-c] [s9-final] (ninth session: the one-round device join, tried; ring and counters
+#        [s9-a] [s9-b] [s9-c] [s9-final] [s9-cv] (ninth session: the one-round device join; ring and counters
 #        beside the plan copy; the engine issue's configuration)
 #        (default: kernels engine cpu). SECTION_TIMEOUT (s, default 540) bounds each command.
 # Logs go to $OUT (the device tool's output folder) when it is set, else ./out.
@@ -254,6 +254,15 @@ device,=hybrid min-wait device serial" 2>&1 | tee "$OUT/overlap_hybrid.log" | ta
         | tee "$OUT/s9f_hybrid.log" | grep -E "^(FAILED|E  )|passed|failed" | head -n 12
       timeout 380 python3 bench/bench_engine.py --runs 5 --prompt-tokens 1024 --decode-tokens 256 \
         --fractions 0.1,0.25,0.5 --offload-copy kernel 2>&1 | grep -v "^ " | tee "$OUT/s9f_engine.log" | tail -n 7 || status=1
+      ;;
+    s9-cv)    # ninth session: the one-round device join with ld.global.cv polls through inline PTX (every device
+              # doorbell test on CUDA, the hybrid device path, the round trip)
+      timeout 100 python3 -m pytest -q -p no:cacheprovider tests/test_device_doorbell.py 2>&1 \
+        | tee "$OUT/s9cv_doorbell.log" | grep -E "^(FAILED|E  )|passed|failed" | head -n 12
+      timeout 60 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_hybrid.py -k "hybrid-device" 2>&1 \
+        | tee "$OUT/s9cv_hybrid.log" | grep -E "^(FAILED|E  )|passed|failed" | head -n 8
+      timeout 90 python3 bench/bench_handoff.py --mode gpu --client-cpu 0 2>&1 | tee "$OUT/s9cv_handoff.log" \
+        | grep -E "device|of which|host-driven" || status=1
       ;;
     hybrid-pin)    # the GPU-driving process pinned to the reserved CPU (default) against unpinned, same variants
       for pin in on off; do
