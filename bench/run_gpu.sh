@@ -255,15 +255,9 @@ device,=hybrid min-wait device serial" 2>&1 | tee "$OUT/overlap_hybrid.log" | ta
       timeout 380 python3 bench/bench_engine.py --runs 5 --prompt-tokens 1024 --decode-tokens 256 \
         --fractions 0.1,0.25,0.5 --offload-copy kernel 2>&1 | grep -v "^ " | tee "$OUT/s9f_engine.log" | tail -n 7 || status=1
       ;;
-    s9-cv)    # ninth session: the one-round device join with ld.global.cv polls through inline PTX (every device
-              # doorbell test on CUDA, the hybrid device path, the round trip)
-      timeout 100 python3 -m pytest -q -p no:cacheprovider tests/test_device_doorbell.py 2>&1 \
-        | tee "$OUT/s9cv_doorbell.log" | grep -E "^(FAILED|E  )|passed|failed" | head -n 12
-      timeout 60 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_hybrid.py -k "hybrid-device" 2>&1 \
-        | tee "$OUT/s9cv_hybrid.log" | grep -E "^(FAILED|E  )|passed|failed" | head -n 8
-      timeout 90 python3 bench/bench_handoff.py --mode gpu --client-cpu 0 2>&1 | tee "$OUT/s9cv_handoff.log" \
-        | grep -E "device|of which|host-driven" || status=1
-      ;;
+    s9-cv)    # ninth session: ran once on commit 7de450a (the one-round join with ld.global.cv polls through inline
+              # PTX), reverted after it (docs/HYBRID.md, "A one-round join, tried"); this section only says so
+      echo "s9-cv exercised reverted code (commit 7de450a); see docs/HYBRID.md" ;;
     hybrid-pin)    # the GPU-driving process pinned to the reserved CPU (default) against unpinned, same variants
       for pin in on off; do
         FREETOKEN_PIN_GPU_WORKER=$pin timeout "$T" python3 bench/bench_hybrid.py --runs 3 --decode-tokens 64 \

@@ -19,8 +19,7 @@ import torch
 from proto.shm_layout import (DONE_SEQ_OFFSET, HEARTBEAT_NS_OFFSET, NUM_SLOTS, REQUEST_SEQ_OFFSET, STATUS_NAMES,
                               STATUS_OK, STATUS_PROTOCOL_ERROR, WORKER_SERVING, WORKER_STARTING, WORKER_STATE_NAMES,
                               WORKER_STOPPED, ChannelLayout, ChannelViews, ShmSegment, attach_channel,
-                              create_channel, cuda_host_register, cuda_host_unregister, pack_answer,
-                              process_start_ticks)
+                              create_channel, cuda_host_register, cuda_host_unregister, process_start_ticks)
 
 NS_PER_S = 1_000_000_000
 LIVENESS_CHECK_INTERVAL_S = 0.001     # client: how often a waiting call checks that the worker lives
@@ -103,14 +102,12 @@ class _Lines:
         def field(line: np.ndarray, name: str) -> memoryview:
             ftype, offset = line.dtype.fields[name][:2]
             raw = line.view(np.uint8)[offset:offset + ftype.itemsize]
-            code = {"i8": "q", "u8": "Q", "i4": "i"}[f"{ftype.kind}{ftype.itemsize}"]
-            return memoryview(raw).cast("B").cast(code)
+            return memoryview(raw).cast("B").cast("q" if ftype.itemsize == 8 else "i")
 
         self.req_seq, self.req_layer = field(request, "seq"), field(request, "layer")
         self.req_tokens, self.req_triples = field(request, "num_tokens"), field(request, "num_triples")
         self.resp_seq, self.resp_status = field(response, "seq"), field(response, "status")
         self.resp_experts, self.resp_compute_ns = field(response, "num_experts"), field(response, "compute_ns")
-        self.resp_answer_a, self.resp_answer_b = field(response, "answer_a"), field(response, "answer_b")
 
 
 def _slot_tensors(views: ChannelViews) -> list[_SlotTensors]:
@@ -417,11 +414,7 @@ class WorkerChannel(_ChannelEnd):
         return None
 
     def complete(self, request: Request, status: int, *, num_experts: int = 0, compute_ns: int = 0) -> None:
-        """Answer `request`, whose out[:T] the caller has written (once, final values) if status is OK."""
         lines = self._lines[request.slot]
-        answer_a, answer_b = pack_answer(request.seq, status, num_experts, compute_ns)
-        lines.resp_answer_b[0] = answer_b        # the device join's one-round answer (proto/shm_layout.py):
-        lines.resp_answer_a[0] = answer_a        # after out, b before a (x86-64 keeps the order of stores)
         lines.resp_status[0] = status
         lines.resp_experts[0] = num_experts
         lines.resp_compute_ns[0] = compute_ns

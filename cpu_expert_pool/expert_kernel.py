@@ -33,13 +33,11 @@ class LayerStats:
 
 def torch_moe_layer(store: ExpertStore, layer: int, hidden: torch.Tensor, token_idx: torch.Tensor,
                     expert_id: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> LayerStats:
-    """hidden [T, H] bf16/fp32, token_idx/expert_id [n] int32, weight [n] fp32, out [T, H] fp32 (overwritten,
-    once: the sums build up in a private tensor, as in the compiled kernel; proto/shm_layout.py says why)."""
+    """hidden [T, H] bf16/fp32, token_idx/expert_id [n] int32, weight [n] fp32, out [T, H] fp32 (overwritten)."""
     _check_triples(store, hidden.shape[0], token_idx, expert_id)
+    out.zero_()
     if token_idx.numel() == 0:
-        out.zero_()
         return LayerStats(0, 0)
-    acc = torch.zeros_like(out)
     inter = store.shape.intermediate
     x = hidden.to(store.dtype)                                           # [T, H]
     order = torch.argsort(expert_id, stable=True)
@@ -53,8 +51,7 @@ def torch_moe_layer(store: ExpertStore, layer: int, hidden: torch.Tensor, token_
         gate_up = F.linear(x[toks], w13)                                 # [B, 2I]
         h = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]              # [B, I]
         y = F.linear(h, w2)                                              # [B, H]
-        acc.index_add_(0, toks, y.float() * weight[rows, None])
-    out.copy_(acc)
+        out.index_add_(0, toks, y.float() * weight[rows, None])
     return LayerStats(len(counts), len(counts) * store.expert_bytes)
 
 

@@ -28,7 +28,7 @@ Channel region (one segment per CPU worker; offsets in bytes; every array is 4 K
     1536  | slot 0 request line: seq i64, layer i32, num_tokens i32,          |  64 B  (client)
           |                      num_triples i32                              |
     1600  | slot 0 response line: seq i64, status i32, num_experts i32,       |  64 B  (worker)
-          |                       compute_ns i64, answer_a u64, answer_b u64  |
+          |                       compute_ns i64                              |
     1664  | slot 1 request line, 1728 slot 1 response line                    |
     4096  +------------------------------------------------------------------+
           | slot 0: hidden    [T_max, H]     hidden_dtype (bf16 or fp32)     |
@@ -54,22 +54,11 @@ registered with cudaHostRegister)::
       (seq=n, layer, T, N)
     request_seq = n        ------------->    sees request_seq >= done_seq + 1 = n
                                              finds the slot whose request seq == n
-                                             computes sum_k w_k * FFN_e(x) privately, then writes
-                                               out[:T] once, each word its final value (OK only)
-                                             answer_b, then answer_a (tagged words, below)
-                                             response line (status, experts, compute_ns, then seq=n)
+                                             computes out[:T] = sum_k w_k * FFN_e(x)
+                                             response line (seq=n, status, compute_ns)
     spin on done_seq >= n  <-------------   done_seq = n
     check response seq == n, status == OK
     read out[:T] (valid until slot reused)
-
-The device hand-off reads the answer in one PCIe round instead of two (kernels/handoff): before ringing,
-its ring fills out[:T] with OUT_SENTINEL (a signalling-NaN bit pattern no computation produces); its
-join then loads its block of out[:T] and the two answer words together, again and again, until no
-word is the sentinel and (its program 0) both answer words carry the request's tag. Each word proves
-itself (4-byte floats, 8-byte answer words: single aligned stores on x86-64), so no load has to wait
-behind an acquire of seq. answer_a = tag << 32 | status << 24 | num_experts (24 bits), answer_b =
-tag << 32 | compute_ns (32 bits, clamped), tag = seq mod 2**32 (pack_answer / unpack_answer). A worker
-that fails writes no out word, so an error is seen in answer_a's status.
 
 Worker (re)start: state=STARTING, pid, epoch += 1, done_seq = request_seq (requests of a dead
 predecessor are dropped: the client already gave up on them), then SERVING. Clean exit: STOPPED.
@@ -406,7 +395,7 @@ def cuda_host_unregister(address: int) -> None:
 # The hot-path channel
 # ---------------------------------------------------------------------------------------------
 CHANNEL_MAGIC = b"FTCHAN01"
-CHANNEL_VERSION = 2               # 2: answer words, write-once out (the one-round device join)
+CHANNEL_VERSION = 1
 NUM_SLOTS = 2
 CHANNEL_META_CAPACITY_BYTES = 1024 - COMMON_HEADER_BYTES
 CONTROL_PAGE_BYTES = PAGE_BYTES
@@ -442,29 +431,7 @@ HIDDEN_ITEM_BYTES = {"bfloat16": 2, "float32": 4}
 
 # Request line (client) and response line (worker) of a slot: numpy structured dtypes.
 REQUEST_LINE = np.dtype([("seq", "<i8"), ("layer", "<i4"), ("num_tokens", "<i4"), ("num_triples", "<i4")])
-RESPONSE_LINE = np.dtype([("seq", "<i8"), ("status", "<i4"), ("num_experts", "<i4"), ("compute_ns", "<i8"),
-                          ("answer_a", "<u8"), ("answer_b", "<u8")])
-ANSWER_A_OFFSET, ANSWER_B_OFFSET = 24, 32             # byte offsets in the response line (8-byte aligned)
-OUT_SENTINEL = 0x7FBADBAD                             # fp32 bits the device ring writes into out[:T]: a
-                                                      # signalling NaN, never the result of arithmetic
-ANSWER_EXPERTS_MAX = (1 << 24) - 1
-ANSWER_COMPUTE_NS_MAX = (1 << 32) - 1
-
-
-def answer_tag(seq: int) -> int:
-    return seq & 0xFFFFFFFF
-
-
-def pack_answer(seq: int, status: int, num_experts: int, compute_ns: int) -> tuple[int, int]:
-    """(answer_a, answer_b) of a response, as unsigned 64-bit words (see the state machine above)."""
-    tag = answer_tag(seq) << 32
-    a = tag | (status & 0xFF) << 24 | min(max(num_experts, 0), ANSWER_EXPERTS_MAX)
-    return a, tag | min(max(compute_ns, 0), ANSWER_COMPUTE_NS_MAX)
-
-
-def unpack_answer(a: int, b: int) -> tuple[int, int, int, int, int]:
-    """(tag of a, tag of b, status, num_experts, compute_ns) of two answer words."""
-    return a >> 32, b >> 32, (a >> 24) & 0xFF, a & ANSWER_EXPERTS_MAX, b & ANSWER_COMPUTE_NS_MAX
+RESPONSE_LINE = np.dtype([("seq", "<i8"), ("status", "<i4"), ("num_experts", "<i4"), ("compute_ns", "<i8")])
 
 
 @dataclasses.dataclass(frozen=True)

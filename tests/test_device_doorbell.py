@@ -14,7 +14,6 @@ import threading
 import time
 import uuid
 
-import numpy as np
 import pytest
 import torch
 
@@ -22,8 +21,6 @@ from conftest import KERNEL_DEVICE
 from cpu_expert_pool.reference import reference_moe_layer
 from gpu_worker.hybrid.device_doorbell import DeviceDoorbell
 from kernels import handoff
-from proto.shm_layout import (ANSWER_A_OFFSET, ANSWER_B_OFFSET, OUT_SENTINEL, RESPONSE_LINE, STATUS_BAD_REQUEST,
-                              STATUS_COMPUTE_ERROR, STATUS_OK, pack_answer, unpack_answer)
 from tests.cpu_pool_util import channel, procs, random_store, serve_channel  # noqa: F401 (fixtures)
 from tests.test_stream_doorbell import stop_worker, wait_until
 
@@ -191,57 +188,6 @@ def test_the_join_records_how_long_it_waited_for_the_worker(store, served):
     assert db.counters()["wait_ns"] == waited + ready
 
 
-@pytest.mark.parametrize("case", ["complete", "one word left", "answer_b stale", "error status"])
-def test_the_join_takes_an_answer_only_when_every_word_is_the_requests(store, served, case):
-    """The one-round join (proto/shm_layout.py): the ring fills out[:T] with the sentinel; out words still
-    holding it, or an answer word tagged for another request, are no answer (the call fails when the
-    watchdog gives up on the stopped worker); the same words complete are one, worker or not; a tagged
-    error status fails the call at once, without the response line."""
-    proc, client, _ = served
-    db, _, src, dst = ring_a_stopped_worker(served, seed=21, T=2, deadline_s=0.5, poll_s=1e-3)
-    if dst.is_cuda:
-        torch.cuda.synchronize()
-    seq = int(client._words.request_seq[0])
-    out = client._views.slots[0].out[:2]
-    lines = client._lines[0]
-    assert (out.view(np.uint32) == OUT_SENTINEL).all()               # the ring's sentinel, every word
-    partial = torch.randn(2, H, generator=torch.Generator().manual_seed(5))
-    a, b = pack_answer(seq, STATUS_COMPUTE_ERROR if case == "error status" else STATUS_OK, 3, 1234)
-    if case != "error status":
-        out[:] = partial.numpy()
-    if case == "one word left":
-        out[1, 5:6].view(np.uint32)[:] = OUT_SENTINEL
-    if case == "answer_b stale":
-        b = pack_answer(seq - 2, STATUS_OK, 3, 1234)[1]              # the slot's previous request's word
-    lines.resp_answer_b[0], lines.resp_answer_a[0] = b, a
-    join_now(db, 0, src, dst)
-    c = db.counters()
-    if case != "error status":                     # what the host wrote is still there (no GPU write-back)
-        assert (out.view(np.uint32) == OUT_SENTINEL).sum() == (case == "one word left")
-    if case == "complete":
-        assert db.failure() == 0, db.failure_reason()
-        assert torch.equal(dst.cpu(), src.cpu() + partial)
-        assert (c["answered"], c["experts"], c["compute_ns"]) == (1, 3, 1234)
-    else:
-        want = handoff.FAIL_STATUS if case == "error status" else (handoff.FAIL_ABORTED, handoff.FAIL_TIMEOUT)
-        assert db.failure() in (want if isinstance(want, tuple) else (want,))
-        assert torch.equal(dst, src) and c["answered"] == 0 and c["failed"] == 1
-    proc.signal(signal.SIGKILL)
-
-
-def test_the_answer_words_pack_and_unpack():
-    a, b = pack_answer((5 << 32) + 7, STATUS_BAD_REQUEST, 70_000, 2 ** 40)          # tags keep seq mod 2**32
-    assert unpack_answer(a, b) == (7, 7, STATUS_BAD_REQUEST, 70_000, 2 ** 32 - 1)   # compute_ns clamped
-    assert unpack_answer(*pack_answer(1, STATUS_OK, 2 ** 30, -5)) == (1, 1, STATUS_OK, 2 ** 24 - 1, 0)
-    assert a < 2 ** 64 and b < 2 ** 64
-    fields = RESPONSE_LINE.fields
-    assert fields["answer_a"][1] == handoff.triton_kernels.RESP_ANSWER_A == ANSWER_A_OFFSET
-    assert fields["answer_b"][1] == handoff.triton_kernels.RESP_ANSWER_B == ANSWER_B_OFFSET
-    assert ANSWER_A_OFFSET % 8 == 0 and ANSWER_B_OFFSET % 8 == 0 and RESPONSE_LINE.itemsize <= 64
-    sentinel = np.array([OUT_SENTINEL], dtype=np.uint32).view(np.float32)
-    assert np.isnan(sentinel).all() and np.array([np.nan, -np.nan], np.float32).view(np.uint32)[0] != OUT_SENTINEL
-
-
 def test_a_killed_worker_aborts_the_wait_and_later_rings_do_nothing_until_reset(store, channel, served, procs):
     proc, client, _ = served
     aborts = []
@@ -396,8 +342,8 @@ def test_the_deadline_lives_in_the_state_and_a_stale_abort_is_cleared_on_arm(sto
 
 def test_the_kernels_compile_for_sm90_without_a_gpu():
     """Triton's real compiler on the hand-off kernels and the plan copy (the interpreter accepts what
-    PTX may not): the inline PTX assembles, the ring fences, the join polls with ld.global.cv and no acquire,
-    and the plan copy's mapped-memory reads are 16-byte vectors."""
+    PTX may not): the inline PTX assembles, the ring fences, the join spins with acquire loads, and the
+    mapped-memory reads are 16-byte vectors."""
     import subprocess
     import sys
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
@@ -409,12 +355,9 @@ def test_the_kernels_compile_for_sm90_without_a_gpu():
     assert "ld.global.v4 2" in rows["plan copy prefetch"] and "cp.async.bulk.prefetch.L2 1" in rows["plan copy prefetch"]
     assert "fence.acq_rel.sys 2" in rows["ring owner bf16"]
     join = dict(zip(rows["join bf16 -> fp32"].split()[::2], map(int, rows["join bf16 -> fp32"].split()[1::2])))
-    # the one-round join: no acquire (nothing waits behind a load); its polls are ld.global.cv through inline
-    # PTX (whatever the Triton version does with tl.load's cache modifier), three rounds in the code (before
-    # the loop, in it, after it); the ring's sentinel is written through
-    assert join["ld.acquire.sys"] == 0 and join["ld.global.cv.b32"] >= 3 and join["%globaltimer"] >= 1
-    ring = dict(zip(rows["ring owner bf16"].split()[::2], map(int, rows["ring owner bf16"].split()[1::2])))
-    assert ring["st.global.wt"] >= 1
+    # the join polls with acquire loads, then reads the partial sums as 16-byte vectors: `.cv` ones where the
+    # Triton version emits the modifier (3.9 in CI), plain ones where it does not (3.6 on the H200 machine)
+    assert join["ld.acquire.sys"] >= 1 and join["ld.global.cv.v4"] + join["ld.global.v4"] >= 2
 
 
 def _count_reference(ids: torch.Tensor, fetched: int, missing: int, offload: bool) -> list[int]:

@@ -330,7 +330,6 @@ static pthread_mutex_t g_lock = PTHREAD_MUTEX_INITIALIZER;
 typedef struct { void *ptr; size_t bytes; } buffer;
 static buffer g_meta = {NULL, 0};     /* the sort and per-group offsets */
 static buffer g_work = {NULL, 0};     /* converted x, h, packed x */
-static buffer g_acc = {NULL, 0};      /* the sums, [T, H] fp32: out is written once, at the end */
 
 static size_t align_up(size_t v) { return (v + ALIGN_BYTES - 1) / ALIGN_BYTES * ALIGN_BYTES; }
 
@@ -447,11 +446,6 @@ int ft_moe_layer(int isa, int num_threads,
     if (!w) { pthread_mutex_unlock(&g_lock); return ERR_NO_MEMORY; }
     void *xconv = w, *hbuf = w + off_h;
     uint16_t *xv = (uint16_t *)(w + off_xv);
-    /* The sums build up in acc; each thread then copies its finished columns to out, so every word of
-       out is written once, with its final value: a reader polling out (the device hand-off's join,
-       proto/shm_layout.py) never sees a partial sum. */
-    float *acc = (float *)reserve(&g_acc, (size_t)T * H * 4);
-    if (!acc) { pthread_mutex_unlock(&g_lock); return ERR_NO_MEMORY; }
 
     const uint8_t *base = (const uint8_t *)layer_base;
     const int64_t w2_off_elems = (int64_t)2 * I * H;
@@ -467,7 +461,7 @@ int ft_moe_layer(int isa, int num_threads,
 #endif
         /* phase 0: zero out[T, H], convert x where the ISA wants the other format */
         int64_t t0 = (int64_t)T * tid / nth, t1 = (int64_t)T * (tid + 1) / nth;
-        memset(acc + t0 * H, 0, (size_t)(t1 - t0) * H * 4);
+        memset(out + t0 * H, 0, (size_t)(t1 - t0) * H * 4);
         if (need_x) {
             for (int64_t i = t0 * H; i < t1 * H; ++i) {
                 if (use_bf16) ((uint16_t *)xconv)[i] = f32_to_bf16(((const float *)hidden)[i]);
@@ -536,7 +530,7 @@ int ft_moe_layer(int isa, int num_threads,
                         amx_two_blocks(w2 + (int64_t)j * I, w2 + (int64_t)(j + (two ? TILE : 0)) * I, I, I,
                                        (const uint16_t *)h + (int64_t)tb * I, c0, c1);
                         for (int nn = 0; nn < TILE && tb + nn < B; ++nn) {
-                            float *o = acc + (int64_t)stok[start + tb + nn] * H + j;
+                            float *o = out + (int64_t)stok[start + tb + nn] * H + j;
                             const float wt = swt[start + tb + nn];
                             for (int r = 0; r < TILE; ++r) o[r] += wt * c0[r * TILE + nn];
                             if (two) for (int r = 0; r < TILE; ++r) o[TILE + r] += wt * c1[r * TILE + nn];
@@ -546,11 +540,8 @@ int ft_moe_layer(int isa, int num_threads,
                 continue;
             }
 #endif
-            phase2_rows_dot(isa, use_bf16, w2, H, I, j0, j1, h, stok + start, swt + start, B, iota, acc, ra, rb);
+            phase2_rows_dot(isa, use_bf16, w2, H, I, j0, j1, h, stok + start, swt + start, B, iota, out, ra, rb);
         }
-        /* columns [j0, j1) of every token are this thread's alone and final: publish them */
-        for (int t = 0; t < T && j1 > j0; ++t)
-            memcpy(out + (int64_t)t * H + j0, acc + (int64_t)t * H + j0, (size_t)(j1 - j0) * 4);
 #if defined(__x86_64__)
         if (amx) amx_release();
 #endif

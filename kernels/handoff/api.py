@@ -31,8 +31,8 @@ def ring(x: torch.Tensor, ids: torch.Tensor, routes: torch.Tensor, weights: torc
     """Hand the routes at -1 whose expert `member` owns (all of them when owner is None) to a CPU worker.
 
     x [T, H] (rows contiguous); ids, routes [T, K] int (router ids, slot ids after ensure); weights [T, K];
-    addrs: device addresses of the slot's hidden/token_idx/expert_id/weight/out buffers (out[:T] is filled
-    with the sentinel the join polls for), its request line ("line") and the channel's "request_seq"; fail [1] int32 and state [STATE_WORDS] int64 on the device.
+    addrs: device addresses of the slot's hidden/token_idx/expert_id/weight buffers, its request line
+    ("line") and the channel's "request_seq"; fail [1] int32 and state [STATE_WORDS] int64 on the device.
     always_ring: ring even when no route is left to this member (benchmarks of the bare round trip)."""
     from .triton_kernels import ring_kernel
     T, H = x.shape
@@ -45,7 +45,7 @@ def ring(x: torch.Tensor, ids: torch.Tensor, routes: torch.Tensor, weights: torc
     R, K = ids.numel(), ids.shape[1]
     ring_kernel[(1,)](x, x.stride(0), T, H, ids, routes, weights, R, K,
                       owner if owner is not None else state, owner_off, member,
-                      addrs["hidden"], addrs["token_idx"], addrs["expert_id"], addrs["weight"], addrs["out"],
+                      addrs["hidden"], addrs["token_idx"], addrs["expert_id"], addrs["weight"],
                       addrs["line"], addrs["request_seq"], fail, state, slot, layer,
                       HIDDEN_BF16=hidden_bf16, ALWAYS_RING=always_ring, USE_OWNER=owner is not None, BLOCK_R=RING_BLOCK_R,
                       BLOCK_H=RING_BLOCK_H, ON_GPU=on_gpu, num_warps=RING_WARPS)
@@ -67,7 +67,7 @@ def join(src: torch.Tensor, dst: torch.Tensor, *, addrs: dict[str, int], fail: t
     grid = (max(1, -(-numel // JOIN_BLOCK)),)
     join_kernel[grid](src, dst, numel, addrs["out"], addrs["line"], addrs["done_seq"], addrs["abort"],
                       fail, addrs["host_fail"], state, slot,
-                      SAME=src.data_ptr() == dst.data_ptr(), BLOCK=JOIN_BLOCK, LANES=32 * JOIN_WARPS, ON_GPU=on_gpu,
+                      SAME=src.data_ptr() == dst.data_ptr(), BLOCK=JOIN_BLOCK, ON_GPU=on_gpu,
                       num_warps=JOIN_WARPS)
 
 

@@ -18,15 +18,15 @@ def cases():
     ring_sig = {"x_ptr": "*bf16", "stride_x": "i32", "T": "i32", "H": "i32", "ids_ptr": "*i32",
                 "routes_ptr": "*i32", "w_ptr": "*fp32", "R": "i32", "K": "i32", "owner_ptr": "*i32",
                 "owner_off": "i32", "member": "i32", "hidden_addr": "i64", "token_addr": "i64",
-                "expert_addr": "i64", "weight_addr": "i64", "out_addr": "i64", "line_addr": "i64", "request_seq_addr": "i64",
+                "expert_addr": "i64", "weight_addr": "i64", "line_addr": "i64", "request_seq_addr": "i64",
                 "fail_ptr": "*i32", "state_ptr": "*i64", "slot": "i32", "layer": "i32",
                 "HIDDEN_BF16": "constexpr", "ALWAYS_RING": "constexpr", "USE_OWNER": "constexpr",
                 "BLOCK_R": "constexpr", "BLOCK_H": "constexpr", "ON_GPU": "constexpr"}
     join_sig = {"src_ptr": "*bf16", "dst_ptr": "*fp32", "numel": "i32", "out_addr": "i64", "line_addr": "i64",
                 "done_seq_addr": "i64", "abort_addr": "i64", "fail_ptr": "*i32", "host_fail_addr": "i64",
                 "state_ptr": "*i64", "slot": "i32", "SAME": "constexpr",
-                "BLOCK": "constexpr", "LANES": "constexpr", "ON_GPU": "constexpr"}
-    from .api import JOIN_BLOCK, JOIN_WARPS, RING_BLOCK_H, RING_BLOCK_R
+                "BLOCK": "constexpr", "ON_GPU": "constexpr"}
+    from .api import JOIN_BLOCK, RING_BLOCK_H, RING_BLOCK_R
     ring = dict(HIDDEN_BF16=True, ALWAYS_RING=False, USE_OWNER=True, BLOCK_R=RING_BLOCK_R, BLOCK_H=RING_BLOCK_H,
                 ON_GPU=True)
     copy_sig = {"slots_ptr": "*i16", "host_addr": "i64", "host_row_words": "i32", "evict_ptr": "*i32",
@@ -38,9 +38,9 @@ def cases():
             ("ring owner bf16", "ring_kernel", ring_sig, ring),
             ("ring all fp32", "ring_kernel", {**ring_sig, "x_ptr": "*fp32"},
              {**ring, "HIDDEN_BF16": False, "USE_OWNER": False, "ALWAYS_RING": True}),
-            ("join bf16 -> fp32", "join_kernel", join_sig, dict(SAME=False, BLOCK=JOIN_BLOCK, LANES=32 * JOIN_WARPS, ON_GPU=True)),
+            ("join bf16 -> fp32", "join_kernel", join_sig, dict(SAME=False, BLOCK=JOIN_BLOCK, ON_GPU=True)),
             ("join fp32 in place", "join_kernel", {**join_sig, "src_ptr": "*fp32"},
-             dict(SAME=True, BLOCK=JOIN_BLOCK, LANES=32 * JOIN_WARPS, ON_GPU=True)),
+             dict(SAME=True, BLOCK=JOIN_BLOCK, ON_GPU=True)),
             ("count call", "count_call_kernel",
              {"counts_ptr": "*i64", "ids_ptr": "*i32", "n": "i32", "num_indices_ptr": "*i32",
               "num_missing_ptr": "*i32", "OFFLOAD": "constexpr", "BLOCK": "constexpr"},
@@ -68,8 +68,7 @@ def main(argv: list[str] | None = None) -> int:
         compiled = compile_for_arch(fn, signature, constexprs, args.arch, divisible=aligned)
         ptx = compiled.asm["ptx"]
         counts = {op: ptx.count(op) for op in ("ld.acquire.sys", "fence.acq_rel.sys", "%globaltimer", "bar.sync",
-                                               "ld.global.v4", "ld.global.cv.v4", "ld.global.cv.b32", "st.global.v4",
-                                               "st.global.wt",
+                                               "ld.global.v4", "ld.global.cv.v4", "st.global.v4",
                                                "cp.async.bulk.prefetch.L2")}
         print(f"{name:22s} " + "  ".join(f"{k} {v}" for k, v in counts.items()))
         if args.ptx:
