@@ -263,10 +263,14 @@ def _record_copy_then_ffn(monkeypatch, split_copy, fail_second_copy=False, after
     w13, w2 = unpack_experts(slots, layout)
     cache = SlotCache.create(1, 6, 4, device="cpu")
     x, ids, w = torch.zeros(1, 32), torch.zeros(1, 2, dtype=torch.long), torch.zeros(1, 2)
-    hook = (lambda: log.append(("after fork", current[-1]))) if after_fork else None
+    def hook():
+        log.append(("after fork", current[-1]))
+        if after_fork == "raise":
+            raise RuntimeError("ring launch failed")
     try:
         out = oe.copy_then_ffn(slots, slots, cache, 2, x, ids, w, w13, w2, mode="gemv",
-                               side_stream=side_stream if side else None, split_copy=split_copy, after_fork=hook)
+                               side_stream=side_stream if side else None, split_copy=split_copy,
+                               after_fork=hook if after_fork else None)
     except RuntimeError as exc:
         log.append(("raised", str(exc)))
     else:
@@ -304,6 +308,14 @@ def test_after_fork_runs_on_the_compute_stream_beside_the_copy(monkeypatch):
     assert log[5] == ("gate/up off the plan", "compute")
     log, _ = _record_copy_then_ffn(monkeypatch, split_copy=True, after_fork=True, side=False)
     assert log == [("after fork", "compute"), ("copy", "compute", None)]
+    log, _ = _record_copy_then_ffn(monkeypatch, split_copy=False, after_fork=True)
+    assert log[:3] == [("wait_stream", "side", "compute"), ("copy", "side", None), ("after fork", "compute")]
+
+
+def test_a_raising_after_fork_still_joins_the_side_stream(monkeypatch):
+    log, _ = _record_copy_then_ffn(monkeypatch, split_copy=True, after_fork="raise")
+    assert log[-3:] == [("after fork", "compute"), ("wait_stream", "compute", "side"),
+                        ("raised", "ring launch failed")]
 
 
 def test_a_failed_copy_launch_still_joins_the_side_stream(monkeypatch):

@@ -357,7 +357,8 @@ def test_the_kernels_compile_for_sm90_without_a_gpu():
     join = dict(zip(rows["join bf16 -> fp32"].split()[::2], map(int, rows["join bf16 -> fp32"].split()[1::2])))
     # the join polls with acquire loads, then reads the partial sums as 16-byte vectors: `.cv` ones where the
     # Triton version emits the modifier (3.9 in CI), plain ones where it does not (3.6 on the H200 machine)
-    assert join["ld.acquire.sys"] >= 1 and join["ld.global.cv.v4"] + join["ld.global.v4"] >= 2
+    # (besides the two plain vector loads of src): 2 x .cv where emitted, else 2 more plain ones
+    assert join["ld.acquire.sys"] >= 1 and (join["ld.global.cv.v4"] == 2 or join["ld.global.v4"] >= 4)
 
 
 def _count_reference(ids: torch.Tensor, fetched: int, missing: int, offload: bool) -> list[int]:

@@ -26,9 +26,10 @@ doorbell, the wait for the worker and the partial-sum copy up are enqueued on th
 stream-ordered add; the host checks each call's validity (host-memory polling, no CUDA call) before
 the layer returns, so a failed share is fetched instead exactly as in "host" (docs/HYBRID.md).
 handoff="device": decode-sized forwards (T*K <= gather_max_pairs) make no host sync at all, so the
-engine captures the decode step in a CUDA graph: ensure, then per pool member one `ring` kernel (its
-triples and the hidden states written into its registered channel, request_seq rung), the copy plan
-as a kernel (kernels/expert_copy), the GEMMs, then one `join` kernel per member (spin on done_seq,
+engine captures the decode step in a CUDA graph: ensure, the copy plan as a kernel (kernels/expert_copy,
+on the side stream in the gemv mode), beside it per pool member one `ring` kernel (its triples and the
+hidden states written into its registered channel, request_seq rung), the GEMMs, then one `join` kernel
+per member (spin on done_seq,
 add the partial sums in place). A failed share cannot be fetched inside the graph: the join leaves
 it out and raises a flag, later rings of the step do nothing, and after the step the engine asks
 `step_end()`, which marks the worker failed and has the step re-run as offload (a decode step is
@@ -295,8 +296,9 @@ class HybridExperts:
 
     def _forward_device(self, layer_idx: int, x: torch.Tensor, ids: torch.Tensor, routes: torch.Tensor,
                         topk_weights: torch.Tensor, to_cpu: bool) -> torch.Tensor:
-        """One layer without a host sync (see the module docstring): ensure, ring each member, copy plan
-        as a kernel, GEMMs over slot ids, join each member's partial sums into an fp32 total."""
+        """One layer without a host sync (see the module docstring): ensure, the copy plan as a kernel
+        with each member's ring beside it (gemv mode with the overlap; else the rings first), GEMMs over
+        slot ids, join each member's partial sums into an fp32 total."""
         T, K = ids.shape
         c, p = self.cache, self.policy
         if to_cpu:
@@ -306,7 +308,7 @@ class HybridExperts:
                    select=p["fetch_select"], promote=bool(p["promote"]), check_ids=False)
         max_copies = min(T * K, c.num_slots)
 
-        def ring_and_count() -> None:  # beside the plan copy (copy_then_ffn): neither waits for the other
+        def ring_and_count() -> None:  # copy_then_ffn's after_fork: beside the plan copy on the side stream
             if to_cpu:
                 weights = topk_weights.float().contiguous()
                 for m in self.pool.members:

@@ -76,9 +76,11 @@ def copy_then_ffn(slots: torch.Tensor, host_layer: torch.Tensor, cache: SlotCach
     for the first part only and runs while the w2 rows are still crossing the link, so after the last
     byte lands only their down and the sum are left. Bit-identical to the serial order either way
     (the same launches read the same bytes); graph-capturable (the side stream forks from and joins
-    the capturing stream). `after_fork` (work that reads the plan but not the slots: counters, the CPU
-    hand-off's ring) runs on the compute stream right after the copy is launched, beside it; without the
-    overlap, before the copy."""
+    the capturing stream). `after_fork` (the counters, the CPU hand-off's rings) runs on the compute
+    stream right after the copy is launched, beside it; without the overlap, before the copy. It must
+    not read or write the slots, nor write the plan, the routes or x. If it raises after the fork, the
+    side stream is joined and the error re-raised; without the overlap it raises before the copy, and
+    the layer's slots that `ensure` just mapped are left unfilled (as when any launch fails there)."""
     c = cache
 
     def copy(cols: tuple[int, int] | None = None) -> None:

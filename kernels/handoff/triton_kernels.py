@@ -226,6 +226,8 @@ def join_kernel(
         answered = (rseq == seq) | (done >= seq)
         # Behind the acquire that saw the response, in one round: the partial sums, status, counters
         # (.cv: fetched again, never from a cache; vector loads, where volatile would split them into words).
+        # Triton 3.6 (the H200 machine) emits these as plain ld.global: still fresh, because they come after
+        # the acquire that saw the response (docs/HYBRID.md, "A one-round join, tried").
         out_p = tl.multiple_of(out_addr.to(tl.pointer_type(tl.float32)), 16)     # page-aligned channel buffer
         part = tl.load(out_p + offs, mask=m, other=0.0, cache_modifier=".cv")     # used only where ok
         status = tl.load((resp + _RESP_STATUS).to(tl.pointer_type(tl.int32)), cache_modifier=".cv")
