@@ -29,8 +29,7 @@ handoff="device": decode-sized forwards (T*K <= gather_max_pairs) make no host s
 engine captures the decode step in a CUDA graph: ensure, the copy plan as a kernel (kernels/expert_copy,
 on the side stream in the gemv mode), beside it per pool member one `ring` kernel (its triples and the
 hidden states written into its registered channel, request_seq rung), the GEMMs, then one `join` kernel
-per member (spin on done_seq,
-add the partial sums in place). A failed share cannot be fetched inside the graph: the join leaves
+per member (spin on done_seq, add the partial sums in place). A failed share cannot be fetched inside the graph: the join leaves
 it out and raises a flag, later rings of the step do nothing, and after the step the engine asks
 `step_end()`, which marks the worker failed and has the step re-run as offload (a decode step is
 idempotent: the same K/V rows are rewritten). Eager calls (graph warm-ups, no graphs) check the
