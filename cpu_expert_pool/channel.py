@@ -393,6 +393,21 @@ class WorkerChannel(_ChannelEnd):
     def has_request(self) -> bool:
         return self._words.request_seq[0] > self._done
 
+    @property
+    def done(self) -> int:
+        """The last request answered (this end's copy of done_seq)."""
+        return self._done
+
+    @done.setter
+    def done(self, seq: int) -> None:
+        """After requests were answered elsewhere on this end's behalf (the C loop, native_loop.py)."""
+        self._done = int(seq)
+
+    @property
+    def views(self) -> ChannelViews:
+        """numpy views of the mapped channel (their addresses stay valid until close())."""
+        return self._views
+
     def next_request(self) -> Request | None:
         """The next request in order, or None. A request whose slot is missing is answered at once."""
         if self._words.request_seq[0] <= self._done:
@@ -443,6 +458,10 @@ class IdleWaiter:
         self._last_work_ns = time.monotonic_ns()
         self._spin_until_ns = 0
         self._sleep_s = policy.sleep_min_s
+
+    @property
+    def last_work_ns(self) -> int:
+        return self._last_work_ns
 
     def worked(self, now_ns: int) -> None:
         self._last_work_ns = now_ns

@@ -99,6 +99,15 @@ class ExpertKernel:
     def name(self) -> str:
         return "torch" if self._native is None else f"native-{ISA_NAMES[self._isa]}"
 
+    def serve_loop(self, channel, *, split, worker_index: int):
+        """The C loop (cpu_expert_pool/native_loop.py) around this kernel for `channel`, or None with the
+        torch kernel (the Python loop then serves)."""
+        if self._native is None:
+            return None
+        from cpu_expert_pool.native_loop import NativeServeLoop
+        return NativeServeLoop(self._native, channel, self.store, isa=self._isa, num_threads=self.num_threads,
+                               split=split, worker_index=worker_index)
+
     def pin_threads(self, cpus: list[int]) -> bool:
         """Pin compute thread i to cpus[i] (needs the compiled library; best effort)."""
         if self._native is None or len(cpus) != self.num_threads:

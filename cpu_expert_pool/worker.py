@@ -19,6 +19,7 @@ import torch
 
 from cpu_expert_pool.channel import ChannelBusy, IdlePolicy, IdleWaiter, Request, WorkerChannel
 from cpu_expert_pool.expert_kernel import ExpertKernel, LayerStats
+from cpu_expert_pool.native_loop import SERVE_DEADLINE, SERVE_PYTHON, NativeServeLoop, native_loop_wanted
 from cpu_expert_pool.native.build import ISA_NAMES, try_load_native
 from cpu_expert_pool.split import ExpertSplit
 from cpu_expert_pool.topology import SYSFS_ROOT, WorkerPlacement, bind_current_process, discover_placements
@@ -122,6 +123,8 @@ class CpuWorker:
         self.split_epoch = 0
         self.idle = IdleWaiter(self._policy(self.config))
         self.heartbeat_interval_ns = int(self.config.heartbeat_interval_ms * 1e6)
+        self._loop: NativeServeLoop | None = None       # the C hot loop, built on first use
+        self._loop_wanted = native_loop_wanted()
         self.apply_config(self.config)
 
     @staticmethod
@@ -139,6 +142,7 @@ class CpuWorker:
                 log.info("kernel %s, %d threads%s", self.kernel.name, num_threads,
                          ", pinned one per core" if pinned else "")
         self.config = config
+        self._loop = None                                # rebuilt around the (new) kernel
         self.idle.policy = self._policy(config)
         self.heartbeat_interval_ns = int(config.heartbeat_interval_ms * 1e6)
         if config.owner_map:
@@ -148,6 +152,7 @@ class CpuWorker:
         self.split = ExpertSplit.from_bytes(owner_map, self.store.num_layers, self.store.num_experts,
                                             self.options.num_workers)
         self.split_epoch = epoch
+        self._loop = None                                # rebuilt with the new owner map
         log.info("expert split epoch %d: this worker owns %d (layer, expert) pairs", epoch,
                  self.split.num_owned(self.options.worker_index))
 
@@ -187,6 +192,14 @@ class CpuWorker:
                        self.kernel.num_threads, warmup_gbps, self.split_epoch, self.channel.epoch)
 
     # -- hot path -------------------------------------------------------------------------------
+    def native_loop(self) -> NativeServeLoop | None:
+        """The C loop around the compiled kernel (None: the torch kernel, or FT_WORKER_LOOP=python)."""
+        if self._loop is None and self._loop_wanted:
+            assert self.kernel is not None
+            self._loop = self.kernel.serve_loop(self.channel, split=self.split,
+                                                worker_index=self.options.worker_index)
+        return self._loop
+
     def serve(self, req: Request) -> None:
         assert self.kernel is not None
         t0 = time.perf_counter_ns()
@@ -239,15 +252,27 @@ class CpuWorker:
 
 
 def cpu_busy_loop(worker: CpuWorker, inbox: queue.Queue) -> None:
-    """Serve the channel until a Shutdown arrives. No sockets here: control arrives through `inbox`."""
+    """Serve the channel until a Shutdown arrives. No sockets here: control arrives through `inbox`.
+
+    With the compiled kernel, requests are answered in C (native_loop.py) until the next housekeeping
+    time (heartbeat, control messages) or an idle stretch; a request C leaves (malformed, a kernel error)
+    is answered here in Python, as all are with the torch kernel."""
     channel, idle = worker.channel, worker.idle
     next_housekeeping_ns = 0
     while True:
-        req = channel.next_request()
-        if req is not None:
-            worker.serve(req)
-            idle.worked(time.monotonic_ns())
-            continue
+        loop = worker.native_loop()
+        code = SERVE_PYTHON
+        if loop is not None:
+            code, last_ns = loop.run(next_housekeeping_ns, int(idle.policy.hot_s * NS_PER_S), idle.last_work_ns)
+            loop.drain_stats(worker.stats)
+            if last_ns != idle.last_work_ns:
+                idle.worked(last_ns)
+        if code == SERVE_PYTHON:
+            req = channel.next_request()
+            if req is not None:
+                worker.serve(req)
+                idle.worked(time.monotonic_ns())
+                continue
         now_ns = time.monotonic_ns()
         if now_ns >= next_housekeeping_ns:
             channel.beat(now_ns)
@@ -255,7 +280,8 @@ def cpu_busy_loop(worker: CpuWorker, inbox: queue.Queue) -> None:
             while not inbox.empty():
                 if not worker.handle(inbox.get_nowait()):
                     return
-        idle.pause(now_ns)
+        if code != SERVE_DEADLINE:               # the C loop returned at its deadline: no idle pause owed
+            idle.pause(now_ns)
 
 
 def _wait_store_ready(store: ExpertStore, timeout_s: float) -> None:

@@ -10,7 +10,7 @@ import uuid
 import pytest
 import torch
 
-from cpu_expert_pool.channel import CpuPoolClient, WorkerDead, WorkerTimeout
+from cpu_expert_pool.channel import CpuPoolClient, WorkerDead, WorkerError, WorkerTimeout
 from cpu_expert_pool.proc import ControlServer
 from cpu_expert_pool.reference import reference_moe_layer
 from cpu_expert_pool.split import ExpertSplit
@@ -55,11 +55,14 @@ def store_digest(store: ExpertStore) -> str:
                           + store.layer_view(1).view(torch.int16).numpy().tobytes()).hexdigest()
 
 
-def test_control_conversation_with_a_real_worker(store, channel, procs):
+@pytest.mark.parametrize("loop", ["native", "python"])
+def test_control_conversation_with_a_real_worker(store, channel, procs, loop):
+    """loop: the worker's hot loop (FT_WORKER_LOOP): the C loop around the compiled kernel (where it builds;
+    else the torch kernel's Python loop serves either way), or the Python loop."""
     server = ControlServer("tcp://127.0.0.1:*")
     # Worker 0 of a pool of 2: it owns experts 0-1 of each layer, worker 1 (absent here) experts 2-3.
     proc = procs(store_name=store.name, channel_name=channel, control_addr=server.addr, num_workers=2,
-                 extra_args=WORKER_ARGS)
+                 extra_args=WORKER_ARGS, env={**os.environ, "FT_WORKER_LOOP": loop})
     split = ExpertSplit.contiguous(L, E, 2)
     identity, hello, ready = server.handshake(m.Config(kernel="auto", num_threads=1, hot_ms=5.0, split_epoch=1,
                                                        owner_map=split.to_bytes()),
@@ -94,6 +97,18 @@ def test_control_conversation_with_a_real_worker(store, channel, procs):
     server.send(identity, m.StatsRequest())
     _, stats = server.recv_type(m.Stats, timeout_s=10)
     assert stats.requests == 5 and stats.foreign_triples == foreign and stats.split_epoch == 2
+
+    # A request the kernel refuses (an expert id outside the layer): answered BAD_REQUEST, counted as an
+    # error (the C loop leaves it to the Python path), and the worker keeps serving.
+    hidden, (tok, exp, w) = batch(2, 11)
+    exp = exp.clone()
+    exp[1] = E
+    with pytest.raises(WorkerError, match="bad request"):
+        client.call(1, hidden, (tok, exp, w), deadline_s=10)
+    check(store, client, layer=1, seed=12)
+    server.send(identity, m.StatsRequest())
+    _, stats = server.recv_type(m.Stats, timeout_s=10)
+    assert stats.requests == 7 and stats.errors == 1
 
     server.send(identity, m.Shutdown("test over"))
     assert proc.wait(timeout_s=20) == 0

@@ -1,4 +1,4 @@
-"""Build expert_ffn.c into a shared library at first use (cached) and bind it with ctypes.
+"""Build expert_ffn.c and serve_loop.c into a shared library at first use (cached) and bind it with ctypes.
 
 Why gcc + ctypes rather than torch.utils.cpp_extension.load_inline: the kernel needs no torch
 headers (it takes raw pointers), so it builds in about a second instead of a minute, needs no ninja,
@@ -20,7 +20,8 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("expert_ffn.c")
+SOURCES = (Path(__file__).with_name("expert_ffn.c"),     # the expert kernel
+           Path(__file__).with_name("serve_loop.c"))     # the worker's hot loop around it (ft_serve)
 CFLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-fno-strict-aliasing", "-Wall")
 LIBS = ("-lm",)
 BUILD_TIMEOUT_S = 120
@@ -56,13 +57,14 @@ def build_library(cache_dir: Path | None = None) -> Path:
         raise NativeUnavailable("no C compiler found (gcc/cc); install one (apt-get install gcc) or use "
                                 "--kernel torch")
     version = subprocess.run([cc, "-dumpfullversion", "-dumpversion"], capture_output=True, text=True).stdout
-    key = hashlib.sha256(SOURCE.read_bytes() + "|".join((cc, version, platform.machine(), *CFLAGS)).encode())
+    key = hashlib.sha256(b"".join(src.read_bytes() for src in SOURCES)
+                         + "|".join((cc, version, platform.machine(), *CFLAGS)).encode())
     cache_dir = cache_dir or default_cache_dir()
     out = cache_dir / f"libft_expert_ffn-{key.hexdigest()[:16]}.so"
     if out.exists():
         return out
     tmp = out.with_name(f"{out.stem}.{os.getpid()}.tmp.so")
-    cmd = [cc, *CFLAGS, "-o", str(tmp), str(SOURCE), *LIBS]
+    cmd = [cc, *CFLAGS, "-o", str(tmp), *map(str, SOURCES), *LIBS]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
     if proc.returncode != 0:
         tmp.unlink(missing_ok=True)
@@ -88,6 +90,10 @@ class NativeLib:
         lib.ft_pin_threads.argtypes = [c_p, c_int]
         lib.ft_read_bytes.restype = ctypes.c_uint64
         lib.ft_read_bytes.argtypes = [c_p, c_i64, c_int]
+        lib.ft_serve.restype = c_int
+        lib.ft_serve.argtypes = [c_p, c_p, c_i64, c_i64, c_p, c_p]
+        lib.ft_channel_desc_size.restype = c_i64
+        lib.ft_channel_desc_size.argtypes = []
         self._lib = lib
         self.path = path
         self.best_isa = int(lib.ft_best_isa())
@@ -107,6 +113,15 @@ class NativeLib:
         if rc != 0:
             raise ValueError(f"CPU expert kernel: {ERRORS.get(rc, f'error {rc}')}")
         return int(self._stats[0]), int(self._stats[1])
+
+    def channel_desc_size(self) -> int:
+        """sizeof(ft_channel_desc) in serve_loop.c (its ctypes mirror: cpu_expert_pool/native_loop.py)."""
+        return int(self._lib.ft_channel_desc_size())
+
+    def serve(self, desc, done, deadline_ns: int, hot_ns: int, last_work_ns, stats) -> int:
+        """ft_serve (serve_loop.c): desc, done and last_work_ns by reference, stats an int64 array."""
+        return int(self._lib.ft_serve(ctypes.byref(desc), ctypes.byref(done), deadline_ns, hot_ns,
+                                      ctypes.byref(last_work_ns), stats))
 
     def pin_threads(self, cpus: list[int]) -> int:
         arr = (ctypes.c_int32 * len(cpus))(*cpus)
