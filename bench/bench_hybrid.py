@@ -8,7 +8,9 @@ on the GPU stream (StreamDoorbell, handoff="stream") instead of the host (submit
 the device kernels inside the decode CUDA graph (DeviceDoorbell, handoff="device"). Per backend: decode tok/s, misses,
 fetched and CPU-computed experts per token, fallbacks, and the roofline
     tok/s <= (B_pcie + B_cpu) / (misses/token * expert_bytes)
-with B_pcie and B_cpu measured here first (gpu_worker/hybrid/bandwidth.py, as `ft bench bw`).
+with B_pcie and B_cpu measured here first (gpu_worker/hybrid/bandwidth.py, as `ft bench bw`), each alone;
+then both at once (shared_bandwidth: the two share the host DRAM), whose figures give the "shared
+roofline" column beside it, the same bound with what each side gets while the other runs.
 Greedy tokens are compared with the resident run's (offload must match; cpu/hybrid compute misses
 with the CPU kernel, whose bf16 accumulation order differs: a late divergence is expected there).
 Then the hand-off round trip GPU -> CPU process -> GPU (hidden state down, a 0-triple request through
@@ -35,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from gpu_worker.engine import Engine, EngineConfig, SamplingParams  # noqa: E402
 from gpu_worker.hybrid import HybridExperts, HybridOptions, start_cpu_pool  # noqa: E402
-from gpu_worker.hybrid.bandwidth import copy_bandwidth, cpu_pool_bandwidth  # noqa: E402
+from gpu_worker.hybrid.bandwidth import copy_bandwidth, cpu_pool_bandwidth, shared_bandwidth  # noqa: E402
 from gpu_worker.hybrid.options import device_name  # noqa: E402
 from gpu_worker.models import load_model  # noqa: E402
 from gpu_worker.models.synthetic_routing import SyntheticRouting  # noqa: E402
@@ -154,14 +156,23 @@ def handoff_round_trip(pool, hidden: int, dtype: torch.dtype, device: torch.devi
             "max_us": float(arr.max())}
 
 
-def table_row(name: str, r: dict, both_bytes_s: float, expert_bytes: int) -> str:
-    """One line of the final table (also printed as each backend finishes: a cut-off run keeps its rows)."""
+TABLE_HEADER = (f"{'backend':<28} {'tok/s':>7} {'miss/tok':>8} {'fetch/tok':>9} {'cpu/tok':>7} {'roofline':>8} "
+                f"{'%roof':>5} {'shared roof':>11} {'%shr':>5} {'fallbk':>6} {'cpu ms/tok':>10} {'wait ms/tok':>11} "
+                f"{'same tokens':>11} {'f':>5}")
+
+
+def table_row(name: str, r: dict, both_bytes_s: float, shared_bytes_s: float, expert_bytes: int) -> str:
+    """One line of the final table (also printed as each backend finishes: a cut-off run keeps its rows).
+    both_bytes_s: B_pcie + B_cpu measured apart; shared_bytes_s: the same measured at once."""
     miss = r.get("misses_per_token")
     roof = both_bytes_s / (miss * expert_bytes) if miss else float("nan")
     pct = 100 * r["decode_tok_s"] / roof if miss else float("nan")
+    shared_roof = shared_bytes_s / (miss * expert_bytes) if miss else float("nan")
+    shared_pct = 100 * r["decode_tok_s"] / shared_roof if miss else float("nan")
     same = "-" if r.get("same_tokens") is None else ("yes" if r["same_tokens"] else f"from {r['first_diff']}")
     return (f"{name:<28} {r['decode_tok_s']:>7.2f} {(miss or 0):>8.1f} {r.get('fetched_per_token', 0):>9.1f} "
-            f"{r.get('cpu_per_token', 0):>7.1f} {roof:>8.2f} {pct:>5.0f} {r.get('fallbacks_per_token', 0):>6.2f} "
+            f"{r.get('cpu_per_token', 0):>7.1f} {roof:>8.2f} {pct:>5.0f} {shared_roof:>11.2f} {shared_pct:>5.0f} "
+            f"{r.get('fallbacks_per_token', 0):>6.2f} "
             f"{1e3 * r.get('cpu_time_s_per_token', 0):>10.2f} {1e3 * r.get('wait_cpu_s_per_token', 0):>11.2f} "
             f"{same:>11} {r['fetch_fraction'] if 'fetch_fraction' in r else float('nan'):>5.3f}")
 
@@ -270,12 +281,18 @@ def main() -> int:
 
     options = HybridOptions(cpu_workers=args.cpu_workers, cpu_threads=args.cpu_threads)
     pcie = copy_bandwidth(host.store, device, BW_CALLS)
+    worker_flags = options.worker_flags() + ["--log-level", "WARNING"]
     cpu = cpu_pool_bandwidth(host.store, top_k=cfg.top_k, calls=BW_CALLS, num_workers=args.cpu_workers,
-                             worker_flags=options.worker_flags() + ["--log-level", "WARNING"])
+                             worker_flags=worker_flags)
     fraction = args.fetch_fraction if args.fetch_fraction is not None else pcie.gb_s / (pcie.gb_s + cpu.gb_s)
     print(f"B_pcie {pcie.gb_s:.1f} GB/s, B_cpu {cpu.gb_s:.1f} GB/s -> f {fraction:.3f}", flush=True)
+    shared = shared_bandwidth(host.store, device, top_k=cfg.top_k, calls=BW_CALLS, num_workers=args.cpu_workers,
+                              worker_flags=worker_flags)
+    print(f"at the same time: B_pcie {shared.pcie.gb_s:.1f} GB/s, B_cpu {shared.cpu.gb_s:.1f} GB/s "
+          f"({shared.combined_gb_s:.1f} GB/s moved together over {shared.window_s * 1e3:.0f} ms)", flush=True)
     expert_bytes = layout.expert_nbytes
     both = (pcie.gb_s + cpu.gb_s) * 1e9                # the roofline's bandwidth, bytes a second
+    both_shared = (shared.pcie.gb_s + shared.cpu.gb_s) * 1e9       # ... with each side's rate under the other
     pool = start_cpu_pool(host, options, cfg.top_k)
     slots = resolve_cache_slots(args.cache, source.num_layers, source.num_experts)
     try:
@@ -303,7 +320,7 @@ def main() -> int:
             r["first_diff"] = None if reference_tokens is None else next(
                 (i for i, (a, b) in enumerate(zip(r["tokens"], reference_tokens)) if a != b), None)
             rows.append((name, r))
-            print("row:", table_row(name, r, both, expert_bytes), r["all_tok_s"], flush=True)
+            print("row:", table_row(name, r, both, both_shared, expert_bytes), r["all_tok_s"], flush=True)
             loaded.model.experts = None
             if isinstance(backend, HybridExperts):
                 backend.close()          # its stream doorbells (owns neither host nor pool)
@@ -320,16 +337,18 @@ def main() -> int:
           f"{args.prompt_tokens}, {args.decode_tokens} decode tokens, routing {args.routing}, median of "
           f"{args.runs} runs; expert "
           f"{expert_bytes / 1e6:.2f} MB; B_pcie {pcie.gb_s:.1f} GB/s, B_cpu {cpu.gb_s:.1f} GB/s "
-          f"({args.cpu_workers} worker(s)); hybrid f {fraction:.3f}")
+          f"({args.cpu_workers} worker(s)); at the same time B_pcie {shared.pcie.gb_s:.1f} GB/s, B_cpu "
+          f"{shared.cpu.gb_s:.1f} GB/s, {shared.combined_gb_s:.1f} GB/s together; hybrid f {fraction:.3f}")
     print(f"hand-off GPU -> CPU process -> GPU: p50 {handoff['p50_us']:.1f} us, p99 {handoff['p99_us']:.1f} us, "
           f"max {handoff['max_us']:.0f} us over {handoff['calls']} calls")
-    print(f"{'backend':<28} {'tok/s':>7} {'miss/tok':>8} {'fetch/tok':>9} {'cpu/tok':>7} {'roofline':>8} "
-          f"{'%roof':>5} {'fallbk':>6} {'cpu ms/tok':>10} {'wait ms/tok':>11} {'same tokens':>11} {'f':>5}")
+    print(TABLE_HEADER)
     for name, r in rows:
-        print(table_row(name, r, both, expert_bytes))
+        print(table_row(name, r, both, both_shared, expert_bytes))
     out_path = args.json_out or os.path.join(os.environ.get("OUT", "."), "bench_hybrid.json")
     with open(out_path, "w") as fh:
         json.dump({"preset": args.preset, "gpu": gpu, "pcie_gb_s": pcie.gb_s, "cpu_gb_s": cpu.gb_s,
+                   "pcie_shared_gb_s": shared.pcie.gb_s, "cpu_shared_gb_s": shared.cpu.gb_s,
+                   "shared_gb_s": shared.combined_gb_s, "shared_window_s": shared.window_s,
                    "fetch_fraction": fraction, "handoff": handoff, "expert_bytes": expert_bytes,
                    "rows": [{"backend": n, **{k: v for k, v in r.items() if k != "tokens"}} for n, r in rows]},
                   fh, indent=1)

@@ -7,6 +7,7 @@ import logging
 import pytest
 
 from coordinator.cli import main
+from coordinator.policy import ExpertFormat, load_bandwidth_profile
 
 BASE = ["generate", "--prompt-ids", "5,17,42,99,3", "--max-new-tokens", "10", "--ignore-eos", "--device", "cpu",
         "--json", "--moe-cache-size", "10"]
@@ -42,10 +43,17 @@ def test_bench_bw_writes_a_profile_entry_and_keeps_other_hardware(tmp_path, caps
         ("cpu", "float32", 64, 64)
     assert entry["pcie_gb_s"] > 0 and entry["cpu_gb_s"] > 0 and entry["copy_kind"] == "host memcpy (no CUDA)"
     assert entry["fetch_fraction"] == pytest.approx(entry["pcie_gb_s"] / (entry["pcie_gb_s"] + entry["cpu_gb_s"]),
-                                                    abs=1e-3)
-    assert main(argv) == 0                                      # same key again: replaced, not appended
+                                                    abs=1e-3)                 # from the separate figures
+    assert entry["pcie_shared_gb_s"] > 0 and entry["cpu_shared_gb_s"] > 0 and entry["shared_gb_s"] > 0
+    assert json.loads(path.read_text())["entries"][-1] == entry
+    # the policy's reader takes the entry, extra keys and all, with the separate figures
+    profile = load_bandwidth_profile(str(path), ExpertFormat("float32", 64, 64), "cpu")
+    assert profile is not None and (profile.pcie_gb_s, profile.cpu_gb_s) == (entry["pcie_gb_s"], entry["cpu_gb_s"])
+    assert main(argv + ["--no-shared"]) == 0                    # same key again: replaced, not appended
+    entry = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert not {"pcie_shared_gb_s", "cpu_shared_gb_s", "shared_gb_s"} & entry.keys()
     doc = json.loads(path.read_text())
-    assert len(doc["entries"]) == 2 and doc["entries"][0] == other
+    assert len(doc["entries"]) == 2 and doc["entries"][0] == other and doc["entries"][1] == entry
 
 
 def test_hybrid_fetch_fraction_comes_from_a_matching_profile(tmp_path, monkeypatch, capsys, resident_tokens):

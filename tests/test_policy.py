@@ -121,10 +121,10 @@ def test_bad_updates_are_refused_and_change_nothing(changes, message):
     assert policy.snapshot() == before
 
 
-def _profile(tmp_path, gpu="NVIDIA H200", dtype="bfloat16", h=2048, i=768, pcie=54.6, cpu=26.0):
+def _profile(tmp_path, gpu="NVIDIA H200", dtype="bfloat16", h=2048, i=768, pcie=54.6, cpu=26.0, **extra):
     path = tmp_path / "bw.json"
     path.write_text(json.dumps({"gpu_name": gpu, "entries": [
-        {"dtype": dtype, "hidden_size": h, "intermediate_size": i, "pcie_gb_s": pcie, "cpu_gb_s": cpu}]}))
+        {"dtype": dtype, "hidden_size": h, "intermediate_size": i, "pcie_gb_s": pcie, "cpu_gb_s": cpu, **extra}]}))
     return str(path)
 
 
@@ -134,6 +134,15 @@ def test_profile_for_this_hardware_sets_the_starting_fraction(tmp_path):
                           gpu_name="NVIDIA H200")
     assert policy.effective_fraction() == pytest.approx(54.6 / 80.6, abs=1e-3)
     assert policy.snapshot()["source"] == f"profile:{path}"
+
+
+def test_profile_keys_the_reader_does_not_know_are_ignored(tmp_path):
+    """`ft bench bw` writes more than the reader needs (p10s, the shared figures, ...); f still starts from
+    the separate figures."""
+    path = _profile(tmp_path, pcie_shared_gb_s=40.0, cpu_shared_gb_s=50.0, shared_gb_s=90.0, fetch_fraction=0.1)
+    profile = load_bandwidth_profile(path, FMT, "NVIDIA H200")
+    assert profile is not None and (profile.pcie_gb_s, profile.cpu_gb_s) == (54.6, 26.0)
+    assert profile.fetch_fraction == pytest.approx(54.6 / 80.6)
 
 
 @pytest.mark.parametrize("kw", [{"gpu": "NVIDIA A100-SXM4-80GB"}, {"h": 4096}, {"dtype": "float32"}],

@@ -6,17 +6,24 @@
 - `cpu_pool_bandwidth`: the CPU pool's expert throughput through real `ft worker cpu` processes, the
   real kernel and the real channel: 1 token x top_k distinct experts per call (a decode step's CPU
   share), weight bytes / round-trip time. Each call reads experts no earlier call touched recently.
+- `shared_bandwidth`: both at once, as the hybrid backend runs them: the copies on a thread of their
+  own while the CPU pool calls run, each side's rate inside their common window and the bytes both
+  moved in it. Alone, each side has the host DRAM to itself; together they share it, and B_pcie + B_cpu
+  from the two above overstates the hybrid roofline.
 - `write_profile_entry`: merge one entry, keyed on (gpu_name, dtype, H, I), into the profile JSON.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
 import statistics
 import tempfile
+import threading
 import time
 import uuid
+from typing import Callable, Iterator
 
 import numpy as np
 import torch
@@ -32,6 +39,15 @@ WARMUP_CALLS = 10
 WARMUP_S = 0.3              # CPU pool: calls for at least this long before timing (a fresh worker settles)
 WORKER_START_TIMEOUT_S = 120.0
 CALL_DEADLINE_S = 30.0
+# shared_bandwidth
+COPY_BATCH = 8              # experts a copy batch (timed as one)
+COPY_QUEUE_OPS = 256        # CUDA: copies + events queued ahead of the stream at most
+COPY_LEAD_S = 0.2           # the copies run this long before the CPU window opens
+COPY_START_TIMEOUT_S = 30.0
+COPY_JOIN_TIMEOUT_S = 60.0
+SHARED_WINDOW_MIN_S = 0.1   # the CPU window lasts at least this long: many copy batches, and many GIL
+                            # switch intervals (5 ms; the pool client spins holding the GIL)
+MIN_SHARED_SAMPLES = 3      # copy batches inside the window, and CPU calls, at the least
 
 
 @dataclasses.dataclass
@@ -84,10 +100,13 @@ def copy_bandwidth(store: ExpertStore, device: torch.device, calls: int) -> Meas
     return _measurement(store.expert_bytes, times[WARMUP_CALLS:])
 
 
-def cpu_pool_bandwidth(store: ExpertStore, *, top_k: int, calls: int, num_workers: int, worker_flags: list[str],
-                       log_dir: str | None = None) -> Measurement:
-    """Round trips of 1-token calls over top_k distinct experts of layer 0 through `num_workers` real
-    workers of their own (channels "<store>.bw<w>", so a pool serving the store is left alone)."""
+@contextlib.contextmanager
+def _bench_pool(store: ExpertStore, *, top_k: int, num_workers: int, worker_flags: list[str],
+                log_dir: str | None) -> Iterator[Callable[[], float]]:
+    """`num_workers` real workers of their own (channels "<store>.bw<w>", so a pool serving the store is
+    left alone), warmed up, as a function that makes one timed call: 1 token x top_k distinct experts of
+    layer 0 no earlier call touched recently -> its round-trip seconds. Workers and channels are gone
+    when the block is left, however it is left."""
     num = store.num_experts
     split = ExpertSplit.contiguous(1, num, num_workers)
     hidden_dtype = channel_hidden_dtype(store.dtype)
@@ -108,10 +127,10 @@ def cpu_pool_bandwidth(store: ExpertStore, *, top_k: int, calls: int, num_worker
                                                                        else torch.float32)
         weight = np.full(top_k, 1.0 / top_k, dtype=np.float32)
         token = np.zeros(top_k, dtype=np.int32)
-        times = []
-        warm_until = time.perf_counter() + WARMUP_S
         i = 0
-        while len(times) < calls:
+
+        def call() -> float:
+            nonlocal i
             experts = ((i * top_k + np.arange(top_k)) % num).astype(np.int32)   # fresh experts every call
             i += 1
             parts = split.split_triples(0, experts)
@@ -122,8 +141,12 @@ def cpu_pool_bandwidth(store: ExpertStore, *, top_k: int, calls: int, num_worker
             for client, rows in zip(clients, parts):
                 if rows.size:
                     client.wait(0, deadline_s=CALL_DEADLINE_S)
-            if i > WARMUP_CALLS and t0 > warm_until:
-                times.append(time.perf_counter() - t0)
+            return time.perf_counter() - t0
+
+        warm_until = time.perf_counter() + WARMUP_S          # a fresh worker settles
+        while i < WARMUP_CALLS or time.perf_counter() < warm_until:
+            call()
+        yield call
     finally:
         for client in clients:
             client.close()
@@ -132,7 +155,187 @@ def cpu_pool_bandwidth(store: ExpertStore, *, top_k: int, calls: int, num_worker
         for seg in segments:
             seg.close()
             seg.unlink()
+
+
+def cpu_pool_bandwidth(store: ExpertStore, *, top_k: int, calls: int, num_workers: int, worker_flags: list[str],
+                       log_dir: str | None = None) -> Measurement:
+    """Round trips of 1-token calls over top_k distinct experts of layer 0 through `num_workers` real
+    workers of their own (channels "<store>.bw<w>", so a pool serving the store is left alone)."""
+    with _bench_pool(store, top_k=top_k, num_workers=num_workers, worker_flags=worker_flags,
+                     log_dir=log_dir) as call:
+        times = [call() for _ in range(calls)]
     return _measurement(top_k * store.expert_bytes, times)
+
+
+@dataclasses.dataclass
+class SharedMeasurement:
+    """Both sides at once: what each gets while the other runs (they read one host DRAM)."""
+    pcie: Measurement        # copy batches that lay wholly inside the CPU window (calls = batches)
+    cpu: Measurement         # the CPU pool calls, which make the window
+    window_s: float
+    pcie_bytes: float        # copied inside the window (batches cut by its edges count pro rata)
+    cpu_bytes: int           # the calls' expert bytes
+
+    @property
+    def combined_gb_s(self) -> float:
+        """Bytes both sides moved inside the common window, over the window."""
+        return (self.pcie_bytes + self.cpu_bytes) / self.window_s / 1e9
+
+    @property
+    def fetch_fraction(self) -> float:
+        """The f these figures would give (the policy starts from the separate ones: docs/POLICY.md)."""
+        return self.pcie.gb_s / (self.pcie.gb_s + self.cpu.gb_s)
+
+
+class _CopyLoop(threading.Thread):
+    """Copies store -> device buffer in batches of COPY_BATCH experts, cycling through the store, until
+    stopped; each batch's start and end are kept, on a clock `mark()` also reads.
+
+    CUDA: a stream of its own, `dst.copy_(expert, non_blocking=True)` as copy_bandwidth, an event before
+    and after each batch (were the stream to run dry, the idle time between batches is not counted as
+    copying). The host runs up to COPY_QUEUE_OPS operations ahead (it waits on the end event of the batch
+    that many operations back): never blocked on a full launch queue, and the stream does not run dry
+    while the host waits for the GIL (the CPU pool calls run on the main thread). The events are
+    blocking-sync ones, so this thread sleeps rather than spins: a spinning core would be taken from the
+    CPU workers measured beside it. `mark()` records an event on another, idle stream: it completes at
+    once, so its GPU time stamps that host moment on the copies' clock. Without CUDA: host memcpy (torch's
+    copy_ releases the GIL), each batch timed with perf_counter at both ends, and `mark()` is perf_counter."""
+
+    def __init__(self, store: ExpertStore, device: torch.device):
+        super().__init__(name="ft-bench-bw-copy", daemon=True)
+        self.layer = store.layer_view(0)                                          # [E, N]
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self.dst = torch.empty(self.layer.shape[1], dtype=self.layer.dtype, device=device)   # [N]
+        self.batch_bytes = COPY_BATCH * store.expert_bytes
+        self.stop_requested = threading.Event()
+        self.running = threading.Event()              # set once a batch is issued (or the loop failed)
+        self.error: BaseException | None = None
+        self.batches: list[tuple] = []                # (start, end) per batch: CUDA events, or perf_counter s
+        if self.cuda:
+            store.pin_for_cuda()
+            self.stream = torch.cuda.Stream(device)
+            self.marker_stream = torch.cuda.Stream(device)
+
+    def _event(self) -> "torch.cuda.Event":
+        return torch.cuda.Event(enable_timing=True, blocking=True)
+
+    def run(self) -> None:
+        try:
+            self._run_cuda() if self.cuda else self._run_host()
+        except BaseException as exc:                  # handed to the caller after join()
+            self.error = exc
+        finally:
+            self.running.set()                        # a failure must not leave the caller waiting
+
+    def _run_cuda(self) -> None:
+        num = self.layer.shape[0]
+        depth = max(1, COPY_QUEUE_OPS // (COPY_BATCH + 2))       # batches in flight: copies + two events each
+        with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
+            i = 0
+            while not self.stop_requested.is_set():
+                if len(self.batches) >= depth:
+                    self.batches[-depth][1].synchronize()
+                start, end = self._event(), self._event()
+                start.record(self.stream)
+                for _ in range(COPY_BATCH):
+                    self.dst.copy_(self.layer[i % num], non_blocking=True)
+                    i += 1
+                end.record(self.stream)
+                self.batches.append((start, end))
+                self.running.set()
+            self.stream.synchronize()
+
+    def _run_host(self) -> None:
+        num = self.layer.shape[0]
+        i = 0
+        while not self.stop_requested.is_set():
+            start = time.perf_counter()
+            for _ in range(COPY_BATCH):
+                self.dst.copy_(self.layer[i % num])
+                i += 1
+            self.batches.append((start, time.perf_counter()))
+            self.running.set()
+
+    def mark(self):
+        if not self.cuda:
+            return time.perf_counter()
+        event = self._event()
+        event.record(self.marker_stream)
+        return event
+
+    def stop(self) -> None:
+        self.stop_requested.set()
+        if self.is_alive():
+            self.join(timeout=COPY_JOIN_TIMEOUT_S)
+        if self.is_alive():
+            raise RuntimeError(f"the bench-bw copy thread did not stop within {COPY_JOIN_TIMEOUT_S:.0f} s")
+
+    def spans(self, window_start, window_end) -> tuple[float, list[tuple[float, float]]]:
+        """(window length, [(start, end) of each batch]) in seconds from the window's start; after stop()."""
+        if not self.batches:
+            return 0.0, []
+        if self.cuda:
+            window_end.synchronize()
+            origin = self.batches[0][0]               # recorded before the markers: elapsed times stay >= 0
+
+            def at(event) -> float:
+                return origin.elapsed_time(event) / 1e3
+        else:
+            def at(t: float) -> float:
+                return t
+        w0 = at(window_start)
+        return at(window_end) - w0, [(at(s) - w0, at(e) - w0) for s, e in self.batches]
+
+
+def shared_bandwidth(store: ExpertStore, device: torch.device, *, top_k: int, calls: int, num_workers: int,
+                     worker_flags: list[str], log_dir: str | None = None) -> SharedMeasurement:
+    """The copies of copy_bandwidth and the CPU pool calls of cpu_pool_bandwidth at the same time.
+
+    Both read the same host memory; measured alone, B_pcie + B_cpu overstates what they get together on
+    one DRAM. The copies start first (on a thread of their own) and run COPY_LEAD_S before the CPU window
+    opens: `calls` back-to-back pool calls on this thread, more if they take under SHARED_WINDOW_MIN_S
+    (warmed up beforehand, while no copies ran). The copy side counts the batches that lay wholly inside
+    the window (their median rate), and for the combined figure the bytes copied inside it, batches cut
+    by its edges pro rata. Raises RuntimeError when fewer than MIN_SHARED_SAMPLES batches fall inside the
+    window or the copy loop fails; the thread and the workers are stopped however it ends."""
+    if calls < MIN_SHARED_SAMPLES:
+        raise ValueError(f"shared_bandwidth needs at least {MIN_SHARED_SAMPLES} CPU calls, got {calls}")
+    with _bench_pool(store, top_k=top_k, num_workers=num_workers, worker_flags=worker_flags,
+                     log_dir=log_dir) as call:
+        copies = _CopyLoop(store, device)
+        copies.start()
+        window = None
+        try:
+            copies.running.wait(timeout=COPY_START_TIMEOUT_S)
+            time.sleep(COPY_LEAD_S)
+            if copies.error is None:
+                window_start = copies.mark()
+                t0 = time.perf_counter()
+                cpu_times: list[float] = []
+                while len(cpu_times) < calls or time.perf_counter() - t0 < SHARED_WINDOW_MIN_S:
+                    cpu_times.append(call())
+                window_s = time.perf_counter() - t0
+                window = (window_start, copies.mark())
+        finally:
+            copies.stop()
+    if copies.error is not None:
+        raise RuntimeError(f"the copy loop of the shared measurement failed: {copies.error!r}") from copies.error
+    if window is None or not copies.batches:
+        raise RuntimeError(f"the copy loop of the shared measurement had finished no batch "
+                           f"{COPY_START_TIMEOUT_S + COPY_LEAD_S:.1f} s after it started")
+    copy_window_s, spans = copies.spans(*window)
+    inside = [e - s for s, e in spans if s >= 0 and e <= copy_window_s]
+    if len(inside) < MIN_SHARED_SAMPLES or copy_window_s <= 0:
+        raise RuntimeError(f"only {len(inside)} copy batches of {COPY_BATCH} experts "
+                           f"({copies.batch_bytes / 1e6:.1f} MB) lay wholly inside the {window_s * 1e3:.2f} ms CPU "
+                           f"window of {len(cpu_times)} calls (at least {MIN_SHARED_SAMPLES} needed): the copies "
+                           "starved or the window was too short")
+    copied = sum(copies.batch_bytes * (min(e, copy_window_s) - max(s, 0.0)) / (e - s)
+                 for s, e in spans if e > 0 and s < copy_window_s and e > s)
+    return SharedMeasurement(pcie=_measurement(copies.batch_bytes, inside),
+                             cpu=_measurement(top_k * store.expert_bytes, cpu_times), window_s=window_s,
+                             pcie_bytes=copied, cpu_bytes=len(cpu_times) * top_k * store.expert_bytes)
 
 
 def write_profile_entry(path: str, entry: dict) -> dict:

@@ -8,6 +8,10 @@ The entry is keyed on the expert format (dtype, H, I) and the GPU name ("cpu" wi
 entry of the same key is replaced, others are kept. Where it goes: --out, else $FREETOKEN_BENCHBW_PATH
 (--benchbw-path), else ~/.cache/freetoken/benchbw.json. The hybrid backend and `ft serve` start f at
 pcie_gb_s / (pcie_gb_s + cpu_gb_s) of a matching entry and ignore the others (coordinator/policy.py).
+With --shared (the default) the two also run at the same time, as the hybrid backend runs them:
+pcie_shared_gb_s and cpu_shared_gb_s are what each side gets while the other runs (they share the host
+DRAM), shared_gb_s the bytes both moved together a second; fetch_fraction still comes from the separate
+figures (docs/POLICY.md says why).
 Nothing heavy is imported at module level (`ft --help` stays fast).
 """
 from __future__ import annotations
@@ -34,6 +38,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--calls", type=int, default=DEFAULT_CALLS, help="timed copies and CPU calls")
     parser.add_argument("--store-mib", type=float, default=DEFAULT_STORE_MIB,
                         help="size of the temporary expert store the measurements read")
+    parser.add_argument("--shared", action=argparse.BooleanOptionalAction, default=True,
+                        help="also measure both sides at once (the shared-DRAM ceiling of the hybrid roofline)")
     parser.add_argument("--out", default=None, metavar="PATH", help="profile to write (see above)")
     parser.add_argument("--benchbw-path", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--json", action="store_true", help="print the written entry as JSON last")
@@ -43,7 +49,8 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from coordinator.policy import default_benchbw_path
-    from gpu_worker.hybrid.bandwidth import bench_store, copy_bandwidth, cpu_pool_bandwidth, write_profile_entry
+    from gpu_worker.hybrid.bandwidth import (bench_store, copy_bandwidth, cpu_pool_bandwidth, shared_bandwidth,
+                                             write_profile_entry)
     from gpu_worker.hybrid.options import HybridOptions, device_name
     from gpu_worker.models.device import resolve_device
     from gpu_worker.models.loader import open_model_source
@@ -62,8 +69,11 @@ def run(args: argparse.Namespace) -> int:
     try:
         t0 = time.perf_counter()
         copy = copy_bandwidth(store, device, args.calls)
+        worker_flags = options.worker_flags() + ["--log-level", "WARNING"]
         cpu = cpu_pool_bandwidth(store, top_k=top_k, calls=args.calls, num_workers=args.cpu_workers,
-                                 worker_flags=options.worker_flags() + ["--log-level", "WARNING"])
+                                 worker_flags=worker_flags)
+        shared = shared_bandwidth(store, device, top_k=top_k, calls=args.calls, num_workers=args.cpu_workers,
+                                  worker_flags=worker_flags) if args.shared else None
         elapsed_s = time.perf_counter() - t0
     finally:
         store.close()
@@ -76,12 +86,17 @@ def run(args: argparse.Namespace) -> int:
              "expert_bytes": store.expert_bytes, "top_k": top_k, "cpu_workers": args.cpu_workers,
              "cpu_threads": args.cpu_threads, "calls": args.calls,
              "fetch_fraction": round(copy.gb_s / (copy.gb_s + cpu.gb_s), 4),
+             **({"pcie_shared_gb_s": round(shared.pcie.gb_s, 3), "cpu_shared_gb_s": round(shared.cpu.gb_s, 3),
+                 "shared_gb_s": round(shared.combined_gb_s, 3)} if shared else {}),
              "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "torch": torch.__version__}
     write_profile_entry(path, entry)
+    together = (f"; at the same time: copy {shared.pcie.gb_s:.1f} GB/s, CPU pool {shared.cpu.gb_s:.1f} GB/s, "
+                f"{shared.combined_gb_s:.1f} GB/s together (shared figures would give f = "
+                f"{shared.fetch_fraction:.3f})" if shared else "")
     print(f"{gpu_name}, {entry['dtype']} experts {cfg.hidden_size}x{cfg.expert_intermediate_size} "
           f"({store.expert_bytes / 1e6:.2f} MB): copy {copy.gb_s:.1f} GB/s (p10 {copy.p10_gb_s:.1f}), CPU pool "
           f"{cpu.gb_s:.1f} GB/s (p10 {cpu.p10_gb_s:.1f}; {args.cpu_workers} worker(s), top-{top_k} a call) -> "
-          f"f = {entry['fetch_fraction']:.3f}; {elapsed_s:.1f} s; written to {path}", file=sys.stderr)
+          f"f = {entry['fetch_fraction']:.3f}{together}; {elapsed_s:.1f} s; written to {path}", file=sys.stderr)
     if args.json:
         print(json.dumps(entry))
     return 0
