@@ -13,6 +13,8 @@
 #        [s8-last] (eighth session: the review fixes on the GPU)
 #        [s9-a] [s9-final] (ninth session: ring and counters beside the plan copy; the engine issue's
 #        configuration) [s9-b] [s9-c] [s9-cv] (what they ran, a one-round device join, was reverted)
+#        [s10-a] [s10-b] (tenth session: the CPU worker's C loop, the hand-off, ft bench bw's shared probe; the
+#        hybrid issue's configuration with the shared roofline)
 #        (default: kernels engine cpu). SECTION_TIMEOUT (s, default 540) bounds each command.
 # Logs go to $OUT (the device tool's output folder) when it is set, else ./out.
 set -u
@@ -255,6 +257,27 @@ device,=hybrid min-wait device serial" 2>&1 | tee "$OUT/overlap_hybrid.log" | ta
     s9-cv)    # ninth session: ran once on commit 7de450a (the one-round join with ld.global.cv polls through inline
               # PTX), reverted after it (docs/HYBRID.md, "A one-round join, tried"); this section only says so
       echo "s9-cv exercised reverted code (commit 7de450a); see docs/HYBRID.md" ;;
+    s10-a)    # tenth session: the CPU worker's C loop (its tests on this CPU, the hybrid device test, the hand-off
+              # round trip with the C loop and, beside it, the Python loop), and ft bench bw with the shared probe
+      timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_native_loop.py tests/test_cpu_pool_worker.py \
+        tests/test_cpu_pool_kernel.py tests/test_bandwidth_shared.py > "$OUT/s10a_cpu_tests.log" 2>&1 || status=1
+      grep -E "^(FAILED|E  )|passed|failed" "$OUT/s10a_cpu_tests.log" | head -n 12
+      timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_hybrid.py -k device \
+        > "$OUT/s10a_hybrid.log" 2>&1 || status=1
+      grep -E "^(FAILED|E  )|passed|failed" "$OUT/s10a_hybrid.log" | head -n 12
+      FT_WORKER_LOOP=native timeout 150 python3 bench/bench_handoff.py --mode gpu --client-cpu 0 2>&1 \
+        | tee "$OUT/s10a_handoff_native.log" | tail -n 12 || status=1
+      FT_WORKER_LOOP=python timeout 100 python3 bench/bench_handoff.py --mode gpu --client-cpu 0 --calls 3000 2>&1 \
+        | tee "$OUT/s10a_handoff_python.log" | tail -n 12 || status=1
+      timeout 150 python3 -m coordinator.cli bench bw --preset qwen3-30b-a3b --out "$OUT/s10a_benchbw.json" --json 2>&1 \
+        | tee "$OUT/s10a_benchbw.log" | tail -n 3 || status=1
+      ;;
+    s10-b)    # tenth session: the hybrid issue's configuration with the C loop and the shared roofline beside
+      timeout "$T" python3 bench/bench_hybrid.py --runs 3 --decode-tokens 64 --handoff-calls 1000 --no-resident \
+        --extra-fractions 0.5 --json-out "$OUT/s10b_hybrid.json" \
+        --variants "=offload kernel graphs,=cpu device,=hybrid min-wait device,hybrid min-wait device f=" 2>&1 \
+        | tee "$OUT/s10b_hybrid.log" | tail -n 12 || status=1
+      ;;
     hybrid-pin)    # the GPU-driving process pinned to the reserved CPU (default) against unpinned, same variants
       for pin in on off; do
         FREETOKEN_PIN_GPU_WORKER=$pin timeout "$T" python3 bench/bench_hybrid.py --runs 3 --decode-tokens 64 \
