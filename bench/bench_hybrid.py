@@ -9,8 +9,8 @@ the device kernels inside the decode CUDA graph (DeviceDoorbell, handoff="device
 fetched and CPU-computed experts per token, fallbacks, and the roofline
     tok/s <= (B_pcie + B_cpu) / (misses/token * expert_bytes)
 with B_pcie and B_cpu measured here first (gpu_worker/hybrid/bandwidth.py, as `ft bench bw`), each alone;
-then both at once (shared_bandwidth: the two share the host DRAM), whose figures give the "shared
-roofline" column beside it, the same bound with what each side gets while the other runs.
+then both at once (shared_bandwidth: the two share the host DRAM), whose combined figure (the bytes both
+moved together a second) gives the "shared roofline" column beside it.
 Greedy tokens are compared with the resident run's (offload must match; cpu/hybrid compute misses
 with the CPU kernel, whose bf16 accumulation order differs: a late divergence is expected there).
 Then the hand-off round trip GPU -> CPU process -> GPU (hidden state down, a 0-triple request through
@@ -163,7 +163,7 @@ TABLE_HEADER = (f"{'backend':<28} {'tok/s':>7} {'miss/tok':>8} {'fetch/tok':>9} 
 
 def table_row(name: str, r: dict, both_bytes_s: float, shared_bytes_s: float, expert_bytes: int) -> str:
     """One line of the final table (also printed as each backend finishes: a cut-off run keeps its rows).
-    both_bytes_s: B_pcie + B_cpu measured apart; shared_bytes_s: the same measured at once."""
+    both_bytes_s: B_pcie + B_cpu measured apart; shared_bytes_s: the bytes both moved together a second."""
     miss = r.get("misses_per_token")
     roof = both_bytes_s / (miss * expert_bytes) if miss else float("nan")
     pct = 100 * r["decode_tok_s"] / roof if miss else float("nan")
@@ -289,10 +289,11 @@ def main() -> int:
     shared = shared_bandwidth(host.store, device, top_k=cfg.top_k, calls=BW_CALLS, num_workers=args.cpu_workers,
                               worker_flags=worker_flags)
     print(f"at the same time: B_pcie {shared.pcie.gb_s:.1f} GB/s, B_cpu {shared.cpu.gb_s:.1f} GB/s "
-          f"({shared.combined_gb_s:.1f} GB/s moved together over {shared.window_s * 1e3:.0f} ms)", flush=True)
+          f"({shared.combined_gb_s:.1f} GB/s moved together over {shared.window_s * 1e3:.0f} ms, copies busy "
+          f"{shared.pcie_busy:.0%} of it)", flush=True)
     expert_bytes = layout.expert_nbytes
     both = (pcie.gb_s + cpu.gb_s) * 1e9                # the roofline's bandwidth, bytes a second
-    both_shared = (shared.pcie.gb_s + shared.cpu.gb_s) * 1e9       # ... with each side's rate under the other
+    both_shared = shared.combined_gb_s * 1e9        # ... the bytes both sides moved together a second
     pool = start_cpu_pool(host, options, cfg.top_k)
     slots = resolve_cache_slots(args.cache, source.num_layers, source.num_experts)
     try:
@@ -349,6 +350,7 @@ def main() -> int:
         json.dump({"preset": args.preset, "gpu": gpu, "pcie_gb_s": pcie.gb_s, "cpu_gb_s": cpu.gb_s,
                    "pcie_shared_gb_s": shared.pcie.gb_s, "cpu_shared_gb_s": shared.cpu.gb_s,
                    "shared_gb_s": shared.combined_gb_s, "shared_window_s": shared.window_s,
+                   "shared_pcie_busy": shared.pcie_busy,
                    "fetch_fraction": fraction, "handoff": handoff, "expert_bytes": expert_bytes,
                    "rows": [{"backend": n, **{k: v for k, v in r.items() if k != "tokens"}} for n, r in rows]},
                   fh, indent=1)

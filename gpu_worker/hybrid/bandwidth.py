@@ -19,6 +19,7 @@ import dataclasses
 import json
 import os
 import statistics
+import sys
 import tempfile
 import threading
 import time
@@ -48,6 +49,7 @@ COPY_JOIN_TIMEOUT_S = 60.0
 SHARED_WINDOW_MIN_S = 0.1   # the CPU window lasts at least this long: many copy batches, and many GIL
                             # switch intervals (5 ms; the pool client spins holding the GIL)
 MIN_SHARED_SAMPLES = 3      # copy batches inside the window, and CPU calls, at the least
+SHARED_SWITCH_INTERVAL_S = 1e-4   # the GIL's switch interval while the window lasts (restored after)
 
 
 @dataclasses.dataclass
@@ -182,6 +184,12 @@ class SharedMeasurement:
         return (self.pcie_bytes + self.cpu_bytes) / self.window_s / 1e9
 
     @property
+    def pcie_busy(self) -> float:
+        """The share of the window the copies ran (bytes copied / their batches' median rate): near 1 when the
+        copy loop kept its stream fed, as the measurement needs."""
+        return self.pcie_bytes / (self.pcie.gb_s * 1e9 * self.window_s)
+
+    @property
     def fetch_fraction(self) -> float:
         """The f these figures would give (the policy starts from the separate ones: docs/POLICY.md)."""
         return self.pcie.gb_s / (self.pcie.gb_s + self.cpu.gb_s)
@@ -234,8 +242,8 @@ class _CopyLoop(threading.Thread):
         with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
             i = 0
             while not self.stop_requested.is_set():
-                if len(self.batches) >= depth:
-                    self.batches[-depth][1].synchronize()
+                if len(self.batches) >= depth and not self.batches[-depth][1].query():
+                    self.batches[-depth][1].synchronize()     # releases the GIL: only when it must wait
                 start, end = self._event(), self._event()
                 start.record(self.stream)
                 for _ in range(COPY_BATCH):
@@ -304,12 +312,17 @@ def shared_bandwidth(store: ExpertStore, device: torch.device, *, top_k: int, ca
     with _bench_pool(store, top_k=top_k, num_workers=num_workers, worker_flags=worker_flags,
                      log_dir=log_dir) as call:
         copies = _CopyLoop(store, device)
+        switch = sys.getswitchinterval()
         copies.start()
         window = None
         try:
             copies.running.wait(timeout=COPY_START_TIMEOUT_S)
             time.sleep(COPY_LEAD_S)
             if copies.error is None:
+                # The pool client spins holding the GIL; at the default 5 ms switch interval the copy thread
+                # could top its queue up only every 5 ms and the stream ran dry (first H200 run: the copies were
+                # busy ~40% of the window). A short interval while the window lasts keeps them queued.
+                sys.setswitchinterval(SHARED_SWITCH_INTERVAL_S)
                 window_start = copies.mark()
                 t0 = time.perf_counter()
                 cpu_times: list[float] = []
@@ -318,6 +331,7 @@ def shared_bandwidth(store: ExpertStore, device: torch.device, *, top_k: int, ca
                 window_s = time.perf_counter() - t0
                 window = (window_start, copies.mark())
         finally:
+            sys.setswitchinterval(switch)
             copies.stop()
     if copies.error is not None:
         raise RuntimeError(f"the copy loop of the shared measurement failed: {copies.error!r}") from copies.error

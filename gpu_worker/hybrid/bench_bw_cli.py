@@ -87,11 +87,13 @@ def run(args: argparse.Namespace) -> int:
              "cpu_threads": args.cpu_threads, "calls": args.calls,
              "fetch_fraction": round(copy.gb_s / (copy.gb_s + cpu.gb_s), 4),
              **({"pcie_shared_gb_s": round(shared.pcie.gb_s, 3), "cpu_shared_gb_s": round(shared.cpu.gb_s, 3),
-                 "shared_gb_s": round(shared.combined_gb_s, 3)} if shared else {}),
+                 "shared_gb_s": round(shared.combined_gb_s, 3), "shared_pcie_busy": round(shared.pcie_busy, 3)}
+                if shared else {}),
              "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "torch": torch.__version__}
     write_profile_entry(path, entry)
     together = (f"; at the same time: copy {shared.pcie.gb_s:.1f} GB/s, CPU pool {shared.cpu.gb_s:.1f} GB/s, "
-                f"{shared.combined_gb_s:.1f} GB/s together (shared figures would give f = "
+                f"{shared.combined_gb_s:.1f} GB/s together, copies busy {shared.pcie_busy:.0%} of the window "
+                f"(shared figures would give f = "
                 f"{shared.fetch_fraction:.3f})" if shared else "")
     print(f"{gpu_name}, {entry['dtype']} experts {cfg.hidden_size}x{cfg.expert_intermediate_size} "
           f"({store.expert_bytes / 1e6:.2f} MB): copy {copy.gb_s:.1f} GB/s (p10 {copy.p10_gb_s:.1f}), CPU pool "
