@@ -16,6 +16,7 @@ step's misses do from the 58 GB expert store.
     python bench/bench_copy_plan.py [--copies 1,2,4,8] [--chunks 64,128,256] [--blocks 2048,4096] [--warps 4,8]
         [--prefetch 0,1,2,4]     # L2 bulk prefetch that many blocks ahead (0: off; an experiment)
         [--source hot,cold]
+        [--tma 64,256]           # the TMA variant (kernels/expert_copy/tma.py), per tile height (an experiment)
 """
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from graph_timing import time_graph  # noqa: E402  (bench/graph_timing.py: this folder is sys.path[0])
 from kernels.expert_copy import copy_plan  # noqa: E402
+from kernels.expert_copy.tma import copy_plan_tma  # noqa: E402
 
 QWEN3_EXPERT_BYTES = 3 * 2048 * 768 * 2        # gate, up, down of qwen3-30b-a3b in bf16: 9.44 MB
 MAX_COPIES = 8                                   # batch 1, top-8: the engine's grid bound
@@ -50,6 +52,8 @@ def main() -> int:
     parser.add_argument("--reps", type=int, default=15)
     parser.add_argument("--warmup", type=int, default=1, help="untimed graph replays first")
     parser.add_argument("--source", default="hot", help="hot, cold or hot,cold (see above)")
+    parser.add_argument("--tma", default="", help="also the TMA variant (kernels/expert_copy/tma.py), once per "
+                                                   "tile height in rows of 128 bytes, comma-separated (e.g. 64,256)")
     args = parser.parse_args()
     sources = [v.strip() for v in args.source.split(",") if v.strip()]
     if not sources or any(v not in ("hot", "cold") for v in sources):
@@ -94,7 +98,27 @@ def main() -> int:
                 results.append((label, n, t))
             print(f"{label}: " + ", ".join(
                 f"n={n} {n * gb / t:.1f} GB/s" for name, n, t in results[-len(copies):]), flush=True)
+        for rows in _ints(args.tma):
+            label = f"tma block_rows={rows}{tag}"
+            for n in copies:
+                num = torch.tensor([n], dtype=torch.int32, device="cuda")
+                srcs = [torch.tensor(rows_of(i, n) + [0] * (MAX_COPIES - n), dtype=torch.int32, device="cuda")
+                        for i in range(args.calls)]
+
+                def tma(i, num=num, srcs=srcs, rows=rows):
+                    copy_plan_tma(slots, host, evict, srcs[i], num, max_copies=MAX_COPIES, block_rows=rows)
+                t = time_graph(tma, args.calls, args.reps, args.warmup)
+                results.append((label, n, t))
+            print(f"{label}: " + ", ".join(
+                f"n={n} {n * gb / t:.1f} GB/s" for name, n, t in results[-len(copies):]), flush=True)
     src = torch.arange(MAX_COPIES, 2 * MAX_COPIES, dtype=torch.int32, device="cuda")
+    for rows in _ints(args.tma):
+        slots.zero_()
+        copy_plan_tma(slots, host, evict, src, torch.tensor([MAX_COPIES], dtype=torch.int32, device="cuda"),
+                      max_copies=MAX_COPIES, block_rows=rows)
+        torch.cuda.synchronize()
+        assert torch.equal(slots[:MAX_COPIES].cpu(), host[MAX_COPIES:2 * MAX_COPIES]), \
+            f"tma block_rows={rows}: wrong bytes moved"
     num = torch.tensor([MAX_COPIES], dtype=torch.int32, device="cuda")
     for ahead in _ints(args.prefetch):
         slots.zero_()

@@ -92,6 +92,29 @@ def test_plan_copy_with_the_l2_prefetch_moves_the_same_bytes(prefetch):
     assert not got[1].any() and not got[3].any()
 
 
+@pytest.mark.parametrize("cols,block_rows", [(None, 4), ((64 * 3, 64 * 11), 2), ((0, 64 * 3), 8)])
+def test_tma_plan_copy_matches_the_reference(cols, block_rows):
+    # The TMA experiment (kernels/expert_copy/tma.py): the same bytes as the reference, columns too, on a grid
+    # of 64-word tiles; a tile that runs past the column range writes nothing there.
+    from kernels.expert_copy.tma import copy_plan_tma
+    gen = torch.Generator().manual_seed(block_rows)
+    experts, slots_n, row = 5, 6, 64 * 13
+    host = torch.randn(experts, row, generator=gen).to(torch.bfloat16)
+    if KERNEL_DEVICE == "cuda":
+        host = host.pin_memory()
+    dst = torch.tensor([3, 0, 5, 0], dtype=torch.int32)
+    src = torch.tensor([4, 1, 2, 0], dtype=torch.int32)
+    count = torch.tensor([3], dtype=torch.int32)
+    ref = torch.randn(slots_n, row, generator=gen).to(torch.bfloat16)
+    got = ref.clone().to(KERNEL_DEVICE)
+    copy_plan(ref, host, dst, src, count, max_copies=4, impl="reference", cols=cols)
+    copy_plan_tma(got, host, dst.to(KERNEL_DEVICE), src.to(KERNEL_DEVICE), count.to(KERNEL_DEVICE), max_copies=4,
+                  cols=cols, block_rows=block_rows)
+    assert torch.equal(ref.view(torch.int16), got.cpu().view(torch.int16))
+    with pytest.raises(ValueError, match="multiple of 64 words"):
+        copy_plan_tma(got, host, dst, src, count, max_copies=4, cols=(1, 64))
+
+
 @pytest.mark.gpu
 def test_gpu_offload_with_the_copy_kernel_runs_in_graphs_and_matches_resident(tmp_path, monkeypatch,
                                                                              no_tf32):
