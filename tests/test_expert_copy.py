@@ -15,6 +15,8 @@ def test_plan_copy_matches_the_reference(dtype, num):
     experts, slots_n, row = 12, 9, 3000                      # a row spans several chunks
     # host rows with a padded stride, as the shared-memory store lays them out
     backing = torch.randn(experts, row + 64, generator=gen).to(dtype)
+    if KERNEL_DEVICE == "cuda":
+        backing = backing.pin_memory()                       # the kernel reads host rows through their mapping
     host = backing[:, :row]
     plan_dst = torch.randperm(slots_n, generator=gen)[:6].to(torch.int32)
     plan_src = torch.randperm(experts, generator=gen)[:6].to(torch.int32)
@@ -35,7 +37,10 @@ def test_plan_copy_of_a_column_range_moves_those_words_only(dtype, cols):
     # the two-part copy (w13, then w2) of an expert row: each part lands in full, nothing else is touched
     gen = torch.Generator().manual_seed(cols[0])
     experts, slots_n, row = 7, 6, 3000
-    host = torch.randn(experts, row + 40, generator=gen).to(dtype)[:, :row]
+    host = torch.randn(experts, row + 40, generator=gen).to(dtype)
+    if KERNEL_DEVICE == "cuda":
+        host = host.pin_memory()                             # the kernel reads host rows through their mapping
+    host = host[:, :row]
     dst = torch.tensor([4, 1, 3], dtype=torch.int32)
     src = torch.tensor([6, 0, 2], dtype=torch.int32)
     before = torch.randn(slots_n, row, generator=gen).to(dtype)
@@ -65,9 +70,10 @@ def test_plan_copy_errors():
     with pytest.raises(ValueError, match="cols"):
         copy_plan(torch.zeros(2, 4), torch.zeros(2, 4), torch.zeros(1, dtype=torch.int32),
                   torch.zeros(1, dtype=torch.int32), torch.zeros(1, dtype=torch.int32), max_copies=1, cols=(3, 5))
+    dev = {"device": KERNEL_DEVICE}                       # on a GPU the device check comes first
     with pytest.raises(ValueError, match="prefetch_blocks -1 >= 0"):
-        copy_plan(torch.zeros(2, 4), torch.zeros(2, 4), torch.zeros(1, dtype=torch.int32),
-                  torch.zeros(1, dtype=torch.int32), torch.zeros(1, dtype=torch.int32), max_copies=1,
+        copy_plan(torch.zeros(2, 4, **dev), torch.zeros(2, 4), torch.zeros(1, dtype=torch.int32, **dev),
+                  torch.zeros(1, dtype=torch.int32, **dev), torch.zeros(1, dtype=torch.int32, **dev), max_copies=1,
                   impl="triton", prefetch_blocks=-1)
 
 
