@@ -62,10 +62,12 @@ class NativeServeLoop:
 
     def __init__(self, lib: NativeLib, channel: WorkerChannel, store: ExpertStore, *, isa: int, num_threads: int,
                  split: ExpertSplit | None, worker_index: int):
-        size = lib.channel_desc_size()
-        if size != ctypes.sizeof(ChannelDesc):
-            raise RuntimeError(f"serve_loop.c's ft_channel_desc is {size} bytes, the ctypes mirror "
-                               f"{ctypes.sizeof(ChannelDesc)}: rebuild the library (delete its cache)")
+        size, offsets = lib.channel_desc_size(), lib.channel_desc_offsets()
+        mirror = [getattr(ChannelDesc, name).offset for name, _ in ChannelDesc._fields_]
+        if size != ctypes.sizeof(ChannelDesc) or offsets != mirror:
+            raise RuntimeError(f"serve_loop.c's ft_channel_desc ({size} bytes, offsets {offsets}) does not match "
+                               f"its ctypes mirror ({ctypes.sizeof(ChannelDesc)} bytes, offsets {mirror}): the two "
+                               "must change together")
         views, layout = channel.views, channel.layout
         if store.shape.hidden != layout.hidden:
             raise ValueError(f"channel hidden size {layout.hidden} != store's {store.shape.hidden}")

@@ -19,7 +19,7 @@ import torch
 
 from cpu_expert_pool.channel import ChannelBusy, IdlePolicy, IdleWaiter, Request, WorkerChannel
 from cpu_expert_pool.expert_kernel import ExpertKernel, LayerStats
-from cpu_expert_pool.native_loop import SERVE_DEADLINE, SERVE_PYTHON, NativeServeLoop, native_loop_wanted
+from cpu_expert_pool.native_loop import SERVE_PYTHON, NativeServeLoop, native_loop_wanted
 from cpu_expert_pool.native.build import ISA_NAMES, try_load_native
 from cpu_expert_pool.split import ExpertSplit
 from cpu_expert_pool.topology import SYSFS_ROOT, WorkerPlacement, bind_current_process, discover_placements
@@ -134,6 +134,9 @@ class CpuWorker:
 
     # -- control --------------------------------------------------------------------------------
     def apply_config(self, config: m.Config) -> None:
+        if not config.heartbeat_interval_ms > 0 or not config.hot_ms >= 0:
+            raise ValueError(f"heartbeat_interval_ms={config.heartbeat_interval_ms} must be > 0 and "
+                             f"hot_ms={config.hot_ms} >= 0")
         num_threads = config.num_threads or self.placement.num_threads
         if self.kernel is None or config.kernel != self.config.kernel or num_threads != self.kernel.num_threads:
             self.kernel = ExpertKernel(self.store, kernel=config.kernel, num_threads=num_threads)
@@ -143,6 +146,7 @@ class CpuWorker:
                          ", pinned one per core" if pinned else "")
         self.config = config
         self._loop = None                                # rebuilt around the (new) kernel
+        self._loop_wanted = native_loop_wanted()
         self.idle.policy = self._policy(config)
         self.heartbeat_interval_ns = int(config.heartbeat_interval_ms * 1e6)
         if config.owner_map:
@@ -198,6 +202,9 @@ class CpuWorker:
             assert self.kernel is not None
             self._loop = self.kernel.serve_loop(self.channel, split=self.split,
                                                 worker_index=self.options.worker_index)
+            if self._loop is None:
+                self._loop_wanted = False            # the torch kernel: the Python loop serves
+            log.info("hot loop: %s", "C (ft_serve)" if self._loop is not None else "Python")
         return self._loop
 
     def serve(self, req: Request) -> None:
@@ -280,8 +287,7 @@ def cpu_busy_loop(worker: CpuWorker, inbox: queue.Queue) -> None:
             while not inbox.empty():
                 if not worker.handle(inbox.get_nowait()):
                     return
-        if code != SERVE_DEADLINE:               # the C loop returned at its deadline: no idle pause owed
-            idle.pause(now_ns)
+        idle.pause(now_ns)                       # returns at once while hot; sleeps once the worker is cold
 
 
 def _wait_store_ready(store: ExpertStore, timeout_s: float) -> None:

@@ -55,7 +55,7 @@ def test_shared_figures_are_consistent_with_their_window(store, procs, monkeypat
 
     monkeypatch.setattr(bandwidth, "_measurement", spy)
     r = shared_bandwidth(store, CPU, top_k=TOP_K, calls=20, num_workers=1, worker_flags=WORKER_FLAGS)
-    (batch_bytes, copy_s), (call_bytes, cpu_s) = samples
+    (batch_bytes, copy_s), (call_bytes, cpu_s), (kernel_bytes, kernel_s) = samples
     assert batch_bytes == bandwidth.COPY_BATCH * store.expert_bytes and call_bytes == TOP_K * store.expert_bytes
     assert r.pcie.gb_s > 0 and r.cpu.gb_s > 0 and r.combined_gb_s > 0
     assert r.window_s >= bandwidth.SHARED_WINDOW_MIN_S
@@ -66,7 +66,10 @@ def test_shared_figures_are_consistent_with_their_window(store, procs, monkeypat
     assert sum(copy_s) <= r.window_s + 1e-3                # the copy window opens a moment before the calls
     # bytes copied inside the window: the whole batches, plus at most the two cut by its edges
     assert r.pcie.calls * batch_bytes <= r.pcie_bytes <= (r.pcie.calls + 2) * batch_bytes
-    assert r.combined_gb_s == pytest.approx((r.pcie_bytes + r.cpu_bytes) / r.window_s / 1e9)
+    assert r.combined_gb_s == pytest.approx((r.pcie_bytes / r.copy_window_s + r.cpu_bytes / r.window_s) / 1e9)
+    # the workers' own kernel time of the same calls: inside each call's round trip
+    assert kernel_bytes == call_bytes and len(kernel_s) == len(cpu_s)
+    assert all(0 < k <= c for k, c in zip(kernel_s, cpu_s)) and r.cpu_kernel.gb_s >= r.cpu.gb_s
     assert r.fetch_fraction == pytest.approx(r.pcie.gb_s / (r.pcie.gb_s + r.cpu.gb_s))
     assert_nothing_left(store, procs)
 

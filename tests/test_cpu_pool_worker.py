@@ -121,6 +121,45 @@ def test_control_conversation_with_a_real_worker(store, channel, procs, loop):
     server.close()
 
 
+@pytest.mark.parametrize("loop", ["native", "python"])
+def test_an_idle_worker_sleeps_and_beats_whatever_its_heartbeat_interval(store, channel, procs, tmp_path, loop):
+    """A heartbeat interval shorter than one turn of the loop (so the C loop returns at its deadline on every
+    turn) must not keep an idle worker spinning: once cold it sleeps, and it still beats. A zero interval is
+    refused."""
+    import psutil
+
+    server = ControlServer("tcp://127.0.0.1:*")
+    proc = procs(store_name=store.name, channel_name=channel, control_addr=server.addr, extra_args=WORKER_ARGS,
+                 env={**os.environ, "FT_WORKER_LOOP": loop})
+    identity, _, ready = server.handshake(m.Config(kernel="auto", num_threads=1, hot_ms=5.0,
+                                                   heartbeat_interval_ms=0.001),
+                                          timeout_s=START_TIMEOUT_S, expect_config_hash="cfg-w")
+    client = CpuPoolClient(channel)
+    client.wait_for_worker(timeout_s=10)
+    check(store, client, layer=0, seed=1)
+    if loop == "native" and ready.kernel.startswith("native-"):
+        assert "hot loop: C (ft_serve)" in (tmp_path / "worker0.log").read_text()
+    time.sleep(0.3)                                          # cold: past hot_ms
+    ps = psutil.Process(proc.pid)
+    cpu0, t0 = ps.cpu_times(), time.monotonic()
+    ages = []
+    while time.monotonic() - t0 < 1.0:
+        ages.append(client.heartbeat_age_s())
+        time.sleep(0.05)
+    cpu1, wall = ps.cpu_times(), time.monotonic() - t0
+    busy = (cpu1.user + cpu1.system - cpu0.user - cpu0.system) / wall
+    assert busy < 0.5, f"an idle worker used {busy:.0%} of a core"
+    assert max(ages) < 0.05, f"heartbeat ages up to {max(ages) * 1e3:.1f} ms while idle"
+    check(store, client, layer=1, seed=2)                    # and a cold worker still answers
+    server.send(identity, m.Config(heartbeat_interval_ms=0.0))
+    _, error = server.recv_type(m.Error, timeout_s=10)
+    assert "CONFIG refused" in error.message and "heartbeat_interval_ms" in error.message
+    server.send(identity, m.Shutdown("test over"))
+    assert proc.wait(timeout_s=20) == 0
+    client.close()
+    server.close()
+
+
 def test_wrong_config_hash_is_refused_by_the_coordinator(store, channel, procs):
     server = ControlServer("tcp://127.0.0.1:*")
     proc = procs(store_name=store.name, channel_name=channel, control_addr=server.addr, extra_args=WORKER_ARGS)

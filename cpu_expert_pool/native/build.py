@@ -94,6 +94,8 @@ class NativeLib:
         lib.ft_serve.argtypes = [c_p, c_p, c_i64, c_i64, c_p, c_p]
         lib.ft_channel_desc_size.restype = c_i64
         lib.ft_channel_desc_size.argtypes = []
+        lib.ft_channel_desc_offsets.restype = c_int
+        lib.ft_channel_desc_offsets.argtypes = [c_p, c_int]
         self._lib = lib
         self.path = path
         self.best_isa = int(lib.ft_best_isa())
@@ -117,6 +119,12 @@ class NativeLib:
     def channel_desc_size(self) -> int:
         """sizeof(ft_channel_desc) in serve_loop.c (its ctypes mirror: cpu_expert_pool/native_loop.py)."""
         return int(self._lib.ft_channel_desc_size())
+
+    def channel_desc_offsets(self) -> list[int]:
+        """offsetof() of each ft_channel_desc field, in declaration order."""
+        buf = (ctypes.c_int64 * 64)()
+        count = int(self._lib.ft_channel_desc_offsets(buf, 64))
+        return list(buf[:count])
 
     def serve(self, desc, done, deadline_ns: int, hot_ns: int, last_work_ns, stats) -> int:
         """ft_serve (serve_loop.c): desc, done and last_work_ns by reference, stats an int64 array."""

@@ -16,6 +16,7 @@
    Memory order (x86-64 TSO and the compiler): loads of request_seq, then the request line, then the data
    (acquire on request_seq); stores of out (the kernel's OpenMP team joins before ft_moe_layer returns),
    then the response line, then resp seq and done_seq (release stores). */
+#include <stddef.h>
 #include <stdint.h>
 #include <string.h>
 #include <time.h>
@@ -115,9 +116,13 @@ int ft_serve(const ft_channel_desc *ch, int64_t *done_io, int64_t deadline_ns, i
             }
             const int64_t t1 = mono_ns();
             int64_t foreign = 0;
-            if (ch->owner) {
+            if (ch->owner) {    /* ids read again from shared memory: a client rewriting them must not
+                                   index outside the map (the kernel validated its own read) */
                 const int16_t *row = ch->owner + (size_t)layer * (size_t)ch->num_experts;
-                for (int k = 0; k < n; ++k) foreign += row[ch->expert_id[slot][k]] != ch->worker_index;
+                for (int k = 0; k < n; ++k) {
+                    const int32_t e = __atomic_load_n(&ch->expert_id[slot][k], __ATOMIC_RELAXED);
+                    foreign += e >= 0 && e < ch->num_experts && row[e] != ch->worker_index;
+                }
             }
             uint8_t *resp = ch->response_line[slot];
             __atomic_store_n((int32_t *)(resp + RESP_STATUS), 0, __ATOMIC_RELAXED);
@@ -144,5 +149,19 @@ int ft_serve(const ft_channel_desc *ch, int64_t *done_io, int64_t deadline_ns, i
     }
 }
 
-/* The struct's size, so the Python side can check that its ctypes mirror matches. */
+/* The struct's size and its fields' offsets, in declaration order, so the Python side can check that its
+   ctypes mirror matches field by field. Returns the number of offsets (written when n allows). */
 int64_t ft_channel_desc_size(void) { return (int64_t)sizeof(ft_channel_desc); }
+
+#define FT_OFF(f) (int64_t)offsetof(ft_channel_desc, f)
+int ft_channel_desc_offsets(int64_t *out, int n) {
+    const int64_t offs[] = {FT_OFF(request_seq), FT_OFF(done_seq), FT_OFF(request_line), FT_OFF(response_line),
+                            FT_OFF(hidden), FT_OFF(token_idx), FT_OFF(expert_id), FT_OFF(weight), FT_OFF(out),
+                            FT_OFF(t_max), FT_OFF(max_triples), FT_OFF(hidden_is_bf16), FT_OFF(store_data),
+                            FT_OFF(expert_stride), FT_OFF(num_layers), FT_OFF(num_experts), FT_OFF(hidden_size),
+                            FT_OFF(intermediate), FT_OFF(owner), FT_OFF(worker_index), FT_OFF(isa),
+                            FT_OFF(num_threads)};
+    const int count = (int)(sizeof(offs) / sizeof(offs[0]));
+    for (int i = 0; i < count && i < n; ++i) out[i] = offs[i];
+    return count;
+}

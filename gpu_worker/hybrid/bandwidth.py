@@ -104,10 +104,10 @@ def copy_bandwidth(store: ExpertStore, device: torch.device, calls: int) -> Meas
 
 @contextlib.contextmanager
 def _bench_pool(store: ExpertStore, *, top_k: int, num_workers: int, worker_flags: list[str],
-                log_dir: str | None) -> Iterator[Callable[[], float]]:
+                log_dir: str | None) -> Iterator[Callable[[], tuple[float, float]]]:
     """`num_workers` real workers of their own (channels "<store>.bw<w>", so a pool serving the store is
     left alone), warmed up, as a function that makes one timed call: 1 token x top_k distinct experts of
-    layer 0 no earlier call touched recently -> its round-trip seconds. Workers and channels are gone
+    layer 0 no earlier call touched recently -> (its round-trip seconds, the slowest worker's kernel seconds). Workers and channels are gone
     when the block is left, however it is left."""
     num = store.num_experts
     split = ExpertSplit.contiguous(1, num, num_workers)
@@ -131,7 +131,7 @@ def _bench_pool(store: ExpertStore, *, top_k: int, num_workers: int, worker_flag
         token = np.zeros(top_k, dtype=np.int32)
         i = 0
 
-        def call() -> float:
+        def call() -> tuple[float, float]:
             nonlocal i
             experts = ((i * top_k + np.arange(top_k)) % num).astype(np.int32)   # fresh experts every call
             i += 1
@@ -143,7 +143,9 @@ def _bench_pool(store: ExpertStore, *, top_k: int, num_workers: int, worker_flag
             for client, rows in zip(clients, parts):
                 if rows.size:
                     client.wait(0, deadline_s=CALL_DEADLINE_S)
-            return time.perf_counter() - t0
+            elapsed = time.perf_counter() - t0
+            kernel = max(client.last_compute_ns(0) for client, rows in zip(clients, parts) if rows.size) / 1e9
+            return elapsed, kernel
 
         warm_until = time.perf_counter() + WARMUP_S          # a fresh worker settles
         while i < WARMUP_CALLS or time.perf_counter() < warm_until:
@@ -165,7 +167,7 @@ def cpu_pool_bandwidth(store: ExpertStore, *, top_k: int, calls: int, num_worker
     workers of their own (channels "<store>.bw<w>", so a pool serving the store is left alone)."""
     with _bench_pool(store, top_k=top_k, num_workers=num_workers, worker_flags=worker_flags,
                      log_dir=log_dir) as call:
-        times = [call() for _ in range(calls)]
+        times = [call()[0] for _ in range(calls)]
     return _measurement(top_k * store.expert_bytes, times)
 
 
@@ -174,25 +176,39 @@ class SharedMeasurement:
     """Both sides at once: what each gets while the other runs (they read one host DRAM)."""
     pcie: Measurement        # copy batches that lay wholly inside the CPU window (calls = batches)
     cpu: Measurement         # the CPU pool calls, which make the window
-    window_s: float
+    window_s: float          # the CPU window on the host's clock
+    copy_window_s: float     # the same window on the copies' clock (CUDA events; on the CPU the host's)
     pcie_bytes: float        # copied inside the window (batches cut by its edges count pro rata)
     cpu_bytes: int           # the calls' expert bytes
+    cpu_kernel: Measurement  # the same calls' bytes over the workers' own kernel time (compute_ns): what the
+                             # DRAM gave the kernel, without this process's side of the round trip
 
     @property
     def combined_gb_s(self) -> float:
-        """Bytes both sides moved inside the common window, over the window."""
-        return (self.pcie_bytes + self.cpu_bytes) / self.window_s / 1e9
+        """Bytes both sides moved inside the common window a second (each side over its own clock's window)."""
+        return (self.pcie_bytes / self.copy_window_s + self.cpu_bytes / self.window_s) / 1e9
 
     @property
     def pcie_busy(self) -> float:
-        """The share of the window the copies ran (bytes copied / their batches' median rate): near 1 when the
-        copy loop kept its stream fed, as the measurement needs."""
-        return self.pcie_bytes / (self.pcie.gb_s * 1e9 * self.window_s)
+        """About the share of the window the copies ran (bytes copied / their batches' median rate): near 1
+        when the copy loop kept its stream fed, as the measurement needs (batch rates vary: it can pass 1)."""
+        return self.pcie_bytes / (self.pcie.gb_s * 1e9 * self.copy_window_s)
 
     @property
     def fetch_fraction(self) -> float:
         """The f these figures would give (the policy starts from the separate ones: docs/POLICY.md)."""
         return self.pcie.gb_s / (self.pcie.gb_s + self.cpu.gb_s)
+
+    def fields(self) -> dict:
+        """The profile's / a benchmark JSON's keys for these figures (docs/POLICY.md)."""
+        return {"pcie_shared_gb_s": round(self.pcie.gb_s, 3), "cpu_shared_gb_s": round(self.cpu.gb_s, 3),
+                "cpu_shared_kernel_gb_s": round(self.cpu_kernel.gb_s, 3), "shared_gb_s": round(self.combined_gb_s, 3),
+                "shared_pcie_busy": round(self.pcie_busy, 3), "shared_window_s": round(self.window_s, 4)}
+
+    def summary(self) -> str:
+        return (f"copy {self.pcie.gb_s:.1f} GB/s, CPU pool {self.cpu.gb_s:.1f} GB/s (its kernels "
+                f"{self.cpu_kernel.gb_s:.1f}), {self.combined_gb_s:.1f} GB/s together over {self.window_s * 1e3:.0f} "
+                f"ms, copies busy {self.pcie_busy:.0%} of it (these figures would give f = {self.fetch_fraction:.3f})")
 
 
 class _CopyLoop(threading.Thread):
@@ -214,7 +230,12 @@ class _CopyLoop(threading.Thread):
         self.layer = store.layer_view(0)                                          # [E, N]
         self.device = device
         self.cuda = device.type == "cuda"
-        self.dst = torch.empty(self.layer.shape[1], dtype=self.layer.dtype, device=device)   # [N]
+        rows = min(COPY_BATCH, self.layer.shape[0])
+        self.dst = torch.empty((rows, self.layer.shape[1]), dtype=self.layer.dtype, device=device)   # [B, N]
+        # One copy call a batch where the layer's rows are contiguous (the GIL is taken once a batch, not once an
+        # expert: the pool client beside it spins holding the GIL); else one a row.
+        self.whole_batches = self.layer.is_contiguous() and self.layer.shape[0] >= COPY_BATCH
+        self._next = 0
         self.batch_bytes = COPY_BATCH * store.expert_bytes
         self.stop_requested = threading.Event()
         self.running = threading.Event()              # set once a batch is issued (or the loop failed)
@@ -236,32 +257,35 @@ class _CopyLoop(threading.Thread):
         finally:
             self.running.set()                        # a failure must not leave the caller waiting
 
-    def _run_cuda(self) -> None:
+    def _copy_batch(self, non_blocking: bool = False) -> None:
+        """The next COPY_BATCH experts of the layer (cycling) into the device buffer."""
         num = self.layer.shape[0]
+        if self.whole_batches:
+            start = self._next % (num - num % COPY_BATCH)
+            self.dst.copy_(self.layer[start:start + COPY_BATCH], non_blocking=non_blocking)
+        else:
+            for j in range(COPY_BATCH):
+                self.dst[j % self.dst.shape[0]].copy_(self.layer[(self._next + j) % num], non_blocking=non_blocking)
+        self._next += COPY_BATCH
+
+    def _run_cuda(self) -> None:
         depth = max(1, COPY_QUEUE_OPS // (COPY_BATCH + 2))       # batches in flight: copies + two events each
         with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
-            i = 0
             while not self.stop_requested.is_set():
                 if len(self.batches) >= depth and not self.batches[-depth][1].query():
                     self.batches[-depth][1].synchronize()     # releases the GIL: only when it must wait
                 start, end = self._event(), self._event()
                 start.record(self.stream)
-                for _ in range(COPY_BATCH):
-                    self.dst.copy_(self.layer[i % num], non_blocking=True)
-                    i += 1
+                self._copy_batch(non_blocking=True)
                 end.record(self.stream)
                 self.batches.append((start, end))
                 self.running.set()
             self.stream.synchronize()
 
     def _run_host(self) -> None:
-        num = self.layer.shape[0]
-        i = 0
         while not self.stop_requested.is_set():
             start = time.perf_counter()
-            for _ in range(COPY_BATCH):
-                self.dst.copy_(self.layer[i % num])
-                i += 1
+            self._copy_batch()
             self.batches.append((start, time.perf_counter()))
             self.running.set()
 
@@ -272,12 +296,13 @@ class _CopyLoop(threading.Thread):
         event.record(self.marker_stream)
         return event
 
-    def stop(self) -> None:
+    def stop(self) -> bool:
+        """Ask the loop to stop and wait for it; False when it did not stop in time (the caller raises, after
+        its own cleanup: raising here, inside a finally, would hide the error that got it there)."""
         self.stop_requested.set()
         if self.is_alive():
             self.join(timeout=COPY_JOIN_TIMEOUT_S)
-        if self.is_alive():
-            raise RuntimeError(f"the bench-bw copy thread did not stop within {COPY_JOIN_TIMEOUT_S:.0f} s")
+        return not self.is_alive()
 
     def spans(self, window_start, window_end) -> tuple[float, list[tuple[float, float]]]:
         """(window length, [(start, end) of each batch]) in seconds from the window's start; after stop()."""
@@ -323,16 +348,19 @@ def shared_bandwidth(store: ExpertStore, device: torch.device, *, top_k: int, ca
                 # could top its queue up only every 5 ms and the stream ran dry (first H200 run: the copies were
                 # busy ~40% of the window). A short interval while the window lasts keeps them queued.
                 sys.setswitchinterval(SHARED_SWITCH_INTERVAL_S)
+                call()                           # untimed: the workers went cold during the copies' lead
                 window_start = copies.mark()
                 t0 = time.perf_counter()
-                cpu_times: list[float] = []
-                while len(cpu_times) < calls or time.perf_counter() - t0 < SHARED_WINDOW_MIN_S:
-                    cpu_times.append(call())
+                cpu_calls: list[tuple[float, float]] = []
+                while len(cpu_calls) < calls or time.perf_counter() - t0 < SHARED_WINDOW_MIN_S:
+                    cpu_calls.append(call())
                 window_s = time.perf_counter() - t0
                 window = (window_start, copies.mark())
         finally:
             sys.setswitchinterval(switch)
-            copies.stop()
+            stopped = copies.stop()
+    if not stopped:
+        raise RuntimeError(f"the bench-bw copy thread did not stop within {COPY_JOIN_TIMEOUT_S:.0f} s")
     if copies.error is not None:
         raise RuntimeError(f"the copy loop of the shared measurement failed: {copies.error!r}") from copies.error
     if window is None or not copies.batches:
@@ -343,13 +371,15 @@ def shared_bandwidth(store: ExpertStore, device: torch.device, *, top_k: int, ca
     if len(inside) < MIN_SHARED_SAMPLES or copy_window_s <= 0:
         raise RuntimeError(f"only {len(inside)} copy batches of {COPY_BATCH} experts "
                            f"({copies.batch_bytes / 1e6:.1f} MB) lay wholly inside the {window_s * 1e3:.2f} ms CPU "
-                           f"window of {len(cpu_times)} calls (at least {MIN_SHARED_SAMPLES} needed): the copies "
+                           f"window of {len(cpu_calls)} calls (at least {MIN_SHARED_SAMPLES} needed): the copies "
                            "starved or the window was too short")
     copied = sum(copies.batch_bytes * (min(e, copy_window_s) - max(s, 0.0)) / (e - s)
                  for s, e in spans if e > 0 and s < copy_window_s and e > s)
+    call_bytes = top_k * store.expert_bytes
     return SharedMeasurement(pcie=_measurement(copies.batch_bytes, inside),
-                             cpu=_measurement(top_k * store.expert_bytes, cpu_times), window_s=window_s,
-                             pcie_bytes=copied, cpu_bytes=len(cpu_times) * top_k * store.expert_bytes)
+                             cpu=_measurement(call_bytes, [t for t, _ in cpu_calls]), window_s=window_s,
+                             copy_window_s=copy_window_s, pcie_bytes=copied, cpu_bytes=len(cpu_calls) * call_bytes,
+                             cpu_kernel=_measurement(call_bytes, [k for _, k in cpu_calls]))
 
 
 def write_profile_entry(path: str, entry: dict) -> dict:
