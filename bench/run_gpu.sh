@@ -14,7 +14,8 @@
 #        [s9-a] [s9-final] (ninth session: ring and counters beside the plan copy; the engine issue's
 #        configuration) [s9-b] [s9-c] [s9-cv] (what they ran, a one-round device join, was reverted)
 #        [s10-a] [s10-b] (tenth session: the CPU worker's C loop, the hand-off, ft bench bw's shared probe; the
-#        hybrid issue's configuration with the shared roofline)
+#        hybrid issue's configuration with the shared roofline) [s10-d] (the final code: bench bw, hand-off, the
+#        tests not marked gpu on CUDA)
 #        (default: kernels engine cpu). SECTION_TIMEOUT (s, default 540) bounds each command.
 # Logs go to $OUT (the device tool's output folder) when it is set, else ./out.
 set -u
@@ -277,6 +278,17 @@ device,=hybrid min-wait device serial" 2>&1 | tee "$OUT/overlap_hybrid.log" | ta
         --extra-fractions 0.5 --json-out "$OUT/s10b_hybrid.json" \
         --variants "=offload kernel graphs,=cpu device,=hybrid min-wait device,hybrid min-wait device f=" 2>&1 \
         | tee "$OUT/s10b_hybrid.log" | tail -n 12 || status=1
+      ;;
+    s10-d)    # tenth session, on the final code: ft bench bw's shared probe (after its review fixes), the hand-off
+              # round trip, then the tests not marked gpu on CUDA (KERNEL_DEVICE=cuda: some had only run in the
+              # interpreter), verbose so that a cut-off run still names what passed and failed
+      timeout 80 python3 -m coordinator.cli bench bw --preset qwen3-30b-a3b --out "$OUT/s10d_benchbw.json" 2>&1 \
+        | tail -n 2 || status=1
+      timeout 100 python3 bench/bench_handoff.py --mode gpu --client-cpu 0 2>&1 | tee "$OUT/s10d_handoff.log" \
+        | grep -E "graph of 32|worker's time|rings alone|joins" || status=1
+      timeout "${SUITE_TIMEOUT:-360}" python3 -m pytest -v --tb=line -p no:cacheprovider -m "not gpu" tests \
+        > "$OUT/s10d_suite.log" 2>&1 || status=1
+      grep -cE " PASSED" "$OUT/s10d_suite.log"; grep -E " FAILED| ERROR|^E |passed|failed" "$OUT/s10d_suite.log" | head -n 40
       ;;
     hybrid-pin)    # the GPU-driving process pinned to the reserved CPU (default) against unpinned, same variants
       for pin in on off; do
