@@ -5,6 +5,7 @@ import json
 import logging
 
 import pytest
+import torch
 
 from coordinator.cli import main
 from coordinator.policy import ExpertFormat, load_bandwidth_profile
@@ -129,6 +130,7 @@ def test_the_default_handoff_is_auto_host_without_a_gpu(capsys, resident_tokens)
     assert resolve_handoff("stream", on_cuda=True) == "stream"
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU side of the flag: the interpreter, then no GPU")
 def test_device_handoff_from_the_flag_and_its_error_without_a_gpu(monkeypatch, capsys, resident_tokens):
     """Under the interpreter (set for tests) the device kernels run on the CPU and give the resident
     tokens; without it and without a GPU, the flag is refused with what to use instead."""
