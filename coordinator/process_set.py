@@ -78,7 +78,8 @@ def options_from_serve_args(args: Any) -> ProcessSetOptions:
     for flag, value in (("--model", model_dir), ("--preset", args.preset), ("--moe-cache-size", args.moe_cache_size),
                         ("--max-context-tokens", args.max_context_tokens),
                         ("--hybrid-handoff", getattr(args, "hybrid_handoff", None)),      # not hashed: local
-                        ("--offload-copy", getattr(args, "offload_copy", None))):         # not hashed: lossless
+                        ("--offload-copy", getattr(args, "offload_copy", None)),          # not hashed: lossless
+                        ("--moe-slot-audit", getattr(args, "moe_slot_audit", None))):     # not hashed: a check
         if value is not None:
             flags += [flag, str(value)]
     config = em.engine_config(model=model_dir, preset=args.preset, dtype="auto", moe_strategy=args.moe_strategy,

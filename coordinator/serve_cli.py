@@ -205,7 +205,8 @@ def run_inline(args: argparse.Namespace) -> int:
                                 moe_cache_size=args.moe_cache_size, max_running_requests=args.max_running_requests,
                                 max_context_tokens=args.max_context_tokens, served_model_name=args.served_model_name,
                                 hybrid=inline_hybrid_options(args),
-                                offload_copy=resolve({"offload_copy": args.offload_copy})["offload_copy"])
+                                offload_copy=resolve({"offload_copy": args.offload_copy})["offload_copy"],
+                                slot_audit_every=resolve({"moe_slot_audit": args.moe_slot_audit})["moe_slot_audit"])
     policy = build_policy_from_args(args, served.expert_format, served.gpu_name)
     service = EngineService(served.engine_factory, served.codec.decode, policy=policy,
                             request_timeout_s=args.request_timeout_s, max_pending_requests=args.max_pending_requests)

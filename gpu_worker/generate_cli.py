@@ -121,7 +121,9 @@ def run(args: argparse.Namespace) -> int:
     prompt = _prompt_ids(args, tokenizer)
     # Default KV length: just what this request can use, up to 32K (the engine stops at a full context).
     max_ctx = args.max_context_tokens or max(len(prompt), min(len(prompt) + args.max_new_tokens, 32768))
+    slot_audit = resolve({"moe_slot_audit": args.moe_slot_audit})["moe_slot_audit"]
     engine = Engine(loaded.model, EngineConfig(max_running_requests=1, max_context_tokens=max_ctx,
+                                               slot_audit_every=slot_audit,
                                                prefill_chunk_tokens=args.prefill_chunk_tokens),
                     eos_token_ids=loaded.eos_token_ids)
     t_run = time.perf_counter()

@@ -49,6 +49,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                             "CUDA GPU, host elsewhere; local to this process, not part of the coordinator's config "
                             "[env FREETOKEN_HYBRID_HANDOFF, default 'auto']")
     add_cli_flag(parser, "offload_copy")        # local: both modes give the same tokens
+    add_cli_flag(parser, "moe_slot_audit")      # local: a check, not part of the coordinator's config
     cpus = parser.add_argument_group("CPUs (cpu/hybrid; local to this process, not part of the coordinator's config)")
     cpus.add_argument("--reserve-cpus", default=None, metavar="LIST",
                       help="the CPUs the CPU workers keep off, where this process pins itself once loaded (`ft "
@@ -68,7 +69,7 @@ def run(args: argparse.Namespace) -> int:
     from proto.knobs import resolve
 
     knobs = resolve({"hybrid_handoff": args.hybrid_handoff, "pin_gpu_worker": args.pin_gpu_worker,
-                     "offload_copy": args.offload_copy})
+                     "offload_copy": args.offload_copy, "moe_slot_audit": args.moe_slot_audit})
     options = GpuWorkerOptions(
         engine_addr=args.engine_addr, name=args.name, model=args.model, preset=args.preset, device=args.device,
         moe_strategy=args.moe_strategy, moe_cache_size=args.moe_cache_size,
@@ -76,7 +77,8 @@ def run(args: argparse.Namespace) -> int:
         num_cpu_workers=args.num_cpu_workers, store_name=args.store_name,
         handshake_timeout_s=args.handshake_timeout_s, drain_timeout_s=args.drain_timeout_s,
         hybrid_handoff=knobs["hybrid_handoff"], reserve_cpus=args.reserve_cpus,
-        pin_gpu_worker=knobs["pin_gpu_worker"] == "on", offload_copy=knobs["offload_copy"])
+        pin_gpu_worker=knobs["pin_gpu_worker"] == "on", offload_copy=knobs["offload_copy"],
+        slot_audit_every=knobs["moe_slot_audit"])
     return run_gpu_worker(options)
 
 

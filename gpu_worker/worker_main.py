@@ -58,6 +58,7 @@ class GpuWorkerOptions:
     reserve_cpus: str | None = None            # cpu/hybrid: the CPU workers' reserved CPUs (HybridOptions; not hashed)
     pin_gpu_worker: bool | None = None         # cpu/hybrid: pin to them once loaded; None: $FREETOKEN_PIN_GPU_WORKER
     offload_copy: str = "dma"                  # offload: dma or kernel (lossless either way: not hashed)
+    slot_audit_every: int = 0                  # FREETOKEN_MOE_SLOT_AUDIT (a check: not hashed)
 
     def engine_config(self) -> dict[str, Any]:
         return em.engine_config(model=os.path.abspath(self.model) if self.model else None, preset=self.preset,
@@ -126,7 +127,8 @@ def load_engine(opts: GpuWorkerOptions, welcome: em.Welcome) -> LoadedEngine:
         cfg = source.cfg
         model = MoeModel(cfg, dense, experts, max_positions=min(32768, cfg.max_position_embeddings))
         engine = Engine(model, EngineConfig(max_running_requests=opts.max_running_requests,
-                                            max_context_tokens=opts.max_context_tokens), source.eos_token_ids)
+                                            max_context_tokens=opts.max_context_tokens,
+                                            slot_audit_every=opts.slot_audit_every), source.eos_token_ids)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
     except BaseException:

@@ -94,8 +94,8 @@ KNOBS: tuple[Knob, ...] = (
          "prefetch verification: meta (check slot maps only) or 1 (also compare slot bytes)",
          choices=("meta", "1"), not_available=_NO_PREFETCH),
     Knob("FREETOKEN_MOE_SLOT_AUDIT", "moe_slot_audit", _nonneg_int, 0,
-         "every N decode steps, check the slot-cache invariants on the host (0 = never)",
-         not_available="the engine has no slot audit yet (tests check the invariants)"),
+         "every N decode steps, check the slot-cache invariants on the host and the bytes of a few slots; "
+         "on a problem, log it and empty the cache (0 = never)"),
     Knob("FREETOKEN_BENCHBW_PATH", "benchbw_path", str, "",
          "path of the `ft bench bw` bandwidth profile (JSON); empty = the default location"),
 )

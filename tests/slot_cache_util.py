@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 
 from kernels.slot_cache import SlotCache
+from kernels.slot_cache.audit import audit
 
 
 class RouteGen:
@@ -38,22 +39,9 @@ def assert_same_state(ref: SlotCache, other: SlotCache, context: str) -> None:
 
 
 def check_invariants(cache: SlotCache) -> None:
-    """Slot maps inverse, no slot owned twice, usage consistent with occupancy."""
-    sfi = cache.slot_for_id.cpu().reshape(-1)
-    ios = cache.id_of_slot.cpu()
-    usage = cache.usage.cpu()
-    owned = ios[ios >= 0]
-    assert owned.unique().numel() == owned.numel(), "an expert is held by two slots"
-    for slot in (ios >= 0).nonzero().reshape(-1).tolist():
-        assert sfi[ios[slot]] == slot, f"slot {slot} holds {int(ios[slot])} but the map disagrees"
-        flat = int(ios[slot])
-        layer = flat // cache.num_experts
-        assert cache.pool_base(layer) <= slot < cache.pool_base(layer) + cache.num_slots, \
-            f"slot {slot} serves layer {layer} outside that layer's pool"
-    for flat in (sfi >= 0).nonzero().reshape(-1).tolist():
-        assert ios[sfi[flat]] == flat, f"expert {flat} maps to a slot that holds another"
-    assert torch.equal(ios < 0, usage < 0), "empty slots and usage -1 disagree"
-    assert int(usage.max()) <= int(cache.step.cpu()), "a usage is ahead of the step counter"
+    """Slot maps inverse, no slot owned twice, usage consistent with occupancy (kernels.slot_cache.audit)."""
+    problems = audit(cache)
+    assert not problems, "; ".join(problems)
 
 
 def check_victim_list(cache: SlotCache, context: str = "") -> None:

@@ -129,6 +129,7 @@ def test_hybrid_gives_the_resident_tokens(hybrid, resident, fetch_round, promote
         assert backend.counters()["cpu_workers"][name]["triples_total"] > before["cpu_workers"][name]["triples_total"]
     assert delta(backend, before, "fallbacks_total") == 0 and not backend.degraded
     assert torch.isfinite(backend.slots).all()
+    assert backend.audit_slots(sample_slots=backend.cache.total_slots) == []    # maps and every slot's bytes
     assert_lockstep(lock)
 
 

@@ -32,11 +32,16 @@ def test_env_values_are_typed_and_cli_wins():
     ({"FREETOKEN_MOE_PREFETCH_BUDGET": "many"}, "is not valid"),
     ({"FREETOKEN_HYBRID_FECTH": "recency"}, "unknown environment variable.*FREETOKEN_HYBRID_FECTH"),
     ({"FREETOKEN_MOE_PREFETCH": "on"}, "not available yet.*leave it at 'off'"),
-    ({"FREETOKEN_MOE_SLOT_AUDIT": "10"}, "not available yet"),
+    ({"FREETOKEN_MOE_SLOT_AUDIT": "-1"}, "must be >= 0"),
 ])
 def test_bad_environment_gets_a_clear_error(env, message):
     with pytest.raises(ValueError, match=message):
         read_env(env)
+
+
+def test_the_slot_audit_knob_is_available():
+    assert read_env({"FREETOKEN_MOE_SLOT_AUDIT": "10"})["moe_slot_audit"] == 10
+    assert resolve({"moe_slot_audit": 3}, {})["moe_slot_audit"] == 3
 
 
 def test_unavailable_knob_refused_from_the_cli_too():

@@ -12,6 +12,7 @@ one prefill chunk and one decode forward (see scheduler.py) and returns every to
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from dataclasses import dataclass
 from typing import Hashable, Iterable
@@ -30,6 +31,9 @@ DEFAULT_MAX_CONTEXT_TOKENS = 32768
 
 
 DECODE_ATTEMPTS = 2      # a decode step the expert backend failed is run once more (it then fetches)
+SLOT_AUDIT_SAMPLE = 4    # slots whose bytes a slot audit compares with the expert store, at random
+
+log = logging.getLogger("ft.engine")
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -38,6 +42,8 @@ class EngineConfig:
     prefill_chunk_tokens: int = 512
     cuda_graphs: bool = True               # replay decode forwards from CUDA graphs where safe
     attention_backend: str = "auto"        # decode attention: "triton" | "sdpa"; auto: triton on CUDA
+    slot_audit_every: int = 0              # every N decode steps, audit the expert slot cache (0: never;
+                                           # FREETOKEN_MOE_SLOT_AUDIT; docs/slot_cache.md)
 
     def __post_init__(self) -> None:
         if self.max_running_requests < 1:
@@ -46,6 +52,9 @@ class EngineConfig:
             raise ValueError(f"prefill_chunk_tokens={self.prefill_chunk_tokens} must be >= 1")
         if self.max_context_tokens is not None and self.max_context_tokens < 2:
             raise ValueError(f"max_context_tokens={self.max_context_tokens} must be >= 2")
+        if isinstance(self.slot_audit_every, bool) or not isinstance(self.slot_audit_every, int) \
+                or self.slot_audit_every < 0:
+            raise ValueError(f"slot_audit_every={self.slot_audit_every!r} must be an integer >= 0 (0: never)")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend={self.attention_backend!r} must be one of "
                              f"{', '.join(ATTENTION_BACKENDS)}")
@@ -226,4 +235,22 @@ class Engine:
         self.stats.num_decode_steps += 1
         self.stats.decode_tokens += len(reqs)
         self.stats.decode_time_s += now - t0
+        every = self.config.slot_audit_every
+        if every and self.stats.num_decode_steps % every == 0:
+            self._audit_slots(experts)
         return [r.append_token(t, now) for r, t in zip(reqs, token_ids)]
+
+    def _audit_slots(self, experts) -> None:
+        """The slot audit (EngineConfig.slot_audit_every): check the backend's slot cache on the host, and on a
+        problem log it, count it and empty the cache, so later steps fetch every expert again instead of
+        computing with a slot that does not hold its expert. The step just sampled used the cache as it was."""
+        audit = getattr(experts, "audit_slots", None)
+        if audit is None:                                  # no slot cache (resident, cpu), or wrapped
+            return
+        self.stats.slot_audits += 1
+        problems = audit(SLOT_AUDIT_SAMPLE, seed=self.stats.num_decode_steps)
+        if problems:
+            self.stats.slot_audit_failures += 1
+            log.error("slot cache audit after decode step %d found: %s; emptying the cache (later steps fetch "
+                      "again)", self.stats.num_decode_steps, "; ".join(problems))
+            experts.reset_slots()

@@ -50,7 +50,7 @@ import torch
 from gpu_worker.models.expert_layout import unpack_experts
 from gpu_worker.models.resident_experts import GRAPH_SAFE_MODES, MODES, expert_ffn, pick_mode
 from gpu_worker.offload import HostExperts
-from gpu_worker.offload.offload_experts import copy_then_ffn
+from gpu_worker.offload.offload_experts import SlotPoolAudit, copy_then_ffn
 from kernels import handoff as kernels_handoff
 from kernels.expert_copy import copy_plan
 from kernels.slot_cache import SlotCache, ensure, set_policy
@@ -78,7 +78,7 @@ DEVICE_COUNTERS = ("experts_fetched_total", "expert_misses_total", "calls", "off
 IGNORED_POLICY_FIELDS = ("moe_prefetch", "moe_prefetch_budget")   # no prefetch in this backend yet
 
 
-class HybridExperts:
+class HybridExperts(SlotPoolAudit):
     """Expert backend over a GPU slot pool and a CPU expert pool; see the module docstring."""
 
     def __init__(self, host: HostExperts, num_slots: int, device: torch.device | str, pool: CpuPool, *,

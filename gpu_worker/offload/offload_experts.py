@@ -27,7 +27,7 @@ from gpu_worker.models.resident_experts import GRAPH_SAFE_MODES, MODES, expert_f
 from kernels.expert_copy import copy_plan
 from kernels.handoff import COUNT_MAX_PAIRS, COUNTERS, count_call
 from kernels.moe_decode import CopyPlan, moe_gemv
-from kernels.slot_cache import SlotCache, ensure, prefetch_ensure
+from kernels.slot_cache import SlotCache, audit, ensure, prefetch_ensure, reset
 from kernels.slot_cache.api import MAX_PREFETCH_CANDIDATES
 
 from .host_store import HostExperts
@@ -128,7 +128,21 @@ class OffloadStats:
     prefetched: int = 0         # of those, copied ahead for the next layer during prefill
 
 
-class OffloadExperts:
+class SlotPoolAudit:
+    """The slot audit (FREETOKEN_MOE_SLOT_AUDIT) of a backend with a slot cache `cache`, its pool `slots` [S, N]
+    and host rows `host.layers[l]` [E, N]: the offload and hybrid backends."""
+
+    def audit_slots(self, sample_slots: int = 0, seed: int = 0) -> list[str]:
+        """kernels.slot_cache.audit over this backend's cache and pool: the problems found (empty: none)."""
+        return audit(self.cache, slots=self.slots, host_layers=self.host.layers, sample_slots=sample_slots,
+                     seed=seed)
+
+    def reset_slots(self) -> None:
+        """Empty the slot cache in place (the pool's bytes stay, unmapped): later calls fetch again."""
+        reset(self.cache)
+
+
+class OffloadExperts(SlotPoolAudit):
     """Expert backend over a GPU slot pool; see the module docstring."""
 
     def __init__(self, host: HostExperts, num_slots: int, device: torch.device | str, *,

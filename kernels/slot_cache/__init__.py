@@ -3,7 +3,8 @@
 Contract: ../../../shared/DESIGN.md section 4 (restated in docs/slot_cache.md).
 """
 from .api import ensure, prefetch_ensure, raise_on_error, set_policy
+from .audit import audit
 from .state import ROUND_MODES, SELECT_MODES, SlotCache, reset
 
-__all__ = ["SlotCache", "ensure", "prefetch_ensure", "reset", "set_policy", "raise_on_error",
+__all__ = ["SlotCache", "audit", "ensure", "prefetch_ensure", "reset", "set_policy", "raise_on_error",
            "ROUND_MODES", "SELECT_MODES"]
