@@ -76,7 +76,32 @@ def _slot_outside_its_layers_pool(c):
     c.slot_for_id.view(-1)[flat] = t
 
 
+def _id_past_the_last_expert(c):
+    c.id_of_slot[occupied(c)[0]] = L * E + 3
+
+
+def _map_past_the_pool(c):
+    c.slot_for_id.view(-1)[int(c.id_of_slot[occupied(c)[0]])] = c.total_slots + 1
+
+
+def _error_word_set(c):
+    c.error[0] = 1
+
+
+def _key_below_minus_one(c):
+    c.usage[occupied(c)[0]] = -7
+
+
+def _recency_ahead_of_the_step(c):
+    c.expert_recency[1, 2] = int(c.step[0]) + 1
+
+
 @pytest.mark.parametrize("corrupt, message, per_layer", [
+    (_id_past_the_last_expert, "past the last expert", False),
+    (_map_past_the_pool, "past the pool's end", False),
+    (_error_word_set, "error word", False),
+    (_key_below_minus_one, "below -1", False),
+    (_recency_ahead_of_the_step, "routed at steps past the step counter", False),
     (_two_slots_one_expert, "held by two slots", False),
     (_map_names_another_slot, "whose map names another slot", False),
     (_empty_slot_with_a_usage, "occupancy and usage disagree", False),
@@ -90,14 +115,18 @@ def test_each_broken_invariant_is_named(corrupt, message, per_layer):
     assert any(message in p for p in problems), problems
 
 
-def test_slot_bytes_are_compared_with_the_store():
-    cache = used_cache()
-    n = 16
-    host = [torch.randn(E, n) for _ in range(L)]
-    slots = torch.zeros(cache.total_slots, n)
+def _filled(cache: SlotCache, n: int):
+    host = [torch.randn(E, n).to(torch.bfloat16) for _ in range(L)]
+    slots = torch.zeros(cache.total_slots, n, dtype=torch.bfloat16)
     for s in occupied(cache):
         layer, expert = divmod(int(cache.id_of_slot[s]), E)
         slots[s] = host[layer][expert]
+    return host, slots
+
+
+def test_slot_bytes_are_compared_with_the_store():
+    cache = used_cache()
+    host, slots = _filled(cache, 16)
     every = len(occupied(cache))
     assert audit(cache, slots=slots, host_layers=host, sample_slots=every) == []
     bad = occupied(cache)[3]
@@ -105,6 +134,21 @@ def test_slot_bytes_are_compared_with_the_store():
     problems = audit(cache, slots=slots, host_layers=host, sample_slots=every)
     assert len(problems) == 1 and f"slots {bad} " in problems[0] and "expert's bytes" in problems[0]
     assert audit(cache, slots=slots, host_layers=host, sample_slots=0) == []     # the maps alone are fine
+
+
+def test_whole_rows_go_to_the_latest_slots_and_windows_to_the_others():
+    cache = used_cache()
+    n = 3000                                  # three 256-element windows: start, middle, end
+    host, slots = _filled(cache, n)
+    newest = max(occupied(cache), key=lambda s: int(cache.usage[s]))
+    slots[newest, 1000] += 1.0                # outside every window: only a whole-row check sees it
+    assert audit(cache, slots=slots, host_layers=host, sample_slots=0, probe_slots=100) == []
+    assert any(f"slots {newest} " in p for p in audit(cache, slots=slots, host_layers=host, sample_slots=1))
+    slots[newest, 1000] -= 1.0
+    other = min(occupied(cache), key=lambda s: int(cache.usage[s]))
+    slots[other, n // 2] += 1.0               # the middle window
+    assert audit(cache, slots=slots, host_layers=host, sample_slots=1) == []          # not the newest slot
+    assert any(f"slots {other} " in p for p in audit(cache, slots=slots, host_layers=host, probe_slots=100))
 
 
 def _generate(loaded, audit_every: int, n: int = 16) -> tuple[list[list[int]], Engine]:
@@ -115,31 +159,67 @@ def _generate(loaded, audit_every: int, n: int = 16) -> tuple[list[list[int]], E
 
 
 def test_the_engine_audits_every_n_steps_and_empties_a_broken_cache(monkeypatch):
+    """Every slot's bytes broken before the third audit: the audit finds it and empties the cache, and the
+    tokens stay the resident ones. With the reset replaced by a no-op they do not (the cache is large enough
+    that the broken slots stay in use), so the check can fail."""
+    import gpu_worker.engine.engine as engine_module
+
     resident, _ = _generate(load_model(device="cpu"), 0)
-    loaded = load_model(device="cpu", moe_strategy="offload", moe_cache_size=9)
+    loaded = load_model(device="cpu", moe_strategy="offload", moe_cache_size=28)
     backend = loaded.model.experts
+    monkeypatch.setattr(engine_module, "SLOT_AUDIT_SAMPLE", backend.cache.total_slots)    # look at every slot
     try:
         tokens, engine = _generate(loaded, 2)
         steps = engine.stats.num_decode_steps
         assert tokens == resident and steps > 4
         assert engine.stats.slot_audits == steps // 2 and engine.stats.slot_audit_failures == 0
 
-        real, calls, resets = backend.audit_slots, [], []
+        def run(reset) -> tuple[list[list[int]], Engine, list]:
+            backend.reset_slots()
+            real, calls, emptied = type(backend).audit_slots, [], []
 
-        def breaking_audit(sample_slots, seed=0):
-            calls.append(seed)
-            if len(calls) == 3:                       # break the cache before the third audit looks
-                s = occupied(backend.cache)[0]
-                backend.cache.usage[s] = -1
-            return real(sample_slots, seed=seed)
+            def breaking_audit(sample_slots, probe_slots=0, seed=0):
+                calls.append(seed)
+                if len(calls) == 3:                   # every occupied slot's bytes off, before the third audit
+                    backend.slots[backend.cache.id_of_slot >= 0] += 1.0
+                return real(backend, sample_slots, probe_slots, seed=seed)
 
-        monkeypatch.setattr(backend, "audit_slots", breaking_audit)
-        monkeypatch.setattr(backend, "reset_slots", lambda: (resets.append(1), type(backend).reset_slots(backend)))
-        tokens, engine = _generate(loaded, 1)
-        assert len(calls) == engine.stats.slot_audits == engine.stats.num_decode_steps
-        assert engine.stats.slot_audit_failures == 1 and resets == [1]
+            def resetting():
+                reset()
+                emptied.append(int((backend.cache.id_of_slot >= 0).sum()))
+
+            monkeypatch.setattr(backend, "audit_slots", breaking_audit)
+            monkeypatch.setattr(backend, "reset_slots", resetting)
+            tokens, engine = _generate(loaded, 1)
+            monkeypatch.undo()
+            monkeypatch.setattr(engine_module, "SLOT_AUDIT_SAMPLE", backend.cache.total_slots)
+            assert len(calls) == engine.stats.slot_audits == engine.stats.num_decode_steps
+            return tokens, engine, emptied
+
+        tokens, engine, emptied = run(lambda: type(backend).reset_slots(backend))
+        assert engine.stats.slot_audit_failures == 1 and emptied == [0]       # found once, emptied at once
         assert tokens == resident                     # emptied, the cache refills and stays lossless
-        assert audit(backend.cache) == []
+        assert audit(backend.cache, slots=backend.slots, host_layers=backend.host.layers,
+                     sample_slots=backend.cache.total_slots) == []
+        tokens, engine, _ = run(lambda: None)         # the same break, never emptied
+        assert engine.stats.slot_audit_failures > 1 and tokens != resident
+    finally:
+        backend.close()
+
+
+def test_an_audit_that_raises_loses_no_tokens(monkeypatch):
+    resident, _ = _generate(load_model(device="cpu"), 0, n=6)
+    loaded = load_model(device="cpu", moe_strategy="offload", moe_cache_size=9)
+    backend = loaded.model.experts
+
+    def broken(*args, **kwargs):
+        raise OSError("the host store is gone")
+
+    monkeypatch.setattr(backend, "audit_slots", broken)
+    try:
+        tokens, engine = _generate(loaded, 1, n=6)
+        assert tokens == resident
+        assert engine.stats.slot_audit_failures == engine.stats.slot_audits == engine.stats.num_decode_steps > 0
     finally:
         backend.close()
 

@@ -31,7 +31,8 @@ DEFAULT_MAX_CONTEXT_TOKENS = 32768
 
 
 DECODE_ATTEMPTS = 2      # a decode step the expert backend failed is run once more (it then fetches)
-SLOT_AUDIT_SAMPLE = 4    # slots whose bytes a slot audit compares with the expert store, at random
+SLOT_AUDIT_SAMPLE = 2    # a slot audit compares the most recently used slots whole with the expert store ...
+SLOT_AUDIT_PROBES = 64   # ... and three windows of this many other slots, drawn at random
 
 log = logging.getLogger("ft.engine")
 
@@ -79,6 +80,7 @@ class Engine:
         self.max_context_tokens = (self.config.max_context_tokens
                                    or min(DEFAULT_MAX_CONTEXT_TOKENS, cfg.max_position_embeddings))
         model.ensure_positions(self.max_context_tokens)
+        self._audit_skip_logged = False
         self.device = model.device
         self.eos_token_ids = frozenset(cfg.eos_token_ids if eos_token_ids is None else eos_token_ids)
         self.kv = KVCache(cfg, self.config.max_running_requests, self.max_context_tokens, model.dtype,
@@ -246,9 +248,17 @@ class Engine:
         computing with a slot that does not hold its expert. The step just sampled used the cache as it was."""
         audit = getattr(experts, "audit_slots", None)
         if audit is None:                                  # no slot cache (resident, cpu), or wrapped
+            if not self._audit_skip_logged:
+                self._audit_skip_logged = True
+                log.info("slot audit: the %s backend has no slot cache to audit", type(experts).__name__)
             return
         self.stats.slot_audits += 1
-        problems = audit(SLOT_AUDIT_SAMPLE, seed=self.stats.num_decode_steps)
+        try:
+            problems = audit(SLOT_AUDIT_SAMPLE, SLOT_AUDIT_PROBES, seed=self.stats.num_decode_steps)
+        except Exception:                                   # a check must not lose the step's tokens
+            self.stats.slot_audit_failures += 1
+            log.exception("slot cache audit after decode step %d could not run", self.stats.num_decode_steps)
+            return
         if problems:
             self.stats.slot_audit_failures += 1
             log.error("slot cache audit after decode step %d found: %s; emptying the cache (later steps fetch "

@@ -132,10 +132,10 @@ class SlotPoolAudit:
     """The slot audit (FREETOKEN_MOE_SLOT_AUDIT) of a backend with a slot cache `cache`, its pool `slots` [S, N]
     and host rows `host.layers[l]` [E, N]: the offload and hybrid backends."""
 
-    def audit_slots(self, sample_slots: int = 0, seed: int = 0) -> list[str]:
+    def audit_slots(self, sample_slots: int = 0, probe_slots: int = 0, seed: int = 0) -> list[str]:
         """kernels.slot_cache.audit over this backend's cache and pool: the problems found (empty: none)."""
         return audit(self.cache, slots=self.slots, host_layers=self.host.layers, sample_slots=sample_slots,
-                     seed=seed)
+                     probe_slots=probe_slots, seed=seed)
 
     def reset_slots(self) -> None:
         """Empty the slot cache in place (the pool's bytes stay, unmapped): later calls fetch again."""
