@@ -97,7 +97,7 @@ def _byte_checks(cache: SlotCache, ios: torch.Tensor, occupied: torch.Tensor, us
         return host_layers[layer][expert]
 
     wrong: list[int] = []
-    recent = occupied[torch.argsort(usage[occupied], descending=True)[:sample_slots]]
+    recent = occupied[torch.argsort(usage[occupied], descending=True, stable=True)[:sample_slots]]   # ties: low slot
     for s in recent.tolist():                       # whole rows, bit for bit
         if not torch.equal(slots[s].detach().cpu().view(torch.uint8), host_row(s).view(torch.uint8)):
             wrong.append(s)
