@@ -15,7 +15,7 @@
 #        configuration) [s9-b] [s9-c] [s9-cv] (what they ran, a one-round device join, was reverted)
 #        [s10-a] [s10-b] (tenth session: the CPU worker's C loop, the hand-off, ft bench bw's shared probe; the
 #        hybrid issue's configuration with the shared roofline) [s10-d] (the final code: bench bw, hand-off, the
-#        tests not marked gpu on CUDA)
+#        tests not marked gpu on CUDA) [omp-wait] (prepared, not run: the CPU workers' OpenMP wait policy)
 #        (default: kernels engine cpu). SECTION_TIMEOUT (s, default 540) bounds each command.
 # Logs go to $OUT (the device tool's output folder) when it is set, else ./out.
 set -u
@@ -289,6 +289,17 @@ device,=hybrid min-wait device serial" 2>&1 | tee "$OUT/overlap_hybrid.log" | ta
       timeout "${SUITE_TIMEOUT:-360}" python3 -m pytest -v --tb=line -p no:cacheprovider -m "not gpu" tests \
         > "$OUT/s10d_suite.log" 2>&1 || status=1
       grep -cE " PASSED" "$OUT/s10d_suite.log"; grep -E " FAILED| ERROR|^E |passed|failed" "$OUT/s10d_suite.log" | head -n 40
+      ;;
+    omp-wait)    # prepared in the tenth session, not yet run: the hybrid configuration with the CPU workers' OpenMP team
+                 # left to libgomp's default wait (spin, then sleep) against OMP_WAIT_POLICY=active (the workers inherit
+                 # the environment), with the fixed shared probe's roofline beside
+      for policy in default active; do
+        if [ "$policy" = active ]; then export OMP_WAIT_POLICY=active; else unset OMP_WAIT_POLICY; fi
+        timeout 280 python3 bench/bench_hybrid.py --runs 3 --decode-tokens 64 --handoff-calls 200 --no-resident \
+          --json-out "$OUT/omp_$policy.json" --variants "=cpu device,=hybrid min-wait device" 2>&1 \
+          | tee "$OUT/omp_$policy.log" | tail -n 4 | sed "s/^/omp $policy: /" || status=1
+      done
+      unset OMP_WAIT_POLICY
       ;;
     hybrid-pin)    # the GPU-driving process pinned to the reserved CPU (default) against unpinned, same variants
       for pin in on off; do
