@@ -32,7 +32,7 @@ _P2 = ctypes.c_void_p * NUM_SLOTS
 
 
 class ChannelDesc(ctypes.Structure):
-    """Mirror of serve_loop.c's ft_channel_desc (checked against its size at construction)."""
+    """Mirror of serve_loop.c's ft_channel_desc (its size and every field's offset checked at construction)."""
     _fields_ = [
         ("request_seq", ctypes.c_void_p), ("done_seq", ctypes.c_void_p),
         ("request_line", _P2), ("response_line", _P2),

@@ -123,9 +123,7 @@ class CpuWorker:
         self.split_epoch = 0
         self.idle = IdleWaiter(self._policy(self.config))
         self.heartbeat_interval_ns = int(self.config.heartbeat_interval_ms * 1e6)
-        self._loop: NativeServeLoop | None = None       # the C hot loop, built on first use
-        self._loop_wanted = native_loop_wanted()
-        self.apply_config(self.config)
+        self.apply_config(self.config)                  # also sets _loop (the C hot loop) and _loop_wanted
 
     @staticmethod
     def _policy(config: m.Config) -> IdlePolicy:
@@ -145,7 +143,7 @@ class CpuWorker:
                 log.info("kernel %s, %d threads%s", self.kernel.name, num_threads,
                          ", pinned one per core" if pinned else "")
         self.config = config
-        self._loop = None                                # rebuilt around the (new) kernel
+        self._loop: NativeServeLoop | None = None       # the C hot loop, rebuilt around the (new) kernel on use
         self._loop_wanted = native_loop_wanted()
         self.idle.policy = self._policy(config)
         self.heartbeat_interval_ns = int(config.heartbeat_interval_ms * 1e6)

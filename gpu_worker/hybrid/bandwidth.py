@@ -215,7 +215,8 @@ class _CopyLoop(threading.Thread):
     """Copies store -> device buffer in batches of COPY_BATCH experts, cycling through the store, until
     stopped; each batch's start and end are kept, on a clock `mark()` also reads.
 
-    CUDA: a stream of its own, `dst.copy_(expert, non_blocking=True)` as copy_bandwidth, an event before
+    CUDA: a stream of its own, one `copy_(non_blocking=True)` a batch (one a row where the layer's rows are not
+    contiguous; copy_bandwidth copies the same way, one expert at a time), an event before
     and after each batch (were the stream to run dry, the idle time between batches is not counted as
     copying). The host runs up to COPY_QUEUE_OPS operations ahead (it waits on the end event of the batch
     that many operations back): never blocked on a full launch queue, and the stream does not run dry

@@ -27,6 +27,12 @@ def _few(t: torch.Tensor, n: int = 4) -> list[int]:
     return t.reshape(-1)[:n].tolist()
 
 
+def _below(where: torch.Tensor, values: torch.Tensor, limit: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(where, values) kept where values < limit, and the `where` entries whose value is past it."""
+    past = values >= limit
+    return where[~past], values[~past], where[past]
+
+
 def audit(cache: SlotCache, *, slots: torch.Tensor | None = None, host_layers=None, sample_slots: int = 0,
           probe_slots: int = 0, seed: int = 0) -> list[str]:
     """Problems found (empty: the cache is consistent). slots: [S_total, N] the slot pool; host_layers[l]:
@@ -52,10 +58,9 @@ def audit(cache: SlotCache, *, slots: torch.Tensor | None = None, host_layers=No
         problems.append(f"experts {_few(late)} were routed at steps past the step counter ({step})")
 
     occupied = (ios >= 0).nonzero().reshape(-1)
-    owners = ios[occupied]
-    if bool((owners >= num_ids).any()):
-        problems.append(f"slots {_few(occupied[owners >= num_ids])} hold ids past the last expert ({num_ids - 1})")
-        occupied, owners = occupied[owners < num_ids], owners[owners < num_ids]
+    occupied, owners, past = _below(occupied, ios[occupied], num_ids)
+    if past.numel():
+        problems.append(f"slots {_few(past)} hold ids past the last expert ({num_ids - 1})")
     if owners.unique().numel() != owners.numel():
         values, counts = owners.unique(return_counts=True)
         problems.append(f"experts {_few(values[counts > 1])} are held by two slots or more")
@@ -68,10 +73,9 @@ def audit(cache: SlotCache, *, slots: torch.Tensor | None = None, host_layers=No
     if outside.numel():
         problems.append(f"slots {_few(outside)} serve layers outside their pool")
     mapped = (sfi >= 0).nonzero().reshape(-1)
-    targets = sfi[mapped]
-    if bool((targets >= total).any()):
-        problems.append(f"experts {_few(mapped[targets >= total])} map to slots past the pool's end ({total - 1})")
-        mapped, targets = mapped[targets < total], targets[targets < total]
+    mapped, targets, past = _below(mapped, sfi[mapped], total)
+    if past.numel():
+        problems.append(f"experts {_few(past)} map to slots past the pool's end ({total - 1})")
     stray = mapped[ios[targets] != mapped]
     if stray.numel():
         problems.append(f"experts {_few(stray)} map to slots {_few(sfi[stray])} that hold other experts")
