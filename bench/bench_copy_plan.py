@@ -17,6 +17,9 @@ step's misses do from the 58 GB expert store.
         [--prefetch 0,1,2,4]     # L2 bulk prefetch that many blocks ahead (0: off; an experiment)
         [--source hot,cold]
         [--tma 64,256]           # the TMA variant (kernels/expert_copy/tma.py), per tile height (an experiment)
+        [--split 384 --split-rows 16,32,64]   # the split slot's copy (kernels/expert_split) of the GPU's channels
+                                 # [c, I) of one qwen3-30b-a3b expert, per limit c, per w2 rows a program:
+                                 # GB/s of the bytes it moves, cold rows, beside the plan copy's n=1
 """
 from __future__ import annotations
 
@@ -31,6 +34,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from graph_timing import time_graph  # noqa: E402  (bench/graph_timing.py: this folder is sys.path[0])
 from kernels.expert_copy import copy_plan  # noqa: E402
 from kernels.expert_copy.tma import copy_plan_tma  # noqa: E402
+from kernels.expert_split import api as split_api  # noqa: E402
 
 QWEN3_EXPERT_BYTES = 3 * 2048 * 768 * 2        # gate, up, down of qwen3-30b-a3b in bf16: 9.44 MB
 MAX_COPIES = 8                                   # batch 1, top-8: the engine's grid bound
@@ -38,6 +42,41 @@ MAX_COPIES = 8                                   # batch 1, top-8: the engine's 
 
 def _ints(text: str) -> list[int]:
     return [int(v) for v in text.split(",") if v.strip()]
+
+
+def bench_split(args, host: torch.Tensor, gb: float) -> None:
+    """The split slot's copy (both parts, cold rows) per limit c and rows per program; checked once."""
+    H, I = 2048, 768
+    if args.expert_bytes != 3 * H * I * 2:
+        print("--split: the qwen3-30b-a3b expert only (--expert-bytes default)")
+        return
+    rows = host.view(torch.bfloat16)                       # [pool_rows, N]
+    slots = torch.zeros((2, rows.shape[1]), dtype=torch.bfloat16, device="cuda")
+    calls = min(args.calls, rows.shape[0])
+    for c in _ints(args.split):
+        moved = 3 * (I - c) * H * 2 / 1e9
+        descs = [torch.tensor([i, c], dtype=torch.int32, device="cuda") for i in range(calls)]
+        for w2_rows in _ints(args.split_rows):
+            split_api.W2_ROWS = w2_rows
+
+            def split(i, descs=descs):
+                for part in (0, 1):
+                    split_api.split_copy(slots, rows, descs[i % calls], split_slot=1, hidden=H, intermediate=I,
+                                         part=part)
+            t = time_graph(split, calls, args.reps, args.warmup)
+            print(f"split copy c={c} w2_rows={w2_rows}: {t * 1e6:.1f} us, {moved / t:.1f} GB/s "
+                  f"(a whole expert by the plan kernel would take {gb / moved * t * 1e6:.0f} us at this rate)",
+                  flush=True)
+        slots.zero_()
+        split(0)
+        torch.cuda.synchronize()
+        want = rows[0].clone().view(-1)
+        got = slots[1].cpu()
+        gate = want[:I * H].view(I, H).clone()
+        gate[:c] = 0
+        assert torch.equal(got[:I * H].view(I, H), gate), f"split c={c}: wrong gate rows"
+        assert torch.equal(got[2 * I * H:].view(H, I)[:, c:], want[2 * I * H:].view(H, I)[:, c:]), \
+            f"split c={c}: wrong down columns"
 
 
 def main() -> int:
@@ -54,6 +93,8 @@ def main() -> int:
     parser.add_argument("--source", default="hot", help="hot, cold or hot,cold (see above)")
     parser.add_argument("--tma", default="", help="also the TMA variant (kernels/expert_copy/tma.py), once per "
                                                    "tile height in rows of 128 bytes, comma-separated (e.g. 64,256)")
+    parser.add_argument("--split", default="", help="limits c (CPU channels [0, c)) of the split slot's copy to time")
+    parser.add_argument("--split-rows", default="32", help="w2 rows per program of the split copy (W2_ROWS)")
     args = parser.parse_args()
     sources = [v.strip() for v in args.source.split(",") if v.strip()]
     if not sources or any(v not in ("hot", "cold") for v in sources):
@@ -127,6 +168,8 @@ def main() -> int:
         assert torch.equal(slots[:MAX_COPIES].cpu(), host[MAX_COPIES:2 * MAX_COPIES]), \
             f"prefetch={ahead}: wrong bytes moved"
 
+    if args.split:
+        bench_split(args, host, gb)
     dma = {(name.partition("[")[2], n): t for name, n, t in results if name.startswith("dma")}
     print(f"\n{torch.cuda.get_device_name()}, torch {torch.__version__}; expert {args.expert_bytes / 1e6:.2f} MB; "
           f"a graph of {args.calls} calls, median of {args.reps} replays; GB/s (% of DMA at the same n)")

@@ -43,7 +43,7 @@ from gpu_worker.models import load_model  # noqa: E402
 from gpu_worker.models.synthetic_routing import SyntheticRouting  # noqa: E402
 from gpu_worker.offload import HostExperts, OffloadExperts, resolve_cache_slots  # noqa: E402
 
-ROUNDS = ("min-wait", "stochastic", "prefer-fetch")
+ROUNDS = ("min-wait", "stochastic", "prefer-fetch", "split")   # split: floor on the host paths
 BW_CALLS = 100
 
 
@@ -53,10 +53,13 @@ def _sync(device: torch.device) -> None:
 
 
 def _counters(backend) -> dict:
-    """misses, fetched, cpu experts, fallbacks so far (offload: its OffloadStats)."""
+    """misses, fetched, cpu experts, fallbacks so far (offload: its OffloadStats). fetched counts the split
+    experts' GPU channels (fetch_round split) as fractions of an expert; splits: experts split."""
     if isinstance(backend, HybridExperts):
         c = backend.counters()
-        return {"misses": c["expert_misses_total"], "fetched": c["experts_fetched_total"],
+        split_fetched = c["split_gpu_channels_total"] / backend.layout.intermediate_size
+        return {"misses": c["expert_misses_total"], "fetched": c["experts_fetched_total"] + split_fetched,
+                "splits": c["split_experts_total"],
                 "cpu": c["cpu_experts_total"], "fallbacks": c["fallbacks_total"],
                 "wait_cpu_s": c["gpu_wait_for_cpu_s_total"], "wait_copy_s": c["gpu_wait_for_copy_s_total"],
                 "cpu_time_s": c["cpu_expert_time_s_total"]}
@@ -208,12 +211,15 @@ def variants(args, on_cuda: bool = True) -> list[tuple[str, dict | None]]:
     # the coordinator's online tuner moving f from the probes' value while it decodes
     out.append(("hybrid min-wait device tuned", {"strategy": "hybrid", "fetch_round": "min-wait", "promote": True,
                                                  "handoff": "device", "tune": True}))
+    out.append(("hybrid split device tuned", {"strategy": "hybrid", "fetch_round": "split", "promote": True,
+                                              "handoff": "device", "tune": True}))
     out.append(("hybrid min-wait device serial", {"strategy": "hybrid", "fetch_round": "min-wait", "promote": True,
                                                   "handoff": "device", "overlap_copy": False}))
     for f in filter(None, (v.strip() for v in args.extra_fractions.split(","))):
-        out.append((f"hybrid min-wait device f={float(f):.3g}", {"strategy": "hybrid", "fetch_round": "min-wait",
-                                                              "promote": True, "handoff": "device",
-                                                              "fetch_fraction": float(f)}))
+        for rnd in ("min-wait", "split"):
+            out.append((f"hybrid {rnd} device f={float(f):.3g}", {"strategy": "hybrid", "fetch_round": rnd,
+                                                               "promote": True, "handoff": "device",
+                                                               "fetch_fraction": float(f)}))
     if not on_cuda:     # the device hand-off's kernels need a GPU (the interpreter is for tests only)
         out = [v for v in out if (v[1] or {}).get("handoff") != "device"]
         # the tuner on the host hand-off instead, so that the smoke test drives it too

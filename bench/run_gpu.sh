@@ -16,6 +16,8 @@
 #        [s10-a] [s10-b] (tenth session: the CPU worker's C loop, the hand-off, ft bench bw's shared probe; the
 #        hybrid issue's configuration with the shared roofline) [s10-d] (the final code: bench bw, hand-off, the
 #        tests not marked gpu on CUDA) [omp-wait] (prepared, not run: the CPU workers' OpenMP wait policy)
+#        [s11-a] [s11-b] (eleventh session: the split expert, fetch_round split: its tests and the slot audit's on
+#        CUDA, the split copy's rate; the hybrid configuration with min-wait and split side by side)
 #        (default: kernels engine cpu). SECTION_TIMEOUT (s, default 540) bounds each command.
 # Logs go to $OUT (the device tool's output folder) when it is set, else ./out.
 set -u
@@ -289,6 +291,22 @@ device,=hybrid min-wait device serial" 2>&1 | tee "$OUT/overlap_hybrid.log" | ta
       timeout "${SUITE_TIMEOUT:-360}" python3 -m pytest -v --tb=line -p no:cacheprovider -m "not gpu" tests \
         > "$OUT/s10d_suite.log" 2>&1 || status=1
       grep -cE " PASSED" "$OUT/s10d_suite.log"; grep -E " FAILED| ERROR|^E |passed|failed" "$OUT/s10d_suite.log" | head -n 40
+      ;;
+    s11-a)    # eleventh session: the split expert's kernels and engine path on CUDA (kernels/expert_split, fetch_round
+              # split, the gpu-marked hybrid tests), the slot audit and the CPU kernel's channel limit (this CPU's AMX),
+              # then the split slot's copy rate beside the plan copy's
+      timeout "${SUITE_TIMEOUT:-420}" python3 -m pytest -q --tb=short -p no:cacheprovider tests/test_expert_split.py \
+        tests/test_slot_audit.py tests/test_cpu_pool_kernel.py tests/test_native_loop.py tests/test_device_doorbell.py \
+        tests/test_copy_overlap.py tests/test_moe_decode.py tests/test_hybrid.py > "$OUT/s11a_tests.log" 2>&1 || status=1
+      grep -E "FAILED|ERROR|passed|failed" "$OUT/s11a_tests.log" | tail -n 25
+      timeout 120 python3 bench/bench_copy_plan.py --copies 1 --chunks 64 --blocks 2048 --warps 4 --source cold \
+        --split 64,384,704 --split-rows 16,32,64 2>&1 | tee "$OUT/s11a_copy.log" | grep -E "split|kernel|dma" || status=1
+      ;;
+    s11-b)    # eleventh session: the hybrid issue's configuration, min-wait and split side by side (one run)
+      timeout "$T" python3 bench/bench_hybrid.py --runs 3 --decode-tokens 64 --handoff-calls 200 --no-resident \
+        --extra-fractions 0.45 --json-out "$OUT/s11b_hybrid.json" \
+        --variants "=offload kernel graphs,=cpu device,=hybrid min-wait device,=hybrid split device,=hybrid split device tuned,hybrid split device f=" 2>&1 \
+        | tee "$OUT/s11b_hybrid.log" | tail -n 14 || status=1
       ;;
     omp-wait)    # prepared in the tenth session, not yet run: the hybrid configuration with the CPU workers' OpenMP team
                  # left to libgomp's default wait (spin, then sleep) against OMP_WAIT_POLICY=active (the workers inherit

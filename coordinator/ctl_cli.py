@@ -41,7 +41,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     tune = pset.add_mutually_exclusive_group()
     tune.add_argument("--auto", dest="auto_tune", action="store_true", default=None, help="re-tune f online")
     tune.add_argument("--no-auto", dest="auto_tune", action="store_false", help="keep f fixed")
-    pset.add_argument("--round", choices=("min-wait", "stochastic", "prefer-fetch"), help="rounding of f*M")
+    pset.add_argument("--round", choices=("min-wait", "stochastic", "prefer-fetch", "split"), help="rounding of f*M")
     pset.add_argument("--select", choices=("recency", "lowest_id"), help="which misses are fetched first")
     pset.add_argument("--prefetch", choices=("off", "measure", "on"), help="next-layer expert prefetch")
     pset.add_argument("--budget", type=int, help="experts a prefetch may install per layer")

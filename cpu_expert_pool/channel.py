@@ -1,6 +1,7 @@
 """Both ends of the hot-path channel (layout and state machine: proto/shm_layout.py).
 
-``CpuPoolClient`` is the GPU worker's end (submit a layer's CPU share, wait for its partial sums);
+``CpuPoolClient`` is the GPU worker's end (submit a layer's CPU share, optionally with one split expert
+computed over a prefix of its channels, wait for its partial sums);
 ``WorkerChannel`` is the CPU worker's end (poll for requests, publish results, heartbeat);
 ``IdleWaiter`` is the worker's waiting policy (spin while hot, then short growing sleeps).
 No sockets and no pickling here: plain loads and stores on shared memory.
@@ -16,15 +17,16 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from proto.shm_layout import (DONE_SEQ_OFFSET, HEARTBEAT_NS_OFFSET, NUM_SLOTS, REQUEST_SEQ_OFFSET, STATUS_NAMES,
-                              STATUS_OK, STATUS_PROTOCOL_ERROR, WORKER_SERVING, WORKER_STARTING, WORKER_STATE_NAMES,
-                              WORKER_STOPPED, ChannelLayout, ChannelViews, ShmSegment, attach_channel,
+from proto.shm_layout import (DONE_SEQ_OFFSET, HEARTBEAT_NS_OFFSET, NUM_SLOTS, REQUEST_SEQ_OFFSET,
+                              SPLIT_CHANNEL_UNIT, STATUS_NAMES, STATUS_OK, STATUS_PROTOCOL_ERROR, WORKER_SERVING,
+                              WORKER_STARTING, WORKER_STATE_NAMES, WORKER_STOPPED, ChannelLayout, ChannelViews, ShmSegment, attach_channel,
                               create_channel, cuda_host_register, cuda_host_unregister, process_start_ticks)
 
 NS_PER_S = 1_000_000_000
 LIVENESS_CHECK_INTERVAL_S = 0.001     # client: how often a waiting call checks that the worker lives
 CLIENT_SPIN_S = 0.002                 # client: spin this long in wait() before sleeping between checks
 CLIENT_SLEEP_S = 50e-6
+INT32_MIN, INT32_MAX = -2 ** 31, 2 ** 31 - 1
 
 
 class WorkerDead(RuntimeError):
@@ -106,6 +108,7 @@ class _Lines:
 
         self.req_seq, self.req_layer = field(request, "seq"), field(request, "layer")
         self.req_tokens, self.req_triples = field(request, "num_tokens"), field(request, "num_triples")
+        self.req_split_limit, self.req_split_expert = field(request, "split_limit"), field(request, "split_expert")
         self.resp_seq, self.resp_status = field(response, "seq"), field(response, "status")
         self.resp_experts, self.resp_compute_ns = field(response, "num_experts"), field(response, "compute_ns")
 
@@ -134,6 +137,20 @@ class _ChannelEnd:
         self._words = _Words(self._views)
         self._slots = _slot_tensors(self._views)
         self._lines = [_Lines(slot.request, slot.response) for slot in self._views.slots]
+
+
+def check_split_fields(split_expert: int, split_limit: int) -> None:
+    """The client's check of a split (it does not know I or E; the worker checks those): split_limit 0 (no
+    split) or a positive multiple of SPLIT_CHANNEL_UNIT with split_expert >= 0; both fit an int32."""
+    if not INT32_MIN <= split_expert <= INT32_MAX:
+        raise ValueError(f"split_expert {split_expert} does not fit an int32")
+    if split_limit == 0:
+        return
+    if not 0 < split_limit <= INT32_MAX or split_limit % SPLIT_CHANNEL_UNIT:
+        raise ValueError(f"split_limit {split_limit} must be 0 (no split) or a positive multiple of "
+                         f"{SPLIT_CHANNEL_UNIT}")
+    if split_expert < 0:
+        raise ValueError(f"split_expert {split_expert} must name an expert (>= 0) with split_limit {split_limit}")
 
 
 class CpuPoolClient(_ChannelEnd):
@@ -226,15 +243,18 @@ class CpuPoolClient(_ChannelEnd):
         return {name: base + offset for name, offset in self.layout.slot_offsets(layer % NUM_SLOTS).items()}
 
     # -- requests -------------------------------------------------------------------------------
-    def submit(self, layer: int, hidden: torch.Tensor,
-               triples: Sequence[torch.Tensor | np.ndarray]) -> int:
+    def submit(self, layer: int, hidden: torch.Tensor, triples: Sequence[torch.Tensor | np.ndarray], *,
+               split_expert: int = -1, split_limit: int = 0) -> int:
         """Hand layer `layer`'s CPU share to the worker; returns the request's sequence number.
 
         hidden: [T, H] (cast to the channel's dtype); triples: (token_idx [n] int, expert_id [n] int,
         weight [n] float). The slot is ``layer % 2``; its previous request must have been waited for.
+        split_limit > 0: the worker computes expert split_expert over channels [0, split_limit) only (a
+        multiple of SPLIT_CHANNEL_UNIT, below I: the worker answers a bad request otherwise); 0: no split.
         """
         if not self.connected:
             raise WorkerDead(f"channel {self.name!r} has no connected CPU worker; call wait_for_worker()")
+        check_split_fields(split_expert, split_limit)
         token_idx, expert_id, weight = triples
         num_tokens, hidden_size = hidden.shape
         n = len(token_idx)
@@ -259,6 +279,8 @@ class CpuPoolClient(_ChannelEnd):
         lines.req_layer[0] = layer
         lines.req_tokens[0] = num_tokens
         lines.req_triples[0] = n
+        lines.req_split_limit[0] = split_limit       # both, on every request: no split outlives its request
+        lines.req_split_expert[0] = split_expert
         lines.req_seq[0] = seq                   # the request line is complete ...
         self._words.request_seq[0] = seq         # ... before the doorbell rings (x86-64 stores are ordered)
         self._pending[slot_index] = (seq, num_tokens)
@@ -312,8 +334,8 @@ class CpuPoolClient(_ChannelEnd):
         return self._slots[slot_index].token_views(num_tokens)[1]
 
     def call(self, layer: int, hidden: torch.Tensor, triples: Sequence[torch.Tensor | np.ndarray],
-             deadline_s: float) -> torch.Tensor:
-        self.submit(layer, hidden, triples)
+             deadline_s: float, *, split_expert: int = -1, split_limit: int = 0) -> torch.Tensor:
+        self.submit(layer, hidden, triples, split_expert=split_expert, split_limit=split_limit)
         return self.wait(layer, deadline_s)
 
     def last_compute_ns(self, layer: int) -> int:
@@ -352,6 +374,9 @@ class Request:
     weight: torch.Tensor       # [n] fp32 view
     out: torch.Tensor          # [T, H] fp32 view
     malformed: bool = False    # counts outside the layout: answer STATUS_BAD_REQUEST without computing
+    split_expert: int = -1     # with split_limit > 0: this expert over channels [0, split_limit) only
+    split_limit: int = 0       # 0: no split (the worker checks the rest against the store: a bad split is
+                               # answered STATUS_BAD_REQUEST)
 
 
 class WorkerChannel(_ChannelEnd):
@@ -423,7 +448,8 @@ class WorkerChannel(_ChannelEnd):
                     bad = False
                 hidden, out = self._slots[s].token_views(t)
                 return Request(seq, s, lines.req_layer[0], t, n, hidden, *self._slots[s].triple_views(n), out,
-                               malformed=bad)
+                               malformed=bad, split_expert=lines.req_split_expert[0],
+                               split_limit=lines.req_split_limit[0])
         self._done = seq                     # request_seq rang without a slot: answer so nobody hangs
         self._words.done_seq[0] = seq
         return None

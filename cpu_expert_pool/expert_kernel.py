@@ -2,12 +2,14 @@
 
 ``ExpertKernel(store, kernel=..., num_threads=...)(layer, hidden, token_idx, expert_id, weight, out)``
 computes out[:T] = sum_k weight_k * FFN_{expert_k}(hidden[token_k]) in fp32, reading every used
-expert's bytes once (triples are grouped by expert), weights in place from the store.
+expert's bytes once (triples are grouped by expert), weights in place from the store. A split
+(``split_expert=e, split_limit=c``, c > 0) computes expert e over its intermediate channels [0, c) only
+(gate/up rows [0, c), down columns [0, c)): the GPU adds the rest; c = 0 means no split.
 
 Kernels: ``torch`` (bf16 F.linear per expert; always available, the fallback), ``native-<isa>``
 (cpu_expert_pool/native/expert_ffn.c: avx512_bf16, avx512, avx2, scalar), ``native`` (best ISA
 here), ``auto`` (native when it builds, else torch, with a log line saying why).
-Legend: T tokens, H hidden, I intermediate, E experts, n triples, B tokens of one expert.
+Legend: T tokens, H hidden, I intermediate, E experts, n triples, B tokens of one expert, c split_limit.
 """
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ import torch.nn.functional as F
 
 from cpu_expert_pool.native.build import ISA_BY_NAME, ISA_NAMES, NativeLib, try_load_native
 from proto.expert_store import ExpertStore
+from proto.shm_layout import SPLIT_CHANNEL_UNIT
 
 log = logging.getLogger(__name__)
 
@@ -28,31 +31,54 @@ KERNELS = ("auto", "torch", "native", *(f"native-{name}" for name in ISA_BY_NAME
 @dataclasses.dataclass(frozen=True)
 class LayerStats:
     num_experts: int        # distinct experts computed
-    weight_bytes: int       # expert bytes read
+    weight_bytes: int       # expert bytes read (a split expert: its c channels' rows only)
+
+
+def check_split(store: ExpertStore, split_expert: int, split_limit: int) -> None:
+    """split_limit 0: no split (split_expert ignored); else 0 < c < I, a multiple of SPLIT_CHANNEL_UNIT,
+    and 0 <= split_expert < E. Raises ValueError naming the bad value."""
+    if split_limit == 0:
+        return
+    inter = store.shape.intermediate
+    if not 0 < split_limit < inter:
+        raise ValueError(f"CPU expert kernel: split_limit {split_limit} is outside (0, I={inter}) (0: no split)")
+    if split_limit % SPLIT_CHANNEL_UNIT:
+        raise ValueError(f"CPU expert kernel: split_limit {split_limit} is not a multiple of {SPLIT_CHANNEL_UNIT}")
+    if not 0 <= split_expert < store.num_experts:
+        raise ValueError(f"CPU expert kernel: split_expert {split_expert} is outside [0, {store.num_experts}) "
+                         f"with split_limit {split_limit}")
 
 
 def torch_moe_layer(store: ExpertStore, layer: int, hidden: torch.Tensor, token_idx: torch.Tensor,
-                    expert_id: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> LayerStats:
-    """hidden [T, H] bf16/fp32, token_idx/expert_id [n] int32, weight [n] fp32, out [T, H] fp32 (overwritten)."""
+                    expert_id: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, split_expert: int = -1,
+                    split_limit: int = 0) -> LayerStats:
+    """hidden [T, H] bf16/fp32, token_idx/expert_id [n] int32, weight [n] fp32, out [T, H] fp32 (overwritten);
+    split_limit > 0: expert split_expert over channels [0, split_limit) only."""
     _check_triples(store, hidden.shape[0], token_idx, expert_id)
+    check_split(store, split_expert, split_limit)
     out.zero_()
     if token_idx.numel() == 0:
         return LayerStats(0, 0)
     inter = store.shape.intermediate
+    channel_bytes = store.expert_bytes // inter                          # 3 rows of H: gate, up, down
     x = hidden.to(store.dtype)                                           # [T, H]
     order = torch.argsort(expert_id, stable=True)
     experts, counts = torch.unique_consecutive(expert_id[order], return_counts=True)
-    start = 0
+    start, num_bytes = 0, 0
     for e, count in zip(experts.tolist(), counts.tolist()):
         rows = order[start:start + count]
         start += count
         toks = token_idx[rows].long()                                    # [B]
         w13, w2 = store.expert_views(layer, e)                           # [2I, H], [H, I]
-        gate_up = F.linear(x[toks], w13)                                 # [B, 2I]
-        h = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]              # [B, I]
+        c = split_limit if split_limit and e == split_expert else inter
+        if c < inter:                                                    # prefix of the channels
+            w13, w2 = torch.cat((w13[:c], w13[inter:inter + c])), w2[:, :c]   # [2c, H], [H, c]
+        gate_up = F.linear(x[toks], w13)                                 # [B, 2c]
+        h = F.silu(gate_up[:, :c]) * gate_up[:, c:]                      # [B, c]
         y = F.linear(h, w2)                                              # [B, H]
         out.index_add_(0, toks, y.float() * weight[rows, None])
-    return LayerStats(len(counts), len(counts) * store.expert_bytes)
+        num_bytes += c * channel_bytes
+    return LayerStats(len(counts), num_bytes)
 
 
 def _check_triples(store: ExpertStore, num_tokens: int, token_idx: torch.Tensor, expert_id: torch.Tensor) -> None:
@@ -115,14 +141,17 @@ class ExpertKernel:
         return self._native.pin_threads(list(cpus)) == 0
 
     def __call__(self, layer: int, hidden: torch.Tensor, token_idx: torch.Tensor, expert_id: torch.Tensor,
-                 weight: torch.Tensor, out: torch.Tensor) -> LayerStats:
-        """hidden [T, H] bf16/fp32 contiguous; token_idx/expert_id [n] int32; weight [n] fp32; out [T, H] fp32."""
+                 weight: torch.Tensor, out: torch.Tensor, split_expert: int = -1, split_limit: int = 0) -> LayerStats:
+        """hidden [T, H] bf16/fp32 contiguous; token_idx/expert_id [n] int32; weight [n] fp32; out [T, H] fp32;
+        split_limit > 0: expert split_expert over channels [0, split_limit) only (check_split)."""
         num_tokens, hidden_size = hidden.shape
         if hidden_size != self.store.shape.hidden or tuple(out.shape) != (num_tokens, hidden_size):
             raise ValueError(f"hidden {tuple(hidden.shape)} / out {tuple(out.shape)} do not match H="
                              f"{self.store.shape.hidden}")
+        check_split(self.store, split_expert, split_limit)
         if self._native is None:
-            return torch_moe_layer(self.store, layer, hidden, token_idx, expert_id, weight, out)
+            return torch_moe_layer(self.store, layer, hidden, token_idx, expert_id, weight, out, split_expert,
+                                   split_limit)
         for t, dtype in ((token_idx, torch.int32), (expert_id, torch.int32), (weight, torch.float32),
                          (out, torch.float32)):
             if t.dtype != dtype or not t.is_contiguous():
@@ -139,5 +168,5 @@ class ExpertKernel:
             self._isa, self.num_threads, self.store.data_ptr + self.store.expert_offset(layer, 0),
             self.store.expert_stride, shape.num_experts, shape.hidden, shape.intermediate, hidden.data_ptr(),
             hidden.dtype == torch.bfloat16, num_tokens, token_idx.data_ptr(), expert_id.data_ptr(),
-            weight.data_ptr(), n, out.data_ptr())
+            weight.data_ptr(), n, out.data_ptr(), split_expert, split_limit)
         return LayerStats(groups, num_bytes)

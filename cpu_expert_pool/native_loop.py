@@ -2,8 +2,9 @@
 
 ``NativeServeLoop.run(deadline_ns, hot_ns, last_work_ns)`` answers requests in C until the deadline
 (the Python loop's housekeeping), an idle stretch of ``hot_ns`` (the idle policy takes over), or a
-request that Python must answer (malformed, no slot, a kernel error: left in place, so the Python
-path's ``next_request()`` finds it next). The Python loop cost ~5-6 us a request before any compute,
+request that Python must answer (malformed, an invalid split, no slot, a kernel error: left in place, so
+the Python path's ``next_request()`` finds it next). A request's split expert (split_limit, split_expert
+of the request line) is passed to the kernel as it is. The Python loop cost ~5-6 us a request before any compute,
 which on the GPU -> CPU -> GPU hand-off decides whether the GPU's first poll (a ~4 us PCIe round trip)
 already finds the answer (docs/HYBRID.md).
 

@@ -18,7 +18,7 @@ import time
 import torch
 
 from cpu_expert_pool.channel import ChannelBusy, IdlePolicy, IdleWaiter, Request, WorkerChannel
-from cpu_expert_pool.expert_kernel import ExpertKernel, LayerStats
+from cpu_expert_pool.expert_kernel import ExpertKernel, LayerStats, check_split
 from cpu_expert_pool.native_loop import SERVE_PYTHON, NativeServeLoop, native_loop_wanted
 from cpu_expert_pool.native.build import ISA_NAMES, try_load_native
 from cpu_expert_pool.split import ExpertSplit
@@ -212,10 +212,12 @@ class CpuWorker:
         try:
             if req.malformed:
                 raise ValueError("token or triple count outside the channel's layout")
+            check_split(self.store, req.split_expert, req.split_limit)     # a bad split is a bad request
             if req.num_triples == 0:
                 req.out.zero_()
             else:
-                layer_stats = self.kernel(req.layer, req.hidden, req.token_idx, req.expert_id, req.weight, req.out)
+                layer_stats = self.kernel(req.layer, req.hidden, req.token_idx, req.expert_id, req.weight, req.out,
+                                          req.split_expert, req.split_limit)
             status = STATUS_OK
         except (ValueError, IndexError) as exc:
             status = STATUS_BAD_REQUEST
@@ -260,8 +262,8 @@ def cpu_busy_loop(worker: CpuWorker, inbox: queue.Queue) -> None:
     """Serve the channel until a Shutdown arrives. No sockets here: control arrives through `inbox`.
 
     With the compiled kernel, requests are answered in C (native_loop.py) until the next housekeeping
-    time (heartbeat, control messages) or an idle stretch; a request C leaves (malformed, a kernel error)
-    is answered here in Python, as all are with the torch kernel."""
+    time (heartbeat, control messages) or an idle stretch; a request C leaves (malformed, a bad split, a
+    kernel error) is answered here in Python, as all are with the torch kernel."""
     channel, idle = worker.channel, worker.idle
     next_housekeeping_ns = 0
     while True:

@@ -26,7 +26,7 @@ Channel region (one segment per CPU worker; offsets in bytes; every array is 4 K
     1280  | worker_epoch  i64   worker: +1 at every worker (re)start          |  64 B
     1344  | worker_state  i64   worker: ABSENT/STARTING/SERVING/STOPPED       |  64 B
     1536  | slot 0 request line: seq i64, layer i32, num_tokens i32,          |  64 B  (client)
-          |                      num_triples i32                              |
+          |   num_triples i32, split_limit i32 (@20), split_expert i32 (@24)  |
     1600  | slot 0 response line: seq i64, status i32, num_experts i32,       |  64 B  (worker)
           |                       compute_ns i64                              |
     1664  | slot 1 request line, 1728 slot 1 response line                    |
@@ -41,6 +41,12 @@ Channel region (one segment per CPU worker; offsets in bytes; every array is 4 K
 
 Slot of a request: ``layer % 2`` (fixed addresses per layer, so a captured CUDA graph can write them).
 
+Split expert: a request may name one expert (split_expert) that the worker computes over its intermediate
+channels [0, split_limit) only (the GPU computes the rest). split_limit 0 means no split, whatever
+split_expert holds (a 64-bit store of num_triples at offset 16 writes it 0); otherwise it must be in (0, I)
+and a multiple of SPLIT_CHANNEL_UNIT, with 0 <= split_expert < E, or the request is a bad request. The
+client writes both fields on every request, so no split outlives its request.
+
 State machine of request number n (``request_seq``/``done_seq`` only grow; x86-64 TSO orders the
 plain stores below, every counter is an aligned 8-byte word on its own 64-byte line, so the GPU
 stream can write/await them with cuStreamWriteValue64 / cuStreamWaitValue64 once the segment is
@@ -51,7 +57,7 @@ registered with cudaHostRegister)::
     slot s = layer % 2; require slot's        spin on request_seq (hot_ms after the last request),
       previous seq <= done_seq                  then spin spin_us / sleep (growing) / spin ...
     write hidden, triples, request line
-      (seq=n, layer, T, N)
+      (seq=n, layer, T, N, split)
     request_seq = n        ------------->    sees request_seq >= done_seq + 1 = n
                                              finds the slot whose request seq == n
                                              computes out[:T] = sum_k w_k * FFN_e(x)
@@ -395,7 +401,7 @@ def cuda_host_unregister(address: int) -> None:
 # The hot-path channel
 # ---------------------------------------------------------------------------------------------
 CHANNEL_MAGIC = b"FTCHAN01"
-CHANNEL_VERSION = 1
+CHANNEL_VERSION = 2             # 2: split_limit, split_expert in the request line
 NUM_SLOTS = 2
 CHANNEL_META_CAPACITY_BYTES = 1024 - COMMON_HEADER_BYTES
 CONTROL_PAGE_BYTES = PAGE_BYTES
@@ -422,16 +428,21 @@ WORKER_STATE_NAMES = {WORKER_ABSENT: "absent", WORKER_STARTING: "starting",
 STATUS_OK = 0
 STATUS_COMPUTE_ERROR = 1       # the kernel raised; details in the worker's log
 STATUS_PROTOCOL_ERROR = 2      # request_seq advanced but no slot held that seq
-STATUS_BAD_REQUEST = 3         # token index / expert id out of range, too many tokens or triples
+STATUS_BAD_REQUEST = 3         # token index / expert id out of range, too many tokens or triples, a bad split
 STATUS_NAMES = {STATUS_OK: "ok", STATUS_COMPUTE_ERROR: "compute error", STATUS_PROTOCOL_ERROR: "protocol error",
                 STATUS_BAD_REQUEST: "bad request"}
 
 HIDDEN_DTYPES = {"bfloat16": np.uint16, "float32": np.float32}   # numpy carrier of each (bf16 as u16)
 HIDDEN_ITEM_BYTES = {"bfloat16": 2, "float32": 4}
 
-# Request line (client) and response line (worker) of a slot: numpy structured dtypes.
-REQUEST_LINE = np.dtype([("seq", "<i8"), ("layer", "<i4"), ("num_tokens", "<i4"), ("num_triples", "<i4")])
+# Request line (client) and response line (worker) of a slot: numpy structured dtypes. split_limit (@20) must
+# follow num_triples (@16): a 64-bit store of num_triples covers it and leaves 0 there, i.e. no split.
+REQUEST_LINE = np.dtype([("seq", "<i8"), ("layer", "<i4"), ("num_tokens", "<i4"), ("num_triples", "<i4"),
+                         ("split_limit", "<i4"), ("split_expert", "<i4")])
 RESPONSE_LINE = np.dtype([("seq", "<i8"), ("status", "<i4"), ("num_experts", "<i4"), ("compute_ns", "<i8")])
+SPLIT_CHANNEL_UNIT = 32         # split_limit is a multiple of this (the AMX tile's K: 32 bf16)
+assert REQUEST_LINE.fields["split_limit"][1] == 20 and REQUEST_LINE.fields["split_expert"][1] == 24
+assert REQUEST_LINE.itemsize <= CACHE_LINE_BYTES and RESPONSE_LINE.itemsize <= CACHE_LINE_BYTES
 
 
 @dataclasses.dataclass(frozen=True)

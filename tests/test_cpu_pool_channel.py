@@ -1,5 +1,5 @@
 """The hot-path channel in one process: layout contract, request/response protocol, double buffering,
-restart semantics, the worker's idle policy."""
+restart semantics, the split-expert fields of the request line, the worker's idle policy."""
 from __future__ import annotations
 
 import ctypes
@@ -76,7 +76,8 @@ class ThreadWorker:
                 time.sleep(0)
                 continue
             try:
-                self.kernel(req.layer, req.hidden, req.token_idx, req.expert_id, req.weight, req.out)
+                self.kernel(req.layer, req.hidden, req.token_idx, req.expert_id, req.weight, req.out,
+                            req.split_expert, req.split_limit)
                 status = sl.STATUS_OK
             except ValueError:
                 status = sl.STATUS_BAD_REQUEST
@@ -262,4 +263,72 @@ def test_a_replacement_claiming_the_channel_mid_wait_is_reported_as_dead(store, 
     client.wait_for_worker(timeout_s=5)
     assert client.call(0, hidden, triples, deadline_s=5).shape == (2, H)
     second.stop()
+    client.close()
+
+
+def test_request_line_holds_the_split_fields_after_num_triples():
+    """split_limit right after num_triples: a 64-bit store of num_triples at 16 (the stream doorbell's) leaves
+    it 0, i.e. no split. Both fit the request's cache line."""
+    fields = {name: sl.REQUEST_LINE.fields[name][1] for name in sl.REQUEST_LINE.names}
+    assert fields == {"seq": 0, "layer": 8, "num_tokens": 12, "num_triples": 16, "split_limit": 20, "split_expert": 24}
+    assert sl.REQUEST_LINE.itemsize <= sl.CACHE_LINE_BYTES and sl.SPLIT_CHANNEL_UNIT == 32
+    assert sl.CHANNEL_VERSION >= 2
+
+
+def test_a_channel_of_the_old_layout_is_refused(chan):
+    """A worker (or client) built for another layout version refuses the channel at attach."""
+    seg, _ = sl.attach_channel(chan)
+    seg.u8[8:12].view("<u4")[0] = sl.CHANNEL_VERSION - 1         # the header's version word
+    seg.close()
+    with pytest.raises(sl.ShmError, match=f"layout version {sl.CHANNEL_VERSION - 1}"):
+        WorkerChannel(chan)
+
+
+def test_split_fields_are_written_on_every_request(store, chan):
+    """The worker end reads what the client wrote; a request without a split clears the slot's fields."""
+    wc = WorkerChannel(chan)
+    wc.start()
+    wc.serve()
+    client = CpuPoolClient(chan)
+    client.wait_for_worker(timeout_s=5)
+    hidden, triples = batch(2, seed=7)
+    for layer, split in ((0, {"split_expert": 3, "split_limit": 64}), (2, {}),
+                         (1, {"split_expert": 0, "split_limit": 32}), (3, {"split_expert": 2, "split_limit": 0})):
+        seq = client.submit(layer, hidden, triples, **split)
+        req = wc.next_request()
+        assert req is not None and req.seq == seq and req.slot == layer % 2
+        assert (req.split_expert, req.split_limit) == (split.get("split_expert", -1), split.get("split_limit", 0))
+        wc.complete(req, sl.STATUS_OK)
+        client.wait(layer, deadline_s=5)
+    wc.close()
+    client.close()
+
+
+@pytest.mark.parametrize("split_expert, split_limit, named", [
+    (1, 48, "split_limit 48"), (1, -32, "split_limit -32"), (1, 2 ** 31, "split_limit"), (-1, 32, "split_expert -1"),
+    (2 ** 31, 0, "split_expert")])
+def test_client_refuses_an_invalid_split(store, chan, split_expert, split_limit, named):
+    worker = ThreadWorker(chan, store).start()
+    client = CpuPoolClient(chan)
+    client.wait_for_worker(timeout_s=5)
+    hidden, triples = batch(2, seed=8)
+    with pytest.raises(ValueError, match=named):
+        client.submit(0, hidden, triples, split_expert=split_expert, split_limit=split_limit)
+    out = client.call(0, hidden, triples, deadline_s=5)          # nothing was rung: the slot is free
+    torch.testing.assert_close(out, reference_moe_layer(store, 0, hidden, *triples), rtol=0.02, atol=0.02)
+    worker.stop()
+    client.close()
+
+
+def test_a_split_the_worker_cannot_apply_is_a_bad_request(store, chan):
+    """I = 32 here: no split limit fits below it, so the worker's kernel refuses one and the channel goes on."""
+    worker = ThreadWorker(chan, store).start()
+    client = CpuPoolClient(chan)
+    client.wait_for_worker(timeout_s=5)
+    hidden, triples = batch(2, seed=9)
+    with pytest.raises(WorkerError, match="bad request"):
+        client.call(0, hidden, triples, deadline_s=5, split_expert=1, split_limit=32)
+    out = client.call(0, hidden, triples, deadline_s=5)          # the same slot, no split: computed whole
+    torch.testing.assert_close(out, reference_moe_layer(store, 0, hidden, *triples), rtol=0.02, atol=0.02)
+    worker.stop()
     client.close()

@@ -115,7 +115,7 @@ def delta(backend: HybridExperts, before: dict, name: str) -> float:
     return backend.counters()[name] - before[name]
 
 
-@pytest.mark.parametrize("fetch_round", ["min-wait", "stochastic", "prefer-fetch"])
+@pytest.mark.parametrize("fetch_round", ["min-wait", "stochastic", "prefer-fetch", "split"])   # split: floor here
 @pytest.mark.parametrize("promote", [True, False], ids=["promote", "no-promote"])
 def test_hybrid_gives_the_resident_tokens(hybrid, resident, fetch_round, promote):
     lock = hybrid.model.experts
@@ -299,6 +299,34 @@ def test_stream_and_device_handoffs_give_the_resident_tokens(hybrid, resident, k
     assert_lockstep(lock)
     # the host path works again on the same channels (the stream calls advanced their sequence)
     assert greedy(hybrid, prompts=PROMPTS[:1], n=4) == [resident["tokens"][0][:4]]
+
+
+@interpreter_only
+@pytest.mark.parametrize("promote", [True, False], ids=["promote", "no-promote"])
+def test_split_rounding_splits_one_expert_a_layer_by_channels_on_the_device_path(hybrid, resident, promote):
+    """fetch_round split on the device hand-off: the GPU fetches and computes channels [c, I) of one CPU expert
+    a layer (the tiny model's I = 64: half of it), the CPU the rest; every layer call matches resident (a CPU
+    computing the whole expert besides, or either side the wrong channels, is off by O(1))."""
+    lock = hybrid.model.experts
+    backend = lock.backend
+    before = fresh(lock, strategy="hybrid", fetch_fraction=0.5, fetch_round="split", promote=promote, seed=7)
+    backend.set_handoff("device")
+    try:
+        assert backend.splits_experts and backend.graph_key()[-1] is True
+        assert greedy(hybrid) == resident["tokens"]
+        counters = backend.counters()
+    finally:
+        backend.set_handoff("host")
+    splits = counters["split_experts_total"] - before["split_experts_total"]
+    assert splits > 0
+    assert counters["split_gpu_channels_total"] - before["split_gpu_channels_total"] == 32 * splits
+    for name in ("cpu0", "cpu1"):
+        assert counters["cpu_workers"][name]["triples_total"] > before["cpu_workers"][name]["triples_total"]
+    assert delta(backend, before, "fallbacks_total") == 0 and not backend.degraded
+    assert backend.audit_slots(sample_slots=backend.cache.total_slots) == []    # the split slot is outside the cache
+    assert_lockstep(lock)
+    backend.set_policy(fetch_round="min-wait")
+    assert not backend.splits_experts
 
 
 @interpreter_only
@@ -528,5 +556,34 @@ def test_gpu_hybrid_and_cpu_match_resident_and_survive_a_sigkill(tiny_cache, str
             assert backend._doorbells[1].aborts >= 1
         if handoff == "device":
             assert backend._device_doorbells[1].counters()["failed"] >= 1
+    finally:
+        backend.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.usefixtures("no_tf32")
+def test_gpu_split_rounding_in_the_decode_graphs_matches_resident_and_survives_a_sigkill(tiny_cache):
+    """fetch_round split inside the engine's decode CUDA graphs: the split pick, the split slot's copy on the
+    copy stream and the ring's split request replay with the live cache; tokens as resident; a SIGKILLed worker's
+    step is re-run as offload (no split), and the worker is re-admitted."""
+    resident_loaded = load_model(device="cuda")
+    tokens, long = greedy(resident_loaded), greedy(resident_loaded, prompts=PROMPTS[:1], n=FAULT_TOKENS)[0]
+    loaded = load_model(device="cuda", moe_strategy="hybrid", moe_cache_size=CACHE_SLOTS,
+                        hybrid=options_for_tests(fetch_fraction=0.5, fetch_round="split", promote=False,
+                                                 cpu_workers=2, handoff="device"))
+    backend = loaded.model.experts
+    lock = Lockstep(backend, resident_loaded.model.experts)
+    loaded.model.experts = lock
+    try:
+        assert backend.splits_experts and backend.graph_safe(2)
+        assert greedy(loaded) == tokens
+        assert_lockstep(lock)
+        c = backend.counters()
+        assert c["split_experts_total"] > 0 and c["split_gpu_channels_total"] == 32 * c["split_experts_total"]
+        assert c["fallbacks_total"] == 0
+        _, seen = long_run_with_fault(loaded, long, signal.SIGKILL)
+        assert seen["fell_back_at_token"] < seen["readmitted_at_token"] < FAULT_TOKENS
+        assert backend.counters()["split_experts_total"] > c["split_experts_total"]
+        assert backend.audit_slots(sample_slots=backend.cache.total_slots) == []
     finally:
         backend.close()

@@ -55,6 +55,7 @@ POLICIES = {
     "min-wait-recency": dict(fetch_fraction=0.4, round_mode="min-wait", select="recency"),
     "stochastic-recency": dict(fetch_fraction=0.35, round_mode="stochastic", select="recency"),
     "prefer-fetch-lowest": dict(fetch_fraction=0.3, round_mode="prefer-fetch", select="lowest_id"),
+    "split-recency": dict(fetch_fraction=0.45, round_mode="split", select="recency"),
     "min-wait-lowest-nopromote": dict(fetch_fraction=0.2, round_mode="min-wait",
                                       select="lowest_id", promote=False),
     "zero-fraction-promote": dict(fetch_fraction=0.0, promote=True),
@@ -139,7 +140,7 @@ def test_int32_routes_and_padding():
         assert_same_state(ref, ker, f"call {call}")
 
 
-@pytest.mark.parametrize("mode", ["min-wait", "stochastic", "prefer-fetch"])
+@pytest.mark.parametrize("mode", ["min-wait", "stochastic", "prefer-fetch", "split"])
 def test_device_policy_matches_arguments(mode):
     from kernels.slot_cache import set_policy
     a = SlotCache.create(2, 16, 12, device=KERNEL_DEVICE)

@@ -16,7 +16,7 @@ call = st.fixed_dictionaries({
     "layer": st.integers(0, NUM_LAYERS - 1),
     "ids": route,
     "fraction": st.sampled_from([0.0, 0.25, 0.5, 0.75, 1.0]),
-    "round_mode": st.sampled_from(["min-wait", "stochastic", "prefer-fetch"]),
+    "round_mode": st.sampled_from(["min-wait", "stochastic", "prefer-fetch", "split"]),
     "select": st.sampled_from(["recency", "lowest_id"]),
     "promote": st.booleans(),
     "prefetch": st.none() | st.tuples(st.lists(st.integers(-1, NUM_EXPERTS - 1), max_size=6),

@@ -29,7 +29,8 @@ ISA_NAMES = {0: "scalar", 1: "avx2", 2: "avx512", 3: "avx512_bf16", 4: "amx_bf16
 ISA_BY_NAME = {v: k for k, v in ISA_NAMES.items()}
 ERRORS = {-1: "a token index is outside [0, T)", -2: "an expert id is outside [0, E)",
           -3: "out of memory for scratch buffers", -4: "that ISA is not supported by this CPU",
-          -5: "bad sizes (H, I, T, n, E and num_threads must be positive)"}
+          -5: "bad sizes (H, I, T, n, E and num_threads must be positive) or an invalid split (split_limit "
+              "must be 0, or in (0, I) and a multiple of 32 with split_expert in [0, E))"}
 
 
 class NativeUnavailable(RuntimeError):
@@ -85,7 +86,7 @@ class NativeLib:
         lib.ft_best_isa.argtypes = []
         lib.ft_moe_layer.restype = c_int
         lib.ft_moe_layer.argtypes = [c_int, c_int, c_p, c_i64, c_int, c_int, c_int, c_p, c_int, c_int,
-                                     c_p, c_p, c_p, c_int, c_p, c_p]
+                                     c_p, c_p, c_p, c_int, c_p, c_p, c_int, c_int]
         lib.ft_pin_threads.restype = c_int
         lib.ft_pin_threads.argtypes = [c_p, c_int]
         lib.ft_read_bytes.restype = ctypes.c_uint64
@@ -107,11 +108,14 @@ class NativeLib:
 
     def moe_layer(self, isa: int, num_threads: int, layer_base: int, expert_stride_bytes: int, num_experts: int,
                   hidden_size: int, intermediate: int, hidden_ptr: int, hidden_is_bf16: bool, num_tokens: int,
-                  tok_ptr: int, expert_ptr: int, weight_ptr: int, num_triples: int, out_ptr: int) -> tuple[int, int]:
-        """Raw call; returns (experts used, weight bytes read). Raises ValueError on a bad request."""
+                  tok_ptr: int, expert_ptr: int, weight_ptr: int, num_triples: int, out_ptr: int,
+                  split_expert: int = -1, split_limit: int = 0) -> tuple[int, int]:
+        """Raw call; returns (experts used, weight bytes read). Raises ValueError on a bad request.
+        split_limit > 0: expert split_expert's channels [0, split_limit) only; 0: no split."""
         rc = self._lib.ft_moe_layer(isa, num_threads, layer_base, expert_stride_bytes, num_experts, hidden_size,
                                     intermediate, hidden_ptr, int(hidden_is_bf16), num_tokens, tok_ptr,
-                                    expert_ptr, weight_ptr, num_triples, out_ptr, ctypes.addressof(self._stats))
+                                    expert_ptr, weight_ptr, num_triples, out_ptr, ctypes.addressof(self._stats),
+                                    split_expert, split_limit)
         if rc != 0:
             raise ValueError(f"CPU expert kernel: {ERRORS.get(rc, f'error {rc}')}")
         return int(self._stats[0]), int(self._stats[1])

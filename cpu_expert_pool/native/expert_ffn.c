@@ -4,9 +4,13 @@
  * rows) followed by w2 [H, I], bf16, HF [out, in] layout. Triples (token, expert, weight) are grouped
  * by expert (counting sort), so each expert's bytes are read once per call however many tokens use it.
  *
+ * Split expert: at most one expert per call (split_expert) may be computed over a prefix of its
+ * intermediate channels only, [0, split_limit) (the GPU computes the rest and adds the partial sums):
+ * its gate/up rows [0, c) and down columns [0, c). split_limit 0: no split. Per group g, lim_g = c or I.
+ *
  * Threads (OpenMP, one team): phase 0 zeroes out[T, H] and converts x; phase 1 splits the
- * gate/up rows of all groups into contiguous ranges (h = silu(g) * u); phase 2 splits the H output
- * rows, each thread adding every group's contribution to its own rows (no atomics, no races).
+ * gate/up rows [0, lim_g) of all groups into contiguous ranges (h = silu(g) * u); phase 2 splits the H
+ * output rows, each thread adding every group's contribution to its own rows (no atomics, no races).
  *
  * ISAs, chosen at run time (ft_best_isa): 4 AMX-BF16 tiles for experts with >= AMX_MIN_TOKENS
  * tokens (16 weight rows x 16 tokens per tile multiply), AVX-512 BF16 for the others; 3 AVX-512 BF16
@@ -14,7 +18,8 @@
  * (bf16 weights widened to fp32, fp32 x and h); 0 portable C. Built without -march: only functions
  * with a target attribute use those units.
  *
- * Legend: T tokens, H hidden, I intermediate, E experts, n triples, G experts used, B tokens of one.
+ * Legend: T tokens, H hidden, I intermediate, E experts, n triples, G experts used, B tokens of one,
+ * c split_limit.
  */
 #define _GNU_SOURCE
 #include <math.h>
@@ -37,6 +42,7 @@ enum { ERR_BAD_TOKEN = -1, ERR_BAD_EXPERT = -2, ERR_NO_MEMORY = -3, ERR_BAD_ISA 
 #define TILE_K 32         /* AMX: bf16 elements of K per tile multiply */
 #define AMX_MIN_TOKENS 4  /* experts with fewer tokens use the AVX-512 BF16 dot products */
 #define ALIGN_BYTES 64
+#define SPLIT_CHANNEL_UNIT 32  /* split_limit granularity (proto/shm_layout.py); a multiple of TILE_K */
 
 /* ---------------------------------------------------------------- bf16 helpers */
 static inline float bf16_to_f32(uint16_t v) {
@@ -343,7 +349,8 @@ static void *reserve(buffer *b, size_t nbytes) {    /* contents are not kept whe
 }
 
 /* ---------------------------------------------------------------- the layer call */
-/* Phase-1 rows i0 .. i0+nrows of group g, dot-product path: h[b][i] row-major for the group's tokens. */
+/* Phase-1 rows i0 .. i0+nrows of group g, dot-product path: h[b][i] row-major (row stride I) for the
+   group's tokens. */
 static void phase1_rows_dot(int isa, int use_bf16, const uint16_t *w13, int H, int I, int i0, int nrows,
                             const void *x, const int32_t *toks, int B, void *h, float *ra, float *rb) {
     for (int i = i0; i < i0 + nrows; ++i) {
@@ -362,8 +369,9 @@ static void phase1_rows_dot(int isa, int use_bf16, const uint16_t *w13, int H, i
     }
 }
 
-/* Phase-2 rows j0 .. j1 of one group, dot-product path: out[tok][j] += w * (down_j . h). */
-static void phase2_rows_dot(int isa, int use_bf16, const uint16_t *w2, int H, int I, int j0, int j1,
+/* Phase-2 rows j0 .. j1 of one group, dot-product path: out[tok][j] += w * (down_j[:K] . h[:K]); I is the
+   row stride of down and of h, K <= I the channels used (lim_g). */
+static void phase2_rows_dot(int isa, int use_bf16, const uint16_t *w2, int H, int I, int K, int j0, int j1,
                             const void *h, const int32_t *toks, const float *wts, int B, const int32_t *iota,
                             float *out, float *ra, float *rb) {
     for (int j = j0; j < j1; j += 2) {
@@ -372,9 +380,9 @@ static void phase2_rows_dot(int isa, int use_bf16, const uint16_t *w2, int H, in
         for (int b0 = 0; b0 < B; b0 += TOKEN_CHUNK) {
             const int nb = B - b0 < TOKEN_CHUNK ? B - b0 : TOKEN_CHUNK;
             if (use_bf16)
-                dot2_rows_bf16(wa, wb, I, (const uint16_t *)h + (int64_t)b0 * I, I, iota, nb, ra, rb);
+                dot2_rows_bf16(wa, wb, K, (const uint16_t *)h + (int64_t)b0 * I, I, iota, nb, ra, rb);
             else
-                dot2_rows_f32(isa, wa, wb, I, (const float *)h + (int64_t)b0 * I, I, iota, nb, ra, rb);
+                dot2_rows_f32(isa, wa, wb, K, (const float *)h + (int64_t)b0 * I, I, iota, nb, ra, rb);
             for (int b = 0; b < nb; ++b) {
                 float *o = out + (int64_t)toks[b0 + b] * H + j;
                 o[0] += wts[b0 + b] * ra[b];
@@ -384,14 +392,18 @@ static void phase2_rows_dot(int isa, int use_bf16, const uint16_t *w2, int H, in
     }
 }
 
-/* Returns 0, or a negative ERR_*. stats_out[0] = experts used (G), stats_out[1] = weight bytes read. */
+/* Returns 0, or a negative ERR_*. stats_out[0] = experts used (G), stats_out[1] = weight bytes read.
+   split_limit 0: no split (split_expert ignored); else 0 < split_limit < I, a multiple of
+   SPLIT_CHANNEL_UNIT, and 0 <= split_expert < E (ERR_BAD_ARGS otherwise). */
 int ft_moe_layer(int isa, int num_threads,
                  const void *layer_base, int64_t expert_stride_bytes, int num_experts, int H, int I,
                  const void *hidden, int hidden_is_bf16, int T,
                  const int32_t *tok, const int32_t *expert, const float *weight, int n,
-                 float *out, int64_t *stats_out) {
+                 float *out, int64_t *stats_out, int split_expert, int split_limit) {
     if (isa < ISA_SCALAR || isa > ft_best_isa()) return ERR_BAD_ISA;
     if (H <= 0 || I <= 0 || T < 0 || n < 0 || num_experts <= 0 || num_threads <= 0) return ERR_BAD_ARGS;
+    if (split_limit != 0 && (split_limit < 0 || split_limit >= I || split_limit % SPLIT_CHANNEL_UNIT != 0
+                             || split_expert < 0 || split_expert >= num_experts)) return ERR_BAD_ARGS;
     for (int k = 0; k < n; ++k) {
         if (tok[k] < 0 || tok[k] >= T) return ERR_BAD_TOKEN;
         if (expert[k] < 0 || expert[k] >= num_experts) return ERR_BAD_EXPERT;
@@ -405,7 +417,7 @@ int ft_moe_layer(int isa, int num_threads,
     pthread_mutex_lock(&g_lock);
     /* counting sort of the triples by expert (stable), in a small first scratch area */
     const size_t meta_bytes = align_up((size_t)(num_experts + 1) * 4) + 2 * align_up((size_t)n * 4)
-                              + 4 * align_up((size_t)(n + 1) * 8) + align_up((size_t)n * 4);
+                              + 6 * align_up((size_t)(n + 1) * 8) + align_up((size_t)n * 4);
     uint8_t *s = (uint8_t *)reserve(&g_meta, meta_bytes);
     if (!s) { pthread_mutex_unlock(&g_lock); return ERR_NO_MEMORY; }
     int32_t *counts = (int32_t *)s;
@@ -413,14 +425,20 @@ int ft_moe_layer(int isa, int num_threads,
     int32_t *g_start = g_expert + align_up((size_t)(n + 1) * 8) / 4;
     int64_t *g_hoff = (int64_t *)(g_start + align_up((size_t)(n + 1) * 8) / 4);   /* h offset (elements) */
     int64_t *g_xoff = g_hoff + align_up((size_t)(n + 1) * 8) / 8;                 /* packed-x offset, -1: none */
-    int32_t *stok = (int32_t *)(g_xoff + align_up((size_t)(n + 1) * 8) / 8);
+    int64_t *g_item = g_xoff + align_up((size_t)(n + 1) * 8) / 8;                 /* phase-1 items before g */
+    int32_t *g_lim = (int32_t *)(g_item + align_up((size_t)(n + 1) * 8) / 8);     /* channels of g: c or I */
+    int32_t *stok = g_lim + align_up((size_t)(n + 1) * 8) / 4;
     float *swt = (float *)(stok + align_up((size_t)n * 4) / 4);
     int32_t *iota = (int32_t *)(swt + align_up((size_t)n * 4) / 4);
     memset(counts, 0, (size_t)(num_experts + 1) * 4);
     for (int k = 0; k < n; ++k) counts[expert[k] + 1]++;
     int G = 0;
     for (int e = 0; e < num_experts; ++e) {
-        if (counts[e + 1]) { g_expert[G] = e; g_start[G] = counts[e]; ++G; }
+        if (counts[e + 1]) {
+            g_expert[G] = e; g_start[G] = counts[e];
+            g_lim[G] = split_limit > 0 && e == split_expert ? split_limit : I;
+            ++G;
+        }
         counts[e + 1] += counts[e];
     }
     g_start[G] = n;
@@ -450,7 +468,9 @@ int ft_moe_layer(int isa, int num_threads,
     const uint8_t *base = (const uint8_t *)layer_base;
     const int64_t w2_off_elems = (int64_t)2 * I * H;
     const int rows_per_item = amx ? TILE : 1;                  /* phase-1 work item: a block of row pairs */
-    const int64_t items1 = (int64_t)G * (I / rows_per_item);
+    g_item[0] = 0;                                             /* lim_g is a multiple of 32: whole items */
+    for (int g = 0; g < G; ++g) g_item[g + 1] = g_item[g] + g_lim[g] / rows_per_item;
+    const int64_t items1 = g_item[G];
     const int row_blocks2 = amx ? H / TILE : H;                /* phase-2 partition unit */
 
     #pragma omp parallel num_threads(num_threads)
@@ -488,9 +508,11 @@ int ft_moe_layer(int isa, int num_threads,
 
         /* phase 1: h = silu(gate . x) * (up . x) for this thread's work items */
         float ra[TOKEN_CHUNK], rb[TOKEN_CHUNK];
+        int g1 = 0;                                             /* group of the current item */
         for (int64_t item = items1 * tid / nth, end1 = items1 * (tid + 1) / nth; item < end1; ++item) {
-            const int g = (int)(item / (I / rows_per_item));
-            const int i0 = (int)(item % (I / rows_per_item)) * rows_per_item;
+            while (item >= g_item[g1 + 1]) ++g1;                /* items in order: the group only advances */
+            const int g = g1;
+            const int i0 = (int)(item - g_item[g]) * rows_per_item;
             const int B = g_start[g + 1] - g_start[g];
             const uint16_t *w13 = (const uint16_t *)(base + (int64_t)g_expert[g] * expert_stride_bytes);
             void *h = (uint8_t *)hbuf + g_hoff[g] * xitem;
@@ -518,7 +540,7 @@ int ft_moe_layer(int isa, int num_threads,
         const int j0 = (int)((int64_t)row_blocks2 * tid / nth) * (amx ? TILE : 1);
         const int j1 = (int)((int64_t)row_blocks2 * (tid + 1) / nth) * (amx ? TILE : 1);
         for (int g = 0; g < G; ++g) {
-            const int start = g_start[g], B = g_start[g + 1] - start;
+            const int start = g_start[g], B = g_start[g + 1] - start, K = g_lim[g];
             const uint16_t *w2 = (const uint16_t *)(base + (int64_t)g_expert[g] * expert_stride_bytes) + w2_off_elems;
             const void *h = (const uint8_t *)hbuf + g_hoff[g] * xitem;
 #if defined(__x86_64__)
@@ -527,7 +549,7 @@ int ft_moe_layer(int isa, int num_threads,
                 for (int j = j0; j < j1; j += 2 * TILE) {
                     const int two = j + TILE < j1;               /* a lone last block computes itself twice */
                     for (int tb = 0; tb < B; tb += TILE) {
-                        amx_two_blocks(w2 + (int64_t)j * I, w2 + (int64_t)(j + (two ? TILE : 0)) * I, I, I,
+                        amx_two_blocks(w2 + (int64_t)j * I, w2 + (int64_t)(j + (two ? TILE : 0)) * I, I, K,
                                        (const uint16_t *)h + (int64_t)tb * I, c0, c1);
                         for (int nn = 0; nn < TILE && tb + nn < B; ++nn) {
                             float *o = out + (int64_t)stok[start + tb + nn] * H + j;
@@ -540,7 +562,7 @@ int ft_moe_layer(int isa, int num_threads,
                 continue;
             }
 #endif
-            phase2_rows_dot(isa, use_bf16, w2, H, I, j0, j1, h, stok + start, swt + start, B, iota, out, ra, rb);
+            phase2_rows_dot(isa, use_bf16, w2, H, I, K, j0, j1, h, stok + start, swt + start, B, iota, out, ra, rb);
         }
 #if defined(__x86_64__)
         if (amx) amx_release();
@@ -549,7 +571,9 @@ int ft_moe_layer(int isa, int num_threads,
     pthread_mutex_unlock(&g_lock);
     if (stats_out) {
         stats_out[0] = G;
-        stats_out[1] = (int64_t)G * (3 * (int64_t)I * H) * 2;
+        int64_t channels = 0;                                   /* sum of lim_g: only those rows are read */
+        for (int g = 0; g < G; ++g) channels += g_lim[g];
+        stats_out[1] = 3 * channels * H * 2;
     }
     return 0;
 }

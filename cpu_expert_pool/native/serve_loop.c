@@ -9,7 +9,7 @@
 
    ft_serve handles requests until one of: the deadline passes (Python's housekeeping: heartbeat,
    control messages, signals), no request came for hot_ns since the last one (Python's idle policy then
-   sleeps), or a request needs Python (a malformed line, a missing slot, a kernel error: Python answers
+   sleeps), or a request needs Python (a malformed line or split, a missing slot, a kernel error: Python answers
    it with its status and its log line). It never answers a request it returns for: the caller's
    next_request() sees it as the next one, unchanged.
 
@@ -23,7 +23,8 @@
 
 int ft_moe_layer(int isa, int num_threads, const void *layer_base, int64_t expert_stride_bytes, int num_experts,
                  int H, int I, const void *hidden, int hidden_is_bf16, int T, const int32_t *tok,
-                 const int32_t *expert, const float *weight, int n, float *out, int64_t *stats_out);
+                 const int32_t *expert, const float *weight, int n, float *out, int64_t *stats_out,
+                 int split_expert, int split_limit);
 
 #define FT_SLOTS 2
 
@@ -32,6 +33,9 @@ int ft_moe_layer(int isa, int num_threads, const void *layer_base, int64_t exper
 #define REQ_LAYER 8
 #define REQ_TOKENS 12
 #define REQ_TRIPLES 16
+#define REQ_SPLIT_LIMIT 20      /* 0: no split (a 64-bit store of num_triples at 16 leaves it 0) */
+#define REQ_SPLIT_EXPERT 24
+#define SPLIT_CHANNEL_UNIT 32   /* proto/shm_layout.py SPLIT_CHANNEL_UNIT */
 #define RESP_SEQ 0
 #define RESP_STATUS 8
 #define RESP_EXPERTS 12
@@ -97,8 +101,14 @@ int ft_serve(const ft_channel_desc *ch, int64_t *done_io, int64_t deadline_ns, i
             if (slot < 0) { *done_io = done; return FT_SERVE_PYTHON; }      /* rang without a slot */
             const uint8_t *line = ch->request_line[slot];
             const int32_t layer = load32(line + REQ_LAYER), T = load32(line + REQ_TOKENS),
-                          n = load32(line + REQ_TRIPLES);
-            if (layer < 0 || layer >= ch->num_layers || T < 0 || T > ch->t_max || n < 0 || n > ch->max_triples) {
+                          n = load32(line + REQ_TRIPLES), split_limit = load32(line + REQ_SPLIT_LIMIT),
+                          split_expert = load32(line + REQ_SPLIT_EXPERT);
+            const int bad_split = split_limit != 0
+                                  && (split_limit < 0 || split_limit >= ch->intermediate
+                                      || split_limit % SPLIT_CHANNEL_UNIT != 0 || split_expert < 0
+                                      || split_expert >= ch->num_experts);
+            if (layer < 0 || layer >= ch->num_layers || T < 0 || T > ch->t_max || n < 0 || n > ch->max_triples
+                || bad_split) {
                 *done_io = done;
                 return FT_SERVE_PYTHON;                                        /* malformed: Python answers */
             }
@@ -111,7 +121,8 @@ int ft_serve(const ft_channel_desc *ch, int64_t *done_io, int64_t deadline_ns, i
                 int rc = ft_moe_layer((int)ch->isa, (int)ch->num_threads, base, ch->expert_stride,
                                       (int)ch->num_experts, (int)ch->hidden_size, (int)ch->intermediate,
                                       ch->hidden[slot], (int)ch->hidden_is_bf16, T, ch->token_idx[slot],
-                                      ch->expert_id[slot], ch->weight[slot], n, ch->out[slot], kstats);
+                                      ch->expert_id[slot], ch->weight[slot], n, ch->out[slot], kstats,
+                                      split_expert, split_limit);
                 if (rc != 0) { *done_io = done; return FT_SERVE_PYTHON; }     /* Python reports the error */
             }
             const int64_t t1 = mono_ns();

@@ -128,10 +128,12 @@ class DeviceDoorbell:
 
     # -- the two kernels ---------------------------------------------------------------------------
     def ring(self, layer: int, x: torch.Tensor, ids: torch.Tensor, routes: torch.Tensor, weights: torch.Tensor,
-             *, owner: torch.Tensor | None = None, owner_offset: int = 0) -> None:
+             *, owner: torch.Tensor | None = None, owner_offset: int = 0, split: torch.Tensor | None = None,
+             split_slot: int = -1) -> None:
         """Hand layer `layer`'s routes at -1 (those of experts `owner` gives this member) to the worker.
         x [T, H], ids / routes / weights [T, K] on this doorbell's device; owner [L * E] int32 (the member
-        of each (layer, expert), layer's row at owner_offset) or None (this member owns every expert)."""
+        of each (layer, expert), layer's row at owner_offset) or None (this member owns every expert);
+        split: kernels/expert_split's desc (the routes at split_slot go too, over channels [0, c))."""
         T = x.shape[0]
         if T > self.layout.t_max or ids.numel() > self.layout.max_triples or x.shape[1] != self.layout.hidden:
             raise ValueError(f"{T} tokens x {ids.shape[1] if ids.dim() == 2 else '?'} routes, H={x.shape[1]} do not "
@@ -140,7 +142,7 @@ class DeviceDoorbell:
         handoff.ring(x, ids, routes, weights, owner=owner, owner_off=owner_offset, member=self.member,
                      addrs=self._addrs[layer % NUM_SLOTS], fail=self.fail, state=self.state,
                      slot=layer % NUM_SLOTS, layer=layer, hidden_bf16=self.hidden_bf16,
-                     always_ring=self.always_ring)
+                     always_ring=self.always_ring, split=split, split_slot=split_slot)
 
     def join(self, layer: int, src: torch.Tensor, dst: torch.Tensor) -> None:
         """dst = src + the partial sums of layer `layer`'s call (dst = src when nothing was rung or it failed)."""

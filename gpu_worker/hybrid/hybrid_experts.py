@@ -51,6 +51,7 @@ from gpu_worker.models.expert_layout import unpack_experts
 from gpu_worker.models.resident_experts import GRAPH_SAFE_MODES, MODES, expert_ffn, pick_mode
 from gpu_worker.offload import HostExperts
 from gpu_worker.offload.offload_experts import SlotPoolAudit, copy_then_ffn
+from kernels import expert_split
 from kernels import handoff as kernels_handoff
 from kernels.expert_copy import copy_plan
 from kernels.slot_cache import SlotCache, ensure, set_policy
@@ -99,9 +100,14 @@ class HybridExperts(SlotPoolAudit):
         self.cpu_max_tokens = min(cpu_max_tokens, pool.t_max)
         self.cache = SlotCache.create(self.num_layers, self.num_experts, num_slots, device=self.device,
                                       per_layer=per_layer)
-        # slots: [S_total, N]; zeroed once so that every slot always holds finite values (step 5)
-        self.slots = torch.zeros(self.cache.total_slots, self.layout.expert_numel, dtype=self.layout.dtype,
+        # slots: [S_total + 1, N]; zeroed once so that every slot always holds finite values (step 5). The last
+        # row, outside the cache, is the split slot: the GPU's channels of the expert split under fetch_round
+        # "split" (kernels/expert_split; device hand-off only).
+        self.split_slot = self.cache.total_slots
+        self.slots = torch.zeros(self.cache.total_slots + 1, self.layout.expert_numel, dtype=self.layout.dtype,
                                  device=self.device)
+        self._split_desc = torch.tensor([-1, 0], dtype=torch.int32, device=self.device)   # expert, limit c
+        self._split_counts = torch.zeros(expert_split.COUNTS_LEN, dtype=torch.int64, device=self.device)
         self.w13, self.w2 = unpack_experts(self.slots, self.layout)
         self.copy_stream = torch.cuda.Stream(device=self.device) if self.on_cuda else None
         # device hand-off, gemv mode: the plan copy on copy_stream beside the hits' GEMMs (copy_then_ffn)
@@ -272,7 +278,14 @@ class HybridExperts(SlotPoolAudit):
     def graph_key(self) -> tuple:
         """What a captured decode graph depends on besides shapes: whether misses go to the CPU, and the
         doorbells it rings (a graph holds their addresses: new doorbells, new graphs)."""
-        return ("hybrid", self.handoff, self._doorbell_epoch, self.cpu_active)
+        return ("hybrid", self.handoff, self._doorbell_epoch, self.cpu_active, self.splits_experts)
+
+    @property
+    def splits_experts(self) -> bool:
+        """Whether decode steps on the device hand-off split one expert a layer by channels (fetch_round
+        "split", an expert of at least two whole SPLIT_UNITs); elsewhere "split" rounds down only."""
+        return (self.policy.get("fetch_round") == "split" and self.strategy == "hybrid"
+                and expert_split.splittable(self.layout.intermediate_size))
 
     def _device_doorbell(self, m) -> DeviceDoorbell:
         db = self._device_doorbells.get(m.index)
@@ -306,25 +319,42 @@ class HybridExperts(SlotPoolAudit):
             ensure(c, layer_idx, routes, fetch_fraction=1.0, round_mode=p["fetch_round"],
                    select=p["fetch_select"], promote=bool(p["promote"]), check_ids=False)
         max_copies = min(T * K, c.num_slots)
+        split = to_cpu and self.splits_experts
+        host_layer = self.host.layers[layer_idx]
+        if split:                      # one CPU expert's channels [c, I) to the split slot (kernels/expert_split)
+            expert_split.split_pick(routes, ids, c.num_missing_full, c.num_indices, c.policy, self._split_desc,
+                                    self._split_counts, intermediate=self.layout.intermediate_size,
+                                    split_slot=self.split_slot)
+
+        def split_copy(part: int) -> None:
+            expert_split.split_copy(self.slots, host_layer, self._split_desc, split_slot=self.split_slot,
+                                    hidden=self.layout.hidden_size, intermediate=self.layout.intermediate_size,
+                                    part=part)
 
         def ring_and_count() -> None:  # copy_then_ffn's after_fork: beside the plan copy on the side stream
             if to_cpu:
                 weights = topk_weights.float().contiguous()
                 for m in self.pool.members:
                     self._device_doorbell(m).ring(layer_idx, x, ids, routes, weights, owner=self._owner,
-                                                  owner_offset=layer_idx * self.num_experts)
+                                                  owner_offset=layer_idx * self.num_experts,
+                                                  split=self._split_desc if split else None,
+                                                  split_slot=self.split_slot)
             kernels_handoff.count_call(self._device_counts, ids, c.num_indices, c.num_missing_full,
                                        offload=not to_cpu)
         mode = self._mode(routes.numel())
         if mode == "gemv":             # routes at -1 (the CPU's) add 0; the copy beside the hits' GEMMs
-            out = copy_then_ffn(self.slots, self.host.layers[layer_idx], c, max_copies, x, routes, topk_weights,
+            out = copy_then_ffn(self.slots, host_layer, c, max_copies, x, routes, topk_weights,
                                 self.w13, self.w2, mode=mode, kernel_impl=self.kernel_impl,
                                 side_stream=self.copy_stream if self.overlap_copy else None,
-                                split_copy=self.split_copy, after_fork=ring_and_count)
+                                split_copy=self.split_copy, after_fork=ring_and_count,
+                                extra_copy=split_copy if split else None,
+                                extra_slot=self.split_slot if split else -1)
         else:
             ring_and_count()
-            copy_plan(self.slots, self.host.layers[layer_idx], c.evict_slots, c.src_indices, c.num_indices,
-                      max_copies=max_copies)
+            copy_plan(self.slots, host_layer, c.evict_slots, c.src_indices, c.num_indices, max_copies=max_copies)
+            if split:
+                split_copy(0)
+                split_copy(1)
             out = self._gemm_gpu_routes(x, routes, topk_weights, skip=False)
         if not to_cpu:
             return out
@@ -663,6 +693,13 @@ class HybridExperts(SlotPoolAudit):
         """Move what the device path counted since the last fold into `stats` (a device sync; between steps,
         so zeroing the device counts loses nothing)."""
         counts = self._device_counts.tolist()
+        splits, split_channels = self._split_counts.tolist()
+        if splits:
+            self._split_counts.zero_()
+            st = self.stats
+            st.split_experts_total += splits
+            st.split_gpu_channels_total += split_channels
+            st.copy_bytes_total += split_channels * 3 * self.layout.hidden_size * self.slots.element_size()
         if not any(counts):
             return
         self._device_counts.zero_()

@@ -48,6 +48,8 @@ class HybridStats:
     fallback_experts_total: int = 0         # experts fetched by those fallbacks
     offload_calls_total: int = 0            # layer calls run as offload (pool down, or too many tokens)
     readmissions_total: int = 0             # pool back to full strength after a fallback
+    split_experts_total: int = 0            # experts split by channels between a fetch and the CPU (fetch_round split)
+    split_gpu_channels_total: int = 0       # of their intermediate channels, those the GPU fetched and computed
     cpu_workers: dict[str, WorkerCounters] = dataclasses.field(default_factory=dict)
 
     def as_dict(self) -> dict:

@@ -522,7 +522,8 @@ RING_OFFSET = CACHE_LINE_BYTES
 RING_ENTRY_WORDS = 2                 # response line words 0-1: seq i64, status i32 | num_experts i32 << 32
 DEFAULT_RING_SIZE = 1024
 # Request line words (REQUEST_LINE in proto/shm_layout.py): seq i64 @0, layer i32 @8, num_tokens i32 @12,
-# num_triples i32 @16 (bytes 20-23 are padding of the 64-byte line, so a 64-bit write there is safe).
+# num_triples i32 @16, split_limit i32 @20: the 64-bit write at +16 leaves the limit 0 (no split; this path never
+# splits an expert), so a split an earlier device-path request wrote there never applies to these requests.
 LINE_SEQ, LINE_LAYER_TOKENS, LINE_TRIPLES = 0, 8, 16
 
 

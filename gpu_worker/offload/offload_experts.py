@@ -66,7 +66,8 @@ def copy_then_ffn(slots: torch.Tensor, host_layer: torch.Tensor, cache: SlotCach
                   x: torch.Tensor, slot_ids: torch.Tensor, weights: torch.Tensor, w13: torch.Tensor,
                   w2: torch.Tensor, *, mode: str, kernel_impl: str = "auto",
                   side_stream: "torch.cuda.Stream | None" = None, split_copy: bool = True,
-                  after_fork: "Callable[[], None] | None" = None) -> torch.Tensor:
+                  after_fork: "Callable[[], None] | None" = None,
+                  extra_copy: "Callable[[int], None] | None" = None, extra_slot: int = -1) -> torch.Tensor:
     """The kernel copy of the last `ensure`'s plan, then the expert FFN over slot ids (routes at -1
     add 0 in the gemv mode). With a `side_stream` (CUDA, gemv mode) the two overlap: the copy runs
     on the side stream while moe_gemv computes the routes whose slot the plan does not fill (the
@@ -80,11 +81,17 @@ def copy_then_ffn(slots: torch.Tensor, host_layer: torch.Tensor, cache: SlotCach
     stream right after the copy is launched, beside it; without the overlap, before the copy. It must
     not read or write the slots, nor write the plan, the routes or x. If it raises after the fork, the
     side stream is joined and the error re-raised; without the overlap it raises before the copy, and
-    the layer's slots that `ensure` just mapped are left unfilled (as when any launch fails there)."""
+    the layer's slots that `ensure` just mapped are left unfilled (as when any launch fails there).
+    `extra_copy(part)` (the hybrid backend's split expert, kernels/expert_split) fills pool row `extra_slot`
+    beside the plan: part 0 (w13) right after the plan's w13, part 1 (w2) after its w2; the routes at
+    `extra_slot` wait for it as the fetched ones wait for the plan."""
     c = cache
 
     def copy(cols: tuple[int, int] | None = None) -> None:
         copy_plan(slots, host_layer, c.evict_slots, c.src_indices, c.num_indices, max_copies=max_copies, cols=cols)
+        if extra_copy is not None:
+            for part in ((0, 1) if cols is None else (0,) if cols[0] == 0 else (1,)):
+                extra_copy(part)
 
     if side_stream is None or mode != "gemv":
         if after_fork is not None:
@@ -110,7 +117,7 @@ def copy_then_ffn(slots: torch.Tensor, host_layer: torch.Tensor, cache: SlotCach
         if after_fork is not None:
             after_fork()
         return moe_gemv(x, slot_ids, weights, w13, w2, impl=kernel_impl,
-                        plan=CopyPlan(c.evict_slots, c.num_indices, max_copies),
+                        plan=CopyPlan(c.evict_slots, c.num_indices, max_copies, extra_slot=extra_slot),
                         between=(lambda: compute.wait_event(w13_landed)) if w13_cols else all_landed,
                         between_down=all_landed if w13_cols else None)
     except BaseException:                       # raised, perhaps before the wait: join anyway, so nothing
@@ -134,7 +141,9 @@ class SlotPoolAudit:
 
     def audit_slots(self, sample_slots: int = 0, probe_slots: int = 0, seed: int = 0) -> list[str]:
         """kernels.slot_cache.audit over this backend's cache and pool: the problems found (empty: none)."""
-        return audit(self.cache, slots=self.slots, host_layers=self.host.layers, sample_slots=sample_slots,
+        # the cache's slots only: a backend may keep rows of its own past them (the hybrid split slot)
+        return audit(self.cache, slots=self.slots[:self.cache.total_slots], host_layers=self.host.layers,
+                     sample_slots=sample_slots,
                      probe_slots=probe_slots, seed=seed)
 
     def reset_slots(self) -> None:

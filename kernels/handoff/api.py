@@ -27,13 +27,16 @@ def _check_device(*tensors: torch.Tensor) -> bool:
 
 def ring(x: torch.Tensor, ids: torch.Tensor, routes: torch.Tensor, weights: torch.Tensor, *,
          owner: torch.Tensor | None, owner_off: int, member: int, addrs: dict[str, int], fail: torch.Tensor,
-         state: torch.Tensor, slot: int, layer: int, hidden_bf16: bool, always_ring: bool = False) -> None:
+         state: torch.Tensor, slot: int, layer: int, hidden_bf16: bool, always_ring: bool = False,
+         split: torch.Tensor | None = None, split_slot: int = -1) -> None:
     """Hand the routes at -1 whose expert `member` owns (all of them when owner is None) to a CPU worker.
 
     x [T, H] (rows contiguous); ids, routes [T, K] int (router ids, slot ids after ensure); weights [T, K];
     addrs: device addresses of the slot's hidden/token_idx/expert_id/weight buffers, its request line
     ("line") and the channel's "request_seq"; fail [1] int32 and state [STATE_WORDS] int64 on the device.
-    always_ring: ring even when no route is left to this member (benchmarks of the bare round trip)."""
+    always_ring: ring even when no route is left to this member (benchmarks of the bare round trip).
+    split: [2] int32 on the device (kernels/expert_split's desc: expert or -1, limit c): the routes at
+    `split_slot` go to the CPU too and the request line carries the split; None: a line without a split."""
     from .triton_kernels import ring_kernel
     T, H = x.shape
     if x.stride(1) != 1 or not (ids.is_contiguous() and routes.is_contiguous() and weights.is_contiguous()):
@@ -41,14 +44,18 @@ def ring(x: torch.Tensor, ids: torch.Tensor, routes: torch.Tensor, weights: torc
     if ids.shape != routes.shape or ids.shape != weights.shape or ids.dim() != 2 or ids.shape[0] != T:
         raise ValueError(f"ring: ids {tuple(ids.shape)}, routes {tuple(routes.shape)}, weights "
                          f"{tuple(weights.shape)} must all be [T={T}, K]")
-    on_gpu = _check_device(x, ids, routes, weights, fail, state)
+    on_gpu = _check_device(x, ids, routes, weights, fail, state, *(() if split is None else (split,)))
+    if split is not None and (split.dtype != torch.int32 or split.numel() < 2 or split_slot < 0):
+        raise ValueError(f"ring: split must be int32 [2] and split_slot >= 0, got {split.dtype} "
+                         f"{tuple(split.shape)} and {split_slot}")
     R, K = ids.numel(), ids.shape[1]
     ring_kernel[(1,)](x, x.stride(0), T, H, ids, routes, weights, R, K,
                       owner if owner is not None else state, owner_off, member,
                       addrs["hidden"], addrs["token_idx"], addrs["expert_id"], addrs["weight"],
                       addrs["line"], addrs["request_seq"], fail, state, slot, layer,
+                      split if split is not None else fail, max(split_slot, 0),
                       HIDDEN_BF16=hidden_bf16, ALWAYS_RING=always_ring, USE_OWNER=owner is not None, BLOCK_R=RING_BLOCK_R,
-                      BLOCK_H=RING_BLOCK_H, ON_GPU=on_gpu, num_warps=RING_WARPS)
+                      BLOCK_H=RING_BLOCK_H, ON_GPU=on_gpu, HAS_SPLIT=split is not None, num_warps=RING_WARPS)
 
 
 def join(src: torch.Tensor, dst: torch.Tensor, *, addrs: dict[str, int], fail: torch.Tensor,

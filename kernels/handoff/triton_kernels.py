@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 # Byte offsets inside a slot's request / response lines (proto/shm_layout.py REQUEST_LINE, RESPONSE_LINE).
-REQ_SEQ, REQ_LAYER, REQ_TOKENS, REQ_TRIPLES = 0, 8, 12, 16
+REQ_SEQ, REQ_LAYER, REQ_TOKENS, REQ_TRIPLES, REQ_SPLIT_LIMIT, REQ_SPLIT_EXPERT = 0, 8, 12, 16, 20, 24
 RESP_OFFSET = 64                        # the response line follows the request line (one cache line each)
 RESP_SEQ, RESP_STATUS, RESP_EXPERTS, RESP_COMPUTE_NS = 0, 8, 12, 16
 
@@ -46,6 +46,8 @@ _REQ_SEQ = tl.constexpr(REQ_SEQ)
 _REQ_LAYER = tl.constexpr(REQ_LAYER)
 _REQ_TOKENS = tl.constexpr(REQ_TOKENS)
 _REQ_TRIPLES = tl.constexpr(REQ_TRIPLES)
+_REQ_SPLIT_LIMIT = tl.constexpr(REQ_SPLIT_LIMIT)
+_REQ_SPLIT_EXPERT = tl.constexpr(REQ_SPLIT_EXPERT)
 _RESP_OFFSET = tl.constexpr(RESP_OFFSET)
 _RESP_SEQ = tl.constexpr(RESP_SEQ)
 _RESP_STATUS = tl.constexpr(RESP_STATUS)
@@ -120,12 +122,15 @@ def ring_kernel(
     fail_ptr,                           # [1] int32 device: a hand-off of this step failed -> ring nothing
     state_ptr,                          # [STATE_WORDS] int64 device: this member's state
     slot, layer,
+    split_ptr, split_slot,              # HAS_SPLIT: [2] int32 (split expert or -1, limit c), the split slot
     HIDDEN_BF16: tl.constexpr, ALWAYS_RING: tl.constexpr, USE_OWNER: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr,
-    ON_GPU: tl.constexpr,
+    ON_GPU: tl.constexpr, HAS_SPLIT: tl.constexpr,
 ):
     """One program: compact this member's CPU routes into triples in the channel, write the hidden
     states and the request line, then ring request_seq. Rings nothing (rung seq 0) when the member
-    has no triple or a hand-off of this step already failed."""
+    has no triple or a hand-off of this step already failed. With HAS_SPLIT the routes at split_slot
+    (kernels/expert_split) are the CPU's too, and the line carries the split (limit, expert); without,
+    a limit of 0 (no split): every request line says whether it splits."""
     failed = tl.load(fail_ptr)
     seq = tl.load(state_ptr + _ST_RINGS) * 0          # int64 zero: nothing rung
     # The sequence lives on the device (ST_SEQ): reading the channel's request_seq would cost a PCIe round
@@ -141,7 +146,10 @@ def ring_kernel(
             inr = offs < R
             eid = tl.load(ids_ptr + offs, mask=inr, other=-1).to(tl.int32)
             route = tl.load(routes_ptr + offs, mask=inr, other=0)
-            m = inr & (eid >= 0) & (route < 0)
+            if HAS_SPLIT:
+                m = inr & (eid >= 0) & ((route < 0) | (route == split_slot))
+            else:
+                m = inr & (eid >= 0) & (route < 0)
             if USE_OWNER:
                 own = tl.load(owner_ptr + owner_off + eid, mask=m, other=-1)
                 m = m & (own == member)
@@ -167,6 +175,12 @@ def ring_kernel(
             tl.store(line32 + _REQ_LAYER // 4, layer)
             tl.store(line32 + _REQ_TOKENS // 4, T)
             tl.store(line32 + _REQ_TRIPLES // 4, n)
+            if HAS_SPLIT:
+                tl.store(line32 + _REQ_SPLIT_LIMIT // 4, tl.load(split_ptr + 1))
+                tl.store(line32 + _REQ_SPLIT_EXPERT // 4, tl.load(split_ptr))
+            else:
+                tl.store(line32 + _REQ_SPLIT_LIMIT // 4, 0)
+                tl.store(line32 + _REQ_SPLIT_EXPERT // 4, -1)
             tl.store(line_addr.to(tl.pointer_type(tl.int64)), seq)
             _fence_sys(ON_GPU)                       # data and line before the doorbell
             tl.store(request_seq_addr.to(tl.pointer_type(tl.int64)), seq)

@@ -58,10 +58,12 @@ DEFAULT_GEMV_BLOCKS = GemvBlocks()
 class CopyPlan:
     """The slots a copy running beside `moe_gemv` fills (the slot cache's plan, left on the device):
     `slots[:length[0]]`, int32, with `length` an int32 tensor of one element and `max_len` a bound on
-    it known on the host (the copy's own `max_copies`)."""
+    it known on the host (the copy's own `max_copies`); `extra_slot` >= 0: one more slot that copy fills
+    (the hybrid backend's split slot, kernels/expert_split)."""
     slots: torch.Tensor
     length: torch.Tensor
     max_len: int
+    extra_slot: int = -1
 
     def check(self, device: torch.device) -> None:
         for name, t in (("slots", self.slots), ("length", self.length)):
@@ -230,9 +232,10 @@ def moe_gemv(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: tor
     act = torch.empty(P, inter, dtype=x.dtype, device=x.device)       # [P, I]
     y = torch.empty(P, H, dtype=torch.float32, device=x.device)       # [P, H] fp32
     if not split:
-        parts, plan_args, plan_max = (0,), (ids_flat, ids_flat), 1    # (the pointers are not read)
+        parts, plan_args, plan_max = (0,), (ids_flat, ids_flat, -2), 1    # (the pointers are not read)
     else:
-        parts, plan_args, plan_max = (1, 2), (plan.slots, plan.length), _next_pow2(max(1, plan.max_len))
+        extra = plan.extra_slot if plan.extra_slot >= 0 else -2
+        parts, plan_args, plan_max = (1, 2), (plan.slots, plan.length, extra), _next_pow2(max(1, plan.max_len))
     for part in parts:
         if part == 2 and between is not None:
             between()                   # the copy's slots are read only after this

@@ -18,13 +18,13 @@ def _cases() -> list[tuple[str, str, dict, dict, dict, list[str]]]:
     """(name, kernel attribute, signature, constexprs, options, 16-divisible args)."""
     dt = "bf16"
     gate_up_sig = {"x_ptr": f"*{dt}", "ids_ptr": "*i64", "w13_ptr": f"*{dt}", "act_ptr": f"*{dt}",
-                   "plan_ptr": "*i32", "nplan_ptr": "*i32", "K": "i32", "H": "i32", "I": "i32", "stride_xt": "i32", "stride_we": "i64",
+                   "plan_ptr": "*i32", "nplan_ptr": "*i32", "extra_slot": "i32", "K": "i32", "H": "i32", "I": "i32", "stride_xt": "i32", "stride_we": "i64",
                    "stride_wn": "i32", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr",
                    "EVEN_N": "constexpr", "EVEN_K": "constexpr", "ACC_2D": "constexpr",
                    "ACCURATE": "constexpr", "PLAN": "constexpr", "PLAN_MAX": "constexpr"}
     gate_up_div = ["x_ptr", "ids_ptr", "w13_ptr", "act_ptr", "H", "I", "stride_xt", "stride_we", "stride_wn"]
     down_sig = {"act_ptr": f"*{dt}", "ids_ptr": "*i32", "rw_ptr": "*fp32", "w2_ptr": f"*{dt}",
-                "y_ptr": "*fp32", "plan_ptr": "*i32", "nplan_ptr": "*i32", "H": "i32", "I": "i32", "stride_we": "i64", "stride_wn": "i32",
+                "y_ptr": "*fp32", "plan_ptr": "*i32", "nplan_ptr": "*i32", "extra_slot": "i32", "H": "i32", "I": "i32", "stride_we": "i64", "stride_wn": "i32",
                 "BLOCK_N": "constexpr", "BLOCK_K": "constexpr", "EVEN_N": "constexpr",
                 "EVEN_K": "constexpr", "ACC_2D": "constexpr", "PLAN": "constexpr", "PLAN_MAX": "constexpr"}
     down_div = ["act_ptr", "ids_ptr", "rw_ptr", "w2_ptr", "y_ptr", "H", "I", "stride_we", "stride_wn"]

@@ -57,9 +57,10 @@ def _rsqrt(x, ACCURATE: tl.constexpr):
 # ----------------------------------------------------------------------------------------------
 
 @triton.jit
-def _route_active(e, plan_ptr, nplan_ptr, PLAN: tl.constexpr, PLAN_MAX: tl.constexpr):
+def _route_active(e, plan_ptr, nplan_ptr, extra_slot, PLAN: tl.constexpr, PLAN_MAX: tl.constexpr):
     """Whether this launch owns route (slot) e in a split call: PLAN 0 every route; 1 the routes whose
     slot is not in the copy plan plan_ptr[:nplan_ptr[0]] (the -1 routes included); 2 only those in it.
+    `extra_slot` counts as in the plan (a slot another copy fills: the split expert's; -2 for none).
     A plan longer than PLAN_MAX entries (not all compared) gives launch 2 every route: the serial order."""
     if PLAN == 0:
         own = e == e
@@ -67,7 +68,7 @@ def _route_active(e, plan_ptr, nplan_ptr, PLAN: tl.constexpr, PLAN_MAX: tl.const
         offs = tl.arange(0, PLAN_MAX)
         n = tl.load(nplan_ptr)
         ps = tl.load(plan_ptr + offs, mask=offs < n, other=-2).to(tl.int64)     # -2: matches no route
-        in_plan = (tl.sum((ps == e).to(tl.int32), axis=0) > 0) | (n > PLAN_MAX)
+        in_plan = (tl.sum((ps == e).to(tl.int32), axis=0) > 0) | (n > PLAN_MAX) | (e == extra_slot)
         if PLAN == 1:
             own = in_plan == 0
         else:
@@ -82,6 +83,7 @@ def moe_gate_up_kernel(
     w13_ptr,              # [S, 2I, H]: expert stride stride_we, row stride stride_wn, columns contiguous
     act_ptr,              # [P, I] x.dtype out: silu(gate) * up
     plan_ptr, nplan_ptr,  # PLAN > 0: the copy plan's slots (int32) and its length (int32 [1])
+    extra_slot,           # PLAN > 0: a slot counted as in the plan (-2: none), see _route_active
     K, H, I,
     stride_xt, stride_we, stride_wn,
     BLOCK_N: tl.constexpr,    # gate rows (and as many up rows) per program
@@ -104,7 +106,7 @@ def moe_gate_up_kernel(
     p = tl.program_id(0)
     j = tl.program_id(1)
     e = tl.load(ids_ptr + p).to(tl.int64)
-    if (e >= 0) & _route_active(e, plan_ptr, nplan_ptr, PLAN, PLAN_MAX):
+    if (e >= 0) & _route_active(e, plan_ptr, nplan_ptr, extra_slot, PLAN, PLAN_MAX):
         DT = act_ptr.dtype.element_ty
         t = p // K
         rows = j * BLOCK_N + tl.arange(0, BLOCK_N)                     # [BLOCK_N] gate rows
@@ -165,6 +167,7 @@ def moe_down_kernel(
     w2_ptr,               # [S, H, I]: expert stride stride_we, row stride stride_wn, columns contiguous
     y_ptr,                # [P, H] fp32 out: w_k * down (down rounded to x.dtype first)
     plan_ptr, nplan_ptr,  # as in moe_gate_up_kernel
+    extra_slot,           # as in moe_gate_up_kernel
     H, I,
     stride_we, stride_wn,
     BLOCK_N: tl.constexpr,    # output rows (of H) per program
@@ -180,7 +183,7 @@ def moe_down_kernel(
     p = tl.program_id(0)
     j = tl.program_id(1)
     e = tl.load(ids_ptr + p).to(tl.int64)
-    if _route_active(e, plan_ptr, nplan_ptr, PLAN, PLAN_MAX):
+    if _route_active(e, plan_ptr, nplan_ptr, extra_slot, PLAN, PLAN_MAX):
         rows = j * BLOCK_N + tl.arange(0, BLOCK_N)
         y_row = y_ptr + p.to(tl.int64) * H
         if e >= 0:

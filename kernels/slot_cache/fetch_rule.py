@@ -56,6 +56,8 @@ def fetch_count(num_misses: int, frac_q16: int, round_mode: int, *, seed: int, s
         k = lo + (1 if draw16(seed, step, layer) < (prod & 0xFFFF) else 0)
     elif round_mode == ROUND_MODES["prefer-fetch"]:
         k = (prod + Q16_ONE - 1) >> 16       # ceil(f*M)
+    elif round_mode == ROUND_MODES["split"]:
+        k = lo                               # floor(f*M): the hybrid backend splits the rest of one expert
     else:
         raise ValueError(f"unknown round mode code {round_mode}")
     return min(k, m)

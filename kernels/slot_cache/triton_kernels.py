@@ -53,7 +53,8 @@ def _fetch_count(num_misses, num_hits, num_slots, first_key, max_fetch, frac_q16
     if round_mode == 1:     # the draw is a chain of ~40 dependent integer ops: only when it is used
         k_stoch = lo + (_draw16(seed, step, layer) < (prod & 0xFFFF)).to(tl.int64)
     k_ceil = (prod + 65535) >> 16
-    k_frac = tl.where(round_mode == 0, k_minwait, tl.where(round_mode == 1, k_stoch, k_ceil))
+    k_frac = tl.where(round_mode == 0, k_minwait, tl.where(round_mode == 1, k_stoch,
+                                                           tl.where(round_mode == 3, lo, k_ceil)))
     k_frac = tl.minimum(k_frac, num_misses)
     promoted = (promote != 0) & (k_frac == 0) & (num_misses > 0) & ((first_key & 1) == 1)
     k_frac = tl.where(promoted, 1, k_frac)
@@ -189,7 +190,7 @@ def ensure_kernel(
     num_slots,            # S, slots in the pool
     max_fetch,            # fixed cap (>= 0) or -1 for the fraction rule
     frac_q16,             # f in Q16
-    round_mode,           # 0 min-wait, 1 stochastic, 2 prefer-fetch
+    round_mode,           # 0 min-wait, 1 stochastic, 2 prefer-fetch, 3 split (floor)
     select_mode,          # 0 recency, 1 lowest_id
     promote,              # recency promotion on (1) / off (0)
     seed,                 # stochastic seed
