@@ -72,13 +72,15 @@ def test_split_pick_matches_the_reference(seed, round_mode):
 
 
 def test_nothing_is_split_without_a_cpu_route_or_with_a_fetch_cap():
-    cache = SlotCache.create(1, 8, 4, device="cpu")
-    ids = torch.tensor([[1, 2]], dtype=torch.int32)
-    for routes, cap in ((torch.tensor([[0, 1]], dtype=torch.int32), None), (torch.tensor([[-1, 1]], dtype=torch.int32), 1)):
+    dev = KERNEL_DEVICE
+    cache = SlotCache.create(1, 8, 4, device=dev)
+    ids = torch.tensor([[1, 2]], dtype=torch.int32, device=dev)
+    for routes, cap in (([[0, 1]], None), ([[-1, 1]], 1)):
         set_policy(cache, fetch_fraction=0.5, round_mode="split", max_fetch=cap)
-        desc = torch.zeros(DESC_LEN, dtype=torch.int32)
-        counts = torch.zeros(COUNTS_LEN, dtype=torch.int64)
-        split_pick(routes, ids, torch.tensor([3], dtype=torch.int32), torch.tensor([0], dtype=torch.int32),
+        desc = torch.zeros(DESC_LEN, dtype=torch.int32, device=dev)
+        counts = torch.zeros(COUNTS_LEN, dtype=torch.int64, device=dev)
+        split_pick(torch.tensor(routes, dtype=torch.int32, device=dev), ids,
+                   torch.tensor([3], dtype=torch.int32, device=dev), torch.tensor([0], dtype=torch.int32, device=dev),
                    cache.policy, desc, counts, intermediate=64, split_slot=4, impl="triton")
         assert desc.tolist() == [-1, 0] and counts.tolist() == [0, 0]
 
