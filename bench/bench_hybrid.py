@@ -255,6 +255,11 @@ def main() -> int:
     parser.add_argument("--routing", default="zipf:1.0",
                         help="'model' or 'zipf[:SKEW]' (see bench_engine.py --routing): random-weight "
                              "presets route every token alike unless the table decides")
+    parser.add_argument("--profile", type=int, default=0,
+                        help="after each variant's runs, profile this many decode steps (bench_engine.profile_decode)")
+    parser.add_argument("--trace-dir", default=None,
+                        help="with --profile: each variant's Chrome trace (trace_<variant>.json) goes here, for "
+                             "bench/trace_summary.py")
     parser.add_argument("--json-out", default=None, help="write every row as JSON here (default: $OUT/bench_hybrid.json)")
     args = parser.parse_args()
     device = torch.device(args.device)
@@ -326,6 +331,9 @@ def main() -> int:
             tick = live_tuner(engine, backend, fraction, pcie.gb_s, cpu.gb_s, device_name(device),
                               fraction_given=args.fetch_fraction is not None) if tune else None
             r = measure(engine, prompt, args, backend, device, tick)
+            if args.profile and device.type == "cuda":
+                from bench_engine import _trace_path, profile_decode   # bench/ is sys.path[0]
+                profile_decode(engine, prompt, args.profile, trace=_trace_path(args, name))
             if isinstance(backend, HybridExperts):
                 r["fetch_fraction"] = float(backend.policy["fetch_fraction"])      # the tuner's last f
             del engine

@@ -17,7 +17,8 @@
 #        hybrid issue's configuration with the shared roofline) [s10-d] (the final code: bench bw, hand-off, the
 #        tests not marked gpu on CUDA) [omp-wait] (prepared, not run: the CPU workers' OpenMP wait policy)
 #        [s11-a] [s11-b] (eleventh session: the split expert, fetch_round split: its tests and the slot audit's on
-#        CUDA, the split copy's rate; the hybrid configuration with min-wait and split side by side)
+#        CUDA, the split copy's rate; the hybrid configuration with min-wait and split side by side) [s11-c] (the CPU
+#        kernel before and after the channel limit; the SIGKILL tests' trace)
 #        (default: kernels engine cpu). SECTION_TIMEOUT (s, default 540) bounds each command.
 # Logs go to $OUT (the device tool's output folder) when it is set, else ./out.
 set -u
@@ -307,6 +308,26 @@ device,=hybrid min-wait device serial" 2>&1 | tee "$OUT/overlap_hybrid.log" | ta
         --extra-fractions 0.45 --json-out "$OUT/s11b_hybrid.json" \
         --variants "=offload kernel graphs,=cpu device,=hybrid min-wait device,=hybrid split device,=hybrid split device tuned,hybrid split device f=" 2>&1 \
         | tee "$OUT/s11b_hybrid.log" | tail -n 14 || status=1
+      ;;
+    s11-c)    # eleventh session: the CPU kernel before (the tenth session's tree, .ab/s10, carried when present) and after
+              # the channel-limit change, interleaved; then the gpu-marked SIGKILL tests with their per-step trace
+      if [ -d .ab/s10 ]; then
+        for round in 1 2; do
+          for tree in .ab/s10 .; do
+            (cd "$tree" && timeout 120 python3 bench/bench_cpu_experts.py --batches 1,4 --repeats 40 2>&1 \
+              | grep -E "DRAM|native" | sed "s|^|$round $tree: |") || status=1
+          done
+        done
+      fi
+      timeout 300 python3 -m pytest -q --tb=short -p no:cacheprovider -m gpu tests/test_hybrid.py -k sigkill \
+        > "$OUT/s11c_fault.log" 2>&1 || status=1
+      grep -E "trace|FAILED|passed|failed" "$OUT/s11c_fault.log" | cut -c1-600 | tail -n 12
+      # where a hybrid decode layer's time goes, min-wait against split (traces in /tmp: too large to return)
+      timeout 300 python3 bench/bench_hybrid.py --runs 1 --decode-tokens 32 --handoff-calls 50 --no-resident \
+        --profile 4 --trace-dir /tmp/s11c_traces --variants "=hybrid min-wait device,=hybrid split device f=0.45" \
+        --extra-fractions 0.45 --json-out "$OUT/s11c_hybrid.json" > "$OUT/s11c_hybrid.log" 2>&1 || status=1
+      grep -E "^row:|profile:|B_pcie" "$OUT/s11c_hybrid.log" | cut -c1-200
+      for t in /tmp/s11c_traces/*.json; do echo "== $t"; python3 bench/trace_summary.py "$t" 2>&1 | head -n 40; done
       ;;
     omp-wait)    # prepared in the tenth session, not yet run: the hybrid configuration with the CPU workers' OpenMP team
                  # left to libgomp's default wait (spin, then sleep) against OMP_WAIT_POLICY=active (the workers inherit

@@ -32,6 +32,8 @@ FAMILIES = {
     "ensure": "ensure", "nvjet": "dense GEMM", "gemv": "dense GEMM", "splitKreduce": "dense GEMM",
     "linear_gemv": "dense GEMM", "linear_split": "dense GEMM", "decode_attn": "attention", "index_copy": "kv write", "rms_norm": "norms",
     "qk_norm_rope": "norms", "route_topk": "router", "count_call": "counters",
+    "join_kernel": "join (waits for the CPU)", "ring_kernel": "ring", "split_pick": "split pick",
+    "split_copy": "split copy",
 }
 
 

@@ -213,12 +213,21 @@ def long_run_with_fault(loaded, resident_tokens, sig: int) -> tuple[list[int], d
     engine = make_engine(loaded, running=1)
     engine.add_request(list(PROMPTS[0]), SamplingParams(max_new_tokens=FAULT_TOKENS, ignore_eos=True))
     tokens, steps, seen = [], 0, {}
+    trace, last = [], None          # (step, tokens, s since the fault, degraded, fallbacks, re-admissions) on change
+    t_fault = None
     try:
         while engine.has_work():
             tokens += [out.new_token_id for out in engine.step()]
             steps += 1
+            c = backend.counters()
+            state = (backend.degraded, c["fallbacks_total"], c["readmissions_total"])
+            if state != last:
+                trace.append((steps, len(tokens), None if t_fault is None else round(time.monotonic() - t_fault, 3),
+                              *state))
+                last = state
             if steps == 6:
                 os.kill(old_pid, sig)
+                t_fault = time.monotonic()
                 seen["fault_at_token"] = len(tokens)
             if backend.degraded and "fell_back_at_token" not in seen:
                 seen["fell_back_at_token"] = len(tokens)
@@ -233,6 +242,7 @@ def long_run_with_fault(loaded, resident_tokens, sig: int) -> tuple[list[int], d
         if sig == signal.SIGSTOP and _alive(old_pid):
             os.kill(old_pid, signal.SIGCONT)
     assert tokens == resident_tokens
+    assert "fell_back_at_token" in seen, f"never seen degraded after the fault at step 6; trace {trace}"
     return tokens, seen
 
 
