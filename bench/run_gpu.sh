@@ -18,7 +18,8 @@
 #        tests not marked gpu on CUDA) [omp-wait] (prepared, not run: the CPU workers' OpenMP wait policy)
 #        [s11-a] [s11-b] (eleventh session: the split expert, fetch_round split: its tests and the slot audit's on
 #        CUDA, the split copy's rate; the hybrid configuration with min-wait and split side by side) [s11-c] (the CPU
-#        kernel before and after the channel limit; the SIGKILL tests' trace)
+#        kernel before and after the channel limit; the SIGKILL tests' trace) [s11-d] (final: split copy on its own
+#        stream; min-wait and split side by side, profiled; the split tests)
 #        (default: kernels engine cpu). SECTION_TIMEOUT (s, default 540) bounds each command.
 # Logs go to $OUT (the device tool's output folder) when it is set, else ./out.
 set -u
@@ -328,6 +329,22 @@ device,=hybrid min-wait device serial" 2>&1 | tee "$OUT/overlap_hybrid.log" | ta
         --extra-fractions 0.45 --json-out "$OUT/s11c_hybrid.json" > "$OUT/s11c_hybrid.log" 2>&1 || status=1
       grep -E "^row:|profile:|B_pcie" "$OUT/s11c_hybrid.log" | cut -c1-200
       for t in /tmp/s11c_traces/*.json; do echo "== $t"; python3 bench/trace_summary.py "$t" 2>&1 | head -n 40; done
+      ;;
+    s11-d)    # eleventh session, final: the split copy on its own stream beside the plan copy; the hybrid configuration
+              # with min-wait and split side by side (probe f, tuned, two fixed f), each profiled; then the split tests
+      timeout 450 python3 bench/bench_hybrid.py --runs 3 --decode-tokens 64 --handoff-calls 200 --no-resident \
+        --extra-fractions 0.4,0.45 --profile 4 --trace-dir /tmp/s11d_traces --json-out "$OUT/s11d_hybrid.json" \
+        --variants "=offload kernel graphs,=cpu device,=hybrid min-wait device,=hybrid split device,=hybrid min-wait device tuned,=hybrid split device tuned,hybrid min-wait device f=,hybrid split device f=" \
+        > "$OUT/s11d_hybrid.log" 2>&1 || status=1
+      grep -vE "^row:|^profile|^ +[0-9.]+ +[0-9.]+ +[0-9.]+  " "$OUT/s11d_hybrid.log" | tail -n 16
+      for t in /tmp/s11d_traces/*hybrid*.json; do
+        python3 bench/trace_summary.py "$t" 2>&1 | grep -E "^  (layer|before|copy|after)|join|split copy" \
+          | tr -s " " | paste -sd ";" | sed "s|^|$(basename "$t"): |" | cut -c1-400
+      done
+      timeout 100 python3 -m pytest -q --tb=short -p no:cacheprovider tests/test_expert_split.py \
+        tests/test_copy_overlap.py 2>&1 | tail -n 3
+      timeout 60 python3 bench/bench_copy_plan.py --copies 1 --chunks 64 --blocks 2048 --warps 4 --source cold \
+        --split 64,384,704 --split-rows 32 2>&1 | grep -E "^split|^kernel|^dma" || status=1
       ;;
     omp-wait)    # prepared in the tenth session, not yet run: the hybrid configuration with the CPU workers' OpenMP team
                  # left to libgomp's default wait (spin, then sleep) against OMP_WAIT_POLICY=active (the workers inherit

@@ -110,6 +110,7 @@ class HybridExperts(SlotPoolAudit):
         self._split_counts = torch.zeros(expert_split.COUNTS_LEN, dtype=torch.int64, device=self.device)
         self.w13, self.w2 = unpack_experts(self.slots, self.layout)
         self.copy_stream = torch.cuda.Stream(device=self.device) if self.on_cuda else None
+        self.split_stream = torch.cuda.Stream(device=self.device) if self.on_cuda else None   # the split copy
         # device hand-off, gemv mode: the plan copy on copy_stream beside the hits' GEMMs (copy_then_ffn)
         self.overlap_copy = overlap_copy
         self.split_copy = split_copy            # the plan copy in two parts, w13 then w2 (copy_then_ffn)
@@ -348,7 +349,8 @@ class HybridExperts(SlotPoolAudit):
                                 side_stream=self.copy_stream if self.overlap_copy else None,
                                 split_copy=self.split_copy, after_fork=ring_and_count,
                                 extra_copy=split_copy if split else None,
-                                extra_slot=self.split_slot if split else -1)
+                                extra_slot=self.split_slot if split else -1,
+                                extra_stream=self.split_stream if self.overlap_copy else None)
         else:
             ring_and_count()
             copy_plan(self.slots, host_layer, c.evict_slots, c.src_indices, c.num_indices, max_copies=max_copies)

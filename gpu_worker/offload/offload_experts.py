@@ -67,7 +67,8 @@ def copy_then_ffn(slots: torch.Tensor, host_layer: torch.Tensor, cache: SlotCach
                   w2: torch.Tensor, *, mode: str, kernel_impl: str = "auto",
                   side_stream: "torch.cuda.Stream | None" = None, split_copy: bool = True,
                   after_fork: "Callable[[], None] | None" = None,
-                  extra_copy: "Callable[[int], None] | None" = None, extra_slot: int = -1) -> torch.Tensor:
+                  extra_copy: "Callable[[int], None] | None" = None, extra_slot: int = -1,
+                  extra_stream: "torch.cuda.Stream | None" = None) -> torch.Tensor:
     """The kernel copy of the last `ensure`'s plan, then the expert FFN over slot ids (routes at -1
     add 0 in the gemv mode). With a `side_stream` (CUDA, gemv mode) the two overlap: the copy runs
     on the side stream while moe_gemv computes the routes whose slot the plan does not fill (the
@@ -82,14 +83,17 @@ def copy_then_ffn(slots: torch.Tensor, host_layer: torch.Tensor, cache: SlotCach
     not read or write the slots, nor write the plan, the routes or x. If it raises after the fork, the
     side stream is joined and the error re-raised; without the overlap it raises before the copy, and
     the layer's slots that `ensure` just mapped are left unfilled (as when any launch fails there).
-    `extra_copy(part)` (the hybrid backend's split expert, kernels/expert_split) fills pool row `extra_slot`
-    beside the plan: part 0 (w13) right after the plan's w13, part 1 (w2) after its w2; the routes at
-    `extra_slot` wait for it as the fetched ones wait for the plan."""
+    `extra_copy(part)` (the hybrid backend's split expert, kernels/expert_split) fills pool row `extra_slot`:
+    part 0 (w13), then part 1 (w2). With the overlap it runs on `extra_stream` (forked beside the plan copy,
+    so the two share the link instead of queueing: measured on the H200, the split copy between the plan's
+    parts left a 69 us gap a layer in the plan's stream), else on the side stream after the plan's parts; the
+    routes at `extra_slot` wait for it as the fetched ones wait for the plan."""
     c = cache
+    own_stream = extra_copy is not None and extra_stream is not None
 
     def copy(cols: tuple[int, int] | None = None) -> None:
         copy_plan(slots, host_layer, c.evict_slots, c.src_indices, c.num_indices, max_copies=max_copies, cols=cols)
-        if extra_copy is not None:
+        if extra_copy is not None and not own_stream:
             for part in ((0, 1) if cols is None else (0,) if cols[0] == 0 else (1,)):
                 extra_copy(part)
 
@@ -97,15 +101,35 @@ def copy_then_ffn(slots: torch.Tensor, host_layer: torch.Tensor, cache: SlotCach
         if after_fork is not None:
             after_fork()
         copy()
+        if own_stream:
+            extra_copy(0)
+            extra_copy(1)
         return expert_ffn(mode, x, slot_ids, weights, w13, w2, kernel_impl=kernel_impl)
     compute = torch.cuda.current_stream(x.device)
     w13_cols = w13[0].numel() if split_copy and w13.data_ptr() == slots.data_ptr() else 0
+    extra_w13 = None
 
     def all_landed() -> None:
         compute.wait_stream(side_stream)
+        if own_stream:
+            compute.wait_stream(extra_stream)
+
+    def w13_in() -> None:
+        compute.wait_event(w13_landed)
+        if extra_w13 is not None:
+            compute.wait_event(extra_w13)
 
     side_stream.wait_stream(compute)            # ensure (and every GEMM reading the old slots) first
-    try:                                        # from the fork on: whatever raises, the side stream joins
+    if own_stream:
+        extra_stream.wait_stream(compute)
+    try:                                        # from the fork on: whatever raises, the side streams join
+        if own_stream:
+            with torch.cuda.stream(extra_stream):
+                extra_copy(0)
+                if w13_cols:
+                    extra_w13 = torch.cuda.Event()
+                    extra_w13.record(extra_stream)
+                extra_copy(1)
         with torch.cuda.stream(side_stream):
             if w13_cols:                        # w13 is the first part of a packed row (expert_layout)
                 copy((0, w13_cols))
@@ -118,7 +142,7 @@ def copy_then_ffn(slots: torch.Tensor, host_layer: torch.Tensor, cache: SlotCach
             after_fork()
         return moe_gemv(x, slot_ids, weights, w13, w2, impl=kernel_impl,
                         plan=CopyPlan(c.evict_slots, c.num_indices, max_copies, extra_slot=extra_slot),
-                        between=(lambda: compute.wait_event(w13_landed)) if w13_cols else all_landed,
+                        between=w13_in if w13_cols else all_landed,
                         between_down=all_landed if w13_cols else None)
     except BaseException:                       # raised, perhaps before the wait: join anyway, so nothing
         all_landed()                            # later runs beside the copy (and a capture can end)
