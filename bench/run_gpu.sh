@@ -19,7 +19,8 @@
 #        [s11-a] [s11-b] (eleventh session: the split expert, fetch_round split: its tests and the slot audit's on
 #        CUDA, the split copy's rate; the hybrid configuration with min-wait and split side by side) [s11-c] (the CPU
 #        kernel before and after the channel limit; the SIGKILL tests' trace) [s11-d] (final: split copy on its own
-#        stream; min-wait and split side by side, profiled; the split tests)
+#        stream; min-wait and split side by side, profiled; the split tests) [s11-e] (min-wait and split again,
+#        the CPU workers' OpenMP wait policy default against active)
 #        (default: kernels engine cpu). SECTION_TIMEOUT (s, default 540) bounds each command.
 # Logs go to $OUT (the device tool's output folder) when it is set, else ./out.
 set -u
@@ -345,6 +346,16 @@ device,=hybrid min-wait device serial" 2>&1 | tee "$OUT/overlap_hybrid.log" | ta
         tests/test_copy_overlap.py 2>&1 | tail -n 3
       timeout 60 python3 bench/bench_copy_plan.py --copies 1 --chunks 64 --blocks 2048 --warps 4 --source cold \
         --split 64,384,704 --split-rows 32 2>&1 | grep -E "^split|^kernel|^dma" || status=1
+      ;;
+    s11-e)    # eleventh session: min-wait against split again (a second run), with the CPU workers' OpenMP team left to
+              # libgomp's default wait (spin, then sleep) and with OMP_WAIT_POLICY=active (the workers inherit it)
+      for policy in default active; do
+        if [ "$policy" = active ]; then export OMP_WAIT_POLICY=active; else unset OMP_WAIT_POLICY; fi
+        timeout 240 python3 bench/bench_hybrid.py --runs 3 --decode-tokens 64 --handoff-calls 100 --no-resident \
+          --json-out "$OUT/s11e_$policy.json" --variants "=hybrid min-wait device,=hybrid split device" 2>&1 \
+          | tee "$OUT/s11e_$policy.log" | grep -E "^hybrid|B_pcie" | cut -c1-170 | sed "s/^/omp $policy: /" || status=1
+      done
+      unset OMP_WAIT_POLICY
       ;;
     omp-wait)    # prepared in the tenth session, not yet run: the hybrid configuration with the CPU workers' OpenMP team
                  # left to libgomp's default wait (spin, then sleep) against OMP_WAIT_POLICY=active (the workers inherit
