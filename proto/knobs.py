@@ -59,8 +59,8 @@ _NO_PREFETCH = ("the engine does not prefetch yet (its kernel, kernels.slot_cach
 KNOBS: tuple[Knob, ...] = (
     Knob("FREETOKEN_HYBRID_FETCH_ROUND", "fetch_round", str, "min-wait",
          "rounding of f*M to a fetch count: min-wait (finish both sides together), stochastic "
-         "(seeded, unbiased), prefer-fetch (ceil), split (floor, and the rest of one expert split by its "
-         "channels between a fetch and the CPU: the device hand-off's decode steps; elsewhere floor)",
+         "(seeded, unbiased), prefer-fetch (ceil), split (on the device hand-off's decode steps: floor, and the "
+         "rest of one expert split by its channels between a fetch and the CPU; elsewhere as min-wait)",
          choices=("min-wait", "stochastic", "prefer-fetch", "split")),
     Knob("FREETOKEN_HYBRID_FETCH", "fetch_select", str, "recency",
          "which misses are fetched first: recency (most recently routed first) or lowest_id",

@@ -311,6 +311,26 @@ def test_stream_and_device_handoffs_give_the_resident_tokens(hybrid, resident, k
     assert greedy(hybrid, prompts=PROMPTS[:1], n=4) == [resident["tokens"][0][:4]]
 
 
+def test_split_rounding_is_min_wait_where_nothing_splits(hybrid, resident):
+    """The host hand-off (and prefill) cannot split an expert: under "split" it rounds as min-wait, not floor;
+    the same generation fetches exactly what min-wait fetches."""
+    lock = hybrid.model.experts
+    backend = lock.backend
+    seen = {}
+    for rnd in ("min-wait", "split", "min-wait"):
+        # f = 0.7: min-wait rounds 0.7 up where floor rounds it down (at 0.5 the two agree: ties go down)
+        before = fresh(lock, strategy="hybrid", fetch_fraction=0.7, fetch_round=rnd, promote=False, seed=7)
+        assert greedy(hybrid) == resident["tokens"]
+        got = (delta(backend, before, "experts_fetched_total"), delta(backend, before, "cpu_triples_total"),
+               delta(backend, before, "split_experts_total"))
+        assert seen.setdefault(rnd, got) == got                        # deterministic
+    assert seen["split"] == seen["min-wait"] and seen["split"][2] == 0 and seen["split"][0] > 0 and seen["split"][1] > 0
+    backend.set_policy(fetch_round="split")
+    floor = backend._unsplit_policy is not None                        # and the device policy itself says floor
+    backend.set_policy(fetch_round="min-wait")
+    assert floor and backend._unsplit_policy is None
+
+
 @interpreter_only
 @pytest.mark.parametrize("promote", [True, False], ids=["promote", "no-promote"])
 def test_split_rounding_splits_one_expert_a_layer_by_channels_on_the_device_path(hybrid, resident, promote):

@@ -171,6 +171,12 @@ class HybridExperts(SlotPoolAudit):
             fraction = 1.0
         set_policy(self.cache, fetch_fraction=fraction, round_mode=p["fetch_round"], select=p["fetch_select"],
                    promote=promote_now, seed=int(p["seed"]))          # validates before writing
+        # "split" rounds down so that the device path can split one more expert by channels; the paths that
+        # cannot split (prefill, the host and stream hand-offs: eager, never captured) round it as min-wait
+        # (explicit values). On the device path an expert too small to split (splittable) is left at floor.
+        self._unsplit_policy = None if p["fetch_round"] != "split" else dict(
+            fetch_fraction=fraction, round_mode="min-wait", select=p["fetch_select"], promote=promote_now,
+            seed=int(p["seed"]))
         if cpu_shares and self.pool is not None:
             self.pool.set_shares(cpu_shares)                          # the tuner's per-worker split
             self._owner.copy_(torch.from_numpy(self.pool.split.owner.astype(np.int32)).flatten())   # in place: graphs
@@ -225,7 +231,9 @@ class HybridExperts(SlotPoolAudit):
         st.calls += 1
         st.routed_pairs += T * K
         p = self.policy
-        if to_cpu:
+        if to_cpu and self._unsplit_policy is not None:                   # split: min-wait where nothing splits
+            ensure(self.cache, layer_idx, routes, check_ids=False, **self._unsplit_policy)
+        elif to_cpu:
             ensure(self.cache, layer_idx, routes, use_device_policy=True, check_ids=False)
         else:                                                             # offload: fetch every miss
             st.offload_calls_total += 1
@@ -314,7 +322,7 @@ class HybridExperts(SlotPoolAudit):
         slot ids, join each member's partial sums into an fp32 total."""
         T, K = ids.shape
         c, p = self.cache, self.policy
-        if to_cpu:
+        if to_cpu:      # the device policy: a captured graph follows live changes (split: floor, then split_pick)
             ensure(c, layer_idx, routes, use_device_policy=True, check_ids=False)
         else:
             ensure(c, layer_idx, routes, fetch_fraction=1.0, round_mode=p["fetch_round"],

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 
 ROUND_MODES = {"min-wait": 0, "stochastic": 1, "prefer-fetch": 2, "split": 3}   # split: floor (the hybrid
-# backend splits the remainder of one expert by channels, gpu_worker/hybrid/expert_split.py)
+# backend's device path splits the remainder of one expert by channels, kernels/expert_split)
 SELECT_MODES = {"recency": 0, "lowest_id": 1}
 Q16_ONE = 1 << 16
 # The victim key packs (usage + 1, pool-local slot) into one int64: slot in the low SLOT_BITS bits.
