@@ -66,6 +66,20 @@ class ProcessSetOptions:
     pin_gpu_worker: bool = True              # cpu/hybrid: the GPU worker pins itself to those (not hashed)
 
 
+# `ft worker gpu` flags outside the hashed engine config: an attached worker's own settings win (not compared).
+LOCAL_WORKER_FLAGS = (("--hybrid-handoff", "hybrid_handoff"),     # local: the GPU's hand-off path
+                      ("--offload-copy", "offload_copy"),         # lossless either way
+                      ("--moe-slot-audit", "moe_slot_audit"))     # a check
+
+
+def flags_an_attached_worker_ignores(args) -> list[str]:
+    """The LOCAL_WORKER_FLAGS given to `ft serve --attach`: the attached GPU worker runs with its own (its unit's
+    ExecStart, FREETOKEN_* in its environment), so these do not reach it. Empty without --attach."""
+    if not getattr(args, "attach", False):
+        return []
+    return [flag for flag, attr in LOCAL_WORKER_FLAGS if getattr(args, attr, None) is not None]
+
+
 def options_from_serve_args(args: Any) -> ProcessSetOptions:
     """`ft serve`'s flags -> the engine config (hashed) and the `ft worker gpu` flags that give the same one."""
     model_dir = os.path.abspath(args.model) if args.model else None
@@ -77,9 +91,7 @@ def options_from_serve_args(args: Any) -> ProcessSetOptions:
              "--max-running-requests", str(args.max_running_requests), "--num-cpu-workers", str(num_cpu_workers)]
     for flag, value in (("--model", model_dir), ("--preset", args.preset), ("--moe-cache-size", args.moe_cache_size),
                         ("--max-context-tokens", args.max_context_tokens),
-                        ("--hybrid-handoff", getattr(args, "hybrid_handoff", None)),      # not hashed: local
-                        ("--offload-copy", getattr(args, "offload_copy", None)),          # not hashed: lossless
-                        ("--moe-slot-audit", getattr(args, "moe_slot_audit", None))):     # not hashed: a check
+                        *((flag, getattr(args, attr, None)) for flag, attr in LOCAL_WORKER_FLAGS)):
         if value is not None:
             flags += [flag, str(value)]
     config = em.engine_config(model=model_dir, preset=args.preset, dtype="auto", moe_strategy=args.moe_strategy,

@@ -140,7 +140,7 @@ def run_processes(args: argparse.Namespace) -> int:
     from coordinator.engine_factory import expert_format_of, served_name
     from coordinator.engine_service import EngineService
     from coordinator.openai_requests import ModelInfo
-    from coordinator.process_set import ProcessSet, options_from_serve_args
+    from coordinator.process_set import ProcessSet, flags_an_attached_worker_ignores, options_from_serve_args
     from coordinator.server import CoordinatorServer
     from coordinator.text_codec import TextCodec
     from gpu_worker.models.loader import open_model_source
@@ -153,6 +153,9 @@ def run_processes(args: argparse.Namespace) -> int:
                                 f"text into tokens (put the model's tokenizer.json beside its weights)")
     codec = TextCodec.from_text_tokenizer(source.tokenizer, source.eos_token_ids)
     options = options_from_serve_args(args)
+    for flag in flags_an_attached_worker_ignores(args):
+        print(f"ft serve: warning: {flag} does not reach an attached GPU worker (it runs with its own flags: set "
+              f"{flag} in its unit's ExecStart, or the FREETOKEN_* variable in its environment)", file=sys.stderr)
     procs = ProcessSet(options, source)
 
     def interrupted(signum, _frame):            # before the event loop takes the signals over

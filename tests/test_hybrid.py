@@ -213,14 +213,16 @@ def long_run_with_fault(loaded, resident_tokens, sig: int) -> tuple[list[int], d
     engine = make_engine(loaded, running=1)
     engine.add_request(list(PROMPTS[0]), SamplingParams(max_new_tokens=FAULT_TOKENS, ignore_eos=True))
     tokens, steps, seen = [], 0, {}
-    trace, last = [], None          # (step, tokens, s since the fault, degraded, fallbacks, re-admissions) on change
+    # (step, tokens, s since the fault, degraded, fallbacks, re-admissions, the victim's triples) on change
+    trace, last = [], None
     t_fault = None
     try:
         while engine.has_work():
             tokens += [out.new_token_id for out in engine.step()]
             steps += 1
             c = backend.counters()
-            state = (backend.degraded, c["fallbacks_total"], c["readmissions_total"])
+            state = (backend.degraded, c["fallbacks_total"], c["readmissions_total"],
+                     c["cpu_workers"][victim.name]["triples_total"])
             if state != last:
                 trace.append((steps, len(tokens), None if t_fault is None else round(time.monotonic() - t_fault, 3),
                               *state))

@@ -49,3 +49,16 @@ def test_worker_specs_match_the_coordinators_config(strategy, cpu_workers, tmp_p
         assert (args.store, args.worker_index, args.num_workers) == ("ft-experts-2345", i, cpu_workers)
         assert spec.config_hash == layout_hash(procs.source.experts)        # the store's hash, as the worker sends
     assert options.config["num_cpu_workers"] == cpu_workers
+
+
+def test_serve_attach_names_the_worker_flags_that_do_not_reach_an_attached_worker():
+    """--attach: the GPU worker runs with its own flags; the local ones given to ft serve are named in a warning."""
+    from coordinator.cli import build_parser
+    from coordinator.process_set import flags_an_attached_worker_ignores
+
+    parser = build_parser()
+    given = ["--moe-slot-audit", "4", "--offload-copy", "kernel"]
+    attached = parser.parse_args(["serve", "--attach", *given])
+    assert flags_an_attached_worker_ignores(attached) == ["--offload-copy", "--moe-slot-audit"]
+    assert flags_an_attached_worker_ignores(parser.parse_args(["serve", "--attach"])) == []
+    assert flags_an_attached_worker_ignores(parser.parse_args(["serve", *given])) == []     # started here: they apply
