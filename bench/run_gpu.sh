@@ -20,7 +20,8 @@
 #        CUDA, the split copy's rate; the hybrid configuration with min-wait and split side by side) [s11-c] (the CPU
 #        kernel before and after the channel limit; the SIGKILL tests' trace) [s11-d] (final: split copy on its own
 #        stream; min-wait and split side by side, profiled; the split tests) [s11-e] (min-wait and split again,
-#        the CPU workers' OpenMP wait policy default against active)
+#        the CPU workers' OpenMP wait policy default against active) [s12-a] (prepared, not run: the split's own-stream
+#        copy against resident tokens on CUDA; min-wait and split twice)
 #        (default: kernels engine cpu). SECTION_TIMEOUT (s, default 540) bounds each command.
 # Logs go to $OUT (the device tool's output folder) when it is set, else ./out.
 set -u
@@ -356,6 +357,17 @@ device,=hybrid min-wait device serial" 2>&1 | tee "$OUT/overlap_hybrid.log" | ta
           | tee "$OUT/s11e_$policy.log" | grep -E "^hybrid|B_pcie" | cut -c1-170 | sed "s/^/omp $policy: /" || status=1
       done
       unset OMP_WAIT_POLICY
+      ;;
+    s12-a)    # prepared in the eleventh session, not run: the split with its copy on its own stream against resident tokens
+              # in the decode graphs (the gpu-marked split and SIGKILL tests), then min-wait and split side by side twice
+      timeout 200 python3 -m pytest -q --tb=short -p no:cacheprovider -m gpu tests/test_hybrid.py tests/test_copy_overlap.py \
+        > "$OUT/s12a_tests.log" 2>&1 || status=1
+      grep -E "trace|FAILED|passed|failed" "$OUT/s12a_tests.log" | cut -c1-600 | tail -n 12
+      for round in 1 2; do
+        timeout 180 python3 bench/bench_hybrid.py --runs 3 --decode-tokens 64 --handoff-calls 100 --no-resident \
+          --json-out "$OUT/s12a_$round.json" --variants "=hybrid min-wait device,=hybrid split device" 2>&1 \
+          | grep -E "^hybrid|B_pcie" | cut -c1-170 | sed "s/^/round $round: /" || status=1
+      done
       ;;
     omp-wait)    # prepared in the tenth session, not yet run: the hybrid configuration with the CPU workers' OpenMP team
                  # left to libgomp's default wait (spin, then sleep) against OMP_WAIT_POLICY=active (the workers inherit
