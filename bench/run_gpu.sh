@@ -15,7 +15,7 @@
 #        configuration) [s9-b] [s9-c] [s9-cv] (what they ran, a one-round device join, was reverted)
 #        [s10-a] [s10-b] (tenth session: the CPU worker's C loop, the hand-off, ft bench bw's shared probe; the
 #        hybrid issue's configuration with the shared roofline) [s10-d] (the final code: bench bw, hand-off, the
-#        tests not marked gpu on CUDA) [omp-wait] (prepared, not run: the CPU workers' OpenMP wait policy)
+#        tests not marked gpu on CUDA) [omp-wait] (the CPU workers' OpenMP wait policy; superseded by s11-e)
 #        [s11-a] [s11-b] (eleventh session: the split expert, fetch_round split: its tests and the slot audit's on
 #        CUDA, the split copy's rate; the hybrid configuration with min-wait and split side by side) [s11-c] (the CPU
 #        kernel before and after the channel limit; the SIGKILL tests' trace) [s11-d] (final: split copy on its own
@@ -369,7 +369,7 @@ device,=hybrid min-wait device serial" 2>&1 | tee "$OUT/overlap_hybrid.log" | ta
           | grep -E "^hybrid|B_pcie" | cut -c1-170 | sed "s/^/round $round: /" || status=1
       done
       ;;
-    omp-wait)    # prepared in the tenth session, not yet run: the hybrid configuration with the CPU workers' OpenMP team
+    omp-wait)    # prepared in the tenth session; s11-e ran the same comparison (active starved the pool: 3.2 GB/s): the hybrid configuration with the CPU workers' OpenMP team
                  # left to libgomp's default wait (spin, then sleep) against OMP_WAIT_POLICY=active (the workers inherit
                  # the environment), with the fixed shared probe's roofline beside
       for policy in default active; do
