@@ -252,6 +252,26 @@ def test_an_error_status_is_a_failure_and_not_joined(store, served):
     assert db.counters()["failed"] == 1
 
 
+def test_a_ring_without_a_split_clears_the_split_an_earlier_ring_wrote(store, served):
+    """Every ring writes the line's split: one that cannot apply here (c = I = 32: the worker refuses it as a bad
+    request) is followed on the same slot by a ring without one, which the worker must compute whole."""
+    _, client, things = served
+    db = DeviceDoorbell(client, KERNEL_DEVICE, deadline_s=10)
+    things.append(db)
+    x, ids, routes, w, cpu = routes_case(1, 4, seed=11, device=KERNEL_DEVICE, cpu_share=1.0)
+    src = torch.zeros(1, H, device=KERNEL_DEVICE)
+    split = torch.tensor([int(ids[0, 0]), 32], dtype=torch.int32, device=KERNEL_DEVICE)
+    db.ring(0, x, ids, routes, w, split=split, split_slot=99)
+    join_now(db, 0, src, torch.empty(1, H, device=KERNEL_DEVICE))
+    assert db.failure() == handoff.FAIL_STATUS                   # the worker saw the split in the line
+    db.reset()
+    dst = torch.empty(1, H, device=KERNEL_DEVICE)
+    db.ring(0, x, ids, routes, w)                                 # layer 0 again: the same slot
+    join_now(db, 0, src, dst)
+    assert db.failure() == 0, db.failure_reason()
+    assert_close_to(store, dst, expected_partial(store, 0, x, ids, w, cpu))
+
+
 def test_arguments_are_checked(store, served):
     _, client, things = served
     db = DeviceDoorbell(client, KERNEL_DEVICE)

@@ -24,7 +24,8 @@ import torch
 from gpu_worker.engine import Engine, EngineConfig, SamplingParams
 from gpu_worker.hybrid import HybridExperts, HybridOptions
 from gpu_worker.models import load_model
-from kernels.slot_cache import reset
+from kernels.slot_cache import ROUND_MODES, reset
+from kernels.slot_cache.state import POLICY_ROUND
 from tests.conftest import HAS_CUDA
 from tests.test_stream_doorbell import stop_worker
 
@@ -328,9 +329,11 @@ def test_split_rounding_is_min_wait_where_nothing_splits(hybrid, resident):
         assert seen.setdefault(rnd, got) == got                        # deterministic
     assert seen["split"] == seen["min-wait"] and seen["split"][2] == 0 and seen["split"][0] > 0 and seen["split"][1] > 0
     backend.set_policy(fetch_round="split")
-    floor = backend._unsplit_policy is not None                        # and the device policy itself says floor
+    host_rule = backend._unsplit_policy                                # min-wait for the host paths ...
+    device_rule = int(backend.cache.policy[POLICY_ROUND])              # ... and floor for the device path
     backend.set_policy(fetch_round="min-wait")
-    assert floor and backend._unsplit_policy is None
+    assert host_rule["round_mode"] == "min-wait" and device_rule == ROUND_MODES["split"]
+    assert backend._unsplit_policy is None and int(backend.cache.policy[POLICY_ROUND]) == ROUND_MODES["min-wait"]
 
 
 @interpreter_only
@@ -595,8 +598,8 @@ def test_gpu_hybrid_and_cpu_match_resident_and_survive_a_sigkill(tiny_cache, str
 @pytest.mark.gpu
 @pytest.mark.usefixtures("no_tf32")
 def test_gpu_split_rounding_in_the_decode_graphs_matches_resident_and_survives_a_sigkill(tiny_cache):
-    """fetch_round split inside the engine's decode CUDA graphs: the split pick, the split slot's copy on the
-    copy stream and the ring's split request replay with the live cache; tokens as resident; a SIGKILLed worker's
+    """fetch_round split inside the engine's decode CUDA graphs: the split pick, the split slot's copy on its own
+    stream beside the plan copy and the ring's split request replay with the live cache; tokens as resident; a SIGKILLed worker's
     step is re-run as offload (no split), and the worker is re-admitted."""
     resident_loaded = load_model(device="cuda")
     tokens, long = greedy(resident_loaded), greedy(resident_loaded, prompts=PROMPTS[:1], n=FAULT_TOKENS)[0]

@@ -523,7 +523,9 @@ RING_ENTRY_WORDS = 2                 # response line words 0-1: seq i64, status 
 DEFAULT_RING_SIZE = 1024
 # Request line words (REQUEST_LINE in proto/shm_layout.py): seq i64 @0, layer i32 @8, num_tokens i32 @12,
 # num_triples i32 @16, split_limit i32 @20: the 64-bit write at +16 leaves the limit 0 (no split; this path never
-# splits an expert), so a split an earlier device-path request wrote there never applies to these requests.
+# splits an expert). The doorbell skips that write when the word is unchanged (_line_cache), which holds because no
+# other writer shares the channel while it lives: HybridExperts.set_handoff closes the device doorbells (the only
+# writer of a split) before it makes stream ones, and a new StreamDoorbell starts with an empty cache.
 LINE_SEQ, LINE_LAYER_TOKENS, LINE_TRIPLES = 0, 8, 16
 
 

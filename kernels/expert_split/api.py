@@ -8,9 +8,9 @@ g = round(phi * I / SPLIT_UNIT) units of SPLIT_UNIT channels (at most all but on
 channels [0, c), c = I - g * SPLIT_UNIT (the request line's split limit, proto/shm_layout.py). Every
 route of e left to the CPU is rewritten to the split slot (the CPU computes it too, over [0, c));
 g = 0 (phi too small), another rounding mode, a fixed fetch cap, or I not a multiple of the unit: no
-split. The split slot is a pool row outside the slot cache: its gate rows [0, c) are zeroed and rows
-[c, I) of gate / up and columns [c, I) of down are fetched, so a whole-expert GEMV over it computes
-exactly channels [c, I) (silu(0) * up = 0 adds exactly 0).
+split. The split slot is a pool row outside the slot cache: its gate and up rows [0, c) are zeroed and
+rows [c, I) of gate / up and columns [c, I) of down are fetched, so a whole-expert GEMV over it computes
+exactly channels [c, I) (silu(0) * 0 = 0 adds exactly 0 through the finite down columns below c).
 Legend: R routes, M misses, F fetched, I intermediate, H hidden, W words of a pool row.
 """
 from __future__ import annotations
@@ -92,7 +92,7 @@ def split_pick(routes: torch.Tensor, ids: torch.Tensor, num_missing: torch.Tenso
 def split_copy(slots: torch.Tensor, host_rows: torch.Tensor, desc: torch.Tensor, *, split_slot: int, hidden: int,
                intermediate: int, part: int, impl: str = "auto") -> None:
     """Fetch the GPU's part of the split expert desc names into pool row `split_slot` (nothing when desc says
-    no split). part 0: w13 (gate rows [0, c) zeroed, gate and up rows [c, I) fetched); part 1: w2 columns
+    no split). part 0: w13 (gate and up rows [0, c) zeroed, rows [c, I) fetched); part 1: w2 columns
     [c, I). slots [S, N] device pool (packed rows, kernels/expert_copy's layout), host_rows [E, N] the
     layer's host rows (pinned / registered on CUDA), desc [DESC_LEN] int32 from split_pick."""
     if part not in (0, 1):

@@ -47,8 +47,9 @@ def split_copy_reference(slot_words: torch.Tensor, host_words: torch.Tensor, des
     per = slot_words.shape[1] // (3 * hidden * intermediate)
     H, I, c = hidden * per, intermediate, limit
     dst, src = slot_words[split_slot], host_words[expert].to(slot_words.device)
-    if part == 0:                                       # w13: zero gate rows [0, c), gate and up rows [c, I)
+    if part == 0:                                       # w13: zero gate and up rows [0, c), copy rows [c, I)
         dst[:c * H].zero_()
+        dst[I * H:(I + c) * H].zero_()
         dst[c * H:I * H].copy_(src[c * H:I * H])
         dst[(I + c) * H:2 * I * H].copy_(src[(I + c) * H:2 * I * H])
     else:                                               # w2 [H rows, I]: columns [c, I) of every row

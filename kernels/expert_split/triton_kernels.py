@@ -47,30 +47,29 @@ def split_copy_w13_kernel(
     ROWS: tl.constexpr,              # w13 rows per program (divides the unit: a block lies in one region)
     BLOCK: tl.constexpr, ALIGNED: tl.constexpr,
 ):
-    """Program p: w13 rows [p*ROWS, (p+1)*ROWS): gate rows below c are zeroed (so that channels [0, c) of the
-    split slot add exactly 0: silu(0) = 0), gate rows from c and up rows from I + c are copied; up rows
-    [I, I + c) are left as they are (their h is 0 whatever they hold, and they hold finite values)."""
+    """Program p: w13 rows [p*ROWS, (p+1)*ROWS): gate rows and up rows of channels [0, c) are zeroed (so that
+    those channels of the split slot add exactly 0: silu(0) * 0 = 0, whatever a stale up row's product with x
+    would round to in a narrow dtype), gate rows from c and up rows from I + c are copied. Down columns [0, c)
+    stay as they are: they multiply an exact 0 and hold finite values (real expert bytes, or the initial 0)."""
     expert = tl.load(desc_ptr)
     if expert >= 0:
         c = tl.load(desc_ptr + 1)
         r0 = tl.program_id(0) * ROWS
-        zero = r0 < c
-        copy = ((r0 >= c) & (r0 < I)) | (r0 >= I + c)
-        if zero | copy:
-            host = host_addr.to(tl.pointer_type(tl.int16))
-            if ALIGNED:
-                host = tl.multiple_of(host, 16)
-            slot = expert.to(tl.int64) * 0 + split_slot                # int64 (the pool passes 2**31 words)
-            src = host + expert.to(tl.int64) * host_row_words + r0.to(tl.int64) * HW
-            dst = slots_ptr + slot * row_words + r0.to(tl.int64) * HW
-            for w0 in range(0, ROWS * HW, BLOCK):
-                offs = w0 + tl.arange(0, BLOCK)
-                mk = offs < ROWS * HW
-                if zero:
-                    v = tl.zeros([BLOCK], dtype=tl.int16)
-                else:
-                    v = tl.load(src + offs, mask=mk)
-                tl.store(dst + offs, v, mask=mk)
+        zero = (r0 < c) | ((r0 >= I) & (r0 < I + c))       # a channel below c (gate or up row); else copied
+        host = host_addr.to(tl.pointer_type(tl.int16))
+        if ALIGNED:
+            host = tl.multiple_of(host, 16)
+        slot = expert.to(tl.int64) * 0 + split_slot                # int64 (the pool passes 2**31 words)
+        src = host + expert.to(tl.int64) * host_row_words + r0.to(tl.int64) * HW
+        dst = slots_ptr + slot * row_words + r0.to(tl.int64) * HW
+        for w0 in range(0, ROWS * HW, BLOCK):
+            offs = w0 + tl.arange(0, BLOCK)
+            mk = offs < ROWS * HW
+            if zero:
+                v = tl.zeros([BLOCK], dtype=tl.int16)
+            else:
+                v = tl.load(src + offs, mask=mk)
+            tl.store(dst + offs, v, mask=mk)
 
 
 @triton.jit
