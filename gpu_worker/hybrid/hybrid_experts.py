@@ -335,12 +335,12 @@ class HybridExperts(SlotPoolAudit):
                                     self._split_counts, intermediate=self.layout.intermediate_size,
                                     split_slot=self.split_slot)
 
-        def split_copy(part: int) -> None:
+        def fetch_split_part(part: int) -> None:     # (self.split_copy is the plan copy's two-part switch)
             expert_split.split_copy(self.slots, host_layer, self._split_desc, split_slot=self.split_slot,
                                     hidden=self.layout.hidden_size, intermediate=self.layout.intermediate_size,
                                     part=part)
 
-        def ring_and_count() -> None:  # copy_then_ffn's after_fork: beside the plan copy on the side stream
+        def ring_and_count() -> None:  # copy_then_ffn's after_fork: on the compute stream, beside the plan copy
             if to_cpu:
                 weights = topk_weights.float().contiguous()
                 for m in self.pool.members:
@@ -356,15 +356,15 @@ class HybridExperts(SlotPoolAudit):
                                 self.w13, self.w2, mode=mode, kernel_impl=self.kernel_impl,
                                 side_stream=self.copy_stream if self.overlap_copy else None,
                                 split_copy=self.split_copy, after_fork=ring_and_count,
-                                extra_copy=split_copy if split else None,
+                                extra_copy=fetch_split_part if split else None,
                                 extra_slot=self.split_slot if split else -1,
                                 extra_stream=self.split_stream if self.overlap_copy else None)
         else:
             ring_and_count()
             copy_plan(self.slots, host_layer, c.evict_slots, c.src_indices, c.num_indices, max_copies=max_copies)
             if split:
-                split_copy(0)
-                split_copy(1)
+                fetch_split_part(0)
+                fetch_split_part(1)
             out = self._gemm_gpu_routes(x, routes, topk_weights, skip=False)
         if not to_cpu:
             return out

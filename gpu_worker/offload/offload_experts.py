@@ -167,8 +167,7 @@ class SlotPoolAudit:
         """kernels.slot_cache.audit over this backend's cache and pool: the problems found (empty: none)."""
         # the cache's slots only: a backend may keep rows of its own past them (the hybrid split slot)
         return audit(self.cache, slots=self.slots[:self.cache.total_slots], host_layers=self.host.layers,
-                     sample_slots=sample_slots,
-                     probe_slots=probe_slots, seed=seed)
+                     sample_slots=sample_slots, probe_slots=probe_slots, seed=seed)
 
     def reset_slots(self) -> None:
         """Empty the slot cache in place (the pool's bytes stay, unmapped): later calls fetch again."""
