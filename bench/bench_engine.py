@@ -27,6 +27,7 @@ from gpu_worker.models import MoeModel, load_model  # noqa: E402
 from gpu_worker.models.synthetic_routing import SyntheticRouting  # noqa: E402
 from gpu_worker.offload import HostExperts, OffloadExperts, resolve_cache_slots  # noqa: E402
 import kernels.expert_copy.api as expert_copy_api  # noqa: E402
+from kernels.pdl import ENV as PDL_ENV  # noqa: E402
 
 
 def _copy_chunks(args) -> list[int]:
@@ -242,6 +243,9 @@ def main() -> int:
     parser.add_argument("--dense-linear", default="gemv",
                         help="the fused forward's dense projections: gemv (kernels/dense_gemv), torch (F.linear), "
                              "or both comma-separated (resident runs for each; offload runs use the first)")
+    parser.add_argument("--pdl", choices=("auto", "on", "off", "both"), default="auto",
+                        help="programmatic dependent launch of the decode kernels (FREETOKEN_PDL, kernels/pdl.py) for "
+                             "every run; both: each configuration with it off, then on, side by side")
     parser.add_argument("--trace-dir", default=None,
                         help="with --profile: write each profiled run's Chrome trace (trace_<backend>.json) here")
     parser.add_argument("--profile", type=int, default=0,
@@ -267,8 +271,11 @@ def main() -> int:
     linears = [v.strip() for v in args.dense_linear.split(",") if v.strip()]
     if not linears or any(v not in MoeModel.DENSE_LINEARS for v in linears):
         raise SystemExit(f"--dense-linear {args.dense_linear!r}: give gemv, torch or both, comma-separated")
-    for linear, graphs in [(lin, g) for lin in reversed(linears)
-                           for g in ((False, True) if args.graphs == "both" else (args.graphs == "on",))]:
+    pdl_modes = ("off", "on") if args.pdl == "both" else (args.pdl,)
+    for linear, graphs, pdl_mode in [(lin, g, p) for lin in reversed(linears)
+                                     for g in ((False, True) if args.graphs == "both" else (args.graphs == "on",))
+                                     for p in pdl_modes]:
+        os.environ[PDL_ENV] = pdl_mode       # read when the kernels launch: this engine's graphs keep it
         _reset_peak()
         loaded.model.dense_linear = linear     # the last one run (the first listed) stays for the offload runs
         conf = dataclasses.replace(econf, cuda_graphs=graphs)
@@ -278,7 +285,8 @@ def main() -> int:
             if reference_tokens is not None:
                 res["lossless"] = res["tokens"] == reference_tokens
             reference_tokens = reference_tokens or res["tokens"]
-        name = "resident" + (" graphs" if graphs else " eager") + (f" {linear}" if len(linears) > 1 else "")
+        name = "resident" + (" graphs" if graphs else " eager") + (f" {linear}" if len(linears) > 1 else "") \
+            + (f" pdl {pdl_mode}" if len(pdl_modes) > 1 else "")
         rows.append((name, "-", res, _peak(), proc.memory_info().rss))
         print(name, res["all_tok_s"], _launch_note(res), flush=True)
         if args.profile and args.device == "cuda":
@@ -303,11 +311,13 @@ def main() -> int:
         for frac in [float(f) for f in args.fractions.split(",") if f]:
             overlaps = {"on": [True], "off": [False], "both": [True, False]}[args.copy_overlap]
             splits = {"on": [True], "off": [False], "both": [True, False]}[args.copy_split]
-            modes = [(m, c, o, sp) for m in args.offload_copy.split(",")
+            modes = [(m, c, o, sp, p) for m in args.offload_copy.split(",")
                      for c in (_copy_chunks(args) if m == "kernel" else [None])
                      for o in (overlaps if m == "kernel" else [False])
-                     for sp in (splits if m == "kernel" and o else [True])]
-            for copy_mode, chunks, overlap, split in modes:
+                     for sp in (splits if m == "kernel" and o else [True])
+                     for p in pdl_modes]
+            for copy_mode, chunks, overlap, split, pdl_mode in modes:
+                os.environ[PDL_ENV] = pdl_mode
                 if copy_mode == "dma" and frac not in dma_fracs:
                     continue
                 if chunks is not None:
@@ -317,6 +327,8 @@ def main() -> int:
                     label += " overlap" if overlap else " serial"
                 if copy_mode == "kernel" and overlap and args.copy_split == "both":
                     label += " split" if split else " whole"
+                if len(pdl_modes) > 1:
+                    label += f" pdl {pdl_mode}"
                 slots = resolve_cache_slots(frac, source.num_layers, source.num_experts)
                 backend = OffloadExperts(host, slots, args.device, copy_mode=copy_mode, overlap_copy=overlap,
                                          split_copy=split)

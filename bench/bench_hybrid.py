@@ -42,6 +42,7 @@ from gpu_worker.hybrid.options import device_name  # noqa: E402
 from gpu_worker.models import load_model  # noqa: E402
 from gpu_worker.models.synthetic_routing import SyntheticRouting  # noqa: E402
 from gpu_worker.offload import HostExperts, OffloadExperts, resolve_cache_slots  # noqa: E402
+from kernels.pdl import ENV as PDL_ENV  # noqa: E402
 
 ROUNDS = ("min-wait", "stochastic", "prefer-fetch", "split")   # split: floor on the host paths
 BW_CALLS = 100
@@ -244,6 +245,9 @@ def main() -> int:
                         help="hybrid's f (default: B_pcie / (B_pcie + B_cpu) measured here)")
     parser.add_argument("--cpu-workers", type=int, default=1)
     parser.add_argument("--cpu-threads", type=int, default=0, help="0: one per physical core")
+    parser.add_argument("--pdl", choices=("auto", "on", "off", "both"), default="auto",
+                        help="programmatic dependent launch of the decode kernels (FREETOKEN_PDL, kernels/pdl.py); "
+                             "both: every variant with it off, then on, side by side")
     parser.add_argument("--variants", default="",
                         help="comma list of name prefixes, e.g. offload,hybrid min-wait (also matches "
                              "'hybrid min-wait stream': host vs stream hand-off side by side); '=NAME' "
@@ -316,7 +320,10 @@ def main() -> int:
     try:
         handoff = handoff_round_trip(pool, cfg.hidden_size, loaded.source.dtype, device, args.handoff_calls)
         print(f"hand-off round trip: p50 {handoff['p50_us']:.1f} us, p99 {handoff['p99_us']:.1f} us", flush=True)
-        for name, policy in variants(args, on_cuda=device.type == "cuda"):
+        pdl_modes = ("off", "on") if args.pdl == "both" else (args.pdl,)
+        for name, policy, pdl_mode in [(n + (f" pdl {m}" if len(pdl_modes) > 1 else ""), p, m)
+                                       for n, p in variants(args, on_cuda=device.type == "cuda") for m in pdl_modes]:
+            os.environ[PDL_ENV] = pdl_mode       # read when the kernels launch: this engine's graphs keep it
             tune = False
             if policy is None:
                 backend = OffloadExperts(host, slots, device)

@@ -369,6 +369,31 @@ device,=hybrid min-wait device serial" 2>&1 | tee "$OUT/overlap_hybrid.log" | ta
           | grep -E "^hybrid|B_pcie" | cut -c1-170 | sed "s/^/round $round: /" || status=1
       done
       ;;
+    s12-b)    # twelfth session: is the device path's f too high? split at fixed f below the probes' (the copy side looked
+              # critical in s12-a: the join's wait ~0.3 ms a token), min-wait beside, each profiled (per-layer windows)
+      timeout 420 python3 bench/bench_hybrid.py --runs 3 --decode-tokens 64 --handoff-calls 100 --no-resident \
+        --extra-fractions 0.28,0.32,0.36 --profile 4 --trace-dir /tmp/s12b_traces --json-out "$OUT/s12b_hybrid.json" \
+        --variants "=hybrid min-wait device,=hybrid split device,hybrid split device f=" > "$OUT/s12b_hybrid.log" 2>&1 || status=1
+      grep -E "^hybrid|B_pcie|shared" "$OUT/s12b_hybrid.log" | cut -c1-170
+      for t in /tmp/s12b_traces/*hybrid*.json; do
+        python3 bench/trace_summary.py "$t" 2>&1 | grep -E "^  (layer|before|copy|after)|join|split copy" \
+          | tr -s " " | paste -sd ";" | sed "s|^|$(basename "$t"): |" | cut -c1-500
+      done
+      ;;
+    s12-c)    # twelfth session: programmatic dependent launch of the decode kernels (kernels/pdl.py): its GPU tests (bitwise
+              # the same with and without, eager and in graphs), then off and on side by side: resident and offload
+              # 25% / 50% (the engine issue's configuration, 3 runs, 128 tokens), hybrid min-wait and split
+      timeout 150 python3 -m pytest -q --tb=short -p no:cacheprovider -m gpu tests/test_pdl.py tests/test_dense_gemv.py \
+        tests/test_moe_decode.py tests/test_decode_attention.py > "$OUT/s12c_tests.log" 2>&1 || status=1
+      grep -E "FAILED|Error|passed|failed" "$OUT/s12c_tests.log" | cut -c1-300 | tail -n 8
+      timeout 250 python3 bench/bench_engine.py --runs 3 --decode-tokens 128 --fractions 0.25,0.5 --offload-copy kernel \
+        --pdl both > "$OUT/s12c_engine.log" 2>&1 || status=1
+      tail -n 7 "$OUT/s12c_engine.log" | cut -c1-160
+      timeout 190 python3 bench/bench_hybrid.py --runs 3 --decode-tokens 64 --handoff-calls 100 --no-resident --pdl both \
+        --json-out "$OUT/s12c_hybrid.json" --variants "=hybrid min-wait device,=hybrid split device" \
+        > "$OUT/s12c_hybrid.log" 2>&1 || status=1
+      grep -E "^hybrid|B_pcie" "$OUT/s12c_hybrid.log" | cut -c1-170
+      ;;
     omp-wait)    # prepared in the tenth session; s11-e ran the same comparison (active starved the pool: 3.2 GB/s): the hybrid configuration with the CPU workers' OpenMP team
                  # left to libgomp's default wait (spin, then sleep) against OMP_WAIT_POLICY=active (the workers inherit
                  # the environment), with the fixed shared probe's roofline beside

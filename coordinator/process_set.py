@@ -69,7 +69,8 @@ class ProcessSetOptions:
 # `ft worker gpu` flags outside the hashed engine config: an attached worker's own settings win (not compared).
 LOCAL_WORKER_FLAGS = (("--hybrid-handoff", "hybrid_handoff"),     # local: the GPU's hand-off path
                       ("--offload-copy", "offload_copy"),         # lossless either way
-                      ("--moe-slot-audit", "moe_slot_audit"))     # a check
+                      ("--moe-slot-audit", "moe_slot_audit"),     # a check
+                      ("--pdl", "pdl"))                           # lossless either way
 
 
 def flags_an_attached_worker_ignores(args) -> list[str]:

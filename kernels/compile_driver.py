@@ -10,6 +10,19 @@ from collections.abc import Callable
 from types import ModuleType
 
 
+def cannot_compile_ahead() -> str:
+    """Why kernels cannot be compiled ahead of time in this process ('' when they can)."""
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return "TRITON_INTERPRET=1 (the kernels are interpreted functions); unset it"
+    try:
+        from triton.backends.compiler import GPUTarget  # noqa: F401 (a triton that can compile ahead of time)
+        from triton.compiler import ASTSource
+        ASTSource.__init__.__code__.co_varnames.index("constexprs")
+    except (ImportError, AttributeError, ValueError) as exc:
+        return f"this triton cannot compile ahead of time here ({exc})"
+    return ""
+
+
 def run_compile_check(description: str, cases: list, kernels_module: ModuleType, argv: list[str] | None = None,
                       extra: Callable[[object], str] | None = None) -> int:
     """cases: (name, kernel attribute of kernels_module, signature, constexprs, options, 16-divisible args);
@@ -18,17 +31,11 @@ def run_compile_check(description: str, cases: list, kernels_module: ModuleType,
     parser.add_argument("--arch", type=int, default=90, help="compute capability x10 (90 = H100/H200)")
     parser.add_argument("--resources", action="store_true", help="registers / spills (cuobjdump) and more")
     args = parser.parse_args(argv)
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        print("SKIP: TRITON_INTERPRET=1 (the kernels are interpreted functions); unset it")
+    skip = cannot_compile_ahead()
+    if skip:
+        print(f"SKIP: {skip}")
         return 0
-    try:
-        import triton
-        from triton.backends.compiler import GPUTarget  # noqa: F401 (a triton that can compile ahead of time)
-        from triton.compiler import ASTSource
-        ASTSource.__init__.__code__.co_varnames.index("constexprs")
-    except (ImportError, AttributeError, ValueError) as exc:
-        print(f"SKIP: this triton cannot compile ahead of time here ({exc})")
-        return 0
+    import triton
     from kernels.slot_cache.ptx_check import compile_for_arch, cubin_resources
 
     cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")

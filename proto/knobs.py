@@ -97,6 +97,11 @@ KNOBS: tuple[Knob, ...] = (
     Knob("FREETOKEN_MOE_SLOT_AUDIT", "moe_slot_audit", _nonneg_int, 0,
          "every N decode steps, check the slot-cache invariants on the host and the bytes of a few slots; "
          "on a problem, log it and empty the cache (0 = never)"),
+    Knob("FREETOKEN_PDL", "pdl", str, "auto",
+         "programmatic dependent launch of the decode kernels (kernels/pdl.py): auto (on with a GPU of compute "
+         "capability 9.0 or later and a Triton that has it), on (an error where it cannot), off; bitwise the same "
+         "tokens either way",
+         choices=("auto", "on", "off")),
     Knob("FREETOKEN_BENCHBW_PATH", "benchbw_path", str, "",
          "path of the `ft bench bw` bandwidth profile (JSON); empty = the default location"),
 )

@@ -60,5 +60,6 @@ def test_serve_attach_names_the_worker_flags_that_do_not_reach_an_attached_worke
     given = ["--moe-slot-audit", "4", "--offload-copy", "kernel"]
     attached = parser.parse_args(["serve", "--attach", *given])
     assert flags_an_attached_worker_ignores(attached) == ["--offload-copy", "--moe-slot-audit"]
+    assert flags_an_attached_worker_ignores(parser.parse_args(["serve", "--attach", "--pdl", "off"])) == ["--pdl"]
     assert flags_an_attached_worker_ignores(parser.parse_args(["serve", "--attach"])) == []
     assert flags_an_attached_worker_ignores(parser.parse_args(["serve", *given])) == []     # started here: they apply

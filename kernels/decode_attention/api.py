@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels.pdl import pdl_args
+
 from .reference import decode_attention_reference
 
 IMPLS = ("auto", "triton", "reference")
@@ -149,6 +151,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     window = int(sliding_window) if sliding_window is not None else 0
     from .triton_kernels import decode_attn_merge_kernel, decode_attn_split_kernel
     extra = {} if blocks.num_stages is None else {"num_stages": blocks.num_stages}
+    pdl = pdl_args(q.device)
     decode_attn_split_kernel[(T, Hkv, num_splits)](
         q, k_cache, v_cache, rows, seq_lens, m, l, acc,
         q.stride(0), q.stride(1),
@@ -157,9 +160,9 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         float(scale), bucket, window, chunk,
         NUM_SPLITS=num_splits, G=G, GP=gp, HEAD_DIM=D, BLOCK_D=block_d, BLOCK_N=block_n,
         HAS_WINDOW=sliding_window is not None, USE_DOT=use_dot, IS_FP32=q.dtype == torch.float32,
-        num_warps=blocks.num_warps, **extra)
+        num_warps=blocks.num_warps, **extra, **pdl)
     decode_attn_merge_kernel[(T, Hq)](
         m, l, acc, seq_lens, out, bucket, window, chunk,
         NUM_SPLITS=num_splits, SPLITS_P2=_next_pow2(num_splits), HEAD_DIM=D, BLOCK_D=_next_pow2(D),
-        HAS_WINDOW=sliding_window is not None, num_warps=blocks.merge_warps)
+        HAS_WINDOW=sliding_window is not None, num_warps=blocks.merge_warps, **pdl)
     return out

@@ -29,6 +29,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from kernels.pdl import pdl_enter
+
 
 @triton.jit
 def decode_attn_split_kernel(
@@ -54,7 +56,9 @@ def decode_attn_split_kernel(
     HAS_WINDOW: tl.constexpr,
     USE_DOT: tl.constexpr,
     IS_FP32: tl.constexpr,
+    USE_PDL: tl.constexpr = False,   # launched with PDL: wait for the kernel before first (kernels/pdl.py)
 ):
+    pdl_enter(USE_PDL)
     t = tl.program_id(0)
     kh = tl.program_id(1)
     s = tl.program_id(2)
@@ -127,7 +131,9 @@ def decode_attn_merge_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
+    USE_PDL: tl.constexpr = False,   # launched with PDL: wait for the kernel before first (kernels/pdl.py)
 ):
+    pdl_enter(USE_PDL)
     t = tl.program_id(0)
     h = tl.program_id(1)
     seq_len = tl.load(seq_lens_ptr + t).to(tl.int64)

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from kernels.moe_decode.api import IMPLS, _resolve_impl  # noqa: F401 (IMPLS re-exported: one dispatch rule)
+from kernels.pdl import pdl_args
 
 from . import reference
 
@@ -124,6 +125,9 @@ def linear_gemv(x: torch.Tensor, w: torch.Tensor, *, impl: str = "auto",
     from N, K and the dtype only), row t of a T = 4 call is bitwise the row computed with T = 1.
     One launch (two with split_k > 1).
     blocks: LinearBlocks, or None for pick_blocks(N, K, x.dtype).
+    With programmatic dependent launch (kernels/pdl.py) each program reads its first weight tile before
+    it waits for the kernel queued before it: w must be a weight, not the output of a kernel that may
+    still be running on this stream.
     """
     if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise TypeError(f"x must be float32, bfloat16 or float16, got {x.dtype}")
@@ -157,11 +161,12 @@ def linear_gemv(x: torch.Tensor, w: torch.Tensor, *, impl: str = "auto",
     k_chunk = _cdiv(_cdiv(K, b.split_k), b.block_k) * b.block_k       # columns per split, whole steps
     splits = _cdiv(K, k_chunk)                                         # <= split_k, each with columns
     out = y if splits == 1 else torch.empty(splits, T, N, dtype=torch.float32, device=x.device)
+    pdl = pdl_args(x.device)
     linear_gemv_kernel[(_cdiv(N, b.block_n), splits)](
         x, w, out, T, N, K, k_chunk, x.stride(0), w.stride(0),
         BLOCK_N=b.block_n, BLOCK_K=b.block_k, T_PAD=_next_pow2(T), EVEN_K=splits * k_chunk == K,
-        num_warps=b.num_warps)
+        num_warps=b.num_warps, **pdl)
     if splits > 1:
         linear_split_sum_kernel[(_cdiv(T * N, SUM_BLOCK),)](out, y, T * N, splits, BLOCK=SUM_BLOCK,
-                                                             num_warps=4)
+                                                             num_warps=4, **pdl)
     return y

@@ -23,6 +23,33 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from kernels.pdl import pdl_enter
+
+
+@triton.jit
+def _load_w_tile(w_rows, kk, k_begin, K, EVEN_K: tl.constexpr):
+    """The [BLOCK_N, BLOCK_K] weight tile at split columns kk, in fp32 (columns past K read 0)."""
+    if EVEN_K:
+        wv = tl.load(w_rows + kk).to(tl.float32)
+    else:
+        wv = tl.load(w_rows + kk, mask=(k_begin + kk) < K, other=0.0).to(tl.float32)
+    return wv
+
+
+@triton.jit
+def _gemv_step(acc, wv, x_row0, kk, k_begin, K, T, stride_xt, toks,
+               T_PAD: tl.constexpr, EVEN_K: tl.constexpr):
+    """acc[:, t] += the row sums of wv * x[t, kk] for every token t < T (fp32)."""
+    for t in tl.static_range(T_PAD):
+        if t < T:
+            if EVEN_K:
+                xv = tl.load(x_row0 + t * stride_xt + kk).to(tl.float32)      # [1, BLOCK_K]
+            else:
+                xv = tl.load(x_row0 + t * stride_xt + kk, mask=(k_begin + kk) < K, other=0.0).to(tl.float32)
+            part = tl.sum(wv * xv, axis=1)                                    # [BLOCK_N]
+            acc = tl.where(toks[None, :] == t, acc + part[:, None], acc)
+    return acc
+
 
 @triton.jit
 def linear_gemv_kernel(
@@ -30,12 +57,14 @@ def linear_gemv_kernel(
     w_ptr,                # [N, K] x.dtype, row stride stride_wn, columns contiguous
     out_ptr,              # [S, T, N] contiguous: y in x.dtype when S == 1, else fp32 partials
     T, N, K,
-    K_CHUNK,              # columns per split: a multiple of BLOCK_K (K when S == 1, rounded up)
+    K_CHUNK,              # columns per split: a multiple of BLOCK_K (K when S == 1, rounded up), > 0
     stride_xt, stride_wn,
     BLOCK_N: tl.constexpr,    # output rows per program (a power of two)
     BLOCK_K: tl.constexpr,    # columns per loop step (a power of two)
     T_PAD: tl.constexpr,      # power of two >= T: the accumulator's width
     EVEN_K: tl.constexpr,     # every loop step lies inside K: no column masks
+    USE_PDL: tl.constexpr = False,   # launched with PDL (kernels/pdl.py): the first weight tile is
+                                     # loaded before the wait for the kernel before this one
 ):
     """Grid (cdiv(N, BLOCK_N), S). Program (j, s): out[s, t, n] for every token t < T and
     n in [j*BLOCK_N, (j+1)*BLOCK_N), over the columns [s*K_CHUNK, (s+1)*K_CHUNK) of K.
@@ -45,7 +74,8 @@ def linear_gemv_kernel(
     its column of the [BLOCK_N, T_PAD] accumulator every step. Rows n >= N load row N-1 (in bounds,
     never stored); tokens t >= T are skipped (a uniform branch). A token's result is the same
     instruction sequence on the same registers whatever T is: row t of a T = 4 call equals the same
-    row computed alone (same blocks).
+    row computed alone (same blocks). The first step is peeled off the loop so that its weight tile
+    (weights: nothing in the step writes them) can be in flight before the PDL wait.
     """
     j = tl.program_id(0)
     s = tl.program_id(1)
@@ -55,22 +85,14 @@ def linear_gemv_kernel(
     k_begin = s * K_CHUNK
     w_rows = w_ptr + tl.minimum(rows, N - 1).to(tl.int64)[:, None] * stride_wn + k_begin   # [BLOCK_N, 1]
     x_row0 = x_ptr + k_begin
+    w_first = _load_w_tile(w_rows, cols[None, :], k_begin, K, EVEN_K)
+    pdl_enter(USE_PDL)
     acc = tl.zeros([BLOCK_N, T_PAD], dtype=tl.float32)
-    for k0 in range(0, K_CHUNK, BLOCK_K):
+    acc = _gemv_step(acc, w_first, x_row0, cols[None, :], k_begin, K, T, stride_xt, toks, T_PAD, EVEN_K)
+    for k0 in range(BLOCK_K, K_CHUNK, BLOCK_K):
         kk = k0 + cols[None, :]                                              # [1, BLOCK_K] in the split
-        if EVEN_K:
-            wv = tl.load(w_rows + kk).to(tl.float32)                         # [BLOCK_N, BLOCK_K]
-        else:
-            kmask = (k_begin + kk) < K
-            wv = tl.load(w_rows + kk, mask=kmask, other=0.0).to(tl.float32)
-        for t in tl.static_range(T_PAD):
-            if t < T:
-                if EVEN_K:
-                    xv = tl.load(x_row0 + t * stride_xt + kk).to(tl.float32)  # [1, BLOCK_K]
-                else:
-                    xv = tl.load(x_row0 + t * stride_xt + kk, mask=kmask, other=0.0).to(tl.float32)
-                part = tl.sum(wv * xv, axis=1)                                # [BLOCK_N]
-                acc = tl.where(toks[None, :] == t, acc + part[:, None], acc)
+        wv = _load_w_tile(w_rows, kk, k_begin, K, EVEN_K)                    # [BLOCK_N, BLOCK_K]
+        acc = _gemv_step(acc, wv, x_row0, kk, k_begin, K, T, stride_xt, toks, T_PAD, EVEN_K)
     out = out_ptr + (s * T).to(tl.int64) * N + toks[None, :] * N + rows[:, None]   # [BLOCK_N, T_PAD]
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=(toks[None, :] < T) & (rows[:, None] < N))
 
@@ -81,9 +103,11 @@ def linear_split_sum_kernel(
     y_ptr,                # [M] x.dtype out
     M, S,                 # M = T * N < 2**31 (T <= 16)
     BLOCK: tl.constexpr,
+    USE_PDL: tl.constexpr = False,   # launched with PDL (kernels/pdl.py)
 ):
     """Grid (cdiv(M, BLOCK)). y[i] = x.dtype(((part[0, i] + part[1, i]) + part[2, i]) + ...): fp32,
     in split order, one rounding."""
+    pdl_enter(USE_PDL)
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     m = offs < M
     acc = tl.load(part_ptr + offs, mask=m, other=0.0)

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels.pdl import pdl_args
+
 from . import reference
 
 IMPLS = ("auto", "triton", "reference")
@@ -229,6 +231,7 @@ def moe_gemv(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: tor
     ids_flat = ids.contiguous().view(-1)                              # [P]
     rw_flat = weights.contiguous().view(-1)                           # [P]
     accurate = _accurate(x.device)
+    pdl = pdl_args(x.device)
     act = torch.empty(P, inter, dtype=x.dtype, device=x.device)       # [P, I]
     y = torch.empty(P, H, dtype=torch.float32, device=x.device)       # [P, H] fp32
     if not split:
@@ -244,17 +247,17 @@ def moe_gemv(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: tor
             BLOCK_N=b.gate_up_block_n, BLOCK_K=b.gate_up_block_k,
             EVEN_N=inter % b.gate_up_block_n == 0, EVEN_K=H % b.gate_up_block_k == 0,
             ACC_2D=bool(b.gate_up_acc_2d), ACCURATE=accurate, PLAN=part, PLAN_MAX=plan_max,
-            num_warps=b.gate_up_warps)
+            num_warps=b.gate_up_warps, **pdl)
         if part == 2 and between_down is not None:
             between_down()              # the plan's w2 rows are read only after this
         moe_down_kernel[(P, _cdiv(H, b.down_block_n))](
             act, ids_flat, rw_flat, w2, y, *plan_args, H, inter, w2.stride(0), w2.stride(1),
             BLOCK_N=b.down_block_n, BLOCK_K=b.down_block_k,
             EVEN_N=H % b.down_block_n == 0, EVEN_K=inter % b.down_block_k == 0,
-            ACC_2D=bool(b.down_acc_2d), PLAN=part, PLAN_MAX=plan_max, num_warps=b.down_warps)
+            ACC_2D=bool(b.down_acc_2d), PLAN=part, PLAN_MAX=plan_max, num_warps=b.down_warps, **pdl)
     out = torch.empty(T, H, dtype=x.dtype, device=x.device)           # [T, H]
     moe_sum_k_kernel[(T, _cdiv(H, b.sum_block))](y, out, K, H, BLOCK=b.sum_block,
-                                                        num_warps=b.sum_warps)
+                                                        num_warps=b.sum_warps, **pdl)
     return out
 
 
@@ -295,7 +298,7 @@ def _norm_launch(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tens
     rms_norm_kernel[(rows,)](
         xv, dv, weight, x_new if x_new is not None else normed, normed, r2, n, sx1, sx2, sd1, sd2,
         float(eps), 1.0 / n, HAS_ADD=delta is not None, BLOCK=block,
-        ACCURATE=_accurate(x.device), num_warps=_row_warps(block))
+        ACCURATE=_accurate(x.device), num_warps=_row_warps(block), **pdl_args(x.device))
     return x_new, normed
 
 
@@ -406,7 +409,8 @@ def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, q_norm: torch.Tensor | None, 
         kv.v if kv is not None else k_out, kv.index.contiguous() if kv is not None else q_norm if has_norm else q,
         kv.v.stride(0) if kv is not None else 0, kv.v.stride(1) if kv is not None else 0,
         HAS_NORM=has_norm, BLOCK_D=block, ACCURATE=_accurate(q.device), HAS_KV=kv is not None,
-        num_warps=_row_warps(block), enable_fp_fusion=False)   # x*cos + r*sin: no FMA, as torch
+        num_warps=_row_warps(block), enable_fp_fusion=False,   # x*cos + r*sin: no FMA, as torch
+        **pdl_args(q.device))
     return q_out, k_out
 
 
@@ -447,5 +451,5 @@ def route_topk(logits: torch.Tensor, top_k: int, *, softmax_first: bool = True, 
     route_topk_kernel[(T,)](
         logits, ids, weights, E, logits.stride(0), K=top_k, BLOCK_E=block,
         BLOCK_K=_next_pow2(top_k), SOFTMAX_FIRST=bool(softmax_first), RENORM=bool(renorm),
-        ACCURATE=_accurate(logits.device), num_warps=_row_warps(block))
+        ACCURATE=_accurate(logits.device), num_warps=_row_warps(block), **pdl_args(logits.device))
     return ids, weights

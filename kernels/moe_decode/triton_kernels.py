@@ -21,6 +21,8 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+from kernels.pdl import pdl_enter
+
 
 @triton.jit
 def _exp(x, ACCURATE: tl.constexpr):
@@ -96,6 +98,7 @@ def moe_gate_up_kernel(
     ACCURATE: tl.constexpr,
     PLAN: tl.constexpr,       # 0: every route; 1: routes not in the plan; 2: routes in it (_route_active)
     PLAN_MAX: tl.constexpr,   # power of two >= the plan's largest length
+    USE_PDL: tl.constexpr = False,   # launched with PDL: wait for the kernel before first (kernels/pdl.py)
 ):
     """Grid (P, cdiv(I, BLOCK_N)). Program (p, j): act[p, j*BLOCK_N : (j+1)*BLOCK_N].
 
@@ -103,6 +106,7 @@ def moe_gate_up_kernel(
     output of gathered_expert_ffn); silu(gate) rounded; silu(gate) * up rounded. A pair with id < 0
     reads nothing and writes nothing (the down kernel never reads its act row).
     """
+    pdl_enter(USE_PDL)
     p = tl.program_id(0)
     j = tl.program_id(1)
     e = tl.load(ids_ptr + p).to(tl.int64)
@@ -177,9 +181,11 @@ def moe_down_kernel(
     ACC_2D: tl.constexpr,     # as in moe_gate_up_kernel
     PLAN: tl.constexpr,       # as in moe_gate_up_kernel: a route this launch does not own is not written
     PLAN_MAX: tl.constexpr,
+    USE_PDL: tl.constexpr = False,   # launched with PDL: wait for the kernel before first (kernels/pdl.py)
 ):
     """Grid (P, cdiv(H, BLOCK_N)). y[p, n] = float(x.dtype(w2[id, n] . act[p])) * w[p] (fp32);
     exactly 0.0 for a pair with id < 0, which reads neither weights nor its act row."""
+    pdl_enter(USE_PDL)
     p = tl.program_id(0)
     j = tl.program_id(1)
     e = tl.load(ids_ptr + p).to(tl.int64)
@@ -231,8 +237,10 @@ def moe_sum_k_kernel(
     out_ptr,              # [T, H] x.dtype out
     K, H,
     BLOCK: tl.constexpr,
+    USE_PDL: tl.constexpr = False,   # launched with PDL: wait for the kernel before first (kernels/pdl.py)
 ):
     """Grid (T, cdiv(H, BLOCK)). out[t] = x.dtype(((y[t,0] + y[t,1]) + y[t,2]) + ...): fp32, k order."""
+    pdl_enter(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     m = offs < H
@@ -260,9 +268,11 @@ def rms_norm_kernel(
     HAS_ADD: tl.constexpr,
     BLOCK: tl.constexpr,      # >= N, a power of two
     ACCURATE: tl.constexpr,
+    USE_PDL: tl.constexpr = False,   # launched with PDL: wait for the kernel before first (kernels/pdl.py)
 ):
     """Grid (R1*R2,): one row each. [x_new = DT(x + delta)]; r = rsqrt(mean(x^2) + eps) in fp32;
     out = DT(w * DT(x * r)) -- layers.rms_norm's rounding points."""
+    pdl_enter(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     i1 = row // R2
     i2 = row % R2
@@ -333,10 +343,12 @@ def qk_norm_rope_kernel(
     BLOCK_D: tl.constexpr,    # >= D, a power of two
     ACCURATE: tl.constexpr,
     HAS_KV: tl.constexpr = False,
+    USE_PDL: tl.constexpr = False,   # launched with PDL: wait for the kernel before first (kernels/pdl.py)
 ):
     """Grid (T, HQ + HKV): program (t, h) handles q head h (h < HQ) or k head h - HQ of token t; with
     HAS_KV, a k program also writes its result to kc[idx[t], hk] and copies v[t, hk] to vc[idx[t], hk]
     (the decode step's KV cache write, which an index_copy per tensor did)."""
+    pdl_enter(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     c_row = cos_ptr + t * sct
@@ -373,8 +385,10 @@ def route_topk_kernel(
     SOFTMAX_FIRST: tl.constexpr,   # qwen3 / olmoe: softmax over E, then top-k; mixtral: top-k, softmax
     RENORM: tl.constexpr,          # divide the top-k probabilities by their sum (norm_topk_prob)
     ACCURATE: tl.constexpr,
+    USE_PDL: tl.constexpr = False,   # launched with PDL: wait for the kernel before first (kernels/pdl.py)
 ):
     """Grid (T,). Ties pick the lowest expert id; ids are clamped to [0, E) (NaN logits)."""
+    pdl_enter(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_E)
     m = offs < E

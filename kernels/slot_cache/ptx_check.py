@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import inspect
 import os
 import re
 import subprocess
@@ -67,6 +68,11 @@ def compile_for_arch(fn, signature: dict, constexprs: dict, arch: int, *, divisi
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
     attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in divisible} or None
+    signature, constexprs = dict(signature), dict(constexprs)
+    for name, param in inspect.signature(fn.fn).parameters.items():    # constexprs left at their default
+        if name not in signature and param.default is not inspect.Parameter.empty:
+            signature[name] = "constexpr"
+            constexprs.setdefault(name, param.default)
     return triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs),
                           target=GPUTarget("cuda", arch, 32), options=dict(options or {"num_warps": 4}))
 
