@@ -394,6 +394,18 @@ device,=hybrid min-wait device serial" 2>&1 | tee "$OUT/overlap_hybrid.log" | ta
         > "$OUT/s12c_hybrid.log" 2>&1 || status=1
       grep -E "^hybrid|B_pcie" "$OUT/s12c_hybrid.log" | cut -c1-170
       ;;
+    s12-d)    # twelfth session, final: the GPU tests of every decode path with PDL on by default (hybrid's SIGKILL / split /
+              # resident-token tests, copy overlap, offload, CUDA graphs, engine, split, stream doorbell), then hybrid
+              # min-wait and split with PDL off and on, interleaved, 5 runs each
+      timeout 290 python3 -m pytest -q --tb=short -p no:cacheprovider -m gpu tests/test_hybrid.py tests/test_copy_overlap.py \
+        tests/test_offload.py tests/test_cuda_graphs_gpu.py tests/test_engine_gpu.py tests/test_expert_split.py \
+        tests/test_stream_doorbell.py tests/test_pdl.py > "$OUT/s12d_tests.log" 2>&1 || status=1
+      grep -E "trace|FAILED|Error|passed|failed" "$OUT/s12d_tests.log" | cut -c1-400 | tail -n 12
+      timeout 200 python3 bench/bench_hybrid.py --runs 5 --decode-tokens 64 --handoff-calls 100 --no-resident --pdl both \
+        --json-out "$OUT/s12d_hybrid.json" --variants "=hybrid min-wait device,=hybrid split device" \
+        > "$OUT/s12d_hybrid.log" 2>&1 || status=1
+      grep -E "^hybrid|B_pcie" "$OUT/s12d_hybrid.log" | cut -c1-170
+      ;;
     omp-wait)    # prepared in the tenth session; s11-e ran the same comparison (active starved the pool: 3.2 GB/s): the hybrid configuration with the CPU workers' OpenMP team
                  # left to libgomp's default wait (spin, then sleep) against OMP_WAIT_POLICY=active (the workers inherit
                  # the environment), with the fixed shared probe's roofline beside
