@@ -406,6 +406,12 @@ device,=hybrid min-wait device serial" 2>&1 | tee "$OUT/overlap_hybrid.log" | ta
         > "$OUT/s12d_hybrid.log" 2>&1 || status=1
       grep -E "^hybrid|B_pcie" "$OUT/s12d_hybrid.log" | cut -c1-170
       ;;
+    s12-e)    # twelfth session, final: the engine issue's benchmark configuration on the final code (PDL on by default):
+              # resident and offload 10 / 25 / 50% (kernel copy), 1K prompt, 256 tokens, median of 5 runs
+      timeout 450 python3 bench/bench_engine.py --runs 5 --prompt-tokens 1024 --decode-tokens 256 --fractions 0.1,0.25,0.5 \
+        --offload-copy kernel > "$OUT/s12e_engine.log" 2>&1 || status=1
+      grep -v "^ " "$OUT/s12e_engine.log" | tail -n 9 | cut -c1-400
+      ;;
     omp-wait)    # prepared in the tenth session; s11-e ran the same comparison (active starved the pool: 3.2 GB/s): the hybrid configuration with the CPU workers' OpenMP team
                  # left to libgomp's default wait (spin, then sleep) against OMP_WAIT_POLICY=active (the workers inherit
                  # the environment), with the fixed shared probe's roofline beside
