@@ -134,6 +134,18 @@ def measure(engine, prompt, args, backend, device, tick=None) -> dict:
     return best
 
 
+def median_rounds(by_variant: dict[str, list[dict]]) -> list[tuple[str, dict]]:
+    """One row per variant run in several rounds: the round whose decode rate is the median (the upper of the
+    two middle ones for an even count; its figures whole, not mixed from several rounds), with every round's
+    median rate in `rounds_tok_s`."""
+    out = []
+    for base, results in by_variant.items():
+        pick = dict(sorted(results, key=lambda r: r["decode_tok_s"])[len(results) // 2])
+        pick["rounds_tok_s"] = [round(r["decode_tok_s"], 2) for r in results]
+        out.append((f"{base} (median of {len(results)} rounds)", pick))
+    return out
+
+
 def handoff_round_trip(pool, hidden: int, dtype: torch.dtype, device: torch.device, calls: int) -> dict:
     """GPU -> CPU process -> GPU: x [1, H] down to pinned memory, a 0-triple request through worker 0's
     channel, its partial sum [1, H] fp32 up, added on the device, synchronised. p50/p99 in us."""
@@ -248,6 +260,10 @@ def main() -> int:
     parser.add_argument("--pdl", choices=("auto", "on", "off", "both"), default="auto",
                         help="programmatic dependent launch of the decode kernels (FREETOKEN_PDL, kernels/pdl.py); "
                              "both: every variant with it off, then on, side by side")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="run the whole list of variants this many times over, in turn (A B A B ...: a drift of the "
+                             "host's CPU side, which moves hybrid rows by +-10%% between minutes, hits every variant "
+                             "alike); then one more row per variant: its median round")
     parser.add_argument("--variants", default="",
                         help="comma list of name prefixes, e.g. offload,hybrid min-wait (also matches "
                              "'hybrid min-wait stream': host vs stream hand-off side by side); '=NAME' "
@@ -321,8 +337,11 @@ def main() -> int:
         handoff = handoff_round_trip(pool, cfg.hidden_size, loaded.source.dtype, device, args.handoff_calls)
         print(f"hand-off round trip: p50 {handoff['p50_us']:.1f} us, p99 {handoff['p99_us']:.1f} us", flush=True)
         pdl_modes = ("off", "on") if args.pdl == "both" else (args.pdl,)
-        for name, policy, pdl_mode in [(n + (f" pdl {m}" if len(pdl_modes) > 1 else ""), p, m)
-                                       for n, p in variants(args, on_cuda=device.type == "cuda") for m in pdl_modes]:
+        listed = [(n + (f" pdl {m}" if len(pdl_modes) > 1 else ""), p, m)
+                  for n, p in variants(args, on_cuda=device.type == "cuda") for m in pdl_modes]
+        by_variant: dict[str, list[dict]] = {}
+        for round_index, (base, policy, pdl_mode) in [(k, v) for k in range(args.rounds) for v in listed]:
+            name = base + (f" round {round_index + 1}" if args.rounds > 1 else "")
             os.environ[PDL_ENV] = pdl_mode       # read when the kernels launch: this engine's graphs keep it
             tune = False
             if policy is None:
@@ -348,6 +367,7 @@ def main() -> int:
             r["first_diff"] = None if reference_tokens is None else next(
                 (i for i, (a, b) in enumerate(zip(r["tokens"], reference_tokens)) if a != b), None)
             rows.append((name, r))
+            by_variant.setdefault(base, []).append(r)
             print("row:", table_row(name, r, both, both_shared, expert_bytes), r["all_tok_s"], flush=True)
             loaded.model.experts = None
             if isinstance(backend, HybridExperts):
@@ -356,6 +376,8 @@ def main() -> int:
             gc.collect()
             if device.type == "cuda":
                 torch.cuda.empty_cache()
+        if args.rounds > 1:
+            rows += median_rounds(by_variant)
     finally:
         pool.close()
         host.close()

@@ -1,0 +1,31 @@
+"""bench/bench_hybrid.py --rounds: the variants run in turn, round after round, then one row per variant from
+its median round (whole, not figures mixed from several rounds)."""
+from __future__ import annotations
+
+import importlib.util
+import os
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _bench_hybrid():
+    spec = importlib.util.spec_from_file_location("bench_hybrid", os.path.join(REPO, "bench", "bench_hybrid.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_median_rounds_picks_one_whole_round_per_variant():
+    median_rounds = _bench_hybrid().median_rounds
+    by_variant = {
+        "hybrid split device": [{"decode_tok_s": 60.0, "wait": 1}, {"decode_tok_s": 52.0, "wait": 5},
+                                {"decode_tok_s": 63.5, "wait": 0}],
+        "hybrid min-wait device": [{"decode_tok_s": 55.0, "wait": 4}, {"decode_tok_s": 57.0, "wait": 3}],
+    }
+    rows = dict(median_rounds(by_variant))
+    split = rows["hybrid split device (median of 3 rounds)"]
+    assert (split["decode_tok_s"], split["wait"]) == (60.0, 1)              # the middle round, all of it
+    assert split["rounds_tok_s"] == [60.0, 52.0, 63.5]                     # in the order they ran
+    mw = rows["hybrid min-wait device (median of 2 rounds)"]
+    assert (mw["decode_tok_s"], mw["wait"]) == (57.0, 3)                    # even count: the upper middle
+    assert "rounds_tok_s" not in by_variant["hybrid split device"][0]      # the rounds' own rows unchanged
