@@ -243,9 +243,9 @@ def main() -> int:
     parser.add_argument("--dense-linear", default="gemv",
                         help="the fused forward's dense projections: gemv (kernels/dense_gemv), torch (F.linear), "
                              "or both comma-separated (resident runs for each; offload runs use the first)")
-    parser.add_argument("--pdl", choices=("auto", "on", "off", "both"), default="auto",
+    parser.add_argument("--pdl", choices=("auto", "on", "off", "both"), default=None,
                         help="programmatic dependent launch of the decode kernels (FREETOKEN_PDL, kernels/pdl.py) for "
-                             "every run; both: each configuration with it off, then on, side by side")
+                             "every run (default: as FREETOKEN_PDL says); both: each configuration with it off, then on, side by side")
     parser.add_argument("--trace-dir", default=None,
                         help="with --profile: write each profiled run's Chrome trace (trace_<backend>.json) here")
     parser.add_argument("--profile", type=int, default=0,
@@ -275,7 +275,8 @@ def main() -> int:
     for linear, graphs, pdl_mode in [(lin, g, p) for lin in reversed(linears)
                                      for g in ((False, True) if args.graphs == "both" else (args.graphs == "on",))
                                      for p in pdl_modes]:
-        os.environ[PDL_ENV] = pdl_mode       # read when the kernels launch: this engine's graphs keep it
+        if pdl_mode is not None:             # read when the kernels launch: this engine's graphs keep it
+            os.environ[PDL_ENV] = pdl_mode
         _reset_peak()
         loaded.model.dense_linear = linear     # the last one run (the first listed) stays for the offload runs
         conf = dataclasses.replace(econf, cuda_graphs=graphs)
@@ -317,7 +318,8 @@ def main() -> int:
                      for sp in (splits if m == "kernel" and o else [True])
                      for p in pdl_modes]
             for copy_mode, chunks, overlap, split, pdl_mode in modes:
-                os.environ[PDL_ENV] = pdl_mode
+                if pdl_mode is not None:
+                    os.environ[PDL_ENV] = pdl_mode
                 if copy_mode == "dma" and frac not in dma_fracs:
                     continue
                 if chunks is not None:

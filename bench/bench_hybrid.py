@@ -257,9 +257,9 @@ def main() -> int:
                         help="hybrid's f (default: B_pcie / (B_pcie + B_cpu) measured here)")
     parser.add_argument("--cpu-workers", type=int, default=1)
     parser.add_argument("--cpu-threads", type=int, default=0, help="0: one per physical core")
-    parser.add_argument("--pdl", choices=("auto", "on", "off", "both"), default="auto",
+    parser.add_argument("--pdl", choices=("auto", "on", "off", "both"), default=None,
                         help="programmatic dependent launch of the decode kernels (FREETOKEN_PDL, kernels/pdl.py); "
-                             "both: every variant with it off, then on, side by side")
+                             "default: as FREETOKEN_PDL says; both: every variant with it off, then on, side by side")
     parser.add_argument("--rounds", type=int, default=1,
                         help="run the whole list of variants this many times over, in turn (A B A B ...: a drift of the "
                              "host's CPU side, which moves hybrid rows by +-10%% between minutes, hits every variant "
@@ -342,7 +342,8 @@ def main() -> int:
         by_variant: dict[str, list[dict]] = {}
         for round_index, (base, policy, pdl_mode) in [(k, v) for k in range(args.rounds) for v in listed]:
             name = base + (f" round {round_index + 1}" if args.rounds > 1 else "")
-            os.environ[PDL_ENV] = pdl_mode       # read when the kernels launch: this engine's graphs keep it
+            if pdl_mode is not None:             # read when the kernels launch: this engine's graphs keep it
+                os.environ[PDL_ENV] = pdl_mode
             tune = False
             if policy is None:
                 backend = OffloadExperts(host, slots, device)

@@ -114,7 +114,7 @@ def run(args: argparse.Namespace) -> int:
                             stop_token_ids=tuple(args.stop_token_ids))
     hybrid = hybrid_options(args) if args.moe_strategy in ("cpu", "hybrid") else None
     from kernels.pdl import apply_setting
-    apply_setting(resolve({"pdl": args.pdl})["pdl"])
+    apply_setting(resolve({"pdl": args.pdl})["pdl"], args.device)
     loaded = load_model(args.model, args.preset, device=args.device, dtype=args.dtype,
                         moe_strategy=args.moe_strategy, moe_cache_size=args.moe_cache_size,
                         seed=args.seed_weights, hybrid=hybrid,

@@ -72,7 +72,7 @@ def run(args: argparse.Namespace) -> int:
     knobs = resolve({"hybrid_handoff": args.hybrid_handoff, "pin_gpu_worker": args.pin_gpu_worker,
                      "offload_copy": args.offload_copy, "moe_slot_audit": args.moe_slot_audit, "pdl": args.pdl})
     from kernels.pdl import apply_setting
-    apply_setting(knobs["pdl"])
+    apply_setting(knobs["pdl"], args.device)
     options = GpuWorkerOptions(
         engine_addr=args.engine_addr, name=args.name, model=args.model, preset=args.preset, device=args.device,
         moe_strategy=args.moe_strategy, moe_cache_size=args.moe_cache_size,

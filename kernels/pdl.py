@@ -70,22 +70,26 @@ def _supported(index: int) -> tuple[bool, str]:
 
 
 def mode() -> str:
-    value = os.environ.get(ENV, "auto").strip().lower() or "auto"
-    if value in ("1", "true", "yes"):
-        value = "on"
-    elif value in ("0", "false", "no"):
-        value = "off"
+    """FREETOKEN_PDL's value (unset or empty: auto); the values the knob (proto/knobs.py) takes, no others."""
+    value = os.environ.get(ENV, "").strip() or "auto"
     if value not in MODES:
         raise ValueError(f"{ENV}={os.environ.get(ENV)!r}: use one of {', '.join(MODES)}")
     return value
 
 
-def apply_setting(value: str) -> None:
+def apply_setting(value: str, device: "torch.device | str | None" = None) -> None:
     """Make `value` (the `pdl` knob: --pdl, FREETOKEN_PDL) what this process's kernels launch with: the
-    kernels read the environment at launch time."""
+    kernels read the environment at launch time (`auto` with the variable unset is left unset). With
+    `device` ('auto' = CUDA where there is one), `on` where PDL cannot apply is refused now, at start-up,
+    not at the first decode step (graphs are captured on first use)."""
     if value not in MODES:
         raise ValueError(f"pdl {value!r}: use one of {', '.join(MODES)}")
-    os.environ[ENV] = value
+    if value != "auto" or ENV in os.environ:
+        os.environ[ENV] = value
+    if value == "on" and device is not None:
+        if str(device) == "auto":
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        pdl_enabled(torch.device(device))                     # raises, saying why
 
 
 def pdl_enabled(device: torch.device) -> bool:
@@ -93,11 +97,11 @@ def pdl_enabled(device: torch.device) -> bool:
     m = mode()
     if m == "off" or device.type != "cuda":
         if m == "on" and device.type != "cuda":
-            raise ValueError(f"{ENV}=on needs a CUDA device, got {device}: unset it or set it to auto")
+            raise ValueError(f"--pdl on / {ENV}=on needs a CUDA device, got {device}: leave it at auto")
         return False
     ok, why = _supported(device.index if device.index is not None else torch.cuda.current_device())
     if not ok and m == "on":
-        raise ValueError(f"{ENV}=on, but {why}: unset it or set it to auto")
+        raise ValueError(f"--pdl on / {ENV}=on, but {why}: leave it at auto")
     return ok
 
 

@@ -4,6 +4,8 @@ results with and without it, eager and in a CUDA graph, at the qwen3-30b-a3b sha
 are several waves deep (where an early start would show a race)."""
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -13,6 +15,8 @@ from tests.conftest import assert_compile_check
 
 @pytest.fixture
 def pdl_env(monkeypatch):
+    monkeypatch.setenv(pdl.ENV, "auto")      # so that teardown restores the variable whatever the test sets
+
     def set_mode(value: str | None) -> None:
         if value is None:
             monkeypatch.delenv(pdl.ENV, raising=False)
@@ -22,16 +26,17 @@ def pdl_env(monkeypatch):
 
 
 @pytest.mark.parametrize("value, expected", [(None, "auto"), ("", "auto"), ("auto", "auto"), ("on", "on"),
-                                             ("1", "on"), ("TRUE", "on"), ("off", "off"), ("0", "off"),
-                                             ("no", "off")])
+                                             ("off", "off")])
 def test_mode_parses_the_environment(pdl_env, value, expected):
     pdl_env(value)
     assert pdl.mode() == expected
 
 
-def test_a_bad_mode_says_what_to_set(pdl_env):
-    pdl_env("sometimes")
-    with pytest.raises(ValueError, match="FREETOKEN_PDL='sometimes': use one of auto, on, off"):
+@pytest.mark.parametrize("value", ["sometimes", "1", "0", "ON"])
+def test_a_bad_mode_says_what_to_set(pdl_env, value):
+    """The kernels take what the knob takes (proto/knobs.py refuses the same values), nothing else."""
+    pdl_env(value)
+    with pytest.raises(ValueError, match=f"FREETOKEN_PDL='{value}': use one of auto, on, off"):
         pdl.mode()
 
 
@@ -67,7 +72,8 @@ def _decode_chain(w: dict, state: dict) -> list[torch.Tensor]:
     from kernels import dense_gemv
     from kernels import moe_decode as kops
     from kernels.decode_attention import decode_attention
-    from kernels.moe_decode import KvWrite
+    from kernels.dense_gemv import LinearBlocks
+    from kernels.moe_decode import CopyPlan, KvWrite
     outs = []
     x = state["x"]
     h = kops.rms_norm(x, w["norm"], 1e-6)
@@ -87,6 +93,19 @@ def _decode_chain(w: dict, state: dict) -> list[torch.Tensor]:
         y = kops.moe_gemv(h, ids, weights, w["w13"], w["w2"])
         x, h = kops.add_rms_norm(x, y, w["norm"], 1e-6)
         outs += [qkv, q, k, a, o, logits, ids, weights, y, x, h]
+    # the rest of the kernels and launch shapes: rope alone, the split-K sum, moe_gemv split around a "copy"
+    # on a side stream (its plan's launches wait on that stream's work: an event edge, not a programmatic one)
+    q2, k2 = kops.rope(q, k, state["cos"], state["sin"])
+    o2 = dense_gemv.linear_gemv(a.view(1, 4096), w["o_proj"],
+                                blocks=LinearBlocks(block_n=4, block_k=1024, split_k=2, num_warps=4))
+    compute = torch.cuda.current_stream()
+    side = state["side"]
+    side.wait_stream(compute)
+    with torch.cuda.stream(side):
+        scratch = state["scratch"] * 2.0 + 1.0                  # stands for the copy: work the plan waits for
+    plan = CopyPlan(ids[0, :2].to(torch.int32), torch.full((1,), 2, dtype=torch.int32, device=x.device), 2)
+    y2 = kops.moe_gemv(h, ids, weights, w["w13"], w["w2"], plan=plan, between=lambda: compute.wait_stream(side))
+    outs += [q2, k2, o2, y2, scratch]
     return outs
 
 
@@ -102,8 +121,14 @@ def _chain_inputs(device) -> tuple[dict, dict]:
     state = {"x": rnd(1, 2048, scale=1.0), "k_cache": k_cache, "v_cache": v_cache,
              "index": torch.tensor([700], device=device), "rows": torch.zeros(1, dtype=torch.int64, device=device),
              "seq_lens": torch.tensor([701], dtype=torch.int32, device=device),
-             "cos": rnd(1, 128, scale=1.0), "sin": rnd(1, 128, scale=1.0)}
+             "cos": rnd(1, 128, scale=1.0), "sin": rnd(1, 128, scale=1.0),
+             "side": torch.cuda.Stream(device), "scratch": torch.ones(4096, device=device)}
     return w, state
+
+
+def _fresh(state: dict) -> dict:
+    """The chain's inputs anew (it writes the KV cache rows in place)."""
+    return {k: v if isinstance(v, torch.cuda.Stream) else v.clone() for k, v in state.items()}
 
 
 @pytest.mark.gpu
@@ -111,19 +136,20 @@ def _chain_inputs(device) -> tuple[dict, dict]:
 @pytest.mark.parametrize("graph", [False, True], ids=["eager", "cuda-graph"])
 def test_decode_kernels_are_bitwise_the_same_with_pdl(pdl_env, graph):
     device = torch.device("cuda")
+    pdl_env("auto")
+    if not pdl.pdl_enabled(device):
+        pytest.skip("PDL needs compute capability 9.0 and a Triton with gdc_wait")
     pdl_env("off")
     w, state = _chain_inputs(device)
-    fresh = {k: v.clone() for k, v in state.items()}
+    fresh = _fresh(state)
     expected = [t.clone() for t in _decode_chain(w, fresh)]
     expected_cache = fresh["k_cache"].clone(), fresh["v_cache"].clone()
     pdl_env("on")
-    if not pdl.pdl_enabled(device):
-        pytest.skip("PDL needs compute capability 9.0 and a Triton with gdc_wait")
     for rep in range(3 if graph else 5):
-        fresh = {k: v.clone() for k, v in state.items()}
+        fresh = _fresh(state)
         if graph:
             _decode_chain(w, fresh)                          # compile outside the capture
-            fresh = {k: v.clone() for k, v in state.items()}
+            fresh = _fresh(state)
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())
             cuda_graph = torch.cuda.CUDAGraph()
@@ -150,6 +176,9 @@ def test_engine_tokens_are_the_same_with_pdl(pdl_env, tmp_path):
     from gpu_worker.models import load_model
     from gpu_worker.models.tiny import ensure_tiny_checkpoint
     from test_models_util import prompt_ids
+    pdl_env("auto")
+    if not pdl.pdl_enabled(torch.device("cuda")):
+        pytest.skip("PDL needs compute capability 9.0 and a Triton with gdc_wait")
     tiny = ensure_tiny_checkpoint(tmp_path / "tiny")
     loaded = load_model(tiny, device="cuda", dtype="bfloat16")
     ps = [prompt_ids(n, seed=n, vocab=loaded.cfg.vocab_size) for n in (5, 23, 11)]
@@ -158,18 +187,34 @@ def test_engine_tokens_are_the_same_with_pdl(pdl_env, tmp_path):
     for value in ("off", "on"):
         pdl_env(value)
         tokens[value] = Engine(loaded.model, EngineConfig(max_context_tokens=256)).generate(ps, params)
-    if not pdl.pdl_enabled(torch.device("cuda")):
-        pytest.skip("PDL needs compute capability 9.0 and a Triton with gdc_wait")
     assert tokens["on"] == tokens["off"]
 
 
 def test_apply_setting_sets_what_the_kernels_read(pdl_env):
     pdl_env(None)
+    pdl.apply_setting("auto")
+    assert pdl.ENV not in os.environ                            # the default: nothing to set
     pdl.apply_setting("off")
     assert pdl.mode() == "off"
     with pytest.raises(ValueError, match="use one of auto, on, off"):
         pdl.apply_setting("maybe")
     assert pdl.mode() == "off"                                  # a refused value changes nothing
+    pdl.apply_setting("auto")
+    assert pdl.mode() == "auto"                                 # set before: now auto
+
+
+def test_on_where_it_cannot_apply_is_refused_at_start_up(pdl_env, capsys):
+    pdl_env(None)
+    with pytest.raises(ValueError, match="--pdl on / FREETOKEN_PDL=on needs a CUDA device, got cpu"):
+        pdl.apply_setting("on", "cpu")
+    pdl.apply_setting("on")                                     # no device: refused at launch, as before
+    assert pdl.mode() == "on"
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="needs a CUDA device"):
+            pdl.apply_setting("on", "auto")                     # auto resolves to this machine's device
+    from coordinator.cli import main                           # ft generate says so before it loads anything
+    assert main(["generate", "--prompt-ids", "5", "--max-new-tokens", "1", "--device", "cpu", "--pdl", "on"]) == 2
+    assert "--pdl on / FREETOKEN_PDL=on needs a CUDA device" in capsys.readouterr().err
 
 
 def test_the_knob_reaches_every_entry_point(pdl_env, monkeypatch, capsys):

@@ -75,7 +75,11 @@ def linear_gemv_kernel(
     never stored); tokens t >= T are skipped (a uniform branch). A token's result is the same
     instruction sequence on the same registers whatever T is: row t of a T = 4 call equals the same
     row computed alone (same blocks). The first step is peeled off the loop so that its weight tile
-    (weights: nothing in the step writes them) can be in flight before the PDL wait.
+    (weights: nothing in the step writes them) can be in flight before the PDL wait. The fp32 sums keep
+    their order; with pick_blocks' shapes (one row a program) the code is the loop's twice over, so results
+    are those of the unpeeled loop, while with hand-picked blocks of several rows and T >= 2 the compiler may
+    contract multiply-adds differently than it did in the loop (a last-bit difference from before the peel;
+    PDL on and off still agree: it is the same code).
     """
     j = tl.program_id(0)
     s = tl.program_id(1)
