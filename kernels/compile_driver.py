@@ -9,10 +9,12 @@ import os
 from collections.abc import Callable
 from types import ModuleType
 
+from kernels.impl import interpreted
+
 
 def cannot_compile_ahead() -> str:
     """Why kernels cannot be compiled ahead of time in this process ('' when they can)."""
-    if os.environ.get("TRITON_INTERPRET") == "1":
+    if interpreted():
         return "TRITON_INTERPRET=1 (the kernels are interpreted functions); unset it"
     try:
         from triton.backends.compiler import GPUTarget  # noqa: F401 (a triton that can compile ahead of time)

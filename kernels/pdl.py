@@ -35,6 +35,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.impl import interpreted
+
 try:
     from triton.language.extra import cuda as tl_cuda
 except ImportError:                 # a Triton without it: pdl_enabled() says no, USE_PDL stays False
@@ -59,7 +61,7 @@ def _triton_has_gdc() -> bool:
 
 @functools.lru_cache(maxsize=None)
 def _supported(index: int) -> tuple[bool, str]:
-    if os.environ.get("TRITON_INTERPRET") == "1":
+    if interpreted():
         return False, "the Triton interpreter has no programmatic dependent launch"
     if not _triton_has_gdc():
         return False, f"Triton {triton.__version__} has no tl.extra.cuda.gdc_wait"

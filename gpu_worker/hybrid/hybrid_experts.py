@@ -40,7 +40,6 @@ Legend: T tokens, K top-k, H hidden, E experts per layer, S slots per pool, n tr
 from __future__ import annotations
 
 import logging
-import os
 import time
 from typing import TYPE_CHECKING
 
@@ -54,6 +53,7 @@ from gpu_worker.offload.offload_experts import SlotPoolAudit, copy_then_ffn
 from kernels import expert_split
 from kernels import handoff as kernels_handoff
 from kernels.expert_copy import copy_plan
+from kernels.impl import interpreted
 from kernels.slot_cache import SlotCache, ensure, set_policy
 
 from cpu_expert_pool.channel import WorkerDead, WorkerError, WorkerTimeout
@@ -195,7 +195,7 @@ class HybridExperts(SlotPoolAudit):
         if handoff not in HANDOFF_CHOICES:
             raise ValueError(f"handoff must be one of {', '.join(HANDOFF_CHOICES)}, not {handoff!r}")
         handoff = resolve_handoff(handoff, self.on_cuda)
-        if handoff == "device" and not self.on_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+        if handoff == "device" and not self.on_cuda and not interpreted():
             raise ValueError("the device hand-off runs its kernels on a CUDA GPU (on a CPU only in the Triton "
                              "interpreter, TRITON_INTERPRET=1, for tests); use --hybrid-handoff host here")
         if handoff != "stream":

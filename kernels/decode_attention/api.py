@@ -10,16 +10,15 @@ current `rows` / `seq_lens` (scratch and output are allocated per call, inside t
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 
+from kernels.impl import IMPLS, resolve_impl as _resolve_impl  # noqa: F401 (IMPLS: this package's choices)
 from kernels.pdl import pdl_args
 
 from .reference import decode_attention_reference
 
-IMPLS = ("auto", "triton", "reference")
 
 
 @dataclass(frozen=True)
@@ -67,17 +66,6 @@ def split_plan(bucket: int, num_requests: int, num_kv_heads: int,
     chunk = -(-bucket // splits)
     chunk = -(-chunk // blocks.block_n) * blocks.block_n
     return -(-bucket // chunk), chunk
-
-
-def _resolve_impl(impl: str, device: torch.device) -> str:
-    if impl not in IMPLS:
-        raise ValueError(f"impl must be one of {', '.join(IMPLS)}, got {impl!r}")
-    if impl == "auto":
-        return "triton" if device.type == "cuda" else "reference"
-    if impl == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-        raise ValueError("impl='triton' on CPU tensors needs the Triton interpreter: set TRITON_INTERPRET=1 "
-                         "before the kernels are first used, or use a CUDA device")
-    return impl
 
 
 def _check(q, k_cache, v_cache, rows, seq_lens, bucket, sliding_window) -> None:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.moe_decode.api import IMPLS, _resolve_impl  # noqa: F401 (IMPLS re-exported: one dispatch rule)
+from kernels.impl import IMPLS, resolve_impl as _resolve_impl  # noqa: F401 (IMPLS re-exported: one dispatch rule)
 from kernels.pdl import pdl_args
 
 from . import reference

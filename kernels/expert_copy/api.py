@@ -1,9 +1,9 @@
 """`copy_plan`: validation and dispatch of the plan copy."""
 from __future__ import annotations
 
-import os
-
 import torch
+
+from kernels.impl import interpreted
 
 from .reference import copy_plan_reference
 
@@ -56,7 +56,7 @@ def copy_plan(slots: torch.Tensor, host_rows: torch.Tensor, evict_slots: torch.T
         return
     if impl != "triton":
         raise ValueError(f"impl must be 'auto', 'triton' or 'reference', got {impl!r}")
-    if slots.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+    if slots.device.type != "cuda" and not interpreted():
         raise ValueError("impl='triton' on CPU tensors needs TRITON_INTERPRET=1 (the interpreter)")
     if max_copies <= 0 or hi == lo:
         return

@@ -15,10 +15,9 @@ Legend: R routes, M misses, F fetched, I intermediate, H hidden, W words of a po
 """
 from __future__ import annotations
 
-import os
-
 import torch
 
+from kernels.impl import resolve_impl as _resolve_impl
 from kernels.slot_cache.state import POLICY_FRAC_Q16, POLICY_MAX_FETCH, POLICY_ROUND, ROUND_MODES
 from proto.shm_layout import SPLIT_CHANNEL_UNIT
 
@@ -36,16 +35,6 @@ W2_ROWS = 32                          # w2 rows a copy program moves
 def splittable(intermediate: int) -> bool:
     """Whether an expert of `intermediate` channels can be split (at least two whole units)."""
     return intermediate % SPLIT_UNIT == 0 and intermediate >= 2 * SPLIT_UNIT
-
-
-def _impl(impl: str, device: torch.device) -> str:
-    if impl == "auto":
-        return "triton" if device.type == "cuda" else "reference"
-    if impl not in ("triton", "reference"):
-        raise ValueError(f"impl must be 'auto', 'triton' or 'reference', got {impl!r}")
-    if impl == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-        raise ValueError("impl='triton' on CPU tensors needs TRITON_INTERPRET=1 (the Triton interpreter)")
-    return impl
 
 
 def _check(name: str, t: torch.Tensor, dtype: torch.dtype, device: torch.device, numel: int | None = None) -> None:
@@ -77,7 +66,7 @@ def split_pick(routes: torch.Tensor, ids: torch.Tensor, num_missing: torch.Tenso
     _check("desc", desc, torch.int32, dev, DESC_LEN)
     _check("counts", counts, torch.int64, dev, COUNTS_LEN)
     units = intermediate // SPLIT_UNIT if intermediate % SPLIT_UNIT == 0 else 0
-    if _impl(impl, dev) == "reference":
+    if _resolve_impl(impl, dev) == "reference":
         split_pick_reference(routes, ids, num_missing, num_fetched, policy, desc, counts, intermediate, SPLIT_UNIT,
                              split_slot)
         return
@@ -113,7 +102,7 @@ def split_copy(slots: torch.Tensor, host_rows: torch.Tensor, desc: torch.Tensor,
         raise ValueError("slots and host_rows need contiguous rows")
     slot_words, host_words = slots.view(torch.int16), host_rows.view(torch.int16)
     per = slots.element_size() // 2
-    if _impl(impl, slots.device) == "reference":
+    if _resolve_impl(impl, slots.device) == "reference":
         split_copy_reference(slot_words, host_words, desc, split_slot, hidden, intermediate, part)
         return
     from .triton_kernels import split_copy_w2_kernel, split_copy_w13_kernel

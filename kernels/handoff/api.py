@@ -1,10 +1,10 @@
 """Launchers of the device hand-off kernels: validation, then one launch each."""
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
+
+from kernels.impl import interpreted
 
 COUNT_MAX_PAIRS = 256      # count_call: routes of one call it counts (a decode step's T*K; compares n x n);
                            # HybridExperts' device path takes calls up to this size only
@@ -20,7 +20,7 @@ def _check_device(*tensors: torch.Tensor) -> bool:
     for t in tensors:
         if t.device != dev:
             raise ValueError(f"hand-off tensors must share one device, got {t.device} and {dev}")
-    if dev.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+    if dev.type != "cuda" and not interpreted():
         raise ValueError("the device hand-off runs on CUDA tensors (or CPU tensors under TRITON_INTERPRET=1)")
     return dev.type == "cuda"
 

@@ -9,17 +9,16 @@ CUDA-graph capturable for fixed shapes (outputs are allocated per call, inside t
 """
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
+from kernels.impl import IMPLS, interpreted, resolve_impl as _resolve_impl  # noqa: F401 (IMPLS re-exported)
 from kernels.pdl import pdl_args
 
 from . import reference
 
-IMPLS = ("auto", "triton", "reference")
 
 
 @dataclass(frozen=True)
@@ -110,21 +109,10 @@ class KvWrite:
                 raise ValueError(f"KvWrite.{name} is on {t.device}, k on {k.device}")
 
 
-def _resolve_impl(impl: str, device: torch.device) -> str:
-    if impl == "auto":
-        return "triton" if device.type == "cuda" else "reference"
-    if impl not in IMPLS:
-        raise ValueError(f"impl must be one of {', '.join(IMPLS)}, got {impl!r}")
-    if impl == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-        raise ValueError("impl='triton' on CPU tensors needs the Triton interpreter: set TRITON_INTERPRET=1 "
-                         "before the kernels are first used, or use a CUDA device")
-    return impl
-
-
 def _accurate(device: torch.device) -> bool:
     """libdevice expf / rsqrtf and IEEE division in the kernels: on a GPU, not in the interpreter
     (which has no libdevice)."""
-    return device.type == "cuda" and os.environ.get("TRITON_INTERPRET") != "1"
+    return device.type == "cuda" and not interpreted()
 
 
 def _cdiv(a: int, b: int) -> int:

@@ -5,9 +5,9 @@ tensors needs TRITON_INTERPRET=1 set before this package is imported (the Triton
 """
 from __future__ import annotations
 
-import os
-
 import torch
+
+from kernels.impl import IMPLS, resolve_impl as _resolve_impl  # noqa: F401 (IMPLS: this package's choices)
 
 from . import reference
 from .fetch_rule import fraction_to_q16
@@ -28,17 +28,6 @@ MAX_PREFETCH_CANDIDATES = 128
 
 def _next_pow2(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
-
-
-def _resolve_impl(impl: str, device: torch.device) -> str:
-    if impl == "auto":
-        return "triton" if device.type == "cuda" else "reference"
-    if impl not in ("triton", "reference"):
-        raise ValueError(f"impl must be 'auto', 'triton' or 'reference', got {impl!r}")
-    if impl == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-        raise ValueError("impl='triton' on CPU tensors needs the Triton interpreter: set "
-                         "TRITON_INTERPRET=1 before importing kernels.slot_cache, or use a CUDA device")
-    return impl
 
 
 def small_defaults(num_slots: int) -> tuple[int, int]:
