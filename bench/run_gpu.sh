@@ -21,7 +21,9 @@
 #        kernel before and after the channel limit; the SIGKILL tests' trace) [s11-d] (final: split copy on its own
 #        stream; min-wait and split side by side, profiled; the split tests) [s11-e] (min-wait and split again,
 #        the CPU workers' OpenMP wait policy default against active) [s12-a] (prepared, not run: the split's own-stream
-#        copy against resident tokens on CUDA; min-wait and split twice)
+#        copy against resident tokens on CUDA; min-wait and split twice) [s12-b] [s12-c] [s12-d] [s12-e] (twelfth session:
+#        f below the probes', programmatic dependent launch off and on, the final GPU tests, the engine issue's table)
+#        [s13-a] (prepared, not run: min-wait against split over three rounds)
 #        (default: kernels engine cpu). SECTION_TIMEOUT (s, default 540) bounds each command.
 # Logs go to $OUT (the device tool's output folder) when it is set, else ./out.
 set -u
@@ -411,6 +413,15 @@ device,=hybrid min-wait device serial" 2>&1 | tee "$OUT/overlap_hybrid.log" | ta
       timeout 450 python3 bench/bench_engine.py --runs 5 --prompt-tokens 1024 --decode-tokens 256 --fractions 0.1,0.25,0.5 \
         --offload-copy kernel > "$OUT/s12e_engine.log" 2>&1 || status=1
       grep -v "^ " "$OUT/s12e_engine.log" | tail -n 9 | cut -c1-400
+      ;;
+    s13-a)    # prepared in the twelfth session, not run: should split be the default? min-wait and split in turn, three
+              # rounds (bench_hybrid --rounds: the host CPU side drifts +-10% between minutes), each variant's median
+              # round last; then the hybrid GPU tests under the split
+      timeout 330 python3 bench/bench_hybrid.py --runs 3 --decode-tokens 64 --handoff-calls 100 --no-resident --rounds 3 \
+        --json-out "$OUT/s13a_hybrid.json" --variants "=hybrid min-wait device,=hybrid split device" \
+        > "$OUT/s13a_hybrid.log" 2>&1 || status=1
+      grep -E "^hybrid|B_pcie" "$OUT/s13a_hybrid.log" | cut -c1-170
+      timeout 200 python3 -m pytest -q --tb=short -p no:cacheprovider -m gpu tests/test_hybrid.py -k split 2>&1 | tail -n 3
       ;;
     omp-wait)    # prepared in the tenth session; s11-e ran the same comparison (active starved the pool: 3.2 GB/s): the hybrid configuration with the CPU workers' OpenMP team
                  # left to libgomp's default wait (spin, then sleep) against OMP_WAIT_POLICY=active (the workers inherit
