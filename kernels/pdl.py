@@ -22,7 +22,7 @@ The rule every kernel here follows (`pdl_enter`), so that no ordering the stream
 A kernel before which a non-PDL kernel (torch, cuBLAS, the slot cache) runs waits for it in full, as
 without PDL; a kernel launched without PDL waits for a PDL kernel in full as well.
 
-`FREETOKEN_PDL`: `auto` (default: on with a CUDA device of compute capability 9.0 or later, a Triton
+`FREETOKEN_PDL`: `auto` (default: on with an NVIDIA GPU (not ROCm) of compute capability 9.0 or later, a Triton
 that has `gdc_wait`, and not under the interpreter), `on` (the same, but an error where it cannot),
 `off`. Read at launch time, so a CUDA graph keeps what was set when it was captured.
 """
@@ -65,6 +65,8 @@ def _supported(index: int) -> tuple[bool, str]:
         return False, "the Triton interpreter has no programmatic dependent launch"
     if not _triton_has_gdc():
         return False, f"Triton {triton.__version__} has no tl.extra.cuda.gdc_wait"
+    if getattr(torch.version, "hip", None):
+        return False, "this is a ROCm build of torch (griddepcontrol is NVIDIA's)"
     major, minor = torch.cuda.get_device_capability(index)
     if major < 9:
         return False, f"compute capability {major}.{minor} < 9.0 (PDL needs Hopper or later)"

@@ -253,3 +253,20 @@ def test_the_knob_reaches_every_entry_point(pdl_env, monkeypatch, capsys):
     parser = argparse.ArgumentParser()
     add_arguments(parser)
     assert parser.parse_args(flags).pdl == "off"
+
+
+def test_not_on_rocm_whatever_its_gfx_version(pdl_env, monkeypatch):
+    """A ROCm build reports its gfx version as the capability (MI300: 9.4): PDL is NVIDIA's, so auto stays off
+    there, and on is refused with the reason."""
+    monkeypatch.setattr(torch.version, "hip", "6.2", raising=False)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: (9, 4))
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    pdl._supported.cache_clear()
+    try:
+        pdl_env("auto")
+        assert not pdl.pdl_enabled(torch.device("cuda", 0))
+        pdl_env("on")
+        with pytest.raises(ValueError, match="ROCm build"):
+            pdl.pdl_enabled(torch.device("cuda", 0))
+    finally:
+        pdl._supported.cache_clear()
