@@ -53,10 +53,10 @@ def test_never_on_a_cpu_device(pdl_env):
 
 @pytest.mark.slow
 def test_the_wait_comes_first_in_the_compiled_kernels():
-    """kernels.pdl_check: every decode kernel compiled with USE_PDL waits before any store and any load
-    but the dense GEMV's first weight tile, and lets the next kernel launch only after; without USE_PDL
-    nothing of it is compiled. Fails if a kernel's pdl_enter moves below a load (checked by hand: the
-    add + rms_norm kernel then fails with 'a global store before the wait; a global load before the wait')."""
+    """kernels.pdl_check: every decode kernel compiled with USE_PDL, as launched, waits before any store,
+    atomic, async copy and load but the dense GEMV's first weight tile (whose loads before the wait must not
+    grow with T), and lets the next kernel launch only after; without USE_PDL nothing of it is compiled.
+    Checked by hand that it fails: the norm's pdl_enter moved below its loads, the GEMV's below its first step."""
     assert_compile_check("kernels.pdl_check")
 
 
