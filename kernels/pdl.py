@@ -36,6 +36,7 @@ import triton
 import triton.language as tl
 
 from kernels.impl import interpreted
+from proto.knobs import KNOBS_BY_ENV
 
 try:
     from triton.language.extra import cuda as tl_cuda
@@ -43,7 +44,7 @@ except ImportError:                 # a Triton without it: pdl_enabled() says no
     tl_cuda = None
 
 ENV = "FREETOKEN_PDL"
-MODES = ("auto", "on", "off")
+MODES = KNOBS_BY_ENV[ENV].choices          # the knob's values (proto/knobs.py), no others
 
 
 @triton.jit
