@@ -27,7 +27,7 @@ from gpu_worker.models import MoeModel, load_model  # noqa: E402
 from gpu_worker.models.synthetic_routing import SyntheticRouting  # noqa: E402
 from gpu_worker.offload import HostExperts, OffloadExperts, resolve_cache_slots  # noqa: E402
 import kernels.expert_copy.api as expert_copy_api  # noqa: E402
-from kernels.pdl import ENV as PDL_ENV  # noqa: E402
+from kernels.pdl import apply_setting as apply_pdl  # noqa: E402
 
 
 def _copy_chunks(args) -> list[int]:
@@ -276,7 +276,7 @@ def main() -> int:
                                      for g in ((False, True) if args.graphs == "both" else (args.graphs == "on",))
                                      for p in pdl_modes]:
         if pdl_mode is not None:             # read when the kernels launch: this engine's graphs keep it
-            os.environ[PDL_ENV] = pdl_mode
+            apply_pdl(pdl_mode)
         _reset_peak()
         loaded.model.dense_linear = linear     # the last one run (the first listed) stays for the offload runs
         conf = dataclasses.replace(econf, cuda_graphs=graphs)
@@ -319,7 +319,7 @@ def main() -> int:
                      for p in pdl_modes]
             for copy_mode, chunks, overlap, split, pdl_mode in modes:
                 if pdl_mode is not None:
-                    os.environ[PDL_ENV] = pdl_mode
+                    apply_pdl(pdl_mode)
                 if copy_mode == "dma" and frac not in dma_fracs:
                     continue
                 if chunks is not None:

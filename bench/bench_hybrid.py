@@ -42,7 +42,7 @@ from gpu_worker.hybrid.options import device_name  # noqa: E402
 from gpu_worker.models import load_model  # noqa: E402
 from gpu_worker.models.synthetic_routing import SyntheticRouting  # noqa: E402
 from gpu_worker.offload import HostExperts, OffloadExperts, resolve_cache_slots  # noqa: E402
-from kernels.pdl import ENV as PDL_ENV  # noqa: E402
+from kernels.pdl import apply_setting as apply_pdl  # noqa: E402
 
 ROUNDS = ("min-wait", "stochastic", "prefer-fetch", "split")   # split: floor on the host paths
 BW_CALLS = 100
@@ -343,7 +343,7 @@ def main() -> int:
         for round_index, (base, policy, pdl_mode) in [(k, v) for k in range(args.rounds) for v in listed]:
             name = base + (f" round {round_index + 1}" if args.rounds > 1 else "")
             if pdl_mode is not None:             # read when the kernels launch: this engine's graphs keep it
-                os.environ[PDL_ENV] = pdl_mode
+                apply_pdl(pdl_mode)
             tune = False
             if policy is None:
                 backend = OffloadExperts(host, slots, device)
