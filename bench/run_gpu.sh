@@ -23,7 +23,9 @@
 #        the CPU workers' OpenMP wait policy default against active) [s12-a] (prepared, not run: the split's own-stream
 #        copy against resident tokens on CUDA; min-wait and split twice) [s12-b] [s12-c] [s12-d] [s12-e] (twelfth session:
 #        f below the probes', programmatic dependent launch off and on, the final GPU tests, the engine issue's table)
-#        [s13-a] (prepared, not run: min-wait against split over three rounds)
+#        [s13-a] (prepared, not run: min-wait against split over three rounds) [s13-b] (thirteenth session: prefill TTFT
+#        in offload: copy kernel, DMA, DMA with prefetch; chunk sizes) [s13-c] (prefill's grouped GEMMs: torch._grouped_mm
+#        against the loop; chunk sizes with a 4K prompt; GPU tests) [s13-d] (final: GPU tests, decode unchanged)
 #        (default: kernels engine cpu). SECTION_TIMEOUT (s, default 540) bounds each command.
 # Logs go to $OUT (the device tool's output folder) when it is set, else ./out.
 set -u
@@ -417,11 +419,41 @@ device,=hybrid min-wait device serial" 2>&1 | tee "$OUT/overlap_hybrid.log" | ta
     s13-a)    # prepared in the twelfth session, not run: should split be the default? min-wait and split in turn, three
               # rounds (bench_hybrid --rounds: the host CPU side drifts +-10% between minutes), each variant's median
               # round last; then the hybrid GPU tests under the split
-      timeout 330 python3 bench/bench_hybrid.py --runs 3 --decode-tokens 64 --handoff-calls 100 --no-resident --rounds 3 \
+      timeout ${S13A_T:-330} python3 bench/bench_hybrid.py --runs 3 --decode-tokens 64 --handoff-calls 100 --no-resident --rounds ${S13A_ROUNDS:-3} \
         --json-out "$OUT/s13a_hybrid.json" --variants "=hybrid min-wait device,=hybrid split device" \
         > "$OUT/s13a_hybrid.log" 2>&1 || status=1
       grep -E "^hybrid|B_pcie" "$OUT/s13a_hybrid.log" | cut -c1-170
       timeout 200 python3 -m pytest -q --tb=short -p no:cacheprovider -m gpu tests/test_hybrid.py -k split 2>&1 | tail -n 3
+      ;;
+    s13-b)    # thirteenth session: prefill (time to first token) in offload: the copy kernel, DMA, and DMA with the next
+              # layer's experts prefetched (prefill_prefetch), at chunks of 512 and 1024; a 4K prompt at chunks of 1024 and 4096;
+              # then the prefill prefetch's GPU test
+      timeout 330 python3 bench/bench_prefill.py --runs 3 --prompt-tokens 1024 --chunks 512,1024 --fractions 0.1,0.5 \
+        --variants kernel,dma,prefetch > "$OUT/s13b_prefill.log" 2>&1 || status=1
+      tail -n 16 "$OUT/s13b_prefill.log" | cut -c1-200
+      timeout 150 python3 bench/bench_prefill.py --runs 2 --prompt-tokens 4096 --chunks 1024,4096 --fractions 0.1 \
+        --variants kernel,prefetch > "$OUT/s13b_prefill4k.log" 2>&1 || status=1
+      tail -n 7 "$OUT/s13b_prefill4k.log" | cut -c1-200
+      timeout 100 python3 -m pytest -q --tb=short -p no:cacheprovider -m gpu tests/test_offload.py -k prefetch 2>&1 | tail -n 3
+      ;;
+    s13-c)    # thirteenth session: prefill's grouped GEMMs as torch._grouped_mm (auto) against the per-expert loop, resident
+              # and offload 10% (copy kernel; DMA with prefetch); a 4K prompt at chunks of 512 / 2048 / 4096; the GPU tests
+      timeout 200 python3 -m pytest -q --tb=short -p no:cacheprovider -m gpu tests/test_models_experts.py tests/test_offload.py \
+        tests/test_engine_gpu.py 2>&1 | tail -n 4
+      timeout 200 python3 bench/bench_prefill.py --runs 3 --prompt-tokens 1024 --chunks 1024 --fractions 0.1 \
+        --variants kernel,prefetch --grouped auto,loop > "$OUT/s13c_prefill.log" 2>&1 || status=1
+      tail -n 9 "$OUT/s13c_prefill.log" | cut -c1-200
+      timeout 200 python3 bench/bench_prefill.py --runs 2 --prompt-tokens 4096 --chunks 512,2048,4096 --fractions 0.1 \
+        --variants prefetch > "$OUT/s13c_prefill4k.log" 2>&1 || status=1
+      tail -n 9 "$OUT/s13c_prefill4k.log" | cut -c1-200
+      ;;
+    s13-d)    # thirteenth session, final: the GPU tests of what changed (split the default fetch_round, prefill chunks from
+              # the backend, the prefill prefetch on, torch._grouped_mm), then decode at 50% and resident, to see it unchanged
+      timeout 330 python3 -m pytest -q --tb=short -p no:cacheprovider -m gpu tests/test_hybrid.py tests/test_engine_gpu.py \
+        tests/test_offload.py tests/test_models_experts.py tests/test_pdl.py tests/test_copy_overlap.py 2>&1 | tail -n 4
+      timeout 200 python3 bench/bench_engine.py --runs 3 --prompt-tokens 1024 --decode-tokens 128 --fractions 0.5 \
+        --offload-copy kernel > "$OUT/s13d_engine.log" 2>&1 || status=1
+      grep -v "^ " "$OUT/s13d_engine.log" | tail -n 4 | cut -c1-300
       ;;
     omp-wait)    # prepared in the tenth session; s11-e ran the same comparison (active starved the pool: 3.2 GB/s): the hybrid configuration with the CPU workers' OpenMP team
                  # left to libgomp's default wait (spin, then sleep) against OMP_WAIT_POLICY=active (the workers inherit

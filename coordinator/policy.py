@@ -187,7 +187,7 @@ class PolicySettings:
     fetch_fraction_min: float = DEFAULT_FRACTION_MIN
     fetch_fraction_max: float = DEFAULT_FRACTION_MAX
     auto_tune: bool = True
-    fetch_round: str = "min-wait"
+    fetch_round: str = "split"             # on the device hand-off; elsewhere it rounds as min-wait (docs/HYBRID.md)
     fetch_select: str = "recency"
     moe_prefetch: str = "off"
     moe_prefetch_budget: int = 4

@@ -70,7 +70,8 @@ class ProcessSetOptions:
 LOCAL_WORKER_FLAGS = (("--hybrid-handoff", "hybrid_handoff"),     # local: the GPU's hand-off path
                       ("--offload-copy", "offload_copy"),         # lossless either way
                       ("--moe-slot-audit", "moe_slot_audit"),     # a check
-                      ("--pdl", "pdl"))                           # lossless either way
+                      ("--pdl", "pdl"),                           # lossless either way
+                      ("--prefill-prefetch", "prefill_prefetch"))  # lossless either way
 
 
 def flags_an_attached_worker_ignores(args) -> list[str]:

@@ -22,7 +22,7 @@ import os
 import signal
 import sys
 
-from proto.knobs import add_cli_flags, resolve
+from proto.knobs import add_cli_flags, export_setting, resolve
 
 DEFAULT_PORT = 1919
 DEFAULT_GRPC_PORT = 1920
@@ -206,6 +206,7 @@ def run_inline(args: argparse.Namespace) -> int:
     api_key = resolve_api_key(args.api_key)
     from kernels.pdl import apply_setting
     apply_setting(resolve({"pdl": args.pdl})["pdl"], args.device)
+    export_setting("prefill_prefetch", resolve({"prefill_prefetch": args.prefill_prefetch})["prefill_prefetch"])
     served = load_served_engine(args.model, args.preset, args.device, moe_strategy=args.moe_strategy,
                                 moe_cache_size=args.moe_cache_size, max_running_requests=args.max_running_requests,
                                 max_context_tokens=args.max_context_tokens, served_model_name=args.served_model_name,

@@ -15,7 +15,7 @@ import json
 import sys
 import time
 
-from proto.knobs import add_cli_flags, resolve
+from proto.knobs import add_cli_flags, export_setting, resolve
 
 DEVICE_CHOICES = ("auto", "cpu", "cuda")
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
@@ -59,7 +59,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     run_g.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto", help="auto: the checkpoint's")
     run_g.add_argument("--max-context-tokens", type=int, default=None,
                        help="KV cache length (default: prompt + max new tokens)")
-    run_g.add_argument("--prefill-chunk-tokens", type=int, default=512)
+    run_g.add_argument("--prefill-chunk-tokens", type=int, default=None,
+                       help="prompt tokens a prefill chunk takes (default: 4096 with --moe-strategy offload, whose chunk "
+                            "costs a pass over the experts whatever its length; else 2048)")
     hyb = parser.add_argument_group("cpu and hybrid strategies (docs/HYBRID.md)")
     hyb.add_argument("--fetch-fraction", type=float, default=None, metavar="F",
                      help="share of the misses fetched over PCIe, in [0, 1] (default: from the `ft bench bw` "
@@ -115,6 +117,7 @@ def run(args: argparse.Namespace) -> int:
     hybrid = hybrid_options(args) if args.moe_strategy in ("cpu", "hybrid") else None
     from kernels.pdl import apply_setting
     apply_setting(resolve({"pdl": args.pdl})["pdl"], args.device)
+    export_setting("prefill_prefetch", resolve({"prefill_prefetch": args.prefill_prefetch})["prefill_prefetch"])
     loaded = load_model(args.model, args.preset, device=args.device, dtype=args.dtype,
                         moe_strategy=args.moe_strategy, moe_cache_size=args.moe_cache_size,
                         seed=args.seed_weights, hybrid=hybrid,

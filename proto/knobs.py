@@ -57,7 +57,7 @@ _NO_PREFETCH = ("the engine does not prefetch yet (its kernel, kernels.slot_cach
                 "exists and is tested)")
 
 KNOBS: tuple[Knob, ...] = (
-    Knob("FREETOKEN_HYBRID_FETCH_ROUND", "fetch_round", str, "min-wait",
+    Knob("FREETOKEN_HYBRID_FETCH_ROUND", "fetch_round", str, "split",
          "rounding of f*M to a fetch count: min-wait (finish both sides together), stochastic "
          "(seeded, unbiased), prefer-fetch (ceil), split (on the device hand-off's decode steps: floor, and the "
          "rest of one expert split by its channels between a fetch and the CPU; elsewhere as min-wait)",
@@ -77,6 +77,11 @@ KNOBS: tuple[Knob, ...] = (
          "kernel (a device-side copy kernel beside the hits' GEMMs: no host sync, decode in CUDA graphs; "
          "docs/OFFLOAD.md)",
          choices=("dma", "kernel")),
+    Knob("FREETOKEN_PREFILL_PREFETCH", "prefill_prefetch", str, "on",
+         "offload: a prefill chunk (it routes to nearly every expert) copies the next layer's experts by DMA behind "
+         "its own, so they land while this layer computes: on (default; the chunk's time is its copies': "
+         "docs/OFFLOAD.md) or off (each layer copies, then computes); the same tokens either way",
+         choices=("on", "off")),
     Knob("FREETOKEN_PIN_GPU_WORKER", "pin_gpu_worker", str, "on",
          "cpu/hybrid: the process that drives the GPU (the GPU worker; `ft generate`) pins all its threads to "
          "the reserved CPUs (--reserve-cpus) within its affinity, off the CPU workers' cores; off: it runs "
@@ -120,6 +125,20 @@ def read_env(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
             + ", ".join(sorted(KNOBS_BY_ENV))
         )
     return {k.field: k.convert(environ[k.env], k.env) for k in KNOBS if k.env in environ}
+
+
+def export_setting(field: str, value: Any) -> None:
+    """Put a resolved knob value into this process's environment, for settings read where they are used (the
+    expert backends, the kernels) rather than passed down: the CLIs call it with `resolve(...)[field]`."""
+    knob = KNOBS_BY_FIELD[field]
+    os.environ[knob.env] = str(knob.convert(str(value), knob.flag))
+
+
+def env_setting(field: str, environ: Mapping[str, str] | None = None) -> Any:
+    """One knob's value from the environment (validated), else its default."""
+    knob = KNOBS_BY_FIELD[field]
+    environ = os.environ if environ is None else environ
+    return knob.convert(environ[knob.env], knob.env) if knob.env in environ else knob.default
 
 
 def add_cli_flag(parser: Any, field: str) -> None:

@@ -175,6 +175,22 @@ def test_hits_of_a_warm_pool_still_run_on_the_gpu_in_cpu_mode(hybrid, resident):
     assert_lockstep(lock)
 
 
+def test_prefill_chunks_stay_within_the_cpu_share(hybrid):
+    """Unless configured, the engine's prefill chunk with a hybrid (or cpu) backend is its cpu_max_tokens, so
+    a chunk keeps its CPU share (a longer one would run as offload) as before the general default grew."""
+    backend = hybrid.model.experts.backend
+    assert backend.preferred_prefill_chunk_tokens == backend.cpu_max_tokens <= 512
+    assert Engine(backend_model(hybrid, backend), EngineConfig()).prefill_chunk_tokens == backend.cpu_max_tokens
+
+
+def backend_model(loaded, backend):
+    """The loaded model with the bare backend (not the test's Lockstep wrapper), for the engine's defaults."""
+    import copy
+    model = copy.copy(loaded.model)
+    model.experts = backend
+    return model
+
+
 def test_policy_changes_live_and_bad_values_change_nothing(hybrid, resident):
     lock = hybrid.model.experts
     backend = lock.backend

@@ -11,7 +11,9 @@ from gpu_worker.models.checkpoint import CheckpointReader
 from gpu_worker.models.config import MoeConfig
 from gpu_worker.models.expert_layout import expert_views
 from gpu_worker.models.expert_sources import CheckpointExpertSource
-from gpu_worker.models.resident_experts import gathered_expert_ffn, grouped_expert_ffn
+import gpu_worker.models.resident_experts as resident_experts
+from gpu_worker.models.resident_experts import (gathered_expert_ffn, grouped_expert_ffn, grouped_loop_expert_ffn,
+                                                grouped_mm_applies, grouped_mm_expert_ffn)
 from test_models_util import hf_model, rel_err, save_hf
 
 E, H, I = 8, 64, 32
@@ -26,10 +28,11 @@ def random_experts(dtype=torch.float32, seed=0):
 def naive_moe(x, ids, weights, w13, w2):
     """The definition, token by token: sum_k w_k * down(silu(gate x) * up x)."""
     out = torch.zeros(x.shape, dtype=torch.float64)
+    inter = w2.shape[2]
     for t in range(x.shape[0]):
         for k in range(ids.shape[1]):
             e = int(ids[t, k])
-            gate, up = w13[e, :I].double(), w13[e, I:].double()
+            gate, up = w13[e, :inter].double(), w13[e, inter:].double()
             h = F.silu(gate @ x[t].double()) * (up @ x[t].double())
             out[t] += float(weights[t, k]) * (w2[e].double() @ h)
     return out
@@ -53,7 +56,8 @@ def test_packed_layout_is_gate_up_down_bytes_of_each_expert_in_a_row():
 
 
 @pytest.mark.parametrize("num_tokens", [1, 3, 17])
-@pytest.mark.parametrize("ffn", [grouped_expert_ffn, gathered_expert_ffn], ids=["grouped", "gather"])
+@pytest.mark.parametrize("ffn", [grouped_expert_ffn, grouped_loop_expert_ffn, grouped_mm_expert_ffn, gathered_expert_ffn],
+                         ids=["grouped", "grouped-loop", "grouped-mm", "gather"])
 def test_expert_ffn_paths_match_the_definition(ffn, num_tokens):
     w13, w2 = random_experts(seed=num_tokens)
     g = torch.Generator().manual_seed(99)
@@ -64,6 +68,76 @@ def test_expert_ffn_paths_match_the_definition(ffn, num_tokens):
     expected = naive_moe(x, ids, weights, w13, w2)
     assert got.dtype == x.dtype and got.shape == (num_tokens, H)
     assert rel_err(got, expected) < 1e-5
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_grouped_mm_path_rounds_like_the_loop_over_packed_slot_views(dtype):
+    """The one-launch grouped path on the backends' operands: w13 / w2 strided views of a packed [S, N] pool
+    (offload and hybrid pass slot ids into a pool larger than the routed set: most groups are empty), a route
+    at weight 0 (the hybrid's CPU routes read slot 0 with weight 0). Same rounding points as the per-expert
+    loop: equal up to the GEMMs' accumulation order (fp32: ~1e-6; bf16: a last bit of the x.dtype results)."""
+    slots = 40
+    g = torch.Generator().manual_seed(11)
+    pool = (torch.randn(slots, 3 * I * H, generator=g) * 0.1).to(dtype)
+    w13, w2 = unpack_experts(pool, ExpertLayout(H, I, dtype))
+    assert not w13.is_contiguous() and w13.data_ptr() == pool.data_ptr()
+    T, K = 23, 4
+    x = torch.randn(T, H, generator=g).to(dtype)
+    ids = torch.stack([torch.randperm(slots, generator=g)[:K] for _ in range(T)])      # [T, K] slot ids
+    weights = torch.rand(T, K, generator=g)
+    weights[3, 1] = 0.0
+    ids[3, 1] = 0
+    got = grouped_mm_expert_ffn(x, ids, weights, w13, w2)
+    loop = grouped_loop_expert_ffn(x, ids, weights, w13, w2)
+    assert got.dtype == dtype and got.shape == (T, H)
+    if dtype == torch.float32:
+        assert rel_err(got, loop) < 1e-5
+        assert rel_err(got, naive_moe(x, ids, weights, w13, w2)) < 1e-5
+    else:
+        assert rel_err(got, loop) < 2e-2 and rel_err(got, naive_moe(x.float(), ids, weights, w13.float(),
+                                                                    w2.float())) < 2e-2
+
+
+def test_grouped_mode_dispatch_follows_the_setting(monkeypatch):
+    """GROUPED_MM: auto takes the loop on the CPU (grouped_mm_applies is False there), mm and loop force one
+    path; anything else is refused with the choices."""
+    calls = []
+    monkeypatch.setattr(resident_experts, "grouped_mm_expert_ffn", lambda *a: calls.append("mm") or a[0])
+    monkeypatch.setattr(resident_experts, "grouped_loop_expert_ffn", lambda *a: calls.append("loop") or a[0])
+    w13, w2 = random_experts()
+    x, ids, weights = torch.randn(2, H), torch.zeros(2, 1, dtype=torch.int64), torch.ones(2, 1)
+    assert not grouped_mm_applies(x, w13, w2)
+    for setting in ("auto", "mm", "loop"):
+        monkeypatch.setattr(resident_experts, "GROUPED_MM", setting)
+        grouped_expert_ffn(x, ids, weights, w13, w2)
+    assert calls == ["loop", "mm", "loop"]
+    monkeypatch.setattr(resident_experts, "GROUPED_MM", "fast")
+    with pytest.raises(ValueError, match="auto, loop, mm"):
+        grouped_expert_ffn(x, ids, weights, w13, w2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_grouped_mm_matches_the_loop_on_a_prefill_sized_call():
+    """On the GPU (bf16, qwen3-30b-a3b's expert shape): `auto` takes torch._grouped_mm over a packed slot pool,
+    and it agrees with the per-expert cuBLAS loop to bf16 rounding, and with a float64 definition."""
+    dev, dtype = torch.device("cuda"), torch.bfloat16
+    h, inter, slots, T, K = 2048, 768, 300, 256, 8
+    g = torch.Generator(device=dev).manual_seed(3)
+    pool = (torch.randn(slots, 3 * inter * h, generator=g, device=dev) * 0.02).to(dtype)
+    w13, w2 = unpack_experts(pool, ExpertLayout(h, inter, dtype))
+    if torch.cuda.get_device_capability(dev) < (9, 0):
+        pytest.skip("torch._grouped_mm needs compute capability 9.0+")
+    x = torch.randn(T, h, generator=g, device=dev).to(dtype)
+    ids = torch.stack([torch.randperm(slots, generator=g, device=dev)[:K] for _ in range(T)])
+    weights = torch.softmax(torch.randn(T, K, generator=g, device=dev), -1)
+    assert grouped_mm_applies(x, w13, w2)
+    got = grouped_expert_ffn(x, ids, weights, w13, w2)
+    loop = grouped_loop_expert_ffn(x, ids, weights, w13, w2)
+    assert rel_err(got, loop) < 1e-2
+    sub = slice(0, 8)                                       # the float64 definition on a few tokens (slow)
+    ref = naive_moe(x[sub].cpu().float(), ids[sub].cpu(), weights[sub].cpu(), w13.cpu().float(), w2.cpu().float())
+    assert rel_err(got[sub].cpu(), ref) < 1e-2
 
 
 def test_resident_experts_modes_agree_in_bfloat16():

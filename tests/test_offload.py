@@ -270,3 +270,31 @@ def test_gpu_prefill_prefetch_is_lossless_and_lands_before_use(copy_mode):
     """The same on the GPU, where the prefetch copies run on the copy stream behind the layer's own
     and the next layer waits on their event: a missing wait would show as stale slot bytes or tokens."""
     _prefill_prefetch_case("cuda", copy_mode)
+
+
+def test_prefill_prefetch_follows_its_knob(monkeypatch):
+    """OffloadExperts(prefill_prefetch=None) takes FREETOKEN_PREFILL_PREFETCH (default on; measured faster on the
+    H200: docs/OFFLOAD.md); an explicit argument wins; a bad value is refused with the choices."""
+    from gpu_worker.offload import OffloadExperts
+    from proto.knobs import export_setting
+    monkeypatch.setenv("FREETOKEN_PREFILL_PREFETCH", "on")      # recorded: the test's own writes are undone
+    monkeypatch.delenv("FREETOKEN_PREFILL_PREFETCH")
+    loaded = load_model(device="cpu", moe_strategy="offload", moe_cache_size=32)
+    try:
+        assert loaded.model.experts.prefill_prefetch is True
+    finally:
+        loaded.model.experts.close()
+    export_setting("prefill_prefetch", "off")            # what the CLIs do with --prefill-prefetch off
+    assert os.environ["FREETOKEN_PREFILL_PREFETCH"] == "off"
+    loaded = load_model(device="cpu", moe_strategy="offload", moe_cache_size=32)
+    try:
+        assert loaded.model.experts.prefill_prefetch is False
+        host = loaded.model.experts.host
+        assert OffloadExperts(host, 32, "cpu", prefill_prefetch=True).prefill_prefetch is True
+    finally:
+        loaded.model.experts.close()
+    monkeypatch.setenv("FREETOKEN_PREFILL_PREFETCH", "yes")
+    with pytest.raises(ValueError, match="choose one of: on, off"):
+        OffloadExperts(host, 32, "cpu")
+    with pytest.raises(ValueError, match="choose one of: on, off"):
+        export_setting("prefill_prefetch", "maybe")

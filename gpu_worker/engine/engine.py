@@ -28,6 +28,12 @@ from .scheduler import PrefillChunk, Scheduler
 from .stats import EngineStats
 
 DEFAULT_MAX_CONTEXT_TOKENS = 32768
+# Prompt tokens a prefill chunk takes unless the config or the expert backend says otherwise (a backend may
+# prefer more: `preferred_prefill_chunk_tokens`, e.g. offload, whose chunk costs one pass over the experts
+# whatever its length). On the H200 a 4K prompt of qwen3-30b-a3b (resident) took 0.60 / 0.20 / 0.17 s at
+# chunks of 512 / 2048 / 4096 (docs/BENCHMARKS.md, thirteenth session); a chunk also holds up the decode
+# steps of the other running requests while it runs, so the default stays at 2048.
+DEFAULT_PREFILL_CHUNK_TOKENS = 2048
 
 
 DECODE_ATTEMPTS = 2      # a decode step the expert backend failed is run once more (it then fetches)
@@ -40,7 +46,7 @@ log = logging.getLogger("ft.engine")
 class EngineConfig:
     max_running_requests: int = 4          # KV cache rows = requests decoding together
     max_context_tokens: int | None = None  # None: min(32768, the model's max_position_embeddings)
-    prefill_chunk_tokens: int = 512
+    prefill_chunk_tokens: int | None = None  # None: the expert backend's preference, else DEFAULT_PREFILL_CHUNK_TOKENS
     cuda_graphs: bool = True               # replay decode forwards from CUDA graphs where safe
     attention_backend: str = "auto"        # decode attention: "triton" | "sdpa"; auto: triton on CUDA
     slot_audit_every: int = 0              # every N decode steps, audit the expert slot cache (0: never;
@@ -49,7 +55,7 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.max_running_requests < 1:
             raise ValueError(f"max_running_requests={self.max_running_requests} must be >= 1")
-        if self.prefill_chunk_tokens < 1:
+        if self.prefill_chunk_tokens is not None and self.prefill_chunk_tokens < 1:
             raise ValueError(f"prefill_chunk_tokens={self.prefill_chunk_tokens} must be >= 1")
         if self.max_context_tokens is not None and self.max_context_tokens < 2:
             raise ValueError(f"max_context_tokens={self.max_context_tokens} must be >= 2")
@@ -85,7 +91,10 @@ class Engine:
         self.eos_token_ids = frozenset(cfg.eos_token_ids if eos_token_ids is None else eos_token_ids)
         self.kv = KVCache(cfg, self.config.max_running_requests, self.max_context_tokens, model.dtype,
                           self.device)
-        self.scheduler = Scheduler(self.config.max_running_requests, self.config.prefill_chunk_tokens)
+        self.prefill_chunk_tokens = (self.config.prefill_chunk_tokens
+                                     or getattr(model.experts, "preferred_prefill_chunk_tokens", None)
+                                     or DEFAULT_PREFILL_CHUNK_TOKENS)
+        self.scheduler = Scheduler(self.config.max_running_requests, self.prefill_chunk_tokens)
         self.stats = EngineStats()
         self._ids = itertools.count()
         self.graphs = None

@@ -83,7 +83,7 @@ class HybridExperts(SlotPoolAudit):
     """Expert backend over a GPU slot pool and a CPU expert pool; see the module docstring."""
 
     def __init__(self, host: HostExperts, num_slots: int, device: torch.device | str, pool: CpuPool, *,
-                 strategy: str = "hybrid", fetch_fraction: float = 0.5, fetch_round: str = "min-wait",
+                 strategy: str = "hybrid", fetch_fraction: float = 0.5, fetch_round: str = "split",
                  fetch_select: str = "recency", promote: bool = True, seed: int = 0, per_layer: bool = False,
                  mode: str = "auto", gather_max_pairs: int = 32, cpu_max_tokens: int = 512,
                  owns_host: bool = True, owns_pool: bool = True, handoff: str = "auto",
@@ -98,6 +98,10 @@ class HybridExperts(SlotPoolAudit):
         self.mode, self.gather_max_pairs = mode, gather_max_pairs
         self.kernel_impl = "auto"     # moe_gemv: Triton on CUDA, reference on CPU ("triton": tests)
         self.cpu_max_tokens = min(cpu_max_tokens, pool.t_max)
+        # the engine's prefill chunk with this backend (EngineConfig.prefill_chunk_tokens unset): chunks the CPU
+        # pool can take its share of, as before the engine's default grew to 2,048 (a larger chunk would run as
+        # offload; which is faster has not been measured: docs/HYBRID.md)
+        self.preferred_prefill_chunk_tokens = self.cpu_max_tokens
         self.cache = SlotCache.create(self.num_layers, self.num_experts, num_slots, device=self.device,
                                       per_layer=per_layer)
         # slots: [S_total + 1, N]; zeroed once so that every slot always holds finite values (step 5). The last

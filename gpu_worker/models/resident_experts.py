@@ -9,8 +9,9 @@ Every MoE layer routes, then calls ``experts.forward(layer_idx, x, topk_ids, top
 
 `ResidentExperts` keeps every expert in device memory, one packed [E, N] tensor per layer
 (expert_layout). Three ways to compute, same result:
-- ``grouped``: sort the (token, expert) pairs by expert and run one GEMM pair per routed expert.
-  One host sync per layer (the per-expert counts); reads each routed expert once. For prefill.
+- ``grouped``: sort the (token, expert) pairs by expert and run the GEMMs per expert group: two
+  `torch._grouped_mm` launches over all experts on CUDA bf16 (Hopper+), else one GEMM pair per routed
+  expert with one host sync per layer (the per-expert counts). Reads each routed expert once. For prefill.
 - ``gemv``: `kernels.moe_decode.moe_gemv`, Triton GEMVs that read the T*K routed experts in place
   (no copy). No host sync, fixed shapes (CUDA-graph capturable); for small decode batches. On CPU
   it runs its torch reference.
@@ -49,8 +50,66 @@ class ExpertBackend(Protocol):
         """[T, H] -> [T, H]; see the module docstring."""
 
 
+# The grouped mode's GEMMs: "auto" runs each of the two as one torch._grouped_mm launch over every expert where
+# it applies (`grouped_mm_applies`: CUDA, bf16, compute capability 9.0+), else one GEMM pair per routed expert
+# (`grouped_loop_expert_ffn`); "loop" always loops, "mm" always takes _grouped_mm (it runs on the CPU too: tests).
+GROUPED_MM = "auto"
+GROUPED_MM_CHOICES = ("auto", "loop", "mm")
+
+
+def grouped_mm_applies(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> bool:
+    """Whether torch._grouped_mm takes these operands on their device: a CUDA bf16 call on Hopper or later,
+    with 16-byte aligned rows (its kernels' requirements), in a torch that has it."""
+    if not hasattr(torch, "_grouped_mm") or x.device.type != "cuda":
+        return False
+    if x.dtype != torch.bfloat16 or w13.dtype != torch.bfloat16 or w2.dtype != torch.bfloat16:
+        return False
+    if getattr(torch.version, "hip", None) or torch.cuda.get_device_capability(x.device) < (9, 0):
+        return False
+    sizes = (x.shape[1], w13.shape[1], w2.shape[2], w13.stride(0), w2.stride(0), w13.stride(1), w2.stride(1))
+    aligned = all(v % 8 == 0 for v in sizes) and all(t.data_ptr() % 16 == 0 for t in (x, w13, w2))
+    return aligned and w13.stride(2) == 1 and w2.stride(2) == 1 and x.stride(1) == 1
+
+
 def grouped_expert_ffn(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                        w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    """The grouped mode: `grouped_mm_expert_ffn` where `GROUPED_MM` and the operands allow, else
+    `grouped_loop_expert_ffn` (same rounding points; the GEMMs' fp32 accumulation order differs).
+
+    x [T, H], topk_ids/topk_weights [T, K], w13 [E, 2I, H], w2 [E, H, I] -> [T, H]
+    """
+    if GROUPED_MM not in GROUPED_MM_CHOICES:
+        raise ValueError(f"GROUPED_MM={GROUPED_MM!r}: use one of {', '.join(GROUPED_MM_CHOICES)}")
+    if GROUPED_MM == "mm" or (GROUPED_MM == "auto" and grouped_mm_applies(x, w13, w2)):
+        return grouped_mm_expert_ffn(x, topk_ids, topk_weights, w13, w2)
+    return grouped_loop_expert_ffn(x, topk_ids, topk_weights, w13, w2)
+
+
+def grouped_mm_expert_ffn(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                          w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    """The grouped FFN as two torch._grouped_mm launches over all E experts (or slots; experts without a
+    route are empty groups): no host sync, no per-expert launches. A prefill chunk routes to nearly every
+    expert of a layer, so the per-expert loop costs E GEMM pairs of launches and a sync a layer (~0.4 s a
+    1K-token chunk of qwen3-30b-a3b on the H200: docs/BENCHMARKS.md, thirteenth session).
+
+    Rounds where the loop does: gate/up and down results in x.dtype, silu * up in x.dtype, the weighted sum
+    over k in fp32 in k order. x [T, H], topk_ids/topk_weights [T, K], w13 [E, 2I, H], w2 [E, H, I] -> [T, H]
+    """
+    T, K = topk_ids.shape
+    inter = w2.shape[2]
+    flat_ids = topk_ids.reshape(-1)                                   # [P = T*K]
+    order = torch.argsort(flat_ids, stable=True)                      # pairs grouped by expert
+    offs = torch.cumsum(torch.bincount(flat_ids, minlength=w13.shape[0]), 0).to(torch.int32)   # [E] group ends
+    x_sorted = x.index_select(0, order // K)                          # [P, H]
+    h = torch._grouped_mm(x_sorted, w13.transpose(1, 2), offs=offs)   # [P, 2I]
+    h = F.silu(h[:, :inter]) * h[:, inter:]                           # [P, I]
+    y_sorted = torch._grouped_mm(h, w2.transpose(1, 2), offs=offs)    # [P, H] x.dtype
+    y = torch.empty_like(y_sorted).index_copy_(0, order, y_sorted)    # back to (token, k) order
+    return (y.view(T, K, -1).float() * topk_weights.unsqueeze(-1)).sum(dim=1).to(x.dtype)
+
+
+def grouped_loop_expert_ffn(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                            w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
     """Reference-quality MoE FFN, one GEMM pair per routed expert (host sync for the counts).
 
     x [T, H], topk_ids/topk_weights [T, K], w13 [E, 2I, H], w2 [E, H, I] -> [T, H]

@@ -29,6 +29,7 @@ from kernels.handoff import COUNT_MAX_PAIRS, COUNTERS, count_call
 from kernels.moe_decode import CopyPlan, moe_gemv
 from kernels.slot_cache import SlotCache, audit, ensure, prefetch_ensure, reset
 from kernels.slot_cache.api import MAX_PREFETCH_CANDIDATES
+from proto.knobs import env_setting
 
 from .host_store import HostExperts
 
@@ -177,9 +178,16 @@ class SlotPoolAudit:
 class OffloadExperts(SlotPoolAudit):
     """Expert backend over a GPU slot pool; see the module docstring."""
 
+    # The engine's prefill chunk with this backend (EngineConfig.prefill_chunk_tokens unset): a chunk routes to
+    # nearly every expert of every layer, so each one costs about one pass over all the experts, however short
+    # it is; on the H200 a 4K prompt at a 10% cache took 8.52 / 2.13 / 1.07 s at chunks of 512 / 2048 / 4096
+    # (docs/BENCHMARKS.md, thirteenth session). Longer chunks need more activation memory (~0.7 GB at 4096 for
+    # qwen3-30b-a3b); --prefill-chunk-tokens sets another.
+    preferred_prefill_chunk_tokens = 4096
+
     def __init__(self, host: HostExperts, num_slots: int, device: torch.device | str, *,
                  per_layer: bool = False, mode: str = "auto", gather_max_pairs: int = 32,
-                 copy_mode: str = "dma", prefill_prefetch: bool = False, overlap_copy: bool = True,
+                 copy_mode: str = "dma", prefill_prefetch: bool | None = None, overlap_copy: bool = True,
                  split_copy: bool = True):
         if mode not in MODES:
             raise ValueError(f"expert compute mode {mode!r} is not one of {', '.join(MODES)}")
@@ -191,9 +199,11 @@ class OffloadExperts(SlotPoolAudit):
         self.overlap_copy = overlap_copy
         # with overlap_copy: copy w13 then w2, the fetched routes' gate/up between them (copy_then_ffn)
         self.split_copy = split_copy
-        # prefill calls (a chunk routes to most experts) copy the next layer's experts while this
-        # layer computes: see `forward`. Off by default until it has run on a GPU (docs/OFFLOAD.md).
-        self.prefill_prefetch = prefill_prefetch
+        # prefill calls (a chunk routes to most experts) copy the next layer's experts while this layer
+        # computes: see `forward`. None: the knob (FREETOKEN_PREFILL_PREFETCH, --prefill-prefetch; default on)
+        if prefill_prefetch is None:
+            prefill_prefetch = env_setting("prefill_prefetch") == "on"
+        self.prefill_prefetch = bool(prefill_prefetch)
         self.host, self.layout = host, host.layout
         self.num_layers, self.num_experts = host.num_layers, host.num_experts
         self.device = torch.device(device)

@@ -1,0 +1,178 @@
+"""Prefill benchmark of the engine (time to first token), resident and offload, on one GPU.
+
+A prefill chunk routes to nearly every expert of every layer (a 512-token chunk makes 4,096 routes over
+128 experts a layer), so in `offload` a chunk is bound by copying what the slot cache lacks: about one
+pass over all experts a chunk. This measures, for one prompt and greedy sampling:
+
+- TTFT: from `add_request` to the first token (median of R runs after a warm-up), and prompt tokens / s;
+- the experts copied during the prefill and the roofline `copied * expert_bytes / PCIe_bw` beside it
+  (PCIe: DMA copies of distinct experts of the pinned store back to back, as in bench_engine.py);
+- the prefill's copy path per variant: `kernel` (the copy kernel, then the GEMMs, on one stream: what
+  `--offload-copy kernel` does without prefetch), `dma` (a plan readback, then one DMA per expert on the
+  copy stream), `prefetch` (`OffloadExperts(prefill_prefetch=True)`: DMA, and every layer's call also
+  copies the next layer's experts behind its own, so they land while this layer computes);
+- the chunk size (`--chunks`): every chunk pays its pass over the experts again;
+- the grouped expert GEMMs of prefill (`--grouped`): `auto` (torch._grouped_mm, two launches a layer, where it
+  applies) against `loop` (one GEMM pair per routed expert and a host sync a layer);
+- whether the first token equals the resident run's with the same grouped GEMMs (greedy: lossless).
+
+Usage: python bench/bench_prefill.py [--runs 3] [--prompt-tokens 1024] [--chunks 512,1024]
+       [--fractions 0.1,0.5] [--variants kernel,dma,prefetch] [--grouped auto,loop]
+Prints one line per run as it goes and a table last.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.bench_engine import pcie_store_bandwidth  # noqa: E402
+import gpu_worker.models.resident_experts as resident_experts  # noqa: E402
+from gpu_worker.engine import Engine, EngineConfig, SamplingParams  # noqa: E402
+from gpu_worker.models import load_model  # noqa: E402
+from gpu_worker.models.synthetic_routing import SyntheticRouting  # noqa: E402
+from gpu_worker.offload import HostExperts, OffloadExperts, resolve_cache_slots  # noqa: E402
+
+# variant -> OffloadExperts keyword arguments (the decode path is not measured here)
+VARIANTS = {
+    "kernel": dict(copy_mode="kernel", prefill_prefetch=False),
+    "dma": dict(copy_mode="dma", prefill_prefetch=False),
+    "prefetch": dict(copy_mode="kernel", prefill_prefetch=True),
+}
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _fetched(backend) -> int:
+    if backend is None:
+        return 0
+    backend.collect_copy_time()            # folds the device counters in (a sync, outside the timing)
+    return backend.stats.fetched
+
+
+def ttft_run(engine: Engine, prompt: list[int], backend) -> dict:
+    """One request of one new token: seconds from add_request to that token, and experts copied meanwhile."""
+    before = _fetched(backend)
+    _sync()
+    t0 = time.perf_counter()
+    engine.add_request(prompt, SamplingParams(max_new_tokens=1, ignore_eos=True, temperature=0.0))
+    tokens = []
+    while not tokens:
+        tokens += [out.new_token_id for out in engine.step()]
+    _sync()
+    ttft = time.perf_counter() - t0
+    while engine.has_work():               # (the request finished with its token; nothing left)
+        engine.step()
+    return {"ttft_s": ttft, "token": tokens[0], "fetched": _fetched(backend) - before}
+
+
+def measure(engine: Engine, prompt: list[int], runs: int, backend=None) -> dict:
+    ttft_run(engine, prompt, backend)                                   # warm-up
+    results = [ttft_run(engine, prompt, backend) for _ in range(runs)]
+    ttfts = [r["ttft_s"] for r in results]
+    median = sorted(results, key=lambda r: r["ttft_s"])[len(results) // 2]
+    return {**median, "all_ttft_s": [round(t, 3) for t in ttfts],
+            "same_token": len({r["token"] for r in results}) == 1}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--preset", default="qwen3-30b-a3b")
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--prompt-tokens", type=int, default=1024)
+    parser.add_argument("--chunks", default="512,1024", help="prefill chunk sizes (tokens), comma-separated")
+    parser.add_argument("--fractions", default="0.1,0.5", help="offload cache sizes (fractions of all experts)")
+    parser.add_argument("--variants", default="kernel,dma,prefetch",
+                        help=f"offload prefill copy paths, comma-separated: {', '.join(VARIANTS)}")
+    parser.add_argument("--grouped", default="auto",
+                        help="prefill's grouped expert GEMMs, comma-separated: auto (torch._grouped_mm where it applies), "
+                             "loop (one GEMM pair per expert); resident_experts.GROUPED_MM")
+    parser.add_argument("--routing", default="zipf:1.0", help="as bench_engine.py's --routing")
+    parser.add_argument("--device", default="cuda", help="cpu: a smoke test of this script")
+    args = parser.parse_args()
+    chunks = [int(c) for c in args.chunks.split(",") if c.strip()]
+    variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    groupings = [g.strip() for g in args.grouped.split(",") if g.strip()]
+    bad = [v for v in variants if v not in VARIANTS] + [g for g in groupings if g not in ("auto", "loop", "mm")]
+    if bad or not chunks or min(chunks) < 1 or not groupings:
+        raise SystemExit(f"--variants takes {', '.join(VARIANTS)}; --chunks positive integers (got {args.variants!r}, "
+                         f"{args.chunks!r})")
+    gen = torch.Generator().manual_seed(0)
+    loaded = load_model(preset=args.preset, device=args.device, moe_strategy="resident")
+    cfg = loaded.cfg
+    prompt = torch.randint(0, cfg.vocab_size, (args.prompt_tokens,), generator=gen).tolist()
+    max_ctx = args.prompt_tokens + 16
+    loaded.model.routing_override = SyntheticRouting.parse(args.routing, cfg, max_ctx, args.device)
+    rows = []                    # (name, chunk, result, roofline_s or None)
+    reference = {}
+    def tag(grouped: str) -> str:
+        return f" {grouped}" if len(groupings) > 1 else ""
+
+    for grouped in groupings:
+        resident_experts.GROUPED_MM = grouped
+        for chunk in chunks:
+            engine = Engine(loaded.model, EngineConfig(max_running_requests=1, max_context_tokens=max_ctx,
+                                                       prefill_chunk_tokens=chunk, cuda_graphs=False),
+                            eos_token_ids=())
+            res = measure(engine, prompt, args.runs)
+            reference[chunk, grouped] = res["token"]
+            rows.append(("resident" + tag(grouped), chunk, res, None))
+            print(f"resident{tag(grouped)} chunk {chunk}: TTFT {res['all_ttft_s']} s", flush=True)
+            del engine
+    source = loaded.source.experts
+    expert_bytes = source.layout.expert_nbytes
+    loaded.model.experts = None
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    host = HostExperts.create_filled(source, staging_device=args.device)
+    bw = pcie_store_bandwidth(host)[0] if args.device == "cuda" else 1e9
+    try:
+        for frac in [float(f) for f in args.fractions.split(",") if f.strip()]:
+            slots = resolve_cache_slots(frac, source.num_layers, source.num_experts)
+            for variant, grouped, chunk in [(v, g, c) for v in variants for g in groupings for c in chunks]:
+                    resident_experts.GROUPED_MM = grouped
+                    backend = OffloadExperts(host, slots, args.device, **VARIANTS[variant])
+                    loaded.model.experts = backend
+                    engine = Engine(loaded.model, EngineConfig(max_running_requests=1, max_context_tokens=max_ctx,
+                                                               prefill_chunk_tokens=chunk, cuda_graphs=False),
+                                    eos_token_ids=())
+                    res = measure(engine, prompt, args.runs, backend)
+                    res["lossless"] = res["token"] == reference[chunk, grouped]
+                    name = f"offload {frac:.0%} {variant}{tag(grouped)}"
+                    rows.append((name, chunk, res, res["fetched"] * expert_bytes / bw))
+                    print(f"{name} chunk {chunk}: TTFT {res['all_ttft_s']} s, {res['fetched']} experts copied",
+                          flush=True)
+                    loaded.model.experts = None
+                    del engine, backend
+                    gc.collect()
+                    if torch.cuda.is_available():
+                        torch.cuda.empty_cache()
+    finally:
+        host.close()
+    device = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
+    print(f"\n{args.preset} {source.layout.dtype}, {device}, torch {torch.__version__}, prompt {args.prompt_tokens} "
+          f"tokens, greedy, routing {args.routing}, median of {args.runs} runs after a warm-up; expert "
+          f"{expert_bytes / 1e6:.2f} MB; PCIe {bw / 1e9:.1f} GB/s (DMA copies of distinct store experts back to back)")
+    print(f"{'backend':<27} {'chunk':>5} {'TTFT s':>7} {'tok/s':>7} {'copied':>7} {'GB':>6} {'roof s':>6} "
+          f"{'%roof':>5} {'lossless':>8}")
+    for name, chunk, r, roof in rows:
+        pct = f"{100 * roof / r['ttft_s']:>5.0f}" if roof else f"{'-':>5}"
+        print(f"{name:<27} {chunk:>5} {r['ttft_s']:>7.3f} {args.prompt_tokens / r['ttft_s']:>7.0f} "
+              f"{r['fetched']:>7} {r['fetched'] * expert_bytes / 1e9:>6.1f} "
+              f"{(f'{roof:.3f}' if roof else '-'):>6} {pct} {str(r.get('lossless', '-')):>8}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
