@@ -25,7 +25,8 @@
 #        f below the probes', programmatic dependent launch off and on, the final GPU tests, the engine issue's table)
 #        [s13-a] (prepared, not run: min-wait against split over three rounds) [s13-b] (thirteenth session: prefill TTFT
 #        in offload: copy kernel, DMA, DMA with prefetch; chunk sizes) [s13-c] (prefill's grouped GEMMs: torch._grouped_mm
-#        against the loop; chunk sizes with a 4K prompt; GPU tests) [s13-d] (final: GPU tests, decode unchanged)
+#        against the loop; chunk sizes with a 4K prompt; GPU tests) [s13-d] (GPU tests, decode; failed at 50%: >1,024 groups)
+#        [s13-e] (windows of groups: GPU tests, prefill at 25 / 50%, decode at 50%)
 #        (default: kernels engine cpu). SECTION_TIMEOUT (s, default 540) bounds each command.
 # Logs go to $OUT (the device tool's output folder) when it is set, else ./out.
 set -u
@@ -454,6 +455,17 @@ device,=hybrid min-wait device serial" 2>&1 | tee "$OUT/overlap_hybrid.log" | ta
       timeout 200 python3 bench/bench_engine.py --runs 3 --prompt-tokens 1024 --decode-tokens 128 --fractions 0.5 \
         --offload-copy kernel > "$OUT/s13d_engine.log" 2>&1 || status=1
       grep -v "^ " "$OUT/s13d_engine.log" | tail -n 4 | cut -c1-300
+      ;;
+    s13-e)    # thirteenth session, after s13-d failed at a 50% cache (torch._grouped_mm takes at most 1,024 groups; the pool
+              # has 3,072 slots): windows of groups; the grouped GEMM test at 1,536 slots, prefill at 25 / 50%, decode at 50%
+      timeout 150 python3 -m pytest -q --tb=short -p no:cacheprovider -m gpu tests/test_models_experts.py tests/test_offload.py \
+        2>&1 | tail -n 4
+      timeout 200 python3 bench/bench_prefill.py --runs 2 --prompt-tokens 1024 --chunks 1024 --fractions 0.25,0.5 \
+        --variants kernel,prefetch > "$OUT/s13e_prefill.log" 2>&1 || status=1
+      tail -n 7 "$OUT/s13e_prefill.log" | cut -c1-200
+      timeout 200 python3 bench/bench_engine.py --runs 2 --prompt-tokens 1024 --decode-tokens 64 --fractions 0.5 \
+        --offload-copy kernel > "$OUT/s13e_engine.log" 2>&1 || status=1
+      grep -v "^ " "$OUT/s13e_engine.log" | tail -n 4 | cut -c1-300
       ;;
     omp-wait)    # prepared in the tenth session; s11-e ran the same comparison (active starved the pool: 3.2 GB/s): the hybrid configuration with the CPU workers' OpenMP team
                  # left to libgomp's default wait (spin, then sleep) against OMP_WAIT_POLICY=active (the workers inherit

@@ -55,6 +55,9 @@ class ExpertBackend(Protocol):
 # (`grouped_loop_expert_ffn`); "loop" always loops, "mm" always takes _grouped_mm (it runs on the CPU too: tests).
 GROUPED_MM = "auto"
 GROUPED_MM_CHOICES = ("auto", "loop", "mm")
+# Groups one torch._grouped_mm call takes (its check is group_count < 1024: "Can't process more than 1024 groups"); a larger
+# slot pool (offload / hybrid at 25% of qwen3-30b-a3b's experts: 1,536 slots) goes in windows of this many.
+GROUPED_MM_MAX_GROUPS = 1023
 
 
 def grouped_mm_applies(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> bool:
@@ -88,7 +91,8 @@ def grouped_expert_ffn(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: to
 def grouped_mm_expert_ffn(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                           w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
     """The grouped FFN as two torch._grouped_mm launches over all E experts (or slots; experts without a
-    route are empty groups): no host sync, no per-expert launches. A prefill chunk routes to nearly every
+    route are empty groups): no per-expert launches, and no host sync up to GROUPED_MM_MAX_GROUPS groups (a
+    larger pool goes in windows of that many groups, after one sync for where their rows start). A prefill chunk routes to nearly every
     expert of a layer, so the per-expert loop costs E GEMM pairs of launches and a sync a layer (~0.4 s a
     1K-token chunk of qwen3-30b-a3b on the H200: docs/BENCHMARKS.md, thirteenth session).
 
@@ -96,16 +100,31 @@ def grouped_mm_expert_ffn(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights:
     over k in fp32 in k order. x [T, H], topk_ids/topk_weights [T, K], w13 [E, 2I, H], w2 [E, H, I] -> [T, H]
     """
     T, K = topk_ids.shape
-    inter = w2.shape[2]
+    groups = w13.shape[0]
     flat_ids = topk_ids.reshape(-1)                                   # [P = T*K]
     order = torch.argsort(flat_ids, stable=True)                      # pairs grouped by expert
-    offs = torch.cumsum(torch.bincount(flat_ids, minlength=w13.shape[0]), 0).to(torch.int32)   # [E] group ends
+    offs = torch.cumsum(torch.bincount(flat_ids, minlength=groups), 0).to(torch.int32)   # [E] group ends
     x_sorted = x.index_select(0, order // K)                          # [P, H]
-    h = torch._grouped_mm(x_sorted, w13.transpose(1, 2), offs=offs)   # [P, 2I]
-    h = F.silu(h[:, :inter]) * h[:, inter:]                           # [P, I]
-    y_sorted = torch._grouped_mm(h, w2.transpose(1, 2), offs=offs)    # [P, H] x.dtype
+    if groups <= GROUPED_MM_MAX_GROUPS:
+        y_sorted = _grouped_ffn_rows(x_sorted, w13, w2, offs)        # [P, H] x.dtype
+    else:          # a slot pool of more groups than one call takes: windows of them, cut where their rows start
+        y_sorted = torch.empty_like(x_sorted)
+        cuts = list(range(0, groups, GROUPED_MM_MAX_GROUPS)) + [groups]
+        starts = [0] + offs[[c - 1 for c in cuts[1:]]].tolist()        # host sync: the windows' row bounds
+        for g0, g1, r0, r1 in zip(cuts, cuts[1:], starts, starts[1:]):
+            if r1 > r0:
+                y_sorted[r0:r1] = _grouped_ffn_rows(x_sorted[r0:r1], w13[g0:g1], w2[g0:g1], offs[g0:g1] - r0)
     y = torch.empty_like(y_sorted).index_copy_(0, order, y_sorted)    # back to (token, k) order
     return (y.view(T, K, -1).float() * topk_weights.unsqueeze(-1)).sum(dim=1).to(x.dtype)
+
+
+def _grouped_ffn_rows(x_sorted: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """down(silu(gate x) * up x) of rows grouped by expert: x_sorted [R, H], group g = rows [offs[g-1], offs[g])
+    (offs [G] int32 ends, the first group from row 0), w13 [G, 2I, H], w2 [G, H, I] -> [R, H] x.dtype."""
+    inter = w2.shape[2]
+    h = torch._grouped_mm(x_sorted, w13.transpose(1, 2), offs=offs)   # [R, 2I]
+    h = F.silu(h[:, :inter]) * h[:, inter:]                           # [R, I]
+    return torch._grouped_mm(h, w2.transpose(1, 2), offs=offs)        # [R, H]
 
 
 def grouped_loop_expert_ffn(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
