@@ -135,10 +135,11 @@ def main() -> int:
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
-    host = HostExperts.create_filled(source, staging_device=args.device)
-    bw = pcie_store_bandwidth(host)[0] if args.device == "cuda" else 1e9
+    fractions = [float(f) for f in args.fractions.split(",") if f.strip()]
+    host = HostExperts.create_filled(source, staging_device=args.device) if fractions else None   # (resident only: none)
+    bw = pcie_store_bandwidth(host)[0] if args.device == "cuda" and host is not None else 1e9
     try:
-        for frac in [float(f) for f in args.fractions.split(",") if f.strip()]:
+        for frac in fractions:
             slots = resolve_cache_slots(frac, source.num_layers, source.num_experts)
             for variant, grouped, chunk in [(v, g, c) for v in variants for g in groupings for c in chunks]:
                     resident_experts.GROUPED_MM = grouped
@@ -159,11 +160,14 @@ def main() -> int:
                     if torch.cuda.is_available():
                         torch.cuda.empty_cache()
     finally:
-        host.close()
+        if host is not None:
+            host.close()
     device = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
+    pcie = (f"; PCIe {bw / 1e9:.1f} GB/s (DMA copies of distinct store experts back to back)"
+            if host is not None else "")
     print(f"\n{args.preset} {source.layout.dtype}, {device}, torch {torch.__version__}, prompt {args.prompt_tokens} "
           f"tokens, greedy, routing {args.routing}, median of {args.runs} runs after a warm-up; expert "
-          f"{expert_bytes / 1e6:.2f} MB; PCIe {bw / 1e9:.1f} GB/s (DMA copies of distinct store experts back to back)")
+          f"{expert_bytes / 1e6:.2f} MB{pcie}")
     print(f"{'backend':<27} {'chunk':>5} {'TTFT s':>7} {'tok/s':>7} {'copied':>7} {'GB':>6} {'roof s':>6} "
           f"{'%roof':>5} {'lossless':>8}")
     for name, chunk, r, roof in rows:

@@ -26,7 +26,8 @@
 #        [s13-a] (prepared, not run: min-wait against split over three rounds) [s13-b] (thirteenth session: prefill TTFT
 #        in offload: copy kernel, DMA, DMA with prefetch; chunk sizes) [s13-c] (prefill's grouped GEMMs: torch._grouped_mm
 #        against the loop; chunk sizes with a 4K prompt; GPU tests) [s13-d] (GPU tests, decode; failed at 50%: >1,024 groups)
-#        [s13-e] (windows of groups: GPU tests, prefill at 25 / 50%, decode at 50%)
+#        [s13-e] (windows of groups: GPU tests, prefill at 25 / 50%, decode at 50%) [s13-f] (prefill attention's bias once a
+#        forward: GPU tests, resident TTFT at 4K and 16K)
 #        (default: kernels engine cpu). SECTION_TIMEOUT (s, default 540) bounds each command.
 # Logs go to $OUT (the device tool's output folder) when it is set, else ./out.
 set -u
@@ -466,6 +467,17 @@ device,=hybrid min-wait device serial" 2>&1 | tee "$OUT/overlap_hybrid.log" | ta
       timeout 200 python3 bench/bench_engine.py --runs 2 --prompt-tokens 1024 --decode-tokens 64 --fractions 0.5 \
         --offload-copy kernel > "$OUT/s13e_engine.log" 2>&1 || status=1
       grep -v "^ " "$OUT/s13e_engine.log" | tail -n 4 | cut -c1-300
+      ;;
+    s13-f)    # thirteenth session, last call: prefill attention's folded bias built once a forward (SDPA made it from the
+              # boolean mask at every layer): its GPU test and the engine's, then resident TTFT at 4K and 16K prompts
+      timeout 100 python3 -m pytest -q --tb=short -p no:cacheprovider -m gpu tests/test_engine_attention.py \
+        tests/test_engine_gpu.py 2>&1 | tail -n 3
+      timeout 120 python3 bench/bench_prefill.py --runs 3 --prompt-tokens 4096 --chunks 2048,4096 --fractions "" \
+        > "$OUT/s13f_prefill4k.log" 2>&1 || status=1
+      tail -n 3 "$OUT/s13f_prefill4k.log" | cut -c1-200
+      timeout 90 python3 bench/bench_prefill.py --runs 1 --prompt-tokens 16384 --chunks 2048,4096 --fractions "" \
+        > "$OUT/s13f_prefill16k.log" 2>&1 || status=1
+      tail -n 3 "$OUT/s13f_prefill16k.log" | cut -c1-200
       ;;
     omp-wait)    # prepared in the tenth session; s11-e ran the same comparison (active starved the pool: 3.2 GB/s): the hybrid configuration with the CPU workers' OpenMP team
                  # left to libgomp's default wait (spin, then sleep) against OMP_WAIT_POLICY=active (the workers inherit

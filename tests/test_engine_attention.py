@@ -110,3 +110,46 @@ def test_long_prompt_in_chunks_matches_transformers(tmp_path):
     ours_last = loaded.model.forward(torch.tensor(prompt), torch.arange(1500), PrefillAttention(kv, 0, 0, 1500),
                                      logit_rows=torch.tensor([1499]))[0]
     assert rel_err(ours_last, hf_last) <= 1e-4
+
+
+def _prefill_bias_case(device: str, dtype: torch.dtype, window: int | None) -> None:
+    """PrefillAttention's folded additive bias (built once per forward) gives bitwise what SDPA gives with the
+    folded boolean mask (which it would convert into the same bias at every layer), and equals the per-token
+    reference; the bias is one tensor for every layer of the forward."""
+    import torch.nn.functional as F
+    heads, kv_heads, d, start, chunk = 8, 2, 16, 37, 29
+    cfg = MoeConfig(arch="mixtral", vocab_size=8, hidden_size=heads * d, num_layers=2, num_heads=heads,
+                    num_kv_heads=kv_heads, head_dim=d, num_experts=2, top_k=1, expert_intermediate_size=8,
+                    rms_norm_eps=1e-5, rope_theta=1e4, max_position_embeddings=128)
+    kv = KVCache(cfg, 1, 128, dtype, torch.device(device))
+    g = torch.Generator(device=device).manual_seed(1)
+    kv.k.copy_(torch.randn(kv.k.shape, generator=g, device=device).to(dtype))
+    kv.v.copy_(torch.randn(kv.v.shape, generator=g, device=device).to(dtype))
+    attn = PrefillAttention(kv, 0, start, chunk, sliding_window=window)
+    q = torch.randn(chunk, heads, d, generator=g, device=device).to(dtype)
+    k = torch.randn(chunk, kv_heads, d, generator=g, device=device).to(dtype)
+    v = torch.randn(chunk, kv_heads, d, generator=g, device=device).to(dtype)
+    out = attn.attend(0, q, k, v)
+    G, end = heads // kv_heads, start + chunk
+    keys = kv.k[0, 0, :end].transpose(0, 1).unsqueeze(0)
+    values = kv.v[0, 0, :end].transpose(0, 1).unsqueeze(0)
+    qf = q.view(chunk, kv_heads, G, d).permute(1, 2, 0, 3).reshape(1, kv_heads, G * chunk, d)
+    with_mask = F.scaled_dot_product_attention(qf, keys, values, attn_mask=attn.mask.repeat(G, 1), scale=d ** -0.5)
+    assert torch.equal(out, with_mask.view(kv_heads, G, chunk, d).permute(2, 0, 1, 3).reshape(chunk, heads, d))
+    assert attn.folded_bias(G, dtype) is attn.folded_bias(G, dtype)
+    for c in (0, chunk // 2, chunk - 1):
+        ref = reference(q[c].double(), kv.k[0, 0, :end].double(), kv.v[0, 0, :end].double(), start + c, window)
+        assert rel_err(out[c].double(), ref) < (1e-5 if dtype == torch.float32 else 2e-2)
+
+
+@pytest.mark.parametrize("window", [None, 8])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prefill_bias_is_the_masks_bitwise(dtype, window):
+    _prefill_bias_case("cpu", dtype, window)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("window", [None, 8])
+def test_gpu_prefill_bias_is_the_masks_bitwise(window):
+    _prefill_bias_case("cuda", torch.bfloat16, window)
