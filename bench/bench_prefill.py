@@ -105,8 +105,8 @@ def main() -> int:
     groupings = [g.strip() for g in args.grouped.split(",") if g.strip()]
     bad = [v for v in variants if v not in VARIANTS] + [g for g in groupings if g not in ("auto", "loop", "mm")]
     if bad or not chunks or min(chunks) < 1 or not groupings:
-        raise SystemExit(f"--variants takes {', '.join(VARIANTS)}; --chunks positive integers (got {args.variants!r}, "
-                         f"{args.chunks!r})")
+        raise SystemExit(f"--variants takes {', '.join(VARIANTS)}; --grouped auto, loop or mm; --chunks positive integers "
+                         f"(got {args.variants!r}, {args.grouped!r}, {args.chunks!r})")
     gen = torch.Generator().manual_seed(0)
     loaded = load_model(preset=args.preset, device=args.device, moe_strategy="resident")
     cfg = loaded.cfg

@@ -44,9 +44,11 @@ def expert_format_of(cfg: Any) -> ExpertFormat | None:
 def load_served_engine(model_dir: str | None, preset: str | None, device: str, *, moe_strategy: str = "resident",
                        moe_cache_size: int | None = None, max_running_requests: int = 8,
                        max_context_tokens: int | None = None, served_model_name: str | None = None,
-                       hybrid: Any = None, offload_copy: str = "dma", slot_audit_every: int = 0) -> ServedEngine:
+                       hybrid: Any = None, offload_copy: str = "dma", slot_audit_every: int = 0,
+                       prefill_chunk_tokens: int | None = None) -> ServedEngine:
     """The engine `ft serve --workers inline` serves (`hybrid`: HybridOptions for cpu/hybrid, None: defaults;
-    `offload_copy`: dma or kernel, for offload; `slot_audit_every`: FREETOKEN_MOE_SLOT_AUDIT)."""
+    `offload_copy`: dma or kernel, for offload; `slot_audit_every`: FREETOKEN_MOE_SLOT_AUDIT;
+    `prefill_chunk_tokens`: None = the engine's default for the backend)."""
     import torch
 
     from gpu_worker.engine import Engine, EngineConfig
@@ -60,7 +62,7 @@ def load_served_engine(model_dir: str | None, preset: str | None, device: str, *
                                 f"text into tokens (put the model's tokenizer.json beside its weights)")
     codec = TextCodec.from_text_tokenizer(tokenizer, loaded.eos_token_ids)
     config = EngineConfig(max_running_requests=max_running_requests, max_context_tokens=max_context_tokens,
-                          slot_audit_every=slot_audit_every)
+                          slot_audit_every=slot_audit_every, prefill_chunk_tokens=prefill_chunk_tokens)
 
     def engine_factory() -> Any:
         return Engine(loaded.model, config, loaded.eos_token_ids)

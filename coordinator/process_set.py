@@ -71,7 +71,8 @@ LOCAL_WORKER_FLAGS = (("--hybrid-handoff", "hybrid_handoff"),     # local: the G
                       ("--offload-copy", "offload_copy"),         # lossless either way
                       ("--moe-slot-audit", "moe_slot_audit"),     # a check
                       ("--pdl", "pdl"),                           # lossless either way
-                      ("--prefill-prefetch", "prefill_prefetch"))  # lossless either way
+                      ("--prefill-prefetch", "prefill_prefetch"),  # lossless either way
+                      ("--prefill-chunk-tokens", "prefill_chunk_tokens"))   # the worker's own memory / latency choice
 
 
 def flags_an_attached_worker_ignores(args) -> list[str]:

@@ -42,6 +42,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     model.add_argument("--max-running-requests", type=int, default=8, help="requests decoding together")
     model.add_argument("--max-context-tokens", type=int, default=None,
                        help="prompt + generated tokens per request (default: the model's, at most 32768)")
+    model.add_argument("--prefill-chunk-tokens", type=int, default=None,
+                       help="prompt tokens a prefill chunk takes (default: 4096; cpu/hybrid: the CPU share's token limit, 512); smaller chunks hold up other requests' decode steps for less time and need less memory, larger ones reach the first token sooner (offload: each chunk costs one pass over the experts)")
     net = parser.add_argument_group("listeners")
     net.add_argument("--host", default="127.0.0.1", help="HTTP address (default loopback)")
     net.add_argument("--port", type=int, default=DEFAULT_PORT, help="HTTP port")
@@ -210,6 +212,7 @@ def run_inline(args: argparse.Namespace) -> int:
     served = load_served_engine(args.model, args.preset, args.device, moe_strategy=args.moe_strategy,
                                 moe_cache_size=args.moe_cache_size, max_running_requests=args.max_running_requests,
                                 max_context_tokens=args.max_context_tokens, served_model_name=args.served_model_name,
+                                prefill_chunk_tokens=args.prefill_chunk_tokens,
                                 hybrid=inline_hybrid_options(args),
                                 offload_copy=resolve({"offload_copy": args.offload_copy})["offload_copy"],
                                 slot_audit_every=resolve({"moe_slot_audit": args.moe_slot_audit})["moe_slot_audit"])

@@ -42,6 +42,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     model.add_argument("--moe-cache-size", type=int, default=None, help="GPU expert slots (offload/hybrid)")
     model.add_argument("--max-running-requests", type=int, default=8, help="requests decoding together")
     model.add_argument("--max-context-tokens", type=int, default=None, help="prompt + generated tokens per request")
+    model.add_argument("--prefill-chunk-tokens", type=int, default=None,
+                       help="prompt tokens a prefill chunk takes (default: 4096; cpu/hybrid: 512); local to this "
+                            "process, not part of the coordinator's config")
     model.add_argument("--num-cpu-workers", type=int, default=0, help="CPU expert workers (cpu/hybrid strategies)")
     model.add_argument("--hybrid-handoff", default=None, choices=("auto", "host", "stream", "device"),
                        help="cpu/hybrid: hand the CPU share over on the host, on the GPU stream (StreamDoorbell) or "
@@ -84,7 +87,7 @@ def run(args: argparse.Namespace) -> int:
         handshake_timeout_s=args.handshake_timeout_s, drain_timeout_s=args.drain_timeout_s,
         hybrid_handoff=knobs["hybrid_handoff"], reserve_cpus=args.reserve_cpus,
         pin_gpu_worker=knobs["pin_gpu_worker"] == "on", offload_copy=knobs["offload_copy"],
-        slot_audit_every=knobs["moe_slot_audit"])
+        slot_audit_every=knobs["moe_slot_audit"], prefill_chunk_tokens=args.prefill_chunk_tokens)
     return run_gpu_worker(options)
 
 

@@ -59,6 +59,7 @@ class GpuWorkerOptions:
     pin_gpu_worker: bool | None = None         # cpu/hybrid: pin to them once loaded; None: $FREETOKEN_PIN_GPU_WORKER
     offload_copy: str = "dma"                  # offload: dma or kernel (lossless either way: not hashed)
     slot_audit_every: int = 0                  # FREETOKEN_MOE_SLOT_AUDIT (a check: not hashed)
+    prefill_chunk_tokens: int | None = None    # None: the engine's default for the backend (not hashed)
 
     def engine_config(self) -> dict[str, Any]:
         return em.engine_config(model=os.path.abspath(self.model) if self.model else None, preset=self.preset,
@@ -128,7 +129,8 @@ def load_engine(opts: GpuWorkerOptions, welcome: em.Welcome) -> LoadedEngine:
         model = MoeModel(cfg, dense, experts, max_positions=min(32768, cfg.max_position_embeddings))
         engine = Engine(model, EngineConfig(max_running_requests=opts.max_running_requests,
                                             max_context_tokens=opts.max_context_tokens,
-                                            slot_audit_every=opts.slot_audit_every), source.eos_token_ids)
+                                            slot_audit_every=opts.slot_audit_every,
+                                            prefill_chunk_tokens=opts.prefill_chunk_tokens), source.eos_token_ids)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
     except BaseException:

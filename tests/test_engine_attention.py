@@ -136,7 +136,8 @@ def _prefill_bias_case(device: str, dtype: torch.dtype, window: int | None) -> N
     qf = q.view(chunk, kv_heads, G, d).permute(1, 2, 0, 3).reshape(1, kv_heads, G * chunk, d)
     with_mask = F.scaled_dot_product_attention(qf, keys, values, attn_mask=attn.mask.repeat(G, 1), scale=d ** -0.5)
     assert torch.equal(out, with_mask.view(kv_heads, G, chunk, d).permute(2, 0, 1, 3).reshape(chunk, heads, d))
-    assert attn.folded_bias(G, dtype) is attn.folded_bias(G, dtype)
+    bias = attn.folded_bias(G, dtype)
+    assert bias is attn.folded_bias(G, dtype) and bias.shape == (G * chunk, end) and bias.stride(0) % 8 == 0
     for c in (0, chunk // 2, chunk - 1):
         ref = reference(q[c].double(), kv.k[0, 0, :end].double(), kv.v[0, 0, :end].double(), start + c, window)
         assert rel_err(out[c].double(), ref) < (1e-5 if dtype == torch.float32 else 2e-2)

@@ -75,19 +75,20 @@ def test_random_interleavings_keep_the_invariants(world, ops, max_running, chunk
 
 
 def test_prefill_chunk_default_comes_from_the_expert_backend():
-    """EngineConfig.prefill_chunk_tokens unset: the backend's preference (offload: 4096, a chunk costs one pass
-    over the experts whatever its length), else DEFAULT_PREFILL_CHUNK_TOKENS; a configured size always wins, and
-    the scheduler cuts a long prompt by it."""
+    """EngineConfig.prefill_chunk_tokens unset: the backend's preference where it has one (hybrid: test_hybrid.py),
+    else DEFAULT_PREFILL_CHUNK_TOKENS, the same for resident and offload (their greedy tokens must agree, and the
+    chunking decides the prefill GEMMs' shapes); a configured size always wins, and the scheduler cuts a long
+    prompt by it."""
     from gpu_worker.engine.engine import DEFAULT_PREFILL_CHUNK_TOKENS
     resident = load_model(device="cpu")
-    assert Engine(resident.model, EngineConfig()).prefill_chunk_tokens == DEFAULT_PREFILL_CHUNK_TOKENS == 2048
+    assert Engine(resident.model, EngineConfig()).prefill_chunk_tokens == DEFAULT_PREFILL_CHUNK_TOKENS == 4096
     engine = Engine(resident.model, EngineConfig(prefill_chunk_tokens=24, max_context_tokens=128))
     assert engine.prefill_chunk_tokens == 24
     engine.generate([list(range(1, 60))], SamplingParams(max_new_tokens=1))
     assert engine.stats.num_prefill_chunks == 3                       # 24 + 24 + 11
     offload = load_model(device="cpu", moe_strategy="offload", moe_cache_size=32)
     try:
-        assert Engine(offload.model, EngineConfig()).prefill_chunk_tokens == 4096
+        assert Engine(offload.model, EngineConfig()).prefill_chunk_tokens == DEFAULT_PREFILL_CHUNK_TOKENS
         assert Engine(offload.model, EngineConfig(prefill_chunk_tokens=512)).prefill_chunk_tokens == 512
     finally:
         offload.model.experts.close()

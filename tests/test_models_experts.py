@@ -19,6 +19,18 @@ from test_models_util import hf_model, rel_err, save_hf
 E, H, I = 8, 64, 32
 
 
+def _cpu_grouped_mm() -> bool:
+    """Whether this torch runs torch._grouped_mm on the CPU (2.13 does; older ones may lack it)."""
+    try:
+        torch._grouped_mm(torch.zeros(2, 8), torch.zeros(1, 8, 8), offs=torch.tensor([2], dtype=torch.int32))
+        return True
+    except (AttributeError, RuntimeError, NotImplementedError):
+        return False
+
+
+needs_cpu_grouped_mm = pytest.mark.skipif(not _cpu_grouped_mm(), reason="this torch has no CPU torch._grouped_mm")
+
+
 def random_experts(dtype=torch.float32, seed=0):
     g = torch.Generator().manual_seed(seed)
     return ((torch.randn(E, 2 * I, H, generator=g) * 0.1).to(dtype),
@@ -56,7 +68,8 @@ def test_packed_layout_is_gate_up_down_bytes_of_each_expert_in_a_row():
 
 
 @pytest.mark.parametrize("num_tokens", [1, 3, 17])
-@pytest.mark.parametrize("ffn", [grouped_expert_ffn, grouped_loop_expert_ffn, grouped_mm_expert_ffn, gathered_expert_ffn],
+@pytest.mark.parametrize("ffn", [grouped_expert_ffn, grouped_loop_expert_ffn,
+                                 pytest.param(grouped_mm_expert_ffn, marks=needs_cpu_grouped_mm), gathered_expert_ffn],
                          ids=["grouped", "grouped-loop", "grouped-mm", "gather"])
 def test_expert_ffn_paths_match_the_definition(ffn, num_tokens):
     w13, w2 = random_experts(seed=num_tokens)
@@ -70,6 +83,7 @@ def test_expert_ffn_paths_match_the_definition(ffn, num_tokens):
     assert rel_err(got, expected) < 1e-5
 
 
+@needs_cpu_grouped_mm
 @pytest.mark.parametrize("max_groups", [1023, 16, 7])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_grouped_mm_path_rounds_like_the_loop_over_packed_slot_views(dtype, max_groups, monkeypatch):
@@ -145,6 +159,32 @@ def test_gpu_grouped_mm_matches_the_loop_on_a_prefill_sized_call():
     ref = naive_moe(x[sub].cpu().float(), local.cpu(), weights[sub].cpu(), w13[used].cpu().float(),
                     w2[used].cpu().float())
     assert rel_err(got[sub].cpu(), ref) < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("tokens", [64, 1024, 4096])
+def test_gpu_grouped_mm_is_bitwise_the_same_over_an_expert_layer_and_a_slot_pool(tokens):
+    """What keeps offload's tokens equal to resident's in prefill: the same routes computed over a layer's 128
+    experts (resident) and over a 1,536-slot pool holding them at scattered slots (offload at 25%: windows of
+    1,023 groups) give bitwise the same output. torch picks _grouped_mm's tiles from rows per group, which
+    differ between the two (4 / 64 / 256 rows a group against under 22), so this is checked, not assumed."""
+    dev, dtype = torch.device("cuda"), torch.bfloat16
+    if torch.cuda.get_device_capability(dev) < (9, 0):
+        pytest.skip("torch._grouped_mm needs compute capability 9.0+")
+    h, inter, experts, slots, K = 2048, 768, 128, 1536, 8
+    g = torch.Generator(device=dev).manual_seed(tokens)
+    layer = (torch.randn(experts, 3 * inter * h, generator=g, device=dev) * 0.02).to(dtype)
+    where = torch.randperm(slots, generator=g, device=dev)[:experts]           # expert e lives in slot where[e]
+    pool = torch.zeros(slots, 3 * inter * h, dtype=dtype, device=dev)
+    pool[where] = layer
+    x = torch.randn(tokens, h, generator=g, device=dev).to(dtype)
+    ids = torch.stack([torch.randperm(experts, generator=g, device=dev)[:K] for _ in range(tokens)])
+    weights = torch.softmax(torch.randn(tokens, K, generator=g, device=dev), -1)
+    layout = ExpertLayout(h, inter, dtype)
+    resident = grouped_mm_expert_ffn(x, ids, weights, *unpack_experts(layer, layout))
+    offload = grouped_mm_expert_ffn(x, where[ids], weights, *unpack_experts(pool, layout))
+    assert torch.equal(resident, offload)
 
 
 def test_resident_experts_modes_agree_in_bfloat16():

@@ -63,3 +63,29 @@ def test_serve_attach_names_the_worker_flags_that_do_not_reach_an_attached_worke
     assert flags_an_attached_worker_ignores(parser.parse_args(["serve", "--attach", "--pdl", "off"])) == ["--pdl"]
     assert flags_an_attached_worker_ignores(parser.parse_args(["serve", "--attach"])) == []
     assert flags_an_attached_worker_ignores(parser.parse_args(["serve", *given])) == []     # started here: they apply
+
+
+def test_serve_passes_the_prefill_chunk_and_prefetch_to_its_gpu_worker(tmp_path):
+    """`ft serve --prefill-chunk-tokens N --prefill-prefetch off` (process mode): the GPU worker's argv carries both,
+    its own parser takes them, and they stay out of the hashed engine config (local to the worker)."""
+    serve = build_parser().parse_args(["serve", "--model", str(tmp_path / "m"), "--moe-strategy", "offload",
+                                       "--prefill-chunk-tokens", "1024", "--prefill-prefetch", "off"])
+    options = options_from_serve_args(serve)
+    flags = options.engine_flags
+    assert flags[flags.index("--prefill-chunk-tokens") + 1] == "1024"
+    assert flags[flags.index("--prefill-prefetch") + 1] == "off"
+    worker = build_parser().parse_args(["worker", "gpu", "--engine-addr", "tcp://127.0.0.1:1", *flags])
+    assert (worker.prefill_chunk_tokens, worker.prefill_prefetch) == (1024, "off")
+    assert "prefill_chunk_tokens" not in options.config and "prefill_prefetch" not in options.config
+    plain = options_from_serve_args(build_parser().parse_args(["serve", "--model", str(tmp_path / "m")]))
+    assert "--prefill-chunk-tokens" not in plain.engine_flags             # unset: the worker's default applies
+
+
+def test_inline_serve_builds_engines_with_the_given_prefill_chunk():
+    """`ft serve --workers inline --prefill-chunk-tokens N`: load_served_engine hands N to every engine it makes."""
+    from coordinator.engine_factory import load_served_engine
+
+    served = load_served_engine(None, None, "cpu", max_running_requests=1, max_context_tokens=256,
+                                prefill_chunk_tokens=96)
+    assert served.engine_factory().prefill_chunk_tokens == 96
+    assert served.engine_factory().prefill_chunk_tokens == 96                  # the probe, then a fresh one

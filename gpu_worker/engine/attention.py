@@ -66,12 +66,17 @@ class PrefillAttention:
         """[G*C, S_attn] additive bias in `dtype`: 0 where row g*C + c (query c) may attend, -inf elsewhere. Built
         once per forward and shared by the layers: given the boolean mask, SDPA would make this same tensor
         itself at every layer (torch's convert_boolean_attn_mask: zeros, -inf where the mask is False; the
-        results are bitwise the same), which at a 4K chunk late in a 32K context is 2 GB written 48 times."""
+        results are bitwise the same), which at a 4K chunk late in a 32K context is 2 GiB written 48 times. Its
+        rows are a view with a stride rounded up to 8 elements: SDPA's memory-efficient kernel wants aligned
+        rows and would otherwise pad a copy at every layer. Filled by broadcasting the [C, S] mask (no G-fold
+        boolean copies)."""
         key = (group, dtype)
         if key not in self._folded:
-            self._folded[key] = torch.zeros((group * self.mask.shape[0], self.mask.shape[1]), dtype=dtype,
-                                            device=self.mask.device).masked_fill_(~self.mask.repeat(group, 1),
-                                                                                  float("-inf"))
+            C, S = self.mask.shape
+            stride = -(-S // 8) * 8
+            bias = torch.zeros((group, C, stride), dtype=dtype, device=self.mask.device)
+            bias[:, :, :S].masked_fill_(~self.mask, float("-inf"))
+            self._folded[key] = bias.view(group * C, stride)[:, :S]
         return self._folded[key]
 
     def kv_write(self, layer_idx: int, v: torch.Tensor) -> KvWrite | None:

@@ -22,7 +22,7 @@ log = logging.getLogger("ft.hybrid")
 
 DEFAULT_FETCH_FRACTION = 0.5          # no flag, no matching profile: half the misses each way
 DEFAULT_CPU_DEADLINE_S = 1.0          # a CPU share not answered by then is fetched instead (worker killed)
-DEFAULT_CPU_MAX_TOKENS = 512          # forwards with more tokens fetch every miss (= the default prefill chunk)
+DEFAULT_CPU_MAX_TOKENS = 512          # forwards with more tokens fetch every miss (= hybrid's prefill chunk)
 DEFAULT_RESTART_BACKOFF_S = 0.5       # supervisor: first restart delay of a failed CPU worker (doubles)
 DEFAULT_READY_TIMEOUT_S = 120.0       # a CPU worker imports torch, maps the store and warms up
 DEFAULT_HEARTBEAT_TIMEOUT_S = 10.0    # supervisor: a worker silent this long is killed (backstop)
@@ -54,7 +54,7 @@ def unpin_driving_process() -> None:
 @dataclasses.dataclass
 class HybridOptions:
     fetch_fraction: float | None = None     # f in [0, 1]; None: profile, else DEFAULT_FETCH_FRACTION
-    fetch_round: str = "min-wait"           # rounding of f*M (ROUND_MODES)
+    fetch_round: str = "split"              # rounding of f*M (ROUND_MODES; split: on the device hand-off)
     fetch_select: str = "recency"           # which misses are fetched first (SELECT_MODES)
     promote: bool = True                    # recency promotion (docs/slot_cache.md)
     seed: int = 0                           # stochastic rounding's seed

@@ -178,13 +178,6 @@ class SlotPoolAudit:
 class OffloadExperts(SlotPoolAudit):
     """Expert backend over a GPU slot pool; see the module docstring."""
 
-    # The engine's prefill chunk with this backend (EngineConfig.prefill_chunk_tokens unset): a chunk routes to
-    # nearly every expert of every layer, so each one costs about one pass over all the experts, however short
-    # it is; on the H200 a 4K prompt at a 10% cache took 8.52 / 2.13 / 1.07 s at chunks of 512 / 2048 / 4096
-    # (docs/BENCHMARKS.md, thirteenth session). Longer chunks need more activation memory (~0.7 GB at 4096 for
-    # qwen3-30b-a3b); --prefill-chunk-tokens sets another.
-    preferred_prefill_chunk_tokens = 4096
-
     def __init__(self, host: HostExperts, num_slots: int, device: torch.device | str, *,
                  per_layer: bool = False, mode: str = "auto", gather_max_pairs: int = 32,
                  copy_mode: str = "dma", prefill_prefetch: bool | None = None, overlap_copy: bool = True,
