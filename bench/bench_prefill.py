@@ -14,7 +14,10 @@ pass over all experts a chunk. This measures, for one prompt and greedy sampling
 - the chunk size (`--chunks`): every chunk pays its pass over the experts again;
 - the grouped expert GEMMs of prefill (`--grouped`): `auto` (torch._grouped_mm, two launches a layer, where it
   applies) against `loop` (one GEMM pair per routed expert and a host sync a layer);
-- whether the first token equals the resident run's with the same grouped GEMMs (greedy: lossless).
+- whether the first token equals the resident run's with the same grouped GEMMs (greedy: lossless; not
+  expected of `hybrid`, whose CPU share is computed by another kernel);
+- `hybrid` (not run on a GPU yet): the engine's default chunk with it is 512, so that a chunk keeps its CPU
+  share; a longer chunk runs as offload, without the prefetch. Its "copied" column counts whole experts fetched.
 
 Usage: python bench/bench_prefill.py [--runs 3] [--prompt-tokens 1024] [--chunks 512,1024]
        [--fractions 0.1,0.5] [--variants kernel,dma,prefetch] [--grouped auto,loop]
@@ -37,6 +40,7 @@ from bench.bench_engine import pcie_store_bandwidth  # noqa: E402
 import gpu_worker.models.resident_experts as resident_experts  # noqa: E402
 from gpu_worker.engine import Engine, EngineConfig, SamplingParams  # noqa: E402
 from gpu_worker.models import load_model  # noqa: E402
+from gpu_worker.hybrid import HybridExperts, HybridOptions, start_cpu_pool  # noqa: E402
 from gpu_worker.models.synthetic_routing import SyntheticRouting  # noqa: E402
 from gpu_worker.offload import HostExperts, OffloadExperts, resolve_cache_slots  # noqa: E402
 
@@ -45,6 +49,8 @@ VARIANTS = {
     "kernel": dict(copy_mode="kernel", prefill_prefetch=False),
     "dma": dict(copy_mode="dma", prefill_prefetch=False),
     "prefetch": dict(copy_mode="kernel", prefill_prefetch=True),
+    "hybrid": None,        # HybridExperts over a CPU pool (--hybrid-fraction, --cpu-workers): a chunk of at most its
+                           # cpu_max_tokens (512) splits its misses with the CPU pool, a longer one runs as offload
 }
 
 
@@ -56,6 +62,8 @@ def _sync() -> None:
 def _fetched(backend) -> int:
     if backend is None:
         return 0
+    if isinstance(backend, HybridExperts):
+        return backend.counters()["experts_fetched_total"]
     backend.collect_copy_time()            # folds the device counters in (a sync, outside the timing)
     return backend.stats.fetched
 
@@ -97,6 +105,9 @@ def main() -> int:
     parser.add_argument("--grouped", default="auto",
                         help="prefill's grouped expert GEMMs, comma-separated: auto (torch._grouped_mm where it applies), "
                              "loop (one GEMM pair per expert); resident_experts.GROUPED_MM")
+    parser.add_argument("--hybrid-fraction", type=float, default=0.4,
+                        help="hybrid variant: the fetch fraction f (the rest of each layer's misses go to the CPU pool)")
+    parser.add_argument("--cpu-workers", type=int, default=1, help="hybrid variant: CPU expert processes")
     parser.add_argument("--routing", default="zipf:1.0", help="as bench_engine.py's --routing")
     parser.add_argument("--device", default="cuda", help="cpu: a smoke test of this script")
     args = parser.parse_args()
@@ -138,28 +149,40 @@ def main() -> int:
     fractions = [float(f) for f in args.fractions.split(",") if f.strip()]
     host = HostExperts.create_filled(source, staging_device=args.device) if fractions else None   # (resident only: none)
     bw = pcie_store_bandwidth(host)[0] if args.device == "cuda" and host is not None else 1e9
+    pool = (start_cpu_pool(host, HybridOptions(cpu_workers=args.cpu_workers), cfg.top_k)
+            if host is not None and "hybrid" in variants else None)
     try:
         for frac in fractions:
             slots = resolve_cache_slots(frac, source.num_layers, source.num_experts)
             for variant, grouped, chunk in [(v, g, c) for v in variants for g in groupings for c in chunks]:
                     resident_experts.GROUPED_MM = grouped
-                    backend = OffloadExperts(host, slots, args.device, **VARIANTS[variant])
+                    if variant == "hybrid":
+                        backend = HybridExperts(host, slots, args.device, pool, owns_host=False, owns_pool=False,
+                                                fetch_fraction=args.hybrid_fraction)
+                    else:
+                        backend = OffloadExperts(host, slots, args.device, **VARIANTS[variant])
                     loaded.model.experts = backend
                     engine = Engine(loaded.model, EngineConfig(max_running_requests=1, max_context_tokens=max_ctx,
                                                                prefill_chunk_tokens=chunk, cuda_graphs=False),
                                     eos_token_ids=())
                     res = measure(engine, prompt, args.runs, backend)
                     res["lossless"] = res["token"] == reference[chunk, grouped]
-                    name = f"offload {frac:.0%} {variant}{tag(grouped)}"
-                    rows.append((name, chunk, res, res["fetched"] * expert_bytes / bw))
+                    name = (f"hybrid {frac:.0%} f={args.hybrid_fraction:g}" if variant == "hybrid"
+                            else f"offload {frac:.0%} {variant}") + tag(grouped)
+                    roof = None if variant == "hybrid" else res["fetched"] * expert_bytes / bw   # (PCIe alone)
+                    rows.append((name, chunk, res, roof))
                     print(f"{name} chunk {chunk}: TTFT {res['all_ttft_s']} s, {res['fetched']} experts copied",
                           flush=True)
                     loaded.model.experts = None
+                    if variant == "hybrid":
+                        backend.close()              # its doorbells (it owns neither the store nor the pool)
                     del engine, backend
                     gc.collect()
                     if torch.cuda.is_available():
                         torch.cuda.empty_cache()
     finally:
+        if pool is not None:
+            pool.close()
         if host is not None:
             host.close()
     device = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
