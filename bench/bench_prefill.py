@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -149,37 +148,39 @@ def main() -> int:
     fractions = [float(f) for f in args.fractions.split(",") if f.strip()]
     host = HostExperts.create_filled(source, staging_device=args.device) if fractions else None   # (resident only: none)
     bw = pcie_store_bandwidth(host)[0] if args.device == "cuda" and host is not None else 1e9
-    pool = (start_cpu_pool(host, HybridOptions(cpu_workers=args.cpu_workers), cfg.top_k)
-            if host is not None and "hybrid" in variants else None)
-    try:
-        for frac in fractions:
+    pool = None        # started before the first hybrid row: it pins this process to the reserved CPUs, so the
+    try:               # offload rows run first, unpinned, as in the other sections' runs
+        runs = sorted([(f, v, g, c) for f in fractions for v in variants for g in groupings for c in chunks],
+                      key=lambda run: run[1] == "hybrid")                               # hybrid rows last
+        for frac, variant, grouped, chunk in runs:
             slots = resolve_cache_slots(frac, source.num_layers, source.num_experts)
-            for variant, grouped, chunk in [(v, g, c) for v in variants for g in groupings for c in chunks]:
-                    resident_experts.GROUPED_MM = grouped
-                    if variant == "hybrid":
-                        backend = HybridExperts(host, slots, args.device, pool, owns_host=False, owns_pool=False,
-                                                fetch_fraction=args.hybrid_fraction)
-                    else:
-                        backend = OffloadExperts(host, slots, args.device, **VARIANTS[variant])
-                    loaded.model.experts = backend
-                    engine = Engine(loaded.model, EngineConfig(max_running_requests=1, max_context_tokens=max_ctx,
-                                                               prefill_chunk_tokens=chunk, cuda_graphs=False),
-                                    eos_token_ids=())
-                    res = measure(engine, prompt, args.runs, backend)
-                    res["lossless"] = res["token"] == reference[chunk, grouped]
-                    name = (f"hybrid {frac:.0%} f={args.hybrid_fraction:g}" if variant == "hybrid"
-                            else f"offload {frac:.0%} {variant}") + tag(grouped)
-                    roof = None if variant == "hybrid" else res["fetched"] * expert_bytes / bw   # (PCIe alone)
-                    rows.append((name, chunk, res, roof))
-                    print(f"{name} chunk {chunk}: TTFT {res['all_ttft_s']} s, {res['fetched']} experts copied",
-                          flush=True)
-                    loaded.model.experts = None
-                    if variant == "hybrid":
-                        backend.close()              # its doorbells (it owns neither the store nor the pool)
-                    del engine, backend
-                    gc.collect()
-                    if torch.cuda.is_available():
-                        torch.cuda.empty_cache()
+            resident_experts.GROUPED_MM = grouped
+            if variant == "hybrid" and pool is None:
+                pool = start_cpu_pool(host, HybridOptions(cpu_workers=args.cpu_workers), cfg.top_k)
+            if variant == "hybrid":
+                backend = HybridExperts(host, slots, args.device, pool, owns_host=False, owns_pool=False,
+                                        fetch_fraction=args.hybrid_fraction)
+            else:
+                backend = OffloadExperts(host, slots, args.device, **VARIANTS[variant])
+            loaded.model.experts = backend
+            engine = Engine(loaded.model, EngineConfig(max_running_requests=1, max_context_tokens=max_ctx,
+                                                       prefill_chunk_tokens=chunk, cuda_graphs=False),
+                            eos_token_ids=())
+            res = measure(engine, prompt, args.runs, backend)
+            res["lossless"] = res["token"] == reference[chunk, grouped]
+            name = (f"hybrid {frac:.0%} f={args.hybrid_fraction:g}" if variant == "hybrid"
+                    else f"offload {frac:.0%} {variant}") + tag(grouped)
+            roof = None if variant == "hybrid" else res["fetched"] * expert_bytes / bw   # (PCIe alone)
+            rows.append((name, chunk, res, roof))
+            print(f"{name} chunk {chunk}: TTFT {res['all_ttft_s']} s, {res['fetched']} experts copied",
+                  flush=True)
+            loaded.model.experts = None
+            if variant == "hybrid":
+                backend.close()              # its doorbells (it owns neither the store nor the pool)
+            del engine, backend
+            gc.collect()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
     finally:
         if pool is not None:
             pool.close()

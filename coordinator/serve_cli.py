@@ -22,7 +22,7 @@ import os
 import signal
 import sys
 
-from proto.knobs import add_cli_flags, export_setting, resolve
+from proto.knobs import add_cli_flags, export_setting, positive_int_flag, resolve
 
 DEFAULT_PORT = 1919
 DEFAULT_GRPC_PORT = 1920
@@ -42,7 +42,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     model.add_argument("--max-running-requests", type=int, default=8, help="requests decoding together")
     model.add_argument("--max-context-tokens", type=int, default=None,
                        help="prompt + generated tokens per request (default: the model's, at most 32768)")
-    model.add_argument("--prefill-chunk-tokens", type=int, default=None,
+    model.add_argument("--prefill-chunk-tokens", type=positive_int_flag, default=None,
                        help="prompt tokens a prefill chunk takes (default: 4096; cpu/hybrid: the CPU share's token limit, 512); smaller chunks hold up other requests' decode steps for less time and need less memory, larger ones reach the first token sooner (offload: each chunk costs one pass over the experts)")
     net = parser.add_argument_group("listeners")
     net.add_argument("--host", default="127.0.0.1", help="HTTP address (default loopback)")
@@ -157,7 +157,8 @@ def run_processes(args: argparse.Namespace) -> int:
     options = options_from_serve_args(args)
     for flag in flags_an_attached_worker_ignores(args):
         print(f"ft serve: warning: {flag} does not reach an attached GPU worker (it runs with its own flags: set "
-              f"{flag} in its unit's ExecStart, or the FREETOKEN_* variable in its environment)", file=sys.stderr)
+              f"{flag} in its unit's flags (FT_GPU_WORKER_ARGS in ft.env), or, for a knob, the FREETOKEN_* variable "
+              f"in its environment)", file=sys.stderr)
     procs = ProcessSet(options, source)
 
     def interrupted(signum, _frame):            # before the event loop takes the signals over

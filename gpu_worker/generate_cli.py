@@ -15,7 +15,7 @@ import json
 import sys
 import time
 
-from proto.knobs import add_cli_flags, export_setting, resolve
+from proto.knobs import add_cli_flags, export_setting, positive_int_flag, resolve
 
 DEVICE_CHOICES = ("auto", "cpu", "cuda")
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
@@ -59,7 +59,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     run_g.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto", help="auto: the checkpoint's")
     run_g.add_argument("--max-context-tokens", type=int, default=None,
                        help="KV cache length (default: prompt + max new tokens)")
-    run_g.add_argument("--prefill-chunk-tokens", type=int, default=None,
+    run_g.add_argument("--prefill-chunk-tokens", type=positive_int_flag, default=None,
                        help="prompt tokens a prefill chunk takes (default: 4096; with --moe-strategy cpu or hybrid, the "
                             "CPU share's token limit, 512, so that chunks keep their CPU share)")
     hyb = parser.add_argument_group("cpu and hybrid strategies (docs/HYBRID.md)")

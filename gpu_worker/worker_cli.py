@@ -14,7 +14,7 @@ import argparse
 import os
 import sys
 
-from proto.knobs import add_cli_flag
+from proto.knobs import add_cli_flag, positive_int_flag
 
 DEFAULT_ENGINE_ADDR = "tcp://127.0.0.1:1921"
 
@@ -42,7 +42,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     model.add_argument("--moe-cache-size", type=int, default=None, help="GPU expert slots (offload/hybrid)")
     model.add_argument("--max-running-requests", type=int, default=8, help="requests decoding together")
     model.add_argument("--max-context-tokens", type=int, default=None, help="prompt + generated tokens per request")
-    model.add_argument("--prefill-chunk-tokens", type=int, default=None,
+    model.add_argument("--prefill-chunk-tokens", type=positive_int_flag, default=None,
                        help="prompt tokens a prefill chunk takes (default: 4096; cpu/hybrid: 512); local to this "
                             "process, not part of the coordinator's config")
     model.add_argument("--num-cpu-workers", type=int, default=0, help="CPU expert workers (cpu/hybrid strategies)")

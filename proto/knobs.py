@@ -46,6 +46,18 @@ class Knob:
                              f"leave it at {self.default!r}")
 
 
+def positive_int_flag(raw: str) -> int:
+    """argparse type of a count flag (e.g. --prefill-chunk-tokens): refused at parse time, before anything
+    loads, with the flag's name in argparse's message."""
+    try:
+        value = int(raw)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {raw!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
 def _nonneg_int(raw: str) -> int:
     value = int(raw)
     if value < 0:

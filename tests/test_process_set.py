@@ -61,6 +61,8 @@ def test_serve_attach_names_the_worker_flags_that_do_not_reach_an_attached_worke
     attached = parser.parse_args(["serve", "--attach", *given])
     assert flags_an_attached_worker_ignores(attached) == ["--offload-copy", "--moe-slot-audit"]
     assert flags_an_attached_worker_ignores(parser.parse_args(["serve", "--attach", "--pdl", "off"])) == ["--pdl"]
+    chunk = parser.parse_args(["serve", "--attach", "--prefill-chunk-tokens", "1024"])
+    assert flags_an_attached_worker_ignores(chunk) == ["--prefill-chunk-tokens"]
     assert flags_an_attached_worker_ignores(parser.parse_args(["serve", "--attach"])) == []
     assert flags_an_attached_worker_ignores(parser.parse_args(["serve", *given])) == []     # started here: they apply
 
@@ -89,3 +91,14 @@ def test_inline_serve_builds_engines_with_the_given_prefill_chunk():
                                 prefill_chunk_tokens=96)
     assert served.engine_factory().prefill_chunk_tokens == 96
     assert served.engine_factory().prefill_chunk_tokens == 96                  # the probe, then a fresh one
+
+
+@pytest.mark.parametrize("argv", [["serve"], ["generate", "--prompt-ids", "1"], ["worker", "gpu", "--engine-addr", "x"]])
+@pytest.mark.parametrize("bad", ["0", "-5", "many"])
+def test_a_bad_prefill_chunk_is_refused_when_the_flags_are_parsed(argv, bad, capsys):
+    """--prefill-chunk-tokens below 1 (or not a number) stops ft generate, ft serve and ft worker gpu while their
+    flags are parsed, naming the flag: before a model loads or an expert store is filled."""
+    with pytest.raises(SystemExit) as exc:
+        build_parser().parse_args([*argv, "--prefill-chunk-tokens", bad])
+    assert exc.value.code == 2
+    assert "--prefill-chunk-tokens" in capsys.readouterr().err

@@ -99,8 +99,8 @@ class HybridExperts(SlotPoolAudit):
         self.kernel_impl = "auto"     # moe_gemv: Triton on CUDA, reference on CPU ("triton": tests)
         self.cpu_max_tokens = min(cpu_max_tokens, pool.t_max)
         # the engine's prefill chunk with this backend (EngineConfig.prefill_chunk_tokens unset): chunks the CPU
-        # pool can take its share of, as before the engine's default grew to 2,048 (a larger chunk would run as
-        # offload; which is faster has not been measured: docs/HYBRID.md)
+        # pool can take its share of, as before the engine's default grew to 4,096 (a larger chunk would run as
+        # offload; which is faster has not been measured yet: bench/run_gpu.sh s14-a)
         self.preferred_prefill_chunk_tokens = self.cpu_max_tokens
         self.cache = SlotCache.create(self.num_layers, self.num_experts, num_slots, device=self.device,
                                       per_layer=per_layer)
