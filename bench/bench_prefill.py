@@ -35,7 +35,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.bench_engine import pcie_store_bandwidth  # noqa: E402
+from bench.bench_engine import _sync, pcie_store_bandwidth  # noqa: E402
 import gpu_worker.models.resident_experts as resident_experts  # noqa: E402
 from gpu_worker.engine import Engine, EngineConfig, SamplingParams  # noqa: E402
 from gpu_worker.models import load_model  # noqa: E402
@@ -51,11 +51,6 @@ VARIANTS = {
     "hybrid": None,        # HybridExperts over a CPU pool (--hybrid-fraction, --cpu-workers): a chunk of at most its
                            # cpu_max_tokens (512) splits its misses with the CPU pool, a longer one runs as offload
 }
-
-
-def _sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
 
 
 def _fetched(backend) -> int:

@@ -187,8 +187,8 @@ class PolicySettings:
     fetch_fraction_min: float = DEFAULT_FRACTION_MIN
     fetch_fraction_max: float = DEFAULT_FRACTION_MAX
     auto_tune: bool = True
-    fetch_round: str = "split"             # on the device hand-off; elsewhere it rounds as min-wait (docs/HYBRID.md)
-    fetch_select: str = "recency"
+    fetch_round: str = KNOBS_BY_FIELD["fetch_round"].default      # split: on the device hand-off (docs/HYBRID.md)
+    fetch_select: str = KNOBS_BY_FIELD["fetch_select"].default
     moe_prefetch: str = "off"
     moe_prefetch_budget: int = 4
 

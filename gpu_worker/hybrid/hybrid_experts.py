@@ -55,6 +55,7 @@ from kernels import handoff as kernels_handoff
 from kernels.expert_copy import copy_plan
 from kernels.impl import interpreted
 from kernels.slot_cache import SlotCache, ensure, set_policy
+from proto.knobs import KNOBS_BY_FIELD
 
 from cpu_expert_pool.channel import WorkerDead, WorkerError, WorkerTimeout
 
@@ -83,8 +84,9 @@ class HybridExperts(SlotPoolAudit):
     """Expert backend over a GPU slot pool and a CPU expert pool; see the module docstring."""
 
     def __init__(self, host: HostExperts, num_slots: int, device: torch.device | str, pool: CpuPool, *,
-                 strategy: str = "hybrid", fetch_fraction: float = 0.5, fetch_round: str = "split",
-                 fetch_select: str = "recency", promote: bool = True, seed: int = 0, per_layer: bool = False,
+                 strategy: str = "hybrid", fetch_fraction: float = 0.5,
+                 fetch_round: str = KNOBS_BY_FIELD["fetch_round"].default,
+                 fetch_select: str = KNOBS_BY_FIELD["fetch_select"].default, promote: bool = True, seed: int = 0, per_layer: bool = False,
                  mode: str = "auto", gather_max_pairs: int = 32, cpu_max_tokens: int = 512,
                  owns_host: bool = True, owns_pool: bool = True, handoff: str = "auto",
                  overlap_copy: bool = True, split_copy: bool = True):
@@ -98,10 +100,6 @@ class HybridExperts(SlotPoolAudit):
         self.mode, self.gather_max_pairs = mode, gather_max_pairs
         self.kernel_impl = "auto"     # moe_gemv: Triton on CUDA, reference on CPU ("triton": tests)
         self.cpu_max_tokens = min(cpu_max_tokens, pool.t_max)
-        # the engine's prefill chunk with this backend (EngineConfig.prefill_chunk_tokens unset): chunks the CPU
-        # pool can take its share of, as before the engine's default grew to 4,096 (a larger chunk would run as
-        # offload; which is faster has not been measured yet: bench/run_gpu.sh s14-a)
-        self.preferred_prefill_chunk_tokens = self.cpu_max_tokens
         self.cache = SlotCache.create(self.num_layers, self.num_experts, num_slots, device=self.device,
                                       per_layer=per_layer)
         # slots: [S_total + 1, N]; zeroed once so that every slot always holds finite values (step 5). The last
@@ -277,6 +275,13 @@ class HybridExperts(SlotPoolAudit):
         while self._resync:                          # after the join: nothing of theirs in flight
             self._resync.pop().sync_sequence()
         return total
+
+    @property
+    def preferred_prefill_chunk_tokens(self) -> int:
+        """The engine's prefill chunk with this backend (EngineConfig.prefill_chunk_tokens unset): chunks the CPU
+        pool can take its share of, as before the engine's default grew to 4,096 (a larger chunk would run as
+        offload; which is faster has not been measured yet: bench/run_gpu.sh s14-a)."""
+        return self.cpu_max_tokens
 
     # -- the device hand-off (handoff="device") -------------------------------------------------------
     def _device_sized(self, num_pairs: int) -> bool:

@@ -17,6 +17,7 @@ import torch
 
 from cpu_expert_pool.topology import format_cpulist, parse_cpulist, set_process_affinity
 from kernels.slot_cache.state import ROUND_MODES, SELECT_MODES
+from proto.knobs import KNOBS_BY_FIELD
 
 log = logging.getLogger("ft.hybrid")
 
@@ -54,8 +55,8 @@ def unpin_driving_process() -> None:
 @dataclasses.dataclass
 class HybridOptions:
     fetch_fraction: float | None = None     # f in [0, 1]; None: profile, else DEFAULT_FETCH_FRACTION
-    fetch_round: str = "split"              # rounding of f*M (ROUND_MODES; split: on the device hand-off)
-    fetch_select: str = "recency"           # which misses are fetched first (SELECT_MODES)
+    fetch_round: str = KNOBS_BY_FIELD["fetch_round"].default     # rounding of f*M (ROUND_MODES)
+    fetch_select: str = KNOBS_BY_FIELD["fetch_select"].default   # which misses are fetched first (SELECT_MODES)
     promote: bool = True                    # recency promotion (docs/slot_cache.md)
     seed: int = 0                           # stochastic rounding's seed
     cpu_workers: int = 1                    # `ft worker cpu` processes (a multiple of the NUMA nodes)
