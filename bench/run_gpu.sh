@@ -27,7 +27,7 @@
 #        in offload: copy kernel, DMA, DMA with prefetch; chunk sizes) [s13-c] (prefill's grouped GEMMs: torch._grouped_mm
 #        against the loop; chunk sizes with a 4K prompt; GPU tests) [s13-d] (GPU tests, decode; failed at 50%: >1,024 groups)
 #        [s13-e] (windows of groups: GPU tests, prefill at 25 / 50%, decode at 50%) [s13-f] (prefill attention's bias once a
-#        forward: GPU tests, resident TTFT at 4K and 16K) [s14-a] (prepared, not run: hybrid prefill, 512 against 4096 chunks)
+#        forward: GPU tests, resident TTFT at 4K and 16K) [s14-a] (hybrid prefill, 512 against 4096 chunks) [s14-b] (the GPU tests left unrun in the thirteenth session)
 #        (default: kernels engine cpu). SECTION_TIMEOUT (s, default 540) bounds each command.
 # Logs go to $OUT (the device tool's output folder) when it is set, else ./out.
 set -u
@@ -482,9 +482,16 @@ device,=hybrid min-wait device serial" 2>&1 | tee "$OUT/overlap_hybrid.log" | ta
     s14-a)    # prepared in the thirteenth session, not run: hybrid prefill (time to first token), a 4K prompt at a 25% cache:
               # chunks of 512 (the engine's default with hybrid: each keeps its CPU share) against 4096 (run as offload,
               # without the prefetch), beside offload with the prefetch; decides hybrid's default chunk
-      timeout 400 python3 bench/bench_prefill.py --runs 2 --prompt-tokens 4096 --chunks 512,4096 --fractions 0.25 \
+      timeout ${S14A_T:-400} python3 bench/bench_prefill.py --runs 2 --prompt-tokens 4096 --chunks 512,4096 --fractions 0.25 \
         --variants prefetch,hybrid > "$OUT/s14a_prefill.log" 2>&1 || status=1
       tail -n 7 "$OUT/s14a_prefill.log" | cut -c1-200
+      ;;
+    s14-b)    # fourteenth session, first: the GPU tests that had not run on the thirteenth session's last edits (the 4096-token
+              # default chunk, split as HybridOptions' default, the CLIs' argument parsing)
+      timeout ${S14B_T:-300} python3 -m pytest -q --tb=short -p no:cacheprovider -m gpu tests/test_engine_gpu.py tests/test_hybrid.py \
+        tests/test_offload.py tests/test_models_experts.py tests/test_engine_attention.py tests/test_copy_overlap.py \
+        > "$OUT/s14b_tests.log" 2>&1 || status=1
+      grep -E "FAILED|Error|passed|failed" "$OUT/s14b_tests.log" | cut -c1-300 | tail -n 12
       ;;
     omp-wait)    # prepared in the tenth session; s11-e ran the same comparison (active starved the pool: 3.2 GB/s): the hybrid configuration with the CPU workers' OpenMP team
                  # left to libgomp's default wait (spin, then sleep) against OMP_WAIT_POLICY=active (the workers inherit
