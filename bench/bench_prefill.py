@@ -14,10 +14,14 @@ pass over all experts a chunk. This measures, for one prompt and greedy sampling
 - the chunk size (`--chunks`): every chunk pays its pass over the experts again;
 - the grouped expert GEMMs of prefill (`--grouped`): `auto` (torch._grouped_mm, two launches a layer, where it
   applies) against `loop` (one GEMM pair per routed expert and a host sync a layer);
+- prefill attention (`--attention`, resident rows only; the other rows take the first): `auto` (SDPA's flash
+  kernel with a lower-right causal bias object, no mask in memory, where it applies) against `bias` (the folded
+  additive bias, built once a forward; attention.PREFILL_KERNEL);
 - whether the first token equals the resident run's with the same grouped GEMMs (greedy: lossless; not
   expected of `hybrid`, whose CPU share is computed by another kernel);
-- `hybrid` (not run on a GPU yet): the engine's default chunk with it is 512, so that a chunk keeps its CPU
-  share; a longer chunk runs as offload, without the prefetch. Its "copied" column counts whole experts fetched.
+- `hybrid`: a chunk of at most `cpu_max_tokens` (512) splits each layer's misses with the CPU pool; a longer one
+  runs as offload with the prefill prefetch (fourteenth session; `hybrid-noprefetch`: without it, as the thirteenth
+  session left it). Its "copied" column counts whole experts fetched; the roofline is shown where it ran as offload.
 
 Usage: python bench/bench_prefill.py [--runs 3] [--prompt-tokens 1024] [--chunks 512,1024]
        [--fractions 0.1,0.5] [--variants kernel,dma,prefetch] [--grouped auto,loop]
@@ -37,6 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.bench_engine import _sync, pcie_store_bandwidth  # noqa: E402
 import gpu_worker.models.resident_experts as resident_experts  # noqa: E402
+import gpu_worker.engine.attention as attention  # noqa: E402
 from gpu_worker.engine import Engine, EngineConfig, SamplingParams  # noqa: E402
 from gpu_worker.models import load_model  # noqa: E402
 from gpu_worker.hybrid import HybridExperts, HybridOptions, start_cpu_pool  # noqa: E402
@@ -48,8 +53,10 @@ VARIANTS = {
     "kernel": dict(copy_mode="kernel", prefill_prefetch=False),
     "dma": dict(copy_mode="dma", prefill_prefetch=False),
     "prefetch": dict(copy_mode="kernel", prefill_prefetch=True),
-    "hybrid": None,        # HybridExperts over a CPU pool (--hybrid-fraction, --cpu-workers): a chunk of at most its
-                           # cpu_max_tokens (512) splits its misses with the CPU pool, a longer one runs as offload
+    # HybridExperts over a CPU pool (--hybrid-fraction, --cpu-workers): a chunk of at most its cpu_max_tokens (512)
+    # splits its misses with the CPU pool, a longer one runs as offload (with or without the prefill prefetch)
+    "hybrid": dict(prefill_prefetch=True),
+    "hybrid-noprefetch": dict(prefill_prefetch=False),
 }
 
 
@@ -99,6 +106,9 @@ def main() -> int:
     parser.add_argument("--grouped", default="auto",
                         help="prefill's grouped expert GEMMs, comma-separated: auto (torch._grouped_mm where it applies), "
                              "loop (one GEMM pair per expert); resident_experts.GROUPED_MM")
+    parser.add_argument("--attention", default="auto",
+                        help="prefill attention for the resident rows, comma-separated: auto (flash with a causal bias "
+                             "object where it applies), bias (the folded bias); attention.PREFILL_KERNEL")
     parser.add_argument("--hybrid-fraction", type=float, default=0.4,
                         help="hybrid variant: the fetch fraction f (the rest of each layer's misses go to the CPU pool)")
     parser.add_argument("--cpu-workers", type=int, default=1, help="hybrid variant: CPU expert processes")
@@ -108,10 +118,13 @@ def main() -> int:
     chunks = [int(c) for c in args.chunks.split(",") if c.strip()]
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
     groupings = [g.strip() for g in args.grouped.split(",") if g.strip()]
-    bad = [v for v in variants if v not in VARIANTS] + [g for g in groupings if g not in ("auto", "loop", "mm")]
-    if bad or not chunks or min(chunks) < 1 or not groupings:
-        raise SystemExit(f"--variants takes {', '.join(VARIANTS)}; --grouped auto, loop or mm; --chunks positive integers "
-                         f"(got {args.variants!r}, {args.grouped!r}, {args.chunks!r})")
+    kernels = [a.strip() for a in args.attention.split(",") if a.strip()]
+    bad = ([v for v in variants if v not in VARIANTS] + [g for g in groupings if g not in ("auto", "loop", "mm")]
+           + [a for a in kernels if a not in attention.PREFILL_KERNELS])
+    if bad or not chunks or min(chunks) < 1 or not groupings or not kernels:
+        raise SystemExit(f"--variants takes {', '.join(VARIANTS)}; --grouped auto, loop or mm; --attention "
+                         f"{', '.join(attention.PREFILL_KERNELS)}; --chunks positive integers "
+                         f"(got {args.variants!r}, {args.grouped!r}, {args.attention!r}, {args.chunks!r})")
     gen = torch.Generator().manual_seed(0)
     loaded = load_model(preset=args.preset, device=args.device, moe_strategy="resident")
     cfg = loaded.cfg
@@ -120,20 +133,22 @@ def main() -> int:
     loaded.model.routing_override = SyntheticRouting.parse(args.routing, cfg, max_ctx, args.device)
     rows = []                    # (name, chunk, result, roofline_s or None)
     reference = {}
-    def tag(grouped: str) -> str:
-        return f" {grouped}" if len(groupings) > 1 else ""
+    def tag(grouped: str, kernel: str | None = None) -> str:
+        return (f" {grouped}" if len(groupings) > 1 else "") + (f" attn-{kernel}" if kernel and len(kernels) > 1 else "")
 
-    for grouped in groupings:
-        resident_experts.GROUPED_MM = grouped
-        for chunk in chunks:
-            engine = Engine(loaded.model, EngineConfig(max_running_requests=1, max_context_tokens=max_ctx,
-                                                       prefill_chunk_tokens=chunk, cuda_graphs=False),
-                            eos_token_ids=())
-            res = measure(engine, prompt, args.runs)
-            reference[chunk, grouped] = res["token"]
-            rows.append(("resident" + tag(grouped), chunk, res, None))
-            print(f"resident{tag(grouped)} chunk {chunk}: TTFT {res['all_ttft_s']} s", flush=True)
-            del engine
+    for kernel in reversed(kernels):             # the first last: the offload rows run with it
+        attention.PREFILL_KERNEL = kernel
+        for grouped in groupings:
+            resident_experts.GROUPED_MM = grouped
+            for chunk in chunks:
+                engine = Engine(loaded.model, EngineConfig(max_running_requests=1, max_context_tokens=max_ctx,
+                                                           prefill_chunk_tokens=chunk, cuda_graphs=False),
+                                eos_token_ids=())
+                res = measure(engine, prompt, args.runs)
+                reference.setdefault((chunk, grouped), {})[kernel] = res["token"]
+                rows.append(("resident" + tag(grouped, kernel), chunk, res, None))
+                print(f"resident{tag(grouped, kernel)} chunk {chunk}: TTFT {res['all_ttft_s']} s", flush=True)
+                del engine
     source = loaded.source.experts
     expert_bytes = source.layout.expert_nbytes
     loaded.model.experts = None
@@ -146,15 +161,16 @@ def main() -> int:
     pool = None        # started before the first hybrid row: it pins this process to the reserved CPUs, so the
     try:               # offload rows run first, unpinned, as in the other sections' runs
         runs = sorted([(f, v, g, c) for f in fractions for v in variants for g in groupings for c in chunks],
-                      key=lambda run: run[1] == "hybrid")                               # hybrid rows last
+                      key=lambda run: run[1].startswith("hybrid"))                      # hybrid rows last
         for frac, variant, grouped, chunk in runs:
             slots = resolve_cache_slots(frac, source.num_layers, source.num_experts)
             resident_experts.GROUPED_MM = grouped
-            if variant == "hybrid" and pool is None:
+            hybrid = variant.startswith("hybrid")
+            if hybrid and pool is None:
                 pool = start_cpu_pool(host, HybridOptions(cpu_workers=args.cpu_workers), cfg.top_k)
-            if variant == "hybrid":
+            if hybrid:
                 backend = HybridExperts(host, slots, args.device, pool, owns_host=False, owns_pool=False,
-                                        fetch_fraction=args.hybrid_fraction)
+                                        fetch_fraction=args.hybrid_fraction, **VARIANTS[variant])
             else:
                 backend = OffloadExperts(host, slots, args.device, **VARIANTS[variant])
             loaded.model.experts = backend
@@ -162,15 +178,16 @@ def main() -> int:
                                                        prefill_chunk_tokens=chunk, cuda_graphs=False),
                             eos_token_ids=())
             res = measure(engine, prompt, args.runs, backend)
-            res["lossless"] = res["token"] == reference[chunk, grouped]
-            name = (f"hybrid {frac:.0%} f={args.hybrid_fraction:g}" if variant == "hybrid"
+            res["lossless"] = res["token"] == reference[chunk, grouped][kernels[0]]
+            name = (f"{variant} {frac:.0%} f={args.hybrid_fraction:g}" if hybrid
                     else f"offload {frac:.0%} {variant}") + tag(grouped)
-            roof = None if variant == "hybrid" else res["fetched"] * expert_bytes / bw   # (PCIe alone)
+            as_offload = not hybrid or chunk > backend.cpu_max_tokens      # (a hybrid chunk the CPU shares: no roof)
+            roof = res["fetched"] * expert_bytes / bw if as_offload else None   # (PCIe alone)
             rows.append((name, chunk, res, roof))
             print(f"{name} chunk {chunk}: TTFT {res['all_ttft_s']} s, {res['fetched']} experts copied",
                   flush=True)
             loaded.model.experts = None
-            if variant == "hybrid":
+            if hybrid:
                 backend.close()              # its doorbells (it owns neither the store nor the pool)
             del engine, backend
             gc.collect()

@@ -28,6 +28,7 @@
 #        against the loop; chunk sizes with a 4K prompt; GPU tests) [s13-d] (GPU tests, decode; failed at 50%: >1,024 groups)
 #        [s13-e] (windows of groups: GPU tests, prefill at 25 / 50%, decode at 50%) [s13-f] (prefill attention's bias once a
 #        forward: GPU tests, resident TTFT at 4K and 16K) [s14-a] (hybrid prefill, 512 against 4096 chunks) [s14-b] (the GPU tests left unrun in the thirteenth session)
+#        [s14-c] (hybrid prefill with the prefetch; prefill attention on flash with a causal bias object)
 #        (default: kernels engine cpu). SECTION_TIMEOUT (s, default 540) bounds each command.
 # Logs go to $OUT (the device tool's output folder) when it is set, else ./out.
 set -u
@@ -479,7 +480,7 @@ device,=hybrid min-wait device serial" 2>&1 | tee "$OUT/overlap_hybrid.log" | ta
         > "$OUT/s13f_prefill16k.log" 2>&1 || status=1
       tail -n 3 "$OUT/s13f_prefill16k.log" | cut -c1-200
       ;;
-    s14-a)    # prepared in the thirteenth session, not run: hybrid prefill (time to first token), a 4K prompt at a 25% cache:
+    s14-a)    # prepared in the thirteenth session, ran in the fourteenth: hybrid prefill (time to first token), a 4K prompt at a 25% cache:
               # chunks of 512 (the engine's default with hybrid: each keeps its CPU share) against 4096 (run as offload,
               # without the prefetch), beside offload with the prefetch; decides hybrid's default chunk
       timeout ${S14A_T:-400} python3 bench/bench_prefill.py --runs 2 --prompt-tokens 4096 --chunks 512,4096 --fractions 0.25 \
@@ -492,6 +493,25 @@ device,=hybrid min-wait device serial" 2>&1 | tee "$OUT/overlap_hybrid.log" | ta
         tests/test_offload.py tests/test_models_experts.py tests/test_engine_attention.py tests/test_copy_overlap.py \
         > "$OUT/s14b_tests.log" 2>&1 || status=1
       grep -E "FAILED|Error|passed|failed" "$OUT/s14b_tests.log" | cut -c1-300 | tail -n 12
+      ;;
+    s14-c)    # fourteenth session: hybrid prefill run as offload with the next-layer prefetch (new) and without; prefill attention
+              # on SDPA's flash kernel with a lower-right causal bias object (new, no mask in memory) against the folded bias
+      timeout 200 python3 -m pytest -q --tb=short -p no:cacheprovider -m gpu tests/test_engine_attention.py tests/test_engine_gpu.py \
+        tests/test_hybrid.py::test_gpu_prefill_run_as_offload_streams_the_next_layers_experts \
+        > "$OUT/s14c_tests.log" 2>&1 || status=1
+      grep -E "FAILED|Error|passed|failed" "$OUT/s14c_tests.log" | cut -c1-300 | tail -n 8
+      timeout 150 python3 bench/bench_prefill.py --runs 3 --prompt-tokens 4096 --chunks 4096 --fractions "" --attention auto,bias \
+        > "$OUT/s14c_attn4k.log" 2>&1 || status=1
+      tail -n 3 "$OUT/s14c_attn4k.log" | cut -c1-200
+      timeout 150 python3 bench/bench_prefill.py --runs 2 --prompt-tokens 16384 --chunks 4096 --fractions "" --attention auto,bias \
+        > "$OUT/s14c_attn16k.log" 2>&1 || status=1
+      tail -n 3 "$OUT/s14c_attn16k.log" | cut -c1-200
+      timeout 200 python3 bench/bench_prefill.py --runs 2 --prompt-tokens 4096 --chunks 4096 --fractions 0.25 \
+        --variants prefetch,hybrid,hybrid-noprefetch > "$OUT/s14c_hybrid4k.log" 2>&1 || status=1
+      tail -n 4 "$OUT/s14c_hybrid4k.log" | cut -c1-200
+      timeout 150 python3 bench/bench_prefill.py --runs 2 --prompt-tokens 256 --chunks 4096 --fractions 0.25 \
+        --variants prefetch,hybrid > "$OUT/s14c_hybrid256.log" 2>&1 || status=1
+      tail -n 3 "$OUT/s14c_hybrid256.log" | cut -c1-200
       ;;
     omp-wait)    # prepared in the tenth session; s11-e ran the same comparison (active starved the pool: 3.2 GB/s): the hybrid configuration with the CPU workers' OpenMP team
                  # left to libgomp's default wait (spin, then sleep) against OMP_WAIT_POLICY=active (the workers inherit

@@ -141,16 +141,94 @@ def _prefill_bias_case(device: str, dtype: torch.dtype, window: int | None) -> N
     for c in (0, chunk // 2, chunk - 1):
         ref = reference(q[c].double(), kv.k[0, 0, :end].double(), kv.v[0, 0, :end].double(), start + c, window)
         assert rel_err(out[c].double(), ref) < (1e-5 if dtype == torch.float32 else 2e-2)
+    return attn
+
+
+@pytest.fixture
+def bias_kernel(monkeypatch):
+    """Prefill attention on the folded bias even where the flash path applies (the bias tests' subject)."""
+    from gpu_worker.engine import attention
+    monkeypatch.setattr(attention, "PREFILL_KERNEL", "bias")
 
 
 @pytest.mark.parametrize("window", [None, 8])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_prefill_bias_is_the_masks_bitwise(dtype, window):
-    _prefill_bias_case("cpu", dtype, window)
+    attn = _prefill_bias_case("cpu", dtype, window)
+    assert attn._flash is False                       # on a CPU the bias path is the only one
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("window", [None, 8])
-def test_gpu_prefill_bias_is_the_masks_bitwise(window):
+def test_gpu_prefill_bias_is_the_masks_bitwise(bias_kernel, window):
     _prefill_bias_case("cuda", torch.bfloat16, window)
+
+
+def test_prefill_kernel_setting_is_checked(monkeypatch):
+    from gpu_worker.engine import attention
+    monkeypatch.setattr(attention, "PREFILL_KERNEL", "flashy")
+    kv = kv_cache(max_batch=1, max_ctx=16)
+    q, k = torch.zeros(2, 8, 16, dtype=torch.float64), torch.zeros(2, 2, 16, dtype=torch.float64)
+    with pytest.raises(ValueError, match="PREFILL_KERNEL must be one of auto, bias"):
+        PrefillAttention(kv, 0, 0, 2).attend(0, q, k, k)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("start,chunk", [(0, 64), (37, 29), (1000, 512), (3, 1)])
+def test_gpu_prefill_flash_path_matches_the_reference_and_the_bias(monkeypatch, start, chunk):
+    """qwen3-30b-a3b's heads (32 query, 4 kv, 128 wide) in bf16: the lower-right causal flash path is taken, and
+    its output agrees with the per-token fp64 reference and with the folded-bias path within bf16 rounding."""
+    from gpu_worker.engine import attention
+    heads, kv_heads, d = 32, 4, 128
+    cfg = MoeConfig(arch="qwen3", vocab_size=8, hidden_size=heads * d, num_layers=1, num_heads=heads,
+                    num_kv_heads=kv_heads, head_dim=d, num_experts=2, top_k=1, expert_intermediate_size=8,
+                    rms_norm_eps=1e-5, rope_theta=1e4, max_position_embeddings=2048)
+    kv = KVCache(cfg, 1, 2048, torch.bfloat16, torch.device("cuda"))
+    g = torch.Generator(device="cuda").manual_seed(4)
+    kv.k.copy_(torch.randn(kv.k.shape, generator=g, device="cuda").bfloat16())
+    kv.v.copy_(torch.randn(kv.v.shape, generator=g, device="cuda").bfloat16())
+    q = torch.randn(chunk, heads, d, generator=g, device="cuda").bfloat16()
+    k = torch.randn(chunk, kv_heads, d, generator=g, device="cuda").bfloat16()
+    v = torch.randn(chunk, kv_heads, d, generator=g, device="cuda").bfloat16()
+    flash = PrefillAttention(kv, 0, start, chunk)
+    out = flash.attend(0, q, k, v)
+    assert flash._flash is True and out.shape == (chunk, heads, d) and out.is_contiguous()
+    monkeypatch.setattr(attention, "PREFILL_KERNEL", "bias")
+    biased = PrefillAttention(kv, 0, start, chunk)
+    out_bias = biased.attend(0, q, k, v)
+    assert biased._flash is False
+    assert rel_err(out.double(), out_bias.double()) < 1e-2
+    end = start + chunk
+    for c in sorted({0, chunk // 2, chunk - 1}):
+        ref = reference(q[c].double(), kv.k[0, 0, :end].double(), kv.v[0, 0, :end].double(), start + c)
+        assert rel_err(out[c].double(), ref) < 2e-2, c
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_prefill_late_in_a_32k_context_builds_no_mask():
+    """A 4,096-token chunk at positions 28,672..32,767 with qwen3-30b-a3b's heads: the folded bias alone would
+    take G x C x S x 2 = 2 GiB; the flash path's extra memory is the output and its transposed copy (~64 MiB)."""
+    heads, kv_heads, d, C, end = 32, 4, 128, 4096, 32768
+    cfg = MoeConfig(arch="qwen3", vocab_size=8, hidden_size=heads * d, num_layers=1, num_heads=heads,
+                    num_kv_heads=kv_heads, head_dim=d, num_experts=2, top_k=1, expert_intermediate_size=8,
+                    rms_norm_eps=1e-5, rope_theta=1e4, max_position_embeddings=end)
+    kv = KVCache(cfg, 1, end, torch.bfloat16, torch.device("cuda"))
+    kv.k.normal_()
+    kv.v.normal_()
+    g = torch.Generator(device="cuda").manual_seed(5)
+    q = torch.randn(C, heads, d, generator=g, device="cuda").bfloat16()
+    k = torch.randn(C, kv_heads, d, generator=g, device="cuda").bfloat16()
+    attn = PrefillAttention(kv, 0, end - C, C)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    out = attn.attend(0, q, k, k)
+    torch.cuda.synchronize()
+    extra = torch.cuda.max_memory_allocated() - base
+    assert attn._flash is True and torch.isfinite(out).all()
+    assert extra < 256 * 2 ** 20, f"prefill attention took {extra / 2 ** 20:.0f} MiB beyond its inputs"
+    ref = reference(q[-1].double(), kv.k[0, 0].double(), kv.v[0, 0].double(), end - 1)   # (attend wrote k as v)
+    assert rel_err(out[-1].double(), ref) < 2e-2

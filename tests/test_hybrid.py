@@ -22,6 +22,7 @@ import pytest
 import torch
 
 from gpu_worker.engine import Engine, EngineConfig, SamplingParams
+from gpu_worker.engine.engine import DEFAULT_PREFILL_CHUNK_TOKENS
 from gpu_worker.hybrid import HybridExperts, HybridOptions
 from gpu_worker.models import load_model
 from kernels.slot_cache import ROUND_MODES, reset
@@ -175,20 +176,82 @@ def test_hits_of_a_warm_pool_still_run_on_the_gpu_in_cpu_mode(hybrid, resident):
     assert_lockstep(lock)
 
 
-def test_prefill_chunks_stay_within_the_cpu_share(hybrid):
-    """Unless configured, the engine's prefill chunk with a hybrid (or cpu) backend is its cpu_max_tokens, so
-    a chunk keeps its CPU share (a longer one would run as offload) as before the general default grew."""
+def test_prefill_chunks_take_the_engines_default(hybrid):
+    """The engine's prefill chunk with a hybrid (or cpu) backend is the general default (4,096): on the H200 a
+    4K prompt at a 25% cache took 7.48 s in 512-token chunks that keep their CPU share, 1.26 s as one chunk run
+    as offload (bench/run_gpu.sh s14-a), and the prefill prefetch below takes that to the copy roofline."""
     backend = hybrid.model.experts.backend
-    assert backend.preferred_prefill_chunk_tokens == backend.cpu_max_tokens <= 512
-    assert Engine(backend_model(hybrid, backend), EngineConfig()).prefill_chunk_tokens == backend.cpu_max_tokens
+    assert not hasattr(backend, "preferred_prefill_chunk_tokens")
+    assert Engine(backend_model(hybrid, backend), EngineConfig()).prefill_chunk_tokens == DEFAULT_PREFILL_CHUNK_TOKENS
+
+
+PREFETCH_PROMPT = [(7 * i + 3) % 300 for i in range(40)]
+
+
+def _prefill_prefetch_case(lock: Lockstep, resident_loaded, device: str) -> None:
+    """A 40-token prompt in 32-token chunks with cpu_max_tokens 4: the chunks run as offload (the decode steps
+    keep their CPU share). With the prefill prefetch on, each such chunk streams the next layer's experts behind
+    its own; tokens equal resident's either way, every layer call agrees with the resident backend (Lockstep),
+    every prefetch is waited for, and the prefetched experts are then hits."""
+    backend = lock.backend
+
+    def run(loaded):
+        engine = Engine(loaded.model, EngineConfig(max_running_requests=1, max_context_tokens=128,
+                                                   prefill_chunk_tokens=32), eos_token_ids=())
+        return engine.generate([PREFETCH_PROMPT], SamplingParams(max_new_tokens=8, ignore_eos=True))
+
+    want = run(resident_loaded)
+    cpu_max, prefetch_was = backend.cpu_max_tokens, backend.prefill_prefetch
+    seen, stale = {}, []
+
+    def audited(layer_idx, x, topk_ids, topk_weights):
+        """After each prefill call, every mapped slot (the prefetched ones too) holds its expert's bytes: the
+        decode steps that follow evict the prefetched slots the chunk did not use, so a check at the end
+        would miss a prefetch copy that never ran."""
+        out = Lockstep.forward(lock, layer_idx, x, topk_ids, topk_weights)
+        if x.shape[0] > backend.cpu_max_tokens:
+            if out.is_cuda:
+                torch.cuda.synchronize()            # the copy stream too (the prefetch is not waited for yet)
+            stale.extend((layer_idx, bad) for bad in backend.audit_slots(sample_slots=backend.cache.total_slots))
+        return out
+
+    lock.forward = audited
+    try:
+        backend.cpu_max_tokens = 4
+        for prefetch in (True, False):
+            before = fresh(lock, strategy="hybrid", fetch_fraction=0.5, seed=5)
+            backend.prefill_prefetch = prefetch
+            assert run(types.SimpleNamespace(model=_with_experts(resident_loaded.model, lock))) == want
+            assert not backend._prefetched, "a layer did not wait for the experts prefetched for it"
+            assert not stale, f"slots that do not hold their expert after a prefill call: {stale[:4]}"
+            assert backend.audit_slots(sample_slots=backend.cache.total_slots) == []
+            assert_lockstep(lock)
+            seen[prefetch] = {k: delta(backend, before, k) for k in
+                              ("experts_prefetched_total", "expert_misses_total", "offload_calls_total",
+                               "cpu_triples_total")}
+    finally:
+        backend.cpu_max_tokens, backend.prefill_prefetch = cpu_max, prefetch_was
+        del lock.forward
+    on, off = seen[True], seen[False]
+    assert on["experts_prefetched_total"] > 0 and off["experts_prefetched_total"] == 0
+    assert on["expert_misses_total"] < off["expert_misses_total"], "prefetched experts should be hits"
+    assert on["offload_calls_total"] > 0 and on["cpu_triples_total"] > 0     # prefill as offload, decode shared
+
+
+def _with_experts(model, experts):
+    import copy
+    model = copy.copy(model)
+    model.experts = experts
+    return model
+
+
+def test_prefill_run_as_offload_streams_the_next_layers_experts(hybrid):
+    _prefill_prefetch_case(hybrid.model.experts, load_model(device="cpu"), "cpu")
 
 
 def backend_model(loaded, backend):
     """The loaded model with the bare backend (not the test's Lockstep wrapper), for the engine's defaults."""
-    import copy
-    model = copy.copy(loaded.model)
-    model.experts = backend
-    return model
+    return _with_experts(loaded.model, backend)
 
 
 def test_policy_changes_live_and_bad_values_change_nothing(hybrid, resident):
@@ -636,5 +699,20 @@ def test_gpu_split_rounding_in_the_decode_graphs_matches_resident_and_survives_a
         assert seen["fell_back_at_token"] < seen["readmitted_at_token"] < FAULT_TOKENS
         assert backend.counters()["split_experts_total"] > c["split_experts_total"]
         assert backend.audit_slots(sample_slots=backend.cache.total_slots) == []
+    finally:
+        backend.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.usefixtures("no_tf32")
+def test_gpu_prefill_run_as_offload_streams_the_next_layers_experts(tiny_cache):
+    """The same on the GPU: the prefetch copies run on the copy stream behind the layer's own and the next
+    layer waits on their event; a missing wait shows as stale slot bytes (Lockstep, the audit) or tokens."""
+    resident_loaded = load_model(device="cuda")
+    loaded = load_model(device="cuda", moe_strategy="hybrid", moe_cache_size=CACHE_SLOTS,
+                        hybrid=options_for_tests(fetch_fraction=0.5, cpu_workers=2))
+    backend = loaded.model.experts
+    try:
+        _prefill_prefetch_case(Lockstep(backend, resident_loaded.model.experts), resident_loaded, "cuda")
     finally:
         backend.close()

@@ -6,7 +6,11 @@ query attention reads each cached key once and never copies K/V to Hq heads:
     q [T, Hq, D] -> [rows, Hkv, G * T_row, D];  k, v: cache views [rows, Hkv, S_attn, D]
 
 - `PrefillAttention`: one request, a chunk of C tokens at positions start..start+C-1; writes the chunk's
-  K/V into the request's row, attends causally over positions [0, start + C).
+  K/V into the request's row, attends causally over positions [0, start + C). Where SDPA's flash kernel
+  applies (CUDA, fp16/bf16, no sliding window: `PREFILL_KERNEL` "auto"), the causal mask is not built at
+  all: a lower-right causal bias object (torch.nn.attention.bias.causal_lower_right) with the query heads
+  unfolded and grouped-query K/V read in place (enable_gqa); elsewhere the folded layout and an additive
+  bias built once per forward (`folded_bias`).
 - `DecodeAttention`: one token for each of T requests. Fixed shapes for CUDA graphs (no host sync),
   by one of two backends:
   - "triton" (the default on CUDA): kernels/decode_attention, a flash-decoding kernel that reads only
@@ -19,6 +23,8 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch.backends.cuda import SDPAParams, can_use_flash_attention
+from torch.nn.attention.bias import causal_lower_right
 
 from kernels.decode_attention import decode_attention
 from kernels.moe_decode import KvWrite
@@ -27,6 +33,11 @@ from .kv_cache import KVCache
 
 MIN_DECODE_BUCKET_TOKENS = 64
 ATTENTION_BACKENDS = ("auto", "sdpa", "triton")
+# Prefill attention: "auto" = the flash kernel with a lower-right causal bias object where it applies (no mask in
+# memory: late in a 32K context a 4,096-token chunk's folded bias is 2 GiB for qwen3-30b-a3b), else the folded
+# bias; "bias" = always the folded bias (what every prefill did before the fourteenth session; benchmarks, tests).
+PREFILL_KERNELS = ("auto", "bias")
+PREFILL_KERNEL = "auto"
 
 
 def resolve_attention_backend(backend: str, device: torch.device) -> str:
@@ -60,7 +71,9 @@ class PrefillAttention:
         if sliding_window is not None:
             mask &= k_pos > q_pos - sliding_window
         self.mask = mask
+        self.sliding_window = sliding_window
         self._folded: dict[tuple[int, torch.dtype], torch.Tensor] = {}   # (G, dtype) -> the folded heads' bias
+        self._flash: bool | None = None          # whether attend takes the flash path (decided at its first call)
 
     def folded_bias(self, group: int, dtype: torch.dtype) -> torch.Tensor:
         """[G*C, S_attn] additive bias in `dtype`: 0 where row g*C + c (query c) may attend, -inf elsewhere. Built
@@ -79,6 +92,18 @@ class PrefillAttention:
             self._folded[key] = bias.view(group * C, stride)[:, :S]
         return self._folded[key]
 
+    def _flash_applies(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> bool:
+        """Whether SDPA's flash kernel takes this call's shapes and dtype with grouped-query K/V (CUDA, fp16/bf16,
+        supported head size), so that the lower-right causal bias runs without a mask in memory. The efficient
+        kernel's lower-right path would not take grouped-query K/V, and the fallback materialises the mask: the
+        folded bias is better there."""
+        if PREFILL_KERNEL not in PREFILL_KERNELS:
+            raise ValueError(f"PREFILL_KERNEL must be one of {', '.join(PREFILL_KERNELS)}, got {PREFILL_KERNEL!r}")
+        if PREFILL_KERNEL == "bias" or self.sliding_window is not None or q.device.type != "cuda":
+            return False
+        qh = q.transpose(0, 1).unsqueeze(0)
+        return bool(can_use_flash_attention(SDPAParams(qh, keys, values, None, 0.0, False, True)))
+
     def kv_write(self, layer_idx: int, v: torch.Tensor) -> KvWrite | None:
         return None                                   # a chunk's K/V: one contiguous copy each in attend
 
@@ -93,6 +118,13 @@ class PrefillAttention:
         self.kv.v[layer_idx, self.slot, self.start:self.end].copy_(v)
         keys = self.kv.k[layer_idx, self.slot, : self.end].transpose(0, 1).unsqueeze(0)    # [1, Hkv, S, D]
         values = self.kv.v[layer_idx, self.slot, : self.end].transpose(0, 1).unsqueeze(0)  # [1, Hkv, S, D]
+        if self._flash is None:
+            self._flash = self._flash_applies(q, keys, values)
+        if self._flash:        # query c attends keys [0, start + c]: causal, aligned to the lower right
+            qh = q.transpose(0, 1).unsqueeze(0)                                            # [1, Hq, C, D]
+            out = F.scaled_dot_product_attention(qh, keys, values, attn_mask=causal_lower_right(C, self.end),
+                                                 scale=D ** -0.5, enable_gqa=True)         # [1, Hq, C, D]
+            return out[0].transpose(0, 1).contiguous()
         qf = q.view(C, Hkv, G, D).permute(1, 2, 0, 3).reshape(1, Hkv, G * C, D)           # row g*C + c
         out = F.scaled_dot_product_attention(qf, keys, values, attn_mask=self.folded_bias(G, qf.dtype),
                                              scale=D ** -0.5)

@@ -19,7 +19,9 @@ again for those experts with fraction 1.0 (a normal ensure call, so the cache st
 consistent), copy, GEMM, add. The backend then runs as offload (nothing to the CPU) until every
 worker is back: the supervisor restarts it (the store in shared memory survives), `CpuPool.poll`
 re-admits it once its channel answers. Forwards with more than `cpu_max_tokens` tokens, or more
-triples than a channel holds, run as offload too.
+triples than a channel holds, run as offload too; a prefill chunk that does (its routes cover at least
+`num_experts` pairs) also streams the next layer's experts behind its own copies, as `OffloadExperts` does
+(`prefill_prefetch`, the knob FREETOKEN_PREFILL_PREFETCH / --prefill-prefetch, default on).
 handoff="stream" (opt-in; the default "auto" is "device" on a CUDA GPU, "host" elsewhere): steps 3 and 6 go through `StreamDoorbell`s (one per pool
 member, each on its own side stream on CUDA) instead of submit/join: the hidden-state copy down, the
 doorbell, the wait for the worker and the partial-sum copy up are enqueued on the GPU, the join is a
@@ -54,8 +56,9 @@ from kernels import expert_split
 from kernels import handoff as kernels_handoff
 from kernels.expert_copy import copy_plan
 from kernels.impl import interpreted
-from kernels.slot_cache import SlotCache, ensure, set_policy
-from proto.knobs import KNOBS_BY_FIELD
+from kernels.slot_cache import SlotCache, ensure, prefetch_ensure, set_policy
+from kernels.slot_cache.api import MAX_PREFETCH_CANDIDATES
+from proto.knobs import KNOBS_BY_FIELD, env_setting
 
 from cpu_expert_pool.channel import WorkerDead, WorkerError, WorkerTimeout
 
@@ -89,7 +92,7 @@ class HybridExperts(SlotPoolAudit):
                  fetch_select: str = KNOBS_BY_FIELD["fetch_select"].default, promote: bool = True, seed: int = 0, per_layer: bool = False,
                  mode: str = "auto", gather_max_pairs: int = 32, cpu_max_tokens: int = 512,
                  owns_host: bool = True, owns_pool: bool = True, handoff: str = "auto",
-                 overlap_copy: bool = True, split_copy: bool = True):
+                 overlap_copy: bool = True, split_copy: bool = True, prefill_prefetch: bool | None = None):
         if mode not in MODES:
             raise ValueError(f"expert compute mode {mode!r} is not one of {', '.join(MODES)}")
         self.host, self.pool, self.layout = host, pool, host.layout
@@ -117,6 +120,14 @@ class HybridExperts(SlotPoolAudit):
         self.overlap_copy = overlap_copy
         self.split_copy = split_copy            # the plan copy in two parts, w13 then w2 (copy_then_ffn)
         self._queued = torch.cuda.Event() if self.on_cuda else None
+        # prefill chunks run as offload (more than cpu_max_tokens tokens) stream the next layer's experts
+        # behind their own (None: the knob, default on); layer -> the event after its prefetched experts' copies
+        if prefill_prefetch is None:
+            prefill_prefetch = env_setting("prefill_prefetch") == "on"
+        self.prefill_prefetch = bool(prefill_prefetch)
+        self._prefetched: dict[int, torch.cuda.Event | None] = {}
+        self._candidates = torch.arange(min(self.num_experts, MAX_PREFETCH_CANDIDATES), dtype=torch.int64,
+                                        device=self.device)
         self.readback = Readback(self.device, self._hidden_dtype())
         self._partial = torch.empty(0, dtype=torch.float32, pin_memory=self.on_cuda)   # [T, H] CPU sums
         self.stats = HybridStats(cpu_workers={m.name: WorkerCounters() for m in pool.members})
@@ -227,6 +238,10 @@ class HybridExperts(SlotPoolAudit):
         ids = topk_ids.to(torch.int32)                                    # [T, K] the router's expert ids
         routes = ids.clone()                                              # [T, K] -> slot ids or -1
         to_cpu = self.cpu_active and self.pool.fits(T, T * K) and T <= self.cpu_max_tokens
+        # experts the previous layer's prefill prefetched for this one (copy stream): GEMMs wait for them
+        ready = self._prefetched.pop(layer_idx, None)
+        if ready is not None:
+            torch.cuda.current_stream(self.device).wait_event(ready)
         if device_path:
             return self._forward_device(layer_idx, x, ids, routes, topk_weights, to_cpu)
         st = self.stats
@@ -241,11 +256,18 @@ class HybridExperts(SlotPoolAudit):
             st.offload_calls_total += 1
             ensure(self.cache, layer_idx, routes, fetch_fraction=1.0, round_mode=p["fetch_round"],
                    select=p["fetch_select"], promote=bool(p["promote"]), check_ids=False)
+        # A prefill chunk run as offload routes to most experts of every layer: stream the next layer's (a
+        # low-priority prefetch of all of them, never evicting this layer's) behind this layer's own copies.
+        nxt = (layer_idx + 1 if not to_cpu and self.prefill_prefetch and T * K >= self.num_experts
+               and T * K > self.gather_max_pairs and layer_idx + 1 < self.num_layers else None)
+        if nxt is not None:
+            prefetch_ensure(self.cache, nxt, self._candidates, self._candidates.numel(), check_ids=False)
         t0 = time.perf_counter()
         stream = self.handoff == "stream"
         plan = self.readback.read(self.cache, max_plan=min(self.num_experts, T * K), ids=ids,
                                   routes=routes if to_cpu else None, weights=topk_weights if to_cpu else None,
-                                  x=x if to_cpu and not stream else None)     # stream: x goes down by DMA
+                                  x=x if to_cpu and not stream else None,     # stream: x goes down by DMA
+                                  prefetch_candidates=self._candidates.numel() if nxt is not None else 0)
         st.expert_misses_total += plan.num_misses
         st.expert_hits_total += plan.num_distinct - plan.num_misses
         shares: list[Share] = []
@@ -265,7 +287,7 @@ class HybridExperts(SlotPoolAudit):
                         if db is not None:
                             self._resync.add(db)
             st.handoff_s_total += time.perf_counter() - t0
-        self._copy(layer_idx, plan)
+        self._copy(layer_idx, plan, prefetch_layer=nxt)
         if triples is None:
             return self._gemm(x, routes, topk_weights, skip=False)
         out = self._gemm_gpu_routes(x, routes, topk_weights, skip=triples[0].size == T * K)
@@ -275,13 +297,6 @@ class HybridExperts(SlotPoolAudit):
         while self._resync:                          # after the join: nothing of theirs in flight
             self._resync.pop().sync_sequence()
         return total
-
-    @property
-    def preferred_prefill_chunk_tokens(self) -> int:
-        """The engine's prefill chunk with this backend (EngineConfig.prefill_chunk_tokens unset): chunks the CPU
-        pool can take its share of, as before the engine's default grew to 4,096 (a larger chunk would run as
-        offload; which is faster has not been measured yet: bench/run_gpu.sh s14-a)."""
-        return self.cpu_max_tokens
 
     # -- the device hand-off (handoff="device") -------------------------------------------------------
     def _device_sized(self, num_pairs: int) -> bool:
@@ -458,34 +473,51 @@ class HybridExperts(SlotPoolAudit):
     def _mode(self, num_pairs: int) -> str:
         return pick_mode(self.mode, self.on_cuda, num_pairs, self.gather_max_pairs)
 
-    def _copy(self, layer_idx: int, plan: LayerPlan) -> None:
-        """Execute the copy plan: host store -> slots, on the copy stream after every queued GEMM."""
-        n = plan.num_copies
-        if n == 0:
+    def _copy(self, layer_idx: int, plan: LayerPlan, prefetch_layer: int | None = None) -> None:
+        """Execute the copy plan: host store -> slots, on the copy stream after every queued GEMM; with
+        `prefetch_layer`, then the plan's prefetch part (that layer's rows) behind it, which the compute
+        stream does not wait for here: `forward` of that layer does (`_prefetched`)."""
+        n, m = plan.num_copies, len(plan.prefetch_dst)
+        if n == 0 and m == 0:
             return
         st = self.stats
-        st.experts_fetched_total += n
-        st.copy_bytes_total += n * self.layout.expert_nbytes
-        host_layer = self.host.layers[layer_idx]                                   # [E, N] host
+        st.experts_fetched_total += n + m
+        st.experts_prefetched_total += m
+        st.copy_bytes_total += (n + m) * self.layout.expert_nbytes
+        jobs = [(self.host.layers[layer_idx], plan.dst, plan.src)]                 # [E, N] host rows
+        if m:
+            jobs.append((self.host.layers[prefetch_layer], plan.prefetch_dst, plan.prefetch_src))
         if not self.on_cuda:
             t0 = time.perf_counter()
-            for d, s in zip(plan.dst, plan.src):
-                self.slots[d].copy_(host_layer[s])
+            for host_layer, dsts, srcs in jobs:
+                for d, s in zip(dsts, srcs):
+                    self.slots[d].copy_(host_layer[s])
             t1 = time.perf_counter()
             self.timer.add("copy_time_s_total", t0, t1)
             self.timer.add("gpu_wait_for_copy_s_total", t0, t1)      # the host copies before it computes
+            if m:
+                self._prefetched[prefetch_layer] = None              # (landed already: nothing to wait for)
             return
         compute = torch.cuda.current_stream(self.device)
         self._queued.record(compute)             # every GEMM already queued reads its slot first
         with torch.cuda.stream(self.copy_stream):
             self.copy_stream.wait_event(self._queued)     # (the wait takes the event as recorded now)
             start = self.timer.mark(self.copy_stream)
-            for d, s in zip(plan.dst, plan.src):
+            host_layer, dsts, srcs = jobs[0]
+            for d, s in zip(dsts, srcs):
                 self.slots[d].copy_(host_layer[s], non_blocking=True)
-            done = self.timer.mark(self.copy_stream)
-        self.timer.add("copy_time_s_total", start, done)
+            done = end = self.timer.mark(self.copy_stream)
+            if m:
+                host_layer, dsts, srcs = jobs[1]
+                for d, s in zip(dsts, srcs):
+                    self.slots[d].copy_(host_layer[s], non_blocking=True)
+                end = self.timer.mark(self.copy_stream)     # (timer events are reused once resolved: not waited on)
+                landed = torch.cuda.Event()
+                landed.record(self.copy_stream)
+                self._prefetched[prefetch_layer] = landed
+        self.timer.add("copy_time_s_total", start, end)   # copy_bytes_total counts the prefetch too
         wait_from = self.timer.mark(compute)
-        compute.wait_event(done)
+        compute.wait_event(done)                 # this layer's experts; the prefetch runs on
         self.timer.add("gpu_wait_for_copy_s_total", wait_from, self.timer.mark(compute))
 
     def _join(self, layer_idx: int, x: torch.Tensor, out: torch.Tensor,

@@ -3,9 +3,11 @@
 The copy engines need host-issued copies (the plan), and the CPU pool needs the CPU-assigned triples
 and the hidden states, so every layer reads back, into pinned host buffers, in one stream order:
     ints    = [num_copies, num_misses, num_distinct, dst[P], src[P], routes[R], ids[R]]   int32
+              (+ [prefetch_copies, prefetch_dst[Q], prefetch_src[Q]] with prefetch: a prefill's next layer)
     weights = [R] fp32,  hidden = [T, H] in the channel's dtype
 then synchronises the compute stream once (the layer's only host sync). P = the longest plan this
-call can have (min(slots, experts, routes)), R = T*K routes (0 when the CPU gets nothing).
+call can have (min(slots, experts, routes)), R = T*K routes (0 when the CPU gets nothing), Q = the longest
+prefetch plan (min(slots, prefetch candidates)).
 Legend: T tokens, K top-k, H hidden, E experts, S slots.
 """
 from __future__ import annotations
@@ -29,6 +31,8 @@ class LayerPlan:
     ids: np.ndarray | None           # [T*K] int32: the router's expert ids
     weights: np.ndarray | None       # [T*K] fp32: the router's weights
     hidden: torch.Tensor | None      # [T, H] host copy of x (channel dtype)
+    prefetch_dst: list[int] = dataclasses.field(default_factory=list)   # the prefetch plan (prefetch_ensure's)
+    prefetch_src: list[int] = dataclasses.field(default_factory=list)   # rows of the prefetched layer
 
 
 class Readback:
@@ -50,8 +54,9 @@ class Readback:
 
     def read(self, cache: SlotCache, *, max_plan: int, ids: torch.Tensor | None = None,
              routes: torch.Tensor | None = None, weights: torch.Tensor | None = None,
-             x: torch.Tensor | None = None) -> LayerPlan:
-        """ids/routes [T, K] int32 (device), weights [T, K] fp32, x [T, H]: read back those given.
+             x: torch.Tensor | None = None, prefetch_candidates: int = 0) -> LayerPlan:
+        """ids/routes [T, K] int32 (device), weights [T, K] fp32, x [T, H]: read back those given;
+        prefetch_candidates > 0: also the plan of the `prefetch_ensure` made with that many candidates.
 
         Without routes, the distinct count of ids is computed on the device (nothing per route is read).
         """
@@ -66,7 +71,10 @@ class Readback:
         parts += [cache.evict_slots[:p], cache.src_indices[:p]]
         if routes is not None:
             parts += [routes.reshape(-1), ids.reshape(-1)]
-        packed = torch.cat(parts)                                                   # [3 + 2P + 2R] int32
+        q = min(prefetch_candidates, cache.num_slots)
+        if prefetch_candidates:
+            parts += [cache.prefetch_num_indices, cache.prefetch_evict_slots[:q], cache.prefetch_src_indices[:q]]
+        packed = torch.cat(parts)                                            # [3 + 2P + 2R (+ 1 + 2Q)] int32
         self._ints = self._room(self._ints, packed.numel())
         ints = self._ints[:packed.numel()]
         ints.copy_(packed, non_blocking=True)
@@ -89,5 +97,13 @@ class Readback:
         routes_h = a[3 + 2 * p:3 + 2 * p + r] if routes is not None else None
         ids_h = a[3 + 2 * p + r:3 + 2 * p + 2 * r] if routes is not None else None
         distinct = int(np.unique(ids_h).size) if ids_h is not None else int(a[2])
-        return LayerPlan(n, misses, distinct, a[3:3 + n].tolist(), a[3 + p:3 + p + n].tolist(), routes_h, ids_h,
+        plan = LayerPlan(n, misses, distinct, a[3:3 + n].tolist(), a[3 + p:3 + p + n].tolist(), routes_h, ids_h,
                          host_w.numpy() if host_w is not None else None, host_x)
+        if prefetch_candidates:
+            base = 3 + 2 * p + 2 * r
+            m = int(a[base])
+            if m > q:
+                raise RuntimeError(f"the prefetch plan has {m} entries but only {q} were read back")
+            plan.prefetch_dst = a[base + 1:base + 1 + m].tolist()
+            plan.prefetch_src = a[base + 1 + q:base + 1 + q + m].tolist()
+        return plan

@@ -31,7 +31,8 @@ class HybridStats:
     routed_pairs: int = 0                   # (token, expert) routes seen
     expert_hits_total: int = 0              # distinct routed experts found in a slot, per layer call
     expert_misses_total: int = 0            # distinct routed experts not in a slot
-    experts_fetched_total: int = 0          # experts copied host -> slot (fallback fetches included)
+    experts_fetched_total: int = 0          # experts copied host -> slot (fallback fetches and prefetches included)
+    experts_prefetched_total: int = 0       # of those, a prefill's next-layer prefetch (prefill_prefetch)
     copy_bytes_total: int = 0
     copy_time_s_total: float = 0.0          # copy-stream time
     cpu_experts_total: int = 0              # distinct experts computed by the CPU pool, per layer call
