@@ -181,7 +181,9 @@ def main() -> int:
             res["lossless"] = res["token"] == reference[chunk, grouped][kernels[0]]
             name = (f"{variant} {frac:.0%} f={args.hybrid_fraction:g}" if hybrid
                     else f"offload {frac:.0%} {variant}") + tag(grouped)
-            as_offload = not hybrid or chunk > backend.cpu_max_tokens      # (a hybrid chunk the CPU shares: no roof)
+            # (a hybrid chunk the CPU shares has no PCIe-only roofline; s14-c printed one for a 256-token prompt)
+            pieces = [min(chunk, args.prompt_tokens - i) for i in range(0, args.prompt_tokens, chunk)]
+            as_offload = not hybrid or min(pieces) > backend.cpu_max_tokens
             roof = res["fetched"] * expert_bytes / bw if as_offload else None   # (PCIe alone)
             rows.append((name, chunk, res, roof))
             print(f"{name} chunk {chunk}: TTFT {res['all_ttft_s']} s, {res['fetched']} experts copied",
