@@ -1,0 +1,30 @@
+"""bench/sim_eviction.py: the replay of the slot cache's eviction on a hand-made routing table."""
+from __future__ import annotations
+
+import torch
+
+from bench.sim_eviction import simulate
+
+
+def table(prompt: list[int], decode: list[int]) -> torch.Tensor:
+    """One layer, top-1: [positions, 1, 1]."""
+    return torch.tensor(prompt + decode).view(-1, 1, 1)
+
+
+def test_lru_and_lfu_differ_where_the_prompt_says_which_expert_is_popular():
+    """3 experts, 2 slots. The prefill pass copies e0, e1, e2 in order: LRU then holds {e1, e2}; LFU evicts the
+    expert the prompt routed least (e1, once; e2 has no count yet but is the newcomer being admitted) and holds
+    {e0, e2}. Decode routes e0, e2, e0, e2: LRU misses e0 once, LFU never."""
+    t = table([0, 0, 0, 1], [0, 2, 0, 2])
+    assert simulate(t, 1, 3, 2, prompt=4, decode=4, policy="lru") == 1 / 4
+    assert simulate(t, 1, 3, 2, prompt=4, decode=4, policy="lfu") == 0.0
+    # pin:0.5 keeps e0 (the prompt's most routed) in one slot; the other slot is LRU: e2 stays there
+    assert simulate(t, 1, 3, 2, prompt=4, decode=4, policy="pin:0.5") == 0.0
+
+
+def test_a_cache_that_holds_every_expert_never_misses_and_a_tiny_one_misses_every_change():
+    t = table([0, 1, 2, 3], [3, 1, 0, 2, 2])
+    for policy in ("lru", "lfu", "pin:0.5", "pin:1.0"):
+        assert simulate(t, 1, 4, 4, prompt=4, decode=5, policy=policy) == 0.0, policy
+    # one slot, LRU: after the pass it holds e3; then 3 hit, 1 miss, 0 miss, 2 miss, 2 hit
+    assert simulate(t, 1, 4, 1, prompt=4, decode=5, policy="lru") == 3 / 5
