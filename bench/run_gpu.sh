@@ -28,7 +28,7 @@
 #        against the loop; chunk sizes with a 4K prompt; GPU tests) [s13-d] (GPU tests, decode; failed at 50%: >1,024 groups)
 #        [s13-e] (windows of groups: GPU tests, prefill at 25 / 50%, decode at 50%) [s13-f] (prefill attention's bias once a
 #        forward: GPU tests, resident TTFT at 4K and 16K) [s14-a] (hybrid prefill, 512 against 4096 chunks) [s14-b] (the GPU tests left unrun in the thirteenth session)
-#        [s14-c] (hybrid prefill with the prefetch; prefill attention on flash with a causal bias object) [s14-d] (final: GPU tests, 32K prompt)
+#        [s14-c] (hybrid prefill with the prefetch; prefill attention on flash with a causal bias object) [s14-d] (GPU tests, 32K prompt) [s14-e] (review fixes)
 #        (default: kernels engine cpu). SECTION_TIMEOUT (s, default 540) bounds each command.
 # Logs go to $OUT (the device tool's output folder) when it is set, else ./out.
 set -u
@@ -526,6 +526,16 @@ device,=hybrid min-wait device serial" 2>&1 | tee "$OUT/overlap_hybrid.log" | ta
       timeout 180 python3 bench/bench_engine.py --runs 1 --prompt-tokens 32768 --decode-tokens 64 --fractions 0.25 \
         --offload-copy kernel > "$OUT/s14d_engine32k.log" 2>&1 || status=1
       grep -v "^ " "$OUT/s14d_engine32k.log" | tail -n 4 | cut -c1-300
+      ;;
+    s14-e)    # fourteenth session, after a review: hybrid's wait for a prefetched layer moved after its own copies are queued
+              # (as offload's); the prefetch GPU test with the copies held back and its negative control; the lazy mask
+      timeout 200 python3 -m pytest -q --tb=short -p no:cacheprovider -m gpu tests/test_engine_attention.py tests/test_engine_gpu.py \
+        tests/test_hybrid.py -k "prefill or flash or bias or 32k or cuda or bfloat16 or graph or preset or parity" \
+        > "$OUT/s14e_tests.log" 2>&1 || status=1
+      grep -E "FAILED|Error|passed|failed" "$OUT/s14e_tests.log" | cut -c1-300 | tail -n 8
+      timeout 200 python3 bench/bench_prefill.py --runs 2 --prompt-tokens 4096 --chunks 4096 --fractions 0.25 \
+        --variants prefetch,hybrid > "$OUT/s14e_hybrid4k.log" 2>&1 || status=1
+      tail -n 3 "$OUT/s14e_hybrid4k.log" | cut -c1-200
       ;;
     omp-wait)    # prepared in the tenth session; s11-e ran the same comparison (active starved the pool: 3.2 GB/s): the hybrid configuration with the CPU workers' OpenMP team
                  # left to libgomp's default wait (spin, then sleep) against OMP_WAIT_POLICY=active (the workers inherit

@@ -90,7 +90,8 @@ KNOBS: tuple[Knob, ...] = (
          "docs/OFFLOAD.md)",
          choices=("dma", "kernel")),
     Knob("FREETOKEN_PREFILL_PREFETCH", "prefill_prefetch", str, "on",
-         "offload: a prefill chunk (it routes to nearly every expert) copies the next layer's experts by DMA behind "
+         "offload and hybrid: a prefill chunk run as offload (it routes to nearly every expert) copies the next layer's "
+         "experts by DMA behind "
          "its own, so they land while this layer computes: on (default; the chunk's time is its copies': "
          "docs/OFFLOAD.md) or off (each layer copies, then computes); the same tokens either way",
          choices=("on", "off")),

@@ -176,13 +176,22 @@ def test_hits_of_a_warm_pool_still_run_on_the_gpu_in_cpu_mode(hybrid, resident):
     assert_lockstep(lock)
 
 
-def test_prefill_chunks_take_the_engines_default(hybrid):
-    """The engine's prefill chunk with a hybrid (or cpu) backend is the general default (4,096): on the H200 a
-    4K prompt at a 25% cache took 7.48 s in 512-token chunks that keep their CPU share, 1.26 s as one chunk run
-    as offload (bench/run_gpu.sh s14-a), and the prefill prefetch below takes that to the copy roofline."""
+def test_prefill_chunks_take_the_engines_default_unless_the_strategy_is_cpu(hybrid):
+    """The engine's prefill chunk with a hybrid backend is the general default (4,096): on the H200 a 4K prompt at a
+    25% cache took 7.48 s in 512-token chunks that keep their CPU share, 1.26 s as one chunk run as offload
+    (bench/run_gpu.sh s14-a), and the prefill prefetch below takes that to the copy roofline. With strategy cpu
+    (nothing fetched) the chunks stay within cpu_max_tokens; an explicit chunk size wins either way."""
     backend = hybrid.model.experts.backend
-    assert not hasattr(backend, "preferred_prefill_chunk_tokens")
-    assert Engine(backend_model(hybrid, backend), EngineConfig()).prefill_chunk_tokens == DEFAULT_PREFILL_CHUNK_TOKENS
+    try:
+        fresh(hybrid.model.experts, strategy="hybrid")
+        assert backend.preferred_prefill_chunk_tokens is None
+        model = backend_model(hybrid, backend)
+        assert Engine(model, EngineConfig()).prefill_chunk_tokens == DEFAULT_PREFILL_CHUNK_TOKENS
+        backend.set_policy(strategy="cpu")
+        assert Engine(model, EngineConfig()).prefill_chunk_tokens == backend.cpu_max_tokens <= 512
+        assert Engine(model, EngineConfig(prefill_chunk_tokens=2048)).prefill_chunk_tokens == 2048
+    finally:
+        backend.set_policy(strategy="hybrid")
 
 
 PREFETCH_PROMPT = [(7 * i + 3) % 300 for i in range(40)]
@@ -194,12 +203,7 @@ def _prefill_prefetch_case(lock: Lockstep, resident_loaded, device: str) -> None
     its own; tokens equal resident's either way, every layer call agrees with the resident backend (Lockstep),
     every prefetch is waited for, and the prefetched experts are then hits."""
     backend = lock.backend
-
-    def run(loaded):
-        engine = Engine(loaded.model, EngineConfig(max_running_requests=1, max_context_tokens=128,
-                                                   prefill_chunk_tokens=32), eos_token_ids=())
-        return engine.generate([PREFETCH_PROMPT], SamplingParams(max_new_tokens=8, ignore_eos=True))
-
+    run = _prefetch_prompt_tokens
     want = run(resident_loaded)
     cpu_max, prefetch_was = backend.cpu_max_tokens, backend.prefill_prefetch
     seen, stale = {}, []
@@ -236,6 +240,19 @@ def _prefill_prefetch_case(lock: Lockstep, resident_loaded, device: str) -> None
     assert on["experts_prefetched_total"] > 0 and off["experts_prefetched_total"] == 0
     assert on["expert_misses_total"] < off["expert_misses_total"], "prefetched experts should be hits"
     assert on["offload_calls_total"] > 0 and on["cpu_triples_total"] > 0     # prefill as offload, decode shared
+
+
+def _prefetch_prompt_tokens(loaded) -> list[list[int]]:
+    engine = Engine(loaded.model, EngineConfig(max_running_requests=1, max_context_tokens=128,
+                                               prefill_chunk_tokens=32), eos_token_ids=())
+    return engine.generate([PREFETCH_PROMPT], SamplingParams(max_new_tokens=8, ignore_eos=True))
+
+
+class _NoWait(dict):
+    """A `_prefetched` that never hands its events out: the layers do not wait (the GPU test's negative control)."""
+
+    def pop(self, key, default=None):
+        return default
 
 
 def _with_experts(model, experts):
@@ -712,7 +729,32 @@ def test_gpu_prefill_run_as_offload_streams_the_next_layers_experts(tiny_cache):
     loaded = load_model(device="cuda", moe_strategy="hybrid", moe_cache_size=CACHE_SLOTS,
                         hybrid=options_for_tests(fetch_fraction=0.5, cpu_workers=2))
     backend = loaded.model.experts
+    lock = Lockstep(backend, resident_loaded.model.experts)
     try:
-        _prefill_prefetch_case(Lockstep(backend, resident_loaded.model.experts), resident_loaded, "cuda")
+        _prefill_prefetch_case(lock, resident_loaded, "cuda")
+        # The same with the prefetch copies held back on the copy stream (~20 ms a layer), and no sync between
+        # layers: only the wait on their event keeps the next layer's GEMMs from reading the slots early.
+        want = _prefetch_prompt_tokens(resident_loaded)
+        queue = backend._queue_prefetch_copies
+
+        def delayed(*args):
+            torch.cuda._sleep(40_000_000)
+            queue(*args)
+
+        backend._queue_prefetch_copies = delayed
+        model = types.SimpleNamespace(model=_with_experts(resident_loaded.model, lock))
+        backend.cpu_max_tokens = 4
+        before = fresh(lock, strategy="hybrid", fetch_fraction=0.5, seed=5)
+        backend.slots.zero_()         # reset keeps the bytes: the last run's experts would sit in the same slots
+        assert _prefetch_prompt_tokens(model) == want
+        assert_lockstep(lock)
+        assert delta(backend, before, "experts_prefetched_total") > 0
+        # negative control: without the wait the delayed copies are read early, and Lockstep sees it
+        backend._prefetched = _NoWait()
+        fresh(lock, strategy="hybrid", fetch_fraction=0.5, seed=5)
+        backend.slots.zero_()
+        _prefetch_prompt_tokens(model)
+        torch.cuda.synchronize()
+        assert lock.max_rel_diff > MAX_REL_DIFF, "a layer that does not wait for its prefetch went unnoticed"
     finally:
         backend.close()

@@ -64,16 +64,24 @@ class PrefillAttention:
         self.kv, self.slot, self.start, self.end = kv, slot, start_pos, start_pos + num_tokens
         if self.end > kv.max_context_tokens:
             raise ValueError(f"chunk ends at position {self.end} > max_context_tokens {kv.max_context_tokens}")
-        device = kv.k.device
-        q_pos = torch.arange(start_pos, self.end, device=device)[:, None]     # [C, 1]
-        k_pos = torch.arange(self.end, device=device)[None, :]                # [1, S_attn]
-        mask = k_pos <= q_pos                                                  # [C, S_attn]
-        if sliding_window is not None:
-            mask &= k_pos > q_pos - sliding_window
-        self.mask = mask
         self.sliding_window = sliding_window
+        self._mask: torch.Tensor | None = None
         self._folded: dict[tuple[int, torch.dtype], torch.Tensor] = {}   # (G, dtype) -> the folded heads' bias
         self._flash: bool | None = None          # whether attend takes the flash path (decided at its first call)
+
+    @property
+    def mask(self) -> torch.Tensor:
+        """[C, S_attn] bool: query c may attend key s. Built at first use: the flash path never needs it (at a
+        4,096-token chunk late in a 32K context it would be 128 MiB)."""
+        if self._mask is None:
+            device = self.kv.k.device
+            q_pos = torch.arange(self.start, self.end, device=device)[:, None]     # [C, 1]
+            k_pos = torch.arange(self.end, device=device)[None, :]                # [1, S_attn]
+            mask = k_pos <= q_pos                                                  # [C, S_attn]
+            if self.sliding_window is not None:
+                mask &= k_pos > q_pos - self.sliding_window
+            self._mask = mask
+        return self._mask
 
     def folded_bias(self, group: int, dtype: torch.dtype) -> torch.Tensor:
         """[G*C, S_attn] additive bias in `dtype`: 0 where row g*C + c (query c) may attend, -inf elsewhere. Built

@@ -28,8 +28,8 @@ from .scheduler import PrefillChunk, Scheduler
 from .stats import EngineStats
 
 DEFAULT_MAX_CONTEXT_TOKENS = 32768
-# Prompt tokens a prefill chunk takes unless the config or the expert backend (`preferred_prefill_chunk_tokens`,
-# which none of ours defines now) says otherwise. On the H200 (qwen3-30b-a3b, 4K prompt; docs/BENCHMARKS.md,
+# Prompt tokens a prefill chunk takes unless the config or the expert backend (`preferred_prefill_chunk_tokens`:
+# HybridExperts with strategy `cpu`, whose chunks keep their CPU share) says otherwise. On the H200 (qwen3-30b-a3b, 4K prompt; docs/BENCHMARKS.md,
 # thirteenth and fourteenth sessions) resident took 0.60 / 0.20 / 0.17 s at chunks of 512 / 2048 / 4096, offload at
 # a 10% cache 8.52 / 2.13 / 1.07 s (every chunk costs one pass over the experts, whatever its length), and hybrid at
 # 25% 7.48 s in 512-token chunks with their CPU share against 1.10 s as one chunk (run as offload, with the

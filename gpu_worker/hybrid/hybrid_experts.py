@@ -19,9 +19,11 @@ again for those experts with fraction 1.0 (a normal ensure call, so the cache st
 consistent), copy, GEMM, add. The backend then runs as offload (nothing to the CPU) until every
 worker is back: the supervisor restarts it (the store in shared memory survives), `CpuPool.poll`
 re-admits it once its channel answers. Forwards with more than `cpu_max_tokens` tokens, or more
-triples than a channel holds, run as offload too; a prefill chunk that does (its routes cover at least
-`num_experts` pairs) also streams the next layer's experts behind its own copies, as `OffloadExperts` does
-(`prefill_prefetch`, the knob FREETOKEN_PREFILL_PREFETCH / --prefill-prefetch, default on).
+triples than a channel holds, run as offload too; such a call whose routes cover at least `num_experts` pairs
+and that is not decode-sized (a prefill chunk; also a large batch while the pool is down) streams the next
+layer's experts behind its own copies, as `OffloadExperts` does (`prefill_prefetch`, the knob
+FREETOKEN_PREFILL_PREFETCH / --prefill-prefetch, default on). With strategy `cpu` at start the engine keeps
+prefill chunks of `cpu_max_tokens` (`preferred_prefill_chunk_tokens`), so that nothing is fetched.
 handoff="stream" (opt-in; the default "auto" is "device" on a CUDA GPU, "host" elsewhere): steps 3 and 6 go through `StreamDoorbell`s (one per pool
 member, each on its own side stream on CUDA) instead of submit/join: the hidden-state copy down, the
 doorbell, the wait for the worker and the partial-sum copy up are enqueued on the GPU, the join is a
@@ -80,7 +82,7 @@ STRATEGIES = ("hybrid", "cpu", "offload")     # what set_policy(strategy=...) ma
 # What the device path counts on the GPU (kernels.handoff.count_call, in its order), folded into stats between steps.
 DEVICE_COUNTERS = ("experts_fetched_total", "expert_misses_total", "calls", "offload_calls_total", "routed_pairs",
                    "expert_hits_total")
-IGNORED_POLICY_FIELDS = ("moe_prefetch", "moe_prefetch_budget")   # no prefetch in this backend yet
+IGNORED_POLICY_FIELDS = ("moe_prefetch", "moe_prefetch_budget")   # no decode prefetch in this backend yet
 
 
 class HybridExperts(SlotPoolAudit):
@@ -238,11 +240,13 @@ class HybridExperts(SlotPoolAudit):
         ids = topk_ids.to(torch.int32)                                    # [T, K] the router's expert ids
         routes = ids.clone()                                              # [T, K] -> slot ids or -1
         to_cpu = self.cpu_active and self.pool.fits(T, T * K) and T <= self.cpu_max_tokens
-        # experts the previous layer's prefill prefetched for this one (copy stream): GEMMs wait for them
+        # experts the previous layer's prefill prefetched for this one (copy stream): the GEMMs wait for them. The
+        # host path waits after queueing its own copies (as OffloadExperts does), so that its readback's sync
+        # does not wait for the prefetch too and leave the copy stream idle meanwhile; the device path (whose
+        # copy kernels may run on the compute stream) waits first.
         ready = self._prefetched.pop(layer_idx, None)
-        if ready is not None:
-            torch.cuda.current_stream(self.device).wait_event(ready)
         if device_path:
+            self._wait_prefetched(ready)
             return self._forward_device(layer_idx, x, ids, routes, topk_weights, to_cpu)
         st = self.stats
         st.calls += 1
@@ -288,6 +292,7 @@ class HybridExperts(SlotPoolAudit):
                             self._resync.add(db)
             st.handoff_s_total += time.perf_counter() - t0
         self._copy(layer_idx, plan, prefetch_layer=nxt)
+        self._wait_prefetched(ready)
         if triples is None:
             return self._gemm(x, routes, topk_weights, skip=False)
         out = self._gemm_gpu_routes(x, routes, topk_weights, skip=triples[0].size == T * K)
@@ -297,6 +302,15 @@ class HybridExperts(SlotPoolAudit):
         while self._resync:                          # after the join: nothing of theirs in flight
             self._resync.pop().sync_sequence()
         return total
+
+    @property
+    def preferred_prefill_chunk_tokens(self) -> int | None:
+        """The engine's prefill chunk when none is configured (read once, when the engine starts): cpu_max_tokens
+        with strategy `cpu`, whose chunks must keep their CPU share (a longer one would run as offload, fetching
+        every expert: not what the strategy promises); None otherwise, so that hybrid takes the engine's default
+        (4,096), its long chunks running as offload with the prefill prefetch (faster on the H200: 1.10 s against
+        7.48 s for a 4K prompt in 512-token chunks at a 25% cache; docs/BENCHMARKS.md, fourteenth session)."""
+        return self.cpu_max_tokens if self.strategy == "cpu" else None
 
     # -- the device hand-off (handoff="device") -------------------------------------------------------
     def _device_sized(self, num_pairs: int) -> bool:
@@ -473,6 +487,20 @@ class HybridExperts(SlotPoolAudit):
     def _mode(self, num_pairs: int) -> str:
         return pick_mode(self.mode, self.on_cuda, num_pairs, self.gather_max_pairs)
 
+    def _wait_prefetched(self, ready: torch.cuda.Event | None) -> None:
+        """The compute stream waits for the experts a prefill prefetched for this layer (timed as a copy wait)."""
+        if ready is None:
+            return
+        compute = torch.cuda.current_stream(self.device)
+        wait_from = self.timer.mark(compute)
+        compute.wait_event(ready)
+        self.timer.add("gpu_wait_for_copy_s_total", wait_from, self.timer.mark(compute))
+
+    def _queue_prefetch_copies(self, host_layer: torch.Tensor, dsts: list[int], srcs: list[int]) -> None:
+        """The prefetch part of a plan, on the current (copy) stream; a seam for the GPU test that delays it."""
+        for d, s in zip(dsts, srcs):
+            self.slots[d].copy_(host_layer[s], non_blocking=True)
+
     def _copy(self, layer_idx: int, plan: LayerPlan, prefetch_layer: int | None = None) -> None:
         """Execute the copy plan: host store -> slots, on the copy stream after every queued GEMM; with
         `prefetch_layer`, then the plan's prefetch part (that layer's rows) behind it, which the compute
@@ -508,9 +536,7 @@ class HybridExperts(SlotPoolAudit):
                 self.slots[d].copy_(host_layer[s], non_blocking=True)
             done = end = self.timer.mark(self.copy_stream)
             if m:
-                host_layer, dsts, srcs = jobs[1]
-                for d, s in zip(dsts, srcs):
-                    self.slots[d].copy_(host_layer[s], non_blocking=True)
+                self._queue_prefetch_copies(*jobs[1])
                 end = self.timer.mark(self.copy_stream)     # (timer events are reused once resolved: not waited on)
                 landed = torch.cuda.Event()
                 landed.record(self.copy_stream)
