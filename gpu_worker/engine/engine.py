@@ -32,7 +32,7 @@ DEFAULT_MAX_CONTEXT_TOKENS = 32768
 # HybridExperts with strategy `cpu`, whose chunks keep their CPU share) says otherwise. On the H200 (qwen3-30b-a3b, 4K prompt; docs/BENCHMARKS.md,
 # thirteenth and fourteenth sessions) resident took 0.60 / 0.20 / 0.17 s at chunks of 512 / 2048 / 4096, offload at
 # a 10% cache 8.52 / 2.13 / 1.07 s (every chunk costs one pass over the experts, whatever its length), and hybrid at
-# 25% 7.48 s in 512-token chunks with their CPU share against 1.10 s as one chunk (run as offload, with the
+# 25% 7.48 s in 512-token chunks with their CPU share against 1.07 s as one chunk (run as offload, with the
 # prefetch). Every backend takes the same size, so that their greedy tokens stay equal (the chunking decides the
 # prefill GEMMs' shapes). The costs: a chunk holds up the other running requests' decode steps while it runs
 # (~0.13 s resident at 4096); where the flash path does not apply (CPU, fp32, sliding windows) late in a long

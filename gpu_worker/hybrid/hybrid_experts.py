@@ -308,7 +308,7 @@ class HybridExperts(SlotPoolAudit):
         """The engine's prefill chunk when none is configured (read once, when the engine starts): cpu_max_tokens
         with strategy `cpu`, whose chunks must keep their CPU share (a longer one would run as offload, fetching
         every expert: not what the strategy promises); None otherwise, so that hybrid takes the engine's default
-        (4,096), its long chunks running as offload with the prefill prefetch (faster on the H200: 1.10 s against
+        (4,096), its long chunks running as offload with the prefill prefetch (faster on the H200: 1.07 s against
         7.48 s for a 4K prompt in 512-token chunks at a 25% cache; docs/BENCHMARKS.md, fourteenth session)."""
         return self.cpu_max_tokens if self.strategy == "cpu" else None
 
