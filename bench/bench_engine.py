@@ -246,6 +246,9 @@ def main() -> int:
     parser.add_argument("--pdl", choices=("auto", "on", "off", "both"), default=None,
                         help="programmatic dependent launch of the decode kernels (FREETOKEN_PDL, kernels/pdl.py) for "
                              "every run (default: as FREETOKEN_PDL says); both: each configuration with it off, then on, side by side")
+    parser.add_argument("--freq-weights", default="0",
+                        help="the slot cache's eviction key, comma-separated: 0 (least recently used, the default) and "
+                             "frequency weights W > 0 (FREETOKEN_EVICTION_FREQ_WEIGHT; docs/OFFLOAD.md)")
     parser.add_argument("--trace-dir", default=None,
                         help="with --profile: write each profiled run's Chrome trace (trace_<backend>.json) here")
     parser.add_argument("--profile", type=int, default=0,
@@ -312,12 +315,13 @@ def main() -> int:
         for frac in [float(f) for f in args.fractions.split(",") if f]:
             overlaps = {"on": [True], "off": [False], "both": [True, False]}[args.copy_overlap]
             splits = {"on": [True], "off": [False], "both": [True, False]}[args.copy_split]
-            modes = [(m, c, o, sp, p) for m in args.offload_copy.split(",")
+            weights = [int(w) for w in args.freq_weights.split(",") if w.strip()]
+            modes = [(m, c, o, sp, p, w) for w in weights for m in args.offload_copy.split(",")
                      for c in (_copy_chunks(args) if m == "kernel" else [None])
                      for o in (overlaps if m == "kernel" else [False])
                      for sp in (splits if m == "kernel" and o else [True])
                      for p in pdl_modes]
-            for copy_mode, chunks, overlap, split, pdl_mode in modes:
+            for copy_mode, chunks, overlap, split, pdl_mode, weight in modes:
                 if pdl_mode is not None:
                     apply_pdl(pdl_mode)
                 if copy_mode == "dma" and frac not in dma_fracs:
@@ -331,9 +335,11 @@ def main() -> int:
                     label += " split" if split else " whole"
                 if len(pdl_modes) > 1:
                     label += f" pdl {pdl_mode}"
+                if len(weights) > 1 or weight:
+                    label += f" fw{weight}"
                 slots = resolve_cache_slots(frac, source.num_layers, source.num_experts)
                 backend = OffloadExperts(host, slots, args.device, copy_mode=copy_mode, overlap_copy=overlap,
-                                         split_copy=split)
+                                         split_copy=split, freq_weight=weight)
                 loaded.model.experts = backend
                 _reset_peak()
                 engine = Engine(loaded.model, econf, eos_token_ids=())

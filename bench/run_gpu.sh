@@ -29,6 +29,7 @@
 #        [s13-e] (windows of groups: GPU tests, prefill at 25 / 50%, decode at 50%) [s13-f] (prefill attention's bias once a
 #        forward: GPU tests, resident TTFT at 4K and 16K) [s14-a] (hybrid prefill, 512 against 4096 chunks) [s14-b] (the GPU tests left unrun in the thirteenth session)
 #        [s14-c] (hybrid prefill with the prefetch; prefill attention on flash with a causal bias object) [s14-d] (GPU tests, 32K prompt) [s14-e] (review fixes)
+#        [s14-f] (the frequency-weighted eviction key: kernels in lockstep, lossless, decode LRU against W = 256)
 #        (default: kernels engine cpu). SECTION_TIMEOUT (s, default 540) bounds each command.
 # Logs go to $OUT (the device tool's output folder) when it is set, else ./out.
 set -u
@@ -536,6 +537,18 @@ device,=hybrid min-wait device serial" 2>&1 | tee "$OUT/overlap_hybrid.log" | ta
       timeout 200 python3 bench/bench_prefill.py --runs 2 --prompt-tokens 4096 --chunks 4096 --fractions 0.25 \
         --variants prefetch,hybrid > "$OUT/s14e_hybrid4k.log" 2>&1 || status=1
       tail -n 3 "$OUT/s14e_hybrid4k.log" | cut -c1-200
+      ;;
+    s14-f)    # fourteenth session: the frequency-weighted eviction key (SlotCache.freq_weight; FREETOKEN_EVICTION_FREQ_WEIGHT):
+              # the compiled kernels in lockstep with the reference, offload lossless with it, then the engine issue's
+              # configuration with LRU (fw0) and W = 256 side by side (1K prompt, 128 decode tokens, 2 runs)
+      timeout 180 python3 -m pytest -q --tb=short -p no:cacheprovider tests/test_slot_cache_lockstep.py -k frequency \
+        > "$OUT/s14f_tests.log" 2>&1 || status=1
+      timeout 100 python3 -m pytest -q --tb=short -p no:cacheprovider -m gpu tests/test_offload.py -k freq \
+        >> "$OUT/s14f_tests.log" 2>&1 || status=1
+      grep -E "FAILED|Error|passed|failed" "$OUT/s14f_tests.log" | cut -c1-300 | tail -n 8
+      timeout 300 python3 bench/bench_engine.py --runs 2 --prompt-tokens 1024 --decode-tokens 128 --fractions 0.1,0.25,0.5 \
+        --offload-copy kernel --freq-weights 0,256 > "$OUT/s14f_engine.log" 2>&1 || status=1
+      grep -v "^ " "$OUT/s14f_engine.log" | tail -n 9 | cut -c1-300
       ;;
     omp-wait)    # prepared in the tenth session; s11-e ran the same comparison (active starved the pool: 3.2 GB/s): the hybrid configuration with the CPU workers' OpenMP team
                  # left to libgomp's default wait (spin, then sleep) against OMP_WAIT_POLICY=active (the workers inherit

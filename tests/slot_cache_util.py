@@ -47,15 +47,18 @@ def check_invariants(cache: SlotCache) -> None:
 def check_victim_list(cache: SlotCache, context: str = "") -> None:
     """The decode kernel's victim list: per pool, entries ascending as built, owners as recorded,
     and its live entries (slot usage unchanged) are exactly the pool's smallest keys."""
+    from kernels.slot_cache.reference import victim_key_values
     from kernels.slot_cache.state import KEY_NONE, SLOT_BITS
     usage, owners = cache.usage.cpu(), cache.id_of_slot.cpu()
+    values = torch.from_numpy(victim_key_values(usage.numpy(), owners.numpy().astype("int64"),
+                                                cache.expert_count.cpu().reshape(-1).numpy(), cache.freq_weight))
     keys_all, owner_all = cache.victim_keys.cpu(), cache.victim_owner.cpu()
     for pool in range(keys_all.shape[0]):
         base = pool * cache.num_slots
         keys = keys_all[pool][keys_all[pool] != KEY_NONE]
         assert torch.all(keys[1:] > keys[:-1]), f"{context}: pool {pool} list not ascending: {keys.tolist()}"
         slots = torch.arange(cache.num_slots)
-        current = ((usage[base:base + cache.num_slots] + 1) << SLOT_BITS) | slots       # [S]
+        current = (values[base:base + cache.num_slots] << SLOT_BITS) | slots            # [S]
         entries = keys_all[pool]
         used = entries != KEY_NONE
         entry_slots = entries & ((1 << SLOT_BITS) - 1)

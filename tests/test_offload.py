@@ -196,6 +196,56 @@ def test_kernel_copy_mode_counts_on_the_device_and_stays_lossless():
         kernel.model.experts.close()
 
 
+def _freq_weight_case(device: str, copy_mode: str) -> None:
+    """The frequency-weighted eviction key (FREETOKEN_EVICTION_FREQ_WEIGHT) changes which experts stay, never the
+    tokens: greedy tokens equal resident's, every mapped slot holds its expert, routes are counted; on the tiny
+    model's routing it keeps more than LRU does (fewer misses)."""
+    from gpu_worker.offload import OffloadExperts
+    prompts = (PROMPT, PROMPT[3:9])
+    resident = greedy_tokens(load_model(device=device), prompts=prompts)
+    misses = {}
+    for weight in (0, 64):
+        loaded = load_model(device=device, moe_strategy="offload", moe_cache_size=10)
+        # a backend over the loaded one's store (which it closes at the end)
+        backend = OffloadExperts(loaded.model.experts.host, 10, device, copy_mode=copy_mode, freq_weight=weight)
+        loaded.model.experts = backend
+        try:
+            assert backend.cache.freq_weight == weight
+            assert greedy_tokens(loaded, prompts=prompts) == resident
+            assert_slots_hold_their_experts(backend)
+            counted = int(backend.cache.expert_count.sum())
+            assert (counted > 0) == (weight > 0)
+            misses[weight] = backend.refresh_stats().distinct_misses
+        finally:
+            backend.close()
+    assert misses[64] < misses[0], misses
+
+
+@pytest.mark.parametrize("copy_mode", ["dma", "kernel"])
+def test_frequency_weighted_eviction_is_lossless(copy_mode):
+    _freq_weight_case("cpu", copy_mode)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("copy_mode", ["dma", "kernel"])
+def test_gpu_frequency_weighted_eviction_is_lossless(copy_mode):
+    _freq_weight_case("cuda", copy_mode)
+
+
+def test_eviction_freq_weight_follows_its_knob(monkeypatch):
+    from proto.knobs import export_setting
+    monkeypatch.setenv("FREETOKEN_EVICTION_FREQ_WEIGHT", "0")      # recorded: the test's own writes are undone
+    export_setting("eviction_freq_weight", 32)                      # what the CLIs do with the flag
+    loaded = load_model(device="cpu", moe_strategy="offload", moe_cache_size=32)
+    try:
+        assert loaded.model.experts.cache.freq_weight == 32
+    finally:
+        loaded.model.experts.close()
+    monkeypatch.setenv("FREETOKEN_EVICTION_FREQ_WEIGHT", "5000")
+    with pytest.raises(ValueError, match=r"must be an int in \[0, 1024\]"):
+        load_model(device="cpu", moe_strategy="offload", moe_cache_size=32)
+
+
 def test_unknown_copy_mode_is_refused():
     with pytest.raises(ValueError, match="copy mode 'pcie' is not one of dma, kernel"):
         load_model(device="cpu", moe_strategy="offload", moe_cache_size=10, offload_copy="pcie")

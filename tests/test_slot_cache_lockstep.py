@@ -16,10 +16,10 @@ NUM_CALLS = 36
 
 def run_lockstep(*, num_layers, num_experts, num_slots, per_layer, calls, slot_tile,
                  num_tokens=2, top_k=3, prefetch_every=0, seed=0, path="auto", victim_list=4,
-                 **policy):
-    ref = SlotCache.create(num_layers, num_experts, num_slots, per_layer=per_layer)
+                 freq_weight=0, **policy):
+    ref = SlotCache.create(num_layers, num_experts, num_slots, per_layer=per_layer, freq_weight=freq_weight)
     ker = SlotCache.create(num_layers, num_experts, num_slots, per_layer=per_layer,
-                           device=KERNEL_DEVICE, victim_list=victim_list)
+                           device=KERNEL_DEVICE, victim_list=victim_list, freq_weight=freq_weight)
     gen = RouteGen(num_layers, num_experts, seed)
     fetched = 0
     for call in range(calls):
@@ -84,6 +84,56 @@ def test_lockstep(pool, policy, variant):
                                 prefetch_every=4, path=path, victim_list=vlist, **POLICIES[policy])
     if policy not in ("cap-0", "zero-fraction-nopromote"):
         assert fetched > 0, "the sequence never fetched: it does not exercise the fetch path"
+
+
+FREQ_POLICIES = ("min-wait-recency", "offload", "zero-fraction-promote", "split-recency")
+
+
+@pytest.mark.parametrize("variant", list(KERNEL_VARIANTS))
+@pytest.mark.parametrize("pool", list(POOLS))
+@pytest.mark.parametrize("policy", FREQ_POLICIES)
+@pytest.mark.parametrize("weight", [1, 5])
+def test_lockstep_with_frequency_weight(pool, policy, variant, weight):
+    """The frequency-weighted key (SlotCache.freq_weight): kernels and reference in lockstep, the routes-seen
+    counts included (assert_same_state compares expert_count), the victim list's live entries still the pool's
+    smallest keys (check_victim_list with the weighted key), prefetches among the calls."""
+    layers, experts, slots, per_layer, tile = POOLS[pool]
+    path, vlist = KERNEL_VARIANTS[variant]
+    ref, fetched = run_lockstep(num_layers=layers, num_experts=experts, num_slots=slots,
+                                per_layer=per_layer, calls=NUM_CALLS, slot_tile=tile, num_tokens=3,
+                                prefetch_every=4, path=path, victim_list=vlist, freq_weight=weight,
+                                **POLICIES[policy])
+    assert int(ref.expert_count.sum()) == NUM_CALLS * 3 * 3, "every route is counted once"
+    if policy != "zero-fraction-promote":
+        assert fetched > 0
+
+
+@pytest.mark.parametrize("variant", list(KERNEL_VARIANTS))
+def test_frequency_weight_keeps_the_often_routed_expert_that_lru_evicts(variant):
+    """Two slots. Expert 0 is routed three times, then expert 1, then 2 misses: LRU evicts expert 0 (least
+    recently used), the weighted key evicts expert 1 (routed once: key 7 + 1*W against 5 + 3*W, W = 2). Kernel
+    and reference agree either way."""
+    path, vlist = KERNEL_VARIANTS[variant]
+    held = {}
+    for weight in (0, 2):
+        ref = SlotCache.create(1, 4, 2, freq_weight=weight)
+        ker = SlotCache.create(1, 4, 2, device=KERNEL_DEVICE, victim_list=vlist, freq_weight=weight)
+        for row in ([0], [0], [0], [1], [2]):
+            a = torch.tensor([row])
+            b = a.clone().to(KERNEL_DEVICE)
+            ensure(ref, 0, a, fetch_fraction=1.0, impl="reference")
+            ensure(ker, 0, b, fetch_fraction=1.0, impl="triton", path=path)
+            assert torch.equal(a, b.cpu()), f"weight {weight}, routes {row}"
+            assert_same_state(ref, ker, f"weight {weight}, routes {row}")
+        held[weight] = sorted(e for e in range(4) if int(ref.slot_for_id[0, e]) >= 0)
+    assert held == {0: [1, 2], 2: [0, 2]}
+
+
+def test_frequency_weight_is_checked():
+    with pytest.raises(ValueError, match=r"freq_weight must be an int in \[0, 1024\]"):
+        SlotCache.create(1, 4, 2, freq_weight=-1)
+    with pytest.raises(ValueError, match="freq_weight"):
+        SlotCache.create(1, 4, 2, freq_weight=5000)
 
 
 @pytest.mark.parametrize("variant", list(KERNEL_VARIANTS))

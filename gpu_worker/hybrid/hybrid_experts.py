@@ -94,7 +94,8 @@ class HybridExperts(SlotPoolAudit):
                  fetch_select: str = KNOBS_BY_FIELD["fetch_select"].default, promote: bool = True, seed: int = 0, per_layer: bool = False,
                  mode: str = "auto", gather_max_pairs: int = 32, cpu_max_tokens: int = 512,
                  owns_host: bool = True, owns_pool: bool = True, handoff: str = "auto",
-                 overlap_copy: bool = True, split_copy: bool = True, prefill_prefetch: bool | None = None):
+                 overlap_copy: bool = True, split_copy: bool = True, prefill_prefetch: bool | None = None,
+                 freq_weight: int | None = None):
         if mode not in MODES:
             raise ValueError(f"expert compute mode {mode!r} is not one of {', '.join(MODES)}")
         self.host, self.pool, self.layout = host, pool, host.layout
@@ -106,7 +107,9 @@ class HybridExperts(SlotPoolAudit):
         self.kernel_impl = "auto"     # moe_gemv: Triton on CUDA, reference on CPU ("triton": tests)
         self.cpu_max_tokens = min(cpu_max_tokens, pool.t_max)
         self.cache = SlotCache.create(self.num_layers, self.num_experts, num_slots, device=self.device,
-                                      per_layer=per_layer)
+                                      per_layer=per_layer,     # freq_weight None: FREETOKEN_EVICTION_FREQ_WEIGHT
+                                      freq_weight=env_setting("eviction_freq_weight") if freq_weight is None
+                                      else freq_weight)
         # slots: [S_total + 1, N]; zeroed once so that every slot always holds finite values (step 5). The last
         # row, outside the cache, is the split slot: the GPU's channels of the expert split under fetch_round
         # "split" (kernels/expert_split; device hand-off only).

@@ -181,7 +181,7 @@ class OffloadExperts(SlotPoolAudit):
     def __init__(self, host: HostExperts, num_slots: int, device: torch.device | str, *,
                  per_layer: bool = False, mode: str = "auto", gather_max_pairs: int = 32,
                  copy_mode: str = "dma", prefill_prefetch: bool | None = None, overlap_copy: bool = True,
-                 split_copy: bool = True):
+                 split_copy: bool = True, freq_weight: int | None = None):
         if mode not in MODES:
             raise ValueError(f"expert compute mode {mode!r} is not one of {', '.join(MODES)}")
         if copy_mode not in COPY_MODES:
@@ -202,8 +202,11 @@ class OffloadExperts(SlotPoolAudit):
         self.device = torch.device(device)
         self.mode, self.gather_max_pairs = mode, gather_max_pairs
         self.kernel_impl = "auto"     # moe_gemv: Triton on CUDA, reference on CPU ("triton": tests)
+        # the eviction key's frequency weight (None: the knob FREETOKEN_EVICTION_FREQ_WEIGHT, default 0 = LRU)
         self.cache = SlotCache.create(self.num_layers, self.num_experts, num_slots,
-                                      device=self.device, per_layer=per_layer)
+                                      device=self.device, per_layer=per_layer,
+                                      freq_weight=env_setting("eviction_freq_weight") if freq_weight is None
+                                      else freq_weight)
         # slots: [S_total, N], the GPU copies of experts, in the same packed layout as the host
         self.slots = self.layout.empty_layer(self.cache.total_slots, device=self.device)
         self.w13, self.w2 = unpack_experts(self.slots, self.layout)

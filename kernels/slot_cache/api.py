@@ -149,7 +149,10 @@ def ensure(cache: SlotCache, layer: int, expert_ids: torch.Tensor, *,
         raise ValueError(f"path='small' takes at most {SMALL_ROUTES_MAX} routes, got {num_routes}")
     if path != "general" and num_routes <= SMALL_ROUTES_MAX:
         from .triton_kernels import ensure_small_kernel
-        shape = small_launch(num_routes, cache.num_slots, cache.victim_list, slot_tile)
+        # The victim list relies on keys that only grow between its builds. With the frequency-weighted key a
+        # slot's new key after a hit or an install (step + 1 + W * its expert's routes) can fall below older slots'
+        # keys (W * more routes), so the decode kernel runs without the list then: every fetch scans.
+        shape = small_launch(num_routes, cache.num_slots, 0 if cache.freq_weight else cache.victim_list, slot_tile)
         programs = shape.pop("programs")
         pool = cache.pool_base(layer) // cache.num_slots
         ensure_small_kernel[(programs,)](
@@ -157,21 +160,24 @@ def ensure(cache: SlotCache, layer: int, expert_ids: torch.Tensor, *,
             cache.expert_recency, cache.mark, cache.evict_slots, cache.src_indices,
             cache.num_indices, cache.num_missing_full, cache.error, cache.policy,
             cache.part_keys, cache.arrive, cache.victim_keys[pool], cache.victim_owner[pool],
+            cache.expert_count, cache.freq_weight,
             layer, cache.pool_base(layer), cache.num_slots, *codes,
             NUM_EXPERTS=cache.num_experts, E_BLOCK=max(16, _next_pow2(cache.num_experts)),
-            USE_POLICY=use_device_policy, num_warps=num_warps or DEFAULT_SMALL_WARPS, **shape)
+            USE_POLICY=use_device_policy, USE_FREQ=cache.freq_weight > 0,
+            num_warps=num_warps or DEFAULT_SMALL_WARPS, **shape)
         return
     from .triton_kernels import ensure_kernel
     tile = slot_tile or min(_next_pow2(cache.num_slots), DEFAULT_SLOT_TILE)
     ensure_kernel[(1,)](
         expert_ids, num_routes, cache.slot_for_id, cache.id_of_slot, cache.usage, cache.step,
         cache.expert_recency, cache.mark, cache.evict_slots, cache.src_indices, cache.num_indices,
-        cache.num_missing_full, cache.error, cache.policy,
+        cache.num_missing_full, cache.error, cache.policy, cache.expert_count, cache.freq_weight,
         layer, cache.pool_base(layer), cache.num_slots, *codes,
         NUM_EXPERTS=cache.num_experts, E_BLOCK=max(16, _next_pow2(cache.num_experts)),
         ROUTE_TILE=min(max(16, _next_pow2(num_routes)), MAX_ROUTE_TILE),
-        SLOT_TILE=max(16, _next_pow2(tile)), USE_POLICY=use_device_policy,
+        SLOT_TILE=max(16, _next_pow2(tile)), USE_POLICY=use_device_policy, USE_FREQ=cache.freq_weight > 0,
         num_warps=num_warps or DEFAULT_GENERAL_WARPS)
+
 
 
 def prefetch_ensure(cache: SlotCache, layer: int, candidates: torch.Tensor, budget: int, *,
@@ -200,10 +206,10 @@ def prefetch_ensure(cache: SlotCache, layer: int, candidates: torch.Tensor, budg
     prefetch_kernel[(1,)](
         candidates, candidates.numel(), budget, cache.slot_for_id, cache.id_of_slot, cache.usage,
         cache.step, cache.prefetch_evict_slots, cache.prefetch_src_indices,
-        cache.prefetch_num_indices, cache.victim_keys[pool], layer, cache.pool_base(layer),
-        cache.num_slots, NUM_EXPERTS=cache.num_experts,
+        cache.prefetch_num_indices, cache.victim_keys[pool], cache.expert_count, cache.freq_weight, layer,
+        cache.pool_base(layer), cache.num_slots, NUM_EXPERTS=cache.num_experts,
         C_BLOCK=max(16, _next_pow2(candidates.numel())), SLOT_TILE=max(16, _next_pow2(tile)),
-        V_BLOCK=cache.victim_keys.shape[1], num_warps=num_warps)
+        V_BLOCK=cache.victim_keys.shape[1], USE_FREQ=cache.freq_weight > 0, num_warps=num_warps)
 
 
 def raise_on_error(cache: SlotCache) -> None:

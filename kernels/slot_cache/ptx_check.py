@@ -82,28 +82,30 @@ def cases():
     small = dict(ids_ptr=i64, num_routes="i32", slot_for_id_ptr=i32, id_of_slot_ptr=i32, usage_ptr=i64,
                  step_ptr=i64, recency_ptr=i64, mark_ptr=i64, evict_ptr=i32, src_ptr=i32, num_indices_ptr=i32,
                  num_missing_ptr=i32, error_ptr=i32, policy_ptr=i64, part_keys_ptr=i64, arrive_ptr=i32,
-                 vkeys_ptr=i64, vowner_ptr=i32, layer="i32", pool_base="i32", num_slots="i32", max_fetch="i32",
+                 vkeys_ptr=i64, vowner_ptr=i32, count_ptr=i64, freq_weight="i32", layer="i32", pool_base="i32", num_slots="i32", max_fetch="i32",
                  frac_q16="i32", round_mode="i32", select_mode="i32", promote="i32", seed="i32")
     general = {k: v for k, v in small.items() if k not in ("part_keys_ptr", "arrive_ptr", "vkeys_ptr", "vowner_ptr")}
-    for k in ("NUM_EXPERTS", "E_BLOCK", "ROUTE_BLOCK", "PART", "V", "CAND", "MERGE_BLOCK", "USE_POLICY", "MULTI"):
+    for k in ("NUM_EXPERTS", "E_BLOCK", "ROUTE_BLOCK", "PART", "V", "CAND", "MERGE_BLOCK", "USE_POLICY", "MULTI",
+              "USE_FREQ"):
         small[k] = "constexpr"
-    for k in ("NUM_EXPERTS", "E_BLOCK", "ROUTE_TILE", "SLOT_TILE", "USE_POLICY"):
+    for k in ("NUM_EXPERTS", "E_BLOCK", "ROUTE_TILE", "SLOT_TILE", "USE_POLICY", "USE_FREQ"):
         general[k] = "constexpr"
     from .api import small_launch
 
-    def small_case(name, experts, slots, victim_list, use_policy):
+    def small_case(name, experts, slots, victim_list, use_policy, use_freq=False):
         shape = small_launch(10, slots, victim_list)
         del shape["programs"]
         return (name, "ensure_small_kernel", small,
-                dict(NUM_EXPERTS=experts, E_BLOCK=experts, USE_POLICY=use_policy, **shape))
+                dict(NUM_EXPERTS=experts, E_BLOCK=experts, USE_POLICY=use_policy, USE_FREQ=use_freq, **shape))
 
     return [
         small_case("small-2048-list", 128, 2048, 32, True),
         small_case("small-23197-multi", 512, 23197, 32, False),
         small_case("small-64-list", 128, 64, 32, False),
         small_case("small-64-nolist", 128, 64, 0, False),
+        small_case("small-2048-list-freq", 128, 2048, 32, True, use_freq=True),
         ("general", "ensure_kernel", general,
-         dict(NUM_EXPERTS=512, E_BLOCK=512, ROUTE_TILE=1024, SLOT_TILE=2048, USE_POLICY=False)),
+         dict(NUM_EXPERTS=512, E_BLOCK=512, ROUTE_TILE=1024, SLOT_TILE=2048, USE_POLICY=False, USE_FREQ=False)),
     ]
 
 

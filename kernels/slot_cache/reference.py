@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from .fetch_rule import fetch_count
-from .state import SELECT_MODES, SLOT_BITS, SlotCache
+from .state import FREQ_COUNT_CAP, SELECT_MODES, SLOT_BITS, SlotCache
 
 
 class _HostState:
@@ -17,7 +17,7 @@ class _HostState:
 
     NAMES = ("slot_for_id", "id_of_slot", "usage", "step", "expert_recency", "evict_slots",
              "src_indices", "num_indices", "num_missing_full", "prefetch_evict_slots",
-             "prefetch_src_indices", "prefetch_num_indices", "mark")
+             "prefetch_src_indices", "prefetch_num_indices", "mark", "expert_count")
 
     def __init__(self, cache: SlotCache):
         self.cache = cache
@@ -35,15 +35,28 @@ class _HostState:
                 getattr(self.cache, name).shape))
 
 
-def _victims(st: _HostState, base: int, num_slots: int, step: int, count: int) -> list[int]:
-    """The `count` slots with the smallest (usage, slot) among those not used at `step`."""
+def victim_key_values(usage: np.ndarray, owner: np.ndarray, expert_count: np.ndarray, freq_weight: int) -> np.ndarray:
+    """The eviction key's value part (before the slot is packed below it): usage + 1, plus, with a frequency
+    weight W > 0, W * min(routes of the owner so far, FREQ_COUNT_CAP) for a used slot (usage >= 1; empty and
+    prefetched-unused slots keep their keys 0 and 1)."""
+    value = usage + 1
+    if freq_weight:
+        counts = np.where(owner >= 0, expert_count[np.maximum(owner, 0)], 0)
+        value = value + np.where(usage >= 1, freq_weight * np.minimum(counts, FREQ_COUNT_CAP), 0)
+    return value
+
+
+def _victims(st: _HostState, base: int, num_slots: int, step: int, count: int, freq_weight: int = 0) -> list[int]:
+    """The `count` slots with the smallest (key value, slot) among those not used at `step`."""
     if count <= 0:
         return []
     usage = st.usage[base:base + num_slots]
     slots = np.arange(num_slots, dtype=np.int64)
     eligible = usage != step
-    # (usage, slot) order, as one int64 key; ineligible slots sort last
-    key = np.where(eligible, ((usage + 1) << SLOT_BITS) | slots, np.iinfo(np.int64).max)
+    value = victim_key_values(usage, st.id_of_slot[base:base + num_slots].astype(np.int64), st.expert_count,
+                              freq_weight)
+    # (value, slot) order, as one int64 key; ineligible slots sort last
+    key = np.where(eligible, (value << SLOT_BITS) | slots, np.iinfo(np.int64).max)
     count = min(count, int(eligible.sum()))
     if count == 0:
         return []
@@ -98,7 +111,7 @@ def ensure_reference(cache: SlotCache, layer: int, expert_ids: torch.Tensor, *,
             k = 1
     k = min(k, num_slots - len(hits))
 
-    victims = _victims(st, base, num_slots, step, k)         # 4. evict and install
+    victims = _victims(st, base, num_slots, step, k, cache.freq_weight)   # 4. evict and install
     if promoted and victims and st.usage[victims[0]] != -1:
         victims = []                                         # promotion only fills empty slots
     for i, (e, slot) in enumerate(zip(misses[:len(victims)], victims)):
@@ -111,7 +124,9 @@ def ensure_reference(cache: SlotCache, layer: int, expert_ids: torch.Tensor, *,
     out = np.full(ids.shape, -1, dtype=np.int64)            # 5. rewrite routes
     valid = ids >= 0
     out[valid] = st.slot_for_id[row + ids[valid]]
-    st.expert_recency[row + routed] = step                  # 6. recency
+    st.expert_recency[row + routed] = step                  # 6. recency (and routes seen, with freq_weight)
+    if cache.freq_weight:
+        np.add.at(st.expert_count, row + ids[(ids >= 0) & (ids < num_experts)], 1)
     st.commit()
     expert_ids.copy_(torch.from_numpy(out).view(expert_ids.shape).to(expert_ids.dtype))
 
@@ -130,7 +145,7 @@ def prefetch_ensure_reference(cache: SlotCache, layer: int, candidates: torch.Te
             break
         if 0 <= e < num_experts and e not in chosen and st.slot_for_id[row + e] < 0:
             chosen.append(e)
-    victims = _victims(st, base, cache.num_slots, step, len(chosen))
+    victims = _victims(st, base, cache.num_slots, step, len(chosen), cache.freq_weight)
     for i, (e, slot) in enumerate(zip(chosen, victims)):
         _install(st, slot, row + e, 0)
         st.prefetch_evict_slots[i] = slot

@@ -34,6 +34,10 @@ OWNER_BITS = 30
 KEY_NONE = 0x7FFFFFFFFFFFFFFF
 # Error flag bits written by the kernels (host checks them off the hot path).
 ERR_EXPERT_ID = 1
+# The frequency-weighted eviction key (SlotCache.freq_weight W > 0; 0 = the contract's LRU key): a used slot's key
+# is usage + 1 + W * min(routes of its expert so far, FREQ_COUNT_CAP). Bounds keep (key << SLOT_BITS) in an int64.
+FREQ_COUNT_CAP = 1 << 24
+MAX_FREQ_WEIGHT = 1 << 10
 
 
 @dataclass
@@ -66,12 +70,21 @@ class SlotCache:
     part_keys: torch.Tensor = None  # [max programs * (SMALL_ROUTES_MAX + V)] int64
     arrive: torch.Tensor = None     # [1] int32, 0 between calls
     victim_list: int = DEFAULT_VICTIM_LIST   # V
+    # frequency-weighted eviction (an extension of the contract; 0 = its LRU key, and expert_count stays 0):
+    # a slot used at step u >= 1 whose expert was routed c times has the key u + 1 + freq_weight * min(c, CAP)
+    freq_weight: int = 0
+    expert_count: torch.Tensor = None   # [L, E] int64: routes of (l, e) seen by ensure (when freq_weight > 0)
 
     def __post_init__(self):
         device = self.usage.device
         if self.victim_list < 0 or self.victim_list & (self.victim_list - 1) or self.victim_list > MAX_VICTIM_LIST:
             raise ValueError(f"victim_list must be 0 or a power of two up to {MAX_VICTIM_LIST}, "
                              f"got {self.victim_list}")
+        if not isinstance(self.freq_weight, int) or not 0 <= self.freq_weight <= MAX_FREQ_WEIGHT:
+            raise ValueError(f"freq_weight must be an int in [0, {MAX_FREQ_WEIGHT}] (steps of protection per "
+                             f"route seen; 0 = LRU), got {self.freq_weight!r}")
+        if self.expert_count is None:
+            self.expert_count = torch.zeros(self.slot_for_id.shape, dtype=torch.int64, device=device)
         pools = self.usage.numel() // self.num_slots
         if self.victim_keys is None:
             width = max(self.victim_list, 1)
@@ -86,7 +99,7 @@ class SlotCache:
     @classmethod
     def create(cls, num_layers: int, num_experts: int, num_slots: int, *,
                device: torch.device | str = "cpu", per_layer: bool = False,
-               victim_list: int = DEFAULT_VICTIM_LIST) -> "SlotCache":
+               victim_list: int = DEFAULT_VICTIM_LIST, freq_weight: int = 0) -> "SlotCache":
         for name, value in (("num_layers", num_layers), ("num_experts", num_experts),
                             ("num_slots", num_slots)):
             if not isinstance(value, int) or value < 1:
@@ -122,6 +135,7 @@ class SlotCache:
             error=full((1,), 0, torch.int32),
             policy=full((POLICY_LEN,), 0, torch.int64),
             victim_list=victim_list,
+            freq_weight=freq_weight,
         )
         return cache
 
@@ -148,19 +162,23 @@ class SlotCache:
     def clone(self) -> "SlotCache":
         tensors = {**self.state_tensors(), **self.derived_tensors()}
         return SlotCache(self.num_layers, self.num_experts, self.num_slots, self.per_layer,
-                         **{k: v.clone() for k, v in tensors.items()}, victim_list=self.victim_list)
+                         **{k: v.clone() for k, v in tensors.items()}, victim_list=self.victim_list,
+                         freq_weight=self.freq_weight)
 
     def copy_from(self, other: "SlotCache") -> None:
         """Overwrite this state with `other`'s, in place (keeps tensor addresses for CUDA graphs)."""
         if other.victim_list != self.victim_list:
             raise ValueError(f"copy_from: victim_list {other.victim_list} != {self.victim_list}")
+        if other.freq_weight != self.freq_weight:
+            raise ValueError(f"copy_from: freq_weight {other.freq_weight} != {self.freq_weight}")
         for name, tensor in {**self.state_tensors(), **self.derived_tensors()}.items():
             tensor.copy_(getattr(other, name))
 
     def to(self, device: torch.device | str) -> "SlotCache":
         tensors = {**self.state_tensors(), **self.derived_tensors()}
         return SlotCache(self.num_layers, self.num_experts, self.num_slots, self.per_layer,
-                         **{k: v.to(device) for k, v in tensors.items()}, victim_list=self.victim_list)
+                         **{k: v.to(device) for k, v in tensors.items()}, victim_list=self.victim_list,
+                         freq_weight=self.freq_weight)
 
     def forget_victims(self, pool: int | None = None) -> None:
         """Empty the victim list (of one pool, or all): after any change that lowers a slot's key."""
@@ -170,7 +188,7 @@ class SlotCache:
 
 STATE_FIELDS = ("slot_for_id", "id_of_slot", "usage", "step", "expert_recency", "evict_slots",
                 "src_indices", "num_indices", "num_missing_full", "prefetch_evict_slots",
-                "prefetch_src_indices", "prefetch_num_indices", "mark", "error", "policy")
+                "prefetch_src_indices", "prefetch_num_indices", "mark", "error", "policy", "expert_count")
 DERIVED_FIELDS = ("victim_keys", "victim_owner")
 
 
@@ -180,6 +198,6 @@ def reset(cache: SlotCache) -> None:
                  "src_indices", "prefetch_evict_slots", "prefetch_src_indices", "mark"):
         getattr(cache, name).fill_(-1)
     for name in ("step", "num_indices", "num_missing_full", "prefetch_num_indices", "error",
-                 "arrive"):
+                 "arrive", "expert_count"):
         getattr(cache, name).zero_()
     cache.forget_victims()

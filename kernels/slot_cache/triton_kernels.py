@@ -65,14 +65,30 @@ def _fetch_count(num_misses, num_hits, num_slots, first_key, max_fetch, frac_q16
 
 
 @triton.jit
-def _next_victim(usage_ptr, pool_base, num_slots, step, prev_key, SLOT_TILE: tl.constexpr):
+def _key_value(u, owner, count_ptr, freq_weight, ok, USE_FREQ: tl.constexpr):
+    # The eviction key's value part (reference.victim_key_values): usage + 1, plus with USE_FREQ the frequency
+    # weight times the owner's routes so far (capped at FREQ_COUNT_CAP = 1 << 24) for a used slot (usage >= 1).
+    value = u + 1
+    if USE_FREQ:
+        cnt = tl.load(count_ptr + owner, mask=ok & (owner >= 0), other=0)
+        value = value + tl.where(u >= 1, freq_weight * tl.minimum(cnt, 1 << 24), 0)
+    return value
+
+
+@triton.jit
+def _next_victim(usage_ptr, id_of_slot_ptr, count_ptr, freq_weight, pool_base, num_slots, step, prev_key,
+                 SLOT_TILE: tl.constexpr, USE_FREQ: tl.constexpr):
     # Smallest packed key above prev_key among slots of the pool not used at `step`.
     best = tl.full((), 0x7FFFFFFFFFFFFFFF, tl.int64)
     for t0 in range(0, num_slots, SLOT_TILE):
         offs = t0 + tl.arange(0, SLOT_TILE)                          # [SLOT_TILE] pool-local
         in_pool = offs < num_slots
         u = tl.load(usage_ptr + pool_base + offs, mask=in_pool, other=0)
-        key = ((u + 1) << 25) | offs.to(tl.int64)               # SLOT_BITS = 25
+        owner = tl.full((SLOT_TILE,), -1, tl.int64)
+        if USE_FREQ:
+            owner = tl.load(id_of_slot_ptr + pool_base + offs, mask=in_pool, other=-1).to(tl.int64)
+        value = _key_value(u, owner, count_ptr, freq_weight, in_pool, USE_FREQ)
+        key = (value << 25) | offs.to(tl.int64)                 # SLOT_BITS = 25
         ok = in_pool & (u != step) & (key > prev_key)
         key = tl.where(ok, key, 0x7FFFFFFFFFFFFFFF)
         best = tl.minimum(best, tl.min(key, axis=0))
@@ -185,6 +201,8 @@ def ensure_kernel(
     num_missing_ptr,      # [1] int32
     error_ptr,            # [1] int32 error bits
     policy_ptr,           # [6] int64 device policy (read when USE_POLICY)
+    count_ptr,            # [L*E] int64 routes seen per expert (read and counted when USE_FREQ)
+    freq_weight,          # W of the frequency-weighted key (USE_FREQ)
     layer,                # MoE layer of this call
     pool_base,            # first global slot of the layer's pool
     num_slots,            # S, slots in the pool
@@ -199,6 +217,7 @@ def ensure_kernel(
     ROUTE_TILE: tl.constexpr,    # routes per tile
     SLOT_TILE: tl.constexpr,     # slots per tile of the victim scan
     USE_POLICY: tl.constexpr,    # read the policy scalars from policy_ptr
+    USE_FREQ: tl.constexpr,      # the frequency-weighted key (freq_weight > 0)
 ):
     if USE_POLICY:
         max_fetch = tl.load(policy_ptr + 0)
@@ -215,10 +234,12 @@ def ensure_kernel(
     promote = promote + zero
     seed = seed + zero
     layer = layer + zero
+    freq_weight = freq_weight + zero
     step = tl.load(step_ptr) + 1
     row = layer * NUM_EXPERTS
 
-    # A. mark every routed expert with this step (duplicates write the same value)
+    # A. mark every routed expert with this step (duplicates write the same value); with USE_FREQ count its routes
+    # (only routed experts' counts change, and those are hits of this call or not in a slot: no victim key moves)
     for r0 in range(0, num_routes, ROUTE_TILE):
         offs = r0 + tl.arange(0, ROUTE_TILE)                             # [R]
         in_range = offs < num_routes
@@ -226,6 +247,8 @@ def ensure_kernel(
         bad = in_range & ((e < -1) | (e >= NUM_EXPERTS))
         tl.atomic_or(error_ptr, 1, mask=tl.max(bad.to(tl.int32), axis=0) > 0)
         tl.store(mark_ptr + e, step, mask=in_range & (e >= 0) & (e < NUM_EXPERTS))
+        if USE_FREQ:
+            tl.atomic_add(count_ptr + row + e, 1, mask=in_range & (e >= 0) & (e < NUM_EXPERTS))
     tl.debug_barrier()
 
     # B. hits and misses over all experts of the layer
@@ -254,7 +277,8 @@ def ensure_kernel(
     for i in range(0, k):
         cur = _next_miss(order_key, cur)
         expert = _miss_expert(cur, E_BLOCK)
-        vkey = _next_victim(usage_ptr, pool_base, num_slots, step, prev_victim, SLOT_TILE)
+        vkey = _next_victim(usage_ptr, id_of_slot_ptr, count_ptr, freq_weight, pool_base, num_slots, step,
+                            prev_victim, SLOT_TILE, USE_FREQ)
         prev_victim = vkey
         victim = pool_base + (vkey & ((1 << 25) - 1))
         victim_was_empty = (vkey >> 25) == 0
@@ -296,11 +320,14 @@ def prefetch_kernel(
     src_ptr,              # [S] int32
     num_indices_ptr,      # [1] int32
     vkeys_ptr,            # [V] int64 the pool's victim list: emptied when anything is installed
+    count_ptr,            # [L*E] int64 routes seen per expert (USE_FREQ)
+    freq_weight,
     layer, pool_base, num_slots,
     NUM_EXPERTS: tl.constexpr,
     C_BLOCK: tl.constexpr,       # next power of two >= C
     SLOT_TILE: tl.constexpr,
     V_BLOCK: tl.constexpr,       # victim-list length (>= 1)
+    USE_FREQ: tl.constexpr,
 ):
     step = tl.load(step_ptr)
     row = layer * NUM_EXPERTS
@@ -322,7 +349,8 @@ def prefetch_kernel(
     prev_victim = tl.full((), -1, tl.int64)
     for i in range(0, num_chosen):
         expert = tl.sum(tl.where(chosen & (rank == i), e, 0), axis=0)
-        vkey = _next_victim(usage_ptr, pool_base, num_slots, step, prev_victim, SLOT_TILE)
+        vkey = _next_victim(usage_ptr, id_of_slot_ptr, count_ptr, freq_weight + tl.zeros((), tl.int64), pool_base,
+                            num_slots, step, prev_victim, SLOT_TILE, USE_FREQ)
         prev_victim = vkey
         if vkey != 0x7FFFFFFFFFFFFFFF:
             victim = pool_base + (vkey & ((1 << 25) - 1))
@@ -365,6 +393,8 @@ def ensure_small_kernel(
     arrive_ptr,           # [1] int32 scratch: programs done with their part (reset to 0 at exit)
     vkeys_ptr,            # [V] int64 this pool's victim list: ascending keys, KEY_NONE = none
     vowner_ptr,           # [V] int32 owners of those slots when the list was built
+    count_ptr,            # [L*E] int64 routes seen per expert (read and counted when USE_FREQ)
+    freq_weight,          # W of the frequency-weighted key (USE_FREQ)
     layer, pool_base, num_slots, max_fetch, frac_q16, round_mode, select_mode, promote, seed,
     NUM_EXPERTS: tl.constexpr,   # E
     E_BLOCK: tl.constexpr,       # next power of two >= E (order-key radix)
@@ -375,6 +405,7 @@ def ensure_small_kernel(
     MERGE_BLOCK: tl.constexpr,   # power of two >= G * CAND
     USE_POLICY: tl.constexpr,    # read the policy scalars from policy_ptr
     MULTI: tl.constexpr,         # more than one program (G > 1)
+    USE_FREQ: tl.constexpr,      # the frequency-weighted key (freq_weight > 0; launched with V = 0: see api.ensure)
 ):
     """Decode-sized calls (N <= ROUTE_BLOCK routes): per-route work, victims from a list or a scan.
 
@@ -400,6 +431,7 @@ def ensure_small_kernel(
     max_fetch = max_fetch + zero
     frac_q16 = frac_q16 + zero
     layer = layer + zero
+    freq_weight = freq_weight + zero
     step = tl.load(step_ptr) + 1
     row = layer * NUM_EXPERTS
 
@@ -419,6 +451,7 @@ def ensure_small_kernel(
         vslot = vkey & ((1 << 25) - 1)
         vused = vkey != 0x7FFFFFFFFFFFFFFF
         vu = tl.load(usage_ptr + pool_base + vslot, mask=vused, other=0)
+        vval = _key_value(vu, vown.to(tl.int64), count_ptr, freq_weight, vused, USE_FREQ)
     same = (e64[:, None] == e64[None, :]) & (r[None, :] < r[:, None]) & valid[None, :]
     distinct = valid & (tl.max(same.to(tl.int32), axis=1) == 0)
     if V > 0:
@@ -437,7 +470,7 @@ def ensure_small_kernel(
     counts, first_key = tl.reduce(
         (hit.to(tl.int32) | (miss.to(tl.int32) << 8) | (bad.to(tl.int32) << 16), order_key), 0, _sum_max)
     if V > 0:
-        live = vused & ((((vu + 1) << 25) | vslot) == vkey) & (vhit == 0)
+        live = vused & (((vval << 25) | vslot) == vkey) & (vhit == 0)
         vpacked = _pack_victims(vj, vslot, vown, live)
         # how many live entries, and the smallest (the first victim), in one reduction
         num_live, first_v = tl.reduce((live.to(tl.int32), vpacked), 0, _sum_min)
@@ -461,7 +494,11 @@ def ensure_small_kernel(
         part = pid * PART + tl.arange(0, PART)                            # [PART] pool-local
         in_part = part < num_slots
         u = tl.load(usage_ptr + pool_base + part, mask=in_part, other=0)
-        key = tl.where(in_part & (u != step), ((u + 1) << 25) | part.to(tl.int64),
+        owner = tl.full((PART,), -1, tl.int64)
+        if USE_FREQ:
+            owner = tl.load(id_of_slot_ptr + pool_base + part, mask=in_part, other=-1).to(tl.int64)
+        value = _key_value(u, owner, count_ptr, freq_weight, in_part, USE_FREQ)
+        key = tl.where(in_part & (u != step), (value << 25) | part.to(tl.int64),
                        0x7FFFFFFFFFFFFFFF)
         prev = tl.full((), -1, tl.int64)
         for j in range(0, k + V):
@@ -525,6 +562,8 @@ def ensure_small_kernel(
         tl.store(num_missing_ptr, num_misses.to(tl.int32))
         tl.store(mark_ptr + e64, step, mask=valid)
         tl.store(recency_ptr + row + e64, step, mask=valid)
+        if USE_FREQ:     # after every key of this call is read (a routed expert's key does not matter here)
+            tl.atomic_add(count_ptr + row + e64, 1, mask=valid)
         tl.debug_barrier()   # every thread has read its routes before any is rewritten
         tl.store(ids_ptr + r, out.to(e.dtype), mask=in_r)
         tl.store(step_ptr, step)
