@@ -13,6 +13,8 @@ routing K distinct experts from `SyntheticRouting`'s table) under:
   least recently used: a frequency key the contract does not have.
 - `pin:X`: a share X of the slots keeps the experts the prompt routed most (a static choice made after prefill),
   the rest is LRU.
+- `w:W`: the kernels' frequency-weighted key (`SlotCache.freq_weight` = W, docs/slot_cache.md): last use (in layer
+  calls) + W x the routes the expert has had; `w:0` is LRU.
 
 The synthetic table draws every position's experts independently from a fixed skewed popularity per layer, so
 frequency predicts the future perfectly here and recency adds nothing: `lfu` is close to the best any policy can
@@ -46,35 +48,44 @@ def simulate(table, num_layers: int, num_experts: int, slots: int, prompt: int, 
         pinned = {key for key, _ in counts.most_common(int(float(policy[4:]) * slots))}
     capacity = slots - len(pinned)
     lru: collections.OrderedDict = collections.OrderedDict()     # resident (layer, expert), least recent first
+    weight = int(policy[2:]) if policy.startswith("w:") else None
+    last: dict = {}                                 # w:W: the layer call of each resident expert's last use
+    step = 0
 
-    def admit(key) -> None:
+    def admit(key, used_now: set) -> None:
         if capacity <= 0:
             return
         if len(lru) >= capacity:
             if policy == "lfu":      # fewest routes, ties to the least recent (the OrderedDict's order)
                 victim = min(lru, key=lambda k: counts[k])
+            elif weight is not None:     # smallest last use + W x routes, among experts not used in this call
+                victim = min((k for k in lru if k not in used_now), key=lambda k: last[k] + weight * counts[k])
             else:
                 victim = next(iter(lru))
             del lru[victim]
         lru[key] = True
+        last[key] = step
 
     for layer in range(num_layers):                 # the prefill pass: every expert copied, in layer order
+        step += 1
         for e in range(num_experts):
             if (layer, e) not in pinned:
                 lru.pop((layer, e), None)
-                admit((layer, e))
+                admit((layer, e), set())
     misses = 0
     for pos in range(prompt, prompt + decode):
         for layer in range(num_layers):
+            step += 1
             routed = {(layer, e) for e in table[pos, layer].tolist()}
             counts.update(routed)
             for key in routed:                      # hits first (ensure marks them before choosing victims)
                 if key in lru:
                     lru.move_to_end(key)
+                    last[key] = step
             for key in sorted(routed):
                 if key not in lru and key not in pinned:
                     misses += 1
-                    admit(key)
+                    admit(key, routed)
     return misses / decode
 
 
@@ -90,8 +101,9 @@ def main() -> int:
     args = parser.parse_args()
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     for p in policies:
-        if p not in ("lru", "lfu") and not (p.startswith("pin:") and 0.0 <= float(p[4:]) <= 1.0):
-            raise SystemExit(f"--policies takes lru, lfu and pin:X with 0 <= X <= 1, got {p!r}")
+        if p not in ("lru", "lfu") and not (p.startswith("pin:") and 0.0 <= float(p[4:]) <= 1.0) \
+                and not (p.startswith("w:") and p[2:].isdigit()):
+            raise SystemExit(f"--policies takes lru, lfu, pin:X with 0 <= X <= 1 and w:W with W >= 0, got {p!r}")
     cfg = preset_config(args.preset)
     table = SyntheticRouting(cfg.num_layers, cfg.num_experts, cfg.top_k, args.prompt_tokens + args.decode_tokens,
                              skew=args.skew, seed=args.seed).table

@@ -105,8 +105,8 @@ KNOBS: tuple[Knob, ...] = (
     Knob("FREETOKEN_EVICTION_FREQ_WEIGHT", "eviction_freq_weight", _freq_weight, 0,
          "offload and hybrid: the slot cache's eviction key. 0 (default): least recently used, the contract's. W > 0 "
          "(up to 1024): a used slot's key is its last use (in layer calls) + W x the routes its expert has had, so "
-         "often-routed experts stay. On the benchmarks' synthetic routing a simulation gives 29-34% fewer misses at "
-         "W = 256 (bench/sim_eviction.py, docs/OFFLOAD.md); the same tokens either way"),
+         "often-routed experts stay. On the benchmarks' synthetic routing W = 256 gave a third fewer misses and "
+         "36-45 percent more decode tok/s on the H200 (docs/OFFLOAD.md); the same tokens either way"),
     Knob("FREETOKEN_PIN_GPU_WORKER", "pin_gpu_worker", str, "on",
          "cpu/hybrid: the process that drives the GPU (the GPU worker; `ft generate`) pins all its threads to "
          "the reserved CPUs (--reserve-cpus) within its affinity, off the CPU workers' cores; off: it runs "

@@ -135,6 +135,24 @@ def test_hybrid_gives_the_resident_tokens(hybrid, resident, fetch_round, promote
     assert_lockstep(lock)
 
 
+def test_hybrid_with_the_frequency_weighted_eviction_key(hybrid, resident):
+    """FREETOKEN_EVICTION_FREQ_WEIGHT reaches hybrid's slot cache too: which experts stay changes, the tokens and
+    every layer's sums do not (Lockstep), and the routes are counted."""
+    lock = hybrid.model.experts
+    backend = lock.backend
+    before = fresh(lock, strategy="hybrid", fetch_fraction=0.5, seed=7)
+    backend.cache.freq_weight = 16
+    try:
+        assert greedy(hybrid) == resident["tokens"]
+        assert int(backend.cache.expert_count.sum()) > 0
+        assert delta(backend, before, "experts_fetched_total") > 0 and delta(backend, before, "cpu_triples_total") > 0
+        assert backend.audit_slots(sample_slots=backend.cache.total_slots) == []
+        assert_lockstep(lock)
+    finally:
+        backend.cache.freq_weight = 0
+        backend.cache.expert_count.zero_()
+
+
 def test_cpu_strategy_computes_every_miss_on_the_cpu(hybrid, resident):
     lock = hybrid.model.experts
     backend = lock.backend

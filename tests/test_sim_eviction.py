@@ -28,3 +28,12 @@ def test_a_cache_that_holds_every_expert_never_misses_and_a_tiny_one_misses_ever
         assert simulate(t, 1, 4, 4, prompt=4, decode=5, policy=policy) == 0.0, policy
     # one slot, LRU: after the pass it holds e3; then 3 hit, 1 miss, 0 miss, 2 miss, 2 hit
     assert simulate(t, 1, 4, 1, prompt=4, decode=5, policy="lru") == 3 / 5
+
+
+def test_the_weighted_key_keeps_the_expert_routed_most():
+    """2 slots, 4 experts; decode routes 0, 0, 0, 1, 2, 0. LRU evicts expert 0 for 2 (0 is older than 1): 4 misses.
+    w:4 (last use + 4 x routes) keeps 0 (key 4 + 12) and evicts 1 (key 5 + 4): 3 misses. w:0 is LRU."""
+    t = table([3], [0, 0, 0, 1, 2, 0])
+    assert simulate(t, 1, 4, 2, prompt=1, decode=6, policy="lru") == 4 / 6
+    assert simulate(t, 1, 4, 2, prompt=1, decode=6, policy="w:0") == 4 / 6
+    assert simulate(t, 1, 4, 2, prompt=1, decode=6, policy="w:4") == 3 / 6
