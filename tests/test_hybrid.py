@@ -136,21 +136,24 @@ def test_hybrid_gives_the_resident_tokens(hybrid, resident, fetch_round, promote
 
 
 def test_hybrid_with_the_frequency_weighted_eviction_key(hybrid, resident):
-    """FREETOKEN_EVICTION_FREQ_WEIGHT reaches hybrid's slot cache too: which experts stay changes, the tokens and
-    every layer's sums do not (Lockstep), and the routes are counted."""
-    lock = hybrid.model.experts
-    backend = lock.backend
-    before = fresh(lock, strategy="hybrid", fetch_fraction=0.5, seed=7)
-    backend.cache.freq_weight = 16
+    """A hybrid backend with the frequency-weighted eviction key (HybridExperts(freq_weight=...), else the knob
+    FREETOKEN_EVICTION_FREQ_WEIGHT), over the module's store and CPU pool: the tokens and every layer's sums equal
+    resident's (Lockstep), both sides work, every mapped slot holds its expert, and the routes are counted."""
+    shared = hybrid.model.experts.backend
+    shared.pool.deadline_s = LENIENT_DEADLINE_S
+    backend = HybridExperts(shared.host, CACHE_SLOTS, "cpu", shared.pool, owns_host=False, owns_pool=False,
+                            fetch_fraction=0.5, seed=7, freq_weight=16)
+    lock = Lockstep(backend, hybrid.model.experts.reference)
     try:
-        assert greedy(hybrid) == resident["tokens"]
+        assert backend.cache.freq_weight == 16
+        assert greedy(types.SimpleNamespace(model=_with_experts(hybrid.model, lock))) == resident["tokens"]
         assert int(backend.cache.expert_count.sum()) > 0
-        assert delta(backend, before, "experts_fetched_total") > 0 and delta(backend, before, "cpu_triples_total") > 0
+        c = backend.counters()
+        assert c["experts_fetched_total"] > 0 and c["cpu_triples_total"] > 0 and c["fallbacks_total"] == 0
         assert backend.audit_slots(sample_slots=backend.cache.total_slots) == []
         assert_lockstep(lock)
     finally:
-        backend.cache.freq_weight = 0
-        backend.cache.expert_count.zero_()
+        backend.close()
 
 
 def test_cpu_strategy_computes_every_miss_on_the_cpu(hybrid, resident):

@@ -110,9 +110,9 @@ def test_lockstep_with_frequency_weight(pool, policy, variant, weight):
 
 @pytest.mark.parametrize("variant", list(KERNEL_VARIANTS))
 def test_frequency_weight_keeps_the_often_routed_expert_that_lru_evicts(variant):
-    """Two slots. Expert 0 is routed three times, then expert 1, then 2 misses: LRU evicts expert 0 (least
-    recently used), the weighted key evicts expert 1 (routed once: key 7 + 1*W against 5 + 3*W, W = 2). Kernel
-    and reference agree either way."""
+    """Two slots. Expert 0 is routed three times (last at step 3), then expert 1 (step 4), then 2 misses: LRU evicts
+    expert 0 (least recently used), the weighted key evicts expert 1 (5 + 1*W = 7 against 4 + 3*W = 10, W = 2).
+    Kernel and reference agree either way."""
     path, vlist = KERNEL_VARIANTS[variant]
     held = {}
     for weight in (0, 2):
@@ -129,11 +129,34 @@ def test_frequency_weight_keeps_the_often_routed_expert_that_lru_evicts(variant)
     assert held == {0: [1, 2], 2: [0, 2]}
 
 
-def test_frequency_weight_is_checked():
+def test_frequency_weight_is_checked_and_fixed_at_creation():
     with pytest.raises(ValueError, match=r"freq_weight must be an int in \[0, 1024\]"):
         SlotCache.create(1, 4, 2, freq_weight=-1)
-    with pytest.raises(ValueError, match="freq_weight"):
-        SlotCache.create(1, 4, 2, freq_weight=5000)
+    for bad in (5000, True, 2.0):
+        with pytest.raises(ValueError, match="freq_weight"):
+            SlotCache.create(1, 4, 2, freq_weight=bad)
+    cache = SlotCache.create(1, 4, 2, freq_weight=3)
+    with pytest.raises(AttributeError, match="fixed at creation"):
+        cache.freq_weight = 0
+    assert cache.clone().freq_weight == 3 and cache.to("cpu").freq_weight == 3
+
+
+@pytest.mark.parametrize("variant", list(KERNEL_VARIANTS))
+def test_frequency_counts_skip_padding_and_count_duplicates(variant):
+    """expert_count counts every route (a duplicate twice) and never padding (-1); kernels equal the reference."""
+    path, vlist = KERNEL_VARIANTS[variant]
+    ref = SlotCache.create(2, 8, 6, freq_weight=4)
+    ker = SlotCache.create(2, 8, 6, device=KERNEL_DEVICE, victim_list=vlist, freq_weight=4)
+    calls = [(0, [[3, -1, 3], [5, 3, -1]]), (1, [[7, 7, 7]]), (0, [[-1, -1, 2]]), (0, [[3, 6, 1], [0, 4, 2]])]
+    for layer, rows in calls:
+        a = torch.tensor(rows)
+        b = a.clone().to(KERNEL_DEVICE)
+        ensure(ref, layer, a, fetch_fraction=1.0, impl="reference")
+        ensure(ker, layer, b, fetch_fraction=1.0, impl="triton", path=path)
+        assert torch.equal(a, b.cpu()), f"layer {layer}, routes {rows}"
+        assert_same_state(ref, ker, f"layer {layer}, routes {rows}")
+    assert ref.expert_count[0].tolist() == [1, 1, 2, 4, 1, 1, 1, 0]
+    assert ref.expert_count[1].tolist() == [0, 0, 0, 0, 0, 0, 0, 3]
 
 
 @pytest.mark.parametrize("variant", list(KERNEL_VARIANTS))

@@ -103,9 +103,12 @@ def cases():
         small_case("small-23197-multi", 512, 23197, 32, False),
         small_case("small-64-list", 128, 64, 32, False),
         small_case("small-64-nolist", 128, 64, 0, False),
-        small_case("small-2048-list-freq", 128, 2048, 32, True, use_freq=True),
+        small_case("small-2048-freq", 128, 2048, 0, True, use_freq=True),        # with W > 0: no list (api.ensure)
+        small_case("small-23197-multi-freq", 512, 23197, 0, False, use_freq=True),
         ("general", "ensure_kernel", general,
          dict(NUM_EXPERTS=512, E_BLOCK=512, ROUTE_TILE=1024, SLOT_TILE=2048, USE_POLICY=False, USE_FREQ=False)),
+        ("general-freq", "ensure_kernel", general,
+         dict(NUM_EXPERTS=512, E_BLOCK=512, ROUTE_TILE=1024, SLOT_TILE=2048, USE_POLICY=False, USE_FREQ=True)),
     ]
 
 

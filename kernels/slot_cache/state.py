@@ -35,7 +35,8 @@ KEY_NONE = 0x7FFFFFFFFFFFFFFF
 # Error flag bits written by the kernels (host checks them off the hot path).
 ERR_EXPERT_ID = 1
 # The frequency-weighted eviction key (SlotCache.freq_weight W > 0; 0 = the contract's LRU key): a used slot's key
-# is usage + 1 + W * min(routes of its expert so far, FREQ_COUNT_CAP). Bounds keep (key << SLOT_BITS) in an int64.
+# is usage + 1 + W * min(routes of its expert so far, FREQ_COUNT_CAP). These bounds keep (key << SLOT_BITS) in an
+# int64 while the step counter (one per layer call) stays below 2^38 - 2^34 (~2.6e11 calls).
 FREQ_COUNT_CAP = 1 << 24
 MAX_FREQ_WEIGHT = 1 << 10
 
@@ -80,7 +81,8 @@ class SlotCache:
         if self.victim_list < 0 or self.victim_list & (self.victim_list - 1) or self.victim_list > MAX_VICTIM_LIST:
             raise ValueError(f"victim_list must be 0 or a power of two up to {MAX_VICTIM_LIST}, "
                              f"got {self.victim_list}")
-        if not isinstance(self.freq_weight, int) or not 0 <= self.freq_weight <= MAX_FREQ_WEIGHT:
+        if (isinstance(self.freq_weight, bool) or not isinstance(self.freq_weight, int)
+                or not 0 <= self.freq_weight <= MAX_FREQ_WEIGHT):
             raise ValueError(f"freq_weight must be an int in [0, {MAX_FREQ_WEIGHT}] (steps of protection per "
                              f"route seen; 0 = LRU), got {self.freq_weight!r}")
         if self.expert_count is None:
@@ -138,6 +140,14 @@ class SlotCache:
             freq_weight=freq_weight,
         )
         return cache
+
+    def __setattr__(self, name, value):
+        # freq_weight is fixed at creation: the kernels take it (and whether it is 0, and the decode kernel's victim
+        # list length) at launch, so a CUDA graph captured before a change would keep the old key
+        if name == "freq_weight" and "freq_weight" in self.__dict__:
+            raise AttributeError("SlotCache.freq_weight is fixed at creation (captured CUDA graphs hold it); create "
+                                 "the cache (or the expert backend) again with the weight you want")
+        super().__setattr__(name, value)
 
     @property
     def device(self) -> torch.device:
