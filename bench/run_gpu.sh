@@ -30,6 +30,7 @@
 #        forward: GPU tests, resident TTFT at 4K and 16K) [s14-a] (hybrid prefill, 512 against 4096 chunks) [s14-b] (the GPU tests left unrun in the thirteenth session)
 #        [s14-c] (hybrid prefill with the prefetch; prefill attention on flash with a causal bias object) [s14-d] (GPU tests, 32K prompt) [s14-e] (review fixes)
 #        [s14-f] (the frequency-weighted eviction key: kernels in lockstep, lossless, decode LRU against W = 256)
+#        [s14-g] (after its review: the new lockstep tests on the compiled kernels)
 #        (default: kernels engine cpu). SECTION_TIMEOUT (s, default 540) bounds each command.
 # Logs go to $OUT (the device tool's output folder) when it is set, else ./out.
 set -u
@@ -549,6 +550,12 @@ device,=hybrid min-wait device serial" 2>&1 | tee "$OUT/overlap_hybrid.log" | ta
       timeout 300 python3 bench/bench_engine.py --runs 2 --prompt-tokens 1024 --decode-tokens 128 --fractions 0.1,0.25,0.5 \
         --offload-copy kernel --freq-weights 0,256 > "$OUT/s14f_engine.log" 2>&1 || status=1
       grep -v "^ " "$OUT/s14f_engine.log" | tail -n 9 | cut -c1-300
+      ;;
+    s14-g)    # fourteenth session, last call: after the review of the eviction key, its lockstep tests on the compiled kernels
+              # (counts with padding and duplicates, the weight fixed at creation, LRU against W) and offload lossless with it
+      timeout 140 python3 -m pytest -q -p no:cacheprovider tests/test_slot_cache_lockstep.py \
+        -k "frequency_counts or fixed_at_creation or keeps_the_often" 2>&1 | tail -n 2
+      timeout 100 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_offload.py -k freq 2>&1 | tail -n 2
       ;;
     omp-wait)    # prepared in the tenth session; s11-e ran the same comparison (active starved the pool: 3.2 GB/s): the hybrid configuration with the CPU workers' OpenMP team
                  # left to libgomp's default wait (spin, then sleep) against OMP_WAIT_POLICY=active (the workers inherit
