@@ -40,17 +40,22 @@ from gpu_worker.offload import resolve_cache_slots  # noqa: E402
 
 def simulate(table, num_layers: int, num_experts: int, slots: int, prompt: int, decode: int, policy: str) -> float:
     """Misses per decode token. table [positions, layers, K] of expert ids (SyntheticRouting.table)."""
+    return simulate_requests([table], num_layers, num_experts, slots, prompt, decode, policy)[0]
+
+
+def simulate_requests(tables, num_layers: int, num_experts: int, slots: int, prompt: int, decode: int,
+                      policy: str) -> list[float]:
+    """Misses per decode token of each request, one after another on the same pool (its counts and recency carry
+    over, as in a serving engine): each request is a prefill pass over every expert and `decode` tokens, its routes
+    from its own table. Tables from different seeds model a workload whose popular experts drift between requests.
+    `pin:X` pins by the first request's prompt."""
     counts: collections.Counter = collections.Counter()
-    for layer in range(num_layers):
-        counts.update((layer, e) for e in table[:prompt, layer].reshape(-1).tolist())
-    pinned: set = set()
-    if policy.startswith("pin:"):
-        pinned = {key for key, _ in counts.most_common(int(float(policy[4:]) * slots))}
-    capacity = slots - len(pinned)
     lru: collections.OrderedDict = collections.OrderedDict()     # resident (layer, expert), least recent first
     weight = int(policy[2:]) if policy.startswith("w:") else None
     last: dict = {}                                 # w:W: the layer call of each resident expert's last use
+    pinned: set = set()
     step = 0
+    capacity = slots
 
     def admit(key, used_now: set) -> None:
         if capacity <= 0:
@@ -66,27 +71,35 @@ def simulate(table, num_layers: int, num_experts: int, slots: int, prompt: int, 
         lru[key] = True
         last[key] = step
 
-    for layer in range(num_layers):                 # the prefill pass: every expert copied, in layer order
-        step += 1
-        for e in range(num_experts):
-            if (layer, e) not in pinned:
-                lru.pop((layer, e), None)
-                admit((layer, e), set())
-    misses = 0
-    for pos in range(prompt, prompt + decode):
+    per_request = []
+    for r, table in enumerate(tables):
         for layer in range(num_layers):
+            counts.update((layer, e) for e in table[:prompt, layer].reshape(-1).tolist())
+        if r == 0 and policy.startswith("pin:"):
+            pinned = {key for key, _ in counts.most_common(int(float(policy[4:]) * slots))}
+            capacity = slots - len(pinned)
+        for layer in range(num_layers):             # the prefill pass: every expert copied, in layer order
             step += 1
-            routed = {(layer, e) for e in table[pos, layer].tolist()}
-            counts.update(routed)
-            for key in routed:                      # hits first (ensure marks them before choosing victims)
-                if key in lru:
-                    lru.move_to_end(key)
-                    last[key] = step
-            for key in sorted(routed):
-                if key not in lru and key not in pinned:
-                    misses += 1
-                    admit(key, routed)
-    return misses / decode
+            for e in range(num_experts):
+                if (layer, e) not in pinned:
+                    lru.pop((layer, e), None)
+                    admit((layer, e), set())
+        misses = 0
+        for pos in range(prompt, prompt + decode):
+            for layer in range(num_layers):
+                step += 1
+                routed = {(layer, e) for e in table[pos, layer].tolist()}
+                counts.update(routed)
+                for key in routed:                  # hits first (ensure marks them before choosing victims)
+                    if key in lru:
+                        lru.move_to_end(key)
+                        last[key] = step
+                for key in sorted(routed):
+                    if key not in lru and key not in pinned:
+                        misses += 1
+                        admit(key, routed)
+        per_request.append(misses / decode)
+    return per_request
 
 
 def main() -> int:
@@ -98,6 +111,9 @@ def main() -> int:
     parser.add_argument("--decode-tokens", type=int, default=256)
     parser.add_argument("--skew", type=float, default=1.0, help="the routing's zipf skew (bench_engine's zipf:SKEW)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--requests", type=int, default=1,
+                        help="requests one after another on the same pool, each with its own popularity (seeds seed, "
+                             "seed+1, ...): how each key follows a drift; the table shows the last request's misses")
     args = parser.parse_args()
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     for p in policies:
@@ -105,16 +121,17 @@ def main() -> int:
                 and not (p.startswith("w:") and p[2:].isdigit()):
             raise SystemExit(f"--policies takes lru, lfu, pin:X with 0 <= X <= 1 and w:W with W >= 0, got {p!r}")
     cfg = preset_config(args.preset)
-    table = SyntheticRouting(cfg.num_layers, cfg.num_experts, cfg.top_k, args.prompt_tokens + args.decode_tokens,
-                             skew=args.skew, seed=args.seed).table
+    tables = [SyntheticRouting(cfg.num_layers, cfg.num_experts, cfg.top_k, args.prompt_tokens + args.decode_tokens,
+                               skew=args.skew, seed=args.seed + r).table for r in range(max(1, args.requests))]
     print(f"{args.preset}: {cfg.num_layers} layers x {cfg.num_experts} experts, top-{cfg.top_k}; prompt "
           f"{args.prompt_tokens}, {args.decode_tokens} decode tokens, routing zipf:{args.skew:g} (seed {args.seed}); "
-          f"misses per decode token (simulated)")
+          f"misses per decode token (simulated)"
+          + (f", of the last of {len(tables)} requests with different popularity" if len(tables) > 1 else ""))
     print(f"{'cache':>6} {'slots':>6} " + " ".join(f"{p:>9}" for p in policies))
     for frac in (float(f) for f in args.fractions.split(",") if f.strip()):
         slots = resolve_cache_slots(frac, cfg.num_layers, cfg.num_experts)
-        row = [simulate(table, cfg.num_layers, cfg.num_experts, slots, args.prompt_tokens, args.decode_tokens, p)
-               for p in policies]
+        row = [simulate_requests(tables, cfg.num_layers, cfg.num_experts, slots, args.prompt_tokens,
+                                 args.decode_tokens, p)[-1] for p in policies]
         print(f"{frac:>6.0%} {slots:>6} " + " ".join(f"{m:>9.1f}" for m in row), flush=True)
     return 0
 
