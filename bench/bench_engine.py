@@ -249,6 +249,9 @@ def main() -> int:
     parser.add_argument("--freq-weights", default="0",
                         help="the slot cache's eviction key, comma-separated: 0 (least recently used, the default) and "
                              "frequency weights W > 0 (FREETOKEN_EVICTION_FREQ_WEIGHT; docs/OFFLOAD.md)")
+    parser.add_argument("--freq-half-life", type=int, default=None,
+                        help="with --freq-weights W > 0: layer calls between halvings of the route counts (0: never; "
+                             "default: FREETOKEN_EVICTION_FREQ_HALF_LIFE, 3072; s14-f ran before it existed, as 0)")
     parser.add_argument("--trace-dir", default=None,
                         help="with --profile: write each profiled run's Chrome trace (trace_<backend>.json) here")
     parser.add_argument("--profile", type=int, default=0,
@@ -339,7 +342,7 @@ def main() -> int:
                     label += f" fw{weight}"
                 slots = resolve_cache_slots(frac, source.num_layers, source.num_experts)
                 backend = OffloadExperts(host, slots, args.device, copy_mode=copy_mode, overlap_copy=overlap,
-                                         split_copy=split, freq_weight=weight)
+                                         split_copy=split, freq_weight=weight, freq_half_life=args.freq_half_life)
                 loaded.model.experts = backend
                 _reset_peak()
                 engine = Engine(loaded.model, econf, eos_token_ids=())

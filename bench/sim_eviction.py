@@ -13,8 +13,9 @@ routing K distinct experts from `SyntheticRouting`'s table) under:
   least recently used: a frequency key the contract does not have.
 - `pin:X`: a share X of the slots keeps the experts the prompt routed most (a static choice made after prefill),
   the rest is LRU.
-- `w:W`: the kernels' frequency-weighted key (`SlotCache.freq_weight` = W, docs/slot_cache.md): last use (in layer
-  calls) + W x the routes the expert has had; `w:0` is LRU.
+- `w:W` or `w:W:H`: the kernels' frequency-weighted key (`SlotCache.freq_weight` = W, docs/slot_cache.md): last use
+  (in layer calls) + W x the routes the expert has had, every count halved after each H-th layer call
+  (`freq_half_life`; none without H); `w:0` is LRU.
 
 The synthetic table draws every position's experts independently from a fixed skewed popularity per layer, so
 frequency predicts the future perfectly here and recency adds nothing: `lfu` is close to the best any policy can
@@ -51,7 +52,8 @@ def simulate_requests(tables, num_layers: int, num_experts: int, slots: int, pro
     `pin:X` pins by the first request's prompt."""
     counts: collections.Counter = collections.Counter()
     lru: collections.OrderedDict = collections.OrderedDict()     # resident (layer, expert), least recent first
-    weight = int(policy[2:]) if policy.startswith("w:") else None
+    weight = int(policy.split(":")[1]) if policy.startswith("w:") else None
+    half_life = int(policy.split(":")[2]) if policy.startswith("w:") and policy.count(":") == 2 else 0
     last: dict = {}                                 # w:W: the layer call of each resident expert's last use
     pinned: set = set()
     step = 0
@@ -71,6 +73,12 @@ def simulate_requests(tables, num_layers: int, num_experts: int, slots: int, pro
         lru[key] = True
         last[key] = step
 
+    def age() -> None:
+        """The kernels' aging, after a call whose step is a multiple of the half-life (victims chosen before it)."""
+        if half_life and step % half_life == 0:
+            for key in counts:
+                counts[key] >>= 1
+
     per_request = []
     for r, table in enumerate(tables):
         for layer in range(num_layers):
@@ -84,6 +92,7 @@ def simulate_requests(tables, num_layers: int, num_experts: int, slots: int, pro
                 if (layer, e) not in pinned:
                     lru.pop((layer, e), None)
                     admit((layer, e), set())
+            age()
         misses = 0
         for pos in range(prompt, prompt + decode):
             for layer in range(num_layers):
@@ -98,6 +107,7 @@ def simulate_requests(tables, num_layers: int, num_experts: int, slots: int, pro
                     if key not in lru and key not in pinned:
                         misses += 1
                         admit(key, routed)
+                age()
         per_request.append(misses / decode)
     return per_request
 
@@ -118,8 +128,8 @@ def main() -> int:
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     for p in policies:
         if p not in ("lru", "lfu") and not (p.startswith("pin:") and 0.0 <= float(p[4:]) <= 1.0) \
-                and not (p.startswith("w:") and p[2:].isdigit()):
-            raise SystemExit(f"--policies takes lru, lfu, pin:X with 0 <= X <= 1 and w:W with W >= 0, got {p!r}")
+                and not (p.startswith("w:") and all(x.isdigit() for x in p.split(":")[1:]) and p.count(":") <= 2):
+            raise SystemExit(f"--policies takes lru, lfu, pin:X with 0 <= X <= 1, w:W and w:W:H (W, H >= 0), got {p!r}")
     cfg = preset_config(args.preset)
     tables = [SyntheticRouting(cfg.num_layers, cfg.num_experts, cfg.top_k, args.prompt_tokens + args.decode_tokens,
                                skew=args.skew, seed=args.seed + r).table for r in range(max(1, args.requests))]

@@ -73,6 +73,7 @@ LOCAL_WORKER_FLAGS = (("--hybrid-handoff", "hybrid_handoff"),     # local: the G
                       ("--pdl", "pdl"),                           # lossless either way
                       ("--prefill-prefetch", "prefill_prefetch"),  # lossless either way
                       ("--eviction-freq-weight", "eviction_freq_weight"),  # which experts stay cached: lossless
+                      ("--eviction-freq-half-life", "eviction_freq_half_life"),   # the same
                       ("--prefill-chunk-tokens", "prefill_chunk_tokens"))   # the worker's own memory / latency choice
 
 

@@ -210,8 +210,8 @@ def run_inline(args: argparse.Namespace) -> int:
     from kernels.pdl import apply_setting
     apply_setting(resolve({"pdl": args.pdl})["pdl"], args.device)
     export_setting("prefill_prefetch", resolve({"prefill_prefetch": args.prefill_prefetch})["prefill_prefetch"])
-    export_setting("eviction_freq_weight",
-                   resolve({"eviction_freq_weight": args.eviction_freq_weight})["eviction_freq_weight"])
+    for field in ("eviction_freq_weight", "eviction_freq_half_life"):
+        export_setting(field, resolve({field: getattr(args, field)})[field])
     served = load_served_engine(args.model, args.preset, args.device, moe_strategy=args.moe_strategy,
                                 moe_cache_size=args.moe_cache_size, max_running_requests=args.max_running_requests,
                                 max_context_tokens=args.max_context_tokens, served_model_name=args.served_model_name,

@@ -56,6 +56,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_cli_flag(parser, "pdl")                 # local: the same tokens either way
     add_cli_flag(parser, "prefill_prefetch")    # local: the same tokens either way
     add_cli_flag(parser, "eviction_freq_weight")   # local: the same tokens either way
+    add_cli_flag(parser, "eviction_freq_half_life")
     cpus = parser.add_argument_group("CPUs (cpu/hybrid; local to this process, not part of the coordinator's config)")
     cpus.add_argument("--reserve-cpus", default=None, metavar="LIST",
                       help="the CPUs the CPU workers keep off, where this process pins itself once loaded (`ft "
@@ -76,11 +77,13 @@ def run(args: argparse.Namespace) -> int:
 
     knobs = resolve({"hybrid_handoff": args.hybrid_handoff, "pin_gpu_worker": args.pin_gpu_worker,
                      "offload_copy": args.offload_copy, "moe_slot_audit": args.moe_slot_audit, "pdl": args.pdl,
-                     "prefill_prefetch": args.prefill_prefetch, "eviction_freq_weight": args.eviction_freq_weight})
+                     "prefill_prefetch": args.prefill_prefetch, "eviction_freq_weight": args.eviction_freq_weight,
+                     "eviction_freq_half_life": args.eviction_freq_half_life})
     from kernels.pdl import apply_setting
     apply_setting(knobs["pdl"], args.device)
     export_setting("prefill_prefetch", knobs["prefill_prefetch"])
     export_setting("eviction_freq_weight", knobs["eviction_freq_weight"])
+    export_setting("eviction_freq_half_life", knobs["eviction_freq_half_life"])
     options = GpuWorkerOptions(
         engine_addr=args.engine_addr, name=args.name, model=args.model, preset=args.preset, device=args.device,
         moe_strategy=args.moe_strategy, moe_cache_size=args.moe_cache_size,

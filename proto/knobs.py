@@ -107,6 +107,11 @@ KNOBS: tuple[Knob, ...] = (
          "(up to 1024): a used slot's key is its last use (in layer calls) + W x the routes its expert has had, so "
          "often-routed experts stay. On the benchmarks' synthetic routing W = 256 gave a third fewer misses and "
          "36-45 percent more decode tok/s on the H200 (docs/OFFLOAD.md); the same tokens either way"),
+    Knob("FREETOKEN_EVICTION_FREQ_HALF_LIFE", "eviction_freq_half_life", _nonneg_int, 3072,
+         "offload and hybrid, with --eviction-freq-weight W > 0: every expert's route count is halved each time this "
+         "many layer calls have passed (3072 = 64 tokens of a 48-layer model; 0: never), so that the counts follow "
+         "traffic whose popular experts change. In simulation, without it four requests with different popular "
+         "experts end worse than LRU; with it they stay about a quarter below (docs/OFFLOAD.md)"),
     Knob("FREETOKEN_PIN_GPU_WORKER", "pin_gpu_worker", str, "on",
          "cpu/hybrid: the process that drives the GPU (the GPU worker; `ft generate`) pins all its threads to "
          "the reserved CPUs (--reserve-cpus) within its affinity, off the CPU workers' cores; off: it runs "

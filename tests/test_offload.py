@@ -235,10 +235,18 @@ def test_gpu_frequency_weighted_eviction_is_lossless(copy_mode):
 def test_eviction_freq_weight_follows_its_knob(monkeypatch):
     from proto.knobs import export_setting
     monkeypatch.setenv("FREETOKEN_EVICTION_FREQ_WEIGHT", "0")      # recorded: the test's own writes are undone
-    export_setting("eviction_freq_weight", 32)                      # what the CLIs do with the flag
+    monkeypatch.delenv("FREETOKEN_EVICTION_FREQ_HALF_LIFE", raising=False)
     loaded = load_model(device="cpu", moe_strategy="offload", moe_cache_size=32)
     try:
-        assert loaded.model.experts.cache.freq_weight == 32
+        assert (loaded.model.experts.cache.freq_weight, loaded.model.experts.cache.freq_half_life) == (0, 3072)
+    finally:
+        loaded.model.experts.close()
+    export_setting("eviction_freq_weight", 32)                      # what the CLIs do with the flags
+    monkeypatch.setenv("FREETOKEN_EVICTION_FREQ_HALF_LIFE", "0")
+    export_setting("eviction_freq_half_life", 96)
+    loaded = load_model(device="cpu", moe_strategy="offload", moe_cache_size=32)
+    try:
+        assert (loaded.model.experts.cache.freq_weight, loaded.model.experts.cache.freq_half_life) == (32, 96)
     finally:
         loaded.model.experts.close()
     monkeypatch.setenv("FREETOKEN_EVICTION_FREQ_WEIGHT", "5000")

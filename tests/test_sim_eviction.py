@@ -37,3 +37,12 @@ def test_the_weighted_key_keeps_the_expert_routed_most():
     assert simulate(t, 1, 4, 2, prompt=1, decode=6, policy="lru") == 4 / 6
     assert simulate(t, 1, 4, 2, prompt=1, decode=6, policy="w:0") == 4 / 6
     assert simulate(t, 1, 4, 2, prompt=1, decode=6, policy="w:4") == 3 / 6
+
+
+def test_aging_halves_the_counts_after_the_call():
+    """w:4:2 halves every count after calls 2, 4, 6 (the prefill pass is call 1): the expert routed three times
+    early loses its protection, unlike w:4 (same table as above, where w:4 keeps expert 0)."""
+    t = table([3], [0, 0, 0, 1, 2, 0])
+    assert simulate(t, 1, 4, 2, prompt=1, decode=6, policy="w:4") == 3 / 6
+    # halved at step 4, expert 0's count is 1: key 4 + 4 = 8 against expert 1's 5 + 4 = 9, so 2 evicts expert 0
+    assert simulate(t, 1, 4, 2, prompt=1, decode=6, policy="w:4:2") == 4 / 6

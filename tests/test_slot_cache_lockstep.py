@@ -16,10 +16,12 @@ NUM_CALLS = 36
 
 def run_lockstep(*, num_layers, num_experts, num_slots, per_layer, calls, slot_tile,
                  num_tokens=2, top_k=3, prefetch_every=0, seed=0, path="auto", victim_list=4,
-                 freq_weight=0, **policy):
-    ref = SlotCache.create(num_layers, num_experts, num_slots, per_layer=per_layer, freq_weight=freq_weight)
+                 freq_weight=0, freq_half_life=0, **policy):
+    ref = SlotCache.create(num_layers, num_experts, num_slots, per_layer=per_layer, freq_weight=freq_weight,
+                           freq_half_life=freq_half_life)
     ker = SlotCache.create(num_layers, num_experts, num_slots, per_layer=per_layer,
-                           device=KERNEL_DEVICE, victim_list=victim_list, freq_weight=freq_weight)
+                           device=KERNEL_DEVICE, victim_list=victim_list, freq_weight=freq_weight,
+                           freq_half_life=freq_half_life)
     gen = RouteGen(num_layers, num_experts, seed)
     fetched = 0
     for call in range(calls):
@@ -92,18 +94,22 @@ FREQ_POLICIES = ("min-wait-recency", "offload", "zero-fraction-promote", "split-
 @pytest.mark.parametrize("variant", list(KERNEL_VARIANTS))
 @pytest.mark.parametrize("pool", list(POOLS))
 @pytest.mark.parametrize("policy", FREQ_POLICIES)
-@pytest.mark.parametrize("weight", [1, 5])
-def test_lockstep_with_frequency_weight(pool, policy, variant, weight):
-    """The frequency-weighted key (SlotCache.freq_weight): kernels and reference in lockstep, the routes-seen
-    counts included (assert_same_state compares expert_count), the victim list's live entries still the pool's
-    smallest keys (check_victim_list with the weighted key), prefetches among the calls."""
+@pytest.mark.parametrize("weight, half_life", [(1, 0), (5, 7)], ids=["w1", "w5-half7"])
+def test_lockstep_with_frequency_weight(pool, policy, variant, weight, half_life):
+    """The frequency-weighted key (SlotCache.freq_weight, and the counts' aging, freq_half_life): kernels and
+    reference in lockstep, the routes-seen counts included (assert_same_state compares expert_count), prefetches
+    among the calls; the decode kernel runs without its victim list then (check_victim_list passes trivially)."""
     layers, experts, slots, per_layer, tile = POOLS[pool]
     path, vlist = KERNEL_VARIANTS[variant]
     ref, fetched = run_lockstep(num_layers=layers, num_experts=experts, num_slots=slots,
                                 per_layer=per_layer, calls=NUM_CALLS, slot_tile=tile, num_tokens=3,
                                 prefetch_every=4, path=path, victim_list=vlist, freq_weight=weight,
-                                **POLICIES[policy])
-    assert int(ref.expert_count.sum()) == NUM_CALLS * 3 * 3, "every route is counted once"
+                                freq_half_life=half_life, **POLICIES[policy])
+    total = int(ref.expert_count.sum())
+    if half_life:
+        assert 0 < total < NUM_CALLS * 3 * 3, "the counts were never halved"
+    else:
+        assert total == NUM_CALLS * 3 * 3, "every route is counted once"
     if policy != "zero-fraction-promote":
         assert fetched > 0
 
@@ -135,10 +141,38 @@ def test_frequency_weight_is_checked_and_fixed_at_creation():
     for bad in (5000, True, 2.0):
         with pytest.raises(ValueError, match="freq_weight"):
             SlotCache.create(1, 4, 2, freq_weight=bad)
-    cache = SlotCache.create(1, 4, 2, freq_weight=3)
+    for bad in (-1, True):
+        with pytest.raises(ValueError, match="freq_half_life must be an int >= 0"):
+            SlotCache.create(1, 4, 2, freq_weight=3, freq_half_life=bad)
+    cache = SlotCache.create(1, 4, 2, freq_weight=3, freq_half_life=9)
     with pytest.raises(AttributeError, match="fixed at creation"):
         cache.freq_weight = 0
-    assert cache.clone().freq_weight == 3 and cache.to("cpu").freq_weight == 3
+    with pytest.raises(AttributeError, match="fixed at creation"):
+        cache.freq_half_life = 0
+    assert (cache.clone().freq_weight, cache.clone().freq_half_life) == (3, 9)
+    assert (cache.to("cpu").freq_weight, cache.to("cpu").freq_half_life) == (3, 9)
+
+
+@pytest.mark.parametrize("variant", list(KERNEL_VARIANTS))
+def test_route_counts_halve_every_half_life(variant):
+    """freq_half_life 3: after calls 3 and 6 every count (both layers) is halved, rounding down; kernels agree."""
+    path, vlist = KERNEL_VARIANTS[variant]
+    ref = SlotCache.create(2, 4, 4, freq_weight=2, freq_half_life=3)
+    ker = SlotCache.create(2, 4, 4, device=KERNEL_DEVICE, victim_list=vlist, freq_weight=2, freq_half_life=3)
+    seen = []
+    for layer, rows in [(0, [[1, 1, 2]]), (1, [[3, 3, 3]]), (0, [[1, 0, 2]]), (0, [[1, 1, 1]]), (1, [[3, 2, 0]]),
+                        (0, [[2, 2, 1]])]:
+        a = torch.tensor(rows)
+        b = a.clone().to(KERNEL_DEVICE)
+        ensure(ref, layer, a, fetch_fraction=1.0, impl="reference")
+        ensure(ker, layer, b, fetch_fraction=1.0, impl="triton", path=path)
+        assert torch.equal(a, b.cpu())
+        assert_same_state(ref, ker, f"layer {layer}, routes {rows}")
+        seen.append(ref.expert_count.tolist())
+    # call 3 (step 3): layer 0 had [0:1, 1:3, 2:2], layer 1 [3:3] -> halved to [0, 1, 1, 0] and [0, 0, 0, 1]
+    assert seen[2] == [[0, 1, 1, 0], [0, 0, 0, 1]]
+    # calls 4-6 add layer 0 [1:3], layer 1 [0:1, 2:1, 3:1], layer 0 [1:1, 2:2]; step 6 halves again
+    assert seen[5] == [[0, 2, 1, 0], [0, 0, 0, 1]]
 
 
 @pytest.mark.parametrize("variant", list(KERNEL_VARIANTS))

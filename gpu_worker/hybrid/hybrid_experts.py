@@ -53,7 +53,7 @@ import torch
 from gpu_worker.models.expert_layout import unpack_experts
 from gpu_worker.models.resident_experts import GRAPH_SAFE_MODES, MODES, expert_ffn, pick_mode
 from gpu_worker.offload import HostExperts
-from gpu_worker.offload.offload_experts import SlotPoolAudit, copy_then_ffn
+from gpu_worker.offload.offload_experts import SlotPoolAudit, copy_then_ffn, eviction_settings
 from kernels import expert_split
 from kernels import handoff as kernels_handoff
 from kernels.expert_copy import copy_plan
@@ -95,7 +95,7 @@ class HybridExperts(SlotPoolAudit):
                  mode: str = "auto", gather_max_pairs: int = 32, cpu_max_tokens: int = 512,
                  owns_host: bool = True, owns_pool: bool = True, handoff: str = "auto",
                  overlap_copy: bool = True, split_copy: bool = True, prefill_prefetch: bool | None = None,
-                 freq_weight: int | None = None):
+                 freq_weight: int | None = None, freq_half_life: int | None = None):
         if mode not in MODES:
             raise ValueError(f"expert compute mode {mode!r} is not one of {', '.join(MODES)}")
         self.host, self.pool, self.layout = host, pool, host.layout
@@ -107,9 +107,8 @@ class HybridExperts(SlotPoolAudit):
         self.kernel_impl = "auto"     # moe_gemv: Triton on CUDA, reference on CPU ("triton": tests)
         self.cpu_max_tokens = min(cpu_max_tokens, pool.t_max)
         self.cache = SlotCache.create(self.num_layers, self.num_experts, num_slots, device=self.device,
-                                      per_layer=per_layer,     # freq_weight None: FREETOKEN_EVICTION_FREQ_WEIGHT
-                                      freq_weight=env_setting("eviction_freq_weight") if freq_weight is None
-                                      else freq_weight)
+                                      per_layer=per_layer,     # None: the FREETOKEN_EVICTION_FREQ_* knobs
+                                      **eviction_settings(freq_weight, freq_half_life))
         # slots: [S_total + 1, N]; zeroed once so that every slot always holds finite values (step 5). The last
         # row, outside the cache, is the split slot: the GPU's channels of the expert split under fetch_round
         # "split" (kernels/expert_split; device hand-off only).

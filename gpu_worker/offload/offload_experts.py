@@ -175,13 +175,20 @@ class SlotPoolAudit:
         reset(self.cache)
 
 
+def eviction_settings(freq_weight: int | None, freq_half_life: int | None) -> dict:
+    """SlotCache.create's eviction arguments: those given, else the knobs (FREETOKEN_EVICTION_FREQ_WEIGHT and
+    FREETOKEN_EVICTION_FREQ_HALF_LIFE)."""
+    return dict(freq_weight=env_setting("eviction_freq_weight") if freq_weight is None else freq_weight,
+                freq_half_life=env_setting("eviction_freq_half_life") if freq_half_life is None else freq_half_life)
+
+
 class OffloadExperts(SlotPoolAudit):
     """Expert backend over a GPU slot pool; see the module docstring."""
 
     def __init__(self, host: HostExperts, num_slots: int, device: torch.device | str, *,
                  per_layer: bool = False, mode: str = "auto", gather_max_pairs: int = 32,
                  copy_mode: str = "dma", prefill_prefetch: bool | None = None, overlap_copy: bool = True,
-                 split_copy: bool = True, freq_weight: int | None = None):
+                 split_copy: bool = True, freq_weight: int | None = None, freq_half_life: int | None = None):
         if mode not in MODES:
             raise ValueError(f"expert compute mode {mode!r} is not one of {', '.join(MODES)}")
         if copy_mode not in COPY_MODES:
@@ -202,11 +209,11 @@ class OffloadExperts(SlotPoolAudit):
         self.device = torch.device(device)
         self.mode, self.gather_max_pairs = mode, gather_max_pairs
         self.kernel_impl = "auto"     # moe_gemv: Triton on CUDA, reference on CPU ("triton": tests)
-        # the eviction key's frequency weight (None: the knob FREETOKEN_EVICTION_FREQ_WEIGHT, default 0 = LRU)
+        # the eviction key's frequency weight and the counts' half-life (None: the knobs
+        # FREETOKEN_EVICTION_FREQ_WEIGHT, default 0 = LRU, and FREETOKEN_EVICTION_FREQ_HALF_LIFE)
         self.cache = SlotCache.create(self.num_layers, self.num_experts, num_slots,
-                                      device=self.device, per_layer=per_layer,
-                                      freq_weight=env_setting("eviction_freq_weight") if freq_weight is None
-                                      else freq_weight)
+                                      device=self.device, per_layer=per_layer, **eviction_settings(freq_weight,
+                                                                                                  freq_half_life))
         # slots: [S_total, N], the GPU copies of experts, in the same packed layout as the host
         self.slots = self.layout.empty_layer(self.cache.total_slots, device=self.device)
         self.w13, self.w2 = unpack_experts(self.slots, self.layout)

@@ -107,11 +107,12 @@ def resource_report(kernel_name: str, tile: int, warps: int, victim_list: int = 
         programs = shape.pop("programs")
         compiled = triton_kernels.ensure_small_kernel[(programs,)](
             *common, cache.part_keys, cache.arrive, cache.victim_keys[0], cache.victim_owner[0],
-            cache.expert_count, 0, *policy, NUM_EXPERTS=512, E_BLOCK=512, USE_POLICY=False, USE_FREQ=False,
-            num_warps=warps, **shape)
+            cache.expert_count, 0, 0, cache.expert_count.numel(), *policy, NUM_EXPERTS=512, E_BLOCK=512,
+            USE_POLICY=False, USE_FREQ=False, num_warps=warps, **shape)
     else:
         compiled = triton_kernels.ensure_kernel[(1,)](
-            *common, cache.expert_count, 0, *policy, NUM_EXPERTS=512, E_BLOCK=512, ROUTE_TILE=1024,
+            *common, cache.expert_count, 0, 0, cache.expert_count.numel(), *policy, NUM_EXPERTS=512, E_BLOCK=512,
+            ROUTE_TILE=1024,
             SLOT_TILE=tile, USE_POLICY=False, USE_FREQ=False, num_warps=warps)
     return int(getattr(compiled, "n_regs", -1)), int(getattr(compiled, "n_spills", -1))
 

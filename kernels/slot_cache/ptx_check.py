@@ -82,7 +82,8 @@ def cases():
     small = dict(ids_ptr=i64, num_routes="i32", slot_for_id_ptr=i32, id_of_slot_ptr=i32, usage_ptr=i64,
                  step_ptr=i64, recency_ptr=i64, mark_ptr=i64, evict_ptr=i32, src_ptr=i32, num_indices_ptr=i32,
                  num_missing_ptr=i32, error_ptr=i32, policy_ptr=i64, part_keys_ptr=i64, arrive_ptr=i32,
-                 vkeys_ptr=i64, vowner_ptr=i32, count_ptr=i64, freq_weight="i32", layer="i32", pool_base="i32", num_slots="i32", max_fetch="i32",
+                 vkeys_ptr=i64, vowner_ptr=i32, count_ptr=i64, freq_weight="i32", freq_half_life="i32", num_counts="i32",
+                 layer="i32", pool_base="i32", num_slots="i32", max_fetch="i32",
                  frac_q16="i32", round_mode="i32", select_mode="i32", promote="i32", seed="i32")
     general = {k: v for k, v in small.items() if k not in ("part_keys_ptr", "arrive_ptr", "vkeys_ptr", "vowner_ptr")}
     for k in ("NUM_EXPERTS", "E_BLOCK", "ROUTE_BLOCK", "PART", "V", "CAND", "MERGE_BLOCK", "USE_POLICY", "MULTI",

@@ -127,6 +127,8 @@ def ensure_reference(cache: SlotCache, layer: int, expert_ids: torch.Tensor, *,
     st.expert_recency[row + routed] = step                  # 6. recency (and routes seen, with freq_weight)
     if cache.freq_weight:
         np.add.at(st.expert_count, row + ids[(ids >= 0) & (ids < num_experts)], 1)
+        if cache.freq_half_life and step % cache.freq_half_life == 0:
+            st.expert_count >>= 1                           # aging: every expert's count, every layer
     st.commit()
     expert_ids.copy_(torch.from_numpy(out).view(expert_ids.shape).to(expert_ids.dtype))
 

@@ -75,6 +75,9 @@ class SlotCache:
     # a slot used at step u >= 1 whose expert was routed c times has the key u + 1 + freq_weight * min(c, CAP)
     freq_weight: int = 0
     expert_count: torch.Tensor = None   # [L, E] int64: routes of (l, e) seen by ensure (when freq_weight > 0)
+    # with freq_weight > 0: every expert_count is halved after an ensure call whose step is a multiple of this
+    # (0: never), so that the counts follow a workload whose popular experts change
+    freq_half_life: int = 0
 
     def __post_init__(self):
         device = self.usage.device
@@ -85,6 +88,10 @@ class SlotCache:
                 or not 0 <= self.freq_weight <= MAX_FREQ_WEIGHT):
             raise ValueError(f"freq_weight must be an int in [0, {MAX_FREQ_WEIGHT}] (steps of protection per "
                              f"route seen; 0 = LRU), got {self.freq_weight!r}")
+        if (isinstance(self.freq_half_life, bool) or not isinstance(self.freq_half_life, int)
+                or self.freq_half_life < 0):
+            raise ValueError(f"freq_half_life must be an int >= 0 (layer calls between halvings of the route counts; "
+                             f"0: never), got {self.freq_half_life!r}")
         if self.expert_count is None:
             self.expert_count = torch.zeros(self.slot_for_id.shape, dtype=torch.int64, device=device)
         pools = self.usage.numel() // self.num_slots
@@ -101,7 +108,8 @@ class SlotCache:
     @classmethod
     def create(cls, num_layers: int, num_experts: int, num_slots: int, *,
                device: torch.device | str = "cpu", per_layer: bool = False,
-               victim_list: int = DEFAULT_VICTIM_LIST, freq_weight: int = 0) -> "SlotCache":
+               victim_list: int = DEFAULT_VICTIM_LIST, freq_weight: int = 0,
+               freq_half_life: int = 0) -> "SlotCache":
         for name, value in (("num_layers", num_layers), ("num_experts", num_experts),
                             ("num_slots", num_slots)):
             if not isinstance(value, int) or value < 1:
@@ -138,15 +146,16 @@ class SlotCache:
             policy=full((POLICY_LEN,), 0, torch.int64),
             victim_list=victim_list,
             freq_weight=freq_weight,
+            freq_half_life=freq_half_life,
         )
         return cache
 
     def __setattr__(self, name, value):
         # freq_weight is fixed at creation: the kernels take it (and whether it is 0, and the decode kernel's victim
         # list length) at launch, so a CUDA graph captured before a change would keep the old key
-        if name == "freq_weight" and "freq_weight" in self.__dict__:
-            raise AttributeError("SlotCache.freq_weight is fixed at creation (captured CUDA graphs hold it); create "
-                                 "the cache (or the expert backend) again with the weight you want")
+        if name in ("freq_weight", "freq_half_life") and name in self.__dict__:
+            raise AttributeError(f"SlotCache.{name} is fixed at creation (captured CUDA graphs hold it); create "
+                                 f"the cache (or the expert backend) again with the value you want")
         super().__setattr__(name, value)
 
     @property
@@ -173,14 +182,15 @@ class SlotCache:
         tensors = {**self.state_tensors(), **self.derived_tensors()}
         return SlotCache(self.num_layers, self.num_experts, self.num_slots, self.per_layer,
                          **{k: v.clone() for k, v in tensors.items()}, victim_list=self.victim_list,
-                         freq_weight=self.freq_weight)
+                         freq_weight=self.freq_weight, freq_half_life=self.freq_half_life)
 
     def copy_from(self, other: "SlotCache") -> None:
         """Overwrite this state with `other`'s, in place (keeps tensor addresses for CUDA graphs)."""
         if other.victim_list != self.victim_list:
             raise ValueError(f"copy_from: victim_list {other.victim_list} != {self.victim_list}")
-        if other.freq_weight != self.freq_weight:
-            raise ValueError(f"copy_from: freq_weight {other.freq_weight} != {self.freq_weight}")
+        if (other.freq_weight, other.freq_half_life) != (self.freq_weight, self.freq_half_life):
+            raise ValueError(f"copy_from: freq_weight / freq_half_life {other.freq_weight} / {other.freq_half_life} "
+                             f"!= {self.freq_weight} / {self.freq_half_life}")
         for name, tensor in {**self.state_tensors(), **self.derived_tensors()}.items():
             tensor.copy_(getattr(other, name))
 
@@ -188,7 +198,7 @@ class SlotCache:
         tensors = {**self.state_tensors(), **self.derived_tensors()}
         return SlotCache(self.num_layers, self.num_experts, self.num_slots, self.per_layer,
                          **{k: v.to(device) for k, v in tensors.items()}, victim_list=self.victim_list,
-                         freq_weight=self.freq_weight)
+                         freq_weight=self.freq_weight, freq_half_life=self.freq_half_life)
 
     def forget_victims(self, pool: int | None = None) -> None:
         """Empty the victim list (of one pool, or all): after any change that lowers a slot's key."""

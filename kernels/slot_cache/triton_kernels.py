@@ -76,6 +76,18 @@ def _key_value(u, owner, count_ptr, freq_weight, ok, USE_FREQ: tl.constexpr):
 
 
 @triton.jit
+def _age_counts(count_ptr, num_counts, step, freq_half_life):
+    # SlotCache.freq_half_life: after a call whose step is a multiple of it, halve every route count (all layers).
+    # The caller has a barrier after its count increments; this runs once every freq_half_life calls.
+    if freq_half_life > 0:
+        if step % freq_half_life == 0:
+            for c0 in range(0, num_counts, 1024):
+                offs = c0 + tl.arange(0, 1024)
+                ok = offs < num_counts
+                tl.store(count_ptr + offs, tl.load(count_ptr + offs, mask=ok, other=0) >> 1, mask=ok)
+
+
+@triton.jit
 def _next_victim(usage_ptr, id_of_slot_ptr, count_ptr, freq_weight, pool_base, num_slots, step, prev_key,
                  SLOT_TILE: tl.constexpr, USE_FREQ: tl.constexpr):
     # Smallest packed key above prev_key among slots of the pool not used at `step`.
@@ -203,6 +215,8 @@ def ensure_kernel(
     policy_ptr,           # [6] int64 device policy (read when USE_POLICY)
     count_ptr,            # [L*E] int64 routes seen per expert (read and counted when USE_FREQ)
     freq_weight,          # W of the frequency-weighted key (USE_FREQ)
+    freq_half_life,       # halve every count after a call whose step is a multiple of this (0: never; USE_FREQ)
+    num_counts,           # L*E
     layer,                # MoE layer of this call
     pool_base,            # first global slot of the layer's pool
     num_slots,            # S, slots in the pool
@@ -235,6 +249,7 @@ def ensure_kernel(
     seed = seed + zero
     layer = layer + zero
     freq_weight = freq_weight + zero
+    freq_half_life = freq_half_life + zero
     step = tl.load(step_ptr) + 1
     row = layer * NUM_EXPERTS
 
@@ -302,8 +317,10 @@ def ensure_kernel(
         tl.debug_barrier()
         tl.store(ids_ptr + offs, out, mask=in_range)
 
-    # F. recency and the step counter
+    # F. recency, aging of the route counts (USE_FREQ; after the barriers since phase A's increments) and the step
     tl.store(recency_ptr + row + ev, step, mask=routed)
+    if USE_FREQ:
+        _age_counts(count_ptr, num_counts, step, freq_half_life)
     tl.store(step_ptr, step)
 
 
@@ -395,6 +412,8 @@ def ensure_small_kernel(
     vowner_ptr,           # [V] int32 owners of those slots when the list was built
     count_ptr,            # [L*E] int64 routes seen per expert (read and counted when USE_FREQ)
     freq_weight,          # W of the frequency-weighted key (USE_FREQ)
+    freq_half_life,       # halve every count after a call whose step is a multiple of this (0: never; USE_FREQ)
+    num_counts,           # L*E
     layer, pool_base, num_slots, max_fetch, frac_q16, round_mode, select_mode, promote, seed,
     NUM_EXPERTS: tl.constexpr,   # E
     E_BLOCK: tl.constexpr,       # next power of two >= E (order-key radix)
@@ -432,6 +451,7 @@ def ensure_small_kernel(
     frac_q16 = frac_q16 + zero
     layer = layer + zero
     freq_weight = freq_weight + zero
+    freq_half_life = freq_half_life + zero
     step = tl.load(step_ptr) + 1
     row = layer * NUM_EXPERTS
 
@@ -564,6 +584,8 @@ def ensure_small_kernel(
         tl.store(recency_ptr + row + e64, step, mask=valid)
         if USE_FREQ:     # after every key of this call is read (a routed expert's key does not matter here)
             tl.atomic_add(count_ptr + row + e64, 1, mask=valid)
+            tl.debug_barrier()
+            _age_counts(count_ptr, num_counts, step, freq_half_life)
         tl.debug_barrier()   # every thread has read its routes before any is rewritten
         tl.store(ids_ptr + r, out.to(e.dtype), mask=in_r)
         tl.store(step_ptr, step)
