@@ -88,6 +88,16 @@ def test_lockstep(pool, policy, variant):
         assert fetched > 0, "the sequence never fetched: it does not exercise the fetch path"
 
 
+def offload_call(ref: SlotCache, ker: SlotCache, layer: int, rows, path: str, context: str) -> None:
+    """One fetch-every-miss call on the reference and the kernel: same routes, same state."""
+    a = torch.tensor(rows)
+    b = a.clone().to(KERNEL_DEVICE)
+    ensure(ref, layer, a, fetch_fraction=1.0, impl="reference")
+    ensure(ker, layer, b, fetch_fraction=1.0, impl="triton", path=path)
+    assert torch.equal(a, b.cpu()), f"{context}: routes differ"
+    assert_same_state(ref, ker, context)
+
+
 FREQ_POLICIES = ("min-wait-recency", "offload", "zero-fraction-promote", "split-recency")
 
 
@@ -125,12 +135,7 @@ def test_frequency_weight_keeps_the_often_routed_expert_that_lru_evicts(variant)
         ref = SlotCache.create(1, 4, 2, freq_weight=weight)
         ker = SlotCache.create(1, 4, 2, device=KERNEL_DEVICE, victim_list=vlist, freq_weight=weight)
         for row in ([0], [0], [0], [1], [2]):
-            a = torch.tensor([row])
-            b = a.clone().to(KERNEL_DEVICE)
-            ensure(ref, 0, a, fetch_fraction=1.0, impl="reference")
-            ensure(ker, 0, b, fetch_fraction=1.0, impl="triton", path=path)
-            assert torch.equal(a, b.cpu()), f"weight {weight}, routes {row}"
-            assert_same_state(ref, ker, f"weight {weight}, routes {row}")
+            offload_call(ref, ker, 0, [row], path, f"weight {weight}, routes {row}")
         held[weight] = sorted(e for e in range(4) if int(ref.slot_for_id[0, e]) >= 0)
     assert held == {0: [1, 2], 2: [0, 2]}
 
@@ -162,12 +167,7 @@ def test_route_counts_halve_every_half_life(variant):
     seen = []
     for layer, rows in [(0, [[1, 1, 2]]), (1, [[3, 3, 3]]), (0, [[1, 0, 2]]), (0, [[1, 1, 1]]), (1, [[3, 2, 0]]),
                         (0, [[2, 2, 1]])]:
-        a = torch.tensor(rows)
-        b = a.clone().to(KERNEL_DEVICE)
-        ensure(ref, layer, a, fetch_fraction=1.0, impl="reference")
-        ensure(ker, layer, b, fetch_fraction=1.0, impl="triton", path=path)
-        assert torch.equal(a, b.cpu())
-        assert_same_state(ref, ker, f"layer {layer}, routes {rows}")
+        offload_call(ref, ker, layer, rows, path, f"layer {layer}, routes {rows}")
         seen.append(ref.expert_count.tolist())
     # call 3 (step 3): layer 0 had [0:1, 1:3, 2:2], layer 1 [3:3] -> halved to [0, 1, 1, 0] and [0, 0, 0, 1]
     assert seen[2] == [[0, 1, 1, 0], [0, 0, 0, 1]]
@@ -183,12 +183,7 @@ def test_frequency_counts_skip_padding_and_count_duplicates(variant):
     ker = SlotCache.create(2, 8, 6, device=KERNEL_DEVICE, victim_list=vlist, freq_weight=4)
     calls = [(0, [[3, -1, 3], [5, 3, -1]]), (1, [[7, 7, 7]]), (0, [[-1, -1, 2]]), (0, [[3, 6, 1], [0, 4, 2]])]
     for layer, rows in calls:
-        a = torch.tensor(rows)
-        b = a.clone().to(KERNEL_DEVICE)
-        ensure(ref, layer, a, fetch_fraction=1.0, impl="reference")
-        ensure(ker, layer, b, fetch_fraction=1.0, impl="triton", path=path)
-        assert torch.equal(a, b.cpu()), f"layer {layer}, routes {rows}"
-        assert_same_state(ref, ker, f"layer {layer}, routes {rows}")
+        offload_call(ref, ker, layer, rows, path, f"layer {layer}, routes {rows}")
     assert ref.expert_count[0].tolist() == [1, 1, 2, 4, 1, 1, 1, 0]
     assert ref.expert_count[1].tolist() == [0, 0, 0, 0, 0, 0, 0, 3]
 
@@ -201,12 +196,7 @@ def test_victim_skips_a_hit_that_is_least_recently_used(variant):
     ref = SlotCache.create(1, 8, 4)
     ker = SlotCache.create(1, 8, 4, device=KERNEL_DEVICE, victim_list=vlist)
     for row in ([0], [1], [2], [3], [0, 4], [5, 0, 1]):
-        a = torch.tensor([row])
-        b = a.clone().to(KERNEL_DEVICE)
-        ensure(ref, 0, a, fetch_fraction=1.0, impl="reference")
-        ensure(ker, 0, b, fetch_fraction=1.0, impl="triton", path=path)
-        assert torch.equal(a, b.cpu()), f"routes {row}"
-        assert_same_state(ref, ker, f"routes {row}")
+        offload_call(ref, ker, 0, [row], path, f"routes {row}")
     # [0, 4]: slot 0 (expert 0, LRU) is a hit, so 4 went to slot 1; [5, 0, 1]: 1 missed again
     assert ref.slot_for_id[0, 0] == 0 and ref.slot_for_id[0, 4] == 1
 

@@ -53,7 +53,8 @@ import torch
 from gpu_worker.models.expert_layout import unpack_experts
 from gpu_worker.models.resident_experts import GRAPH_SAFE_MODES, MODES, expert_ffn, pick_mode
 from gpu_worker.offload import HostExperts
-from gpu_worker.offload.offload_experts import SlotPoolAudit, copy_then_ffn, eviction_settings
+from gpu_worker.offload.offload_experts import (SlotPoolAudit, copy_then_ffn, eviction_settings,
+                                                 prefill_prefetch_layer)
 from kernels import expert_split
 from kernels import handoff as kernels_handoff
 from kernels.expert_copy import copy_plan
@@ -264,8 +265,8 @@ class HybridExperts(SlotPoolAudit):
                    select=p["fetch_select"], promote=bool(p["promote"]), check_ids=False)
         # A prefill chunk run as offload routes to most experts of every layer: stream the next layer's (a
         # low-priority prefetch of all of them, never evicting this layer's) behind this layer's own copies.
-        nxt = (layer_idx + 1 if not to_cpu and self.prefill_prefetch and T * K >= self.num_experts
-               and T * K > self.gather_max_pairs and layer_idx + 1 < self.num_layers else None)
+        nxt = (prefill_prefetch_layer(layer_idx, T * K, self.num_experts, self.num_layers, self.gather_max_pairs)
+               if not to_cpu and self.prefill_prefetch else None)
         if nxt is not None:
             prefetch_ensure(self.cache, nxt, self._candidates, self._candidates.numel(), check_ids=False)
         t0 = time.perf_counter()

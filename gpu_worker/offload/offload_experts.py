@@ -175,6 +175,14 @@ class SlotPoolAudit:
         reset(self.cache)
 
 
+def prefill_prefetch_layer(layer_idx: int, num_pairs: int, num_experts: int, num_layers: int,
+                           gather_max_pairs: int) -> int | None:
+    """The layer whose experts a call streams behind its own with the prefill prefetch: the next one, when the call
+    routes at least num_experts pairs and is not decode-sized (a prefill chunk, which routes to most experts)."""
+    prefill = num_pairs >= num_experts and num_pairs > gather_max_pairs
+    return layer_idx + 1 if prefill and layer_idx + 1 < num_layers else None
+
+
 def eviction_settings(freq_weight: int | None, freq_half_life: int | None) -> dict:
     """SlotCache.create's eviction arguments: those given, else the knobs (FREETOKEN_EVICTION_FREQ_WEIGHT and
     FREETOKEN_EVICTION_FREQ_HALF_LIFE)."""
@@ -246,8 +254,8 @@ class OffloadExperts(SlotPoolAudit):
         # next layer's experts (a low-priority prefetch of all of them, never evicting this layer's)
         # on the copy stream behind this layer's own copies, so they land while this layer and the
         # next one's attention compute. That needs the DMA path; everything else keeps its copy mode.
-        prefill = slot_ids.numel() >= self.num_experts and slot_ids.numel() > self.gather_max_pairs
-        nxt = layer_idx + 1 if (self.prefill_prefetch and prefill and layer_idx + 1 < self.num_layers) else None
+        nxt = prefill_prefetch_layer(layer_idx, slot_ids.numel(), self.num_experts, self.num_layers,
+                                     self.gather_max_pairs) if self.prefill_prefetch else None
         if nxt is not None:
             prefetch_ensure(self.cache, nxt, self._candidates, self._candidates.numel(), check_ids=False)
         mode = pick_mode(self.mode, self.on_cuda, slot_ids.numel(), self.gather_max_pairs)
