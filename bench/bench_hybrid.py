@@ -241,7 +241,18 @@ def variants(args, on_cuda: bool = True) -> list[tuple[str, dict | None]]:
     if args.variants:
         keep = [v.strip() for v in args.variants.split(",")]
         out = [v for v in out if any(v[0].startswith(k) if not k.startswith("=") else v[0] == k[1:] for k in keep)]
+    weights = freq_weights(args.freq_weights)
+    if weights != [None]:       # each variant once per eviction weight W, side by side ("... fw256"; 0: LRU)
+        out = [(f"{n} fw{w}", {**(p or {"copy_mode": "dma"}), "freq_weight": w}) for n, p in out for w in weights]
     return out
+
+
+def freq_weights(text: str) -> list[int | None]:
+    """--freq-weights: the eviction weights W to run every variant with; [None] (the knob's) when not given."""
+    weights = [int(w) for w in text.split(",") if w.strip()]
+    if any(w < 0 for w in weights):
+        raise SystemExit(f"--freq-weights {text!r}: weights are integers >= 0 (0: LRU)")
+    return weights or [None]
 
 
 def main() -> int:
@@ -270,6 +281,13 @@ def main() -> int:
                              "matches NAME exactly")
     parser.add_argument("--extra-fractions", default="",
                         help="comma list: also 'hybrid min-wait device f=F' rows with these fetch fractions")
+    parser.add_argument("--freq-weights", default="",
+                        help="comma-separated eviction weights W: every variant runs once with each (0: the contract's "
+                             "LRU; W > 0: the frequency-weighted key, docs/OFFLOAD.md); default: the knob "
+                             "FREETOKEN_EVICTION_FREQ_WEIGHT's, one row per variant")
+    parser.add_argument("--freq-half-life", type=int, default=None,
+                        help="with --freq-weights: layer calls between halvings of the route counts (0: never; "
+                             "default: FREETOKEN_EVICTION_FREQ_HALF_LIFE)")
     parser.add_argument("--no-resident", action="store_true", help="skip the resident run (no token check)")
     parser.add_argument("--handoff-calls", type=int, default=10_000)
     parser.add_argument("--routing", default="zipf:1.0",
@@ -345,14 +363,16 @@ def main() -> int:
             if pdl_mode is not None:             # read when the kernels launch: this engine's graphs keep it
                 apply_pdl(pdl_mode)
             tune = False
+            eviction = {"freq_half_life": args.freq_half_life}
             if policy is None:
-                backend = OffloadExperts(host, slots, device)
+                backend = OffloadExperts(host, slots, device, **eviction)
             elif "copy_mode" in policy:       # the device-side plan copy: decode runs in CUDA graphs
-                backend = OffloadExperts(host, slots, device, **policy)
+                backend = OffloadExperts(host, slots, device, **policy, **eviction)
             else:
                 policy = {"fetch_fraction": fraction, "handoff": "host", **policy}     # named rows say otherwise
                 tune = policy.pop("tune", False)
-                backend = HybridExperts(host, slots, device, pool, owns_host=False, owns_pool=False, **policy)
+                backend = HybridExperts(host, slots, device, pool, owns_host=False, owns_pool=False, **policy,
+                                        **eviction)
             loaded.model.experts = backend
             engine = Engine(loaded.model, econf, eos_token_ids=())
             tick = live_tuner(engine, backend, fraction, pcie.gb_s, cpu.gb_s, device_name(device),

@@ -31,6 +31,7 @@
 #        [s14-c] (hybrid prefill with the prefetch; prefill attention on flash with a causal bias object) [s14-d] (GPU tests, 32K prompt) [s14-e] (review fixes)
 #        [s14-f] (the frequency-weighted eviction key: kernels in lockstep, lossless, decode LRU against W = 256)
 #        [s14-g] (after its review: the new lockstep tests on the compiled kernels)
+#        [s15-a] (aging on the GPU; the engine table with LRU and W = 256) [s15-b] (hybrid with LRU and W = 256; a 50% timeline)
 #        (default: kernels engine cpu). SECTION_TIMEOUT (s, default 540) bounds each command.
 # Logs go to $OUT (the device tool's output folder) when it is set, else ./out.
 set -u
@@ -556,6 +557,32 @@ device,=hybrid min-wait device serial" 2>&1 | tee "$OUT/overlap_hybrid.log" | ta
       timeout 140 python3 -m pytest -q -p no:cacheprovider tests/test_slot_cache_lockstep.py \
         -k "frequency_counts or fixed_at_creation or keeps_the_often" 2>&1 | tail -n 2
       timeout 100 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_offload.py -k freq 2>&1 | tail -n 2
+      ;;
+    s15-a)    # fifteenth session, first call: what the fourteenth left unrun on the GPU (the route counts' aging in the
+              # compiled kernels, in lockstep; offload lossless with it; the tidied prefill-prefetch tests), then the engine
+              # issue's configuration with LRU and W = 256 at the default half-life 3072 (s14-f's command, aging now on)
+      timeout 200 python3 -m pytest -q --tb=short -p no:cacheprovider tests/test_slot_cache_lockstep.py \
+        -k "frequency or half_life or halv" > "$OUT/s15a_tests.log" 2>&1 || status=1
+      timeout 150 python3 -m pytest -q --tb=short -p no:cacheprovider -m gpu tests/test_offload.py tests/test_hybrid.py \
+        -k "freq or prefill or prefetch" >> "$OUT/s15a_tests.log" 2>&1 || status=1
+      grep -E "FAILED|Error|passed|failed" "$OUT/s15a_tests.log" | cut -c1-300 | tail -n 8
+      timeout 300 python3 bench/bench_engine.py --runs 2 --prompt-tokens 1024 --decode-tokens 128 --fractions 0.1,0.25,0.5 \
+        --offload-copy kernel --freq-weights 0,256 > "$OUT/s15a_engine.log" 2>&1 || status=1
+      grep -v "^ " "$OUT/s15a_engine.log" | tail -n 9 | cut -c1-300
+      ;;
+    s15-b)    # fifteenth session: hybrid decode (split, device hand-off) and offload with LRU and W = 256 side by side, two
+              # rounds in turn; then one profiled offload 50% run for the per-layer timeline of today's code
+      timeout 330 python3 bench/bench_hybrid.py --runs 3 --decode-tokens 64 --handoff-calls 200 --no-resident --rounds 2 \
+        --variants "=hybrid split device,=offload kernel graphs" --freq-weights 0,256 \
+        --json-out "$OUT/s15b_hybrid.json" > "$OUT/s15b_hybrid.log" 2>&1 || status=1
+      grep -E "^(B_pcie|at the same|hand-off)" "$OUT/s15b_hybrid.log" | cut -c1-250
+      grep -E "median of 2 rounds" "$OUT/s15b_hybrid.log" | tail -n 4 | cut -c1-300
+      timeout 150 python3 bench/bench_engine.py --runs 1 --prompt-tokens 256 --decode-tokens 32 --fractions 0.5 \
+        --offload-copy kernel --profile 2 --trace-dir /tmp/s15b_tr > "$OUT/s15b_profile.log" 2>&1 || status=1
+      for t in /tmp/s15b_tr/trace_*offload*.json; do
+        python3 bench/trace_summary.py --timeline 2 "$t" > "$OUT/s15b_timeline_$(basename "$t" .json).txt" 2>&1 || status=1
+      done
+      ls "$OUT"
       ;;
     omp-wait)    # prepared in the tenth session; s11-e ran the same comparison (active starved the pool: 3.2 GB/s): the hybrid configuration with the CPU workers' OpenMP team
                  # left to libgomp's default wait (spin, then sleep) against OMP_WAIT_POLICY=active (the workers inherit

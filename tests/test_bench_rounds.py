@@ -29,3 +29,25 @@ def test_median_rounds_picks_one_whole_round_per_variant():
     mw = rows["hybrid min-wait device (median of 2 rounds)"]
     assert (mw["decode_tok_s"], mw["wait"]) == (57.0, 3)                    # even count: the upper middle
     assert "rounds_tok_s" not in by_variant["hybrid split device"][0]      # the rounds' own rows unchanged
+
+
+def test_freq_weights_cross_every_variant_and_keep_each_backend():
+    import argparse
+    bench = _bench_hybrid()
+    args = argparse.Namespace(extra_fractions="", variants="offload,=hybrid split device", freq_weights="0,256")
+    rows = dict(bench.variants(args))
+    assert set(rows) == {f"{n} fw{w}" for n in ("offload kernel graphs", "offload kernel graphs serial",
+                                                "offload", "offload kernel graphs whole-copy",
+                                                "hybrid split device") for w in (0, 256)}
+    assert rows["offload fw256"] == {"copy_mode": "dma", "freq_weight": 256}       # the default offload, DMA copies
+    assert rows["offload kernel graphs fw0"] == {"copy_mode": "kernel", "freq_weight": 0}
+    hybrid = rows["hybrid split device fw256"]
+    assert "copy_mode" not in hybrid and hybrid["strategy"] == "hybrid" and hybrid["freq_weight"] == 256
+    args.freq_weights = ""
+    assert all("freq_weight" not in (p or {}) for _, p in bench.variants(args))     # not given: the knob decides
+    try:
+        bench.freq_weights("256,-1")
+    except SystemExit as exc:
+        assert "-1" in str(exc)
+    else:
+        raise AssertionError("a negative weight was accepted")
