@@ -338,6 +338,20 @@ class CpuPoolClient(_ChannelEnd):
         self.submit(layer, hidden, triples, split_expert=split_expert, split_limit=split_limit)
         return self.wait(layer, deadline_s)
 
+    def drain(self, deadline_s: float) -> int:
+        """Wait for every request still in flight and drop its answer: for a caller that raised between submit and
+        wait, so that the next submit into those slots finds them free. Returns how many it waited for. A worker
+        that dies or misses the deadline raises as in `wait` (and is disconnected); an error status is dropped."""
+        drained = 0
+        for slot_index, pending in enumerate(self._pending):
+            if pending is not None:
+                drained += 1
+                try:
+                    self.wait(slot_index, deadline_s)           # slot_index is a layer of that slot
+                except WorkerError:
+                    pass
+        return drained
+
     def last_compute_ns(self, layer: int) -> int:
         return self._lines[layer % NUM_SLOTS].resp_compute_ns[0]
 

@@ -356,3 +356,42 @@ def test_prefill_prefetch_follows_its_knob(monkeypatch):
         OffloadExperts(host, 32, "cpu")
     with pytest.raises(ValueError, match="choose one of: on, off"):
         export_setting("prefill_prefetch", "maybe")
+
+
+def _fail_once(monkeypatch, backend, method: str, at_call: int) -> list[int]:
+    """Make backend.<method> raise on its at_call-th call (counting from 1), after ensure has mapped the slots."""
+    real, calls = getattr(backend, method), [0]
+
+    def failing(*args, **kwargs):
+        calls[0] += 1
+        if calls[0] == at_call:
+            raise RuntimeError("injected failure after ensure")
+        return real(*args, **kwargs)
+    monkeypatch.setattr(backend, method, failing)
+    return calls
+
+
+@pytest.mark.parametrize("strategy", ["offload", "hybrid"])
+def test_a_call_that_raises_after_ensure_leaves_no_slot_mapped_without_its_bytes(monkeypatch, strategy):
+    """A layer call that raises between `ensure` (slots mapped) and its copies must not leave those slots mapped:
+    the next request would read them as hits. The backend empties its cache; the next generation equals resident's
+    and every mapped slot holds its expert."""
+    resident = greedy_tokens(load_model(device="cpu"))
+    kwargs = {}
+    if strategy == "hybrid":
+        from gpu_worker.hybrid import HybridOptions
+        kwargs["hybrid"] = HybridOptions(cpu_workers=1, cpu_threads=1, fetch_fraction=0.5, cpu_deadline_s=20.0)
+    loaded = load_model(device="cpu", moe_strategy=strategy, moe_cache_size="1.0", **kwargs)   # no eviction hides it
+    backend = loaded.model.experts
+    try:
+        # offload copies through copy_missing, hybrid through _copy: fail the copies of the 7th layer call
+        calls = _fail_once(monkeypatch, backend, "copy_missing" if strategy == "offload" else "_copy", at_call=7)
+        with pytest.raises(RuntimeError, match="injected failure"):
+            greedy_tokens(loaded)
+        assert calls[0] == 7 and backend.stats.resets_after_error == 1
+        assert int((backend.cache.slot_for_id >= 0).sum()) == 0, "the cache was not emptied"
+        assert greedy_tokens(loaded) == resident
+        assert_slots_hold_their_experts(backend)
+        assert backend.stats.resets_after_error == 1
+    finally:
+        backend.close()

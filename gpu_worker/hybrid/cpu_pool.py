@@ -260,6 +260,17 @@ class CpuPool:
             out.zero_()
         return failed
 
+    def drain(self) -> int:
+        """Wait for every share still in flight and drop the answers (a layer call that raised between `submit` and
+        `join`); a worker that dies or misses the deadline meanwhile is failed as in `join`. Returns how many."""
+        drained = 0
+        for m in self.members:
+            try:
+                drained += m.client.drain(self.deadline_s)
+            except (WorkerDead, WorkerTimeout) as exc:
+                self._fail(m, exc)
+        return drained
+
     def mark_failed(self, m: PoolMember, exc: Exception) -> None:
         """A share of m failed outside submit/join (the GPU-stream hand-off): as join would (a late worker,
         WorkerTimeout, is killed for a restart)."""

@@ -233,6 +233,26 @@ class HybridExperts(SlotPoolAudit):
     # -- forward ----------------------------------------------------------------------------------
     def forward(self, layer_idx: int, x: torch.Tensor, topk_ids: torch.Tensor,
                 topk_weights: torch.Tensor) -> torch.Tensor:
+        try:
+            return self._forward(layer_idx, x, topk_ids, topk_weights)
+        except BaseException as exc:               # no slot mapped by this call may be read before its copy
+            self.forget_slots_after_error(exc)
+            raise
+
+    def forget_slots_after_error(self, exc: BaseException) -> None:
+        """As SlotPoolAudit's (the cache emptied), and the CPU shares the failed call handed over and never joined
+        drained: the next submit into their channel slots would be refused, failing every later step."""
+        super().forget_slots_after_error(exc)
+        if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return
+        try:
+            if self.pool.drain():
+                log.warning("drained the CPU shares a failed expert call left in flight")
+        except Exception:                           # noqa: BLE001 - the original error is the one to report
+            log.exception("draining the CPU shares after a failed expert call failed too")
+
+    def _forward(self, layer_idx: int, x: torch.Tensor, topk_ids: torch.Tensor,
+                 topk_weights: torch.Tensor) -> torch.Tensor:
         T, K = topk_ids.shape
         device_path = self.handoff == "device" and self._device_sized(T * K)
         # Re-admission changes what a forward does, so it happens between decode steps (step_begin) where a

@@ -49,6 +49,7 @@ class HybridStats:
     fallback_experts_total: int = 0         # experts fetched by those fallbacks
     offload_calls_total: int = 0            # layer calls run as offload (pool down, or too many tokens)
     readmissions_total: int = 0             # pool back to full strength after a fallback
+    resets_after_error: int = 0             # slot cache emptied after a layer call raised (forget_slots_after_error)
     split_experts_total: int = 0            # experts split by channels between a fetch and the CPU (fetch_round split)
     split_gpu_channels_total: int = 0       # of their intermediate channels, those the GPU fetched and computed
     cpu_workers: dict[str, WorkerCounters] = dataclasses.field(default_factory=dict)

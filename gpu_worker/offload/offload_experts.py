@@ -16,6 +16,7 @@ plugs in at step 3: `cpu_share(...)` below is the seam.
 """
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
 from typing import Callable
@@ -32,6 +33,8 @@ from kernels.slot_cache.api import MAX_PREFETCH_CANDIDATES
 from proto.knobs import env_setting
 
 from .host_store import HostExperts
+
+log = logging.getLogger(__name__)
 
 
 def resolve_cache_slots(cache_size: float | int | str | None, num_layers: int, num_experts: int,
@@ -158,6 +161,7 @@ class OffloadStats:
     fetched: int = 0            # experts copied host -> GPU (demand and prefetch)
     copy_bytes: int = 0
     prefetched: int = 0         # of those, copied ahead for the next layer during prefill
+    resets_after_error: int = 0  # the cache emptied after a call that raised (forget_slots_after_error)
 
 
 class SlotPoolAudit:
@@ -173,6 +177,23 @@ class SlotPoolAudit:
     def reset_slots(self) -> None:
         """Empty the slot cache in place (the pool's bytes stay, unmapped): later calls fetch again."""
         reset(self.cache)
+
+    def forget_slots_after_error(self, exc: BaseException) -> None:
+        """A call that raised after its `ensure` (or `prefetch_ensure`) may leave slots mapped whose copies never ran;
+        a later call would read them as hits and compute with the bytes of whatever expert was there before. So
+        the cache is emptied (later calls fetch again: slower for a while, never wrong) and the next layers' pending
+        prefetch events forgotten. Nothing to undo while a CUDA graph is being captured (nothing ran); a reset that
+        fails too (a broken device context) is logged, and the call's own error is what propagates."""
+        if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return
+        try:
+            reset(self.cache)
+            self._prefetched.clear()
+            self.stats.resets_after_error += 1
+            log.warning("an expert call failed (%s: %s); the slot cache was emptied so that no slot mapped by it is "
+                        "read before its copy lands", type(exc).__name__, exc)
+        except Exception:                           # noqa: BLE001 - the original error is the one to report
+            log.exception("emptying the slot cache after a failed expert call failed too")
 
 
 def prefill_prefetch_layer(layer_idx: int, num_pairs: int, num_experts: int, num_layers: int,
@@ -248,6 +269,14 @@ class OffloadExperts(SlotPoolAudit):
 
     def forward(self, layer_idx: int, x: torch.Tensor, topk_ids: torch.Tensor,
                 topk_weights: torch.Tensor) -> torch.Tensor:
+        try:
+            return self._forward(layer_idx, x, topk_ids, topk_weights)
+        except BaseException as exc:
+            self.forget_slots_after_error(exc)
+            raise
+
+    def _forward(self, layer_idx: int, x: torch.Tensor, topk_ids: torch.Tensor,
+                 topk_weights: torch.Tensor) -> torch.Tensor:
         slot_ids = topk_ids.to(torch.int64, copy=True).contiguous()      # [T, K] -> slot ids
         ensure(self.cache, layer_idx, slot_ids, fetch_fraction=1.0, check_ids=False)
         # A prefill chunk routes to most experts of every layer: with prefill_prefetch, stream the
