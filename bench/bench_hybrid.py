@@ -286,8 +286,8 @@ def main() -> int:
                              "LRU; W > 0: the frequency-weighted key, docs/OFFLOAD.md); default: the knob "
                              "FREETOKEN_EVICTION_FREQ_WEIGHT's, one row per variant")
     parser.add_argument("--freq-half-life", type=int, default=None,
-                        help="with --freq-weights: layer calls between halvings of the route counts (0: never; "
-                             "default: FREETOKEN_EVICTION_FREQ_HALF_LIFE)")
+                        help="layer calls between halvings of the route counts, for every variant whose weight is "
+                             "above 0 (0: never; default: FREETOKEN_EVICTION_FREQ_HALF_LIFE)")
     parser.add_argument("--no-resident", action="store_true", help="skip the resident run (no token check)")
     parser.add_argument("--handoff-calls", type=int, default=10_000)
     parser.add_argument("--routing", default="zipf:1.0",

@@ -32,6 +32,7 @@
 #        [s14-f] (the frequency-weighted eviction key: kernels in lockstep, lossless, decode LRU against W = 256)
 #        [s14-g] (after its review: the new lockstep tests on the compiled kernels)
 #        [s15-a] (aging on the GPU; the engine table with LRU and W = 256) [s15-b] (hybrid with LRU and W = 256; a 50% timeline)
+#        [s15-c] (every gpu test; the hand-off round trip)
 #        (default: kernels engine cpu). SECTION_TIMEOUT (s, default 540) bounds each command.
 # Logs go to $OUT (the device tool's output folder) when it is set, else ./out.
 set -u
@@ -583,6 +584,15 @@ device,=hybrid min-wait device serial" 2>&1 | tee "$OUT/overlap_hybrid.log" | ta
         python3 bench/trace_summary.py --timeline 2 "$t" > "$OUT/s15b_timeline_$(basename "$t" .json).txt" 2>&1 || status=1
       done
       ls "$OUT"
+      ;;
+    s15-c)    # fifteenth session, last call: every test marked gpu but the slot-cache soak (test_slot_cache_gpu.py, ~270 s) on today's code (the guard that empties the slot cache
+              # after a failed layer call sits in every offload and hybrid forward), then the hand-off round trip
+              # GPU -> CPU process -> GPU (last measured in s10-d)
+      timeout 430 python3 -m pytest -q -p no:cacheprovider -m gpu --durations=5 --ignore=tests/test_slot_cache_gpu.py tests/ > "$OUT/s15c_gpu_tests.log" 2>&1 \
+        || status=1
+      grep -E "FAILED|Error|passed|failed" "$OUT/s15c_gpu_tests.log" | cut -c1-300 | tail -n 10
+      timeout 100 python3 bench/bench_handoff.py --mode gpu --client-cpu 0 > "$OUT/s15c_handoff.log" 2>&1 || status=1
+      tail -n 14 "$OUT/s15c_handoff.log" | cut -c1-200
       ;;
     omp-wait)    # prepared in the tenth session; s11-e ran the same comparison (active starved the pool: 3.2 GB/s): the hybrid configuration with the CPU workers' OpenMP team
                  # left to libgomp's default wait (spin, then sleep) against OMP_WAIT_POLICY=active (the workers inherit

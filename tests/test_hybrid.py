@@ -22,6 +22,7 @@ import pytest
 import torch
 
 from gpu_worker.engine import Engine, EngineConfig, SamplingParams
+from gpu_worker.offload.offload_experts import SlotPoolAudit
 from gpu_worker.engine.engine import DEFAULT_PREFILL_CHUNK_TOKENS
 from gpu_worker.hybrid import HybridExperts, HybridOptions
 from gpu_worker.models import load_model
@@ -777,5 +778,62 @@ def test_gpu_prefill_run_as_offload_streams_the_next_layers_experts(tiny_cache):
         _prefetch_prompt_tokens(model)
         torch.cuda.synchronize()
         assert lock.max_rel_diff > MAX_REL_DIFF, "a layer that does not wait for its prefetch went unnoticed"
+    finally:
+        backend.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.usefixtures("no_tf32")
+@pytest.mark.parametrize("resync", [True, False], ids=["as-built", "negative-control-no-resync"])
+def test_gpu_a_failed_host_call_leaves_the_device_hand_off_in_step(tiny_cache, resync):
+    """A prefill chunk on the host path (more routes than the device path takes) that raises after handing its CPU
+    share over: the cache is emptied, the share drained and the device doorbells re-synced with their channels, so
+    the next request, whose calls all take the device hand-off, decodes as resident with no fallback (a doorbell left
+    behind its channel's sequence would reuse a number: take a stale answer or fail a healthy worker)."""
+    long = list(PROMPTS[0]) + list(PROMPTS[1]) + [1, 2, 3, 4, 5, 6]     # 24 tokens x top-2: 48 routes, the host path
+
+    def run(loaded, prompt):
+        engine = Engine(loaded.model, EngineConfig(max_running_requests=2, max_context_tokens=128,
+                                                   prefill_chunk_tokens=64), eos_token_ids=())
+        return engine.generate([list(prompt)], SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True))
+
+    resident_loaded = load_model(device="cuda")
+    want = run(resident_loaded, PROMPTS[0])                              # 11 tokens: 22 routes, the device path
+    loaded = load_model(device="cuda", moe_strategy="hybrid", moe_cache_size=CACHE_SLOTS,
+                        hybrid=options_for_tests(fetch_fraction=0.5, cpu_workers=2, handoff="device"))
+    backend = loaded.model.experts
+    lock = Lockstep(backend, resident_loaded.model.experts)
+    loaded.model.experts = lock
+    try:
+        assert not backend._device_sized(len(long) * 2) and backend._device_sized(len(PROMPTS[0]) * 2)
+        real, calls = backend._copy, [0]
+
+        def failing(*args, **kwargs):
+            calls[0] += 1
+            if calls[0] == 2:                                            # layer 1, its CPU share submitted
+                raise RuntimeError("injected failure after the CPU share was handed over")
+            return real(*args, **kwargs)
+
+        backend._copy = failing
+        if not resync:              # the guard as it was before the review: cache emptied, shares drained, no re-sync
+            def forget(exc):
+                SlotPoolAudit.forget_slots_after_error(backend, exc)
+                backend.pool.drain()
+            backend.forget_slots_after_error = forget
+        with pytest.raises(RuntimeError, match="injected failure"):
+            run(loaded, long)
+        del backend._copy
+        assert backend.stats.resets_after_error == 1 and bool(backend._resync) != resync
+        lock.max_rel_diff, lock.calls = 0.0, 0
+        got = run(loaded, PROMPTS[0])
+        c = backend.counters()
+        if not resync:              # a stale sequence: a stale answer (Lockstep, tokens) or a healthy worker failed
+            assert got != want or lock.max_rel_diff > MAX_REL_DIFF or c["fallbacks_total"] > 0, \
+                "a device ring behind its channel's sequence went unnoticed"
+            return
+        assert got == want
+        assert_lockstep(lock)
+        assert c["fallbacks_total"] == 0 and backend.pool.all_serving, c
+        assert backend.audit_slots(sample_slots=backend.cache.total_slots) == []
     finally:
         backend.close()

@@ -239,15 +239,29 @@ class HybridExperts(SlotPoolAudit):
             self.forget_slots_after_error(exc)
             raise
 
+    def side_streams(self) -> list:
+        """The copy streams and the stream hand-off's (whose late copy-out writes a tensor of the failed call: the
+        compute stream waits for it before that memory can be reused)."""
+        if not self.on_cuda:
+            return []
+        return [self.copy_stream, self.split_stream, *self._handoff_streams.values()]
+
     def forget_slots_after_error(self, exc: BaseException) -> None:
-        """As SlotPoolAudit's (the cache emptied), and the CPU shares the failed call handed over and never joined
-        drained: the next submit into their channel slots would be refused, failing every later step."""
+        """As SlotPoolAudit's (the side streams joined, the cache emptied); then, for an Exception (not an interrupt,
+        which should not block on the workers), the CPU shares the failed call handed over and never joined are
+        drained (the next submit into their channel slots would be refused, failing every later step) and the
+        device doorbells re-synced with their channels' sequence (host-driven calls moved it; a later device ring
+        would reuse a number and could take a stale answer). A worker lost meanwhile degrades the backend."""
         super().forget_slots_after_error(exc)
-        if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        if not isinstance(exc, Exception) or (self.on_cuda and torch.cuda.is_current_stream_capturing()):
             return
         try:
             if self.pool.drain():
                 log.warning("drained the CPU shares a failed expert call left in flight")
+            while self._resync:
+                self._resync.pop().sync_sequence()
+            if not self.pool.all_serving:
+                self._degrade()
         except Exception:                           # noqa: BLE001 - the original error is the one to report
             log.exception("draining the CPU shares after a failed expert call failed too")
 

@@ -178,6 +178,10 @@ class SlotPoolAudit:
         """Empty the slot cache in place (the pool's bytes stay, unmapped): later calls fetch again."""
         reset(self.cache)
 
+    def side_streams(self) -> list:
+        """The CUDA streams besides the compute stream that this backend's copies (or hand-offs) run on."""
+        return [self.copy_stream] if self.on_cuda else []
+
     def forget_slots_after_error(self, exc: BaseException) -> None:
         """A call that raised after its `ensure` (or `prefetch_ensure`) may leave slots mapped whose copies never ran;
         a later call would read them as hits and compute with the bytes of whatever expert was there before. So
@@ -187,6 +191,12 @@ class SlotPoolAudit:
         if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             return
         try:
+            if self.device.type == "cuda":
+                # copies still in flight on the side streams (a prefill's prefetch, whose event is forgotten below)
+                # must land before anything later can map and fill those slots from the compute stream
+                compute = torch.cuda.current_stream(self.device)
+                for stream in self.side_streams():
+                    compute.wait_stream(stream)
             reset(self.cache)
             self._prefetched.clear()
             self.stats.resets_after_error += 1
