@@ -226,6 +226,10 @@ def variants(args, on_cuda: bool = True) -> list[tuple[str, dict | None]]:
                                                  "handoff": "device", "tune": True}))
     out.append(("hybrid split device tuned", {"strategy": "hybrid", "fetch_round": "split", "promote": True,
                                               "handoff": "device", "tune": True}))
+    # f from the shared probe (both sides reading host DRAM at once) instead of the separate ones: "shared" is
+    # resolved in main once the probe has run (the probes' f when it failed)
+    out.append(("hybrid split device shared-f", {"strategy": "hybrid", "fetch_round": "split", "promote": True,
+                                                 "handoff": "device", "fetch_fraction": "shared"}))
     out.append(("hybrid min-wait device serial", {"strategy": "hybrid", "fetch_round": "min-wait", "promote": True,
                                                   "handoff": "device", "overlap_copy": False}))
     for f in filter(None, (v.strip() for v in args.extra_fractions.split(","))):
@@ -370,6 +374,8 @@ def main() -> int:
                 backend = OffloadExperts(host, slots, device, **policy, **eviction)
             else:
                 policy = {"fetch_fraction": fraction, "handoff": "host", **policy}     # named rows say otherwise
+                if policy["fetch_fraction"] == "shared":
+                    policy["fetch_fraction"] = shared.fetch_fraction if shared is not None else fraction
                 tune = policy.pop("tune", False)
                 backend = HybridExperts(host, slots, device, pool, owns_host=False, owns_pool=False, **policy,
                                         **eviction)

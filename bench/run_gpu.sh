@@ -32,7 +32,7 @@
 #        [s14-f] (the frequency-weighted eviction key: kernels in lockstep, lossless, decode LRU against W = 256)
 #        [s14-g] (after its review: the new lockstep tests on the compiled kernels)
 #        [s15-a] (aging on the GPU; the engine table with LRU and W = 256) [s15-b] (hybrid with LRU and W = 256; a 50% timeline)
-#        [s15-c] (every gpu test; the hand-off round trip)
+#        [s15-c] (every gpu test; the hand-off round trip) [s15-d] (hybrid f from the probes apart against the shared probe)
 #        (default: kernels engine cpu). SECTION_TIMEOUT (s, default 540) bounds each command.
 # Logs go to $OUT (the device tool's output folder) when it is set, else ./out.
 set -u
@@ -595,6 +595,14 @@ device,=hybrid min-wait device serial" 2>&1 | tee "$OUT/overlap_hybrid.log" | ta
       grep -E "FAILED|Error|passed|failed" "$OUT/s15c_gpu_tests.log" | cut -c1-300 | tail -n 10
       timeout 100 python3 bench/bench_handoff.py --mode gpu --client-cpu 0 > "$OUT/s15c_handoff.log" 2>&1 || status=1
       tail -n 14 "$OUT/s15c_handoff.log" | cut -c1-200
+      ;;
+    s15-d)    # fifteenth session: hybrid's f from the probes run apart (the default) against f from the shared probe (both
+              # sides at once), three rounds in turn (split, device hand-off, 25% cache)
+      timeout 450 python3 bench/bench_hybrid.py --runs 3 --decode-tokens 64 --handoff-calls 200 --no-resident --rounds 3 \
+        --variants "=hybrid split device,=hybrid split device shared-f" --json-out "$OUT/s15d_hybrid.json" \
+        > "$OUT/s15d_hybrid.log" 2>&1 || status=1
+      grep -E "^(B_pcie|at the same)" "$OUT/s15d_hybrid.log" | cut -c1-250
+      grep -E " round [0-9]|median of 3" "$OUT/s15d_hybrid.log" | grep -v "^row" | cut -c1-300 | tail -n 8
       ;;
     omp-wait)    # prepared in the tenth session; s11-e ran the same comparison (active starved the pool: 3.2 GB/s): the hybrid configuration with the CPU workers' OpenMP team
                  # left to libgomp's default wait (spin, then sleep) against OMP_WAIT_POLICY=active (the workers inherit
