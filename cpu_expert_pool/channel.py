@@ -158,7 +158,7 @@ class CpuPoolClient(_ChannelEnd):
 
     def __init__(self, channel_name: str):
         super().__init__(channel_name)
-        self._pending: list[tuple[int, int] | None] = [None] * NUM_SLOTS    # (seq, num_tokens) per slot
+        self._pending: list[tuple[int, int, int] | None] = [None] * NUM_SLOTS    # (seq, num_tokens, layer) per slot
         self._pid = 0
         self._epoch = -1
         self._pidfd: int | None = None
@@ -283,7 +283,7 @@ class CpuPoolClient(_ChannelEnd):
         lines.req_split_expert[0] = split_expert
         lines.req_seq[0] = seq                   # the request line is complete ...
         self._words.request_seq[0] = seq         # ... before the doorbell rings (x86-64 stores are ordered)
-        self._pending[slot_index] = (seq, num_tokens)
+        self._pending[slot_index] = (seq, num_tokens, layer)
         return seq
 
     def wait(self, layer: int, deadline_s: float) -> torch.Tensor:
@@ -293,7 +293,7 @@ class CpuPoolClient(_ChannelEnd):
         pending = self._pending[slot_index]
         if pending is None:
             raise RuntimeError(f"no request in flight for layer {layer} (slot {slot_index})")
-        seq, num_tokens = pending
+        seq, num_tokens, _ = pending
         done = self._words.done_seq
         start = time.monotonic()
         if done[0] < seq:
@@ -343,11 +343,11 @@ class CpuPoolClient(_ChannelEnd):
         wait, so that the next submit into those slots finds them free. Returns how many it waited for. A worker
         that dies or misses the deadline raises as in `wait` (and is disconnected); an error status is dropped."""
         drained = 0
-        for slot_index, pending in enumerate(self._pending):
+        for pending in list(self._pending):
             if pending is not None:
                 drained += 1
                 try:
-                    self.wait(slot_index, deadline_s)           # slot_index is a layer of that slot
+                    self.wait(pending[2], deadline_s)           # the layer it was submitted for
                 except WorkerError:
                     pass
         return drained

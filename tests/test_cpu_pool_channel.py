@@ -160,6 +160,45 @@ def test_double_buffering_two_layers_in_flight(store, chan):
     client.close()
 
 
+def test_drain_waits_for_what_is_in_flight_and_frees_the_slots(store, chan):
+    """CpuPoolClient.drain (for a caller that raised between submit and wait): it waits for both layers in flight and
+    drops their answers (an error status too); the next submits into those slots then go through."""
+    worker = ThreadWorker(chan, store).start()
+    client = CpuPoolClient(chan)
+    client.wait_for_worker(timeout_s=5)
+    h0, t0 = batch(3, seed=10)
+    h1, (tok, exp, w) = batch(2, seed=11)
+    exp = exp.clone()
+    exp[0] = E + 3                                    # layer 1's request is answered with an error status
+    client.submit(0, h0, t0)
+    client.submit(1, h1, (tok, exp, w))
+    with pytest.raises(RuntimeError, match="still holds"):
+        client.submit(2, h0, t0)
+    assert client.drain(deadline_s=5) == 2
+    assert client.drain(deadline_s=5) == 0
+    client.submit(2, h0, t0)                          # slot 0 again, then slot 1
+    client.submit(1, h1, (tok, exp.clamp(max=E - 1), w))
+    out = client.wait(2, deadline_s=5).clone()
+    torch.testing.assert_close(out, reference_moe_layer(store, 2, h0, *t0), rtol=0.02, atol=0.02)
+    assert client.wait(1, deadline_s=5).shape == (2, H)
+    worker.stop()
+    client.close()
+
+
+def test_drain_of_a_hung_worker_times_out_naming_the_layer(store, chan):
+    worker = ThreadWorker(chan, store)
+    worker.hold.set()                                 # takes requests, never answers
+    worker.start()
+    client = CpuPoolClient(chan)
+    client.wait_for_worker(timeout_s=5)
+    h0, t0 = batch(3, seed=10)
+    client.submit(2, h0, t0)
+    with pytest.raises(WorkerTimeout, match="layer 2 "):
+        client.drain(deadline_s=0.05)
+    worker.stop()
+    client.close()
+
+
 def test_bad_request_is_answered_with_an_error_status(store, chan):
     worker = ThreadWorker(chan, store).start()
     client = CpuPoolClient(chan)
