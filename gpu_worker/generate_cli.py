@@ -60,8 +60,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     run_g.add_argument("--max-context-tokens", type=int, default=None,
                        help="KV cache length (default: prompt + max new tokens)")
     run_g.add_argument("--prefill-chunk-tokens", type=positive_int_flag, default=None,
-                       help="prompt tokens a prefill chunk takes (default: 4096; with --moe-strategy cpu or hybrid, the "
-                            "CPU share's token limit, 512, so that chunks keep their CPU share)")
+                       help="prompt tokens a prefill chunk takes (default: 4096; with --moe-strategy cpu, the CPU share's "
+                            "token limit, 512, so that chunks keep their CPU share)")
     hyb = parser.add_argument_group("cpu and hybrid strategies (docs/HYBRID.md)")
     hyb.add_argument("--fetch-fraction", type=float, default=None, metavar="F",
                      help="share of the misses fetched over PCIe, in [0, 1] (default: from the `ft bench bw` "
