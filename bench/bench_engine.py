@@ -218,7 +218,8 @@ def main() -> int:
     parser.add_argument("--fractions", default="0.1,0.25,0.5")
     parser.add_argument("--device", default="cuda", help="cpu: a smoke test of this script")
     parser.add_argument("--offload-copy", default="kernel,dma",
-                        help="offload copy modes to compare, comma-separated: dma, kernel")
+                        help="offload copy modes to compare, comma-separated: dma, kernel, proxy (the kernel mode's "
+                             "device-side plan copied by DMA from a host thread: gpu_worker/offload/dma_proxy.py)")
     parser.add_argument("--dma-fractions", default=None,
                         help="cache fractions for the dma copy mode (default: --fractions); the dma "
                              "mode decodes eagerly, so it is the slow one to run")
@@ -321,8 +322,8 @@ def main() -> int:
             weights = [int(w) for w in args.freq_weights.split(",") if w.strip()]
             modes = [(m, c, o, sp, p, w) for w in weights for m in args.offload_copy.split(",")
                      for c in (_copy_chunks(args) if m == "kernel" else [None])
-                     for o in (overlaps if m == "kernel" else [False])
-                     for sp in (splits if m == "kernel" and o else [True])
+                     for o in (overlaps if m in ("kernel", "proxy") else [False])
+                     for sp in (splits if m in ("kernel", "proxy") and o else [True])
                      for p in pdl_modes]
             for copy_mode, chunks, overlap, split, pdl_mode, weight in modes:
                 if pdl_mode is not None:
@@ -332,9 +333,9 @@ def main() -> int:
                 if chunks is not None:
                     expert_copy_api.DEFAULT_CHUNKS = chunks
                 label = copy_mode + (f" c={chunks}" if chunks is not None and args.copy_chunks else "")
-                if copy_mode == "kernel" and args.copy_overlap == "both":
+                if copy_mode in ("kernel", "proxy") and args.copy_overlap == "both":
                     label += " overlap" if overlap else " serial"
-                if copy_mode == "kernel" and overlap and args.copy_split == "both":
+                if copy_mode in ("kernel", "proxy") and overlap and args.copy_split == "both":
                     label += " split" if split else " whole"
                 if len(pdl_modes) > 1:
                     label += f" pdl {pdl_mode}"
@@ -351,9 +352,14 @@ def main() -> int:
                 rows.append((f"offload {frac:.0%} {label}", slots, r, _peak(),
                              proc.memory_info().rss))
                 print(f"offload {frac} {label}", r["all_tok_s"], _launch_note(r), flush=True)
+                if copy_mode == "proxy":
+                    print(f"  proxy counters (all runs): {backend._proxy.counters()}, copy mode at the end: "
+                          f"{backend.copy_mode}", flush=True)
                 if args.profile and args.device == "cuda":
                     profile_decode(engine, prompt, args.profile, trace=_trace_path(args, f"offload {frac} {label}"))
                 loaded.model.experts = None
+                if backend._proxy is not None:
+                    backend._proxy.close()              # (the host store is shared: no backend.close())
                 del engine, backend
                 gc.collect()
                 torch.cuda.empty_cache()

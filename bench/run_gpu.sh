@@ -33,6 +33,7 @@
 #        [s14-g] (after its review: the new lockstep tests on the compiled kernels)
 #        [s15-a] (aging on the GPU; the engine table with LRU and W = 256) [s15-b] (hybrid with LRU and W = 256; a 50% timeline)
 #        [s15-c] (every gpu test; the hand-off round trip) [s15-d] (hybrid f from the probes apart against the shared probe)
+#        [s16-a] (copy mode proxy: its GPU tests; the engine table with the copy kernel and the proxy side by side)
 #        (default: kernels engine cpu). SECTION_TIMEOUT (s, default 540) bounds each command.
 # Logs go to $OUT (the device tool's output folder) when it is set, else ./out.
 set -u
@@ -603,6 +604,17 @@ device,=hybrid min-wait device serial" 2>&1 | tee "$OUT/overlap_hybrid.log" | ta
         > "$OUT/s15d_hybrid.log" 2>&1 || status=1
       grep -E "^(B_pcie|at the same)" "$OUT/s15d_hybrid.log" | cut -c1-250
       grep -E " round [0-9]|median of 3" "$OUT/s15d_hybrid.log" | grep -v "^row" | cut -c1-300 | tail -n 8
+      ;;
+    s16-a)    # sixteenth session, first call: copy mode proxy (a host thread issues the device-side plan's DMAs:
+              # gpu_worker/offload/dma_proxy.py): its GPU tests, then the engine issue's configuration with the copy
+              # kernel and the proxy side by side
+      timeout 150 python3 -m pytest -q --tb=short -p no:cacheprovider -m gpu tests/test_dma_proxy.py \
+        > "$OUT/s16a_tests.log" 2>&1 || status=1
+      grep -E "FAILED|Error|passed|failed" "$OUT/s16a_tests.log" | cut -c1-300 | tail -n 8
+      timeout 380 python3 bench/bench_engine.py --runs 2 --prompt-tokens 1024 --decode-tokens 128 --fractions 0.1,0.25,0.5 \
+        --offload-copy kernel,proxy > "$OUT/s16a_engine.log" 2>&1 || status=1
+      grep -E "proxy counters" "$OUT/s16a_engine.log" | cut -c1-250
+      grep -v "^ " "$OUT/s16a_engine.log" | tail -n 9 | cut -c1-300
       ;;
     omp-wait)    # prepared in the tenth session; s11-e ran the same comparison (active starved the pool: 3.2 GB/s): the hybrid configuration with the CPU workers' OpenMP team
                  # left to libgomp's default wait (spin, then sleep) against OMP_WAIT_POLICY=active (the workers inherit

@@ -47,7 +47,7 @@ def load_served_engine(model_dir: str | None, preset: str | None, device: str, *
                        hybrid: Any = None, offload_copy: str = "dma", slot_audit_every: int = 0,
                        prefill_chunk_tokens: int | None = None) -> ServedEngine:
     """The engine `ft serve --workers inline` serves (`hybrid`: HybridOptions for cpu/hybrid, None: defaults;
-    `offload_copy`: dma or kernel, for offload; `slot_audit_every`: FREETOKEN_MOE_SLOT_AUDIT;
+    `offload_copy`: dma, kernel or proxy, for offload; `slot_audit_every`: FREETOKEN_MOE_SLOT_AUDIT;
     `prefill_chunk_tokens`: None = the engine's default for the backend)."""
     import torch
 

@@ -57,7 +57,7 @@ class GpuWorkerOptions:
     hybrid_handoff: str = "auto"               # cpu/hybrid: "stream" = StreamDoorbell (not in the config hash)
     reserve_cpus: str | None = None            # cpu/hybrid: the CPU workers' reserved CPUs (HybridOptions; not hashed)
     pin_gpu_worker: bool | None = None         # cpu/hybrid: pin to them once loaded; None: $FREETOKEN_PIN_GPU_WORKER
-    offload_copy: str = "dma"                  # offload: dma or kernel (lossless either way: not hashed)
+    offload_copy: str = "dma"                  # offload: dma, kernel or proxy (lossless either way: not hashed)
     slot_audit_every: int = 0                  # FREETOKEN_MOE_SLOT_AUDIT (a check: not hashed)
     prefill_chunk_tokens: int | None = None    # None: the engine's default for the backend (not hashed)
 

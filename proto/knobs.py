@@ -94,8 +94,9 @@ KNOBS: tuple[Knob, ...] = (
     Knob("FREETOKEN_OFFLOAD_COPY", "offload_copy", str, "dma",
          "offload: how misses reach the GPU: dma (the plan read back each layer, copy-engine copies, eager decode) or "
          "kernel (a device-side copy kernel beside the hits' GEMMs: no host sync, decode in CUDA graphs; "
-         "docs/OFFLOAD.md)",
-         choices=("dma", "kernel")),
+         "docs/OFFLOAD.md) or proxy (as kernel, but a host thread copies the device-side plan by DMA: the copy "
+         "engine's rate, decode in CUDA graphs; needs CUDA and a C compiler)",
+         choices=("dma", "kernel", "proxy")),
     Knob("FREETOKEN_PREFILL_PREFETCH", "prefill_prefetch", str, "on",
          "offload and hybrid: a prefill chunk run as offload (it routes to nearly every expert) copies the next layer's "
          "experts by DMA behind "

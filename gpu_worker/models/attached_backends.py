@@ -29,7 +29,7 @@ def make_attached_expert_backend(strategy: str, source: ExpertSource, device: to
                                  per_layer: bool = False, reserve_cpus: str | None = None,
                                  offload_copy: str = "dma") -> ExpertBackend:
     """The backend for ``strategy``, reading experts from the store ``store_name`` where it needs one.
-    ``offload_copy``: the offload backend's copy mode (dma | kernel; OffloadExperts.copy_mode).
+    ``offload_copy``: the offload backend's copy mode (dma | kernel | proxy; OffloadExperts.copy_mode).
     ``reserve_cpus``: the CPUs the coordinator kept free of CPU workers (the GPU worker's torch threads
     follow their count; None: HybridOptions' default)."""
     if not needs_host_store(strategy):

@@ -32,6 +32,7 @@ from kernels.slot_cache import SlotCache, audit, ensure, prefetch_ensure, reset
 from kernels.slot_cache.api import MAX_PREFETCH_CANDIDATES
 from proto.knobs import env_setting
 
+from .dma_proxy import DmaProxy
 from .host_store import HostExperts
 
 log = logging.getLogger(__name__)
@@ -63,7 +64,8 @@ def resolve_cache_slots(cache_size: float | int | str | None, num_layers: int, n
     return slots
 
 
-COPY_MODES = ("dma", "kernel")   # DMA from the host with a plan readback, or a device-side copy
+COPY_MODES = ("dma", "kernel", "proxy")   # DMA from the host with a plan readback, a device-side copy, or DMA
+                                          # of the device-side plan by a host thread (gpu_worker/offload/dma_proxy.py)
 
 
 def copy_then_ffn(slots: torch.Tensor, host_layer: torch.Tensor, cache: SlotCache, max_copies: int,
@@ -72,7 +74,8 @@ def copy_then_ffn(slots: torch.Tensor, host_layer: torch.Tensor, cache: SlotCach
                   side_stream: "torch.cuda.Stream | None" = None, split_copy: bool = True,
                   after_fork: "Callable[[], None] | None" = None,
                   extra_copy: "Callable[[int], None] | None" = None, extra_slot: int = -1,
-                  extra_stream: "torch.cuda.Stream | None" = None) -> torch.Tensor:
+                  extra_stream: "torch.cuda.Stream | None" = None, proxy: "DmaProxy | None" = None,
+                  layer_idx: int = -1) -> torch.Tensor:
     """The kernel copy of the last `ensure`'s plan, then the expert FFN over slot ids (routes at -1
     add 0 in the gemv mode). With a `side_stream` (CUDA, gemv mode) the two overlap: the copy runs
     on the side stream while moe_gemv computes the routes whose slot the plan does not fill (the
@@ -91,8 +94,15 @@ def copy_then_ffn(slots: torch.Tensor, host_layer: torch.Tensor, cache: SlotCach
     part 0 (w13), then part 1 (w2). With the overlap it runs on `extra_stream` (forked beside the plan copy,
     so the two share the link instead of queueing: measured on the H200, the split copy between the plan's
     parts left a 69 us gap a layer in the plan's stream), else on the side stream after the plan's parts; the
-    routes at `extra_slot` wait for it as the fetched ones wait for the plan."""
+    routes at `extra_slot` wait for it as the fetched ones wait for the plan.
+    `proxy` (copy mode proxy; not with `extra_copy`): the plan goes to the DMA proxy instead of the copy kernel
+    (published on the compute stream after `ensure`, no side stream); the fetched routes' gate/up and down wait
+    for its parts as they would for the copy's (the proxy lands w13 first when it splits)."""
     c = cache
+    if proxy is not None:
+        return _proxy_then_ffn(proxy, layer_idx, cache, max_copies, x, slot_ids, weights, w13, w2, mode=mode,
+                               kernel_impl=kernel_impl, overlap=side_stream is not None and mode == "gemv",
+                               after_fork=after_fork)
     own_stream = extra_copy is not None and extra_stream is not None
 
     def copy(cols: tuple[int, int] | None = None) -> None:
@@ -153,6 +163,30 @@ def copy_then_ffn(slots: torch.Tensor, host_layer: torch.Tensor, cache: SlotCach
         raise
 
 
+def _proxy_then_ffn(proxy: "DmaProxy", layer_idx: int, cache: SlotCache, max_copies: int, x: torch.Tensor,
+                    slot_ids: torch.Tensor, weights: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, *, mode: str,
+                    kernel_impl: str, overlap: bool, after_fork: "Callable[[], None] | None") -> torch.Tensor:
+    """copy_then_ffn with the DMA proxy: publish the plan, then the hits' GEMMs beside the DMAs (overlap), then
+    the fetched routes' after their parts landed; without the overlap, wait for all of it, then every GEMM."""
+    c = cache
+    plan = (c.evict_slots, c.src_indices, c.num_indices)
+    proxy.publish(layer_idx, *plan)
+    if after_fork is not None:
+        after_fork()
+    split = proxy.split_cols > 0
+
+    def landed(part: int) -> Callable[[], None]:
+        return lambda: proxy.wait(part, layer_idx, *plan)
+
+    if not overlap:
+        landed(0)()
+        landed(1)()
+        return expert_ffn(mode, x, slot_ids, weights, w13, w2, kernel_impl=kernel_impl)
+    return moe_gemv(x, slot_ids, weights, w13, w2, impl=kernel_impl,
+                    plan=CopyPlan(c.evict_slots, c.num_indices, max_copies),
+                    between=landed(0) if split else landed(1), between_down=landed(1) if split else None)
+
+
 @dataclass
 class OffloadStats:
     calls: int = 0
@@ -162,6 +196,7 @@ class OffloadStats:
     copy_bytes: int = 0
     prefetched: int = 0         # of those, copied ahead for the next layer during prefill
     resets_after_error: int = 0  # the cache emptied after a call that raised (forget_slots_after_error)
+    proxy_failures: int = 0     # steps the DMA proxy failed (then re-run with the kernel copy)
 
 
 class SlotPoolAudit:
@@ -197,6 +232,9 @@ class SlotPoolAudit:
                 compute = torch.cuda.current_stream(self.device)
                 for stream in self.side_streams():
                     compute.wait_stream(stream)
+            proxy = getattr(self, "_proxy", None)
+            if proxy is not None and self.copy_mode == "proxy":
+                proxy.quiesce()                     # what it was handed lands before the slots are re-mapped
             reset(self.cache)
             self._prefetched.clear()
             self.stats.resets_after_error += 1
@@ -260,6 +298,12 @@ class OffloadExperts(SlotPoolAudit):
         if self.on_cuda:
             self.copy_stream = torch.cuda.Stream(device=self.device)
             self._plan_host = torch.empty(3 + 4 * num_slots, dtype=torch.int32, pin_memory=True)
+        # copy mode proxy: the plan's DMAs issued by a host thread (w13 first when the copy splits)
+        self._proxy: DmaProxy | None = None
+        if copy_mode == "proxy":
+            split = self.w13[0].numel() if split_copy and self.w13.data_ptr() == self.slots.data_ptr() else 0
+            self._proxy = DmaProxy(self.slots, self.host.layers, split_cols=split,
+                                   max_pairs=min(self.cache.total_slots, self.num_experts))
         self.stats = OffloadStats()
         self._host_counts = [0, 0, 0]      # kernel copy mode: [fetched, misses, calls] of DMA calls
         # prefill prefetch: layer -> event after its experts' copies (the layer's GEMMs wait on it)
@@ -302,14 +346,15 @@ class OffloadExperts(SlotPoolAudit):
         # experts a prefill prefetched for this layer (DMA on copy_stream): the GEMMs read them and a
         # kernel copy may evict them, so both wait for their event
         ready = self._prefetched.pop(layer_idx, None)
-        if self.copy_mode == "kernel" and nxt is None:
+        if self.copy_mode in ("kernel", "proxy") and nxt is None:
             if ready is not None:
                 torch.cuda.current_stream(self.device).wait_event(ready)
             max_copies = min(slot_ids.numel(), self.cache.num_slots)
             return copy_then_ffn(self.slots, self.host.layers[layer_idx], self.cache, max_copies, x, slot_ids,
                                  topk_weights, self.w13, self.w2, mode=mode, kernel_impl=self.kernel_impl,
                                  side_stream=self.copy_stream if self.on_cuda and self.overlap_copy else None,
-                                 split_copy=self.split_copy, after_fork=lambda: self._count_on_device(topk_ids))
+                                 split_copy=self.split_copy, after_fork=lambda: self._count_on_device(topk_ids),
+                                 proxy=self._proxy if self.copy_mode == "proxy" else None, layer_idx=layer_idx)
         self.copy_missing(layer_idx, prefetch_layer=nxt)     # (its plan readback does not wait for `ready`;
         self.stats.calls += 1                                # its copies queue behind it on copy_stream)
         self._host_counts[2] += 1
@@ -319,8 +364,33 @@ class OffloadExperts(SlotPoolAudit):
 
     def graph_safe(self, num_pairs: int) -> bool:
         """Capturable in a CUDA graph: device-side copies and the gemv- or gather-mode GEMMs."""
-        return (self.copy_mode == "kernel" and self.on_cuda
+        return (self.copy_mode in ("kernel", "proxy") and self.on_cuda
                 and self.mode in ("auto", *GRAPH_SAFE_MODES) and num_pairs <= self.gather_max_pairs)
+
+    def graph_key(self) -> tuple:
+        """A captured decode graph holds the copy mode's kernels: a change of mode (the proxy given up) needs new ones."""
+        return ("offload", self.copy_mode)
+
+    def step_end(self) -> bool:
+        """After a decode step (the engine calls it): with the DMA proxy, whether its copies all landed (a device
+        sync, then one host word). If a wait gave up on it, that step copied the rest itself and is correct, but
+        the proxy is dropped for the kernel copy: it is stopped once what it issued has landed, the cache is
+        emptied (a stalled proxy may have landed a copy late), and False has the engine run the step again."""
+        proxy = self._proxy
+        if proxy is None or self.copy_mode != "proxy":
+            return True
+        if self.on_cuda:
+            torch.cuda.current_stream(self.device).synchronize()
+        if not proxy.failed():
+            return True
+        log.error("the DMA proxy failed (%s); offload copies by the copy kernel from now on, and the step runs again",
+                  proxy.failure_reason())
+        proxy.quiesce()
+        proxy.close()
+        reset(self.cache)
+        self.copy_mode = "kernel"
+        self.stats.proxy_failures += 1
+        return False
 
     def _count_on_device(self, ids: torch.Tensor) -> None:
         """The kernel copy mode's counters, on the device (reads the plan `ensure` just wrote)."""
@@ -334,7 +404,7 @@ class OffloadExperts(SlotPoolAudit):
 
     def refresh_stats(self) -> OffloadStats:
         """Fold the device-side counters of the kernel copy mode into `stats` (a device sync)."""
-        if self.copy_mode == "kernel":
+        if self.copy_mode in ("kernel", "proxy"):
             fetched, misses, calls = (int(v) + h for v, h in zip(self._device_counts.tolist()[:3],
                                                                  self._host_counts))
             self.stats.fetched, self.stats.distinct_misses, self.stats.calls = fetched, misses, calls
@@ -422,4 +492,6 @@ class OffloadExperts(SlotPoolAudit):
         return self.slots.numel() * self.slots.element_size()
 
     def close(self) -> None:
+        if self._proxy is not None:
+            self._proxy.close()
         self.host.close()

@@ -1,0 +1,239 @@
+"""The DMA proxy (gpu_worker/offload/dma_proxy.py, copy mode `proxy`): its protocol on the CPU (the C thread
+copying host memory with memcpy, publish / wait as the Triton interpreter and as their references), its faults,
+and the offload backend on it, lossless against resident; the CUDA path on the GPU machine."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gpu_worker.models import load_model
+from gpu_worker.offload.dma_proxy import DmaProxy
+from kernels.expert_copy import proxy as proxy_kernels
+
+from tests.test_offload import PROMPT, assert_slots_hold_their_experts, greedy_tokens
+
+L, E, S, N = 3, 10, 6, 96
+
+
+@pytest.fixture(autouse=True)
+def cache_dir(monkeypatch, tmp_path):
+    monkeypatch.setenv("FT_CACHE_DIR", str(tmp_path / "cache"))
+
+
+def _host_layers(device="cpu"):
+    gen = torch.Generator().manual_seed(0)
+    return [torch.randn(E, N, generator=gen).to(torch.bfloat16).to(device) for _ in range(L)]
+
+
+def _plan(call: int, device="cpu"):
+    gen = torch.Generator().manual_seed(100 + call)
+    evict = torch.randperm(S, generator=gen).to(torch.int32).to(device)
+    src = torch.randperm(E, generator=gen)[:S].to(torch.int32).to(device)
+    return evict, src, torch.tensor([call % (S + 1)], dtype=torch.int32, device=device)
+
+
+def _run_calls(px: DmaProxy, host, slots, calls: int) -> int:
+    """Publish and wait for `calls` plans of 0..S copies; check each lands; the copies expected."""
+    expected = 0
+    for call in range(calls):
+        layer = call % L
+        evict, src, num = _plan(call, slots.device)
+        before = slots.clone()
+        px.publish(layer, evict, src, num)
+        px.wait(0, layer, evict, src, num)
+        px.wait(1, layer, evict, src, num)
+        n = int(num[0])
+        expected += n
+        want = before.clone()
+        for i in range(n):
+            want[int(evict[i])] = host[layer][int(src[i])]
+        assert torch.equal(slots, want), f"call {call}: the slots are not the plan applied to them"
+    return expected
+
+
+@pytest.mark.parametrize("impl", ["reference", "triton"])
+@pytest.mark.parametrize("split_cols", [0, 64])
+def test_the_proxy_lands_every_plan_in_order(impl, split_cols):
+    host = _host_layers()
+    slots = torch.zeros(S, N, dtype=torch.bfloat16)
+    px = DmaProxy(slots, host, split_cols=split_cols, impl=impl)
+    try:
+        copies = _run_calls(px, host, slots, calls=9)
+        c = px.counters()
+        assert not px.failed() and c["fallbacks"] == 0
+        assert c["copies"] == copies and c["bytes"] == copies * N * 2
+        assert c["published"] == c["issued"] == sum(1 for call in range(9) if call % (S + 1))
+    finally:
+        px.close()
+
+
+@pytest.mark.parametrize("impl", ["reference", "triton"])
+def test_a_proxy_error_is_reported_and_the_wait_copies_itself(impl):
+    """The C side rejects a bad entry (here: it believes there are no host rows) and stops; the waits see its
+    fail word, copy the plan themselves (the slots stay right) and the host learns why."""
+    host = _host_layers()
+    slots = torch.zeros(S, N, dtype=torch.bfloat16)
+    px = DmaProxy(slots, host, split_cols=64, impl=impl)
+    try:
+        _run_calls(px, host, slots, calls=2)
+        assert px.counters()["fallbacks"] == 0
+        px._p.num_rows = 0
+        _run_calls(px, host, slots, calls=4)
+        assert px.failed()
+        assert "host row out of range" in px.failure_reason()
+        assert px.counters()["fallbacks"] >= 2          # both parts of at least the first failing plan
+    finally:
+        px.close()
+
+
+@pytest.mark.parametrize("impl", ["reference", "triton"])
+def test_a_stopped_proxy_times_out_and_the_wait_copies_itself(impl):
+    host = _host_layers()
+    slots = torch.zeros(S, N, dtype=torch.bfloat16)
+    px = DmaProxy(slots, host, split_cols=0, impl=impl, deadline_s=0.002)
+    try:
+        px.lib.ft_proxy_stop(px._p)                        # the thread is gone; nothing will land
+        _run_calls(px, host, slots, calls=3)
+        assert px.failed() and "did not land" in px.failure_reason()
+        assert px.counters()["issued"] == 0 and px.counters()["fallbacks"] >= 1
+    finally:
+        px.close()
+
+
+def test_bad_arguments_are_refused():
+    host = _host_layers()
+    with pytest.raises(ValueError, match="split_cols"):
+        DmaProxy(torch.zeros(S, N, dtype=torch.bfloat16), host, split_cols=N)
+    with pytest.raises(ValueError, match="one dtype"):
+        DmaProxy(torch.zeros(S, N, dtype=torch.float32), host)
+    slots = torch.zeros(S, N, dtype=torch.bfloat16)
+    px = DmaProxy(slots, host, max_pairs=2, impl="reference")
+    try:
+        with pytest.raises(ValueError, match="longer than the mailbox"):
+            px.publish(0, *_plan(5))
+    finally:
+        px.close()
+
+
+@pytest.mark.parametrize("split_copy", [True, False])
+def test_offload_on_the_proxy_gives_the_resident_tokens(split_copy):
+    from gpu_worker.offload import OffloadExperts
+    prompts = (PROMPT, PROMPT[3:9])
+    resident = greedy_tokens(load_model(device="cpu"), prompts=prompts)
+    loaded = load_model(device="cpu", moe_strategy="offload", moe_cache_size=10)
+    backend = OffloadExperts(loaded.model.experts.host, 10, "cpu", copy_mode="proxy", split_copy=split_copy)
+    loaded.model.experts = backend
+    try:
+        assert (backend._proxy.split_cols > 0) == split_copy
+        assert greedy_tokens(loaded, prompts=prompts) == resident
+        assert_slots_hold_their_experts(backend)
+        stats = backend.refresh_stats()
+        c = backend._proxy.counters()
+        assert stats.fetched > 10 and c["copies"] == stats.fetched and c["fallbacks"] == 0
+        assert backend.copy_mode == "proxy" and stats.proxy_failures == 0
+    finally:
+        backend.close()
+
+
+def test_a_proxy_failure_mid_generation_reruns_the_step_on_the_copy_kernel(monkeypatch):
+    """The proxy stops on an error halfway through a generation: that step's waits copy the plans themselves, the
+    engine re-runs the step, the backend carries on with the kernel copy, and the tokens are resident's."""
+    from gpu_worker.offload import OffloadExperts
+    resident = greedy_tokens(load_model(device="cpu"))
+    loaded = load_model(device="cpu", moe_strategy="offload", moe_cache_size=10)
+    backend = OffloadExperts(loaded.model.experts.host, 10, "cpu", copy_mode="proxy")
+    loaded.model.experts = backend
+    px = backend._proxy
+    calls = [0]
+    publish = px.publish
+
+    def failing_publish(*args):
+        calls[0] += 1
+        if calls[0] == 40:                       # a decode step's layer (the prompt's prefill is done by then)
+            px._p.num_rows = 0
+        publish(*args)
+
+    monkeypatch.setattr(px, "publish", failing_publish)
+    try:
+        assert greedy_tokens(loaded) == resident
+        assert backend.stats.proxy_failures == 1 and backend.copy_mode == "kernel"
+        assert px.counters()["fallbacks"] >= 1
+        assert_slots_hold_their_experts(backend)
+    finally:
+        backend.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("split_cols", [0, 64])
+def test_gpu_the_proxy_lands_every_plan_by_dma(split_cols):
+    host = [h.pin_memory() for h in _host_layers()]
+    slots = torch.zeros(S, N, dtype=torch.bfloat16, device="cuda")
+    px = DmaProxy(slots, host, split_cols=split_cols)
+    try:
+        copies = _run_calls(px, [h.cuda() for h in host], slots, calls=9)
+        torch.cuda.synchronize()
+        c = px.counters()
+        assert not px.failed() and c["fallbacks"] == 0 and c["copies"] == copies
+    finally:
+        px.close()
+
+
+@pytest.mark.gpu
+def test_gpu_the_proxy_in_a_cuda_graph_publishes_a_new_sequence_each_replay():
+    host = [h.pin_memory() for h in _host_layers()]
+    slots = torch.zeros(S, N, dtype=torch.bfloat16, device="cuda")
+    px = DmaProxy(slots, host, split_cols=64)
+    try:
+        evict, src, num = (t.clone() for t in _plan(3, "cuda"))
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):                   # warm-up (compiles the kernels)
+            px.publish(1, evict, src, num)
+            px.wait(0, 1, evict, src, num)
+            px.wait(1, 1, evict, src, num)
+        torch.cuda.current_stream().wait_stream(s)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            px.publish(1, evict, src, num)
+            px.wait(0, 1, evict, src, num)
+            px.wait(1, 1, evict, src, num)
+        hostc = [h.cuda() for h in host]
+        for call in range(5):
+            e2, s2, n2 = _plan(10 + call, "cuda")
+            evict.copy_(e2), src.copy_(s2), num.copy_(n2)
+            slots.zero_()
+            graph.replay()
+            torch.cuda.synchronize()
+            for i in range(int(n2[0])):
+                assert torch.equal(slots[int(e2[i])], hostc[1][int(s2[i])]), (call, i)
+        c = px.counters()
+        assert not px.failed() and c["fallbacks"] == 0
+        assert c["published"] == 1 + sum(1 for call in range(5) if (10 + call) % (S + 1))
+    finally:
+        px.close()
+
+
+@pytest.mark.gpu
+def test_gpu_offload_on_the_proxy_gives_the_resident_tokens_in_graphs():
+    from gpu_worker.engine import Engine, EngineConfig, SamplingParams
+    prompts = (PROMPT, PROMPT[:5])
+
+    def tokens(loaded):
+        engine = Engine(loaded.model, EngineConfig(max_running_requests=2, max_context_tokens=128,
+                                                   prefill_chunk_tokens=4, cuda_graphs=True), eos_token_ids=())
+        out = engine.generate([list(p) for p in prompts], SamplingParams(max_new_tokens=32, ignore_eos=True))
+        return out, engine
+
+    resident, _ = tokens(load_model(device="cuda"))
+    loaded = load_model(device="cuda", moe_strategy="offload", moe_cache_size=9, offload_copy="proxy")
+    backend = loaded.model.experts
+    try:
+        got, engine = tokens(loaded)
+        assert got == resident
+        assert engine.graphs is not None and engine.graphs.replays > 0
+        assert_slots_hold_their_experts(backend)
+        c = backend._proxy.counters()
+        assert c["fallbacks"] == 0 and c["copies"] == backend.refresh_stats().fetched > 9
+        assert backend.copy_mode == "proxy"
+    finally:
+        backend.close()
