@@ -34,6 +34,7 @@
 #        [s15-a] (aging on the GPU; the engine table with LRU and W = 256) [s15-b] (hybrid with LRU and W = 256; a 50% timeline)
 #        [s15-c] (every gpu test; the hand-off round trip) [s15-d] (hybrid f from the probes apart against the shared probe)
 #        [s16-a] (copy mode proxy: its GPU tests; the engine table with the copy kernel and the proxy side by side)
+#        [s16-b] (the proxy: a profiled 50% trace; its copy in two parts against whole rows)
 #        (default: kernels engine cpu). SECTION_TIMEOUT (s, default 540) bounds each command.
 # Logs go to $OUT (the device tool's output folder) when it is set, else ./out.
 set -u
@@ -615,6 +616,19 @@ device,=hybrid min-wait device serial" 2>&1 | tee "$OUT/overlap_hybrid.log" | ta
         --offload-copy kernel,proxy > "$OUT/s16a_engine.log" 2>&1 || status=1
       grep -E "proxy counters" "$OUT/s16a_engine.log" | cut -c1-250
       grep -v "^ " "$OUT/s16a_engine.log" | tail -n 9 | cut -c1-300
+      ;;
+    s16-b)    # sixteenth session: where the proxy's time goes at 50% (a profiled run's trace, gzipped into $OUT), then
+              # the proxy with its copy in two parts (w13 first) against whole rows, at 10% and 50%
+      rm -rf /tmp/s16b_tr
+      timeout 200 python3 bench/bench_engine.py --runs 1 --prompt-tokens 256 --decode-tokens 32 --fractions 0.5 \
+        --offload-copy kernel,proxy --profile 2 --trace-dir /tmp/s16b_tr > "$OUT/s16b_profile.log" 2>&1 || status=1
+      for t in /tmp/s16b_tr/trace_*offload*.json; do gzip -c "$t" > "$OUT/$(basename "$t" .json | tr ' ' '_').json.gz"; done
+      grep -v "^ " "$OUT/s16b_profile.log" | tail -n 4 | cut -c1-300
+      timeout 300 python3 bench/bench_engine.py --runs 2 --prompt-tokens 1024 --decode-tokens 128 --fractions 0.1,0.5 \
+        --offload-copy proxy --copy-split both > "$OUT/s16b_split.log" 2>&1 || status=1
+      grep -E "proxy counters" "$OUT/s16b_split.log" | cut -c1-250
+      grep -v "^ " "$OUT/s16b_split.log" | tail -n 6 | cut -c1-300
+      ls -la "$OUT"
       ;;
     omp-wait)    # prepared in the tenth session; s11-e ran the same comparison (active starved the pool: 3.2 GB/s): the hybrid configuration with the CPU workers' OpenMP team
                  # left to libgomp's default wait (spin, then sleep) against OMP_WAIT_POLICY=active (the workers inherit

@@ -79,6 +79,7 @@ typedef struct {
     volatile int64_t status;         /* 0, or the error that stopped the thread */
     volatile int64_t failed_seq;     /* the sequence being issued when it stopped */
     volatile int64_t copies, bytes;  /* issued so far */
+    volatile int64_t issue_ns;       /* time spent in the driver calls of all entries (host clock) */
     volatile int32_t stop;
     pthread_t thread;
     int32_t running;
@@ -148,7 +149,9 @@ static void *proxy_main(void *arg) {
         int64_t published = __atomic_load_n(&p->mbox[FT_MBOX_SEQ], __ATOMIC_ACQUIRE);
         if (published > p->done) {
             int64_t seq = p->done + 1;
+            int64_t t0 = now_ns();
             int64_t rc = issue_entry(p, seq);
+            p->issue_ns += now_ns() - t0;
             if (rc != 0) {
                 p->failed_seq = seq;
                 p->status = rc;
@@ -199,7 +202,7 @@ int ft_proxy_offsets(int64_t *out, int cap) {
         offsetof(ft_proxy, stream), offsetof(ft_proxy, memcpy_htod), offsetof(ft_proxy, write64),
         offsetof(ft_proxy, ctx_set), offsetof(ft_proxy, hot_ns), offsetof(ft_proxy, sleep_ns),
         offsetof(ft_proxy, done), offsetof(ft_proxy, status), offsetof(ft_proxy, failed_seq),
-        offsetof(ft_proxy, copies), offsetof(ft_proxy, bytes), offsetof(ft_proxy, stop),
+        offsetof(ft_proxy, copies), offsetof(ft_proxy, bytes), offsetof(ft_proxy, issue_ns), offsetof(ft_proxy, stop),
         offsetof(ft_proxy, thread), offsetof(ft_proxy, running),
     };
     int count = (int)(sizeof(offs) / sizeof(offs[0]));

@@ -66,7 +66,8 @@ class _Proxy(ctypes.Structure):
                 ("stream", ctypes.c_void_p), ("memcpy_htod", ctypes.c_void_p), ("write64", ctypes.c_void_p),
                 ("ctx_set", ctypes.c_void_p), ("hot_ns", ctypes.c_int64), ("sleep_ns", ctypes.c_int64),
                 ("done", ctypes.c_int64), ("status", ctypes.c_int64), ("failed_seq", ctypes.c_int64),
-                ("copies", ctypes.c_int64), ("bytes", ctypes.c_int64), ("stop", ctypes.c_int32),
+                ("copies", ctypes.c_int64), ("bytes", ctypes.c_int64), ("issue_ns", ctypes.c_int64),
+                ("stop", ctypes.c_int32),
                 ("thread", ctypes.c_ulong), ("running", ctypes.c_int32)]
 
 
@@ -205,7 +206,7 @@ class DmaProxy:
         s = self.state.tolist()
         return {"published": s[proxy_kernels.ST_PUBLISHED], "fallbacks": s[proxy_kernels.ST_FALLBACKS],
                 "wait_ns": s[proxy_kernels.ST_WAIT_NS], "issued": int(self._p.done), "copies": int(self._p.copies),
-                "bytes": int(self._p.bytes)}
+                "bytes": int(self._p.bytes), "issue_ns": int(self._p.issue_ns)}
 
     def close(self) -> None:
         """Stop the thread (after the copies it issued have landed). Idempotent."""
