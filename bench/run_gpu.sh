@@ -35,6 +35,7 @@
 #        [s15-c] (every gpu test; the hand-off round trip) [s15-d] (hybrid f from the probes apart against the shared probe)
 #        [s16-a] (copy mode proxy: its GPU tests; the engine table with the copy kernel and the proxy side by side)
 #        [s16-b] (the proxy: a profiled 50% trace; its copy in two parts against whole rows)
+#        [s16-c] (the offload GPU tests on the final code; the engine issue's table, 256 tokens, kernel and proxy)
 #        (default: kernels engine cpu). SECTION_TIMEOUT (s, default 540) bounds each command.
 # Logs go to $OUT (the device tool's output folder) when it is set, else ./out.
 set -u
@@ -629,6 +630,17 @@ device,=hybrid min-wait device serial" 2>&1 | tee "$OUT/overlap_hybrid.log" | ta
       grep -E "proxy counters" "$OUT/s16b_split.log" | cut -c1-250
       grep -v "^ " "$OUT/s16b_split.log" | tail -n 6 | cut -c1-300
       ls -la "$OUT"
+      ;;
+    s16-c)    # sixteenth session, last call: the GPU tests of the offload paths on the final code (the proxy, the copy
+              # kernel beside the GEMMs, the decode graphs), then the engine issue's configuration with 256 decode tokens
+              # (3 runs, not the issue's 5, to fit one call), the copy kernel and the proxy side by side
+      timeout 150 python3 -m pytest -q --tb=short -p no:cacheprovider -m gpu tests/test_dma_proxy.py tests/test_offload.py \
+        tests/test_copy_overlap.py tests/test_cuda_graphs_gpu.py > "$OUT/s16c_tests.log" 2>&1 || status=1
+      grep -E "FAILED|Error|passed|failed" "$OUT/s16c_tests.log" | cut -c1-300 | tail -n 8
+      timeout 420 python3 bench/bench_engine.py --runs 3 --prompt-tokens 1024 --decode-tokens 256 --fractions 0.1,0.25,0.5 \
+        --offload-copy kernel,proxy > "$OUT/s16c_engine.log" 2>&1 || status=1
+      grep -E "proxy counters" "$OUT/s16c_engine.log" | cut -c1-250
+      grep -v "^ " "$OUT/s16c_engine.log" | tail -n 9 | cut -c1-300
       ;;
     omp-wait)    # prepared in the tenth session; s11-e ran the same comparison (active starved the pool: 3.2 GB/s): the hybrid configuration with the CPU workers' OpenMP team
                  # left to libgomp's default wait (spin, then sleep) against OMP_WAIT_POLICY=active (the workers inherit
