@@ -88,8 +88,9 @@ def test_a_proxy_error_is_reported_and_the_wait_copies_itself(impl):
 
 @pytest.mark.parametrize("impl", ["reference", "triton"])
 def test_a_stopped_proxy_times_out_and_the_wait_copies_itself(impl):
+    """... into a pool whose rows are padded (its own copy steps by the rows' stride, as the thread does)."""
     host = _host_layers()
-    slots = torch.zeros(S, N, dtype=torch.bfloat16)
+    slots = torch.zeros(S, N + 32, dtype=torch.bfloat16)[:, :N]
     px = DmaProxy(slots, host, split_cols=0, impl=impl, deadline_s=0.002)
     try:
         px.lib.ft_proxy_stop(px._p)                        # the thread is gone; nothing will land
@@ -106,11 +107,25 @@ def test_bad_arguments_are_refused():
         DmaProxy(torch.zeros(S, N, dtype=torch.bfloat16), host, split_cols=N)
     with pytest.raises(ValueError, match="one dtype"):
         DmaProxy(torch.zeros(S, N, dtype=torch.float32), host)
+    with pytest.raises(ValueError, match="2- or 4-byte"):
+        DmaProxy(torch.zeros(S, N, dtype=torch.uint8), [h.view(torch.uint8)[:, :N] for h in host])
+
+
+@pytest.mark.parametrize("impl", ["reference", "triton"])
+def test_a_plan_longer_than_the_mailbox_is_not_published_and_the_wait_copies_it(impl):
+    """ensure never plans more copies than the mailbox holds; if it did, nothing is written past the entry: the
+    plan is not published and the waits copy it."""
+    host = _host_layers()
     slots = torch.zeros(S, N, dtype=torch.bfloat16)
-    px = DmaProxy(slots, host, max_pairs=2, impl="reference")
+    px = DmaProxy(slots, host, max_pairs=2, split_cols=64, impl=impl)
     try:
-        with pytest.raises(ValueError, match="longer than the mailbox"):
-            px.publish(0, *_plan(5))
+        entries = px.mbox[proxy_kernels.MBOX_HEADER:].clone()
+        _run_calls(px, host, slots, calls=6)              # plans of 0..5 copies: the third is longer than 2
+        assert px.failed() and "longer than the mailbox" in px.failure_reason()
+        assert px.counters()["published"] == 2 and px.counters()["fallbacks"] >= 2
+        tail = px.mbox[proxy_kernels.MBOX_HEADER:]
+        past_entry_2 = 3 * proxy_kernels.entry_words(2) // 2     # int64 words: entries 1 and 2 were published
+        assert torch.equal(tail[past_entry_2:], entries[past_entry_2:]), "a plan was written past its entry"
     finally:
         px.close()
 
@@ -135,9 +150,11 @@ def test_offload_on_the_proxy_gives_the_resident_tokens(split_copy):
         backend.close()
 
 
-def test_a_proxy_failure_mid_generation_reruns_the_step_on_the_copy_kernel(monkeypatch):
-    """The proxy stops on an error halfway through a generation: that step's waits copy the plans themselves, the
-    engine re-runs the step, the backend carries on with the kernel copy, and the tokens are resident's."""
+@pytest.mark.parametrize("phase", ["prefill", "decode"])
+def test_a_proxy_failure_mid_generation_falls_back_to_the_copy_kernel(monkeypatch, phase):
+    """The proxy stops on an error during the prompt's prefill or a decode step: that call's waits copy the plans
+    themselves; in decode the engine re-runs the step (step_end), in prefill the next call drops the proxy before
+    it maps a slot; the backend carries on with the kernel copy, and the tokens are resident's."""
     from gpu_worker.offload import OffloadExperts
     resident = greedy_tokens(load_model(device="cpu"))
     loaded = load_model(device="cpu", moe_strategy="offload", moe_cache_size=10)
@@ -146,16 +163,24 @@ def test_a_proxy_failure_mid_generation_reruns_the_step_on_the_copy_kernel(monke
     px = backend._proxy
     calls = [0]
     publish = px.publish
+    layers = backend.num_layers
+    # the 11-token prompt is prefilled in 3 chunks of 4 (3 * layers calls); then each decode step calls every layer.
+    # decode: the last layer of the second decode step, so that no later eager call of the step sees the failure first
+    at_call = 2 if phase == "prefill" else 3 * layers + 2 * layers
 
     def failing_publish(*args):
         calls[0] += 1
-        if calls[0] == 40:                       # a decode step's layer (the prompt's prefill is done by then)
+        if calls[0] == at_call:
             px._p.num_rows = 0
         publish(*args)
 
     monkeypatch.setattr(px, "publish", failing_publish)
+    from gpu_worker.engine import Engine, EngineConfig, SamplingParams
+    engine = Engine(loaded.model, EngineConfig(max_running_requests=2, max_context_tokens=128, prefill_chunk_tokens=4),
+                    eos_token_ids=())
     try:
-        assert greedy_tokens(loaded) == resident
+        assert engine.generate([list(PROMPT)], SamplingParams(max_new_tokens=24, ignore_eos=True)) == resident
+        assert engine.stats.decode_step_retries == (phase == "decode"), "only a decode step whose waits copied runs again"
         assert backend.stats.proxy_failures == 1 and backend.copy_mode == "kernel"
         assert px.counters()["fallbacks"] >= 1
         assert_slots_hold_their_experts(backend)

@@ -62,7 +62,7 @@ def build_library(cache_dir: Path | None = None, *, sources: tuple[Path, ...] = 
                                 f"or {fallback.removesuffix(' meanwhile')}")
     version = subprocess.run([cc, "-dumpfullversion", "-dumpversion"], capture_output=True, text=True).stdout
     key = hashlib.sha256(b"".join(src.read_bytes() for src in sources)
-                         + "|".join((cc, version, platform.machine(), *cflags)).encode())
+                         + "|".join((cc, version, platform.machine(), *cflags, *libs)).encode())
     cache_dir = cache_dir or default_cache_dir()
     out = cache_dir / f"{stem}-{key.hexdigest()[:16]}.so"
     if out.exists():

@@ -25,6 +25,7 @@
 #include <pthread.h>
 #include <stdint.h>
 #include <string.h>
+#include <sys/prctl.h>
 #include <time.h>
 
 #if defined(__x86_64__) || defined(__i386__)
@@ -144,6 +145,7 @@ static void *proxy_main(void *arg) {
         __atomic_store_n(&p->mbox[FT_MBOX_FAIL], (int64_t)FT_ERR_CTX, __ATOMIC_RELEASE);
         return NULL;
     }
+    prctl(PR_SET_TIMERSLACK, 1000UL, 0, 0, 0);   /* idle polls sleep sleep_ns, not the default 50 us slack more */
     int64_t last_work = now_ns();
     while (!__atomic_load_n(&p->stop, __ATOMIC_ACQUIRE)) {
         int64_t published = __atomic_load_n(&p->mbox[FT_MBOX_SEQ], __ATOMIC_ACQUIRE);

@@ -110,6 +110,9 @@ class DmaProxy:
             raise ValueError("DmaProxy: slots [S, N] and host_layers [E, N] need contiguous rows of one dtype")
         if len({h.stride(0) for h in host_layers}) != 1 or len({h.shape[0] for h in host_layers}) != 1:
             raise ValueError("DmaProxy: every layer's host rows must have the same row count and stride")
+        if slots.element_size() not in (2, 4):
+            raise ValueError(f"DmaProxy: slots of {slots.dtype} ({slots.element_size()}-byte elements): the copies move "
+                             "2- or 4-byte elements")
         if not 0 <= split_cols < slots.shape[1]:
             raise ValueError(f"DmaProxy: split_cols {split_cols} must be in [0, {slots.shape[1]})")
         self.device = slots.device
@@ -190,12 +193,14 @@ class DmaProxy:
         return self._p.done >= target
 
     def failed(self) -> bool:
-        """Whether a wait gave up on the proxy since the last `reset_failure` (host memory: no device sync;
-        call after the stream's work is done)."""
+        """Whether a wait gave up on the proxy, or it stopped on an error (host memory, no device sync: what the
+        device has executed so far; sync the stream first to include everything queued). Sticky."""
         return bool(int(self.mbox[proxy_kernels.MBOX_WAIT_FAIL]) or int(self.mbox[proxy_kernels.MBOX_FAIL]))
 
     def failure_reason(self) -> str:
         status = int(self._p.status)
+        if status == 0 and int(self.mbox[proxy_kernels.MBOX_WAIT_FAIL]) == 2:
+            return f"a plan was longer than the mailbox's {self.max_pairs} entries"
         if status == 0:
             return f"a copy did not land within {int(self.state[proxy_kernels.ST_DEADLINE_NS]) / 1e9:g} s"
         if status < 0:

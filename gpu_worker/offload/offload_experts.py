@@ -217,6 +217,9 @@ class SlotPoolAudit:
         """The CUDA streams besides the compute stream that this backend's copies (or hand-offs) run on."""
         return [self.copy_stream] if self.on_cuda else []
 
+    def _settle_side_work(self) -> None:
+        """Before the cache is emptied after an error: let copies issued outside the CUDA streams land (none here)."""
+
     def forget_slots_after_error(self, exc: BaseException) -> None:
         """A call that raised after its `ensure` (or `prefetch_ensure`) may leave slots mapped whose copies never ran;
         a later call would read them as hits and compute with the bytes of whatever expert was there before. So
@@ -232,10 +235,10 @@ class SlotPoolAudit:
                 compute = torch.cuda.current_stream(self.device)
                 for stream in self.side_streams():
                     compute.wait_stream(stream)
-            proxy = getattr(self, "_proxy", None)
-            if proxy is not None and self.copy_mode == "proxy":
-                proxy.quiesce()                     # what it was handed lands before the slots are re-mapped
-            reset(self.cache)
+            try:
+                self._settle_side_work()            # e.g. the DMA proxy's copies land before the slots are re-mapped
+            finally:
+                reset(self.cache)
             self._prefetched.clear()
             self.stats.resets_after_error += 1
             log.warning("an expert call failed (%s: %s); the slot cache was emptied so that no slot mapped by it is "
@@ -331,6 +334,12 @@ class OffloadExperts(SlotPoolAudit):
 
     def _forward(self, layer_idx: int, x: torch.Tensor, topk_ids: torch.Tensor,
                  topk_weights: torch.Tensor) -> torch.Tensor:
+        if (self.copy_mode == "proxy" and self._proxy.failed()
+                and not (self.on_cuda and torch.cuda.is_current_stream_capturing())):
+            # an eager call (a prefill chunk, eager decode) after an earlier one gave up on the proxy: those waits
+            # copied and were correct, but nothing re-runs them, so drop it here, before this call maps any slot
+            # (decode steps: step_end)
+            self._drop_proxy(self._proxy.failure_reason())
         slot_ids = topk_ids.to(torch.int64, copy=True).contiguous()      # [T, K] -> slot ids
         ensure(self.cache, layer_idx, slot_ids, fetch_fraction=1.0, check_ids=False)
         # A prefill chunk routes to most experts of every layer: with prefill_prefetch, stream the
@@ -374,8 +383,7 @@ class OffloadExperts(SlotPoolAudit):
     def step_end(self) -> bool:
         """After a decode step (the engine calls it): with the DMA proxy, whether its copies all landed (a device
         sync, then one host word). If a wait gave up on it, that step copied the rest itself and is correct, but
-        the proxy is dropped for the kernel copy: it is stopped once what it issued has landed, the cache is
-        emptied (a stalled proxy may have landed a copy late), and False has the engine run the step again."""
+        the proxy is dropped for the kernel copy (`_drop_proxy`) and False has the engine run the step again."""
         proxy = self._proxy
         if proxy is None or self.copy_mode != "proxy":
             return True
@@ -383,14 +391,26 @@ class OffloadExperts(SlotPoolAudit):
             torch.cuda.current_stream(self.device).synchronize()
         if not proxy.failed():
             return True
-        log.error("the DMA proxy failed (%s); offload copies by the copy kernel from now on, and the step runs again",
-                  proxy.failure_reason())
-        proxy.quiesce()
-        proxy.close()
-        reset(self.cache)
-        self.copy_mode = "kernel"
-        self.stats.proxy_failures += 1
+        self._drop_proxy(proxy.failure_reason())
         return False
+
+    def _drop_proxy(self, reason: str) -> None:
+        """Give up on the DMA proxy: stop its thread once what it issued has landed (a stalled one may land a copy
+        late, so only then), empty the cache, and copy with the kernel from now on (new graphs: `graph_key`)."""
+        log.error("the DMA proxy failed (%s); offload copies by the copy kernel from now on", reason)
+        proxy = self._proxy
+        try:
+            proxy.quiesce()
+            proxy.close()
+        finally:
+            self.copy_mode = "kernel"
+            reset(self.cache)
+            self.stats.proxy_failures += 1
+
+    def _settle_side_work(self) -> None:
+        proxy = self._proxy
+        if proxy is not None and self.copy_mode == "proxy" and not proxy.quiesce():
+            self._drop_proxy("what it was handed did not land within its deadline")
 
     def _count_on_device(self, ids: torch.Tensor) -> None:
         """The kernel copy mode's counters, on the device (reads the plan `ensure` just wrote)."""

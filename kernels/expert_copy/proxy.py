@@ -28,7 +28,8 @@ from kernels.handoff.triton_kernels import _fence_sys, _ld_sys, _now_ns
 from kernels.impl import resolve_impl
 
 # Mailbox words (int64) and entry words (int32): dma_proxy.c's FT_MBOX_* / FT_ENTRY_*.
-MBOX_SEQ, MBOX_FAIL, MBOX_WAIT_FAIL = 0, 1, 2      # MBOX_WAIT_FAIL: written by the wait kernel (the host reads it)
+MBOX_SEQ, MBOX_FAIL, MBOX_WAIT_FAIL = 0, 1, 2      # MBOX_WAIT_FAIL (written by the device, read by the host): 1 a
+                                                  # wait gave up, 2 a plan longer than the mailbox was not published
 MBOX_HEADER = 8
 ENTRY_SEQ, ENTRY_LAYER, ENTRY_N, ENTRY_PAIRS = 0, 2, 3, 4
 # Device state words (int64).
@@ -69,10 +70,14 @@ def mailbox_words(max_pairs: int, ring: int) -> int:
 
 
 @triton.jit
-def publish_kernel(state_ptr, mbox_addr, evict_ptr, src_ptr, num_indices_ptr, layer, ring, entry_words,
+def publish_kernel(state_ptr, mbox_addr, evict_ptr, src_ptr, num_indices_ptr, layer, ring, entry_words, max_pairs,
                    BLOCK: tl.constexpr, ON_GPU: tl.constexpr):
     n = tl.load(num_indices_ptr)
     failed = tl.load(state_ptr + _ST_FAIL)
+    if (n > max_pairs) & (failed == 0):                      # cannot happen from ensure; never write past the entry:
+        failed = failed + 1                                  # the waits copy this plan themselves
+        tl.store(state_ptr + _ST_FAIL, 1)
+        tl.store(mbox_addr.to(tl.pointer_type(tl.int64)) + _MBOX_WAIT_FAIL, 2)
     if (n > 0) & (failed == 0):
         seq = tl.load(state_ptr + _ST_SEQ) + 1
         mbox = mbox_addr.to(tl.pointer_type(tl.int64))
@@ -143,8 +148,10 @@ def publish(state: torch.Tensor, mbox: torch.Tensor, mbox_addr: int, evict_slots
         n = int(num_indices.reshape(-1)[0])
         if n <= 0 or int(state[ST_FAIL]) != 0:
             return
-        if n > max_pairs:
-            raise ValueError(f"publish: a plan of {n} copies is longer than the mailbox's {max_pairs}")
+        if n > max_pairs:                           # as the kernel: the waits copy this plan themselves
+            state[ST_FAIL] = 1
+            mbox[MBOX_WAIT_FAIL] = 2
+            return
         seq = int(state[ST_SEQ]) + 1
         entries = mbox[MBOX_HEADER:].view(torch.int32)
         e = entries[(seq % ring) * words:(seq % ring + 1) * words]
@@ -156,7 +163,7 @@ def publish(state: torch.Tensor, mbox: torch.Tensor, mbox_addr: int, evict_slots
         state[ST_SEQ] = seq
         state[ST_PUBLISHED] += 1
         return
-    publish_kernel[(1,)](state, mbox_addr, evict_slots, src_indices, num_indices, layer, ring, words,
+    publish_kernel[(1,)](state, mbox_addr, evict_slots, src_indices, num_indices, layer, ring, words, max_pairs,
                          BLOCK=max(16, triton.next_power_of_2(max_pairs)), ON_GPU=_on_gpu(state), num_warps=1)
 
 
@@ -193,5 +200,5 @@ def wait(state: torch.Tensor, landed: torch.Tensor, part: int, mbox: torch.Tenso
                 state[ST_FALLBACKS] += 1
         return
     wait_kernel[(1,)](state, landed, part, mbox_addr, slot_words, host_words.data_ptr(), host_words.stride(0),
-                      slot_words.shape[1], evict_slots, src_indices, num_indices, lo, hi,
+                      slot_words.stride(0), evict_slots, src_indices, num_indices, lo, hi,
                       BLOCK=FALLBACK_BLOCK, ON_GPU=_on_gpu(state), num_warps=4)
