@@ -36,6 +36,7 @@
 #        [s16-a] (copy mode proxy: its GPU tests; the engine table with the copy kernel and the proxy side by side)
 #        [s16-b] (the proxy: a profiled 50% trace; its copy in two parts against whole rows)
 #        [s16-c] (the offload GPU tests on the final code; the engine issue's table, 256 tokens, kernel and proxy)
+#        [s16-d] (the proxy's and offload's GPU tests after the review fixes)
 #        (default: kernels engine cpu). SECTION_TIMEOUT (s, default 540) bounds each command.
 # Logs go to $OUT (the device tool's output folder) when it is set, else ./out.
 set -u
@@ -641,6 +642,14 @@ device,=hybrid min-wait device serial" 2>&1 | tee "$OUT/overlap_hybrid.log" | ta
         --offload-copy kernel,proxy > "$OUT/s16c_engine.log" 2>&1 || status=1
       grep -E "proxy counters" "$OUT/s16c_engine.log" | cut -c1-250
       grep -v "^ " "$OUT/s16c_engine.log" | tail -n 9 | cut -c1-300
+      ;;
+    s16-d)    # sixteenth session: the proxy's and offload's GPU tests after the review fixes
+      timeout 200 python3 -m pytest -q --tb=short -p no:cacheprovider -m gpu tests/test_dma_proxy.py tests/test_offload.py \
+        tests/test_copy_overlap.py tests/test_cuda_graphs_gpu.py tests/test_engine_gpu.py > "$OUT/s16d_tests.log" 2>&1 || status=1
+      grep -E "FAILED|Error|passed|failed" "$OUT/s16d_tests.log" | cut -c1-300 | tail -n 8
+      timeout 100 python3 -m pytest -q --tb=short -p no:cacheprovider tests/test_dma_proxy.py > "$OUT/s16d_cpu.log" 2>&1 \
+        || status=1
+      tail -n 2 "$OUT/s16d_cpu.log"
       ;;
     omp-wait)    # prepared in the tenth session; s11-e ran the same comparison (active starved the pool: 3.2 GB/s): the hybrid configuration with the CPU workers' OpenMP team
                  # left to libgomp's default wait (spin, then sleep) against OMP_WAIT_POLICY=active (the workers inherit
