@@ -1,7 +1,7 @@
 """Decode benchmark of the engine on a real model's shape (resident and offload), on one GPU.
 
-qwen3-30b-a3b preset (seeded random weights, bf16), batch 1, a 1K-token prompt, N decode tokens,
-median of R runs after a warm-up. Offload runs share one host expert store; greedy tokens of every
+qwen3-30b-a3b preset (seeded random weights, bf16), batch 1 (or --batch B requests together), a 1K-token
+prompt, N decode tokens, median of R runs after a warm-up. Offload runs share one host expert store; greedy tokens of every
 offload run are checked against the resident run's. Prints a table last.
 Usage: python bench/bench_engine.py [--runs 5] [--decode-tokens 256] [--fractions 0.1,0.25,0.5]
 """
@@ -92,14 +92,17 @@ def _peak() -> int:
 engine_temperature = 1.0
 
 
-def decode_run(engine: Engine, prompt: list[int], num_tokens: int, backend) -> dict:
-    """One request: prefill, then decode; counters of the decode phase only."""
-    params = SamplingParams(max_new_tokens=num_tokens, ignore_eos=True,
-                            temperature=engine_temperature, seed=1234)
-    engine.add_request(prompt, params)
-    tokens = []
-    while not tokens:                                   # prefill (chunks) up to the first token
-        tokens += [out.new_token_id for out in engine.step()]
+def decode_run(engine: Engine, prompts: list[list[int]], num_tokens: int, backend) -> dict:
+    """One request per prompt, run together (continuous batching): prefill until every request has its first
+    token, then decode; counters of the decode phase only. tok/s counts every request's tokens."""
+    tokens: dict[int, list[int]] = {}
+    for i, prompt in enumerate(prompts):
+        params = SamplingParams(max_new_tokens=num_tokens, ignore_eos=True,
+                                temperature=engine_temperature, seed=1234 + i)
+        tokens[engine.add_request(prompt, params, request_id=i)] = []
+    while not all(tokens.values()):                      # prefill (chunks) up to every request's first token
+        for out in engine.step():
+            tokens[out.request_id].append(out.new_token_id)
     before = None
     if backend is not None:
         backend.collect_copy_time()
@@ -108,17 +111,19 @@ def decode_run(engine: Engine, prompt: list[int], num_tokens: int, backend) -> d
     _sync()
     graphs = engine.graphs
     launch0 = (graphs.replay_host_s, graphs.replays) if graphs is not None else (0.0, 0)
+    first = sum(len(t) for t in tokens.values())
     t0 = time.perf_counter()
     while engine.has_work():
-        tokens += [out.new_token_id for out in engine.step()]
+        for out in engine.step():
+            tokens[out.request_id].append(out.new_token_id)
     _sync()
     elapsed = time.perf_counter() - t0
-    result = {"tokens": tokens, "decode_tok_s": (len(tokens) - 1) / elapsed}
+    n = sum(len(t) for t in tokens.values()) - first           # tokens decoded in the timed phase
+    result = {"tokens": [tokens[i] for i in range(len(prompts))], "decode_tok_s": n / elapsed}
     if graphs is not None and graphs.replays > launch0[1]:
         result["launch_us"] = 1e6 * (graphs.replay_host_s - launch0[0]) / (graphs.replays - launch0[1])
     if backend is not None:
         backend.collect_copy_time()
-        n = len(tokens) - 1
         misses, fetched, nbytes, copy_s = (a - b for a, b in zip(
             (backend.stats.distinct_misses, backend.stats.fetched, backend.stats.copy_bytes,
              backend.copy_time_s), before))
@@ -127,22 +132,24 @@ def decode_run(engine: Engine, prompt: list[int], num_tokens: int, backend) -> d
     return result
 
 
-def measure(engine, prompt, args, backend=None) -> dict:
-    decode_run(engine, prompt, min(args.decode_tokens, 32), backend)          # warm-up
-    runs = [decode_run(engine, prompt, args.decode_tokens, backend) for _ in range(args.runs)]
+def measure(engine, prompts, args, backend=None) -> dict:
+    decode_run(engine, prompts, min(args.decode_tokens, 32), backend)          # warm-up
+    runs = [decode_run(engine, prompts, args.decode_tokens, backend) for _ in range(args.runs)]
     best = sorted(runs, key=lambda r: r["decode_tok_s"])[len(runs) // 2]       # the median run
     best["all_tok_s"] = [round(r["decode_tok_s"], 2) for r in runs]
     return best
 
 
-def profile_decode(engine: Engine, prompt: list[int], steps: int, top: int = 25, trace: str | None = None) -> None:
-    """Print the `top` GPU kernels by total time over `steps` decode steps (torch.profiler); with `trace`,
-    also write the Chrome trace (every kernel with its stream, start and duration) to that path."""
+def profile_decode(engine: Engine, prompts: list[list[int]], steps: int, top: int = 25,
+                   trace: str | None = None) -> None:
+    """Print the `top` GPU kernels by total time over `steps` decode steps of the prompts' requests together
+    (torch.profiler); with `trace`, also write the Chrome trace (every kernel with its stream, start and
+    duration) to that path."""
     from torch.profiler import ProfilerActivity, profile
-    params = SamplingParams(max_new_tokens=steps + 8, ignore_eos=True,
-                            temperature=engine_temperature, seed=1234)
-    engine.add_request(prompt, params)
-    for _ in range(4):                                  # prefill and a few steps outside
+    for i, prompt in enumerate(prompts):
+        engine.add_request(prompt, SamplingParams(max_new_tokens=steps + 8, ignore_eos=True,
+                                                  temperature=engine_temperature, seed=1234 + i))
+    for _ in range(3 + len(prompts)):                   # prefill and a few steps outside
         engine.step()
     _sync()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
@@ -188,8 +195,9 @@ def _table(args, source, rows, bw, bw_hot=None, bw_single=None) -> int:
     expert_bytes = source.layout.expert_nbytes
     total_expert_bytes = source.num_layers * source.num_experts * expert_bytes
     device = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
-    print(f"\n{args.preset} {source.layout.dtype}, {device}, torch {torch.__version__}, batch 1, "
-          f"prompt {args.prompt_tokens}, {args.decode_tokens} decode tokens (temperature "
+    print(f"\n{args.preset} {source.layout.dtype}, {device}, torch {torch.__version__}, batch {args.batch}, "
+          f"prompt {args.prompt_tokens}{f' (+ {args.decode_tokens + 8} a request)' if args.batch > 1 else ''}, "
+          f"{args.decode_tokens} decode tokens (temperature "
           f"{args.temperature}, seeded; routing {args.routing}), median of {args.runs} runs; expert "
           f"{expert_bytes / 1e6:.2f} MB, experts {total_expert_bytes / 1e9:.1f} GB; PCIe: DMA copies of distinct "
           f"experts of the pinned store back to back (the roofline's) {(bw or 0) / 1e9:.1f} GB/s, the same timed "
@@ -223,6 +231,11 @@ def main() -> int:
     parser.add_argument("--dma-fractions", default=None,
                         help="cache fractions for the dma copy mode (default: --fractions); the dma "
                              "mode decodes eagerly, so it is the slow one to run")
+    parser.add_argument("--batch", type=int, default=1,
+                        help="requests decoded together (continuous batching; the engine's max_running_requests): "
+                             "request i's prompt is --prompt-tokens + i * (--decode-tokens + 8) tokens, so that no two "
+                             "requests decode at the same position (the synthetic routing draws per position); "
+                             "tok/s counts every request's tokens")
     parser.add_argument("--temperature", type=float, default=1.0,
                         help="seeded sampling: varied tokens route like real text, not one loop")
     parser.add_argument("--graphs", choices=("on", "off", "both"), default="on",
@@ -268,10 +281,14 @@ def main() -> int:
     t0 = time.perf_counter()
     loaded = load_model(preset=args.preset, device=args.device, moe_strategy="resident")
     cfg = loaded.cfg
-    prompt = torch.randint(0, cfg.vocab_size, (args.prompt_tokens,), generator=gen).tolist()
+    if args.batch < 1:
+        raise SystemExit(f"--batch {args.batch}: give at least 1")
+    lengths = [args.prompt_tokens + i * (args.decode_tokens + 8) for i in range(args.batch)]
+    base = torch.randint(0, cfg.vocab_size, (lengths[-1],), generator=gen).tolist()
+    prompt = [base[:n] for n in lengths]                 # one prompt a request (batch 1: the old single prompt)
     print(f"loaded {args.preset} resident in {time.perf_counter() - t0:.1f} s", flush=True)
-    econf = EngineConfig(max_running_requests=1,
-                         max_context_tokens=args.prompt_tokens + args.decode_tokens + 16)
+    econf = EngineConfig(max_running_requests=args.batch,
+                         max_context_tokens=lengths[-1] + args.decode_tokens + 16)
     loaded.model.routing_override = SyntheticRouting.parse(args.routing, cfg, econf.max_context_tokens,
                                                            args.device)
     reference_tokens = None

@@ -386,7 +386,7 @@ def main() -> int:
             r = measure(engine, prompt, args, backend, device, tick)
             if args.profile and device.type == "cuda":
                 from bench_engine import _trace_path, profile_decode   # bench/ is sys.path[0]
-                profile_decode(engine, prompt, args.profile, trace=_trace_path(args, name))
+                profile_decode(engine, [prompt], args.profile, trace=_trace_path(args, name))
             if isinstance(backend, HybridExperts):
                 r["fetch_fraction"] = float(backend.policy["fetch_fraction"])      # the tuner's last f
             del engine

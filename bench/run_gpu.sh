@@ -36,7 +36,8 @@
 #        [s16-a] (copy mode proxy: its GPU tests; the engine table with the copy kernel and the proxy side by side)
 #        [s16-b] (the proxy: a profiled 50% trace; its copy in two parts against whole rows)
 #        [s16-c] (the offload GPU tests on the final code; the engine issue's table, 256 tokens, kernel and proxy)
-#        [s16-d] (the proxy's and offload's GPU tests after the review fixes)
+#        [s16-d] (the proxy's and offload's GPU tests after the review fixes) [s16-e] (offload at batch 4: kernel and proxy;
+#        LRU and W = 256)
 #        (default: kernels engine cpu). SECTION_TIMEOUT (s, default 540) bounds each command.
 # Logs go to $OUT (the device tool's output folder) when it is set, else ./out.
 set -u
@@ -650,6 +651,15 @@ device,=hybrid min-wait device serial" 2>&1 | tee "$OUT/overlap_hybrid.log" | ta
       timeout 100 python3 -m pytest -q --tb=short -p no:cacheprovider tests/test_dma_proxy.py > "$OUT/s16d_cpu.log" 2>&1 \
         || status=1
       tail -n 2 "$OUT/s16d_cpu.log"
+      ;;
+    s16-e)    # sixteenth session: offload at batch 4 (four requests decoded together, at positions that never coincide),
+              # the copy kernel and the proxy side by side; then the proxy with LRU and W = 256 at 25%
+      timeout 300 python3 bench/bench_engine.py --batch 4 --runs 2 --prompt-tokens 1024 --decode-tokens 64 \
+        --fractions 0.1,0.25,0.5 --offload-copy kernel,proxy > "$OUT/s16e_batch4.log" 2>&1 || status=1
+      grep -v "^ " "$OUT/s16e_batch4.log" | tail -n 9 | cut -c1-300
+      timeout 180 python3 bench/bench_engine.py --batch 4 --runs 2 --prompt-tokens 1024 --decode-tokens 64 \
+        --fractions 0.25 --offload-copy proxy --freq-weights 0,256 > "$OUT/s16e_batch4_freq.log" 2>&1 || status=1
+      grep -v "^ " "$OUT/s16e_batch4_freq.log" | tail -n 4 | cut -c1-300
       ;;
     omp-wait)    # prepared in the tenth session; s11-e ran the same comparison (active starved the pool: 3.2 GB/s): the hybrid configuration with the CPU workers' OpenMP team
                  # left to libgomp's default wait (spin, then sleep) against OMP_WAIT_POLICY=active (the workers inherit

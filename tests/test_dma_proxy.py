@@ -27,7 +27,8 @@ def _interpreter_for_cpu_kernels(request):
     the tests marked gpu run the kernels on CUDA)."""
     callspec = getattr(request.node, "callspec", None)
     if callspec is not None and callspec.params.get("impl") == "triton" and not interpreted():
-        pytest.skip("the Triton kernels on CPU tensors run in the interpreter (no GPU here: conftest sets it)")
+        pytest.skip("Triton kernels on CPU tensors need the interpreter, which conftest sets only without a GPU "
+                    "(with one, the tests marked gpu run them on CUDA)")
 
 
 def _host_layers(device="cpu"):
