@@ -370,8 +370,9 @@ def main() -> int:
                              proc.memory_info().rss))
                 print(f"offload {frac} {label}", r["all_tok_s"], _launch_note(r), flush=True)
                 if copy_mode == "proxy":
-                    print(f"  proxy counters (all runs): {backend._proxy.counters()}, copy mode at the end: "
-                          f"{backend.copy_mode}", flush=True)
+                    print(f"  proxy counters (all runs): {backend._proxy.counters()}, stalls survived "
+                          f"{backend.stats.proxy_stalls}, dropped {backend.stats.proxy_failures}, copy mode at the end: "
+                          f"{backend.copy_mode}, host clock now {time.monotonic_ns()}", flush=True)
                 if args.profile and args.device == "cuda":
                     profile_decode(engine, prompt, args.profile, trace=_trace_path(args, f"offload {frac} {label}"))
                 loaded.model.experts = None

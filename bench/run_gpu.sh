@@ -37,7 +37,7 @@
 #        [s16-b] (the proxy: a profiled 50% trace; its copy in two parts against whole rows)
 #        [s16-c] (the offload GPU tests on the final code; the engine issue's table, 256 tokens, kernel and proxy)
 #        [s16-d] (the proxy's and offload's GPU tests after the review fixes) [s16-e] (offload at batch 4: kernel and proxy;
-#        LRU and W = 256)
+#        LRU and W = 256) [s17-a] (prepared: the proxy's stall of s16-e again, with its longest driver call timed)
 #        (default: kernels engine cpu). SECTION_TIMEOUT (s, default 540) bounds each command.
 # Logs go to $OUT (the device tool's output folder) when it is set, else ./out.
 set -u
@@ -660,6 +660,15 @@ device,=hybrid min-wait device serial" 2>&1 | tee "$OUT/overlap_hybrid.log" | ta
       timeout 180 python3 bench/bench_engine.py --batch 4 --runs 2 --prompt-tokens 1024 --decode-tokens 64 \
         --fractions 0.25 --offload-copy proxy --freq-weights 0,256 > "$OUT/s16e_batch4_freq.log" 2>&1 || status=1
       grep -v "^ " "$OUT/s16e_batch4_freq.log" | tail -n 4 | cut -c1-300
+      ;;
+    s17-a)    # prepared in the sixteenth session, not run yet: s16-e's second command, where the proxy stalled once (batch 4,
+              # 25%, the second backend of the process), with the longest driver call of the thread and when it began
+              # (counters max_call_ns / max_call_at_ns, host monotonic ns) and the stalls survived; three times
+      for round in 1 2 3; do
+        timeout 180 python3 bench/bench_engine.py --batch 4 --runs 2 --prompt-tokens 1024 --decode-tokens 64 \
+          --fractions 0.25 --offload-copy proxy --freq-weights 0,256 > "$OUT/s17a_round$round.log" 2>&1 || status=1
+        grep -E "proxy counters|stalled|failed" "$OUT/s17a_round$round.log" | cut -c1-400
+      done
       ;;
     omp-wait)    # prepared in the tenth session; s11-e ran the same comparison (active starved the pool: 3.2 GB/s): the hybrid configuration with the CPU workers' OpenMP team
                  # left to libgomp's default wait (spin, then sleep) against OMP_WAIT_POLICY=active (the workers inherit

@@ -199,6 +199,45 @@ def test_a_proxy_failure_mid_generation_falls_back_to_the_copy_kernel(monkeypatc
         backend.close()
 
 
+def test_a_stalled_proxy_is_survived_and_stays_in_use(monkeypatch):
+    """The thread stalls past a wait's deadline once (here: it sleeps 40 ms between polls while the deadline is
+    2 ms) and then lands its copy late: the wait copied meanwhile; before the next call maps a slot the backend
+    waits for the late copy, empties the cache, clears the flags and keeps the proxy; the tokens are resident's
+    and every later plan goes through the thread again."""
+    from gpu_worker.offload import OffloadExperts
+    resident = greedy_tokens(load_model(device="cpu"))
+    loaded = load_model(device="cpu", moe_strategy="offload", moe_cache_size=10)
+    backend = OffloadExperts(loaded.model.experts.host, 10, "cpu", copy_mode="proxy")
+    loaded.model.experts = backend
+    px = backend._proxy
+    calls = [0]
+    publish = px.publish
+    at_call = 4 * backend.num_layers                      # the last layer of the first decode step: arm the stall
+    hot, sleep, deadline = px._p.hot_ns, px._p.sleep_ns, int(px.state[proxy_kernels.ST_DEADLINE_NS])
+
+    def stalling_publish(*args):
+        calls[0] += 1
+        if calls[0] == at_call:        # from here the idle thread sleeps 40 ms a poll: the next plan it gets is late
+            px._p.hot_ns, px._p.sleep_ns = 0, 40_000_000
+            px.state[proxy_kernels.ST_DEADLINE_NS] = 2_000_000
+        elif calls[0] > at_call and backend.stats.proxy_stalls and px._p.hot_ns == 0:
+            px._p.hot_ns, px._p.sleep_ns = hot, sleep    # one stall seen and survived: back to normal
+            px.state[proxy_kernels.ST_DEADLINE_NS] = deadline
+        publish(*args)
+
+    monkeypatch.setattr(px, "publish", stalling_publish)
+    try:
+        assert greedy_tokens(loaded) == resident
+        st = backend.stats
+        assert st.proxy_stalls == 1 and st.proxy_failures == 0 and backend.copy_mode == "proxy"
+        c = px.counters()
+        assert c["fallbacks"] >= 1 and not px.failed()
+        assert c["published"] == c["issued"] > at_call // 2, "later plans must go through the thread again"
+        assert_slots_hold_their_experts(backend)
+    finally:
+        backend.close()
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("split_cols", [0, 64])
 def test_gpu_the_proxy_lands_every_plan_by_dma(split_cols):

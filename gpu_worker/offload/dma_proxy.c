@@ -81,6 +81,8 @@ typedef struct {
     volatile int64_t failed_seq;     /* the sequence being issued when it stopped */
     volatile int64_t copies, bytes;  /* issued so far */
     volatile int64_t issue_ns;       /* time spent in the driver calls of all entries (host clock) */
+    volatile int64_t max_call_ns;    /* the longest single driver call, and when it began (CLOCK_MONOTONIC ns) */
+    volatile int64_t max_call_at_ns;
     volatile int32_t stop;
     pthread_t thread;
     int32_t running;
@@ -92,12 +94,25 @@ static int64_t now_ns(void) {
     return (int64_t)ts.tv_sec * 1000000000LL + ts.tv_nsec;
 }
 
+static int64_t now_ns(void);
+
+static void time_call(ft_proxy *p, int64_t t0) {
+    int64_t d = now_ns() - t0;
+    if (d > p->max_call_ns) {
+        p->max_call_ns = d;
+        p->max_call_at_ns = t0;
+    }
+}
+
 static int issue_copy(ft_proxy *p, uint64_t dst, const void *src, size_t n) {
     if (p->memcpy_htod == NULL) {
         memcpy((void *)(uintptr_t)dst, src, n);
         return 0;
     }
-    return p->memcpy_htod(dst, src, n, p->stream);
+    int64_t t0 = now_ns();
+    int rc = p->memcpy_htod(dst, src, n, p->stream);
+    time_call(p, t0);
+    return rc;
 }
 
 static int issue_landed(ft_proxy *p, uint64_t addr, int64_t seq) {
@@ -105,7 +120,10 @@ static int issue_landed(ft_proxy *p, uint64_t addr, int64_t seq) {
         __atomic_store_n((int64_t *)(uintptr_t)addr, seq, __ATOMIC_RELEASE);   /* after the memcpys above */
         return 0;
     }
-    return p->write64(p->stream, addr, (uint64_t)seq, 0);   /* default flags: a fence before the write */
+    int64_t t0 = now_ns();
+    int rc = p->write64(p->stream, addr, (uint64_t)seq, 0);   /* default flags: a fence before the write */
+    time_call(p, t0);
+    return rc;
 }
 
 /* Issue the copies of entry `seq`; 0 or an error (the thread then stops). */
@@ -204,7 +222,8 @@ int ft_proxy_offsets(int64_t *out, int cap) {
         offsetof(ft_proxy, stream), offsetof(ft_proxy, memcpy_htod), offsetof(ft_proxy, write64),
         offsetof(ft_proxy, ctx_set), offsetof(ft_proxy, hot_ns), offsetof(ft_proxy, sleep_ns),
         offsetof(ft_proxy, done), offsetof(ft_proxy, status), offsetof(ft_proxy, failed_seq),
-        offsetof(ft_proxy, copies), offsetof(ft_proxy, bytes), offsetof(ft_proxy, issue_ns), offsetof(ft_proxy, stop),
+        offsetof(ft_proxy, copies), offsetof(ft_proxy, bytes), offsetof(ft_proxy, issue_ns),
+        offsetof(ft_proxy, max_call_ns), offsetof(ft_proxy, max_call_at_ns), offsetof(ft_proxy, stop),
         offsetof(ft_proxy, thread), offsetof(ft_proxy, running),
     };
     int count = (int)(sizeof(offs) / sizeof(offs[0]));

@@ -47,7 +47,9 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("dma_proxy.c")
 RING = 4                    # mailbox entries (one plan is in flight at a time)
-DEADLINE_S = 2.0            # a wait gives up on the proxy after this long (then copies itself)
+DEADLINE_S = 0.5            # a wait gives up on the proxy after this long (then copies itself); a decode plan of
+                            # 32 experts takes ~6 ms, a small prefill chunk's 128 ~23 ms
+QUIESCE_S = 5.0             # how long settling after a failure waits for the thread to catch up
 HOT_S = 0.05                # the thread spins this long after the last plan, then polls every SLEEP_US
 SLEEP_US = 20
 
@@ -67,7 +69,7 @@ class _Proxy(ctypes.Structure):
                 ("ctx_set", ctypes.c_void_p), ("hot_ns", ctypes.c_int64), ("sleep_ns", ctypes.c_int64),
                 ("done", ctypes.c_int64), ("status", ctypes.c_int64), ("failed_seq", ctypes.c_int64),
                 ("copies", ctypes.c_int64), ("bytes", ctypes.c_int64), ("issue_ns", ctypes.c_int64),
-                ("stop", ctypes.c_int32),
+                ("max_call_ns", ctypes.c_int64), ("max_call_at_ns", ctypes.c_int64), ("stop", ctypes.c_int32),
                 ("thread", ctypes.c_ulong), ("running", ctypes.c_int32)]
 
 
@@ -179,7 +181,7 @@ class DmaProxy:
                            self.host_layers[layer], evict_slots, src_indices, num_indices, (lo, hi), impl=self.impl)
 
     # -- the host side ----------------------------------------------------------------------------------
-    def quiesce(self, timeout_s: float = DEADLINE_S) -> bool:
+    def quiesce(self, timeout_s: float = QUIESCE_S) -> bool:
         """Wait (host) until every plan the device published has been issued and landed, or the thread stopped
         on an error, or `timeout_s` passed; syncs the current stream first. True when all landed."""
         if self.on_cuda:
@@ -197,6 +199,17 @@ class DmaProxy:
         device has executed so far; sync the stream first to include everything queued). Sticky."""
         return bool(int(self.mbox[proxy_kernels.MBOX_WAIT_FAIL]) or int(self.mbox[proxy_kernels.MBOX_FAIL]))
 
+    def stalled(self) -> bool:
+        """A failure that is a timeout only: the thread runs and reported no error (it may catch up)."""
+        return self.failed() and int(self._p.status) == 0 and bool(self._p.running) \
+            and int(self.mbox[proxy_kernels.MBOX_WAIT_FAIL]) == 1
+
+    def clear_failure(self) -> None:
+        """After a stall whose copies have all landed (`quiesce()` returned True): lower the flags, so that the next
+        plans are published again. Queued on the current stream (the device flag); call between steps."""
+        self.state[proxy_kernels.ST_FAIL] = 0
+        self.mbox[proxy_kernels.MBOX_WAIT_FAIL] = 0
+
     def failure_reason(self) -> str:
         status = int(self._p.status)
         if status == 0 and int(self.mbox[proxy_kernels.MBOX_WAIT_FAIL]) == 2:
@@ -211,7 +224,8 @@ class DmaProxy:
         s = self.state.tolist()
         return {"published": s[proxy_kernels.ST_PUBLISHED], "fallbacks": s[proxy_kernels.ST_FALLBACKS],
                 "wait_ns": s[proxy_kernels.ST_WAIT_NS], "issued": int(self._p.done), "copies": int(self._p.copies),
-                "bytes": int(self._p.bytes), "issue_ns": int(self._p.issue_ns)}
+                "bytes": int(self._p.bytes), "issue_ns": int(self._p.issue_ns), "max_call_ns": int(self._p.max_call_ns),
+                "max_call_at_ns": int(self._p.max_call_at_ns)}
 
     def close(self) -> None:
         """Stop the thread (after the copies it issued have landed). Idempotent."""

@@ -64,6 +64,7 @@ def resolve_cache_slots(cache_size: float | int | str | None, num_layers: int, n
     return slots
 
 
+MAX_PROXY_STALLS = 8       # stalls of the DMA proxy survived before it is dropped for the kernel copy
 COPY_MODES = ("dma", "kernel", "proxy")   # DMA from the host with a plan readback, a device-side copy, or DMA
                                           # of the device-side plan by a host thread (gpu_worker/offload/dma_proxy.py)
 
@@ -196,7 +197,8 @@ class OffloadStats:
     copy_bytes: int = 0
     prefetched: int = 0         # of those, copied ahead for the next layer during prefill
     resets_after_error: int = 0  # the cache emptied after a call that raised (forget_slots_after_error)
-    proxy_failures: int = 0     # steps the DMA proxy failed (then re-run with the kernel copy)
+    proxy_failures: int = 0     # the DMA proxy dropped for the kernel copy (an error, or stalls past MAX_PROXY_STALLS)
+    proxy_stalls: int = 0       # the DMA proxy late past its deadline and kept (its steps re-run)
 
 
 class SlotPoolAudit:
@@ -337,9 +339,9 @@ class OffloadExperts(SlotPoolAudit):
         if (self.copy_mode == "proxy" and self._proxy.failed()
                 and not (self.on_cuda and torch.cuda.is_current_stream_capturing())):
             # an eager call (a prefill chunk, eager decode) after an earlier one gave up on the proxy: those waits
-            # copied and were correct, but nothing re-runs them, so drop it here, before this call maps any slot
+            # copied and were correct, but nothing re-runs them, so settle it here, before this call maps any slot
             # (decode steps: step_end)
-            self._drop_proxy(self._proxy.failure_reason())
+            self._proxy_failed()
         slot_ids = topk_ids.to(torch.int64, copy=True).contiguous()      # [T, K] -> slot ids
         ensure(self.cache, layer_idx, slot_ids, fetch_fraction=1.0, check_ids=False)
         # A prefill chunk routes to most experts of every layer: with prefill_prefetch, stream the
@@ -382,8 +384,8 @@ class OffloadExperts(SlotPoolAudit):
 
     def step_end(self) -> bool:
         """After a decode step (the engine calls it): with the DMA proxy, whether its copies all landed (a device
-        sync, then one host word). If a wait gave up on it, that step copied the rest itself and is correct, but
-        the proxy is dropped for the kernel copy (`_drop_proxy`) and False has the engine run the step again."""
+        sync, then one host word). If a wait gave up on it, that step copied the rest itself and is correct, but a
+        late copy may still land: `_proxy_failed` settles that, and False has the engine run the step again."""
         proxy = self._proxy
         if proxy is None or self.copy_mode != "proxy":
             return True
@@ -391,8 +393,25 @@ class OffloadExperts(SlotPoolAudit):
             torch.cuda.current_stream(self.device).synchronize()
         if not proxy.failed():
             return True
-        self._drop_proxy(proxy.failure_reason())
+        self._proxy_failed()
         return False
+
+    def _proxy_failed(self) -> None:
+        """A wait gave up on the proxy (its flag is raised; the device work before it has run). A stall (the thread
+        alive, no error: seen once on the H200, docs/OFFLOAD.md) is survived: once everything the thread was handed
+        has landed, the cache is emptied (a late copy may have landed in a slot mapped again since), the flags are
+        cleared and the proxy stays, up to MAX_PROXY_STALLS times. An error, a thread that does not catch up within
+        QUIESCE_S, or one stall too many drops it for the kernel copy (`_drop_proxy`)."""
+        proxy = self._proxy
+        reason = proxy.failure_reason()
+        if proxy.stalled() and self.stats.proxy_stalls < MAX_PROXY_STALLS and proxy.quiesce():
+            reset(self.cache)
+            proxy.clear_failure()
+            self.stats.proxy_stalls += 1
+            log.warning("the DMA proxy stalled (%s); its copies have landed since, the slot cache was emptied and it "
+                        "stays in use (stall %d of at most %d)", reason, self.stats.proxy_stalls, MAX_PROXY_STALLS)
+            return
+        self._drop_proxy(reason)
 
     def _drop_proxy(self, reason: str) -> None:
         """Give up on the DMA proxy: stop its thread once what it issued has landed (a stalled one may land a copy
