@@ -161,31 +161,42 @@ def test_offload_on_the_proxy_gives_the_resident_tokens(split_copy):
         backend.close()
 
 
-@pytest.mark.parametrize("phase", ["prefill", "decode"])
-def test_a_proxy_failure_mid_generation_falls_back_to_the_copy_kernel(monkeypatch, phase):
-    """The proxy stops on an error during the prompt's prefill or a decode step: that call's waits copy the plans
-    themselves; in decode the engine re-runs the step (step_end), in prefill the next call drops the proxy before
-    it maps a slot; the backend carries on with the kernel copy, and the tokens are resident's."""
+def _proxied_offload(monkeypatch, hook):
+    """(resident's tokens, the tiny model on an offload backend with copy mode proxy, the backend): `hook(call)`
+    runs before each of its proxy's publishes, numbered from 1."""
     from gpu_worker.offload import OffloadExperts
     resident = greedy_tokens(load_model(device="cpu"))
     loaded = load_model(device="cpu", moe_strategy="offload", moe_cache_size=10)
     backend = OffloadExperts(loaded.model.experts.host, 10, "cpu", copy_mode="proxy")
     loaded.model.experts = backend
-    px = backend._proxy
-    calls = [0]
-    publish = px.publish
+    px, publish, calls = backend._proxy, backend._proxy.publish, [0]
+
+    def hooked_publish(*args):
+        calls[0] += 1
+        hook(calls[0])
+        publish(*args)
+
+    monkeypatch.setattr(px, "publish", hooked_publish)
+    return resident, loaded, backend
+
+
+@pytest.mark.parametrize("phase", ["prefill", "decode"])
+def test_a_proxy_failure_mid_generation_falls_back_to_the_copy_kernel(monkeypatch, phase):
+    """The proxy stops on an error during the prompt's prefill or a decode step: that call's waits copy the plans
+    themselves; in decode the engine re-runs the step (step_end), in prefill the next call drops the proxy before
+    it maps a slot; the backend carries on with the kernel copy, and the tokens are resident's."""
+    state = {}
+
+    def hook(call):
+        if call == state["at"]:
+            state["px"]._p.num_rows = 0
+
+    resident, loaded, backend = _proxied_offload(monkeypatch, hook)
+    px = state["px"] = backend._proxy
     layers = backend.num_layers
     # the 11-token prompt is prefilled in 3 chunks of 4 (3 * layers calls); then each decode step calls every layer.
     # decode: the last layer of the second decode step, so that no later eager call of the step sees the failure first
-    at_call = 2 if phase == "prefill" else 3 * layers + 2 * layers
-
-    def failing_publish(*args):
-        calls[0] += 1
-        if calls[0] == at_call:
-            px._p.num_rows = 0
-        publish(*args)
-
-    monkeypatch.setattr(px, "publish", failing_publish)
+    state["at"] = 2 if phase == "prefill" else 3 * layers + 2 * layers
     from gpu_worker.engine import Engine, EngineConfig, SamplingParams
     engine = Engine(loaded.model, EngineConfig(max_running_requests=2, max_context_tokens=128, prefill_chunk_tokens=4),
                     eos_token_ids=())
@@ -204,28 +215,23 @@ def test_a_stalled_proxy_is_survived_and_stays_in_use(monkeypatch):
     2 ms) and then lands its copy late: the wait copied meanwhile; before the next call maps a slot the backend
     waits for the late copy, empties the cache, clears the flags and keeps the proxy; the tokens are resident's
     and every later plan goes through the thread again."""
-    from gpu_worker.offload import OffloadExperts
-    resident = greedy_tokens(load_model(device="cpu"))
-    loaded = load_model(device="cpu", moe_strategy="offload", moe_cache_size=10)
-    backend = OffloadExperts(loaded.model.experts.host, 10, "cpu", copy_mode="proxy")
-    loaded.model.experts = backend
-    px = backend._proxy
-    calls = [0]
-    publish = px.publish
-    at_call = 4 * backend.num_layers                      # the last layer of the first decode step: arm the stall
-    hot, sleep, deadline = px._p.hot_ns, px._p.sleep_ns, int(px.state[proxy_kernels.ST_DEADLINE_NS])
+    state = {}
 
-    def stalling_publish(*args):
-        calls[0] += 1
-        if calls[0] == at_call:        # from here the idle thread sleeps 40 ms a poll: the next plan it gets is late
+    def hook(call):
+        px = state["px"]
+        if call == state["at"]:          # from here the idle thread sleeps 40 ms a poll: the next plan it gets is late
             px._p.hot_ns, px._p.sleep_ns = 0, 40_000_000
             px.state[proxy_kernels.ST_DEADLINE_NS] = 2_000_000
-        elif calls[0] > at_call and backend.stats.proxy_stalls and px._p.hot_ns == 0:
-            px._p.hot_ns, px._p.sleep_ns = hot, sleep    # one stall seen and survived: back to normal
-            px.state[proxy_kernels.ST_DEADLINE_NS] = deadline
-        publish(*args)
+        elif call > state["at"] and state["backend"].stats.proxy_stalls and px._p.hot_ns == 0:
+            px._p.hot_ns, px._p.sleep_ns = state["normal"]    # one stall seen and survived: back to normal
+            px.state[proxy_kernels.ST_DEADLINE_NS] = state["deadline"]
 
-    monkeypatch.setattr(px, "publish", stalling_publish)
+    resident, loaded, backend = _proxied_offload(monkeypatch, hook)
+    px = state["px"] = backend._proxy
+    state["backend"] = backend
+    state["at"] = at_call = 4 * backend.num_layers        # the last layer of the first decode step: arm the stall
+    state["normal"] = (px._p.hot_ns, px._p.sleep_ns)
+    state["deadline"] = int(px.state[proxy_kernels.ST_DEADLINE_NS])
     try:
         assert greedy_tokens(loaded) == resident
         st = backend.stats
