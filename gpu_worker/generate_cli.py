@@ -153,7 +153,7 @@ def run(args: argparse.Namespace) -> int:
               "prefill_tokens_per_s": s.prefill_tokens_per_s, "decode_tokens_per_s": s.decode_tokens_per_s}
     experts = loaded.model.experts
     expert_stats = None
-    if hasattr(experts, "counters"):  # cpu / hybrid: HybridStats, the split policy and where f came from
+    if hasattr(experts, "policy"):    # cpu / hybrid: HybridStats, the split policy and where f came from
         expert_stats = {**experts.counters(), "policy": dict(experts.policy),
                         "fetch_fraction_source": experts.fetch_fraction_source}
     elif hasattr(experts, "stats"):   # offload: fetch counters and measured copy bandwidth

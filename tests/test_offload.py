@@ -186,7 +186,7 @@ def test_kernel_copy_mode_counts_on_the_device_and_stays_lossless():
         assert greedy_tokens(dma, prompts=prompts) == resident
         assert greedy_tokens(kernel, prompts=prompts) == resident
         a, b = dma.model.experts, kernel.model.experts
-        assert b.stats.fetched == 0, "the kernel mode must not count on the host per call"
+        assert b._host_counts == [0, 0, 0], "the kernel mode must not count on the host per call"
         b.refresh_stats()
         assert (b.stats.fetched, b.stats.distinct_misses) == (a.stats.fetched, a.stats.distinct_misses)
         assert b.stats.calls == a.stats.calls and b.stats.fetched > 10
@@ -194,6 +194,41 @@ def test_kernel_copy_mode_counts_on_the_device_and_stays_lossless():
     finally:
         dma.model.experts.close()
         kernel.model.experts.close()
+
+
+@pytest.mark.parametrize("copy_mode", ["dma", "kernel", "proxy"])
+def test_offload_reports_hits_misses_and_fetches_to_the_engine_stats(copy_mode):
+    """The offload backend's counters reach EngineStats (and so /metrics and GetStats): per layer call, hits +
+    misses = the distinct experts routed (counted here from the router's ids), misses and fetches equal the
+    backend's own, and the metrics' hit ratio is theirs."""
+    from coordinator.metrics import expert_figures
+    from gpu_worker.offload import OffloadExperts
+    loaded = load_model(device="cpu", moe_strategy="offload", moe_cache_size=10)
+    backend = OffloadExperts(loaded.model.experts.host, 10, "cpu", copy_mode=copy_mode)
+    loaded.model.experts = backend
+    distinct = [0]
+    forward = backend.forward
+
+    def counting_forward(layer_idx, x, topk_ids, topk_weights):
+        distinct[0] += int(torch.unique(topk_ids[topk_ids >= 0]).numel())
+        return forward(layer_idx, x, topk_ids, topk_weights)
+
+    backend.forward = counting_forward
+    engine = Engine(loaded.model, EngineConfig(max_running_requests=2, max_context_tokens=128, prefill_chunk_tokens=4),
+                    eos_token_ids=())
+    try:
+        engine.generate([list(PROMPT), PROMPT[3:9]], SamplingParams(max_new_tokens=12, ignore_eos=True))
+        s = engine.stats
+        backend.refresh_stats()
+        assert s.expert_misses_total == backend.stats.distinct_misses > 0
+        assert s.experts_fetched_total == backend.stats.fetched > 0
+        assert s.copy_bytes_total == backend.stats.fetched * backend.expert_nbytes
+        assert s.expert_hits_total > 0 and s.expert_hits_total + s.expert_misses_total == distinct[0]
+        figures = expert_figures(s.as_dict())
+        assert figures["expert_hit_rate"] == pytest.approx(s.expert_hits_total / distinct[0])
+        assert figures["experts_fetched_total"] == backend.stats.fetched
+    finally:
+        backend.close()
 
 
 def _freq_weight_case(device: str, copy_mode: str) -> None:

@@ -163,7 +163,7 @@ class Engine:
                 self.stats.requests_finished += 1
         self.stats.generated_tokens += len(outputs)
         counters = getattr(self.model.experts, "counters", None)
-        if counters is not None:                  # cpu / hybrid backends: telemetry for the policy tuner
+        if counters is not None:                  # offload / cpu / hybrid: stats, metrics, the policy tuner
             self.stats.absorb_expert_counters(counters())
         return outputs
 

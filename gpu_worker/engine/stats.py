@@ -22,7 +22,7 @@ class EngineStats:
     requests_added: int = 0
     requests_finished: int = 0
     requests_aborted: int = 0
-    # Expert backend counters (cpu / hybrid backends; zero for the others), copied after every step.
+    # Expert backend counters (offload, cpu and hybrid backends; zero for resident), copied after every step.
     expert_hits_total: int = 0
     expert_misses_total: int = 0
     experts_fetched_total: int = 0

@@ -317,7 +317,9 @@ class OffloadExperts(SlotPoolAudit):
                                         dtype=torch.int64, device=self.device)
         # kernel copy mode counts on the device (no host sync): [fetched, distinct misses, calls, ...], the
         # layout of kernels.handoff.count_call (one launch a layer on CUDA instead of three adds)
-        self._device_counts = torch.zeros(COUNTERS, dtype=torch.int64, device=self.device)
+        # (row 1: the same counts of calls on the DMA path, of which only the hits are read: the host counts the rest)
+        self._counts = torch.zeros(2, COUNTERS, dtype=torch.int64, device=self.device)
+        self._device_counts, self._dma_counts = self._counts[0], self._counts[1]
         self._count_kernel = self.on_cuda or os.environ.get("TRITON_INTERPRET") == "1"
         self._copy_events: list[tuple[torch.cuda.Event, torch.cuda.Event, int]] = []
         self.copy_time_s = 0.0
@@ -343,13 +345,15 @@ class OffloadExperts(SlotPoolAudit):
             # (decode steps: step_end)
             self._proxy_failed()
         slot_ids = topk_ids.to(torch.int64, copy=True).contiguous()      # [T, K] -> slot ids
-        ensure(self.cache, layer_idx, slot_ids, fetch_fraction=1.0, check_ids=False)
         # A prefill chunk routes to most experts of every layer: with prefill_prefetch, stream the
         # next layer's experts (a low-priority prefetch of all of them, never evicting this layer's)
         # on the copy stream behind this layer's own copies, so they land while this layer and the
         # next one's attention compute. That needs the DMA path; everything else keeps its copy mode.
         nxt = prefill_prefetch_layer(layer_idx, slot_ids.numel(), self.num_experts, self.num_layers,
                                      self.gather_max_pairs) if self.prefill_prefetch else None
+        ensure(self.cache, layer_idx, slot_ids, fetch_fraction=1.0, check_ids=False)
+        if not (self.copy_mode in ("kernel", "proxy") and nxt is None):
+            self._count_on_device(topk_ids, self._dma_counts)  # the DMA path counts on the host; hits only here
         if nxt is not None:
             prefetch_ensure(self.cache, nxt, self._candidates, self._candidates.numel(), check_ids=False)
         mode = pick_mode(self.mode, self.on_cuda, slot_ids.numel(), self.gather_max_pairs)
@@ -431,15 +435,19 @@ class OffloadExperts(SlotPoolAudit):
         if proxy is not None and self.copy_mode == "proxy" and not proxy.quiesce():
             self._drop_proxy("what it was handed did not land within its deadline")
 
-    def _count_on_device(self, ids: torch.Tensor) -> None:
-        """The kernel copy mode's counters, on the device (reads the plan `ensure` just wrote)."""
+    def _count_on_device(self, ids: torch.Tensor, counts: torch.Tensor | None = None) -> None:
+        """The kernel copy mode's counters, on the device (reads the plan `ensure` just wrote), into `counts`
+        (default: `_device_counts`): kernels.handoff.count_call's layout."""
         c = self.cache
+        counts = self._device_counts if counts is None else counts
         if self._count_kernel and ids.numel() <= COUNT_MAX_PAIRS:
-            count_call(self._device_counts, ids, c.num_indices, c.num_missing_full, offload=False)
+            count_call(counts, ids, c.num_indices, c.num_missing_full, offload=False)
         else:                           # no Triton kernel on a CPU outside the interpreter; large calls
-            self._device_counts[0] += c.num_indices[0]
-            self._device_counts[1] += c.num_missing_full[0]
-            self._device_counts[2] += 1
+            counts[0] += c.num_indices[0]
+            counts[1] += c.num_missing_full[0]
+            counts[2] += 1
+            counts[4] += ids.numel()
+            counts[5] += torch.unique(ids[ids >= 0]).numel() - c.num_missing_full[0]     # distinct hits
 
     def refresh_stats(self) -> OffloadStats:
         """Fold the device-side counters of the kernel copy mode into `stats` (a device sync)."""
@@ -449,6 +457,24 @@ class OffloadExperts(SlotPoolAudit):
             self.stats.fetched, self.stats.distinct_misses, self.stats.calls = fetched, misses, calls
             self.stats.copy_bytes = fetched * self.expert_nbytes
         return self.stats
+
+    def counters(self) -> dict:
+        """Cumulative counters under the engine's names (EngineStats, the /metrics expert figures), after each
+        step: hits and misses (distinct experts of a layer call found in a slot, or not), experts fetched and
+        their bytes, the copy-stream time (DMA mode; the kernel and proxy copies run untimed) and, with the proxy,
+        the GPU's time waiting for its copies as `proxy_wait_s_total` (not `gpu_wait_for_copy_s_total`, which the
+        hybrid tuner weighs against the CPU's wait). One or two small device reads."""
+        self.collect_copy_time()                          # (refreshes stats too)
+        counts = self._counts.tolist()
+        st = self.stats
+        out = {"expert_hits_total": int(counts[0][5] + counts[1][5]), "expert_misses_total": st.distinct_misses,
+               "experts_fetched_total": st.fetched, "copy_bytes_total": st.copy_bytes,
+               "copy_time_s_total": self.copy_time_s, "mode": "offload",
+               "copy_mode": self.copy_mode, "resets_after_error": st.resets_after_error,
+               "proxy_stalls": st.proxy_stalls, "proxy_failures": st.proxy_failures}
+        if self._proxy is not None:
+            out["proxy_wait_s_total"] = self._proxy.counters()["wait_ns"] / 1e9
+        return out
 
     def _read_plan(self, prefetch: bool = False) -> tuple[int, int, list[int], list[int], list[int], list[int]]:
         """(copies, distinct misses, destination slots, source rows, and the prefetch plan's
