@@ -38,6 +38,7 @@
 #        [s16-c] (the offload GPU tests on the final code; the engine issue's table, 256 tokens, kernel and proxy)
 #        [s16-d] (the proxy's and offload's GPU tests after the review fixes) [s16-e] (offload at batch 4: kernel and proxy;
 #        LRU and W = 256) [s17-a] (prepared: the proxy's stall of s16-e again, with its longest driver call timed)
+#        [s17-b] (prepared: GPU tests of what landed after s16-d; the engine table again)
 #        (default: kernels engine cpu). SECTION_TIMEOUT (s, default 540) bounds each command.
 # Logs go to $OUT (the device tool's output folder) when it is set, else ./out.
 set -u
@@ -669,6 +670,19 @@ device,=hybrid min-wait device serial" 2>&1 | tee "$OUT/overlap_hybrid.log" | ta
           --fractions 0.25 --offload-copy proxy --freq-weights 0,256 > "$OUT/s17a_round$round.log" 2>&1 || status=1
         grep -E "proxy counters|stalled|failed" "$OUT/s17a_round$round.log" | cut -c1-400
       done
+      ;;
+    s17-b)    # prepared in the sixteenth session, not run yet: what landed after its last GPU call (the proxy's stall
+              # handling, offload's counters to the engine, a count kernel on the dma path), then the engine table again
+      timeout 200 python3 -m pytest -q --tb=short -p no:cacheprovider -m gpu tests/test_dma_proxy.py tests/test_offload.py \
+        tests/test_copy_overlap.py tests/test_cuda_graphs_gpu.py tests/test_engine_gpu.py > "$OUT/s17b_tests.log" 2>&1 || status=1
+      grep -E "FAILED|Error|passed|failed" "$OUT/s17b_tests.log" | cut -c1-300 | tail -n 8
+      timeout 120 python3 -m pytest -q --tb=short -p no:cacheprovider tests/test_offload.py -k "reports_hits" \
+        tests/test_dma_proxy.py > "$OUT/s17b_cpu.log" 2>&1 || status=1
+      tail -n 2 "$OUT/s17b_cpu.log"
+      timeout 330 python3 bench/bench_engine.py --runs 2 --prompt-tokens 1024 --decode-tokens 128 --fractions 0.1,0.25,0.5 \
+        --offload-copy kernel,proxy > "$OUT/s17b_engine.log" 2>&1 || status=1
+      grep -E "proxy counters" "$OUT/s17b_engine.log" | cut -c1-300
+      grep -v "^ " "$OUT/s17b_engine.log" | tail -n 9 | cut -c1-300
       ;;
     omp-wait)    # prepared in the tenth session; s11-e ran the same comparison (active starved the pool: 3.2 GB/s): the hybrid configuration with the CPU workers' OpenMP team
                  # left to libgomp's default wait (spin, then sleep) against OMP_WAIT_POLICY=active (the workers inherit
