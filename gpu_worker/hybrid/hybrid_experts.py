@@ -231,14 +231,6 @@ class HybridExperts(SlotPoolAudit):
         self.handoff = handoff
 
     # -- forward ----------------------------------------------------------------------------------
-    def forward(self, layer_idx: int, x: torch.Tensor, topk_ids: torch.Tensor,
-                topk_weights: torch.Tensor) -> torch.Tensor:
-        try:
-            return self._forward(layer_idx, x, topk_ids, topk_weights)
-        except BaseException as exc:               # no slot mapped by this call may be read before its copy
-            self.forget_slots_after_error(exc)
-            raise
-
     def side_streams(self) -> list:
         """The copy streams and the stream hand-off's (whose late copy-out writes a tensor of the failed call: the
         compute stream waits for it before that memory can be reused)."""

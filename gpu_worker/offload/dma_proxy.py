@@ -143,6 +143,7 @@ class DmaProxy:
             p.landed[i] = self.landed.data_ptr() + 8 * i
         p.hot_ns, p.sleep_ns = int(HOT_S * 1e9), SLEEP_US * 1000
         self.stream = None
+        self._closed = False
         if self.on_cuda:
             from gpu_worker.hybrid.stream_doorbell import driver
             drv = driver()
@@ -162,7 +163,6 @@ class DmaProxy:
         rc = self.lib.ft_proxy_start(ctypes.byref(p))
         if rc != 0:
             raise OSError(rc, f"starting the DMA proxy thread failed (pthread_create: errno {rc})")
-        self._closed = False
 
     # -- the device side --------------------------------------------------------------------------------
     def publish(self, layer: int, evict_slots: torch.Tensor, src_indices: torch.Tensor,

@@ -203,7 +203,8 @@ class OffloadStats:
 
 class SlotPoolAudit:
     """The slot audit (FREETOKEN_MOE_SLOT_AUDIT) of a backend with a slot cache `cache`, its pool `slots` [S, N]
-    and host rows `host.layers[l]` [E, N]: the offload and hybrid backends."""
+    and host rows `host.layers[l]` [E, N]: the offload and hybrid backends. Also their `forward`, which runs the
+    backend's `_forward` and empties the cache when it raises."""
 
     def audit_slots(self, sample_slots: int = 0, probe_slots: int = 0, seed: int = 0) -> list[str]:
         """kernels.slot_cache.audit over this backend's cache and pool: the problems found (empty: none)."""
@@ -218,6 +219,16 @@ class SlotPoolAudit:
     def side_streams(self) -> list:
         """The CUDA streams besides the compute stream that this backend's copies (or hand-offs) run on."""
         return [self.copy_stream] if self.on_cuda else []
+
+    def forward(self, layer_idx: int, x: torch.Tensor, topk_ids: torch.Tensor,
+                topk_weights: torch.Tensor) -> torch.Tensor:
+        """The backend's `_forward`; if it raises, no slot mapped by this call may be read before its copy lands
+        (`forget_slots_after_error`)."""
+        try:
+            return self._forward(layer_idx, x, topk_ids, topk_weights)
+        except BaseException as exc:
+            self.forget_slots_after_error(exc)
+            raise
 
     def _settle_side_work(self) -> None:
         """Before the cache is emptied after an error: let copies issued outside the CUDA streams land (none here)."""
@@ -327,14 +338,6 @@ class OffloadExperts(SlotPoolAudit):
     @property
     def expert_nbytes(self) -> int:
         return self.layout.expert_nbytes
-
-    def forward(self, layer_idx: int, x: torch.Tensor, topk_ids: torch.Tensor,
-                topk_weights: torch.Tensor) -> torch.Tensor:
-        try:
-            return self._forward(layer_idx, x, topk_ids, topk_weights)
-        except BaseException as exc:
-            self.forget_slots_after_error(exc)
-            raise
 
     def _forward(self, layer_idx: int, x: torch.Tensor, topk_ids: torch.Tensor,
                  topk_weights: torch.Tensor) -> torch.Tensor:
@@ -449,11 +452,12 @@ class OffloadExperts(SlotPoolAudit):
             counts[4] += ids.numel()
             counts[5] += torch.unique(ids[ids >= 0]).numel() - c.num_missing_full[0]     # distinct hits
 
-    def refresh_stats(self) -> OffloadStats:
-        """Fold the device-side counters of the kernel copy mode into `stats` (a device sync)."""
+    def refresh_stats(self, counts: list[list[int]] | None = None) -> OffloadStats:
+        """Fold the device-side counters of the kernel copy mode into `stats` (a device sync; `counts`: a
+        `_counts.tolist()` the caller already read)."""
         if self.copy_mode in ("kernel", "proxy"):
-            fetched, misses, calls = (int(v) + h for v, h in zip(self._device_counts.tolist()[:3],
-                                                                 self._host_counts))
+            counts = self._counts.tolist() if counts is None else counts
+            fetched, misses, calls = (int(v) + h for v, h in zip(counts[0][:3], self._host_counts))
             self.stats.fetched, self.stats.distinct_misses, self.stats.calls = fetched, misses, calls
             self.stats.copy_bytes = fetched * self.expert_nbytes
         return self.stats
@@ -463,9 +467,9 @@ class OffloadExperts(SlotPoolAudit):
         step: hits and misses (distinct experts of a layer call found in a slot, or not), experts fetched and
         their bytes, the copy-stream time (DMA mode; the kernel and proxy copies run untimed) and, with the proxy,
         the GPU's time waiting for its copies as `proxy_wait_s_total` (not `gpu_wait_for_copy_s_total`, which the
-        hybrid tuner weighs against the CPU's wait). One or two small device reads."""
-        self.collect_copy_time()                          # (refreshes stats too)
+        hybrid tuner weighs against the CPU's wait). One small device read (two with the proxy)."""
         counts = self._counts.tolist()
+        self.collect_copy_time(counts)                    # (refreshes stats from the same read)
         st = self.stats
         out = {"expert_hits_total": int(counts[0][5] + counts[1][5]), "expert_misses_total": st.distinct_misses,
                "experts_fetched_total": st.fetched, "copy_bytes_total": st.copy_bytes,
@@ -542,10 +546,11 @@ class OffloadExperts(SlotPoolAudit):
         compute.wait_event(done)                   # this layer's experts; the prefetch runs on
         self._copy_events.append((start, last, n + len(pdst)))
 
-    def collect_copy_time(self) -> float:
+    def collect_copy_time(self, counts: list[list[int]] | None = None) -> float:
         """Seconds the copy stream spent on copies so far (syncs on outstanding events); also
-        refreshes `stats`. The kernel copy mode copies on the compute stream: no separate time."""
-        self.refresh_stats()
+        refreshes `stats` (`refresh_stats(counts)`). The kernel copy mode copies on the compute stream: no
+        separate time."""
+        self.refresh_stats(counts)
         for start, done, _ in self._copy_events:
             done.synchronize()
             self.copy_time_s += start.elapsed_time(done) / 1e3
