@@ -112,16 +112,37 @@ def decode_run(engine: Engine, prompts: list[list[int]], num_tokens: int, backen
     graphs = engine.graphs
     launch0 = (graphs.replay_host_s, graphs.replays) if graphs is not None else (0.0, 0)
     first = sum(len(t) for t in tokens.values())
+    marks: list[tuple] = []                 # CUDA events around each graph replay: the GPU's share of a step
+    if graphs is not None and torch.cuda.is_available():
+        plain_run = graphs.run
+
+        def timed_run(inputs):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            out = plain_run(inputs)
+            b.record()
+            marks.append((a, b))
+            return out
+        graphs.run = timed_run
     t0 = time.perf_counter()
-    while engine.has_work():
-        for out in engine.step():
-            tokens[out.request_id].append(out.new_token_id)
-    _sync()
+    try:
+        while engine.has_work():
+            for out in engine.step():
+                tokens[out.request_id].append(out.new_token_id)
+        _sync()
+    finally:
+        if graphs is not None:
+            graphs.__dict__.pop("run", None)
     elapsed = time.perf_counter() - t0
     n = sum(len(t) for t in tokens.values()) - first           # tokens decoded in the timed phase
     result = {"tokens": [tokens[i] for i in range(len(prompts))], "decode_tok_s": n / elapsed}
     if graphs is not None and graphs.replays > launch0[1]:
         result["launch_us"] = 1e6 * (graphs.replay_host_s - launch0[0]) / (graphs.replays - launch0[1])
+    if len(marks) > 2:
+        # median ms from a replay's start to its end (the graph), and from one replay's end to the next one's start
+        # (the engine's host work between steps, sampling included, while the GPU has no graph to run)
+        result["graph_ms"] = statistics.median(a.elapsed_time(b) for a, b in marks)
+        result["between_ms"] = statistics.median(b.elapsed_time(a2) for (_, b), (a2, _) in zip(marks, marks[1:]))
     if backend is not None:
         backend.collect_copy_time()
         misses, fetched, nbytes, copy_s = (a - b for a, b in zip(
@@ -177,11 +198,39 @@ def profile_decode(engine: Engine, prompts: list[list[int]], steps: int, top: in
         print(f"{t / steps:>9.1f} {e.count / steps:>10.1f} {100 * t / total:>5.1f}  {e.key[:90]}")
 
 
+def host_profile_decode(engine: Engine, prompts: list[list[int]], steps: int, top: int = 22) -> None:
+    """cProfile over `steps` decode steps (after prefill): the host functions by own time, to find the host work
+    between two graph replays (the time the GPU has no graph to run). Waits for the GPU show as the sync calls."""
+    import cProfile
+    import io
+    import pstats
+    for i, prompt in enumerate(prompts):
+        engine.add_request(prompt, SamplingParams(max_new_tokens=steps + 8, ignore_eos=True,
+                                                  temperature=engine_temperature, seed=1234 + i))
+    for _ in range(3 + len(prompts)):
+        engine.step()
+    _sync()
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(steps):
+        engine.step()
+    _sync()
+    prof.disable()
+    while engine.has_work():
+        engine.step()
+    buf = io.StringIO()
+    pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(top)
+    print(f"host profile, {steps} decode steps (tottime first):")
+    print("\n".join(line[:160] for line in buf.getvalue().splitlines() if line.strip())[-6000:], flush=True)
+
+
 def _launch_note(res: dict) -> str:
     """Host time a decode step spends inside the CUDA graph launch (cudaGraphLaunch), beside the step time."""
     if "launch_us" not in res:
         return ""
-    return f"(graph launch {res['launch_us']:.0f} us of a {1e6 / res['decode_tok_s']:.0f} us step, host time)"
+    gpu = (f"; GPU: graph {res['graph_ms']:.3f} ms, between graphs {res['between_ms']:.3f} ms (medians)"
+           if "graph_ms" in res else "")
+    return f"(graph launch {res['launch_us']:.0f} us of a {1e6 / res['decode_tok_s']:.0f} us step, host time{gpu})"
 
 
 def _trace_path(args, name: str) -> str | None:
@@ -266,8 +315,14 @@ def main() -> int:
     parser.add_argument("--freq-half-life", type=int, default=None,
                         help="with --freq-weights W > 0: layer calls between halvings of the route counts (0: never; "
                              "default: FREETOKEN_EVICTION_FREQ_HALF_LIFE, 3072; s14-f ran before it existed, as 0)")
+    parser.add_argument("--routing-ahead", default="off",
+                        help="copy mode proxy, comma-separated off,on: with on, each layer's plan is made from the "
+                             "synthetic table and published before the layer's attention (MoeModel.routing_ahead): "
+                             "copies that start before the router, the bound of a perfect routing prediction")
     parser.add_argument("--trace-dir", default=None,
                         help="with --profile: write each profiled run's Chrome trace (trace_<backend>.json) here")
+    parser.add_argument("--host-profile", type=int, default=0,
+                        help="after each resident and offload run, cProfile this many decode steps (host functions)")
     parser.add_argument("--profile", type=int, default=0,
                         help="after each resident and offload run, profile this many decode steps and print the "
                              "top GPU kernels")
@@ -316,6 +371,8 @@ def main() -> int:
         print(name, res["all_tok_s"], _launch_note(res), flush=True)
         if args.profile and args.device == "cuda":
             profile_decode(engine, prompt, args.profile, trace=_trace_path(args, name))
+        if args.host_profile:
+            host_profile_decode(engine, prompt, args.host_profile)
         del engine
     source = loaded.source.experts
     if not args.fractions:
@@ -337,12 +394,13 @@ def main() -> int:
             overlaps = {"on": [True], "off": [False], "both": [True, False]}[args.copy_overlap]
             splits = {"on": [True], "off": [False], "both": [True, False]}[args.copy_split]
             weights = [int(w) for w in args.freq_weights.split(",") if w.strip()]
-            modes = [(m, c, o, sp, p, w) for w in weights for m in args.offload_copy.split(",")
+            aheads = [v.strip() == "on" for v in args.routing_ahead.split(",") if v.strip()]
+            modes = [(m, c, o, sp, p, w, a) for w in weights for m in args.offload_copy.split(",")
                      for c in (_copy_chunks(args) if m == "kernel" else [None])
                      for o in (overlaps if m in ("kernel", "proxy") else [False])
                      for sp in (splits if m in ("kernel", "proxy") and o else [True])
-                     for p in pdl_modes]
-            for copy_mode, chunks, overlap, split, pdl_mode, weight in modes:
+                     for p in pdl_modes for a in (aheads if m == "proxy" else [False])]
+            for copy_mode, chunks, overlap, split, pdl_mode, weight, ahead in modes:
                 if pdl_mode is not None:
                     apply_pdl(pdl_mode)
                 if copy_mode == "dma" and frac not in dma_fracs:
@@ -358,6 +416,9 @@ def main() -> int:
                     label += f" pdl {pdl_mode}"
                 if len(weights) > 1 or weight:
                     label += f" fw{weight}"
+                if ahead:
+                    label += " ahead"
+                loaded.model.routing_ahead = ahead
                 slots = resolve_cache_slots(frac, source.num_layers, source.num_experts)
                 backend = OffloadExperts(host, slots, args.device, copy_mode=copy_mode, overlap_copy=overlap,
                                          split_copy=split, freq_weight=weight, freq_half_life=args.freq_half_life)
@@ -368,13 +429,16 @@ def main() -> int:
                 r["lossless"] = r["tokens"] == reference_tokens
                 rows.append((f"offload {frac:.0%} {label}", slots, r, _peak(),
                              proc.memory_info().rss))
-                print(f"offload {frac} {label}", r["all_tok_s"], _launch_note(r), flush=True)
+                print(f"offload {frac} {label}", r["all_tok_s"], _launch_note(r),
+                      f"early plans {backend.stats.early_plans}" if ahead else "", flush=True)
                 if copy_mode == "proxy":
                     print(f"  proxy counters (all runs): {backend._proxy.counters()}, stalls survived "
                           f"{backend.stats.proxy_stalls}, dropped {backend.stats.proxy_failures}, copy mode at the end: "
                           f"{backend.copy_mode}, host clock now {time.monotonic_ns()}", flush=True)
                 if args.profile and args.device == "cuda":
                     profile_decode(engine, prompt, args.profile, trace=_trace_path(args, f"offload {frac} {label}"))
+                if args.host_profile:
+                    host_profile_decode(engine, prompt, args.host_profile)
                 loaded.model.experts = None
                 if backend._proxy is not None:
                     backend._proxy.close()              # (the host store is shared: no backend.close())

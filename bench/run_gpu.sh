@@ -39,6 +39,8 @@
 #        [s16-d] (the proxy's and offload's GPU tests after the review fixes) [s16-e] (offload at batch 4: kernel and proxy;
 #        LRU and W = 256) [s17-a] (prepared: the proxy's stall of s16-e again, with its longest driver call timed)
 #        [s17-b] (prepared: GPU tests of what landed after s16-d; the engine table again)
+#        [s17-c] (s17-b's tests and the early plan's; offload 25 / 50%: kernel, proxy, proxy with plans ahead of attention)
+#        [s17-d] (the early plan's GPU test after its fix; 50% in the issue's configuration with plans ahead; one stall hunt)
 #        (default: kernels engine cpu). SECTION_TIMEOUT (s, default 540) bounds each command.
 # Logs go to $OUT (the device tool's output folder) when it is set, else ./out.
 set -u
@@ -683,6 +685,29 @@ device,=hybrid min-wait device serial" 2>&1 | tee "$OUT/overlap_hybrid.log" | ta
         --offload-copy kernel,proxy > "$OUT/s17b_engine.log" 2>&1 || status=1
       grep -E "proxy counters" "$OUT/s17b_engine.log" | cut -c1-300
       grep -v "^ " "$OUT/s17b_engine.log" | tail -n 9 | cut -c1-300
+      ;;
+    s17-c)    # seventeenth session: s17-b's GPU tests (stall handling, counters, what landed after s16-d) and the early
+              # plan's; then offload at 25 / 50%: copy kernel, proxy, and proxy with each layer's plan published before
+              # its attention (--routing-ahead on: the bound of a perfect routing prediction), with the GPU's graph time
+      timeout 200 python3 -m pytest -q --tb=short -p no:cacheprovider -m gpu tests/test_dma_proxy.py tests/test_offload.py \
+        tests/test_copy_overlap.py tests/test_cuda_graphs_gpu.py tests/test_engine_gpu.py > "$OUT/s17c_tests.log" 2>&1 || status=1
+      grep -E "FAILED|Error|passed|failed" "$OUT/s17c_tests.log" | cut -c1-300 | tail -n 8
+      timeout 360 python3 bench/bench_engine.py --runs 2 --prompt-tokens 1024 --decode-tokens 128 --fractions 0.25,0.5 \
+        --offload-copy kernel,proxy --routing-ahead off,on > "$OUT/s17c_engine.log" 2>&1 || status=1
+      grep -E "^(resident|offload)|proxy counters" "$OUT/s17c_engine.log" | cut -c1-330
+      grep -v "^ " "$OUT/s17c_engine.log" | tail -n 7 | cut -c1-200
+      ;;
+    s17-d)    # seventeenth session: the early plan's GPU test after its fix; the issue's configuration at 50% (5 runs, 256
+              # tokens): copy kernel, proxy, proxy with plans ahead of attention; s17-a's stall hunt, one round
+      timeout 120 python3 -m pytest -q --tb=short -p no:cacheprovider -m gpu tests/test_dma_proxy.py > "$OUT/s17d_tests.log" 2>&1 || status=1
+      grep -E "FAILED|Error|passed|failed" "$OUT/s17d_tests.log" | cut -c1-300 | tail -n 6
+      timeout 300 python3 bench/bench_engine.py --runs 5 --prompt-tokens 1024 --decode-tokens 256 --fractions 0.5 \
+        --offload-copy kernel,proxy --routing-ahead off,on > "$OUT/s17d_engine.log" 2>&1 || status=1
+      grep -E "^(resident|offload)|proxy counters" "$OUT/s17d_engine.log" | cut -c1-330
+      grep -v "^ " "$OUT/s17d_engine.log" | tail -n 6 | cut -c1-200
+      timeout 170 python3 bench/bench_engine.py --batch 4 --runs 2 --prompt-tokens 1024 --decode-tokens 64 \
+        --fractions 0.25 --offload-copy proxy --freq-weights 0,256 > "$OUT/s17d_stall.log" 2>&1 || status=1
+      grep -E "^offload|proxy counters|stalled|failed" "$OUT/s17d_stall.log" | cut -c1-400
       ;;
     omp-wait)    # prepared in the tenth session; s11-e ran the same comparison (active starved the pool: 3.2 GB/s): the hybrid configuration with the CPU workers' OpenMP team
                  # left to libgomp's default wait (spin, then sleep) against OMP_WAIT_POLICY=active (the workers inherit

@@ -318,3 +318,74 @@ def test_gpu_offload_on_the_proxy_gives_the_resident_tokens_in_graphs():
         assert backend.copy_mode == "proxy"
     finally:
         backend.close()
+
+
+def _routing_ahead_tokens(device: str, ahead: bool, graphs: bool = False):
+    """Greedy tokens of the tiny model on the synthetic routing table (zipf), resident or offload on the proxy with
+    `routing_ahead` (each layer's plan published before its attention): (tokens, the offload backend or None)."""
+    from gpu_worker.engine import Engine, EngineConfig, SamplingParams
+    from gpu_worker.models.synthetic_routing import SyntheticRouting
+    strategy = {} if ahead is None else dict(moe_strategy="offload", moe_cache_size=9, offload_copy="proxy")
+    loaded = load_model(device=device, **strategy)
+    loaded.model.routing_override = SyntheticRouting.parse("zipf:1.0", loaded.cfg, 128, device)
+    loaded.model.routing_ahead = bool(ahead)
+    engine = Engine(loaded.model, EngineConfig(max_running_requests=2, max_context_tokens=128, prefill_chunk_tokens=4,
+                                               cuda_graphs=graphs), eos_token_ids=())
+    prompts = (PROMPT, PROMPT[:5])
+    out = engine.generate([list(p) for p in prompts], SamplingParams(max_new_tokens=24, ignore_eos=True))
+    return out, (None if ahead is None else loaded.model.experts), engine
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_plans_published_before_the_attention_give_the_resident_tokens(device):
+    """MoeModel.routing_ahead (the bound of a perfect router prediction): every decode layer's plan is made and handed
+    to the proxy before the layer's attention; the tokens are resident's on the same routing table, the slots hold
+    their experts, every copy went through the thread, and every call took the early path. On CUDA in graphs."""
+    graphs = device == "cuda"
+    resident, _, _ = _routing_ahead_tokens(device, None, graphs)
+    ordinary, plain, _ = _routing_ahead_tokens(device, False, graphs)
+    plain_counters = plain._proxy.counters()
+    plain.close()
+    got, backend, engine = _routing_ahead_tokens(device, True, graphs)
+    try:
+        assert got == ordinary == resident
+        st = backend.refresh_stats()
+        c = backend._proxy.counters()
+        assert c["fallbacks"] == 0 and c["copies"] == st.fetched > 9 and backend.copy_mode == "proxy"
+        assert all(c[k] == plain_counters[k] for k in ("published", "issued", "copies", "bytes")), \
+            "the same plans as when each layer plans in its own call, each published once"
+        if graphs:      # early_plans counts on the host: at each graph's capture, not at its replays (calls do)
+            assert engine.graphs is not None and engine.graphs.replays > 0
+            assert st.early_plans >= backend.num_layers * len(engine.graphs.graphs) > 0
+        else:           # the tiny model's 4-token prefill chunks are decode-sized calls too: every call planned early
+            assert st.early_plans == st.calls >= backend.num_layers * engine.stats.num_decode_steps > 0
+        assert_slots_hold_their_experts(backend)
+    finally:
+        backend.close()
+
+
+def test_an_early_plan_is_refused_for_other_routes_and_a_stale_one_is_dropped():
+    """A layer called with routes early_plan was not given for it raises a clear error (the plan already published
+    would not fit them); an early plan that no layer call took (its forward raised before the layer's experts) is
+    dropped by the next early_plan or by a call that plans as usual, and its copies land."""
+    from gpu_worker.offload import OffloadExperts
+    loaded = load_model(device="cpu", moe_strategy="offload", moe_cache_size=10)
+    backend = OffloadExperts(loaded.model.experts.host, 10, "cpu", copy_mode="proxy")
+    try:
+        x = torch.randn(1, loaded.cfg.hidden_size, dtype=loaded.model.dtype)
+        ids = torch.tensor([[0, 1]], dtype=torch.int64)[:, :loaded.cfg.top_k]
+        w = torch.full(ids.shape, 1.0 / ids.shape[1])
+        assert backend.early_plan(1, ids)
+        with pytest.raises(RuntimeError, match="other routes than early_plan"):
+            backend.forward(0, x, ids, w)
+        assert backend.early_plan(0, ids) and backend.early_plan(1, ids)    # the first is dropped by the second
+        out = backend.forward(1, x, ids, w)
+        assert out.shape == x.shape and backend.stats.early_plans == 1
+        wide = torch.zeros(8, loaded.cfg.top_k, dtype=torch.int64)
+        assert backend.early_plan(0, ids) and not backend.early_plan(0, wide.repeat(8, 1)), \
+            "a prefill-sized call plans in its layer call (and drops the stale plan)"
+        backend._proxy.quiesce()
+        assert backend._proxy.counters()["fallbacks"] == 0
+        assert_slots_hold_their_experts(backend)
+    finally:
+        backend.close()

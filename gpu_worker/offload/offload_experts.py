@@ -76,7 +76,7 @@ def copy_then_ffn(slots: torch.Tensor, host_layer: torch.Tensor, cache: SlotCach
                   after_fork: "Callable[[], None] | None" = None,
                   extra_copy: "Callable[[int], None] | None" = None, extra_slot: int = -1,
                   extra_stream: "torch.cuda.Stream | None" = None, proxy: "DmaProxy | None" = None,
-                  layer_idx: int = -1) -> torch.Tensor:
+                  layer_idx: int = -1, published: bool = False) -> torch.Tensor:
     """The kernel copy of the last `ensure`'s plan, then the expert FFN over slot ids (routes at -1
     add 0 in the gemv mode). With a `side_stream` (CUDA, gemv mode) the two overlap: the copy runs
     on the side stream while moe_gemv computes the routes whose slot the plan does not fill (the
@@ -98,12 +98,13 @@ def copy_then_ffn(slots: torch.Tensor, host_layer: torch.Tensor, cache: SlotCach
     routes at `extra_slot` wait for it as the fetched ones wait for the plan.
     `proxy` (copy mode proxy; not with `extra_copy`): the plan goes to the DMA proxy instead of the copy kernel
     (published on the compute stream after `ensure`, no side stream); the fetched routes' gate/up and down wait
-    for its parts as they would for the copy's (the proxy lands w13 first when it splits)."""
+    for its parts as they would for the copy's (the proxy lands w13 first when it splits); `published`: the plan
+    was handed to it already (`OffloadExperts.early_plan`)."""
     c = cache
     if proxy is not None:
         return _proxy_then_ffn(proxy, layer_idx, cache, max_copies, x, slot_ids, weights, w13, w2, mode=mode,
                                kernel_impl=kernel_impl, overlap=side_stream is not None and mode == "gemv",
-                               after_fork=after_fork)
+                               after_fork=after_fork, published=published)
     own_stream = extra_copy is not None and extra_stream is not None
 
     def copy(cols: tuple[int, int] | None = None) -> None:
@@ -166,12 +167,15 @@ def copy_then_ffn(slots: torch.Tensor, host_layer: torch.Tensor, cache: SlotCach
 
 def _proxy_then_ffn(proxy: "DmaProxy", layer_idx: int, cache: SlotCache, max_copies: int, x: torch.Tensor,
                     slot_ids: torch.Tensor, weights: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, *, mode: str,
-                    kernel_impl: str, overlap: bool, after_fork: "Callable[[], None] | None") -> torch.Tensor:
+                    kernel_impl: str, overlap: bool, after_fork: "Callable[[], None] | None",
+                    published: bool = False) -> torch.Tensor:
     """copy_then_ffn with the DMA proxy: publish the plan, then the hits' GEMMs beside the DMAs (overlap), then
-    the fetched routes' after their parts landed; without the overlap, wait for all of it, then every GEMM."""
+    the fetched routes' after their parts landed; without the overlap, wait for all of it, then every GEMM.
+    `published`: the plan was published already (`OffloadExperts.early_plan`, before the layer's attention)."""
     c = cache
     plan = (c.evict_slots, c.src_indices, c.num_indices)
-    proxy.publish(layer_idx, *plan)
+    if not published:
+        proxy.publish(layer_idx, *plan)
     if after_fork is not None:
         after_fork()
     split = proxy.split_cols > 0
@@ -199,6 +203,7 @@ class OffloadStats:
     resets_after_error: int = 0  # the cache emptied after a call that raised (forget_slots_after_error)
     proxy_failures: int = 0     # the DMA proxy dropped for the kernel copy (an error, or stalls past MAX_PROXY_STALLS)
     proxy_stalls: int = 0       # the DMA proxy late past its deadline and kept (its steps re-run)
+    early_plans: int = 0        # layer calls whose plan was published before their attention (early_plan)
 
 
 class SlotPoolAudit:
@@ -253,6 +258,7 @@ class SlotPoolAudit:
             finally:
                 reset(self.cache)
             self._prefetched.clear()
+            self._early = None
             self.stats.resets_after_error += 1
             log.warning("an expert call failed (%s: %s); the slot cache was emptied so that no slot mapped by it is "
                         "read before its copy lands", type(exc).__name__, exc)
@@ -334,6 +340,7 @@ class OffloadExperts(SlotPoolAudit):
         self._count_kernel = self.on_cuda or os.environ.get("TRITON_INTERPRET") == "1"
         self._copy_events: list[tuple[torch.cuda.Event, torch.cuda.Event, int]] = []
         self.copy_time_s = 0.0
+        self._early: tuple[int, torch.Tensor] | None = None      # (layer, slot ids) of a plan early_plan published
 
     @property
     def expert_nbytes(self) -> int:
@@ -341,12 +348,14 @@ class OffloadExperts(SlotPoolAudit):
 
     def _forward(self, layer_idx: int, x: torch.Tensor, topk_ids: torch.Tensor,
                  topk_weights: torch.Tensor) -> torch.Tensor:
-        if (self.copy_mode == "proxy" and self._proxy.failed()
-                and not (self.on_cuda and torch.cuda.is_current_stream_capturing())):
-            # an eager call (a prefill chunk, eager decode) after an earlier one gave up on the proxy: those waits
-            # copied and were correct, but nothing re-runs them, so settle it here, before this call maps any slot
-            # (decode steps: step_end)
-            self._proxy_failed()
+        early, self._early = self._early, None
+        if early is not None:
+            if early[0] != layer_idx or early[1].shape != topk_ids.shape:
+                raise RuntimeError(f"layer {layer_idx} was called with other routes than early_plan was given (layer "
+                                   f"{early[0]}, {tuple(early[1].shape)} routes): the plan already published does not "
+                                   "fit them; call early_plan with the routes the layer will use")
+            return self._ffn_after_early_plan(layer_idx, x, topk_ids, early[1], topk_weights)
+        self._settle_failed_proxy()
         slot_ids = topk_ids.to(torch.int64, copy=True).contiguous()      # [T, K] -> slot ids
         # A prefill chunk routes to most experts of every layer: with prefill_prefetch, stream the
         # next layer's experts (a low-priority prefetch of all of them, never evicting this layer's)
@@ -379,6 +388,51 @@ class OffloadExperts(SlotPoolAudit):
         if ready is not None:
             torch.cuda.current_stream(self.device).wait_event(ready)
         return expert_ffn(mode, x, slot_ids, topk_weights, self.w13, self.w2, kernel_impl=self.kernel_impl)
+
+    def _settle_failed_proxy(self) -> None:
+        if (self.copy_mode == "proxy" and self._proxy.failed()
+                and not (self.on_cuda and torch.cuda.is_current_stream_capturing())):
+            # an eager call (a prefill chunk, eager decode) after an earlier one gave up on the proxy: those waits
+            # copied and were correct, but nothing re-runs them, so settle it here, before this call maps any slot
+            # (decode steps: step_end)
+            self._proxy_failed()
+
+    def early_plan(self, layer_idx: int, topk_ids: torch.Tensor) -> bool:
+        """Copies that start before the layer has chosen its experts: with routes known before the layer's attention
+        (`MoeModel.routing_ahead`: the benchmarks' synthetic table, so a perfect prediction), make the layer's plan
+        (`ensure`) and hand it to the DMA proxy now; the layer's `forward`, which must get the same routes, then runs
+        only its GEMMs and waits. The bound that any router prediction could reach (docs/OFFLOAD.md). Copy mode proxy,
+        decode-sized calls only; False (nothing done: `forward` plans as usual) otherwise."""
+        self._early = None          # one a forward did not take (it raised before this layer's experts): its copies
+        if (self.copy_mode != "proxy"   # were published, and land; the slots it mapped hold their experts then
+                or prefill_prefetch_layer(layer_idx, topk_ids.numel(), self.num_experts, self.num_layers,
+                                          self.gather_max_pairs) is not None):
+            return False
+        try:
+            self._settle_failed_proxy()
+            if self.copy_mode != "proxy":            # just given up on
+                return False
+            slot_ids = topk_ids.to(torch.int64, copy=True).contiguous()
+            ensure(self.cache, layer_idx, slot_ids, fetch_fraction=1.0, check_ids=False)
+            c = self.cache
+            self._proxy.publish(layer_idx, c.evict_slots, c.src_indices, c.num_indices)
+        except BaseException as exc:
+            self.forget_slots_after_error(exc)
+            raise
+        self._early = (layer_idx, slot_ids)
+        return True
+
+    def _ffn_after_early_plan(self, layer_idx: int, x: torch.Tensor, topk_ids: torch.Tensor, slot_ids: torch.Tensor,
+                              topk_weights: torch.Tensor) -> torch.Tensor:
+        mode = pick_mode(self.mode, self.on_cuda, slot_ids.numel(), self.gather_max_pairs)
+        self.stats.routed_pairs += slot_ids.numel()
+        self.stats.early_plans += 1
+        max_copies = min(slot_ids.numel(), self.cache.num_slots)
+        return copy_then_ffn(self.slots, self.host.layers[layer_idx], self.cache, max_copies, x, slot_ids,
+                             topk_weights, self.w13, self.w2, mode=mode, kernel_impl=self.kernel_impl,
+                             side_stream=self.copy_stream if self.on_cuda and self.overlap_copy else None,
+                             split_copy=self.split_copy, after_fork=lambda: self._count_on_device(topk_ids),
+                             proxy=self._proxy, layer_idx=layer_idx, published=True)
 
     def graph_safe(self, num_pairs: int) -> bool:
         """Capturable in a CUDA graph: device-side copies and the gemv- or gather-mode GEMMs."""
