@@ -315,6 +315,10 @@ def main() -> int:
     parser.add_argument("--freq-half-life", type=int, default=None,
                         help="with --freq-weights W > 0: layer calls between halvings of the route counts (0: never; "
                              "default: FREETOKEN_EVICTION_FREQ_HALF_LIFE, 3072; s14-f ran before it existed, as 0)")
+    parser.add_argument("--overlap-decode", default="auto",
+                        help="comma-separated auto, on, off: EngineConfig.overlap_decode for every resident and offload "
+                             "run (the next decode step queued before this one's tokens are read; auto: the knob "
+                             "FREETOKEN_OVERLAP_DECODE, on with CUDA); several: side by side")
     parser.add_argument("--routing-ahead", default="off",
                         help="copy mode proxy, comma-separated off,on: with on, each layer's plan is made from the "
                              "synthetic table and published before the layer's attention (MoeModel.routing_ahead): "
@@ -351,14 +355,20 @@ def main() -> int:
     if not linears or any(v not in MoeModel.DENSE_LINEARS for v in linears):
         raise SystemExit(f"--dense-linear {args.dense_linear!r}: give gemv, torch or both, comma-separated")
     pdl_modes = ("off", "on") if args.pdl == "both" else (args.pdl,)
-    for linear, graphs, pdl_mode in [(lin, g, p) for lin in reversed(linears)
-                                     for g in ((False, True) if args.graphs == "both" else (args.graphs == "on",))
-                                     for p in pdl_modes]:
+    overlaps_decode = [{"auto": None, "on": True, "off": False}[v.strip()] for v in args.overlap_decode.split(",")
+                       if v.strip()]
+
+    def overlap_label(value) -> str:
+        return "" if len(overlaps_decode) < 2 else " overlap " + {None: "auto", True: "on", False: "off"}[value]
+
+    for linear, graphs, pdl_mode, od in [(lin, g, p, o) for lin in reversed(linears)
+                                         for g in ((False, True) if args.graphs == "both" else (args.graphs == "on",))
+                                         for p in pdl_modes for o in overlaps_decode]:
         if pdl_mode is not None:             # read when the kernels launch: this engine's graphs keep it
             apply_pdl(pdl_mode)
         _reset_peak()
         loaded.model.dense_linear = linear     # the last one run (the first listed) stays for the offload runs
-        conf = dataclasses.replace(econf, cuda_graphs=graphs)
+        conf = dataclasses.replace(econf, cuda_graphs=graphs, overlap_decode=od)
         engine = Engine(loaded.model, conf, eos_token_ids=())
         res = measure(engine, prompt, args)
         if linear == linears[0]:               # another dense_linear rounds differently: not comparable
@@ -366,7 +376,7 @@ def main() -> int:
                 res["lossless"] = res["tokens"] == reference_tokens
             reference_tokens = reference_tokens or res["tokens"]
         name = "resident" + (" graphs" if graphs else " eager") + (f" {linear}" if len(linears) > 1 else "") \
-            + (f" pdl {pdl_mode}" if len(pdl_modes) > 1 else "")
+            + (f" pdl {pdl_mode}" if len(pdl_modes) > 1 else "") + overlap_label(od)
         rows.append((name, "-", res, _peak(), proc.memory_info().rss))
         print(name, res["all_tok_s"], _launch_note(res), flush=True)
         if args.profile and args.device == "cuda":
@@ -395,12 +405,13 @@ def main() -> int:
             splits = {"on": [True], "off": [False], "both": [True, False]}[args.copy_split]
             weights = [int(w) for w in args.freq_weights.split(",") if w.strip()]
             aheads = [v.strip() == "on" for v in args.routing_ahead.split(",") if v.strip()]
-            modes = [(m, c, o, sp, p, w, a) for w in weights for m in args.offload_copy.split(",")
+            modes = [(m, c, o, sp, p, w, a, od) for w in weights for m in args.offload_copy.split(",")
                      for c in (_copy_chunks(args) if m == "kernel" else [None])
                      for o in (overlaps if m in ("kernel", "proxy") else [False])
                      for sp in (splits if m in ("kernel", "proxy") and o else [True])
-                     for p in pdl_modes for a in (aheads if m == "proxy" else [False])]
-            for copy_mode, chunks, overlap, split, pdl_mode, weight, ahead in modes:
+                     for p in pdl_modes for a in (aheads if m == "proxy" else [False])
+                     for od in (overlaps_decode if m != "proxy" else [None])]
+            for copy_mode, chunks, overlap, split, pdl_mode, weight, ahead, od in modes:
                 if pdl_mode is not None:
                     apply_pdl(pdl_mode)
                 if copy_mode == "dma" and frac not in dma_fracs:
@@ -418,13 +429,14 @@ def main() -> int:
                     label += f" fw{weight}"
                 if ahead:
                     label += " ahead"
+                label += overlap_label(od)
                 loaded.model.routing_ahead = ahead
                 slots = resolve_cache_slots(frac, source.num_layers, source.num_experts)
                 backend = OffloadExperts(host, slots, args.device, copy_mode=copy_mode, overlap_copy=overlap,
                                          split_copy=split, freq_weight=weight, freq_half_life=args.freq_half_life)
                 loaded.model.experts = backend
                 _reset_peak()
-                engine = Engine(loaded.model, econf, eos_token_ids=())
+                engine = Engine(loaded.model, dataclasses.replace(econf, overlap_decode=od), eos_token_ids=())
                 r = measure(engine, prompt, args, backend)
                 r["lossless"] = r["tokens"] == reference_tokens
                 rows.append((f"offload {frac:.0%} {label}", slots, r, _peak(),

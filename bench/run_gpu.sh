@@ -41,6 +41,7 @@
 #        [s17-b] (prepared: GPU tests of what landed after s16-d; the engine table again)
 #        [s17-c] (s17-b's tests and the early plan's; offload 25 / 50%: kernel, proxy, proxy with plans ahead of attention)
 #        [s17-d] (the early plan's GPU test after its fix; 50% in the issue's configuration with plans ahead; one stall hunt)
+#        [s17-e] (overlapped decode steps: GPU tests; resident and offload 25 / 50% with it off and on)
 #        (default: kernels engine cpu). SECTION_TIMEOUT (s, default 540) bounds each command.
 # Logs go to $OUT (the device tool's output folder) when it is set, else ./out.
 set -u
@@ -708,6 +709,16 @@ device,=hybrid min-wait device serial" 2>&1 | tee "$OUT/overlap_hybrid.log" | ta
       timeout 170 python3 bench/bench_engine.py --batch 4 --runs 2 --prompt-tokens 1024 --decode-tokens 64 \
         --fractions 0.25 --offload-copy proxy --freq-weights 0,256 > "$OUT/s17d_stall.log" 2>&1 || status=1
       grep -E "^offload|proxy counters|stalled|failed" "$OUT/s17d_stall.log" | cut -c1-400
+      ;;
+    s17-e)    # seventeenth session: decode steps overlapped (EngineConfig.overlap_decode): its GPU tests and the engine's,
+              # offload's and the proxy's; then resident and offload (copy kernel) at 25 / 50% with it off and on, side by side
+      timeout 170 python3 -m pytest -q --tb=short -p no:cacheprovider -m gpu tests/test_engine_overlap.py tests/test_engine_gpu.py \
+        tests/test_cuda_graphs_gpu.py tests/test_offload.py tests/test_dma_proxy.py > "$OUT/s17e_tests.log" 2>&1 || status=1
+      grep -E "FAILED|Error|passed|failed" "$OUT/s17e_tests.log" | cut -c1-300 | tail -n 6
+      timeout 400 python3 bench/bench_engine.py --runs 3 --prompt-tokens 1024 --decode-tokens 256 --fractions 0.25,0.5 \
+        --offload-copy kernel --overlap-decode off,on > "$OUT/s17e_engine.log" 2>&1 || status=1
+      grep -E "^(resident|offload)" "$OUT/s17e_engine.log" | cut -c1-300
+      grep -v "^ " "$OUT/s17e_engine.log" | tail -n 7 | cut -c1-200
       ;;
     omp-wait)    # prepared in the tenth session; s11-e ran the same comparison (active starved the pool: 3.2 GB/s): the hybrid configuration with the CPU workers' OpenMP team
                  # left to libgomp's default wait (spin, then sleep) against OMP_WAIT_POLICY=active (the workers inherit

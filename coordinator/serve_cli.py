@@ -210,7 +210,7 @@ def run_inline(args: argparse.Namespace) -> int:
     from kernels.pdl import apply_setting
     apply_setting(resolve({"pdl": args.pdl})["pdl"], args.device)
     export_setting("prefill_prefetch", resolve({"prefill_prefetch": args.prefill_prefetch})["prefill_prefetch"])
-    for field in ("eviction_freq_weight", "eviction_freq_half_life"):
+    for field in ("eviction_freq_weight", "eviction_freq_half_life", "overlap_decode"):
         export_setting(field, resolve({field: getattr(args, field)})[field])
     served = load_served_engine(args.model, args.preset, args.device, moe_strategy=args.moe_strategy,
                                 moe_cache_size=args.moe_cache_size, max_running_requests=args.max_running_requests,

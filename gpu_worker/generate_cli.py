@@ -118,7 +118,7 @@ def run(args: argparse.Namespace) -> int:
     from kernels.pdl import apply_setting
     apply_setting(resolve({"pdl": args.pdl})["pdl"], args.device)
     export_setting("prefill_prefetch", resolve({"prefill_prefetch": args.prefill_prefetch})["prefill_prefetch"])
-    for field in ("eviction_freq_weight", "eviction_freq_half_life"):
+    for field in ("eviction_freq_weight", "eviction_freq_half_life", "overlap_decode"):
         export_setting(field, resolve({field: getattr(args, field)})[field])
     loaded = load_model(args.model, args.preset, device=args.device, dtype=args.dtype,
                         moe_strategy=args.moe_strategy, moe_cache_size=args.moe_cache_size,

@@ -55,6 +55,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_cli_flag(parser, "moe_slot_audit")      # local: a check, not part of the coordinator's config
     add_cli_flag(parser, "pdl")                 # local: the same tokens either way
     add_cli_flag(parser, "prefill_prefetch")    # local: the same tokens either way
+    add_cli_flag(parser, "overlap_decode")      # local: the same tokens either way
     add_cli_flag(parser, "eviction_freq_weight")   # local: the same tokens either way
     add_cli_flag(parser, "eviction_freq_half_life")
     cpus = parser.add_argument_group("CPUs (cpu/hybrid; local to this process, not part of the coordinator's config)")
@@ -78,12 +79,13 @@ def run(args: argparse.Namespace) -> int:
     knobs = resolve({"hybrid_handoff": args.hybrid_handoff, "pin_gpu_worker": args.pin_gpu_worker,
                      "offload_copy": args.offload_copy, "moe_slot_audit": args.moe_slot_audit, "pdl": args.pdl,
                      "prefill_prefetch": args.prefill_prefetch, "eviction_freq_weight": args.eviction_freq_weight,
-                     "eviction_freq_half_life": args.eviction_freq_half_life})
+                     "eviction_freq_half_life": args.eviction_freq_half_life, "overlap_decode": args.overlap_decode})
     from kernels.pdl import apply_setting
     apply_setting(knobs["pdl"], args.device)
     export_setting("prefill_prefetch", knobs["prefill_prefetch"])
     export_setting("eviction_freq_weight", knobs["eviction_freq_weight"])
     export_setting("eviction_freq_half_life", knobs["eviction_freq_half_life"])
+    export_setting("overlap_decode", knobs["overlap_decode"])
     options = GpuWorkerOptions(
         engine_addr=args.engine_addr, name=args.name, model=args.model, preset=args.preset, device=args.device,
         moe_strategy=args.moe_strategy, moe_cache_size=args.moe_cache_size,

@@ -103,6 +103,11 @@ KNOBS: tuple[Knob, ...] = (
          "its own, so they land while this layer computes: on (default; the chunk's time is its copies': "
          "docs/OFFLOAD.md) or off (each layer copies, then computes); the same tokens either way",
          choices=("on", "off")),
+    Knob("FREETOKEN_OVERLAP_DECODE", "overlap_decode", str, "auto",
+         "queue the next decode step (fed with this step's sampled ids on the device) before this step's ids are read "
+         "back, so the GPU does not idle while the host finishes a step: auto (on with a CUDA GPU), on, off; the same "
+         "tokens either way (gpu_worker/engine/README.md)",
+         choices=("auto", "on", "off")),
     Knob("FREETOKEN_EVICTION_FREQ_WEIGHT", "eviction_freq_weight", _freq_weight, 0,
          "offload and hybrid: the slot cache's eviction key. 0 (default): least recently used, the contract's. W > 0 "
          "(up to 1024): a used slot's key is its last use (in layer calls) + W x the routes its expert has had, so "

@@ -19,11 +19,13 @@ from typing import Hashable, Iterable
 
 import torch
 
+from proto.knobs import env_setting
+
 from ..models.model import MoeModel
 from .attention import ATTENTION_BACKENDS, DecodeAttention, PrefillAttention, decode_bucket_tokens
 from .kv_cache import KVCache
 from .request import Request, StepOutput
-from .sampling import FINISH_ABORT, RequestSampler, SamplingParams, sample_batch
+from .sampling import FINISH_ABORT, RequestSampler, SamplingParams, sample_batch_device
 from .scheduler import PrefillChunk, Scheduler
 from .stats import EngineStats
 
@@ -44,6 +46,9 @@ DEFAULT_PREFILL_CHUNK_TOKENS = 4096
 DECODE_ATTEMPTS = 2      # a decode step the expert backend failed is run once more (it then fetches)
 SLOT_AUDIT_SAMPLE = 2    # a slot audit compares the most recently used slots whole with the expert store ...
 SLOT_AUDIT_PROBES = 64   # ... and three windows of this many other slots, drawn at random
+# with a decode step queued ahead (EngineConfig.overlap_decode), the expert backend's counters (a device read, which
+# would wait for that step) are taken every this many decode steps, and whenever no step is in flight
+COUNTERS_EVERY_OVERLAPPED = 16
 
 log = logging.getLogger("ft.engine")
 
@@ -56,6 +61,10 @@ class EngineConfig:
     attention_backend: str = "auto"        # decode attention: "triton" | "sdpa"; auto: triton on CUDA
     slot_audit_every: int = 0              # every N decode steps, audit the expert slot cache (0: never;
                                            # FREETOKEN_MOE_SLOT_AUDIT; docs/slot_cache.md)
+    # queue the next decode step (fed with this one's sampled ids on the device) before reading this one's ids
+    # back, so that the GPU does not idle while the host finishes the step; None: the knob FREETOKEN_OVERLAP_DECODE
+    # (auto: on CUDA; gpu_worker/engine/README.md)
+    overlap_decode: bool | None = None
 
     def __post_init__(self) -> None:
         if self.max_running_requests < 1:
@@ -83,6 +92,23 @@ class DecodeInputs:
     rows_are_slots: bool        # slot_ids == arange(T)
 
 
+@dataclass
+class _DecodeStep:
+    """A decode step launched: its batch, its sampled ids on the device and (CUDA) their pinned host copy, which
+    holds them once `ready` has completed."""
+    reqs: list[Request]
+    tokens: torch.Tensor                    # [B] int64, device
+    host: torch.Tensor | None = None        # [B] int64, pinned
+    ready: "torch.cuda.Event | None" = None
+
+    def token_ids(self) -> list[int]:
+        """The sampled ids on the host: waits for this step's sampling only, not for anything queued after it."""
+        if self.ready is None:
+            return self.tokens.tolist()
+        self.ready.synchronize()
+        return self.host.tolist()
+
+
 class Engine:
     def __init__(self, model: MoeModel, config: EngineConfig | None = None,
                  eos_token_ids: Iterable[int] | None = None):
@@ -102,6 +128,12 @@ class Engine:
         self.scheduler = Scheduler(self.config.max_running_requests, self.prefill_chunk_tokens)
         self.stats = EngineStats()
         self._ids = itertools.count()
+        overlap = self.config.overlap_decode
+        if overlap is None:                         # the knob (FREETOKEN_OVERLAP_DECODE, --overlap-decode)
+            setting = env_setting("overlap_decode")
+            overlap = self.device.type == "cuda" if setting == "auto" else setting == "on"
+        self.overlap_decode = bool(overlap)
+        self._ahead: _DecodeStep | None = None      # the decode step queued ahead (overlap_decode), not yet read
         self.graphs = None
         if self.config.cuda_graphs and self.device.type == "cuda":
             from .cuda_graphs import DecodeGraphs
@@ -147,24 +179,48 @@ class Engine:
         return self.scheduler.has_work()
 
     def step(self) -> list[StepOutput]:
-        """Run one decode forward and/or one prefill chunk; return the tokens they made."""
-        plan = self.scheduler.plan()
-        if plan.empty:
-            return []
-        self.stats.num_steps += 1
+        """Run one decode forward and/or one prefill chunk; return the tokens they made.
+
+        With overlap_decode, a decode step may already be on the GPU (queued by the previous call for the same
+        requests): this call reads its tokens. If the batch has changed since (a request finished, was aborted or
+        joins), that step's tokens are taken first for the requests still running, then this call plans anew."""
         outputs: list[StepOutput] = []
-        if plan.decode:
-            outputs += self._decode(plan.decode)
-        if plan.prefill is not None:
-            outputs += self._prefill(plan.prefill)
+        if self._ahead is not None and self.scheduler.next_decode_only() != self._ahead.reqs:
+            outputs += self._retire(self._take_ahead())
+        plan = self.scheduler.plan()
+        if not plan.empty:
+            self.stats.num_steps += 1
+            made: list[StepOutput] = []
+            if plan.decode:
+                made += self._decode(plan.decode)
+            if plan.prefill is not None:
+                made += self._prefill(plan.prefill)
+            outputs += self._retire(made)
+        counters = getattr(self.model.experts, "counters", None)
+        if counters is not None and (self._ahead is None or
+                                     self.stats.num_decode_steps % COUNTERS_EVERY_OVERLAPPED == 0):
+            self.stats.absorb_expert_counters(counters())   # offload / cpu / hybrid: stats, metrics, the tuner
+        return outputs
+
+    def _retire(self, outputs: list[StepOutput]) -> list[StepOutput]:
         for out in outputs:
             if out.finished:
                 self.scheduler.remove(self.scheduler.find(out.request_id))
                 self.stats.requests_finished += 1
         self.stats.generated_tokens += len(outputs)
-        counters = getattr(self.model.experts, "counters", None)
-        if counters is not None:                  # offload / cpu / hybrid: stats, metrics, the policy tuner
-            self.stats.absorb_expert_counters(counters())
+        return outputs
+
+    def _take_ahead(self) -> list[StepOutput]:
+        """The tokens of the decode step queued ahead, for its requests still running (one that finished or was
+        aborted meanwhile made its token for nothing: its KV row was freed, and anything later runs after it)."""
+        ahead, self._ahead = self._ahead, None
+        token_ids = ahead.token_ids()
+        now = time.perf_counter()
+        self.stats.num_decode_steps += 1
+        outputs = [r.append_token(t, now) for r, t in zip(ahead.reqs, token_ids)
+                   if not r.finished and r.slot is not None]
+        self.stats.decode_tokens += len(outputs)
+        self.stats.decode_tokens_discarded += len(ahead.reqs) - len(outputs)
         return outputs
 
     def set_policy(self, **fields) -> None:
@@ -206,15 +262,20 @@ class Engine:
         self.stats.prefill_time_s += time.perf_counter() - t0
         return outputs
 
-    def decode_inputs(self, reqs: list[Request]) -> DecodeInputs:
+    def decode_inputs(self, reqs: list[Request], after: torch.Tensor | None = None) -> DecodeInputs:
+        """The next decode step's inputs; `after`: the ids [T] (device) sampled by a step launched for the same
+        requests whose tokens the host has not read yet: the inputs of the step after that one."""
         slots = [r.slot for r in reqs]
-        host = torch.tensor([[r.output_ids[-1] for r in reqs], [r.seq_len - 1 for r in reqs], slots],
-                            dtype=torch.int64)                                        # [3, T]
+        ahead = 0 if after is None else 1
+        rows = [[r.seq_len - 1 + ahead for r in reqs], slots]
+        if after is None:
+            rows.insert(0, [r.output_ids[-1] for r in reqs])
+        host = torch.tensor(rows, dtype=torch.int64)                                  # [3 or 2, T]
         if self.device.type == "cuda":
             host = host.pin_memory()
         dev = host.to(self.device, non_blocking=True)
-        max_len = max(r.seq_len for r in reqs)
-        return DecodeInputs(dev[0], dev[1], dev[2], num_rows=max(slots) + 1,
+        max_len = max(r.seq_len for r in reqs) + ahead
+        return DecodeInputs(dev[0] if after is None else after, dev[-2], dev[-1], num_rows=max(slots) + 1,
                             bucket_tokens=decode_bucket_tokens(max_len, self.max_context_tokens),
                             rows_are_slots=slots == list(range(len(reqs))))
 
@@ -228,7 +289,45 @@ class Engine:
 
     def _decode(self, reqs: list[Request]) -> list[StepOutput]:
         t0 = time.perf_counter()
-        inputs = self.decode_inputs(reqs)
+        current, self._ahead = self._ahead, None
+        if current is None or current.reqs != reqs:
+            if current is not None:     # step() takes a step queued for another batch before it plans
+                raise RuntimeError("a decode step queued ahead for another batch was not taken first")
+            current = self._launch_decode(reqs, self.decode_inputs(reqs))
+        if self._may_queue_next(reqs):
+            self._ahead = self._launch_decode(reqs, self.decode_inputs(reqs, after=current.tokens))
+            self.stats.decode_steps_ahead += 1
+        token_ids = current.token_ids()                                               # host sync (this step's)
+        now = time.perf_counter()
+        self.stats.num_decode_steps += 1
+        self.stats.decode_tokens += len(reqs)
+        self.stats.decode_time_s += now - t0
+        every = self.config.slot_audit_every
+        if every and self.stats.num_decode_steps % every == 0:
+            self._audit_slots(self.model.experts)
+        return [r.append_token(t, now) for r, t in zip(reqs, token_ids)]
+
+    def _may_queue_next(self, reqs: list[Request]) -> bool:
+        """Whether to queue the step after this one before reading this one's tokens (overlap_decode): the same
+        requests will decode next and nothing else will run (no admission, no prefill), none of them ends by length
+        with this step's token, the backend's steps may overlap (no step hooks that sync: the hybrid backend, the DMA
+        proxy), and no slot audit falls on this step (it reads the cache with nothing in flight). A request that ends on a stop token makes its next token
+        for nothing."""
+        if not self.overlap_decode or self.scheduler.next_decode_only() != reqs:
+            return False
+        experts = self.model.experts
+        may = getattr(experts, "decode_steps_may_overlap", None)
+        if may is None:
+            may = getattr(experts, "step_begin", None) is None and getattr(experts, "step_end", None) is None
+        every = self.config.slot_audit_every
+        if not may or (every and (self.stats.num_decode_steps + 1) % every == 0):
+            return False
+        return all(len(r.output_ids) + 1 < r.params.max_new_tokens and r.seq_len + 1 <= r.max_context_tokens
+                   for r in reqs)
+
+    def _launch_decode(self, reqs: list[Request], inputs: DecodeInputs) -> _DecodeStep:
+        """Queue one decode forward and its sampling; the ids stay on the device (and are copied to pinned host
+        memory behind them) until `_DecodeStep.token_ids` reads them."""
         experts = self.model.experts
         begin, end = getattr(experts, "step_begin", None), getattr(experts, "step_end", None)
         for attempt in range(DECODE_ATTEMPTS):
@@ -246,15 +345,14 @@ class Engine:
         else:
             raise RuntimeError(f"the expert backend failed the decode step {DECODE_ATTEMPTS} times (its re-run "
                                "fetches every miss and should not fail); see the log for the cause")
-        token_ids = sample_batch([r.sampler for r in reqs], logits)                   # host sync
-        now = time.perf_counter()
-        self.stats.num_decode_steps += 1
-        self.stats.decode_tokens += len(reqs)
-        self.stats.decode_time_s += now - t0
-        every = self.config.slot_audit_every
-        if every and self.stats.num_decode_steps % every == 0:
-            self._audit_slots(experts)
-        return [r.append_token(t, now) for r, t in zip(reqs, token_ids)]
+        tokens = sample_batch_device([r.sampler for r in reqs], logits)                # [B] int64, device
+        if tokens.device.type != "cuda":
+            return _DecodeStep(list(reqs), tokens)
+        host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+        host.copy_(tokens, non_blocking=True)
+        ready = torch.cuda.Event()
+        ready.record()
+        return _DecodeStep(list(reqs), tokens, host, ready)
 
     def _audit_slots(self, experts) -> None:
         """The slot audit (EngineConfig.slot_audit_every): check the backend's slot cache on the host, and on a

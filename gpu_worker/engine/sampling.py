@@ -76,8 +76,13 @@ class RequestSampler:
         return torch.multinomial(probs, 1, generator=self.generator)[0]
 
 
+def sample_batch_device(samplers: list[RequestSampler], logits: torch.Tensor) -> torch.Tensor:
+    """logits [B, V] fp32, one sampler per row -> [B] int64 token ids on the logits' device (no host sync)."""
+    if all(s.generator is None for s in samplers):
+        return torch.argmax(logits, dim=-1)
+    return torch.stack([s.sample(logits[i]) for i, s in enumerate(samplers)])
+
+
 def sample_batch(samplers: list[RequestSampler], logits: torch.Tensor) -> list[int]:
     """logits [B, V] fp32, one sampler per row -> B token ids (one host sync for the batch)."""
-    if all(s.generator is None for s in samplers):
-        return torch.argmax(logits, dim=-1).tolist()
-    return torch.stack([s.sample(logits[i]) for i, s in enumerate(samplers)]).tolist()
+    return sample_batch_device(samplers, logits).tolist()

@@ -72,6 +72,13 @@ class Scheduler:
         elif request in self.waiting:
             self.waiting.remove(request)
 
+    def next_decode_only(self) -> list[Request] | None:
+        """The requests the next `plan` will decode, when it will run nothing else (no request to admit, none
+        prefilling); None otherwise. No side effects."""
+        if (self.waiting and self._free_slots) or any(r.in_prefill for r in self.running):
+            return None
+        return [r for r in self.running if not r.finished]
+
     def plan(self) -> StepPlan:
         while self.waiting and self._free_slots:
             req = self.waiting.popleft()

@@ -11,6 +11,8 @@ class EngineStats:
     num_steps: int = 0
     num_decode_steps: int = 0          # steps that ran a decode forward
     decode_step_retries: int = 0       # decode forwards run again because the expert backend's failed
+    decode_steps_ahead: int = 0        # decode steps queued before the previous one's tokens were read (overlap_decode)
+    decode_tokens_discarded: int = 0   # tokens of such steps for requests that had ended meanwhile (a stop token, abort)
     slot_audits: int = 0               # slot-cache audits run (EngineConfig.slot_audit_every)
     slot_audit_failures: int = 0       # audits that found a problem (the cache was emptied after each)
     num_prefill_chunks: int = 0

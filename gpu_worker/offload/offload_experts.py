@@ -443,6 +443,12 @@ class OffloadExperts(SlotPoolAudit):
         """A captured decode graph holds the copy mode's kernels: a change of mode (the proxy given up) needs new ones."""
         return ("offload", self.copy_mode)
 
+    @property
+    def decode_steps_may_overlap(self) -> bool:
+        """The engine may queue the next decode step before this one's tokens are read (EngineConfig.overlap_decode)
+        unless the DMA proxy's `step_end` must see each step end first."""
+        return self.copy_mode != "proxy"
+
     def step_end(self) -> bool:
         """After a decode step (the engine calls it): with the DMA proxy, whether its copies all landed (a device
         sync, then one host word). If a wait gave up on it, that step copied the rest itself and is correct, but a
