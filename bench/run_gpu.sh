@@ -42,6 +42,7 @@
 #        [s17-c] (s17-b's tests and the early plan's; offload 25 / 50%: kernel, proxy, proxy with plans ahead of attention)
 #        [s17-d] (the early plan's GPU test after its fix; 50% in the issue's configuration with plans ahead; one stall hunt)
 #        [s17-e] (overlapped decode steps: GPU tests; resident and offload 25 / 50% with it off and on)
+#        [s17-f] (overlap with offload's DMA mode; GPU tests of serving, the engine link and hybrid)
 #        (default: kernels engine cpu). SECTION_TIMEOUT (s, default 540) bounds each command.
 # Logs go to $OUT (the device tool's output folder) when it is set, else ./out.
 set -u
@@ -719,6 +720,12 @@ device,=hybrid min-wait device serial" 2>&1 | tee "$OUT/overlap_hybrid.log" | ta
         --offload-copy kernel --overlap-decode off,on > "$OUT/s17e_engine.log" 2>&1 || status=1
       grep -E "^(resident|offload)" "$OUT/s17e_engine.log" | cut -c1-300
       grep -v "^ " "$OUT/s17e_engine.log" | tail -n 7 | cut -c1-200
+      ;;
+    s17-f)    # seventeenth session, last: overlapped decode steps with offload's DMA copy mode (eager) too; the GPU tests of
+              # what drives the engine (serving processes, the engine link, hybrid), after the engine's step changed
+      timeout 450 python3 -m pytest -q --tb=short -p no:cacheprovider -m gpu tests/test_engine_overlap.py tests/test_serve_processes.py \
+        tests/test_engine_link.py tests/test_hybrid.py > "$OUT/s17f_tests.log" 2>&1 || status=1
+      grep -E "FAILED|Error|passed|failed" "$OUT/s17f_tests.log" | cut -c1-300 | tail -n 8
       ;;
     omp-wait)    # prepared in the tenth session; s11-e ran the same comparison (active starved the pool: 3.2 GB/s): the hybrid configuration with the CPU workers' OpenMP team
                  # left to libgomp's default wait (spin, then sleep) against OMP_WAIT_POLICY=active (the workers inherit

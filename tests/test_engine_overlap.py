@@ -112,10 +112,11 @@ def test_nothing_is_queued_past_a_length_end_or_a_full_context(tiny):
     assert engine.stats.decode_tokens_discarded == 0 and engine.stats.decode_steps_ahead > 0
 
 
-@pytest.mark.parametrize("copy_mode, overlaps", [("kernel", True), ("proxy", False)])
+@pytest.mark.parametrize("copy_mode, overlaps", [("kernel", True), ("dma", True), ("proxy", False)])
 def test_offload_overlaps_its_steps_unless_the_proxy_must_see_each_end(copy_mode, overlaps):
-    """Offload (copy kernel) queues steps ahead and gives resident's tokens, with its counters read in full at the end;
-    with the DMA proxy, whose step_end syncs and may re-run a step, nothing is queued ahead."""
+    """Offload (copy kernel, or DMA copies from plans read back each layer) queues steps ahead and gives resident's
+    tokens, with its counters read in full at the end; with the DMA proxy, whose step_end syncs and may re-run a step,
+    nothing is queued ahead."""
     from gpu_worker.offload import OffloadExperts
     from tests.test_offload import PROMPT
     params = {"a": SamplingParams(max_new_tokens=20, ignore_eos=True), "b": GREEDY}
@@ -143,14 +144,14 @@ def test_without_overlap_nothing_is_queued(tiny):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("strategy", ["resident", "offload"])
+@pytest.mark.parametrize("strategy", ["resident", "kernel", "dma"])
 def test_gpu_overlapped_steps_in_cuda_graphs_give_the_tokens_without_overlap(strategy):
-    """On CUDA, in graphs, where the next step really runs while the host reads this one's ids: resident and offload
-    (copy kernel) give the tokens of the engine without overlap, with greedy and seeded sampled requests joining and
-    one stopping early."""
+    """On CUDA, where the next step really runs while the host reads this one's ids: resident and offload with the
+    copy kernel (in CUDA graphs) and with DMA copies (eager: each layer reads its plan back) give the tokens of the
+    engine without overlap, with greedy and seeded sampled requests joining and one stopping early."""
     loaded = load_model(device="cuda", **({} if strategy == "resident" else dict(moe_strategy="offload",
                                                                                  moe_cache_size=9,
-                                                                                 offload_copy="kernel")))
+                                                                                 offload_copy=strategy)))
     vocab = loaded.cfg.vocab_size
     prompts = {n: prompt_ids(k, seed=70 + i, vocab=vocab) for i, (n, k) in enumerate([("a", 9), ("b", 14), ("c", 4)])}
     params = {"a": SamplingParams(max_new_tokens=40, ignore_eos=True),
@@ -168,7 +169,7 @@ def test_gpu_overlapped_steps_in_cuda_graphs_give_the_tokens_without_overlap(str
         (plain, plain_engine), (got, engine) = outs
         assert got == plain
         assert engine.overlap_decode and engine.stats.decode_steps_ahead > 20
-        assert engine.graphs is not None and engine.graphs.replays > 20
+        assert engine.graphs is not None and (engine.graphs.replays > 20) == (strategy != "dma")
     finally:
         close = getattr(loaded.model.experts, "close", None)
         if close is not None:
