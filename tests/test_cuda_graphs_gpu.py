@@ -24,3 +24,45 @@ def test_graph_decode_equals_eager(num_prompts, tmp_path, monkeypatch):
     assert eager.generate(prompts, params) == graphs.generate(prompts, params)
     assert graphs.graphs.captures >= 1 and graphs.graphs.replays >= 30
     assert eager.graphs is None
+
+
+def dead_engine_collected_mid_capture() -> tuple[list, list]:
+    """Tokens of the tiny model from a first engine, and from a second one whose first graph capture runs automatic
+    garbage collection where the first engine (a dead Engine <-> DecodeGraphs cycle holding captured graphs) is due:
+    frozen out of the collector until the capture, then unfrozen with thresholds of 1 and a burst of allocations."""
+    import gc
+    loaded = load_model(device="cuda")
+    conf = EngineConfig(max_running_requests=1, max_context_tokens=128, cuda_graphs=True)
+    params = SamplingParams(max_new_tokens=6, ignore_eos=True)
+    first = Engine(loaded.model, conf, eos_token_ids=())
+    want = first.generate([[1, 2, 3, 4, 5]], params)
+    assert first.graphs.captures > 0
+    del first                                      # unreachable now, but a cycle: only the collector frees it
+    gc.freeze()
+    second = Engine(loaded.model, conf, eos_token_ids=())
+    plain_forward, burst = second.decode_forward, []
+
+    def forward(inputs):
+        if torch.cuda.is_current_stream_capturing() and not burst:
+            gc.unfreeze()
+            old = gc.get_threshold()
+            gc.set_threshold(1, 1, 1)
+            burst.extend([[] for _ in range(5000)])   # automatic collections, where the collector is enabled
+            gc.set_threshold(*old)
+        return plain_forward(inputs)
+
+    second.decode_forward = forward
+    try:
+        got = second.generate([[1, 2, 3, 4, 5]], params)
+    finally:
+        gc.unfreeze()
+    assert burst, "the capture ran the burst"
+    return want, got
+
+
+@pytest.mark.gpu
+def test_a_dead_engine_collected_during_a_capture_does_not_break_it():
+    """No cyclic collection runs while a decode graph is captured (DecodeGraphs._capture): a dead engine's graphs
+    destroyed mid-capture would invalidate it (seen once in the seventeenth session's GPU tests)."""
+    want, got = dead_engine_collected_mid_capture()
+    assert got == want

@@ -13,6 +13,7 @@ that many (token, expert) pairs); `ResidentExperts` is safe in its gemv and gath
 """
 from __future__ import annotations
 
+import gc
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -86,8 +87,18 @@ class DecodeGraphs:
         # must not change it (HybridExperts does so only in step_begin / step_end, outside the forward).
         key = self._key(static)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            logits = self.engine.decode_forward(static)
+        # No cyclic garbage collection while capturing: recent torch no longer collects before a capture, and a dead engine
+        # (Engine <-> DecodeGraphs is a cycle) collected mid-capture destroys its graphs, a CUDA call that a
+        # capture does not permit, so the capture fails ("operation not permitted when stream is capturing
+        # (function reset)", then cudaErrorStreamCaptureInvalidated; seen once in the seventeenth session's GPU tests)
+        collecting = gc.isenabled()
+        gc.disable()
+        try:
+            with torch.cuda.graph(graph, pool=self.pool):
+                logits = self.engine.decode_forward(static)
+        finally:
+            if collecting:
+                gc.enable()
         if len(self.graphs) >= self.max_graphs:
             self.graphs.popitem(last=False)
         self.graphs[key] = _Captured(graph, static, logits)
