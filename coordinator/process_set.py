@@ -72,7 +72,7 @@ LOCAL_WORKER_FLAGS = (("--hybrid-handoff", "hybrid_handoff"),     # local: the G
                       ("--moe-slot-audit", "moe_slot_audit"),     # a check
                       ("--pdl", "pdl"),                           # lossless either way
                       ("--prefill-prefetch", "prefill_prefetch"),  # lossless either way
-                      ("--overlap-decode", "overlap_decode"),      # lossless either way
+                      ("--overlap-decode", "overlap_decode"),      # the engine's own scheduling
                       ("--eviction-freq-weight", "eviction_freq_weight"),  # which experts stay cached: lossless
                       ("--eviction-freq-half-life", "eviction_freq_half_life"),   # the same
                       ("--prefill-chunk-tokens", "prefill_chunk_tokens"))   # the worker's own memory / latency choice

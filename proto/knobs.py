@@ -106,7 +106,8 @@ KNOBS: tuple[Knob, ...] = (
     Knob("FREETOKEN_OVERLAP_DECODE", "overlap_decode", str, "auto",
          "queue the next decode step (fed with this step's sampled ids on the device) before this step's ids are read "
          "back, so the GPU does not idle while the host finishes a step: auto (on with a CUDA GPU), on, off; the same "
-         "tokens either way (gpu_worker/engine/README.md)",
+         "tokens either way, except that a request stopping with a step queued leaves its batch-mates' next token "
+         "computed in the larger batch (gpu_worker/engine/README.md)",
          choices=("auto", "on", "off")),
     Knob("FREETOKEN_EVICTION_FREQ_WEIGHT", "eviction_freq_weight", _freq_weight, 0,
          "offload and hybrid: the slot cache's eviction key. 0 (default): least recently used, the contract's. W > 0 "

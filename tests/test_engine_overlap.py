@@ -136,6 +136,79 @@ def test_offload_overlaps_its_steps_unless_the_proxy_must_see_each_end(copy_mode
         backend.close()
 
 
+def _stop_early(loaded, prompt) -> tuple[SamplingParams, int]:
+    """Greedy params that stop `prompt` on the first token of its free run (after the first) not made before it, and
+    how many tokens it then makes."""
+    free = _engine(loaded, False).generate([prompt], GREEDY)[0]
+    at = next(i for i, t in enumerate(free) if i >= 1 and t not in free[:i])
+    return SamplingParams(max_new_tokens=12, ignore_eos=True, stop_token_ids=(free[at],)), at + 1
+
+
+def test_an_engine_left_idle_by_a_stop_holds_no_step_and_whole_counters():
+    """The last request stops on a token with a step of it queued: that step is taken before step() returns, so
+    generate() leaves nothing on the device, its discarded token is counted, and the engine's expert counters are the
+    backend's (offload, copy kernel)."""
+    from gpu_worker.offload import OffloadExperts
+    from tests.test_offload import PROMPT
+    loaded = load_model(device="cpu", moe_strategy="offload", moe_cache_size=10)
+    backend = OffloadExperts(loaded.model.experts.host, 10, "cpu", copy_mode="kernel")
+    loaded.model.experts = backend
+    try:
+        params, n = _stop_early(loaded, list(PROMPT))
+        want = _engine(loaded, False).generate([list(PROMPT)], params)
+        engine = _engine(loaded, True)
+        assert engine.generate([list(PROMPT)], params) == want and 2 <= len(want[0]) == n < 12
+        assert not engine.has_work() and engine._ahead is None
+        assert engine.stats.decode_tokens_discarded == 1 and engine.stats.decode_steps_ahead > 0
+        c = backend.counters()
+        assert (engine.stats.expert_hits_total, engine.stats.expert_misses_total) == \
+            (c["expert_hits_total"], c["expert_misses_total"])
+    finally:
+        backend.close()
+
+
+def test_slot_audits_keep_their_cadence_when_requests_join():
+    """Joins make step() take the queued step first; the audit every 3 decode steps still runs at every third one."""
+    from gpu_worker.offload import OffloadExperts
+    from tests.test_offload import PROMPT
+    loaded = load_model(device="cpu", moe_strategy="offload", moe_cache_size=10)
+    backend = OffloadExperts(loaded.model.experts.host, 10, "cpu", copy_mode="kernel")
+    loaded.model.experts = backend
+    try:
+        for overlap in (False, True):
+            engine = _engine(loaded, overlap, slot_audit_every=3, max_running_requests=4)
+            engine.add_request(list(PROMPT), SamplingParams(max_new_tokens=30, ignore_eos=True), request_id=0)
+            step = 0
+            while engine.has_work():
+                if step in (4, 9, 14, 19):
+                    engine.add_request(list(PROMPT[2:6]), SamplingParams(max_new_tokens=3, ignore_eos=True),
+                                       request_id=100 + step)
+                engine.step()
+                step += 1
+            assert engine.stats.slot_audits == engine.stats.num_decode_steps // 3 > 0, overlap
+            assert engine.stats.slot_audit_failures == 0
+        assert engine.stats.decode_steps_ahead > 0
+    finally:
+        backend.close()
+
+
+def test_early_plans_are_for_decode_sized_calls_only():
+    """OffloadExperts.early_plan refuses a prefill-sized call at any layer (the last one prefetches nothing, but may
+    read experts the layer before it is prefetching for it)."""
+    from gpu_worker.offload import OffloadExperts
+    loaded = load_model(device="cpu", moe_strategy="offload", moe_cache_size=10)
+    backend = OffloadExperts(loaded.model.experts.host, 10, "cpu", copy_mode="proxy")
+    try:
+        k = loaded.cfg.top_k
+        wide = torch.arange(64 * k, dtype=torch.int64).remainder(backend.num_experts).view(64, k)
+        assert not backend.early_plan(0, wide) and not backend.early_plan(backend.num_layers - 1, wide)
+        assert backend.early_plan(backend.num_layers - 1, wide[:1])
+        backend.forward(backend.num_layers - 1, torch.randn(1, loaded.cfg.hidden_size, dtype=loaded.model.dtype),
+                        wide[:1], torch.full((1, k), 1.0 / k))
+    finally:
+        backend.close()
+
+
 def test_without_overlap_nothing_is_queued(tiny):
     engine = _engine(tiny, False)
     engine.generate([prompt_ids(5, seed=60, vocab=tiny.cfg.vocab_size)], GREEDY)

@@ -7,7 +7,9 @@
             ...
 
 Not thread-safe: one thread (the front door's engine loop) calls every method. ``step`` runs at most
-one prefill chunk and one decode forward (see scheduler.py) and returns every token made in it.
+one prefill chunk and one decode forward (see scheduler.py) and returns every token made in it; with
+``EngineConfig.overlap_decode`` it may also queue the next decode forward, and return the tokens of one
+queued by the call before (so a request can get two tokens from one call).
 """
 from __future__ import annotations
 
@@ -62,7 +64,9 @@ class EngineConfig:
     slot_audit_every: int = 0              # every N decode steps, audit the expert slot cache (0: never;
                                            # FREETOKEN_MOE_SLOT_AUDIT; docs/slot_cache.md)
     # queue the next decode step (fed with this one's sampled ids on the device) before reading this one's ids
-    # back, so that the GPU does not idle while the host finishes the step; None: the knob FREETOKEN_OVERLAP_DECODE
+    # back, so that the GPU does not idle while the host finishes the step (a request that stops with a step queued
+    # leaves its neighbours' next token computed in the larger batch: bf16 may round it differently than the smaller
+    # batch would, as when any request joins or leaves a batch); None: the knob FREETOKEN_OVERLAP_DECODE
     # (auto: on CUDA; gpu_worker/engine/README.md)
     overlap_decode: bool | None = None
 
@@ -196,6 +200,10 @@ class Engine:
             if plan.prefill is not None:
                 made += self._prefill(plan.prefill)
             outputs += self._retire(made)
+        if self._ahead is not None and self.scheduler.next_decode_only() != self._ahead.reqs:
+            # a request of the queued step just ended (a stop token) or none is left: take it now, so that an idle
+            # engine holds no step in flight and its stats and counters are whole
+            outputs += self._retire(self._take_ahead())
         counters = getattr(self.model.experts, "counters", None)
         if counters is not None and (self._ahead is None or
                                      self.stats.num_decode_steps % COUNTERS_EVERY_OVERLAPPED == 0):
@@ -221,7 +229,13 @@ class Engine:
                    if not r.finished and r.slot is not None]
         self.stats.decode_tokens += len(outputs)
         self.stats.decode_tokens_discarded += len(ahead.reqs) - len(outputs)
+        self._audit_if_due()
         return outputs
+
+    def _audit_if_due(self) -> None:
+        every = self.config.slot_audit_every
+        if every and self.stats.num_decode_steps % every == 0:
+            self._audit_slots(self.model.experts)
 
     def set_policy(self, **fields) -> None:
         """The coordinator's fetch policy (strategy, fetch_fraction, fetch_round, fetch_select, ...), passed
@@ -297,14 +311,17 @@ class Engine:
         if self._may_queue_next(reqs):
             self._ahead = self._launch_decode(reqs, self.decode_inputs(reqs, after=current.tokens))
             self.stats.decode_steps_ahead += 1
-        token_ids = current.token_ids()                                               # host sync (this step's)
+        try:
+            token_ids = current.token_ids()                                           # host sync (this step's)
+        except BaseException:
+            # this step's tokens are lost: a step queued after it, fed with them, must not pass for the next one
+            self._ahead = None
+            raise
         now = time.perf_counter()
         self.stats.num_decode_steps += 1
         self.stats.decode_tokens += len(reqs)
         self.stats.decode_time_s += now - t0
-        every = self.config.slot_audit_every
-        if every and self.stats.num_decode_steps % every == 0:
-            self._audit_slots(self.model.experts)
+        self._audit_if_due()
         return [r.append_token(t, now) for r, t in zip(reqs, token_ids)]
 
     def _may_queue_next(self, reqs: list[Request]) -> bool:

@@ -17,7 +17,8 @@ class EngineStats:
     slot_audit_failures: int = 0       # audits that found a problem (the cache was emptied after each)
     num_prefill_chunks: int = 0
     prefill_tokens: int = 0            # prompt tokens put through the model
-    decode_tokens: int = 0             # tokens fed by decode forwards (one per running request)
+    decode_tokens: int = 0             # tokens decode forwards made and kept (one per running request; with overlap_decode,
+                                       # decode_time_s is the host's wall time in decode calls, the queued GPU work beside it)
     generated_tokens: int = 0          # tokens sampled (prefill's last chunk samples one too)
     prefill_time_s: float = 0.0        # forward + sampling, device-synchronised
     decode_time_s: float = 0.0

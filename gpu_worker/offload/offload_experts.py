@@ -404,9 +404,9 @@ class OffloadExperts(SlotPoolAudit):
         only its GEMMs and waits. The bound that any router prediction could reach (docs/OFFLOAD.md). Copy mode proxy,
         decode-sized calls only; False (nothing done: `forward` plans as usual) otherwise."""
         self._early = None          # one a forward did not take (it raised before this layer's experts): its copies
-        if (self.copy_mode != "proxy"   # were published, and land; the slots it mapped hold their experts then
-                or prefill_prefetch_layer(layer_idx, topk_ids.numel(), self.num_experts, self.num_layers,
-                                          self.gather_max_pairs) is not None):
+        # were published, and land; the slots it mapped hold their experts then. Decode-sized calls only: a prefill
+        # chunk's layers (the last one too, which prefetches nothing) may read experts a prefill prefetch is copying
+        if (self.copy_mode != "proxy" or topk_ids.numel() > self.gather_max_pairs or layer_idx in self._prefetched):
             return False
         try:
             self._settle_failed_proxy()
