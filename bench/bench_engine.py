@@ -161,24 +161,31 @@ def measure(engine, prompts, args, backend=None) -> dict:
     return best
 
 
-def profile_decode(engine: Engine, prompts: list[list[int]], steps: int, top: int = 25,
-                   trace: str | None = None) -> None:
-    """Print the `top` GPU kernels by total time over `steps` decode steps of the prompts' requests together
-    (torch.profiler); with `trace`, also write the Chrome trace (every kernel with its stream, start and
-    duration) to that path."""
-    from torch.profiler import ProfilerActivity, profile
+def _profiled_steps(engine: Engine, prompts: list[list[int]], steps: int, profiler) -> None:
+    """The prompts' requests together: prefill and a few steps outside, then `steps` decode steps inside the context
+    manager `profiler`, then the rest of the requests."""
     for i, prompt in enumerate(prompts):
         engine.add_request(prompt, SamplingParams(max_new_tokens=steps + 8, ignore_eos=True,
                                                   temperature=engine_temperature, seed=1234 + i))
     for _ in range(3 + len(prompts)):                   # prefill and a few steps outside
         engine.step()
     _sync()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    with profiler:
         for _ in range(steps):
             engine.step()
         _sync()
     while engine.has_work():
         engine.step()
+
+
+def profile_decode(engine: Engine, prompts: list[list[int]], steps: int, top: int = 25,
+                   trace: str | None = None) -> None:
+    """Print the `top` GPU kernels by total time over `steps` decode steps of the prompts' requests together
+    (torch.profiler); with `trace`, also write the Chrome trace (every kernel with its stream, start and
+    duration) to that path."""
+    from torch.profiler import ProfilerActivity, profile
+    prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
+    _profiled_steps(engine, prompts, steps, prof)
     if trace:
         prof.export_chrome_trace(trace)
         print(f"profile: trace written to {trace}")
@@ -204,20 +211,8 @@ def host_profile_decode(engine: Engine, prompts: list[list[int]], steps: int, to
     import cProfile
     import io
     import pstats
-    for i, prompt in enumerate(prompts):
-        engine.add_request(prompt, SamplingParams(max_new_tokens=steps + 8, ignore_eos=True,
-                                                  temperature=engine_temperature, seed=1234 + i))
-    for _ in range(3 + len(prompts)):
-        engine.step()
-    _sync()
     prof = cProfile.Profile()
-    prof.enable()
-    for _ in range(steps):
-        engine.step()
-    _sync()
-    prof.disable()
-    while engine.has_work():
-        engine.step()
+    _profiled_steps(engine, prompts, steps, prof)
     buf = io.StringIO()
     pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(top)
     print(f"host profile, {steps} decode steps (tottime first):")

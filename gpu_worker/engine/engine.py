@@ -188,9 +188,7 @@ class Engine:
         With overlap_decode, a decode step may already be on the GPU (queued by the previous call for the same
         requests): this call reads its tokens. If the batch has changed since (a request finished, was aborted or
         joins), that step's tokens are taken first for the requests still running, then this call plans anew."""
-        outputs: list[StepOutput] = []
-        if self._ahead is not None and self.scheduler.next_decode_only() != self._ahead.reqs:
-            outputs += self._retire(self._take_ahead())
+        outputs = self._take_stale_ahead()
         plan = self.scheduler.plan()
         if not plan.empty:
             self.stats.num_steps += 1
@@ -200,10 +198,9 @@ class Engine:
             if plan.prefill is not None:
                 made += self._prefill(plan.prefill)
             outputs += self._retire(made)
-        if self._ahead is not None and self.scheduler.next_decode_only() != self._ahead.reqs:
-            # a request of the queued step just ended (a stop token) or none is left: take it now, so that an idle
-            # engine holds no step in flight and its stats and counters are whole
-            outputs += self._retire(self._take_ahead())
+        # a request of the queued step just ended (a stop token) or none is left: take it now, so that an idle
+        # engine holds no step in flight and its stats and counters are whole
+        outputs += self._take_stale_ahead()
         counters = getattr(self.model.experts, "counters", None)
         if counters is not None and (self._ahead is None or
                                      self.stats.num_decode_steps % COUNTERS_EVERY_OVERLAPPED == 0):
@@ -218,24 +215,32 @@ class Engine:
         self.stats.generated_tokens += len(outputs)
         return outputs
 
-    def _take_ahead(self) -> list[StepOutput]:
-        """The tokens of the decode step queued ahead, for its requests still running (one that finished or was
-        aborted meanwhile made its token for nothing: its KV row was freed, and anything later runs after it)."""
-        ahead, self._ahead = self._ahead, None
-        token_ids = ahead.token_ids()
+    def _take_stale_ahead(self) -> list[StepOutput]:
+        """The tokens of the decode step queued ahead if the next plan will not decode exactly its batch (a request
+        of it ended or was aborted, one joins or prefills), retired; [] otherwise."""
+        ahead = self._ahead
+        if ahead is None or self.scheduler.next_decode_only() == ahead.reqs:
+            return []
+        self._ahead = None
+        return self._retire(self._read_step(ahead))
+
+    def _read_step(self, step: _DecodeStep, t0: float | None = None) -> list[StepOutput]:
+        """A launched decode step's tokens, appended to its requests still running (one that finished or was aborted
+        since it was queued made its token for nothing: its KV row was freed, and anything later runs after it);
+        the stats, and the slot audit when due. `t0`: when the host began the step (its decode time)."""
+        token_ids = step.token_ids()                                                 # host sync (this step's)
         now = time.perf_counter()
         self.stats.num_decode_steps += 1
-        outputs = [r.append_token(t, now) for r, t in zip(ahead.reqs, token_ids)
+        outputs = [r.append_token(t, now) for r, t in zip(step.reqs, token_ids)
                    if not r.finished and r.slot is not None]
         self.stats.decode_tokens += len(outputs)
-        self.stats.decode_tokens_discarded += len(ahead.reqs) - len(outputs)
-        self._audit_if_due()
-        return outputs
-
-    def _audit_if_due(self) -> None:
+        self.stats.decode_tokens_discarded += len(step.reqs) - len(outputs)
+        if t0 is not None:
+            self.stats.decode_time_s += now - t0
         every = self.config.slot_audit_every
         if every and self.stats.num_decode_steps % every == 0:
             self._audit_slots(self.model.experts)
+        return outputs
 
     def set_policy(self, **fields) -> None:
         """The coordinator's fetch policy (strategy, fetch_fraction, fetch_round, fetch_select, ...), passed
@@ -304,25 +309,19 @@ class Engine:
     def _decode(self, reqs: list[Request]) -> list[StepOutput]:
         t0 = time.perf_counter()
         current, self._ahead = self._ahead, None
-        if current is None or current.reqs != reqs:
-            if current is not None:     # step() takes a step queued for another batch before it plans
-                raise RuntimeError("a decode step queued ahead for another batch was not taken first")
+        if current is not None and current.reqs != reqs:    # step() takes a step queued for another batch first
+            raise RuntimeError("a decode step queued ahead for another batch was not taken first")
+        if current is None:
             current = self._launch_decode(reqs, self.decode_inputs(reqs))
         if self._may_queue_next(reqs):
             self._ahead = self._launch_decode(reqs, self.decode_inputs(reqs, after=current.tokens))
             self.stats.decode_steps_ahead += 1
         try:
-            token_ids = current.token_ids()                                           # host sync (this step's)
+            return self._read_step(current, t0)
         except BaseException:
             # this step's tokens are lost: a step queued after it, fed with them, must not pass for the next one
             self._ahead = None
             raise
-        now = time.perf_counter()
-        self.stats.num_decode_steps += 1
-        self.stats.decode_tokens += len(reqs)
-        self.stats.decode_time_s += now - t0
-        self._audit_if_due()
-        return [r.append_token(t, now) for r, t in zip(reqs, token_ids)]
 
     def _may_queue_next(self, reqs: list[Request]) -> bool:
         """Whether to queue the step after this one before reading this one's tokens (overlap_decode): the same

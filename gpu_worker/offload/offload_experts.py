@@ -354,7 +354,8 @@ class OffloadExperts(SlotPoolAudit):
                 raise RuntimeError(f"layer {layer_idx} was called with other routes than early_plan was given (layer "
                                    f"{early[0]}, {tuple(early[1].shape)} routes): the plan already published does not "
                                    "fit them; call early_plan with the routes the layer will use")
-            return self._ffn_after_early_plan(layer_idx, x, topk_ids, early[1], topk_weights)
+            self.stats.early_plans += 1
+            return self._copy_then_ffn(layer_idx, x, topk_ids, early[1], topk_weights, published=True)
         self._settle_failed_proxy()
         slot_ids = topk_ids.to(torch.int64, copy=True).contiguous()      # [T, K] -> slot ids
         # A prefill chunk routes to most experts of every layer: with prefill_prefetch, stream the
@@ -368,20 +369,15 @@ class OffloadExperts(SlotPoolAudit):
             self._count_on_device(topk_ids, self._dma_counts)  # the DMA path counts on the host; hits only here
         if nxt is not None:
             prefetch_ensure(self.cache, nxt, self._candidates, self._candidates.numel(), check_ids=False)
-        mode = pick_mode(self.mode, self.on_cuda, slot_ids.numel(), self.gather_max_pairs)
-        self.stats.routed_pairs += slot_ids.numel()
         # experts a prefill prefetched for this layer (DMA on copy_stream): the GEMMs read them and a
         # kernel copy may evict them, so both wait for their event
         ready = self._prefetched.pop(layer_idx, None)
         if self.copy_mode in ("kernel", "proxy") and nxt is None:
             if ready is not None:
                 torch.cuda.current_stream(self.device).wait_event(ready)
-            max_copies = min(slot_ids.numel(), self.cache.num_slots)
-            return copy_then_ffn(self.slots, self.host.layers[layer_idx], self.cache, max_copies, x, slot_ids,
-                                 topk_weights, self.w13, self.w2, mode=mode, kernel_impl=self.kernel_impl,
-                                 side_stream=self.copy_stream if self.on_cuda and self.overlap_copy else None,
-                                 split_copy=self.split_copy, after_fork=lambda: self._count_on_device(topk_ids),
-                                 proxy=self._proxy if self.copy_mode == "proxy" else None, layer_idx=layer_idx)
+            return self._copy_then_ffn(layer_idx, x, topk_ids, slot_ids, topk_weights)
+        mode = pick_mode(self.mode, self.on_cuda, slot_ids.numel(), self.gather_max_pairs)
+        self.stats.routed_pairs += slot_ids.numel()
         self.copy_missing(layer_idx, prefetch_layer=nxt)     # (its plan readback does not wait for `ready`;
         self.stats.calls += 1                                # its copies queue behind it on copy_stream)
         self._host_counts[2] += 1
@@ -422,17 +418,19 @@ class OffloadExperts(SlotPoolAudit):
         self._early = (layer_idx, slot_ids)
         return True
 
-    def _ffn_after_early_plan(self, layer_idx: int, x: torch.Tensor, topk_ids: torch.Tensor, slot_ids: torch.Tensor,
-                              topk_weights: torch.Tensor) -> torch.Tensor:
+    def _copy_then_ffn(self, layer_idx: int, x: torch.Tensor, topk_ids: torch.Tensor, slot_ids: torch.Tensor,
+                       topk_weights: torch.Tensor, published: bool = False) -> torch.Tensor:
+        """The kernel or proxy copy of the last `ensure`'s plan (`published`: handed to the proxy already, by
+        `early_plan`), then the expert FFN over `slot_ids` (copy_then_ffn)."""
         mode = pick_mode(self.mode, self.on_cuda, slot_ids.numel(), self.gather_max_pairs)
         self.stats.routed_pairs += slot_ids.numel()
-        self.stats.early_plans += 1
         max_copies = min(slot_ids.numel(), self.cache.num_slots)
         return copy_then_ffn(self.slots, self.host.layers[layer_idx], self.cache, max_copies, x, slot_ids,
                              topk_weights, self.w13, self.w2, mode=mode, kernel_impl=self.kernel_impl,
                              side_stream=self.copy_stream if self.on_cuda and self.overlap_copy else None,
                              split_copy=self.split_copy, after_fork=lambda: self._count_on_device(topk_ids),
-                             proxy=self._proxy, layer_idx=layer_idx, published=True)
+                             proxy=self._proxy if self.copy_mode == "proxy" else None, layer_idx=layer_idx,
+                             published=published)
 
     def graph_safe(self, num_pairs: int) -> bool:
         """Capturable in a CUDA graph: device-side copies and the gemv- or gather-mode GEMMs."""
