@@ -44,7 +44,7 @@ def median_s(fn, repeats: int, warmup: int) -> float:
 
 
 def dram_read_gbps(store: ExpertStore, threads: int, repeats: int) -> dict[str, float]:
-    """(a) torch sum over 1 GiB fp32, as in DESIGN.md section 7; (b) a streaming read of the store in place."""
+    """(a) torch sum over 1 GiB fp32; (b) a streaming read of the store in place."""
     torch.set_num_threads(threads)
     big = torch.ones(256 * 1024 * 1024, dtype=torch.float32)                    # 1 GiB
     out = {"torch sum 1 GiB": big.numel() * 4 / median_s(big.sum, repeats, 2) / GB}

@@ -37,7 +37,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        "directory's name, the preset, or 'tiny')")
     model.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"), help="where the model runs")
     model.add_argument("--moe-strategy", default="resident", choices=("resident", "offload", "cpu", "hybrid"),
-                       help="expert backend (see DESIGN.md section 1)")
+                       help="expert backend (docs/ARCHITECTURE.md)")
     model.add_argument("--moe-cache-size", type=int, default=None, help="GPU expert slots (offload/hybrid)")
     model.add_argument("--max-running-requests", type=int, default=8, help="requests decoding together")
     model.add_argument("--max-context-tokens", type=int, default=None,

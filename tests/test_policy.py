@@ -12,7 +12,7 @@ from hypothesis import given, settings, strategies as st
 from coordinator.policy import (DECISION_STEP, ExpertFormat, FetchPolicy, PolicySettings, StepTelemetry, build_policy,
                                 fraction_to_q16, load_bandwidth_profile)
 
-FMT = ExpertFormat("bf16", 2048, 768)                     # 9.44 MB experts, as in DESIGN.md section 7
+FMT = ExpertFormat("bf16", 2048, 768)                     # 9.44 MB experts, as in qwen3-30b-a3b
 BPE = FMT.bytes_per_expert
 
 

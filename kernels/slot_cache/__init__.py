@@ -1,6 +1,6 @@
 """The expert slot cache: which routed experts are on the GPU, which are fetched, which go to the CPU.
 
-Contract: ../../../shared/DESIGN.md section 4 (restated in docs/slot_cache.md).
+Contract: docs/slot_cache.md.
 """
 from .api import ensure, prefetch_ensure, raise_on_error, set_policy
 from .audit import audit

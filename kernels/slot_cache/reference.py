@@ -1,4 +1,4 @@
-"""Plain reference of the slot-cache contract (DESIGN.md section 4), written for clarity.
+"""Plain reference of the slot-cache contract (docs/slot_cache.md), written for clarity.
 
 Works on CPU copies of the state (numpy) and writes the result back, so it serves both as the
 CPU implementation and as the lockstep oracle for the Triton kernels.

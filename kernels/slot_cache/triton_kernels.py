@@ -1,4 +1,4 @@
-"""Triton kernels of the slot-cache contract (DESIGN.md section 4); `reference.py` is the oracle.
+"""Triton kernels of the slot-cache contract (docs/slot_cache.md); `reference.py` is the oracle.
 
 One program (grid (1,)) does a whole call: the work is sequential by nature (victim i+1 depends on
 victim i) and small, so one block, scanning the pool in tiles of SLOT_TILE slots, keeps it to one
