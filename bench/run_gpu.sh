@@ -9,11 +9,13 @@
 #   prefill  TTFT at 1K and 4K prompts: resident, offload 25%, hybrid 25%                     (~5 min)
 #   all      tests kernels engine hybrid prefill (more than one device call's 10 minutes: run suites one by one)
 #   compare OLD_TREE  OLD_TREE is an older checkout (e.g. `git archive OLDREV | tar -x -C /tmp/old`); its benches take
-#            the flags of that tree (OLD_* commands below), this tree's the current ones; one table, both columns (~9 min)
+#            the flags of that tree (the old side's commands below), this tree's the current ones; one table, both
+#            columns (~9 min; COMPARE_STRETCH=150 gives each command 1.5x its limit). HYBRID_VARIANT and
+#            OLD_HYBRID_VARIANT name the hybrid row (bench_hybrid.py --variants) of this tree and of the old one.
 # SECTION_TIMEOUT (s, default 540) bounds each command of a suite. Logs go to $OUT (the device tool's output folder)
 # when it is set, else ./out; docs/BENCHMARKS.md says what each figure is and where it stands.
 set -u
-OUT=${OUT:-./out}; mkdir -p "$OUT"
+OUT=${OUT:-./out}; mkdir -p "$OUT"; OUT=$(cd "$OUT" && pwd)
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 if compgen -G ".whl/*.whl" >/dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
@@ -169,6 +171,7 @@ while [ $# -gt 0 ]; do
       # 2,000 hand-off calls, 100 kernel replays, a 1K prompt resident. Each command has its own limit so that the
       # suite stays under ~9 minutes; a bench cut off by its limit keeps the per-run lines printed so far.
       old=${1:?compare needs OLD_TREE: a directory with an older checkout}; shift
+      lim() { echo $(( $1 * ${COMPARE_STRETCH:-100} / 100 )); }     # COMPARE_STRETCH=150: every limit x 1.5
       old=$(cd "$old" && pwd) || { status=1; continue; }
       new=$PWD
       export HYBRID_VARIANT OLD_HYBRID_VARIANT=${OLD_HYBRID_VARIANT:-=hybrid split device}
@@ -177,20 +180,20 @@ while [ $# -gt 0 ]; do
         if [ $side = old ]; then
           cd "$old"; base=$OUT; OUT=$base/old; export PYTHONPATH=$old${PYTHONPATH#$new}
           # the older tree's flags: the copy kernel was one of several decode copy modes; the hand-off had a name
-          run engine 110 python3 bench/bench_engine.py --runs 3 --prompt-tokens 1024 --decode-tokens 128 \
+          run engine $(lim 110) python3 bench/bench_engine.py --runs 3 --prompt-tokens 1024 --decode-tokens 128 \
             --fractions 0.25,0.5 --offload-copy kernel
-          run hybrid 80 python3 bench/bench_hybrid.py --runs 3 --decode-tokens 64 --handoff-calls 200 --no-resident \
+          run hybrid $(lim 80) python3 bench/bench_hybrid.py --runs 3 --decode-tokens 64 --handoff-calls 200 --no-resident \
             --variants "$OLD_HYBRID_VARIANT" --json-out "$OUT/bench_hybrid.json"
         else
           cd "$new"; OUT=$base/new; export PYTHONPATH=$new${PYTHONPATH#$old}
-          run engine 110 python3 bench/bench_engine.py --runs 3 --prompt-tokens 1024 --decode-tokens 128 \
+          run engine $(lim 110) python3 bench/bench_engine.py --runs 3 --prompt-tokens 1024 --decode-tokens 128 \
             --fractions 0.25,0.5
-          run hybrid 80 python3 bench/bench_hybrid.py --runs 3 --decode-tokens 64 --handoff-calls 200 --no-resident \
+          run hybrid $(lim 80) python3 bench/bench_hybrid.py --runs 3 --decode-tokens 64 --handoff-calls 200 --no-resident \
             --variants "$HYBRID_VARIANT" --json-out "$OUT/bench_hybrid.json"
         fi
-        run handoff 25 python3 bench/bench_handoff.py --mode gpu --client-cpu 0 --calls 2000
-        run ensure 20 python3 -m kernels.slot_cache.bench --reps 100 --slots 2048,23197
-        run ttft_1k 35 python3 bench/bench_prefill.py --runs 3 --prompt-tokens 1024 --chunks 4096 --fractions ""
+        run handoff $(lim 25) python3 bench/bench_handoff.py --mode gpu --client-cpu 0 --calls 2000
+        run ensure $(lim 20) python3 -m kernels.slot_cache.bench --reps 100 --slots 2048,23197
+        run ttft_1k $(lim 35) python3 bench/bench_prefill.py --runs 3 --prompt-tokens 1024 --chunks 4096 --fractions ""
         OUT=$base
       done
       cd "$new"; export PYTHONPATH=$new${PYTHONPATH#$new}
