@@ -6,16 +6,15 @@ Starts one worker (standalone, on its own cores; 0 triples, so no expert compute
 --mode cpu: CPU <-> CPU. client.call(): submit (copy a 1-token hidden state, ring request_seq) -> the
     worker answers -> done_seq -> the client sees it. p50/p99 over --calls hot calls, then a few calls
     after idle gaps longer than the worker's hot window (the back-off's cost).
---mode gpu: GPU -> CPU process -> GPU (gpu_worker/hybrid/stream_doorbell.py). Per call, on one CUDA stream:
-    D2H copy of the [1, H] bf16 hidden state into the channel, the request line's seq and request_seq by
-    cuStreamWriteValue64, cuStreamWaitValue64(done_seq >= seq), H2D copy of the [1, H] fp32 partial sum.
-    Each call is timed with CUDA events recorded before and after it on the stream. To time the device
-    side and not Python's enqueue speed, calls are enqueued in batches behind a closed gate (the stream
-    waits on a host word), then the gate opens and the batch runs back to back; "mean" is the batch's
-    elapsed time / calls. Rows also show: the same with the response status captured (valid() checks),
-    one call at a time with a host sync (what a synchronous caller sees), 10,000 calls enqueued without a
-    gate (bounded by the host's enqueue rate), and for reference the host-driven round trip from the GPU
-    side (D2H + sync, client.call, H2D + sync), which is what gpu_worker/hybrid does today.
+--mode gpu: GPU -> CPU process -> GPU through the device hand-off kernels (gpu_worker/hybrid/device_doorbell.py,
+    kernels/handoff): per call a ring kernel writes the [1, H] bf16 hidden state and the request line into the
+    registered channel and moves request_seq, a join kernel spins on done_seq and adds the [1, H] fp32 partial
+    sum. Each call is timed with CUDA events recorded before and after it on the stream. To time the device
+    side and not Python's launch speed, calls are launched in batches behind a closed gate (a one-thread kernel
+    spinning on a host word), then the gate opens and the batch runs back to back; "mean" is the batch's
+    elapsed time / calls. Then GRAPH_CALLS calls captured in one CUDA graph (what a decode step replays), the
+    rings and the joins alone, and for reference the host-driven round trip from the GPU side (D2H + sync,
+    client.call, H2D + sync), what the host hand-off does.
 --mode both (the default with CUDA): both sets of rows.
 
     python bench/bench_handoff.py                      # both where CUDA is available, else cpu
@@ -34,9 +33,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
+import triton  # noqa: E402
 
 from cpu_expert_pool.channel import CpuPoolClient, create_worker_channel  # noqa: E402
 from cpu_expert_pool.proc import CpuWorkerProc  # noqa: E402
+from kernels.handoff.triton_kernels import _ld_sys  # noqa: E402
 from proto.expert_store import ExpertStore  # noqa: E402
 
 HIDDEN = 2048              # qwen3-30b-a3b hidden size: the request carries one such row
@@ -80,24 +81,34 @@ def cpu_rows(client: CpuPoolClient, args) -> list[Row]:
     return rows
 
 
+@triton.jit
+def gate_kernel(word_addr, value):
+    """Spin until the host word at word_addr (mapped host memory) reaches value."""
+    v = _ld_sys(word_addr, True)
+    while v < value:
+        v = _ld_sys(word_addr, True)
+
+
 class Gate:
-    """A host word the stream waits on (cuStreamWaitValue64 >= n): close() before enqueueing a batch,
-    open() after. A timer opens it for good after GATE_SAFETY_S (then `tripped` is set)."""
+    """A host word the stream waits on (gate_kernel: >= n): close() before launching a batch, open() after.
+    A timer opens it for good after GATE_SAFETY_S (then `tripped` is set)."""
 
     def __init__(self, drv, device):
-        from gpu_worker.hybrid.stream_doorbell import PinnedWords
+        from gpu_worker.hybrid.device_doorbell import PinnedWords
 
-        self.drv = drv
         self.words = PinnedWords(64, cuda_driver=drv, device=device, what="benchmark gate")
         self.word = self.words.word(0)
         self.value = 0
         self.tripped = False
         self._timer: threading.Timer | None = None
+        gate_kernel[(1,)](self.words.dptr(0), 0)      # loaded now: a first launch behind a closed gate would wait
+        torch.cuda.synchronize()
 
     def close(self, stream) -> None:
         self.value += 1
         self.word.value = self.value - 1      # after a trip the word was left high: every wait would pass
-        self.drv.wait_value64(stream.cuda_stream, self.words.dptr(0), self.value)
+        with torch.cuda.stream(stream):
+            gate_kernel[(1,)](self.words.dptr(0), self.value)
         self._timer = threading.Timer(GATE_SAFETY_S, self._trip)
         self._timer.daemon = True
         self._timer.start()
@@ -113,18 +124,6 @@ class Gate:
 
     def release(self) -> None:
         self.words.close()
-
-
-def gated_doorbell_rows(db, gate, hidden, out, args, label: str) -> list[Row]:
-    """Per-call CUDA event times of StreamDoorbell calls run back to back behind the gate, and the batch mean."""
-    calls = []
-
-    def enqueue(k: int) -> None:
-        calls.append(db.enqueue(k % 2, hidden, None, out))
-
-    def invalid() -> int:
-        return sum(not c.valid() for c in calls[-min(len(calls), db.ring_size):])
-    return gated_rows(enqueue, invalid, gate, args, label)
 
 
 def gated_rows(enqueue, invalid, gate, args, label: str) -> list[Row]:
@@ -163,8 +162,8 @@ def gated_rows(enqueue, invalid, gate, args, label: str) -> list[Row]:
 
 
 def device_rows(client: CpuPoolClient, device, gate, hidden, args) -> list[Row]:
-    """The device hand-off kernels (gpu_worker/hybrid/device_doorbell.py): ring + join per call, gated
-    as the stream rows, then GRAPH_CALLS calls captured in one CUDA graph (what a decode step replays)."""
+    """The device hand-off kernels (gpu_worker/hybrid/device_doorbell.py): ring + join per call, gated,
+    then GRAPH_CALLS calls captured in one CUDA graph (what a decode step replays)."""
     from gpu_worker.hybrid.device_doorbell import DeviceDoorbell
 
     db = DeviceDoorbell(client, device, deadline_s=DEADLINE_S, always_ring=True)    # 0 triples, as the others
@@ -256,7 +255,7 @@ def decomposed(db, call, ring_args: tuple, join_args: tuple, replays: int, which
 
 
 def gpu_rows(client: CpuPoolClient, args) -> tuple[list[Row], list[str]]:
-    from gpu_worker.hybrid.stream_doorbell import StreamDoorbell, driver
+    from kernels.cuda_driver import driver
 
     device = torch.device("cuda", torch.cuda.current_device())
     rows: list[Row] = []
@@ -267,7 +266,7 @@ def gpu_rows(client: CpuPoolClient, args) -> tuple[list[Row], list[str]]:
     hidden = torch.zeros(1, HIDDEN, dtype=torch.bfloat16, device=device)              # [1, H] bf16
     out = torch.empty(1, HIDDEN, dtype=torch.float32, device=device)                  # [1, H] fp32 partial
 
-    # Reference: host-driven from the GPU side (what gpu_worker/hybrid does today).
+    # Reference: host-driven from the GPU side (what the host hand-off does).
     staging = torch.empty(1, HIDDEN, dtype=torch.bfloat16, pin_memory=True)
     empty = (torch.empty(0, dtype=torch.int32), torch.empty(0, dtype=torch.int32), torch.empty(0))
     samples = []
@@ -285,56 +284,13 @@ def gpu_rows(client: CpuPoolClient, args) -> tuple[list[Row], list[str]]:
 
     drv = driver()
     caps = drv.capabilities(device.index)
-    notes.append(f"{torch.cuda.get_device_name(device)}, driver {caps['driver_version']}, memops v{caps['memops_api']} "
-                 f"({caps['memops_resolved_by']}), 64-bit memops {caps['64_bit_stream_mem_ops']}, "
+    notes.append(f"{torch.cuda.get_device_name(device)}, driver {caps['driver_version']}, "
                  f"host pointer for registered mem {caps['host_pointer_for_registered_mem']}")
     gate = Gate(drv, device)
     try:
-        for check_status, label in ((False, "gpu stream doorbell, per call (CUDA events)"),
-                                    (True, "gpu stream doorbell + status capture")):
-            db = StreamDoorbell(client, device, check_status=check_status, deadline_s=DEADLINE_S)
-            try:
-                rows += gated_doorbell_rows(db, gate, hidden, out, args, label)
-            except Exception as exc:  # keep the other rows
-                notes.append(f"{label}: FAILED {type(exc).__name__}: {exc}")
-            finally:
-                db.close()
-
-        try:
-            rows += device_rows(client, device, gate, hidden, args)
-        except Exception as exc:  # keep the other rows
-            notes.append(f"device kernels: FAILED {type(exc).__name__}: {exc}")
-
-        db = StreamDoorbell(client, device, check_status=False, deadline_s=DEADLINE_S)
-        try:
-            samples = []                    # one call at a time, host-synchronised (host clock)
-            for i in range(args.warmup + args.calls):
-                t0 = time.perf_counter_ns()
-                db.enqueue(i % 2, hidden, None, out)
-                stream.synchronize()
-                dt = time.perf_counter_ns() - t0
-                if i >= args.warmup:
-                    samples.append(dt)
-            rows.append(("gpu stream doorbell, enqueue + stream sync", len(samples), *percentiles_us(samples), None))
-
-            first, last = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            t0 = time.perf_counter_ns()     # no gate: as fast as the host enqueues
-            first.record(stream)
-            for i in range(args.calls):
-                call = db.enqueue(i % 2, hidden, None, out)
-            last.record(stream)
-            stream.synchronize()
-            wall_us = (time.perf_counter_ns() - t0) / 1e3 / args.calls
-            device_us = first.elapsed_time(last) * 1e3 / args.calls
-            rows.append(("gpu stream doorbell, ungated stream of calls", args.calls, float("nan"), float("nan"),
-                         float("nan"), device_us))
-            notes.append(f"ungated: {device_us:.1f} us/call on the device, {wall_us:.1f} us/call host wall "
-                         f"(the host's enqueue rate bounds it when larger than the gated mean); last call "
-                         f"valid={call.valid()}")
-        except Exception as exc:
-            notes.append(f"eager doorbell rows: FAILED {type(exc).__name__}: {exc}")
-        finally:
-            db.close()
+        rows += device_rows(client, device, gate, hidden, args)
+    except Exception as exc:  # keep the other rows
+        notes.append(f"device kernels: FAILED {type(exc).__name__}: {exc}")
     finally:
         gate.release()
     return rows, notes

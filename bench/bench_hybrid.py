@@ -3,9 +3,9 @@ promotion on/off), on one GPU with one CPU expert pool; plus the hand-off round 
 
 qwen3-30b-a3b preset (seeded random weights, bf16), batch 1, a cache of 25% of all experts, a
 --prompt-tokens prompt, --decode-tokens decode tokens, median of --runs runs after a warm-up run.
-One host expert store and one CPU pool serve every backend; "... stream" rows hand the CPU share over
-on the GPU stream (StreamDoorbell, handoff="stream") instead of the host (submit/join), "... device" rows by
-the device kernels inside the decode CUDA graph (DeviceDoorbell, handoff="device"). Per backend: decode tok/s, misses,
+One host expert store and one CPU pool serve every backend; on a CUDA GPU the cpu and hybrid rows hand the
+CPU share over by the device kernels inside the decode CUDA graph (DeviceDoorbell), on a CPU machine on the
+host (submit/join). Per backend: decode tok/s, misses,
 fetched and CPU-computed experts per token, fallbacks, and the roofline
     tok/s <= (B_pcie + B_cpu) / (misses/token * expert_bytes)
 with B_pcie and B_cpu measured here first (gpu_worker/hybrid/bandwidth.py, as `ft bench bw`), each alone;
@@ -109,8 +109,8 @@ def live_tuner(engine: Engine, backend, fraction: float, pcie_gb_s: float, cpu_g
     fmt = ExpertFormat(str(layout.dtype), layout.hidden_size, layout.intermediate_size)
     profile = BandwidthProfile(pcie_gb_s, cpu_gb_s, gpu, fmt, "bench_hybrid probes")
     p = backend.policy
-    policy = FetchPolicy(PolicySettings(strategy="hybrid", fetch_fraction=fraction, fetch_round=p["fetch_round"],
-                                        fetch_select=p["fetch_select"]), expert_format=fmt,
+    policy = FetchPolicy(PolicySettings(strategy="hybrid", fetch_fraction=fraction, fetch_round=p["fetch_round"]),
+                         expert_format=fmt,
                          profile=None if fraction_given else profile)
     prev: dict = {}
     engine.set_policy(fetch_fraction=policy.effective_fraction())    # where the service starts it too
@@ -197,7 +197,7 @@ def table_row(name: str, r: dict, both_bytes_s: float, shared_bytes_s: float, ex
             f"{same:>11} {r['fetch_fraction'] if 'fetch_fraction' in r else float('nan'):>5.3f}")
 
 
-def variants(args, on_cuda: bool = True) -> list[tuple[str, dict | None]]:
+def variants(args) -> list[tuple[str, dict | None]]:
     out: list[tuple[str, dict | None]] = [("offload kernel graphs", {"copy_mode": "kernel"}),
                                           # the same with the copy and every GEMM in one stream, in turn
                                           ("offload kernel graphs serial", {"copy_mode": "kernel",
@@ -207,41 +207,25 @@ def variants(args, on_cuda: bool = True) -> list[tuple[str, dict | None]]:
         for rnd in ROUNDS:
             out.append((f"hybrid {rnd}{'' if promote else ' no-promo'}",
                         {"strategy": "hybrid", "fetch_round": rnd, "promote": promote}))
-    # the GPU-stream hand-off (StreamDoorbell) next to the host-driven one above
-    out.append(("cpu stream", {"strategy": "cpu", "handoff": "stream"}))
-    out.append(("hybrid min-wait stream", {"strategy": "hybrid", "fetch_round": "min-wait", "promote": True,
-                                           "handoff": "stream"}))
-    # the device hand-off (DeviceDoorbell): the whole decode step in one CUDA graph
-    out.append(("cpu device", {"strategy": "cpu", "handoff": "device"}))
-    for promote in (True, False):
-        for rnd in ROUNDS:
-            out.append((f"hybrid {rnd}{'' if promote else ' no-promo'} device",
-                        {"strategy": "hybrid", "fetch_round": rnd, "promote": promote, "handoff": "device"}))
     # each planned expert copied whole (one part), against the default w13-then-w2 copy
     out.append(("offload kernel graphs whole-copy", {"copy_mode": "kernel", "split_copy": False}))
-    out.append(("hybrid min-wait device whole-copy", {"strategy": "hybrid", "fetch_round": "min-wait",
-                                                      "promote": True, "handoff": "device", "split_copy": False}))
+    out.append(("hybrid min-wait whole-copy", {"strategy": "hybrid", "fetch_round": "min-wait",
+                                               "promote": True, "split_copy": False}))
     # the coordinator's online tuner moving f from the probes' value while it decodes
-    out.append(("hybrid min-wait device tuned", {"strategy": "hybrid", "fetch_round": "min-wait", "promote": True,
-                                                 "handoff": "device", "tune": True}))
-    out.append(("hybrid split device tuned", {"strategy": "hybrid", "fetch_round": "split", "promote": True,
-                                              "handoff": "device", "tune": True}))
+    out.append(("hybrid min-wait tuned", {"strategy": "hybrid", "fetch_round": "min-wait", "promote": True,
+                                          "tune": True}))
+    out.append(("hybrid split tuned", {"strategy": "hybrid", "fetch_round": "split", "promote": True,
+                                       "tune": True}))
     # f from the shared probe (both sides reading host DRAM at once) instead of the separate ones: "shared" is
     # resolved in main once the probe has run (the probes' f when it failed)
-    out.append(("hybrid split device shared-f", {"strategy": "hybrid", "fetch_round": "split", "promote": True,
-                                                 "handoff": "device", "fetch_fraction": "shared"}))
-    out.append(("hybrid min-wait device serial", {"strategy": "hybrid", "fetch_round": "min-wait", "promote": True,
-                                                  "handoff": "device", "overlap_copy": False}))
+    out.append(("hybrid split shared-f", {"strategy": "hybrid", "fetch_round": "split", "promote": True,
+                                          "fetch_fraction": "shared"}))
+    out.append(("hybrid min-wait serial", {"strategy": "hybrid", "fetch_round": "min-wait", "promote": True,
+                                           "overlap_copy": False}))
     for f in filter(None, (v.strip() for v in args.extra_fractions.split(","))):
         for rnd in ("min-wait", "split"):
-            out.append((f"hybrid {rnd} device f={float(f):.3g}", {"strategy": "hybrid", "fetch_round": rnd,
-                                                               "promote": True, "handoff": "device",
-                                                               "fetch_fraction": float(f)}))
-    if not on_cuda:     # the device hand-off's kernels need a GPU (the interpreter is for tests only)
-        out = [v for v in out if (v[1] or {}).get("handoff") != "device"]
-        # the tuner on the host hand-off instead, so that the smoke test drives it too
-        out.append(("hybrid min-wait tuned", {"strategy": "hybrid", "fetch_round": "min-wait", "promote": True,
-                                              "tune": True}))
+            out.append((f"hybrid {rnd} f={float(f):.3g}", {"strategy": "hybrid", "fetch_round": rnd,
+                                                          "promote": True, "fetch_fraction": float(f)}))
     if args.variants:
         keep = [v.strip() for v in args.variants.split(",")]
         out = [v for v in out if any(v[0].startswith(k) if not k.startswith("=") else v[0] == k[1:] for k in keep)]
@@ -281,10 +265,9 @@ def main() -> int:
                              "alike); then one more row per variant: its median round")
     parser.add_argument("--variants", default="",
                         help="comma list of name prefixes, e.g. offload,hybrid min-wait (also matches "
-                             "'hybrid min-wait stream': host vs stream hand-off side by side); '=NAME' "
-                             "matches NAME exactly")
+                             "'hybrid min-wait tuned'); '=NAME' matches NAME exactly")
     parser.add_argument("--extra-fractions", default="",
-                        help="comma list: also 'hybrid min-wait device f=F' rows with these fetch fractions")
+                        help="comma list: also 'hybrid min-wait f=F' rows with these fetch fractions")
     parser.add_argument("--freq-weights", default="",
                         help="comma-separated eviction weights W: every variant runs once with each (0: the contract's "
                              "LRU; W > 0: the frequency-weighted key, docs/OFFLOAD.md); default: the knob "
@@ -360,7 +343,7 @@ def main() -> int:
         print(f"hand-off round trip: p50 {handoff['p50_us']:.1f} us, p99 {handoff['p99_us']:.1f} us", flush=True)
         pdl_modes = ("off", "on") if args.pdl == "both" else (args.pdl,)
         listed = [(n + (f" pdl {m}" if len(pdl_modes) > 1 else ""), p, m)
-                  for n, p in variants(args, on_cuda=device.type == "cuda") for m in pdl_modes]
+                  for n, p in variants(args) for m in pdl_modes]
         by_variant: dict[str, list[dict]] = {}
         for round_index, (base, policy, pdl_mode) in [(k, v) for k in range(args.rounds) for v in listed]:
             name = base + (f" round {round_index + 1}" if args.rounds > 1 else "")
@@ -373,7 +356,7 @@ def main() -> int:
             elif "copy_mode" in policy:       # the device-side plan copy: decode runs in CUDA graphs
                 backend = OffloadExperts(host, slots, device, **policy, **eviction)
             else:
-                policy = {"fetch_fraction": fraction, "handoff": "host", **policy}     # named rows say otherwise
+                policy = {"fetch_fraction": fraction, **policy}     # named rows say otherwise
                 if policy["fetch_fraction"] == "shared":
                     policy["fetch_fraction"] = shared.fetch_fraction if shared is not None else fraction
                 tune = policy.pop("tune", False)
@@ -398,7 +381,7 @@ def main() -> int:
             print("row:", table_row(name, r, both, both_shared, expert_bytes), r["all_tok_s"], flush=True)
             loaded.model.experts = None
             if isinstance(backend, HybridExperts):
-                backend.close()          # its stream doorbells (owns neither host nor pool)
+                backend.close()          # its device doorbells (owns neither host nor pool)
             del backend
             gc.collect()
             if device.type == "cuda":

@@ -65,7 +65,8 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("needs CUDA (the probes run on the GPU)", file=sys.stderr)
         return 2
-    from gpu_worker.hybrid.stream_doorbell import PinnedWords, driver
+    from gpu_worker.hybrid.device_doorbell import PinnedWords
+    from kernels.cuda_driver import driver
 
     torch.cuda.synchronize()
     words = PinnedWords(8192, cuda_driver=driver(), device=torch.device("cuda", 0), what="latency probe")

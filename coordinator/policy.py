@@ -33,7 +33,7 @@ log = logging.getLogger("ft.coordinator.policy")
 
 STRATEGIES = ("resident", "offload", "cpu", "hybrid")
 FETCH_ROUNDS = KNOBS_BY_FIELD["fetch_round"].choices
-FETCH_SELECTS = KNOBS_BY_FIELD["fetch_select"].choices
+FETCH_SELECTS = ("recency",)
 PREFETCH_MODES = KNOBS_BY_FIELD["moe_prefetch"].choices
 
 Q16_ONE = 1 << 16
@@ -188,7 +188,7 @@ class PolicySettings:
     fetch_fraction_max: float = DEFAULT_FRACTION_MAX
     auto_tune: bool = True
     fetch_round: str = KNOBS_BY_FIELD["fetch_round"].default      # split: on the device hand-off (docs/HYBRID.md)
-    fetch_select: str = KNOBS_BY_FIELD["fetch_select"].default
+    fetch_select: str = "recency"
     moe_prefetch: str = "off"
     moe_prefetch_budget: int = 4
 

@@ -67,8 +67,7 @@ class ProcessSetOptions:
 
 
 # `ft worker gpu` flags outside the hashed engine config: an attached worker's own settings win (not compared).
-LOCAL_WORKER_FLAGS = (("--hybrid-handoff", "hybrid_handoff"),     # local: the GPU's hand-off path
-                      ("--offload-copy", "offload_copy"),         # lossless either way
+LOCAL_WORKER_FLAGS = (("--offload-copy", "offload_copy"),         # lossless either way
                       ("--moe-slot-audit", "moe_slot_audit"),     # a check
                       ("--pdl", "pdl"),                           # lossless either way
                       ("--prefill-prefetch", "prefill_prefetch"),  # lossless either way

@@ -74,7 +74,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     hyb.add_argument("--reserve-cpus", default=None, metavar="LIST",
                      help="CPUs kept free of CPU workers, where this process pins itself (--pin-gpu-worker; "
                           "default: 0 on machines with >= 4 CPUs)")
-    add_cli_flags(parser)               # --fetch-round, --fetch-select, ... (FREETOKEN_* knobs)
+    add_cli_flags(parser)               # --fetch-round, ... (FREETOKEN_* knobs)
     parser.add_argument("--json", action="store_true", help="print one JSON object as the last line")
 
 
@@ -82,14 +82,12 @@ def hybrid_options(args: argparse.Namespace):
     """HybridOptions from the flags; knobs by precedence flag > FREETOKEN_* environment > default."""
     from gpu_worker.hybrid import HybridOptions
 
-    knobs = resolve({k: getattr(args, k, None) for k in ("fetch_round", "fetch_select", "benchbw_path",
-                                                         "hybrid_handoff", "pin_gpu_worker")})
+    knobs = resolve({k: getattr(args, k, None) for k in ("fetch_round", "benchbw_path", "pin_gpu_worker")})
     return HybridOptions(fetch_fraction=args.fetch_fraction, fetch_round=knobs["fetch_round"],
-                         fetch_select=knobs["fetch_select"], promote=not args.no_promote,
+                         promote=not args.no_promote,
                          cpu_workers=args.cpu_workers, cpu_threads=args.cpu_threads,
                          cpu_deadline_s=args.cpu_deadline_ms / 1e3, reserve_cpus=args.reserve_cpus,
-                         benchbw_path=knobs["benchbw_path"], handoff=knobs["hybrid_handoff"],
-                         pin_gpu_worker=knobs["pin_gpu_worker"] == "on")
+                         benchbw_path=knobs["benchbw_path"], pin_gpu_worker=knobs["pin_gpu_worker"] == "on")
 
 
 def _prompt_ids(args: argparse.Namespace, tokenizer) -> list[int]:

@@ -46,11 +46,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="prompt tokens a prefill chunk takes (default: 4096; cpu/hybrid: 512); local to this "
                             "process, not part of the coordinator's config")
     model.add_argument("--num-cpu-workers", type=int, default=0, help="CPU expert workers (cpu/hybrid strategies)")
-    model.add_argument("--hybrid-handoff", default=None, choices=("auto", "host", "stream", "device"),
-                       help="cpu/hybrid: hand the CPU share over on the host, on the GPU stream (StreamDoorbell) or "
-                            "by device kernels inside the decode CUDA graph (DeviceDoorbell); auto: device on a "
-                            "CUDA GPU, host elsewhere; local to this process, not part of the coordinator's config "
-                            "[env FREETOKEN_HYBRID_HANDOFF, default 'auto']")
     add_cli_flag(parser, "offload_copy")        # local: both modes give the same tokens
     add_cli_flag(parser, "moe_slot_audit")      # local: a check, not part of the coordinator's config
     add_cli_flag(parser, "pdl")                 # local: the same tokens either way
@@ -76,7 +71,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("--max-running-requests must be >= 1")
     from proto.knobs import export_setting, resolve
 
-    knobs = resolve({"hybrid_handoff": args.hybrid_handoff, "pin_gpu_worker": args.pin_gpu_worker,
+    knobs = resolve({"pin_gpu_worker": args.pin_gpu_worker,
                      "offload_copy": args.offload_copy, "moe_slot_audit": args.moe_slot_audit, "pdl": args.pdl,
                      "prefill_prefetch": args.prefill_prefetch, "eviction_freq_weight": args.eviction_freq_weight,
                      "eviction_freq_half_life": args.eviction_freq_half_life, "overlap_decode": args.overlap_decode})
@@ -92,7 +87,7 @@ def run(args: argparse.Namespace) -> int:
         max_running_requests=args.max_running_requests, max_context_tokens=args.max_context_tokens,
         num_cpu_workers=args.num_cpu_workers, store_name=args.store_name,
         handshake_timeout_s=args.handshake_timeout_s, drain_timeout_s=args.drain_timeout_s,
-        hybrid_handoff=knobs["hybrid_handoff"], reserve_cpus=args.reserve_cpus,
+        reserve_cpus=args.reserve_cpus,
         pin_gpu_worker=knobs["pin_gpu_worker"] == "on", offload_copy=knobs["offload_copy"],
         slot_audit_every=knobs["moe_slot_audit"], prefill_chunk_tokens=args.prefill_chunk_tokens)
     return run_gpu_worker(options)

@@ -54,7 +54,6 @@ class GpuWorkerOptions:
     store_name: str | None = None              # default: the name WELCOME gives
     handshake_timeout_s: float = DEFAULT_HANDSHAKE_TIMEOUT_S
     drain_timeout_s: float = 30.0
-    hybrid_handoff: str = "auto"               # cpu/hybrid: "stream" = StreamDoorbell (not in the config hash)
     reserve_cpus: str | None = None            # cpu/hybrid: the CPU workers' reserved CPUs (HybridOptions; not hashed)
     pin_gpu_worker: bool | None = None         # cpu/hybrid: pin to them once loaded; None: $FREETOKEN_PIN_GPU_WORKER
     offload_copy: str = "dma"                  # offload: dma, kernel or proxy (lossless either way: not hashed)
@@ -118,12 +117,6 @@ def load_engine(opts: GpuWorkerOptions, welcome: em.Welcome) -> LoadedEngine:
                                            cpu_channels=welcome.cpu_channels, cache_size=opts.moe_cache_size,
                                            reserve_cpus=opts.reserve_cpus, offload_copy=opts.offload_copy)
     try:
-        set_handoff = getattr(experts, "set_handoff", None)
-        if set_handoff is not None:
-            set_handoff(opts.hybrid_handoff)
-        elif opts.hybrid_handoff not in ("host", "auto"):
-            log.info("--hybrid-handoff %s ignored: the %s strategy has no CPU hand-off", opts.hybrid_handoff,
-                     opts.moe_strategy)
         dense = source.load_dense(device)
         cfg = source.cfg
         model = MoeModel(cfg, dense, experts, max_positions=min(32768, cfg.max_position_embeddings))

@@ -81,16 +81,6 @@ KNOBS: tuple[Knob, ...] = (
          "(seeded, unbiased), prefer-fetch (ceil), split (on the device hand-off's decode steps: floor, and the "
          "rest of one expert split by its channels between a fetch and the CPU; elsewhere as min-wait)",
          choices=("min-wait", "stochastic", "prefer-fetch", "split")),
-    Knob("FREETOKEN_HYBRID_FETCH", "fetch_select", str, "recency",
-         "which misses are fetched first: recency (most recently routed first) or lowest_id",
-         choices=("recency", "lowest_id")),
-    Knob("FREETOKEN_HYBRID_HANDOFF", "hybrid_handoff", str, "auto",
-         "cpu/hybrid: how a layer's CPU share reaches the workers: auto (device on a CUDA GPU, host elsewhere), "
-         "host (submit, host waits, copies up) or "
-         "stream (the GPU stream copies down, rings, waits and copies up: StreamDoorbell; CUDA needs 64-bit "
-         "stream memory operations) or device (two kernels ring the worker and join its answer: capturable in "
-         "the decode CUDA graph; needs CUDA)",
-         choices=("auto", "host", "stream", "device")),
     Knob("FREETOKEN_OFFLOAD_COPY", "offload_copy", str, "dma",
          "offload: how misses reach the GPU: dma (the plan read back each layer, copy-engine copies, eager decode) or "
          "kernel (a device-side copy kernel beside the hits' GEMMs: no host sync, decode in CUDA graphs; "

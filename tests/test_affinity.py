@@ -317,7 +317,7 @@ def test_ft_serve_pins_the_gpu_worker_and_its_cpu_workers_stay_off_it(tmp_path):
     reserved, placements = _plan()
     store = f"ft-test-affinity-{os.getpid()}"
     srv = Server(["--moe-strategy", "hybrid", "--num-cpu-workers", str(len(placements)), "--store-name", store,
-                  "--reserve-cpus", str(reserved), "--hybrid-handoff", "host", *TINY_ARGS], tmp_path / "serve.log")
+                  "--reserve-cpus", str(reserved), *TINY_ARGS], tmp_path / "serve.log")
     try:
         srv.wait_listening()
         (gpu_pid,) = children_pids(srv.pid, "worker gpu")

@@ -18,30 +18,30 @@ def _bench_hybrid():
 def test_median_rounds_picks_one_whole_round_per_variant():
     median_rounds = _bench_hybrid().median_rounds
     by_variant = {
-        "hybrid split device": [{"decode_tok_s": 60.0, "wait": 1}, {"decode_tok_s": 52.0, "wait": 5},
+        "hybrid split": [{"decode_tok_s": 60.0, "wait": 1}, {"decode_tok_s": 52.0, "wait": 5},
                                 {"decode_tok_s": 63.5, "wait": 0}],
-        "hybrid min-wait device": [{"decode_tok_s": 55.0, "wait": 4}, {"decode_tok_s": 57.0, "wait": 3}],
+        "hybrid min-wait": [{"decode_tok_s": 55.0, "wait": 4}, {"decode_tok_s": 57.0, "wait": 3}],
     }
     rows = dict(median_rounds(by_variant))
-    split = rows["hybrid split device (median of 3 rounds)"]
+    split = rows["hybrid split (median of 3 rounds)"]
     assert (split["decode_tok_s"], split["wait"]) == (60.0, 1)              # the middle round, all of it
     assert split["rounds_tok_s"] == [60.0, 52.0, 63.5]                     # in the order they ran
-    mw = rows["hybrid min-wait device (median of 2 rounds)"]
+    mw = rows["hybrid min-wait (median of 2 rounds)"]
     assert (mw["decode_tok_s"], mw["wait"]) == (57.0, 3)                    # even count: the upper middle
-    assert "rounds_tok_s" not in by_variant["hybrid split device"][0]      # the rounds' own rows unchanged
+    assert "rounds_tok_s" not in by_variant["hybrid split"][0]      # the rounds' own rows unchanged
 
 
 def test_freq_weights_cross_every_variant_and_keep_each_backend():
     import argparse
     bench = _bench_hybrid()
-    args = argparse.Namespace(extra_fractions="", variants="offload,=hybrid split device", freq_weights="0,256")
+    args = argparse.Namespace(extra_fractions="", variants="offload,=hybrid split", freq_weights="0,256")
     rows = dict(bench.variants(args))
     assert set(rows) == {f"{n} fw{w}" for n in ("offload kernel graphs", "offload kernel graphs serial",
                                                 "offload", "offload kernel graphs whole-copy",
-                                                "hybrid split device") for w in (0, 256)}
+                                                "hybrid split") for w in (0, 256)}
     assert rows["offload fw256"] == {"copy_mode": "dma", "freq_weight": 256}       # the default offload, DMA copies
     assert rows["offload kernel graphs fw0"] == {"copy_mode": "kernel", "freq_weight": 0}
-    hybrid = rows["hybrid split device fw256"]
+    hybrid = rows["hybrid split fw256"]
     assert "copy_mode" not in hybrid and hybrid["strategy"] == "hybrid" and hybrid["freq_weight"] == 256
     args.freq_weights = ""
     assert all("freq_weight" not in (p or {}) for _, p in bench.variants(args))     # not given: the knob decides

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 import uuid
@@ -18,16 +20,36 @@ import pytest
 import torch
 
 from conftest import KERNEL_DEVICE
+from cpu_expert_pool.proc import REPO_ROOT, CpuWorkerProc
 from cpu_expert_pool.reference import reference_moe_layer
 from gpu_worker.hybrid.device_doorbell import DeviceDoorbell
 from kernels import handoff
+from kernels.cuda_driver import CudaDriver, CudaDriverError, CudaDriverUnavailable, load_driver
 from tests.cpu_pool_util import channel, procs, random_store, serve_channel  # noqa: F401 (fixtures)
-from tests.test_stream_doorbell import stop_worker, wait_until
 
 H, I, E, L = 64, 32, 6, 2
 T_MAX, MAX_TRIPLES = 8, 32
 START_TIMEOUT_S = 60
 WORKER_PROC_ARGS = ["--threads", "1", "--hot-ms", "5", "--no-pin"]
+
+
+def stop_worker(proc: CpuWorkerProc) -> None:
+    """SIGSTOP, and wait until the process is really stopped (the signal is asynchronous)."""
+    proc.signal(signal.SIGSTOP)
+
+    def stopped() -> bool:
+        with open(f"/proc/{proc.pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "T"
+    assert wait_until(stopped, 5), "the worker did not stop"
+
+
+def wait_until(pred, timeout_s: float) -> bool:
+    give_up = time.monotonic() + timeout_s
+    while not pred():
+        if time.monotonic() > give_up:
+            return False
+        time.sleep(0.001)
+    return True
 
 
 @pytest.fixture(scope="module")
@@ -414,3 +436,70 @@ def test_count_call_refuses_what_it_cannot_count():
                                                device=KERNEL_DEVICE), one, one, offload=False)
     with pytest.raises(ValueError, match="int64"):
         handoff.count_call(counts.int(), one, one, one, offload=False)
+
+
+# ---------------------------------------------------------------------------------------------
+# The CUDA driver binding (kernels/cuda_driver.py): loaded lazily, clear errors, against a stand-in library
+# ---------------------------------------------------------------------------------------------
+def test_importing_loads_no_cuda_driver():
+    # torch's CUDA build may map libcuda itself at import (it does on the H200 machine): what must
+    # not happen is that importing these modules adds it
+    code = ("import torch; before = 'libcuda.so' in open('/proc/self/maps').read(); "
+            "import kernels.cuda_driver as m, gpu_worker.hybrid.device_doorbell; assert m._DRIVER is None; "
+            "after = 'libcuda.so' in open('/proc/self/maps').read(); "
+            "assert before or not after, 'libcuda loaded by importing the driver binding'")
+    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT))
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO_ROOT, env=env, timeout=120)
+
+
+def test_a_missing_driver_library_is_a_clear_error():
+    with pytest.raises(CudaDriverUnavailable, match=r"libcuda-missing\.so\.1.*no NVIDIA driver"):
+        load_driver(names=("libcuda-missing.so.1",))
+
+
+class FakeLib:
+    """Python functions standing in for libcuda's exports (ctypes only sets argtypes/restype on them)."""
+
+    def __init__(self, *, pointer_result=0, driver_version=12040, attributes=None):
+        attributes = attributes if attributes is not None else {}
+
+        def out(arg, value):
+            arg._obj.value = value                                 # ctypes.byref(x)._obj is x
+            return 0
+
+        def device_pointer(p, host, flags):
+            return pointer_result or out(p, host.value + 0x1000)
+
+        def error_name(code, p):
+            if code != 1:
+                return 1
+            p._obj.value = b"CUDA_ERROR_INVALID_VALUE"
+            return 0
+
+        self.cuInit = lambda flags: 0
+        self.cuDriverGetVersion = lambda p: out(p, driver_version)
+        self.cuDeviceGet = lambda p, ordinal: out(p, ordinal)
+        self.cuDeviceGetAttribute = lambda p, attr, dev: out(p, attributes.get(attr, 1))
+        self.cuMemHostGetDevicePointer_v2 = device_pointer
+        self.cuGetErrorName = error_name
+
+
+def test_the_driver_binding_against_a_stand_in_library():
+    drv = CudaDriver(FakeLib())
+    assert drv.driver_version == 12040
+    assert drv.device_pointer(0x10000) == 0x11000
+    assert drv.capabilities(0) == {"driver_version": 12040, "unified_addressing": 1,
+                                   "host_pointer_for_registered_mem": 1}
+
+
+def test_failed_calls_name_the_call_and_the_cuda_error():
+    drv = CudaDriver(FakeLib(pointer_result=1))
+    with pytest.raises(CudaDriverError, match=r"cuMemHostGetDevicePointer\(0x40\) failed: CUDA_ERROR_INVALID_VALUE "
+                                              r"\(1\); .*cudaHostRegisterMapped") as exc:
+        drv.device_pointer(0x40)
+    assert (exc.value.code, exc.value.name) == (1, "CUDA_ERROR_INVALID_VALUE")
+    assert drv.error_name(999) == "CUDA_ERROR_UNKNOWN"                 # cuGetErrorName failed: the table
+    lib = FakeLib()
+    del lib.cuMemHostGetDevicePointer_v2
+    with pytest.raises(CudaDriverUnavailable, match="lacks a CUDA driver entry point"):
+        CudaDriver(lib)

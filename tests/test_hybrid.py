@@ -11,6 +11,7 @@ One backend (2 workers) serves the whole module: starting workers is the slow pa
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import signal
@@ -29,7 +30,7 @@ from gpu_worker.models import load_model
 from kernels.slot_cache import ROUND_MODES, reset
 from kernels.slot_cache.state import POLICY_ROUND
 from tests.conftest import HAS_CUDA
-from tests.test_stream_doorbell import stop_worker
+from tests.test_device_doorbell import stop_worker
 
 PROMPTS = ([5, 17, 42, 99, 3, 250, 7, 64, 11, 300, 8], [300, 11, 64, 7, 250, 3, 99])
 NEW_TOKENS = 24
@@ -206,7 +207,7 @@ def test_prefill_chunks_take_the_engines_default_unless_the_strategy_is_cpu(hybr
     backend = hybrid.model.experts.backend
     try:
         fresh(hybrid.model.experts, strategy="hybrid")
-        assert backend.preferred_prefill_chunk_tokens is None
+        assert backend.preferred_prefill_chunk_tokens() is None
         model = backend_model(hybrid, backend)
         assert Engine(model, EngineConfig()).prefill_chunk_tokens == DEFAULT_PREFILL_CHUNK_TOKENS
         backend.set_policy(strategy="cpu")
@@ -304,12 +305,16 @@ def test_policy_changes_live_and_bad_values_change_nothing(hybrid, resident):
         backend.set_policy(fetch_fraction=1.5)
     with pytest.raises(ValueError, match="resident needs a restart"):
         backend.set_policy(strategy="resident")
+    with pytest.raises(ValueError, match="fetch_select 'lowest_id'.*the only selection"):
+        backend.set_policy(fetch_fraction=0.25, fetch_select="lowest_id")
     assert backend.policy == policy and torch.equal(backend.cache.policy, device_policy)
-    # lowest_id selection through the engine's set_policy (what the coordinator calls)
+    backend.set_policy(fetch_select="recency")                         # what the coordinator's policy carries
+    assert backend.policy == policy and torch.equal(backend.cache.policy, device_policy)
+    # through the engine's set_policy (what the coordinator calls)
     engine = make_engine(hybrid)
-    engine.set_policy(strategy="hybrid", fetch_fraction=0.25, fetch_round="min-wait", fetch_select="lowest_id",
-                      moe_prefetch="off", moe_prefetch_budget=4)
-    assert backend.policy["fetch_select"] == "lowest_id" and backend.policy["fetch_fraction"] == 0.25
+    engine.set_policy(strategy="hybrid", fetch_fraction=0.25, fetch_round="min-wait", moe_prefetch="off",
+                      moe_prefetch_budget=4)
+    assert backend.policy["fetch_round"] == "min-wait" and backend.policy["fetch_fraction"] == 0.25
     before = backend.counters()
     assert engine.generate([list(p) for p in PROMPTS], SamplingParams(max_new_tokens=NEW_TOKENS,
                                                                       ignore_eos=True)) == resident["tokens"]
@@ -385,51 +390,59 @@ INTERPRETER_ONLY = "the device hand-off on a CPU model runs in the Triton interp
 interpreter_only = pytest.mark.skipif(HAS_CUDA, reason=INTERPRETER_ONLY)
 
 
-@pytest.fixture(params=["host", "stream", "device"])
-def handoff(request, hybrid):
-    """Run the test with the backend's hand-off set to host (CpuPool.submit/join), stream (StreamDoorbell
-    per worker; on the CPU its host backend, a thread standing in for the CUDA stream) or device
-    (DeviceDoorbell: the ring/join kernels, in the Triton interpreter on the CPU)."""
-    if request.param == "device" and HAS_CUDA:
-        pytest.skip(INTERPRETER_ONLY)
-    backend = hybrid.model.experts.backend
-    backend.set_handoff(request.param)
-    try:
-        yield request.param
-    finally:
-        backend.set_handoff("host")
-
-
-@pytest.mark.parametrize("kind", ["stream", pytest.param("device", marks=interpreter_only)])
-def test_stream_and_device_handoffs_give_the_resident_tokens(hybrid, resident, kind):
+@contextlib.contextmanager
+def device_backend(hybrid):
+    """A second backend over the module's store and CPU pool that takes the device hand-off (its kernels in the
+    Triton interpreter), as the module's Lockstep's backend until the block ends; then closed, and the module's
+    host hand-off backend is back."""
     lock = hybrid.model.experts
-    backend = lock.backend
-    before = fresh(lock, strategy="hybrid", fetch_fraction=0.5, fetch_round="min-wait", promote=True, seed=7)
-    backend.set_handoff(kind)
-    doorbells = backend._doorbells if kind == "stream" else backend._device_doorbells
+    shared = lock.backend
+    backend = HybridExperts(shared.host, CACHE_SLOTS, "cpu", shared.pool, owns_host=False, owns_pool=False,
+                            fetch_fraction=0.5, cpu_max_tokens=shared.cpu_max_tokens, device_handoff_on_cpu=True)
+    lock.backend = backend
     try:
+        yield backend
+    finally:
+        lock.backend = shared
+        backend.close()
+
+
+@pytest.fixture(params=["host", "device"])
+def handoff(request, hybrid):
+    """Run the test with the host hand-off (CpuPool.submit/join: the module's backend) or the device hand-off
+    (DeviceDoorbell: the ring/join kernels, in the Triton interpreter on the CPU; device_backend)."""
+    if request.param == "host":
+        yield "host"
+        return
+    if HAS_CUDA:
+        pytest.skip(INTERPRETER_ONLY)
+    with device_backend(hybrid):
+        yield "device"
+
+
+@interpreter_only
+def test_the_device_handoff_gives_the_resident_tokens(hybrid, resident):
+    lock = hybrid.model.experts
+    with device_backend(hybrid) as backend:
+        doorbells = backend._device_doorbells
+        before = fresh(lock, strategy="hybrid", fetch_fraction=0.5, fetch_round="min-wait", promote=True, seed=7)
         assert set(doorbells) == {0, 1}                                # one doorbell per pool member
         assert greedy(hybrid) == resident["tokens"]
         counters = backend.counters()
-        assert counters["handoff"] == kind
-        if kind == "stream":
-            calls = {i: db.progress() for i, db in doorbells.items()}
-            assert all(db.in_flight == 0 and db.aborts == 0 for db in doorbells.values())
-        else:
-            calls = {i: db.counters()["answered"] for i, db in doorbells.items()}
-            assert all(db.in_flight == 0 and db.aborts == 0 and db.failure() == 0 for db in doorbells.values())
-            assert counters["calls"] > 0 and counters["routed_pairs"] > 0
-    finally:
-        backend.set_handoff("host")
-    assert doorbells == {} and backend.counters()["handoff"] == "host"
-    assert all(n > 0 for n in calls.values())                        # both workers were rung by the stream
-    assert delta(backend, before, "experts_fetched_total") > 0
+        calls = {i: db.counters()["answered"] for i, db in doorbells.items()}
+        assert all(db.in_flight == 0 and db.aborts == 0 and db.failure() == 0 for db in doorbells.values())
+        assert counters["calls"] > 0 and counters["routed_pairs"] > 0
+        assert_lockstep(lock)
+    assert doorbells == {}                                             # closed with the backend
+    assert all(n > 0 for n in calls.values())                        # both workers were rung by the kernels
+    assert counters["experts_fetched_total"] - before["experts_fetched_total"] > 0
     for name in ("cpu0", "cpu1"):
         assert counters["cpu_workers"][name]["triples_total"] > before["cpu_workers"][name]["triples_total"]
-    assert delta(backend, before, "fallbacks_total") == 0 and not backend.degraded
-    assert_lockstep(lock)
-    # the host path works again on the same channels (the stream calls advanced their sequence)
+    assert counters["fallbacks_total"] == before["fallbacks_total"] and not backend.degraded
+    # the host hand-off works again on the same channels (the device rings advanced their sequence)
+    fresh(lock, strategy="hybrid", fetch_fraction=0.5, fetch_round="min-wait", promote=True, seed=7)
     assert greedy(hybrid, prompts=PROMPTS[:1], n=4) == [resident["tokens"][0][:4]]
+    assert_lockstep(lock)
 
 
 def test_split_rounding_is_min_wait_where_nothing_splits(hybrid, resident):
@@ -461,22 +474,18 @@ def test_split_rounding_splits_one_expert_a_layer_by_channels_on_the_device_path
     a layer (the tiny model's I = 64: half of it), the CPU the rest; every layer call matches resident (a CPU
     computing the whole expert besides, or either side the wrong channels, is off by O(1))."""
     lock = hybrid.model.experts
-    backend = lock.backend
-    before = fresh(lock, strategy="hybrid", fetch_fraction=0.5, fetch_round="split", promote=promote, seed=7)
-    backend.set_handoff("device")
-    try:
+    with device_backend(hybrid) as backend:
+        before = fresh(lock, strategy="hybrid", fetch_fraction=0.5, fetch_round="split", promote=promote, seed=7)
         assert backend.splits_experts and backend.graph_key()[-1] is True
         assert greedy(hybrid) == resident["tokens"]
         counters = backend.counters()
-    finally:
-        backend.set_handoff("host")
+        assert backend.audit_slots(sample_slots=backend.cache.total_slots) == []  # the split slot: outside the cache
     splits = counters["split_experts_total"] - before["split_experts_total"]
     assert splits > 0
     assert counters["split_gpu_channels_total"] - before["split_gpu_channels_total"] == 32 * splits
     for name in ("cpu0", "cpu1"):
         assert counters["cpu_workers"][name]["triples_total"] > before["cpu_workers"][name]["triples_total"]
-    assert delta(backend, before, "fallbacks_total") == 0 and not backend.degraded
-    assert backend.audit_slots(sample_slots=backend.cache.total_slots) == []    # the split slot is outside the cache
+    assert counters["fallbacks_total"] == before["fallbacks_total"] and not backend.degraded
     assert_lockstep(lock)
     backend.set_policy(fetch_round="min-wait")
     assert not backend.splits_experts
@@ -487,18 +496,15 @@ def test_the_device_path_counts_what_the_host_path_counts(hybrid, resident):
     """Hits, misses, fetches, calls and routed pairs of the device path (counted on the GPU by
     kernels.handoff.count_call, folded between steps) equal the host path's for the same generation."""
     lock = hybrid.model.experts
-    backend = lock.backend
     names = ("expert_hits_total", "expert_misses_total", "experts_fetched_total", "calls", "routed_pairs",
              "offload_calls_total")
     seen = {}
     for kind in ("host", "device"):
-        before = fresh(lock, strategy="hybrid", fetch_fraction=0.5, fetch_round="min-wait", promote=True)
-        backend.set_handoff(kind)
-        try:
+        with device_backend(hybrid) if kind == "device" else contextlib.nullcontext():
+            backend = lock.backend
+            before = fresh(lock, strategy="hybrid", fetch_fraction=0.5, fetch_round="min-wait", promote=True)
             assert greedy(hybrid) == resident["tokens"]
             seen[kind] = {n: delta(backend, before, n) for n in names}
-        finally:
-            backend.set_handoff("host")
     assert seen["device"] == seen["host"]
     assert seen["host"]["expert_hits_total"] > 0 and seen["host"]["expert_misses_total"] > 0
 
@@ -535,17 +541,13 @@ def test_the_device_path_counts_the_gpus_wait_for_the_cpu(hybrid, resident):
     """The join kernels' waits (ST_WAIT_NS) reach gpu_wait_for_cpu_s_total (the name the host path's CUDA
     events fill) and cpu_workers.<name>.gpu_wait_s_total, and stay there once the doorbells are closed."""
     lock = hybrid.model.experts
-    backend = lock.backend
-    before = fresh(lock, strategy="hybrid", fetch_fraction=0.5, fetch_round="min-wait", promote=True, seed=7)
-    backend.set_handoff("device")
-    try:
+    with device_backend(hybrid) as backend:
+        before = fresh(lock, strategy="hybrid", fetch_fraction=0.5, fetch_round="min-wait", promote=True, seed=7)
         hold_first_answers(backend)
         assert greedy(hybrid, prompts=PROMPTS[:1], n=4) == [resident["tokens"][0][:4]]
         counters = backend.counters()
         waited = {m.name: backend._device_doorbells[m.index].counters()["wait_ns"] / 1e9
                   for m in backend.pool.members}
-    finally:
-        backend.set_handoff("host")
     waits = {name: w["gpu_wait_s_total"] - before["cpu_workers"][name]["gpu_wait_s_total"]
              for name, w in counters["cpu_workers"].items()}
     assert waits == pytest.approx(waited) and all(w > 0 for w in waits.values()), waits
@@ -557,25 +559,25 @@ def test_the_device_path_counts_the_gpus_wait_for_the_cpu(hybrid, resident):
 
 @interpreter_only
 def test_graphs_are_keyed_by_the_doorbells_they_ring(hybrid):
-    """A captured graph holds its doorbells' addresses: switching the hand-off away and back must not
-    replay a graph that rings closed doorbells."""
-    backend = hybrid.model.experts.backend
-    try:
-        backend.set_handoff("device")
+    """A captured graph holds its doorbells' addresses: doorbells closed and made again must not replay a graph
+    that rings the closed ones."""
+    with device_backend(hybrid) as backend:
         first = backend.graph_key()
-        backend.set_handoff("host")
-        assert backend.graph_key() != first
-        backend.set_handoff("device")
-        assert backend.graph_key() not in (first,) and backend.graph_key()[1] == "device"
-    finally:
-        backend.set_handoff("host")
+        backend._close_device_doorbells()
+        closed = backend.graph_key()
+        for m in backend.pool.members:
+            backend._device_doorbell(m)
+        assert closed != first and backend.graph_key() not in (first, closed)
+        assert not backend.graph_safe(2)                   # CUDA graphs: on a CUDA GPU only
 
 
-def test_a_bad_handoff_is_refused(hybrid):
-    with pytest.raises(ValueError, match="handoff must be one of auto, host, stream, device"):
-        hybrid.model.experts.backend.set_handoff("dma")
-    with pytest.raises(ValueError, match="--hybrid-handoff 'dma'"):
-        HybridOptions(handoff="dma")
+def test_the_device_handoff_on_a_cpu_needs_the_interpreter(hybrid, monkeypatch):
+    shared = hybrid.model.experts.backend
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
+        HybridExperts(shared.host, CACHE_SLOTS, "cpu", shared.pool, owns_host=False, owns_pool=False,
+                      device_handoff_on_cpu=True)
+    assert not shared.device_handoff and not shared._device_doorbells        # the module's: the host hand-off
 
 
 def test_prefill_only_traffic_readmits_a_restarted_worker(hybrid, resident, handoff):
@@ -640,8 +642,6 @@ def test_a_worker_fault_mid_generation_falls_back_then_readmits(hybrid, resident
     assert victim.pid != old_pid and not _alive_or_zombie(old_pid)
     if sig == signal.SIGSTOP:                # killed by the pool for missing its deadline
         assert victim.kills_total >= 1
-    if handoff == "stream":                  # the doorbell's watchdog released the victim's call
-        assert backend._doorbells[victim.index].aborts >= 1
     if handoff == "device":                  # the join kernel gave up (abort word or its own deadline)
         assert backend._device_doorbells[victim.index].counters()["failed"] >= 1
     # the restarted worker maps the same store: same segment, same bytes, nothing reloaded
@@ -653,8 +653,6 @@ def test_a_worker_fault_mid_generation_falls_back_then_readmits(hybrid, resident
     assert_lockstep(lock)
     assert (backend.counters()["cpu_workers"][victim.name]["triples_total"]
             > before2["cpu_workers"][victim.name]["triples_total"])
-    if handoff == "stream":                  # ... through its doorbell, reconnected to the new worker
-        assert backend._doorbells[victim.index].failed is None
     if handoff == "device":
         assert backend._device_doorbells[victim.index].failure() == 0
     assert time.monotonic() - t0 < RESTART_TIMEOUT_S
@@ -670,17 +668,15 @@ def _alive_or_zombie(pid: int) -> bool:
 
 @pytest.mark.gpu
 @pytest.mark.usefixtures("no_tf32")
-@pytest.mark.parametrize("handoff", ["host", "stream", "device"])
 @pytest.mark.parametrize("strategy", ["hybrid", "cpu"])
-def test_gpu_hybrid_and_cpu_match_resident_and_survive_a_sigkill(tiny_cache, strategy, handoff):
-    """The CUDA path: pinned readback, copy stream and events, GEMMs over slot ids, the H2D join (host), or
-    StreamDoorbell calls on side streams and the stream-ordered add (stream), or the device kernels inside
-    the engine's decode CUDA graphs (device). All give the resident tokens; a SIGKILLed worker's call is
-    released by the watchdog and fetched instead (device: the step is re-run as offload)."""
+def test_gpu_hybrid_and_cpu_match_resident_and_survive_a_sigkill(tiny_cache, strategy):
+    """The CUDA paths: the device kernels inside the engine's decode CUDA graphs (decode), and a longer prefill
+    chunk on the host hand-off (pinned readback, copy stream and events, GEMMs over slot ids, the H2D join).
+    Both give the resident tokens; a SIGKILLed worker's step is re-run as offload, the worker re-admitted."""
     resident_loaded = load_model(device="cuda")
     tokens, long = greedy(resident_loaded), greedy(resident_loaded, prompts=PROMPTS[:1], n=FAULT_TOKENS)[0]
     loaded = load_model(device="cuda", moe_strategy=strategy, moe_cache_size=CACHE_SLOTS,
-                        hybrid=options_for_tests(fetch_fraction=0.5, cpu_workers=2, handoff=handoff))
+                        hybrid=options_for_tests(fetch_fraction=0.5, cpu_workers=2))
     backend = loaded.model.experts
     lock = Lockstep(backend, resident_loaded.model.experts)
     loaded.model.experts = lock
@@ -691,24 +687,29 @@ def test_gpu_hybrid_and_cpu_match_resident_and_survive_a_sigkill(tiny_cache, str
         assert c["cpu_triples_total"] > 0
         if strategy == "hybrid":
             assert c["experts_fetched_total"] > 0
-        assert c["gpu_wait_for_cpu_s_total"] > 0          # device: the join kernels' global-timer waits
-        if handoff != "device":                  # the device path keeps no CUDA-event timings (copies)
-            if strategy == "hybrid":
-                assert c["copy_time_s_total"] > 0
-        else:
-            assert backend.graph_safe(2) and c["calls"] > 0
-            assert all(w["gpu_wait_s_total"] > 0 for w in c["cpu_workers"].values())
+        assert c["gpu_wait_for_cpu_s_total"] > 0          # the join kernels' global-timer waits
+        assert backend.graph_safe(2) and c["calls"] > 0
+        assert all(w["gpu_wait_s_total"] > 0 for w in c["cpu_workers"].values())
+        # one 24-token prefill chunk: 48 routes, more than the device path takes, so the host hand-off
+        prompt = list(PROMPTS[0]) + list(PROMPTS[1]) + [1, 2, 3, 4, 5, 6]
+        assert not backend._device_sized(len(prompt) * 2)
+
+        def prefill_one(model_loaded):
+            engine = Engine(model_loaded.model, EngineConfig(max_running_requests=1, max_context_tokens=128,
+                                                             prefill_chunk_tokens=64), eos_token_ids=())
+            return engine.generate([prompt], SamplingParams(max_new_tokens=2, ignore_eos=True))
+        assert prefill_one(loaded) == prefill_one(resident_loaded)
+        assert_lockstep(lock)
+        c2 = backend.counters()
+        assert c2["handoff_s_total"] > c["handoff_s_total"] and c2["cpu_triples_total"] > c["cpu_triples_total"]
+        if strategy == "hybrid":
+            assert c2["copy_time_s_total"] > 0             # the host path's copy-stream events
         backend.set_policy(strategy="hybrid", fetch_fraction=0.5)      # the fault test needs fetches too
         _, seen = long_run_with_fault(loaded, long, signal.SIGKILL)
         assert_lockstep(lock)
         assert seen["fell_back_at_token"] < seen["readmitted_at_token"] < FAULT_TOKENS
         assert backend.counters()["fallbacks_total"] >= 1 and torch.isfinite(backend.slots).all()
-        if handoff == "stream":
-            assert backend.counters()["handoff"] == "stream"
-            assert all(db.backend == "cuda" for db in backend._doorbells.values())
-            assert backend._doorbells[1].aborts >= 1
-        if handoff == "device":
-            assert backend._device_doorbells[1].counters()["failed"] >= 1
+        assert backend._device_doorbells[1].counters()["failed"] >= 1
     finally:
         backend.close()
 
@@ -723,7 +724,7 @@ def test_gpu_split_rounding_in_the_decode_graphs_matches_resident_and_survives_a
     tokens, long = greedy(resident_loaded), greedy(resident_loaded, prompts=PROMPTS[:1], n=FAULT_TOKENS)[0]
     loaded = load_model(device="cuda", moe_strategy="hybrid", moe_cache_size=CACHE_SLOTS,
                         hybrid=options_for_tests(fetch_fraction=0.5, fetch_round="split", promote=False,
-                                                 cpu_workers=2, handoff="device"))
+                                                 cpu_workers=2))
     backend = loaded.model.experts
     lock = Lockstep(backend, resident_loaded.model.experts)
     loaded.model.experts = lock
@@ -800,7 +801,7 @@ def test_gpu_a_failed_host_call_leaves_the_device_hand_off_in_step(tiny_cache, r
     resident_loaded = load_model(device="cuda")
     want = run(resident_loaded, PROMPTS[0])                              # 11 tokens: 22 routes, the device path
     loaded = load_model(device="cuda", moe_strategy="hybrid", moe_cache_size=CACHE_SLOTS,
-                        hybrid=options_for_tests(fetch_fraction=0.5, cpu_workers=2, handoff="device"))
+                        hybrid=options_for_tests(fetch_fraction=0.5, cpu_workers=2))
     backend = loaded.model.experts
     lock = Lockstep(backend, resident_loaded.model.experts)
     loaded.model.experts = lock

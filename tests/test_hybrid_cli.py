@@ -5,7 +5,6 @@ import json
 import logging
 
 import pytest
-import torch
 
 from coordinator.cli import main
 from coordinator.policy import ExpertFormat, load_bandwidth_profile
@@ -85,10 +84,9 @@ def test_a_profile_of_other_hardware_is_ignored_with_a_log_line(tmp_path, monkey
 
 def test_knobs_from_the_environment_and_flags(monkeypatch, capsys, resident_tokens):
     monkeypatch.setenv("FREETOKEN_HYBRID_FETCH_ROUND", "prefer-fetch")
-    monkeypatch.setenv("FREETOKEN_HYBRID_FETCH", "lowest_id")
     out = generate(capsys, "--moe-strategy", "hybrid", "--fetch-fraction", "0.5", "--no-promote")
     policy = out["experts"]["policy"]
-    assert (policy["fetch_round"], policy["fetch_select"], policy["promote"]) == ("prefer-fetch", "lowest_id", False)
+    assert (policy["fetch_round"], policy["promote"]) == ("prefer-fetch", False)
     assert out["token_ids"] == resident_tokens
     out = generate(capsys, "--moe-strategy", "hybrid", "--fetch-round", "stochastic")     # flag > environment
     assert out["experts"]["policy"]["fetch_round"] == "stochastic"
@@ -110,45 +108,25 @@ def test_bad_hybrid_flags_say_what_to_do(capsys, flags, message):
     assert message in capsys.readouterr().err
 
 
-def test_stream_handoff_from_the_flag_and_the_environment(monkeypatch, capsys, resident_tokens):
-    out = generate(capsys, "--moe-strategy", "hybrid", "--fetch-fraction", "0.5", "--hybrid-handoff", "stream")
-    assert out["token_ids"] == resident_tokens
-    assert out["experts"]["handoff"] == "stream" and out["experts"]["cpu_triples_total"] > 0
-    monkeypatch.setenv("FREETOKEN_HYBRID_HANDOFF", "stream")
-    out = generate(capsys, "--moe-strategy", "cpu", "--hybrid-handoff", "host")        # flag > environment
-    assert out["experts"]["handoff"] == "host" and out["token_ids"] == resident_tokens
-
-
-def test_the_default_handoff_is_auto_host_without_a_gpu(capsys, resident_tokens):
-    """auto (the default): the device kernels on a CUDA GPU (tests/test_serve_processes.py checks that on
-    the GPU machine), the host hand-off elsewhere, the interpreter notwithstanding."""
-    from gpu_worker.hybrid.options import resolve_handoff
+def test_the_host_handoff_without_a_gpu(capsys, resident_tokens):
+    """On a CPU device the CPU share takes the host hand-off (the device kernels are for a CUDA GPU:
+    tests/test_serve_processes.py checks those on the GPU machine), the interpreter notwithstanding."""
     out = generate(capsys, "--moe-strategy", "hybrid", "--fetch-fraction", "0.5")
     assert out["token_ids"] == resident_tokens
-    assert out["experts"]["handoff"] == "host" and out["experts"]["cpu_triples_total"] > 0
-    assert resolve_handoff("auto", on_cuda=True) == "device" and resolve_handoff("auto", on_cuda=False) == "host"
-    assert resolve_handoff("stream", on_cuda=True) == "stream"
-
-
-@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU side of the flag: the interpreter, then no GPU")
-def test_device_handoff_from_the_flag_and_its_error_without_a_gpu(monkeypatch, capsys, resident_tokens):
-    """Under the interpreter (set for tests) the device kernels run on the CPU and give the resident
-    tokens; without it and without a GPU, the flag is refused with what to use instead."""
-    out = generate(capsys, "--moe-strategy", "hybrid", "--fetch-fraction", "0.5", "--hybrid-handoff", "device")
-    assert out["token_ids"] == resident_tokens
     ex = out["experts"]
-    assert ex["handoff"] == "device" and ex["cpu_triples_total"] > 0 and ex["experts_fetched_total"] > 0
-    monkeypatch.delenv("TRITON_INTERPRET")
-    assert main(BASE + ["--moe-strategy", "hybrid", "--hybrid-handoff", "device"]) == 2
-    assert "use --hybrid-handoff host here" in capsys.readouterr().err
+    assert ex["cpu_triples_total"] > 0 and ex["handoff_s_total"] > 0 and "handoff" not in ex
 
 
-def test_worker_gpu_takes_the_handoff_flag_and_the_environment(monkeypatch):
+@pytest.mark.parametrize("flag", [["--hybrid-handoff", "device"], ["--fetch-select", "recency"]])
+def test_retired_flags_are_refused(capsys, flag):
+    """--hybrid-handoff (the hand-off follows the device) and --fetch-select (always recency) are gone."""
+    with pytest.raises(SystemExit):
+        main(BASE + ["--moe-strategy", "hybrid", *flag])
+    assert f"unrecognized arguments: {' '.join(flag)}" in capsys.readouterr().err
     import argparse
 
     from gpu_worker.worker_cli import add_arguments
     parser = argparse.ArgumentParser()
     add_arguments(parser)
-    assert parser.parse_args(["--hybrid-handoff", "stream"]).hybrid_handoff == "stream"
     with pytest.raises(SystemExit):
-        parser.parse_args(["--hybrid-handoff", "dma"])
+        parser.parse_args(flag)

@@ -20,10 +20,10 @@ def test_every_knob_is_an_env_var_a_field_and_a_flag():
 def test_env_values_are_typed_and_cli_wins():
     env = {"FREETOKEN_HYBRID_FETCH_ROUND": "stochastic", "FREETOKEN_MOE_PREFETCH_BUDGET": "7"}
     assert read_env(env) == {"fetch_round": "stochastic", "moe_prefetch_budget": 7}
-    values = resolve({"fetch_round": "prefer-fetch", "fetch_select": None}, env)
+    values = resolve({"fetch_round": "prefer-fetch", "pdl": None}, env)
     assert values["fetch_round"] == "prefer-fetch"          # CLI over environment
     assert values["moe_prefetch_budget"] == 7               # environment over default
-    assert values["fetch_select"] == "recency"              # default
+    assert values["pdl"] == "auto"                          # default
 
 
 @pytest.mark.parametrize("env, message", [
@@ -31,6 +31,8 @@ def test_env_values_are_typed_and_cli_wins():
     ({"FREETOKEN_MOE_PREFETCH_BUDGET": "-2"}, "must be >= 0"),
     ({"FREETOKEN_MOE_PREFETCH_BUDGET": "many"}, "is not valid"),
     ({"FREETOKEN_HYBRID_FECTH": "recency"}, "unknown environment variable.*FREETOKEN_HYBRID_FECTH"),
+    ({"FREETOKEN_HYBRID_FETCH": "recency"}, "unknown environment variable.*FREETOKEN_HYBRID_FETCH"),      # retired
+    ({"FREETOKEN_HYBRID_HANDOFF": "auto"}, "unknown environment variable.*FREETOKEN_HYBRID_HANDOFF"),    # retired
     ({"FREETOKEN_MOE_PREFETCH": "on"}, "not available yet.*leave it at 'off'"),
     ({"FREETOKEN_MOE_SLOT_AUDIT": "-1"}, "must be >= 0"),
 ])

@@ -126,8 +126,9 @@ class Engine:
         self.eos_token_ids = frozenset(cfg.eos_token_ids if eos_token_ids is None else eos_token_ids)
         self.kv = KVCache(cfg, self.config.max_running_requests, self.max_context_tokens, model.dtype,
                           self.device)
+        preferred = getattr(model.experts, "preferred_prefill_chunk_tokens", None)
         self.prefill_chunk_tokens = (self.config.prefill_chunk_tokens
-                                     or getattr(model.experts, "preferred_prefill_chunk_tokens", None)
+                                     or (preferred() if callable(preferred) else preferred)
                                      or DEFAULT_PREFILL_CHUNK_TOKENS)
         self.scheduler = Scheduler(self.config.max_running_requests, self.prefill_chunk_tokens)
         self.stats = EngineStats()
@@ -333,6 +334,7 @@ class Engine:
             return False
         experts = self.model.experts
         may = getattr(experts, "decode_steps_may_overlap", None)
+        may = may() if callable(may) else may
         if may is None:
             may = getattr(experts, "step_begin", None) is None and getattr(experts, "step_end", None) is None
         every = self.config.slot_audit_every

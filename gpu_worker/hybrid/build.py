@@ -64,9 +64,8 @@ def build_hybrid_backend(strategy: str, source: ExpertSource, device: torch.devi
         pool = start_cpu_pool(host, options, top_k)
         try:
             backend = HybridExperts(host, slots, device, pool, strategy=strategy, fetch_fraction=fraction,
-                                    fetch_round=options.fetch_round, fetch_select=options.fetch_select,
-                                    promote=options.promote, seed=options.seed, per_layer=per_layer, mode=mode,
-                                    cpu_max_tokens=options.cpu_max_tokens, handoff=options.handoff)
+                                    fetch_round=options.fetch_round, promote=options.promote, seed=options.seed,
+                                    per_layer=per_layer, mode=mode, cpu_max_tokens=options.cpu_max_tokens)
         except BaseException:
             pool.close()
             raise

@@ -12,7 +12,7 @@ is capturable in a CUDA graph and each replay rings fresh sequence numbers (the 
 the channel's request_seq itself). The worker's side of the protocol is unchanged
 (proto/shm_layout.py). What the host still does, off the hot path:
 
-- the watchdog (the process-wide `DoorbellWatchdog` of stream_doorbell.py) looks at the channel's
+- the watchdog (the process-wide `DoorbellWatchdog` below) looks at the channel's
   request_seq / done_seq in host memory; when a rung request's worker is dead (pidfd) or the request
   is older than `deadline_s`, it raises the doorbell's abort word, which every spinning join kernel
   reads, and calls `on_abort` (the pool kills a late worker). The join kernel has its own deadline
@@ -28,14 +28,20 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import mmap
 import threading
+import time
+import weakref
 from typing import Callable
 
+import numpy as np
 import torch
 
 from cpu_expert_pool.channel import CpuPoolClient, WorkerDead
 from kernels import handoff
-from proto.shm_layout import (CACHE_LINE_BYTES, NUM_SLOTS, REQUEST_SEQ_OFFSET, SLOT_LINES_BYTES, SLOT_LINES_OFFSET)
+from kernels.cuda_driver import CudaDriver, CudaDriverUnavailable, driver
+from proto.shm_layout import (CACHE_LINE_BYTES, NUM_SLOTS, PAGE_BYTES, REQUEST_SEQ_OFFSET, SLOT_LINES_BYTES,
+                              SLOT_LINES_OFFSET, cuda_host_register, cuda_host_unregister)
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +50,36 @@ HOST_FAIL_OFFSET = CACHE_LINE_BYTES
 FAIL_REASONS = {handoff.FAIL_TIMEOUT: "timeout", handoff.FAIL_ABORTED: "aborted", handoff.FAIL_STATUS: "error status",
                 handoff.FAIL_REPLACED: "replaced (a restarted worker claimed the channel)"}
 ABORT_DEAD, ABORT_LATE = 1, 2    # what the watchdog writes into the abort word
+
+
+class PinnedWords:
+    """`nbytes` of page-aligned host memory of our own, registered (portable | mapped) for CUDA when a driver is
+    given, whose 8-byte words a kernel may read or write (``dptr``) and the host too (``word``)."""
+
+    def __init__(self, nbytes: int, *, cuda_driver: CudaDriver | None, device: torch.device | None, what: str):
+        self.nbytes = -(-nbytes // PAGE_BYTES) * PAGE_BYTES
+        self._mm = mmap.mmap(-1, self.nbytes)
+        self.u8 = np.frombuffer(self._mm, dtype=np.uint8)
+        self.address = int(self.u8.ctypes.data)
+        self.registered = False
+        self.device_address = self.address
+        if cuda_driver is not None:
+            self.registered = cuda_host_register(self.address, self.nbytes, what=what)
+            if not self.registered:
+                raise CudaDriverUnavailable(f"cannot register {what} for CUDA (torch sees no GPU)")
+            with torch.cuda.device(device):
+                self.device_address = cuda_driver.device_pointer(self.address)
+
+    def word(self, offset: int) -> ctypes.c_int64:
+        return ctypes.c_int64.from_address(self.address + offset)
+
+    def dptr(self, offset: int) -> int:
+        return self.device_address + offset
+
+    def close(self) -> None:
+        if self.registered:
+            cuda_host_unregister(self.address)
+            self.registered = False
 
 
 class DeviceDoorbell:
@@ -57,8 +93,6 @@ class DeviceDoorbell:
                  fail: torch.Tensor | None = None, deadline_s: float = 1.0, watchdog: bool = True,
                  poll_s: float = 500e-6, on_abort: Callable[[str, int, int], None] | None = None,
                  always_ring: bool = False):
-        from .stream_doorbell import DoorbellWatchdog, PinnedWords, driver
-
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
@@ -268,3 +302,61 @@ class DeviceDoorbell:
         if self._watchdog is not None:
             self._watchdog.remove(self)
         self._words.close()
+
+
+class DoorbellWatchdog:
+    """One daemon thread per process watching every open DeviceDoorbell (`watchdog_check`).
+
+    Sleeps on an event while no doorbell has requests in flight; otherwise looks every `poll_s` (the
+    smallest poll_s of the doorbells). Reads host memory and the worker's pidfd only, never a CUDA call,
+    so a host thread blocked in CUDA cannot stall it."""
+
+    _shared: "DoorbellWatchdog | None" = None
+    _shared_lock = threading.Lock()
+
+    def __init__(self):
+        self._doorbells: "weakref.WeakSet[DeviceDoorbell]" = weakref.WeakSet()
+        self._states: "weakref.WeakKeyDictionary[DeviceDoorbell, dict]" = weakref.WeakKeyDictionary()
+        self._event = threading.Event()
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._run, name="doorbell-watchdog", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def shared(cls) -> "DoorbellWatchdog":
+        with cls._shared_lock:
+            if cls._shared is None or not cls._shared._thread.is_alive():
+                cls._shared = cls()
+            return cls._shared
+
+    def add(self, doorbell: DeviceDoorbell) -> None:
+        with self._lock:
+            self._doorbells.add(doorbell)
+            self._states[doorbell] = {}
+        self.kick()
+
+    def remove(self, doorbell: DeviceDoorbell) -> None:
+        with self._lock:
+            self._doorbells.discard(doorbell)
+
+    def kick(self) -> None:
+        if not self._event.is_set():
+            self._event.set()
+
+    def _run(self) -> None:
+        while True:
+            with self._lock:
+                doorbells = [(db, self._states.setdefault(db, {})) for db in self._doorbells]
+            busy = [(db, state) for db, state in doorbells if db.in_flight > 0]
+            if not busy:
+                self._event.clear()
+                if not any(db.in_flight > 0 for db, _ in doorbells):     # rung between the look and clear
+                    self._event.wait(0.1)
+                continue
+            now = time.monotonic()
+            for db, state in busy:
+                try:
+                    db.watchdog_check(now, state)
+                except Exception:  # pragma: no cover - keep watching the others
+                    log.exception("doorbell watchdog check failed")
+            time.sleep(min(db.poll_s for db, _ in busy))

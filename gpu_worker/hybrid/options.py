@@ -1,8 +1,7 @@
 """`HybridOptions`: the settings of the `hybrid` and `cpu` expert backends, validated in one place.
 
-Every field is also a flag of `ft generate` (generate_cli.py); the fetch rounding and selection and
-the hand-off (--hybrid-handoff) and pinning the GPU-driving process (--pin-gpu-worker) are FREETOKEN_*
-knobs (proto/knobs.py). Where the fetch fraction starts, in order: the given value
+Every field is also a flag of `ft generate` (generate_cli.py); the fetch rounding and pinning the
+GPU-driving process (--pin-gpu-worker) are FREETOKEN_* knobs (proto/knobs.py). Where the fetch fraction starts, in order: the given value
 (--fetch-fraction), the `ft bench bw` profile measured on this GPU (or "cpu") for this expert format,
 0.5. The profile is read by coordinator/policy.py's `load_bandwidth_profile`, which ignores a profile
 of other hardware or another expert format with a log line.
@@ -16,7 +15,7 @@ import os
 import torch
 
 from cpu_expert_pool.topology import format_cpulist, parse_cpulist, set_process_affinity
-from kernels.slot_cache.state import ROUND_MODES, SELECT_MODES
+from kernels.slot_cache.state import ROUND_MODES
 from proto.knobs import KNOBS_BY_FIELD
 
 log = logging.getLogger("ft.hybrid")
@@ -28,8 +27,6 @@ DEFAULT_RESTART_BACKOFF_S = 0.5       # supervisor: first restart delay of a fai
 DEFAULT_READY_TIMEOUT_S = 120.0       # a CPU worker imports torch, maps the store and warms up
 DEFAULT_HEARTBEAT_TIMEOUT_S = 10.0    # supervisor: a worker silent this long is killed (backstop)
 DEFAULT_READMIT_POLL_S = 0.02         # how often a forward looks for restarted workers
-HANDOFFS = ("host", "stream", "device")   # HybridExperts' hand-off of the CPU share (HybridExperts.set_handoff)
-HANDOFF_CHOICES = ("auto", *HANDOFFS)     # auto: device on a CUDA GPU, host elsewhere (resolve_handoff)
 RESERVE_CPU_MIN_CPUS = 4              # from this many CPUs on, CPU 0 is left to the GPU worker's thread
 
 
@@ -56,7 +53,6 @@ def unpin_driving_process() -> None:
 class HybridOptions:
     fetch_fraction: float | None = None     # f in [0, 1]; None: profile, else DEFAULT_FETCH_FRACTION
     fetch_round: str = KNOBS_BY_FIELD["fetch_round"].default     # rounding of f*M (ROUND_MODES)
-    fetch_select: str = KNOBS_BY_FIELD["fetch_select"].default   # which misses are fetched first (SELECT_MODES)
     promote: bool = True                    # recency promotion (docs/slot_cache.md)
     seed: int = 0                           # stochastic rounding's seed
     cpu_workers: int = 1                    # `ft worker cpu` processes (a multiple of the NUMA nodes)
@@ -71,7 +67,6 @@ class HybridOptions:
     readmit_poll_s: float = DEFAULT_READMIT_POLL_S
     engine_threads: int | None = None       # torch threads of this process; None: the reserved CPUs' count, >= 1
     benchbw_path: str = ""                  # `ft bench bw` profile; "": $FREETOKEN_BENCHBW_PATH or default
-    handoff: str = "auto"                   # host: CpuPool.submit/join; stream: StreamDoorbell; device: DeviceDoorbell
     pin_gpu_worker: bool | None = None      # pin the GPU-driving process to the reserved CPUs; None: the knob
 
     def __post_init__(self) -> None:
@@ -80,8 +75,6 @@ class HybridOptions:
                              f"(0: every miss to the CPU, 1: fetch every miss)")
         if self.fetch_round not in ROUND_MODES:
             raise ValueError(f"--fetch-round {self.fetch_round!r} is not one of {', '.join(ROUND_MODES)}")
-        if self.fetch_select not in SELECT_MODES:
-            raise ValueError(f"--fetch-select {self.fetch_select!r} is not one of {', '.join(SELECT_MODES)}")
         if not isinstance(self.cpu_workers, int) or self.cpu_workers < 1:
             raise ValueError(f"--cpu-workers {self.cpu_workers!r} must be an int >= 1")
         if self.cpu_threads < 0:
@@ -89,8 +82,6 @@ class HybridOptions:
         for name in ("cpu_deadline_s", "restart_backoff_s", "ready_timeout_s", "readmit_poll_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name}={getattr(self, name)!r} must be > 0")
-        if self.handoff not in HANDOFF_CHOICES:
-            raise ValueError(f"--hybrid-handoff {self.handoff!r} is not one of {', '.join(HANDOFF_CHOICES)}")
         if self.cpu_max_tokens < 1:
             raise ValueError(f"--cpu-max-tokens {self.cpu_max_tokens} must be >= 1")
         self.worker_args = tuple(self.worker_args)
@@ -205,11 +196,3 @@ def resolve_fetch_fraction(options: HybridOptions, *, dtype: torch.dtype, hidden
     log.info("fetch fraction %.3f from %s (PCIe %.1f GB/s, CPU %.1f GB/s)", profile.fetch_fraction, path,
              profile.pcie_gb_s, profile.cpu_gb_s)
     return profile.fetch_fraction, f"profile:{path}"
-
-
-def resolve_handoff(handoff: str, on_cuda: bool) -> str:
-    """"auto" -> "device" on a CUDA GPU (the ring/join kernels: the decode step stays one CUDA graph, about
-    3x the host hand-off's tok/s in docs/BENCHMARKS.md), "host" elsewhere; other values unchanged."""
-    if handoff == "auto":
-        return "device" if on_cuda else "host"
-    return handoff

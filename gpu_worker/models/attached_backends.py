@@ -85,8 +85,7 @@ def _attached_hybrid(strategy: str, host, source: ExpertSource, slots: int, devi
     try:
         torch.set_num_threads(options.engine_thread_count())    # idle OpenMP threads would spin on their cores
         return HybridExperts(host, slots, device, pool, strategy=strategy, fetch_fraction=fraction,
-                             fetch_round=options.fetch_round, fetch_select=options.fetch_select,
-                             promote=options.promote, seed=options.seed, per_layer=per_layer, mode=mode,
+                             fetch_round=options.fetch_round, promote=options.promote, seed=options.seed, per_layer=per_layer, mode=mode,
                              cpu_max_tokens=min(options.cpu_max_tokens, pool.t_max))
     except BaseException:
         pool.close()

@@ -145,7 +145,7 @@ class DmaProxy:
         self.stream = None
         self._closed = False
         if self.on_cuda:
-            from gpu_worker.hybrid.stream_doorbell import driver
+            from kernels.cuda_driver import driver
             drv = driver()
             torch.cuda.init()
             with torch.cuda.device(self.device):
