@@ -42,7 +42,7 @@ SHAPES = {s.name: s for s in (
     # CI and the embedded default: trains on 2 CPU cores in about a minute.
     Shape("tiny", vocab_size=2048, hidden_size=64, num_layers=4, num_heads=4, num_kv_heads=2,
           head_dim=16, num_experts=8, top_k=2, moe_intermediate_size=64, norm_topk_prob=True,
-          seq_len=128, batch_size=16, lr=3e-3, warmup_steps=20, tokens=300_000, tokenizer_docs=300,
+          seq_len=128, batch_size=16, lr=5e-3, warmup_steps=10, tokens=300_000, tokenizer_docs=300,
           corpus_docs=400),
     # OLMoE-1B-7B's routing: 16 layers, 64 experts, top-8, top-k weights not renormalised.
     Shape("olmoe-routing", vocab_size=8192, hidden_size=512, num_layers=16, num_heads=8, num_kv_heads=4,

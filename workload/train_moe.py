@@ -86,6 +86,17 @@ def train(shape: Shape, out: Path, tokens: int | None, minutes: float | None, de
     if out.exists() and any(out.iterdir()):
         raise FileExistsError(f"{out} exists and is not empty; choose a new --out directory")
     dev = torch.device(device)
+    threads = torch.get_num_threads()
+    if dev.type == "cpu":       # small ops: a second thread's synchronisation costs more than it saves
+        torch.set_num_threads(1)
+    try:
+        return _train(shape, out, tokens, minutes, dev, seed, corpus_path, log)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _train(shape: Shape, out: Path, tokens: int | None, minutes: float | None, dev: torch.device,
+           seed: int, corpus_path: str | None, log) -> Path:
     torch.manual_seed(seed)
     docs = corpus.load_documents(corpus_path)
     train_docs, held = corpus.split(docs)
