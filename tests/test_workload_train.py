@@ -1,0 +1,156 @@
+"""`python -m workload.train_moe`: a trained tiny checkpoint that transformers and `ft generate` load
+with the same greedy tokens; the model's pieces against transformers'; determinism; bad input."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from workload import corpus
+from workload.checkpoint import load_checkpoint
+from workload.model import MoeLM, experts_forward, load_balancing_loss
+from workload.shapes import SHAPES
+from workload.train_moe import main as train_main
+
+transformers = pytest.importorskip("transformers")
+
+TRAIN_TOKENS = 40 * 2048          # 40 steps: enough that greedy text is words, not one repeated token
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    out = tmp_path_factory.mktemp("wl") / "tiny"
+    assert train_main(["--shape", "tiny", "--out", str(out), "--tokens", str(TRAIN_TOKENS),
+                       "--device", "cpu", "--seed", "3"]) == 0
+    return out
+
+
+def hf_greedy(model_dir, prompt: list[int], n: int) -> list[int]:
+    hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    ids = torch.tensor([prompt])
+    out = hf.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, eos_token_id=None,
+                      pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+def test_checkpoint_layout_and_metadata(trained):
+    cfg = json.loads((trained / "config.json").read_text())
+    assert cfg["architectures"] == ["Qwen3MoeForCausalLM"] and cfg["num_experts"] == 8
+    assert cfg["num_experts_per_tok"] == 2 and cfg["norm_topk_prob"] is True
+    meta = json.loads((trained / "ft_workload.json").read_text())
+    assert meta["shape"] == "tiny" and meta["seed"] == 3 and meta["tokens"] == TRAIN_TOKENS
+    tok = transformers.AutoTokenizer.from_pretrained(trained)
+    text = tok.apply_chat_template([{"role": "user", "content": "Hello!"}], tokenize=False,
+                                   add_generation_prompt=True)
+    assert text == "<|im_start|>user\nHello!<|im_end|>\n<|im_start|>assistant\n"
+    assert tok.decode(tok("And God said").input_ids) == "And God said"
+
+
+def test_greedy_tokens_match_transformers(trained):
+    model, tok = load_checkpoint(trained)
+    prompt = tok.encode("And God said unto").ids
+    ours = model.greedy(prompt, 32)
+    assert ours == hf_greedy(trained, prompt, 32)
+    assert len(set(ours)) > 2, f"a barely trained model: {tok.decode(ours)!r}"
+    hf = transformers.AutoModelForCausalLM.from_pretrained(trained, dtype=torch.float32).eval()
+    ids = torch.tensor([prompt + ours])
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids)[0], hf(ids).logits, rtol=1e-5, atol=1e-5)
+
+
+def test_ft_generate_loads_the_checkpoint(trained, capsys, monkeypatch, tmp_path):
+    from coordinator.cli import main as ft_main
+    monkeypatch.setenv("FT_CACHE_DIR", str(tmp_path / "cache"))
+    _, tok = load_checkpoint(trained)
+    prompt = tok.encode("And God said unto").ids
+    assert ft_main(["generate", "--model", str(trained), "--prompt", "And God said unto",
+                    "--max-new-tokens", "16", "--temperature", "0", "--ignore-eos", "--device", "cpu",
+                    "--json"]) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert result["prompt_token_ids"] == prompt
+    assert result["token_ids"] == hf_greedy(trained, prompt, 16)
+
+
+def test_training_is_deterministic_for_a_seed(tmp_path):
+    small = tmp_path / "small.txt"                   # a small --corpus keeps the three runs quick
+    small.write_text("\n".join(corpus.load_documents()[:60]) + "\n")
+
+    def weights(name: str, seed: int) -> bytes:
+        out = tmp_path / name
+        train_main(["--shape", "tiny", "--out", str(out), "--tokens", "4096", "--device", "cpu",
+                    "--seed", str(seed), "--corpus", str(small)])
+        assert json.loads((out / "ft_workload.json").read_text())["corpus"] == str(small)
+        return (out / "model.safetensors").read_bytes()
+    first = weights("a", 5)
+    assert weights("b", 5) == first
+    assert weights("c", 6) != first
+
+
+def test_grouped_experts_match_the_loop():
+    if not hasattr(torch, "_grouped_mm"):
+        pytest.skip("this torch has no _grouped_mm")
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(37, 16, generator=gen, requires_grad=True)
+    gate_up = torch.randn(6, 2 * 8, 16, generator=gen, requires_grad=True)
+    down = torch.randn(6, 16, 8, generator=gen, requires_grad=True)
+    ids = torch.stack([torch.randperm(6, generator=gen)[:3] for _ in range(37)])
+    ids[:, 0] = 5                                    # expert 5 busy, some experts idle in places
+    weights = torch.rand(37, 3, generator=gen)
+    outs, grads = [], []
+    for impl in ("grouped", "loop"):
+        y = experts_forward(x, ids, weights, gate_up, down, impl)
+        g = torch.autograd.grad(y.square().sum(), (x, gate_up, down))
+        outs.append(y)
+        grads.append(g)
+    torch.testing.assert_close(outs[0], outs[1])
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b)
+    # and against the per-token definition
+    ref = torch.zeros(37, 16)
+    for t in range(37):
+        for j in range(3):
+            e = ids[t, j]
+            h = gate_up[e] @ x[t]
+            ref[t] += weights[t, j] * (down[e] @ (torch.nn.functional.silu(h[:8]) * h[8:]))
+    torch.testing.assert_close(outs[1], ref, rtol=1e-4, atol=1e-4)
+
+
+def test_load_balancing_loss_matches_transformers():
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
+    gen = torch.Generator().manual_seed(1)
+    logits = [torch.randn(50, 8, generator=gen) * 2 for _ in range(3)]
+    ref = load_balancing_loss_func(tuple(logits), 8, 2)
+    torch.testing.assert_close(load_balancing_loss(logits, 8, 2), ref)
+
+
+def test_the_routing_shapes_are_fixed():
+    olmoe, qwen = SHAPES["olmoe-routing"], SHAPES["qwen3-30b-a3b-routing"]
+    assert (olmoe.num_layers, olmoe.num_experts, olmoe.top_k, olmoe.norm_topk_prob) == (16, 64, 8, False)
+    assert (qwen.num_layers, qwen.num_experts, qwen.top_k, qwen.norm_topk_prob) == (48, 128, 8, True)
+    for shape in SHAPES.values():                    # builds, and the grouped GEMM's alignment holds
+        cfg = shape.model_config()
+        assert cfg.hidden_size % 16 == 0 and cfg.moe_intermediate_size % 16 == 0
+        assert cfg.num_heads % cfg.num_kv_heads == 0
+    MoeLM(SHAPES["tiny"].model_config())
+
+
+def test_bad_input_is_refused(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        train_main(["--shape", "tiny", "--out", str(tmp_path / "x"), "--tokens", "10", "--minutes", "1"])
+    with pytest.raises(SystemExit):
+        train_main(["--shape", "huge", "--out", str(tmp_path / "x")])
+    with pytest.raises(SystemExit):
+        train_main(["--shape", "tiny", "--out", str(tmp_path / "x"), "--tokens", "0"])
+    full = tmp_path / "full"
+    full.mkdir()
+    (full / "keep").write_text("x")
+    with pytest.raises(FileExistsError, match="not empty"):
+        train_main(["--shape", "tiny", "--out", str(full), "--tokens", "2048", "--device", "cpu"])
+    with pytest.raises(FileNotFoundError, match="corpus"):
+        train_main(["--shape", "tiny", "--out", str(tmp_path / "y"), "--device", "cpu",
+                    "--corpus", str(tmp_path / "missing.txt")])
+    short = tmp_path / "short.txt"
+    short.write_text("one line\n")
+    with pytest.raises(ValueError, match="at least"):
+        corpus.load_documents(short)
