@@ -99,8 +99,11 @@ def route(logits: torch.Tensor, top_k: int, norm_topk_prob: bool) -> tuple[torch
     return weights.to(logits.dtype), ids
 
 
-def grouped_mm_available() -> bool:
-    return hasattr(torch, "_grouped_mm")
+def grouped_mm_available(device: torch.device | None = None) -> bool:
+    """torch has ``_grouped_mm`` and, on CUDA, the GPU is Hopper or newer (what it needs there)."""
+    if not hasattr(torch, "_grouped_mm"):
+        return False
+    return device is None or device.type != "cuda" or torch.cuda.get_device_capability(device) >= (9, 0)
 
 
 def experts_forward(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
@@ -153,8 +156,9 @@ class SparseMoe(nn.Module):
         logits = self.gate(flat)
         weights, ids = route(logits, self.cfg.top_k, self.cfg.norm_topk_prob)
         gate_up, down = self.gate_up_proj, self.down_proj
-        if impl == "grouped" and flat.dtype != gate_up.dtype:      # autocast does not cover _grouped_mm
-            gate_up, down = gate_up.to(flat.dtype), down.to(flat.dtype)
+        if flat.is_cuda and torch.is_autocast_enabled("cuda"):     # autocast does not cover _grouped_mm
+            dt = torch.get_autocast_dtype("cuda")
+            flat, gate_up, down = flat.to(dt), gate_up.to(dt), down.to(dt)
         out = experts_forward(flat, ids, weights.to(flat.dtype), gate_up, down, impl)
         return out.view(shape), logits
 

@@ -52,6 +52,6 @@ SHAPES = {s.name: s for s in (
     # Qwen3-30B-A3B's routing: 48 layers, 128 experts, top-8, top-k weights renormalised.
     Shape("qwen3-30b-a3b-routing", vocab_size=8192, hidden_size=384, num_layers=48, num_heads=6,
           num_kv_heads=2, head_dim=64, num_experts=128, top_k=8, moe_intermediate_size=128,
-          norm_topk_prob=True, seq_len=512, batch_size=64, lr=1e-3, warmup_steps=100,
+          norm_topk_prob=True, seq_len=512, batch_size=32, lr=1e-3, warmup_steps=100,
           tokens=60_000_000, tokenizer_docs=0, corpus_docs=0),
 )}

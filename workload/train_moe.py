@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -22,11 +23,12 @@ import torch
 
 from . import corpus
 from .checkpoint import write_checkpoint
-from .model import MoeLM, load_balancing_loss, lm_loss, train_flops_per_token
+from .model import MoeLM, grouped_mm_available, load_balancing_loss, lm_loss, train_flops_per_token
 from .shapes import SHAPES, Shape
 from .tokenizer import train_tokenizer
 
 TIMING_STEPS = 8            # --minutes: steps timed before the step count is fixed
+LOG_EVERY = 10              # steps between progress updates (every step before that)
 PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12}
 
 
@@ -86,6 +88,9 @@ def train(shape: Shape, out: Path, tokens: int | None, minutes: float | None, de
     if out.exists() and any(out.iterdir()):
         raise FileExistsError(f"{out} exists and is not empty; choose a new --out directory")
     dev = torch.device(device)
+    if dev.type == "cuda":      # deterministic cuBLAS and index backward, where CUDA has them
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True, warn_only=True)
     threads = torch.get_num_threads()
     if dev.type == "cpu":       # small ops: a second thread's synchronisation costs more than it saves
         torch.set_num_threads(1)
@@ -112,7 +117,7 @@ def _train(shape: Shape, out: Path, tokens: int | None, minutes: float | None, d
     cfg = shape.model_config()
     if tok.get_vocab_size() != cfg.vocab_size:            # a corpus too small for the vocabulary
         cfg = type(cfg)(**{**cfg.to_dict(), "vocab_size": tok.get_vocab_size()})
-    model = MoeLM(cfg)
+    model = MoeLM(cfg, "grouped" if grouped_mm_available(dev) else "loop")
     model.init_weights(seed)
     model.to(dev).train()
     step_tokens = shape.batch_size * shape.seq_len
@@ -150,8 +155,10 @@ def _train(shape: Shape, out: Path, tokens: int | None, minutes: float | None, d
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         step += 1
+        if step > LOG_EVERY and step % LOG_EVERY and step != total and step != TIMING_STEPS:
+            continue                              # reading the loss waits for the GPU: not every step
         ce_val = ce.item()
-        loss_avg = ce_val if loss_avg is None else 0.95 * loss_avg + 0.05 * ce_val
+        loss_avg = ce_val if loss_avg is None else 0.8 * loss_avg + 0.2 * ce_val
         elapsed = time.perf_counter() - start
         if minutes is not None and step == TIMING_STEPS:
             total = max(total, int(minutes * 60 / (elapsed / step)))
