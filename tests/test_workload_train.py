@@ -154,3 +154,21 @@ def test_bad_input_is_refused(tmp_path, capsys):
     short.write_text("one line\n")
     with pytest.raises(ValueError, match="at least"):
         corpus.load_documents(short)
+
+
+def test_routing_cli_writes_the_trace_its_statistics_come_from(trained, tmp_path, capsys):
+    from workload.routing import main as routing_main, routing_stats
+    from workload.trace import read_trace
+    trace_path, json_path = tmp_path / "r.trace", tmp_path / "r.json"
+    assert routing_main(["--model", str(trained), "--tokens", "700", "--trace", str(trace_path),
+                         "--json", str(json_path)]) == 0
+    printed = capsys.readouterr().out
+    assert printed.splitlines()[0].startswith("700 tokens in 2 sequences; 4 layers, 8 experts, top-2")
+    assert printed.splitlines()[-1].split()[0] == "all"
+    trace = read_trace(trace_path)
+    assert trace.num_tokens == 700 and trace.seq_starts.tolist() == [0, 512]
+    assert json.loads(json_path.read_text()) == json.loads(json.dumps(routing_stats(trace)))
+    with pytest.raises(SystemExit):
+        routing_main(["--model", str(trained), "--tokens", "1"])
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        routing_main(["--model", str(tmp_path)])
