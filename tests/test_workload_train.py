@@ -87,6 +87,19 @@ def test_training_is_deterministic_for_a_seed(tmp_path):
     assert weights("c", 6) != first
 
 
+def test_minutes_fixes_the_step_count_after_timing(tmp_path, capsys):
+    small = tmp_path / "small.txt"
+    small.write_text("\n".join(corpus.load_documents()[:60]) + "\n")
+    out = tmp_path / "m"
+    assert train_main(["--shape", "tiny", "--out", str(out), "--minutes", "0.001", "--device", "cpu",
+                       "--corpus", str(small)]) == 0
+    meta = json.loads((out / "ft_workload.json").read_text())
+    warmup_floor = SHAPES["tiny"].warmup_steps + 1              # 0.06 s buys fewer steps than that
+    assert meta["steps"] == warmup_floor and meta["tokens"] == warmup_floor * 2048
+    assert f"--minutes 0.001: {warmup_floor} steps (--tokens {warmup_floor * 2048} reproduces it)" \
+        in capsys.readouterr().out
+
+
 def test_grouped_experts_match_the_loop():
     if not hasattr(torch, "_grouped_mm"):
         pytest.skip("this torch has no _grouped_mm")
