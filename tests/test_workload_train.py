@@ -26,12 +26,17 @@ def trained(tmp_path_factory):
     return out
 
 
-def hf_greedy(model_dir, prompt: list[int], n: int) -> list[int]:
-    hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    ids = torch.tensor([prompt])
-    out = hf.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, eos_token_id=None,
-                      pad_token_id=0)
-    return out[0, len(prompt):].tolist()
+PROMPT = "And God said unto"
+
+
+@pytest.fixture(scope="module")
+def hf_reference(trained):
+    """(prompt ids, transformers' 32 greedy tokens, the transformers model), computed once."""
+    hf = transformers.AutoModelForCausalLM.from_pretrained(trained, dtype=torch.float32).eval()
+    prompt = transformers.AutoTokenizer.from_pretrained(trained)(PROMPT).input_ids
+    out = hf.generate(torch.tensor([prompt]), max_new_tokens=32, min_new_tokens=32, do_sample=False,
+                      eos_token_id=None, pad_token_id=0)
+    return prompt, out[0, len(prompt):].tolist(), hf
 
 
 def test_checkpoint_layout_and_metadata(trained):
@@ -47,29 +52,27 @@ def test_checkpoint_layout_and_metadata(trained):
     assert tok.decode(tok("And God said").input_ids) == "And God said"
 
 
-def test_greedy_tokens_match_transformers(trained):
+def test_greedy_tokens_match_transformers(trained, hf_reference):
+    prompt, hf_tokens, hf = hf_reference
     model, tok = load_checkpoint(trained)
-    prompt = tok.encode("And God said unto").ids
+    assert tok.encode(PROMPT).ids == prompt
     ours = model.greedy(prompt, 32)
-    assert ours == hf_greedy(trained, prompt, 32)
+    assert ours == hf_tokens
     assert len(set(ours)) > 2, f"a barely trained model: {tok.decode(ours)!r}"
-    hf = transformers.AutoModelForCausalLM.from_pretrained(trained, dtype=torch.float32).eval()
     ids = torch.tensor([prompt + ours])
     with torch.no_grad():
         torch.testing.assert_close(model(ids)[0], hf(ids).logits, rtol=1e-5, atol=1e-5)
 
 
-def test_ft_generate_loads_the_checkpoint(trained, capsys, monkeypatch, tmp_path):
+def test_ft_generate_loads_the_checkpoint(trained, hf_reference, capsys, monkeypatch, tmp_path):
     from coordinator.cli import main as ft_main
     monkeypatch.setenv("FT_CACHE_DIR", str(tmp_path / "cache"))
-    _, tok = load_checkpoint(trained)
-    prompt = tok.encode("And God said unto").ids
-    assert ft_main(["generate", "--model", str(trained), "--prompt", "And God said unto",
-                    "--max-new-tokens", "16", "--temperature", "0", "--ignore-eos", "--device", "cpu",
-                    "--json"]) == 0
+    prompt, hf_tokens, _ = hf_reference
+    assert ft_main(["generate", "--model", str(trained), "--prompt", PROMPT, "--max-new-tokens", "16",
+                    "--temperature", "0", "--ignore-eos", "--device", "cpu", "--json"]) == 0
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert result["prompt_token_ids"] == prompt
-    assert result["token_ids"] == hf_greedy(trained, prompt, 16)
+    assert result["token_ids"] == hf_tokens[:16]
 
 
 def test_training_is_deterministic_for_a_seed(tmp_path):
