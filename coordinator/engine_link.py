@@ -73,7 +73,6 @@ class EngineLinkServer(LinkIO):
         self._listener_lock = threading.Lock()
         self.peer: Peer | None = None
         self.sessions_total = 0
-        self.lost_total = 0
         self.rejections: list[str] = []
         self.closing = False                  # set before a deliberate SHUTDOWN: the exit is no failure
         self._cond = threading.Condition()
@@ -109,11 +108,6 @@ class EngineLinkServer(LinkIO):
     def send_to(self, session: int, msg) -> None:
         """Queue `msg` for the worker of `session`; dropped if that session is gone by then."""
         self.send((session, msg))
-
-    @property
-    def ready_facts(self) -> em.Ready | None:
-        peer = self.peer
-        return peer.ready if peer is not None else None
 
     @property
     def peer_pid(self) -> int:
@@ -268,7 +262,6 @@ class EngineLinkServer(LinkIO):
             peer.pidfd = None
         with self._cond:
             self.peer = None
-            self.lost_total += 1
             self._cond.notify_all()
         if self.closing:
             log.info("%s (asked to stop)", reason)
