@@ -8,6 +8,7 @@ import dataclasses
 import queue
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -154,7 +155,6 @@ class Recorder:
         self.thread = None
 
     def on_tokens(self, outputs):
-        import threading
         self.thread = threading.current_thread()
         self.tokens += outputs
 
@@ -206,7 +206,6 @@ def test_remote_engine_streams_tokens_and_fails_only_the_lost_sessions_requests(
 
         async def scenario():
             nonlocal second
-            import threading
             events = Recorder()
             engine = RemoteEngine(link)
             await engine.start(events)                            # READY came before: replayed
@@ -344,7 +343,6 @@ def add(rid: int, n: int, prompt=(1, 2)) -> em.AddRequest:
 
 def run_bounded(engine, inbox: queue.SimpleQueue, send, timeout_s: float = 10.0, **kw) -> int:
     """gpu_busy_loop in a thread, so that a loop that never ends fails the test instead of hanging it."""
-    import threading
     result: list = []
     t = threading.Thread(target=lambda: result.append(gpu_busy_loop(engine, inbox, send, **kw)), daemon=True)
     t.start()
