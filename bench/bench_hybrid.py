@@ -103,8 +103,9 @@ def live_tuner(engine: Engine, backend, fraction: float, pcie_gb_s: float, cpu_g
     snapshots of engine.stats, `FetchPolicy.observe`, and a changed f goes to the engine. It starts where
     `build_policy` would: at a given --fetch-fraction, else at this run's probes used as the bandwidth
     profile. The tuner keeps its state across the warm-up and the measured runs. -> tick."""
-    from coordinator.engine_service import flatten_stats, telemetry_from_stats
+    from coordinator.engine_service import telemetry_from_stats
     from coordinator.policy import BandwidthProfile, ExpertFormat, FetchPolicy, PolicySettings
+    from proto.engine_messages import flatten_stats
     layout = backend.layout
     fmt = ExpertFormat(str(layout.dtype), layout.hidden_size, layout.intermediate_size)
     profile = BandwidthProfile(pcie_gb_s, cpu_gb_s, gpu, fmt, "bench_hybrid probes")

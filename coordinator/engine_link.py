@@ -5,7 +5,8 @@ a wrong one gets REJECT naming the fields that differ, a second live worker gets
 the peer through a pidfd on the pid its HELLO gave (loopback only: the worker is on this host) and
 through silence longer than peer_timeout_s; either way the session is *lost*. It sends heartbeats.
 
-What it learns goes to `events` (a queue the RemoteEngine drains on the engine thread):
+What it learns goes, as one event, to the listener (`set_listener`; RemoteEngine's hands it to the event
+loop); events before a listener is set are kept and replayed to it:
 
     ("ready", session, Ready)         the worker loaded the model and serves
     ("lost", session, reason)         the worker died or went silent; its requests are gone
@@ -17,11 +18,11 @@ from __future__ import annotations
 
 import logging
 import os
-import queue
 import select
 import threading
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 from proto import engine_messages as em
 from proto.link_io import LinkIO, check_loopback_address
@@ -29,6 +30,7 @@ from proto.link_io import LinkIO, check_loopback_address
 log = logging.getLogger("ft.coordinator.engine_link")
 
 MAX_REJECTIONS_KEPT = 16              # a misconfigured worker restarted in a loop must not grow memory
+MAX_EVENTS_KEPT = 1024                # events kept while no listener is set
 
 
 class PeerMismatch(RuntimeError):
@@ -66,10 +68,11 @@ class EngineLinkServer(LinkIO):
         self.cpu_channels = list(cpu_channels)
         self.heartbeat_interval_s = heartbeat_interval_s
         self.peer_timeout_s = peer_timeout_s
-        self.events: queue.SimpleQueue = queue.SimpleQueue()
+        self._listener: Callable[[tuple], None] | None = None
+        self._kept: list[tuple] = []
+        self._listener_lock = threading.Lock()
         self.peer: Peer | None = None
         self.sessions_total = 0
-        self.lost_total = 0
         self.rejections: list[str] = []
         self.closing = False                  # set before a deliberate SHUTDOWN: the exit is no failure
         self._cond = threading.Condition()
@@ -86,14 +89,25 @@ class EngineLinkServer(LinkIO):
 
     # ------------------------------------------------------------------ any thread
 
+    def set_listener(self, listener: Callable[[tuple], None] | None) -> None:
+        """Where events go from now on (it runs in the IO thread and must not block); the kept ones first."""
+        with self._listener_lock:
+            self._listener = listener
+            if listener is not None:
+                kept, self._kept = self._kept, []
+                for event in kept:
+                    listener(event)
+
+    def _emit(self, event: tuple) -> None:
+        with self._listener_lock:
+            if self._listener is not None:
+                self._listener(event)
+            elif len(self._kept) < MAX_EVENTS_KEPT:
+                self._kept.append(event)
+
     def send_to(self, session: int, msg) -> None:
         """Queue `msg` for the worker of `session`; dropped if that session is gone by then."""
         self.send((session, msg))
-
-    @property
-    def ready_facts(self) -> em.Ready | None:
-        peer = self.peer
-        return peer.ready if peer is not None else None
 
     @property
     def peer_pid(self) -> int:
@@ -158,13 +172,13 @@ class EngineLinkServer(LinkIO):
                 self._cond.notify_all()
             log.info("GPU worker %s ready: %s, %s, load %.1f s", peer.label, msg.device, msg.expert_backend,
                      msg.load_time_s)
-            self.events.put(("ready", peer.session, msg))
+            self._emit(("ready", peer.session, msg))
         elif isinstance(msg, em.Heartbeat):
             pass
         else:
             if isinstance(msg, em.Error):
                 log.error("GPU worker %s reports%s: %s", peer.label, " (fatal)" if msg.fatal else "", msg.message)
-            self.events.put(("msg", peer.session, msg))
+            self._emit(("msg", peer.session, msg))
 
     def _reply(self, identity: bytes, msg) -> None:
         self.send_frames([identity, *em.encode(msg)])
@@ -248,13 +262,12 @@ class EngineLinkServer(LinkIO):
             peer.pidfd = None
         with self._cond:
             self.peer = None
-            self.lost_total += 1
             self._cond.notify_all()
         if self.closing:
             log.info("%s (asked to stop)", reason)
         else:
             log.error("%s; requests in flight on it fail", reason)
-        self.events.put(("lost", peer.session, reason))
+        self._emit(("lost", peer.session, reason))
 
 
 def _open_pidfd(pid: int) -> int | None:

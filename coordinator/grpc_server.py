@@ -17,11 +17,12 @@ from typing import TYPE_CHECKING, Any
 import grpc
 
 from coordinator.auth import bearer_ok
-from coordinator.engine_service import (EngineError, EngineUnavailable, RequestTimeout, Sampling,
-                                        ServiceUnavailable)
+from coordinator.engine_client import EngineError, EngineUnavailable
+from coordinator.engine_service import RequestTimeout, ServiceUnavailable
 from coordinator.metrics import service_stats
 from coordinator.text_codec import ChatMessage
 from proto import control_rpc as rpc
+from proto.sampling_params import SamplingParams, check_prompt
 
 if TYPE_CHECKING:
     from coordinator.server import CoordinatorServer
@@ -146,7 +147,7 @@ class ControlServicer:
         sampling_msg = request.sampling
         try:
             prompt_ids = self._prompt_ids(request, codec)
-            sampling = self._sampling(request, sampling_msg, len(prompt_ids))
+            sampling = self._sampling(request, sampling_msg, prompt_ids)
         except ValueError as exc:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         stop = [s for s in request.stop if s]
@@ -198,35 +199,23 @@ class ControlServicer:
     @staticmethod
     def _prompt_ids(request, codec) -> list[int]:
         if request.prompt_token_ids:
-            ids = list(request.prompt_token_ids)
-            if any(i >= codec.vocab_size for i in ids):
-                raise ValueError(f"prompt_token_ids must be below the vocabulary size {codec.vocab_size}")
-            return ids
+            return list(request.prompt_token_ids)
         if not request.prompt:
             raise ValueError("give a prompt (text) or prompt_token_ids")
         if request.chat:
             return codec.encode_chat([ChatMessage("user", request.prompt)])
         return codec.encode(request.prompt)
 
-    def _sampling(self, request, s, prompt_len: int) -> Sampling:
-        context_length = self.server.model.context_length
-        max_tokens = request.max_tokens or GENERATE_DEFAULT_MAX_TOKENS
-        if prompt_len >= context_length or prompt_len + max_tokens > context_length:
-            raise ValueError(f"the prompt ({prompt_len} tokens) plus max_tokens ({max_tokens}) exceeds the model's "
-                             f"context of {context_length} tokens; shorten one of them")
-        temperature = s.temperature if s.HasField("temperature") else 1.0
-        top_p = s.top_p if s.HasField("top_p") else 1.0
+    def _sampling(self, request, s, prompt_ids: list[int]) -> SamplingParams:
+        model = self.server.model
+        max_tokens = check_prompt(prompt_ids, request.max_tokens or GENERATE_DEFAULT_MAX_TOKENS, model.context_length,
+                                  model.codec.vocab_size)
         top_k = s.top_k if s.HasField("top_k") else 0
-        if not temperature >= 0:
-            raise ValueError(f"temperature must be >= 0, got {temperature}")
-        if not 0 < top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {top_p}")
-        if top_k < -1:
-            raise ValueError(f"top_k must be -1 or 0 (off) or >= 1, got {top_k}")
-        eos = () if s.ignore_eos else tuple(self.server.model.codec.eos_token_ids)
-        return Sampling(max_new_tokens=max_tokens, temperature=temperature, top_p=top_p,
-                        top_k=max(0, top_k), seed=s.seed if s.HasField("seed") else None,
-                        ignore_eos=s.ignore_eos, stop_token_ids=eos)
+        temperature = s.temperature if s.HasField("temperature") else 1.0
+        return SamplingParams(max_new_tokens=max_tokens, temperature=temperature,
+                              top_p=s.top_p if s.HasField("top_p") else 1.0, top_k=0 if top_k == -1 else top_k,
+                              seed=s.seed if s.HasField("seed") else None, ignore_eos=s.ignore_eos,
+                              stop_token_ids=() if s.ignore_eos else tuple(model.codec.eos_token_ids))
 
 
 class HealthServicer:

@@ -19,8 +19,8 @@ from typing import Any, AsyncIterator
 from aiohttp import web
 
 from coordinator.auth import bearer_ok
-from coordinator.engine_service import (Chunk, EngineError, EngineService, EngineUnavailable, RequestStream,
-                                        RequestTimeout, ServiceUnavailable)
+from coordinator.engine_client import EngineError, EngineUnavailable
+from coordinator.engine_service import Chunk, EngineService, RequestStream, RequestTimeout, ServiceUnavailable
 from coordinator.metrics import HttpCounters, render_prometheus
 from coordinator.openai_requests import ApiError, GenerationPlan, ModelInfo, parse_chat, parse_completion
 

@@ -11,8 +11,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from coordinator.engine_service import Sampling
 from coordinator.text_codec import CHATML_ROLES, ChatMessage, TextCodec
+from proto.sampling_params import BadSamplingParam, PromptTooLong, SamplingParams, check_prompt
 
 MAX_N = 16
 MAX_STOP_STRINGS = 16
@@ -51,7 +51,7 @@ class GenerationPlan:
     """One API request: one or more prompts, each sampled n times."""
     prompts: list[list[int]]
     n: int
-    sampling: list[Sampling]     # per choice (prompt-major, then n), seeds differ per choice
+    sampling: list[SamplingParams]   # per choice (prompt-major, then n), seeds differ per choice
     stop: list[str]
     stream: bool
     include_usage: bool
@@ -69,15 +69,12 @@ def _is_num(v: Any) -> bool:
     return (isinstance(v, (int, float)) and not isinstance(v, bool)) and math.isfinite(v)
 
 
-def _get_number(body: dict, name: str, default: float, lo: float | None, hi: float | None,
-                lo_open: bool = False, hint: str = "") -> float:
+def _get_number(body: dict, name: str, default: float) -> float:
     v = body.get(name)
     if v is None:
         return default
     if not _is_num(v):
-        raise bad(f"'{name}' must be a number{hint}, got {v!r}", name)
-    if (lo is not None and (v <= lo if lo_open else v < lo)) or (hi is not None and v > hi):
-        raise bad(f"'{name}' must be {hint.strip(' ,') or 'in range'}, got {v!r}", name)
+        raise bad(f"'{name}' must be a number, got {v!r}", name)
     return float(v)
 
 
@@ -151,27 +148,21 @@ def _parse_stop(body: dict) -> list[str]:
 
 def _parse_common(body: dict, model: ModelInfo, prompts: list[list[int]], max_tokens: int | None,
                   max_tokens_param: str) -> GenerationPlan:
-    for prompt in prompts:
-        if not prompt:
-            raise bad("the prompt is empty (no tokens); send some text", "prompt")
-    longest = max(len(p) for p in prompts)
-    if longest >= model.context_length:
-        raise bad(f"This model's maximum context length is {model.context_length} tokens, but the prompt "
-                  f"has {longest} tokens; shorten the prompt", "prompt", "context_length_exceeded")
-    if max_tokens is None:
-        max_tokens = model.context_length - longest
-    elif longest + max_tokens > model.context_length:
-        raise bad(f"This model's maximum context length is {model.context_length} tokens; the prompt has "
-                  f"{longest} and '{max_tokens_param}' asks for {max_tokens} more; lower '{max_tokens_param}' "
-                  f"to at most {model.context_length - longest}", max_tokens_param, "context_length_exceeded")
-    temperature = _get_number(body, "temperature", 1.0, 0.0, None, hint=", >= 0")
-    top_p = _get_number(body, "top_p", 1.0, 0.0, 1.0, lo_open=True, hint=", in (0, 1]")
+    try:
+        for prompt in sorted(prompts, key=len, reverse=True):     # the longest sets the default max_tokens
+            max_tokens = check_prompt(prompt, max_tokens, model.context_length, model.codec.vocab_size,
+                                      max_tokens_param)
+    except PromptTooLong as exc:
+        raise bad(str(exc), exc.param, "context_length_exceeded") from None
+    except ValueError as exc:
+        raise bad(str(exc), "prompt") from None
+    temperature = _get_number(body, "temperature", 1.0)
+    top_p = _get_number(body, "top_p", 1.0)
     top_k = body.get("top_k")
-    if top_k is None:
+    if top_k is None or top_k == -1:          # -1 (vLLM's "off") and 0 both mean off
         top_k = 0
-    elif not _is_int(top_k) or top_k < -1:
+    elif not _is_int(top_k):
         raise bad(f"'top_k' must be an integer, -1 or 0 (off) or >= 1, got {top_k!r}", "top_k")
-    top_k = max(0, top_k)                     # -1 (vLLM's "off") and 0 both mean off
     seed = body.get("seed")
     if seed is not None and (not _is_int(seed) or not SEED_MIN <= seed <= SEED_MAX):
         raise bad(f"'seed' must be an integer in [-2^63, 2^64), got {seed!r}", "seed")
@@ -198,13 +189,14 @@ def _parse_common(body: dict, model: ModelInfo, prompts: list[list[int]], max_to
         raise bad(f"'stop_token_ids' may hold at most {MAX_STOP_STRINGS} ids", "stop_token_ids")
     stop_token_ids = tuple(stop_ids) + (() if ignore_eos else tuple(model.codec.eos_token_ids))
     stop = _parse_stop(body)
-    sampling = []
-    for _prompt in prompts:
-        for j in range(n):
-            choice_seed = None if seed is None else (seed + j) % (1 << 63)
-            sampling.append(Sampling(max_new_tokens=max_tokens, temperature=temperature, top_p=top_p,
-                                     top_k=top_k, seed=choice_seed, ignore_eos=ignore_eos,
-                                     stop_token_ids=stop_token_ids))
+    try:
+        sampling = [SamplingParams(max_new_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+                                   seed=None if seed is None else (seed + j) % (1 << 63), ignore_eos=ignore_eos,
+                                   stop_token_ids=stop_token_ids)
+                    for _prompt in prompts for j in range(n)]
+    except BadSamplingParam as exc:
+        param = max_tokens_param if exc.field == "max_new_tokens" else exc.field
+        raise bad(f"'{param}' {exc.problem}", param) from None
     return GenerationPlan(prompts, n, sampling, stop, stream, include_usage)
 
 
@@ -213,7 +205,7 @@ def _parse_max_tokens(body: dict, names: tuple[str, ...], default: int | None) -
         v = body.get(name)
         if v is None:
             continue
-        if not _is_int(v) or v < 1:
+        if not _is_int(v):
             raise bad(f"'{name}' must be an integer >= 1, got {v!r}", name)
         return v, name
     return default, names[0]
@@ -225,7 +217,6 @@ def parse_completion(body: Any, model: ModelInfo) -> GenerationPlan:
     _check_model(body, model)
     _refuse_unsupported(body, chat=False)
     prompt = body.get("prompt")
-    vocab = model.codec.vocab_size
     if isinstance(prompt, str):
         prompts = [prompt]
     elif isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
@@ -241,10 +232,10 @@ def parse_completion(body: Any, model: ModelInfo) -> GenerationPlan:
     for p in prompts:
         if isinstance(p, str):
             ids.append(model.codec.encode(p))
-        elif all(_is_int(t) and 0 <= t < vocab for t in p):
+        elif all(_is_int(t) for t in p):
             ids.append(list(p))
         else:
-            raise bad(f"token ids in 'prompt' must be integers in [0, {vocab})", "prompt")
+            raise bad(f"token ids in 'prompt' must be integers in [0, {model.codec.vocab_size})", "prompt")
     max_tokens, param = _parse_max_tokens(body, ("max_tokens",), COMPLETION_DEFAULT_MAX_TOKENS)
     return _parse_common(body, model, ids, max_tokens, param)
 

@@ -224,12 +224,12 @@ class ProcessSet:
 
     # ------------------------------------------------------------------ engine
 
-    def engine_factory(self) -> RemoteEngine:
-        """EngineService's factory: the one RemoteEngine over the link (built on the engine thread)."""
+    def engine_client(self) -> RemoteEngine:
+        """EngineService's engine: the one RemoteEngine over the link."""
         if self.remote is None:
             assert self.link is not None, "start() first"
             restart = self._restart_gpu_worker if self.supervisor is not None else None
-            self.remote = RemoteEngine(self.link, vocab_size=self.source.cfg.vocab_size, restart_worker=restart)
+            self.remote = RemoteEngine(self.link, restart_worker=restart)
         return self.remote
 
     def _restart_gpu_worker(self) -> None:

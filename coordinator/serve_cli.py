@@ -170,7 +170,7 @@ def run_processes(args: argparse.Namespace) -> int:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         policy = build_policy_from_args(args, expert_format_of(source.cfg), facts.gpu_name)
-        service = EngineService(procs.engine_factory, codec.decode, policy=policy,
+        service = EngineService(procs.engine_client(), codec.decode, policy=policy,
                                 request_timeout_s=args.request_timeout_s,
                                 max_pending_requests=args.max_pending_requests)
         name = served_name(model_dir, args.preset, args.served_model_name)
@@ -203,6 +203,7 @@ def run_inline(args: argparse.Namespace) -> int:
     from coordinator.auth import resolve_api_key
     from coordinator.engine_factory import load_served_engine
     from coordinator.engine_service import EngineService
+    from coordinator.inline_engine import InlineEngine
     from coordinator.openai_requests import ModelInfo
     from coordinator.server import CoordinatorServer
 
@@ -220,7 +221,7 @@ def run_inline(args: argparse.Namespace) -> int:
                                 offload_copy=resolve({"offload_copy": args.offload_copy})["offload_copy"],
                                 slot_audit_every=resolve({"moe_slot_audit": args.moe_slot_audit})["moe_slot_audit"])
     policy = build_policy_from_args(args, served.expert_format, served.gpu_name)
-    service = EngineService(served.engine_factory, served.codec.decode, policy=policy,
+    service = EngineService(InlineEngine(served.engine_factory), served.codec.decode, policy=policy,
                             request_timeout_s=args.request_timeout_s, max_pending_requests=args.max_pending_requests)
     model = ModelInfo(served.model_name, served.context_length, served.codec)
     listen = listen_config(args, api_key)

@@ -1,5 +1,7 @@
-"""`gpu_busy_loop`: the GPU worker's engine loop. No socket code: requests arrive as inbox items (the
-link's IO thread decodes them), outputs leave through `send` (which hands them to that thread).
+"""`gpu_busy_loop`: the GPU worker's engine loop. No socket code: requests arrive as inbox items, outputs
+leave through `send`. In a GPU worker process the link's IO thread fills the inbox and takes what is sent
+(gpu_worker/worker_link.py); with `ft serve --workers inline` the same loop runs in a thread of the
+coordinator, fed by its event loop (coordinator/inline_engine.py).
 
 Each turn: take what the inbox holds (block up to IDLE_WAIT_S only when the engine is idle), run one
 `engine.step()`, send its tokens as one TOKEN_BATCH, and every STATS_INTERVAL_S the engine's counters.
@@ -9,16 +11,14 @@ process is the cure for a broken device context; the supervisor or systemd start
 """
 from __future__ import annotations
 
-import dataclasses
 import logging
-import math
 import queue
 import time
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Hashable, Protocol
 
-from gpu_worker.engine import SamplingParams
 from proto import engine_messages as em
+from proto.sampling_params import SamplingParams
 
 from .worker_link import CoordinatorLost
 
@@ -38,36 +38,28 @@ class LocalStop:
     drain: bool
 
 
-def engine_stats(engine: Any) -> tuple[list[str], list[float]]:
+class StepEngine(Protocol):
+    """What the loop drives: gpu_worker.engine.Engine, or a test's stand-in."""
+    stats: Any                                   # flattened into STATS (a dataclass or dict of counters)
+    scheduler: Any                               # its `running` and `waiting` requests are the queue depths
+
+    def add_request(self, prompt_ids: list[int], params: SamplingParams, request_id: Hashable) -> Hashable: ...
+    def abort(self, request_id: Hashable) -> bool: ...
+    def has_work(self) -> bool: ...
+    def step(self) -> list[tuple]: ...           # (request id, token id, finished, finish reason) per request
+    def set_policy(self, **fields: Any) -> None: ...
+
+
+def engine_stats(engine: StepEngine) -> tuple[list[str], list[float]]:
     """The engine's counters as parallel (dotted name, value) lists, plus queue depths."""
-    flat: dict[str, float] = {}
-
-    def walk(obj: Any, prefix: str, depth: int) -> None:
-        if depth > 3:
-            return
-        if isinstance(obj, bool):
-            flat[prefix] = float(obj)
-        elif isinstance(obj, (int, float)):
-            if math.isfinite(obj):
-                flat[prefix] = float(obj)
-        elif isinstance(obj, dict):
-            for k, v in obj.items():
-                walk(v, f"{prefix}.{k}" if prefix else str(k), depth + 1)
-        elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-            for f in dataclasses.fields(obj):
-                walk(getattr(obj, f.name), f"{prefix}.{f.name}" if prefix else f.name, depth + 1)
-
-    walk(getattr(engine, "stats", {}), "", 0)
-    scheduler = getattr(engine, "scheduler", None)
-    for name, attr in (("num_running", "running"), ("num_waiting", "waiting")):
-        queued = getattr(scheduler, attr, None)
-        if queued is not None:
-            flat[name] = float(len(queued))
+    flat = em.flatten_stats(engine.stats)
+    flat["num_running"] = float(len(engine.scheduler.running))
+    flat["num_waiting"] = float(len(engine.scheduler.waiting))
     return list(flat), list(flat.values())
 
 
 class _Loop:
-    def __init__(self, engine: Any, send: Callable[[Any], None], drain_timeout_s: float):
+    def __init__(self, engine: StepEngine, send: Callable[[Any], None], drain_timeout_s: float):
         self.engine, self.send, self.drain_timeout_s = engine, send, drain_timeout_s
         self.live: set[int] = set()
         self.steps = 0
@@ -85,13 +77,9 @@ class _Loop:
                                                             "requests; retry against another replica"))
                 return None
             try:
-                params = SamplingParams(max_new_tokens=item.max_new_tokens, temperature=item.temperature,
-                                        top_p=item.top_p, top_k=item.top_k,
-                                        seed=item.seed if item.has_seed else None, ignore_eos=item.ignore_eos,
-                                        stop_token_ids=tuple(item.stop_token_ids))
-                engine.add_request(em.unpack_token_ids(item.prompt_ids), params, request_id=item.request_id)
-            except (ValueError, em.MessageError) as exc:
-                self.send(em.RequestFailed(item.request_id, str(exc)))
+                engine.add_request(em.unpack_token_ids(item.prompt_ids), item.params, request_id=item.request_id)
+            except ValueError as exc:            # em.MessageError is one
+                self.send(em.RequestFailed(item.request_id, f"the engine refused the request: {exc}"))
                 return None
             self.live.add(item.request_id)
         elif isinstance(item, em.Abort):
@@ -100,9 +88,7 @@ class _Loop:
                     self.live.discard(rid)
                     engine.abort(rid)
         elif isinstance(item, em.SetPolicy):
-            set_policy = getattr(engine, "set_policy", None)
-            if set_policy is not None:
-                set_policy(**item.fields())
+            engine.set_policy(**item.fields())
         elif isinstance(item, em.Drain):
             self.drain_deadline = time.monotonic() + max(0.0, item.timeout_s)
         elif isinstance(item, em.Shutdown):
@@ -152,7 +138,7 @@ class _Loop:
         self.send(em.TokenBatch(self.steps, rids, tokens, finished, reasons))
 
 
-def gpu_busy_loop(engine: Any, inbox: queue.SimpleQueue, send: Callable[[Any], None], *,
+def gpu_busy_loop(engine: StepEngine, inbox: queue.SimpleQueue, send: Callable[[Any], None], *,
                   drain_timeout_s: float = 30.0, stats_interval_s: float = em.STATS_INTERVAL_S) -> int:
     """Serve until SHUTDOWN / a drain ends / the coordinator is lost; returns the exit code."""
     loop = _Loop(engine, send, drain_timeout_s)

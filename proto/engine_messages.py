@@ -26,21 +26,23 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 from typing import Any, Sequence
 
 import numpy as np
 
+from proto.sampling_params import SamplingParams
 from proto.typed_messages import MessageCodec, MessageError
 
-ENGINE_PROTOCOL_VERSION = 1
+ENGINE_PROTOCOL_VERSION = 2
 HELLO_RESEND_S = 2.0                     # worker: resend HELLO until WELCOME (the coordinator may start later)
 DEFAULT_HEARTBEAT_INTERVAL_S = 1.0
 DEFAULT_PEER_TIMEOUT_S = 10.0            # silence after which either side declares the other gone
 STATS_INTERVAL_S = 0.1
 CPU_POOL_STRATEGIES = ("cpu", "hybrid")    # strategies whose misses CPU expert workers compute
 
-__all__ = ["MessageError", "CODEC", "encode", "decode", "engine_config", "engine_config_hash", "config_diff",
-           "pack_token_ids", "unpack_token_ids"]
+__all__ = ["MessageError", "SamplingParams", "CODEC", "encode", "decode", "engine_config", "engine_config_hash",
+           "config_diff", "flatten_stats", "pack_token_ids", "unpack_token_ids"]
 
 
 # ---------------------------------------------------------------- handshake
@@ -88,14 +90,7 @@ class Ready:
 class AddRequest:
     request_id: int
     prompt_ids: bytes         # int32 little-endian (pack_token_ids)
-    max_new_tokens: int
-    temperature: float
-    top_p: float
-    top_k: int
-    seed: int
-    has_seed: bool
-    ignore_eos: bool
-    stop_token_ids: list[int]
+    params: SamplingParams    # as the front door built it (a nested map on the wire)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -183,6 +178,34 @@ decode = CODEC.decode
 
 
 # ---------------------------------------------------------------- helpers
+
+def flatten_stats(obj: Any, prefix: str = "", out: dict[str, float] | None = None, depth: int = 0) -> dict[str, float]:
+    """Every finite number in a stats object (dict / dataclass / attributes), as dotted names (STATS' names)."""
+    out = {} if out is None else out
+    if depth > 4:
+        return out
+    if isinstance(obj, bool):
+        out[prefix] = float(obj)
+    elif isinstance(obj, (int, float)):
+        if math.isfinite(obj):
+            out[prefix] = float(obj)
+    elif isinstance(obj, dict):
+        for k, v in obj.items():
+            flatten_stats(v, f"{prefix}.{k}" if prefix else str(k), out, depth + 1)
+    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        for f in dataclasses.fields(obj):
+            flatten_stats(getattr(obj, f.name), f"{prefix}.{f.name}" if prefix else f.name, out, depth + 1)
+    elif hasattr(obj, "__dict__") and not callable(obj):
+        for k, v in vars(obj).items():
+            if not k.startswith("_"):
+                flatten_stats(v, f"{prefix}.{k}" if prefix else k, out, depth + 1)
+    elif hasattr(obj, "item") and callable(obj.item):  # 0-d tensor / numpy scalar
+        try:
+            flatten_stats(obj.item(), prefix, out, depth + 1)
+        except (TypeError, ValueError, RuntimeError):
+            pass
+    return out
+
 
 def pack_token_ids(ids: Sequence[int]) -> bytes:
     return np.asarray(ids, dtype="<i4").tobytes()

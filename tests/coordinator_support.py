@@ -1,5 +1,6 @@
-"""Helpers for the coordinator tests: a byte-level tokenizer model dir, a fake engine with the engine
-contract (add_request / step / abort / has_work / stats), and a live server on 127.0.0.1."""
+"""Helpers for the coordinator tests: a byte-level tokenizer model dir, a fake engine with the engine's
+contract (gpu_worker/worker_loop.py StepEngine: add_request / step / abort / has_work / set_policy / stats /
+scheduler), and a live server on 127.0.0.1 that serves it as `--workers inline` does (InlineEngine)."""
 from __future__ import annotations
 
 import json
@@ -12,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from coordinator.engine_service import EngineService
+from coordinator.inline_engine import InlineEngine
 from coordinator.openai_requests import ModelInfo
 from coordinator.policy import ExpertFormat, FetchPolicy, PolicySettings
 from coordinator.server import BackgroundServer, CoordinatorServer, ListenConfig
@@ -66,9 +68,9 @@ class FakeRequest:
 
 
 class FakeEngine:
-    """Engine contract stand-in: one token per running request per step, from FAKE_TEXT's bytes
-    (or random letters when temperature > 0 and a seed is given). Thread-checked: only one thread
-    may call it, as with the real engine."""
+    """Engine stand-in: one token per running request per step, from FAKE_TEXT's bytes (or random letters
+    when temperature > 0 and a seed is given). Thread-checked: only one thread may call it, as with the real
+    engine."""
 
     def __init__(self, max_running: int = 8, step_delay_s: float = 0.0, eos_after: int | None = None,
                  eos_id: int = 256):
@@ -84,7 +86,6 @@ class FakeEngine:
         self.fail_next_steps = 0
         self.policy_calls: list[dict] = []
         self.cpu_workers: dict[str, dict] = {}
-        self._next = 0
         self._thread: int | None = None
         self.counters = {"decode_tokens_total": 0, "steps_total": 0, "expert_hits_total": 0,
                          "expert_misses_total": 0, "experts_fetched_total": 0, "cpu_experts_total": 0,
@@ -96,12 +97,16 @@ class FakeEngine:
             self._thread = me
         assert self._thread == me, "engine called from two threads"
 
-    def add_request(self, prompt_ids, params) -> int:
+    @property
+    def scheduler(self) -> "FakeEngine":
+        """Its own scheduler: `running` and `waiting` are the queue depths."""
+        return self
+
+    def add_request(self, prompt_ids, params, request_id) -> int:
         self._check_thread()
         if len(prompt_ids) >= CONTEXT_LENGTH:
             raise ValueError("prompt longer than the context")
-        rid = self._next
-        self._next += 1
+        rid = request_id
         req = FakeRequest(list(prompt_ids), params)
         if params.seed is not None:
             req.rng.seed(params.seed)
@@ -176,8 +181,7 @@ class FakeEngine:
 
     @property
     def stats(self) -> dict:
-        return {**self.counters, "num_running": len(self.running), "num_waiting": len(self.waiting),
-                "cpu_workers": {n: dict(w) for n, w in self.cpu_workers.items()}}
+        return {**self.counters, "cpu_workers": {n: dict(w) for n, w in self.cpu_workers.items()}}
 
 
 free_port = free_loopback_port
@@ -240,8 +244,8 @@ def live_server(tmp_path, *, api_key: str | None = None, engine_kwargs: dict | N
 
     def build() -> CoordinatorServer:
         policy = FetchPolicy(PolicySettings(), expert_format=ExpertFormat("bf16", 64, 32))
-        service = EngineService(factory, codec.decode, policy=policy, request_timeout_s=request_timeout_s,
-                                max_pending_requests=max_pending_requests)
+        service = EngineService(InlineEngine(factory), codec.decode, policy=policy,
+                                request_timeout_s=request_timeout_s, max_pending_requests=max_pending_requests)
         model = ModelInfo(MODEL_NAME, context_length, codec)
         listen = ListenConfig(host="127.0.0.1", port=0, grpc_port=0 if grpc else -1, api_key=api_key,
                               drain_timeout_s=drain_timeout_s)

@@ -1,24 +1,27 @@
 """The engine link without real workers: the message schema, the coordinator's EngineLinkServer and
-RemoteEngine against a scripted DEALER in this process, and gpu_busy_loop against a fake engine."""
+RemoteEngine (on an event loop) against a scripted DEALER in this process, and gpu_busy_loop against a
+fake engine."""
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import queue
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
 import zmq
 
+from coordinator.engine_client import EngineError, EngineUnavailable
 from coordinator.engine_link import EngineLinkServer, PeerMismatch, PeerMissing
-from coordinator.engine_service import EngineUnavailable
 from coordinator.remote_engine import RemoteEngine
-from gpu_worker.engine import SamplingParams
 from gpu_worker.worker_link import CoordinatorLost
 from gpu_worker.worker_loop import EXIT_COORDINATOR_LOST, EXIT_ENGINE_FAILED, LocalStop, gpu_busy_loop
 from proto import engine_messages as em
 from proto.link_io import check_loopback_address
+from proto.sampling_params import SamplingParams
 
 CONFIG = em.engine_config(model=None, preset=None, dtype="auto", moe_strategy="resident", moe_cache_size=None,
                           max_running_requests=4, max_context_tokens=512, num_cpu_workers=0)
@@ -27,7 +30,9 @@ CONFIG = em.engine_config(model=None, preset=None, dtype="auto", moe_strategy="r
 def sample(cls):
     """An instance of a message class with a typed value in every field."""
     values = {bool: True, int: 7, float: 0.5, str: "x", bytes: b"\x01\x02", list[int]: [1, 2], list[str]: ["a"],
-              list[bool]: [True, False], list[float]: [1.5]}
+              list[bool]: [True, False], list[float]: [1.5],
+              SamplingParams: SamplingParams(max_new_tokens=3, temperature=0.7, top_k=5, seed=2 ** 63 - 1,
+                                             stop_token_ids=(1, 2))}
     import typing
     return cls(**{f: values[t] for f, t in typing.get_type_hints(cls).items()})
 
@@ -36,6 +41,23 @@ def sample(cls):
 def test_every_message_round_trips(cls):
     msg = sample(cls)
     assert em.decode(em.encode(msg)) == msg
+
+
+def test_sampling_params_cross_the_link_as_they_are():
+    for params in (SamplingParams(), SamplingParams(max_new_tokens=9, temperature=0.5, top_p=0.9, seed=0,
+                                                    ignore_eos=True, stop_token_ids=(3,))):
+        msg = em.decode(em.encode(em.AddRequest(1, em.pack_token_ids([4]), params)))
+        assert msg.params == params and isinstance(msg.params.stop_token_ids, tuple)
+        assert (msg.params.seed is None) == (params.seed is None)
+    import msgpack
+    frames = em.encode(em.AddRequest(1, b"", SamplingParams()))
+    payload = msgpack.unpackb(frames[1])
+    payload["params"]["top_p"] = 0.0                       # the worker refuses what the front door would
+    with pytest.raises(em.MessageError, match="top_p must be in"):
+        em.decode([frames[0], msgpack.packb(payload)])
+    payload["params"] = {"max_new_tokens": 2, "extra": 1}
+    with pytest.raises(em.MessageError, match="SamplingParams: unknown field"):
+        em.decode([frames[0], msgpack.packb(payload)])
 
 
 def test_decode_names_what_is_wrong():
@@ -123,13 +145,36 @@ def params(n: int = 3) -> SamplingParams:
     return SamplingParams(max_new_tokens=n, temperature=0.0, seed=5)
 
 
-def step_until(engine: RemoteEngine, count: int, timeout_s: float = 5.0) -> list[tuple]:
-    out: list[tuple] = []
+class Recorder:
+    """EngineEvents: what RemoteEngine delivers on the loop."""
+
+    def __init__(self):
+        self.tokens: list[tuple] = []
+        self.failed: list[tuple[int, EngineError]] = []
+        self.stats: list[dict] = []
+        self.thread = None
+
+    def on_tokens(self, outputs):
+        self.thread = threading.current_thread()
+        self.tokens += outputs
+
+    def on_request_failed(self, request_id, error):
+        self.failed.append((request_id, error))
+
+    def on_stats(self, stats):
+        self.stats.append(stats)
+
+
+async def until(predicate, what: str, timeout_s: float = 5.0) -> None:
     deadline = time.monotonic() + timeout_s
-    while len(out) < count and time.monotonic() < deadline:
-        out += engine.step()
-    assert len(out) >= count, out
-    return out
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.01)
+
+
+async def recv(worker: "FakeWorker", timeout_s: float = 5.0):
+    """The worker's next message, read beside the running loop."""
+    return await asyncio.get_running_loop().run_in_executor(None, worker.recv, timeout_s)
 
 
 def test_mismatched_worker_is_rejected_naming_the_fields(link):
@@ -158,46 +203,52 @@ def test_remote_engine_streams_tokens_and_fails_only_the_lost_sessions_requests(
         assert isinstance(welcome, em.Welcome) and welcome.session == 1 and welcome.store_name == "ft-store-x"
         first.ready(welcome.session)
         assert link.wait_ready(2.0).max_context_tokens == 512
-        engine = RemoteEngine(link, vocab_size=100)
-        assert engine.healthy and engine.max_context_tokens == 512
-        with pytest.raises(ValueError, match="outside the vocabulary"):
-            engine.add_request([5, 100], params())
-        rid = engine.add_request([5, 6], params())
-        add = first.recv()
-        assert isinstance(add, em.AddRequest) and add.request_id == rid
-        assert em.unpack_token_ids(add.prompt_ids) == [5, 6] and add.has_seed and add.seed == 5
-        first.send(em.TokenBatch(1, [rid, 999], [42, 1], [False, False], ["", ""]))   # 999: not ours
-        assert step_until(engine, 1) == [(rid, 42, False, None)]
-        engine.set_policy(strategy="offload", fetch_fraction=1.0, fetch_round="min-wait", fetch_select="recency",
-                          moe_prefetch="off", moe_prefetch_budget=4, cpu_shares={"cpu0": 0.75, "cpu1": 0.25})
-        policy = first.recv()
-        assert isinstance(policy, em.SetPolicy)
-        assert policy.fields()["cpu_shares"] == {"cpu0": 0.75, "cpu1": 0.25}
-        first.close()                                          # silent from now on: lost after 0.6 s
-        deadline = time.monotonic() + 5
-        out = []
-        while not out and time.monotonic() < deadline:
-            out = engine.step()
-        ((lost_rid, token, finished, reason, error),) = out
-        assert (lost_rid, token, finished) == (rid, None, True) and isinstance(error, EngineUnavailable)
-        assert "sent nothing for" in str(error)
-        assert not engine.healthy and not engine.has_work()
-        with pytest.raises(EngineUnavailable, match="not ready"):
-            engine.add_request([1], params())
-        second = FakeWorker(link.address, pid=10_000_999)
-        welcome = second.hello()
-        assert welcome.session == 2
-        second.ready(2)
-        deadline = time.monotonic() + 5
-        while not engine.healthy and time.monotonic() < deadline:
-            time.sleep(0.02)
-        assert isinstance(second.recv(), em.SetPolicy)         # the policy is pushed to the new session
-        rid2 = engine.add_request([7], params(1))
-        assert second.recv().request_id == rid2
-        second.send(em.RequestFailed(rid2, "prompt too long"))
-        ((r, _, fin, _, err),) = step_until(engine, 1)
-        assert r == rid2 and fin and "refused the request: prompt too long" in err
-        assert engine.stats["link.sessions_lost_total"] == 1.0
+
+        async def scenario():
+            nonlocal second
+            events = Recorder()
+            engine = RemoteEngine(link)
+            await engine.start(events)                            # READY came before: replayed
+            assert engine.health().ready and engine.facts.max_context_tokens == 512
+            rid = engine.submit([5, 6], params())
+            add = await recv(first)
+            assert isinstance(add, em.AddRequest) and add.request_id == rid
+            assert em.unpack_token_ids(add.prompt_ids) == [5, 6] and add.params == params()
+            first.send(em.TokenBatch(1, [rid, 999], [42, 1], [False, False], ["", ""]))   # 999: not ours
+            await until(lambda: events.tokens, "the token batch")
+            assert events.tokens == [(rid, 42, False, None)]
+            assert events.thread is threading.current_thread()    # delivered on the loop
+            first.send(em.Stats(["generated_tokens"], [1.0]))
+            await until(lambda: events.stats, "the stats")
+            assert events.stats[-1]["generated_tokens"] == 1.0 and engine.stats["link.requests_in_flight"] == 1.0
+            engine.set_policy(em.SetPolicy("offload", 1.0, "min-wait", "recency", "off", 4, ["cpu0", "cpu1"],
+                                           [0.75, 0.25]))
+            policy = await recv(first)
+            assert isinstance(policy, em.SetPolicy)
+            assert policy.fields()["cpu_shares"] == {"cpu0": 0.75, "cpu1": 0.25}
+            first.close()                                         # silent from now on: lost after 0.6 s
+            await until(lambda: events.failed, "the lost session's request to fail")
+            ((lost_rid, error),) = events.failed
+            assert lost_rid == rid and isinstance(error, EngineUnavailable) and "sent nothing for" in str(error)
+            assert not engine.health().ready and engine.health().pid == 0
+            with pytest.raises(EngineUnavailable, match="not ready"):
+                engine.submit([1], params())
+            second = FakeWorker(link.address, pid=10_000_999)
+            welcome = await asyncio.get_running_loop().run_in_executor(None, second.hello)
+            assert welcome.session == 2
+            second.ready(2)
+            await until(lambda: engine.health().ready, "the second session")
+            assert isinstance(await recv(second), em.SetPolicy)   # the policy is pushed to the new session
+            rid2 = engine.submit([7], params(1))
+            assert (await recv(second)).request_id == rid2
+            second.send(em.RequestFailed(rid2, "the engine refused the request: prompt too long"))
+            await until(lambda: len(events.failed) == 2, "the refusal")
+            r, err = events.failed[1]
+            assert r == rid2 and type(err) is EngineError and "refused the request: prompt too long" in str(err)
+            assert engine.stats["link.sessions_lost_total"] == 1.0
+            await engine.stop()
+
+        asyncio.run(scenario())
     finally:
         first.close()
         if second is not None:
@@ -211,17 +262,22 @@ def test_a_dead_worker_pid_is_seen_at_once_and_a_second_live_worker_is_refused(l
     try:
         worker.ready(worker.hello().session)
         link.wait_ready(2.0)
-        engine = RemoteEngine(link, vocab_size=100)
-        rid = engine.add_request([1], params())
-        reply = intruder.hello()
-        assert isinstance(reply, em.Reject) and "is already connected" in reply.reason
-        t0 = time.monotonic()
-        proc.kill()
-        out = []
-        while not out and time.monotonic() - t0 < 5:
-            out = engine.step()
-        assert out[0][0] == rid and f"(pid {proc.pid}) exited" in str(out[0][4])
-        assert time.monotonic() - t0 < 0.5                     # the pidfd, not the 0.6 s silence
+
+        async def scenario():
+            events = Recorder()
+            engine = RemoteEngine(link)
+            await engine.start(events)
+            assert engine.health().pid == proc.pid
+            rid = engine.submit([1], params())
+            reply = await asyncio.get_running_loop().run_in_executor(None, intruder.hello)
+            assert isinstance(reply, em.Reject) and "is already connected" in reply.reason
+            t0 = time.monotonic()
+            proc.kill()
+            await until(lambda: events.failed, "the request of the dead worker to fail")
+            assert events.failed[0][0] == rid and f"(pid {proc.pid}) exited" in str(events.failed[0][1])
+            assert time.monotonic() - t0 < 0.5                    # the pidfd, not the 0.6 s silence
+
+        asyncio.run(scenario())
     finally:
         proc.kill()
         proc.wait()
@@ -244,8 +300,16 @@ class FakeEngine:
         self.aborted: list[int] = []
         self.fail_steps = fail_steps
         self.stats = {"generated_tokens": 0}
+        self.policies: list[dict] = []
 
-    def add_request(self, prompt, params, request_id=None):
+    @property
+    def scheduler(self):
+        return dataclasses.make_dataclass("Queues", ["running", "waiting"])(list(self.reqs), [])
+
+    def set_policy(self, **fields):
+        self.policies.append(fields)
+
+    def add_request(self, prompt, params, request_id):
         if not prompt:
             raise ValueError("the prompt is empty")
         self.reqs[request_id] = _Req(prompt, params)
@@ -274,12 +338,11 @@ class FakeEngine:
 
 
 def add(rid: int, n: int, prompt=(1, 2)) -> em.AddRequest:
-    return em.AddRequest(rid, em.pack_token_ids(list(prompt)), n, 0.0, 1.0, 0, 0, False, False, [])
+    return em.AddRequest(rid, em.pack_token_ids(list(prompt)), SamplingParams(max_new_tokens=n))
 
 
 def run_bounded(engine, inbox: queue.SimpleQueue, send, timeout_s: float = 10.0, **kw) -> int:
     """gpu_busy_loop in a thread, so that a loop that never ends fails the test instead of hanging it."""
-    import threading
     result: list = []
     t = threading.Thread(target=lambda: result.append(gpu_busy_loop(engine, inbox, send, **kw)), daemon=True)
     t.start()
@@ -302,17 +365,21 @@ def run_loop(engine, items, **kw) -> tuple[int, list]:
 
 def test_busy_loop_batches_tokens_refuses_bad_requests_and_drains():
     engine = FakeEngine()
-    code, sent = run_loop(engine, [add(1, 2), add(2, 3), add(3, 1, prompt=()), em.Abort([2]),
+    policy = em.SetPolicy("hybrid", 0.5, "split", "recency", "off", 4, ["cpu0"], [1.0])
+    code, sent = run_loop(engine, [add(1, 2), add(2, 3), add(3, 1, prompt=()), em.Abort([2]), policy,
                                    LocalStop("SIGTERM", drain=True)])
     assert code == 0
     batches = [m for m in sent if isinstance(m, em.TokenBatch)]
     assert batches[0].request_ids == [1] and batches[0].token_ids == [101]       # 2 aborted before any step
     assert batches[-1].finished == [True] and batches[-1].finish_reasons == ["length"]
-    assert [m.request_id for m in sent if isinstance(m, em.RequestFailed)] == [3]
-    assert engine.aborted == [2]
+    ((refused,),) = [[m for m in sent if isinstance(m, em.RequestFailed)]]
+    assert refused.request_id == 3 and refused.message == "the engine refused the request: the prompt is empty"
+    assert engine.aborted == [2] and engine.policies == [policy.fields()]
     assert sent[-1] == em.Drained(finished=1, aborted=0)
     stats = [m for m in sent if isinstance(m, em.Stats)]
-    assert stats and dict(zip(stats[-1].names, stats[-1].values))["generated_tokens"] == 2.0
+    last = dict(zip(stats[-1].names, stats[-1].values))
+    assert last["generated_tokens"] == 2.0 and last["num_running"] == 0.0 and last["num_waiting"] == 0.0
+    assert any(dict(zip(m.names, m.values))["num_running"] >= 1.0 for m in stats)
 
 
 def test_busy_loop_exit_codes():

@@ -185,6 +185,28 @@ def test_engine_failure_fails_the_requests_in_flight_then_recovers(tmp_path):
         assert ls.server.service.requests_failed_total == 1
 
 
+def test_an_engine_whose_steps_keep_failing_stops_then_answers_503_until_restarted(tmp_path):
+    import asyncio
+
+    with live_server(tmp_path) as ls:
+        c = client(ls)
+        first = ls.engine
+        first.fail_next_steps = 3                      # the worker loop's MAX_STEP_FAILURES in a row
+        for _ in range(3):
+            with pytest.raises(openai.InternalServerError, match="simulated CUDA error"):
+                c.completions.create(model=MODEL_NAME, prompt="x", max_tokens=5)
+        ls.wait_for(lambda: not ls.server.service.engine_healthy, what="the engine loop to stop")
+        status, body, _ = raw(ls, "GET", "/health")
+        assert status == 503 and json.loads(body)["status"] == "engine_failed"
+        assert "its steps kept failing" in json.loads(body)["error"]
+        status, body, _ = raw(ls, "POST", "/v1/completions", json.dumps(BASE))
+        assert status == 503 and json.loads(body)["error"]["code"] == "engine_unavailable"
+        asyncio.run_coroutine_threadsafe(ls.server.service.restart_engine(), ls.server.loop).result(30)
+        assert ls.engine is not first and ls.server.service.engine_healthy
+        assert c.completions.create(model=MODEL_NAME, prompt="x", max_tokens=5).choices[0].text == "Hello"
+        assert ls.server.service.worker_info()[0]["restarts"] == 1
+
+
 def test_health_and_metrics(fake):
     client(fake).completions.create(model=MODEL_NAME, prompt="abc", max_tokens=4)
     status, body, _ = raw(fake, "GET", "/health")

@@ -1,4 +1,5 @@
-"""`SamplingParams` and the sampler: greedy, or temperature + top-k + top-p with a per-request seed.
+"""The sampler: greedy, or temperature + top-k + top-p with a per-request seed, as a request's
+`SamplingParams` (proto/sampling_params.py: built once at the front door, carried as is) ask.
 
 Reproducible: a request with a seed draws from its own generator, so its tokens do not depend on
 which other requests share its batch (given identical logits).
@@ -6,39 +7,14 @@ which other requests share its batch (given identical logits).
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
 
 import torch
+
+from proto.sampling_params import SamplingParams
 
 FINISH_STOP = "stop"        # EOS or a stop token id was generated
 FINISH_LENGTH = "length"    # max_new_tokens reached, or the context is full
 FINISH_ABORT = "abort"      # Engine.abort
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    max_new_tokens: int = 128
-    temperature: float = 0.0             # 0 = greedy
-    top_p: float = 1.0                   # nucleus mass kept, in (0, 1]
-    top_k: int = 0                       # 0 = no top-k cut
-    seed: int | None = None              # None: a fresh random seed per request
-    ignore_eos: bool = False
-    stop_token_ids: tuple[int, ...] = ()
-
-    def __post_init__(self) -> None:
-        if self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens={self.max_new_tokens} must be >= 1")
-        if self.temperature < 0:
-            raise ValueError(f"temperature={self.temperature} must be >= 0 (0 = greedy)")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p={self.top_p} must be in (0, 1]")
-        if self.top_k < 0:
-            raise ValueError(f"top_k={self.top_k} must be >= 0 (0 = off)")
-        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0
 
 
 class RequestSampler:
