@@ -561,7 +561,7 @@ class EngineService:
         snap = self.policy.snapshot()
         try:
             self.engine.set_policy(cpu_shares=self.policy.worker_shares(), **{k: snap[k] for k in (
-                "strategy", "fetch_fraction", "fetch_round", "fetch_select", "moe_prefetch", "moe_prefetch_budget")})
+                "strategy", "fetch_fraction", "fetch_round")})
         except Exception as exc:  # noqa: BLE001
             log.warning("engine.set_policy failed: %s", exc)
 

@@ -26,8 +26,7 @@ log = logging.getLogger("ft.coordinator.remote_engine")
 
 STEP_WAIT_S = 0.01                # step(): longest wait for the worker's next TOKEN_BATCH
 MAX_EVENTS_PER_PUMP = 10_000
-POLICY_FIELDS = ("strategy", "fetch_fraction", "fetch_round", "fetch_select", "moe_prefetch", "moe_prefetch_budget",
-                 "cpu_shares")
+POLICY_FIELDS = ("strategy", "fetch_fraction", "fetch_round", "cpu_shares")
 
 
 class RemoteEngine:
@@ -136,8 +135,7 @@ class RemoteEngine:
             return
         shares = dict(p["cpu_shares"] or {})
         self.link.send_to(self._session, em.SetPolicy(str(p["strategy"]), float(p["fetch_fraction"]),
-                                                      str(p["fetch_round"]), str(p["fetch_select"]),
-                                                      str(p["moe_prefetch"]), int(p["moe_prefetch_budget"]),
+                                                      str(p["fetch_round"]),
                                                       [str(n) for n in shares],
                                                       [float(v) for v in shares.values()]))
 

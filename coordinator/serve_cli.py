@@ -86,16 +86,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def build_policy_from_args(args: argparse.Namespace, expert_format, gpu_name: str):
     from coordinator.policy import DEFAULT_FRACTION_MAX, DEFAULT_FRACTION_MIN, PolicySettings, build_policy
 
-    knobs = resolve({k: getattr(args, k, None) for k in ("fetch_round", "fetch_select", "moe_prefetch",
-                                                         "moe_prefetch_budget", "benchbw_path")})
+    knobs = resolve({k: getattr(args, k, None) for k in ("fetch_round", "benchbw_path")})
     settings = PolicySettings(
         strategy=args.moe_strategy,
         fetch_fraction=args.fetch_fraction if args.fetch_fraction is not None else 0.5,
         fetch_fraction_min=args.fetch_fraction_min if args.fetch_fraction_min is not None else DEFAULT_FRACTION_MIN,
         fetch_fraction_max=args.fetch_fraction_max if args.fetch_fraction_max is not None else DEFAULT_FRACTION_MAX,
         auto_tune=not args.no_auto_tune and args.fetch_fraction is None,
-        fetch_round=knobs["fetch_round"], fetch_select=knobs["fetch_select"], moe_prefetch=knobs["moe_prefetch"],
-        moe_prefetch_budget=knobs["moe_prefetch_budget"])
+        fetch_round=knobs["fetch_round"])
     settings.validate()
     return build_policy(settings, fraction_given=args.fetch_fraction is not None,
                         benchbw_path=knobs["benchbw_path"], expert_format=expert_format, gpu_name=gpu_name)

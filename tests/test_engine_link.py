@@ -168,8 +168,8 @@ def test_remote_engine_streams_tokens_and_fails_only_the_lost_sessions_requests(
         assert em.unpack_token_ids(add.prompt_ids) == [5, 6] and add.has_seed and add.seed == 5
         first.send(em.TokenBatch(1, [rid, 999], [42, 1], [False, False], ["", ""]))   # 999: not ours
         assert step_until(engine, 1) == [(rid, 42, False, None)]
-        engine.set_policy(strategy="offload", fetch_fraction=1.0, fetch_round="min-wait", fetch_select="recency",
-                          moe_prefetch="off", moe_prefetch_budget=4, cpu_shares={"cpu0": 0.75, "cpu1": 0.25})
+        engine.set_policy(strategy="offload", fetch_fraction=1.0, fetch_round="min-wait",
+                          cpu_shares={"cpu0": 0.75, "cpu1": 0.25})
         policy = first.recv()
         assert isinstance(policy, em.SetPolicy)
         assert policy.fields()["cpu_shares"] == {"cpu0": 0.75, "cpu1": 0.25}

@@ -307,8 +307,7 @@ def test_policy_changes_live_and_bad_values_change_nothing(hybrid, resident):
     assert backend.policy == policy and torch.equal(backend.cache.policy, device_policy)
     # lowest_id selection through the engine's set_policy (what the coordinator calls)
     engine = make_engine(hybrid)
-    engine.set_policy(strategy="hybrid", fetch_fraction=0.25, fetch_round="min-wait", fetch_select="lowest_id",
-                      moe_prefetch="off", moe_prefetch_budget=4)
+    engine.set_policy(strategy="hybrid", fetch_fraction=0.25, fetch_round="min-wait", fetch_select="lowest_id")
     assert backend.policy["fetch_select"] == "lowest_id" and backend.policy["fetch_fraction"] == 0.25
     before = backend.counters()
     assert engine.generate([list(p) for p in PROMPTS], SamplingParams(max_new_tokens=NEW_TOKENS,

@@ -83,7 +83,6 @@ STRATEGIES = ("hybrid", "cpu", "offload")     # what set_policy(strategy=...) ma
 # What the device path counts on the GPU (kernels.handoff.count_call, in its order), folded into stats between steps.
 DEVICE_COUNTERS = ("experts_fetched_total", "expert_misses_total", "calls", "offload_calls_total", "routed_pairs",
                    "expert_hits_total")
-IGNORED_POLICY_FIELDS = ("moe_prefetch", "moe_prefetch_budget")   # no decode prefetch in this backend yet
 
 
 class HybridExperts(SlotPoolAudit):
@@ -169,7 +168,7 @@ class HybridExperts(SlotPoolAudit):
                    **other) -> None:
         """Change the split live (the coordinator's engine.set_policy lands here): writes the device policy
         tensor that ensure reads. strategy: hybrid (f as given), cpu (f = 0, no promotion), offload (f = 1)."""
-        unknown = sorted(set(other) - set(IGNORED_POLICY_FIELDS))
+        unknown = sorted(other)
         if unknown:
             raise ValueError(f"unknown policy field(s) {', '.join(unknown)}")
         if strategy is not None and strategy not in STRATEGIES:
