@@ -27,7 +27,7 @@ from gpu_worker.engine.engine import DEFAULT_PREFILL_CHUNK_TOKENS
 from gpu_worker.hybrid import HybridExperts, HybridOptions
 from gpu_worker.models import load_model
 from kernels.slot_cache import ROUND_MODES, reset
-from kernels.slot_cache.state import POLICY_ROUND
+from kernels.slot_cache.state import POLICY_FRAC_Q16, POLICY_PROMOTE, POLICY_ROUND
 from tests.conftest import HAS_CUDA
 from tests.test_stream_doorbell import stop_worker
 
@@ -167,7 +167,7 @@ def test_cpu_strategy_computes_every_miss_on_the_cpu(hybrid, resident):
     assert delta(backend, before, "cpu_triples_total") == routed > 0
     assert_lockstep(lock)
     # the device policy the kernel reads: f = 0 (Q16), promotion off
-    assert backend.cache.policy.tolist()[1] == 0 and backend.cache.policy.tolist()[4] == 0
+    assert int(backend.cache.policy[POLICY_FRAC_Q16]) == 0 and int(backend.cache.policy[POLICY_PROMOTE]) == 0
 
 
 def test_gemv_mode_takes_the_cpu_routes_at_minus_one(hybrid, resident):

@@ -186,13 +186,13 @@ class HybridExperts(SlotPoolAudit):
             fraction, promote_now = 0.0, False
         elif p["strategy"] == "offload":
             fraction = 1.0
-        set_policy(self.cache, fetch_fraction=fraction, round_mode=p["fetch_round"], select=p["fetch_select"],
+        set_policy(self.cache, fetch_fraction=fraction, round_mode=p["fetch_round"],
                    promote=promote_now, seed=int(p["seed"]))          # validates before writing
         # "split" rounds down so that the device path can split one more expert by channels; the paths that
         # cannot split (prefill, the host and stream hand-offs: eager, never captured) round it as min-wait
         # (explicit values). On the device path an expert too small to split (splittable) is left at floor.
         self._unsplit_policy = None if p["fetch_round"] != "split" else dict(
-            fetch_fraction=fraction, round_mode="min-wait", select=p["fetch_select"], promote=promote_now,
+            fetch_fraction=fraction, round_mode="min-wait", promote=promote_now,
             seed=int(p["seed"]))
         if cpu_shares and self.pool is not None:
             self.pool.set_shares(cpu_shares)                          # the tuner's per-worker split
@@ -287,7 +287,7 @@ class HybridExperts(SlotPoolAudit):
         else:                                                             # offload: fetch every miss
             st.offload_calls_total += 1
             ensure(self.cache, layer_idx, routes, fetch_fraction=1.0, round_mode=p["fetch_round"],
-                   select=p["fetch_select"], promote=bool(p["promote"]), check_ids=False)
+                   promote=bool(p["promote"]), check_ids=False)
         # A prefill chunk run as offload routes to most experts of every layer: stream the next layer's (a
         # low-priority prefetch of all of them, never evicting this layer's) behind this layer's own copies.
         nxt = (prefill_prefetch_layer(layer_idx, T * K, self.num_experts, self.num_layers, self.gather_max_pairs)
@@ -392,7 +392,7 @@ class HybridExperts(SlotPoolAudit):
             ensure(c, layer_idx, routes, use_device_policy=True, check_ids=False)
         else:
             ensure(c, layer_idx, routes, fetch_fraction=1.0, round_mode=p["fetch_round"],
-                   select=p["fetch_select"], promote=bool(p["promote"]), check_ids=False)
+                   promote=bool(p["promote"]), check_ids=False)
         max_copies = min(T * K, c.num_slots)
         split = to_cpu and self.splits_experts
         host_layer = self.host.layers[layer_idx]
@@ -760,7 +760,7 @@ class HybridExperts(SlotPoolAudit):
         routes = torch.from_numpy(expert.reshape(-1, 1)).to(self.device)                    # [n, 1] expert ids
         weights = torch.from_numpy(weight.reshape(-1, 1)).to(self.device)                   # [n, 1]
         ensure(self.cache, layer_idx, routes, fetch_fraction=1.0, round_mode="min-wait",
-               select=self.policy["fetch_select"], promote=False, check_ids=False)         # -> slot ids
+               promote=False, check_ids=False)         # -> slot ids
         plan = self.readback.read(self.cache, max_plan=min(self.num_experts, token.size))
         self._copy(layer_idx, plan)
         y = self._gemm(x.index_select(0, tokens), routes, weights, skip=False)            # [n, H]

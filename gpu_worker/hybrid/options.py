@@ -16,7 +16,7 @@ import os
 import torch
 
 from cpu_expert_pool.topology import format_cpulist, parse_cpulist, set_process_affinity
-from kernels.slot_cache.state import ROUND_MODES, SELECT_MODES
+from kernels.slot_cache.state import ROUND_MODES
 from proto.knobs import KNOBS_BY_FIELD
 
 log = logging.getLogger("ft.hybrid")
@@ -80,8 +80,6 @@ class HybridOptions:
                              f"(0: every miss to the CPU, 1: fetch every miss)")
         if self.fetch_round not in ROUND_MODES:
             raise ValueError(f"--fetch-round {self.fetch_round!r} is not one of {', '.join(ROUND_MODES)}")
-        if self.fetch_select not in SELECT_MODES:
-            raise ValueError(f"--fetch-select {self.fetch_select!r} is not one of {', '.join(SELECT_MODES)}")
         if not isinstance(self.cpu_workers, int) or self.cpu_workers < 1:
             raise ValueError(f"--cpu-workers {self.cpu_workers!r} must be an int >= 1")
         if self.cpu_threads < 0:
