@@ -55,8 +55,6 @@ def sweep_variants(b0):
     out = [replace(b0, block_n=n, min_chunk=c) for n in (32, 64, 128) for c in (64, 128, 256, 512) if c >= n]
     out += [replace(b0, target_programs=p) for p in (128, 512, 1024)]
     out += [replace(b0, num_warps=w) for w in (2, 8)]
-    out += [replace(b0, num_stages=s) for s in (1, 2, 3, 4)]
-    out += [replace(b0, use_dot=False, block_n=n) for n in (16, 32)]
     return [b for b in out if b != b0]
 
 
@@ -110,8 +108,7 @@ def run_case(args, dtype, T: int, ctx: int, rows: list[dict], device: str = "cud
     if args.sweep:
         for b in sweep_variants(DEFAULT_BLOCKS):
             n, c = split_plan(bucket, T, Hkv, b)
-            label = (f"n{b.block_n} chunk>={b.min_chunk} P{b.target_programs} w{b.num_warps} "
-                     f"st{b.num_stages} dot={b.use_dot} ({n}x{c})")
+            label = f"n{b.block_n} chunk>={b.min_chunk} P{b.target_programs} w{b.num_warps} ({n}x{c})"
             add(label, kernel(b), b)
 
 

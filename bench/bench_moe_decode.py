@@ -93,16 +93,12 @@ def moe_cases(args, dtype, rows: list[dict]) -> None:
         add("moe_gemv", DEFAULT_GEMV_BLOCKS, lambda i: moe_gemv(x, ids[i], weights, w13, w2))
         if args.sweep:
             b0 = DEFAULT_GEMV_BLOCKS
-            variants = [replace(b0, gate_up_block_n=n, gate_up_block_k=k, gate_up_warps=w, gate_up_acc_2d=a)
-                        for n in (4, 8, 16, 32) for k in (256, 512) for w in (4, 8) for a in (False, True)]
-            variants += [replace(b0, down_block_n=n, down_block_k=k, down_warps=w, down_acc_2d=a)
-                         for n in (4, 8, 16, 32) for k in (128, 256) for w in (4, 8) for a in (False, True)]
+            variants = [replace(b0, gate_up_block_n=n, gate_up_block_k=k) for n in (4, 8, 16, 32) for k in (256, 512)]
+            variants += [replace(b0, down_block_n=n, down_block_k=k) for n in (4, 8, 16, 32) for k in (128, 256)]
             for b in variants:
                 if b == b0:
                     continue
-                label = (f"gu n{b.gate_up_block_n} k{b.gate_up_block_k} w{b.gate_up_warps}"
-                         f"{' 2d' if b.gate_up_acc_2d else ''} / dn n{b.down_block_n} k{b.down_block_k} "
-                         f"w{b.down_warps}{' 2d' if b.down_acc_2d else ''}")
+                label = (f"gu n{b.gate_up_block_n} k{b.gate_up_block_k} / dn n{b.down_block_n} k{b.down_block_k}")
                 try:
                     add(label, b, lambda i, b=b: moe_gemv(x, ids[i], weights, w13, w2, blocks=b))
                 except Exception as exc:                              # e.g. out of resources
@@ -150,10 +146,7 @@ def small_cases(args, dtype, rows: list[dict]) -> None:
 
 
 def linear_variants(picked, K: int, dtype: torch.dtype) -> list:
-    """LinearBlocks for --sweep: (block_n, block_k, warps) with the warps along K, then split_k 2 / 4 of
-    the picked blocks (where K leaves each split at least one block_k step)."""
-    from dataclasses import replace as dc_replace
-
+    """LinearBlocks for --sweep: (block_n, block_k, warps) with the warps along K."""
     from kernels.dense_gemv import LinearBlocks
     vec = 16 // torch.empty((), dtype=dtype).element_size()
     out = []
@@ -163,10 +156,6 @@ def linear_variants(picked, K: int, dtype: torch.dtype) -> list:
         for bn in (1, 2, 4, 8):
             if bn * bk <= 16384:
                 out.append(LinearBlocks(block_n=bn, block_k=bk, num_warps=nw))
-    for sk in (2, 4):
-        if K >= sk * picked.block_k:
-            out.append(dc_replace(picked, split_k=sk))
-    out.append(LinearBlocks(block_n=4, block_k=512, num_warps=2, split_k=2))
     seen, unique = {picked}, []
     for b in out:
         if b not in seen:
@@ -209,7 +198,7 @@ def linear_cases(args, dtype, rows: list[dict]) -> None:
             print(f"{name} T={T} linear_gemv vs F.linear: max |diff| / max |y| = {diff:.2e}", flush=True)
             if args.sweep:
                 for b in linear_variants(picked, K, dtype):
-                    label = f"gemv n{b.block_n} k{b.block_k} w{b.num_warps} s{b.split_k}"
+                    label = f"gemv n{b.block_n} k{b.block_k} w{b.num_warps}"
                     try:
                         add(label, b, lambda i, b=b: linear_gemv(x, ws[i], blocks=b))
                     except Exception as exc:                          # e.g. out of resources

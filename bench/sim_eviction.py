@@ -4,9 +4,8 @@ A simulation, not a measurement: no GPU, no copies. It replays what `bench_engin
 global pool; a prefill pass that copies every expert of every layer in layer order; then decode tokens, each layer
 routing K distinct experts from `SyntheticRouting`'s table) under:
 
-- `lru`: the slot-cache contract's eviction key (docs/slot_cache.md): the slot
-  least recently used. On the H200 the engine measured 288.4 / 166.6 / 87.2 misses a token at 10 / 25 / 50% caches
-  (docs/OFFLOAD.md, ninth session); this simulation gives 288.6 / 166.4 / 87.0 (the kernel orders a call's misses by
+- `lru`: the slot-cache contract's eviction key (docs/slot_cache.md): the slot least recently used. On the H200
+  the engine measured 288.4 / 166.6 / 87.2 misses a token at 10 / 25 / 50% caches (docs/OFFLOAD.md); this simulation gives 288.6 / 166.4 / 87.0 (the kernel orders a call's misses by
   recency and breaks ties by slot index, which this replay approximates), which is what makes the others worth
   reading.
 - `lfu`: evict the resident expert routed the fewest times so far (prompt and decode routes counted), ties to the

@@ -1,7 +1,7 @@
 """`ft ctl`: the command-line client of the coordinator's gRPC control plane.
 
     ft ctl stats                      ft ctl policy get
-    ft ctl policy set --fraction 0.4 --round stochastic --prefetch on --budget 8
+    ft ctl policy set --fraction 0.4 --round stochastic
     ft ctl workers                    ft ctl restart engine
     ft ctl drain [--timeout-s 30]     ft ctl drain --resume
     ft ctl shutdown                   ft ctl health [SERVICE]
@@ -42,9 +42,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     tune.add_argument("--auto", dest="auto_tune", action="store_true", default=None, help="re-tune f online")
     tune.add_argument("--no-auto", dest="auto_tune", action="store_false", help="keep f fixed")
     pset.add_argument("--round", choices=("min-wait", "stochastic", "prefer-fetch", "split"), help="rounding of f*M")
-    pset.add_argument("--select", choices=("recency", "lowest_id"), help="which misses are fetched first")
-    pset.add_argument("--prefetch", choices=("off", "measure", "on"), help="next-layer expert prefetch")
-    pset.add_argument("--budget", type=int, help="experts a prefetch may install per layer")
     sub.add_parser("workers", help="supervised workers and their state")
     restart = sub.add_parser("restart", help="restart a worker by name")
     restart.add_argument("name")
@@ -134,14 +131,10 @@ def _dispatch(args, control, health, rpc, metadata, t, out) -> int:
     elif cmd == "policy":
         fields = {"strategy": args.strategy, "fetch_fraction": args.fraction,
                   "fetch_fraction_min": args.fraction_min, "fetch_fraction_max": args.fraction_max,
-                  "auto_tune": args.auto_tune, "fetch_round": args.round, "fetch_select": args.select,
-                  "moe_prefetch": args.prefetch, "moe_prefetch_budget": args.budget}
+                  "auto_tune": args.auto_tune, "fetch_round": args.round}
         fields = {k: v for k, v in fields.items() if v is not None}
         if not fields:
             print("ft ctl: policy set needs at least one option, e.g. --fraction 0.4", file=sys.stderr)
-            return 2
-        if fields.get("moe_prefetch_budget", 0) < 0:
-            print("ft ctl: --budget must be >= 0", file=sys.stderr)
             return 2
         _print(control.SetPolicy(rpc.msg.SetPolicyRequest(**fields), timeout=t, metadata=metadata), args.json, out)
     elif cmd == "workers":

@@ -59,8 +59,8 @@ class _AuthInterceptor(grpc.ServerInterceptor):
 
 def _policy_message(p: dict[str, Any]) -> Any:
     fields = {k: p[k] for k in ("strategy", "fetch_fraction", "fetch_fraction_q16", "fetch_fraction_min",
-                                "fetch_fraction_max", "auto_tune", "fetch_round", "fetch_select", "moe_prefetch",
-                                "moe_prefetch_budget", "target_fraction", "pcie_gb_s", "cpu_gb_s", "source",
+                                "fetch_fraction_max", "auto_tune", "fetch_round",
+                                "target_fraction", "pcie_gb_s", "cpu_gb_s", "source",
                                 "reason", "decisions_total", "telemetry_steps_total")}
     msg = rpc.msg.Policy(**fields)
     for w in p["workers"]:

@@ -33,8 +33,6 @@ log = logging.getLogger("ft.coordinator.policy")
 
 STRATEGIES = ("resident", "offload", "cpu", "hybrid")
 FETCH_ROUNDS = KNOBS_BY_FIELD["fetch_round"].choices
-FETCH_SELECTS = ("recency",)
-PREFETCH_MODES = KNOBS_BY_FIELD["moe_prefetch"].choices
 
 Q16_ONE = 1 << 16
 DEFAULT_FETCH_FRACTION = 0.5
@@ -188,9 +186,6 @@ class PolicySettings:
     fetch_fraction_max: float = DEFAULT_FRACTION_MAX
     auto_tune: bool = True
     fetch_round: str = KNOBS_BY_FIELD["fetch_round"].default      # split: on the device hand-off (docs/HYBRID.md)
-    fetch_select: str = "recency"
-    moe_prefetch: str = "off"
-    moe_prefetch_budget: int = 4
 
     def validate(self) -> None:
         def choice(name: str, value: str, choices: tuple[str, ...]) -> None:
@@ -198,9 +193,6 @@ class PolicySettings:
                 raise ValueError(f"{name}={value!r} is not valid; choose one of: {', '.join(choices)}")
         choice("strategy", self.strategy, STRATEGIES)
         choice("fetch_round", self.fetch_round, FETCH_ROUNDS)
-        choice("fetch_select", self.fetch_select, FETCH_SELECTS)
-        choice("moe_prefetch", self.moe_prefetch, PREFETCH_MODES)
-        KNOBS_BY_FIELD["moe_prefetch"].check_available(self.moe_prefetch, "moe_prefetch")
         for name in ("fetch_fraction", "fetch_fraction_min", "fetch_fraction_max"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not (0.0 <= value <= 1.0):
@@ -208,9 +200,6 @@ class PolicySettings:
         if self.fetch_fraction_min > self.fetch_fraction_max:
             raise ValueError(f"fetch_fraction_min={self.fetch_fraction_min} exceeds "
                              f"fetch_fraction_max={self.fetch_fraction_max}; swap them")
-        if isinstance(self.moe_prefetch_budget, bool) or not isinstance(self.moe_prefetch_budget, int) \
-                or self.moe_prefetch_budget < 0:
-            raise ValueError(f"moe_prefetch_budget={self.moe_prefetch_budget!r} must be an integer >= 0")
 
 
 class FetchPolicy:
@@ -294,8 +283,7 @@ class FetchPolicy:
             return {
                 "strategy": s.strategy, "fetch_fraction": f, "fetch_fraction_q16": fraction_to_q16(f),
                 "fetch_fraction_min": s.fetch_fraction_min, "fetch_fraction_max": s.fetch_fraction_max,
-                "auto_tune": s.auto_tune, "fetch_round": s.fetch_round, "fetch_select": s.fetch_select,
-                "moe_prefetch": s.moe_prefetch, "moe_prefetch_budget": s.moe_prefetch_budget,
+                "auto_tune": s.auto_tune, "fetch_round": s.fetch_round,
                 "target_fraction": (pcie / (pcie + cpu)) if pcie and cpu else 0.0,
                 "pcie_experts_per_s": pcie or 0.0, "cpu_experts_per_s": cpu or 0.0,
                 "pcie_gb_s": gb(pcie) if pcie else 0.0, "cpu_gb_s": gb(cpu) if cpu else 0.0,

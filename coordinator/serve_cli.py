@@ -37,7 +37,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        "directory's name, the preset, or 'tiny')")
     model.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"), help="where the model runs")
     model.add_argument("--moe-strategy", default="resident", choices=("resident", "offload", "cpu", "hybrid"),
-                       help="expert backend (docs/ARCHITECTURE.md)")
+                       help="expert backend (see DESIGN.md section 1)")
     model.add_argument("--moe-cache-size", type=int, default=None, help="GPU expert slots (offload/hybrid)")
     model.add_argument("--max-running-requests", type=int, default=8, help="requests decoding together")
     model.add_argument("--max-context-tokens", type=int, default=None,
@@ -86,16 +86,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def build_policy_from_args(args: argparse.Namespace, expert_format, gpu_name: str):
     from coordinator.policy import DEFAULT_FRACTION_MAX, DEFAULT_FRACTION_MIN, PolicySettings, build_policy
 
-    knobs = resolve({k: getattr(args, k, None) for k in ("fetch_round", "moe_prefetch",
-                                                         "moe_prefetch_budget", "benchbw_path")})
+    knobs = resolve({k: getattr(args, k, None) for k in ("fetch_round", "benchbw_path")})
     settings = PolicySettings(
         strategy=args.moe_strategy,
         fetch_fraction=args.fetch_fraction if args.fetch_fraction is not None else 0.5,
         fetch_fraction_min=args.fetch_fraction_min if args.fetch_fraction_min is not None else DEFAULT_FRACTION_MIN,
         fetch_fraction_max=args.fetch_fraction_max if args.fetch_fraction_max is not None else DEFAULT_FRACTION_MAX,
         auto_tune=not args.no_auto_tune and args.fetch_fraction is None,
-        fetch_round=knobs["fetch_round"], moe_prefetch=knobs["moe_prefetch"],
-        moe_prefetch_budget=knobs["moe_prefetch_budget"])
+        fetch_round=knobs["fetch_round"])
     settings.validate()
     return build_policy(settings, fraction_given=args.fetch_fraction is not None,
                         benchbw_path=knobs["benchbw_path"], expert_format=expert_format, gpu_name=gpu_name)
@@ -170,7 +168,7 @@ def run_processes(args: argparse.Namespace) -> int:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         policy = build_policy_from_args(args, expert_format_of(source.cfg), facts.gpu_name)
-        service = EngineService(procs.engine_client(), codec.decode, policy=policy,
+        service = EngineService(procs.engine_factory, codec.decode, policy=policy,
                                 request_timeout_s=args.request_timeout_s,
                                 max_pending_requests=args.max_pending_requests)
         name = served_name(model_dir, args.preset, args.served_model_name)
@@ -203,7 +201,6 @@ def run_inline(args: argparse.Namespace) -> int:
     from coordinator.auth import resolve_api_key
     from coordinator.engine_factory import load_served_engine
     from coordinator.engine_service import EngineService
-    from coordinator.inline_engine import InlineEngine
     from coordinator.openai_requests import ModelInfo
     from coordinator.server import CoordinatorServer
 
@@ -221,7 +218,7 @@ def run_inline(args: argparse.Namespace) -> int:
                                 offload_copy=resolve({"offload_copy": args.offload_copy})["offload_copy"],
                                 slot_audit_every=resolve({"moe_slot_audit": args.moe_slot_audit})["moe_slot_audit"])
     policy = build_policy_from_args(args, served.expert_format, served.gpu_name)
-    service = EngineService(InlineEngine(served.engine_factory), served.codec.decode, policy=policy,
+    service = EngineService(served.engine_factory, served.codec.decode, policy=policy,
                             request_timeout_s=args.request_timeout_s, max_pending_requests=args.max_pending_requests)
     model = ModelInfo(served.model_name, served.context_length, served.codec)
     listen = listen_config(args, api_key)

@@ -125,9 +125,6 @@ class SetPolicy:
     strategy: str
     fetch_fraction: float
     fetch_round: str
-    fetch_select: str
-    moe_prefetch: str
-    moe_prefetch_budget: int
     cpu_share_names: list[str]    # the tuner's CPU work split: worker names ...
     cpu_share_values: list[float]  # ... and their shares (empty: keep the current split)
 

@@ -22,7 +22,6 @@ class Knob:
     default: Any
     help: str
     choices: tuple[str, ...] | None = None
-    not_available: str | None = None   # why a non-default value is refused for now
 
     @property
     def flag(self) -> str:
@@ -34,16 +33,9 @@ class Knob:
                 f"{source}={raw!r} is not valid; choose one of: {', '.join(self.choices)}"
             )
         try:
-            value = self.parse(raw)
+            return self.parse(raw)
         except ValueError as exc:
             raise ValueError(f"{source}={raw!r} is not valid: {exc}") from None
-        self.check_available(value, source)
-        return value
-
-    def check_available(self, value: Any, source: str) -> None:
-        if self.not_available is not None and value != self.default:
-            raise ValueError(f"{source}={value!r} is not available yet: {self.not_available}; "
-                             f"leave it at {self.default!r}")
 
 
 def positive_int_flag(raw: str) -> int:
@@ -71,9 +63,6 @@ def _freq_weight(raw: str) -> int:
         raise ValueError("must be an int in [0, 1024] (0: least recently used)")
     return value
 
-
-_NO_PREFETCH = ("the engine does not prefetch yet (its kernel, kernels.slot_cache.prefetch_ensure, "
-                "exists and is tested)")
 
 KNOBS: tuple[Knob, ...] = (
     Knob("FREETOKEN_HYBRID_FETCH_ROUND", "fetch_round", str, "split",
@@ -114,18 +103,6 @@ KNOBS: tuple[Knob, ...] = (
          "the reserved CPUs (--reserve-cpus) within its affinity, off the CPU workers' cores; off: it runs "
          "anywhere",
          choices=("on", "off")),
-    Knob("FREETOKEN_MOE_PREFETCH", "moe_prefetch", str, "off",
-         "next-layer expert prefetch: off, measure (predict and count, install nothing), on",
-         choices=("off", "measure", "on"),
-         not_available=_NO_PREFETCH),
-    Knob("FREETOKEN_MOE_PREFETCH_BUDGET", "moe_prefetch_budget", _nonneg_int, 4,
-         "experts a prefetch may install per layer"),
-    Knob("FREETOKEN_MOE_PREFETCH_K", "moe_prefetch_k", _nonneg_int, 8,
-         "top-k of the predicted router used as prefetch candidates",
-         not_available=_NO_PREFETCH),
-    Knob("FREETOKEN_MOE_PREFETCH_VERIFY", "moe_prefetch_verify", str, "meta",
-         "prefetch verification: meta (check slot maps only) or 1 (also compare slot bytes)",
-         choices=("meta", "1"), not_available=_NO_PREFETCH),
     Knob("FREETOKEN_MOE_SLOT_AUDIT", "moe_slot_audit", _nonneg_int, 0,
          "every N decode steps, check the slot-cache invariants on the host and the bytes of a few slots; "
          "on a problem, log it and empty the cache (0 = never)"),
@@ -174,8 +151,7 @@ def add_cli_flag(parser: Any, field: str) -> None:
     k = KNOBS_BY_FIELD[field]
     parser.add_argument(k.flag, dest=k.field, default=None, choices=k.choices,
                         type=(None if k.choices else k.parse),
-                        help=f"{k.help} [env {k.env}, default {k.default!r}]"
-                        + (" (not available yet)" if k.not_available else ""))
+                        help=f"{k.help} [env {k.env}, default {k.default!r}]")
 
 
 def add_cli_flags(parser: argparse.ArgumentParser) -> None:
@@ -192,7 +168,5 @@ def resolve(cli_values: Mapping[str, Any] | None = None,
     values.update(read_env(environ))
     for field, value in (cli_values or {}).items():
         if field in KNOBS_BY_FIELD and value is not None:
-            knob = KNOBS_BY_FIELD[field]
-            knob.check_available(value, knob.flag)
             values[field] = value
     return values

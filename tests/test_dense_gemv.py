@@ -4,7 +4,7 @@ CUDA graph.
 
 Without a GPU the kernel runs in the Triton interpreter (conftest.py), which computes bfloat16
 wrongly: the lockstep tests use float32 and small shapes with blocks smaller than the defaults, so
-that several blocks, ragged edges (N, K not multiples of the blocks) and split-K are exercised.
+that several blocks and ragged edges (N, K not multiples of the blocks) are exercised.
 Tolerance there: the kernel and the reference differ only in the order of fp32 summation, so the
 largest error relative to the largest output must stay below 1e-5 (observed ~2e-7; a wrong row, a
 missed step or a token mixed into another gives O(1)).
@@ -24,8 +24,6 @@ DEV = KERNEL_DEVICE
 FP32_TOL = 1e-5
 SMALL = LinearBlocks(block_n=8, block_k=16, num_warps=4)
 EVEN = LinearBlocks(block_n=8, block_k=32, num_warps=2)
-SPLIT3 = LinearBlocks(block_n=4, block_k=32, num_warps=1, split_k=3)
-SPLIT2 = LinearBlocks(block_n=16, block_k=16, num_warps=4, split_k=2)
 
 
 def rel_max(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -54,13 +52,13 @@ LOCKSTEP_CASES = {
     # name: (T, N, K, blocks, strided x, strided w)
     "t1-ragged-n37-k70": (1, 37, 70, SMALL, False, False),
     "t2-even-n64-k128": (2, 64, 128, EVEN, False, False),
-    "t3-ragged-split3": (3, 37, 70, SPLIT3, False, False),
+    "t3-ragged-n4-k32-one-warp": (3, 37, 70, LinearBlocks(block_n=4, block_k=32, num_warps=1), False, False),
     "t4-ragged-strided-x-and-w": (4, 37, 70, SMALL, True, True),
-    "t5-even-split2": (5, 48, 96, SPLIT2, False, True),
+    "t5-even-strided-w": (5, 48, 96, LinearBlocks(block_n=16, block_k=16, num_warps=4), False, True),
     "t16-picked-blocks-strided-x": (16, 20, 64, None, True, False),
     "t4-picked-blocks-n128-k256": (4, 128, 256, None, False, False),
-    "t1-split4-ragged-k1000": (1, 5, 1000, LinearBlocks(block_n=2, block_k=64, split_k=4), False, False),
-    "t2-split-k-larger-than-k-allows": (2, 9, 20, LinearBlocks(block_n=4, block_k=16, split_k=8), True, True),
+    "t1-ragged-k1000": (1, 5, 1000, LinearBlocks(block_n=2, block_k=64), False, False),
+    "t2-k-smaller-than-one-block": (2, 9, 20, LinearBlocks(block_n=4, block_k=32), True, True),
     "t7-n-smaller-than-block": (7, 3, 50, LinearBlocks(block_n=8, block_k=64, num_warps=2), False, False),
 }
 
@@ -82,7 +80,7 @@ def test_linear_gemv_rows_do_not_depend_on_the_batch():
     """Row t of a T = 4 (T_PAD 4) or T = 3 call is bitwise the row computed alone (T = 1), with one
     blocks setting; NaN in another row of x does not leak into row t."""
     x, w = operands(4, 37, 70, seed=9, device=DEV)
-    for blocks in (SMALL, SPLIT3):
+    for blocks in (SMALL, LinearBlocks(block_n=4, block_k=32, num_warps=1)):
         batch = linear_gemv(x, w, impl="triton", blocks=blocks)
         three = linear_gemv(x[:3], w, impl="triton", blocks=blocks)
         for t in range(4):
@@ -148,7 +146,7 @@ def test_linear_gemv_rejects_bad_arguments():
 @pytest.mark.parametrize("kwargs, match", [
     (dict(block_n=3), "block_n"), (dict(block_n=512), "block_n"), (dict(block_k=8), "block_k"),
     (dict(block_k=1000), "block_k"), (dict(block_n=64, block_k=2048), "65536"), (dict(num_warps=3), "num_warps"),
-    (dict(split_k=0), "split_k"), (dict(split_k=65), "split_k"), (dict(block_n=True), "int"),
+    (dict(block_n=True), "int"),
     (dict(block_k=1024.0), "int")])
 def test_linear_blocks_reject_bad_values(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -190,15 +188,15 @@ def test_preferred_follows_the_measured_rule():
 
 
 def test_pick_blocks():
-    assert pick_blocks(5120, 2048) == DEFAULT_LINEAR_BLOCKS == LinearBlocks(1, 2048, 4, 1)
+    assert pick_blocks(5120, 2048) == DEFAULT_LINEAR_BLOCKS == LinearBlocks(1, 2048, 4)
     assert pick_blocks(2048, 4096) == DEFAULT_LINEAR_BLOCKS
     assert pick_blocks(128, 2048) == DEFAULT_LINEAR_BLOCKS
-    assert pick_blocks(37, 70, torch.float32) == LinearBlocks(1, 128, 1, 1)
+    assert pick_blocks(37, 70, torch.float32) == LinearBlocks(1, 128, 1)
     for N, K, dtype in ((5120, 2048, torch.bfloat16), (2048, 4096, torch.float16), (128, 2048, torch.bfloat16),
                         (4096, 4096, torch.float32), (37, 70, torch.float32), (151936, 2048, torch.bfloat16)):
         b = pick_blocks(N, K, dtype)
         vec = 16 // torch.empty((), dtype=dtype).element_size()
-        assert b.split_k == 1 and b.block_k >= min(K, 16)
+        assert b.block_k >= min(K, 16)
         assert b.block_k >= 32 * vec * b.num_warps or b.num_warps == 1     # warps along K (no x conversion)
         assert b.block_k <= 2048 and b.block_n == 1
 
@@ -233,7 +231,7 @@ def bf16_close(got: torch.Tensor, expected: torch.Tensor) -> None:
 def test_gpu_linear_gemv_bf16_at_qwen3_shapes(T, shape, no_tf32):
     """bf16 at qwen3-30b-a3b shapes against the reference (cuBLAS fp32 GEMM, rounded once) and against
     F.linear (cuBLAS bf16): only summation order differs. Deterministic; row t equals the row
-    computed alone; a split-K call and a strided x agree within the same tolerance."""
+    computed alone; other blocks and a strided x agree within the same tolerance."""
     N, K = QWEN3_SHAPES[shape]
     g = torch.Generator().manual_seed(T * 7 + N)
     w = (torch.randn(N, K, generator=g) * 0.02).to(torch.bfloat16).cuda()
@@ -249,8 +247,8 @@ def test_gpu_linear_gemv_bf16_at_qwen3_shapes(T, shape, no_tf32):
     assert torch.equal(linear_gemv(x, w), got)                               # deterministic
     for t in range(T):
         assert torch.equal(linear_gemv(x[t:t + 1], w), got[t:t + 1])          # independent of the batch
-    split = linear_gemv(x, w, blocks=LinearBlocks(block_n=4, block_k=512, num_warps=2, split_k=2))
-    bf16_close(split, expected)
+    other = linear_gemv(x, w, blocks=LinearBlocks(block_n=4, block_k=512, num_warps=2))
+    bf16_close(other, expected)
     wide = torch.zeros(T, K + 64, dtype=torch.bfloat16, device="cuda")
     wide[:, 8:8 + K] = x
     bf16_close(linear_gemv(wide[:, 8:8 + K], w), expected)
@@ -260,9 +258,9 @@ def test_gpu_linear_gemv_bf16_at_qwen3_shapes(T, shape, no_tf32):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("blocks", [None, LinearBlocks(block_n=4, block_k=1024, num_warps=4, split_k=2)])
+@pytest.mark.parametrize("blocks", [None, LinearBlocks(block_n=4, block_k=1024, num_warps=4)])
 def test_gpu_linear_gemv_in_a_cuda_graph(blocks, no_tf32):
-    """Captured once (one launch, or two with split-K), replayed after x is overwritten in place: the
+    """Captured once (one launch), replayed after x is overwritten in place: the
     replay gives the new x's result, bitwise the eager call's."""
     N, K, T = 2048, 4096, 4
     g = torch.Generator().manual_seed(3)

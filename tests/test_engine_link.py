@@ -221,7 +221,7 @@ def test_remote_engine_streams_tokens_and_fails_only_the_lost_sessions_requests(
             first.send(em.Stats(["generated_tokens"], [1.0]))
             await until(lambda: events.stats, "the stats")
             assert events.stats[-1]["generated_tokens"] == 1.0 and engine.stats["link.requests_in_flight"] == 1.0
-            engine.set_policy(em.SetPolicy("offload", 1.0, "min-wait", "recency", "off", 4, ["cpu0", "cpu1"],
+            engine.set_policy(em.SetPolicy("offload", 1.0, "min-wait", ["cpu0", "cpu1"],
                                            [0.75, 0.25]))
             policy = await recv(first)
             assert isinstance(policy, em.SetPolicy)
@@ -365,7 +365,7 @@ def run_loop(engine, items, **kw) -> tuple[int, list]:
 
 def test_busy_loop_batches_tokens_refuses_bad_requests_and_drains():
     engine = FakeEngine()
-    policy = em.SetPolicy("hybrid", 0.5, "split", "recency", "off", 4, ["cpu0"], [1.0])
+    policy = em.SetPolicy("hybrid", 0.5, "split", ["cpu0"], [1.0])
     code, sent = run_loop(engine, [add(1, 2), add(2, 3), add(3, 1, prompt=()), em.Abort([2]), policy,
                                    LocalStop("SIGTERM", drain=True)])
     assert code == 0

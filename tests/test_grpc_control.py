@@ -70,12 +70,8 @@ def test_stats_policy_and_workers(ls, stubs):
     stats = control.GetStats(rpc.msg.GetStatsRequest(), timeout=10)
     assert stats.generated_tokens_total >= 3 and stats.requests_total >= 1
     assert "generated_tokens" in stats.engine            # the real engine's EngineStats, flattened
-    policy = control.SetPolicy(rpc.msg.SetPolicyRequest(fetch_fraction=0.4, fetch_round="stochastic",
-                                                        moe_prefetch_budget=8), timeout=10)
-    assert policy.fetch_round == "stochastic" and policy.moe_prefetch == "off" and policy.moe_prefetch_budget == 8
-    with pytest.raises(grpc.RpcError) as info:       # prefetch is refused until the engine has it
-        control.SetPolicy(rpc.msg.SetPolicyRequest(moe_prefetch="on"), timeout=10)
-    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "not available yet" in info.value.details()
+    policy = control.SetPolicy(rpc.msg.SetPolicyRequest(fetch_fraction=0.4, fetch_round="stochastic"), timeout=10)
+    assert policy.fetch_round == "stochastic" and policy.fetch_fraction == pytest.approx(0.4)
     assert not policy.auto_tune and policy.source == "set"
     assert control.GetPolicy(rpc.msg.GetPolicyRequest(), timeout=10).fetch_round == "stochastic"
     with pytest.raises(grpc.RpcError) as info:

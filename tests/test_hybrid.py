@@ -28,7 +28,7 @@ from gpu_worker.engine.engine import DEFAULT_PREFILL_CHUNK_TOKENS
 from gpu_worker.hybrid import HybridExperts, HybridOptions
 from gpu_worker.models import load_model
 from kernels.slot_cache import ROUND_MODES, reset
-from kernels.slot_cache.state import POLICY_ROUND
+from kernels.slot_cache.state import POLICY_FRAC_Q16, POLICY_PROMOTE, POLICY_ROUND
 from tests.conftest import HAS_CUDA
 from tests.test_device_doorbell import stop_worker
 
@@ -168,7 +168,7 @@ def test_cpu_strategy_computes_every_miss_on_the_cpu(hybrid, resident):
     assert delta(backend, before, "cpu_triples_total") == routed > 0
     assert_lockstep(lock)
     # the device policy the kernel reads: f = 0 (Q16), promotion off
-    assert backend.cache.policy.tolist()[1] == 0 and backend.cache.policy.tolist()[4] == 0
+    assert int(backend.cache.policy[POLICY_FRAC_Q16]) == 0 and int(backend.cache.policy[POLICY_PROMOTE]) == 0
 
 
 def test_gemv_mode_takes_the_cpu_routes_at_minus_one(hybrid, resident):
@@ -305,15 +305,12 @@ def test_policy_changes_live_and_bad_values_change_nothing(hybrid, resident):
         backend.set_policy(fetch_fraction=1.5)
     with pytest.raises(ValueError, match="resident needs a restart"):
         backend.set_policy(strategy="resident")
-    with pytest.raises(ValueError, match="fetch_select 'lowest_id'.*the only selection"):
-        backend.set_policy(fetch_fraction=0.25, fetch_select="lowest_id")
-    assert backend.policy == policy and torch.equal(backend.cache.policy, device_policy)
-    backend.set_policy(fetch_select="recency")                         # what the coordinator's policy carries
+    with pytest.raises(ValueError, match="unknown policy field.*fetch_select"):
+        backend.set_policy(fetch_fraction=0.25, fetch_select="recency")      # retired: recency is the only selection
     assert backend.policy == policy and torch.equal(backend.cache.policy, device_policy)
     # through the engine's set_policy (what the coordinator calls)
     engine = make_engine(hybrid)
-    engine.set_policy(strategy="hybrid", fetch_fraction=0.25, fetch_round="min-wait", moe_prefetch="off",
-                      moe_prefetch_budget=4)
+    engine.set_policy(strategy="hybrid", fetch_fraction=0.25, fetch_round="min-wait")
     assert backend.policy["fetch_round"] == "min-wait" and backend.policy["fetch_fraction"] == 0.25
     before = backend.counters()
     assert engine.generate([list(p) for p in PROMPTS], SamplingParams(max_new_tokens=NEW_TOKENS,

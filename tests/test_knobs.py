@@ -18,22 +18,22 @@ def test_every_knob_is_an_env_var_a_field_and_a_flag():
 
 
 def test_env_values_are_typed_and_cli_wins():
-    env = {"FREETOKEN_HYBRID_FETCH_ROUND": "stochastic", "FREETOKEN_MOE_PREFETCH_BUDGET": "7"}
-    assert read_env(env) == {"fetch_round": "stochastic", "moe_prefetch_budget": 7}
+    env = {"FREETOKEN_HYBRID_FETCH_ROUND": "stochastic", "FREETOKEN_EVICTION_FREQ_HALF_LIFE": "7"}
+    assert read_env(env) == {"fetch_round": "stochastic", "eviction_freq_half_life": 7}
     values = resolve({"fetch_round": "prefer-fetch", "pdl": None}, env)
     assert values["fetch_round"] == "prefer-fetch"          # CLI over environment
-    assert values["moe_prefetch_budget"] == 7               # environment over default
+    assert values["eviction_freq_half_life"] == 7           # environment over default
     assert values["pdl"] == "auto"                          # default
 
 
 @pytest.mark.parametrize("env, message", [
     ({"FREETOKEN_HYBRID_FETCH_ROUND": "nearest"}, "choose one of: min-wait, stochastic, prefer-fetch"),
-    ({"FREETOKEN_MOE_PREFETCH_BUDGET": "-2"}, "must be >= 0"),
-    ({"FREETOKEN_MOE_PREFETCH_BUDGET": "many"}, "is not valid"),
+    ({"FREETOKEN_EVICTION_FREQ_HALF_LIFE": "-2"}, "must be >= 0"),
+    ({"FREETOKEN_EVICTION_FREQ_HALF_LIFE": "many"}, "is not valid"),
     ({"FREETOKEN_HYBRID_FECTH": "recency"}, "unknown environment variable.*FREETOKEN_HYBRID_FECTH"),
     ({"FREETOKEN_HYBRID_FETCH": "recency"}, "unknown environment variable.*FREETOKEN_HYBRID_FETCH"),      # retired
     ({"FREETOKEN_HYBRID_HANDOFF": "auto"}, "unknown environment variable.*FREETOKEN_HYBRID_HANDOFF"),    # retired
-    ({"FREETOKEN_MOE_PREFETCH": "on"}, "not available yet.*leave it at 'off'"),
+    ({"FREETOKEN_MOE_PREFETCH": "on"}, "unknown environment variable.*FREETOKEN_MOE_PREFETCH"),       # retired
     ({"FREETOKEN_MOE_SLOT_AUDIT": "-1"}, "must be >= 0"),
 ])
 def test_bad_environment_gets_a_clear_error(env, message):
@@ -41,12 +41,7 @@ def test_bad_environment_gets_a_clear_error(env, message):
         read_env(env)
 
 
-def test_the_slot_audit_knob_is_available():
+def test_the_slot_audit_knob_reads_the_environment_and_the_cli():
     assert read_env({"FREETOKEN_MOE_SLOT_AUDIT": "10"})["moe_slot_audit"] == 10
     assert resolve({"moe_slot_audit": 3}, {})["moe_slot_audit"] == 3
 
-
-def test_unavailable_knob_refused_from_the_cli_too():
-    with pytest.raises(ValueError, match="--moe-prefetch='on' is not available yet"):
-        resolve({"moe_prefetch": "on"}, {})
-    assert resolve({"moe_prefetch": "off"}, {})["moe_prefetch"] == "off"

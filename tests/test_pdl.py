@@ -93,11 +93,11 @@ def _decode_chain(w: dict, state: dict) -> list[torch.Tensor]:
         y = kops.moe_gemv(h, ids, weights, w["w13"], w["w2"])
         x, h = kops.add_rms_norm(x, y, w["norm"], 1e-6)
         outs += [qkv, q, k, a, o, logits, ids, weights, y, x, h]
-    # the rest of the kernels and launch shapes: rope alone, the split-K sum, moe_gemv split around a "copy"
+    # the rest of the kernels and launch shapes: rope alone, linear_gemv with several rows a program, moe_gemv split around a "copy"
     # on a side stream (its plan's launches wait on that stream's work: an event edge, not a programmatic one)
     q2, k2 = kops.rope(q, k, state["cos"], state["sin"])
     o2 = dense_gemv.linear_gemv(a.view(1, 4096), w["o_proj"],
-                                blocks=LinearBlocks(block_n=4, block_k=1024, split_k=2, num_warps=4))
+                                blocks=LinearBlocks(block_n=4, block_k=1024, num_warps=4))
     compute = torch.cuda.current_stream()
     side = state["side"]
     side.wait_stream(compute)

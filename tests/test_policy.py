@@ -110,9 +110,9 @@ def test_fixed_fraction_and_strategies_are_not_tuned():
     ({"fetch_round": "nearest"}, "min-wait"),
     ({"strategy": "gpu"}, "hybrid"),
     ({"fetch_fraction_min": 0.9, "fetch_fraction_max": 0.1}, "swap"),
-    ({"moe_prefetch_budget": -1}, ">= 0"),
     ({"bogus": 1}, "unknown policy field"),
-], ids=["fraction-above-1", "bad-rounding", "bad-strategy", "min-above-max", "negative-budget", "unknown"])
+    ({"fetch_select": "recency"}, "unknown policy field"),
+], ids=["fraction-above-1", "bad-rounding", "bad-strategy", "min-above-max", "unknown", "retired-selection"])
 def test_bad_updates_are_refused_and_change_nothing(changes, message):
     policy = FetchPolicy(PolicySettings(), expert_format=FMT)
     before = policy.snapshot()

@@ -46,7 +46,6 @@ def test_offload_pool_too_small(cache):
 
 @pytest.mark.parametrize("kwargs, match", [
     (dict(round_mode="nearest"), "round_mode must be one of"),
-    (dict(select="random"), "select must be one of"),
     (dict(fetch_fraction=1.5), r"within \[0, 1\]"),
     (dict(max_fetch=-1), "max_fetch must be None or an int >= 0"),
     (dict(impl="cuda"), "impl must be"),

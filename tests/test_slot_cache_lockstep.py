@@ -54,17 +54,16 @@ POOLS = {
     "per-layer": (3, 16, 10, True, 16),
 }
 POLICIES = {
-    "min-wait-recency": dict(fetch_fraction=0.4, round_mode="min-wait", select="recency"),
-    "stochastic-recency": dict(fetch_fraction=0.35, round_mode="stochastic", select="recency"),
-    "prefer-fetch-lowest": dict(fetch_fraction=0.3, round_mode="prefer-fetch", select="lowest_id"),
-    "split-recency": dict(fetch_fraction=0.45, round_mode="split", select="recency"),
-    "min-wait-lowest-nopromote": dict(fetch_fraction=0.2, round_mode="min-wait",
-                                      select="lowest_id", promote=False),
+    "min-wait": dict(fetch_fraction=0.4, round_mode="min-wait"),
+    "stochastic": dict(fetch_fraction=0.35, round_mode="stochastic"),
+    "prefer-fetch": dict(fetch_fraction=0.3, round_mode="prefer-fetch"),
+    "split": dict(fetch_fraction=0.45, round_mode="split"),
+    "min-wait-nopromote": dict(fetch_fraction=0.2, round_mode="min-wait", promote=False),
     "zero-fraction-promote": dict(fetch_fraction=0.0, promote=True),
     "zero-fraction-nopromote": dict(fetch_fraction=0.0, promote=False),
     "offload": dict(fetch_fraction=1.0),
     "cap-0": dict(max_fetch=0),
-    "cap-1": dict(max_fetch=1, select="lowest_id"),
+    "cap-1": dict(max_fetch=1),
 }
 
 
@@ -98,7 +97,7 @@ def offload_call(ref: SlotCache, ker: SlotCache, layer: int, rows, path: str, co
     assert_same_state(ref, ker, context)
 
 
-FREQ_POLICIES = ("min-wait-recency", "offload", "zero-fraction-promote", "split-recency")
+FREQ_POLICIES = ("min-wait", "offload", "zero-fraction-promote", "split")
 
 
 @pytest.mark.parametrize("variant", list(KERNEL_VARIANTS))
@@ -201,6 +200,26 @@ def test_victim_skips_a_hit_that_is_least_recently_used(variant):
     assert ref.slot_for_id[0, 0] == 0 and ref.slot_for_id[0, 4] == 1
 
 
+@pytest.mark.parametrize("variant", list(KERNEL_VARIANTS))
+def test_the_most_recently_routed_miss_is_fetched_first(variant):
+    """Selection: misses are fetched by descending recency (the step they were last routed), ties by
+    ascending id. 2 then 6 miss unfetched (cap 0); [1, 2, 6, 7] with cap 2 fetches 6 and 2; [7, 3, 1]
+    with cap 1 fetches 1 (1 and 7 last routed together, 3 never)."""
+    path, vlist = KERNEL_VARIANTS[variant]
+    ref = SlotCache.create(1, 8, 4)
+    ker = SlotCache.create(1, 8, 4, device=KERNEL_DEVICE, victim_list=vlist)
+    plans = []
+    for row, cap in (([2], 0), ([6], 0), ([1, 2, 6, 7], 2), ([7, 3, 1], 1)):
+        a = torch.tensor([row])
+        b = a.clone().to(KERNEL_DEVICE)
+        ensure(ref, 0, a, max_fetch=cap, impl="reference")
+        ensure(ker, 0, b, max_fetch=cap, impl="triton", path=path)
+        assert torch.equal(a, b.cpu()), f"routes {row}: routes differ"
+        assert_same_state(ref, ker, f"routes {row}")
+        plans.append(ref.src_indices[:int(ref.num_indices)].tolist())
+    assert plans == [[], [], [6, 2], [1]]
+
+
 def test_pool_goes_from_empty_to_full_and_evicts():
     ref, fetched = run_lockstep(num_layers=2, num_experts=16, num_slots=12, per_layer=False,
                                 calls=40, slot_tile=16, fetch_fraction=1.0)
@@ -242,12 +261,12 @@ def test_device_policy_matches_arguments(mode):
     from kernels.slot_cache import set_policy
     a = SlotCache.create(2, 16, 12, device=KERNEL_DEVICE)
     b = SlotCache.create(2, 16, 12, device=KERNEL_DEVICE)
-    set_policy(b, fetch_fraction=0.45, round_mode=mode, select="lowest_id", seed=11)
+    set_policy(b, fetch_fraction=0.45, round_mode=mode, promote=False, seed=11)
     gen = RouteGen(2, 16, 3)
     for call in range(12):
         ids = gen.routes(call % 2, 2, 3).to(KERNEL_DEVICE)
         ia, ib = ids.clone(), ids.clone()
-        ensure(a, call % 2, ia, fetch_fraction=0.45, round_mode=mode, select="lowest_id",
+        ensure(a, call % 2, ia, fetch_fraction=0.45, round_mode=mode, promote=False,
                seed=11, impl="triton")
         ensure(b, call % 2, ib, use_device_policy=True, impl="triton")
         assert torch.equal(ia, ib)

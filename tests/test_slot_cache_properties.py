@@ -17,7 +17,6 @@ call = st.fixed_dictionaries({
     "ids": route,
     "fraction": st.sampled_from([0.0, 0.25, 0.5, 0.75, 1.0]),
     "round_mode": st.sampled_from(["min-wait", "stochastic", "prefer-fetch", "split"]),
-    "select": st.sampled_from(["recency", "lowest_id"]),
     "promote": st.booleans(),
     "prefetch": st.none() | st.tuples(st.lists(st.integers(-1, NUM_EXPERTS - 1), max_size=6),
                                       st.integers(0, 4)),
@@ -36,7 +35,7 @@ def apply_call(cache: SlotCache, c: dict, impl: str) -> torch.Tensor:
     if fraction == 1.0 and cache.num_slots < min(NUM_EXPERTS, ids.numel()):
         fraction = 0.5   # offload needs a pool that fits one call (a checked error otherwise)
     ensure(cache, c["layer"], ids, fetch_fraction=fraction, round_mode=c["round_mode"],
-           select=c["select"], promote=c["promote"], seed=3, impl=impl)
+           promote=c["promote"], seed=3, impl=impl)
     if c["prefetch"] is not None:
         cand, budget = c["prefetch"]
         if cand:
@@ -68,9 +67,8 @@ def test_invariants_hold_after_every_call(pool, calls):
 
 
 @settings(max_examples=100, deadline=None)
-@given(pool=pool, warmup=st.lists(call, max_size=10), repeat=route,
-       select=st.sampled_from(["recency", "lowest_id"]))
-def test_recurring_miss_with_an_empty_slot_gets_resident(pool, warmup, repeat, select):
+@given(pool=pool, warmup=st.lists(call, max_size=10), repeat=route)
+def test_recurring_miss_with_an_empty_slot_gets_resident(pool, warmup, repeat):
     """Promotion: with f = 0 a recurring miss still fills an empty slot on its next call."""
     num_slots, per_layer = pool
     cache = SlotCache.create(NUM_LAYERS, NUM_EXPERTS, num_slots, per_layer=per_layer)
@@ -79,11 +77,11 @@ def test_recurring_miss_with_an_empty_slot_gets_resident(pool, warmup, repeat, s
     layer = 0
     routed = {e for e in repeat if e >= 0}
     for _ in range(2):
-        ensure(cache, layer, torch.tensor(repeat), fetch_fraction=0.0, select=select)
+        ensure(cache, layer, torch.tensor(repeat), fetch_fraction=0.0)
     base = cache.pool_base(layer)
     missing_before = routed - resident_slots(cache, layer).keys()
     empty_before = int((cache.usage[base:base + cache.num_slots] == -1).sum())
-    ensure(cache, layer, torch.tensor(repeat), fetch_fraction=0.0, select=select)
+    ensure(cache, layer, torch.tensor(repeat), fetch_fraction=0.0)
     missing_after = routed - resident_slots(cache, layer).keys()
     if missing_before and empty_before > 0:
         assert len(missing_after) == len(missing_before) - 1, \

@@ -74,7 +74,7 @@ class DeviceHandoff:
         if to_cpu:      # the device policy: a captured graph follows live changes (split: floor, then split_pick)
             ensure(c, layer_idx, routes, use_device_policy=True, check_ids=False)
         else:
-            ensure(c, layer_idx, routes, fetch_fraction=1.0, round_mode=p["fetch_round"], select="recency",
+            ensure(c, layer_idx, routes, fetch_fraction=1.0, round_mode=p["fetch_round"],
                    promote=bool(p["promote"]), check_ids=False)
         max_copies = min(T * K, c.num_slots)
         split = to_cpu and self.splits_experts

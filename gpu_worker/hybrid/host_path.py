@@ -50,7 +50,7 @@ class HostHandoff:
         else:                                                             # offload: fetch every miss
             st.offload_calls_total += 1
             ensure(self.cache, layer_idx, routes, fetch_fraction=1.0, round_mode=p["fetch_round"],
-                   select="recency", promote=bool(p["promote"]), check_ids=False)
+                   promote=bool(p["promote"]), check_ids=False)
         # A prefill chunk run as offload routes to most experts of every layer: stream the next layer's (a
         # low-priority prefetch of all of them, never evicting this layer's) behind this layer's own copies.
         nxt = (prefill_prefetch_layer(layer_idx, T * K, self.num_experts, self.num_layers, self.gather_max_pairs)
@@ -179,7 +179,7 @@ class HostHandoff:
         tokens = torch.from_numpy(token.astype(np.int64)).to(self.device)                  # [n]
         routes = torch.from_numpy(expert.reshape(-1, 1)).to(self.device)                    # [n, 1] expert ids
         weights = torch.from_numpy(weight.reshape(-1, 1)).to(self.device)                   # [n, 1]
-        ensure(self.cache, layer_idx, routes, fetch_fraction=1.0, round_mode="min-wait", select="recency",
+        ensure(self.cache, layer_idx, routes, fetch_fraction=1.0, round_mode="min-wait",
                promote=False, check_ids=False)                                              # -> slot ids
         plan = self.readback.read(self.cache, max_plan=min(self.num_experts, token.size))
         self._copy(layer_idx, plan)

@@ -51,8 +51,6 @@ from .stats import HybridStats, StreamTimer, WorkerCounters
 log = logging.getLogger("ft.hybrid")
 
 STRATEGIES = ("hybrid", "cpu", "offload")     # what set_policy(strategy=...) may switch between
-IGNORED_POLICY_FIELDS = ("moe_prefetch", "moe_prefetch_budget")   # no decode prefetch in this backend yet
-FETCH_SELECT = "recency"                      # the only fetch selection (set_policy refuses another)
 
 
 class HybridExperts(DeviceHandoff, HostHandoff, SlotPoolAudit):
@@ -142,13 +140,8 @@ class HybridExperts(DeviceHandoff, HostHandoff, SlotPoolAudit):
                    fetch_round: str | None = None, promote: bool | None = None, seed: int | None = None,
                    cpu_shares: dict[str, float] | None = None, **other) -> None:
         """Change the split live (the coordinator's engine.set_policy lands here): writes the device policy
-        tensor that ensure reads. strategy: hybrid (f as given), cpu (f = 0, no promotion), offload (f = 1).
-        A `fetch_select` field must be "recency", the only selection."""
-        select = other.pop("fetch_select", FETCH_SELECT)
-        if select != FETCH_SELECT:
-            raise ValueError(f"fetch_select {select!r}: misses are fetched most recently routed first "
-                             f"({FETCH_SELECT!r}), the only selection")
-        unknown = sorted(set(other) - set(IGNORED_POLICY_FIELDS))
+        tensor that ensure reads. strategy: hybrid (f as given), cpu (f = 0, no promotion), offload (f = 1)."""
+        unknown = sorted(other)
         if unknown:
             raise ValueError(f"unknown policy field(s) {', '.join(unknown)}")
         if strategy is not None and strategy not in STRATEGIES:
@@ -166,13 +159,13 @@ class HybridExperts(DeviceHandoff, HostHandoff, SlotPoolAudit):
             fraction, promote_now = 0.0, False
         elif p["strategy"] == "offload":
             fraction = 1.0
-        set_policy(self.cache, fetch_fraction=fraction, round_mode=p["fetch_round"], select=FETCH_SELECT,
+        set_policy(self.cache, fetch_fraction=fraction, round_mode=p["fetch_round"],
                    promote=promote_now, seed=int(p["seed"]))          # validates before writing
         # "split" rounds down so that the device path can split one more expert by channels; the host path
         # (prefill, eager: never captured), which cannot split, rounds it as min-wait (explicit values). On the
         # device path an expert too small to split (splittable) is left at floor.
         self._unsplit_policy = None if p["fetch_round"] != "split" else dict(
-            fetch_fraction=fraction, round_mode="min-wait", select=FETCH_SELECT, promote=promote_now,
+            fetch_fraction=fraction, round_mode="min-wait", promote=promote_now,
             seed=int(p["seed"]))
         if cpu_shares and self.pool is not None:
             self.pool.set_shares(cpu_shares)                          # the tuner's per-worker split

@@ -19,7 +19,7 @@ from kernels.pdl import pdl_args
 
 from .reference import decode_attention_reference
 
-
+DOT_MIN_GROUP = 4      # tl.dot for G >= this many query heads per kv head, a broadcast-sum below
 
 @dataclass(frozen=True)
 class DecodeAttentionBlocks:
@@ -31,16 +31,12 @@ class DecodeAttentionBlocks:
     at most max_splits, with chunks of at least min_chunk positions; a chunk is a multiple of
     block_n. qwen3-30b-a3b (Hkv=4) at T=1: bucket 2,048 -> 16 splits of 128 positions (64 programs),
     bucket 32,768 -> 64 splits of 512 (256 programs); at T=4, 16 splits.
-    use_dot: None = tl.dot for G >= dot_min_group query heads per kv head, broadcast-sum below.
     """
     block_n: int = 64
     min_chunk: int = 128
     target_programs: int = 256
     max_splits: int = 64
     num_warps: int = 4
-    num_stages: int | None = None        # None: Triton's default software pipelining
-    use_dot: bool | None = None
-    dot_min_group: int = 4
     merge_warps: int = 4
 
 
@@ -126,7 +122,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         q = q.contiguous()
     if k_cache.stride(3) != 1 or v_cache.stride(3) != 1:
         raise ValueError("k_cache and v_cache need a contiguous last (head-dim) axis")
-    use_dot = blocks.use_dot if blocks.use_dot is not None else G >= blocks.dot_min_group
+    use_dot = G >= DOT_MIN_GROUP
     block_d = max(16 if use_dot else 1, _next_pow2(D))
     gp = max(16, _next_pow2(G)) if use_dot else _next_pow2(G)
     block_n = blocks.block_n
@@ -138,7 +134,6 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     acc = torch.empty(T, Hq, num_splits, D, dtype=torch.float32, device=q.device)
     window = int(sliding_window) if sliding_window is not None else 0
     from .triton_kernels import decode_attn_merge_kernel, decode_attn_split_kernel
-    extra = {} if blocks.num_stages is None else {"num_stages": blocks.num_stages}
     pdl = pdl_args(q.device)
     decode_attn_split_kernel[(T, Hkv, num_splits)](
         q, k_cache, v_cache, rows, seq_lens, m, l, acc,
@@ -148,7 +143,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         float(scale), bucket, window, chunk,
         NUM_SPLITS=num_splits, G=G, GP=gp, HEAD_DIM=D, BLOCK_D=block_d, BLOCK_N=block_n,
         HAS_WINDOW=sliding_window is not None, USE_DOT=use_dot, IS_FP32=q.dtype == torch.float32,
-        num_warps=blocks.num_warps, **extra, **pdl)
+        num_warps=blocks.num_warps, **pdl)
     decode_attn_merge_kernel[(T, Hq)](
         m, l, acc, seq_lens, out, bucket, window, chunk,
         NUM_SPLITS=num_splits, SPLITS_P2=_next_pow2(num_splits), HEAD_DIM=D, BLOCK_D=_next_pow2(D),

@@ -20,7 +20,6 @@ from kernels.pdl import pdl_args
 from . import reference
 
 MAX_T = 16                  # largest decode batch linear_gemv takes; larger ones belong to F.linear
-SUM_BLOCK = 1024            # elements per program of the split-K sum
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -38,31 +37,26 @@ def _is_pow2(n: int) -> bool:
 @dataclass(frozen=True)
 class LinearBlocks:
     """Launch shape of `linear_gemv`. Results do not depend on these except through the order of fp32
-    summation inside a dot product (and, with split_k > 1, the grouping of K into splits).
+    summation inside a dot product.
     `pick_blocks` chooses per shape (measured on the H200: its docstring); the class defaults are
     its choice for qwen3-30b-a3b's qkv / o_proj.
 
-    Grid (cdiv(N, block_n), split_k): each program streams block_n weight rows of its K range in
-    block_k-column steps, every step a [block_n, block_k] tile in 16-byte vectors, multiplied with all
+    Grid (cdiv(N, block_n),): each program streams block_n weight rows in block_k-column steps, every step a [block_n, block_k] tile in 16-byte vectors, multiplied with all
     T rows of x. With block_k >= 256 * num_warps (bf16; 128 * num_warps for fp32) the warps lie along
     K: each thread holds block_n rows x block_k / (32 * num_warps) columns of the tile and only its
     own columns of x. With every program resident, the bytes in flight per loop step are about
-    N * block_k * split_k * 2 (bf16): block_k and split_k set the memory parallelism, block_n how
-    evenly the programs spread over the SMs.
+    N * block_k * 2 (bf16): block_k sets the memory parallelism, block_n how evenly the programs spread
+    over the SMs.
     Registers (ptxas for sm_90 through triton 3.9 on a CPU machine, bf16, aligned, no spills;
     `python -m kernels.dense_gemv.compile_check --resources`): 4x1024 / 4 warps: 40 (T=1), 63 (T=2),
     72 (T=4), 148 (T=16); 1x2048 / 4 warps: 32 (T=1), 40 (T=4); 4x2048 / 4 warps: 115 (T=4).
-
-    split_k > 1: fp32 partials [split_k, T, N] and a second launch that sums them in split order
-    (deterministic, no atomics); splits that would get no columns are dropped.
     """
     block_n: int = 1
     block_k: int = 2048
     num_warps: int = 4
-    split_k: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("block_n", "block_k", "num_warps", "split_k"):
+        for name in ("block_n", "block_k", "num_warps"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool):
                 raise ValueError(f"LinearBlocks.{name} must be an int, got {v!r}")
@@ -75,8 +69,6 @@ class LinearBlocks:
                              f"{self.block_n} x {self.block_k}")
         if self.num_warps not in (1, 2, 4, 8, 16):
             raise ValueError(f"LinearBlocks.num_warps must be 1, 2, 4, 8 or 16, got {self.num_warps}")
-        if not 1 <= self.split_k <= 64:
-            raise ValueError(f"LinearBlocks.split_k must be in [1, 64], got {self.split_k}")
 
 
 DEFAULT_LINEAR_BLOCKS = LinearBlocks()
@@ -85,24 +77,23 @@ DEFAULT_LINEAR_BLOCKS = LinearBlocks()
 def pick_blocks(N: int, K: int, dtype: torch.dtype = torch.bfloat16) -> LinearBlocks:
     """Blocks for an [N, K] weight (independent of T, so that a token's result does not depend on the
     batch it is in): one output row a program, block_k = min(next_pow2(K), 2048), the warps as many as
-    block_k fills with 16-byte vectors along K, at most 4. Measured on the H200 (seventh session,
-    `python bench/bench_moe_decode.py --tokens 1 --sweep`, docs/BENCHMARKS.md) at T = 1: qkv
+    block_k fills with 16-byte vectors along K, at most 4. Measured on the H200
+    (`python bench/bench_moe_decode.py --tokens 1 --sweep`, docs/BENCHMARKS.md) at T = 1: qkv
     [5120, 2048] 6.8 us, o_proj [2048, 4096] 6.0 us, router [128, 2048] 1.9 us (cuBLAS: 8.1, 9.3, 4.7),
     each within the run's noise of the best of ~20 variants."""
     vec = max(1, 16 // torch.empty((), dtype=dtype).element_size())     # elements per 16-byte load
     block_k = max(16, min(_next_pow2(K), 2048))
     num_warps = max(1, min(4, block_k // (32 * vec)))
-    return LinearBlocks(block_n=1, block_k=block_k, num_warps=num_warps, split_k=1)
+    return LinearBlocks(block_n=1, block_k=block_k, num_warps=num_warps)
 
 
 def preferred(T: int, N: int) -> bool:
-    """Whether linear_gemv beats cuBLAS for T tokens and N outputs, as measured on the H200 (seventh
-    session): at T = 1 for every qwen3-30b-a3b projection (1.2-2.7x); for a router-sized N (<= 512) up
+    """Whether linear_gemv beats cuBLAS for T tokens and N outputs, as measured on the H200: at T = 1 for every qwen3-30b-a3b projection (1.2-2.7x); for a router-sized N (<= 512) up
     to T = 4 (1.5-2.1x); not for qkv / o_proj at T = 2 and 4 (0.57-1.04x with 4 x 1024 blocks: each
     token's row sums cost shuffles of their own), where F.linear stays. N <= 512 stands for "a router-sized projection" (at
     qwen3-30b-a3b shapes only the router; in the tiny test models every projection).
 
-    Re-measured with pick_blocks' 1 x 2048 (seventh session's last call): qkv 0.90x / 0.61x at T = 2 / 4,
+    Re-measured with pick_blocks' 1 x 2048: qkv 0.90x / 0.61x at T = 2 / 4,
     o_proj 1.13x / 0.78x, router 2.09x / 1.49x; o_proj at T = 2 alone would gain, which this shape-blind
     rule leaves on cuBLAS. A consequence of the rule: a sequence's dense projections round differently when it
     decodes alone (T = 1: this kernel) and in a batch (cuBLAS); resident, offload and hybrid share the
@@ -120,10 +111,10 @@ def linear_gemv(x: torch.Tensor, w: torch.Tensor, *, impl: str = "auto",
     w: [N, K] in x.dtype on x's device, any row stride, contiguous last dimension.
     Numerics: products and sums in fp32, rounded to x.dtype once at the end (cuBLAS's bf16 GEMM with
     fp32 compute), i.e. reference.linear_gemv_reference up to the order of the fp32 summation.
-    Deterministic (no atomics; split_k > 1 sums fp32 partials in a fixed order). Row t of the result
+    Deterministic (no atomics). Row t of the result
     does not depend on the other rows of x, nor on T: for the same blocks (blocks=None picks them
     from N, K and the dtype only), row t of a T = 4 call is bitwise the row computed with T = 1.
-    One launch (two with split_k > 1).
+    One launch.
     blocks: LinearBlocks, or None for pick_blocks(N, K, x.dtype).
     With programmatic dependent launch (kernels/pdl.py) each program reads its first weight tile before
     it waits for the kernel queued before it: w must be a weight, not the output of a kernel that may
@@ -151,22 +142,15 @@ def linear_gemv(x: torch.Tensor, w: torch.Tensor, *, impl: str = "auto",
         raise TypeError(f"blocks must be a LinearBlocks or None, got {type(blocks).__name__}")
     if _resolve_impl(impl, x.device) == "reference":
         return reference.linear_gemv_reference(x, w)
-    from .triton_kernels import linear_gemv_kernel, linear_split_sum_kernel
+    from .triton_kernels import linear_gemv_kernel
     b = blocks or pick_blocks(N, K, x.dtype)
     y = torch.empty(T, N, dtype=x.dtype, device=x.device)
     if T == 0 or N == 0:
         return y
     if K == 0:
         return y.zero_()
-    k_chunk = _cdiv(_cdiv(K, b.split_k), b.block_k) * b.block_k       # columns per split, whole steps
-    splits = _cdiv(K, k_chunk)                                         # <= split_k, each with columns
-    out = y if splits == 1 else torch.empty(splits, T, N, dtype=torch.float32, device=x.device)
-    pdl = pdl_args(x.device)
-    linear_gemv_kernel[(_cdiv(N, b.block_n), splits)](
-        x, w, out, T, N, K, k_chunk, x.stride(0), w.stride(0),
-        BLOCK_N=b.block_n, BLOCK_K=b.block_k, T_PAD=_next_pow2(T), EVEN_K=splits * k_chunk == K,
-        num_warps=b.num_warps, **pdl)
-    if splits > 1:
-        linear_split_sum_kernel[(_cdiv(T * N, SUM_BLOCK),)](out, y, T * N, splits, BLOCK=SUM_BLOCK,
-                                                             num_warps=4, **pdl)
+    linear_gemv_kernel[(_cdiv(N, b.block_n),)](
+        x, w, y, T, N, K, x.stride(0), w.stride(0),
+        BLOCK_N=b.block_n, BLOCK_K=b.block_k, T_PAD=_next_pow2(T), EVEN_K=K % b.block_k == 0,
+        num_warps=b.num_warps, **pdl_args(x.device))
     return y

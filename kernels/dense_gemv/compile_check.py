@@ -21,9 +21,9 @@ def _cases() -> list[tuple[str, str, dict, dict, dict, list[str]]]:
     """(name, kernel attribute, signature, constexprs, options, 16-divisible args)."""
     def sig(dt: str, out: str) -> dict:
         return {"x_ptr": f"*{dt}", "w_ptr": f"*{dt}", "out_ptr": f"*{out}", "T": "i32", "N": "i32",
-                "K": "i32", "K_CHUNK": "i32", "stride_xt": "i32", "stride_wn": "i32",
+                "K": "i32", "stride_xt": "i32", "stride_wn": "i32",
                 "BLOCK_N": "constexpr", "BLOCK_K": "constexpr", "T_PAD": "constexpr", "EVEN_K": "constexpr"}
-    div = ["x_ptr", "w_ptr", "out_ptr", "N", "K", "K_CHUNK", "stride_xt", "stride_wn"]
+    div = ["x_ptr", "w_ptr", "out_ptr", "N", "K", "stride_xt", "stride_wn"]
     w4 = {"num_warps": 4}
 
     def gemv(name, dt, out, bn, bk, t_pad, even=True, opts=w4):
@@ -42,12 +42,8 @@ def _cases() -> list[tuple[str, str, dict, dict, dict, list[str]]]:
         gemv("4x2048 T=4", "bf16", "bf16", 4, 2048, 4),
         gemv("16x256 T=4 (warps along N)", "bf16", "bf16", 16, 256, 4),
         gemv("4x1024 T=3 ragged K", "bf16", "bf16", 4, 1024, 4, even=False),
-        gemv("split-K partials 4x1024 T=4", "bf16", "fp32", 4, 1024, 4),
         gemv("fp16 4x1024 T=4", "fp16", "fp16", 4, 1024, 4),
         gemv("fp32 4x1024 T=4", "fp32", "fp32", 4, 1024, 4),
-        ("split-K sum", "linear_split_sum_kernel",
-         {"part_ptr": "*fp32", "y_ptr": "*bf16", "M": "i32", "S": "i32", "BLOCK": "constexpr"},
-         dict(BLOCK=1024), w4, ["part_ptr", "y_ptr", "M"]),
     ]
 
 

@@ -5,7 +5,7 @@ Only plain features: tl.load / tl.store with masks, tl.sum, tl.where, tl.minimum
 elementwise product and a row sum per token, accumulated in fp32), no atomics.
 
 Legend: T tokens (rows of x), T_PAD the power of two >= T, N output features (rows of w), K input
-features, S = SPLIT_K programs along K per block of output rows.
+features.
 
 Layout: a program loads a [BLOCK_N, BLOCK_K] weight tile with 16-byte vectors along K (Triton's
 coalescing gives [1, 8] bf16 per thread, 32 lanes along K, then the warps along K as long as
@@ -27,17 +27,17 @@ from kernels.pdl import pdl_enter
 
 
 @triton.jit
-def _load_w_tile(w_rows, kk, k_begin, K, EVEN_K: tl.constexpr):
-    """The [BLOCK_N, BLOCK_K] weight tile at split columns kk, in fp32 (columns past K read 0)."""
+def _load_w_tile(w_rows, kk, K, EVEN_K: tl.constexpr):
+    """The [BLOCK_N, BLOCK_K] weight tile at columns kk, in fp32 (columns past K read 0)."""
     if EVEN_K:
         wv = tl.load(w_rows + kk).to(tl.float32)
     else:
-        wv = tl.load(w_rows + kk, mask=(k_begin + kk) < K, other=0.0).to(tl.float32)
+        wv = tl.load(w_rows + kk, mask=kk < K, other=0.0).to(tl.float32)
     return wv
 
 
 @triton.jit
-def _gemv_step(acc, wv, x_row0, kk, k_begin, K, T, stride_xt, toks,
+def _gemv_step(acc, wv, x_row0, kk, K, T, stride_xt, toks,
                T_PAD: tl.constexpr, EVEN_K: tl.constexpr):
     """acc[:, t] += the row sums of wv * x[t, kk] for every token t < T (fp32)."""
     for t in tl.static_range(T_PAD):
@@ -45,7 +45,7 @@ def _gemv_step(acc, wv, x_row0, kk, k_begin, K, T, stride_xt, toks,
             if EVEN_K:
                 xv = tl.load(x_row0 + t * stride_xt + kk).to(tl.float32)      # [1, BLOCK_K]
             else:
-                xv = tl.load(x_row0 + t * stride_xt + kk, mask=(k_begin + kk) < K, other=0.0).to(tl.float32)
+                xv = tl.load(x_row0 + t * stride_xt + kk, mask=kk < K, other=0.0).to(tl.float32)
             part = tl.sum(wv * xv, axis=1)                                    # [BLOCK_N]
             acc = tl.where(toks[None, :] == t, acc + part[:, None], acc)
     return acc
@@ -55,19 +55,17 @@ def _gemv_step(acc, wv, x_row0, kk, k_begin, K, T, stride_xt, toks,
 def linear_gemv_kernel(
     x_ptr,                # [T, K] x.dtype, row stride stride_xt, columns contiguous
     w_ptr,                # [N, K] x.dtype, row stride stride_wn, columns contiguous
-    out_ptr,              # [S, T, N] contiguous: y in x.dtype when S == 1, else fp32 partials
-    T, N, K,
-    K_CHUNK,              # columns per split: a multiple of BLOCK_K (K when S == 1, rounded up), > 0
+    out_ptr,              # [T, N] contiguous, x.dtype: y
+    T, N, K,              # K > 0
     stride_xt, stride_wn,
     BLOCK_N: tl.constexpr,    # output rows per program (a power of two)
     BLOCK_K: tl.constexpr,    # columns per loop step (a power of two)
     T_PAD: tl.constexpr,      # power of two >= T: the accumulator's width
-    EVEN_K: tl.constexpr,     # every loop step lies inside K: no column masks
+    EVEN_K: tl.constexpr,     # K % BLOCK_K == 0: no column masks
     USE_PDL: tl.constexpr = False,   # launched with PDL (kernels/pdl.py): the first weight tile is
                                      # loaded before the wait for the kernel before this one
 ):
-    """Grid (cdiv(N, BLOCK_N), S). Program (j, s): out[s, t, n] for every token t < T and
-    n in [j*BLOCK_N, (j+1)*BLOCK_N), over the columns [s*K_CHUNK, (s+1)*K_CHUNK) of K.
+    """Grid (cdiv(N, BLOCK_N),). Program j: out[t, n] for every token t < T and n in [j*BLOCK_N, (j+1)*BLOCK_N).
 
     Each weight tile is loaded once and multiplied with the x row of every token (x.dtype -> fp32,
     products and sums in fp32); tl.sum reduces a token's [BLOCK_N, BLOCK_K] products over K into
@@ -82,39 +80,18 @@ def linear_gemv_kernel(
     PDL on and off still agree: it is the same code).
     """
     j = tl.program_id(0)
-    s = tl.program_id(1)
     rows = j * BLOCK_N + tl.arange(0, BLOCK_N)                               # [BLOCK_N]
     toks = tl.arange(0, T_PAD)                                               # [T_PAD]
     cols = tl.arange(0, BLOCK_K)                                             # [BLOCK_K]
-    k_begin = s * K_CHUNK
-    w_rows = w_ptr + tl.minimum(rows, N - 1).to(tl.int64)[:, None] * stride_wn + k_begin   # [BLOCK_N, 1]
-    x_row0 = x_ptr + k_begin
-    w_first = _load_w_tile(w_rows, cols[None, :], k_begin, K, EVEN_K)
+    w_rows = w_ptr + tl.minimum(rows, N - 1).to(tl.int64)[:, None] * stride_wn       # [BLOCK_N, 1]
+    w_first = _load_w_tile(w_rows, cols[None, :], K, EVEN_K)
     pdl_enter(USE_PDL)
     acc = tl.zeros([BLOCK_N, T_PAD], dtype=tl.float32)
-    acc = _gemv_step(acc, w_first, x_row0, cols[None, :], k_begin, K, T, stride_xt, toks, T_PAD, EVEN_K)
-    for k0 in range(BLOCK_K, K_CHUNK, BLOCK_K):
-        kk = k0 + cols[None, :]                                              # [1, BLOCK_K] in the split
-        wv = _load_w_tile(w_rows, kk, k_begin, K, EVEN_K)                    # [BLOCK_N, BLOCK_K]
-        acc = _gemv_step(acc, wv, x_row0, kk, k_begin, K, T, stride_xt, toks, T_PAD, EVEN_K)
-    out = out_ptr + (s * T).to(tl.int64) * N + toks[None, :] * N + rows[:, None]   # [BLOCK_N, T_PAD]
+    acc = _gemv_step(acc, w_first, x_ptr, cols[None, :], K, T, stride_xt, toks, T_PAD, EVEN_K)
+    for k0 in range(BLOCK_K, K, BLOCK_K):
+        kk = k0 + cols[None, :]                                              # [1, BLOCK_K]
+        wv = _load_w_tile(w_rows, kk, K, EVEN_K)                             # [BLOCK_N, BLOCK_K]
+        acc = _gemv_step(acc, wv, x_ptr, kk, K, T, stride_xt, toks, T_PAD, EVEN_K)
+    out = out_ptr + toks[None, :] * N + rows[:, None]                        # [BLOCK_N, T_PAD]
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=(toks[None, :] < T) & (rows[:, None] < N))
 
-
-@triton.jit
-def linear_split_sum_kernel(
-    part_ptr,             # [S, M] fp32 partials (M = T * N)
-    y_ptr,                # [M] x.dtype out
-    M, S,                 # M = T * N < 2**31 (T <= 16)
-    BLOCK: tl.constexpr,
-    USE_PDL: tl.constexpr = False,   # launched with PDL (kernels/pdl.py)
-):
-    """Grid (cdiv(M, BLOCK)). y[i] = x.dtype(((part[0, i] + part[1, i]) + part[2, i]) + ...): fp32,
-    in split order, one rounding."""
-    pdl_enter(USE_PDL)
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    m = offs < M
-    acc = tl.load(part_ptr + offs, mask=m, other=0.0)
-    for s in range(1, S):
-        acc += tl.load(part_ptr + s * M + offs, mask=m, other=0.0)
-    tl.store(y_ptr + offs, acc.to(y_ptr.dtype.element_ty), mask=m)

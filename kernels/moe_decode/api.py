@@ -21,35 +21,32 @@ from . import reference
 
 
 
+GEMV_WARPS = 4     # warps of each of moe_gemv's launches
+
+
 @dataclass(frozen=True)
 class GemvBlocks:
-    """Launch shape of `moe_gemv`'s kernels. Results do not depend on these except through the order
-    of fp32 summation inside a dot product. Defaults picked on the H200 (seventh session,
-    `python bench/bench_moe_decode.py --tokens 1 --active 8,2 --sweep`, docs/BENCHMARKS.md): gate/up
-    4 x 512 / 4 warps / 2-D took a call from 34.7 to 28.1 us with all 8 routes on the GPU and from 28.5
-    to 15.6 us with 2 (an offload layer's launch after its copy); the down variants were within noise.
+    """Block sizes of `moe_gemv`'s kernels. Results do not depend on these except through the order
+    of fp32 summation inside a dot product; the tests take small ones, so that tiny shapes still run
+    several blocks and ragged edges. Defaults picked on the H200
+    (`python bench/bench_moe_decode.py --tokens 1 --active 8,2 --sweep`, docs/BENCHMARKS.md): gate/up
+    4 x 512 with its 2-D accumulator took a call from 34.7 to 28.1 us with all 8 routes on the GPU and
+    from 28.5 to 15.6 us with 2 (an offload layer's launch after its copy); the down variants were within
+    noise, so down keeps the per-step reduction (fewer registers).
 
     gate/up kernel, grid (P, I / gate_up_block_n): each program streams 2 * gate_up_block_n rows of
     H weights (qwen3-30b-a3b: 32 rows * 2048 * 2 B = 128 KiB) in gate_up_block_k-column steps.
     down kernel, grid (P, H / down_block_n): down_block_n rows of I weights each.
-    *_acc_2d: keep [block_n, block_k] fp32 partial products and reduce once at the end (no shuffles
-    in the loop, ~2x the registers), or reduce every step (fewer registers, more programs per SM).
-    Registers (ptxas for sm_90 through triton 3.9 on a CPU machine, bf16, aligned): gate/up 4x512 /
-    4 warps 2-D (the default): 72; 16x256 / 4 warps: 80 per-step, 128 2-D; down 16x256 / 4 warps: 48
-    per-step, 72 2-D; no spills. With every program resident, the bytes in flight per loop step are
-    P * rows * block_k * 2 (T=1: ~6 MB for gate/up), whatever block_n is; block_n sets how evenly the
-    programs spread over the SMs.
+    Registers (ptxas for sm_90 through triton 3.9 on a CPU machine, bf16, aligned, 4 warps): gate/up
+    4x512: 72; down 16x256: 48; no spills. With every program resident, the bytes in flight per loop
+    step are P * rows * block_k * 2 (T=1: ~6 MB for gate/up), whatever block_n is; block_n sets how
+    evenly the programs spread over the SMs.
     """
     gate_up_block_n: int = 4
     gate_up_block_k: int = 512
-    gate_up_warps: int = 4
-    gate_up_acc_2d: bool = True
     down_block_n: int = 16
     down_block_k: int = 256
-    down_warps: int = 4
-    down_acc_2d: bool = False
     sum_block: int = 1024
-    sum_warps: int = 4
 
 
 DEFAULT_GEMV_BLOCKS = GemvBlocks()
@@ -234,18 +231,16 @@ def moe_gemv(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: tor
             x, ids_flat, w13, act, *plan_args, K, H, inter, x.stride(0), w13.stride(0), w13.stride(1),
             BLOCK_N=b.gate_up_block_n, BLOCK_K=b.gate_up_block_k,
             EVEN_N=inter % b.gate_up_block_n == 0, EVEN_K=H % b.gate_up_block_k == 0,
-            ACC_2D=bool(b.gate_up_acc_2d), ACCURATE=accurate, PLAN=part, PLAN_MAX=plan_max,
-            num_warps=b.gate_up_warps, **pdl)
+            ACCURATE=accurate, PLAN=part, PLAN_MAX=plan_max, num_warps=GEMV_WARPS, **pdl)
         if part == 2 and between_down is not None:
             between_down()              # the plan's w2 rows are read only after this
         moe_down_kernel[(P, _cdiv(H, b.down_block_n))](
             act, ids_flat, rw_flat, w2, y, *plan_args, H, inter, w2.stride(0), w2.stride(1),
             BLOCK_N=b.down_block_n, BLOCK_K=b.down_block_k,
             EVEN_N=H % b.down_block_n == 0, EVEN_K=inter % b.down_block_k == 0,
-            ACC_2D=bool(b.down_acc_2d), PLAN=part, PLAN_MAX=plan_max, num_warps=b.down_warps, **pdl)
+            PLAN=part, PLAN_MAX=plan_max, num_warps=GEMV_WARPS, **pdl)
     out = torch.empty(T, H, dtype=x.dtype, device=x.device)           # [T, H]
-    moe_sum_k_kernel[(T, _cdiv(H, b.sum_block))](y, out, K, H, BLOCK=b.sum_block,
-                                                        num_warps=b.sum_warps, **pdl)
+    moe_sum_k_kernel[(T, _cdiv(H, b.sum_block))](y, out, K, H, BLOCK=b.sum_block, num_warps=GEMV_WARPS, **pdl)
     return out
 
 

@@ -92,9 +92,6 @@ def moe_gate_up_kernel(
     BLOCK_K: tl.constexpr,    # hidden columns per loop step
     EVEN_N: tl.constexpr,     # I % BLOCK_N == 0: no row masks
     EVEN_K: tl.constexpr,     # H % BLOCK_K == 0: no column masks
-    ACC_2D: tl.constexpr,     # accumulate [BLOCK_N, BLOCK_K] partial products and reduce once at the
-                              # end (no shuffles in the loop), or reduce every step into [BLOCK_N]
-                              # (fewer registers: more programs per SM)
     ACCURATE: tl.constexpr,
     PLAN: tl.constexpr,       # 0: every route; 1: routes not in the plan; 2: routes in it (_route_active)
     PLAN_MAX: tl.constexpr,   # power of two >= the plan's largest length
@@ -104,7 +101,9 @@ def moe_gate_up_kernel(
 
     gate = w13[id, n] . x[t], up = w13[id, I + n] . x[t] in fp32, each rounded to x.dtype (the bmm
     output of gathered_expert_ffn); silu(gate) rounded; silu(gate) * up rounded. A pair with id < 0
-    reads nothing and writes nothing (the down kernel never reads its act row).
+    reads nothing and writes nothing (the down kernel never reads its act row). The products are
+    accumulated in [BLOCK_N, BLOCK_K] fp32 and reduced once at the end (no shuffles in the loop;
+    measured faster than a reduction every step, GemvBlocks).
     """
     pdl_enter(USE_PDL)
     p = tl.program_id(0)
@@ -119,12 +118,8 @@ def moe_gate_up_kernel(
         w_gate = w13_ptr + e * stride_we                               # expert's row 0
         w_up = w_gate + I * stride_wn                                  # expert's row I
         offs = rows[:, None] * stride_wn + cols[None, :]               # [BLOCK_N, BLOCK_K]
-        if ACC_2D:
-            acc_g = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-            acc_u = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-        else:
-            acc_g = tl.zeros([BLOCK_N], dtype=tl.float32)
-            acc_u = tl.zeros([BLOCK_N], dtype=tl.float32)
+        acc_g = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        acc_u = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
         for k0 in range(0, H, BLOCK_K):
             if EVEN_K:
                 xv = tl.load(x_row + k0 + cols).to(tl.float32)
@@ -141,20 +136,10 @@ def moe_gate_up_kernel(
                 m2 = (rows[:, None] < I) & cmask[None, :]
                 wg = tl.load(w_gate + k0 + offs, mask=m2, other=0.0)
                 wu = tl.load(w_up + k0 + offs, mask=m2, other=0.0)
-            if ACC_2D:
-                acc_g += wg.to(tl.float32) * xv[None, :]
-                acc_u += wu.to(tl.float32) * xv[None, :]
-            else:
-                acc_g += tl.sum(wg.to(tl.float32) * xv[None, :], axis=1)
-                acc_u += tl.sum(wu.to(tl.float32) * xv[None, :], axis=1)
-        if ACC_2D:
-            gate = tl.sum(acc_g, axis=1)
-            up = tl.sum(acc_u, axis=1)
-        else:
-            gate = acc_g
-            up = acc_u
-        gate = gate.to(DT).to(tl.float32)                              # [BLOCK_N] the bmm output
-        up = up.to(DT).to(tl.float32)
+            acc_g += wg.to(tl.float32) * xv[None, :]
+            acc_u += wu.to(tl.float32) * xv[None, :]
+        gate = tl.sum(acc_g, axis=1).to(DT).to(tl.float32)            # [BLOCK_N] the bmm output
+        up = tl.sum(acc_u, axis=1).to(DT).to(tl.float32)
         silu = _div(gate, 1.0 + _exp(-gate, ACCURATE), ACCURATE).to(DT).to(tl.float32)
         act = (silu * up).to(DT)
         if EVEN_N:
@@ -178,13 +163,13 @@ def moe_down_kernel(
     BLOCK_K: tl.constexpr,    # intermediate columns per loop step
     EVEN_N: tl.constexpr,     # H % BLOCK_N == 0
     EVEN_K: tl.constexpr,     # I % BLOCK_K == 0
-    ACC_2D: tl.constexpr,     # as in moe_gate_up_kernel
     PLAN: tl.constexpr,       # as in moe_gate_up_kernel: a route this launch does not own is not written
     PLAN_MAX: tl.constexpr,
     USE_PDL: tl.constexpr = False,   # launched with PDL: wait for the kernel before first (kernels/pdl.py)
 ):
     """Grid (P, cdiv(H, BLOCK_N)). y[p, n] = float(x.dtype(w2[id, n] . act[p])) * w[p] (fp32);
-    exactly 0.0 for a pair with id < 0, which reads neither weights nor its act row."""
+    exactly 0.0 for a pair with id < 0, which reads neither weights nor its act row. Each step's
+    products are reduced into [BLOCK_N] fp32 (fewer registers than a 2-D accumulator, as fast)."""
     pdl_enter(USE_PDL)
     p = tl.program_id(0)
     j = tl.program_id(1)
@@ -198,10 +183,7 @@ def moe_down_kernel(
             a_row = act_ptr + p.to(tl.int64) * I
             w_base = w2_ptr + e * stride_we
             offs = rows[:, None] * stride_wn + cols[None, :]               # [BLOCK_N, BLOCK_K]
-            if ACC_2D:
-                acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-            else:
-                acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+            acc = tl.zeros([BLOCK_N], dtype=tl.float32)
             for k0 in range(0, I, BLOCK_K):
                 if EVEN_K:
                     av = tl.load(a_row + k0 + cols).to(tl.float32)
@@ -213,16 +195,9 @@ def moe_down_kernel(
                     cmask = (k0 + cols) < I
                     av = tl.load(a_row + k0 + cols, mask=cmask, other=0.0).to(tl.float32)
                     w = tl.load(w_base + k0 + offs, mask=(rows[:, None] < H) & cmask[None, :], other=0.0)
-                if ACC_2D:
-                    acc += w.to(tl.float32) * av[None, :]
-                else:
-                    acc += tl.sum(w.to(tl.float32) * av[None, :], axis=1)
-            if ACC_2D:
-                down = tl.sum(acc, axis=1)
-            else:
-                down = acc
+                acc += tl.sum(w.to(tl.float32) * av[None, :], axis=1)
             rw = tl.load(rw_ptr + p).to(tl.float32)
-            y = down.to(DT).to(tl.float32) * rw                            # [BLOCK_N]
+            y = acc.to(DT).to(tl.float32) * rw                            # [BLOCK_N]
         else:
             y = tl.zeros([BLOCK_N], dtype=tl.float32)
         if EVEN_N:

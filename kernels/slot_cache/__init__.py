@@ -1,10 +1,10 @@
 """The expert slot cache: which routed experts are on the GPU, which are fetched, which go to the CPU.
 
-Contract: docs/slot_cache.md.
+Contract: docs/slot_cache.md. Misses are fetched most recently routed first (ties: the lowest id).
 """
 from .api import ensure, prefetch_ensure, raise_on_error, set_policy
 from .audit import audit
-from .state import ROUND_MODES, SELECT_MODES, SlotCache, reset
+from .state import ROUND_MODES, SlotCache, reset
 
 __all__ = ["SlotCache", "audit", "ensure", "prefetch_ensure", "reset", "set_policy", "raise_on_error",
-           "ROUND_MODES", "SELECT_MODES"]
+           "ROUND_MODES"]

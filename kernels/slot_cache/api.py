@@ -12,16 +12,15 @@ from kernels.impl import IMPLS, resolve_impl as _resolve_impl  # noqa: F401 (IMP
 from . import reference
 from .fetch_rule import fraction_to_q16
 from .state import (ERR_EXPERT_ID, MIN_PART, SMALL_ROUTES_MAX, POLICY_FRAC_Q16, POLICY_LEN, POLICY_MAX_FETCH,
-                    POLICY_PROMOTE, POLICY_ROUND, POLICY_SEED, POLICY_SELECT, ROUND_MODES,
-                    SELECT_MODES, SlotCache)
+                    POLICY_PROMOTE, POLICY_ROUND, POLICY_SEED, ROUND_MODES, SlotCache)
 
 DEFAULT_SLOT_TILE = 2048      # general kernel: slots per tile of its pool scan
 # Decode kernel: one program for pools up to SINGLE_PROGRAM_SLOTS, else DEFAULT_PART slots per
 # program (the fastest settings measured on the H200, docs/slot_cache.md).
 SINGLE_PROGRAM_SLOTS = 2048
 DEFAULT_PART = 1024
-DEFAULT_SMALL_WARPS = 4
-DEFAULT_GENERAL_WARPS = 4
+SMALL_WARPS = 4
+GENERAL_WARPS = 4
 MAX_ROUTE_TILE = 1024
 MAX_PREFETCH_CANDIDATES = 128
 
@@ -30,16 +29,16 @@ def _next_pow2(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
 
 
-def small_defaults(num_slots: int) -> tuple[int, int]:
-    """(slots per program, warps) of the decode kernel for a pool of `num_slots`."""
+def small_part(num_slots: int) -> int:
+    """Slots per program of the decode kernel for a pool of `num_slots`."""
     if num_slots <= SINGLE_PROGRAM_SLOTS:
-        return max(MIN_PART, _next_pow2(num_slots)), DEFAULT_SMALL_WARPS
-    return DEFAULT_PART, DEFAULT_SMALL_WARPS
+        return max(MIN_PART, _next_pow2(num_slots))
+    return DEFAULT_PART
 
 
 def small_launch(num_routes: int, num_slots: int, victim_list: int, slot_tile: int | None = None) -> dict:
     """Grid size and block constexprs of the decode kernel (ensure_small_kernel) for one call."""
-    part = max(MIN_PART, _next_pow2(slot_tile or small_defaults(num_slots)[0]))
+    part = max(MIN_PART, _next_pow2(slot_tile or small_part(num_slots)))
     programs = -(-num_slots // part)
     route_block = max(16, _next_pow2(num_routes))
     cand = _next_pow2(route_block + victim_list)
@@ -77,55 +76,52 @@ def _check_layer(cache: SlotCache, layer: int) -> None:
         raise ValueError(f"layer must be an int in [0, {cache.num_layers}), got {layer!r}")
 
 
-def _policy_codes(max_fetch, fetch_fraction, round_mode, select, promote, seed):
+def _policy_codes(max_fetch, fetch_fraction, round_mode, promote, seed):
     if round_mode not in ROUND_MODES:
         raise ValueError(f"round_mode must be one of {', '.join(ROUND_MODES)}, got {round_mode!r}")
-    if select not in SELECT_MODES:
-        raise ValueError(f"select must be one of {', '.join(SELECT_MODES)}, got {select!r}")
     if max_fetch is not None and (not isinstance(max_fetch, int) or max_fetch < 0):
         raise ValueError(f"max_fetch must be None or an int >= 0, got {max_fetch!r}")
     return (-1 if max_fetch is None else max_fetch, fraction_to_q16(float(fetch_fraction)),
-            ROUND_MODES[round_mode], SELECT_MODES[select], int(bool(promote)), int(seed))
+            ROUND_MODES[round_mode], int(bool(promote)), int(seed))
 
 
 def set_policy(cache: SlotCache, *, max_fetch: int | None = None, fetch_fraction: float = 0.0,
-               round_mode: str = "min-wait", select: str = "recency", promote: bool = True,
-               seed: int = 0) -> None:
+               round_mode: str = "min-wait", promote: bool = True, seed: int = 0) -> None:
     """Write the fetch policy into the cache's device tensor, read by `ensure(use_device_policy=True)`.
 
     Captured CUDA graphs pick the new values up on their next replay without re-capture.
     """
-    codes = _policy_codes(max_fetch, fetch_fraction, round_mode, select, promote, seed)
+    codes = _policy_codes(max_fetch, fetch_fraction, round_mode, promote, seed)
     values = [0] * POLICY_LEN
-    for index, value in zip((POLICY_MAX_FETCH, POLICY_FRAC_Q16, POLICY_ROUND, POLICY_SELECT,
-                             POLICY_PROMOTE, POLICY_SEED), codes):
+    for index, value in zip((POLICY_MAX_FETCH, POLICY_FRAC_Q16, POLICY_ROUND, POLICY_PROMOTE, POLICY_SEED), codes):
         values[index] = value
     cache.policy.copy_(torch.tensor(values, dtype=torch.int64))
 
 
 def ensure(cache: SlotCache, layer: int, expert_ids: torch.Tensor, *,
            max_fetch: int | None = None, fetch_fraction: float = 0.0, round_mode: str = "min-wait",
-           select: str = "recency", promote: bool = True, seed: int = 0, impl: str = "auto",
+           promote: bool = True, seed: int = 0, impl: str = "auto",
            use_device_policy: bool = False, check_ids: bool | None = None,
-           slot_tile: int | None = None, num_warps: int | None = None, path: str = "auto") -> None:
+           slot_tile: int | None = None, path: str = "auto") -> None:
     """Make the routed experts of `layer` resident where the policy says so; rewrite routes in place.
 
     expert_ids: [...] int32|int64 (-1 = padding). Afterwards each entry is the slot holding that
     expert, or -1 when the miss is left to the CPU. The copy plan (cache.evict_slots,
     cache.src_indices, cache.num_indices) lists the host -> slot copies to make.
     `max_fetch` given: fetch min(M, max_fetch) misses; else the fraction rule with `round_mode`.
+    The misses fetched are the most recently routed ones (ties: the lowest id).
     `use_device_policy`: take every policy value from `cache.policy` (see `set_policy`).
     `check_ids`: verify id ranges on the host (a device sync); default: unless capturing a graph.
     Out-of-range ids that reach the kernel unchecked are ignored and flag `cache.error`.
     `path` (Triton only): "small" (decode-sized calls, <= SMALL_ROUTES_MAX routes, pool scan
     spread over several programs), "general" (any size, one program), "auto" picks by size.
-    `slot_tile` is the small path's slots per program, or the general path's scan tile;
-    `num_warps` is a tuning knob too; neither changes the result; None takes the defaults
-    measured fastest (docs/slot_cache.md).
+    `slot_tile` is the small path's slots per program, or the general path's scan tile; it does
+    not change the result (the tests use small tiles to reach several programs / tiles on small
+    pools); None takes the defaults measured fastest (docs/slot_cache.md).
     """
     _check_layer(cache, layer)
     _check_ids(cache, "expert_ids", expert_ids, check_ids)
-    codes = _policy_codes(max_fetch, fetch_fraction, round_mode, select, promote, seed)
+    codes = _policy_codes(max_fetch, fetch_fraction, round_mode, promote, seed)
     if not use_device_policy and codes[0] < 0 and codes[1] >= 1 << 16:
         need = min(cache.num_experts, expert_ids.numel())
         if cache.num_slots < need:
@@ -137,10 +133,9 @@ def ensure(cache: SlotCache, layer: int, expert_ids: torch.Tensor, *,
     if impl == "reference":
         if use_device_policy:
             codes = tuple(int(v) for v in cache.policy.tolist())
-        max_fetch_c, frac_q16, round_c, select_c, promote_c, seed_c = codes
-        reference.ensure_reference(cache, layer, expert_ids, max_fetch=max_fetch_c,
-                                   frac_q16=frac_q16, round_mode=round_c, select=select_c,
-                                   promote=bool(promote_c), seed=seed_c)
+        max_fetch_c, frac_q16, round_c, promote_c, seed_c = codes
+        reference.ensure_reference(cache, layer, expert_ids, max_fetch=max_fetch_c, frac_q16=frac_q16,
+                                   round_mode=round_c, promote=bool(promote_c), seed=seed_c)
         return
     num_routes = expert_ids.numel()
     if path not in ("auto", "small", "general"):
@@ -148,7 +143,7 @@ def ensure(cache: SlotCache, layer: int, expert_ids: torch.Tensor, *,
     if path == "small" and num_routes > SMALL_ROUTES_MAX:
         raise ValueError(f"path='small' takes at most {SMALL_ROUTES_MAX} routes, got {num_routes}")
     if path != "general" and num_routes <= SMALL_ROUTES_MAX:
-        from .triton_kernels import ensure_small_kernel
+        from .triton_decode import ensure_small_kernel
         # The victim list relies on keys that only grow between its builds. With the frequency-weighted key a
         # slot's new key after a hit or an install (step + 1 + W * its expert's routes) can fall below older slots'
         # keys (W * more routes), so the decode kernel runs without the list then: every fetch scans.
@@ -164,7 +159,7 @@ def ensure(cache: SlotCache, layer: int, expert_ids: torch.Tensor, *,
             layer, cache.pool_base(layer), cache.num_slots, *codes,
             NUM_EXPERTS=cache.num_experts, E_BLOCK=max(16, _next_pow2(cache.num_experts)),
             USE_POLICY=use_device_policy, USE_FREQ=cache.freq_weight > 0,
-            num_warps=num_warps or DEFAULT_SMALL_WARPS, **shape)
+            num_warps=SMALL_WARPS, **shape)
         return
     from .triton_kernels import ensure_kernel
     tile = slot_tile or min(_next_pow2(cache.num_slots), DEFAULT_SLOT_TILE)
@@ -176,13 +171,13 @@ def ensure(cache: SlotCache, layer: int, expert_ids: torch.Tensor, *,
         NUM_EXPERTS=cache.num_experts, E_BLOCK=max(16, _next_pow2(cache.num_experts)),
         ROUTE_TILE=min(max(16, _next_pow2(num_routes)), MAX_ROUTE_TILE),
         SLOT_TILE=max(16, _next_pow2(tile)), USE_POLICY=use_device_policy, USE_FREQ=cache.freq_weight > 0,
-        num_warps=num_warps or DEFAULT_GENERAL_WARPS)
+        num_warps=GENERAL_WARPS)
 
 
 
 def prefetch_ensure(cache: SlotCache, layer: int, candidates: torch.Tensor, budget: int, *,
                     impl: str = "auto", check_ids: bool | None = None,
-                    slot_tile: int | None = None, num_warps: int = 4) -> None:
+                    slot_tile: int | None = None) -> None:
     """Install the first `budget` non-resident `candidates` of `layer` as low-priority slots.
 
     candidates: [C] int32|int64 expert ids in priority order (-1 = none; duplicates count once).
@@ -209,7 +204,7 @@ def prefetch_ensure(cache: SlotCache, layer: int, candidates: torch.Tensor, budg
         cache.prefetch_num_indices, cache.victim_keys[pool], cache.expert_count, cache.freq_weight, layer,
         cache.pool_base(layer), cache.num_slots, NUM_EXPERTS=cache.num_experts,
         C_BLOCK=max(16, _next_pow2(candidates.numel())), SLOT_TILE=max(16, _next_pow2(tile)),
-        V_BLOCK=cache.victim_keys.shape[1], USE_FREQ=cache.freq_weight > 0, num_warps=num_warps)
+        V_BLOCK=cache.victim_keys.shape[1], USE_FREQ=cache.freq_weight > 0, num_warps=GENERAL_WARPS)
 
 
 def raise_on_error(cache: SlotCache) -> None:

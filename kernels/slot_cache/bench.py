@@ -19,17 +19,13 @@ CALLS_PER_REPLAY = 64
 TOP_K = 10
 # (slots, layers, experts): the expert count exceeds the pool so that the pool can be full
 POOLS = [(64, 48, 128), (2048, 48, 128), (18432, 61, 512), (23197, 61, 512)]
-# decode-kernel settings swept with --sweep: (slots per program or None = the default, warps,
-# victim-list length)
+# decode-kernel settings swept with --sweep: (slots per program or None = the default, victim-list length)
 SWEEP = {
-    64: [(None, w, v) for w in (1, 2, 4) for v in (0, 16, 32)],
-    2048: [(None, w, v) for w in (2, 4, 8) for v in (0, 16, 32, 64)]
-          + [(part, 4, 32) for part in (256, 512)],
-    18432: [(part, w, v) for part in (256, 512, 1024) for w in (2, 4) for v in (0, 32)],
-    23197: [(part, w, v) for part in (256, 512, 1024) for w in (2, 4) for v in (0, 32)],
+    64: [(None, v) for v in (0, 16, 32)],
+    2048: [(None, v) for v in (0, 16, 32, 64)] + [(part, 32) for part in (256, 512)],
+    18432: [(part, v) for part in (256, 512, 1024) for v in (0, 32)],
+    23197: [(part, v) for part in (256, 512, 1024) for v in (0, 32)],
 }
-# (scan tile, warps) of the general kernel (prefill-sized calls): compiled for its resource report
-GENERAL_VARIANTS = [(1024, 4), (2048, 4), (2048, 8), (4096, 8), (8192, 16)]
 
 
 def _fill(cache: SlotCache) -> None:
@@ -58,8 +54,8 @@ def _time_graph(graph: torch.cuda.CUDAGraph, reps: int) -> float:
     return statistics.median(s.elapsed_time(e) * 1e3 for s, e in zip(start, end))  # us
 
 
-def bench_case(num_slots, layers, experts, miss: bool, tile: int | None, warps: int | None,
-               reps: int, victim_list: int = DEFAULT_VICTIM_LIST):
+def bench_case(num_slots, layers, experts, miss: bool, tile: int | None, reps: int,
+               victim_list: int = DEFAULT_VICTIM_LIST):
     cache = SlotCache.create(layers, experts, num_slots, device="cuda", victim_list=victim_list)
     _fill(cache)
     snapshot = cache.clone()
@@ -68,8 +64,7 @@ def bench_case(num_slots, layers, experts, miss: bool, tile: int | None, warps: 
     if miss:   # replace the last route of call i with a non-resident expert of layer 0
         routes[:, -1] = TOP_K + torch.arange(CALLS_PER_REPLAY, device="cuda")
     pristine = routes.clone()
-    kwargs = dict(fetch_fraction=1.0, impl="triton", check_ids=False, slot_tile=tile,
-                  num_warps=warps, path="small")
+    kwargs = dict(fetch_fraction=1.0, impl="triton", check_ids=False, slot_tile=tile, path="small")
     ensure(cache, 0, routes[0].clone(), **kwargs)          # compile outside the capture
     cache.copy_from(snapshot)
     stream = torch.cuda.Stream()
@@ -91,74 +86,54 @@ def bench_case(num_slots, layers, experts, miss: bool, tile: int | None, warps: 
     return (t_full - t_restore) / CALLS_PER_REPLAY
 
 
-def resource_report(kernel_name: str, tile: int, warps: int, victim_list: int = DEFAULT_VICTIM_LIST,
-                    num_slots: int = 23197) -> tuple[int, int]:
-    """(registers, spills) of a compiled ensure kernel (default: the large-pool configuration)."""
-    from . import triton_kernels
-    from .api import small_launch
+def resource_report(tile: int, victim_list: int, num_slots: int) -> tuple[int, int]:
+    """(registers, spills) of the compiled decode kernel."""
+    from . import triton_decode
+    from .api import SMALL_WARPS, small_launch
     cache = SlotCache.create(61, 512, num_slots, device="cuda", victim_list=victim_list)
     ids = torch.arange(TOP_K, device="cuda")
     common = (ids, ids.numel(), cache.slot_for_id, cache.id_of_slot, cache.usage, cache.step,
               cache.expert_recency, cache.mark, cache.evict_slots, cache.src_indices,
               cache.num_indices, cache.num_missing_full, cache.error, cache.policy)
-    policy = (0, 0, cache.num_slots, -1, 1 << 16, 0, 0, 1, 0)
-    if kernel_name == "small":
-        shape = small_launch(TOP_K, cache.num_slots, victim_list, tile)
-        programs = shape.pop("programs")
-        compiled = triton_kernels.ensure_small_kernel[(programs,)](
-            *common, cache.part_keys, cache.arrive, cache.victim_keys[0], cache.victim_owner[0],
-            cache.expert_count, 0, 0, cache.expert_count.numel(), *policy, NUM_EXPERTS=512, E_BLOCK=512,
-            USE_POLICY=False, USE_FREQ=False, num_warps=warps, **shape)
-    else:
-        compiled = triton_kernels.ensure_kernel[(1,)](
-            *common, cache.expert_count, 0, 0, cache.expert_count.numel(), *policy, NUM_EXPERTS=512, E_BLOCK=512,
-            ROUTE_TILE=1024,
-            SLOT_TILE=tile, USE_POLICY=False, USE_FREQ=False, num_warps=warps)
+    policy = (0, 0, cache.num_slots, -1, 1 << 16, 0, 1, 0)   # layer .. seed
+    shape = small_launch(TOP_K, cache.num_slots, victim_list, tile)
+    programs = shape.pop("programs")
+    compiled = triton_decode.ensure_small_kernel[(programs,)](
+        *common, cache.part_keys, cache.arrive, cache.victim_keys[0], cache.victim_owner[0],
+        cache.expert_count, 0, 0, cache.expert_count.numel(), *policy, NUM_EXPERTS=512, E_BLOCK=512,
+        USE_POLICY=False, USE_FREQ=False, num_warps=SMALL_WARPS, **shape)
     return int(getattr(compiled, "n_regs", -1)), int(getattr(compiled, "n_spills", -1))
 
 
 def main(argv: list[str] | None = None) -> int:
-    from .api import SINGLE_PROGRAM_SLOTS, small_defaults
+    from .api import SINGLE_PROGRAM_SLOTS, small_part
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sweep", action="store_true",
                         help="time every decode-kernel setting in SWEEP, not only the defaults")
     parser.add_argument("--reps", type=int, default=200)
     parser.add_argument("--slots", default=None, help="comma-separated pool sizes of POOLS to time (default: all)")
-    parser.add_argument("--warps", default="", help="comma-separated warp counts to time beside the defaults")
     args = parser.parse_args(argv)
     only = {int(v) for v in args.slots.split(",")} if args.slots else None
-    extra = [(None, int(w), None) for w in args.warps.split(",") if w]
     if not torch.cuda.is_available():
         raise RuntimeError("the slot-cache benchmark needs a CUDA GPU")
     rows = []
     for num_slots, layers, experts in POOLS:
         if only is not None and num_slots not in only:
             continue
-        default = small_defaults(num_slots)
-        settings = [(None, None, None)] + extra + (SWEEP.get(num_slots, []) if args.sweep else [])
-        for tile, warps, vlist in settings:
-            part, w = (default[0] if tile is None else tile, default[1] if warps is None else warps)
+        for tile, vlist in [(None, None)] + (SWEEP.get(num_slots, []) if args.sweep else []):
+            part = small_part(num_slots) if tile is None else tile
             v = DEFAULT_VICTIM_LIST if vlist is None else vlist
-            regs, spills = resource_report("small", part, w, v, num_slots=num_slots)
-            hit = bench_case(num_slots, layers, experts, False, part, w, args.reps, v)
-            one = bench_case(num_slots, layers, experts, True, part, w, args.reps, v)
-            rows.append((num_slots, part, w, v, tile is None and warps is None, regs, spills,
-                         hit, one))
-    if only is None:
-        print("\ngeneral kernel (prefill-sized calls), resources at 23,197 slots:")
-        print(f"{'tile':>5} {'warps':>5} {'regs':>4} {'spill':>5}")
-        for tile, warps in GENERAL_VARIANTS:
-            regs, spills = resource_report("general", tile, warps)
-            print(f"{tile:>5} {warps:>5} {regs:>4} {spills:>5}")
+            regs, spills = resource_report(part, v, num_slots)
+            hit = bench_case(num_slots, layers, experts, False, part, args.reps, v)
+            one = bench_case(num_slots, layers, experts, True, part, args.reps, v)
+            rows.append((num_slots, part, v, tile is None and vlist is None, regs, spills, hit, one))
     print(f"\nslot-cache ensure (decode kernel), {torch.cuda.get_device_name()}, top-{TOP_K}, "
           f"{CALLS_PER_REPLAY} calls per graph replay, median of {args.reps} replays "
           f"(one program up to {SINGLE_PROGRAM_SLOTS} slots by default)")
-    print(f"{'slots':>6} {'part':>5} {'warps':>5} {'vlist':>5} {'regs':>4} {'spill':>5} "
-          f"{'all hits us':>11} {'1 fetch us':>10}")
-    for num_slots, part, w, pre, is_default, regs, spills, hit, one in rows:
+    print(f"{'slots':>6} {'part':>5} {'vlist':>5} {'regs':>4} {'spill':>5} {'all hits us':>11} {'1 fetch us':>10}")
+    for num_slots, part, pre, is_default, regs, spills, hit, one in rows:
         mark = "  <- default" if is_default else ""
-        print(f"{num_slots:>6} {part:>5} {w:>5} {pre:>5} {regs:>4} {spills:>5} {hit:>11.2f} "
-              f"{one:>10.2f}{mark}")
+        print(f"{num_slots:>6} {part:>5} {pre:>5} {regs:>4} {spills:>5} {hit:>11.2f} {one:>10.2f}{mark}")
     return 0
 
 

@@ -84,7 +84,7 @@ def cases():
                  num_missing_ptr=i32, error_ptr=i32, policy_ptr=i64, part_keys_ptr=i64, arrive_ptr=i32,
                  vkeys_ptr=i64, vowner_ptr=i32, count_ptr=i64, freq_weight="i32", freq_half_life="i32", num_counts="i32",
                  layer="i32", pool_base="i32", num_slots="i32", max_fetch="i32",
-                 frac_q16="i32", round_mode="i32", select_mode="i32", promote="i32", seed="i32")
+                 frac_q16="i32", round_mode="i32", promote="i32", seed="i32")
     general = {k: v for k, v in small.items() if k not in ("part_keys_ptr", "arrive_ptr", "vkeys_ptr", "vowner_ptr")}
     for k in ("NUM_EXPERTS", "E_BLOCK", "ROUTE_BLOCK", "PART", "V", "CAND", "MERGE_BLOCK", "USE_POLICY", "MULTI",
               "USE_FREQ"):
@@ -121,13 +121,14 @@ def main(argv: list[str] | None = None) -> int:
     if os.environ.get("TRITON_INTERPRET") == "1":
         print("SKIP: TRITON_INTERPRET=1; unset it")
         return 0
-    from . import triton_kernels
+    from . import triton_decode, triton_kernels
     if args.out:
         os.makedirs(args.out, exist_ok=True)
     table = [f"{'config':20s} {'sha256':16s} {'regs':>5s} {'local':>6s} {'bar.sync':>8s} {'atom/red':>8s} {'instrs':>6s}"]
     print(table[0])
     for name, kernel, signature, constexprs in cases():
-        compiled = compile_for_arch(getattr(triton_kernels, kernel), signature, constexprs, args.arch)
+        module = triton_decode if kernel == "ensure_small_kernel" else triton_kernels
+        compiled = compile_for_arch(getattr(module, kernel), signature, constexprs, args.arch)
         text = canonical_ptx(compiled.asm["ptx"])
         res, counts = cubin_resources(compiled.asm["cubin"]), ptx_counts(text)
         table.append(f"{name:20s} {hashlib.sha256(text.encode()).hexdigest()[:16]} {res['regs']:5d} "

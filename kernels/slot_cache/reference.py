@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from .fetch_rule import fetch_count
-from .state import FREQ_COUNT_CAP, SELECT_MODES, SLOT_BITS, SlotCache
+from .state import FREQ_COUNT_CAP, SLOT_BITS, SlotCache
 
 
 class _HostState:
@@ -75,8 +75,7 @@ def _install(st: _HostState, slot: int, flat_id: int, usage: int) -> None:
 
 
 def ensure_reference(cache: SlotCache, layer: int, expert_ids: torch.Tensor, *,
-                     max_fetch: int, frac_q16: int, round_mode: int, select: int, promote: bool,
-                     seed: int) -> None:
+                     max_fetch: int, frac_q16: int, round_mode: int, promote: bool, seed: int) -> None:
     """In place: mark hits, fetch misses by policy, rewrite routes to slot ids or -1.
 
     `max_fetch >= 0` is the fixed cap; `max_fetch < 0` selects the fraction rule.
@@ -95,9 +94,8 @@ def ensure_reference(cache: SlotCache, layer: int, expert_ids: torch.Tensor, *,
     hits, misses = routed[slots >= 0], routed[slots < 0]
     st.usage[st.slot_for_id[row + hits]] = step             # 1. hits are used now
 
-    recency = st.expert_recency[row + misses]               # 2. order the misses
-    if select == SELECT_MODES["recency"]:
-        misses = misses[np.lexsort((misses, -recency))]
+    recency = st.expert_recency[row + misses]               # 2. order the misses: most recently routed first
+    misses = misses[np.lexsort((misses, -recency))]
     num_misses = len(misses)
 
     if max_fetch >= 0:                                      # 3. how many to fetch

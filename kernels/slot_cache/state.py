@@ -11,14 +11,13 @@ import torch
 
 ROUND_MODES = {"min-wait": 0, "stochastic": 1, "prefer-fetch": 2, "split": 3}   # split: floor (the hybrid
 # backend's device path splits the remainder of one expert by channels, kernels/expert_split)
-SELECT_MODES = {"recency": 0, "lowest_id": 1}
 Q16_ONE = 1 << 16
 # The victim key packs (usage + 1, pool-local slot) into one int64: slot in the low SLOT_BITS bits.
 SLOT_BITS = 25
 MAX_SLOTS_PER_POOL = 1 << SLOT_BITS
 # Policy tensor layout (int64), read by the kernels when a call uses the cache's device policy.
-POLICY_MAX_FETCH, POLICY_FRAC_Q16, POLICY_ROUND, POLICY_SELECT, POLICY_PROMOTE, POLICY_SEED = range(6)
-POLICY_LEN = 6
+POLICY_MAX_FETCH, POLICY_FRAC_Q16, POLICY_ROUND, POLICY_PROMOTE, POLICY_SEED = range(5)
+POLICY_LEN = 5
 # Calls with at most SMALL_ROUTES_MAX routes (decode) take the per-route kernel, whose pool scan is
 # split over programs of at least MIN_PART slots each.
 SMALL_ROUTES_MAX = 64
@@ -28,7 +27,7 @@ MIN_PART = 16
 DEFAULT_VICTIM_LIST = 32
 MAX_VICTIM_LIST = 64
 # The decode kernel packs (candidate index, slot, owner + 1) into one int64 so that one reduction
-# picks a victim and its owner (triton_kernels.PACK_*): owners (flat ids layer * E + expert) need
+# picks a victim and its owner (triton_decode.PACK_*): owners (flat ids layer * E + expert) need
 # fewer than OWNER_BITS bits.
 OWNER_BITS = 30
 KEY_NONE = 0x7FFFFFFFFFFFFFFF
