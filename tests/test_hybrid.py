@@ -206,7 +206,7 @@ def test_prefill_chunks_take_the_engines_default_unless_the_strategy_is_cpu(hybr
     backend = hybrid.model.experts.backend
     try:
         fresh(hybrid.model.experts, strategy="hybrid")
-        assert backend.preferred_prefill_chunk_tokens is None
+        assert backend.preferred_prefill_chunk_tokens() is None
         model = backend_model(hybrid, backend)
         assert Engine(model, EngineConfig()).prefill_chunk_tokens == DEFAULT_PREFILL_CHUNK_TOKENS
         backend.set_policy(strategy="cpu")

@@ -61,7 +61,7 @@ from kernels.expert_copy import copy_plan
 from kernels.impl import interpreted
 from kernels.slot_cache import SlotCache, ensure, prefetch_ensure, set_policy
 from kernels.slot_cache.api import MAX_PREFETCH_CANDIDATES
-from proto.knobs import KNOBS_BY_FIELD, env_setting
+from proto.knobs import KNOBS_BY_FIELD
 
 from cpu_expert_pool.channel import WorkerDead, WorkerError, WorkerTimeout
 
@@ -127,9 +127,7 @@ class HybridExperts(SlotPoolAudit):
         self._queued = torch.cuda.Event() if self.on_cuda else None
         # prefill chunks run as offload (more than cpu_max_tokens tokens) stream the next layer's experts
         # behind their own (None: the knob, default on); layer -> the event after its prefetched experts' copies
-        if prefill_prefetch is None:
-            prefill_prefetch = env_setting("prefill_prefetch") == "on"
-        self.prefill_prefetch = bool(prefill_prefetch)
+        self.prefill_prefetch = True if prefill_prefetch is None else bool(prefill_prefetch)
         self._prefetched: dict[int, torch.cuda.Event | None] = {}
         self._candidates = torch.arange(min(self.num_experts, MAX_PREFETCH_CANDIDATES), dtype=torch.int64,
                                         device=self.device)
@@ -332,7 +330,6 @@ class HybridExperts(SlotPoolAudit):
             self._resync.pop().sync_sequence()
         return total
 
-    @property
     def preferred_prefill_chunk_tokens(self) -> int | None:
         """The engine's prefill chunk when none is configured (read once, when the engine starts): cpu_max_tokens
         with strategy `cpu`, whose chunks must keep their CPU share (a longer one would run as offload, fetching
@@ -448,6 +445,9 @@ class HybridExperts(SlotPoolAudit):
             # offload (its hits and fetched experts are resident by now, the rest is fetched).
             return self._forward_device(layer_idx, x, ids, ids.clone(), topk_weights, to_cpu=False)
         return src
+
+    def decode_steps_may_overlap(self) -> bool:
+        return False                            # step_end syncs to read the hand-off's failure words
 
     def step_begin(self) -> None:
         """Before a decode step (the engine calls it): re-admit restarted workers, wake the watchdog."""
