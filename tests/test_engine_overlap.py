@@ -227,3 +227,30 @@ def test_gpu_overlapped_steps_in_cuda_graphs_give_the_tokens_without_overlap(str
             assert engine.stats.copy_time_s_total > plain_engine.stats.copy_time_s_total > 0
     finally:
         loaded.model.experts.close()
+
+
+def test_the_overlap_knob_reaches_the_engine_config(monkeypatch, capsys, tmp_path):
+    """ft generate resolves --overlap-decode / FREETOKEN_OVERLAP_DECODE (flag > environment > auto) into
+    EngineConfig.overlap_decode (auto: None, on CUDA); the engine reads no environment itself."""
+    from coordinator.cli import main
+    monkeypatch.setenv("FT_CACHE_DIR", str(tmp_path))
+    seen = []
+    init = Engine.__init__
+
+    def recording(self, model, config=None, *a, **kw):
+        seen.append(config.overlap_decode)
+        init(self, model, config, *a, **kw)
+
+    monkeypatch.setattr(Engine, "__init__", recording)
+    argv = ["generate", "--prompt-ids", "5,17,42", "--max-new-tokens", "2", "--device", "cpu"]
+    monkeypatch.delenv("FREETOKEN_OVERLAP_DECODE", raising=False)
+    assert main(argv) == 0
+    assert main(argv + ["--overlap-decode", "on"]) == 0
+    monkeypatch.setenv("FREETOKEN_OVERLAP_DECODE", "off")
+    assert main(argv) == 0
+    assert main(argv + ["--overlap-decode", "auto"]) == 0
+    capsys.readouterr()
+    assert seen == [None, True, False, None]
+    monkeypatch.setenv("FREETOKEN_OVERLAP_DECODE", "on")
+    assert Engine(load_model(device="cpu").model, EngineConfig()).overlap_decode is False, \
+        "the engine reads no knob: None means on CUDA only"
