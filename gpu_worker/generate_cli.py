@@ -158,7 +158,7 @@ def run(args: argparse.Namespace) -> int:
                         "fetch_fraction_source": experts.fetch_fraction_source}
     elif hasattr(experts, "stats"):   # offload: fetch counters and measured copy bandwidth
         copy_s = experts.collect_copy_time()
-        st = experts.stats
+        st = experts.refresh_stats()
         expert_stats = {"fetched": st.fetched, "distinct_misses": st.distinct_misses,
                         "copy_bytes": st.copy_bytes, "copy_time_s": copy_s,
                         "copy_gb_per_s": st.copy_bytes / copy_s / 1e9 if copy_s > 0 else None}

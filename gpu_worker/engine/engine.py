@@ -324,7 +324,9 @@ class Engine:
         if not self.overlap_decode or self.scheduler.next_decode_only() != reqs:
             return False
         every = self.config.slot_audit_every
-        if not self.model.experts.decode_steps_may_overlap() or (every and (self.stats.num_decode_steps + 1) % every == 0):
+        if every and (self.stats.num_decode_steps + 1) % every == 0:
+            return False
+        if not self.model.experts.decode_steps_may_overlap():
             return False
         return all(len(r.output_ids) + 1 < r.params.max_new_tokens and r.seq_len + 1 <= r.max_context_tokens
                    for r in reqs)

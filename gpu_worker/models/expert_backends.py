@@ -1,7 +1,8 @@
 """`make_expert_backend`: the one place that turns ``--moe-strategy`` into an `ExpertBackend`.
 
 To add a backend, build it here from the `ExpertSource` (which fills packed [E, N] layers wherever
-the backend wants them) and return an `ExpertBackend` (expert_backend.py). ``cpu`` and ``hybrid`` live in gpu_worker/hybrid (docs/HYBRID.md).
+the backend wants them) and return an `ExpertBackend` (expert_backend.py). ``cpu`` and ``hybrid``
+live in gpu_worker/hybrid (docs/HYBRID.md).
 """
 from __future__ import annotations
 
