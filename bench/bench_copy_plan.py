@@ -14,9 +14,7 @@ calls); `cold` gives every call of the graph its own host rows from a pool of ca
 step's misses do from the 58 GB expert store.
 
     python bench/bench_copy_plan.py [--copies 1,2,4,8] [--chunks 64,128,256] [--blocks 2048,4096] [--warps 4,8]
-        [--prefetch 0,1,2,4]     # L2 bulk prefetch that many blocks ahead (0: off; an experiment)
         [--source hot,cold]
-        [--tma 64,256]           # the TMA variant (kernels/expert_copy/tma.py), per tile height (an experiment)
         [--split 384 --split-rows 16,32,64]   # the split slot's copy (kernels/expert_split) of the GPU's channels
                                  # [c, I) of one qwen3-30b-a3b expert, per limit c, per w2 rows a program:
                                  # GB/s of the bytes it moves, cold rows, beside the plan copy's n=1
@@ -33,7 +31,6 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from graph_timing import time_graph  # noqa: E402  (bench/graph_timing.py: this folder is sys.path[0])
 from kernels.expert_copy import copy_plan  # noqa: E402
-from kernels.expert_copy.tma import copy_plan_tma  # noqa: E402
 from kernels.expert_split import api as split_api  # noqa: E402
 
 QWEN3_EXPERT_BYTES = 3 * 2048 * 768 * 2        # gate, up, down of qwen3-30b-a3b in bf16: 9.44 MB
@@ -86,13 +83,10 @@ def main() -> int:
     parser.add_argument("--chunks", default="64,128,256,512")
     parser.add_argument("--blocks", default="2048,4096")
     parser.add_argument("--warps", default="4,8")
-    parser.add_argument("--prefetch", default="0", help="L2 bulk prefetch distances in blocks (0: off)")
     parser.add_argument("--calls", type=int, default=10, help="calls per graph replay")
     parser.add_argument("--reps", type=int, default=15)
     parser.add_argument("--warmup", type=int, default=1, help="untimed graph replays first")
     parser.add_argument("--source", default="hot", help="hot, cold or hot,cold (see above)")
-    parser.add_argument("--tma", default="", help="also the TMA variant (kernels/expert_copy/tma.py), once per "
-                                                   "tile height in rows of 128 bytes, comma-separated (e.g. 64,256)")
     parser.add_argument("--split", default="", help="limits c (CPU channels [0, c)) of the split slot's copy to time")
     parser.add_argument("--split-rows", default="32", help="w2 rows per program of the split copy (W2_ROWS)")
     args = parser.parse_args()
@@ -123,50 +117,26 @@ def main() -> int:
             t = time_graph(dma, args.calls, args.reps, args.warmup)
             results.append((f"dma (copy engine){tag}", n, t))
             print(f"dma{tag} n={n}: {t * 1e6:.1f} us, {n * gb / t:.1f} GB/s", flush=True)
-        for chunks, block, warps, ahead in itertools.product(_ints(args.chunks), _ints(args.blocks),
-                                                             _ints(args.warps), _ints(args.prefetch)):
-            label = (f"kernel chunks={chunks} block={block} warps={warps}" + (f" prefetch={ahead}" if ahead else "")
-                     + tag)
+        for chunks, block, warps in itertools.product(_ints(args.chunks), _ints(args.blocks), _ints(args.warps)):
+            label = f"kernel chunks={chunks} block={block} warps={warps}{tag}"
             for n in copies:
                 num = torch.tensor([n], dtype=torch.int32, device="cuda")
                 srcs = [torch.tensor(rows_of(i, n) + [0] * (MAX_COPIES - n), dtype=torch.int32, device="cuda")
                         for i in range(args.calls)]
 
-                def kernel(i, num=num, srcs=srcs, chunks=chunks, block=block, warps=warps, ahead=ahead):
+                def kernel(i, num=num, srcs=srcs, chunks=chunks, block=block, warps=warps):
                     copy_plan(slots, host, evict, srcs[i], num, max_copies=MAX_COPIES, chunks=chunks,
-                              block_words=block, num_warps=warps, prefetch_blocks=ahead)
+                              block_words=block, num_warps=warps)
                 t = time_graph(kernel, args.calls, args.reps, args.warmup)
                 results.append((label, n, t))
             print(f"{label}: " + ", ".join(
                 f"n={n} {n * gb / t:.1f} GB/s" for name, n, t in results[-len(copies):]), flush=True)
-        for rows in _ints(args.tma):
-            label = f"tma block_rows={rows}{tag}"
-            for n in copies:
-                num = torch.tensor([n], dtype=torch.int32, device="cuda")
-                srcs = [torch.tensor(rows_of(i, n) + [0] * (MAX_COPIES - n), dtype=torch.int32, device="cuda")
-                        for i in range(args.calls)]
-
-                def tma(i, num=num, srcs=srcs, rows=rows):
-                    copy_plan_tma(slots, host, evict, srcs[i], num, max_copies=MAX_COPIES, block_rows=rows)
-                t = time_graph(tma, args.calls, args.reps, args.warmup)
-                results.append((label, n, t))
-            print(f"{label}: " + ", ".join(
-                f"n={n} {n * gb / t:.1f} GB/s" for name, n, t in results[-len(copies):]), flush=True)
     src = torch.arange(MAX_COPIES, 2 * MAX_COPIES, dtype=torch.int32, device="cuda")
-    for rows in _ints(args.tma):
-        slots.zero_()
-        copy_plan_tma(slots, host, evict, src, torch.tensor([MAX_COPIES], dtype=torch.int32, device="cuda"),
-                      max_copies=MAX_COPIES, block_rows=rows)
-        torch.cuda.synchronize()
-        assert torch.equal(slots[:MAX_COPIES].cpu(), host[MAX_COPIES:2 * MAX_COPIES]), \
-            f"tma block_rows={rows}: wrong bytes moved"
-    num = torch.tensor([MAX_COPIES], dtype=torch.int32, device="cuda")
-    for ahead in _ints(args.prefetch):
-        slots.zero_()
-        copy_plan(slots, host, evict, src, num, max_copies=MAX_COPIES, prefetch_blocks=ahead)
-        torch.cuda.synchronize()
-        assert torch.equal(slots[:MAX_COPIES].cpu(), host[MAX_COPIES:2 * MAX_COPIES]), \
-            f"prefetch={ahead}: wrong bytes moved"
+    slots.zero_()
+    copy_plan(slots, host, evict, src, torch.tensor([MAX_COPIES], dtype=torch.int32, device="cuda"),
+              max_copies=MAX_COPIES)
+    torch.cuda.synchronize()
+    assert torch.equal(slots[:MAX_COPIES].cpu(), host[MAX_COPIES:2 * MAX_COPIES]), "the kernel moved wrong bytes"
 
     if args.split:
         bench_split(args, host, gb)

@@ -105,9 +105,8 @@ def decode_run(engine: Engine, prompts: list[list[int]], num_tokens: int, backen
             tokens[out.request_id].append(out.new_token_id)
     before = None
     if backend is not None:
-        backend.collect_copy_time()
-        before = (backend.stats.distinct_misses, backend.stats.fetched, backend.stats.copy_bytes,
-                  backend.copy_time_s)
+        st = backend.refresh_stats()
+        before = (st.distinct_misses, st.fetched, st.copy_bytes, backend.collect_copy_time())
     _sync()
     graphs = engine.graphs
     launch0 = (graphs.replay_host_s, graphs.replays) if graphs is not None else (0.0, 0)
@@ -144,10 +143,9 @@ def decode_run(engine: Engine, prompts: list[list[int]], num_tokens: int, backen
         result["graph_ms"] = statistics.median(a.elapsed_time(b) for a, b in marks)
         result["between_ms"] = statistics.median(b.elapsed_time(a2) for (_, b), (a2, _) in zip(marks, marks[1:]))
     if backend is not None:
-        backend.collect_copy_time()
+        st = backend.refresh_stats()
         misses, fetched, nbytes, copy_s = (a - b for a, b in zip(
-            (backend.stats.distinct_misses, backend.stats.fetched, backend.stats.copy_bytes,
-             backend.copy_time_s), before))
+            (st.distinct_misses, st.fetched, st.copy_bytes, backend.collect_copy_time()), before))
         result.update(misses_per_token=misses / n, fetched_per_token=fetched / n,
                       copy_gb_s=nbytes / copy_s / 1e9 if copy_s else 0.0)
     return result
@@ -269,12 +267,6 @@ def main() -> int:
     parser.add_argument("--decode-tokens", type=int, default=256)
     parser.add_argument("--fractions", default="0.1,0.25,0.5")
     parser.add_argument("--device", default="cuda", help="cpu: a smoke test of this script")
-    parser.add_argument("--offload-copy", default="kernel,dma",
-                        help="offload copy modes to compare, comma-separated: dma, kernel, proxy (the kernel mode's "
-                             "device-side plan copied by DMA from a host thread: gpu_worker/offload/dma_proxy.py)")
-    parser.add_argument("--dma-fractions", default=None,
-                        help="cache fractions for the dma copy mode (default: --fractions); the dma "
-                             "mode decodes eagerly, so it is the slow one to run")
     parser.add_argument("--batch", type=int, default=1,
                         help="requests decoded together (continuous batching; the engine's max_running_requests): "
                              "request i's prompt is --prompt-tokens + i * (--decode-tokens + 8) tokens, so that no two "
@@ -289,13 +281,10 @@ def main() -> int:
                              "every token alike: almost no misses); 'zipf[:SKEW]': seeded per-position "
                              "expert ids from a skewed popularity (gpu_worker/models/synthetic_routing.py)")
     parser.add_argument("--copy-chunks", default="",
-                        help="comma list: run the kernel copy mode once per value of programs per expert "
+                        help="comma list: run offload once per value of the copy kernel's programs per expert "
                              "(kernels.expert_copy.api.DEFAULT_CHUNKS; default: its value)")
-    parser.add_argument("--copy-overlap", choices=("on", "off", "both"), default="on",
-                        help="kernel copy mode: the copy beside the hits' expert GEMMs (on, the default), or "
-                             "copy then every GEMM in one stream (off); both: side by side")
     parser.add_argument("--copy-split", choices=("on", "off", "both"), default="on",
-                        help="kernel copy mode with the overlap: copy every planned w13, then every w2, the fetched "
+                        help="offload's decode copy: every planned w13, then every w2, the fetched "
                              "routes' gate/up between the two (on, the default), or each expert whole (off); "
                              "both: side by side")
     parser.add_argument("--dense-linear", default="gemv",
@@ -312,12 +301,8 @@ def main() -> int:
                              "default: FREETOKEN_EVICTION_FREQ_HALF_LIFE, 3072; s14-f ran before it existed, as 0)")
     parser.add_argument("--overlap-decode", default="auto",
                         help="comma-separated auto, on, off: EngineConfig.overlap_decode for every resident and offload "
-                             "run (the next decode step queued before this one's tokens are read; auto: the knob "
-                             "FREETOKEN_OVERLAP_DECODE, on with CUDA); several: side by side")
-    parser.add_argument("--routing-ahead", default="off",
-                        help="copy mode proxy, comma-separated off,on: with on, each layer's plan is made from the "
-                             "synthetic table and published before the layer's attention (MoeModel.routing_ahead): "
-                             "copies that start before the router, the bound of a perfect routing prediction")
+                             "run (the next decode step queued before this one's tokens are read; auto: on with "
+                             "CUDA); several: side by side")
     parser.add_argument("--trace-dir", default=None,
                         help="with --profile: write each profiled run's Chrome trace (trace_<backend>.json) here")
     parser.add_argument("--host-profile", type=int, default=0,
@@ -393,62 +378,39 @@ def main() -> int:
     bw_hot = pcie_bandwidth(expert_bytes) if args.device == "cuda" else 1e9
     bw, bw_single = pcie_store_bandwidth(host) if args.device == "cuda" else (1e9, 1e9)
     try:
-        dma_fracs = args.fractions if args.dma_fractions is None else args.dma_fractions
-        dma_fracs = {float(f) for f in dma_fracs.split(",") if f}
         for frac in [float(f) for f in args.fractions.split(",") if f]:
-            overlaps = {"on": [True], "off": [False], "both": [True, False]}[args.copy_overlap]
             splits = {"on": [True], "off": [False], "both": [True, False]}[args.copy_split]
             weights = [int(w) for w in args.freq_weights.split(",") if w.strip()]
-            aheads = [v.strip() == "on" for v in args.routing_ahead.split(",") if v.strip()]
-            modes = [(m, c, o, sp, p, w, a, od) for w in weights for m in args.offload_copy.split(",")
-                     for c in (_copy_chunks(args) if m == "kernel" else [None])
-                     for o in (overlaps if m in ("kernel", "proxy") else [False])
-                     for sp in (splits if m in ("kernel", "proxy") and o else [True])
-                     for p in pdl_modes for a in (aheads if m == "proxy" else [False])
-                     for od in (overlaps_decode if m != "proxy" else [None])]
-            for copy_mode, chunks, overlap, split, pdl_mode, weight, ahead, od in modes:
+            modes = [(c, sp, p, w, od) for w in weights for c in _copy_chunks(args) for sp in splits
+                     for p in pdl_modes for od in overlaps_decode]
+            for chunks, split, pdl_mode, weight, od in modes:
                 if pdl_mode is not None:
                     apply_pdl(pdl_mode)
-                if copy_mode == "dma" and frac not in dma_fracs:
-                    continue
-                if chunks is not None:
-                    expert_copy_api.DEFAULT_CHUNKS = chunks
-                label = copy_mode + (f" c={chunks}" if chunks is not None and args.copy_chunks else "")
-                if copy_mode in ("kernel", "proxy") and args.copy_overlap == "both":
-                    label += " overlap" if overlap else " serial"
-                if copy_mode in ("kernel", "proxy") and overlap and args.copy_split == "both":
+                expert_copy_api.DEFAULT_CHUNKS = chunks
+                label = f"c={chunks}" if args.copy_chunks else ""
+                if args.copy_split == "both":
                     label += " split" if split else " whole"
                 if len(pdl_modes) > 1:
                     label += f" pdl {pdl_mode}"
                 if len(weights) > 1 or weight:
                     label += f" fw{weight}"
-                if ahead:
-                    label += " ahead"
-                label += overlap_label(od)
-                loaded.model.routing_ahead = ahead
+                label = (label + overlap_label(od)).strip()
                 slots = resolve_cache_slots(frac, source.num_layers, source.num_experts)
-                backend = OffloadExperts(host, slots, args.device, copy_mode=copy_mode, overlap_copy=overlap,
-                                         split_copy=split, freq_weight=weight, freq_half_life=args.freq_half_life)
+                backend = OffloadExperts(host, slots, args.device, split_copy=split, freq_weight=weight,
+                                         freq_half_life=args.freq_half_life)
                 loaded.model.experts = backend
                 _reset_peak()
                 engine = Engine(loaded.model, dataclasses.replace(econf, overlap_decode=od), eos_token_ids=())
                 r = measure(engine, prompt, args, backend)
                 r["lossless"] = r["tokens"] == reference_tokens
-                rows.append((f"offload {frac:.0%} {label}", slots, r, _peak(),
-                             proc.memory_info().rss))
-                print(f"offload {frac} {label}", r["all_tok_s"], _launch_note(r),
-                      f"early plans {backend.stats.early_plans}" if ahead else "", flush=True)
-                if copy_mode == "proxy":
-                    print(f"  proxy counters (all runs): {backend._proxy.counters()}, stalls survived "
-                          f"{backend.stats.proxy_stalls}, dropped {backend.stats.proxy_failures}, copy mode at the end: "
-                          f"{backend.copy_mode}, host clock now {time.monotonic_ns()}", flush=True)
+                name = f"offload {frac:.0%} {label}".strip()
+                rows.append((name, slots, r, _peak(), proc.memory_info().rss))
+                print(name, r["all_tok_s"], _launch_note(r), flush=True)
                 if args.profile and args.device == "cuda":
-                    profile_decode(engine, prompt, args.profile, trace=_trace_path(args, f"offload {frac} {label}"))
+                    profile_decode(engine, prompt, args.profile, trace=_trace_path(args, name))
                 if args.host_profile:
                     host_profile_decode(engine, prompt, args.host_profile)
-                loaded.model.experts = None
-                if backend._proxy is not None:
-                    backend._proxy.close()              # (the host store is shared: no backend.close())
+                loaded.model.experts = None             # (the host store is shared: no backend.close())
                 del engine, backend
                 gc.collect()
                 torch.cuda.empty_cache()

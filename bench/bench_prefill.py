@@ -7,24 +7,20 @@ pass over all experts a chunk. This measures, for one prompt and greedy sampling
 - TTFT: from `add_request` to the first token (median of R runs after a warm-up), and prompt tokens / s;
 - the experts copied during the prefill and the roofline `copied * expert_bytes / PCIe_bw` beside it
   (PCIe: DMA copies of distinct experts of the pinned store back to back, as in bench_engine.py);
-- the prefill's copy path per variant: `kernel` (the copy kernel, then the GEMMs, on one stream: what
-  `--offload-copy kernel` does without prefetch), `dma` (a plan readback, then one DMA per expert on the
-  copy stream), `prefetch` (`OffloadExperts(prefill_prefetch=True)`: DMA, and every layer's call also
-  copies the next layer's experts behind its own, so they land while this layer computes);
+- offload's prefill copy path: a plan readback, then one DMA per expert on the copy stream, every layer's
+  call also copying the next layer's experts behind its own, so they land while this layer computes;
 - the chunk size (`--chunks`): every chunk pays its pass over the experts again;
-- the grouped expert GEMMs of prefill (`--grouped`): `auto` (torch._grouped_mm, two launches a layer, where it
-  applies) against `loop` (one GEMM pair per routed expert and a host sync a layer);
 - prefill attention (`--attention`, resident rows only; the other rows take the first): `auto` (SDPA's flash
   kernel with a lower-right causal bias object, no mask in memory, where it applies) against `bias` (the folded
   additive bias, built once a forward; attention.PREFILL_KERNEL);
-- whether the first token equals the resident run's with the same grouped GEMMs (greedy: lossless; not
-  expected of `hybrid`, whose CPU share is computed by another kernel);
+- whether the first token equals the resident run's (greedy: lossless; not expected of `hybrid`, whose CPU
+  share is computed by another kernel);
 - `hybrid`: a chunk of at most `cpu_max_tokens` (512) splits each layer's misses with the CPU pool; a longer one
-  runs as offload with the prefill prefetch (fourteenth session; `hybrid-noprefetch`: without it, as the thirteenth
-  session left it). Its "copied" column counts whole experts fetched; the roofline is shown where it ran as offload.
+  runs as offload with the prefill prefetch. Its "copied" column counts whole experts fetched; the roofline is
+  shown where it ran as offload.
 
 Usage: python bench/bench_prefill.py [--runs 3] [--prompt-tokens 1024] [--chunks 512,1024]
-       [--fractions 0.1,0.5] [--variants kernel,dma,prefetch] [--grouped auto,loop]
+       [--fractions 0.1,0.5] [--variants offload,hybrid]
 Prints one line per run as it goes and a table last.
 """
 from __future__ import annotations
@@ -40,7 +36,6 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.bench_engine import _sync, pcie_store_bandwidth  # noqa: E402
-import gpu_worker.models.resident_experts as resident_experts  # noqa: E402
 import gpu_worker.engine.attention as attention  # noqa: E402
 from gpu_worker.engine import Engine, EngineConfig, SamplingParams  # noqa: E402
 from gpu_worker.models import load_model  # noqa: E402
@@ -48,16 +43,10 @@ from gpu_worker.hybrid import HybridExperts, HybridOptions, start_cpu_pool  # no
 from gpu_worker.models.synthetic_routing import SyntheticRouting  # noqa: E402
 from gpu_worker.offload import HostExperts, OffloadExperts, resolve_cache_slots  # noqa: E402
 
-# variant -> OffloadExperts keyword arguments (the decode path is not measured here)
-VARIANTS = {
-    "kernel": dict(copy_mode="kernel", prefill_prefetch=False),
-    "dma": dict(copy_mode="dma", prefill_prefetch=False),
-    "prefetch": dict(copy_mode="kernel", prefill_prefetch=True),
-    # HybridExperts over a CPU pool (--hybrid-fraction, --cpu-workers): a chunk of at most its cpu_max_tokens (512)
-    # splits its misses with the CPU pool, a longer one runs as offload (with or without the prefill prefetch)
-    "hybrid": dict(prefill_prefetch=True),
-    "hybrid-noprefetch": dict(prefill_prefetch=False),
-}
+# offload (the decode path is not measured here), and HybridExperts over a CPU pool (--hybrid-fraction,
+# --cpu-workers): a chunk of at most its cpu_max_tokens (512) splits its misses with the CPU pool, a longer one runs
+# as offload
+VARIANTS = ("offload", "hybrid")
 
 
 def _fetched(backend) -> int:
@@ -101,11 +90,8 @@ def main() -> int:
     parser.add_argument("--prompt-tokens", type=int, default=1024)
     parser.add_argument("--chunks", default="512,1024", help="prefill chunk sizes (tokens), comma-separated")
     parser.add_argument("--fractions", default="0.1,0.5", help="offload cache sizes (fractions of all experts)")
-    parser.add_argument("--variants", default="kernel,dma,prefetch",
-                        help=f"offload prefill copy paths, comma-separated: {', '.join(VARIANTS)}")
-    parser.add_argument("--grouped", default="auto",
-                        help="prefill's grouped expert GEMMs, comma-separated: auto (torch._grouped_mm where it applies), "
-                             "loop (one GEMM pair per expert); resident_experts.GROUPED_MM")
+    parser.add_argument("--variants", default="offload",
+                        help=f"backends besides resident, comma-separated: {', '.join(VARIANTS)}")
     parser.add_argument("--attention", default="auto",
                         help="prefill attention for the resident rows, comma-separated: auto (flash with a causal bias "
                              "object where it applies), bias (the folded bias); attention.PREFILL_KERNEL")
@@ -117,14 +103,12 @@ def main() -> int:
     args = parser.parse_args()
     chunks = [int(c) for c in args.chunks.split(",") if c.strip()]
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
-    groupings = [g.strip() for g in args.grouped.split(",") if g.strip()]
     kernels = [a.strip() for a in args.attention.split(",") if a.strip()]
-    bad = ([v for v in variants if v not in VARIANTS] + [g for g in groupings if g not in ("auto", "loop", "mm")]
-           + [a for a in kernels if a not in attention.PREFILL_KERNELS])
-    if bad or not chunks or min(chunks) < 1 or not groupings or not kernels:
-        raise SystemExit(f"--variants takes {', '.join(VARIANTS)}; --grouped auto, loop or mm; --attention "
+    bad = [v for v in variants if v not in VARIANTS] + [a for a in kernels if a not in attention.PREFILL_KERNELS]
+    if bad or not chunks or min(chunks) < 1 or not kernels:
+        raise SystemExit(f"--variants takes {', '.join(VARIANTS)}; --attention "
                          f"{', '.join(attention.PREFILL_KERNELS)}; --chunks positive integers "
-                         f"(got {args.variants!r}, {args.grouped!r}, {args.attention!r}, {args.chunks!r})")
+                         f"(got {args.variants!r}, {args.attention!r}, {args.chunks!r})")
     gen = torch.Generator().manual_seed(0)
     loaded = load_model(preset=args.preset, device=args.device, moe_strategy="resident")
     cfg = loaded.cfg
@@ -133,22 +117,20 @@ def main() -> int:
     loaded.model.routing_override = SyntheticRouting.parse(args.routing, cfg, max_ctx, args.device)
     rows = []                    # (name, chunk, result, roofline_s or None)
     reference = {}
-    def tag(grouped: str, kernel: str | None = None) -> str:
-        return (f" {grouped}" if len(groupings) > 1 else "") + (f" attn-{kernel}" if kernel and len(kernels) > 1 else "")
+    def tag(kernel: str) -> str:
+        return f" attn-{kernel}" if len(kernels) > 1 else ""
 
     for kernel in reversed(kernels):             # the first last: the offload rows run with it
         attention.PREFILL_KERNEL = kernel
-        for grouped in groupings:
-            resident_experts.GROUPED_MM = grouped
-            for chunk in chunks:
-                engine = Engine(loaded.model, EngineConfig(max_running_requests=1, max_context_tokens=max_ctx,
-                                                           prefill_chunk_tokens=chunk, cuda_graphs=False),
-                                eos_token_ids=())
-                res = measure(engine, prompt, args.runs)
-                reference.setdefault((chunk, grouped), {})[kernel] = res["token"]
-                rows.append(("resident" + tag(grouped, kernel), chunk, res, None))
-                print(f"resident{tag(grouped, kernel)} chunk {chunk}: TTFT {res['all_ttft_s']} s", flush=True)
-                del engine
+        for chunk in chunks:
+            engine = Engine(loaded.model, EngineConfig(max_running_requests=1, max_context_tokens=max_ctx,
+                                                       prefill_chunk_tokens=chunk, cuda_graphs=False),
+                            eos_token_ids=())
+            res = measure(engine, prompt, args.runs)
+            reference.setdefault(chunk, {})[kernel] = res["token"]
+            rows.append(("resident" + tag(kernel), chunk, res, None))
+            print(f"resident{tag(kernel)} chunk {chunk}: TTFT {res['all_ttft_s']} s", flush=True)
+            del engine
     source = loaded.source.experts
     expert_bytes = source.layout.expert_nbytes
     loaded.model.experts = None
@@ -160,27 +142,25 @@ def main() -> int:
     bw = pcie_store_bandwidth(host)[0] if args.device == "cuda" and host is not None else 1e9
     pool = None        # started before the first hybrid row: it pins this process to the reserved CPUs, so the
     try:               # offload rows run first, unpinned, as in the other sections' runs
-        runs = sorted([(f, v, g, c) for f in fractions for v in variants for g in groupings for c in chunks],
-                      key=lambda run: run[1].startswith("hybrid"))                      # hybrid rows last
-        for frac, variant, grouped, chunk in runs:
+        runs = sorted([(f, v, c) for f in fractions for v in variants for c in chunks],
+                      key=lambda run: run[1] == "hybrid")                               # hybrid rows last
+        for frac, variant, chunk in runs:
             slots = resolve_cache_slots(frac, source.num_layers, source.num_experts)
-            resident_experts.GROUPED_MM = grouped
-            hybrid = variant.startswith("hybrid")
+            hybrid = variant == "hybrid"
             if hybrid and pool is None:
                 pool = start_cpu_pool(host, HybridOptions(cpu_workers=args.cpu_workers), cfg.top_k)
             if hybrid:
                 backend = HybridExperts(host, slots, args.device, pool, owns_host=False, owns_pool=False,
-                                        fetch_fraction=args.hybrid_fraction, **VARIANTS[variant])
+                                        fetch_fraction=args.hybrid_fraction)
             else:
-                backend = OffloadExperts(host, slots, args.device, **VARIANTS[variant])
+                backend = OffloadExperts(host, slots, args.device)
             loaded.model.experts = backend
             engine = Engine(loaded.model, EngineConfig(max_running_requests=1, max_context_tokens=max_ctx,
                                                        prefill_chunk_tokens=chunk, cuda_graphs=False),
                             eos_token_ids=())
             res = measure(engine, prompt, args.runs, backend)
-            res["lossless"] = res["token"] == reference[chunk, grouped][kernels[0]]
-            name = (f"{variant} {frac:.0%} f={args.hybrid_fraction:g}" if hybrid
-                    else f"offload {frac:.0%} {variant}") + tag(grouped)
+            res["lossless"] = res["token"] == reference[chunk][kernels[0]]
+            name = f"{variant} {frac:.0%}" + (f" f={args.hybrid_fraction:g}" if hybrid else "")
             # (a hybrid chunk the CPU shares has no PCIe-only roofline; s14-c printed one for a 256-token prompt)
             pieces = [min(chunk, args.prompt_tokens - i) for i in range(0, args.prompt_tokens, chunk)]
             as_offload = not hybrid or min(pieces) > backend.cpu_max_tokens

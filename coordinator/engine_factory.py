@@ -44,25 +44,26 @@ def expert_format_of(cfg: Any) -> ExpertFormat | None:
 def load_served_engine(model_dir: str | None, preset: str | None, device: str, *, moe_strategy: str = "resident",
                        moe_cache_size: int | None = None, max_running_requests: int = 8,
                        max_context_tokens: int | None = None, served_model_name: str | None = None,
-                       hybrid: Any = None, offload_copy: str = "dma", slot_audit_every: int = 0,
-                       prefill_chunk_tokens: int | None = None) -> ServedEngine:
+                       hybrid: Any = None, slot_audit_every: int = 0,
+                       prefill_chunk_tokens: int | None = None, overlap_decode: bool | None = None) -> ServedEngine:
     """The engine `ft serve --workers inline` serves (`hybrid`: HybridOptions for cpu/hybrid, None: defaults;
-    `offload_copy`: dma, kernel or proxy, for offload; `slot_audit_every`: FREETOKEN_MOE_SLOT_AUDIT;
-    `prefill_chunk_tokens`: None = the engine's default for the backend)."""
+    `slot_audit_every`: FREETOKEN_MOE_SLOT_AUDIT; `prefill_chunk_tokens`: None = the engine's default for the
+    backend; `overlap_decode`: EngineConfig's, None = on CUDA)."""
     import torch
 
     from gpu_worker.engine import Engine, EngineConfig
     from gpu_worker.models import load_model
 
     loaded = load_model(model_dir, preset, device=device, moe_strategy=moe_strategy, moe_cache_size=moe_cache_size,
-                        hybrid=hybrid, offload_copy=offload_copy)
+                        hybrid=hybrid)
     tokenizer = loaded.tokenizer
     if tokenizer is None:
         raise FileNotFoundError(f"{model_dir or preset} has no tokenizer.json; the HTTP API needs one to turn "
                                 f"text into tokens (put the model's tokenizer.json beside its weights)")
     codec = TextCodec.from_text_tokenizer(tokenizer, loaded.eos_token_ids)
     config = EngineConfig(max_running_requests=max_running_requests, max_context_tokens=max_context_tokens,
-                          slot_audit_every=slot_audit_every, prefill_chunk_tokens=prefill_chunk_tokens)
+                          slot_audit_every=slot_audit_every, prefill_chunk_tokens=prefill_chunk_tokens,
+                          overlap_decode=overlap_decode)
 
     def engine_factory() -> Any:
         return Engine(loaded.model, config, loaded.eos_token_ids)

@@ -67,10 +67,8 @@ class ProcessSetOptions:
 
 
 # `ft worker gpu` flags outside the hashed engine config: an attached worker's own settings win (not compared).
-LOCAL_WORKER_FLAGS = (("--offload-copy", "offload_copy"),         # lossless either way
-                      ("--moe-slot-audit", "moe_slot_audit"),     # a check
+LOCAL_WORKER_FLAGS = (("--moe-slot-audit", "moe_slot_audit"),     # a check
                       ("--pdl", "pdl"),                           # lossless either way
-                      ("--prefill-prefetch", "prefill_prefetch"),  # lossless either way
                       ("--overlap-decode", "overlap_decode"),      # the engine's own scheduling
                       ("--eviction-freq-weight", "eviction_freq_weight"),  # which experts stay cached: lossless
                       ("--eviction-freq-half-life", "eviction_freq_half_life"),   # the same

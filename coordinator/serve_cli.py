@@ -207,15 +207,15 @@ def run_inline(args: argparse.Namespace) -> int:
     api_key = resolve_api_key(args.api_key)
     from kernels.pdl import apply_setting
     apply_setting(resolve({"pdl": args.pdl})["pdl"], args.device)
-    export_setting("prefill_prefetch", resolve({"prefill_prefetch": args.prefill_prefetch})["prefill_prefetch"])
-    for field in ("eviction_freq_weight", "eviction_freq_half_life", "overlap_decode"):
+    for field in ("eviction_freq_weight", "eviction_freq_half_life"):
         export_setting(field, resolve({field: getattr(args, field)})[field])
+    overlap = resolve({"overlap_decode": args.overlap_decode})["overlap_decode"]
     served = load_served_engine(args.model, args.preset, args.device, moe_strategy=args.moe_strategy,
                                 moe_cache_size=args.moe_cache_size, max_running_requests=args.max_running_requests,
                                 max_context_tokens=args.max_context_tokens, served_model_name=args.served_model_name,
                                 prefill_chunk_tokens=args.prefill_chunk_tokens,
                                 hybrid=inline_hybrid_options(args),
-                                offload_copy=resolve({"offload_copy": args.offload_copy})["offload_copy"],
+                                overlap_decode=None if overlap == "auto" else overlap == "on",
                                 slot_audit_every=resolve({"moe_slot_audit": args.moe_slot_audit})["moe_slot_audit"])
     policy = build_policy_from_args(args, served.expert_format, served.gpu_name)
     service = EngineService(served.engine_factory, served.codec.decode, policy=policy,

@@ -115,13 +115,12 @@ def run(args: argparse.Namespace) -> int:
     hybrid = hybrid_options(args) if args.moe_strategy in ("cpu", "hybrid") else None
     from kernels.pdl import apply_setting
     apply_setting(resolve({"pdl": args.pdl})["pdl"], args.device)
-    export_setting("prefill_prefetch", resolve({"prefill_prefetch": args.prefill_prefetch})["prefill_prefetch"])
-    for field in ("eviction_freq_weight", "eviction_freq_half_life", "overlap_decode"):
+    for field in ("eviction_freq_weight", "eviction_freq_half_life"):
         export_setting(field, resolve({field: getattr(args, field)})[field])
+    overlap = resolve({"overlap_decode": args.overlap_decode})["overlap_decode"]
     loaded = load_model(args.model, args.preset, device=args.device, dtype=args.dtype,
                         moe_strategy=args.moe_strategy, moe_cache_size=args.moe_cache_size,
-                        seed=args.seed_weights, hybrid=hybrid,
-                        offload_copy=resolve({"offload_copy": args.offload_copy})["offload_copy"])
+                        seed=args.seed_weights, hybrid=hybrid)
     tokenizer = loaded.tokenizer
     prompt = _prompt_ids(args, tokenizer)
     # Default KV length: just what this request can use, up to 32K (the engine stops at a full context).
@@ -129,7 +128,8 @@ def run(args: argparse.Namespace) -> int:
     slot_audit = resolve({"moe_slot_audit": args.moe_slot_audit})["moe_slot_audit"]
     engine = Engine(loaded.model, EngineConfig(max_running_requests=1, max_context_tokens=max_ctx,
                                                slot_audit_every=slot_audit,
-                                               prefill_chunk_tokens=args.prefill_chunk_tokens),
+                                               prefill_chunk_tokens=args.prefill_chunk_tokens,
+                                               overlap_decode=None if overlap == "auto" else overlap == "on"),
                     eos_token_ids=loaded.eos_token_ids)
     t_run = time.perf_counter()
     engine.add_request(prompt, params)
@@ -156,7 +156,7 @@ def run(args: argparse.Namespace) -> int:
                         "fetch_fraction_source": experts.fetch_fraction_source}
     elif hasattr(experts, "stats"):   # offload: fetch counters and measured copy bandwidth
         copy_s = experts.collect_copy_time()
-        st = experts.stats
+        st = experts.refresh_stats()
         expert_stats = {"fetched": st.fetched, "distinct_misses": st.distinct_misses,
                         "copy_bytes": st.copy_bytes, "copy_time_s": copy_s,
                         "copy_gb_per_s": st.copy_bytes / copy_s / 1e9 if copy_s > 0 else None}

@@ -46,10 +46,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="prompt tokens a prefill chunk takes (default: 4096; cpu/hybrid: 512); local to this "
                             "process, not part of the coordinator's config")
     model.add_argument("--num-cpu-workers", type=int, default=0, help="CPU expert workers (cpu/hybrid strategies)")
-    add_cli_flag(parser, "offload_copy")        # local: both modes give the same tokens
     add_cli_flag(parser, "moe_slot_audit")      # local: a check, not part of the coordinator's config
     add_cli_flag(parser, "pdl")                 # local: the same tokens either way
-    add_cli_flag(parser, "prefill_prefetch")    # local: the same tokens either way
     add_cli_flag(parser, "overlap_decode")      # local: the same tokens either way
     add_cli_flag(parser, "eviction_freq_weight")   # local: the same tokens either way
     add_cli_flag(parser, "eviction_freq_half_life")
@@ -72,15 +70,13 @@ def run(args: argparse.Namespace) -> int:
     from proto.knobs import export_setting, resolve
 
     knobs = resolve({"pin_gpu_worker": args.pin_gpu_worker,
-                     "offload_copy": args.offload_copy, "moe_slot_audit": args.moe_slot_audit, "pdl": args.pdl,
-                     "prefill_prefetch": args.prefill_prefetch, "eviction_freq_weight": args.eviction_freq_weight,
+                     "moe_slot_audit": args.moe_slot_audit, "pdl": args.pdl,
+                     "eviction_freq_weight": args.eviction_freq_weight,
                      "eviction_freq_half_life": args.eviction_freq_half_life, "overlap_decode": args.overlap_decode})
     from kernels.pdl import apply_setting
     apply_setting(knobs["pdl"], args.device)
-    export_setting("prefill_prefetch", knobs["prefill_prefetch"])
     export_setting("eviction_freq_weight", knobs["eviction_freq_weight"])
     export_setting("eviction_freq_half_life", knobs["eviction_freq_half_life"])
-    export_setting("overlap_decode", knobs["overlap_decode"])
     options = GpuWorkerOptions(
         engine_addr=args.engine_addr, name=args.name, model=args.model, preset=args.preset, device=args.device,
         moe_strategy=args.moe_strategy, moe_cache_size=args.moe_cache_size,
@@ -88,7 +84,8 @@ def run(args: argparse.Namespace) -> int:
         num_cpu_workers=args.num_cpu_workers, store_name=args.store_name,
         handshake_timeout_s=args.handshake_timeout_s, drain_timeout_s=args.drain_timeout_s,
         reserve_cpus=args.reserve_cpus,
-        pin_gpu_worker=knobs["pin_gpu_worker"] == "on", offload_copy=knobs["offload_copy"],
+        pin_gpu_worker=knobs["pin_gpu_worker"] == "on",
+        overlap_decode=None if knobs["overlap_decode"] == "auto" else knobs["overlap_decode"] == "on",
         slot_audit_every=knobs["moe_slot_audit"], prefill_chunk_tokens=args.prefill_chunk_tokens)
     return run_gpu_worker(options)
 

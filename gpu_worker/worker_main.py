@@ -15,12 +15,15 @@ import queue
 import signal
 import threading
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from proto import engine_messages as em
 
 from .worker_link import CoordinatorLink
 from .worker_loop import LocalStop, gpu_busy_loop
+
+if TYPE_CHECKING:
+    from gpu_worker.models.expert_backend import ExpertBackend
 
 log = logging.getLogger("ft.gpu_worker")
 
@@ -56,7 +59,7 @@ class GpuWorkerOptions:
     drain_timeout_s: float = 30.0
     reserve_cpus: str | None = None            # cpu/hybrid: the CPU workers' reserved CPUs (HybridOptions; not hashed)
     pin_gpu_worker: bool | None = None         # cpu/hybrid: pin to them once loaded; None: $FREETOKEN_PIN_GPU_WORKER
-    offload_copy: str = "dma"                  # offload: dma, kernel or proxy (lossless either way: not hashed)
+    overlap_decode: bool | None = None         # EngineConfig.overlap_decode (None: on CUDA; not hashed)
     slot_audit_every: int = 0                  # FREETOKEN_MOE_SLOT_AUDIT (a check: not hashed)
     prefill_chunk_tokens: int | None = None    # None: the engine's default for the backend (not hashed)
 
@@ -71,7 +74,7 @@ class GpuWorkerOptions:
 class LoadedEngine:
     engine: Any
     ready: em.Ready
-    experts: Any                      # the expert backend (closed at exit: detaches the store)
+    experts: "ExpertBackend"          # the expert backend (closed at exit: detaches the store)
 
 
 def say_hello(link: CoordinatorLink, inbox: queue.SimpleQueue, hello: em.Hello, timeout_s: float) -> em.Welcome | None:
@@ -115,7 +118,7 @@ def load_engine(opts: GpuWorkerOptions, welcome: em.Welcome) -> LoadedEngine:
     experts = make_attached_expert_backend(opts.moe_strategy, source.experts, device,
                                            store_name=opts.store_name or welcome.store_name,
                                            cpu_channels=welcome.cpu_channels, cache_size=opts.moe_cache_size,
-                                           reserve_cpus=opts.reserve_cpus, offload_copy=opts.offload_copy)
+                                           reserve_cpus=opts.reserve_cpus)
     try:
         dense = source.load_dense(device)
         cfg = source.cfg
@@ -123,7 +126,8 @@ def load_engine(opts: GpuWorkerOptions, welcome: em.Welcome) -> LoadedEngine:
         engine = Engine(model, EngineConfig(max_running_requests=opts.max_running_requests,
                                             max_context_tokens=opts.max_context_tokens,
                                             slot_audit_every=opts.slot_audit_every,
-                                            prefill_chunk_tokens=opts.prefill_chunk_tokens), source.eos_token_ids)
+                                            prefill_chunk_tokens=opts.prefill_chunk_tokens,
+                                            overlap_decode=opts.overlap_decode), source.eos_token_ids)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
     except BaseException:
@@ -149,13 +153,11 @@ def pin_to_reserved_cpus(opts: GpuWorkerOptions) -> tuple[int, ...] | None:
         f"GPU worker {opts.name}")
 
 
-def _close(experts: Any) -> None:
-    close = getattr(experts, "close", None)
-    if close is not None:
-        try:
-            close()
-        except Exception:  # noqa: BLE001 - exiting anyway
-            log.exception("closing the expert backend failed")
+def _close(experts: "ExpertBackend") -> None:
+    try:
+        experts.close()
+    except Exception:  # noqa: BLE001 - exiting anyway
+        log.exception("closing the expert backend failed")
 
 
 class _SupervisorBridge:

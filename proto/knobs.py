@@ -70,18 +70,6 @@ KNOBS: tuple[Knob, ...] = (
          "(seeded, unbiased), prefer-fetch (ceil), split (on the device hand-off's decode steps: floor, and the "
          "rest of one expert split by its channels between a fetch and the CPU; elsewhere as min-wait)",
          choices=("min-wait", "stochastic", "prefer-fetch", "split")),
-    Knob("FREETOKEN_OFFLOAD_COPY", "offload_copy", str, "dma",
-         "offload: how misses reach the GPU: dma (the plan read back each layer, copy-engine copies, eager decode) or "
-         "kernel (a device-side copy kernel beside the hits' GEMMs: no host sync, decode in CUDA graphs; "
-         "docs/OFFLOAD.md) or proxy (as kernel, but a host thread copies the device-side plan by DMA: the copy "
-         "engine's rate, decode in CUDA graphs; needs CUDA and a C compiler)",
-         choices=("dma", "kernel", "proxy")),
-    Knob("FREETOKEN_PREFILL_PREFETCH", "prefill_prefetch", str, "on",
-         "offload and hybrid: a prefill chunk run as offload (it routes to nearly every expert) copies the next layer's "
-         "experts by DMA behind "
-         "its own, so they land while this layer computes: on (default; the chunk's time is its copies': "
-         "docs/OFFLOAD.md) or off (each layer copies, then computes); the same tokens either way",
-         choices=("on", "off")),
     Knob("FREETOKEN_OVERLAP_DECODE", "overlap_decode", str, "auto",
          "queue the next decode step (fed with this step's sampled ids on the device) before this step's ids are read "
          "back, so the GPU does not idle while the host finishes a step: auto (on with a CUDA GPU), on, off; the same "

@@ -1,4 +1,4 @@
-"""The expert FFN split around a concurrent copy (kernels.moe_decode.CopyPlan, copy_then_ffn).
+"""The expert FFN split around a concurrent copy (kernels.moe_decode.CopyPlan, gpu_worker/offload's DecodeCopy).
 
 moe_gemv with a plan computes the routes whose slot the plan does not fill, calls `between()` (where
 the caller waits for the copy), then the routes in the plan. The CPU tests poison the plan's slots
@@ -12,7 +12,7 @@ import torch
 
 from gpu_worker.models.expert_layout import ExpertLayout, unpack_experts
 from gpu_worker.models.resident_experts import expert_ffn
-from gpu_worker.offload.offload_experts import copy_then_ffn
+from gpu_worker.offload.decode_copy import CopyTimer, DecodeCopy
 from kernels.moe_decode import CopyPlan, GemvBlocks, moe_gemv
 from kernels.moe_decode import reference as ref
 from tests.conftest import KERNEL_DEVICE
@@ -184,7 +184,7 @@ def test_copy_plan_errors():
                                                          torch.zeros(1, dtype=torch.int32), 3))
 
 
-def test_copy_then_ffn_without_a_side_stream_is_copy_then_ffn():
+def test_the_decode_copy_without_a_side_stream_is_copy_then_ffn_and_timed_on_the_host():
     from kernels.slot_cache import SlotCache, ensure
     layout = ExpertLayout(32, 16, torch.float32)
     E, S = 6, 4
@@ -194,20 +194,24 @@ def test_copy_then_ffn_without_a_side_stream_is_copy_then_ffn():
     slots = torch.zeros(S, layout.expert_numel)
     w13, w2 = unpack_experts(slots, layout)
     h13, h2 = unpack_experts(host, layout)
+    timer = CopyTimer(1, on_cuda=False)
+    plan = DecodeCopy(slots, [host], cache, w13, w2, timer=timer, kernel_impl="reference")
     for routes in ([[0, 3]], [[3, 5]], [[1, 2]], [[0, 5]]):
         ids = torch.tensor(routes)
         slot_ids = ids.clone()
         ensure(cache, 0, slot_ids, fetch_fraction=1.0)
         x, w = torch.randn(1, 32, generator=g), torch.rand(1, 2, generator=g)
-        out = copy_then_ffn(slots, host, cache, 2, x, slot_ids, w, w13, w2, mode="gemv", kernel_impl="reference")
+        out = plan.run(0, x, slot_ids, w, mode="gemv")
         assert torch.equal(out, expert_ffn("gemv", x, ids, w, h13, h2, kernel_impl="reference"))
+    assert timer.resolve() > 0
 
 
-def _record_copy_then_ffn(monkeypatch, split_copy, fail_second_copy=False, after_fork=False, side=True):
-    """copy_then_ffn with streams, events, the copy and the GEMV replaced by recorders (CPU): -> its log."""
+def _record_copy_then_ffn(monkeypatch, split_copy, fail_second_copy=False, after_fork=False, side=True, timed=False):
+    """DecodeCopy.run with streams, events, the copy and the GEMV replaced by recorders (CPU): -> its log. `timed`:
+    with a CUDA CopyTimer, inside a decode step."""
     import contextlib
 
-    from gpu_worker.offload import offload_experts as oe
+    from gpu_worker.offload import decode_copy as oe
     from kernels.slot_cache import SlotCache
     log = []
 
@@ -224,7 +228,7 @@ def _record_copy_then_ffn(monkeypatch, split_copy, fail_second_copy=False, after
     class Event:
         count = 0
 
-        def __init__(self):
+        def __init__(self, **flags):
             Event.count += 1
             self.name = f"event{Event.count}"
 
@@ -256,6 +260,7 @@ def _record_copy_then_ffn(monkeypatch, split_copy, fail_second_copy=False, after
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: compute)
     monkeypatch.setattr(torch.cuda, "stream", on)
     monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     monkeypatch.setattr(oe, "copy_plan", copy_plan)
     monkeypatch.setattr(oe, "moe_gemv", moe_gemv)
     layout = ExpertLayout(32, 16, torch.float32)
@@ -267,10 +272,14 @@ def _record_copy_then_ffn(monkeypatch, split_copy, fail_second_copy=False, after
         log.append(("after fork", current[-1]))
         if after_fork == "raise":
             raise RuntimeError("ring launch failed")
+    timer = None
+    if timed:
+        timer = CopyTimer(1, on_cuda=True)         # its events: event1 .. event4 (two sets of one layer)
+        timer.begin_step()
+    plan = oe.DecodeCopy(slots, [slots], cache, w13, w2, stream=side_stream if side else None, split=split_copy,
+                         timer=timer)
     try:
-        out = oe.copy_then_ffn(slots, slots, cache, 2, x, ids, w, w13, w2, mode="gemv",
-                               side_stream=side_stream if side else None, split_copy=split_copy,
-                               after_fork=hook if after_fork else None)
+        out = plan.run(0, x, ids, w, mode="gemv", max_copies=2, after_fork=hook if after_fork else None)
     except RuntimeError as exc:
         log.append(("raised", str(exc)))
     else:
@@ -289,6 +298,17 @@ def test_the_two_part_copy_is_wired_w13_event_then_w2_and_the_waits_in_that_orde
                    ("gate/up of the plan", "compute"),
                    ("wait_stream", "compute", "side"),                      # the whole copy
                    ("down of the plan", "compute")]
+
+
+def test_the_copy_timer_records_its_events_on_the_copy_stream_around_both_parts(monkeypatch):
+    """Inside a decode step the layer's pair of the step's event set brackets the copy on the copy stream (so a
+    captured graph records them at each replay); the w13 event stays between the parts."""
+    log, layout = _record_copy_then_ffn(monkeypatch, split_copy=True, timed=True)
+    w13 = layout.w13_numel
+    # begin_step moved to the second set: events 3 and 4
+    assert log[:6] == [("wait_stream", "side", "compute"), ("record", "event3", "side"),
+                       ("copy", "side", (0, w13)), ("record", "event5", "side"),
+                       ("copy", "side", (w13, layout.expert_numel)), ("record", "event4", "side")]
 
 
 def test_the_whole_copy_waits_once_before_the_plans_routes(monkeypatch):
@@ -351,6 +371,8 @@ def test_gpu_copy_beside_the_gemms_matches_the_host_weights(overlap, split):
     w13, w2 = unpack_experts(slots, layout)
     r13, r2 = unpack_experts(resident, layout)
     side = torch.cuda.Stream() if overlap else None
+    timer = CopyTimer(1, on_cuda=True)
+    plan = DecodeCopy(slots, [host], cache, w13, w2, stream=side, split=split, timer=timer)
     g = torch.Generator().manual_seed(1)
     for ids in _routes(40, 8, 24, seed=2):
         ids = ids.cuda()
@@ -358,9 +380,9 @@ def test_gpu_copy_beside_the_gemms_matches_the_host_weights(overlap, split):
         ensure(cache, 0, slot_ids, fetch_fraction=1.0, check_ids=False)
         x = (torch.randn(1, layout.hidden_size, generator=g) * 0.5).to(torch.bfloat16).cuda()
         w = torch.rand(1, 8, generator=g).cuda()
-        out = copy_then_ffn(slots, host, cache, 8, x, slot_ids, w, w13, w2, mode="gemv", side_stream=side,
-                            split_copy=split)
+        out = plan.run(0, x, slot_ids, w, mode="gemv")
         assert torch.equal(out, moe_gemv(x, ids, w, r13, r2))
+    assert timer.resolve() > 0
 
 
 @pytest.mark.gpu
@@ -371,6 +393,8 @@ def test_gpu_copy_beside_the_gemms_in_a_cuda_graph(split):
     w13, w2 = unpack_experts(slots, layout)
     r13, r2 = unpack_experts(resident, layout)
     side = torch.cuda.Stream()
+    timer = CopyTimer(1, on_cuda=True)
+    plan = DecodeCopy(slots, [host], cache, w13, w2, stream=side, split=split, timer=timer)
     routes_in = torch.zeros(1, 8, dtype=torch.int64, device="cuda")
     x = torch.zeros(1, layout.hidden_size, dtype=torch.bfloat16, device="cuda")
     w = torch.zeros(1, 8, device="cuda")
@@ -378,8 +402,7 @@ def test_gpu_copy_beside_the_gemms_in_a_cuda_graph(split):
     def step():
         slot_ids = routes_in.clone()
         ensure(cache, 0, slot_ids, fetch_fraction=1.0, check_ids=False)
-        return copy_then_ffn(slots, host, cache, 8, x, slot_ids, w, w13, w2, mode="gemv", side_stream=side,
-                             split_copy=split)
+        return plan.run(0, x, slot_ids, w, mode="gemv")
 
     g = torch.Generator().manual_seed(3)
     routes = _routes(30, 8, 24, seed=4)
@@ -389,12 +412,23 @@ def test_gpu_copy_beside_the_gemms_in_a_cuda_graph(split):
     with torch.cuda.stream(s):                               # warm-up outside the capture
         step()
     torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = step()
+    graphs, outs = [], []
+    for _ in range(CopyTimer.SETS):                         # as the engine: one graph per event set (graph_key),
+        timer.begin_step()                                  # captured after an eager warm-up in the same step
+        with torch.cuda.stream(s):
+            step()
+        torch.cuda.current_stream().wait_stream(s)
+        graphs.append(torch.cuda.CUDAGraph())
+        with torch.cuda.graph(graphs[-1]):
+            outs.append(step())
+        timer.end_step()
+    before = timer.resolve()
     for ids in routes[1:]:
         routes_in.copy_(ids)
         x.copy_((torch.randn(1, layout.hidden_size, generator=g) * 0.5).to(torch.bfloat16))
         w.copy_(torch.rand(1, 8, generator=g))
-        graph.replay()
-        assert torch.equal(out, moe_gemv(x, ids.cuda(), w, r13, r2))
+        timer.begin_step()
+        graphs[timer.active].replay()
+        timer.end_step()
+        assert torch.equal(outs[timer.active], moe_gemv(x, ids.cuda(), w, r13, r2))
+    assert timer.resolve() > before, "the replays' copies were not timed"

@@ -11,19 +11,27 @@ pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("no_tf32"),
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 
+@pytest.mark.parametrize("strategy", ["resident", "offload"])
 @pytest.mark.parametrize("num_prompts", [1, 3])
-def test_graph_decode_equals_eager(num_prompts, tmp_path, monkeypatch):
+def test_graph_decode_equals_eager(num_prompts, strategy, tmp_path, monkeypatch):
+    """Offload too: its decode copies (the copy kernel and its timing events) inside the graphs."""
     monkeypatch.setenv("FT_CACHE_DIR", str(tmp_path))
-    loaded = load_model(device="cuda")
+    loaded = load_model(device="cuda", **({} if strategy == "resident" else dict(moe_strategy="offload",
+                                                                                 moe_cache_size=9)))
     prompts = [[5 + i, 17, 42 + 3 * i, 99, 3][: 3 + i] for i in range(num_prompts)]
     params = SamplingParams(max_new_tokens=40, ignore_eos=True)
     eager = Engine(loaded.model, EngineConfig(max_running_requests=3, max_context_tokens=256,
                                               cuda_graphs=False), eos_token_ids=())
     graphs = Engine(loaded.model, EngineConfig(max_running_requests=3, max_context_tokens=256),
                     eos_token_ids=())
-    assert eager.generate(prompts, params) == graphs.generate(prompts, params)
-    assert graphs.graphs.captures >= 1 and graphs.graphs.replays >= 30
-    assert eager.graphs is None
+    try:
+        assert eager.generate(prompts, params) == graphs.generate(prompts, params)
+        assert graphs.graphs.captures >= 1 and graphs.graphs.replays >= 30
+        assert eager.graphs is None
+        if strategy == "offload":          # cumulative over both engines; the graphs' copies are timed too
+            assert graphs.stats.copy_time_s_total > eager.stats.copy_time_s_total > 0
+    finally:
+        loaded.model.experts.close()
 
 
 def dead_engine_collected_mid_capture() -> tuple[list, list]:

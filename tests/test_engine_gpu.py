@@ -35,7 +35,7 @@ def prompts(vocab):
     return [prompt_ids(n, seed=n, vocab=vocab) for n in (5, 23, 11)]
 
 
-@pytest.mark.parametrize("expert_compute", ["auto", "grouped", "gather"])
+@pytest.mark.parametrize("expert_compute", ["auto", "grouped", "gemv"])
 def test_tiny_cuda_matches_cpu(tiny_dir, expert_compute):
     cpu = load_model(tiny_dir, device="cpu")
     gpu = load_model(tiny_dir, device="cuda", expert_compute=expert_compute)
@@ -72,7 +72,7 @@ def test_bfloat16_and_seeded_sampling_on_cuda(tiny_dir):
 
 
 def test_decode_forward_captures_in_a_cuda_graph(tiny_dir):
-    gpu = load_model(tiny_dir, device="cuda", expert_compute="gather")
+    gpu = load_model(tiny_dir, device="cuda", expert_compute="gemv")
     engine = Engine(gpu.model, EngineConfig(max_running_requests=3, max_context_tokens=256))
     for p in prompts(gpu.cfg.vocab_size):
         engine.add_request(p, SamplingParams(max_new_tokens=100, ignore_eos=True))
@@ -111,7 +111,7 @@ def test_qwen3_30b_preset_materialises_fast_on_the_gpu():
     load_s = time.perf_counter() - t0
     rss_growth = _host_rss_bytes() - rss0
     experts = loaded.model.experts
-    print(f"\nqwen3-30b-a3b preset: {experts.nbytes / 2**30:.1f} GiB experts on the GPU in {load_s:.1f} s; "
+    print(f"\nqwen3-30b-a3b preset: {experts.nbytes() / 2**30:.1f} GiB experts on the GPU in {load_s:.1f} s; "
           f"host RSS grew {rss_growth / 2**30:.2f} GiB")
     assert experts.num_layers == 48 and experts.packed[0].shape == (128, 3 * 2048 * 768)
     assert experts.packed[0].dtype == torch.bfloat16 and experts.packed[0].is_cuda

@@ -71,17 +71,16 @@ def test_plan_copy_errors():
         copy_plan(torch.zeros(2, 4), torch.zeros(2, 4), torch.zeros(1, dtype=torch.int32),
                   torch.zeros(1, dtype=torch.int32), torch.zeros(1, dtype=torch.int32), max_copies=1, cols=(3, 5))
     dev = {"device": KERNEL_DEVICE}                       # on a GPU the device check comes first
-    with pytest.raises(ValueError, match="prefetch_blocks -1 >= 0"):
+    with pytest.raises(ValueError, match="num_warps 3 one of 1, 2, 4, 8, 16"):
         copy_plan(torch.zeros(2, 4, **dev), torch.zeros(2, 4), torch.zeros(1, dtype=torch.int32, **dev),
                   torch.zeros(1, dtype=torch.int32, **dev), torch.zeros(1, dtype=torch.int32, **dev), max_copies=1,
-                  impl="triton", prefetch_blocks=-1)
+                  impl="triton", num_warps=3)
 
 
-@pytest.mark.parametrize("prefetch", [0, 1, 3])
-def test_plan_copy_with_the_l2_prefetch_moves_the_same_bytes(prefetch):
-    # On a GPU (pinned host rows, 16-byte aligned): thread 0 of each program prefetches a block ahead into
-    # L2, past the row's end too (clamped); on the CPU the interpreter takes the plain path.
-    gen = torch.Generator().manual_seed(prefetch)
+@pytest.mark.parametrize("chunks", [1, 3])
+def test_plan_copy_of_rows_that_are_not_a_multiple_of_the_block(chunks):
+    # Pinned, 16-byte aligned host rows on a GPU (the vector path); the last block of each chunk is masked.
+    gen = torch.Generator().manual_seed(chunks)
     experts, row = 6, 8200                                   # not a multiple of the 256-word block
     host = torch.randn(experts, row, generator=gen).to(torch.bfloat16)
     if KERNEL_DEVICE == "cuda":
@@ -91,34 +90,11 @@ def test_plan_copy_with_the_l2_prefetch_moves_the_same_bytes(prefetch):
     slots = torch.zeros(5, row, dtype=torch.bfloat16, device=KERNEL_DEVICE)
     copy_plan(slots, host, dst.to(KERNEL_DEVICE), src.to(KERNEL_DEVICE),
               torch.tensor([3], dtype=torch.int32, device=KERNEL_DEVICE), max_copies=3, impl="triton",
-              chunks=3, block_words=256, prefetch_blocks=prefetch)
+              chunks=chunks, block_words=256)
     got = slots.cpu()
     for d, e in zip(dst.tolist(), src.tolist()):
         assert torch.equal(got[d].view(torch.int16), host[e].view(torch.int16))
     assert not got[1].any() and not got[3].any()
-
-
-@pytest.mark.parametrize("cols,block_rows", [(None, 4), ((64 * 3, 64 * 11), 2), ((0, 64 * 3), 8)])
-def test_tma_plan_copy_matches_the_reference(cols, block_rows):
-    # The TMA experiment (kernels/expert_copy/tma.py): the same bytes as the reference, columns too, on a grid
-    # of 64-word tiles; a tile that runs past the column range writes nothing there.
-    from kernels.expert_copy.tma import copy_plan_tma
-    gen = torch.Generator().manual_seed(block_rows)
-    experts, slots_n, row = 5, 6, 64 * 13
-    host = torch.randn(experts, row, generator=gen).to(torch.bfloat16)
-    if KERNEL_DEVICE == "cuda":
-        host = host.pin_memory()
-    dst = torch.tensor([3, 0, 5, 0], dtype=torch.int32)
-    src = torch.tensor([4, 1, 2, 0], dtype=torch.int32)
-    count = torch.tensor([3], dtype=torch.int32)
-    ref = torch.randn(slots_n, row, generator=gen).to(torch.bfloat16)
-    got = ref.clone().to(KERNEL_DEVICE)
-    copy_plan(ref, host, dst, src, count, max_copies=4, impl="reference", cols=cols)
-    copy_plan_tma(got, host, dst.to(KERNEL_DEVICE), src.to(KERNEL_DEVICE), count.to(KERNEL_DEVICE), max_copies=4,
-                  cols=cols, block_rows=block_rows)
-    assert torch.equal(ref.view(torch.int16), got.cpu().view(torch.int16))
-    with pytest.raises(ValueError, match="multiple of 64 words"):
-        copy_plan_tma(got, host, dst, src, count, max_copies=4, cols=(1, 64))
 
 
 @pytest.mark.gpu
@@ -131,12 +107,14 @@ def test_gpu_offload_with_the_copy_kernel_runs_in_graphs_and_matches_resident(tm
     params = SamplingParams(max_new_tokens=32, ignore_eos=True)
     conf = EngineConfig(max_running_requests=2, max_context_tokens=128)
     resident = Engine(load_model(device="cuda").model, conf, eos_token_ids=()).generate(prompts, params)
-    loaded = load_model(device="cuda", moe_strategy="offload", moe_cache_size=9, offload_copy="kernel")
+    loaded = load_model(device="cuda", moe_strategy="offload", moe_cache_size=9)
     try:
         engine = Engine(loaded.model, conf, eos_token_ids=())
         assert engine.generate(prompts, params) == resident
         assert engine.graphs.replays > 0, "offload decode did not run in CUDA graphs"
         stats = loaded.model.experts.refresh_stats()
         assert stats.fetched > 9 and stats.distinct_misses >= stats.fetched
+        # the decode copies are timed by CUDA events inside the graphs
+        assert engine.stats.copy_time_s_total > 0
     finally:
         loaded.model.experts.close()

@@ -12,7 +12,7 @@ from gpu_worker.models.config import MoeConfig
 from gpu_worker.models.expert_layout import expert_views
 from gpu_worker.models.expert_sources import CheckpointExpertSource
 import gpu_worker.models.resident_experts as resident_experts
-from gpu_worker.models.resident_experts import (gathered_expert_ffn, grouped_expert_ffn, grouped_loop_expert_ffn,
+from gpu_worker.models.resident_experts import (gemv_expert_ffn, grouped_expert_ffn, grouped_loop_expert_ffn,
                                                 grouped_mm_applies, grouped_mm_expert_ffn)
 from test_models_util import hf_model, rel_err, save_hf
 
@@ -69,8 +69,8 @@ def test_packed_layout_is_gate_up_down_bytes_of_each_expert_in_a_row():
 
 @pytest.mark.parametrize("num_tokens", [1, 3, 17])
 @pytest.mark.parametrize("ffn", [grouped_expert_ffn, grouped_loop_expert_ffn,
-                                 pytest.param(grouped_mm_expert_ffn, marks=needs_cpu_grouped_mm), gathered_expert_ffn],
-                         ids=["grouped", "grouped-loop", "grouped-mm", "gather"])
+                                 pytest.param(grouped_mm_expert_ffn, marks=needs_cpu_grouped_mm), gemv_expert_ffn],
+                         ids=["grouped", "grouped-loop", "grouped-mm", "gemv"])
 def test_expert_ffn_paths_match_the_definition(ffn, num_tokens):
     w13, w2 = random_experts(seed=num_tokens)
     g = torch.Generator().manual_seed(99)
@@ -116,22 +116,18 @@ def test_grouped_mm_path_rounds_like_the_loop_over_packed_slot_views(dtype, max_
                                                                     w2.float())) < 2e-2
 
 
-def test_grouped_mode_dispatch_follows_the_setting(monkeypatch):
-    """GROUPED_MM: auto takes the loop on the CPU (grouped_mm_applies is False there), mm and loop force one
-    path; anything else is refused with the choices."""
+def test_the_grouped_mode_takes_grouped_mm_where_it_applies_else_the_loop(monkeypatch):
+    """On the CPU grouped_mm_applies is False: the loop; where it applies: torch._grouped_mm."""
     calls = []
     monkeypatch.setattr(resident_experts, "grouped_mm_expert_ffn", lambda *a: calls.append("mm") or a[0])
     monkeypatch.setattr(resident_experts, "grouped_loop_expert_ffn", lambda *a: calls.append("loop") or a[0])
     w13, w2 = random_experts()
     x, ids, weights = torch.randn(2, H), torch.zeros(2, 1, dtype=torch.int64), torch.ones(2, 1)
     assert not grouped_mm_applies(x, w13, w2)
-    for setting in ("auto", "mm", "loop"):
-        monkeypatch.setattr(resident_experts, "GROUPED_MM", setting)
-        grouped_expert_ffn(x, ids, weights, w13, w2)
-    assert calls == ["loop", "mm", "loop"]
-    monkeypatch.setattr(resident_experts, "GROUPED_MM", "fast")
-    with pytest.raises(ValueError, match="auto, loop, mm"):
-        grouped_expert_ffn(x, ids, weights, w13, w2)
+    grouped_expert_ffn(x, ids, weights, w13, w2)
+    monkeypatch.setattr(resident_experts, "grouped_mm_applies", lambda *a: True)
+    grouped_expert_ffn(x, ids, weights, w13, w2)
+    assert calls == ["loop", "mm"]
 
 
 @pytest.mark.gpu
@@ -195,13 +191,14 @@ def test_resident_experts_modes_agree_in_bfloat16():
     x = torch.randn(6, H, generator=g).bfloat16()
     ids = torch.stack([torch.randperm(E, generator=g)[:2] for _ in range(6)])
     weights = torch.softmax(torch.randn(6, 2, generator=g), -1)
-    outs = {m: ResidentExperts(packed, layout, mode=m).forward(0, x, ids, weights) for m in ("grouped", "gather")}
+    outs = {m: ResidentExperts(packed, layout, mode=m).forward(0, x, ids, weights) for m in ("grouped", "gemv")}
     expected = naive_moe(x.float(), ids, weights, w13.float(), w2.float())
     for mode, out in outs.items():
         assert out.dtype == torch.bfloat16
         assert rel_err(out, expected) < 1e-2, mode      # bf16 rounding of h and of the output
-    with pytest.raises(ValueError, match="not one of"):
-        ResidentExperts(packed, layout, mode="fast")
+    for retired in ("fast", "gather"):
+        with pytest.raises(ValueError, match="not one of auto, grouped, gemv"):
+            ResidentExperts(packed, layout, mode=retired)
 
 
 def test_checkpoint_source_fills_hub_and_fused_layouts_identically(tmp_path):
@@ -235,7 +232,7 @@ def test_sources_fill_a_padded_row_view_in_place(tmp_path):
     assert torch.equal(w2, hf.model.layers[0].mlp.experts.down_proj.detach())
     assert torch.all(backing[:, n:] == -7.0)                             # padding untouched
     x, ids, weights = torch.randn(3, H), torch.tensor([[0, 5], [7, 1], [5, 2]]), torch.full((3, 2), 0.5)
-    for mode in ("grouped", "gather"):
+    for mode in ("grouped", "gemv"):
         out = ResidentExperts([view], src.layout, mode=mode).forward(0, x, ids, weights)
         assert rel_err(out, naive_moe(x, ids, weights, w13, w2)) < 1e-5, mode
 
@@ -268,10 +265,12 @@ def test_backend_factory_resident_and_offload():
     src = RandomExpertSource(cfg, torch.float32, seed=1, std=0.02)
     backend = make_expert_backend("resident", src, "cpu")
     assert isinstance(backend, ResidentExperts) and backend.num_layers == 2 and backend.num_experts == E
-    assert backend.nbytes == 2 * E * src.layout.expert_nbytes
+    assert backend.nbytes() == 2 * E * src.layout.expert_nbytes
     offload = make_expert_backend("offload", src, "cpu", cache_size=E + 1)
     try:
         assert offload.cache.num_slots == E + 1 and offload.num_layers == 2
+        assert offload.nbytes() == (E + 1) * src.layout.expert_nbytes and offload.has_slot_cache
+        assert not backend.has_slot_cache and backend.counters() == {}
     finally:
         offload.close()
     with pytest.raises(ValueError, match=f"at least {E} slots"):

@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from gpu_worker.models import ExpertLayout, ResidentExperts, pack_experts
 from gpu_worker.models.config import MoeConfig
 from gpu_worker.models.layers import apply_rope, rms_norm as model_rms_norm, route
 from gpu_worker.models.model import MoeModel
 from gpu_worker.models.presets import random_model_parts
-from gpu_worker.models.resident_experts import gathered_expert_ffn, pick_mode
+from gpu_worker.models.resident_experts import pick_mode
 from kernels.moe_decode import (GemvBlocks, KvWrite, add_rms_norm, moe_gemv, qk_norm_rope, rms_norm, rope,
                                 route_topk)
 from kernels.moe_decode import reference as ref
@@ -27,6 +28,24 @@ SMALL = GemvBlocks(gate_up_block_n=8, gate_up_block_k=16, down_block_n=16, down_
                    sum_block=32)
 EVEN = GemvBlocks(gate_up_block_n=8, gate_up_block_k=32, down_block_n=16, down_block_k=16,
                   sum_block=32)
+
+
+def gathered_expert_ffn(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                        w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    """An independent torch reference of the routed FFN: gathers the T*K experts and runs batched GEMVs,
+    rounding where moe_gemv rounds (gate/up in x.dtype, silu in x.dtype, the weighted sum over k in fp32).
+
+    x [T, H], topk_ids/topk_weights [T, K], w13 [E, 2I, H], w2 [E, H, I] -> [T, H]
+    """
+    T, K = topk_ids.shape
+    inter = w2.shape[2]
+    flat_ids = topk_ids.reshape(-1)                                   # [P = T*K]
+    xp = x.unsqueeze(1).expand(T, K, x.shape[1]).reshape(T * K, -1, 1)  # [P, H, 1], pair p = t*K + k
+    h = torch.bmm(w13.index_select(0, flat_ids), xp).squeeze(2)       # [P, 2I]
+    h = (F.silu(h[:, :inter]) * h[:, inter:]).unsqueeze(2)            # [P, I, 1]
+    y = torch.bmm(w2.index_select(0, flat_ids), h).squeeze(2)         # [P, H]
+    y = y.float() * topk_weights.reshape(-1, 1)                       # [P, H] fp32
+    return y.view(T, K, -1).sum(dim=1).to(x.dtype)                    # [T, H]
 
 
 def rel_max(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -260,7 +279,7 @@ def test_resident_gemv_mode_choice_and_result():
     layout = ExpertLayout(H, I, torch.float32)
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
     assert pick_mode("auto", True, 32, 32) == "gemv" and pick_mode("auto", True, 33, 32) == "grouped"
-    assert pick_mode("auto", False, 8, 32) == "grouped" and pick_mode("gather", False, 99, 32) == "gather"
+    assert pick_mode("auto", False, 8, 32) == "grouped" and pick_mode("gemv", False, 99, 32) == "gemv"
     backend = ResidentExperts([pack_experts(w13, w2).to(DEV)], layout, mode="auto")
     assert backend.choose_mode(16, cuda) == "gemv" and backend.choose_mode(16, cpu) == "grouped"
     gemv = ResidentExperts([pack_experts(w13, w2).to(DEV)], layout, mode="gemv")
@@ -281,7 +300,7 @@ def tiny_cfg(arch: str) -> MoeConfig:
 
 def tiny_model(cfg: MoeConfig, fused: bool, device: str) -> MoeModel:
     _, dense, source = random_model_parts(cfg, device, torch.float32, seed=3)
-    experts_ = ResidentExperts.from_source(source, device, mode="gemv" if fused else "gather")
+    experts_ = ResidentExperts.from_source(source, device, mode="gemv" if fused else "grouped")
     model = MoeModel(cfg, dense, experts_, max_positions=64, fused_kernels=fused)
     if device == "cpu":
         model.kernel_impl = experts_.kernel_impl = "triton"           # the interpreter
@@ -462,7 +481,7 @@ def test_gpu_norm_rope_router_bf16():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_gpu_fused_model_tokens_match_the_plain_forward(tmp_path, monkeypatch, no_tf32):
     """The tiny model (float32) on CUDA: fused forward + gemv experts (the default) against the plain
-    forward + gather experts, 16 greedy tokens for 3 prompts, with CUDA graphs. In float32 the two
+    forward + grouped experts, 16 greedy tokens for 3 prompts, with CUDA graphs. In float32 the two
     differ by summation order only (~1e-7 relative), far below the tiny model's logit margins, so
     the tokens must be equal. In bfloat16 a rounding flip can move a logit by ~1e-2 and exact
     equality is not guaranteed: its agreement is printed, and its first tokens (after prefill,
@@ -479,7 +498,7 @@ def test_gpu_fused_model_tokens_match_the_plain_forward(tmp_path, monkeypatch, n
         engine = Engine(fused.model, conf, eos_token_ids=())
         got = engine.generate(prompts, params)
         assert engine.graphs is not None and engine.graphs.replays > 0
-        plain = load_model(device="cuda", dtype=dtype, expert_compute="gather", fused_kernels=False)
+        plain = load_model(device="cuda", dtype=dtype, expert_compute="grouped", fused_kernels=False)
         assert not plain.model.fused_kernels
         expected = Engine(plain.model, conf, eos_token_ids=()).generate(prompts, params)
         same = sum(a == b for g_, e in zip(got, expected) for a, b in zip(g_, e))

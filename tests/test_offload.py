@@ -32,9 +32,13 @@ def assert_slots_hold_their_experts(backend) -> None:
                 f"layer {layer} expert {expert}: its slot does not hold its weights"
 
 
-def greedy_tokens(loaded, n: int = 24, prompts=(PROMPT,)) -> list[list[int]]:
+LONG = [(7 * i + 3) % 300 for i in range(40)]    # 32-token chunks route 64 pairs: the prefill (DMA) path
+
+
+def greedy_tokens(loaded, n: int = 24, prompts=(PROMPT,), chunk: int = 4) -> list[list[int]]:
+    """Greedy tokens; prefill chunks of `chunk` tokens (4: every call decode-sized, the copy kernel's path)."""
     engine = Engine(loaded.model, EngineConfig(max_running_requests=2, max_context_tokens=128,
-                                               prefill_chunk_tokens=4),
+                                               prefill_chunk_tokens=chunk),
                     eos_token_ids=())
     return engine.generate([list(p) for p in prompts], SamplingParams(max_new_tokens=n,
                                                                       ignore_eos=True))
@@ -43,8 +47,10 @@ def greedy_tokens(loaded, n: int = 24, prompts=(PROMPT,)) -> list[list[int]]:
 @pytest.mark.parametrize("cache_size, per_layer", [(8, False), (13, False), ("0.5", False),
                                                    ("1.0", False), (32, True)])
 def test_offload_gives_the_resident_tokens(cache_size, per_layer):
-    prompts = (PROMPT, PROMPT[::-1][:7])
-    resident = greedy_tokens(load_model(device="cpu"), prompts=prompts)
+    """Decode steps copy by the copy kernel (its reference on the CPU), the long prompt's 32-token prefill chunks
+    by the DMA path with the next layer prefetched; the tokens are resident's either way."""
+    prompts = (PROMPT, LONG)
+    resident = greedy_tokens(load_model(device="cpu"), prompts=prompts, chunk=32)
     loaded = load_model(device="cpu", moe_strategy="offload", moe_cache_size=cache_size)
     if per_layer:   # rebuild the backend with per-layer pools over the same weights
         loaded.model.experts.close()
@@ -53,11 +59,12 @@ def test_offload_gives_the_resident_tokens(cache_size, per_layer):
     backend = loaded.model.experts
     wrong = _check_each_layer_against_host_weights(backend, "cpu")
     try:
-        assert greedy_tokens(loaded, prompts=prompts) == resident
+        assert greedy_tokens(loaded, prompts=prompts, chunk=32) == resident
         assert not wrong, f"MoE outputs that disagree with the host weights: {wrong[:5]}"
         assert_slots_hold_their_experts(backend)
-        stats = backend.stats
-        assert stats.fetched > 0 and stats.fetched <= stats.distinct_misses
+        stats = backend.refresh_stats()
+        assert backend._host_counts[2] > 0 and stats.calls > backend._host_counts[2], "both copy paths ran"
+        assert stats.fetched > 0 and stats.fetched - stats.prefetched <= stats.distinct_misses
         total = backend.num_layers * backend.num_experts
         if backend.cache.total_slots < total:
             # a pool smaller than the model must have evicted: more fetches than slots
@@ -106,54 +113,21 @@ def test_ft_generate_offload_matches_resident(capsys):
     assert offload["token_ids"] == resident["token_ids"] and offload["moe_strategy"] == "offload"
 
 
-def test_the_offload_copy_mode_reaches_every_entry_point(monkeypatch, capsys):
-    """--offload-copy / FREETOKEN_OFFLOAD_COPY: ft generate (flag > environment > dma), the GPU worker's
-    attached backend, and ft serve's worker command line (local to the worker: not in the config hash)."""
+def test_the_retired_copy_flags_are_refused():
+    """The copy modes and the prefill prefetch switch are gone: their flags are refused, their knobs unknown."""
     import argparse
 
     from coordinator.cli import build_parser
-    from coordinator.process_set import options_from_serve_args
-    from gpu_worker.models.attached_backends import make_attached_expert_backend
-    from gpu_worker.models.loader import open_model_source
-    from gpu_worker.offload import HostExperts, OffloadExperts
     from gpu_worker.worker_cli import add_arguments
-
-    modes = []
-    init = OffloadExperts.__init__
-
-    def recording(self, *a, **kw):
-        init(self, *a, **kw)
-        modes.append(self.copy_mode)
-
-    monkeypatch.setattr(OffloadExperts, "__init__", recording)
-    argv = ["generate", "--prompt-ids", "5,17,42", "--max-new-tokens", "3", "--device", "cpu",
-            "--moe-strategy", "offload", "--moe-cache-size", "9"]
-    assert main(argv) == 0
-    monkeypatch.setenv("FREETOKEN_OFFLOAD_COPY", "kernel")
-    assert main(argv) == 0
-    assert main(argv + ["--offload-copy", "dma"]) == 0
-    assert modes == ["dma", "kernel", "dma"]
-    capsys.readouterr()
-
-    source = open_model_source(None, None, device="cpu")
-    name = f"ft-test-copy-{os.getpid()}"
-    store = HostExperts.create_filled(source.experts, name=name, pin=False)
-    try:
-        backend = make_attached_expert_backend("offload", source.experts, "cpu", store_name=name, cache_size=10,
-                                               offload_copy="kernel")
-        assert backend.copy_mode == "kernel"
-        backend.host.close()
-    finally:
-        store.close()
-
-    serve = build_parser().parse_args(["serve", "--moe-strategy", "offload", "--offload-copy", "kernel"])
-    flags = options_from_serve_args(serve).engine_flags
-    assert flags[flags.index("--offload-copy") + 1] == "kernel"
-    parser = argparse.ArgumentParser()
-    add_arguments(parser)
-    assert parser.parse_args(flags).offload_copy == "kernel"
-    with pytest.raises(SystemExit):
-        parser.parse_args(["--offload-copy", "pcie"])
+    from proto.knobs import KNOBS_BY_FIELD
+    worker = argparse.ArgumentParser()
+    add_arguments(worker)
+    for flag in ("--offload-copy", "--prefill-prefetch"):
+        for parser, argv in ((build_parser(), ["generate", flag, "on"]), (build_parser(), ["serve", flag, "on"]),
+                             (worker, [flag, "on"])):
+            with pytest.raises(SystemExit):
+                parser.parse_args(argv)
+    assert "offload_copy" not in KNOBS_BY_FIELD and "prefill_prefetch" not in KNOBS_BY_FIELD
 
 
 def test_ft_generate_offload_cache_too_small(capsys):
@@ -176,35 +150,43 @@ def test_gpu_offload_matches_resident_on_the_gpu():
     assert torch.cuda.is_available()
 
 
-def test_kernel_copy_mode_counts_on_the_device_and_stays_lossless():
-    """--offload-copy kernel: no plan readback; counters live on the device until refreshed."""
+def test_decode_copies_count_on_the_device_and_stay_lossless():
+    """Decode-sized calls (every call with 4-token chunks) copy with no plan readback: nothing is counted on the
+    host per call, the counters live on the device (the engine folds them in after each step), and each distinct
+    miss is fetched once."""
     prompts = (PROMPT, PROMPT[3:9])
     resident = greedy_tokens(load_model(device="cpu"), prompts=prompts)
-    dma = load_model(device="cpu", moe_strategy="offload", moe_cache_size=10)
-    kernel = load_model(device="cpu", moe_strategy="offload", moe_cache_size=10, offload_copy="kernel")
+    loaded = load_model(device="cpu", moe_strategy="offload", moe_cache_size=10)
+    b = loaded.model.experts
+    calls = [0]
+    forward = b.forward
+
+    def counting(*args):
+        calls[0] += 1
+        return forward(*args)
+
+    b.forward = counting
     try:
-        assert greedy_tokens(dma, prompts=prompts) == resident
-        assert greedy_tokens(kernel, prompts=prompts) == resident
-        a, b = dma.model.experts, kernel.model.experts
-        assert b._host_counts == [0, 0, 0], "the kernel mode must not count on the host per call"
+        assert greedy_tokens(loaded, prompts=prompts) == resident
+        assert b._host_counts == [0, 0, 0], "decode copies must not count on the host per call"
         b.refresh_stats()
-        assert (b.stats.fetched, b.stats.distinct_misses) == (a.stats.fetched, a.stats.distinct_misses)
-        assert b.stats.calls == a.stats.calls and b.stats.fetched > 10
+        assert b.stats.calls == calls[0] > 0
+        assert b.stats.fetched == b.stats.distinct_misses > 10
+        assert b.collect_copy_time() > 0, "the reference copy's host time"
         assert not b.graph_safe(4), "graphs need CUDA"
     finally:
-        dma.model.experts.close()
-        kernel.model.experts.close()
+        b.close()
 
 
-@pytest.mark.parametrize("copy_mode", ["dma", "kernel", "proxy"])
-def test_offload_reports_hits_misses_and_fetches_to_the_engine_stats(copy_mode):
+@pytest.mark.parametrize("chunk", [4, 32])
+def test_offload_reports_hits_misses_and_fetches_to_the_engine_stats(chunk):
     """The offload backend's counters reach EngineStats (and so /metrics and GetStats): per layer call, hits +
     misses = the distinct experts routed (counted here from the router's ids), misses and fetches equal the
     backend's own, and the metrics' hit ratio is theirs."""
     from coordinator.metrics import expert_figures
     from gpu_worker.offload import OffloadExperts
     loaded = load_model(device="cpu", moe_strategy="offload", moe_cache_size=10)
-    backend = OffloadExperts(loaded.model.experts.host, 10, "cpu", copy_mode=copy_mode)
+    backend = OffloadExperts(loaded.model.experts.host, 10, "cpu")
     loaded.model.experts = backend
     distinct = [0]
     forward = backend.forward
@@ -214,15 +196,16 @@ def test_offload_reports_hits_misses_and_fetches_to_the_engine_stats(copy_mode):
         return forward(layer_idx, x, topk_ids, topk_weights)
 
     backend.forward = counting_forward
-    engine = Engine(loaded.model, EngineConfig(max_running_requests=2, max_context_tokens=128, prefill_chunk_tokens=4),
-                    eos_token_ids=())
+    engine = Engine(loaded.model, EngineConfig(max_running_requests=2, max_context_tokens=128,
+                                               prefill_chunk_tokens=chunk), eos_token_ids=())
     try:
-        engine.generate([list(PROMPT), PROMPT[3:9]], SamplingParams(max_new_tokens=12, ignore_eos=True))
+        engine.generate([list(PROMPT), LONG], SamplingParams(max_new_tokens=12, ignore_eos=True))
         s = engine.stats
         backend.refresh_stats()
         assert s.expert_misses_total == backend.stats.distinct_misses > 0
         assert s.experts_fetched_total == backend.stats.fetched > 0
-        assert s.copy_bytes_total == backend.stats.fetched * backend.expert_nbytes
+        assert s.copy_bytes_total == backend.stats.fetched * backend.expert_nbytes()
+        assert s.copy_time_s_total == backend.collect_copy_time() > 0
         assert s.expert_hits_total > 0 and s.expert_hits_total + s.expert_misses_total == distinct[0]
         figures = expert_figures(s.as_dict())
         assert figures["expert_hit_rate"] == pytest.approx(s.expert_hits_total / distinct[0])
@@ -231,7 +214,7 @@ def test_offload_reports_hits_misses_and_fetches_to_the_engine_stats(copy_mode):
         backend.close()
 
 
-def _freq_weight_case(device: str, copy_mode: str) -> None:
+def _freq_weight_case(device: str) -> None:
     """The frequency-weighted eviction key (FREETOKEN_EVICTION_FREQ_WEIGHT) changes which experts stay, never the
     tokens: greedy tokens equal resident's, every mapped slot holds its expert, routes are counted; on the tiny
     model's routing it keeps more than LRU does (fewer misses)."""
@@ -242,7 +225,7 @@ def _freq_weight_case(device: str, copy_mode: str) -> None:
     for weight in (0, 64):
         loaded = load_model(device=device, moe_strategy="offload", moe_cache_size=10)
         # a backend over the loaded one's store (which it closes at the end)
-        backend = OffloadExperts(loaded.model.experts.host, 10, device, copy_mode=copy_mode, freq_weight=weight)
+        backend = OffloadExperts(loaded.model.experts.host, 10, device, freq_weight=weight)
         loaded.model.experts = backend
         try:
             assert backend.cache.freq_weight == weight
@@ -256,15 +239,13 @@ def _freq_weight_case(device: str, copy_mode: str) -> None:
     assert misses[64] < misses[0], misses
 
 
-@pytest.mark.parametrize("copy_mode", ["dma", "kernel"])
-def test_frequency_weighted_eviction_is_lossless(copy_mode):
-    _freq_weight_case("cpu", copy_mode)
+def test_frequency_weighted_eviction_is_lossless():
+    _freq_weight_case("cpu")
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("copy_mode", ["dma", "kernel"])
-def test_gpu_frequency_weighted_eviction_is_lossless(copy_mode):
-    _freq_weight_case("cuda", copy_mode)
+def test_gpu_frequency_weighted_eviction_is_lossless():
+    _freq_weight_case("cuda")
 
 
 def test_eviction_freq_weight_follows_its_knob(monkeypatch):
@@ -287,11 +268,6 @@ def test_eviction_freq_weight_follows_its_knob(monkeypatch):
     monkeypatch.setenv("FREETOKEN_EVICTION_FREQ_WEIGHT", "5000")
     with pytest.raises(ValueError, match=r"must be an int in \[0, 1024\]"):
         load_model(device="cpu", moe_strategy="offload", moe_cache_size=32)
-
-
-def test_unknown_copy_mode_is_refused():
-    with pytest.raises(ValueError, match="copy mode 'pcie' is not one of dma, kernel"):
-        load_model(device="cpu", moe_strategy="offload", moe_cache_size=10, offload_copy="pcie")
 
 
 def _check_each_layer_against_host_weights(backend, device: str) -> list:
@@ -321,22 +297,23 @@ def _check_each_layer_against_host_weights(backend, device: str) -> list:
     return wrong
 
 
-def _prefill_prefetch_case(device: str, copy_mode: str = "dma"):
-    """Tokens of a 40-token prompt (32-token prefill chunks) with prefill prefetch on and off."""
-    prompt = [(7 * i + 3) % 300 for i in range(40)]
+def _prefill_prefetch_case(device: str, monkeypatch):
+    """Tokens of a 40-token prompt (32-token prefill chunks, the DMA path) with the next layer's experts prefetched,
+    and, as the baseline, with the prefetch patched out."""
+    from gpu_worker.offload import offload_experts
 
     def run(loaded):
         engine = Engine(loaded.model, EngineConfig(max_running_requests=1, max_context_tokens=128,
                                                    prefill_chunk_tokens=32), eos_token_ids=())
-        return engine.generate([prompt], SamplingParams(max_new_tokens=8, ignore_eos=True))
+        return engine.generate([LONG], SamplingParams(max_new_tokens=8, ignore_eos=True))
 
     want = run(load_model(device=device))
     stats = {}
     for prefetch in (True, False):
+        if not prefetch:
+            monkeypatch.setattr(offload_experts, "prefill_prefetch_layer", lambda *a: None)
         loaded = load_model(device=device, moe_strategy="offload", moe_cache_size=32)
         backend = loaded.model.experts
-        backend.prefill_prefetch = prefetch
-        backend.copy_mode = copy_mode
         wrong = _check_each_layer_against_host_weights(backend, device)
         try:
             assert run(loaded) == want
@@ -351,67 +328,39 @@ def _prefill_prefetch_case(device: str, copy_mode: str = "dma"):
     assert on.distinct_misses < off.distinct_misses, "prefetched experts should be hits"
 
 
-def test_prefill_streams_the_next_layers_experts_and_stays_lossless():
+def test_prefill_streams_the_next_layers_experts_and_stays_lossless(monkeypatch):
     """A prefill chunk that routes to most experts prefetches the next layer's experts behind its own
-    copies (prefill_prefetch); tokens equal resident's, and the next layers then miss less."""
-    _prefill_prefetch_case("cpu")
+    copies; tokens equal resident's, and the next layers then miss less."""
+    _prefill_prefetch_case("cpu", monkeypatch)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("copy_mode", ["dma", "kernel"])
-def test_gpu_prefill_prefetch_is_lossless_and_lands_before_use(copy_mode):
+def test_gpu_prefill_prefetch_is_lossless_and_lands_before_use(monkeypatch):
     """The same on the GPU, where the prefetch copies run on the copy stream behind the layer's own
     and the next layer waits on their event: a missing wait would show as stale slot bytes or tokens."""
-    _prefill_prefetch_case("cuda", copy_mode)
+    _prefill_prefetch_case("cuda", monkeypatch)
 
 
-def test_prefill_prefetch_follows_its_knob(monkeypatch):
-    """OffloadExperts(prefill_prefetch=None) takes FREETOKEN_PREFILL_PREFETCH (default on; measured faster on the
-    H200: docs/OFFLOAD.md); an explicit argument wins; a bad value is refused with the choices."""
-    from gpu_worker.offload import OffloadExperts
-    from proto.knobs import export_setting
-    monkeypatch.setenv("FREETOKEN_PREFILL_PREFETCH", "on")      # recorded: the test's own writes are undone
-    monkeypatch.delenv("FREETOKEN_PREFILL_PREFETCH")
-    loaded = load_model(device="cpu", moe_strategy="offload", moe_cache_size=32)
-    try:
-        assert loaded.model.experts.prefill_prefetch is True
-    finally:
-        loaded.model.experts.close()
-    export_setting("prefill_prefetch", "off")            # what the CLIs do with --prefill-prefetch off
-    assert os.environ["FREETOKEN_PREFILL_PREFETCH"] == "off"
-    loaded = load_model(device="cpu", moe_strategy="offload", moe_cache_size=32)
-    try:
-        assert loaded.model.experts.prefill_prefetch is False
-        host = loaded.model.experts.host
-        assert OffloadExperts(host, 32, "cpu", prefill_prefetch=True).prefill_prefetch is True
-    finally:
-        loaded.model.experts.close()
-    monkeypatch.setenv("FREETOKEN_PREFILL_PREFETCH", "yes")
-    with pytest.raises(ValueError, match="choose one of: on, off"):
-        OffloadExperts(host, 32, "cpu")
-    with pytest.raises(ValueError, match="choose one of: on, off"):
-        export_setting("prefill_prefetch", "maybe")
-
-
-def _fail_once(monkeypatch, backend, method: str, at_call: int) -> list[int]:
-    """Make backend.<method> raise on its at_call-th call (counting from 1), after ensure has mapped the slots."""
-    real, calls = getattr(backend, method), [0]
+def _fail_once(monkeypatch, obj, method: str, at_call: int) -> list[int]:
+    """Make obj.<method> raise on its at_call-th call (counting from 1), after ensure has mapped the slots."""
+    real, calls = getattr(obj, method), [0]
 
     def failing(*args, **kwargs):
         calls[0] += 1
         if calls[0] == at_call:
             raise RuntimeError("injected failure after ensure")
         return real(*args, **kwargs)
-    monkeypatch.setattr(backend, method, failing)
+    monkeypatch.setattr(obj, method, failing)
     return calls
 
 
-@pytest.mark.parametrize("strategy", ["offload", "hybrid"])
-def test_a_call_that_raises_after_ensure_leaves_no_slot_mapped_without_its_bytes(monkeypatch, strategy):
+@pytest.mark.parametrize("strategy, chunk", [("offload", 4), ("offload", 32), ("hybrid", 4)])
+def test_a_call_that_raises_after_ensure_leaves_no_slot_mapped_without_its_bytes(monkeypatch, strategy, chunk):
     """A layer call that raises between `ensure` (slots mapped) and its copies must not leave those slots mapped:
     the next request would read them as hits. The backend empties its cache; the next generation equals resident's
     and every mapped slot holds its expert."""
-    resident = greedy_tokens(load_model(device="cpu"))
+    prompts = (PROMPT,) if chunk == 4 else (LONG,)
+    resident = greedy_tokens(load_model(device="cpu"), prompts=prompts, chunk=chunk)
     kwargs = {}
     if strategy == "hybrid":
         from gpu_worker.hybrid import HybridOptions
@@ -419,13 +368,16 @@ def test_a_call_that_raises_after_ensure_leaves_no_slot_mapped_without_its_bytes
     loaded = load_model(device="cpu", moe_strategy=strategy, moe_cache_size="1.0", **kwargs)   # no eviction hides it
     backend = loaded.model.experts
     try:
-        # offload copies through copy_missing, hybrid through _copy: fail the copies of the 7th layer call
-        calls = _fail_once(monkeypatch, backend, "copy_missing" if strategy == "offload" else "_copy", at_call=7)
+        # offload copies decode-sized calls through its DecodeCopy, prefill chunks through copy_missing; hybrid
+        # through _copy: fail the copies of the 3rd layer call
+        obj, method = ((backend, "_copy") if strategy == "hybrid" else (backend.copy, "run") if chunk == 4
+                       else (backend, "copy_missing"))
+        calls = _fail_once(monkeypatch, obj, method, at_call=3)
         with pytest.raises(RuntimeError, match="injected failure"):
-            greedy_tokens(loaded)
-        assert calls[0] == 7 and backend.stats.resets_after_error == 1
+            greedy_tokens(loaded, prompts=prompts, chunk=chunk)
+        assert calls[0] == 3 and backend.stats.resets_after_error == 1
         assert int((backend.cache.slot_for_id >= 0).sum()) == 0, "the cache was not emptied"
-        assert greedy_tokens(loaded) == resident
+        assert greedy_tokens(loaded, prompts=prompts, chunk=chunk) == resident
         assert_slots_hold_their_experts(backend)
         assert backend.stats.resets_after_error == 1
     finally:

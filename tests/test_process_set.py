@@ -57,9 +57,9 @@ def test_serve_attach_names_the_worker_flags_that_do_not_reach_an_attached_worke
     from coordinator.process_set import flags_an_attached_worker_ignores
 
     parser = build_parser()
-    given = ["--moe-slot-audit", "4", "--offload-copy", "kernel"]
+    given = ["--moe-slot-audit", "4", "--overlap-decode", "off"]
     attached = parser.parse_args(["serve", "--attach", *given])
-    assert flags_an_attached_worker_ignores(attached) == ["--offload-copy", "--moe-slot-audit"]
+    assert flags_an_attached_worker_ignores(attached) == ["--moe-slot-audit", "--overlap-decode"]
     assert flags_an_attached_worker_ignores(parser.parse_args(["serve", "--attach", "--pdl", "off"])) == ["--pdl"]
     chunk = parser.parse_args(["serve", "--attach", "--prefill-chunk-tokens", "1024"])
     assert flags_an_attached_worker_ignores(chunk) == ["--prefill-chunk-tokens"]
@@ -67,18 +67,18 @@ def test_serve_attach_names_the_worker_flags_that_do_not_reach_an_attached_worke
     assert flags_an_attached_worker_ignores(parser.parse_args(["serve", *given])) == []     # started here: they apply
 
 
-def test_serve_passes_the_prefill_chunk_and_prefetch_to_its_gpu_worker(tmp_path):
-    """`ft serve --prefill-chunk-tokens N --prefill-prefetch off` (process mode): the GPU worker's argv carries both,
+def test_serve_passes_the_prefill_chunk_and_the_overlap_to_its_gpu_worker(tmp_path):
+    """`ft serve --prefill-chunk-tokens N --overlap-decode off` (process mode): the GPU worker's argv carries both,
     its own parser takes them, and they stay out of the hashed engine config (local to the worker)."""
     serve = build_parser().parse_args(["serve", "--model", str(tmp_path / "m"), "--moe-strategy", "offload",
-                                       "--prefill-chunk-tokens", "1024", "--prefill-prefetch", "off"])
+                                       "--prefill-chunk-tokens", "1024", "--overlap-decode", "off"])
     options = options_from_serve_args(serve)
     flags = options.engine_flags
     assert flags[flags.index("--prefill-chunk-tokens") + 1] == "1024"
-    assert flags[flags.index("--prefill-prefetch") + 1] == "off"
+    assert flags[flags.index("--overlap-decode") + 1] == "off"
     worker = build_parser().parse_args(["worker", "gpu", "--engine-addr", "tcp://127.0.0.1:1", *flags])
-    assert (worker.prefill_chunk_tokens, worker.prefill_prefetch) == (1024, "off")
-    assert "prefill_chunk_tokens" not in options.config and "prefill_prefetch" not in options.config
+    assert (worker.prefill_chunk_tokens, worker.overlap_decode) == (1024, "off")
+    assert "prefill_chunk_tokens" not in options.config and "overlap_decode" not in options.config
     plain = options_from_serve_args(build_parser().parse_args(["serve", "--model", str(tmp_path / "m")]))
     assert "--prefill-chunk-tokens" not in plain.engine_flags             # unset: the worker's default applies
 

@@ -7,9 +7,9 @@ write the same K/V values the replay writes); later steps copy their token ids, 
 rows into the graph's static inputs and replay it. All graphs share one memory pool, and the KV
 cache and weights are outside it, so every replay sees the live cache.
 
-An expert backend opts in with `graph_safe(num_pairs) -> bool` (no host sync, fixed shapes for
-that many (token, expert) pairs); `ResidentExperts` is safe in its gemv and gather modes. Backends without it
-(offload reads its copy plan on the host) run eagerly.
+An expert backend says with `graph_safe(num_pairs)` whether a forward of that many (token, expert) pairs makes no
+host sync and has fixed shapes (`ResidentExperts` in its gemv mode, offload's decode copy kernel, hybrid's device
+hand-off), and with `graph_key()` what host state a captured forward depends on; other steps run eagerly.
 """
 from __future__ import annotations
 
@@ -45,14 +45,11 @@ class DecodeGraphs:
         self.replay_host_s = 0.0    # host time inside graph.replay() (cudaGraphLaunch), summed over replays
 
     def usable(self, num_requests: int) -> bool:
-        experts = self.engine.model.experts
-        safe = getattr(experts, "graph_safe", None)
-        return safe is not None and safe(num_requests * self.engine.model.cfg.top_k)
+        return self.engine.model.experts.graph_safe(num_requests * self.engine.model.cfg.top_k)
 
     def _key(self, inputs: "DecodeInputs") -> tuple:
-        graph_key = getattr(self.engine.model.experts, "graph_key", None)    # host state the forward reads
         return (inputs.token_ids.numel(), inputs.num_rows, inputs.bucket_tokens, inputs.rows_are_slots,
-                graph_key() if graph_key is not None else None)
+                self.engine.model.experts.graph_key())      # host state the forward reads
 
     def run(self, inputs: "DecodeInputs") -> torch.Tensor:
         """Logits [T, V] of the decode forward for `inputs`, through a captured graph."""

@@ -21,8 +21,6 @@ from typing import Hashable, Iterable
 
 import torch
 
-from proto.knobs import env_setting
-
 from ..models.model import MoeModel
 from .attention import ATTENTION_BACKENDS, DecodeAttention, PrefillAttention, decode_bucket_tokens
 from .kv_cache import KVCache
@@ -66,8 +64,8 @@ class EngineConfig:
     # queue the next decode step (fed with this one's sampled ids on the device) before reading this one's ids
     # back, so that the GPU does not idle while the host finishes the step (a request that stops with a step queued
     # leaves its neighbours' next token computed in the larger batch: bf16 may round it differently than the smaller
-    # batch would, as when any request joins or leaves a batch); None: the knob FREETOKEN_OVERLAP_DECODE
-    # (auto: on CUDA; gpu_worker/engine/README.md)
+    # batch would, as when any request joins or leaves a batch); None: on CUDA (the CLIs pass --overlap-decode /
+    # FREETOKEN_OVERLAP_DECODE; gpu_worker/engine/README.md)
     overlap_decode: bool | None = None
 
     def __post_init__(self) -> None:
@@ -126,18 +124,14 @@ class Engine:
         self.eos_token_ids = frozenset(cfg.eos_token_ids if eos_token_ids is None else eos_token_ids)
         self.kv = KVCache(cfg, self.config.max_running_requests, self.max_context_tokens, model.dtype,
                           self.device)
-        preferred = getattr(model.experts, "preferred_prefill_chunk_tokens", None)
         self.prefill_chunk_tokens = (self.config.prefill_chunk_tokens
-                                     or (preferred() if callable(preferred) else preferred)
+                                     or model.experts.preferred_prefill_chunk_tokens()
                                      or DEFAULT_PREFILL_CHUNK_TOKENS)
         self.scheduler = Scheduler(self.config.max_running_requests, self.prefill_chunk_tokens)
         self.stats = EngineStats()
         self._ids = itertools.count()
         overlap = self.config.overlap_decode
-        if overlap is None:                         # the knob (FREETOKEN_OVERLAP_DECODE, --overlap-decode)
-            setting = env_setting("overlap_decode")
-            overlap = self.device.type == "cuda" if setting == "auto" else setting == "on"
-        self.overlap_decode = bool(overlap)
+        self.overlap_decode = self.device.type == "cuda" if overlap is None else bool(overlap)
         self._ahead: _DecodeStep | None = None      # the decode step queued ahead (overlap_decode), not yet read
         self.graphs = None
         if self.config.cuda_graphs and self.device.type == "cuda":
@@ -202,10 +196,9 @@ class Engine:
         # a request of the queued step just ended (a stop token) or none is left: take it now, so that an idle
         # engine holds no step in flight and its stats and counters are whole
         outputs += self._take_stale_ahead()
-        counters = getattr(self.model.experts, "counters", None)
-        if counters is not None and (self._ahead is None or
-                                     self.stats.num_decode_steps % COUNTERS_EVERY_OVERLAPPED == 0):
-            self.stats.absorb_expert_counters(counters())   # offload / cpu / hybrid: stats, metrics, the tuner
+        if self._ahead is None or self.stats.num_decode_steps % COUNTERS_EVERY_OVERLAPPED == 0:
+            # offload / cpu / hybrid: stats, metrics, the tuner (resident: none)
+            self.stats.absorb_expert_counters(self.model.experts.counters())
         return outputs
 
     def _retire(self, outputs: list[StepOutput]) -> list[StepOutput]:
@@ -245,10 +238,8 @@ class Engine:
 
     def set_policy(self, **fields) -> None:
         """The coordinator's fetch policy (strategy, fetch_fraction, fetch_round, fetch_select, ...), passed
-        to the expert backend when it takes one (cpu / hybrid); other backends ignore it."""
-        setter = getattr(self.model.experts, "set_policy", None)
-        if setter is not None:
-            setter(**fields)
+        to the expert backend (cpu / hybrid take one; the others have nothing to set)."""
+        self.model.experts.set_policy(**fields)
 
     def generate(self, prompts: list[list[int]], params: SamplingParams | None = None) -> list[list[int]]:
         """Run ``prompts`` to completion on an idle engine; the generated ids of each, in order."""
@@ -327,18 +318,15 @@ class Engine:
     def _may_queue_next(self, reqs: list[Request]) -> bool:
         """Whether to queue the step after this one before reading this one's tokens (overlap_decode): the same
         requests will decode next and nothing else will run (no admission, no prefill), none of them ends by length
-        with this step's token, the backend's steps may overlap (no step hooks that sync: the hybrid backend, the DMA
-        proxy), and no slot audit falls on this step (it reads the cache with nothing in flight). A request that ends on a stop token makes its next token
-        for nothing."""
+        with this step's token, the backend's steps may overlap (`decode_steps_may_overlap`: not the hybrid backend,
+        whose step hooks sync), and no slot audit falls on this step (it reads the cache with nothing in flight). A
+        request that ends on a stop token makes its next token for nothing."""
         if not self.overlap_decode or self.scheduler.next_decode_only() != reqs:
             return False
-        experts = self.model.experts
-        may = getattr(experts, "decode_steps_may_overlap", None)
-        may = may() if callable(may) else may
-        if may is None:
-            may = getattr(experts, "step_begin", None) is None and getattr(experts, "step_end", None) is None
         every = self.config.slot_audit_every
-        if not may or (every and (self.stats.num_decode_steps + 1) % every == 0):
+        if every and (self.stats.num_decode_steps + 1) % every == 0:
+            return False
+        if not self.model.experts.decode_steps_may_overlap():
             return False
         return all(len(r.output_ids) + 1 < r.params.max_new_tokens and r.seq_len + 1 <= r.max_context_tokens
                    for r in reqs)
@@ -347,17 +335,15 @@ class Engine:
         """Queue one decode forward and its sampling; the ids stay on the device (and are copied to pinned host
         memory behind them) until `_DecodeStep.token_ids` reads them."""
         experts = self.model.experts
-        begin, end = getattr(experts, "step_begin", None), getattr(experts, "step_end", None)
         for attempt in range(DECODE_ATTEMPTS):
-            if begin is not None:
-                begin()
+            experts.step_begin()
             if self.graphs is not None and self.graphs.usable(len(reqs)):
                 logits = self.graphs.run(inputs)
             else:
                 logits = self.decode_forward(inputs)
             # A backend whose step can fail inside a graph (the device hand-off) says so here; it has then
             # switched to fetching, and the step runs again (it rewrites the same K/V rows).
-            if end is None or end():
+            if experts.step_end():
                 break
             self.stats.decode_step_retries += 1
         else:
@@ -376,15 +362,14 @@ class Engine:
         """The slot audit (EngineConfig.slot_audit_every): check the backend's slot cache on the host, and on a
         problem log it, count it and empty the cache, so later steps fetch every expert again instead of
         computing with a slot that does not hold its expert. The step just sampled used the cache as it was."""
-        audit = getattr(experts, "audit_slots", None)
-        if audit is None:                                  # no slot cache (resident, cpu), or wrapped
+        if not experts.has_slot_cache:                     # resident, cpu
             if not self._audit_skip_logged:
                 self._audit_skip_logged = True
                 log.info("slot audit: the %s backend has no slot cache to audit", type(experts).__name__)
             return
         self.stats.slot_audits += 1
         try:
-            problems = audit(SLOT_AUDIT_SAMPLE, SLOT_AUDIT_PROBES, seed=self.stats.num_decode_steps)
+            problems = experts.audit_slots(SLOT_AUDIT_SAMPLE, SLOT_AUDIT_PROBES, seed=self.stats.num_decode_steps)
         except Exception:                                   # a check must not lose the step's tokens
             self.stats.slot_audit_failures += 1
             log.exception("slot cache audit after decode step %d could not run", self.stats.num_decode_steps)

@@ -39,7 +39,7 @@ from kernels import expert_split
 from kernels.impl import interpreted
 from kernels.slot_cache import SlotCache, set_policy
 from kernels.slot_cache.api import MAX_PREFETCH_CANDIDATES
-from proto.knobs import KNOBS_BY_FIELD, env_setting
+from proto.knobs import KNOBS_BY_FIELD
 
 from .cpu_pool import CpuPool
 from .device_doorbell import DeviceDoorbell
@@ -100,9 +100,7 @@ class HybridExperts(DeviceHandoff, HostHandoff, SlotPoolAudit):
         self._queued = torch.cuda.Event() if self.on_cuda else None
         # prefill chunks run as offload (more than cpu_max_tokens tokens) stream the next layer's experts
         # behind their own (None: the knob, default on); layer -> the event after its prefetched experts' copies
-        if prefill_prefetch is None:
-            prefill_prefetch = env_setting("prefill_prefetch") == "on"
-        self.prefill_prefetch = bool(prefill_prefetch)
+        self.prefill_prefetch = True if prefill_prefetch is None else bool(prefill_prefetch)
         self._prefetched: dict[int, torch.cuda.Event | None] = {}
         self._candidates = torch.arange(min(self.num_experts, MAX_PREFETCH_CANDIDATES), dtype=torch.int64,
                                         device=self.device)

@@ -6,7 +6,8 @@ from .expert_sources import CheckpointExpertSource, ExpertSource, RandomExpertSo
 from .loader import LoadedModel, ModelSource, load_model, open_model_source
 from .model import AttentionContext, MoeModel
 from .presets import PRESET_NAMES
-from .resident_experts import ExpertBackend, ResidentExperts
+from .expert_backend import ExpertBackend
+from .resident_experts import ResidentExperts
 
 __all__ = [
     "MoeConfig", "BackendNotAvailableError", "make_expert_backend", "ExpertLayout", "pack_experts",

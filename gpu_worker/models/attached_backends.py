@@ -13,7 +13,7 @@ import torch
 
 from .expert_backends import make_expert_backend
 from .expert_sources import ExpertSource
-from .resident_experts import ExpertBackend
+from .expert_backend import ExpertBackend
 
 HOST_STORE_STRATEGIES = ("offload", "cpu", "hybrid")     # strategies whose experts live in the host store
 CPU_POOL_STRATEGIES = ("cpu", "hybrid")                  # ... and whose misses CPU workers compute
@@ -26,10 +26,8 @@ def needs_host_store(strategy: str) -> bool:
 def make_attached_expert_backend(strategy: str, source: ExpertSource, device: torch.device | str, *,
                                  store_name: str = "", cpu_channels: list[str] | tuple[str, ...] = (),
                                  cache_size: int | float | str | None = None, mode: str = "auto",
-                                 per_layer: bool = False, reserve_cpus: str | None = None,
-                                 offload_copy: str = "dma") -> ExpertBackend:
+                                 per_layer: bool = False, reserve_cpus: str | None = None) -> ExpertBackend:
     """The backend for ``strategy``, reading experts from the store ``store_name`` where it needs one.
-    ``offload_copy``: the offload backend's copy mode (dma | kernel | proxy; OffloadExperts.copy_mode).
     ``reserve_cpus``: the CPUs the coordinator kept free of CPU workers (the GPU worker's torch threads
     follow their count; None: HybridOptions' default)."""
     if not needs_host_store(strategy):
@@ -47,8 +45,7 @@ def make_attached_expert_backend(strategy: str, source: ExpertSource, device: to
     try:
         _check_store(host, source, store_name)
         if strategy == "offload":
-            return OffloadExperts(host, slots, torch.device(device), per_layer=per_layer, mode=mode,
-                                  copy_mode=offload_copy)
+            return OffloadExperts(host, slots, torch.device(device), per_layer=per_layer, mode=mode)
         return _attached_hybrid(strategy, host, source, slots, torch.device(device), list(cpu_channels),
                                 per_layer=per_layer, mode=mode, reserve_cpus=reserve_cpus)
     except BaseException:

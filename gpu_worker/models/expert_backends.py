@@ -1,15 +1,16 @@
 """`make_expert_backend`: the one place that turns ``--moe-strategy`` into an `ExpertBackend`.
 
 To add a backend, build it here from the `ExpertSource` (which fills packed [E, N] layers wherever
-the backend wants them) and return an object with ``forward(layer_idx, x, topk_ids, topk_weights)
--> [T, H]``. ``cpu`` and ``hybrid`` live in gpu_worker/hybrid (docs/HYBRID.md).
+the backend wants them) and return an `ExpertBackend` (expert_backend.py). ``cpu`` and ``hybrid``
+live in gpu_worker/hybrid (docs/HYBRID.md).
 """
 from __future__ import annotations
 
 import torch
 
 from .expert_sources import ExpertSource
-from .resident_experts import ExpertBackend, ResidentExperts
+from .expert_backend import ExpertBackend
+from .resident_experts import ResidentExperts
 
 STRATEGIES = ("resident", "offload", "cpu", "hybrid")
 
@@ -20,18 +21,15 @@ class BackendNotAvailableError(RuntimeError):
 
 def make_expert_backend(strategy: str, source: ExpertSource, device: torch.device | str,
                         cache_size: int | float | str | None = None, mode: str = "auto",
-                        per_layer: bool = False, hybrid=None, top_k: int | None = None,
-                        offload_copy: str = "dma") -> ExpertBackend:
+                        per_layer: bool = False, hybrid=None, top_k: int | None = None) -> ExpertBackend:
     """Build the expert backend for ``strategy`` on ``device``.
 
     cache_size: GPU expert slots for ``offload``, ``cpu`` and ``hybrid``: a count, or a fraction in
         (0, 1] of all experts (default 0.25); ignored by ``resident``, which holds all experts.
     per_layer: give every layer its own pool of cache_size // num_layers slots.
-    mode: ``ResidentExperts`` compute mode (auto | grouped | gather | gemv).
+    mode: ``ResidentExperts`` compute mode (auto | grouped | gemv).
     hybrid: ``gpu_worker.hybrid.HybridOptions`` for ``cpu`` and ``hybrid`` (None: defaults).
     top_k: experts per token (sizes the CPU pool's channels); default: the source's config, else 8.
-    offload_copy: ``offload`` copies by DMA with a host readback of the plan (``dma``), or with a
-        device-side kernel through mapped host memory (``kernel``: no sync, CUDA-graph capturable).
     """
     if strategy == "resident":
         return ResidentExperts.from_source(source, device, mode=mode)
@@ -43,8 +41,7 @@ def make_expert_backend(strategy: str, source: ExpertSource, device: torch.devic
         device = torch.device(device)
         host = HostExperts.create_filled(source, staging_device=device if device.type == "cuda" else None)
         try:
-            backend = OffloadExperts(host, slots, device, per_layer=per_layer, mode=mode,
-                                     copy_mode=offload_copy)
+            backend = OffloadExperts(host, slots, device, per_layer=per_layer, mode=mode)
         except BaseException:
             host.close()
             raise

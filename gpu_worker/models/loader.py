@@ -125,7 +125,7 @@ def open_model_source(model_dir: str | Path | None = None, preset: str | None = 
 def load_model(model_dir: str | Path | None = None, preset: str | None = None, *,
                device: str | torch.device = "auto", dtype: str | torch.dtype | None = "auto",
                moe_strategy: str = "resident", moe_cache_size: int | float | str | None = None, seed: int = 0,
-               expert_compute: str = "auto", hybrid=None, offload_copy: str = "dma",
+               expert_compute: str = "auto", hybrid=None,
                fused_kernels: bool | None = None) -> LoadedModel:
     """Load dense weights and build the expert backend on ``device``; see module docstring.
 
@@ -135,8 +135,7 @@ def load_model(model_dir: str | Path | None = None, preset: str | None = None, *
     device = resolve_device(device)
     source = open_model_source(model_dir, preset, dtype=dtype, seed=seed, device=device)
     experts = make_expert_backend(moe_strategy, source.experts, device, cache_size=moe_cache_size,
-                                  mode=expert_compute, hybrid=hybrid, top_k=source.cfg.top_k,
-                                  offload_copy=offload_copy)
+                                  mode=expert_compute, hybrid=hybrid, top_k=source.cfg.top_k)
     dense = source.load_dense(device)
     model = MoeModel(source.cfg, dense, experts, max_positions=min(32768, source.cfg.max_position_embeddings),
                      fused_kernels=fused_kernels)

@@ -27,7 +27,7 @@ from kernels import moe_decode as kops
 from .config import MoeConfig
 from .dense_weights import DenseWeights, LayerWeights, fuse_qkv
 from .layers import RotaryTable, apply_rope, rms_norm, route
-from .resident_experts import ExpertBackend
+from .expert_backend import ExpertBackend
 
 
 class AttentionContext(Protocol):
@@ -59,9 +59,6 @@ class MoeModel:
         self._dense_linear = "gemv" if self.device.type == "cuda" else "torch"
         # benchmarks of random-weight presets: expert ids from a table (synthetic_routing.py)
         self.routing_override = None
-        # with routing_override: hand each layer's routes to the expert backend's `early_plan` before the layer's
-        # attention (copies that start before the router: the bound of a perfect prediction; docs/OFFLOAD.md)
-        self.routing_ahead = False
         if self.fused_kernels:
             fuse_qkv(dense)
 
@@ -95,7 +92,6 @@ class MoeModel:
         if self.fused_kernels:
             return self._forward_fused(x, positions, cos, sin, attn, logit_rows)
         for i, layer in enumerate(self.dense.layers):
-            self._plan_ahead(i, positions)
             x = x + self._attention(i, layer, rms_norm(x, layer.attn_norm, self.cfg.rms_norm_eps),
                                     cos, sin, attn)
             x = x + self._moe(i, layer, rms_norm(x, layer.mlp_norm, self.cfg.rms_norm_eps), positions)
@@ -103,13 +99,6 @@ class MoeModel:
             x = x.index_select(0, logit_rows)                           # [R, H]
         x = rms_norm(x, self.dense.final_norm, self.cfg.rms_norm_eps)
         return F.linear(x, self.dense.lm_head).float()                  # [R, V]
-
-    def _plan_ahead(self, i: int, positions: torch.Tensor) -> None:
-        """routing_ahead: layer i's routes (the synthetic table's) to the backend's early_plan, before its attention."""
-        if self.routing_ahead and self.routing_override is not None:
-            early_plan = getattr(self.experts, "early_plan", None)
-            if early_plan is not None:
-                early_plan(i, self.routing_override.ids(i, positions))
 
     def _attention(self, i: int, layer: LayerWeights, h: torch.Tensor, cos: torch.Tensor,
                    sin: torch.Tensor, attn: AttentionContext) -> torch.Tensor:
@@ -148,7 +137,6 @@ class MoeModel:
         norms = [w for layer in layers for w in (layer.attn_norm, layer.mlp_norm)] + [self.dense.final_norm]
         h = kops.rms_norm(x, norms[0], eps, impl=impl)                   # [T, H]
         for i, layer in enumerate(layers):
-            self._plan_ahead(i, positions)
             x, h = kops.add_rms_norm(x, self._attention_fused(i, layer, h, cos, sin, attn), norms[2 * i + 1],
                                      eps, impl=impl)
             x, h = kops.add_rms_norm(x, self._moe_fused(i, layer, h, positions), norms[2 * i + 2], eps,

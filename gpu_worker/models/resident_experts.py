@@ -1,6 +1,7 @@
-"""The expert seam and its simplest backend.
+"""The expert compute functions and the simplest backend.
 
-Every MoE layer routes, then calls ``experts.forward(layer_idx, x, topk_ids, topk_weights)``:
+Every MoE layer routes, then calls ``experts.forward(layer_idx, x, topk_ids, topk_weights)``
+(`ExpertBackend`, expert_backend.py):
 
     x:            [T, H]  hidden states after the post-attention norm (model dtype)
     topk_ids:     [T, K]  int64 expert ids in 0..E-1
@@ -8,53 +9,31 @@ Every MoE layer routes, then calls ``experts.forward(layer_idx, x, topk_ids, top
     returns       [T, H]  sum_k w_k * down(silu(gate x) * up x), model dtype
 
 `ResidentExperts` keeps every expert in device memory, one packed [E, N] tensor per layer
-(expert_layout). Three ways to compute, same result:
+(expert_layout). Two ways to compute, same result up to fp32 summation order:
 - ``grouped``: sort the (token, expert) pairs by expert and run the GEMMs per expert group: two
-  `torch._grouped_mm` launches over all experts on CUDA bf16 (Hopper+), else one GEMM pair per routed
-  expert with one host sync per layer (the per-expert counts). Reads each routed expert once. For prefill.
+  `torch._grouped_mm` launches over all experts where they apply (CUDA bf16, Hopper+), else one GEMM pair per
+  routed expert with one host sync per layer (the per-expert counts). Reads each routed expert once. For prefill.
 - ``gemv``: `kernels.moe_decode.moe_gemv`, Triton GEMVs that read the T*K routed experts in place
   (no copy). No host sync, fixed shapes (CUDA-graph capturable); for small decode batches. On CPU
   it runs its torch reference.
-- ``gather``: gather the K routed experts of every token and run batched GEMVs. No host sync and
-  fixed shapes too, but it copies T*K experts (what ``gemv`` replaced; kept for comparison).
-``gemv`` and ``gather`` round at the same points (they differ only in fp32 summation order).
 ``auto`` takes ``gemv`` on CUDA when T*K <= gather_max_pairs (default 32, settable), else
-``grouped``. Forcing ``gemv`` or ``gather`` applies to prefill too, where a long prompt would read
-(gather: copy) T*K experts: meant for tests and for capturing decode graphs.
-The offload and hybrid backends choose with the same rule (`pick_mode`, `expert_ffn`), so that
+``grouped``. Forcing ``gemv`` applies to prefill too, where a long prompt would read T*K experts: meant for
+tests. The offload and hybrid backends choose with the same rule (`pick_mode`, `expert_ffn`), so that
 greedy tokens agree across backends.
 """
 from __future__ import annotations
-
-from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 
 from kernels.moe_decode import moe_gemv
 
+from .expert_backend import ExpertBackend
 from .expert_layout import ExpertLayout, unpack_experts
 from .expert_sources import ExpertSource
 
-MODES = ("auto", "grouped", "gather", "gemv")
-GRAPH_SAFE_MODES = ("gather", "gemv")       # no host sync, fixed shapes
-
-
-class ExpertBackend(Protocol):
-    num_layers: int
-    num_experts: int
-    layout: ExpertLayout
-
-    def forward(self, layer_idx: int, x: torch.Tensor, topk_ids: torch.Tensor,
-                topk_weights: torch.Tensor) -> torch.Tensor:
-        """[T, H] -> [T, H]; see the module docstring."""
-
-
-# The grouped mode's GEMMs: "auto" runs each of the two as one torch._grouped_mm launch over every expert where
-# it applies (`grouped_mm_applies`: CUDA, bf16, compute capability 9.0+), else one GEMM pair per routed expert
-# (`grouped_loop_expert_ffn`); "loop" always loops, "mm" always takes _grouped_mm (it runs on the CPU too: tests).
-GROUPED_MM = "auto"
-GROUPED_MM_CHOICES = ("auto", "loop", "mm")
+MODES = ("auto", "grouped", "gemv")
+GRAPH_SAFE_MODES = ("gemv",)       # no host sync, fixed shapes
 # Groups one torch._grouped_mm call takes (its check is group_count < 1024: "Can't process more than 1024 groups"); a larger
 # slot pool (offload / hybrid at 25% of qwen3-30b-a3b's experts: 1,536 slots) goes in windows of this many.
 GROUPED_MM_MAX_GROUPS = 1023
@@ -76,14 +55,12 @@ def grouped_mm_applies(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> 
 
 def grouped_expert_ffn(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                        w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
-    """The grouped mode: `grouped_mm_expert_ffn` where `GROUPED_MM` and the operands allow, else
+    """The grouped mode: `grouped_mm_expert_ffn` where the operands allow (`grouped_mm_applies`), else
     `grouped_loop_expert_ffn` (same rounding points; the GEMMs' fp32 accumulation order differs).
 
     x [T, H], topk_ids/topk_weights [T, K], w13 [E, 2I, H], w2 [E, H, I] -> [T, H]
     """
-    if GROUPED_MM not in GROUPED_MM_CHOICES:
-        raise ValueError(f"GROUPED_MM={GROUPED_MM!r}: use one of {', '.join(GROUPED_MM_CHOICES)}")
-    if GROUPED_MM == "mm" or (GROUPED_MM == "auto" and grouped_mm_applies(x, w13, w2)):
+    if grouped_mm_applies(x, w13, w2):
         return grouped_mm_expert_ffn(x, topk_ids, topk_weights, w13, w2)
     return grouped_loop_expert_ffn(x, topk_ids, topk_weights, w13, w2)
 
@@ -153,23 +130,6 @@ def grouped_loop_expert_ffn(x: torch.Tensor, topk_ids: torch.Tensor, topk_weight
     return (y.view(T, K, -1) * topk_weights.unsqueeze(-1)).sum(dim=1).to(x.dtype)
 
 
-def gathered_expert_ffn(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-                        w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
-    """The same FFN with fixed shapes and no host sync: gathers T*K expert weight copies.
-
-    x [T, H], topk_ids/topk_weights [T, K], w13 [E, 2I, H], w2 [E, H, I] -> [T, H]
-    """
-    T, K = topk_ids.shape
-    inter = w2.shape[2]
-    flat_ids = topk_ids.reshape(-1)                                   # [P = T*K]
-    xp = x.unsqueeze(1).expand(T, K, x.shape[1]).reshape(T * K, -1, 1)  # [P, H, 1], pair p = t*K + k
-    h = torch.bmm(w13.index_select(0, flat_ids), xp).squeeze(2)       # [P, 2I]
-    h = (F.silu(h[:, :inter]) * h[:, inter:]).unsqueeze(2)            # [P, I, 1]
-    y = torch.bmm(w2.index_select(0, flat_ids), h).squeeze(2)         # [P, H]
-    y = y.float() * topk_weights.reshape(-1, 1)                       # [P, H] fp32
-    return y.view(T, K, -1).sum(dim=1).to(x.dtype)                    # [T, H]
-
-
 def gemv_expert_ffn(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                     w13: torch.Tensor, w2: torch.Tensor, impl: str = "auto") -> torch.Tensor:
     """The same FFN reading the routed experts in place (kernels.moe_decode.moe_gemv): no copy, no
@@ -190,15 +150,13 @@ def pick_mode(mode: str, on_cuda: bool, num_pairs: int, gather_max_pairs: int) -
 
 def expert_ffn(mode: str, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                w13: torch.Tensor, w2: torch.Tensor, kernel_impl: str = "auto") -> torch.Tensor:
-    """Run the FFN of a resolved ``mode`` (grouped | gather | gemv); see the module docstring."""
+    """Run the FFN of a resolved ``mode`` (grouped | gemv); see the module docstring."""
     if mode == "gemv":
         return gemv_expert_ffn(x, topk_ids, topk_weights, w13, w2, impl=kernel_impl)
-    if mode == "gather":
-        return gathered_expert_ffn(x, topk_ids, topk_weights, w13, w2)
     return grouped_expert_ffn(x, topk_ids, topk_weights, w13, w2)
 
 
-class ResidentExperts:
+class ResidentExperts(ExpertBackend):
     """All experts in device memory; ``packed[l]`` is layer l's [E, N] tensor."""
 
     def __init__(self, packed: list[torch.Tensor], layout: ExpertLayout, mode: str = "auto",
@@ -233,7 +191,7 @@ class ResidentExperts:
         return pick_mode(self.mode, device.type == "cuda", num_pairs, self.gather_max_pairs)
 
     def graph_safe(self, num_pairs: int) -> bool:
-        """Capturable in a CUDA graph for this many (token, expert) pairs: the gemv and gather modes."""
+        """Capturable in a CUDA graph for this many (token, expert) pairs: the gemv mode."""
         return self.choose_mode(num_pairs, self.packed[0].device) in GRAPH_SAFE_MODES
 
     def forward(self, layer_idx: int, x: torch.Tensor, topk_ids: torch.Tensor,
@@ -242,6 +200,5 @@ class ResidentExperts:
         mode = self.choose_mode(topk_ids.numel(), x.device)
         return expert_ffn(mode, x, topk_ids, topk_weights, w13, w2, kernel_impl=self.kernel_impl)
 
-    @property
     def nbytes(self) -> int:
         return sum(p.numel() * p.element_size() for p in self.packed)

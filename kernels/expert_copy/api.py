@@ -10,7 +10,6 @@ from .reference import copy_plan_reference
 DEFAULT_CHUNKS = 64        # programs per expert row
 BLOCK_WORDS = 2048         # 16-bit words a program moves per loop iteration (4 KiB)
 NUM_WARPS = 4
-PREFETCH_BLOCKS = 0        # > 0: L2 bulk prefetch that many blocks ahead (sm_90, an experiment; 0: off)
 
 
 def _words(t: torch.Tensor, what: str) -> torch.Tensor:
@@ -24,8 +23,7 @@ def _words(t: torch.Tensor, what: str) -> torch.Tensor:
 def copy_plan(slots: torch.Tensor, host_rows: torch.Tensor, evict_slots: torch.Tensor,
               src_indices: torch.Tensor, num_indices: torch.Tensor, *, max_copies: int,
               impl: str = "auto", chunks: int | None = None, block_words: int | None = None,
-              num_warps: int | None = None, prefetch_blocks: int | None = None,
-              cols: tuple[int, int] | None = None) -> None:
+              num_warps: int | None = None, cols: tuple[int, int] | None = None) -> None:
     """slots[evict[i]] = host_rows[src[i]] for i < num_indices, without reading the plan on the host.
 
     slots: [S_total, N] device pool; host_rows: [E, N] host view (pinned / registered for the
@@ -33,9 +31,7 @@ def copy_plan(slots: torch.Tensor, host_rows: torch.Tensor, evict_slots: torch.T
     bound of num_indices known on the host (e.g. the number of routes), which sizes the grid.
     chunks (programs per expert), block_words (16-bit words a program moves per iteration) and
     num_warps tune the kernel; None: the module's DEFAULT_CHUNKS / BLOCK_WORDS / NUM_WARPS, read at
-    call time (bench/bench_copy_plan.py sweeps them). prefetch_blocks (None: PREFETCH_BLOCKS): thread 0
-    of each program asks for an L2 bulk prefetch of the block that many iterations ahead (Hopper's
-    cp.async.bulk.prefetch; applied on a GPU with 16-byte aligned rows only, a no-op elsewhere).
+    call time (bench/bench_copy_plan.py sweeps them).
     cols = (lo, hi): copy only elements [lo, hi) of each planned row (an expert's w13 or w2, so that a
     copy in two parts can release the GEMMs of the first part early); the chunk size stays the one of a
     whole row, so a part takes proportionally fewer programs. None: the whole row.
@@ -64,18 +60,14 @@ def copy_plan(slots: torch.Tensor, host_rows: torch.Tensor, evict_slots: torch.T
     chunks = DEFAULT_CHUNKS if chunks is None else int(chunks)
     block = BLOCK_WORDS if block_words is None else int(block_words)
     warps = NUM_WARPS if num_warps is None else int(num_warps)
-    prefetch = PREFETCH_BLOCKS if prefetch_blocks is None else int(prefetch_blocks)
-    if chunks < 1 or block < 8 or block & (block - 1) or warps not in (1, 2, 4, 8, 16) or prefetch < 0:
+    if chunks < 1 or block < 8 or block & (block - 1) or warps not in (1, 2, 4, 8, 16):
         raise ValueError(f"chunks {chunks} must be >= 1, block_words {block} a power of two >= 8, "
-                         f"num_warps {warps} one of 1, 2, 4, 8, 16, prefetch_blocks {prefetch} >= 0")
+                         f"num_warps {warps} one of 1, 2, 4, 8, 16")
     aligned = host_words.data_ptr() % 16 == 0 and host_words.stride(0) % 8 == 0 and lo % 8 == 0
-    if prefetch and (slots.device.type != "cuda" or not aligned
-                     or torch.cuda.get_device_capability(slots.device)[0] < 9):
-        prefetch = 0                     # the interpreter has no inline PTX; the bulk prefetch is sm_90+
     row_words = slot_words.shape[1]
     chunk_words = -(-row_words // chunks)
     chunk_words = -(-chunk_words // block) * block
     grid = (max_copies, -(-(hi - lo) // chunk_words))
     copy_plan_kernel[grid](slot_words, host_words.data_ptr(), host_words.stride(0), evict_slots,
                            src_indices, num_indices, row_words, chunk_words, lo, hi, BLOCK=block,
-                           ALIGNED=aligned, PREFETCH=prefetch, num_warps=warps)
+                           ALIGNED=aligned, num_warps=warps)

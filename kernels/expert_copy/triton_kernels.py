@@ -8,16 +8,6 @@ import triton.language as tl
 
 
 @triton.jit
-def _prefetch_l2(addr, nbytes):
-    """Thread 0 of the block asks the TMA unit to bring [addr, addr + nbytes) into L2
-    (cp.async.bulk.prefetch.L2, sm_90; addr 16-byte aligned, nbytes a multiple of 16). A hint only."""
-    tl.inline_asm_elementwise(
-        "{ .reg .pred p; .reg .b32 t; mov.u32 t, %tid.x; setp.eq.u32 p, t, 0; "
-        "@p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
-        "=r,l,r", [addr, nbytes], dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
 def copy_plan_kernel(
     slots_ptr,            # [S_total, W] int16: the GPU slot pool as raw words
     host_addr,            # int: address of the layer's host row 0 (mapped for the device)
@@ -31,7 +21,6 @@ def copy_plan_kernel(
     col_hi,               # one past the last word to copy (<= W)
     BLOCK: tl.constexpr,  # words per load/store
     ALIGNED: tl.constexpr = False,   # host_addr 16-byte aligned (and rows a multiple of 8 words apart)
-    PREFETCH: tl.constexpr = 0,      # > 0 (GPU, ALIGNED): L2 bulk prefetch of the block PREFETCH blocks ahead
 ):
     i = tl.program_id(0)
     c = tl.program_id(1)
@@ -46,13 +35,6 @@ def copy_plan_kernel(
         start = col_lo + c * chunk_words
         end = tl.minimum(start + chunk_words, col_hi)
         for w0 in range(start, end, BLOCK):
-            if PREFETCH > 0:
-                # An experiment (docs/OFFLOAD.md): whether bulk requests from the TMA unit keep more of the PCIe
-                # link busy than the SM loads below, which the copy engine outpaces by 6-8%.
-                ahead = w0 + PREFETCH * BLOCK
-                nbytes = ((tl.minimum(end - ahead, BLOCK) * 2) // 16) * 16
-                if nbytes > 0:
-                    _prefetch_l2(host + src_row * host_row_words + ahead, nbytes.to(tl.int32))
             offs = w0 + tl.arange(0, BLOCK)
             m = offs < end
             v = tl.load(host + src_row * host_row_words + offs, mask=m)

@@ -32,10 +32,9 @@ def cases():
                 ON_GPU=True)
     copy_sig = {"slots_ptr": "*i16", "host_addr": "i64", "host_row_words": "i32", "evict_ptr": "*i32",
                 "src_ptr": "*i32", "num_indices_ptr": "*i32", "row_words": "i32", "chunk_words": "i32",
-                "col_lo": "i32", "col_hi": "i32", "BLOCK": "constexpr", "ALIGNED": "constexpr", "PREFETCH": "constexpr"}
+                "col_lo": "i32", "col_hi": "i32", "BLOCK": "constexpr", "ALIGNED": "constexpr"}
     from kernels.expert_copy.api import BLOCK_WORDS
-    return [("plan copy aligned", "copy_plan_kernel", copy_sig, dict(BLOCK=BLOCK_WORDS, ALIGNED=True, PREFETCH=0)),
-            ("plan copy prefetch", "copy_plan_kernel", copy_sig, dict(BLOCK=BLOCK_WORDS, ALIGNED=True, PREFETCH=2)),
+    return [("plan copy aligned", "copy_plan_kernel", copy_sig, dict(BLOCK=BLOCK_WORDS, ALIGNED=True)),
             ("ring owner bf16", "ring_kernel", ring_sig, ring),
             ("ring owner bf16 split", "ring_kernel", ring_sig, {**ring, "HAS_SPLIT": True}),
             ("ring all fp32", "ring_kernel", {**ring_sig, "x_ptr": "*fp32"},
@@ -88,8 +87,7 @@ def main(argv: list[str] | None = None) -> int:
         compiled = compile_for_arch(fn, signature, constexprs, args.arch, divisible=aligned)
         ptx = compiled.asm["ptx"]
         counts = {op: ptx.count(op) for op in ("ld.acquire.sys", "fence.acq_rel.sys", "%globaltimer", "bar.sync",
-                                               "ld.global.v4", "ld.global.cv.v4", "st.global.v4",
-                                               "cp.async.bulk.prefetch.L2")}
+                                               "ld.global.v4", "ld.global.cv.v4", "st.global.v4")}
         print(f"{name:22s} " + "  ".join(f"{k} {v}" for k, v in counts.items()))
         if args.ptx:
             os.makedirs(args.ptx, exist_ok=True)
