@@ -199,17 +199,13 @@ def table_row(name: str, r: dict, both_bytes_s: float, shared_bytes_s: float, ex
 
 
 def variants(args) -> list[tuple[str, dict | None]]:
-    out: list[tuple[str, dict | None]] = [("offload kernel graphs", {"copy_mode": "kernel"}),
-                                          # the same with the copy and every GEMM in one stream, in turn
-                                          ("offload kernel graphs serial", {"copy_mode": "kernel",
-                                                                            "overlap_copy": False}),
-                                          ("offload", None), ("cpu", {"strategy": "cpu"})]
+    out: list[tuple[str, dict | None]] = [("offload", {"strategy": "offload"}), ("cpu", {"strategy": "cpu"})]
     for promote in (True, False):
         for rnd in ROUNDS:
             out.append((f"hybrid {rnd}{'' if promote else ' no-promo'}",
                         {"strategy": "hybrid", "fetch_round": rnd, "promote": promote}))
     # each planned expert copied whole (one part), against the default w13-then-w2 copy
-    out.append(("offload kernel graphs whole-copy", {"copy_mode": "kernel", "split_copy": False}))
+    out.append(("offload whole-copy", {"strategy": "offload", "split_copy": False}))
     out.append(("hybrid min-wait whole-copy", {"strategy": "hybrid", "fetch_round": "min-wait",
                                                "promote": True, "split_copy": False}))
     # the coordinator's online tuner moving f from the probes' value while it decodes
@@ -221,8 +217,6 @@ def variants(args) -> list[tuple[str, dict | None]]:
     # resolved in main once the probe has run (the probes' f when it failed)
     out.append(("hybrid split shared-f", {"strategy": "hybrid", "fetch_round": "split", "promote": True,
                                           "fetch_fraction": "shared"}))
-    out.append(("hybrid min-wait serial", {"strategy": "hybrid", "fetch_round": "min-wait", "promote": True,
-                                           "overlap_copy": False}))
     for f in filter(None, (v.strip() for v in args.extra_fractions.split(","))):
         for rnd in ("min-wait", "split"):
             out.append((f"hybrid {rnd} f={float(f):.3g}", {"strategy": "hybrid", "fetch_round": rnd,
@@ -232,7 +226,7 @@ def variants(args) -> list[tuple[str, dict | None]]:
         out = [v for v in out if any(v[0].startswith(k) if not k.startswith("=") else v[0] == k[1:] for k in keep)]
     weights = freq_weights(args.freq_weights)
     if weights != [None]:       # each variant once per eviction weight W, side by side ("... fw256"; 0: LRU)
-        out = [(f"{n} fw{w}", {**(p or {"copy_mode": "dma"}), "freq_weight": w}) for n, p in out for w in weights]
+        out = [(f"{n} fw{w}", {**p, "freq_weight": w}) for n, p in out for w in weights]
     return out
 
 
@@ -352,10 +346,9 @@ def main() -> int:
                 apply_pdl(pdl_mode)
             tune = False
             eviction = {"freq_half_life": args.freq_half_life}
-            if policy is None:
-                backend = OffloadExperts(host, slots, device, **eviction)
-            elif "copy_mode" in policy:       # the device-side plan copy: decode runs in CUDA graphs
-                backend = OffloadExperts(host, slots, device, **policy, **eviction)
+            if policy["strategy"] == "offload":     # every miss fetched: the copy kernel, decode in CUDA graphs
+                backend = OffloadExperts(host, slots, device, **{k: v for k, v in policy.items() if k != "strategy"},
+                                         **eviction)
             else:
                 policy = {"fetch_fraction": fraction, **policy}     # named rows say otherwise
                 if policy["fetch_fraction"] == "shared":

@@ -36,13 +36,11 @@ def test_freq_weights_cross_every_variant_and_keep_each_backend():
     bench = _bench_hybrid()
     args = argparse.Namespace(extra_fractions="", variants="offload,=hybrid split", freq_weights="0,256")
     rows = dict(bench.variants(args))
-    assert set(rows) == {f"{n} fw{w}" for n in ("offload kernel graphs", "offload kernel graphs serial",
-                                                "offload", "offload kernel graphs whole-copy",
-                                                "hybrid split") for w in (0, 256)}
-    assert rows["offload fw256"] == {"copy_mode": "dma", "freq_weight": 256}       # the default offload, DMA copies
-    assert rows["offload kernel graphs fw0"] == {"copy_mode": "kernel", "freq_weight": 0}
+    assert set(rows) == {f"{n} fw{w}" for n in ("offload", "offload whole-copy", "hybrid split") for w in (0, 256)}
+    assert rows["offload fw256"] == {"strategy": "offload", "freq_weight": 256}
+    assert rows["offload whole-copy fw0"] == {"strategy": "offload", "split_copy": False, "freq_weight": 0}
     hybrid = rows["hybrid split fw256"]
-    assert "copy_mode" not in hybrid and hybrid["strategy"] == "hybrid" and hybrid["freq_weight"] == 256
+    assert hybrid["strategy"] == "hybrid" and hybrid["freq_weight"] == 256
     args.freq_weights = ""
     assert all("freq_weight" not in (p or {}) for _, p in bench.variants(args))     # not given: the knob decides
     try:

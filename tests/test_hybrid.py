@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from gpu_worker.engine import Engine, EngineConfig, SamplingParams
-from gpu_worker.offload.offload_experts import SlotPoolAudit
+from gpu_worker.offload.slot_pool import SlotPoolAudit
 from gpu_worker.engine.engine import DEFAULT_PREFILL_CHUNK_TOKENS
 from gpu_worker.hybrid import HybridExperts, HybridOptions
 from gpu_worker.models import load_model

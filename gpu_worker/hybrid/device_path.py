@@ -22,7 +22,6 @@ import torch
 
 from cpu_expert_pool.channel import WorkerDead, WorkerTimeout
 from gpu_worker.models.resident_experts import GRAPH_SAFE_MODES
-from gpu_worker.offload.offload_experts import copy_then_ffn
 from kernels import expert_split
 from kernels import handoff as kernels_handoff
 from kernels.expert_copy import copy_plan
@@ -84,12 +83,12 @@ class DeviceHandoff:
                                     self._split_counts, intermediate=self.layout.intermediate_size,
                                     split_slot=self.split_slot)
 
-        def fetch_split_part(part: int) -> None:     # (self.split_copy is the plan copy's two-part switch)
+        def fetch_split_part(part: int) -> None:     # 
             expert_split.split_copy(self.slots, host_layer, self._split_desc, split_slot=self.split_slot,
                                     hidden=self.layout.hidden_size, intermediate=self.layout.intermediate_size,
                                     part=part)
 
-        def ring_and_count() -> None:  # copy_then_ffn's after_fork: on the compute stream, beside the plan copy
+        def ring_and_count() -> None:  # the decode copy's after_fork: on the compute stream, beside the plan copy
             if to_cpu:
                 weights = topk_weights.float().contiguous()
                 for m in self.pool.members:
@@ -101,13 +100,9 @@ class DeviceHandoff:
                                        offload=not to_cpu)
         mode = self._mode(routes.numel())
         if mode == "gemv":             # routes at -1 (the CPU's) add 0; the copy beside the hits' GEMMs
-            out = copy_then_ffn(self.slots, host_layer, c, max_copies, x, routes, topk_weights,
-                                self.w13, self.w2, mode=mode, kernel_impl=self.kernel_impl,
-                                side_stream=self.copy_stream if self.overlap_copy else None,
-                                split_copy=self.split_copy, after_fork=ring_and_count,
-                                extra_copy=fetch_split_part if split else None,
-                                extra_slot=self.split_slot if split else -1,
-                                extra_stream=self.split_stream if self.overlap_copy else None)
+            out = self.decode_copy.run(layer_idx, x, routes, topk_weights, mode=mode, max_copies=max_copies,
+                                       after_fork=ring_and_count, extra_copy=fetch_split_part if split else None,
+                                       extra_slot=self.split_slot if split else -1)
         else:
             ring_and_count()
             copy_plan(self.slots, host_layer, c.evict_slots, c.src_indices, c.num_indices, max_copies=max_copies)

@@ -22,7 +22,7 @@ import time
 import numpy as np
 import torch
 
-from gpu_worker.offload.offload_experts import prefill_prefetch_layer
+from gpu_worker.offload.slot_pool import prefill_prefetch_layer
 from kernels.slot_cache import ensure, prefetch_ensure
 
 from .cpu_pool import Share

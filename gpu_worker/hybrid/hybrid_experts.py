@@ -34,7 +34,8 @@ import torch
 from gpu_worker.models.expert_layout import unpack_experts
 from gpu_worker.models.resident_experts import MODES, expert_ffn, pick_mode
 from gpu_worker.offload import HostExperts
-from gpu_worker.offload.offload_experts import SlotPoolAudit, eviction_settings
+from gpu_worker.offload.decode_copy import DecodeCopy
+from gpu_worker.offload.slot_pool import SlotPoolAudit, eviction_settings
 from kernels import expert_split
 from kernels.impl import interpreted
 from kernels.slot_cache import SlotCache, set_policy
@@ -63,8 +64,8 @@ class HybridExperts(DeviceHandoff, HostHandoff, SlotPoolAudit):
                  strategy: str = "hybrid", fetch_fraction: float = 0.5,
                  fetch_round: str = KNOBS_BY_FIELD["fetch_round"].default, promote: bool = True, seed: int = 0,
                  per_layer: bool = False, mode: str = "auto", gather_max_pairs: int = 32, cpu_max_tokens: int = 512,
-                 owns_host: bool = True, owns_pool: bool = True, overlap_copy: bool = True, split_copy: bool = True,
-                 prefill_prefetch: bool | None = None, freq_weight: int | None = None,
+                 owns_host: bool = True, owns_pool: bool = True, split_copy: bool = True,
+                 freq_weight: int | None = None,
                  freq_half_life: int | None = None, device_handoff_on_cpu: bool = False):
         if mode not in MODES:
             raise ValueError(f"expert compute mode {mode!r} is not one of {', '.join(MODES)}")
@@ -94,13 +95,14 @@ class HybridExperts(DeviceHandoff, HostHandoff, SlotPoolAudit):
         self.w13, self.w2 = unpack_experts(self.slots, self.layout)
         self.copy_stream = torch.cuda.Stream(device=self.device) if self.on_cuda else None
         self.split_stream = torch.cuda.Stream(device=self.device) if self.on_cuda else None   # the split copy
-        # device hand-off, gemv mode: the plan copy on copy_stream beside the hits' GEMMs (copy_then_ffn)
-        self.overlap_copy = overlap_copy
-        self.split_copy = split_copy            # the plan copy in two parts, w13 then w2 (copy_then_ffn)
+        # device hand-off: the plan copy by the copy kernel on copy_stream beside the hits' GEMMs, in two parts
+        # (w13, then w2) unless split_copy is off; the split expert's copy on split_stream beside it
+        self.decode_copy = DecodeCopy(self.slots, self.host.layers, self.cache, self.w13, self.w2,
+                                      stream=self.copy_stream, split=split_copy, extra_stream=self.split_stream)
         self._queued = torch.cuda.Event() if self.on_cuda else None
         # prefill chunks run as offload (more than cpu_max_tokens tokens) stream the next layer's experts
-        # behind their own (None: the knob, default on); layer -> the event after its prefetched experts' copies
-        self.prefill_prefetch = True if prefill_prefetch is None else bool(prefill_prefetch)
+        # behind their own; layer -> the event after its prefetched experts' copies
+        self.prefill_prefetch = True
         self._prefetched: dict[int, torch.cuda.Event | None] = {}
         self._candidates = torch.arange(min(self.num_experts, MAX_PREFETCH_CANDIDATES), dtype=torch.int64,
                                         device=self.device)

@@ -219,17 +219,3 @@ class DecodeCopy:
             start.record(stream)
             copy()
             end.record(stream)
-
-
-# the hybrid backend's call; replaced when it moves to the plan object
-def copy_then_ffn(slots: torch.Tensor, host_layer: torch.Tensor, cache: SlotCache, max_copies: int,
-                  x: torch.Tensor, slot_ids: torch.Tensor, weights: torch.Tensor, w13: torch.Tensor,
-                  w2: torch.Tensor, *, mode: str, kernel_impl: str = "auto",
-                  side_stream: "torch.cuda.Stream | None" = None, split_copy: bool = True,
-                  after_fork: "Callable[[], None] | None" = None,
-                  extra_copy: "Callable[[int], None] | None" = None, extra_slot: int = -1,
-                  extra_stream: "torch.cuda.Stream | None" = None) -> torch.Tensor:
-    plan = DecodeCopy(slots, [host_layer], cache, w13, w2, stream=side_stream, split=split_copy,
-                      extra_stream=extra_stream, kernel_impl=kernel_impl)
-    return plan.run(0, x, slot_ids, weights, mode=mode, max_copies=max_copies, after_fork=after_fork,
-                    extra_copy=extra_copy, extra_slot=extra_slot)

@@ -29,7 +29,7 @@ from kernels.handoff import COUNT_MAX_PAIRS, COUNTERS, count_call
 from kernels.slot_cache import SlotCache, ensure, prefetch_ensure
 from kernels.slot_cache.api import MAX_PREFETCH_CANDIDATES
 
-from .decode_copy import CopyTimer, DecodeCopy, copy_then_ffn  # noqa: F401 - copy_then_ffn: the hybrid backend's
+from .decode_copy import CopyTimer, DecodeCopy
 from .host_store import HostExperts
 from .slot_pool import (SlotPoolAudit, eviction_settings, prefill_prefetch_layer,  # noqa: F401 - the hybrid
                         resolve_cache_slots)                                        # backend imports them here
