@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from cpu_expert_pool.channel import CpuPoolClient, create_worker_channel  # noqa: E402
+from proto.cpu_channel import CpuPoolClient, create_worker_channel  # noqa: E402
 from cpu_expert_pool.proc import CpuWorkerProc  # noqa: E402
 from proto.expert_store import ExpertStore  # noqa: E402
 

@@ -104,7 +104,8 @@ def live_tuner(engine: Engine, backend, fraction: float, pcie_gb_s: float, cpu_g
     `build_policy` would: at a given --fetch-fraction, else at this run's probes used as the bandwidth
     profile. The tuner keeps its state across the warm-up and the measured runs. -> tick."""
     from coordinator.engine_service import flatten_stats, telemetry_from_stats
-    from coordinator.policy import BandwidthProfile, ExpertFormat, FetchPolicy, PolicySettings
+    from coordinator.policy import FetchPolicy, PolicySettings
+    from proto.bandwidth_profile import BandwidthProfile, ExpertFormat
     layout = backend.layout
     fmt = ExpertFormat(str(layout.dtype), layout.hidden_size, layout.intermediate_size)
     profile = BandwidthProfile(pcie_gb_s, cpu_gb_s, gpu, fmt, "bench_hybrid probes")

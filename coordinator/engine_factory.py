@@ -10,7 +10,7 @@ import os
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from coordinator.policy import ExpertFormat
+from proto.bandwidth_profile import ExpertFormat
 from coordinator.text_codec import TextCodec
 
 log = logging.getLogger("ft.coordinator.engine_factory")

@@ -202,7 +202,7 @@ class ProcessSet:
 
     def _create_channels(self, store_name: str) -> list[str]:
         """One channel per CPU worker, sized as gpu_worker/hybrid sizes its own (HybridOptions.cpu_max_tokens)."""
-        from cpu_expert_pool.channel import channel_name_for, create_worker_channel
+        from proto.cpu_channel import channel_name_for, create_worker_channel
         from gpu_worker.hybrid.cpu_pool import channel_hidden_dtype
         from gpu_worker.hybrid.options import DEFAULT_CPU_MAX_TOKENS
 

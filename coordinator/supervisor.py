@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 from typing import Any, Callable
 
-from coordinator.supervised_child import (ENV_FD, ENV_NAME, HEARTBEAT, HELLO, MAX_FRAME_BYTES, PROTOCOL_VERSION,
+from proto.supervised_child import (ENV_FD, ENV_NAME, HEARTBEAT, HELLO, MAX_FRAME_BYTES, PROTOCOL_VERSION,
                                           READY, REJECT, SHUTDOWN, WELCOME, decode, encode)
 
 log = logging.getLogger("ft.coordinator.supervisor")

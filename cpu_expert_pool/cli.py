@@ -48,8 +48,8 @@ def run(args: argparse.Namespace) -> int:
     setup_process(f"cpu_worker[{args.worker_index}]", expected_parent_pid=args.parent_pid,
                   log_level=args.log_level)
     # Heavy imports only after the checklist.
-    from cpu_expert_pool.channel import channel_name_for
-    from cpu_expert_pool.topology import parse_cpulist
+    from proto.cpu_channel import channel_name_for
+    from proto.cpus import parse_cpulist
     from cpu_expert_pool.worker import WorkerOptions, run_cpu_worker
     from proto.messages import Config
 

@@ -21,11 +21,12 @@ from cpu_expert_pool.channel import ChannelBusy, IdlePolicy, IdleWaiter, Request
 from cpu_expert_pool.expert_kernel import ExpertKernel, LayerStats, check_split
 from cpu_expert_pool.native_loop import SERVE_PYTHON, NativeServeLoop, native_loop_wanted
 from cpu_expert_pool.native.build import ISA_NAMES, try_load_native
-from cpu_expert_pool.split import ExpertSplit
+from proto.expert_owners import ExpertSplit
 from cpu_expert_pool.topology import SYSFS_ROOT, WorkerPlacement, bind_current_process, discover_placements
 from proto import messages as m
 from proto.expert_store import ExpertStore
-from proto.shm_layout import STATUS_BAD_REQUEST, STATUS_COMPUTE_ERROR, STATUS_OK, ShmError
+from proto.shm_layout import STATUS_BAD_REQUEST, STATUS_COMPUTE_ERROR, STATUS_OK
+from proto.shm_segment import ShmError
 
 log = logging.getLogger(__name__)
 
@@ -35,7 +36,7 @@ LINGER_MS = 1000                # ControlLink: how long unsent control messages 
 STORE_READY_POLL_S = 0.05
 LOG_EVERY_N_ERRORS = 1000       # after the first few, log one bad request in this many
 WARMUP_TOP_K = 8
-SUPERVISOR_FD_ENV = "FT_SUPERVISOR_FD"   # coordinator/supervised_child.py's link, when it started us
+SUPERVISOR_FD_ENV = "FT_SUPERVISOR_FD"   # proto/supervised_child.py's link, when it started us
 SUPERVISOR_HEARTBEAT_S = 1.0
 
 
@@ -329,7 +330,7 @@ class SupervisorBridge:
     hash) / READY / heartbeat link, with its SHUTDOWN (or the parent's end-of-file) put into the inbox."""
 
     def __init__(self, inbox: queue.Queue):
-        from coordinator.supervised_child import SupervisorLink
+        from proto.supervised_child import SupervisorLink
 
         self.link = SupervisorLink.from_env()
         self.inbox = inbox

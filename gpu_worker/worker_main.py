@@ -170,7 +170,7 @@ class _SupervisorBridge:
     parent's end-of-file) becomes a LocalStop in the inbox."""
 
     def __init__(self, inbox: queue.SimpleQueue):
-        from coordinator.supervised_child import SupervisorLink
+        from proto.supervised_child import SupervisorLink
 
         self.link = SupervisorLink.from_env()
         self.inbox = inbox
@@ -190,7 +190,7 @@ class _SupervisorBridge:
 
 def run_gpu_worker(opts: GpuWorkerOptions) -> int:
     """Entry point of one GPU worker (after the process checklist). Returns the exit code."""
-    from coordinator.supervised_child import ENV_FD, HandshakeRejected
+    from proto.supervised_child import ENV_FD, HandshakeRejected
 
     inbox: queue.SimpleQueue = queue.SimpleQueue()
     supervised = ENV_FD in os.environ

@@ -7,7 +7,7 @@ import uuid
 import pytest
 import torch
 
-from cpu_expert_pool.channel import create_worker_channel
+from proto.cpu_channel import create_worker_channel
 from cpu_expert_pool.proc import CpuWorkerProc
 from proto.expert_store import ExpertStore
 
@@ -27,7 +27,7 @@ def random_store(name: str, *, num_layers: int, num_experts: int, hidden: int, i
 
 def serve_channel(procs, store: ExpertStore, channel: str, timeout_s: float):
     """Start a worker process on `channel` (the `procs` fixture) and a client connected to it."""
-    from cpu_expert_pool.channel import CpuPoolClient
+    from proto.cpu_channel import CpuPoolClient
 
     proc = procs(store_name=store.name, channel_name=channel)
     client = CpuPoolClient(channel)

@@ -27,8 +27,9 @@ sys.path.insert(0, os.path.dirname(__file__))
 from serve_support import ENV, REPO, TINY_ARGS, Server, children_pids  # noqa: E402
 
 from coordinator.cli import build_parser  # noqa: E402
-from cpu_expert_pool import topology  # noqa: E402
-from cpu_expert_pool.topology import discover_placements, format_cpulist  # noqa: E402
+from proto import cpus as cpu_lists  # noqa: E402
+from cpu_expert_pool.topology import discover_placements  # noqa: E402
+from proto.cpus import format_cpulist  # noqa: E402
 from cpu_expert_pool.worker import WorkerOptions, plan_placement  # noqa: E402
 from gpu_worker.hybrid.options import HybridOptions  # noqa: E402
 from gpu_worker.hybrid import options as hybrid_options  # noqa: E402
@@ -45,7 +46,7 @@ def fake_affinity(monkeypatch):
     monkeypatch.delenv("FREETOKEN_PIN_GPU_WORKER", raising=False)
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(state["mask"]))
     monkeypatch.setattr(os, "sched_setaffinity", lambda tid, cpus: state["set"].append((tid, tuple(cpus))))
-    monkeypatch.setattr(topology, "thread_ids", lambda: [101, 102, 103])
+    monkeypatch.setattr(cpu_lists, "thread_ids", lambda: [101, 102, 103])
     monkeypatch.setattr(hybrid_options, "_affinity_before_pin", None)     # no pin left from another test
     return state
 
@@ -110,9 +111,9 @@ def test_set_process_affinity_covers_threads_started_meanwhile_and_skips_gone_on
         if tid == 2:
             raise ProcessLookupError(tid)                        # thread 2 exited since the listing
 
-    monkeypatch.setattr(topology, "thread_ids", lambda: next(listings))
+    monkeypatch.setattr(cpu_lists, "thread_ids", lambda: next(listings))
     monkeypatch.setattr(os, "sched_setaffinity", setaffinity)
-    assert topology.set_process_affinity([5]) == 4
+    assert cpu_lists.set_process_affinity([5]) == 4
     assert calls == [1, 2, 3, 4]
 
 
@@ -123,7 +124,7 @@ def test_thread_ids_lists_this_process_threads():
     t = threading.Thread(target=stop.wait)
     t.start()
     try:
-        assert threading.get_native_id() in topology.thread_ids() and t.native_id in topology.thread_ids()
+        assert threading.get_native_id() in cpu_lists.thread_ids() and t.native_id in cpu_lists.thread_ids()
     finally:
         stop.set()
         t.join()

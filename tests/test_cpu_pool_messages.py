@@ -7,7 +7,7 @@ import msgpack
 import numpy as np
 import pytest
 
-from cpu_expert_pool.split import ExpertSplit
+from proto.expert_owners import ExpertSplit
 from proto import messages as m
 
 EXAMPLES = [
@@ -98,7 +98,7 @@ def test_split_survives_the_wire_and_rejects_bad_maps():
 
 
 def test_proportional_split_sizes_ranges_by_share():
-    from cpu_expert_pool.split import ExpertSplit
+    from proto.expert_owners import ExpertSplit
     split = ExpertSplit.proportional(2, 8, [3.0, 1.0])
     assert split.num_owned(0) == 12 and split.num_owned(1) == 4        # 6 and 2 experts a layer
     assert split.owner[0].tolist() == [0, 0, 0, 0, 0, 0, 1, 1]

@@ -10,12 +10,13 @@ import uuid
 import pytest
 import torch
 
-from cpu_expert_pool.channel import CpuPoolClient, WorkerDead, WorkerError, WorkerTimeout
+from proto.cpu_channel import CpuPoolClient, WorkerDead, WorkerError, WorkerTimeout
 from cpu_expert_pool.proc import ControlServer
 from cpu_expert_pool.reference import reference_moe_layer
-from cpu_expert_pool.split import ExpertSplit
+from proto.expert_owners import ExpertSplit
 from proto import messages as m
 from proto import shm_layout as sl
+from proto import shm_segment
 from proto.expert_store import ExpertStore
 from tests.cpu_pool_util import channel, procs, random_store  # noqa: F401 (fixtures)
 
@@ -178,7 +179,7 @@ def test_missing_store_exits_with_a_clear_error(channel, procs, tmp_path):
 
 def test_sigkill_mid_run_is_seen_as_dead_and_a_restart_reattaches_without_copying(store, channel, procs):
     digest_before = store_digest(store)
-    inode_before = os.stat(os.path.join(sl.SHM_DIR, store.name)).st_ino
+    inode_before = os.stat(os.path.join(shm_segment.SHM_DIR, store.name)).st_ino
     proc = procs(store_name=store.name, channel_name=channel, extra_args=WORKER_ARGS)
     client = CpuPoolClient(channel)
     client.wait_for_worker(timeout_s=START_TIMEOUT_S)
@@ -207,7 +208,7 @@ def test_sigkill_mid_run_is_seen_as_dead_and_a_restart_reattaches_without_copyin
     for i in range(4):
         check(store, client, layer=i % L, seed=100 + i)
     # Same segment, same bytes, mapped read-only and shared: nothing was reloaded or copied.
-    assert os.stat(os.path.join(sl.SHM_DIR, store.name)).st_ino == inode_before
+    assert os.stat(os.path.join(shm_segment.SHM_DIR, store.name)).st_ino == inode_before
     assert store_digest(store) == digest_before and store.is_ready
     mapping = _store_mapping(restarted.pid, store.name)
     assert mapping["perms"] == "r--s"
@@ -256,7 +257,7 @@ def _store_mapping(pid: int, store_name: str) -> dict:
         for line in f:
             fields = line.split()
             if len(fields) >= 5 and "-" in fields[0] and ":" not in fields[0]:
-                inside = line.rstrip().endswith(os.path.join(sl.SHM_DIR, store_name))
+                inside = line.rstrip().endswith(os.path.join(shm_segment.SHM_DIR, store_name))
                 if inside:
                     entry["perms"] = fields[1]
             elif inside and fields[0].endswith(":") and len(fields) >= 2 and fields[1].isdigit():

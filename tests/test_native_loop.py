@@ -16,12 +16,13 @@ import numpy as np
 import pytest
 import torch
 
-from cpu_expert_pool.channel import CpuPoolClient, WorkerChannel, WorkerError, create_worker_channel
+from proto.cpu_channel import CpuPoolClient, WorkerError, create_worker_channel
+from cpu_expert_pool.channel import WorkerChannel
 from cpu_expert_pool.expert_kernel import ExpertKernel
 from cpu_expert_pool.native.build import try_load_native
 from cpu_expert_pool.native_loop import SERVE_DEADLINE, SERVE_IDLE, SERVE_PYTHON, native_loop_wanted
 from cpu_expert_pool.reference import reference_moe_layer
-from cpu_expert_pool.split import ExpertSplit
+from proto.expert_owners import ExpertSplit
 from cpu_expert_pool.worker import CpuWorker, WorkerOptions, WorkerStats, cpu_busy_loop
 from proto import messages as m
 from proto.expert_store import ExpertStore

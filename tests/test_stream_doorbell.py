@@ -20,7 +20,7 @@ import uuid
 import pytest
 import torch
 
-from cpu_expert_pool.channel import CpuPoolClient, WorkerDead, WorkerTimeout
+from proto.cpu_channel import CpuPoolClient, WorkerDead, WorkerTimeout
 from cpu_expert_pool.proc import REPO_ROOT, CpuWorkerProc
 from cpu_expert_pool.reference import reference_moe_layer
 from gpu_worker.hybrid import stream_doorbell as sd

@@ -29,9 +29,9 @@ from typing import Callable, Iterator
 import numpy as np
 import torch
 
-from cpu_expert_pool.channel import CpuPoolClient, create_worker_channel
+from proto.cpu_channel import CpuPoolClient, create_worker_channel
 from cpu_expert_pool.proc import CpuWorkerProc
-from cpu_expert_pool.split import ExpertSplit
+from proto.expert_owners import ExpertSplit
 from proto.expert_store import ExpertStore
 
 from .cpu_pool import channel_hidden_dtype

@@ -48,7 +48,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from coordinator.policy import default_benchbw_path
+    from proto.bandwidth_profile import default_benchbw_path
     from gpu_worker.hybrid.bandwidth import (bench_store, copy_bandwidth, cpu_pool_bandwidth, shared_bandwidth,
                                              write_profile_entry)
     from gpu_worker.hybrid.options import HybridOptions, device_name

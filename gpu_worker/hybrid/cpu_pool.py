@@ -31,12 +31,11 @@ import numpy as np
 import torch
 
 from coordinator.supervisor import Supervisor, WorkerError as SupervisorError, WorkerGaveUp, WorkerSpec
-from cpu_expert_pool.channel import (CpuPoolClient, WorkerDead, WorkerError, WorkerTimeout, channel_name_for,
-                                     create_worker_channel)
+from proto.cpu_channel import CpuPoolClient, WorkerDead, WorkerError, WorkerTimeout, channel_name_for, create_worker_channel
 from cpu_expert_pool.proc import REPO_ROOT
-from cpu_expert_pool.split import ExpertSplit
+from proto.expert_owners import ExpertSplit
 from proto.expert_store import ExpertStore
-from proto.shm_layout import process_start_ticks
+from proto.shm_segment import process_start_ticks
 
 log = logging.getLogger("ft.hybrid.pool")
 NOT_BACK_LOG_S = 10.0        # a failed worker still not re-admitted: say why again this often

@@ -33,7 +33,7 @@ from typing import Callable
 
 import torch
 
-from cpu_expert_pool.channel import CpuPoolClient, WorkerDead
+from proto.cpu_channel import CpuPoolClient, WorkerDead
 from kernels import handoff
 from proto.shm_layout import (CACHE_LINE_BYTES, NUM_SLOTS, REQUEST_SEQ_OFFSET, SLOT_LINES_BYTES, SLOT_LINES_OFFSET)
 

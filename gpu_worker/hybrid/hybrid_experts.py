@@ -63,7 +63,7 @@ from kernels.slot_cache import SlotCache, ensure, prefetch_ensure, set_policy
 from kernels.slot_cache.api import MAX_PREFETCH_CANDIDATES
 from proto.knobs import KNOBS_BY_FIELD, env_setting
 
-from cpu_expert_pool.channel import WorkerDead, WorkerError, WorkerTimeout
+from proto.cpu_channel import WorkerDead, WorkerError, WorkerTimeout
 
 from .cpu_pool import CpuPool, Share
 from .device_doorbell import DeviceDoorbell

@@ -15,7 +15,7 @@ import os
 
 import torch
 
-from cpu_expert_pool.topology import format_cpulist, parse_cpulist, set_process_affinity
+from proto.cpus import format_cpulist, parse_cpulist, set_process_affinity
 from kernels.slot_cache.state import ROUND_MODES, SELECT_MODES
 from proto.knobs import KNOBS_BY_FIELD
 
@@ -192,7 +192,7 @@ def resolve_fetch_fraction(options: HybridOptions, *, dtype: torch.dtype, hidden
     """(f, where it came from): the given fraction, a matching `ft bench bw` profile entry, or 0.5."""
     if options.fetch_fraction is not None:
         return float(options.fetch_fraction), "flag"
-    from coordinator.policy import ExpertFormat, default_benchbw_path, load_bandwidth_profile
+    from proto.bandwidth_profile import ExpertFormat, default_benchbw_path, load_bandwidth_profile
 
     from proto.knobs import resolve
 

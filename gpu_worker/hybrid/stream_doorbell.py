@@ -74,10 +74,10 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
-from cpu_expert_pool.channel import CpuPoolClient, WorkerDead, WorkerTimeout
+from proto.cpu_channel import CpuPoolClient, WorkerDead, WorkerTimeout
 from proto.shm_layout import (CACHE_LINE_BYTES, HIDDEN_ITEM_BYTES, NUM_SLOTS, PAGE_BYTES, REQUEST_SEQ_OFFSET,
-                              SLOT_LINES_BYTES, SLOT_LINES_OFFSET, STATUS_NAMES, STATUS_OK, cuda_host_register,
-                              cuda_host_unregister)
+                              SLOT_LINES_BYTES, SLOT_LINES_OFFSET, STATUS_NAMES, STATUS_OK)
+from proto.shm_segment import cuda_host_register, cuda_host_unregister
 
 log = logging.getLogger(__name__)
 
