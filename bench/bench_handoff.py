@@ -36,7 +36,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from proto.cpu_channel import CpuPoolClient, create_worker_channel  # noqa: E402
-from cpu_expert_pool.proc import CpuWorkerProc  # noqa: E402
+from cpu_expert_pool.api import CpuWorkerProc  # noqa: E402
 from proto.expert_store import ExpertStore  # noqa: E402
 
 HIDDEN = 2048              # qwen3-30b-a3b hidden size: the request carries one such row

@@ -6,7 +6,7 @@
 
 Field types allowed in a message dataclass: bool, int, float, str, bytes and list[<one of those>].
 Decoding checks the declared types, refuses unknown fields and reports missing ones; numbers declared
-float arrive as float. (proto/messages.py, the CPU pool's schema, follows the same rules.)
+float arrive as float.
 """
 from __future__ import annotations
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from proto.cpu_channel import create_worker_channel
-from cpu_expert_pool.proc import CpuWorkerProc
+from cpu_expert_pool.api import CpuWorkerProc
 from proto.expert_store import ExpertStore
 
 

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from proto.cpu_channel import CpuPoolClient, WorkerDead, WorkerTimeout
-from cpu_expert_pool.proc import REPO_ROOT, CpuWorkerProc
+from cpu_expert_pool.api import REPO_ROOT, CpuWorkerProc
 from cpu_expert_pool.reference import reference_moe_layer
 from gpu_worker.hybrid import stream_doorbell as sd
 from gpu_worker.hybrid.stream_doorbell import (CudaDriver, CudaDriverError, StreamDoorbell, StreamMemOpsUnavailable,

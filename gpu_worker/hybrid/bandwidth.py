@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from proto.cpu_channel import CpuPoolClient, create_worker_channel
-from cpu_expert_pool.proc import CpuWorkerProc
+from cpu_expert_pool.api import CpuWorkerProc
 from proto.expert_owners import ExpertSplit
 from proto.expert_store import ExpertStore
 
