@@ -80,7 +80,7 @@ class Chunk:
 def default_params_factory() -> Callable[..., Any]:
     """The engine's SamplingParams if the engine package is there, else a plain stand-in."""
     try:
-        from gpu_worker.engine import SamplingParams  # type: ignore[attr-defined]
+        from gpu_worker.api import SamplingParams  # type: ignore[attr-defined]
         return SamplingParams
     except ImportError:
         return lambda **kw: Sampling(**kw)

@@ -16,9 +16,10 @@ from pathlib import Path
 from typing import Sequence
 
 from cpu_expert_pool.topology import discover_placements, place_store_for_workers
+from proto.cpus import default_reserved_cpus, format_cpulist
 
-__all__ = ["REPO_ROOT", "CpuWorkerProc", "default_worker_count", "place_store_for_workers", "worker_argv",
-           "worker_env"]
+__all__ = ["REPO_ROOT", "CpuWorkerProc", "default_worker_count", "place_store_for_workers", "reserved_cpus",
+           "worker_argv", "worker_env", "worker_flags"]
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 FT_COMMAND = (sys.executable, "-m", "coordinator.cli")      # the `ft` command (its dispatcher) in this interpreter
@@ -30,6 +31,27 @@ def worker_argv(*, store_name: str, channel_name: str, worker_index: int = 0, nu
     `flags`: its settings (--threads, --allowed-cpus, --reserve-cpus, --log-level, ...)."""
     return [*FT_COMMAND, "worker", "cpu", "--store", store_name, "--channel", channel_name, "--worker-index",
             str(worker_index), "--num-workers", str(num_workers), "--parent-pid", str(os.getpid()), *flags]
+
+
+def reserved_cpus(reserve_cpus: str | None, affinity: Sequence[int] | set[int] | None = None) -> str:
+    """The CPU list the workers keep off: `reserve_cpus` as given, or the default for `affinity`
+    (this process's)."""
+    if reserve_cpus is not None:
+        return reserve_cpus
+    return default_reserved_cpus(os.sched_getaffinity(0) if affinity is None else affinity)
+
+
+def worker_flags(*, threads: int = 0, reserve_cpus: str | None = None, allowed_cpus: Sequence[int] | set[int] | None = None,
+                 extra: Sequence[str] = ()) -> list[str]:
+    """A worker's placement flags: its compute threads (0: one per physical core), the CPUs to place it on
+    (`--allowed-cpus`, default: this process's affinity now; a restart by a process that pinned itself
+    since is placed as the first start was) and the reserved CPUs, then `extra`."""
+    allowed = sorted(os.sched_getaffinity(0) if allowed_cpus is None else allowed_cpus)
+    flags = ["--threads", str(threads), "--allowed-cpus", format_cpulist(allowed)]
+    reserved = reserved_cpus(reserve_cpus, allowed)
+    if reserved:
+        flags += ["--reserve-cpus", reserved]
+    return flags + list(extra)
 
 
 def worker_env(env: dict[str, str] | None = None) -> dict[str, str]:

@@ -39,7 +39,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from cpu_expert_pool.process_setup import setup_process
+    from proto.process_setup import setup_process
 
     setup_process(f"cpu_worker[{args.worker_index}]", expected_parent_pid=args.parent_pid,
                   log_level=args.log_level)

@@ -28,6 +28,8 @@ LIVENESS_CHECK_INTERVAL_S = 0.001     # client: how often a waiting call checks 
 CLIENT_SPIN_S = 0.002                 # client: spin this long in wait() before sleeping between checks
 CLIENT_SLEEP_S = 50e-6
 INT32_MIN, INT32_MAX = -2 ** 31, 2 ** 31 - 1
+DEFAULT_CPU_MAX_TOKENS = 512          # tokens a channel takes (forwards with more fetch every miss: hybrid's prefill chunk)
+CHANNEL_HIDDEN_DTYPES = {torch.bfloat16: "bfloat16", torch.float32: "float32", torch.float16: "float32"}
 
 
 class WorkerDead(RuntimeError):
@@ -45,6 +47,13 @@ class WorkerError(RuntimeError):
 def channel_name_for(store_name: str, worker_index: int) -> str:
     """The default channel name of worker `worker_index` of the pool serving `store_name`."""
     return f"{store_name}.cpu{worker_index}"
+
+
+def channel_hidden_dtype(model_dtype: torch.dtype) -> str:
+    """The channel carries hidden states in bf16 for bf16 models, else in fp32 (fp16 is widened)."""
+    if model_dtype not in CHANNEL_HIDDEN_DTYPES:
+        raise ValueError(f"the CPU pool takes bf16, fp16 or fp32 hidden states, not {model_dtype}")
+    return CHANNEL_HIDDEN_DTYPES[model_dtype]
 
 
 def create_worker_channel(name: str, *, t_max: int, hidden: int, max_triples: int,

@@ -9,6 +9,8 @@ from __future__ import annotations
 import os
 from typing import Iterable
 
+RESERVE_CPU_MIN_CPUS = 4              # from this many CPUs on, CPU 0 is left to the GPU-driving process
+
 
 def parse_cpulist(text: str) -> tuple[int, ...]:
     """'0-3,8-11' -> (0, 1, 2, 3, 8, 9, 10, 11); '' -> (); also accepts strides '0-6:2'."""
@@ -70,3 +72,8 @@ def set_process_affinity(cpus: Iterable[int]) -> int:
             except ProcessLookupError:       # exited since the listing
                 pass
             done.add(tid)
+
+
+def default_reserved_cpus(affinity: Iterable[int]) -> str:
+    """The CPUs kept free of CPU workers when none are given: CPU 0 on machines with >= 4 CPUs, else none."""
+    return "0" if len(set(affinity)) >= RESERVE_CPU_MIN_CPUS else ""

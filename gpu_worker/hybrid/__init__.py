@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import importlib
 
-_EXPORTS = {"build_hybrid_backend": "build", "start_cpu_pool": "build", "CpuPool": "cpu_pool",
+_EXPORTS = {"CpuPool": "cpu_pool",
             "HybridExperts": "hybrid_experts", "HybridOptions": "options", "HybridStats": "stats",
             "StreamDoorbell": "stream_doorbell"}
 __all__ = sorted(_EXPORTS)

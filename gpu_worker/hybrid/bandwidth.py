@@ -34,7 +34,7 @@ from cpu_expert_pool.api import CpuWorkerProc
 from proto.expert_owners import ExpertSplit
 from proto.expert_store import ExpertStore
 
-from .cpu_pool import channel_hidden_dtype
+from proto.cpu_channel import channel_hidden_dtype
 
 WARMUP_CALLS = 10
 WARMUP_S = 0.3              # CPU pool: calls for at least this long before timing (a fresh worker settles)

@@ -15,22 +15,19 @@ import os
 
 import torch
 
-from proto.cpus import format_cpulist, parse_cpulist, set_process_affinity
 from kernels.slot_cache.state import ROUND_MODES, SELECT_MODES
+from proto.cpu_channel import DEFAULT_CPU_MAX_TOKENS
+from proto.cpus import default_reserved_cpus, format_cpulist, parse_cpulist, set_process_affinity
 from proto.knobs import KNOBS_BY_FIELD
 
 log = logging.getLogger("ft.hybrid")
 
 DEFAULT_FETCH_FRACTION = 0.5          # no flag, no matching profile: half the misses each way
 DEFAULT_CPU_DEADLINE_S = 1.0          # a CPU share not answered by then is fetched instead (worker killed)
-DEFAULT_CPU_MAX_TOKENS = 512          # forwards with more tokens fetch every miss (= hybrid's prefill chunk)
-DEFAULT_RESTART_BACKOFF_S = 0.5       # supervisor: first restart delay of a failed CPU worker (doubles)
-DEFAULT_READY_TIMEOUT_S = 120.0       # a CPU worker imports torch, maps the store and warms up
-DEFAULT_HEARTBEAT_TIMEOUT_S = 10.0    # supervisor: a worker silent this long is killed (backstop)
+DEFAULT_READY_TIMEOUT_S = 120.0       # how long attaching waits for each CPU worker to serve its channel
 DEFAULT_READMIT_POLL_S = 0.02         # how often a forward looks for restarted workers
 HANDOFFS = ("host", "stream", "device")   # HybridExperts' hand-off of the CPU share (HybridExperts.set_handoff)
 HANDOFF_CHOICES = ("auto", *HANDOFFS)     # auto: device on a CUDA GPU, host elsewhere (resolve_handoff)
-RESERVE_CPU_MIN_CPUS = 4              # from this many CPUs on, CPU 0 is left to the GPU worker's thread
 
 
 # This process's affinity from before pin_driving_process narrowed it (None: not pinned). The defaults that
@@ -59,15 +56,10 @@ class HybridOptions:
     fetch_select: str = KNOBS_BY_FIELD["fetch_select"].default   # which misses are fetched first (SELECT_MODES)
     promote: bool = True                    # recency promotion (docs/slot_cache.md)
     seed: int = 0                           # stochastic rounding's seed
-    cpu_workers: int = 1                    # `ft worker cpu` processes (a multiple of the NUMA nodes)
-    cpu_threads: int = 0                    # compute threads per worker (0: one per physical core)
     cpu_deadline_s: float = DEFAULT_CPU_DEADLINE_S
     cpu_max_tokens: int = DEFAULT_CPU_MAX_TOKENS
-    reserve_cpus: str | None = None         # CPU list kept free of workers; None: "0" on >= 4 CPUs
-    worker_args: tuple[str, ...] = ()       # more `ft worker cpu` flags (e.g. --hot-ms 5 --no-pin)
-    restart_backoff_s: float = DEFAULT_RESTART_BACKOFF_S
+    reserve_cpus: str | None = None         # CPU list the CPU workers keep off; None: "0" on >= 4 CPUs
     ready_timeout_s: float = DEFAULT_READY_TIMEOUT_S
-    heartbeat_timeout_s: float = DEFAULT_HEARTBEAT_TIMEOUT_S
     readmit_poll_s: float = DEFAULT_READMIT_POLL_S
     engine_threads: int | None = None       # torch threads of this process; None: the reserved CPUs' count, >= 1
     benchbw_path: str = ""                  # `ft bench bw` profile; "": $FREETOKEN_BENCHBW_PATH or default
@@ -82,18 +74,13 @@ class HybridOptions:
             raise ValueError(f"--fetch-round {self.fetch_round!r} is not one of {', '.join(ROUND_MODES)}")
         if self.fetch_select not in SELECT_MODES:
             raise ValueError(f"--fetch-select {self.fetch_select!r} is not one of {', '.join(SELECT_MODES)}")
-        if not isinstance(self.cpu_workers, int) or self.cpu_workers < 1:
-            raise ValueError(f"--cpu-workers {self.cpu_workers!r} must be an int >= 1")
-        if self.cpu_threads < 0:
-            raise ValueError(f"--cpu-threads {self.cpu_threads} must be >= 0 (0: one per physical core)")
-        for name in ("cpu_deadline_s", "restart_backoff_s", "ready_timeout_s", "readmit_poll_s"):
+        for name in ("cpu_deadline_s", "ready_timeout_s", "readmit_poll_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name}={getattr(self, name)!r} must be > 0")
         if self.handoff not in HANDOFF_CHOICES:
             raise ValueError(f"--hybrid-handoff {self.handoff!r} is not one of {', '.join(HANDOFF_CHOICES)}")
         if self.cpu_max_tokens < 1:
             raise ValueError(f"--cpu-max-tokens {self.cpu_max_tokens} must be >= 1")
-        self.worker_args = tuple(self.worker_args)
 
     def for_strategy(self, strategy: str) -> "HybridOptions":
         """`cpu` = hybrid with f = 0 and promotion off: every miss to the CPU (docs/HYBRID.md)."""
@@ -106,14 +93,7 @@ class HybridOptions:
     def reserved_cpus(self) -> str:
         if self.reserve_cpus is not None:
             return self.reserve_cpus
-        return "0" if len(unpinned_affinity()) >= RESERVE_CPU_MIN_CPUS else ""
-
-    def allowed_cpus(self) -> str:
-        """The CPUs the workers are placed on (before the reserved ones are taken out): this process's
-        affinity, as it was before it pinned itself (pin_driving_process). Passed to every worker
-        (`--allowed-cpus`, worker_flags): a worker restarted by a pinned process inherits the narrow mask,
-        and planned over that it would find no CPU left."""
-        return format_cpulist(unpinned_affinity())
+        return default_reserved_cpus(unpinned_affinity())
 
     def pins_gpu_worker(self) -> bool:
         if self.pin_gpu_worker is not None:
@@ -137,8 +117,8 @@ class HybridOptions:
         (engine-link IO, heartbeats, the doorbell watchdog, the supervisor's monitor, torch's pool, CUDA's
         helper threads) would otherwise run on the workers' cores and preempt their busy loops; they
         mostly sleep, so they do not crowd the reserved core. Threads started later inherit the mask.
-        The cost, CPU workers this process (re)starts inheriting the narrow mask, is met by
-        --allowed-cpus (allowed_cpus)."""
+        The cost, CPU workers this process (re)starts inheriting the narrow mask (`ft generate`), is met by
+        their --allowed-cpus, resolved before the pin (coordinator/expert_resources.py)."""
         cpus = self.driving_process_cpus()
         if not cpus:
             reserved = self.reserved_cpus()
@@ -163,21 +143,6 @@ class HybridOptions:
             return max(1, self.engine_threads)
         reserved = self.reserved_cpus()
         return max(1, len(parse_cpulist(reserved))) if reserved else 1
-
-    def place_store(self, store) -> int:
-        """HostExperts.create_filled's before_fill for these workers: expert pages on their NUMA nodes."""
-        from cpu_expert_pool.topology import place_store_for_workers
-        return place_store_for_workers(store, num_workers=self.cpu_workers,
-                                       reserved_cpus=parse_cpulist(self.reserved_cpus()),
-                                       allowed_cpus=unpinned_affinity())   # what worker_flags hands the workers
-
-    def worker_flags(self) -> list[str]:
-        """`ft worker cpu` flags from these options (the store, channel and index are added per worker)."""
-        flags = ["--threads", str(self.cpu_threads), "--allowed-cpus", self.allowed_cpus()]
-        reserved = self.reserved_cpus()
-        if reserved:
-            flags += ["--reserve-cpus", reserved]
-        return flags + list(self.worker_args)
 
 
 def device_name(device: torch.device) -> str:
