@@ -64,15 +64,8 @@ class ExpertResources:
         self.channel_names: list[str] = []
         self.num_cpu_workers = 0
         self.supervisor: Supervisor | None = None     # start_cpu_workers' own
+        self.store_name = self.config_hash = ""
         self._flags: list[str] = []
-
-    @property
-    def store_name(self) -> str:
-        return self.host.store.name if self.host is not None else ""
-
-    @property
-    def config_hash(self) -> str:
-        return self.host.store.config_hash if self.host is not None else ""
 
     @classmethod
     def create(cls, source: Any, strategy: str, *, store_name: str, cpu: CpuWorkerSettings | None = None,
@@ -89,32 +82,57 @@ class ExpertResources:
             raise
         return res
 
+    @classmethod
+    def over_store(cls, store: Any, strategy: str, *, top_k: int, model_dtype: Any,
+                   cpu: CpuWorkerSettings | None = None) -> "ExpertResources":
+        """The CPU workers' channels (cpu, hybrid) over an expert store the caller created and keeps (a benchmark
+        that runs several backends over one store); the workers start with cpu_worker_specs / start_cpu_workers."""
+        res = cls(strategy, cpu or CpuWorkerSettings())
+        res.store_name, res.config_hash = store.name, store.config_hash
+        try:
+            if strategy in CPU_STRATEGIES:
+                res._plan_workers()
+                res._create_channels(store.shape.hidden, top_k, model_dtype)
+        except BaseException:
+            res.close()
+            raise
+        return res
+
+    def _plan_workers(self) -> tuple[str, list[int]]:
+        from cpu_expert_pool import api as cpu_api
+
+        cpu = self.cpu
+        self.num_cpu_workers = cpu.num_workers or cpu_api.default_worker_count()
+        allowed = sorted(os.sched_getaffinity(0))        # before anyone in this process pins itself
+        reserved = cpu_api.reserved_cpus(cpu.reserve_cpus, allowed)
+        self._flags = cpu_api.worker_flags(threads=cpu.threads, reserve_cpus=reserved, allowed_cpus=allowed,
+                                           extra=("--log-level", cpu.log_level, *cpu.worker_args))
+        return reserved, allowed
+
+    def _create_channels(self, hidden: int, top_k: int, model_dtype: Any) -> None:
+        t_max = self.cpu.t_max
+        for i in range(self.num_cpu_workers):
+            name = channel_name_for(self.store_name, i)
+            self.channels.append(create_worker_channel(name, t_max=t_max, hidden=hidden, max_triples=t_max * top_k,
+                                                       hidden_dtype=channel_hidden_dtype(model_dtype)))
+            self.channel_names.append(name)
+
     def _create(self, source: Any, store_name: str, staging_device: Any) -> None:
         from cpu_expert_pool import api as cpu_api
         from gpu_worker.api import create_expert_store
 
-        cpu = self.cpu
         place = None                         # for cpu/hybrid: expert pages on the NUMA nodes of their workers
         if self.strategy in CPU_STRATEGIES:
-            self.num_cpu_workers = cpu.num_workers or cpu_api.default_worker_count()
-            allowed = sorted(os.sched_getaffinity(0))        # before anyone in this process pins itself
-            reserved = cpu_api.reserved_cpus(cpu.reserve_cpus, allowed)
-            self._flags = cpu_api.worker_flags(threads=cpu.threads, reserve_cpus=reserved, allowed_cpus=allowed,
-                                               extra=("--log-level", cpu.log_level, *cpu.worker_args))
+            reserved, allowed = self._plan_workers()
             reserved_set = parse_cpulist(reserved)
             place = functools.partial(cpu_api.place_store_for_workers, num_workers=self.num_cpu_workers,
                                       reserved_cpus=reserved_set, allowed_cpus=allowed)
         t0 = time.perf_counter()
         self.host = create_expert_store(source, name=store_name, staging_device=staging_device, before_fill=place)
+        self.store_name, self.config_hash = self.host.store.name, self.host.store.config_hash
         log.info("expert store %r filled: %.2f GiB in %.1f s", store_name, self.host.nbytes / 1024 ** 3,
                  time.perf_counter() - t0)
-        cfg = source.cfg
-        for i in range(self.num_cpu_workers):
-            name = channel_name_for(store_name, i)
-            self.channels.append(create_worker_channel(name, t_max=cpu.t_max, hidden=cfg.hidden_size,
-                                                       max_triples=cpu.t_max * cfg.top_k,
-                                                       hidden_dtype=channel_hidden_dtype(source.dtype)))
-            self.channel_names.append(name)
+        self._create_channels(source.cfg.hidden_size, source.cfg.top_k, source.dtype)
 
     def reserved_cpus(self) -> str:
         """The CPUs the workers keep off (what the GPU-driving process pins itself to)."""
@@ -160,3 +178,4 @@ class ExpertResources:
         if self.host is not None:
             self.host.close()                    # the creator: unlinks the store's name
             self.host = None
+        self.store_name = self.config_hash = ""

@@ -122,12 +122,7 @@ class ProcessSet:
 
     def start(self) -> em.Ready:
         o = self.options
-        cpu = CpuWorkerSettings(num_workers=max(1, o.num_cpu_workers), reserve_cpus=o.reserve_cpus,
-                                log_level=o.log_level, ready_timeout_s=o.worker_ready_timeout_s,
-                                backoff_initial_s=o.backoff_initial_s, backoff_max_s=o.backoff_max_s,
-                                max_restarts=o.max_restarts)
-        self.resources = res = ExpertResources.create(self.source, o.moe_strategy,
-                                                      store_name=o.store_name or default_store_name(0), cpu=cpu)
+        res = self.create_resources()
         addr = o.engine_addr or (DEFAULT_ATTACH_ENGINE_ADDR if o.attach else PROCESS_ENGINE_ADDR)
         self.link = EngineLinkServer(addr, o.config, store_name=res.store_name, cpu_channels=tuple(res.channel_names))
         self.link.start()
@@ -144,6 +139,17 @@ class ProcessSet:
             facts = self.link.wait_ready(LINK_READY_GRACE_S, what=f"GPU worker {GPU_WORKER_NAME}")
         self._check_facts(facts)
         return facts
+
+    def create_resources(self) -> ExpertResources:
+        """The store and the CPU workers' channels, through their owner (kept until stop())."""
+        o = self.options
+        cpu = CpuWorkerSettings(num_workers=max(1, o.num_cpu_workers), reserve_cpus=o.reserve_cpus,
+                                log_level=o.log_level, ready_timeout_s=o.worker_ready_timeout_s,
+                                backoff_initial_s=o.backoff_initial_s, backoff_max_s=o.backoff_max_s,
+                                max_restarts=o.max_restarts)
+        self.resources = ExpertResources.create(self.source, o.moe_strategy,
+                                                store_name=o.store_name or default_store_name(0), cpu=cpu)
+        return self.resources
 
     def worker_specs(self) -> list[Any]:
         """The supervised children: `ft worker cpu` x N (cpu/hybrid: the owner's), then `ft worker gpu`."""

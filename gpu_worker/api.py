@@ -27,7 +27,7 @@ from gpu_worker.offload.host_store import HostExperts
 from proto.cpu_channel import channel_hidden_dtype
 from proto.expert_store import ExpertStore
 
-__all__ = ["Engine", "EngineConfig", "HostExperts", "HybridOptions", "LoadedModel", "ModelSource", "SamplingParams",
+__all__ = ["Engine", "EngineConfig", "HostExperts", "HybridOptions", "attach_cpu_pool", "LoadedModel", "ModelSource", "SamplingParams",
            "channel_hidden_dtype", "create_expert_store", "load_attached_model", "load_model", "needs_host_store",
            "open_model_source", "resolve_device"]
 
@@ -67,3 +67,20 @@ def load_attached_model(source: ModelSource, device: torch.device, *, moe_strate
     if pin_driving_process and moe_strategy in ("cpu", "hybrid"):
         (hybrid or HybridOptions()).pin_driving_process("the engine's process")
     return LoadedModel(source=source, model=model, device=device, load_time_s=time.perf_counter() - t0)
+
+
+def attach_cpu_pool(store: ExpertStore, channel_names: list[str], options: HybridOptions | None = None, *,
+                    worker_info: Callable[[], list[dict]] | None = None, pin_driving_process: bool = True):
+    """A CpuPool on the owner's channels (a benchmark that builds HybridExperts itself); this process's torch
+    threads set to options.engine_thread_count() and, where the options say so, it pins itself to the reserved
+    CPUs (the workers' flags were resolved before the pin)."""
+    from gpu_worker.hybrid.cpu_pool import CpuPool
+
+    options = options or HybridOptions()
+    pool = CpuPool.attach(store, list(channel_names), deadline_s=options.cpu_deadline_s,
+                          readmit_poll_s=options.readmit_poll_s, ready_timeout_s=options.ready_timeout_s,
+                          worker_info=worker_info)
+    torch.set_num_threads(options.engine_thread_count())
+    if pin_driving_process:
+        options.pin_driving_process("the engine's process")
+    return pool
