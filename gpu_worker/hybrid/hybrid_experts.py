@@ -142,7 +142,7 @@ class HybridExperts(SlotPoolAudit):
         self.set_policy(strategy=strategy, fetch_fraction=fetch_fraction, fetch_round=fetch_round,
                         fetch_select=fetch_select, promote=promote, seed=seed)
         self.degraded = False             # a worker failed: offload until every one is back
-        self.fetch_fraction_source = "given"   # or "flag", "default", "profile:PATH" (build.py)
+        self.fetch_fraction_source = "given"   # or "flag", "default", "profile:PATH" (attached_backends.py)
         self.handoff = "host"
         self._doorbells: dict[int, StreamDoorbell] = {}        # pool member index -> its doorbell
         self._handoff_streams: dict[int, torch.cuda.Stream] = {}

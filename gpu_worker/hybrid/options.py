@@ -1,11 +1,12 @@
 """`HybridOptions`: the settings of the `hybrid` and `cpu` expert backends, validated in one place.
 
-Every field is also a flag of `ft generate` (generate_cli.py); the fetch rounding and selection and
+Every field is also a flag of `ft generate` (coordinator/generate_cli.py); the fetch rounding and selection and
 the hand-off (--hybrid-handoff) and pinning the GPU-driving process (--pin-gpu-worker) are FREETOKEN_*
 knobs (proto/knobs.py). Where the fetch fraction starts, in order: the given value
 (--fetch-fraction), the `ft bench bw` profile measured on this GPU (or "cpu") for this expert format,
-0.5. The profile is read by coordinator/policy.py's `load_bandwidth_profile`, which ignores a profile
-of other hardware or another expert format with a log line.
+0.5. The profile is read by proto/bandwidth_profile.py's `load_bandwidth_profile`, which ignores a profile
+of other hardware or another expert format with a log line. The CPU workers' own settings (count,
+threads, placement) belong to their owner (coordinator/expert_resources.py).
 """
 from __future__ import annotations
 
