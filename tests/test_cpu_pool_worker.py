@@ -215,12 +215,10 @@ def _store_mapping(pid: int, store_name: str) -> dict:
 def test_under_the_coordinator_supervisor_a_killed_worker_is_restarted(store, channel):
     """coordinator/supervisor.py starts `ft worker cpu` (HELLO with the store's config hash, READY,
     heartbeats), restarts it after SIGKILL, and the new process serves the same channel and store."""
-    import sys
-
     from coordinator.supervisor import Supervisor, WorkerSpec
-    from cpu_expert_pool.api import REPO_ROOT
+    from cpu_expert_pool.api import REPO_ROOT, worker_argv
 
-    argv = [sys.executable, "-m", "cpu_expert_pool.cli", "--store", store.name, "--channel", channel, *WORKER_ARGS]
+    argv = worker_argv(store_name=store.name, channel_name=channel, flags=WORKER_ARGS)
     spec = WorkerSpec("cpu0", argv, config_hash=store.config_hash, env={"PYTHONPATH": str(REPO_ROOT)},
                       ready_timeout_s=START_TIMEOUT_S, backoff_initial_s=0.1, kind="cpu")
     sup = Supervisor([spec])
@@ -243,12 +241,10 @@ def test_under_the_coordinator_supervisor_a_killed_worker_is_restarted(store, ch
 
 
 def test_supervisor_rejects_a_worker_whose_store_has_another_config_hash(store, channel):
-    import sys
-
     from coordinator.supervisor import Supervisor, WorkerError, WorkerSpec
-    from cpu_expert_pool.api import REPO_ROOT
+    from cpu_expert_pool.api import REPO_ROOT, worker_argv
 
-    argv = [sys.executable, "-m", "cpu_expert_pool.cli", "--store", store.name, "--channel", channel, *WORKER_ARGS]
+    argv = worker_argv(store_name=store.name, channel_name=channel, flags=WORKER_ARGS)
     sup = Supervisor([WorkerSpec("cpu0", argv, config_hash="not-the-store", env={"PYTHONPATH": str(REPO_ROOT)},
                                  ready_timeout_s=START_TIMEOUT_S, restart=False)])
     with pytest.raises(WorkerError, match="cpu0"):
