@@ -100,7 +100,7 @@ def cpu_worker_settings(args: argparse.Namespace):
     from coordinator.expert_resources import CpuWorkerSettings
 
     if args.cpu_workers < 1:
-        raise ValueError(f"--cpu-workers {args.cpu_workers} must be >= 1")
+        raise ValueError(f"--cpu-workers {args.cpu_workers} must be an int >= 1")
     return CpuWorkerSettings(num_workers=args.cpu_workers, threads=args.cpu_threads, reserve_cpus=args.reserve_cpus)
 
 
