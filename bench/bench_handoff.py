@@ -35,8 +35,8 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import triton  # noqa: E402
 
-from cpu_expert_pool.channel import CpuPoolClient, create_worker_channel  # noqa: E402
-from cpu_expert_pool.proc import CpuWorkerProc  # noqa: E402
+from proto.cpu_channel import CpuPoolClient, create_worker_channel  # noqa: E402
+from cpu_expert_pool.api import CpuWorkerProc  # noqa: E402
 from kernels.handoff.triton_kernels import _ld_sys  # noqa: E402
 from proto.expert_store import ExpertStore  # noqa: E402
 

@@ -36,7 +36,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from gpu_worker.engine import Engine, EngineConfig, SamplingParams  # noqa: E402
-from gpu_worker.hybrid import HybridExperts, HybridOptions, start_cpu_pool  # noqa: E402
+from coordinator.expert_resources import CpuWorkerSettings, ExpertResources  # noqa: E402
+from cpu_expert_pool.api import worker_flags as cpu_worker_flags  # noqa: E402
+from gpu_worker.api import attach_cpu_pool  # noqa: E402
+from gpu_worker.hybrid import HybridExperts, HybridOptions  # noqa: E402
 from gpu_worker.hybrid.bandwidth import copy_bandwidth, cpu_pool_bandwidth, shared_bandwidth  # noqa: E402
 from gpu_worker.hybrid.options import device_name  # noqa: E402
 from gpu_worker.models import load_model  # noqa: E402
@@ -104,7 +107,8 @@ def live_tuner(engine: Engine, backend, fraction: float, pcie_gb_s: float, cpu_g
     `build_policy` would: at a given --fetch-fraction, else at this run's probes used as the bandwidth
     profile. The tuner keeps its state across the warm-up and the measured runs. -> tick."""
     from coordinator.engine_service import telemetry_from_stats
-    from coordinator.policy import BandwidthProfile, ExpertFormat, FetchPolicy, PolicySettings
+    from coordinator.policy import FetchPolicy, PolicySettings
+    from proto.bandwidth_profile import BandwidthProfile, ExpertFormat
     from proto.engine_messages import flatten_stats
     layout = backend.layout
     fmt = ExpertFormat(str(layout.dtype), layout.hidden_size, layout.intermediate_size)
@@ -314,9 +318,9 @@ def main() -> int:
         host = loaded.model.experts.host                   # the offload backend's store (it owns it)
     print(f"host store {host.nbytes / 1e9:.1f} GB (pinned: {host.pinned})", flush=True)
 
-    options = HybridOptions(cpu_workers=args.cpu_workers, cpu_threads=args.cpu_threads)
+    options = HybridOptions()
     pcie = copy_bandwidth(host.store, device, BW_CALLS)
-    worker_flags = options.worker_flags() + ["--log-level", "WARNING"]
+    worker_flags = cpu_worker_flags(threads=args.cpu_threads, extra=("--log-level", "WARNING"))
     cpu = cpu_pool_bandwidth(host.store, top_k=cfg.top_k, calls=BW_CALLS, num_workers=args.cpu_workers,
                              worker_flags=worker_flags)
     fraction = args.fetch_fraction if args.fetch_fraction is not None else pcie.gb_s / (pcie.gb_s + cpu.gb_s)
@@ -331,7 +335,11 @@ def main() -> int:
     expert_bytes = layout.expert_nbytes
     both = (pcie.gb_s + cpu.gb_s) * 1e9                # the roofline's bandwidth, bytes a second
     both_shared = shared.combined_gb_s * 1e9 if shared else float("nan")    # the bytes both moved together a second
-    pool = start_cpu_pool(host, options, cfg.top_k)
+    resources = ExpertResources.over_store(host.store, "hybrid", top_k=cfg.top_k, model_dtype=host.layout.dtype,
+                                           cpu=CpuWorkerSettings(num_workers=args.cpu_workers, threads=args.cpu_threads,
+                                                                 log_level="WARNING"))
+    resources.start_cpu_workers()
+    pool = attach_cpu_pool(host.store, resources.channel_names, options, worker_info=resources.worker_info)
     slots = resolve_cache_slots(args.cache, source.num_layers, source.num_experts)
     try:
         handoff = handoff_round_trip(pool, cfg.hidden_size, loaded.source.dtype, device, args.handoff_calls)
@@ -384,6 +392,7 @@ def main() -> int:
             rows += median_rounds(by_variant)
     finally:
         pool.close()
+        resources.close()                  # the CPU workers stopped, their channels unlinked
         host.close()
 
     gpu = device_name(device)

@@ -39,7 +39,9 @@ from bench.bench_engine import _sync, pcie_store_bandwidth  # noqa: E402
 import gpu_worker.engine.attention as attention  # noqa: E402
 from gpu_worker.engine import Engine, EngineConfig, SamplingParams  # noqa: E402
 from gpu_worker.models import load_model  # noqa: E402
-from gpu_worker.hybrid import HybridExperts, HybridOptions, start_cpu_pool  # noqa: E402
+from coordinator.expert_resources import CpuWorkerSettings, ExpertResources  # noqa: E402
+from gpu_worker.api import attach_cpu_pool  # noqa: E402
+from gpu_worker.hybrid import HybridExperts  # noqa: E402
 from gpu_worker.models.synthetic_routing import SyntheticRouting  # noqa: E402
 from gpu_worker.offload import HostExperts, OffloadExperts, resolve_cache_slots  # noqa: E402
 
@@ -148,7 +150,10 @@ def main() -> int:
             slots = resolve_cache_slots(frac, source.num_layers, source.num_experts)
             hybrid = variant == "hybrid"
             if hybrid and pool is None:
-                pool = start_cpu_pool(host, HybridOptions(cpu_workers=args.cpu_workers), cfg.top_k)
+                resources = ExpertResources.over_store(host.store, "hybrid", top_k=cfg.top_k, model_dtype=host.layout.dtype,
+                                                       cpu=CpuWorkerSettings(num_workers=args.cpu_workers))
+                resources.start_cpu_workers()
+                pool = attach_cpu_pool(host.store, resources.channel_names, worker_info=resources.worker_info)
             if hybrid:
                 backend = HybridExperts(host, slots, args.device, pool, owns_host=False, owns_pool=False,
                                         fetch_fraction=args.hybrid_fraction)
@@ -178,6 +183,7 @@ def main() -> int:
     finally:
         if pool is not None:
             pool.close()
+            resources.close()                  # the CPU workers stopped, their channels unlinked
         if host is not None:
             host.close()
     device = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"

@@ -18,7 +18,7 @@ COMMANDS: list[tuple[str, str, str]] = [
      "measure PCIe and CPU-pool expert bandwidth; write the profile the fetch fraction starts from"),
     ("serve", "coordinator.serve_cli", "serve the OpenAI-compatible HTTP API and the gRPC control plane"),
     ("ctl", "coordinator.ctl_cli", "control a running server over gRPC (stats, policy, workers, drain, ...)"),
-    ("generate", "gpu_worker.generate_cli", "run one completion through the engine in this process (no server)"),
+    ("generate", "coordinator.generate_cli", "run one completion through the engine in this process (no server)"),
     ("worker cpu", "cpu_expert_pool.cli", "run one CPU expert worker (computes expert misses on the CPU)"),
     ("worker gpu", "gpu_worker.worker_cli", "run the GPU worker (model, KV cache, engine loop) for a coordinator"),
 ]

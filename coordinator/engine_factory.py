@@ -10,7 +10,7 @@ import os
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from coordinator.policy import ExpertFormat
+from proto.bandwidth_profile import ExpertFormat
 from coordinator.text_codec import TextCodec
 
 log = logging.getLogger("ft.coordinator.engine_factory")
@@ -45,17 +45,19 @@ def load_served_engine(model_dir: str | None, preset: str | None, device: str, *
                        moe_cache_size: int | None = None, max_running_requests: int = 8,
                        max_context_tokens: int | None = None, served_model_name: str | None = None,
                        hybrid: Any = None, slot_audit_every: int = 0,
-                       prefill_chunk_tokens: int | None = None, overlap_decode: bool | None = None) -> ServedEngine:
+                       prefill_chunk_tokens: int | None = None, overlap_decode: bool | None = None,
+                       loaded: Any = None) -> ServedEngine:
     """The engine `ft serve --workers inline` serves (`hybrid`: HybridOptions for cpu/hybrid, None: defaults;
     `slot_audit_every`: FREETOKEN_MOE_SLOT_AUDIT; `prefill_chunk_tokens`: None = the engine's default for the
-    backend; `overlap_decode`: EngineConfig's, None = on CUDA)."""
+    backend; `overlap_decode`: EngineConfig's, None = on CUDA; `loaded`: the model, already loaded over the host
+    resources of serve_cli's ExpertResources, for offload/cpu/hybrid)."""
     import torch
 
-    from gpu_worker.engine import Engine, EngineConfig
-    from gpu_worker.models import load_model
+    from gpu_worker.api import Engine, EngineConfig, load_model
 
-    loaded = load_model(model_dir, preset, device=device, moe_strategy=moe_strategy, moe_cache_size=moe_cache_size,
-                        hybrid=hybrid)
+    if loaded is None:
+        loaded = load_model(model_dir, preset, device=device, moe_strategy=moe_strategy, moe_cache_size=moe_cache_size,
+                            hybrid=hybrid)
     tokenizer = loaded.tokenizer
     if tokenizer is None:
         raise FileNotFoundError(f"{model_dir or preset} has no tokenizer.json; the HTTP API needs one to turn "

@@ -19,14 +19,13 @@ is ignored with a log line, never misapplied.
 """
 from __future__ import annotations
 
-import json
 import logging
 import math
-import os
 import threading
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
+from proto.bandwidth_profile import BandwidthProfile, ExpertFormat, default_benchbw_path, load_bandwidth_profile
 from proto.knobs import KNOBS_BY_FIELD
 
 log = logging.getLogger("ft.coordinator.policy")
@@ -47,101 +46,11 @@ WAIT_BIAS_LIMIT = 0.25           # |bias from waits| never exceeds this
 MIN_WAIT_SIGNAL_S = 20e-6        # waits below this (both sides together) carry no signal
 DECISION_STEP = 1.0 / 512        # a change of f smaller than this is not pushed to the engine
 
-_DTYPE_ALIASES = {
-    "bf16": "bfloat16", "bfloat16": "bfloat16", "torch.bfloat16": "bfloat16",
-    "fp16": "float16", "float16": "float16", "half": "float16", "torch.float16": "float16",
-    "fp32": "float32", "float32": "float32", "float": "float32", "torch.float32": "float32",
-    "int8": "int8", "torch.int8": "int8", "fp8": "float8", "float8": "float8",
-}
-_DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "int8": 1, "float8": 1}
-
-
-def normalize_dtype(name: str) -> str:
-    key = str(name).strip().lower()
-    if key not in _DTYPE_ALIASES:
-        raise ValueError(f"unknown expert dtype {name!r}; known: {', '.join(sorted(set(_DTYPE_ALIASES)))}")
-    return _DTYPE_ALIASES[key]
-
-
 def fraction_to_q16(fraction: float) -> int:
     """f as the Q16 fixed point the slot-cache kernel and its reference read (0..65536)."""
     if not math.isfinite(fraction):
         raise ValueError(f"fetch fraction must be a finite number, got {fraction!r}")
     return max(0, min(Q16_ONE, int(round(fraction * Q16_ONE))))
-
-
-@dataclass(frozen=True)
-class ExpertFormat:
-    """What one expert's weights look like: gate, up ([I, H] each) and down ([H, I])."""
-    dtype: str
-    hidden_size: int
-    intermediate_size: int
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "dtype", normalize_dtype(self.dtype))
-        if self.hidden_size <= 0 or self.intermediate_size <= 0:
-            raise ValueError(f"expert sizes must be positive, got H={self.hidden_size} I={self.intermediate_size}")
-
-    @property
-    def bytes_per_expert(self) -> int:
-        return 3 * self.hidden_size * self.intermediate_size * _DTYPE_BYTES[self.dtype]
-
-    def key(self) -> str:
-        return f"{self.dtype}/{self.hidden_size}x{self.intermediate_size}"
-
-
-@dataclass(frozen=True)
-class BandwidthProfile:
-    pcie_gb_s: float
-    cpu_gb_s: float
-    gpu_name: str
-    expert_format: ExpertFormat
-    path: str
-
-    @property
-    def fetch_fraction(self) -> float:
-        return self.pcie_gb_s / (self.pcie_gb_s + self.cpu_gb_s)
-
-
-def load_bandwidth_profile(path: str, expert_format: ExpertFormat, gpu_name: str) -> BandwidthProfile | None:
-    """The entry of an `ft bench bw` profile that matches this GPU and expert format, or None.
-
-    Schema (docs/POLICY.md): {"gpu_name": str, "entries": [{"dtype", "hidden_size",
-    "intermediate_size", "pcie_gb_s", "cpu_gb_s", optional "gpu_name"}]}. A missing file, another
-    GPU or another expert format gives None and one log line saying why.
-    """
-    if not path or not os.path.exists(path):
-        log.info("no bandwidth profile at %r; run `ft bench bw` on this machine to write one", path)
-        return None
-    try:
-        with open(path, encoding="utf-8") as fh:
-            doc = json.load(fh)
-        entries = doc["entries"]
-        if not isinstance(entries, list):
-            raise TypeError("'entries' must be a list")
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        log.warning("ignoring bandwidth profile %s: unreadable (%s); rerun `ft bench bw`", path, exc)
-        return None
-    seen: list[str] = []
-    for entry in entries:
-        try:
-            entry_gpu = str(entry.get("gpu_name", doc.get("gpu_name", "")))
-            fmt = ExpertFormat(entry["dtype"], int(entry["hidden_size"]), int(entry["intermediate_size"]))
-            pcie, cpu = float(entry["pcie_gb_s"]), float(entry["cpu_gb_s"])
-        except (KeyError, TypeError, ValueError, AttributeError) as exc:
-            log.warning("skipping a malformed entry of bandwidth profile %s: %s", path, exc)
-            continue
-        seen.append(f"{entry_gpu} {fmt.key()}")
-        if entry_gpu.strip() != gpu_name.strip() or fmt != expert_format:
-            continue
-        if not (pcie > 0 and cpu > 0 and math.isfinite(pcie) and math.isfinite(cpu)):
-            log.warning("ignoring bandwidth profile %s: non-positive bandwidths for %s", path, fmt.key())
-            return None
-        return BandwidthProfile(pcie, cpu, entry_gpu, fmt, path)
-    log.warning("ignoring bandwidth profile %s: measured for [%s], not for %s %s; "
-                "run `ft bench bw` on this machine", path, "; ".join(seen) or "nothing", gpu_name,
-                expert_format.key())
-    return None
 
 
 @dataclass(frozen=True)
@@ -361,9 +270,3 @@ def build_policy(settings: PolicySettings, *, fraction_given: bool, benchbw_path
     if expert_format is not None and gpu_name:
         profile = load_bandwidth_profile(benchbw_path or default_benchbw_path(), expert_format, gpu_name)
     return FetchPolicy(settings, expert_format=expert_format, profile=profile)
-
-
-def default_benchbw_path() -> str:
-    """Where `ft bench bw` writes its profile by default (FREETOKEN_BENCHBW_PATH overrides it)."""
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "freetoken", "benchbw.json")

@@ -1,10 +1,10 @@
 """The coordinator's worker processes (`ft serve --workers process`, and `--attach`): `ProcessSet`.
 
 start(), in this order:
-  1. the shared-memory expert store, when the strategy keeps experts in host memory (offload, cpu,
-     hybrid): created under a fixed name and filled from the checkpoint once. A segment of that name
-     left by a killed run (its creator is dead) is reclaimed; a live one is an error naming its pid.
-  2. one hot-path channel per CPU expert worker (cpu, hybrid).
+  1-2. the expert store and the CPU workers' channels, through the one owner of those
+     (coordinator/expert_resources.py): the store under a fixed name, filled from the checkpoint once
+     (a segment of that name left by a killed run, its creator dead, is reclaimed; a live one is an
+     error naming its pid).
   3. the engine link (a ROUTER on --engine-addr, loopback only).
   4. `--workers process`: the supervisor starts `ft worker cpu` x N and `ft worker gpu` and waits for
      each HELLO (config hash) + READY; it restarts a dead one with back-off. cpu/hybrid: the CPU workers
@@ -21,25 +21,21 @@ from __future__ import annotations
 import logging
 import os
 import sys
-import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from coordinator.engine_link import EngineLinkServer
+from coordinator.expert_resources import CPU_STRATEGIES, CpuWorkerSettings, ExpertResources
 from coordinator.remote_engine import RemoteEngine
 from proto import engine_messages as em
 
 log = logging.getLogger("ft.coordinator.process_set")
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_ATTACH_ENGINE_ADDR = "tcp://127.0.0.1:1921"
 PROCESS_ENGINE_ADDR = "tcp://127.0.0.1:0"          # a free loopback port, passed to the child
 GPU_WORKER_NAME = "gpu0"
 LINK_READY_GRACE_S = 10.0                           # supervisor READY -> engine-link READY
 GPU_HEARTBEAT_TIMEOUT_S = 10.0
-CPU_STRATEGIES = ("cpu", "hybrid")
-HOST_STORE_STRATEGIES = ("offload", "cpu", "hybrid")
 
 
 def default_store_name(port: int) -> str:
@@ -62,7 +58,7 @@ class ProcessSetOptions:
     backoff_max_s: float = 30.0
     max_restarts: int = 5
     extra_env: dict[str, str] = field(default_factory=dict)
-    reserve_cpus: str | None = None          # cpu/hybrid: kept free of CPU workers (HybridOptions; None: default)
+    reserve_cpus: str | None = None          # cpu/hybrid: kept free of CPU workers (None: the default)
     pin_gpu_worker: bool = True              # cpu/hybrid: the GPU worker pins itself to those (not hashed)
 
 
@@ -88,8 +84,8 @@ def options_from_serve_args(args: Any) -> ProcessSetOptions:
     model_dir = os.path.abspath(args.model) if args.model else None
     num_cpu_workers = args.num_cpu_workers
     if args.moe_strategy in CPU_STRATEGIES and num_cpu_workers <= 0:
-        from cpu_expert_pool.topology import discover_placements
-        num_cpu_workers = len(discover_placements())
+        from cpu_expert_pool.api import default_worker_count
+        num_cpu_workers = default_worker_count()
     flags = ["--device", args.device, "--moe-strategy", args.moe_strategy,
              "--max-running-requests", str(args.max_running_requests), "--num-cpu-workers", str(num_cpu_workers)]
     for flag, value in (("--model", model_dir), ("--preset", args.preset), ("--moe-cache-size", args.moe_cache_size),
@@ -113,9 +109,8 @@ def options_from_serve_args(args: Any) -> ProcessSetOptions:
 class ProcessSet:
     def __init__(self, options: ProcessSetOptions, source: Any):
         self.options = options
-        self.source = source                 # gpu_worker.models.loader.ModelSource (experts, cfg, tokenizer)
-        self.host: Any = None                # HostExperts we created (owner: unlinks it)
-        self.channels: list[Any] = []        # ShmSegment per CPU worker (owner)
+        self.source = source                 # gpu_worker.api.ModelSource (experts, cfg, tokenizer)
+        self.resources: ExpertResources | None = None    # the store and the CPU channels (their owner)
         self.link: EngineLinkServer | None = None
         self.supervisor: Any = None
         self.remote: RemoteEngine | None = None
@@ -124,13 +119,9 @@ class ProcessSet:
 
     def start(self) -> em.Ready:
         o = self.options
-        store_name, channel_names = "", []
-        if o.moe_strategy in HOST_STORE_STRATEGIES:
-            store_name = self._create_store()
-        if o.moe_strategy in CPU_STRATEGIES:
-            channel_names = self._create_channels(store_name)
+        res = self.create_resources()
         addr = o.engine_addr or (DEFAULT_ATTACH_ENGINE_ADDR if o.attach else PROCESS_ENGINE_ADDR)
-        self.link = EngineLinkServer(addr, o.config, store_name=store_name, cpu_channels=tuple(channel_names))
+        self.link = EngineLinkServer(addr, o.config, store_name=res.store_name, cpu_channels=tuple(res.channel_names))
         self.link.start()
         log.info("engine link on %s (config hash %s)", self.link.address, self.link.config_hash)
         if o.attach:
@@ -140,78 +131,46 @@ class ProcessSet:
         else:
             from coordinator.supervisor import Supervisor
 
-            self.supervisor = Supervisor(self.worker_specs(store_name))   # it logs every failure
+            self.supervisor = Supervisor(self.worker_specs())   # it logs every failure
             self.supervisor.start()
             facts = self.link.wait_ready(LINK_READY_GRACE_S, what=f"GPU worker {GPU_WORKER_NAME}")
         self._check_facts(facts)
         return facts
 
-    def worker_specs(self, store_name: str) -> list[Any]:
-        """The supervised children: `ft worker cpu` x N (cpu/hybrid), then `ft worker gpu`."""
+    def create_resources(self) -> ExpertResources:
+        """The store and the CPU workers' channels, through their owner (kept until stop())."""
+        o = self.options
+        cpu = CpuWorkerSettings(num_workers=max(1, o.num_cpu_workers), reserve_cpus=o.reserve_cpus,
+                                log_level=o.log_level, ready_timeout_s=o.worker_ready_timeout_s,
+                                backoff_initial_s=o.backoff_initial_s, backoff_max_s=o.backoff_max_s,
+                                max_restarts=o.max_restarts)
+        self.resources = ExpertResources.create(self.source, o.moe_strategy,
+                                                store_name=o.store_name or default_store_name(0), cpu=cpu)
+        return self.resources
+
+    def worker_specs(self) -> list[Any]:
+        """The supervised children: `ft worker cpu` x N (cpu/hybrid: the owner's), then `ft worker gpu`."""
         from coordinator.supervisor import WorkerSpec
+        from cpu_expert_pool.api import FT_COMMAND, worker_env
 
         o = self.options
-        assert self.link is not None
-        env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH", "")])),
-               **o.extra_env}
-        ft = [sys.executable, "-m", "coordinator.cli"]
-        common = dict(env=env, backoff_initial_s=o.backoff_initial_s, backoff_max_s=o.backoff_max_s,
-                      max_restarts=o.max_restarts)
-        specs = []
+        assert self.link is not None and self.resources is not None
+        env = {"PYTHONPATH": worker_env()["PYTHONPATH"], **o.extra_env}
+        specs = self.resources.cpu_worker_specs()
+        for spec in specs:
+            spec.env = env
         gpu_flags: list[str] = []
         if o.moe_strategy in CPU_STRATEGIES:
-            from gpu_worker.offload.host_store import layout_hash
-
-            cpu_options = self._cpu_worker_options()
-            flags = cpu_options.worker_flags()       # threads, allowed and reserved CPUs
             # the GPU worker pins itself to the CPUs these workers keep off (the same list, resolved here)
-            gpu_flags = ["--reserve-cpus", cpu_options.reserved_cpus(),
-                         "--pin-gpu-worker", "on" if cpu_options.pins_gpu_worker() else "off"]
-            for i in range(o.num_cpu_workers):
-                argv = ft + ["worker", "cpu", "--store", store_name, "--worker-index", str(i), "--num-workers",
-                             str(o.num_cpu_workers), "--parent-pid", str(os.getpid()), "--log-level", o.log_level,
-                             *flags]
-                specs.append(WorkerSpec(f"cpu{i}", argv, layout_hash(self.source.experts), kind="cpu-worker",
-                                        ready_timeout_s=o.worker_ready_timeout_s, **common))
-        argv = ft + ["worker", "gpu", "--engine-addr", self.link.address, "--name", GPU_WORKER_NAME,
-                     "--parent-pid", str(os.getpid()), "--log-level", o.log_level, *o.engine_flags, *gpu_flags]
-        specs.append(WorkerSpec(GPU_WORKER_NAME, argv, self.link.config_hash, kind="gpu-worker",
+            gpu_flags = ["--reserve-cpus", self.resources.reserved_cpus(), "--pin-gpu-worker",
+                         "on" if o.pin_gpu_worker else "off"]
+        argv = [*FT_COMMAND, "worker", "gpu", "--engine-addr", self.link.address, "--name", GPU_WORKER_NAME,
+                "--parent-pid", str(os.getpid()), "--log-level", o.log_level, *o.engine_flags, *gpu_flags]
+        specs.append(WorkerSpec(GPU_WORKER_NAME, argv, self.link.config_hash, env=env, kind="gpu-worker",
                                 ready_timeout_s=o.worker_ready_timeout_s, heartbeat_timeout_s=GPU_HEARTBEAT_TIMEOUT_S,
-                                **common))
+                                backoff_initial_s=o.backoff_initial_s, backoff_max_s=o.backoff_max_s,
+                                max_restarts=o.max_restarts))
         return specs
-
-    def _cpu_worker_options(self):
-        """HybridOptions for the CPU workers this process set starts (their flags, their store placement)."""
-        from gpu_worker.hybrid import HybridOptions
-        return HybridOptions(cpu_workers=max(1, self.options.num_cpu_workers), reserve_cpus=self.options.reserve_cpus,
-                             pin_gpu_worker=self.options.pin_gpu_worker)
-
-    def _create_store(self) -> str:
-        from gpu_worker.offload import HostExperts
-
-        name = self.options.store_name or default_store_name(0)
-        t0 = time.perf_counter()
-        place = self._cpu_worker_options().place_store if self.options.moe_strategy in CPU_STRATEGIES else None
-        self.host = HostExperts.create_filled(self.source.experts, name=name, pin=False, before_fill=place)
-        log.info("expert store %r filled: %.2f GiB in %.1f s", name, self.host.nbytes / 1024 ** 3,
-                 time.perf_counter() - t0)
-        return name
-
-    def _create_channels(self, store_name: str) -> list[str]:
-        """One channel per CPU worker, sized as gpu_worker/hybrid sizes its own (HybridOptions.cpu_max_tokens)."""
-        from cpu_expert_pool.channel import channel_name_for, create_worker_channel
-        from gpu_worker.hybrid.cpu_pool import channel_hidden_dtype
-        from gpu_worker.hybrid.options import DEFAULT_CPU_MAX_TOKENS
-
-        cfg = self.source.cfg
-        names = []
-        for i in range(self.options.num_cpu_workers):
-            name = channel_name_for(store_name, i)
-            self.channels.append(create_worker_channel(name, t_max=DEFAULT_CPU_MAX_TOKENS, hidden=cfg.hidden_size,
-                                                       max_triples=DEFAULT_CPU_MAX_TOKENS * cfg.top_k,
-                                                       hidden_dtype=channel_hidden_dtype(self.source.dtype)))
-            names.append(name)
-        return names
 
     def _check_facts(self, facts: em.Ready) -> None:
         vocab = self.source.cfg.vocab_size
@@ -250,10 +209,6 @@ class ProcessSet:
             self.supervisor = None
         if link is not None:
             link.close()
-        for seg in self.channels:
-            seg.close()
-            seg.unlink()
-        self.channels = []
-        if self.host is not None:
-            self.host.close()                    # the creator: unlinks the store's name
-            self.host = None
+        if self.resources is not None:
+            self.resources.close()               # the creator: unlinks the channels and the store
+            self.resources = None

@@ -143,7 +143,7 @@ def run_processes(args: argparse.Namespace) -> int:
     from coordinator.process_set import ProcessSet, flags_an_attached_worker_ignores, options_from_serve_args
     from coordinator.server import CoordinatorServer
     from coordinator.text_codec import TextCodec
-    from gpu_worker.models.loader import open_model_source
+    from gpu_worker.api import open_model_source
 
     api_key = resolve_api_key(args.api_key)
     model_dir = os.path.abspath(args.model) if args.model else None
@@ -187,7 +187,7 @@ def inline_hybrid_options(args: argparse.Namespace, environ=None):
     """HybridOptions of the inline engine (cpu/hybrid). Its process also runs the HTTP and gRPC servers, so it
     is pinned to the reserved CPUs only when asked (--pin-gpu-worker on, or FREETOKEN_PIN_GPU_WORKER set):
     the process mode's default (on) would squeeze the servers onto one core with the engine."""
-    from gpu_worker.hybrid import HybridOptions
+    from gpu_worker.api import HybridOptions
 
     environ = os.environ if environ is None else environ
     flag = getattr(args, "pin_gpu_worker", None)
@@ -197,7 +197,36 @@ def inline_hybrid_options(args: argparse.Namespace, environ=None):
 
 
 def run_inline(args: argparse.Namespace) -> int:
-    """One process: the engine in a thread of the coordinator."""
+    """One process: the engine in a thread of the coordinator, over the host resources of the same owner as
+    the process mode (coordinator/expert_resources.py)."""
+    from coordinator.expert_resources import HOST_STORE_STRATEGIES, CpuWorkerSettings, ExpertResources
+    from coordinator.process_set import default_store_name
+
+    if args.moe_strategy not in HOST_STORE_STRATEGIES:
+        return _run_inline(args, None)
+    from gpu_worker.api import load_attached_model, open_model_source, resolve_device
+
+    device = resolve_device(args.device)
+    model_dir = os.path.abspath(args.model) if args.model else None
+    source = open_model_source(model_dir, args.preset, device=device)
+    cpu = CpuWorkerSettings(num_workers=args.num_cpu_workers, reserve_cpus=getattr(args, "reserve_cpus", None),
+                            log_level=args.log_level, ready_timeout_s=args.worker_ready_timeout_s)
+    resources = ExpertResources.create(source, args.moe_strategy, cpu=cpu,
+                                       store_name=args.store_name or default_store_name(args.port),
+                                       staging_device=device if device.type == "cuda" else None)
+    try:
+        resources.start_cpu_workers()
+        hybrid = inline_hybrid_options(args) if args.moe_strategy in ("cpu", "hybrid") else None
+        loaded = load_attached_model(source, device, moe_strategy=args.moe_strategy, store_name=resources.store_name,
+                                     cpu_channels=resources.channel_names, moe_cache_size=args.moe_cache_size,
+                                     hybrid=hybrid,
+                                     pin_driving_process=True, worker_info=resources.worker_info)
+        return _run_inline(args, loaded)
+    finally:
+        resources.close()
+
+
+def _run_inline(args: argparse.Namespace, loaded) -> int:
     from coordinator.auth import resolve_api_key
     from coordinator.engine_factory import load_served_engine
     from coordinator.engine_service import EngineService
@@ -213,7 +242,7 @@ def run_inline(args: argparse.Namespace) -> int:
     served = load_served_engine(args.model, args.preset, args.device, moe_strategy=args.moe_strategy,
                                 moe_cache_size=args.moe_cache_size, max_running_requests=args.max_running_requests,
                                 max_context_tokens=args.max_context_tokens, served_model_name=args.served_model_name,
-                                prefill_chunk_tokens=args.prefill_chunk_tokens,
+                                prefill_chunk_tokens=args.prefill_chunk_tokens, loaded=loaded,
                                 hybrid=inline_hybrid_options(args),
                                 overlap_decode=None if overlap == "auto" else overlap == "on",
                                 slot_audit_every=resolve({"moe_slot_audit": args.moe_slot_audit})["moe_slot_audit"])

@@ -1,6 +1,6 @@
 """Child-process supervision for the GPU worker and the CPU expert workers.
 
-    sup = Supervisor([WorkerSpec("cpu-numa0", [sys.executable, "-m", "cpu_expert_pool.worker", ...],
+    sup = Supervisor([WorkerSpec("cpu0", cpu_expert_pool.api.worker_argv(store_name=..., channel_name=...),
                                  config_hash=config_hash(cfg))], on_error=report)
     sup.start()          # every child HELLO (config hash checked) + READY, or one typed error, fast
     ...
@@ -11,7 +11,7 @@ One monitor thread waits (multiprocessing.connection.wait) on every child's proc
 (a pidfd), its link, and a wake-up pipe. A child that exits, or stops sending heartbeats, becomes one
 WorkerError (to `on_error` and to `check()`); it is then restarted after an exponential back-off,
 until `max_restarts` failures in a row mark it failed. Children are plain subprocesses (no
-multiprocessing pickling); the link protocol is in supervised_child.py.
+multiprocessing pickling); the link protocol is in proto/supervised_child.py (the child's side).
 """
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 from typing import Any, Callable
 
-from coordinator.supervised_child import (ENV_FD, ENV_NAME, HEARTBEAT, HELLO, MAX_FRAME_BYTES, PROTOCOL_VERSION,
+from proto.supervised_child import (ENV_FD, ENV_NAME, HEARTBEAT, HELLO, MAX_FRAME_BYTES, PROTOCOL_VERSION,
                                           READY, REJECT, SHUTDOWN, WELCOME, decode, encode)
 
 log = logging.getLogger("ft.coordinator.supervisor")

@@ -1,11 +1,10 @@
-"""`ft worker cpu`: run one CPU expert worker (also `python -m cpu_expert_pool.cli`).
+"""`ft worker cpu`: run one CPU expert worker (started by the coordinator's CpuWorkerSet, or by systemd).
 
 Nothing heavy is imported at module level: the process checklist runs before torch is loaded.
 """
 from __future__ import annotations
 
 import argparse
-import sys
 
 DEFAULT_HANDSHAKE_TIMEOUT_S = 30.0
 
@@ -16,9 +15,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="name of this worker's channel segment (default: <store>.cpu<worker-index>)")
     parser.add_argument("--worker-index", type=int, default=0, help="which worker of the pool this is")
     parser.add_argument("--num-workers", type=int, default=1, help="workers in the pool (placement splits cores)")
-    parser.add_argument("--control", default=None,
-                        help="ZMQ address of the coordinator's control socket (e.g. ipc:///run/ft/control); "
-                             "without it the worker serves standalone with the flags below")
     parser.add_argument("--kernel", default="auto",
                         help="auto | torch | native | native-avx512_bf16 | native-avx512 | native-avx2 | native-scalar")
     parser.add_argument("--threads", type=int, default=0, help="compute threads (0 = one per physical core)")
@@ -43,34 +39,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from cpu_expert_pool.process_setup import setup_process
+    from proto.process_setup import setup_process
 
     setup_process(f"cpu_worker[{args.worker_index}]", expected_parent_pid=args.parent_pid,
                   log_level=args.log_level)
     # Heavy imports only after the checklist.
-    from cpu_expert_pool.channel import channel_name_for
-    from cpu_expert_pool.topology import parse_cpulist
-    from cpu_expert_pool.worker import WorkerOptions, run_cpu_worker
-    from proto.messages import Config
+    from cpu_expert_pool.worker import WorkerOptions, WorkerSettings, run_cpu_worker
+    from proto.cpu_channel import channel_name_for
+    from proto.cpus import parse_cpulist
 
-    config = Config(kernel=args.kernel, num_threads=args.threads, spin_us=args.spin_us, hot_ms=args.hot_ms,
-                    sleep_max_us=args.sleep_max_us)
+    settings = WorkerSettings(kernel=args.kernel, num_threads=args.threads, spin_us=args.spin_us, hot_ms=args.hot_ms,
+                              sleep_max_us=args.sleep_max_us)
     options = WorkerOptions(
         store_name=args.store, channel_name=args.channel or channel_name_for(args.store, args.worker_index),
-        worker_index=args.worker_index, num_workers=args.num_workers, control_addr=args.control, config=config,
+        worker_index=args.worker_index, num_workers=args.num_workers, settings=settings,
         reserved_cpus=parse_cpulist(args.reserve_cpus),
         allowed_cpus=None if args.allowed_cpus is None else parse_cpulist(args.allowed_cpus),
         mempolicy=args.mempolicy, pin_threads=not args.no_pin,
         expect_config_hash=args.expect_config_hash, handshake_timeout_s=args.handshake_timeout_s,
         sysfs_root=args.sysfs_root, warmup=not args.no_warmup)
     return run_cpu_worker(options)
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="ft worker cpu", description="run one CPU expert worker")
-    add_arguments(parser)
-    return run(parser.parse_args(argv))
-
-
-if __name__ == "__main__":
-    sys.exit(main())

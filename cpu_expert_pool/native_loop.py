@@ -20,7 +20,7 @@ import numpy as np
 
 from cpu_expert_pool.channel import WorkerChannel
 from cpu_expert_pool.native.build import NativeLib
-from cpu_expert_pool.split import ExpertSplit
+from proto.expert_owners import ExpertSplit
 from proto.expert_store import ExpertStore
 from proto.shm_layout import NUM_SLOTS
 

@@ -21,6 +21,8 @@ import platform
 import re
 from typing import TYPE_CHECKING, Iterable
 
+from proto.cpus import format_cpulist, parse_cpulist, set_process_affinity
+
 if TYPE_CHECKING:
     import numpy as np
 
@@ -58,42 +60,6 @@ class WorkerPlacement:
     def describe(self) -> str:
         return (f"worker {self.worker_index}: node {self.node_id}, cpus {format_cpulist(self.cpus)}, "
                 f"{self.num_threads} compute threads on {format_cpulist(self.compute_cpus)}")
-
-
-# -- parsing ------------------------------------------------------------------------------------
-def parse_cpulist(text: str) -> tuple[int, ...]:
-    """'0-3,8-11' -> (0, 1, 2, 3, 8, 9, 10, 11); '' -> (); also accepts strides '0-6:2'."""
-    cpus: set[int] = set()
-    for part in text.strip().split(","):
-        part = part.strip()
-        if not part:
-            continue
-        try:
-            if "-" in part:
-                span, _, stride = part.partition(":")
-                lo, hi = (int(x) for x in span.split("-"))
-                if hi < lo:
-                    raise ValueError
-                cpus.update(range(lo, hi + 1, int(stride) if stride else 1))
-            else:
-                cpus.add(int(part))
-        except ValueError:
-            raise ValueError(f"bad CPU list {text!r} at {part!r}; expected e.g. '0-3,8-11'") from None
-    return tuple(sorted(cpus))
-
-
-def format_cpulist(cpus: Iterable[int]) -> str:
-    """(0, 1, 2, 3, 8) -> '0-3,8'."""
-    ordered = sorted(set(cpus))
-    parts: list[str] = []
-    i = 0
-    while i < len(ordered):
-        j = i
-        while j + 1 < len(ordered) and ordered[j + 1] == ordered[j] + 1:
-            j += 1
-        parts.append(str(ordered[i]) if i == j else f"{ordered[i]}-{ordered[j]}")
-        i = j + 1
-    return ",".join(parts)
 
 
 def read_numa_nodes(sysfs_root: str = SYSFS_ROOT, fallback_cpus: Iterable[int] | None = None) -> list[NumaNode]:
@@ -253,33 +219,6 @@ def mbind_range(address: int, num_bytes: int, node_id: int, *, move: bool = True
     return True, ""
 
 
-def thread_ids() -> list[int]:
-    """The ids of this process's threads (/proc/self/task)."""
-    return sorted(int(tid) for tid in os.listdir("/proc/self/task"))
-
-
-def set_process_affinity(cpus: Iterable[int]) -> int:
-    """Set the CPU affinity of every thread of this process; returns how many threads were set.
-
-    Linux's sched_setaffinity(0) sets the calling thread only (a new thread inherits its creator's
-    mask, a child process the forking thread's), so the threads already running (IO, heartbeat,
-    watchdog, supervisor threads) are set one by one from /proc/self/task, again until no new one has
-    appeared meanwhile. A thread that exits meanwhile is skipped. The mask may be wider than the current
-    one, within the cgroup's cpuset."""
-    cpus = tuple(cpus)
-    done: set[int] = set()
-    while True:
-        todo = [tid for tid in thread_ids() if tid not in done]
-        if not todo:
-            return len(done)
-        for tid in todo:
-            try:
-                os.sched_setaffinity(tid, cpus)
-            except ProcessLookupError:       # exited since the listing
-                pass
-            done.add(tid)
-
-
 def bind_current_process(placement: WorkerPlacement, *, mempolicy: str = "preferred") -> BindResult:
     """Set CPU affinity (every thread) to the placement's CPUs and, where possible, the memory policy to
     its node. The placement may be wider than the affinity this process inherited (a worker restarted
@@ -324,7 +263,7 @@ def place_store_for_workers(store: "ExpertStore", *, num_workers: int | None, re
     (discover_placements with the same count, reserved CPUs and allowed CPUs: `--allowed-cpus`, this
     process's affinity, HybridOptions.worker_flags).
     One node: nothing to do (returns 0). Returns how many experts were bound."""
-    from cpu_expert_pool.split import ExpertSplit
+    from proto.expert_owners import ExpertSplit
     try:
         placements = discover_placements(num_workers=num_workers, reserved_cpus=reserved_cpus,
                                          sysfs_root=sysfs_root, allowed_cpus=allowed_cpus)

@@ -60,7 +60,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from cpu_expert_pool.process_setup import setup_process
+    from proto.process_setup import setup_process
 
     setup_process(f"gpu_worker[{args.name}]", expected_parent_pid=args.parent_pid, log_level=args.log_level)
     from gpu_worker.worker_main import GpuWorkerOptions, run_gpu_worker   # torch is imported from here on

@@ -18,6 +18,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from proto import engine_messages as em
+from proto.supervised_child import ENV_FD, HandshakeRejected, SupervisorLink
 
 from .worker_link import CoordinatorLink
 from .worker_loop import LocalStop, gpu_busy_loop
@@ -108,6 +109,7 @@ def load_engine(opts: GpuWorkerOptions, welcome: em.Welcome) -> LoadedEngine:
     import torch
 
     from gpu_worker.engine import Engine, EngineConfig
+    from gpu_worker.hybrid.options import HybridOptions
     from gpu_worker.models.attached_backends import make_attached_expert_backend
     from gpu_worker.models.device import resolve_device
     from gpu_worker.models.loader import open_model_source
@@ -118,7 +120,7 @@ def load_engine(opts: GpuWorkerOptions, welcome: em.Welcome) -> LoadedEngine:
     experts = make_attached_expert_backend(opts.moe_strategy, source.experts, device,
                                            store_name=opts.store_name or welcome.store_name,
                                            cpu_channels=welcome.cpu_channels, cache_size=opts.moe_cache_size,
-                                           reserve_cpus=opts.reserve_cpus)
+                                           hybrid=HybridOptions(reserve_cpus=opts.reserve_cpus))
     try:
         dense = source.load_dense(device)
         cfg = source.cfg
@@ -161,12 +163,10 @@ def _close(experts: "ExpertBackend") -> None:
 
 
 class _SupervisorBridge:
-    """coordinator/supervisor.py's link when it started us: HELLO/READY/heartbeats; its SHUTDOWN (or the
-    parent's end-of-file) becomes a LocalStop in the inbox."""
+    """coordinator/supervisor.py's link when it started us (proto/supervised_child.py): HELLO/READY/heartbeats;
+    its SHUTDOWN (or the parent's end-of-file) becomes a LocalStop in the inbox."""
 
     def __init__(self, inbox: queue.SimpleQueue):
-        from coordinator.supervised_child import SupervisorLink
-
         self.link = SupervisorLink.from_env()
         self.inbox = inbox
 
@@ -185,8 +185,6 @@ class _SupervisorBridge:
 
 def run_gpu_worker(opts: GpuWorkerOptions) -> int:
     """Entry point of one GPU worker (after the process checklist). Returns the exit code."""
-    from coordinator.supervised_child import ENV_FD, HandshakeRejected
-
     inbox: queue.SimpleQueue = queue.SimpleQueue()
     supervised = ENV_FD in os.environ
     signal.signal(signal.SIGTERM, lambda *_: inbox.put(LocalStop("SIGTERM", drain=True)))

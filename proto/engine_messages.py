@@ -231,7 +231,7 @@ def config_json(config: dict[str, Any]) -> str:
 
 
 def engine_config_hash(config: dict[str, Any]) -> str:
-    """Short, stable hash (the same function as coordinator.supervised_child.config_hash)."""
+    """Short, stable hash (the same function as proto.supervised_child.config_hash)."""
     return hashlib.sha256(config_json(config).encode("utf-8")).hexdigest()[:16]
 
 

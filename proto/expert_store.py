@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from proto.shm_layout import (COMMON_HEADER_BYTES, HUGE_PAGE_BYTES, PAGE_BYTES, SEGMENT_READY, ShmError,
+from proto.shm_segment import (COMMON_HEADER_BYTES, HUGE_PAGE_BYTES, PAGE_BYTES, SEGMENT_READY, ShmError,
                               ShmSegment, cuda_host_register, cuda_host_unregister, round_up)
 
 log = logging.getLogger(__name__)

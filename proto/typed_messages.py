@@ -8,7 +8,7 @@ Field types allowed in a message dataclass: bool, int, float, str, bytes, list[<
 tuple[<one of those>, ...], `<scalar> | None`, and a nested dataclass of such fields (sent as a map; e.g.
 ADD_REQUEST's SamplingParams). Decoding checks the declared types, refuses unknown fields and reports
 missing ones; numbers declared float arrive as float; a nested dataclass that refuses its values (its
-__post_init__ raises ValueError) is a MessageError. (proto/messages.py, the CPU pool's schema, follows the same rules.)
+__post_init__ raises ValueError) is a MessageError.
 """
 from __future__ import annotations
 

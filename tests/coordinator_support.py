@@ -15,7 +15,8 @@ from typing import Any
 from coordinator.engine_service import EngineService
 from coordinator.inline_engine import InlineEngine
 from coordinator.openai_requests import ModelInfo
-from coordinator.policy import ExpertFormat, FetchPolicy, PolicySettings
+from coordinator.policy import FetchPolicy, PolicySettings
+from proto.bandwidth_profile import ExpertFormat
 from coordinator.server import BackgroundServer, CoordinatorServer, ListenConfig
 from coordinator.text_codec import TextCodec
 from coordinator.ports import free_loopback_port  # noqa: E402

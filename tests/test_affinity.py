@@ -5,9 +5,9 @@ reserved ones within its affinity; none when off, when nothing is reserved or no
 allowed), every thread set (one appearing meanwhile, one gone), the GPU worker pinning only with CPU
 workers, the flags from `ft serve` / `ft generate` / `ft worker gpu` and the knob, and the worker
 planning over `--allowed-cpus` instead of the narrow mask it inherited. Then for real, on a machine
-with two or more CPUs: `ft generate`'s CPU pool (start_cpu_pool, in a child process) pins itself, its
-worker is placed on the rest, a worker SIGKILLed and restarted by the pool's supervisor (a child of
-the pinned process) lands there again, and close() restores the affinity; the same under `ft serve`
+with two or more CPUs: `ft generate`'s set-up (the owner's CPU workers, a CpuPool attached to them, in a
+child process) pins itself, its worker is placed on the rest, a worker SIGKILLed and restarted by the
+owner's supervisor (a child of the pinned process) lands there again; the same under `ft serve`
 (the GPU worker pinned, the coordinator not, a restarted CPU worker on the rest).
 """
 from __future__ import annotations
@@ -27,8 +27,9 @@ sys.path.insert(0, os.path.dirname(__file__))
 from serve_support import ENV, REPO, TINY_ARGS, Server, children_pids  # noqa: E402
 
 from coordinator.cli import build_parser  # noqa: E402
-from cpu_expert_pool import topology  # noqa: E402
-from cpu_expert_pool.topology import discover_placements, format_cpulist  # noqa: E402
+from proto import cpus as cpu_lists  # noqa: E402
+from cpu_expert_pool.topology import discover_placements  # noqa: E402
+from proto.cpus import format_cpulist  # noqa: E402
 from cpu_expert_pool.worker import WorkerOptions, plan_placement  # noqa: E402
 from gpu_worker.hybrid.options import HybridOptions  # noqa: E402
 from gpu_worker.hybrid import options as hybrid_options  # noqa: E402
@@ -45,7 +46,7 @@ def fake_affinity(monkeypatch):
     monkeypatch.delenv("FREETOKEN_PIN_GPU_WORKER", raising=False)
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(state["mask"]))
     monkeypatch.setattr(os, "sched_setaffinity", lambda tid, cpus: state["set"].append((tid, tuple(cpus))))
-    monkeypatch.setattr(topology, "thread_ids", lambda: [101, 102, 103])
+    monkeypatch.setattr(cpu_lists, "thread_ids", lambda: [101, 102, 103])
     monkeypatch.setattr(hybrid_options, "_affinity_before_pin", None)     # no pin left from another test
     return state
 
@@ -87,9 +88,9 @@ def test_defaults_read_the_affinity_from_before_the_pin(fake_affinity):
     before = HybridOptions(pin_gpu_worker=True).pin_driving_process("the test process")
     fake_affinity["mask"] = {0}                      # what the kernel now reports for this process
     assert before == tuple(range(8))
-    assert HybridOptions().reserved_cpus() == "0" and HybridOptions().allowed_cpus() == "0-7"
+    assert HybridOptions().reserved_cpus() == "0"
     hybrid_options.unpin_driving_process()
-    assert HybridOptions().reserved_cpus() == "" and HybridOptions().allowed_cpus() == "0"
+    assert HybridOptions().reserved_cpus() == ""
 
 
 def test_nothing_is_pinned_where_no_reserved_cpu_is_allowed(fake_affinity, caplog):
@@ -110,9 +111,9 @@ def test_set_process_affinity_covers_threads_started_meanwhile_and_skips_gone_on
         if tid == 2:
             raise ProcessLookupError(tid)                        # thread 2 exited since the listing
 
-    monkeypatch.setattr(topology, "thread_ids", lambda: next(listings))
+    monkeypatch.setattr(cpu_lists, "thread_ids", lambda: next(listings))
     monkeypatch.setattr(os, "sched_setaffinity", setaffinity)
-    assert topology.set_process_affinity([5]) == 4
+    assert cpu_lists.set_process_affinity([5]) == 4
     assert calls == [1, 2, 3, 4]
 
 
@@ -123,7 +124,7 @@ def test_thread_ids_lists_this_process_threads():
     t = threading.Thread(target=stop.wait)
     t.start()
     try:
-        assert threading.get_native_id() in topology.thread_ids() and t.native_id in topology.thread_ids()
+        assert threading.get_native_id() in cpu_lists.thread_ids() and t.native_id in cpu_lists.thread_ids()
     finally:
         stop.set()
         t.join()
@@ -142,10 +143,22 @@ def test_the_gpu_worker_pins_itself_only_with_cpu_workers(fake_affinity, strateg
 
 
 def test_worker_flags_carry_the_affinity_from_before_the_pin(fake_affinity):
-    flags = HybridOptions(reserve_cpus="0").worker_flags()
+    """The owner resolves its workers' flags once, before this process may pin itself: a worker its supervisor
+    restarts later is placed as the first one was."""
+    from coordinator.expert_resources import CpuWorkerSettings, ExpertResources
+    from cpu_expert_pool.api import worker_flags
+
+    flags = worker_flags(reserve_cpus="0")
     args = build_parser().parse_args(["worker", "cpu", "--store", "s", *flags])
     assert (args.allowed_cpus, args.reserve_cpus) == ("0-7", "0")
     assert build_parser().parse_args(["worker", "cpu", "--store", "s"]).allowed_cpus is None
+    res = ExpertResources("hybrid", CpuWorkerSettings(num_workers=1))
+    res._plan_workers()
+    fake_affinity["mask"] = {0}                    # pinned since
+    res.store_name, res.channel_names = "s", ["s.cpu0"]
+    (spec,) = res.cpu_worker_specs()
+    args = build_parser().parse_args(spec.argv[3:])
+    assert (args.allowed_cpus, args.reserve_cpus) == ("0-7", "0")
 
 
 def test_a_worker_plans_over_the_allowed_cpus_not_its_inherited_mask(fake_affinity, tmp_path):
@@ -173,34 +186,53 @@ def test_inline_serve_pins_only_when_asked(argv, environ, pinned):
 
 
 def test_inline_serve_hands_its_options_to_the_engine(monkeypatch):
-    import coordinator.engine_factory as factory
-    from coordinator import serve_cli
+    import gpu_worker.api as api
+    from coordinator import expert_resources, serve_cli
     seen = {}
 
     def fake_load(*a, **kw):
         seen.update(kw)
         raise RuntimeError("stop here")
 
-    monkeypatch.setattr(factory, "load_served_engine", fake_load)
+    class FakeResources:
+        store_name, channel_names, closed = "s", ["s.cpu0"], False
+
+        def start_cpu_workers(self):
+            pass
+
+        def worker_info(self):
+            return []
+
+        def close(self):
+            FakeResources.closed = True
+
+    monkeypatch.setattr(api, "load_attached_model", fake_load)
+    monkeypatch.setattr(expert_resources.ExpertResources, "create", classmethod(lambda cls, *a, **kw: FakeResources()))
     monkeypatch.delenv("FREETOKEN_PIN_GPU_WORKER", raising=False)
-    args = build_parser().parse_args(["serve", "--workers", "inline", "--moe-strategy", "hybrid"])
+    args = build_parser().parse_args(["serve", "--workers", "inline", "--moe-strategy", "hybrid", "--device", "cpu"])
     with pytest.raises(RuntimeError, match="stop here"):
         serve_cli.run_inline(args)
     assert isinstance(seen["hybrid"], HybridOptions) and seen["hybrid"].pin_gpu_worker is False
+    assert (seen["store_name"], seen["cpu_channels"]) == ("s", ["s.cpu0"]) and FakeResources.closed
 
 
 def test_serve_and_generate_flags_reach_the_workers(tmp_path):
     from coordinator.engine_link import EngineLinkServer
     from coordinator.process_set import ProcessSet, options_from_serve_args
-    from gpu_worker.generate_cli import hybrid_options
-    from gpu_worker.models.loader import open_model_source
+    from coordinator.generate_cli import hybrid_options
+    from gpu_worker.api import open_model_source
 
     serve = build_parser().parse_args(["serve", "--moe-strategy", "hybrid", "--num-cpu-workers", "1",
                                        "--reserve-cpus", "0", "--pin-gpu-worker", "off"])
+    from coordinator.expert_resources import CpuWorkerSettings, ExpertResources
+
     procs = ProcessSet(options_from_serve_args(serve), open_model_source(None, None, device="cpu"))
     procs.link = EngineLinkServer("tcp://127.0.0.1:0", procs.options.config)      # bound, not started
+    procs.resources = ExpertResources("hybrid", CpuWorkerSettings(num_workers=1, reserve_cpus="0"))
+    procs.resources._plan_workers()                                                # no store, no channel made
+    procs.resources.store_name, procs.resources.channel_names = "ft-test-affinity", ["ft-test-affinity.cpu0"]
     try:
-        cpu, gpu = procs.worker_specs("ft-test-affinity")
+        cpu, gpu = procs.worker_specs()
     finally:
         procs.link.sock.close(0)
     cpu_args = build_parser().parse_args(cpu.argv[3:])
@@ -240,7 +272,8 @@ import json, logging, os, signal, sys, time, types, uuid
 import torch
 sys.path.insert(0, "tests")
 from test_affinity import RESTART_TIMEOUT_S, WORKER_ARGS, thread_affinities
-from gpu_worker.hybrid import HybridOptions, start_cpu_pool
+from coordinator.expert_resources import CpuWorkerSettings, ExpertResources
+from gpu_worker.api import HybridOptions, attach_cpu_pool
 from proto.expert_store import ExpertStore
 
 logging.basicConfig(level=logging.INFO, stream=sys.stderr)
@@ -248,12 +281,14 @@ reserve, num_workers = sys.argv[1], int(sys.argv[2])
 store = ExpertStore.create(f"ft-test-affinity-{os.getpid()}-{uuid.uuid4().hex[:6]}", num_layers=1, num_experts=8,
                            hidden=32, intermediate=16, dtype=torch.float32, config_hash="affinity")
 store.mark_ready()
-host = types.SimpleNamespace(store=store, layout=types.SimpleNamespace(dtype=torch.float32))
-options = HybridOptions(cpu_workers=num_workers, reserve_cpus=reserve, pin_gpu_worker=True, worker_args=WORKER_ARGS,
-                        restart_backoff_s=0.1, ready_timeout_s=RESTART_TIMEOUT_S)
+cpu = CpuWorkerSettings(num_workers=num_workers, reserve_cpus=reserve, worker_args=WORKER_ARGS, backoff_initial_s=0.1,
+                        ready_timeout_s=RESTART_TIMEOUT_S)
 me = os.getpid()
 out = {"before": thread_affinities(me)}
-pool = start_cpu_pool(host, options, top_k=2)
+resources = ExpertResources.over_store(store, "hybrid", top_k=2, model_dtype=torch.float32, cpu=cpu)
+resources.start_cpu_workers()
+pool = attach_cpu_pool(store, resources.channel_names, HybridOptions(reserve_cpus=reserve, pin_gpu_worker=True),
+                       worker_info=resources.worker_info)
 try:
     out["pinned"] = thread_affinities(me)
     first = pool.worker_pids()
@@ -261,7 +296,7 @@ try:
     os.kill(first["cpu0"], signal.SIGKILL)
     deadline = time.monotonic() + RESTART_TIMEOUT_S
     while True:
-        info = {w["name"]: w for w in pool.supervisor.worker_info()}["cpu0"]
+        info = {w["name"]: w for w in pool.worker_info()}["cpu0"]
         if info["state"] == "ready" and info["pid"] not in (0, first["cpu0"]):
             out["restarted"] = thread_affinities(info["pid"])
             break
@@ -272,9 +307,9 @@ try:
     out["pinned_after_restart"] = thread_affinities(me)
 finally:
     pool.close()
+    resources.close()
     store.close()
     store.unlink()
-out["after_close"] = thread_affinities(me)
 print(json.dumps(out))
 """
 
@@ -290,7 +325,6 @@ def test_ft_generate_pool_pins_itself_and_a_restarted_worker_lands_off_the_reser
     assert out["pinned"] == out["pinned_after_restart"] == [str(reserved)], run.stderr[-3000:]   # every thread
     assert out["workers"] == {f"cpu{p.worker_index}": [format_cpulist(p.cpus)] for p in placements}
     assert out["restarted"] == [format_cpulist(placements[0].cpus)], run.stderr[-3000:]
-    assert out["after_close"] == everything                   # close() gave the affinity back
     assert f"pinned the engine's process (pid " in run.stderr and f"to CPU {reserved}, the reserved CPUs" in run.stderr
 
 
@@ -366,10 +400,11 @@ def test_the_attached_backend_sizes_torch_threads_by_the_reserved_list(monkeypat
 
     seen = []
     monkeypatch.setattr(hybrid, "CpuPool", FakePool)
-    monkeypatch.setattr(hybrid, "HybridExperts", lambda *args, **kwargs: "backend")
+    made = types.SimpleNamespace()
+    monkeypatch.setattr(hybrid, "HybridExperts", lambda *args, **kwargs: made)
     monkeypatch.setattr(torch, "set_num_threads", seen.append)
     source = open_model_source(None, None, device="cpu")
     backend = attached_backends._attached_hybrid(
         "hybrid", types.SimpleNamespace(store=None), source.experts, 8, torch.device("cpu"), ["ch0"],
-        per_layer=False, mode="auto", reserve_cpus=reserve)
-    assert backend == "backend" and seen == [threads]
+        per_layer=False, mode="auto", hybrid=HybridOptions(reserve_cpus=reserve))
+    assert backend is made and seen == [threads]

@@ -10,7 +10,7 @@ import torch
 
 from gpu_worker.hybrid import bandwidth
 from gpu_worker.hybrid.bandwidth import bench_store, shared_bandwidth
-from proto.shm_layout import shm_path
+from proto.shm_segment import shm_path
 
 TOP_K = 2
 WORKER_FLAGS = ["--threads", "1", "--log-level", "WARNING"]

@@ -12,11 +12,12 @@ import pytest
 import torch
 
 from cpu_expert_pool import channel as ch
-from cpu_expert_pool.channel import (CpuPoolClient, IdlePolicy, IdleWaiter, WorkerChannel, WorkerError,
-                                     WorkerTimeout, create_worker_channel)
+from proto.cpu_channel import CpuPoolClient, WorkerDead, WorkerError, WorkerTimeout, create_worker_channel
+from cpu_expert_pool.channel import IdlePolicy, IdleWaiter, WorkerChannel
 from cpu_expert_pool.expert_kernel import ExpertKernel
 from cpu_expert_pool.reference import reference_moe_layer
 from proto import shm_layout as sl
+from proto import shm_segment
 from proto.expert_store import ExpertStore
 from tests.cpu_pool_util import random_store
 
@@ -31,7 +32,7 @@ def names():
     yield store_name, chan_name
     for name in (store_name, chan_name):
         try:
-            os.unlink(os.path.join(sl.SHM_DIR, name))
+            os.unlink(os.path.join(shm_segment.SHM_DIR, name))
         except FileNotFoundError:
             pass
 
@@ -228,7 +229,7 @@ def test_hang_times_out_and_a_new_worker_drops_stale_requests(store, chan):
         client.call(0, hidden, triples, deadline_s=0.2)
     assert 0.2 <= time.monotonic() - t0 < 1.0
     assert not client.connected
-    with pytest.raises(ch.WorkerDead, match="wait_for_worker"):
+    with pytest.raises(WorkerDead, match="wait_for_worker"):
         client.submit(0, hidden, triples)
     worker.stop()
     # A replacement claims the channel: the request left in flight is dropped, a new epoch begins.
@@ -297,7 +298,7 @@ def test_a_replacement_claiming_the_channel_mid_wait_is_reported_as_dead(store, 
     client.submit(0, hidden, triples)
     first.stop()
     second = ThreadWorker(chan, store).start()        # done_seq jumps past the lost request
-    with pytest.raises(ch.WorkerDead, match="replaced"):
+    with pytest.raises(WorkerDead, match="replaced"):
         client.wait(0, deadline_s=5)
     client.wait_for_worker(timeout_s=5)
     assert client.call(0, hidden, triples, deadline_s=5).shape == (2, H)
@@ -319,7 +320,7 @@ def test_a_channel_of_the_old_layout_is_refused(chan):
     seg, _ = sl.attach_channel(chan)
     seg.u8[8:12].view("<u4")[0] = sl.CHANNEL_VERSION - 1         # the header's version word
     seg.close()
-    with pytest.raises(sl.ShmError, match=f"layout version {sl.CHANNEL_VERSION - 1}"):
+    with pytest.raises(shm_segment.ShmError, match=f"layout version {sl.CHANNEL_VERSION - 1}"):
         WorkerChannel(chan)
 
 

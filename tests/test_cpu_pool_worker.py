@@ -1,4 +1,4 @@
-"""Real CPU worker processes: the control conversation, and faults (SIGKILL, SIGSTOP, restart)."""
+"""Real CPU worker processes: serving, refusals, stopping, and faults (SIGKILL, SIGSTOP, restart)."""
 from __future__ import annotations
 
 import hashlib
@@ -10,12 +10,10 @@ import uuid
 import pytest
 import torch
 
-from cpu_expert_pool.channel import CpuPoolClient, WorkerDead, WorkerError, WorkerTimeout
-from cpu_expert_pool.proc import ControlServer
+from proto.cpu_channel import CpuPoolClient, WorkerDead, WorkerError, WorkerTimeout
 from cpu_expert_pool.reference import reference_moe_layer
-from cpu_expert_pool.split import ExpertSplit
-from proto import messages as m
 from proto import shm_layout as sl
+from proto import shm_segment
 from proto.expert_store import ExpertStore
 from tests.cpu_pool_util import channel, procs, random_store  # noqa: F401 (fixtures)
 
@@ -56,61 +54,24 @@ def store_digest(store: ExpertStore) -> str:
 
 
 @pytest.mark.parametrize("loop", ["native", "python"])
-def test_control_conversation_with_a_real_worker(store, channel, procs, loop):
+def test_a_real_worker_serves_refuses_a_bad_request_and_stops_on_sigterm(store, channel, procs, tmp_path, loop):
     """loop: the worker's hot loop (FT_WORKER_LOOP): the C loop around the compiled kernel (where it builds;
     else the torch kernel's Python loop serves either way), or the Python loop."""
-    server = ControlServer("tcp://127.0.0.1:*")
-    # Worker 0 of a pool of 2: it owns experts 0-1 of each layer, worker 1 (absent here) experts 2-3.
-    proc = procs(store_name=store.name, channel_name=channel, control_addr=server.addr, num_workers=2,
-                 extra_args=WORKER_ARGS, env={**os.environ, "FT_WORKER_LOOP": loop})
-    split = ExpertSplit.contiguous(L, E, 2)
-    identity, hello, ready = server.handshake(m.Config(kernel="auto", num_threads=1, hot_ms=5.0, split_epoch=1,
-                                                       owner_map=split.to_bytes()),
-                                              timeout_s=START_TIMEOUT_S, expect_config_hash="cfg-w")
-    assert (hello.pid, hello.store_name, hello.channel_name, hello.config_hash) == (proc.pid, store.name, channel,
-                                                                                    "cfg-w")
-    assert (hello.worker_index, hello.num_workers) == (0, 2)
-    assert hello.cpus and set(hello.compute_cpus) <= set(hello.cpus)
-    assert ready.pid == proc.pid and ready.num_threads == 1 and ready.split_epoch == 1
-    assert ready.kernel == "torch" or ready.kernel.startswith("native-")
-
+    proc = procs(store_name=store.name, channel_name=channel, num_workers=2, extra_args=WORKER_ARGS,
+                 env={**os.environ, "FT_WORKER_LOOP": loop})
     client = CpuPoolClient(channel)
-    assert client.wait_for_worker(timeout_s=10) == proc.pid
-    foreign = 0
+    assert client.wait_for_worker(timeout_s=START_TIMEOUT_S) == proc.pid
     for i in range(4):
-        foreign += int((batch(3, i)[1][1] >= 2).sum())    # triples on experts 2-3 (worker 1's)
         check(store, client, layer=i % L, seed=i)
-
-    server.send(identity, m.StatsRequest())
-    _, stats = server.recv_type(m.Stats, timeout_s=10)
-    assert stats.requests == 4 and stats.triples == 24 and stats.tokens == 12
-    assert stats.weight_bytes == stats.expert_calls * store.expert_bytes > 0
-    assert stats.foreign_triples == foreign > 0 and stats.errors == 0 and stats.split_epoch == 1
-
-    server.send(identity, m.Rebalance(2, ExpertSplit.contiguous(L, E, 1).to_bytes()))   # all experts to worker 0
-    _, rebalanced = server.recv_type(m.Rebalanced, timeout_s=10)
-    assert rebalanced == m.Rebalanced(worker_index=0, split_epoch=2, num_owned=L * E)
-    server.send(identity, m.Rebalance(3, b"\x00"))   # malformed map: refused, the worker keeps serving
-    _, error = server.recv_type(m.Error, timeout_s=10)
-    assert "REBALANCE refused" in error.message and not error.fatal
-    check(store, client, layer=0, seed=9)
-    server.send(identity, m.StatsRequest())
-    _, stats = server.recv_type(m.Stats, timeout_s=10)
-    assert stats.requests == 5 and stats.foreign_triples == foreign and stats.split_epoch == 2
-
-    # A request the kernel refuses (an expert id outside the layer): answered BAD_REQUEST, counted as an
-    # error (the C loop leaves it to the Python path), and the worker keeps serving.
+    # A request the kernel refuses (an expert id outside the layer): answered BAD_REQUEST (the C loop leaves
+    # it to the Python path), and the worker keeps serving.
     hidden, (tok, exp, w) = batch(2, 11)
     exp = exp.clone()
     exp[1] = E
     with pytest.raises(WorkerError, match="bad request"):
         client.call(1, hidden, (tok, exp, w), deadline_s=10)
     check(store, client, layer=1, seed=12)
-    server.send(identity, m.StatsRequest())
-    _, stats = server.recv_type(m.Stats, timeout_s=10)
-    assert stats.requests == 7 and stats.errors == 1
-
-    server.send(identity, m.Shutdown("test over"))
+    proc.signal(signal.SIGTERM)
     assert proc.wait(timeout_s=20) == 0
     seg, layout = sl.attach_channel(channel)
     assert int(sl.ChannelViews(seg, layout).worker_state[0]) == sl.WORKER_STOPPED
@@ -118,27 +79,22 @@ def test_control_conversation_with_a_real_worker(store, channel, procs, loop):
     with pytest.raises(WorkerDead):
         check(store, client, layer=0, seed=10)
     client.close()
-    server.close()
+    assert "stopping: SIGTERM" in (tmp_path / "worker0.log").read_text()
 
 
 @pytest.mark.parametrize("loop", ["native", "python"])
-def test_an_idle_worker_sleeps_and_beats_whatever_its_heartbeat_interval(store, channel, procs, tmp_path, loop):
-    """A heartbeat interval shorter than one turn of the loop (so the C loop returns at its deadline on every
-    turn) must not keep an idle worker spinning: once cold it sleeps, and it still beats. A zero interval is
-    refused."""
+def test_an_idle_worker_sleeps_and_beats(store, channel, procs, tmp_path, loop):
+    """Once cold an idle worker sleeps (it does not keep a core spinning), and it still beats."""
     import psutil
 
-    server = ControlServer("tcp://127.0.0.1:*")
-    proc = procs(store_name=store.name, channel_name=channel, control_addr=server.addr, extra_args=WORKER_ARGS,
+    proc = procs(store_name=store.name, channel_name=channel, extra_args=WORKER_ARGS,
                  env={**os.environ, "FT_WORKER_LOOP": loop})
-    identity, _, ready = server.handshake(m.Config(kernel="auto", num_threads=1, hot_ms=5.0,
-                                                   heartbeat_interval_ms=0.001),
-                                          timeout_s=START_TIMEOUT_S, expect_config_hash="cfg-w")
     client = CpuPoolClient(channel)
-    client.wait_for_worker(timeout_s=10)
+    client.wait_for_worker(timeout_s=START_TIMEOUT_S)
     check(store, client, layer=0, seed=1)
-    if loop == "native" and ready.kernel.startswith("native-"):
-        assert "hot loop: C (ft_serve)" in (tmp_path / "worker0.log").read_text()
+    log_text = (tmp_path / "worker0.log").read_text()
+    if loop == "native" and "kernel native-" in log_text:
+        assert "hot loop: C (ft_serve)" in log_text
     time.sleep(0.3)                                          # cold: past hot_ms
     ps = psutil.Process(proc.pid)
     cpu0, t0 = ps.cpu_times(), time.monotonic()
@@ -151,22 +107,13 @@ def test_an_idle_worker_sleeps_and_beats_whatever_its_heartbeat_interval(store, 
     assert busy < 0.5, f"an idle worker used {busy:.0%} of a core"
     assert max(ages) < 0.05, f"heartbeat ages up to {max(ages) * 1e3:.1f} ms while idle"
     check(store, client, layer=1, seed=2)                    # and a cold worker still answers
-    server.send(identity, m.Config(heartbeat_interval_ms=0.0))
-    _, error = server.recv_type(m.Error, timeout_s=10)
-    assert "CONFIG refused" in error.message and "heartbeat_interval_ms" in error.message
-    server.send(identity, m.Shutdown("test over"))
-    assert proc.wait(timeout_s=20) == 0
     client.close()
-    server.close()
 
 
-def test_wrong_config_hash_is_refused_by_the_coordinator(store, channel, procs):
-    server = ControlServer("tcp://127.0.0.1:*")
-    proc = procs(store_name=store.name, channel_name=channel, control_addr=server.addr, extra_args=WORKER_ARGS)
-    with pytest.raises(RuntimeError, match="config hash 'cfg-w', expected 'other'"):
-        server.handshake(m.Config(), timeout_s=START_TIMEOUT_S, expect_config_hash="other")
-    assert proc.wait(timeout_s=20) == 0              # told to shut down before serving
-    server.close()
+def test_wrong_config_hash_is_refused(store, channel, procs, tmp_path):
+    proc = procs(store_name=store.name, channel_name=channel, extra_args=[*WORKER_ARGS, "--expect-config-hash", "other"])
+    assert proc.wait(timeout_s=START_TIMEOUT_S) == 2             # refused before serving
+    assert "config hash 'cfg-w', expected 'other'" in (tmp_path / "worker0.log").read_text()
 
 
 def test_missing_store_exits_with_a_clear_error(channel, procs, tmp_path):
@@ -178,7 +125,7 @@ def test_missing_store_exits_with_a_clear_error(channel, procs, tmp_path):
 
 def test_sigkill_mid_run_is_seen_as_dead_and_a_restart_reattaches_without_copying(store, channel, procs):
     digest_before = store_digest(store)
-    inode_before = os.stat(os.path.join(sl.SHM_DIR, store.name)).st_ino
+    inode_before = os.stat(os.path.join(shm_segment.SHM_DIR, store.name)).st_ino
     proc = procs(store_name=store.name, channel_name=channel, extra_args=WORKER_ARGS)
     client = CpuPoolClient(channel)
     client.wait_for_worker(timeout_s=START_TIMEOUT_S)
@@ -207,7 +154,7 @@ def test_sigkill_mid_run_is_seen_as_dead_and_a_restart_reattaches_without_copyin
     for i in range(4):
         check(store, client, layer=i % L, seed=100 + i)
     # Same segment, same bytes, mapped read-only and shared: nothing was reloaded or copied.
-    assert os.stat(os.path.join(sl.SHM_DIR, store.name)).st_ino == inode_before
+    assert os.stat(os.path.join(shm_segment.SHM_DIR, store.name)).st_ino == inode_before
     assert store_digest(store) == digest_before and store.is_ready
     mapping = _store_mapping(restarted.pid, store.name)
     assert mapping["perms"] == "r--s"
@@ -256,7 +203,7 @@ def _store_mapping(pid: int, store_name: str) -> dict:
         for line in f:
             fields = line.split()
             if len(fields) >= 5 and "-" in fields[0] and ":" not in fields[0]:
-                inside = line.rstrip().endswith(os.path.join(sl.SHM_DIR, store_name))
+                inside = line.rstrip().endswith(os.path.join(shm_segment.SHM_DIR, store_name))
                 if inside:
                     entry["perms"] = fields[1]
             elif inside and fields[0].endswith(":") and len(fields) >= 2 and fields[1].isdigit():
@@ -268,12 +215,10 @@ def _store_mapping(pid: int, store_name: str) -> dict:
 def test_under_the_coordinator_supervisor_a_killed_worker_is_restarted(store, channel):
     """coordinator/supervisor.py starts `ft worker cpu` (HELLO with the store's config hash, READY,
     heartbeats), restarts it after SIGKILL, and the new process serves the same channel and store."""
-    import sys
-
     from coordinator.supervisor import Supervisor, WorkerSpec
-    from cpu_expert_pool.proc import REPO_ROOT
+    from cpu_expert_pool.api import REPO_ROOT, worker_argv
 
-    argv = [sys.executable, "-m", "cpu_expert_pool.cli", "--store", store.name, "--channel", channel, *WORKER_ARGS]
+    argv = worker_argv(store_name=store.name, channel_name=channel, flags=WORKER_ARGS)
     spec = WorkerSpec("cpu0", argv, config_hash=store.config_hash, env={"PYTHONPATH": str(REPO_ROOT)},
                       ready_timeout_s=START_TIMEOUT_S, backoff_initial_s=0.1, kind="cpu")
     sup = Supervisor([spec])
@@ -296,12 +241,10 @@ def test_under_the_coordinator_supervisor_a_killed_worker_is_restarted(store, ch
 
 
 def test_supervisor_rejects_a_worker_whose_store_has_another_config_hash(store, channel):
-    import sys
-
     from coordinator.supervisor import Supervisor, WorkerError, WorkerSpec
-    from cpu_expert_pool.proc import REPO_ROOT
+    from cpu_expert_pool.api import REPO_ROOT, worker_argv
 
-    argv = [sys.executable, "-m", "cpu_expert_pool.cli", "--store", store.name, "--channel", channel, *WORKER_ARGS]
+    argv = worker_argv(store_name=store.name, channel_name=channel, flags=WORKER_ARGS)
     sup = Supervisor([WorkerSpec("cpu0", argv, config_hash="not-the-store", env={"PYTHONPATH": str(REPO_ROOT)},
                                  ready_timeout_s=START_TIMEOUT_S, restart=False)])
     with pytest.raises(WorkerError, match="cpu0"):

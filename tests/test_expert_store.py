@@ -16,7 +16,8 @@ import pytest
 import torch
 
 from proto.expert_store import DATA_ALIGN_BYTES, STORE_MAGIC, STORE_VERSION, ExpertStore
-from proto.shm_layout import SHM_DIR, ChannelLayout, ShmError, create_channel
+from proto.shm_layout import ChannelLayout, create_channel
+from proto.shm_segment import SHM_DIR, ShmError
 
 REPO = Path(__file__).parents[1]
 L, E, H, I = 2, 3, 64, 48          # layers, experts, hidden, intermediate (small: CI)

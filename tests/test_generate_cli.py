@@ -31,6 +31,24 @@ def test_json_output_with_the_tiny_default(capsys):
     assert timing["decode_tokens_per_s"] > 0
 
 
+@pytest.mark.parametrize("strategy", ["offload", "hybrid"])
+def test_host_strategies_give_the_resident_tokens_over_the_owners_resources(capsys, strategy):
+    """offload / hybrid: the store (and the CPU worker, its channel, its supervisor) come from the coordinator's
+    ExpertResources; the tokens equal resident's, and nothing is left in /dev/shm afterwards."""
+    import os
+
+    argv = ["generate", "--prompt-ids", "1,2,3,4", "--max-new-tokens", "5", "--ignore-eos", "--device", "cpu", "--json"]
+    assert main(argv) == 0
+    resident = last_json(capsys)["token_ids"]
+    extra = ["--cpu-workers", "1", "--cpu-threads", "1", "--fetch-fraction", "0.5"] if strategy == "hybrid" else []
+    assert main([*argv, "--moe-strategy", strategy, "--moe-cache-size", "0.25", *extra]) == 0
+    result = last_json(capsys)
+    assert result["token_ids"] == resident and result["moe_strategy"] == strategy
+    if strategy == "hybrid":
+        assert result["experts"]["fetch_fraction_source"] == "flag"
+    assert not [n for n in os.listdir("/dev/shm") if n.startswith(f"ft-generate-{os.getpid()}")]
+
+
 def test_greedy_ids_match_transformers_through_the_cli(capsys, tmp_path):
     hf = hf_model("olmoe", seed=4)
     model_dir = save_hf(hf, tmp_path / "olmoe")
@@ -86,6 +104,6 @@ def test_help_lists_generate(capsys):
 
 def test_cli_preset_choices_match_the_registry():
     """generate_cli repeats the names (it must not import torch for --help); keep them in step."""
-    from gpu_worker.generate_cli import PRESET_CHOICES
+    from coordinator.generate_cli import PRESET_CHOICES
     from gpu_worker.models import PRESET_NAMES
     assert tuple(PRESET_CHOICES) == tuple(PRESET_NAMES)

@@ -30,6 +30,7 @@ from gpu_worker.models import load_model
 from kernels.slot_cache import ROUND_MODES, reset
 from kernels.slot_cache.state import POLICY_FRAC_Q16, POLICY_PROMOTE, POLICY_ROUND
 from tests.conftest import HAS_CUDA
+from tests.cpu_pool_util import load_with_resources
 from tests.test_device_doorbell import stop_worker
 
 PROMPTS = ([5, 17, 42, 99, 3, 250, 7, 64, 11, 300, 8], [300, 11, 64, 7, 250, 3, 99])
@@ -44,8 +45,7 @@ LENIENT_DEADLINE_S = 20.0
 
 
 def options_for_tests(**kw) -> HybridOptions:
-    return HybridOptions(worker_args=TEST_WORKER_ARGS, restart_backoff_s=0.1, cpu_deadline_s=LENIENT_DEADLINE_S,
-                         **kw)
+    return HybridOptions(cpu_deadline_s=LENIENT_DEADLINE_S, **kw)
 
 
 @pytest.fixture(scope="module")
@@ -93,8 +93,8 @@ class Lockstep:
 
 @pytest.fixture(scope="module")
 def hybrid(tiny_cache):
-    loaded = load_model(device="cpu", moe_strategy="hybrid", moe_cache_size=CACHE_SLOTS,
-                        hybrid=options_for_tests(fetch_fraction=0.5, cpu_workers=2))
+    loaded = load_with_resources("hybrid", device="cpu", cache_size=CACHE_SLOTS, worker_args=TEST_WORKER_ARGS,
+                                 hybrid=options_for_tests(fetch_fraction=0.5))
     backend = loaded.model.experts
     loaded.model.experts = Lockstep(backend, load_model(device="cpu").model.experts)
     yield loaded
@@ -370,7 +370,7 @@ def long_run_with_fault(loaded, resident_tokens, sig: int) -> tuple[list[int], d
 
 
 def _state(backend: HybridExperts, name: str) -> str:
-    return {w["name"]: w["state"] for w in backend.pool.supervisor.worker_info()}[name]
+    return {w["name"]: w["state"] for w in backend.pool.worker_info()}[name]
 
 
 def _alive(pid: int) -> bool:
@@ -585,7 +585,7 @@ def test_prefill_only_traffic_readmits_a_restarted_worker(hybrid, resident, hand
     before = fresh(lock, strategy="hybrid", fetch_fraction=0.25, fetch_round="min-wait", promote=True)
     victim = backend.pool.members[1]
     old_pid = victim.pid
-    backend.pool.supervisor._workers[victim.name].failures_in_row = 0
+    hybrid.resources.supervisor._workers[victim.name].failures_in_row = 0
     engine = make_engine(hybrid, running=1)
     one = SamplingParams(max_new_tokens=1, ignore_eos=True)
     first = resident["tokens"][0][:1]
@@ -619,7 +619,7 @@ def test_a_worker_fault_mid_generation_falls_back_then_readmits(hybrid, resident
     old_pid, restarts_before = victim.pid, backend.pool.restarts()[victim.name]
     # Each parameter is a separate incident: the module's earlier faults of this worker must not count
     # towards the supervisor's max_restarts failures in a row (stable_after_s is 60 s).
-    backend.pool.supervisor._workers[victim.name].failures_in_row = 0
+    hybrid.resources.supervisor._workers[victim.name].failures_in_row = 0
     store_path = f"/dev/shm/{backend.host.store.name}"
     inode, layer0 = os.stat(store_path).st_ino, backend.host.layers[0].clone()
     t0 = time.monotonic()
@@ -672,8 +672,8 @@ def test_gpu_hybrid_and_cpu_match_resident_and_survive_a_sigkill(tiny_cache, str
     Both give the resident tokens; a SIGKILLed worker's step is re-run as offload, the worker re-admitted."""
     resident_loaded = load_model(device="cuda")
     tokens, long = greedy(resident_loaded), greedy(resident_loaded, prompts=PROMPTS[:1], n=FAULT_TOKENS)[0]
-    loaded = load_model(device="cuda", moe_strategy=strategy, moe_cache_size=CACHE_SLOTS,
-                        hybrid=options_for_tests(fetch_fraction=0.5, cpu_workers=2))
+    loaded = load_with_resources(strategy, device="cuda", cache_size=CACHE_SLOTS, worker_args=TEST_WORKER_ARGS,
+                                 hybrid=options_for_tests(fetch_fraction=0.5))
     backend = loaded.model.experts
     lock = Lockstep(backend, resident_loaded.model.experts)
     loaded.model.experts = lock
@@ -719,9 +719,8 @@ def test_gpu_split_rounding_in_the_decode_graphs_matches_resident_and_survives_a
     step is re-run as offload (no split), and the worker is re-admitted."""
     resident_loaded = load_model(device="cuda")
     tokens, long = greedy(resident_loaded), greedy(resident_loaded, prompts=PROMPTS[:1], n=FAULT_TOKENS)[0]
-    loaded = load_model(device="cuda", moe_strategy="hybrid", moe_cache_size=CACHE_SLOTS,
-                        hybrid=options_for_tests(fetch_fraction=0.5, fetch_round="split", promote=False,
-                                                 cpu_workers=2))
+    loaded = load_with_resources("hybrid", device="cuda", cache_size=CACHE_SLOTS, worker_args=TEST_WORKER_ARGS,
+                                 hybrid=options_for_tests(fetch_fraction=0.5, fetch_round="split", promote=False))
     backend = loaded.model.experts
     lock = Lockstep(backend, resident_loaded.model.experts)
     loaded.model.experts = lock
@@ -746,8 +745,8 @@ def test_gpu_prefill_run_as_offload_streams_the_next_layers_experts(tiny_cache):
     """The same on the GPU: the prefetch copies run on the copy stream behind the layer's own and the next
     layer waits on their event; a missing wait shows as stale slot bytes (Lockstep, the audit) or tokens."""
     resident_loaded = load_model(device="cuda")
-    loaded = load_model(device="cuda", moe_strategy="hybrid", moe_cache_size=CACHE_SLOTS,
-                        hybrid=options_for_tests(fetch_fraction=0.5, cpu_workers=2))
+    loaded = load_with_resources("hybrid", device="cuda", cache_size=CACHE_SLOTS, worker_args=TEST_WORKER_ARGS,
+                                 hybrid=options_for_tests(fetch_fraction=0.5))
     backend = loaded.model.experts
     lock = Lockstep(backend, resident_loaded.model.experts)
     try:
@@ -797,8 +796,8 @@ def test_gpu_a_failed_host_call_leaves_the_device_hand_off_in_step(tiny_cache, r
 
     resident_loaded = load_model(device="cuda")
     want = run(resident_loaded, PROMPTS[0])                              # 11 tokens: 22 routes, the device path
-    loaded = load_model(device="cuda", moe_strategy="hybrid", moe_cache_size=CACHE_SLOTS,
-                        hybrid=options_for_tests(fetch_fraction=0.5, cpu_workers=2))
+    loaded = load_with_resources("hybrid", device="cuda", cache_size=CACHE_SLOTS, worker_args=TEST_WORKER_ARGS,
+                                 hybrid=options_for_tests(fetch_fraction=0.5))
     backend = loaded.model.experts
     lock = Lockstep(backend, resident_loaded.model.experts)
     loaded.model.experts = lock

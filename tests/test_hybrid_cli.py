@@ -7,7 +7,7 @@ import logging
 import pytest
 
 from coordinator.cli import main
-from coordinator.policy import ExpertFormat, load_bandwidth_profile
+from proto.bandwidth_profile import ExpertFormat, load_bandwidth_profile
 
 BASE = ["generate", "--prompt-ids", "5,17,42,99,3", "--max-new-tokens", "10", "--ignore-eos", "--device", "cpu",
         "--json", "--moe-cache-size", "10"]

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from cpu_expert_pool.channel import create_worker_channel
-from cpu_expert_pool.proc import CpuWorkerProc
+from proto.cpu_channel import create_worker_channel
+from cpu_expert_pool.api import CpuWorkerProc
 from cpu_expert_pool.reference import reference_moe_layer
 from gpu_worker.hybrid import CpuPool
 from proto.expert_store import ExpertStore

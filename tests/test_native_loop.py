@@ -16,14 +16,14 @@ import numpy as np
 import pytest
 import torch
 
-from cpu_expert_pool.channel import CpuPoolClient, WorkerChannel, WorkerError, create_worker_channel
+from proto.cpu_channel import CpuPoolClient, WorkerError, create_worker_channel
+from cpu_expert_pool.channel import WorkerChannel
 from cpu_expert_pool.expert_kernel import ExpertKernel
 from cpu_expert_pool.native.build import try_load_native
 from cpu_expert_pool.native_loop import SERVE_DEADLINE, SERVE_IDLE, SERVE_PYTHON, native_loop_wanted
 from cpu_expert_pool.reference import reference_moe_layer
-from cpu_expert_pool.split import ExpertSplit
-from cpu_expert_pool.worker import CpuWorker, WorkerOptions, WorkerStats, cpu_busy_loop
-from proto import messages as m
+from proto.expert_owners import ExpertSplit
+from cpu_expert_pool.worker import CpuWorker, Stop, WorkerOptions, WorkerSettings, WorkerStats, cpu_busy_loop
 from proto.expert_store import ExpertStore
 from proto.shm_layout import STATUS_BAD_REQUEST
 from tests.cpu_pool_util import random_store
@@ -285,10 +285,10 @@ def test_worker_loop_serves_splits_and_answers_a_bad_split_with_an_error(wide_ri
     split, then the same slot without one, then invalid splits (bad request, logged), and it keeps serving."""
     store, wc, client, _ = wide_rig
     monkeypatch.setenv("FT_WORKER_LOOP", loop)
-    options = WorkerOptions(store.name, wc.name, pin_threads=False, warmup=False)
+    options = WorkerOptions(store.name, wc.name, settings=WorkerSettings(kernel="native", num_threads=1, hot_ms=5.0),
+                            pin_threads=False, warmup=False)
     placement = types.SimpleNamespace(num_threads=1, compute_cpus=(0,))
-    worker = CpuWorker(options, placement, store, wc, queue.Queue())
-    worker.apply_config(m.Config(kernel="native", num_threads=1, hot_ms=5.0))
+    worker = CpuWorker(options, placement, store, wc)
     inbox: queue.Queue = queue.Queue()
     thread = threading.Thread(target=cpu_busy_loop, args=(worker, inbox), daemon=True)
     thread.start()
@@ -312,7 +312,7 @@ def test_worker_loop_serves_splits_and_answers_a_bad_split_with_an_error(wide_ri
         out = client.call(0, hidden, (tok, exp, w), deadline_s=FAR_S)
         assert rel_err(out, reference_moe_layer(store, 0, hidden, tok, exp, w)) <= BF16_PATH_TOL
     finally:
-        inbox.put(m.Shutdown("test over"))
+        inbox.put(Stop("test over"))
         thread.join(timeout=FAR_S)
     assert not thread.is_alive()
     assert worker.stats.requests == 7 + len(BAD_SPLITS) and worker.stats.errors == 1 + len(BAD_SPLITS)

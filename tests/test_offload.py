@@ -364,8 +364,11 @@ def test_a_call_that_raises_after_ensure_leaves_no_slot_mapped_without_its_bytes
     kwargs = {}
     if strategy == "hybrid":
         from gpu_worker.hybrid import HybridOptions
-        kwargs["hybrid"] = HybridOptions(cpu_workers=1, cpu_threads=1, fetch_fraction=0.5, cpu_deadline_s=20.0)
-    loaded = load_model(device="cpu", moe_strategy=strategy, moe_cache_size="1.0", **kwargs)   # no eviction hides it
+        from tests.cpu_pool_util import load_with_resources
+        loaded = load_with_resources("hybrid", cache_size="1.0", num_workers=1, worker_args=("--threads", "1"),
+                                     hybrid=HybridOptions(fetch_fraction=0.5, cpu_deadline_s=20.0))   # no eviction hides it
+    else:
+        loaded = load_model(device="cpu", moe_strategy=strategy, moe_cache_size="1.0")   # no eviction hides it
     backend = loaded.model.experts
     try:
         # offload copies decode-sized calls through its DecodeCopy, prefill chunks through copy_missing; hybrid

@@ -234,13 +234,13 @@ def test_the_knob_reaches_every_entry_point(pdl_env, monkeypatch, capsys):
         read_env({"FREETOKEN_PDL": "sometimes"})
 
     seen = []
-    import gpu_worker.models as models
-    load = models.load_model
+    import gpu_worker.api as api
+    load = api.load_attached_model
 
     def recording(*args, **kwargs):
         seen.append(pdl.mode())
         return load(*args, **kwargs)
-    monkeypatch.setattr(models, "load_model", recording)
+    monkeypatch.setattr(api, "load_attached_model", recording)
     argv = ["generate", "--prompt-ids", "5,17,42", "--max-new-tokens", "3", "--device", "cpu", "--json"]
     pdl_env("off")
     assert main(argv) == 0

@@ -9,8 +9,8 @@ import random
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from coordinator.policy import (DECISION_STEP, ExpertFormat, FetchPolicy, PolicySettings, StepTelemetry, build_policy,
-                                fraction_to_q16, load_bandwidth_profile)
+from coordinator.policy import DECISION_STEP, FetchPolicy, PolicySettings, StepTelemetry, build_policy, fraction_to_q16
+from proto.bandwidth_profile import ExpertFormat, load_bandwidth_profile
 
 FMT = ExpertFormat("bf16", 2048, 768)                     # 9.44 MB experts, as in qwen3-30b-a3b
 BPE = FMT.bytes_per_expert
@@ -149,7 +149,7 @@ def test_profile_keys_the_reader_does_not_know_are_ignored(tmp_path):
                          ids=["other-gpu", "other-hidden-size", "other-dtype"])
 def test_profile_from_other_hardware_is_ignored_with_a_log_line(tmp_path, caplog, kw):
     path = _profile(tmp_path, **kw)
-    with caplog.at_level(logging.WARNING, logger="ft.coordinator.policy"):
+    with caplog.at_level(logging.WARNING, logger="ft.bandwidth_profile"):
         assert load_bandwidth_profile(path, FMT, "NVIDIA H200") is None
     assert "ignoring bandwidth profile" in caplog.text and "ft bench bw" in caplog.text
     policy = build_policy(PolicySettings(), fraction_given=False, benchbw_path=path, expert_format=FMT,
@@ -160,7 +160,7 @@ def test_profile_from_other_hardware_is_ignored_with_a_log_line(tmp_path, caplog
 def test_unreadable_profile_is_ignored(tmp_path, caplog):
     path = tmp_path / "bw.json"
     path.write_text("{not json")
-    with caplog.at_level(logging.WARNING, logger="ft.coordinator.policy"):
+    with caplog.at_level(logging.WARNING, logger="ft.bandwidth_profile"):
         assert load_bandwidth_profile(str(path), FMT, "NVIDIA H200") is None
     assert "unreadable" in caplog.text
 

@@ -9,8 +9,7 @@ import pytest
 
 from coordinator.cli import build_parser
 from coordinator.process_set import ProcessSet, default_store_name, options_from_serve_args
-from gpu_worker.models.loader import open_model_source
-from gpu_worker.offload.host_store import layout_hash
+from gpu_worker.api import open_model_source
 from gpu_worker.worker_main import GpuWorkerOptions
 from proto import engine_messages as em
 
@@ -32,12 +31,19 @@ def test_worker_specs_match_the_coordinators_config(strategy, cpu_workers, tmp_p
                                        "--num-cpu-workers", str(cpu_workers)])
     options = options_from_serve_args(serve)
     assert options.store_name == default_store_name(2345) == "ft-experts-2345"
+    options.store_name = store = f"ft-test-ps-{os.getpid()}"                # the resources are made for real
     procs = ProcessSet(options, open_model_source(None, None, device="cpu"))
+    res = procs.create_resources()
     procs.link = EngineLinkServer("tcp://127.0.0.1:0", options.config)      # bound, not started
     try:
-        specs = procs.worker_specs("ft-experts-2345")
+        specs = procs.worker_specs()
+        assert res.store_name == (store if strategy != "resident" else "")
+        assert res.channel_names == [f"{store}.cpu{i}" for i in range(cpu_workers)]
+        store_hash = res.config_hash
     finally:
         procs.link.sock.close(0)
+        res.close()
+    assert not [n for n in os.listdir("/dev/shm") if n.startswith(store)]   # the owner unlinked what it made
     assert [s.name for s in specs] == [f"cpu{i}" for i in range(cpu_workers)] + ["gpu0"]
     gpu = specs[-1]
     assert gpu.argv[1:3] == ["-m", "coordinator.cli"] and gpu.kind == "gpu-worker"
@@ -46,8 +52,9 @@ def test_worker_specs_match_the_coordinators_config(strategy, cpu_workers, tmp_p
     assert "--parent-pid" in gpu.argv and str(os.getpid()) in gpu.argv
     for i, spec in enumerate(specs[:-1]):
         args = build_parser().parse_args(spec.argv[3:])
-        assert (args.store, args.worker_index, args.num_workers) == ("ft-experts-2345", i, cpu_workers)
-        assert spec.config_hash == layout_hash(procs.source.experts)        # the store's hash, as the worker sends
+        assert (args.store, args.channel, args.worker_index, args.num_workers) == (store, f"{store}.cpu{i}", i,
+                                                                                   cpu_workers)
+        assert spec.config_hash == store_hash != ""                         # the store's hash, as the worker sends
     assert options.config["num_cpu_workers"] == cpu_workers
 
 

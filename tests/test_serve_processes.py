@@ -173,7 +173,7 @@ def test_attach_without_a_worker_fails_naming_the_missing_peer(tmp_path):
 
 
 def test_a_killed_runs_expert_store_is_reclaimed_by_the_next_start(tmp_path, reference):
-    from proto.shm_layout import _read_header_of_file, shm_path
+    from proto.shm_segment import _read_header_of_file, shm_path
 
     store = f"ft-test-stale-{os.getpid()}"
     args = ["--moe-strategy", "offload", "--store-name", store, *TINY_ARGS]

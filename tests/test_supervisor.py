@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from coordinator.supervised_child import config_hash
+from proto.supervised_child import config_hash
 from coordinator.supervisor import (ConfigMismatch, HandshakeTimeout, HeartbeatTimeout, Supervisor, WorkerExited,
                                     WorkerGaveUp, WorkerSpec)
 
@@ -16,7 +16,7 @@ HASH = config_hash({"model": "tiny", "layers": 4})
 ENV = {"PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
 
 GOOD = f"""
-from coordinator.supervised_child import SupervisorLink
+from proto.supervised_child import SupervisorLink
 link = SupervisorLink.from_env()
 link.hello({HASH!r})
 link.ready()
@@ -27,7 +27,7 @@ SILENT = "import time; time.sleep(60)"
 CRASH_BEFORE_READY = "import sys; print('cannot open /dev/nvidia0', file=sys.stderr); sys.exit(3)"
 DIE_AFTER_READY = f"""
 import os, time
-from coordinator.supervised_child import SupervisorLink
+from proto.supervised_child import SupervisorLink
 link = SupervisorLink.from_env()
 link.hello({HASH!r})
 link.ready()
@@ -38,7 +38,7 @@ os._exit(7)
 """
 HANG_AFTER_READY = f"""
 import time
-from coordinator.supervised_child import SupervisorLink
+from proto.supervised_child import SupervisorLink
 link = SupervisorLink.from_env()
 link.hello({HASH!r})
 link.ready()
@@ -167,7 +167,7 @@ def test_child_exits_when_the_supervisor_goes_away(tmp_path):
     import subprocess
     from multiprocessing.connection import Connection
 
-    from coordinator.supervised_child import HELLO, READY, WELCOME, decode, encode
+    from proto.supervised_child import HELLO, READY, WELCOME, decode, encode
     parent, child = socket.socketpair()
     env = {**os.environ, **ENV, "FT_SUPERVISOR_FD": str(child.fileno()), "FT_WORKER_NAME": "w"}
     p = subprocess.Popen([sys.executable, "-c", GOOD], env=env, pass_fds=(child.fileno(),))

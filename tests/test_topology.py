@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from cpu_expert_pool.topology import (WorkerPlacement, discover_placements, format_cpulist, parse_cpulist,
-                                      plan_workers, read_core_of_cpu, read_numa_nodes)
+from cpu_expert_pool.topology import WorkerPlacement, discover_placements, plan_workers, read_core_of_cpu, read_numa_nodes
+from proto.cpus import format_cpulist, parse_cpulist
 
 FIXTURES = Path(__file__).parent / "fixtures" / "numa"
 ALL_16 = range(16)
@@ -146,7 +146,7 @@ def test_store_pages_are_bound_to_the_owner_node(tmp_path):
 
     import torch
 
-    from cpu_expert_pool.split import ExpertSplit
+    from proto.expert_owners import ExpertSplit
     from cpu_expert_pool.topology import place_store_on_nodes
     from proto.expert_store import ExpertStore
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import importlib
 
-_EXPORTS = {"build_hybrid_backend": "build", "start_cpu_pool": "build", "CpuPool": "cpu_pool",
-            "HybridExperts": "hybrid_experts", "HybridOptions": "options", "HybridStats": "stats"}
+_EXPORTS = {"CpuPool": "cpu_pool", "HybridExperts": "hybrid_experts", "HybridOptions": "options",
+            "HybridStats": "stats"}
 __all__ = sorted(_EXPORTS)
 
 

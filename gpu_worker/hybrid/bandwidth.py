@@ -29,12 +29,12 @@ from typing import Callable, Iterator
 import numpy as np
 import torch
 
-from cpu_expert_pool.channel import CpuPoolClient, create_worker_channel
-from cpu_expert_pool.proc import CpuWorkerProc
-from cpu_expert_pool.split import ExpertSplit
+from proto.cpu_channel import CpuPoolClient, create_worker_channel
+from cpu_expert_pool.api import CpuWorkerProc
+from proto.expert_owners import ExpertSplit
 from proto.expert_store import ExpertStore
 
-from .cpu_pool import channel_hidden_dtype
+from proto.cpu_channel import channel_hidden_dtype
 
 WARMUP_CALLS = 10
 WARMUP_S = 0.3              # CPU pool: calls for at least this long before timing (a fresh worker settles)

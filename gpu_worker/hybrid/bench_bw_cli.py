@@ -48,10 +48,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from coordinator.policy import default_benchbw_path
+    from proto.bandwidth_profile import default_benchbw_path
     from gpu_worker.hybrid.bandwidth import (bench_store, copy_bandwidth, cpu_pool_bandwidth, shared_bandwidth,
                                              write_profile_entry)
-    from gpu_worker.hybrid.options import HybridOptions, device_name
+    from cpu_expert_pool.api import worker_flags as cpu_worker_flags
+    from gpu_worker.hybrid.options import device_name
     from gpu_worker.models.device import resolve_device
     from gpu_worker.models.loader import open_model_source
     from proto.knobs import resolve
@@ -62,14 +63,14 @@ def run(args: argparse.Namespace) -> int:
     cfg, dtype = source.cfg, source.dtype
     top_k = args.top_k or cfg.top_k
     path = args.out or resolve({"benchbw_path": args.benchbw_path})["benchbw_path"] or default_benchbw_path()
-    options = HybridOptions(cpu_workers=args.cpu_workers, cpu_threads=args.cpu_threads, reserve_cpus=args.reserve_cpus)
     gpu_name = device_name(device)
     store = bench_store(cfg.hidden_size, cfg.expert_intermediate_size, dtype, int(args.store_mib * 2**20),
                         min_experts=4 * top_k * args.cpu_workers)
     try:
         t0 = time.perf_counter()
         copy = copy_bandwidth(store, device, args.calls)
-        worker_flags = options.worker_flags() + ["--log-level", "WARNING"]
+        worker_flags = cpu_worker_flags(threads=args.cpu_threads, reserve_cpus=args.reserve_cpus,
+                                        extra=("--log-level", "WARNING"))
         cpu = cpu_pool_bandwidth(store, top_k=top_k, calls=args.calls, num_workers=args.cpu_workers,
                                  worker_flags=worker_flags)
         shared = None

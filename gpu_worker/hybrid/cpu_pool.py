@@ -1,22 +1,20 @@
 """`CpuPool`: the CPU expert workers of one expert store, as the GPU worker sees them.
 
-    pool = CpuPool.start(store, num_workers=2, t_max=512, max_triples=4096, hidden_dtype="bfloat16",
-                         worker_flags=["--threads", "0"])
+    pool = CpuPool.attach(store, channel_names, deadline_s=1.0, readmit_poll_s=0.02, ready_timeout_s=120)
     shares = pool.submit(layer, hidden_host, token_idx, expert_id, weight)   # [T, H], [n] each
     ...                                                                        # GPU work meanwhile
     failed = pool.join(layer, shares, out=partial)    # partial [T, H] fp32 = sum of the workers' sums
     pool.poll()                                       # re-admit restarted workers (rate-limited)
 
-One channel per worker (created here, outliving worker restarts), each worker a `ft worker cpu`
-process under coordinator/supervisor.py (HELLO with the store's config hash, READY, heartbeats,
-restart with back-off after an exit). `CpuPool.attach` instead takes channels and workers that
-someone else (the coordinator of `ft serve`) created and supervises. Triples go to the worker that owns their expert
-(`ExpertSplit`, contiguous ranges). A worker that dies (WorkerDead) or misses the deadline
+The channels and the workers belong to the coordinator's ExpertResources (coordinator/expert_resources.py:
+created there, outliving GPU-worker restarts; each worker a `ft worker cpu` process under its supervisor,
+restarted with back-off after an exit); the pool only talks to them. Triples go to the worker that owns
+their expert (`ExpertSplit`, contiguous ranges). A worker that dies (WorkerDead) or misses the deadline
 (WorkerTimeout) is marked down; a late one is killed (SIGKILL: a stopped or hung process may never
-answer, and a restart costs a few seconds with the store still mapped), so the supervisor restarts
-it. `poll` re-admits a worker once its channel answers again (READY and nothing in flight).
-Their flags carry `--allowed-cpus` (HybridOptions.worker_flags), so that a worker restarted after this
-process pinned itself to the reserved CPUs (build.py) is placed as the first one was.
+answer, and a restart costs a few seconds with the store still mapped), so its supervisor restarts it.
+`poll` re-admits a worker once its channel answers again (READY and nothing in flight). Where the owner
+runs in this process (`ft generate`, `ft serve --workers inline`), `worker_info` reads its supervisor's
+view (pids, restarts, a worker it gave up on).
 """
 from __future__ import annotations
 
@@ -24,32 +22,19 @@ import dataclasses
 import logging
 import os
 import signal
-import sys
 import time
+from typing import Any, Callable
 
 import numpy as np
 import torch
 
-from coordinator.supervisor import Supervisor, WorkerError as SupervisorError, WorkerGaveUp, WorkerSpec
-from cpu_expert_pool.channel import (CpuPoolClient, WorkerDead, WorkerError, WorkerTimeout, channel_name_for,
-                                     create_worker_channel)
-from cpu_expert_pool.proc import REPO_ROOT
-from cpu_expert_pool.split import ExpertSplit
+from proto.cpu_channel import CpuPoolClient, WorkerDead, WorkerError, WorkerTimeout
+from proto.expert_owners import ExpertSplit
 from proto.expert_store import ExpertStore
-from proto.shm_layout import process_start_ticks
+from proto.shm_segment import process_start_ticks
 
 log = logging.getLogger("ft.hybrid.pool")
 NOT_BACK_LOG_S = 10.0        # a failed worker still not re-admitted: say why again this often
-
-CHANNEL_HIDDEN_DTYPES = {torch.bfloat16: "bfloat16", torch.float32: "float32", torch.float16: "float32"}
-
-
-def channel_hidden_dtype(model_dtype: torch.dtype) -> str:
-    """The channel carries hidden states in bf16 for bf16 models, else in fp32 (fp16 is widened)."""
-    if model_dtype not in CHANNEL_HIDDEN_DTYPES:
-        raise ValueError(f"the CPU pool takes bf16, fp16 or fp32 hidden states, not {model_dtype}")
-    return CHANNEL_HIDDEN_DTYPES[model_dtype]
-
 
 @dataclasses.dataclass
 class PoolMember:
@@ -58,7 +43,7 @@ class PoolMember:
     channel_name: str
     client: CpuPoolClient
     serving: bool = False          # takes work now
-    gave_up: bool = False          # the supervisor stopped restarting it
+    gave_up: bool = False          # its supervisor stopped restarting it
     pid: int = 0                   # the process that served when it was admitted
     start_ticks: int | None = None  # its start time (a kill must not hit a reused pid)
     failures_total: int = 0
@@ -81,59 +66,28 @@ class Share:
 
 class CpuPool:
     def __init__(self, store: ExpertStore, *, num_workers: int, t_max: int, max_triples: int, hidden_dtype: str,
-                 deadline_s: float, readmit_poll_s: float):
+                 deadline_s: float, readmit_poll_s: float,
+                 worker_info: Callable[[], list[dict[str, Any]]] | None = None):
         self.store = store
         self.num_workers = num_workers
         self.t_max, self.max_triples, self.hidden_dtype = t_max, max_triples, hidden_dtype
         self.deadline_s, self.readmit_poll_s = deadline_s, readmit_poll_s
         self.split = ExpertSplit.contiguous(store.num_layers, store.num_experts, num_workers)
         self.members: list[PoolMember] = []
-        self.supervisor: Supervisor | None = None
-        self.restore_threads: int | None = None   # torch threads of this process before the pool (build.py)
-        self.pinned = False                        # this process pinned itself to the reserved CPUs (build.py)
-        self._segments = []
+        self.worker_info = worker_info             # the owner's supervisor view, where it runs in this process
         self._next_poll_s = 0.0
 
     # -- life cycle -------------------------------------------------------------------------------
     @classmethod
-    def start(cls, store: ExpertStore, *, num_workers: int, t_max: int, max_triples: int, hidden_dtype: str,
-              worker_flags: list[str], deadline_s: float, readmit_poll_s: float, restart_backoff_s: float,
-              ready_timeout_s: float, heartbeat_timeout_s: float) -> "CpuPool":
-        """Create the channels, start the workers under a Supervisor, wait until every one serves."""
-        pool = cls(store, num_workers=num_workers, t_max=t_max, max_triples=max_triples, hidden_dtype=hidden_dtype,
-                   deadline_s=deadline_s, readmit_poll_s=readmit_poll_s)
-        try:
-            specs = []
-            for i in range(num_workers):
-                name = channel_name_for(store.name, i)
-                pool._segments.append(create_worker_channel(name, t_max=t_max, hidden=store.shape.hidden,
-                                                            max_triples=max_triples, hidden_dtype=hidden_dtype))
-                argv = [sys.executable, "-m", "cpu_expert_pool.cli", "--store", store.name, "--channel", name,
-                        "--worker-index", str(i), "--num-workers", str(num_workers), "--parent-pid",
-                        str(os.getpid()), *worker_flags]
-                specs.append(WorkerSpec(f"cpu{i}", argv, config_hash=store.config_hash,
-                                        env={"PYTHONPATH": os.pathsep.join(
-                                            filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH", "")]))},
-                                        ready_timeout_s=ready_timeout_s, heartbeat_timeout_s=heartbeat_timeout_s,
-                                        backoff_initial_s=restart_backoff_s, kind="cpu"))
-                pool.members.append(PoolMember(i, f"cpu{i}", name, CpuPoolClient(name)))
-            pool.supervisor = Supervisor(specs)
-            pool.supervisor.start(timeout_s=ready_timeout_s)
-            pool._admit_all(ready_timeout_s)
-        except BaseException:
-            pool.close()
-            raise
-        return pool
-
-    @classmethod
     def attach(cls, store: ExpertStore, channel_names: list[str], *, deadline_s: float, readmit_poll_s: float,
-               ready_timeout_s: float) -> "CpuPool":
+               ready_timeout_s: float, worker_info: Callable[[], list[dict[str, Any]]] | None = None) -> "CpuPool":
         """Clients on existing channels (worker i serves channel_names[i]); whoever started the workers
         restarts them. Channels and workers are left alone by close()."""
         first = CpuPoolClient(channel_names[0])
         lay = first.layout
         pool = cls(store, num_workers=len(channel_names), t_max=lay.t_max, max_triples=lay.max_triples,
-                   hidden_dtype=lay.hidden_dtype, deadline_s=deadline_s, readmit_poll_s=readmit_poll_s)
+                   hidden_dtype=lay.hidden_dtype, deadline_s=deadline_s, readmit_poll_s=readmit_poll_s,
+                   worker_info=worker_info)
         try:
             for i, name in enumerate(channel_names):
                 client = first if i == 0 else CpuPoolClient(name)
@@ -160,23 +114,9 @@ class CpuPool:
         m.pid, m.start_ticks, m.serving = pid, process_start_ticks(pid), True
 
     def close(self) -> None:
-        if self.restore_threads is not None:
-            torch.set_num_threads(self.restore_threads)
-            self.restore_threads = None
-        if self.pinned:
-            from gpu_worker.hybrid.options import unpin_driving_process
-            unpin_driving_process()
-            self.pinned = False
-        if self.supervisor is not None:
-            self.supervisor.stop()
-            self.supervisor = None
         for m in self.members:
             m.client.close()
         self.members = []
-        for seg in self._segments:
-            seg.close()
-            seg.unlink()
-        self._segments = []
 
     # -- state ------------------------------------------------------------------------------------
     @property
@@ -187,15 +127,11 @@ class CpuPool:
         return num_tokens <= self.t_max and num_triples <= self.max_triples
 
     def worker_pids(self) -> dict[str, int]:
-        """Current process of every worker, as the supervisor sees it (0 while restarting)."""
-        if self.supervisor is None:
-            return {}
-        return {w["name"]: w["pid"] for w in self.supervisor.worker_info()}
+        """Current process of every worker, as its supervisor sees it (0 while restarting; {}: not known here)."""
+        return {w["name"]: w["pid"] for w in self.worker_info()} if self.worker_info is not None else {}
 
     def restarts(self) -> dict[str, int]:
-        if self.supervisor is None:
-            return {}
-        return {w["name"]: w["restarts"] for w in self.supervisor.worker_info()}
+        return {w["name"]: w["restarts"] for w in self.worker_info()} if self.worker_info is not None else {}
 
     def set_shares(self, shares: dict[str, float]) -> None:
         """Re-split the experts among the workers in proportion to `shares` (name -> weight), as
@@ -301,7 +237,7 @@ class CpuPool:
         if now < self._next_poll_s or self.all_serving:
             return []
         self._next_poll_s = now + self.readmit_poll_s
-        self._drain_supervisor_errors()
+        self._note_given_up()
         back = []
         for m in self.members:
             if m.serving or m.gave_up:
@@ -332,17 +268,13 @@ class CpuPool:
             m.waiting_for, m.waiting_logged_s = why, now
             log.info("CPU worker %s not re-admitted yet: %s", m.name, why)
 
-    def _drain_supervisor_errors(self) -> None:
-        if self.supervisor is None:
+    def _note_given_up(self) -> None:
+        """Workers whose supervisor gave up on them (state "failed") are not waited for again."""
+        if self.worker_info is None:
             return
-        while True:
-            try:
-                self.supervisor.check()
-                return
-            except WorkerGaveUp as exc:
-                for m in self.members:
-                    if m.name == exc.name:
-                        m.gave_up, m.serving = True, False
-                log.error("%s; the backend keeps fetching every miss", exc)
-            except SupervisorError:
-                pass                       # already logged by the supervisor; a restart follows
+        failed = {w["name"] for w in self.worker_info() if w["state"] == "failed"}
+        for m in self.members:
+            if m.name in failed and not m.gave_up:
+                m.gave_up, m.serving = True, False
+                log.error("CPU worker %s: its supervisor gave up restarting it; the backend keeps fetching its "
+                          "share", m.name)

@@ -37,7 +37,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from cpu_expert_pool.channel import CpuPoolClient, WorkerDead
+from proto.cpu_channel import CpuPoolClient, WorkerDead
 from kernels import handoff
 from kernels.cuda_driver import CudaDriver, CudaDriverUnavailable, driver
 from proto.shm_layout import (CACHE_LINE_BYTES, NUM_SLOTS, PAGE_BYTES, REQUEST_SEQ_OFFSET, SLOT_LINES_BYTES,

@@ -20,7 +20,7 @@ import logging
 
 import torch
 
-from cpu_expert_pool.channel import WorkerDead, WorkerTimeout
+from proto.cpu_channel import WorkerDead, WorkerTimeout
 from gpu_worker.models.resident_experts import GRAPH_SAFE_MODES
 from kernels import expert_split
 from kernels import handoff as kernels_handoff

@@ -115,7 +115,7 @@ class HybridExperts(DeviceHandoff, HostHandoff, SlotPoolAudit):
         self.set_policy(strategy=strategy, fetch_fraction=fetch_fraction, fetch_round=fetch_round,
                         promote=promote, seed=seed)
         self.degraded = False             # a worker failed: offload until every one is back
-        self.fetch_fraction_source = "given"   # or "flag", "default", "profile:PATH" (build.py)
+        self.fetch_fraction_source = "given"   # or "flag", "default", "profile:PATH" (attached_backends.py)
         # The device hand-off: one DeviceDoorbell per member, one failure flag for all, the owner map on the
         # device, and the device path's own counters (no host sync): DEVICE_COUNTERS.
         self._device_doorbells: dict[int, DeviceDoorbell] = {}

@@ -1,10 +1,11 @@
 """`HybridOptions`: the settings of the `hybrid` and `cpu` expert backends, validated in one place.
 
-Every field is also a flag of `ft generate` (generate_cli.py); the fetch rounding and pinning the
-GPU-driving process (--pin-gpu-worker) are FREETOKEN_* knobs (proto/knobs.py). Where the fetch fraction starts, in order: the given value
+Every field is also a flag of `ft generate` (coordinator/generate_cli.py); the fetch rounding and pinning
+the GPU-driving process (--pin-gpu-worker) are FREETOKEN_* knobs (proto/knobs.py). Where the fetch fraction starts, in order: the given value
 (--fetch-fraction), the `ft bench bw` profile measured on this GPU (or "cpu") for this expert format,
-0.5. The profile is read by coordinator/policy.py's `load_bandwidth_profile`, which ignores a profile
-of other hardware or another expert format with a log line.
+0.5. The profile is read by proto/bandwidth_profile.py's `load_bandwidth_profile`, which ignores a profile
+of other hardware or another expert format with a log line. The CPU workers' own settings (count,
+threads, placement) belong to their owner (coordinator/expert_resources.py).
 """
 from __future__ import annotations
 
@@ -14,20 +15,17 @@ import os
 
 import torch
 
-from cpu_expert_pool.topology import format_cpulist, parse_cpulist, set_process_affinity
 from kernels.slot_cache.state import ROUND_MODES
+from proto.cpu_channel import DEFAULT_CPU_MAX_TOKENS
+from proto.cpus import default_reserved_cpus, format_cpulist, parse_cpulist, set_process_affinity
 from proto.knobs import KNOBS_BY_FIELD
 
 log = logging.getLogger("ft.hybrid")
 
 DEFAULT_FETCH_FRACTION = 0.5          # no flag, no matching profile: half the misses each way
 DEFAULT_CPU_DEADLINE_S = 1.0          # a CPU share not answered by then is fetched instead (worker killed)
-DEFAULT_CPU_MAX_TOKENS = 512          # forwards with more tokens fetch every miss (= hybrid's prefill chunk)
-DEFAULT_RESTART_BACKOFF_S = 0.5       # supervisor: first restart delay of a failed CPU worker (doubles)
-DEFAULT_READY_TIMEOUT_S = 120.0       # a CPU worker imports torch, maps the store and warms up
-DEFAULT_HEARTBEAT_TIMEOUT_S = 10.0    # supervisor: a worker silent this long is killed (backstop)
+DEFAULT_READY_TIMEOUT_S = 120.0       # how long attaching waits for each CPU worker to serve its channel
 DEFAULT_READMIT_POLL_S = 0.02         # how often a forward looks for restarted workers
-RESERVE_CPU_MIN_CPUS = 4              # from this many CPUs on, CPU 0 is left to the GPU worker's thread
 
 
 # This process's affinity from before pin_driving_process narrowed it (None: not pinned). The defaults that
@@ -55,15 +53,10 @@ class HybridOptions:
     fetch_round: str = KNOBS_BY_FIELD["fetch_round"].default     # rounding of f*M (ROUND_MODES)
     promote: bool = True                    # recency promotion (docs/slot_cache.md)
     seed: int = 0                           # stochastic rounding's seed
-    cpu_workers: int = 1                    # `ft worker cpu` processes (a multiple of the NUMA nodes)
-    cpu_threads: int = 0                    # compute threads per worker (0: one per physical core)
     cpu_deadline_s: float = DEFAULT_CPU_DEADLINE_S
     cpu_max_tokens: int = DEFAULT_CPU_MAX_TOKENS
-    reserve_cpus: str | None = None         # CPU list kept free of workers; None: "0" on >= 4 CPUs
-    worker_args: tuple[str, ...] = ()       # more `ft worker cpu` flags (e.g. --hot-ms 5 --no-pin)
-    restart_backoff_s: float = DEFAULT_RESTART_BACKOFF_S
+    reserve_cpus: str | None = None         # CPU list the CPU workers keep off; None: "0" on >= 4 CPUs
     ready_timeout_s: float = DEFAULT_READY_TIMEOUT_S
-    heartbeat_timeout_s: float = DEFAULT_HEARTBEAT_TIMEOUT_S
     readmit_poll_s: float = DEFAULT_READMIT_POLL_S
     engine_threads: int | None = None       # torch threads of this process; None: the reserved CPUs' count, >= 1
     benchbw_path: str = ""                  # `ft bench bw` profile; "": $FREETOKEN_BENCHBW_PATH or default
@@ -75,16 +68,11 @@ class HybridOptions:
                              f"(0: every miss to the CPU, 1: fetch every miss)")
         if self.fetch_round not in ROUND_MODES:
             raise ValueError(f"--fetch-round {self.fetch_round!r} is not one of {', '.join(ROUND_MODES)}")
-        if not isinstance(self.cpu_workers, int) or self.cpu_workers < 1:
-            raise ValueError(f"--cpu-workers {self.cpu_workers!r} must be an int >= 1")
-        if self.cpu_threads < 0:
-            raise ValueError(f"--cpu-threads {self.cpu_threads} must be >= 0 (0: one per physical core)")
-        for name in ("cpu_deadline_s", "restart_backoff_s", "ready_timeout_s", "readmit_poll_s"):
+        for name in ("cpu_deadline_s", "ready_timeout_s", "readmit_poll_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name}={getattr(self, name)!r} must be > 0")
         if self.cpu_max_tokens < 1:
             raise ValueError(f"--cpu-max-tokens {self.cpu_max_tokens} must be >= 1")
-        self.worker_args = tuple(self.worker_args)
 
     def for_strategy(self, strategy: str) -> "HybridOptions":
         """`cpu` = hybrid with f = 0 and promotion off: every miss to the CPU (docs/HYBRID.md)."""
@@ -97,14 +85,7 @@ class HybridOptions:
     def reserved_cpus(self) -> str:
         if self.reserve_cpus is not None:
             return self.reserve_cpus
-        return "0" if len(unpinned_affinity()) >= RESERVE_CPU_MIN_CPUS else ""
-
-    def allowed_cpus(self) -> str:
-        """The CPUs the workers are placed on (before the reserved ones are taken out): this process's
-        affinity, as it was before it pinned itself (pin_driving_process). Passed to every worker
-        (`--allowed-cpus`, worker_flags): a worker restarted by a pinned process inherits the narrow mask,
-        and planned over that it would find no CPU left."""
-        return format_cpulist(unpinned_affinity())
+        return default_reserved_cpus(unpinned_affinity())
 
     def pins_gpu_worker(self) -> bool:
         if self.pin_gpu_worker is not None:
@@ -128,8 +109,8 @@ class HybridOptions:
         (engine-link IO, heartbeats, the doorbell watchdog, the supervisor's monitor, torch's pool, CUDA's
         helper threads) would otherwise run on the workers' cores and preempt their busy loops; they
         mostly sleep, so they do not crowd the reserved core. Threads started later inherit the mask.
-        The cost, CPU workers this process (re)starts inheriting the narrow mask, is met by
-        --allowed-cpus (allowed_cpus)."""
+        The cost, CPU workers this process (re)starts inheriting the narrow mask (`ft generate`), is met by
+        their --allowed-cpus, resolved before the pin (coordinator/expert_resources.py)."""
         cpus = self.driving_process_cpus()
         if not cpus:
             reserved = self.reserved_cpus()
@@ -155,21 +136,6 @@ class HybridOptions:
         reserved = self.reserved_cpus()
         return max(1, len(parse_cpulist(reserved))) if reserved else 1
 
-    def place_store(self, store) -> int:
-        """HostExperts.create_filled's before_fill for these workers: expert pages on their NUMA nodes."""
-        from cpu_expert_pool.topology import place_store_for_workers
-        return place_store_for_workers(store, num_workers=self.cpu_workers,
-                                       reserved_cpus=parse_cpulist(self.reserved_cpus()),
-                                       allowed_cpus=unpinned_affinity())   # what worker_flags hands the workers
-
-    def worker_flags(self) -> list[str]:
-        """`ft worker cpu` flags from these options (the store, channel and index are added per worker)."""
-        flags = ["--threads", str(self.cpu_threads), "--allowed-cpus", self.allowed_cpus()]
-        reserved = self.reserved_cpus()
-        if reserved:
-            flags += ["--reserve-cpus", reserved]
-        return flags + list(self.worker_args)
-
 
 def device_name(device: torch.device) -> str:
     """The name a bandwidth profile is keyed on: the CUDA device's name, or "cpu"."""
@@ -183,7 +149,7 @@ def resolve_fetch_fraction(options: HybridOptions, *, dtype: torch.dtype, hidden
     """(f, where it came from): the given fraction, a matching `ft bench bw` profile entry, or 0.5."""
     if options.fetch_fraction is not None:
         return float(options.fetch_fraction), "flag"
-    from coordinator.policy import ExpertFormat, default_benchbw_path, load_bandwidth_profile
+    from proto.bandwidth_profile import ExpertFormat, default_benchbw_path, load_bandwidth_profile
 
     from proto.knobs import resolve
 

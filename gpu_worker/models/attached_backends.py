@@ -1,11 +1,11 @@
-"""`make_attached_expert_backend`: the GPU worker's expert backend over the coordinator's expert store.
+"""`make_attached_expert_backend`: the expert backend over the coordinator's expert store.
 
-Beside `make_expert_backend` (expert_backends.py), which builds a backend that owns its experts (the
-single-process `ft generate` creates its own store), this one *attaches* to the shared-memory store
-the coordinator created and filled, by name: no second host copy, and the store is never unlinked here
-(`HostExperts.attach` makes a non-owner). `resident` needs no store and is built as usual. `cpu` and
-`hybrid` also attach to the CPU expert workers' channels the coordinator created (its supervisor runs
-and restarts the workers; `CpuPool.attach` only talks to them).
+It *attaches* to the shared-memory store that the coordinator's ExpertResources
+(coordinator/expert_resources.py) created and filled, by name: no second host copy, and the store is
+never unlinked here (`HostExperts.attach` makes a non-owner). `resident` needs no store and is built
+as usual. `cpu` and `hybrid` also attach to the CPU expert workers' channels the owner created (its
+supervisor runs and restarts the workers; `CpuPool.attach` only talks to them). Used by the GPU worker
+and, in one process, by `ft generate` and `ft serve --workers inline` (gpu_worker/api.py).
 """
 from __future__ import annotations
 
@@ -26,10 +26,11 @@ def needs_host_store(strategy: str) -> bool:
 def make_attached_expert_backend(strategy: str, source: ExpertSource, device: torch.device | str, *,
                                  store_name: str = "", cpu_channels: list[str] | tuple[str, ...] = (),
                                  cache_size: int | float | str | None = None, mode: str = "auto",
-                                 per_layer: bool = False, reserve_cpus: str | None = None) -> ExpertBackend:
+                                 per_layer: bool = False, hybrid=None, worker_info=None) -> ExpertBackend:
     """The backend for ``strategy``, reading experts from the store ``store_name`` where it needs one.
-    ``reserve_cpus``: the CPUs the coordinator kept free of CPU workers (the GPU worker's torch threads
-    follow their count; None: HybridOptions' default)."""
+    ``hybrid``: HybridOptions of cpu / hybrid (None: defaults; its reserve_cpus, the CPUs the owner kept
+    free of CPU workers, sets this process's torch threads). ``worker_info``: the owner's supervisor view
+    of the workers where it runs in this process (CpuPool.worker_info)."""
     if not needs_host_store(strategy):
         return make_expert_backend(strategy, source, device, cache_size=cache_size, mode=mode)
     if not store_name:
@@ -47,7 +48,7 @@ def make_attached_expert_backend(strategy: str, source: ExpertSource, device: to
         if strategy == "offload":
             return OffloadExperts(host, slots, torch.device(device), per_layer=per_layer, mode=mode)
         return _attached_hybrid(strategy, host, source, slots, torch.device(device), list(cpu_channels),
-                                per_layer=per_layer, mode=mode, reserve_cpus=reserve_cpus)
+                                per_layer=per_layer, mode=mode, hybrid=hybrid, worker_info=worker_info)
     except BaseException:
         host.close()
         raise
@@ -67,23 +68,26 @@ def _check_store(host, source: ExpertSource, store_name: str) -> None:
 
 
 def _attached_hybrid(strategy: str, host, source: ExpertSource, slots: int, device: torch.device,
-                     channels: list[str], *, per_layer: bool, mode: str,
-                     reserve_cpus: str | None = None) -> ExpertBackend:
+                     channels: list[str], *, per_layer: bool, mode: str, hybrid=None,
+                     worker_info=None) -> ExpertBackend:
     """HybridExperts over the attached store and the coordinator's CPU workers (their channels)."""
     from gpu_worker.hybrid import CpuPool, HybridExperts, HybridOptions
     from gpu_worker.hybrid.options import resolve_fetch_fraction
 
-    options = HybridOptions(cpu_workers=len(channels), reserve_cpus=reserve_cpus).for_strategy(strategy)
+    options = (hybrid or HybridOptions()).for_strategy(strategy)
     lay = source.layout
-    fraction, _ = resolve_fetch_fraction(options, dtype=lay.dtype, hidden_size=lay.hidden_size,
-                                         intermediate_size=lay.intermediate_size, device=device)
+    fraction, fraction_source = resolve_fetch_fraction(options, dtype=lay.dtype, hidden_size=lay.hidden_size,
+                                                       intermediate_size=lay.intermediate_size, device=device)
     pool = CpuPool.attach(host.store, channels, deadline_s=options.cpu_deadline_s,
-                          readmit_poll_s=options.readmit_poll_s, ready_timeout_s=options.ready_timeout_s)
+                          readmit_poll_s=options.readmit_poll_s, ready_timeout_s=options.ready_timeout_s,
+                          worker_info=worker_info)
     try:
         torch.set_num_threads(options.engine_thread_count())    # idle OpenMP threads would spin on their cores
-        return HybridExperts(host, slots, device, pool, strategy=strategy, fetch_fraction=fraction,
-                             fetch_round=options.fetch_round, promote=options.promote, seed=options.seed, per_layer=per_layer, mode=mode,
-                             cpu_max_tokens=min(options.cpu_max_tokens, pool.t_max))
+        backend = HybridExperts(host, slots, device, pool, strategy=strategy, fetch_fraction=fraction,
+                                fetch_round=options.fetch_round, promote=options.promote, seed=options.seed,
+                                per_layer=per_layer, mode=mode, cpu_max_tokens=min(options.cpu_max_tokens, pool.t_max))
+        backend.fetch_fraction_source = "strategy cpu" if strategy == "cpu" else fraction_source
+        return backend
     except BaseException:
         pool.close()
         raise

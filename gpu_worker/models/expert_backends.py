@@ -48,9 +48,7 @@ def make_expert_backend(strategy: str, source: ExpertSource, device: torch.devic
         atexit.register(backend.close)     # the shared-memory store is unlinked by its creator
         return backend
     if strategy in ("cpu", "hybrid"):
-        from gpu_worker.hybrid import build_hybrid_backend
-        if top_k is None:
-            top_k = getattr(getattr(source, "cfg", None), "top_k", 8)
-        return build_hybrid_backend(strategy, source, device, top_k=top_k, cache_size=cache_size, mode=mode,
-                                    per_layer=per_layer, options=hybrid)
+        raise ValueError(f"--moe-strategy {strategy} attaches to an expert store and CPU workers that the "
+                         f"coordinator's ExpertResources creates (coordinator/expert_resources.py): build it with "
+                         f"gpu_worker.api.load_attached_model / make_attached_expert_backend")
     raise ValueError(f"--moe-strategy {strategy!r} is not one of {', '.join(STRATEGIES)}")

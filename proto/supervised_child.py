@@ -1,4 +1,5 @@
-"""The child's side of the supervisor link (coordinator/supervisor.py has the parent's side).
+"""The child's side of the supervisor link (coordinator/supervisor.py has the parent's side): a contract shared by
+the coordinator and every process it supervises (the GPU worker, the CPU expert workers).
 
 A supervised child inherits one end of a socket pair; its number is in $FT_SUPERVISOR_FD. Frames are
 length-prefixed msgpack maps (multiprocessing.connection's send_bytes/recv_bytes framing; no pickle):

@@ -1,4 +1,4 @@
-"""The start-of-process checklist every CPU worker runs before anything big.
+"""The start-of-process checklist every worker process (`ft worker cpu`, `ft worker gpu`) runs before anything big.
 
 Process title (setproctitle, when installed), die with the parent (PR_SET_PDEATHSIG), faulthandler,
 a logger prefixed with the role. CPU/NUMA binding and the big allocations come after (worker.py).

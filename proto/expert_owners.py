@@ -1,8 +1,9 @@
 """Which CPU worker computes which experts: an owner map [L, E] of worker indices.
 
-The coordinator chooses it (contiguous expert ranges by default, so each NUMA-bound worker owns the
-experts whose bytes it can place on its node) and changes it with REBALANCE; the GPU worker uses the
-same map to route each CPU-assigned triple to its owner's channel. On the wire: int16 [L * E] bytes.
+Shared by the store's owner, which binds each expert's pages to the NUMA node of the worker that owns it
+under the default split (contiguous expert ranges: cpu_expert_pool/topology.py place_store_for_workers),
+and the GPU worker's CpuPool, which routes each CPU-assigned triple to its owner's channel and may
+re-split in proportion to measured worker speeds (set_shares).
 """
 from __future__ import annotations
 

@@ -1,5 +1,9 @@
 """`ft generate`: load a model and run one completion through the engine, in one process.
 
+The host-side resources (the expert store; the CPU workers, their channels and their supervisor) come from
+their one owner (coordinator/expert_resources.py), as under `ft serve`; the engine attaches to them
+(gpu_worker/api.py).
+
     ft generate --prompt "Hello" --max-new-tokens 32                 # the tiny built-in model
     ft generate --model /models/Qwen3-30B-A3B --prompt-ids 1,2,3 --json
     ft generate --preset qwen3-30b-a3b --prompt-ids 1,2,3 --device cuda   # random weights, real shape
@@ -12,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 
@@ -19,8 +24,8 @@ from proto.knobs import add_cli_flags, export_setting, positive_int_flag, resolv
 
 DEVICE_CHOICES = ("auto", "cpu", "cuda")
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
-PRESET_CHOICES = ("tiny", "qwen3-30b-a3b", "olmoe-1b-7b", "mixtral-8x7b")   # models/presets.py
-STRATEGY_CHOICES = ("resident", "offload", "cpu", "hybrid")   # models/expert_backends.py
+PRESET_CHOICES = ("tiny", "qwen3-30b-a3b", "olmoe-1b-7b", "mixtral-8x7b")   # gpu_worker/models/presets.py
+STRATEGY_CHOICES = ("resident", "offload", "cpu", "hybrid")   # gpu_worker/models/expert_backends.py
 
 
 def _int_list(raw: str) -> list[int]:
@@ -80,14 +85,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def hybrid_options(args: argparse.Namespace):
     """HybridOptions from the flags; knobs by precedence flag > FREETOKEN_* environment > default."""
-    from gpu_worker.hybrid import HybridOptions
+    from gpu_worker.api import HybridOptions
 
     knobs = resolve({k: getattr(args, k, None) for k in ("fetch_round", "benchbw_path", "pin_gpu_worker")})
     return HybridOptions(fetch_fraction=args.fetch_fraction, fetch_round=knobs["fetch_round"],
                          promote=not args.no_promote,
-                         cpu_workers=args.cpu_workers, cpu_threads=args.cpu_threads,
                          cpu_deadline_s=args.cpu_deadline_ms / 1e3, reserve_cpus=args.reserve_cpus,
                          benchbw_path=knobs["benchbw_path"], pin_gpu_worker=knobs["pin_gpu_worker"] == "on")
+
+
+def cpu_worker_settings(args: argparse.Namespace):
+    from coordinator.expert_resources import CpuWorkerSettings
+
+    if args.cpu_workers < 1:
+        raise ValueError(f"--cpu-workers {args.cpu_workers} must be an int >= 1")
+    return CpuWorkerSettings(num_workers=args.cpu_workers, threads=args.cpu_threads, reserve_cpus=args.reserve_cpus)
 
 
 def _prompt_ids(args: argparse.Namespace, tokenizer) -> list[int]:
@@ -105,27 +117,49 @@ def _prompt_ids(args: argparse.Namespace, tokenizer) -> list[int]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from gpu_worker.engine import Engine, EngineConfig, SamplingParams
-    from gpu_worker.models import load_model
+    from coordinator.expert_resources import ExpertResources
 
     t_start = time.perf_counter()
-    params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                            top_p=args.top_p, top_k=args.top_k, seed=args.seed, ignore_eos=args.ignore_eos,
-                            stop_token_ids=tuple(args.stop_token_ids))
     hybrid = hybrid_options(args) if args.moe_strategy in ("cpu", "hybrid") else None
+    cpu = cpu_worker_settings(args) if hybrid is not None else None
     from kernels.pdl import apply_setting
     apply_setting(resolve({"pdl": args.pdl})["pdl"], args.device)
     for field in ("eviction_freq_weight", "eviction_freq_half_life"):
         export_setting(field, resolve({field: getattr(args, field)})[field])
-    overlap = resolve({"overlap_decode": args.overlap_decode})["overlap_decode"]
-    loaded = load_model(args.model, args.preset, device=args.device, dtype=args.dtype,
-                        moe_strategy=args.moe_strategy, moe_cache_size=args.moe_cache_size,
-                        seed=args.seed_weights, hybrid=hybrid)
+    from gpu_worker.api import load_attached_model, open_model_source, resolve_device
+
+    device = resolve_device(args.device)
+    source = open_model_source(args.model, args.preset, dtype=args.dtype, seed=args.seed_weights, device=device)
+    resources = ExpertResources.create(source, args.moe_strategy, store_name=f"ft-generate-{os.getpid()}", cpu=cpu,
+                                       staging_device=device if device.type == "cuda" else None)
+    try:
+        resources.start_cpu_workers()
+        loaded = load_attached_model(source, device, moe_strategy=args.moe_strategy, store_name=resources.store_name,
+                                     cpu_channels=resources.channel_names, moe_cache_size=args.moe_cache_size,
+                                     hybrid=hybrid,
+                                     pin_driving_process=True, worker_info=resources.worker_info)
+        try:
+            return _generate(args, loaded, t_start, load_s=time.perf_counter() - t_start)
+        finally:
+            close = getattr(loaded.model.experts, "close", None)
+            if close is not None:
+                close()                 # detaches from the store and the channels
+    finally:
+        resources.close()               # the CPU workers stopped, the channels and the store unlinked
+
+
+def _generate(args: argparse.Namespace, loaded, t_start: float, load_s: float) -> int:
+    from gpu_worker.api import Engine, EngineConfig, SamplingParams
+
+    params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                            top_p=args.top_p, top_k=args.top_k, seed=args.seed, ignore_eos=args.ignore_eos,
+                            stop_token_ids=tuple(args.stop_token_ids))
     tokenizer = loaded.tokenizer
     prompt = _prompt_ids(args, tokenizer)
     # Default KV length: just what this request can use, up to 32K (the engine stops at a full context).
     max_ctx = args.max_context_tokens or max(len(prompt), min(len(prompt) + args.max_new_tokens, 32768))
     slot_audit = resolve({"moe_slot_audit": args.moe_slot_audit})["moe_slot_audit"]
+    overlap = resolve({"overlap_decode": args.overlap_decode})["overlap_decode"]
     engine = Engine(loaded.model, EngineConfig(max_running_requests=1, max_context_tokens=max_ctx,
                                                slot_audit_every=slot_audit,
                                                prefill_chunk_tokens=args.prefill_chunk_tokens,
@@ -145,7 +179,7 @@ def run(args: argparse.Namespace) -> int:
     total_s = time.perf_counter() - t_run
     text = tokenizer.decode(tokens) if tokenizer is not None else ""
     s = engine.stats
-    timing = {"load_s": loaded.load_time_s, "ttft_s": ttft_s, "prefill_s": s.prefill_time_s,
+    timing = {"load_s": load_s, "ttft_s": ttft_s, "prefill_s": s.prefill_time_s,
               "decode_s": s.decode_time_s, "generate_s": total_s,
               "total_s": time.perf_counter() - t_start,
               "prefill_tokens_per_s": s.prefill_tokens_per_s, "decode_tokens_per_s": s.decode_tokens_per_s}
@@ -160,8 +194,6 @@ def run(args: argparse.Namespace) -> int:
         expert_stats = {"fetched": st.fetched, "distinct_misses": st.distinct_misses,
                         "copy_bytes": st.copy_bytes, "copy_time_s": copy_s,
                         "copy_gb_per_s": st.copy_bytes / copy_s / 1e9 if copy_s > 0 else None}
-    if hasattr(experts, "close"):
-        experts.close()             # the offload backend unlinks its shared-memory store
     if args.json:
         print(json.dumps({"token_ids": tokens, "experts": expert_stats, "text": text, "prompt_token_ids": prompt,
                           "finish_reason": finish_reason, "model": loaded.source.description,
