@@ -17,7 +17,7 @@ import threading
 from typing import Any, Callable
 
 from coordinator.engine_client import EngineEvents, LinkedEngineClient
-from gpu_worker.worker_loop import gpu_busy_loop
+from gpu_worker.api import gpu_busy_loop
 from proto import engine_messages as em
 
 log = logging.getLogger("ft.coordinator.inline_engine")
