@@ -58,8 +58,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def gathered_expert_ffn(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                        w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    """The torch code moe_gemv replaces: gather the T*K routed experts, then batched GEMVs."""
+    T, K = topk_ids.shape
+    inter = w2.shape[2]
+    flat_ids = topk_ids.reshape(-1)
+    xp = x.unsqueeze(1).expand(T, K, x.shape[1]).reshape(T * K, -1, 1)
+    h = torch.bmm(w13.index_select(0, flat_ids), xp).squeeze(2)
+    h = (torch.nn.functional.silu(h[:, :inter]) * h[:, inter:]).unsqueeze(2)
+    y = torch.bmm(w2.index_select(0, flat_ids), h).squeeze(2)
+    return (y.float() * topk_weights.reshape(-1, 1)).view(T, K, -1).sum(dim=1).to(x.dtype)
+
+
 def moe_cases(args, dtype, rows: list[dict]) -> None:
-    from gpu_worker.models.resident_experts import gathered_expert_ffn
     from kernels.moe_decode import DEFAULT_GEMV_BLOCKS, moe_gemv
     E, H, I, K = args.experts, args.hidden, args.inter, args.top_k
     gen = torch.Generator(device="cuda").manual_seed(0)

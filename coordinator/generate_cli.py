@@ -20,7 +20,7 @@ import os
 import sys
 import time
 
-from proto.knobs import add_cli_flags, export_setting, positive_int_flag, resolve
+from proto.knobs import add_cli_flags, positive_int_flag, resolve
 
 DEVICE_CHOICES = ("auto", "cpu", "cuda")
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
@@ -124,8 +124,8 @@ def run(args: argparse.Namespace) -> int:
     cpu = cpu_worker_settings(args) if hybrid is not None else None
     from kernels.pdl import apply_setting
     apply_setting(resolve({"pdl": args.pdl})["pdl"], args.device)
-    for field in ("eviction_freq_weight", "eviction_freq_half_life"):
-        export_setting(field, resolve({field: getattr(args, field)})[field])
+    eviction = resolve({"eviction_freq_weight": args.eviction_freq_weight,
+                        "eviction_freq_half_life": args.eviction_freq_half_life})
     from gpu_worker.api import load_attached_model, open_model_source, resolve_device
 
     device = resolve_device(args.device)
@@ -136,8 +136,9 @@ def run(args: argparse.Namespace) -> int:
         resources.start_cpu_workers()
         loaded = load_attached_model(source, device, moe_strategy=args.moe_strategy, store_name=resources.store_name,
                                      cpu_channels=resources.channel_names, moe_cache_size=args.moe_cache_size,
-                                     hybrid=hybrid,
-                                     pin_driving_process=True, worker_info=resources.worker_info)
+                                     hybrid=hybrid, pin_driving_process=True, worker_info=resources.worker_info,
+                                     freq_weight=eviction["eviction_freq_weight"],
+                                     freq_half_life=eviction["eviction_freq_half_life"])
         try:
             return _generate(args, loaded, t_start, load_s=time.perf_counter() - t_start)
         finally:

@@ -22,7 +22,7 @@ import os
 import signal
 import sys
 
-from proto.knobs import add_cli_flags, export_setting, positive_int_flag, resolve
+from proto.knobs import add_cli_flags, positive_int_flag, resolve
 
 DEFAULT_PORT = 1919
 DEFAULT_GRPC_PORT = 1920
@@ -217,10 +217,13 @@ def run_inline(args: argparse.Namespace) -> int:
     try:
         resources.start_cpu_workers()
         hybrid = inline_hybrid_options(args) if args.moe_strategy in ("cpu", "hybrid") else None
+        eviction = resolve({"eviction_freq_weight": args.eviction_freq_weight,
+                            "eviction_freq_half_life": args.eviction_freq_half_life})
         loaded = load_attached_model(source, device, moe_strategy=args.moe_strategy, store_name=resources.store_name,
                                      cpu_channels=resources.channel_names, moe_cache_size=args.moe_cache_size,
-                                     hybrid=hybrid,
-                                     pin_driving_process=True, worker_info=resources.worker_info)
+                                     hybrid=hybrid, pin_driving_process=True, worker_info=resources.worker_info,
+                                     freq_weight=eviction["eviction_freq_weight"],
+                                     freq_half_life=eviction["eviction_freq_half_life"])
         return _run_inline(args, loaded)
     finally:
         resources.close()
@@ -236,8 +239,6 @@ def _run_inline(args: argparse.Namespace, loaded) -> int:
     api_key = resolve_api_key(args.api_key)
     from kernels.pdl import apply_setting
     apply_setting(resolve({"pdl": args.pdl})["pdl"], args.device)
-    for field in ("eviction_freq_weight", "eviction_freq_half_life"):
-        export_setting(field, resolve({field: getattr(args, field)})[field])
     overlap = resolve({"overlap_decode": args.overlap_decode})["overlap_decode"]
     served = load_served_engine(args.model, args.preset, args.device, moe_strategy=args.moe_strategy,
                                 moe_cache_size=args.moe_cache_size, max_running_requests=args.max_running_requests,

@@ -45,7 +45,8 @@ def load_attached_model(source: ModelSource, device: torch.device, *, moe_strate
                         cpu_channels: tuple[str, ...] | list[str] = (), moe_cache_size: int | float | str | None = None,
                         hybrid: HybridOptions | None = None,
                         pin_driving_process: bool = False,
-                        worker_info: Callable[[], list[dict]] | None = None) -> LoadedModel:
+                        worker_info: Callable[[], list[dict]] | None = None,
+                        freq_weight: int | None = None, freq_half_life: int | None = None) -> LoadedModel:
     """Dense weights on `device` and the expert backend over the store `store_name` and the CPU workers'
     channels `cpu_channels` (cpu / hybrid), created and supervised elsewhere (coordinator/expert_resources.py).
     pin_driving_process: cpu / hybrid: once loaded, pin this process to the reserved CPUs where `hybrid` says
@@ -53,7 +54,8 @@ def load_attached_model(source: ModelSource, device: torch.device, *, moe_strate
     t0 = time.perf_counter()
     experts = make_attached_expert_backend(moe_strategy, source.experts, device, store_name=store_name,
                                            cpu_channels=cpu_channels, cache_size=moe_cache_size, hybrid=hybrid,
-                                           worker_info=worker_info)
+                                           worker_info=worker_info, freq_weight=freq_weight,
+                                           freq_half_life=freq_half_life)
     try:
         dense = source.load_dense(device)
         cfg = source.cfg

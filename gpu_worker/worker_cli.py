@@ -67,7 +67,7 @@ def run(args: argparse.Namespace) -> int:
 
     if args.max_running_requests < 1:
         raise ValueError("--max-running-requests must be >= 1")
-    from proto.knobs import export_setting, resolve
+    from proto.knobs import resolve
 
     knobs = resolve({"pin_gpu_worker": args.pin_gpu_worker,
                      "moe_slot_audit": args.moe_slot_audit, "pdl": args.pdl,
@@ -75,8 +75,6 @@ def run(args: argparse.Namespace) -> int:
                      "eviction_freq_half_life": args.eviction_freq_half_life, "overlap_decode": args.overlap_decode})
     from kernels.pdl import apply_setting
     apply_setting(knobs["pdl"], args.device)
-    export_setting("eviction_freq_weight", knobs["eviction_freq_weight"])
-    export_setting("eviction_freq_half_life", knobs["eviction_freq_half_life"])
     options = GpuWorkerOptions(
         engine_addr=args.engine_addr, name=args.name, model=args.model, preset=args.preset, device=args.device,
         moe_strategy=args.moe_strategy, moe_cache_size=args.moe_cache_size,
@@ -86,7 +84,8 @@ def run(args: argparse.Namespace) -> int:
         reserve_cpus=args.reserve_cpus,
         pin_gpu_worker=knobs["pin_gpu_worker"] == "on",
         overlap_decode=None if knobs["overlap_decode"] == "auto" else knobs["overlap_decode"] == "on",
-        slot_audit_every=knobs["moe_slot_audit"], prefill_chunk_tokens=args.prefill_chunk_tokens)
+        slot_audit_every=knobs["moe_slot_audit"], prefill_chunk_tokens=args.prefill_chunk_tokens,
+        eviction_freq_weight=knobs["eviction_freq_weight"], eviction_freq_half_life=knobs["eviction_freq_half_life"])
     return run_gpu_worker(options)
 
 

@@ -63,6 +63,8 @@ class GpuWorkerOptions:
     overlap_decode: bool | None = None         # EngineConfig.overlap_decode (None: on CUDA; not hashed)
     slot_audit_every: int = 0                  # FREETOKEN_MOE_SLOT_AUDIT (a check: not hashed)
     prefill_chunk_tokens: int | None = None    # None: the engine's default for the backend (not hashed)
+    eviction_freq_weight: int | None = None    # the slot cache's eviction key (None: the knob's default; not hashed)
+    eviction_freq_half_life: int | None = None
 
     def engine_config(self) -> dict[str, Any]:
         return em.engine_config(model=os.path.abspath(self.model) if self.model else None, preset=self.preset,
@@ -120,7 +122,9 @@ def load_engine(opts: GpuWorkerOptions, welcome: em.Welcome) -> LoadedEngine:
     experts = make_attached_expert_backend(opts.moe_strategy, source.experts, device,
                                            store_name=opts.store_name or welcome.store_name,
                                            cpu_channels=welcome.cpu_channels, cache_size=opts.moe_cache_size,
-                                           hybrid=HybridOptions(reserve_cpus=opts.reserve_cpus))
+                                           hybrid=HybridOptions(reserve_cpus=opts.reserve_cpus),
+                                           freq_weight=opts.eviction_freq_weight,
+                                           freq_half_life=opts.eviction_freq_half_life)
     try:
         dense = source.load_dense(device)
         cfg = source.cfg

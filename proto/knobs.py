@@ -119,20 +119,6 @@ def read_env(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
     return {k.field: k.convert(environ[k.env], k.env) for k in KNOBS if k.env in environ}
 
 
-def export_setting(field: str, value: Any) -> None:
-    """Put a resolved knob value into this process's environment, for settings read where they are used (the
-    expert backends, the kernels) rather than passed down: the CLIs call it with `resolve(...)[field]`."""
-    knob = KNOBS_BY_FIELD[field]
-    os.environ[knob.env] = str(knob.convert(str(value), knob.flag))
-
-
-def env_setting(field: str, environ: Mapping[str, str] | None = None) -> Any:
-    """One knob's value from the environment (validated), else its default."""
-    knob = KNOBS_BY_FIELD[field]
-    environ = os.environ if environ is None else environ
-    return knob.convert(environ[knob.env], knob.env) if knob.env in environ else knob.default
-
-
 def add_cli_flag(parser: Any, field: str) -> None:
     """Add the flag of one knob to a parser or argument group (default None, so that env and config
     defaults apply); for a command that takes a few knobs, not all of them."""

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from conftest import KERNEL_DEVICE
-from cpu_expert_pool.proc import REPO_ROOT, CpuWorkerProc
+from cpu_expert_pool.api import REPO_ROOT, CpuWorkerProc
 from cpu_expert_pool.reference import reference_moe_layer
 from gpu_worker.hybrid.device_doorbell import DeviceDoorbell
 from kernels import handoff

@@ -202,7 +202,7 @@ def test_hits_of_a_warm_pool_still_run_on_the_gpu_in_cpu_mode(hybrid, resident):
 def test_prefill_chunks_take_the_engines_default_unless_the_strategy_is_cpu(hybrid):
     """The engine's prefill chunk with a hybrid backend is the general default (4,096): on the H200 a 4K prompt at a
     25% cache took 7.48 s in 512-token chunks that keep their CPU share, 1.26 s as one chunk run as offload
-    (bench/run_gpu.sh s14-a), and the prefill prefetch below takes that to the copy roofline. With strategy cpu
+    (bench/run_gpu.sh prefill), and the prefill prefetch below takes that to the copy roofline. With strategy cpu
     (nothing fetched) the chunks stay within cpu_max_tokens; an explicit chunk size wins either way."""
     backend = hybrid.model.experts.backend
     try:

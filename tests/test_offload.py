@@ -248,26 +248,35 @@ def test_gpu_frequency_weighted_eviction_is_lossless():
     _freq_weight_case("cuda")
 
 
-def test_eviction_freq_weight_follows_its_knob(monkeypatch):
-    from proto.knobs import export_setting
-    monkeypatch.setenv("FREETOKEN_EVICTION_FREQ_WEIGHT", "0")      # recorded: the test's own writes are undone
-    monkeypatch.delenv("FREETOKEN_EVICTION_FREQ_HALF_LIFE", raising=False)
+def test_eviction_freq_weight_travels_from_the_cli_to_the_backend(monkeypatch, capsys):
+    """The eviction knobs are resolved once by the CLI (flag > FREETOKEN_* > default) and passed down as arguments;
+    the backend reads no environment."""
+    import gpu_worker.api
+    monkeypatch.setenv("FREETOKEN_EVICTION_FREQ_WEIGHT", "32")
     loaded = load_model(device="cpu", moe_strategy="offload", moe_cache_size=32)
     try:
         assert (loaded.model.experts.cache.freq_weight, loaded.model.experts.cache.freq_half_life) == (0, 3072)
     finally:
         loaded.model.experts.close()
-    export_setting("eviction_freq_weight", 32)                      # what the CLIs do with the flags
+    seen = []
+
+    class Stop(Exception):
+        pass
+
+    def capture(*args, **kwargs):
+        seen.append((kwargs["freq_weight"], kwargs["freq_half_life"]))
+        raise Stop
+
+    monkeypatch.setattr(gpu_worker.api, "load_attached_model", capture)
     monkeypatch.setenv("FREETOKEN_EVICTION_FREQ_HALF_LIFE", "0")
-    export_setting("eviction_freq_half_life", 96)
-    loaded = load_model(device="cpu", moe_strategy="offload", moe_cache_size=32)
-    try:
-        assert (loaded.model.experts.cache.freq_weight, loaded.model.experts.cache.freq_half_life) == (32, 96)
-    finally:
-        loaded.model.experts.close()
+    for flags, want in (([], (32, 0)), (["--eviction-freq-weight", "7", "--eviction-freq-half-life", "96"], (7, 96))):
+        with pytest.raises(Stop):
+            main(["generate", "--moe-strategy", "offload", "--moe-cache-size", "32", "--prompt-ids", "1,2",
+                  "--max-new-tokens", "1", "--device", "cpu", *flags])
+    assert seen == [(32, 0), (7, 96)]                      # environment over default, flag over environment
     monkeypatch.setenv("FREETOKEN_EVICTION_FREQ_WEIGHT", "5000")
-    with pytest.raises(ValueError, match=r"must be an int in \[0, 1024\]"):
-        load_model(device="cpu", moe_strategy="offload", moe_cache_size=32)
+    assert main(["generate", "--moe-strategy", "offload", "--prompt-ids", "1", "--device", "cpu"]) != 0
+    assert "must be an int in [0, 1024]" in capsys.readouterr().err
 
 
 def _check_each_layer_against_host_weights(backend, device: str) -> list:

@@ -51,24 +51,23 @@ def default_cache_dir() -> Path:
     return path
 
 
-def build_library(cache_dir: Path | None = None, *, sources: tuple[Path, ...] = SOURCES,
-                  stem: str = "libft_expert_ffn", cflags: tuple[str, ...] = CFLAGS, libs: tuple[str, ...] = LIBS,
-                  what: str = "the CPU expert kernel", fallback: str = "use --kernel torch meanwhile") -> Path:
-    """Compile (once per source/compiler/machine) and return the library path. The defaults build the CPU
-    expert kernel; gpu_worker/offload/dma_proxy.py builds its own source through the same cache."""
+def build_library(cache_dir: Path | None = None) -> Path:
+    """Compile the CPU expert kernel and the worker's serve loop (SOURCES) once per source / compiler / machine, and
+    return the library's path."""
+    what, fallback = "the CPU expert kernel", "use --kernel torch meanwhile"
     cc = shutil.which(os.environ.get("CC", "gcc")) or shutil.which("cc")
     if cc is None:
         raise NativeUnavailable(f"no C compiler found (gcc/cc) to build {what}; install one (apt-get install gcc) "
                                 f"or {fallback.removesuffix(' meanwhile')}")
     version = subprocess.run([cc, "-dumpfullversion", "-dumpversion"], capture_output=True, text=True).stdout
-    key = hashlib.sha256(b"".join(src.read_bytes() for src in sources)
-                         + "|".join((cc, version, platform.machine(), *cflags, *libs)).encode())
+    key = hashlib.sha256(b"".join(src.read_bytes() for src in SOURCES)
+                         + "|".join((cc, version, platform.machine(), *CFLAGS, *LIBS)).encode())
     cache_dir = cache_dir or default_cache_dir()
-    out = cache_dir / f"{stem}-{key.hexdigest()[:16]}.so"
+    out = cache_dir / f"libft_expert_ffn-{key.hexdigest()[:16]}.so"
     if out.exists():
         return out
     tmp = out.with_name(f"{out.stem}.{os.getpid()}.tmp.so")
-    cmd = [cc, *cflags, "-o", str(tmp), *map(str, sources), *libs]
+    cmd = [cc, *CFLAGS, "-o", str(tmp), *map(str, SOURCES), *LIBS]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
     if proc.returncode != 0:
         tmp.unlink(missing_ok=True)

@@ -208,8 +208,8 @@ class CpuPool:
         return drained
 
     def mark_failed(self, m: PoolMember, exc: Exception) -> None:
-        """A share of m failed outside submit/join (the GPU-stream hand-off): as join would (a late worker,
-        WorkerTimeout, is killed for a restart)."""
+        """A share of m failed outside submit/join (the device hand-off's join kernel gave up): as join would (a
+        late worker, WorkerTimeout, is killed for a restart)."""
         self._fail(m, exc)
 
     def _fail(self, m: PoolMember, exc: Exception) -> None:

@@ -41,7 +41,8 @@ from proto.cpu_channel import CpuPoolClient, WorkerDead
 from kernels import handoff
 from kernels.cuda_driver import CudaDriver, CudaDriverUnavailable, driver
 from proto.shm_layout import (CACHE_LINE_BYTES, NUM_SLOTS, PAGE_BYTES, REQUEST_SEQ_OFFSET, SLOT_LINES_BYTES,
-                              SLOT_LINES_OFFSET, cuda_host_register, cuda_host_unregister)
+                              SLOT_LINES_OFFSET)
+from proto.shm_segment import cuda_host_register, cuda_host_unregister
 
 log = logging.getLogger(__name__)
 

@@ -26,11 +26,13 @@ def needs_host_store(strategy: str) -> bool:
 def make_attached_expert_backend(strategy: str, source: ExpertSource, device: torch.device | str, *,
                                  store_name: str = "", cpu_channels: list[str] | tuple[str, ...] = (),
                                  cache_size: int | float | str | None = None, mode: str = "auto",
-                                 per_layer: bool = False, hybrid=None, worker_info=None) -> ExpertBackend:
+                                 per_layer: bool = False, hybrid=None, worker_info=None,
+                                 freq_weight: int | None = None, freq_half_life: int | None = None) -> ExpertBackend:
     """The backend for ``strategy``, reading experts from the store ``store_name`` where it needs one.
     ``hybrid``: HybridOptions of cpu / hybrid (None: defaults; its reserve_cpus, the CPUs the owner kept
     free of CPU workers, sets this process's torch threads). ``worker_info``: the owner's supervisor view
-    of the workers where it runs in this process (CpuPool.worker_info)."""
+    of the workers where it runs in this process (CpuPool.worker_info). ``freq_weight`` / ``freq_half_life``: the
+    slot cache's eviction key (--eviction-freq-weight / --eviction-freq-half-life; None: the knobs' defaults)."""
     if not needs_host_store(strategy):
         return make_expert_backend(strategy, source, device, cache_size=cache_size, mode=mode)
     if not store_name:
@@ -46,9 +48,11 @@ def make_attached_expert_backend(strategy: str, source: ExpertSource, device: to
     try:
         _check_store(host, source, store_name)
         if strategy == "offload":
-            return OffloadExperts(host, slots, torch.device(device), per_layer=per_layer, mode=mode)
+            return OffloadExperts(host, slots, torch.device(device), per_layer=per_layer, mode=mode,
+                                  freq_weight=freq_weight, freq_half_life=freq_half_life)
         return _attached_hybrid(strategy, host, source, slots, torch.device(device), list(cpu_channels),
-                                per_layer=per_layer, mode=mode, hybrid=hybrid, worker_info=worker_info)
+                                per_layer=per_layer, mode=mode, hybrid=hybrid, worker_info=worker_info,
+                                eviction=dict(freq_weight=freq_weight, freq_half_life=freq_half_life))
     except BaseException:
         host.close()
         raise
@@ -69,7 +73,7 @@ def _check_store(host, source: ExpertSource, store_name: str) -> None:
 
 def _attached_hybrid(strategy: str, host, source: ExpertSource, slots: int, device: torch.device,
                      channels: list[str], *, per_layer: bool, mode: str, hybrid=None,
-                     worker_info=None) -> ExpertBackend:
+                     worker_info=None, eviction: dict | None = None) -> ExpertBackend:
     """HybridExperts over the attached store and the coordinator's CPU workers (their channels)."""
     from gpu_worker.hybrid import CpuPool, HybridExperts, HybridOptions
     from gpu_worker.hybrid.options import resolve_fetch_fraction
@@ -85,7 +89,8 @@ def _attached_hybrid(strategy: str, host, source: ExpertSource, slots: int, devi
         torch.set_num_threads(options.engine_thread_count())    # idle OpenMP threads would spin on their cores
         backend = HybridExperts(host, slots, device, pool, strategy=strategy, fetch_fraction=fraction,
                                 fetch_round=options.fetch_round, promote=options.promote, seed=options.seed,
-                                per_layer=per_layer, mode=mode, cpu_max_tokens=min(options.cpu_max_tokens, pool.t_max))
+                                per_layer=per_layer, mode=mode, cpu_max_tokens=min(options.cpu_max_tokens, pool.t_max),
+                                **(eviction or {}))
         backend.fetch_fraction_source = "strategy cpu" if strategy == "cpu" else fraction_source
         return backend
     except BaseException:

@@ -9,7 +9,7 @@ import torch
 
 from gpu_worker.models.expert_backend import ExpertBackend
 from kernels.slot_cache import audit, reset
-from proto.knobs import env_setting
+from proto.knobs import KNOBS_BY_FIELD
 
 log = logging.getLogger(__name__)
 
@@ -49,10 +49,11 @@ def prefill_prefetch_layer(layer_idx: int, num_pairs: int, num_experts: int, num
 
 
 def eviction_settings(freq_weight: int | None, freq_half_life: int | None) -> dict:
-    """SlotCache.create's eviction arguments: those given, else the knobs (FREETOKEN_EVICTION_FREQ_WEIGHT and
-    FREETOKEN_EVICTION_FREQ_HALF_LIFE)."""
-    return dict(freq_weight=env_setting("eviction_freq_weight") if freq_weight is None else freq_weight,
-                freq_half_life=env_setting("eviction_freq_half_life") if freq_half_life is None else freq_half_life)
+    """SlotCache.create's eviction arguments: those given, else the knobs' defaults (the CLIs resolve
+    --eviction-freq-weight / FREETOKEN_EVICTION_FREQ_WEIGHT and the half-life, and pass them down)."""
+    return dict(freq_weight=KNOBS_BY_FIELD["eviction_freq_weight"].default if freq_weight is None else freq_weight,
+                freq_half_life=(KNOBS_BY_FIELD["eviction_freq_half_life"].default if freq_half_life is None
+                                else freq_half_life))
 
 
 class SlotPoolAudit(ExpertBackend):

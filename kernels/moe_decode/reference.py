@@ -1,7 +1,7 @@
 """Plain torch references of the decode kernels: the oracle of the lockstep tests, and the CPU path.
 
 Each reference rounds where the torch code of the model rounds (gpu_worker/models/layers.py,
-gpu_worker/models/resident_experts.py:gathered_expert_ffn); the Triton kernels round at the same
+and the gathered-experts reference of tests/test_moe_decode.py); the Triton kernels round at the same
 points, so the two differ only in the order of fp32 summation inside a dot product or a norm.
 """
 from __future__ import annotations
