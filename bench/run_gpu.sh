@@ -11,7 +11,8 @@
 #   compare OLD_TREE  OLD_TREE is an older checkout (e.g. `git archive OLDREV | tar -x -C /tmp/old`); its benches take
 #            the flags of that tree (the old side's commands below), this tree's the current ones; one table, both
 #            columns (~9 min; COMPARE_STRETCH=150 gives each command 1.5x its limit). HYBRID_VARIANT and
-#            OLD_HYBRID_VARIANT name the hybrid row (bench_hybrid.py --variants) of this tree and of the old one.
+#            OLD_HYBRID_VARIANT name the hybrid row (bench_hybrid.py --variants) of this tree and of the old one;
+#            COMPARE_PARTS picks some of: engine hybrid handoff ensure ttft_1k (default: all).
 # SECTION_TIMEOUT (s, default 540) bounds each command of a suite. Logs go to $OUT (the device tool's output folder)
 # when it is set, else ./out; docs/BENCHMARKS.md says what each figure is and where it stands.
 set -u
@@ -132,7 +133,9 @@ while [ $# -gt 0 ]; do
     tests)
       # the two files that import the openai client hold no gpu test; the GPU machine may lack the package
       skip=$(python3 -c 'import openai' 2>/dev/null || echo "--ignore=tests/test_http_api.py --ignore=tests/test_policy_online.py")
-      run tests "${TESTS_TIMEOUT:-590}" python3 -m pytest -q -p no:cacheprovider -m gpu $skip tests/
+      # TESTS_WORKERS > 1: that many pytest processes (pytest-xdist), a test file each at a time
+      par=$([ "${TESTS_WORKERS:-1}" -gt 1 ] && echo "-n ${TESTS_WORKERS} --dist loadfile")
+      run tests "${TESTS_TIMEOUT:-590}" python3 -m pytest -q -p no:cacheprovider -m gpu $par $skip ${TESTS_ARGS:-tests/}
       grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/tests.log" | cut -c1-240 | tail -n 20
       ;;
     kernels)
@@ -176,24 +179,27 @@ while [ $# -gt 0 ]; do
       new=$PWD
       export HYBRID_VARIANT OLD_HYBRID_VARIANT=${OLD_HYBRID_VARIANT:-=hybrid split device}
       mkdir -p "$OUT/old" "$OUT/new"
+      parts=" ${COMPARE_PARTS:-engine hybrid handoff ensure ttft_1k} "     # a subset: e.g. COMPARE_PARTS=engine
+      want() { case $parts in *" $1 "*) return 0;; *) return 1;; esac; }
       for side in old new; do
         if [ $side = old ]; then
           cd "$old"; base=$OUT; OUT=$base/old; export PYTHONPATH=$old${PYTHONPATH#$new}
           # the older tree's flags: the copy kernel was one of several decode copy modes; the hand-off had a name
-          run engine $(lim 110) python3 bench/bench_engine.py --runs 3 --prompt-tokens 1024 --decode-tokens 128 \
-            --fractions 0.25,0.5 --offload-copy kernel
-          run hybrid $(lim 80) python3 bench/bench_hybrid.py --runs 3 --decode-tokens 64 --handoff-calls 200 --no-resident \
-            --variants "$OLD_HYBRID_VARIANT" --json-out "$OUT/bench_hybrid.json"
+          want engine && run engine $(lim 110) python3 bench/bench_engine.py --runs 3 --prompt-tokens 1024 \
+            --decode-tokens 128 --fractions 0.25,0.5 --offload-copy kernel
+          want hybrid && run hybrid $(lim 80) python3 bench/bench_hybrid.py --runs 3 --decode-tokens 64 --handoff-calls 200 \
+            --no-resident --variants "$OLD_HYBRID_VARIANT" --json-out "$OUT/bench_hybrid.json"
         else
           cd "$new"; OUT=$base/new; export PYTHONPATH=$new${PYTHONPATH#$old}
-          run engine $(lim 110) python3 bench/bench_engine.py --runs 3 --prompt-tokens 1024 --decode-tokens 128 \
-            --fractions 0.25,0.5
-          run hybrid $(lim 80) python3 bench/bench_hybrid.py --runs 3 --decode-tokens 64 --handoff-calls 200 --no-resident \
-            --variants "$HYBRID_VARIANT" --json-out "$OUT/bench_hybrid.json"
+          want engine && run engine $(lim 110) python3 bench/bench_engine.py --runs 3 --prompt-tokens 1024 \
+            --decode-tokens 128 --fractions 0.25,0.5
+          want hybrid && run hybrid $(lim 80) python3 bench/bench_hybrid.py --runs 3 --decode-tokens 64 --handoff-calls 200 \
+            --no-resident --variants "$HYBRID_VARIANT" --json-out "$OUT/bench_hybrid.json"
         fi
-        run handoff $(lim 25) python3 bench/bench_handoff.py --mode gpu --client-cpu 0 --calls 2000
-        run ensure $(lim 20) python3 -m kernels.slot_cache.bench --reps 100 --slots 2048,23197
-        run ttft_1k $(lim 35) python3 bench/bench_prefill.py --runs 3 --prompt-tokens 1024 --chunks 4096 --fractions ""
+        want handoff && run handoff $(lim 25) python3 bench/bench_handoff.py --mode gpu --client-cpu 0 --calls 2000
+        want ensure && run ensure $(lim 20) python3 -m kernels.slot_cache.bench --reps 100 --slots 2048,23197
+        want ttft_1k && run ttft_1k $(lim 35) python3 bench/bench_prefill.py --runs 3 --prompt-tokens 1024 --chunks 4096 \
+          --fractions ""
         OUT=$base
       done
       cd "$new"; export PYTHONPATH=$new${PYTHONPATH#$new}

@@ -142,9 +142,7 @@ def run(args: argparse.Namespace) -> int:
         try:
             return _generate(args, loaded, t_start, load_s=time.perf_counter() - t_start)
         finally:
-            close = getattr(loaded.model.experts, "close", None)
-            if close is not None:
-                close()                 # detaches from the store and the channels
+            loaded.model.experts.close()        # detaches from the store and the channels
     finally:
         resources.close()               # the CPU workers stopped, the channels and the store unlinked
 
@@ -185,16 +183,11 @@ def _generate(args: argparse.Namespace, loaded, t_start: float, load_s: float) -
               "total_s": time.perf_counter() - t_start,
               "prefill_tokens_per_s": s.prefill_tokens_per_s, "decode_tokens_per_s": s.decode_tokens_per_s}
     experts = loaded.model.experts
-    expert_stats = None
-    if hasattr(experts, "policy"):    # cpu / hybrid: HybridStats, the split policy and where f came from
-        expert_stats = {**experts.counters(), "policy": dict(experts.policy),
-                        "fetch_fraction_source": experts.fetch_fraction_source}
-    elif hasattr(experts, "stats"):   # offload: fetch counters and measured copy bandwidth
-        copy_s = experts.collect_copy_time()
-        st = experts.refresh_stats()
-        expert_stats = {"fetched": st.fetched, "distinct_misses": st.distinct_misses,
-                        "copy_bytes": st.copy_bytes, "copy_time_s": copy_s,
-                        "copy_gb_per_s": st.copy_bytes / copy_s / 1e9 if copy_s > 0 else None}
+    expert_stats = experts.counters() or None      # the backend's counters (hits, misses, fetched, bytes, ...)
+    if expert_stats is not None and expert_stats.get("copy_time_s_total"):
+        expert_stats["copy_gb_per_s"] = expert_stats["copy_bytes_total"] / expert_stats["copy_time_s_total"] / 1e9
+    if args.moe_strategy in ("cpu", "hybrid"):     # the split policy and where f came from
+        expert_stats.update(policy=dict(experts.policy), fetch_fraction_source=experts.fetch_fraction_source)
     if args.json:
         print(json.dumps({"token_ids": tokens, "experts": expert_stats, "text": text, "prompt_token_ids": prompt,
                           "finish_reason": finish_reason, "model": loaded.source.description,

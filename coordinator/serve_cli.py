@@ -37,7 +37,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        "directory's name, the preset, or 'tiny')")
     model.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"), help="where the model runs")
     model.add_argument("--moe-strategy", default="resident", choices=("resident", "offload", "cpu", "hybrid"),
-                       help="expert backend (see DESIGN.md section 1)")
+                       help="expert backend (docs/ARCHITECTURE.md)")
     model.add_argument("--moe-cache-size", type=int, default=None, help="GPU expert slots (offload/hybrid)")
     model.add_argument("--max-running-requests", type=int, default=8, help="requests decoding together")
     model.add_argument("--max-context-tokens", type=int, default=None,
@@ -168,7 +168,7 @@ def run_processes(args: argparse.Namespace) -> int:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         policy = build_policy_from_args(args, expert_format_of(source.cfg), facts.gpu_name)
-        service = EngineService(procs.engine_factory, codec.decode, policy=policy,
+        service = EngineService(procs.engine_client(), codec.decode, policy=policy,
                                 request_timeout_s=args.request_timeout_s,
                                 max_pending_requests=args.max_pending_requests)
         name = served_name(model_dir, args.preset, args.served_model_name)
@@ -233,6 +233,7 @@ def _run_inline(args: argparse.Namespace, loaded) -> int:
     from coordinator.auth import resolve_api_key
     from coordinator.engine_factory import load_served_engine
     from coordinator.engine_service import EngineService
+    from coordinator.inline_engine import InlineEngine
     from coordinator.openai_requests import ModelInfo
     from coordinator.server import CoordinatorServer
 
@@ -248,7 +249,7 @@ def _run_inline(args: argparse.Namespace, loaded) -> int:
                                 overlap_decode=None if overlap == "auto" else overlap == "on",
                                 slot_audit_every=resolve({"moe_slot_audit": args.moe_slot_audit})["moe_slot_audit"])
     policy = build_policy_from_args(args, served.expert_format, served.gpu_name)
-    service = EngineService(served.engine_factory, served.codec.decode, policy=policy,
+    service = EngineService(InlineEngine(served.engine_factory), served.codec.decode, policy=policy,
                             request_timeout_s=args.request_timeout_s, max_pending_requests=args.max_pending_requests)
     model = ModelInfo(served.model_name, served.context_length, served.codec)
     listen = listen_config(args, api_key)

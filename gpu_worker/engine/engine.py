@@ -237,7 +237,7 @@ class Engine:
         return outputs
 
     def set_policy(self, **fields) -> None:
-        """The coordinator's fetch policy (strategy, fetch_fraction, fetch_round, fetch_select, ...), passed
+        """The coordinator's fetch policy (strategy, fetch_fraction, fetch_round, cpu_shares), passed
         to the expert backend (cpu / hybrid take one; the others have nothing to set)."""
         self.model.experts.set_policy(**fields)
 

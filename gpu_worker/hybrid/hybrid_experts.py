@@ -9,7 +9,7 @@ forward(layer, x [T, H], topk_ids [T, K], topk_weights [T, K]) -> [T, H] takes o
 On both, ensure (kernels/slot_cache) with the policy (fraction f, rounding, promotion; `set_policy` changes
 it live) gives hits and fetched misses slot ids and leaves the rest at -1, the CPU's. The expert GEMMs run
 over the slot ids with the mode rule of `ResidentExperts` (`pick_mode`). In the gemv mode (moe_gemv) a route
-at -1 is skipped and adds exactly 0. The gather and grouped modes read slot 0 with weight 0 instead: the pool
+at -1 is skipped and adds exactly 0. The grouped mode reads slot 0 with weight 0 instead: the pool
 starts zeroed and only ever receives real experts, so every slot holds finite values and such a route adds 0
 too (never 0 * NaN); the sums are the same.
 
@@ -225,8 +225,8 @@ class HybridExperts(DeviceHandoff, HostHandoff, SlotPoolAudit):
 
     def _gemm_gpu_routes(self, x: torch.Tensor, routes: torch.Tensor, weights: torch.Tensor,
                          skip: bool) -> torch.Tensor:
-        """_gemm over routes some of which are -1 (the CPU's): gemv skips them (adds exactly 0); the other
-        modes read slot 0 with weight 0 (the module docstring says why that adds 0 too)."""
+        """_gemm over routes some of which are -1 (the CPU's): gemv skips them (adds exactly 0); the grouped
+        mode reads slot 0 with weight 0 (the module docstring says why that adds 0 too)."""
         if self._mode(routes.numel()) == "gemv":
             return self._gemm(x, routes, weights, skip=skip)
         valid = routes >= 0

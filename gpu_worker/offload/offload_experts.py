@@ -170,7 +170,8 @@ class OffloadExperts(SlotPoolAudit):
         counts = self._counts.tolist()
         st = self.refresh_stats(counts)
         return {"expert_hits_total": int(counts[0][5] + counts[1][5]), "expert_misses_total": st.distinct_misses,
-                "experts_fetched_total": st.fetched, "copy_bytes_total": st.copy_bytes,
+                "experts_fetched_total": st.fetched, "experts_prefetched_total": st.prefetched,
+                "copy_bytes_total": st.copy_bytes,
                 "copy_time_s_total": self.collect_copy_time(), "mode": "offload",
                 "resets_after_error": st.resets_after_error}
 
