@@ -16,6 +16,8 @@ COMMANDS: list[tuple[str, str, str]] = [
     ("bench kernels", "kernels.slot_cache.bench_cli", "time the slot-cache kernels (GPU)"),
     ("bench bw", "gpu_worker.hybrid.bench_bw_cli",
      "measure PCIe and CPU-pool expert bandwidth; write the profile the fetch fraction starts from"),
+    ("bench train-moe", "workload.train_cli", "train a MoE language model from scratch; write a HF checkpoint"),
+    ("bench routing", "workload.routing_cli", "routing statistics (and trace) of a trained checkpoint"),
     ("serve", "coordinator.serve_cli", "serve the OpenAI-compatible HTTP API and the gRPC control plane"),
     ("ctl", "coordinator.ctl_cli", "control a running server over gRPC (stats, policy, workers, drain, ...)"),
     ("generate", "coordinator.generate_cli", "run one completion through the engine in this process (no server)"),

@@ -389,8 +389,7 @@ def test_the_kernels_compile_for_sm90_without_a_gpu():
                           env=env, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))), timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     rows = {line[:22].strip(): line[22:] for line in proc.stdout.splitlines() if line.strip()}
-    assert "ld.global.v4 2" in rows["plan copy aligned"] and "cp.async.bulk.prefetch.L2 0" in rows["plan copy aligned"]
-    assert "ld.global.v4 2" in rows["plan copy prefetch"] and "cp.async.bulk.prefetch.L2 1" in rows["plan copy prefetch"]
+    assert "ld.global.v4 2" in rows["plan copy aligned"] and "plan copy prefetch" not in rows
     assert "fence.acq_rel.sys 2" in rows["ring owner bf16"]
     join = dict(zip(rows["join bf16 -> fp32"].split()[::2], map(int, rows["join bf16 -> fp32"].split()[1::2])))
     # the join polls with acquire loads, then reads the partial sums as 16-byte vectors: `.cv` ones where the

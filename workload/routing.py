@@ -195,31 +195,36 @@ def held_out_sequences(tok, tokens: int, window: int) -> list[list[int]]:
     return seqs
 
 
+def report(model_dir: Path, tokens: int, *, trace_path: Path | None = None, json_path: Path | None = None,
+           device: str = "cpu") -> dict:
+    """Route `tokens` held-out tokens through the checkpoint, print the statistics, and write the trace / JSON."""
+    model, tok = load_checkpoint(model_dir, device)
+    meta_path = model_dir / META
+    if meta_path.is_file() and json.loads(meta_path.read_text()).get("corpus") not in (
+            None, corpus.KJV_PATH.name):
+        print(f"note: {model_dir} was trained on another corpus; its held-out split of the bundled "
+              f"corpus may overlap its training text", file=sys.stderr)
+    window = min(WINDOW, model.cfg.max_position_embeddings)
+    trace = collect_trace(model, held_out_sequences(tok, tokens, window))
+    if trace_path:
+        write_trace(trace_path, trace)
+    stats = routing_stats(trace)
+    print(format_stats(stats))
+    if json_path:
+        json_path.write_text(json.dumps(stats, indent=2))
+    return stats
+
+
 def main(argv: list[str] | None = None) -> int:
+    from .routing_cli import add_arguments
+
     p = argparse.ArgumentParser(prog="routing", description="Routing statistics of a checkpoint "
                                 "written by train_moe, on the corpus's held-out text.")
-    p.add_argument("--model", required=True, type=Path)
-    p.add_argument("--tokens", type=int, default=16384, help="held-out tokens to route (default 16384)")
-    p.add_argument("--trace", type=Path, help="also write the routing trace here")
-    p.add_argument("--json", type=Path, help="also write the statistics as JSON here")
-    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    add_arguments(p)
     args = p.parse_args(argv)
     if args.tokens < 2:
         p.error("--tokens must be at least 2")
-    model, tok = load_checkpoint(args.model, args.device)
-    meta_path = args.model / META
-    if meta_path.is_file() and json.loads(meta_path.read_text()).get("corpus") not in (
-            None, corpus.KJV_PATH.name):
-        print(f"note: {args.model} was trained on another corpus; its held-out split of the bundled "
-              f"corpus may overlap its training text", file=sys.stderr)
-    window = min(WINDOW, model.cfg.max_position_embeddings)
-    trace = collect_trace(model, held_out_sequences(tok, args.tokens, window))
-    if args.trace:
-        write_trace(args.trace, trace)
-    stats = routing_stats(trace)
-    print(format_stats(stats))
-    if args.json:
-        args.json.write_text(json.dumps(stats, indent=2))
+    report(args.model, args.tokens, trace_path=args.trace, json_path=args.json, device=args.device)
     return 0
 
 

@@ -201,27 +201,16 @@ def evaluate(model: MoeLM, tok, held: list[str], shape: Shape, dev, autocast,
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    from .train_cli import add_arguments, check
+
     p = argparse.ArgumentParser(prog="train-moe", description="Train a MoE LM and write a Hugging "
                                 "Face Qwen3MoeForCausalLM checkpoint.")
-    p.add_argument("--shape", required=True, choices=sorted(SHAPES))
-    p.add_argument("--out", required=True, type=Path, help="new (or empty) checkpoint directory")
-    budget = p.add_mutually_exclusive_group()
-    budget.add_argument("--tokens", type=int, help="training tokens (default: the shape's)")
-    budget.add_argument("--minutes", type=float, help="wall-clock training budget")
-    p.add_argument("--device", default=None, choices=("cuda", "cpu"),
-                   help="default: cuda when available")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--corpus", default=None, help="UTF-8 text, one document per line (.xz ok); "
-                   "default: the bundled King James Bible")
+    add_arguments(p)
     args = p.parse_args(argv)
-    if args.tokens is not None and args.tokens <= 0:
-        p.error("--tokens must be positive")
-    if args.minutes is not None and args.minutes <= 0:
-        p.error("--minutes must be positive")
-    if args.device is None:
-        args.device = "cuda" if torch.cuda.is_available() else "cpu"
-    elif args.device == "cuda" and not torch.cuda.is_available():
-        p.error("--device cuda: no CUDA device is visible")
+    try:
+        check(args)
+    except ValueError as exc:
+        p.error(str(exc))
     return args
 
 

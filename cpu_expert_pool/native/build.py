@@ -20,8 +20,10 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 
-SOURCES = (Path(__file__).with_name("expert_ffn.c"),     # the expert kernel
-           Path(__file__).with_name("serve_loop.c"))     # the worker's hot loop around it (ft_serve)
+SOURCES = (Path(__file__).with_name("expert_ffn.c"),     # the expert kernel (its dot products: expert_dots.h)
+           Path(__file__).with_name("serve_loop.c"),     # the worker's hot loop around it (ft_serve)
+           Path(__file__).with_name("threads.c"))        # thread pinning and the bandwidth probe's reads
+HEADERS = (Path(__file__).with_name("expert_dots.h"),)
 CFLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-fno-strict-aliasing", "-Wall")
 LIBS = ("-lm",)
 BUILD_TIMEOUT_S = 120
@@ -60,7 +62,7 @@ def build_library(cache_dir: Path | None = None) -> Path:
         raise NativeUnavailable(f"no C compiler found (gcc/cc) to build {what}; install one (apt-get install gcc) "
                                 f"or {fallback.removesuffix(' meanwhile')}")
     version = subprocess.run([cc, "-dumpfullversion", "-dumpversion"], capture_output=True, text=True).stdout
-    key = hashlib.sha256(b"".join(src.read_bytes() for src in SOURCES)
+    key = hashlib.sha256(b"".join(src.read_bytes() for src in (*SOURCES, *HEADERS))
                          + "|".join((cc, version, platform.machine(), *CFLAGS, *LIBS)).encode())
     cache_dir = cache_dir or default_cache_dir()
     out = cache_dir / f"libft_expert_ffn-{key.hexdigest()[:16]}.so"
