@@ -132,7 +132,7 @@ while [ $# -gt 0 ]; do
   case $s in
     tests)
       # the two files that import the openai client hold no gpu test; the GPU machine may lack the package
-      skip=$(python3 -c 'import openai' 2>/dev/null || echo "--ignore=tests/test_http_api.py --ignore=tests/test_policy_online.py")
+      skip=$(python3 -c 'import openai' 2>/dev/null || echo "--ignore=tests/coordinator/test_http_api.py --ignore=tests/coordinator/test_policy_online.py")
       # TESTS_WORKERS > 1: that many pytest processes (pytest-xdist), a test file each at a time
       par=$([ "${TESTS_WORKERS:-1}" -gt 1 ] && echo "-n ${TESTS_WORKERS} --dist loadfile")
       run tests "${TESTS_TIMEOUT:-590}" python3 -m pytest -q -p no:cacheprovider -m gpu $par $skip ${TESTS_ARGS:-tests/}

@@ -1,7 +1,7 @@
 """Soak test: a live `ft serve` on 127.0.0.1 under a bounded mix of concurrent requests for a while.
 
     python bench/soak.py                                   # 60 s, process mode, the tiny model on this machine
-    python bench/soak.py --duration-s 20 --kill-worker-at-s 8      # the CI run (tests/test_soak.py)
+    python bench/soak.py --duration-s 20 --kill-worker-at-s 8      # the CI run (tests/bench/test_soak.py)
     python bench/soak.py --duration-s 3600 --concurrency 16 --kill-worker-every-s 600 \\
         --serve-args "--model /models/Qwen3-30B-A3B --device cuda --moe-strategy offload"  # docs/SOAK.md
 

@@ -1,7 +1,7 @@
 """Plain torch references of the decode kernels: the oracle of the lockstep tests, and the CPU path.
 
 Each reference rounds where the torch code of the model rounds (gpu_worker/models/layers.py,
-and the gathered-experts reference of tests/test_moe_decode.py); the Triton kernels round at the same
+and the gathered-experts reference of tests/kernels/test_moe_decode.py); the Triton kernels round at the same
 points, so the two differ only in the order of fp32 summation inside a dot product or a norm.
 """
 from __future__ import annotations

@@ -1,0 +1,109 @@
+"""`ft generate`: one completion in one process, plain and --json, and its errors."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from coordinator.cli import main
+from tests.gpu_worker.test_models_util import hf_greedy, hf_model, prompt_ids, save_hf
+
+
+@pytest.fixture(autouse=True)
+def cache_dir(monkeypatch, tmp_path):
+    monkeypatch.setenv("FT_CACHE_DIR", str(tmp_path / "cache"))
+
+
+def last_json(capsys) -> dict:
+    out = capsys.readouterr().out.strip().splitlines()
+    return json.loads(out[-1])
+
+
+def test_json_output_with_the_tiny_default(capsys):
+    assert main(["generate", "--prompt", "The quick brown", "--max-new-tokens", "6", "--ignore-eos",
+                 "--device", "cpu", "--json"]) == 0
+    result = last_json(capsys)
+    assert len(result["token_ids"]) == 6 and result["finish_reason"] == "length"
+    assert isinstance(result["text"], str) and result["text"]
+    assert "tiny-qwen3-moe" in result["model"] and result["device"] == "cpu"
+    timing = result["timing"]
+    assert timing["ttft_s"] > 0 and timing["decode_s"] > 0 and timing["load_s"] >= 0
+    assert timing["decode_tokens_per_s"] > 0
+
+
+@pytest.mark.parametrize("strategy", ["offload", "hybrid"])
+def test_host_strategies_give_the_resident_tokens_over_the_owners_resources(capsys, strategy):
+    """offload / hybrid: the store (and the CPU worker, its channel, its supervisor) come from the coordinator's
+    ExpertResources; the tokens equal resident's, and nothing is left in /dev/shm afterwards."""
+    import os
+
+    argv = ["generate", "--prompt-ids", "1,2,3,4", "--max-new-tokens", "5", "--ignore-eos", "--device", "cpu", "--json"]
+    assert main(argv) == 0
+    resident = last_json(capsys)["token_ids"]
+    extra = ["--cpu-workers", "1", "--cpu-threads", "1", "--fetch-fraction", "0.5"] if strategy == "hybrid" else []
+    assert main([*argv, "--moe-strategy", strategy, "--moe-cache-size", "0.25", *extra]) == 0
+    result = last_json(capsys)
+    assert result["token_ids"] == resident and result["moe_strategy"] == strategy
+    if strategy == "hybrid":
+        assert result["experts"]["fetch_fraction_source"] == "flag"
+    assert not [n for n in os.listdir("/dev/shm") if n.startswith(f"ft-generate-{os.getpid()}")]
+
+
+def test_greedy_ids_match_transformers_through_the_cli(capsys, tmp_path):
+    hf = hf_model("olmoe", seed=4)
+    model_dir = save_hf(hf, tmp_path / "olmoe")
+    prompt = prompt_ids(7, seed=9)
+    assert main(["generate", "--model", str(model_dir), "--prompt-ids", ",".join(map(str, prompt)),
+                 "--max-new-tokens", "10", "--json", "--device", "cpu"]) == 0
+    result = last_json(capsys)
+    assert result["token_ids"] == hf_greedy(hf, prompt, 10) and result["prompt_token_ids"] == prompt
+    assert result["text"] == ""                     # no tokenizer.json in this checkpoint
+
+
+def test_sampling_seed_is_reproducible(capsys):
+    args = ["generate", "--prompt-ids", "5,6,7", "--max-new-tokens", "12", "--temperature", "1.0",
+            "--top-p", "0.9", "--top-k", "40", "--ignore-eos", "--device", "cpu", "--json"]
+    runs = []
+    for seed in ("1", "1", "2"):
+        assert main(args + ["--seed", seed]) == 0
+        runs.append(last_json(capsys)["token_ids"])
+    assert runs[0] == runs[1] and runs[0] != runs[2]
+
+
+def test_plain_output_streams_text(capsys):
+    assert main(["generate", "--prompt", "Hello", "--chat", "--max-new-tokens", "5", "--device", "cpu",
+                 "--ignore-eos"]) == 0
+    captured = capsys.readouterr()
+    assert captured.out.strip() and "5 tokens" in captured.err
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--prompt-ids", "1,2", "--moe-strategy", "offload", "--moe-cache-size", "5"], "at least 8 slots"),
+    (["--prompt-ids", "1,2", "--model", "/nonexistent/model"], "config.json not found"),
+    (["--prompt-ids", "1,99999"], "outside the vocabulary"),
+    (["--prompt-ids", "1,2", "--chat"], "--chat needs --prompt"),
+])
+def test_errors_exit_2_with_the_fix(capsys, argv, message):
+    assert main(["generate", "--device", "cpu", *argv]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_prompt_text_needs_a_tokenizer(capsys, tmp_path):
+    model_dir = save_hf(hf_model("mixtral"), tmp_path / "m")
+    assert main(["generate", "--model", str(model_dir), "--prompt", "hi", "--device", "cpu"]) == 2
+    assert "--prompt-ids" in capsys.readouterr().err
+
+
+def test_help_lists_generate(capsys):
+    with pytest.raises(SystemExit):
+        main(["generate", "--help"])
+    out = capsys.readouterr().out
+    for flag in ("--model", "--preset", "--prompt-ids", "--moe-strategy", "--moe-cache-size", "--json", "--device"):
+        assert flag in out
+
+
+def test_cli_preset_choices_match_the_registry():
+    """generate_cli repeats the names (it must not import torch for --help); keep them in step."""
+    from coordinator.generate_cli import PRESET_CHOICES
+    from gpu_worker.models import PRESET_NAMES
+    assert tuple(PRESET_CHOICES) == tuple(PRESET_NAMES)
