@@ -79,7 +79,7 @@ def ensure_us(lines, slots, column):     # kernels.slot_cache.bench: the default
     for line in lines:
         cells = line.split()
         if line.rstrip().endswith("<- default") and cells and cells[0] == str(slots):
-            return float(cells[6 + column])
+            return float(cells[-4 + column])         # ... all-hits us, 1-fetch us, "<-", "default"
     return None
 
 def ttft(lines, pattern):               # bench_prefill.py: "NAME chunk C: TTFT [runs] s"
