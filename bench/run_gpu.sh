@@ -93,9 +93,9 @@ variant = os.environ.get("HYBRID_VARIANT", "=hybrid split")
 old_variant = os.environ.get("OLD_HYBRID_VARIANT", variant)
 METRICS = [
     ("resident decode, tok/s", lambda d, old: run_median(read(d, "engine"), r"resident")),
-    ("offload 10%, tok/s", lambda d, old: run_median(read(d, "engine"), r"offload 0\.1 ")),
-    ("offload 25%, tok/s", lambda d, old: run_median(read(d, "engine"), r"offload 0\.25 ")),
-    ("offload 50%, tok/s", lambda d, old: run_median(read(d, "engine"), r"offload 0\.5 ")),
+    ("offload 10%, tok/s", lambda d, old: run_median(read(d, "engine"), r"offload (?:0\.1 |10%)")),
+    ("offload 25%, tok/s", lambda d, old: run_median(read(d, "engine"), r"offload (?:0\.25 |25%)")),
+    ("offload 50%, tok/s", lambda d, old: run_median(read(d, "engine"), r"offload (?:0\.5 |50%)")),
     ("hybrid 25%, tok/s", lambda d, old: hybrid_row(read(d, "hybrid"), old_variant if old else variant)),
     ("hand-off round trip p50, us", lambda d, old: handoff_p50(read(d, "handoff"))),
     ("ensure 2,048 slots all hits, us", lambda d, old: ensure_us(read(d, "ensure"), 2048, 0)),
