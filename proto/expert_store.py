@@ -4,14 +4,16 @@ Layout of the segment (one file, mapped by the coordinator, the GPU worker and e
 
     0            common header (64 B): magic "FTEXPST1", version, meta_nbytes, creator pid + start
                  time, state (CREATING -> READY once every expert is written)
-    64           meta (msgpack, <= 4032 B): num_layers, num_experts, hidden, intermediate, dtype,
+    64           meta (msgpack, <= 4032 B): num_layers, num_experts, hidden, intermediate, dtype, format,
                  expert_bytes, expert_stride, data_offset, config_hash, creator_pid
     4096         (unused up to the 2 MiB boundary)
     data_offset  = 2 MiB: the data region, L * E * expert_stride bytes
                  expert (l, e) at data_offset + (l * E + e) * expert_stride:
                      w13 [2I, H]  gate_proj rows then up_proj rows (HF [out, in] layout)
                      w2  [H, I]   down_proj
-                 in the model dtype; expert_stride = expert_bytes rounded up to 4 KiB
+                 in the model dtype (format bf16), or one quantized expert's bytes as
+                 proto/expert_format.py lays them out (fp8, int4-g*, mxfp4, nvfp4);
+                 expert_stride = expert_bytes rounded up to 4 KiB
 
 Legend: L layers, E experts per layer, H hidden size, I expert intermediate size.
 
@@ -28,13 +30,14 @@ from typing import Any
 
 import torch
 
+from proto.expert_format import ExpertFormat, FormatError, QuantLayout
 from proto.shm_segment import (COMMON_HEADER_BYTES, HUGE_PAGE_BYTES, PAGE_BYTES, SEGMENT_READY, ShmError,
                               ShmSegment, cuda_host_register, cuda_host_unregister, round_up)
 
 log = logging.getLogger(__name__)
 
 STORE_MAGIC = b"FTEXPST1"
-STORE_VERSION = 1
+STORE_VERSION = 2
 STORE_KIND = "expert store"
 HEADER_BYTES = PAGE_BYTES
 DATA_ALIGN_BYTES = HUGE_PAGE_BYTES
@@ -57,13 +60,30 @@ class StoreShape:
     num_experts: int
     hidden: int          # H
     intermediate: int    # I
-    dtype: str           # a key of STORE_DTYPES
+    dtype: str           # a key of STORE_DTYPES: the model's compute dtype
+    fmt: str = "bf16"    # the experts' format: an ExpertFormat label (bf16, fp8, int4-g128, mxfp4, nvfp4)
 
     def __post_init__(self) -> None:
         for field in ("num_layers", "num_experts", "hidden", "intermediate"):
             if getattr(self, field) <= 0:
                 raise ValueError(f"expert store {field} must be > 0, got {getattr(self, field)}")
         dtype_name(self.dtype)
+        if self.expert_format.quantized:
+            QuantLayout(self.hidden, self.intermediate, self.expert_format)    # refuses shapes it cannot hold
+
+    @property
+    def expert_format(self) -> ExpertFormat:
+        return ExpertFormat.parse(self.fmt)
+
+    @property
+    def quant_layout(self) -> QuantLayout:
+        """The byte layout of one expert (quantized formats only)."""
+        return QuantLayout(self.hidden, self.intermediate, self.expert_format)
+
+    @property
+    def storage_dtype(self) -> torch.dtype:
+        """The element type of layer_view: the model dtype (bf16 format), else uint8 bytes."""
+        return torch.uint8 if self.expert_format.quantized else self.torch_dtype
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -71,7 +91,7 @@ class StoreShape:
 
     @property
     def item_bytes(self) -> int:
-        return torch.empty((), dtype=self.torch_dtype).element_size()
+        return torch.empty((), dtype=self.storage_dtype).element_size()
 
     @property
     def w13_numel(self) -> int:
@@ -79,6 +99,9 @@ class StoreShape:
 
     @property
     def expert_numel(self) -> int:
+        """Elements of one expert in layer_view: weights (bf16 format) or bytes (quantized)."""
+        if self.expert_format.quantized:
+            return self.quant_layout.expert_nbytes
         return self.w13_numel + self.hidden * self.intermediate
 
     @property
@@ -102,13 +125,13 @@ class ExpertStore:
         meta = seg.meta
         try:
             self.shape = StoreShape(int(meta["num_layers"]), int(meta["num_experts"]), int(meta["hidden"]),
-                                    int(meta["intermediate"]), str(meta["dtype"]))
+                                    int(meta["intermediate"]), str(meta["dtype"]), str(meta["format"]))
             self.config_hash = str(meta["config_hash"])
             self.data_offset = int(meta["data_offset"])
             self.expert_stride = int(meta["expert_stride"])
             self.expert_bytes = int(meta["expert_bytes"])
             self.creator_pid = int(meta["creator_pid"])
-        except (KeyError, ValueError) as exc:
+        except (KeyError, ValueError, FormatError) as exc:
             seg.close()
             raise ShmError(f"{STORE_KIND} {seg.name!r} has a malformed meta block ({exc!r}); "
                            "recreate it with this build") from None
@@ -127,20 +150,24 @@ class ExpertStore:
     # -- construction ---------------------------------------------------------------------------
     @classmethod
     def create(cls, name: str, *, num_layers: int, num_experts: int, hidden: int, intermediate: int,
-               dtype: torch.dtype | str, config_hash: str) -> "ExpertStore":
-        """Create the segment (uninitialised data; fill it, then ``mark_ready``). The creator owns unlink."""
-        shape = StoreShape(num_layers, num_experts, hidden, intermediate, dtype_name(dtype))
+               dtype: torch.dtype | str, config_hash: str, fmt: str = "bf16") -> "ExpertStore":
+        """Create the segment (uninitialised data; fill it, then ``mark_ready``). The creator owns unlink.
+
+        ``fmt`` is the experts' format (an ExpertFormat label); ``dtype`` the model's compute dtype."""
+        shape = StoreShape(num_layers, num_experts, hidden, intermediate, dtype_name(dtype),
+                           ExpertFormat.parse(fmt).label)
         meta: dict[str, Any] = {
             "num_layers": num_layers, "num_experts": num_experts, "hidden": hidden,
-            "intermediate": intermediate, "dtype": shape.dtype, "expert_bytes": shape.expert_bytes,
+            "intermediate": intermediate, "dtype": shape.dtype, "format": shape.fmt,
+            "expert_bytes": shape.expert_bytes,
             "expert_stride": shape.expert_stride, "data_offset": DATA_ALIGN_BYTES,
             "config_hash": str(config_hash), "creator_pid": os.getpid(),
         }
         seg = ShmSegment.create(name, nbytes=DATA_ALIGN_BYTES + shape.data_bytes, magic=STORE_MAGIC,
                                 version=STORE_VERSION, meta=meta, kind=STORE_KIND,
                                 meta_capacity_bytes=HEADER_BYTES - COMMON_HEADER_BYTES)
-        log.info("created %s %r: %d layers x %d experts x %.2f MB (%s), %.2f GiB", STORE_KIND, name,
-                 num_layers, num_experts, shape.expert_bytes / 1e6, shape.dtype, seg.nbytes / 1024 ** 3)
+        log.info("created %s %r: %d layers x %d experts x %.2f MB (%s experts, %s), %.2f GiB", STORE_KIND, name,
+                 num_layers, num_experts, shape.expert_bytes / 1e6, shape.fmt, shape.dtype, seg.nbytes / 1024 ** 3)
         return cls(seg)
 
     @classmethod
@@ -174,7 +201,12 @@ class ExpertStore:
 
     @property
     def dtype(self) -> torch.dtype:
+        """The model's compute dtype (the experts' element type in the bf16 format)."""
         return self.shape.torch_dtype
+
+    @property
+    def expert_format(self) -> ExpertFormat:
+        return self.shape.expert_format
 
     @property
     def nbytes(self) -> int:
@@ -205,22 +237,31 @@ class ExpertStore:
 
     # -- views ----------------------------------------------------------------------------------
     def layer_view(self, layer: int) -> torch.Tensor:
-        """[E, expert_numel] tensor of the store dtype over layer `layer` (zero-copy, row stride padded)."""
+        """[E, expert_numel] tensor over layer `layer` (zero-copy, row stride padded): the model dtype in
+        the bf16 format, one expert's bytes (uint8) a row in a quantized one."""
         self._check_index(layer, 0)
         shape, item = self.shape, self.shape.item_bytes
         begin = layer * shape.num_experts * self.expert_stride
         u8 = self._data_u8[begin:begin + shape.num_experts * self.expert_stride]
-        flat = u8.view(shape.torch_dtype)
+        flat = u8.view(shape.storage_dtype)
         return flat.as_strided((shape.num_experts, shape.expert_numel), (self.expert_stride // item, 1))
 
     def expert_views(self, layer: int, expert: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(w13 [2I, H], w2 [H, I]) of one expert, zero-copy."""
+        """(w13 [2I, H], w2 [H, I]) of one expert, zero-copy (bf16 format; see expert_bytes_view)."""
+        if self.expert_format.quantized:
+            raise FormatError(f"expert store {self.name!r} holds {self.shape.fmt} experts: read them with "
+                              "expert_bytes_view and proto.expert_format.unpack_expert")
         off = self.expert_offset(layer, expert)
         flat = self._data_u8[off:off + self.expert_bytes].view(self.shape.torch_dtype)
         shape = self.shape
         w13 = flat[:shape.w13_numel].view(2 * shape.intermediate, shape.hidden)
         w2 = flat[shape.w13_numel:].view(shape.hidden, shape.intermediate)
         return w13, w2
+
+    def expert_bytes_view(self, layer: int, expert: int) -> torch.Tensor:
+        """One expert's bytes [expert_bytes] uint8, zero-copy (any format)."""
+        off = self.expert_offset(layer, expert)
+        return self._data_u8[off:off + self.expert_bytes]
 
     # -- writing (creator, or an attacher with readonly=False) ------------------------------------
     def write_layer(self, layer: int, packed: torch.Tensor) -> None:

@@ -235,3 +235,33 @@ def test_attached_processes_share_pages_instead_of_copying(shm_name):
         assert report["uss"] < 0.1 * store.nbytes, report             # but holds no private copy
     store.close()
     store.unlink()
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "int4-g32", "mxfp4", "nvfp4"])
+def test_a_quantized_store_holds_one_expert_as_its_format_bytes(shm_name, fmt):
+    from proto.expert_format import ExpertFormat, FormatError, QuantLayout, dequantize_expert, quantize_expert
+    f = ExpertFormat.parse(fmt)
+    h, i = 64, 96                                   # divisible by every group size
+    store = make_store(shm_name, hidden=h, intermediate=i, fmt=fmt)
+    layout = QuantLayout(h, i, f)
+    assert store.expert_bytes == layout.expert_nbytes and store.layer_view(0).dtype == torch.uint8
+    g = torch.Generator().manual_seed(3)
+    mats = [torch.randn(i, h, generator=g), torch.randn(i, h, generator=g), torch.randn(h, i, generator=g)]
+    row = quantize_expert(*mats, f)
+    store.expert_bytes_view(1, 2).copy_(row)
+    store.mark_ready()
+    other = ExpertStore.attach(shm_name)
+    assert other.expert_format == f and other.meta()["format"] == f.label
+    assert torch.equal(other.layer_view(1)[2, :layout.expert_nbytes], row)
+    for got, want in zip(dequantize_expert(other.expert_bytes_view(1, 2), layout), dequantize_expert(row, layout)):
+        assert torch.equal(got, want)
+    with pytest.raises(FormatError, match="expert_bytes_view"):
+        other.expert_views(0, 0)
+    other.close()
+    store.close()
+
+
+def test_a_format_that_cannot_hold_the_shape_is_refused(shm_name):
+    from proto.expert_format import FormatError
+    with pytest.raises(FormatError, match="does not divide the intermediate size 48"):
+        make_store(shm_name, hidden=128, fmt="int4")
