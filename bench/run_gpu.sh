@@ -7,6 +7,10 @@
 #   engine   resident decode, offload at 10 / 25 / 50% (qwen3-30b-a3b preset), TTFT at 1K     (~6 min)
 #   hybrid   hybrid at 25%, the hand-off round trip, the CPU expert kernel                   (~6 min)
 #   prefill  TTFT at 1K and 4K prompts: resident, offload 25%, hybrid 25%                     (~5 min)
+#   workload trains the olmoe-routing and qwen3-30b-a3b-routing shapes (WORKLOAD_MINUTES each, default 6.5, side by
+#            side on the one GPU) and the embedded default model (DEFAULT_TOKENS, default 40M); routing statistics
+#            of both routing shapes (16,384 held-out tokens), the qwen3 trace (4,096 tokens); all of it, with the
+#            default model, in $OUT/workload.tar.xz                                            (~10 min)
 #   all      tests kernels engine hybrid prefill (more than one device call's 10 minutes: run suites one by one)
 #   compare OLD_TREE  OLD_TREE is an older checkout (e.g. `git archive OLDREV | tar -x -C /tmp/old`); its benches take
 #            the flags of that tree (the old side's commands below), this tree's the current ones; one table, both
@@ -168,6 +172,28 @@ while [ $# -gt 0 ]; do
         ${PREFILL_VARIANTS:+--variants "$PREFILL_VARIANTS"}
       tail -n 6 "$OUT/ttft_1k.log" | cut -c1-160; tail -n 6 "$OUT/ttft_4k.log" | cut -c1-160
       summary this="$OUT"
+      ;;
+    workload)
+      w=$(mktemp -d); m=${WORKLOAD_MINUTES:-6.5}
+      ( run train_olmoe 590 python3 -m workload.train_moe --shape olmoe-routing --out "$w/olmoe-routing" \
+          --minutes "$m" --curve-points 6 --device cuda
+        run routing_olmoe 200 python3 -m workload.routing --model "$w/olmoe-routing" --tokens 16384 --device cuda \
+          --json "$w/olmoe-routing.json" ) &
+      ( run train_qwen3 590 python3 -m workload.train_moe --shape qwen3-30b-a3b-routing --out "$w/qwen3-routing" \
+          --minutes "$m" --curve-points 6 --device cuda
+        run routing_qwen3 200 python3 -m workload.routing --model "$w/qwen3-routing" --tokens 16384 --device cuda \
+          --json "$w/qwen3-30b-a3b-routing.json"
+        run trace_qwen3 120 python3 -m workload.routing --model "$w/qwen3-routing" --tokens 4096 --device cuda \
+          --trace "$w/qwen3-30b-a3b-routing.trace" ) &
+      run train_default 590 python3 -m workload.train_moe --shape default --out "$w/default-moe" \
+        --tokens "${DEFAULT_TOKENS:-40000000}" --device cuda
+      wait
+      for d in olmoe-routing qwen3-routing default-moe; do cp "$w/$d/ft_workload.json" "$w/$d.meta.json" 2>/dev/null; done
+      mv "$OUT"/train_*.log "$OUT"/routing_*.log "$OUT"/trace_*.log "$w"/ 2>/dev/null
+      rm -rf "$w/olmoe-routing" "$w/qwen3-routing"
+      tar -C "$w" -cJf "$OUT/workload.tar.xz" . && ls -la "$w" "$OUT/workload.tar.xz"
+      grep -hE "^(shape|trained|--minutes|curve)" "$w"/train_*.log | cut -c1-220
+      grep -hA3 "^layer" "$w"/routing_*.log | head -n 4; grep -h "^all\|^mean" "$w"/routing_*.log
       ;;
     compare)
       # One call, both trees, the same measurement: 128 decode tokens and 3 runs (engine), 64 tokens (hybrid),

@@ -44,6 +44,12 @@ SHAPES = {s.name: s for s in (
           head_dim=16, num_experts=8, top_k=2, moe_intermediate_size=64, norm_topk_prob=True,
           seq_len=128, batch_size=16, lr=5e-3, warmup_steps=10, tokens=300_000, tokenizer_docs=300,
           corpus_docs=400),
+    # The embedded default model of `ft serve` / `ft generate` (no --model): small enough to ship in the
+    # package (about 5.6 MB in bfloat16), trained on the GPU in about two minutes.
+    Shape("default", vocab_size=4096, hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=2,
+          head_dim=32, num_experts=8, top_k=2, moe_intermediate_size=128, norm_topk_prob=True,
+          seq_len=256, batch_size=64, lr=3e-3, warmup_steps=50, tokens=40_000_000, tokenizer_docs=0,
+          corpus_docs=0),
     # OLMoE-1B-7B's routing: 16 layers, 64 experts, top-8, top-k weights not renormalised.
     Shape("olmoe-routing", vocab_size=8192, hidden_size=512, num_layers=16, num_heads=8, num_kv_heads=4,
           head_dim=64, num_experts=64, top_k=8, moe_intermediate_size=256, norm_topk_prob=False,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-SHAPE_NAMES = ("olmoe-routing", "qwen3-30b-a3b-routing", "tiny")     # workload/shapes.py (checked there)
+SHAPE_NAMES = ("default", "olmoe-routing", "qwen3-30b-a3b-routing", "tiny")     # workload/shapes.py (checked there)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -16,6 +16,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     budget.add_argument("--minutes", type=float, help="wall-clock training budget")
     p.add_argument("--device", default=None, choices=("cuda", "cpu"), help="default: cuda when available")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--curve-points", type=int, default=0, help="record the routing statistics on held-out "
+                   "text at this many points from step 0 to the end (ft_workload.json 'curve')")
     p.add_argument("--corpus", default=None, help="UTF-8 text, one document per line (.xz ok); "
                    "default: the bundled King James Bible")
 
@@ -26,6 +28,8 @@ def check(args: argparse.Namespace) -> None:
 
     if args.tokens is not None and args.tokens <= 0:
         raise ValueError("--tokens must be positive")
+    if args.curve_points < 0:
+        raise ValueError("--curve-points must be >= 0")
     if args.minutes is not None and args.minutes <= 0:
         raise ValueError("--minutes must be positive")
     if args.device is None:
@@ -39,5 +43,6 @@ def run(args: argparse.Namespace) -> int:
     from workload.train_moe import train
 
     check(args)
-    train(SHAPES[args.shape], args.out, args.tokens, args.minutes, args.device, args.seed, args.corpus)
+    train(SHAPES[args.shape], args.out, args.tokens, args.minutes, args.device, args.seed, args.corpus,
+          curve_points=args.curve_points)
     return 0

@@ -23,6 +23,7 @@ import torch
 
 from . import corpus
 from .checkpoint import write_checkpoint
+from .curve import Curve, curve_steps
 from .model import MoeLM, grouped_mm_available, load_balancing_loss, lm_loss, train_flops_per_token
 from .shapes import SHAPES, Shape
 from .tokenizer import train_tokenizer
@@ -84,7 +85,7 @@ def fmt_eta(seconds: float) -> str:
 
 
 def train(shape: Shape, out: Path, tokens: int | None, minutes: float | None, device: str,
-          seed: int, corpus_path: str | None, log=print) -> Path:
+          seed: int, corpus_path: str | None, log=print, curve_points: int = 0) -> Path:
     if out.exists() and any(out.iterdir()):
         raise FileExistsError(f"{out} exists and is not empty; choose a new --out directory")
     dev = torch.device(device)
@@ -95,13 +96,13 @@ def train(shape: Shape, out: Path, tokens: int | None, minutes: float | None, de
     if dev.type == "cpu":       # small ops: a second thread's synchronisation costs more than it saves
         torch.set_num_threads(1)
     try:
-        return _train(shape, out, tokens, minutes, dev, seed, corpus_path, log)
+        return _train(shape, out, tokens, minutes, dev, seed, corpus_path, log, curve_points)
     finally:
         torch.set_num_threads(threads)
 
 
 def _train(shape: Shape, out: Path, tokens: int | None, minutes: float | None, dev: torch.device,
-           seed: int, corpus_path: str | None, log) -> Path:
+           seed: int, corpus_path: str | None, log, curve_points: int) -> Path:
     torch.manual_seed(seed)
     docs = corpus.load_documents(corpus_path)
     train_docs, held = corpus.split(docs)
@@ -133,6 +134,12 @@ def _train(shape: Shape, out: Path, tokens: int | None, minutes: float | None, d
     log(f"shape {shape.name}: {cfg.num_layers} layers, {cfg.num_experts} experts, top-{cfg.top_k}, "
         f"hidden {cfg.hidden_size}; {sum(p.numel() for p in model.parameters()):,} parameters; "
         f"experts {model.experts_impl}; {step_tokens} tokens a step on {dev}")
+    curve = Curve(tok, shape.seq_len, curve_points, log)
+    marks = curve_steps(total, curve_points) if minutes is None else set()
+    held_loss_now = lambda: evaluate(model, tok, held, shape, dev, autocast, max_windows=8)  # noqa: E731
+    if curve_points:
+        curve.record(model, 0, 0, held_loss_now)
+        curve.seconds = 0.0                       # (before the clock starts)
     progress = Progress()
     start = time.perf_counter()
     loss_avg = None
@@ -155,25 +162,31 @@ def _train(shape: Shape, out: Path, tokens: int | None, minutes: float | None, d
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         step += 1
+        if step in marks and step > 0:
+            curve.record(model, step, step * step_tokens, held_loss_now)
         if step > LOG_EVERY and step % LOG_EVERY and step != total and step != TIMING_STEPS:
             continue                              # reading the loss waits for the GPU: not every step
         ce_val = ce.item()
         loss_avg = ce_val if loss_avg is None else 0.8 * loss_avg + 0.2 * ce_val
-        elapsed = time.perf_counter() - start
+        elapsed = time.perf_counter() - start - curve.seconds
         if minutes is not None and step == TIMING_STEPS:
             total = max(total, int(minutes * 60 / (elapsed / step)))
+            marks = curve_steps(total, curve_points)
             log(f"--minutes {minutes}: {total} steps (--tokens {total * step_tokens} reproduces it)")
         tok_s = step * step_tokens / elapsed
         mfu = f" MFU {100 * tok_s * flops_tok / peak:.1f}%" if peak else ""
         progress.update(step, total, f"loss {loss_avg:.3f} aux {aux.item():.3f} "
                                      f"{tok_s:,.0f} tok/s{mfu} ETA {fmt_eta(elapsed / step * (total - step))}")
-    elapsed = time.perf_counter() - start
+    elapsed = time.perf_counter() - start - curve.seconds
     held_loss = evaluate(model, tok, held, shape, dev, autocast)
     log(f"trained {step} steps, {step * step_tokens:,} tokens in {elapsed:.1f}s "
         f"({step * step_tokens / elapsed:,.0f} tok/s); held-out loss {held_loss:.3f}")
     meta = {"shape": shape.name, "seed": seed, "steps": step, "tokens": step * step_tokens,
             "corpus": str(corpus_path or corpus.KJV_PATH.name), "held_out_loss": round(held_loss, 4),
-            "held_out_every": corpus.HELD_OUT_EVERY}
+            "held_out_every": corpus.HELD_OUT_EVERY, "train_seconds": round(elapsed, 1),
+            "tokens_per_s": round(step * step_tokens / elapsed)}
+    if curve.rows:
+        meta["curve"] = curve.rows
     dtype = "bfloat16" if dev.type == "cuda" else "float32"
     path = write_checkpoint(out, model.cpu().eval(), tok, dtype, meta)
     log(f"wrote {path}")
@@ -216,7 +229,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    train(SHAPES[args.shape], args.out, args.tokens, args.minutes, args.device, args.seed, args.corpus)
+    train(SHAPES[args.shape], args.out, args.tokens, args.minutes, args.device, args.seed, args.corpus,
+          curve_points=args.curve_points)
     return 0
 
 
