@@ -193,7 +193,7 @@ while [ $# -gt 0 ]; do
       rm -rf "$w/olmoe-routing" "$w/qwen3-routing"
       tar -C "$w" -cJf "$OUT/workload.tar.xz" . && ls -la "$w" "$OUT/workload.tar.xz"
       grep -hE "^(shape|trained|--minutes|curve)" "$w"/train_*.log | cut -c1-220
-      grep -hA3 "^layer" "$w"/routing_*.log | head -n 4; grep -h "^all\|^mean" "$w"/routing_*.log
+      grep -hE "^ *(layer|all) " "$w"/routing_*.log | cut -c1-220
       ;;
     compare)
       # One call, both trees, the same measurement: 128 decode tokens and 3 runs (engine), 64 tokens (hybrid),
