@@ -279,7 +279,8 @@ def main() -> int:
     parser.add_argument("--routing", default="zipf:1.0",
                         help="'model': the preset's router picks experts (random weights route nearly "
                              "every token alike: almost no misses); 'zipf[:SKEW]': seeded per-position "
-                             "expert ids from a skewed popularity (gpu_worker/models/synthetic_routing.py)")
+                             "expert ids from a skewed popularity; 'trace:FILE': a trained model's recorded routes "
+                             "(ft bench routing --trace; gpu_worker/models/synthetic_routing.py)")
     parser.add_argument("--copy-chunks", default="",
                         help="comma list: run offload once per value of the copy kernel's programs per expert "
                              "(kernels.expert_copy.api.DEFAULT_CHUNKS; default: its value)")

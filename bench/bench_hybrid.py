@@ -277,7 +277,7 @@ def main() -> int:
     parser.add_argument("--no-resident", action="store_true", help="skip the resident run (no token check)")
     parser.add_argument("--handoff-calls", type=int, default=10_000)
     parser.add_argument("--routing", default="zipf:1.0",
-                        help="'model' or 'zipf[:SKEW]' (see bench_engine.py --routing): random-weight "
+                        help="'model', 'zipf[:SKEW]' or 'trace:FILE' (see bench_engine.py --routing): random-weight "
                              "presets route every token alike unless the table decides")
     parser.add_argument("--profile", type=int, default=0,
                         help="after each variant's runs, profile this many decode steps (bench_engine.profile_decode)")

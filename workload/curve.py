@@ -42,7 +42,8 @@ class Curve:
         loss = held_loss()
         was_training = model.training
         model.eval()
-        stats = routing_stats(collect_trace(model, self.seqs))["overall"]
+        with torch.compiler.set_stance("force_eager"):        # (windows of several lengths: no recompiles)
+            stats = routing_stats(collect_trace(model, self.seqs))["overall"]
         model.train(was_training)
         row = {"step": step, "tokens": tokens, "held_out_loss": round(loss, 4),
                **{k: round(stats[k], 4) for k in KEPT if stats.get(k) is not None}}

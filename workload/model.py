@@ -118,7 +118,8 @@ def experts_forward(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, g
     num_experts, inter = down.shape[0], down.shape[2]
     flat = ids.reshape(-1)
     order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=num_experts)
+    counts = torch.zeros(num_experts, dtype=flat.dtype, device=flat.device).scatter_add_(
+        0, flat, torch.ones_like(flat))                                  # (bincount: no static shape to compile)
     xs = x.unsqueeze(1).expand(t, k, x.shape[-1]).reshape(t * k, -1)[order]
     if impl == "grouped":
         offs = torch.cumsum(counts, 0).to(torch.int32)
@@ -171,6 +172,14 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = SparseMoe(cfg)
 
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, impl: str
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(the layer's output, its router logits, its router input)."""
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin)
+        h = self.post_attention_layernorm(x)
+        out, logits = self.mlp(h, impl)
+        return x + out, logits, h
+
 
 class MoeLM(nn.Module):
     def __init__(self, cfg: ModelConfig, experts_impl: str | None = None) -> None:
@@ -181,6 +190,16 @@ class MoeLM(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    def compile_layers(self) -> None:
+        """Compile each decoder layer (regional compilation: the layers share one compiled graph). Their
+        many small element-wise ops bound training at these widths; fused, they cost a fraction. A layer
+        that fails to compile runs eagerly (dynamo's suppress_errors)."""
+        import torch._dynamo
+
+        torch._dynamo.config.suppress_errors = True
+        for layer in self.layers:
+            layer.compile()
 
     def init_weights(self, seed: int) -> None:
         gen = torch.Generator().manual_seed(seed)
@@ -198,13 +217,10 @@ class MoeLM(nn.Module):
         cos, sin = rope_tables(self.cfg, ids.shape[1], ids.device, x.dtype)
         router_logits, router_inputs = [], []
         for layer in self.layers:
-            x = x + layer.self_attn(layer.input_layernorm(x), cos, sin)
-            h = layer.post_attention_layernorm(x)
+            x, logits, h = layer(x, cos, sin, self.experts_impl)
             if capture:
                 router_inputs.append(h.reshape(-1, h.shape[-1]))
-            out, logits = layer.mlp(h, self.experts_impl)
             router_logits.append(logits)
-            x = x + out
         return self.lm_head(self.norm(x)), router_logits, (router_inputs if capture else None)
 
     @torch.no_grad()

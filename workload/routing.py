@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from . import corpus
 from .checkpoint import META, load_checkpoint
 from .model import MoeLM
-from .trace import RoutingTrace, write_trace
+from proto.routing_trace import RoutingTrace, write_trace
 
 CACHE_FRACTIONS = (0.10, 0.25, 0.50)
 NUM_CANDIDATES = 16

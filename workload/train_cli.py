@@ -18,6 +18,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--curve-points", type=int, default=0, help="record the routing statistics on held-out "
                    "text at this many points from step 0 to the end (ft_workload.json 'curve')")
+    p.add_argument("--no-compile", action="store_true", help="CUDA: run the decoder layers eagerly "
+                   "(default: torch.compile them)")
     p.add_argument("--corpus", default=None, help="UTF-8 text, one document per line (.xz ok); "
                    "default: the bundled King James Bible")
 
@@ -44,5 +46,5 @@ def run(args: argparse.Namespace) -> int:
 
     check(args)
     train(SHAPES[args.shape], args.out, args.tokens, args.minutes, args.device, args.seed, args.corpus,
-          curve_points=args.curve_points)
+          curve_points=args.curve_points, compile=not args.no_compile)
     return 0

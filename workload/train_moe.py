@@ -28,6 +28,7 @@ from .model import MoeLM, grouped_mm_available, load_balancing_loss, lm_loss, tr
 from .shapes import SHAPES, Shape
 from .tokenizer import train_tokenizer
 
+WARM_STEPS = 3              # --minutes: steps before the timing starts (compilation, allocator warm-up)
 TIMING_STEPS = 8            # --minutes: steps timed before the step count is fixed
 LOG_EVERY = 10              # steps between progress updates (every step before that)
 PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12}
@@ -85,7 +86,7 @@ def fmt_eta(seconds: float) -> str:
 
 
 def train(shape: Shape, out: Path, tokens: int | None, minutes: float | None, device: str,
-          seed: int, corpus_path: str | None, log=print, curve_points: int = 0) -> Path:
+          seed: int, corpus_path: str | None, log=print, curve_points: int = 0, compile: bool = True) -> Path:
     if out.exists() and any(out.iterdir()):
         raise FileExistsError(f"{out} exists and is not empty; choose a new --out directory")
     dev = torch.device(device)
@@ -96,13 +97,14 @@ def train(shape: Shape, out: Path, tokens: int | None, minutes: float | None, de
     if dev.type == "cpu":       # small ops: a second thread's synchronisation costs more than it saves
         torch.set_num_threads(1)
     try:
-        return _train(shape, out, tokens, minutes, dev, seed, corpus_path, log, curve_points)
+        return _train(shape, out, tokens, minutes, dev, seed, corpus_path, log, curve_points,
+                      compile and dev.type == "cuda")
     finally:
         torch.set_num_threads(threads)
 
 
 def _train(shape: Shape, out: Path, tokens: int | None, minutes: float | None, dev: torch.device,
-           seed: int, corpus_path: str | None, log, curve_points: int) -> Path:
+           seed: int, corpus_path: str | None, log, curve_points: int, compile: bool) -> Path:
     torch.manual_seed(seed)
     docs = corpus.load_documents(corpus_path)
     train_docs, held = corpus.split(docs)
@@ -121,10 +123,12 @@ def _train(shape: Shape, out: Path, tokens: int | None, minutes: float | None, d
     model = MoeLM(cfg, "grouped" if grouped_mm_available(dev) else "loop")
     model.init_weights(seed)
     model.to(dev).train()
+    if compile:
+        model.compile_layers()
     step_tokens = shape.batch_size * shape.seq_len
     total = max(1, (tokens if tokens is not None else shape.tokens) // step_tokens)
     if minutes is not None:
-        total = max(TIMING_STEPS + 1, shape.warmup_steps + 1)
+        total = max(WARM_STEPS + TIMING_STEPS + 1, shape.warmup_steps + 1)
     opt = torch.optim.AdamW(model.parameters(), lr=shape.lr, betas=(0.9, 0.95), weight_decay=0.1,
                             eps=1e-8)
     gen = torch.Generator().manual_seed(seed)
@@ -133,7 +137,8 @@ def _train(shape: Shape, out: Path, tokens: int | None, minutes: float | None, d
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if dev.type == "cuda" else None
     log(f"shape {shape.name}: {cfg.num_layers} layers, {cfg.num_experts} experts, top-{cfg.top_k}, "
         f"hidden {cfg.hidden_size}; {sum(p.numel() for p in model.parameters()):,} parameters; "
-        f"experts {model.experts_impl}; {step_tokens} tokens a step on {dev}")
+        f"experts {model.experts_impl}{', compiled layers' if compile else ''}; {step_tokens} tokens a step "
+        f"on {dev}")
     curve = Curve(tok, shape.seq_len, curve_points, log)
     marks = curve_steps(total, curve_points) if minutes is None else set()
     held_loss_now = lambda: evaluate(model, tok, held, shape, dev, autocast, max_windows=8)  # noqa: E731
@@ -143,7 +148,7 @@ def _train(shape: Shape, out: Path, tokens: int | None, minutes: float | None, d
     progress = Progress()
     start = time.perf_counter()
     loss_avg = None
-    step = 0
+    step, warm_at = 0, 0.0
     while step < total:
         for group in opt.param_groups:
             group["lr"] = lr_at(step, total, shape)
@@ -164,13 +169,17 @@ def _train(shape: Shape, out: Path, tokens: int | None, minutes: float | None, d
         step += 1
         if step in marks and step > 0:
             curve.record(model, step, step * step_tokens, held_loss_now)
-        if step > LOG_EVERY and step % LOG_EVERY and step != total and step != TIMING_STEPS:
+        timing = step in (WARM_STEPS, WARM_STEPS + TIMING_STEPS)
+        if step > LOG_EVERY and step % LOG_EVERY and step != total and not timing:
             continue                              # reading the loss waits for the GPU: not every step
         ce_val = ce.item()
         loss_avg = ce_val if loss_avg is None else 0.8 * loss_avg + 0.2 * ce_val
         elapsed = time.perf_counter() - start - curve.seconds
-        if minutes is not None and step == TIMING_STEPS:
-            total = max(total, int(minutes * 60 / (elapsed / step)))
+        if step == WARM_STEPS:
+            warm_at = elapsed
+        if minutes is not None and step == WARM_STEPS + TIMING_STEPS:
+            per_step = (elapsed - warm_at) / TIMING_STEPS
+            total = max(total, step + int((minutes * 60 - elapsed) / per_step))
             marks = curve_steps(total, curve_points)
             log(f"--minutes {minutes}: {total} steps (--tokens {total * step_tokens} reproduces it)")
         tok_s = step * step_tokens / elapsed
@@ -196,7 +205,13 @@ def _train(shape: Shape, out: Path, tokens: int | None, minutes: float | None, d
 @torch.no_grad()
 def evaluate(model: MoeLM, tok, held: list[str], shape: Shape, dev, autocast,
              max_windows: int = 32) -> float:
-    """Mean next-token loss on up to ``max_windows`` held-out windows of ``seq_len`` tokens."""
+    """Mean next-token loss on up to ``max_windows`` held-out windows of ``seq_len`` tokens (eagerly:
+    compiling an inference graph for a few windows would cost more than it saves)."""
+    with torch.compiler.set_stance("force_eager"):
+        return _evaluate(model, tok, held, shape, dev, autocast, max_windows)
+
+
+def _evaluate(model: MoeLM, tok, held: list[str], shape: Shape, dev, autocast, max_windows: int) -> float:
     model.eval()
     stream = encode_stream(tok, held)
     n = min(max_windows, (stream.numel() - 1) // shape.seq_len)
@@ -230,7 +245,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     train(SHAPES[args.shape], args.out, args.tokens, args.minutes, args.device, args.seed, args.corpus,
-          curve_points=args.curve_points)
+          curve_points=args.curve_points, compile=not args.no_compile)
     return 0
 
 

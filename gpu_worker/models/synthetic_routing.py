@@ -14,10 +14,21 @@ The router still runs and supplies the weights of its own top-k, which are then 
 table's ids: the numerics are a benchmark's, not a model's. Lookups are a device gather (no host
 sync), so CUDA graphs capture them: one gather of every layer's ids at layer 0 of a forward, which the
 other layers slice (a real router costs one kernel a layer; this table should not cost two).
+
+`trace:FILE` replays a trained model's routing instead (proto/routing_trace.py; `ft bench routing
+--trace FILE` writes one): position p routes as the trace's token p did, layer by layer, in router rank
+order (positions past the trace's end wrap around to its start). The trace's layers, experts and top-k
+must be the model's. Its lookahead predictor's ranked candidates come along (`candidates`).
 """
 from __future__ import annotations
 
+import logging
+
 import torch
+
+from proto.routing_trace import read_trace
+
+log = logging.getLogger(__name__)
 
 
 class SyntheticRouting:
@@ -36,7 +47,8 @@ class SyntheticRouting:
                                       replacement=False, generator=gen)                    # [P, K]
             layers.append(draws)
         self._by_position = torch.stack(layers, dim=0).to(device)                          # [L, P, K]
-        self.skew, self.seed = skew, seed
+        self.skew, self.seed, self.source = skew, seed, f"zipf:{skew:g}"
+        self.candidates: torch.Tensor | None = None       # trace replay: [P, L-1, C] predictor candidates
         self.max_positions, self.top_k = max_positions, top_k
         self._positions: torch.Tensor | None = None      # the forward's positions (held: `is` stays exact)
         self._by_layer: torch.Tensor | None = None       # [L, T, K] ids of that forward
@@ -49,14 +61,40 @@ class SyntheticRouting:
 
     @classmethod
     def parse(cls, spec: str, cfg, max_positions: int, device) -> "SyntheticRouting | None":
-        """'model' -> None (the router decides); 'zipf' or 'zipf:SKEW' -> a table for cfg's shape."""
+        """'model' -> None (the router decides); 'zipf' or 'zipf:SKEW' -> a table for cfg's shape;
+        'trace:FILE' -> the trace's routes."""
         if spec == "model":
             return None
         name, _, value = spec.partition(":")
+        if name == "trace" and value:
+            return cls.from_trace(value, cfg, max_positions, device)
         if name != "zipf":
-            raise ValueError(f"routing {spec!r}: use 'model' or 'zipf[:SKEW]' (e.g. zipf:1.0)")
+            raise ValueError(f"routing {spec!r}: use 'model', 'zipf[:SKEW]' (e.g. zipf:1.0) or 'trace:FILE'")
         return cls(cfg.num_layers, cfg.num_experts, cfg.top_k, max_positions,
                    skew=float(value) if value else 1.0, device=device)
+
+    @classmethod
+    def from_trace(cls, path: str, cfg, max_positions: int, device) -> "SyntheticRouting":
+        """The routes of a recorded trace (TraceError naming the file when it is unreadable)."""
+        trace = read_trace(path)
+        want = (cfg.num_layers, cfg.num_experts, cfg.top_k)
+        have = (trace.num_layers, trace.num_experts, trace.top_k)
+        if have != want:
+            raise ValueError(f"routing trace {path}: {have[0]} layers, {have[1]} experts, top-{have[2]}; the "
+                             f"model has {want[0]} layers, {want[1]} experts, top-{want[2]}: record the trace "
+                             "from a checkpoint of the model's routing shape")
+        if trace.num_tokens < max_positions:
+            log.info("routing trace %s: %d tokens; positions past them wrap around", path, trace.num_tokens)
+        wrap = torch.arange(max_positions) % trace.num_tokens                                # [P]
+        self = cls.__new__(cls)
+        experts = torch.from_numpy(trace.experts)[wrap]                                     # [P, L, K]
+        self._by_position = experts.transpose(0, 1).contiguous().to(device)                  # [L, P, K]
+        self.candidates = torch.from_numpy(trace.candidates)[wrap]                          # [P, L-1, C]
+        self.skew, self.seed, self.source = None, None, f"trace:{path}"
+        self.max_positions, self.top_k = max_positions, trace.top_k
+        self._positions = None
+        self._by_layer = None
+        return self
 
     def ids(self, layer: int, positions: torch.Tensor) -> torch.Tensor:
         """positions [T] int64 (device) -> expert ids [T, K] int64 of `layer` (contiguous).

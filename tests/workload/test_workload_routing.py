@@ -11,7 +11,7 @@ import torch
 
 from workload.model import ModelConfig, MoeLM, route
 from workload.routing import CACHE_FRACTIONS, NUM_CANDIDATES, collect_trace, lru_hit_rates, routing_stats
-from workload.trace import RoutingTrace, TraceError, read_trace, write_trace
+from proto.routing_trace import RoutingTrace, TraceError, read_trace, write_trace
 
 
 def random_trace(tokens=70, layers=3, experts=6, k=2, cands=5, starts=(0, 25, 41), seed=0) -> RoutingTrace:

@@ -174,7 +174,7 @@ def test_bad_input_is_refused(tmp_path, capsys):
 
 def test_routing_cli_writes_the_trace_its_statistics_come_from(trained, tmp_path, capsys):
     from workload.routing import main as routing_main, routing_stats
-    from workload.trace import read_trace
+    from proto.routing_trace import read_trace
     trace_path, json_path = tmp_path / "r.trace", tmp_path / "r.json"
     assert routing_main(["--model", str(trained), "--tokens", "700", "--trace", str(trace_path),
                          "--json", str(json_path)]) == 0
