@@ -4,7 +4,7 @@ The host-side resources (the expert store; the CPU workers, their channels and t
 their one owner (coordinator/expert_resources.py), as under `ft serve`; the engine attaches to them
 (gpu_worker/api.py).
 
-    ft generate --prompt "Hello" --max-new-tokens 32                 # the tiny built-in model
+    ft generate --prompt "Hello" --max-new-tokens 32                 # the embedded default model
     ft generate --model /models/Qwen3-30B-A3B --prompt-ids 1,2,3 --json
     ft generate --preset qwen3-30b-a3b --prompt-ids 1,2,3 --device cuda   # random weights, real shape
     ft generate --moe-strategy hybrid --fetch-fraction 0.6 --cpu-workers 1 --prompt "Hi"   # docs/HYBRID.md
@@ -36,7 +36,7 @@ def _int_list(raw: str) -> list[int]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    src = parser.add_argument_group("model (neither: the tiny built-in model)")
+    src = parser.add_argument_group("model (neither: the embedded default model, a small trained MoE)")
     src.add_argument("--model", metavar="DIR", help="Hugging Face checkpoint directory (safetensors)")
     src.add_argument("--preset", choices=PRESET_CHOICES,
                      help="a real model's shape with seeded random weights, made in memory; with --model, "
@@ -118,7 +118,9 @@ def _prompt_ids(args: argparse.Namespace, tokenizer) -> list[int]:
 
 def run(args: argparse.Namespace) -> int:
     from coordinator.expert_resources import ExpertResources
+    from coordinator.serve_cli import use_default_model
 
+    use_default_model(args)
     t_start = time.perf_counter()
     hybrid = hybrid_options(args) if args.moe_strategy in ("cpu", "hybrid") else None
     cpu = cpu_worker_settings(args) if hybrid is not None else None

@@ -1,6 +1,6 @@
 """`ft serve`: the OpenAI-compatible HTTP API and the gRPC control plane around one engine.
 
-    ft serve                                  # the embedded tiny model, CPU or GPU (auto)
+    ft serve                                  # the embedded default model, CPU or GPU (auto)
     ft serve --model /models/Qwen3-30B-A3B --device cuda --api-key "$KEY"
     ft serve --attach --engine-addr ipc:///run/ft/engine.sock ...   # workers started by systemd
     ft serve --workers inline                 # the engine in this process (debugging, no restarts)
@@ -31,7 +31,7 @@ DEFAULT_GRPC_PORT = 1920
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     model = parser.add_argument_group("model")
     model.add_argument("--model", default=None, metavar="DIR", help="model directory (Hugging Face layout); "
-                       "default: the embedded tiny model")
+                       "default: the embedded default model, a small MoE trained on the bundled corpus")
     model.add_argument("--preset", default=None, help="model preset (random weights of a real model's shape)")
     model.add_argument("--served-model-name", default=None, help="model name clients use (default: the "
                        "directory's name, the preset, or 'tiny')")
@@ -99,11 +99,20 @@ def build_policy_from_args(args: argparse.Namespace, expert_format, gpu_name: st
                         benchbw_path=knobs["benchbw_path"], expert_format=expert_format, gpu_name=gpu_name)
 
 
+def use_default_model(args: argparse.Namespace) -> None:
+    """Neither --model nor --preset: the embedded default model (a small trained MoE in the package)."""
+    if not args.model and not args.preset:
+        from gpu_worker.api import DEFAULT_MODEL_DIR
+
+        args.model = str(DEFAULT_MODEL_DIR)
+
+
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=getattr(logging, args.log_level), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.max_running_requests < 1:
         raise ValueError("--max-running-requests must be >= 1")
+    use_default_model(args)
     if args.attach and args.workers == "inline":
         raise ValueError("--attach waits for worker processes; it cannot be combined with --workers inline")
     if args.workers == "inline":

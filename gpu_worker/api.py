@@ -21,14 +21,14 @@ from gpu_worker.engine import Engine, EngineConfig, SamplingParams
 from gpu_worker.hybrid.options import HybridOptions
 from gpu_worker.models.attached_backends import make_attached_expert_backend, needs_host_store
 from gpu_worker.models.device import resolve_device
-from gpu_worker.models.loader import LoadedModel, ModelSource, load_model, open_model_source
+from gpu_worker.models.loader import DEFAULT_MODEL_DIR, LoadedModel, ModelSource, load_model, open_model_source
 from gpu_worker.models.model import MoeModel
 from gpu_worker.offload.host_store import HostExperts
 from gpu_worker.worker_loop import gpu_busy_loop
 from proto.cpu_channel import channel_hidden_dtype
 from proto.expert_store import ExpertStore
 
-__all__ = ["Engine", "EngineConfig", "HostExperts", "gpu_busy_loop", "HybridOptions", "attach_cpu_pool", "LoadedModel", "ModelSource", "SamplingParams",
+__all__ = ["DEFAULT_MODEL_DIR", "Engine", "EngineConfig", "HostExperts", "gpu_busy_loop", "HybridOptions", "attach_cpu_pool", "LoadedModel", "ModelSource", "SamplingParams",
            "channel_hidden_dtype", "create_expert_store", "load_attached_model", "load_model", "needs_host_store",
            "open_model_source", "resolve_device"]
 

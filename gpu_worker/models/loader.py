@@ -28,6 +28,11 @@ from .expert_backends import make_expert_backend
 from .expert_sources import CheckpointExpertSource, ExpertSource, RandomExpertSource
 from .model import MoeModel
 from .presets import TINY, preset_config, random_model_parts
+
+# The embedded default model of `ft serve` / `ft generate` (neither --model nor --preset): a small MoE
+# trained on the bundled corpus by `ft bench train-moe --shape default` (docs/WORKLOAD.md), shipped in
+# the package. Library callers without a model get the tiny seeded-random model (`TINY`) instead.
+DEFAULT_MODEL_DIR = Path(__file__).with_name("data") / "default-moe"
 from .tiny import ensure_tiny_checkpoint, write_tiny_checkpoint
 from .tokenizer import TextTokenizer, generation_eos_ids
 
