@@ -280,7 +280,8 @@ def main() -> int:
                         help="'model': the preset's router picks experts (random weights route nearly "
                              "every token alike: almost no misses); 'zipf[:SKEW]': seeded per-position "
                              "expert ids from a skewed popularity; 'trace:FILE': a trained model's recorded routes "
-                             "(ft bench routing --trace; gpu_worker/models/synthetic_routing.py)")
+                             "(ft bench routing --trace; gpu_worker/models/synthetic_routing.py); several, "
+                             "comma-separated: every run once per routing, side by side")
     parser.add_argument("--copy-chunks", default="",
                         help="comma list: run offload once per value of the copy kernel's programs per expert "
                              "(kernels.expert_copy.api.DEFAULT_CHUNKS; default: its value)")
@@ -329,9 +330,18 @@ def main() -> int:
     print(f"loaded {args.preset} resident in {time.perf_counter() - t0:.1f} s", flush=True)
     econf = EngineConfig(max_running_requests=args.batch,
                          max_context_tokens=lengths[-1] + args.decode_tokens + 16)
-    loaded.model.routing_override = SyntheticRouting.parse(args.routing, cfg, econf.max_context_tokens,
-                                                           args.device)
-    reference_tokens = None
+    # --routing A,B: every configuration once per routing, side by side (each checked against resident's
+    # tokens under the same routing)
+    routings = [(spec, SyntheticRouting.parse(spec, cfg, econf.max_context_tokens, args.device))
+                for spec in args.routing.split(",") if spec.strip()]
+    if not routings:
+        raise SystemExit("--routing: give at least one of model, zipf[:SKEW], trace:FILE")
+
+    def routing_label(spec: str) -> str:
+        if len(routings) < 2:
+            return ""
+        return " " + (spec.rsplit("/", 1)[-1].removesuffix(".trace") if spec.startswith("trace:") else spec)
+    reference_by_routing: dict[str, list] = {}
     linears = [v.strip() for v in args.dense_linear.split(",") if v.strip()]
     if not linears or any(v not in MoeModel.DENSE_LINEARS for v in linears):
         raise SystemExit(f"--dense-linear {args.dense_linear!r}: give gemv, torch or both, comma-separated")
@@ -342,9 +352,12 @@ def main() -> int:
     def overlap_label(value) -> str:
         return "" if len(overlaps_decode) < 2 else " overlap " + {None: "auto", True: "on", False: "off"}[value]
 
-    for linear, graphs, pdl_mode, od in [(lin, g, p, o) for lin in reversed(linears)
-                                         for g in ((False, True) if args.graphs == "both" else (args.graphs == "on",))
-                                         for p in pdl_modes for o in overlaps_decode]:
+    for (spec, routing), linear, graphs, pdl_mode, od in [
+            (rt, lin, g, p, o) for rt in routings for lin in reversed(linears)
+            for g in ((False, True) if args.graphs == "both" else (args.graphs == "on",))
+            for p in pdl_modes for o in overlaps_decode]:
+        loaded.model.routing_override = routing
+        reference_tokens = reference_by_routing.get(spec)
         if pdl_mode is not None:             # read when the kernels launch: this engine's graphs keep it
             apply_pdl(pdl_mode)
         _reset_peak()
@@ -355,9 +368,9 @@ def main() -> int:
         if linear == linears[0]:               # another dense_linear rounds differently: not comparable
             if reference_tokens is not None:
                 res["lossless"] = res["tokens"] == reference_tokens
-            reference_tokens = reference_tokens or res["tokens"]
+            reference_by_routing.setdefault(spec, res["tokens"])
         name = "resident" + (" graphs" if graphs else " eager") + (f" {linear}" if len(linears) > 1 else "") \
-            + (f" pdl {pdl_mode}" if len(pdl_modes) > 1 else "") + overlap_label(od)
+            + (f" pdl {pdl_mode}" if len(pdl_modes) > 1 else "") + overlap_label(od) + routing_label(spec)
         rows.append((name, "-", res, _peak(), proc.memory_info().rss))
         print(name, res["all_tok_s"], _launch_note(res), flush=True)
         if args.profile and args.device == "cuda":
@@ -382,9 +395,10 @@ def main() -> int:
         for frac in [float(f) for f in args.fractions.split(",") if f]:
             splits = {"on": [True], "off": [False], "both": [True, False]}[args.copy_split]
             weights = [int(w) for w in args.freq_weights.split(",") if w.strip()]
-            modes = [(c, sp, p, w, od) for w in weights for c in _copy_chunks(args) for sp in splits
-                     for p in pdl_modes for od in overlaps_decode]
-            for chunks, split, pdl_mode, weight, od in modes:
+            modes = [(c, sp, p, w, od, rt) for rt in routings for w in weights for c in _copy_chunks(args)
+                     for sp in splits for p in pdl_modes for od in overlaps_decode]
+            for chunks, split, pdl_mode, weight, od, (spec, routing) in modes:
+                loaded.model.routing_override = routing
                 if pdl_mode is not None:
                     apply_pdl(pdl_mode)
                 expert_copy_api.DEFAULT_CHUNKS = chunks
@@ -395,7 +409,7 @@ def main() -> int:
                     label += f" pdl {pdl_mode}"
                 if len(weights) > 1 or weight:
                     label += f" fw{weight}"
-                label = (label + overlap_label(od)).strip()
+                label = (label + overlap_label(od) + routing_label(spec)).strip()
                 slots = resolve_cache_slots(frac, source.num_layers, source.num_experts)
                 backend = OffloadExperts(host, slots, args.device, split_copy=split, freq_weight=weight,
                                          freq_half_life=args.freq_half_life)
@@ -403,7 +417,7 @@ def main() -> int:
                 _reset_peak()
                 engine = Engine(loaded.model, dataclasses.replace(econf, overlap_decode=od), eos_token_ids=())
                 r = measure(engine, prompt, args, backend)
-                r["lossless"] = r["tokens"] == reference_tokens
+                r["lossless"] = r["tokens"] == reference_by_routing[spec]
                 name = f"offload {frac:.0%} {label}".strip()
                 rows.append((name, slots, r, _peak(), proc.memory_info().rss))
                 print(name, r["all_tok_s"], _launch_note(r), flush=True)

@@ -11,6 +11,8 @@
 #            side on the one GPU) and the embedded default model (DEFAULT_TOKENS, default 40M); routing statistics
 #            of both routing shapes (16,384 held-out tokens), the qwen3 trace (4,096 tokens); all of it, with the
 #            default model, in $OUT/workload.tar.xz                                            (~10 min)
+#   routing  zipf:1.0 against the trained trace (workload/data/qwen3-30b-a3b-routing.trace) at the qwen3-30b-a3b
+#            shape: offload at 10 / 25 / 50% and hybrid at 25%, misses per token and rooflines  (~5 min)
 #   all      tests kernels engine hybrid prefill (more than one device call's 10 minutes: run suites one by one)
 #   compare OLD_TREE  OLD_TREE is an older checkout (e.g. `git archive OLDREV | tar -x -C /tmp/old`); its benches take
 #            the flags of that tree (the old side's commands below), this tree's the current ones; one table, both
@@ -172,6 +174,18 @@ while [ $# -gt 0 ]; do
         ${PREFILL_VARIANTS:+--variants "$PREFILL_VARIANTS"}
       tail -n 6 "$OUT/ttft_1k.log" | cut -c1-160; tail -n 6 "$OUT/ttft_4k.log" | cut -c1-160
       summary this="$OUT"
+      ;;
+    routing)
+      tr=trace:workload/data/qwen3-30b-a3b-routing.trace
+      run engine_routing "$T" python3 bench/bench_engine.py --runs 2 --prompt-tokens 1024 --decode-tokens 128 \
+        --fractions 0.1,0.25,0.5 --routing "zipf:1.0,$tr"
+      for r in zipf:1.0 "$tr"; do
+        n=hybrid_$(echo "${r%%:*}" | tr -cd 'a-z')
+        run "$n" 150 python3 bench/bench_hybrid.py --runs 2 --decode-tokens 64 --handoff-calls 200 --no-resident \
+          --variants "$HYBRID_VARIANT" --routing "$r" --json-out "$OUT/$n.json"
+      done
+      grep -E "^(backend|resident|offload)" "$OUT/engine_routing.log" | cut -c1-160
+      grep -hE "^(B_pcie|row: )" "$OUT"/hybrid_zipf.log "$OUT"/hybrid_trace.log | cut -c1-200
       ;;
     workload)
       w=$(mktemp -d); m=${WORKLOAD_MINUTES:-6.5}
