@@ -181,7 +181,7 @@ while [ $# -gt 0 ]; do
         --fractions 0.1,0.25,0.5 --routing "zipf:1.0,$tr"
       for r in zipf:1.0 "$tr"; do
         n=hybrid_$(echo "${r%%:*}" | tr -cd 'a-z')
-        run "$n" 150 python3 bench/bench_hybrid.py --runs 2 --decode-tokens 64 --handoff-calls 200 --no-resident \
+        run "$n" "${HYBRID_LIMIT:-150}" python3 bench/bench_hybrid.py --runs 2 --decode-tokens 64 --handoff-calls 200 --no-resident \
           --variants "$HYBRID_VARIANT" --routing "$r" --json-out "$OUT/$n.json"
       done
       grep -E "^(backend|resident|offload)" "$OUT/engine_routing.log" | cut -c1-160
