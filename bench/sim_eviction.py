@@ -120,6 +120,8 @@ def main() -> int:
     parser.add_argument("--decode-tokens", type=int, default=256)
     parser.add_argument("--skew", type=float, default=1.0, help="the routing's zipf skew (bench_engine's zipf:SKEW)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--routing", default=None,
+                        help="trace:FILE: a trained model's recorded routes instead of zipf (bench_engine's --routing)")
     parser.add_argument("--requests", type=int, default=1,
                         help="requests one after another on the same pool, each with its own popularity (seeds seed, "
                              "seed+1, ...): how each key follows a drift; the table shows the last request's misses")
@@ -130,10 +132,17 @@ def main() -> int:
                 and not (p.startswith("w:") and all(x.isdigit() for x in p.split(":")[1:]) and p.count(":") <= 2):
             raise SystemExit(f"--policies takes lru, lfu, pin:X with 0 <= X <= 1, w:W and w:W:H (W, H >= 0), got {p!r}")
     cfg = preset_config(args.preset)
-    tables = [SyntheticRouting(cfg.num_layers, cfg.num_experts, cfg.top_k, args.prompt_tokens + args.decode_tokens,
-                               skew=args.skew, seed=args.seed + r).table for r in range(max(1, args.requests))]
+    positions = args.prompt_tokens + args.decode_tokens
+    if args.routing:
+        if not args.routing.startswith("trace:"):
+            raise SystemExit(f"--routing {args.routing!r}: give trace:FILE (zipf is --skew)")
+        tables = [SyntheticRouting.parse(args.routing, cfg, positions, "cpu").table]
+    else:
+        tables = [SyntheticRouting(cfg.num_layers, cfg.num_experts, cfg.top_k, positions,
+                                   skew=args.skew, seed=args.seed + r).table for r in range(max(1, args.requests))]
+    routing = args.routing or f"zipf:{args.skew:g} (seed {args.seed})"
     print(f"{args.preset}: {cfg.num_layers} layers x {cfg.num_experts} experts, top-{cfg.top_k}; prompt "
-          f"{args.prompt_tokens}, {args.decode_tokens} decode tokens, routing zipf:{args.skew:g} (seed {args.seed}); "
+          f"{args.prompt_tokens}, {args.decode_tokens} decode tokens, routing {routing}; "
           f"misses per decode token (simulated)"
           + (f", of the last of {len(tables)} requests with different popularity" if len(tables) > 1 else ""))
     print(f"{'cache':>6} {'slots':>6} " + " ".join(f"{p:>9}" for p in policies))
