@@ -47,8 +47,8 @@ NVFP4, compressed-tensors (``nvfp4-pack-quantized``): ``weight_packed`` uint8 ``
   ``[1]`` = 448 * 6 / amax: the RECIPROCAL of ModelOpt's. Our global is fp32(1 / weight_global_scale):
   exact against the multiply-by-reciprocal that serving engines use (vLLM's
   ``weight_scale_2 = 1 / weight_global_scale``); the library's own reference divides
-  (``scale / global_scale``), which differs from the product by at most one float32 ulp of the scale
-  for most global scales (exact when the global scale is a power of two).
+  (``scale / global_scale``): for most global scales some block scales differ by one float32 ulp, so
+  weights by at most two ulps (exact when the global scale is a power of two).
 """
 from __future__ import annotations
 
