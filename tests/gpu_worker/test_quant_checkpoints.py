@@ -21,7 +21,7 @@ from gpu_worker.models.quant_tensors import gptq_matrix
 from gpu_worker.models.weight_names import expert_names
 from proto.expert_format import ExpertFormat, FormatError, dequantize_expert, dequantize_matrix, e4m3_decode, \
     fp4_decode, unpack_nibbles
-from tests.gpu_worker.quant_checkpoints import (KINDS, gptq_reference, hf_model, reference_model,
+from tests.gpu_worker.quant_checkpoints import (KINDS, gptq_reference, hf_model, load_hub_state,
                                                 write_quant_checkpoint)
 from tests.gpu_worker.test_models_util import prompt_ids, rel_err
 
@@ -127,10 +127,13 @@ def test_logits_match_transformers_running_the_dequantized_weights(ckpts, kind):
     reader = DequantizingReader(CheckpointReader(ck.path))
     ours = {n: (experts[n] if n in experts else reader.get(n)) for n in ck.dequantized}
     ids = torch.tensor([prompt_ids(12, seed=3)])
+    model = hf_model("qwen3", **ck.shape_kw)             # the unquantized weights the checkpoint was made from
     with torch.no_grad():
-        got = reference_model(ck, ours)(ids).logits
-        want = reference_model(ck)(ids).logits
-        bf16 = hf_model("qwen3", **ck.shape_kw)(ids).logits
+        bf16 = model(ids).logits
+        load_hub_state(model, ck.dequantized)               # = reference_model(ck)
+        want = model(ids).logits
+        load_hub_state(model, ours)
+        got = model(ids).logits
     assert rel_err(got, want) < (1e-6 if kind == "ct-nvfp4" else 1e-12)
     assert torch.equal(got.argmax(-1), want.argmax(-1))
     assert rel_err(want, bf16) < 0.5          # the quantized model is still the model (loose: 4-bit, tiny)
