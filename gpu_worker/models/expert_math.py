@@ -83,13 +83,13 @@ class Bf16Rows(ExpertRows):
         return self.layout.w13_numel * self.rows.element_size()
 
     def ffn(self, mode, x, ids, weights, *, kernel_impl="auto", plan=None, between=None, between_down=None):
-        from .resident_experts import grouped_expert_ffn
+        from .resident_experts import expert_ffn
 
-        if mode == "gemv":
+        if mode == "gemv" and (plan is not None or between is not None):
             return moe_gemv(x, ids, weights, self.w13, self.w2, impl=kernel_impl, plan=plan, between=between,
                             between_down=between_down)
         _run_hooks(between, between_down)
-        return grouped_expert_ffn(x, ids, weights, self.w13, self.w2)
+        return expert_ffn(mode, x, ids, weights, self.w13, self.w2, kernel_impl=kernel_impl)
 
 
 class QuantRows(ExpertRows):
