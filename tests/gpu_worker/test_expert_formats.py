@@ -180,3 +180,35 @@ def test_a_store_of_another_format_is_refused_on_attach():
         assert layout_hash(bf16) != layout_hash(src) != layout_hash(open_model_source(expert_format="mxfp4").experts)
     finally:
         host.close()
+
+
+def test_hybrid_on_the_cpu_gives_the_resident_tokens_in_a_quantized_format():
+    """The CPU workers compute their share from the quantized store (their torch kernel dequantizes), the GPU side
+    from its quantized slots; the sums agree with resident's to fp32 rounding, and the tokens are resident's."""
+    from gpu_worker.hybrid import HybridOptions
+    from tests.cpu_expert_pool.cpu_pool_util import load_with_resources
+
+    label = "int4-g32"
+    resident = load_model(device="cpu", expert_format=label)
+    loaded = load_with_resources("hybrid", device="cpu", cache_size=12, expert_format=label,
+                                 worker_args=("--threads", "1", "--no-pin", "--hot-ms", "1"),
+                                 hybrid=HybridOptions(fetch_fraction=0.5, cpu_deadline_s=20.0))
+    backend = loaded.model.experts
+    assert backend.host.store.expert_format.label == label and not backend.splits_experts
+    diffs = []
+    forward = backend.forward
+
+    def checked(layer_idx, x, topk_ids, topk_weights):
+        out = forward(layer_idx, x, topk_ids, topk_weights)
+        ref = resident.model.experts.forward(layer_idx, x, topk_ids, topk_weights)
+        diffs.append(float((out - ref).abs().max() / ref.abs().max().clamp_min(1e-30)))
+        return out
+
+    backend.forward = checked
+    try:
+        assert greedy(loaded, n=12, chunk=4) == greedy(resident, n=12, chunk=4)
+        counters = backend.counters()
+        assert counters["cpu_triples_total"] > 0 and counters["experts_fetched_total"] > 0
+        assert counters["fallbacks_total"] == 0 and diffs and max(diffs) < 1e-5
+    finally:
+        backend.close()
