@@ -35,6 +35,13 @@ def fp4_values(nib: torch.Tensor) -> torch.Tensor:
     return torch.where((n & 8) != 0, -mag, mag)
 
 
+def _repeat(t: torch.Tensor, g: int, dim: int) -> torch.Tensor:
+    """t.repeat_interleave(g, dim) as a view expanded then copied: no host sync (CUDA-graph capturable)."""
+    shape = list(t.shape)
+    shape[dim] *= g
+    return t.unsqueeze(dim + 1).expand(*t.shape[:dim + 1], g, *t.shape[dim + 1:]).reshape(shape)
+
+
 def _nibbles(codes: torch.Tensor) -> torch.Tensor:
     """[n, rows, K/2] uint8 -> [n, rows, K] nibbles, even k in the low nibble."""
     return torch.stack((codes & 0xF, codes >> 4), dim=-1).reshape(codes.shape[0], codes.shape[1], -1)
@@ -65,19 +72,19 @@ def _matrix(rows: torch.Tensor, layout: QuantLayout, which: int) -> torch.Tensor
     scales = _region(rows, layout, f"scales_{region}", sdt, sshape, part)    # [n, sr, sc]
     if fmt.name == "fp8":
         vals = codes.contiguous().view(torch.float8_e4m3fn).float()
-        sc = scales.float().repeat_interleave(FP8_BLOCK, 1).repeat_interleave(FP8_BLOCK, 2)
+        sc = _repeat(_repeat(scales.float(), FP8_BLOCK, 1), FP8_BLOCK, 2)
         return vals * sc[:, :r, :k]
     g = fmt.group_size
     nib = _nibbles(codes)
     if fmt.name == "int4":
         zeros = _region(rows, layout, f"zeros_{region}", torch.uint8, sshape, part)
-        vals = nib.float() - zeros.float().repeat_interleave(g, 2)
-        return vals * scales.float().repeat_interleave(g, 2)
+        vals = nib.float() - _repeat(zeros.float(), g, 2)
+        return vals * _repeat(scales.float(), g, 2)
     if fmt.name == "mxfp4":
-        return fp4_values(nib) * e8m0_decode(scales).repeat_interleave(g, 2)
+        return fp4_values(nib) * _repeat(e8m0_decode(scales), g, 2)
     if fmt.name == "nvfp4":
         glob = _region(rows, layout, "globals", torch.float32, (1, 3))[:, 0, which]      # [n]
-        return fp4_values(nib) * (e4m3_decode(scales) * glob[:, None, None]).repeat_interleave(g, 2)
+        return fp4_values(nib) * _repeat(e4m3_decode(scales) * glob[:, None, None], g, 2)
     raise FormatError(f"dequantize_rows: {fmt.label} is not a quantized format")
 
 
