@@ -24,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from gpu_worker.engine import Engine, EngineConfig, SamplingParams  # noqa: E402
 from gpu_worker.models import MoeModel, load_model  # noqa: E402
+from proto.knobs import EXPERT_FORMAT_CHOICES  # noqa: E402
 from gpu_worker.models.synthetic_routing import SyntheticRouting  # noqa: E402
 from gpu_worker.offload import HostExperts, OffloadExperts, resolve_cache_slots  # noqa: E402
 import kernels.expert_copy.api as expert_copy_api  # noqa: E402
@@ -237,7 +238,7 @@ def _table(args, source, rows, bw, bw_hot=None, bw_single=None) -> int:
     expert_bytes = source.layout.expert_nbytes
     total_expert_bytes = source.num_layers * source.num_experts * expert_bytes
     device = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
-    print(f"\n{args.preset} {source.layout.dtype}, {device}, torch {torch.__version__}, batch {args.batch}, "
+    print(f"\n{args.preset} {source.layout.dtype} {source.layout.fmt.label} experts, {device}, torch {torch.__version__}, batch {args.batch}, "
           f"prompt {args.prompt_tokens}{f' (+ {args.decode_tokens + 8} a request)' if args.batch > 1 else ''}, "
           f"{args.decode_tokens} decode tokens (temperature "
           f"{args.temperature}, seeded; routing {args.routing}), median of {args.runs} runs; expert "
@@ -262,6 +263,8 @@ def _table(args, source, rows, bw, bw_hot=None, bw_single=None) -> int:
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--preset", default="qwen3-30b-a3b")
+    parser.add_argument("--expert-format", default="auto", choices=EXPERT_FORMAT_CHOICES,
+                        help="the experts' format (auto: bf16 for a preset; quantized while loading otherwise)")
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--prompt-tokens", type=int, default=1024)
     parser.add_argument("--decode-tokens", type=int, default=256)
@@ -320,7 +323,7 @@ def main() -> int:
     rows = []
 
     t0 = time.perf_counter()
-    loaded = load_model(preset=args.preset, device=args.device, moe_strategy="resident")
+    loaded = load_model(preset=args.preset, device=args.device, moe_strategy="resident", expert_format=args.expert_format)
     cfg = loaded.cfg
     if args.batch < 1:
         raise SystemExit(f"--batch {args.batch}: give at least 1")

@@ -43,6 +43,7 @@ from gpu_worker.hybrid import HybridExperts, HybridOptions  # noqa: E402
 from gpu_worker.hybrid.bandwidth import copy_bandwidth, cpu_pool_bandwidth, shared_bandwidth  # noqa: E402
 from gpu_worker.hybrid.options import device_name  # noqa: E402
 from gpu_worker.models import load_model  # noqa: E402
+from proto.knobs import EXPERT_FORMAT_CHOICES  # noqa: E402
 from gpu_worker.models.synthetic_routing import SyntheticRouting  # noqa: E402
 from gpu_worker.offload import HostExperts, OffloadExperts, resolve_cache_slots  # noqa: E402
 from kernels.pdl import apply_setting as apply_pdl  # noqa: E402
@@ -245,6 +246,8 @@ def freq_weights(text: str) -> list[int | None]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", default="qwen3-30b-a3b")
+    parser.add_argument("--expert-format", default="auto", choices=EXPERT_FORMAT_CHOICES,
+                        help="the experts' format (auto: bf16 for a preset; quantized while loading otherwise)")
     parser.add_argument("--dtype", default="auto", help="auto: the preset's (bf16 for qwen3-30b-a3b)")
     parser.add_argument("--device", default="cuda", help="cpu: a smoke test of this script")
     parser.add_argument("--cache", default="0.25", help="GPU expert slots: a fraction of all experts, or a count")
@@ -293,7 +296,7 @@ def main() -> int:
     t0 = time.perf_counter()
     strategy = "offload" if args.no_resident else "resident"
     loaded = load_model(preset=args.preset, device=device, dtype=args.dtype, moe_strategy=strategy,
-                        moe_cache_size=args.cache)
+                        moe_cache_size=args.cache, expert_format=args.expert_format)
     cfg = loaded.cfg
     prompt = torch.randint(0, cfg.vocab_size, (args.prompt_tokens,), generator=gen).tolist()
     econf = EngineConfig(max_running_requests=1, max_context_tokens=args.prompt_tokens + args.decode_tokens + 16)

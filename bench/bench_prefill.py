@@ -39,6 +39,7 @@ from bench.bench_engine import _sync, pcie_store_bandwidth  # noqa: E402
 import gpu_worker.engine.attention as attention  # noqa: E402
 from gpu_worker.engine import Engine, EngineConfig, SamplingParams  # noqa: E402
 from gpu_worker.models import load_model  # noqa: E402
+from proto.knobs import EXPERT_FORMAT_CHOICES  # noqa: E402
 from coordinator.expert_resources import CpuWorkerSettings, ExpertResources  # noqa: E402
 from gpu_worker.api import attach_cpu_pool  # noqa: E402
 from gpu_worker.hybrid import HybridExperts  # noqa: E402
@@ -88,6 +89,8 @@ def measure(engine: Engine, prompt: list[int], runs: int, backend=None) -> dict:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--preset", default="qwen3-30b-a3b")
+    parser.add_argument("--expert-format", default="auto", choices=EXPERT_FORMAT_CHOICES,
+                        help="the experts' format (auto: bf16 for a preset; quantized while loading otherwise)")
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--prompt-tokens", type=int, default=1024)
     parser.add_argument("--chunks", default="512,1024", help="prefill chunk sizes (tokens), comma-separated")
@@ -112,7 +115,7 @@ def main() -> int:
                          f"{', '.join(attention.PREFILL_KERNELS)}; --chunks positive integers "
                          f"(got {args.variants!r}, {args.attention!r}, {args.chunks!r})")
     gen = torch.Generator().manual_seed(0)
-    loaded = load_model(preset=args.preset, device=args.device, moe_strategy="resident")
+    loaded = load_model(preset=args.preset, device=args.device, moe_strategy="resident", expert_format=args.expert_format)
     cfg = loaded.cfg
     prompt = torch.randint(0, cfg.vocab_size, (args.prompt_tokens,), generator=gen).tolist()
     max_ctx = args.prompt_tokens + 16

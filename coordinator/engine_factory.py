@@ -32,10 +32,11 @@ def served_name(model_dir: str | None, preset: str | None, served_model_name: st
     return served_model_name or (os.path.basename(os.path.normpath(model_dir)) if model_dir else (preset or "tiny"))
 
 
-def expert_format_of(cfg: Any) -> ExpertFormat | None:
-    """The experts' dtype and shape for the policy's bandwidth profiles (None when the policy does not know it)."""
+def expert_format_of(cfg: Any, fmt: str = "bf16") -> ExpertFormat | None:
+    """The experts' dtype, shape and format (an expert format label: the served one, ModelSource.expert_format) for
+    the policy's bandwidth profiles (None when the policy does not know it)."""
     try:
-        return ExpertFormat(str(cfg.dtype).replace("torch.", ""), cfg.hidden_size, cfg.expert_intermediate_size)
+        return ExpertFormat(str(cfg.dtype).replace("torch.", ""), cfg.hidden_size, cfg.expert_intermediate_size, fmt)
     except (ValueError, AttributeError) as exc:
         log.info("expert format unknown to the policy (%s); bandwidth profiles will not apply", exc)
         return None
@@ -46,7 +47,7 @@ def load_served_engine(model_dir: str | None, preset: str | None, device: str, *
                        max_context_tokens: int | None = None, served_model_name: str | None = None,
                        hybrid: Any = None, slot_audit_every: int = 0,
                        prefill_chunk_tokens: int | None = None, overlap_decode: bool | None = None,
-                       loaded: Any = None) -> ServedEngine:
+                       loaded: Any = None, expert_format: str = "auto") -> ServedEngine:
     """The engine `ft serve --workers inline` serves (`hybrid`: HybridOptions for cpu/hybrid, None: defaults;
     `slot_audit_every`: FREETOKEN_MOE_SLOT_AUDIT; `prefill_chunk_tokens`: None = the engine's default for the
     backend; `overlap_decode`: EngineConfig's, None = on CUDA; `loaded`: the model, already loaded over the host
@@ -57,7 +58,7 @@ def load_served_engine(model_dir: str | None, preset: str | None, device: str, *
 
     if loaded is None:
         loaded = load_model(model_dir, preset, device=device, moe_strategy=moe_strategy, moe_cache_size=moe_cache_size,
-                            hybrid=hybrid)
+                            hybrid=hybrid, expert_format=expert_format)
     tokenizer = loaded.tokenizer
     if tokenizer is None:
         raise FileNotFoundError(f"{model_dir or preset} has no tokenizer.json; the HTTP API needs one to turn "
@@ -78,7 +79,7 @@ def load_served_engine(model_dir: str | None, preset: str | None, device: str, *
 
     cfg = loaded.cfg
     name = served_name(model_dir, preset, served_model_name)
-    expert_format = expert_format_of(cfg)
+    expert_format = expert_format_of(cfg, loaded.source.expert_format.label)
     gpu_name = torch.cuda.get_device_name(loaded.device) if loaded.device.type == "cuda" else ""
     return ServedEngine(factory_reusing_probe, codec, name, probe.max_context_tokens, expert_format, gpu_name,
                         loaded.source.description)

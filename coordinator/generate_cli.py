@@ -131,7 +131,8 @@ def run(args: argparse.Namespace) -> int:
     from gpu_worker.api import load_attached_model, open_model_source, resolve_device
 
     device = resolve_device(args.device)
-    source = open_model_source(args.model, args.preset, dtype=args.dtype, seed=args.seed_weights, device=device)
+    source = open_model_source(args.model, args.preset, dtype=args.dtype, seed=args.seed_weights, device=device,
+                               expert_format=resolve({"expert_format": args.expert_format})["expert_format"])
     resources = ExpertResources.create(source, args.moe_strategy, store_name=f"ft-generate-{os.getpid()}", cpu=cpu,
                                        staging_device=device if device.type == "cuda" else None)
     try:
@@ -194,6 +195,7 @@ def _generate(args: argparse.Namespace, loaded, t_start: float, load_s: float) -
         print(json.dumps({"token_ids": tokens, "experts": expert_stats, "text": text, "prompt_token_ids": prompt,
                           "finish_reason": finish_reason, "model": loaded.source.description,
                           "device": str(loaded.device), "moe_strategy": args.moe_strategy,
+                          "expert_format": loaded.source.expert_format.label,
                           "timing": timing}))
     else:
         if tokenizer is None:

@@ -93,10 +93,15 @@ def options_from_serve_args(args: Any) -> ProcessSetOptions:
                         *((flag, getattr(args, attr, None)) for flag, attr in LOCAL_WORKER_FLAGS)):
         if value is not None:
             flags += [flag, str(value)]
+    from proto.knobs import resolve
+
+    expert_format = em.expert_format_label(resolve({"expert_format": getattr(args, "expert_format", None)})
+                                           ["expert_format"])
+    flags += ["--expert-format", expert_format]
     config = em.engine_config(model=model_dir, preset=args.preset, dtype="auto", moe_strategy=args.moe_strategy,
                               moe_cache_size=args.moe_cache_size, max_running_requests=args.max_running_requests,
-                              max_context_tokens=args.max_context_tokens, num_cpu_workers=num_cpu_workers)
-    from proto.knobs import resolve
+                              max_context_tokens=args.max_context_tokens, num_cpu_workers=num_cpu_workers,
+                              expert_format=expert_format)
 
     pin = resolve({"pin_gpu_worker": getattr(args, "pin_gpu_worker", None)})["pin_gpu_worker"] == "on"
     return ProcessSetOptions(attach=args.attach, config=config, engine_flags=flags, moe_strategy=args.moe_strategy,

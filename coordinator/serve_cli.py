@@ -156,7 +156,8 @@ def run_processes(args: argparse.Namespace) -> int:
 
     api_key = resolve_api_key(args.api_key)
     model_dir = os.path.abspath(args.model) if args.model else None
-    source = open_model_source(model_dir, args.preset, device="cpu")      # tokenizer, config, expert source
+    source = open_model_source(model_dir, args.preset, device="cpu",      # tokenizer, config, expert source
+                               expert_format=resolve({"expert_format": args.expert_format})["expert_format"])
     if source.tokenizer is None:
         raise FileNotFoundError(f"{model_dir or args.preset} has no tokenizer.json; the HTTP API needs one to turn "
                                 f"text into tokens (put the model's tokenizer.json beside its weights)")
@@ -176,7 +177,8 @@ def run_processes(args: argparse.Namespace) -> int:
         facts = procs.start()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-        policy = build_policy_from_args(args, expert_format_of(source.cfg), facts.gpu_name)
+        policy = build_policy_from_args(args, expert_format_of(source.cfg, source.expert_format.label),
+                                        facts.gpu_name)
         service = EngineService(procs.engine_client(), codec.decode, policy=policy,
                                 request_timeout_s=args.request_timeout_s,
                                 max_pending_requests=args.max_pending_requests)
@@ -217,7 +219,8 @@ def run_inline(args: argparse.Namespace) -> int:
 
     device = resolve_device(args.device)
     model_dir = os.path.abspath(args.model) if args.model else None
-    source = open_model_source(model_dir, args.preset, device=device)
+    source = open_model_source(model_dir, args.preset, device=device,
+                               expert_format=resolve({"expert_format": args.expert_format})["expert_format"])
     cpu = CpuWorkerSettings(num_workers=args.num_cpu_workers, reserve_cpus=getattr(args, "reserve_cpus", None),
                             log_level=args.log_level, ready_timeout_s=args.worker_ready_timeout_s)
     resources = ExpertResources.create(source, args.moe_strategy, cpu=cpu,
@@ -254,6 +257,7 @@ def _run_inline(args: argparse.Namespace, loaded) -> int:
                                 moe_cache_size=args.moe_cache_size, max_running_requests=args.max_running_requests,
                                 max_context_tokens=args.max_context_tokens, served_model_name=args.served_model_name,
                                 prefill_chunk_tokens=args.prefill_chunk_tokens, loaded=loaded,
+                                expert_format=resolve({"expert_format": args.expert_format})["expert_format"],
                                 hybrid=inline_hybrid_options(args),
                                 overlap_decode=None if overlap == "auto" else overlap == "on",
                                 slot_audit_every=resolve({"moe_slot_audit": args.moe_slot_audit})["moe_slot_audit"])

@@ -8,7 +8,10 @@ expert's bytes once (triples are grouped by expert), weights in place from the s
 
 Kernels: ``torch`` (bf16 F.linear per expert; always available, the fallback), ``native-<isa>``
 (cpu_expert_pool/native/expert_ffn.c: avx512_bf16, avx512, avx2, scalar), ``native`` (best ISA
-here), ``auto`` (native when it builds, else torch, with a log line saying why).
+here), ``auto`` (native when it builds and reads the store's format, else torch, with a log line saying why).
+Quantized stores (fp8, int4-g*, mxfp4, nvfp4; proto/expert_format.py): the torch kernel dequantizes each used
+expert (`expert_weights`) to the model dtype and runs the same math; the compiled kernel reads the formats in
+NATIVE_FORMATS.
 Legend: T tokens, H hidden, I intermediate, E experts, n triples, B tokens of one expert, c split_limit.
 """
 from __future__ import annotations
@@ -20,12 +23,14 @@ import torch
 import torch.nn.functional as F
 
 from cpu_expert_pool.native.build import ISA_BY_NAME, ISA_NAMES, NativeLib, try_load_native
+from proto.expert_format import FormatError, dequantize_expert
 from proto.expert_store import ExpertStore
 from proto.shm_layout import SPLIT_CHANNEL_UNIT
 
 log = logging.getLogger(__name__)
 
 KERNELS = ("auto", "torch", "native", *(f"native-{name}" for name in ISA_BY_NAME))
+NATIVE_FORMATS = ("bf16",)     # expert formats the compiled kernel reads (cpu_expert_pool/native); torch: every one
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,6 +54,19 @@ def check_split(store: ExpertStore, split_expert: int, split_limit: int) -> None
                          f"with split_limit {split_limit}")
 
 
+def expert_weights(store: ExpertStore, layer: int, expert: int,
+                   dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(w13 [2I, H], w2 [H, I]) of one expert: zero-copy views (bf16 format; cast to ``dtype`` when given), or its
+    bytes dequantized (proto.expert_format.dequantize_expert, float32) and cast to ``dtype`` (default: the store's
+    model dtype)."""
+    dtype = store.dtype if dtype is None else dtype
+    if not store.expert_format.quantized:
+        w13, w2 = store.expert_views(layer, expert)
+        return w13.to(dtype), w2.to(dtype)
+    gate, up, down = dequantize_expert(store.expert_bytes_view(layer, expert), store.shape.quant_layout)
+    return torch.cat((gate, up)).to(dtype), down.to(dtype)
+
+
 def torch_moe_layer(store: ExpertStore, layer: int, hidden: torch.Tensor, token_idx: torch.Tensor,
                     expert_id: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, split_expert: int = -1,
                     split_limit: int = 0) -> LayerStats:
@@ -60,7 +78,7 @@ def torch_moe_layer(store: ExpertStore, layer: int, hidden: torch.Tensor, token_
     if token_idx.numel() == 0:
         return LayerStats(0, 0)
     inter = store.shape.intermediate
-    channel_bytes = store.expert_bytes // inter                          # 3 rows of H: gate, up, down
+    channel_bytes = store.expert_bytes // inter                          # 3 rows of H: gate, up, down (and scales)
     x = hidden.to(store.dtype)                                           # [T, H]
     order = torch.argsort(expert_id, stable=True)
     experts, counts = torch.unique_consecutive(expert_id[order], return_counts=True)
@@ -69,7 +87,7 @@ def torch_moe_layer(store: ExpertStore, layer: int, hidden: torch.Tensor, token_
         rows = order[start:start + count]
         start += count
         toks = token_idx[rows].long()                                    # [B]
-        w13, w2 = store.expert_views(layer, e)                           # [2I, H], [H, I]
+        w13, w2 = expert_weights(store, layer, e)                        # [2I, H], [H, I] (dequantized)
         c = split_limit if split_limit and e == split_expert else inter
         if c < inter:                                                    # prefix of the channels
             w13, w2 = torch.cat((w13[:c], w13[inter:inter + c])), w2[:, :c]   # [2c, H], [H, c]
@@ -107,7 +125,15 @@ class ExpertKernel:
                     raise RuntimeError(f"kernel {kernel!r} unavailable: {why}")
                 log.warning("compiled CPU expert kernel unavailable, using torch: %s", why)
         if self._native is not None:
-            if store.dtype != torch.bfloat16:
+            fmt = store.expert_format
+            if fmt.name not in NATIVE_FORMATS:
+                if kernel != "auto":
+                    raise FormatError(f"the compiled CPU expert kernel has no {fmt.label} path (it reads "
+                                      f"{', '.join(NATIVE_FORMATS)}); this store holds {fmt.label} experts: use "
+                                      "--kernel torch (or auto)")
+                log.warning("the compiled CPU expert kernel does not read %s experts; using torch", fmt.label)
+                self._native = None
+            elif store.dtype != torch.bfloat16:
                 if kernel != "auto":
                     raise ValueError(f"the compiled kernel reads bf16 weights; this store is {store.dtype}: "
                                      "use --kernel torch")

@@ -1,14 +1,25 @@
 """Plain-PyTorch float32 reference of one MoE layer's CPU share, written for clarity, not speed.
 
 out[t] = sum over triples k with token t of  weight_k * down_e(silu(gate_e(x_t)) * up_e(x_t)),
-with e = expert_k; weights come from the store (bf16 upcast to fp32), all math in fp32.
+with e = expert_k; weights come from the store (bf16 upcast to fp32; a quantized expert dequantized to fp32 by
+proto.expert_format.dequantize_expert), all math in fp32.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
+from proto.expert_format import dequantize_expert
 from proto.expert_store import ExpertStore
+
+
+def expert_weights_fp32(store: ExpertStore, layer: int, expert: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(w13 [2I, H], w2 [H, I]) of one expert in fp32, any format."""
+    if store.expert_format.quantized:
+        gate, up, down = dequantize_expert(store.expert_bytes_view(layer, expert), store.shape.quant_layout)
+        return torch.cat((gate, up)), down
+    w13, w2 = store.expert_views(layer, expert)
+    return w13.float(), w2.float()
 
 
 def reference_moe_layer(store: ExpertStore, layer: int, hidden: torch.Tensor, token_idx: torch.Tensor,
@@ -19,8 +30,8 @@ def reference_moe_layer(store: ExpertStore, layer: int, hidden: torch.Tensor, to
     x = hidden.float()
     for k in range(token_idx.numel()):
         t, e, w = int(token_idx[k]), int(expert_id[k]), float(weight[k])
-        w13, w2 = store.expert_views(layer, e)               # [2I, H], [H, I]
-        gate_up = F.linear(x[t], w13.float())                # [2I]
+        w13, w2 = expert_weights_fp32(store, layer, e)       # [2I, H], [H, I]
+        gate_up = F.linear(x[t], w13)                        # [2I]
         h = F.silu(gate_up[:inter]) * gate_up[inter:]        # [I]
-        out[t] += w * F.linear(h, w2.float())                # [H]
+        out[t] += w * F.linear(h, w2)                        # [H]
     return out

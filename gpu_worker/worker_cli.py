@@ -46,6 +46,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="prompt tokens a prefill chunk takes (default: 4096; cpu/hybrid: 512); local to this "
                             "process, not part of the coordinator's config")
     model.add_argument("--num-cpu-workers", type=int, default=0, help="CPU expert workers (cpu/hybrid strategies)")
+    add_cli_flag(model, "expert_format")        # part of the coordinator's config (hashed)
     add_cli_flag(parser, "moe_slot_audit")      # local: a check, not part of the coordinator's config
     add_cli_flag(parser, "pdl")                 # local: the same tokens either way
     add_cli_flag(parser, "overlap_decode")      # local: the same tokens either way
@@ -69,7 +70,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("--max-running-requests must be >= 1")
     from proto.knobs import resolve
 
-    knobs = resolve({"pin_gpu_worker": args.pin_gpu_worker,
+    knobs = resolve({"pin_gpu_worker": args.pin_gpu_worker, "expert_format": args.expert_format,
                      "moe_slot_audit": args.moe_slot_audit, "pdl": args.pdl,
                      "eviction_freq_weight": args.eviction_freq_weight,
                      "eviction_freq_half_life": args.eviction_freq_half_life, "overlap_decode": args.overlap_decode})
@@ -77,7 +78,7 @@ def run(args: argparse.Namespace) -> int:
     apply_setting(knobs["pdl"], args.device)
     options = GpuWorkerOptions(
         engine_addr=args.engine_addr, name=args.name, model=args.model, preset=args.preset, device=args.device,
-        moe_strategy=args.moe_strategy, moe_cache_size=args.moe_cache_size,
+        moe_strategy=args.moe_strategy, moe_cache_size=args.moe_cache_size, expert_format=knobs["expert_format"],
         max_running_requests=args.max_running_requests, max_context_tokens=args.max_context_tokens,
         num_cpu_workers=args.num_cpu_workers, store_name=args.store_name,
         handshake_timeout_s=args.handshake_timeout_s, drain_timeout_s=args.drain_timeout_s,

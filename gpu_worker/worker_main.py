@@ -52,6 +52,7 @@ class GpuWorkerOptions:
     dtype: str = "auto"
     moe_strategy: str = "resident"
     moe_cache_size: int | None = None
+    expert_format: str = "auto"                # --expert-format / FREETOKEN_EXPERT_FORMAT (hashed)
     max_running_requests: int = 8
     max_context_tokens: int | None = None
     num_cpu_workers: int = 0
@@ -70,7 +71,8 @@ class GpuWorkerOptions:
         return em.engine_config(model=os.path.abspath(self.model) if self.model else None, preset=self.preset,
                                 dtype=self.dtype, moe_strategy=self.moe_strategy, moe_cache_size=self.moe_cache_size,
                                 max_running_requests=self.max_running_requests,
-                                max_context_tokens=self.max_context_tokens, num_cpu_workers=self.num_cpu_workers)
+                                max_context_tokens=self.max_context_tokens, num_cpu_workers=self.num_cpu_workers,
+                                expert_format=self.expert_format)
 
 
 @dataclasses.dataclass
@@ -118,7 +120,8 @@ def load_engine(opts: GpuWorkerOptions, welcome: em.Welcome) -> LoadedEngine:
     from gpu_worker.models.model import MoeModel
 
     device = resolve_device(opts.device)
-    source = open_model_source(opts.model, opts.preset, dtype=opts.dtype, device=device)
+    source = open_model_source(opts.model, opts.preset, dtype=opts.dtype, device=device,
+                               expert_format=opts.expert_format)
     experts = make_attached_expert_backend(opts.moe_strategy, source.experts, device,
                                            store_name=opts.store_name or welcome.store_name,
                                            cpu_channels=welcome.cpu_channels, cache_size=opts.moe_cache_size,

@@ -1,7 +1,8 @@
 """The `ft bench bw` bandwidth profile: its format and reader (a contract between the writer, `ft bench bw`,
 and its readers, the coordinator's fetch policy and the GPU worker's starting fetch fraction).
 
-A profile holds, per GPU and expert format (dtype, hidden and intermediate size), the measured PCIe and
+A profile holds, per GPU and expert format (dtype, hidden and intermediate size, and the experts' storage
+format: bf16, fp8, int4-g*, mxfp4, nvfp4; an entry without "format" is bf16), the measured PCIe and
 CPU-pool expert bandwidths; the fetch fraction starts at B_pcie / (B_pcie + B_cpu). A profile of other
 hardware or another expert format is ignored with a log line, never misapplied.
 """
@@ -12,6 +13,9 @@ import logging
 import math
 import os
 from dataclasses import dataclass
+
+from proto.expert_format import ExpertFormat as StorageFormat
+from proto.expert_format import FormatError, QuantLayout
 
 log = logging.getLogger("ft.bandwidth_profile")
 
@@ -33,22 +37,32 @@ def normalize_dtype(name: str) -> str:
 
 @dataclass(frozen=True)
 class ExpertFormat:
-    """What one expert's weights look like: gate, up ([I, H] each) and down ([H, I])."""
+    """What one expert's weights look like: gate, up ([I, H] each) and down ([H, I]) in the model dtype, stored
+    as ``fmt`` (a proto.expert_format label: bf16 = the dtype itself, or a quantized format's bytes)."""
     dtype: str
     hidden_size: int
     intermediate_size: int
+    fmt: str = "bf16"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", normalize_dtype(self.dtype))
         if self.hidden_size <= 0 or self.intermediate_size <= 0:
             raise ValueError(f"expert sizes must be positive, got H={self.hidden_size} I={self.intermediate_size}")
+        try:
+            object.__setattr__(self, "fmt", StorageFormat.parse(self.fmt).label)
+        except FormatError as exc:
+            raise ValueError(str(exc)) from None
 
     @property
     def bytes_per_expert(self) -> int:
+        storage = StorageFormat.parse(self.fmt)
+        if storage.quantized:
+            return QuantLayout(self.hidden_size, self.intermediate_size, storage).expert_nbytes
         return 3 * self.hidden_size * self.intermediate_size * _DTYPE_BYTES[self.dtype]
 
     def key(self) -> str:
-        return f"{self.dtype}/{self.hidden_size}x{self.intermediate_size}"
+        base = f"{self.dtype}/{self.hidden_size}x{self.intermediate_size}"
+        return base if self.fmt == "bf16" else f"{base}/{self.fmt}"
 
 
 @dataclass(frozen=True)
@@ -68,7 +82,7 @@ def load_bandwidth_profile(path: str, expert_format: ExpertFormat, gpu_name: str
     """The entry of an `ft bench bw` profile that matches this GPU and expert format, or None.
 
     Schema (docs/POLICY.md): {"gpu_name": str, "entries": [{"dtype", "hidden_size",
-    "intermediate_size", "pcie_gb_s", "cpu_gb_s", optional "gpu_name"}]}. A missing file, another
+    "intermediate_size", "pcie_gb_s", "cpu_gb_s", optional "format" (default bf16), optional "gpu_name"}]}. A missing file, another
     GPU or another expert format gives None and one log line saying why.
     """
     if not path or not os.path.exists(path):
@@ -87,7 +101,8 @@ def load_bandwidth_profile(path: str, expert_format: ExpertFormat, gpu_name: str
     for entry in entries:
         try:
             entry_gpu = str(entry.get("gpu_name", doc.get("gpu_name", "")))
-            fmt = ExpertFormat(entry["dtype"], int(entry["hidden_size"]), int(entry["intermediate_size"]))
+            fmt = ExpertFormat(entry["dtype"], int(entry["hidden_size"]), int(entry["intermediate_size"]),
+                               str(entry.get("format", "bf16")))
             pcie, cpu = float(entry["pcie_gb_s"]), float(entry["cpu_gb_s"])
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             log.warning("skipping a malformed entry of bandwidth profile %s: %s", path, exc)

@@ -216,14 +216,24 @@ def unpack_token_ids(data: bytes) -> list[int]:
 
 def engine_config(*, model: str | None, preset: str | None, dtype: str, moe_strategy: str,
                   moe_cache_size: str | None, max_running_requests: int, max_context_tokens: int | None,
-                  num_cpu_workers: int) -> dict[str, Any]:
+                  num_cpu_workers: int, expert_format: str = "auto") -> dict[str, Any]:
     """What the coordinator and its GPU worker must agree on (from their command-line flags).
-    num_cpu_workers counts only for the strategies that use CPU expert workers."""
+    num_cpu_workers counts only for the strategies that use CPU expert workers; expert_format (--expert-format,
+    FREETOKEN_EXPERT_FORMAT) is normalised (int4 = int4-g128)."""
     return {"protocol": ENGINE_PROTOCOL_VERSION, "model": model or "", "preset": preset or "", "dtype": dtype,
+            "expert_format": expert_format_label(expert_format),
             "moe_strategy": moe_strategy, "moe_cache_size": "" if moe_cache_size is None else str(moe_cache_size),
             "max_running_requests": int(max_running_requests),
             "max_context_tokens": 0 if max_context_tokens is None else int(max_context_tokens),
             "num_cpu_workers": int(num_cpu_workers) if moe_strategy in CPU_POOL_STRATEGIES else 0}
+
+
+def expert_format_label(text: str | None) -> str:
+    """An --expert-format value as the engine config holds it: auto, or the format's label (int4 -> int4-g128)."""
+    if text is None or str(text).strip().lower() in ("", "auto"):
+        return "auto"
+    from proto.expert_format import ExpertFormat
+    return ExpertFormat.parse(str(text)).label
 
 
 def config_json(config: dict[str, Any]) -> str:

@@ -64,7 +64,27 @@ def _freq_weight(raw: str) -> int:
     return value
 
 
+def _expert_format(raw: str) -> str:
+    """auto, or an expert format label (proto.expert_format.ExpertFormat.parse), normalised: int4 -> int4-g128."""
+    if raw.strip().lower() == "auto":
+        return "auto"
+    from proto.expert_format import ExpertFormat, FormatError
+    try:
+        return ExpertFormat.parse(raw).label
+    except FormatError as exc:
+        raise ValueError(str(exc)) from None
+
+
+EXPERT_FORMAT_CHOICES = ("auto", "bf16", "fp8", "int4", "int4-g32", "int4-g64", "int4-g128", "mxfp4", "nvfp4")
+
 KNOBS: tuple[Knob, ...] = (
+    Knob("FREETOKEN_EXPERT_FORMAT", "expert_format", _expert_format, "auto",
+         "the experts' format in the host store, the GPU slots and the CPU pool: auto (as the checkpoint stores "
+         "them: its quantization_config, else bf16), bf16, fp8 (128x128 block scales), int4 (groups of 128; "
+         "int4-g32 / int4-g64), mxfp4, nvfp4. A float checkpoint or a preset is quantized while loading (round to "
+         "nearest); a quantized checkpoint is served in its format or as bf16 (dequantized). Part of the engine "
+         "config: the coordinator and its GPU worker must agree (docs/QUANTIZATION.md)",
+         choices=EXPERT_FORMAT_CHOICES),
     Knob("FREETOKEN_HYBRID_FETCH_ROUND", "fetch_round", str, "split",
          "rounding of f*M to a fetch count: min-wait (finish both sides together), stochastic "
          "(seeded, unbiased), prefer-fetch (ceil), split (on the device hand-off's decode steps: floor, and the "

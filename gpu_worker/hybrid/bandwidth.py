@@ -10,7 +10,7 @@
   own while the CPU pool calls run, each side's rate inside their common window and the bytes both
   moved in it. Alone, each side has the host DRAM to itself; together they share it, and B_pcie + B_cpu
   from the two above overstates the hybrid roofline.
-- `write_profile_entry`: merge one entry, keyed on (gpu_name, dtype, H, I), into the profile JSON.
+- `write_profile_entry`: merge one entry, keyed on (gpu_name, dtype, H, I, format), into the profile JSON.
 """
 from __future__ import annotations
 
@@ -32,11 +32,13 @@ import torch
 from proto.cpu_channel import CpuPoolClient, create_worker_channel
 from cpu_expert_pool.api import CpuWorkerProc
 from proto.expert_owners import ExpertSplit
-from proto.expert_store import ExpertStore
+from proto.expert_format import ExpertFormat, quantize_expert
+from proto.expert_store import ExpertStore, StoreShape
 
 from proto.cpu_channel import channel_hidden_dtype
 
 WARMUP_CALLS = 10
+BENCH_DISTINCT = 8          # quantized bench stores: experts quantized, their bytes repeated (the copies read them all)
 WARMUP_S = 0.3              # CPU pool: calls for at least this long before timing (a fresh worker settles)
 WORKER_START_TIMEOUT_S = 120.0
 CALL_DEADLINE_S = 30.0
@@ -60,16 +62,26 @@ class Measurement:
 
 
 def bench_store(hidden: int, intermediate: int, dtype: torch.dtype, store_bytes: int, min_experts: int,
-                seed: int = 0) -> ExpertStore:
-    """A one-layer store of random experts, at least `store_bytes` (beyond the last-level cache)."""
-    expert_bytes = 3 * hidden * intermediate * torch.empty((), dtype=dtype).element_size()
-    num = max(min_experts, -(-store_bytes // expert_bytes))
+                seed: int = 0, fmt: str = "bf16") -> ExpertStore:
+    """A one-layer store of random experts, at least `store_bytes` (beyond the last-level cache), in the expert
+    format `fmt` (quantized: BENCH_DISTINCT experts quantized, their bytes repeated over the store)."""
+    probe = StoreShape(1, 1, hidden, intermediate, str(dtype).removeprefix("torch."), ExpertFormat.parse(fmt).label)
+    num = max(min_experts, -(-store_bytes // probe.expert_bytes))
     store = ExpertStore.create(f"ft-benchbw-{os.getpid()}-{uuid.uuid4().hex[:6]}", num_layers=1, num_experts=num,
-                               hidden=hidden, intermediate=intermediate, dtype=dtype, config_hash="bench-bw")
+                               hidden=hidden, intermediate=intermediate, dtype=dtype, config_hash="bench-bw",
+                               fmt=probe.fmt)
     gen = torch.Generator().manual_seed(seed)
     view = store.layer_view(0)                                                    # [E, N]
-    for start in range(0, num, 64):
-        view[start:start + 64].normal_(0.0, 0.02, generator=gen)
+    if store.expert_format.quantized:
+        distinct = torch.stack([quantize_expert(*(torch.randn(r, k, generator=gen) * 0.02 for r, k in
+                                                  ((intermediate, hidden), (intermediate, hidden),
+                                                   (hidden, intermediate))), store.expert_format)
+                                for _ in range(min(BENCH_DISTINCT, num))])        # [D, N] bytes
+        for start in range(0, num, distinct.shape[0]):
+            view[start:start + distinct.shape[0]] = distinct[:num - start]
+    else:
+        for start in range(0, num, 64):
+            view[start:start + 64].normal_(0.0, 0.02, generator=gen)
     store.mark_ready()
     return store
 
@@ -395,9 +407,11 @@ def write_profile_entry(path: str, entry: dict) -> dict:
                 doc = old
         except (OSError, ValueError):
             pass                                       # unreadable: replaced by a fresh document
-    key = ("gpu_name", "dtype", "hidden_size", "intermediate_size")
+    key = ("gpu_name", "dtype", "hidden_size", "intermediate_size", "format")
+    default = {"format": "bf16"}                       # an entry written before formats were keyed is bf16's
     doc["entries"] = [e for e in doc["entries"]
-                      if not (isinstance(e, dict) and all(e.get(k, doc.get(k)) == entry[k] for k in key))]
+                      if not (isinstance(e, dict) and all(e.get(k, doc.get(k, default.get(k))) ==
+                                                          entry.get(k, default.get(k)) for k in key))]
     doc["entries"].append(entry)
     doc["gpu_name"] = entry["gpu_name"]
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)

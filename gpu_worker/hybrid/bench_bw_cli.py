@@ -3,8 +3,10 @@
     ft bench bw --preset qwen3-30b-a3b                  # bf16 2048x768 experts, this GPU (or "cpu")
     ft bench bw --model /models/Qwen3-30B-A3B --cpu-workers 2
     ft bench bw --preset tiny --device cpu --store-mib 8 --calls 50 --out /tmp/bw.json   # CI smoke
+    ft bench bw --preset qwen3-30b-a3b --expert-format int4        # 4-bit experts: their own entry
 
-The entry is keyed on the expert format (dtype, H, I) and the GPU name ("cpu" without CUDA); an
+The entry is keyed on the expert format (dtype, H, I, and the storage format: --expert-format, default bf16)
+and the GPU name ("cpu" without CUDA); an
 entry of the same key is replaced, others are kept. Where it goes: --out, else $FREETOKEN_BENCHBW_PATH
 (--benchbw-path), else ~/.cache/freetoken/benchbw.json. The hybrid backend and `ft serve` start f at
 pcie_gb_s / (pcie_gb_s + cpu_gb_s) of a matching entry and ignore the others (coordinator/policy.py).
@@ -21,6 +23,8 @@ import json
 import sys
 import time
 
+from proto.knobs import EXPERT_FORMAT_CHOICES
+
 DEFAULT_STORE_MIB = 2048          # experts read per run: beyond any last-level cache
 DEFAULT_CALLS = 200
 
@@ -30,6 +34,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     fmt.add_argument("--preset", default=None, help="take H, I and dtype from a preset (tiny, qwen3-30b-a3b, ...)")
     fmt.add_argument("--model", default=None, metavar="DIR", help="take them from a checkpoint's config.json")
     fmt.add_argument("--dtype", default="auto", help="expert dtype (auto: the model's)")
+    fmt.add_argument("--expert-format", default=None, choices=EXPERT_FORMAT_CHOICES,
+                     help="the experts' storage format measured (auto: the checkpoint's; default: "
+                          "$FREETOKEN_EXPERT_FORMAT, else auto)")
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     parser.add_argument("--top-k", type=int, default=None, help="experts per CPU call (default: the model's top-k)")
     parser.add_argument("--cpu-workers", type=int, default=1, help="CPU worker processes, as `ft generate` starts")
@@ -59,13 +66,14 @@ def run(args: argparse.Namespace) -> int:
 
     device = resolve_device(args.device)
     source = open_model_source(args.model, args.preset or (None if args.model else "qwen3-30b-a3b"),
-                               dtype=args.dtype, device=device)
-    cfg, dtype = source.cfg, source.dtype
+                               dtype=args.dtype, device=device,
+                               expert_format=resolve({"expert_format": args.expert_format})["expert_format"])
+    cfg, dtype, fmt = source.cfg, source.dtype, source.expert_format.label
     top_k = args.top_k or cfg.top_k
     path = args.out or resolve({"benchbw_path": args.benchbw_path})["benchbw_path"] or default_benchbw_path()
     gpu_name = device_name(device)
     store = bench_store(cfg.hidden_size, cfg.expert_intermediate_size, dtype, int(args.store_mib * 2**20),
-                        min_experts=4 * top_k * args.cpu_workers)
+                        min_experts=4 * top_k * args.cpu_workers, fmt=fmt)
     try:
         t0 = time.perf_counter()
         copy = copy_bandwidth(store, device, args.calls)
@@ -84,7 +92,8 @@ def run(args: argparse.Namespace) -> int:
     finally:
         store.close()
         store.unlink()
-    entry = {"gpu_name": gpu_name, "dtype": str(dtype).removeprefix("torch."), "hidden_size": cfg.hidden_size,
+    entry = {"gpu_name": gpu_name, "dtype": str(dtype).removeprefix("torch."), "format": fmt,
+             "hidden_size": cfg.hidden_size,
              "intermediate_size": cfg.expert_intermediate_size, "pcie_gb_s": round(copy.gb_s, 3),
              "cpu_gb_s": round(cpu.gb_s, 3), "pcie_p10_gb_s": round(copy.p10_gb_s, 3),
              "cpu_p10_gb_s": round(cpu.p10_gb_s, 3),
@@ -96,7 +105,7 @@ def run(args: argparse.Namespace) -> int:
              "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "torch": torch.__version__}
     write_profile_entry(path, entry)
     together = f"; at the same time: {shared.summary()}" if shared else ""
-    print(f"{gpu_name}, {entry['dtype']} experts {cfg.hidden_size}x{cfg.expert_intermediate_size} "
+    print(f"{gpu_name}, {fmt} experts ({entry['dtype']}) {cfg.hidden_size}x{cfg.expert_intermediate_size} "
           f"({store.expert_bytes / 1e6:.2f} MB): copy {copy.gb_s:.1f} GB/s (p10 {copy.p10_gb_s:.1f}), CPU pool "
           f"{cpu.gb_s:.1f} GB/s (p10 {cpu.p10_gb_s:.1f}; {args.cpu_workers} worker(s), top-{top_k} a call) -> "
           f"f = {entry['fetch_fraction']:.3f}{together}; {elapsed_s:.1f} s; written to {path}", file=sys.stderr)

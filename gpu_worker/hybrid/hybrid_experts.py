@@ -31,8 +31,8 @@ import logging
 import numpy as np
 import torch
 
-from gpu_worker.models.expert_layout import unpack_experts
-from gpu_worker.models.resident_experts import MODES, expert_ffn, pick_mode
+from gpu_worker.models.expert_math import expert_rows
+from gpu_worker.models.resident_experts import MODES, pick_mode
 from gpu_worker.offload import HostExperts
 from gpu_worker.offload.decode_copy import DecodeCopy
 from gpu_worker.offload.slot_pool import SlotPoolAudit, eviction_settings
@@ -88,16 +88,15 @@ class HybridExperts(DeviceHandoff, HostHandoff, SlotPoolAudit):
         # docstring). The last row, outside the cache, is the split slot: the GPU's channels of the expert split
         # under fetch_round "split" (kernels/expert_split; device hand-off only).
         self.split_slot = self.cache.total_slots
-        self.slots = torch.zeros(self.cache.total_slots + 1, self.layout.expert_numel, dtype=self.layout.dtype,
-                                 device=self.device)
+        self.slots = self.layout.zeros_layer(self.cache.total_slots + 1, device=self.device)
         self._split_desc = torch.tensor([-1, 0], dtype=torch.int32, device=self.device)   # expert, limit c
         self._split_counts = torch.zeros(expert_split.COUNTS_LEN, dtype=torch.int64, device=self.device)
-        self.w13, self.w2 = unpack_experts(self.slots, self.layout)
+        self.rows = expert_rows(self.slots, self.layout)      # the expert math over the slots (any format)
         self.copy_stream = torch.cuda.Stream(device=self.device) if self.on_cuda else None
         self.split_stream = torch.cuda.Stream(device=self.device) if self.on_cuda else None   # the split copy
         # device hand-off: the plan copy by the copy kernel on copy_stream beside the hits' GEMMs, in two parts
         # (w13, then w2) unless split_copy is off; the split expert's copy on split_stream beside it
-        self.decode_copy = DecodeCopy(self.slots, self.host.layers, self.cache, self.w13, self.w2,
+        self.decode_copy = DecodeCopy(self.slots, self.host.layers, self.cache, self.rows,
                                       stream=self.copy_stream, split=split_copy, extra_stream=self.split_stream)
         self._queued = torch.cuda.Event() if self.on_cuda else None
         # prefill chunks run as offload (more than cpu_max_tokens tokens) stream the next layer's experts
@@ -181,9 +180,10 @@ class HybridExperts(DeviceHandoff, HostHandoff, SlotPoolAudit):
     @property
     def splits_experts(self) -> bool:
         """Whether decode steps on the device hand-off split one expert a layer by channels (fetch_round
-        "split", an expert of at least two whole SPLIT_UNITs); elsewhere "split" rounds down only."""
+        "split", a bf16 expert of at least two whole SPLIT_UNITs: the split copy moves rows and columns of the
+        weights, which a quantized expert's bytes do not lay out); elsewhere "split" rounds down only."""
         return (self.policy.get("fetch_round") == "split" and self.strategy == "hybrid"
-                and expert_split.splittable(self.layout.intermediate_size))
+                and not self.layout.quantized and expert_split.splittable(self.layout.intermediate_size))
 
     def preferred_prefill_chunk_tokens(self) -> int | None:
         """The engine's prefill chunk when none is configured (read once, when the engine starts): cpu_max_tokens
@@ -220,8 +220,7 @@ class HybridExperts(DeviceHandoff, HostHandoff, SlotPoolAudit):
         """sum_k w_k * FFN_{slot_k}(x) over slot ids [T, K] -> [T, H] (x.dtype); zeros when `skip`."""
         if skip:
             return torch.zeros_like(x)
-        return expert_ffn(self._mode(slot_ids.numel()), x, slot_ids, weights, self.w13, self.w2,
-                          kernel_impl=self.kernel_impl)
+        return self.rows.ffn(self._mode(slot_ids.numel()), x, slot_ids, weights, kernel_impl=self.kernel_impl)
 
     def _gemm_gpu_routes(self, x: torch.Tensor, routes: torch.Tensor, weights: torch.Tensor,
                          skip: bool) -> torch.Tensor:

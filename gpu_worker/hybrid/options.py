@@ -145,8 +145,9 @@ def device_name(device: torch.device) -> str:
 
 
 def resolve_fetch_fraction(options: HybridOptions, *, dtype: torch.dtype, hidden_size: int,
-                           intermediate_size: int, device: torch.device) -> tuple[float, str]:
-    """(f, where it came from): the given fraction, a matching `ft bench bw` profile entry, or 0.5."""
+                           intermediate_size: int, device: torch.device, fmt: str = "bf16") -> tuple[float, str]:
+    """(f, where it came from): the given fraction, a `ft bench bw` profile entry of this GPU and expert format
+    (`fmt`: the store's, an expert format label), or 0.5."""
     if options.fetch_fraction is not None:
         return float(options.fetch_fraction), "flag"
     from proto.bandwidth_profile import ExpertFormat, default_benchbw_path, load_bandwidth_profile
@@ -154,8 +155,8 @@ def resolve_fetch_fraction(options: HybridOptions, *, dtype: torch.dtype, hidden
     from proto.knobs import resolve
 
     path = resolve({"benchbw_path": options.benchbw_path or None})["benchbw_path"] or default_benchbw_path()
-    fmt = ExpertFormat(str(dtype).removeprefix("torch."), hidden_size, intermediate_size)
-    profile = load_bandwidth_profile(path, fmt, device_name(device))
+    profile = load_bandwidth_profile(path, ExpertFormat(str(dtype).removeprefix("torch."), hidden_size,
+                                                        intermediate_size, fmt), device_name(device))
     if profile is None:
         log.info("fetch fraction %.2f (default): no matching bandwidth profile", DEFAULT_FETCH_FRACTION)
         return DEFAULT_FETCH_FRACTION, "default"

@@ -81,7 +81,8 @@ def _attached_hybrid(strategy: str, host, source: ExpertSource, slots: int, devi
     options = (hybrid or HybridOptions()).for_strategy(strategy)
     lay = source.layout
     fraction, fraction_source = resolve_fetch_fraction(options, dtype=lay.dtype, hidden_size=lay.hidden_size,
-                                                       intermediate_size=lay.intermediate_size, device=device)
+                                                       intermediate_size=lay.intermediate_size, device=device,
+                                                       fmt=lay.fmt.label)
     pool = CpuPool.attach(host.store, channels, deadline_s=options.cpu_deadline_s,
                           readmit_poll_s=options.readmit_poll_s, ready_timeout_s=options.ready_timeout_s,
                           worker_info=worker_info)

@@ -17,6 +17,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .quant_config import checkpoint_expert_format
+
 # HF architecture name -> our short name.
 ARCHITECTURES: dict[str, str] = {
     "Qwen3MoeForCausalLM": "qwen3",
@@ -59,7 +61,9 @@ class MoeConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     pad_token_id: int | None = None
+    expert_format: str = "bf16"     # the experts' format in the checkpoint (quantization_config; bf16: float)
     extra: dict[str, Any] = field(default_factory=dict, compare=False)  # unparsed HF fields to keep
+    quantization: dict[str, Any] = field(default_factory=dict, compare=False)  # the raw quantization_config
 
     def __post_init__(self) -> None:
         if self.arch not in HF_ARCH_OF:
@@ -73,6 +77,8 @@ class MoeConfig:
             raise ValueError(f"head_dim={self.head_dim} must be even for rotary embeddings")
         if self.dtype not in DTYPE_NAMES:
             raise ValueError(f"dtype {self.dtype!r} is not supported; use one of {', '.join(DTYPE_NAMES)}")
+        from proto.expert_format import ExpertFormat
+        object.__setattr__(self, "expert_format", ExpertFormat.parse(self.expert_format).label)
 
     @property
     def q_size(self) -> int:
@@ -120,6 +126,8 @@ class MoeConfig:
         eos = raw.get("eos_token_id")
         eos_ids = tuple(int(e) for e in (eos if isinstance(eos, list) else [eos] if eos is not None else []))
         dtype = str(_first(raw, "dtype", "torch_dtype", default="bfloat16")).replace("torch.", "")
+        quant = raw.get("quantization_config") or {}
+        fmt = checkpoint_expert_format(quant, source)        # refuses a quantization it does not load
         return cls(
             arch=arch, vocab_size=int(raw["vocab_size"]), hidden_size=hidden,
             num_layers=int(raw["num_hidden_layers"]), num_heads=heads,
@@ -136,8 +144,9 @@ class MoeConfig:
             clip_qkv=float(raw["clip_qkv"]) if raw.get("clip_qkv") is not None else None,
             dtype=dtype if dtype in DTYPE_NAMES else "bfloat16",
             bos_token_id=raw.get("bos_token_id"), eos_token_ids=eos_ids,
-            pad_token_id=raw.get("pad_token_id"),
+            pad_token_id=raw.get("pad_token_id"), expert_format=fmt.label,
             extra={k: raw[k] for k in ("intermediate_size", "initializer_range") if k in raw},
+            quantization=dict(quant) if isinstance(quant, dict) else {},
         )
 
     @classmethod
@@ -172,6 +181,8 @@ class MoeConfig:
             "pad_token_id": self.pad_token_id,
             "initializer_range": self.extra.get("initializer_range", 0.02),
         }
+        if self.quantization:
+            raw["quantization_config"] = dict(self.quantization)
         inter_dense = self.extra.get("intermediate_size", self.expert_intermediate_size)
         if self.arch == "qwen3":
             raw.update(num_experts=self.num_experts, moe_intermediate_size=self.expert_intermediate_size,

@@ -9,19 +9,54 @@ expert pool all use exactly this layout, so an expert moves between them as one 
 
     packed[e] = [ gate (I*H) | up (I*H) | down (H*I) ]
                   \\____ w13: 2*I*H ____/  \\_ w2: H*I _/
+
+A quantized format (``fmt``: fp8, int4-g*, mxfp4, nvfp4; proto/expert_format.py) keeps the same shape of
+things: row e of ``packed: [E, N]`` is expert e, but in uint8 bytes laid out as `QuantLayout` says (codes,
+scales, zero points, globals), N = its ``expert_nbytes``. ``dtype`` stays the compute dtype (what the experts
+dequantize to); ``storage_dtype`` is what the rows hold. The expert math over such rows goes through one seam,
+gpu_worker/models/expert_math.py; `unpack_experts` / `expert_views` are the bf16 layout's views only.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
+
+from proto.expert_format import ExpertFormat, FormatError, QuantLayout
+
+BF16_FORMAT = ExpertFormat("bf16")
 
 
 @dataclass(frozen=True)
 class ExpertLayout:
     hidden_size: int          # H
     intermediate_size: int    # I
-    dtype: torch.dtype
+    dtype: torch.dtype        # the compute dtype (the rows' element type in the bf16 format)
+    fmt: ExpertFormat = field(default=BF16_FORMAT)   # the rows' format (bf16: the model dtype unquantized)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.fmt, str):
+            object.__setattr__(self, "fmt", ExpertFormat.parse(self.fmt))
+        if self.fmt.quantized:
+            QuantLayout(self.hidden_size, self.intermediate_size, self.fmt)    # refuses shapes it cannot hold
+
+    @property
+    def quantized(self) -> bool:
+        return self.fmt.quantized
+
+    @property
+    def quant_layout(self) -> QuantLayout:
+        """The byte layout of one quantized expert (quantized formats only)."""
+        return QuantLayout(self.hidden_size, self.intermediate_size, self.fmt)
+
+    @property
+    def storage_dtype(self) -> torch.dtype:
+        """The element type of a packed row: the compute dtype (bf16 format), else uint8 bytes."""
+        return torch.uint8 if self.fmt.quantized else self.dtype
+
+    def with_format(self, fmt: ExpertFormat | str) -> "ExpertLayout":
+        return ExpertLayout(self.hidden_size, self.intermediate_size, self.dtype,
+                            ExpertFormat.parse(fmt) if isinstance(fmt, str) else fmt)
 
     @property
     def w13_numel(self) -> int:
@@ -33,25 +68,33 @@ class ExpertLayout:
 
     @property
     def expert_numel(self) -> int:
+        """Elements of one packed row: weights (bf16 format) or bytes (quantized)."""
+        if self.fmt.quantized:
+            return self.quant_layout.expert_nbytes
         return self.w13_numel + self.w2_numel
 
     @property
     def expert_nbytes(self) -> int:
-        return self.expert_numel * torch.empty((), dtype=self.dtype).element_size()
+        return self.expert_numel * torch.empty((), dtype=self.storage_dtype).element_size()
 
     def empty_layer(self, num_experts: int, device: torch.device | str = "cpu",
                     pin_memory: bool = False) -> torch.Tensor:
-        """An uninitialised packed layer: [E, N]."""
-        return torch.empty(num_experts, self.expert_numel, dtype=self.dtype, device=device,
+        """An uninitialised packed layer: [E, N] of storage_dtype."""
+        return torch.empty(num_experts, self.expert_numel, dtype=self.storage_dtype, device=device,
                            pin_memory=pin_memory)
+
+    def zeros_layer(self, num_experts: int, device: torch.device | str = "cpu") -> torch.Tensor:
+        """A zeroed packed layer [E, N] (zero bytes dequantize to 0 in every format: finite values)."""
+        return torch.zeros(num_experts, self.expert_numel, dtype=self.storage_dtype, device=device)
 
     def check(self, packed: torch.Tensor) -> None:
         if packed.dim() != 2 or packed.shape[1] != self.expert_numel:
             raise ValueError(f"packed experts have shape {tuple(packed.shape)}; expected "
                              f"[num_experts, {self.expert_numel}] (H={self.hidden_size}, "
                              f"I={self.intermediate_size})")
-        if packed.dtype != self.dtype:
-            raise ValueError(f"packed experts are {packed.dtype}, layout expects {self.dtype}")
+        if packed.dtype != self.storage_dtype:
+            raise ValueError(f"packed experts are {packed.dtype}, the {self.fmt.label} layout expects "
+                             f"{self.storage_dtype}")
         if packed.stride(1) != 1 or packed.stride(0) < self.expert_numel:
             raise ValueError("packed experts must be rows of expert_numel contiguous elements (a row "
                              "stride padded beyond expert_numel is fine, e.g. the shared-memory store's)")
@@ -71,8 +114,16 @@ def pack_experts(w13: torch.Tensor, w2: torch.Tensor, out: torch.Tensor | None =
     return out
 
 
+def _bf16_only(layout: ExpertLayout, what: str) -> None:
+    if layout.fmt.quantized:
+        raise FormatError(f"{what}: {layout.fmt.label} experts are bytes, not w13 / w2 matrices; compute over them "
+                          "through gpu_worker.models.expert_math (expert_rows), or dequantize them "
+                          "(proto.expert_format.dequantize_expert)")
+
+
 def unpack_experts(packed: torch.Tensor, layout: ExpertLayout) -> tuple[torch.Tensor, torch.Tensor]:
-    """Views (no copy) of packed [E, N] as w13 [E, 2I, H] and w2 [E, H, I]."""
+    """Views (no copy) of packed [E, N] as w13 [E, 2I, H] and w2 [E, H, I] (the bf16 format)."""
+    _bf16_only(layout, "unpack_experts")
     layout.check(packed)
     E, H, I = packed.shape[0], layout.hidden_size, layout.intermediate_size
     w13 = packed[:, : layout.w13_numel].view(E, 2 * I, H)
@@ -81,7 +132,8 @@ def unpack_experts(packed: torch.Tensor, layout: ExpertLayout) -> tuple[torch.Te
 
 
 def expert_views(packed_row: torch.Tensor, layout: ExpertLayout) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Views of one expert's flat row [N] as (gate [I, H], up [I, H], down [H, I])."""
+    """Views of one expert's flat row [N] as (gate [I, H], up [I, H], down [H, I]) (the bf16 format)."""
+    _bf16_only(layout, "expert_views")
     H, I = layout.hidden_size, layout.intermediate_size
     gate = packed_row[: I * H].view(I, H)
     up = packed_row[I * H: 2 * I * H].view(I, H)

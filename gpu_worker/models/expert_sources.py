@@ -23,7 +23,8 @@ class ExpertSource(Protocol):
     num_experts: int
 
     def fill_layer(self, layer: int, out: torch.Tensor) -> None:
-        """Write layer ``layer``'s experts into ``out: [E, N]`` (any device, ``layout.dtype``)."""
+        """Write layer ``layer``'s experts into ``out: [E, N]`` (any device, ``layout.storage_dtype``: the model
+        dtype, or one expert's bytes a uint8 row in a quantized ``layout.fmt``; format_sources.py converts)."""
 
 
 class CheckpointExpertSource:

@@ -9,9 +9,15 @@ Two steps, so that processes that need only part of a model can stop after the f
 Which source: ``model_dir`` only: that checkpoint. ``preset`` only: random weights of that shape made
 in memory on the device (``tiny``: the cached tiny checkpoint). Both: the preset is written to
 ``model_dir`` first if it holds no config.json. Neither: the tiny default.
+
+The experts' format (``expert_format``, ``--expert-format``; quant_config.resolve_served_format): ``auto`` serves
+them as the checkpoint stores them (its config.json's quantization_config; float: bf16). A float checkpoint or a
+preset takes any format, quantized while loading (format_sources.QuantizingExpertSource); a quantized checkpoint
+(quant_checkpoint.QuantCheckpointExpertSource) is served in its format or dequantized to bf16.
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,15 +32,20 @@ from .dense_weights import DenseWeights, load_dense_weights
 from .device import resolve_device, resolve_dtype
 from .expert_backends import make_expert_backend
 from .expert_sources import CheckpointExpertSource, ExpertSource, RandomExpertSource
+from .format_sources import DequantizingExpertSource, QuantizingExpertSource
 from .model import MoeModel
 from .presets import TINY, preset_config, random_model_parts
+from .quant_checkpoint import DequantizingReader, QuantCheckpointExpertSource
+from .quant_config import resolve_served_format
+
+from .tiny import ensure_tiny_checkpoint, write_tiny_checkpoint
+from .tokenizer import TextTokenizer, generation_eos_ids
+from proto.expert_format import ExpertFormat, FormatError
 
 # The embedded default model of `ft serve` / `ft generate` (neither --model nor --preset): a small MoE
 # trained on the bundled corpus by `ft bench train-moe --shape default` (docs/WORKLOAD.md), shipped in
 # the package. Library callers without a model get the tiny seeded-random model (`TINY`) instead.
 DEFAULT_MODEL_DIR = Path(__file__).with_name("data") / "default-moe"
-from .tiny import ensure_tiny_checkpoint, write_tiny_checkpoint
-from .tokenizer import TextTokenizer, generation_eos_ids
 
 
 @dataclass
@@ -47,6 +58,11 @@ class ModelSource:
     description: str                                # for logs: where the weights come from
     load_dense: Callable[[torch.device], DenseWeights]
     model_dir: Path | None = None
+
+    @property
+    def expert_format(self) -> ExpertFormat:
+        """The format the experts are served in (the store's, the slots', the CPU pool's)."""
+        return self.experts.layout.fmt
 
 
 @dataclass
@@ -69,25 +85,53 @@ class LoadedModel:
         return self.source.eos_token_ids
 
 
-def _checkpoint_source(model_dir: Path, dtype: str | torch.dtype | None) -> ModelSource:
+def serve_experts_as(source: ExpertSource, fmt: ExpertFormat, dtype: torch.dtype) -> ExpertSource:
+    """``source`` in the format ``fmt``: itself, quantized while loading, or dequantized to ``dtype``."""
+    if source.layout.fmt == fmt:
+        return source
+    if fmt.quantized:
+        return QuantizingExpertSource(source, fmt)
+    return DequantizingExpertSource(source, dtype)
+
+
+def _format_note(fmt: ExpertFormat) -> str:
+    return f", {fmt.label} experts" if fmt.quantized else ""
+
+
+def _quant_checkpoint_experts(reader: CheckpointReader, cfg: MoeConfig, fmt: ExpertFormat,
+                              dtype: torch.dtype, model_dir: Path) -> ExpertSource:
+    """The experts of a checkpoint stored in ``fmt`` (gpu_worker/models/quant_checkpoint.py reads its layouts)."""
+    return QuantCheckpointExpertSource(reader, cfg, fmt, dtype=dtype)
+
+
+def _checkpoint_source(model_dir: Path, dtype: str | torch.dtype | None,
+                       expert_format: str | ExpertFormat | None = None) -> ModelSource:
     cfg = MoeConfig.from_dir(model_dir)
     reader = CheckpointReader(model_dir)
     wdtype = resolve_dtype(dtype, cfg.dtype)
+    stored = ExpertFormat.parse(cfg.expert_format)
+    served = resolve_served_format(stored, expert_format)
+    experts = (_quant_checkpoint_experts(reader, cfg, stored, wdtype, model_dir) if stored.quantized
+               else CheckpointExpertSource(reader, cfg, wdtype))
+    # a quantized checkpoint's dense weights (attention, router, shared experts) are dequantized at load
+    dense_reader = DequantizingReader(reader) if cfg.quantization else reader
     tokenizer = TextTokenizer.from_dir(model_dir)
     eos = set(cfg.eos_token_ids) | set(generation_eos_ids(model_dir))
     if tokenizer is not None:
         eos |= set(tokenizer.eos_token_ids)
     return ModelSource(
-        cfg=cfg, dtype=wdtype, experts=CheckpointExpertSource(reader, cfg, wdtype), tokenizer=tokenizer,
-        eos_token_ids=tuple(sorted(eos)), description=f"checkpoint {model_dir}",
-        load_dense=lambda device: load_dense_weights(reader, cfg, device, wdtype), model_dir=model_dir)
+        cfg=cfg, dtype=wdtype, experts=serve_experts_as(experts, served, wdtype), tokenizer=tokenizer,
+        eos_token_ids=tuple(sorted(eos)), description=f"checkpoint {model_dir}{_format_note(served)}",
+        load_dense=lambda device: load_dense_weights(dense_reader, cfg, device, wdtype), model_dir=model_dir)
 
 
 def _random_source(preset: str, dtype: str | torch.dtype | None, seed: int,
-                   device: torch.device) -> ModelSource:
+                   device: torch.device, expert_format: str | ExpertFormat | None = None) -> ModelSource:
     cfg = preset_config(preset)
     wdtype = resolve_dtype(dtype, cfg.dtype)
+    served = resolve_served_format(ExpertFormat("bf16"), expert_format)
     experts = RandomExpertSource(cfg, wdtype, seed, std=float(cfg.extra.get("initializer_range", 0.02)))
+    experts = serve_experts_as(experts, served, wdtype)
     tokenizer = TextTokenizer.from_dir(ensure_tiny_checkpoint())   # encodes text; random ids mostly decode to ""
 
     def load_dense(dev: torch.device) -> DenseWeights:
@@ -95,7 +139,8 @@ def _random_source(preset: str, dtype: str | torch.dtype | None, seed: int,
 
     return ModelSource(cfg=cfg, dtype=wdtype, experts=experts, tokenizer=tokenizer,
                        eos_token_ids=cfg.eos_token_ids,
-                       description=f"preset {preset} (random weights, seed {seed}, made on {device.type})",
+                       description=(f"preset {preset} (random weights, seed {seed}, made on {device.type}"
+                                    f"{_format_note(served)})"),
                        load_dense=load_dense)
 
 
@@ -112,33 +157,35 @@ def _write_preset(preset: str, model_dir: Path, seed: int) -> None:
 
 def open_model_source(model_dir: str | Path | None = None, preset: str | None = None,
                       dtype: str | torch.dtype | None = "auto", seed: int = 0,
-                      device: str | torch.device = "auto") -> ModelSource:
-    """Resolve where the weights come from (see the module docstring); reads no expert yet."""
+                      device: str | torch.device = "auto",
+                      expert_format: str | ExpertFormat | None = "auto") -> ModelSource:
+    """Resolve where the weights come from and the experts' format (see the module docstring); reads no expert
+    yet. ``expert_format``: an ExpertFormat label (bf16, fp8, int4, int4-g32, int4-g64, mxfp4, nvfp4) or auto."""
     device = resolve_device(device)
     if preset is not None and preset != TINY:
         preset_config(preset)                                        # fail early on a typo
     if model_dir is None:
         if preset is None or preset == TINY:
-            return _checkpoint_source(ensure_tiny_checkpoint(), dtype)
-        return _random_source(preset, dtype, seed, device)
+            return _checkpoint_source(ensure_tiny_checkpoint(), dtype, expert_format)
+        return _random_source(preset, dtype, seed, device, expert_format)
     model_dir = Path(model_dir).expanduser()
     if preset is not None and not (model_dir / "config.json").is_file():
         _write_preset(preset, model_dir, seed)
-    return _checkpoint_source(model_dir, dtype)
+    return _checkpoint_source(model_dir, dtype, expert_format)
 
 
 def load_model(model_dir: str | Path | None = None, preset: str | None = None, *,
                device: str | torch.device = "auto", dtype: str | torch.dtype | None = "auto",
                moe_strategy: str = "resident", moe_cache_size: int | float | str | None = None, seed: int = 0,
                expert_compute: str = "auto", hybrid=None,
-               fused_kernels: bool | None = None) -> LoadedModel:
+               fused_kernels: bool | None = None, expert_format: str | ExpertFormat | None = "auto") -> LoadedModel:
     """Load dense weights and build the expert backend on ``device``; see module docstring.
 
     hybrid: ``gpu_worker.hybrid.HybridOptions`` for the ``cpu`` and ``hybrid`` strategies.
     fused_kernels: `MoeModel`'s fused forward (kernels/moe_decode); None: on CUDA only."""
     t0 = time.perf_counter()
     device = resolve_device(device)
-    source = open_model_source(model_dir, preset, dtype=dtype, seed=seed, device=device)
+    source = open_model_source(model_dir, preset, dtype=dtype, seed=seed, device=device, expert_format=expert_format)
     experts = make_expert_backend(moe_strategy, source.experts, device, cache_size=moe_cache_size,
                                   mode=expert_compute, hybrid=hybrid, top_k=source.cfg.top_k)
     dense = source.load_dense(device)

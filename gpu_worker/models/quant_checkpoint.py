@@ -24,6 +24,7 @@ from proto.expert_format import ExpertFormat, QuantLayout, QuantMatrix, dequanti
 
 from .checkpoint import CheckpointError, CheckpointReader
 from .config import MoeConfig
+from .expert_layout import ExpertLayout
 from .quant_config import (CheckpointQuant, QuantCheckpointError, detect_quant_format, parse_quant_config,
                            read_checkpoint_quant)
 from .quant_tensors import (ct_int4_matrix, ct_nvfp4_matrix, fp8_block_matrix, gptq_matrix,
@@ -129,7 +130,7 @@ class QuantCheckpointExpertSource:
     """The experts of a quantized checkpoint, written into a layer of expert rows in ``fmt``."""
 
     def __init__(self, reader: CheckpointReader, cfg: MoeConfig, fmt: ExpertFormat | str,
-                 quant: CheckpointQuant | None = None):
+                 quant: CheckpointQuant | None = None, dtype: torch.dtype = torch.bfloat16):
         fmt = ExpertFormat.parse(fmt) if isinstance(fmt, str) else fmt
         self.reader, self.cfg, self.fmt = reader, cfg, fmt
         self.quant = quant if quant is not None else read_checkpoint_quant(reader.model_dir)
@@ -142,7 +143,10 @@ class QuantCheckpointExpertSource:
                 f"{config}: the checkpoint stores its experts as {self.quant.fmt.label} "
                 f"({SCHEME_LABEL.get(self.quant.scheme, self.quant.scheme)}), not {fmt.label}; serve it "
                 f"as {self.quant.fmt.label}")
-        self.layout = QuantLayout(cfg.hidden_size, cfg.expert_intermediate_size, fmt)
+        # layout: the ExpertSource protocol's (the compute dtype the rows dequantize to, the format);
+        # quant_layout: the byte regions of one expert row
+        self.layout = ExpertLayout(cfg.hidden_size, cfg.expert_intermediate_size, dtype, fmt)
+        self.quant_layout = QuantLayout(cfg.hidden_size, cfg.expert_intermediate_size, fmt)
         self.num_layers, self.num_experts = cfg.num_layers, cfg.num_experts
         self._staging: torch.Tensor | None = None
 
@@ -194,7 +198,7 @@ class QuantCheckpointExpertSource:
 
     def fill_layer(self, layer: int, out: torch.Tensor) -> None:
         """Write layer ``layer``'s experts into ``out: [E, >= expert_nbytes] uint8`` (any device)."""
-        nbytes = self.layout.expert_nbytes
+        nbytes = self.quant_layout.expert_nbytes
         if out.dtype != torch.uint8 or out.dim() != 2 or out.shape[0] != self.num_experts or out.shape[1] < nbytes:
             raise ValueError(f"out must be [{self.num_experts}, >= {nbytes}] uint8 ({self.fmt.label} experts); "
                              f"got {out.dtype} {tuple(out.shape)}")
@@ -202,7 +206,7 @@ class QuantCheckpointExpertSource:
         for e, (gate, up, down) in enumerate(self.layer_matrices(layer)):
             row = host[e, :nbytes]
             row.zero_()                           # alignment gaps between regions are zero
-            pack_expert(gate, up, down, self.layout, out=row)
+            pack_expert(gate, up, down, self.quant_layout, out=row)
         if host is not out:
             out.copy_(host, non_blocking=False)
 

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from proto.expert_format import INT4_GROUPS, ExpertFormat
+from proto.expert_format import INT4_GROUPS, ExpertFormat, FormatError
 
 from .quant_tensors import QuantCheckpointError
 
@@ -189,3 +189,29 @@ def read_checkpoint_quant(model_dir: str | Path) -> CheckpointQuant | None:
     except (OSError, json.JSONDecodeError) as exc:
         raise QuantCheckpointError(f"cannot read {path} ({exc}); the checkpoint needs its config.json") from None
     return parse_quant_config(raw, source=str(path))
+
+
+BF16 = ExpertFormat("bf16")
+
+
+def checkpoint_expert_format(qc: dict[str, Any] | None, source: str = "config.json") -> ExpertFormat:
+    """The experts' on-disk format from a config.json's quantization_config (None / {}: bf16, i.e. float);
+    refuses (QuantCheckpointError) a quantization this service does not load."""
+    if not qc:
+        return BF16
+    quant = parse_quant_config({"quantization_config": qc}, source=source)
+    return BF16 if quant is None else quant.fmt
+
+
+def resolve_served_format(checkpoint: ExpertFormat, requested: str | ExpertFormat | None) -> ExpertFormat:
+    """The format the experts are served in: ``requested`` (an --expert-format label; auto / None: the
+    checkpoint's). A float checkpoint takes any format (quantized while loading); a quantized one is served as
+    it is or dequantized to bf16, never quantized to another format (that would round twice)."""
+    if requested is None or (isinstance(requested, str) and requested.strip().lower() in ("", "auto")):
+        return checkpoint
+    want = requested if isinstance(requested, ExpertFormat) else ExpertFormat.parse(requested)
+    if checkpoint.quantized and want.quantized and want != checkpoint:
+        raise FormatError(f"the checkpoint's experts are {checkpoint.label}; --expert-format {want.label} would "
+                          f"quantize them a second time: serve them as {checkpoint.label} (--expert-format auto) "
+                          f"or dequantized (--expert-format bf16)")
+    return want

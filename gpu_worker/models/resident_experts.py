@@ -20,6 +20,10 @@ Every MoE layer routes, then calls ``experts.forward(layer_idx, x, topk_ids, top
 ``grouped``. Forcing ``gemv`` applies to prefill too, where a long prompt would read T*K experts: meant for
 tests. The offload and hybrid backends choose with the same rule (`pick_mode`, `expert_ffn`), so that
 greedy tokens agree across backends.
+
+Quantized experts (``layout.fmt``: fp8, int4-g*, mxfp4, nvfp4) are held as their bytes, one uint8 row an expert,
+and computed through the same seam as every backend's (expert_math.py: dequantize the routed rows to the model
+dtype, then this math, until the fast kernels land).
 """
 from __future__ import annotations
 
@@ -29,7 +33,8 @@ import torch.nn.functional as F
 from kernels.moe_decode import moe_gemv
 
 from .expert_backend import ExpertBackend
-from .expert_layout import ExpertLayout, unpack_experts
+from .expert_layout import ExpertLayout
+from .expert_math import expert_rows
 from .expert_sources import ExpertSource
 
 MODES = ("auto", "grouped", "gemv")
@@ -169,7 +174,7 @@ class ResidentExperts(ExpertBackend):
         self.gather_max_pairs = gather_max_pairs
         self.num_layers = len(packed)
         self.num_experts = packed[0].shape[0] if packed else 0
-        self._views = [unpack_experts(p, layout) for p in packed]    # (w13, w2) per layer, no copy
+        self.rows = [expert_rows(p, layout) for p in packed]          # the expert math over each layer's rows
         self.kernel_impl = "auto"     # moe_gemv: Triton on CUDA, reference on CPU ("triton": tests)
 
     @classmethod
@@ -183,10 +188,6 @@ class ResidentExperts(ExpertBackend):
             packed.append(out)
         return cls(packed, source.layout, mode=mode, gather_max_pairs=gather_max_pairs)
 
-    def weights(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(w13 [E, 2I, H], w2 [E, H, I]) views of one layer."""
-        return self._views[layer_idx]
-
     def choose_mode(self, num_pairs: int, device: torch.device) -> str:
         return pick_mode(self.mode, device.type == "cuda", num_pairs, self.gather_max_pairs)
 
@@ -196,9 +197,8 @@ class ResidentExperts(ExpertBackend):
 
     def forward(self, layer_idx: int, x: torch.Tensor, topk_ids: torch.Tensor,
                 topk_weights: torch.Tensor) -> torch.Tensor:
-        w13, w2 = self._views[layer_idx]
         mode = self.choose_mode(topk_ids.numel(), x.device)
-        return expert_ffn(mode, x, topk_ids, topk_weights, w13, w2, kernel_impl=self.kernel_impl)
+        return self.rows[layer_idx].ffn(mode, x, topk_ids, topk_weights, kernel_impl=self.kernel_impl)
 
     def nbytes(self) -> int:
         return sum(p.numel() * p.element_size() for p in self.packed)

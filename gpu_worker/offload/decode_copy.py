@@ -9,7 +9,9 @@ fetched routes (`kernels.moe_decode.CopyPlan`). With `split` the copy goes in tw
 w13 and then every one's w2 (`copy_plan(cols=...)`): the fetched routes' gate/up waits for the first part only and
 runs while the w2 rows are still crossing the link, so after the last byte lands only their down and the sum are
 left. Bit-identical to the serial order (copy, then every GEMM on one stream: the CPU, or another mode) either way;
-graph-capturable (the copy stream forks from and joins the capturing stream).
+graph-capturable (the copy stream forks from and joins the capturing stream). The GEMMs go through the pool's
+`ExpertRows` (gpu_worker/models/expert_math.py), so any expert format works; a quantized row keeps gate/up's
+scales after w2's codes, so its copy is one part (`ExpertRows.w13_bytes` is 0).
 """
 from __future__ import annotations
 
@@ -19,9 +21,9 @@ from typing import Callable, Sequence
 
 import torch
 
-from gpu_worker.models.resident_experts import expert_ffn
+from gpu_worker.models.expert_math import ExpertRows
 from kernels.expert_copy import copy_plan
-from kernels.moe_decode import CopyPlan, moe_gemv
+from kernels.moe_decode import CopyPlan
 from kernels.slot_cache import SlotCache
 
 
@@ -124,8 +126,7 @@ class DecodeCopy:
     slots: torch.Tensor                         # [S_total, N] the GPU pool (packed rows, expert_layout)
     host_layers: Sequence[torch.Tensor]         # [E, N] host rows per layer (mapped for the device on CUDA)
     cache: SlotCache
-    w13: torch.Tensor                           # views of `slots` (unpack_experts)
-    w2: torch.Tensor
+    rows: ExpertRows                            # the expert math over `slots` (expert_math.expert_rows)
     stream: "torch.cuda.Stream | None" = None   # the copy stream (CUDA); None: copy, then the GEMMs, on one stream
     split: bool = True                          # the copy in two parts, w13 then w2 (with `stream`)
     timer: CopyTimer | None = None
@@ -134,8 +135,9 @@ class DecodeCopy:
     w13_cols: int = field(init=False)           # elements of w13 at the start of a row (0: no two-part copy)
 
     def __post_init__(self) -> None:
-        packed = self.w13.data_ptr() == self.slots.data_ptr()      # w13 is the first part of a packed row
-        self.w13_cols = self.w13[0].numel() if self.split and packed else 0
+        if self.rows.rows.data_ptr() != self.slots.data_ptr():
+            raise ValueError("DecodeCopy: rows must compute over the pool `slots` it copies into")
+        self.w13_cols = self.rows.w13_bytes // self.slots.element_size() if self.split else 0
 
     def run(self, layer_idx: int, x: torch.Tensor, slot_ids: torch.Tensor, weights: torch.Tensor, *, mode: str,
             max_copies: int | None = None, after_fork: "Callable[[], None] | None" = None,
@@ -171,7 +173,7 @@ class DecodeCopy:
             if own_stream:
                 extra_copy(0)
                 extra_copy(1)
-            return expert_ffn(mode, x, slot_ids, weights, self.w13, self.w2, kernel_impl=self.kernel_impl)
+            return self.rows.ffn(mode, x, slot_ids, weights, kernel_impl=self.kernel_impl)
         compute = torch.cuda.current_stream(x.device)
         w13_cols, extra_w13, w13_landed = self.w13_cols, None, None
 
@@ -210,10 +212,10 @@ class DecodeCopy:
                 self._timed(layer_idx, parts, side)
             if after_fork is not None:
                 after_fork()
-            return moe_gemv(x, slot_ids, weights, self.w13, self.w2, impl=self.kernel_impl,
-                            plan=CopyPlan(c.evict_slots, c.num_indices, max_copies, extra_slot=extra_slot),
-                            between=w13_in if w13_cols else all_landed,
-                            between_down=all_landed if w13_cols else None)
+            return self.rows.ffn("gemv", x, slot_ids, weights, kernel_impl=self.kernel_impl,
+                                 plan=CopyPlan(c.evict_slots, c.num_indices, max_copies, extra_slot=extra_slot),
+                                 between=w13_in if w13_cols else all_landed,
+                                 between_down=all_landed if w13_cols else None)
         except BaseException:                   # raised, perhaps before the wait: join anyway, so nothing
             all_landed()                        # later runs beside the copy (and a capture can end)
             raise

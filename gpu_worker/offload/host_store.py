@@ -23,13 +23,17 @@ _store_numbers = itertools.count()
 
 
 def layout_hash(source: ExpertSource) -> str:
+    """The store's config hash: shape, compute dtype and the experts' format (a store of other experts is refused)."""
     lay = source.layout
     text = f"{source.num_layers}x{source.num_experts}x{lay.hidden_size}x{lay.intermediate_size}:{lay.dtype}"
+    if lay.quantized:                      # bf16 keeps the hash it always had
+        text += f":{lay.fmt.label}"
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 class HostExperts:
-    """Per-layer [E, N] views of the expert store; `owns` says whether this process unlinks it."""
+    """Per-layer [E, N] views of the expert store (uint8 rows for a quantized format); `owns` says whether this
+    process unlinks it."""
 
     def __init__(self, store: ExpertStore, layout: ExpertLayout, owns: bool):
         self.store, self.layout, self.owns = store, layout, owns
@@ -56,7 +60,7 @@ class HostExperts:
         store = ExpertStore.create(name, num_layers=source.num_layers,
                                    num_experts=source.num_experts, hidden=lay.hidden_size,
                                    intermediate=lay.intermediate_size, dtype=lay.dtype,
-                                   config_hash=layout_hash(source))
+                                   config_hash=layout_hash(source), fmt=lay.fmt.label)
         try:
             host = cls(store, lay, owns=True)
             if before_fill is not None:
@@ -82,6 +86,11 @@ class HostExperts:
     @classmethod
     def attach(cls, name: str, layout: ExpertLayout) -> "HostExperts":
         store = ExpertStore.attach(name, readonly=True)
+        if store.expert_format != layout.fmt or store.dtype != layout.dtype:
+            store.close()
+            raise ValueError(f"expert store {name!r} holds {store.shape.fmt} experts ({store.shape.dtype}), this "
+                             f"engine computes {layout.fmt.label} ({str(layout.dtype).removeprefix('torch.')}): "
+                             "start the coordinator and the GPU worker with the same --expert-format and --dtype")
         host = cls(store, layout, owns=False)
         if torch.cuda.is_available():
             host.pinned = store.pin_for_cuda()

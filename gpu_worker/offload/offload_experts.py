@@ -23,8 +23,8 @@ from dataclasses import dataclass
 
 import torch
 
-from gpu_worker.models.expert_layout import unpack_experts
-from gpu_worker.models.resident_experts import GRAPH_SAFE_MODES, MODES, expert_ffn, pick_mode
+from gpu_worker.models.expert_math import expert_rows
+from gpu_worker.models.resident_experts import GRAPH_SAFE_MODES, MODES, pick_mode
 from kernels.handoff import COUNT_MAX_PAIRS, COUNTERS, count_call
 from kernels.slot_cache import SlotCache, ensure, prefetch_ensure
 from kernels.slot_cache.api import MAX_PREFETCH_CANDIDATES
@@ -63,15 +63,16 @@ class OffloadExperts(SlotPoolAudit):
         self.mode, self.gather_max_pairs = mode, gather_max_pairs
         self.cache = SlotCache.create(self.num_layers, self.num_experts, num_slots, device=self.device,
                                       per_layer=per_layer, **eviction_settings(freq_weight, freq_half_life))
-        # slots: [S_total, N], the GPU copies of experts, in the same packed layout as the host
+        # slots: [S_total, N], the GPU copies of experts, in the same packed layout (and format) as the host
         self.slots = self.layout.empty_layer(self.cache.total_slots, device=self.device)
-        self.w13, self.w2 = unpack_experts(self.slots, self.layout)
+        self.rows = expert_rows(self.slots, self.layout)          # the expert math over the slots
+
         self.on_cuda = self.device.type == "cuda"
         self.copy_stream = torch.cuda.Stream(device=self.device) if self.on_cuda else None
         if self.on_cuda:
             self._plan_host = torch.empty(3 + 4 * num_slots, dtype=torch.int32, pin_memory=True)
         self.timer = CopyTimer(self.num_layers, self.on_cuda)
-        self.copy = DecodeCopy(self.slots, self.host.layers, self.cache, self.w13, self.w2, stream=self.copy_stream,
+        self.copy = DecodeCopy(self.slots, self.host.layers, self.cache, self.rows, stream=self.copy_stream,
                                split=split_copy, timer=self.timer)
         self.stats = OffloadStats()
         self._host_counts = [0, 0, 0]      # [fetched, misses, calls] of the DMA path's calls
@@ -123,7 +124,7 @@ class OffloadExperts(SlotPoolAudit):
         self._host_counts[2] += 1
         if ready is not None:
             torch.cuda.current_stream(self.device).wait_event(ready)
-        return expert_ffn(mode, x, slot_ids, topk_weights, self.w13, self.w2, kernel_impl=self.kernel_impl)
+        return self.rows.ffn(mode, x, slot_ids, topk_weights, kernel_impl=self.kernel_impl)
 
     def graph_safe(self, num_pairs: int) -> bool:
         """Capturable in a CUDA graph: decode-sized calls (the device copy kernel and moe_gemv) on CUDA."""

@@ -15,8 +15,11 @@ NUM_WARPS = 4
 def _words(t: torch.Tensor, what: str) -> torch.Tensor:
     if t.dim() != 2 or t.stride(1) != 1:
         raise ValueError(f"{what} must be [rows, elements] with contiguous rows, got {tuple(t.shape)}")
-    if t.element_size() not in (2, 4):
-        raise ValueError(f"{what} must hold 2- or 4-byte elements, got {t.dtype}")
+    if t.element_size() not in (1, 2, 4):
+        raise ValueError(f"{what} must hold 1-, 2- or 4-byte elements, got {t.dtype}")
+    if t.element_size() == 1 and (t.shape[1] % 2 or t.stride(0) % 2 or t.storage_offset() % 2):
+        raise ValueError(f"{what}: byte rows (a quantized expert's) must be an even number of bytes at even "
+                         f"offsets, got {tuple(t.shape)} with strides {t.stride()}")
     return t.view(torch.int16)
 
 
@@ -26,7 +29,8 @@ def copy_plan(slots: torch.Tensor, host_rows: torch.Tensor, evict_slots: torch.T
               num_warps: int | None = None, cols: tuple[int, int] | None = None) -> None:
     """slots[evict[i]] = host_rows[src[i]] for i < num_indices, without reading the plan on the host.
 
-    slots: [S_total, N] device pool; host_rows: [E, N] host view (pinned / registered for the
+    slots: [S_total, N] device pool (2- or 4-byte elements, or uint8 bytes of quantized experts, N even);
+    host_rows: [E, N] host view (pinned / registered for the
     device on CUDA); plan tensors as written by kernels.slot_cache.ensure; max_copies: an upper
     bound of num_indices known on the host (e.g. the number of routes), which sizes the grid.
     chunks (programs per expert), block_words (16-bit words a program moves per iteration) and
@@ -40,11 +44,13 @@ def copy_plan(slots: torch.Tensor, host_rows: torch.Tensor, evict_slots: torch.T
         raise ValueError(f"slots {tuple(slots.shape)} {slots.dtype} and host rows "
                          f"{tuple(host_rows.shape)} {host_rows.dtype} must share dtype and row size")
     slot_words, host_words = _words(slots, "slots"), _words(host_rows, "host_rows")
-    per = slots.element_size() // 2                                  # 16-bit words per element
+    item = slots.element_size()                                      # bytes per element (1: a quantized row)
     lo, hi = (0, slots.shape[1]) if cols is None else (int(cols[0]), int(cols[1]))
     if not 0 <= lo <= hi <= slots.shape[1]:
         raise ValueError(f"cols {cols} must satisfy 0 <= lo <= hi <= {slots.shape[1]} (the row's elements)")
-    lo, hi = lo * per, hi * per
+    if (lo * item) % 2 or (hi * item) % 2:
+        raise ValueError(f"cols {cols} of byte rows must be even (the copy moves 16-bit words)")
+    lo, hi = lo * item // 2, hi * item // 2
     if impl == "auto":
         impl = "triton" if slots.device.type == "cuda" else "reference"
     if impl == "reference":

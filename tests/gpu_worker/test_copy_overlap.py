@@ -10,7 +10,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from gpu_worker.models import expert_math
 from gpu_worker.models.expert_layout import ExpertLayout, unpack_experts
+from gpu_worker.models.expert_math import expert_rows
 from gpu_worker.models.resident_experts import expert_ffn
 from gpu_worker.offload.decode_copy import CopyTimer, DecodeCopy
 from kernels.moe_decode import CopyPlan, GemvBlocks, moe_gemv
@@ -192,10 +194,9 @@ def test_the_decode_copy_without_a_side_stream_is_copy_then_ffn_and_timed_on_the
     host = torch.randn(E, layout.expert_numel, generator=g) * 0.1
     cache = SlotCache.create(1, E, S, device="cpu")
     slots = torch.zeros(S, layout.expert_numel)
-    w13, w2 = unpack_experts(slots, layout)
     h13, h2 = unpack_experts(host, layout)
     timer = CopyTimer(1, on_cuda=False)
-    plan = DecodeCopy(slots, [host], cache, w13, w2, timer=timer, kernel_impl="reference")
+    plan = DecodeCopy(slots, [host], cache, expert_rows(slots, layout), timer=timer, kernel_impl="reference")
     for routes in ([[0, 3]], [[3, 5]], [[1, 2]], [[0, 5]]):
         ids = torch.tensor(routes)
         slot_ids = ids.clone()
@@ -262,10 +263,9 @@ def _record_copy_then_ffn(monkeypatch, split_copy, fail_second_copy=False, after
     monkeypatch.setattr(torch.cuda, "Event", Event)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     monkeypatch.setattr(oe, "copy_plan", copy_plan)
-    monkeypatch.setattr(oe, "moe_gemv", moe_gemv)
+    monkeypatch.setattr(expert_math, "moe_gemv", moe_gemv)
     layout = ExpertLayout(32, 16, torch.float32)
     slots = torch.zeros(4, layout.expert_numel)
-    w13, w2 = unpack_experts(slots, layout)
     cache = SlotCache.create(1, 6, 4, device="cpu")
     x, ids, w = torch.zeros(1, 32), torch.zeros(1, 2, dtype=torch.long), torch.zeros(1, 2)
     def hook():
@@ -276,7 +276,7 @@ def _record_copy_then_ffn(monkeypatch, split_copy, fail_second_copy=False, after
     if timed:
         timer = CopyTimer(1, on_cuda=True)         # its events: event1 .. event4 (two sets of one layer)
         timer.begin_step()
-    plan = oe.DecodeCopy(slots, [slots], cache, w13, w2, stream=side_stream if side else None, split=split_copy,
+    plan = oe.DecodeCopy(slots, [slots], cache, expert_rows(slots, layout), stream=side_stream if side else None, split=split_copy,
                          timer=timer)
     try:
         out = plan.run(0, x, ids, w, mode="gemv", max_copies=2, after_fork=hook if after_fork else None)

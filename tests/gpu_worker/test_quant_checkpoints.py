@@ -46,7 +46,7 @@ def our_experts(path) -> tuple[MoeConfig, dict[str, torch.Tensor]]:
     cfg = MoeConfig.from_dir(path)
     fmt = detect_quant_format(json.loads((path / "config.json").read_text()))
     src = QuantCheckpointExpertSource(CheckpointReader(path), cfg, fmt)
-    nbytes = src.layout.expert_nbytes
+    nbytes = src.quant_layout.expert_nbytes
     store = torch.full((cfg.num_experts, nbytes + 48), 0xAB, dtype=torch.uint8)   # row stride > nbytes
     out = {}
     for layer in range(cfg.num_layers):
@@ -54,7 +54,7 @@ def our_experts(path) -> tuple[MoeConfig, dict[str, torch.Tensor]]:
         src.fill_layer(layer, rows)
         assert bool((store[:, nbytes:] == 0xAB).all()), "fill_layer wrote past an expert's bytes"
         for e in range(cfg.num_experts):
-            for name, w in zip(expert_names(cfg, layer, e), dequantize_expert(rows[e], src.layout)):
+            for name, w in zip(expert_names(cfg, layer, e), dequantize_expert(rows[e], src.quant_layout)):
                 out[name] = w
     return cfg, out
 
@@ -160,7 +160,7 @@ def _source(path, fmt=None):
 
 
 def _fill(src, layer=0):
-    src.fill_layer(layer, torch.zeros(src.num_experts, src.layout.expert_nbytes, dtype=torch.uint8))
+    src.fill_layer(layer, torch.zeros(src.num_experts, src.quant_layout.expert_nbytes, dtype=torch.uint8))
 
 
 @pytest.mark.parametrize("qc,match", [

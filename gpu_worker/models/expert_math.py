@@ -1,0 +1,119 @@
+"""The one seam between the expert backends and the expert math: the FFN over a set of packed rows in one format.
+
+`expert_rows(rows, layout)` -> an `ExpertRows` over ``rows: [S, N]`` (a layer of experts, or a GPU slot pool) in
+``layout.fmt``; every backend (`resident`, `offload`, `hybrid`, the decode copy) computes through its ``ffn``:
+
+    ffn(mode, x [T, H], ids [T, K], weights [T, K], *, kernel_impl, plan, between, between_down) -> [T, H]
+
+with ``mode`` resolved by `pick_mode` (gemv | grouped) and the semantics of
+resident_experts.expert_ffn / kernels.moe_decode.moe_gemv (a route at -1 adds exactly 0 in the gemv mode;
+``plan`` / ``between`` / ``between_down``: the copy running beside it, gemv only).
+
+- bf16 (`Bf16Rows`): w13 / w2 views of the rows and the existing kernels (moe_gemv, the grouped GEMMs).
+- quantized (`QuantRows`): gemv -> ``moe_gemv_quant(x, ids, weights, rows_u8, layout, impl=..., plan=...,
+  between=..., between_down=...)``; grouped (prefill) -> the distinct routed rows dequantized by
+  ``dequantize_rows(rows_u8, ids, layout, out_dtype)`` to x.dtype, then the grouped GEMMs over them (a host sync:
+  the distinct ids; the grouped mode syncs anyway and is never captured).
+
+The two quantized kernels come from the import below: kernels/moe_decode/quant_reference.py (dequantize to the
+compute dtype, then the bf16 math) until the fast kernels (kernels/moe_decode/quant.py) replace it, with the same
+signatures. A format a path has no kernel for is refused here (`check_supported`), naming the path and the format.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from kernels.moe_decode import CopyPlan, moe_gemv
+# The quantized-expert kernels: point this import at kernels.moe_decode.quant for the fast ones.
+from kernels.moe_decode.quant_reference import dequantize_rows, moe_gemv_quant
+from proto.expert_format import FormatError
+
+from .expert_layout import ExpertLayout, unpack_experts
+
+# Formats each path computes (a fast kernel that lacks a format narrows its entry; the references take all).
+SUPPORTED_FORMATS: dict[str, tuple[str, ...]] = {
+    "gemv": ("bf16", "fp8", "int4", "mxfp4", "nvfp4"),
+    "grouped": ("bf16", "fp8", "int4", "mxfp4", "nvfp4"),
+}
+
+
+def check_supported(layout: ExpertLayout, path: str) -> None:
+    """Raise FormatError when the ``path`` (gemv: decode, grouped: prefill) has no kernel for the layout's format."""
+    if layout.fmt.name not in SUPPORTED_FORMATS[path]:
+        raise FormatError(f"the {path} expert path has no kernel for {layout.fmt.label} experts (it computes "
+                          f"{', '.join(SUPPORTED_FORMATS[path])}); serve another --expert-format")
+
+
+class ExpertRows:
+    """The expert FFN over packed rows [S, N] of one format (see the module docstring)."""
+
+    rows: torch.Tensor
+    layout: ExpertLayout
+
+    def ffn(self, mode: str, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, *, kernel_impl: str = "auto",
+            plan: CopyPlan | None = None, between: Callable[[], None] | None = None,
+            between_down: Callable[[], None] | None = None) -> torch.Tensor:
+        raise NotImplementedError
+
+    @property
+    def w13_bytes(self) -> int:
+        """Bytes at the start of a row that hold everything gate/up reads (0: not a prefix of the row), so that a
+        copy in two parts can release the gate/up GEMMs after the first (DecodeCopy's split)."""
+        return 0
+
+
+def _run_hooks(between: Callable[[], None] | None, between_down: Callable[[], None] | None) -> None:
+    if between is not None:
+        between()
+    if between_down is not None:
+        between_down()
+
+
+class Bf16Rows(ExpertRows):
+    """Rows in the model dtype: w13 [S, 2I, H] and w2 [S, H, I] views (no copy)."""
+
+    def __init__(self, rows: torch.Tensor, layout: ExpertLayout):
+        self.rows, self.layout = rows, layout
+        self.w13, self.w2 = unpack_experts(rows, layout)
+
+    @property
+    def w13_bytes(self) -> int:
+        return self.layout.w13_numel * self.rows.element_size()
+
+    def ffn(self, mode, x, ids, weights, *, kernel_impl="auto", plan=None, between=None, between_down=None):
+        from .resident_experts import expert_ffn
+
+        if mode == "gemv" and (plan is not None or between is not None):
+            return moe_gemv(x, ids, weights, self.w13, self.w2, impl=kernel_impl, plan=plan, between=between,
+                            between_down=between_down)
+        _run_hooks(between, between_down)
+        return expert_ffn(mode, x, ids, weights, self.w13, self.w2, kernel_impl=kernel_impl)
+
+
+class QuantRows(ExpertRows):
+    """Rows of quantized experts (uint8, proto/expert_format.py's byte layout)."""
+
+    def __init__(self, rows: torch.Tensor, layout: ExpertLayout):
+        layout.check(rows)
+        self.rows, self.layout, self.quant = rows, layout, layout.quant_layout
+
+    def ffn(self, mode, x, ids, weights, *, kernel_impl="auto", plan=None, between=None, between_down=None):
+        from .resident_experts import grouped_expert_ffn
+
+        if x.dtype != self.layout.dtype:
+            raise TypeError(f"x is {x.dtype}; these {self.layout.fmt.label} experts dequantize to {self.layout.dtype}")
+        check_supported(self.layout, mode)
+        if mode == "gemv":
+            return moe_gemv_quant(x, ids, weights, self.rows, self.quant, impl=kernel_impl, plan=plan,
+                                  between=between, between_down=between_down)
+        _run_hooks(between, between_down)
+        distinct, local = torch.unique(ids.reshape(-1).to(torch.int64), return_inverse=True)   # sorted: same groups
+        w13, w2 = dequantize_rows(self.rows, distinct, self.quant, x.dtype)          # [n, 2I, H], [n, H, I]
+        return grouped_expert_ffn(x, local.view(ids.shape), weights, w13, w2)
+
+
+def expert_rows(rows: torch.Tensor, layout: ExpertLayout) -> ExpertRows:
+    """The `ExpertRows` of ``rows`` [S, N] in ``layout.fmt``."""
+    return QuantRows(rows, layout) if layout.quantized else Bf16Rows(rows, layout)
