@@ -18,14 +18,13 @@ from proto.bandwidth_profile import ExpertFormat as ProfileFormat
 from proto.bandwidth_profile import load_bandwidth_profile
 from proto.expert_format import ExpertFormat, FormatError
 from proto.knobs import resolve
+from gpu_worker.models.quant_config import QuantCheckpointError
 
 CT_INT4 = {"quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": {"group_0": {
     "targets": ["Linear"], "weights": {"num_bits": 4, "type": "int", "strategy": "group", "group_size": 64,
                                        "symmetric": True}}}}
 CT_NVFP4 = {"quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized", "config_groups": {"group_0": {
-    "weights": {"num_bits": 4, "type": "float", "strategy": "tensor_group", "group_size": 16}}}}
-CT_FP8 = {"quant_method": "compressed-tensors", "config_groups": {"group_0": {
-    "weights": {"num_bits": 8, "type": "float", "strategy": "block", "block_structure": [128, 128]}}}}
+    "targets": ["Linear"], "weights": {"num_bits": 4, "type": "float", "strategy": "tensor_group", "group_size": 16}}}}
 
 
 @pytest.mark.parametrize("qc, label", [
@@ -34,7 +33,7 @@ CT_FP8 = {"quant_method": "compressed-tensors", "config_groups": {"group_0": {
     ({"quant_method": "mxfp4"}, "mxfp4"),
     ({"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": False}, "int4-g128"),
     ({"quant_method": "gptq", "bits": 4, "group_size": 32}, "int4-g32"),
-    (CT_INT4, "int4-g64"), (CT_NVFP4, "nvfp4"), (CT_FP8, "fp8"),
+    (CT_INT4, "int4-g64"), (CT_NVFP4, "nvfp4"),
     ({"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16}, "nvfp4"),
 ], ids=lambda v: v if isinstance(v, str) else None)
 def test_quantization_configs_of_the_loaded_layouts_are_recognised(qc, label):
@@ -43,23 +42,26 @@ def test_quantization_configs_of_the_loaded_layouts_are_recognised(qc, label):
 
 @pytest.mark.parametrize("qc, what", [
     ({"quant_method": "awq", "bits": 4}, "quant_method 'awq'"),
-    ({"quant_method": "fp8"}, "weight_block_size None"),
-    ({"quant_method": "fp8", "weight_block_size": [64, 64]}, "weight_block_size"),
+    ({"quant_method": "fp8"}, "without weight_block_size"),
+    ({"quant_method": "fp8", "weight_block_size": [64, 64]}, "weight_block_size [64, 64]"),
+    ({"quant_method": "compressed-tensors", "config_groups": {"g": {"targets": ["Linear"], "weights": {
+        "num_bits": 8, "type": "float", "strategy": "block", "block_structure": [128, 128]}}}}, "format None"),
     ({"quant_method": "gptq", "bits": 8, "group_size": 128}, "bits 8"),
     ({"quant_method": "gptq", "bits": 4, "group_size": -1}, "group_size -1"),
     ({"quant_method": "modelopt", "quant_algo": "FP8"}, "quant_algo 'FP8'"),
     ({"quant_method": "bitsandbytes", "load_in_4bit": True}, "bitsandbytes"),
 ])
 def test_an_unrecognised_quantization_config_is_refused_naming_it(qc, what):
-    with pytest.raises(FormatError, match="not a format this service loads") as info:
+    with pytest.raises(QuantCheckpointError, match="is not supported") as info:
         checkpoint_expert_format(qc, "ckpt/config.json")
     assert what in str(info.value) and "ckpt/config.json" in str(info.value)
 
 
 def test_formats_mixed_across_config_groups_are_refused():
-    mixed = {"quant_method": "compressed-tensors", "config_groups": {
-        "a": CT_INT4["config_groups"]["group_0"], "b": CT_NVFP4["config_groups"]["group_0"]}}
-    with pytest.raises(FormatError, match="mixes formats"):
+    down = {**CT_INT4["config_groups"]["group_0"], "targets": ["re:.*down_proj"]}
+    down = {**down, "weights": {**down["weights"], "group_size": 32}}
+    mixed = {**CT_INT4, "config_groups": {"b": down, **CT_INT4["config_groups"]}}
+    with pytest.raises(QuantCheckpointError, match="mixing formats"):
         checkpoint_expert_format(mixed)
 
 
@@ -69,30 +71,8 @@ def test_config_json_keeps_its_quantization_and_refuses_an_unknown_one():
     assert cfg.expert_format == "int4-g64" and cfg.quantization == CT_INT4
     assert MoeConfig.from_hf_dict(cfg.to_hf_dict()).expert_format == "int4-g64"          # written back
     assert MoeConfig.from_hf_dict(raw).expert_format == "bf16"
-    with pytest.raises(FormatError, match="quant_method 'hqq'"):
+    with pytest.raises(QuantCheckpointError, match="quant_method 'hqq'"):
         MoeConfig.from_hf_dict({**raw, "quantization_config": {"quant_method": "hqq"}})
-
-
-def test_a_quantized_checkpoint_needs_its_reader(tmp_path, monkeypatch):
-    """Without gpu_worker/models/quant_checkpoint.py, a quantized checkpoint is refused, not read as floats."""
-    import sys
-
-    from gpu_worker.models.loader import open_model_source
-    from gpu_worker.models.tiny import ensure_tiny_checkpoint
-
-    monkeypatch.setenv("FT_CACHE_DIR", str(tmp_path / "cache"))
-    tiny = ensure_tiny_checkpoint()
-    model = tmp_path / "fp8-model"
-    model.mkdir()
-    for f in tiny.iterdir():
-        (model / f.name).symlink_to(f)
-    (model / "config.json").unlink()
-    raw = json.loads((tiny / "config.json").read_text())
-    (model / "config.json").write_text(json.dumps({**raw, "quantization_config": {
-        "quant_method": "fp8", "weight_block_size": [128, 128]}}))
-    monkeypatch.setitem(sys.modules, "gpu_worker.models.quant_checkpoint", None)   # this build without it
-    with pytest.raises(FormatError, match="fp8.*quant_checkpoint.py"):
-        open_model_source(model)
 
 
 def test_the_served_format_follows_the_checkpoint_unless_asked():

@@ -153,7 +153,7 @@ def test_resident_quantized_is_the_model_with_dequantized_experts(label):
 
 
 def test_ft_generate_int4_gives_the_tokens_of_the_dequantized_model(capsys):
-    assert main(["generate", "--prompt-ids", ",".join(map(str, PROMPT)), "--max-new-tokens", "12",
+    assert main(["generate", "--preset", "tiny", "--prompt-ids", ",".join(map(str, PROMPT)), "--max-new-tokens", "12",
                  "--expert-format", "int4-g32", "--moe-strategy", "offload", "--moe-cache-size", "12",
                  "--device", "cpu", "--json"]) == 0
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
@@ -163,7 +163,7 @@ def test_ft_generate_int4_gives_the_tokens_of_the_dequantized_model(capsys):
 
 
 def test_a_format_the_shape_cannot_hold_is_refused_before_loading(capsys):
-    assert main(["generate", "--prompt-ids", "1,2", "--expert-format", "int4", "--device", "cpu"]) != 0
+    assert main(["generate", "--preset", "tiny", "--prompt-ids", "1,2", "--expert-format", "int4", "--device", "cpu"]) != 0
     assert "int4-g128: group size 128 does not divide the hidden size 64" in capsys.readouterr().err
     with pytest.raises(SystemExit):                   # argparse: not a format
         main(["generate", "--prompt-ids", "1,2", "--expert-format", "int3", "--device", "cpu"])
