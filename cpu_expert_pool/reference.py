@@ -28,9 +28,10 @@ def reference_moe_layer(store: ExpertStore, layer: int, hidden: torch.Tensor, to
     inter = store.shape.intermediate
     out = torch.zeros(hidden.shape, dtype=dtype)
     x = hidden.to(dtype)
+    weights = {e: [v.to(dtype) for v in expert_weights(store, layer, e)] for e in set(expert_id.tolist())}
     for k in range(token_idx.numel()):
         t, e, w = int(token_idx[k]), int(expert_id[k]), float(weight[k])
-        w13, w2 = (v.to(dtype) for v in expert_weights(store, layer, e))    # [2I, H], [H, I]
+        w13, w2 = weights[e]                                                # [2I, H], [H, I]
         gate_up = F.linear(x[t], w13)                                       # [2I]
         h = F.silu(gate_up[:inter]) * gate_up[inter:]                       # [I]
         out[t] += w * F.linear(h, w2)                                       # [H]
