@@ -10,8 +10,9 @@
  * entry is the reference's value), and a code is a table index (vpermps). Two codes share a byte, so a chunk of
  * 32 weights (16 bytes) decodes into its even elements and its odd elements: the activations of 4-bit formats are
  * stored permuted the same way, per block of 32 (or a last block of 16): position p < n/2 holds element 2p,
- * position n/2 + p holds element 2p + 1 (perm4_pos). fp8: e4m3 bits are rearranged into fp16 bits of code / 256,
- * converted by vcvtph2ps and multiplied by 256 * scale (the same product as code * scale, one rounding).
+ * position n/2 + p holds element 2p + 1 (perm4_pos). fp8: the sign and magnitude bits are moved into fp32 bits of
+ * code * 2**-120 and multiplied by scale * 2**120 (the same product as code * scale, one rounding); blocks whose
+ * codes include NaN or whose scale is >= 2**8 take the general decoder (fp16 bits of code / 256, vcvtph2ps).
  *
  * ISAs: AVX-512F/BW/VL (16 lanes), AVX2 + FMA + F16C (8 lanes), portable C. There is no AVX-512 BF16 or AMX
  * path: the dequantized weights are fp32 (rounding them to bf16 would change them), so those CPUs run AVX-512F.
@@ -38,9 +39,13 @@ static const int32_t IOTA16[16] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13,
 static inline float f32_from_bits(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
 
 static inline float e4m3_to_f32(uint8_t b) {           /* float8_e4m3fn: no infinities, 0x7f / 0xff NaN */
-    const int e = (b >> 3) & 15, m = b & 7;
-    float v = e == 15 && m == 7 ? NAN : e == 0 ? ldexpf((float)m, -9) : ldexpf((float)(8 + m), e - 10);
-    return b & 0x80 ? -v : v;
+    const uint32_t mag = b & 0x7fu, sign = (uint32_t)(b & 0x80u) << 24;
+    if (mag == 0x7fu) return NAN;
+    if (mag < 8) {                                     /* subnormal: m * 2**-9 (exact) */
+        const float v = (float)mag * 0.001953125f;
+        return sign ? -v : v;
+    }
+    return f32_from_bits(sign | ((mag + (120u << 3)) << 20));   /* exponent e + 120, mantissa m << 20 */
 }
 static inline float e8m0_to_f32(uint8_t e) {           /* 2**(e - 127): e = 0 is 2**-127 (subnormal), 255 inf */
     return e == 0 ? f32_from_bits(0x00400000u) : e == 255 ? f32_from_bits(0x7f800000u) : f32_from_bits((uint32_t)e << 23);
@@ -101,7 +106,8 @@ static void dotq_scalar(int fmt, int G, const qrow *wa, const qrow *wb, int K, c
 #endif
 #define INLINE_Q static inline __attribute__((always_inline))
 #define QNB_AVX512 4      /* tokens a register block: 4 accumulators a token */
-#define QNB_AVX2 2
+/* AVX2: 4 tokens with one accumulator a row and token (16 registers), 2 accumulators below 3 tokens */
+#define QNB_AVX2 4
 
 /* ---------------------------------------------------------------- AVX-512 */
 T_AVX512Q INLINE_Q __m512 table512(int fmt, const qrow *r, int g) {
@@ -141,23 +147,51 @@ T_AVX512Q INLINE_Q __m512 dec4_tail512(const uint8_t *codes, int k, __m512 t) {
     const __m512i shift = _mm512_set_epi32(4, 4, 4, 4, 4, 4, 4, 4, 0, 0, 0, 0, 0, 0, 0, 0);
     return _mm512_permutexvar_ps(_mm512_srlv_epi32(v, shift), t);
 }
-/* 16 fp8 codes -> code / 256 (fp16 bits: sign, then the 7 magnitude bits at 13..7; 0x7f magnitude -> NaN). */
-T_AVX512Q INLINE_Q __m512 fp8x16_512(__m128i bytes) {
+/* 16 fp8 codes -> code / 256 (fp16 bits: sign, then the 7 magnitude bits at 13..7; with nan_fix, a 0x7f
+   magnitude -> NaN: callers that know the codes hold none skip it). */
+T_AVX512Q INLINE_Q __m512 fp8x16_512(__m128i bytes, int nan_fix) {
     const __m256i s = _mm256_cvtepi8_epi16(bytes);                                  /* sign-extended */
     __m256i h = _mm256_and_si256(_mm256_slli_epi16(s, 7), _mm256_set1_epi16((short)0xBFFF));
-    const __mmask16 nan = _mm256_cmpeq_epi16_mask(_mm256_and_si256(h, _mm256_set1_epi16(0x7fff)),
-                                                  _mm256_set1_epi16(0x3f80));
-    h = _mm256_mask_mov_epi16(h, nan, _mm256_set1_epi16(0x7e00));
+    if (nan_fix) {
+        const __mmask16 nan = _mm256_cmpeq_epi16_mask(_mm256_and_si256(h, _mm256_set1_epi16(0x7fff)),
+                                                      _mm256_set1_epi16(0x3f80));
+        h = _mm256_mask_mov_epi16(h, nan, _mm256_set1_epi16(0x7e00));
+    }
     return _mm512_cvtph_ps(h);
 }
-/* fp8 weights of 16 codes: f * (256 s) is the same product as code * s (256 s is exact unless it overflows). */
+/* (code / 256) * (256 s) is the same product as code * s, one rounding, while 256 s is exact (it overflows
+   only for s >= 2**120: then two products, (code / 256 * 256) * s). */
+static inline int fp8_scale_exact(float s) { return !(isinf(s * 256.0f) && !isinf(s)); }
 T_AVX512Q INLINE_Q __m512 fp8_scale512(__m512 f, float s) {
-    const float s256 = s * 256.0f;
-    if (isinf(s256) && !isinf(s)) return _mm512_mul_ps(_mm512_mul_ps(f, _mm512_set1_ps(256.0f)), _mm512_set1_ps(s));
-    return _mm512_mul_ps(f, _mm512_set1_ps(s256));
+    if (!fp8_scale_exact(s)) return _mm512_mul_ps(_mm512_mul_ps(f, _mm512_set1_ps(256.0f)), _mm512_set1_ps(s));
+    return _mm512_mul_ps(f, _mm512_set1_ps(s * 256.0f));
 }
+/* The general decoder (masked tails, rare scales, NaN codes): 16 weights at k. */
 T_AVX512Q INLINE_Q __m512 dec8_512(const qrow *r, int k, __mmask16 m) {
-    return fp8_scale512(fp8x16_512(_mm_maskz_loadu_epi8(m, r->codes + k)), r->fscales[k / FP8_BLOCK]);
+    return fp8_scale512(fp8x16_512(_mm_maskz_loadu_epi8(m, r->codes + k), 1), r->fscales[k / FP8_BLOCK]);
+}
+T_AVX512Q INLINE_Q int fp8_nan32_512(const uint8_t *p) {      /* any 0x7f / 0xff among 32 codes */
+    const __m256i m = _mm256_set1_epi8(0x7f);
+    return _mm256_cmpeq_epi8_mask(_mm256_and_si256(_mm256_loadu_si256((const __m256i *)p), m), m) != 0;
+}
+/* The fast decoder: 16 codes -> fp32 bits sign | magnitude << 20, i.e. code * 2**-120 exactly (e4m3's subnormals
+   land on fp32 subnormals); times s * 2**120 that is code * s, one rounding. Needs s * 2**120 finite (s < 2**8)
+   and no NaN code. */
+#define FP8_FAST_SHIFT 1.329227995784916e36f              /* 2**120 */
+static inline int fp8_fast_scale(float s) { return !(isinf(s * FP8_FAST_SHIFT) && !isinf(s)); }
+T_AVX512Q INLINE_Q __m512 fp8_bits_512(__m128i q) {
+    const __m512i v = _mm512_slli_epi32(_mm512_cvtepi8_epi32(q), 20);               /* sign-extended */
+    return _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32((int)0x87F00000u)));
+}
+/* 32 weights at k (k % 32 == 0): m = s * 2**120 of the block, fast = fp8_fast_scale(s). */
+T_AVX512Q INLINE_Q void dec8x32_512(const qrow *r, int k, __m512 m, int fast, __m512 *w) {
+    if (fast && !fp8_nan32_512(r->codes + k)) {
+        w[0] = _mm512_mul_ps(fp8_bits_512(_mm_loadu_si128((const __m128i *)(r->codes + k))), m);
+        w[1] = _mm512_mul_ps(fp8_bits_512(_mm_loadu_si128((const __m128i *)(r->codes + k + 16))), m);
+    } else {
+        w[0] = dec8_512(r, k, 0xffff);
+        w[1] = dec8_512(r, k + 16, 0xffff);
+    }
 }
 static inline __mmask16 mask16(int left) { return left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1); }
 
@@ -171,9 +205,18 @@ T_AVX512Q INLINE_Q void dotq_avx512(const int fmt, const int NB, int G, const qr
     }
     int k = 0;
     if (fmt == FMT_FP8) {
-        for (; k + 32 <= K; k += 32) {         /* 128-blocks hold whole 32-steps: one scale a step */
-            const __m512 wa0 = dec8_512(wa, k, 0xffff), wa1 = dec8_512(wa, k + 16, 0xffff);
-            const __m512 wb0 = dec8_512(wb, k, 0xffff), wb1 = dec8_512(wb, k + 16, 0xffff);
+        __m512 ma = _mm512_setzero_ps(), mb = ma;
+        int fa = 0, fb = 0;
+        for (; k + 32 <= K; k += 32) {         /* 128-blocks hold whole 32-steps */
+            if (k % FP8_BLOCK == 0) {
+                const float sa = wa->fscales[k / FP8_BLOCK], sb = wb->fscales[k / FP8_BLOCK];
+                fa = fp8_fast_scale(sa); fb = fp8_fast_scale(sb);
+                ma = _mm512_set1_ps(sa * FP8_FAST_SHIFT); mb = _mm512_set1_ps(sb * FP8_FAST_SHIFT);
+            }
+            __m512 va[2], vb[2];
+            dec8x32_512(wa, k, ma, fa, va);
+            dec8x32_512(wb, k, mb, fb, vb);
+            const __m512 wa0 = va[0], wa1 = va[1], wb0 = vb[0], wb1 = vb[1];
             for (int b = 0; b < NB; ++b) {
                 const __m512 x0 = _mm512_loadu_ps(x[b] + k), x1 = _mm512_loadu_ps(x[b] + k + 16);
                 a0[b] = _mm512_fmadd_ps(wa0, x0, a0[b]); a1[b] = _mm512_fmadd_ps(wa1, x1, a1[b]);
@@ -224,6 +267,13 @@ T_AVX512Q INLINE_Q void dotq_avx512(const int fmt, const int NB, int G, const qr
 T_AVX512Q static void dequant_row_avx512(int fmt, int G, const qrow *q, int K, float *o, float *tmp) {
     int k = 0;
     if (fmt == FMT_FP8) {
+        __m512 w[2];
+        for (; k + 32 <= K; k += 32) {
+            const float s = q->fscales[k / FP8_BLOCK];
+            dec8x32_512(q, k, _mm512_set1_ps(s * FP8_FAST_SHIFT), fp8_fast_scale(s), w);
+            _mm512_storeu_ps(o + k, w[0]);
+            _mm512_storeu_ps(o + k + 16, w[1]);
+        }
         for (; k < K; k += 16) _mm512_mask_storeu_ps(o + k, mask16(K - k), dec8_512(q, k, mask16(K - k)));
         return;
     }
@@ -289,16 +339,40 @@ T_AVX2Q INLINE_Q void dec4_tail256(const uint8_t *codes, int k, tab256 t, __m256
     w[0] = lookup256(v, t);
     w[1] = lookup256(_mm256_srli_epi32(v, 4), t);
 }
-/* 8 fp8 codes at p -> code * s (as fp8x16_512, 8 lanes). */
+/* 8 fp8 codes (the low 8 bytes of q) -> code / 256, as fp8x16_512. */
+T_AVX2Q INLINE_Q __m256 fp8x8_256(__m128i q, int nan_fix) {
+    __m128i h = _mm_and_si128(_mm_slli_epi16(_mm_cvtepi8_epi16(q), 7), _mm_set1_epi16((short)0xBFFF));
+    if (nan_fix) {
+        const __m128i nan = _mm_cmpeq_epi16(_mm_and_si128(h, _mm_set1_epi16(0x7fff)), _mm_set1_epi16(0x3f80));
+        h = _mm_blendv_epi8(h, _mm_set1_epi16(0x7e00), nan);
+    }
+    return _mm256_cvtph_ps(h);
+}
+/* The general decoder: 8 codes at p -> code * s. */
 T_AVX2Q INLINE_Q __m256 dec8_256(const uint8_t *p, float s) {
-    const __m128i sx = _mm_cvtepi8_epi16(_mm_loadl_epi64((const __m128i *)p));
-    __m128i h = _mm_and_si128(_mm_slli_epi16(sx, 7), _mm_set1_epi16((short)0xBFFF));
-    const __m128i nan = _mm_cmpeq_epi16(_mm_and_si128(h, _mm_set1_epi16(0x7fff)), _mm_set1_epi16(0x3f80));
-    h = _mm_blendv_epi8(h, _mm_set1_epi16(0x7e00), nan);
-    const __m256 f = _mm256_cvtph_ps(h);
-    const float s256 = s * 256.0f;
-    if (isinf(s256) && !isinf(s)) return _mm256_mul_ps(_mm256_mul_ps(f, _mm256_set1_ps(256.0f)), _mm256_set1_ps(s));
-    return _mm256_mul_ps(f, _mm256_set1_ps(s256));
+    const __m256 f = fp8x8_256(_mm_loadl_epi64((const __m128i *)p), 1);
+    if (!fp8_scale_exact(s)) return _mm256_mul_ps(_mm256_mul_ps(f, _mm256_set1_ps(256.0f)), _mm256_set1_ps(s));
+    return _mm256_mul_ps(f, _mm256_set1_ps(s * 256.0f));
+}
+T_AVX2Q INLINE_Q int fp8_nan16_256(__m128i q) {               /* any 0x7f / 0xff among 16 codes */
+    const __m128i m = _mm_set1_epi8(0x7f);
+    return _mm_movemask_epi8(_mm_cmpeq_epi8(_mm_and_si128(q, m), m)) != 0;
+}
+T_AVX2Q INLINE_Q __m256 fp8_bits_256(__m128i q) {              /* the low 8 codes of q, as fp8_bits_512 */
+    const __m256i v = _mm256_slli_epi32(_mm256_cvtepi8_epi32(q), 20);
+    return _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32((int)0x87F00000u)));
+}
+/* 16 weights at k (k % 16 == 0): m = s * 2**120 of the block, fast = fp8_fast_scale(s). */
+T_AVX2Q INLINE_Q void dec8x16_256(const qrow *r, int k, __m256 m, int fast, __m256 *w) {
+    const __m128i q = _mm_loadu_si128((const __m128i *)(r->codes + k));
+    if (fast && !fp8_nan16_256(q)) {
+        w[0] = _mm256_mul_ps(fp8_bits_256(q), m);
+        w[1] = _mm256_mul_ps(fp8_bits_256(_mm_srli_si128(q, 8)), m);
+    } else {
+        const float s = r->fscales[k / FP8_BLOCK];
+        w[0] = dec8_256(r->codes + k, s);
+        w[1] = dec8_256(r->codes + k + 8, s);
+    }
 }
 T_AVX2Q static inline float hsum256q(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -319,14 +393,27 @@ T_AVX2Q INLINE_Q void dotq_avx2(const int fmt, const int NB, int G, const qrow *
     }
     int k = 0;
     if (fmt == FMT_FP8) {
-        for (; k + 16 <= K; k += 16) {         /* 128-blocks hold whole 16-steps: one scale a step */
-            const float sa = wa->fscales[k / FP8_BLOCK], sb = wb->fscales[k / FP8_BLOCK];
-            const __m256 wa0 = dec8_256(wa->codes + k, sa), wa1 = dec8_256(wa->codes + k + 8, sa);
-            const __m256 wb0 = dec8_256(wb->codes + k, sb), wb1 = dec8_256(wb->codes + k + 8, sb);
+        __m256 ma = _mm256_setzero_ps(), mb = ma;
+        int fa = 0, fb = 0;
+        for (; k + 16 <= K; k += 16) {         /* 128-blocks hold whole 16-steps */
+            if (k % FP8_BLOCK == 0) {
+                const float sa = wa->fscales[k / FP8_BLOCK], sb = wb->fscales[k / FP8_BLOCK];
+                fa = fp8_fast_scale(sa); fb = fp8_fast_scale(sb);
+                ma = _mm256_set1_ps(sa * FP8_FAST_SHIFT); mb = _mm256_set1_ps(sb * FP8_FAST_SHIFT);
+            }
+            __m256 va[2], vb[2];
+            dec8x16_256(wa, k, ma, fa, va);
+            dec8x16_256(wb, k, mb, fb, vb);
+            const __m256 wa0 = va[0], wa1 = va[1], wb0 = vb[0], wb1 = vb[1];
             for (int b = 0; b < NB; ++b) {
                 const __m256 x0 = _mm256_loadu_ps(x[b] + k), x1 = _mm256_loadu_ps(x[b] + k + 8);
-                a0[b] = _mm256_fmadd_ps(wa0, x0, a0[b]); a1[b] = _mm256_fmadd_ps(wa1, x1, a1[b]);
-                b0[b] = _mm256_fmadd_ps(wb0, x0, b0[b]); b1[b] = _mm256_fmadd_ps(wb1, x1, b1[b]);
+                if (NB > 2) {                  /* 16 registers: one accumulator a row and token */
+                    a0[b] = _mm256_fmadd_ps(wa0, x0, a0[b]); a0[b] = _mm256_fmadd_ps(wa1, x1, a0[b]);
+                    b0[b] = _mm256_fmadd_ps(wb0, x0, b0[b]); b0[b] = _mm256_fmadd_ps(wb1, x1, b0[b]);
+                } else {
+                    a0[b] = _mm256_fmadd_ps(wa0, x0, a0[b]); a1[b] = _mm256_fmadd_ps(wa1, x1, a1[b]);
+                    b0[b] = _mm256_fmadd_ps(wb0, x0, b0[b]); b1[b] = _mm256_fmadd_ps(wb1, x1, b1[b]);
+                }
             }
         }
         for (; k < K; ++k) {
@@ -346,10 +433,17 @@ T_AVX2Q INLINE_Q void dotq_avx2(const int fmt, const int NB, int G, const qrow *
                 const float *xk = x[b] + k;
                 const __m256 x0 = _mm256_loadu_ps(xk), x1 = _mm256_loadu_ps(xk + 8);
                 const __m256 x2 = _mm256_loadu_ps(xk + 16), x3 = _mm256_loadu_ps(xk + 24);
-                a0[b] = _mm256_fmadd_ps(va[0], x0, a0[b]); a1[b] = _mm256_fmadd_ps(va[1], x1, a1[b]);
-                b0[b] = _mm256_fmadd_ps(vb[0], x0, b0[b]); b1[b] = _mm256_fmadd_ps(vb[1], x1, b1[b]);
-                a0[b] = _mm256_fmadd_ps(va[2], x2, a0[b]); a1[b] = _mm256_fmadd_ps(va[3], x3, a1[b]);
-                b0[b] = _mm256_fmadd_ps(vb[2], x2, b0[b]); b1[b] = _mm256_fmadd_ps(vb[3], x3, b1[b]);
+                if (NB > 2) {                  /* 16 registers: one accumulator a row and token */
+                    a0[b] = _mm256_fmadd_ps(va[0], x0, a0[b]); b0[b] = _mm256_fmadd_ps(vb[0], x0, b0[b]);
+                    a0[b] = _mm256_fmadd_ps(va[1], x1, a0[b]); b0[b] = _mm256_fmadd_ps(vb[1], x1, b0[b]);
+                    a0[b] = _mm256_fmadd_ps(va[2], x2, a0[b]); b0[b] = _mm256_fmadd_ps(vb[2], x2, b0[b]);
+                    a0[b] = _mm256_fmadd_ps(va[3], x3, a0[b]); b0[b] = _mm256_fmadd_ps(vb[3], x3, b0[b]);
+                } else {
+                    a0[b] = _mm256_fmadd_ps(va[0], x0, a0[b]); a1[b] = _mm256_fmadd_ps(va[1], x1, a1[b]);
+                    b0[b] = _mm256_fmadd_ps(vb[0], x0, b0[b]); b1[b] = _mm256_fmadd_ps(vb[1], x1, b1[b]);
+                    a0[b] = _mm256_fmadd_ps(va[2], x2, a0[b]); a1[b] = _mm256_fmadd_ps(va[3], x3, a1[b]);
+                    b0[b] = _mm256_fmadd_ps(vb[2], x2, b0[b]); b1[b] = _mm256_fmadd_ps(vb[3], x3, b1[b]);
+                }
             }
         }
         if (k < K) {                           /* nvfp4 only: K % 32 == 16 */
@@ -374,6 +468,13 @@ T_AVX2Q INLINE_Q void dotq_avx2(const int fmt, const int NB, int G, const qrow *
 T_AVX2Q static void dequant_row_avx2(int fmt, int G, const qrow *q, int K, float *o, float *tmp) {
     int k = 0;
     if (fmt == FMT_FP8) {
+        __m256 w[2];
+        for (; k + 16 <= K; k += 16) {
+            const float s = q->fscales[k / FP8_BLOCK];
+            dec8x16_256(q, k, _mm256_set1_ps(s * FP8_FAST_SHIFT), fp8_fast_scale(s), w);
+            _mm256_storeu_ps(o + k, w[0]);
+            _mm256_storeu_ps(o + k + 8, w[1]);
+        }
         for (; k + 8 <= K; k += 8) _mm256_storeu_ps(o + k, dec8_256(q->codes + k, q->fscales[k / FP8_BLOCK]));
         for (; k < K; ++k) o[k] = fp8_weight(q, k);
         return;
@@ -407,10 +508,8 @@ T static void dotq_##ISA##_##NAME##_##NB(int G, const qrow *wa, const qrow *wb, 
     DEFINE_DOTQ(ISA, T, FMT, NAME, 3) DEFINE_DOTQ(ISA, T, FMT, NAME, 4)
 DEFINE_DOTQ_FMT(avx512, T_AVX512Q, FMT_FP8, fp8) DEFINE_DOTQ_FMT(avx512, T_AVX512Q, FMT_INT4, int4)
 DEFINE_DOTQ_FMT(avx512, T_AVX512Q, FMT_MXFP4, mxfp4) DEFINE_DOTQ_FMT(avx512, T_AVX512Q, FMT_NVFP4, nvfp4)
-DEFINE_DOTQ(avx2, T_AVX2Q, FMT_FP8, fp8, 1) DEFINE_DOTQ(avx2, T_AVX2Q, FMT_FP8, fp8, 2)
-DEFINE_DOTQ(avx2, T_AVX2Q, FMT_INT4, int4, 1) DEFINE_DOTQ(avx2, T_AVX2Q, FMT_INT4, int4, 2)
-DEFINE_DOTQ(avx2, T_AVX2Q, FMT_MXFP4, mxfp4, 1) DEFINE_DOTQ(avx2, T_AVX2Q, FMT_MXFP4, mxfp4, 2)
-DEFINE_DOTQ(avx2, T_AVX2Q, FMT_NVFP4, nvfp4, 1) DEFINE_DOTQ(avx2, T_AVX2Q, FMT_NVFP4, nvfp4, 2)
+DEFINE_DOTQ_FMT(avx2, T_AVX2Q, FMT_FP8, fp8) DEFINE_DOTQ_FMT(avx2, T_AVX2Q, FMT_INT4, int4)
+DEFINE_DOTQ_FMT(avx2, T_AVX2Q, FMT_MXFP4, mxfp4) DEFINE_DOTQ_FMT(avx2, T_AVX2Q, FMT_NVFP4, nvfp4)
 
 /* [format][tokens in the block] */
 static const dotq_fn DOTQ_AVX512[5][QNB_AVX512 + 1] = {
@@ -419,8 +518,10 @@ static const dotq_fn DOTQ_AVX512[5][QNB_AVX512 + 1] = {
     {0, dotq_avx512_mxfp4_1, dotq_avx512_mxfp4_2, dotq_avx512_mxfp4_3, dotq_avx512_mxfp4_4},
     {0, dotq_avx512_nvfp4_1, dotq_avx512_nvfp4_2, dotq_avx512_nvfp4_3, dotq_avx512_nvfp4_4}};
 static const dotq_fn DOTQ_AVX2[5][QNB_AVX2 + 1] = {
-    {0}, {0, dotq_avx2_fp8_1, dotq_avx2_fp8_2}, {0, dotq_avx2_int4_1, dotq_avx2_int4_2},
-    {0, dotq_avx2_mxfp4_1, dotq_avx2_mxfp4_2}, {0, dotq_avx2_nvfp4_1, dotq_avx2_nvfp4_2}};
+    {0}, {0, dotq_avx2_fp8_1, dotq_avx2_fp8_2, dotq_avx2_fp8_3, dotq_avx2_fp8_4},
+    {0, dotq_avx2_int4_1, dotq_avx2_int4_2, dotq_avx2_int4_3, dotq_avx2_int4_4},
+    {0, dotq_avx2_mxfp4_1, dotq_avx2_mxfp4_2, dotq_avx2_mxfp4_3, dotq_avx2_mxfp4_4},
+    {0, dotq_avx2_nvfp4_1, dotq_avx2_nvfp4_2, dotq_avx2_nvfp4_3, dotq_avx2_nvfp4_4}};
 #endif /* __x86_64__ */
 
 /* ra[b], rb[b] for every b < B: register blocks of tokens on the vector ISAs (the two rows stay in L1). */

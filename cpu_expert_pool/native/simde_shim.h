@@ -25,6 +25,20 @@ static inline __m512i _mm512_cvtepu8_epi32(__m128i a) {          /* the 16 bytes
     for (int i = 0; i < 16; ++i) r[i] = v[i];
     return _mm512_loadu_si512(r);
 }
+static inline __m512i _mm512_cvtepi8_epi32(__m128i a) {          /* the 16 bytes of a, sign-extended */
+    int8_t v[16]; int32_t r[16];
+    _mm_storeu_si128((__m128i *)v, a);
+    for (int i = 0; i < 16; ++i) r[i] = v[i];
+    return _mm512_loadu_si512(r);
+}
+static inline uint32_t _mm256_cmpeq_epi8_mask(__m256i a, __m256i b) {
+    int8_t va[32], vb[32];
+    _mm256_storeu_si256((__m256i *)va, a);
+    _mm256_storeu_si256((__m256i *)vb, b);
+    uint32_t m = 0;
+    for (int i = 0; i < 32; ++i) m |= (uint32_t)(va[i] == vb[i]) << i;
+    return m;
+}
 static inline __mmask16 _mm256_cmpeq_epi16_mask(__m256i a, __m256i b) {
     int16_t va[16], vb[16];
     _mm256_storeu_si256((__m256i *)va, a);
