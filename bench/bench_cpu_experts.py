@@ -169,7 +169,8 @@ def main() -> int:
     print(f"{'format':<10} {'kernel':<20} {'batch':>5} {'MB/expert':>9} {'us/call':>9} {'us/expert':>10} {'GB/s':>7} "
           f"{'% DRAM':>7}")
     for fmt, kernel_name, batch, mb, us, us_expert, gbps, pct in rows:
-        print(f"{fmt:<10} {kernel_name:<20} {batch:>5} {mb:>9.2f} {us:>9.0f} {us_expert:>10.1f} {gbps:>7.1f} {pct:>6.0f}%")
+        print(f"{fmt:<10} {kernel_name:<20} {batch:>5} {mb:>9.2f} {us:>9.0f} {us_expert:>10.1f} {gbps:>7.1f} "
+              f"{pct:>6.0f}%")
     return 0
 
 

@@ -23,7 +23,8 @@ def expert_weights(store: ExpertStore, layer: int, expert: int) -> tuple[torch.T
 
 
 def reference_moe_layer(store: ExpertStore, layer: int, hidden: torch.Tensor, token_idx: torch.Tensor,
-                        expert_id: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+                        expert_id: torch.Tensor, weight: torch.Tensor,
+                        dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """hidden: [T, H]; token_idx, expert_id: [n] int; weight: [n] fp32 -> out: [T, H] fp32."""
     inter = store.shape.intermediate
     out = torch.zeros(hidden.shape, dtype=dtype)

@@ -26,7 +26,8 @@ SOURCES = (Path(__file__).with_name("expert_ffn.c"),     # the expert kernel (it
            Path(__file__).with_name("serve_loop.c"),     # the worker's hot loop around it (ft_serve)
            Path(__file__).with_name("threads.c"),        # thread pinning and the bandwidth probe's reads
            Path(__file__).with_name("quant_ffn.c"))      # the quantized experts' kernel (fp8, int4, mxfp4, nvfp4)
-HEADERS = (Path(__file__).with_name("expert_dots.h"), Path(__file__).with_name("quant_dots.h"))
+HEADERS = tuple(Path(__file__).with_name(name) for name in ("expert_dots.h", "quant_dots.h", "quant_avx512.h",
+                                                             "quant_avx2.h"))
 CFLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-fno-strict-aliasing", "-Wall")
 LIBS = ("-lm",)
 BUILD_TIMEOUT_S = 120

@@ -68,7 +68,8 @@ static int region_ok(const ft_quant_format *f, int64_t off, int64_t nbytes, int 
 int ft_quant_format_check(const ft_quant_format *f, int H, int I, int64_t expert_stride_bytes) {
     if (!f || f->format < FMT_FP8 || f->format > FMT_NVFP4) return ERR_BAD_FORMAT;
     const int64_t G = f->group_size;
-    const int ok_group = f->format == FMT_FP8 ? G == FP8_BLOCK : f->format == FMT_INT4 ? (G == 32 || G == 64 || G == 128)
+    const int ok_group = f->format == FMT_FP8 ? G == FP8_BLOCK
+                         : f->format == FMT_INT4 ? (G == 32 || G == 64 || G == 128)
                          : f->format == FMT_MXFP4 ? G == 32 : G == 16;
     if (!ok_group || H <= 0 || I <= 0) return ERR_BAD_FORMAT;
     if (f->format != FMT_FP8 && (H % G || I % G)) return ERR_BAD_FORMAT;

@@ -1,5 +1,6 @@
 /* The CPU worker's hot path in C: wait for the channel's doorbell, compute each request with
-   ft_moe_layer (ft_moe_layer_q for a quantized store), publish the response line and done_seq (protocol: proto/shm_layout.py).
+   ft_moe_layer (ft_moe_layer_q for a quantized store), publish the response line and done_seq (protocol:
+   proto/shm_layout.py).
 
    Why C: the Python loop (cpu_expert_pool/worker.py cpu_busy_loop) costs ~5-6 us a request in Python
    alone (look up the slot, views, the kernel call through ctypes, the response fields), and on the

@@ -109,7 +109,8 @@ def emulated():
         pytest.skip("SIMDe headers absent (apt-get install libsimde-dev): the AVX-512 code is not emulated")
     try:
         path = build_library(sources=(NATIVE_DIR / "quant_ffn.c",), stem="libft_quant_emulated",
-                             headers=(NATIVE_DIR / "quant_dots.h", NATIVE_DIR / "simde_shim.h"),
+                             headers=tuple(NATIVE_DIR / f for f in ("quant_dots.h", "quant_avx512.h", "quant_avx2.h",
+                                                                    "simde_shim.h")),
                              extra_flags=("-DFT_EMULATE_AVX512",))
     except NativeUnavailable as exc:
         pytest.fail(f"the emulated AVX-512 build failed: {exc}")
@@ -129,7 +130,8 @@ def adversarial_expert(store: ExpertStore, g: torch.Generator) -> torch.Tensor:
         for region in ("scales_w13", "scales_w2"):
             off, n = layout.regions[region]
             mag = torch.exp2(torch.randint(-140, 128, (n // 4,), generator=g).float())
-            scales = mag * (torch.rand(n // 4, generator=g) + 0.5) * torch.where(torch.rand(n // 4, generator=g) < .2, -1, 1)
+            sign = torch.where(torch.rand(n // 4, generator=g) < .2, -1, 1)
+            scales = mag * (torch.rand(n // 4, generator=g) + 0.5) * sign
             row[off:off + n] = scales.view(torch.uint8)
     if store.expert_format.name == "nvfp4":
         off, n = layout.regions["globals"]
@@ -139,7 +141,8 @@ def adversarial_expert(store: ExpertStore, g: torch.Generator) -> torch.Tensor:
 
 def same_bits(got: torch.Tensor, ref: torch.Tensor) -> bool:
     nan = torch.isnan(ref)
-    return bool((torch.isnan(got) == nan).all()) and torch.equal(got[~nan].view(torch.int32), ref[~nan].view(torch.int32))
+    bits_equal = torch.equal(got[~nan].view(torch.int32), ref[~nan].view(torch.int32))
+    return bool((torch.isnan(got) == nan).all()) and bits_equal
 
 
 def check_decoders(lib: QuantBindings, isa: int, store: ExpertStore, row: torch.Tensor) -> None:
@@ -225,7 +228,8 @@ def test_split_expert_reads_a_prefix_of_the_channels(store, isa):
         lim = c if e == split_expert else inter
         w13, w2 = (v.double() for v in expert_weights(store, 1, e))
         x = hidden[int(tok[k])].double()
-        ref[int(tok[k])] += float(w[k]) * (torch.nn.functional.silu(w13[:lim] @ x) * (w13[inter:inter + lim] @ x)) @ w2[:, :lim].T
+        h = torch.nn.functional.silu(w13[:lim] @ x) * (w13[inter:inter + lim] @ x)
+        ref[int(tok[k])] += float(w[k]) * h @ w2[:, :lim].T
     assert rel_err(out, ref.float()) <= TOL
     others = len(set(exp.tolist())) - 1
     assert stats == (others + 1, others * store.expert_bytes + store.expert_bytes * c // inter)
