@@ -7,30 +7,33 @@ expert's bytes once (triples are grouped by expert), weights in place from the s
 (gate/up rows [0, c), down columns [0, c)): the GPU adds the rest; c = 0 means no split.
 
 Kernels: ``torch`` (bf16 F.linear per expert; always available, the fallback), ``native-<isa>``
-(cpu_expert_pool/native/expert_ffn.c: avx512_bf16, avx512, avx2, scalar), ``native`` (best ISA
-here), ``auto`` (native when it builds and reads the store's format, else torch, with a log line saying why).
-Quantized stores (fp8, int4-g*, mxfp4, nvfp4; proto/expert_format.py): the torch kernel dequantizes each used
-expert (`expert_weights`) to the model dtype and runs the same math; the compiled kernel reads the formats in
-NATIVE_FORMATS.
+(cpu_expert_pool/native/expert_ffn.c: amx_bf16, avx512_bf16, avx512, avx2, scalar), ``native`` (best ISA
+here), ``auto`` (native when it builds, else torch, with a log line saying why).
+
+Quantized stores (``store.expert_format``: fp8, int4-g*, mxfp4, nvfp4) use native/quant_ffn.c, which
+dequantizes in registers to fp32 and has avx512, avx2 and scalar paths (no avx512_bf16 or AMX one: the
+dequantized weights are fp32); ``native`` there means the best of those three.
 Legend: T tokens, H hidden, I intermediate, E experts, n triples, B tokens of one expert, c split_limit.
 """
 from __future__ import annotations
 
 import dataclasses
 import logging
+from functools import partial
 
 import torch
 import torch.nn.functional as F
 
 from cpu_expert_pool.native.build import ISA_BY_NAME, ISA_NAMES, NativeLib, try_load_native
-from proto.expert_format import FormatError, dequantize_expert
+from cpu_expert_pool.native.quant_desc import QuantFormatDesc, quant_format_desc
+from proto.expert_format import dequantize_expert
 from proto.expert_store import ExpertStore
 from proto.shm_layout import SPLIT_CHANNEL_UNIT
 
 log = logging.getLogger(__name__)
 
 KERNELS = ("auto", "torch", "native", *(f"native-{name}" for name in ISA_BY_NAME))
-NATIVE_FORMATS = ("bf16",)     # expert formats the compiled kernel reads (cpu_expert_pool/native); torch: every one
+QUANT_TOP_ISA = ISA_BY_NAME["avx512"]      # quant_ffn.c's widest path
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,6 +121,8 @@ class ExpertKernel:
         self.num_threads = num_threads
         self._native: NativeLib | None = None
         self._isa = -1
+        fmt = store.expert_format
+        self._quant: QuantFormatDesc | None = quant_format_desc(store.shape.quant_layout) if fmt.quantized else None
         if kernel != "torch":
             self._native, why = try_load_native()
             if self._native is None:
@@ -125,23 +130,20 @@ class ExpertKernel:
                     raise RuntimeError(f"kernel {kernel!r} unavailable: {why}")
                 log.warning("compiled CPU expert kernel unavailable, using torch: %s", why)
         if self._native is not None:
-            fmt = store.expert_format
-            if fmt.name not in NATIVE_FORMATS:
-                if kernel != "auto":
-                    raise FormatError(f"the compiled CPU expert kernel has no {fmt.label} path (it reads "
-                                      f"{', '.join(NATIVE_FORMATS)}); this store holds {fmt.label} experts: use "
-                                      "--kernel torch (or auto)")
-                log.warning("the compiled CPU expert kernel does not read %s experts; using torch", fmt.label)
-                self._native = None
-            elif store.dtype != torch.bfloat16:
+            top = min(self._native.best_isa, QUANT_TOP_ISA) if fmt.quantized else self._native.best_isa
+            if not fmt.quantized and store.dtype != torch.bfloat16:
                 if kernel != "auto":
                     raise ValueError(f"the compiled kernel reads bf16 weights; this store is {store.dtype}: "
                                      "use --kernel torch")
                 self._native = None
             elif kernel in ("auto", "native"):
-                self._isa = self._native.best_isa
+                self._isa = top
             else:
                 self._isa = ISA_BY_NAME[kernel.removeprefix("native-")]
+                if fmt.quantized and self._isa > QUANT_TOP_ISA:
+                    raise ValueError(f"kernel {kernel!r}: the {fmt.label} kernel has no {ISA_NAMES[self._isa]} path "
+                                     "(it dequantizes to fp32 and runs AVX-512F there); use --kernel native or "
+                                     "native-avx512")
                 if self._isa > self._native.best_isa:
                     raise ValueError(f"kernel {kernel!r} needs {ISA_NAMES[self._isa]}, this CPU tops out at "
                                      f"{self._native.best_isa_name}; use --kernel native")
@@ -158,7 +160,7 @@ class ExpertKernel:
             return None
         from cpu_expert_pool.native_loop import NativeServeLoop
         return NativeServeLoop(self._native, channel, self.store, isa=self._isa, num_threads=self.num_threads,
-                               split=split, worker_index=worker_index)
+                               split=split, worker_index=worker_index, quant_format=self._quant)
 
     def pin_threads(self, cpus: list[int]) -> bool:
         """Pin compute thread i to cpus[i] (needs the compiled library; best effort)."""
@@ -190,7 +192,8 @@ class ExpertKernel:
         if expert_id.numel() != n or weight.numel() != n:
             raise ValueError("token_idx, expert_id and weight must have the same length")
         shape = self.store.shape
-        groups, num_bytes = self._native.moe_layer(
+        call = self._native.moe_layer if self._quant is None else partial(self._native.quant.moe_layer, self._quant)
+        groups, num_bytes = call(
             self._isa, self.num_threads, self.store.data_ptr + self.store.expert_offset(layer, 0),
             self.store.expert_stride, shape.num_experts, shape.hidden, shape.intermediate, hidden.data_ptr(),
             hidden.dtype == torch.bfloat16, num_tokens, token_idx.data_ptr(), expert_id.data_ptr(),

@@ -6,7 +6,8 @@ request that Python must answer (malformed, an invalid split, no slot, a kernel 
 the Python path's ``next_request()`` finds it next). A request's split expert (split_limit, split_expert
 of the request line) is passed to the kernel as it is. The Python loop cost ~5-6 us a request before any compute,
 which on the GPU -> CPU -> GPU hand-off decides whether the GPU's first poll (a ~4 us PCIe round trip)
-already finds the answer (docs/HYBRID.md).
+already finds the answer (docs/HYBRID.md). A quantized store's requests go to ft_moe_layer_q (quant_ffn.c) with
+the store's format descriptor.
 
 Used when the worker's kernel is the compiled one (the torch kernel keeps the Python path), unless
 FT_WORKER_LOOP=python says otherwise (for comparisons).
@@ -20,6 +21,7 @@ import numpy as np
 
 from cpu_expert_pool.channel import WorkerChannel
 from cpu_expert_pool.native.build import NativeLib
+from cpu_expert_pool.native.quant_desc import QuantFormatDesc
 from proto.expert_owners import ExpertSplit
 from proto.expert_store import ExpertStore
 from proto.shm_layout import NUM_SLOTS
@@ -44,6 +46,7 @@ class ChannelDesc(ctypes.Structure):
         ("intermediate", ctypes.c_int64),
         ("owner", ctypes.c_void_p), ("worker_index", ctypes.c_int64),
         ("isa", ctypes.c_int64), ("num_threads", ctypes.c_int64),
+        ("quant_format", ctypes.c_void_p),
     ]
 
 
@@ -62,7 +65,7 @@ class NativeServeLoop:
     """One channel's C loop; rebuild it when the kernel (ISA, threads) or the expert split changes."""
 
     def __init__(self, lib: NativeLib, channel: WorkerChannel, store: ExpertStore, *, isa: int, num_threads: int,
-                 split: ExpertSplit | None, worker_index: int):
+                 split: ExpertSplit | None, worker_index: int, quant_format: QuantFormatDesc | None = None):
         size, offsets = lib.channel_desc_size(), lib.channel_desc_offsets()
         mirror = [getattr(ChannelDesc, name).offset for name, _ in ChannelDesc._fields_]
         if size != ctypes.sizeof(ChannelDesc) or offsets != mirror:
@@ -92,6 +95,11 @@ class NativeServeLoop:
                                  f"[{store.num_layers}, {store.num_experts}]")
             d.owner = _addr(self._owner)
         d.worker_index, d.isa, d.num_threads = worker_index, isa, num_threads
+        if store.expert_format.quantized and quant_format is None:
+            raise ValueError(f"the store holds {store.shape.fmt} experts: pass its quant_format "
+                             "(cpu_expert_pool.native.quant_desc.quant_format_desc)")
+        self._quant = quant_format                                               # kept alive with the desc
+        d.quant_format = ctypes.addressof(quant_format) if quant_format is not None else None
         self._desc = d
         self._done = ctypes.c_int64(0)
         self._last_work = ctypes.c_int64(0)

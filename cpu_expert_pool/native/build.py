@@ -18,12 +18,16 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+from cpu_expert_pool.native.quant_desc import QuantBindings
+
 log = logging.getLogger(__name__)
 
 SOURCES = (Path(__file__).with_name("expert_ffn.c"),     # the expert kernel (its dot products: expert_dots.h)
            Path(__file__).with_name("serve_loop.c"),     # the worker's hot loop around it (ft_serve)
-           Path(__file__).with_name("threads.c"))        # thread pinning and the bandwidth probe's reads
-HEADERS = (Path(__file__).with_name("expert_dots.h"),)
+           Path(__file__).with_name("threads.c"),        # thread pinning and the bandwidth probe's reads
+           Path(__file__).with_name("quant_ffn.c"))      # the quantized experts' kernel (fp8, int4, mxfp4, nvfp4)
+HEADERS = tuple(Path(__file__).with_name(name) for name in ("expert_dots.h", "quant_dots.h", "quant_avx512.h",
+                                                             "quant_avx2.h"))
 CFLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-fno-strict-aliasing", "-Wall")
 LIBS = ("-lm",)
 BUILD_TIMEOUT_S = 120
@@ -32,7 +36,9 @@ ISA_BY_NAME = {v: k for k, v in ISA_NAMES.items()}
 ERRORS = {-1: "a token index is outside [0, T)", -2: "an expert id is outside [0, E)",
           -3: "out of memory for scratch buffers", -4: "that ISA is not supported by this CPU",
           -5: "bad sizes (H, I, T, n, E and num_threads must be positive) or an invalid split (split_limit "
-              "must be 0, or in (0, I) and a multiple of 32 with split_expert in [0, E))"}
+              "must be 0, or in (0, I) and a multiple of 32 with split_expert in [0, E))",
+          -6: "the quantized format descriptor does not match the kernel's formats (fp8, int4 g32/64/128, mxfp4, "
+              "nvfp4) or its regions do not fit one expert's bytes; rebuild it with quant_format_desc"}
 
 
 class NativeUnavailable(RuntimeError):
@@ -53,23 +59,25 @@ def default_cache_dir() -> Path:
     return path
 
 
-def build_library(cache_dir: Path | None = None) -> Path:
+def build_library(cache_dir: Path | None = None, *, sources: tuple[Path, ...] = SOURCES,
+                  headers: tuple[Path, ...] = HEADERS, extra_flags: tuple[str, ...] = (),
+                  stem: str = "libft_expert_ffn") -> Path:
     """Compile the CPU expert kernel and the worker's serve loop (SOURCES) once per source / compiler / machine, and
-    return the library's path."""
+    return the library's path (other sources / flags: a test build, e.g. the AVX-512 code on emulated intrinsics)."""
     what, fallback = "the CPU expert kernel", "use --kernel torch meanwhile"
     cc = shutil.which(os.environ.get("CC", "gcc")) or shutil.which("cc")
     if cc is None:
         raise NativeUnavailable(f"no C compiler found (gcc/cc) to build {what}; install one (apt-get install gcc) "
                                 f"or {fallback.removesuffix(' meanwhile')}")
     version = subprocess.run([cc, "-dumpfullversion", "-dumpversion"], capture_output=True, text=True).stdout
-    key = hashlib.sha256(b"".join(src.read_bytes() for src in (*SOURCES, *HEADERS))
-                         + "|".join((cc, version, platform.machine(), *CFLAGS, *LIBS)).encode())
+    key = hashlib.sha256(b"".join(src.read_bytes() for src in (*sources, *headers))
+                         + "|".join((cc, version, platform.machine(), *CFLAGS, *extra_flags, *LIBS)).encode())
     cache_dir = cache_dir or default_cache_dir()
-    out = cache_dir / f"libft_expert_ffn-{key.hexdigest()[:16]}.so"
+    out = cache_dir / f"{stem}-{key.hexdigest()[:16]}.so"
     if out.exists():
         return out
     tmp = out.with_name(f"{out.stem}.{os.getpid()}.tmp.so")
-    cmd = [cc, *CFLAGS, "-o", str(tmp), *map(str, SOURCES), *LIBS]
+    cmd = [cc, *CFLAGS, *extra_flags, "-o", str(tmp), *map(str, sources), *LIBS]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
     if proc.returncode != 0:
         tmp.unlink(missing_ok=True)
@@ -102,6 +110,7 @@ class NativeLib:
         lib.ft_channel_desc_offsets.argtypes = [c_p, c_int]
         self._lib = lib
         self.path = path
+        self.quant = QuantBindings(lib)          # ft_moe_layer_q, ft_dequantize_rows (quant_ffn.c)
         self.best_isa = int(lib.ft_best_isa())
         self._stats = (ctypes.c_int64 * 2)()
 

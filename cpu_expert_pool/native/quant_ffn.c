@@ -1,0 +1,275 @@
+/* CPU expert FFN over quantized experts (fp8, int4, mxfp4, nvfp4) for one MoE layer:
+ * out[t] = sum_k w_k * down(silu(gate(x_t)) * up(x_t)), the bf16 kernel's contract (expert_ffn.c) for experts
+ * stored as proto/expert_format.py lays them out. The Python side passes the expert's region offsets and the
+ * format (ft_quant_format, mirrored in cpu_expert_pool/native/quant_desc.py); the shapes of the regions follow
+ * from H, I and the format by that file's formulas. Decoders and dot products: quant_dots.h.
+ *
+ * Same structure as ft_moe_layer: triples grouped by expert (counting sort), one OpenMP team; phase 0 zeroes
+ * out and converts x to fp32 (4-bit formats: permuted per block of 32, perm4_pos); phase 1 splits the gate/up
+ * row pairs [0, lim_g) of all groups (h = silu(g) * u, fp32, stored permuted for 4-bit formats); phase 2 splits
+ * the H output rows. A split expert (split_limit c > 0) reads gate/up rows [0, c) and down columns [0, c).
+ * Each output element is computed by one thread in a fixed order: results do not depend on the thread count.
+ *
+ * ISAs: 2 and above (AVX-512 BF16, AMX) run the AVX-512F code, 1 AVX2, 0 portable C (see quant_dots.h).
+ * Legend: T tokens, H hidden, I intermediate, E experts, n triples, G experts used, B tokens of one, c split_limit.
+ */
+#define _GNU_SOURCE
+#include <math.h>
+#include <omp.h>
+#include <pthread.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+enum { ISA_SCALAR = 0, ISA_AVX2 = 1, ISA_AVX512 = 2 };   /* expert_ffn.c's numbering */
+enum { ERR_BAD_TOKEN = -1, ERR_BAD_EXPERT = -2, ERR_NO_MEMORY = -3, ERR_BAD_ISA = -4, ERR_BAD_ARGS = -5,
+       ERR_BAD_FORMAT = -6 };
+#define TOKEN_CHUNK 256
+#define ALIGN_BYTES 64
+#define SPLIT_CHANNEL_UNIT 32
+
+#if defined(FT_EMULATE_AVX512)       /* a test build: the AVX-512 code on SIMDe's portable intrinsics */
+#include "simde_shim.h"
+#define T_AVX512Q
+#define T_AVX2Q
+static int ft_best_isa(void) { return ISA_AVX512; }
+#else
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+int ft_best_isa(void);               /* expert_ffn.c */
+#endif
+
+#include "quant_dots.h"
+
+/* One quantized expert's layout: ft_quant_format (cpu_expert_pool/native/quant_desc.py builds it from a
+   proto.expert_format.QuantLayout). Offsets are bytes from the expert's first byte, -1 for an absent region. */
+typedef struct {
+    int64_t format;            /* FMT_* */
+    int64_t group_size;        /* int4 32 / 64 / 128, mxfp4 32, nvfp4 16; fp8 128 (the block side) */
+    int64_t expert_bytes;      /* QuantLayout.expert_nbytes */
+    int64_t codes_w13, codes_w2, scales_w13, scales_w2, zeros_w13, zeros_w2, globals;
+} ft_quant_format;
+
+static int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+static int64_t code_row_bytes(const ft_quant_format *f, int64_t k) { return f->format == FMT_FP8 ? k : k / 2; }
+static int64_t scale_count(const ft_quant_format *f, int64_t rows, int64_t k) {     /* one matrix */
+    return f->format == FMT_FP8 ? ceil_div(rows, FP8_BLOCK) * ceil_div(k, FP8_BLOCK) : rows * (k / f->group_size);
+}
+static int64_t scale_item(const ft_quant_format *f) { return f->format <= FMT_INT4 ? 4 : 1; }
+
+static int region_ok(const ft_quant_format *f, int64_t off, int64_t nbytes, int present) {
+    if (!present) return off == -1;
+    return off >= 0 && nbytes >= 0 && off + nbytes <= f->expert_bytes;
+}
+
+/* 0, or ERR_BAD_FORMAT: an unknown format, a group size it does not take or that does not divide H and I, or a
+   region that does not fit the expert's bytes (or is given where the format has none). */
+int ft_quant_format_check(const ft_quant_format *f, int H, int I, int64_t expert_stride_bytes) {
+    if (!f || f->format < FMT_FP8 || f->format > FMT_NVFP4) return ERR_BAD_FORMAT;
+    const int64_t G = f->group_size;
+    const int ok_group = f->format == FMT_FP8 ? G == FP8_BLOCK
+                         : f->format == FMT_INT4 ? (G == 32 || G == 64 || G == 128)
+                         : f->format == FMT_MXFP4 ? G == 32 : G == 16;
+    if (!ok_group || H <= 0 || I <= 0) return ERR_BAD_FORMAT;
+    if (f->format != FMT_FP8 && (H % G || I % G)) return ERR_BAD_FORMAT;
+    if (f->expert_bytes <= 0 || f->expert_bytes > expert_stride_bytes) return ERR_BAD_FORMAT;
+    const int int4 = f->format == FMT_INT4, nv = f->format == FMT_NVFP4;
+    const int64_t s13 = 2 * scale_count(f, I, H), s2 = scale_count(f, H, I);
+    if (!region_ok(f, f->codes_w13, 2 * (int64_t)I * code_row_bytes(f, H), 1)
+        || !region_ok(f, f->codes_w2, (int64_t)H * code_row_bytes(f, I), 1)
+        || !region_ok(f, f->scales_w13, s13 * scale_item(f), 1) || !region_ok(f, f->scales_w2, s2 * scale_item(f), 1)
+        || !region_ok(f, f->zeros_w13, s13, int4) || !region_ok(f, f->zeros_w2, s2, int4)
+        || !region_ok(f, f->globals, 12, nv)) return ERR_BAD_FORMAT;
+    return 0;
+}
+
+/* Row r of matrix m (0 gate [I, H], 1 up [I, H], 2 down [H, I]) of the expert at e. */
+static qrow quant_row(const ft_quant_format *f, const uint8_t *e, int H, int I, int m, int r) {
+    const int64_t K = m == 2 ? I : H, rows = m == 2 ? H : I;
+    const int64_t part = m == 1 ? 1 : 0, n_scales = scale_count(f, rows, K);
+    const int64_t row_in_region = m == 1 ? (int64_t)I + r : r;
+    const int64_t codes = m == 2 ? f->codes_w2 : f->codes_w13, scales = m == 2 ? f->scales_w2 : f->scales_w13;
+    const int64_t zeros = m == 2 ? f->zeros_w2 : f->zeros_w13;
+    const int64_t per_row = f->format == FMT_FP8 ? ceil_div(K, FP8_BLOCK) : K / f->group_size;
+    const int64_t srow = f->format == FMT_FP8 ? r / FP8_BLOCK : r;              /* fp8: the block row */
+    qrow q = {e + codes + row_in_region * code_row_bytes(f, K), NULL, NULL, NULL, 1.0f};
+    const uint8_t *s = e + scales + (part * n_scales + srow * per_row) * scale_item(f);
+    if (f->format <= FMT_INT4) q.fscales = (const float *)s;
+    else q.bscales = s;
+    if (f->format == FMT_INT4) q.zeros = e + zeros + part * n_scales + srow * per_row;
+    if (f->format == FMT_NVFP4) memcpy(&q.global, e + f->globals + 4 * m, 4);
+    return q;
+}
+
+/* ---------------------------------------------------------------- scratch (grow-only, per process) */
+static pthread_mutex_t q_lock = PTHREAD_MUTEX_INITIALIZER;
+typedef struct { void *ptr; size_t bytes; } qbuffer;
+static qbuffer q_meta = {NULL, 0}, q_work = {NULL, 0};
+
+static size_t align_up(size_t v) { return (v + ALIGN_BYTES - 1) / ALIGN_BYTES * ALIGN_BYTES; }
+static void *reserve(qbuffer *b, size_t nbytes) {
+    if (nbytes <= b->bytes && b->ptr) return b->ptr;
+    free(b->ptr);
+    b->bytes = 0;
+    b->ptr = aligned_alloc(ALIGN_BYTES, align_up(nbytes ? nbytes : 1));
+    if (b->ptr) b->bytes = align_up(nbytes ? nbytes : 1);
+    return b->ptr;
+}
+
+static inline float silu(float g) { return g / (1.0f + expf(-g)); }
+static inline float bf16_to_f32(uint16_t v) { uint32_t u = (uint32_t)v << 16; float f; memcpy(&f, &u, 4); return f; }
+
+/* Returns 0 or a negative ERR_*; the arguments after qf are ft_moe_layer's (expert_ffn.c). stats_out[0] =
+   experts used, stats_out[1] = bytes read: expert_bytes an expert, a split expert its c / I share. */
+int ft_moe_layer_q(const ft_quant_format *qf, int isa, int num_threads,
+                   const void *layer_base, int64_t expert_stride_bytes, int num_experts, int H, int I,
+                   const void *hidden, int hidden_is_bf16, int T,
+                   const int32_t *tok, const int32_t *expert, const float *weight, int n,
+                   float *out, int64_t *stats_out, int split_expert, int split_limit) {
+    if (isa < ISA_SCALAR || isa > ft_best_isa()) return ERR_BAD_ISA;
+    if (H <= 0 || I <= 0 || T < 0 || n < 0 || num_experts <= 0 || num_threads <= 0) return ERR_BAD_ARGS;
+    if (ft_quant_format_check(qf, H, I, expert_stride_bytes)) return ERR_BAD_FORMAT;
+    if (split_limit != 0 && (split_limit < 0 || split_limit >= I || split_limit % SPLIT_CHANNEL_UNIT != 0
+                             || split_expert < 0 || split_expert >= num_experts)) return ERR_BAD_ARGS;
+    for (int k = 0; k < n; ++k) {
+        if (tok[k] < 0 || tok[k] >= T) return ERR_BAD_TOKEN;
+        if (expert[k] < 0 || expert[k] >= num_experts) return ERR_BAD_EXPERT;
+    }
+    const int fmt = (int)qf->format, G = (int)qf->group_size, four = fmt != FMT_FP8;
+    if (isa > ISA_AVX512) isa = ISA_AVX512;
+
+    pthread_mutex_lock(&q_lock);
+    const size_t a_e = align_up((size_t)(num_experts + 1) * 4), a_n = align_up((size_t)(n + 1) * 4);
+    uint8_t *s = (uint8_t *)reserve(&q_meta, a_e + 6 * a_n);
+    if (!s) { pthread_mutex_unlock(&q_lock); return ERR_NO_MEMORY; }
+    int32_t *counts = (int32_t *)s, *g_expert = (int32_t *)(s + a_e), *g_start = (int32_t *)(s + a_e + a_n);
+    int32_t *g_lim = (int32_t *)(s + a_e + 2 * a_n), *stok = (int32_t *)(s + a_e + 3 * a_n);
+    float *swt = (float *)(s + a_e + 4 * a_n);
+    int32_t *iota = (int32_t *)(s + a_e + 5 * a_n);
+    memset(counts, 0, (size_t)(num_experts + 1) * 4);
+    for (int k = 0; k < n; ++k) counts[expert[k] + 1]++;
+    int ng = 0;
+    for (int e = 0; e < num_experts; ++e) {
+        if (counts[e + 1]) {
+            g_expert[ng] = e; g_start[ng] = counts[e];
+            g_lim[ng] = split_limit > 0 && e == split_expert ? split_limit : I;
+            ++ng;
+        }
+        counts[e + 1] += counts[e];
+    }
+    g_start[ng] = n;
+    for (int k = 0; k < n; ++k) {
+        const int pos = counts[expert[k]]++;
+        stok[pos] = tok[k];
+        swt[pos] = weight[k];
+    }
+    for (int k = 0; k < n; ++k) iota[k] = k;
+    /* x [T, H] fp32, h [n, I] fp32 (group g's rows from g_start[g]), g_item[g]: phase-1 row pairs before g */
+    const size_t off_h = align_up((size_t)T * H * 4), off_items = off_h + align_up((size_t)n * I * 4);
+    uint8_t *w = (uint8_t *)reserve(&q_work, off_items + (size_t)(ng + 1) * 8);
+    if (!w) { pthread_mutex_unlock(&q_lock); return ERR_NO_MEMORY; }
+    float *xq = (float *)w, *hbuf = (float *)(w + off_h);
+    int64_t *g_item = (int64_t *)(w + off_items);
+    g_item[0] = 0;
+    for (int g = 0; g < ng; ++g) g_item[g + 1] = g_item[g] + g_lim[g];
+    const int64_t items1 = g_item[ng];
+    const uint8_t *base = (const uint8_t *)layer_base;
+
+    #pragma omp parallel num_threads(num_threads)
+    {
+        const int tid = omp_get_thread_num(), nth = omp_get_num_threads();
+        /* phase 0: zero out[T, H]; x -> fp32 (4-bit formats: permuted) */
+        const int64_t t0 = (int64_t)T * tid / nth, t1 = (int64_t)T * (tid + 1) / nth;
+        memset(out + t0 * H, 0, (size_t)(t1 - t0) * H * 4);
+        for (int64_t t = t0; t < t1; ++t)
+            for (int k = 0; k < H; ++k) {
+                const float v = hidden_is_bf16 ? bf16_to_f32(((const uint16_t *)hidden)[t * H + k])
+                                               : ((const float *)hidden)[t * H + k];
+                xq[t * H + (four ? perm4_pos(k, H) : k)] = v;
+            }
+        #pragma omp barrier
+
+        /* phase 1: h = silu(gate . x) * (up . x), this thread's row pairs */
+        float ra[TOKEN_CHUNK], rb[TOKEN_CHUNK];
+        int g1 = 0;
+        for (int64_t item = items1 * tid / nth, end1 = items1 * (tid + 1) / nth; item < end1; ++item) {
+            while (item >= g_item[g1 + 1]) ++g1;
+            const int g = g1, i = (int)(item - g_item[g]), B = g_start[g + 1] - g_start[g];
+            const uint8_t *e = base + (int64_t)g_expert[g] * expert_stride_bytes;
+            const qrow gate = quant_row(qf, e, H, I, 0, i), up = quant_row(qf, e, H, I, 1, i);
+            float *h = hbuf + (int64_t)g_start[g] * I;
+            const int pos = four ? perm4_pos(i, I) : i;
+            for (int b0 = 0; b0 < B; b0 += TOKEN_CHUNK) {
+                const int nb = B - b0 < TOKEN_CHUNK ? B - b0 : TOKEN_CHUNK;
+                dotq_rows(isa, fmt, G, &gate, &up, H, xq, H, stok + g_start[g] + b0, nb, ra, rb);
+                for (int b = 0; b < nb; ++b) h[(int64_t)(b0 + b) * I + pos] = silu(ra[b]) * rb[b];
+            }
+        }
+        #pragma omp barrier
+
+        /* phase 2: out[tok, j] += w * (down_j[:lim] . h), this thread's rows j, every group */
+        const int j0 = (int)((int64_t)H * tid / nth), j1 = (int)((int64_t)H * (tid + 1) / nth);
+        for (int g = 0; g < ng; ++g) {
+            const int start = g_start[g], B = g_start[g + 1] - start, K = g_lim[g];
+            const uint8_t *e = base + (int64_t)g_expert[g] * expert_stride_bytes;
+            const float *h = hbuf + (int64_t)start * I;
+            for (int j = j0; j < j1; j += 2) {
+                const int pair = j + 1 < j1;                 /* odd tail: the second row repeats the first */
+                const qrow da = quant_row(qf, e, H, I, 2, j), db = quant_row(qf, e, H, I, 2, j + pair);
+                for (int b0 = 0; b0 < B; b0 += TOKEN_CHUNK) {
+                    const int nb = B - b0 < TOKEN_CHUNK ? B - b0 : TOKEN_CHUNK;
+                    dotq_rows(isa, fmt, G, &da, &db, K, h + (int64_t)b0 * I, I, iota, nb, ra, rb);
+                    for (int b = 0; b < nb; ++b) {
+                        float *o = out + (int64_t)stok[start + b0 + b] * H + j;
+                        o[0] += swt[start + b0 + b] * ra[b];
+                        if (pair) o[1] += swt[start + b0 + b] * rb[b];
+                    }
+                }
+            }
+        }
+    }
+    pthread_mutex_unlock(&q_lock);
+    if (stats_out) {
+        stats_out[0] = ng;
+        int64_t bytes = 0;
+        for (int g = 0; g < ng; ++g) bytes += g_lim[g] == I ? qf->expert_bytes : qf->expert_bytes * g_lim[g] / I;
+        stats_out[1] = bytes;
+    }
+    return 0;
+}
+
+/* Dequantize rows [row0, row0 + nrows) of matrix m (0 gate, 1 up, 2 down) of the expert at expert_base into
+   out [nrows, K] fp32, in element order, with the decoders of `isa` that the dot products use (tests compare
+   them bit for bit with proto/expert_format.py's dequantize_matrix). */
+int ft_dequantize_rows(const ft_quant_format *qf, int isa, const void *expert_base, int H, int I, int m, int row0,
+                       int nrows, float *out) {
+    if (isa < ISA_SCALAR || isa > ft_best_isa()) return ERR_BAD_ISA;
+    if (ft_quant_format_check(qf, H, I, qf ? qf->expert_bytes : 0)) return ERR_BAD_FORMAT;
+    const int K = m == 2 ? I : H, rows = m == 2 ? H : I;
+    if (m < 0 || m > 2 || row0 < 0 || nrows < 0 || row0 + nrows > rows) return ERR_BAD_ARGS;
+    const int fmt = (int)qf->format, G = (int)qf->group_size;
+    if (isa > ISA_AVX512) isa = ISA_AVX512;
+    for (int r = row0; r < row0 + nrows; ++r) {
+        const qrow q = quant_row(qf, (const uint8_t *)expert_base, H, I, m, r);
+        float *o = out + (int64_t)(r - row0) * K;
+        int k = 0;
+#if defined(__x86_64__)
+        float tmp[CHUNK];
+        if (isa == ISA_AVX512) dequant_row_avx512(fmt, G, &q, K, o, tmp);
+        else if (isa == ISA_AVX2) dequant_row_avx2(fmt, G, &q, K, o, tmp);
+        if (isa != ISA_SCALAR) continue;
+#endif
+        if (fmt == FMT_FP8) {
+            for (; k < K; ++k) o[k] = fp8_weight(&q, k);
+        } else {
+            float t[16];
+            for (; k < K; k += 2) {
+                table16(fmt, &q, k / G, t);
+                o[k] = t[q.codes[k / 2] & 15];
+                o[k + 1] = t[q.codes[k / 2] >> 4];
+            }
+        }
+    }
+    return 0;
+}

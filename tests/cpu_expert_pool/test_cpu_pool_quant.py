@@ -1,0 +1,351 @@
+"""The compiled kernel over quantized experts (native/quant_ffn.c) in lockstep with the plain reference
+(proto.expert_format.dequantize_expert, then float64 math), for every format, odd group counts, batch 1 and 4,
+every ISA path this CPU has (the portable C one always), the AVX-512 code on emulated intrinsics where SIMDe's
+headers are installed, through ExpertKernel, the raw binding and the C serve loop; and its decoders bit for bit
+against dequantize_matrix.
+
+Tolerance: TOL = 1e-5 of the output's largest magnitude. The kernel's dequantized weights equal the reference's
+exactly (test_decoders_are_bit_exact), so what is left is fp32 arithmetic against float64: sums over K <= 384 terms
+in another order (observed 1e-7 to 1e-6) and expf in silu. A decoding error (a neighbour group's scale, a zero point
+dropped, nibbles swapped) moves the output by percents (test_the_tolerance_sees_a_decoding_error).
+"""
+from __future__ import annotations
+
+import os
+import queue
+import threading
+import types
+import uuid
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from cpu_expert_pool.expert_kernel import ExpertKernel
+from cpu_expert_pool.native.build import ISA_NAMES, NativeUnavailable, build_library, try_load_native
+from cpu_expert_pool.native.quant_desc import QuantBindings, QuantFormatDesc, quant_format_desc
+from cpu_expert_pool.reference import expert_weights, reference_moe_layer
+from proto.expert_format import dequantize_expert, quantize_expert
+from proto.expert_store import ExpertStore
+
+NATIVE, WHY_NOT = try_load_native()
+pytestmark = pytest.mark.skipif(NATIVE is None, reason=f"compiled kernel unavailable: {WHY_NOT}")
+QUANT_ISAS = list(range(min(NATIVE.best_isa, 2) + 1)) if NATIVE else []       # scalar, avx2, avx512 where present
+NATIVE_DIR = Path(__file__).resolve().parents[2] / "cpu_expert_pool" / "native"
+SIMDE_HEADER = Path("/usr/include/simde/x86/avx512.h")
+TOL = 1e-5
+
+# fmt -> (H, I): odd numbers of groups / blocks, and fp8 / nvfp4 rows that end in a partial block.
+SHAPES = {"fp8": (328, 136), "int4-g32": (96, 160), "int4-g64": (192, 64), "int4-g128": (384, 128),
+          "mxfp4": (96, 160), "nvfp4": (48, 80)}
+FORMATS = list(SHAPES)
+E, L = 5, 2
+# (T, experts per token, x dtype)
+BATCHES = {"B1": (1, 1, torch.bfloat16), "B4": (4, 1, torch.bfloat16), "T5-top3": (5, 3, torch.bfloat16),
+           "B4-top2-x-fp32": (4, 2, torch.float32)}
+
+
+def fill_expert(row: torch.Tensor, store: ExpertStore, g: torch.Generator) -> None:
+    shape, fmt = store.shape, store.expert_format
+    H, I = shape.hidden, shape.intermediate
+    gate, up = (torch.randn(I, H, generator=g) / H ** 0.5 for _ in range(2))
+    down = torch.randn(H, I, generator=g) / I ** 0.5
+    quantize_expert(gate, up, down, fmt, out=row)
+    if fmt.name == "int4":        # the quantizer is symmetric (zero 8): give every group its own zero point
+        for region in ("zeros_w13", "zeros_w2"):
+            off, n = shape.quant_layout.regions[region]
+            row[off:off + n] = torch.randint(4, 12, (n,), generator=g, dtype=torch.uint8)
+
+
+def make_store(fmt: str, seed: int = 0) -> ExpertStore:
+    H, I = SHAPES[fmt]
+    store = ExpertStore.create(f"ft-test-quant-{os.getpid()}-{uuid.uuid4().hex[:8]}", num_layers=L, num_experts=E,
+                               hidden=H, intermediate=I, dtype=torch.bfloat16, config_hash="q", fmt=fmt)
+    g = torch.Generator().manual_seed(seed + H * 7 + I)
+    for layer in range(L):
+        view = store.layer_view(layer)
+        for e in range(E):
+            fill_expert(view[e], store, g)
+    store.mark_ready()
+    return store
+
+
+@pytest.fixture(scope="module", params=FORMATS)
+def store(request):
+    s = make_store(request.param)
+    yield s
+    s.close()
+    s.unlink()
+
+
+def make_batch(store: ExpertStore, num_tokens: int, per_token: int, hidden_dtype, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(num_tokens, store.shape.hidden, generator=g).to(hidden_dtype)          # [T, H]
+    expert_id = torch.stack([torch.randperm(E, generator=g)[:per_token] for _ in range(num_tokens)]).flatten().int()
+    token_idx = torch.arange(num_tokens, dtype=torch.int32).repeat_interleave(per_token)
+    weight = torch.rand(token_idx.numel(), generator=g, dtype=torch.float32)
+    return hidden, token_idx, expert_id, weight
+
+
+def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((got - ref).abs().max() / ref.abs().max().clamp_min(1e-30))
+
+
+def call_raw(lib: QuantBindings, desc: QuantFormatDesc, isa: int, store: ExpertStore, layer: int, hidden, tok, exp, w,
+             threads: int = 2, split_expert: int = -1, split_limit: int = 0):
+    out = torch.full(hidden.shape, float("nan"))
+    stats = lib.moe_layer(desc, isa, threads, store.data_ptr + store.expert_offset(layer, 0), store.expert_stride, E,
+                          store.shape.hidden, store.shape.intermediate, hidden.data_ptr(),
+                          hidden.dtype == torch.bfloat16, hidden.shape[0], tok.data_ptr(), exp.data_ptr(),
+                          w.data_ptr(), tok.numel(), out.data_ptr(), split_expert, split_limit)
+    return out, stats
+
+
+@pytest.fixture(scope="module")
+def emulated():
+    """quant_ffn.c built with FT_EMULATE_AVX512: its AVX-512 code on SIMDe (apt-get install libsimde-dev)."""
+    if not SIMDE_HEADER.exists():
+        pytest.skip("SIMDe headers absent (apt-get install libsimde-dev): the AVX-512 code is not emulated")
+    try:
+        path = build_library(sources=(NATIVE_DIR / "quant_ffn.c",), stem="libft_quant_emulated",
+                             headers=tuple(NATIVE_DIR / f for f in ("quant_dots.h", "quant_avx512.h", "quant_avx2.h",
+                                                                    "simde_shim.h")),
+                             extra_flags=("-DFT_EMULATE_AVX512",))
+    except NativeUnavailable as exc:
+        pytest.fail(f"the emulated AVX-512 build failed: {exc}")
+    import ctypes
+    return QuantBindings(ctypes.CDLL(str(path)))
+
+
+# ---------------------------------------------------------------------------------------------
+# Decoders: bit for bit
+# ---------------------------------------------------------------------------------------------
+def adversarial_expert(store: ExpertStore, g: torch.Generator) -> torch.Tensor:
+    """Random bytes everywhere (every code, E8M0 / E4M3 scale byte and zero point, NaN codes too), fp32 scales
+    drawn across magnitudes, including subnormal ones and ones whose 256x overflows (fp8's fallback)."""
+    layout = store.shape.quant_layout
+    row = torch.randint(0, 256, (layout.expert_nbytes,), generator=g, dtype=torch.uint8)
+    if store.expert_format.name in ("fp8", "int4"):
+        for region in ("scales_w13", "scales_w2"):
+            off, n = layout.regions[region]
+            mag = torch.exp2(torch.randint(-140, 128, (n // 4,), generator=g).float())
+            sign = torch.where(torch.rand(n // 4, generator=g) < .2, -1, 1)
+            scales = mag * (torch.rand(n // 4, generator=g) + 0.5) * sign
+            row[off:off + n] = scales.view(torch.uint8)
+    if store.expert_format.name == "nvfp4":
+        off, n = layout.regions["globals"]
+        row[off:off + n] = torch.tensor([0.013, 3.5e-4, 7.0], dtype=torch.float32).view(torch.uint8)
+    return row
+
+
+def same_bits(got: torch.Tensor, ref: torch.Tensor) -> bool:
+    nan = torch.isnan(ref)
+    bits_equal = torch.equal(got[~nan].view(torch.int32), ref[~nan].view(torch.int32))
+    return bool((torch.isnan(got) == nan).all()) and bits_equal
+
+
+def check_decoders(lib: QuantBindings, isa: int, store: ExpertStore, row: torch.Tensor) -> None:
+    layout = store.shape.quant_layout
+    desc = quant_format_desc(layout)
+    H, I = store.shape.hidden, store.shape.intermediate
+    for name, ref in zip(("gate", "up", "down"), dequantize_expert(row, layout)):
+        got = torch.full(ref.shape, 123.0)
+        lib.dequantize_rows(desc, isa, row.data_ptr(), H, I, name, 0, ref.shape[0], got.data_ptr())
+        assert same_bits(got, ref), f"{store.shape.fmt} {name}: {ISA_NAMES[isa]} decodes differently"
+
+
+@pytest.mark.parametrize("isa", QUANT_ISAS, ids=[ISA_NAMES[i] for i in QUANT_ISAS])
+def test_decoders_are_bit_exact(store, isa):
+    g = torch.Generator().manual_seed(isa + 1)
+    check_decoders(NATIVE.quant, isa, store, store.expert_bytes_view(1, 3))      # as quantized
+    check_decoders(NATIVE.quant, isa, store, adversarial_expert(store, g))
+
+
+def test_emulated_avx512_decoders_are_bit_exact(store, emulated):
+    g = torch.Generator().manual_seed(9)
+    check_decoders(emulated, 2, store, store.expert_bytes_view(0, 2))
+    check_decoders(emulated, 2, store, adversarial_expert(store, g))
+
+
+# ---------------------------------------------------------------------------------------------
+# The layer: lockstep with the reference
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("isa", QUANT_ISAS, ids=[f"native-{ISA_NAMES[i]}" for i in QUANT_ISAS])
+@pytest.mark.parametrize("batch", list(BATCHES))
+def test_kernel_matches_the_reference(store, isa, batch):
+    hidden, tok, exp, w = make_batch(store, *BATCHES[batch], seed=len(batch) + isa)
+    ref = reference_moe_layer(store, 1, hidden, tok, exp, w, dtype=torch.float64)
+    out = torch.full(ref.shape, float("nan"))
+    kernel = ExpertKernel(store, kernel=f"native-{ISA_NAMES[isa]}", num_threads=2)
+    stats = kernel(1, hidden, tok, exp, w, out)
+    assert kernel.name == f"native-{ISA_NAMES[isa]}"
+    assert stats.num_experts == len(set(exp.tolist())) and stats.weight_bytes == stats.num_experts * store.expert_bytes
+    err = rel_err(out, ref)
+    assert err <= TOL, f"{store.shape.fmt} native-{ISA_NAMES[isa]}: max error {err:.2e} of the output scale"
+    untouched = torch.ones(ref.shape[0], dtype=torch.bool)
+    untouched[tok.long()] = False
+    assert bool((out[untouched] == 0).all())
+
+
+@pytest.mark.parametrize("batch", ["B1", "B4", "T5-top3"])
+def test_emulated_avx512_matches_the_reference(store, emulated, batch):
+    hidden, tok, exp, w = make_batch(store, *BATCHES[batch], seed=3)
+    ref = reference_moe_layer(store, 0, hidden, tok, exp, w, dtype=torch.float64)
+    out, _ = call_raw(emulated, quant_format_desc(store.shape.quant_layout), 2, store, 0, hidden, tok, exp, w)
+    assert rel_err(out, ref) <= TOL
+
+
+def test_the_tolerance_sees_a_decoding_error(store):
+    """The reference of the expert with one group's scale taken from its neighbour is far outside TOL."""
+    hidden, tok, exp, w = make_batch(store, 1, 1, torch.bfloat16, seed=4)
+    out = torch.empty(hidden.shape)
+    ExpertKernel(store, kernel="native", num_threads=1)(0, hidden, tok, exp, w, out)
+    w13, w2 = expert_weights(store, 0, int(exp[0]))
+    group = 128 if store.expert_format.name == "fp8" else store.expert_format.group_size
+    wrong = w13.clone()
+    wrong[:, :group] = w13[:, :group] * 1.5                       # as if the first group's scale were off by 1.5
+    x = hidden[0].double()
+    inter = store.shape.intermediate
+    gu = wrong.double() @ x
+    ref_wrong = float(w[0]) * (torch.nn.functional.silu(gu[:inter]) * gu[inter:]) @ w2.double().T
+    assert rel_err(out[0], ref_wrong.float()) > 100 * TOL
+
+
+@pytest.mark.parametrize("isa", QUANT_ISAS, ids=[ISA_NAMES[i] for i in QUANT_ISAS])
+def test_split_expert_reads_a_prefix_of_the_channels(store, isa):
+    inter = store.shape.intermediate
+    c = 32 if inter > 32 else 0
+    if not c:
+        pytest.skip("I = 32 leaves no split")
+    hidden, tok, exp, w = make_batch(store, 4, 2, torch.bfloat16, seed=6)
+    split_expert = int(exp[0])
+    out, stats = call_raw(NATIVE.quant, quant_format_desc(store.shape.quant_layout), isa, store, 1, hidden, tok, exp, w,
+                          split_expert=split_expert, split_limit=c)
+    ref = torch.zeros(hidden.shape, dtype=torch.float64)
+    for k in range(tok.numel()):
+        e = int(exp[k])
+        lim = c if e == split_expert else inter
+        w13, w2 = (v.double() for v in expert_weights(store, 1, e))
+        x = hidden[int(tok[k])].double()
+        h = torch.nn.functional.silu(w13[:lim] @ x) * (w13[inter:inter + lim] @ x)
+        ref[int(tok[k])] += float(w[k]) * h @ w2[:, :lim].T
+    assert rel_err(out, ref.float()) <= TOL
+    others = len(set(exp.tolist())) - 1
+    assert stats == (others + 1, others * store.expert_bytes + store.expert_bytes * c // inter)
+
+
+def test_results_do_not_depend_on_the_thread_count(store):
+    hidden, tok, exp, w = make_batch(store, 5, 3, torch.bfloat16, seed=8)
+    outs = []
+    for threads in (1, 2, 3):
+        out = torch.empty(hidden.shape)
+        ExpertKernel(store, kernel="native", num_threads=threads)(1, hidden, tok, exp, w, out)
+        outs.append(out)
+    assert all(torch.equal(outs[0], o) for o in outs[1:])
+
+
+# ---------------------------------------------------------------------------------------------
+# Choice of kernel and refusals
+# ---------------------------------------------------------------------------------------------
+def test_native_picks_the_widest_quantized_path_and_refuses_bf16_only_isas(store):
+    assert ExpertKernel(store, kernel="native", num_threads=1).name == f"native-{ISA_NAMES[QUANT_ISAS[-1]]}"
+    for isa_name in ("avx512_bf16", "amx_bf16"):
+        with pytest.raises(ValueError, match=f"no {isa_name} path"):
+            ExpertKernel(store, kernel=f"native-{isa_name}")
+
+
+def test_a_descriptor_that_does_not_fit_is_refused(store):
+    hidden, tok, exp, w = make_batch(store, 2, 1, torch.bfloat16, seed=1)
+    layout = store.shape.quant_layout
+    bad = {"group_size": 48, "format": 9, "expert_bytes": store.expert_stride + 4096,
+           "scales_w2": layout.expert_nbytes - 2, "zeros_w13": 0 if store.expert_format.name != "int4" else -1}
+    for field, value in bad.items():
+        desc = quant_format_desc(layout)
+        setattr(desc, field, value)
+        with pytest.raises(ValueError, match="quantized format descriptor"):
+            call_raw(NATIVE.quant, desc, 0, store, 0, hidden, tok, exp, w)
+
+
+# ---------------------------------------------------------------------------------------------
+# The C serve loop and the worker's loop
+# ---------------------------------------------------------------------------------------------
+def _rig(store: ExpertStore):
+    from proto.cpu_channel import CpuPoolClient, create_worker_channel
+    from cpu_expert_pool.channel import WorkerChannel
+
+    seg = create_worker_channel(f"{store.name}.cpu0-{uuid.uuid4().hex[:6]}", t_max=8, hidden=store.shape.hidden,
+                                max_triples=16)
+    wc = WorkerChannel(seg.name)
+    wc.start()
+    wc.serve()
+    client = CpuPoolClient(seg.name)
+    client.wait_for_worker(timeout_s=5.0)
+    yield wc, client
+    client.close()
+    wc.close()
+    seg.close()
+    seg.unlink()
+
+
+@pytest.fixture
+def rig(store):
+    yield from _rig(store)
+
+
+@pytest.fixture
+def nvfp4_rig():
+    """One format is enough for the worker's loop (its kernel call is the one tested above for every format)."""
+    s = make_store("nvfp4", seed=5)
+    channel = _rig(s)
+    yield (s, *next(channel))
+    next(channel, None)                                   # its teardown
+    s.close()
+    s.unlink()
+
+
+def test_serve_loop_answers_like_the_reference(store, rig):
+    import time
+
+    from cpu_expert_pool.native_loop import SERVE_IDLE
+    from cpu_expert_pool.worker import WorkerStats
+
+    wc, client = rig
+    loop = ExpertKernel(store, kernel="native", num_threads=2).serve_loop(wc, split=None, worker_index=0)
+    batches = {layer: make_batch(store, 1 + 3 * layer, 2, torch.bfloat16, seed=layer) for layer in (0, 1)}   # B1, B4
+    for layer, (hidden, tok, exp, w) in batches.items():
+        client.submit(layer, hidden, (tok, exp, w))
+    code, _ = loop.run(time.monotonic_ns() + int(5e9), hot_ns=0, last_work_ns=0)
+    assert code == SERVE_IDLE
+    for layer, (hidden, tok, exp, w) in batches.items():
+        out = client.wait(layer, deadline_s=5.0).clone()
+        assert rel_err(out, reference_moe_layer(store, layer, hidden, tok, exp, w, dtype=torch.float64)) <= TOL
+    stats = WorkerStats()
+    loop.drain_stats(stats)
+    used = sum(len(set(b[2].tolist())) for b in batches.values())
+    assert stats.requests == 2 and stats.expert_calls == used and stats.weight_bytes == used * store.expert_bytes
+
+
+@pytest.mark.parametrize("loop", ["native", "python"])
+def test_worker_loop_serves_a_quantized_store(nvfp4_rig, monkeypatch, loop):
+    from cpu_expert_pool.worker import CpuWorker, Stop, WorkerOptions, WorkerSettings, cpu_busy_loop
+
+    store, wc, client = nvfp4_rig
+    monkeypatch.setenv("FT_WORKER_LOOP", loop)
+    options = WorkerOptions(store.name, wc.name, settings=WorkerSettings(kernel="native", num_threads=1, hot_ms=5.0),
+                            pin_threads=False, warmup=False)
+    worker = CpuWorker(options, types.SimpleNamespace(num_threads=1, compute_cpus=(0,)), store, wc)
+    inbox: queue.Queue = queue.Queue()
+    thread = threading.Thread(target=cpu_busy_loop, args=(worker, inbox), daemon=True)
+    thread.start()
+    try:
+        for layer in (0, 1, 0):
+            hidden, tok, exp, w = make_batch(store, 4, 2, torch.bfloat16, seed=10 + layer)
+            out = client.call(layer, hidden, (tok, exp, w), deadline_s=5.0)
+            assert rel_err(out, reference_moe_layer(store, layer, hidden, tok, exp, w, dtype=torch.float64)) <= TOL
+    finally:
+        inbox.put(Stop("test over"))
+        thread.join(timeout=5.0)
+    assert not thread.is_alive() and worker.stats.requests == 3 and worker.stats.errors == 0
+    assert (worker._loop is not None) == (loop == "native")
+    assert np.isfinite(worker.stats.weight_bytes)
