@@ -9,7 +9,7 @@ import uuid
 import pytest
 import torch
 
-from cpu_expert_pool.expert_kernel import NATIVE_FORMATS, ExpertKernel, torch_moe_layer
+from cpu_expert_pool.expert_kernel import ExpertKernel, torch_moe_layer
 from cpu_expert_pool.native.build import try_load_native
 from cpu_expert_pool.reference import reference_moe_layer
 from proto.expert_format import ExpertFormat, FormatError, dequantize_expert, quantize_expert
@@ -63,17 +63,16 @@ def test_the_torch_kernel_computes_the_dequantized_experts(label):
             s.unlink()
 
 
-def test_the_compiled_kernel_refuses_a_format_it_has_no_path_for():
+def test_every_format_gets_the_compiled_kernel_and_torch_on_request():
     q, d = stores("nvfp4")
     try:
         assert ExpertKernel(q, kernel="torch").name == "torch"
-        assert ExpertKernel(q, kernel="auto").name == "torch"              # falls back, with a log line
         native, why = try_load_native()
         if native is None:
             pytest.skip(f"no compiled kernel here: {why}")
-        assert "nvfp4" not in NATIVE_FORMATS
-        with pytest.raises(FormatError, match="no nvfp4 path"):
-            ExpertKernel(q, kernel="native")
+        assert ExpertKernel(q, kernel="auto").name.startswith("native-")
+        with pytest.raises(ValueError, match="avx512_bf16"):             # no bf16-dot path for fp32 weights
+            ExpertKernel(q, kernel="native-avx512_bf16")
     finally:
         for s in (q, d):
             s.close()
