@@ -20,8 +20,10 @@ exactly. E4M3's NaN codes (0x7f, 0xff; the quantizer never writes them) decode t
 
 Tiles: a program's rows are cut along K into NG groups of GL elements (GL = min(group, BLOCK_K), a
 divisor of the format's group), so one scale (and zero) per (row, group) broadcasts over GL weights.
-4-bit codes load as GL / 2 bytes per group, split into their low (even k) and high (odd k) nibbles,
-decoded, and interleaved back into k order (tl.join + tl.reshape), so the activations load contiguous.
+4-bit codes load as GL / 2 bytes per group and split into their low (even k) and high (odd k) nibbles;
+the activations load contiguous and split the same way (tl.split), so the weight tiles stay in the layout
+they were loaded in (interleaving the weights instead costs two layout conversions of the whole tile a
+step); dequantize_rows interleaves (tl.join) before its store.
 
 Legend as in triton_kernels.py: T tokens, K routes, P = T*K pairs, H hidden, I intermediate, S slot rows.
 """
@@ -41,19 +43,24 @@ FMT_NVFP4: tl.constexpr = tl.constexpr(3)
 E4M3_FIX: tl.constexpr = tl.constexpr(2.0 ** 120)     # float32 bits of an E4M3 byte moved into place: value * 2**-120
 E2M1_FIX: tl.constexpr = tl.constexpr(2.0 ** 126)     # float32 bits of an E2M1 nibble moved into place: value * 2**-126
 MAGIC_2P23: tl.constexpr = tl.constexpr(0x4B000000)   # float32 bits of 2**23
+E4M3_MASK: tl.constexpr = tl.constexpr(0x87F00000 - (1 << 32))   # bits 31 and 26..20 (as an int32)
+E2M1_MASK: tl.constexpr = tl.constexpr(0x81C00000 - (1 << 32))   # bits 31 and 24..22 (as an int32)
 
 
 @triton.jit
 def _e4m3_to_f32(b):
-    """int32 holding an E4M3 byte (0..255) -> its float32 value (exact; NaN codes give +-480)."""
-    bits = ((b & 0x80) << 24) | ((b & 0x7F) << 20)
+    """uint8 E4M3 bytes -> their float32 values (exact; NaN codes give +-480). The byte
+    sign-extended and shifted by 20 has the sign in bits 31..27 and exponent, mantissa in 26..20; the mask
+    keeps bit 31 and 26..20 (one PRMT / shift / LOP3 a byte on the GPU)."""
+    bits = (b.to(tl.int8, bitcast=True).to(tl.int32) << 20) & E4M3_MASK
     return bits.to(tl.float32, bitcast=True) * E4M3_FIX
 
 
 @triton.jit
-def _e2m1_to_f32(n):
-    """int32 holding an E2M1 nibble in bits 3..0 -> its float32 value (exact, -0.0 for 0x8)."""
-    bits = ((n & 0x8) << 28) | ((n & 0x7) << 22)
+def _e2m1_to_f32(top):
+    """int32 with an E2M1 nibble in bits 31..28 -> its float32 value (exact, -0.0 for 0x8): shifted right
+    arithmetically by 6 and masked, the sign is in bit 31 and exponent, mantissa in bits 24..22."""
+    bits = (top >> 6) & E2M1_MASK
     return bits.to(tl.float32, bitcast=True) * E2M1_FIX
 
 
@@ -68,7 +75,9 @@ def _weight_tile(row_ptr, code_off, scale_off, zero_off, glob, rows, k0, NROWS, 
                  FMT: tl.constexpr, GROUP: tl.constexpr, ROW_BLOCK: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, MASK_N: tl.constexpr, MASK_K: tl.constexpr):
     """Rows `rows` [BLOCK_N], columns k0 .. k0 + BLOCK_K of one quantized matrix [NROWS, KDIM] of the expert
-    at row_ptr (uint8), decoded -> float32 [BLOCK_N, NG, GL] (column k0 + g * GL + c at [:, g, c]).
+    at row_ptr (uint8), decoded to float32 -> (wa, wb). fp8: wa = wb = the weights [BLOCK_N, NG, GL]
+    (column k0 + g * GL + c at [:, g, c]); 4-bit formats: wa = the even columns, wb = the odd ones, each
+    [BLOCK_N, NG, GL / 2] (column k0 + g * GL + 2c (+1) at [:, g, c]), as the code bytes hold them.
 
     code_off: byte offset of the matrix's codes ([NROWS, KDIM * b] uint8); scale_off / zero_off: byte
     offsets of its scales / zeros ([ceil(NROWS / ROW_BLOCK), n_scale_cols]); glob: nvfp4's float32 global.
@@ -108,7 +117,8 @@ def _weight_tile(row_ptr, code_off, scale_off, zero_off, glob, rows, k0, NROWS, 
             s = tl.load(scale_ptr + sidx)
         else:
             s = tl.load(scale_ptr + sidx, mask=gmask, other=0.0)
-        w = _e4m3_to_f32(codes.to(tl.int32)) * s
+        wa = _e4m3_to_f32(codes) * s
+        wb = wa
     else:
         HB: tl.constexpr = GL // 2                                     # bytes of a group's GL 4-bit codes
         b3 = tl.arange(0, HB)[None, None, :]
@@ -117,9 +127,9 @@ def _weight_tile(row_ptr, code_off, scale_off, zero_off, glob, rows, k0, NROWS, 
             codes = tl.load(row_ptr + code_off + offs).to(tl.int32)
         else:
             codes = tl.load(row_ptr + code_off + offs, mask=gmask & (b3 >= 0), other=0).to(tl.int32)
-        lo = codes & 0xF                                               # even k
-        hi = codes >> 4                                                # odd k
         if FMT == FMT_INT4:
+            lo = codes & 0xF                                           # even k
+            hi = codes >> 4                                            # odd k
             scale_ptr = (row_ptr + scale_off).to(tl.pointer_type(tl.float32))
             if gmask is None:
                 s = tl.load(scale_ptr + sidx)
@@ -128,34 +138,46 @@ def _weight_tile(row_ptr, code_off, scale_off, zero_off, glob, rows, k0, NROWS, 
                 s = tl.load(scale_ptr + sidx, mask=gmask, other=0.0)
                 z = tl.load(row_ptr + zero_off + sidx, mask=gmask, other=0).to(tl.int32)
             zf = (z | MAGIC_2P23).to(tl.float32, bitcast=True)         # 2**23 + zero
-            w_lo = ((lo | MAGIC_2P23).to(tl.float32, bitcast=True) - zf) * s
-            w_hi = ((hi | MAGIC_2P23).to(tl.float32, bitcast=True) - zf) * s
+            wa = ((lo | MAGIC_2P23).to(tl.float32, bitcast=True) - zf) * s
+            wb = ((hi | MAGIC_2P23).to(tl.float32, bitcast=True) - zf) * s
         else:
             if gmask is None:
-                sb = tl.load(row_ptr + scale_off + sidx).to(tl.int32)
+                sb = tl.load(row_ptr + scale_off + sidx)
             else:
-                sb = tl.load(row_ptr + scale_off + sidx, mask=gmask, other=0).to(tl.int32)
+                sb = tl.load(row_ptr + scale_off + sidx, mask=gmask, other=0)
             if FMT == FMT_MXFP4:
-                s = _e8m0_to_f32(sb)
+                s = _e8m0_to_f32(sb.to(tl.int32))
             else:
                 s = _e4m3_to_f32(sb) * glob                            # fp32(e4m3(s) * global), as the codec
-            w_lo = _e2m1_to_f32(lo) * s
-            w_hi = _e2m1_to_f32(hi) * s
-        w = tl.reshape(tl.join(w_lo, w_hi), [BLOCK_N, NG, GL])         # back to k order
-    return w
+            wa = _e2m1_to_f32(codes << 28) * s                         # the low nibble to bits 31..28
+            wb = _e2m1_to_f32(codes << 24) * s                         # the high one
+    return wa, wb
 
 
 @triton.jit
-def _act_tile(v_ptr, k0, KDIM, BLOCK_K: tl.constexpr, GROUP: tl.constexpr, MASK_K: tl.constexpr):
-    """Columns k0 .. k0 + BLOCK_K of a vector (x or act) as float32 [1, NG, GL], the shape of _weight_tile's."""
+def _act_tile(v_ptr, k0, KDIM, FMT: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr,
+              MASK_K: tl.constexpr):
+    """Columns k0 .. k0 + BLOCK_K of a vector (x or act) in float32, in _weight_tile's shapes: (va, vb)
+    [1, NG, GL] both for fp8; the even and the odd columns [1, NG, GL / 2] for the 4-bit formats (one
+    contiguous load, split: the weight tiles stay in the layout they were loaded in)."""
     GL: tl.constexpr = GROUP if GROUP < BLOCK_K else BLOCK_K
     NG: tl.constexpr = BLOCK_K // GL
-    cols = k0 + tl.arange(0, NG)[None, :, None] * GL + tl.arange(0, GL)[None, None, :]
-    if MASK_K:
-        v = tl.load(v_ptr + cols, mask=cols < KDIM, other=0.0)
+    g3 = k0 + tl.arange(0, NG)[None, :, None] * GL
+    if FMT == FMT_FP8:
+        cols = g3 + tl.arange(0, GL)[None, None, :]
+        if MASK_K:
+            va = tl.load(v_ptr + cols, mask=cols < KDIM, other=0.0).to(tl.float32)
+        else:
+            va = tl.load(v_ptr + cols).to(tl.float32)
+        vb = va
     else:
-        v = tl.load(v_ptr + cols)
-    return v.to(tl.float32)
+        cols = (g3 + tl.arange(0, GL // 2)[None, None, :] * 2)[:, :, :, None] + tl.arange(0, 2)[None, None, None, :]
+        if MASK_K:
+            v = tl.load(v_ptr + cols, mask=cols < KDIM, other=0.0)
+        else:
+            v = tl.load(v_ptr + cols)
+        va, vb = tl.split(v.to(tl.float32))
+    return va, vb
 
 
 @triton.jit
@@ -214,16 +236,23 @@ def moe_gate_up_quant_kernel(
         up_codes = codes_off + I * (H // CB)
         g_gate = _nvfp4_global(row_ptr, glob_off, 0, FMT)
         g_up = _nvfp4_global(row_ptr, glob_off, 1, FMT)
-        acc_g = tl.zeros([BLOCK_N, NG, GL], dtype=tl.float32)
-        acc_u = tl.zeros([BLOCK_N, NG, GL], dtype=tl.float32)
+        GA: tl.constexpr = GL if FMT == FMT_FP8 else GL // 2
+        acc_g = tl.zeros([BLOCK_N, NG, GA], dtype=tl.float32)
+        acc_u = tl.zeros([BLOCK_N, NG, GA], dtype=tl.float32)
         for k0 in range(0, H, BLOCK_K):
-            xv = _act_tile(x_row, k0, H, BLOCK_K, GROUP, not EVEN_K)
-            wg = _weight_tile(row_ptr, codes_off, scales_gate_off, zeros_gate_off, g_gate, rows, k0, I, H,
-                              n_scale_cols, FMT, GROUP, ROW_BLOCK, BLOCK_N, BLOCK_K, not EVEN_N, not EVEN_K)
-            wu = _weight_tile(row_ptr, up_codes, scales_up_off, zeros_up_off, g_up, rows, k0, I, H,
-                              n_scale_cols, FMT, GROUP, ROW_BLOCK, BLOCK_N, BLOCK_K, not EVEN_N, not EVEN_K)
-            acc_g += wg * xv
-            acc_u += wu * xv
+            xa, xb = _act_tile(x_row, k0, H, FMT, BLOCK_K, GROUP, not EVEN_K)
+            ga, gb = _weight_tile(row_ptr, codes_off, scales_gate_off, zeros_gate_off, g_gate, rows, k0, I, H,
+                                  n_scale_cols, FMT, GROUP, ROW_BLOCK, BLOCK_N, BLOCK_K, not EVEN_N, not EVEN_K)
+            ua, ub = _weight_tile(row_ptr, up_codes, scales_up_off, zeros_up_off, g_up, rows, k0, I, H,
+                                  n_scale_cols, FMT, GROUP, ROW_BLOCK, BLOCK_N, BLOCK_K, not EVEN_N, not EVEN_K)
+            if FMT == FMT_FP8:
+                acc_g += ga * xa
+                acc_u += ua * xa
+            else:                                                      # even columns, then odd ones
+                acc_g += ga * xa                                       # (two fused multiply-adds)
+                acc_g += gb * xb
+                acc_u += ua * xa
+                acc_u += ub * xb
         gate = tl.sum(tl.sum(acc_g, axis=2), axis=1).to(DT).to(tl.float32)   # [BLOCK_N] the bmm output
         up = tl.sum(tl.sum(acc_u, axis=2), axis=1).to(DT).to(tl.float32)
         silu = _div(gate, 1.0 + _exp(-gate, ACCURATE), ACCURATE).to(DT).to(tl.float32)
@@ -277,12 +306,17 @@ def moe_down_quant_kernel(
             row_ptr = rows_ptr + e * stride_row
             a_row = act_ptr + p.to(tl.int64) * I
             g_down = _nvfp4_global(row_ptr, glob_off, 2, FMT)
-            acc = tl.zeros([BLOCK_N, NG, GL], dtype=tl.float32)
+            GA: tl.constexpr = GL if FMT == FMT_FP8 else GL // 2
+            acc = tl.zeros([BLOCK_N, NG, GA], dtype=tl.float32)
             for k0 in range(0, I, BLOCK_K):
-                av = _act_tile(a_row, k0, I, BLOCK_K, GROUP, not EVEN_K)
-                w = _weight_tile(row_ptr, codes_off, scales_off, zeros_off, g_down, rows, k0, H, I, n_scale_cols,
-                                 FMT, GROUP, ROW_BLOCK, BLOCK_N, BLOCK_K, not EVEN_N, not EVEN_K)
-                acc += w * av
+                aa, ab = _act_tile(a_row, k0, I, FMT, BLOCK_K, GROUP, not EVEN_K)
+                wa, wb = _weight_tile(row_ptr, codes_off, scales_off, zeros_off, g_down, rows, k0, H, I, n_scale_cols,
+                                      FMT, GROUP, ROW_BLOCK, BLOCK_N, BLOCK_K, not EVEN_N, not EVEN_K)
+                if FMT == FMT_FP8:
+                    acc += wa * aa
+                else:
+                    acc += wa * aa
+                    acc += wb * ab
             rw = tl.load(rw_ptr + p).to(tl.float32)
             y = tl.sum(tl.sum(acc, axis=2), axis=1).to(DT).to(tl.float32) * rw     # [BLOCK_N]
         else:
@@ -352,8 +386,12 @@ def dequantize_rows_kernel(
     rows = rt * BLOCK_N + tl.arange(0, BLOCK_N)
     k0 = kt * BLOCK_K
     glob = _nvfp4_global(row_ptr, glob_off, which, FMT)
-    w = _weight_tile(row_ptr, code_off, scale_off, zero_off, glob, rows, k0, nrows, kdim, n_cols,
-                     FMT, GROUP, ROW_BLOCK, BLOCK_N, BLOCK_K, True, True)
+    wa, wb = _weight_tile(row_ptr, code_off, scale_off, zero_off, glob, rows, k0, nrows, kdim, n_cols,
+                          FMT, GROUP, ROW_BLOCK, BLOCK_N, BLOCK_K, True, True)
+    if FMT == FMT_FP8:
+        w = wa
+    else:
+        w = tl.reshape(tl.join(wa, wb), [BLOCK_N, NG, GL])             # back to k order
     w = tl.where(valid, w, 0.0)
     r3 = rows[:, None, None]
     cols = k0 + tl.arange(0, NG)[None, :, None] * GL + tl.arange(0, GL)[None, None, :]
