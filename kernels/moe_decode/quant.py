@@ -23,6 +23,10 @@ from .api import DEFAULT_GEMV_BLOCKS, GEMV_WARPS, CopyPlan, GemvBlocks, _accurat
 FORMAT_IDS = {"fp8": 0, "int4": 1, "mxfp4": 2, "nvfp4": 3}     # quant_kernels.FMT_*
 ROW_ALIGN = 16          # bytes: slot rows (their start and stride) hold float32 scales at 16-byte aligned offsets
 MIN_BLOCK_K = 16
+# The regions of a slot row each launch of a split call reads (moe_gemv_quant's between / between_down): a copy in
+# two parts lands these before between() returns, and the rest (the down projection's) before between_down().
+GATE_UP_REGIONS = ("codes_w13", "scales_w13", "zeros_w13", "globals")
+DOWN_REGIONS = ("codes_w2", "scales_w2", "zeros_w2", "globals")
 
 
 @dataclass(frozen=True)
@@ -119,7 +123,9 @@ def moe_gemv_quant(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, ro
     x, ids, weights, plan, between, between_down: as moe_gemv (ids -1: the route adds exactly 0 and reads
         nothing; ids are not checked against S). Rounding as moe_gemv with float32 weights: gate/up in fp32
         rounded to x.dtype, silu and act in x.dtype, down in fp32 rounded to x.dtype, times the routing weight
-        in fp32, summed over k in k order. A split around a copy (plan) is bit-identical to the unsplit call.
+        in fp32, summed over k in k order. A split around a copy (plan) is bit-identical to the unsplit call;
+        a copy in two parts lands GATE_UP_REGIONS of the plan's rows before between() returns and the rest
+        before between_down() (the regions are not w13's bytes then w2's: QuantLayout puts all codes first).
     """
     _check_float("x", x)
     if x.dim() != 2:
