@@ -186,7 +186,8 @@ def moe_gemv_quant(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, ro
             between()                   # the copy's slots are read only after this
         moe_gate_up_quant_kernel[(P, _cdiv(inter, b.gate_up_block_n))](
             x, ids_flat, rows_u8, act, *plan_args, K, H, inter, x.stride(0), stride_row,
-            a.codes13, a.scales_gate, a.scales_up, a.zeros_gate, a.zeros_up, a.globals, a.scale_cols13, **fmt,
+            a.codes13, layout.code_row_bytes(H), a.scales_gate, a.scales_up, a.zeros_gate, a.zeros_up, a.globals,
+            a.scale_cols13, **fmt,
             BLOCK_N=b.gate_up_block_n, BLOCK_K=b.gate_up_block_k,
             EVEN_N=inter % b.gate_up_block_n == 0, EVEN_K=H % b.gate_up_block_k == 0,
             ACCURATE=accurate, PLAN=part, PLAN_MAX=plan_max, num_warps=GEMV_WARPS, **pdl)
@@ -194,7 +195,7 @@ def moe_gemv_quant(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, ro
             between_down()              # the plan's w2 bytes are read only after this
         moe_down_quant_kernel[(P, _cdiv(H, b.down_block_n))](
             act, ids_flat, rw_flat, rows_u8, y, *plan_args, H, inter, stride_row,
-            a.codes2, a.scales2, a.zeros2, a.globals, a.scale_cols2, **fmt,
+            a.codes2, layout.code_row_bytes(inter), a.scales2, a.zeros2, a.globals, a.scale_cols2, **fmt,
             BLOCK_N=b.down_block_n, BLOCK_K=b.down_block_k,
             EVEN_N=H % b.down_block_n == 0, EVEN_K=inter % b.down_block_k == 0,
             PLAN=part, PLAN_MAX=plan_max, num_warps=GEMV_WARPS, **pdl)
@@ -251,7 +252,8 @@ def dequantize_rows(rows_u8: torch.Tensor, ids: torch.Tensor, layout: QuantLayou
         return w13, w2
     dequantize_rows_kernel[(n, 2 * tiles13 + tiles2)](
         rows_u8, ids, out, H, I, rows_u8.stride(0), out.stride(0),
-        a.codes13, a.codes2, a.scales_gate, a.scales_up, a.scales2, a.zeros_gate, a.zeros_up, a.zeros2,
+        a.codes13, a.codes2, layout.code_row_bytes(H), layout.code_row_bytes(I),
+        a.scales_gate, a.scales_up, a.scales2, a.zeros_gate, a.zeros_up, a.zeros2,
         a.globals, a.scale_cols13, a.scale_cols2, tiles13_k, tiles13, tiles2_k,
         FMT=a.fmt, GROUP=a.group, ROW_BLOCK=a.row_block, BLOCK_N=b.block_n, BLOCK_K=b.block_k,
         num_warps=b.num_warps, **pdl_args(rows_u8.device))

@@ -19,20 +19,20 @@ def _cases() -> list[tuple[str, str, dict, dict, dict, list[str]]]:
     offs = ["codes_off", "scales_gate_off", "scales_up_off", "zeros_gate_off", "zeros_up_off", "glob_off"]
     gate_up_sig = {"x_ptr": f"*{dt}", "ids_ptr": "*i64", "rows_ptr": "*u8", "act_ptr": f"*{dt}",
                    "plan_ptr": "*i32", "nplan_ptr": "*i32", "extra_slot": "i32", "K": "i32", "H": "i32",
-                   "I": "i32", "stride_xt": "i32", "stride_row": "i64", **{o: "i32" for o in offs},
+                   "I": "i32", "stride_xt": "i32", "stride_row": "i64", **{o: "i32" for o in offs}, "code_row_bytes": "i32",
                    "n_scale_cols": "i32"}
-    gate_up_div = ["x_ptr", "ids_ptr", "rows_ptr", "act_ptr", "H", "I", "stride_xt", "stride_row", *offs]
+    gate_up_div = ["x_ptr", "ids_ptr", "rows_ptr", "act_ptr", "H", "I", "stride_xt", "stride_row", *offs, "code_row_bytes"]
     down_offs = ["codes_off", "scales_off", "zeros_off", "glob_off"]
     down_sig = {"act_ptr": f"*{dt}", "ids_ptr": "*i64", "rw_ptr": "*fp32", "rows_ptr": "*u8", "y_ptr": "*fp32",
                 "plan_ptr": "*i32", "nplan_ptr": "*i32", "extra_slot": "i32", "H": "i32", "I": "i32",
-                "stride_row": "i64", **{o: "i32" for o in down_offs}, "n_scale_cols": "i32"}
-    down_div = ["act_ptr", "ids_ptr", "rw_ptr", "rows_ptr", "y_ptr", "H", "I", "stride_row", *down_offs]
-    dq_ints = ["H", "I", "stride_row", "stride_out", "codes13_off", "codes2_off", "scales_gate_off",
+                "stride_row": "i64", **{o: "i32" for o in down_offs}, "code_row_bytes": "i32", "n_scale_cols": "i32"}
+    down_div = ["act_ptr", "ids_ptr", "rw_ptr", "rows_ptr", "y_ptr", "H", "I", "stride_row", *down_offs, "code_row_bytes"]
+    dq_ints = ["H", "I", "stride_row", "stride_out", "codes13_off", "codes2_off", "code_row13", "code_row2", "scales_gate_off",
                "scales_up_off", "scales2_off", "zeros_gate_off", "zeros_up_off", "zeros2_off", "glob_off",
                "n_scale_cols13", "n_scale_cols2", "tiles_w13_k", "tiles_w13", "tiles_w2_k"]
     dq_sig = {"rows_ptr": "*u8", "ids_ptr": "*i64", "out_ptr": f"*{dt}", **{n: "i32" for n in dq_ints}}
     dq_sig["stride_row"] = dq_sig["stride_out"] = "i64"
-    dq_div = ["rows_ptr", "ids_ptr", "out_ptr", "H", "I", "stride_row", "stride_out", *dq_ints[4:13]]
+    dq_div = ["rows_ptr", "ids_ptr", "out_ptr", "H", "I", "stride_row", "stride_out", *dq_ints[4:15]]
     w4 = {"num_warps": 4}
     whole = dict(PLAN=0, PLAN_MAX=1)
     cases = []

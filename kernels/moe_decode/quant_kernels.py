@@ -71,7 +71,7 @@ def _e8m0_to_f32(e):
 
 
 @triton.jit
-def _weight_tile(row_ptr, code_off, scale_off, zero_off, glob, rows, k0, NROWS, KDIM, n_scale_cols,
+def _weight_tile(row_ptr, code_off, scale_off, zero_off, glob, rows, k0, NROWS, KDIM, row_bytes, n_scale_cols,
                  FMT: tl.constexpr, GROUP: tl.constexpr, ROW_BLOCK: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, MASK_N: tl.constexpr, MASK_K: tl.constexpr):
     """Rows `rows` [BLOCK_N], columns k0 .. k0 + BLOCK_K of one quantized matrix [NROWS, KDIM] of the expert
@@ -79,7 +79,8 @@ def _weight_tile(row_ptr, code_off, scale_off, zero_off, glob, rows, k0, NROWS, 
     (column k0 + g * GL + c at [:, g, c]); 4-bit formats: wa = the even columns, wb = the odd ones, each
     [BLOCK_N, NG, GL / 2] (column k0 + g * GL + 2c (+1) at [:, g, c]), as the code bytes hold them.
 
-    code_off: byte offset of the matrix's codes ([NROWS, KDIM * b] uint8); scale_off / zero_off: byte
+    code_off: byte offset of the matrix's codes ([NROWS, row_bytes = KDIM * b] uint8; row_bytes an argument
+    of its own, so that the JIT sees it 16-divisible: 16-byte code loads); scale_off / zero_off: byte
     offsets of its scales / zeros ([ceil(NROWS / ROW_BLOCK), n_scale_cols]); glob: nvfp4's float32 global.
     GROUP: the format's group along K (128 for fp8's blocks), ROW_BLOCK: rows a scale covers (128 for
     fp8, else 1). Masked-off weights (rows >= NROWS, columns >= KDIM) come out 0.0.
@@ -102,7 +103,7 @@ def _weight_tile(row_ptr, code_off, scale_off, zero_off, glob, rows, k0, NROWS, 
     sidx = (r3 // ROW_BLOCK) * n_scale_cols + col0 // GROUP            # [BLOCK_N, NG, 1]
     if FMT == FMT_FP8:
         c3 = tl.arange(0, GL)[None, None, :]                           # [1, 1, GL]
-        offs = r3 * KDIM + col0 + c3                                   # [BLOCK_N, NG, GL]
+        offs = r3 * row_bytes + col0 + c3                              # [BLOCK_N, NG, GL]
         scale_ptr = (row_ptr + scale_off).to(tl.pointer_type(tl.float32))
         if MASK_K:                                                     # fp8: K need not fill its last block
             emask = (col0 + c3) < KDIM
@@ -122,7 +123,7 @@ def _weight_tile(row_ptr, code_off, scale_off, zero_off, glob, rows, k0, NROWS, 
     else:
         HB: tl.constexpr = GL // 2                                     # bytes of a group's GL 4-bit codes
         b3 = tl.arange(0, HB)[None, None, :]
-        offs = r3 * (KDIM // 2) + col0 // 2 + b3                       # [BLOCK_N, NG, HB]
+        offs = r3 * row_bytes + k0 // 2 + g3 * HB + b3                 # [BLOCK_N, NG, HB]
         if gmask is None:
             codes = tl.load(row_ptr + code_off + offs).to(tl.int32)
         else:
@@ -201,6 +202,7 @@ def moe_gate_up_quant_kernel(
     K, H, I,
     stride_xt, stride_row,
     codes_off,            # byte offset of codes_w13 [2I, H * b] in a row (gate rows, then up rows)
+    code_row_bytes,       # H * b: bytes of a code row
     scales_gate_off, scales_up_off,  # byte offsets of gate's and up's scales
     zeros_gate_off, zeros_up_off,    # int4: byte offsets of gate's and up's zero points
     glob_off,             # nvfp4: byte offset of the float32 globals [3]
@@ -232,8 +234,7 @@ def moe_gate_up_quant_kernel(
         rows = j * BLOCK_N + tl.arange(0, BLOCK_N)                     # [BLOCK_N] gate rows
         row_ptr = rows_ptr + e * stride_row
         x_row = x_ptr + t.to(tl.int64) * stride_xt
-        CB: tl.constexpr = 1 if FMT == FMT_FP8 else 2                  # weights per code byte
-        up_codes = codes_off + I * (H // CB)
+        up_codes = codes_off + I * code_row_bytes
         g_gate = _nvfp4_global(row_ptr, glob_off, 0, FMT)
         g_up = _nvfp4_global(row_ptr, glob_off, 1, FMT)
         GA: tl.constexpr = GL if FMT == FMT_FP8 else GL // 2
@@ -242,9 +243,11 @@ def moe_gate_up_quant_kernel(
         for k0 in range(0, H, BLOCK_K):
             xa, xb = _act_tile(x_row, k0, H, FMT, BLOCK_K, GROUP, not EVEN_K)
             ga, gb = _weight_tile(row_ptr, codes_off, scales_gate_off, zeros_gate_off, g_gate, rows, k0, I, H,
-                                  n_scale_cols, FMT, GROUP, ROW_BLOCK, BLOCK_N, BLOCK_K, not EVEN_N, not EVEN_K)
+                                  code_row_bytes, n_scale_cols, FMT, GROUP, ROW_BLOCK, BLOCK_N, BLOCK_K,
+                                  not EVEN_N, not EVEN_K)
             ua, ub = _weight_tile(row_ptr, up_codes, scales_up_off, zeros_up_off, g_up, rows, k0, I, H,
-                                  n_scale_cols, FMT, GROUP, ROW_BLOCK, BLOCK_N, BLOCK_K, not EVEN_N, not EVEN_K)
+                                  code_row_bytes, n_scale_cols, FMT, GROUP, ROW_BLOCK, BLOCK_N, BLOCK_K,
+                                  not EVEN_N, not EVEN_K)
             if FMT == FMT_FP8:
                 acc_g += ga * xa
                 acc_u += ua * xa
@@ -275,6 +278,7 @@ def moe_down_quant_kernel(
     H, I,
     stride_row,
     codes_off,            # byte offset of codes_w2 [H, I * b]
+    code_row_bytes,       # I * b: bytes of a code row
     scales_off,           # byte offset of scales_w2
     zeros_off,            # int4: byte offset of zeros_w2
     glob_off,             # nvfp4: byte offset of the globals (down's is the third)
@@ -310,7 +314,8 @@ def moe_down_quant_kernel(
             acc = tl.zeros([BLOCK_N, NG, GA], dtype=tl.float32)
             for k0 in range(0, I, BLOCK_K):
                 aa, ab = _act_tile(a_row, k0, I, FMT, BLOCK_K, GROUP, not EVEN_K)
-                wa, wb = _weight_tile(row_ptr, codes_off, scales_off, zeros_off, g_down, rows, k0, H, I, n_scale_cols,
+                wa, wb = _weight_tile(row_ptr, codes_off, scales_off, zeros_off, g_down, rows, k0, H, I,
+                                      code_row_bytes, n_scale_cols,
                                       FMT, GROUP, ROW_BLOCK, BLOCK_N, BLOCK_K, not EVEN_N, not EVEN_K)
                 if FMT == FMT_FP8:
                     acc += wa * aa
@@ -335,6 +340,7 @@ def dequantize_rows_kernel(
     H, I,
     stride_row, stride_out,
     codes13_off, codes2_off,
+    code_row13, code_row2,                # bytes of a code row of gate / up (H * b) and of down (I * b)
     scales_gate_off, scales_up_off, scales2_off,
     zeros_gate_off, zeros_up_off, zeros2_off,
     glob_off,
@@ -364,7 +370,8 @@ def dequantize_rows_kernel(
         kt = qq - rt * tiles_w13_k
         nrows = I
         kdim = H
-        code_off = codes13_off + which * I * (H // (1 if FMT == FMT_FP8 else 2))
+        code_off = codes13_off + which * I * code_row13
+        row_bytes = code_row13
         scale_off = tl.where(which == 0, scales_gate_off, scales_up_off)
         zero_off = tl.where(which == 0, zeros_gate_off, zeros_up_off)
         n_cols = n_scale_cols13
@@ -377,6 +384,7 @@ def dequantize_rows_kernel(
         nrows = H
         kdim = I
         code_off = codes2_off
+        row_bytes = code_row2
         scale_off = scales2_off
         zero_off = zeros2_off
         n_cols = n_scale_cols2
@@ -386,7 +394,7 @@ def dequantize_rows_kernel(
     rows = rt * BLOCK_N + tl.arange(0, BLOCK_N)
     k0 = kt * BLOCK_K
     glob = _nvfp4_global(row_ptr, glob_off, which, FMT)
-    wa, wb = _weight_tile(row_ptr, code_off, scale_off, zero_off, glob, rows, k0, nrows, kdim, n_cols,
+    wa, wb = _weight_tile(row_ptr, code_off, scale_off, zero_off, glob, rows, k0, nrows, kdim, row_bytes, n_cols,
                           FMT, GROUP, ROW_BLOCK, BLOCK_N, BLOCK_K, True, True)
     if FMT == FMT_FP8:
         w = wa
