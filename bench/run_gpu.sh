@@ -3,7 +3,7 @@
 # Usage: bash bench/run_gpu.sh [SUITE ...]          (default: tests)
 #        bash bench/run_gpu.sh compare OLD_TREE     (the headline benchmarks of OLD_TREE and of this tree side by side)
 #   tests    every test marked gpu                                                          (~8 min)
-#   kernels  slot-cache ensure kernel, decode attention, the MoE decode kernels              (~3 min)
+#   kernels  slot-cache ensure kernel, decode attention, the MoE decode kernels (bf16 and quantized)  (~4 min)
 #   engine   resident decode, offload at 10 / 25 / 50% (qwen3-30b-a3b preset), TTFT at 1K     (~6 min)
 #   hybrid   hybrid at 25%, the hand-off round trip, the CPU expert kernel                   (~6 min)
 #   prefill  TTFT at 1K and 4K prompts: resident, offload 25%, hybrid 25%                     (~5 min)
@@ -148,7 +148,9 @@ while [ $# -gt 0 ]; do
       run ensure "$T" python3 -m kernels.slot_cache.bench --reps 200 --slots 64,2048,18432,23197
       run attention "$T" python3 bench/bench_decode_attention.py
       run moe_decode "$T" python3 bench/bench_moe_decode.py
+      run moe_decode_quant "$T" python3 bench/bench_moe_decode_quant.py --json-out "$OUT/moe_decode_quant.json"
       tail -n 8 "$OUT/ensure.log"; echo; tail -n 8 "$OUT/attention.log"; echo; grep "^|" "$OUT/moe_decode.log" | head -n 30
+      echo; grep "^|" "$OUT/moe_decode_quant.log" | head -n 24
       summary this="$OUT"
       ;;
     engine)

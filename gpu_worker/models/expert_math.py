@@ -27,7 +27,7 @@ import torch
 
 from kernels.moe_decode import CopyPlan, moe_gemv
 # The quantized-expert kernels: point this import at kernels.moe_decode.quant for the fast ones.
-from kernels.moe_decode.quant_reference import dequantize_rows, moe_gemv_quant
+from kernels.moe_decode.quant import dequantize_rows, moe_gemv_quant
 from proto.expert_format import FormatError
 
 from .expert_layout import ExpertLayout, unpack_experts

@@ -1,11 +1,11 @@
-"""kernels/moe_decode/quant_reference.py in lockstep with the plain codec (proto.expert_format) and moe_gemv."""
+"""kernels/moe_decode/quant.py's public functions (their reference path on the CPU) in lockstep with the plain codec (proto.expert_format) and moe_gemv."""
 from __future__ import annotations
 
 import pytest
 import torch
 
 from kernels.moe_decode import CopyPlan, moe_gemv
-from kernels.moe_decode import quant_reference as qr
+from kernels.moe_decode import quant as qr
 from proto.expert_format import ExpertFormat, FormatError, QuantLayout, dequantize_expert, fp4_decode, quantize_expert
 
 FORMATS = ("fp8", "int4-g32", "int4-g64", "int4", "mxfp4", "nvfp4")
