@@ -8,10 +8,12 @@ fields are ignored, as most OpenAI-compatible servers do.
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 from typing import Any
 
 from coordinator.text_codec import CHATML_ROLES, ChatMessage, TextCodec
+from coordinator.token_bounds import utf8_length_over
 from proto.sampling_params import BadSamplingParam, PromptTooLong, SamplingParams, check_prompt
 
 MAX_N = 16
@@ -21,13 +23,15 @@ MAX_PROMPTS = 64
 MAX_MESSAGES = 4096
 COMPLETION_DEFAULT_MAX_TOKENS = 16        # as OpenAI's /v1/completions
 SEED_MIN, SEED_MAX = -(1 << 63), (1 << 64) - 1
+_SURROGATE = re.compile("[\ud800-\udfff]")   # json.loads joins a pair: any left is a lone one
 
 
 class ApiError(Exception):
     def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None):
+                 param: str | None = None, code: str | None = None, retry_after_s: int | None = None):
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+        self.retry_after_s = retry_after_s      # a 503 the client may retry: its Retry-After header
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
@@ -59,6 +63,36 @@ class GenerationPlan:
     @property
     def num_choices(self) -> int:
         return len(self.prompts) * self.n
+
+
+def check_unicode(body: Any) -> None:
+    """Every string in the body must be valid Unicode: JSON's \\uXXXX escapes can spell a lone UTF-16
+    surrogate, which no tokenizer or UTF-8 encoder takes."""
+    stack: list[tuple[Any, str]] = [(body, "")]
+    while stack:
+        value, where = stack.pop()
+        if isinstance(value, str):
+            m = _SURROGATE.search(value)
+            if m is not None:
+                name = where or "the request body"
+                raise bad(f"'{name}' holds a lone UTF-16 surrogate (\\u{ord(m.group()):04x}) at character "
+                          f"{m.start()}; that is not valid Unicode: send the whole surrogate pair (as in "
+                          f"\\ud83d\\ude00) or the character itself", where or None, "invalid_unicode")
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                stack.append((key, where or "the request body's keys"))
+                stack.append((item, f"{where}.{key}" if where else str(key)))
+        elif isinstance(value, list):
+            stack.extend((item, f"{where}[{i}]") for i, item in enumerate(value) if isinstance(item, (str, dict, list)))
+
+
+def _check_prompt_bytes(text_bytes_over: Any, model: ModelInfo, param: str) -> None:
+    """Refuse, before tokenizing, a prompt too long in bytes to fit the context in tokens (token_bounds.py)."""
+    limit = model.codec.max_prompt_bytes(model.context_length)
+    if limit is not None and text_bytes_over(limit):
+        raise bad(f"This model's maximum context length is {model.context_length} tokens, and the prompt has more "
+                  f"than {limit} bytes, more than that many tokens can hold with this tokenizer; shorten the "
+                  f"prompt", param, "context_length_exceeded")
 
 
 def _is_int(v: Any) -> bool:
@@ -214,6 +248,7 @@ def _parse_max_tokens(body: dict, names: tuple[str, ...], default: int | None) -
 def parse_completion(body: Any, model: ModelInfo) -> GenerationPlan:
     if not isinstance(body, dict):
         raise bad("the request body must be a JSON object")
+    check_unicode(body)
     _check_model(body, model)
     _refuse_unsupported(body, chat=False)
     prompt = body.get("prompt")
@@ -231,6 +266,7 @@ def parse_completion(body: Any, model: ModelInfo) -> GenerationPlan:
     ids: list[list[int]] = []
     for p in prompts:
         if isinstance(p, str):
+            _check_prompt_bytes(lambda limit: utf8_length_over(p, limit), model, "prompt")
             ids.append(model.codec.encode(p))
         elif all(_is_int(t) for t in p):
             ids.append(list(p))
@@ -273,9 +309,13 @@ def parse_messages(raw: Any) -> list[ChatMessage]:
 def parse_chat(body: Any, model: ModelInfo) -> GenerationPlan:
     if not isinstance(body, dict):
         raise bad("the request body must be a JSON object")
+    check_unicode(body)
     _check_model(body, model)
     _refuse_unsupported(body, chat=True)
     messages = parse_messages(body.get("messages"))
+    # the template only adds tokens: the messages' text alone must fit
+    _check_prompt_bytes(lambda limit: utf8_length_over("".join(m.content for m in messages), limit), model,
+                        "messages")
     try:
         prompt_ids = model.codec.encode_chat(messages)
     except ValueError as exc:

@@ -53,7 +53,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     net.add_argument("--drain-timeout-s", type=float, default=30.0, help="how long SIGTERM waits for requests")
     net.add_argument("--request-timeout-s", type=float, default=600.0, help="longest a request may run")
     net.add_argument("--max-pending-requests", type=int, default=512,
-                     help="requests accepted at once (running + queued); beyond: HTTP 503")
+                     help="requests accepted at once (running + queued); beyond: HTTP 503 with Retry-After")
+    net.add_argument("--tokenizer-threads", type=positive_int_flag, default=2,
+                     help="requests parsed and tokenized at once, off the event loop")
+    net.add_argument("--tokenizer-max-waiting", type=int, default=16,
+                     help="more requests waiting for a tokenizer thread; beyond: HTTP 503 with Retry-After")
     procs = parser.add_argument_group("worker processes")
     procs.add_argument("--workers", default="process", choices=("process", "inline"),
                        help="process (default): the engine runs in a supervised `ft worker gpu` child, restarted "
@@ -71,6 +75,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     procs.add_argument("--reserve-cpus", default=None, metavar="LIST",
                        help="cpu/hybrid: CPUs the CPU workers keep off and the GPU worker pins itself to "
                             "(--pin-gpu-worker; default: 0 on machines with >= 4 CPUs)")
+    procs.add_argument("--on-worker-give-up", default="exit", choices=("exit", "stay"),
+                       help="when the supervisor stops restarting a worker (it failed 6 times in a row, none "
+                            "of them after a stable minute): exit (default: drain, stop, exit code 70, so systemd restarts the set) or stay "
+                            "(keep serving; /health and requests answer 503 engine_failed)")
     procs.add_argument("--worker-ready-timeout-s", type=float, default=600.0,
                        help="start-up: how long a worker may take to say READY (loading included)")
     pol = parser.add_argument_group("fetch policy")
@@ -131,7 +139,9 @@ def listen_config(args: argparse.Namespace, api_key: str | None):
     from coordinator.server import ListenConfig
 
     return ListenConfig(host=args.host, port=args.port, grpc_host=args.grpc_host, grpc_port=args.grpc_port,
-                        api_key=api_key, drain_timeout_s=args.drain_timeout_s)
+                        api_key=api_key, drain_timeout_s=args.drain_timeout_s,
+                        tokenizer_threads=args.tokenizer_threads, tokenizer_max_waiting=args.tokenizer_max_waiting,
+                        exit_on_worker_give_up=args.on_worker_give_up == "exit")
 
 
 def run_processes(args: argparse.Namespace) -> int:
@@ -163,6 +173,7 @@ def run_processes(args: argparse.Namespace) -> int:
         raise KeyboardInterrupt(f"signal {signum} during start-up")
 
     previous = {sig: signal.signal(sig, interrupted) for sig in (signal.SIGTERM, signal.SIGINT)}
+    server = None
     try:
         facts = procs.start()
         for sig, handler in previous.items():
@@ -175,10 +186,15 @@ def run_processes(args: argparse.Namespace) -> int:
         model = ModelInfo(name, facts.max_context_tokens, codec)
         listen = listen_config(args, api_key)
         server = CoordinatorServer(service, model, policy, listen, supervisor=procs.supervisor)
+        procs.on_gave_up = lambda name, message, gpu: server.worker_gave_up(name, message, gpu_worker=gpu)
         where = "attached" if args.attach else f"pid {facts.pid}"
         serve_forever(server, listen, name, f"{source.description}; GPU worker {where} on {facts.device}")
     finally:
         procs.stop()
+    if server is not None and server.exit_code:
+        print(f"ft serve: stopped: the supervisor gave up on a worker (exit code {server.exit_code})",
+              file=sys.stderr)
+        return server.exit_code
     print("ft serve: stopped", file=sys.stderr)
     return 0
 
