@@ -28,7 +28,7 @@ from coordinator.engine_client import EngineError, EngineFailed, EngineUnavailab
 from coordinator.engine_service import Chunk, EngineService, RequestStream, RequestTimeout, ServiceUnavailable
 from coordinator.metrics import PROMETHEUS_CONTENT_TYPE, HttpCounters, render_prometheus
 from coordinator.openai_requests import ApiError, GenerationPlan, ModelInfo, parse_chat, parse_completion
-from coordinator.tokenize_pool import RETRY_AFTER_S, TRIM_AFTER_BYTES, TokenizePool, TokenizerBusy
+from coordinator.tokenize_pool import RETRY_AFTER_S, TokenizePool, TokenizerBusy
 
 log = logging.getLogger("ft.coordinator.http")
 
@@ -59,14 +59,14 @@ def _sse(data: Any) -> bytes:
     return b"data: " + json.dumps(data, ensure_ascii=False).encode("utf-8") + b"\n\n"
 
 
-def _decode_json(raw: bytes) -> Any:
+def _decode_json(raw: bytes | bytearray) -> Any:
     try:
         return json.loads(raw.decode("utf-8"), parse_constant=_reject_constant)
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:
         raise ApiError(400, f"the request body is not valid JSON: {exc}"[:500]) from None
 
 
-def _parse_body(parse: Any, raw: bytes, model: ModelInfo) -> GenerationPlan:
+def _parse_body(parse: Any, raw: bytearray, model: ModelInfo) -> GenerationPlan:
     """On a tokenizer thread: JSON -> validated, tokenized request."""
     return parse(_decode_json(raw), model)
 
@@ -157,19 +157,26 @@ class HttpApi:
                                            type="server_error"))
         finally:
             self.counters.count(route, status)
-            if (request.content_length or 0) > TRIM_AFTER_BYTES:
-                self.tokenize.trim_soon()     # its buffers are freed by then: give the memory back
 
-    async def _read_body(self, request: web.Request) -> bytes:
-        try:
-            return await request.read()
-        except web.HTTPRequestEntityTooLarge:
-            raise ApiError(413, f"request body over {MAX_BODY_BYTES} bytes; send a shorter prompt") from None
+    async def _read_body(self, request: web.Request) -> bytearray:
+        """The body as it arrives, chunk by chunk (aiohttp's read() joins all buffered chunks on every wake-up:
+        for an 8 MB body that held the event loop for ~100 ms on the CI machine)."""
+        too_large = ApiError(413, f"request body over {MAX_BODY_BYTES} bytes; send a shorter prompt")
+        if (request.content_length or 0) > MAX_BODY_BYTES:
+            raise too_large
+        body = bytearray()
+        content = request.content
+        while not content.at_eof():
+            chunk, _ = await content.readchunk()
+            body += chunk
+            if len(body) > MAX_BODY_BYTES:
+                raise too_large
+        return body
 
     async def _parse(self, request: web.Request, parse: Any) -> GenerationPlan:
         raw = await self._read_body(request)
         try:
-            return await self.tokenize.run(_parse_body, parse, raw, self.model, input_bytes=len(raw))
+            return await self.tokenize.run(_parse_body, parse, raw, self.model)
         except TokenizerBusy as exc:
             raise ApiError(503, str(exc), type="service_unavailable", code="tokenizer_busy",
                            retry_after_s=RETRY_AFTER_S) from None

@@ -8,11 +8,10 @@ fields are ignored, as most OpenAI-compatible servers do.
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import dataclass
 from typing import Any
 
-from coordinator.text_codec import CHATML_ROLES, ChatMessage, TextCodec
+from coordinator.text_codec import CHATML_ROLES, ChatMessage, TextCodec, TooManyTokens
 from coordinator.token_bounds import utf8_length_over
 from proto.sampling_params import BadSamplingParam, PromptTooLong, SamplingParams, check_prompt
 
@@ -23,7 +22,6 @@ MAX_PROMPTS = 64
 MAX_MESSAGES = 4096
 COMPLETION_DEFAULT_MAX_TOKENS = 16        # as OpenAI's /v1/completions
 SEED_MIN, SEED_MAX = -(1 << 63), (1 << 64) - 1
-_SURROGATE = re.compile("[\ud800-\udfff]")   # json.loads joins a pair: any left is a lone one
 
 
 class ApiError(Exception):
@@ -72,12 +70,15 @@ def check_unicode(body: Any) -> None:
     while stack:
         value, where = stack.pop()
         if isinstance(value, str):
-            m = _SURROGATE.search(value)
-            if m is not None:
+            if value.isascii():
+                continue
+            try:
+                value.encode("utf-8")       # C speed; a regex scan of 8 MB would hold the GIL for 50 ms
+            except UnicodeEncodeError as exc:
                 name = where or "the request body"
-                raise bad(f"'{name}' holds a lone UTF-16 surrogate (\\u{ord(m.group()):04x}) at character "
-                          f"{m.start()}; that is not valid Unicode: send the whole surrogate pair (as in "
-                          f"\\ud83d\\ude00) or the character itself", where or None, "invalid_unicode")
+                raise bad(f"'{name}' holds a lone UTF-16 surrogate (\\u{ord(value[exc.start]):04x}) at character "
+                          f"{exc.start}; that is not valid Unicode: send the whole surrogate pair (as in "
+                          f"\\ud83d\\ude00) or the character itself", where or None, "invalid_unicode") from None
         elif isinstance(value, dict):
             for key, item in value.items():
                 stack.append((key, where or "the request body's keys"))
@@ -93,6 +94,11 @@ def _check_prompt_bytes(text_bytes_over: Any, model: ModelInfo, param: str) -> N
         raise bad(f"This model's maximum context length is {model.context_length} tokens, and the prompt has more "
                   f"than {limit} bytes, more than that many tokens can hold with this tokenizer; shorten the "
                   f"prompt", param, "context_length_exceeded")
+
+
+def _too_many(exc: TooManyTokens, model: ModelInfo, param: str) -> ApiError:
+    return bad(f"This model's maximum context length is {model.context_length} tokens, but the prompt has at least "
+               f"{exc.at_least} tokens; shorten the prompt", param, "context_length_exceeded")
 
 
 def _is_int(v: Any) -> bool:
@@ -267,7 +273,10 @@ def parse_completion(body: Any, model: ModelInfo) -> GenerationPlan:
     for p in prompts:
         if isinstance(p, str):
             _check_prompt_bytes(lambda limit: utf8_length_over(p, limit), model, "prompt")
-            ids.append(model.codec.encode(p))
+            try:
+                ids.append(model.codec.encode(p, limit=model.context_length))
+            except TooManyTokens as exc:
+                raise _too_many(exc, model, "prompt") from None
         elif all(_is_int(t) for t in p):
             ids.append(list(p))
         else:
@@ -317,7 +326,9 @@ def parse_chat(body: Any, model: ModelInfo) -> GenerationPlan:
     _check_prompt_bytes(lambda limit: utf8_length_over("".join(m.content for m in messages), limit), model,
                         "messages")
     try:
-        prompt_ids = model.codec.encode_chat(messages)
+        prompt_ids = model.codec.encode_chat(messages, limit=model.context_length)
+    except TooManyTokens as exc:
+        raise _too_many(exc, model, "messages") from None
     except ValueError as exc:
         raise bad(str(exc), "messages") from None
     max_tokens, param = _parse_max_tokens(body, ("max_completion_tokens", "max_tokens"), None)

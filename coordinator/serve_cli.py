@@ -54,8 +54,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     net.add_argument("--request-timeout-s", type=float, default=600.0, help="longest a request may run")
     net.add_argument("--max-pending-requests", type=int, default=512,
                      help="requests accepted at once (running + queued); beyond: HTTP 503 with Retry-After")
-    net.add_argument("--tokenizer-threads", type=positive_int_flag, default=2,
-                     help="requests parsed and tokenized at once, off the event loop")
+    net.add_argument("--tokenizer-threads", type=positive_int_flag, default=None,
+                     help="requests parsed and tokenized at once, off the event loop (default: half the CPUs, 1-4)")
     net.add_argument("--tokenizer-max-waiting", type=int, default=16,
                      help="more requests waiting for a tokenizer thread; beyond: HTTP 503 with Retry-After")
     procs = parser.add_argument_group("worker processes")
@@ -137,10 +137,12 @@ def serve_forever(server, listen, served_model_name: str, description: str) -> N
 
 def listen_config(args: argparse.Namespace, api_key: str | None):
     from coordinator.server import ListenConfig
+    from coordinator.tokenize_pool import DEFAULT_THREADS
 
     return ListenConfig(host=args.host, port=args.port, grpc_host=args.grpc_host, grpc_port=args.grpc_port,
                         api_key=api_key, drain_timeout_s=args.drain_timeout_s,
-                        tokenizer_threads=args.tokenizer_threads, tokenizer_max_waiting=args.tokenizer_max_waiting,
+                        tokenizer_threads=args.tokenizer_threads or DEFAULT_THREADS,
+                        tokenizer_max_waiting=args.tokenizer_max_waiting,
                         exit_on_worker_give_up=args.on_worker_give_up == "exit")
 
 

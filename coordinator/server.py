@@ -70,6 +70,7 @@ class CoordinatorServer:
             if message:
                 self.warnings.append(message)
         await self.service.start()
+        await asyncio.get_running_loop().run_in_executor(None, self.tokenize.start_threads)
         try:
             self.http_port = await self.http.start(self.listen.host, self.listen.port)
             if self.listen.grpc_port >= 0:

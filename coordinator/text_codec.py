@@ -25,10 +25,49 @@ CHATML_ROLES = ("system", "user", "assistant", "tool", "developer")
 PLACEHOLDER_OPEN, PLACEHOLDER_CLOSE = "\ue000", "\ue001"    # private-use characters around a nonce
 
 
-def _encode(tokenizer: Any, text: str, add_special_tokens: bool) -> list[int]:
+COUNT_IN_PIECES_ABOVE_CHARS = 1 << 18    # a longer text is first counted piece by piece against the limit
+PIECE_CHARS = 1 << 16
+PIECE_SLACK_TOKENS = 4                   # most tokens a cut can add (a normalizer's Prepend, a split merge)
+_PIECE_CUT = re.compile(r" (?=\S)")     # before a space that starts a word: a pre-tokenizer boundary
+
+
+class TooManyTokens(ValueError):
+    """The text has more than `limit` tokens (at least `at_least`); it was not tokenized whole."""
+
+    def __init__(self, at_least: int, limit: int):
+        super().__init__(f"the text has at least {at_least} tokens, over {limit}")
+        self.at_least, self.limit = at_least, limit
+
+
+def _batch_encode(tokenizer: Any) -> Any:
     # encode_batch* run without the GIL (encode holds it throughout); the _fast variant skips offsets
-    batch = getattr(tokenizer, "encode_batch_fast", None) or tokenizer.encode_batch
-    return list(batch([text], add_special_tokens=add_special_tokens)[0].ids)
+    return getattr(tokenizer, "encode_batch_fast", None) or tokenizer.encode_batch
+
+
+def _encode(tokenizer: Any, text: str, add_special_tokens: bool, limit: int | None = None) -> list[int]:
+    if limit is not None and len(text) > COUNT_IN_PIECES_ABOVE_CHARS:
+        _count_up_to(tokenizer, text, limit)
+    return list(_batch_encode(tokenizer)([text], add_special_tokens=add_special_tokens)[0].ids)
+
+
+def _count_up_to(tokenizer: Any, text: str, limit: int) -> None:
+    """Raise TooManyTokens as soon as pieces of `text` surely hold more than `limit` tokens.
+
+    Pieces are cut before a space that starts a word, where byte-level and SentencePiece pre-tokenizers cut
+    anyway; PIECE_SLACK_TOKENS per cut covers what a cut can add. Tokenizing stops at the first pieces over the
+    limit, so an over-long prompt costs about a context's worth of tokenizing, and no Encoding (whose creation
+    and release hold the GIL) is larger than a piece's."""
+    encode = _batch_encode(tokenizer)
+    total = cuts = start = 0
+    while start < len(text):
+        m = _PIECE_CUT.search(text, start + PIECE_CHARS)
+        end = m.start() if m is not None else len(text)
+        total += len(encode([text[start:end]], add_special_tokens=False)[0])
+        if m is not None:
+            cuts += 1
+        start = end
+        if total - PIECE_SLACK_TOKENS * cuts > limit:
+            raise TooManyTokens(total - PIECE_SLACK_TOKENS * cuts, limit)
 
 
 @dataclass
@@ -159,13 +198,14 @@ class TextCodec:
                           key=len, reverse=True)
         self._special_re = re.compile("|".join(map(re.escape, specials))) if specials else None
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True, limit: int | None = None) -> list[int]:
         """Token ids of `text`; special-token text in it becomes those tokens (a completion's prompt is the
         client's own). The tokenizer releases the GIL while it works (encode_batch), so a long prompt does not
-        stop this process's other threads: the event loop, the engine link's IO thread and its heartbeats."""
-        return _encode(self.tokenizer, text, add_special_tokens)
+        stop this process's other threads: the event loop, the engine link's IO thread and its heartbeats.
+        With `limit`, a long text surely over it raises TooManyTokens before it is tokenized whole."""
+        return _encode(self.tokenizer, text, add_special_tokens, limit)
 
-    def encode_chat(self, messages: Sequence[ChatMessage]) -> list[int]:
+    def encode_chat(self, messages: Sequence[ChatMessage], limit: int | None = None) -> list[int]:
         """The chat template rendered and tokenized; only the template's own special tokens are special.
 
         Special-token text inside a message (`<|im_end|><|im_start|>system`) stays text: each occurrence is
@@ -184,7 +224,7 @@ class TextCodec:
 
         rendered = self.chat_template.render([ChatMessage(m.role, hide(m.content)) for m in messages])
         if not found:
-            return self.encode(rendered, add_special_tokens=False)
+            return self.encode(rendered, add_special_tokens=False, limit=limit)
         pieces = re.split(f"{PLACEHOLDER_OPEN}{nonce}:(\\d+){PLACEHOLDER_CLOSE}", rendered)
         ids: list[int] = []
         for i, piece in enumerate(pieces):
@@ -195,7 +235,7 @@ class TextCodec:
                                  "in it; remove text such as "
                                  f"{found[0]!r} from the messages")
             else:
-                ids += self.encode(piece, add_special_tokens=False)
+                ids += self.encode(piece, add_special_tokens=False, limit=limit)
         return ids
 
     def _plain_tokenizer(self) -> Any:
