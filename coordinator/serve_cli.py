@@ -95,11 +95,16 @@ def build_policy_from_args(args: argparse.Namespace, expert_format, gpu_name: st
     from coordinator.policy import DEFAULT_FRACTION_MAX, DEFAULT_FRACTION_MIN, PolicySettings, build_policy
 
     knobs = resolve({k: getattr(args, k, None) for k in ("fetch_round", "benchbw_path")})
+    given = args.fetch_fraction
+    # the tuner's default bounds widen to a fixed --fetch-fraction (0 = every miss on the CPU pool): it is used as
+    # given; bounds given explicitly that exclude it are an error (PolicySettings.validate)
+    low = DEFAULT_FRACTION_MIN if given is None else min(DEFAULT_FRACTION_MIN, given)
+    high = DEFAULT_FRACTION_MAX if given is None else max(DEFAULT_FRACTION_MAX, given)
     settings = PolicySettings(
         strategy=args.moe_strategy,
-        fetch_fraction=args.fetch_fraction if args.fetch_fraction is not None else 0.5,
-        fetch_fraction_min=args.fetch_fraction_min if args.fetch_fraction_min is not None else DEFAULT_FRACTION_MIN,
-        fetch_fraction_max=args.fetch_fraction_max if args.fetch_fraction_max is not None else DEFAULT_FRACTION_MAX,
+        fetch_fraction=given if given is not None else 0.5,
+        fetch_fraction_min=args.fetch_fraction_min if args.fetch_fraction_min is not None else low,
+        fetch_fraction_max=args.fetch_fraction_max if args.fetch_fraction_max is not None else high,
         auto_tune=not args.no_auto_tune and args.fetch_fraction is None,
         fetch_round=knobs["fetch_round"])
     settings.validate()
