@@ -119,9 +119,33 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("--max-running-requests must be >= 1")
     if args.attach and args.workers == "inline":
         raise ValueError("--attach waits for worker processes; it cannot be combined with --workers inline")
+    check_listeners(args)
     if args.workers == "inline":
         return run_inline(args)
     return run_processes(args)
+
+
+def listen_addresses(args: argparse.Namespace) -> list[tuple[str, str, int, str]]:
+    """Every TCP address `ft serve` will listen on: HTTP (and /metrics), gRPC, the engine link's tcp:// port."""
+    out = [("the HTTP API", args.host, args.port, "--port")]
+    if args.grpc_port >= 0:
+        out.append(("the gRPC control plane", args.grpc_host or args.host, args.grpc_port, "--grpc-port"))
+    if args.workers == "process":
+        from coordinator.process_set import DEFAULT_ATTACH_ENGINE_ADDR
+
+        addr = args.engine_addr or (DEFAULT_ATTACH_ENGINE_ADDR if args.attach else "")
+        if addr.startswith("tcp://") and ":" in addr[len("tcp://"):]:
+            host, _, port = addr[len("tcp://"):].rpartition(":")
+            if port.isdigit():
+                out.append(("the engine link", host.strip("[]"), int(port), "--engine-addr"))
+    return out
+
+
+def check_listeners(args: argparse.Namespace) -> None:
+    """Before the model loads: a taken port is found in a second, not after minutes of loading."""
+    from coordinator.ports import check_listen_addresses
+
+    check_listen_addresses(listen_addresses(args))
 
 
 def serve_forever(server, listen, served_model_name: str, description: str) -> None:
