@@ -246,10 +246,12 @@ def inline_hybrid_options(args: argparse.Namespace, environ=None):
 def run_inline(args: argparse.Namespace) -> int:
     """One process: the engine in a thread of the coordinator, over the host resources of the same owner as
     the process mode (coordinator/expert_resources.py)."""
-    from coordinator.expert_resources import HOST_STORE_STRATEGIES, CpuWorkerSettings, ExpertResources
+    from coordinator.expert_resources import (HOST_STORE_STRATEGIES, CpuWorkerSettings, ExpertResources,
+                                              reclaim_stale_host_memory)
     from coordinator.process_set import default_store_name
 
     if args.moe_strategy not in HOST_STORE_STRATEGIES:
+        reclaim_stale_host_memory()               # what killed runs left, whatever their strategy
         return _run_inline(args, None)
     from gpu_worker.api import load_attached_model, open_model_source, resolve_device
 
