@@ -328,8 +328,8 @@ def reclaim_stale_segments(magics: Iterable[bytes], shm_dir: str = SHM_DIR) -> l
             continue
         freed.append(ReclaimedSegment(entry.name, st.st_size, header.creator_pid))
     if freed:
-        log.warning("reclaimed %d stale shared-memory segment(s), %.2f GiB, left by dead processes: %s",
-                    len(freed), sum(f.nbytes for f in freed) / 1024 ** 3,
+        log.warning("reclaimed %d stale shared-memory segment(s), %.1f MiB, left by dead processes: %s",
+                    len(freed), sum(f.nbytes for f in freed) / 1024 ** 2,
                     ", ".join(f"{f.name} ({f.nbytes} bytes, creator pid {f.creator_pid})" for f in freed))
     return freed
 
