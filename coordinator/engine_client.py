@@ -38,7 +38,13 @@ class EngineError(Exception):
 
 
 class EngineUnavailable(EngineError):
-    """The engine is gone or not ready yet (it is being restarted). HTTP 503 / gRPC UNAVAILABLE."""
+    """The engine is gone or not ready yet (it is being restarted, drained, stopped): the client may retry.
+    HTTP 503 with Retry-After / gRPC UNAVAILABLE."""
+
+
+class EngineFailed(EngineUnavailable):
+    """No engine will serve again without an operator: the supervisor gave up restarting the GPU worker.
+    HTTP 503 `engine_failed` without Retry-After / gRPC UNAVAILABLE."""
 
 
 class EngineEvents(Protocol):
@@ -97,6 +103,7 @@ class LinkedEngineClient(EngineClient):
 
         ("ready", session, Ready | None)   an engine serves (a newer session replaces the current one)
         ("lost", session, reason)          that session's engine is gone; its requests fail
+        ("gave_up", session, reason)       ... and nothing will restart it (EngineFailed until one is ready)
         ("msg", session, message)          TOKEN_BATCH / REQUEST_FAILED / STATS / DRAINED / ERROR
     """
 
@@ -110,6 +117,7 @@ class LinkedEngineClient(EngineClient):
         self._policy: em.SetPolicy | None = None
         self.facts: em.Ready | None = None
         self.last_error = "no engine has become ready yet"
+        self.gave_up: str | None = None               # the supervisor stopped restarting the engine: why
         self.sessions_ready_total = 0
         self.sessions_lost_total = 0
         self.requests_failed_total = 0
@@ -135,7 +143,14 @@ class LinkedEngineClient(EngineClient):
 
     # ------------------------------------------------------------------ the contract
 
+    def mark_gave_up(self, message: str) -> None:
+        """On the loop: the supervisor gave up on the GPU worker; until an engine is ready again (an operator's
+        restart), requests fail with EngineFailed, which tells the client not to retry here."""
+        self.gave_up = self.last_error = message
+
     def submit(self, prompt_ids: Sequence[int], params: SamplingParams) -> int:
+        if not self._session and self.gave_up is not None:
+            raise EngineFailed(f"no engine serves here: {self.gave_up}")
         if not self._session:
             raise EngineUnavailable(f"the engine is not ready ({self.last_error}); it is being (re)started: retry "
                                     f"in a few seconds")
@@ -171,6 +186,9 @@ class LinkedEngineClient(EngineClient):
                 self._adopt(session, payload)
         elif kind == "lost":
             self._on_lost(session, payload)
+        elif kind == "gave_up":
+            if not self._session:
+                self.mark_gave_up(payload)
         elif kind == "msg":
             self._on_message(session, payload)
 
@@ -178,6 +196,7 @@ class LinkedEngineClient(EngineClient):
         self._session = session
         self.facts = facts
         self.last_error = ""
+        self.gave_up = None
         self.sessions_ready_total += 1
         if self._policy is not None:
             self._send(session, self._policy)
@@ -213,7 +232,8 @@ class LinkedEngineClient(EngineClient):
             if self._in_flight.get(msg.request_id) == session:
                 del self._in_flight[msg.request_id]
                 self.requests_failed_total += 1
-                self._events.on_request_failed(msg.request_id, EngineError(msg.message))
+                kind = EngineUnavailable if msg.retryable else EngineError   # draining / stopping: retry elsewhere
+                self._events.on_request_failed(msg.request_id, kind(msg.message))
         elif isinstance(msg, em.Stats):
             if session == self._session:
                 self._stats = dict(zip(msg.names, msg.values))

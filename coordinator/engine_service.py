@@ -17,7 +17,7 @@ import uuid
 from typing import Any, AsyncIterator, Callable, Sequence
 
 from coordinator.detokenizer import IncrementalDetokenizer, StopStringMatcher
-from coordinator.engine_client import EngineClient, EngineError
+from coordinator.engine_client import EngineClient, EngineError, EngineUnavailable
 from coordinator.policy import FetchPolicy, StepTelemetry
 from proto import engine_messages as em
 from proto.sampling_params import SamplingParams
@@ -106,10 +106,11 @@ class RequestStream:
         """Abort this request in the engine (frees its slots); no event for the consumer."""
         self.service._release(self)
 
-    def abort(self, error: str | None = None) -> None:
+    def abort(self, error: str | EngineError | None = None) -> None:
         """Free the engine's slots for this request and end its stream (idempotent).
 
-        With `error`, a consumer still reading gets EngineError(error); else finish_reason 'abort'."""
+        With `error`, a consumer still reading gets it raised (a str as EngineError); else finish_reason
+        'abort'."""
         if self.done:
             return
         self._release_engine()
@@ -209,9 +210,10 @@ class EngineService:
 
     async def stop(self) -> None:
         self.stopped = self.draining = True
-        self._fail_all("the server is shutting down")
+        self._fail_all("the server is shutting down; retry against another replica")
         for s in list(self.live):
-            s._deliver(None, False, None, "the server is shutting down")
+            s._deliver(None, False, None, EngineUnavailable("the server is shutting down; retry against another "
+                                                            "replica"))
         await self.engine.stop()
 
     @property
@@ -221,6 +223,11 @@ class EngineService:
     @property
     def last_error(self) -> str:
         return self.engine.health().last_error
+
+    @property
+    def engine_gave_up(self) -> str | None:
+        """Why the supervisor stopped restarting the engine, or None (see EngineFailed)."""
+        return getattr(self.engine, "gave_up", None)
 
     # ---------------------------------------------------------------- requests
 
@@ -270,7 +277,8 @@ class EngineService:
             pass
         left = [s for s in self.live if not s.done]
         for s in left:
-            s.abort(f"aborted: the server drained and stopped waiting after {timeout_s:g} s")
+            s.abort(EngineUnavailable(f"aborted: the server drained and stopped waiting after {timeout_s:g} s; "
+                                      f"retry against another replica"))
         return before - len(left), len(left)
 
     def resume(self) -> None:
@@ -289,7 +297,7 @@ class EngineService:
         for rid, stream in failed.items():
             stream._rid = None
             self.engine.abort(rid)
-            stream._deliver(None, False, None, message)
+            stream._deliver(None, False, None, EngineUnavailable(message))   # the client may retry
         self.requests_failed_total += len(failed)
 
     # ---------------------------------------------------------------- EngineEvents

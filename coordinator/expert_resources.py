@@ -56,6 +56,16 @@ class CpuWorkerSettings:
         self.worker_args = tuple(self.worker_args)
 
 
+def reclaim_stale_host_memory() -> list[Any]:
+    """Every expert store and CPU channel in /dev/shm of this user whose creator died (a killed run, on any
+    port, under any name), unlinked and logged (names, bytes); live ones and other users' are kept."""
+    from proto.expert_store import STORE_MAGIC
+    from proto.shm_layout import CHANNEL_MAGIC
+    from proto.shm_segment import reclaim_stale_segments
+
+    return reclaim_stale_segments((STORE_MAGIC, CHANNEL_MAGIC))
+
+
 class ExpertResources:
     def __init__(self, strategy: str, cpu: CpuWorkerSettings):
         self.strategy, self.cpu = strategy, cpu
@@ -73,6 +83,7 @@ class ExpertResources:
         """The store (offload, cpu, hybrid) and the CPU workers' channels (cpu, hybrid) for `source`
         (gpu_worker.api.ModelSource); nothing for resident. The workers start with cpu_worker_specs()."""
         res = cls(strategy, cpu or CpuWorkerSettings())
+        reclaim_stale_host_memory()
         if strategy not in HOST_STORE_STRATEGIES:
             return res
         try:

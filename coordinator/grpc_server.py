@@ -21,6 +21,8 @@ from coordinator.engine_client import EngineError, EngineUnavailable
 from coordinator.engine_service import RequestTimeout, ServiceUnavailable
 from coordinator.metrics import service_stats
 from coordinator.text_codec import ChatMessage
+from coordinator.token_bounds import utf8_length_over
+from coordinator.tokenize_pool import TokenizerBusy
 from proto import control_rpc as rpc
 from proto.sampling_params import SamplingParams, check_prompt
 
@@ -146,8 +148,13 @@ class ControlServicer:
         codec = server.model.codec
         sampling_msg = request.sampling
         try:
-            prompt_ids = self._prompt_ids(request, codec)
+            # on a tokenizer thread, as HTTP requests are: the same bound on how many at once
+            prompt_ids = server.tokenize.call(self._prompt_ids, request, codec, server.model, timeout_s=CALL_TIMEOUT_S)
             sampling = self._sampling(request, sampling_msg, prompt_ids)
+        except TokenizerBusy as exc:
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+        except concurrent.futures.TimeoutError:
+            context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"tokenizing the prompt took over {CALL_TIMEOUT_S:g} s")
         except ValueError as exc:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         stop = [s for s in request.stop if s]
@@ -197,14 +204,18 @@ class ControlServicer:
             yield msg
 
     @staticmethod
-    def _prompt_ids(request, codec) -> list[int]:
+    def _prompt_ids(request, codec, model) -> list[int]:
         if request.prompt_token_ids:
             return list(request.prompt_token_ids)
         if not request.prompt:
             raise ValueError("give a prompt (text) or prompt_token_ids")
+        limit = codec.max_prompt_bytes(model.context_length)
+        if limit is not None and utf8_length_over(request.prompt, limit):
+            raise ValueError(f"This model's maximum context length is {model.context_length} tokens, and the prompt "
+                             f"has more than {limit} bytes, more than that many tokens can hold; shorten the prompt")
         if request.chat:
-            return codec.encode_chat([ChatMessage("user", request.prompt)])
-        return codec.encode(request.prompt)
+            return codec.encode_chat([ChatMessage("user", request.prompt)], limit=model.context_length)
+        return codec.encode(request.prompt, limit=model.context_length)
 
     def _sampling(self, request, s, prompt_ids: list[int]) -> SamplingParams:
         model = self.server.model

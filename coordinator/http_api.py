@@ -4,7 +4,12 @@
 Streaming answers are server-sent events (`data: {json}\\n\\n` ..., `data: [DONE]\\n\\n`). A client that
 goes away mid-request cancels its handler (aiohttp's handler_cancellation), whose `finally` aborts
 its engine requests, so their slots are freed at once. Every error is a JSON body in OpenAI's shape
-({"error": {"message", "type", "param", "code"}}) with a 4xx/5xx status, and touches no other request.
+({"error": {"message", "type", "param", "code"}}) with a 4xx/5xx status, and touches no other request;
+a 503 the client may retry carries Retry-After.
+
+The event loop only reads the body: JSON decoding, validation, the chat template and tokenizing run in the
+TokenizePool (coordinator/tokenize_pool.py), bounded, so a flood of long prompts leaves /health and the
+streams in flight responsive.
 """
 from __future__ import annotations
 
@@ -19,10 +24,11 @@ from typing import Any, AsyncIterator
 from aiohttp import web
 
 from coordinator.auth import bearer_ok
-from coordinator.engine_client import EngineError, EngineUnavailable
+from coordinator.engine_client import EngineError, EngineFailed, EngineUnavailable
 from coordinator.engine_service import Chunk, EngineService, RequestStream, RequestTimeout, ServiceUnavailable
-from coordinator.metrics import HttpCounters, render_prometheus
+from coordinator.metrics import PROMETHEUS_CONTENT_TYPE, HttpCounters, render_prometheus
 from coordinator.openai_requests import ApiError, GenerationPlan, ModelInfo, parse_chat, parse_completion
+from coordinator.tokenize_pool import RETRY_AFTER_S, TokenizePool, TokenizerBusy
 
 log = logging.getLogger("ft.coordinator.http")
 
@@ -40,6 +46,8 @@ def error_response(err: ApiError) -> web.Response:
     resp = _json_response(err.body(), err.status)
     if err.status == 401:
         resp.headers["WWW-Authenticate"] = "Bearer"
+    if err.retry_after_s is not None:
+        resp.headers["Retry-After"] = str(err.retry_after_s)
     return resp
 
 
@@ -51,11 +59,26 @@ def _sse(data: Any) -> bytes:
     return b"data: " + json.dumps(data, ensure_ascii=False).encode("utf-8") + b"\n\n"
 
 
+def _decode_json(raw: bytes | bytearray) -> Any:
+    try:
+        return json.loads(raw.decode("utf-8"), parse_constant=_reject_constant)
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise ApiError(400, f"the request body is not valid JSON: {exc}"[:500]) from None
+
+
+def _parse_body(parse: Any, raw: bytearray, model: ModelInfo) -> GenerationPlan:
+    """On a tokenizer thread: JSON -> validated, tokenized request."""
+    return parse(_decode_json(raw), model)
+
+
 class HttpApi:
-    def __init__(self, service: EngineService, model: ModelInfo, *, api_key: str | None = None):
+    def __init__(self, service: EngineService, model: ModelInfo, *, api_key: str | None = None,
+                 tokenize: TokenizePool | None = None, workers: Any = None):
         self.service = service
         self.model = model
         self.api_key = api_key
+        self.tokenize = tokenize or TokenizePool()
+        self.workers = workers                # () -> the worker processes' info (for /metrics), or None
         self.counters = HttpCounters()
         self._runner: web.AppRunner | None = None
         self.port: int | None = None
@@ -135,15 +158,28 @@ class HttpApi:
         finally:
             self.counters.count(route, status)
 
-    async def _read_json(self, request: web.Request) -> Any:
+    async def _read_body(self, request: web.Request) -> bytearray:
+        """The body as it arrives, chunk by chunk (aiohttp's read() joins all buffered chunks on every wake-up:
+        for an 8 MB body that held the event loop for ~100 ms on the CI machine)."""
+        too_large = ApiError(413, f"request body over {MAX_BODY_BYTES} bytes; send a shorter prompt")
+        if (request.content_length or 0) > MAX_BODY_BYTES:
+            raise too_large
+        body = bytearray()
+        content = request.content
+        while not content.at_eof():
+            chunk, _ = await content.readchunk()
+            body += chunk
+            if len(body) > MAX_BODY_BYTES:
+                raise too_large
+        return body
+
+    async def _parse(self, request: web.Request, parse: Any) -> GenerationPlan:
+        raw = await self._read_body(request)
         try:
-            raw = await request.read()
-        except web.HTTPRequestEntityTooLarge:
-            raise ApiError(413, f"request body over {MAX_BODY_BYTES} bytes; send a shorter prompt") from None
-        try:
-            return json.loads(raw.decode("utf-8"), parse_constant=_reject_constant)
-        except (UnicodeDecodeError, ValueError, RecursionError) as exc:
-            raise ApiError(400, f"the request body is not valid JSON: {exc}"[:500]) from None
+            return await self.tokenize.run(_parse_body, parse, raw, self.model)
+        except TokenizerBusy as exc:
+            raise ApiError(503, str(exc), type="service_unavailable", code="tokenizer_busy",
+                           retry_after_s=RETRY_AFTER_S) from None
 
     # ------------------------------------------------------------------ plain routes
 
@@ -164,26 +200,24 @@ class HttpApi:
         s = self.service
         if s.stopped or s.draining:
             return _json_response({"status": "draining"}, 503)
+        if s.engine_gave_up is not None:
+            return _json_response({"status": "engine_failed", "error": s.engine_gave_up}, 503)
         if not s.engine_healthy:
-            return _json_response({"status": "engine_failed", "error": s.last_error}, 503)
+            return _json_response({"status": "engine_unavailable", "error": s.last_error}, 503)
         return _json_response({"status": "ok"})
 
     async def metrics(self, request: web.Request) -> web.Response:
-        return web.Response(text=render_prometheus(self.service, self.counters),
-                            content_type="text/plain", charset="utf-8",
-                            headers={"X-Content-Format": "prometheus-0.0.4"})
+        workers = self.workers() if self.workers is not None else []
+        text = render_prometheus(self.service, self.counters, workers=workers, tokenize=self.tokenize)
+        return web.Response(body=text.encode("utf-8"), headers={"Content-Type": PROMETHEUS_CONTENT_TYPE})
 
     # ------------------------------------------------------------------ generation
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
-        body = await self._read_json(request)
-        plan = await asyncio.get_running_loop().run_in_executor(None, parse_completion, body, self.model)
-        return await self._generate(request, plan, chat=False)
+        return await self._generate(request, await self._parse(request, parse_completion), chat=False)
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
-        body = await self._read_json(request)
-        plan = await asyncio.get_running_loop().run_in_executor(None, parse_chat, body, self.model)
-        return await self._generate(request, plan, chat=True)
+        return await self._generate(request, await self._parse(request, parse_chat), chat=True)
 
     def _submit_all(self, plan: GenerationPlan) -> list[RequestStream]:
         streams: list[RequestStream] = []
@@ -196,7 +230,8 @@ class HttpApi:
         except ServiceUnavailable as exc:
             for s in streams:
                 s.close()
-            raise ApiError(503, str(exc), type="service_unavailable", code="service_unavailable") from None
+            raise ApiError(503, str(exc), type="service_unavailable", code="service_unavailable",
+                           retry_after_s=RETRY_AFTER_S) from None
         return streams
 
     def _observe(self, streams: list[RequestStream]) -> None:
@@ -284,8 +319,12 @@ class HttpApi:
 
 
 def _unavailable(exc: EngineUnavailable) -> ApiError:
-    """The engine process is gone or restarting: 503, and the client may retry."""
-    return ApiError(503, f"generation failed: {exc}", type="service_unavailable", code="engine_unavailable")
+    """The engine process is gone, restarting, draining: 503, and the client may retry (Retry-After); or the
+    supervisor gave up on it (EngineFailed): 503 `engine_failed`, and retrying here will not help."""
+    if isinstance(exc, EngineFailed):
+        return ApiError(503, f"generation failed: {exc}", type="service_unavailable", code="engine_failed")
+    return ApiError(503, f"generation failed: {exc}", type="service_unavailable", code="engine_unavailable",
+                    retry_after_s=RETRY_AFTER_S)
 
 
 def _usage(streams: list[RequestStream], n: int) -> dict[str, int]:

@@ -85,15 +85,19 @@ class InlineEngine(LinkedEngineClient):
             self._loop.call_soon_threadsafe(_fail, built, RuntimeError(f"the engine failed to start: {exc}"))
             return
         self._loop.call_soon_threadsafe(_succeed, built)
-        reason = "the in-process engine stopped"
+        reason, failed = "the in-process engine stopped", False
         try:
             code = gpu_busy_loop(engine, inbox, lambda msg: self._post("msg", session, msg))
             if code:
-                reason = f"the in-process engine stopped (exit code {code}: its steps kept failing)"
+                reason, failed = f"the in-process engine stopped (exit code {code}: its steps kept failing)", True
         except BaseException as exc:  # noqa: BLE001 - the loop died; its requests fail
             log.exception("the engine loop died")
-            reason = f"the engine loop died ({type(exc).__name__}: {exc}); see the server log"
+            reason, failed = f"the engine loop died ({type(exc).__name__}: {exc}); see the server log", True
         self._post("lost", session, reason)
+        if failed:                     # nothing restarts an inline engine by itself
+            log.error("%s; it stays stopped until `ft ctl restart engine`", reason)
+            self._post("gave_up", session, f"{reason}; it stays stopped until an operator restarts it "
+                                           f"(`ft ctl restart engine`)")
 
 
 def _succeed(fut: asyncio.Future) -> None:

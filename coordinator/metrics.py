@@ -14,11 +14,17 @@ Series (docs/METRICS.md lists them with their meaning):
   ft_policy_decisions_total                                                   counter
   ft_http_requests_total{route,code}                                          counter
   ft_time_to_first_token_seconds, ft_request_duration_seconds                 histograms
-  ft_engine_stat{name}                                                        every numeric engine stat
+  ft_tokenizer_requests_in_flight, ft_tokenizer_rejected_total                gauge, counter
+  ft_worker_restarts_total{worker,kind}, ft_worker_state{worker,kind,state}  counter, gauge (supervised)
+  ft_supervisor_gave_up                                                       gauge
+  ft_process_resident_memory_bytes{component,worker}, ft_process_open_fds{component,worker}   gauges (/proc)
+  ft_engine_counter_total{name}                                               the engine's *_total stats
+  ft_engine_stat{name}                                                        its other numeric stats
 """
 from __future__ import annotations
 
 import bisect
+import os
 import threading
 import time
 from typing import TYPE_CHECKING, Any, Iterable
@@ -39,6 +45,8 @@ STAT_ALIASES: dict[str, tuple[str, ...]] = {
     "cpu_time_s": ("cpu_expert_time_s_total", "cpu_time_s_total", "cpu_time_s"),
 }
 
+PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+WORKER_STATES = ("starting", "handshaking", "ready", "backoff", "failed", "stopped")
 LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 
 
@@ -114,6 +122,31 @@ def service_stats(service: "EngineService") -> dict[str, Any]:
     return out
 
 
+def process_figures(pid: int) -> tuple[float, float] | None:
+    """(resident bytes, open file descriptors) of a process of ours from /proc, or None when it is gone."""
+    if pid <= 0:
+        return None
+    try:
+        with open(f"/proc/{pid}/status", "rb") as f:
+            rss_kb = next((int(line.split()[1]) for line in f if line.startswith(b"VmRSS:")), 0)
+        fds = len(os.listdir(f"/proc/{pid}/fd"))
+    except (OSError, ValueError, IndexError):
+        return None
+    return rss_kb * 1024.0, float(fds)
+
+
+def _components(workers: list[dict[str, Any]]) -> list[tuple[dict[str, str], int]]:
+    """(labels, pid) of this process and each worker process (one entry per pid)."""
+    out: list[tuple[dict[str, str], int]] = [({"component": "coordinator", "worker": ""}, os.getpid())]
+    seen = {os.getpid()}
+    for w in workers:
+        pid = int(w.get("pid") or 0)
+        if pid and pid not in seen:
+            seen.add(pid)
+            out.append(({"component": str(w.get("kind", "worker")), "worker": str(w["name"])}, pid))
+    return out
+
+
 def _escape(value: str) -> str:
     return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
 
@@ -122,7 +155,8 @@ def _fmt(v: float) -> str:
     return repr(float(v))
 
 
-def render_prometheus(service: "EngineService", http: HttpCounters | None = None) -> str:
+def render_prometheus(service: "EngineService", http: HttpCounters | None = None, *,
+                      workers: list[dict[str, Any]] | None = None, tokenize: Any = None) -> str:
     s = service_stats(service)
     lines: list[str] = []
 
@@ -188,6 +222,31 @@ def render_prometheus(service: "EngineService", http: HttpCounters | None = None
                 lines.append(f'{name}_bucket{{le="+Inf"}} {h.count}')
                 lines.append(f"{name}_sum {_fmt(h.total)}")
                 lines.append(f"{name}_count {h.count}")
-    metric("ft_engine_stat", "gauge", "Every numeric statistic the engine reports, by flattened name.",
-           [({"name": k}, v) for k, v in sorted(s["engine"].items())])
+    if tokenize is not None:
+        one("ft_tokenizer_requests_in_flight", "gauge", "Requests being parsed and tokenized or waiting for it.",
+            tokenize.in_flight)
+        one("ft_tokenizer_rejected_total", "counter", "Requests refused (503) because the tokenizer was busy.",
+            tokenize.rejected_total)
+    supervised = [w for w in (workers or []) if w.get("name") != "engine"]   # "engine" is the link's view
+    if supervised:
+        labels = [{"worker": w["name"], "kind": w.get("kind", "worker")} for w in supervised]
+        metric("ft_worker_restarts_total", "counter", "Restarts of a supervised worker process.",
+               [(lab, w.get("restarts", 0)) for lab, w in zip(labels, supervised)])
+        metric("ft_worker_state", "gauge", "1 for the supervised worker's state (ready, backoff, failed, ...).",
+               [({**lab, "state": st}, float(w.get("state") == st)) for lab, w in zip(labels, supervised)
+                for st in WORKER_STATES])
+    one("ft_supervisor_gave_up", "gauge", "1 once a worker failed too often and is no longer restarted.",
+        float(getattr(service, "engine_gave_up", None) is not None or any(w.get("state") == "failed" for w in supervised)))
+    linked = [w for w in (workers or []) if w.get("name") == "engine"]     # attach / inline: no supervisor
+    figures = [(labels, process_figures(pid)) for labels, pid in _components(supervised + linked)]
+    figures = [(labels, f) for labels, f in figures if f is not None]
+    metric("ft_process_resident_memory_bytes", "gauge", "Resident memory of each process of the service.",
+           [(labels, f[0]) for labels, f in figures])
+    metric("ft_process_open_fds", "gauge", "Open file descriptors of each process of the service.",
+           [(labels, f[1]) for labels, f in figures])
+    engine = sorted(s["engine"].items())
+    metric("ft_engine_counter_total", "counter", "The engine's cumulative counters (its *_total stats), by name.",
+           [({"name": k}, v) for k, v in engine if k.endswith("_total")])
+    metric("ft_engine_stat", "gauge", "The engine's other numeric statistics, by flattened name.",
+           [({"name": k}, v) for k, v in engine if not k.endswith("_total")])
     return "\n".join(lines) + "\n"

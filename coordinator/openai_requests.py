@@ -11,7 +11,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from coordinator.text_codec import CHATML_ROLES, ChatMessage, TextCodec
+from coordinator.text_codec import CHATML_ROLES, ChatMessage, TextCodec, TooManyTokens
+from coordinator.token_bounds import utf8_length_over
 from proto.sampling_params import BadSamplingParam, PromptTooLong, SamplingParams, check_prompt
 
 MAX_N = 16
@@ -25,9 +26,10 @@ SEED_MIN, SEED_MAX = -(1 << 63), (1 << 64) - 1
 
 class ApiError(Exception):
     def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None):
+                 param: str | None = None, code: str | None = None, retry_after_s: int | None = None):
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+        self.retry_after_s = retry_after_s      # a 503 the client may retry: its Retry-After header
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
@@ -59,6 +61,44 @@ class GenerationPlan:
     @property
     def num_choices(self) -> int:
         return len(self.prompts) * self.n
+
+
+def check_unicode(body: Any) -> None:
+    """Every string in the body must be valid Unicode: JSON's \\uXXXX escapes can spell a lone UTF-16
+    surrogate, which no tokenizer or UTF-8 encoder takes."""
+    stack: list[tuple[Any, str]] = [(body, "")]
+    while stack:
+        value, where = stack.pop()
+        if isinstance(value, str):
+            if value.isascii():
+                continue
+            try:
+                value.encode("utf-8")       # C speed; a regex scan of 8 MB would hold the GIL for 50 ms
+            except UnicodeEncodeError as exc:
+                name = where or "the request body"
+                raise bad(f"'{name}' holds a lone UTF-16 surrogate (\\u{ord(value[exc.start]):04x}) at character "
+                          f"{exc.start}; that is not valid Unicode: send the whole surrogate pair (as in "
+                          f"\\ud83d\\ude00) or the character itself", where or None, "invalid_unicode") from None
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                stack.append((key, where or "the request body's keys"))
+                stack.append((item, f"{where}.{key}" if where else str(key)))
+        elif isinstance(value, list):
+            stack.extend((item, f"{where}[{i}]") for i, item in enumerate(value) if isinstance(item, (str, dict, list)))
+
+
+def _check_prompt_bytes(text_bytes_over: Any, model: ModelInfo, param: str) -> None:
+    """Refuse, before tokenizing, a prompt too long in bytes to fit the context in tokens (token_bounds.py)."""
+    limit = model.codec.max_prompt_bytes(model.context_length)
+    if limit is not None and text_bytes_over(limit):
+        raise bad(f"This model's maximum context length is {model.context_length} tokens, and the prompt has more "
+                  f"than {limit} bytes, more than that many tokens can hold with this tokenizer; shorten the "
+                  f"prompt", param, "context_length_exceeded")
+
+
+def _too_many(exc: TooManyTokens, model: ModelInfo, param: str) -> ApiError:
+    return bad(f"This model's maximum context length is {model.context_length} tokens, but the prompt has at least "
+               f"{exc.at_least} tokens; shorten the prompt", param, "context_length_exceeded")
 
 
 def _is_int(v: Any) -> bool:
@@ -214,6 +254,7 @@ def _parse_max_tokens(body: dict, names: tuple[str, ...], default: int | None) -
 def parse_completion(body: Any, model: ModelInfo) -> GenerationPlan:
     if not isinstance(body, dict):
         raise bad("the request body must be a JSON object")
+    check_unicode(body)
     _check_model(body, model)
     _refuse_unsupported(body, chat=False)
     prompt = body.get("prompt")
@@ -231,7 +272,11 @@ def parse_completion(body: Any, model: ModelInfo) -> GenerationPlan:
     ids: list[list[int]] = []
     for p in prompts:
         if isinstance(p, str):
-            ids.append(model.codec.encode(p))
+            _check_prompt_bytes(lambda limit: utf8_length_over(p, limit), model, "prompt")
+            try:
+                ids.append(model.codec.encode(p, limit=model.context_length))
+            except TooManyTokens as exc:
+                raise _too_many(exc, model, "prompt") from None
         elif all(_is_int(t) for t in p):
             ids.append(list(p))
         else:
@@ -273,11 +318,17 @@ def parse_messages(raw: Any) -> list[ChatMessage]:
 def parse_chat(body: Any, model: ModelInfo) -> GenerationPlan:
     if not isinstance(body, dict):
         raise bad("the request body must be a JSON object")
+    check_unicode(body)
     _check_model(body, model)
     _refuse_unsupported(body, chat=True)
     messages = parse_messages(body.get("messages"))
+    # the template only adds tokens: the messages' text alone must fit
+    _check_prompt_bytes(lambda limit: utf8_length_over("".join(m.content for m in messages), limit), model,
+                        "messages")
     try:
-        prompt_ids = model.codec.encode_chat(messages)
+        prompt_ids = model.codec.encode_chat(messages, limit=model.context_length)
+    except TooManyTokens as exc:
+        raise _too_many(exc, model, "messages") from None
     except ValueError as exc:
         raise bad(str(exc), "messages") from None
     max_tokens, param = _parse_max_tokens(body, ("max_completion_tokens", "max_tokens"), None)

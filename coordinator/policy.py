@@ -109,6 +109,11 @@ class PolicySettings:
         if self.fetch_fraction_min > self.fetch_fraction_max:
             raise ValueError(f"fetch_fraction_min={self.fetch_fraction_min} exceeds "
                              f"fetch_fraction_max={self.fetch_fraction_max}; swap them")
+        if not self.auto_tune and not self.fetch_fraction_min <= self.fetch_fraction <= self.fetch_fraction_max:
+            # a fixed fraction is used as given, never moved into the bounds behind the operator's back
+            raise ValueError(f"fetch_fraction={self.fetch_fraction:g} is outside [fetch_fraction_min="
+                             f"{self.fetch_fraction_min:g}, fetch_fraction_max={self.fetch_fraction_max:g}]; "
+                             f"widen the bounds too (0 computes every miss on the CPU pool, 1 fetches all)")
 
 
 class FetchPolicy:

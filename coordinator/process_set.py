@@ -22,7 +22,7 @@ import logging
 import os
 import sys
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 from coordinator.engine_link import EngineLinkServer
 from coordinator.expert_resources import CPU_STRATEGIES, CpuWorkerSettings, ExpertResources
@@ -119,6 +119,8 @@ class ProcessSet:
         self.link: EngineLinkServer | None = None
         self.supervisor: Any = None
         self.remote: RemoteEngine | None = None
+        # (worker name, message, is the GPU worker) when the supervisor gives up on a worker (its thread)
+        self.on_gave_up: Callable[[str, str, bool], None] | None = None
 
     # ------------------------------------------------------------------ start
 
@@ -136,7 +138,7 @@ class ProcessSet:
         else:
             from coordinator.supervisor import Supervisor
 
-            self.supervisor = Supervisor(self.worker_specs())   # it logs every failure
+            self.supervisor = Supervisor(self.worker_specs(), on_error=self._on_worker_error)   # it logs each
             self.supervisor.start()
             facts = self.link.wait_ready(LINK_READY_GRACE_S, what=f"GPU worker {GPU_WORKER_NAME}")
         self._check_facts(facts)
@@ -176,6 +178,12 @@ class ProcessSet:
                                 backoff_initial_s=o.backoff_initial_s, backoff_max_s=o.backoff_max_s,
                                 max_restarts=o.max_restarts))
         return specs
+
+    def _on_worker_error(self, err: Exception) -> None:
+        from coordinator.supervisor import WorkerGaveUp
+
+        if isinstance(err, WorkerGaveUp) and self.on_gave_up is not None:
+            self.on_gave_up(err.name, str(err), err.name == GPU_WORKER_NAME)
 
     def _check_facts(self, facts: em.Ready) -> None:
         vocab = self.source.cfg.vocab_size

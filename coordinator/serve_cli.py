@@ -53,7 +53,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     net.add_argument("--drain-timeout-s", type=float, default=30.0, help="how long SIGTERM waits for requests")
     net.add_argument("--request-timeout-s", type=float, default=600.0, help="longest a request may run")
     net.add_argument("--max-pending-requests", type=int, default=512,
-                     help="requests accepted at once (running + queued); beyond: HTTP 503")
+                     help="requests accepted at once (running + queued); beyond: HTTP 503 with Retry-After")
+    net.add_argument("--tokenizer-threads", type=positive_int_flag, default=None,
+                     help="requests parsed and tokenized at once, off the event loop (default: half the CPUs, 1-4)")
+    net.add_argument("--tokenizer-max-waiting", type=int, default=16,
+                     help="more requests waiting for a tokenizer thread; beyond: HTTP 503 with Retry-After")
     procs = parser.add_argument_group("worker processes")
     procs.add_argument("--workers", default="process", choices=("process", "inline"),
                        help="process (default): the engine runs in a supervised `ft worker gpu` child, restarted "
@@ -71,6 +75,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     procs.add_argument("--reserve-cpus", default=None, metavar="LIST",
                        help="cpu/hybrid: CPUs the CPU workers keep off and the GPU worker pins itself to "
                             "(--pin-gpu-worker; default: 0 on machines with >= 4 CPUs)")
+    procs.add_argument("--on-worker-give-up", default="exit", choices=("exit", "stay"),
+                       help="when the supervisor stops restarting a worker (it failed 6 times in a row, none "
+                            "of them after a stable minute): exit (default: drain, stop, exit code 70, so systemd restarts the set) or stay "
+                            "(keep serving; /health and requests answer 503 engine_failed)")
     procs.add_argument("--worker-ready-timeout-s", type=float, default=600.0,
                        help="start-up: how long a worker may take to say READY (loading included)")
     pol = parser.add_argument_group("fetch policy")
@@ -87,11 +95,16 @@ def build_policy_from_args(args: argparse.Namespace, expert_format, gpu_name: st
     from coordinator.policy import DEFAULT_FRACTION_MAX, DEFAULT_FRACTION_MIN, PolicySettings, build_policy
 
     knobs = resolve({k: getattr(args, k, None) for k in ("fetch_round", "benchbw_path")})
+    given = args.fetch_fraction
+    # the tuner's default bounds widen to a fixed --fetch-fraction (0 = every miss on the CPU pool): it is used as
+    # given; bounds given explicitly that exclude it are an error (PolicySettings.validate)
+    low = DEFAULT_FRACTION_MIN if given is None else min(DEFAULT_FRACTION_MIN, given)
+    high = DEFAULT_FRACTION_MAX if given is None else max(DEFAULT_FRACTION_MAX, given)
     settings = PolicySettings(
         strategy=args.moe_strategy,
-        fetch_fraction=args.fetch_fraction if args.fetch_fraction is not None else 0.5,
-        fetch_fraction_min=args.fetch_fraction_min if args.fetch_fraction_min is not None else DEFAULT_FRACTION_MIN,
-        fetch_fraction_max=args.fetch_fraction_max if args.fetch_fraction_max is not None else DEFAULT_FRACTION_MAX,
+        fetch_fraction=given if given is not None else 0.5,
+        fetch_fraction_min=args.fetch_fraction_min if args.fetch_fraction_min is not None else low,
+        fetch_fraction_max=args.fetch_fraction_max if args.fetch_fraction_max is not None else high,
         auto_tune=not args.no_auto_tune and args.fetch_fraction is None,
         fetch_round=knobs["fetch_round"])
     settings.validate()
@@ -115,9 +128,33 @@ def run(args: argparse.Namespace) -> int:
     use_default_model(args)
     if args.attach and args.workers == "inline":
         raise ValueError("--attach waits for worker processes; it cannot be combined with --workers inline")
+    check_listeners(args)
     if args.workers == "inline":
         return run_inline(args)
     return run_processes(args)
+
+
+def listen_addresses(args: argparse.Namespace) -> list[tuple[str, str, int, str]]:
+    """Every TCP address `ft serve` will listen on: HTTP (and /metrics), gRPC, the engine link's tcp:// port."""
+    out = [("the HTTP API", args.host, args.port, "--port")]
+    if args.grpc_port >= 0:
+        out.append(("the gRPC control plane", args.grpc_host or args.host, args.grpc_port, "--grpc-port"))
+    if args.workers == "process":
+        from coordinator.process_set import DEFAULT_ATTACH_ENGINE_ADDR
+
+        addr = args.engine_addr or (DEFAULT_ATTACH_ENGINE_ADDR if args.attach else "")
+        if addr.startswith("tcp://") and ":" in addr[len("tcp://"):]:
+            host, _, port = addr[len("tcp://"):].rpartition(":")
+            if port.isdigit():
+                out.append(("the engine link", host.strip("[]"), int(port), "--engine-addr"))
+    return out
+
+
+def check_listeners(args: argparse.Namespace) -> None:
+    """Before the model loads: a taken port is found in a second, not after minutes of loading."""
+    from coordinator.ports import check_listen_addresses
+
+    check_listen_addresses(listen_addresses(args))
 
 
 def serve_forever(server, listen, served_model_name: str, description: str) -> None:
@@ -138,9 +175,13 @@ def serve_forever(server, listen, served_model_name: str, description: str) -> N
 
 def listen_config(args: argparse.Namespace, api_key: str | None):
     from coordinator.server import ListenConfig
+    from coordinator.tokenize_pool import DEFAULT_THREADS
 
     return ListenConfig(host=args.host, port=args.port, grpc_host=args.grpc_host, grpc_port=args.grpc_port,
-                        api_key=api_key, drain_timeout_s=args.drain_timeout_s)
+                        api_key=api_key, drain_timeout_s=args.drain_timeout_s,
+                        tokenizer_threads=args.tokenizer_threads or DEFAULT_THREADS,
+                        tokenizer_max_waiting=args.tokenizer_max_waiting,
+                        exit_on_worker_give_up=args.on_worker_give_up == "exit")
 
 
 def run_processes(args: argparse.Namespace) -> int:
@@ -173,6 +214,7 @@ def run_processes(args: argparse.Namespace) -> int:
         raise KeyboardInterrupt(f"signal {signum} during start-up")
 
     previous = {sig: signal.signal(sig, interrupted) for sig in (signal.SIGTERM, signal.SIGINT)}
+    server = None
     try:
         facts = procs.start()
         for sig, handler in previous.items():
@@ -186,10 +228,15 @@ def run_processes(args: argparse.Namespace) -> int:
         model = ModelInfo(name, facts.max_context_tokens, codec)
         listen = listen_config(args, api_key)
         server = CoordinatorServer(service, model, policy, listen, supervisor=procs.supervisor)
+        procs.on_gave_up = lambda name, message, gpu: server.worker_gave_up(name, message, gpu_worker=gpu)
         where = "attached" if args.attach else f"pid {facts.pid}"
         serve_forever(server, listen, name, f"{source.description}; GPU worker {where} on {facts.device}")
     finally:
         procs.stop()
+    if server is not None and server.exit_code:
+        print(f"ft serve: stopped: the supervisor gave up on a worker (exit code {server.exit_code})",
+              file=sys.stderr)
+        return server.exit_code
     print("ft serve: stopped", file=sys.stderr)
     return 0
 
@@ -210,10 +257,12 @@ def inline_hybrid_options(args: argparse.Namespace, environ=None):
 def run_inline(args: argparse.Namespace) -> int:
     """One process: the engine in a thread of the coordinator, over the host resources of the same owner as
     the process mode (coordinator/expert_resources.py)."""
-    from coordinator.expert_resources import HOST_STORE_STRATEGIES, CpuWorkerSettings, ExpertResources
+    from coordinator.expert_resources import (HOST_STORE_STRATEGIES, CpuWorkerSettings, ExpertResources,
+                                              reclaim_stale_host_memory)
     from coordinator.process_set import default_store_name
 
     if args.moe_strategy not in HOST_STORE_STRATEGIES:
+        reclaim_stale_host_memory()               # what killed runs left, whatever their strategy
         return _run_inline(args, None)
     from gpu_worker.api import load_attached_model, open_model_source, resolve_device
 

@@ -19,11 +19,13 @@ from coordinator.grpc_server import GrpcServer
 from coordinator.http_api import HttpApi
 from coordinator.openai_requests import ModelInfo
 from coordinator.policy import FetchPolicy
+from coordinator.tokenize_pool import DEFAULT_MAX_WAITING, DEFAULT_THREADS, TokenizePool
 from proto.control_rpc import CONTROL_SERVICE
 
 log = logging.getLogger("ft.coordinator.server")
 
 DEFAULT_DRAIN_TIMEOUT_S = 30.0
+EXIT_WORKERS_GAVE_UP = 70         # EX_SOFTWARE: the supervisor gave up on a worker; systemd restarts the set
 
 
 @dataclass
@@ -34,6 +36,9 @@ class ListenConfig:
     grpc_port: int = 1920                 # 0 = a free port; -1 = no gRPC listener
     api_key: str | None = None
     drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S
+    tokenizer_threads: int = DEFAULT_THREADS          # requests parsed and tokenized at once
+    tokenizer_max_waiting: int = DEFAULT_MAX_WAITING  # more waiting for a thread; beyond: 503 + Retry-After
+    exit_on_worker_give_up: bool = True   # the supervisor gave up on a worker: drain, stop, exit 70 (else stay up)
 
 
 class CoordinatorServer:
@@ -45,7 +50,9 @@ class CoordinatorServer:
         self.policy = policy
         self.listen = listen
         self.drain_timeout_s = listen.drain_timeout_s
-        self.http = HttpApi(service, model, api_key=listen.api_key)
+        self.tokenize = TokenizePool(listen.tokenizer_threads, listen.tokenizer_max_waiting)
+        self.http = HttpApi(service, model, api_key=listen.api_key, tokenize=self.tokenize, workers=self.workers)
+        self.exit_code = 0
         self.grpc: GrpcServer | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
         self.http_port: int | None = None
@@ -63,6 +70,7 @@ class CoordinatorServer:
             if message:
                 self.warnings.append(message)
         await self.service.start()
+        await asyncio.get_running_loop().run_in_executor(None, self.tokenize.start_threads)
         try:
             self.http_port = await self.http.start(self.listen.host, self.listen.port)
             if self.listen.grpc_port >= 0:
@@ -98,6 +106,7 @@ class CoordinatorServer:
                 await asyncio.get_running_loop().run_in_executor(None, self.grpc.stop, 2.0)
             await self.service.stop()
         finally:
+            self.tokenize.shutdown()
             self._closed.set()
 
     async def wait_closed(self) -> None:
@@ -107,6 +116,22 @@ class CoordinatorServer:
         await self.start()
         self.install_signal_handlers()
         await self.wait_closed()
+
+    def worker_gave_up(self, name: str, message: str, *, gpu_worker: bool) -> None:
+        """From the supervisor's thread: it stopped restarting worker `name`. Clients are told so (503
+        `engine_failed`, no Retry-After) and /metrics shows it; by default the coordinator then drains and exits
+        EXIT_WORKERS_GAVE_UP, so that its service manager restarts the whole set."""
+        def on_loop() -> None:
+            log.error("the supervisor gave up on worker %s: %s", name, message)
+            if gpu_worker and hasattr(self.service.engine, "mark_gave_up"):
+                self.service.engine.mark_gave_up(message)
+            if self.listen.exit_on_worker_give_up:
+                log.error("exiting with code %d so that the service manager restarts the process set "
+                          "(--on-worker-give-up stay keeps serving instead)", EXIT_WORKERS_GAVE_UP)
+                self.exit_code = EXIT_WORKERS_GAVE_UP
+                self.request_shutdown()
+        if self.loop is not None:
+            self.loop.call_soon_threadsafe(on_loop)
 
     # -------------------------------------------------------------- control-plane hooks
 

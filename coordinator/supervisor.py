@@ -10,8 +10,11 @@
 One monitor thread waits (multiprocessing.connection.wait) on every child's process sentinel
 (a pidfd), its link, and a wake-up pipe. A child that exits, or stops sending heartbeats, becomes one
 WorkerError (to `on_error` and to `check()`); it is then restarted after an exponential back-off,
-until `max_restarts` failures in a row mark it failed. Children are plain subprocesses (no
-multiprocessing pickling); the link protocol is in proto/supervised_child.py (the child's side).
+until `max_restarts` failures in a row mark it failed: then one WorkerGaveUp goes to `on_error` and
+the log (error level). A child READY for `stable_after_s` without failing starts the count (and the
+back-off) afresh: the period runs from this child's READY, never from an earlier child's. Children are plain
+subprocesses (no multiprocessing pickling); the link protocol is in proto/supervised_child.py (the child's
+side).
 """
 from __future__ import annotations
 
@@ -219,6 +222,7 @@ class Supervisor:
         w.pid = w.popen.pid
         w.sentinel = _process_sentinel(w.popen.pid)
         w.state = "starting"
+        w.ready_at = 0.0                 # the stable period runs from this child's READY
         w.started_at = time.monotonic()
         w.deadline = w.started_at + w.spec.ready_timeout_s
         w.last_heartbeat = 0.0
@@ -280,9 +284,14 @@ class Supervisor:
             gave_up = WorkerGaveUp(w.spec.name, f"worker {w.spec.name} failed {w.failures_in_row} times in a row; "
                                                 f"not restarting it again: fix the cause ({w.last_error}) and "
                                                 f"restart it with `ft ctl restart {w.spec.name}`")
+            w.last_error = str(gave_up)
+            log.error("giving up on worker %s: %s", w.spec.name, gave_up)
             self._errors.append(gave_up)
             if self._on_error is not None:
-                self._on_error(gave_up)
+                try:
+                    self._on_error(gave_up)
+                except Exception:  # noqa: BLE001 - a callback never kills the monitor
+                    log.exception("on_error callback failed")
             return
         delay = min(w.spec.backoff_max_s, w.spec.backoff_initial_s * 2 ** (w.failures_in_row - 1))
         w.state = "backoff"
@@ -398,6 +407,10 @@ class Supervisor:
                 self._fail(w, HandshakeTimeout(w.spec.name, f"worker {w.spec.name} sent {step} within "
                                                             f"{w.spec.ready_timeout_s:g} s; see its log, or raise "
                                                             f"its ready timeout if it loads slowly"))
+            elif w.state == "ready" and w.failures_in_row and now - w.ready_at >= w.spec.stable_after_s:
+                log.info("worker %s has been ready for %.0f s: its failure count and back-off start afresh",
+                         w.spec.name, now - w.ready_at)
+                w.failures_in_row = 0
             elif (w.state == "ready" and w.spec.heartbeat_timeout_s > 0
                   and now - w.last_heartbeat > w.spec.heartbeat_timeout_s):
                 self._fail(w, HeartbeatTimeout(w.spec.name, f"worker {w.spec.name} sent no heartbeat for "

@@ -10,13 +10,64 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
+import secrets
+import threading
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, Sequence
 
+from coordinator.token_bounds import max_bytes_per_token
+
 log = logging.getLogger("ft.coordinator.text")
 
 CHATML_ROLES = ("system", "user", "assistant", "tool", "developer")
+PLACEHOLDER_OPEN, PLACEHOLDER_CLOSE = "\ue000", "\ue001"    # private-use characters around a nonce
+
+
+COUNT_IN_PIECES_ABOVE_CHARS = 1 << 18    # a longer text is first counted piece by piece against the limit
+PIECE_CHARS = 1 << 16
+PIECE_SLACK_TOKENS = 4                   # most tokens a cut can add (a normalizer's Prepend, a split merge)
+_PIECE_CUT = re.compile(r" (?=\S)")     # before a space that starts a word: a pre-tokenizer boundary
+
+
+class TooManyTokens(ValueError):
+    """The text has more than `limit` tokens (at least `at_least`); it was not tokenized whole."""
+
+    def __init__(self, at_least: int, limit: int):
+        super().__init__(f"the text has at least {at_least} tokens, over {limit}")
+        self.at_least, self.limit = at_least, limit
+
+
+def _batch_encode(tokenizer: Any) -> Any:
+    # encode_batch* run without the GIL (encode holds it throughout); the _fast variant skips offsets
+    return getattr(tokenizer, "encode_batch_fast", None) or tokenizer.encode_batch
+
+
+def _encode(tokenizer: Any, text: str, add_special_tokens: bool, limit: int | None = None) -> list[int]:
+    if limit is not None and len(text) > COUNT_IN_PIECES_ABOVE_CHARS:
+        _count_up_to(tokenizer, text, limit)
+    return list(_batch_encode(tokenizer)([text], add_special_tokens=add_special_tokens)[0].ids)
+
+
+def _count_up_to(tokenizer: Any, text: str, limit: int) -> None:
+    """Raise TooManyTokens as soon as pieces of `text` surely hold more than `limit` tokens.
+
+    Pieces are cut before a space that starts a word, where byte-level and SentencePiece pre-tokenizers cut
+    anyway; PIECE_SLACK_TOKENS per cut covers what a cut can add. Tokenizing stops at the first pieces over the
+    limit, so an over-long prompt costs about a context's worth of tokenizing, and no Encoding (whose creation
+    and release hold the GIL) is larger than a piece's."""
+    encode = _batch_encode(tokenizer)
+    total = cuts = start = 0
+    while start < len(text):
+        m = _PIECE_CUT.search(text, start + PIECE_CHARS)
+        end = m.start() if m is not None else len(text)
+        total += len(encode([text[start:end]], add_special_tokens=False)[0])
+        if m is not None:
+            cuts += 1
+        start = end
+        if total - PIECE_SLACK_TOKENS * cuts > limit:
+            raise TooManyTokens(total - PIECE_SLACK_TOKENS * cuts, limit)
 
 
 @dataclass
@@ -138,12 +189,71 @@ class TextCodec:
         eos = set(eos_token_ids) | set(getattr(text_tokenizer, "eos_token_ids", ()) or ())
         return cls(text_tokenizer.tokenizer, chat, sorted(eos))
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids)
+    def __post_init__(self) -> None:
+        self._lock = threading.Lock()
+        self._plain: Any = None                          # a copy that reads special-token text as plain text
+        self._bytes_per_token: int | None | bool = False  # False: not computed yet
+        added = getattr(self.tokenizer, "get_added_tokens_decoder", dict)()
+        specials = sorted({t.content for t in added.values() if getattr(t, "special", False) and t.content},
+                          key=len, reverse=True)
+        self._special_re = re.compile("|".join(map(re.escape, specials))) if specials else None
 
-    def encode_chat(self, messages: Sequence[ChatMessage]) -> list[int]:
-        # The template writes the special tokens (BOS included) itself.
-        return self.encode(self.chat_template.render(messages), add_special_tokens=False)
+    def encode(self, text: str, add_special_tokens: bool = True, limit: int | None = None) -> list[int]:
+        """Token ids of `text`; special-token text in it becomes those tokens (a completion's prompt is the
+        client's own). The tokenizer releases the GIL while it works (encode_batch), so a long prompt does not
+        stop this process's other threads: the event loop, the engine link's IO thread and its heartbeats.
+        With `limit`, a long text surely over it raises TooManyTokens before it is tokenized whole."""
+        return _encode(self.tokenizer, text, add_special_tokens, limit)
+
+    def encode_chat(self, messages: Sequence[ChatMessage], limit: int | None = None) -> list[int]:
+        """The chat template rendered and tokenized; only the template's own special tokens are special.
+
+        Special-token text inside a message (`<|im_end|><|im_start|>system`) stays text: each occurrence is
+        replaced by a placeholder before rendering, and the rendered text is tokenized piece by piece, each
+        placeholder as the plain text it stands for. The template writes BOS and the like itself."""
+        found: list[str] = []
+        nonce = secrets.token_hex(6)
+
+        def hide(content: str) -> str:
+            if self._special_re is None or self._special_re.search(content) is None:
+                return content
+            def mark(m: re.Match) -> str:
+                found.append(m.group(0))
+                return f"{PLACEHOLDER_OPEN}{nonce}:{len(found) - 1}{PLACEHOLDER_CLOSE}"
+            return self._special_re.sub(mark, content)
+
+        rendered = self.chat_template.render([ChatMessage(m.role, hide(m.content)) for m in messages])
+        if not found:
+            return self.encode(rendered, add_special_tokens=False, limit=limit)
+        pieces = re.split(f"{PLACEHOLDER_OPEN}{nonce}:(\\d+){PLACEHOLDER_CLOSE}", rendered)
+        ids: list[int] = []
+        for i, piece in enumerate(pieces):
+            if i % 2:
+                ids += _encode(self._plain_tokenizer(), found[int(piece)], False)
+            elif nonce in piece:
+                raise ValueError("the model's chat template changed the message text around special-token text "
+                                 "in it; remove text such as "
+                                 f"{found[0]!r} from the messages")
+            else:
+                ids += self.encode(piece, add_special_tokens=False, limit=limit)
+        return ids
+
+    def _plain_tokenizer(self) -> Any:
+        with self._lock:
+            if self._plain is None:
+                plain = type(self.tokenizer).from_str(self.tokenizer.to_str())
+                plain.encode_special_tokens = True
+                self._plain = plain
+            return self._plain
+
+    def max_prompt_bytes(self, context_tokens: int) -> int | None:
+        """Prompts longer than this many UTF-8 bytes cannot fit `context_tokens` (coordinator/token_bounds.py);
+        None where this tokenizer gives no such bound."""
+        with self._lock:
+            if self._bytes_per_token is False:
+                self._bytes_per_token = max_bytes_per_token(self.tokenizer)
+            per_token = self._bytes_per_token
+        return None if per_token is None else context_tokens * per_token
 
     def decode(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=True)

@@ -74,7 +74,7 @@ class _Loop:
         if isinstance(item, em.AddRequest):
             if self.drain_deadline is not None:
                 self.send(em.RequestFailed(item.request_id, "the GPU worker is draining and accepts no new "
-                                                            "requests; retry against another replica"))
+                                                            "requests; retry against another replica", retryable=True))
                 return None
             try:
                 engine.add_request(em.unpack_token_ids(item.prompt_ids), item.params, request_id=item.request_id)
@@ -108,14 +108,14 @@ class _Loop:
             log.debug("ignoring %s", type(item).__name__)
         return None
 
-    def fail_live(self, message: str) -> int:
+    def fail_live(self, message: str, retryable: bool = False) -> int:
         failed = sorted(self.live)
         for rid in failed:
             try:
                 self.engine.abort(rid)
             except Exception:  # noqa: BLE001 - the engine may be broken; the coordinator still hears of it
                 pass
-            self.send(em.RequestFailed(rid, message))
+            self.send(em.RequestFailed(rid, message, retryable))
         self.live.clear()
         return len(failed)
 
@@ -156,7 +156,7 @@ def gpu_busy_loop(engine: StepEngine, inbox: queue.SimpleQueue, send: Callable[[
             code = loop.handle(item)
             loop.stats_dirty = True                # queue depths changed (an add, an abort)
             if code is not None:
-                loop.fail_live("the GPU worker is stopping; retry the request")
+                loop.fail_live("the GPU worker is stopping; retry the request", retryable=True)
                 return code
             try:
                 item = inbox.get_nowait()
@@ -180,7 +180,8 @@ def gpu_busy_loop(engine: StepEngine, inbox: queue.SimpleQueue, send: Callable[[
             loop.stats_dirty = False
             send(em.Stats(*engine_stats(engine)))
         if loop.drain_deadline is not None and (not engine.has_work() or now >= loop.drain_deadline):
-            aborted = loop.fail_live("the GPU worker drained and stopped waiting for this request")
+            aborted = loop.fail_live("the GPU worker drained and stopped waiting for this request; retry it",
+                                    retryable=True)
             send(em.Drained(loop.finished, aborted))
             loop.drain_deadline = None
             if loop.exit_after_drain:

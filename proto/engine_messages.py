@@ -34,7 +34,7 @@ import numpy as np
 from proto.sampling_params import SamplingParams
 from proto.typed_messages import MessageCodec, MessageError
 
-ENGINE_PROTOCOL_VERSION = 2
+ENGINE_PROTOCOL_VERSION = 3
 HELLO_RESEND_S = 2.0                     # worker: resend HELLO until WELCOME (the coordinator may start later)
 DEFAULT_HEARTBEAT_INTERVAL_S = 1.0
 DEFAULT_PEER_TIMEOUT_S = 10.0            # silence after which either side declares the other gone
@@ -112,6 +112,7 @@ class TokenBatch:
 class RequestFailed:
     request_id: int
     message: str
+    retryable: bool = False      # the worker is draining or stopping: another worker (or this one, later) can serve it
 
 
 @dataclasses.dataclass(frozen=True)

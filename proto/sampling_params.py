@@ -58,12 +58,12 @@ def check_prompt(prompt_ids: Sequence[int], max_new_tokens: int | None, context_
     n = len(prompt_ids)
     if not n:
         raise ValueError("the prompt is empty (no tokens); send some text")
+    if n >= context_length:             # before the vocabulary scan: a huge prompt costs one len()
+        raise PromptTooLong(f"This model's maximum context length is {context_length} tokens, but the prompt has "
+                            f"{n} tokens; shorten the prompt", "prompt")
     bad = [t for t in prompt_ids if not 0 <= t < vocab_size]
     if bad:
         raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab_size})")
-    if n >= context_length:
-        raise PromptTooLong(f"This model's maximum context length is {context_length} tokens, but the prompt has "
-                            f"{n} tokens; shorten the prompt", "prompt")
     if max_new_tokens is None:
         return context_length - n
     if n + max_new_tokens > context_length:

@@ -15,8 +15,9 @@ import logging
 import mmap
 import os
 import re
+import stat
 import struct
-from typing import Any
+from typing import Any, Iterable
 
 import msgpack
 import numpy as np
@@ -287,6 +288,50 @@ def _reclaim_if_stale(path: str, name: str, magic: bytes, kind: str) -> None:
                        "is alive; stop that process or choose another name")
     log.warning("reclaiming stale %s %r: its creator, process %d, is gone", kind, name, header.creator_pid)
     os.unlink(path)
+
+
+@dataclasses.dataclass(frozen=True)
+class ReclaimedSegment:
+    name: str
+    nbytes: int
+    creator_pid: int
+
+
+def reclaim_stale_segments(magics: Iterable[bytes], shm_dir: str = SHM_DIR) -> list[ReclaimedSegment]:
+    """Unlink every segment in `shm_dir` of ours whose creator is gone, whatever its name; returns what was freed.
+
+    Ours: a regular file owned by this user whose common header carries one of `magics`. Gone: its creator pid
+    no longer runs, or runs as another process (start time differs). A segment of another user, one whose
+    creator lives, or one without a readable header (its creator died before writing it) is left alone."""
+    wanted, uid = set(magics), os.getuid()
+    freed: list[ReclaimedSegment] = []
+    try:
+        entries = list(os.scandir(shm_dir))
+    except OSError:
+        return freed
+    for entry in entries:
+        try:
+            st = entry.stat(follow_symlinks=False)
+        except OSError:
+            continue
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != uid or st.st_size < COMMON_HEADER_BYTES:
+            continue
+        header = _read_header_of_file(entry.path)
+        if header is None or header.magic not in wanted or header.creator_pid <= 0 \
+                or creator_is_alive(header.creator_pid, header.creator_start_ticks):
+            continue
+        try:
+            if os.stat(entry.path, follow_symlinks=False).st_ino != st.st_ino:
+                continue                          # replaced meanwhile (a new creator): not the one we read
+            os.unlink(entry.path)
+        except OSError:
+            continue
+        freed.append(ReclaimedSegment(entry.name, st.st_size, header.creator_pid))
+    if freed:
+        log.warning("reclaimed %d stale shared-memory segment(s), %.1f MiB, left by dead processes: %s",
+                    len(freed), sum(f.nbytes for f in freed) / 1024 ** 2,
+                    ", ".join(f"{f.name} ({f.nbytes} bytes, creator pid {f.creator_pid})" for f in freed))
+    return freed
 
 
 def cuda_host_register(address: int, nbytes: int, *, what: str) -> bool:

@@ -74,7 +74,8 @@ class FakeEngine:
     engine."""
 
     def __init__(self, max_running: int = 8, step_delay_s: float = 0.0, eos_after: int | None = None,
-                 eos_id: int = 256):
+                 eos_id: int = 256, context_length: int = CONTEXT_LENGTH):
+        self.context_length = context_length
         self.max_running = max_running
         self.step_delay_s = step_delay_s
         self.eos_after = eos_after
@@ -105,7 +106,7 @@ class FakeEngine:
 
     def add_request(self, prompt_ids, params, request_id) -> int:
         self._check_thread()
-        if len(prompt_ids) >= CONTEXT_LENGTH:
+        if len(prompt_ids) >= self.context_length:
             raise ValueError("prompt longer than the context")
         rid = request_id
         req = FakeRequest(list(prompt_ids), params)
@@ -225,7 +226,7 @@ def tiny_served_engine():
 @contextmanager
 def live_server(tmp_path, *, api_key: str | None = None, engine_kwargs: dict | None = None,
                 request_timeout_s: float = 60.0, max_pending_requests: int = 256, grpc: bool = True,
-                drain_timeout_s: float = 5.0, real_engine: bool = False):
+                drain_timeout_s: float = 5.0, real_engine: bool = False, context_length: int = CONTEXT_LENGTH):
     """A CoordinatorServer on 127.0.0.1 (free ports) around the fake engine, or the real tiny one."""
     model_dir = write_tiny_model_dir(os.path.join(str(tmp_path), "model"))
     box: list = []
@@ -237,10 +238,11 @@ def live_server(tmp_path, *, api_key: str | None = None, engine_kwargs: dict | N
             box.append(served.engine_factory())
             return box[-1]
     else:
-        codec, context_length = TextCodec.from_model_dir(model_dir), CONTEXT_LENGTH
+        codec = TextCodec.from_model_dir(model_dir)
 
         def factory() -> FakeEngine:
-            box.append(FakeEngine(eos_id=codec.eos_token_ids[0], **(engine_kwargs or {})))
+            box.append(FakeEngine(eos_id=codec.eos_token_ids[0], context_length=context_length,
+                                  **(engine_kwargs or {})))
             return box[-1]
 
     def build() -> CoordinatorServer:

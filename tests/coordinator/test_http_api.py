@@ -199,8 +199,11 @@ def test_an_engine_whose_steps_keep_failing_stops_then_answers_503_until_restart
         status, body, _ = raw(ls, "GET", "/health")
         assert status == 503 and json.loads(body)["status"] == "engine_failed"
         assert "its steps kept failing" in json.loads(body)["error"]
-        status, body, _ = raw(ls, "POST", "/v1/completions", json.dumps(BASE))
-        assert status == 503 and json.loads(body)["error"]["code"] == "engine_unavailable"
+        status, body, headers = raw(ls, "POST", "/v1/completions", json.dumps(BASE))
+        error = json.loads(body)["error"]
+        # nothing restarts it: the client is told so, not to retry (no Retry-After)
+        assert status == 503 and error["code"] == "engine_failed" and "Retry-After" not in headers, (error, headers)
+        assert "retry in" not in error["message"] and "ft ctl restart engine" in error["message"]
         asyncio.run_coroutine_threadsafe(ls.server.service.restart_engine(), ls.server.loop).result(30)
         assert ls.engine is not first and ls.server.service.engine_healthy
         assert c.completions.create(model=MODEL_NAME, prompt="x", max_tokens=5).choices[0].text == "Hello"

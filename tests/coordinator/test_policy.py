@@ -191,3 +191,24 @@ def test_fraction_always_stays_finite_within_bounds_and_within_0_1(steps, lo, wi
         assert math.isfinite(f) and 0.0 <= f <= 1.0 and lo - 1e-12 <= f <= hi + 1e-12
         assert new is None or new == f
         assert 0 <= policy.snapshot()["fetch_fraction_q16"] <= 65536
+
+
+def test_a_fixed_fetch_fraction_of_0_is_used_as_given_and_out_of_bounds_ones_are_refused():
+    import argparse
+
+    from coordinator.serve_cli import add_arguments, build_policy_from_args
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    fmt = ExpertFormat("bf16", 64, 32)
+    for f in (0.0, 0.02, 1.0):
+        args = parser.parse_args(["--moe-strategy", "hybrid", "--fetch-fraction", str(f)])
+        policy = build_policy_from_args(args, fmt, "cpu")
+        assert policy.effective_fraction() == f and policy.snapshot()["fetch_fraction"] == f   # not clamped to 0.05
+    args = parser.parse_args(["--moe-strategy", "hybrid", "--fetch-fraction", "0", "--fetch-fraction-min", "0.1"])
+    with pytest.raises(ValueError, match=r"fetch_fraction=0 is outside \[fetch_fraction_min=0.1"):
+        build_policy_from_args(args, fmt, "cpu")
+    policy = FetchPolicy(PolicySettings(strategy="hybrid"))
+    with pytest.raises(ValueError, match="outside"):
+        policy.update(fetch_fraction=0.0)                 # SetPolicy: refused, not moved to 0.05
+    assert policy.update(fetch_fraction=0.0, fetch_fraction_min=0.0)["fetch_fraction"] == 0.0

@@ -1,6 +1,7 @@
 """Child-process supervision with small dummy children (python -c scripts) on the CPU."""
 from __future__ import annotations
 
+import logging
 import os
 import sys
 import time
@@ -183,3 +184,58 @@ def test_child_exits_when_the_supervisor_goes_away(tmp_path):
         if p.poll() is None:
             p.kill()
             p.wait()
+
+
+SCRIPTED = f"""
+import os, sys, time
+from proto.supervised_child import SupervisorLink
+with open(os.environ["STARTS_FILE"], "a") as fh:
+    fh.write("x")
+n = len(open(os.environ["STARTS_FILE"]).read())
+plan = os.environ["PLAN"].split(",")[min(n, len(os.environ["PLAN"].split(","))) - 1]   # this start's fate
+link = SupervisorLink.from_env()
+if plan == "crash":
+    sys.exit(5)                                   # before READY
+link.hello({HASH!r})
+link.ready()
+if plan == "serve":
+    link.serve(heartbeat_interval_s=0.05, max_s=60)
+link.serve(heartbeat_interval_s=0.05, max_s=float(plan))
+os._exit(7)                                       # READY for `plan` seconds, then dies
+"""
+
+
+def _scripted(tmp_path, plan: str, **kw) -> WorkerSpec:
+    return spec("gpu0", SCRIPTED, max_restarts=2, stable_after_s=0.6, backoff_initial_s=0.05,
+                env={**ENV, "STARTS_FILE": str(tmp_path / "starts"), "PLAN": plan}, **kw)
+
+
+def test_a_stable_period_after_ready_starts_the_failure_count_afresh(tmp_path):
+    errors = []
+    # dies twice at once, then serves 1.5 s (> stable_after_s) and dies, dies once more, then serves: without the
+    # reset that is 4 failures in a row against max_restarts=2, and it would give up at the third
+    sup = Supervisor([_scripted(tmp_path, "0.1,0.1,1.5,0.1,serve")], on_error=errors.append)
+    sup.start()
+    try:
+        wait_until(lambda: len((tmp_path / "starts").read_text()) >= 5 and sup.worker_info()[0]["state"] == "ready",
+                   timeout_s=20)
+        assert not [e for e in errors if isinstance(e, WorkerGaveUp)], errors
+        assert sup.worker_info()[0]["restarts"] == 4
+    finally:
+        sup.stop()
+
+
+def test_the_stable_period_counts_from_this_childs_ready_not_an_earlier_ones(tmp_path, caplog):
+    """After a long stable run, children that crash before READY still count up and the supervisor gives up
+    (it once measured from the earlier child's READY and restarted a crash loop for ever); giving up is logged
+    at error level."""
+    errors = []
+    sup = Supervisor([_scripted(tmp_path, "1.0,crash")], on_error=errors.append)
+    with caplog.at_level(logging.ERROR, logger="ft.coordinator.supervisor"):
+        sup.start()
+        try:
+            wait_until(lambda: any(isinstance(e, WorkerGaveUp) for e in errors), timeout_s=20)
+        finally:
+            sup.stop()
+    assert len((tmp_path / "starts").read_text()) == 3        # the stable one + 2 crashes, then it gave up
+    assert any(r.levelno == logging.ERROR and "giving up on worker gpu0" in r.getMessage() for r in caplog.records)
