@@ -260,7 +260,8 @@ class HealthServicer:
 
 
 class GrpcServer:
-    def __init__(self, server: "CoordinatorServer", api_key: str | None):
+    def __init__(self, server: "CoordinatorServer", api_key: str | None, tls: Any = None):
+        self.tls = tls                        # coordinator.tls.TlsFiles: listen with TLS
         self.health = HealthServicer(server)
         self._server = grpc.server(concurrent.futures.ThreadPoolExecutor(max_workers=MAX_WORKERS,
                                                                          thread_name_prefix="ft-grpc"),
@@ -274,7 +275,10 @@ class GrpcServer:
     def start(self, host: str, port: int) -> int:
         address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
         try:
-            bound = self._server.add_insecure_port(address)
+            if self.tls is not None:
+                bound = self._server.add_secure_port(address, self.tls.grpc_credentials())
+            else:
+                bound = self._server.add_insecure_port(address)
         except RuntimeError as exc:
             raise RuntimeError(f"cannot listen for gRPC on {address}: {exc}; pick another --grpc-port") from None
         if bound == 0:

@@ -1,12 +1,12 @@
 """`ft serve`: the OpenAI-compatible HTTP API and the gRPC control plane around one engine.
 
     ft serve                                  # the embedded tiny model, CPU or GPU (auto)
-    ft serve --model /models/Qwen3-30B-A3B --device cuda --api-key "$KEY"
+    FT_API_KEY=... ft serve --model /models/Qwen3-30B-A3B --device cuda --host 0.0.0.0 --tls-cert C --tls-key K
     ft serve --attach --engine-addr ipc:///run/ft/engine.sock ...   # workers started by systemd
     ft serve --workers inline                 # the engine in this process (debugging, no restarts)
 
-Listens on 127.0.0.1 unless --host says otherwise (a non-loopback address without --api-key prints a
-warning). SIGTERM / SIGINT drain: no new requests, the ones in flight finish (up to
+Listens on 127.0.0.1 unless --host says otherwise; a non-loopback address needs an API key ($FT_API_KEY or
+--api-key-file: never on the command line, which `ps` shows everyone) or an explicit --insecure. SIGTERM / SIGINT drain: no new requests, the ones in flight finish (up to
 --drain-timeout-s), then it stops (and stops its worker processes).
 
 --workers process (the default): this process is the coordinator; it creates the shared-memory expert
@@ -22,6 +22,7 @@ import os
 import signal
 import sys
 
+from coordinator.auth import add_api_key_flags
 from proto.knobs import add_cli_flags, positive_int_flag, resolve
 
 DEFAULT_PORT = 1919
@@ -49,7 +50,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     net.add_argument("--port", type=int, default=DEFAULT_PORT, help="HTTP port")
     net.add_argument("--grpc-host", default=None, help="gRPC address (default: --host)")
     net.add_argument("--grpc-port", type=int, default=DEFAULT_GRPC_PORT, help="gRPC port; -1 = no gRPC listener")
-    net.add_argument("--api-key", default=None, help="bearer token required by HTTP and gRPC [env FT_API_KEY]")
+    add_api_key_flags(net)                   # HTTP and gRPC require the token when one is set
+    net.add_argument("--insecure", action="store_true",
+                     help="allow a non-loopback --host / --grpc-host without an API key (refused otherwise)")
+    net.add_argument("--tls-cert", default=None, metavar="PEM", help="serve HTTPS and gRPC over TLS: certificate chain")
+    net.add_argument("--tls-key", default=None, metavar="PEM", help="the certificate's private key (with --tls-cert)")
     net.add_argument("--drain-timeout-s", type=float, default=30.0, help="how long SIGTERM waits for requests")
     net.add_argument("--request-timeout-s", type=float, default=600.0, help="longest a request may run")
     net.add_argument("--max-pending-requests", type=int, default=512,
@@ -61,8 +66,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     procs.add_argument("--attach", action="store_true",
                        help="do not start workers: wait for independently started ones (systemd) to connect")
     procs.add_argument("--engine-addr", default=os.environ.get("FT_ENGINE_ADDR"),
-                       help="loopback ZMQ address of the engine link (tcp://127.0.0.1:PORT or ipc://PATH) [env "
-                            "FT_ENGINE_ADDR; default: a free port, or tcp://127.0.0.1:1921 with --attach]")
+                       help="ZMQ address of the engine link: ipc://PATH (its directory must be 0700, this user's) "
+                            "or loopback tcp://127.0.0.1:PORT [env FT_ENGINE_ADDR; default: ipc://<runtime dir>/"
+                            "engine.sock, the runtime dir being $RUNTIME_DIRECTORY or $XDG_RUNTIME_DIR/ft-<port>]")
     procs.add_argument("--store-name", default=os.environ.get("FT_STORE_NAME"),
                        help="name of the shared-memory expert store in /dev/shm (offload/cpu/hybrid) [env "
                             "FT_STORE_NAME; default ft-experts-<port>]")
@@ -119,24 +125,32 @@ def serve_forever(server, listen, served_model_name: str, description: str) -> N
         server.install_signal_handlers()
         for message in server.warnings:
             print(message, file=sys.stderr)
-        grpc_note = f", gRPC on {listen.grpc_host or listen.host}:{server.grpc_port}" if server.grpc_port else ""
-        print(f"ft serve: {served_model_name} ({description}) on http://{listen.host}:{server.http_port}/v1"
+        grpc_note = (f", gRPC{' (TLS)' if listen.tls else ''} on {listen.grpc_host or listen.host}:{server.grpc_port}"
+                     if server.grpc_port else "")
+        print(f"ft serve: {served_model_name} ({description}) on {listen.scheme}://{listen.host}:{server.http_port}/v1"
               f"{grpc_note}", file=sys.stderr, flush=True)
         await server.wait_closed()
 
     run_loop(main)
 
 
-def listen_config(args: argparse.Namespace, api_key: str | None):
+def listen_config(args: argparse.Namespace):
+    """The listeners, checked before anything loads: the key (file or env), TLS files, exposure."""
+    from coordinator.auth import resolve_api_key
     from coordinator.server import ListenConfig
+    from coordinator.tls import TlsFiles
 
-    return ListenConfig(host=args.host, port=args.port, grpc_host=args.grpc_host, grpc_port=args.grpc_port,
-                        api_key=api_key, drain_timeout_s=args.drain_timeout_s)
+    listen = ListenConfig(host=args.host, port=args.port, grpc_host=args.grpc_host, grpc_port=args.grpc_port,
+                          api_key=resolve_api_key(args.api_key_file), drain_timeout_s=args.drain_timeout_s,
+                          insecure=args.insecure, tls=TlsFiles.from_flags(args.tls_cert, args.tls_key))
+    listen.check()
+    if listen.tls is not None:
+        listen.tls.http_context()                 # a certificate that does not load fails here, not after loading
+    return listen
 
 
 def run_processes(args: argparse.Namespace) -> int:
     """The coordinator with its GPU worker (and CPU workers) as separate processes."""
-    from coordinator.auth import resolve_api_key
     from coordinator.engine_factory import expert_format_of, served_name
     from coordinator.engine_service import EngineService
     from coordinator.openai_requests import ModelInfo
@@ -145,7 +159,7 @@ def run_processes(args: argparse.Namespace) -> int:
     from coordinator.text_codec import TextCodec
     from gpu_worker.api import open_model_source
 
-    api_key = resolve_api_key(args.api_key)
+    listen = listen_config(args)
     model_dir = os.path.abspath(args.model) if args.model else None
     source = open_model_source(model_dir, args.preset, device="cpu")      # tokenizer, config, expert source
     if source.tokenizer is None:
@@ -173,7 +187,6 @@ def run_processes(args: argparse.Namespace) -> int:
                                 max_pending_requests=args.max_pending_requests)
         name = served_name(model_dir, args.preset, args.served_model_name)
         model = ModelInfo(name, facts.max_context_tokens, codec)
-        listen = listen_config(args, api_key)
         server = CoordinatorServer(service, model, policy, listen, supervisor=procs.supervisor)
         where = "attached" if args.attach else f"pid {facts.pid}"
         serve_forever(server, listen, name, f"{source.description}; GPU worker {where} on {facts.device}")
@@ -202,6 +215,7 @@ def run_inline(args: argparse.Namespace) -> int:
     from coordinator.expert_resources import HOST_STORE_STRATEGIES, CpuWorkerSettings, ExpertResources
     from coordinator.process_set import default_store_name
 
+    listen_config(args)                              # refused listeners fail before anything loads
     if args.moe_strategy not in HOST_STORE_STRATEGIES:
         return _run_inline(args, None)
     from gpu_worker.api import load_attached_model, open_model_source, resolve_device
@@ -230,14 +244,13 @@ def run_inline(args: argparse.Namespace) -> int:
 
 
 def _run_inline(args: argparse.Namespace, loaded) -> int:
-    from coordinator.auth import resolve_api_key
     from coordinator.engine_factory import load_served_engine
     from coordinator.engine_service import EngineService
     from coordinator.inline_engine import InlineEngine
     from coordinator.openai_requests import ModelInfo
     from coordinator.server import CoordinatorServer
 
-    api_key = resolve_api_key(args.api_key)
+    listen = listen_config(args)
     from kernels.pdl import apply_setting
     apply_setting(resolve({"pdl": args.pdl})["pdl"], args.device)
     overlap = resolve({"overlap_decode": args.overlap_decode})["overlap_decode"]
@@ -252,7 +265,6 @@ def _run_inline(args: argparse.Namespace, loaded) -> int:
     service = EngineService(InlineEngine(served.engine_factory), served.codec.decode, policy=policy,
                             request_timeout_s=args.request_timeout_s, max_pending_requests=args.max_pending_requests)
     model = ModelInfo(served.model_name, served.context_length, served.codec)
-    listen = listen_config(args, api_key)
     server = CoordinatorServer(service, model, policy, listen)
     serve_forever(server, listen, served.model_name, f"{served.description}; engine in this process")
     print("ft serve: stopped", file=sys.stderr)
