@@ -106,7 +106,7 @@ def say_hello(link: CoordinatorLink, inbox: queue.SimpleQueue, hello: em.Hello, 
                 secret = link_auth.read_secret(key_file)
             except FileNotFoundError:
                 problem = f"no key file {key_file} yet"
-            except link_auth.LinkAuthError as exc:
+            except (link_auth.LinkAuthError, link_auth.UnsafePath) as exc:
                 problem = str(exc)
                 log.warning("%s", exc)
             else:

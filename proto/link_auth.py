@@ -27,8 +27,12 @@ import hashlib
 import hmac
 import os
 import secrets
-import stat
 import tempfile
+
+from proto.private_paths import UnsafePath, check_private, private_dir
+
+__all__ = ["UnsafePath", "private_dir", "new_secret", "new_nonce", "prove", "verify", "default_engine_addr",
+           "key_file_for", "write_secret", "read_secret"]
 
 SECRET_BYTES = 32
 NONCE_BYTES = 32
@@ -39,7 +43,7 @@ COORDINATOR, WORKER = b"ft-engine-link coordinator", b"ft-engine-link worker"
 
 
 class LinkAuthError(RuntimeError):
-    """A runtime directory or key file that must not be trusted, or a missing key."""
+    """A key file that does not hold a key, or a TCP link without a key file named."""
 
 
 def new_secret() -> bytes:
@@ -64,44 +68,6 @@ def verify(secret: bytes, role: bytes, proof: bytes, *parts: bytes) -> bool:
 
 
 # ---------------------------------------------------------------- the runtime directory
-
-def check_private(path: str, what: str = "runtime directory") -> None:
-    """Refuse a path that is a symlink, not owned by this user, or open to the group or others."""
-    try:
-        st = os.lstat(path)
-    except FileNotFoundError:
-        raise LinkAuthError(f"the {what} {path} does not exist") from None
-    uid = os.geteuid()
-    if stat.S_ISLNK(st.st_mode):
-        raise LinkAuthError(f"the {what} {path} is a symbolic link; refusing it (remove it, or point "
-                            f"--engine-addr elsewhere)")
-    if st.st_uid != uid:
-        raise LinkAuthError(f"the {what} {path} is owned by uid {st.st_uid}, not by this user ({uid}): another user "
-                            f"could read the engine link's key or take its socket; remove it or pick another path")
-    if st.st_mode & 0o077:
-        raise LinkAuthError(f"the {what} {path} has mode {stat.S_IMODE(st.st_mode):04o}; it must be 0700 (0600 for "
-                            f"a file), open to nobody else: chmod go= {path}")
-
-
-def private_dir(path: str) -> str:
-    """`path`, created mode 0700 if missing (missing parents too), checked by check_private; its parent must be
-    this user's or root's, and writable by others only if sticky (/tmp): else someone else could swap it."""
-    path = os.path.abspath(path)
-    parent = os.path.dirname(path)
-    if not os.path.isdir(parent):
-        private_dir(parent)
-    try:
-        os.mkdir(path, 0o700)
-    except FileExistsError:
-        pass
-    st = os.stat(parent)
-    if st.st_uid not in (0, os.geteuid()) or (st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX):
-        raise LinkAuthError(f"the runtime directory {path} sits in {parent}, which another user can change "
-                            f"(owner uid {st.st_uid}, mode {stat.S_IMODE(st.st_mode):04o}): pick a directory of your "
-                            f"own (--engine-addr ipc://DIR/engine.sock, or $XDG_RUNTIME_DIR)")
-    check_private(path)
-    return path
-
 
 def base_runtime_dir(environ=None) -> str:
     """$RUNTIME_DIRECTORY (systemd's RuntimeDirectory=), else $XDG_RUNTIME_DIR, else <tmp>/ft-<uid>."""

@@ -170,20 +170,20 @@ def test_directories_and_key_files_others_can_touch_are_refused(tmp_path):
     open_dir = tmp_path / "open"
     open_dir.mkdir(mode=0o755)
     os.chmod(open_dir, 0o755)
-    with pytest.raises(link_auth.LinkAuthError, match="mode 0755; it must be 0700"):
+    with pytest.raises(link_auth.UnsafePath, match="mode 0755; it must be 0700"):
         link_auth.private_dir(str(open_dir))
     (tmp_path / "link").symlink_to(open_dir)
-    with pytest.raises(link_auth.LinkAuthError, match="symbolic link"):
+    with pytest.raises(link_auth.UnsafePath, match="symbolic link"):
         link_auth.private_dir(str(tmp_path / "link"))
     world = tmp_path / "world"
     world.mkdir()
     os.chmod(world, 0o777)
-    with pytest.raises(link_auth.LinkAuthError, match="another user can change"):
+    with pytest.raises(link_auth.UnsafePath, match="another user can change"):
         link_auth.private_dir(str(world / "ft-1919"))
     run = link_auth.private_dir(str(tmp_path / "run"))
     key_file = link_auth.write_secret(run, link_auth.new_secret())
     os.chmod(key_file, 0o644)
-    with pytest.raises(link_auth.LinkAuthError, match="mode 0644"):
+    with pytest.raises(link_auth.UnsafePath, match="mode 0644"):
         link_auth.read_secret(key_file)
     with pytest.raises(link_auth.LinkAuthError, match="--engine-key-file"):
         link_auth.key_file_for("tcp://127.0.0.1:1921", environ={})
