@@ -108,6 +108,8 @@ def build_policy_from_args(args: argparse.Namespace, expert_format, gpu_name: st
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=getattr(logging, args.log_level), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from proto.sd_notify import process_notifier
+    process_notifier().status("starting")         # (and the workers it starts do not inherit $NOTIFY_SOCKET)
     if args.max_running_requests < 1:
         raise ValueError("--max-running-requests must be >= 1")
     if args.attach and args.workers == "inline":
@@ -118,11 +120,30 @@ def run(args: argparse.Namespace) -> int:
 
 
 def serve_forever(server, listen, served_model_name: str, description: str) -> None:
+    """Run the server until it stops; under systemd READY=1 once it listens (and its engine is READY), then
+    WATCHDOG=1 and STATUS= from a task on the event loop (a blocked loop stops them)."""
+    import asyncio
+
     from coordinator.server import run as run_loop
+    from proto.sd_notify import process_notifier
+
+    notifier = process_notifier()
+
+    async def notify_loop(where: str) -> None:
+        period_s = min(1.0, (notifier.watchdog_interval_s or 4.0) / 4)
+        while True:
+            service = server.service
+            notifier.status("draining" if service.draining else f"serving on {where}" if service.engine_healthy
+                            else "the engine is not ready (waiting for the GPU worker)")
+            notifier.watchdog()
+            await asyncio.sleep(period_s)
 
     async def main() -> None:
         await server.start()
         server.install_signal_handlers()
+        where = f"{listen.scheme}://{listen.host}:{server.http_port}"
+        notifier.ready(f"serving on {where}")
+        task = asyncio.ensure_future(notify_loop(where)) if notifier.enabled else None
         for message in server.warnings:
             print(message, file=sys.stderr)
         grpc_note = (f", gRPC{' (TLS)' if listen.tls else ''} on {listen.grpc_host or listen.host}:{server.grpc_port}"
@@ -130,6 +151,9 @@ def serve_forever(server, listen, served_model_name: str, description: str) -> N
         print(f"ft serve: {served_model_name} ({description}) on {listen.scheme}://{listen.host}:{server.http_port}/v1"
               f"{grpc_note}", file=sys.stderr, flush=True)
         await server.wait_closed()
+        if task is not None:
+            task.cancel()
+        notifier.stopping("stopped")
 
     run_loop(main)
 
@@ -177,6 +201,8 @@ def run_processes(args: argparse.Namespace) -> int:
         raise KeyboardInterrupt(f"signal {signum} during start-up")
 
     previous = {sig: signal.signal(sig, interrupted) for sig in (signal.SIGTERM, signal.SIGINT)}
+    from proto.sd_notify import process_notifier
+    process_notifier().status("creating the expert store; waiting for the GPU worker to load and say READY")
     try:
         facts = procs.start()
         for sig, handler in previous.items():

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from proto import engine_messages as em
 from proto import link_auth
+from proto.sd_notify import process_notifier
 from proto.supervised_child import ENV_FD, HandshakeRejected, SupervisorLink
 
 from .worker_link import CoordinatorLink
@@ -234,6 +235,7 @@ def run_gpu_worker(opts: GpuWorkerOptions) -> int:
     config = opts.engine_config()
     config_hash = em.engine_config_hash(config)
     supervisor = _SupervisorBridge(inbox) if supervised else None
+    notifier = process_notifier()               # systemd (ft-gpu-worker@.service): READY=1, STATUS=, WATCHDOG=1
     link: CoordinatorLink | None = None
     loaded: LoadedEngine | None = None
     try:
@@ -242,17 +244,24 @@ def run_gpu_worker(opts: GpuWorkerOptions) -> int:
         key_file = link_auth.key_file_for(opts.engine_addr, opts.key_file)
         link = CoordinatorLink(opts.engine_addr, f"{opts.name}-{os.getpid()}".encode(), inbox)
         link.start()
+        notifier.status(f"saying HELLO to the coordinator at {opts.engine_addr}")
         hello = em.Hello(opts.name, os.getpid(), em.ENGINE_PROTOCOL_VERSION, config_hash, em.config_json(config), b"")
         welcome = say_hello(link, inbox, hello, opts.handshake_timeout_s, key_file)
         if welcome is None:
             return 0
         log.info("WELCOME from the coordinator (pid %d, session %d)", welcome.coordinator_pid, welcome.session)
+        notifier.status(f"loading the model (session {welcome.session})")
         loaded = load_engine(opts, welcome)
         pin_to_reserved_cpus(opts)             # after loading, which uses every core it may
         link.send(loaded.ready)
         if supervisor is not None:
             supervisor.ready()
-        return gpu_busy_loop(loaded.engine, inbox, link.send, drain_timeout_s=opts.drain_timeout_s)
+        notifier.ready(f"serving session {welcome.session} of the coordinator (pid {welcome.coordinator_pid}) on "
+                       f"{loaded.ready.device}")
+        code = gpu_busy_loop(loaded.engine, inbox, link.send, drain_timeout_s=opts.drain_timeout_s,
+                             watchdog=notifier.watchdog)
+        notifier.stopping(f"stopped (exit {code})")
+        return code
     except (Rejected, HandshakeRejected) as exc:
         log.error("%s", exc)
         return EXIT_REJECTED
