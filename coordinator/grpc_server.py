@@ -45,7 +45,7 @@ class _AuthInterceptor(grpc.ServerInterceptor):
         def deny(request, context):
             context.abort(grpc.StatusCode.UNAUTHENTICATED,
                           "missing or wrong API key: send metadata 'authorization: Bearer <key>' with the key the "
-                          "server was started with (ft ctl --api-key / FT_API_KEY)")
+                          "server was started with (FT_API_KEY or ft ctl --api-key-file)")
         self._deny = grpc.unary_unary_rpc_method_handler(deny)
 
     def intercept_service(self, continuation, handler_call_details):

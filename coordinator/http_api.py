@@ -108,7 +108,7 @@ class HttpApi:
         try:
             if request.path not in OPEN_PATHS and not bearer_ok(request.headers.get("Authorization"), self.api_key):
                 raise ApiError(401, "missing or wrong API key: send 'Authorization: Bearer <key>' with the key "
-                                    "the server was started with (--api-key / FT_API_KEY)",
+                                    "the server was started with (FT_API_KEY / --api-key-file)",
                                code="invalid_api_key")
             resp = await handler(request)
             status = resp.status
