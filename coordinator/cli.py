@@ -19,6 +19,7 @@ COMMANDS: list[tuple[str, str, str]] = [
     ("bench train-moe", "workload.train_cli", "train a MoE language model from scratch; write a HF checkpoint"),
     ("bench routing", "workload.routing_cli", "routing statistics (and trace) of a trained checkpoint"),
     ("serve", "coordinator.serve_cli", "serve the OpenAI-compatible HTTP API and the gRPC control plane"),
+    ("soak", "coordinator.soak_cli", "run a live `ft serve` under load and faults; report growth, latency, recovery"),
     ("ctl", "coordinator.ctl_cli", "control a running server over gRPC (stats, policy, workers, drain, ...)"),
     ("generate", "coordinator.generate_cli", "run one completion through the engine in this process (no server)"),
     ("worker cpu", "cpu_expert_pool.cli", "run one CPU expert worker (computes expert misses on the CPU)"),

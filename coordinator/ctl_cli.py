@@ -7,8 +7,9 @@
     ft ctl shutdown                   ft ctl health [SERVICE]
     ft ctl generate --prompt "Hello" --max-tokens 32 [--chat] [--temperature 0]
 
---address (default 127.0.0.1:1920, env FT_CTL_ADDRESS), --api-key (env FT_API_KEY), --json for
-machine-readable output, --timeout-s for each call.
+--address (default 127.0.0.1:1920, env FT_CTL_ADDRESS), the key from $FT_API_KEY or --api-key-file (never
+the command line: `ps` shows it), --tls-ca PEM for a server with --tls-cert, --json for machine-readable
+output, --timeout-s for each call.
 """
 from __future__ import annotations
 
@@ -25,7 +26,11 @@ DEFAULT_TIMEOUT_S = 30.0
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--address", default=os.environ.get("FT_CTL_ADDRESS", DEFAULT_ADDRESS),
                         help=f"gRPC address of the coordinator [env FT_CTL_ADDRESS, default {DEFAULT_ADDRESS}]")
-    parser.add_argument("--api-key", default=None, help="bearer token [env FT_API_KEY]")
+    from coordinator.auth import add_api_key_flags
+
+    add_api_key_flags(parser)
+    parser.add_argument("--tls-ca", default=os.environ.get("FT_CTL_TLS_CA"), metavar="PEM",
+                        help="connect over TLS, trusting this CA (or self-signed) certificate [env FT_CTL_TLS_CA]")
     parser.add_argument("--timeout-s", type=float, default=DEFAULT_TIMEOUT_S, help="deadline of each call")
     parser.add_argument("--json", action="store_true", help="print replies as JSON")
     sub = parser.add_subparsers(dest="ctl_command", metavar="ACTION", required=True)
@@ -107,17 +112,22 @@ def run(args: argparse.Namespace, out=None) -> int:
     from proto import control_rpc as rpc
 
     out = out or sys.stdout
-    api_key = resolve_api_key(args.api_key)
+    api_key = resolve_api_key(args.api_key_file)
     metadata = (("authorization", f"Bearer {api_key}"),) if api_key else ()
     t = args.timeout_s
-    with grpc.insecure_channel(args.address) as channel:
+    if args.tls_ca:
+        with open(args.tls_ca, "rb") as f:
+            channel = grpc.secure_channel(args.address, grpc.ssl_channel_credentials(root_certificates=f.read()))
+    else:
+        channel = grpc.insecure_channel(args.address)
+    with channel:
         control = rpc.ControlStub(channel)
         try:
             return _dispatch(args, control, rpc.HealthStub(channel), rpc, metadata, t, out)
         except grpc.RpcError as exc:
             code = exc.code()
             hint = {grpc.StatusCode.UNAVAILABLE: f" (is `ft serve` running with --grpc-port matching {args.address}?)",
-                    grpc.StatusCode.UNAUTHENTICATED: " (pass --api-key or set FT_API_KEY)"}.get(code, "")
+                    grpc.StatusCode.UNAUTHENTICATED: " (set FT_API_KEY or pass --api-key-file)"}.get(code, "")
             print(f"ft ctl: {code.name}: {exc.details()}{hint}", file=sys.stderr)
             return 1
 

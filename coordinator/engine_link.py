@@ -1,7 +1,10 @@
 """The coordinator's end of the engine link: `EngineLinkServer`, an IO thread around a ROUTER socket.
 
-It accepts one GPU worker at a time: HELLO with the right config hash gets WELCOME (a new session),
-a wrong one gets REJECT naming the fields that differ, a second live worker gets REJECT too. It watches
+It accepts one GPU worker at a time, and only one that proves the run's key (proto/link_auth.py): KNOCK
+gets a CHALLENGE carrying the coordinator's proof; a HELLO whose proof fails gets REJECT "not authorized"
+and nothing else (the details go to this process's log only). An authenticated HELLO with the right config
+hash gets WELCOME (a new session), a wrong one gets REJECT naming the fields that differ (no values, no
+hash), a second live worker gets REJECT too. It watches
 the peer through a pidfd on the pid its HELLO gave (loopback only: the worker is on this host) and
 through silence longer than peer_timeout_s; either way the session is *lost*. It sends heartbeats.
 
@@ -19,18 +22,24 @@ from __future__ import annotations
 import logging
 import os
 import select
+import socket
 import threading
 import time
 from dataclasses import dataclass
 from typing import Callable
 
 from proto import engine_messages as em
+from proto import link_auth
 from proto.link_io import LinkIO, check_loopback_address
 
 log = logging.getLogger("ft.coordinator.engine_link")
 
 MAX_REJECTIONS_KEPT = 16              # a misconfigured worker restarted in a loop must not grow memory
 MAX_EVENTS_KEPT = 1024                # events kept while no listener is set
+MAX_PENDING_CHALLENGES = 64           # KNOCKs awaiting their HELLO (a flood of knocks must not grow memory)
+CHALLENGE_TTL_S = 30.0                # a CHALLENGE not answered within this is forgotten
+MAX_MESSAGE_BYTES = 16 << 20          # what a worker (or anyone who connects) may send in one frame
+NOT_AUTHORIZED = "not authorized"
 
 
 class PeerMismatch(RuntimeError):
@@ -57,11 +66,15 @@ class Peer:
 
 
 class EngineLinkServer(LinkIO):
-    def __init__(self, addr: str, config: dict, *, store_name: str = "", cpu_channels: tuple[str, ...] = (),
-                 heartbeat_interval_s: float = em.DEFAULT_HEARTBEAT_INTERVAL_S,
+    def __init__(self, addr: str, config: dict, *, secret: bytes | None = None, store_name: str = "",
+                 cpu_channels: tuple[str, ...] = (), heartbeat_interval_s: float = em.DEFAULT_HEARTBEAT_INTERVAL_S,
                  peer_timeout_s: float = em.DEFAULT_PEER_TIMEOUT_S):
         super().__init__("ft-engine-link")
         check_loopback_address(addr)
+        self.secret = secret if secret is not None else link_auth.new_secret()   # the run's key (workers prove it)
+        self._challenges: dict[bytes, tuple[bytes, bytes, float]] = {}   # identity -> (worker nonce, ours, when)
+        self.auth_failures_total = 0
+        self.last_auth_failure = ""
         self.config = config
         self.config_hash = em.engine_config_hash(config)
         self.store_name = store_name
@@ -79,9 +92,12 @@ class EngineLinkServer(LinkIO):
         zmq = self.zmq
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+        self.sock.setsockopt(zmq.ROUTER_HANDOVER, 0)     # a second connection cannot take a live peer's identity
         try:
+            _refuse_a_live_ipc_socket(addr)
             self.sock.bind(addr[:-2] + ":*" if addr.startswith("tcp://") and addr.endswith(":0") else addr)
-        except zmq.ZMQError as exc:
+        except (zmq.ZMQError, RuntimeError) as exc:
             self.sock.close(0)
             raise RuntimeError(f"cannot listen for GPU workers on {addr}: {exc}; pick another --engine-addr "
                                f"(or stop the process that holds it)") from None
@@ -128,6 +144,9 @@ class EngineLinkServer(LinkIO):
                 if remaining <= 0:
                     state = (f"{peer.label} said HELLO but was not READY" if peer is not None
                              else "none connected")
+                    if peer is None and self.auth_failures_total:
+                        state += (f"; {self.auth_failures_total} peer(s) failed to authenticate, the last: "
+                                  f"{self.last_auth_failure}")
                     raise PeerMissing(f"{what} did not become READY on {self.address} within {timeout_s:g} s "
                                       f"({state}); start it (`ft worker gpu --engine-addr {self.address} ...` or "
                                       f"`systemctl start ft-gpu-worker@0`), or raise --worker-ready-timeout-s "
@@ -156,8 +175,12 @@ class EngineLinkServer(LinkIO):
         except em.MessageError as exc:
             log.warning("dropping a malformed engine-link message from %r: %s", identity, exc)
             return
+        if isinstance(msg, em.Knock):
+            self._on_knock(identity, msg)
+            return
         if isinstance(msg, em.Hello):
-            self._on_hello(identity, msg)
+            if self._authenticated(identity, msg):
+                self._on_hello(identity, msg)
             return
         peer = self.peer
         if peer is None or peer.identity != identity:
@@ -183,16 +206,57 @@ class EngineLinkServer(LinkIO):
     def _reply(self, identity: bytes, msg) -> None:
         self.send_frames([identity, *em.encode(msg)])
 
+    def _on_knock(self, identity: bytes, knock: em.Knock) -> None:
+        now = time.monotonic()
+        for key in [k for k, (_, _, t) in self._challenges.items() if now - t > CHALLENGE_TTL_S]:
+            del self._challenges[key]
+        if knock.protocol_version != em.ENGINE_PROTOCOL_VERSION or len(knock.nonce) != link_auth.NONCE_BYTES:
+            self._refuse(identity, f"a KNOCK of engine-link protocol {knock.protocol_version} (this coordinator "
+                                   f"speaks {em.ENGINE_PROTOCOL_VERSION}; install the same version of ft everywhere)")
+            return
+        while len(self._challenges) >= MAX_PENDING_CHALLENGES:
+            del self._challenges[next(iter(self._challenges))]
+        ours = link_auth.new_nonce()
+        self._challenges.pop(identity, None)
+        self._challenges[identity] = (knock.nonce, ours, now)
+        self._reply(identity, em.Challenge(knock.nonce, ours,
+                                           link_auth.prove(self.secret, link_auth.COORDINATOR, knock.nonce, ours)))
+
+    def _authenticated(self, identity: bytes, hello: em.Hello) -> bool:
+        """The HELLO answers this identity's CHALLENGE with the key; else REJECT "not authorized", logged here."""
+        pending = self._challenges.pop(identity, None)
+        if pending is None:
+            self._refuse(identity, f"a HELLO without a CHALLENGE (claims {hello.name}, pid {hello.pid}; an ft older "
+                                   f"than engine-link protocol {em.ENGINE_PROTOCOL_VERSION}?)")
+            return False
+        worker_nonce, ours, _ = pending
+        if not link_auth.verify(self.secret, link_auth.WORKER, hello.proof, ours, worker_nonce, identity):
+            self._refuse(identity, f"a HELLO with a wrong proof of the key (claims {hello.name}, pid {hello.pid}): "
+                                   f"not this run's key file (a stale --engine-key-file, or not the service user)")
+            return False
+        return True
+
+    def _refuse(self, identity: bytes, what: str) -> None:
+        """An unauthenticated peer: it is told nothing but NOT_AUTHORIZED; this log has the details."""
+        self.auth_failures_total += 1
+        self.last_auth_failure = f"{what} from link identity {identity!r}"
+        log.warning("refused an engine-link peer: %s", self.last_auth_failure)
+        self._reply(identity, em.Reject(NOT_AUTHORIZED))
+
     def _on_hello(self, identity: bytes, hello: em.Hello) -> None:
         who = f"GPU worker {hello.name} (pid {hello.pid})"
         if hello.protocol_version != em.ENGINE_PROTOCOL_VERSION:
             self._reject(identity, f"{who} speaks engine-link protocol {hello.protocol_version}, the coordinator "
-                                   f"{em.ENGINE_PROTOCOL_VERSION}: install the same version of ft everywhere")
+                                   f"{em.ENGINE_PROTOCOL_VERSION}: install the same version of ft everywhere",
+                         "the engine-link protocol differs: install the same version of ft everywhere")
             return
         if hello.config_hash != self.config_hash:
+            fields = ", ".join(em.differing_fields(self.config, hello.config_json))
             self._reject(identity, f"{who} has config hash {hello.config_hash!r}, the coordinator expects "
                                    f"{self.config_hash!r} ({em.config_diff(self.config, hello.config_json)}): "
-                                   f"start both from the same settings (deploy/ft.env)")
+                                   f"start both from the same settings (deploy/ft.env)",
+                         f"{who}'s engine config differs from the coordinator's in: {fields} (the coordinator's log "
+                         f"has both values): start both from the same settings (deploy/ft.env)")
             return
         peer = self.peer
         if peer is not None and peer.identity == identity:
@@ -222,9 +286,10 @@ class EngineLinkServer(LinkIO):
         self._reply(peer.identity, em.Welcome(peer.session, os.getpid(), self.store_name, list(self.cpu_channels),
                                               self.heartbeat_interval_s, self.peer_timeout_s))
 
-    def _reject(self, identity: bytes, reason: str) -> None:
+    def _reject(self, identity: bytes, reason: str, told: str) -> None:
+        """An authenticated worker refused: `reason` for this log and wait_ready, `told` (no values) for it."""
         log.error("%s", reason)
-        self._reply(identity, em.Reject(reason))
+        self._reply(identity, em.Reject(told))
         with self._cond:
             if len(self.rejections) < MAX_REJECTIONS_KEPT:
                 self.rejections.append(reason)
@@ -268,6 +333,25 @@ class EngineLinkServer(LinkIO):
         else:
             log.error("%s; requests in flight on it fail", reason)
         self._emit(("lost", peer.session, reason))
+
+
+def _refuse_a_live_ipc_socket(addr: str) -> None:
+    """libzmq binds over an existing ipc socket file, silently taking it from a live coordinator: refuse that; a
+    stale file (nobody listening) is removed."""
+    path = link_auth.ipc_path(addr)
+    if path is None or not os.path.exists(path):
+        return
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.connect(path)
+    except ConnectionRefusedError:
+        os.unlink(path)
+        return
+    except OSError:
+        return
+    finally:
+        probe.close()
+    raise RuntimeError(f"another process listens on {addr} (a coordinator already running?)")
 
 
 def _open_pidfd(pid: int) -> int | None:

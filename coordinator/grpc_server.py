@@ -47,7 +47,7 @@ class _AuthInterceptor(grpc.ServerInterceptor):
         def deny(request, context):
             context.abort(grpc.StatusCode.UNAUTHENTICATED,
                           "missing or wrong API key: send metadata 'authorization: Bearer <key>' with the key the "
-                          "server was started with (ft ctl --api-key / FT_API_KEY)")
+                          "server was started with (FT_API_KEY or ft ctl --api-key-file)")
         self._deny = grpc.unary_unary_rpc_method_handler(deny)
 
     def intercept_service(self, continuation, handler_call_details):
@@ -271,7 +271,8 @@ class HealthServicer:
 
 
 class GrpcServer:
-    def __init__(self, server: "CoordinatorServer", api_key: str | None):
+    def __init__(self, server: "CoordinatorServer", api_key: str | None, tls: Any = None):
+        self.tls = tls                        # coordinator.tls.TlsFiles: listen with TLS
         self.health = HealthServicer(server)
         self._server = grpc.server(concurrent.futures.ThreadPoolExecutor(max_workers=MAX_WORKERS,
                                                                          thread_name_prefix="ft-grpc"),
@@ -285,7 +286,10 @@ class GrpcServer:
     def start(self, host: str, port: int) -> int:
         address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
         try:
-            bound = self._server.add_insecure_port(address)
+            if self.tls is not None:
+                bound = self._server.add_secure_port(address, self.tls.grpc_credentials())
+            else:
+                bound = self._server.add_insecure_port(address)
         except RuntimeError as exc:
             raise RuntimeError(f"cannot listen for gRPC on {address}: {exc}; pick another --grpc-port") from None
         if bound == 0:

@@ -95,8 +95,8 @@ class HttpApi:
         app.router.add_get("/metrics", self.metrics)
         return app
 
-    async def start(self, host: str = "127.0.0.1", port: int = 0) -> int:
-        """Listen on host:port (0 = a free port); returns the port."""
+    async def start(self, host: str = "127.0.0.1", port: int = 0, ssl_context=None) -> int:
+        """Listen on host:port (0 = a free port; HTTPS with an ssl.SSLContext); returns the port."""
         try:
             self._runner = web.AppRunner(self.build_app(), handler_cancellation=True, access_log=None,
                                          keepalive_timeout=KEEPALIVE_TIMEOUT_S)
@@ -114,7 +114,7 @@ class HttpApi:
             raise RuntimeError(f"cannot listen for HTTP on {host}:{port}: {exc}; pick another --port") from None
         sock.listen(1024)
         sock.setblocking(False)
-        await web.SockSite(self._runner, sock, shutdown_timeout=5.0).start()
+        await web.SockSite(self._runner, sock, shutdown_timeout=5.0, ssl_context=ssl_context).start()
         self.port = sock.getsockname()[1]
         return self.port
 
@@ -131,7 +131,7 @@ class HttpApi:
         try:
             if request.path not in OPEN_PATHS and not bearer_ok(request.headers.get("Authorization"), self.api_key):
                 raise ApiError(401, "missing or wrong API key: send 'Authorization: Bearer <key>' with the key "
-                                    "the server was started with (--api-key / FT_API_KEY)",
+                                    "the server was started with (FT_API_KEY / --api-key-file)",
                                code="invalid_api_key")
             resp = await handler(request)
             status = resp.status

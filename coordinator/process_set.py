@@ -5,7 +5,9 @@ start(), in this order:
      (coordinator/expert_resources.py): the store under a fixed name, filled from the checkpoint once
      (a segment of that name left by a killed run, its creator dead, is reclaimed; a live one is an
      error naming its pid).
-  3. the engine link (a ROUTER on --engine-addr, loopback only).
+  3. the engine link: a fresh key in the private runtime directory (proto/link_auth.py: engine.key, 0600,
+     in a 0700 directory of this user), then a ROUTER on --engine-addr (default ipc://<that dir>/engine.sock;
+     TCP only on loopback and only when asked for); a worker proves the key before it learns anything.
   4. `--workers process`: the supervisor starts `ft worker cpu` x N and `ft worker gpu` and waits for
      each HELLO (config hash) + READY; it restarts a dead one with back-off. cpu/hybrid: the CPU workers
      get this process's affinity (--allowed-cpus) and the reserved CPUs; the GPU worker gets the same
@@ -21,6 +23,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import tempfile
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -28,11 +31,10 @@ from coordinator.engine_link import EngineLinkServer
 from coordinator.expert_resources import CPU_STRATEGIES, CpuWorkerSettings, ExpertResources
 from coordinator.remote_engine import RemoteEngine
 from proto import engine_messages as em
+from proto import link_auth
 
 log = logging.getLogger("ft.coordinator.process_set")
 
-DEFAULT_ATTACH_ENGINE_ADDR = "tcp://127.0.0.1:1921"
-PROCESS_ENGINE_ADDR = "tcp://127.0.0.1:0"          # a free loopback port, passed to the child
 GPU_WORKER_NAME = "gpu0"
 LINK_READY_GRACE_S = 10.0                           # supervisor READY -> engine-link READY
 GPU_HEARTBEAT_TIMEOUT_S = 10.0
@@ -49,7 +51,8 @@ class ProcessSetOptions:
     config: dict[str, Any]                   # em.engine_config(...): hashed, sent in WELCOME's checks
     engine_flags: list[str]                  # forwarded to `ft worker gpu` (the flags that make `config`)
     moe_strategy: str = "resident"
-    engine_addr: str | None = None           # None: a free loopback port (process) / DEFAULT_ATTACH_ENGINE_ADDR
+    engine_addr: str | None = None           # None: ipc://<runtime dir>/engine.sock (link_auth.default_engine_addr)
+    http_port: int = 0                       # names the default runtime directory (0: a fresh private one)
     store_name: str = ""
     num_cpu_workers: int = 0
     worker_ready_timeout_s: float = 600.0
@@ -105,7 +108,7 @@ def options_from_serve_args(args: Any) -> ProcessSetOptions:
 
     pin = resolve({"pin_gpu_worker": getattr(args, "pin_gpu_worker", None)})["pin_gpu_worker"] == "on"
     return ProcessSetOptions(attach=args.attach, config=config, engine_flags=flags, moe_strategy=args.moe_strategy,
-                             engine_addr=args.engine_addr, store_name=args.store_name or default_store_name(args.port),
+                             engine_addr=args.engine_addr, http_port=args.port, store_name=args.store_name or default_store_name(args.port),
                              num_cpu_workers=num_cpu_workers, worker_ready_timeout_s=args.worker_ready_timeout_s,
                              log_level=args.log_level, reserve_cpus=getattr(args, "reserve_cpus", None),
                              pin_gpu_worker=pin)
@@ -121,16 +124,22 @@ class ProcessSet:
         self.remote: RemoteEngine | None = None
         # (worker name, message, is the GPU worker) when the supervisor gives up on a worker (its thread)
         self.on_gave_up: Callable[[str, str, bool], None] | None = None
+        self.key_file: str | None = None     # the run's engine-link key (the GPU worker proves it)
+        self._made_dir: str | None = None    # a runtime directory this run made, removed at stop() when empty
 
     # ------------------------------------------------------------------ start
 
     def start(self) -> em.Ready:
         o = self.options
         res = self.create_resources()
-        addr = o.engine_addr or (DEFAULT_ATTACH_ENGINE_ADDR if o.attach else PROCESS_ENGINE_ADDR)
-        self.link = EngineLinkServer(addr, o.config, store_name=res.store_name, cpu_channels=tuple(res.channel_names))
+        addr = self.engine_addr()
+        secret = link_auth.new_secret()
+        self.key_file = link_auth.write_secret(self.runtime_dir(addr), secret)
+        self.link = EngineLinkServer(addr, o.config, secret=secret, store_name=res.store_name,
+                                     cpu_channels=tuple(res.channel_names))
         self.link.start()
-        log.info("engine link on %s (config hash %s)", self.link.address, self.link.config_hash)
+        log.info("engine link on %s (key %s, config hash %s)", self.link.address, self.key_file,
+                 self.link.config_hash)
         if o.attach:
             print(f"ft serve: waiting up to {o.worker_ready_timeout_s:g} s for a GPU worker on {self.link.address}",
                   file=sys.stderr, flush=True)
@@ -143,6 +152,25 @@ class ProcessSet:
             facts = self.link.wait_ready(LINK_READY_GRACE_S, what=f"GPU worker {GPU_WORKER_NAME}")
         self._check_facts(facts)
         return facts
+
+    def engine_addr(self) -> str:
+        o = self.options
+        if o.engine_addr:
+            return o.engine_addr
+        if o.http_port or os.environ.get("RUNTIME_DIRECTORY"):
+            return link_auth.default_engine_addr(o.http_port)
+        base = link_auth.private_dir(link_auth.base_runtime_dir())
+        self._made_dir = tempfile.mkdtemp(prefix="ft-", dir=base)          # port 0: nothing fixed to find
+        return f"ipc://{os.path.join(self._made_dir, link_auth.SOCKET_NAME)}"
+
+    def runtime_dir(self, addr: str) -> str:
+        """The private directory of the key (and of an ipc socket): the socket's, else the default one."""
+        path = link_auth.ipc_path(addr)
+        directory = (os.path.dirname(os.path.abspath(path)) if path is not None
+                     else self._made_dir or link_auth.default_runtime_dir(self.options.http_port))
+        if not os.path.exists(directory):
+            self._made_dir = directory                 # ours: removed at stop() (when empty)
+        return link_auth.private_dir(directory)
 
     def create_resources(self) -> ExpertResources:
         """The store and the CPU workers' channels, through their owner (kept until stop())."""
@@ -173,6 +201,8 @@ class ProcessSet:
                          "on" if o.pin_gpu_worker else "off"]
         argv = [*FT_COMMAND, "worker", "gpu", "--engine-addr", self.link.address, "--name", GPU_WORKER_NAME,
                 "--parent-pid", str(os.getpid()), "--log-level", o.log_level, *o.engine_flags, *gpu_flags]
+        if self.key_file:
+            argv += ["--engine-key-file", self.key_file]
         specs.append(WorkerSpec(GPU_WORKER_NAME, argv, self.link.config_hash, env=env, kind="gpu-worker",
                                 ready_timeout_s=o.worker_ready_timeout_s, heartbeat_timeout_s=GPU_HEARTBEAT_TIMEOUT_S,
                                 backoff_initial_s=o.backoff_initial_s, backoff_max_s=o.backoff_max_s,
@@ -222,6 +252,14 @@ class ProcessSet:
             self.supervisor = None
         if link is not None:
             link.close()
+            link_auth.remove_quietly(self.key_file)
+            path = link_auth.ipc_path(link.address)
+            link_auth.remove_quietly(path)
+            if self._made_dir:
+                try:
+                    os.rmdir(self._made_dir)
+                except OSError:
+                    pass
         if self.resources is not None:
             self.resources.close()               # the creator: unlinks the channels and the store
             self.resources = None

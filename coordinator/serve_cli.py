@@ -1,12 +1,12 @@
 """`ft serve`: the OpenAI-compatible HTTP API and the gRPC control plane around one engine.
 
     ft serve                                  # the embedded default model, CPU or GPU (auto)
-    ft serve --model /models/Qwen3-30B-A3B --device cuda --api-key "$KEY"
+    FT_API_KEY=... ft serve --model /models/Qwen3-30B-A3B --device cuda --host 0.0.0.0 --tls-cert C --tls-key K
     ft serve --attach --engine-addr ipc:///run/ft/engine.sock ...   # workers started by systemd
     ft serve --workers inline                 # the engine in this process (debugging, no restarts)
 
-Listens on 127.0.0.1 unless --host says otherwise (a non-loopback address without --api-key prints a
-warning). SIGTERM / SIGINT drain: no new requests, the ones in flight finish (up to
+Listens on 127.0.0.1 unless --host says otherwise; a non-loopback address needs an API key ($FT_API_KEY or
+--api-key-file: never on the command line, which `ps` shows everyone) or an explicit --insecure. SIGTERM / SIGINT drain: no new requests, the ones in flight finish (up to
 --drain-timeout-s), then it stops (and stops its worker processes).
 
 --workers process (the default): this process is the coordinator; it creates the shared-memory expert
@@ -22,6 +22,7 @@ import os
 import signal
 import sys
 
+from coordinator.auth import add_api_key_flags
 from proto.knobs import add_cli_flags, positive_int_flag, resolve
 
 DEFAULT_PORT = 1919
@@ -49,7 +50,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     net.add_argument("--port", type=int, default=DEFAULT_PORT, help="HTTP port")
     net.add_argument("--grpc-host", default=None, help="gRPC address (default: --host)")
     net.add_argument("--grpc-port", type=int, default=DEFAULT_GRPC_PORT, help="gRPC port; -1 = no gRPC listener")
-    net.add_argument("--api-key", default=None, help="bearer token required by HTTP and gRPC [env FT_API_KEY]")
+    add_api_key_flags(net)                   # HTTP and gRPC require the token when one is set
+    net.add_argument("--insecure", action="store_true",
+                     help="allow a non-loopback --host / --grpc-host without an API key (refused otherwise)")
+    net.add_argument("--tls-cert", default=None, metavar="PEM", help="serve HTTPS and gRPC over TLS: certificate chain")
+    net.add_argument("--tls-key", default=None, metavar="PEM", help="the certificate's private key (with --tls-cert)")
     net.add_argument("--drain-timeout-s", type=float, default=30.0, help="how long SIGTERM waits for requests")
     net.add_argument("--request-timeout-s", type=float, default=600.0, help="longest a request may run")
     net.add_argument("--max-pending-requests", type=int, default=512,
@@ -65,8 +70,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     procs.add_argument("--attach", action="store_true",
                        help="do not start workers: wait for independently started ones (systemd) to connect")
     procs.add_argument("--engine-addr", default=os.environ.get("FT_ENGINE_ADDR"),
-                       help="loopback ZMQ address of the engine link (tcp://127.0.0.1:PORT or ipc://PATH) [env "
-                            "FT_ENGINE_ADDR; default: a free port, or tcp://127.0.0.1:1921 with --attach]")
+                       help="ZMQ address of the engine link: ipc://PATH (its directory must be 0700, this user's) "
+                            "or loopback tcp://127.0.0.1:PORT [env FT_ENGINE_ADDR; default: ipc://<runtime dir>/"
+                            "engine.sock, the runtime dir being $RUNTIME_DIRECTORY or $XDG_RUNTIME_DIR/ft-<port>]")
     procs.add_argument("--store-name", default=os.environ.get("FT_STORE_NAME"),
                        help="name of the shared-memory expert store in /dev/shm (offload/cpu/hybrid) [env "
                             "FT_STORE_NAME; default ft-experts-<port>]")
@@ -123,6 +129,8 @@ def use_default_model(args: argparse.Namespace) -> None:
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=getattr(logging, args.log_level), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from proto.sd_notify import process_notifier
+    process_notifier().status("starting")         # (and the workers it starts do not inherit $NOTIFY_SOCKET)
     if args.max_running_requests < 1:
         raise ValueError("--max-running-requests must be >= 1")
     use_default_model(args)
@@ -158,35 +166,65 @@ def check_listeners(args: argparse.Namespace) -> None:
 
 
 def serve_forever(server, listen, served_model_name: str, description: str) -> None:
+    """Run the server until it stops; under systemd READY=1 once it listens (and its engine is READY), then
+    WATCHDOG=1 and STATUS= from a task on the event loop (a blocked loop stops them)."""
+    import asyncio
+
     from coordinator.server import run as run_loop
+    from proto.sd_notify import process_notifier
+
+    notifier = process_notifier()
+
+    async def notify_loop(where: str) -> None:
+        period_s = min(1.0, (notifier.watchdog_interval_s or 4.0) / 4)
+        while True:
+            service = server.service
+            notifier.status("draining" if service.draining else f"serving on {where}" if service.engine_healthy
+                            else "the engine is not ready (waiting for the GPU worker)")
+            notifier.watchdog()
+            await asyncio.sleep(period_s)
 
     async def main() -> None:
         await server.start()
         server.install_signal_handlers()
+        where = f"{listen.scheme}://{listen.host}:{server.http_port}"
+        notifier.ready(f"serving on {where}")
+        task = asyncio.ensure_future(notify_loop(where)) if notifier.enabled else None
         for message in server.warnings:
             print(message, file=sys.stderr)
-        grpc_note = f", gRPC on {listen.grpc_host or listen.host}:{server.grpc_port}" if server.grpc_port else ""
-        print(f"ft serve: {served_model_name} ({description}) on http://{listen.host}:{server.http_port}/v1"
+        grpc_note = (f", gRPC{' (TLS)' if listen.tls else ''} on {listen.grpc_host or listen.host}:{server.grpc_port}"
+                     if server.grpc_port else "")
+        print(f"ft serve: {served_model_name} ({description}) on {listen.scheme}://{listen.host}:{server.http_port}/v1"
               f"{grpc_note}", file=sys.stderr, flush=True)
         await server.wait_closed()
+        if task is not None:
+            task.cancel()
+        notifier.stopping("stopped")
 
     run_loop(main)
 
 
-def listen_config(args: argparse.Namespace, api_key: str | None):
+def listen_config(args: argparse.Namespace):
+    """The listeners, checked before anything loads: the key (file or env), TLS files, exposure."""
+    from coordinator.auth import resolve_api_key
     from coordinator.server import ListenConfig
+    from coordinator.tls import TlsFiles
     from coordinator.tokenize_pool import DEFAULT_THREADS
 
-    return ListenConfig(host=args.host, port=args.port, grpc_host=args.grpc_host, grpc_port=args.grpc_port,
-                        api_key=api_key, drain_timeout_s=args.drain_timeout_s,
-                        tokenizer_threads=args.tokenizer_threads or DEFAULT_THREADS,
-                        tokenizer_max_waiting=args.tokenizer_max_waiting,
-                        exit_on_worker_give_up=args.on_worker_give_up == "exit")
+    listen = ListenConfig(host=args.host, port=args.port, grpc_host=args.grpc_host, grpc_port=args.grpc_port,
+                          api_key=resolve_api_key(args.api_key_file), drain_timeout_s=args.drain_timeout_s,
+                          insecure=args.insecure, tls=TlsFiles.from_flags(args.tls_cert, args.tls_key),
+                          tokenizer_threads=args.tokenizer_threads or DEFAULT_THREADS,
+                          tokenizer_max_waiting=args.tokenizer_max_waiting,
+                          exit_on_worker_give_up=args.on_worker_give_up == "exit")
+    listen.check()
+    if listen.tls is not None:
+        listen.tls.http_context()                 # a certificate that does not load fails here, not after loading
+    return listen
 
 
 def run_processes(args: argparse.Namespace) -> int:
     """The coordinator with its GPU worker (and CPU workers) as separate processes."""
-    from coordinator.auth import resolve_api_key
     from coordinator.engine_factory import expert_format_of, served_name
     from coordinator.engine_service import EngineService
     from coordinator.openai_requests import ModelInfo
@@ -195,7 +233,7 @@ def run_processes(args: argparse.Namespace) -> int:
     from coordinator.text_codec import TextCodec
     from gpu_worker.api import open_model_source
 
-    api_key = resolve_api_key(args.api_key)
+    listen = listen_config(args)
     model_dir = os.path.abspath(args.model) if args.model else None
     source = open_model_source(model_dir, args.preset, device="cpu",      # tokenizer, config, expert source
                                expert_format=resolve({"expert_format": args.expert_format})["expert_format"])
@@ -215,6 +253,8 @@ def run_processes(args: argparse.Namespace) -> int:
 
     previous = {sig: signal.signal(sig, interrupted) for sig in (signal.SIGTERM, signal.SIGINT)}
     server = None
+    from proto.sd_notify import process_notifier
+    process_notifier().status("creating the expert store; waiting for the GPU worker to load and say READY")
     try:
         facts = procs.start()
         for sig, handler in previous.items():
@@ -226,7 +266,6 @@ def run_processes(args: argparse.Namespace) -> int:
                                 max_pending_requests=args.max_pending_requests)
         name = served_name(model_dir, args.preset, args.served_model_name)
         model = ModelInfo(name, facts.max_context_tokens, codec)
-        listen = listen_config(args, api_key)
         server = CoordinatorServer(service, model, policy, listen, supervisor=procs.supervisor)
         procs.on_gave_up = lambda name, message, gpu: server.worker_gave_up(name, message, gpu_worker=gpu)
         where = "attached" if args.attach else f"pid {facts.pid}"
@@ -261,6 +300,7 @@ def run_inline(args: argparse.Namespace) -> int:
                                               reclaim_stale_host_memory)
     from coordinator.process_set import default_store_name
 
+    listen_config(args)                              # refused listeners fail before anything loads
     if args.moe_strategy not in HOST_STORE_STRATEGIES:
         reclaim_stale_host_memory()               # what killed runs left, whatever their strategy
         return _run_inline(args, None)
@@ -291,14 +331,13 @@ def run_inline(args: argparse.Namespace) -> int:
 
 
 def _run_inline(args: argparse.Namespace, loaded) -> int:
-    from coordinator.auth import resolve_api_key
     from coordinator.engine_factory import load_served_engine
     from coordinator.engine_service import EngineService
     from coordinator.inline_engine import InlineEngine
     from coordinator.openai_requests import ModelInfo
     from coordinator.server import CoordinatorServer
 
-    api_key = resolve_api_key(args.api_key)
+    listen = listen_config(args)
     from kernels.pdl import apply_setting
     apply_setting(resolve({"pdl": args.pdl})["pdl"], args.device)
     overlap = resolve({"overlap_decode": args.overlap_decode})["overlap_decode"]
@@ -314,7 +353,6 @@ def _run_inline(args: argparse.Namespace, loaded) -> int:
     service = EngineService(InlineEngine(served.engine_factory), served.codec.decode, policy=policy,
                             request_timeout_s=args.request_timeout_s, max_pending_requests=args.max_pending_requests)
     model = ModelInfo(served.model_name, served.context_length, served.codec)
-    listen = listen_config(args, api_key)
     server = CoordinatorServer(service, model, policy, listen)
     serve_forever(server, listen, served.model_name, f"{served.description}; engine in this process")
     print("ft serve: stopped", file=sys.stderr)

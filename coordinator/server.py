@@ -13,13 +13,14 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable
 
-from coordinator.auth import warn_if_exposed
+from coordinator.auth import check_exposure
 from coordinator.engine_service import EngineService
 from coordinator.grpc_server import GrpcServer
 from coordinator.http_api import HttpApi
 from coordinator.openai_requests import ModelInfo
 from coordinator.policy import FetchPolicy
 from coordinator.tokenize_pool import DEFAULT_MAX_WAITING, DEFAULT_THREADS, TokenizePool
+from coordinator.tls import TlsFiles
 from proto.control_rpc import CONTROL_SERVICE
 
 log = logging.getLogger("ft.coordinator.server")
@@ -39,6 +40,23 @@ class ListenConfig:
     tokenizer_threads: int = DEFAULT_THREADS          # requests parsed and tokenized at once
     tokenizer_max_waiting: int = DEFAULT_MAX_WAITING  # more waiting for a thread; beyond: 503 + Retry-After
     exit_on_worker_give_up: bool = True   # the supervisor gave up on a worker: drain, stop, exit 70 (else stay up)
+    insecure: bool = False                # allow a non-loopback listener without an API key
+    tls: TlsFiles | None = None           # HTTPS and gRPC over TLS
+
+    def check(self) -> list[str]:
+        """ValueError for a listener off loopback without a key (unless insecure); else the warnings to print."""
+        warnings = []
+        for host, what in ((self.host, "HTTP API"), (self.grpc_host or self.host, "gRPC control plane")):
+            if what == "gRPC control plane" and self.grpc_port < 0:
+                continue
+            message = check_exposure(host, self.api_key, what, self.insecure)
+            if message:
+                warnings.append(message)
+        return warnings
+
+    @property
+    def scheme(self) -> str:
+        return "https" if self.tls is not None else "http"
 
 
 class CoordinatorServer:
@@ -65,23 +83,24 @@ class CoordinatorServer:
         self.loop = asyncio.get_running_loop()
         self._closed = asyncio.Event()
         grpc_host = self.listen.grpc_host or self.listen.host
-        for host, what in ((self.listen.host, "HTTP API"), (grpc_host, "gRPC control plane")):
-            message = warn_if_exposed(host, self.listen.api_key, what)
-            if message:
-                self.warnings.append(message)
+        self.warnings = self.listen.check()
+        for message in self.warnings:
+            log.warning("%s", message)
+        tls = self.listen.tls
+        ssl_context = tls.http_context() if tls is not None else None
         await self.service.start()
         await asyncio.get_running_loop().run_in_executor(None, self.tokenize.start_threads)
         try:
-            self.http_port = await self.http.start(self.listen.host, self.listen.port)
+            self.http_port = await self.http.start(self.listen.host, self.listen.port, ssl_context=ssl_context)
             if self.listen.grpc_port >= 0:
-                self.grpc = GrpcServer(self, self.listen.api_key)
+                self.grpc = GrpcServer(self, self.listen.api_key, tls=tls)
                 self.grpc_port = self.grpc.start(grpc_host, self.listen.grpc_port)
         except BaseException:
             await self.http.stop()
             await self.service.stop()
             raise
-        log.info("serving %s: HTTP on %s:%s, gRPC on %s:%s", self.model.name, self.listen.host, self.http_port,
-                 grpc_host, self.grpc_port)
+        log.info("serving %s: %s on %s:%s, gRPC%s on %s:%s", self.model.name, self.listen.scheme.upper(),
+                 self.listen.host, self.http_port, " (TLS)" if tls else "", grpc_host, self.grpc_port)
 
     def install_signal_handlers(self) -> None:
         for sig in (signal.SIGTERM, signal.SIGINT):

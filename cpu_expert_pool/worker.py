@@ -15,6 +15,7 @@ import queue
 import signal
 import threading
 import time
+from typing import Any, Callable
 
 import torch
 
@@ -23,6 +24,7 @@ from cpu_expert_pool.expert_kernel import ExpertKernel, LayerStats, check_split
 from cpu_expert_pool.native_loop import SERVE_PYTHON, NativeServeLoop, native_loop_wanted
 from cpu_expert_pool.topology import SYSFS_ROOT, WorkerPlacement, bind_current_process, discover_placements
 from proto.expert_store import ExpertStore
+from proto.sd_notify import process_notifier
 from proto.supervised_child import ENV_FD, SupervisorLink
 from proto.shm_layout import STATUS_BAD_REQUEST, STATUS_COMPUTE_ERROR, STATUS_OK
 from proto.shm_segment import ShmError
@@ -166,8 +168,9 @@ class CpuWorker:
         return stats.weight_bytes / max(time.perf_counter_ns() - t0, 1)  # bytes/ns = GB/s
 
 
-def cpu_busy_loop(worker: CpuWorker, inbox: queue.Queue) -> None:
-    """Serve the channel until a Stop arrives in `inbox`. No sockets here.
+def cpu_busy_loop(worker: CpuWorker, inbox: queue.Queue, watchdog: Callable[[], Any] | None = None) -> None:
+    """Serve the channel until a Stop arrives in `inbox`. No sockets here. `watchdog` is called at every
+    housekeeping time (systemd's WATCHDOG=1, proto/sd_notify.py: a hung loop stops it).
 
     With the compiled kernel, requests are answered in C (native_loop.py) until the next housekeeping
     time (heartbeat, the inbox) or an idle stretch; a request C leaves (malformed, a bad split, a
@@ -191,6 +194,8 @@ def cpu_busy_loop(worker: CpuWorker, inbox: queue.Queue) -> None:
         now_ns = time.monotonic_ns()
         if now_ns >= next_housekeeping_ns:
             channel.beat(now_ns)
+            if watchdog is not None:
+                watchdog()
             next_housekeeping_ns = now_ns + worker.heartbeat_interval_ns
             if not inbox.empty():
                 log.info("stopping: %s", inbox.get_nowait().reason)
@@ -243,6 +248,8 @@ def run_cpu_worker(options: WorkerOptions) -> int:
     signal.signal(signal.SIGTERM, lambda *_: inbox.put(Stop("SIGTERM")))
     signal.signal(signal.SIGINT, lambda *_: inbox.put(Stop("SIGINT")))
     supervisor = SupervisorBridge(inbox) if ENV_FD in os.environ else None
+    notifier = process_notifier()             # systemd (ft-cpu-worker@.service): READY=1, STATUS=, WATCHDOG=1
+    notifier.status(f"attaching the expert store {options.store_name}")
     store = channel = None
     try:
         placement = plan_placement(options)
@@ -269,7 +276,9 @@ def run_cpu_worker(options: WorkerOptions) -> int:
             supervisor.ready(SUPERVISOR_HEARTBEAT_S)
         log.info("serving channel %r (epoch %d), kernel %s, warm-up %.1f GB/s", channel.name, channel.epoch,
                  worker.kernel.name, warmup_gbps)
-        cpu_busy_loop(worker, inbox)
+        notifier.ready(f"serving channel {channel.name} (kernel {worker.kernel.name})")
+        cpu_busy_loop(worker, inbox, watchdog=notifier.watchdog)
+        notifier.stopping()
         return 0
     except (ShmError, ChannelBusy, ValueError, RuntimeError, TimeoutError, IndexError) as exc:
         log.error("%s", exc)

@@ -1,11 +1,12 @@
 """`ft worker gpu`: run the GPU worker (the model, the KV cache, the engine loop) as its own process.
 
-    ft worker gpu --engine-addr tcp://127.0.0.1:1921 --model /models/Qwen3-30B-A3B --moe-strategy offload
+    ft worker gpu --engine-addr ipc:///run/ft/engine.sock --model /models/Qwen3-30B-A3B --moe-strategy offload
 
 `ft serve` starts it itself (and restarts it); run it by hand, or from systemd
 (deploy/ft-gpu-worker@.service), next to `ft serve --attach`. The engine flags (--model, --preset,
 --moe-strategy, --moe-cache-size, --max-running-requests, --max-context-tokens, --num-cpu-workers) must
-equal the coordinator's: the HELLO carries their hash and a mismatch is refused, naming the fields.
+equal the coordinator's: the HELLO carries their hash and a mismatch is refused, naming the fields. The
+worker proves the coordinator's per-run key (`engine.key` beside the ipc socket, or --engine-key-file).
 Nothing heavy is imported at module level: the process checklist runs before torch is loaded.
 """
 from __future__ import annotations
@@ -15,15 +16,19 @@ import os
 import sys
 
 from proto.knobs import add_cli_flag, positive_int_flag
+from proto.link_auth import KEY_FILE_ENV, default_engine_addr
 
-DEFAULT_ENGINE_ADDR = "tcp://127.0.0.1:1921"
+DEFAULT_PORT = 1919                     # `ft serve`'s default HTTP port: its default runtime directory
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     link = parser.add_argument_group("engine link")
-    link.add_argument("--engine-addr", default=os.environ.get("FT_ENGINE_ADDR", DEFAULT_ENGINE_ADDR),
-                      help=f"ZMQ address of the coordinator's engine link, loopback only "
-                           f"[env FT_ENGINE_ADDR, default {DEFAULT_ENGINE_ADDR}]")
+    link.add_argument("--engine-addr", default=os.environ.get("FT_ENGINE_ADDR") or default_engine_addr(DEFAULT_PORT),
+                      help="ZMQ address of the coordinator's engine link, ipc://PATH or loopback TCP [env "
+                           "FT_ENGINE_ADDR; default: the socket of `ft serve --attach` on port 1919]")
+    link.add_argument("--engine-key-file", default=None, metavar="PATH",
+                      help=f"the coordinator's per-run key (mode 0600, this user's) [env {KEY_FILE_ENV}; default: "
+                           f"engine.key beside the ipc socket; needed for a TCP link]")
     link.add_argument("--name", default="gpu0", help="worker name in logs, HELLO and `ft ctl workers` (gpu<N>)")
     link.add_argument("--handshake-timeout-s", type=float, default=120.0,
                       help="how long to say HELLO before giving up (the coordinator may start later)")
@@ -80,7 +85,7 @@ def run(args: argparse.Namespace) -> int:
         engine_addr=args.engine_addr, name=args.name, model=args.model, preset=args.preset, device=args.device,
         moe_strategy=args.moe_strategy, moe_cache_size=args.moe_cache_size, expert_format=knobs["expert_format"],
         max_running_requests=args.max_running_requests, max_context_tokens=args.max_context_tokens,
-        num_cpu_workers=args.num_cpu_workers, store_name=args.store_name,
+        num_cpu_workers=args.num_cpu_workers, store_name=args.store_name, key_file=args.engine_key_file,
         handshake_timeout_s=args.handshake_timeout_s, drain_timeout_s=args.drain_timeout_s,
         reserve_cpus=args.reserve_cpus,
         pin_gpu_worker=knobs["pin_gpu_worker"] == "on",

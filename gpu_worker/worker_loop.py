@@ -139,12 +139,16 @@ class _Loop:
 
 
 def gpu_busy_loop(engine: StepEngine, inbox: queue.SimpleQueue, send: Callable[[Any], None], *,
-                  drain_timeout_s: float = 30.0, stats_interval_s: float = em.STATS_INTERVAL_S) -> int:
-    """Serve until SHUTDOWN / a drain ends / the coordinator is lost; returns the exit code."""
+                  drain_timeout_s: float = 30.0, stats_interval_s: float = em.STATS_INTERVAL_S,
+                  watchdog: Callable[[], Any] | None = None) -> int:
+    """Serve until SHUTDOWN / a drain ends / the coordinator is lost; returns the exit code. `watchdog` is
+    called on every turn (systemd's WATCHDOG=1, proto/sd_notify.py: a step that hangs stops it)."""
     loop = _Loop(engine, send, drain_timeout_s)
     failures_in_row = 0
     last_stats = 0.0
     while True:
+        if watchdog is not None:
+            watchdog()
         busy = engine.has_work()
         try:
             item = inbox.get_nowait() if busy else inbox.get(timeout=IDLE_WAIT_S)

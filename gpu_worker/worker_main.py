@@ -2,7 +2,9 @@
 
 Start-up, in this order: process checklist (done by the CLI before torch is imported); the supervisor
 link's HELLO when the coordinator started us (a wrong config fails here, before any loading); connect
-the engine link and say HELLO until WELCOME (which names the expert store to attach); load the dense
+the engine link, KNOCK until a CHALLENGE proves the coordinator holds the run's key (the key file, read
+again at every KNOCK: proto/link_auth.py), answer it with HELLO and our proof, until WELCOME (which names
+the expert store to attach); load the dense
 model and the expert backend; READY on both links; then `gpu_busy_loop` until SHUTDOWN, SIGTERM
 (drain first), the parent's end-of-file on the supervisor link, or the coordinator going silent.
 """
@@ -18,6 +20,8 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from proto import engine_messages as em
+from proto import link_auth
+from proto.sd_notify import process_notifier
 from proto.supervised_child import ENV_FD, HandshakeRejected, SupervisorLink
 
 from .worker_link import CoordinatorLink
@@ -57,6 +61,7 @@ class GpuWorkerOptions:
     max_context_tokens: int | None = None
     num_cpu_workers: int = 0
     store_name: str | None = None              # default: the name WELCOME gives
+    key_file: str | None = None                # the run's engine-link key (default: beside the ipc socket)
     handshake_timeout_s: float = DEFAULT_HANDSHAKE_TIMEOUT_S
     drain_timeout_s: float = 30.0
     reserve_cpus: str | None = None            # cpu/hybrid: the CPU workers' reserved CPUs (HybridOptions; not hashed)
@@ -82,28 +87,59 @@ class LoadedEngine:
     experts: "ExpertBackend"          # the expert backend (closed at exit: detaches the store)
 
 
-def say_hello(link: CoordinatorLink, inbox: queue.SimpleQueue, hello: em.Hello, timeout_s: float) -> em.Welcome | None:
-    """HELLO (resent every HELLO_RESEND_S) until WELCOME; None when told to stop first."""
+def say_hello(link: CoordinatorLink, inbox: queue.SimpleQueue, hello: em.Hello, timeout_s: float,
+              key_file: str) -> em.Welcome | None:
+    """KNOCK (resent every HELLO_RESEND_S), check the CHALLENGE's proof, HELLO with ours, until WELCOME; None when
+    told to stop first. `hello` is sent with its proof filled in. A peer that cannot prove the key is ignored."""
     deadline = time.monotonic() + timeout_s
     next_send = 0.0
+    knocks: dict[bytes, bytes] = {}                    # our recent nonces -> the key read when we sent them
+    answered = False
+    problem = ""
     while True:
         now = time.monotonic()
         if now >= deadline:
-            raise HandshakeFailed(f"no WELCOME from the coordinator at {link.addr} within {timeout_s:g} s; start it "
-                                  f"(`ft serve --attach --engine-addr {link.addr}`, systemctl start ft-coordinator) "
-                                  f"or check --engine-addr")
+            raise HandshakeFailed(f"no WELCOME from the coordinator at {link.addr} within {timeout_s:g} s"
+                                  f"{f' ({problem})' if problem else ''}; start it (`ft serve --attach --engine-addr "
+                                  f"{link.addr}`, systemctl start ft-coordinator) or check --engine-addr and "
+                                  f"--engine-key-file")
         if now >= next_send:
-            link.send(hello)
             next_send = now + em.HELLO_RESEND_S
+            try:
+                secret = link_auth.read_secret(key_file)
+            except FileNotFoundError:
+                problem = f"no key file {key_file} yet"
+            except (link_auth.LinkAuthError, link_auth.UnsafePath) as exc:
+                problem = str(exc)
+                log.warning("%s", exc)
+            else:
+                nonce = link_auth.new_nonce()
+                knocks[nonce] = secret
+                while len(knocks) > 4:
+                    del knocks[next(iter(knocks))]
+                link.send(em.Knock(nonce, em.ENGINE_PROTOCOL_VERSION))
         try:
             item = inbox.get(timeout=min(0.2, max(0.0, deadline - now)))
         except queue.Empty:
             continue
-        if isinstance(item, em.Welcome):
+        if isinstance(item, em.Challenge):
+            secret = knocks.get(item.worker_nonce)
+            if secret is None or not link_auth.verify(secret, link_auth.COORDINATOR, item.proof, item.worker_nonce,
+                                                      item.nonce):
+                problem = f"the peer on {link.addr} could not prove it holds the key in {key_file}"
+                log.warning("%s: ignoring it (a coordinator of another run, or not the coordinator)", problem)
+                continue
+            proof = link_auth.prove(secret, link_auth.WORKER, item.nonce, item.worker_nonce, link.identity)
+            link.send(dataclasses.replace(hello, proof=proof))
+            answered = True
+        elif isinstance(item, em.Welcome) and answered:
+            link.watch_coordinator(item.coordinator_pid)
             return item
-        if isinstance(item, em.Reject):
+        elif isinstance(item, em.Reject) and answered:
             raise Rejected(f"the coordinator refused this worker: {item.reason}")
-        if isinstance(item, (em.Shutdown, LocalStop)):
+        elif isinstance(item, em.Reject):
+            problem = f"the peer on {link.addr} said {item.reason!r}"
+        elif isinstance(item, (em.Shutdown, LocalStop)):
             return None
 
 
@@ -202,24 +238,33 @@ def run_gpu_worker(opts: GpuWorkerOptions) -> int:
     config = opts.engine_config()
     config_hash = em.engine_config_hash(config)
     supervisor = _SupervisorBridge(inbox) if supervised else None
+    notifier = process_notifier()               # systemd (ft-gpu-worker@.service): READY=1, STATUS=, WATCHDOG=1
     link: CoordinatorLink | None = None
     loaded: LoadedEngine | None = None
     try:
         if supervisor is not None:
             supervisor.hello(config_hash)
+        key_file = link_auth.key_file_for(opts.engine_addr, opts.key_file)
         link = CoordinatorLink(opts.engine_addr, f"{opts.name}-{os.getpid()}".encode(), inbox)
         link.start()
-        hello = em.Hello(opts.name, os.getpid(), em.ENGINE_PROTOCOL_VERSION, config_hash, em.config_json(config))
-        welcome = say_hello(link, inbox, hello, opts.handshake_timeout_s)
+        notifier.status(f"saying HELLO to the coordinator at {opts.engine_addr}")
+        hello = em.Hello(opts.name, os.getpid(), em.ENGINE_PROTOCOL_VERSION, config_hash, em.config_json(config), b"")
+        welcome = say_hello(link, inbox, hello, opts.handshake_timeout_s, key_file)
         if welcome is None:
             return 0
         log.info("WELCOME from the coordinator (pid %d, session %d)", welcome.coordinator_pid, welcome.session)
+        notifier.status(f"loading the model (session {welcome.session})")
         loaded = load_engine(opts, welcome)
         pin_to_reserved_cpus(opts)             # after loading, which uses every core it may
         link.send(loaded.ready)
         if supervisor is not None:
             supervisor.ready()
-        return gpu_busy_loop(loaded.engine, inbox, link.send, drain_timeout_s=opts.drain_timeout_s)
+        notifier.ready(f"serving session {welcome.session} of the coordinator (pid {welcome.coordinator_pid}) on "
+                       f"{loaded.ready.device}")
+        code = gpu_busy_loop(loaded.engine, inbox, link.send, drain_timeout_s=opts.drain_timeout_s,
+                             watchdog=notifier.watchdog)
+        notifier.stopping(f"stopped (exit {code})")
+        return code
     except (Rejected, HandshakeRejected) as exc:
         log.error("%s", exc)
         return EXIT_REJECTED

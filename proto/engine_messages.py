@@ -1,13 +1,16 @@
 """The engine link: messages between the coordinator and the GPU worker (ZMQ, typed msgpack, no pickle).
 
-Transport: the coordinator binds a ROUTER socket (``--engine-addr``, loopback TCP or ipc only); the GPU
-worker connects a DEALER whose identity is ``<name>-<pid>``. Every message is two frames, ``[type byte,
+Transport: the coordinator binds a ROUTER socket (``--engine-addr``: by default ipc in a private runtime
+directory, or loopback TCP); the GPU worker connects a DEALER whose identity is ``<name>-<pid>``. Every message is two frames, ``[type byte,
 msgpack map]`` (proto/typed_messages.py). Prompt token ids travel as packed little-endian int32 bytes.
 
     worker                                         coordinator
-    HELLO (name, pid, config hash + the config) ->                  resent every HELLO_RESEND_S until answered
+    KNOCK (nonce, protocol)                     ->                  resent every HELLO_RESEND_S until answered
+                                                <- CHALLENGE (nonces, the coordinator's proof of the key)
+    HELLO (name, pid, config hash + the config,
+           the worker's proof of the key)       ->
                                                 <- WELCOME (session, store name, CPU channels, timings)
-                                                   or REJECT (reason: which fields differ)
+                                                   or REJECT ("not authorized", or which fields differ)
     ... loads the model (heartbeats flow) ...
     READY (facts: device, vocab, context, ...)  ->
                                                 <- ADD_REQUEST / ABORT / SET_POLICY / DRAIN / SHUTDOWN
@@ -18,7 +21,8 @@ msgpack map]`` (proto/typed_messages.py). Prompt token ids travel as packed litt
     HEARTBEAT                                  <->   both ways, every heartbeat interval
     ERROR (fatal or not)                        ->
 
-The config hash covers what both sides must agree on (engine_config below); it is also the hash the
+KNOCK / CHALLENGE / HELLO's proof is proto/link_auth.py: a peer without the run's key learns nothing, not
+even a config hash. The config hash covers what both sides must agree on (engine_config below); it is also the hash the
 GPU worker sends on the supervisor link when the coordinator started it.
 """
 from __future__ import annotations
@@ -48,12 +52,26 @@ __all__ = ["MessageError", "SamplingParams", "CODEC", "encode", "decode", "engin
 # ---------------------------------------------------------------- handshake
 
 @dataclasses.dataclass(frozen=True)
+class Knock:
+    nonce: bytes              # the worker's fresh nonce (link_auth.NONCE_BYTES)
+    protocol_version: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Challenge:
+    worker_nonce: bytes       # the KNOCK's nonce, echoed
+    nonce: bytes              # the coordinator's fresh nonce
+    proof: bytes              # link_auth.prove(key, COORDINATOR, worker_nonce, nonce)
+
+
+@dataclasses.dataclass(frozen=True)
 class Hello:
     name: str                 # e.g. "gpu0"
     pid: int
     protocol_version: int
     config_hash: str
     config_json: str          # the hashed config itself, so a mismatch can name the fields that differ
+    proof: bytes              # link_auth.prove(key, WORKER, challenge nonce, worker nonce, ZMQ identity)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -168,7 +186,7 @@ class Error:
 
 MESSAGE_TYPES: dict[int, type] = {
     1: Hello, 2: Welcome, 3: Reject, 4: Ready, 5: AddRequest, 6: Abort, 7: TokenBatch, 8: RequestFailed,
-    9: Stats, 10: SetPolicy, 11: Drain, 12: Drained, 13: Shutdown, 14: Heartbeat, 15: Error,
+    9: Stats, 10: SetPolicy, 11: Drain, 12: Drained, 13: Shutdown, 14: Heartbeat, 15: Error, 16: Knock, 17: Challenge,
 }
 CODEC = MessageCodec("engine link", MESSAGE_TYPES)
 encode = CODEC.encode
@@ -244,6 +262,17 @@ def config_json(config: dict[str, Any]) -> str:
 def engine_config_hash(config: dict[str, Any]) -> str:
     """Short, stable hash (the same function as proto.supervised_child.config_hash)."""
     return hashlib.sha256(config_json(config).encode("utf-8")).hexdigest()[:16]
+
+
+def differing_fields(ours: dict[str, Any], theirs_json: str) -> list[str]:
+    """The names of the fields that differ (what a REJECT may tell an authenticated worker; no values, no hash)."""
+    try:
+        theirs = json.loads(theirs_json)
+    except ValueError:
+        return ["<unreadable config>"]
+    if not isinstance(theirs, dict):
+        return ["<unreadable config>"]
+    return sorted(k for k in set(ours) | set(theirs) if ours.get(k, "<absent>") != theirs.get(k, "<absent>"))
 
 
 def config_diff(ours: dict[str, Any], theirs_json: str) -> str:

@@ -6,7 +6,9 @@ to the socket, so a send leaves at once instead of at the next poll tick. Receiv
 handled by the subclass in the IO thread (`on_frames`, `on_tick`, `on_fd`); what it learns goes to
 whoever consumes it through plain queues. Busy loops therefore never see a socket.
 
-Addresses are loopback only: ``tcp://127.0.0.1:PORT`` (or ``localhost`` / ``[::1]``) or ``ipc://PATH``.
+Addresses are local only: ``ipc://PATH`` (the default, in a private directory) or ``tcp://127.0.0.1:PORT``
+(or ``localhost`` / ``[::1]``). Peers authenticate in the handshake (proto/link_auth.py); the traffic itself
+is not encrypted, so it never leaves the host.
 """
 from __future__ import annotations
 
@@ -26,15 +28,15 @@ LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "[::1]", "::1")
 
 
 def check_loopback_address(addr: str, flag: str = "--engine-addr") -> str:
-    """Refuse anything but loopback TCP or ipc:// (the engine link carries no authentication)."""
+    """Refuse anything but loopback TCP or ipc:// (the link's traffic is not encrypted)."""
     if addr.startswith("ipc://") and len(addr) > len("ipc://"):
         return addr
     if addr.startswith("tcp://"):
         host = addr[len("tcp://"):].rsplit(":", 1)[0]
         if host in LOOPBACK_HOSTS:
             return addr
-    raise ValueError(f"{flag} {addr!r} is not a loopback address; use tcp://127.0.0.1:PORT or ipc:///run/ft/"
-                     f"engine.sock (the engine link has no authentication, so it never leaves the host)")
+    raise ValueError(f"{flag} {addr!r} is not a loopback address; use ipc:///run/ft/engine.sock or "
+                     f"tcp://127.0.0.1:PORT (the engine link's traffic is not encrypted, so it never leaves the host)")
 
 
 class LinkIO(threading.Thread):

@@ -4,6 +4,11 @@ Why gcc + ctypes rather than torch.utils.cpp_extension.load_inline: the kernel n
 headers (it takes raw pointers), so it builds in about a second instead of a minute, needs no ninja,
 and does not depend on the torch version; a ctypes call costs a few microseconds and releases the GIL.
 The library links libgomp, the same soname torch's wheel loads, so one OpenMP runtime serves both.
+
+The cache is a private directory (proto/private_paths.py: this user's, mode 0700): ~/.cache/ft-expert-service/
+cpu_kernels, or, where the home cache cannot be written, <tmp>/ft-expert-service-<uid>/cpu_kernels, which must
+then be this user's own (a directory another user made first is refused, not used). A library is loaded only if
+it is a regular file of this user that nobody else may write; a planted one is refused, never loaded.
 """
 from __future__ import annotations
 
@@ -19,6 +24,7 @@ import tempfile
 from pathlib import Path
 
 from cpu_expert_pool.native.quant_desc import QuantBindings
+from proto.private_paths import UnsafePath, check_loadable, private_dir
 
 log = logging.getLogger(__name__)
 
@@ -46,17 +52,20 @@ class NativeUnavailable(RuntimeError):
 
 
 def default_cache_dir() -> Path:
+    """The private build cache: under the home cache, else under the temporary directory (checked either way)."""
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     path = Path(base) / "ft-expert-service" / "cpu_kernels"
     try:
-        path.mkdir(parents=True, exist_ok=True)
-        if os.access(path, os.W_OK):
-            return path
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if os.access(path.parent, os.W_OK):
+            return Path(private_dir(str(path), tighten=True))
     except OSError:
         pass
-    path = Path(tempfile.gettempdir()) / f"ft-expert-service-{os.getuid()}" / "cpu_kernels"
-    path.mkdir(parents=True, exist_ok=True)
-    return path
+    try:
+        return Path(private_dir(os.path.join(tempfile.gettempdir(), f"ft-expert-service-{os.geteuid()}",
+                                             "cpu_kernels"), tighten=True))
+    except UnsafePath as exc:
+        raise NativeUnavailable(f"no private directory to build the CPU expert kernel in: {exc}") from None
 
 
 def build_library(cache_dir: Path | None = None, *, sources: tuple[Path, ...] = SOURCES,
@@ -72,26 +81,36 @@ def build_library(cache_dir: Path | None = None, *, sources: tuple[Path, ...] = 
     version = subprocess.run([cc, "-dumpfullversion", "-dumpversion"], capture_output=True, text=True).stdout
     key = hashlib.sha256(b"".join(src.read_bytes() for src in (*sources, *headers))
                          + "|".join((cc, version, platform.machine(), *CFLAGS, *extra_flags, *LIBS)).encode())
-    cache_dir = cache_dir or default_cache_dir()
+    cache_dir = Path(private_dir(str(cache_dir), tighten=True)) if cache_dir else default_cache_dir()
     out = cache_dir / f"{stem}-{key.hexdigest()[:16]}.so"
-    if out.exists():
-        return out
+    if os.path.lexists(out):
+        return checked_library(out)
     tmp = out.with_name(f"{out.stem}.{os.getpid()}.tmp.so")
     cmd = [cc, *CFLAGS, *extra_flags, "-o", str(tmp), *map(str, sources), *LIBS]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
     if proc.returncode != 0:
         tmp.unlink(missing_ok=True)
         raise NativeUnavailable(f"building {what} failed ({' '.join(cmd)}):\n{proc.stderr[-2000:]}\n{fallback}")
+    os.chmod(tmp, 0o700)
     os.replace(tmp, out)             # atomic: concurrent builders of the same key agree
     log.info("built %s", out)
-    return out
+    return checked_library(out)
+
+
+def checked_library(path: Path) -> Path:
+    """`path` if it is fit to load (this user's regular file, writable by nobody else); else NativeUnavailable."""
+    try:
+        check_loadable(str(path), "compiled CPU expert kernel")
+    except UnsafePath as exc:
+        raise NativeUnavailable(f"{exc}; use --kernel torch meanwhile") from None
+    return path
 
 
 class NativeLib:
     """ctypes bindings of expert_ffn.c."""
 
     def __init__(self, path: Path):
-        lib = ctypes.CDLL(str(path))
+        lib = ctypes.CDLL(str(checked_library(path)))
         c_int, c_i64, c_p = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p
         lib.ft_best_isa.restype = c_int
         lib.ft_best_isa.argtypes = []

@@ -226,7 +226,8 @@ def tiny_served_engine():
 @contextmanager
 def live_server(tmp_path, *, api_key: str | None = None, engine_kwargs: dict | None = None,
                 request_timeout_s: float = 60.0, max_pending_requests: int = 256, grpc: bool = True,
-                drain_timeout_s: float = 5.0, real_engine: bool = False, context_length: int = CONTEXT_LENGTH):
+                drain_timeout_s: float = 5.0, real_engine: bool = False, context_length: int = CONTEXT_LENGTH,
+                tls=None):
     """A CoordinatorServer on 127.0.0.1 (free ports) around the fake engine, or the real tiny one."""
     model_dir = write_tiny_model_dir(os.path.join(str(tmp_path), "model"))
     box: list = []
@@ -251,13 +252,13 @@ def live_server(tmp_path, *, api_key: str | None = None, engine_kwargs: dict | N
                                 request_timeout_s=request_timeout_s, max_pending_requests=max_pending_requests)
         model = ModelInfo(MODEL_NAME, context_length, codec)
         listen = ListenConfig(host="127.0.0.1", port=0, grpc_port=0 if grpc else -1, api_key=api_key,
-                              drain_timeout_s=drain_timeout_s)
+                              drain_timeout_s=drain_timeout_s, tls=tls)
         return CoordinatorServer(service, model, policy, listen)
 
     bg = BackgroundServer(build)
     server = bg.start()
     try:
-        yield LiveServer(server, box, f"http://127.0.0.1:{server.http_port}",
+        yield LiveServer(server, box, f"{server.listen.scheme}://127.0.0.1:{server.http_port}",
                          f"127.0.0.1:{server.grpc_port}", model_dir)
     finally:
         bg.stop(drain_timeout_s=1.0)

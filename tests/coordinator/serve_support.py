@@ -25,11 +25,11 @@ free_port = free_loopback_port
 class Proc:
     """One ft process with its output in a file."""
 
-    def __init__(self, args: list[str], log_path: Path):
+    def __init__(self, args: list[str], log_path: Path, env: dict | None = None):
         self.args = args
         self.log_path = log_path
         self._log = open(log_path, "wb")
-        self.popen = subprocess.Popen(FT + args, cwd=REPO, env=ENV, stdin=subprocess.DEVNULL, stdout=self._log,
+        self.popen = subprocess.Popen(FT + args, cwd=REPO, env={**ENV, **(env or {})}, stdin=subprocess.DEVNULL, stdout=self._log,
                                       stderr=subprocess.STDOUT)
 
     @property
@@ -74,11 +74,11 @@ class Proc:
 class Server(Proc):
     """`ft serve` on free loopback ports."""
 
-    def __init__(self, extra: list[str], log_path: Path, *, grpc: bool = True):
+    def __init__(self, extra: list[str], log_path: Path, *, grpc: bool = True, env: dict | None = None):
         self.port = free_port()
         self.grpc_port = free_port() if grpc else -1
         super().__init__(["serve", "--port", str(self.port), "--grpc-port", str(self.grpc_port),
-                          "--served-model-name", "tiny", "--drain-timeout-s", "5", *extra], log_path)
+                          "--served-model-name", "tiny", "--drain-timeout-s", "5", *extra], log_path, env)
 
     def wait_listening(self, timeout_s: float = 90.0) -> "Server":
         self.wait_for_output("ft serve: tiny", timeout_s)

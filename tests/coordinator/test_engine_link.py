@@ -20,6 +20,7 @@ from coordinator.remote_engine import RemoteEngine
 from gpu_worker.worker_link import CoordinatorLost
 from gpu_worker.worker_loop import EXIT_COORDINATOR_LOST, EXIT_ENGINE_FAILED, LocalStop, gpu_busy_loop
 from proto import engine_messages as em
+from proto import link_auth
 from proto.link_io import check_loopback_address
 from proto.sampling_params import SamplingParams
 
@@ -100,10 +101,13 @@ def test_only_loopback_addresses_are_accepted():
 class FakeWorker:
     """A scripted GPU worker: a DEALER speaking the engine link by hand."""
 
-    def __init__(self, addr: str, name: str = "gpu0", pid: int | None = None, config: dict = CONFIG):
+    def __init__(self, addr: str, name: str = "gpu0", pid: int | None = None, config: dict = CONFIG,
+                 secret: bytes | None = None):
         self.sock = zmq.Context.instance().socket(zmq.DEALER)
         self.pid = pid if pid is not None else 10_000_000 + id(self) % 1000   # no such pid: no pidfd
-        self.sock.setsockopt(zmq.IDENTITY, f"{name}-{self.pid}".encode())
+        self.identity = f"{name}-{self.pid}".encode()
+        self.secret = secret
+        self.sock.setsockopt(zmq.IDENTITY, self.identity)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.connect(addr)
         self.name, self.config = name, config
@@ -121,8 +125,15 @@ class FakeWorker:
                 return msg
 
     def hello(self) -> em.Welcome | em.Reject:
+        """KNOCK, check the CHALLENGE, HELLO with the proof (a worker of this run: it holds the link's key)."""
+        nonce = link_auth.new_nonce()
+        self.send(em.Knock(nonce, em.ENGINE_PROTOCOL_VERSION))
+        challenge = self.recv()
+        assert isinstance(challenge, em.Challenge) and challenge.worker_nonce == nonce
+        assert link_auth.verify(self.secret, link_auth.COORDINATOR, challenge.proof, nonce, challenge.nonce)
+        proof = link_auth.prove(self.secret, link_auth.WORKER, challenge.nonce, nonce, self.identity)
         self.send(em.Hello(self.name, self.pid, em.ENGINE_PROTOCOL_VERSION, em.engine_config_hash(self.config),
-                           em.config_json(self.config)))
+                           em.config_json(self.config), proof))
         return self.recv()
 
     def ready(self, session: int) -> None:
@@ -178,13 +189,13 @@ async def recv(worker: "FakeWorker", timeout_s: float = 5.0):
 
 
 def test_mismatched_worker_is_rejected_naming_the_fields(link):
-    worker = FakeWorker(link.address, "gpu3", config=dict(CONFIG, max_context_tokens=1024))
+    worker = FakeWorker(link.address, "gpu3", config=dict(CONFIG, max_context_tokens=1024), secret=link.secret)
     try:
         reply = worker.hello()
         assert isinstance(reply, em.Reject)
-        assert f"GPU worker gpu3 (pid {worker.pid})" in reply.reason
-        assert "max_context_tokens: coordinator=512, worker=1024" in reply.reason
-        with pytest.raises(PeerMismatch, match="gpu3"):
+        assert f"GPU worker gpu3 (pid {worker.pid})" in reply.reason and "max_context_tokens" in reply.reason
+        assert link.config_hash not in reply.reason and "512" not in reply.reason    # names, no values, no hash
+        with pytest.raises(PeerMismatch, match="gpu3.*max_context_tokens: coordinator=512, worker=1024"):
             link.wait_ready(2.0)
     finally:
         worker.close()
@@ -196,7 +207,7 @@ def test_no_worker_is_a_timeout_naming_the_address(link):
 
 
 def test_remote_engine_streams_tokens_and_fails_only_the_lost_sessions_requests(link):
-    first = FakeWorker(link.address)
+    first = FakeWorker(link.address, secret=link.secret)
     second = None
     try:
         welcome = first.hello()
@@ -233,7 +244,7 @@ def test_remote_engine_streams_tokens_and_fails_only_the_lost_sessions_requests(
             assert not engine.health().ready and engine.health().pid == 0
             with pytest.raises(EngineUnavailable, match="not ready"):
                 engine.submit([1], params())
-            second = FakeWorker(link.address, pid=10_000_999)
+            second = FakeWorker(link.address, pid=10_000_999, secret=link.secret)
             welcome = await asyncio.get_running_loop().run_in_executor(None, second.hello)
             assert welcome.session == 2
             second.ready(2)
@@ -257,8 +268,8 @@ def test_remote_engine_streams_tokens_and_fails_only_the_lost_sessions_requests(
 
 def test_a_dead_worker_pid_is_seen_at_once_and_a_second_live_worker_is_refused(link):
     proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
-    worker = FakeWorker(link.address, pid=proc.pid)
-    intruder = FakeWorker(link.address, "gpu1", pid=proc.pid + 1_000_000)
+    worker = FakeWorker(link.address, pid=proc.pid, secret=link.secret)
+    intruder = FakeWorker(link.address, "gpu1", pid=proc.pid + 1_000_000, secret=link.secret)
     try:
         worker.ready(worker.hello().session)
         link.wait_ready(2.0)

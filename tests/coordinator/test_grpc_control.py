@@ -155,10 +155,11 @@ def test_api_key_guards_control_but_not_health(tmp_path):
 def ctl(server, *argv, api_key=None) -> tuple[int, str]:
     from coordinator import ctl_cli
     from coordinator.cli import build_parser
-    extra = ["--api-key", api_key] if api_key else []
-    args = build_parser().parse_args(["ctl", "--address", server.grpc_address, "--timeout-s", "20", *extra, *argv])
+    from unittest import mock
+    args = build_parser().parse_args(["ctl", "--address", server.grpc_address, "--timeout-s", "20", *argv])
     out = io.StringIO()
-    rc = ctl_cli.run(args, out=out)
+    with mock.patch.dict(os.environ, {"FT_API_KEY": api_key or ""}):     # the key never on a command line
+        rc = ctl_cli.run(args, out=out)
     return rc, out.getvalue()
 
 

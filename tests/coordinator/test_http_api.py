@@ -336,8 +336,8 @@ def test_api_key_guards_http_but_not_health(tmp_path):
         assert client(ls, api_key="s3cret").completions.create(model=MODEL_NAME, prompt="x", max_tokens=2)
 
 
-def test_listeners_bind_loopback_by_default_and_warn_when_exposed_without_token():
-    from coordinator.auth import is_loopback, warn_if_exposed
+def test_listeners_bind_loopback_by_default_and_refuse_exposure_without_token():
+    from coordinator.auth import check_exposure, is_loopback
     from coordinator.server import ListenConfig
     from coordinator.serve_cli import add_arguments
     import argparse
@@ -348,9 +348,11 @@ def test_listeners_bind_loopback_by_default_and_warn_when_exposed_without_token(
     assert args.host == "127.0.0.1" and ListenConfig().host == "127.0.0.1"
     assert is_loopback("127.0.0.1") and is_loopback("::1") and is_loopback("localhost")
     assert not is_loopback("0.0.0.0")
-    assert warn_if_exposed("127.0.0.1", None, "HTTP API") is None
-    assert warn_if_exposed("0.0.0.0", "token", "HTTP API") is None
-    assert "no API token" in warn_if_exposed("0.0.0.0", None, "HTTP API")
+    assert check_exposure("127.0.0.1", None, "HTTP API") is None
+    assert check_exposure("0.0.0.0", "token", "HTTP API") is None
+    with pytest.raises(ValueError, match="no API key"):
+        check_exposure("0.0.0.0", None, "HTTP API")
+    assert "no API key is set (--insecure)" in check_exposure("0.0.0.0", None, "HTTP API", insecure=True)
 
 
 # ---------------------------------------------------------------- drain

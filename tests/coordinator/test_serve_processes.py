@@ -16,7 +16,7 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
 from coordinator_support import MODEL_NAME, live_server  # noqa: E402
-from serve_support import TINY_ARGS, Proc, Server, children_pids, free_port, pid_alive  # noqa: E402
+from serve_support import TINY_ARGS, Proc, Server, children_pids, pid_alive  # noqa: E402
 
 from proto import control_rpc as rpc  # noqa: E402
 
@@ -122,8 +122,15 @@ def test_gpu_worker_killed_mid_stream_fails_clearly_then_is_restarted(server, re
     assert workers["gpu0"].restarts >= 1 and "killed by signal 9" in workers["gpu0"].last_error
 
 
+def private_ipc_addr(tmp_path) -> str:
+    """An engine-link address in a 0700 directory of this user (the key file goes beside it)."""
+    run = tmp_path / "run"
+    run.mkdir(mode=0o700)
+    return f"ipc://{run}/engine.sock"
+
+
 def test_attach_mode_serves_through_a_separately_started_worker(tmp_path, reference):
-    addr = f"tcp://127.0.0.1:{free_port()}"
+    addr = private_ipc_addr(tmp_path)
     worker = Proc(["worker", "gpu", "--engine-addr", addr, *TINY_ARGS], tmp_path / "worker.log")   # first: it waits
     srv = Server(["--attach", "--engine-addr", addr, "--worker-ready-timeout-s", "60", *TINY_ARGS],
                  tmp_path / "serve.log", grpc=False)
@@ -141,7 +148,7 @@ def test_attach_mode_serves_through_a_separately_started_worker(tmp_path, refere
 
 
 def test_config_mismatch_fails_fast_naming_the_worker_and_the_field(tmp_path):
-    addr = f"tcp://127.0.0.1:{free_port()}"
+    addr = private_ipc_addr(tmp_path)
     srv = Server(["--attach", "--engine-addr", addr, "--worker-ready-timeout-s", "60", *TINY_ARGS],
                  tmp_path / "serve.log", grpc=False)
     worker = Proc(["worker", "gpu", "--engine-addr", addr, "--name", "gpu7", *TINY_ARGS[:-1], "2"],
@@ -152,15 +159,15 @@ def test_config_mismatch_fails_fast_naming_the_worker_and_the_field(tmp_path):
         assert worker.wait(20) == 78                          # EX_CONFIG: systemd does not restart it
         assert time.monotonic() - started < 40                # not the 60 s ready timeout
         for out in (srv.output(), worker.output()):
-            assert "GPU worker gpu7" in out and f"pid {worker.pid}" in out
-            assert "max_running_requests: coordinator=4, worker=2" in out
+            assert "GPU worker gpu7" in out and f"pid {worker.pid}" in out and "max_running_requests" in out
+        assert "max_running_requests: coordinator=4, worker=2" in srv.output()   # the values: its log only
     finally:
         srv.kill()
         worker.kill()
 
 
 def test_attach_without_a_worker_fails_naming_the_missing_peer(tmp_path):
-    addr = f"tcp://127.0.0.1:{free_port()}"
+    addr = private_ipc_addr(tmp_path)
     srv = Server(["--attach", "--engine-addr", addr, "--worker-ready-timeout-s", "2", *TINY_ARGS],
                  tmp_path / "serve.log", grpc=False)
     try:
