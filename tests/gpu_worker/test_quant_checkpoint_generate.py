@@ -1,0 +1,42 @@
+"""Quantized checkpoints as they are published, end to end: each on-disk format loads through `load_model` and
+generates transformers' greedy tokens (transformers running the format's own dequantization), resident and
+offload alike; the experts stay quantized in the backend."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gpu_worker.engine import Engine, EngineConfig, SamplingParams
+from gpu_worker.models import load_model
+from tests.gpu_worker.quant_checkpoints import KINDS, reference_model, write_quant_checkpoint
+
+pytest.importorskip("transformers")
+PROMPT = [3, 17, 42, 99, 5, 250, 7, 64, 11, 120, 8, 33]
+STEPS = 16
+
+
+def _generate(loaded, prompt: list[int]) -> list[int]:
+    engine = Engine(loaded.model, EngineConfig(max_running_requests=1, max_context_tokens=64,
+                                               prefill_chunk_tokens=64), eos_token_ids=())
+    return engine.generate([prompt], SamplingParams(max_new_tokens=STEPS, ignore_eos=True))[0]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_published_format_generates_transformers_tokens(kind, tmp_path):
+    ckpt = write_quant_checkpoint(tmp_path / kind, kind)
+    vocab = ckpt.config["vocab_size"]
+    prompt = [t % vocab for t in PROMPT]
+    hf = reference_model(ckpt).eval()
+    with torch.no_grad():
+        want = hf.generate(torch.tensor([prompt]), max_new_tokens=STEPS, do_sample=False, min_new_tokens=STEPS,
+                           eos_token_id=None)[0, len(prompt):].tolist()
+    resident = load_model(ckpt.path, device="cpu", dtype="float32")
+    assert resident.source.expert_format.quantized
+    assert resident.source.experts.layout.fmt.label == resident.source.expert_format.label
+    got = _generate(resident, prompt)
+    assert got == want, f"{kind}: {got} != transformers' {want}"
+    offload = load_model(ckpt.path, device="cpu", dtype="float32", moe_strategy="offload", moe_cache_size=4)
+    try:
+        assert _generate(offload, prompt) == got
+    finally:
+        offload.model.experts.close()
