@@ -15,9 +15,8 @@ resident_experts.expert_ffn / kernels.moe_decode.moe_gemv (a route at -1 adds ex
   ``dequantize_rows(rows_u8, ids, layout, out_dtype)`` to x.dtype, then the grouped GEMMs over them (a host sync:
   the distinct ids; the grouped mode syncs anyway and is never captured).
 
-The two quantized kernels come from the import below: kernels/moe_decode/quant_reference.py (dequantize to the
-compute dtype, then the bf16 math) until the fast kernels (kernels/moe_decode/quant.py) replace it, with the same
-signatures. A format a path has no kernel for is refused here (`check_supported`), naming the path and the format.
+The two quantized kernels are kernels/moe_decode/quant.py's: Triton on CUDA (decode dequantizes in registers,
+prefill dequantizes the distinct routed rows in one launch), their plain-torch reference elsewhere. A format a path has no kernel for is refused here (`check_supported`), naming the path and the format.
 """
 from __future__ import annotations
 
@@ -26,7 +25,6 @@ from collections.abc import Callable
 import torch
 
 from kernels.moe_decode import CopyPlan, moe_gemv
-# The quantized-expert kernels: point this import at kernels.moe_decode.quant for the fast ones.
 from kernels.moe_decode.quant import dequantize_rows, moe_gemv_quant
 from proto.expert_format import FormatError
 
