@@ -148,9 +148,7 @@ def listen_addresses(args: argparse.Namespace) -> list[tuple[str, str, int, str]
     if args.grpc_port >= 0:
         out.append(("the gRPC control plane", args.grpc_host or args.host, args.grpc_port, "--grpc-port"))
     if args.workers == "process":
-        from coordinator.process_set import DEFAULT_ATTACH_ENGINE_ADDR
-
-        addr = args.engine_addr or (DEFAULT_ATTACH_ENGINE_ADDR if args.attach else "")
+        addr = args.engine_addr or ""             # (the default is an ipc:// socket: no port to check)
         if addr.startswith("tcp://") and ":" in addr[len("tcp://"):]:
             host, _, port = addr[len("tcp://"):].rpartition(":")
             if port.isdigit():
