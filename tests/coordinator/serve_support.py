@@ -16,7 +16,7 @@ from coordinator.ports import free_loopback_port  # noqa: E402
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ENV = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", ""), "PYTHONUNBUFFERED": "1"}
 FT = [sys.executable, "-m", "coordinator.cli"]
-TINY_ARGS = ["--device", "cpu", "--max-context-tokens", "512", "--max-running-requests", "4"]
+TINY_ARGS = ["--preset", "tiny", "--device", "cpu", "--max-context-tokens", "512", "--max-running-requests", "4"]
 
 
 free_port = free_loopback_port
@@ -77,7 +77,8 @@ class Server(Proc):
     def __init__(self, extra: list[str], log_path: Path, *, grpc: bool = True, env: dict | None = None):
         self.port = free_port()
         self.grpc_port = free_port() if grpc else -1
-        super().__init__(["serve", "--port", str(self.port), "--grpc-port", str(self.grpc_port),
+        model = [] if {"--model", "--preset"} & set(extra) else ["--preset", "tiny"]   # (the tests' model)
+        super().__init__(["serve", "--port", str(self.port), "--grpc-port", str(self.grpc_port), *model,
                           "--served-model-name", "tiny", "--drain-timeout-s", "5", *extra], log_path, env)
 
     def wait_listening(self, timeout_s: float = 90.0) -> "Server":

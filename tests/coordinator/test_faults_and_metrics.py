@@ -88,8 +88,8 @@ def test_serve_flag_and_config_field_for_the_give_up_policy():
 
     parser = argparse.ArgumentParser()
     add_arguments(parser)
-    assert listen_config(parser.parse_args([]), None).exit_on_worker_give_up is True
-    assert listen_config(parser.parse_args(["--on-worker-give-up", "stay"]), None).exit_on_worker_give_up is False
+    assert listen_config(parser.parse_args([])).exit_on_worker_give_up is True
+    assert listen_config(parser.parse_args(["--on-worker-give-up", "stay"])).exit_on_worker_give_up is False
 
 
 def _metrics(ls):

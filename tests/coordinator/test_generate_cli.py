@@ -19,13 +19,13 @@ def last_json(capsys) -> dict:
     return json.loads(out[-1])
 
 
-def test_json_output_with_the_tiny_default(capsys):
+def test_json_output_with_the_embedded_default_model(capsys):
     assert main(["generate", "--prompt", "The quick brown", "--max-new-tokens", "6", "--ignore-eos",
                  "--device", "cpu", "--json"]) == 0
     result = last_json(capsys)
     assert len(result["token_ids"]) == 6 and result["finish_reason"] == "length"
     assert isinstance(result["text"], str) and result["text"]
-    assert "tiny-qwen3-moe" in result["model"] and result["device"] == "cpu"
+    assert "default-moe" in result["model"] and result["device"] == "cpu"
     timing = result["timing"]
     assert timing["ttft_s"] > 0 and timing["decode_s"] > 0 and timing["load_s"] >= 0
     assert timing["decode_tokens_per_s"] > 0

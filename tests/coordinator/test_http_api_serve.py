@@ -36,7 +36,7 @@ def test_ft_serve_answers_and_drains_on_sigterm(tmp_path):
            "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen([sys.executable, "-m", "coordinator.cli", "serve", "--device", "cpu", "--port", str(port),
                              "--grpc-port", str(grpc_port), "--max-context-tokens", "2048", "--drain-timeout-s", "90",
-                             "--served-model-name", "tiny"], cwd=REPO, env=env,
+                             "--preset", "tiny", "--served-model-name", "tiny"], cwd=REPO, env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
         _wait_listening(port, proc)
