@@ -9,7 +9,7 @@ import pytest
 from coordinator.cli import main
 from proto.bandwidth_profile import ExpertFormat, load_bandwidth_profile
 
-BASE = ["generate", "--prompt-ids", "5,17,42,99,3", "--max-new-tokens", "10", "--ignore-eos", "--device", "cpu",
+BASE = ["generate", "--preset", "tiny", "--prompt-ids", "5,17,42,99,3", "--max-new-tokens", "10", "--ignore-eos", "--device", "cpu",
         "--json", "--moe-cache-size", "10"]
 
 

@@ -131,7 +131,7 @@ def test_the_retired_copy_flags_are_refused():
 
 
 def test_ft_generate_offload_cache_too_small(capsys):
-    assert main(["generate", "--prompt-ids", "5,17", "--max-new-tokens", "2", "--device", "cpu",
+    assert main(["generate", "--preset", "tiny", "--prompt-ids", "5,17", "--max-new-tokens", "2", "--device", "cpu",
                  "--moe-strategy", "offload", "--moe-cache-size", "3"]) == 2
     assert "at least 8 slots" in capsys.readouterr().err
 
@@ -271,11 +271,11 @@ def test_eviction_freq_weight_travels_from_the_cli_to_the_backend(monkeypatch, c
     monkeypatch.setenv("FREETOKEN_EVICTION_FREQ_HALF_LIFE", "0")
     for flags, want in (([], (32, 0)), (["--eviction-freq-weight", "7", "--eviction-freq-half-life", "96"], (7, 96))):
         with pytest.raises(Stop):
-            main(["generate", "--moe-strategy", "offload", "--moe-cache-size", "32", "--prompt-ids", "1,2",
+            main(["generate", "--preset", "tiny", "--moe-strategy", "offload", "--moe-cache-size", "32", "--prompt-ids", "1,2",
                   "--max-new-tokens", "1", "--device", "cpu", *flags])
     assert seen == [(32, 0), (7, 96)]                      # environment over default, flag over environment
     monkeypatch.setenv("FREETOKEN_EVICTION_FREQ_WEIGHT", "5000")
-    assert main(["generate", "--moe-strategy", "offload", "--prompt-ids", "1", "--device", "cpu"]) != 0
+    assert main(["generate", "--preset", "tiny", "--moe-strategy", "offload", "--prompt-ids", "1", "--device", "cpu"]) != 0
     assert "must be an int in [0, 1024]" in capsys.readouterr().err
 
 
