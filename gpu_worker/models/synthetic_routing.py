@@ -46,10 +46,14 @@ class SyntheticRouting:
             draws = torch.multinomial(popularity.expand(max_positions, -1), top_k,
                                       replacement=False, generator=gen)                    # [P, K]
             layers.append(draws)
-        self._by_position = torch.stack(layers, dim=0).to(device)                          # [L, P, K]
-        self.skew, self.seed, self.source = skew, seed, f"zipf:{skew:g}"
-        self.candidates: torch.Tensor | None = None       # trace replay: [P, L-1, C] predictor candidates
-        self.max_positions, self.top_k = max_positions, top_k
+        self.skew, self.seed = skew, seed
+        self._use_table(torch.stack(layers, dim=0).to(device), f"zipf:{skew:g}", None)
+
+    def _use_table(self, by_position: torch.Tensor, source: str, candidates: torch.Tensor | None) -> None:
+        self._by_position = by_position                                                    # [L, P, K]
+        self.source = source
+        self.candidates = candidates                     # trace replay: [P, L-1, C] predictor candidates
+        self.max_positions, self.top_k = by_position.shape[1], by_position.shape[2]
         self._positions: torch.Tensor | None = None      # the forward's positions (held: `is` stays exact)
         self._by_layer: torch.Tensor | None = None       # [L, T, K] ids of that forward
 
@@ -88,12 +92,9 @@ class SyntheticRouting:
         wrap = torch.arange(max_positions) % trace.num_tokens                                # [P]
         self = cls.__new__(cls)
         experts = torch.from_numpy(trace.experts)[wrap]                                     # [P, L, K]
-        self._by_position = experts.transpose(0, 1).contiguous().to(device)                  # [L, P, K]
-        self.candidates = torch.from_numpy(trace.candidates)[wrap]                          # [P, L-1, C]
-        self.skew, self.seed, self.source = None, None, f"trace:{path}"
-        self.max_positions, self.top_k = max_positions, trace.top_k
-        self._positions = None
-        self._by_layer = None
+        self.skew, self.seed = None, None
+        self._use_table(experts.transpose(0, 1).contiguous().to(device), f"trace:{path}",
+                        torch.from_numpy(trace.candidates)[wrap])                          # [P, L-1, C]
         return self
 
     def ids(self, layer: int, positions: torch.Tensor) -> torch.Tensor:
