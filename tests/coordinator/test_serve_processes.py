@@ -283,7 +283,7 @@ def test_hybrid_device_handoff_under_ft_serve_on_the_gpu(tmp_path):
     (the hand-off of decode steps on a GPU), the coordinator supervises one CPU
     worker. Greedy answers equal a resident `ft serve` on the same GPU, before and after the CPU worker is
     SIGKILLed mid-service (the failed step is re-run as offload, the worker restarted and re-admitted)."""
-    gpu_args = ["--device", "cuda", *TINY_ARGS[2:]]
+    gpu_args = [a if a != "cpu" else "cuda" for a in TINY_ARGS]      # --preset tiny --device cuda ...
     resident = Server(["--moe-strategy", "resident", *gpu_args], tmp_path / "resident.log")
     try:
         resident.wait_listening(180)

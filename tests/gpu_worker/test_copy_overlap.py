@@ -368,11 +368,10 @@ def _routes(n, K, E, seed):
 def test_gpu_copy_beside_the_gemms_matches_the_host_weights(overlap, split):
     from kernels.slot_cache import ensure
     layout, host, cache, slots, resident = _gpu_case()
-    w13, w2 = unpack_experts(slots, layout)
     r13, r2 = unpack_experts(resident, layout)
     side = torch.cuda.Stream() if overlap else None
     timer = CopyTimer(1, on_cuda=True)
-    plan = DecodeCopy(slots, [host], cache, w13, w2, stream=side, split=split, timer=timer)
+    plan = DecodeCopy(slots, [host], cache, expert_rows(slots, layout), stream=side, split=split, timer=timer)
     g = torch.Generator().manual_seed(1)
     for ids in _routes(40, 8, 24, seed=2):
         ids = ids.cuda()
@@ -390,11 +389,10 @@ def test_gpu_copy_beside_the_gemms_matches_the_host_weights(overlap, split):
 def test_gpu_copy_beside_the_gemms_in_a_cuda_graph(split):
     from kernels.slot_cache import ensure
     layout, host, cache, slots, resident = _gpu_case()
-    w13, w2 = unpack_experts(slots, layout)
     r13, r2 = unpack_experts(resident, layout)
     side = torch.cuda.Stream()
     timer = CopyTimer(1, on_cuda=True)
-    plan = DecodeCopy(slots, [host], cache, w13, w2, stream=side, split=split, timer=timer)
+    plan = DecodeCopy(slots, [host], cache, expert_rows(slots, layout), stream=side, split=split, timer=timer)
     routes_in = torch.zeros(1, 8, dtype=torch.int64, device="cuda")
     x = torch.zeros(1, layout.hidden_size, dtype=torch.bfloat16, device="cuda")
     w = torch.zeros(1, 8, device="cuda")
