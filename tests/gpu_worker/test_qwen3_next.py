@@ -156,3 +156,47 @@ def test_hybrid_gives_the_resident_tokens(checkpoint, resident, tmp_path, monkey
         assert loaded.model.experts.counters()["expert_misses_total"] > 0
     finally:
         loaded.model.experts.close()
+
+
+def test_the_80b_preset_has_the_real_shapes():
+    from gpu_worker.models import presets
+    cfg = presets.preset_config("qwen3-next-80b-a3b")
+    assert (cfg.num_layers, cfg.num_experts, cfg.top_k, cfg.hidden_size, cfg.expert_intermediate_size) == \
+        (48, 512, 10, 2048, 512)
+    assert cfg.layer_types.count("full_attention") == 12 == cfg.num_kv_layers
+    assert all(t == "full_attention" for t in cfg.layer_types[3::4])
+    assert cfg.shared_expert_intermediate_size == 512 and cfg.linear_attention.conv_dim == 8192
+    # 36 linear layers x (32 x 128 x 128 fp32 + 8192 x 3 bf16) a request
+    assert StateCache.nbytes_for(cfg, 1, torch.bfloat16) == 36 * (32 * 128 * 128 * 4 + 8192 * 3 * 2)
+    assert presets.describe(cfg).startswith("Qwen3NextForCausalLM: 48 layers, 512 experts top-10")
+
+
+def mini_next():
+    from gpu_worker.models import presets
+    cfg = presets.preset_config("qwen3-next-80b-a3b")
+    lin = cfg.linear_attention.__class__(num_key_heads=2, num_value_heads=4, key_head_dim=8, value_head_dim=8,
+                                         conv_kernel_dim=4)
+    return cfg.replace(vocab_size=96, hidden_size=64, num_layers=4, num_heads=4, num_kv_heads=2, head_dim=16,
+                       num_experts=8, top_k=2, expert_intermediate_size=32, shared_expert_intermediate_size=48,
+                       dtype="float32", layer_types=cfg.layer_types[:4], linear_attention=lin,
+                       extra={"initializer_range": 0.3}, eos_token_ids=(3,))
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "nvfp4"])
+def test_a_mini_preset_written_to_disk_loads_in_transformers(monkeypatch, tmp_path, fmt):
+    """A preset-shaped random model: in memory equals written to disk, transformers reads the checkpoint with the
+    same logits, and the experts serve as NVFP4 too (quantized while loading)."""
+    import transformers
+    from gpu_worker.models import presets
+    monkeypatch.setenv("FT_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setitem(presets.PRESETS, "mini-next", mini_next())
+    in_memory = load_model(preset="mini-next", device="cpu", seed=5, expert_format=fmt)
+    on_disk = load_model(tmp_path / "mini", preset="mini-next", device="cpu", seed=5, expert_format=fmt)
+    prompt = [int(t) for t in torch.arange(1, 40) * 5 % 96]
+    tokens = engine(in_memory).generate([prompt], SamplingParams(max_new_tokens=8, ignore_eos=True))
+    assert engine(on_disk).generate([prompt], SamplingParams(max_new_tokens=8, ignore_eos=True)) == tokens
+    if fmt == "bf16":
+        hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "mini"), dtype=torch.float32).eval()
+        with torch.no_grad():
+            expected = hf(torch.tensor([prompt])).logits[0]
+        assert rel_err(prefill_logits(on_disk, prompt, 64), expected) <= REL_TOL
