@@ -30,8 +30,10 @@ def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, ep
     return ((weight * x32.to(x.dtype)) * F.silu(gate.float())).to(x.dtype)
 
 
-def gated_deltanet(cfg: MoeConfig, w, h: torch.Tensor, states, layer: int, impl: str = "auto") -> torch.Tensor:
-    """h [T, H] (normed) -> [T, H]; reads and writes linear layer ``layer``'s state rows in ``states``."""
+def gated_deltanet(cfg: MoeConfig, w, h: torch.Tensor, states, layer: int, impl: str = "auto",
+                   linear=F.linear) -> torch.Tensor:
+    """h [T, H] (normed) -> [T, H]; reads and writes linear layer ``layer``'s state rows in ``states``. ``linear``:
+    the dense projection (the model's: F.linear or a decode GEMV)."""
     lin = cfg.linear_attention
     T = h.shape[0]
     Hk, Hv, Dk, Dv = lin.num_key_heads, lin.num_value_heads, lin.key_head_dim, lin.value_head_dim
@@ -41,8 +43,8 @@ def gated_deltanet(cfg: MoeConfig, w, h: torch.Tensor, states, layer: int, impl:
         raise ValueError(f"{T} tokens do not split into {B} sequences of equal length")
     L = T // B
     # in_proj_qkvz rows are grouped per key head: [q Dk | k Dk | v r*Dv | z r*Dv]; in_proj_ba: [b r | a r]
-    q, k, v, z = F.linear(h, w.in_proj_qkvz).view(T, Hk, 2 * Dk + 2 * r * Dv).split([Dk, Dk, r * Dv, r * Dv], -1)
-    b, a = F.linear(h, w.in_proj_ba).view(T, Hk, 2 * r).split([r, r], -1)
+    q, k, v, z = linear(h, w.in_proj_qkvz).view(T, Hk, 2 * Dk + 2 * r * Dv).split([Dk, Dk, r * Dv, r * Dv], -1)
+    b, a = linear(h, w.in_proj_ba).view(T, Hk, 2 * r).split([r, r], -1)
     mixed = torch.cat((q.reshape(T, -1), k.reshape(T, -1), v.reshape(T, -1)), dim=-1)   # [T, C]
     conv_state, rec_state = states.read(layer)
     mixed, conv_state = causal_conv(mixed.view(B, L, -1), conv_state, w.conv1d)
@@ -54,4 +56,4 @@ def gated_deltanet(cfg: MoeConfig, w, h: torch.Tensor, states, layer: int, impl:
     o, rec_state = rule(q, k, v, g, beta, rec_state, impl=impl)                   # [B, L, Hv, Dv]
     states.write(layer, conv_state, rec_state)
     o = gated_rms_norm(o.reshape(T, Hv, Dv), z.reshape(T, Hv, Dv), w.linear_norm, cfg.rms_norm_eps)
-    return F.linear(o.reshape(T, Hv * Dv), w.out_proj)                            # [T, H]
+    return linear(o.reshape(T, Hv * Dv), w.out_proj)                            # [T, H]

@@ -19,6 +19,8 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
+from kernels import dense_gemv
+
 from .config import LINEAR_ATTENTION, MoeConfig
 from .dense_weights import DenseWeights
 from .expert_backend import ExpertBackend
@@ -87,6 +89,8 @@ class Qwen3NextModel:
         self.rope = RotaryTable(self.rotary_dim, cfg.rope_theta, max_positions, self.device)
         self.fused_kernels = False
         self.delta_impl = "auto"          # kernels.gated_delta impl: "auto" | "fla" | "reference"
+        # the dense projections at decode sizes: "gemv" (kernels/dense_gemv, on CUDA) or "torch" (F.linear)
+        self._dense_linear = "gemv" if self.device.type == "cuda" else "torch"
         self.routing_override = None      # benchmarks of random-weight presets (synthetic_routing.py)
         # layer -> its ordinal among the layers of its kind (KV cache layer / state cache layer)
         self.mixer_index: list[int] = []
@@ -97,9 +101,24 @@ class Qwen3NextModel:
             counts[kind] += 1
         self.num_linear_layers, self.num_full_layers = counts["linear"], counts["full"]
 
+    DENSE_LINEARS = ("gemv", "torch")
+
     @property
     def dense_linear(self) -> str:
-        return "torch"
+        return self._dense_linear
+
+    @dense_linear.setter
+    def dense_linear(self, value: str) -> None:
+        if value not in self.DENSE_LINEARS:
+            raise ValueError(f"dense_linear must be one of {', '.join(self.DENSE_LINEARS)}, got {value!r}")
+        self._dense_linear = value
+
+    def linear(self, h: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """A dense projection: kernels.dense_gemv where it beats cuBLAS (``dense_linear`` "gemv": one decode token,
+        router-sized outputs to 4), else F.linear."""
+        if self._dense_linear == "gemv" and dense_gemv.preferred(h.shape[0], w.shape[0]):
+            return dense_gemv.linear_gemv(h, w)
+        return F.linear(h, w)
 
     def ensure_positions(self, max_positions: int) -> None:
         if self.rope.max_positions < max_positions:
@@ -118,7 +137,8 @@ class Qwen3NextModel:
         for i, layer in enumerate(self.dense.layers):
             h = next_rms_norm(x, layer.attn_norm, eps)
             if cfg.layer_types[i] == LINEAR_ATTENTION:
-                x = x + gated_deltanet(cfg, layer, h, attn.states, self.mixer_index[i], self.delta_impl)
+                x = x + gated_deltanet(cfg, layer, h, attn.states, self.mixer_index[i], self.delta_impl,
+                                       self.linear)
             else:
                 x = x + self._attention(self.mixer_index[i], layer, h, cos, sin, attn.attn)
             x = x + self._moe(i, layer, next_rms_norm(x, layer.mlp_norm, eps), positions)
@@ -131,14 +151,14 @@ class Qwen3NextModel:
                    sin: torch.Tensor, attn: AttentionContext) -> torch.Tensor:
         cfg = self.cfg
         T, Hq, Hkv, D = h.shape[0], cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        q, gate = F.linear(h, layer.q_proj).view(T, Hq, 2 * D).chunk(2, dim=-1)   # [T, Hq, D] each
+        q, gate = self.linear(h, layer.q_proj).view(T, Hq, 2 * D).chunk(2, dim=-1)   # [T, Hq, D] each
         q = next_rms_norm(q, layer.q_norm, cfg.rms_norm_eps)
-        k = next_rms_norm(F.linear(h, layer.k_proj).view(T, Hkv, D), layer.k_norm, cfg.rms_norm_eps)
-        v = F.linear(h, layer.v_proj).view(T, Hkv, D)
+        k = next_rms_norm(self.linear(h, layer.k_proj).view(T, Hkv, D), layer.k_norm, cfg.rms_norm_eps)
+        v = self.linear(h, layer.v_proj).view(T, Hkv, D)
         q, k = apply_partial_rope(q, cos, sin), apply_partial_rope(k, cos, sin)
         out = attn.attend(kv_layer, q.contiguous(), k.contiguous(), v)  # [T, Hq, D]
         out = out.reshape(T, cfg.q_size) * torch.sigmoid(gate.reshape(T, cfg.q_size))
-        return F.linear(out, layer.o_proj)                              # [T, H]
+        return self.linear(out, layer.o_proj)                              # [T, H]
 
     def _moe(self, i: int, layer: NextLayerWeights, h: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         topk_ids, topk_weights = route(self.cfg, h, layer.router)       # [T, K], [T, K]
@@ -146,6 +166,6 @@ class Qwen3NextModel:
             topk_ids = self.routing_override.ids(i, positions)
         # the weights rounded to the model dtype first, as transformers does; the backends take fp32
         routed = self.experts.forward(i, h, topk_ids, topk_weights.to(h.dtype).float())   # [T, H]
-        shared = F.linear(F.silu(F.linear(h, layer.shared_gate_proj)) * F.linear(h, layer.shared_up_proj),
-                          layer.shared_down_proj)
-        return routed + torch.sigmoid(F.linear(h, layer.shared_expert_gate)) * shared
+        act = F.silu(self.linear(h, layer.shared_gate_proj)) * self.linear(h, layer.shared_up_proj)
+        shared = self.linear(act, layer.shared_down_proj)
+        return routed + torch.sigmoid(self.linear(h, layer.shared_expert_gate)) * shared

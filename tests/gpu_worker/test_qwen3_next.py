@@ -200,3 +200,42 @@ def test_a_mini_preset_written_to_disk_loads_in_transformers(monkeypatch, tmp_pa
         with torch.no_grad():
             expected = hf(torch.tensor([prompt])).logits[0]
         assert rel_err(prefill_logits(on_disk, prompt, 64), expected) <= REL_TOL
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("strategy", ["resident", "offload"])
+def test_gpu_engine_with_cuda_graphs_gives_the_cpu_tokens(checkpoint, resident, strategy):
+    """On CUDA (float32; the fla kernels where fla imports, dense_gemv at T = 1, decode in CUDA graphs with the state
+    rows inside them), two requests joining at different steps give the CPU reference's tokens."""
+    prompts = [prompt_ids(70, seed=60), prompt_ids(9, seed=61)]
+    expected = engine(resident, running=2, chunk=16).generate(prompts, PARAMS)
+    cuda = load_model(checkpoint[1], device="cuda", dtype="float32", moe_strategy=strategy,
+                      moe_cache_size=10 if strategy == "offload" else None)
+    eng = engine(cuda, running=2, chunk=16)
+    assert eng.graphs is not None
+    assert eng.generate(prompts, PARAMS) == expected
+    assert eng.graphs.replays > 0
+    assert eng.generate(prompts, PARAMS) == expected        # the graphs replayed again over fresh state rows
+
+
+@pytest.mark.gpu
+def test_gpu_bf16_decode_follows_its_own_prefill(checkpoint):
+    """bf16 on CUDA: each greedy token of the decode steps (recurrent state carried through the graphs) is the argmax
+    of one prefill over the same sequence (bf16 rounding may flip a near tie: at most one of 16), and the logits of
+    two prefills agree on their common positions."""
+    loaded = load_model(checkpoint[1], device="cuda", dtype="bfloat16")
+    prompt = prompt_ids(40, seed=62)
+    tokens = engine(loaded, chunk=64).generate([prompt], SamplingParams(max_new_tokens=16, ignore_eos=True))[0]
+    full = prefill_logits_on(loaded, prompt + tokens)
+    agree = sum(int(full[len(prompt) - 1 + t].argmax()) == tok for t, tok in enumerate(tokens))
+    assert agree >= 15
+    again = prefill_logits_on(loaded, prompt + tokens[:8])
+    assert rel_err(full[: len(prompt) + 8], again) <= 2e-2
+
+
+def prefill_logits_on(loaded, ids: list[int]) -> torch.Tensor:
+    cfg, dev = loaded.cfg, loaded.device
+    kv = KVCache(cfg, max_batch=1, max_context_tokens=256, dtype=loaded.model.dtype, device=dev)
+    states = StateCache(cfg, max_batch=1, dtype=loaded.model.dtype, device=dev)
+    attn = StatefulContext(PrefillAttention(kv, 0, 0, len(ids)), states.prefill(0, 0))
+    return loaded.model.forward(torch.tensor(ids, device=dev), torch.arange(len(ids), device=dev), attn).float().cpu()
