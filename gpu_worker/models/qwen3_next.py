@@ -26,7 +26,7 @@ from .dense_weights import DenseWeights
 from .expert_backend import ExpertBackend
 from .gated_deltanet import gated_deltanet
 from .layers import RotaryTable, route
-from .model import AttentionContext
+from .model import AttentionContext, DenseLinearChoice
 from .qwen3_next_config import rotary_dim
 from .qwen3_next_weights import NextLayerWeights
 
@@ -67,7 +67,7 @@ def apply_partial_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) ->
     return torch.cat((rot * cos + rotated * sin, rest), dim=-1)
 
 
-class Qwen3NextModel:
+class Qwen3NextModel(DenseLinearChoice):
     def __init__(self, cfg: MoeConfig, dense: DenseWeights, experts: ExpertBackend, max_positions: int,
                  fused_kernels: bool | None = None):
         """fused_kernels: None or False (qwen3_next runs the plain torch forward; the fused kernels of
@@ -100,18 +100,6 @@ class Qwen3NextModel:
             self.mixer_index.append(counts[kind])
             counts[kind] += 1
         self.num_linear_layers, self.num_full_layers = counts["linear"], counts["full"]
-
-    DENSE_LINEARS = ("gemv", "torch")
-
-    @property
-    def dense_linear(self) -> str:
-        return self._dense_linear
-
-    @dense_linear.setter
-    def dense_linear(self, value: str) -> None:
-        if value not in self.DENSE_LINEARS:
-            raise ValueError(f"dense_linear must be one of {', '.join(self.DENSE_LINEARS)}, got {value!r}")
-        self._dense_linear = value
 
     def linear(self, h: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """A dense projection: kernels.dense_gemv where it beats cuBLAS (``dense_linear`` "gemv": one decode token,
