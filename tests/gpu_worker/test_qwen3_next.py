@@ -121,6 +121,12 @@ def test_state_rows_are_zeroed_when_a_request_ends(resident):
     eng = engine(resident)
     eng.generate([prompt_ids(8, seed=40)], SamplingParams(max_new_tokens=3, ignore_eos=True))
     assert eng.states.recurrent.abs().sum() == 0 and eng.states.conv.abs().sum() == 0
+    rid = eng.add_request(prompt_ids(8, seed=41), SamplingParams(max_new_tokens=30, ignore_eos=True))
+    eng.step()
+    eng.step()
+    assert eng.states.recurrent.abs().sum() > 0                       # prefilled and decoding: its row holds state
+    assert eng.abort(rid)
+    assert eng.states.recurrent.abs().sum() == 0 and eng.states.conv.abs().sum() == 0
     assert eng.states.nbytes == StateCache.nbytes_for(resident.cfg, 1, torch.float32)
 
 
@@ -141,14 +147,16 @@ def test_a_plain_attention_context_is_refused(resident):
         resident.model.forward(torch.tensor([1, 2]), torch.arange(2), PrefillAttention(kv, 0, 0, 2))
 
 
-def test_hybrid_gives_the_resident_tokens(checkpoint, resident, tmp_path, monkeypatch):
-    """The routed experts split between PCIe fetches and two CPU expert processes (a cache of 10 of 32 experts)."""
+@pytest.mark.parametrize("strategy", ["hybrid", "cpu"])
+def test_hybrid_and_cpu_give_the_resident_tokens(checkpoint, resident, tmp_path, monkeypatch, strategy):
+    """The routed experts split between PCIe fetches and two CPU expert processes (hybrid, a cache of 10 of 32
+    experts), or every miss computed by the CPU processes (cpu)."""
     from gpu_worker.hybrid import HybridOptions
     from tests.cpu_expert_pool.cpu_pool_util import load_with_resources
     monkeypatch.setenv("FT_CACHE_DIR", str(tmp_path))
     prompts = [prompt_ids(13, seed=50), prompt_ids(7, seed=51)]
     expected = engine(resident, running=2).generate(prompts, PARAMS)
-    loaded = load_with_resources("hybrid", device="cpu", cache_size=10, model_dir=checkpoint[1], dtype="float32",
+    loaded = load_with_resources(strategy, device="cpu", cache_size=10, model_dir=checkpoint[1], dtype="float32",
                                  worker_args=("--threads", "1", "--no-pin", "--hot-ms", "1", "--sleep-max-us", "200"),
                                  hybrid=HybridOptions(cpu_deadline_s=20.0, fetch_fraction=0.5))
     try:
