@@ -74,11 +74,17 @@ class DecodeGraphs:
         static = DecodeInputs(inputs.token_ids.clone(), inputs.positions.clone(),
                               inputs.slot_ids.clone(), inputs.num_rows, inputs.bucket_tokens,
                               inputs.rows_are_slots)
+        states = self.engine.states             # linear-layer states: the warm-ups must not advance them
+        saved = states.snapshot(static.slot_ids) if states is not None else None
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             for _ in range(WARMUP_RUNS):
+                if saved is not None:
+                    states.restore(static.slot_ids, saved)
                 self.engine.decode_forward(static)
+            if saved is not None:
+                states.restore(static.slot_ids, saved)
         torch.cuda.current_stream().wait_stream(side)
         # After the warm-ups, which may have changed the backend's state (an eager failure); the capture itself
         # must not change it (HybridExperts does so only in step_begin / step_end, outside the forward).

@@ -22,8 +22,10 @@ from typing import Hashable, Iterable
 import torch
 
 from ..models.model import MoeModel
+from ..models.qwen3_next import StatefulContext
 from .attention import ATTENTION_BACKENDS, DecodeAttention, PrefillAttention, decode_bucket_tokens
 from .kv_cache import KVCache
+from .state_cache import StateCache
 from .request import Request, StepOutput
 from .sampling import FINISH_ABORT, RequestSampler, SamplingParams, sample_batch_device
 from .scheduler import PrefillChunk, Scheduler
@@ -124,6 +126,9 @@ class Engine:
         self.eos_token_ids = frozenset(cfg.eos_token_ids if eos_token_ids is None else eos_token_ids)
         self.kv = KVCache(cfg, self.config.max_running_requests, self.max_context_tokens, model.dtype,
                           self.device)
+        # the linear-attention layers' per-request state (qwen3_next), in the rows of the KV cache's requests
+        self.states = (StateCache(cfg, self.config.max_running_requests, model.dtype, self.device)
+                       if cfg.linear_attention is not None else None)
         self.prefill_chunk_tokens = (self.config.prefill_chunk_tokens
                                      or model.experts.preferred_prefill_chunk_tokens()
                                      or DEFAULT_PREFILL_CHUNK_TOKENS)
@@ -170,7 +175,7 @@ class Engine:
         if req is None:
             return False
         req.finish_reason = FINISH_ABORT
-        self.scheduler.remove(req)
+        self._release(req)
         self.stats.requests_aborted += 1
         return True
 
@@ -204,10 +209,16 @@ class Engine:
     def _retire(self, outputs: list[StepOutput]) -> list[StepOutput]:
         for out in outputs:
             if out.finished:
-                self.scheduler.remove(self.scheduler.find(out.request_id))
+                self._release(self.scheduler.find(out.request_id))
                 self.stats.requests_finished += 1
         self.stats.generated_tokens += len(outputs)
         return outputs
+
+    def _release(self, req: Request) -> None:
+        """Take a finished or aborted request out; its KV row and state rows go back to the pool (states zeroed)."""
+        if self.states is not None and req.slot is not None:
+            self.states.reset(req.slot)
+        self.scheduler.remove(req)
 
     def _take_stale_ahead(self) -> list[StepOutput]:
         """The tokens of the decode step queued ahead if the next plan will not decode exactly its batch (a request
@@ -259,6 +270,8 @@ class Engine:
         token_ids = torch.tensor(req.prompt_ids[start:start + n], dtype=torch.int64, device=self.device)
         positions = torch.arange(start, start + n, dtype=torch.int64, device=self.device)
         attn = PrefillAttention(self.kv, req.slot, start, n, self.model.cfg.sliding_window)
+        if self.states is not None:
+            attn = StatefulContext(attn, self.states.prefill(req.slot, start))
         rows = torch.tensor([n - 1] if chunk.is_last else [], dtype=torch.int64, device=self.device)
         logits = self.model.forward(token_ids, positions, attn, logit_rows=rows)      # [0 or 1, V]
         req.num_prefilled += n
@@ -296,6 +309,8 @@ class Engine:
         attn = DecodeAttention(self.kv, inputs.slot_ids, inputs.positions, inputs.num_rows,
                                inputs.bucket_tokens, inputs.rows_are_slots, self.model.cfg.sliding_window,
                                backend=self.config.attention_backend)
+        if self.states is not None:
+            attn = StatefulContext(attn, self.states.decode(inputs.slot_ids))
         return self.model.forward(inputs.token_ids, inputs.positions, attn)
 
     def _decode(self, reqs: list[Request]) -> list[StepOutput]:
@@ -335,7 +350,11 @@ class Engine:
         """Queue one decode forward and its sampling; the ids stay on the device (and are copied to pinned host
         memory behind them) until `_DecodeStep.token_ids` reads them."""
         experts = self.model.experts
+        # a retried step must start from the same linear-layer states (their update is not idempotent)
+        saved = self.states.snapshot(inputs.slot_ids) if self.states is not None else None
         for attempt in range(DECODE_ATTEMPTS):
+            if attempt and saved is not None:
+                self.states.restore(inputs.slot_ids, saved)
             experts.step_begin()
             if self.graphs is not None and self.graphs.usable(len(reqs)):
                 logits = self.graphs.run(inputs)

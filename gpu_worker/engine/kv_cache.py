@@ -1,6 +1,7 @@
 """`KVCache`: one fixed allocation for every running request's keys and values.
 
-    k, v: [L, B, S, Hkv, D]    L layers, B = max_running_requests rows (one per request slot),
+    k, v: [L, B, S, Hkv, D]    L layers that keep K/V (cfg.num_kv_layers: all; qwen3_next: its full-attention
+                               ones), B = max_running_requests rows (one per request slot),
                                S = max_context_tokens, Hkv kv heads, D head_dim
 
 A request owns one row (its slot) from admission to finish; token t of that request lives at
@@ -16,10 +17,10 @@ from ..models.config import MoeConfig
 class KVCache:
     def __init__(self, cfg: MoeConfig, max_batch: int, max_context_tokens: int, dtype: torch.dtype,
                  device: torch.device):
-        self.num_layers, self.max_batch = cfg.num_layers, max_batch
+        self.num_layers, self.max_batch = cfg.num_kv_layers, max_batch
         self.max_context_tokens = max_context_tokens
         self.num_kv_heads, self.head_dim = cfg.num_kv_heads, cfg.head_dim
-        shape = (cfg.num_layers, max_batch, max_context_tokens, cfg.num_kv_heads, cfg.head_dim)
+        shape = (cfg.num_kv_layers, max_batch, max_context_tokens, cfg.num_kv_heads, cfg.head_dim)
         need = self.nbytes_for(cfg, max_batch, max_context_tokens, dtype)
         if device.type == "cuda":
             free_bytes, _ = torch.cuda.mem_get_info(device)
@@ -35,7 +36,7 @@ class KVCache:
     @staticmethod
     def nbytes_for(cfg: MoeConfig, max_batch: int, max_context_tokens: int, dtype: torch.dtype) -> int:
         elem = torch.empty((), dtype=dtype).element_size()
-        return 2 * cfg.num_layers * max_batch * max_context_tokens * cfg.kv_size * elem
+        return 2 * cfg.num_kv_layers * max_batch * max_context_tokens * cfg.kv_size * elem
 
     @property
     def nbytes(self) -> int:

@@ -24,9 +24,11 @@ ARCHITECTURES: dict[str, str] = {
     "Qwen3MoeForCausalLM": "qwen3",
     "OlmoeForCausalLM": "olmoe",
     "MixtralForCausalLM": "mixtral",
+    "Qwen3NextForCausalLM": "qwen3_next",      # Gated DeltaNet + gated attention hybrid (qwen3_next.py)
 }
 HF_ARCH_OF = {v: k for k, v in ARCHITECTURES.items()}
-HF_MODEL_TYPE_OF = {"qwen3": "qwen3_moe", "olmoe": "olmoe", "mixtral": "mixtral"}
+HF_MODEL_TYPE_OF = {"qwen3": "qwen3_moe", "olmoe": "olmoe", "mixtral": "mixtral", "qwen3_next": "qwen3_next"}
+LINEAR_ATTENTION, FULL_ATTENTION = "linear_attention", "full_attention"   # qwen3_next's layer_types
 
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
 
@@ -36,6 +38,28 @@ def _first(raw: dict[str, Any], *keys: str, default: Any = None) -> Any:
         if raw.get(key) is not None:
             return raw[key]
     return default
+
+
+@dataclass(frozen=True)
+class LinearAttentionShape:
+    """qwen3_next's Gated DeltaNet layers: key/value heads and head sizes, the short convolution's width."""
+    num_key_heads: int              # Hk
+    num_value_heads: int            # Hv (a multiple of Hk)
+    key_head_dim: int               # Dk
+    value_head_dim: int             # Dv
+    conv_kernel_dim: int            # the causal depthwise conv1d's kernel (4)
+
+    @property
+    def key_dim(self) -> int:
+        return self.num_key_heads * self.key_head_dim
+
+    @property
+    def value_dim(self) -> int:
+        return self.num_value_heads * self.value_head_dim
+
+    @property
+    def conv_dim(self) -> int:      # channels of the conv: q, k and v
+        return 2 * self.key_dim + self.value_dim
 
 
 @dataclass(frozen=True)
@@ -64,6 +88,12 @@ class MoeConfig:
     expert_format: str = "bf16"     # the experts' format in the checkpoint (quantization_config; bf16: float)
     extra: dict[str, Any] = field(default_factory=dict, compare=False)  # unparsed HF fields to keep
     quantization: dict[str, Any] = field(default_factory=dict, compare=False)  # the raw quantization_config
+    # qwen3_next only: each layer's token mixer, the rotary share of head_dim, the shared expert's width and
+    # the linear layers' shape (empty / 1.0 / 0 / None elsewhere: every layer is full attention)
+    layer_types: tuple[str, ...] = ()
+    partial_rotary_factor: float = 1.0
+    shared_expert_intermediate_size: int = 0
+    linear_attention: LinearAttentionShape | None = None
 
     def __post_init__(self) -> None:
         if self.arch not in HF_ARCH_OF:
@@ -79,6 +109,19 @@ class MoeConfig:
             raise ValueError(f"dtype {self.dtype!r} is not supported; use one of {', '.join(DTYPE_NAMES)}")
         from proto.expert_format import ExpertFormat
         object.__setattr__(self, "expert_format", ExpertFormat.parse(self.expert_format).label)
+        if isinstance(self.linear_attention, dict):          # replace() passes asdict's dict
+            object.__setattr__(self, "linear_attention", LinearAttentionShape(**self.linear_attention))
+        object.__setattr__(self, "layer_types", tuple(self.layer_types))
+        if self.arch == "qwen3_next":
+            from .qwen3_next_config import check_qwen3_next
+            check_qwen3_next(self)
+
+    @property
+    def num_kv_layers(self) -> int:
+        """Layers that keep K/V in the KV cache (qwen3_next: its full-attention layers; elsewhere all)."""
+        if not self.layer_types:
+            return self.num_layers
+        return sum(t == FULL_ATTENTION for t in self.layer_types)
 
     @property
     def q_size(self) -> int:
@@ -111,7 +154,7 @@ class MoeConfig:
         hidden = int(raw["hidden_size"])
         heads = int(raw["num_attention_heads"])
         rope = raw.get("rope_parameters") or {}
-        if arch == "qwen3":
+        if arch in ("qwen3", "qwen3_next"):
             experts = _first(raw, "num_experts", "num_local_experts")
             inter = raw["moe_intermediate_size"]
         elif arch == "olmoe":
@@ -147,6 +190,7 @@ class MoeConfig:
             pad_token_id=raw.get("pad_token_id"), expert_format=fmt.label,
             extra={k: raw[k] for k in ("intermediate_size", "initializer_range") if k in raw},
             quantization=dict(quant) if isinstance(quant, dict) else {},
+            **(qwen3_next_fields(raw, source) if arch == "qwen3_next" else {}),
         )
 
     @classmethod
@@ -183,6 +227,10 @@ class MoeConfig:
         }
         if self.quantization:
             raw["quantization_config"] = dict(self.quantization)
+        if self.arch == "qwen3_next":
+            from .qwen3_next_config import qwen3_next_hf_fields
+            raw.update(qwen3_next_hf_fields(self))
+            return raw
         inter_dense = self.extra.get("intermediate_size", self.expert_intermediate_size)
         if self.arch == "qwen3":
             raw.update(num_experts=self.num_experts, moe_intermediate_size=self.expert_intermediate_size,
@@ -199,6 +247,11 @@ class MoeConfig:
         return raw
 
 
+def qwen3_next_fields(raw: dict[str, Any], source: str) -> dict[str, Any]:
+    from .qwen3_next_config import qwen3_next_fields_from_hf
+    return qwen3_next_fields_from_hf(raw, source)
+
+
 def _reject_unsupported(arch: str, raw: dict[str, Any], source: str) -> None:
     """Raise for config features this implementation does not compute (never silently ignore)."""
     rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
@@ -211,7 +264,7 @@ def _reject_unsupported(arch: str, raw: dict[str, Any], source: str) -> None:
         raise ValueError(f"{source}: hidden_act={act!r} is not supported (only silu)")
     if raw.get("attention_bias"):
         raise ValueError(f"{source}: attention_bias=true is not supported")
-    if arch == "qwen3":
+    if arch in ("qwen3", "qwen3_next"):
         step = int(raw.get("decoder_sparse_step", 1))
         dense = raw.get("mlp_only_layers") or []
         if step != 1 or dense:

@@ -69,6 +69,9 @@ def fuse_qkv(weights: DenseWeights) -> None:
 def load_dense_weights(reader: CheckpointReader, cfg: MoeConfig, device: torch.device | str,
                        dtype: torch.dtype) -> DenseWeights:
     """Read every dense tensor, check its shape against ``cfg``, move it to ``device`` as ``dtype``."""
+    if cfg.arch == "qwen3_next":
+        from .qwen3_next_weights import load_next_dense
+        return load_next_dense(reader, cfg, device, dtype)
     def get(name: str, shape: tuple[int, ...]) -> torch.Tensor:
         return reader.get(name, shape).to(device=device, dtype=dtype)
 
@@ -97,6 +100,9 @@ def random_dense_weights(cfg: MoeConfig, device: torch.device | str, dtype: torc
     Each tensor has its own generator keyed by (seed, layer, field), so values do not depend on the
     order of generation; they do depend on the device kind.
     """
+    if cfg.arch == "qwen3_next":
+        from .qwen3_next_weights import random_next_dense
+        return random_next_dense(cfg, device, dtype, seed, std=std)
     def normal(shape: tuple[int, ...], *key: int) -> torch.Tensor:
         out = torch.empty(shape, device=device, dtype=dtype)
         return out.normal_(0.0, std, generator=seeded_generator(device, seed, *key))
@@ -119,6 +125,9 @@ def random_dense_weights(cfg: MoeConfig, device: torch.device | str, dtype: torc
 
 def dense_state_dict(cfg: MoeConfig, weights: DenseWeights) -> dict[str, torch.Tensor]:
     """Hub tensor names -> tensors (for writing a checkpoint)."""
+    if cfg.arch == "qwen3_next":
+        from .qwen3_next_weights import next_dense_state_dict
+        return next_dense_state_dict(cfg, weights)
     state = {EMBED: weights.embed, FINAL_NORM: weights.final_norm}
     if not cfg.tie_word_embeddings:
         state[LM_HEAD] = weights.lm_head

@@ -40,7 +40,24 @@ class AttentionContext(Protocol):
         """Where the fused rope kernel may write this layer's k and v itself (None: attend writes them)."""
 
 
-class MoeModel:
+class DenseLinearChoice:
+    """The ``dense_linear`` switch of a forward: its decode-sized dense projections through kernels/dense_gemv
+    ("gemv") or F.linear ("torch")."""
+    DENSE_LINEARS = ("gemv", "torch")
+    _dense_linear: str
+
+    @property
+    def dense_linear(self) -> str:
+        return self._dense_linear
+
+    @dense_linear.setter
+    def dense_linear(self, value: str) -> None:
+        if value not in self.DENSE_LINEARS:
+            raise ValueError(f"dense_linear must be one of {', '.join(self.DENSE_LINEARS)}, got {value!r}")
+        self._dense_linear = value
+
+
+class MoeModel(DenseLinearChoice):
     def __init__(self, cfg: MoeConfig, dense: DenseWeights, experts: ExpertBackend, max_positions: int,
                  fused_kernels: bool | None = None):
         """fused_kernels: the fused forward (see the module docstring); None: on CUDA only. When on,
@@ -61,18 +78,6 @@ class MoeModel:
         self.routing_override = None
         if self.fused_kernels:
             fuse_qkv(dense)
-
-    DENSE_LINEARS = ("gemv", "torch")
-
-    @property
-    def dense_linear(self) -> str:
-        return self._dense_linear
-
-    @dense_linear.setter
-    def dense_linear(self, value: str) -> None:
-        if value not in self.DENSE_LINEARS:
-            raise ValueError(f"dense_linear must be one of {', '.join(self.DENSE_LINEARS)}, got {value!r}")
-        self._dense_linear = value
 
     def ensure_positions(self, max_positions: int) -> None:
         """Grow the rotary table to cover positions 0..max_positions-1."""

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from .config import MoeConfig
+from .config import LinearAttentionShape, MoeConfig
+from .qwen3_next_config import default_layer_types
 from .dense_weights import DenseWeights, random_dense_weights
 from .expert_layout import ExpertLayout
 from .expert_sources import RandomExpertSource
@@ -39,6 +40,17 @@ PRESETS: dict[str, MoeConfig] = {
         rope_theta=1_000_000.0, max_position_embeddings=32768, norm_topk_prob=True,
         tie_word_embeddings=False, dtype="bfloat16", bos_token_id=1, eos_token_ids=(2,),
         extra={"initializer_range": 0.02}),
+    # Qwen/Qwen3-Next-80B-A3B (transformers' Qwen3NextConfig defaults): 36 Gated DeltaNet + 12 gated attention
+    # layers (3:1), 512 experts top-10 plus a shared expert
+    "qwen3-next-80b-a3b": MoeConfig(
+        arch="qwen3_next", vocab_size=151936, hidden_size=2048, num_layers=48, num_heads=16, num_kv_heads=2,
+        head_dim=256, num_experts=512, top_k=10, expert_intermediate_size=512, rms_norm_eps=1e-6,
+        rope_theta=10_000.0, max_position_embeddings=32768, norm_topk_prob=True, tie_word_embeddings=False,
+        dtype="bfloat16", bos_token_id=151643, eos_token_ids=(151645,),
+        extra={"intermediate_size": 5632, "initializer_range": 0.02},
+        layer_types=default_layer_types(48), partial_rotary_factor=0.25, shared_expert_intermediate_size=512,
+        linear_attention=LinearAttentionShape(num_key_heads=16, num_value_heads=32, key_head_dim=128,
+                                              value_head_dim=128, conv_kernel_dim=4)),
 }
 
 PRESET_NAMES = (TINY, *PRESETS)

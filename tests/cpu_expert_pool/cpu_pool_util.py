@@ -73,16 +73,17 @@ def procs(tmp_path, request):
 
 def load_with_resources(strategy: str, *, device: str = "cpu", cache_size=None, hybrid=None, num_workers: int = 2,
                         worker_args=(), backoff_s: float = 0.1, ready_timeout_s: float = 120.0,
-                        expert_format: str = "auto"):
+                        expert_format: str = "auto", model_dir=None, dtype: str = "auto"):
     """The tiny model's engine model for `strategy` (offload, cpu, hybrid) over host resources from their one
     owner (coordinator/expert_resources.py: the store, the CPU channels, the supervised workers), attached as
-    the GPU worker does (gpu_worker.api.load_attached_model). `loaded.resources` is the owner; closing the
+    the GPU worker does (gpu_worker.api.load_attached_model); `model_dir`: that checkpoint instead (in `dtype`).
+    `loaded.resources` is the owner; closing the
     backend also closes it (the workers stopped, the channels and the store unlinked)."""
     from coordinator.expert_resources import CpuWorkerSettings, ExpertResources
     from gpu_worker.api import load_attached_model, open_model_source, resolve_device
 
     dev = resolve_device(device)
-    source = open_model_source(None, None, device=dev, expert_format=expert_format)
+    source = open_model_source(model_dir, None, dtype=dtype, device=dev, expert_format=expert_format)
     cpu = CpuWorkerSettings(num_workers=num_workers, worker_args=tuple(worker_args), backoff_initial_s=backoff_s,
                             ready_timeout_s=ready_timeout_s, log_level="WARNING")
     resources = ExpertResources.create(source, strategy, store_name=f"ft-test-{os.getpid()}-{uuid.uuid4().hex[:6]}",
