@@ -33,6 +33,7 @@ from .device import resolve_device, resolve_dtype
 from .expert_backends import make_expert_backend
 from .expert_sources import CheckpointExpertSource, ExpertSource, RandomExpertSource
 from .format_sources import DequantizingExpertSource, QuantizingExpertSource
+from .gpt_oss import model_class
 from .model import MoeModel
 from .presets import TINY, preset_config, random_model_parts
 from .quant_checkpoint import DequantizingReader, QuantCheckpointExpertSource
@@ -189,8 +190,9 @@ def load_model(model_dir: str | Path | None = None, preset: str | None = None, *
     experts = make_expert_backend(moe_strategy, source.experts, device, cache_size=moe_cache_size,
                                   mode=expert_compute, hybrid=hybrid, top_k=source.cfg.top_k)
     dense = source.load_dense(device)
-    model = MoeModel(source.cfg, dense, experts, max_positions=min(32768, source.cfg.max_position_embeddings),
-                     fused_kernels=fused_kernels)
+    model = model_class(source.cfg)(source.cfg, dense, experts,
+                                    max_positions=min(32768, source.cfg.max_position_embeddings),
+                                    fused_kernels=fused_kernels)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return LoadedModel(source=source, model=model, device=device, load_time_s=time.perf_counter() - t0)
