@@ -22,7 +22,7 @@ from gpu_worker.hybrid.options import HybridOptions
 from gpu_worker.models.attached_backends import make_attached_expert_backend, needs_host_store
 from gpu_worker.models.device import resolve_device
 from gpu_worker.models.loader import DEFAULT_MODEL_DIR, LoadedModel, ModelSource, load_model, open_model_source
-from gpu_worker.models.model import MoeModel
+from gpu_worker.models.gpt_oss import model_class
 from gpu_worker.offload.host_store import HostExperts
 from gpu_worker.worker_loop import gpu_busy_loop
 from proto.cpu_channel import channel_hidden_dtype
@@ -59,7 +59,7 @@ def load_attached_model(source: ModelSource, device: torch.device, *, moe_strate
     try:
         dense = source.load_dense(device)
         cfg = source.cfg
-        model = MoeModel(cfg, dense, experts, max_positions=min(32768, cfg.max_position_embeddings))
+        model = model_class(cfg)(cfg, dense, experts, max_positions=min(32768, cfg.max_position_embeddings))
         if device.type == "cuda":
             torch.cuda.synchronize(device)
     except BaseException:

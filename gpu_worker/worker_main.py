@@ -153,7 +153,7 @@ def load_engine(opts: GpuWorkerOptions, welcome: em.Welcome) -> LoadedEngine:
     from gpu_worker.models.attached_backends import make_attached_expert_backend
     from gpu_worker.models.device import resolve_device
     from gpu_worker.models.loader import open_model_source
-    from gpu_worker.models.model import MoeModel
+    from gpu_worker.models.gpt_oss import model_class
 
     device = resolve_device(opts.device)
     source = open_model_source(opts.model, opts.preset, dtype=opts.dtype, device=device,
@@ -167,7 +167,7 @@ def load_engine(opts: GpuWorkerOptions, welcome: em.Welcome) -> LoadedEngine:
     try:
         dense = source.load_dense(device)
         cfg = source.cfg
-        model = MoeModel(cfg, dense, experts, max_positions=min(32768, cfg.max_position_embeddings))
+        model = model_class(cfg)(cfg, dense, experts, max_positions=min(32768, cfg.max_position_embeddings))
         engine = Engine(model, EngineConfig(max_running_requests=opts.max_running_requests,
                                             max_context_tokens=opts.max_context_tokens,
                                             slot_audit_every=opts.slot_audit_every,

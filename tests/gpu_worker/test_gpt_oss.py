@@ -167,3 +167,46 @@ def test_configs_it_cannot_compute_are_refused(pair, tmp_path, change, message):
     (tmp_path / "config.json").write_text(json.dumps(raw))
     with pytest.raises(ValueError, match=rf"config\.json.*{message}"):
         MoeConfig.from_dir(tmp_path)
+
+
+def _attached(path, strategy, cache_size):
+    """``strategy`` (cpu, hybrid) over real CPU worker processes, attached as the GPU worker does."""
+    import os
+    import uuid
+
+    from coordinator.expert_resources import CpuWorkerSettings, ExpertResources
+    from gpu_worker.api import load_attached_model, open_model_source
+    from gpu_worker.hybrid import HybridOptions
+
+    dev = torch.device("cpu")
+    source = open_model_source(path, None, dtype="float32", device=dev)
+    cpu = CpuWorkerSettings(num_workers=1, worker_args=("--threads", "1", "--no-pin", "--hot-ms", "1"),
+                            log_level="WARNING")
+    resources = ExpertResources.create(source, strategy, store_name=f"ft-test-{os.getpid()}-{uuid.uuid4().hex[:6]}",
+                                       cpu=cpu)
+    try:
+        resources.start_cpu_workers()
+        loaded = load_attached_model(source, dev, moe_strategy=strategy, store_name=resources.store_name,
+                                     cpu_channels=resources.channel_names, moe_cache_size=cache_size,
+                                     hybrid=HybridOptions(cpu_deadline_s=20.0, fetch_fraction=0.5),
+                                     worker_info=resources.worker_info)
+    except BaseException:
+        resources.close()
+        raise
+    return loaded, resources
+
+
+@pytest.mark.parametrize("strategy", ["hybrid", "cpu"])
+def test_cpu_pool_strategies_give_the_resident_tokens(pair, tmp_path, monkeypatch, strategy):
+    """The CPU workers compute the biased clamped SwiGLU experts (the store's rows carry the biases)."""
+    monkeypatch.setenv("FT_CACHE_DIR", str(tmp_path))
+    _, path, ours = pair
+    prompts = [prompt_ids(11, seed=4), prompt_ids(17, seed=5)]
+    resident = _greedy(ours, prompts)
+    loaded, resources = _attached(path, strategy, cache_size=10)
+    try:
+        assert _greedy(loaded, prompts) == resident
+        assert loaded.model.experts.counters()["expert_misses_total"] > 0
+    finally:
+        loaded.model.experts.close()
+        resources.close()
