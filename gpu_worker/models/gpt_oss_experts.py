@@ -57,3 +57,44 @@ def fill_gpt_oss_layer(reader: CheckpointReader, layer: int, num_experts: int, l
         up.copy_(w_gu[e, :, 1::2].t())
         d.copy_(w_down[e].t())
     fill_gpt_oss_biases(reader, layer, num_experts, layout, out)
+
+
+def interleave(t: torch.Tensor) -> torch.Tensor:
+    """[..., 2I] gate's I then up's I -> [..., 2I] interleaved (the inverse of `deinterleave`)."""
+    inter = t.shape[-1] // 2
+    return torch.stack((t[..., :inter], t[..., inter:]), dim=-1).flatten(-2)
+
+
+def gpt_oss_expert_state(layer: int, packed: torch.Tensor, layout: ExpertLayout, mxfp4: bool = False
+                         ) -> dict[str, torch.Tensor]:
+    """One layer's float expert rows [E, N] under gpt-oss's checkpoint names: transformers' unquantized layout, or
+    (``mxfp4``) the hub's ``_blocks`` / ``_scales`` (proto.expert_format's round to nearest), biases either way."""
+    from proto.expert_format import ExpertFormat, quantize_matrix
+
+    E, H, I = packed.shape[0], layout.hidden_size, layout.intermediate_size
+    gu, gub, down, db = gpt_oss_expert_names(layer)
+    b13, b2 = bias_views(packed, layout)
+    state = {gub: interleave(b13).contiguous(), db: b2.contiguous()}
+    views = [expert_views(packed[e], layout) for e in range(E)]
+    if not mxfp4:
+        state[gu] = torch.stack([interleave(torch.cat((g, u)).t()) for g, u, _ in views])    # [E, H, 2I]
+        state[down] = torch.stack([d.t() for _, _, d in views]).contiguous()                # [E, I, H]
+        return state
+    fmt = ExpertFormat.parse("mxfp4")
+    parts: dict[str, list[torch.Tensor]] = {k: [] for k in ("gb", "gs", "db", "ds")}
+    for g, u, d in views:
+        rows = torch.stack((g, u), dim=1).reshape(2 * I, H).float()     # rows interleaved: gate j, up j
+        q = quantize_matrix(rows, fmt)
+        parts["gb"].append(q.codes.reshape(2 * I, H // 32, 16))
+        parts["gs"].append(q.scales.reshape(2 * I, H // 32))
+        q = quantize_matrix(d.float(), fmt)
+        parts["db"].append(q.codes.reshape(H, I // 32, 16))
+        parts["ds"].append(q.scales.reshape(H, I // 32))
+    state.update({gu + "_blocks": torch.stack(parts["gb"]), gu + "_scales": torch.stack(parts["gs"]),
+                  down + "_blocks": torch.stack(parts["db"]), down + "_scales": torch.stack(parts["ds"])})
+    return state
+
+
+MXFP4_QUANTIZATION = {"quant_method": "mxfp4",
+                      "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router",
+                                                 "model.embed_tokens", "lm_head"]}

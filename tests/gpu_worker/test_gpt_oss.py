@@ -210,3 +210,56 @@ def test_cpu_pool_strategies_give_the_resident_tokens(pair, tmp_path, monkeypatc
     finally:
         loaded.model.experts.close()
         resources.close()
+
+
+def _small_preset():
+    from gpu_worker.models.presets import preset_config
+    cfg = preset_config("gpt-oss-20b")
+    p = dict(cfg.extra["gpt_oss"])
+    p.update(layer_types=["sliding_attention", "full_attention"], window=WINDOW)
+    return cfg.replace(vocab_size=VOCAB_SMALL, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
+                       head_dim=16, num_experts=8, expert_intermediate_size=32, dtype="float32",
+                       eos_token_ids=(), pad_token_id=None, extra={**cfg.extra, "gpt_oss": p})
+
+
+VOCAB_SMALL = 128
+
+
+def test_presets_have_the_published_shapes():
+    from gpu_worker.models.presets import preset_config
+    small, big = preset_config("gpt-oss-20b"), preset_config("gpt-oss-120b")
+    assert (small.num_layers, small.num_experts, small.top_k, small.hidden_size,
+            small.expert_intermediate_size) == (24, 32, 4, 2880, 2880)
+    assert (big.num_layers, big.num_experts, big.hidden_size) == (36, 128, 2880)
+    assert small.expert_format == big.expert_format == "mxfp4"
+    assert big.extra["gpt_oss"]["layer_types"][:2] == ["sliding_attention", "full_attention"]
+
+
+def test_a_written_preset_loads_in_transformers_and_as_mxfp4(tmp_path):
+    """The preset's writer: transformers' layout reads back in transformers with our logits; the MXFP4 layout
+    gives exactly the experts that quantizing the float ones at load gives."""
+    import transformers
+
+    from gpu_worker.models.checkpoint_writer import write_checkpoint
+    from gpu_worker.models.presets import random_model_parts
+    cfg = _small_preset()
+    _, dense, experts = random_model_parts(cfg, "cpu", torch.float32, seed=3)
+    with torch.no_grad():                                 # larger weights than the preset's 0.02: a test that bites
+        for layer in dense.layers:
+            for t in (layer.q_proj, layer.k_proj, layer.v_proj, layer.o_proj, layer.router, layer.sinks):
+                t.mul_(15)
+    experts.std = 0.3
+    float_dir = write_checkpoint(tmp_path / "float", cfg.replace(expert_format="bf16"), dense, experts)
+    mx_dir = write_checkpoint(tmp_path / "mx", cfg.replace(expert_format="bf16"), dense, experts,
+                              expert_format="mxfp4", shards="per_layer")
+    hf = transformers.GptOssForCausalLM.from_pretrained(str(float_dir), dtype=torch.float32).eval()
+    ours = load_model(float_dir, device="cpu", dtype="float32")
+    prompt = prompt_ids(23, seed=3)
+    with torch.no_grad():
+        expected = hf(torch.tensor([prompt])).logits[0].float()
+    assert rel_err(prefill_logits(ours, prompt, 64), expected) <= REL_TOL
+    mx = load_model(mx_dir, device="cpu", dtype="float32")
+    at_load = load_model(float_dir, device="cpu", dtype="float32", expert_format="mxfp4")
+    assert mx.model.experts.layout == at_load.model.experts.layout
+    for layer in range(cfg.num_layers):
+        assert torch.equal(mx.model.experts.packed[layer], at_load.model.experts.packed[layer])
