@@ -263,3 +263,26 @@ def test_a_written_preset_loads_in_transformers_and_as_mxfp4(tmp_path):
     assert mx.model.experts.layout == at_load.model.experts.layout
     for layer in range(cfg.num_layers):
         assert torch.equal(mx.model.experts.packed[layer], at_load.model.experts.packed[layer])
+
+
+HARMONY_LIKE = ("{%- for m in messages %}<|start|>{{ m.role }}<|message|>{{ m.content }}<|end|>{%- endfor %}"
+                "{%- if add_generation_prompt %}<|start|>assistant{%- endif %}")
+
+
+def test_the_chat_path_uses_the_checkpoints_chat_template_jinja(pair, tmp_path):
+    """gpt-oss keeps its (harmony) template in chat_template.jinja, not tokenizer_config.json: the model's tokenizer
+    and the service's chat codec built from it both render with it."""
+    from coordinator.text_codec import ChatMessage, TextCodec
+    from gpu_worker.models.tiny import ensure_tiny_checkpoint
+    from gpu_worker.models.tokenizer import TextTokenizer
+    _, path, _ = pair
+    ckpt = _copy(path, tmp_path / "chat")
+    shutil.copy(ensure_tiny_checkpoint() / "tokenizer.json", ckpt / "tokenizer.json")
+    (ckpt / "chat_template.jinja").write_text(HARMONY_LIKE)
+    want = "<|start|>user<|message|>hi<|end|><|start|>assistant"
+    tok = TextTokenizer.from_dir(ckpt)
+    assert tok.apply_chat_template([{"role": "user", "content": "hi"}]) == want
+    loaded = load_model(ckpt, device="cpu", dtype="float32")
+    codec = TextCodec.from_text_tokenizer(loaded.tokenizer, loaded.eos_token_ids)
+    assert codec.chat_template.render([ChatMessage("user", "hi")]) == want
+    assert TextCodec.from_model_dir(str(ckpt)).chat_template.render([ChatMessage("user", "hi")]) == want
