@@ -15,9 +15,11 @@ resident_experts.expert_ffn / kernels.moe_decode.moe_gemv (a route at -1 adds ex
   ``dequantize_rows(rows_u8, ids, layout, out_dtype)`` to x.dtype, then the grouped GEMMs over them (a host sync:
   the distinct ids; the grouped mode syncs anyway and is never captured).
 
-Biased experts with gpt-oss's clamped SwiGLU (``layout.act``, proto/expert_act.py) go through `act_expert_ffn` in
-both modes and both formats: the distinct routed experts' rows (dequantized where quantized) and the biases at the
-end of their rows, one expert at a time (a host sync: the distinct ids).
+Biased experts with gpt-oss's clamped SwiGLU (``layout.act``, proto/expert_act.py): bf16 gemv -> moe_gemv with the
+rows' bias tails and the activation (``b13=, b2=, act=``), quantized gemv -> moe_gemv_quant likewise; the grouped
+mode -> `act_expert_ffn`:
+the distinct routed experts' rows (dequantized where quantized) and their biases, one expert at a time (a host
+sync: the distinct ids).
 
 The two quantized kernels are kernels/moe_decode/quant.py's: Triton on CUDA (decode dequantizes in registers,
 prefill dequantizes the distinct routed rows in one launch), their plain-torch reference elsewhere. A format a path has no kernel for is refused here (`check_supported`), naming the path and the format.
@@ -111,14 +113,19 @@ class Bf16Rows(ExpertRows):
 
     @property
     def w13_bytes(self) -> int:
+        if self.layout.act.bias:        # gate/up's biases sit at the row's end: the copy is one part
+            return 0
         return self.layout.w13_numel * self.rows.element_size()
 
     def ffn(self, mode, x, ids, weights, *, kernel_impl="auto", plan=None, between=None, between_down=None):
         from .resident_experts import expert_ffn
 
         if self.layout.act.bias:
-            _run_hooks(between, between_down)
             b13, b2 = bias_views(self.rows, self.layout)
+            if mode == "gemv":                          # kernels/moe_decode's gemv takes the biases and act
+                return moe_gemv(x, ids, weights, self.w13, self.w2, impl=kernel_impl, plan=plan, between=between,
+                                between_down=between_down, b13=b13, b2=b2, act=self.layout.act)
+            _run_hooks(between, between_down)
             return act_expert_ffn(x, ids, weights, self.w13, self.w2, b13, b2, self.layout.act)
         if mode == "gemv" and (plan is not None or between is not None):
             return moe_gemv(x, ids, weights, self.w13, self.w2, impl=kernel_impl, plan=plan, between=between,
@@ -140,6 +147,10 @@ class QuantRows(ExpertRows):
         if x.dtype != self.layout.dtype:
             raise TypeError(f"x is {x.dtype}; these {self.layout.fmt.label} experts dequantize to {self.layout.dtype}")
         check_supported(self.layout, mode)
+        if self.layout.act.bias and mode == "gemv":     # the quantized gemv takes the biases and act too
+            b13, b2 = bias_views(self.rows, self.layout)
+            return moe_gemv_quant(x, ids, weights, self.rows, self.quant, impl=kernel_impl, plan=plan,
+                                  between=between, between_down=between_down, b13=b13, b2=b2, act=self.layout.act)
         if self.layout.act.bias:
             _run_hooks(between, between_down)
             distinct, local = _routed(ids)

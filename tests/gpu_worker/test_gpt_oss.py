@@ -286,3 +286,30 @@ def test_the_chat_path_uses_the_checkpoints_chat_template_jinja(pair, tmp_path):
     codec = TextCodec.from_text_tokenizer(loaded.tokenizer, loaded.eos_token_ids)
     assert codec.chat_template.render([ChatMessage("user", "hi")]) == want
     assert TextCodec.from_model_dir(str(ckpt)).chat_template.render([ChatMessage("user", "hi")]) == want
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("expert_format", ["auto", "mxfp4"])
+def test_on_the_gpu_graphs_offload_and_transformers_agree(pair, tmp_path, monkeypatch, expert_format):
+    """CUDA, float32: the decode graphs (Triton gemv with the biases and the clamped SwiGLU, the sink attention)
+    give the eager tokens and transformers' (float experts), and offload at a small cache gives resident's."""
+    monkeypatch.setenv("FT_CACHE_DIR", str(tmp_path))
+    hf, path, _ = pair
+    prompts = [prompt_ids(11, seed=4), prompt_ids(17, seed=5)]
+
+    def run(loaded, graphs):
+        engine = Engine(loaded.model, EngineConfig(max_running_requests=2, max_context_tokens=128,
+                                                   prefill_chunk_tokens=4, cuda_graphs=graphs), eos_token_ids=())
+        return engine.generate([list(p) for p in prompts], SamplingParams(max_new_tokens=32, ignore_eos=True))
+
+    resident = load_model(path, device="cuda", dtype="float32", expert_format=expert_format)
+    eager, graphs = run(resident, False), run(resident, True)
+    assert graphs == eager
+    if expert_format == "auto":
+        assert eager == [hf_greedy(hf, p, 32) for p in prompts]
+    offload = load_model(path, device="cuda", dtype="float32", moe_strategy="offload", moe_cache_size=10,
+                         expert_format=expert_format)
+    try:
+        assert run(offload, True) == eager
+    finally:
+        offload.model.experts.close()
