@@ -264,7 +264,7 @@ def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--preset", default="qwen3-30b-a3b")
     parser.add_argument("--expert-format", default="auto", choices=EXPERT_FORMAT_CHOICES,
-                        help="the experts' format (auto: bf16 for a preset; quantized while loading otherwise)")
+                        help="the experts' format (auto: the preset's: bf16, mxfp4 for gpt-oss; quantized while loading otherwise)")
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--prompt-tokens", type=int, default=1024)
     parser.add_argument("--decode-tokens", type=int, default=256)

@@ -247,7 +247,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", default="qwen3-30b-a3b")
     parser.add_argument("--expert-format", default="auto", choices=EXPERT_FORMAT_CHOICES,
-                        help="the experts' format (auto: bf16 for a preset; quantized while loading otherwise)")
+                        help="the experts' format (auto: the preset's: bf16, mxfp4 for gpt-oss; quantized while loading otherwise)")
     parser.add_argument("--dtype", default="auto", help="auto: the preset's (bf16 for qwen3-30b-a3b)")
     parser.add_argument("--device", default="cuda", help="cpu: a smoke test of this script")
     parser.add_argument("--cache", default="0.25", help="GPU expert slots: a fraction of all experts, or a count")

@@ -159,6 +159,10 @@ class TextCodec:
         tokenizer = Tokenizer.from_file(path)
         config = _read_json(os.path.join(model_dir, "tokenizer_config.json"))
         template = config.get("chat_template")
+        jinja = os.path.join(model_dir, "chat_template.jinja")   # newer checkpoints (gpt-oss's harmony format)
+        if not template and os.path.isfile(jinja):
+            with open(jinja, encoding="utf-8") as f:
+                template = f.read()
         if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
             named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
             template = named.get("default") or next(iter(named.values()), None)

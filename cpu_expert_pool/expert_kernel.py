@@ -13,6 +13,9 @@ here), ``auto`` (native when it builds, else torch, with a log line saying why).
 Quantized stores (``store.expert_format``: fp8, int4-g*, mxfp4, nvfp4) use native/quant_ffn.c, which
 dequantizes in registers to fp32 and has avx512, avx2 and scalar paths (no avx512_bf16 or AMX one: the
 dequantized weights are fp32); ``native`` there means the best of those three.
+Biased experts with gpt-oss's clamped SwiGLU (``store.shape.expert_act``, proto/expert_act.py) run the torch
+kernel (the compiled ones compute silu without biases: ``auto`` picks torch for them, ``native*`` is refused), and
+are never split by channels (the down bias belongs to one side).
 Legend: T tokens, H hidden, I intermediate, E experts, n triples, B tokens of one expert, c split_limit.
 """
 from __future__ import annotations
@@ -26,6 +29,7 @@ import torch.nn.functional as F
 
 from cpu_expert_pool.native.build import ISA_BY_NAME, ISA_NAMES, NativeLib, try_load_native
 from cpu_expert_pool.native.quant_desc import QuantFormatDesc, quant_format_desc
+from proto.expert_act import apply_act
 from proto.expert_format import dequantize_expert
 from proto.expert_store import ExpertStore
 from proto.shm_layout import SPLIT_CHANNEL_UNIT
@@ -47,6 +51,9 @@ def check_split(store: ExpertStore, split_expert: int, split_limit: int) -> None
     and 0 <= split_expert < E. Raises ValueError naming the bad value."""
     if split_limit == 0:
         return
+    if store.shape.expert_act.bias:
+        raise ValueError(f"CPU expert kernel: {store.shape.act} experts have biases and are not split by channels "
+                         f"(split_limit {split_limit}); use a fetch_round other than split")
     inter = store.shape.intermediate
     if not 0 < split_limit < inter:
         raise ValueError(f"CPU expert kernel: split_limit {split_limit} is outside (0, I={inter}) (0: no split)")
@@ -83,6 +90,7 @@ def torch_moe_layer(store: ExpertStore, layer: int, hidden: torch.Tensor, token_
     inter = store.shape.intermediate
     channel_bytes = store.expert_bytes // inter                          # 3 rows of H: gate, up, down (and scales)
     x = hidden.to(store.dtype)                                           # [T, H]
+    act = store.shape.expert_act
     order = torch.argsort(expert_id, stable=True)
     experts, counts = torch.unique_consecutive(expert_id[order], return_counts=True)
     start, num_bytes = 0, 0
@@ -94,9 +102,14 @@ def torch_moe_layer(store: ExpertStore, layer: int, hidden: torch.Tensor, token_
         c = split_limit if split_limit and e == split_expert else inter
         if c < inter:                                                    # prefix of the channels
             w13, w2 = torch.cat((w13[:c], w13[inter:inter + c])), w2[:, :c]   # [2c, H], [H, c]
-        gate_up = F.linear(x[toks], w13)                                 # [B, 2c]
-        h = F.silu(gate_up[:, :c]) * gate_up[:, c:]                      # [B, c]
-        y = F.linear(h, w2)                                              # [B, H]
+        if act.bias:                                                     # never split (check_split)
+            b13, b2 = store.expert_biases(layer, e)                      # [2I], [H]
+            h = apply_act(F.linear(x[toks], w13, b13), act)              # [B, I]
+            y = F.linear(h, w2, b2)                                      # [B, H]
+        else:
+            gate_up = F.linear(x[toks], w13)                             # [B, 2c]
+            h = F.silu(gate_up[:, :c]) * gate_up[:, c:]                  # [B, c]
+            y = F.linear(h, w2)                                          # [B, H]
         out.index_add_(0, toks, y.float() * weight[rows, None])
         num_bytes += c * channel_bytes
     return LayerStats(len(counts), num_bytes)
@@ -129,6 +142,12 @@ class ExpertKernel:
                 if kernel != "auto":
                     raise RuntimeError(f"kernel {kernel!r} unavailable: {why}")
                 log.warning("compiled CPU expert kernel unavailable, using torch: %s", why)
+        if self._native is not None and store.shape.expert_act.bias:
+            if kernel != "auto":
+                raise ValueError(f"kernel {kernel!r}: the compiled kernels compute silu experts without biases; this "
+                                 f"store holds {store.shape.act} experts: use --kernel torch (or auto)")
+            log.info("%s experts: the torch kernel (the compiled ones have no biases)", store.shape.act)
+            self._native = None
         if self._native is not None:
             top = min(self._native.best_isa, QUANT_TOP_ISA) if fmt.quantized else self._native.best_isa
             if not fmt.quantized and store.dtype != torch.bfloat16:

@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from proto.expert_act import ExpertAct, bias_offset
 from proto.expert_format import ExpertFormat, FormatError, QuantLayout
 from proto.shm_segment import (COMMON_HEADER_BYTES, HUGE_PAGE_BYTES, PAGE_BYTES, SEGMENT_READY, ShmError,
                               ShmSegment, cuda_host_register, cuda_host_unregister, round_up)
@@ -62,18 +63,24 @@ class StoreShape:
     intermediate: int    # I
     dtype: str           # a key of STORE_DTYPES: the model's compute dtype
     fmt: str = "bf16"    # the experts' format: an ExpertFormat label (bf16, fp8, int4-g128, mxfp4, nvfp4)
+    act: str = "silu"    # the experts' activation: an ExpertAct label (a biased one ends each row with biases)
 
     def __post_init__(self) -> None:
         for field in ("num_layers", "num_experts", "hidden", "intermediate"):
             if getattr(self, field) <= 0:
                 raise ValueError(f"expert store {field} must be > 0, got {getattr(self, field)}")
         dtype_name(self.dtype)
+        ExpertAct.parse(self.act)
         if self.expert_format.quantized:
             QuantLayout(self.hidden, self.intermediate, self.expert_format)    # refuses shapes it cannot hold
 
     @property
     def expert_format(self) -> ExpertFormat:
         return ExpertFormat.parse(self.fmt)
+
+    @property
+    def expert_act(self) -> ExpertAct:
+        return ExpertAct.parse(self.act)
 
     @property
     def quant_layout(self) -> QuantLayout:
@@ -100,9 +107,13 @@ class StoreShape:
     @property
     def expert_numel(self) -> int:
         """Elements of one expert in layer_view: weights (bf16 format) or bytes (quantized)."""
+        biases = self.expert_act.bias_numel(self.hidden, self.intermediate)
         if self.expert_format.quantized:
-            return self.quant_layout.expert_nbytes
-        return self.w13_numel + self.hidden * self.intermediate
+            if not biases:
+                return self.quant_layout.expert_nbytes
+            size = torch.empty((), dtype=self.torch_dtype).element_size()
+            return bias_offset(self.quant_layout.expert_nbytes) + biases * size
+        return self.w13_numel + self.hidden * self.intermediate + biases
 
     @property
     def expert_bytes(self) -> int:
@@ -125,7 +136,8 @@ class ExpertStore:
         meta = seg.meta
         try:
             self.shape = StoreShape(int(meta["num_layers"]), int(meta["num_experts"]), int(meta["hidden"]),
-                                    int(meta["intermediate"]), str(meta["dtype"]), str(meta["format"]))
+                                    int(meta["intermediate"]), str(meta["dtype"]), str(meta["format"]),
+                                    str(meta.get("act", "silu")))
             self.config_hash = str(meta["config_hash"])
             self.data_offset = int(meta["data_offset"])
             self.expert_stride = int(meta["expert_stride"])
@@ -150,15 +162,16 @@ class ExpertStore:
     # -- construction ---------------------------------------------------------------------------
     @classmethod
     def create(cls, name: str, *, num_layers: int, num_experts: int, hidden: int, intermediate: int,
-               dtype: torch.dtype | str, config_hash: str, fmt: str = "bf16") -> "ExpertStore":
+               dtype: torch.dtype | str, config_hash: str, fmt: str = "bf16", act: str = "silu") -> "ExpertStore":
         """Create the segment (uninitialised data; fill it, then ``mark_ready``). The creator owns unlink.
 
-        ``fmt`` is the experts' format (an ExpertFormat label); ``dtype`` the model's compute dtype."""
+        ``fmt`` is the experts' format (an ExpertFormat label); ``dtype`` the model's compute dtype; ``act`` their
+        activation (an ExpertAct label)."""
         shape = StoreShape(num_layers, num_experts, hidden, intermediate, dtype_name(dtype),
-                           ExpertFormat.parse(fmt).label)
+                           ExpertFormat.parse(fmt).label, ExpertAct.parse(act).label)
         meta: dict[str, Any] = {
             "num_layers": num_layers, "num_experts": num_experts, "hidden": hidden,
-            "intermediate": intermediate, "dtype": shape.dtype, "format": shape.fmt,
+            "intermediate": intermediate, "dtype": shape.dtype, "format": shape.fmt, "act": shape.act,
             "expert_bytes": shape.expert_bytes,
             "expert_stride": shape.expert_stride, "data_offset": DATA_ALIGN_BYTES,
             "config_hash": str(config_hash), "creator_pid": os.getpid(),
@@ -255,8 +268,22 @@ class ExpertStore:
         flat = self._data_u8[off:off + self.expert_bytes].view(self.shape.torch_dtype)
         shape = self.shape
         w13 = flat[:shape.w13_numel].view(2 * shape.intermediate, shape.hidden)
-        w2 = flat[shape.w13_numel:].view(shape.hidden, shape.intermediate)
+        w2 = flat[shape.w13_numel: shape.w13_numel + shape.hidden * shape.intermediate].view(shape.hidden,
+                                                                                             shape.intermediate)
         return w13, w2
+
+    def expert_biases(self, layer: int, expert: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(b13 [2I], b2 [H]) of one expert of a biased store, zero-copy, in the compute dtype (any format)."""
+        shape = self.shape
+        n = shape.expert_act.bias_numel(shape.hidden, shape.intermediate)
+        if not n:
+            raise FormatError(f"expert store {self.name!r} holds {shape.act} experts, which have no biases")
+        off = self.expert_offset(layer, expert)
+        size = torch.empty((), dtype=shape.torch_dtype).element_size()
+        start = (bias_offset(shape.quant_layout.expert_nbytes) if shape.expert_format.quantized
+                 else (shape.w13_numel + shape.hidden * shape.intermediate) * size)
+        vals = self._data_u8[off + start: off + start + n * size].view(shape.torch_dtype)
+        return vals[: 2 * shape.intermediate], vals[2 * shape.intermediate:]
 
     def expert_bytes_view(self, layer: int, expert: int) -> torch.Tensor:
         """One expert's bytes [expert_bytes] uint8, zero-copy (any format)."""

@@ -38,6 +38,34 @@ ATTENTION_BACKENDS = ("auto", "sdpa", "triton")
 # bias; "bias" = always the folded bias (what every prefill did before the fourteenth session; benchmarks, tests).
 PREFILL_KERNELS = ("auto", "bias")
 PREFILL_KERNEL = "auto"
+CONTEXT_WINDOW = "context"      # attend's default sliding_window: the one the context was built with
+
+
+def sink_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
+                   sinks: torch.Tensor | None, scale: float) -> torch.Tensor:
+    """Eager attention with optional sinks over the folded layout. q [R, Hkv, M, D], keys / values
+    [R, Hkv, S, D], mask: additive float or bool (True: attend), broadcast to [R, Hkv, M, S]; sinks
+    [Hkv, M] (each folded query row's head's sink) or None -> [R, Hkv, M, D]."""
+    logits = torch.matmul(q, keys.transpose(-1, -2)) * scale                          # [R, Hkv, M, S]
+    if mask.dtype == torch.bool:
+        logits = logits.masked_fill(~mask, float("-inf"))
+    else:
+        logits = logits + mask
+    if sinks is not None:
+        sink = sinks.to(logits.dtype)[None, :, :, None].expand(logits.shape[0], -1, -1, 1)
+        logits = torch.cat([logits, sink], dim=-1)
+    logits = logits - logits.max(dim=-1, keepdim=True).values
+    probs = torch.softmax(logits, dim=-1, dtype=logits.dtype)
+    if sinks is not None:
+        probs = probs[..., :-1]
+    return torch.matmul(probs.to(values.dtype), values)
+
+
+def _folded_sinks(sinks: torch.Tensor | None, hkv: int, group: int, rows_per_head: int) -> torch.Tensor | None:
+    """sinks [Hq] -> [Hkv, G * rows_per_head]: folded row g * rows_per_head + c has head h * G + g's sink."""
+    if sinks is None:
+        return None
+    return sinks.view(hkv, group, 1).expand(hkv, group, rows_per_head).reshape(hkv, group * rows_per_head)
 
 
 def resolve_attention_backend(backend: str, device: torch.device) -> str:
@@ -68,6 +96,7 @@ class PrefillAttention:
         self._mask: torch.Tensor | None = None
         self._folded: dict[tuple[int, torch.dtype], torch.Tensor] = {}   # (G, dtype) -> the folded heads' bias
         self._flash: bool | None = None          # whether attend takes the flash path (decided at its first call)
+        self._window_masks: dict[int | None, torch.Tensor] = {}    # a per-call window's [C, S_attn] mask
 
     @property
     def mask(self) -> torch.Tensor:
@@ -115,8 +144,23 @@ class PrefillAttention:
     def kv_write(self, layer_idx: int, v: torch.Tensor) -> KvWrite | None:
         return None                                   # a chunk's K/V: one contiguous copy each in attend
 
+    def window_mask(self, window: int | None) -> torch.Tensor:
+        """[C, S_attn] bool for a layer's own window (None: causal only)."""
+        if window == self.sliding_window:
+            return self.mask
+        if window not in self._window_masks:
+            device = self.kv.k.device
+            q_pos = torch.arange(self.start, self.end, device=device)[:, None]
+            k_pos = torch.arange(self.end, device=device)[None, :]
+            mask = k_pos <= q_pos
+            if window is not None:
+                mask &= k_pos > q_pos - window
+            self._window_masks[window] = mask
+        return self._window_masks[window]
+
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
-               kv_written: bool = False) -> torch.Tensor:
+               kv_written: bool = False, sinks: torch.Tensor | None = None,
+               sliding_window: int | None | str = CONTEXT_WINDOW) -> torch.Tensor:
         C, Hq, D = q.shape
         Hkv = k.shape[1]
         G = Hq // Hkv
@@ -126,6 +170,12 @@ class PrefillAttention:
         self.kv.v[layer_idx, self.slot, self.start:self.end].copy_(v)
         keys = self.kv.k[layer_idx, self.slot, : self.end].transpose(0, 1).unsqueeze(0)    # [1, Hkv, S, D]
         values = self.kv.v[layer_idx, self.slot, : self.end].transpose(0, 1).unsqueeze(0)  # [1, Hkv, S, D]
+        if sinks is not None or sliding_window != CONTEXT_WINDOW:
+            window = self.sliding_window if sliding_window == CONTEXT_WINDOW else sliding_window
+            qf = q.view(C, Hkv, G, D).permute(1, 2, 0, 3).reshape(1, Hkv, G * C, D)       # row g*C + c
+            mask = self.window_mask(window).repeat(G, 1)                                   # [G*C, S]
+            out = sink_attention(qf, keys, values, mask, _folded_sinks(sinks, Hkv, G, C), D ** -0.5)
+            return out.view(Hkv, G, C, D).permute(2, 0, 1, 3).reshape(C, Hq, D)
         if self._flash is None:
             self._flash = self._flash_applies(q, keys, values)
         if self._flash:        # query c attends keys [0, start + c]: causal, aligned to the lower right
@@ -152,17 +202,26 @@ class DecodeAttention:
         self.backend = resolve_attention_backend(backend, kv.k.device)
         device = kv.k.device
         self.flat_index = slot_ids * kv.max_context_tokens + positions                    # [T]
+        self.positions = positions
+        self._window_masks: dict[int | None, torch.Tensor] = {}
         if self.backend == "triton":
             self.seq_lens = positions + 1                                                  # [T]
             self.mask = None
             return
-        seq_lens = torch.ones(num_rows, dtype=torch.int64, device=device)                  # idle rows: 1
-        seq_lens.index_copy_(0, slot_ids, positions + 1)                                   # [R]
-        k_pos = torch.arange(bucket_tokens, device=device)[None, :]                        # [1, bucket]
-        mask = k_pos < seq_lens[:, None]                                                   # [R, bucket]
-        if sliding_window is not None:
-            mask &= k_pos >= seq_lens[:, None] - sliding_window
-        self.mask = mask[:, None, None, :]                                                 # [R, 1, 1, bucket]
+        self.mask = self.window_mask(sliding_window)                                       # [R, 1, 1, bucket]
+
+    def window_mask(self, window: int | None) -> torch.Tensor:
+        """[R, 1, 1, bucket] bool: which cached positions each row attends with ``window`` (None: all)."""
+        if window not in self._window_masks:
+            device = self.kv.k.device
+            seq_lens = torch.ones(self.num_rows, dtype=torch.int64, device=device)         # idle rows: 1
+            seq_lens.index_copy_(0, self.slot_ids, self.positions + 1)                     # [R]
+            k_pos = torch.arange(self.bucket, device=device)[None, :]                      # [1, bucket]
+            mask = k_pos < seq_lens[:, None]                                               # [R, bucket]
+            if window is not None:
+                mask &= k_pos >= seq_lens[:, None] - window
+            self._window_masks[window] = mask[:, None, None, :]
+        return self._window_masks[window]
 
     def kv_write(self, layer_idx: int, v: torch.Tensor) -> KvWrite:
         """Each request's k/v row at its position, for the rope kernel to write (one launch fewer a layer)."""
@@ -170,9 +229,11 @@ class DecodeAttention:
         return KvWrite(k_flat, v_flat, self.flat_index, v)
 
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
-               kv_written: bool = False) -> torch.Tensor:
+               kv_written: bool = False, sinks: torch.Tensor | None = None,
+               sliding_window: int | None | str = CONTEXT_WINDOW) -> torch.Tensor:
         """q [T, Hq, D], k/v [T, Hkv, D] (after rope): writes k/v at each request's position (unless
-        `kv_written`: the rope kernel wrote them through `kv_write`) -> [T, Hq, D]."""
+        `kv_written`: the rope kernel wrote them through `kv_write`) -> [T, Hq, D]. sinks / sliding_window: see
+        the module docstring."""
         T, Hq, D = q.shape
         Hkv = k.shape[1]
         G = Hq // Hkv
@@ -180,7 +241,9 @@ class DecodeAttention:
             k_flat, v_flat = self.kv.flat(layer_idx)                                       # [B*S, Hkv, D]
             k_flat.index_copy_(0, self.flat_index, k)
             v_flat.index_copy_(0, self.flat_index, v)
-        if self.backend == "triton":
+        custom = sinks is not None or sliding_window != CONTEXT_WINDOW
+        window = self.sliding_window if sliding_window == CONTEXT_WINDOW else sliding_window
+        if self.backend == "triton" and not custom:
             return decode_attention(q, self.kv.k[layer_idx], self.kv.v[layer_idx], self.slot_ids,
                                     self.seq_lens, scale=D ** -0.5, bucket=self.bucket,
                                     sliding_window=self.sliding_window, impl="triton")
@@ -190,7 +253,11 @@ class DecodeAttention:
         qg = q.view(T, Hkv, G, D)
         if not self.rows_are_slots:
             qg = torch.zeros(R, Hkv, G, D, dtype=q.dtype, device=q.device).index_copy_(0, self.slot_ids, qg)
-        out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=self.mask, scale=D ** -0.5)
+        if custom:
+            out = sink_attention(qg, keys, values, self.window_mask(window), _folded_sinks(sinks, Hkv, G, 1),
+                                 D ** -0.5)
+        else:
+            out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=self.mask, scale=D ** -0.5)
         if not self.rows_are_slots:
             out = out.index_select(0, self.slot_ids)                                       # [T, Hkv, G, D]
         return out.reshape(T, Hq, D)

@@ -181,9 +181,11 @@ class HybridExperts(DeviceHandoff, HostHandoff, SlotPoolAudit):
     def splits_experts(self) -> bool:
         """Whether decode steps on the device hand-off split one expert a layer by channels (fetch_round
         "split", a bf16 expert of at least two whole SPLIT_UNITs: the split copy moves rows and columns of the
-        weights, which a quantized expert's bytes do not lay out); elsewhere "split" rounds down only."""
+        weights, which a quantized expert's bytes do not lay out; nor a biased one's, whose down bias belongs to one
+        side); elsewhere "split" rounds down only."""
         return (self.policy.get("fetch_round") == "split" and self.strategy == "hybrid"
-                and not self.layout.quantized and expert_split.splittable(self.layout.intermediate_size))
+                and not self.layout.quantized and not self.layout.act.bias
+                and expert_split.splittable(self.layout.intermediate_size))
 
     def preferred_prefill_chunk_tokens(self) -> int | None:
         """The engine's prefill chunk when none is configured (read once, when the engine starts): cpu_max_tokens

@@ -1,14 +1,18 @@
-"""`make_model`: the forward class of a config's architecture (`MoeModel`, or `Qwen3NextModel` for qwen3_next)."""
+"""`make_model`: the forward class of a config's architecture (`MoeModel`; `Qwen3NextModel` for qwen3_next,
+`GptOssModel` for gptoss)."""
 from __future__ import annotations
 
 from .config import MoeConfig
 from .dense_weights import DenseWeights
 from .expert_backend import ExpertBackend
+from .gpt_oss import GptOssModel
 from .model import MoeModel
 from .qwen3_next import Qwen3NextModel
+
+MODEL_CLASSES: dict[str, type] = {"qwen3_next": Qwen3NextModel, "gptoss": GptOssModel}   # others: MoeModel
 
 
 def make_model(cfg: MoeConfig, dense: DenseWeights, experts: ExpertBackend, max_positions: int,
                fused_kernels: bool | None = None) -> MoeModel | Qwen3NextModel:
-    cls = Qwen3NextModel if cfg.arch == "qwen3_next" else MoeModel
+    cls = MODEL_CLASSES.get(cfg.arch, MoeModel)
     return cls(cfg, dense, experts, max_positions=max_positions, fused_kernels=fused_kernels)

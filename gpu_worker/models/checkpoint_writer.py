@@ -1,7 +1,8 @@
 """`write_checkpoint`: a Hugging Face checkpoint directory from dense weights and an expert source.
 
 Experts are written in the hub's per-expert layout by default (``expert_format="hub"``) or in
-transformers' fused layout (``"fused"``). ``shards="per_layer"`` writes the dense weights in one
+transformers' fused layout (``"fused"``); gpt-oss's in transformers' layout (hub and fused alike) or, with
+``"mxfp4"``, as the hub stores them (``_blocks`` / ``_scales``; config.json then says quant_method mxfp4). ``shards="per_layer"`` writes the dense weights in one
 shard and each layer's experts in their own, with ``model.safetensors.index.json``; the experts are
 produced one packed layer at a time, so the host never holds more than one layer of them.
 The directory appears atomically: files are written to a temporary sibling, then renamed.
@@ -23,13 +24,18 @@ from .expert_layout import expert_views, unpack_experts
 from .expert_sources import ExpertSource
 from .weight_names import expert_names, fused_expert_names
 
-EXPERT_FORMATS = ("hub", "fused")
+EXPERT_FORMATS = ("hub", "fused", "mxfp4")
 SHARDINGS = ("single", "per_layer")
 
 
 def expert_state_dict(cfg: MoeConfig, layer: int, packed: torch.Tensor, source: ExpertSource,
                       expert_format: str) -> dict[str, torch.Tensor]:
     """One layer's experts under checkpoint names (copies: safetensors refuses tensors sharing memory)."""
+    if cfg.arch == "gptoss":
+        from .gpt_oss_experts import gpt_oss_expert_state
+        return gpt_oss_expert_state(layer, packed, source.layout, mxfp4=expert_format == "mxfp4")
+    if expert_format == "mxfp4":
+        raise ValueError("expert_format mxfp4 writes gpt-oss checkpoints only")
     if expert_format == "fused":
         w13, w2 = unpack_experts(packed, source.layout)
         gu_name, d_name = fused_expert_names(layer)
@@ -87,7 +93,11 @@ def write_checkpoint(out_dir: str | Path, cfg: MoeConfig, dense: DenseWeights, e
         size = sum(f.stat().st_size for f in tmp.glob("*.safetensors"))
         (tmp / INDEX_FILE).write_text(json.dumps(
             {"metadata": {"total_size": size}, "weight_map": dict(sorted(weight_map.items()))}, indent=2))
-    (tmp / "config.json").write_text(json.dumps(cfg.to_hf_dict(), indent=2))
+    raw = cfg.to_hf_dict()
+    if expert_format == "mxfp4":
+        from .gpt_oss_experts import MXFP4_QUANTIZATION
+        raw["quantization_config"] = dict(MXFP4_QUANTIZATION)
+    (tmp / "config.json").write_text(json.dumps(raw, indent=2))
     for name, text in (extra_files or {}).items():
         (tmp / name).write_text(text)
     if out_dir.exists():

@@ -9,6 +9,9 @@ differ only in the details named here:
 | qwen3    | softmax, top-k, norm_topk_prob  | RMSNorm per head (head_dim)   | mlp.experts.j.gate_proj |
 | olmoe    | softmax, top-k, norm_topk_prob  | RMSNorm over the whole q / k  | mlp.experts.j.gate_proj |
 | mixtral  | top-k logits, softmax           | none                          | block_sparse_moe.experts.j.w1 |
+| gptoss   | top-k biased logits, softmax    | none (biases, sinks, windows) | mlp.experts.gate_up_proj      |
+
+gpt-oss's own fields (``gptoss``; gpu_worker/models/gpt_oss_config.py reads and writes them) are in ``extra``.
 """
 from __future__ import annotations
 
@@ -25,9 +28,11 @@ ARCHITECTURES: dict[str, str] = {
     "OlmoeForCausalLM": "olmoe",
     "MixtralForCausalLM": "mixtral",
     "Qwen3NextForCausalLM": "qwen3_next",      # Gated DeltaNet + gated attention hybrid (qwen3_next.py)
+    "GptOssForCausalLM": "gptoss",
 }
 HF_ARCH_OF = {v: k for k, v in ARCHITECTURES.items()}
-HF_MODEL_TYPE_OF = {"qwen3": "qwen3_moe", "olmoe": "olmoe", "mixtral": "mixtral", "qwen3_next": "qwen3_next"}
+HF_MODEL_TYPE_OF = {"qwen3": "qwen3_moe", "olmoe": "olmoe", "mixtral": "mixtral", "qwen3_next": "qwen3_next",
+                    "gptoss": "gpt_oss"}
 LINEAR_ATTENTION, FULL_ATTENTION = "linear_attention", "full_attention"   # qwen3_next's layer_types
 
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
@@ -64,7 +69,7 @@ class LinearAttentionShape:
 
 @dataclass(frozen=True)
 class MoeConfig:
-    arch: str                       # "qwen3" | "olmoe" | "mixtral"
+    arch: str                       # "qwen3" | "olmoe" | "mixtral" | "gptoss"
     vocab_size: int
     hidden_size: int                # H
     num_layers: int                 # L
@@ -150,6 +155,9 @@ class MoeConfig:
                 f"{source}: architectures={archs!r} is not supported; this service loads "
                 f"{', '.join(ARCHITECTURES)} checkpoints")
         arch = ARCHITECTURES[known[0]]
+        if arch == "gptoss":
+            from .gpt_oss_config import gpt_oss_config
+            return gpt_oss_config(cls, raw, source)
         _reject_unsupported(arch, raw, source)
         hidden = int(raw["hidden_size"])
         heads = int(raw["num_attention_heads"])
@@ -208,6 +216,9 @@ class MoeConfig:
 
     def to_hf_dict(self) -> dict[str, Any]:
         """A config.json that transformers and ``from_hf_dict`` both read back to this config."""
+        if self.arch == "gptoss":
+            from .gpt_oss_config import gpt_oss_hf_dict
+            return gpt_oss_hf_dict(self)
         raw: dict[str, Any] = {
             "architectures": [self.hf_architecture], "model_type": HF_MODEL_TYPE_OF[self.arch],
             "vocab_size": self.vocab_size, "hidden_size": self.hidden_size,

@@ -26,6 +26,13 @@ class LayerWeights:
     router: torch.Tensor             # [E, H]
     q_norm: torch.Tensor | None = None   # qwen3: [D]; olmoe: [Hq*D]
     k_norm: torch.Tensor | None = None   # qwen3: [D]; olmoe: [Hkv*D]
+    # gpt-oss: projection biases (attention_bias), the router's bias [E] and the attention sinks [Hq]
+    q_bias: torch.Tensor | None = None   # [Hq*D]
+    k_bias: torch.Tensor | None = None   # [Hkv*D]
+    v_bias: torch.Tensor | None = None   # [Hkv*D]
+    o_bias: torch.Tensor | None = None   # [H]
+    router_bias: torch.Tensor | None = None   # [E]
+    sinks: torch.Tensor | None = None    # [Hq]
     # [Hq*D + 2*Hkv*D, H] after fuse_qkv (one GEMM for q, k, v); q_proj/k_proj/v_proj are then
     # row views of it. Never read from or written to a checkpoint.
     qkv_proj: torch.Tensor | None = None

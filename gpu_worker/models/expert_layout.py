@@ -15,6 +15,10 @@ things: row e of ``packed: [E, N]`` is expert e, but in uint8 bytes laid out as 
 scales, zero points, globals), N = its ``expert_nbytes``. ``dtype`` stays the compute dtype (what the experts
 dequantize to); ``storage_dtype`` is what the rows hold. The expert math over such rows goes through one seam,
 gpu_worker/models/expert_math.py; `unpack_experts` / `expert_views` are the bf16 layout's views only.
+
+``act`` (proto/expert_act.py) is what the expert computes besides its matrices: silu (the default) or gpt-oss's
+clamped SwiGLU, whose experts have biases. A biased row ends with them (`bias_views`): right after w2 in the
+bf16 format, at ``bias_offset`` of the quantized bytes otherwise; 2I + H values of ``dtype`` (gate, up, down).
 """
 from __future__ import annotations
 
@@ -22,6 +26,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from proto.expert_act import SILU, ExpertAct, bias_offset
 from proto.expert_format import ExpertFormat, FormatError, QuantLayout
 
 BF16_FORMAT = ExpertFormat("bf16")
@@ -33,6 +38,7 @@ class ExpertLayout:
     intermediate_size: int    # I
     dtype: torch.dtype        # the compute dtype (the rows' element type in the bf16 format)
     fmt: ExpertFormat = field(default=BF16_FORMAT)   # the rows' format (bf16: the model dtype unquantized)
+    act: ExpertAct = field(default=SILU)             # the activation; biases at the row's end where act.bias
 
     def __post_init__(self) -> None:
         if isinstance(self.fmt, str):
@@ -56,7 +62,23 @@ class ExpertLayout:
 
     def with_format(self, fmt: ExpertFormat | str) -> "ExpertLayout":
         return ExpertLayout(self.hidden_size, self.intermediate_size, self.dtype,
-                            ExpertFormat.parse(fmt) if isinstance(fmt, str) else fmt)
+                            ExpertFormat.parse(fmt) if isinstance(fmt, str) else fmt, self.act)
+
+    def with_dtype(self, dtype: torch.dtype) -> "ExpertLayout":
+        """This layout unquantized (bf16 format) in ``dtype``, same activation."""
+        return ExpertLayout(self.hidden_size, self.intermediate_size, dtype, BF16_FORMAT, self.act)
+
+    @property
+    def bias_numel(self) -> int:
+        """Bias values at the end of a row (2I + H where act.bias, else 0)."""
+        return self.act.bias_numel(self.hidden_size, self.intermediate_size)
+
+    @property
+    def bias_start(self) -> int:
+        """Where a row's biases start: an element index (bf16 format) or a byte offset (quantized)."""
+        if self.fmt.quantized:
+            return bias_offset(self.quant_layout.expert_nbytes)
+        return self.w13_numel + self.w2_numel
 
     @property
     def w13_numel(self) -> int:
@@ -70,8 +92,10 @@ class ExpertLayout:
     def expert_numel(self) -> int:
         """Elements of one packed row: weights (bf16 format) or bytes (quantized)."""
         if self.fmt.quantized:
-            return self.quant_layout.expert_nbytes
-        return self.w13_numel + self.w2_numel
+            if not self.bias_numel:
+                return self.quant_layout.expert_nbytes
+            return self.bias_start + self.bias_numel * torch.empty((), dtype=self.dtype).element_size()
+        return self.w13_numel + self.w2_numel + self.bias_numel
 
     @property
     def expert_nbytes(self) -> int:
@@ -114,6 +138,24 @@ def pack_experts(w13: torch.Tensor, w2: torch.Tensor, out: torch.Tensor | None =
     return out
 
 
+def bias_views(packed: torch.Tensor, layout: ExpertLayout) -> tuple[torch.Tensor, torch.Tensor]:
+    """Views (no copy) of the biases of packed [S, N] rows: b13 [S, 2I] (gate's, then up's) and b2 [S, H], in
+    ``layout.dtype`` (any format; a layout without biases raises)."""
+    if not layout.bias_numel:
+        raise ValueError(f"{layout.act.label} experts have no biases")
+    H, I = layout.hidden_size, layout.intermediate_size
+    start = layout.bias_start
+    if layout.fmt.quantized:
+        size = torch.empty((), dtype=layout.dtype).element_size()
+        if packed.stride(0) % size:
+            raise ValueError(f"rows of {packed.stride(0)} bytes cannot hold {layout.dtype} biases (not a multiple "
+                             f"of {size} bytes)")
+        vals = packed[:, start: start + layout.bias_numel * size].view(layout.dtype)
+    else:
+        vals = packed[:, start: start + layout.bias_numel]
+    return vals[:, : 2 * I], vals[:, 2 * I: 2 * I + H]
+
+
 def _bf16_only(layout: ExpertLayout, what: str) -> None:
     if layout.fmt.quantized:
         raise FormatError(f"{what}: {layout.fmt.label} experts are bytes, not w13 / w2 matrices; compute over them "
@@ -127,7 +169,7 @@ def unpack_experts(packed: torch.Tensor, layout: ExpertLayout) -> tuple[torch.Te
     layout.check(packed)
     E, H, I = packed.shape[0], layout.hidden_size, layout.intermediate_size
     w13 = packed[:, : layout.w13_numel].view(E, 2 * I, H)
-    w2 = packed[:, layout.w13_numel:].view(E, H, I)
+    w2 = packed[:, layout.w13_numel: layout.w13_numel + layout.w2_numel].view(E, H, I)
     return w13, w2
 
 
@@ -137,5 +179,5 @@ def expert_views(packed_row: torch.Tensor, layout: ExpertLayout) -> tuple[torch.
     H, I = layout.hidden_size, layout.intermediate_size
     gate = packed_row[: I * H].view(I, H)
     up = packed_row[I * H: 2 * I * H].view(I, H)
-    down = packed_row[2 * I * H:].view(H, I)
+    down = packed_row[2 * I * H: 3 * I * H].view(H, I)
     return gate, up, down

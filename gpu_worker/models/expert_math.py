@@ -15,6 +15,12 @@ resident_experts.expert_ffn / kernels.moe_decode.moe_gemv (a route at -1 adds ex
   ``dequantize_rows(rows_u8, ids, layout, out_dtype)`` to x.dtype, then the grouped GEMMs over them (a host sync:
   the distinct ids; the grouped mode syncs anyway and is never captured).
 
+Biased experts with gpt-oss's clamped SwiGLU (``layout.act``, proto/expert_act.py): bf16 gemv -> moe_gemv with the
+rows' bias tails and the activation (``b13=, b2=, act=``), quantized gemv -> moe_gemv_quant likewise; the grouped
+mode -> `act_expert_ffn`:
+the distinct routed experts' rows (dequantized where quantized) and their biases, one expert at a time (a host
+sync: the distinct ids).
+
 The two quantized kernels are kernels/moe_decode/quant.py's: Triton on CUDA (decode dequantizes in registers,
 prefill dequantizes the distinct routed rows in one launch), their plain-torch reference elsewhere. A format a path has no kernel for is refused here (`check_supported`), naming the path and the format.
 """
@@ -24,11 +30,14 @@ from collections.abc import Callable
 
 import torch
 
+import torch.nn.functional as F
+
 from kernels.moe_decode import CopyPlan, moe_gemv
 from kernels.moe_decode.quant import dequantize_rows, moe_gemv_quant
+from proto.expert_act import ExpertAct, apply_act
 from proto.expert_format import FormatError
 
-from .expert_layout import ExpertLayout, unpack_experts
+from .expert_layout import ExpertLayout, bias_views, unpack_experts
 
 # Formats each path computes (a fast kernel that lacks a format narrows its entry; the references take all).
 SUPPORTED_FORMATS: dict[str, tuple[str, ...]] = {
@@ -69,6 +78,32 @@ def _run_hooks(between: Callable[[], None] | None, between_down: Callable[[], No
         between_down()
 
 
+def act_expert_ffn(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                   b13: torch.Tensor, b2: torch.Tensor, act: ExpertAct) -> torch.Tensor:
+    """sum_k w_k * (W2_e act(W13_e x + b13_e) + b2_e) with e = ids[t, k] (a route at -1 adds exactly 0).
+
+    x [T, H]; ids / weights [T, K]; w13 [n, 2I, H], w2 [n, H, I], b13 [n, 2I], b2 [n, H] indexed by ids. Rounds
+    as transformers' GptOssExperts does (each linear and the activation in x.dtype); the sum over k in fp32."""
+    T, K = ids.shape
+    flat, wflat = ids.reshape(-1), weights.reshape(-1)
+    out = torch.zeros(T, x.shape[1], dtype=torch.float32, device=x.device)
+    for e in torch.unique(flat[flat >= 0]).tolist():
+        pos = (flat == e).nonzero().squeeze(1)                          # routes to expert e
+        tok = pos // K
+        h = apply_act(F.linear(x[tok], w13[e], b13[e]), act)           # [n_e, I]
+        y = F.linear(h, w2[e], b2[e])                                   # [n_e, H]
+        out.index_add_(0, tok, y.float() * wflat[pos, None].float())
+    return out.to(x.dtype)
+
+
+def _routed(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the distinct routed ids >= 0, ids renumbered into them; -1 stays -1)."""
+    flat = ids.reshape(-1).to(torch.int64)
+    distinct = torch.unique(flat[flat >= 0])
+    local = torch.searchsorted(distinct, flat.clamp(min=0))
+    return distinct, torch.where(flat >= 0, local, -1).view(ids.shape)
+
+
 class Bf16Rows(ExpertRows):
     """Rows in the model dtype: w13 [S, 2I, H] and w2 [S, H, I] views (no copy)."""
 
@@ -78,11 +113,20 @@ class Bf16Rows(ExpertRows):
 
     @property
     def w13_bytes(self) -> int:
+        if self.layout.act.bias:        # gate/up's biases sit at the row's end: the copy is one part
+            return 0
         return self.layout.w13_numel * self.rows.element_size()
 
     def ffn(self, mode, x, ids, weights, *, kernel_impl="auto", plan=None, between=None, between_down=None):
         from .resident_experts import expert_ffn
 
+        if self.layout.act.bias:
+            b13, b2 = bias_views(self.rows, self.layout)
+            if mode == "gemv":                          # kernels/moe_decode's gemv takes the biases and act
+                return moe_gemv(x, ids, weights, self.w13, self.w2, impl=kernel_impl, plan=plan, between=between,
+                                between_down=between_down, b13=b13, b2=b2, act=self.layout.act)
+            _run_hooks(between, between_down)
+            return act_expert_ffn(x, ids, weights, self.w13, self.w2, b13, b2, self.layout.act)
         if mode == "gemv" and (plan is not None or between is not None):
             return moe_gemv(x, ids, weights, self.w13, self.w2, impl=kernel_impl, plan=plan, between=between,
                             between_down=between_down)
@@ -103,6 +147,16 @@ class QuantRows(ExpertRows):
         if x.dtype != self.layout.dtype:
             raise TypeError(f"x is {x.dtype}; these {self.layout.fmt.label} experts dequantize to {self.layout.dtype}")
         check_supported(self.layout, mode)
+        if self.layout.act.bias and mode == "gemv":     # the quantized gemv takes the biases and act too
+            b13, b2 = bias_views(self.rows, self.layout)
+            return moe_gemv_quant(x, ids, weights, self.rows, self.quant, impl=kernel_impl, plan=plan,
+                                  between=between, between_down=between_down, b13=b13, b2=b2, act=self.layout.act)
+        if self.layout.act.bias:
+            _run_hooks(between, between_down)
+            distinct, local = _routed(ids)
+            w13, w2 = dequantize_rows(self.rows, distinct, self.quant, x.dtype)       # [n, 2I, H], [n, H, I]
+            b13, b2 = bias_views(self.rows, self.layout)
+            return act_expert_ffn(x, local, weights, w13, w2, b13[distinct], b2[distinct], self.layout.act)
         if mode == "gemv":
             return moe_gemv_quant(x, ids, weights, self.rows, self.quant, impl=kernel_impl, plan=plan,
                                   between=between, between_down=between_down)

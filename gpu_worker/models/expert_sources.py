@@ -14,6 +14,7 @@ import torch
 from .checkpoint import CheckpointError, CheckpointReader
 from .config import MoeConfig
 from .expert_layout import ExpertLayout, expert_views
+from .gpt_oss_config import expert_act_of
 from .weight_names import expert_names, fused_expert_names
 
 
@@ -32,7 +33,7 @@ class CheckpointExpertSource:
 
     def __init__(self, reader: CheckpointReader, cfg: MoeConfig, dtype: torch.dtype):
         self.reader, self.cfg = reader, cfg
-        self.layout = ExpertLayout(cfg.hidden_size, cfg.expert_intermediate_size, dtype)
+        self.layout = ExpertLayout(cfg.hidden_size, cfg.expert_intermediate_size, dtype, act=expert_act_of(cfg))
         self.num_layers, self.num_experts = cfg.num_layers, cfg.num_experts
         self._staging: torch.Tensor | None = None   # one host layer, reused (pinned for GPU targets)
 
@@ -53,7 +54,10 @@ class CheckpointExpertSource:
         if out.shape[0] != self.num_experts:
             raise ValueError(f"out has {out.shape[0]} experts, the checkpoint {self.num_experts}")
         host = out if out.device.type == "cpu" else self._staging_layer(out)
-        if self.layer_format(layer) == "hub":
+        if self.cfg.arch == "gptoss":
+            from .gpt_oss_experts import fill_gpt_oss_layer
+            fill_gpt_oss_layer(self.reader, layer, self.num_experts, self.layout, host)
+        elif self.layer_format(layer) == "hub":
             self._fill_hub(layer, host)
         else:
             self._fill_fused(layer, host)
@@ -100,7 +104,7 @@ class RandomExpertSource:
 
     def __init__(self, cfg: MoeConfig, dtype: torch.dtype, seed: int, std: float):
         self.cfg, self.seed, self.std = cfg, seed, std
-        self.layout = ExpertLayout(cfg.hidden_size, cfg.expert_intermediate_size, dtype)
+        self.layout = ExpertLayout(cfg.hidden_size, cfg.expert_intermediate_size, dtype, act=expert_act_of(cfg))
         self.num_layers, self.num_experts = cfg.num_layers, cfg.num_experts
 
     def fill_layer(self, layer: int, out: torch.Tensor) -> None:

@@ -19,7 +19,7 @@ import torch
 
 from proto.expert_format import ExpertFormat, FormatError, dequantize_expert, quantize_expert
 
-from .expert_layout import ExpertLayout, expert_views
+from .expert_layout import bias_views, expert_views
 from .expert_sources import ExpertSource
 
 
@@ -78,6 +78,9 @@ class QuantizingExpertSource:
             row = out[e]
             row.zero_()                                     # the alignment gaps too: the bytes quantize_expert makes
             quantize_expert(gate, up, down, self.fmt, out=row)
+        if self.layout.bias_numel:                          # biases stay in the compute dtype
+            for dst, src in zip(bias_views(out, self.layout), bias_views(staging, self.inner.layout)):
+                dst.copy_(src)
         self._filled.add(layer)
         if self._progress is not None:
             self._progress.update(len(self._filled))
@@ -92,7 +95,7 @@ class DequantizingExpertSource:
         if not inner.layout.quantized:
             raise FormatError("DequantizingExpertSource needs a quantized source")
         self.inner = inner
-        self.layout = ExpertLayout(inner.layout.hidden_size, inner.layout.intermediate_size, dtype)
+        self.layout = inner.layout.with_dtype(dtype)
         self.num_layers, self.num_experts = inner.num_layers, inner.num_experts
         self._progress = (LoadProgress(self.num_layers, f"dequantized from {inner.layout.fmt.label}")
                           if progress else None)
@@ -114,6 +117,9 @@ class DequantizingExpertSource:
             g_out.copy_(gate)
             u_out.copy_(up)
             d_out.copy_(down)
+        if self.layout.bias_numel:
+            for dst, src in zip(bias_views(out, self.layout), bias_views(qbytes, self.inner.layout)):
+                dst.copy_(src)
         self._filled.add(layer)
         if self._progress is not None:
             self._progress.update(len(self._filled))

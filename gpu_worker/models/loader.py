@@ -130,7 +130,10 @@ def _random_source(preset: str, dtype: str | torch.dtype | None, seed: int,
                    device: torch.device, expert_format: str | ExpertFormat | None = None) -> ModelSource:
     cfg = preset_config(preset)
     wdtype = resolve_dtype(dtype, cfg.dtype)
-    served = resolve_served_format(ExpertFormat("bf16"), expert_format)
+    # the random weights are float; auto serves them in the preset's format (gpt-oss: mxfp4, quantized at load)
+    auto = expert_format is None or (isinstance(expert_format, str) and expert_format.strip().lower() in ("", "auto"))
+    served = (ExpertFormat.parse(cfg.expert_format) if auto
+              else resolve_served_format(ExpertFormat("bf16"), expert_format))
     experts = RandomExpertSource(cfg, wdtype, seed, std=float(cfg.extra.get("initializer_range", 0.02)))
     experts = serve_experts_as(experts, served, wdtype)
     tokenizer = TextTokenizer.from_dir(ensure_tiny_checkpoint())   # encodes text; random ids mostly decode to ""
@@ -153,7 +156,9 @@ def _write_preset(preset: str, model_dir: Path, seed: int) -> None:
     _, dense, experts = random_model_parts(cfg, "cpu", getattr(torch, cfg.dtype), seed)
     tok_dir = ensure_tiny_checkpoint()          # the tiny tokenizer, so that --prompt text works
     extra = {"tokenizer.json": (tok_dir / "tokenizer.json").read_text()}  # not its EOS ids / template
-    write_checkpoint(model_dir, cfg, dense, experts, shards="per_layer", extra_files=extra)
+    fmt = "mxfp4" if cfg.expert_format == "mxfp4" else "hub"              # gpt-oss: as the hub stores it
+    write_checkpoint(model_dir, cfg.replace(expert_format="bf16"), dense, experts, expert_format=fmt,
+                     shards="per_layer", extra_files=extra)
 
 
 def open_model_source(model_dir: str | Path | None = None, preset: str | None = None,

@@ -62,6 +62,8 @@ class MoeModel(DenseLinearChoice):
                  fused_kernels: bool | None = None):
         """fused_kernels: the fused forward (see the module docstring); None: on CUDA only. When on,
         q/k/v projections are concatenated in place (dense_weights.fuse_qkv)."""
+        if cfg.arch == "gptoss" and type(self) is MoeModel:
+            raise TypeError("gpt-oss checkpoints run gpu_worker.models.gpt_oss.GptOssModel (architectures.make_model)")
         if experts.num_layers != cfg.num_layers or experts.num_experts != cfg.num_experts:
             raise ValueError(f"expert backend has {experts.num_layers} layers x {experts.num_experts} "
                              f"experts; the model needs {cfg.num_layers} x {cfg.num_experts}")

@@ -15,6 +15,7 @@ from .qwen3_next_config import default_layer_types
 from .dense_weights import DenseWeights, random_dense_weights
 from .expert_layout import ExpertLayout
 from .expert_sources import RandomExpertSource
+from .gpt_oss_config import expert_act_of
 
 TINY = "tiny"   # the embedded default (tiny.py): written to a cache dir with a tokenizer
 
@@ -53,6 +54,25 @@ PRESETS: dict[str, MoeConfig] = {
                                               value_head_dim=128, conv_kernel_dim=4)),
 }
 
+
+def _gpt_oss(layers: int, experts: int) -> MoeConfig:
+    """openai/gpt-oss-20b and -120b's config.json: alternating sliding (128) and full attention, YaRN x32,
+    attention sinks, biased experts with the clamped SwiGLU, served in MXFP4 (their hub format) by default."""
+    return MoeConfig(
+        arch="gptoss", vocab_size=201088, hidden_size=2880, num_layers=layers, num_heads=64, num_kv_heads=8,
+        head_dim=64, num_experts=experts, top_k=4, expert_intermediate_size=2880, rms_norm_eps=1e-5,
+        rope_theta=150000.0, max_position_embeddings=131072, norm_topk_prob=True, tie_word_embeddings=False,
+        dtype="bfloat16", eos_token_ids=(199999, 200002, 200012), pad_token_id=199999, expert_format="mxfp4",
+        extra={"initializer_range": 0.02, "gpt_oss": {
+            "layer_types": ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)],
+            "window": 128, "swiglu_alpha": 1.702, "swiglu_limit": 7.0, "attention_bias": True,
+            "rope": {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                     "original_max_position_embeddings": 4096, "truncate": False}}})
+
+
+PRESETS["gpt-oss-20b"] = _gpt_oss(24, 32)       # openai/gpt-oss-20b
+PRESETS["gpt-oss-120b"] = _gpt_oss(36, 128)     # openai/gpt-oss-120b
+
 PRESET_NAMES = (TINY, *PRESETS)
 
 
@@ -73,8 +93,10 @@ def random_model_parts(name_or_cfg: str | MoeConfig, device: torch.device | str,
 
 def describe(cfg: MoeConfig) -> str:
     """One line: layers, experts, sizes, and the bytes the experts take."""
-    layout = ExpertLayout(cfg.hidden_size, cfg.expert_intermediate_size, getattr(torch, cfg.dtype))
+    layout = ExpertLayout(cfg.hidden_size, cfg.expert_intermediate_size, getattr(torch, cfg.dtype),
+                          cfg.expert_format, expert_act_of(cfg))
     total_gib = cfg.num_layers * cfg.num_experts * layout.expert_nbytes / 2**30
     return (f"{cfg.hf_architecture}: {cfg.num_layers} layers, {cfg.num_experts} experts top-{cfg.top_k}, "
             f"hidden {cfg.hidden_size}, expert intermediate {cfg.expert_intermediate_size}, "
-            f"{layout.expert_nbytes / 2**20:.2f} MiB an expert, {total_gib:.1f} GiB of experts ({cfg.dtype})")
+            f"{layout.expert_nbytes / 2**20:.2f} MiB an expert, {total_gib:.1f} GiB of experts "
+            f"({cfg.expert_format if cfg.expert_format != 'bf16' else cfg.dtype})")

@@ -25,6 +25,7 @@ from proto.expert_format import ExpertFormat, QuantLayout, QuantMatrix, dequanti
 from .checkpoint import CheckpointError, CheckpointReader
 from .config import MoeConfig
 from .expert_layout import ExpertLayout
+from .gpt_oss_config import expert_act_of
 from .quant_config import (CheckpointQuant, QuantCheckpointError, detect_quant_format, parse_quant_config,
                            read_checkpoint_quant)
 from .quant_tensors import (ct_int4_matrix, ct_nvfp4_matrix, fp8_block_matrix, gptq_matrix,
@@ -145,7 +146,7 @@ class QuantCheckpointExpertSource:
                 f"as {self.quant.fmt.label}")
         # layout: the ExpertSource protocol's (the compute dtype the rows dequantize to, the format);
         # quant_layout: the byte regions of one expert row
-        self.layout = ExpertLayout(cfg.hidden_size, cfg.expert_intermediate_size, dtype, fmt)
+        self.layout = ExpertLayout(cfg.hidden_size, cfg.expert_intermediate_size, dtype, fmt, expert_act_of(cfg))
         self.quant_layout = QuantLayout(cfg.hidden_size, cfg.expert_intermediate_size, fmt)
         self.num_layers, self.num_experts = cfg.num_layers, cfg.num_experts
         self._staging: torch.Tensor | None = None
@@ -181,7 +182,7 @@ class QuantCheckpointExpertSource:
                        "; mxfp4 experts are read in gpt-oss's layout (experts.gate_up_proj_blocks / _scales, "
                        "experts.down_proj_blocks / _scales)"))
         for bias in (gu + "_bias", down + "_bias"):
-            if self.reader.has(bias):
+            if self.reader.has(bias) and not self.layout.bias_numel:
                 raise QuantCheckpointError(f"{self.reader.model_dir}: {bias}: expert biases (gpt-oss) are not "
                                            f"supported by this architecture; the experts would be computed wrong")
         gub = self.reader.get(gu + "_blocks", (E, 2 * I, H // 32, 16))
@@ -198,7 +199,7 @@ class QuantCheckpointExpertSource:
 
     def fill_layer(self, layer: int, out: torch.Tensor) -> None:
         """Write layer ``layer``'s experts into ``out: [E, >= expert_nbytes] uint8`` (any device)."""
-        nbytes = self.quant_layout.expert_nbytes
+        nbytes = self.layout.expert_nbytes
         if out.dtype != torch.uint8 or out.dim() != 2 or out.shape[0] != self.num_experts or out.shape[1] < nbytes:
             raise ValueError(f"out must be [{self.num_experts}, >= {nbytes}] uint8 ({self.fmt.label} experts); "
                              f"got {out.dtype} {tuple(out.shape)}")
@@ -207,6 +208,9 @@ class QuantCheckpointExpertSource:
             row = host[e, :nbytes]
             row.zero_()                           # alignment gaps between regions are zero
             pack_expert(gate, up, down, self.quant_layout, out=row)
+        if self.layout.bias_numel:                # gpt-oss: the biases at the rows' ends
+            from .gpt_oss_experts import fill_gpt_oss_biases
+            fill_gpt_oss_biases(self.reader, layer, self.num_experts, self.layout, host)
         if host is not out:
             out.copy_(host, non_blocking=False)
 

@@ -30,6 +30,9 @@ def _read_json(path: Path) -> dict[str, Any]:
         raise ValueError(f"{path} is not valid JSON ({exc}); re-download it") from None
 
 
+CHAT_TEMPLATE_FILE = "chat_template.jinja"     # where newer checkpoints (gpt-oss's harmony format) keep it
+
+
 def generation_eos_ids(model_dir: str | Path) -> tuple[int, ...]:
     """EOS ids named by generation_config.json (an int or a list), or ()."""
     eos = _read_json(Path(model_dir) / GENERATION_CONFIG_FILE).get("eos_token_id")
@@ -58,7 +61,11 @@ class TextTokenizer:
             tok = Tokenizer.from_file(str(path))
         except Exception as exc:  # the tokenizers library raises its own exception type
             raise ValueError(f"cannot read {path}: {exc}; re-download it") from None
-        return cls(tok, _read_json(Path(model_dir) / TOKENIZER_CONFIG_FILE))
+        config = _read_json(Path(model_dir) / TOKENIZER_CONFIG_FILE)
+        jinja = Path(model_dir) / CHAT_TEMPLATE_FILE
+        if not config.get("chat_template") and jinja.is_file():       # transformers 5 / gpt-oss: its own file
+            config = {**config, "chat_template": jinja.read_text()}
+        return cls(tok, config)
 
     @property
     def vocab_size(self) -> int:

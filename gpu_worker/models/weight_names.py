@@ -35,6 +35,14 @@ def dense_layer_names(cfg: MoeConfig, layer: int) -> dict[str, tuple[str, tuple[
         "mlp_norm": (p + "post_attention_layernorm.weight", (H,)),
         "router": (_moe_prefix(cfg, layer) + ".gate.weight", (cfg.num_experts, H)),
     }
+    if cfg.arch == "gptoss":
+        from .gpt_oss_config import gpt_oss_params
+        names["router"] = (p + "mlp.router.weight", (cfg.num_experts, H))
+        names["router_bias"] = (p + "mlp.router.bias", (cfg.num_experts,))
+        names["sinks"] = (p + "self_attn.sinks", (cfg.num_heads,))
+        if gpt_oss_params(cfg).attention_bias:
+            for proj, size in (("q", Q), ("k", KV), ("v", KV), ("o", H)):
+                names[f"{proj}_bias"] = (p + f"self_attn.{proj}_proj.bias", (size,))
     if cfg.arch == "qwen3":
         names["q_norm"] = (p + "self_attn.q_norm.weight", (cfg.head_dim,))
         names["k_norm"] = (p + "self_attn.k_norm.weight", (cfg.head_dim,))
@@ -55,6 +63,13 @@ def expert_names(cfg: MoeConfig, layer: int, expert: int) -> tuple[str, str, str
     if cfg.arch == "mixtral":
         return p + "w1.weight", p + "w3.weight", p + "w2.weight"
     return p + "gate_proj.weight", p + "up_proj.weight", p + "down_proj.weight"
+
+
+def gpt_oss_expert_names(layer: int) -> tuple[str, str, str, str]:
+    """gpt-oss's experts (transformers' layout, x @ W): gate_up_proj [E, H, 2I] (gate and up columns interleaved),
+    its bias [E, 2I] (interleaved too), down_proj [E, I, H], its bias [E, H]."""
+    p = f"model.layers.{layer}.mlp.experts."
+    return p + "gate_up_proj", p + "gate_up_proj_bias", p + "down_proj", p + "down_proj_bias"
 
 
 def fused_expert_names(layer: int) -> tuple[str, str]:

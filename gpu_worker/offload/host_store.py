@@ -28,6 +28,8 @@ def layout_hash(source: ExpertSource) -> str:
     text = f"{source.num_layers}x{source.num_experts}x{lay.hidden_size}x{lay.intermediate_size}:{lay.dtype}"
     if lay.quantized:                      # bf16 keeps the hash it always had
         text += f":{lay.fmt.label}"
+    if lay.act.bias:                       # so do silu experts
+        text += f":{lay.act.label}"
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
@@ -60,7 +62,7 @@ class HostExperts:
         store = ExpertStore.create(name, num_layers=source.num_layers,
                                    num_experts=source.num_experts, hidden=lay.hidden_size,
                                    intermediate=lay.intermediate_size, dtype=lay.dtype,
-                                   config_hash=layout_hash(source), fmt=lay.fmt.label)
+                                   config_hash=layout_hash(source), fmt=lay.fmt.label, act=lay.act.label)
         try:
             host = cls(store, lay, owns=True)
             if before_fill is not None:
@@ -86,7 +88,8 @@ class HostExperts:
     @classmethod
     def attach(cls, name: str, layout: ExpertLayout) -> "HostExperts":
         store = ExpertStore.attach(name, readonly=True)
-        if store.expert_format != layout.fmt or store.dtype != layout.dtype:
+        if (store.expert_format != layout.fmt or store.dtype != layout.dtype
+                or store.shape.expert_act != layout.act):
             store.close()
             raise ValueError(f"expert store {name!r} holds {store.shape.fmt} experts ({store.shape.dtype}), this "
                              f"engine computes {layout.fmt.label} ({str(layout.dtype).removeprefix('torch.')}): "

@@ -139,10 +139,29 @@ def _check_float(name: str, t: torch.Tensor) -> None:
 # MoE GEMV
 # ----------------------------------------------------------------------------------------------
 
+def check_bias_args(x: torch.Tensor, b13: torch.Tensor | None, b2: torch.Tensor | None, act, slots: int,
+                    two_i: int, hidden: int) -> tuple[bool, float, float]:
+    """Validate moe_gemv's / moe_gemv_quant's b13 [S, 2I], b2 [S, H] (both or neither, x.dtype, contiguous last
+    dimension) and act -> (clamped SwiGLU?, alpha, limit)."""
+    if (b13 is None) != (b2 is None):
+        raise ValueError("moe_gemv: give both biases (b13 [S, 2I], b2 [S, H]) or neither")
+    if b13 is not None and (b13.shape != (slots, two_i) or b2.shape != (slots, hidden) or b13.dtype != x.dtype
+                            or b2.dtype != x.dtype or b13.stride(1) != 1 or b2.stride(1) != 1
+                            or b13.device != x.device or b2.device != x.device):
+        raise ValueError(f"moe_gemv: b13 {tuple(b13.shape)} / b2 {tuple(b2.shape)} must be [S, 2I] / [S, H] = "
+                         f"[{slots}, {two_i}] / [{slots}, {hidden}] in {x.dtype} on {x.device} with a contiguous "
+                         f"last dimension")
+    swiglu = act is not None and act.name == "swiglu-clamp"
+    if act is not None and not swiglu and act.name != "silu":
+        raise ValueError(f"moe_gemv: activation {act.label} has no kernel")
+    return swiglu, (float(act.alpha) if swiglu else 0.0), (float(act.limit) if swiglu else 0.0)
+
+
 def moe_gemv(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: torch.Tensor,
              w2: torch.Tensor, *, impl: str = "auto", blocks: GemvBlocks | None = None,
              plan: CopyPlan | None = None, between: Callable[[], None] | None = None,
-             between_down: Callable[[], None] | None = None) -> torch.Tensor:
+             between_down: Callable[[], None] | None = None, b13: torch.Tensor | None = None,
+             b2: torch.Tensor | None = None, act=None) -> torch.Tensor:
     """MoE FFN of a decode batch, reading the routed experts in place: -> [T, H] in x.dtype.
 
         y[t] = sum_k weights[t, k] * down_e(silu(gate_e x[t]) * up_e x[t]),   e = ids[t, k]
@@ -163,6 +182,9 @@ def moe_gemv(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: tor
     caller makes the stream wait for the copy there), then gate/up and down for the routes in the
     plan, then the sum: five launches, the same arithmetic, so the result is bit-identical to the
     unsplit call. The routes outside the plan never read a slot the copy writes.
+    Biased experts (gpt-oss): b13 [S, 2I] and b2 [S, H] in x.dtype (contiguous last dimension, any row stride:
+    views of the rows' bias tails work), added before gate/up's and down's rounding; act: a
+    proto.expert_act.ExpertAct (None: silu; swiglu-clamp: gpt-oss's clamped SwiGLU).
     `between_down()`, when given, is called after the plan's gate/up launch and before its down launch:
     a copy in two parts (w13, then w2) waits for its first part in `between()` and for the second one
     there, so the fetched routes' gate/up runs while their w2 is still on the way. Without a split (no
@@ -195,6 +217,7 @@ def moe_gemv(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: tor
                              "the plan's slots (without it the second launch would not wait)")
     if between_down is not None and between is None:
         raise ValueError("moe_gemv: between_down() is the second half of a two-part wait; give between() too")
+    swiglu, alpha, limit = check_bias_args(x, b13, b2, act, w13.shape[0], w13.shape[1], H)
     impl = _resolve_impl(impl, x.device)
     split = plan is not None and impl != "reference" and T > 0 and K > 0
     if not split and between is not None:
@@ -202,7 +225,7 @@ def moe_gemv(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: tor
         if between_down is not None:
             between_down()
     if impl == "reference":
-        return reference.moe_gemv_reference(x, ids, weights, w13, w2)
+        return reference.moe_gemv_reference(x, ids, weights, w13, w2, b13, b2, act if swiglu else None)
     if T == 0 or K == 0:
         return torch.zeros_like(x)
     if w13.stride(2) != 1 or w2.stride(2) != 1:
@@ -231,14 +254,18 @@ def moe_gemv(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: tor
             x, ids_flat, w13, act, *plan_args, K, H, inter, x.stride(0), w13.stride(0), w13.stride(1),
             BLOCK_N=b.gate_up_block_n, BLOCK_K=b.gate_up_block_k,
             EVEN_N=inter % b.gate_up_block_n == 0, EVEN_K=H % b.gate_up_block_k == 0,
-            ACCURATE=accurate, PLAN=part, PLAN_MAX=plan_max, num_warps=GEMV_WARPS, **pdl)
+            ACCURATE=accurate, PLAN=part, PLAN_MAX=plan_max, num_warps=GEMV_WARPS,
+            b13_ptr=x if b13 is None else b13, stride_b=b13.stride(0) if b13 is not None else 0,
+            alpha=alpha, limit=limit,
+            BIAS=b13 is not None, SWIGLU=swiglu, **pdl)
         if part == 2 and between_down is not None:
             between_down()              # the plan's w2 rows are read only after this
         moe_down_kernel[(P, _cdiv(H, b.down_block_n))](
             act, ids_flat, rw_flat, w2, y, *plan_args, H, inter, w2.stride(0), w2.stride(1),
             BLOCK_N=b.down_block_n, BLOCK_K=b.down_block_k,
             EVEN_N=H % b.down_block_n == 0, EVEN_K=inter % b.down_block_k == 0,
-            PLAN=part, PLAN_MAX=plan_max, num_warps=GEMV_WARPS, **pdl)
+            PLAN=part, PLAN_MAX=plan_max, num_warps=GEMV_WARPS,
+            b2_ptr=y if b2 is None else b2, stride_b=b2.stride(0) if b2 is not None else 0, BIAS=b2 is not None, **pdl)
     out = torch.empty(T, H, dtype=x.dtype, device=x.device)           # [T, H]
     moe_sum_k_kernel[(T, _cdiv(H, b.sum_block))](y, out, K, H, BLOCK=b.sum_block, num_warps=GEMV_WARPS, **pdl)
     return out

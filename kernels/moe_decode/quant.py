@@ -18,7 +18,8 @@ from kernels.pdl import pdl_args
 from proto.expert_format import FP8_BLOCK, FormatError, QuantLayout
 
 from . import quant_reference
-from .api import DEFAULT_GEMV_BLOCKS, GEMV_WARPS, CopyPlan, GemvBlocks, _accurate, _cdiv, _check_float, _next_pow2
+from .api import (DEFAULT_GEMV_BLOCKS, GEMV_WARPS, CopyPlan, GemvBlocks, _accurate, _cdiv, _check_float, _next_pow2,
+                  check_bias_args)
 
 FORMAT_IDS = {"fp8": 0, "int4": 1, "mxfp4": 2, "nvfp4": 3}     # quant_kernels.FMT_*
 ROW_ALIGN = 16          # bytes: slot rows (their start and stride) hold float32 scales at 16-byte aligned offsets
@@ -112,7 +113,8 @@ def _check_blocks(b: GemvBlocks) -> None:
 def moe_gemv_quant(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, rows_u8: torch.Tensor,
                    layout: QuantLayout, *, impl: str = "auto", blocks: GemvBlocks | None = None,
                    plan: CopyPlan | None = None, between: Callable[[], None] | None = None,
-                   between_down: Callable[[], None] | None = None) -> torch.Tensor:
+                   between_down: Callable[[], None] | None = None, b13: torch.Tensor | None = None,
+                   b2: torch.Tensor | None = None, act=None) -> torch.Tensor:
     """`moe_gemv` over quantized slot rows: -> [T, H] in x.dtype.
 
         y[t] = sum_k weights[t, k] * down_e(silu(gate_e x[t]) * up_e x[t]),   e = ids[t, k]
@@ -126,6 +128,8 @@ def moe_gemv_quant(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, ro
         in fp32, summed over k in k order. A split around a copy (plan) is bit-identical to the unsplit call;
         a copy in two parts lands GATE_UP_REGIONS of the plan's rows before between() returns and the rest
         before between_down() (the regions are not w13's bytes then w2's: QuantLayout puts all codes first).
+    b13, b2, act: gpt-oss's biases and clamped SwiGLU, as moe_gemv (the biases in x.dtype, e.g. views of the
+        rows' bias tails, gpu_worker/models/expert_layout.bias_views).
     """
     _check_float("x", x)
     if x.dim() != 2:
@@ -149,8 +153,9 @@ def moe_gemv_quant(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, ro
         raise ValueError("moe_gemv_quant: between_down() is the second half of a two-part wait; give between() too")
     b = blocks or DEFAULT_GEMV_BLOCKS
     _check_blocks(b)
-    impl = resolve_impl(impl, x.device)
     T, H = x.shape
+    swiglu, alpha, limit = check_bias_args(x, b13, b2, act, rows_u8.shape[0], 2 * layout.intermediate_size, H)
+    impl = resolve_impl(impl, x.device)
     K = ids.shape[1]
     split = plan is not None and impl != "reference" and T > 0 and K > 0
     if not split and between is not None:
@@ -158,7 +163,8 @@ def moe_gemv_quant(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, ro
         if between_down is not None:
             between_down()
     if impl == "reference":
-        return quant_reference.moe_gemv_quant_reference(x, ids, weights, rows_u8, layout)
+        return quant_reference.moe_gemv_quant_reference(x, ids, weights, rows_u8, layout, b13, b2,
+                                                        act if swiglu else None)
     if T == 0 or K == 0:
         return torch.zeros_like(x)
     from .quant_kernels import moe_down_quant_kernel, moe_gate_up_quant_kernel
@@ -190,7 +196,9 @@ def moe_gemv_quant(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, ro
             a.scale_cols13, **fmt,
             BLOCK_N=b.gate_up_block_n, BLOCK_K=b.gate_up_block_k,
             EVEN_N=inter % b.gate_up_block_n == 0, EVEN_K=H % b.gate_up_block_k == 0,
-            ACCURATE=accurate, PLAN=part, PLAN_MAX=plan_max, num_warps=GEMV_WARPS, **pdl)
+            ACCURATE=accurate, PLAN=part, PLAN_MAX=plan_max, num_warps=GEMV_WARPS,
+            b13_ptr=x if b13 is None else b13, stride_b=0 if b13 is None else b13.stride(0), alpha=alpha,
+            limit=limit, BIAS=b13 is not None, SWIGLU=swiglu, **pdl)
         if part == 2 and between_down is not None:
             between_down()              # the plan's w2 bytes are read only after this
         moe_down_quant_kernel[(P, _cdiv(H, b.down_block_n))](
@@ -198,7 +206,8 @@ def moe_gemv_quant(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, ro
             a.codes2, layout.code_row_bytes(inter), a.scales2, a.zeros2, a.globals, a.scale_cols2, **fmt,
             BLOCK_N=b.down_block_n, BLOCK_K=b.down_block_k,
             EVEN_N=H % b.down_block_n == 0, EVEN_K=inter % b.down_block_k == 0,
-            PLAN=part, PLAN_MAX=plan_max, num_warps=GEMV_WARPS, **pdl)
+            PLAN=part, PLAN_MAX=plan_max, num_warps=GEMV_WARPS,
+            b2_ptr=y if b2 is None else b2, stride_b=0 if b2 is None else b2.stride(0), BIAS=b2 is not None, **pdl)
     out = torch.empty(T, H, dtype=x.dtype, device=x.device)           # [T, H]
     moe_sum_k_kernel[(T, _cdiv(H, b.sum_block))](y, out, K, H, BLOCK=b.sum_block, num_warps=GEMV_WARPS, **pdl)
     return out

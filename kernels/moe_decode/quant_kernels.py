@@ -35,7 +35,7 @@ import triton.language as tl
 
 from kernels.pdl import pdl_enter
 
-from .triton_kernels import _div, _exp, _route_active
+from .triton_kernels import _div, _down_out, _exp, _gate_up_act, _route_active
 
 FMT_FP8: tl.constexpr = tl.constexpr(0)
 FMT_INT4: tl.constexpr = tl.constexpr(1)
@@ -219,10 +219,14 @@ def moe_gate_up_quant_kernel(
     PLAN: tl.constexpr,       # 0: every route; 1: routes not in the plan; 2: routes in it (_route_active)
     PLAN_MAX: tl.constexpr,   # power of two >= the plan's largest length
     USE_PDL: tl.constexpr = False,   # launched with PDL: wait for the kernel before first (kernels/pdl.py)
+    b13_ptr=None, stride_b=0, alpha=0.0, limit=0.0,   # BIAS / SWIGLU: as moe_gate_up_kernel
+    BIAS: tl.constexpr = False,
+    SWIGLU: tl.constexpr = False,
 ):
     """Grid (P, cdiv(I, BLOCK_N)): moe_gate_up_kernel over quantized rows. gate = w_gate[n] . x[t] and
     up = w_up[n] . x[t] in fp32 with the decoded float32 weights, each rounded to x.dtype; silu(gate)
-    rounded; silu(gate) * up rounded. A pair with id < 0 reads and writes nothing."""
+    rounded; silu(gate) * up rounded (BIAS / SWIGLU: triton_kernels._gate_up_act). A pair with id < 0 reads
+    and writes nothing."""
     pdl_enter(USE_PDL)
     p = tl.program_id(0)
     j = tl.program_id(1)
@@ -257,10 +261,8 @@ def moe_gate_up_quant_kernel(
                 acc_g += gb * xb
                 acc_u += ua * xa
                 acc_u += ub * xb
-        gate = tl.sum(tl.sum(acc_g, axis=2), axis=1).to(DT).to(tl.float32)   # [BLOCK_N] the bmm output
-        up = tl.sum(tl.sum(acc_u, axis=2), axis=1).to(DT).to(tl.float32)
-        silu = _div(gate, 1.0 + _exp(-gate, ACCURATE), ACCURATE).to(DT).to(tl.float32)
-        act = (silu * up).to(DT)
+        act = _gate_up_act(tl.sum(tl.sum(acc_g, axis=2), axis=1), tl.sum(tl.sum(acc_u, axis=2), axis=1), e, rows,
+                           I, b13_ptr, stride_b, alpha, limit, DT, ACCURATE, BIAS, SWIGLU)
         if EVEN_N:
             tl.store(act_ptr + p.to(tl.int64) * I + rows, act)
         else:
@@ -294,9 +296,11 @@ def moe_down_quant_kernel(
     PLAN: tl.constexpr,
     PLAN_MAX: tl.constexpr,
     USE_PDL: tl.constexpr = False,
+    b2_ptr=None, stride_b=0,  # BIAS: down's biases [S, H] (triton_kernels._down_out)
+    BIAS: tl.constexpr = False,
 ):
-    """Grid (P, cdiv(H, BLOCK_N)): y[p, n] = float(x.dtype(w2[n] . act[p])) * w[p] (fp32), w2 decoded in
-    registers; exactly 0.0 for a pair with id < 0, which reads neither weights nor its act row."""
+    """Grid (P, cdiv(H, BLOCK_N)): y[p, n] = float(x.dtype(w2[n] . act[p] (+ b2[n]))) * w[p] (fp32), w2 decoded
+    in registers; exactly 0.0 for a pair with id < 0, which reads neither weights nor its act row."""
     pdl_enter(USE_PDL)
     p = tl.program_id(0)
     j = tl.program_id(1)
@@ -323,8 +327,8 @@ def moe_down_quant_kernel(
                 else:
                     acc += wa * aa
                     acc += wb * ab
-            rw = tl.load(rw_ptr + p).to(tl.float32)
-            y = tl.sum(tl.sum(acc, axis=2), axis=1).to(DT).to(tl.float32) * rw     # [BLOCK_N]
+            y = _down_out(tl.sum(tl.sum(acc, axis=2), axis=1), e, rows, H, b2_ptr, stride_b,
+                          tl.load(rw_ptr + p).to(tl.float32), DT, BIAS)               # [BLOCK_N]
         else:
             y = tl.zeros([BLOCK_N], dtype=tl.float32)
         if EVEN_N:

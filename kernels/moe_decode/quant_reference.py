@@ -34,12 +34,14 @@ def dequantize_rows_reference(rows_u8: torch.Tensor, ids: torch.Tensor, layout: 
 
 
 def moe_gemv_quant_reference(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, rows_u8: torch.Tensor,
-                             layout: QuantLayout) -> torch.Tensor:
+                             layout: QuantLayout, b13: torch.Tensor | None = None, b2: torch.Tensor | None = None,
+                             act=None) -> torch.Tensor:
     """y[t] = sum_k w[t,k] * down(silu(gate x[t]) * up x[t]) over the slot rows ids[t,k] of rows_u8 -> [T, H].
 
     Weights decoded to float32 by the reference codec; rounding as moe_gemv_reference: h = w13 @ x in
     fp32, rounded to x.dtype; silu(gate) in x.dtype; times up in x.dtype; down in fp32 rounded to x.dtype;
     times w in fp32; summed over k in fp32 in k order (0, 1, ...); cast to x.dtype. -1 adds exactly 0.
+    b13 [S, 2I] / b2 [S, H]: biases added before gate/up's and down's rounding; act: an ExpertAct (None: silu).
     """
     T, K = ids.shape
     H, inter = x.shape[1], layout.intermediate_size
@@ -54,9 +56,20 @@ def moe_gemv_quant_reference(x: torch.Tensor, ids: torch.Tensor, weights: torch.
     pick = torch.zeros_like(flat)
     pick[valid] = slot_of
     xp = x.float().unsqueeze(1).expand(T, K, H).reshape(T * K, H, 1)  # [P, H, 1]
-    h = torch.bmm(w13.index_select(0, pick), xp).squeeze(2).to(x.dtype)      # [P, 2I] x.dtype
-    act = (F.silu(h[:, :inter]) * h[:, inter:]).unsqueeze(2)                 # [P, I, 1] x.dtype
-    y = torch.bmm(w2.index_select(0, pick), act.float()).squeeze(2).to(x.dtype)   # [P, H] x.dtype
+    safe = torch.where(valid, flat, torch.zeros_like(flat))
+    h = torch.bmm(w13.index_select(0, pick), xp).squeeze(2)                  # [P, 2I] fp32
+    if b13 is not None:
+        h = h + b13.index_select(0, safe).float()
+    h = h.to(x.dtype)                                                        # [P, 2I] x.dtype
+    if act is None:
+        a = (F.silu(h[:, :inter]) * h[:, inter:]).unsqueeze(2)               # [P, I, 1] x.dtype
+    else:
+        from proto.expert_act import apply_act
+        a = apply_act(h, act).unsqueeze(2)
+    y = torch.bmm(w2.index_select(0, pick), a.float()).squeeze(2)            # [P, H] fp32
+    if b2 is not None:
+        y = y + b2.index_select(0, safe).float()
+    y = y.to(x.dtype)                                                        # [P, H] x.dtype
     y = y.float() * weights.reshape(-1, 1).float()                     # [P, H] fp32
     y = torch.where(valid.unsqueeze(1), y, torch.zeros_like(y)).view(T, K, H)
     acc = y[:, 0]

@@ -11,13 +11,16 @@ import torch.nn.functional as F
 
 
 def moe_gemv_reference(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: torch.Tensor,
-                       w2: torch.Tensor) -> torch.Tensor:
+                       w2: torch.Tensor, b13: torch.Tensor | None = None, b2: torch.Tensor | None = None,
+                       act=None) -> torch.Tensor:
     """y[t] = sum_k w[t,k] * down(silu(gate x[t]) * up x[t]) over the experts ids[t,k] -> [T, H] x.dtype.
 
     x [T, H]; ids [T, K] int32|int64 rows of w13 [S, 2I, H] and w2 [S, H, I], -1: the pair adds
     exactly 0 (its weight is not read, may be anything); weights [T, K] (fp32).
     Rounding, as gathered_expert_ffn: h = w13[id] @ x in x.dtype; silu(gate) in x.dtype; times up
     in x.dtype; down in x.dtype; times w in fp32; summed over k in fp32 in k order; cast to x.dtype.
+    b13 [S, 2I] / b2 [S, H] (both or neither): biases added to gate/up and down before their rounding; act: a
+    proto.expert_act.ExpertAct (None: silu), applied by its apply_act.
     """
     T, K = ids.shape
     H, inter = x.shape[1], w2.shape[2]
@@ -25,9 +28,19 @@ def moe_gemv_reference(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
     valid = flat >= 0
     safe = torch.where(valid, flat, torch.zeros_like(flat))
     xp = x.unsqueeze(1).expand(T, K, H).reshape(T * K, H, 1)           # [P, H, 1]
-    h = torch.bmm(w13.index_select(0, safe), xp).squeeze(2)            # [P, 2I] x.dtype
-    act = (F.silu(h[:, :inter]) * h[:, inter:]).unsqueeze(2)           # [P, I, 1] x.dtype
-    y = torch.bmm(w2.index_select(0, safe), act).squeeze(2)            # [P, H] x.dtype
+    if b13 is None:
+        h = torch.bmm(w13.index_select(0, safe), xp).squeeze(2)        # [P, 2I] x.dtype
+    else:
+        h = torch.baddbmm(b13.index_select(0, safe).unsqueeze(2), w13.index_select(0, safe), xp).squeeze(2)
+    if act is None:
+        a = (F.silu(h[:, :inter]) * h[:, inter:]).unsqueeze(2)         # [P, I, 1] x.dtype
+    else:
+        from proto.expert_act import apply_act
+        a = apply_act(h, act).unsqueeze(2)
+    if b2 is None:
+        y = torch.bmm(w2.index_select(0, safe), a).squeeze(2)          # [P, H] x.dtype
+    else:
+        y = torch.baddbmm(b2.index_select(0, safe).unsqueeze(2), w2.index_select(0, safe), a).squeeze(2)
     y = y.float() * weights.reshape(-1, 1).float()                     # [P, H] fp32
     y = torch.where(valid.unsqueeze(1), y, torch.zeros_like(y)).view(T, K, H)
     acc = y[:, 0]

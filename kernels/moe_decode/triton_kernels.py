@@ -79,6 +79,40 @@ def _route_active(e, plan_ptr, nplan_ptr, extra_slot, PLAN: tl.constexpr, PLAN_M
 
 
 @triton.jit
+def _gate_up_act(gate, up, e, rows, I, b13_ptr, stride_b, alpha, limit, DT: tl.constexpr, ACCURATE: tl.constexpr,
+                 BIAS: tl.constexpr, SWIGLU: tl.constexpr):
+    """gate / up [BLOCK_N] fp32 dot products -> act [BLOCK_N] in DT: the biases (BIAS: b13[e], gate's then up's)
+    added before gate / up are rounded to DT, then silu(gate) * up or (SWIGLU) gpt-oss's clamped SwiGLU
+    (proto/expert_act.py apply_act), rounding after each op as torch does in DT."""
+    if BIAS:
+        b_row = b13_ptr + e * stride_b
+        bmask = rows < I
+        gate += tl.load(b_row + rows, mask=bmask, other=0.0).to(tl.float32)
+        up += tl.load(b_row + I + rows, mask=bmask, other=0.0).to(tl.float32)
+    gate = gate.to(DT).to(tl.float32)                                  # the bmm / linear output
+    up = up.to(DT).to(tl.float32)
+    if SWIGLU:
+        g = tl.minimum(gate, limit)
+        u = tl.minimum(tl.maximum(up, -limit), limit)
+        ga = (g * alpha).to(DT).to(tl.float32)
+        sig = _div(1.0, 1.0 + _exp(-ga, ACCURATE), ACCURATE).to(DT).to(tl.float32)
+        glu = (g * sig).to(DT).to(tl.float32)
+        act = ((u + 1.0).to(DT).to(tl.float32) * glu).to(DT)
+    else:
+        silu = _div(gate, 1.0 + _exp(-gate, ACCURATE), ACCURATE).to(DT).to(tl.float32)
+        act = (silu * up).to(DT)
+    return act
+
+
+@triton.jit
+def _down_out(acc, e, rows, H, b2_ptr, stride_b, rw, DT: tl.constexpr, BIAS: tl.constexpr):
+    """down's dot products acc [BLOCK_N] fp32 -> rw * DT(acc + b2[e]) in fp32 (BIAS; else rw * DT(acc))."""
+    if BIAS:
+        acc += tl.load(b2_ptr + e * stride_b + rows, mask=rows < H, other=0.0).to(tl.float32)
+    return acc.to(DT).to(tl.float32) * rw
+
+
+@triton.jit
 def moe_gate_up_kernel(
     x_ptr,                # [T, H] x.dtype, row stride stride_xt, columns contiguous
     ids_ptr,              # [P] int32|int64: rows of w13 (-1: pair not on the GPU)
@@ -96,8 +130,17 @@ def moe_gate_up_kernel(
     PLAN: tl.constexpr,       # 0: every route; 1: routes not in the plan; 2: routes in it (_route_active)
     PLAN_MAX: tl.constexpr,   # power of two >= the plan's largest length
     USE_PDL: tl.constexpr = False,   # launched with PDL: wait for the kernel before first (kernels/pdl.py)
+    b13_ptr=None,             # BIAS: [S, 2I] gate then up biases, row stride stride_b
+    stride_b=0,
+    alpha=0.0, limit=0.0,     # SWIGLU: gpt-oss's clamped SwiGLU
+    BIAS: tl.constexpr = False,
+    SWIGLU: tl.constexpr = False,
 ):
     """Grid (P, cdiv(I, BLOCK_N)). Program (p, j): act[p, j*BLOCK_N : (j+1)*BLOCK_N].
+
+    BIAS adds b13[id] to gate / up before they are rounded (F.linear with a bias); SWIGLU computes
+    (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g), g = min(gate, limit), rounding after each op as
+    torch does in x.dtype (proto/expert_act.py apply_act), instead of silu(gate) * up.
 
     gate = w13[id, n] . x[t], up = w13[id, I + n] . x[t] in fp32, each rounded to x.dtype (the bmm
     output of gathered_expert_ffn); silu(gate) rounded; silu(gate) * up rounded. A pair with id < 0
@@ -138,10 +181,8 @@ def moe_gate_up_kernel(
                 wu = tl.load(w_up + k0 + offs, mask=m2, other=0.0)
             acc_g += wg.to(tl.float32) * xv[None, :]
             acc_u += wu.to(tl.float32) * xv[None, :]
-        gate = tl.sum(acc_g, axis=1).to(DT).to(tl.float32)            # [BLOCK_N] the bmm output
-        up = tl.sum(acc_u, axis=1).to(DT).to(tl.float32)
-        silu = _div(gate, 1.0 + _exp(-gate, ACCURATE), ACCURATE).to(DT).to(tl.float32)
-        act = (silu * up).to(DT)
+        act = _gate_up_act(tl.sum(acc_g, axis=1), tl.sum(acc_u, axis=1), e, rows, I, b13_ptr, stride_b,
+                           alpha, limit, DT, ACCURATE, BIAS, SWIGLU)
         if EVEN_N:
             tl.store(act_ptr + p.to(tl.int64) * I + rows, act)
         else:
@@ -166,6 +207,9 @@ def moe_down_kernel(
     PLAN: tl.constexpr,       # as in moe_gate_up_kernel: a route this launch does not own is not written
     PLAN_MAX: tl.constexpr,
     USE_PDL: tl.constexpr = False,   # launched with PDL: wait for the kernel before first (kernels/pdl.py)
+    b2_ptr=None,              # BIAS: [S, H] down biases, row stride stride_b (added before the rounding)
+    stride_b=0,
+    BIAS: tl.constexpr = False,
 ):
     """Grid (P, cdiv(H, BLOCK_N)). y[p, n] = float(x.dtype(w2[id, n] . act[p])) * w[p] (fp32);
     exactly 0.0 for a pair with id < 0, which reads neither weights nor its act row. Each step's
@@ -196,8 +240,7 @@ def moe_down_kernel(
                     av = tl.load(a_row + k0 + cols, mask=cmask, other=0.0).to(tl.float32)
                     w = tl.load(w_base + k0 + offs, mask=(rows[:, None] < H) & cmask[None, :], other=0.0)
                 acc += tl.sum(w.to(tl.float32) * av[None, :], axis=1)
-            rw = tl.load(rw_ptr + p).to(tl.float32)
-            y = acc.to(DT).to(tl.float32) * rw                            # [BLOCK_N]
+            y = _down_out(acc, e, rows, H, b2_ptr, stride_b, tl.load(rw_ptr + p).to(tl.float32), DT, BIAS)
         else:
             y = tl.zeros([BLOCK_N], dtype=tl.float32)
         if EVEN_N:

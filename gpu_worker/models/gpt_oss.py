@@ -1,0 +1,85 @@
+"""`GptOssModel`: the gpt-oss decoder forward (``GptOssForCausalLM``) over a flat batch of tokens.
+
+Same contract as `MoeModel` (model.py): attention is delegated to an `AttentionContext`, the routed experts to
+an `ExpertBackend`. What differs, as in transformers' modeling_gpt_oss:
+- q/k/v/o projections with biases (``attention_bias``);
+- attention sinks (one logit per head in every softmax's denominator) and, per layer, a sliding window
+  (``sliding_attention``: the last ``window`` keys) or full attention: ``attend(..., sinks=, sliding_window=)``;
+- YaRN rotary frequencies with their attention scaling on cos / sin (gpt_oss_layers.py);
+- the router: top-k of the biased logits, softmax over those k;
+- the experts' clamped SwiGLU with biases, carried by the expert rows (layout.act: proto/expert_act.py), so every
+  backend (resident, offload, cpu, hybrid) computes it.
+
+There is one forward (the plain torch one): ``fused_kernels=True`` is refused, since the fused kernels of
+kernels/moe_decode have no biases or sinks.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .config import MoeConfig
+from .dense_weights import DenseWeights, LayerWeights
+from .expert_backend import ExpertBackend
+from .gpt_oss_config import gpt_oss_params
+from .gpt_oss_layers import ScaledRotaryTable, gpt_oss_rms_norm as rms_norm, gpt_oss_route, yarn_inv_freq
+from .layers import apply_rope
+from .model import AttentionContext, MoeModel
+
+
+class GptOssModel(MoeModel):
+    def __init__(self, cfg: MoeConfig, dense: DenseWeights, experts: ExpertBackend, max_positions: int,
+                 fused_kernels: bool | None = None):
+        if fused_kernels:
+            raise ValueError("gpt-oss runs the plain forward only: the fused kernels (kernels/moe_decode) have no "
+                             "attention sinks or projection biases; leave fused_kernels unset")
+        if not experts.layout.act.bias:
+            raise ValueError(f"a gpt-oss model needs experts with gpt-oss's biased clamped SwiGLU; the backend's "
+                             f"experts compute {experts.layout.act.label}")
+        self.params = gpt_oss_params(cfg)
+        super().__init__(cfg, dense, experts, max_positions, fused_kernels=False)
+        for i, layer in enumerate(dense.layers):
+            if layer.sinks is None or layer.router_bias is None:
+                raise ValueError(f"gpt-oss layer {i} lacks its attention sinks or router bias")
+        self.rope = self._rotary(max_positions)
+
+    def _rotary(self, max_positions: int) -> ScaledRotaryTable:
+        inv, scaling = yarn_inv_freq(self.cfg.head_dim, self.cfg.rope_theta, self.params.rope,
+                                     self.cfg.max_position_embeddings)
+        return ScaledRotaryTable(inv, scaling, max_positions, self.device)
+
+    def ensure_positions(self, max_positions: int) -> None:
+        if self.rope.max_positions < max_positions:
+            self.rope = self._rotary(max_positions)
+
+    @torch.inference_mode()
+    def forward(self, token_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionContext,
+                logit_rows: torch.Tensor | None = None) -> torch.Tensor:
+        """token_ids, positions [T] int64 (device) -> logits [R, V] float32 (see MoeModel.forward)."""
+        eps = self.cfg.rms_norm_eps
+        x = F.embedding(token_ids, self.dense.embed)                    # [T, H]
+        cos, sin = self.rope.lookup(positions, self.dtype)              # [T, 1, D]
+        for i, layer in enumerate(self.dense.layers):
+            x = x + self._attention(i, layer, rms_norm(x, layer.attn_norm, eps), cos, sin, attn)
+            x = x + self._moe(i, layer, rms_norm(x, layer.mlp_norm, eps), positions)
+        if logit_rows is not None:
+            x = x.index_select(0, logit_rows)                           # [R, H]
+        x = rms_norm(x, self.dense.final_norm, eps)
+        return F.linear(x, self.dense.lm_head).float()                  # [R, V]
+
+    def _attention(self, i: int, layer: LayerWeights, h: torch.Tensor, cos: torch.Tensor,
+                   sin: torch.Tensor, attn: AttentionContext) -> torch.Tensor:
+        cfg = self.cfg
+        T = h.shape[0]
+        q = F.linear(h, layer.q_proj, layer.q_bias).view(T, cfg.num_heads, cfg.head_dim)       # [T, Hq, D]
+        k = F.linear(h, layer.k_proj, layer.k_bias).view(T, cfg.num_kv_heads, cfg.head_dim)    # [T, Hkv, D]
+        v = F.linear(h, layer.v_proj, layer.v_bias).view(T, cfg.num_kv_heads, cfg.head_dim)    # [T, Hkv, D]
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        out = attn.attend(i, q, k, v, sinks=layer.sinks, sliding_window=self.params.layer_window(i))
+        return F.linear(out.reshape(T, cfg.q_size), layer.o_proj, layer.o_bias)               # [T, H]
+
+    def _moe(self, i: int, layer: LayerWeights, h: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        topk_ids, topk_weights = gpt_oss_route(h, layer.router, layer.router_bias, self.cfg.top_k)
+        if self.routing_override is not None:
+            topk_ids = self.routing_override.ids(i, positions)
+        return self.experts.forward(i, h, topk_ids, topk_weights)       # [T, H]

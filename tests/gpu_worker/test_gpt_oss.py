@@ -1,0 +1,315 @@
+"""gpt-oss against transformers itself (float32, CPU): logits within 1e-4 relative error, identical greedy tokens
+for 32 steps with prompts longer than the sliding window, one request or three batched; the offload strategy at a
+small cache gives the resident tokens; an MXFP4 checkpoint in the hub's layout equals transformers on the
+dequantized weights; misuse names the file and the tensor."""
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from gpu_worker.engine import Engine, EngineConfig, SamplingParams
+from gpu_worker.models import load_model
+from gpu_worker.models.config import MoeConfig
+from tests.gpu_worker.gpt_oss_util import WINDOW, hf_gpt_oss, save_mxfp4
+from tests.gpu_worker.test_models_parity import prefill_logits
+from tests.gpu_worker.test_models_util import hf_greedy, prompt_ids, rel_err
+
+REL_TOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    hf = hf_gpt_oss(seed=7)
+    path = tmp_path_factory.mktemp("gpt_oss")
+    hf.save_pretrained(str(path))
+    return hf, path, load_model(path, device="cpu", dtype="float32")
+
+
+def test_config_reads_what_transformers_wrote(pair):
+    _, path, ours = pair
+    cfg = ours.cfg
+    assert cfg.arch == "gptoss" and cfg.top_k == 4 and cfg.sliding_window is None
+    p = cfg.extra["gpt_oss"]
+    assert p["window"] == WINDOW and p["layer_types"][1] == "full_attention" and p["rope"]["rope_type"] == "yarn"
+    assert MoeConfig.from_hf_dict(cfg.to_hf_dict()).extra["gpt_oss"] == p
+    assert ours.model.experts.layout.act.label == "swiglu-clamp:1.702:7.0"
+
+
+@pytest.mark.parametrize("chunk", [64, 5], ids=["one_chunk", "chunks_of_5"])
+def test_logits_match_transformers(pair, chunk):
+    hf, _, ours = pair
+    prompt = prompt_ids(23, seed=3)                         # 23 > WINDOW: the sliding layers drop keys
+    with torch.no_grad():
+        expected = hf(torch.tensor([prompt])).logits[0].float()
+    got = prefill_logits(ours, prompt, chunk)
+    assert rel_err(got, expected) <= REL_TOL
+
+
+def test_the_window_and_the_sinks_matter(pair):
+    """A model that ignored the window or the sinks would be off by far more than REL_TOL."""
+    hf, _, ours = pair
+    prompt = prompt_ids(23, seed=3)
+    with torch.no_grad():
+        expected = hf(torch.tensor([prompt])).logits[0].float()
+        layers = ours.model.dense.layers
+        saved = [layer.sinks.clone() for layer in layers]
+        for layer in layers:
+            layer.sinks.fill_(-1e4)                          # sinks off
+        no_sinks = prefill_logits(ours, prompt, 64)
+        for layer, s in zip(layers, saved):
+            layer.sinks.copy_(s)
+    assert rel_err(no_sinks, expected) > 100 * REL_TOL
+    params = ours.model.params
+    ours.model.params = type(params)(**{**params.__dict__, "window": None})
+    try:
+        no_window = prefill_logits(ours, prompt, 64)
+    finally:
+        ours.model.params = params
+    assert rel_err(no_window, expected) > 100 * REL_TOL
+
+
+def test_greedy_generation_matches_transformers(pair):
+    hf, _, ours = pair
+    prompt = prompt_ids(11, seed=4)
+    expected = hf_greedy(hf, prompt, 32)
+    engine = Engine(ours.model, EngineConfig(max_context_tokens=128, prefill_chunk_tokens=4))
+    assert engine.generate([prompt], SamplingParams(max_new_tokens=32, ignore_eos=True))[0] == expected
+
+
+def test_batched_greedy_generation_matches_transformers(pair):
+    hf, _, ours = pair
+    prompts = [prompt_ids(n, seed=10 + n) for n in (5, 13, 9)]
+    expected = [hf_greedy(hf, p, 20) for p in prompts]
+    engine = Engine(ours.model, EngineConfig(max_running_requests=3, max_context_tokens=128))
+    assert engine.generate(prompts, SamplingParams(max_new_tokens=20, ignore_eos=True)) == expected
+
+
+def _greedy(loaded, prompts, n=32):
+    engine = Engine(loaded.model, EngineConfig(max_running_requests=2, max_context_tokens=128,
+                                               prefill_chunk_tokens=4), eos_token_ids=())
+    return engine.generate([list(p) for p in prompts], SamplingParams(max_new_tokens=n, ignore_eos=True))
+
+
+def test_offload_at_a_small_cache_gives_the_resident_tokens(pair, tmp_path, monkeypatch):
+    monkeypatch.setenv("FT_CACHE_DIR", str(tmp_path))
+    _, path, ours = pair
+    prompts = [prompt_ids(11, seed=4), prompt_ids(17, seed=5)]
+    resident = _greedy(ours, prompts)
+    loaded = load_model(path, device="cpu", dtype="float32", moe_strategy="offload", moe_cache_size=10)
+    try:
+        assert _greedy(loaded, prompts) == resident
+        assert loaded.model.experts.counters()["expert_misses_total"] > 0
+    finally:
+        loaded.model.experts.close()
+
+
+def test_mxfp4_checkpoint_matches_transformers_on_the_dequantized_weights(tmp_path):
+    hf = hf_gpt_oss(seed=11)
+    path = save_mxfp4(hf, tmp_path / "mxfp4")
+    ours = load_model(path, device="cpu", dtype="float32")
+    assert ours.model.experts.layout.fmt.label == "mxfp4"
+    prompt = prompt_ids(23, seed=3)
+    with torch.no_grad():
+        expected = hf(torch.tensor([prompt])).logits[0].float()
+    assert rel_err(prefill_logits(ours, prompt, 5), expected) <= REL_TOL
+    assert _greedy(ours, [prompt_ids(11, seed=4)])[0] == hf_greedy(hf, prompt_ids(11, seed=4), 32)
+    # served dequantized (bf16 format rows in float32): the same model
+    deq = load_model(path, device="cpu", dtype="float32", expert_format="bf16")
+    assert rel_err(prefill_logits(deq, prompt, 64), expected) <= REL_TOL
+
+
+def test_quantized_at_load_keeps_the_biases(pair):
+    """--expert-format mxfp4 on the unquantized checkpoint: the rows' biases are the float rows' exactly, and the
+    weights are quantize_expert's of them."""
+    from gpu_worker.models.expert_layout import bias_views, expert_views
+    from proto.expert_format import quantize_expert
+    _, path, ours = pair
+    quant = load_model(path, device="cpu", dtype="float32", expert_format="mxfp4")
+    qlay, flay = quant.model.experts.layout, ours.model.experts.layout
+    assert qlay.fmt.label == "mxfp4" and qlay.act == flay.act
+    for layer in range(ours.cfg.num_layers):
+        qrows, frows = quant.model.experts.packed[layer], ours.model.experts.packed[layer]
+        for q, f in zip(bias_views(qrows, qlay), bias_views(frows, flay)):
+            assert torch.equal(q, f) and f.abs().sum() > 0
+        want = quantize_expert(*expert_views(frows[3], flay), qlay.fmt)
+        assert torch.equal(qrows[3, : want.numel()], want)
+
+
+def _copy(src, dst):
+    shutil.copytree(src, dst)
+    return dst
+
+
+def test_a_missing_expert_bias_names_the_file_and_tensor(pair, tmp_path):
+    _, path, _ = pair
+    bad = _copy(path, tmp_path / "bad")
+    state = load_file(str(bad / "model.safetensors"))
+    del state["model.layers.1.mlp.experts.down_proj_bias"]
+    save_file(state, str(bad / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(Exception, match=r"bad.*model\.layers\.1\.mlp\.experts\.down_proj_bias"):
+        load_model(bad, device="cpu", dtype="float32")
+
+
+@pytest.mark.parametrize("change,message", [
+    ({"layer_types": ["sliding_attention", "chunked_attention", "full_attention"]}, "chunked_attention"),
+    ({"sliding_window": None}, "sliding_window=None"),
+    ({"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4}}, "longrope"),
+    ({"layer_types": ["full_attention"]}, "layer_types has 1 entries"),
+])
+def test_configs_it_cannot_compute_are_refused(pair, tmp_path, change, message):
+    _, path, _ = pair
+    raw = json.loads((path / "config.json").read_text())
+    raw.update(change)
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(ValueError, match=rf"config\.json.*{message}"):
+        MoeConfig.from_dir(tmp_path)
+
+
+def _attached(path, strategy, cache_size):
+    """``strategy`` (cpu, hybrid) over real CPU worker processes, attached as the GPU worker does."""
+    import os
+    import uuid
+
+    from coordinator.expert_resources import CpuWorkerSettings, ExpertResources
+    from gpu_worker.api import load_attached_model, open_model_source
+    from gpu_worker.hybrid import HybridOptions
+
+    dev = torch.device("cpu")
+    source = open_model_source(path, None, dtype="float32", device=dev)
+    cpu = CpuWorkerSettings(num_workers=1, worker_args=("--threads", "1", "--no-pin", "--hot-ms", "1"),
+                            log_level="WARNING")
+    resources = ExpertResources.create(source, strategy, store_name=f"ft-test-{os.getpid()}-{uuid.uuid4().hex[:6]}",
+                                       cpu=cpu)
+    try:
+        resources.start_cpu_workers()
+        loaded = load_attached_model(source, dev, moe_strategy=strategy, store_name=resources.store_name,
+                                     cpu_channels=resources.channel_names, moe_cache_size=cache_size,
+                                     hybrid=HybridOptions(cpu_deadline_s=20.0, fetch_fraction=0.5),
+                                     worker_info=resources.worker_info)
+    except BaseException:
+        resources.close()
+        raise
+    return loaded, resources
+
+
+@pytest.mark.parametrize("strategy", ["hybrid", "cpu"])
+def test_cpu_pool_strategies_give_the_resident_tokens(pair, tmp_path, monkeypatch, strategy):
+    """The CPU workers compute the biased clamped SwiGLU experts (the store's rows carry the biases)."""
+    monkeypatch.setenv("FT_CACHE_DIR", str(tmp_path))
+    _, path, ours = pair
+    prompts = [prompt_ids(11, seed=4), prompt_ids(17, seed=5)]
+    resident = _greedy(ours, prompts)
+    loaded, resources = _attached(path, strategy, cache_size=10)
+    try:
+        assert _greedy(loaded, prompts) == resident
+        assert loaded.model.experts.counters()["expert_misses_total"] > 0
+    finally:
+        loaded.model.experts.close()
+        resources.close()
+
+
+def _small_preset():
+    from gpu_worker.models.presets import preset_config
+    cfg = preset_config("gpt-oss-20b")
+    p = dict(cfg.extra["gpt_oss"])
+    p.update(layer_types=["sliding_attention", "full_attention"], window=WINDOW)
+    return cfg.replace(vocab_size=VOCAB_SMALL, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
+                       head_dim=16, num_experts=8, expert_intermediate_size=32, dtype="float32",
+                       eos_token_ids=(), pad_token_id=None, extra={**cfg.extra, "gpt_oss": p})
+
+
+VOCAB_SMALL = 128
+
+
+def test_presets_have_the_published_shapes():
+    from gpu_worker.models.presets import preset_config
+    small, big = preset_config("gpt-oss-20b"), preset_config("gpt-oss-120b")
+    assert (small.num_layers, small.num_experts, small.top_k, small.hidden_size,
+            small.expert_intermediate_size) == (24, 32, 4, 2880, 2880)
+    assert (big.num_layers, big.num_experts, big.hidden_size) == (36, 128, 2880)
+    assert small.expert_format == big.expert_format == "mxfp4"
+    assert big.extra["gpt_oss"]["layer_types"][:2] == ["sliding_attention", "full_attention"]
+
+
+def test_a_written_preset_loads_in_transformers_and_as_mxfp4(tmp_path):
+    """The preset's writer: transformers' layout reads back in transformers with our logits; the MXFP4 layout
+    gives exactly the experts that quantizing the float ones at load gives."""
+    import transformers
+
+    from gpu_worker.models.checkpoint_writer import write_checkpoint
+    from gpu_worker.models.presets import random_model_parts
+    cfg = _small_preset()
+    _, dense, experts = random_model_parts(cfg, "cpu", torch.float32, seed=3)
+    with torch.no_grad():                                 # larger weights than the preset's 0.02: a test that bites
+        for layer in dense.layers:
+            for t in (layer.q_proj, layer.k_proj, layer.v_proj, layer.o_proj, layer.router, layer.sinks):
+                t.mul_(15)
+    experts.std = 0.3
+    float_dir = write_checkpoint(tmp_path / "float", cfg.replace(expert_format="bf16"), dense, experts)
+    mx_dir = write_checkpoint(tmp_path / "mx", cfg.replace(expert_format="bf16"), dense, experts,
+                              expert_format="mxfp4", shards="per_layer")
+    hf = transformers.GptOssForCausalLM.from_pretrained(str(float_dir), dtype=torch.float32).eval()
+    ours = load_model(float_dir, device="cpu", dtype="float32")
+    prompt = prompt_ids(23, seed=3)
+    with torch.no_grad():
+        expected = hf(torch.tensor([prompt])).logits[0].float()
+    assert rel_err(prefill_logits(ours, prompt, 64), expected) <= REL_TOL
+    mx = load_model(mx_dir, device="cpu", dtype="float32")
+    at_load = load_model(float_dir, device="cpu", dtype="float32", expert_format="mxfp4")
+    assert mx.model.experts.layout == at_load.model.experts.layout
+    for layer in range(cfg.num_layers):
+        assert torch.equal(mx.model.experts.packed[layer], at_load.model.experts.packed[layer])
+
+
+HARMONY_LIKE = ("{%- for m in messages %}<|start|>{{ m.role }}<|message|>{{ m.content }}<|end|>{%- endfor %}"
+                "{%- if add_generation_prompt %}<|start|>assistant{%- endif %}")
+
+
+def test_the_chat_path_uses_the_checkpoints_chat_template_jinja(pair, tmp_path):
+    """gpt-oss keeps its (harmony) template in chat_template.jinja, not tokenizer_config.json: the model's tokenizer
+    and the service's chat codec built from it both render with it."""
+    from coordinator.text_codec import ChatMessage, TextCodec
+    from gpu_worker.models.tiny import ensure_tiny_checkpoint
+    from gpu_worker.models.tokenizer import TextTokenizer
+    _, path, _ = pair
+    ckpt = _copy(path, tmp_path / "chat")
+    shutil.copy(ensure_tiny_checkpoint() / "tokenizer.json", ckpt / "tokenizer.json")
+    (ckpt / "chat_template.jinja").write_text(HARMONY_LIKE)
+    want = "<|start|>user<|message|>hi<|end|><|start|>assistant"
+    tok = TextTokenizer.from_dir(ckpt)
+    assert tok.apply_chat_template([{"role": "user", "content": "hi"}]) == want
+    loaded = load_model(ckpt, device="cpu", dtype="float32")
+    codec = TextCodec.from_text_tokenizer(loaded.tokenizer, loaded.eos_token_ids)
+    assert codec.chat_template.render([ChatMessage("user", "hi")]) == want
+    assert TextCodec.from_model_dir(str(ckpt)).chat_template.render([ChatMessage("user", "hi")]) == want
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("expert_format", ["auto", "mxfp4"])
+def test_on_the_gpu_graphs_offload_and_transformers_agree(pair, tmp_path, monkeypatch, expert_format):
+    """CUDA, float32: the decode graphs (Triton gemv with the biases and the clamped SwiGLU, the sink attention)
+    give the eager tokens and transformers' (float experts), and offload at a small cache gives resident's."""
+    monkeypatch.setenv("FT_CACHE_DIR", str(tmp_path))
+    hf, path, _ = pair
+    prompts = [prompt_ids(11, seed=4), prompt_ids(17, seed=5)]
+
+    def run(loaded, graphs):
+        engine = Engine(loaded.model, EngineConfig(max_running_requests=2, max_context_tokens=128,
+                                                   prefill_chunk_tokens=4, cuda_graphs=graphs), eos_token_ids=())
+        return engine.generate([list(p) for p in prompts], SamplingParams(max_new_tokens=32, ignore_eos=True))
+
+    resident = load_model(path, device="cuda", dtype="float32", expert_format=expert_format)
+    eager, graphs = run(resident, False), run(resident, True)
+    assert graphs == eager
+    if expert_format == "auto":
+        assert eager == [hf_greedy(hf, p, 32) for p in prompts]
+    offload = load_model(path, device="cuda", dtype="float32", moe_strategy="offload", moe_cache_size=10,
+                         expert_format=expert_format)
+    try:
+        assert run(offload, True) == eager
+    finally:
+        offload.model.experts.close()
