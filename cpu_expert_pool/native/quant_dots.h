@@ -34,6 +34,9 @@ typedef struct {
 
 static const float FP4_LUT[16] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f,
                                   -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
+/* The fp16 bits of the 16 fp4 values have a zero low byte (two significant bits at most): their high bytes. */
+static const uint8_t FP4_F16_HI[16] = {0x00, 0x38, 0x3C, 0x3E, 0x40, 0x42, 0x44, 0x46,
+                                       0x80, 0xB8, 0xBC, 0xBE, 0xC0, 0xC2, 0xC4, 0xC6};
 static const int32_t IOTA16[16] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
 
 static inline float f32_from_bits(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
