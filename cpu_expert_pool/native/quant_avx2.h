@@ -3,32 +3,20 @@
 #ifndef FT_QUANT_AVX2_H
 #define FT_QUANT_AVX2_H
 
-typedef struct { __m256 lo, hi; } tab256;      /* an int4 group's 16-entry table: entries 0..7, 8..15 */
-
-T_AVX2Q INLINE_Q tab256 table256(const qrow *r, int g) {          /* int4: (u - zero[g]) * scale[g], u < 16 */
-    const __m256i z = _mm256_set1_epi32(r->zeros[g]);
-    const __m256 s = _mm256_set1_ps(r->fscales[g]);
-    const __m256i u0 = _mm256_loadu_si256((const __m256i *)IOTA16);
-    const __m256i u1 = _mm256_loadu_si256((const __m256i *)(IOTA16 + 8));
-    tab256 t;
-    t.lo = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(u0, z)), s);
-    t.hi = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(u1, z)), s);
-    return t;
-}
-/* Table lookup of 8 codes (index bits 3..0): vpermps on each half, bit 3 picks the half. */
-T_AVX2Q INLINE_Q __m256 lookup256(__m256i v, tab256 t) {
-    return _mm256_blendv_ps(_mm256_permutevar8x32_ps(t.lo, v), _mm256_permutevar8x32_ps(t.hi, v),
-                            _mm256_castsi256_ps(_mm256_slli_epi32(v, 28)));
-}
-/* int4: 32 weights at k of one group in the permuted order: w[0] elements 0,2..14, w[1] 16,18..30, w[2] 1,3..15,
-   w[3] 17..31. */
-T_AVX2Q INLINE_Q void int4x32_256(const uint8_t *codes, int k, tab256 t, __m256 *w) {
+/* int4: 32 weights at k of a group (zf = 2**23 + zero, s its scale) in the permuted order (w[0] elements 0,2..14,
+   w[1] 16,18..30, w[2] 1,3..15, w[3] 17..31), without a table (on 8 lanes a 16-entry lookup costs two vpermps and
+   a blend): the fp32 bits of 2**23 + u (u | 0x4B000000) minus 2**23 + z is u - z exactly, times s the reference's
+   product. */
+T_AVX2Q INLINE_Q void int4x32_magic_256(const uint8_t *codes, int k, __m256 zf, __m256 s, __m256 *w) {
     const __m128i q = _mm_loadu_si128((const __m128i *)(codes + k / 2));
     const __m256i v0 = _mm256_cvtepu8_epi32(q), v1 = _mm256_cvtepu8_epi32(_mm_srli_si128(q, 8));
-    w[0] = lookup256(v0, t);
-    w[1] = lookup256(v1, t);
-    w[2] = lookup256(_mm256_srli_epi32(v0, 4), t);
-    w[3] = lookup256(_mm256_srli_epi32(v1, 4), t);
+    const __m256i m = _mm256_set1_epi32(0x4B000000), f = _mm256_set1_epi32(15);
+#define INT4_MAGIC(u) _mm256_mul_ps(_mm256_sub_ps(_mm256_castsi256_ps(_mm256_or_si256(u, m)), zf), s)
+    w[0] = INT4_MAGIC(_mm256_and_si256(v0, f));
+    w[1] = INT4_MAGIC(_mm256_and_si256(v1, f));
+    w[2] = INT4_MAGIC(_mm256_srli_epi32(v0, 4));
+    w[3] = INT4_MAGIC(_mm256_srli_epi32(v1, 4));
+#undef INT4_MAGIC
 }
 /* fp4 codes -> fp16 (FP4_F16_HI: vpshufb on the nibbles, then the byte as the high byte of a word) -> fp32.
    q: the codes' bytes in both 128-bit lanes; lane 0 decodes the low nibbles (even elements), lane 1 the high ones. */
@@ -37,7 +25,7 @@ T_AVX2Q INLINE_Q __m256i fp4_f16_256(__m256i q) {
                                          _mm256_set1_epi8(15));
     return _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)FP4_F16_HI)), nib);
 }
-/* 32 fp4 values (unscaled) at k, in int4x32_256's order. */
+/* 32 fp4 values (unscaled) at k, in int4x32_magic_256's order. */
 T_AVX2Q INLINE_Q void fp4x32_256(const uint8_t *codes, int k, __m256 *w) {
     const __m256i t = fp4_f16_256(_mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(codes + k / 2))));
     const __m256i lo = _mm256_unpacklo_epi8(_mm256_setzero_si256(), t), hi = _mm256_unpackhi_epi8(_mm256_setzero_si256(), t);
@@ -169,13 +157,14 @@ T_AVX2Q INLINE_Q void dotq_avx2(const int fmt, const int NB, int G, const qrow *
                 }
             }
         }
-    } else if (fmt == FMT_INT4) {              /* a table a group (G >= 32: whole chunks; a split K: 32s) */
+    } else if (fmt == FMT_INT4) {              /* G >= 32: whole chunks; a split K: 32s */
         for (int g = 0, k = 0; k < K; ++g) {
-            const tab256 tta = table256(wa, g), ttb = table256(wb, g);
+            const __m256 za = _mm256_set1_ps(8388608.0f + wa->zeros[g]), zb = _mm256_set1_ps(8388608.0f + wb->zeros[g]);
+            const __m256 sa = _mm256_set1_ps(wa->fscales[g]), sb = _mm256_set1_ps(wb->fscales[g]);
             for (const int end = k + G < K ? k + G : K; k < end; k += CHUNK) {
                 __m256 va[4], vb[4];
-                int4x32_256(wa->codes, k, tta, va);
-                int4x32_256(wb->codes, k, ttb, vb);
+                int4x32_magic_256(wa->codes, k, za, sa, va);
+                int4x32_magic_256(wb->codes, k, zb, sb, vb);
                 ACC256(NB, 4, va, vb, k)
             }
         }
@@ -237,7 +226,7 @@ T_AVX2Q static void dequant_row_avx2(int fmt, int G, const qrow *q, int K, float
     for (int k = 0; k < K; k += CHUNK) {
         const int g = k / G, tail = K - k < CHUNK;
         if (fmt == FMT_INT4) {
-            int4x32_256(q->codes, k, table256(q, g), w);
+            int4x32_magic_256(q->codes, k, _mm256_set1_ps(8388608.0f + q->zeros[g]), _mm256_set1_ps(q->fscales[g]), w);
         } else {
             fp4_scales8_256(fmt, q, g & ~7, ng, s);
             const __m256 s0 = _mm256_set1_ps(s[g & 7]), s1 = _mm256_set1_ps(s[(g + CHUNK / G - 1) & 7]);

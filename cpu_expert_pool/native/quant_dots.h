@@ -11,8 +11,9 @@
  * Loop order: weights outer, tokens inner. A call takes two rows and a register block of up to 4 tokens; every
  * weight vector is decoded once and multiplied into each token's accumulators, so B tokens cost one decode and B
  * FMAs a vector. The loops walk groups (fp8: 128-blocks), so no index is divided by the group size.
- *   int4: each group's 16 possible weights form a table ((u - z) * s for the 16 codes), a code is a table index
- *     (vpermps; G >= 32, so a table serves whole chunks).
+ *   int4, AVX-512: each group's 16 possible weights form a table ((u - z) * s for the 16 codes), a code is a table
+ *     index (vpermps; G >= 32, so a table serves whole chunks). AVX2: no table (a lookup on 8 lanes is two vpermps
+ *     and a blend): the fp32 bits 2**23 + u minus 2**23 + z give u - z exactly, times s.
  *   mxfp4 / nvfp4: codes go through the constant fp4 value table (AVX-512 vpermps on FP4_LUT; AVX2 vpshufb on the
  *     nibbles into the fp16 high bytes FP4_F16_HI, then vcvtph2ps) and the vector is multiplied by its group's
  *     scale (the reference's product). The scales of 8 (AVX2) / 16 (AVX-512) groups are decoded at once by vector
