@@ -1,18 +1,32 @@
 /* Decoders and dot products of the quantized expert kernel (quant_ffn.c, its only includer): static inline code.
  *
  * A row of a quantized matrix (qrow) is read in place from the store; weights are dequantized in registers to
- * fp32 exactly as proto/expert_format.py's decode formulas say, then multiplied with fp32 activations:
+ * fp32 exactly as proto/expert_format.py's decode formulas say (the same products, the same rounding: the decoded
+ * weights are the reference's bit for bit, which ft_dequantize_rows exposes to the tests), then multiplied with
+ * fp32 activations and summed in fp32:
  *   fp8    w = e4m3(code) * scale[r / 128][k / 128]
  *   int4   w = (u - zero[g]) * scale[g]                 g = k / G
  *   mxfp4  w = fp4(code) * 2**(e[g] - 127)
  *   nvfp4  w = fp4(code) * fp32(e4m3(s[g]) * global)
- * 4-bit formats: each group's 16 possible weights form a table (the formula applied to the 16 codes, so every
- * entry is the reference's value), and a code is a table index (vpermps). Two codes share a byte, so a chunk of
- * 32 weights (16 bytes) decodes into its even elements and its odd elements: the activations of 4-bit formats are
- * stored permuted the same way, per block of 32 (or a last block of 16): position p < n/2 holds element 2p,
- * position n/2 + p holds element 2p + 1 (perm4_pos). fp8: the sign and magnitude bits are moved into fp32 bits of
- * code * 2**-120 and multiplied by scale * 2**120 (the same product as code * scale, one rounding); blocks whose
- * codes include NaN or whose scale is >= 2**8 take the general decoder (fp16 bits of code / 256, vcvtph2ps).
+ * Loop order: weights outer, tokens inner. A call takes two rows and a register block of up to 4 tokens; every
+ * weight vector is decoded once and multiplied into each token's accumulators, so B tokens cost one decode and B
+ * FMAs a vector. The loops walk groups (fp8: 128-blocks), so no index is divided by the group size.
+ *   int4, AVX-512: each group's 16 possible weights form a table ((u - z) * s for the 16 codes), a code is a table
+ *     index (vpermps; G >= 32, so a table serves whole chunks). AVX2: no table (a lookup on 8 lanes is two vpermps
+ *     and a blend): the fp32 bits 2**23 + u minus 2**23 + z give u - z exactly, times s.
+ *   mxfp4 / nvfp4: codes go through the constant fp4 value table (AVX-512 vpermps on FP4_LUT; AVX2 vpshufb on the
+ *     nibbles into the fp16 high bytes FP4_F16_HI, then vcvtph2ps) and the vector is multiplied by its group's
+ *     scale (the reference's product). The scales of 8 (AVX2) / 16 (AVX-512) groups are decoded at once by vector
+ *     code. nvfp4's 16-wide groups no longer cost a table each.
+ *   Two codes share a byte, so a chunk of 32 weights (16 bytes) decodes into its even elements and its odd
+ *     elements: the activations of 4-bit formats are stored permuted the same way, per block of 32 (or a last
+ *     block of 16): position p < n/2 holds element 2p, position n/2 + p holds element 2p + 1 (perm4_pos).
+ *   fp8: the sign and magnitude bits are moved into fp32 bits of code * 2**-120 and multiplied by scale * 2**120
+ *     (the same product as code * scale, one rounding). A 128-block is tested once for NaN codes and a scale
+ *     >= 2**8; such blocks (and a row's partial last block) take the general decoder (fp16 bits of code / 256,
+ *     vcvtph2ps).
+ * Numerics: the weights are exact, the sums are fp32 in the vector lanes' order (not the reference's float64), so
+ * the kernel matches the reference to fp32 accumulation error, not bit for bit.
  *
  * ISAs: AVX-512F/BW/VL (16 lanes), AVX2 + FMA + F16C (8 lanes), portable C. There is no AVX-512 BF16 or AMX
  * path: the dequantized weights are fp32 (rounding them to bf16 would change them), so those CPUs run AVX-512F.
@@ -34,6 +48,9 @@ typedef struct {
 
 static const float FP4_LUT[16] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f,
                                   -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
+/* The fp16 bits of the 16 fp4 values have a zero low byte (two significant bits at most): their high bytes. */
+static const uint8_t FP4_F16_HI[16] = {0x00, 0x38, 0x3C, 0x3E, 0x40, 0x42, 0x44, 0x46,
+                                       0x80, 0xB8, 0xBC, 0xBE, 0xC0, 0xC2, 0xC4, 0xC6};
 static const int32_t IOTA16[16] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
 
 static inline float f32_from_bits(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }

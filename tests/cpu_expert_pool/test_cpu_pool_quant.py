@@ -5,8 +5,9 @@ headers are installed, through ExpertKernel, the raw binding and the C serve loo
 against dequantize_matrix.
 
 Tolerance: TOL = 1e-5 of the output's largest magnitude. The kernel's dequantized weights equal the reference's
-exactly (test_decoders_are_bit_exact), so what is left is fp32 arithmetic against float64: sums over K <= 384 terms
-in another order (observed 1e-7 to 1e-6) and expf in silu. A decoding error (a neighbour group's scale, a zero point
+exactly (test_decoders_are_bit_exact; the dot products use the same decoders), so what is left is fp32 arithmetic
+against float64: sums over K <= 384 terms in the vector lanes' order (about sqrt(K) * 2**-24 of the terms' scale:
+observed 1e-7 to 1e-6) and expf in silu. A decoding error (a neighbour group's scale, a zero point
 dropped, nibbles swapped) moves the output by percents (test_the_tolerance_sees_a_decoding_error).
 """
 from __future__ import annotations
@@ -42,8 +43,11 @@ SHAPES = {"fp8": (328, 136), "int4-g32": (96, 160), "int4-g64": (192, 64), "int4
 FORMATS = list(SHAPES)
 E, L = 5, 2
 # (T, experts per token, x dtype)
+# (T, experts per token, x dtype); "-all": every token uses every expert, so each expert gets T tokens (the kernel
+# decodes a weight vector once for a register block of up to 4 tokens: 5 is a full block and one more)
 BATCHES = {"B1": (1, 1, torch.bfloat16), "B4": (4, 1, torch.bfloat16), "T5-top3": (5, 3, torch.bfloat16),
-           "B4-top2-x-fp32": (4, 2, torch.float32)}
+           "B4-top2-x-fp32": (4, 2, torch.float32), "T2-all": (2, E, torch.bfloat16), "T3-all": (3, E, torch.bfloat16),
+           "T4-all": (4, E, torch.float32), "T5-all": (5, E, torch.bfloat16)}
 
 
 def fill_expert(row: torch.Tensor, store: ExpertStore, g: torch.Generator) -> None:
@@ -188,12 +192,70 @@ def test_kernel_matches_the_reference(store, isa, batch):
     assert bool((out[untouched] == 0).all())
 
 
-@pytest.mark.parametrize("batch", ["B1", "B4", "T5-top3"])
+@pytest.mark.parametrize("batch", ["B1", "B4", "T5-top3", "T2-all", "T5-all"])
 def test_emulated_avx512_matches_the_reference(store, emulated, batch):
     hidden, tok, exp, w = make_batch(store, *BATCHES[batch], seed=3)
     ref = reference_moe_layer(store, 0, hidden, tok, exp, w, dtype=torch.float64)
     out, _ = call_raw(emulated, quant_format_desc(store.shape.quant_layout), 2, store, 0, hidden, tok, exp, w)
     assert rel_err(out, ref) <= TOL
+
+
+def rare_scales(store: ExpertStore, g: torch.Generator, nan: bool) -> None:
+    """Layer 0's scales across the decoders' special cases: fp8 / int4 fp32 scales from subnormal to >= 2**8 (fp8's
+    general decoder), E8M0 0 (2**-127) among 2**-17 .. 2**8, E4M3 scales with subnormal codes; int4 zero points
+    0 .. 15. With nan, expert 0 gets one NaN weight (fp8 code 0x7f, int4 scale NaN, mxfp4 scale 255 (inf, times a
+    zero code NaN), nvfp4 scale 0x7f)."""
+    layout, name = store.shape.quant_layout, store.expert_format.name
+    view = store.layer_view(0)
+    for e in range(E):
+        row = view[e]
+        for region in ("scales_w13", "scales_w2"):
+            off, n = layout.regions[region]
+            if name in ("fp8", "int4"):
+                mag = torch.exp2(torch.randint(-140, 10, (n // 4,), generator=g).float())
+                scales = mag * (torch.rand(n // 4, generator=g) + 0.5)
+                row[off:off + n] = scales.view(torch.uint8)
+            elif name == "mxfp4":
+                codes = torch.randint(110, 136, (n,), generator=g, dtype=torch.uint8)
+                row[off:off + n] = torch.where(torch.rand(n, generator=g) < .1, 0, codes).to(torch.uint8)
+            else:
+                mag = torch.randint(1, 0x7f, (n,), generator=g, dtype=torch.uint8)
+                row[off:off + n] = mag | (torch.rand(n, generator=g) < .3).to(torch.uint8) * 0x80
+        if name == "int4":
+            for region in ("zeros_w13", "zeros_w2"):
+                off, n = layout.regions[region]
+                row[off:off + n] = torch.randint(0, 16, (n,), generator=g, dtype=torch.uint8)
+    if nan:
+        row = view[0]
+        off = layout.regions["codes_w13" if name == "fp8" else "scales_w13"][0]
+        if name == "fp8":
+            row[off + 5] = 0x7f
+        elif name == "int4":
+            row[off:off + 4] = torch.tensor([float("nan")]).view(torch.uint8)
+        else:
+            row[off] = 255 if name == "mxfp4" else 0x7f
+
+
+@pytest.mark.parametrize("isa", [*QUANT_ISAS, "emulated"])
+@pytest.mark.parametrize("nan", [False, True], ids=["rare-scales", "nan"])
+def test_kernel_matches_the_reference_at_rare_scales_and_nan(request, isa, nan):
+    lib, isa_id = (request.getfixturevalue("emulated"), 2) if isa == "emulated" else (NATIVE.quant, isa)
+    for label in FORMATS:
+        s = make_store(label, seed=11)
+        try:
+            rare_scales(s, torch.Generator().manual_seed(12), nan)
+            hidden, tok, exp, w = make_batch(s, 5, 2, torch.bfloat16, seed=13)
+            exp[:2] = 0                                             # token 0 uses expert 0 (the NaN one)
+            ref = reference_moe_layer(s, 0, hidden, tok, exp, w, dtype=torch.float64)
+            out, _ = call_raw(lib, quant_format_desc(s.shape.quant_layout), isa_id, s, 0, hidden, tok, exp, w)
+            finite = torch.isfinite(ref)
+            assert torch.equal(torch.isfinite(out), finite), f"{label}: non-finite outputs differ"
+            assert bool(finite.any()) and bool(finite.all()) != nan, f"{label}: the case is not what it says"
+            err = float((out[finite] - ref[finite]).abs().max() / ref[finite].abs().max())
+            assert err <= TOL, f"{label} isa {isa}: max error {err:.2e} of the output scale"
+        finally:
+            s.close()
+            s.unlink()
 
 
 def test_the_tolerance_sees_a_decoding_error(store):
