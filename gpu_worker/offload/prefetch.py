@@ -90,15 +90,20 @@ class RouterPredictor:
 
 
 class RandomPredictor:
-    """Garbage candidates (tests: prefetch must stay lossless whatever the predictor says)."""
+    """Garbage candidates (tests: prefetch must stay lossless whatever the predictor says): rows of a seeded random
+    table ([-1, E) ids), one per call, picked by a device counter (graph-safe: a replay advances it too)."""
+
+    ROWS = 1024
 
     def __init__(self, num_experts: int, k: int, seed: int = 0, device: torch.device | str = "cpu"):
-        self.num_experts, self.k = num_experts, k
-        self.gen = torch.Generator(device=device).manual_seed(seed)
-        self.device = torch.device(device)
+        gen = torch.Generator().manual_seed(seed)
+        self.table = torch.randint(-1, num_experts, (self.ROWS, k), generator=gen).to(device)
+        self.calls = torch.zeros(1, dtype=torch.int64, device=device)
 
     def predict(self, layer: int, h: torch.Tensor) -> torch.Tensor:
-        return torch.randint(-1, self.num_experts, (self.k,), generator=self.gen, device=self.device)
+        row = self.table.index_select(0, self.calls % self.ROWS)[0]
+        self.calls += 1
+        return row
 
 
 class TracePredictor:
@@ -190,7 +195,7 @@ class Lookahead:
                 self._cand = self.predictor.predict(nxt, h)[:self.settings.k].contiguous()
                 self._predicted = torch.cuda.Event()
                 self._predicted.record(self.predict_stream)
-            h.record_stream(self.predict_stream)
+            # (h stays alive: the layer's GEMMs read it on the compute stream, which waits for the predictor first)
         else:
             self._cand = self.predictor.predict(nxt, h)[:self.settings.k].contiguous()
         self._target = nxt

@@ -15,18 +15,20 @@ from gpu_worker.offload.prefetch import PrefetchSettings, RandomPredictor, Route
 SLOTS = {False: 8, True: 4}
 
 
-def offload_model(per_layer: bool, settings: PrefetchSettings | None, predictor: str = "router", seed: int = 3):
+def offload_model(per_layer: bool, settings: PrefetchSettings | None, predictor: str = "router", seed: int = 3,
+                  device: str = "cpu"):
     """The embedded model over an offload backend of SLOTS[per_layer] slots, with the prefetch `settings` (None:
     none attached) and the `predictor`: router (the model's own) or random (garbage)."""
-    loaded = load_model(device="cpu")
+    loaded = load_model(device=device)
     model = loaded.model
     with pytest.MonkeyPatch.context() as mp:
         # the counters by torch ops rather than the count kernel in the interpreter (slow; the GPU runs it)
         mp.delenv("TRITON_INTERPRET", raising=False)
-        model.experts = OffloadExperts(HostExperts.create_filled(loaded.source.experts), SLOTS[per_layer], "cpu",
-                                       per_layer=per_layer)
+        staging = torch.device(device) if device == "cuda" else None
+        model.experts = OffloadExperts(HostExperts.create_filled(loaded.source.experts, staging_device=staging),
+                                       SLOTS[per_layer], device, per_layer=per_layer)
     if settings is not None:
-        pred = (RandomPredictor(model.cfg.num_experts, settings.k, seed=seed) if predictor == "random"
+        pred = (RandomPredictor(model.cfg.num_experts, settings.k, seed=seed, device=device) if predictor == "random"
                 else RouterPredictor([layer.router for layer in model.dense.layers], settings.k))
         attach_prefetch(model, settings, pred)
     return model
