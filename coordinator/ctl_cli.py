@@ -47,6 +47,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     tune.add_argument("--auto", dest="auto_tune", action="store_true", default=None, help="re-tune f online")
     tune.add_argument("--no-auto", dest="auto_tune", action="store_false", help="keep f fixed")
     pset.add_argument("--round", choices=("min-wait", "stochastic", "prefer-fetch", "split"), help="rounding of f*M")
+    pset.add_argument("--prefetch", choices=("off", "measure", "on"),
+                      help="the lookahead expert prefetch (offload, hybrid; docs/PREFETCH.md)")
+    pset.add_argument("--prefetch-budget", type=int, help="experts the prefetch installs per layer, 1..128")
     sub.add_parser("workers", help="supervised workers and their state")
     restart = sub.add_parser("restart", help="restart a worker by name")
     restart.add_argument("name")
@@ -141,7 +144,8 @@ def _dispatch(args, control, health, rpc, metadata, t, out) -> int:
     elif cmd == "policy":
         fields = {"strategy": args.strategy, "fetch_fraction": args.fraction,
                   "fetch_fraction_min": args.fraction_min, "fetch_fraction_max": args.fraction_max,
-                  "auto_tune": args.auto_tune, "fetch_round": args.round}
+                  "auto_tune": args.auto_tune, "fetch_round": args.round, "prefetch": args.prefetch,
+                  "prefetch_budget": args.prefetch_budget}
         fields = {k: v for k, v in fields.items() if v is not None}
         if not fields:
             print("ft ctl: policy set needs at least one option, e.g. --fraction 0.4", file=sys.stderr)

@@ -103,6 +103,12 @@ def cpu_worker_settings(args: argparse.Namespace):
     return CpuWorkerSettings(num_workers=args.cpu_workers, threads=args.cpu_threads, reserve_cpus=args.reserve_cpus)
 
 
+def prefetch_settings(args: argparse.Namespace):
+    """The lookahead prefetch's settings from --moe-prefetch* / FREETOKEN_MOE_PREFETCH* (None: off)."""
+    from gpu_worker.api import PREFETCH_KNOBS, settings_from_knobs
+    return settings_from_knobs(resolve({f: getattr(args, f, None) for f in PREFETCH_KNOBS}))
+
+
 def _prompt_ids(args: argparse.Namespace, tokenizer) -> list[int]:
     if args.prompt_ids is not None:
         if args.chat:
@@ -142,7 +148,8 @@ def run(args: argparse.Namespace) -> int:
                                      cpu_channels=resources.channel_names, moe_cache_size=args.moe_cache_size,
                                      hybrid=hybrid, pin_driving_process=True, worker_info=resources.worker_info,
                                      freq_weight=eviction["eviction_freq_weight"],
-                                     freq_half_life=eviction["eviction_freq_half_life"])
+                                     freq_half_life=eviction["eviction_freq_half_life"],
+                                     prefetch=prefetch_settings(args))
         try:
             return _generate(args, loaded, t_start, load_s=time.perf_counter() - t_start)
         finally:

@@ -61,7 +61,7 @@ class _AuthInterceptor(grpc.ServerInterceptor):
 
 def _policy_message(p: dict[str, Any]) -> Any:
     fields = {k: p[k] for k in ("strategy", "fetch_fraction", "fetch_fraction_q16", "fetch_fraction_min",
-                                "fetch_fraction_max", "auto_tune", "fetch_round",
+                                "fetch_fraction_max", "auto_tune", "fetch_round", "prefetch", "prefetch_budget",
                                 "target_fraction", "pcie_gb_s", "cpu_gb_s", "source",
                                 "reason", "decisions_total", "telemetry_steps_total")}
     msg = rpc.msg.Policy(**fields)
@@ -95,7 +95,8 @@ class ControlServicer:
             "uptime_s", "draining", "requests_running", "requests_waiting", "requests_total",
             "requests_failed_total", "requests_aborted_total", "prompt_tokens_total", "generated_tokens_total",
             "generated_tokens_per_s", "expert_hit_rate", "expert_misses_per_token", "pcie_gb_s",
-            "cpu_expert_time_s_total", "engine_error")},
+            "cpu_expert_time_s_total", "engine_error", "prefetch_precision", "prefetch_useful_per_layer",
+            "prefetch_covered_share")},
             experts_fetched_total=int(s["experts_fetched_total"]), experts_cpu_total=int(s["experts_cpu_total"]))
         if s["policy"] is not None:
             msg.policy.CopyFrom(_policy_message(s["policy"]))

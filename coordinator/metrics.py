@@ -8,6 +8,7 @@ Series (docs/METRICS.md lists them with their meaning):
   ft_prompt_tokens_total, ft_generation_tokens_total                         counters
   ft_generation_tokens_per_second                                            gauge, last 5 s
   ft_expert_hit_ratio, ft_expert_misses_per_token, ft_pcie_gigabytes_per_second     gauges
+  ft_prefetch_precision, ft_prefetch_useful_per_layer, ft_prefetch_covered_share    gauges (the lookahead prefetch)
   ft_experts_fetched_total, ft_experts_cpu_total, ft_cpu_expert_seconds_total       counters
   ft_fetch_fraction, ft_fetch_fraction_target, ft_policy_pcie_gigabytes_per_second,
   ft_policy_cpu_gigabytes_per_second, ft_cpu_worker_share{worker}             gauges
@@ -69,7 +70,20 @@ def expert_figures(stats: dict[str, float]) -> dict[str, float]:
         "experts_cpu_total": _stat(stats, "cpu") or 0.0,
         "pcie_gb_s": (copy_bytes / copy_s / 1e9) if copy_bytes and copy_s else 0.0,
         "cpu_expert_time_s_total": _stat(stats, "cpu_time_s") or 0.0,
+        **prefetch_figures(stats),
     }
+
+
+def prefetch_figures(stats: dict[str, float]) -> dict[str, float]:
+    """The lookahead prefetch (docs/PREFETCH.md): precision (useful / predicted), useful predictions per scored
+    layer call, and the share of would-be demand misses it covered (useful / (useful + demand misses))."""
+    predicted = stats.get("prefetch_predicted_total", 0.0)
+    useful = stats.get("prefetch_useful_total", 0.0)
+    layers = stats.get("prefetch_layer_calls_total", 0.0)
+    misses = _stat(stats, "misses") or 0.0
+    return {"prefetch_precision": useful / predicted if predicted else 0.0,
+            "prefetch_useful_per_layer": useful / layers if layers else 0.0,
+            "prefetch_covered_share": useful / (useful + misses) if useful + misses else 0.0}
 
 
 class Histogram:
@@ -193,6 +207,12 @@ def render_prometheus(service: "EngineService", http: HttpCounters | None = None
     one("ft_pcie_gigabytes_per_second", "gauge", "Host-to-GPU expert copy bandwidth (bytes / copy time).",
         s["pcie_gb_s"])
     one("ft_cpu_expert_seconds_total", "counter", "CPU time spent computing experts.", s["cpu_expert_time_s_total"])
+    one("ft_prefetch_precision", "gauge", "Lookahead prefetch: useful predictions / predictions.",
+        s["prefetch_precision"])
+    one("ft_prefetch_useful_per_layer", "gauge", "Lookahead prefetch: useful predictions per layer call.",
+        s["prefetch_useful_per_layer"])
+    one("ft_prefetch_covered_share", "gauge", "Lookahead prefetch: useful / (useful + demand misses).",
+        s["prefetch_covered_share"])
     p = s["policy"]
     if p is not None:
         one("ft_fetch_fraction", "gauge", "Fetch fraction f in force (fetch about f*M of M misses).",

@@ -95,6 +95,8 @@ class PolicySettings:
     fetch_fraction_max: float = DEFAULT_FRACTION_MAX
     auto_tune: bool = True
     fetch_round: str = KNOBS_BY_FIELD["fetch_round"].default      # split: on the device hand-off (docs/HYBRID.md)
+    prefetch: str = ""          # the lookahead prefetch set live: off | measure | on; "": as the engine started
+    prefetch_budget: int = 0    # its experts per layer, 1..128; 0: as the engine started
 
     def validate(self) -> None:
         def choice(name: str, value: str, choices: tuple[str, ...]) -> None:
@@ -102,6 +104,11 @@ class PolicySettings:
                 raise ValueError(f"{name}={value!r} is not valid; choose one of: {', '.join(choices)}")
         choice("strategy", self.strategy, STRATEGIES)
         choice("fetch_round", self.fetch_round, FETCH_ROUNDS)
+        choice("prefetch", self.prefetch, ("", *KNOBS_BY_FIELD["moe_prefetch"].choices))
+        if isinstance(self.prefetch_budget, bool) or not isinstance(self.prefetch_budget, int) \
+                or not 0 <= self.prefetch_budget <= 128:
+            raise ValueError(f"prefetch_budget={self.prefetch_budget!r} is not valid: must be an int in [1, 128] "
+                             f"(0: as the engine started)")
         for name in ("fetch_fraction", "fetch_fraction_min", "fetch_fraction_max"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not (0.0 <= value <= 1.0):
@@ -198,6 +205,7 @@ class FetchPolicy:
                 "strategy": s.strategy, "fetch_fraction": f, "fetch_fraction_q16": fraction_to_q16(f),
                 "fetch_fraction_min": s.fetch_fraction_min, "fetch_fraction_max": s.fetch_fraction_max,
                 "auto_tune": s.auto_tune, "fetch_round": s.fetch_round,
+                "prefetch": s.prefetch, "prefetch_budget": s.prefetch_budget,
                 "target_fraction": (pcie / (pcie + cpu)) if pcie and cpu else 0.0,
                 "pcie_experts_per_s": pcie or 0.0, "cpu_experts_per_s": cpu or 0.0,
                 "pcie_gb_s": gb(pcie) if pcie else 0.0, "cpu_gb_s": gb(cpu) if cpu else 0.0,

@@ -71,7 +71,11 @@ LOCAL_WORKER_FLAGS = (("--moe-slot-audit", "moe_slot_audit"),     # a check
                       ("--overlap-decode", "overlap_decode"),      # the engine's own scheduling
                       ("--eviction-freq-weight", "eviction_freq_weight"),  # which experts stay cached: lossless
                       ("--eviction-freq-half-life", "eviction_freq_half_life"),   # the same
-                      ("--prefill-chunk-tokens", "prefill_chunk_tokens"))   # the worker's own memory / latency choice
+                      ("--prefill-chunk-tokens", "prefill_chunk_tokens"),   # the worker's own memory / latency choice
+                      ("--moe-prefetch", "moe_prefetch"),                   # the lookahead prefetch: lossless
+                      ("--moe-prefetch-budget", "moe_prefetch_budget"),
+                      ("--moe-prefetch-k", "moe_prefetch_k"),
+                      ("--moe-prefetch-verify", "moe_prefetch_verify"))     # a check   # the worker's own memory / latency choice
 
 
 def flags_an_attached_worker_ignores(args) -> list[str]:

@@ -298,8 +298,14 @@ def run_inline(args: argparse.Namespace) -> int:
                                               reclaim_stale_host_memory)
     from coordinator.process_set import default_store_name
 
+    from coordinator.generate_cli import prefetch_settings
+
     listen_config(args)                              # refused listeners fail before anything loads
+    prefetch = prefetch_settings(args)
     if args.moe_strategy not in HOST_STORE_STRATEGIES:
+        if prefetch is not None:
+            raise ValueError(f"--moe-prefetch / --moe-prefetch-verify need a slot cache (--moe-strategy offload or "
+                             f"hybrid), not {args.moe_strategy}")
         reclaim_stale_host_memory()               # what killed runs left, whatever their strategy
         return _run_inline(args, None)
     from gpu_worker.api import load_attached_model, open_model_source, resolve_device
@@ -322,7 +328,8 @@ def run_inline(args: argparse.Namespace) -> int:
                                      cpu_channels=resources.channel_names, moe_cache_size=args.moe_cache_size,
                                      hybrid=hybrid, pin_driving_process=True, worker_info=resources.worker_info,
                                      freq_weight=eviction["eviction_freq_weight"],
-                                     freq_half_life=eviction["eviction_freq_half_life"])
+                                     freq_half_life=eviction["eviction_freq_half_life"],
+                                     prefetch=prefetch)
         return _run_inline(args, loaded)
     finally:
         resources.close()

@@ -23,12 +23,13 @@ from gpu_worker.models.attached_backends import make_attached_expert_backend, ne
 from gpu_worker.models.device import resolve_device
 from gpu_worker.models.loader import DEFAULT_MODEL_DIR, LoadedModel, ModelSource, load_model, open_model_source
 from gpu_worker.models.architectures import make_model
+from gpu_worker.offload.prefetch import PREFETCH_KNOBS, PrefetchSettings, attach_prefetch, settings_from_knobs
 from gpu_worker.offload.host_store import HostExperts
 from gpu_worker.worker_loop import gpu_busy_loop
 from proto.cpu_channel import channel_hidden_dtype
 from proto.expert_store import ExpertStore
 
-__all__ = ["DEFAULT_MODEL_DIR", "Engine", "EngineConfig", "HostExperts", "gpu_busy_loop", "HybridOptions", "attach_cpu_pool", "LoadedModel", "ModelSource", "SamplingParams",
+__all__ = ["DEFAULT_MODEL_DIR", "PREFETCH_KNOBS", "PrefetchSettings", "settings_from_knobs", "Engine", "EngineConfig", "HostExperts", "gpu_busy_loop", "HybridOptions", "attach_cpu_pool", "LoadedModel", "ModelSource", "SamplingParams",
            "channel_hidden_dtype", "create_expert_store", "load_attached_model", "load_model", "needs_host_store",
            "open_model_source", "resolve_device"]
 
@@ -46,11 +47,13 @@ def load_attached_model(source: ModelSource, device: torch.device, *, moe_strate
                         hybrid: HybridOptions | None = None,
                         pin_driving_process: bool = False,
                         worker_info: Callable[[], list[dict]] | None = None,
-                        freq_weight: int | None = None, freq_half_life: int | None = None) -> LoadedModel:
+                        freq_weight: int | None = None, freq_half_life: int | None = None,
+                        prefetch: PrefetchSettings | None = None) -> LoadedModel:
     """Dense weights on `device` and the expert backend over the store `store_name` and the CPU workers'
     channels `cpu_channels` (cpu / hybrid), created and supervised elsewhere (coordinator/expert_resources.py).
     pin_driving_process: cpu / hybrid: once loaded, pin this process to the reserved CPUs where `hybrid` says
-    so (HybridOptions.pin_driving_process). worker_info: the owner's supervisor view (CpuPool.worker_info)."""
+    so (HybridOptions.pin_driving_process). worker_info: the owner's supervisor view (CpuPool.worker_info).
+    prefetch: the lookahead expert prefetch's settings (None: off; docs/PREFETCH.md)."""
     t0 = time.perf_counter()
     experts = make_attached_expert_backend(moe_strategy, source.experts, device, store_name=store_name,
                                            cpu_channels=cpu_channels, cache_size=moe_cache_size, hybrid=hybrid,
@@ -60,6 +63,7 @@ def load_attached_model(source: ModelSource, device: torch.device, *, moe_strate
         dense = source.load_dense(device)
         cfg = source.cfg
         model = make_model(cfg, dense, experts, max_positions=min(32768, cfg.max_position_embeddings))
+        attach_prefetch(model, prefetch)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
     except BaseException:

@@ -57,6 +57,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_cli_flag(parser, "overlap_decode")      # local: the same tokens either way
     add_cli_flag(parser, "eviction_freq_weight")   # local: the same tokens either way
     add_cli_flag(parser, "eviction_freq_half_life")
+    for field in ("moe_prefetch", "moe_prefetch_budget", "moe_prefetch_k", "moe_prefetch_verify"):
+        add_cli_flag(parser, field)             # local: the lookahead prefetch is lossless (docs/PREFETCH.md)
     cpus = parser.add_argument_group("CPUs (cpu/hybrid; local to this process, not part of the coordinator's config)")
     cpus.add_argument("--reserve-cpus", default=None, metavar="LIST",
                       help="the CPUs the CPU workers keep off, where this process pins itself once loaded (`ft "
@@ -78,7 +80,10 @@ def run(args: argparse.Namespace) -> int:
     knobs = resolve({"pin_gpu_worker": args.pin_gpu_worker, "expert_format": args.expert_format,
                      "moe_slot_audit": args.moe_slot_audit, "pdl": args.pdl,
                      "eviction_freq_weight": args.eviction_freq_weight,
-                     "eviction_freq_half_life": args.eviction_freq_half_life, "overlap_decode": args.overlap_decode})
+                     "eviction_freq_half_life": args.eviction_freq_half_life, "overlap_decode": args.overlap_decode,
+                     **{f: getattr(args, f) for f in ("moe_prefetch", "moe_prefetch_budget", "moe_prefetch_k",
+                                                      "moe_prefetch_verify")}})
+    from gpu_worker.offload.prefetch import settings_from_knobs
     from kernels.pdl import apply_setting
     apply_setting(knobs["pdl"], args.device)
     options = GpuWorkerOptions(
@@ -91,7 +96,8 @@ def run(args: argparse.Namespace) -> int:
         pin_gpu_worker=knobs["pin_gpu_worker"] == "on",
         overlap_decode=None if knobs["overlap_decode"] == "auto" else knobs["overlap_decode"] == "on",
         slot_audit_every=knobs["moe_slot_audit"], prefill_chunk_tokens=args.prefill_chunk_tokens,
-        eviction_freq_weight=knobs["eviction_freq_weight"], eviction_freq_half_life=knobs["eviction_freq_half_life"])
+        eviction_freq_weight=knobs["eviction_freq_weight"], eviction_freq_half_life=knobs["eviction_freq_half_life"],
+        prefetch=settings_from_knobs(knobs))
     return run_gpu_worker(options)
 
 

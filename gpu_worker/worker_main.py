@@ -71,6 +71,7 @@ class GpuWorkerOptions:
     prefill_chunk_tokens: int | None = None    # None: the engine's default for the backend (not hashed)
     eviction_freq_weight: int | None = None    # the slot cache's eviction key (None: the knob's default; not hashed)
     eviction_freq_half_life: int | None = None
+    prefetch: Any = None                       # PrefetchSettings of the lookahead prefetch (None: off; not hashed)
 
     def engine_config(self) -> dict[str, Any]:
         return em.engine_config(model=os.path.abspath(self.model) if self.model else None, preset=self.preset,
@@ -154,6 +155,7 @@ def load_engine(opts: GpuWorkerOptions, welcome: em.Welcome) -> LoadedEngine:
     from gpu_worker.models.device import resolve_device
     from gpu_worker.models.loader import open_model_source
     from gpu_worker.models.architectures import make_model
+    from gpu_worker.offload.prefetch import attach_prefetch
 
     device = resolve_device(opts.device)
     source = open_model_source(opts.model, opts.preset, dtype=opts.dtype, device=device,
@@ -168,6 +170,7 @@ def load_engine(opts: GpuWorkerOptions, welcome: em.Welcome) -> LoadedEngine:
         dense = source.load_dense(device)
         cfg = source.cfg
         model = make_model(cfg, dense, experts, max_positions=min(32768, cfg.max_position_embeddings))
+        attach_prefetch(model, opts.prefetch)
         engine = Engine(model, EngineConfig(max_running_requests=opts.max_running_requests,
                                             max_context_tokens=opts.max_context_tokens,
                                             slot_audit_every=opts.slot_audit_every,

@@ -146,6 +146,8 @@ class SetPolicy:
     fetch_round: str
     cpu_share_names: list[str]    # the tuner's CPU work split: worker names ...
     cpu_share_values: list[float]  # ... and their shares (empty: keep the current split)
+    prefetch: str = ""            # the lookahead prefetch: off | measure | on ("": unchanged)
+    prefetch_budget: int = 0      # its experts per layer (0: unchanged)
 
     def fields(self) -> dict:
         """As keyword arguments of Engine.set_policy (the split as a name -> share dict)."""

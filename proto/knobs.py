@@ -57,6 +57,13 @@ def _nonneg_int(raw: str) -> int:
     return value
 
 
+def _int_in(raw: str, lo: int, hi: int) -> int:
+    value = int(raw)
+    if not lo <= value <= hi:
+        raise ValueError(f"must be an int in [{lo}, {hi}]")
+    return value
+
+
 def _freq_weight(raw: str) -> int:
     value = int(raw)
     if not 0 <= value <= 1024:
@@ -114,6 +121,21 @@ KNOBS: tuple[Knob, ...] = (
     Knob("FREETOKEN_MOE_SLOT_AUDIT", "moe_slot_audit", _nonneg_int, 0,
          "every N decode steps, check the slot-cache invariants on the host and the bytes of a few slots; "
          "on a problem, log it and empty the cache (0 = never)"),
+    Knob("FREETOKEN_MOE_PREFETCH", "moe_prefetch", str, "off",
+         "offload and hybrid: the lookahead expert prefetch (docs/PREFETCH.md). While layer L-1 computes, layer L's "
+         "router applied to layer L-1's router input predicts layer L's experts; on: the first --moe-prefetch-budget "
+         "non-resident ones are copied into low-priority slots (lossless: the same tokens and logits as off); "
+         "measure: counted (useful predictions, precision) without copying; off (default): nothing",
+         choices=("off", "measure", "on")),
+    Knob("FREETOKEN_MOE_PREFETCH_BUDGET", "moe_prefetch_budget", lambda raw: _int_in(raw, 1, 128), 4,
+         "with --moe-prefetch on/measure: experts installed (or counted) per layer, 1..128"),
+    Knob("FREETOKEN_MOE_PREFETCH_K", "moe_prefetch_k", lambda raw: _int_in(raw, 1, 128), 16,
+         "with --moe-prefetch on/measure: the predictor's ranked candidates per layer, 1..128"),
+    Knob("FREETOKEN_MOE_PREFETCH_VERIFY", "moe_prefetch_verify", str, "off",
+         "a debug detector for offload and hybrid decode steps (a host sync a layer; no decode CUDA graphs): meta "
+         "checks every routed slot's maps after ensure; 1 also compares the slots' bytes with the host rows before "
+         "and after the expert GEMMs; off (default): nothing, no cost",
+         choices=("off", "meta", "1")),
     Knob("FREETOKEN_PDL", "pdl", str, "auto",
          "programmatic dependent launch of the decode kernels (kernels/pdl.py): auto (on with a GPU of compute "
          "capability 9.0 or later and a Triton that has it), on (an error where it cannot), off; bitwise the same "

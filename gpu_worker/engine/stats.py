@@ -37,6 +37,11 @@ class EngineStats:
     gpu_wait_for_copy_s_total: float = 0.0
     gpu_wait_for_cpu_unpaired_s_total: float = 0.0     # part of the CPU wait with no copy-side figure (HybridStats)
     cpu_workers: dict[str, Any] = field(default_factory=dict)    # name -> {experts_total, time_s_total, ...}
+    # the lookahead prefetch (FREETOKEN_MOE_PREFETCH on / measure; gpu_worker/offload/prefetch.py)
+    prefetch_predicted_total: int = 0      # experts chosen for a prefetch (installed when on, counted when measuring)
+    prefetch_useful_total: int = 0         # of those, routed by the layer they were chosen for
+    prefetch_installed_total: int = 0      # experts installed into low-priority slots (on)
+    prefetch_layer_calls_total: int = 0    # layer calls whose prefetch was scored
 
     def absorb_expert_counters(self, counters: Mapping[str, Any]) -> None:
         """Take the backend's cumulative counters (only the names above)."""
@@ -61,4 +66,6 @@ class EngineStats:
 
 _EXPERT_COUNTERS = ("expert_hits_total", "expert_misses_total", "experts_fetched_total", "copy_bytes_total",
                     "copy_time_s_total", "cpu_experts_total", "cpu_expert_time_s_total", "gpu_wait_for_cpu_s_total",
-                    "gpu_wait_for_copy_s_total", "gpu_wait_for_cpu_unpaired_s_total", "cpu_workers")
+                    "gpu_wait_for_copy_s_total", "gpu_wait_for_cpu_unpaired_s_total", "cpu_workers",
+                    "prefetch_predicted_total", "prefetch_useful_total", "prefetch_installed_total",
+                    "prefetch_layer_calls_total")

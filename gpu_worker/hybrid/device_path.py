@@ -75,6 +75,8 @@ class DeviceHandoff:
         else:
             ensure(c, layer_idx, routes, fetch_fraction=1.0, round_mode=p["fetch_round"],
                    promote=bool(p["promote"]), check_ids=False)
+        self._after_ensure(layer_idx)        # lookahead: this layer's prefetch joined, the next one's installed
+        self._verify(layer_idx, ids, routes)
         max_copies = min(T * K, c.num_slots)
         split = to_cpu and self.splits_experts
         host_layer = self.host.layers[layer_idx]

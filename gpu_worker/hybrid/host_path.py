@@ -55,13 +55,17 @@ class HostHandoff:
         # low-priority prefetch of all of them, never evicting this layer's) behind this layer's own copies.
         nxt = (prefill_prefetch_layer(layer_idx, T * K, self.num_experts, self.num_layers, self.gather_max_pairs)
                if not to_cpu and self.prefill_prefetch else None)
+        prefetch_len = self._candidates.numel()
         if nxt is not None:
             prefetch_ensure(self.cache, nxt, self._candidates, self._candidates.numel(), check_ids=False)
+        elif self._after_ensure(layer_idx):      # the lookahead's install for the next layer (decode-sized calls)
+            nxt, prefetch_len = layer_idx + 1, self.lookahead.settings.budget
+        self._verify(layer_idx, ids, routes)
         t0 = time.perf_counter()
         plan = self.readback.read(self.cache, max_plan=min(self.num_experts, T * K), ids=ids,
                                   routes=routes if to_cpu else None, weights=topk_weights if to_cpu else None,
                                   x=x if to_cpu else None,
-                                  prefetch_candidates=self._candidates.numel() if nxt is not None else 0)
+                                  prefetch_candidates=prefetch_len if nxt is not None else 0)
         st.expert_misses_total += plan.num_misses
         st.expert_hits_total += plan.num_distinct - plan.num_misses
         shares: list[Share] = []

@@ -140,6 +140,7 @@ class HybridExperts(DeviceHandoff, HostHandoff, SlotPoolAudit):
                    cpu_shares: dict[str, float] | None = None, **other) -> None:
         """Change the split live (the coordinator's engine.set_policy lands here): writes the device policy
         tensor that ensure reads. strategy: hybrid (f as given), cpu (f = 0, no promotion), offload (f = 1)."""
+        self._prefetch_policy(other)
         unknown = sorted(other)
         if unknown:
             raise ValueError(f"unknown policy field(s) {', '.join(unknown)}")
@@ -213,10 +214,24 @@ class HybridExperts(DeviceHandoff, HostHandoff, SlotPoolAudit):
         # does not wait for the prefetch too and leave the copy stream idle meanwhile; the device path (whose
         # copy kernels may run on the compute stream) waits first.
         ready = self._prefetched.pop(layer_idx, None)
+        if self.lookahead is not None:     # score this layer's prediction, predict the next layer's
+            self.lookahead.begin(layer_idx, x, topk_ids, self._device_sized(T * K))
         if device_path:
             self._wait_prefetched(ready)
-            return self._forward_device(layer_idx, x, ids, routes, topk_weights, to_cpu)
+            out = self._forward_device(layer_idx, x, ids, routes, topk_weights, to_cpu)
+            if self.lookahead is not None:
+                self.lookahead.copy(layer_idx)         # the next layer's prefetch plan, behind this demand copy
+            return out
         return self._forward_host(layer_idx, x, ids, routes, topk_weights, to_cpu, ready)
+
+    def _after_ensure(self, layer_idx: int) -> bool:
+        """Right after this layer's ensure: wait for its lookahead prefetch copy, install the next layer's. True
+        when a prefetch plan for layer + 1 was written (mode on)."""
+        la = self.lookahead
+        if la is None:
+            return False
+        la.wait(layer_idx)
+        return la.install(layer_idx)
 
     def _gemm(self, x: torch.Tensor, slot_ids: torch.Tensor, weights: torch.Tensor, skip: bool) -> torch.Tensor:
         """sum_k w_k * FFN_{slot_k}(x) over slot ids [T, K] -> [T, H] (x.dtype); zeros when `skip`."""
@@ -247,7 +262,10 @@ class HybridExperts(DeviceHandoff, HostHandoff, SlotPoolAudit):
 
     def side_streams(self) -> list:
         """The copy streams (the plan copy's and the split copy's)."""
-        return [self.copy_stream, self.split_stream] if self.on_cuda else []
+        streams = [self.copy_stream, self.split_stream] if self.on_cuda else []
+        if self.on_cuda and self.lookahead is not None:
+            streams.append(self.lookahead.predict_stream)
+        return streams
 
     def forget_slots_after_error(self, exc: BaseException) -> None:
         """As SlotPoolAudit's (the side streams joined, the cache emptied); then, for an Exception (not an interrupt,
@@ -271,12 +289,13 @@ class HybridExperts(DeviceHandoff, HostHandoff, SlotPoolAudit):
     # -- the engine's step and graph hooks ------------------------------------------------------------
     def graph_safe(self, num_pairs: int) -> bool:
         """The engine may capture decode forwards of this size in a CUDA graph (the device hand-off's)."""
-        return self.on_cuda and self._device_sized(num_pairs)
+        return self.on_cuda and self._device_sized(num_pairs) and self.verifier is None   # the verifier syncs
 
     def graph_key(self) -> tuple:
         """What a captured decode graph depends on besides shapes: whether misses go to the CPU, whether an
         expert is split, and the doorbells it rings (a graph holds their addresses: new doorbells, new graphs)."""
-        return ("hybrid", self._doorbell_epoch, self.cpu_active, self.splits_experts)
+        return ("hybrid", self._doorbell_epoch, self.cpu_active, self.splits_experts,
+                self.lookahead.graph_key() if self.lookahead else ())
 
     def decode_steps_may_overlap(self) -> bool:
         """No: step_end must see each step's hand-off end (a failed step is re-run) before the next is queued."""
@@ -306,7 +325,7 @@ class HybridExperts(DeviceHandoff, HostHandoff, SlotPoolAudit):
         """Cumulative counters (HybridStats fields) with the event timings resolved; plus the mode."""
         self.timer.resolve()
         self._fold_device_counters()
-        out = self.stats.as_dict()
+        out = {**self.stats.as_dict(), **self.prefetch_counters()}
         out["mode"] = "offload (CPU pool down)" if self.degraded else self.strategy
         return out
 

@@ -57,6 +57,18 @@ class ExpertBackend(abc.ABC):
         """The coordinator's fetch policy (coordinator/policy.py) whenever it changes; a backend without a
         fetch / CPU split has nothing to set."""
 
+    def set_prefetch(self, settings, predictor) -> None:
+        """The lookahead expert prefetch (gpu_worker/offload/prefetch.py, docs/PREFETCH.md): `settings` a
+        PrefetchSettings, `predictor` the next layer's candidates. Only a backend with a slot cache prefetches; the
+        others accept mode off alone."""
+        if settings.mode != "off":
+            raise ValueError(f"expert prefetch (mode {settings.mode}) needs a slot cache: --moe-strategy offload or "
+                             f"hybrid, not {type(self).__name__}")
+
+    def prefetch_counters(self) -> dict[str, int]:
+        """The lookahead prefetch's cumulative counters (empty without a slot cache)."""
+        return {}
+
     def counters(self) -> dict[str, float]:
         """Cumulative counters under EngineStats' names (hits, misses, fetched, bytes, ...)."""
         return {}

@@ -184,9 +184,11 @@ def load_model(model_dir: str | Path | None = None, preset: str | None = None, *
                device: str | torch.device = "auto", dtype: str | torch.dtype | None = "auto",
                moe_strategy: str = "resident", moe_cache_size: int | float | str | None = None, seed: int = 0,
                expert_compute: str = "auto", hybrid=None,
-               fused_kernels: bool | None = None, expert_format: str | ExpertFormat | None = "auto") -> LoadedModel:
+               fused_kernels: bool | None = None, expert_format: str | ExpertFormat | None = "auto",
+               prefetch=None) -> LoadedModel:
     """Load dense weights and build the expert backend on ``device``; see module docstring.
 
+    prefetch: a ``gpu_worker.offload.prefetch.PrefetchSettings`` for the lookahead expert prefetch (None: off).
     hybrid: ``gpu_worker.hybrid.HybridOptions`` for the ``cpu`` and ``hybrid`` strategies.
     fused_kernels: `MoeModel`'s fused forward (kernels/moe_decode); None: on CUDA only."""
     t0 = time.perf_counter()
@@ -197,6 +199,8 @@ def load_model(model_dir: str | Path | None = None, preset: str | None = None, *
     dense = source.load_dense(device)
     model = make_model(source.cfg, dense, experts, max_positions=min(32768, source.cfg.max_position_embeddings),
                        fused_kernels=fused_kernels)
+    from gpu_worker.offload.prefetch import attach_prefetch
+    attach_prefetch(model, prefetch)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return LoadedModel(source=source, model=model, device=device, load_time_s=time.perf_counter() - t0)

@@ -53,6 +53,8 @@ class SyntheticRouting:
         self._by_position = by_position                                                    # [L, P, K]
         self.source = source
         self.candidates = candidates                     # trace replay: [P, L-1, C] predictor candidates
+        self._candidates_dev = (None if candidates is None else                       # [P, L-1, C] int64
+                                candidates.to(by_position.device, torch.int64))
         self.max_positions, self.top_k = by_position.shape[1], by_position.shape[2]
         self._positions: torch.Tensor | None = None      # the forward's positions (held: `is` stays exact)
         self._by_layer: torch.Tensor | None = None       # [L, T, K] ids of that forward
@@ -107,3 +109,12 @@ class SyntheticRouting:
             self._by_layer = self._by_position.index_select(1, positions)                          # [L, T, K]
             self._positions = positions
         return self._by_layer[layer]
+
+    def lookahead(self, layer: int) -> torch.Tensor:
+        """The trace's recorded predictor candidates [T, C] (rank order) for `layer` (1..L-1) at the positions of
+        the current forward (the last `ids` call's): what the live predictor would have ranked (no host sync)."""
+        if self._candidates_dev is None:
+            raise ValueError(f"routing {self.source} records no predictor candidates (only a trace:FILE does)")
+        if self._positions is None or not 1 <= layer < self._by_position.shape[0]:
+            raise ValueError(f"lookahead({layer}): needs a forward's ids first and a layer in 1..L-1")
+        return self._candidates_dev.index_select(0, self._positions)[:, layer - 1]

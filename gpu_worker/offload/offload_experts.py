@@ -106,6 +106,9 @@ class OffloadExperts(SlotPoolAudit):
         n = slot_ids.numel()
         mode = pick_mode(self.mode, self.on_cuda, n, self.gather_max_pairs)
         self.stats.routed_pairs += n
+        la = self.lookahead
+        if la is not None:                  # score this layer's prediction, predict the next layer's
+            la.begin(layer_idx, x, topk_ids, self._decode_sized(n))
         ensure(self.cache, layer_idx, slot_ids, fetch_fraction=1.0, check_ids=False)
         # experts a prefill prefetched for this layer (DMA on copy_stream): the GEMMs read them and a
         # decode copy may evict them, so both wait for their event
@@ -113,8 +116,16 @@ class OffloadExperts(SlotPoolAudit):
         if self._decode_sized(n):
             if ready is not None:
                 torch.cuda.current_stream(self.device).wait_event(ready)
-            return self.copy.run(layer_idx, x, slot_ids, topk_weights, mode=mode,
-                                 after_fork=lambda: self._count_on_device(topk_ids))
+            if la is not None:
+                la.wait(layer_idx)          # this layer's prefetch copy, before its GEMMs and the next install
+                la.install(layer_idx)       # the next layer's prefetch, right after this ensure
+            self._verify(layer_idx, topk_ids, slot_ids)
+            out = self.copy.run(layer_idx, x, slot_ids, topk_weights, mode=mode,
+                                after_fork=lambda: self._count_on_device(topk_ids))
+            if la is not None:
+                la.copy(layer_idx)          # the next layer's prefetch plan, behind this demand copy
+            self._verify(layer_idx, topk_ids, slot_ids, after=True)
+            return out
         self._count_on_device(topk_ids, self._dma_counts)      # the DMA path counts on the host; hits only here
         nxt = prefill_prefetch_layer(layer_idx, n, self.num_experts, self.num_layers, self.gather_max_pairs)
         if nxt is not None:
@@ -126,13 +137,18 @@ class OffloadExperts(SlotPoolAudit):
             torch.cuda.current_stream(self.device).wait_event(ready)
         return self.rows.ffn(mode, x, slot_ids, topk_weights, kernel_impl=self.kernel_impl)
 
+    def set_policy(self, **fields) -> None:
+        """The prefetch's SetPolicy fields (`prefetch`, `prefetch_budget`); the rest has nothing to set here."""
+        self._prefetch_policy(fields)
+
     def graph_safe(self, num_pairs: int) -> bool:
         """Capturable in a CUDA graph: decode-sized calls (the device copy kernel and moe_gemv) on CUDA."""
-        return self.on_cuda and self.mode in ("auto", *GRAPH_SAFE_MODES) and self._decode_sized(num_pairs)
+        return (self.on_cuda and self.mode in ("auto", *GRAPH_SAFE_MODES) and self._decode_sized(num_pairs)
+                and self.verifier is None)        # the verifier syncs
 
     def graph_key(self) -> tuple:
         """A captured decode step records the copy timer's current event set."""
-        return ("offload", self.timer.graph_key())
+        return ("offload", self.timer.graph_key(), self.lookahead.graph_key() if self.lookahead else ())
 
     def step_begin(self) -> None:
         self.timer.begin_step()
@@ -170,7 +186,7 @@ class OffloadExperts(SlotPoolAudit):
         their bytes, and the copies' time (`CopyTimer`). One small device read."""
         counts = self._counts.tolist()
         st = self.refresh_stats(counts)
-        return {"expert_hits_total": int(counts[0][5] + counts[1][5]), "expert_misses_total": st.distinct_misses,
+        return {**self.prefetch_counters(), "expert_hits_total": int(counts[0][5] + counts[1][5]), "expert_misses_total": st.distinct_misses,
                 "experts_fetched_total": st.fetched, "experts_prefetched_total": st.prefetched,
                 "copy_bytes_total": st.copy_bytes,
                 "copy_time_s_total": self.collect_copy_time(), "mode": "offload",

@@ -11,6 +11,9 @@ from gpu_worker.models.expert_backend import ExpertBackend
 from kernels.slot_cache import audit, reset
 from proto.knobs import KNOBS_BY_FIELD
 
+from .prefetch import COUNTERS as PREFETCH_COUNTERS, Lookahead, PrefetchSettings, Predictor
+from .verify import SlotVerifier
+
 log = logging.getLogger(__name__)
 
 
@@ -63,6 +66,35 @@ class SlotPoolAudit(ExpertBackend):
     `resets_after_error`) and `_prefetched` (layer -> the event its prefetched experts land on)."""
 
     has_slot_cache = True
+    lookahead: "Lookahead | None" = None     # the lookahead prefetch (prefetch.py; set_prefetch)
+    verifier: "SlotVerifier | None" = None   # FREETOKEN_MOE_PREFETCH_VERIFY (verify.py; None: off)
+
+    def set_prefetch(self, settings: PrefetchSettings, predictor: Predictor | None) -> None:
+        """The lookahead prefetch (docs/PREFETCH.md): `settings` (mode off | measure | on, budget, K, verify) and
+        the predictor of the next layer's experts (the model's routers: RouterPredictor)."""
+        self.lookahead = Lookahead(self.cache, self.slots, self.host.layers, self.copy_stream, settings, predictor)
+        self.verifier = (None if settings.verify == "off" else
+                         SlotVerifier(settings.verify, self.cache, self.slots, self.host.layers))
+
+    def _verify(self, layer_idx: int, ids: torch.Tensor, slot_ids: torch.Tensor, after: bool = False) -> None:
+        """FREETOKEN_MOE_PREFETCH_VERIFY's check of a decode-sized call's routed slots (verify.py); nothing when
+        off."""
+        if self.verifier is not None:
+            self.verifier.check(layer_idx, ids, slot_ids, after=after)
+
+    def prefetch_counters(self) -> dict[str, int]:
+        """The prefetch's counters (prefetch.COUNTERS; zeros without a lookahead)."""
+        if self.lookahead is None:
+            return dict.fromkeys(PREFETCH_COUNTERS, 0)
+        return self.lookahead.counters()
+
+    def _prefetch_policy(self, fields: dict) -> None:
+        """The SetPolicy fields `prefetch` (mode) and `prefetch_budget` (0: unchanged), taken out of `fields`."""
+        mode, budget = fields.pop("prefetch", None), fields.pop("prefetch_budget", None)
+        if (mode or budget) and self.lookahead is None:
+            raise ValueError("this backend was built without a prefetch predictor; set_prefetch first")
+        if mode or budget:
+            self.lookahead.set_policy(mode or None, budget or None)
 
     def audit_slots(self, sample_slots: int = 0, probe_slots: int = 0, seed: int = 0) -> list[str]:
         """kernels.slot_cache.audit over this backend's cache and pool: the problems found (empty: none)."""
@@ -76,7 +108,10 @@ class SlotPoolAudit(ExpertBackend):
 
     def side_streams(self) -> list:
         """The CUDA streams besides the compute stream that this backend's copies (or hand-offs) run on."""
-        return [self.copy_stream] if self.on_cuda else []
+        streams = [self.copy_stream] if self.on_cuda else []
+        if self.on_cuda and self.lookahead is not None:
+            streams.append(self.lookahead.predict_stream)
+        return streams
 
     def forward(self, layer_idx: int, x: torch.Tensor, topk_ids: torch.Tensor,
                 topk_weights: torch.Tensor) -> torch.Tensor:
@@ -105,6 +140,8 @@ class SlotPoolAudit(ExpertBackend):
                     compute.wait_stream(stream)
             reset(self.cache)
             self._prefetched.clear()
+            if self.lookahead is not None:
+                self.lookahead.join()
             self.stats.resets_after_error += 1
             log.warning("an expert call failed (%s: %s); the slot cache was emptied so that no slot mapped by it is "
                         "read before its copy lands", type(exc).__name__, exc)

@@ -107,3 +107,23 @@ def test_cli_preset_choices_match_the_registry():
     from coordinator.generate_cli import PRESET_CHOICES
     from gpu_worker.models import PRESET_NAMES
     assert tuple(PRESET_CHOICES) == tuple(PRESET_NAMES)
+
+
+def test_moe_prefetch_flags_reach_the_backend_and_keep_the_tokens(capsys, monkeypatch):
+    """--moe-prefetch on (offload): the resident tokens, and the backend counted its installs; the knob alone
+    (FREETOKEN_MOE_PREFETCH) does the same; resident refuses it with the fix."""
+    argv = ["generate", "--prompt-ids", "1,2,3,4", "--max-new-tokens", "8", "--ignore-eos", "--device", "cpu", "--json"]
+    assert main(argv) == 0
+    resident = last_json(capsys)["token_ids"]
+    assert main([*argv, "--moe-strategy", "offload", "--moe-cache-size", "8", "--moe-prefetch", "on",
+                 "--moe-prefetch-budget", "2"]) == 0
+    result = last_json(capsys)
+    assert result["token_ids"] == resident
+    assert result["experts"]["prefetch_installed_total"] > 0
+    monkeypatch.setenv("FREETOKEN_MOE_PREFETCH", "measure")
+    assert main([*argv, "--moe-strategy", "offload", "--moe-cache-size", "8"]) == 0
+    result = last_json(capsys)
+    assert result["token_ids"] == resident
+    assert result["experts"]["prefetch_predicted_total"] > 0 and result["experts"]["prefetch_installed_total"] == 0
+    assert main(argv) == 2
+    assert "needs a slot cache" in capsys.readouterr().err

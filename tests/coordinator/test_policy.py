@@ -212,3 +212,33 @@ def test_a_fixed_fetch_fraction_of_0_is_used_as_given_and_out_of_bounds_ones_are
     with pytest.raises(ValueError, match="outside"):
         policy.update(fetch_fraction=0.0)                 # SetPolicy: refused, not moved to 0.05
     assert policy.update(fetch_fraction=0.0, fetch_fraction_min=0.0)["fetch_fraction"] == 0.0
+
+
+def test_prefetch_fields_are_set_validated_and_reach_the_engine_message():
+    """SetPolicy's prefetch / prefetch_budget: "" and 0 mean "as the engine started"; bad values change nothing;
+    the engine's SetPolicy message carries them (the backend applies them, gpu_worker/offload/slot_pool.py)."""
+    from proto import engine_messages as em
+
+    policy = FetchPolicy(PolicySettings(strategy="offload"))
+    snap = policy.snapshot()
+    assert snap["prefetch"] == "" and snap["prefetch_budget"] == 0
+    snap = policy.update(prefetch="on", prefetch_budget=2)
+    assert snap["prefetch"] == "on" and snap["prefetch_budget"] == 2
+    for bad, message in (({"prefetch": "sometimes"}, "prefetch='sometimes' is not valid"),
+                         ({"prefetch_budget": 129}, "prefetch_budget=129 is not valid")):
+        with pytest.raises(ValueError, match=message):
+            policy.update(**bad)
+    assert policy.snapshot()["prefetch"] == "on" and policy.snapshot()["prefetch_budget"] == 2
+    msg = em.SetPolicy(strategy="offload", fetch_fraction=1.0, fetch_round="split", cpu_share_names=[],
+                       cpu_share_values=[], prefetch="on", prefetch_budget=2)
+    fields = em.decode(em.encode(msg)).fields()
+    assert fields["prefetch"] == "on" and fields["prefetch_budget"] == 2
+
+
+def test_prefetch_figures():
+    from coordinator.metrics import prefetch_figures
+
+    got = prefetch_figures({"prefetch_predicted_total": 40, "prefetch_useful_total": 10,
+                            "prefetch_layer_calls_total": 20, "expert_misses_total": 30})
+    assert got == {"prefetch_precision": 0.25, "prefetch_useful_per_layer": 0.5, "prefetch_covered_share": 0.25}
+    assert prefetch_figures({})["prefetch_precision"] == 0.0

@@ -33,7 +33,10 @@ def test_env_values_are_typed_and_cli_wins():
     ({"FREETOKEN_HYBRID_FECTH": "recency"}, "unknown environment variable.*FREETOKEN_HYBRID_FECTH"),
     ({"FREETOKEN_HYBRID_FETCH": "recency"}, "unknown environment variable.*FREETOKEN_HYBRID_FETCH"),      # retired
     ({"FREETOKEN_HYBRID_HANDOFF": "auto"}, "unknown environment variable.*FREETOKEN_HYBRID_HANDOFF"),    # retired
-    ({"FREETOKEN_MOE_PREFETCH": "on"}, "unknown environment variable.*FREETOKEN_MOE_PREFETCH"),       # retired
+    ({"FREETOKEN_MOE_PREFETCH": "maybe"}, "FREETOKEN_MOE_PREFETCH='maybe' is not valid; choose one of"),
+    ({"FREETOKEN_MOE_PREFETCH_BUDGET": "0"}, r"must be an int in \[1, 128\]"),
+    ({"FREETOKEN_MOE_PREFETCH_K": "200"}, r"must be an int in \[1, 128\]"),
+    ({"FREETOKEN_MOE_PREFETCH_VERIFY": "bytes"}, "FREETOKEN_MOE_PREFETCH_VERIFY='bytes' is not valid"),
     ({"FREETOKEN_MOE_SLOT_AUDIT": "-1"}, "must be >= 0"),
 ])
 def test_bad_environment_gets_a_clear_error(env, message):

@@ -1,0 +1,134 @@
+"""Decode tok/s of the offload backend with the lookahead prefetch off and on, interleaved A/B (GPU).
+
+    python bench/bench_prefetch.py --routing trace:workload/data/qwen3-30b-a3b-routing.trace \\
+        --fractions 0.25,0.5 --batch 1,4 --prefetch off,on --prefetch-budget 2,4,8
+
+A random-weight preset has no real router, so with `--routing trace:FILE` the trace's recorded predictor candidates
+(its trained model's layer-L router on layer L-1's input) stand in for the live predictor (TracePredictor); with
+zipf:SKEW the live router predicts a table it knows nothing of (a lower bound). Per cache fraction and batch one
+offload backend; every run resets its slots and sets the configuration (SetPolicy's prefetch fields), so the
+configurations alternate run by run (A, B, C, A, B, C, ...) and share the machine's drift. Reported per
+configuration (medians over --runs): decode tok/s, demand misses per token, useful predictions per layer, precision,
+the share of would-be demand misses covered (useful / (useful + misses)), the peak GPU memory against prefetch off,
+and whether the tokens equal prefetch off's (seeded sampling: the same tokens when lossless).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import statistics
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+import bench.bench_engine as be  # noqa: E402
+from gpu_worker.engine import Engine, EngineConfig  # noqa: E402
+from gpu_worker.models import load_model  # noqa: E402
+from gpu_worker.models.synthetic_routing import SyntheticRouting  # noqa: E402
+from gpu_worker.offload import HostExperts, OffloadExperts, resolve_cache_slots  # noqa: E402
+from gpu_worker.offload.prefetch import PrefetchSettings, RouterPredictor, TracePredictor  # noqa: E402
+
+
+def _configs(args) -> list[tuple[str, int]]:
+    out = []
+    for mode in [m.strip() for m in args.prefetch.split(",") if m.strip()]:
+        if mode not in ("off", "measure", "on"):
+            raise SystemExit(f"--prefetch {mode!r}: give off, measure, on (comma-separated)")
+        budgets = [int(b) for b in args.prefetch_budget.split(",") if b.strip()] if mode != "off" else [0]
+        out += [(mode, b) for b in budgets]
+    return out
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--preset", default="qwen3-30b-a3b")
+    parser.add_argument("--device", default="cuda", help="cpu: a smoke test of this script")
+    parser.add_argument("--routing", default="trace:workload/data/qwen3-30b-a3b-routing.trace")
+    parser.add_argument("--fractions", default="0.25,0.5")
+    parser.add_argument("--batch", default="1,4")
+    parser.add_argument("--prefetch", default="off,on")
+    parser.add_argument("--prefetch-budget", default="4", help="budgets of the on/measure runs, comma-separated")
+    parser.add_argument("--prefetch-k", type=int, default=16)
+    parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument("--prompt-tokens", type=int, default=1024)
+    parser.add_argument("--decode-tokens", type=int, default=256)
+    parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument("--graphs", choices=("on", "off"), default="on")
+    args = parser.parse_args()
+    be.engine_temperature = args.temperature
+    configs = _configs(args)
+    loaded = load_model(preset=args.preset, device=args.device, moe_strategy="resident")
+    cfg = loaded.cfg
+    source = loaded.source.experts
+    loaded.model.experts = None
+    torch.cuda.empty_cache() if torch.cuda.is_available() else None
+    host = HostExperts.create_filled(source, staging_device=args.device if args.device == "cuda" else None)
+    gen = torch.Generator().manual_seed(0)
+    print(f"| routing {args.routing}, {args.preset}, {args.decode_tokens} tokens after {args.prompt_tokens}, "
+          f"median of {args.runs} interleaved runs |")
+    print("| cache | batch | prefetch | budget | decode tok/s | vs off | misses/token | useful/layer | precision | "
+          "covered | peak GPU MiB vs off | lossless |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    try:
+        for batch in [int(b) for b in args.batch.split(",") if b.strip()]:
+            lengths = [args.prompt_tokens + i * (args.decode_tokens + 8) for i in range(batch)]
+            base = torch.randint(0, cfg.vocab_size, (lengths[-1],), generator=gen).tolist()
+            prompts = [base[:n] for n in lengths]
+            econf = EngineConfig(max_running_requests=batch, max_context_tokens=lengths[-1] + args.decode_tokens + 16,
+                                 cuda_graphs=args.graphs == "on")
+            routing = SyntheticRouting.parse(args.routing, cfg, econf.max_context_tokens, args.device)
+            loaded.model.routing_override = routing
+            predictor = (TracePredictor(routing, args.prefetch_k) if routing is not None and routing.candidates
+                         is not None else RouterPredictor([lay.router for lay in loaded.model.dense.layers],
+                                                          args.prefetch_k))
+            for frac in [float(f) for f in args.fractions.split(",") if f.strip()]:
+                slots = resolve_cache_slots(frac, source.num_layers, source.num_experts)
+                backend = OffloadExperts(host, slots, args.device)
+                backend.set_prefetch(PrefetchSettings(), predictor)
+                loaded.model.experts = backend
+                engines = {c: Engine(loaded.model, econf, eos_token_ids=()) for c in configs}
+                results: dict = {c: [] for c in configs}
+                for run in range(args.runs + 1):                    # run 0: warm-up (graph capture) of each
+                    for c in configs:
+                        mode, budget = c
+                        backend.set_policy(prefetch=mode, prefetch_budget=budget or None)
+                        backend.reset_slots()
+                        be._reset_peak()
+                        before = backend.prefetch_counters()
+                        r = be.decode_run(engines[c], prompts, args.decode_tokens if run else 32, backend)
+                        after = backend.prefetch_counters()
+                        r.update({k: after[k] - before[k] for k in after}, peak=be._peak())
+                        if run:
+                            results[c].append(r)
+                off = results.get(("off", 0))
+                for c in configs:
+                    rs = results[c]
+                    tok_s = statistics.median(r["decode_tok_s"] for r in rs)
+                    useful = sum(r["prefetch_useful_total"] for r in rs)
+                    predicted = sum(r["prefetch_predicted_total"] for r in rs)
+                    layers = sum(r["prefetch_layer_calls_total"] for r in rs)
+                    misses = statistics.median(r["misses_per_token"] for r in rs)
+                    n_tokens = sum(sum(len(t) for t in r["tokens"]) for r in rs)
+                    miss_total = misses * n_tokens
+                    off_tok_s = statistics.median(r["decode_tok_s"] for r in off) if off else None
+                    peak = (max(r["peak"] for r in rs) - max(r["peak"] for r in off)) / 2**20 if off else 0.0
+                    lossless = all(r["tokens"] == o["tokens"] for r, o in zip(rs, off)) if off else "-"
+                    print(f"| {frac:.0%} | {batch} | {c[0]} | {c[1] or '-'} | {tok_s:.1f} | "
+                          f"{(tok_s / off_tok_s - 1) * 100:+.1f}% | {misses:.2f} | "
+                          f"{useful / layers if layers else 0:.2f} | {useful / predicted if predicted else 0:.2f} | "
+                          f"{useful / (useful + miss_total) if useful + miss_total else 0:.0%} | {peak:+.1f} | "
+                          f"{lossless} |" if off_tok_s else f"| {frac:.0%} | {batch} | {c} | {tok_s:.1f} |",
+                          flush=True)
+                loaded.model.experts = None
+                del engines, backend
+                torch.cuda.empty_cache() if torch.cuda.is_available() else None
+    finally:
+        host.close()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

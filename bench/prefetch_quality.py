@@ -1,0 +1,104 @@
+"""How good the lookahead prefetch's predictions are on a trained checkpoint (its own routers): for each budget,
+useful predictions per layer, precision, and the share of demand misses covered, on held-out text of the corpus.
+
+    python bench/prefetch_quality.py                         # the embedded default model, on the CPU
+    python bench/prefetch_quality.py --model DIR --device cuda --cache 0.25 --budgets 1,2,4,8
+
+Per budget, two greedy runs over the same prompts on an offload backend at --cache: `measure` (the predictor's
+choice counted against the next layer's routes, nothing installed: precision and useful predictions of the
+predictor itself, coverage = useful / (useful + demand misses)) and `on` (installed and copied: the demand misses
+per token it leaves, against prefetch off; its tokens are checked equal to off's). Figures over every decode
+layer call that had a prediction (layers 1..L-1).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+from gpu_worker.engine import Engine, EngineConfig, SamplingParams
+from gpu_worker.models import load_model
+from gpu_worker.offload import HostExperts, OffloadExperts, resolve_cache_slots
+from gpu_worker.offload.prefetch import PrefetchSettings, attach_prefetch
+from workload.corpus import load_documents, split
+
+
+def prompts_from_corpus(tokenizer, count: int, tokens: int) -> list[list[int]]:
+    """The first `tokens` tokens of `count` held-out documents (the model never trained on them)."""
+    _, held = split(load_documents())
+    out = []
+    for doc in held[:count]:
+        ids = tokenizer.encode(doc)[:tokens]
+        if len(ids) >= 8:
+            out.append(ids)
+    return out
+
+
+def run(loaded, host, slots: int, settings: PrefetchSettings | None, prompts, new_tokens: int, device) -> dict:
+    model = loaded.model
+    model.experts = OffloadExperts(host, slots, device)
+    attach_prefetch(model, settings)
+    engine = Engine(model, EngineConfig(max_running_requests=1, max_context_tokens=1024), eos_token_ids=())
+    t0 = time.perf_counter()
+    tokens = engine.generate(prompts, SamplingParams(max_new_tokens=new_tokens, ignore_eos=True))
+    c = model.experts.counters()
+    out = {"tokens": tokens, "seconds": time.perf_counter() - t0, "misses": c["expert_misses_total"],
+           "generated": sum(len(t) for t in tokens), **{k: c[k] for k in c if k.startswith("prefetch_")}}
+    model.experts = None
+    return out
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default=None, help="checkpoint directory (default: the embedded default model)")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--cache", type=float, default=0.25, help="slot pool as a fraction of all experts")
+    parser.add_argument("--budgets", default="1,2,4,8")
+    parser.add_argument("--k", type=int, default=16)
+    parser.add_argument("--prompts", type=int, default=6)
+    parser.add_argument("--prompt-tokens", type=int, default=64)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    loaded = load_model(args.model, device=args.device)
+    cfg = loaded.cfg
+    prompts = prompts_from_corpus(loaded.tokenizer, args.prompts, args.prompt_tokens)
+    host = HostExperts.create_filled(loaded.source.experts, staging_device=None)
+    slots = resolve_cache_slots(args.cache, cfg.num_layers, cfg.num_experts)
+    try:
+        off = run(loaded, host, slots, None, prompts, args.new_tokens, args.device)
+        rows = []
+        for budget in [int(b) for b in args.budgets.split(",") if b.strip()]:
+            m = run(loaded, host, slots, PrefetchSettings("measure", budget, args.k), prompts, args.new_tokens,
+                    args.device)
+            on = run(loaded, host, slots, PrefetchSettings("on", budget, args.k), prompts, args.new_tokens,
+                     args.device)
+            useful, predicted, layers = (m["prefetch_useful_total"], m["prefetch_predicted_total"],
+                                         m["prefetch_layer_calls_total"])
+            rows.append({"budget": budget, "useful_per_layer": useful / layers if layers else 0.0,
+                         "precision": useful / predicted if predicted else 0.0,
+                         "covered_share": useful / (useful + m["misses"]) if useful + m["misses"] else 0.0,
+                         "misses_per_token_off": off["misses"] / off["generated"],
+                         "misses_per_token_on": on["misses"] / on["generated"],
+                         "on_useful_per_layer": (on["prefetch_useful_total"] / on["prefetch_layer_calls_total"]
+                                                 if on["prefetch_layer_calls_total"] else 0.0),
+                         "lossless": on["tokens"] == off["tokens"] and m["tokens"] == off["tokens"]})
+    finally:
+        host.close()
+    if args.json:
+        print(json.dumps({"model": args.model or "default-moe", "cache": args.cache, "slots": slots,
+                          "layers": cfg.num_layers, "experts": cfg.num_experts, "top_k": cfg.top_k, "rows": rows}))
+        return 0
+    print(f"{args.model or 'default-moe'}: {cfg.num_layers} layers x {cfg.num_experts} experts, top-{cfg.top_k}; "
+          f"{slots} slots ({args.cache:.0%}); {len(prompts)} held-out prompts of {args.prompt_tokens} tokens, "
+          f"{args.new_tokens} greedy tokens each; K = {args.k}")
+    print("| budget | useful / layer | precision | misses covered | misses/token off | on | lossless |")
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['budget']} | {r['useful_per_layer']:.2f} | {r['precision']:.2f} | {r['covered_share']:.0%} | "
+              f"{r['misses_per_token_off']:.2f} | {r['misses_per_token_on']:.2f} | {r['lossless']} |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

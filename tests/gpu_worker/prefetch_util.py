@@ -1,0 +1,94 @@
+"""Shared by the prefetch tests: a greedy decode run that records every forward's logits, with requests arriving
+between decode steps (so prefill chunks run between them)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gpu_worker.engine import Engine, EngineConfig, SamplingParams
+from gpu_worker.models import load_model
+from gpu_worker.offload import HostExperts, OffloadExperts
+from gpu_worker.offload.prefetch import PrefetchSettings, RandomPredictor, RouterPredictor, attach_prefetch
+
+# The embedded model: 4 layers x 8 experts, top-2. A global pool of 8 slots (a quarter), or per-layer pools of 4
+# (half a layer); prefill chunks of 2 tokens (4 routes) fit either.
+SLOTS = {False: 8, True: 4}
+
+
+def offload_model(per_layer: bool, settings: PrefetchSettings | None, predictor: str = "router", seed: int = 3,
+                  device: str = "cpu"):
+    """The embedded model over an offload backend of SLOTS[per_layer] slots, with the prefetch `settings` (None:
+    none attached) and the `predictor`: router (the model's own) or random (garbage)."""
+    loaded = load_model(device=device)
+    model = loaded.model
+    with pytest.MonkeyPatch.context() as mp:
+        # the counters by torch ops rather than the count kernel in the interpreter (slow; the GPU runs it)
+        mp.delenv("TRITON_INTERPRET", raising=False)
+        staging = torch.device(device) if device == "cuda" else None
+        model.experts = OffloadExperts(HostExperts.create_filled(loaded.source.experts, staging_device=staging),
+                                       SLOTS[per_layer], device, per_layer=per_layer)
+    if settings is not None:
+        pred = (RandomPredictor(model.cfg.num_experts, settings.k, seed=seed, device=device) if predictor == "random"
+                else RouterPredictor([layer.router for layer in model.dense.layers], settings.k))
+        attach_prefetch(model, settings, pred)
+    return model
+
+
+PROMPT_A = [5, 17, 42, 99, 3, 250, 7, 64, 11, 300, 8]
+PROMPT_B = [300, 11, 64, 7, 250, 3, 99]
+PROMPT_C = [41, 2, 77, 5, 190]
+
+
+class LogitRecorder:
+    """Wraps model.forward: keeps a copy of every forward's logits (prefill and decode)."""
+
+    def __init__(self, model):
+        self.model, self.logits = model, []
+        self._forward = model.forward
+        model.forward = self
+
+    def __call__(self, *args, **kwargs):
+        out = self._forward(*args, **kwargs)
+        self.logits.append(out.detach().to("cpu", copy=True))
+        return out
+
+    def close(self) -> None:
+        self.model.forward = self._forward
+
+
+def decode_run(model, *, batch: int, decode_steps: int, device: str = "cpu",
+               cuda_graphs: bool = False) -> tuple[list[list[int]], list[torch.Tensor]]:
+    """Greedy tokens and every forward's logits: request A alone; with batch 2, B joins after 20 decode steps and,
+    once B is done, C joins (prefill chunks between decode steps). `decode_steps`: decode forwards in all."""
+    rec = LogitRecorder(model)
+    try:
+        engine = Engine(model, EngineConfig(max_running_requests=max(batch, 1), max_context_tokens=512,
+                                            prefill_chunk_tokens=2, cuda_graphs=cuda_graphs), eos_token_ids=())
+        params_a = SamplingParams(max_new_tokens=decode_steps + 1, ignore_eos=True)
+        tokens: dict = {}
+        rid = engine.add_request(list(PROMPT_A), params_a)
+        tokens[rid] = []
+        steps = 0
+        joined = []
+        while engine.has_work():
+            if batch > 1 and steps == 20 and not joined:
+                joined.append(engine.add_request(list(PROMPT_B), SamplingParams(max_new_tokens=60, ignore_eos=True)))
+                tokens[joined[-1]] = []
+            if batch > 1 and steps == 110 and len(joined) == 1:
+                joined.append(engine.add_request(list(PROMPT_C), SamplingParams(max_new_tokens=60, ignore_eos=True)))
+                tokens[joined[-1]] = []
+            for request_id, token_id, _finished, _reason in engine.step():
+                tokens[request_id].append(token_id)
+            steps += 1
+        return [tokens[k] for k in tokens], rec.logits
+    finally:
+        rec.close()
+
+
+def assert_identical(a, b, what: str) -> None:
+    tokens_a, logits_a = a
+    tokens_b, logits_b = b
+    assert tokens_a == tokens_b, f"{what}: tokens differ"
+    assert len(logits_a) == len(logits_b), f"{what}: {len(logits_a)} forwards against {len(logits_b)}"
+    for i, (x, y) in enumerate(zip(logits_a, logits_b)):
+        assert torch.equal(x, y), f"{what}: forward {i}'s logits differ (max {float((x - y).abs().max()):.3g})"

@@ -1,0 +1,75 @@
+"""The lookahead prefetch on the GPU (marked gpu: the H200 runs these): bit identity with prefetch off inside the
+decode CUDA graphs and eagerly, batch 1 and 2, global and per-layer pools, the model's router and a garbage
+predictor, with delay kernels on the predictor and copy streams (a copy or a prediction that is late must still be
+waited for); and the negative control: without the compute stream's join the same delay changes the output."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gpu_worker.offload.prefetch import Lookahead, PrefetchSettings
+
+from tests.gpu_worker.prefetch_util import assert_identical, decode_run, offload_model
+
+pytestmark = pytest.mark.gpu
+STEPS = 200
+DELAY_CYCLES = 2_000_000          # ~1 ms at 1.98 GHz: far longer than a layer of the tiny model
+
+
+@pytest.fixture(autouse=True)
+def cache_dir(monkeypatch, tmp_path):
+    monkeypatch.setenv("FT_CACHE_DIR", str(tmp_path / "cache"))
+
+
+def delayed_streams(monkeypatch, join: bool = True) -> None:
+    """A delay kernel before every prefetch copy (copy stream) and every prediction (predictor stream); without
+    `join`, the compute stream no longer waits for the prefetch copy (the fault the negative control injects)."""
+    copy, begin = Lookahead.copy, Lookahead.begin
+
+    def slow_copy(self, layer):
+        if self.copy_stream is not None:
+            with torch.cuda.stream(self.copy_stream):
+                torch.cuda._sleep(DELAY_CYCLES)
+        return copy(self, layer)
+
+    def slow_begin(self, layer, h, ids, decode_sized):
+        if self.predict_stream is not None:
+            self.predict_stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(self.predict_stream):
+                torch.cuda._sleep(DELAY_CYCLES // 4)
+        return begin(self, layer, h, ids, decode_sized)
+
+    monkeypatch.setattr(Lookahead, "copy", slow_copy)
+    monkeypatch.setattr(Lookahead, "begin", slow_begin)
+    if not join:
+        monkeypatch.setattr(Lookahead, "wait", lambda self, layer: None)
+
+
+def _run(per_layer, settings, predictor, batch, graphs):
+    model = offload_model(per_layer, settings, predictor, device="cuda")
+    try:
+        return decode_run(model, batch=batch, decode_steps=STEPS, cuda_graphs=graphs), model.experts.counters()
+    finally:
+        model.experts.close()
+
+
+@pytest.mark.parametrize("graphs", [True, False], ids=["graphs", "eager"])
+@pytest.mark.parametrize("per_layer", [False, True], ids=["global", "per-layer"])
+@pytest.mark.parametrize("batch", [1, 2])
+@pytest.mark.parametrize("predictor", ["router", "random"])
+def test_gpu_prefetch_on_is_bit_identical_with_delayed_streams(monkeypatch, graphs, per_layer, batch, predictor):
+    ref, _ = _run(per_layer, None, "router", batch, graphs)
+    delayed_streams(monkeypatch)
+    run, counters = _run(per_layer, PrefetchSettings(mode="on", budget=2), predictor, batch, graphs)
+    assert_identical(ref, run, f"graphs={graphs} per_layer={per_layer} batch={batch} {predictor}")
+    assert counters["prefetch_installed_total"] > 0
+
+
+def test_gpu_a_missing_join_changes_the_output(monkeypatch):
+    """Negative control: the delayed prefetch copy without the compute stream's wait is read before it lands."""
+    ref, _ = _run(False, None, "router", 1, True)
+    delayed_streams(monkeypatch, join=False)
+    run, counters = _run(False, PrefetchSettings(mode="on", budget=2), "router", 1, True)
+    assert counters["prefetch_useful_total"] > 0
+    with pytest.raises(AssertionError, match="differ"):
+        assert_identical(ref, run, "missing join")
