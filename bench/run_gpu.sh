@@ -141,8 +141,9 @@ while [ $# -gt 0 ]; do
       skip=$(python3 -c 'import openai' 2>/dev/null || echo "--ignore=tests/coordinator/test_http_api.py --ignore=tests/coordinator/test_policy_online.py")
       # TESTS_WORKERS > 1: that many pytest processes (pytest-xdist), a test file each at a time
       par=$([ "${TESTS_WORKERS:-1}" -gt 1 ] && echo "-n ${TESTS_WORKERS} --dist loadfile")
-      run tests "${TESTS_TIMEOUT:-590}" python3 -m pytest -q -p no:cacheprovider -m gpu $par $skip ${TESTS_ARGS:-tests/}
-      grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/tests.log" | cut -c1-240 | tail -n 20
+      # -v: each test's result is logged as it ends, so a run cut by its time limit still names its failures
+      run tests "${TESTS_TIMEOUT:-590}" python3 -m pytest -v -rfE -p no:cacheprovider -m gpu $par $skip ${TESTS_ARGS:-tests/}
+      grep -E "(FAILED|ERROR) tests/|passed|failed" "$OUT/tests.log" | grep -v "^tests/.* PASSED" | cut -c1-240 | tail -n 30
       ;;
     kernels)
       run ensure "$T" python3 -m kernels.slot_cache.bench --reps 200 --slots 64,2048,18432,23197
