@@ -43,6 +43,7 @@ class NextLayerWeights:
     o_proj: torch.Tensor | None = None         # [H, Hq*D]
     q_norm: torch.Tensor | None = None         # [D] (1 + w)
     k_norm: torch.Tensor | None = None         # [D] (1 + w)
+    router_bias: None = None                   # Qwen3-Next's router has no bias (the field every layer kind has)
 
 
 # fields that hold fp32 values whatever the model dtype (the decay's parameters)

@@ -79,13 +79,16 @@ class Predictor(Protocol):
 
 class RouterPredictor:
     """Layer L's router applied to layer L-1's router input: per token the softmax over the experts, summed over
-    the tokens, top-k (for one token: the router's own top-k order)."""
+    the tokens, top-k (for one token: the router's own top-k order). `biases`: each layer's router bias (gpt-oss)
+    or None."""
 
-    def __init__(self, routers: list[torch.Tensor], k: int):
+    def __init__(self, routers: list[torch.Tensor], k: int, biases: list[torch.Tensor | None] | None = None):
         self.routers, self.k = routers, min(k, routers[0].shape[0])
+        self.biases = biases if biases is not None else [None] * len(routers)
 
     def predict(self, layer: int, h: torch.Tensor) -> torch.Tensor:
-        scores = torch.softmax(F.linear(h, self.routers[layer]).float(), dim=-1).sum(0)       # [E]
+        logits = F.linear(h, self.routers[layer], self.biases[layer])
+        scores = torch.softmax(logits.float(), dim=-1).sum(0)                                  # [E]
         return torch.topk(scores, self.k).indices                                            # [k] int64
 
 
@@ -288,5 +291,7 @@ def attach_prefetch(model, settings: PrefetchSettings | None, predictor: Predict
     if settings is None:
         settings = PrefetchSettings()
     if predictor is None:
-        predictor = RouterPredictor([layer.router for layer in model.dense.layers], settings.k)
+        layers = model.dense.layers
+        predictor = RouterPredictor([layer.router for layer in layers], settings.k,
+                                    [layer.router_bias for layer in layers])
     model.experts.set_prefetch(settings, predictor)

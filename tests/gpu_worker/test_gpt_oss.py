@@ -14,6 +14,7 @@ from safetensors.torch import load_file, save_file
 from gpu_worker.engine import Engine, EngineConfig, SamplingParams
 from gpu_worker.models import load_model
 from gpu_worker.models.config import MoeConfig
+from gpu_worker.offload.prefetch import PrefetchSettings
 from tests.gpu_worker.gpt_oss_util import WINDOW, hf_gpt_oss, save_mxfp4
 from tests.gpu_worker.test_models_parity import prefill_logits
 from tests.gpu_worker.test_models_util import hf_greedy, prompt_ids, rel_err
@@ -94,15 +95,21 @@ def _greedy(loaded, prompts, n=32):
     return engine.generate([list(p) for p in prompts], SamplingParams(max_new_tokens=n, ignore_eos=True))
 
 
-def test_offload_at_a_small_cache_gives_the_resident_tokens(pair, tmp_path, monkeypatch):
+@pytest.mark.parametrize("prefetch", ["off", "on"])
+def test_offload_at_a_small_cache_gives_the_resident_tokens(pair, tmp_path, monkeypatch, prefetch):
+    """Offload at 10 of 24 slots, with the lookahead prefetch off and on (its router predictor with the router's
+    bias), gives the resident tokens."""
     monkeypatch.setenv("FT_CACHE_DIR", str(tmp_path))
     _, path, ours = pair
     prompts = [prompt_ids(11, seed=4), prompt_ids(17, seed=5)]
     resident = _greedy(ours, prompts)
-    loaded = load_model(path, device="cpu", dtype="float32", moe_strategy="offload", moe_cache_size=10)
+    loaded = load_model(path, device="cpu", dtype="float32", moe_strategy="offload", moe_cache_size=10,
+                        prefetch=PrefetchSettings(mode=prefetch, budget=2))
     try:
         assert _greedy(loaded, prompts) == resident
-        assert loaded.model.experts.counters()["expert_misses_total"] > 0
+        counters = loaded.model.experts.counters()
+        assert counters["expert_misses_total"] > 0
+        assert (counters["prefetch_useful_total"] > 0) == (prefetch == "on")
     finally:
         loaded.model.experts.close()
 

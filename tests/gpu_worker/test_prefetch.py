@@ -119,3 +119,16 @@ def test_the_predictor_is_the_next_layers_router_on_this_layers_input():
     want = torch.topk(torch.nn.functional.linear(h, routers[2]).float()[0], 6).indices
     assert torch.equal(pred.predict(2, h), want)
     assert not torch.equal(pred.predict(1, h), want), "another layer's router ranks differently"
+
+
+def test_the_predictor_adds_a_routers_bias():
+    """gpt-oss routes on biased logits: the predictor ranks by them (a large bias on one expert puts it first)."""
+    gen = torch.Generator().manual_seed(1)
+    routers = [torch.randn(8, 16, generator=gen) for _ in range(2)]
+    bias = torch.zeros(8)
+    bias[5] = 100.0
+    h = torch.randn(3, 16, generator=gen)
+    biased = RouterPredictor(routers, 4, [None, bias]).predict(1, h)
+    assert int(biased[0]) == 5
+    assert torch.equal(biased, torch.topk(torch.softmax(h @ routers[1].T + bias, -1).sum(0), 4).indices)
+    assert torch.equal(RouterPredictor(routers, 4, [None, bias]).predict(0, h), RouterPredictor(routers, 4).predict(0, h))

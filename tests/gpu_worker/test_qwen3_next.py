@@ -16,6 +16,7 @@ from gpu_worker.engine.state_cache import StateCache
 from gpu_worker.models import load_model
 from gpu_worker.models.checkpoint import CheckpointError
 from gpu_worker.models.qwen3_next import StatefulContext
+from gpu_worker.offload.prefetch import PrefetchSettings
 from tests.gpu_worker.qwen3_next_util import hf_greedy_full, hf_qwen3_next, save
 from tests.gpu_worker.test_models_util import prompt_ids, rel_err
 
@@ -109,12 +110,17 @@ def test_interleaved_requests_give_their_tokens_alone(resident):
     assert [got[i] for i in ids] == alone
 
 
-def test_offload_at_a_small_cache_gives_the_resident_tokens(checkpoint, resident):
+@pytest.mark.parametrize("prefetch", ["off", "on"])
+def test_offload_at_a_small_cache_gives_the_resident_tokens(checkpoint, resident, prefetch):
+    """Offload at 10 of 32 slots, with the lookahead prefetch off and on, gives the resident tokens."""
     prompts = [prompt_ids(13, seed=30), prompt_ids(7, seed=31)]
     expected = engine(resident, running=2).generate(prompts, PARAMS)
-    offload = load_model(checkpoint[1], device="cpu", dtype="float32", moe_strategy="offload", moe_cache_size=10)
+    offload = load_model(checkpoint[1], device="cpu", dtype="float32", moe_strategy="offload", moe_cache_size=10,
+                         prefetch=PrefetchSettings(mode=prefetch, budget=2))
     assert engine(offload, running=2).generate(prompts, PARAMS) == expected
-    assert offload.model.experts.counters()["expert_misses_total"] > 0
+    counters = offload.model.experts.counters()
+    assert counters["expert_misses_total"] > 0
+    assert (counters["prefetch_useful_total"] > 0) == (prefetch == "on")
 
 
 def test_state_rows_are_zeroed_when_a_request_ends(resident):
