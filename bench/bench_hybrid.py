@@ -13,6 +13,8 @@ then both at once (shared_bandwidth: the two share the host DRAM), whose combine
 moved together a second) gives the "shared roofline" column beside it.
 Greedy tokens are compared with the resident run's (offload must match; cpu/hybrid compute misses
 with the CPU kernel, whose bf16 accumulation order differs: a late divergence is expected there).
+--prefetch-budgets B,...: every variant also with the lookahead prefetch on at each budget (rows "NAME prefetchB";
+their JSON rows carry the prefetch counters over the warm-up and the runs).
 Then the hand-off round trip GPU -> CPU process -> GPU (hidden state down, a 0-triple request through
 the channel, the zero partial sum up, synchronised) p50/p99 over --handoff-calls calls.
 
@@ -46,6 +48,7 @@ from gpu_worker.models import load_model  # noqa: E402
 from proto.knobs import EXPERT_FORMAT_CHOICES  # noqa: E402
 from gpu_worker.models.synthetic_routing import SyntheticRouting  # noqa: E402
 from gpu_worker.offload import HostExperts, OffloadExperts, resolve_cache_slots  # noqa: E402
+from gpu_worker.offload.prefetch import PrefetchSettings, attach_prefetch  # noqa: E402
 from kernels.pdl import apply_setting as apply_pdl  # noqa: E402
 
 ROUNDS = ("min-wait", "stochastic", "prefer-fetch", "split")   # split: floor on the host paths
@@ -229,6 +232,9 @@ def variants(args) -> list[tuple[str, dict | None]]:
     if args.variants:
         keep = [v.strip() for v in args.variants.split(",")]
         out = [v for v in out if any(v[0].startswith(k) if not k.startswith("=") else v[0] == k[1:] for k in keep)]
+    budgets = [int(b) for b in args.prefetch_budgets.split(",") if b.strip()]
+    if budgets:                 # each variant also with the lookahead prefetch on at each budget ("... prefetch4")
+        out += [(f"{n} prefetch{b}", {**p, "prefetch": b}) for n, p in out for b in budgets]
     weights = freq_weights(args.freq_weights)
     if weights != [None]:       # each variant once per eviction weight W, side by side ("... fw256"; 0: LRU)
         out = [(f"{n} fw{w}", {**p, "freq_weight": w}) for n, p in out for w in weights]
@@ -277,6 +283,9 @@ def main() -> int:
     parser.add_argument("--freq-half-life", type=int, default=None,
                         help="layer calls between halvings of the route counts, for every variant whose weight is "
                              "above 0 (0: never; default: FREETOKEN_EVICTION_FREQ_HALF_LIFE)")
+    parser.add_argument("--prefetch-budgets", default="",
+                        help="comma list: every variant also with the lookahead prefetch on at these budgets (docs/"
+                             "PREFETCH.md; a trace's recorded candidates stand in for the predictor with trace:FILE)")
     parser.add_argument("--no-resident", action="store_true", help="skip the resident run (no token check)")
     parser.add_argument("--handoff-calls", type=int, default=10_000)
     parser.add_argument("--routing", default="zipf:1.0",
@@ -356,6 +365,8 @@ def main() -> int:
             if pdl_mode is not None:             # read when the kernels launch: this engine's graphs keep it
                 apply_pdl(pdl_mode)
             tune = False
+            policy = dict(policy)
+            budget = policy.pop("prefetch", 0)
             eviction = {"freq_half_life": args.freq_half_life}
             if policy["strategy"] == "offload":     # every miss fetched: the copy kernel, decode in CUDA graphs
                 backend = OffloadExperts(host, slots, device, **{k: v for k, v in policy.items() if k != "strategy"},
@@ -368,6 +379,7 @@ def main() -> int:
                 backend = HybridExperts(host, slots, device, pool, owns_host=False, owns_pool=False, **policy,
                                         **eviction)
             loaded.model.experts = backend
+            attach_prefetch(loaded.model, PrefetchSettings(mode="on", budget=budget) if budget else None)
             engine = Engine(loaded.model, econf, eos_token_ids=())
             tick = live_tuner(engine, backend, fraction, pcie.gb_s, cpu.gb_s, device_name(device),
                               fraction_given=args.fetch_fraction is not None) if tune else None
@@ -377,6 +389,7 @@ def main() -> int:
                 profile_decode(engine, [prompt], args.profile, trace=_trace_path(args, name))
             if isinstance(backend, HybridExperts):
                 r["fetch_fraction"] = float(backend.policy["fetch_fraction"])      # the tuner's last f
+            r["prefetch"] = backend.prefetch_counters() if budget else None
             del engine
             r["same_tokens"] = None if reference_tokens is None else r["tokens"] == reference_tokens
             r["first_diff"] = None if reference_tokens is None else next(

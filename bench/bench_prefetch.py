@@ -29,7 +29,7 @@ from gpu_worker.engine import Engine, EngineConfig  # noqa: E402
 from gpu_worker.models import load_model  # noqa: E402
 from gpu_worker.models.synthetic_routing import SyntheticRouting  # noqa: E402
 from gpu_worker.offload import HostExperts, OffloadExperts, resolve_cache_slots  # noqa: E402
-from gpu_worker.offload.prefetch import PrefetchSettings, RouterPredictor, TracePredictor  # noqa: E402
+from gpu_worker.offload.prefetch import PrefetchSettings, model_predictor  # noqa: E402
 
 
 def _configs(args) -> list[tuple[str, int]]:
@@ -81,9 +81,7 @@ def main() -> int:
                                  cuda_graphs=args.graphs == "on")
             routing = SyntheticRouting.parse(args.routing, cfg, econf.max_context_tokens, args.device)
             loaded.model.routing_override = routing
-            predictor = (TracePredictor(routing, args.prefetch_k) if routing is not None and routing.candidates
-                         is not None else RouterPredictor([lay.router for lay in loaded.model.dense.layers],
-                                                          args.prefetch_k))
+            predictor = model_predictor(loaded.model, args.prefetch_k)
             for frac in [float(f) for f in args.fractions.split(",") if f.strip()]:
                 slots = resolve_cache_slots(frac, source.num_layers, source.num_experts)
                 backend = OffloadExperts(host, slots, args.device)

@@ -13,6 +13,12 @@
 #            default model, in $OUT/workload.tar.xz                                            (~10 min)
 #   routing  zipf:1.0 against the trained trace (workload/data/qwen3-30b-a3b-routing.trace) at the qwen3-30b-a3b
 #            shape: offload at 10 / 25 / 50% and hybrid at 25%, misses per token and rooflines  (~5 min)
+#   prefetch the lookahead prefetch at the qwen3-30b-a3b shape, off / on at budgets 2, 4, 8, 25 / 50% caches, batch
+#            1 and 4, on the trained trace, and on zipf:1.0 at 25%; hybrid at 25% off / on (budget 4)  (~10 min)
+#   prefetch_trained  trains olmoe-routing (PREFETCH_TRAIN_MINUTES, default 3); its prediction quality at budgets
+#            1, 2, 4, 8; ft serve prefetch off against on, 60 cold prompts, 256 tokens (the openai wheel in .whl/)
+#   architectures  qwen3-next-80b-a3b (NVFP4) and gpt-oss-120b: resident and offload at 10 / 25 / 50%; TTFT at 32K
+#            of qwen3-next-80b-a3b against qwen3-30b-a3b                                       (~10 min)
 #   all      tests kernels engine hybrid prefill (more than one device call's 10 minutes: run suites one by one)
 #   compare OLD_TREE  OLD_TREE is an older checkout (e.g. `git archive OLDREV | tar -x -C /tmp/old`); its benches take
 #            the flags of that tree (the old side's commands below), this tree's the current ones; one table, both
@@ -212,6 +218,44 @@ while [ $# -gt 0 ]; do
       grep -hE "^(shape|trained|--minutes|curve)" "$w"/train_*.log | cut -c1-220
       grep -hE "^ *(layer|all) " "$w"/routing_*.log | cut -c1-220
       ;;
+    prefetch)
+      # the lookahead prefetch at the qwen3-30b-a3b shape: the trained trace's candidates, then zipf as the lower bound
+      tr=trace:workload/data/qwen3-30b-a3b-routing.trace
+      run prefetch_trace "$T" python3 bench/bench_prefetch.py --routing "$tr" --fractions 0.25,0.5 --batch 1,4 \
+        --prefetch off,on --prefetch-budget 2,4,8 --runs 2 --decode-tokens 128
+      run prefetch_zipf "${PREFETCH_ZIPF_LIMIT:-240}" python3 bench/bench_prefetch.py --routing zipf:1.0 --fractions 0.25 \
+        --batch 1 --prefetch off,on --prefetch-budget 4 --runs 2 --decode-tokens 128
+      run prefetch_hybrid "${PREFETCH_HYBRID_LIMIT:-150}" python3 bench/bench_hybrid.py --runs 2 --decode-tokens 64 \
+        --handoff-calls 200 --no-resident --variants "$HYBRID_VARIANT" --prefetch-budgets 4 --routing "$tr" \
+        --json-out "$OUT/prefetch_hybrid.json"
+      grep -h "^|" "$OUT"/prefetch_trace.log "$OUT"/prefetch_zipf.log | cut -c1-220
+      grep -hE "^(B_pcie|row: )" "$OUT"/prefetch_hybrid.log | cut -c1-200
+      ;;
+    prefetch_trained)
+      # a trained olmoe-routing checkpoint (PREFETCH_TRAIN_MINUTES), its predictions at budgets 1, 2, 4, 8, and the
+      # served path: ft serve prefetch off against on, 60 cold prompts, 256 greedy tokens (needs the openai wheel)
+      w=$(mktemp -d)
+      run train_olmoe 590 python3 -m workload.train_moe --shape olmoe-routing --out "$w/olmoe-routing" \
+        --minutes "${PREFETCH_TRAIN_MINUTES:-3}" --device cuda
+      run prefetch_quality 240 python3 bench/prefetch_quality.py --model "$w/olmoe-routing" --device cuda --cache 0.25 \
+        --budgets 1,2,4,8
+      run prefetch_served 300 python3 bench/prefetch_served.py --model "$w/olmoe-routing" --device cuda \
+        --moe-cache-size 256 --prompts 60 --max-tokens 256 --json "$OUT/prefetch_served.json"
+      tail -n 12 "$OUT/prefetch_quality.log" | cut -c1-200; tail -n 2 "$OUT/prefetch_served.log" | cut -c1-200
+      ;;
+    architectures)
+      # Qwen3-Next (NVFP4 experts) and gpt-oss-120b (MXFP4): resident and offload at 10 / 25 / 50%, TTFT at 1K and 32K
+      run next_engine "$T" python3 bench/bench_engine.py --preset qwen3-next-80b-a3b --expert-format nvfp4 --runs 2 \
+        --prompt-tokens 1024 --decode-tokens 256 --fractions 0.1,0.25,0.5
+      run gptoss_engine "$T" python3 bench/bench_engine.py --preset gpt-oss-120b --runs 2 --prompt-tokens 1024 \
+        --decode-tokens 256 --fractions 0.1,0.25,0.5
+      run next_ttft "$T" python3 bench/bench_prefill.py --preset qwen3-next-80b-a3b --expert-format nvfp4 --runs 2 \
+        --prompt-tokens 32768 --chunks 4096 --fractions ""
+      run qwen3_ttft "$T" python3 bench/bench_prefill.py --preset qwen3-30b-a3b --runs 2 --prompt-tokens 32768 \
+        --chunks 4096 --fractions ""
+      grep -hE "^(backend|resident|offload)" "$OUT"/next_engine.log "$OUT"/gptoss_engine.log | cut -c1-200
+      tail -n 4 "$OUT/next_ttft.log" "$OUT/qwen3_ttft.log" | cut -c1-200
+      ;;
     compare)
       # One call, both trees, the same measurement: 128 decode tokens and 3 runs (engine), 64 tokens (hybrid),
       # 2,000 hand-off calls, 100 kernel replays, a 1K prompt resident. Each command has its own limit so that the
@@ -249,7 +293,7 @@ while [ $# -gt 0 ]; do
       summary old="$OUT/old" new="$OUT/new" | tee "$OUT/compare.txt"
       ;;
     *)
-      echo "unknown suite: $s (tests, kernels, engine, hybrid, prefill, all, compare OLD_TREE)" >&2; status=2
+      echo "unknown suite: $s (tests, kernels, engine, hybrid, prefill, routing, workload, prefetch, prefetch_trained, architectures, all, compare OLD_TREE)" >&2; status=2
       ;;
   esac
 done

@@ -285,13 +285,19 @@ class Lookahead:
         return dict(zip(COUNTERS, (int(v) for v in self.counts.tolist())))
 
 
+def model_predictor(model, k: int) -> Predictor:
+    """The predictor for `model`: the replayed trace's recorded candidates when the model replays a trace that has
+    them (benchmarks of random-weight presets), else the model's own routers with their biases."""
+    routing = model.routing_override
+    if routing is not None and routing.candidates is not None:
+        return TracePredictor(routing, k)
+    layers = model.dense.layers
+    return RouterPredictor([layer.router for layer in layers], k, [layer.router_bias for layer in layers])
+
+
 def attach_prefetch(model, settings: PrefetchSettings | None, predictor: Predictor | None = None) -> None:
     """Give `model`'s expert backend the prefetch `settings` (None: off, which SetPolicy may turn on later) and a
-    predictor: `predictor`, or the model's own routers (RouterPredictor over every layer's router weight)."""
+    predictor: `predictor`, or `model_predictor(model, settings.k)`."""
     if settings is None:
         settings = PrefetchSettings()
-    if predictor is None:
-        layers = model.dense.layers
-        predictor = RouterPredictor([layer.router for layer in layers], settings.k,
-                                    [layer.router_bias for layer in layers])
-    model.experts.set_prefetch(settings, predictor)
+    model.experts.set_prefetch(settings, predictor if predictor is not None else model_predictor(model, settings.k))
