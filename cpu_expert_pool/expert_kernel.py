@@ -13,9 +13,10 @@ here), ``auto`` (native when it builds, else torch, with a log line saying why).
 Quantized stores (``store.expert_format``: fp8, int4-g*, mxfp4, nvfp4) use native/quant_ffn.c, which
 dequantizes in registers to fp32 and has avx512, avx2 and scalar paths (no avx512_bf16 or AMX one: the
 dequantized weights are fp32); ``native`` there means the best of those three.
-Biased experts with gpt-oss's clamped SwiGLU (``store.shape.expert_act``, proto/expert_act.py) run the torch
-kernel (the compiled ones compute silu without biases: ``auto`` picks torch for them, ``native*`` is refused), and
-are never split by channels (the down bias belongs to one side).
+Biased experts with gpt-oss's clamped SwiGLU (``store.shape.expert_act``, proto/expert_act.py) run in both compiled
+kernels, every ISA and format: they read the biases from the end of each expert row (native/act_desc.py describes
+the activation and where the biases are), add the gate / up biases before the clamp and out += w * (down . h +
+b_down), the reference's order. They are never split by channels (the down bias belongs to one side).
 Legend: T tokens, H hidden, I intermediate, E experts, n triples, B tokens of one expert, c split_limit.
 """
 from __future__ import annotations
@@ -27,6 +28,7 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
+from cpu_expert_pool.native.act_desc import ExpertActDesc, expert_act_desc
 from cpu_expert_pool.native.build import ISA_BY_NAME, ISA_NAMES, NativeLib, try_load_native
 from cpu_expert_pool.native.quant_desc import QuantFormatDesc, quant_format_desc
 from proto.expert_act import apply_act
@@ -111,7 +113,7 @@ def torch_moe_layer(store: ExpertStore, layer: int, hidden: torch.Tensor, token_
             h = F.silu(gate_up[:, :c]) * gate_up[:, c:]                  # [B, c]
             y = F.linear(h, w2)                                          # [B, H]
         out.index_add_(0, toks, y.float() * weight[rows, None])
-        num_bytes += c * channel_bytes
+        num_bytes += store.expert_bytes if c == inter else c * channel_bytes    # whole: biases and padding too
     return LayerStats(len(counts), num_bytes)
 
 
@@ -136,18 +138,13 @@ class ExpertKernel:
         self._isa = -1
         fmt = store.expert_format
         self._quant: QuantFormatDesc | None = quant_format_desc(store.shape.quant_layout) if fmt.quantized else None
+        self._act: ExpertActDesc | None = expert_act_desc(store.shape)     # None: silu without biases
         if kernel != "torch":
             self._native, why = try_load_native()
             if self._native is None:
                 if kernel != "auto":
                     raise RuntimeError(f"kernel {kernel!r} unavailable: {why}")
                 log.warning("compiled CPU expert kernel unavailable, using torch: %s", why)
-        if self._native is not None and store.shape.expert_act.bias:
-            if kernel != "auto":
-                raise ValueError(f"kernel {kernel!r}: the compiled kernels compute silu experts without biases; this "
-                                 f"store holds {store.shape.act} experts: use --kernel torch (or auto)")
-            log.info("%s experts: the torch kernel (the compiled ones have no biases)", store.shape.act)
-            self._native = None
         if self._native is not None:
             top = min(self._native.best_isa, QUANT_TOP_ISA) if fmt.quantized else self._native.best_isa
             if not fmt.quantized and store.dtype != torch.bfloat16:
@@ -179,7 +176,7 @@ class ExpertKernel:
             return None
         from cpu_expert_pool.native_loop import NativeServeLoop
         return NativeServeLoop(self._native, channel, self.store, isa=self._isa, num_threads=self.num_threads,
-                               split=split, worker_index=worker_index, quant_format=self._quant)
+                               split=split, worker_index=worker_index, quant_format=self._quant, act=self._act)
 
     def pin_threads(self, cpus: list[int]) -> bool:
         """Pin compute thread i to cpus[i] (needs the compiled library; best effort)."""
@@ -216,5 +213,5 @@ class ExpertKernel:
             self._isa, self.num_threads, self.store.data_ptr + self.store.expert_offset(layer, 0),
             self.store.expert_stride, shape.num_experts, shape.hidden, shape.intermediate, hidden.data_ptr(),
             hidden.dtype == torch.bfloat16, num_tokens, token_idx.data_ptr(), expert_id.data_ptr(),
-            weight.data_ptr(), n, out.data_ptr(), split_expert, split_limit)
+            weight.data_ptr(), n, out.data_ptr(), split_expert, split_limit, act=self._act)
         return LayerStats(groups, num_bytes)

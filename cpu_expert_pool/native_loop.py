@@ -7,7 +7,8 @@ the Python path's ``next_request()`` finds it next). A request's split expert (s
 of the request line) is passed to the kernel as it is. The Python loop cost ~5-6 us a request before any compute,
 which on the GPU -> CPU -> GPU hand-off decides whether the GPU's first poll (a ~4 us PCIe round trip)
 already finds the answer (docs/HYBRID.md). A quantized store's requests go to ft_moe_layer_q (quant_ffn.c) with
-the store's format descriptor.
+the store's format descriptor; both kernels get the store's activation descriptor (act_desc.py: gpt-oss's clamped
+SwiGLU and biases; none for silu).
 
 Used when the worker's kernel is the compiled one (the torch kernel keeps the Python path), unless
 FT_WORKER_LOOP=python says otherwise (for comparisons).
@@ -20,6 +21,7 @@ import os
 import numpy as np
 
 from cpu_expert_pool.channel import WorkerChannel
+from cpu_expert_pool.native.act_desc import ExpertActDesc, act_address
 from cpu_expert_pool.native.build import NativeLib
 from cpu_expert_pool.native.quant_desc import QuantFormatDesc
 from proto.expert_owners import ExpertSplit
@@ -46,7 +48,7 @@ class ChannelDesc(ctypes.Structure):
         ("intermediate", ctypes.c_int64),
         ("owner", ctypes.c_void_p), ("worker_index", ctypes.c_int64),
         ("isa", ctypes.c_int64), ("num_threads", ctypes.c_int64),
-        ("quant_format", ctypes.c_void_p),
+        ("quant_format", ctypes.c_void_p), ("act", ctypes.c_void_p),
     ]
 
 
@@ -65,7 +67,8 @@ class NativeServeLoop:
     """One channel's C loop; rebuild it when the kernel (ISA, threads) or the expert split changes."""
 
     def __init__(self, lib: NativeLib, channel: WorkerChannel, store: ExpertStore, *, isa: int, num_threads: int,
-                 split: ExpertSplit | None, worker_index: int, quant_format: QuantFormatDesc | None = None):
+                 split: ExpertSplit | None, worker_index: int, quant_format: QuantFormatDesc | None = None,
+                 act: ExpertActDesc | None = None):
         size, offsets = lib.channel_desc_size(), lib.channel_desc_offsets()
         mirror = [getattr(ChannelDesc, name).offset for name, _ in ChannelDesc._fields_]
         if size != ctypes.sizeof(ChannelDesc) or offsets != mirror:
@@ -100,6 +103,11 @@ class NativeServeLoop:
                              "(cpu_expert_pool.native.quant_desc.quant_format_desc)")
         self._quant = quant_format                                               # kept alive with the desc
         d.quant_format = ctypes.addressof(quant_format) if quant_format is not None else None
+        if store.shape.expert_act.bias and act is None:
+            raise ValueError(f"the store holds {store.shape.act} experts: pass their act "
+                             "(cpu_expert_pool.native.act_desc.expert_act_desc)")
+        self._act = act                                                          # kept alive with the desc
+        d.act = act_address(act)
         self._desc = d
         self._done = ctypes.c_int64(0)
         self._last_work = ctypes.c_int64(0)

@@ -120,6 +120,13 @@ class StoreShape:
         return self.expert_numel * self.item_bytes
 
     @property
+    def bias_byte_offset(self) -> int:
+        """Byte offset of a biased expert's biases in its row: after the weights (quantized: aligned, bias_offset)."""
+        if self.expert_format.quantized:
+            return bias_offset(self.quant_layout.expert_nbytes)
+        return (self.w13_numel + self.hidden * self.intermediate) * self.torch_dtype.itemsize
+
+    @property
     def expert_stride(self) -> int:
         return round_up(self.expert_bytes, EXPERT_ALIGN_BYTES)
 
@@ -278,11 +285,9 @@ class ExpertStore:
         n = shape.expert_act.bias_numel(shape.hidden, shape.intermediate)
         if not n:
             raise FormatError(f"expert store {self.name!r} holds {shape.act} experts, which have no biases")
-        off = self.expert_offset(layer, expert)
-        size = torch.empty((), dtype=shape.torch_dtype).element_size()
-        start = (bias_offset(shape.quant_layout.expert_nbytes) if shape.expert_format.quantized
-                 else (shape.w13_numel + shape.hidden * shape.intermediate) * size)
-        vals = self._data_u8[off + start: off + start + n * size].view(shape.torch_dtype)
+        off = self.expert_offset(layer, expert) + shape.bias_byte_offset
+        size = shape.torch_dtype.itemsize
+        vals = self._data_u8[off: off + n * size].view(shape.torch_dtype)
         return vals[: 2 * shape.intermediate], vals[2 * shape.intermediate:]
 
     def expert_bytes_view(self, layer: int, expert: int) -> torch.Tensor:

@@ -23,6 +23,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+from cpu_expert_pool.native.act_desc import ExpertActDesc, act_address
 from cpu_expert_pool.native.quant_desc import QuantBindings
 from proto.private_paths import UnsafePath, check_loadable, private_dir
 
@@ -32,8 +33,8 @@ SOURCES = (Path(__file__).with_name("expert_ffn.c"),     # the expert kernel (it
            Path(__file__).with_name("serve_loop.c"),     # the worker's hot loop around it (ft_serve)
            Path(__file__).with_name("threads.c"),        # thread pinning and the bandwidth probe's reads
            Path(__file__).with_name("quant_ffn.c"))      # the quantized experts' kernel (fp8, int4, mxfp4, nvfp4)
-HEADERS = tuple(Path(__file__).with_name(name) for name in ("expert_dots.h", "quant_dots.h", "quant_avx512.h",
-                                                             "quant_avx2.h"))
+HEADERS = tuple(Path(__file__).with_name(name) for name in ("expert_act.h", "expert_dots.h", "quant_dots.h",
+                                                             "quant_avx512.h", "quant_avx2.h"))
 CFLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-fno-strict-aliasing", "-Wall")
 LIBS = ("-lm",)
 BUILD_TIMEOUT_S = 120
@@ -44,7 +45,9 @@ ERRORS = {-1: "a token index is outside [0, T)", -2: "an expert id is outside [0
           -5: "bad sizes (H, I, T, n, E and num_threads must be positive) or an invalid split (split_limit "
               "must be 0, or in (0, I) and a multiple of 32 with split_expert in [0, E))",
           -6: "the quantized format descriptor does not match the kernel's formats (fp8, int4 g32/64/128, mxfp4, "
-              "nvfp4) or its regions do not fit one expert's bytes; rebuild it with quant_format_desc"}
+              "nvfp4) or its regions do not fit one expert's bytes; rebuild it with quant_format_desc",
+          -7: "the activation descriptor is not one the kernel knows (silu, swiglu-clamp with alpha, limit > 0) or "
+              "its biases do not fit one expert's row; rebuild it with act_desc.expert_act_desc"}
 
 
 class NativeUnavailable(RuntimeError):
@@ -116,7 +119,7 @@ class NativeLib:
         lib.ft_best_isa.argtypes = []
         lib.ft_moe_layer.restype = c_int
         lib.ft_moe_layer.argtypes = [c_int, c_int, c_p, c_i64, c_int, c_int, c_int, c_p, c_int, c_int,
-                                     c_p, c_p, c_p, c_int, c_p, c_p, c_int, c_int]
+                                     c_p, c_p, c_p, c_int, c_p, c_p, c_int, c_int, c_p]
         lib.ft_pin_threads.restype = c_int
         lib.ft_pin_threads.argtypes = [c_p, c_int]
         lib.ft_read_bytes.restype = ctypes.c_uint64
@@ -140,13 +143,15 @@ class NativeLib:
     def moe_layer(self, isa: int, num_threads: int, layer_base: int, expert_stride_bytes: int, num_experts: int,
                   hidden_size: int, intermediate: int, hidden_ptr: int, hidden_is_bf16: bool, num_tokens: int,
                   tok_ptr: int, expert_ptr: int, weight_ptr: int, num_triples: int, out_ptr: int,
-                  split_expert: int = -1, split_limit: int = 0) -> tuple[int, int]:
+                  split_expert: int = -1, split_limit: int = 0,
+                  act: ExpertActDesc | None = None) -> tuple[int, int]:
         """Raw call; returns (experts used, weight bytes read). Raises ValueError on a bad request.
-        split_limit > 0: expert split_expert's channels [0, split_limit) only; 0: no split."""
+        split_limit > 0: expert split_expert's channels [0, split_limit) only; 0: no split. act: the experts'
+        activation and biases (act_desc.expert_act_desc; None: silu without biases)."""
         rc = self._lib.ft_moe_layer(isa, num_threads, layer_base, expert_stride_bytes, num_experts, hidden_size,
                                     intermediate, hidden_ptr, int(hidden_is_bf16), num_tokens, tok_ptr,
                                     expert_ptr, weight_ptr, num_triples, out_ptr, ctypes.addressof(self._stats),
-                                    split_expert, split_limit)
+                                    split_expert, split_limit, act_address(act))
         if rc != 0:
             raise ValueError(f"CPU expert kernel: {ERRORS.get(rc, f'error {rc}')}")
         return int(self._stats[0]), int(self._stats[1])

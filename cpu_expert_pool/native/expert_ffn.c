@@ -1,15 +1,19 @@
-/* CPU expert FFN for one MoE layer: out[t] = sum_k w_k * down(silu(gate(x_t)) * up(x_t)).
+/* CPU expert FFN for one MoE layer: out[t] = sum_k w_k * down(silu(gate(x_t)) * up(x_t)), or with an activation
+ * descriptor (expert_act.h) gpt-oss's experts: the clamped SwiGLU over the biased gate / up, plus the down bias.
  *
  * Weights are read in place from the expert store: per expert, w13 [2I, H] (gate rows, then up
  * rows) followed by w2 [H, I], bf16, HF [out, in] layout. Triples (token, expert, weight) are grouped
  * by expert (counting sort), so each expert's bytes are read once per call however many tokens use it.
+ *
+ * Biases (act->bias_offset >= 0) sit after w2 in the row, bf16 (the store's compute dtype). The activation and the
+ * biases are applied per row of tokens (ft_gate_rows); a NULL descriptor runs the silu loops of old.
  *
  * Split expert: at most one expert per call (split_expert) may be computed over a prefix of its
  * intermediate channels only, [0, split_limit) (the GPU computes the rest and adds the partial sums):
  * its gate/up rows [0, c) and down columns [0, c). split_limit 0: no split. Per group g, lim_g = c or I.
  *
  * Threads (OpenMP, one team): phase 0 zeroes out[T, H] and converts x; phase 1 splits the
- * gate/up rows [0, lim_g) of all groups into contiguous ranges (h = silu(g) * u); phase 2 splits the H
+ * gate/up rows [0, lim_g) of all groups into contiguous ranges (h = act(g, u)); phase 2 splits the H
  * output rows, each thread adding every group's contribution to its own rows (no atomics, no races).
  *
  * ISAs, chosen at run time (ft_best_isa): 4 AMX-BF16 tiles for experts with >= AMX_MIN_TOKENS
@@ -36,7 +40,8 @@
 #endif
 
 enum { ISA_SCALAR = 0, ISA_AVX2 = 1, ISA_AVX512 = 2, ISA_AVX512_BF16 = 3, ISA_AMX_BF16 = 4 };
-enum { ERR_BAD_TOKEN = -1, ERR_BAD_EXPERT = -2, ERR_NO_MEMORY = -3, ERR_BAD_ISA = -4, ERR_BAD_ARGS = -5 };
+enum { ERR_BAD_TOKEN = -1, ERR_BAD_EXPERT = -2, ERR_NO_MEMORY = -3, ERR_BAD_ISA = -4, ERR_BAD_ARGS = -5,
+       ERR_BAD_ACT = -7 };
 #define TOKEN_CHUNK 256   /* tokens of one expert handled per pass over a weight row pair */
 #define TILE 16           /* AMX: rows of a tile, tokens of a tile, K pairs of a tile */
 #define TILE_K 32         /* AMX: bf16 elements of K per tile multiply */
@@ -54,7 +59,6 @@ static inline uint16_t f32_to_bf16(float f) {            /* round to nearest eve
     u += 0x7fffu + ((u >> 16) & 1u);
     return (uint16_t)(u >> 16);
 }
-static inline float silu(float g) { return g / (1.0f + expf(-g)); }
 
 /* ---------------------------------------------------------------- CPU features */
 static int amx_permitted(void) {                 /* Linux: a process must ask before using AMX tiles */
@@ -83,6 +87,7 @@ int ft_best_isa(void) {
     return best;
 }
 
+#include "expert_act.h"
 #include "expert_dots.h"
 
 /* ---------------------------------------------------------------- scratch (grow-only, per process) */
@@ -104,33 +109,35 @@ static void *reserve(buffer *b, size_t nbytes) {    /* contents are not kept whe
 
 /* ---------------------------------------------------------------- the layer call */
 /* Phase-1 rows i0 .. i0+nrows of group g, dot-product path: h[b][i] row-major (row stride I) for the
-   group's tokens. */
-static void phase1_rows_dot(int isa, int use_bf16, const uint16_t *w13, int H, int I, int i0, int nrows,
-                            const void *x, const int32_t *toks, int B, void *h, float *ra, float *rb) {
+   group's tokens; w13 is the expert's first byte (its biases: act). */
+static void phase1_rows_dot(int isa, int use_bf16, const ft_expert_act *act, const uint16_t *w13, int H, int I,
+                            int i0, int nrows, const void *x, const int32_t *toks, int B, void *h, float *ra,
+                            float *rb) {
     for (int i = i0; i < i0 + nrows; ++i) {
         const uint16_t *gate = w13 + (int64_t)i * H, *up = w13 + (int64_t)(I + i) * H;
+        const float bg = ft_bias(act, w13, i), bu = ft_bias(act, w13, (int64_t)I + i);
         for (int b0 = 0; b0 < B; b0 += TOKEN_CHUNK) {
             const int nb = B - b0 < TOKEN_CHUNK ? B - b0 : TOKEN_CHUNK;
-            if (use_bf16) {
-                dot2_rows_bf16(gate, up, H, (const uint16_t *)x, H, toks + b0, nb, ra, rb);
-                for (int b = 0; b < nb; ++b)
-                    ((uint16_t *)h)[(int64_t)(b0 + b) * I + i] = f32_to_bf16(silu(ra[b]) * rb[b]);
-            } else {
-                dot2_rows_f32(isa, gate, up, H, (const float *)x, H, toks + b0, nb, ra, rb);
-                for (int b = 0; b < nb; ++b) ((float *)h)[(int64_t)(b0 + b) * I + i] = silu(ra[b]) * rb[b];
-            }
+            if (use_bf16) dot2_rows_bf16(gate, up, H, (const uint16_t *)x, H, toks + b0, nb, ra, rb);
+            else dot2_rows_f32(isa, gate, up, H, (const float *)x, H, toks + b0, nb, ra, rb);
+            ft_gate_rows(act, ra, rb, nb, bg, bu);                      /* ra = h */
+            if (use_bf16)
+                for (int b = 0; b < nb; ++b) ((uint16_t *)h)[(int64_t)(b0 + b) * I + i] = f32_to_bf16(ra[b]);
+            else
+                for (int b = 0; b < nb; ++b) ((float *)h)[(int64_t)(b0 + b) * I + i] = ra[b];
         }
     }
 }
 
-/* Phase-2 rows j0 .. j1 of one group, dot-product path: out[tok][j] += w * (down_j[:K] . h[:K]); I is the
-   row stride of down and of h, K <= I the channels used (lim_g). */
-static void phase2_rows_dot(int isa, int use_bf16, const uint16_t *w2, int H, int I, int K, int j0, int j1,
-                            const void *h, const int32_t *toks, const float *wts, int B, const int32_t *iota,
-                            float *out, float *ra, float *rb) {
+/* Phase-2 rows j0 .. j1 of one group, dot-product path: out[tok][j] += w * (down_j[:K] . h[:K] + b_down[j]); I is
+   the row stride of down and of h, K <= I the channels used (lim_g); expert: its first byte (the biases). */
+static void phase2_rows_dot(int isa, int use_bf16, const ft_expert_act *act, const void *expert, const uint16_t *w2,
+                            int H, int I, int K, int j0, int j1, const void *h, const int32_t *toks, const float *wts,
+                            int B, const int32_t *iota, float *out, float *ra, float *rb) {
     for (int j = j0; j < j1; j += 2) {
         const int pair = j + 1 < j1;                    /* odd tail: the second row repeats the first */
         const uint16_t *wa = w2 + (int64_t)j * I, *wb = w2 + (int64_t)(j + pair) * I;
+        const float ba = ft_bias(act, expert, 2 * (int64_t)I + j), bb = ft_bias(act, expert, 2 * (int64_t)I + j + pair);
         for (int b0 = 0; b0 < B; b0 += TOKEN_CHUNK) {
             const int nb = B - b0 < TOKEN_CHUNK ? B - b0 : TOKEN_CHUNK;
             if (use_bf16)
@@ -139,8 +146,8 @@ static void phase2_rows_dot(int isa, int use_bf16, const uint16_t *w2, int H, in
                 dot2_rows_f32(isa, wa, wb, K, (const float *)h + (int64_t)b0 * I, I, iota, nb, ra, rb);
             for (int b = 0; b < nb; ++b) {
                 float *o = out + (int64_t)toks[b0 + b] * H + j;
-                o[0] += wts[b0 + b] * ra[b];
-                if (pair) o[1] += wts[b0 + b] * rb[b];
+                o[0] += wts[b0 + b] * (ra[b] + ba);
+                if (pair) o[1] += wts[b0 + b] * (rb[b] + bb);
             }
         }
     }
@@ -148,14 +155,17 @@ static void phase2_rows_dot(int isa, int use_bf16, const uint16_t *w2, int H, in
 
 /* Returns 0, or a negative ERR_*. stats_out[0] = experts used (G), stats_out[1] = weight bytes read.
    split_limit 0: no split (split_expert ignored); else 0 < split_limit < I, a multiple of
-   SPLIT_CHANNEL_UNIT, and 0 <= split_expert < E (ERR_BAD_ARGS otherwise). */
+   SPLIT_CHANNEL_UNIT, and 0 <= split_expert < E (ERR_BAD_ARGS otherwise; a biased expert is never split).
+   act: the activation and biases (expert_act.h; NULL: silu without biases), ERR_BAD_ACT if it does not fit. */
 int ft_moe_layer(int isa, int num_threads,
                  const void *layer_base, int64_t expert_stride_bytes, int num_experts, int H, int I,
                  const void *hidden, int hidden_is_bf16, int T,
                  const int32_t *tok, const int32_t *expert, const float *weight, int n,
-                 float *out, int64_t *stats_out, int split_expert, int split_limit) {
+                 float *out, int64_t *stats_out, int split_expert, int split_limit, const ft_expert_act *act) {
     if (isa < ISA_SCALAR || isa > ft_best_isa()) return ERR_BAD_ISA;
     if (H <= 0 || I <= 0 || T < 0 || n < 0 || num_experts <= 0 || num_threads <= 0) return ERR_BAD_ARGS;
+    if (ft_act_check(act, H, I, expert_stride_bytes)) return ERR_BAD_ACT;
+    if (split_limit != 0 && ft_act_biased(act)) return ERR_BAD_ARGS;
     if (split_limit != 0 && (split_limit < 0 || split_limit >= I || split_limit % SPLIT_CHANNEL_UNIT != 0
                              || split_expert < 0 || split_expert >= num_experts)) return ERR_BAD_ARGS;
     for (int k = 0; k < n; ++k) {
@@ -260,7 +270,7 @@ int ft_moe_layer(int isa, int num_threads,
             }   /* implicit barrier */
         }
 
-        /* phase 1: h = silu(gate . x) * (up . x) for this thread's work items */
+        /* phase 1: h = act(gate . x, up . x) (silu: silu(g) * u) for this thread's work items */
         float ra[TOKEN_CHUNK], rb[TOKEN_CHUNK];
         int g1 = 0;                                             /* group of the current item */
         for (int64_t item = items1 * tid / nth, end1 = items1 * (tid + 1) / nth; item < end1; ++item) {
@@ -277,16 +287,19 @@ int ft_moe_layer(int isa, int num_threads,
                     amx_two_blocks(w13 + (int64_t)i0 * H, w13 + (int64_t)(I + i0) * H, H, H,
                                    xv + g_xoff[g] + (int64_t)tb * H, cg, cu);
                     uint16_t *hv = (uint16_t *)h + (int64_t)tb * I;          /* hv[i/2][n][i%2] */
+                    for (int r = 0; r < TILE; ++r)                           /* cg = h, row by row */
+                        ft_gate_rows(act, cg + r * TILE, cu + r * TILE, TILE, ft_bias(act, w13, i0 + r),
+                                     ft_bias(act, w13, (int64_t)I + i0 + r));
                     for (int r = 0; r < TILE; ++r)
                         for (int nn = 0; nn < TILE; ++nn) {
-                            const float v = tb + nn < B ? silu(cg[r * TILE + nn]) * cu[r * TILE + nn] : 0.0f;
+                            const float v = tb + nn < B ? cg[r * TILE + nn] : 0.0f;
                             hv[((int64_t)((i0 + r) / 2) * TILE + nn) * 2 + ((i0 + r) & 1)] = f32_to_bf16(v);
                         }
                 }
                 continue;
             }
 #endif
-            phase1_rows_dot(isa, use_bf16, w13, H, I, i0, rows_per_item, x, stok + g_start[g], B, h, ra, rb);
+            phase1_rows_dot(isa, use_bf16, act, w13, H, I, i0, rows_per_item, x, stok + g_start[g], B, h, ra, rb);
         }
         #pragma omp barrier
 
@@ -295,28 +308,33 @@ int ft_moe_layer(int isa, int num_threads,
         const int j1 = (int)((int64_t)row_blocks2 * (tid + 1) / nth) * (amx ? TILE : 1);
         for (int g = 0; g < G; ++g) {
             const int start = g_start[g], B = g_start[g + 1] - start, K = g_lim[g];
-            const uint16_t *w2 = (const uint16_t *)(base + (int64_t)g_expert[g] * expert_stride_bytes) + w2_off_elems;
+            const uint8_t *expert_g = base + (int64_t)g_expert[g] * expert_stride_bytes;
+            const uint16_t *w2 = (const uint16_t *)expert_g + w2_off_elems;
             const void *h = (const uint8_t *)hbuf + g_hoff[g] * xitem;
 #if defined(__x86_64__)
             if (g_xoff[g] >= 0) {
-                float c0[TILE * TILE], c1[TILE * TILE];
+                float c0[TILE * TILE], c1[TILE * TILE], bd[2 * TILE];
                 for (int j = j0; j < j1; j += 2 * TILE) {
                     const int two = j + TILE < j1;               /* a lone last block computes itself twice */
+                    for (int r = 0; r < 2 * TILE; ++r)           /* the blocks' down biases (0 without) */
+                        bd[r] = ft_bias(act, expert_g, 2 * (int64_t)I + j + (r < TILE || two ? r : r - TILE));
                     for (int tb = 0; tb < B; tb += TILE) {
                         amx_two_blocks(w2 + (int64_t)j * I, w2 + (int64_t)(j + (two ? TILE : 0)) * I, I, K,
                                        (const uint16_t *)h + (int64_t)tb * I, c0, c1);
                         for (int nn = 0; nn < TILE && tb + nn < B; ++nn) {
                             float *o = out + (int64_t)stok[start + tb + nn] * H + j;
                             const float wt = swt[start + tb + nn];
-                            for (int r = 0; r < TILE; ++r) o[r] += wt * c0[r * TILE + nn];
-                            if (two) for (int r = 0; r < TILE; ++r) o[TILE + r] += wt * c1[r * TILE + nn];
+                            for (int r = 0; r < TILE; ++r) o[r] += wt * (c0[r * TILE + nn] + bd[r]);
+                            if (two)
+                                for (int r = 0; r < TILE; ++r) o[TILE + r] += wt * (c1[r * TILE + nn] + bd[TILE + r]);
                         }
                     }
                 }
                 continue;
             }
 #endif
-            phase2_rows_dot(isa, use_bf16, w2, H, I, K, j0, j1, h, stok + start, swt + start, B, iota, out, ra, rb);
+            phase2_rows_dot(isa, use_bf16, act, expert_g, w2, H, I, K, j0, j1, h, stok + start, swt + start, B, iota,
+                            out, ra, rb);
         }
 #if defined(__x86_64__)
         if (amx) amx_release();
@@ -328,6 +346,8 @@ int ft_moe_layer(int isa, int num_threads,
         int64_t channels = 0;                                   /* sum of lim_g: only those rows are read */
         for (int g = 0; g < G; ++g) channels += g_lim[g];
         stats_out[1] = 3 * channels * H * 2;
+        if (ft_act_biased(act))                                 /* never split: every group reads its biases */
+            stats_out[1] += G * (2 * (int64_t)I + H) * ft_bias_item(act->bias_dtype);
     }
     return 0;
 }

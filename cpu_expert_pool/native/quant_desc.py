@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ctypes
 
+from cpu_expert_pool.native.act_desc import ExpertActDesc, act_address
 from proto.expert_format import FP8_BLOCK, FormatError, QuantLayout
 
 FORMAT_IDS = {"fp8": 1, "int4": 2, "mxfp4": 3, "nvfp4": 4}     # quant_dots.h FMT_*
@@ -40,7 +41,7 @@ class QuantBindings:
         c_int, c_i64, c_p = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p
         lib.ft_moe_layer_q.restype = c_int
         lib.ft_moe_layer_q.argtypes = [c_p, c_int, c_int, c_p, c_i64, c_int, c_int, c_int, c_p, c_int, c_int,
-                                       c_p, c_p, c_p, c_int, c_p, c_p, c_int, c_int]
+                                       c_p, c_p, c_p, c_int, c_p, c_p, c_int, c_int, c_p]
         lib.ft_dequantize_rows.restype = c_int
         lib.ft_dequantize_rows.argtypes = [c_p, c_int, c_p, c_int, c_int, c_int, c_int, c_int, c_p]
         self._lib = lib
@@ -49,14 +50,15 @@ class QuantBindings:
     def moe_layer(self, desc: QuantFormatDesc, isa: int, num_threads: int, layer_base: int, expert_stride_bytes: int,
                   num_experts: int, hidden_size: int, intermediate: int, hidden_ptr: int, hidden_is_bf16: bool,
                   num_tokens: int, tok_ptr: int, expert_ptr: int, weight_ptr: int, num_triples: int, out_ptr: int,
-                  split_expert: int = -1, split_limit: int = 0) -> tuple[int, int]:
+                  split_expert: int = -1, split_limit: int = 0,
+                  act: ExpertActDesc | None = None) -> tuple[int, int]:
         """NativeLib.moe_layer for a quantized store; returns (experts used, bytes read)."""
         from cpu_expert_pool.native.build import ERRORS
 
         rc = self._lib.ft_moe_layer_q(ctypes.addressof(desc), isa, num_threads, layer_base, expert_stride_bytes,
                                       num_experts, hidden_size, intermediate, hidden_ptr, int(hidden_is_bf16),
                                       num_tokens, tok_ptr, expert_ptr, weight_ptr, num_triples, out_ptr,
-                                      ctypes.addressof(self._stats), split_expert, split_limit)
+                                      ctypes.addressof(self._stats), split_expert, split_limit, act_address(act))
         if rc != 0:
             raise ValueError(f"CPU expert kernel: {ERRORS.get(rc, f'error {rc}')}")
         return int(self._stats[0]), int(self._stats[1])

@@ -2,11 +2,13 @@
  * out[t] = sum_k w_k * down(silu(gate(x_t)) * up(x_t)), the bf16 kernel's contract (expert_ffn.c) for experts
  * stored as proto/expert_format.py lays them out. The Python side passes the expert's region offsets and the
  * format (ft_quant_format, mirrored in cpu_expert_pool/native/quant_desc.py); the shapes of the regions follow
- * from H, I and the format by that file's formulas. Decoders and dot products: quant_dots.h.
+ * from H, I and the format by that file's formulas. Decoders and dot products: quant_dots.h. An activation
+ * descriptor (expert_act.h) selects gpt-oss's clamped SwiGLU and the biases after the quantized weights (at
+ * act->bias_offset, in the model's compute dtype: bf16, fp16 or fp32); NULL is silu without biases.
  *
  * Same structure as ft_moe_layer: triples grouped by expert (counting sort), one OpenMP team; phase 0 zeroes
  * out and converts x to fp32 (4-bit formats: permuted per block of 32, perm4_pos); phase 1 splits the gate/up
- * row pairs [0, lim_g) of all groups (h = silu(g) * u, fp32, stored permuted for 4-bit formats); phase 2 splits
+ * row pairs [0, lim_g) of all groups (h = act(g, u), fp32, stored permuted for 4-bit formats); phase 2 splits
  * the H output rows. A split expert (split_limit c > 0) reads gate/up rows [0, c) and down columns [0, c).
  * Each output element is computed by one thread in a fixed order: results do not depend on the thread count.
  *
@@ -23,7 +25,7 @@
 
 enum { ISA_SCALAR = 0, ISA_AVX2 = 1, ISA_AVX512 = 2 };   /* expert_ffn.c's numbering */
 enum { ERR_BAD_TOKEN = -1, ERR_BAD_EXPERT = -2, ERR_NO_MEMORY = -3, ERR_BAD_ISA = -4, ERR_BAD_ARGS = -5,
-       ERR_BAD_FORMAT = -6 };
+       ERR_BAD_FORMAT = -6, ERR_BAD_ACT = -7 };
 #define TOKEN_CHUNK 256
 #define ALIGN_BYTES 64
 #define SPLIT_CHANNEL_UNIT 32
@@ -40,6 +42,7 @@ static int ft_best_isa(void) { return ISA_AVX512; }
 int ft_best_isa(void);               /* expert_ffn.c */
 #endif
 
+#include "expert_act.h"
 #include "quant_dots.h"
 
 /* One quantized expert's layout: ft_quant_format (cpu_expert_pool/native/quant_desc.py builds it from a
@@ -117,19 +120,22 @@ static void *reserve(qbuffer *b, size_t nbytes) {
     return b->ptr;
 }
 
-static inline float silu(float g) { return g / (1.0f + expf(-g)); }
 static inline float bf16_to_f32(uint16_t v) { uint32_t u = (uint32_t)v << 16; float f; memcpy(&f, &u, 4); return f; }
 
-/* Returns 0 or a negative ERR_*; the arguments after qf are ft_moe_layer's (expert_ffn.c). stats_out[0] =
-   experts used, stats_out[1] = bytes read: expert_bytes an expert, a split expert its c / I share. */
+/* Returns 0 or a negative ERR_*; the arguments after qf are ft_moe_layer's (expert_ffn.c), act included. stats_out[0]
+   = experts used, stats_out[1] = bytes read: expert_bytes an expert (plus its biases), a split expert its c / I
+   share. */
 int ft_moe_layer_q(const ft_quant_format *qf, int isa, int num_threads,
                    const void *layer_base, int64_t expert_stride_bytes, int num_experts, int H, int I,
                    const void *hidden, int hidden_is_bf16, int T,
                    const int32_t *tok, const int32_t *expert, const float *weight, int n,
-                   float *out, int64_t *stats_out, int split_expert, int split_limit) {
+                   float *out, int64_t *stats_out, int split_expert, int split_limit, const ft_expert_act *act) {
     if (isa < ISA_SCALAR || isa > ft_best_isa()) return ERR_BAD_ISA;
     if (H <= 0 || I <= 0 || T < 0 || n < 0 || num_experts <= 0 || num_threads <= 0) return ERR_BAD_ARGS;
     if (ft_quant_format_check(qf, H, I, expert_stride_bytes)) return ERR_BAD_FORMAT;
+    if (ft_act_check(act, H, I, expert_stride_bytes)
+        || (ft_act_biased(act) && act->bias_offset < qf->expert_bytes)) return ERR_BAD_ACT;
+    if (split_limit != 0 && ft_act_biased(act)) return ERR_BAD_ARGS;
     if (split_limit != 0 && (split_limit < 0 || split_limit >= I || split_limit % SPLIT_CHANNEL_UNIT != 0
                              || split_expert < 0 || split_expert >= num_experts)) return ERR_BAD_ARGS;
     for (int k = 0; k < n; ++k) {
@@ -190,7 +196,7 @@ int ft_moe_layer_q(const ft_quant_format *qf, int isa, int num_threads,
             }
         #pragma omp barrier
 
-        /* phase 1: h = silu(gate . x) * (up . x), this thread's row pairs */
+        /* phase 1: h = act(gate . x, up . x) (silu: silu(g) * u), this thread's row pairs */
         float ra[TOKEN_CHUNK], rb[TOKEN_CHUNK];
         int g1 = 0;
         for (int64_t item = items1 * tid / nth, end1 = items1 * (tid + 1) / nth; item < end1; ++item) {
@@ -200,15 +206,17 @@ int ft_moe_layer_q(const ft_quant_format *qf, int isa, int num_threads,
             const qrow gate = quant_row(qf, e, H, I, 0, i), up = quant_row(qf, e, H, I, 1, i);
             float *h = hbuf + (int64_t)g_start[g] * I;
             const int pos = four ? perm4_pos(i, I) : i;
+            const float bg = ft_bias(act, e, i), bu = ft_bias(act, e, (int64_t)I + i);
             for (int b0 = 0; b0 < B; b0 += TOKEN_CHUNK) {
                 const int nb = B - b0 < TOKEN_CHUNK ? B - b0 : TOKEN_CHUNK;
                 dotq_rows(isa, fmt, G, &gate, &up, H, xq, H, stok + g_start[g] + b0, nb, ra, rb);
-                for (int b = 0; b < nb; ++b) h[(int64_t)(b0 + b) * I + pos] = silu(ra[b]) * rb[b];
+                ft_gate_rows(act, ra, rb, nb, bg, bu);                    /* ra = h */
+                for (int b = 0; b < nb; ++b) h[(int64_t)(b0 + b) * I + pos] = ra[b];
             }
         }
         #pragma omp barrier
 
-        /* phase 2: out[tok, j] += w * (down_j[:lim] . h), this thread's rows j, every group */
+        /* phase 2: out[tok, j] += w * (down_j[:lim] . h + b_down[j]), this thread's rows j, every group */
         const int j0 = (int)((int64_t)H * tid / nth), j1 = (int)((int64_t)H * (tid + 1) / nth);
         for (int g = 0; g < ng; ++g) {
             const int start = g_start[g], B = g_start[g + 1] - start, K = g_lim[g];
@@ -217,13 +225,14 @@ int ft_moe_layer_q(const ft_quant_format *qf, int isa, int num_threads,
             for (int j = j0; j < j1; j += 2) {
                 const int pair = j + 1 < j1;                 /* odd tail: the second row repeats the first */
                 const qrow da = quant_row(qf, e, H, I, 2, j), db = quant_row(qf, e, H, I, 2, j + pair);
+                const float ba = ft_bias(act, e, 2 * (int64_t)I + j), bb = ft_bias(act, e, 2 * (int64_t)I + j + pair);
                 for (int b0 = 0; b0 < B; b0 += TOKEN_CHUNK) {
                     const int nb = B - b0 < TOKEN_CHUNK ? B - b0 : TOKEN_CHUNK;
                     dotq_rows(isa, fmt, G, &da, &db, K, h + (int64_t)b0 * I, I, iota, nb, ra, rb);
                     for (int b = 0; b < nb; ++b) {
                         float *o = out + (int64_t)stok[start + b0 + b] * H + j;
-                        o[0] += swt[start + b0 + b] * ra[b];
-                        if (pair) o[1] += swt[start + b0 + b] * rb[b];
+                        o[0] += swt[start + b0 + b] * (ra[b] + ba);
+                        if (pair) o[1] += swt[start + b0 + b] * (rb[b] + bb);
                     }
                 }
             }
@@ -233,7 +242,9 @@ int ft_moe_layer_q(const ft_quant_format *qf, int isa, int num_threads,
     if (stats_out) {
         stats_out[0] = ng;
         int64_t bytes = 0;
-        for (int g = 0; g < ng; ++g) bytes += g_lim[g] == I ? qf->expert_bytes : qf->expert_bytes * g_lim[g] / I;
+        const int64_t whole = ft_act_biased(act)   /* weights, padding and biases: never split */
+            ? act->bias_offset + (2 * (int64_t)I + H) * ft_bias_item(act->bias_dtype) : qf->expert_bytes;
+        for (int g = 0; g < ng; ++g) bytes += g_lim[g] == I ? whole : qf->expert_bytes * g_lim[g] / I;
         stats_out[1] = bytes;
     }
     return 0;

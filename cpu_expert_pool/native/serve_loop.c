@@ -1,6 +1,6 @@
 /* The CPU worker's hot path in C: wait for the channel's doorbell, compute each request with
-   ft_moe_layer (ft_moe_layer_q for a quantized store), publish the response line and done_seq (protocol:
-   proto/shm_layout.py).
+   ft_moe_layer (ft_moe_layer_q for a quantized store; both with the store's activation descriptor), publish
+   the response line and done_seq (protocol: proto/shm_layout.py).
 
    Why C: the Python loop (cpu_expert_pool/worker.py cpu_busy_loop) costs ~5-6 us a request in Python
    alone (look up the slot, views, the kernel call through ctypes, the response fields), and on the
@@ -25,11 +25,11 @@
 int ft_moe_layer(int isa, int num_threads, const void *layer_base, int64_t expert_stride_bytes, int num_experts,
                  int H, int I, const void *hidden, int hidden_is_bf16, int T, const int32_t *tok,
                  const int32_t *expert, const float *weight, int n, float *out, int64_t *stats_out,
-                 int split_expert, int split_limit);
+                 int split_expert, int split_limit, const void *act);                 /* expert_ffn.c */
 int ft_moe_layer_q(const void *quant_format, int isa, int num_threads, const void *layer_base,
                    int64_t expert_stride_bytes, int num_experts, int H, int I, const void *hidden, int hidden_is_bf16,
                    int T, const int32_t *tok, const int32_t *expert, const float *weight, int n, float *out,
-                   int64_t *stats_out, int split_expert, int split_limit);         /* quant_ffn.c */
+                   int64_t *stats_out, int split_expert, int split_limit, const void *act);   /* quant_ffn.c */
 
 #define FT_SLOTS 2
 
@@ -65,6 +65,7 @@ typedef struct {
     int64_t worker_index;
     int64_t isa, num_threads;
     const void *quant_format;             /* quant_ffn.c's ft_quant_format of a quantized store, NULL: bf16 */
+    const void *act;                      /* expert_act.h's ft_expert_act (gpt-oss: swiglu-clamp, biases), NULL: silu */
 } ft_channel_desc;
 
 /* stats[]: what ft_serve adds up, in this order (WorkerStats' fields). */
@@ -129,12 +130,12 @@ int ft_serve(const ft_channel_desc *ch, int64_t *done_io, int64_t deadline_ns, i
                                      (int)ch->num_experts, (int)ch->hidden_size, (int)ch->intermediate,
                                      ch->hidden[slot], (int)ch->hidden_is_bf16, T, ch->token_idx[slot],
                                      ch->expert_id[slot], ch->weight[slot], n, ch->out[slot], kstats,
-                                     split_expert, split_limit)
+                                     split_expert, split_limit, ch->act)
                     : ft_moe_layer((int)ch->isa, (int)ch->num_threads, base, ch->expert_stride,
                                    (int)ch->num_experts, (int)ch->hidden_size, (int)ch->intermediate,
                                    ch->hidden[slot], (int)ch->hidden_is_bf16, T, ch->token_idx[slot],
                                    ch->expert_id[slot], ch->weight[slot], n, ch->out[slot], kstats,
-                                   split_expert, split_limit);
+                                   split_expert, split_limit, ch->act);
                 if (rc != 0) { *done_io = done; return FT_SERVE_PYTHON; }     /* Python reports the error */
             }
             const int64_t t1 = mono_ns();
@@ -183,7 +184,7 @@ int ft_channel_desc_offsets(int64_t *out, int n) {
                             FT_OFF(t_max), FT_OFF(max_triples), FT_OFF(hidden_is_bf16), FT_OFF(store_data),
                             FT_OFF(expert_stride), FT_OFF(num_layers), FT_OFF(num_experts), FT_OFF(hidden_size),
                             FT_OFF(intermediate), FT_OFF(owner), FT_OFF(worker_index), FT_OFF(isa),
-                            FT_OFF(num_threads), FT_OFF(quant_format)};
+                            FT_OFF(num_threads), FT_OFF(quant_format), FT_OFF(act)};
     const int count = (int)(sizeof(offs) / sizeof(offs[0]));
     for (int i = 0; i < count && i < n; ++i) out[i] = offs[i];
     return count;

@@ -1,5 +1,6 @@
 """CPU expert kernels in lockstep with the float32 reference: torch path and every compiled ISA here, whole
-experts and a split expert (a prefix of its channels)."""
+experts and a split expert (a prefix of its channels); silu experts and gpt-oss's (biased, clamped SwiGLU: gate / up
+large enough that the clamp bites, test_the_activation_is_seen)."""
 from __future__ import annotations
 
 import ctypes
@@ -10,9 +11,11 @@ import pytest
 import torch
 
 from cpu_expert_pool.expert_kernel import ExpertKernel, torch_moe_layer
+from cpu_expert_pool.native.act_desc import expert_act_desc
 from cpu_expert_pool.native.build import ISA_NAMES, try_load_native
 from cpu_expert_pool.reference import reference_moe_layer
 from proto.expert_store import ExpertStore
+from tests.cpu_expert_pool.cpu_pool_util import BIASED_GAIN, GPT_OSS, check_act_is_seen, fill_biases
 
 NATIVE, WHY_NOT = try_load_native()
 NATIVE_KERNELS = [f"native-{ISA_NAMES[i]}" for i in range(NATIVE.best_isa + 1)] if NATIVE else []
@@ -22,21 +25,25 @@ BF16_PATH_TOL = 4 * BF16_UNIT_ROUNDOFF
 FP32_PATH_TOL = 1e-5            # bf16 weights widened exactly, fp32 math: only summation order differs
 BF16_PATHS = {"torch", "native-avx512_bf16", "native-amx_bf16"}
 
-# (H, I, E): multiples of the vector widths, and sizes with tails on every ISA.
-SHAPES = {"aligned": (128, 64, 6), "tails": (88, 40, 5)}
+# (H, I, E, act): multiples of the vector widths, and sizes with tails on every ISA; silu and gpt-oss experts.
+SHAPES = {"aligned": (128, 64, 6, "silu"), "tails": (88, 40, 5, "silu"), "aligned-gpt-oss": (128, 64, 6, GPT_OSS),
+          "tails-gpt-oss": (88, 40, 5, GPT_OSS)}
 # (T, n-per-token, all-on-one-expert)
 BATCHES = {"one-token": (1, 1, False), "topk2-T5": (5, 2, False), "B20-one-expert": (20, 1, True),
            "topk4-T17": (17, 4, False)}
 
 
-def make_store(hidden: int, inter: int, experts: int, layers: int = 2) -> ExpertStore:
+def make_store(hidden: int, inter: int, experts: int, act: str = "silu", layers: int = 2) -> ExpertStore:
     name = f"ft-test-kern-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     store = ExpertStore.create(name, num_layers=layers, num_experts=experts, hidden=hidden, intermediate=inter,
-                               dtype=torch.bfloat16, config_hash="k")
+                               dtype=torch.bfloat16, config_hash="k", act=act)
     g = torch.Generator().manual_seed(hidden * 1000 + inter)
     for layer in range(layers):
         w = torch.randn(experts, store.shape.expert_numel, generator=g) / hidden ** 0.5
         store.write_layer(layer, w.to(torch.bfloat16))
+        for e in range(experts if store.shape.expert_act.bias else 0):
+            store.expert_views(layer, e)[0].mul_(BIASED_GAIN)
+            fill_biases(store, layer, e, g)
     return store
 
 
@@ -83,6 +90,34 @@ def test_kernel_matches_fp32_reference(store, kernel, hidden_dtype, batch):
     untouched = torch.ones(ref.shape[0], dtype=torch.bool)
     untouched[token_idx.long()] = False
     assert bool((out[untouched] == 0).all())
+
+
+def test_the_activation_is_seen(store):
+    """gpt-oss stores: dropping either clamp or any bias moves the reference far beyond the tolerances."""
+    if not store.shape.expert_act.bias:
+        pytest.skip("silu experts have no clamp and no biases")
+    for batch in ("topk2-T5", "B20-one-expert"):
+        hidden, token_idx, expert_id, weight = make_batch(store, *BATCHES[batch], torch.bfloat16, seed=len(batch))
+        check_act_is_seen(store, 1, (hidden, token_idx, expert_id, weight), BF16_PATH_TOL)
+
+
+@pytest.mark.parametrize("kernel", ["torch", *(["native"] if NATIVE else [])])
+def test_biased_experts_are_not_split(store, kernel):
+    """The down bias belongs to one side: a split of a gpt-oss expert is refused, by Python and by the C kernel."""
+    if not store.shape.expert_act.bias:
+        pytest.skip("silu experts split (the split tests below)")
+    hidden, token_idx, expert_id, weight = make_batch(store, 3, 1, False, torch.bfloat16, seed=2)
+    out = torch.full(hidden.shape, 7.0)
+    with pytest.raises(ValueError, match="not split by channels"):
+        ExpertKernel(store, kernel=kernel, num_threads=1)(0, hidden, token_idx, expert_id, weight, out,
+                                                          split_expert=int(expert_id[0]), split_limit=32)
+    if kernel != "torch":
+        with pytest.raises(ValueError, match="invalid split"):
+            NATIVE.moe_layer(0, 1, store.data_ptr, store.expert_stride, store.num_experts, store.shape.hidden,
+                             store.shape.intermediate, hidden.data_ptr(), 1, 3, token_idx.data_ptr(),
+                             expert_id.data_ptr(), weight.data_ptr(), 3, out.data_ptr(), int(expert_id[0]), 32,
+                             act=expert_act_desc(store.shape))
+    assert bool((out == 7.0).all())
 
 
 def test_reading_the_wrong_layer_is_caught(store):
@@ -312,10 +347,10 @@ def test_invalid_split_is_refused_by_the_compiled_kernel(split_store, isa):
             shape.intermediate, hidden.data_ptr(), 1, 3, token_idx.data_ptr(), expert_id.data_ptr(),
             weight.data_ptr(), token_idx.numel(), out.data_ptr())
     for split_expert, split_limit, _ in bad_splits(store):
-        assert NATIVE._lib.ft_moe_layer(*args, ctypes.addressof(stats), split_expert, split_limit) == -5
+        assert NATIVE._lib.ft_moe_layer(*args, ctypes.addressof(stats), split_expert, split_limit, None) == -5
         with pytest.raises(ValueError, match="invalid split"):
             NATIVE.moe_layer(*args, split_expert=split_expert, split_limit=split_limit)
         assert bool((out == 7.0).all())
-    assert NATIVE._lib.ft_moe_layer(*args, ctypes.addressof(stats), 0, 32) == 0     # the same call, valid
+    assert NATIVE._lib.ft_moe_layer(*args, ctypes.addressof(stats), 0, 32, None) == 0     # the same call, valid
     assert stats[1] == 3 * 32 * shape.hidden * 2 * int((expert_id == 0).any()) + 3 * shape.intermediate * \
         shape.hidden * 2 * len(set(expert_id.tolist()) - {0})

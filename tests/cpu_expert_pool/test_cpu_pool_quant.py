@@ -1,8 +1,9 @@
 """The compiled kernel over quantized experts (native/quant_ffn.c) in lockstep with the plain reference
 (proto.expert_format.dequantize_expert, then float64 math), for every format, odd group counts, batch 1 and 4,
 every ISA path this CPU has (the portable C one always), the AVX-512 code on emulated intrinsics where SIMDe's
-headers are installed, through ExpertKernel, the raw binding and the C serve loop; and its decoders bit for bit
-against dequantize_matrix.
+headers are installed, through ExpertKernel, the raw binding and the C serve loop; silu experts and gpt-oss's
+(biased, clamped SwiGLU, with gate / up large enough that the clamp bites: test_the_activation_is_seen); and its
+decoders bit for bit against dequantize_matrix.
 
 Tolerance: TOL = 1e-5 of the output's largest magnitude. The kernel's dequantized weights equal the reference's
 exactly (test_decoders_are_bit_exact; the dot products use the same decoders), so what is left is fp32 arithmetic
@@ -24,11 +25,14 @@ import pytest
 import torch
 
 from cpu_expert_pool.expert_kernel import ExpertKernel
+from cpu_expert_pool.native.act_desc import expert_act_desc
 from cpu_expert_pool.native.build import ISA_NAMES, NativeUnavailable, build_library, try_load_native
 from cpu_expert_pool.native.quant_desc import QuantBindings, QuantFormatDesc, quant_format_desc
 from cpu_expert_pool.reference import expert_weights, reference_moe_layer
+from proto.expert_act import apply_act
 from proto.expert_format import dequantize_expert, quantize_expert
 from proto.expert_store import ExpertStore
+from tests.cpu_expert_pool.cpu_pool_util import BIASED_GAIN, GPT_OSS, check_act_is_seen, fill_biases
 
 NATIVE, WHY_NOT = try_load_native()
 pytestmark = pytest.mark.skipif(NATIVE is None, reason=f"compiled kernel unavailable: {WHY_NOT}")
@@ -41,6 +45,12 @@ TOL = 1e-5
 SHAPES = {"fp8": (328, 136), "int4-g32": (96, 160), "int4-g64": (192, 64), "int4-g128": (384, 128),
           "mxfp4": (96, 160), "nvfp4": (48, 80)}
 FORMATS = list(SHAPES)
+# store -> (format, activation, compute dtype): every format with silu experts and with gpt-oss's (bf16 biases), and
+# gpt-oss's biases in the other compute dtypes
+STORES = {**{f: (f, "silu", torch.bfloat16) for f in FORMATS}, **{f"{f}-gpt-oss": (f, GPT_OSS, torch.bfloat16)
+                                                                  for f in FORMATS},
+          "mxfp4-gpt-oss-fp32": ("mxfp4", GPT_OSS, torch.float32), "int4-g32-gpt-oss-fp16": ("int4-g32", GPT_OSS,
+                                                                                             torch.float16)}
 E, L = 5, 2
 # (T, experts per token, x dtype)
 # (T, experts per token, x dtype); "-all": every token uses every expert, so each expert gets T tokens (the kernel
@@ -53,7 +63,8 @@ BATCHES = {"B1": (1, 1, torch.bfloat16), "B4": (4, 1, torch.bfloat16), "T5-top3"
 def fill_expert(row: torch.Tensor, store: ExpertStore, g: torch.Generator) -> None:
     shape, fmt = store.shape, store.expert_format
     H, I = shape.hidden, shape.intermediate
-    gate, up = (torch.randn(I, H, generator=g) / H ** 0.5 for _ in range(2))
+    gain = BIASED_GAIN if shape.expert_act.bias else 1.0
+    gate, up = (gain * torch.randn(I, H, generator=g) / H ** 0.5 for _ in range(2))
     down = torch.randn(H, I, generator=g) / I ** 0.5
     quantize_expert(gate, up, down, fmt, out=row)
     if fmt.name == "int4":        # the quantizer is symmetric (zero 8): give every group its own zero point
@@ -62,22 +73,25 @@ def fill_expert(row: torch.Tensor, store: ExpertStore, g: torch.Generator) -> No
             row[off:off + n] = torch.randint(4, 12, (n,), generator=g, dtype=torch.uint8)
 
 
-def make_store(fmt: str, seed: int = 0) -> ExpertStore:
+def make_store(fmt: str, seed: int = 0, act: str = "silu", dtype: torch.dtype = torch.bfloat16) -> ExpertStore:
     H, I = SHAPES[fmt]
     store = ExpertStore.create(f"ft-test-quant-{os.getpid()}-{uuid.uuid4().hex[:8]}", num_layers=L, num_experts=E,
-                               hidden=H, intermediate=I, dtype=torch.bfloat16, config_hash="q", fmt=fmt)
+                               hidden=H, intermediate=I, dtype=dtype, config_hash="q", fmt=fmt, act=act)
     g = torch.Generator().manual_seed(seed + H * 7 + I)
     for layer in range(L):
         view = store.layer_view(layer)
         for e in range(E):
             fill_expert(view[e], store, g)
+            if store.shape.expert_act.bias:
+                fill_biases(store, layer, e, g)
     store.mark_ready()
     return store
 
 
-@pytest.fixture(scope="module", params=FORMATS)
+@pytest.fixture(scope="module", params=list(STORES))
 def store(request):
-    s = make_store(request.param)
+    fmt, act, dtype = STORES[request.param]
+    s = make_store(fmt, act=act, dtype=dtype)
     yield s
     s.close()
     s.unlink()
@@ -102,7 +116,8 @@ def call_raw(lib: QuantBindings, desc: QuantFormatDesc, isa: int, store: ExpertS
     stats = lib.moe_layer(desc, isa, threads, store.data_ptr + store.expert_offset(layer, 0), store.expert_stride, E,
                           store.shape.hidden, store.shape.intermediate, hidden.data_ptr(),
                           hidden.dtype == torch.bfloat16, hidden.shape[0], tok.data_ptr(), exp.data_ptr(),
-                          w.data_ptr(), tok.numel(), out.data_ptr(), split_expert, split_limit)
+                          w.data_ptr(), tok.numel(), out.data_ptr(), split_expert, split_limit,
+                          act=expert_act_desc(store.shape))
     return out, stats
 
 
@@ -113,8 +128,8 @@ def emulated():
         pytest.skip("SIMDe headers absent (apt-get install libsimde-dev): the AVX-512 code is not emulated")
     try:
         path = build_library(sources=(NATIVE_DIR / "quant_ffn.c",), stem="libft_quant_emulated",
-                             headers=tuple(NATIVE_DIR / f for f in ("quant_dots.h", "quant_avx512.h", "quant_avx2.h",
-                                                                    "simde_shim.h")),
+                             headers=tuple(NATIVE_DIR / f for f in ("expert_act.h", "quant_dots.h", "quant_avx512.h",
+                                                                    "quant_avx2.h", "simde_shim.h")),
                              extra_flags=("-DFT_EMULATE_AVX512",))
     except NativeUnavailable as exc:
         pytest.fail(f"the emulated AVX-512 build failed: {exc}")
@@ -268,10 +283,20 @@ def test_the_tolerance_sees_a_decoding_error(store):
     wrong = w13.clone()
     wrong[:, :group] = w13[:, :group] * 1.5                       # as if the first group's scale were off by 1.5
     x = hidden[0].double()
-    inter = store.shape.intermediate
-    gu = wrong.double() @ x
-    ref_wrong = float(w[0]) * (torch.nn.functional.silu(gu[:inter]) * gu[inter:]) @ w2.double().T
+    shape = store.shape
+    b13, b2 = (store.expert_biases(0, int(exp[0])) if shape.expert_act.bias
+               else (torch.zeros(2 * shape.intermediate), torch.zeros(shape.hidden)))
+    gu = wrong.double() @ x + b13.double()
+    ref_wrong = float(w[0]) * (apply_act(gu, shape.expert_act) @ w2.double().T + b2.double())
     assert rel_err(out[0], ref_wrong.float()) > 100 * TOL
+
+
+def test_the_activation_is_seen(store):
+    """gpt-oss stores: dropping either clamp or any bias moves the reference far beyond TOL."""
+    if not store.shape.expert_act.bias:
+        pytest.skip("silu experts have no clamp and no biases")
+    for batch in ("T5-top3", "T5-all"):
+        check_act_is_seen(store, 1, make_batch(store, *BATCHES[batch], seed=len(batch)), 100 * TOL)
 
 
 @pytest.mark.parametrize("isa", QUANT_ISAS, ids=[ISA_NAMES[i] for i in QUANT_ISAS])
@@ -282,6 +307,14 @@ def test_split_expert_reads_a_prefix_of_the_channels(store, isa):
         pytest.skip("I = 32 leaves no split")
     hidden, tok, exp, w = make_batch(store, 4, 2, torch.bfloat16, seed=6)
     split_expert = int(exp[0])
+    if store.shape.expert_act.bias:               # the down bias belongs to one side: refused, by Python and by C
+        with pytest.raises(ValueError, match="not split by channels"):
+            ExpertKernel(store, kernel=f"native-{ISA_NAMES[isa]}")(1, hidden, tok, exp, w, torch.empty(hidden.shape),
+                                                                  split_expert=split_expert, split_limit=c)
+        with pytest.raises(ValueError, match="invalid split"):
+            call_raw(NATIVE.quant, quant_format_desc(store.shape.quant_layout), isa, store, 1, hidden, tok, exp, w,
+                     split_expert=split_expert, split_limit=c)
+        return
     out, stats = call_raw(NATIVE.quant, quant_format_desc(store.shape.quant_layout), isa, store, 1, hidden, tok, exp, w,
                           split_expert=split_expert, split_limit=c)
     ref = torch.zeros(hidden.shape, dtype=torch.float64)

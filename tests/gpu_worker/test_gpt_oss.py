@@ -176,8 +176,9 @@ def test_configs_it_cannot_compute_are_refused(pair, tmp_path, change, message):
         MoeConfig.from_dir(tmp_path)
 
 
-def _attached(path, strategy, cache_size):
-    """``strategy`` (cpu, hybrid) over real CPU worker processes, attached as the GPU worker does."""
+def _attached(path, strategy, cache_size, expert_format="auto"):
+    """``strategy`` (cpu, hybrid) over real CPU worker processes, attached as the GPU worker does (their log lines
+    reach the coordinator.supervisor logger at INFO)."""
     import os
     import uuid
 
@@ -186,9 +187,9 @@ def _attached(path, strategy, cache_size):
     from gpu_worker.hybrid import HybridOptions
 
     dev = torch.device("cpu")
-    source = open_model_source(path, None, dtype="float32", device=dev)
+    source = open_model_source(path, None, dtype="float32", device=dev, expert_format=expert_format)
     cpu = CpuWorkerSettings(num_workers=1, worker_args=("--threads", "1", "--no-pin", "--hot-ms", "1"),
-                            log_level="WARNING")
+                            log_level="INFO")
     resources = ExpertResources.create(source, strategy, store_name=f"ft-test-{os.getpid()}-{uuid.uuid4().hex[:6]}",
                                        cpu=cpu)
     try:
@@ -203,17 +204,36 @@ def _attached(path, strategy, cache_size):
     return loaded, resources
 
 
+# expert format -> the CPU workers' kernel: an MXFP4 store runs the compiled quant_ffn.c in the C serving loop (the
+# biases in fp32, the compute dtype); a float32 bf16-format store the torch kernel (the compiled bf16 kernel reads
+# bf16 weights only)
+CPU_KERNELS = {"mxfp4": "native-", "bf16": "torch"}
+
+
+@pytest.mark.parametrize("expert_format", list(CPU_KERNELS))
 @pytest.mark.parametrize("strategy", ["hybrid", "cpu"])
-def test_cpu_pool_strategies_give_the_resident_tokens(pair, tmp_path, monkeypatch, strategy):
-    """The CPU workers compute the biased clamped SwiGLU experts (the store's rows carry the biases)."""
+def test_cpu_pool_strategies_give_the_resident_tokens(pair, tmp_path, monkeypatch, caplog, strategy, expert_format):
+    """The CPU workers compute the biased clamped SwiGLU experts (the store's rows carry the biases), with the
+    kernel their log line names."""
+    import logging
+
+    from coordinator import supervisor
+
     monkeypatch.setenv("FT_CACHE_DIR", str(tmp_path))
+    caplog.set_level(logging.INFO, logger=supervisor.log.name)          # where the workers' stderr lines go
     _, path, ours = pair
+    if expert_format != "bf16":
+        ours = load_model(path, device="cpu", dtype="float32", expert_format=expert_format)
     prompts = [prompt_ids(11, seed=4), prompt_ids(17, seed=5)]
     resident = _greedy(ours, prompts)
-    loaded, resources = _attached(path, strategy, cache_size=10)
+    loaded, resources = _attached(path, strategy, cache_size=10, expert_format=expert_format)
     try:
         assert _greedy(loaded, prompts) == resident
         assert loaded.model.experts.counters()["expert_misses_total"] > 0
+        kernels = [m.split(", kernel ")[1].split(",")[0] for m in caplog.messages if "serving channel" in m]
+        assert kernels and all(k.startswith(CPU_KERNELS[expert_format]) for k in kernels), caplog.messages[-20:]
+        native_loop = any("hot loop: C (ft_serve)" in m for m in caplog.messages)      # the compiled serving loop
+        assert native_loop == (CPU_KERNELS[expert_format] == "native-"), caplog.messages[-20:]
     finally:
         loaded.model.experts.close()
         resources.close()
