@@ -158,7 +158,10 @@ def main(argv: list[str] | None = None) -> int:
     for i in mismatches[:5]:
         print(f"mismatch on prompt {i} {prompts[i][:40]!r}:\n  off: {off[i][0][:120]!r}\n  on:  {on[i][0][:120]!r}")
     useful = on_counters.get("prefetch_useful_total", 0.0)
+    first_diff = [next((j for j, (a, b) in enumerate(zip(off[i][0], on[i][0])) if a != b),
+                       min(len(off[i][0]), len(on[i][0]))) for i in mismatches]
     result = {"prompts": len(prompts), "max_tokens": args.max_tokens, "mismatches": len(mismatches),
+              "first_diff_chars": sorted(first_diff), "answer_chars_median": sorted(len(a) for a, _ in off)[len(off) // 2],
               "off_wall_s": round(off_wall, 2), "on_wall_s": round(on_wall, 2),
               "off_misses": off_counters.get("expert_misses_total"), "on_misses": on_counters.get("expert_misses_total"),
               "on_prefetch": {k: v for k, v in on_counters.items() if k.startswith("prefetch_")},
