@@ -19,6 +19,7 @@
 #            1, 2, 4, 8; ft serve prefetch off against on, 60 cold prompts, 256 tokens (the openai wheel in .whl/)
 #   architectures  qwen3-next-80b-a3b (NVFP4) and gpt-oss-120b: resident and offload at 10 / 25 / 50%; TTFT at 32K
 #            of qwen3-next-80b-a3b against qwen3-30b-a3b                                       (~10 min)
+#   soak     ft soak on the GPU for SOAK_S s (default 540), hybrid, CPU- and GPU-worker kills; report in $OUT/soak
 #   all      tests kernels engine hybrid prefill (more than one device call's 10 minutes: run suites one by one)
 #   compare OLD_TREE  OLD_TREE is an older checkout (e.g. `git archive OLDREV | tar -x -C /tmp/old`); its benches take
 #            the flags of that tree (the old side's commands below), this tree's the current ones; one table, both
@@ -256,6 +257,26 @@ while [ $# -gt 0 ]; do
       grep -hE "^(backend|resident|offload)" "$OUT"/next_engine.log "$OUT"/gptoss_engine.log | cut -c1-200
       tail -n 4 "$OUT/next_ttft.log" "$OUT/qwen3_ttft.log" | cut -c1-200
       ;;
+    soak)
+      # ft soak on the GPU (SOAK_S, default 540: one device command is limited to 10 minutes), hybrid, a float32
+      # copy of the embedded model (bfloat16 answers vary with the batch, docs/SOAK.md), CPU-worker kills every
+      # 180 s and one GPU-worker kill; the report (json, png, server log) in $OUT/soak
+      m=$(mktemp -d)/default-f32
+      python3 - "$m" <<'PY'
+import json, pathlib, shutil, sys
+from safetensors.torch import load_file, save_file
+from gpu_worker.api import DEFAULT_MODEL_DIR
+out = pathlib.Path(sys.argv[1]); shutil.copytree(DEFAULT_MODEL_DIR, out)
+save_file({k: v.float() for k, v in load_file(out / "model.safetensors").items()}, out / "model.safetensors")
+cfg = json.loads((out / "config.json").read_text()); cfg["torch_dtype"] = "float32"
+(out / "config.json").write_text(json.dumps(cfg, indent=2))
+PY
+      s_=${SOAK_S:-540}
+      run soak $((s_ + 50)) python3 -m coordinator.cli soak --duration-s "$s_" --concurrency 16 \
+        --serve-args "--model $m --device cuda --moe-strategy hybrid --num-cpu-workers 1 --max-running-requests 16" \
+        --kill-cpu-worker-at-s 60 --kill-cpu-worker-every-s 180 --kill-gpu-worker-at-s $((s_ / 2)) --out "$OUT/soak"
+      tail -n 25 "$OUT/soak.log" | cut -c1-200
+      ;;
     compare)
       # One call, both trees, the same measurement: 128 decode tokens and 3 runs (engine), 64 tokens (hybrid),
       # 2,000 hand-off calls, 100 kernel replays, a 1K prompt resident. Each command has its own limit so that the
@@ -293,7 +314,7 @@ while [ $# -gt 0 ]; do
       summary old="$OUT/old" new="$OUT/new" | tee "$OUT/compare.txt"
       ;;
     *)
-      echo "unknown suite: $s (tests, kernels, engine, hybrid, prefill, routing, workload, prefetch, prefetch_trained, architectures, all, compare OLD_TREE)" >&2; status=2
+      echo "unknown suite: $s (tests, kernels, engine, hybrid, prefill, routing, workload, prefetch, prefetch_trained, architectures, soak, all, compare OLD_TREE)" >&2; status=2
       ;;
   esac
 done
