@@ -34,7 +34,8 @@ def test_median_rounds_picks_one_whole_round_per_variant():
 def test_freq_weights_cross_every_variant_and_keep_each_backend():
     import argparse
     bench = _bench_hybrid()
-    args = argparse.Namespace(extra_fractions="", variants="offload,=hybrid split", freq_weights="0,256")
+    args = argparse.Namespace(extra_fractions="", variants="offload,=hybrid split", freq_weights="0,256",
+                              prefetch_budgets="")
     rows = dict(bench.variants(args))
     assert set(rows) == {f"{n} fw{w}" for n in ("offload", "offload whole-copy", "hybrid split") for w in (0, 256)}
     assert rows["offload fw256"] == {"strategy": "offload", "freq_weight": 256}
@@ -49,3 +50,14 @@ def test_freq_weights_cross_every_variant_and_keep_each_backend():
         assert "-1" in str(exc)
     else:
         raise AssertionError("a negative weight was accepted")
+
+
+def test_prefetch_budgets_add_a_prefetch_row_per_variant_and_budget():
+    import argparse
+    bench = _bench_hybrid()
+    args = argparse.Namespace(extra_fractions="", variants="=offload,=hybrid split", freq_weights="",
+                              prefetch_budgets="2,4")
+    rows = dict(bench.variants(args))
+    assert set(rows) == {f"{n}{s}" for n in ("offload", "hybrid split") for s in ("", " prefetch2", " prefetch4")}
+    assert rows["hybrid split prefetch4"] == {**rows["hybrid split"], "prefetch": 4}
+    assert "prefetch" not in rows["offload"]
