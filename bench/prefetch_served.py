@@ -18,6 +18,7 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
@@ -112,7 +113,7 @@ def answers(server: Served, prompts: list[str], max_tokens: int, concurrency: in
 
 def run_side(mode: str, args, prompts: list[str], log_dir: Path) -> tuple[list[tuple], dict, float]:
     flags = [*(["--model", args.model] if args.model else []), "--device", args.device, "--moe-strategy",
-             args.moe_strategy, "--moe-prefetch", mode, "--max-running-requests", str(max(args.concurrency, 1)),
+             args.moe_strategy, "--moe-prefetch", mode, "--max-running-requests", str(args.concurrency),
              *(["--moe-cache-size", str(args.moe_cache_size)] if args.moe_cache_size else []),
              *(["--moe-prefetch-budget", str(args.budget)] if mode != "off" else []), *args.serve_arg]
     server = Served(flags, log_dir / f"serve-{mode}.log")
@@ -147,8 +148,6 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.prompts < 1 or args.max_tokens < 1 or args.concurrency < 1:
         p.error("--prompts, --max-tokens and --concurrency must be at least 1")
-    import tempfile
-
     log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="prefetch-served-"))
     log_dir.mkdir(parents=True, exist_ok=True)
     prompts = cold_prompts(args.prompts, args.prompt_words)

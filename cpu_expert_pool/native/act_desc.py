@@ -26,10 +26,10 @@ class ExpertActDesc(ctypes.Structure):
 def expert_act_desc(shape: StoreShape) -> ExpertActDesc | None:
     """The descriptor of ``shape``'s experts (keep it alive while C holds its address); None for plain silu."""
     act = shape.expert_act
-    if act.name == "silu" and not act.bias:
+    if not act.bias:                        # silu: the kernels' NULL path
         return None
-    return ExpertActDesc(ACT_IDS[act.name], shape.bias_byte_offset if act.bias else -1,
-                         BIAS_DTYPES[shape.torch_dtype], act.alpha, act.limit)
+    return ExpertActDesc(ACT_IDS[act.name], shape.bias_byte_offset, BIAS_DTYPES[shape.torch_dtype], act.alpha,
+                         act.limit)
 
 
 def act_address(desc: ExpertActDesc | None) -> int | None:

@@ -46,8 +46,9 @@ ERRORS = {-1: "a token index is outside [0, T)", -2: "an expert id is outside [0
               "must be 0, or in (0, I) and a multiple of 32 with split_expert in [0, E))",
           -6: "the quantized format descriptor does not match the kernel's formats (fp8, int4 g32/64/128, mxfp4, "
               "nvfp4) or its regions do not fit one expert's bytes; rebuild it with quant_format_desc",
-          -7: "the activation descriptor is not one the kernel knows (silu, swiglu-clamp with alpha, limit > 0) or "
-              "its biases do not fit one expert's row; rebuild it with act_desc.expert_act_desc"}
+          -7: "the activation descriptor is not one the kernel knows (swiglu-clamp with alpha, limit > 0 and its "
+              "biases; silu is no descriptor) or its biases do not fit one expert's row; rebuild it with "
+              "act_desc.expert_act_desc"}
 
 
 class NativeUnavailable(RuntimeError):

@@ -5,7 +5,7 @@
  * rows) followed by w2 [H, I], bf16, HF [out, in] layout. Triples (token, expert, weight) are grouped
  * by expert (counting sort), so each expert's bytes are read once per call however many tokens use it.
  *
- * Biases (act->bias_offset >= 0) sit after w2 in the row, bf16 (the store's compute dtype). The activation and the
+ * Biases (with a descriptor) sit after w2 in the row, bf16 (the store's compute dtype). The activation and the
  * biases are applied per row of tokens (ft_gate_rows); a NULL descriptor runs the silu loops of old.
  *
  * Split expert: at most one expert per call (split_expert) may be computed over a prefix of its
