@@ -146,8 +146,9 @@ while [ $# -gt 0 ]; do
     tests)
       # the two files that import the openai client hold no gpu test; the GPU machine may lack the package
       skip=$(python3 -c 'import openai' 2>/dev/null || echo "--ignore=tests/coordinator/test_http_api.py --ignore=tests/coordinator/test_policy_online.py")
-      # TESTS_WORKERS > 1: that many pytest processes (pytest-xdist), a test file each at a time
-      par=$([ "${TESTS_WORKERS:-1}" -gt 1 ] && echo "-n ${TESTS_WORKERS} --dist loadfile")
+      # TESTS_WORKERS > 1: that many pytest processes (pytest-xdist), a test file each at a time (TESTS_DIST=load:
+      # a test each, for a few files of many slow tests)
+      par=$([ "${TESTS_WORKERS:-1}" -gt 1 ] && echo "-n ${TESTS_WORKERS} --dist ${TESTS_DIST:-loadfile}")
       # -v: each test's result is logged as it ends, so a run cut by its time limit still names its failures
       run tests "${TESTS_TIMEOUT:-590}" python3 -m pytest -v -rfE -p no:cacheprovider -m gpu $par $skip ${TESTS_ARGS:-tests/}
       grep -E "(FAILED|ERROR) tests/|passed|failed" "$OUT/tests.log" | grep -v "^tests/.* PASSED" | cut -c1-240 | tail -n 30
@@ -222,10 +223,11 @@ while [ $# -gt 0 ]; do
     prefetch)
       # the lookahead prefetch at the qwen3-30b-a3b shape: the trained trace's candidates, then zipf as the lower bound
       tr=trace:workload/data/qwen3-30b-a3b-routing.trace
-      run prefetch_trace "$T" python3 bench/bench_prefetch.py --routing "$tr" --fractions 0.25,0.5 --batch 1,4 \
-        --prefetch off,on --prefetch-budget 2,4,8 --runs 2 --decode-tokens 128
+      n=${PREFETCH_TOKENS:-128}      # decode tokens of each run
+      run prefetch_trace "${PREFETCH_TRACE_LIMIT:-$T}" python3 bench/bench_prefetch.py --routing "$tr" --fractions 0.25,0.5 \
+        --batch 1,4 --prefetch off,on --prefetch-budget 2,4,8 --runs 2 --decode-tokens "$n"
       run prefetch_zipf "${PREFETCH_ZIPF_LIMIT:-240}" python3 bench/bench_prefetch.py --routing zipf:1.0 --fractions 0.25 \
-        --batch 1 --prefetch off,on --prefetch-budget 4 --runs 2 --decode-tokens 128
+        --batch 1 --prefetch off,on --prefetch-budget 4 --runs 2 --decode-tokens "$n"
       run prefetch_hybrid "${PREFETCH_HYBRID_LIMIT:-150}" python3 bench/bench_hybrid.py --runs 2 --decode-tokens 64 \
         --handoff-calls 200 --no-resident --variants "$HYBRID_VARIANT" --prefetch-budgets 4 --routing "$tr" \
         --json-out "$OUT/prefetch_hybrid.json"

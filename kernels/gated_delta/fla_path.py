@@ -37,7 +37,8 @@ def _state(initial_state):
 
 def _call(kernel, q, k, v, g, beta, initial_state):
     q, k = _expand(q, k, v)
-    o, state = kernel(q, k, v.contiguous(), g.float().contiguous(), beta.contiguous().to(v.dtype),
+    # g and beta by name: the two kernels' positional orders differ (the recurrent one takes gk fifth)
+    o, state = kernel(q, k, v.contiguous(), g=g.float().contiguous(), beta=beta.contiguous().to(v.dtype),
                       scale=q.shape[-1] ** -0.5, initial_state=_state(initial_state), output_final_state=True,
                       use_qk_l2norm_in_kernel=True)
     return o.to(v.dtype), state.float()

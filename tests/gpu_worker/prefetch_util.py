@@ -40,20 +40,41 @@ PROMPT_C = [41, 2, 77, 5, 190]
 
 
 class LogitRecorder:
-    """Wraps model.forward: keeps a copy of every forward's logits (prefill and decode)."""
+    """Keeps a copy of the logits of every forward the engine uses (prefill and decode): model.forward's eager ones,
+    and each CUDA-graph replay's (DecodeGraphs.run). The forwards of a graph's warm-ups and capture are not the
+    engine's (their logits are discarded, and a capture cannot copy to the host), so they are not recorded."""
 
     def __init__(self, model):
-        self.model, self.logits = model, []
+        from gpu_worker.engine.cuda_graphs import DecodeGraphs
+        self.model, self.logits, self._capturing = model, [], False
         self._forward = model.forward
         model.forward = self
+        self._graphs, self._run, self._capture = DecodeGraphs, DecodeGraphs.run, DecodeGraphs._capture
+        recorder = self
+
+        def run(graphs, inputs):
+            out = recorder._run(graphs, inputs)
+            recorder.logits.append(out.detach().to("cpu", copy=True))
+            return out
+
+        def capture(graphs, inputs):
+            recorder._capturing = True
+            try:
+                return recorder._capture(graphs, inputs)
+            finally:
+                recorder._capturing = False
+
+        DecodeGraphs.run, DecodeGraphs._capture = run, capture
 
     def __call__(self, *args, **kwargs):
         out = self._forward(*args, **kwargs)
-        self.logits.append(out.detach().to("cpu", copy=True))
+        if not self._capturing:
+            self.logits.append(out.detach().to("cpu", copy=True))
         return out
 
     def close(self) -> None:
         self.model.forward = self._forward
+        self._graphs.run, self._graphs._capture = self._run, self._capture
 
 
 def decode_run(model, *, batch: int, decode_steps: int, device: str = "cpu",

@@ -42,10 +42,12 @@ def test_a_sequence_split_carries_its_state():
 
 
 def test_the_reference_matches_transformers():
+    import inspect
     from transformers.models.qwen3_next import modeling_qwen3_next as hf
     q, k, v, g, beta, s0 = inputs(T=90)
-    for ours, theirs in ((reference.chunk_gated_delta_rule, hf.torch_chunk_gated_delta_rule),
-                         (reference.recurrent_gated_delta_rule, hf.torch_recurrent_gated_delta_rule)):
+    # unwrapped: where fla-core is installed, transformers swaps its torch functions for fla's kernels
+    for ours, theirs in ((reference.chunk_gated_delta_rule, inspect.unwrap(hf.torch_chunk_gated_delta_rule)),
+                         (reference.recurrent_gated_delta_rule, inspect.unwrap(hf.torch_recurrent_gated_delta_rule))):
         o, s = ours(q, k, v, g, beta, s0)
         o_hf, s_hf = theirs(q, k, v, g=g, beta=beta, initial_state=s0, output_final_state=True,
                             use_qk_l2norm_in_kernel=True)
@@ -64,6 +66,18 @@ def test_bad_impl_and_shapes_are_refused():
         reference.recurrent_gated_delta_rule(q, k, v, g, beta, s0[:, :2])
     with pytest.raises(ValueError, match="multiple of key heads"):
         reference.chunk_gated_delta_rule(q, k, v[:, :, :3], g[:, :, :3], beta[:, :, :3])
+
+
+@pytest.mark.skipif(not gated_delta.fla_available(), reason="flash-linear-attention (fla-core) is not installed")
+def test_fla_recurrent_matches_the_reference_in_the_triton_interpreter():
+    """The decode kernel through fla's own signature (its fifth positional argument is gk, not beta), on the CPU
+    under TRITON_INTERPRET (tests/conftest.py sets it), grouped value heads and an initial state."""
+    from kernels.gated_delta.fla_path import fla_recurrent
+    args = inputs(B=2, T=2, Hk=2, Hv=4, Dk=16, Dv=32)
+    o, s = fla_recurrent(*args)
+    o_ref, s_ref = reference.recurrent_gated_delta_rule(*args)
+    assert ((o - o_ref).norm() / o_ref.norm()).item() <= 1e-5
+    assert ((s - s_ref).norm() / s_ref.norm()).item() <= 1e-5
 
 
 @pytest.mark.gpu
