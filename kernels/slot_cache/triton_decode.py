@@ -142,8 +142,15 @@ def ensure_small_kernel(
         vslot = vkey & ((1 << 25) - 1)
         vused = vkey != 0x7FFFFFFFFFFFFFFF
         vu = tl.load(usage_ptr + pool_base + vslot, mask=vused, other=0)
+        vval = _key_value(vu, vown.to(tl.int64), count_ptr, freq_weight, vused, USE_FREQ)
     same = (e64[:, None] == e64[None, :]) & (r[None, :] < r[:, None]) & valid[None, :]
     distinct = valid & (tl.max(same.to(tl.int32), axis=1) == 0)
+    if V > 0:
+        # An entry is live while its slot's usage is unchanged, and then its owner is the recorded one:
+        # an entry whose owner is routed now is a hit of this call (duplicates included; this waits for
+        # neither `distinct` nor the slot lookups).
+        routed_flat = tl.where(valid, row + e64, -2)                      # [R]
+        vhit = tl.max((vown[:, None].to(tl.int64) == routed_flat[None, :]).to(tl.int32), axis=1) > 0
     hit = distinct & (slot >= 0)
     miss = distinct & (slot < 0)
     bad = in_r & ((e64 < -1) | (e64 >= NUM_EXPERTS))
@@ -153,29 +160,20 @@ def ensure_small_kernel(
     tl.static_assert(ROUTE_BLOCK < 256)
     counts, first_key = tl.reduce(
         (hit.to(tl.int32) | (miss.to(tl.int32) << 8) | (bad.to(tl.int32) << 16), order_key), 0, _sum_max)
+    if V > 0:
+        live = vused & (((vval << 25) | vslot) == vkey) & (vhit == 0)
+        vpacked = _pack_victims(vj, vslot, vown, live)
+        # how many live entries, and the smallest (the first victim), in one reduction
+        num_live, first_v = tl.reduce((live.to(tl.int32), vpacked), 0, _sum_min)
+    else:                                   # no list: the fast path below never runs
+        vpacked = tl.full((1,), 0x7FFFFFFFFFFFFFFF, tl.int64)
+        first_v = tl.full((), 0x7FFFFFFFFFFFFFFF, tl.int64)
+        num_live = counts * 0
     num_hits = (counts & 255).to(tl.int64)
     num_misses = ((counts >> 8) & 255).to(tl.int64)
 
     k, promoted = _fetch_count(num_misses, num_hits, num_slots, first_key, max_fetch, frac_q16,
                                round_mode, promote, seed + zero, step, layer)
-    # k = 0 (every route a hit, or every miss left to the CPU) needs no victim: the list's loads above
-    # are issued but never waited for, and its two reductions are skipped
-    first_v = tl.full((), 0x7FFFFFFFFFFFFFFF, tl.int64)
-    num_live = counts * 0
-    if V == 0:                              # no list: the fast path below runs only for k = 0
-        vpacked = tl.full((1,), 0x7FFFFFFFFFFFFFFF, tl.int64)
-    else:
-        vpacked = tl.full((V,), 0x7FFFFFFFFFFFFFFF, tl.int64)
-        if k > 0:
-            # An entry is live while its slot's usage is unchanged, and then its owner is the recorded one:
-            # an entry whose owner is routed now is a hit of this call (duplicates included).
-            routed_flat = tl.where(valid, row + e64, -2)                  # [R]
-            vhit = tl.max((vown[:, None].to(tl.int64) == routed_flat[None, :]).to(tl.int32), axis=1) > 0
-            vval = _key_value(vu, vown.to(tl.int64), count_ptr, freq_weight, vused, USE_FREQ)
-            live = vused & (((vval << 25) | vslot) == vkey) & (vhit == 0)
-            vpacked = _pack_victims(vj, vslot, vown, live)
-            # how many live entries, and the smallest (the first victim), in one reduction
-            num_live, first_v = tl.reduce((live.to(tl.int32), vpacked), 0, _sum_min)
     fast = (k == 0) | (num_live >= k)      # victims from the list: no scan
 
     cj = tl.arange(0, CAND)
