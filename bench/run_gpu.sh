@@ -14,7 +14,9 @@
 #   routing  zipf:1.0 against the trained trace (workload/data/qwen3-30b-a3b-routing.trace) at the qwen3-30b-a3b
 #            shape: offload at 10 / 25 / 50% and hybrid at 25%, misses per token and rooflines  (~5 min)
 #   prefetch the lookahead prefetch at the qwen3-30b-a3b shape, off / on at budgets 2, 4, 8, 25 / 50% caches, batch
-#            1 and 4, on the trained trace, and on zipf:1.0 at 25%; hybrid at 25% off / on (budget 4)  (~10 min)
+#            1 and 4 (PREFETCH_BATCH), on the trained trace, and on zipf:1.0 at 25%; hybrid at 25% off / on (budget
+#            4). PREFETCH_TOKENS decode tokens a run (128); with 64, batch 1 alone took ~5 min of the trace part, so
+#            run PREFETCH_BATCH=1 and PREFETCH_BATCH=4 as separate device calls
 #   prefetch_trained  trains olmoe-routing (PREFETCH_TRAIN_MINUTES, default 3); its prediction quality at budgets
 #            1, 2, 4, 8; ft serve prefetch off against on, 60 cold prompts, 256 tokens (the openai wheel in .whl/)
 #   architectures  qwen3-next-80b-a3b (NVFP4) and gpt-oss-120b: resident and offload at 10 / 25 / 50%; TTFT at 32K
@@ -225,7 +227,7 @@ while [ $# -gt 0 ]; do
       tr=trace:workload/data/qwen3-30b-a3b-routing.trace
       n=${PREFETCH_TOKENS:-128}      # decode tokens of each run
       run prefetch_trace "${PREFETCH_TRACE_LIMIT:-$T}" python3 bench/bench_prefetch.py --routing "$tr" --fractions 0.25,0.5 \
-        --batch 1,4 --prefetch off,on --prefetch-budget 2,4,8 --runs 2 --decode-tokens "$n"
+        --batch "${PREFETCH_BATCH:-1,4}" --prefetch off,on --prefetch-budget 2,4,8 --runs 2 --decode-tokens "$n"
       run prefetch_zipf "${PREFETCH_ZIPF_LIMIT:-240}" python3 bench/bench_prefetch.py --routing zipf:1.0 --fractions 0.25 \
         --batch 1 --prefetch off,on --prefetch-budget 4 --runs 2 --decode-tokens "$n"
       run prefetch_hybrid "${PREFETCH_HYBRID_LIMIT:-150}" python3 bench/bench_hybrid.py --runs 2 --decode-tokens 64 \

@@ -22,25 +22,27 @@ def cache_dir(monkeypatch, tmp_path):
 
 
 def delayed_streams(monkeypatch, join: bool = True) -> None:
-    """A delay kernel before every prefetch copy (copy stream) and every prediction (predictor stream); without
-    `join`, the compute stream no longer waits for the prefetch copy (the fault the negative control injects)."""
-    copy, begin = Lookahead.copy, Lookahead.begin
+    """A delay kernel before every prefetch copy (on the copy stream, ahead of its read of the plan) and every
+    prediction (on the predictor stream); without `join`, the compute stream no longer waits for the prefetch copy
+    (the fault the negative control injects: the next install rewrites the plan before the late copy reads it).
+    The delays sit inside the work the lookahead forks and joins (the copy kernel, the predictor), so that a
+    captured graph holds no side-stream node that nothing waits for (a capture with one fails)."""
+    from gpu_worker.offload import prefetch
 
-    def slow_copy(self, layer):
-        if self.copy_stream is not None:
-            with torch.cuda.stream(self.copy_stream):
-                torch.cuda._sleep(DELAY_CYCLES)
-        return copy(self, layer)
+    copy_plan = prefetch.copy_plan
 
-    def slow_begin(self, layer, h, ids, decode_sized):
-        if self.predict_stream is not None:
-            self.predict_stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(self.predict_stream):
-                torch.cuda._sleep(DELAY_CYCLES // 4)
-        return begin(self, layer, h, ids, decode_sized)
+    def slow_copy_plan(*args, **kwargs):
+        if torch.cuda.is_available() and args[0].is_cuda:
+            torch.cuda._sleep(DELAY_CYCLES)           # on the current stream: the copy stream
+        return copy_plan(*args, **kwargs)
 
-    monkeypatch.setattr(Lookahead, "copy", slow_copy)
-    monkeypatch.setattr(Lookahead, "begin", slow_begin)
+    monkeypatch.setattr(prefetch, "copy_plan", slow_copy_plan)
+    for cls in (prefetch.RouterPredictor, prefetch.RandomPredictor):
+        def slow_predict(self, layer, h, _predict=cls.predict):
+            if h.is_cuda:
+                torch.cuda._sleep(DELAY_CYCLES // 4)  # on the current stream: the predictor stream
+            return _predict(self, layer, h)
+        monkeypatch.setattr(cls, "predict", slow_predict)
     if not join:
         monkeypatch.setattr(Lookahead, "wait", lambda self, layer: None)
 
