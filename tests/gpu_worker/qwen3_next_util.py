@@ -8,11 +8,24 @@ import torch
 VOCAB = 128
 
 
+def torch_reference_kernels() -> None:
+    """Make transformers' Qwen3-Next run its own torch gated delta rule and convolutions: where fla-core (or
+    causal-conv1d) is installed it swaps them for those packages' kernels, which are not the reference (and on a
+    machine without a GPU do not run)."""
+    import inspect
+
+    from transformers.models.qwen3_next import modeling_qwen3_next as hf
+    for name in ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule", "causal_conv1d_fn",
+                 "causal_conv1d_update"):
+        setattr(hf, name, inspect.unwrap(getattr(hf, name)))
+
+
 def hf_qwen3_next(seed: int = 0, **overrides):
     """A float32 Qwen3NextForCausalLM: hidden 64, 4 layers (3 Gated DeltaNet, then gated attention), 8 experts
     top-2 plus a shared expert, partial rotary 0.25 of head_dim 16, 2 key / 4 value linear heads; every weight
     re-drawn (the (1 + w) norms around zero, A_log and dt_bias so that the decay spans fast and slow heads)."""
     import transformers
+    torch_reference_kernels()
     kw = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
               head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
               linear_value_head_dim=8, linear_conv_kernel_dim=4, num_experts=8, num_experts_per_tok=2,
