@@ -32,7 +32,7 @@ def delayed_streams(monkeypatch, join: bool = True) -> None:
     copy_plan = prefetch.copy_plan
 
     def slow_copy_plan(*args, **kwargs):
-        if torch.cuda.is_available() and args[0].is_cuda:
+        if args[0].is_cuda:                           # the pool `slots`
             torch.cuda._sleep(DELAY_CYCLES)           # on the current stream: the copy stream
         return copy_plan(*args, **kwargs)
 

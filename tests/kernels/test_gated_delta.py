@@ -42,12 +42,13 @@ def test_a_sequence_split_carries_its_state():
 
 
 def test_the_reference_matches_transformers():
-    import inspect
     from transformers.models.qwen3_next import modeling_qwen3_next as hf
+
+    from tests.gpu_worker.qwen3_next_util import torch_reference_kernels
+    torch_reference_kernels()
     q, k, v, g, beta, s0 = inputs(T=90)
-    # unwrapped: where fla-core is installed, transformers swaps its torch functions for fla's kernels
-    for ours, theirs in ((reference.chunk_gated_delta_rule, inspect.unwrap(hf.torch_chunk_gated_delta_rule)),
-                         (reference.recurrent_gated_delta_rule, inspect.unwrap(hf.torch_recurrent_gated_delta_rule))):
+    for ours, theirs in ((reference.chunk_gated_delta_rule, hf.torch_chunk_gated_delta_rule),
+                         (reference.recurrent_gated_delta_rule, hf.torch_recurrent_gated_delta_rule)):
         o, s = ours(q, k, v, g, beta, s0)
         o_hf, s_hf = theirs(q, k, v, g=g, beta=beta, initial_state=s0, output_final_state=True,
                             use_qk_l2norm_in_kernel=True)
