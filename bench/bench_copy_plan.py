@@ -30,8 +30,8 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from graph_timing import time_graph  # noqa: E402  (bench/graph_timing.py: this folder is sys.path[0])
-from kernels.expert_copy import copy_plan  # noqa: E402
-from kernels.expert_split import api as split_api  # noqa: E402
+from ftexpert.kernels.expert_copy import copy_plan  # noqa: E402
+from ftexpert.kernels.expert_split import api as split_api  # noqa: E402
 
 QWEN3_EXPERT_BYTES = 3 * 2048 * 768 * 2        # gate, up, down of qwen3-30b-a3b in bf16: 9.44 MB
 MAX_COPIES = 8                                   # batch 1, top-8: the engine's grid bound

@@ -20,15 +20,15 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 import torch  # noqa: E402
 
-from cpu_expert_pool.expert_kernel import ExpertKernel  # noqa: E402
-from cpu_expert_pool.topology import discover_placements  # noqa: E402
-from cpu_expert_pool.native.build import ISA_NAMES, try_load_native  # noqa: E402
-from proto.expert_format import ExpertFormat, quantize_expert  # noqa: E402
-from proto.expert_store import ExpertStore  # noqa: E402
+from ftexpert.cpu_expert_pool.expert_kernel import ExpertKernel  # noqa: E402
+from ftexpert.cpu_expert_pool.topology import discover_placements  # noqa: E402
+from ftexpert.cpu_expert_pool.native.build import ISA_NAMES, try_load_native  # noqa: E402
+from ftexpert.proto.expert_format import ExpertFormat, quantize_expert  # noqa: E402
+from ftexpert.proto.expert_store import ExpertStore  # noqa: E402
 
 GB = 1e9
 QWEN3_30B_A3B = {"hidden": 2048, "intermediate": 768}

@@ -28,7 +28,7 @@ import torch
 
 from graph_timing import add_graph_timing_args, time_graph  # bench/graph_timing.py (this folder is sys.path[0])
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 HBM_ROOFLINE_BPS = 4.8e12          # H200 HBM3e peak
 
@@ -59,10 +59,10 @@ def sweep_variants(b0):
 
 
 def run_case(args, dtype, T: int, ctx: int, rows: list[dict], device: str = "cuda", timer=time_graph) -> None:
-    from gpu_worker.engine.attention import DecodeAttention, decode_bucket_tokens
-    from gpu_worker.engine.kv_cache import KVCache
-    from gpu_worker.models import MoeConfig
-    from kernels.decode_attention import DEFAULT_BLOCKS, decode_attention, split_plan
+    from ftexpert.gpu_worker.engine.attention import DecodeAttention, decode_bucket_tokens
+    from ftexpert.gpu_worker.engine.kv_cache import KVCache
+    from ftexpert.gpu_worker.models import MoeConfig
+    from ftexpert.kernels.decode_attention import DEFAULT_BLOCKS, decode_attention, split_plan
     Hq, Hkv, D, L = args.heads, args.kv_heads, args.head_dim, args.calls
     bucket = decode_bucket_tokens(ctx, args.max_context)
     cfg = MoeConfig(arch="qwen3", vocab_size=8, hidden_size=Hq * D, num_layers=L, num_heads=Hq,

@@ -20,15 +20,15 @@ from pathlib import Path
 import psutil
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from gpu_worker.engine import Engine, EngineConfig, SamplingParams  # noqa: E402
-from gpu_worker.models import MoeModel, load_model  # noqa: E402
-from proto.knobs import EXPERT_FORMAT_CHOICES  # noqa: E402
-from gpu_worker.models.synthetic_routing import SyntheticRouting  # noqa: E402
-from gpu_worker.offload import HostExperts, OffloadExperts, resolve_cache_slots  # noqa: E402
-import kernels.expert_copy.api as expert_copy_api  # noqa: E402
-from kernels.pdl import apply_setting as apply_pdl  # noqa: E402
+from ftexpert.gpu_worker.engine import Engine, EngineConfig, SamplingParams  # noqa: E402
+from ftexpert.gpu_worker.models import MoeModel, load_model  # noqa: E402
+from ftexpert.proto.knobs import EXPERT_FORMAT_CHOICES  # noqa: E402
+from ftexpert.gpu_worker.models.synthetic_routing import SyntheticRouting  # noqa: E402
+from ftexpert.gpu_worker.offload import HostExperts, OffloadExperts, resolve_cache_slots  # noqa: E402
+import ftexpert.kernels.expert_copy.api as expert_copy_api  # noqa: E402
+from ftexpert.kernels.pdl import apply_setting as apply_pdl  # noqa: E402
 
 
 def _copy_chunks(args) -> list[int]:

@@ -23,8 +23,8 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from tokenizers import Tokenizer  # noqa: E402
 
-from gpu_worker.api import DEFAULT_MODEL_DIR, load_model  # noqa: E402
-from workload.routing import WINDOW, held_out_sequences  # noqa: E402
+from ftexpert.gpu_worker.api import DEFAULT_MODEL_DIR, load_model  # noqa: E402
+from ftexpert.workload.routing import WINDOW, held_out_sequences  # noqa: E402
 
 
 class CausalAttention:

@@ -29,16 +29,16 @@ import threading
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import triton  # noqa: E402
 
-from proto.cpu_channel import CpuPoolClient, create_worker_channel  # noqa: E402
-from cpu_expert_pool.api import CpuWorkerProc  # noqa: E402
-from kernels.handoff.triton_kernels import _ld_sys  # noqa: E402
-from proto.expert_store import ExpertStore  # noqa: E402
+from ftexpert.proto.cpu_channel import CpuPoolClient, create_worker_channel  # noqa: E402
+from ftexpert.cpu_expert_pool.api import CpuWorkerProc  # noqa: E402
+from ftexpert.kernels.handoff.triton_kernels import _ld_sys  # noqa: E402
+from ftexpert.proto.expert_store import ExpertStore  # noqa: E402
 
 HIDDEN = 2048              # qwen3-30b-a3b hidden size: the request carries one such row
 TINY_INTERMEDIATE = 8      # the experts are never computed here (0 triples): keep the store small
@@ -94,7 +94,7 @@ class Gate:
     A timer opens it for good after GATE_SAFETY_S (then `tripped` is set)."""
 
     def __init__(self, drv, device):
-        from gpu_worker.hybrid.device_doorbell import PinnedWords
+        from ftexpert.gpu_worker.hybrid.device_doorbell import PinnedWords
 
         self.words = PinnedWords(64, cuda_driver=drv, device=device, what="benchmark gate")
         self.word = self.words.word(0)
@@ -164,7 +164,7 @@ def gated_rows(enqueue, invalid, gate, args, label: str) -> list[Row]:
 def device_rows(client: CpuPoolClient, device, gate, hidden, args) -> list[Row]:
     """The device hand-off kernels (gpu_worker/hybrid/device_doorbell.py): ring + join per call, gated,
     then GRAPH_CALLS calls captured in one CUDA graph (what a decode step replays)."""
-    from gpu_worker.hybrid.device_doorbell import DeviceDoorbell
+    from ftexpert.gpu_worker.hybrid.device_doorbell import DeviceDoorbell
 
     db = DeviceDoorbell(client, device, deadline_s=DEADLINE_S, always_ring=True)    # 0 triples, as the others
     rows: list[Row] = []
@@ -255,7 +255,7 @@ def decomposed(db, call, ring_args: tuple, join_args: tuple, replays: int, which
 
 
 def gpu_rows(client: CpuPoolClient, args) -> tuple[list[Row], list[str]]:
-    from kernels.cuda_driver import driver
+    from ftexpert.kernels.cuda_driver import driver
 
     device = torch.device("cuda", torch.cuda.current_device())
     rows: list[Row] = []

@@ -35,21 +35,21 @@ from pathlib import Path
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from gpu_worker.engine import Engine, EngineConfig, SamplingParams  # noqa: E402
-from coordinator.expert_resources import CpuWorkerSettings, ExpertResources  # noqa: E402
-from cpu_expert_pool.api import worker_flags as cpu_worker_flags  # noqa: E402
-from gpu_worker.api import attach_cpu_pool  # noqa: E402
-from gpu_worker.hybrid import HybridExperts, HybridOptions  # noqa: E402
-from gpu_worker.hybrid.bandwidth import copy_bandwidth, cpu_pool_bandwidth, shared_bandwidth  # noqa: E402
-from gpu_worker.hybrid.options import device_name  # noqa: E402
-from gpu_worker.models import load_model  # noqa: E402
-from proto.knobs import EXPERT_FORMAT_CHOICES  # noqa: E402
-from gpu_worker.models.synthetic_routing import SyntheticRouting  # noqa: E402
-from gpu_worker.offload import HostExperts, OffloadExperts, resolve_cache_slots  # noqa: E402
-from gpu_worker.offload.prefetch import PrefetchSettings, attach_prefetch  # noqa: E402
-from kernels.pdl import apply_setting as apply_pdl  # noqa: E402
+from ftexpert.gpu_worker.engine import Engine, EngineConfig, SamplingParams  # noqa: E402
+from ftexpert.coordinator.expert_resources import CpuWorkerSettings, ExpertResources  # noqa: E402
+from ftexpert.cpu_expert_pool.api import worker_flags as cpu_worker_flags  # noqa: E402
+from ftexpert.gpu_worker.api import attach_cpu_pool  # noqa: E402
+from ftexpert.gpu_worker.hybrid import HybridExperts, HybridOptions  # noqa: E402
+from ftexpert.gpu_worker.hybrid.bandwidth import copy_bandwidth, cpu_pool_bandwidth, shared_bandwidth  # noqa: E402
+from ftexpert.gpu_worker.hybrid.options import device_name  # noqa: E402
+from ftexpert.gpu_worker.models import load_model  # noqa: E402
+from ftexpert.proto.knobs import EXPERT_FORMAT_CHOICES  # noqa: E402
+from ftexpert.gpu_worker.models.synthetic_routing import SyntheticRouting  # noqa: E402
+from ftexpert.gpu_worker.offload import HostExperts, OffloadExperts, resolve_cache_slots  # noqa: E402
+from ftexpert.gpu_worker.offload.prefetch import PrefetchSettings, attach_prefetch  # noqa: E402
+from ftexpert.kernels.pdl import apply_setting as apply_pdl  # noqa: E402
 
 ROUNDS = ("min-wait", "stochastic", "prefer-fetch", "split")   # split: floor on the host paths
 BW_CALLS = 100
@@ -110,10 +110,10 @@ def live_tuner(engine: Engine, backend, fraction: float, pcie_gb_s: float, cpu_g
     snapshots of engine.stats, `FetchPolicy.observe`, and a changed f goes to the engine. It starts where
     `build_policy` would: at a given --fetch-fraction, else at this run's probes used as the bandwidth
     profile. The tuner keeps its state across the warm-up and the measured runs. -> tick."""
-    from coordinator.engine_service import telemetry_from_stats
-    from coordinator.policy import FetchPolicy, PolicySettings
-    from proto.bandwidth_profile import BandwidthProfile, ExpertFormat
-    from proto.engine_messages import flatten_stats
+    from ftexpert.coordinator.engine_service import telemetry_from_stats
+    from ftexpert.coordinator.policy import FetchPolicy, PolicySettings
+    from ftexpert.proto.bandwidth_profile import BandwidthProfile, ExpertFormat
+    from ftexpert.proto.engine_messages import flatten_stats
     layout = backend.layout
     fmt = ExpertFormat(str(layout.dtype), layout.hidden_size, layout.intermediate_size)
     profile = BandwidthProfile(pcie_gb_s, cpu_gb_s, gpu, fmt, "bench_hybrid probes")

@@ -29,7 +29,7 @@ import torch
 
 from graph_timing import add_graph_timing_args, time_graph  # bench/graph_timing.py (this folder is sys.path[0])
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 HBM_ROOFLINE_BPS = 4.8e12          # H200 HBM3e peak
 
@@ -72,7 +72,7 @@ def gathered_expert_ffn(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: t
 
 
 def moe_cases(args, dtype, rows: list[dict]) -> None:
-    from kernels.moe_decode import DEFAULT_GEMV_BLOCKS, moe_gemv
+    from ftexpert.kernels.moe_decode import DEFAULT_GEMV_BLOCKS, moe_gemv
     E, H, I, K = args.experts, args.hidden, args.inter, args.top_k
     gen = torch.Generator(device="cuda").manual_seed(0)
     w13 = torch.empty(E, 2 * I, H, dtype=dtype, device="cuda").normal_(0, 0.02, generator=gen)
@@ -118,9 +118,9 @@ def moe_cases(args, dtype, rows: list[dict]) -> None:
 
 
 def small_cases(args, dtype, rows: list[dict]) -> None:
-    from gpu_worker.models.layers import apply_rope, rms_norm as torch_rms_norm
-    from kernels.moe_decode import add_rms_norm, qk_norm_rope, rms_norm, route_topk
-    from kernels.moe_decode.reference import route_topk_reference
+    from ftexpert.gpu_worker.models.layers import apply_rope, rms_norm as torch_rms_norm
+    from ftexpert.kernels.moe_decode import add_rms_norm, qk_norm_rope, rms_norm, route_topk
+    from ftexpert.kernels.moe_decode.reference import route_topk_reference
     H, Hq, Hkv, D, E, K = args.hidden, args.heads, args.kv_heads, args.head_dim, args.experts, args.top_k
     eps = 1e-6
     for T in [int(t) for t in args.tokens.split(",") if t]:
@@ -159,7 +159,7 @@ def small_cases(args, dtype, rows: list[dict]) -> None:
 
 def linear_variants(picked, K: int, dtype: torch.dtype) -> list:
     """LinearBlocks for --sweep: (block_n, block_k, warps) with the warps along K."""
-    from kernels.dense_gemv import LinearBlocks
+    from ftexpert.kernels.dense_gemv import LinearBlocks
     vec = 16 // torch.empty((), dtype=dtype).element_size()
     out = []
     for bk, nw in ((512, 2), (1024, 2), (1024, 4), (2048, 4), (2048, 8), (4096, 8)):
@@ -179,7 +179,7 @@ def linear_variants(picked, K: int, dtype: torch.dtype) -> list:
 def linear_cases(args, dtype, rows: list[dict]) -> None:
     import torch.nn.functional as F
 
-    from kernels.dense_gemv import MAX_T, linear_gemv, pick_blocks
+    from ftexpert.kernels.dense_gemv import MAX_T, linear_gemv, pick_blocks
     H, Hq, Hkv, D, E = args.hidden, args.heads, args.kv_heads, args.head_dim, args.experts
     shapes = [("qkv", (Hq + 2 * Hkv) * D, H), ("o_proj", H, Hq * D), ("router", E, H)]
     gen = torch.Generator(device="cuda").manual_seed(2)

@@ -25,7 +25,7 @@ import torch
 
 from graph_timing import add_graph_timing_args, time_graph  # bench/graph_timing.py (this folder is sys.path[0])
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 HBM_ROOFLINE_BPS = 4.8e12          # H200 HBM3e peak
 DISTINCT_EXPERTS = 8               # experts quantized; the E slots repeat their bytes (distinct addresses)
@@ -56,7 +56,7 @@ def block_variants(b0):
 
 def quantized_rows(layout, E: int, gen: torch.Generator) -> torch.Tensor:
     """[E, expert_nbytes] uint8 on the GPU: DISTINCT_EXPERTS random experts quantized, repeated over E slots."""
-    from proto.expert_format import quantize_expert
+    from ftexpert.proto.expert_format import quantize_expert
     H, I = layout.hidden_size, layout.intermediate_size
     rows = torch.empty(E, layout.expert_nbytes, dtype=torch.uint8, device="cuda")
     for e in range(min(E, DISTINCT_EXPERTS)):
@@ -74,9 +74,9 @@ def cases(args) -> list[tuple[str, int]]:
 
 
 def run(args, rows_out: list[dict]) -> None:
-    from kernels.moe_decode import DEFAULT_GEMV_BLOCKS, moe_gemv
-    from kernels.moe_decode.quant import dequantize_rows, moe_gemv_quant
-    from proto.expert_format import ExpertFormat, QuantLayout
+    from ftexpert.kernels.moe_decode import DEFAULT_GEMV_BLOCKS, moe_gemv
+    from ftexpert.kernels.moe_decode.quant import dequantize_rows, moe_gemv_quant
+    from ftexpert.proto.expert_format import ExpertFormat, QuantLayout
     E, H, I, K = args.experts, args.hidden, args.inter, args.top_k
     gen = torch.Generator(device="cuda").manual_seed(0)
     cpu_gen = torch.Generator().manual_seed(1)
@@ -163,7 +163,7 @@ def print_table(rows: list[dict]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    from proto.expert_format import ExpertFormat, QuantLayout
+    from ftexpert.proto.expert_format import ExpertFormat, QuantLayout
     for label, T in cases(args):                         # bad formats / shapes fail here, before any GPU work
         if label != "bf16":
             QuantLayout(args.hidden, args.inter, ExpertFormat.parse(label))

@@ -19,14 +19,14 @@ import threading
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from kernels.handoff.triton_kernels import _fence_sys, _ld_sys, _now_ns  # noqa: E402
+from ftexpert.kernels.handoff.triton_kernels import _fence_sys, _ld_sys, _now_ns  # noqa: E402
 
 
 @triton.jit
@@ -65,8 +65,8 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("needs CUDA (the probes run on the GPU)", file=sys.stderr)
         return 2
-    from gpu_worker.hybrid.device_doorbell import PinnedWords
-    from kernels.cuda_driver import driver
+    from ftexpert.gpu_worker.hybrid.device_doorbell import PinnedWords
+    from ftexpert.kernels.cuda_driver import driver
 
     torch.cuda.synchronize()
     words = PinnedWords(8192, cuda_driver=driver(), device=torch.device("cuda", 0), what="latency probe")

@@ -16,11 +16,11 @@ import argparse
 import json
 import time
 
-from gpu_worker.engine import Engine, EngineConfig, SamplingParams
-from gpu_worker.models import load_model
-from gpu_worker.offload import HostExperts, OffloadExperts, resolve_cache_slots
-from gpu_worker.offload.prefetch import PrefetchSettings, attach_prefetch
-from workload.corpus import load_documents, split
+from ftexpert.gpu_worker.engine import Engine, EngineConfig, SamplingParams
+from ftexpert.gpu_worker.models import load_model
+from ftexpert.gpu_worker.offload import HostExperts, OffloadExperts, resolve_cache_slots
+from ftexpert.gpu_worker.offload.prefetch import PrefetchSettings, attach_prefetch
+from ftexpert.workload.corpus import load_documents, split
 
 
 def prompts_from_corpus(tokenizer, count: int, tokens: int) -> list[list[int]]:

@@ -25,10 +25,10 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "src"))
 
-from coordinator.ports import free_loopback_port  # noqa: E402
-from workload.corpus import load_documents, split  # noqa: E402
+from ftexpert.coordinator.ports import free_loopback_port  # noqa: E402
+from ftexpert.workload.corpus import load_documents, split  # noqa: E402
 
 COUNTER = re.compile(r'^ft_engine_counter_total\{name="(prefetch_[a-z_]+|expert_misses_total|expert_hits_total)"\}\s+(\S+)$')
 
@@ -55,9 +55,9 @@ class Served:
     def __init__(self, args: list[str], log: Path):
         self.port = free_loopback_port()
         self.log = log
-        argv = [sys.executable, "-m", "coordinator.cli", "serve", "--port", str(self.port), "--grpc-port", "-1",
+        argv = [sys.executable, "-m", "ftexpert.coordinator.cli", "serve", "--port", str(self.port), "--grpc-port", "-1",
                 "--served-model-name", "m", *args]
-        env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+        env = {**os.environ, "PYTHONPATH": str(REPO / "src") + os.pathsep + os.environ.get("PYTHONPATH", "")}
         self._out = open(log, "wb")
         self.proc = subprocess.Popen(argv, cwd=REPO, env=env, stdin=subprocess.DEVNULL, stdout=self._out,
                                      stderr=subprocess.STDOUT)

@@ -32,11 +32,18 @@
 # when it is set, else ./out; docs/BENCHMARKS.md says what each figure is and where it stands.
 set -u
 OUT=${OUT:-./out}; mkdir -p "$OUT"; OUT=$(cd "$OUT" && pwd)
-export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+# The tree's import root (src/, which holds the ftexpert package) first on PYTHONPATH: the GPU machine runs the
+# checkout without installing it. `compare` also runs an older tree, whose packages may sit at its top level.
+importroot() { if [ -d "$1/src/ftexpert" ]; then echo "$1/src"; else echo "$1"; fi; }
+mod() { if [ -d src/ftexpert ]; then echo "ftexpert.$1"; else echo "$1"; fi; }   # a module of the tree in the cwd
+BASE_PYTHONPATH=${PYTHONPATH:-}
 if compgen -G ".whl/*.whl" >/dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl && export PYTHONPATH=$PYTHONPATH:/tmp/site
+    --target /tmp/site .whl/*.whl && BASE_PYTHONPATH=${BASE_PYTHONPATH:+$BASE_PYTHONPATH:}/tmp/site
 fi
+use_tree() { export PYTHONPATH=$(importroot "$1")${BASE_PYTHONPATH:+:$BASE_PYTHONPATH}; }
+export PYTHONUNBUFFERED=1
+use_tree "$PWD"
 T=${SECTION_TIMEOUT:-540}
 status=0
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
@@ -156,7 +163,7 @@ while [ $# -gt 0 ]; do
       grep -E "(FAILED|ERROR) tests/|passed|failed" "$OUT/tests.log" | grep -v "^tests/.* PASSED" | cut -c1-240 | tail -n 30
       ;;
     kernels)
-      run ensure "$T" python3 -m kernels.slot_cache.bench --reps 200 --slots 64,2048,18432,23197
+      run ensure "$T" python3 -m ftexpert.kernels.slot_cache.bench --reps 200 --slots 64,2048,18432,23197
       run attention "$T" python3 bench/bench_decode_attention.py
       run moe_decode "$T" python3 bench/bench_moe_decode.py
       run moe_decode_quant "$T" python3 bench/bench_moe_decode_quant.py --json-out "$OUT/moe_decode_quant.json"
@@ -202,17 +209,17 @@ while [ $# -gt 0 ]; do
       ;;
     workload)
       w=$(mktemp -d); m=${WORKLOAD_MINUTES:-6.5}
-      ( run train_olmoe 590 python3 -m workload.train_moe --shape olmoe-routing --out "$w/olmoe-routing" \
+      ( run train_olmoe 590 python3 -m ftexpert.workload.train_moe --shape olmoe-routing --out "$w/olmoe-routing" \
           --minutes "$m" --curve-points 6 --device cuda
-        run routing_olmoe 200 python3 -m workload.routing --model "$w/olmoe-routing" --tokens 16384 --device cuda \
+        run routing_olmoe 200 python3 -m ftexpert.workload.routing --model "$w/olmoe-routing" --tokens 16384 --device cuda \
           --json "$w/olmoe-routing.json" ) &
-      ( run train_qwen3 590 python3 -m workload.train_moe --shape qwen3-30b-a3b-routing --out "$w/qwen3-routing" \
+      ( run train_qwen3 590 python3 -m ftexpert.workload.train_moe --shape qwen3-30b-a3b-routing --out "$w/qwen3-routing" \
           --minutes "$m" --curve-points 6 --device cuda
-        run routing_qwen3 200 python3 -m workload.routing --model "$w/qwen3-routing" --tokens 16384 --device cuda \
+        run routing_qwen3 200 python3 -m ftexpert.workload.routing --model "$w/qwen3-routing" --tokens 16384 --device cuda \
           --json "$w/qwen3-30b-a3b-routing.json"
-        run trace_qwen3 120 python3 -m workload.routing --model "$w/qwen3-routing" --tokens 4096 --device cuda \
+        run trace_qwen3 120 python3 -m ftexpert.workload.routing --model "$w/qwen3-routing" --tokens 4096 --device cuda \
           --trace "$w/qwen3-30b-a3b-routing.trace" ) &
-      run train_default 590 python3 -m workload.train_moe --shape default --out "$w/default-moe" \
+      run train_default 590 python3 -m ftexpert.workload.train_moe --shape default --out "$w/default-moe" \
         --tokens "${DEFAULT_TOKENS:-40000000}" --device cuda
       wait
       for d in olmoe-routing qwen3-routing default-moe; do cp "$w/$d/ft_workload.json" "$w/$d.meta.json" 2>/dev/null; done
@@ -240,7 +247,7 @@ while [ $# -gt 0 ]; do
       # a trained olmoe-routing checkpoint (PREFETCH_TRAIN_MINUTES), its predictions at budgets 1, 2, 4, 8, and the
       # served path: ft serve prefetch off against on, 60 cold prompts, 256 greedy tokens (needs the openai wheel)
       w=$(mktemp -d)
-      run train_olmoe 590 python3 -m workload.train_moe --shape olmoe-routing --out "$w/olmoe-routing" \
+      run train_olmoe 590 python3 -m ftexpert.workload.train_moe --shape olmoe-routing --out "$w/olmoe-routing" \
         --minutes "${PREFETCH_TRAIN_MINUTES:-3}" --device cuda
       run prefetch_quality 240 python3 bench/prefetch_quality.py --model "$w/olmoe-routing" --device cuda --cache 0.25 \
         --budgets 1,2,4,8
@@ -276,7 +283,7 @@ cfg = json.loads((out / "config.json").read_text()); cfg["torch_dtype"] = "float
 (out / "config.json").write_text(json.dumps(cfg, indent=2))
 PY
       s_=${SOAK_S:-540}
-      run soak $((s_ + 50)) python3 -m coordinator.cli soak --duration-s "$s_" --concurrency 16 \
+      run soak $((s_ + 50)) python3 -m ftexpert.coordinator.cli soak --duration-s "$s_" --concurrency 16 \
         --serve-args "--model $m --device cuda --moe-strategy hybrid --num-cpu-workers 1 --max-running-requests 16" \
         --kill-cpu-worker-at-s 60 --kill-cpu-worker-every-s 180 --kill-gpu-worker-at-s $((s_ / 2)) --out "$OUT/soak"
       tail -n 25 "$OUT/soak.log" | cut -c1-200
@@ -295,26 +302,26 @@ PY
       want() { case $parts in *" $1 "*) return 0;; *) return 1;; esac; }
       for side in old new; do
         if [ $side = old ]; then
-          cd "$old"; base=$OUT; OUT=$base/old; export PYTHONPATH=$old${PYTHONPATH#$new}
+          cd "$old"; base=$OUT; OUT=$base/old; use_tree "$old"
           # the older tree's flags: the copy kernel was one of several decode copy modes; the hand-off had a name
           want engine && run engine $(lim 110) python3 bench/bench_engine.py --runs 3 --prompt-tokens 1024 \
             --decode-tokens 128 --fractions 0.25,0.5 --offload-copy kernel
           want hybrid && run hybrid $(lim 80) python3 bench/bench_hybrid.py --runs 3 --decode-tokens 64 --handoff-calls 200 \
             --no-resident --variants "$OLD_HYBRID_VARIANT" --json-out "$OUT/bench_hybrid.json"
         else
-          cd "$new"; OUT=$base/new; export PYTHONPATH=$new${PYTHONPATH#$old}
+          cd "$new"; OUT=$base/new; use_tree "$new"
           want engine && run engine $(lim 110) python3 bench/bench_engine.py --runs 3 --prompt-tokens 1024 \
             --decode-tokens 128 --fractions 0.25,0.5
           want hybrid && run hybrid $(lim 80) python3 bench/bench_hybrid.py --runs 3 --decode-tokens 64 --handoff-calls 200 \
             --no-resident --variants "$HYBRID_VARIANT" --json-out "$OUT/bench_hybrid.json"
         fi
         want handoff && run handoff $(lim 25) python3 bench/bench_handoff.py --mode gpu --client-cpu 0 --calls 2000
-        want ensure && run ensure $(lim 20) python3 -m kernels.slot_cache.bench --reps 100 --slots 2048,23197
+        want ensure && run ensure $(lim 20) python3 -m "$(mod kernels.slot_cache.bench)" --reps 100 --slots 2048,23197
         want ttft_1k && run ttft_1k $(lim 35) python3 bench/bench_prefill.py --runs 3 --prompt-tokens 1024 --chunks 4096 \
           --fractions ""
         OUT=$base
       done
-      cd "$new"; export PYTHONPATH=$new${PYTHONPATH#$new}
+      cd "$new"; use_tree "$new"
       summary old="$OUT/old" new="$OUT/new" | tee "$OUT/compare.txt"
       ;;
     *)

@@ -22,7 +22,7 @@ def _lint_imports() -> list[str]:
 
 
 def test_the_import_contracts_hold():
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH", "")]))}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO / "src"), os.environ.get("PYTHONPATH", "")]))}
     run = subprocess.run([*_lint_imports(), "--no-cache"], cwd=REPO, env=env, capture_output=True, text=True,
                          timeout=300)
     assert run.returncode == 0, f"import contracts broken:\n{run.stdout}\n{run.stderr}"

@@ -11,13 +11,14 @@ import sys
 import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+SRC = os.path.join(REPO, "src")
 
 
 @pytest.mark.slow
 def test_soak_ci_run_passes_every_check(tmp_path):
     out = tmp_path / "report"
-    env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    proc = subprocess.run([sys.executable, "-m", "coordinator.cli", "soak", "--duration-s", "20",
+    env = {**os.environ, "PYTHONPATH": SRC + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    proc = subprocess.run([sys.executable, "-m", "ftexpert.coordinator.cli", "soak", "--duration-s", "20",
                            "--kill-gpu-worker-at-s", "8", "--concurrency", "4", "--out", str(out)],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]

@@ -12,14 +12,14 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-from coordinator.engine_service import EngineService
-from coordinator.inline_engine import InlineEngine
-from coordinator.openai_requests import ModelInfo
-from coordinator.policy import FetchPolicy, PolicySettings
-from proto.bandwidth_profile import ExpertFormat
-from coordinator.server import BackgroundServer, CoordinatorServer, ListenConfig
-from coordinator.text_codec import TextCodec
-from coordinator.ports import free_loopback_port  # noqa: E402
+from ftexpert.coordinator.engine_service import EngineService
+from ftexpert.coordinator.inline_engine import InlineEngine
+from ftexpert.coordinator.openai_requests import ModelInfo
+from ftexpert.coordinator.policy import FetchPolicy, PolicySettings
+from ftexpert.proto.bandwidth_profile import ExpertFormat
+from ftexpert.coordinator.server import BackgroundServer, CoordinatorServer, ListenConfig
+from ftexpert.coordinator.text_codec import TextCodec
+from ftexpert.coordinator.ports import free_loopback_port  # noqa: E402
 
 MODEL_NAME = "tiny-test"
 CONTEXT_LENGTH = 256
@@ -217,7 +217,7 @@ _TINY_CACHE: dict = {}
 def tiny_served_engine():
     """The real engine on the embedded tiny model (CPU), loaded once per test session."""
     if "served" not in _TINY_CACHE:
-        from coordinator.engine_factory import load_served_engine
+        from ftexpert.coordinator.engine_factory import load_served_engine
         _TINY_CACHE["served"] = load_served_engine(None, None, "cpu", max_running_requests=4,
                                                    max_context_tokens=TINY_CONTEXT_LENGTH)
     return _TINY_CACHE["served"]

@@ -11,11 +11,12 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from coordinator.ports import free_loopback_port  # noqa: E402
+from ftexpert.coordinator.ports import free_loopback_port  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-ENV = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", ""), "PYTHONUNBUFFERED": "1"}
-FT = [sys.executable, "-m", "coordinator.cli"]
+SRC = os.path.join(REPO, "src")
+ENV = {**os.environ, "PYTHONPATH": SRC + os.pathsep + os.environ.get("PYTHONPATH", ""), "PYTHONUNBUFFERED": "1"}
+FT = [sys.executable, "-m", "ftexpert.coordinator.cli"]
 TINY_ARGS = ["--preset", "tiny", "--device", "cpu", "--max-context-tokens", "512", "--max-running-requests", "4"]
 
 

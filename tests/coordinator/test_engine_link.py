@@ -14,15 +14,15 @@ import time
 import pytest
 import zmq
 
-from coordinator.engine_client import EngineError, EngineUnavailable
-from coordinator.engine_link import EngineLinkServer, PeerMismatch, PeerMissing
-from coordinator.remote_engine import RemoteEngine
-from gpu_worker.worker_link import CoordinatorLost
-from gpu_worker.worker_loop import EXIT_COORDINATOR_LOST, EXIT_ENGINE_FAILED, LocalStop, gpu_busy_loop
-from proto import engine_messages as em
-from proto import link_auth
-from proto.link_io import check_loopback_address
-from proto.sampling_params import SamplingParams
+from ftexpert.coordinator.engine_client import EngineError, EngineUnavailable
+from ftexpert.coordinator.engine_link import EngineLinkServer, PeerMismatch, PeerMissing
+from ftexpert.coordinator.remote_engine import RemoteEngine
+from ftexpert.gpu_worker.worker_link import CoordinatorLost
+from ftexpert.gpu_worker.worker_loop import EXIT_COORDINATOR_LOST, EXIT_ENGINE_FAILED, LocalStop, gpu_busy_loop
+from ftexpert.proto import engine_messages as em
+from ftexpert.proto import link_auth
+from ftexpert.proto.link_io import check_loopback_address
+from ftexpert.proto.sampling_params import SamplingParams
 
 CONFIG = em.engine_config(model=None, preset=None, dtype="auto", moe_strategy="resident", moe_cache_size=None,
                           max_running_requests=4, max_context_tokens=512, num_cpu_workers=0)

@@ -14,13 +14,13 @@ import time
 import pytest
 import zmq
 
-from coordinator.engine_client import EngineUnavailable
-from coordinator.engine_link import NOT_AUTHORIZED, EngineLinkServer, PeerMissing
-from coordinator.remote_engine import RemoteEngine
-from gpu_worker.worker_link import CoordinatorLink, CoordinatorLost
-from gpu_worker.worker_main import HandshakeFailed, say_hello
-from proto import engine_messages as em
-from proto import link_auth
+from ftexpert.coordinator.engine_client import EngineUnavailable
+from ftexpert.coordinator.engine_link import NOT_AUTHORIZED, EngineLinkServer, PeerMissing
+from ftexpert.coordinator.remote_engine import RemoteEngine
+from ftexpert.gpu_worker.worker_link import CoordinatorLink, CoordinatorLost
+from ftexpert.gpu_worker.worker_main import HandshakeFailed, say_hello
+from ftexpert.proto import engine_messages as em
+from ftexpert.proto import link_auth
 from tests.coordinator.test_engine_link import CONFIG, FakeWorker, Recorder, params, until
 
 
@@ -146,7 +146,7 @@ def test_the_worker_sees_the_coordinators_exit_at_once(tmp_path):
 
 
 def test_the_default_address_is_ipc_in_a_private_directory(tmp_path, monkeypatch):
-    from coordinator.process_set import ProcessSet, ProcessSetOptions
+    from ftexpert.coordinator.process_set import ProcessSet, ProcessSetOptions
 
     base = tmp_path / "xdg"
     base.mkdir(mode=0o700)

@@ -9,8 +9,8 @@ import os
 import sys
 import threading
 
-from coordinator.metrics import render_prometheus
-from coordinator.server import EXIT_WORKERS_GAVE_UP
+from ftexpert.coordinator.metrics import render_prometheus
+from ftexpert.coordinator.server import EXIT_WORKERS_GAVE_UP
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from coordinator_support import MODEL_NAME, live_server  # noqa: E402
@@ -84,7 +84,7 @@ def test_by_default_a_give_up_drains_stops_and_sets_exit_code_70(tmp_path):
 def test_serve_flag_and_config_field_for_the_give_up_policy():
     import argparse
 
-    from coordinator.serve_cli import add_arguments, listen_config
+    from ftexpert.coordinator.serve_cli import add_arguments, listen_config
 
     parser = argparse.ArgumentParser()
     add_arguments(parser)

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from coordinator.cli import main
+from ftexpert.coordinator.cli import main
 from tests.gpu_worker.test_models_util import hf_greedy, hf_model, prompt_ids, save_hf
 
 
@@ -104,8 +104,8 @@ def test_help_lists_generate(capsys):
 
 def test_cli_preset_choices_match_the_registry():
     """generate_cli repeats the names (it must not import torch for --help); keep them in step."""
-    from coordinator.generate_cli import PRESET_CHOICES
-    from gpu_worker.models import PRESET_NAMES
+    from ftexpert.coordinator.generate_cli import PRESET_CHOICES
+    from ftexpert.gpu_worker.models import PRESET_NAMES
     assert tuple(PRESET_CHOICES) == tuple(PRESET_NAMES)
 
 

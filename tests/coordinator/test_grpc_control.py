@@ -13,7 +13,7 @@ import pytest
 sys.path.insert(0, os.path.dirname(__file__))
 from coordinator_support import FAKE_TEXT, MODEL_NAME, live_server  # noqa: E402
 
-from proto import control_rpc as rpc  # noqa: E402
+from ftexpert.proto import control_rpc as rpc  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -32,10 +32,10 @@ def test_descriptor_set_matches_the_proto_files():
     pytest.importorskip("grpc_tools")
     from google.protobuf import descriptor_pb2
 
-    from proto.gen_control import compile_descriptor_set
+    from ftexpert.proto.gen_control import compile_descriptor_set
     fresh = descriptor_pb2.FileDescriptorSet.FromString(compile_descriptor_set())
     assert rpc.descriptor_summary(fresh) == rpc.descriptor_summary(), \
-        "proto/*.proto changed: run `python -m proto.gen_control` and commit proto/control_descriptors.py"
+        "proto/*.proto changed: run `python -m ftexpert.proto.gen_control` and commit proto/control_descriptors.py"
 
 
 def test_generate_streams_the_same_text_as_http(ls, stubs):
@@ -153,8 +153,8 @@ def test_api_key_guards_control_but_not_health(tmp_path):
 
 
 def ctl(server, *argv, api_key=None) -> tuple[int, str]:
-    from coordinator import ctl_cli
-    from coordinator.cli import build_parser
+    from ftexpert.coordinator import ctl_cli
+    from ftexpert.coordinator.cli import build_parser
     from unittest import mock
     args = build_parser().parse_args(["ctl", "--address", server.grpc_address, "--timeout-s", "20", *argv])
     out = io.StringIO()
@@ -195,8 +195,8 @@ def _closed(port: int) -> bool:
 
 
 def test_ctl_reports_an_unreachable_server(capsys):
-    from coordinator import ctl_cli
-    from coordinator.cli import build_parser
+    from ftexpert.coordinator import ctl_cli
+    from ftexpert.coordinator.cli import build_parser
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from coordinator.text_codec import ChatMessage, TextCodec
+from ftexpert.coordinator.text_codec import ChatMessage, TextCodec
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from coordinator_support import MODEL_NAME, live_server, write_tiny_model_dir  # noqa: E402
 

@@ -337,9 +337,9 @@ def test_api_key_guards_http_but_not_health(tmp_path):
 
 
 def test_listeners_bind_loopback_by_default_and_refuse_exposure_without_token():
-    from coordinator.auth import check_exposure, is_loopback
-    from coordinator.server import ListenConfig
-    from coordinator.serve_cli import add_arguments
+    from ftexpert.coordinator.auth import check_exposure, is_loopback
+    from ftexpert.coordinator.server import ListenConfig
+    from ftexpert.coordinator.serve_cli import add_arguments
     import argparse
 
     parser = argparse.ArgumentParser()

@@ -10,9 +10,10 @@ import subprocess
 import sys
 import time
 import http.client
-from coordinator.ports import free_loopback_port  # noqa: E402
+from ftexpert.coordinator.ports import free_loopback_port  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+SRC = os.path.join(REPO, "src")
 
 
 _free_port = free_loopback_port
@@ -32,9 +33,9 @@ def _wait_listening(port: int, proc: subprocess.Popen, timeout_s: float = 120.0)
 
 def test_ft_serve_answers_and_drains_on_sigterm(tmp_path):
     port, grpc_port = _free_port(), _free_port()
-    env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", ""),
+    env = {**os.environ, "PYTHONPATH": SRC + os.pathsep + os.environ.get("PYTHONPATH", ""),
            "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "coordinator.cli", "serve", "--device", "cpu", "--port", str(port),
+    proc = subprocess.Popen([sys.executable, "-m", "ftexpert.coordinator.cli", "serve", "--device", "cpu", "--port", str(port),
                              "--grpc-port", str(grpc_port), "--max-context-tokens", "2048", "--drain-timeout-s", "90",
                              "--preset", "tiny", "--served-model-name", "tiny"], cwd=REPO, env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)

@@ -10,9 +10,9 @@ from hypothesis import assume, given, settings, strategies as st
 sys.path.insert(0, os.path.dirname(__file__))
 from coordinator_support import write_tiny_model_dir  # noqa: E402
 
-from coordinator.detokenizer import IncrementalDetokenizer, StopStringMatcher  # noqa: E402
-from coordinator.text_codec import ChatMessage, ChatTemplate, TextCodec, render_chatml  # noqa: E402
-from gpu_worker.models.tiny import SPECIAL_TOKENS  # noqa: E402
+from ftexpert.coordinator.detokenizer import IncrementalDetokenizer, StopStringMatcher  # noqa: E402
+from ftexpert.coordinator.text_codec import ChatMessage, ChatTemplate, TextCodec, render_chatml  # noqa: E402
+from ftexpert.gpu_worker.models.tiny import SPECIAL_TOKENS  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from coordinator import cli
+from ftexpert.coordinator import cli
 
 
 @pytest.fixture
@@ -20,11 +20,11 @@ def taken_port():
 
 
 def _no_model_load(monkeypatch):
-    import gpu_worker.api
+    from ftexpert.gpu_worker import api as gpu_worker_api
 
     def refuse(*_a, **_k):
         raise AssertionError("the model was opened before the listen addresses were checked")
-    monkeypatch.setattr(gpu_worker.api, "open_model_source", refuse)
+    monkeypatch.setattr(gpu_worker_api, "open_model_source", refuse)
 
 
 @pytest.mark.parametrize("what, flags", [

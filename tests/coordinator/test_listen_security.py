@@ -17,11 +17,11 @@ from unittest import mock
 import grpc
 import pytest
 
-from coordinator.auth import check_exposure, resolve_api_key
-from coordinator.cli import build_parser
-from coordinator.server import ListenConfig
-from coordinator.tls import TlsFiles
-from proto import control_rpc as rpc
+from ftexpert.coordinator.auth import check_exposure, resolve_api_key
+from ftexpert.coordinator.cli import build_parser
+from ftexpert.coordinator.server import ListenConfig
+from ftexpert.coordinator.tls import TlsFiles
+from ftexpert.proto import control_rpc as rpc
 
 sys.path.insert(0, os.path.dirname(__file__))
 from coordinator_support import MODEL_NAME, live_server  # noqa: E402
@@ -102,7 +102,7 @@ def test_a_non_loopback_listener_needs_a_key_or_insecure():
 
 
 def test_ft_serve_refuses_an_open_listener_before_loading_anything():
-    from coordinator import serve_cli
+    from ftexpert.coordinator import serve_cli
 
     for workers in ("process", "inline"):
         args = build_parser().parse_args(["serve", "--host", "0.0.0.0", "--workers", workers,
@@ -126,7 +126,7 @@ def test_tls_files_are_checked(tmp_path):
 
 
 def test_tls_serves_https_and_grpc(tmp_path):
-    from coordinator import ctl_cli
+    from ftexpert.coordinator import ctl_cli
 
     cert, key = self_signed(tmp_path)
     with live_server(tmp_path, api_key="k", tls=TlsFiles.from_flags(cert, key)) as server:

@@ -9,8 +9,8 @@ import random
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from coordinator.policy import DECISION_STEP, FetchPolicy, PolicySettings, StepTelemetry, build_policy, fraction_to_q16
-from proto.bandwidth_profile import ExpertFormat, load_bandwidth_profile
+from ftexpert.coordinator.policy import DECISION_STEP, FetchPolicy, PolicySettings, StepTelemetry, build_policy, fraction_to_q16
+from ftexpert.proto.bandwidth_profile import ExpertFormat, load_bandwidth_profile
 
 FMT = ExpertFormat("bf16", 2048, 768)                     # 9.44 MB experts, as in qwen3-30b-a3b
 BPE = FMT.bytes_per_expert
@@ -196,7 +196,7 @@ def test_fraction_always_stays_finite_within_bounds_and_within_0_1(steps, lo, wi
 def test_a_fixed_fetch_fraction_of_0_is_used_as_given_and_out_of_bounds_ones_are_refused():
     import argparse
 
-    from coordinator.serve_cli import add_arguments, build_policy_from_args
+    from ftexpert.coordinator.serve_cli import add_arguments, build_policy_from_args
 
     parser = argparse.ArgumentParser()
     add_arguments(parser)
@@ -217,7 +217,7 @@ def test_a_fixed_fetch_fraction_of_0_is_used_as_given_and_out_of_bounds_ones_are
 def test_prefetch_fields_are_set_validated_and_reach_the_engine_message():
     """SetPolicy's prefetch / prefetch_budget: "" and 0 mean "as the engine started"; bad values change nothing;
     the engine's SetPolicy message carries them (the backend applies them, gpu_worker/offload/slot_pool.py)."""
-    from proto import engine_messages as em
+    from ftexpert.proto import engine_messages as em
 
     policy = FetchPolicy(PolicySettings(strategy="offload"))
     snap = policy.snapshot()
@@ -236,7 +236,7 @@ def test_prefetch_fields_are_set_validated_and_reach_the_engine_message():
 
 
 def test_prefetch_figures():
-    from coordinator.metrics import prefetch_figures
+    from ftexpert.coordinator.metrics import prefetch_figures
 
     got = prefetch_figures({"prefetch_predicted_total": 40, "prefetch_useful_total": 10,
                             "prefetch_layer_calls_total": 20, "expert_misses_total": 30})

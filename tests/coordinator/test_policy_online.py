@@ -11,12 +11,12 @@ import pytest
 sys.path.insert(0, os.path.dirname(__file__))
 from coordinator_support import MODEL_NAME, live_server  # noqa: E402
 
-from coordinator.engine_service import telemetry_from_stats  # noqa: E402
-from coordinator.policy import FetchPolicy, PolicySettings  # noqa: E402
-from gpu_worker.engine.stats import EngineStats  # noqa: E402
-from gpu_worker.hybrid.stats import HybridStats  # noqa: E402
-from proto import control_rpc as rpc  # noqa: E402
-from proto.engine_messages import flatten_stats  # noqa: E402
+from ftexpert.coordinator.engine_service import telemetry_from_stats  # noqa: E402
+from ftexpert.coordinator.policy import FetchPolicy, PolicySettings  # noqa: E402
+from ftexpert.gpu_worker.engine.stats import EngineStats  # noqa: E402
+from ftexpert.gpu_worker.hybrid.stats import HybridStats  # noqa: E402
+from ftexpert.proto import control_rpc as rpc  # noqa: E402
+from ftexpert.proto.engine_messages import flatten_stats  # noqa: E402
 
 
 def test_engine_counters_drive_the_tuner_and_the_engine_gets_each_decision(tmp_path):

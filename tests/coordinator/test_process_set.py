@@ -7,11 +7,11 @@ import os
 
 import pytest
 
-from coordinator.cli import build_parser
-from coordinator.process_set import ProcessSet, default_store_name, options_from_serve_args
-from gpu_worker.api import open_model_source
-from gpu_worker.worker_main import GpuWorkerOptions
-from proto import engine_messages as em
+from ftexpert.coordinator.cli import build_parser
+from ftexpert.coordinator.process_set import ProcessSet, default_store_name, options_from_serve_args
+from ftexpert.gpu_worker.api import open_model_source
+from ftexpert.gpu_worker.worker_main import GpuWorkerOptions
+from ftexpert.proto import engine_messages as em
 
 
 def worker_config(argv: list[str]) -> dict:
@@ -24,7 +24,7 @@ def worker_config(argv: list[str]) -> dict:
 
 @pytest.mark.parametrize("strategy,cpu_workers", [("resident", 0), ("offload", 0), ("hybrid", 2), ("cpu", 1)])
 def test_worker_specs_match_the_coordinators_config(strategy, cpu_workers, tmp_path):
-    from coordinator.engine_link import EngineLinkServer
+    from ftexpert.coordinator.engine_link import EngineLinkServer
 
     serve = build_parser().parse_args(["serve", "--model", str(tmp_path / "m"), "--moe-strategy", strategy,
                                        "--moe-cache-size", "16", "--max-context-tokens", "1024", "--port", "2345",
@@ -46,7 +46,7 @@ def test_worker_specs_match_the_coordinators_config(strategy, cpu_workers, tmp_p
     assert not [n for n in os.listdir("/dev/shm") if n.startswith(store)]   # the owner unlinked what it made
     assert [s.name for s in specs] == [f"cpu{i}" for i in range(cpu_workers)] + ["gpu0"]
     gpu = specs[-1]
-    assert gpu.argv[1:3] == ["-m", "coordinator.cli"] and gpu.kind == "gpu-worker"
+    assert gpu.argv[1:3] == ["-m", "ftexpert.coordinator.cli"] and gpu.kind == "gpu-worker"
     assert gpu.config_hash == em.engine_config_hash(options.config)
     assert worker_config(gpu.argv[3:]) == options.config                    # HELLO's hash will match
     assert "--parent-pid" in gpu.argv and str(os.getpid()) in gpu.argv
@@ -60,8 +60,8 @@ def test_worker_specs_match_the_coordinators_config(strategy, cpu_workers, tmp_p
 
 def test_serve_attach_names_the_worker_flags_that_do_not_reach_an_attached_worker():
     """--attach: the GPU worker runs with its own flags; the local ones given to ft serve are named in a warning."""
-    from coordinator.cli import build_parser
-    from coordinator.process_set import flags_an_attached_worker_ignores
+    from ftexpert.coordinator.cli import build_parser
+    from ftexpert.coordinator.process_set import flags_an_attached_worker_ignores
 
     parser = build_parser()
     given = ["--moe-slot-audit", "4", "--overlap-decode", "off"]
@@ -92,7 +92,7 @@ def test_serve_passes_the_prefill_chunk_and_the_overlap_to_its_gpu_worker(tmp_pa
 
 def test_inline_serve_builds_engines_with_the_given_prefill_chunk():
     """`ft serve --workers inline --prefill-chunk-tokens N`: load_served_engine hands N to every engine it makes."""
-    from coordinator.engine_factory import load_served_engine
+    from ftexpert.coordinator.engine_factory import load_served_engine
 
     served = load_served_engine(None, None, "cpu", max_running_requests=1, max_context_tokens=256,
                                 prefill_chunk_tokens=96)

@@ -18,7 +18,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from coordinator_support import MODEL_NAME, live_server  # noqa: E402
 from serve_support import TINY_ARGS, Proc, Server, children_pids, pid_alive  # noqa: E402
 
-from proto import control_rpc as rpc  # noqa: E402
+from ftexpert.proto import control_rpc as rpc  # noqa: E402
 
 PROMPTS = ["Hello", "The weather is", "Question: what is two plus two?"]
 LONG_CONTEXT_ARGS = ["--device", "cpu", "--max-context-tokens", "8192", "--max-running-requests", "4"]
@@ -180,7 +180,7 @@ def test_attach_without_a_worker_fails_naming_the_missing_peer(tmp_path):
 
 
 def test_a_killed_runs_expert_store_is_reclaimed_by_the_next_start(tmp_path, reference):
-    from proto.shm_segment import _read_header_of_file, shm_path
+    from ftexpert.proto.shm_segment import _read_header_of_file, shm_path
 
     store = f"ft-test-stale-{os.getpid()}"
     args = ["--moe-strategy", "offload", "--store-name", store, *TINY_ARGS]

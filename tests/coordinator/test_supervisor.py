@@ -8,16 +8,17 @@ import time
 
 import pytest
 
-from proto.supervised_child import config_hash
-from coordinator.supervisor import (ConfigMismatch, HandshakeTimeout, HeartbeatTimeout, Supervisor, WorkerExited,
+from ftexpert.proto.supervised_child import config_hash
+from ftexpert.coordinator.supervisor import (ConfigMismatch, HandshakeTimeout, HeartbeatTimeout, Supervisor, WorkerExited,
                                     WorkerGaveUp, WorkerSpec)
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+SRC = os.path.join(REPO, "src")
 HASH = config_hash({"model": "tiny", "layers": 4})
-ENV = {"PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
+ENV = {"PYTHONPATH": SRC + os.pathsep + os.environ.get("PYTHONPATH", "")}
 
 GOOD = f"""
-from proto.supervised_child import SupervisorLink
+from ftexpert.proto.supervised_child import SupervisorLink
 link = SupervisorLink.from_env()
 link.hello({HASH!r})
 link.ready()
@@ -28,7 +29,7 @@ SILENT = "import time; time.sleep(60)"
 CRASH_BEFORE_READY = "import sys; print('cannot open /dev/nvidia0', file=sys.stderr); sys.exit(3)"
 DIE_AFTER_READY = f"""
 import os, time
-from proto.supervised_child import SupervisorLink
+from ftexpert.proto.supervised_child import SupervisorLink
 link = SupervisorLink.from_env()
 link.hello({HASH!r})
 link.ready()
@@ -39,7 +40,7 @@ os._exit(7)
 """
 HANG_AFTER_READY = f"""
 import time
-from proto.supervised_child import SupervisorLink
+from ftexpert.proto.supervised_child import SupervisorLink
 link = SupervisorLink.from_env()
 link.hello({HASH!r})
 link.ready()
@@ -168,7 +169,7 @@ def test_child_exits_when_the_supervisor_goes_away(tmp_path):
     import subprocess
     from multiprocessing.connection import Connection
 
-    from proto.supervised_child import HELLO, READY, WELCOME, decode, encode
+    from ftexpert.proto.supervised_child import HELLO, READY, WELCOME, decode, encode
     parent, child = socket.socketpair()
     env = {**os.environ, **ENV, "FT_SUPERVISOR_FD": str(child.fileno()), "FT_WORKER_NAME": "w"}
     p = subprocess.Popen([sys.executable, "-c", GOOD], env=env, pass_fds=(child.fileno(),))
@@ -188,7 +189,7 @@ def test_child_exits_when_the_supervisor_goes_away(tmp_path):
 
 SCRIPTED = f"""
 import os, sys, time
-from proto.supervised_child import SupervisorLink
+from ftexpert.proto.supervised_child import SupervisorLink
 with open(os.environ["STARTS_FILE"], "a") as fh:
     fh.write("x")
 n = len(open(os.environ["STARTS_FILE"]).read())

@@ -8,11 +8,11 @@ import uuid
 import pytest
 import torch
 
-from proto.cpu_channel import create_worker_channel
-from cpu_expert_pool.api import CpuWorkerProc
-from cpu_expert_pool.reference import expert_weights, reference_moe_layer
-from proto.expert_act import apply_act, gpt_oss_act
-from proto.expert_store import ExpertStore
+from ftexpert.proto.cpu_channel import create_worker_channel
+from ftexpert.cpu_expert_pool.api import CpuWorkerProc
+from ftexpert.cpu_expert_pool.reference import expert_weights, reference_moe_layer
+from ftexpert.proto.expert_act import apply_act, gpt_oss_act
+from ftexpert.proto.expert_store import ExpertStore
 
 GPT_OSS = gpt_oss_act().label
 # Biased test stores: gate / up weights scaled by this (and biases of 2 N(0, 1)), so that gate . x + b passes the
@@ -35,7 +35,7 @@ def random_store(name: str, *, num_layers: int, num_experts: int, hidden: int, i
 
 def serve_channel(procs, store: ExpertStore, channel: str, timeout_s: float):
     """Start a worker process on `channel` (the `procs` fixture) and a client connected to it."""
-    from proto.cpu_channel import CpuPoolClient
+    from ftexpert.proto.cpu_channel import CpuPoolClient
 
     proc = procs(store_name=store.name, channel_name=channel)
     client = CpuPoolClient(channel)
@@ -86,8 +86,8 @@ def load_with_resources(strategy: str, *, device: str = "cpu", cache_size=None, 
     the GPU worker does (gpu_worker.api.load_attached_model); `model_dir`: that checkpoint instead (in `dtype`).
     `loaded.resources` is the owner; closing the
     backend also closes it (the workers stopped, the channels and the store unlinked)."""
-    from coordinator.expert_resources import CpuWorkerSettings, ExpertResources
-    from gpu_worker.api import load_attached_model, open_model_source, resolve_device
+    from ftexpert.coordinator.expert_resources import CpuWorkerSettings, ExpertResources
+    from ftexpert.gpu_worker.api import load_attached_model, open_model_source, resolve_device
 
     dev = resolve_device(device)
     source = open_model_source(model_dir, None, dtype=dtype, device=dev, expert_format=expert_format)

@@ -26,13 +26,13 @@ import pytest
 sys.path.insert(0, os.path.dirname(__file__))
 from tests.coordinator.serve_support import ENV, REPO, TINY_ARGS, Server, children_pids  # noqa: E402
 
-from coordinator.cli import build_parser  # noqa: E402
-from proto import cpus as cpu_lists  # noqa: E402
-from cpu_expert_pool.topology import discover_placements  # noqa: E402
-from proto.cpus import format_cpulist  # noqa: E402
-from cpu_expert_pool.worker import WorkerOptions, plan_placement  # noqa: E402
-from gpu_worker.hybrid.options import HybridOptions  # noqa: E402
-from gpu_worker.hybrid import options as hybrid_options  # noqa: E402
+from ftexpert.coordinator.cli import build_parser  # noqa: E402
+from ftexpert.proto import cpus as cpu_lists  # noqa: E402
+from ftexpert.cpu_expert_pool.topology import discover_placements  # noqa: E402
+from ftexpert.proto.cpus import format_cpulist  # noqa: E402
+from ftexpert.cpu_expert_pool.worker import WorkerOptions, plan_placement  # noqa: E402
+from ftexpert.gpu_worker.hybrid.options import HybridOptions  # noqa: E402
+from ftexpert.gpu_worker.hybrid import options as hybrid_options  # noqa: E402
 
 FIXTURES = Path(__file__).parents[1] / "fixtures" / "numa"
 RESTART_TIMEOUT_S = 60.0
@@ -134,7 +134,7 @@ def test_thread_ids_lists_this_process_threads():
                                                    ("hybrid", True, True), ("cpu", True, True),
                                                    ("hybrid", False, False)])
 def test_the_gpu_worker_pins_itself_only_with_cpu_workers(fake_affinity, strategy, pin, pinned):
-    from gpu_worker.worker_main import GpuWorkerOptions, pin_to_reserved_cpus
+    from ftexpert.gpu_worker.worker_main import GpuWorkerOptions, pin_to_reserved_cpus
 
     opts = GpuWorkerOptions(engine_addr="tcp://127.0.0.1:1", moe_strategy=strategy, reserve_cpus="0",
                             pin_gpu_worker=pin)
@@ -145,8 +145,8 @@ def test_the_gpu_worker_pins_itself_only_with_cpu_workers(fake_affinity, strateg
 def test_worker_flags_carry_the_affinity_from_before_the_pin(fake_affinity):
     """The owner resolves its workers' flags once, before this process may pin itself: a worker its supervisor
     restarts later is placed as the first one was."""
-    from coordinator.expert_resources import CpuWorkerSettings, ExpertResources
-    from cpu_expert_pool.api import worker_flags
+    from ftexpert.coordinator.expert_resources import CpuWorkerSettings, ExpertResources
+    from ftexpert.cpu_expert_pool.api import worker_flags
 
     flags = worker_flags(reserve_cpus="0")
     args = build_parser().parse_args(["worker", "cpu", "--store", "s", *flags])
@@ -179,15 +179,15 @@ def test_a_worker_plans_over_the_allowed_cpus_not_its_inherited_mask(fake_affini
     (["--pin-gpu-worker", "off"], {"FREETOKEN_PIN_GPU_WORKER": "on"}, False),
 ])
 def test_inline_serve_pins_only_when_asked(argv, environ, pinned):
-    from coordinator.serve_cli import inline_hybrid_options
+    from ftexpert.coordinator.serve_cli import inline_hybrid_options
     args = build_parser().parse_args(["serve", "--workers", "inline", "--reserve-cpus", "0", *argv])
     options = inline_hybrid_options(args, environ)
     assert options.pin_gpu_worker is pinned and options.reserve_cpus == "0"
 
 
 def test_inline_serve_hands_its_options_to_the_engine(monkeypatch):
-    import gpu_worker.api as api
-    from coordinator import expert_resources, serve_cli
+    import ftexpert.gpu_worker.api as api
+    from ftexpert.coordinator import expert_resources, serve_cli
     seen = {}
 
     def fake_load(*a, **kw):
@@ -217,14 +217,14 @@ def test_inline_serve_hands_its_options_to_the_engine(monkeypatch):
 
 
 def test_serve_and_generate_flags_reach_the_workers(tmp_path):
-    from coordinator.engine_link import EngineLinkServer
-    from coordinator.process_set import ProcessSet, options_from_serve_args
-    from coordinator.generate_cli import hybrid_options
-    from gpu_worker.api import open_model_source
+    from ftexpert.coordinator.engine_link import EngineLinkServer
+    from ftexpert.coordinator.process_set import ProcessSet, options_from_serve_args
+    from ftexpert.coordinator.generate_cli import hybrid_options
+    from ftexpert.gpu_worker.api import open_model_source
 
     serve = build_parser().parse_args(["serve", "--moe-strategy", "hybrid", "--num-cpu-workers", "1",
                                        "--reserve-cpus", "0", "--pin-gpu-worker", "off"])
-    from coordinator.expert_resources import CpuWorkerSettings, ExpertResources
+    from ftexpert.coordinator.expert_resources import CpuWorkerSettings, ExpertResources
 
     procs = ProcessSet(options_from_serve_args(serve), open_model_source(None, None, device="cpu"))
     procs.link = EngineLinkServer("tcp://127.0.0.1:0", procs.options.config)      # bound, not started
@@ -272,9 +272,9 @@ import json, logging, os, signal, sys, time, types, uuid
 import torch
 sys.path.insert(0, "tests/cpu_expert_pool")
 from test_affinity import RESTART_TIMEOUT_S, WORKER_ARGS, thread_affinities
-from coordinator.expert_resources import CpuWorkerSettings, ExpertResources
-from gpu_worker.api import HybridOptions, attach_cpu_pool
-from proto.expert_store import ExpertStore
+from ftexpert.coordinator.expert_resources import CpuWorkerSettings, ExpertResources
+from ftexpert.gpu_worker.api import HybridOptions, attach_cpu_pool
+from ftexpert.proto.expert_store import ExpertStore
 
 logging.basicConfig(level=logging.INFO, stream=sys.stderr)
 reserve, num_workers = sys.argv[1], int(sys.argv[2])
@@ -341,7 +341,7 @@ def _cpu_worker_pids(server_pid: int) -> dict[int, int]:
 def _supervised(srv: Server, name: str) -> dict:
     import grpc
 
-    from proto import control_rpc as rpc
+    from ftexpert.proto import control_rpc as rpc
     with grpc.insecure_channel(f"127.0.0.1:{srv.grpc_port}") as channel:
         workers = rpc.ControlStub(channel).ListWorkers(rpc.msg.ListWorkersRequest(), timeout=10).workers
     return {w.name: w for w in workers}[name]
@@ -384,9 +384,9 @@ def test_the_attached_backend_sizes_torch_threads_by_the_reserved_list(monkeypat
 
     import torch
 
-    import gpu_worker.hybrid as hybrid
-    from gpu_worker.models import attached_backends
-    from gpu_worker.models.loader import open_model_source
+    import ftexpert.gpu_worker.hybrid as hybrid
+    from ftexpert.gpu_worker.models import attached_backends
+    from ftexpert.gpu_worker.models.loader import open_model_source
 
     class FakePool:
         t_max = 4

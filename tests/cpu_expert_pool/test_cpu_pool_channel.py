@@ -11,14 +11,14 @@ import uuid
 import pytest
 import torch
 
-from cpu_expert_pool import channel as ch
-from proto.cpu_channel import CpuPoolClient, WorkerDead, WorkerError, WorkerTimeout, create_worker_channel
-from cpu_expert_pool.channel import IdlePolicy, IdleWaiter, WorkerChannel
-from cpu_expert_pool.expert_kernel import ExpertKernel
-from cpu_expert_pool.reference import reference_moe_layer
-from proto import shm_layout as sl
-from proto import shm_segment
-from proto.expert_store import ExpertStore
+from ftexpert.cpu_expert_pool import channel as ch
+from ftexpert.proto.cpu_channel import CpuPoolClient, WorkerDead, WorkerError, WorkerTimeout, create_worker_channel
+from ftexpert.cpu_expert_pool.channel import IdlePolicy, IdleWaiter, WorkerChannel
+from ftexpert.cpu_expert_pool.expert_kernel import ExpertKernel
+from ftexpert.cpu_expert_pool.reference import reference_moe_layer
+from ftexpert.proto import shm_layout as sl
+from ftexpert.proto import shm_segment
+from ftexpert.proto.expert_store import ExpertStore
 from tests.cpu_expert_pool.cpu_pool_util import random_store
 
 H, I, E, L = 64, 32, 4, 3

@@ -10,11 +10,11 @@ import uuid
 import pytest
 import torch
 
-from cpu_expert_pool.expert_kernel import ExpertKernel, torch_moe_layer
-from cpu_expert_pool.native.act_desc import expert_act_desc
-from cpu_expert_pool.native.build import ISA_NAMES, try_load_native
-from cpu_expert_pool.reference import reference_moe_layer
-from proto.expert_store import ExpertStore
+from ftexpert.cpu_expert_pool.expert_kernel import ExpertKernel, torch_moe_layer
+from ftexpert.cpu_expert_pool.native.act_desc import expert_act_desc
+from ftexpert.cpu_expert_pool.native.build import ISA_NAMES, try_load_native
+from ftexpert.cpu_expert_pool.reference import reference_moe_layer
+from ftexpert.proto.expert_store import ExpertStore
 from tests.cpu_expert_pool.cpu_pool_util import BIASED_GAIN, GPT_OSS, check_act_is_seen, fill_biases
 
 NATIVE, WHY_NOT = try_load_native()

@@ -24,20 +24,20 @@ import numpy as np
 import pytest
 import torch
 
-from cpu_expert_pool.expert_kernel import ExpertKernel
-from cpu_expert_pool.native.act_desc import expert_act_desc
-from cpu_expert_pool.native.build import ISA_NAMES, NativeUnavailable, build_library, try_load_native
-from cpu_expert_pool.native.quant_desc import QuantBindings, QuantFormatDesc, quant_format_desc
-from cpu_expert_pool.reference import expert_weights, reference_moe_layer
-from proto.expert_act import apply_act
-from proto.expert_format import dequantize_expert, quantize_expert
-from proto.expert_store import ExpertStore
+from ftexpert.cpu_expert_pool.expert_kernel import ExpertKernel
+from ftexpert.cpu_expert_pool.native.act_desc import expert_act_desc
+from ftexpert.cpu_expert_pool.native.build import ISA_NAMES, NativeUnavailable, build_library, try_load_native
+from ftexpert.cpu_expert_pool.native.quant_desc import QuantBindings, QuantFormatDesc, quant_format_desc
+from ftexpert.cpu_expert_pool.reference import expert_weights, reference_moe_layer
+from ftexpert.proto.expert_act import apply_act
+from ftexpert.proto.expert_format import dequantize_expert, quantize_expert
+from ftexpert.proto.expert_store import ExpertStore
 from tests.cpu_expert_pool.cpu_pool_util import BIASED_GAIN, GPT_OSS, check_act_is_seen, fill_biases
 
 NATIVE, WHY_NOT = try_load_native()
 pytestmark = pytest.mark.skipif(NATIVE is None, reason=f"compiled kernel unavailable: {WHY_NOT}")
 QUANT_ISAS = list(range(min(NATIVE.best_isa, 2) + 1)) if NATIVE else []       # scalar, avx2, avx512 where present
-NATIVE_DIR = Path(__file__).resolve().parents[2] / "cpu_expert_pool" / "native"
+NATIVE_DIR = Path(__file__).resolve().parents[2] / "src" / "ftexpert" / "cpu_expert_pool" / "native"
 SIMDE_HEADER = Path("/usr/include/simde/x86/avx512.h")
 TOL = 1e-5
 
@@ -366,8 +366,8 @@ def test_a_descriptor_that_does_not_fit_is_refused(store):
 # The C serve loop and the worker's loop
 # ---------------------------------------------------------------------------------------------
 def _rig(store: ExpertStore):
-    from proto.cpu_channel import CpuPoolClient, create_worker_channel
-    from cpu_expert_pool.channel import WorkerChannel
+    from ftexpert.proto.cpu_channel import CpuPoolClient, create_worker_channel
+    from ftexpert.cpu_expert_pool.channel import WorkerChannel
 
     seg = create_worker_channel(f"{store.name}.cpu0-{uuid.uuid4().hex[:6]}", t_max=8, hidden=store.shape.hidden,
                                 max_triples=16)
@@ -402,8 +402,8 @@ def nvfp4_rig():
 def test_serve_loop_answers_like_the_reference(store, rig):
     import time
 
-    from cpu_expert_pool.native_loop import SERVE_IDLE
-    from cpu_expert_pool.worker import WorkerStats
+    from ftexpert.cpu_expert_pool.native_loop import SERVE_IDLE
+    from ftexpert.cpu_expert_pool.worker import WorkerStats
 
     wc, client = rig
     loop = ExpertKernel(store, kernel="native", num_threads=2).serve_loop(wc, split=None, worker_index=0)
@@ -423,7 +423,7 @@ def test_serve_loop_answers_like_the_reference(store, rig):
 
 @pytest.mark.parametrize("loop", ["native", "python"])
 def test_worker_loop_serves_a_quantized_store(nvfp4_rig, monkeypatch, loop):
-    from cpu_expert_pool.worker import CpuWorker, Stop, WorkerOptions, WorkerSettings, cpu_busy_loop
+    from ftexpert.cpu_expert_pool.worker import CpuWorker, Stop, WorkerOptions, WorkerSettings, cpu_busy_loop
 
     store, wc, client = nvfp4_rig
     monkeypatch.setenv("FT_WORKER_LOOP", loop)

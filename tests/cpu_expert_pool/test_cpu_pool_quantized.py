@@ -9,11 +9,11 @@ import uuid
 import pytest
 import torch
 
-from cpu_expert_pool.expert_kernel import ExpertKernel, torch_moe_layer
-from cpu_expert_pool.native.build import try_load_native
-from cpu_expert_pool.reference import reference_moe_layer
-from proto.expert_format import ExpertFormat, FormatError, dequantize_expert, quantize_expert
-from proto.expert_store import ExpertStore
+from ftexpert.cpu_expert_pool.expert_kernel import ExpertKernel, torch_moe_layer
+from ftexpert.cpu_expert_pool.native.build import try_load_native
+from ftexpert.cpu_expert_pool.reference import reference_moe_layer
+from ftexpert.proto.expert_format import ExpertFormat, FormatError, dequantize_expert, quantize_expert
+from ftexpert.proto.expert_store import ExpertStore
 
 H, I, E = 128, 64, 5
 FORMATS = ("fp8", "int4-g32", "int4-g64", "mxfp4", "nvfp4")

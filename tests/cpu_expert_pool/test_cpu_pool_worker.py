@@ -10,11 +10,11 @@ import uuid
 import pytest
 import torch
 
-from proto.cpu_channel import CpuPoolClient, WorkerDead, WorkerError, WorkerTimeout
-from cpu_expert_pool.reference import reference_moe_layer
-from proto import shm_layout as sl
-from proto import shm_segment
-from proto.expert_store import ExpertStore
+from ftexpert.proto.cpu_channel import CpuPoolClient, WorkerDead, WorkerError, WorkerTimeout
+from ftexpert.cpu_expert_pool.reference import reference_moe_layer
+from ftexpert.proto import shm_layout as sl
+from ftexpert.proto import shm_segment
+from ftexpert.proto.expert_store import ExpertStore
 from tests.cpu_expert_pool.cpu_pool_util import channel, procs, random_store  # noqa: F401 (fixtures)
 
 H, I, E, L = 64, 32, 4, 2
@@ -215,11 +215,11 @@ def _store_mapping(pid: int, store_name: str) -> dict:
 def test_under_the_coordinator_supervisor_a_killed_worker_is_restarted(store, channel):
     """coordinator/supervisor.py starts `ft worker cpu` (HELLO with the store's config hash, READY,
     heartbeats), restarts it after SIGKILL, and the new process serves the same channel and store."""
-    from coordinator.supervisor import Supervisor, WorkerSpec
-    from cpu_expert_pool.api import REPO_ROOT, worker_argv
+    from ftexpert.coordinator.supervisor import Supervisor, WorkerSpec
+    from ftexpert.cpu_expert_pool.api import IMPORT_ROOT, worker_argv
 
     argv = worker_argv(store_name=store.name, channel_name=channel, flags=WORKER_ARGS)
-    spec = WorkerSpec("cpu0", argv, config_hash=store.config_hash, env={"PYTHONPATH": str(REPO_ROOT)},
+    spec = WorkerSpec("cpu0", argv, config_hash=store.config_hash, env={"PYTHONPATH": str(IMPORT_ROOT)},
                       ready_timeout_s=START_TIMEOUT_S, backoff_initial_s=0.1, kind="cpu")
     sup = Supervisor([spec])
     sup.start(timeout_s=START_TIMEOUT_S)
@@ -241,11 +241,11 @@ def test_under_the_coordinator_supervisor_a_killed_worker_is_restarted(store, ch
 
 
 def test_supervisor_rejects_a_worker_whose_store_has_another_config_hash(store, channel):
-    from coordinator.supervisor import Supervisor, WorkerError, WorkerSpec
-    from cpu_expert_pool.api import REPO_ROOT, worker_argv
+    from ftexpert.coordinator.supervisor import Supervisor, WorkerError, WorkerSpec
+    from ftexpert.cpu_expert_pool.api import IMPORT_ROOT, worker_argv
 
     argv = worker_argv(store_name=store.name, channel_name=channel, flags=WORKER_ARGS)
-    sup = Supervisor([WorkerSpec("cpu0", argv, config_hash="not-the-store", env={"PYTHONPATH": str(REPO_ROOT)},
+    sup = Supervisor([WorkerSpec("cpu0", argv, config_hash="not-the-store", env={"PYTHONPATH": str(IMPORT_ROOT)},
                                  ready_timeout_s=START_TIMEOUT_S, restart=False)])
     with pytest.raises(WorkerError, match="cpu0"):
         sup.start(timeout_s=START_TIMEOUT_S)

@@ -9,7 +9,7 @@ import tempfile
 
 import pytest
 
-from cpu_expert_pool.native.build import NativeLib, NativeUnavailable, build_library, default_cache_dir
+from ftexpert.cpu_expert_pool.native.build import NativeLib, NativeUnavailable, build_library, default_cache_dir
 
 needs_cc = pytest.mark.skipif(shutil.which(os.environ.get("CC", "gcc")) is None and shutil.which("cc") is None,
                               reason="no C compiler")

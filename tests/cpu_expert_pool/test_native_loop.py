@@ -16,16 +16,16 @@ import numpy as np
 import pytest
 import torch
 
-from proto.cpu_channel import CpuPoolClient, WorkerError, create_worker_channel
-from cpu_expert_pool.channel import WorkerChannel
-from cpu_expert_pool.expert_kernel import ExpertKernel
-from cpu_expert_pool.native.build import try_load_native
-from cpu_expert_pool.native_loop import SERVE_DEADLINE, SERVE_IDLE, SERVE_PYTHON, native_loop_wanted
-from cpu_expert_pool.reference import reference_moe_layer
-from proto.expert_owners import ExpertSplit
-from cpu_expert_pool.worker import CpuWorker, Stop, WorkerOptions, WorkerSettings, WorkerStats, cpu_busy_loop
-from proto.expert_store import ExpertStore
-from proto.shm_layout import STATUS_BAD_REQUEST
+from ftexpert.proto.cpu_channel import CpuPoolClient, WorkerError, create_worker_channel
+from ftexpert.cpu_expert_pool.channel import WorkerChannel
+from ftexpert.cpu_expert_pool.expert_kernel import ExpertKernel
+from ftexpert.cpu_expert_pool.native.build import try_load_native
+from ftexpert.cpu_expert_pool.native_loop import SERVE_DEADLINE, SERVE_IDLE, SERVE_PYTHON, native_loop_wanted
+from ftexpert.cpu_expert_pool.reference import reference_moe_layer
+from ftexpert.proto.expert_owners import ExpertSplit
+from ftexpert.cpu_expert_pool.worker import CpuWorker, Stop, WorkerOptions, WorkerSettings, WorkerStats, cpu_busy_loop
+from ftexpert.proto.expert_store import ExpertStore
+from ftexpert.proto.shm_layout import STATUS_BAD_REQUEST
 from tests.cpu_expert_pool.cpu_pool_util import random_store
 
 NATIVE, WHY_NOT = try_load_native()

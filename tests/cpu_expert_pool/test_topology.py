@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from cpu_expert_pool.topology import WorkerPlacement, discover_placements, plan_workers, read_core_of_cpu, read_numa_nodes
-from proto.cpus import format_cpulist, parse_cpulist
+from ftexpert.cpu_expert_pool.topology import WorkerPlacement, discover_placements, plan_workers, read_core_of_cpu, read_numa_nodes
+from ftexpert.proto.cpus import format_cpulist, parse_cpulist
 
 FIXTURES = Path(__file__).parents[1] / "fixtures" / "numa"
 ALL_16 = range(16)
@@ -146,9 +146,9 @@ def test_store_pages_are_bound_to_the_owner_node(tmp_path):
 
     import torch
 
-    from proto.expert_owners import ExpertSplit
-    from cpu_expert_pool.topology import place_store_on_nodes
-    from proto.expert_store import ExpertStore
+    from ftexpert.proto.expert_owners import ExpertSplit
+    from ftexpert.cpu_expert_pool.topology import place_store_on_nodes
+    from ftexpert.proto.expert_store import ExpertStore
 
     placements = discover_placements()
     name = f"ft-test-numa-{os.getpid()}-{uuid.uuid4().hex[:6]}"
@@ -176,7 +176,7 @@ def _small_store(tag: str):
 
     import torch
 
-    from proto.expert_store import ExpertStore
+    from ftexpert.proto.expert_store import ExpertStore
     return ExpertStore.create(f"ft-test-place-{tag}-{os.getpid()}-{uuid.uuid4().hex[:6]}", num_layers=2,
                               num_experts=4, hidden=64, intermediate=32, dtype=torch.bfloat16, config_hash="p")
 
@@ -184,7 +184,7 @@ def _small_store(tag: str):
 def test_store_pages_go_to_the_node_of_their_worker_on_two_nodes(monkeypatch):
     """The store's creator binds expert e's pages to the node of the worker owning it (contiguous ranges:
     experts 0-1 with worker 0 on node 0, experts 2-3 with worker 1 on node 1), every layer."""
-    from cpu_expert_pool import topology
+    from ftexpert.cpu_expert_pool import topology
     calls = []
     monkeypatch.setattr(topology, "mbind_range", lambda address, nbytes, node, move=True: (calls.append(
         (address, nbytes, node)), (True, ""))[1])
@@ -202,7 +202,7 @@ def test_store_pages_go_to_the_node_of_their_worker_on_two_nodes(monkeypatch):
 
 
 def test_store_pages_are_left_alone_on_one_node_and_when_workers_do_not_fit(monkeypatch):
-    from cpu_expert_pool import topology
+    from ftexpert.cpu_expert_pool import topology
     monkeypatch.setattr(topology, "mbind_range", lambda *a, **k: pytest.fail("mbind on one node"))
     store = _small_store("one")
     try:
@@ -218,8 +218,8 @@ def test_store_pages_are_left_alone_on_one_node_and_when_workers_do_not_fit(monk
 
 def test_the_store_creator_places_pages_before_filling():
     """HostExperts.create_filled runs before_fill on the empty store (pages land where first written)."""
-    from gpu_worker.models import load_model
-    from gpu_worker.offload import HostExperts
+    from ftexpert.gpu_worker.models import load_model
+    from ftexpert.gpu_worker.offload import HostExperts
     source = load_model(device="cpu").source.experts
     seen = []
 

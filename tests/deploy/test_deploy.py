@@ -14,10 +14,11 @@ import sys
 import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+SRC = os.path.join(REPO, "src")
 DEPLOY = os.path.join(REPO, "deploy")
 UNITS = ["ft.target", "ft-coordinator.service", "ft-gpu-worker@.service", "ft-cpu-worker@.service"]
 SERVICES = UNITS[1:]
-ENV = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
+ENV = {**os.environ, "PYTHONPATH": SRC + os.pathsep + os.environ.get("PYTHONPATH", "")}
 
 
 def read_unit(name: str) -> configparser.ConfigParser:
@@ -63,7 +64,7 @@ def help_texts() -> dict[str, str]:
     """`ft <subcommand> --help` of every subcommand the units run (one process each)."""
     texts = {}
     for sub in (("serve",), ("worker", "gpu"), ("worker", "cpu")):
-        out = subprocess.run([sys.executable, "-m", "coordinator.cli", *sub, "--help"], cwd=REPO, env=ENV,
+        out = subprocess.run([sys.executable, "-m", "ftexpert.coordinator.cli", *sub, "--help"], cwd=REPO, env=ENV,
                              capture_output=True, text=True, timeout=60)
         assert out.returncode == 0, out.stderr
         texts[" ".join(sub)] = out.stdout
@@ -89,7 +90,7 @@ def test_units_parse_and_belong_to_the_target(unit):
                                           ("ft-gpu-worker@.service", "worker gpu"),
                                           ("ft-cpu-worker@.service", "worker cpu")])
 def test_exec_start_is_a_real_ft_command(unit, command, help_texts):
-    from coordinator.cli import build_parser
+    from ftexpert.coordinator.cli import build_parser
 
     argv = exec_argv(unit)
     assert argv[0] == "/usr/local/bin/ft" and " ".join(argv[1:1 + len(command.split())]) == command
@@ -97,13 +98,13 @@ def test_exec_start_is_a_real_ft_command(unit, command, help_texts):
     missing = [f for f in flags if not re.search(rf"(^|[\s,\[]){re.escape(f)}\b", help_texts[command], re.M)]
     assert not missing, f"{unit}: `ft {command} --help` lists no {missing}"
     args = build_parser().parse_args(argv[1:])          # every value is valid for its flag
-    assert args._module in ("coordinator.serve_cli", "gpu_worker.worker_cli", "cpu_expert_pool.cli")
+    assert args._module in ("ftexpert.coordinator.serve_cli", "ftexpert.gpu_worker.worker_cli", "ftexpert.cpu_expert_pool.cli")
 
 
 def test_coordinator_and_gpu_worker_get_the_same_engine_config():
-    from coordinator.cli import build_parser
-    from gpu_worker.worker_main import GpuWorkerOptions
-    from proto import engine_messages as em
+    from ftexpert.coordinator.cli import build_parser
+    from ftexpert.gpu_worker.worker_main import GpuWorkerOptions
+    from ftexpert.proto import engine_messages as em
 
     serve = build_parser().parse_args(exec_argv("ft-coordinator.service")[1:])
     worker = build_parser().parse_args(exec_argv("ft-gpu-worker@.service")[1:])
@@ -122,8 +123,8 @@ def test_coordinator_and_gpu_worker_get_the_same_engine_config():
 
 
 def test_env_file_holds_known_knobs_and_loopback_addresses():
-    from proto.knobs import read_env
-    from proto.link_io import check_loopback_address
+    from ftexpert.proto.knobs import read_env
+    from ftexpert.proto.link_io import check_loopback_address
 
     env = read_env_file()
     read_env(env)                                  # raises on an unknown or invalid FREETOKEN_* knob

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gpu_worker.engine import Engine, EngineConfig, SamplingParams
-from gpu_worker.models import load_model
-from gpu_worker.offload import HostExperts, OffloadExperts
-from gpu_worker.offload.prefetch import PrefetchSettings, RandomPredictor, RouterPredictor, attach_prefetch
+from ftexpert.gpu_worker.engine import Engine, EngineConfig, SamplingParams
+from ftexpert.gpu_worker.models import load_model
+from ftexpert.gpu_worker.offload import HostExperts, OffloadExperts
+from ftexpert.gpu_worker.offload.prefetch import PrefetchSettings, RandomPredictor, RouterPredictor, attach_prefetch
 
 # The embedded model: 4 layers x 8 experts, top-2. A global pool of 8 slots (a quarter), or per-layer pools of 4
 # (half a layer); prefill chunks of 2 tokens (4 routes) fit either.
@@ -45,7 +45,7 @@ class LogitRecorder:
     engine's (their logits are discarded, and a capture cannot copy to the host), so they are not recorded."""
 
     def __init__(self, model):
-        from gpu_worker.engine.cuda_graphs import DecodeGraphs
+        from ftexpert.gpu_worker.engine.cuda_graphs import DecodeGraphs
         self.model, self.logits, self._capturing = model, [], False
         self._forward = model.forward
         model.forward = self

@@ -8,9 +8,9 @@ import threading
 import pytest
 import torch
 
-from gpu_worker.hybrid import bandwidth
-from gpu_worker.hybrid.bandwidth import bench_store, shared_bandwidth
-from proto.shm_segment import shm_path
+from ftexpert.gpu_worker.hybrid import bandwidth
+from ftexpert.gpu_worker.hybrid.bandwidth import bench_store, shared_bandwidth
+from ftexpert.proto.shm_segment import shm_path
 
 TOP_K = 2
 WORKER_FLAGS = ["--threads", "1", "--log-level", "WARNING"]

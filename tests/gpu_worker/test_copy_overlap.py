@@ -10,13 +10,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gpu_worker.models import expert_math
-from gpu_worker.models.expert_layout import ExpertLayout, unpack_experts
-from gpu_worker.models.expert_math import expert_rows
-from gpu_worker.models.resident_experts import expert_ffn
-from gpu_worker.offload.decode_copy import CopyTimer, DecodeCopy
-from kernels.moe_decode import CopyPlan, GemvBlocks, moe_gemv
-from kernels.moe_decode import reference as ref
+from ftexpert.gpu_worker.models import expert_math
+from ftexpert.gpu_worker.models.expert_layout import ExpertLayout, unpack_experts
+from ftexpert.gpu_worker.models.expert_math import expert_rows
+from ftexpert.gpu_worker.models.resident_experts import expert_ffn
+from ftexpert.gpu_worker.offload.decode_copy import CopyTimer, DecodeCopy
+from ftexpert.kernels.moe_decode import CopyPlan, GemvBlocks, moe_gemv
+from ftexpert.kernels.moe_decode import reference as ref
 from tests.conftest import KERNEL_DEVICE
 
 DEV = KERNEL_DEVICE
@@ -187,7 +187,7 @@ def test_copy_plan_errors():
 
 
 def test_the_decode_copy_without_a_side_stream_is_copy_then_ffn_and_timed_on_the_host():
-    from kernels.slot_cache import SlotCache, ensure
+    from ftexpert.kernels.slot_cache import SlotCache, ensure
     layout = ExpertLayout(32, 16, torch.float32)
     E, S = 6, 4
     g = torch.Generator().manual_seed(0)
@@ -212,8 +212,8 @@ def _record_copy_then_ffn(monkeypatch, split_copy, fail_second_copy=False, after
     with a CUDA CopyTimer, inside a decode step."""
     import contextlib
 
-    from gpu_worker.offload import decode_copy as oe
-    from kernels.slot_cache import SlotCache
+    from ftexpert.gpu_worker.offload import decode_copy as oe
+    from ftexpert.kernels.slot_cache import SlotCache
     log = []
 
     class Stream:
@@ -348,7 +348,7 @@ def test_a_failed_copy_launch_still_joins_the_side_stream(monkeypatch):
 def _gpu_case(E=24, S=12, H=2048, I=768):
     """A pool of S slots over E experts of the qwen3-30b-a3b shape (9.44 MB each, ~190 us a copy over
     PCIe: a GEMM that did not wait for its copy would read the slot's previous expert)."""
-    from kernels.slot_cache import SlotCache
+    from ftexpert.kernels.slot_cache import SlotCache
     layout = ExpertLayout(H, I, torch.bfloat16)
     g = torch.Generator().manual_seed(0)
     host = (torch.randn(E, layout.expert_numel, generator=g) * 0.05).to(torch.bfloat16).pin_memory()
@@ -366,7 +366,7 @@ def _routes(n, K, E, seed):
 @pytest.mark.gpu
 @pytest.mark.parametrize("overlap,split", [(True, True), (True, False), (False, True)])
 def test_gpu_copy_beside_the_gemms_matches_the_host_weights(overlap, split):
-    from kernels.slot_cache import ensure
+    from ftexpert.kernels.slot_cache import ensure
     layout, host, cache, slots, resident = _gpu_case()
     r13, r2 = unpack_experts(resident, layout)
     side = torch.cuda.Stream() if overlap else None
@@ -387,7 +387,7 @@ def test_gpu_copy_beside_the_gemms_matches_the_host_weights(overlap, split):
 @pytest.mark.gpu
 @pytest.mark.parametrize("split", [True, False])
 def test_gpu_copy_beside_the_gemms_in_a_cuda_graph(split):
-    from kernels.slot_cache import ensure
+    from ftexpert.kernels.slot_cache import ensure
     layout, host, cache, slots, resident = _gpu_case()
     r13, r2 = unpack_experts(resident, layout)
     side = torch.cuda.Stream()

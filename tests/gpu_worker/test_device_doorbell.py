@@ -20,11 +20,11 @@ import pytest
 import torch
 
 from conftest import KERNEL_DEVICE
-from cpu_expert_pool.api import REPO_ROOT, CpuWorkerProc
-from cpu_expert_pool.reference import reference_moe_layer
-from gpu_worker.hybrid.device_doorbell import DeviceDoorbell
-from kernels import handoff
-from kernels.cuda_driver import CudaDriver, CudaDriverError, CudaDriverUnavailable, load_driver
+from ftexpert.cpu_expert_pool.api import IMPORT_ROOT, CpuWorkerProc
+from ftexpert.cpu_expert_pool.reference import reference_moe_layer
+from ftexpert.gpu_worker.hybrid.device_doorbell import DeviceDoorbell
+from ftexpert.kernels import handoff
+from ftexpert.kernels.cuda_driver import CudaDriver, CudaDriverError, CudaDriverUnavailable, load_driver
 from tests.cpu_expert_pool.cpu_pool_util import channel, procs, random_store, serve_channel  # noqa: F401 (fixtures)
 
 H, I, E, L = 64, 32, 6, 2
@@ -385,7 +385,7 @@ def test_the_kernels_compile_for_sm90_without_a_gpu():
     import subprocess
     import sys
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, "-m", "kernels.handoff.compile_check"], capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, "-m", "ftexpert.kernels.handoff.compile_check"], capture_output=True, text=True,
                           env=env, cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     rows = {line[:22].strip(): line[22:] for line in proc.stdout.splitlines() if line.strip()}
@@ -406,7 +406,7 @@ def _count_reference(ids: torch.Tensor, fetched: int, missing: int, offload: boo
 
 @pytest.mark.parametrize("n", [1, 2, 7, 16, 17, 32, 40, 256])
 def test_count_call_matches_a_plain_count(n):
-    """kernels.handoff.count_call (the device path's per-layer counters) against a Python count, call after
+    """ftexpert.kernels.handoff.count_call (the device path's per-layer counters) against a Python count, call after
     call on the same counters: plan length, distinct misses, calls, offload calls, pairs, distinct hits."""
     gen = torch.Generator().manual_seed(n)
     counts = torch.zeros(handoff.COUNTERS, dtype=torch.int64, device=KERNEL_DEVICE)
@@ -447,8 +447,8 @@ def test_importing_loads_no_cuda_driver():
             "import kernels.cuda_driver as m, gpu_worker.hybrid.device_doorbell; assert m._DRIVER is None; "
             "after = 'libcuda.so' in open('/proc/self/maps').read(); "
             "assert before or not after, 'libcuda loaded by importing the driver binding'")
-    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT))
-    subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO_ROOT, env=env, timeout=120)
+    env = dict(os.environ, PYTHONPATH=str(IMPORT_ROOT))
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=IMPORT_ROOT, env=env, timeout=120)
 
 
 def test_a_missing_driver_library_is_a_clear_error():

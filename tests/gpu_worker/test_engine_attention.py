@@ -7,10 +7,10 @@ import math
 import pytest
 import torch
 
-from gpu_worker.engine import Engine, EngineConfig, SamplingParams
-from gpu_worker.engine.attention import DecodeAttention, PrefillAttention, decode_bucket_tokens
-from gpu_worker.engine.kv_cache import KVCache
-from gpu_worker.models import MoeConfig, load_model
+from ftexpert.gpu_worker.engine import Engine, EngineConfig, SamplingParams
+from ftexpert.gpu_worker.engine.attention import DecodeAttention, PrefillAttention, decode_bucket_tokens
+from ftexpert.gpu_worker.engine.kv_cache import KVCache
+from ftexpert.gpu_worker.models import MoeConfig, load_model
 from tests.gpu_worker.test_models_util import hf_greedy, hf_model, prompt_ids, rel_err, save_hf
 
 
@@ -147,7 +147,7 @@ def _prefill_bias_case(device: str, dtype: torch.dtype, window: int | None) -> N
 @pytest.fixture
 def bias_kernel(monkeypatch):
     """Prefill attention on the folded bias even where the flash path applies (the bias tests' subject)."""
-    from gpu_worker.engine import attention
+    from ftexpert.gpu_worker.engine import attention
     monkeypatch.setattr(attention, "PREFILL_KERNEL", "bias")
 
 
@@ -166,7 +166,7 @@ def test_gpu_prefill_bias_is_the_masks_bitwise(bias_kernel, window):
 
 
 def test_prefill_kernel_setting_is_checked(monkeypatch):
-    from gpu_worker.engine import attention
+    from ftexpert.gpu_worker.engine import attention
     monkeypatch.setattr(attention, "PREFILL_KERNEL", "flashy")
     kv = kv_cache(max_batch=1, max_ctx=16)
     q, k = torch.zeros(2, 8, 16, dtype=torch.float64), torch.zeros(2, 2, 16, dtype=torch.float64)
@@ -180,7 +180,7 @@ def test_prefill_kernel_setting_is_checked(monkeypatch):
 def test_gpu_prefill_flash_path_matches_the_reference_and_the_bias(monkeypatch, start, chunk):
     """qwen3-30b-a3b's heads (32 query, 4 kv, 128 wide) in bf16: the lower-right causal flash path is taken, and
     its output agrees with the per-token fp64 reference and with the folded-bias path within bf16 rounding."""
-    from gpu_worker.engine import attention
+    from ftexpert.gpu_worker.engine import attention
     heads, kv_heads, d = 32, 4, 128
     cfg = MoeConfig(arch="qwen3", vocab_size=8, hidden_size=heads * d, num_layers=1, num_heads=heads,
                     num_kv_heads=kv_heads, head_dim=d, num_experts=2, top_k=1, expert_intermediate_size=8,

@@ -7,8 +7,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gpu_worker.engine import Engine, EngineConfig, SamplingParams
-from gpu_worker.models import load_model
+from ftexpert.gpu_worker.engine import Engine, EngineConfig, SamplingParams
+from ftexpert.gpu_worker.models import load_model
 from tests.gpu_worker.test_models_util import hf_model, prompt_ids, save_hf
 
 PROMPT_LENGTHS = (1, 4, 9, 17)
@@ -79,7 +79,7 @@ def test_prefill_chunk_default_comes_from_the_expert_backend():
     else DEFAULT_PREFILL_CHUNK_TOKENS, the same for resident and offload (their greedy tokens must agree, and the
     chunking decides the prefill GEMMs' shapes); a configured size always wins, and the scheduler cuts a long
     prompt by it."""
-    from gpu_worker.engine.engine import DEFAULT_PREFILL_CHUNK_TOKENS
+    from ftexpert.gpu_worker.engine.engine import DEFAULT_PREFILL_CHUNK_TOKENS
     resident = load_model(device="cpu")
     assert Engine(resident.model, EngineConfig()).prefill_chunk_tokens == DEFAULT_PREFILL_CHUNK_TOKENS == 4096
     engine = Engine(resident.model, EngineConfig(prefill_chunk_tokens=24, max_context_tokens=128))

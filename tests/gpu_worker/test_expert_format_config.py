@@ -6,19 +6,19 @@ import json
 
 import pytest
 
-from coordinator.cli import build_parser
-from coordinator.process_set import options_from_serve_args
-from gpu_worker.hybrid.bandwidth import write_profile_entry
-from gpu_worker.models.config import MoeConfig
-from gpu_worker.models.presets import PRESETS
-from gpu_worker.models.quant_config import checkpoint_expert_format, resolve_served_format
-from gpu_worker.worker_main import GpuWorkerOptions
-from proto import engine_messages as em
-from proto.bandwidth_profile import ExpertFormat as ProfileFormat
-from proto.bandwidth_profile import load_bandwidth_profile
-from proto.expert_format import ExpertFormat, FormatError
-from proto.knobs import resolve
-from gpu_worker.models.quant_config import QuantCheckpointError
+from ftexpert.coordinator.cli import build_parser
+from ftexpert.coordinator.process_set import options_from_serve_args
+from ftexpert.gpu_worker.hybrid.bandwidth import write_profile_entry
+from ftexpert.gpu_worker.models.config import MoeConfig
+from ftexpert.gpu_worker.models.presets import PRESETS
+from ftexpert.gpu_worker.models.quant_config import checkpoint_expert_format, resolve_served_format
+from ftexpert.gpu_worker.worker_main import GpuWorkerOptions
+from ftexpert.proto import engine_messages as em
+from ftexpert.proto.bandwidth_profile import ExpertFormat as ProfileFormat
+from ftexpert.proto.bandwidth_profile import load_bandwidth_profile
+from ftexpert.proto.expert_format import ExpertFormat, FormatError
+from ftexpert.proto.knobs import resolve
+from ftexpert.gpu_worker.models.quant_config import QuantCheckpointError
 
 CT_INT4 = {"quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": {"group_0": {
     "targets": ["Linear"], "weights": {"num_bits": 4, "type": "int", "strategy": "group", "group_size": 64,

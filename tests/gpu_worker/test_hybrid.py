@@ -22,13 +22,13 @@ import types
 import pytest
 import torch
 
-from gpu_worker.engine import Engine, EngineConfig, SamplingParams
-from gpu_worker.offload.slot_pool import SlotPoolAudit
-from gpu_worker.engine.engine import DEFAULT_PREFILL_CHUNK_TOKENS
-from gpu_worker.hybrid import HybridExperts, HybridOptions
-from gpu_worker.models import load_model
-from kernels.slot_cache import ROUND_MODES, reset
-from kernels.slot_cache.state import POLICY_FRAC_Q16, POLICY_PROMOTE, POLICY_ROUND
+from ftexpert.gpu_worker.engine import Engine, EngineConfig, SamplingParams
+from ftexpert.gpu_worker.offload.slot_pool import SlotPoolAudit
+from ftexpert.gpu_worker.engine.engine import DEFAULT_PREFILL_CHUNK_TOKENS
+from ftexpert.gpu_worker.hybrid import HybridExperts, HybridOptions
+from ftexpert.gpu_worker.models import load_model
+from ftexpert.kernels.slot_cache import ROUND_MODES, reset
+from ftexpert.kernels.slot_cache.state import POLICY_FRAC_Q16, POLICY_PROMOTE, POLICY_ROUND
 from tests.conftest import HAS_CUDA
 from tests.cpu_expert_pool.cpu_pool_util import load_with_resources
 from tests.gpu_worker.test_device_doorbell import stop_worker

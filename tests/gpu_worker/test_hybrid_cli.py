@@ -6,8 +6,8 @@ import logging
 
 import pytest
 
-from coordinator.cli import main
-from proto.bandwidth_profile import ExpertFormat, load_bandwidth_profile
+from ftexpert.coordinator.cli import main
+from ftexpert.proto.bandwidth_profile import ExpertFormat, load_bandwidth_profile
 
 BASE = ["generate", "--preset", "tiny", "--prompt-ids", "5,17,42,99,3", "--max-new-tokens", "10", "--ignore-eos", "--device", "cpu",
         "--json", "--moe-cache-size", "10"]
@@ -125,7 +125,7 @@ def test_retired_flags_are_refused(capsys, flag):
     assert f"unrecognized arguments: {' '.join(flag)}" in capsys.readouterr().err
     import argparse
 
-    from gpu_worker.worker_cli import add_arguments
+    from ftexpert.gpu_worker.worker_cli import add_arguments
     parser = argparse.ArgumentParser()
     add_arguments(parser)
     with pytest.raises(SystemExit):

@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 import torch
 
-from proto.cpu_channel import create_worker_channel
-from cpu_expert_pool.api import CpuWorkerProc
-from cpu_expert_pool.reference import reference_moe_layer
-from gpu_worker.hybrid import CpuPool
-from proto.expert_store import ExpertStore
+from ftexpert.proto.cpu_channel import create_worker_channel
+from ftexpert.cpu_expert_pool.api import CpuWorkerProc
+from ftexpert.cpu_expert_pool.reference import reference_moe_layer
+from ftexpert.gpu_worker.hybrid import CpuPool
+from ftexpert.proto.expert_store import ExpertStore
 
 H, I, E, L, T = 32, 16, 8, 2, 3
 WORKER_ARGS = ["--threads", "1", "--no-pin", "--hot-ms", "1"]

@@ -5,14 +5,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from gpu_worker.models import (ExpertLayout, RandomExpertSource, ResidentExperts,
+from ftexpert.gpu_worker.models import (ExpertLayout, RandomExpertSource, ResidentExperts,
                                make_expert_backend, pack_experts, unpack_experts)
-from gpu_worker.models.checkpoint import CheckpointReader
-from gpu_worker.models.config import MoeConfig
-from gpu_worker.models.expert_layout import expert_views
-from gpu_worker.models.expert_sources import CheckpointExpertSource
-import gpu_worker.models.resident_experts as resident_experts
-from gpu_worker.models.resident_experts import (gemv_expert_ffn, grouped_expert_ffn, grouped_loop_expert_ffn,
+from ftexpert.gpu_worker.models.checkpoint import CheckpointReader
+from ftexpert.gpu_worker.models.config import MoeConfig
+from ftexpert.gpu_worker.models.expert_layout import expert_views
+from ftexpert.gpu_worker.models.expert_sources import CheckpointExpertSource
+import ftexpert.gpu_worker.models.resident_experts as resident_experts
+from ftexpert.gpu_worker.models.resident_experts import (gemv_expert_ffn, grouped_expert_ffn, grouped_loop_expert_ffn,
                                                 grouped_mm_applies, grouped_mm_expert_ffn)
 from tests.gpu_worker.test_models_util import hf_model, rel_err, save_hf
 

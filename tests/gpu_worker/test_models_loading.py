@@ -8,8 +8,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from gpu_worker.models import MoeConfig, load_model
-from gpu_worker.models.checkpoint import CheckpointError
+from ftexpert.gpu_worker.models import MoeConfig, load_model
+from ftexpert.gpu_worker.models.checkpoint import CheckpointError
 from tests.gpu_worker.test_models_util import hf_model, save_hf
 
 

@@ -7,11 +7,11 @@ import os
 import pytest
 import torch
 
-from coordinator.cli import main
-from gpu_worker.engine import Engine, EngineConfig, SamplingParams
-from gpu_worker.models import load_model
-from gpu_worker.models.expert_backends import make_expert_backend
-from gpu_worker.offload import resolve_cache_slots
+from ftexpert.coordinator.cli import main
+from ftexpert.gpu_worker.engine import Engine, EngineConfig, SamplingParams
+from ftexpert.gpu_worker.models import load_model
+from ftexpert.gpu_worker.models.expert_backends import make_expert_backend
+from ftexpert.gpu_worker.offload import resolve_cache_slots
 
 PROMPT = [5, 17, 42, 99, 3, 250, 7, 64, 11, 300, 8]
 
@@ -117,9 +117,9 @@ def test_the_retired_copy_flags_are_refused():
     """The copy modes and the prefill prefetch switch are gone: their flags are refused, their knobs unknown."""
     import argparse
 
-    from coordinator.cli import build_parser
-    from gpu_worker.worker_cli import add_arguments
-    from proto.knobs import KNOBS_BY_FIELD
+    from ftexpert.coordinator.cli import build_parser
+    from ftexpert.gpu_worker.worker_cli import add_arguments
+    from ftexpert.proto.knobs import KNOBS_BY_FIELD
     worker = argparse.ArgumentParser()
     add_arguments(worker)
     for flag in ("--offload-copy", "--prefill-prefetch"):
@@ -183,8 +183,8 @@ def test_offload_reports_hits_misses_and_fetches_to_the_engine_stats(chunk):
     """The offload backend's counters reach EngineStats (and so /metrics and GetStats): per layer call, hits +
     misses = the distinct experts routed (counted here from the router's ids), misses and fetches equal the
     backend's own, and the metrics' hit ratio is theirs."""
-    from coordinator.metrics import expert_figures
-    from gpu_worker.offload import OffloadExperts
+    from ftexpert.coordinator.metrics import expert_figures
+    from ftexpert.gpu_worker.offload import OffloadExperts
     loaded = load_model(device="cpu", moe_strategy="offload", moe_cache_size=10)
     backend = OffloadExperts(loaded.model.experts.host, 10, "cpu")
     loaded.model.experts = backend
@@ -218,7 +218,7 @@ def _freq_weight_case(device: str) -> None:
     """The frequency-weighted eviction key (FREETOKEN_EVICTION_FREQ_WEIGHT) changes which experts stay, never the
     tokens: greedy tokens equal resident's, every mapped slot holds its expert, routes are counted; on the tiny
     model's routing it keeps more than LRU does (fewer misses)."""
-    from gpu_worker.offload import OffloadExperts
+    from ftexpert.gpu_worker.offload import OffloadExperts
     prompts = (PROMPT, PROMPT[3:9])
     resident = greedy_tokens(load_model(device=device), prompts=prompts)
     misses = {}
@@ -251,7 +251,7 @@ def test_gpu_frequency_weighted_eviction_is_lossless():
 def test_eviction_freq_weight_travels_from_the_cli_to_the_backend(monkeypatch, capsys):
     """The eviction knobs are resolved once by the CLI (flag > FREETOKEN_* > default) and passed down as arguments;
     the backend reads no environment."""
-    import gpu_worker.api
+    from ftexpert.gpu_worker import api as gpu_worker_api
     monkeypatch.setenv("FREETOKEN_EVICTION_FREQ_WEIGHT", "32")
     loaded = load_model(device="cpu", moe_strategy="offload", moe_cache_size=32)
     try:
@@ -267,7 +267,7 @@ def test_eviction_freq_weight_travels_from_the_cli_to_the_backend(monkeypatch, c
         seen.append((kwargs["freq_weight"], kwargs["freq_half_life"]))
         raise Stop
 
-    monkeypatch.setattr(gpu_worker.api, "load_attached_model", capture)
+    monkeypatch.setattr(gpu_worker_api, "load_attached_model", capture)
     monkeypatch.setenv("FREETOKEN_EVICTION_FREQ_HALF_LIFE", "0")
     for flags, want in (([], (32, 0)), (["--eviction-freq-weight", "7", "--eviction-freq-half-life", "96"], (7, 96))):
         with pytest.raises(Stop):
@@ -284,8 +284,8 @@ def _check_each_layer_against_host_weights(backend, device: str) -> list:
     of the host weights (the tiny model's tokens hardly depend on expert outputs, and at the end of
     a run every copy has landed, so only this catches a GEMM that read a slot too early).
     Returns the list that collects (layer, relative error) of calls that disagree."""
-    from gpu_worker.models.expert_layout import unpack_experts
-    from gpu_worker.models.resident_experts import expert_ffn, pick_mode
+    from ftexpert.gpu_worker.models.expert_layout import unpack_experts
+    from ftexpert.gpu_worker.models.resident_experts import expert_ffn, pick_mode
     weights = [unpack_experts(backend.host.layers[layer].to(device), backend.layout)
                for layer in range(backend.num_layers)]
     wrong = []
@@ -309,7 +309,7 @@ def _check_each_layer_against_host_weights(backend, device: str) -> list:
 def _prefill_prefetch_case(device: str, monkeypatch):
     """Tokens of a 40-token prompt (32-token prefill chunks, the DMA path) with the next layer's experts prefetched,
     and, as the baseline, with the prefetch patched out."""
-    from gpu_worker.offload import offload_experts
+    from ftexpert.gpu_worker.offload import offload_experts
 
     def run(loaded):
         engine = Engine(loaded.model, EngineConfig(max_running_requests=1, max_context_tokens=128,
@@ -372,7 +372,7 @@ def test_a_call_that_raises_after_ensure_leaves_no_slot_mapped_without_its_bytes
     resident = greedy_tokens(load_model(device="cpu"), prompts=prompts, chunk=chunk)
     kwargs = {}
     if strategy == "hybrid":
-        from gpu_worker.hybrid import HybridOptions
+        from ftexpert.gpu_worker.hybrid import HybridOptions
         from tests.cpu_expert_pool.cpu_pool_util import load_with_resources
         loaded = load_with_resources("hybrid", cache_size="1.0", num_workers=1, worker_args=("--threads", "1"),
                                      hybrid=HybridOptions(fetch_fraction=0.5, cpu_deadline_s=20.0))   # no eviction hides it

@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gpu_worker.models import load_model
-from gpu_worker.offload.prefetch import PrefetchSettings, RouterPredictor, attach_prefetch
+from ftexpert.gpu_worker.models import load_model
+from ftexpert.gpu_worker.offload.prefetch import PrefetchSettings, RouterPredictor, attach_prefetch
 
 from tests.gpu_worker.prefetch_util import assert_identical, decode_run, offload_model
 

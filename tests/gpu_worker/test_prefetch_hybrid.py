@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.slot_cache import reset
+from ftexpert.kernels.slot_cache import reset
 from tests.cpu_expert_pool.cpu_pool_util import load_with_resources
 from tests.gpu_worker.prefetch_util import decode_run
 from tests.gpu_worker.test_hybrid import TEST_WORKER_ARGS, options_for_tests

@@ -8,7 +8,7 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[2] / "src" / "ftexpert"
 SCANNED = ("gpu_worker/offload", "gpu_worker/hybrid", "gpu_worker/engine", "gpu_worker/models")
 MAP_NAMES = {"slot_for_id", "id_of_slot", "usage", "expert_recency", "expert_count", "victim_keys", "victim_owner",
              "step"}

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gpu_worker.engine import Engine, EngineConfig, SamplingParams
-from gpu_worker.models import load_model
+from ftexpert.gpu_worker.engine import Engine, EngineConfig, SamplingParams
+from ftexpert.gpu_worker.models import load_model
 from tests.gpu_worker.quant_checkpoints import KINDS, reference_model, write_quant_checkpoint
 
 pytest.importorskip("transformers")

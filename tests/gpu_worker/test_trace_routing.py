@@ -5,10 +5,10 @@ import numpy as np
 import pytest
 import torch
 
-from gpu_worker.engine import Engine, EngineConfig, SamplingParams
-from gpu_worker.models import load_model
-from gpu_worker.models.synthetic_routing import SyntheticRouting
-from proto.routing_trace import RoutingTrace, TraceError, write_trace
+from ftexpert.gpu_worker.engine import Engine, EngineConfig, SamplingParams
+from ftexpert.gpu_worker.models import load_model
+from ftexpert.gpu_worker.models.synthetic_routing import SyntheticRouting
+from ftexpert.proto.routing_trace import RoutingTrace, TraceError, write_trace
 
 PROMPT = [5, 17, 42, 99, 3, 250, 7, 64, 11, 300, 8]
 

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import torch
 
-from kernels.slot_cache import SlotCache
-from kernels.slot_cache.audit import audit
+from ftexpert.kernels.slot_cache import SlotCache
+from ftexpert.kernels.slot_cache.audit import audit
 
 
 class RouteGen:
@@ -47,8 +47,8 @@ def check_invariants(cache: SlotCache) -> None:
 def check_victim_list(cache: SlotCache, context: str = "") -> None:
     """The decode kernel's victim list: per pool, entries ascending as built, owners as recorded,
     and its live entries (slot usage unchanged) are exactly the pool's smallest keys."""
-    from kernels.slot_cache.reference import victim_key_values
-    from kernels.slot_cache.state import KEY_NONE, SLOT_BITS
+    from ftexpert.kernels.slot_cache.reference import victim_key_values
+    from ftexpert.kernels.slot_cache.state import KEY_NONE, SLOT_BITS
     usage, owners = cache.usage.cpu(), cache.id_of_slot.cpu()
     values = torch.from_numpy(victim_key_values(usage.numpy(), owners.numpy().astype("int64"),
                                                 cache.expert_count.cpu().reshape(-1).numpy(), cache.freq_weight))

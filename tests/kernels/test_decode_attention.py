@@ -10,11 +10,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gpu_worker.engine import Engine, EngineConfig, SamplingParams
-from gpu_worker.engine.attention import DecodeAttention, decode_bucket_tokens
-from gpu_worker.engine.kv_cache import KVCache
-from gpu_worker.models import MoeConfig, load_model
-from kernels.decode_attention import (DEFAULT_BLOCKS, DecodeAttentionBlocks, decode_attention,
+from ftexpert.gpu_worker.engine import Engine, EngineConfig, SamplingParams
+from ftexpert.gpu_worker.engine.attention import DecodeAttention, decode_bucket_tokens
+from ftexpert.gpu_worker.engine.kv_cache import KVCache
+from ftexpert.gpu_worker.models import MoeConfig, load_model
+from ftexpert.kernels.decode_attention import (DEFAULT_BLOCKS, DecodeAttentionBlocks, decode_attention,
                                       decode_attention_reference, split_plan)
 from tests.conftest import HAS_CUDA, KERNEL_DEVICE
 from tests.gpu_worker.test_models_util import hf_model, prompt_ids, save_hf

@@ -15,9 +15,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels.dense_gemv import DEFAULT_LINEAR_BLOCKS, MAX_T, LinearBlocks, linear_gemv, pick_blocks, preferred
-from kernels.dense_gemv import api as dense_api
-from kernels.dense_gemv import reference as ref
+from ftexpert.kernels.dense_gemv import DEFAULT_LINEAR_BLOCKS, MAX_T, LinearBlocks, linear_gemv, pick_blocks, preferred
+from ftexpert.kernels.dense_gemv import api as dense_api
+from ftexpert.kernels.dense_gemv import reference as ref
 from tests.conftest import KERNEL_DEVICE, assert_compile_check
 
 DEV = KERNEL_DEVICE
@@ -206,7 +206,7 @@ def test_kernels_compile_for_sm90_without_a_gpu():
     """Triton's real compiler (MLIR, LLVM, ptxas) on every kernel configuration of compile_check, in a
     process without the interpreter: catches what only the interpreter accepts. ~5 s; skipped where
     triton cannot compile ahead of time."""
-    assert_compile_check("kernels.dense_gemv.compile_check")
+    assert_compile_check("ftexpert.kernels.dense_gemv.compile_check")
 
 
 # -- GPU -----------------------------------------------------------------------------------------

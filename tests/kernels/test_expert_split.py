@@ -6,10 +6,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels.expert_split import (COUNTS_LEN, DESC_LEN, SPLIT_UNIT, split_copy, split_pick, splittable)
-from kernels.expert_split.reference import gpu_units
-from kernels.moe_decode import CopyPlan, moe_gemv
-from kernels.slot_cache import SlotCache, set_policy
+from ftexpert.kernels.expert_split import (COUNTS_LEN, DESC_LEN, SPLIT_UNIT, split_copy, split_pick, splittable)
+from ftexpert.kernels.expert_split.reference import gpu_units
+from ftexpert.kernels.moe_decode import CopyPlan, moe_gemv
+from ftexpert.kernels.slot_cache import SlotCache, set_policy
 from tests.conftest import KERNEL_DEVICE
 
 Q16 = 1 << 16

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import gated_delta
-from kernels.gated_delta import reference
+from ftexpert.kernels import gated_delta
+from ftexpert.kernels.gated_delta import reference
 
 
 def inputs(B=2, T=150, Hk=2, Hv=4, Dk=16, Dv=32, device="cpu", dtype=torch.float32, seed=0, state=True):
@@ -73,7 +73,7 @@ def test_bad_impl_and_shapes_are_refused():
 def test_fla_recurrent_matches_the_reference_in_the_triton_interpreter():
     """The decode kernel through fla's own signature (its fifth positional argument is gk, not beta), on the CPU
     under TRITON_INTERPRET (tests/conftest.py sets it), grouped value heads and an initial state."""
-    from kernels.gated_delta.fla_path import fla_recurrent
+    from ftexpert.kernels.gated_delta.fla_path import fla_recurrent
     args = inputs(B=2, T=2, Hk=2, Hv=4, Dk=16, Dv=32)
     o, s = fla_recurrent(*args)
     o_ref, s_ref = reference.recurrent_gated_delta_rule(*args)

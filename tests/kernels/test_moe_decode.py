@@ -12,15 +12,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from gpu_worker.models import ExpertLayout, ResidentExperts, pack_experts
-from gpu_worker.models.config import MoeConfig
-from gpu_worker.models.layers import apply_rope, rms_norm as model_rms_norm, route
-from gpu_worker.models.model import MoeModel
-from gpu_worker.models.presets import random_model_parts
-from gpu_worker.models.resident_experts import pick_mode
-from kernels.moe_decode import (GemvBlocks, KvWrite, add_rms_norm, moe_gemv, qk_norm_rope, rms_norm, rope,
+from ftexpert.gpu_worker.models import ExpertLayout, ResidentExperts, pack_experts
+from ftexpert.gpu_worker.models.config import MoeConfig
+from ftexpert.gpu_worker.models.layers import apply_rope, rms_norm as model_rms_norm, route
+from ftexpert.gpu_worker.models.model import MoeModel
+from ftexpert.gpu_worker.models.presets import random_model_parts
+from ftexpert.gpu_worker.models.resident_experts import pick_mode
+from ftexpert.kernels.moe_decode import (GemvBlocks, KvWrite, add_rms_norm, moe_gemv, qk_norm_rope, rms_norm, rope,
                                 route_topk)
-from kernels.moe_decode import reference as ref
+from ftexpert.kernels.moe_decode import reference as ref
 from tests.conftest import KERNEL_DEVICE, assert_compile_check
 
 DEV = KERNEL_DEVICE
@@ -310,8 +310,8 @@ def tiny_model(cfg: MoeConfig, fused: bool, device: str) -> MoeModel:
 
 @pytest.mark.parametrize("arch", ["qwen3", "olmoe", "mixtral"])
 def test_fused_forward_matches_the_plain_forward(arch, no_tf32):
-    from gpu_worker.engine.attention import PrefillAttention
-    from gpu_worker.engine.kv_cache import KVCache
+    from ftexpert.gpu_worker.engine.attention import PrefillAttention
+    from ftexpert.gpu_worker.engine.kv_cache import KVCache
     cfg = tiny_cfg(arch)
     plain, fused = tiny_model(cfg, False, DEV), tiny_model(cfg, True, DEV)
     assert not plain.fused_kernels and plain.dense.layers[0].qkv_proj is None
@@ -333,8 +333,8 @@ def test_fused_forward_matches_the_plain_forward(arch, no_tf32):
 def test_fused_decode_step_writes_the_kv_cache_like_the_plain_forward(arch, no_tf32, monkeypatch):
     """A decode step of two requests through DecodeAttention: the fused forward writes K/V from its rope
     kernel (KvWrite), the plain one by index_copy_; same cache rows, same logits."""
-    from gpu_worker.engine.attention import DecodeAttention, PrefillAttention
-    from gpu_worker.engine.kv_cache import KVCache
+    from ftexpert.gpu_worker.engine.attention import DecodeAttention, PrefillAttention
+    from ftexpert.gpu_worker.engine.kv_cache import KVCache
     cfg = tiny_cfg(arch)
     plain, fused = tiny_model(cfg, False, DEV), tiny_model(cfg, True, DEV)
     prompts = [torch.tensor([5, 17, 42, 9], device=DEV), torch.tensor([3, 8, 1], device=DEV)]
@@ -369,8 +369,8 @@ def test_fused_decode_step_writes_the_kv_cache_like_the_plain_forward(arch, no_t
 
 
 def test_offload_gemv_mode_gives_the_resident_gemv_tokens(tmp_path, monkeypatch):
-    from gpu_worker.engine import Engine, EngineConfig, SamplingParams
-    from gpu_worker.models import load_model
+    from ftexpert.gpu_worker.engine import Engine, EngineConfig, SamplingParams
+    from ftexpert.gpu_worker.models import load_model
     monkeypatch.setenv("FT_CACHE_DIR", str(tmp_path))
     params = SamplingParams(max_new_tokens=12, ignore_eos=True)
     conf = EngineConfig(max_running_requests=2, max_context_tokens=64, prefill_chunk_tokens=4)
@@ -390,7 +390,7 @@ def test_kernels_compile_for_sm90_without_a_gpu():
     """Triton's real compiler (MLIR, LLVM, ptxas) on every kernel, in a process without the
     interpreter: catches what only the interpreter accepts. ~5 s; skipped where triton cannot
     compile ahead of time."""
-    assert_compile_check("kernels.moe_decode.compile_check")
+    assert_compile_check("ftexpert.kernels.moe_decode.compile_check")
 
 
 # -- GPU -----------------------------------------------------------------------------------------
@@ -486,8 +486,8 @@ def test_gpu_fused_model_tokens_match_the_plain_forward(tmp_path, monkeypatch, n
     the tokens must be equal. In bfloat16 a rounding flip can move a logit by ~1e-2 and exact
     equality is not guaranteed: its agreement is printed, and its first tokens (after prefill,
     where nothing has diverged yet) must agree."""
-    from gpu_worker.engine import Engine, EngineConfig, SamplingParams
-    from gpu_worker.models import load_model
+    from ftexpert.gpu_worker.engine import Engine, EngineConfig, SamplingParams
+    from ftexpert.gpu_worker.models import load_model
     monkeypatch.setenv("FT_CACHE_DIR", str(tmp_path))
     prompts = [[5, 17, 42, 99], [3, 250, 7], [11, 300, 8, 64, 1]]
     params = SamplingParams(max_new_tokens=16, ignore_eos=True)

@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gpu_worker.models.expert_math import act_expert_ffn
-from kernels.moe_decode import CopyPlan, GemvBlocks, moe_gemv
-from proto.expert_act import gpt_oss_act
+from ftexpert.gpu_worker.models.expert_math import act_expert_ffn
+from ftexpert.kernels.moe_decode import CopyPlan, GemvBlocks, moe_gemv
+from ftexpert.proto.expert_act import gpt_oss_act
 from tests.conftest import KERNEL_DEVICE
 
 DEV = KERNEL_DEVICE
@@ -67,7 +67,7 @@ def test_triton_in_lockstep_with_the_reference_with_a_copy_plan_split():
 
 def test_bias_views_of_packed_rows_are_taken_in_place():
     """The backends pass the rows' bias tails (strided views) straight to the kernel."""
-    from gpu_worker.models.expert_layout import ExpertLayout, bias_views, unpack_experts
+    from ftexpert.gpu_worker.models.expert_layout import ExpertLayout, bias_views, unpack_experts
     x, ids, w, w13, w2, b13, b2 = case()
     S, I2, H = w13.shape
     lay = ExpertLayout(H, I2 // 2, torch.float32, act=ACT)
@@ -102,9 +102,9 @@ def test_bf16_at_gpt_oss_120b_shapes_on_the_gpu():
 def test_biased_quantized_gemv_matches_the_model_maths(fmt, impl):
     """moe_gemv_quant with the biases (the rows' bias tails) and the clamped SwiGLU, against act_expert_ffn over
     the dequantized weights."""
-    from gpu_worker.models.expert_layout import ExpertLayout, bias_views
-    from kernels.moe_decode.quant import dequantize_rows, moe_gemv_quant
-    from proto.expert_format import quantize_expert
+    from ftexpert.gpu_worker.models.expert_layout import ExpertLayout, bias_views
+    from ftexpert.kernels.moe_decode.quant import dequantize_rows, moe_gemv_quant
+    from ftexpert.proto.expert_format import quantize_expert
     x, ids, w, w13, w2, b13, b2 = case(H=64, I=32)
     S, I2, H = w13.shape
     lay = ExpertLayout(H, I2 // 2, torch.float32, fmt, ACT)

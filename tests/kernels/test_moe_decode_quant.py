@@ -12,11 +12,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.moe_decode import CopyPlan, GemvBlocks
-from kernels.moe_decode import reference as ref
-from kernels.moe_decode.quant import GATE_UP_REGIONS, DequantBlocks, dequantize_rows, moe_gemv_quant
-from kernels.moe_decode.quant_reference import dequantize_rows_reference, moe_gemv_quant_reference
-from proto.expert_format import (ExpertFormat, FormatError, QuantLayout, dequantize_expert, quantize_expert,
+from ftexpert.kernels.moe_decode import CopyPlan, GemvBlocks
+from ftexpert.kernels.moe_decode import reference as ref
+from ftexpert.kernels.moe_decode.quant import GATE_UP_REGIONS, DequantBlocks, dequantize_rows, moe_gemv_quant
+from ftexpert.kernels.moe_decode.quant_reference import dequantize_rows_reference, moe_gemv_quant_reference
+from ftexpert.proto.expert_format import (ExpertFormat, FormatError, QuantLayout, dequantize_expert, quantize_expert,
                                  unpack_expert)
 from tests.conftest import KERNEL_DEVICE, assert_compile_check
 
@@ -245,7 +245,7 @@ def test_bad_arguments_get_clear_errors():
 @pytest.mark.slow
 def test_quant_kernels_compile_for_sm90_without_a_gpu():
     """Triton's real compiler on every format's kernels (see tests/kernels/test_moe_decode.py): ~1 min."""
-    assert_compile_check("kernels.moe_decode.quant_compile_check")
+    assert_compile_check("ftexpert.kernels.moe_decode.quant_compile_check")
 
 
 # -- GPU -----------------------------------------------------------------------------------------

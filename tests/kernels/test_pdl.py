@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 
-from kernels import pdl
+from ftexpert.kernels import pdl
 from tests.conftest import assert_compile_check
 
 
@@ -53,11 +53,11 @@ def test_never_on_a_cpu_device(pdl_env):
 
 @pytest.mark.slow
 def test_the_wait_comes_first_in_the_compiled_kernels():
-    """kernels.pdl_check: every decode kernel compiled with USE_PDL, as launched, waits before any store,
+    """ftexpert.kernels.pdl_check: every decode kernel compiled with USE_PDL, as launched, waits before any store,
     atomic, async copy and load but the dense GEMV's first weight tile (whose loads before the wait must not
     grow with T), and lets the next kernel launch only after; without USE_PDL nothing of it is compiled.
     Checked by hand that it fails: the norm's pdl_enter moved below its loads, the GEMV's below its first step."""
-    assert_compile_check("kernels.pdl_check")
+    assert_compile_check("ftexpert.kernels.pdl_check")
 
 
 # -- GPU -----------------------------------------------------------------------------------------
@@ -69,11 +69,11 @@ def _decode_chain(w: dict, state: dict) -> list[torch.Tensor]:
     """One qwen3-30b-a3b layer's decode kernels in stream order, as MoeModel's fused forward runs them
     (norm, qkv, q/k norm + rope + KV write, attention, o_proj, add + norm, router, top-k, experts), twice
     over (the second layer reads the first's output): every kernel's input is the kernel before's output."""
-    from kernels import dense_gemv
-    from kernels import moe_decode as kops
-    from kernels.decode_attention import decode_attention
-    from kernels.dense_gemv import LinearBlocks
-    from kernels.moe_decode import CopyPlan, KvWrite
+    from ftexpert.kernels import dense_gemv
+    from ftexpert.kernels import moe_decode as kops
+    from ftexpert.kernels.decode_attention import decode_attention
+    from ftexpert.kernels.dense_gemv import LinearBlocks
+    from ftexpert.kernels.moe_decode import CopyPlan, KvWrite
     outs = []
     x = state["x"]
     h = kops.rms_norm(x, w["norm"], 1e-6)
@@ -172,9 +172,9 @@ def test_decode_kernels_are_bitwise_the_same_with_pdl(pdl_env, graph):
 def test_engine_tokens_are_the_same_with_pdl(pdl_env, tmp_path):
     """The tiny model in bf16 on CUDA with CUDA graphs: greedy tokens of three prompts, batched, with
     PDL off and on (a fresh engine each: its graphs are captured under the setting)."""
-    from gpu_worker.engine import Engine, EngineConfig, SamplingParams
-    from gpu_worker.models import load_model
-    from gpu_worker.models.tiny import ensure_tiny_checkpoint
+    from ftexpert.gpu_worker.engine import Engine, EngineConfig, SamplingParams
+    from ftexpert.gpu_worker.models import load_model
+    from ftexpert.gpu_worker.models.tiny import ensure_tiny_checkpoint
     from tests.gpu_worker.test_models_util import prompt_ids
     pdl_env("auto")
     if not pdl.pdl_enabled(torch.device("cuda")):
@@ -212,7 +212,7 @@ def test_on_where_it_cannot_apply_is_refused_at_start_up(pdl_env, capsys):
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="needs a CUDA device"):
             pdl.apply_setting("on", "auto")                     # auto resolves to this machine's device
-    from coordinator.cli import main                           # ft generate says so before it loads anything
+    from ftexpert.coordinator.cli import main                           # ft generate says so before it loads anything
     assert main(["generate", "--prompt-ids", "5", "--max-new-tokens", "1", "--device", "cpu", "--pdl", "on"]) == 2
     assert "--pdl on / FREETOKEN_PDL=on needs a CUDA device" in capsys.readouterr().err
 
@@ -224,17 +224,17 @@ def test_the_knob_reaches_every_entry_point(pdl_env, monkeypatch, capsys):
     import argparse
     import json
 
-    from coordinator.cli import build_parser, main
-    from coordinator.process_set import options_from_serve_args
-    from gpu_worker.worker_cli import add_arguments
-    from proto.knobs import read_env
+    from ftexpert.coordinator.cli import build_parser, main
+    from ftexpert.coordinator.process_set import options_from_serve_args
+    from ftexpert.gpu_worker.worker_cli import add_arguments
+    from ftexpert.proto.knobs import read_env
 
     assert read_env({"FREETOKEN_PDL": "off"}) == {"pdl": "off"}
     with pytest.raises(ValueError, match="FREETOKEN_PDL='sometimes' is not valid"):
         read_env({"FREETOKEN_PDL": "sometimes"})
 
     seen = []
-    import gpu_worker.api as api
+    import ftexpert.gpu_worker.api as api
     load = api.load_attached_model
 
     def recording(*args, **kwargs):

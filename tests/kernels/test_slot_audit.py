@@ -8,12 +8,12 @@ import json
 import pytest
 import torch
 
-from coordinator.cli import build_parser, main
-from coordinator.process_set import options_from_serve_args
-from gpu_worker.engine import Engine, EngineConfig, SamplingParams
-from gpu_worker.models import load_model
-from gpu_worker.worker_cli import add_arguments
-from kernels.slot_cache import SlotCache, audit, ensure
+from ftexpert.coordinator.cli import build_parser, main
+from ftexpert.coordinator.process_set import options_from_serve_args
+from ftexpert.gpu_worker.engine import Engine, EngineConfig, SamplingParams
+from ftexpert.gpu_worker.models import load_model
+from ftexpert.gpu_worker.worker_cli import add_arguments
+from ftexpert.kernels.slot_cache import SlotCache, audit, ensure
 from tests.kernels.slot_cache_util import RouteGen
 
 PROMPT = [5, 17, 42, 99, 3, 250, 7, 64, 11, 300, 8]
@@ -164,7 +164,7 @@ def test_the_engine_audits_every_n_steps_and_empties_a_broken_cache(monkeypatch)
     """Every slot's bytes broken before the third audit: the audit finds it and empties the cache, and the
     tokens stay the resident ones. With the reset replaced by a no-op they do not (the cache is large enough
     that the broken slots stay in use), so the check can fail."""
-    import gpu_worker.engine.engine as engine_module
+    import ftexpert.gpu_worker.engine.engine as engine_module
 
     resident, _ = _generate(load_model(device="cpu"), 0)
     loaded = load_model(device="cpu", moe_strategy="offload", moe_cache_size=28)

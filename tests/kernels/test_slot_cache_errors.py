@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.slot_cache import SlotCache, ensure, prefetch_ensure, raise_on_error, reset
+from ftexpert.kernels.slot_cache import SlotCache, ensure, prefetch_ensure, raise_on_error, reset
 from tests.conftest import KERNEL_DEVICE
 from tests.kernels.slot_cache_util import assert_same_state
 

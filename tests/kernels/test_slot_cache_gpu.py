@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.slot_cache import SlotCache, ensure, prefetch_ensure, raise_on_error
+from ftexpert.kernels.slot_cache import SlotCache, ensure, prefetch_ensure, raise_on_error
 from tests.kernels.slot_cache_util import RouteGen, assert_same_state, check_invariants, check_victim_list
 
 NUM_LAYERS, NUM_EXPERTS = 61, 512         # 31,232 experts: more than the largest pool

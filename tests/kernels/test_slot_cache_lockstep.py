@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.slot_cache import SlotCache, ensure, prefetch_ensure
+from ftexpert.kernels.slot_cache import SlotCache, ensure, prefetch_ensure
 from tests.conftest import KERNEL_DEVICE
 from tests.kernels.slot_cache_util import RouteGen, assert_same_state, check_invariants, check_victim_list
 
@@ -258,7 +258,7 @@ def test_int32_routes_and_padding():
 
 @pytest.mark.parametrize("mode", ["min-wait", "stochastic", "prefer-fetch", "split"])
 def test_device_policy_matches_arguments(mode):
-    from kernels.slot_cache import set_policy
+    from ftexpert.kernels.slot_cache import set_policy
     a = SlotCache.create(2, 16, 12, device=KERNEL_DEVICE)
     b = SlotCache.create(2, 16, 12, device=KERNEL_DEVICE)
     set_policy(b, fetch_fraction=0.45, round_mode=mode, promote=False, seed=11)
@@ -294,7 +294,7 @@ def test_large_pool_default_parts_list_fast_path_and_rebuilds():
     """A full pool above 2,048 slots at the default decode settings (1,024-slot parts, so several
     programs and the arrival merge; a 32-entry list), evicting used slots: calls served by the
     list alone and calls that rebuild it must both occur, each equal to the reference."""
-    from kernels.slot_cache.api import SINGLE_PROGRAM_SLOTS
+    from ftexpert.kernels.slot_cache.api import SINGLE_PROGRAM_SLOTS
     layers, experts, slots = 4, 768, SINGLE_PROGRAM_SLOTS + 452
     ref = SlotCache.create(layers, experts, slots, victim_list=32)
     gen = RouteGen(layers, experts, 7, skew=0.2)

@@ -5,7 +5,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kernels.slot_cache import SlotCache, ensure, prefetch_ensure
+from ftexpert.kernels.slot_cache import SlotCache, ensure, prefetch_ensure
 from tests.conftest import KERNEL_DEVICE
 from tests.kernels.slot_cache_util import assert_same_state, check_invariants
 

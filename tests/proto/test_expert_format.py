@@ -5,7 +5,7 @@ import struct
 import pytest
 import torch
 
-from proto.expert_format import (FORMATS, ExpertFormat, FormatError, QuantLayout, dequantize_expert,
+from ftexpert.proto.expert_format import (FORMATS, ExpertFormat, FormatError, QuantLayout, dequantize_expert,
                                  dequantize_matrix, quantize_expert, quantize_matrix, unpack_expert)
 
 QUANT = ["fp8", "int4", "int4-g32", "int4-g64", "mxfp4", "nvfp4"]

@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from proto.expert_store import DATA_ALIGN_BYTES, STORE_MAGIC, STORE_VERSION, ExpertStore
-from proto.shm_layout import ChannelLayout, create_channel
-from proto.shm_segment import SHM_DIR, ShmError
+from ftexpert.proto.expert_store import DATA_ALIGN_BYTES, STORE_MAGIC, STORE_VERSION, ExpertStore
+from ftexpert.proto.shm_layout import ChannelLayout, create_channel
+from ftexpert.proto.shm_segment import SHM_DIR, ShmError
 
 REPO = Path(__file__).parents[2]
 L, E, H, I = 2, 3, 64, 48          # layers, experts, hidden, intermediate (small: CI)
@@ -150,7 +150,7 @@ def test_live_creator_is_an_error_naming_it(shm_name):
 def test_stale_segment_of_a_dead_creator_is_reclaimed(shm_name, caplog):
     code = textwrap.dedent(f"""
         import os, torch
-        from proto.expert_store import ExpertStore
+        from ftexpert.proto.expert_store import ExpertStore
         s = ExpertStore.create({shm_name!r}, num_layers=1, num_experts=1, hidden=8, intermediate=8,
                                dtype=torch.bfloat16, config_hash="old")
         os._exit(0)          # dies without unlinking
@@ -216,7 +216,7 @@ def test_attached_processes_share_pages_instead_of_copying(shm_name):
     store.mark_ready()
     reader = textwrap.dedent(f"""
         import json, psutil, torch
-        from proto.expert_store import ExpertStore
+        from ftexpert.proto.expert_store import ExpertStore
         me = psutil.Process()
         before = me.memory_full_info()
         s = ExpertStore.attach({shm_name!r})
@@ -239,7 +239,7 @@ def test_attached_processes_share_pages_instead_of_copying(shm_name):
 
 @pytest.mark.parametrize("fmt", ["fp8", "int4-g32", "mxfp4", "nvfp4"])
 def test_a_quantized_store_holds_one_expert_as_its_format_bytes(shm_name, fmt):
-    from proto.expert_format import ExpertFormat, FormatError, QuantLayout, dequantize_expert, quantize_expert
+    from ftexpert.proto.expert_format import ExpertFormat, FormatError, QuantLayout, dequantize_expert, quantize_expert
     f = ExpertFormat.parse(fmt)
     h, i = 64, 96                                   # divisible by every group size
     store = make_store(shm_name, hidden=h, intermediate=i, fmt=fmt)
@@ -262,6 +262,6 @@ def test_a_quantized_store_holds_one_expert_as_its_format_bytes(shm_name, fmt):
 
 
 def test_a_format_that_cannot_hold_the_shape_is_refused(shm_name):
-    from proto.expert_format import FormatError
+    from ftexpert.proto.expert_format import FormatError
     with pytest.raises(FormatError, match="does not divide the intermediate size 48"):
         make_store(shm_name, hidden=128, fmt="int4")

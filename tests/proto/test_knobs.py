@@ -5,7 +5,7 @@ import argparse
 
 import pytest
 
-from proto.knobs import KNOBS, add_cli_flags, read_env, resolve
+from ftexpert.proto.knobs import KNOBS, add_cli_flags, read_env, resolve
 
 
 def test_every_knob_is_an_env_var_a_field_and_a_flag():

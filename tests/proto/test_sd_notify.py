@@ -7,7 +7,7 @@ import socket
 
 import pytest
 
-from proto.sd_notify import Notifier
+from ftexpert.proto.sd_notify import Notifier
 
 
 def receiver(address: str) -> socket.socket:

@@ -10,16 +10,17 @@ import uuid
 
 import pytest
 
-from proto.shm_layout import CHANNEL_MAGIC
-from proto.shm_segment import SHM_DIR, ShmSegment, reclaim_stale_segments
+from ftexpert.proto.shm_layout import CHANNEL_MAGIC
+from ftexpert.proto.shm_segment import SHM_DIR, ShmSegment, reclaim_stale_segments
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+SRC = os.path.join(REPO, "src")
 MAGICS = (b"FTEXPST1", CHANNEL_MAGIC)
 NBYTES = 1 << 20
 
 CREATE_AND_DIE = """
 import os, sys
-from proto.shm_segment import ShmSegment
+from ftexpert.proto.shm_segment import ShmSegment
 for name, magic in zip(sys.argv[1::2], sys.argv[2::2]):
     ShmSegment.create(name, nbytes={nbytes}, magic=magic.encode(), version=1, meta={{"x": 1}}, kind="test",
                       meta_capacity_bytes=1024)
@@ -30,7 +31,7 @@ os._exit(0)                                  # killed: nothing unlinked
 def _left_by_a_dead_process(*named: tuple[str, bytes]) -> None:
     args = [a for name, magic in named for a in (name, magic.decode())]
     subprocess.run([sys.executable, "-c", CREATE_AND_DIE, *args], check=True,
-                   env={**os.environ, "PYTHONPATH": REPO})
+                   env={**os.environ, "PYTHONPATH": SRC})
 
 
 @pytest.fixture
@@ -74,7 +75,7 @@ def test_a_stale_segment_of_another_user_is_left_alone(names):
 
 def test_serve_start_reclaims_them(names, monkeypatch):
     """ExpertResources.create (ft serve in both modes, ft generate) runs the reclaim before anything else."""
-    from coordinator.expert_resources import ExpertResources
+    from ftexpert.coordinator.expert_resources import ExpertResources
 
     _left_by_a_dead_process((names[0], b"FTEXPST1"))
     ExpertResources.create(None, "resident", store_name="unused").close()

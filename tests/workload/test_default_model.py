@@ -8,9 +8,9 @@ import re
 import pytest
 import torch
 
-from gpu_worker.api import DEFAULT_MODEL_DIR
-from workload import corpus
-from workload.checkpoint import load_checkpoint
+from ftexpert.gpu_worker.api import DEFAULT_MODEL_DIR
+from ftexpert.workload import corpus
+from ftexpert.workload.checkpoint import load_checkpoint
 
 transformers = pytest.importorskip("transformers")
 
@@ -50,7 +50,7 @@ def test_transformers_and_ours_agree_and_it_answers_in_words():
 
 
 def test_ft_generate_without_a_model_uses_it(capsys, monkeypatch, tmp_path):
-    from coordinator.cli import main as ft_main
+    from ftexpert.coordinator.cli import main as ft_main
     monkeypatch.setenv("FT_CACHE_DIR", str(tmp_path / "cache"))
     args = ["generate", "--chat", "--prompt", "Who are you?", "--max-new-tokens", "24", "--temperature", "0",
             "--device", "cpu", "--json"]

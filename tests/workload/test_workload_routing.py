@@ -1,4 +1,4 @@
-"""workload.routing: every statistic against a brute-force reference on hand-made traces; the trace
+"""ftexpert.workload.routing: every statistic against a brute-force reference on hand-made traces; the trace
 file's round trip and its errors for corrupt and truncated files; a trace collected from a model."""
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 import torch
 
-from workload.model import ModelConfig, MoeLM, route
-from workload.routing import CACHE_FRACTIONS, NUM_CANDIDATES, collect_trace, lru_hit_rates, routing_stats
-from proto.routing_trace import RoutingTrace, TraceError, read_trace, write_trace
+from ftexpert.workload.model import ModelConfig, MoeLM, route
+from ftexpert.workload.routing import CACHE_FRACTIONS, NUM_CANDIDATES, collect_trace, lru_hit_rates, routing_stats
+from ftexpert.proto.routing_trace import RoutingTrace, TraceError, read_trace, write_trace
 
 
 def random_trace(tokens=70, layers=3, experts=6, k=2, cands=5, starts=(0, 25, 41), seed=0) -> RoutingTrace:

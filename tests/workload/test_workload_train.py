@@ -1,4 +1,4 @@
-"""`python -m workload.train_moe`: a trained tiny checkpoint that transformers and `ft generate` load
+"""`python -m ftexpert.workload.train_moe`: a trained tiny checkpoint that transformers and `ft generate` load
 with the same greedy tokens; the model's pieces against transformers'; determinism; bad input."""
 from __future__ import annotations
 
@@ -7,11 +7,11 @@ import json
 import pytest
 import torch
 
-from workload import corpus
-from workload.checkpoint import load_checkpoint
-from workload.model import MoeLM, experts_forward, load_balancing_loss
-from workload.shapes import SHAPES
-from workload.train_moe import main as train_main
+from ftexpert.workload import corpus
+from ftexpert.workload.checkpoint import load_checkpoint
+from ftexpert.workload.model import MoeLM, experts_forward, load_balancing_loss
+from ftexpert.workload.shapes import SHAPES
+from ftexpert.workload.train_moe import main as train_main
 
 transformers = pytest.importorskip("transformers")
 
@@ -65,7 +65,7 @@ def test_greedy_tokens_match_transformers(trained, hf_reference):
 
 
 def test_ft_generate_loads_the_checkpoint(trained, hf_reference, capsys, monkeypatch, tmp_path):
-    from coordinator.cli import main as ft_main
+    from ftexpert.coordinator.cli import main as ft_main
     monkeypatch.setenv("FT_CACHE_DIR", str(tmp_path / "cache"))
     prompt, hf_tokens, _ = hf_reference
     assert ft_main(["generate", "--model", str(trained), "--prompt", PROMPT, "--max-new-tokens", "16",
@@ -97,7 +97,7 @@ def test_minutes_fixes_the_step_count_after_timing(tmp_path, capsys):
     assert train_main(["--shape", "tiny", "--out", str(out), "--minutes", "0.001", "--device", "cpu",
                        "--corpus", str(small)]) == 0
     meta = json.loads((out / "ft_workload.json").read_text())
-    from workload.train_moe import TIMING_STEPS, WARM_STEPS
+    from ftexpert.workload.train_moe import TIMING_STEPS, WARM_STEPS
     # 0.06 s buys fewer steps than the warm-up, the timed steps and one more, or the lr warm-up and one more
     warmup_floor = max(WARM_STEPS + TIMING_STEPS + 1, SHAPES["tiny"].warmup_steps + 1)
     assert meta["steps"] == warmup_floor and meta["tokens"] == warmup_floor * 2048
@@ -175,8 +175,8 @@ def test_bad_input_is_refused(tmp_path, capsys):
 
 
 def test_routing_cli_writes_the_trace_its_statistics_come_from(trained, tmp_path, capsys):
-    from workload.routing import main as routing_main, routing_stats
-    from proto.routing_trace import read_trace
+    from ftexpert.workload.routing import main as routing_main, routing_stats
+    from ftexpert.proto.routing_trace import read_trace
     trace_path, json_path = tmp_path / "r.trace", tmp_path / "r.json"
     assert routing_main(["--model", str(trained), "--tokens", "700", "--trace", str(trace_path),
                          "--json", str(json_path)]) == 0

@@ -1,0 +1,192 @@
+"""`ExpertResources`: the one owner of the host-side resources of the offload, cpu and hybrid strategies.
+
+    res = ExpertResources.create(source, "hybrid", store_name="ft-experts-1919", cpu=CpuWorkerSettings())
+    specs = res.cpu_worker_specs()      # `ft serve`: supervised with the GPU worker by one Supervisor
+    res.start_cpu_workers()             # `ft generate`, `ft serve --workers inline`: a Supervisor of its own
+    ...                                 # the engine attaches: gpu_worker.api.load_attached_model(res.store_name, ...)
+    res.close()                         # workers stopped, channels and store unlinked (by their creator only)
+
+In every mode the coordinator's side creates, in this order: the shared-memory expert store (filled
+from the checkpoint once; for cpu/hybrid its pages bound to the NUMA nodes of the workers that own
+them), one hot-path channel per CPU worker, and the CPU workers (`ft worker cpu`, one command line:
+cpu_expert_pool.api.worker_argv) under coordinator/supervisor.py (HELLO with the store's config hash,
+READY, heartbeats, restarts with back-off). They outlive GPU-worker restarts. The engine only attaches.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import os
+import time
+from typing import Any
+
+from ftexpert.coordinator.supervisor import Supervisor, WorkerSpec
+from ftexpert.proto.cpu_channel import DEFAULT_CPU_MAX_TOKENS, channel_hidden_dtype, channel_name_for, create_worker_channel
+from ftexpert.proto.cpus import parse_cpulist
+
+log = logging.getLogger("ft.coordinator.expert_resources")
+
+HOST_STORE_STRATEGIES = ("offload", "cpu", "hybrid")
+CPU_STRATEGIES = ("cpu", "hybrid")
+DEFAULT_READY_TIMEOUT_S = 120.0       # a CPU worker imports torch, maps the store and warms up
+DEFAULT_HEARTBEAT_TIMEOUT_S = 10.0    # a worker silent this long is killed (backstop)
+DEFAULT_BACKOFF_S = 0.5               # first restart delay of a failed worker (doubles)
+
+
+@dataclasses.dataclass
+class CpuWorkerSettings:
+    """The CPU workers' settings (their `ft worker cpu` flags and their supervision)."""
+    num_workers: int = 0                   # 0: one per NUMA node or core group
+    threads: int = 0                       # compute threads per worker (0: one per physical core)
+    reserve_cpus: str | None = None        # kept free of workers (the GPU-driving process pins itself there)
+    worker_args: tuple[str, ...] = ()      # more `ft worker cpu` flags (e.g. --hot-ms 5 --no-pin)
+    t_max: int = DEFAULT_CPU_MAX_TOKENS    # tokens a channel takes
+    log_level: str = "INFO"
+    ready_timeout_s: float = DEFAULT_READY_TIMEOUT_S
+    heartbeat_timeout_s: float = DEFAULT_HEARTBEAT_TIMEOUT_S
+    backoff_initial_s: float = DEFAULT_BACKOFF_S
+    backoff_max_s: float = 30.0
+    max_restarts: int = 5
+
+    def __post_init__(self) -> None:
+        if self.num_workers < 0 or self.threads < 0 or self.t_max < 1:
+            raise ValueError(f"CPU workers: num_workers {self.num_workers} and threads {self.threads} must be >= 0, "
+                             f"t_max {self.t_max} >= 1")
+        self.worker_args = tuple(self.worker_args)
+
+
+def reclaim_stale_host_memory() -> list[Any]:
+    """Every expert store and CPU channel in /dev/shm of this user whose creator died (a killed run, on any
+    port, under any name), unlinked and logged (names, bytes); live ones and other users' are kept."""
+    from ftexpert.proto.expert_store import STORE_MAGIC
+    from ftexpert.proto.shm_layout import CHANNEL_MAGIC
+    from ftexpert.proto.shm_segment import reclaim_stale_segments
+
+    return reclaim_stale_segments((STORE_MAGIC, CHANNEL_MAGIC))
+
+
+class ExpertResources:
+    def __init__(self, strategy: str, cpu: CpuWorkerSettings):
+        self.strategy, self.cpu = strategy, cpu
+        self.host: Any = None                  # gpu_worker.api.HostExperts we created (owner: unlinks it)
+        self.channels: list[Any] = []          # ShmSegment per CPU worker (owner)
+        self.channel_names: list[str] = []
+        self.num_cpu_workers = 0
+        self.supervisor: Supervisor | None = None     # start_cpu_workers' own
+        self.store_name = self.config_hash = ""
+        self._flags: list[str] = []
+
+    @classmethod
+    def create(cls, source: Any, strategy: str, *, store_name: str, cpu: CpuWorkerSettings | None = None,
+               staging_device: Any = None) -> "ExpertResources":
+        """The store (offload, cpu, hybrid) and the CPU workers' channels (cpu, hybrid) for `source`
+        (gpu_worker.api.ModelSource); nothing for resident. The workers start with cpu_worker_specs()."""
+        res = cls(strategy, cpu or CpuWorkerSettings())
+        reclaim_stale_host_memory()
+        if strategy not in HOST_STORE_STRATEGIES:
+            return res
+        try:
+            res._create(source, store_name, staging_device)
+        except BaseException:
+            res.close()
+            raise
+        return res
+
+    @classmethod
+    def over_store(cls, store: Any, strategy: str, *, top_k: int, model_dtype: Any,
+                   cpu: CpuWorkerSettings | None = None) -> "ExpertResources":
+        """The CPU workers' channels (cpu, hybrid) over an expert store the caller created and keeps (a benchmark
+        that runs several backends over one store); the workers start with cpu_worker_specs / start_cpu_workers."""
+        res = cls(strategy, cpu or CpuWorkerSettings())
+        res.store_name, res.config_hash = store.name, store.config_hash
+        try:
+            if strategy in CPU_STRATEGIES:
+                res._plan_workers()
+                res._create_channels(store.shape.hidden, top_k, model_dtype)
+        except BaseException:
+            res.close()
+            raise
+        return res
+
+    def _plan_workers(self) -> tuple[str, list[int]]:
+        from ftexpert.cpu_expert_pool import api as cpu_api
+
+        cpu = self.cpu
+        self.num_cpu_workers = cpu.num_workers or cpu_api.default_worker_count()
+        allowed = sorted(os.sched_getaffinity(0))        # before anyone in this process pins itself
+        reserved = cpu_api.reserved_cpus(cpu.reserve_cpus, allowed)
+        self._flags = cpu_api.worker_flags(threads=cpu.threads, reserve_cpus=reserved, allowed_cpus=allowed,
+                                           extra=("--log-level", cpu.log_level, *cpu.worker_args))
+        return reserved, allowed
+
+    def _create_channels(self, hidden: int, top_k: int, model_dtype: Any) -> None:
+        t_max = self.cpu.t_max
+        for i in range(self.num_cpu_workers):
+            name = channel_name_for(self.store_name, i)
+            self.channels.append(create_worker_channel(name, t_max=t_max, hidden=hidden, max_triples=t_max * top_k,
+                                                       hidden_dtype=channel_hidden_dtype(model_dtype)))
+            self.channel_names.append(name)
+
+    def _create(self, source: Any, store_name: str, staging_device: Any) -> None:
+        from ftexpert.cpu_expert_pool import api as cpu_api
+        from ftexpert.gpu_worker.api import create_expert_store
+
+        place = None                         # for cpu/hybrid: expert pages on the NUMA nodes of their workers
+        if self.strategy in CPU_STRATEGIES:
+            reserved, allowed = self._plan_workers()
+            reserved_set = parse_cpulist(reserved)
+            place = functools.partial(cpu_api.place_store_for_workers, num_workers=self.num_cpu_workers,
+                                      reserved_cpus=reserved_set, allowed_cpus=allowed)
+        t0 = time.perf_counter()
+        self.host = create_expert_store(source, name=store_name, staging_device=staging_device, before_fill=place)
+        self.store_name, self.config_hash = self.host.store.name, self.host.store.config_hash
+        log.info("expert store %r filled: %.2f GiB in %.1f s", store_name, self.host.nbytes / 1024 ** 3,
+                 time.perf_counter() - t0)
+        self._create_channels(source.cfg.hidden_size, source.cfg.top_k, source.dtype)
+
+    def reserved_cpus(self) -> str:
+        """The CPUs the workers keep off (what the GPU-driving process pins itself to)."""
+        from ftexpert.cpu_expert_pool import api as cpu_api
+        return cpu_api.reserved_cpus(self.cpu.reserve_cpus)
+
+    def cpu_worker_specs(self) -> list[WorkerSpec]:
+        """The supervised `ft worker cpu` children, one per channel."""
+        from ftexpert.cpu_expert_pool.api import worker_argv, worker_env
+
+        cpu = self.cpu
+        return [WorkerSpec(f"cpu{i}", worker_argv(store_name=self.store_name, channel_name=name, worker_index=i,
+                                                   num_workers=self.num_cpu_workers, flags=self._flags),
+                           self.config_hash, env={"PYTHONPATH": worker_env()["PYTHONPATH"]}, kind="cpu-worker",
+                           ready_timeout_s=cpu.ready_timeout_s, heartbeat_timeout_s=cpu.heartbeat_timeout_s,
+                           backoff_initial_s=cpu.backoff_initial_s, backoff_max_s=cpu.backoff_max_s,
+                           max_restarts=cpu.max_restarts)
+                for i, name in enumerate(self.channel_names)]
+
+    def start_cpu_workers(self) -> Supervisor | None:
+        """Start the CPU workers under a Supervisor of this owner and wait until each is READY (cpu, hybrid)."""
+        specs = self.cpu_worker_specs()
+        if not specs:
+            return None
+        self.supervisor = Supervisor(specs)
+        self.supervisor.start(timeout_s=self.cpu.ready_timeout_s)
+        return self.supervisor
+
+    def worker_info(self) -> list[dict[str, Any]]:
+        return self.supervisor.worker_info() if self.supervisor is not None else []
+
+    def close(self) -> None:
+        if self.supervisor is not None:
+            try:
+                self.supervisor.stop()
+            except Exception:  # noqa: BLE001 - keep tearing down
+                log.exception("stopping the CPU workers failed")
+            self.supervisor = None
+        for seg in self.channels:
+            seg.close()
+            seg.unlink()
+        self.channels, self.channel_names = [], []
+        if self.host is not None:
+            self.host.close()                    # the creator: unlinks the store's name
+            self.host = None
+        self.store_name = self.config_hash = ""

@@ -1,0 +1,269 @@
+"""The coordinator's worker processes (`ft serve --workers process`, and `--attach`): `ProcessSet`.
+
+start(), in this order:
+  1-2. the expert store and the CPU workers' channels, through the one owner of those
+     (coordinator/expert_resources.py): the store under a fixed name, filled from the checkpoint once
+     (a segment of that name left by a killed run, its creator dead, is reclaimed; a live one is an
+     error naming its pid).
+  3. the engine link: a fresh key in the private runtime directory (proto/link_auth.py: engine.key, 0600,
+     in a 0700 directory of this user), then a ROUTER on --engine-addr (default ipc://<that dir>/engine.sock;
+     TCP only on loopback and only when asked for); a worker proves the key before it learns anything.
+  4. `--workers process`: the supervisor starts `ft worker cpu` x N and `ft worker gpu` and waits for
+     each HELLO (config hash) + READY; it restarts a dead one with back-off. cpu/hybrid: the CPU workers
+     get this process's affinity (--allowed-cpus) and the reserved CPUs; the GPU worker gets the same
+     reserved CPUs and pins itself to them once loaded (--pin-gpu-worker).
+     `--attach`: nothing is started; the GPU worker (systemd: ft-gpu-worker@0) must say HELLO + READY
+     within --worker-ready-timeout-s.
+  5. READY's facts are checked against the coordinator's model (vocabulary).
+stop(): SHUTDOWN to the GPU worker, the supervisor stops its children, the link closes, then the
+channels and the store are unlinked (by their creator, this process, only).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from ftexpert.coordinator.engine_link import EngineLinkServer
+from ftexpert.coordinator.expert_resources import CPU_STRATEGIES, CpuWorkerSettings, ExpertResources
+from ftexpert.coordinator.remote_engine import RemoteEngine
+from ftexpert.proto import engine_messages as em
+from ftexpert.proto import link_auth
+
+log = logging.getLogger("ft.coordinator.process_set")
+
+GPU_WORKER_NAME = "gpu0"
+LINK_READY_GRACE_S = 10.0                           # supervisor READY -> engine-link READY
+GPU_HEARTBEAT_TIMEOUT_S = 10.0
+
+
+def default_store_name(port: int) -> str:
+    """Fixed per HTTP port, so that the next start on that port finds (and reclaims) a killed run's store."""
+    return f"ft-experts-{port}" if port else f"ft-experts-pid{os.getpid()}"
+
+
+@dataclass
+class ProcessSetOptions:
+    attach: bool
+    config: dict[str, Any]                   # em.engine_config(...): hashed, sent in WELCOME's checks
+    engine_flags: list[str]                  # forwarded to `ft worker gpu` (the flags that make `config`)
+    moe_strategy: str = "resident"
+    engine_addr: str | None = None           # None: ipc://<runtime dir>/engine.sock (link_auth.default_engine_addr)
+    http_port: int = 0                       # names the default runtime directory (0: a fresh private one)
+    store_name: str = ""
+    num_cpu_workers: int = 0
+    worker_ready_timeout_s: float = 600.0
+    log_level: str = "INFO"
+    backoff_initial_s: float = 0.5
+    backoff_max_s: float = 30.0
+    max_restarts: int = 5
+    extra_env: dict[str, str] = field(default_factory=dict)
+    reserve_cpus: str | None = None          # cpu/hybrid: kept free of CPU workers (None: the default)
+    pin_gpu_worker: bool = True              # cpu/hybrid: the GPU worker pins itself to those (not hashed)
+
+
+# `ft worker gpu` flags outside the hashed engine config: an attached worker's own settings win (not compared).
+LOCAL_WORKER_FLAGS = (("--moe-slot-audit", "moe_slot_audit"),     # a check
+                      ("--pdl", "pdl"),                           # lossless either way
+                      ("--overlap-decode", "overlap_decode"),      # the engine's own scheduling
+                      ("--eviction-freq-weight", "eviction_freq_weight"),  # which experts stay cached: lossless
+                      ("--eviction-freq-half-life", "eviction_freq_half_life"),   # the same
+                      ("--prefill-chunk-tokens", "prefill_chunk_tokens"),   # the worker's own memory / latency choice
+                      ("--moe-prefetch", "moe_prefetch"),                   # the lookahead prefetch: lossless
+                      ("--moe-prefetch-budget", "moe_prefetch_budget"),
+                      ("--moe-prefetch-k", "moe_prefetch_k"),
+                      ("--moe-prefetch-verify", "moe_prefetch_verify"))     # a check   # the worker's own memory / latency choice
+
+
+def flags_an_attached_worker_ignores(args) -> list[str]:
+    """The LOCAL_WORKER_FLAGS given to `ft serve --attach`: the attached GPU worker runs with its own (its unit's
+    ExecStart, FREETOKEN_* in its environment), so these do not reach it. Empty without --attach."""
+    if not getattr(args, "attach", False):
+        return []
+    return [flag for flag, attr in LOCAL_WORKER_FLAGS if getattr(args, attr, None) is not None]
+
+
+def options_from_serve_args(args: Any) -> ProcessSetOptions:
+    """`ft serve`'s flags -> the engine config (hashed) and the `ft worker gpu` flags that give the same one."""
+    model_dir = os.path.abspath(args.model) if args.model else None
+    num_cpu_workers = args.num_cpu_workers
+    if args.moe_strategy in CPU_STRATEGIES and num_cpu_workers <= 0:
+        from ftexpert.cpu_expert_pool.api import default_worker_count
+        num_cpu_workers = default_worker_count()
+    flags = ["--device", args.device, "--moe-strategy", args.moe_strategy,
+             "--max-running-requests", str(args.max_running_requests), "--num-cpu-workers", str(num_cpu_workers)]
+    for flag, value in (("--model", model_dir), ("--preset", args.preset), ("--moe-cache-size", args.moe_cache_size),
+                        ("--max-context-tokens", args.max_context_tokens),
+                        *((flag, getattr(args, attr, None)) for flag, attr in LOCAL_WORKER_FLAGS)):
+        if value is not None:
+            flags += [flag, str(value)]
+    from ftexpert.proto.knobs import resolve
+
+    expert_format = em.expert_format_label(resolve({"expert_format": getattr(args, "expert_format", None)})
+                                           ["expert_format"])
+    flags += ["--expert-format", expert_format]
+    config = em.engine_config(model=model_dir, preset=args.preset, dtype="auto", moe_strategy=args.moe_strategy,
+                              moe_cache_size=args.moe_cache_size, max_running_requests=args.max_running_requests,
+                              max_context_tokens=args.max_context_tokens, num_cpu_workers=num_cpu_workers,
+                              expert_format=expert_format)
+
+    pin = resolve({"pin_gpu_worker": getattr(args, "pin_gpu_worker", None)})["pin_gpu_worker"] == "on"
+    return ProcessSetOptions(attach=args.attach, config=config, engine_flags=flags, moe_strategy=args.moe_strategy,
+                             engine_addr=args.engine_addr, http_port=args.port, store_name=args.store_name or default_store_name(args.port),
+                             num_cpu_workers=num_cpu_workers, worker_ready_timeout_s=args.worker_ready_timeout_s,
+                             log_level=args.log_level, reserve_cpus=getattr(args, "reserve_cpus", None),
+                             pin_gpu_worker=pin)
+
+
+class ProcessSet:
+    def __init__(self, options: ProcessSetOptions, source: Any):
+        self.options = options
+        self.source = source                 # gpu_worker.api.ModelSource (experts, cfg, tokenizer)
+        self.resources: ExpertResources | None = None    # the store and the CPU channels (their owner)
+        self.link: EngineLinkServer | None = None
+        self.supervisor: Any = None
+        self.remote: RemoteEngine | None = None
+        # (worker name, message, is the GPU worker) when the supervisor gives up on a worker (its thread)
+        self.on_gave_up: Callable[[str, str, bool], None] | None = None
+        self.key_file: str | None = None     # the run's engine-link key (the GPU worker proves it)
+        self._made_dir: str | None = None    # a runtime directory this run made, removed at stop() when empty
+
+    # ------------------------------------------------------------------ start
+
+    def start(self) -> em.Ready:
+        o = self.options
+        res = self.create_resources()
+        addr = self.engine_addr()
+        secret = link_auth.new_secret()
+        self.key_file = link_auth.write_secret(self.runtime_dir(addr), secret)
+        self.link = EngineLinkServer(addr, o.config, secret=secret, store_name=res.store_name,
+                                     cpu_channels=tuple(res.channel_names))
+        self.link.start()
+        log.info("engine link on %s (key %s, config hash %s)", self.link.address, self.key_file,
+                 self.link.config_hash)
+        if o.attach:
+            print(f"ft serve: waiting up to {o.worker_ready_timeout_s:g} s for a GPU worker on {self.link.address}",
+                  file=sys.stderr, flush=True)
+            facts = self.link.wait_ready(o.worker_ready_timeout_s)
+        else:
+            from ftexpert.coordinator.supervisor import Supervisor
+
+            self.supervisor = Supervisor(self.worker_specs(), on_error=self._on_worker_error)   # it logs each
+            self.supervisor.start()
+            facts = self.link.wait_ready(LINK_READY_GRACE_S, what=f"GPU worker {GPU_WORKER_NAME}")
+        self._check_facts(facts)
+        return facts
+
+    def engine_addr(self) -> str:
+        o = self.options
+        if o.engine_addr:
+            return o.engine_addr
+        if o.http_port or os.environ.get("RUNTIME_DIRECTORY"):
+            return link_auth.default_engine_addr(o.http_port)
+        base = link_auth.private_dir(link_auth.base_runtime_dir())
+        self._made_dir = tempfile.mkdtemp(prefix="ft-", dir=base)          # port 0: nothing fixed to find
+        return f"ipc://{os.path.join(self._made_dir, link_auth.SOCKET_NAME)}"
+
+    def runtime_dir(self, addr: str) -> str:
+        """The private directory of the key (and of an ipc socket): the socket's, else the default one."""
+        path = link_auth.ipc_path(addr)
+        directory = (os.path.dirname(os.path.abspath(path)) if path is not None
+                     else self._made_dir or link_auth.default_runtime_dir(self.options.http_port))
+        if not os.path.exists(directory):
+            self._made_dir = directory                 # ours: removed at stop() (when empty)
+        return link_auth.private_dir(directory)
+
+    def create_resources(self) -> ExpertResources:
+        """The store and the CPU workers' channels, through their owner (kept until stop())."""
+        o = self.options
+        cpu = CpuWorkerSettings(num_workers=max(1, o.num_cpu_workers), reserve_cpus=o.reserve_cpus,
+                                log_level=o.log_level, ready_timeout_s=o.worker_ready_timeout_s,
+                                backoff_initial_s=o.backoff_initial_s, backoff_max_s=o.backoff_max_s,
+                                max_restarts=o.max_restarts)
+        self.resources = ExpertResources.create(self.source, o.moe_strategy,
+                                                store_name=o.store_name or default_store_name(0), cpu=cpu)
+        return self.resources
+
+    def worker_specs(self) -> list[Any]:
+        """The supervised children: `ft worker cpu` x N (cpu/hybrid: the owner's), then `ft worker gpu`."""
+        from ftexpert.coordinator.supervisor import WorkerSpec
+        from ftexpert.cpu_expert_pool.api import FT_COMMAND, worker_env
+
+        o = self.options
+        assert self.link is not None and self.resources is not None
+        env = {"PYTHONPATH": worker_env()["PYTHONPATH"], **o.extra_env}
+        specs = self.resources.cpu_worker_specs()
+        for spec in specs:
+            spec.env = env
+        gpu_flags: list[str] = []
+        if o.moe_strategy in CPU_STRATEGIES:
+            # the GPU worker pins itself to the CPUs these workers keep off (the same list, resolved here)
+            gpu_flags = ["--reserve-cpus", self.resources.reserved_cpus(), "--pin-gpu-worker",
+                         "on" if o.pin_gpu_worker else "off"]
+        argv = [*FT_COMMAND, "worker", "gpu", "--engine-addr", self.link.address, "--name", GPU_WORKER_NAME,
+                "--parent-pid", str(os.getpid()), "--log-level", o.log_level, *o.engine_flags, *gpu_flags]
+        if self.key_file:
+            argv += ["--engine-key-file", self.key_file]
+        specs.append(WorkerSpec(GPU_WORKER_NAME, argv, self.link.config_hash, env=env, kind="gpu-worker",
+                                ready_timeout_s=o.worker_ready_timeout_s, heartbeat_timeout_s=GPU_HEARTBEAT_TIMEOUT_S,
+                                backoff_initial_s=o.backoff_initial_s, backoff_max_s=o.backoff_max_s,
+                                max_restarts=o.max_restarts))
+        return specs
+
+    def _on_worker_error(self, err: Exception) -> None:
+        from ftexpert.coordinator.supervisor import WorkerGaveUp
+
+        if isinstance(err, WorkerGaveUp) and self.on_gave_up is not None:
+            self.on_gave_up(err.name, str(err), err.name == GPU_WORKER_NAME)
+
+    def _check_facts(self, facts: em.Ready) -> None:
+        vocab = self.source.cfg.vocab_size
+        if facts.vocab_size != vocab:
+            raise RuntimeError(f"the GPU worker (pid {facts.pid}) loaded a model with a vocabulary of "
+                               f"{facts.vocab_size} tokens, the coordinator's tokenizer model has {vocab}: start "
+                               f"both with the same --model")
+
+    # ------------------------------------------------------------------ engine
+
+    def engine_client(self) -> RemoteEngine:
+        """EngineService's engine: the one RemoteEngine over the link."""
+        if self.remote is None:
+            assert self.link is not None, "start() first"
+            restart = self._restart_gpu_worker if self.supervisor is not None else None
+            self.remote = RemoteEngine(self.link, restart_worker=restart)
+        return self.remote
+
+    def _restart_gpu_worker(self) -> None:
+        self.supervisor.restart(GPU_WORKER_NAME)
+
+    # ------------------------------------------------------------------ stop
+
+    def stop(self) -> None:
+        link, self.link = self.link, None
+        if link is not None:
+            link.closing = True
+            peer = link.peer
+            if peer is not None:
+                link.send_to(peer.session, em.Shutdown("the coordinator is stopping"))
+        if self.supervisor is not None:
+            try:
+                self.supervisor.stop()
+            except Exception:  # noqa: BLE001 - keep tearing down
+                log.exception("stopping the worker processes failed")
+            self.supervisor = None
+        if link is not None:
+            link.close()
+            link_auth.remove_quietly(self.key_file)
+            path = link_auth.ipc_path(link.address)
+            link_auth.remove_quietly(path)
+            if self._made_dir:
+                try:
+                    os.rmdir(self._made_dir)
+                except OSError:
+                    pass
+        if self.resources is not None:
+            self.resources.close()               # the creator: unlinks the channels and the store
+            self.resources = None

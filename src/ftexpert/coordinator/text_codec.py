@@ -1,0 +1,278 @@
+"""Text in and out of the engine: the model's tokenizer, its chat template, its end-of-sequence ids.
+
+Loaded from a model directory in the Hugging Face layout: tokenizer.json (a `tokenizers.Tokenizer`),
+tokenizer_config.json (chat_template, bos/eos tokens), optionally generation_config.json (eos ids).
+The chat template is rendered with jinja2 in a sandbox, as transformers does; a model without a
+template (or a machine without jinja2) gets a built-in ChatML format, and says so in a log line.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import secrets
+import threading
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any, Sequence
+
+from ftexpert.coordinator.token_bounds import max_bytes_per_token
+
+log = logging.getLogger("ft.coordinator.text")
+
+CHATML_ROLES = ("system", "user", "assistant", "tool", "developer")
+PLACEHOLDER_OPEN, PLACEHOLDER_CLOSE = "\ue000", "\ue001"    # private-use characters around a nonce
+
+
+COUNT_IN_PIECES_ABOVE_CHARS = 1 << 18    # a longer text is first counted piece by piece against the limit
+PIECE_CHARS = 1 << 16
+PIECE_SLACK_TOKENS = 4                   # most tokens a cut can add (a normalizer's Prepend, a split merge)
+_PIECE_CUT = re.compile(r" (?=\S)")     # before a space that starts a word: a pre-tokenizer boundary
+
+
+class TooManyTokens(ValueError):
+    """The text has more than `limit` tokens (at least `at_least`); it was not tokenized whole."""
+
+    def __init__(self, at_least: int, limit: int):
+        super().__init__(f"the text has at least {at_least} tokens, over {limit}")
+        self.at_least, self.limit = at_least, limit
+
+
+def _batch_encode(tokenizer: Any) -> Any:
+    # encode_batch* run without the GIL (encode holds it throughout); the _fast variant skips offsets
+    return getattr(tokenizer, "encode_batch_fast", None) or tokenizer.encode_batch
+
+
+def _encode(tokenizer: Any, text: str, add_special_tokens: bool, limit: int | None = None) -> list[int]:
+    if limit is not None and len(text) > COUNT_IN_PIECES_ABOVE_CHARS:
+        _count_up_to(tokenizer, text, limit)
+    return list(_batch_encode(tokenizer)([text], add_special_tokens=add_special_tokens)[0].ids)
+
+
+def _count_up_to(tokenizer: Any, text: str, limit: int) -> None:
+    """Raise TooManyTokens as soon as pieces of `text` surely hold more than `limit` tokens.
+
+    Pieces are cut before a space that starts a word, where byte-level and SentencePiece pre-tokenizers cut
+    anyway; PIECE_SLACK_TOKENS per cut covers what a cut can add. Tokenizing stops at the first pieces over the
+    limit, so an over-long prompt costs about a context's worth of tokenizing, and no Encoding (whose creation
+    and release hold the GIL) is larger than a piece's."""
+    encode = _batch_encode(tokenizer)
+    total = cuts = start = 0
+    while start < len(text):
+        m = _PIECE_CUT.search(text, start + PIECE_CHARS)
+        end = m.start() if m is not None else len(text)
+        total += len(encode([text[start:end]], add_special_tokens=False)[0])
+        if m is not None:
+            cuts += 1
+        start = end
+        if total - PIECE_SLACK_TOKENS * cuts > limit:
+            raise TooManyTokens(total - PIECE_SLACK_TOKENS * cuts, limit)
+
+
+@dataclass
+class ChatMessage:
+    role: str
+    content: str
+
+
+def _token_text(value: Any) -> str | None:
+    """tokenizer_config.json writes special tokens as a string or as {"content": ...}."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def render_chatml(messages: Sequence[ChatMessage], add_generation_prompt: bool = True) -> str:
+    out = [f"<|im_start|>{m.role}\n{m.content}<|im_end|>\n" for m in messages]
+    if add_generation_prompt:
+        out.append("<|im_start|>assistant\n")
+    return "".join(out)
+
+
+class ChatTemplate:
+    """A Hugging Face chat template (jinja2), or ChatML when `source` is None."""
+
+    def __init__(self, source: str | None, bos_token: str | None = None, eos_token: str | None = None):
+        self.source = source
+        self.special = {"bos_token": bos_token or "", "eos_token": eos_token or ""}
+        self._compiled = None
+        if source is not None:
+            try:
+                self._compiled = self._compile(source)
+            except ImportError:
+                log.warning("jinja2 is not installed: using the built-in ChatML format instead of the "
+                            "model's chat template; `pip install jinja2` to use the model's own")
+
+    @staticmethod
+    def _compile(source: str):
+        import jinja2
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        def raise_exception(message: str):
+            raise ValueError(f"chat template refused the messages: {message}")
+
+        def tojson(value, indent=None, ensure_ascii=False, sort_keys=False):
+            return json.dumps(value, indent=indent, ensure_ascii=ensure_ascii, sort_keys=sort_keys)
+
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                            extensions=["jinja2.ext.loopcontrols"],
+                                            undefined=jinja2.Undefined)
+        env.filters["tojson"] = tojson
+        env.globals["raise_exception"] = raise_exception
+        env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+        try:
+            return env.from_string(source)
+        except jinja2.TemplateError as exc:
+            raise ValueError(f"the model's chat template does not compile: {exc}; fix "
+                             f"tokenizer_config.json's chat_template") from None
+
+    @property
+    def kind(self) -> str:
+        return "jinja2" if self._compiled is not None else "chatml"
+
+    def render(self, messages: Sequence[ChatMessage], add_generation_prompt: bool = True) -> str:
+        if self._compiled is None:
+            return render_chatml(messages, add_generation_prompt)
+        import jinja2
+        try:
+            return self._compiled.render(messages=[{"role": m.role, "content": m.content} for m in messages],
+                                         add_generation_prompt=add_generation_prompt, **self.special)
+        except jinja2.TemplateError as exc:
+            raise ValueError(f"chat template failed on these messages: {exc}") from None
+
+
+@dataclass
+class TextCodec:
+    tokenizer: Any                          # tokenizers.Tokenizer
+    chat_template: ChatTemplate
+    eos_token_ids: list[int] = field(default_factory=list)
+
+    @classmethod
+    def from_model_dir(cls, model_dir: str) -> "TextCodec":
+        from tokenizers import Tokenizer
+
+        path = os.path.join(model_dir, "tokenizer.json")
+        if not os.path.exists(path):
+            raise FileNotFoundError(f"{path} is missing: a model directory needs the tokenizer.json of its "
+                                    f"model (Hugging Face layout)")
+        tokenizer = Tokenizer.from_file(path)
+        config = _read_json(os.path.join(model_dir, "tokenizer_config.json"))
+        template = config.get("chat_template")
+        jinja = os.path.join(model_dir, "chat_template.jinja")   # newer checkpoints (gpt-oss's harmony format)
+        if not template and os.path.isfile(jinja):
+            with open(jinja, encoding="utf-8") as f:
+                template = f.read()
+        if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
+            named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+            template = named.get("default") or next(iter(named.values()), None)
+        if not isinstance(template, str):
+            log.info("%s has no chat template: chat requests use ChatML", model_dir)
+            template = None
+        bos, eos = _token_text(config.get("bos_token")), _token_text(config.get("eos_token"))
+        eos_ids: list[int] = []
+        gen = _read_json(os.path.join(model_dir, "generation_config.json"))
+        raw = gen.get("eos_token_id")
+        if isinstance(raw, int):
+            eos_ids.append(raw)
+        elif isinstance(raw, list):
+            eos_ids.extend(i for i in raw if isinstance(i, int))
+        if eos is not None and tokenizer.token_to_id(eos) is not None:
+            eos_ids.append(tokenizer.token_to_id(eos))
+        return cls(tokenizer, ChatTemplate(template, bos, eos), sorted(set(eos_ids)))
+
+    @classmethod
+    def from_text_tokenizer(cls, text_tokenizer: Any, eos_token_ids: Sequence[int] = ()) -> "TextCodec":
+        """From gpu_worker.models' TextTokenizer (the model loader already read the directory)."""
+        template = getattr(text_tokenizer, "chat_template", None)
+        if isinstance(template, list):
+            named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+            template = named.get("default") or next(iter(named.values()), None)
+        chat = ChatTemplate(template if isinstance(template, str) else None,
+                            getattr(text_tokenizer, "bos_token", None), getattr(text_tokenizer, "eos_token", None))
+        eos = set(eos_token_ids) | set(getattr(text_tokenizer, "eos_token_ids", ()) or ())
+        return cls(text_tokenizer.tokenizer, chat, sorted(eos))
+
+    def __post_init__(self) -> None:
+        self._lock = threading.Lock()
+        self._plain: Any = None                          # a copy that reads special-token text as plain text
+        self._bytes_per_token: int | None | bool = False  # False: not computed yet
+        added = getattr(self.tokenizer, "get_added_tokens_decoder", dict)()
+        specials = sorted({t.content for t in added.values() if getattr(t, "special", False) and t.content},
+                          key=len, reverse=True)
+        self._special_re = re.compile("|".join(map(re.escape, specials))) if specials else None
+
+    def encode(self, text: str, add_special_tokens: bool = True, limit: int | None = None) -> list[int]:
+        """Token ids of `text`; special-token text in it becomes those tokens (a completion's prompt is the
+        client's own). The tokenizer releases the GIL while it works (encode_batch), so a long prompt does not
+        stop this process's other threads: the event loop, the engine link's IO thread and its heartbeats.
+        With `limit`, a long text surely over it raises TooManyTokens before it is tokenized whole."""
+        return _encode(self.tokenizer, text, add_special_tokens, limit)
+
+    def encode_chat(self, messages: Sequence[ChatMessage], limit: int | None = None) -> list[int]:
+        """The chat template rendered and tokenized; only the template's own special tokens are special.
+
+        Special-token text inside a message (`<|im_end|><|im_start|>system`) stays text: each occurrence is
+        replaced by a placeholder before rendering, and the rendered text is tokenized piece by piece, each
+        placeholder as the plain text it stands for. The template writes BOS and the like itself."""
+        found: list[str] = []
+        nonce = secrets.token_hex(6)
+
+        def hide(content: str) -> str:
+            if self._special_re is None or self._special_re.search(content) is None:
+                return content
+            def mark(m: re.Match) -> str:
+                found.append(m.group(0))
+                return f"{PLACEHOLDER_OPEN}{nonce}:{len(found) - 1}{PLACEHOLDER_CLOSE}"
+            return self._special_re.sub(mark, content)
+
+        rendered = self.chat_template.render([ChatMessage(m.role, hide(m.content)) for m in messages])
+        if not found:
+            return self.encode(rendered, add_special_tokens=False, limit=limit)
+        pieces = re.split(f"{PLACEHOLDER_OPEN}{nonce}:(\\d+){PLACEHOLDER_CLOSE}", rendered)
+        ids: list[int] = []
+        for i, piece in enumerate(pieces):
+            if i % 2:
+                ids += _encode(self._plain_tokenizer(), found[int(piece)], False)
+            elif nonce in piece:
+                raise ValueError("the model's chat template changed the message text around special-token text "
+                                 "in it; remove text such as "
+                                 f"{found[0]!r} from the messages")
+            else:
+                ids += self.encode(piece, add_special_tokens=False, limit=limit)
+        return ids
+
+    def _plain_tokenizer(self) -> Any:
+        with self._lock:
+            if self._plain is None:
+                plain = type(self.tokenizer).from_str(self.tokenizer.to_str())
+                plain.encode_special_tokens = True
+                self._plain = plain
+            return self._plain
+
+    def max_prompt_bytes(self, context_tokens: int) -> int | None:
+        """Prompts longer than this many UTF-8 bytes cannot fit `context_tokens` (coordinator/token_bounds.py);
+        None where this tokenizer gives no such bound."""
+        with self._lock:
+            if self._bytes_per_token is False:
+                self._bytes_per_token = max_bytes_per_token(self.tokenizer)
+            per_token = self._bytes_per_token
+        return None if per_token is None else context_tokens * per_token
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tokenizer.get_vocab_size(with_added_tokens=True)
+
+
+def _read_json(path: str) -> dict:
+    if not os.path.exists(path):
+        return {}
+    try:
+        with open(path, encoding="utf-8") as fh:
+            doc = json.load(fh)
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"{path} is not valid JSON ({exc}); restore it from the model's release") from None
+    return doc if isinstance(doc, dict) else {}

@@ -1,0 +1,74 @@
+"""The quantized expert kernel's view of a format (quant_ffn.c's ``ft_quant_format``) and its ctypes bindings.
+
+``quant_format_desc(layout)`` turns a ``proto.expert_format.QuantLayout`` into the struct the C code reads: the
+format id, the group size and each region's byte offset within one expert (-1 where the format has none). The C
+side takes the region shapes from H, I and the format by proto/expert_format.py's formulas and checks that every
+region fits ``expert_bytes`` (ERR_BAD_FORMAT otherwise), so a layout change there fails loudly here.
+"""
+from __future__ import annotations
+
+import ctypes
+
+from ftexpert.cpu_expert_pool.native.act_desc import ExpertActDesc, act_address
+from ftexpert.proto.expert_format import FP8_BLOCK, FormatError, QuantLayout
+
+FORMAT_IDS = {"fp8": 1, "int4": 2, "mxfp4": 3, "nvfp4": 4}     # quant_dots.h FMT_*
+REGIONS = ("codes_w13", "codes_w2", "scales_w13", "scales_w2", "zeros_w13", "zeros_w2", "globals")
+MATRICES = {"gate": 0, "up": 1, "down": 2}                      # ft_dequantize_rows's m
+
+
+class QuantFormatDesc(ctypes.Structure):
+    """Mirror of quant_ffn.c's ft_quant_format (all int64)."""
+    _fields_ = [("format", ctypes.c_int64), ("group_size", ctypes.c_int64), ("expert_bytes", ctypes.c_int64),
+                *((name, ctypes.c_int64) for name in REGIONS)]
+
+
+def quant_format_desc(layout: QuantLayout) -> QuantFormatDesc:
+    """The struct for one expert of ``layout`` (keep it alive while C holds its address)."""
+    fmt = layout.fmt
+    if fmt.name not in FORMAT_IDS:
+        raise FormatError(f"the compiled CPU expert kernel has no {fmt.label} path; it reads "
+                          f"{', '.join(FORMAT_IDS)} (and bf16 through ft_moe_layer)")
+    regions = layout.regions
+    return QuantFormatDesc(FORMAT_IDS[fmt.name], FP8_BLOCK if fmt.name == "fp8" else fmt.group_size,
+                           layout.expert_nbytes, *(regions[name][0] if name in regions else -1 for name in REGIONS))
+
+
+class QuantBindings:
+    """ft_moe_layer_q and ft_dequantize_rows of a loaded library (the kernel's, or a test build of quant_ffn.c)."""
+
+    def __init__(self, lib: ctypes.CDLL):
+        c_int, c_i64, c_p = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p
+        lib.ft_moe_layer_q.restype = c_int
+        lib.ft_moe_layer_q.argtypes = [c_p, c_int, c_int, c_p, c_i64, c_int, c_int, c_int, c_p, c_int, c_int,
+                                       c_p, c_p, c_p, c_int, c_p, c_p, c_int, c_int, c_p]
+        lib.ft_dequantize_rows.restype = c_int
+        lib.ft_dequantize_rows.argtypes = [c_p, c_int, c_p, c_int, c_int, c_int, c_int, c_int, c_p]
+        self._lib = lib
+        self._stats = (ctypes.c_int64 * 2)()
+
+    def moe_layer(self, desc: QuantFormatDesc, isa: int, num_threads: int, layer_base: int, expert_stride_bytes: int,
+                  num_experts: int, hidden_size: int, intermediate: int, hidden_ptr: int, hidden_is_bf16: bool,
+                  num_tokens: int, tok_ptr: int, expert_ptr: int, weight_ptr: int, num_triples: int, out_ptr: int,
+                  split_expert: int = -1, split_limit: int = 0,
+                  act: ExpertActDesc | None = None) -> tuple[int, int]:
+        """NativeLib.moe_layer for a quantized store; returns (experts used, bytes read)."""
+        from ftexpert.cpu_expert_pool.native.build import ERRORS
+
+        rc = self._lib.ft_moe_layer_q(ctypes.addressof(desc), isa, num_threads, layer_base, expert_stride_bytes,
+                                      num_experts, hidden_size, intermediate, hidden_ptr, int(hidden_is_bf16),
+                                      num_tokens, tok_ptr, expert_ptr, weight_ptr, num_triples, out_ptr,
+                                      ctypes.addressof(self._stats), split_expert, split_limit, act_address(act))
+        if rc != 0:
+            raise ValueError(f"CPU expert kernel: {ERRORS.get(rc, f'error {rc}')}")
+        return int(self._stats[0]), int(self._stats[1])
+
+    def dequantize_rows(self, desc: QuantFormatDesc, isa: int, expert_ptr: int, hidden_size: int, intermediate: int,
+                        matrix: str, row0: int, num_rows: int, out_ptr: int) -> None:
+        """Rows [row0, row0 + num_rows) of gate / up / down, fp32 in element order, by `isa`'s decoders."""
+        from ftexpert.cpu_expert_pool.native.build import ERRORS
+
+        rc = self._lib.ft_dequantize_rows(ctypes.addressof(desc), isa, expert_ptr, hidden_size, intermediate,
+                                          MATRICES[matrix], row0, num_rows, out_ptr)
+        if rc != 0:
+            raise ValueError(f"ft_dequantize_rows: {ERRORS.get(rc, f'error {rc}')}")

@@ -1,0 +1,93 @@
+"""The GPU worker's public interface for the other processes' code (the coordinator's `ft serve`,
+`ft generate` and its resource owner); everything else in gpu_worker is internal to it.
+
+- the checkpoint's expert layout and loader: ``open_model_source`` (config, tokenizer, `ExpertSource`),
+  ``create_expert_store`` (the shared-memory expert store filled from it: its creator owns it);
+- building an engine over resources someone else created: ``load_attached_model`` (dense weights, the
+  expert backend attached to the store and the CPU workers' channels, the `MoeModel`), ``load_model``
+  (strategies without host resources), ``Engine`` / ``EngineConfig`` / ``SamplingParams``;
+- ``HybridOptions`` (the cpu / hybrid backends' settings) and ``channel_hidden_dtype``.
+
+Importing this module imports torch.
+"""
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+import torch
+
+from ftexpert.gpu_worker.engine import Engine, EngineConfig, SamplingParams
+from ftexpert.gpu_worker.hybrid.options import HybridOptions
+from ftexpert.gpu_worker.models.attached_backends import make_attached_expert_backend, needs_host_store
+from ftexpert.gpu_worker.models.device import resolve_device
+from ftexpert.gpu_worker.models.loader import DEFAULT_MODEL_DIR, LoadedModel, ModelSource, load_model, open_model_source
+from ftexpert.gpu_worker.models.architectures import make_model
+from ftexpert.gpu_worker.offload.prefetch import PREFETCH_KNOBS, PrefetchSettings, attach_prefetch, settings_from_knobs
+from ftexpert.gpu_worker.offload.host_store import HostExperts
+from ftexpert.gpu_worker.worker_loop import gpu_busy_loop
+from ftexpert.proto.cpu_channel import channel_hidden_dtype
+from ftexpert.proto.expert_store import ExpertStore
+
+__all__ = ["DEFAULT_MODEL_DIR", "PREFETCH_KNOBS", "PrefetchSettings", "settings_from_knobs", "Engine", "EngineConfig", "HostExperts", "gpu_busy_loop", "HybridOptions", "attach_cpu_pool", "LoadedModel", "ModelSource", "SamplingParams",
+           "channel_hidden_dtype", "create_expert_store", "load_attached_model", "load_model", "needs_host_store",
+           "open_model_source", "resolve_device"]
+
+
+def create_expert_store(source: ModelSource, *, name: str, staging_device: torch.device | None = None,
+                        before_fill: Callable[[ExpertStore], object] | None = None) -> HostExperts:
+    """The shared-memory expert store `name`, filled from the checkpoint (its creator unlinks it on close()).
+    Not pinned: whoever attaches to it for DMA pins its own mapping."""
+    return HostExperts.create_filled(source.experts, name=name, pin=False, staging_device=staging_device,
+                                     before_fill=before_fill)
+
+
+def load_attached_model(source: ModelSource, device: torch.device, *, moe_strategy: str, store_name: str = "",
+                        cpu_channels: tuple[str, ...] | list[str] = (), moe_cache_size: int | float | str | None = None,
+                        hybrid: HybridOptions | None = None,
+                        pin_driving_process: bool = False,
+                        worker_info: Callable[[], list[dict]] | None = None,
+                        freq_weight: int | None = None, freq_half_life: int | None = None,
+                        prefetch: PrefetchSettings | None = None) -> LoadedModel:
+    """Dense weights on `device` and the expert backend over the store `store_name` and the CPU workers'
+    channels `cpu_channels` (cpu / hybrid), created and supervised elsewhere (coordinator/expert_resources.py).
+    pin_driving_process: cpu / hybrid: once loaded, pin this process to the reserved CPUs where `hybrid` says
+    so (HybridOptions.pin_driving_process). worker_info: the owner's supervisor view (CpuPool.worker_info).
+    prefetch: the lookahead expert prefetch's settings (None: off; docs/PREFETCH.md)."""
+    t0 = time.perf_counter()
+    experts = make_attached_expert_backend(moe_strategy, source.experts, device, store_name=store_name,
+                                           cpu_channels=cpu_channels, cache_size=moe_cache_size, hybrid=hybrid,
+                                           worker_info=worker_info, freq_weight=freq_weight,
+                                           freq_half_life=freq_half_life)
+    try:
+        dense = source.load_dense(device)
+        cfg = source.cfg
+        model = make_model(cfg, dense, experts, max_positions=min(32768, cfg.max_position_embeddings))
+        attach_prefetch(model, prefetch)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    except BaseException:
+        close = getattr(experts, "close", None)
+        if close is not None:
+            close()
+        raise
+    if pin_driving_process and moe_strategy in ("cpu", "hybrid"):
+        (hybrid or HybridOptions()).pin_driving_process("the engine's process")
+    return LoadedModel(source=source, model=model, device=device, load_time_s=time.perf_counter() - t0)
+
+
+def attach_cpu_pool(store: ExpertStore, channel_names: list[str], options: HybridOptions | None = None, *,
+                    worker_info: Callable[[], list[dict]] | None = None, pin_driving_process: bool = True):
+    """A CpuPool on the owner's channels (a benchmark that builds HybridExperts itself); this process's torch
+    threads set to options.engine_thread_count() and, where the options say so, it pins itself to the reserved
+    CPUs (the workers' flags were resolved before the pin)."""
+    from ftexpert.gpu_worker.hybrid.cpu_pool import CpuPool
+
+    options = options or HybridOptions()
+    pool = CpuPool.attach(store, list(channel_names), deadline_s=options.cpu_deadline_s,
+                          readmit_poll_s=options.readmit_poll_s, ready_timeout_s=options.ready_timeout_s,
+                          worker_info=worker_info)
+    torch.set_num_threads(options.engine_thread_count())
+    if pin_driving_process:
+        options.pin_driving_process("the engine's process")
+    return pool

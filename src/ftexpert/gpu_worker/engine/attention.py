@@ -1,0 +1,263 @@
+"""Attention contexts over the `KVCache`, one built per forward.
+
+Both fold the G = Hq / Hkv query heads that share a kv head into SDPA's query-length axis, so grouped
+query attention reads each cached key once and never copies K/V to Hq heads:
+
+    q [T, Hq, D] -> [rows, Hkv, G * T_row, D];  k, v: cache views [rows, Hkv, S_attn, D]
+
+- `PrefillAttention`: one request, a chunk of C tokens at positions start..start+C-1; writes the chunk's
+  K/V into the request's row, attends causally over positions [0, start + C). Where SDPA's flash kernel
+  applies (CUDA, fp16/bf16, no sliding window: `PREFILL_KERNEL` "auto"), the causal mask is not built at
+  all: a lower-right causal bias object (torch.nn.attention.bias.causal_lower_right) with the query heads
+  unfolded and grouped-query K/V read in place (enable_gqa); elsewhere the folded layout and an additive
+  bias built once per forward (`folded_bias`).
+- `DecodeAttention`: one token for each of T requests. Fixed shapes for CUDA graphs (no host sync),
+  by one of two backends:
+  - "triton" (the default on CUDA): kernels/decode_attention, a flash-decoding kernel that reads only
+    the T requests' rows up to each one's sequence length (grid bounded by the bucket);
+  - "sdpa" (CPU, and the fallback on CUDA): SDPA over cache rows [0, R) and positions [0, bucket)
+    with a mask from a device tensor of sequence lengths. Rows in [0, R) that are not decoding this
+    step attend to one finite dummy position and their output is dropped.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch.backends.cuda import SDPAParams, can_use_flash_attention
+from torch.nn.attention.bias import causal_lower_right
+
+from ftexpert.kernels.decode_attention import decode_attention
+from ftexpert.kernels.moe_decode import KvWrite
+
+from .kv_cache import KVCache
+
+MIN_DECODE_BUCKET_TOKENS = 64
+ATTENTION_BACKENDS = ("auto", "sdpa", "triton")
+# Prefill attention: "auto" = the flash kernel with a lower-right causal bias object where it applies (no mask in
+# memory: late in a 32K context a 4,096-token chunk's folded bias is 2 GiB for qwen3-30b-a3b), else the folded
+# bias; "bias" = always the folded bias (what every prefill did before the fourteenth session; benchmarks, tests).
+PREFILL_KERNELS = ("auto", "bias")
+PREFILL_KERNEL = "auto"
+CONTEXT_WINDOW = "context"      # attend's default sliding_window: the one the context was built with
+
+
+def sink_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
+                   sinks: torch.Tensor | None, scale: float) -> torch.Tensor:
+    """Eager attention with optional sinks over the folded layout. q [R, Hkv, M, D], keys / values
+    [R, Hkv, S, D], mask: additive float or bool (True: attend), broadcast to [R, Hkv, M, S]; sinks
+    [Hkv, M] (each folded query row's head's sink) or None -> [R, Hkv, M, D]."""
+    logits = torch.matmul(q, keys.transpose(-1, -2)) * scale                          # [R, Hkv, M, S]
+    if mask.dtype == torch.bool:
+        logits = logits.masked_fill(~mask, float("-inf"))
+    else:
+        logits = logits + mask
+    if sinks is not None:
+        sink = sinks.to(logits.dtype)[None, :, :, None].expand(logits.shape[0], -1, -1, 1)
+        logits = torch.cat([logits, sink], dim=-1)
+    logits = logits - logits.max(dim=-1, keepdim=True).values
+    probs = torch.softmax(logits, dim=-1, dtype=logits.dtype)
+    if sinks is not None:
+        probs = probs[..., :-1]
+    return torch.matmul(probs.to(values.dtype), values)
+
+
+def _folded_sinks(sinks: torch.Tensor | None, hkv: int, group: int, rows_per_head: int) -> torch.Tensor | None:
+    """sinks [Hq] -> [Hkv, G * rows_per_head]: folded row g * rows_per_head + c has head h * G + g's sink."""
+    if sinks is None:
+        return None
+    return sinks.view(hkv, group, 1).expand(hkv, group, rows_per_head).reshape(hkv, group * rows_per_head)
+
+
+def resolve_attention_backend(backend: str, device: torch.device) -> str:
+    """"auto" -> "triton" on CUDA, "sdpa" elsewhere; "triton" on CPU runs the Triton interpreter
+    (TRITON_INTERPRET=1 set before the kernels are defined: tests only)."""
+    if backend not in ATTENTION_BACKENDS:
+        raise ValueError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, got {backend!r}")
+    if backend == "auto":
+        return "triton" if device.type == "cuda" else "sdpa"
+    return backend
+
+
+def decode_bucket_tokens(max_seq_len: int, max_context_tokens: int) -> int:
+    """Attention span for a decode step: the next power of two >= max_seq_len (>= 64), capped."""
+    bucket = MIN_DECODE_BUCKET_TOKENS
+    while bucket < max_seq_len:
+        bucket *= 2
+    return min(bucket, max_context_tokens)
+
+
+class PrefillAttention:
+    def __init__(self, kv: KVCache, slot: int, start_pos: int, num_tokens: int,
+                 sliding_window: int | None = None):
+        self.kv, self.slot, self.start, self.end = kv, slot, start_pos, start_pos + num_tokens
+        if self.end > kv.max_context_tokens:
+            raise ValueError(f"chunk ends at position {self.end} > max_context_tokens {kv.max_context_tokens}")
+        self.sliding_window = sliding_window
+        self._mask: torch.Tensor | None = None
+        self._folded: dict[tuple[int, torch.dtype], torch.Tensor] = {}   # (G, dtype) -> the folded heads' bias
+        self._flash: bool | None = None          # whether attend takes the flash path (decided at its first call)
+        self._window_masks: dict[int | None, torch.Tensor] = {}    # a per-call window's [C, S_attn] mask
+
+    @property
+    def mask(self) -> torch.Tensor:
+        """[C, S_attn] bool: query c may attend key s. Built at first use: the flash path never needs it (at a
+        4,096-token chunk late in a 32K context it would be 128 MiB)."""
+        if self._mask is None:
+            device = self.kv.k.device
+            q_pos = torch.arange(self.start, self.end, device=device)[:, None]     # [C, 1]
+            k_pos = torch.arange(self.end, device=device)[None, :]                # [1, S_attn]
+            mask = k_pos <= q_pos                                                  # [C, S_attn]
+            if self.sliding_window is not None:
+                mask &= k_pos > q_pos - self.sliding_window
+            self._mask = mask
+        return self._mask
+
+    def folded_bias(self, group: int, dtype: torch.dtype) -> torch.Tensor:
+        """[G*C, S_attn] additive bias in `dtype`: 0 where row g*C + c (query c) may attend, -inf elsewhere. Built
+        once per forward and shared by the layers: given the boolean mask, SDPA would make this same tensor
+        itself at every layer (torch's convert_boolean_attn_mask: zeros, -inf where the mask is False; the
+        results are bitwise the same), which at a 4K chunk late in a 32K context is 2 GiB written 48 times. Its
+        rows are a view with a stride rounded up to 8 elements: SDPA's memory-efficient kernel wants aligned
+        rows and would otherwise pad a copy at every layer. Filled by broadcasting the [C, S] mask (no G-fold
+        boolean copies)."""
+        key = (group, dtype)
+        if key not in self._folded:
+            C, S = self.mask.shape
+            stride = -(-S // 8) * 8
+            bias = torch.zeros((group, C, stride), dtype=dtype, device=self.mask.device)
+            bias[:, :, :S].masked_fill_(~self.mask, float("-inf"))
+            self._folded[key] = bias.view(group * C, stride)[:, :S]
+        return self._folded[key]
+
+    def _flash_applies(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> bool:
+        """Whether SDPA's flash kernel takes this call's shapes and dtype with grouped-query K/V (CUDA, fp16/bf16,
+        supported head size), so that the lower-right causal bias runs without a mask in memory. The efficient
+        kernel's lower-right path would not take grouped-query K/V, and the fallback materialises the mask: the
+        folded bias is better there."""
+        if PREFILL_KERNEL not in PREFILL_KERNELS:
+            raise ValueError(f"PREFILL_KERNEL must be one of {', '.join(PREFILL_KERNELS)}, got {PREFILL_KERNEL!r}")
+        if PREFILL_KERNEL == "bias" or self.sliding_window is not None or q.device.type != "cuda":
+            return False
+        qh = q.transpose(0, 1).unsqueeze(0)
+        return bool(can_use_flash_attention(SDPAParams(qh, keys, values, None, 0.0, False, True)))
+
+    def kv_write(self, layer_idx: int, v: torch.Tensor) -> KvWrite | None:
+        return None                                   # a chunk's K/V: one contiguous copy each in attend
+
+    def window_mask(self, window: int | None) -> torch.Tensor:
+        """[C, S_attn] bool for a layer's own window (None: causal only)."""
+        if window == self.sliding_window:
+            return self.mask
+        if window not in self._window_masks:
+            device = self.kv.k.device
+            q_pos = torch.arange(self.start, self.end, device=device)[:, None]
+            k_pos = torch.arange(self.end, device=device)[None, :]
+            mask = k_pos <= q_pos
+            if window is not None:
+                mask &= k_pos > q_pos - window
+            self._window_masks[window] = mask
+        return self._window_masks[window]
+
+    def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
+               kv_written: bool = False, sinks: torch.Tensor | None = None,
+               sliding_window: int | None | str = CONTEXT_WINDOW) -> torch.Tensor:
+        C, Hq, D = q.shape
+        Hkv = k.shape[1]
+        G = Hq // Hkv
+        if kv_written:
+            raise ValueError("PrefillAttention writes the chunk's K/V itself (its kv_write gives None)")
+        self.kv.k[layer_idx, self.slot, self.start:self.end].copy_(k)
+        self.kv.v[layer_idx, self.slot, self.start:self.end].copy_(v)
+        keys = self.kv.k[layer_idx, self.slot, : self.end].transpose(0, 1).unsqueeze(0)    # [1, Hkv, S, D]
+        values = self.kv.v[layer_idx, self.slot, : self.end].transpose(0, 1).unsqueeze(0)  # [1, Hkv, S, D]
+        if sinks is not None or sliding_window != CONTEXT_WINDOW:
+            window = self.sliding_window if sliding_window == CONTEXT_WINDOW else sliding_window
+            qf = q.view(C, Hkv, G, D).permute(1, 2, 0, 3).reshape(1, Hkv, G * C, D)       # row g*C + c
+            mask = self.window_mask(window).repeat(G, 1)                                   # [G*C, S]
+            out = sink_attention(qf, keys, values, mask, _folded_sinks(sinks, Hkv, G, C), D ** -0.5)
+            return out.view(Hkv, G, C, D).permute(2, 0, 1, 3).reshape(C, Hq, D)
+        if self._flash is None:
+            self._flash = self._flash_applies(q, keys, values)
+        if self._flash:        # query c attends keys [0, start + c]: causal, aligned to the lower right
+            qh = q.transpose(0, 1).unsqueeze(0)                                            # [1, Hq, C, D]
+            out = F.scaled_dot_product_attention(qh, keys, values, attn_mask=causal_lower_right(C, self.end),
+                                                 scale=D ** -0.5, enable_gqa=True)         # [1, Hq, C, D]
+            return out[0].transpose(0, 1).contiguous()
+        qf = q.view(C, Hkv, G, D).permute(1, 2, 0, 3).reshape(1, Hkv, G * C, D)           # row g*C + c
+        out = F.scaled_dot_product_attention(qf, keys, values, attn_mask=self.folded_bias(G, qf.dtype),
+                                             scale=D ** -0.5)
+        return out.view(Hkv, G, C, D).permute(2, 0, 1, 3).reshape(C, Hq, D)
+
+
+class DecodeAttention:
+    """slot_ids, positions: [T] int64 device tensors (each slot at most once); num_rows R and bucket
+    are host ints (R > max slot id, bucket >= max position + 1); rows_are_slots: slot_ids == arange(T).
+    backend: "auto" | "sdpa" | "triton" (see the module docstring)."""
+
+    def __init__(self, kv: KVCache, slot_ids: torch.Tensor, positions: torch.Tensor, num_rows: int,
+                 bucket_tokens: int, rows_are_slots: bool, sliding_window: int | None = None,
+                 backend: str = "auto"):
+        self.kv, self.slot_ids, self.num_rows, self.bucket = kv, slot_ids, num_rows, bucket_tokens
+        self.rows_are_slots, self.sliding_window = rows_are_slots, sliding_window
+        self.backend = resolve_attention_backend(backend, kv.k.device)
+        device = kv.k.device
+        self.flat_index = slot_ids * kv.max_context_tokens + positions                    # [T]
+        self.positions = positions
+        self._window_masks: dict[int | None, torch.Tensor] = {}
+        if self.backend == "triton":
+            self.seq_lens = positions + 1                                                  # [T]
+            self.mask = None
+            return
+        self.mask = self.window_mask(sliding_window)                                       # [R, 1, 1, bucket]
+
+    def window_mask(self, window: int | None) -> torch.Tensor:
+        """[R, 1, 1, bucket] bool: which cached positions each row attends with ``window`` (None: all)."""
+        if window not in self._window_masks:
+            device = self.kv.k.device
+            seq_lens = torch.ones(self.num_rows, dtype=torch.int64, device=device)         # idle rows: 1
+            seq_lens.index_copy_(0, self.slot_ids, self.positions + 1)                     # [R]
+            k_pos = torch.arange(self.bucket, device=device)[None, :]                      # [1, bucket]
+            mask = k_pos < seq_lens[:, None]                                               # [R, bucket]
+            if window is not None:
+                mask &= k_pos >= seq_lens[:, None] - window
+            self._window_masks[window] = mask[:, None, None, :]
+        return self._window_masks[window]
+
+    def kv_write(self, layer_idx: int, v: torch.Tensor) -> KvWrite:
+        """Each request's k/v row at its position, for the rope kernel to write (one launch fewer a layer)."""
+        k_flat, v_flat = self.kv.flat(layer_idx)                                           # [B*S, Hkv, D]
+        return KvWrite(k_flat, v_flat, self.flat_index, v)
+
+    def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
+               kv_written: bool = False, sinks: torch.Tensor | None = None,
+               sliding_window: int | None | str = CONTEXT_WINDOW) -> torch.Tensor:
+        """q [T, Hq, D], k/v [T, Hkv, D] (after rope): writes k/v at each request's position (unless
+        `kv_written`: the rope kernel wrote them through `kv_write`) -> [T, Hq, D]. sinks / sliding_window: see
+        the module docstring."""
+        T, Hq, D = q.shape
+        Hkv = k.shape[1]
+        G = Hq // Hkv
+        if not kv_written:
+            k_flat, v_flat = self.kv.flat(layer_idx)                                       # [B*S, Hkv, D]
+            k_flat.index_copy_(0, self.flat_index, k)
+            v_flat.index_copy_(0, self.flat_index, v)
+        custom = sinks is not None or sliding_window != CONTEXT_WINDOW
+        window = self.sliding_window if sliding_window == CONTEXT_WINDOW else sliding_window
+        if self.backend == "triton" and not custom:
+            return decode_attention(q, self.kv.k[layer_idx], self.kv.v[layer_idx], self.slot_ids,
+                                    self.seq_lens, scale=D ** -0.5, bucket=self.bucket,
+                                    sliding_window=self.sliding_window, impl="triton")
+        R, S = self.num_rows, self.bucket
+        keys = self.kv.k[layer_idx, :R, :S].transpose(1, 2)                                # [R, Hkv, S, D]
+        values = self.kv.v[layer_idx, :R, :S].transpose(1, 2)                              # [R, Hkv, S, D]
+        qg = q.view(T, Hkv, G, D)
+        if not self.rows_are_slots:
+            qg = torch.zeros(R, Hkv, G, D, dtype=q.dtype, device=q.device).index_copy_(0, self.slot_ids, qg)
+        if custom:
+            out = sink_attention(qg, keys, values, self.window_mask(window), _folded_sinks(sinks, Hkv, G, 1),
+                                 D ** -0.5)
+        else:
+            out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=self.mask, scale=D ** -0.5)
+        if not self.rows_are_slots:
+            out = out.index_select(0, self.slot_ids)                                       # [T, Hkv, G, D]
+        return out.reshape(T, Hq, D)

@@ -1,0 +1,158 @@
+"""Flash-decoding: split-K attention of one new token per request over its KV cache row.
+
+Two kernels, launched back to back (api.py):
+
+1. `decode_attn_split_kernel`, grid (T, Hkv, NUM_SPLITS). Program (t, h, s) takes the G = Hq / Hkv
+   query heads of request t that share kv head h, a [G, D] tile, and the s-th chunk of positions
+   [s * chunk, (s + 1) * chunk) of row rows[t] of the cache, clipped to the valid positions
+   [max(0, seq_len - window), min(seq_len, bucket)). It walks the chunk BLOCK_N positions at a time
+   with an online softmax (fp32) and writes its partial (max m, sum l, unnormalised acc [G, D]).
+   A program whose clipped chunk is empty (beyond seq_len, or before the window) writes nothing and
+   ends at once, so the fixed grid of a CUDA graph costs little for short contexts.
+2. `decode_attn_merge_kernel`, grid (T, Hq): out = sum_s exp(m_s - M) acc_s / sum_s exp(m_s - M) l_s
+   over the non-empty splits only (the same clipping, from seq_len), M = max_s m_s.
+
+Scores: ``USE_DOT`` multiplies the [GP, D] query tile (G rows padded with zeros to GP >= 16, as
+tl.dot needs) by the [BLOCK_N, D] key tile on tensor cores, and p [GP, BLOCK_N] (rounded to the
+cache dtype, as flash attention does) by the [BLOCK_N, D] value tile; otherwise (small G) a
+broadcast product and tl.sum, in fp32. fp32 inputs take tl.dot's "ieee" precision (no TF32).
+
+Every block the loop loads holds at least one valid position (the loop starts at the first valid
+position of the chunk, not at a BLOCK_N boundary), so the running max is finite after the first
+block and no exp ever sees -inf - (-inf).
+
+Legend: T requests, Hq query heads, Hkv kv heads, G = Hq / Hkv, D head dim, B cache rows,
+S positions per row, NS splits.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from ftexpert.kernels.pdl import pdl_enter
+
+
+@triton.jit
+def decode_attn_split_kernel(
+    q_ptr,                # [T, Hq, D] (last dim contiguous)
+    k_ptr, v_ptr,         # [B, S, Hkv, D] cache views of one layer (last dim contiguous)
+    rows_ptr,             # [T] int: cache row of each request
+    seq_lens_ptr,         # [T] int: valid positions of each request
+    m_ptr, l_ptr,         # [T, Hq, NS] fp32 partial max / sum
+    acc_ptr,              # [T, Hq, NS, D] fp32 partial unnormalised output
+    stride_qt, stride_qh,
+    stride_kb, stride_ks, stride_kh,
+    stride_vb, stride_vs, stride_vh,
+    scale,                # fp32 softmax scale
+    bucket,               # positions >= bucket are never read
+    window,               # sliding window (used when HAS_WINDOW)
+    chunk,                # positions per split
+    NUM_SPLITS: tl.constexpr,
+    G: tl.constexpr,      # query heads per kv head
+    GP: tl.constexpr,     # G padded (power of two; >= 16 with USE_DOT)
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,  # HEAD_DIM padded to a power of two (>= 16 with USE_DOT)
+    BLOCK_N: tl.constexpr,  # positions per loop step
+    HAS_WINDOW: tl.constexpr,
+    USE_DOT: tl.constexpr,
+    IS_FP32: tl.constexpr,
+    USE_PDL: tl.constexpr = False,   # launched with PDL: wait for the kernel before first (kernels/pdl.py)
+):
+    pdl_enter(USE_PDL)
+    t = tl.program_id(0)
+    kh = tl.program_id(1)
+    s = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + t).to(tl.int64)
+    lo = s.to(tl.int64) * chunk
+    hi = tl.minimum(tl.minimum(lo + chunk, seq_len), bucket)
+    if HAS_WINDOW:
+        lo = tl.maximum(lo, seq_len - window)
+    if lo < hi:
+        row = tl.load(rows_ptr + t).to(tl.int64)
+        offs_g = tl.arange(0, GP)
+        offs_d = tl.arange(0, BLOCK_D)
+        d_ok = offs_d < HEAD_DIM
+        g_ok = offs_g < G
+        heads = kh * G + offs_g                                               # [GP] query heads
+        q = tl.load(q_ptr + t.to(tl.int64) * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
+                    mask=g_ok[:, None] & d_ok[None, :], other=0.0)            # [GP, BLOCK_D]
+        if not USE_DOT:
+            q = q.to(tl.float32)
+        k_base = k_ptr + row * stride_kb + kh * stride_kh
+        v_base = v_ptr + row * stride_vb + kh * stride_vh
+        m_i = tl.full([GP], float("-inf"), tl.float32)
+        l_i = tl.zeros([GP], tl.float32)
+        acc = tl.zeros([GP, BLOCK_D], tl.float32)
+        for n0 in range(lo, hi, BLOCK_N):
+            offs_n = n0 + tl.arange(0, BLOCK_N)                               # [BLOCK_N] positions
+            n_ok = offs_n < hi
+            kv_mask = n_ok[:, None] & d_ok[None, :]
+            k = tl.load(k_base + offs_n[:, None] * stride_ks + offs_d[None, :], mask=kv_mask,
+                        other=0.0)                                            # [BLOCK_N, BLOCK_D]
+            if USE_DOT:
+                if IS_FP32:
+                    qk = tl.dot(q, tl.trans(k), input_precision="ieee")       # [GP, BLOCK_N]
+                else:
+                    qk = tl.dot(q, tl.trans(k))
+            else:
+                qk = tl.sum(q[:, None, :] * k.to(tl.float32)[None, :, :], axis=2)
+            qk = tl.where(n_ok[None, :], qk * scale, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(qk, axis=1))                       # finite: >= 1 valid
+            alpha = tl.exp(m_i - m_new)
+            p = tl.exp(qk - m_new[:, None])                                   # [GP, BLOCK_N]
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            v = tl.load(v_base + offs_n[:, None] * stride_vs + offs_d[None, :], mask=kv_mask,
+                        other=0.0)                                            # [BLOCK_N, BLOCK_D]
+            if USE_DOT:
+                if IS_FP32:
+                    pv = tl.dot(p, v, input_precision="ieee")
+                else:
+                    pv = tl.dot(p.to(v.dtype), v)
+            else:
+                pv = tl.sum(p[:, :, None] * v.to(tl.float32)[None, :, :], axis=1)
+            acc = acc * alpha[:, None] + pv                                   # [GP, BLOCK_D]
+            m_i = m_new
+        part = (t.to(tl.int64) * (G * tl.num_programs(1)) + heads) * NUM_SPLITS + s   # [GP]
+        tl.store(m_ptr + part, m_i, mask=g_ok)
+        tl.store(l_ptr + part, l_i, mask=g_ok)
+        tl.store(acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], acc,
+                 mask=g_ok[:, None] & d_ok[None, :])
+
+
+@triton.jit
+def decode_attn_merge_kernel(
+    m_ptr, l_ptr,         # [T, Hq, NS] fp32 partials
+    acc_ptr,              # [T, Hq, NS, D] fp32
+    seq_lens_ptr,         # [T] int
+    out_ptr,              # [T, Hq, D] (contiguous), the query dtype
+    bucket, window, chunk,
+    NUM_SPLITS: tl.constexpr,
+    SPLITS_P2: tl.constexpr,  # NUM_SPLITS padded to a power of two
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    USE_PDL: tl.constexpr = False,   # launched with PDL: wait for the kernel before first (kernels/pdl.py)
+):
+    pdl_enter(USE_PDL)
+    t = tl.program_id(0)
+    h = tl.program_id(1)
+    seq_len = tl.load(seq_lens_ptr + t).to(tl.int64)
+    offs_s = tl.arange(0, SPLITS_P2)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HEAD_DIM
+    lo = offs_s.to(tl.int64) * chunk                                          # the split kernel's
+    hi = tl.minimum(tl.minimum(lo + chunk, seq_len), bucket)                  # clipping, per split
+    if HAS_WINDOW:
+        lo = tl.maximum(lo, seq_len - window)
+    s_ok = (lo < hi) & (offs_s < NUM_SPLITS)                                  # the splits that wrote
+    base = (t.to(tl.int64) * tl.num_programs(1) + h) * NUM_SPLITS
+    m = tl.load(m_ptr + base + offs_s, mask=s_ok, other=float("-inf"))       # [SPLITS_P2]
+    l = tl.load(l_ptr + base + offs_s, mask=s_ok, other=0.0)
+    acc = tl.load(acc_ptr + (base + offs_s)[:, None] * HEAD_DIM + offs_d[None, :],
+                  mask=s_ok[:, None] & d_ok[None, :], other=0.0)              # [SPLITS_P2, BLOCK_D]
+    m_max = tl.max(m, axis=0)
+    w = tl.where(s_ok, tl.exp(m - m_max), 0.0)                                # [SPLITS_P2]
+    denom = tl.sum(w * l, axis=0)
+    out = tl.sum(w[:, None] * acc, axis=0) / denom                            # [BLOCK_D]
+    tl.store(out_ptr + (t.to(tl.int64) * tl.num_programs(1) + h) * HEAD_DIM + offs_d,
+             out.to(out_ptr.dtype.element_ty), mask=d_ok)
