@@ -128,7 +128,7 @@ def test_bind_current_process_on_this_machine():
     # In a child so this test process keeps its affinity.
     code = (
         "import os, sys\n"
-        "from cpu_expert_pool.topology import discover_placements, bind_current_process\n"
+        "from ftexpert.cpu_expert_pool.topology import discover_placements, bind_current_process\n"
         "p = discover_placements()[0]\n"
         "p = type(p)(0, p.node_id, p.cpus[:1], p.compute_cpus[:1])\n"
         "r = bind_current_process(p)\n"

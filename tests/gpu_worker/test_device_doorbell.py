@@ -444,7 +444,7 @@ def test_importing_loads_no_cuda_driver():
     # torch's CUDA build may map libcuda itself at import (it does on the H200 machine): what must
     # not happen is that importing these modules adds it
     code = ("import torch; before = 'libcuda.so' in open('/proc/self/maps').read(); "
-            "import kernels.cuda_driver as m, gpu_worker.hybrid.device_doorbell; assert m._DRIVER is None; "
+            "import ftexpert.kernels.cuda_driver as m, ftexpert.gpu_worker.hybrid.device_doorbell; assert m._DRIVER is None; "
             "after = 'libcuda.so' in open('/proc/self/maps').read(); "
             "assert before or not after, 'libcuda loaded by importing the driver binding'")
     env = dict(os.environ, PYTHONPATH=str(IMPORT_ROOT))
