@@ -61,7 +61,7 @@ def sweep_variants(b0):
 def run_case(args, dtype, T: int, ctx: int, rows: list[dict], device: str = "cuda", timer=time_graph) -> None:
     from ftexpert.gpu_worker.engine.attention import DecodeAttention, decode_bucket_tokens
     from ftexpert.gpu_worker.engine.kv_cache import KVCache
-    from ftexpert.gpu_worker.models import MoeConfig
+    from ftexpert.gpu_worker.checkpoint.config import MoeConfig
     from ftexpert.kernels.decode_attention import DEFAULT_BLOCKS, decode_attention, split_plan
     Hq, Hkv, D, L = args.heads, args.kv_heads, args.head_dim, args.calls
     bucket = decode_bucket_tokens(ctx, args.max_context)

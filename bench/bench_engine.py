@@ -23,10 +23,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from ftexpert.gpu_worker.engine import Engine, EngineConfig, SamplingParams  # noqa: E402
-from ftexpert.gpu_worker.models import MoeModel, load_model  # noqa: E402
+from ftexpert.gpu_worker.models.model import MoeModel  # noqa: E402
+from ftexpert.gpu_worker.assembly.loader import load_model  # noqa: E402
 from ftexpert.proto.knobs import EXPERT_FORMAT_CHOICES  # noqa: E402
 from ftexpert.gpu_worker.models.synthetic_routing import SyntheticRouting  # noqa: E402
-from ftexpert.gpu_worker.offload import HostExperts, OffloadExperts, resolve_cache_slots  # noqa: E402
+from ftexpert.gpu_worker.backends.offload import HostExperts, OffloadExperts, resolve_cache_slots  # noqa: E402
 import ftexpert.kernels.expert_copy.api as expert_copy_api  # noqa: E402
 from ftexpert.kernels.pdl import apply_setting as apply_pdl  # noqa: E402
 

@@ -6,7 +6,7 @@ Starts one worker (standalone, on its own cores; 0 triples, so no expert compute
 --mode cpu: CPU <-> CPU. client.call(): submit (copy a 1-token hidden state, ring request_seq) -> the
     worker answers -> done_seq -> the client sees it. p50/p99 over --calls hot calls, then a few calls
     after idle gaps longer than the worker's hot window (the back-off's cost).
---mode gpu: GPU -> CPU process -> GPU through the device hand-off kernels (gpu_worker/hybrid/device_doorbell.py,
+--mode gpu: GPU -> CPU process -> GPU through the device hand-off kernels (gpu_worker/backends/hybrid/device_doorbell.py,
     kernels/handoff): per call a ring kernel writes the [1, H] bf16 hidden state and the request line into the
     registered channel and moves request_seq, a join kernel spins on done_seq and adds the [1, H] fp32 partial
     sum. Each call is timed with CUDA events recorded before and after it on the stream. To time the device
@@ -94,7 +94,7 @@ class Gate:
     A timer opens it for good after GATE_SAFETY_S (then `tripped` is set)."""
 
     def __init__(self, drv, device):
-        from ftexpert.gpu_worker.hybrid.device_doorbell import PinnedWords
+        from ftexpert.gpu_worker.backends.hybrid.device_doorbell import PinnedWords
 
         self.words = PinnedWords(64, cuda_driver=drv, device=device, what="benchmark gate")
         self.word = self.words.word(0)
@@ -162,9 +162,9 @@ def gated_rows(enqueue, invalid, gate, args, label: str) -> list[Row]:
 
 
 def device_rows(client: CpuPoolClient, device, gate, hidden, args) -> list[Row]:
-    """The device hand-off kernels (gpu_worker/hybrid/device_doorbell.py): ring + join per call, gated,
+    """The device hand-off kernels (gpu_worker/backends/hybrid/device_doorbell.py): ring + join per call, gated,
     then GRAPH_CALLS calls captured in one CUDA graph (what a decode step replays)."""
-    from ftexpert.gpu_worker.hybrid.device_doorbell import DeviceDoorbell
+    from ftexpert.gpu_worker.backends.hybrid.device_doorbell import DeviceDoorbell
 
     db = DeviceDoorbell(client, device, deadline_s=DEADLINE_S, always_ring=True)    # 0 triples, as the others
     rows: list[Row] = []

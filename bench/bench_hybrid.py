@@ -8,7 +8,7 @@ CPU share over by the device kernels inside the decode CUDA graph (DeviceDoorbel
 host (submit/join). Per backend: decode tok/s, misses,
 fetched and CPU-computed experts per token, fallbacks, and the roofline
     tok/s <= (B_pcie + B_cpu) / (misses/token * expert_bytes)
-with B_pcie and B_cpu measured here first (gpu_worker/hybrid/bandwidth.py, as `ft bench bw`), each alone;
+with B_pcie and B_cpu measured here first (gpu_worker/backends/hybrid/bandwidth.py, as `ft bench bw`), each alone;
 then both at once (shared_bandwidth: the two share the host DRAM), whose combined figure (the bytes both
 moved together a second) gives the "shared roofline" column beside it.
 Greedy tokens are compared with the resident run's (offload must match; cpu/hybrid compute misses
@@ -41,14 +41,14 @@ from ftexpert.gpu_worker.engine import Engine, EngineConfig, SamplingParams  # n
 from ftexpert.coordinator.expert_resources import CpuWorkerSettings, ExpertResources  # noqa: E402
 from ftexpert.cpu_expert_pool.api import worker_flags as cpu_worker_flags  # noqa: E402
 from ftexpert.gpu_worker.api import attach_cpu_pool  # noqa: E402
-from ftexpert.gpu_worker.hybrid import HybridExperts, HybridOptions  # noqa: E402
-from ftexpert.gpu_worker.hybrid.bandwidth import copy_bandwidth, cpu_pool_bandwidth, shared_bandwidth  # noqa: E402
-from ftexpert.gpu_worker.hybrid.options import device_name  # noqa: E402
-from ftexpert.gpu_worker.models import load_model  # noqa: E402
+from ftexpert.gpu_worker.backends.hybrid import HybridExperts, HybridOptions  # noqa: E402
+from ftexpert.gpu_worker.backends.hybrid.bandwidth import copy_bandwidth, cpu_pool_bandwidth, shared_bandwidth  # noqa: E402
+from ftexpert.gpu_worker.backends.hybrid.options import device_name  # noqa: E402
+from ftexpert.gpu_worker.assembly.loader import load_model  # noqa: E402
 from ftexpert.proto.knobs import EXPERT_FORMAT_CHOICES  # noqa: E402
 from ftexpert.gpu_worker.models.synthetic_routing import SyntheticRouting  # noqa: E402
-from ftexpert.gpu_worker.offload import HostExperts, OffloadExperts, resolve_cache_slots  # noqa: E402
-from ftexpert.gpu_worker.offload.prefetch import PrefetchSettings, attach_prefetch  # noqa: E402
+from ftexpert.gpu_worker.backends.offload import HostExperts, OffloadExperts, resolve_cache_slots  # noqa: E402
+from ftexpert.gpu_worker.backends.offload.prefetch import PrefetchSettings, attach_prefetch  # noqa: E402
 from ftexpert.kernels.pdl import apply_setting as apply_pdl  # noqa: E402
 
 ROUNDS = ("min-wait", "stochastic", "prefer-fetch", "split")   # split: floor on the host paths

@@ -65,7 +65,7 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("needs CUDA (the probes run on the GPU)", file=sys.stderr)
         return 2
-    from ftexpert.gpu_worker.hybrid.device_doorbell import PinnedWords
+    from ftexpert.gpu_worker.backends.hybrid.device_doorbell import PinnedWords
     from ftexpert.kernels.cuda_driver import driver
 
     torch.cuda.synchronize()

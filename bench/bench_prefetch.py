@@ -26,10 +26,10 @@ import torch  # noqa: E402
 
 import bench.bench_engine as be  # noqa: E402
 from ftexpert.gpu_worker.engine import Engine, EngineConfig  # noqa: E402
-from ftexpert.gpu_worker.models import load_model  # noqa: E402
+from ftexpert.gpu_worker.assembly.loader import load_model  # noqa: E402
 from ftexpert.gpu_worker.models.synthetic_routing import SyntheticRouting  # noqa: E402
-from ftexpert.gpu_worker.offload import HostExperts, OffloadExperts, resolve_cache_slots  # noqa: E402
-from ftexpert.gpu_worker.offload.prefetch import PrefetchSettings, model_predictor  # noqa: E402
+from ftexpert.gpu_worker.backends.offload import HostExperts, OffloadExperts, resolve_cache_slots  # noqa: E402
+from ftexpert.gpu_worker.backends.offload.prefetch import PrefetchSettings, model_predictor  # noqa: E402
 
 
 def _configs(args) -> list[tuple[str, int]]:

@@ -38,13 +38,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 from bench.bench_engine import _sync, pcie_store_bandwidth  # noqa: E402
 import ftexpert.gpu_worker.engine.attention as attention  # noqa: E402
 from ftexpert.gpu_worker.engine import Engine, EngineConfig, SamplingParams  # noqa: E402
-from ftexpert.gpu_worker.models import load_model  # noqa: E402
+from ftexpert.gpu_worker.assembly.loader import load_model  # noqa: E402
 from ftexpert.proto.knobs import EXPERT_FORMAT_CHOICES  # noqa: E402
 from ftexpert.coordinator.expert_resources import CpuWorkerSettings, ExpertResources  # noqa: E402
 from ftexpert.gpu_worker.api import attach_cpu_pool  # noqa: E402
-from ftexpert.gpu_worker.hybrid import HybridExperts  # noqa: E402
+from ftexpert.gpu_worker.backends.hybrid import HybridExperts  # noqa: E402
 from ftexpert.gpu_worker.models.synthetic_routing import SyntheticRouting  # noqa: E402
-from ftexpert.gpu_worker.offload import HostExperts, OffloadExperts, resolve_cache_slots  # noqa: E402
+from ftexpert.gpu_worker.backends.offload import HostExperts, OffloadExperts, resolve_cache_slots  # noqa: E402
 
 # offload (the decode path is not measured here), and HybridExperts over a CPU pool (--hybrid-fraction,
 # --cpu-workers): a chunk of at most its cpu_max_tokens (512) splits its misses with the CPU pool, a longer one runs

@@ -17,9 +17,9 @@ import json
 import time
 
 from ftexpert.gpu_worker.engine import Engine, EngineConfig, SamplingParams
-from ftexpert.gpu_worker.models import load_model
-from ftexpert.gpu_worker.offload import HostExperts, OffloadExperts, resolve_cache_slots
-from ftexpert.gpu_worker.offload.prefetch import PrefetchSettings, attach_prefetch
+from ftexpert.gpu_worker.assembly.loader import load_model
+from ftexpert.gpu_worker.backends.offload import HostExperts, OffloadExperts, resolve_cache_slots
+from ftexpert.gpu_worker.backends.offload.prefetch import PrefetchSettings, attach_prefetch
 from ftexpert.workload.corpus import load_documents, split
 
 

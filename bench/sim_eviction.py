@@ -33,9 +33,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from ftexpert.gpu_worker.models.presets import preset_config  # noqa: E402
+from ftexpert.gpu_worker.checkpoint.presets import preset_config  # noqa: E402
 from ftexpert.gpu_worker.models.synthetic_routing import SyntheticRouting  # noqa: E402
-from ftexpert.gpu_worker.offload import resolve_cache_slots  # noqa: E402
+from ftexpert.gpu_worker.backends.offload import resolve_cache_slots  # noqa: E402
 
 
 def simulate(table, num_layers: int, num_experts: int, slots: int, prompt: int, decode: int, policy: str) -> float:

@@ -28,9 +28,9 @@ PACKAGE_DATA = (
     "ftexpert/cpu_expert_pool/native/expert_dots.h",
     "ftexpert/proto/control.proto",                        # the wire contract the descriptors come from
     "ftexpert/proto/grpc_health/v1/health.proto",
-    "ftexpert/gpu_worker/models/data/default-moe/config.json",           # the embedded default model
-    "ftexpert/gpu_worker/models/data/default-moe/model.safetensors",
-    "ftexpert/gpu_worker/models/data/default-moe/tokenizer.json",
+    "ftexpert/gpu_worker/checkpoint/data/default-moe/config.json",           # the embedded default model
+    "ftexpert/gpu_worker/checkpoint/data/default-moe/model.safetensors",
+    "ftexpert/gpu_worker/checkpoint/data/default-moe/tokenizer.json",
     "ftexpert/workload/data/kjv.txt.xz",                   # the bundled corpus
     "ftexpert/workload/data/qwen3-30b-a3b-routing.trace",  # the kept routing trace
 )

@@ -105,7 +105,7 @@ def test_help_lists_generate(capsys):
 def test_cli_preset_choices_match_the_registry():
     """generate_cli repeats the names (it must not import torch for --help); keep them in step."""
     from ftexpert.coordinator.generate_cli import PRESET_CHOICES
-    from ftexpert.gpu_worker.models import PRESET_NAMES
+    from ftexpert.gpu_worker.checkpoint.presets import PRESET_NAMES
     assert tuple(PRESET_CHOICES) == tuple(PRESET_NAMES)
 
 

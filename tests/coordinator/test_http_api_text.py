@@ -12,7 +12,7 @@ from coordinator_support import write_tiny_model_dir  # noqa: E402
 
 from ftexpert.coordinator.detokenizer import IncrementalDetokenizer, StopStringMatcher  # noqa: E402
 from ftexpert.coordinator.text_codec import ChatMessage, ChatTemplate, TextCodec, render_chatml  # noqa: E402
-from ftexpert.gpu_worker.models.tiny import SPECIAL_TOKENS  # noqa: E402
+from ftexpert.gpu_worker.checkpoint.tiny import SPECIAL_TOKENS  # noqa: E402
 
 
 @pytest.fixture(scope="module")

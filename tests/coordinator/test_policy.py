@@ -216,7 +216,7 @@ def test_a_fixed_fetch_fraction_of_0_is_used_as_given_and_out_of_bounds_ones_are
 
 def test_prefetch_fields_are_set_validated_and_reach_the_engine_message():
     """SetPolicy's prefetch / prefetch_budget: "" and 0 mean "as the engine started"; bad values change nothing;
-    the engine's SetPolicy message carries them (the backend applies them, gpu_worker/offload/slot_pool.py)."""
+    the engine's SetPolicy message carries them (the backend applies them, gpu_worker/backends/offload/slot_pool.py)."""
     from ftexpert.proto import engine_messages as em
 
     policy = FetchPolicy(PolicySettings(strategy="offload"))

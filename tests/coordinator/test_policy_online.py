@@ -14,7 +14,7 @@ from coordinator_support import MODEL_NAME, live_server  # noqa: E402
 from ftexpert.coordinator.engine_service import telemetry_from_stats  # noqa: E402
 from ftexpert.coordinator.policy import FetchPolicy, PolicySettings  # noqa: E402
 from ftexpert.gpu_worker.engine.stats import EngineStats  # noqa: E402
-from ftexpert.gpu_worker.hybrid.stats import HybridStats  # noqa: E402
+from ftexpert.gpu_worker.backends.hybrid.stats import HybridStats  # noqa: E402
 from ftexpert.proto import control_rpc as rpc  # noqa: E402
 from ftexpert.proto.engine_messages import flatten_stats  # noqa: E402
 

@@ -31,8 +31,8 @@ from ftexpert.proto import cpus as cpu_lists  # noqa: E402
 from ftexpert.cpu_expert_pool.topology import discover_placements  # noqa: E402
 from ftexpert.proto.cpus import format_cpulist  # noqa: E402
 from ftexpert.cpu_expert_pool.worker import WorkerOptions, plan_placement  # noqa: E402
-from ftexpert.gpu_worker.hybrid.options import HybridOptions  # noqa: E402
-from ftexpert.gpu_worker.hybrid import options as hybrid_options  # noqa: E402
+from ftexpert.gpu_worker.backends.hybrid.options import HybridOptions  # noqa: E402
+from ftexpert.gpu_worker.backends.hybrid import options as hybrid_options  # noqa: E402
 
 FIXTURES = Path(__file__).parents[1] / "fixtures" / "numa"
 RESTART_TIMEOUT_S = 60.0
@@ -384,9 +384,9 @@ def test_the_attached_backend_sizes_torch_threads_by_the_reserved_list(monkeypat
 
     import torch
 
-    import ftexpert.gpu_worker.hybrid as hybrid
-    from ftexpert.gpu_worker.models import attached_backends
-    from ftexpert.gpu_worker.models.loader import open_model_source
+    import ftexpert.gpu_worker.backends.hybrid as hybrid
+    from ftexpert.gpu_worker.assembly import attached_backends
+    from ftexpert.gpu_worker.assembly.loader import open_model_source
 
     class FakePool:
         t_max = 4

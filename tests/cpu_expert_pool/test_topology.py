@@ -218,8 +218,8 @@ def test_store_pages_are_left_alone_on_one_node_and_when_workers_do_not_fit(monk
 
 def test_the_store_creator_places_pages_before_filling():
     """HostExperts.create_filled runs before_fill on the empty store (pages land where first written)."""
-    from ftexpert.gpu_worker.models import load_model
-    from ftexpert.gpu_worker.offload import HostExperts
+    from ftexpert.gpu_worker.assembly.loader import load_model
+    from ftexpert.gpu_worker.backends.offload import HostExperts
     source = load_model(device="cpu").source.experts
     seen = []
 

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from ftexpert.gpu_worker.engine import Engine, EngineConfig, SamplingParams
-from ftexpert.gpu_worker.models import load_model
-from ftexpert.gpu_worker.offload import HostExperts, OffloadExperts
-from ftexpert.gpu_worker.offload.prefetch import PrefetchSettings, RandomPredictor, RouterPredictor, attach_prefetch
+from ftexpert.gpu_worker.assembly.loader import load_model
+from ftexpert.gpu_worker.backends.offload import HostExperts, OffloadExperts
+from ftexpert.gpu_worker.backends.offload.prefetch import PrefetchSettings, RandomPredictor, RouterPredictor, attach_prefetch
 
 # The embedded model: 4 layers x 8 experts, top-2. A global pool of 8 slots (a quarter), or per-layer pools of 4
 # (half a layer); prefill chunks of 2 tokens (4 routes) fit either.

@@ -1,4 +1,4 @@
-"""`shared_bandwidth` (gpu_worker/hybrid/bandwidth.py) on the CPU device: the copy loop on its thread and
+"""`shared_bandwidth` (gpu_worker/backends/hybrid/bandwidth.py) on the CPU device: the copy loop on its thread and
 real `ft worker cpu` processes at the same time, the window bookkeeping, and its failures."""
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import threading
 import pytest
 import torch
 
-from ftexpert.gpu_worker.hybrid import bandwidth
-from ftexpert.gpu_worker.hybrid.bandwidth import bench_store, shared_bandwidth
+from ftexpert.gpu_worker.backends.hybrid import bandwidth
+from ftexpert.gpu_worker.backends.hybrid.bandwidth import bench_store, shared_bandwidth
 from ftexpert.proto.shm_segment import shm_path
 
 TOP_K = 2

@@ -1,4 +1,4 @@
-"""The expert FFN split around a concurrent copy (kernels.moe_decode.CopyPlan, gpu_worker/offload's DecodeCopy).
+"""The expert FFN split around a concurrent copy (kernels.moe_decode.CopyPlan, gpu_worker/backends/offload's DecodeCopy).
 
 moe_gemv with a plan computes the routes whose slot the plan does not fill, calls `between()` (where
 the caller waits for the copy), then the routes in the plan. The CPU tests poison the plan's slots
@@ -10,11 +10,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ftexpert.gpu_worker.models import expert_math
-from ftexpert.gpu_worker.models.expert_layout import ExpertLayout, unpack_experts
-from ftexpert.gpu_worker.models.expert_math import expert_rows
-from ftexpert.gpu_worker.models.resident_experts import expert_ffn
-from ftexpert.gpu_worker.offload.decode_copy import CopyTimer, DecodeCopy
+from ftexpert.gpu_worker.backends import expert_math
+from ftexpert.gpu_worker.checkpoint.expert_layout import ExpertLayout, unpack_experts
+from ftexpert.gpu_worker.backends.expert_math import expert_rows
+from ftexpert.gpu_worker.backends.resident import expert_ffn
+from ftexpert.gpu_worker.backends.offload.decode_copy import CopyTimer, DecodeCopy
 from ftexpert.kernels.moe_decode import CopyPlan, GemvBlocks, moe_gemv
 from ftexpert.kernels.moe_decode import reference as ref
 from tests.conftest import KERNEL_DEVICE
@@ -212,7 +212,7 @@ def _record_copy_then_ffn(monkeypatch, split_copy, fail_second_copy=False, after
     with a CUDA CopyTimer, inside a decode step."""
     import contextlib
 
-    from ftexpert.gpu_worker.offload import decode_copy as oe
+    from ftexpert.gpu_worker.backends.offload import decode_copy as oe
     from ftexpert.kernels.slot_cache import SlotCache
     log = []
 

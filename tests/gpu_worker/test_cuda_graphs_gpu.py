@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from ftexpert.gpu_worker.engine import Engine, EngineConfig, SamplingParams
-from ftexpert.gpu_worker.models import load_model
+from ftexpert.gpu_worker.assembly.loader import load_model
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("no_tf32"),
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]

@@ -22,7 +22,7 @@ import torch
 from conftest import KERNEL_DEVICE
 from ftexpert.cpu_expert_pool.api import IMPORT_ROOT, CpuWorkerProc
 from ftexpert.cpu_expert_pool.reference import reference_moe_layer
-from ftexpert.gpu_worker.hybrid.device_doorbell import DeviceDoorbell
+from ftexpert.gpu_worker.backends.hybrid.device_doorbell import DeviceDoorbell
 from ftexpert.kernels import handoff
 from ftexpert.kernels.cuda_driver import CudaDriver, CudaDriverError, CudaDriverUnavailable, load_driver
 from tests.cpu_expert_pool.cpu_pool_util import channel, procs, random_store, serve_channel  # noqa: F401 (fixtures)
@@ -444,7 +444,7 @@ def test_importing_loads_no_cuda_driver():
     # torch's CUDA build may map libcuda itself at import (it does on the H200 machine): what must
     # not happen is that importing these modules adds it
     code = ("import torch; before = 'libcuda.so' in open('/proc/self/maps').read(); "
-            "import ftexpert.kernels.cuda_driver as m, ftexpert.gpu_worker.hybrid.device_doorbell; assert m._DRIVER is None; "
+            "import ftexpert.kernels.cuda_driver as m, ftexpert.gpu_worker.backends.hybrid.device_doorbell; assert m._DRIVER is None; "
             "after = 'libcuda.so' in open('/proc/self/maps').read(); "
             "assert before or not after, 'libcuda loaded by importing the driver binding'")
     env = dict(os.environ, PYTHONPATH=str(IMPORT_ROOT))

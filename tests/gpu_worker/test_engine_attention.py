@@ -10,7 +10,8 @@ import torch
 from ftexpert.gpu_worker.engine import Engine, EngineConfig, SamplingParams
 from ftexpert.gpu_worker.engine.attention import DecodeAttention, PrefillAttention, decode_bucket_tokens
 from ftexpert.gpu_worker.engine.kv_cache import KVCache
-from ftexpert.gpu_worker.models import MoeConfig, load_model
+from ftexpert.gpu_worker.checkpoint.config import MoeConfig
+from ftexpert.gpu_worker.assembly.loader import load_model
 from tests.gpu_worker.test_models_util import hf_greedy, hf_model, prompt_ids, rel_err, save_hf
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from ftexpert.gpu_worker.engine import Engine, EngineConfig, SamplingParams
-from ftexpert.gpu_worker.models import load_model
+from ftexpert.gpu_worker.assembly.loader import load_model
 from tests.gpu_worker.test_models_util import hf_model, prompt_ids, save_hf
 
 GREEDY = SamplingParams(max_new_tokens=12, ignore_eos=True)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from ftexpert.gpu_worker.engine import Engine, EngineConfig, SamplingParams
-from ftexpert.gpu_worker.models import load_model
+from ftexpert.gpu_worker.assembly.loader import load_model
 from tests.gpu_worker.test_models_util import hf_model, prompt_ids, save_hf
 
 GREEDY = SamplingParams(max_new_tokens=12, ignore_eos=True)
@@ -115,7 +115,7 @@ def test_nothing_is_queued_past_a_length_end_or_a_full_context(tiny):
 def test_offload_overlaps_its_steps():
     """Offload (the copy kernel for decode steps, DMA copies for prefill chunks) queues steps ahead and gives
     resident's tokens, with its counters read in full at the end."""
-    from ftexpert.gpu_worker.offload import OffloadExperts
+    from ftexpert.gpu_worker.backends.offload import OffloadExperts
     from tests.gpu_worker.test_offload import PROMPT
     params = {"a": SamplingParams(max_new_tokens=20, ignore_eos=True), "b": GREEDY}
     prompts = {"a": list(PROMPT), "b": list(PROMPT[2:9])}
@@ -146,7 +146,7 @@ def test_an_engine_left_idle_by_a_stop_holds_no_step_and_whole_counters():
     """The last request stops on a token with a step of it queued: that step is taken before step() returns, so
     generate() leaves nothing on the device, its discarded token is counted, and the engine's expert counters are the
     backend's (offload, copy kernel)."""
-    from ftexpert.gpu_worker.offload import OffloadExperts
+    from ftexpert.gpu_worker.backends.offload import OffloadExperts
     from tests.gpu_worker.test_offload import PROMPT
     loaded = load_model(device="cpu", moe_strategy="offload", moe_cache_size=10)
     backend = OffloadExperts(loaded.model.experts.host, 10, "cpu")
@@ -167,7 +167,7 @@ def test_an_engine_left_idle_by_a_stop_holds_no_step_and_whole_counters():
 
 def test_slot_audits_keep_their_cadence_when_requests_join():
     """Joins make step() take the queued step first; the audit every 3 decode steps still runs at every third one."""
-    from ftexpert.gpu_worker.offload import OffloadExperts
+    from ftexpert.gpu_worker.backends.offload import OffloadExperts
     from tests.gpu_worker.test_offload import PROMPT
     loaded = load_model(device="cpu", moe_strategy="offload", moe_cache_size=10)
     backend = OffloadExperts(loaded.model.experts.host, 10, "cpu")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from ftexpert.gpu_worker.engine import Engine, EngineConfig, SamplingParams
-from ftexpert.gpu_worker.models import load_model
+from ftexpert.gpu_worker.assembly.loader import load_model
 
 PROMPT = [5, 17, 42, 99, 3, 250, 7]
 

@@ -6,7 +6,7 @@ import torch
 
 from ftexpert.gpu_worker.engine import Engine, EngineConfig, SamplingParams
 from ftexpert.gpu_worker.engine.sampling import RequestSampler
-from ftexpert.gpu_worker.models import load_model
+from ftexpert.gpu_worker.assembly.loader import load_model
 from tests.gpu_worker.test_models_util import hf_model, prompt_ids, save_hf
 
 CPU = torch.device("cpu")

@@ -8,7 +8,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ftexpert.gpu_worker.engine import Engine, EngineConfig, SamplingParams
-from ftexpert.gpu_worker.models import load_model
+from ftexpert.gpu_worker.assembly.loader import load_model
 from tests.gpu_worker.test_models_util import hf_model, prompt_ids, save_hf
 
 PROMPT_LENGTHS = (1, 4, 9, 17)

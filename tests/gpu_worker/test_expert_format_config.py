@@ -8,17 +8,17 @@ import pytest
 
 from ftexpert.coordinator.cli import build_parser
 from ftexpert.coordinator.process_set import options_from_serve_args
-from ftexpert.gpu_worker.hybrid.bandwidth import write_profile_entry
-from ftexpert.gpu_worker.models.config import MoeConfig
-from ftexpert.gpu_worker.models.presets import PRESETS
-from ftexpert.gpu_worker.models.quant_config import checkpoint_expert_format, resolve_served_format
+from ftexpert.gpu_worker.backends.hybrid.bandwidth import write_profile_entry
+from ftexpert.gpu_worker.checkpoint.config import MoeConfig
+from ftexpert.gpu_worker.checkpoint.presets import PRESETS
+from ftexpert.gpu_worker.checkpoint.quant_config import checkpoint_expert_format, resolve_served_format
 from ftexpert.gpu_worker.worker_main import GpuWorkerOptions
 from ftexpert.proto import engine_messages as em
 from ftexpert.proto.bandwidth_profile import ExpertFormat as ProfileFormat
 from ftexpert.proto.bandwidth_profile import load_bandwidth_profile
 from ftexpert.proto.expert_format import ExpertFormat, FormatError
 from ftexpert.proto.knobs import resolve
-from ftexpert.gpu_worker.models.quant_config import QuantCheckpointError
+from ftexpert.gpu_worker.checkpoint.quant_config import QuantCheckpointError
 
 CT_INT4 = {"quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": {"group_0": {
     "targets": ["Linear"], "weights": {"num_bits": 4, "type": "int", "strategy": "group", "group_size": 64,

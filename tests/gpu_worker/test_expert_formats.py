@@ -9,13 +9,13 @@ import torch
 
 from ftexpert.coordinator.cli import main
 from ftexpert.gpu_worker.engine import Engine, EngineConfig, SamplingParams
-from ftexpert.gpu_worker.models import load_model
-from ftexpert.gpu_worker.models.expert_layout import ExpertLayout, expert_views, unpack_experts
-from ftexpert.gpu_worker.models.format_sources import DequantizingExpertSource, QuantizingExpertSource
-from ftexpert.gpu_worker.models.loader import open_model_source
-from ftexpert.gpu_worker.models.resident_experts import ResidentExperts
-from ftexpert.gpu_worker.offload import HostExperts
-from ftexpert.gpu_worker.offload.host_store import layout_hash
+from ftexpert.gpu_worker.assembly.loader import load_model
+from ftexpert.gpu_worker.checkpoint.expert_layout import ExpertLayout, expert_views, unpack_experts
+from ftexpert.gpu_worker.checkpoint.format_sources import DequantizingExpertSource, QuantizingExpertSource
+from ftexpert.gpu_worker.assembly.loader import open_model_source
+from ftexpert.gpu_worker.backends.resident import ResidentExperts
+from ftexpert.gpu_worker.backends.offload import HostExperts
+from ftexpert.gpu_worker.backends.offload.host_store import layout_hash
 from ftexpert.proto.expert_format import ExpertFormat, FormatError, QuantLayout, dequantize_expert, quantize_expert
 
 TINY_FORMATS = ("fp8", "int4-g32", "int4-g64", "mxfp4", "nvfp4")   # the tiny model: H = I = 64
@@ -185,7 +185,7 @@ def test_a_store_of_another_format_is_refused_on_attach():
 def test_hybrid_on_the_cpu_gives_the_resident_tokens_in_a_quantized_format():
     """The CPU workers compute their share from the quantized store (their torch kernel dequantizes), the GPU side
     from its quantized slots; the sums agree with resident's to fp32 rounding, and the tokens are resident's."""
-    from ftexpert.gpu_worker.hybrid import HybridOptions
+    from ftexpert.gpu_worker.backends.hybrid import HybridOptions
     from tests.cpu_expert_pool.cpu_pool_util import load_with_resources
 
     label = "int4-g32"

@@ -12,9 +12,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from ftexpert.gpu_worker.engine import Engine, EngineConfig, SamplingParams
-from ftexpert.gpu_worker.models import load_model
-from ftexpert.gpu_worker.models.config import MoeConfig
-from ftexpert.gpu_worker.offload.prefetch import PrefetchSettings
+from ftexpert.gpu_worker.assembly.loader import load_model
+from ftexpert.gpu_worker.checkpoint.config import MoeConfig
+from ftexpert.gpu_worker.backends.offload.prefetch import PrefetchSettings
 from tests.gpu_worker.gpt_oss_util import WINDOW, hf_gpt_oss, save_mxfp4
 from tests.gpu_worker.test_models_parity import prefill_logits
 from tests.gpu_worker.test_models_util import hf_greedy, prompt_ids, rel_err
@@ -132,7 +132,7 @@ def test_mxfp4_checkpoint_matches_transformers_on_the_dequantized_weights(tmp_pa
 def test_quantized_at_load_keeps_the_biases(pair):
     """--expert-format mxfp4 on the unquantized checkpoint: the rows' biases are the float rows' exactly, and the
     weights are quantize_expert's of them."""
-    from ftexpert.gpu_worker.models.expert_layout import bias_views, expert_views
+    from ftexpert.gpu_worker.checkpoint.expert_layout import bias_views, expert_views
     from ftexpert.proto.expert_format import quantize_expert
     _, path, ours = pair
     quant = load_model(path, device="cpu", dtype="float32", expert_format="mxfp4")
@@ -184,7 +184,7 @@ def _attached(path, strategy, cache_size, expert_format="auto"):
 
     from ftexpert.coordinator.expert_resources import CpuWorkerSettings, ExpertResources
     from ftexpert.gpu_worker.api import load_attached_model, open_model_source
-    from ftexpert.gpu_worker.hybrid import HybridOptions
+    from ftexpert.gpu_worker.backends.hybrid import HybridOptions
 
     dev = torch.device("cpu")
     source = open_model_source(path, None, dtype="float32", device=dev, expert_format=expert_format)
@@ -240,7 +240,7 @@ def test_cpu_pool_strategies_give_the_resident_tokens(pair, tmp_path, monkeypatc
 
 
 def _small_preset():
-    from ftexpert.gpu_worker.models.presets import preset_config
+    from ftexpert.gpu_worker.checkpoint.presets import preset_config
     cfg = preset_config("gpt-oss-20b")
     p = dict(cfg.extra["gpt_oss"])
     p.update(layer_types=["sliding_attention", "full_attention"], window=WINDOW)
@@ -253,7 +253,7 @@ VOCAB_SMALL = 128
 
 
 def test_presets_have_the_published_shapes():
-    from ftexpert.gpu_worker.models.presets import preset_config
+    from ftexpert.gpu_worker.checkpoint.presets import preset_config
     small, big = preset_config("gpt-oss-20b"), preset_config("gpt-oss-120b")
     assert (small.num_layers, small.num_experts, small.top_k, small.hidden_size,
             small.expert_intermediate_size) == (24, 32, 4, 2880, 2880)
@@ -267,8 +267,8 @@ def test_a_written_preset_loads_in_transformers_and_as_mxfp4(tmp_path):
     gives exactly the experts that quantizing the float ones at load gives."""
     import transformers
 
-    from ftexpert.gpu_worker.models.checkpoint_writer import write_checkpoint
-    from ftexpert.gpu_worker.models.presets import random_model_parts
+    from ftexpert.gpu_worker.checkpoint.writer import write_checkpoint
+    from ftexpert.gpu_worker.checkpoint.presets import random_model_parts
     cfg = _small_preset()
     _, dense, experts = random_model_parts(cfg, "cpu", torch.float32, seed=3)
     with torch.no_grad():                                 # larger weights than the preset's 0.02: a test that bites
@@ -300,8 +300,8 @@ def test_the_chat_path_uses_the_checkpoints_chat_template_jinja(pair, tmp_path):
     """gpt-oss keeps its (harmony) template in chat_template.jinja, not tokenizer_config.json: the model's tokenizer
     and the service's chat codec built from it both render with it."""
     from ftexpert.coordinator.text_codec import ChatMessage, TextCodec
-    from ftexpert.gpu_worker.models.tiny import ensure_tiny_checkpoint
-    from ftexpert.gpu_worker.models.tokenizer import TextTokenizer
+    from ftexpert.gpu_worker.checkpoint.tiny import ensure_tiny_checkpoint
+    from ftexpert.gpu_worker.checkpoint.tokenizer import TextTokenizer
     _, path, _ = pair
     ckpt = _copy(path, tmp_path / "chat")
     shutil.copy(ensure_tiny_checkpoint() / "tokenizer.json", ckpt / "tokenizer.json")

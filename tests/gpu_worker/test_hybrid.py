@@ -23,10 +23,10 @@ import pytest
 import torch
 
 from ftexpert.gpu_worker.engine import Engine, EngineConfig, SamplingParams
-from ftexpert.gpu_worker.offload.slot_pool import SlotPoolAudit
+from ftexpert.gpu_worker.backends.offload.slot_pool import SlotPoolAudit
 from ftexpert.gpu_worker.engine.engine import DEFAULT_PREFILL_CHUNK_TOKENS
-from ftexpert.gpu_worker.hybrid import HybridExperts, HybridOptions
-from ftexpert.gpu_worker.models import load_model
+from ftexpert.gpu_worker.backends.hybrid import HybridExperts, HybridOptions
+from ftexpert.gpu_worker.assembly.loader import load_model
 from ftexpert.kernels.slot_cache import ROUND_MODES, reset
 from ftexpert.kernels.slot_cache.state import POLICY_FRAC_Q16, POLICY_PROMOTE, POLICY_ROUND
 from tests.conftest import HAS_CUDA

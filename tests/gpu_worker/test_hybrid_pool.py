@@ -14,7 +14,7 @@ import torch
 from ftexpert.proto.cpu_channel import create_worker_channel
 from ftexpert.cpu_expert_pool.api import CpuWorkerProc
 from ftexpert.cpu_expert_pool.reference import reference_moe_layer
-from ftexpert.gpu_worker.hybrid import CpuPool
+from ftexpert.gpu_worker.backends.hybrid import CpuPool
 from ftexpert.proto.expert_store import ExpertStore
 
 H, I, E, L, T = 32, 16, 8, 2, 3

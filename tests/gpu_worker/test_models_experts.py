@@ -5,14 +5,19 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ftexpert.gpu_worker.models import (ExpertLayout, RandomExpertSource, ResidentExperts,
-                               make_expert_backend, pack_experts, unpack_experts)
-from ftexpert.gpu_worker.models.checkpoint import CheckpointReader
-from ftexpert.gpu_worker.models.config import MoeConfig
-from ftexpert.gpu_worker.models.expert_layout import expert_views
-from ftexpert.gpu_worker.models.expert_sources import CheckpointExpertSource
-import ftexpert.gpu_worker.models.resident_experts as resident_experts
-from ftexpert.gpu_worker.models.resident_experts import (gemv_expert_ffn, grouped_expert_ffn, grouped_loop_expert_ffn,
+from ftexpert.gpu_worker.checkpoint.expert_layout import ExpertLayout, pack_experts, unpack_experts
+
+from ftexpert.gpu_worker.checkpoint.expert_sources import RandomExpertSource
+
+from ftexpert.gpu_worker.backends.resident import ResidentExperts
+
+from ftexpert.gpu_worker.assembly.backends import make_expert_backend
+from ftexpert.gpu_worker.checkpoint.reader import CheckpointReader
+from ftexpert.gpu_worker.checkpoint.config import MoeConfig
+from ftexpert.gpu_worker.checkpoint.expert_layout import expert_views
+from ftexpert.gpu_worker.checkpoint.expert_sources import CheckpointExpertSource
+import ftexpert.gpu_worker.backends.resident as resident_experts
+from ftexpert.gpu_worker.backends.resident import (gemv_expert_ffn, grouped_expert_ffn, grouped_loop_expert_ffn,
                                                 grouped_mm_applies, grouped_mm_expert_ffn)
 from tests.gpu_worker.test_models_util import hf_model, rel_err, save_hf
 

@@ -8,8 +8,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from ftexpert.gpu_worker.models import MoeConfig, load_model
-from ftexpert.gpu_worker.models.checkpoint import CheckpointError
+from ftexpert.gpu_worker.checkpoint.config import MoeConfig
+
+from ftexpert.gpu_worker.assembly.loader import load_model
+from ftexpert.gpu_worker.checkpoint.reader import CheckpointError
 from tests.gpu_worker.test_models_util import hf_model, save_hf
 
 

@@ -8,7 +8,7 @@ import torch
 from ftexpert.gpu_worker.engine import Engine, EngineConfig, SamplingParams
 from ftexpert.gpu_worker.engine.attention import PrefillAttention
 from ftexpert.gpu_worker.engine.kv_cache import KVCache
-from ftexpert.gpu_worker.models import load_model
+from ftexpert.gpu_worker.assembly.loader import load_model
 from tests.gpu_worker.test_models_util import hf_greedy, hf_model, prompt_ids, rel_err, save_hf
 
 # id -> (arch, transformers config overrides)

@@ -6,11 +6,11 @@ import torch
 
 from ftexpert.gpu_worker.engine import Engine, EngineConfig, SamplingParams
 from ftexpert.gpu_worker.engine.attention import PrefillAttention
-from ftexpert.gpu_worker.models import load_model
-from ftexpert.gpu_worker.models import presets as presets_mod
-from ftexpert.gpu_worker.models.config import MoeConfig
-from ftexpert.gpu_worker.models.tiny import TRAINING_TEXT, ensure_tiny_checkpoint
-from ftexpert.gpu_worker.models.tokenizer import TextTokenizer
+from ftexpert.gpu_worker.assembly.loader import load_model
+from ftexpert.gpu_worker.checkpoint import presets as presets_mod
+from ftexpert.gpu_worker.checkpoint.config import MoeConfig
+from ftexpert.gpu_worker.checkpoint.tiny import TRAINING_TEXT, ensure_tiny_checkpoint
+from ftexpert.gpu_worker.checkpoint.tokenizer import TextTokenizer
 from tests.gpu_worker.test_models_util import rel_err
 
 

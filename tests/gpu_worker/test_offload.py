@@ -9,9 +9,9 @@ import torch
 
 from ftexpert.coordinator.cli import main
 from ftexpert.gpu_worker.engine import Engine, EngineConfig, SamplingParams
-from ftexpert.gpu_worker.models import load_model
-from ftexpert.gpu_worker.models.expert_backends import make_expert_backend
-from ftexpert.gpu_worker.offload import resolve_cache_slots
+from ftexpert.gpu_worker.assembly.loader import load_model
+from ftexpert.gpu_worker.assembly.backends import make_expert_backend
+from ftexpert.gpu_worker.backends.offload import resolve_cache_slots
 
 PROMPT = [5, 17, 42, 99, 3, 250, 7, 64, 11, 300, 8]
 
@@ -184,7 +184,7 @@ def test_offload_reports_hits_misses_and_fetches_to_the_engine_stats(chunk):
     misses = the distinct experts routed (counted here from the router's ids), misses and fetches equal the
     backend's own, and the metrics' hit ratio is theirs."""
     from ftexpert.coordinator.metrics import expert_figures
-    from ftexpert.gpu_worker.offload import OffloadExperts
+    from ftexpert.gpu_worker.backends.offload import OffloadExperts
     loaded = load_model(device="cpu", moe_strategy="offload", moe_cache_size=10)
     backend = OffloadExperts(loaded.model.experts.host, 10, "cpu")
     loaded.model.experts = backend
@@ -218,7 +218,7 @@ def _freq_weight_case(device: str) -> None:
     """The frequency-weighted eviction key (FREETOKEN_EVICTION_FREQ_WEIGHT) changes which experts stay, never the
     tokens: greedy tokens equal resident's, every mapped slot holds its expert, routes are counted; on the tiny
     model's routing it keeps more than LRU does (fewer misses)."""
-    from ftexpert.gpu_worker.offload import OffloadExperts
+    from ftexpert.gpu_worker.backends.offload import OffloadExperts
     prompts = (PROMPT, PROMPT[3:9])
     resident = greedy_tokens(load_model(device=device), prompts=prompts)
     misses = {}
@@ -284,8 +284,8 @@ def _check_each_layer_against_host_weights(backend, device: str) -> list:
     of the host weights (the tiny model's tokens hardly depend on expert outputs, and at the end of
     a run every copy has landed, so only this catches a GEMM that read a slot too early).
     Returns the list that collects (layer, relative error) of calls that disagree."""
-    from ftexpert.gpu_worker.models.expert_layout import unpack_experts
-    from ftexpert.gpu_worker.models.resident_experts import expert_ffn, pick_mode
+    from ftexpert.gpu_worker.checkpoint.expert_layout import unpack_experts
+    from ftexpert.gpu_worker.backends.resident import expert_ffn, pick_mode
     weights = [unpack_experts(backend.host.layers[layer].to(device), backend.layout)
                for layer in range(backend.num_layers)]
     wrong = []
@@ -309,7 +309,7 @@ def _check_each_layer_against_host_weights(backend, device: str) -> list:
 def _prefill_prefetch_case(device: str, monkeypatch):
     """Tokens of a 40-token prompt (32-token prefill chunks, the DMA path) with the next layer's experts prefetched,
     and, as the baseline, with the prefetch patched out."""
-    from ftexpert.gpu_worker.offload import offload_experts
+    from ftexpert.gpu_worker.backends.offload import offload_experts
 
     def run(loaded):
         engine = Engine(loaded.model, EngineConfig(max_running_requests=1, max_context_tokens=128,
@@ -372,7 +372,7 @@ def test_a_call_that_raises_after_ensure_leaves_no_slot_mapped_without_its_bytes
     resident = greedy_tokens(load_model(device="cpu"), prompts=prompts, chunk=chunk)
     kwargs = {}
     if strategy == "hybrid":
-        from ftexpert.gpu_worker.hybrid import HybridOptions
+        from ftexpert.gpu_worker.backends.hybrid import HybridOptions
         from tests.cpu_expert_pool.cpu_pool_util import load_with_resources
         loaded = load_with_resources("hybrid", cache_size="1.0", num_workers=1, worker_args=("--threads", "1"),
                                      hybrid=HybridOptions(fetch_fraction=0.5, cpu_deadline_s=20.0))   # no eviction hides it

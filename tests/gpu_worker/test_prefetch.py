@@ -1,4 +1,4 @@
-"""The lookahead expert prefetch (gpu_worker/offload/prefetch.py) is lossless: prefetch on against off over 200
+"""The lookahead expert prefetch (gpu_worker/backends/offload/prefetch.py) is lossless: prefetch on against off over 200
 greedy decode steps of the embedded trained model, identical tokens and identical logits (every forward's, bit for
 bit), eager, batch 1 and 2 (requests joining between decode steps: prefill chunks in between), global and
 per-layer pools, the model's own router as predictor and a garbage one (random candidates). The counters show the
@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ftexpert.gpu_worker.models import load_model
-from ftexpert.gpu_worker.offload.prefetch import PrefetchSettings, RouterPredictor, attach_prefetch
+from ftexpert.gpu_worker.assembly.loader import load_model
+from ftexpert.gpu_worker.backends.offload.prefetch import PrefetchSettings, RouterPredictor, attach_prefetch
 
 from tests.gpu_worker.prefetch_util import assert_identical, decode_run, offload_model
 

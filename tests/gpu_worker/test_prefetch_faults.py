@@ -12,10 +12,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-import ftexpert.gpu_worker.offload.decode_copy as decode_copy_module
-import ftexpert.gpu_worker.offload.prefetch as prefetch_module
-from ftexpert.gpu_worker.offload.prefetch import Lookahead, PrefetchSettings
-from ftexpert.gpu_worker.offload.verify import SlotVerifyError
+import ftexpert.gpu_worker.backends.offload.decode_copy as decode_copy_module
+import ftexpert.gpu_worker.backends.offload.prefetch as prefetch_module
+from ftexpert.gpu_worker.backends.offload.prefetch import Lookahead, PrefetchSettings
+from ftexpert.gpu_worker.backends.offload.verify import SlotVerifyError
 
 from tests.gpu_worker.prefetch_util import assert_identical, decode_run, offload_model
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ftexpert.gpu_worker.offload.prefetch import Lookahead, PrefetchSettings
+from ftexpert.gpu_worker.backends.offload.prefetch import Lookahead, PrefetchSettings
 
 from tests.gpu_worker.prefetch_util import assert_identical, decode_run, offload_model
 
@@ -27,7 +27,7 @@ def delayed_streams(monkeypatch, join: bool = True) -> None:
     (the fault the negative control injects: the next install rewrites the plan before the late copy reads it).
     The delays sit inside the work the lookahead forks and joins (the copy kernel, the predictor), so that a
     captured graph holds no side-stream node that nothing waits for (a capture with one fails)."""
-    from ftexpert.gpu_worker.offload import prefetch
+    from ftexpert.gpu_worker.backends.offload import prefetch
 
     copy_plan = prefetch.copy_plan
 

@@ -9,7 +9,7 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2] / "src" / "ftexpert"
-SCANNED = ("gpu_worker/offload", "gpu_worker/hybrid", "gpu_worker/engine", "gpu_worker/models")
+SCANNED = ("gpu_worker/backends", "gpu_worker/engine", "gpu_worker/models", "gpu_worker/assembly")
 MAP_NAMES = {"slot_for_id", "id_of_slot", "usage", "expert_recency", "expert_count", "victim_keys", "victim_owner",
              "step"}
 WRITING_METHODS = {"copy_", "fill_", "zero_", "index_put_", "scatter_", "index_copy_", "add_", "masked_fill_"}

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from ftexpert.gpu_worker.engine import Engine, EngineConfig, SamplingParams
-from ftexpert.gpu_worker.models import load_model
+from ftexpert.gpu_worker.assembly.loader import load_model
 from tests.gpu_worker.quant_checkpoints import KINDS, reference_model, write_quant_checkpoint
 
 pytest.importorskip("transformers")

@@ -12,13 +12,13 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from ftexpert.gpu_worker.models.checkpoint import CheckpointError, CheckpointReader
-from ftexpert.gpu_worker.models.config import MoeConfig
-from ftexpert.gpu_worker.models.dense_weights import load_dense_weights
-from ftexpert.gpu_worker.models.quant_checkpoint import (DequantizingReader, QuantCheckpointError, QuantCheckpointExpertSource,
+from ftexpert.gpu_worker.checkpoint.reader import CheckpointError, CheckpointReader
+from ftexpert.gpu_worker.checkpoint.config import MoeConfig
+from ftexpert.gpu_worker.checkpoint.dense_weights import load_dense_weights
+from ftexpert.gpu_worker.checkpoint.quant_checkpoint import (DequantizingReader, QuantCheckpointError, QuantCheckpointExpertSource,
                                                 dequantize_dense, detect_quant_format)
-from ftexpert.gpu_worker.models.quant_tensors import gptq_matrix
-from ftexpert.gpu_worker.models.weight_names import expert_names
+from ftexpert.gpu_worker.checkpoint.quant_tensors import gptq_matrix
+from ftexpert.gpu_worker.checkpoint.weight_names import expert_names
 from ftexpert.proto.expert_format import ExpertFormat, FormatError, dequantize_expert, dequantize_matrix, e4m3_decode, \
     fp4_decode, unpack_nibbles
 from tests.gpu_worker.quant_checkpoints import (KINDS, gptq_reference, hf_model, load_hub_state,

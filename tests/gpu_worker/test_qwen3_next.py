@@ -13,10 +13,10 @@ from ftexpert.gpu_worker.engine import Engine, EngineConfig, SamplingParams
 from ftexpert.gpu_worker.engine.attention import PrefillAttention
 from ftexpert.gpu_worker.engine.kv_cache import KVCache
 from ftexpert.gpu_worker.engine.state_cache import StateCache
-from ftexpert.gpu_worker.models import load_model
-from ftexpert.gpu_worker.models.checkpoint import CheckpointError
+from ftexpert.gpu_worker.assembly.loader import load_model
+from ftexpert.gpu_worker.checkpoint.reader import CheckpointError
 from ftexpert.gpu_worker.models.qwen3_next import StatefulContext
-from ftexpert.gpu_worker.offload.prefetch import PrefetchSettings
+from ftexpert.gpu_worker.backends.offload.prefetch import PrefetchSettings
 from tests.gpu_worker.qwen3_next_util import hf_greedy_full, hf_qwen3_next, save
 from tests.gpu_worker.test_models_util import prompt_ids, rel_err
 
@@ -157,7 +157,7 @@ def test_a_plain_attention_context_is_refused(resident):
 def test_hybrid_and_cpu_give_the_resident_tokens(checkpoint, resident, tmp_path, monkeypatch, strategy):
     """The routed experts split between PCIe fetches and two CPU expert processes (hybrid, a cache of 10 of 32
     experts), or every miss computed by the CPU processes (cpu)."""
-    from ftexpert.gpu_worker.hybrid import HybridOptions
+    from ftexpert.gpu_worker.backends.hybrid import HybridOptions
     from tests.cpu_expert_pool.cpu_pool_util import load_with_resources
     monkeypatch.setenv("FT_CACHE_DIR", str(tmp_path))
     prompts = [prompt_ids(13, seed=50), prompt_ids(7, seed=51)]
@@ -173,7 +173,7 @@ def test_hybrid_and_cpu_give_the_resident_tokens(checkpoint, resident, tmp_path,
 
 
 def test_the_80b_preset_has_the_real_shapes():
-    from ftexpert.gpu_worker.models import presets
+    from ftexpert.gpu_worker.checkpoint import presets
     cfg = presets.preset_config("qwen3-next-80b-a3b")
     assert (cfg.num_layers, cfg.num_experts, cfg.top_k, cfg.hidden_size, cfg.expert_intermediate_size) == \
         (48, 512, 10, 2048, 512)
@@ -186,7 +186,7 @@ def test_the_80b_preset_has_the_real_shapes():
 
 
 def mini_next():
-    from ftexpert.gpu_worker.models import presets
+    from ftexpert.gpu_worker.checkpoint import presets
     cfg = presets.preset_config("qwen3-next-80b-a3b")
     lin = cfg.linear_attention.__class__(num_key_heads=2, num_value_heads=4, key_head_dim=8, value_head_dim=8,
                                          conv_kernel_dim=4)
@@ -201,7 +201,7 @@ def test_a_mini_preset_written_to_disk_loads_in_transformers(monkeypatch, tmp_pa
     """A preset-shaped random model: in memory equals written to disk, transformers reads the checkpoint with the
     same logits, and the experts serve as NVFP4 too (quantized while loading)."""
     import transformers
-    from ftexpert.gpu_worker.models import presets
+    from ftexpert.gpu_worker.checkpoint import presets
     monkeypatch.setenv("FT_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setitem(presets.PRESETS, "mini-next", mini_next())
     in_memory = load_model(preset="mini-next", device="cpu", seed=5, expert_format=fmt)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from ftexpert.gpu_worker.engine import Engine, EngineConfig, SamplingParams
-from ftexpert.gpu_worker.models import load_model
+from ftexpert.gpu_worker.assembly.loader import load_model
 from ftexpert.gpu_worker.models.synthetic_routing import SyntheticRouting
 
 PROMPT = [5, 17, 42, 99, 3, 250, 7, 64, 11, 300, 8]

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from ftexpert.gpu_worker.engine import Engine, EngineConfig, SamplingParams
-from ftexpert.gpu_worker.models import load_model
+from ftexpert.gpu_worker.assembly.loader import load_model
 from ftexpert.gpu_worker.models.synthetic_routing import SyntheticRouting
 from ftexpert.proto.routing_trace import RoutingTrace, TraceError, write_trace
 

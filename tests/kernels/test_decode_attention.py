@@ -13,7 +13,8 @@ import torch
 from ftexpert.gpu_worker.engine import Engine, EngineConfig, SamplingParams
 from ftexpert.gpu_worker.engine.attention import DecodeAttention, decode_bucket_tokens
 from ftexpert.gpu_worker.engine.kv_cache import KVCache
-from ftexpert.gpu_worker.models import MoeConfig, load_model
+from ftexpert.gpu_worker.checkpoint.config import MoeConfig
+from ftexpert.gpu_worker.assembly.loader import load_model
 from ftexpert.kernels.decode_attention import (DEFAULT_BLOCKS, DecodeAttentionBlocks, decode_attention,
                                       decode_attention_reference, split_plan)
 from tests.conftest import HAS_CUDA, KERNEL_DEVICE

@@ -101,7 +101,7 @@ def test_plan_copy_of_rows_that_are_not_a_multiple_of_the_block(chunks):
 def test_gpu_offload_with_the_copy_kernel_runs_in_graphs_and_matches_resident(tmp_path, monkeypatch,
                                                                              no_tf32):
     from ftexpert.gpu_worker.engine import Engine, EngineConfig, SamplingParams
-    from ftexpert.gpu_worker.models import load_model
+    from ftexpert.gpu_worker.assembly.loader import load_model
     monkeypatch.setenv("FT_CACHE_DIR", str(tmp_path))
     prompts = [[5, 17, 42, 99], [3, 250, 7]]
     params = SamplingParams(max_new_tokens=32, ignore_eos=True)

@@ -12,12 +12,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ftexpert.gpu_worker.models import ExpertLayout, ResidentExperts, pack_experts
-from ftexpert.gpu_worker.models.config import MoeConfig
+from ftexpert.gpu_worker.checkpoint.expert_layout import ExpertLayout, pack_experts
+
+from ftexpert.gpu_worker.backends.resident import ResidentExperts
+from ftexpert.gpu_worker.checkpoint.config import MoeConfig
 from ftexpert.gpu_worker.models.layers import apply_rope, rms_norm as model_rms_norm, route
 from ftexpert.gpu_worker.models.model import MoeModel
-from ftexpert.gpu_worker.models.presets import random_model_parts
-from ftexpert.gpu_worker.models.resident_experts import pick_mode
+from ftexpert.gpu_worker.checkpoint.presets import random_model_parts
+from ftexpert.gpu_worker.backends.resident import pick_mode
 from ftexpert.kernels.moe_decode import (GemvBlocks, KvWrite, add_rms_norm, moe_gemv, qk_norm_rope, rms_norm, rope,
                                 route_topk)
 from ftexpert.kernels.moe_decode import reference as ref
@@ -370,7 +372,7 @@ def test_fused_decode_step_writes_the_kv_cache_like_the_plain_forward(arch, no_t
 
 def test_offload_gemv_mode_gives_the_resident_gemv_tokens(tmp_path, monkeypatch):
     from ftexpert.gpu_worker.engine import Engine, EngineConfig, SamplingParams
-    from ftexpert.gpu_worker.models import load_model
+    from ftexpert.gpu_worker.assembly.loader import load_model
     monkeypatch.setenv("FT_CACHE_DIR", str(tmp_path))
     params = SamplingParams(max_new_tokens=12, ignore_eos=True)
     conf = EngineConfig(max_running_requests=2, max_context_tokens=64, prefill_chunk_tokens=4)
@@ -487,7 +489,7 @@ def test_gpu_fused_model_tokens_match_the_plain_forward(tmp_path, monkeypatch, n
     equality is not guaranteed: its agreement is printed, and its first tokens (after prefill,
     where nothing has diverged yet) must agree."""
     from ftexpert.gpu_worker.engine import Engine, EngineConfig, SamplingParams
-    from ftexpert.gpu_worker.models import load_model
+    from ftexpert.gpu_worker.assembly.loader import load_model
     monkeypatch.setenv("FT_CACHE_DIR", str(tmp_path))
     prompts = [[5, 17, 42, 99], [3, 250, 7], [11, 300, 8, 64, 1]]
     params = SamplingParams(max_new_tokens=16, ignore_eos=True)

@@ -1,13 +1,13 @@
 """moe_gemv with gpt-oss's expert biases and clamped SwiGLU: the Triton kernels (the interpreter here, float32,
 small blocks with ragged edges) in lockstep with the torch reference, both against the model's expert maths
-(gpu_worker.models.expert_math.act_expert_ffn, which follows transformers' GptOssExperts), with routes at -1 and a
+(gpu_worker.backends.expert_math.act_expert_ffn, which follows transformers' GptOssExperts), with routes at -1 and a
 copy plan split. A GPU test checks bfloat16 at gpt-oss-120b's shapes."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from ftexpert.gpu_worker.models.expert_math import act_expert_ffn
+from ftexpert.gpu_worker.backends.expert_math import act_expert_ffn
 from ftexpert.kernels.moe_decode import CopyPlan, GemvBlocks, moe_gemv
 from ftexpert.proto.expert_act import gpt_oss_act
 from tests.conftest import KERNEL_DEVICE
@@ -67,7 +67,7 @@ def test_triton_in_lockstep_with_the_reference_with_a_copy_plan_split():
 
 def test_bias_views_of_packed_rows_are_taken_in_place():
     """The backends pass the rows' bias tails (strided views) straight to the kernel."""
-    from ftexpert.gpu_worker.models.expert_layout import ExpertLayout, bias_views, unpack_experts
+    from ftexpert.gpu_worker.checkpoint.expert_layout import ExpertLayout, bias_views, unpack_experts
     x, ids, w, w13, w2, b13, b2 = case()
     S, I2, H = w13.shape
     lay = ExpertLayout(H, I2 // 2, torch.float32, act=ACT)
@@ -102,7 +102,7 @@ def test_bf16_at_gpt_oss_120b_shapes_on_the_gpu():
 def test_biased_quantized_gemv_matches_the_model_maths(fmt, impl):
     """moe_gemv_quant with the biases (the rows' bias tails) and the clamped SwiGLU, against act_expert_ffn over
     the dequantized weights."""
-    from ftexpert.gpu_worker.models.expert_layout import ExpertLayout, bias_views
+    from ftexpert.gpu_worker.checkpoint.expert_layout import ExpertLayout, bias_views
     from ftexpert.kernels.moe_decode.quant import dequantize_rows, moe_gemv_quant
     from ftexpert.proto.expert_format import quantize_expert
     x, ids, w, w13, w2, b13, b2 = case(H=64, I=32)

@@ -173,8 +173,8 @@ def test_engine_tokens_are_the_same_with_pdl(pdl_env, tmp_path):
     """The tiny model in bf16 on CUDA with CUDA graphs: greedy tokens of three prompts, batched, with
     PDL off and on (a fresh engine each: its graphs are captured under the setting)."""
     from ftexpert.gpu_worker.engine import Engine, EngineConfig, SamplingParams
-    from ftexpert.gpu_worker.models import load_model
-    from ftexpert.gpu_worker.models.tiny import ensure_tiny_checkpoint
+    from ftexpert.gpu_worker.assembly.loader import load_model
+    from ftexpert.gpu_worker.checkpoint.tiny import ensure_tiny_checkpoint
     from tests.gpu_worker.test_models_util import prompt_ids
     pdl_env("auto")
     if not pdl.pdl_enabled(torch.device("cuda")):

@@ -11,7 +11,7 @@ import torch
 from ftexpert.coordinator.cli import build_parser, main
 from ftexpert.coordinator.process_set import options_from_serve_args
 from ftexpert.gpu_worker.engine import Engine, EngineConfig, SamplingParams
-from ftexpert.gpu_worker.models import load_model
+from ftexpert.gpu_worker.assembly.loader import load_model
 from ftexpert.gpu_worker.worker_cli import add_arguments
 from ftexpert.kernels.slot_cache import SlotCache, audit, ensure
 from tests.kernels.slot_cache_util import RouteGen

@@ -14,7 +14,7 @@ from importlib import metadata
 # (subcommand, module, one-line help). Nested groups use "group sub" names.
 COMMANDS: list[tuple[str, str, str]] = [
     ("bench kernels", "ftexpert.kernels.slot_cache.bench_cli", "time the slot-cache kernels (GPU)"),
-    ("bench bw", "ftexpert.gpu_worker.hybrid.bench_bw_cli",
+    ("bench bw", "ftexpert.gpu_worker.bench_bw_cli",
      "measure PCIe and CPU-pool expert bandwidth; write the profile the fetch fraction starts from"),
     ("bench train-moe", "ftexpert.workload.train_cli", "train a MoE language model from scratch; write a HF checkpoint"),
     ("bench routing", "ftexpert.workload.routing_cli", "routing statistics (and trace) of a trained checkpoint"),

@@ -25,8 +25,8 @@ from ftexpert.proto.knobs import add_cli_flags, positive_int_flag, resolve
 DEVICE_CHOICES = ("auto", "cpu", "cuda")
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
 PRESET_CHOICES = ("tiny", "qwen3-30b-a3b", "olmoe-1b-7b", "mixtral-8x7b", "qwen3-next-80b-a3b", "gpt-oss-20b",
-                  "gpt-oss-120b")   # gpu_worker/models/presets.py
-STRATEGY_CHOICES = ("resident", "offload", "cpu", "hybrid")   # gpu_worker/models/expert_backends.py
+                  "gpt-oss-120b")   # gpu_worker/checkpoint/presets.py
+STRATEGY_CHOICES = ("resident", "offload", "cpu", "hybrid")   # gpu_worker/assembly/backends.py
 
 
 def _int_list(raw: str) -> list[int]:

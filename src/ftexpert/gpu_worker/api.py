@@ -18,13 +18,13 @@ from typing import Callable
 import torch
 
 from ftexpert.gpu_worker.engine import Engine, EngineConfig, SamplingParams
-from ftexpert.gpu_worker.hybrid.options import HybridOptions
-from ftexpert.gpu_worker.models.attached_backends import make_attached_expert_backend, needs_host_store
-from ftexpert.gpu_worker.models.device import resolve_device
-from ftexpert.gpu_worker.models.loader import DEFAULT_MODEL_DIR, LoadedModel, ModelSource, load_model, open_model_source
+from ftexpert.gpu_worker.backends.hybrid.options import HybridOptions
+from ftexpert.gpu_worker.assembly.attached_backends import make_attached_expert_backend, needs_host_store
+from ftexpert.gpu_worker.assembly.device import resolve_device
+from ftexpert.gpu_worker.assembly.loader import DEFAULT_MODEL_DIR, LoadedModel, ModelSource, load_model, open_model_source
 from ftexpert.gpu_worker.models.architectures import make_model
-from ftexpert.gpu_worker.offload.prefetch import PREFETCH_KNOBS, PrefetchSettings, attach_prefetch, settings_from_knobs
-from ftexpert.gpu_worker.offload.host_store import HostExperts
+from ftexpert.gpu_worker.backends.offload.prefetch import PREFETCH_KNOBS, PrefetchSettings, attach_prefetch, settings_from_knobs
+from ftexpert.gpu_worker.backends.offload.host_store import HostExperts
 from ftexpert.gpu_worker.worker_loop import gpu_busy_loop
 from ftexpert.proto.cpu_channel import channel_hidden_dtype
 from ftexpert.proto.expert_store import ExpertStore
@@ -81,7 +81,7 @@ def attach_cpu_pool(store: ExpertStore, channel_names: list[str], options: Hybri
     """A CpuPool on the owner's channels (a benchmark that builds HybridExperts itself); this process's torch
     threads set to options.engine_thread_count() and, where the options say so, it pins itself to the reserved
     CPUs (the workers' flags were resolved before the pin)."""
-    from ftexpert.gpu_worker.hybrid.cpu_pool import CpuPool
+    from ftexpert.gpu_worker.backends.hybrid.cpu_pool import CpuPool
 
     options = options or HybridOptions()
     pool = CpuPool.attach(store, list(channel_names), deadline_s=options.cpu_deadline_s,

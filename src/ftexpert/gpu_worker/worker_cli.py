@@ -83,7 +83,7 @@ def run(args: argparse.Namespace) -> int:
                      "eviction_freq_half_life": args.eviction_freq_half_life, "overlap_decode": args.overlap_decode,
                      **{f: getattr(args, f) for f in ("moe_prefetch", "moe_prefetch_budget", "moe_prefetch_k",
                                                       "moe_prefetch_verify")}})
-    from ftexpert.gpu_worker.offload.prefetch import settings_from_knobs
+    from ftexpert.gpu_worker.backends.offload.prefetch import settings_from_knobs
     from ftexpert.kernels.pdl import apply_setting
     apply_setting(knobs["pdl"], args.device)
     options = GpuWorkerOptions(

@@ -20,7 +20,7 @@ from typing import Any, Callable, Hashable, Protocol
 from ftexpert.proto import engine_messages as em
 from ftexpert.proto.sampling_params import SamplingParams
 
-from .worker_link import CoordinatorLost
+from ftexpert.gpu_worker.worker_link import CoordinatorLost
 
 log = logging.getLogger("ft.gpu_worker.loop")
 

@@ -24,11 +24,11 @@ from ftexpert.proto import link_auth
 from ftexpert.proto.sd_notify import process_notifier
 from ftexpert.proto.supervised_child import ENV_FD, HandshakeRejected, SupervisorLink
 
-from .worker_link import CoordinatorLink
-from .worker_loop import LocalStop, gpu_busy_loop
+from ftexpert.gpu_worker.worker_link import CoordinatorLink
+from ftexpert.gpu_worker.worker_loop import LocalStop, gpu_busy_loop
 
 if TYPE_CHECKING:
-    from ftexpert.gpu_worker.models.expert_backend import ExpertBackend
+    from ftexpert.gpu_worker.backends.expert_backend import ExpertBackend
 
 log = logging.getLogger("ft.gpu_worker")
 
@@ -150,12 +150,12 @@ def load_engine(opts: GpuWorkerOptions, welcome: em.Welcome) -> LoadedEngine:
     import torch
 
     from ftexpert.gpu_worker.engine import Engine, EngineConfig
-    from ftexpert.gpu_worker.hybrid.options import HybridOptions
-    from ftexpert.gpu_worker.models.attached_backends import make_attached_expert_backend
-    from ftexpert.gpu_worker.models.device import resolve_device
-    from ftexpert.gpu_worker.models.loader import open_model_source
+    from ftexpert.gpu_worker.backends.hybrid.options import HybridOptions
+    from ftexpert.gpu_worker.assembly.attached_backends import make_attached_expert_backend
+    from ftexpert.gpu_worker.assembly.device import resolve_device
+    from ftexpert.gpu_worker.assembly.loader import open_model_source
     from ftexpert.gpu_worker.models.architectures import make_model
-    from ftexpert.gpu_worker.offload.prefetch import attach_prefetch
+    from ftexpert.gpu_worker.backends.offload.prefetch import attach_prefetch
 
     device = resolve_device(opts.device)
     source = open_model_source(opts.model, opts.preset, dtype=opts.dtype, device=device,
@@ -195,7 +195,7 @@ def pin_to_reserved_cpus(opts: GpuWorkerOptions) -> tuple[int, ...] | None:
     nothing inherits the narrowed mask; a restarted GPU worker starts from its starter's affinity again."""
     if opts.moe_strategy not in em.CPU_POOL_STRATEGIES:
         return None
-    from ftexpert.gpu_worker.hybrid.options import HybridOptions
+    from ftexpert.gpu_worker.backends.hybrid.options import HybridOptions
 
     return HybridOptions(reserve_cpus=opts.reserve_cpus, pin_gpu_worker=opts.pin_gpu_worker).pin_driving_process(
         f"GPU worker {opts.name}")

@@ -7,7 +7,7 @@ An expert has three matrices, each ``[rows, K]`` in Hugging Face ``[out, in]`` o
 ``gate [I, H]``, ``up [I, H]``, ``down [H, I]`` (H hidden, I expert intermediate). ``w13`` is gate's
 rows then up's rows (``[2I, H]``); ``w2`` is down. Every format quantizes along K (the input dim).
 
-    bf16   the unquantized layout: w13 then w2, bfloat16 (gpu_worker.models.expert_layout)
+    bf16   the unquantized layout: w13 then w2, bfloat16 (gpu_worker.checkpoint.expert_layout)
     fp8    codes float8_e4m3fn, 1 byte/weight; scales float32 per 128x128 block of each matrix
            (DeepSeek-V3 ``weight_scale_inv``): w = code * scale[r // 128, k // 128]
     int4   codes 4-bit unsigned u, 2/byte; per group of G (32, 64, 128) along K: scale float32 and

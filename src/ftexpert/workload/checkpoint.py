@@ -16,8 +16,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer
 
-from .model import ModelConfig, MoeLM
-from .tokenizer import PAD, eos_ids, tokenizer_files
+from ftexpert.workload.model import ModelConfig, MoeLM
+from ftexpert.workload.tokenizer import PAD, eos_ids, tokenizer_files
 
 WEIGHTS = "model.safetensors"
 META = "ft_workload.json"

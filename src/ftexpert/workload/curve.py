@@ -12,7 +12,7 @@ from typing import Callable
 
 import torch
 
-from .routing import WINDOW, collect_trace, held_out_sequences, routing_stats
+from ftexpert.workload.routing import WINDOW, collect_trace, held_out_sequences, routing_stats
 
 CURVE_TOKENS = 4096
 KEPT = ("reuse", "lru_layer_25", "lru_layer_50", "lru_global_25", "recall_k", "precision_k", "recall_16",

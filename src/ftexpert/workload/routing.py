@@ -28,9 +28,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from . import corpus
-from .checkpoint import META, load_checkpoint
-from .model import MoeLM
+from ftexpert.workload import corpus
+from ftexpert.workload.checkpoint import META, load_checkpoint
+from ftexpert.workload.model import MoeLM
 from ftexpert.proto.routing_trace import RoutingTrace, write_trace
 
 CACHE_FRACTIONS = (0.10, 0.25, 0.50)
@@ -216,7 +216,7 @@ def report(model_dir: Path, tokens: int, *, trace_path: Path | None = None, json
 
 
 def main(argv: list[str] | None = None) -> int:
-    from .routing_cli import add_arguments
+    from ftexpert.workload.routing_cli import add_arguments
 
     p = argparse.ArgumentParser(prog="routing", description="Routing statistics of a checkpoint "
                                 "written by train_moe, on the corpus's held-out text.")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .model import ModelConfig
+from ftexpert.workload.model import ModelConfig
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,7 @@ from torch.nn.attention.bias import causal_lower_right
 from ftexpert.kernels.decode_attention import decode_attention
 from ftexpert.kernels.moe_decode import KvWrite
 
-from .kv_cache import KVCache
+from ftexpert.gpu_worker.engine.kv_cache import KVCache
 
 MIN_DECODE_BUCKET_TOKENS = 64
 ATTENTION_BACKENDS = ("auto", "sdpa", "triton")

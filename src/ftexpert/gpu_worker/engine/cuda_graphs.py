@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from .engine import DecodeInputs, Engine
+    from ftexpert.gpu_worker.engine.engine import DecodeInputs, Engine
 
 MAX_GRAPHS = 64
 WARMUP_RUNS = 2
@@ -70,7 +70,7 @@ class DecodeGraphs:
         return captured.logits
 
     def _capture(self, inputs: "DecodeInputs") -> _Captured:
-        from .engine import DecodeInputs
+        from ftexpert.gpu_worker.engine.engine import DecodeInputs
         static = DecodeInputs(inputs.token_ids.clone(), inputs.positions.clone(),
                               inputs.slot_ids.clone(), inputs.num_rows, inputs.bucket_tokens,
                               inputs.rows_are_slots)

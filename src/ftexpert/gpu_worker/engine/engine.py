@@ -21,15 +21,15 @@ from typing import Hashable, Iterable
 
 import torch
 
-from ..models.model import MoeModel
-from ..models.qwen3_next import StatefulContext
-from .attention import ATTENTION_BACKENDS, DecodeAttention, PrefillAttention, decode_bucket_tokens
-from .kv_cache import KVCache
-from .state_cache import StateCache
-from .request import Request, StepOutput
-from .sampling import FINISH_ABORT, RequestSampler, SamplingParams, sample_batch_device
-from .scheduler import PrefillChunk, Scheduler
-from .stats import EngineStats
+from ftexpert.gpu_worker.models.model import MoeModel
+from ftexpert.gpu_worker.models.qwen3_next import StatefulContext
+from ftexpert.gpu_worker.engine.attention import ATTENTION_BACKENDS, DecodeAttention, PrefillAttention, decode_bucket_tokens
+from ftexpert.gpu_worker.engine.kv_cache import KVCache
+from ftexpert.gpu_worker.engine.state_cache import StateCache
+from ftexpert.gpu_worker.engine.request import Request, StepOutput
+from ftexpert.gpu_worker.engine.sampling import FINISH_ABORT, RequestSampler, SamplingParams, sample_batch_device
+from ftexpert.gpu_worker.engine.scheduler import PrefillChunk, Scheduler
+from ftexpert.gpu_worker.engine.stats import EngineStats
 
 DEFAULT_MAX_CONTEXT_TOKENS = 32768
 # Prompt tokens a prefill chunk takes unless the config or the expert backend (`preferred_prefill_chunk_tokens`:
@@ -140,7 +140,7 @@ class Engine:
         self._ahead: _DecodeStep | None = None      # the decode step queued ahead (overlap_decode), not yet read
         self.graphs = None
         if self.config.cuda_graphs and self.device.type == "cuda":
-            from .cuda_graphs import DecodeGraphs
+            from ftexpert.gpu_worker.engine.cuda_graphs import DecodeGraphs
             self.graphs = DecodeGraphs(self)
 
     # ---- public API ---------------------------------------------------------------------------

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from ..models.config import MoeConfig
+from ftexpert.gpu_worker.checkpoint.config import MoeConfig
 
 
 class KVCache:

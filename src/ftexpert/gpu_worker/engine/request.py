@@ -5,7 +5,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Hashable, NamedTuple
 
-from .sampling import FINISH_LENGTH, FINISH_STOP, RequestSampler, SamplingParams
+from ftexpert.gpu_worker.engine.sampling import FINISH_LENGTH, FINISH_STOP, RequestSampler, SamplingParams
 
 
 class StepOutput(NamedTuple):

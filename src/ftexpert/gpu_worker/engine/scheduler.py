@@ -14,7 +14,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Hashable
 
-from .request import Request
+from ftexpert.gpu_worker.engine.request import Request
 
 
 @dataclass

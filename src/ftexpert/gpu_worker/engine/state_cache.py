@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from ..models.config import LINEAR_ATTENTION, MoeConfig
+from ftexpert.gpu_worker.checkpoint.config import LINEAR_ATTENTION, MoeConfig
 
 
 def num_linear_layers(cfg: MoeConfig) -> int:

@@ -37,7 +37,7 @@ class EngineStats:
     gpu_wait_for_copy_s_total: float = 0.0
     gpu_wait_for_cpu_unpaired_s_total: float = 0.0     # part of the CPU wait with no copy-side figure (HybridStats)
     cpu_workers: dict[str, Any] = field(default_factory=dict)    # name -> {experts_total, time_s_total, ...}
-    # the lookahead prefetch (FREETOKEN_MOE_PREFETCH on / measure; gpu_worker/offload/prefetch.py)
+    # the lookahead prefetch (FREETOKEN_MOE_PREFETCH on / measure; gpu_worker/backends/offload/prefetch.py)
     prefetch_predicted_total: int = 0      # experts chosen for a prefetch (installed when on, counted when measuring)
     prefetch_useful_total: int = 0         # of those, routed by the layer they were chosen for
     prefetch_installed_total: int = 0      # experts installed into low-priority slots (on)

@@ -1,17 +1,3 @@
-"""MoE models: config, checkpoint reading, dense weights, the expert seam, presets, the forward."""
-from .config import MoeConfig
-from .expert_backends import BackendNotAvailableError, make_expert_backend
-from .expert_layout import ExpertLayout, pack_experts, unpack_experts
-from .expert_sources import CheckpointExpertSource, ExpertSource, RandomExpertSource
-from .loader import LoadedModel, ModelSource, load_model, open_model_source
-from .model import AttentionContext, MoeModel
-from .presets import PRESET_NAMES
-from .expert_backend import ExpertBackend
-from .resident_experts import ResidentExperts
-
-__all__ = [
-    "MoeConfig", "BackendNotAvailableError", "make_expert_backend", "ExpertLayout", "pack_experts",
-    "unpack_experts", "CheckpointExpertSource", "ExpertSource", "RandomExpertSource", "LoadedModel",
-    "ModelSource", "load_model", "open_model_source", "AttentionContext", "MoeModel", "PRESET_NAMES",
-    "ExpertBackend", "ResidentExperts",
-]
+"""The architectures' forwards, one module each: `MoeModel` (model.py: Qwen3-MoE, Mixtral, OLMoE), Qwen3-Next
+(qwen3_next.py), gpt-oss (gpt_oss.py), and the stateless layers they share. They take an `ExpertBackend`
+object; they never pick or import a backend implementation."""

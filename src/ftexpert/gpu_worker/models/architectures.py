@@ -2,12 +2,12 @@
 `GptOssModel` for gptoss)."""
 from __future__ import annotations
 
-from .config import MoeConfig
-from .dense_weights import DenseWeights
-from .expert_backend import ExpertBackend
-from .gpt_oss import GptOssModel
-from .model import MoeModel
-from .qwen3_next import Qwen3NextModel
+from ftexpert.gpu_worker.checkpoint.config import MoeConfig
+from ftexpert.gpu_worker.checkpoint.dense_weights import DenseWeights
+from ftexpert.gpu_worker.backends.expert_backend import ExpertBackend
+from ftexpert.gpu_worker.models.gpt_oss import GptOssModel
+from ftexpert.gpu_worker.models.model import MoeModel
+from ftexpert.gpu_worker.models.qwen3_next import Qwen3NextModel
 
 MODEL_CLASSES: dict[str, type] = {"qwen3_next": Qwen3NextModel, "gptoss": GptOssModel}   # others: MoeModel
 

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from ftexpert.kernels import gated_delta
 
-from .config import MoeConfig
+from ftexpert.gpu_worker.checkpoint.config import MoeConfig
 
 
 def causal_conv(x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -18,13 +18,13 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .config import MoeConfig
-from .dense_weights import DenseWeights, LayerWeights
-from .expert_backend import ExpertBackend
-from .gpt_oss_config import gpt_oss_params
-from .gpt_oss_layers import ScaledRotaryTable, gpt_oss_rms_norm as rms_norm, gpt_oss_route, yarn_inv_freq
-from .layers import apply_rope
-from .model import AttentionContext, MoeModel
+from ftexpert.gpu_worker.checkpoint.config import MoeConfig
+from ftexpert.gpu_worker.checkpoint.dense_weights import DenseWeights, LayerWeights
+from ftexpert.gpu_worker.backends.expert_backend import ExpertBackend
+from ftexpert.gpu_worker.checkpoint.gpt_oss_config import gpt_oss_params
+from ftexpert.gpu_worker.models.gpt_oss_layers import ScaledRotaryTable, gpt_oss_rms_norm as rms_norm, gpt_oss_route, yarn_inv_freq
+from ftexpert.gpu_worker.models.layers import apply_rope
+from ftexpert.gpu_worker.models.model import AttentionContext, MoeModel
 
 
 class GptOssModel(MoeModel):

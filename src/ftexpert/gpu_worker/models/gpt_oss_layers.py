@@ -10,7 +10,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from .layers import RotaryTable
+from ftexpert.gpu_worker.models.layers import RotaryTable
 
 
 def yarn_inv_freq(head_dim: int, theta: float, rope: dict[str, Any], max_positions: int) -> tuple[torch.Tensor, float]:

@@ -21,14 +21,14 @@ import torch.nn.functional as F
 
 from ftexpert.kernels import dense_gemv
 
-from .config import LINEAR_ATTENTION, MoeConfig
-from .dense_weights import DenseWeights
-from .expert_backend import ExpertBackend
-from .gated_deltanet import gated_deltanet
-from .layers import RotaryTable, route
-from .model import AttentionContext, DenseLinearChoice
-from .qwen3_next_config import rotary_dim
-from .qwen3_next_weights import NextLayerWeights
+from ftexpert.gpu_worker.checkpoint.config import LINEAR_ATTENTION, MoeConfig
+from ftexpert.gpu_worker.checkpoint.dense_weights import DenseWeights
+from ftexpert.gpu_worker.backends.expert_backend import ExpertBackend
+from ftexpert.gpu_worker.models.gated_deltanet import gated_deltanet
+from ftexpert.gpu_worker.models.layers import RotaryTable, route
+from ftexpert.gpu_worker.models.model import AttentionContext, DenseLinearChoice
+from ftexpert.gpu_worker.checkpoint.qwen3_next_config import rotary_dim
+from ftexpert.gpu_worker.checkpoint.qwen3_next_weights import NextLayerWeights
 
 
 class SequenceStates(Protocol):

@@ -7,8 +7,8 @@ It replaces SDPA with a [rows, 1, 1, bucket] boolean mask in `DecodeAttention` o
 cuDNN's flash fprop at ~32 us per layer for a 1,280-token context on the H200). A Triton kernel
 (triton_kernels.py) with a plain torch reference beside it (reference.py), dispatched by api.py.
 """
-from .api import DEFAULT_BLOCKS, DecodeAttentionBlocks, decode_attention, split_plan
-from .reference import decode_attention_reference
+from ftexpert.kernels.decode_attention.api import DEFAULT_BLOCKS, DecodeAttentionBlocks, decode_attention, split_plan
+from ftexpert.kernels.decode_attention.reference import decode_attention_reference
 
 __all__ = ["decode_attention", "decode_attention_reference", "DecodeAttentionBlocks", "DEFAULT_BLOCKS",
            "split_plan"]

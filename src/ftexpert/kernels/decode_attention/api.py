@@ -17,7 +17,7 @@ import torch
 from ftexpert.kernels.impl import IMPLS, resolve_impl as _resolve_impl  # noqa: F401 (IMPLS: this package's choices)
 from ftexpert.kernels.pdl import pdl_args
 
-from .reference import decode_attention_reference
+from ftexpert.kernels.decode_attention.reference import decode_attention_reference
 
 DOT_MIN_GROUP = 4      # tl.dot for G >= this many query heads per kv head, a broadcast-sum below
 
@@ -133,7 +133,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     l = torch.empty_like(m)
     acc = torch.empty(T, Hq, num_splits, D, dtype=torch.float32, device=q.device)
     window = int(sliding_window) if sliding_window is not None else 0
-    from .triton_kernels import decode_attn_merge_kernel, decode_attn_split_kernel
+    from ftexpert.kernels.decode_attention.triton_kernels import decode_attn_merge_kernel, decode_attn_split_kernel
     pdl = pdl_args(q.device)
     decode_attn_split_kernel[(T, Hkv, num_splits)](
         q, k_cache, v_cache, rows, seq_lens, m, l, acc,

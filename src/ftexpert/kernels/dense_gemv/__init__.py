@@ -7,6 +7,6 @@ It replaces cuBLAS `F.linear` for the decode step's dense projections (qwen3-30b
 [5120, 2048], o_proj [2048, 4096], router [128, 2048]), which are purely bandwidth bound at T = 1..4
 and where cuBLAS reaches well under half of the H200's HBM bandwidth.
 """
-from .api import DEFAULT_LINEAR_BLOCKS, MAX_T, LinearBlocks, linear_gemv, pick_blocks, preferred
+from ftexpert.kernels.dense_gemv.api import DEFAULT_LINEAR_BLOCKS, MAX_T, LinearBlocks, linear_gemv, pick_blocks, preferred
 
 __all__ = ["linear_gemv", "LinearBlocks", "DEFAULT_LINEAR_BLOCKS", "MAX_T", "pick_blocks", "preferred"]

@@ -17,7 +17,7 @@ import torch
 from ftexpert.kernels.impl import IMPLS, resolve_impl as _resolve_impl  # noqa: F401 (IMPLS re-exported: one dispatch rule)
 from ftexpert.kernels.pdl import pdl_args
 
-from . import reference
+from ftexpert.kernels.dense_gemv import reference
 
 MAX_T = 16                  # largest decode batch linear_gemv takes; larger ones belong to F.linear
 
@@ -142,7 +142,7 @@ def linear_gemv(x: torch.Tensor, w: torch.Tensor, *, impl: str = "auto",
         raise TypeError(f"blocks must be a LinearBlocks or None, got {type(blocks).__name__}")
     if _resolve_impl(impl, x.device) == "reference":
         return reference.linear_gemv_reference(x, w)
-    from .triton_kernels import linear_gemv_kernel
+    from ftexpert.kernels.dense_gemv.triton_kernels import linear_gemv_kernel
     b = blocks or pick_blocks(N, K, x.dtype)
     y = torch.empty(T, N, dtype=x.dtype, device=x.device)
     if T == 0 or N == 0:

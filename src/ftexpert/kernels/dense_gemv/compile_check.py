@@ -68,7 +68,7 @@ def _extra(kernel) -> str:
 def main(argv: list[str] | None = None) -> int:
     from ftexpert.kernels.compile_driver import run_compile_check
 
-    from . import triton_kernels
+    from ftexpert.kernels.dense_gemv import triton_kernels
     return run_compile_check("compile the dense GEMV kernels for an NVIDIA target", _cases(), triton_kernels, argv, extra=_extra)
 
 

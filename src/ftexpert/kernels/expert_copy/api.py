@@ -5,7 +5,7 @@ import torch
 
 from ftexpert.kernels.impl import interpreted
 
-from .reference import copy_plan_reference
+from ftexpert.kernels.expert_copy.reference import copy_plan_reference
 
 DEFAULT_CHUNKS = 64        # programs per expert row
 BLOCK_WORDS = 2048         # 16-bit words a program moves per loop iteration (4 KiB)
@@ -62,7 +62,7 @@ def copy_plan(slots: torch.Tensor, host_rows: torch.Tensor, evict_slots: torch.T
         raise ValueError("impl='triton' on CPU tensors needs TRITON_INTERPRET=1 (the interpreter)")
     if max_copies <= 0 or hi == lo:
         return
-    from .triton_kernels import copy_plan_kernel
+    from ftexpert.kernels.expert_copy.triton_kernels import copy_plan_kernel
     chunks = DEFAULT_CHUNKS if chunks is None else int(chunks)
     block = BLOCK_WORDS if block_words is None else int(block_words)
     warps = NUM_WARPS if num_warps is None else int(num_warps)

@@ -21,7 +21,7 @@ from ftexpert.kernels.impl import resolve_impl as _resolve_impl
 from ftexpert.kernels.slot_cache.state import POLICY_FRAC_Q16, POLICY_MAX_FETCH, POLICY_ROUND, ROUND_MODES
 from ftexpert.proto.shm_layout import SPLIT_CHANNEL_UNIT
 
-from .reference import split_copy_reference, split_pick_reference
+from ftexpert.kernels.expert_split.reference import split_copy_reference, split_pick_reference
 
 SPLIT_UNIT = SPLIT_CHANNEL_UNIT      # channels: the CPU kernel's AMX tiles take K in 32s
 DESC_EXPERT, DESC_LIMIT, DESC_LEN = 0, 1, 2            # desc: the split expert (-1: none), limit c
@@ -70,7 +70,7 @@ def split_pick(routes: torch.Tensor, ids: torch.Tensor, num_missing: torch.Tenso
         split_pick_reference(routes, ids, num_missing, num_fetched, policy, desc, counts, intermediate, SPLIT_UNIT,
                              split_slot)
         return
-    from .triton_kernels import split_pick_kernel
+    from ftexpert.kernels.expert_split.triton_kernels import split_pick_kernel
     R = routes.numel()
     split_pick_kernel[(1,)](routes, ids, R, num_missing, num_fetched, policy, desc, counts, split_slot, SPLIT_UNIT,
                             units, POL_MAX_FETCH=POLICY_MAX_FETCH, POL_FRAC=POLICY_FRAC_Q16, POL_ROUND=POLICY_ROUND,
@@ -105,7 +105,7 @@ def split_copy(slots: torch.Tensor, host_rows: torch.Tensor, desc: torch.Tensor,
     if _resolve_impl(impl, slots.device) == "reference":
         split_copy_reference(slot_words, host_words, desc, split_slot, hidden, intermediate, part)
         return
-    from .triton_kernels import split_copy_w2_kernel, split_copy_w13_kernel
+    from ftexpert.kernels.expert_split.triton_kernels import split_copy_w2_kernel, split_copy_w13_kernel
     aligned = host_words.data_ptr() % 16 == 0 and host_words.stride(0) % 8 == 0
     hw = hidden * per
     if part == 0:

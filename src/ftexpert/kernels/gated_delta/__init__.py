@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import torch
 
-from . import reference
-from .fla_path import fla_available, fla_chunk, fla_recurrent
+from ftexpert.kernels.gated_delta import reference
+from ftexpert.kernels.gated_delta.fla_path import fla_available, fla_chunk, fla_recurrent
 
 IMPLS = ("auto", "fla", "reference")
 

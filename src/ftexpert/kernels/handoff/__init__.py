@@ -10,11 +10,11 @@ a device-side copy of the channel's sequence that each ring advances (DeviceDoor
 host-driven calls), so replays of a captured graph ring fresh numbers. A call that times out, is
 aborted by the host watchdog, or is answered with an error is not added; it raises a device flag
 that makes every later ring of the step a no-op, and a host-visible word the engine checks after
-the step (which is then re-run with every miss fetched). `gpu_worker/hybrid/device_doorbell.py`
+the step (which is then re-run with every miss fetched). `gpu_worker/backends/hybrid/device_doorbell.py`
 binds these to a CpuPoolClient channel; docs/HYBRID.md has the whole story.
 """
-from .api import COUNT_MAX_PAIRS, count_call, join, ring
-from .triton_kernels import (COUNTERS, FAIL_ABORTED, FAIL_REPLACED, FAIL_STATUS, FAIL_TIMEOUT, ST_ANSWERED, ST_COMPUTE_NS,
+from ftexpert.kernels.handoff.api import COUNT_MAX_PAIRS, count_call, join, ring
+from ftexpert.kernels.handoff.triton_kernels import (COUNTERS, FAIL_ABORTED, FAIL_REPLACED, FAIL_STATUS, FAIL_TIMEOUT, ST_ANSWERED, ST_COMPUTE_NS,
                              ST_DEADLINE_NS, ST_EXPERTS, ST_FAILED, ST_RINGS, ST_SEQ, ST_TRIPLES, ST_WAIT_NS,
                              STATE_WORDS)
 

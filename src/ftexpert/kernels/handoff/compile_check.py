@@ -27,7 +27,7 @@ def cases():
                 "done_seq_addr": "i64", "abort_addr": "i64", "fail_ptr": "*i32", "host_fail_addr": "i64",
                 "state_ptr": "*i64", "slot": "i32", "SAME": "constexpr",
                 "BLOCK": "constexpr", "ON_GPU": "constexpr"}
-    from .api import JOIN_BLOCK, RING_BLOCK_H, RING_BLOCK_R
+    from ftexpert.kernels.handoff.api import JOIN_BLOCK, RING_BLOCK_H, RING_BLOCK_R
     ring = dict(HIDDEN_BF16=True, ALWAYS_RING=False, USE_OWNER=True, HAS_SPLIT=False, BLOCK_R=RING_BLOCK_R, BLOCK_H=RING_BLOCK_H,
                 ON_GPU=True)
     copy_sig = {"slots_ptr": "*i16", "host_addr": "i64", "host_row_words": "i32", "evict_ptr": "*i32",
@@ -75,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from ftexpert.kernels.expert_split import triton_kernels as split_kernels
 
-    from . import triton_kernels
+    from ftexpert.kernels.handoff import triton_kernels
     for name, kernel, signature, constexprs in cases():
         module = copy_kernels if kernel == "copy_plan_kernel" else split_kernels if kernel.startswith("split_") \
             else triton_kernels

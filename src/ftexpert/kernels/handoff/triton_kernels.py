@@ -268,7 +268,7 @@ def join_kernel(
             tl.store(dst_ptr + offs, tl.load(src_ptr + offs, mask=m).to(dst_ptr.dtype.element_ty), mask=m)
 
 
-# Device counters of one hybrid forward, in the order of gpu_worker/hybrid/hybrid_experts.py DEVICE_COUNTERS.
+# Device counters of one hybrid forward, in the order of gpu_worker/backends/hybrid/hybrid_experts.py DEVICE_COUNTERS.
 COUNTERS = 6
 
 

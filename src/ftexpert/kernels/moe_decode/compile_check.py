@@ -83,7 +83,7 @@ def _cases() -> list[tuple[str, str, dict, dict, dict, list[str]]]:
 def main(argv: list[str] | None = None) -> int:
     from ftexpert.kernels.compile_driver import run_compile_check
 
-    from . import triton_kernels
+    from ftexpert.kernels.moe_decode import triton_kernels
     return run_compile_check("compile the decode kernels for an NVIDIA target", _cases(), triton_kernels, argv)
 
 

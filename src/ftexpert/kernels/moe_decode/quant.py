@@ -17,8 +17,8 @@ from ftexpert.kernels.impl import resolve_impl
 from ftexpert.kernels.pdl import pdl_args
 from ftexpert.proto.expert_format import FP8_BLOCK, FormatError, QuantLayout
 
-from . import quant_reference
-from .api import (DEFAULT_GEMV_BLOCKS, GEMV_WARPS, CopyPlan, GemvBlocks, _accurate, _cdiv, _check_float, _next_pow2,
+from ftexpert.kernels.moe_decode import quant_reference
+from ftexpert.kernels.moe_decode.api import (DEFAULT_GEMV_BLOCKS, GEMV_WARPS, CopyPlan, GemvBlocks, _accurate, _cdiv, _check_float, _next_pow2,
                   check_bias_args)
 
 FORMAT_IDS = {"fp8": 0, "int4": 1, "mxfp4": 2, "nvfp4": 3}     # quant_kernels.FMT_*
@@ -129,7 +129,7 @@ def moe_gemv_quant(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, ro
         a copy in two parts lands GATE_UP_REGIONS of the plan's rows before between() returns and the rest
         before between_down() (the regions are not w13's bytes then w2's: QuantLayout puts all codes first).
     b13, b2, act: gpt-oss's biases and clamped SwiGLU, as moe_gemv (the biases in x.dtype, e.g. views of the
-        rows' bias tails, gpu_worker/models/expert_layout.bias_views).
+        rows' bias tails, gpu_worker/checkpoint/expert_layout.bias_views).
     """
     _check_float("x", x)
     if x.dim() != 2:
@@ -167,8 +167,8 @@ def moe_gemv_quant(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, ro
                                                         act if swiglu else None)
     if T == 0 or K == 0:
         return torch.zeros_like(x)
-    from .quant_kernels import moe_down_quant_kernel, moe_gate_up_quant_kernel
-    from .triton_kernels import moe_sum_k_kernel
+    from ftexpert.kernels.moe_decode.quant_kernels import moe_down_quant_kernel, moe_gate_up_quant_kernel
+    from ftexpert.kernels.moe_decode.triton_kernels import moe_sum_k_kernel
     a = _layout_args(layout)
     inter = layout.intermediate_size
     P = T * K
@@ -220,7 +220,7 @@ def dequantize_rows(rows_u8: torch.Tensor, ids: torch.Tensor, layout: QuantLayou
 
     The values are dequantize_matrix's float32 ones, bit for bit, rounded to out_dtype (nearest even);
     an id of -1 gives zeros. Both are views into one packed [n, 3 * I * H] buffer (the bf16 expert layout,
-    gpu_worker.models.expert_layout): `out` when given (out_dtype, [n, >= 3 * I * H], contiguous rows),
+    gpu_worker.checkpoint.expert_layout): `out` when given (out_dtype, [n, >= 3 * I * H], contiguous rows),
     else a new one. For the prefill: dequantize a layer's rows (e.g. ids = arange(S)) into a scratch
     buffer, then run the bf16 grouped FFN over (w13, w2) with the routes' indices into ids.
     """
@@ -247,7 +247,7 @@ def dequantize_rows(rows_u8: torch.Tensor, ids: torch.Tensor, layout: QuantLayou
         return w13, w2
     if n == 0:
         return w13, w2
-    from .quant_kernels import dequantize_rows_kernel
+    from ftexpert.kernels.moe_decode.quant_kernels import dequantize_rows_kernel
     a = _layout_args(layout)
     b = blocks or DEFAULT_DEQUANT_BLOCKS
     if b.block_n & (b.block_n - 1) or b.block_k & (b.block_k - 1) or b.block_k < MIN_BLOCK_K:

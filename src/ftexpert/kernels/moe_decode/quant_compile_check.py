@@ -62,7 +62,7 @@ def _extra(kernel) -> str:
 def main(argv: list[str] | None = None) -> int:
     from ftexpert.kernels.compile_driver import run_compile_check
 
-    from . import quant_kernels
+    from ftexpert.kernels.moe_decode import quant_kernels
     return run_compile_check("compile the quantized-slot decode kernels for an NVIDIA target", _cases(), quant_kernels,
                              argv, extra=_extra)
 

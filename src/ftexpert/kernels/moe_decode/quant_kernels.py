@@ -35,7 +35,7 @@ import triton.language as tl
 
 from ftexpert.kernels.pdl import pdl_enter
 
-from .triton_kernels import _div, _down_out, _exp, _gate_up_act, _route_active
+from ftexpert.kernels.moe_decode.triton_kernels import _div, _down_out, _exp, _gate_up_act, _route_active
 
 FMT_FP8: tl.constexpr = tl.constexpr(0)
 FMT_INT4: tl.constexpr = tl.constexpr(1)

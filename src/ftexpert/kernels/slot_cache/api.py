@@ -9,9 +9,9 @@ import torch
 
 from ftexpert.kernels.impl import IMPLS, resolve_impl as _resolve_impl  # noqa: F401 (IMPLS: this package's choices)
 
-from . import reference
-from .fetch_rule import fraction_to_q16
-from .state import (ERR_EXPERT_ID, MIN_PART, SMALL_ROUTES_MAX, POLICY_FRAC_Q16, POLICY_LEN, POLICY_MAX_FETCH,
+from ftexpert.kernels.slot_cache import reference
+from ftexpert.kernels.slot_cache.fetch_rule import fraction_to_q16
+from ftexpert.kernels.slot_cache.state import (ERR_EXPERT_ID, MIN_PART, SMALL_ROUTES_MAX, POLICY_FRAC_Q16, POLICY_LEN, POLICY_MAX_FETCH,
                     POLICY_PROMOTE, POLICY_ROUND, POLICY_SEED, ROUND_MODES, SlotCache)
 
 DEFAULT_SLOT_TILE = 2048      # general kernel: slots per tile of its pool scan
@@ -143,7 +143,7 @@ def ensure(cache: SlotCache, layer: int, expert_ids: torch.Tensor, *,
     if path == "small" and num_routes > SMALL_ROUTES_MAX:
         raise ValueError(f"path='small' takes at most {SMALL_ROUTES_MAX} routes, got {num_routes}")
     if path != "general" and num_routes <= SMALL_ROUTES_MAX:
-        from .triton_decode import ensure_small_kernel
+        from ftexpert.kernels.slot_cache.triton_decode import ensure_small_kernel
         # The victim list relies on keys that only grow between its builds. With the frequency-weighted key a
         # slot's new key after a hit or an install (step + 1 + W * its expert's routes) can fall below older slots'
         # keys (W * more routes), so the decode kernel runs without the list then: every fetch scans.
@@ -161,7 +161,7 @@ def ensure(cache: SlotCache, layer: int, expert_ids: torch.Tensor, *,
             USE_POLICY=use_device_policy, USE_FREQ=cache.freq_weight > 0,
             num_warps=SMALL_WARPS, **shape)
         return
-    from .triton_kernels import ensure_kernel
+    from ftexpert.kernels.slot_cache.triton_kernels import ensure_kernel
     tile = slot_tile or min(_next_pow2(cache.num_slots), DEFAULT_SLOT_TILE)
     ensure_kernel[(1,)](
         expert_ids, num_routes, cache.slot_for_id, cache.id_of_slot, cache.usage, cache.step,
@@ -195,7 +195,7 @@ def prefetch_ensure(cache: SlotCache, layer: int, candidates: torch.Tensor, budg
     if impl == "reference":
         reference.prefetch_ensure_reference(cache, layer, candidates, budget)
         return
-    from .triton_kernels import prefetch_kernel
+    from ftexpert.kernels.slot_cache.triton_kernels import prefetch_kernel
     tile = slot_tile or min(_next_pow2(cache.num_slots), DEFAULT_SLOT_TILE)
     pool = cache.pool_base(layer) // cache.num_slots
     prefetch_kernel[(1,)](

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from .state import SlotCache
+from ftexpert.kernels.slot_cache.state import SlotCache
 
 MAX_PROBLEMS = 8           # problems listed (each names a few offending slots)
 PROBE_WORDS = 256          # elements in each window of a probed slot

@@ -5,7 +5,7 @@ an exact integer and no float rounding can make the kernel and the reference dis
 """
 from __future__ import annotations
 
-from .state import Q16_ONE, ROUND_MODES
+from ftexpert.kernels.slot_cache.state import Q16_ONE, ROUND_MODES
 
 MASK32 = 0xFFFFFFFF
 HASH_C1 = 0x7FEB352D

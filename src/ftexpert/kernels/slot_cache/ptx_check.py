@@ -91,7 +91,7 @@ def cases():
         small[k] = "constexpr"
     for k in ("NUM_EXPERTS", "E_BLOCK", "ROUTE_TILE", "SLOT_TILE", "USE_POLICY", "USE_FREQ"):
         general[k] = "constexpr"
-    from .api import small_launch
+    from ftexpert.kernels.slot_cache.api import small_launch
 
     def small_case(name, experts, slots, victim_list, use_policy, use_freq=False):
         shape = small_launch(10, slots, victim_list)
@@ -121,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     if os.environ.get("TRITON_INTERPRET") == "1":
         print("SKIP: TRITON_INTERPRET=1; unset it")
         return 0
-    from . import triton_decode, triton_kernels
+    from ftexpert.kernels.slot_cache import triton_decode, triton_kernels
     if args.out:
         os.makedirs(args.out, exist_ok=True)
     table = [f"{'config':20s} {'sha256':16s} {'regs':>5s} {'local':>6s} {'bar.sync':>8s} {'atom/red':>8s} {'instrs':>6s}"]

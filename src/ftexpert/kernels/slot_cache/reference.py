@@ -8,8 +8,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .fetch_rule import fetch_count
-from .state import FREQ_COUNT_CAP, SLOT_BITS, SlotCache
+from ftexpert.kernels.slot_cache.fetch_rule import fetch_count
+from ftexpert.kernels.slot_cache.state import FREQ_COUNT_CAP, SLOT_BITS, SlotCache
 
 
 class _HostState:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .state import SLOT_BITS
+from ftexpert.kernels.slot_cache.state import SLOT_BITS
 
 assert SLOT_BITS == 25
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .state import OWNER_BITS, SLOT_BITS
-from .triton_common import _age_counts, _fetch_count, _install_known, _key_value, _miss_expert, _next_miss, _order_key
+from ftexpert.kernels.slot_cache.state import OWNER_BITS, SLOT_BITS
+from ftexpert.kernels.slot_cache.triton_common import _age_counts, _fetch_count, _install_known, _key_value, _miss_expert, _next_miss, _order_key
 
 # A victim candidate packed into one int64, so that one min picks the next victim and its owner:
 # bits 56-62 the candidate's index in its ascending list (list order = key order), bits 30-54 the

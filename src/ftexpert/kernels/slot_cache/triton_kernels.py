@@ -12,7 +12,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .triton_common import (_age_counts, _fetch_count, _install, _miss_expert, _next_miss, _next_victim,
+from ftexpert.kernels.slot_cache.triton_common import (_age_counts, _fetch_count, _install, _miss_expert, _next_miss, _next_victim,
                             _order_key)
 
 

@@ -1,0 +1,149 @@
+"""What the backends with a GPU slot pool fed from the host expert store share (`offload`, `hybrid`): the pool's
+size from --moe-cache-size, the eviction settings, the prefill prefetch's rule, and `SlotPoolAudit`, their base
+(the slot audit, and emptying the cache after a call that raised)."""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from ftexpert.gpu_worker.backends.expert_backend import ExpertBackend
+from ftexpert.kernels.slot_cache import audit, reset
+from ftexpert.proto.knobs import KNOBS_BY_FIELD
+
+from ftexpert.gpu_worker.backends.offload.prefetch import COUNTERS as PREFETCH_COUNTERS, Lookahead, PrefetchSettings, Predictor
+from ftexpert.gpu_worker.backends.offload.verify import SlotVerifier
+
+log = logging.getLogger(__name__)
+
+
+def resolve_cache_slots(cache_size: float | int | str | None, num_layers: int, num_experts: int,
+                        per_layer: bool = False) -> int:
+    """Slots per pool from --moe-cache-size: an int (slots) or a fraction in (0, 1] of all experts."""
+    total = num_layers * num_experts
+    if cache_size is None:
+        cache_size = 0.25
+    if isinstance(cache_size, str):
+        cache_size = float(cache_size) if "." in cache_size else int(cache_size)
+    if isinstance(cache_size, float):
+        if not 0.0 < cache_size <= 1.0:
+            raise ValueError(f"--moe-cache-size {cache_size} as a fraction must be in (0, 1]; or "
+                             f"give a slot count")
+        slots = max(1, round(cache_size * total))
+    else:
+        slots = int(cache_size)
+    if per_layer:
+        slots = slots // num_layers
+    need = num_experts
+    if slots < need:
+        where = "per layer" if per_layer else "in the pool"
+        raise ValueError(f"--moe-cache-size gives {slots} slots {where}, but one prefill call can "
+                         f"route all {need} experts of a layer: give at least {need} slots"
+                         f"{' per layer' if per_layer else ''} (of {total} experts in all)")
+    return slots
+
+
+def prefill_prefetch_layer(layer_idx: int, num_pairs: int, num_experts: int, num_layers: int,
+                           gather_max_pairs: int) -> int | None:
+    """The layer whose experts a call streams behind its own with the prefill prefetch: the next one, when the call
+    routes at least num_experts pairs and is not decode-sized (a prefill chunk, which routes to most experts)."""
+    prefill = num_pairs >= num_experts and num_pairs > gather_max_pairs
+    return layer_idx + 1 if prefill and layer_idx + 1 < num_layers else None
+
+
+def eviction_settings(freq_weight: int | None, freq_half_life: int | None) -> dict:
+    """SlotCache.create's eviction arguments: those given, else the knobs' defaults (the CLIs resolve
+    --eviction-freq-weight / FREETOKEN_EVICTION_FREQ_WEIGHT and the half-life, and pass them down)."""
+    return dict(freq_weight=KNOBS_BY_FIELD["eviction_freq_weight"].default if freq_weight is None else freq_weight,
+                freq_half_life=(KNOBS_BY_FIELD["eviction_freq_half_life"].default if freq_half_life is None
+                                else freq_half_life))
+
+
+class SlotPoolAudit(ExpertBackend):
+    """The base of a backend with a slot cache `cache`, its pool `slots` [S, N] and host rows `host.layers[l]`
+    [E, N]: the slot audit (FREETOKEN_MOE_SLOT_AUDIT), and `forward`, which runs the backend's `_forward` and
+    empties the cache when it raises. A subclass sets `device`, `on_cuda`, `copy_stream` (CUDA), `stats` (with
+    `resets_after_error`) and `_prefetched` (layer -> the event its prefetched experts land on)."""
+
+    has_slot_cache = True
+    lookahead: "Lookahead | None" = None     # the lookahead prefetch (prefetch.py; set_prefetch)
+    verifier: "SlotVerifier | None" = None   # FREETOKEN_MOE_PREFETCH_VERIFY (verify.py; None: off)
+
+    def set_prefetch(self, settings: PrefetchSettings, predictor: Predictor | None) -> None:
+        """The lookahead prefetch (docs/PREFETCH.md): `settings` (mode off | measure | on, budget, K, verify) and
+        the predictor of the next layer's experts (the model's routers: RouterPredictor)."""
+        self.lookahead = Lookahead(self.cache, self.slots, self.host.layers, self.copy_stream, settings, predictor)
+        self.verifier = (None if settings.verify == "off" else
+                         SlotVerifier(settings.verify, self.cache, self.slots, self.host.layers))
+
+    def _verify(self, layer_idx: int, ids: torch.Tensor, slot_ids: torch.Tensor, after: bool = False) -> None:
+        """FREETOKEN_MOE_PREFETCH_VERIFY's check of a decode-sized call's routed slots (verify.py); nothing when
+        off."""
+        if self.verifier is not None:
+            self.verifier.check(layer_idx, ids, slot_ids, after=after)
+
+    def prefetch_counters(self) -> dict[str, int]:
+        """The prefetch's counters (prefetch.COUNTERS; zeros without a lookahead)."""
+        if self.lookahead is None:
+            return dict.fromkeys(PREFETCH_COUNTERS, 0)
+        return self.lookahead.counters()
+
+    def _prefetch_policy(self, fields: dict) -> None:
+        """The SetPolicy fields `prefetch` (mode) and `prefetch_budget` (0: unchanged), taken out of `fields`."""
+        mode, budget = fields.pop("prefetch", None), fields.pop("prefetch_budget", None)
+        if (mode or budget) and self.lookahead is None:
+            raise ValueError("this backend was built without a prefetch predictor; set_prefetch first")
+        if mode or budget:
+            self.lookahead.set_policy(mode or None, budget or None)
+
+    def audit_slots(self, sample_slots: int = 0, probe_slots: int = 0, seed: int = 0) -> list[str]:
+        """ftexpert.kernels.slot_cache.audit over this backend's cache and pool: the problems found (empty: none)."""
+        # the cache's slots only: a backend may keep rows of its own past them (the hybrid split slot)
+        return audit(self.cache, slots=self.slots[:self.cache.total_slots], host_layers=self.host.layers,
+                     sample_slots=sample_slots, probe_slots=probe_slots, seed=seed)
+
+    def reset_slots(self) -> None:
+        """Empty the slot cache in place (the pool's bytes stay, unmapped): later calls fetch again."""
+        reset(self.cache)
+
+    def side_streams(self) -> list:
+        """The CUDA streams besides the compute stream that this backend's copies (or hand-offs) run on."""
+        streams = [self.copy_stream] if self.on_cuda else []
+        if self.on_cuda and self.lookahead is not None:
+            streams.append(self.lookahead.predict_stream)
+        return streams
+
+    def forward(self, layer_idx: int, x: torch.Tensor, topk_ids: torch.Tensor,
+                topk_weights: torch.Tensor) -> torch.Tensor:
+        """The backend's `_forward`; if it raises, no slot mapped by this call may be read before its copy lands
+        (`forget_slots_after_error`)."""
+        try:
+            return self._forward(layer_idx, x, topk_ids, topk_weights)
+        except BaseException as exc:
+            self.forget_slots_after_error(exc)
+            raise
+
+    def forget_slots_after_error(self, exc: BaseException) -> None:
+        """A call that raised after its `ensure` (or `prefetch_ensure`) may leave slots mapped whose copies never ran;
+        a later call would read them as hits and compute with the bytes of whatever expert was there before. So
+        the cache is emptied (later calls fetch again: slower for a while, never wrong) and the next layers' pending
+        prefetch events forgotten. Nothing to undo while a CUDA graph is being captured (nothing ran); a reset that
+        fails too (a broken device context) is logged, and the call's own error is what propagates."""
+        if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return
+        try:
+            if self.device.type == "cuda":
+                # copies still in flight on the side streams (a prefill's prefetch, whose event is forgotten below)
+                # must land before anything later can map and fill those slots from the compute stream
+                compute = torch.cuda.current_stream(self.device)
+                for stream in self.side_streams():
+                    compute.wait_stream(stream)
+            reset(self.cache)
+            self._prefetched.clear()
+            if self.lookahead is not None:
+                self.lookahead.join()
+            self.stats.resets_after_error += 1
+            log.warning("an expert call failed (%s: %s); the slot cache was emptied so that no slot mapped by it is "
+                        "read before its copy lands", type(exc).__name__, exc)
+        except Exception:                           # noqa: BLE001 - the original error is the one to report
+            log.exception("emptying the slot cache after a failed expert call failed too")
