@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -45,7 +46,11 @@ def run(argv, *, cwd, env=None, timeout=INSTALL_TIMEOUT_S) -> subprocess.Complet
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("wheel")
-    run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", out, REPO], cwd=out)
+    # from a copy without build outputs: setuptools' build/ folder keeps modules the tree no longer has
+    tree = tmp_path_factory.mktemp("tree") / "src-tree"
+    shutil.copytree(REPO, tree, ignore=shutil.ignore_patterns(".git", "build", "dist", "*.egg-info", "__pycache__",
+                                                              ".whl", ".venv", "out", ".pytest_cache", ".hypothesis"))
+    run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", out, tree], cwd=out)
     (path,) = out.glob("ft_expert_service-*.whl")
     return path
 
@@ -74,6 +79,9 @@ def test_the_wheel_carries_the_package_data(wheel):
     assert not missing, f"the wheel lacks its package data: {missing}"
     tops = {n.split("/", 1)[0] for n in names if not n.split("/", 1)[0].endswith((".dist-info", ".data"))}
     assert tops == {"ftexpert"}, f"the wheel installs top-level names besides ftexpert: {sorted(tops)}"
+    source = {str(p.relative_to(REPO / "src")) for p in (REPO / "src" / "ftexpert").rglob("*.py")}
+    packed = {n for n in names if n.endswith(".py")}
+    assert packed == source, f"modules only in the wheel: {sorted(packed - source)}; only in src: {sorted(source - packed)}"
 
 
 @pytest.mark.parametrize("where", ["repo-root", "elsewhere"])
