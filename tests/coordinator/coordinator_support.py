@@ -217,9 +217,11 @@ _TINY_CACHE: dict = {}
 def tiny_served_engine():
     """The real engine on the embedded tiny model (CPU), loaded once per test session."""
     if "served" not in _TINY_CACHE:
-        from ftexpert.coordinator.engine_factory import load_served_engine
-        _TINY_CACHE["served"] = load_served_engine(None, None, "cpu", max_running_requests=4,
-                                                   max_context_tokens=TINY_CONTEXT_LENGTH)
+        from ftexpert.coordinator.engine_factory import served_engine
+        from ftexpert.gpu_worker.api import build_engine
+        from ftexpert.proto.engine_spec import EngineSpec
+        spec = EngineSpec(device="cpu", max_running_requests=4, max_context_tokens=TINY_CONTEXT_LENGTH)
+        _TINY_CACHE["served"] = served_engine(build_engine(spec), spec)
     return _TINY_CACHE["served"]
 
 

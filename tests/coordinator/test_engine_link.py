@@ -22,16 +22,16 @@ from ftexpert.gpu_worker.worker_loop import EXIT_COORDINATOR_LOST, EXIT_ENGINE_F
 from ftexpert.proto import engine_messages as em
 from ftexpert.proto import link_auth
 from ftexpert.proto.link_io import check_loopback_address
+from ftexpert.proto.engine_spec import EngineSpec
 from ftexpert.proto.sampling_params import SamplingParams
 
-CONFIG = em.engine_config(model=None, preset=None, dtype="auto", moe_strategy="resident", moe_cache_size=None,
-                          max_running_requests=4, max_context_tokens=512, num_cpu_workers=0)
+SPEC = EngineSpec(moe_strategy="resident", max_running_requests=4, max_context_tokens=512)
 
 
 def sample(cls):
     """An instance of a message class with a typed value in every field."""
     values = {bool: True, int: 7, float: 0.5, str: "x", bytes: b"\x01\x02", list[int]: [1, 2], list[str]: ["a"],
-              list[bool]: [True, False], list[float]: [1.5],
+              list[bool]: [True, False], list[float]: [1.5], EngineSpec: SPEC,
               SamplingParams: SamplingParams(max_new_tokens=3, temperature=0.7, top_k=5, seed=2 ** 63 - 1,
                                              stop_token_ids=(1, 2))}
     import typing
@@ -78,16 +78,10 @@ def test_decode_names_what_is_wrong():
         em.encode(em.Abort(["1"]))                       # type: ignore[list-item]
 
 
-def test_token_ids_pack_and_config_diff():
+def test_token_ids_pack():
     assert em.unpack_token_ids(em.pack_token_ids([0, 5, 2 ** 31 - 1])) == [0, 5, 2 ** 31 - 1]
     with pytest.raises(em.MessageError):
         em.unpack_token_ids(b"\x00\x01\x02")
-    other = dict(CONFIG, max_running_requests=2, moe_cache_size="64")
-    diff = em.config_diff(CONFIG, em.config_json(other))
-    assert diff == ("max_running_requests: coordinator=4, worker=2; moe_cache_size: coordinator='', worker='64'")
-    assert em.engine_config_hash(CONFIG) != em.engine_config_hash(other)
-    assert em.engine_config(model=None, preset=None, dtype="auto", moe_strategy="offload", moe_cache_size=None,
-                            max_running_requests=4, max_context_tokens=None, num_cpu_workers=3)["num_cpu_workers"] == 0
 
 
 def test_only_loopback_addresses_are_accepted():
@@ -101,8 +95,8 @@ def test_only_loopback_addresses_are_accepted():
 class FakeWorker:
     """A scripted GPU worker: a DEALER speaking the engine link by hand."""
 
-    def __init__(self, addr: str, name: str = "gpu0", pid: int | None = None, config: dict = CONFIG,
-                 secret: bytes | None = None):
+    def __init__(self, addr: str, name: str = "gpu0", pid: int | None = None, secret: bytes | None = None,
+                 protocol: int = em.ENGINE_PROTOCOL_VERSION):
         self.sock = zmq.Context.instance().socket(zmq.DEALER)
         self.pid = pid if pid is not None else 10_000_000 + id(self) % 1000   # no such pid: no pidfd
         self.identity = f"{name}-{self.pid}".encode()
@@ -110,7 +104,7 @@ class FakeWorker:
         self.sock.setsockopt(zmq.IDENTITY, self.identity)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.connect(addr)
-        self.name, self.config = name, config
+        self.name, self.protocol = name, protocol
 
     def send(self, msg) -> None:
         self.sock.send_multipart(em.encode(msg))
@@ -132,8 +126,7 @@ class FakeWorker:
         assert isinstance(challenge, em.Challenge) and challenge.worker_nonce == nonce
         assert link_auth.verify(self.secret, link_auth.COORDINATOR, challenge.proof, nonce, challenge.nonce)
         proof = link_auth.prove(self.secret, link_auth.WORKER, challenge.nonce, nonce, self.identity)
-        self.send(em.Hello(self.name, self.pid, em.ENGINE_PROTOCOL_VERSION, em.engine_config_hash(self.config),
-                           em.config_json(self.config), proof))
+        self.send(em.Hello(self.name, self.pid, self.protocol, proof))
         return self.recv()
 
     def ready(self, session: int) -> None:
@@ -145,7 +138,7 @@ class FakeWorker:
 
 @pytest.fixture
 def link():
-    server = EngineLinkServer("tcp://127.0.0.1:0", CONFIG, store_name="ft-store-x", heartbeat_interval_s=0.1,
+    server = EngineLinkServer("tcp://127.0.0.1:0", SPEC, store_name="ft-store-x", heartbeat_interval_s=0.1,
                               peer_timeout_s=0.6)
     server.start()
     yield server
@@ -188,15 +181,25 @@ async def recv(worker: "FakeWorker", timeout_s: float = 5.0):
     return await asyncio.get_running_loop().run_in_executor(None, worker.recv, timeout_s)
 
 
-def test_mismatched_worker_is_rejected_naming_the_fields(link):
-    worker = FakeWorker(link.address, "gpu3", config=dict(CONFIG, max_context_tokens=1024), secret=link.secret)
+def test_a_worker_of_another_protocol_is_rejected(link):
+    worker = FakeWorker(link.address, "gpu3", secret=link.secret, protocol=em.ENGINE_PROTOCOL_VERSION - 1)
     try:
         reply = worker.hello()
-        assert isinstance(reply, em.Reject)
-        assert f"GPU worker gpu3 (pid {worker.pid})" in reply.reason and "max_context_tokens" in reply.reason
-        assert link.config_hash not in reply.reason and "512" not in reply.reason    # names, no values, no hash
-        with pytest.raises(PeerMismatch, match="gpu3.*max_context_tokens: coordinator=512, worker=1024"):
+        assert isinstance(reply, em.Reject) and "protocol differs" in reply.reason
+        with pytest.raises(PeerMismatch, match=f"gpu3.*protocol {em.ENGINE_PROTOCOL_VERSION - 1}, the coordinator "
+                                               f"{em.ENGINE_PROTOCOL_VERSION}"):
             link.wait_ready(2.0)
+    finally:
+        worker.close()
+
+
+def test_welcome_carries_the_coordinators_engine_spec(link):
+    worker = FakeWorker(link.address, "gpu0", secret=link.secret)
+    try:
+        welcome = worker.hello()
+        assert isinstance(welcome, em.Welcome) and welcome.spec == SPEC      # whole, typed, field for field
+        assert link.spec_hash == em.spec_hash(SPEC.to_wire()) != em.spec_hash(
+            dataclasses.replace(SPEC, max_context_tokens=1024).to_wire())
     finally:
         worker.close()
 

@@ -1,5 +1,5 @@
 """Who may speak on the engine link: a process without the run's key gets no WELCOME and no prompt, and is told
-nothing (no config hash, no field names); a worker refuses a coordinator that cannot prove the key; the default
+nothing (no engine spec, no reason beyond two words); a worker refuses a coordinator that cannot prove the key; the default
 address is an ipc socket in a 0700 directory of this user, with the key in a 0600 file beside it."""
 from __future__ import annotations
 
@@ -21,14 +21,14 @@ from ftexpert.gpu_worker.worker_link import CoordinatorLink, CoordinatorLost
 from ftexpert.gpu_worker.worker_main import HandshakeFailed, say_hello
 from ftexpert.proto import engine_messages as em
 from ftexpert.proto import link_auth
-from tests.coordinator.test_engine_link import CONFIG, FakeWorker, Recorder, params, until
+from tests.coordinator.test_engine_link import SPEC, FakeWorker, Recorder, params, until
 
 
 @pytest.fixture
 def link(tmp_path):
     run = tmp_path / "run"
     run.mkdir(mode=0o700)
-    server = EngineLinkServer(f"ipc://{run}/engine.sock", CONFIG, heartbeat_interval_s=0.1, peer_timeout_s=5.0)
+    server = EngineLinkServer(f"ipc://{run}/engine.sock", SPEC, heartbeat_interval_s=0.1, peer_timeout_s=5.0)
     server.start()
     yield server
     server.close()
@@ -53,15 +53,13 @@ def test_a_peer_without_the_key_gets_no_welcome_and_learns_nothing(link):
         intruder.send(em.Knock(nonce, em.ENGINE_PROTOCOL_VERSION))
         challenge = intruder.recv()
         assert isinstance(challenge, em.Challenge) and link.secret not in challenge.proof
-        intruder.send(em.Hello("gpu0", intruder.pid, em.ENGINE_PROTOCOL_VERSION, link.config_hash,
-                               em.config_json(dict(CONFIG, max_running_requests=1)), b"\x01" * 32))
+        intruder.send(em.Hello("gpu0", intruder.pid, em.ENGINE_PROTOCOL_VERSION, b"\x01" * 32))
         reply = intruder.recv()
         assert reply == em.Reject(NOT_AUTHORIZED)
-        # a HELLO without any KNOCK, with another config: the same two words, no hash, no field name
-        intruder.send(em.Hello("gpu0", intruder.pid, em.ENGINE_PROTOCOL_VERSION, "0" * 16, "{}", b""))
+        # a HELLO without any KNOCK, of another protocol: the same two words, no spec, no protocol talk
+        intruder.send(em.Hello("gpu0", intruder.pid, em.ENGINE_PROTOCOL_VERSION - 1, b""))
         reply = intruder.recv()
         assert reply == em.Reject(NOT_AUTHORIZED)
-        assert link.config_hash not in reply.reason and "max_running_requests" not in reply.reason
         assert link.peer is None and link.auth_failures_total == 2
         with pytest.raises(PeerMissing, match="2 peer\\(s\\) failed to authenticate.*wrong proof|without a CHAL"):
             link.wait_ready(0.3)                      # an intruder cannot make start-up fail as a mismatch would
@@ -90,9 +88,9 @@ def test_an_intruder_cannot_read_a_prompt_after_the_worker_is_gone(link):
             nonce = link_auth.new_nonce()                            # ... and an intruder knocks at once
             intruder.send(em.Knock(nonce, em.ENGINE_PROTOCOL_VERSION))
             challenge = await asyncio.get_running_loop().run_in_executor(None, intruder.recv)
-            intruder.send(em.Hello("gpu0", intruder.pid, em.ENGINE_PROTOCOL_VERSION, link.config_hash,
-                                   em.config_json(CONFIG), link_auth.prove(b"\x07" * 32, link_auth.WORKER,
-                                                                           challenge.nonce, nonce, intruder.identity)))
+            intruder.send(em.Hello("gpu0", intruder.pid, em.ENGINE_PROTOCOL_VERSION,
+                                   link_auth.prove(b"\x07" * 32, link_auth.WORKER, challenge.nonce, nonce,
+                                                   intruder.identity)))
             assert await asyncio.get_running_loop().run_in_executor(None, intruder.recv) == em.Reject(NOT_AUTHORIZED)
             with pytest.raises(EngineUnavailable):
                 engine.submit([9, 9, 9], params())                   # no prompt goes anywhere
@@ -113,12 +111,12 @@ def test_the_worker_refuses_a_coordinator_without_the_key(tmp_path):
     run = tmp_path / "run"
     run.mkdir(mode=0o700)
     key_file = link_auth.write_secret(str(run), link_auth.new_secret())
-    impostor = EngineLinkServer(f"ipc://{run}/engine.sock", CONFIG)          # bound by a process with another key
+    impostor = EngineLinkServer(f"ipc://{run}/engine.sock", SPEC)          # bound by a process with another key
     impostor.start()
     inbox: queue.SimpleQueue = queue.SimpleQueue()
     worker_link = CoordinatorLink(impostor.address, b"gpu0-1", inbox)
     worker_link.start()
-    hello = em.Hello("gpu0", os.getpid(), em.ENGINE_PROTOCOL_VERSION, impostor.config_hash, em.config_json(CONFIG), b"")
+    hello = em.Hello("gpu0", os.getpid(), em.ENGINE_PROTOCOL_VERSION, b"")
     try:
         with pytest.raises(HandshakeFailed, match="could not prove it holds the key"):
             say_hello(worker_link, inbox, hello, 1.0, key_file)
@@ -153,7 +151,7 @@ def test_the_default_address_is_ipc_in_a_private_directory(tmp_path, monkeypatch
     monkeypatch.delenv("RUNTIME_DIRECTORY", raising=False)
     monkeypatch.setenv("XDG_RUNTIME_DIR", str(base))
     for port, expect in ((1919, f"ipc://{base}/ft-1919/engine.sock"), (0, None)):
-        procs = ProcessSet(ProcessSetOptions(attach=True, config=CONFIG, engine_flags=[], http_port=port), None)
+        procs = ProcessSet(ProcessSetOptions(attach=True, spec=SPEC, http_port=port), None)
         addr = procs.engine_addr()
         assert addr.startswith(f"ipc://{base}/ft-") and (expect is None or addr == expect)
         directory = procs.runtime_dir(addr)
@@ -191,7 +189,7 @@ def test_directories_and_key_files_others_can_touch_are_refused(tmp_path):
 
 def test_a_live_coordinators_socket_is_not_taken_over(link):
     with pytest.raises(RuntimeError, match="another process listens on"):
-        EngineLinkServer(link.address, CONFIG)
+        EngineLinkServer(link.address, SPEC)
     assert zmq.Context.instance()        # the first link still serves
     worker = FakeWorker(link.address, secret=link.secret)
     try:

@@ -40,7 +40,7 @@ def test_host_strategies_give_the_resident_tokens_over_the_owners_resources(caps
     argv = ["generate", "--prompt-ids", "1,2,3,4", "--max-new-tokens", "5", "--ignore-eos", "--device", "cpu", "--json"]
     assert main(argv) == 0
     resident = last_json(capsys)["token_ids"]
-    extra = ["--cpu-workers", "1", "--cpu-threads", "1", "--fetch-fraction", "0.5"] if strategy == "hybrid" else []
+    extra = ["--num-cpu-workers", "1", "--cpu-threads", "1", "--fetch-fraction", "0.5"] if strategy == "hybrid" else []
     assert main([*argv, "--moe-strategy", strategy, "--moe-cache-size", "0.25", *extra]) == 0
     result = last_json(capsys)
     assert result["token_ids"] == resident and result["moe_strategy"] == strategy

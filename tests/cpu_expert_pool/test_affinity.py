@@ -27,6 +27,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from tests.coordinator.serve_support import ENV, REPO, TINY_ARGS, Server, children_pids  # noqa: E402
 
 from ftexpert.coordinator.cli import build_parser  # noqa: E402
+from ftexpert.proto.engine_spec import spec_from_args  # noqa: E402
 from ftexpert.proto import cpus as cpu_lists  # noqa: E402
 from ftexpert.cpu_expert_pool.topology import discover_placements  # noqa: E402
 from ftexpert.proto.cpus import format_cpulist  # noqa: E402
@@ -134,11 +135,11 @@ def test_thread_ids_lists_this_process_threads():
                                                    ("hybrid", True, True), ("cpu", True, True),
                                                    ("hybrid", False, False)])
 def test_the_gpu_worker_pins_itself_only_with_cpu_workers(fake_affinity, strategy, pin, pinned):
-    from ftexpert.gpu_worker.worker_main import GpuWorkerOptions, pin_to_reserved_cpus
+    from ftexpert.gpu_worker.api import pin_engine_process
+    from ftexpert.proto.engine_spec import EngineSpec
 
-    opts = GpuWorkerOptions(engine_addr="tcp://127.0.0.1:1", moe_strategy=strategy, reserve_cpus="0",
-                            pin_gpu_worker=pin)
-    assert pin_to_reserved_cpus(opts) == (tuple(range(8)) if pinned else None)
+    spec = EngineSpec(moe_strategy=strategy, reserve_cpus="0", pin_gpu_worker="on" if pin else "off")
+    assert pin_engine_process(spec) == (tuple(range(8)) if pinned else None)
     assert fake_affinity["set"] == ([(101, (0,)), (102, (0,)), (103, (0,))] if pinned else [])
 
 
@@ -179,10 +180,10 @@ def test_a_worker_plans_over_the_allowed_cpus_not_its_inherited_mask(fake_affini
     (["--pin-gpu-worker", "off"], {"FREETOKEN_PIN_GPU_WORKER": "on"}, False),
 ])
 def test_inline_serve_pins_only_when_asked(argv, environ, pinned):
-    from ftexpert.coordinator.serve_cli import inline_hybrid_options
+    from ftexpert.coordinator.serve_cli import inline_spec
     args = build_parser().parse_args(["serve", "--workers", "inline", "--reserve-cpus", "0", *argv])
-    options = inline_hybrid_options(args, environ)
-    assert options.pin_gpu_worker is pinned and options.reserve_cpus == "0"
+    spec = inline_spec(args, environ)
+    assert spec.pin_gpu_worker == ("on" if pinned else "off") and spec.reserve_cpus == "0"
 
 
 def test_inline_serve_hands_its_options_to_the_engine(monkeypatch):
@@ -190,8 +191,8 @@ def test_inline_serve_hands_its_options_to_the_engine(monkeypatch):
     from ftexpert.coordinator import expert_resources, serve_cli
     seen = {}
 
-    def fake_load(*a, **kw):
-        seen.update(kw)
+    def fake_build(spec, **kw):
+        seen.update(kw, spec=spec)
         raise RuntimeError("stop here")
 
     class FakeResources:
@@ -206,28 +207,28 @@ def test_inline_serve_hands_its_options_to_the_engine(monkeypatch):
         def close(self):
             FakeResources.closed = True
 
-    monkeypatch.setattr(api, "load_attached_model", fake_load)
+    monkeypatch.setattr(api, "build_engine", fake_build)
     monkeypatch.setattr(expert_resources.ExpertResources, "create", classmethod(lambda cls, *a, **kw: FakeResources()))
     monkeypatch.delenv("FREETOKEN_PIN_GPU_WORKER", raising=False)
     args = build_parser().parse_args(["serve", "--workers", "inline", "--moe-strategy", "hybrid", "--device", "cpu"])
     with pytest.raises(RuntimeError, match="stop here"):
-        serve_cli.run_inline(args)
-    assert isinstance(seen["hybrid"], HybridOptions) and seen["hybrid"].pin_gpu_worker is False
-    assert (seen["store_name"], seen["cpu_channels"]) == ("s", ["s.cpu0"]) and FakeResources.closed
+        serve_cli.run_inline(args, serve_cli.inline_spec(args))
+    assert seen["spec"].moe_strategy == "hybrid" and seen["spec"].pin_gpu_worker == "off"
+    attachment = seen["attachment"]
+    assert (attachment.store_name, attachment.cpu_channels) == ("s", ("s.cpu0",)) and FakeResources.closed
 
 
 def test_serve_and_generate_flags_reach_the_workers(tmp_path):
     from ftexpert.coordinator.engine_link import EngineLinkServer
     from ftexpert.coordinator.process_set import ProcessSet, options_from_serve_args
-    from ftexpert.coordinator.generate_cli import hybrid_options
     from ftexpert.gpu_worker.api import open_model_source
 
     serve = build_parser().parse_args(["serve", "--moe-strategy", "hybrid", "--num-cpu-workers", "1",
                                        "--reserve-cpus", "0", "--pin-gpu-worker", "off"])
     from ftexpert.coordinator.expert_resources import CpuWorkerSettings, ExpertResources
 
-    procs = ProcessSet(options_from_serve_args(serve), open_model_source(None, None, device="cpu"))
-    procs.link = EngineLinkServer("tcp://127.0.0.1:0", procs.options.config)      # bound, not started
+    procs = ProcessSet(options_from_serve_args(serve, spec_from_args(serve)), open_model_source(None, None, device="cpu"))
+    procs.link = EngineLinkServer("tcp://127.0.0.1:0", procs.options.spec)        # bound, not started
     procs.resources = ExpertResources("hybrid", CpuWorkerSettings(num_workers=1, reserve_cpus="0"))
     procs.resources._plan_workers()                                                # no store, no channel made
     procs.resources.store_name, procs.resources.channel_names = "ft-test-affinity", ["ft-test-affinity.cpu0"]
@@ -237,12 +238,11 @@ def test_serve_and_generate_flags_reach_the_workers(tmp_path):
         procs.link.sock.close(0)
     cpu_args = build_parser().parse_args(cpu.argv[3:])
     assert (cpu_args.allowed_cpus, cpu_args.reserve_cpus) == (format_cpulist(os.sched_getaffinity(0)), "0")
-    gpu_args = build_parser().parse_args(gpu.argv[3:])
-    assert (gpu_args.reserve_cpus, gpu_args.pin_gpu_worker) == ("0", "off")
+    assert (procs.options.spec.reserve_cpus, procs.options.spec.pin_gpu_worker) == ("0", "off")   # in WELCOME
 
     generate = build_parser().parse_args(["generate", "--prompt-ids", "1", "--pin-gpu-worker", "off"])
-    assert hybrid_options(generate).pin_gpu_worker is False
-    assert hybrid_options(build_parser().parse_args(["generate", "--prompt-ids", "1"])).pin_gpu_worker is True
+    assert spec_from_args(generate).pin_gpu_worker == "off"
+    assert spec_from_args(build_parser().parse_args(["generate", "--prompt-ids", "1"])).pin_gpu_worker == "on"
 
 
 # -- for real -------------------------------------------------------------------------------------------------

@@ -101,25 +101,18 @@ def test_exec_start_is_a_real_ft_command(unit, command, help_texts):
     assert args._module in ("ftexpert.coordinator.serve_cli", "ftexpert.gpu_worker.worker_cli", "ftexpert.cpu_expert_pool.cli")
 
 
-def test_coordinator_and_gpu_worker_get_the_same_engine_config():
+def test_the_coordinator_unit_resolves_the_engine_spec_and_the_gpu_worker_unit_takes_it():
+    """The GPU worker's unit carries no engine flag (its parser would refuse one): the coordinator's unit does,
+    and they make the spec WELCOME hands the worker."""
     from ftexpert.coordinator.cli import build_parser
-    from ftexpert.gpu_worker.worker_main import GpuWorkerOptions
-    from ftexpert.proto import engine_messages as em
+    from ftexpert.proto.engine_spec import spec_from_args
 
     serve = build_parser().parse_args(exec_argv("ft-coordinator.service")[1:])
     worker = build_parser().parse_args(exec_argv("ft-gpu-worker@.service")[1:])
     assert serve.attach and serve.engine_addr == worker.engine_addr
-    coordinator_config = em.engine_config(model=os.path.abspath(serve.model), preset=serve.preset, dtype="auto",
-                                          moe_strategy=serve.moe_strategy, moe_cache_size=serve.moe_cache_size,
-                                          max_running_requests=serve.max_running_requests,
-                                          max_context_tokens=serve.max_context_tokens,
-                                          num_cpu_workers=serve.num_cpu_workers)
-    worker_config = GpuWorkerOptions(engine_addr=worker.engine_addr, model=worker.model, preset=worker.preset,
-                                     moe_strategy=worker.moe_strategy, moe_cache_size=worker.moe_cache_size,
-                                     max_running_requests=worker.max_running_requests,
-                                     max_context_tokens=worker.max_context_tokens,
-                                     num_cpu_workers=worker.num_cpu_workers).engine_config()
-    assert coordinator_config == worker_config
+    spec = spec_from_args(serve, read_env_file())
+    assert (spec.model, spec.moe_strategy, spec.max_context_tokens) == ("/srv/ft/models/Qwen3-30B-A3B", "offload", 8192)
+    assert "FT_ENGINE_ARGS" not in read_unit("ft-gpu-worker@.service")["Service"]["ExecStart"]
 
 
 def test_env_file_holds_known_knobs_and_loopback_addresses():

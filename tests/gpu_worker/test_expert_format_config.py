@@ -12,12 +12,11 @@ from ftexpert.gpu_worker.backends.hybrid.bandwidth import write_profile_entry
 from ftexpert.gpu_worker.checkpoint.config import MoeConfig
 from ftexpert.gpu_worker.checkpoint.presets import PRESETS
 from ftexpert.gpu_worker.checkpoint.quant_config import checkpoint_expert_format, resolve_served_format
-from ftexpert.gpu_worker.worker_main import GpuWorkerOptions
+from ftexpert.proto.engine_spec import spec_from_args
 from ftexpert.proto import engine_messages as em
 from ftexpert.proto.bandwidth_profile import ExpertFormat as ProfileFormat
 from ftexpert.proto.bandwidth_profile import load_bandwidth_profile
 from ftexpert.proto.expert_format import ExpertFormat, FormatError
-from ftexpert.proto.knobs import resolve
 from ftexpert.gpu_worker.checkpoint.quant_config import QuantCheckpointError
 
 CT_INT4 = {"quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": {"group_0": {
@@ -84,28 +83,19 @@ def test_the_served_format_follows_the_checkpoint_unless_asked():
         resolve_served_format(fp8, "nvfp4")
 
 
-def test_the_engine_config_hash_includes_the_format_and_the_worker_gets_it(tmp_path, monkeypatch):
+def test_the_engine_spec_holds_the_format_and_the_worker_gets_it(tmp_path, monkeypatch):
     def serve(*extra):
-        return options_from_serve_args(build_parser().parse_args(
-            ["serve", "--model", str(tmp_path / "m"), "--moe-strategy", "offload", *extra]))
+        args = build_parser().parse_args(["serve", "--model", str(tmp_path / "m"), "--moe-strategy", "offload", *extra])
+        return options_from_serve_args(args, spec_from_args(args)).spec
 
     monkeypatch.delenv("FREETOKEN_EXPERT_FORMAT", raising=False)
     plain, int4 = serve(), serve("--expert-format", "int4")
-    assert plain.config["expert_format"] == "auto" and int4.config["expert_format"] == "int4-g128"
-    assert em.engine_config_hash(plain.config) != em.engine_config_hash(int4.config)
-    flags = int4.engine_flags
-    assert flags[flags.index("--expert-format") + 1] == "int4-g128"
-    worker = build_parser().parse_args(["worker", "gpu", *flags])
-    knobs = resolve({"expert_format": worker.expert_format})
-    opts = GpuWorkerOptions(engine_addr="x", model=worker.model, preset=worker.preset, device=worker.device,
-                            moe_strategy=worker.moe_strategy, moe_cache_size=worker.moe_cache_size,
-                            max_running_requests=worker.max_running_requests,
-                            max_context_tokens=worker.max_context_tokens, num_cpu_workers=worker.num_cpu_workers,
-                            expert_format=knobs["expert_format"])
-    assert opts.engine_config() == int4.config                       # the worker's HELLO hash matches
-    assert GpuWorkerOptions(**{**vars(opts), "expert_format": "fp8"}).engine_config() != int4.config
+    assert plain.expert_format == "auto" and int4.expert_format == "int4-g128"
+    assert em.spec_hash(plain.to_wire()) != em.spec_hash(int4.to_wire())
+    welcome = em.Welcome(1, 2, "store", [], 1.0, 10.0, int4)          # what the GPU worker gets, as it gets it
+    assert em.decode(em.encode(welcome)).spec.expert_format == "int4-g128"
     monkeypatch.setenv("FREETOKEN_EXPERT_FORMAT", "nvfp4")           # the knob, below the flag
-    assert serve().config["expert_format"] == "nvfp4" and serve("--expert-format", "fp8").config["expert_format"] == "fp8"
+    assert serve().expert_format == "nvfp4" and serve("--expert-format", "fp8").expert_format == "fp8"
     monkeypatch.setenv("FREETOKEN_EXPERT_FORMAT", "int5")
     with pytest.raises(ValueError, match="FREETOKEN_EXPERT_FORMAT"):
         serve()

@@ -93,7 +93,7 @@ def test_knobs_from_the_environment_and_flags(monkeypatch, capsys, resident_toke
 
 
 def test_cpu_strategy_from_the_command_line(capsys, resident_tokens):
-    out = generate(capsys, "--moe-strategy", "cpu", "--cpu-workers", "2")
+    out = generate(capsys, "--moe-strategy", "cpu", "--num-cpu-workers", "2")
     assert out["token_ids"] == resident_tokens and out["moe_strategy"] == "cpu"
     ex = out["experts"]
     assert ex["experts_fetched_total"] == 0 and ex["cpu_triples_total"] == ex["routed_pairs"] > 0
@@ -101,7 +101,7 @@ def test_cpu_strategy_from_the_command_line(capsys, resident_tokens):
 
 
 @pytest.mark.parametrize("flags, message", [
-    (["--fetch-fraction", "1.5"], "must be within"), (["--cpu-workers", "0"], "must be an int >= 1"),
+    (["--fetch-fraction", "1.5"], "must be within"), (["--num-cpu-workers", "-1"], "must be >= 0"),
 ])
 def test_bad_hybrid_flags_say_what_to_do(capsys, flags, message):
     assert main(BASE + ["--moe-strategy", "hybrid", *flags]) == 2

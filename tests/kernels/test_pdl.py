@@ -219,14 +219,13 @@ def test_on_where_it_cannot_apply_is_refused_at_start_up(pdl_env, capsys):
 
 def test_the_knob_reaches_every_entry_point(pdl_env, monkeypatch, capsys):
     """--pdl / FREETOKEN_PDL: a declared knob (a bad value is refused by name), ft generate applies it
-    (flag > environment) before it loads the model, ft serve passes it to its GPU worker's command line,
-    and ft worker gpu's parser takes it back."""
-    import argparse
+    (flag > environment) before it loads the model, and ft serve resolves it into the engine spec its GPU worker
+    gets in WELCOME."""
     import json
 
     from ftexpert.coordinator.cli import build_parser, main
     from ftexpert.coordinator.process_set import options_from_serve_args
-    from ftexpert.gpu_worker.worker_cli import add_arguments
+    from ftexpert.proto.engine_spec import spec_from_args
     from ftexpert.proto.knobs import read_env
 
     assert read_env({"FREETOKEN_PDL": "off"}) == {"pdl": "off"}
@@ -234,13 +233,13 @@ def test_the_knob_reaches_every_entry_point(pdl_env, monkeypatch, capsys):
         read_env({"FREETOKEN_PDL": "sometimes"})
 
     seen = []
-    import ftexpert.gpu_worker.api as api
-    load = api.load_attached_model
+    import ftexpert.gpu_worker.assembly.build as build
+    load = build.make_expert_backend
 
     def recording(*args, **kwargs):
         seen.append(pdl.mode())
         return load(*args, **kwargs)
-    monkeypatch.setattr(api, "load_attached_model", recording)
+    monkeypatch.setattr(build, "make_expert_backend", recording)
     argv = ["generate", "--prompt-ids", "5,17,42", "--max-new-tokens", "3", "--device", "cpu", "--json"]
     pdl_env("off")
     assert main(argv) == 0
@@ -248,11 +247,8 @@ def test_the_knob_reaches_every_entry_point(pdl_env, monkeypatch, capsys):
     assert seen == ["off", "auto"]
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["token_ids"]
 
-    flags = options_from_serve_args(build_parser().parse_args(["serve", "--pdl", "off"])).engine_flags
-    assert flags[flags.index("--pdl") + 1] == "off"
-    parser = argparse.ArgumentParser()
-    add_arguments(parser)
-    assert parser.parse_args(flags).pdl == "off"
+    serve = build_parser().parse_args(["serve", "--pdl", "off"])
+    assert options_from_serve_args(serve, spec_from_args(serve)).spec.pdl == "off"   # what WELCOME carries
 
 
 def test_not_on_rocm_whatever_its_gfx_version(pdl_env, monkeypatch):

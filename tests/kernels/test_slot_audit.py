@@ -2,7 +2,6 @@
 the engine runs it every N decode steps, counts what it finds and empties the cache on a problem."""
 from __future__ import annotations
 
-import argparse
 import json
 
 import pytest
@@ -12,7 +11,7 @@ from ftexpert.coordinator.cli import build_parser, main
 from ftexpert.coordinator.process_set import options_from_serve_args
 from ftexpert.gpu_worker.engine import Engine, EngineConfig, SamplingParams
 from ftexpert.gpu_worker.assembly.loader import load_model
-from ftexpert.gpu_worker.worker_cli import add_arguments
+from ftexpert.proto.engine_spec import spec_from_args
 from ftexpert.kernels.slot_cache import SlotCache, audit, ensure
 from tests.kernels.slot_cache_util import RouteGen
 
@@ -258,8 +257,4 @@ def test_the_knob_reaches_every_entry_point(monkeypatch, capsys):
     assert out["token_ids"]
 
     serve = build_parser().parse_args(["serve", "--moe-strategy", "offload", "--moe-slot-audit", "5"])
-    flags = options_from_serve_args(serve).engine_flags
-    assert flags[flags.index("--moe-slot-audit") + 1] == "5"
-    parser = argparse.ArgumentParser()
-    add_arguments(parser)
-    assert parser.parse_args(flags).moe_slot_audit == 5
+    assert options_from_serve_args(serve, spec_from_args(serve)).spec.moe_slot_audit == 5   # what WELCOME carries

@@ -2,9 +2,9 @@
 
 It accepts one GPU worker at a time, and only one that proves the run's key (proto/link_auth.py): KNOCK
 gets a CHALLENGE carrying the coordinator's proof; a HELLO whose proof fails gets REJECT "not authorized"
-and nothing else (the details go to this process's log only). An authenticated HELLO with the right config
-hash gets WELCOME (a new session), a wrong one gets REJECT naming the fields that differ (no values, no
-hash), a second live worker gets REJECT too. It watches
+and nothing else (the details go to this process's log only). An authenticated HELLO of the same protocol gets
+WELCOME (a new session) carrying the engine spec to build; another protocol, or a second live worker, gets
+REJECT. It watches
 the peer through a pidfd on the pid its HELLO gave (loopback only: the worker is on this host) and
 through silence longer than peer_timeout_s; either way the session is *lost*. It sends heartbeats.
 
@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from ftexpert.proto import engine_messages as em
+from ftexpert.proto.engine_spec import EngineSpec
 from ftexpert.proto import link_auth
 from ftexpert.proto.link_io import LinkIO, check_loopback_address
 
@@ -43,7 +44,7 @@ NOT_AUTHORIZED = "not authorized"
 
 
 class PeerMismatch(RuntimeError):
-    """A GPU worker with another config (or protocol) tried to connect."""
+    """A GPU worker of another engine-link protocol tried to connect."""
 
 
 class PeerMissing(RuntimeError):
@@ -66,7 +67,7 @@ class Peer:
 
 
 class EngineLinkServer(LinkIO):
-    def __init__(self, addr: str, config: dict, *, secret: bytes | None = None, store_name: str = "",
+    def __init__(self, addr: str, spec: EngineSpec, *, secret: bytes | None = None, store_name: str = "",
                  cpu_channels: tuple[str, ...] = (), heartbeat_interval_s: float = em.DEFAULT_HEARTBEAT_INTERVAL_S,
                  peer_timeout_s: float = em.DEFAULT_PEER_TIMEOUT_S):
         super().__init__("ft-engine-link")
@@ -75,8 +76,8 @@ class EngineLinkServer(LinkIO):
         self._challenges: dict[bytes, tuple[bytes, bytes, float]] = {}   # identity -> (worker nonce, ours, when)
         self.auth_failures_total = 0
         self.last_auth_failure = ""
-        self.config = config
-        self.config_hash = em.engine_config_hash(config)
+        self.spec = spec
+        self.spec_hash = em.spec_hash(spec.to_wire())
         self.store_name = store_name
         self.cpu_channels = list(cpu_channels)
         self.heartbeat_interval_s = heartbeat_interval_s
@@ -250,14 +251,6 @@ class EngineLinkServer(LinkIO):
                                    f"{em.ENGINE_PROTOCOL_VERSION}: install the same version of ft everywhere",
                          "the engine-link protocol differs: install the same version of ft everywhere")
             return
-        if hello.config_hash != self.config_hash:
-            fields = ", ".join(em.differing_fields(self.config, hello.config_json))
-            self._reject(identity, f"{who} has config hash {hello.config_hash!r}, the coordinator expects "
-                                   f"{self.config_hash!r} ({em.config_diff(self.config, hello.config_json)}): "
-                                   f"start both from the same settings (deploy/ft.env)",
-                         f"{who}'s engine config differs from the coordinator's in: {fields} (the coordinator's log "
-                         f"has both values): start both from the same settings (deploy/ft.env)")
-            return
         peer = self.peer
         if peer is not None and peer.identity == identity:
             self._welcome(peer)                          # a resent HELLO: same session
@@ -284,7 +277,7 @@ class EngineLinkServer(LinkIO):
     def _welcome(self, peer: Peer) -> None:
         peer.last_tx = time.monotonic()
         self._reply(peer.identity, em.Welcome(peer.session, os.getpid(), self.store_name, list(self.cpu_channels),
-                                              self.heartbeat_interval_s, self.peer_timeout_s))
+                                              self.heartbeat_interval_s, self.peer_timeout_s, self.spec))
 
     def _reject(self, identity: bytes, reason: str, told: str) -> None:
         """An authenticated worker refused: `reason` for this log and wait_ready, `told` (no values) for it."""

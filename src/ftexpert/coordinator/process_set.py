@@ -9,9 +9,10 @@ start(), in this order:
      in a 0700 directory of this user), then a ROUTER on --engine-addr (default ipc://<that dir>/engine.sock;
      TCP only on loopback and only when asked for); a worker proves the key before it learns anything.
   4. `--workers process`: the supervisor starts `ft worker cpu` x N and `ft worker gpu` and waits for
-     each HELLO (config hash) + READY; it restarts a dead one with back-off. cpu/hybrid: the CPU workers
-     get this process's affinity (--allowed-cpus) and the reserved CPUs; the GPU worker gets the same
-     reserved CPUs and pins itself to them once loaded (--pin-gpu-worker).
+     each HELLO + READY; it restarts a dead one with back-off. The GPU worker builds the engine of the spec
+     that WELCOME carries (proto/engine_spec.py). cpu/hybrid: the CPU workers get this process's affinity
+     (--allowed-cpus) and the reserved CPUs; the spec names the same reserved CPUs, where the GPU worker
+     pins itself once loaded (--pin-gpu-worker).
      `--attach`: nothing is started; the GPU worker (systemd: ft-gpu-worker@0) must say HELLO + READY
      within --worker-ready-timeout-s.
   5. READY's facts are checked against the coordinator's model (vocabulary).
@@ -20,6 +21,7 @@ channels and the store are unlinked (by their creator, this process, only).
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import sys
@@ -28,10 +30,11 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from ftexpert.coordinator.engine_link import EngineLinkServer
-from ftexpert.coordinator.expert_resources import CPU_STRATEGIES, CpuWorkerSettings, ExpertResources
+from ftexpert.coordinator.expert_resources import CpuWorkerSettings, ExpertResources
 from ftexpert.coordinator.remote_engine import RemoteEngine
 from ftexpert.proto import engine_messages as em
 from ftexpert.proto import link_auth
+from ftexpert.proto.engine_spec import EngineSpec
 
 log = logging.getLogger("ft.coordinator.process_set")
 
@@ -48,74 +51,27 @@ def default_store_name(port: int) -> str:
 @dataclass
 class ProcessSetOptions:
     attach: bool
-    config: dict[str, Any]                   # em.engine_config(...): hashed, sent in WELCOME's checks
-    engine_flags: list[str]                  # forwarded to `ft worker gpu` (the flags that make `config`)
-    moe_strategy: str = "resident"
+    spec: EngineSpec                         # the engine the GPU worker builds (sent whole in WELCOME)
     engine_addr: str | None = None           # None: ipc://<runtime dir>/engine.sock (link_auth.default_engine_addr)
     http_port: int = 0                       # names the default runtime directory (0: a fresh private one)
     store_name: str = ""
-    num_cpu_workers: int = 0
     worker_ready_timeout_s: float = 600.0
     log_level: str = "INFO"
     backoff_initial_s: float = 0.5
     backoff_max_s: float = 30.0
     max_restarts: int = 5
     extra_env: dict[str, str] = field(default_factory=dict)
-    reserve_cpus: str | None = None          # cpu/hybrid: kept free of CPU workers (None: the default)
-    pin_gpu_worker: bool = True              # cpu/hybrid: the GPU worker pins itself to those (not hashed)
 
 
-# `ft worker gpu` flags outside the hashed engine config: an attached worker's own settings win (not compared).
-LOCAL_WORKER_FLAGS = (("--moe-slot-audit", "moe_slot_audit"),     # a check
-                      ("--pdl", "pdl"),                           # lossless either way
-                      ("--overlap-decode", "overlap_decode"),      # the engine's own scheduling
-                      ("--eviction-freq-weight", "eviction_freq_weight"),  # which experts stay cached: lossless
-                      ("--eviction-freq-half-life", "eviction_freq_half_life"),   # the same
-                      ("--prefill-chunk-tokens", "prefill_chunk_tokens"),   # the worker's own memory / latency choice
-                      ("--moe-prefetch", "moe_prefetch"),                   # the lookahead prefetch: lossless
-                      ("--moe-prefetch-budget", "moe_prefetch_budget"),
-                      ("--moe-prefetch-k", "moe_prefetch_k"),
-                      ("--moe-prefetch-verify", "moe_prefetch_verify"))     # a check   # the worker's own memory / latency choice
-
-
-def flags_an_attached_worker_ignores(args) -> list[str]:
-    """The LOCAL_WORKER_FLAGS given to `ft serve --attach`: the attached GPU worker runs with its own (its unit's
-    ExecStart, FREETOKEN_* in its environment), so these do not reach it. Empty without --attach."""
-    if not getattr(args, "attach", False):
-        return []
-    return [flag for flag, attr in LOCAL_WORKER_FLAGS if getattr(args, attr, None) is not None]
-
-
-def options_from_serve_args(args: Any) -> ProcessSetOptions:
-    """`ft serve`'s flags -> the engine config (hashed) and the `ft worker gpu` flags that give the same one."""
-    model_dir = os.path.abspath(args.model) if args.model else None
-    num_cpu_workers = args.num_cpu_workers
-    if args.moe_strategy in CPU_STRATEGIES and num_cpu_workers <= 0:
+def options_from_serve_args(args: Any, spec: EngineSpec) -> ProcessSetOptions:
+    """`ft serve`'s process-set flags around the engine `spec` (its CPU worker count resolved: 0 = one per NUMA
+    node or core group)."""
+    if spec.uses_cpu_pool and spec.num_cpu_workers <= 0:
         from ftexpert.cpu_expert_pool.api import default_worker_count
-        num_cpu_workers = default_worker_count()
-    flags = ["--device", args.device, "--moe-strategy", args.moe_strategy,
-             "--max-running-requests", str(args.max_running_requests), "--num-cpu-workers", str(num_cpu_workers)]
-    for flag, value in (("--model", model_dir), ("--preset", args.preset), ("--moe-cache-size", args.moe_cache_size),
-                        ("--max-context-tokens", args.max_context_tokens),
-                        *((flag, getattr(args, attr, None)) for flag, attr in LOCAL_WORKER_FLAGS)):
-        if value is not None:
-            flags += [flag, str(value)]
-    from ftexpert.proto.knobs import resolve
-
-    expert_format = em.expert_format_label(resolve({"expert_format": getattr(args, "expert_format", None)})
-                                           ["expert_format"])
-    flags += ["--expert-format", expert_format]
-    config = em.engine_config(model=model_dir, preset=args.preset, dtype="auto", moe_strategy=args.moe_strategy,
-                              moe_cache_size=args.moe_cache_size, max_running_requests=args.max_running_requests,
-                              max_context_tokens=args.max_context_tokens, num_cpu_workers=num_cpu_workers,
-                              expert_format=expert_format)
-
-    pin = resolve({"pin_gpu_worker": getattr(args, "pin_gpu_worker", None)})["pin_gpu_worker"] == "on"
-    return ProcessSetOptions(attach=args.attach, config=config, engine_flags=flags, moe_strategy=args.moe_strategy,
-                             engine_addr=args.engine_addr, http_port=args.port, store_name=args.store_name or default_store_name(args.port),
-                             num_cpu_workers=num_cpu_workers, worker_ready_timeout_s=args.worker_ready_timeout_s,
-                             log_level=args.log_level, reserve_cpus=getattr(args, "reserve_cpus", None),
-                             pin_gpu_worker=pin)
+        spec = dataclasses.replace(spec, num_cpu_workers=default_worker_count())
+    return ProcessSetOptions(attach=args.attach, spec=spec, engine_addr=args.engine_addr, http_port=args.port,
+                             store_name=args.store_name or default_store_name(args.port),
+                             worker_ready_timeout_s=args.worker_ready_timeout_s, log_level=args.log_level)
 
 
 class ProcessSet:
@@ -139,11 +95,13 @@ class ProcessSet:
         addr = self.engine_addr()
         secret = link_auth.new_secret()
         self.key_file = link_auth.write_secret(self.runtime_dir(addr), secret)
-        self.link = EngineLinkServer(addr, o.config, secret=secret, store_name=res.store_name,
+        spec = o.spec
+        if spec.uses_cpu_pool:          # the GPU worker pins itself to the CPUs the CPU workers keep off
+            spec = dataclasses.replace(spec, reserve_cpus=res.reserved_cpus())
+        self.link = EngineLinkServer(addr, spec, secret=secret, store_name=res.store_name,
                                      cpu_channels=tuple(res.channel_names))
         self.link.start()
-        log.info("engine link on %s (key %s, config hash %s)", self.link.address, self.key_file,
-                 self.link.config_hash)
+        log.info("engine link on %s (key %s, engine spec %s)", self.link.address, self.key_file, self.link.spec_hash)
         if o.attach:
             print(f"ft serve: waiting up to {o.worker_ready_timeout_s:g} s for a GPU worker on {self.link.address}",
                   file=sys.stderr, flush=True)
@@ -179,11 +137,11 @@ class ProcessSet:
     def create_resources(self) -> ExpertResources:
         """The store and the CPU workers' channels, through their owner (kept until stop())."""
         o = self.options
-        cpu = CpuWorkerSettings(num_workers=max(1, o.num_cpu_workers), reserve_cpus=o.reserve_cpus,
+        cpu = CpuWorkerSettings(num_workers=max(1, o.spec.num_cpu_workers), reserve_cpus=o.spec.reserve_cpus,
                                 log_level=o.log_level, ready_timeout_s=o.worker_ready_timeout_s,
                                 backoff_initial_s=o.backoff_initial_s, backoff_max_s=o.backoff_max_s,
                                 max_restarts=o.max_restarts)
-        self.resources = ExpertResources.create(self.source, o.moe_strategy,
+        self.resources = ExpertResources.create(self.source, o.spec.moe_strategy,
                                                 store_name=o.store_name or default_store_name(0), cpu=cpu)
         return self.resources
 
@@ -198,16 +156,11 @@ class ProcessSet:
         specs = self.resources.cpu_worker_specs()
         for spec in specs:
             spec.env = env
-        gpu_flags: list[str] = []
-        if o.moe_strategy in CPU_STRATEGIES:
-            # the GPU worker pins itself to the CPUs these workers keep off (the same list, resolved here)
-            gpu_flags = ["--reserve-cpus", self.resources.reserved_cpus(), "--pin-gpu-worker",
-                         "on" if o.pin_gpu_worker else "off"]
         argv = [*FT_COMMAND, "worker", "gpu", "--engine-addr", self.link.address, "--name", GPU_WORKER_NAME,
-                "--parent-pid", str(os.getpid()), "--log-level", o.log_level, *o.engine_flags, *gpu_flags]
+                "--parent-pid", str(os.getpid()), "--log-level", o.log_level]
         if self.key_file:
             argv += ["--engine-key-file", self.key_file]
-        specs.append(WorkerSpec(GPU_WORKER_NAME, argv, self.link.config_hash, env=env, kind="gpu-worker",
+        specs.append(WorkerSpec(GPU_WORKER_NAME, argv, em.gpu_worker_supervisor_hash(), env=env, kind="gpu-worker",
                                 ready_timeout_s=o.worker_ready_timeout_s, heartbeat_timeout_s=GPU_HEARTBEAT_TIMEOUT_S,
                                 backoff_initial_s=o.backoff_initial_s, backoff_max_s=o.backoff_max_s,
                                 max_restarts=o.max_restarts))

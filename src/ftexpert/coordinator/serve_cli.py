@@ -17,34 +17,24 @@ are started by someone else and connect. --workers inline: one process, the engi
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import signal
 import sys
 
 from ftexpert.coordinator.auth import add_api_key_flags
-from ftexpert.proto.knobs import add_cli_flags, positive_int_flag, resolve
+from ftexpert.proto.engine_spec import EngineSpec, add_engine_flags, spec_from_args
+from ftexpert.proto.knobs import add_cli_flag, positive_int_flag, resolve
 
 DEFAULT_PORT = 1919
 DEFAULT_GRPC_PORT = 1920
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    model = parser.add_argument_group("model")
-    model.add_argument("--model", default=None, metavar="DIR", help="model directory (Hugging Face layout); "
-                       "default: the embedded default model, a small MoE trained on the bundled corpus")
-    model.add_argument("--preset", default=None, help="model preset (random weights of a real model's shape)")
-    model.add_argument("--served-model-name", default=None, help="model name clients use (default: the "
-                       "directory's name, the preset, or 'tiny')")
-    model.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"), help="where the model runs")
-    model.add_argument("--moe-strategy", default="resident", choices=("resident", "offload", "cpu", "hybrid"),
-                       help="expert backend (docs/ARCHITECTURE.md)")
-    model.add_argument("--moe-cache-size", type=int, default=None, help="GPU expert slots (offload/hybrid)")
-    model.add_argument("--max-running-requests", type=int, default=8, help="requests decoding together")
-    model.add_argument("--max-context-tokens", type=int, default=None,
-                       help="prompt + generated tokens per request (default: the model's, at most 32768)")
-    model.add_argument("--prefill-chunk-tokens", type=positive_int_flag, default=None,
-                       help="prompt tokens a prefill chunk takes (default: 4096; cpu/hybrid: the CPU share's token limit, 512); smaller chunks hold up other requests' decode steps for less time and need less memory, larger ones reach the first token sooner (offload: each chunk costs one pass over the experts)")
+    add_engine_flags(parser)                 # the model, the experts, the engine: proto/engine_spec.py
+    parser.add_argument("--served-model-name", default=None, help="model name clients use (default: the "
+                        "directory's name, the preset, or 'tiny')")
     net = parser.add_argument_group("listeners")
     net.add_argument("--host", default="127.0.0.1", help="HTTP address (default loopback)")
     net.add_argument("--port", type=int, default=DEFAULT_PORT, help="HTTP port")
@@ -76,11 +66,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     procs.add_argument("--store-name", default=os.environ.get("FT_STORE_NAME"),
                        help="name of the shared-memory expert store in /dev/shm (offload/cpu/hybrid) [env "
                             "FT_STORE_NAME; default ft-experts-<port>]")
-    procs.add_argument("--num-cpu-workers", type=int, default=0,
-                       help="CPU expert workers for cpu/hybrid (0 = one per NUMA node or core group)")
-    procs.add_argument("--reserve-cpus", default=None, metavar="LIST",
-                       help="cpu/hybrid: CPUs the CPU workers keep off and the GPU worker pins itself to "
-                            "(--pin-gpu-worker; default: 0 on machines with >= 4 CPUs)")
     procs.add_argument("--on-worker-give-up", default="exit", choices=("exit", "stay"),
                        help="when the supervisor stops restarting a worker (it failed 6 times in a row, none "
                             "of them after a stable minute): exit (default: drain, stop, exit code 70, so systemd restarts the set) or stay "
@@ -93,7 +78,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     pol.add_argument("--fetch-fraction-min", type=float, default=None, help="lower bound of f for the tuner")
     pol.add_argument("--fetch-fraction-max", type=float, default=None, help="upper bound of f for the tuner")
     pol.add_argument("--no-auto-tune", action="store_true", help="keep f fixed (no online re-tuning)")
-    add_cli_flags(parser)
+    add_cli_flag(pol, "fetch_round")
+    add_cli_flag(pol, "benchbw_path")
     parser.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
 
 
@@ -131,15 +117,13 @@ def run(args: argparse.Namespace) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from ftexpert.proto.sd_notify import process_notifier
     process_notifier().status("starting")         # (and the workers it starts do not inherit $NOTIFY_SOCKET)
-    if args.max_running_requests < 1:
-        raise ValueError("--max-running-requests must be >= 1")
     use_default_model(args)
     if args.attach and args.workers == "inline":
         raise ValueError("--attach waits for worker processes; it cannot be combined with --workers inline")
     check_listeners(args)
     if args.workers == "inline":
-        return run_inline(args)
-    return run_processes(args)
+        return run_inline(args, inline_spec(args))
+    return run_processes(args, spec_from_args(args))
 
 
 def listen_addresses(args: argparse.Namespace) -> list[tuple[str, str, int, str]]:
@@ -221,30 +205,24 @@ def listen_config(args: argparse.Namespace):
     return listen
 
 
-def run_processes(args: argparse.Namespace) -> int:
+def run_processes(args: argparse.Namespace, spec: EngineSpec) -> int:
     """The coordinator with its GPU worker (and CPU workers) as separate processes."""
     from ftexpert.coordinator.engine_factory import expert_format_of, served_name
     from ftexpert.coordinator.engine_service import EngineService
     from ftexpert.coordinator.openai_requests import ModelInfo
-    from ftexpert.coordinator.process_set import ProcessSet, flags_an_attached_worker_ignores, options_from_serve_args
+    from ftexpert.coordinator.process_set import ProcessSet, options_from_serve_args
     from ftexpert.coordinator.server import CoordinatorServer
     from ftexpert.coordinator.text_codec import TextCodec
     from ftexpert.gpu_worker.api import open_model_source
 
     listen = listen_config(args)
-    model_dir = os.path.abspath(args.model) if args.model else None
-    source = open_model_source(model_dir, args.preset, device="cpu",      # tokenizer, config, expert source
-                               expert_format=resolve({"expert_format": args.expert_format})["expert_format"])
+    source = open_model_source(spec.model, spec.preset, device="cpu", dtype=spec.dtype,   # tokenizer, config,
+                               seed=spec.seed_weights, expert_format=spec.expert_format)   # the experts to store
     if source.tokenizer is None:
-        raise FileNotFoundError(f"{model_dir or args.preset} has no tokenizer.json; the HTTP API needs one to turn "
+        raise FileNotFoundError(f"{spec.model or spec.preset} has no tokenizer.json; the HTTP API needs one to turn "
                                 f"text into tokens (put the model's tokenizer.json beside its weights)")
     codec = TextCodec.from_text_tokenizer(source.tokenizer, source.eos_token_ids)
-    options = options_from_serve_args(args)
-    for flag in flags_an_attached_worker_ignores(args):
-        print(f"ft serve: warning: {flag} does not reach an attached GPU worker (it runs with its own flags: set "
-              f"{flag} in its unit's flags (FT_GPU_WORKER_ARGS in ft.env), or, for a knob, the FREETOKEN_* variable "
-              f"in its environment)", file=sys.stderr)
-    procs = ProcessSet(options, source)
+    procs = ProcessSet(options_from_serve_args(args, spec), source)
 
     def interrupted(signum, _frame):            # before the event loop takes the signals over
         raise KeyboardInterrupt(f"signal {signum} during start-up")
@@ -262,7 +240,7 @@ def run_processes(args: argparse.Namespace) -> int:
         service = EngineService(procs.engine_client(), codec.decode, policy=policy,
                                 request_timeout_s=args.request_timeout_s,
                                 max_pending_requests=args.max_pending_requests)
-        name = served_name(model_dir, args.preset, args.served_model_name)
+        name = served_name(spec.model, spec.preset, args.served_model_name)
         model = ModelInfo(name, facts.max_context_tokens, codec)
         server = CoordinatorServer(service, model, policy, listen, supervisor=procs.supervisor)
         procs.on_gave_up = lambda name, message, gpu: server.worker_gave_up(name, message, gpu_worker=gpu)
@@ -278,87 +256,60 @@ def run_processes(args: argparse.Namespace) -> int:
     return 0
 
 
-def inline_hybrid_options(args: argparse.Namespace, environ=None):
-    """HybridOptions of the inline engine (cpu/hybrid). Its process also runs the HTTP and gRPC servers, so it
-    is pinned to the reserved CPUs only when asked (--pin-gpu-worker on, or FREETOKEN_PIN_GPU_WORKER set):
-    the process mode's default (on) would squeeze the servers onto one core with the engine."""
-    from ftexpert.gpu_worker.api import HybridOptions
-
+def inline_spec(args: argparse.Namespace, environ=None) -> EngineSpec:
+    """The inline engine's spec. Its process also runs the HTTP and gRPC servers, so it pins itself to the
+    reserved CPUs (cpu / hybrid) only when asked (--pin-gpu-worker, or FREETOKEN_PIN_GPU_WORKER set): the
+    process mode's default (on) would squeeze the servers onto one core with the engine."""
     environ = os.environ if environ is None else environ
-    flag = getattr(args, "pin_gpu_worker", None)
-    asked = flag is not None or "FREETOKEN_PIN_GPU_WORKER" in environ
-    pin = asked and resolve({"pin_gpu_worker": flag}, environ)["pin_gpu_worker"] == "on"
-    return HybridOptions(reserve_cpus=getattr(args, "reserve_cpus", None), pin_gpu_worker=pin)
+    asked = getattr(args, "pin_gpu_worker", None) is not None or "FREETOKEN_PIN_GPU_WORKER" in environ
+    spec = spec_from_args(args, environ)
+    return spec if asked else dataclasses.replace(spec, pin_gpu_worker="off")
 
 
-def run_inline(args: argparse.Namespace) -> int:
-    """One process: the engine in a thread of the coordinator, over the host resources of the same owner as
-    the process mode (coordinator/expert_resources.py)."""
-    from ftexpert.coordinator.expert_resources import (HOST_STORE_STRATEGIES, CpuWorkerSettings, ExpertResources,
-                                              reclaim_stale_host_memory)
-    from ftexpert.coordinator.process_set import default_store_name
-
-    from ftexpert.coordinator.generate_cli import prefetch_settings
-
-    listen_config(args)                              # refused listeners fail before anything loads
-    prefetch = prefetch_settings(args)
-    if args.moe_strategy not in HOST_STORE_STRATEGIES:
-        if prefetch is not None:
-            raise ValueError(f"--moe-prefetch / --moe-prefetch-verify need a slot cache (--moe-strategy offload or "
-                             f"hybrid), not {args.moe_strategy}")
-        reclaim_stale_host_memory()               # what killed runs left, whatever their strategy
-        return _run_inline(args, None)
-    from ftexpert.gpu_worker.api import load_attached_model, open_model_source, resolve_device
-
-    device = resolve_device(args.device)
-    model_dir = os.path.abspath(args.model) if args.model else None
-    source = open_model_source(model_dir, args.preset, device=device,
-                               expert_format=resolve({"expert_format": args.expert_format})["expert_format"])
-    cpu = CpuWorkerSettings(num_workers=args.num_cpu_workers, reserve_cpus=getattr(args, "reserve_cpus", None),
-                            log_level=args.log_level, ready_timeout_s=args.worker_ready_timeout_s)
-    resources = ExpertResources.create(source, args.moe_strategy, cpu=cpu,
-                                       store_name=args.store_name or default_store_name(args.port),
-                                       staging_device=device if device.type == "cuda" else None)
-    try:
-        resources.start_cpu_workers()
-        hybrid = inline_hybrid_options(args) if args.moe_strategy in ("cpu", "hybrid") else None
-        eviction = resolve({"eviction_freq_weight": args.eviction_freq_weight,
-                            "eviction_freq_half_life": args.eviction_freq_half_life})
-        loaded = load_attached_model(source, device, moe_strategy=args.moe_strategy, store_name=resources.store_name,
-                                     cpu_channels=resources.channel_names, moe_cache_size=args.moe_cache_size,
-                                     hybrid=hybrid, pin_driving_process=True, worker_info=resources.worker_info,
-                                     freq_weight=eviction["eviction_freq_weight"],
-                                     freq_half_life=eviction["eviction_freq_half_life"],
-                                     prefetch=prefetch)
-        return _run_inline(args, loaded)
-    finally:
-        resources.close()
-
-
-def _run_inline(args: argparse.Namespace, loaded) -> int:
-    from ftexpert.coordinator.engine_factory import load_served_engine
+def run_inline(args: argparse.Namespace, spec: EngineSpec) -> int:
+    """One process: the engine in a thread of the coordinator, built by the GPU worker's `build_engine` over the
+    host resources of the same owner as the process mode (coordinator/expert_resources.py)."""
+    from ftexpert.coordinator.engine_factory import served_engine
     from ftexpert.coordinator.engine_service import EngineService
+    from ftexpert.coordinator.expert_resources import (HOST_STORE_STRATEGIES, CpuWorkerSettings, ExpertResources,
+                                                       reclaim_stale_host_memory)
     from ftexpert.coordinator.inline_engine import InlineEngine
     from ftexpert.coordinator.openai_requests import ModelInfo
+    from ftexpert.coordinator.process_set import default_store_name
     from ftexpert.coordinator.server import CoordinatorServer
+    from ftexpert.gpu_worker.api import Attachment, build_engine, open_model_source, resolve_device
 
-    listen = listen_config(args)
-    from ftexpert.kernels.pdl import apply_setting
-    apply_setting(resolve({"pdl": args.pdl})["pdl"], args.device)
-    overlap = resolve({"overlap_decode": args.overlap_decode})["overlap_decode"]
-    served = load_served_engine(args.model, args.preset, args.device, moe_strategy=args.moe_strategy,
-                                moe_cache_size=args.moe_cache_size, max_running_requests=args.max_running_requests,
-                                max_context_tokens=args.max_context_tokens, served_model_name=args.served_model_name,
-                                prefill_chunk_tokens=args.prefill_chunk_tokens, loaded=loaded,
-                                expert_format=resolve({"expert_format": args.expert_format})["expert_format"],
-                                hybrid=inline_hybrid_options(args),
-                                overlap_decode=None if overlap == "auto" else overlap == "on",
-                                slot_audit_every=resolve({"moe_slot_audit": args.moe_slot_audit})["moe_slot_audit"])
-    policy = build_policy_from_args(args, served.expert_format, served.gpu_name)
-    service = EngineService(InlineEngine(served.engine_factory), served.codec.decode, policy=policy,
-                            request_timeout_s=args.request_timeout_s, max_pending_requests=args.max_pending_requests)
-    model = ModelInfo(served.model_name, served.context_length, served.codec)
-    server = CoordinatorServer(service, model, policy, listen)
-    serve_forever(server, listen, served.model_name, f"{served.description}; engine in this process")
+    listen = listen_config(args)                     # refused listeners fail before anything loads
+    resources = None
+    try:
+        if spec.moe_strategy in HOST_STORE_STRATEGIES:
+            device = resolve_device(spec.device)
+            source = open_model_source(spec.model, spec.preset, dtype=spec.dtype, seed=spec.seed_weights,
+                                       device=device, expert_format=spec.expert_format)
+            cpu = CpuWorkerSettings(num_workers=spec.num_cpu_workers, reserve_cpus=spec.reserve_cpus,
+                                    log_level=args.log_level, ready_timeout_s=args.worker_ready_timeout_s)
+            resources = ExpertResources.create(source, spec.moe_strategy, cpu=cpu,
+                                               store_name=args.store_name or default_store_name(args.port),
+                                               staging_device=device if device.type == "cuda" else None)
+            resources.start_cpu_workers()
+            built = build_engine(spec, source=source, attachment=Attachment(
+                resources.store_name, tuple(resources.channel_names), resources.worker_info))
+        else:
+            reclaim_stale_host_memory()               # what killed runs left, whatever their strategy
+            built = build_engine(spec)
+        try:
+            served = served_engine(built, spec, args.served_model_name)
+            policy = build_policy_from_args(args, served.expert_format, served.gpu_name)
+            service = EngineService(InlineEngine(served.engine_factory), served.codec.decode, policy=policy,
+                                    request_timeout_s=args.request_timeout_s,
+                                    max_pending_requests=args.max_pending_requests)
+            model = ModelInfo(served.model_name, served.context_length, served.codec)
+            server = CoordinatorServer(service, model, policy, listen)
+            serve_forever(server, listen, served.model_name, f"{served.description}; engine in this process")
+        finally:
+            built.close()
+    finally:
+        if resources is not None:
+            resources.close()
     print("ft serve: stopped", file=sys.stderr)
     return 0

@@ -3,9 +3,10 @@
 
 - the checkpoint's expert layout and loader: ``open_model_source`` (config, tokenizer, `ExpertSource`),
   ``create_expert_store`` (the shared-memory expert store filled from it: its creator owns it);
-- building an engine over resources someone else created: ``load_attached_model`` (dense weights, the
-  expert backend attached to the store and the CPU workers' channels, the `MoeModel`), ``load_model``
-  (strategies without host resources), ``Engine`` / ``EngineConfig`` / ``SamplingParams``;
+- building an engine: ``build_engine(spec)`` (proto/engine_spec.py), over the store and CPU channels an
+  ``Attachment`` names where someone else created them; ``Engine`` / ``SamplingParams``;
+- for benchmarks that take a model apart: ``load_attached_model`` and ``load_model`` (dense weights, the expert
+  backend, the `MoeModel`, no engine);
 - ``HybridOptions`` (the cpu / hybrid backends' settings) and ``channel_hidden_dtype``.
 
 Importing this module imports torch.
@@ -19,6 +20,7 @@ import torch
 
 from ftexpert.gpu_worker.engine import Engine, EngineConfig, SamplingParams
 from ftexpert.gpu_worker.backends.hybrid.options import HybridOptions
+from ftexpert.gpu_worker.assembly.build import Attachment, BuiltEngine, build_engine, pin_engine_process
 from ftexpert.gpu_worker.assembly.attached_backends import make_attached_expert_backend, needs_host_store
 from ftexpert.gpu_worker.assembly.device import resolve_device
 from ftexpert.gpu_worker.assembly.loader import DEFAULT_MODEL_DIR, LoadedModel, ModelSource, load_model, open_model_source
@@ -29,7 +31,7 @@ from ftexpert.gpu_worker.worker_loop import gpu_busy_loop
 from ftexpert.proto.cpu_channel import channel_hidden_dtype
 from ftexpert.proto.expert_store import ExpertStore
 
-__all__ = ["DEFAULT_MODEL_DIR", "PREFETCH_KNOBS", "PrefetchSettings", "settings_from_knobs", "Engine", "EngineConfig", "HostExperts", "gpu_busy_loop", "HybridOptions", "attach_cpu_pool", "LoadedModel", "ModelSource", "SamplingParams",
+__all__ = ["Attachment", "BuiltEngine", "build_engine", "pin_engine_process", "DEFAULT_MODEL_DIR", "PREFETCH_KNOBS", "PrefetchSettings", "settings_from_knobs", "Engine", "EngineConfig", "HostExperts", "gpu_busy_loop", "HybridOptions", "attach_cpu_pool", "LoadedModel", "ModelSource", "SamplingParams",
            "channel_hidden_dtype", "create_expert_store", "load_attached_model", "load_model", "needs_host_store",
            "open_model_source", "resolve_device"]
 

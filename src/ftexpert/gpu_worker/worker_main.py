@@ -28,7 +28,7 @@ from ftexpert.gpu_worker.worker_link import CoordinatorLink
 from ftexpert.gpu_worker.worker_loop import LocalStop, gpu_busy_loop
 
 if TYPE_CHECKING:
-    from ftexpert.gpu_worker.backends.expert_backend import ExpertBackend
+    from ftexpert.gpu_worker.assembly.build import BuiltEngine
 
 log = logging.getLogger("ft.gpu_worker")
 
@@ -48,44 +48,23 @@ class Rejected(RuntimeError):
 
 @dataclasses.dataclass
 class GpuWorkerOptions:
+    """The worker's own settings: how it reaches its coordinator. What engine it builds comes in WELCOME."""
     engine_addr: str
     name: str = "gpu0"
-    model: str | None = None
-    preset: str | None = None
-    device: str = "auto"
-    dtype: str = "auto"
-    moe_strategy: str = "resident"
-    moe_cache_size: int | None = None
-    expert_format: str = "auto"                # --expert-format / FREETOKEN_EXPERT_FORMAT (hashed)
-    max_running_requests: int = 8
-    max_context_tokens: int | None = None
-    num_cpu_workers: int = 0
     store_name: str | None = None              # default: the name WELCOME gives
     key_file: str | None = None                # the run's engine-link key (default: beside the ipc socket)
     handshake_timeout_s: float = DEFAULT_HANDSHAKE_TIMEOUT_S
     drain_timeout_s: float = 30.0
-    reserve_cpus: str | None = None            # cpu/hybrid: the CPU workers' reserved CPUs (HybridOptions; not hashed)
-    pin_gpu_worker: bool | None = None         # cpu/hybrid: pin to them once loaded; None: $FREETOKEN_PIN_GPU_WORKER
-    overlap_decode: bool | None = None         # EngineConfig.overlap_decode (None: on CUDA; not hashed)
-    slot_audit_every: int = 0                  # FREETOKEN_MOE_SLOT_AUDIT (a check: not hashed)
-    prefill_chunk_tokens: int | None = None    # None: the engine's default for the backend (not hashed)
-    eviction_freq_weight: int | None = None    # the slot cache's eviction key (None: the knob's default; not hashed)
-    eviction_freq_half_life: int | None = None
-    prefetch: Any = None                       # PrefetchSettings of the lookahead prefetch (None: off; not hashed)
-
-    def engine_config(self) -> dict[str, Any]:
-        return em.engine_config(model=os.path.abspath(self.model) if self.model else None, preset=self.preset,
-                                dtype=self.dtype, moe_strategy=self.moe_strategy, moe_cache_size=self.moe_cache_size,
-                                max_running_requests=self.max_running_requests,
-                                max_context_tokens=self.max_context_tokens, num_cpu_workers=self.num_cpu_workers,
-                                expert_format=self.expert_format)
 
 
 @dataclasses.dataclass
 class LoadedEngine:
-    engine: Any
+    built: "BuiltEngine"
     ready: em.Ready
-    experts: "ExpertBackend"          # the expert backend (closed at exit: detaches the store)
+
+    @property
+    def engine(self) -> Any:
+        return self.built.engine
 
 
 def say_hello(link: CoordinatorLink, inbox: queue.SimpleQueue, hello: em.Hello, timeout_s: float,
@@ -145,65 +124,29 @@ def say_hello(link: CoordinatorLink, inbox: queue.SimpleQueue, hello: em.Hello, 
 
 
 def load_engine(opts: GpuWorkerOptions, welcome: em.Welcome) -> LoadedEngine:
-    """Dense model on the device + the expert backend (attached to the coordinator's store) + the Engine."""
-    t0 = time.perf_counter()
+    """The engine WELCOME's spec describes, its experts attached to the coordinator's store (and CPU workers'
+    channels); for cpu / hybrid this process then pins itself to the CPUs the CPU workers keep off."""
     import torch
 
-    from ftexpert.gpu_worker.engine import Engine, EngineConfig
-    from ftexpert.gpu_worker.backends.hybrid.options import HybridOptions
-    from ftexpert.gpu_worker.assembly.attached_backends import make_attached_expert_backend
-    from ftexpert.gpu_worker.assembly.device import resolve_device
-    from ftexpert.gpu_worker.assembly.loader import open_model_source
-    from ftexpert.gpu_worker.models.architectures import make_model
-    from ftexpert.gpu_worker.backends.offload.prefetch import attach_prefetch
+    from ftexpert.gpu_worker.assembly.build import Attachment, build_engine    # lazy: torch loads from here on
 
-    device = resolve_device(opts.device)
-    source = open_model_source(opts.model, opts.preset, dtype=opts.dtype, device=device,
-                               expert_format=opts.expert_format)
-    experts = make_attached_expert_backend(opts.moe_strategy, source.experts, device,
-                                           store_name=opts.store_name or welcome.store_name,
-                                           cpu_channels=welcome.cpu_channels, cache_size=opts.moe_cache_size,
-                                           hybrid=HybridOptions(reserve_cpus=opts.reserve_cpus),
-                                           freq_weight=opts.eviction_freq_weight,
-                                           freq_half_life=opts.eviction_freq_half_life)
-    try:
-        dense = source.load_dense(device)
-        cfg = source.cfg
-        model = make_model(cfg, dense, experts, max_positions=min(32768, cfg.max_position_embeddings))
-        attach_prefetch(model, opts.prefetch)
-        engine = Engine(model, EngineConfig(max_running_requests=opts.max_running_requests,
-                                            max_context_tokens=opts.max_context_tokens,
-                                            slot_audit_every=opts.slot_audit_every,
-                                            prefill_chunk_tokens=opts.prefill_chunk_tokens,
-                                            overlap_decode=opts.overlap_decode), source.eos_token_ids)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-    except BaseException:
-        _close(experts)
-        raise
+    spec = welcome.spec
+    store = opts.store_name or welcome.store_name
+    attachment = Attachment(store, tuple(welcome.cpu_channels)) if store else None
+    built = build_engine(spec, attachment=attachment, process_name=f"GPU worker {opts.name}")
+    engine, device = built.engine, built.device
     gpu_name = torch.cuda.get_device_name(device) if device.type == "cuda" else ""
-    ready = em.Ready(welcome.session, os.getpid(), str(device), gpu_name, cfg.vocab_size, engine.max_context_tokens,
-                     engine.config.max_running_requests, type(experts).__name__, time.perf_counter() - t0)
-    log.info("loaded %s on %s (%s experts) in %.1f s", source.description, device, type(experts).__name__,
+    ready = em.Ready(welcome.session, os.getpid(), str(device), gpu_name, built.source.cfg.vocab_size,
+                     engine.max_context_tokens, engine.config.max_running_requests, type(built.experts).__name__,
+                     built.load_time_s)
+    log.info("loaded %s on %s (%s experts) in %.1f s", built.source.description, device, type(built.experts).__name__,
              ready.load_time_s)
-    return LoadedEngine(engine, ready, experts)
+    return LoadedEngine(built, ready)
 
 
-def pin_to_reserved_cpus(opts: GpuWorkerOptions) -> tuple[int, ...] | None:
-    """cpu/hybrid: pin this process (every thread) to the reserved CPUs the CPU workers keep off
-    (HybridOptions.pin_driving_process). Its CPU workers are the coordinator's children, not ours, so
-    nothing inherits the narrowed mask; a restarted GPU worker starts from its starter's affinity again."""
-    if opts.moe_strategy not in em.CPU_POOL_STRATEGIES:
-        return None
-    from ftexpert.gpu_worker.backends.hybrid.options import HybridOptions
-
-    return HybridOptions(reserve_cpus=opts.reserve_cpus, pin_gpu_worker=opts.pin_gpu_worker).pin_driving_process(
-        f"GPU worker {opts.name}")
-
-
-def _close(experts: "ExpertBackend") -> None:
+def _close(built: "BuiltEngine") -> None:
     try:
-        experts.close()
+        built.close()
     except Exception:  # noqa: BLE001 - exiting anyway
         log.exception("closing the expert backend failed")
 
@@ -238,27 +181,24 @@ def run_gpu_worker(opts: GpuWorkerOptions) -> int:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
     else:
         signal.signal(signal.SIGINT, lambda *_: inbox.put(LocalStop("SIGINT", drain=True)))
-    config = opts.engine_config()
-    config_hash = em.engine_config_hash(config)
     supervisor = _SupervisorBridge(inbox) if supervised else None
     notifier = process_notifier()               # systemd (ft-gpu-worker@.service): READY=1, STATUS=, WATCHDOG=1
     link: CoordinatorLink | None = None
     loaded: LoadedEngine | None = None
     try:
         if supervisor is not None:
-            supervisor.hello(config_hash)
+            supervisor.hello(em.gpu_worker_supervisor_hash())
         key_file = link_auth.key_file_for(opts.engine_addr, opts.key_file)
         link = CoordinatorLink(opts.engine_addr, f"{opts.name}-{os.getpid()}".encode(), inbox)
         link.start()
         notifier.status(f"saying HELLO to the coordinator at {opts.engine_addr}")
-        hello = em.Hello(opts.name, os.getpid(), em.ENGINE_PROTOCOL_VERSION, config_hash, em.config_json(config), b"")
+        hello = em.Hello(opts.name, os.getpid(), em.ENGINE_PROTOCOL_VERSION, b"")
         welcome = say_hello(link, inbox, hello, opts.handshake_timeout_s, key_file)
         if welcome is None:
             return 0
         log.info("WELCOME from the coordinator (pid %d, session %d)", welcome.coordinator_pid, welcome.session)
         notifier.status(f"loading the model (session {welcome.session})")
         loaded = load_engine(opts, welcome)
-        pin_to_reserved_cpus(opts)             # after loading, which uses every core it may
         link.send(loaded.ready)
         if supervisor is not None:
             supervisor.ready()
@@ -280,4 +220,4 @@ def run_gpu_worker(opts: GpuWorkerOptions) -> int:
         if link is not None:
             link.stop()
         if loaded is not None:
-            _close(loaded.experts)
+            _close(loaded.built)

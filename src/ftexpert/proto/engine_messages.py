@@ -7,11 +7,12 @@ msgpack map]`` (proto/typed_messages.py). Prompt token ids travel as packed litt
     worker                                         coordinator
     KNOCK (nonce, protocol)                     ->                  resent every HELLO_RESEND_S until answered
                                                 <- CHALLENGE (nonces, the coordinator's proof of the key)
-    HELLO (name, pid, config hash + the config,
+    HELLO (name, pid, protocol,
            the worker's proof of the key)       ->
-                                                <- WELCOME (session, store name, CPU channels, timings)
-                                                   or REJECT ("not authorized", or which fields differ)
-    ... loads the model (heartbeats flow) ...
+                                                <- WELCOME (session, store name, CPU channels, timings,
+                                                   the engine spec to build) or REJECT ("not authorized",
+                                                   another protocol, or a second live worker)
+    ... builds the engine the spec describes (heartbeats flow) ...
     READY (facts: device, vocab, context, ...)  ->
                                                 <- ADD_REQUEST / ABORT / SET_POLICY / DRAIN / SHUTDOWN
     TOKEN_BATCH (one per engine step)           ->
@@ -22,8 +23,8 @@ msgpack map]`` (proto/typed_messages.py). Prompt token ids travel as packed litt
     ERROR (fatal or not)                        ->
 
 KNOCK / CHALLENGE / HELLO's proof is proto/link_auth.py: a peer without the run's key learns nothing, not
-even a config hash. The config hash covers what both sides must agree on (engine_config below); it is also the hash the
-GPU worker sends on the supervisor link when the coordinator started it.
+even the engine spec. The worker has no engine settings of its own: WELCOME carries the whole `EngineSpec`
+(proto/engine_spec.py) the coordinator resolved from its flags and FREETOKEN_* knobs, so the two cannot disagree.
 """
 from __future__ import annotations
 
@@ -35,18 +36,18 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from ftexpert.proto.engine_spec import EngineSpec
 from ftexpert.proto.sampling_params import SamplingParams
 from ftexpert.proto.typed_messages import MessageCodec, MessageError
 
-ENGINE_PROTOCOL_VERSION = 3
+ENGINE_PROTOCOL_VERSION = 4
 HELLO_RESEND_S = 2.0                     # worker: resend HELLO until WELCOME (the coordinator may start later)
 DEFAULT_HEARTBEAT_INTERVAL_S = 1.0
 DEFAULT_PEER_TIMEOUT_S = 10.0            # silence after which either side declares the other gone
 STATS_INTERVAL_S = 0.1
-CPU_POOL_STRATEGIES = ("cpu", "hybrid")    # strategies whose misses CPU expert workers compute
 
-__all__ = ["MessageError", "SamplingParams", "CODEC", "encode", "decode", "engine_config", "engine_config_hash",
-           "config_diff", "flatten_stats", "pack_token_ids", "unpack_token_ids"]
+__all__ = ["MessageError", "SamplingParams", "CODEC", "encode", "decode", "spec_hash", "flatten_stats",
+           "pack_token_ids", "unpack_token_ids"]
 
 
 # ---------------------------------------------------------------- handshake
@@ -69,8 +70,6 @@ class Hello:
     name: str                 # e.g. "gpu0"
     pid: int
     protocol_version: int
-    config_hash: str
-    config_json: str          # the hashed config itself, so a mismatch can name the fields that differ
     proof: bytes              # link_auth.prove(key, WORKER, challenge nonce, worker nonce, ZMQ identity)
 
 
@@ -82,6 +81,7 @@ class Welcome:
     cpu_channels: list[str]   # CPU expert workers' channel segments (cpu / hybrid strategies)
     heartbeat_interval_s: float
     peer_timeout_s: float
+    spec: EngineSpec          # the engine to build, resolved by the coordinator from its flags and knobs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -235,57 +235,13 @@ def unpack_token_ids(data: bytes) -> list[int]:
     return np.frombuffer(data, dtype="<i4").tolist()
 
 
-def engine_config(*, model: str | None, preset: str | None, dtype: str, moe_strategy: str,
-                  moe_cache_size: str | None, max_running_requests: int, max_context_tokens: int | None,
-                  num_cpu_workers: int, expert_format: str = "auto") -> dict[str, Any]:
-    """What the coordinator and its GPU worker must agree on (from their command-line flags).
-    num_cpu_workers counts only for the strategies that use CPU expert workers; expert_format (--expert-format,
-    FREETOKEN_EXPERT_FORMAT) is normalised (int4 = int4-g128)."""
-    return {"protocol": ENGINE_PROTOCOL_VERSION, "model": model or "", "preset": preset or "", "dtype": dtype,
-            "expert_format": expert_format_label(expert_format),
-            "moe_strategy": moe_strategy, "moe_cache_size": "" if moe_cache_size is None else str(moe_cache_size),
-            "max_running_requests": int(max_running_requests),
-            "max_context_tokens": 0 if max_context_tokens is None else int(max_context_tokens),
-            "num_cpu_workers": int(num_cpu_workers) if moe_strategy in CPU_POOL_STRATEGIES else 0}
+def spec_hash(spec_wire: dict[str, Any]) -> str:
+    """Short, stable hash of an engine spec's agreed part (for logs and the supervisor's HELLO)."""
+    text = json.dumps({"protocol": ENGINE_PROTOCOL_VERSION, **spec_wire}, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()[:16]
 
 
-def expert_format_label(text: str | None) -> str:
-    """An --expert-format value as the engine config holds it: auto, or the format's label (int4 -> int4-g128)."""
-    if text is None or str(text).strip().lower() in ("", "auto"):
-        return "auto"
-    from ftexpert.proto.expert_format import ExpertFormat
-    return ExpertFormat.parse(str(text)).label
-
-
-def config_json(config: dict[str, Any]) -> str:
-    return json.dumps(config, sort_keys=True, separators=(",", ":"))
-
-
-def engine_config_hash(config: dict[str, Any]) -> str:
-    """Short, stable hash (the same function as proto.supervised_child.config_hash)."""
-    return hashlib.sha256(config_json(config).encode("utf-8")).hexdigest()[:16]
-
-
-def differing_fields(ours: dict[str, Any], theirs_json: str) -> list[str]:
-    """The names of the fields that differ (what a REJECT may tell an authenticated worker; no values, no hash)."""
-    try:
-        theirs = json.loads(theirs_json)
-    except ValueError:
-        return ["<unreadable config>"]
-    if not isinstance(theirs, dict):
-        return ["<unreadable config>"]
-    return sorted(k for k in set(ours) | set(theirs) if ours.get(k, "<absent>") != theirs.get(k, "<absent>"))
-
-
-def config_diff(ours: dict[str, Any], theirs_json: str) -> str:
-    """'field: ours=X, worker=Y; ...' for every field that differs (for error messages)."""
-    try:
-        theirs = json.loads(theirs_json)
-    except ValueError:
-        return "the worker sent no readable config"
-    if not isinstance(theirs, dict):
-        return "the worker sent no readable config"
-    keys = sorted(set(ours) | set(theirs))
-    parts = [f"{k}: coordinator={ours.get(k, '<absent>')!r}, worker={theirs.get(k, '<absent>')!r}"
-             for k in keys if ours.get(k, "<absent>") != theirs.get(k, "<absent>")]
-    return "; ".join(parts) or "the configs are equal but were hashed differently (another ft version?)"
+def gpu_worker_supervisor_hash() -> str:
+    """What a GPU worker's supervisor-link HELLO carries: it has no settings of its own before WELCOME, so its
+    protocol is what its supervisor checks."""
+    return hashlib.sha256(f"gpu-worker engine-link protocol {ENGINE_PROTOCOL_VERSION}".encode()).hexdigest()[:16]

@@ -90,7 +90,7 @@ KNOBS: tuple[Knob, ...] = (
          "them: its quantization_config, else bf16), bf16, fp8 (128x128 block scales), int4 (groups of 128; "
          "int4-g32 / int4-g64), mxfp4, nvfp4. A float checkpoint or a preset is quantized while loading (round to "
          "nearest); a quantized checkpoint is served in its format or as bf16 (dequantized). Part of the engine "
-         "config: the coordinator and its GPU worker must agree (docs/QUANTIZATION.md)",
+         "spec the GPU worker gets from its coordinator (docs/QUANTIZATION.md)",
          choices=EXPERT_FORMAT_CHOICES),
     Knob("FREETOKEN_HYBRID_FETCH_ROUND", "fetch_round", str, "split",
          "rounding of f*M to a fetch count: min-wait (finish both sides together), stochastic "

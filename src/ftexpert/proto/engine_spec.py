@@ -1,0 +1,182 @@
+"""`EngineSpec`: everything that shapes an engine, resolved once and handed whole to what builds it.
+
+Every entry point declares the engine's flags with `add_engine_flags` (one declaration, one type per flag)
+and turns them into a spec with `spec_from_args` (CLI flag > FREETOKEN_* variable > default, resolved here
+and nowhere else). The spec then travels unchanged: `ft generate` and `ft serve --workers inline` give it to
+`gpu_worker.api.build_engine`; `ft serve` (process mode) sends it to its GPU worker in the engine link's
+WELCOME (a typed field of the message: proto/engine_messages.py), and the worker builds the same engine from
+it, so the two cannot disagree.
+
+No torch here: the coordinator resolves the spec before any worker exists.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from ftexpert.proto.knobs import KNOBS_BY_FIELD, add_cli_flag, positive_int_flag, resolve
+
+STRATEGIES = ("resident", "offload", "cpu", "hybrid")
+CPU_POOL_STRATEGIES = ("cpu", "hybrid")           # strategies whose misses CPU expert workers compute
+DEVICES = ("auto", "cpu", "cuda")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+DEFAULT_MAX_RUNNING_REQUESTS = 8
+
+# the FREETOKEN_* knobs that are engine settings (proto/knobs.py holds their types, defaults and help)
+ENGINE_KNOBS = ("expert_format", "overlap_decode", "eviction_freq_weight", "eviction_freq_half_life",
+                "pin_gpu_worker", "moe_slot_audit", "pdl", "moe_prefetch", "moe_prefetch_budget", "moe_prefetch_k",
+                "moe_prefetch_verify")
+
+
+class SpecError(ValueError):
+    """An engine spec that cannot be built: the message names the field and what to do."""
+
+
+def cache_size_flag(raw: str) -> str:
+    """--moe-cache-size, checked and kept as text: a slot count ("256", an int >= 1) or a fraction of all experts
+    in (0, 1] ("0.25", with its point: "1" is one slot, "1.0" all of them)."""
+    text = raw.strip()
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a slot count or a fraction in (0, 1], got {raw!r}") from None
+    if "." not in text and value.is_integer() and value >= 1:
+        return str(int(value))
+    if "." in text and 0 < value <= 1:
+        return repr(value)
+    raise argparse.ArgumentTypeError(f"expected a slot count >= 1 or a fraction in (0, 1] (with its decimal "
+                                     f"point), got {raw!r}")
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    # the model
+    model: str | None = None                    # checkpoint directory (absolute once resolved); None: preset / tiny
+    preset: str | None = None                   # random weights of a real model's shape
+    seed_weights: int = 0                       # the preset's weight seed
+    device: str = "auto"
+    dtype: str = "auto"
+    expert_format: str = "auto"                 # auto, or an expert format label (int4 -> int4-g128)
+    # the experts
+    moe_strategy: str = "resident"
+    moe_cache_size: str | None = None           # GPU expert slots: a count "256" or a fraction "0.25" (cache_size_flag)
+    num_cpu_workers: int = 0                    # cpu / hybrid: CPU expert workers (0: one per NUMA node)
+    reserve_cpus: str | None = None             # cpu / hybrid: CPUs the CPU workers keep off
+    pin_gpu_worker: str = "on"                  # cpu / hybrid: the engine's process pins itself to those
+    eviction_freq_weight: int = 0
+    eviction_freq_half_life: int = 3072
+    moe_prefetch: str = "off"                   # the lookahead prefetch (docs/PREFETCH.md)
+    moe_prefetch_budget: int = 4
+    moe_prefetch_k: int = 16
+    moe_prefetch_verify: str = "off"
+    # the engine
+    max_running_requests: int = DEFAULT_MAX_RUNNING_REQUESTS
+    max_context_tokens: int | None = None       # None: the model's, at most 32768
+    prefill_chunk_tokens: int | None = None     # None: the engine's default for the backend
+    overlap_decode: str = "auto"
+    moe_slot_audit: int = 0                     # check the slot cache every N steps (0: never)
+    pdl: str = "auto"
+
+    def __post_init__(self) -> None:
+        try:                                       # auto, or the format's label (int4 -> int4-g128)
+            object.__setattr__(self, "expert_format", KNOBS_BY_FIELD["expert_format"].parse(self.expert_format))
+        except ValueError as exc:
+            raise SpecError(f"expert_format={self.expert_format!r}: {exc}") from None
+        for name, allowed in (("moe_strategy", STRATEGIES), ("device", DEVICES), ("dtype", DTYPES)):
+            if getattr(self, name) not in allowed:
+                raise SpecError(f"{name}={getattr(self, name)!r} is not one of {', '.join(allowed)}")
+        if self.max_running_requests < 1:
+            raise SpecError(f"max_running_requests={self.max_running_requests} must be >= 1")
+        for name in ("max_context_tokens", "prefill_chunk_tokens"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise SpecError(f"{name}={value} must be >= 1 (or unset for the default)")
+        if self.moe_cache_size is not None:
+            try:
+                cache_size_flag(self.moe_cache_size)
+            except argparse.ArgumentTypeError as exc:
+                raise SpecError(f"moe_cache_size: {exc}") from None
+        if self.num_cpu_workers < 0:
+            raise SpecError(f"num_cpu_workers={self.num_cpu_workers} must be >= 0 (0: one per NUMA node)")
+        if (self.moe_prefetch != "off" or self.moe_prefetch_verify != "off") and self.moe_strategy == "resident":
+            raise SpecError(f"--moe-prefetch / --moe-prefetch-verify need a slot cache (--moe-strategy offload, cpu "
+                            f"or hybrid), not {self.moe_strategy}")
+
+    @property
+    def uses_cpu_pool(self) -> bool:
+        return self.moe_strategy in CPU_POOL_STRATEGIES
+
+    @property
+    def overlap(self) -> bool | None:
+        """EngineConfig.overlap_decode: None = on where the device supports it."""
+        return None if self.overlap_decode == "auto" else self.overlap_decode == "on"
+
+    def to_wire(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def add_engine_flags(parser: argparse.ArgumentParser, *,
+                     max_running_requests: int = DEFAULT_MAX_RUNNING_REQUESTS) -> None:
+    """The engine's flags, declared once for `ft serve`, `ft generate` and the benches (`max_running_requests`:
+    this command's default: 1 for `ft generate`'s one request)."""
+    model = parser.add_argument_group("model")
+    model.add_argument("--model", default=None, metavar="DIR", help="model directory (Hugging Face layout); "
+                       "default: the embedded default model, a small MoE trained on the bundled corpus")
+    model.add_argument("--preset", default=None, help="model preset (random weights of a real model's shape)")
+    model.add_argument("--seed-weights", type=int, default=0, help="seed of a preset's random weights")
+    model.add_argument("--device", default="auto", choices=DEVICES, help="where the model runs (one GPU: pick "
+                       "it with CUDA_VISIBLE_DEVICES)")
+    model.add_argument("--dtype", default="auto", choices=DTYPES, help="dense weights' dtype (auto: the checkpoint's)")
+    add_cli_flag(model, "expert_format")
+    experts = parser.add_argument_group("experts")
+    experts.add_argument("--moe-strategy", default="resident", choices=STRATEGIES,
+                         help="expert backend: resident (all on the GPU), offload (misses fetched over PCIe), cpu "
+                              "(misses computed by the CPU workers), hybrid (split between the two)")
+    experts.add_argument("--moe-cache-size", type=cache_size_flag, default=None, metavar="N|FRACTION",
+                         help="GPU expert slots (offload / cpu / hybrid): a count, or a fraction of all experts "
+                              "(default 0.25)")
+    experts.add_argument("--num-cpu-workers", type=int, default=0,
+                         help="CPU expert workers for cpu / hybrid (0 = one per NUMA node or core group)")
+    experts.add_argument("--reserve-cpus", default=None, metavar="LIST",
+                         help="cpu / hybrid: CPUs the CPU workers keep off and the engine's process pins itself to "
+                              "(--pin-gpu-worker; default: 0 on machines with >= 4 CPUs)")
+    for field in ("pin_gpu_worker", "eviction_freq_weight", "eviction_freq_half_life", "moe_prefetch",
+                  "moe_prefetch_budget", "moe_prefetch_k", "moe_prefetch_verify"):
+        add_cli_flag(experts, field)
+    engine = parser.add_argument_group("engine")
+    engine.add_argument("--max-running-requests", type=positive_int_flag, default=max_running_requests,
+                        help="requests decoding together")
+    engine.add_argument("--max-context-tokens", type=positive_int_flag, default=None,
+                        help="prompt + generated tokens per request (default: the model's, at most 32768)")
+    engine.add_argument("--prefill-chunk-tokens", type=positive_int_flag, default=None,
+                        help="prompt tokens a prefill chunk takes (default: 4096; cpu/hybrid: the CPU share's token "
+                             "limit, 512); smaller chunks hold up other requests' decode steps for less time and "
+                             "need less memory, larger ones reach the first token sooner (offload: each chunk "
+                             "costs one pass over the experts)")
+    for field in ("overlap_decode", "moe_slot_audit", "pdl"):
+        add_cli_flag(engine, field)
+
+
+def spec_from_args(args: argparse.Namespace, environ: Mapping[str, str] | None = None,
+                   **overrides: Any) -> EngineSpec:
+    """The spec of parsed `add_engine_flags` flags, the FREETOKEN_* knobs resolved once (flag > env > default).
+    `overrides`: fields the caller sets itself (e.g. max_running_requests=1 for `ft generate`)."""
+    import os
+
+    resolved = resolve({k: getattr(args, k, None) for k in ENGINE_KNOBS}, environ)
+    knobs = {k: resolved[k] for k in ENGINE_KNOBS}
+    model = getattr(args, "model", None)
+    fields = dict(
+        model=os.path.abspath(model) if model else None, preset=getattr(args, "preset", None),
+        seed_weights=getattr(args, "seed_weights", 0), device=getattr(args, "device", "auto"),
+        dtype=getattr(args, "dtype", "auto"), moe_strategy=getattr(args, "moe_strategy", "resident"),
+        moe_cache_size=getattr(args, "moe_cache_size", None), num_cpu_workers=getattr(args, "num_cpu_workers", 0),
+        reserve_cpus=getattr(args, "reserve_cpus", None),
+        max_running_requests=getattr(args, "max_running_requests", DEFAULT_MAX_RUNNING_REQUESTS),
+        max_context_tokens=getattr(args, "max_context_tokens", None),
+        prefill_chunk_tokens=getattr(args, "prefill_chunk_tokens", None),
+        **knobs)
+    fields.update(overrides)
+    return EngineSpec(**fields)
