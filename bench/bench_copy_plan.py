@@ -7,11 +7,11 @@ with SM loads, so how many bytes are in flight (programs per expert, words per i
 decides whether it keeps the PCIe link as busy as the copy engine does; a decode layer copies only a
 few experts (3.6 a layer at a 25% cache of qwen3-30b-a3b), so n = 1..4 matters most.
 
-Hot and cold sources (`--source hot,cold`): `hot` copies the same few host rows in every call (what
-this script measured before the seventh session; they can stay in the host's last-level cache between
-calls); `cold` gives every call of the graph its own host rows from a pool of calls x max(n) experts
-(40 calls of 8: 3.0 GB), so each replay streams that many distinct bytes from host DRAM, as a decode
-step's misses do from the 58 GB expert store.
+Hot and cold sources (`--source hot,cold`): `hot` (the default) copies the same few host rows in every call
+(they can stay in the host's last-level cache between calls, so it is the best case); `cold` gives every call
+of the graph its own host rows from a pool of calls x max(n) experts (40 calls of 8: 3.0 GB), so each replay
+streams that many distinct bytes from host DRAM, as a decode step's misses do from the 58 GB expert store.
+docs/BENCHMARKS.md ("Offload decode at 10 / 25 / 50%") holds the cold figures.
 
     python bench/bench_copy_plan.py [--copies 1,2,4,8] [--chunks 64,128,256] [--blocks 2048,4096] [--warps 4,8]
         [--source hot,cold]

@@ -304,7 +304,7 @@ def main() -> int:
                              "frequency weights W > 0 (FREETOKEN_EVICTION_FREQ_WEIGHT; docs/OFFLOAD.md)")
     parser.add_argument("--freq-half-life", type=int, default=None,
                         help="with --freq-weights W > 0: layer calls between halvings of the route counts (0: never; "
-                             "default: FREETOKEN_EVICTION_FREQ_HALF_LIFE, 3072; s14-f ran before it existed, as 0)")
+                             "default: FREETOKEN_EVICTION_FREQ_HALF_LIFE, 3072)")
     parser.add_argument("--overlap-decode", default="auto",
                         help="comma-separated auto, on, off: EngineConfig.overlap_decode for every resident and offload "
                              "run (the next decode step queued before this one's tokens are read; auto: on with "

@@ -169,7 +169,7 @@ def main() -> int:
             res = measure(engine, prompt, args.runs, backend)
             res["lossless"] = res["token"] == reference[chunk][kernels[0]]
             name = f"{variant} {frac:.0%}" + (f" f={args.hybrid_fraction:g}" if hybrid else "")
-            # (a hybrid chunk the CPU shares has no PCIe-only roofline; s14-c printed one for a 256-token prompt)
+            # (a hybrid chunk the CPU shares has no PCIe-only roofline: its roofline columns show -)
             pieces = [min(chunk, args.prompt_tokens - i) for i in range(0, args.prompt_tokens, chunk)]
             as_offload = not hybrid or min(pieces) > backend.cpu_max_tokens
             roof = res["fetched"] * expert_bytes / bw if as_offload else None   # (PCIe alone)

@@ -71,6 +71,6 @@ def dead_engine_collected_mid_capture() -> tuple[list, list]:
 @pytest.mark.gpu
 def test_a_dead_engine_collected_during_a_capture_does_not_break_it():
     """No cyclic collection runs while a decode graph is captured (DecodeGraphs._capture): a dead engine's graphs
-    destroyed mid-capture would invalidate it (seen once in the seventeenth session's GPU tests)."""
+    destroyed mid-capture would invalidate it (cudaErrorStreamCaptureInvalidated)."""
     want, got = dead_engine_collected_mid_capture()
     assert got == want

@@ -76,7 +76,8 @@ def grouped_mm_expert_ffn(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights:
     route are empty groups): no per-expert launches, and no host sync up to GROUPED_MM_MAX_GROUPS groups (a
     larger pool goes in windows of that many groups, after one sync for where their rows start). A prefill chunk routes to nearly every
     expert of a layer, so the per-expert loop costs E GEMM pairs of launches and a sync a layer (~0.4 s a
-    1K-token chunk of qwen3-30b-a3b on the H200: docs/BENCHMARKS.md, thirteenth session).
+    1K-token chunk of qwen3-30b-a3b on the H200; the time to first token with these grouped GEMMs is in
+    docs/BENCHMARKS.md, "Prefill: time to first token").
 
     Rounds where the loop does: gate/up and down results in x.dtype, silu * up in x.dtype, the weighted sum
     over k in fp32 in k order. x [T, H], topk_ids/topk_weights [T, K], w13 [E, 2I, H], w2 [E, H, I] -> [T, H]

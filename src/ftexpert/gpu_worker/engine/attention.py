@@ -35,7 +35,7 @@ MIN_DECODE_BUCKET_TOKENS = 64
 ATTENTION_BACKENDS = ("auto", "sdpa", "triton")
 # Prefill attention: "auto" = the flash kernel with a lower-right causal bias object where it applies (no mask in
 # memory: late in a 32K context a 4,096-token chunk's folded bias is 2 GiB for qwen3-30b-a3b), else the folded
-# bias; "bias" = always the folded bias (what every prefill did before the fourteenth session; benchmarks, tests).
+# bias; "bias" = always the folded bias (the reference that benchmarks and tests compare the flash path with).
 PREFILL_KERNELS = ("auto", "bias")
 PREFILL_KERNEL = "auto"
 CONTEXT_WINDOW = "context"      # attend's default sliding_window: the one the context was built with

@@ -90,10 +90,11 @@ class DecodeGraphs:
         # must not change it (HybridExperts does so only in step_begin / step_end, outside the forward).
         key = self._key(static)
         graph = torch.cuda.CUDAGraph()
-        # No cyclic garbage collection while capturing: recent torch no longer collects before a capture, and a dead engine
+        # No cyclic garbage collection while capturing: torch.cuda.graph does not collect first, and a dead engine
         # (Engine <-> DecodeGraphs is a cycle) collected mid-capture destroys its graphs, a CUDA call that a
         # capture does not permit, so the capture fails ("operation not permitted when stream is capturing
-        # (function reset)", then cudaErrorStreamCaptureInvalidated; seen once in the seventeenth session's GPU tests)
+        # (function reset)", then cudaErrorStreamCaptureInvalidated; tests/gpu_worker/test_cuda_graphs_gpu.py
+        # provokes that collection mid-capture)
         collecting = gc.isenabled()
         gc.disable()
         try:

@@ -33,12 +33,12 @@ from ftexpert.gpu_worker.engine.stats import EngineStats
 
 DEFAULT_MAX_CONTEXT_TOKENS = 32768
 # Prompt tokens a prefill chunk takes unless the config or the expert backend (`preferred_prefill_chunk_tokens`:
-# HybridExperts with strategy `cpu`, whose chunks keep their CPU share) says otherwise. On the H200 (qwen3-30b-a3b, 4K prompt; docs/BENCHMARKS.md,
-# thirteenth and fourteenth sessions) resident took 0.60 / 0.20 / 0.17 s at chunks of 512 / 2048 / 4096, offload at
-# a 10% cache 8.52 / 2.13 / 1.07 s (every chunk costs one pass over the experts, whatever its length), and hybrid at
-# 25% 7.48 s in 512-token chunks with their CPU share against 1.07 s as one chunk (run as offload, with the
-# prefetch). Every backend takes the same size, so that their greedy tokens stay equal (the chunking decides the
-# prefill GEMMs' shapes). The costs: a chunk holds up the other running requests' decode steps while it runs
+# HybridExperts with strategy `cpu`, whose chunks keep their CPU share) says otherwise. On the H200 (qwen3-30b-a3b, 4K
+# prompt) resident took 0.60 / 0.20 / 0.17 s at chunks of 512 / 2048 / 4096, offload at a 10% cache 8.52 / 2.13 /
+# 1.07 s (every chunk costs one pass over the experts, whatever its length; docs/BENCHMARKS.md, "Prefill: time to
+# first token"), and hybrid at 25% 7.48 s in 512-token chunks with their CPU share against 1.07 s as one chunk (run
+# as offload, with the prefetch). Every backend takes the same size, so that their greedy tokens stay equal (the
+# chunking decides the prefill GEMMs' shapes). The costs: a chunk holds up the other running requests' decode steps while it runs
 # (~0.13 s resident at 4096); where the flash path does not apply (CPU, fp32, sliding windows) late in a long
 # context its attention bias takes G x chunk x context x 2 bytes (2 GiB for qwen3-30b-a3b at 4096 x 32K);
 # `--prefill-chunk-tokens` sets another size.

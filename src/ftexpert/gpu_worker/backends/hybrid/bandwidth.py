@@ -358,8 +358,8 @@ def shared_bandwidth(store: ExpertStore, device: torch.device, *, top_k: int, ca
             time.sleep(COPY_LEAD_S)
             if copies.error is None:
                 # The pool client spins holding the GIL; at the default 5 ms switch interval the copy thread
-                # could top its queue up only every 5 ms and the stream ran dry (first H200 run: the copies were
-                # busy ~40% of the window). A short interval while the window lasts keeps them queued.
+                # could top its queue up only every 5 ms and the stream ran dry (on the H200 at that interval the
+                # copies were busy ~40% of the window). A short interval while the window lasts keeps them queued.
                 sys.setswitchinterval(SHARED_SWITCH_INTERVAL_S)
                 call()                           # untimed: the workers went cold during the copies' lead
                 window_start = copies.mark()
