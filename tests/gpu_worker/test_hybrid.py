@@ -23,7 +23,6 @@ import pytest
 import torch
 
 from ftexpert.gpu_worker.engine import Engine, EngineConfig, SamplingParams
-from ftexpert.gpu_worker.backends.offload.slot_pool import SlotPoolAudit
 from ftexpert.gpu_worker.engine.engine import DEFAULT_PREFILL_CHUNK_TOKENS
 from ftexpert.gpu_worker.backends.hybrid import HybridExperts, HybridOptions
 from ftexpert.gpu_worker.assembly.loader import load_model
@@ -249,7 +248,7 @@ def _prefill_prefetch_case(lock: Lockstep, resident_loaded, device: str) -> None
             before = fresh(lock, strategy="hybrid", fetch_fraction=0.5, seed=5)
             backend.prefill_prefetch = prefetch
             assert run(types.SimpleNamespace(model=_with_experts(resident_loaded.model, lock))) == want
-            assert not backend._prefetched, "a layer did not wait for the experts prefetched for it"
+            assert not backend.slot_pool.prefetched, "a layer did not wait for the experts prefetched for it"
             assert not stale, f"slots that do not hold their expert after a prefill call: {stale[:4]}"
             assert backend.audit_slots(sample_slots=backend.cache.total_slots) == []
             assert_lockstep(lock)
@@ -272,7 +271,8 @@ def _prefetch_prompt_tokens(loaded) -> list[list[int]]:
 
 
 class _NoWait(dict):
-    """A `_prefetched` that never hands its events out: the layers do not wait (the GPU test's negative control)."""
+    """A slot pool's `prefetched` that never hands its events out: the layers do not wait (the GPU test's negative
+    control)."""
 
     def pop(self, key, default=None):
         return default
@@ -421,7 +421,7 @@ def handoff(request, hybrid):
 def test_the_device_handoff_gives_the_resident_tokens(hybrid, resident):
     lock = hybrid.model.experts
     with device_backend(hybrid) as backend:
-        doorbells = backend._device_doorbells
+        doorbells = backend.doorbells.by_member
         before = fresh(lock, strategy="hybrid", fetch_fraction=0.5, fetch_round="min-wait", promote=True, seed=7)
         assert set(doorbells) == {0, 1}                                # one doorbell per pool member
         assert greedy(hybrid) == resident["tokens"]
@@ -457,11 +457,11 @@ def test_split_rounding_is_min_wait_where_nothing_splits(hybrid, resident):
         assert seen.setdefault(rnd, got) == got                        # deterministic
     assert seen["split"] == seen["min-wait"] and seen["split"][2] == 0 and seen["split"][0] > 0 and seen["split"][1] > 0
     backend.set_policy(fetch_round="split")
-    host_rule = backend._unsplit_policy                                # min-wait for the host paths ...
+    host_rule = backend.split_policy.unsplit                           # min-wait for the host paths ...
     device_rule = int(backend.cache.policy[POLICY_ROUND])              # ... and floor for the device path
     backend.set_policy(fetch_round="min-wait")
     assert host_rule["round_mode"] == "min-wait" and device_rule == ROUND_MODES["split"]
-    assert backend._unsplit_policy is None and int(backend.cache.policy[POLICY_ROUND]) == ROUND_MODES["min-wait"]
+    assert backend.split_policy.unsplit is None and int(backend.cache.policy[POLICY_ROUND]) == ROUND_MODES["min-wait"]
 
 
 @interpreter_only
@@ -511,7 +511,7 @@ def hold_first_answers(backend: HybridExperts, pause_s: float = 0.1) -> None:
     after the join began: in the interpreter the answer is otherwise in the channel before the join looks,
     and the interpreter's clock (spins) records no wait."""
     for m in backend.pool.members:
-        db = backend._device_doorbell(m)
+        db = backend.doorbells.for_member(m)
         held: list[int] = []                               # the worker stopped between a ring and its join
 
         def ring(*args, m=m, db=db, ring=db.ring, held=held, **kw):
@@ -543,7 +543,7 @@ def test_the_device_path_counts_the_gpus_wait_for_the_cpu(hybrid, resident):
         hold_first_answers(backend)
         assert greedy(hybrid, prompts=PROMPTS[:1], n=4) == [resident["tokens"][0][:4]]
         counters = backend.counters()
-        waited = {m.name: backend._device_doorbells[m.index].counters()["wait_ns"] / 1e9
+        waited = {m.name: backend.doorbells.by_member[m.index].counters()["wait_ns"] / 1e9
                   for m in backend.pool.members}
     waits = {name: w["gpu_wait_s_total"] - before["cpu_workers"][name]["gpu_wait_s_total"]
              for name, w in counters["cpu_workers"].items()}
@@ -560,10 +560,10 @@ def test_graphs_are_keyed_by_the_doorbells_they_ring(hybrid):
     that rings the closed ones."""
     with device_backend(hybrid) as backend:
         first = backend.graph_key()
-        backend._close_device_doorbells()
+        backend.device_path.close_doorbells()
         closed = backend.graph_key()
         for m in backend.pool.members:
-            backend._device_doorbell(m)
+            backend.doorbells.for_member(m)
         assert closed != first and backend.graph_key() not in (first, closed)
         assert not backend.graph_safe(2)                   # CUDA graphs: on a CUDA GPU only
 
@@ -574,7 +574,7 @@ def test_the_device_handoff_on_a_cpu_needs_the_interpreter(hybrid, monkeypatch):
     with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
         HybridExperts(shared.host, CACHE_SLOTS, "cpu", shared.pool, owns_host=False, owns_pool=False,
                       device_handoff_on_cpu=True)
-    assert not shared.device_handoff and not shared._device_doorbells        # the module's: the host hand-off
+    assert not shared.device_handoff and not shared.doorbells.by_member     # the module's: the host hand-off
 
 
 def test_prefill_only_traffic_readmits_a_restarted_worker(hybrid, resident, handoff):
@@ -640,7 +640,7 @@ def test_a_worker_fault_mid_generation_falls_back_then_readmits(hybrid, resident
     if sig == signal.SIGSTOP:                # killed by the pool for missing its deadline
         assert victim.kills_total >= 1
     if handoff == "device":                  # the join kernel gave up (abort word or its own deadline)
-        assert backend._device_doorbells[victim.index].counters()["failed"] >= 1
+        assert backend.doorbells.by_member[victim.index].counters()["failed"] >= 1
     # the restarted worker maps the same store: same segment, same bytes, nothing reloaded
     assert os.stat(store_path).st_ino == inode and torch.equal(backend.host.layers[0], layer0)
     # after re-admission the restarted worker computes again
@@ -651,7 +651,7 @@ def test_a_worker_fault_mid_generation_falls_back_then_readmits(hybrid, resident
     assert (backend.counters()["cpu_workers"][victim.name]["triples_total"]
             > before2["cpu_workers"][victim.name]["triples_total"])
     if handoff == "device":
-        assert backend._device_doorbells[victim.index].failure() == 0
+        assert backend.doorbells.by_member[victim.index].failure() == 0
     assert time.monotonic() - t0 < RESTART_TIMEOUT_S
 
 
@@ -689,7 +689,7 @@ def test_gpu_hybrid_and_cpu_match_resident_and_survive_a_sigkill(tiny_cache, str
         assert all(w["gpu_wait_s_total"] > 0 for w in c["cpu_workers"].values())
         # one 24-token prefill chunk: 48 routes, more than the device path takes, so the host hand-off
         prompt = list(PROMPTS[0]) + list(PROMPTS[1]) + [1, 2, 3, 4, 5, 6]
-        assert not backend._device_sized(len(prompt) * 2)
+        assert not backend.gemm.decode_sized(len(prompt) * 2)
 
         def prefill_one(model_loaded):
             engine = Engine(model_loaded.model, EngineConfig(max_running_requests=1, max_context_tokens=128,
@@ -706,7 +706,7 @@ def test_gpu_hybrid_and_cpu_match_resident_and_survive_a_sigkill(tiny_cache, str
         assert_lockstep(lock)
         assert seen["fell_back_at_token"] < seen["readmitted_at_token"] < FAULT_TOKENS
         assert backend.counters()["fallbacks_total"] >= 1 and torch.isfinite(backend.slots).all()
-        assert backend._device_doorbells[1].counters()["failed"] >= 1
+        assert backend.doorbells.by_member[1].counters()["failed"] >= 1
     finally:
         backend.close()
 
@@ -754,13 +754,13 @@ def test_gpu_prefill_run_as_offload_streams_the_next_layers_experts(tiny_cache):
         # The same with the prefetch copies held back on the copy stream (~20 ms a layer), and no sync between
         # layers: only the wait on their event keeps the next layer's GEMMs from reading the slots early.
         want = _prefetch_prompt_tokens(resident_loaded)
-        queue = backend._queue_prefetch_copies
+        queue = backend.host_path._queue_prefetch_copies
 
         def delayed(*args):
             torch.cuda._sleep(40_000_000)
             queue(*args)
 
-        backend._queue_prefetch_copies = delayed
+        backend.host_path._queue_prefetch_copies = delayed
         model = types.SimpleNamespace(model=_with_experts(resident_loaded.model, lock))
         backend.cpu_max_tokens = 4
         before = fresh(lock, strategy="hybrid", fetch_fraction=0.5, seed=5)
@@ -769,7 +769,7 @@ def test_gpu_prefill_run_as_offload_streams_the_next_layers_experts(tiny_cache):
         assert_lockstep(lock)
         assert delta(backend, before, "experts_prefetched_total") > 0
         # negative control: without the wait the delayed copies are read early, and Lockstep sees it
-        backend._prefetched = _NoWait()
+        backend.slot_pool.prefetched = _NoWait()
         fresh(lock, strategy="hybrid", fetch_fraction=0.5, seed=5)
         backend.slots.zero_()
         _prefetch_prompt_tokens(model)
@@ -802,8 +802,8 @@ def test_gpu_a_failed_host_call_leaves_the_device_hand_off_in_step(tiny_cache, r
     lock = Lockstep(backend, resident_loaded.model.experts)
     loaded.model.experts = lock
     try:
-        assert not backend._device_sized(len(long) * 2) and backend._device_sized(len(PROMPTS[0]) * 2)
-        real, calls = backend._copy, [0]
+        assert not backend.gemm.decode_sized(len(long) * 2) and backend.gemm.decode_sized(len(PROMPTS[0]) * 2)
+        real, calls = backend.host_path._copy, [0]
 
         def failing(*args, **kwargs):
             calls[0] += 1
@@ -811,16 +811,16 @@ def test_gpu_a_failed_host_call_leaves_the_device_hand_off_in_step(tiny_cache, r
                 raise RuntimeError("injected failure after the CPU share was handed over")
             return real(*args, **kwargs)
 
-        backend._copy = failing
+        backend.host_path._copy = failing
         if not resync:              # the guard as it was before the review: cache emptied, shares drained, no re-sync
             def forget(exc):
-                SlotPoolAudit.forget_slots_after_error(backend, exc)
+                backend.slot_pool.forget_after_error(exc, backend.stats)
                 backend.pool.drain()
             backend.forget_slots_after_error = forget
         with pytest.raises(RuntimeError, match="injected failure"):
             run(loaded, long)
-        del backend._copy
-        assert backend.stats.resets_after_error == 1 and bool(backend._resync) != resync
+        del backend.host_path._copy
+        assert backend.stats.resets_after_error == 1 and bool(backend.doorbells.stale) != resync
         lock.max_rel_diff, lock.calls = 0.0, 0
         got = run(loaded, PROMPTS[0])
         c = backend.counters()

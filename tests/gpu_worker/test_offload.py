@@ -328,7 +328,7 @@ def _prefill_prefetch_case(device: str, monkeypatch):
             assert run(loaded) == want
             assert not wrong, f"MoE outputs that disagree with the host weights: {wrong[:5]}"
             assert_slots_hold_their_experts(backend)
-            assert not backend._prefetched, "a layer did not wait for the experts prefetched for it"
+            assert not backend.slot_pool.prefetched, "a layer did not wait for the experts prefetched for it"
             stats[prefetch] = backend.refresh_stats()
         finally:
             backend.close()
@@ -381,8 +381,8 @@ def test_a_call_that_raises_after_ensure_leaves_no_slot_mapped_without_its_bytes
     backend = loaded.model.experts
     try:
         # offload copies decode-sized calls through its DecodeCopy, prefill chunks through copy_missing; hybrid
-        # through _copy: fail the copies of the 3rd layer call
-        obj, method = ((backend, "_copy") if strategy == "hybrid" else (backend.copy, "run") if chunk == 4
+        # through its host path's _copy: fail the copies of the 3rd layer call
+        obj, method = ((backend.host_path, "_copy") if strategy == "hybrid" else (backend.copy, "run") if chunk == 4
                        else (backend, "copy_missing"))
         calls = _fail_once(monkeypatch, obj, method, at_call=3)
         with pytest.raises(RuntimeError, match="injected failure"):

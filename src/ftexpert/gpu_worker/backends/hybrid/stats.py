@@ -4,7 +4,7 @@ All counters are cumulative (the coordinator takes differences between snapshots
 docs/CONTROL_PLANE.md "Engine telemetry"). Times on the GPU side come from CUDA events resolved
 lazily (`StreamTimer.resolve`, no sync on the hot path); on a CPU device they are host wall times.
 The device hand-off has no events inside its graphs: its join kernels time their own waits (the
-GPU's global timer), folded in by HybridExperts.counters().
+GPU's global timer), folded in by DevicePath.fold_counters (device_path.py) between steps.
 """
 from __future__ import annotations
 
@@ -57,6 +57,16 @@ class HybridStats:
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
 
+    def count_cpu(self, worker: str, experts: int, triples: int, seconds: float) -> None:
+        """Fold an answered CPU share into the per-worker and total counters."""
+        wc = self.cpu_workers[worker]
+        wc.experts_total += experts
+        wc.triples_total += triples
+        wc.time_s_total += seconds
+        self.cpu_experts_total += experts
+        self.cpu_triples_total += triples
+        self.cpu_expert_time_s_total += seconds
+
 
 MAX_PENDING = 65536        # unresolved intervals kept before StreamTimer resolves them on its own
 
@@ -85,6 +95,12 @@ class StreamTimer:
         self._pending.append((field, start, stop))
         if len(self._pending) > MAX_PENDING:      # nobody reads the counters: keep memory bounded
             self.resolve()
+
+    def wait_event(self, stream: torch.cuda.Stream, event: torch.cuda.Event, field: str) -> None:
+        """`stream` waits for `event` (CUDA), the wait timed into `field`."""
+        wait_from = self.mark(stream)
+        stream.wait_event(event)
+        self.add(field, wait_from, self.mark(stream))
 
     def resolve(self) -> None:
         """Add every pending interval to its stats field (waits for events not complete yet)."""

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ftexpert.gpu_worker.backends.expert_backend import ExpertBackend
 from ftexpert.gpu_worker.backends.expert_math import expert_rows
 from ftexpert.gpu_worker.backends.resident import GRAPH_SAFE_MODES, MODES, pick_mode
 from ftexpert.kernels.handoff import COUNT_MAX_PAIRS, COUNTERS, count_call
@@ -31,8 +32,9 @@ from ftexpert.kernels.slot_cache.api import MAX_PREFETCH_CANDIDATES
 
 from ftexpert.gpu_worker.backends.offload.decode_copy import CopyTimer, DecodeCopy
 from ftexpert.gpu_worker.backends.offload.host_store import HostExperts
-from ftexpert.gpu_worker.backends.offload.slot_pool import (SlotPoolAudit, eviction_settings, prefill_prefetch_layer,  # noqa: F401 - the hybrid
-                        resolve_cache_slots)                                        # backend imports them here
+from ftexpert.gpu_worker.backends.offload.prefetch import Lookahead, PrefetchSettings, Predictor
+from ftexpert.gpu_worker.backends.offload.slot_pool import SlotPool, eviction_settings, prefill_prefetch_layer
+from ftexpert.gpu_worker.backends.offload.verify import SlotVerifier
 
 
 @dataclass
@@ -46,8 +48,11 @@ class OffloadStats:
     resets_after_error: int = 0  # the cache emptied after a call that raised (forget_slots_after_error)
 
 
-class OffloadExperts(SlotPoolAudit):
-    """Expert backend over a GPU slot pool; see the module docstring."""
+class OffloadExperts(ExpertBackend):
+    """Expert backend over a GPU slot pool (`slot_pool`: the cache, the pool, the prefetch and the audit over them);
+    see the module docstring."""
+
+    has_slot_cache = True
 
     def __init__(self, host: HostExperts, num_slots: int, device: torch.device | str, *,
                  per_layer: bool = False, mode: str = "auto", gather_max_pairs: int = 32,
@@ -69,6 +74,7 @@ class OffloadExperts(SlotPoolAudit):
 
         self.on_cuda = self.device.type == "cuda"
         self.copy_stream = torch.cuda.Stream(device=self.device) if self.on_cuda else None
+        self.slot_pool = SlotPool(self.cache, self.slots, self.host.layers, self.device, self.copy_stream)
         if self.on_cuda:
             self._plan_host = torch.empty(3 + 4 * num_slots, dtype=torch.int32, pin_memory=True)
         self.timer = CopyTimer(self.num_layers, self.on_cuda)
@@ -76,8 +82,7 @@ class OffloadExperts(SlotPoolAudit):
                                split=split_copy, timer=self.timer)
         self.stats = OffloadStats()
         self._host_counts = [0, 0, 0]      # [fetched, misses, calls] of the DMA path's calls
-        # prefill prefetch: layer -> event after its experts' copies (the layer's GEMMs wait on it)
-        self._prefetched: dict[int, torch.cuda.Event] = {}
+        # prefill prefetch: slot_pool.prefetched, layer -> event after its experts' copies (its GEMMs wait on it)
         self._candidates = torch.arange(min(self.num_experts, MAX_PREFETCH_CANDIDATES),
                                         dtype=torch.int64, device=self.device)
         # counts on the device (no host sync): [fetched, distinct misses, calls, ...], the layout of
@@ -97,8 +102,32 @@ class OffloadExperts(SlotPoolAudit):
     def kernel_impl(self, value: str) -> None:
         self.copy.kernel_impl = value
 
+    @property
+    def lookahead(self) -> Lookahead | None:
+        """The lookahead prefetch (slot_pool's; set_prefetch)."""
+        return self.slot_pool.lookahead
+
+    @property
+    def verifier(self) -> SlotVerifier | None:
+        """FREETOKEN_MOE_PREFETCH_VERIFY's checker (slot_pool's; None: off)."""
+        return self.slot_pool.verifier
+
     def _decode_sized(self, num_pairs: int) -> bool:
         return num_pairs <= self.gather_max_pairs
+
+    def forward(self, layer_idx: int, x: torch.Tensor, topk_ids: torch.Tensor,
+                topk_weights: torch.Tensor) -> torch.Tensor:
+        """`_forward`; if it raises, no slot mapped by this call may be read before its copy lands
+        (`forget_slots_after_error`)."""
+        try:
+            return self._forward(layer_idx, x, topk_ids, topk_weights)
+        except BaseException as exc:
+            self.forget_slots_after_error(exc)
+            raise
+
+    def forget_slots_after_error(self, exc: BaseException) -> None:
+        """SlotPool.forget_after_error: the side streams joined, the cache emptied."""
+        self.slot_pool.forget_after_error(exc, self.stats)
 
     def _forward(self, layer_idx: int, x: torch.Tensor, topk_ids: torch.Tensor,
                  topk_weights: torch.Tensor) -> torch.Tensor:
@@ -112,19 +141,19 @@ class OffloadExperts(SlotPoolAudit):
         ensure(self.cache, layer_idx, slot_ids, fetch_fraction=1.0, check_ids=False)
         # experts a prefill prefetched for this layer (DMA on copy_stream): the GEMMs read them and a
         # decode copy may evict them, so both wait for their event
-        ready = self._prefetched.pop(layer_idx, None)
+        ready = self.slot_pool.prefetched.pop(layer_idx, None)
         if self._decode_sized(n):
             if ready is not None:
                 torch.cuda.current_stream(self.device).wait_event(ready)
-            if la is not None:
-                la.wait(layer_idx)          # this layer's prefetch copy, before its GEMMs and the next install
-                la.install(layer_idx)       # the next layer's prefetch, right after this ensure
-            self._verify(layer_idx, topk_ids, slot_ids)
+            # this layer's prefetch copy waited for (before its GEMMs and the next install), then the next layer's
+            # prefetch installed, right after this ensure
+            self.slot_pool.after_ensure(layer_idx)
+            self.slot_pool.verify(layer_idx, topk_ids, slot_ids)
             out = self.copy.run(layer_idx, x, slot_ids, topk_weights, mode=mode,
                                 after_fork=lambda: self._count_on_device(topk_ids))
             if la is not None:
                 la.copy(layer_idx)          # the next layer's prefetch plan, behind this demand copy
-            self._verify(layer_idx, topk_ids, slot_ids, after=True)
+            self.slot_pool.verify(layer_idx, topk_ids, slot_ids, after=True)
             return out
         self._count_on_device(topk_ids, self._dma_counts)      # the DMA path counts on the host; hits only here
         nxt = prefill_prefetch_layer(layer_idx, n, self.num_experts, self.num_layers, self.gather_max_pairs)
@@ -139,7 +168,24 @@ class OffloadExperts(SlotPoolAudit):
 
     def set_policy(self, **fields) -> None:
         """The prefetch's SetPolicy fields (`prefetch`, `prefetch_budget`); the rest has nothing to set here."""
-        self._prefetch_policy(fields)
+        self.slot_pool.prefetch_policy(fields)
+
+    def set_prefetch(self, settings: PrefetchSettings, predictor: Predictor | None) -> None:
+        """The lookahead prefetch (SlotPool.set_prefetch)."""
+        self.slot_pool.set_prefetch(settings, predictor)
+
+    def prefetch_counters(self) -> dict[str, int]:
+        return self.slot_pool.prefetch_counters()
+
+    def audit_slots(self, sample_slots: int = 0, probe_slots: int = 0, seed: int = 0) -> list[str]:
+        return self.slot_pool.audit(sample_slots, probe_slots, seed)
+
+    def reset_slots(self) -> None:
+        self.slot_pool.reset()
+
+    def side_streams(self) -> list:
+        """The copy stream and the lookahead's predictor stream (CUDA)."""
+        return self.slot_pool.side_streams()
 
     def graph_safe(self, num_pairs: int) -> bool:
         """Capturable in a CUDA graph: decode-sized calls (the device copy kernel and moe_gemv) on CUDA."""
@@ -254,7 +300,7 @@ class OffloadExperts(SlotPoolAudit):
                 host_layer, dsts, srcs = jobs[1]
                 for d, s in zip(dsts, srcs):
                     self.slots[d].copy_(host_layer[s], non_blocking=True)
-                self._prefetched[prefetch_layer] = last
+                self.slot_pool.prefetched[prefetch_layer] = last
             last.record(self.copy_stream)
         compute.wait_event(done)                   # this layer's experts; the prefetch runs on
 

@@ -1,14 +1,14 @@
 """What the backends with a GPU slot pool fed from the host expert store share (`offload`, `hybrid`): the pool's
-size from --moe-cache-size, the eviction settings, the prefill prefetch's rule, and `SlotPoolAudit`, their base
-(the slot audit, and emptying the cache after a call that raised)."""
+size from --moe-cache-size, the eviction settings, the prefill prefetch's rule, and `SlotPool`, the object each of
+them owns for its slot cache and pool (the lookahead prefetch and verifier over them, the prefill prefetch's pending
+events, the slot audit, and emptying the cache after a call that raised)."""
 from __future__ import annotations
 
 import logging
 
 import torch
 
-from ftexpert.gpu_worker.backends.expert_backend import ExpertBackend
-from ftexpert.kernels.slot_cache import audit, reset
+from ftexpert.kernels.slot_cache import SlotCache, audit, reset
 from ftexpert.proto.knobs import KNOBS_BY_FIELD
 
 from ftexpert.gpu_worker.backends.offload.prefetch import COUNTERS as PREFETCH_COUNTERS, Lookahead, PrefetchSettings, Predictor
@@ -59,28 +59,49 @@ def eviction_settings(freq_weight: int | None, freq_half_life: int | None) -> di
                                 else freq_half_life))
 
 
-class SlotPoolAudit(ExpertBackend):
-    """The base of a backend with a slot cache `cache`, its pool `slots` [S, N] and host rows `host.layers[l]`
-    [E, N]: the slot audit (FREETOKEN_MOE_SLOT_AUDIT), and `forward`, which runs the backend's `_forward` and
-    empties the cache when it raises. A subclass sets `device`, `on_cuda`, `copy_stream` (CUDA), `stats` (with
-    `resets_after_error`) and `_prefetched` (layer -> the event its prefetched experts land on)."""
+class SlotPool:
+    """A backend's slot cache `cache`, its pool `slots` [S, N] (a backend may keep rows of its own past the cache's
+    S_total: the hybrid split slot) and the host rows `host_layers[l]` [E, N] they are filled from, with what acts
+    on them besides the backend's own forward:
+    - the lookahead prefetch (`set_prefetch`, prefetch.py) and the slot verifier (verify.py);
+    - `prefetched`: layer -> the event its prefill-prefetched experts land on (None: landed already), which the
+      backend's forward of that layer pops and waits for;
+    - `audit` and `reset` (ExpertBackend's audit_slots / reset_slots);
+    - `forget_after_error`: the cache emptied after a layer call that raised.
+    copy_stream: the backend's copy stream (CUDA; None on a CPU); extra_streams: its other side streams (CUDA),
+    which `side_streams` lists after the copy stream."""
 
-    has_slot_cache = True
-    lookahead: "Lookahead | None" = None     # the lookahead prefetch (prefetch.py; set_prefetch)
-    verifier: "SlotVerifier | None" = None   # FREETOKEN_MOE_PREFETCH_VERIFY (verify.py; None: off)
+    def __init__(self, cache: SlotCache, slots: torch.Tensor, host_layers, device: torch.device,
+                 copy_stream: "torch.cuda.Stream | None", extra_streams: tuple = ()):
+        self.cache, self.slots, self.host_layers = cache, slots, host_layers
+        self.device = device
+        self.on_cuda = device.type == "cuda"
+        self.copy_stream, self.extra_streams = copy_stream, tuple(extra_streams)
+        self.lookahead: Lookahead | None = None      # the lookahead prefetch (set_prefetch)
+        self.verifier: SlotVerifier | None = None    # FREETOKEN_MOE_PREFETCH_VERIFY (None: off)
+        self.prefetched: dict[int, torch.cuda.Event | None] = {}
 
     def set_prefetch(self, settings: PrefetchSettings, predictor: Predictor | None) -> None:
         """The lookahead prefetch (docs/PREFETCH.md): `settings` (mode off | measure | on, budget, K, verify) and
         the predictor of the next layer's experts (the model's routers: RouterPredictor)."""
-        self.lookahead = Lookahead(self.cache, self.slots, self.host.layers, self.copy_stream, settings, predictor)
+        self.lookahead = Lookahead(self.cache, self.slots, self.host_layers, self.copy_stream, settings, predictor)
         self.verifier = (None if settings.verify == "off" else
-                         SlotVerifier(settings.verify, self.cache, self.slots, self.host.layers))
+                         SlotVerifier(settings.verify, self.cache, self.slots, self.host_layers))
 
-    def _verify(self, layer_idx: int, ids: torch.Tensor, slot_ids: torch.Tensor, after: bool = False) -> None:
+    def verify(self, layer_idx: int, ids: torch.Tensor, slot_ids: torch.Tensor, after: bool = False) -> None:
         """FREETOKEN_MOE_PREFETCH_VERIFY's check of a decode-sized call's routed slots (verify.py); nothing when
         off."""
         if self.verifier is not None:
             self.verifier.check(layer_idx, ids, slot_ids, after=after)
+
+    def after_ensure(self, layer_idx: int) -> bool:
+        """Right after a layer's ensure: wait for its lookahead prefetch copy, install the next layer's. True when a
+        prefetch plan for layer + 1 was written (mode on)."""
+        la = self.lookahead
+        if la is None:
+            return False
+        la.wait(layer_idx)
+        return la.install(layer_idx)
 
     def prefetch_counters(self) -> dict[str, int]:
         """The prefetch's counters (prefetch.COUNTERS; zeros without a lookahead)."""
@@ -88,7 +109,7 @@ class SlotPoolAudit(ExpertBackend):
             return dict.fromkeys(PREFETCH_COUNTERS, 0)
         return self.lookahead.counters()
 
-    def _prefetch_policy(self, fields: dict) -> None:
+    def prefetch_policy(self, fields: dict) -> None:
         """The SetPolicy fields `prefetch` (mode) and `prefetch_budget` (0: unchanged), taken out of `fields`."""
         mode, budget = fields.pop("prefetch", None), fields.pop("prefetch_budget", None)
         if (mode or budget) and self.lookahead is None:
@@ -96,39 +117,31 @@ class SlotPoolAudit(ExpertBackend):
         if mode or budget:
             self.lookahead.set_policy(mode or None, budget or None)
 
-    def audit_slots(self, sample_slots: int = 0, probe_slots: int = 0, seed: int = 0) -> list[str]:
-        """ftexpert.kernels.slot_cache.audit over this backend's cache and pool: the problems found (empty: none)."""
+    def audit(self, sample_slots: int = 0, probe_slots: int = 0, seed: int = 0) -> list[str]:
+        """ftexpert.kernels.slot_cache.audit over the cache and pool: the problems found (empty: none)."""
         # the cache's slots only: a backend may keep rows of its own past them (the hybrid split slot)
-        return audit(self.cache, slots=self.slots[:self.cache.total_slots], host_layers=self.host.layers,
+        return audit(self.cache, slots=self.slots[:self.cache.total_slots], host_layers=self.host_layers,
                      sample_slots=sample_slots, probe_slots=probe_slots, seed=seed)
 
-    def reset_slots(self) -> None:
+    def reset(self) -> None:
         """Empty the slot cache in place (the pool's bytes stay, unmapped): later calls fetch again."""
         reset(self.cache)
 
     def side_streams(self) -> list:
-        """The CUDA streams besides the compute stream that this backend's copies (or hand-offs) run on."""
-        streams = [self.copy_stream] if self.on_cuda else []
+        """The CUDA streams besides the compute stream that the backend's copies (or hand-offs) run on: the copy
+        stream, the extra streams, the lookahead's predictor stream."""
+        streams = [self.copy_stream, *self.extra_streams] if self.on_cuda else []
         if self.on_cuda and self.lookahead is not None:
             streams.append(self.lookahead.predict_stream)
         return streams
 
-    def forward(self, layer_idx: int, x: torch.Tensor, topk_ids: torch.Tensor,
-                topk_weights: torch.Tensor) -> torch.Tensor:
-        """The backend's `_forward`; if it raises, no slot mapped by this call may be read before its copy lands
-        (`forget_slots_after_error`)."""
-        try:
-            return self._forward(layer_idx, x, topk_ids, topk_weights)
-        except BaseException as exc:
-            self.forget_slots_after_error(exc)
-            raise
-
-    def forget_slots_after_error(self, exc: BaseException) -> None:
+    def forget_after_error(self, exc: BaseException, stats) -> None:
         """A call that raised after its `ensure` (or `prefetch_ensure`) may leave slots mapped whose copies never ran;
         a later call would read them as hits and compute with the bytes of whatever expert was there before. So
         the cache is emptied (later calls fetch again: slower for a while, never wrong) and the next layers' pending
-        prefetch events forgotten. Nothing to undo while a CUDA graph is being captured (nothing ran); a reset that
-        fails too (a broken device context) is logged, and the call's own error is what propagates."""
+        prefetch events forgotten; `stats.resets_after_error` counts it. Nothing to undo while a CUDA graph is being
+        captured (nothing ran); a reset that fails too (a broken device context) is logged, and the call's own error
+        is what propagates."""
         if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             return
         try:
@@ -139,10 +152,10 @@ class SlotPoolAudit(ExpertBackend):
                 for stream in self.side_streams():
                     compute.wait_stream(stream)
             reset(self.cache)
-            self._prefetched.clear()
+            self.prefetched.clear()
             if self.lookahead is not None:
                 self.lookahead.join()
-            self.stats.resets_after_error += 1
+            stats.resets_after_error += 1
             log.warning("an expert call failed (%s: %s); the slot cache was emptied so that no slot mapped by it is "
                         "read before its copy lands", type(exc).__name__, exc)
         except Exception:                           # noqa: BLE001 - the original error is the one to report
