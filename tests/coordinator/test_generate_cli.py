@@ -103,10 +103,10 @@ def test_help_lists_generate(capsys):
 
 
 def test_cli_preset_choices_match_the_registry():
-    """generate_cli repeats the names (it must not import torch for --help); keep them in step."""
-    from ftexpert.coordinator.generate_cli import PRESET_CHOICES
-    from ftexpert.gpu_worker.checkpoint.presets import PRESET_NAMES
-    assert tuple(PRESET_CHOICES) == tuple(PRESET_NAMES)
+    """The engine flags repeat the names (parsing them must not import torch); keep them in step."""
+    from ftexpert.gpu_worker.checkpoint import presets
+    from ftexpert.proto import engine_spec
+    assert tuple(engine_spec.PRESET_NAMES) == tuple(presets.PRESET_NAMES)
 
 
 def test_moe_prefetch_flags_reach_the_backend_and_keep_the_tokens(capsys, monkeypatch):

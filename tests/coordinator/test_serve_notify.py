@@ -70,7 +70,7 @@ def test_ready_watchdog_and_status_for_the_coordinator_and_the_gpu_worker(tmp_pa
         time.sleep(1.0)
         coord_notify.poll()
         assert not [m for m in coord_notify.lines() if "READY=1" in m]           # no worker yet: not ready
-        worker = Proc(["worker", "gpu", "--engine-addr", addr, *TINY_ARGS], tmp_path / "worker.log",
+        worker = Proc(["worker", "gpu", "--engine-addr", addr], tmp_path / "worker.log",
                       env=worker_notify.env())
         worker_ready = worker_notify.wait_for("READY=1", 90, worker)
         ready = coord_notify.wait_for("READY=1", 30, srv)

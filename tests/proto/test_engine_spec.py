@@ -55,8 +55,8 @@ def test_flags_over_the_environment_over_the_defaults():
     ({"num_cpu_workers": -1}, "num_cpu_workers=-1 must be >= 0"),
     ({"moe_cache_size": "0"}, "moe_cache_size: expected a slot count"),
     ({"expert_format": "int5"}, "expert_format='int5'"),
-    ({"moe_prefetch": "on"}, "need a slot cache"),                 # resident has none
-    ({"moe_prefetch_verify": "meta"}, "need a slot cache"),
+    ({"moe_prefetch": "on"}, "needs a slot cache"),                 # resident has none
+    ({"moe_prefetch_verify": "meta"}, "needs a slot cache"),
 ])
 def test_a_spec_that_cannot_be_built_is_refused_naming_the_field(fields, message):
     with pytest.raises(SpecError, match=message):

@@ -22,6 +22,10 @@ STRATEGIES = ("resident", "offload", "cpu", "hybrid")
 CPU_POOL_STRATEGIES = ("cpu", "hybrid")           # strategies whose misses CPU expert workers compute
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+# --preset's choices: the names of gpu_worker/checkpoint/presets.py's registry, repeated so that parsing the flags
+# imports no torch (tests/coordinator/test_generate_cli.py keeps the two in step)
+PRESET_NAMES = ("tiny", "qwen3-30b-a3b", "olmoe-1b-7b", "mixtral-8x7b", "qwen3-next-80b-a3b", "gpt-oss-20b",
+                "gpt-oss-120b")
 DEFAULT_MAX_RUNNING_REQUESTS = 8
 
 # the FREETOKEN_* knobs that are engine settings (proto/knobs.py holds their types, defaults and help)
@@ -101,8 +105,8 @@ class EngineSpec:
         if self.num_cpu_workers < 0:
             raise SpecError(f"num_cpu_workers={self.num_cpu_workers} must be >= 0 (0: one per NUMA node)")
         if (self.moe_prefetch != "off" or self.moe_prefetch_verify != "off") and self.moe_strategy == "resident":
-            raise SpecError(f"--moe-prefetch / --moe-prefetch-verify need a slot cache (--moe-strategy offload, cpu "
-                            f"or hybrid), not {self.moe_strategy}")
+            raise SpecError(f"--moe-prefetch / --moe-prefetch-verify: the lookahead prefetch needs a slot cache "
+                            f"(--moe-strategy offload, cpu or hybrid), not {self.moe_strategy}")
 
     @property
     def uses_cpu_pool(self) -> bool:
@@ -124,7 +128,9 @@ def add_engine_flags(parser: argparse.ArgumentParser, *,
     model = parser.add_argument_group("model")
     model.add_argument("--model", default=None, metavar="DIR", help="model directory (Hugging Face layout); "
                        "default: the embedded default model, a small MoE trained on the bundled corpus")
-    model.add_argument("--preset", default=None, help="model preset (random weights of a real model's shape)")
+    model.add_argument("--preset", default=None, choices=PRESET_NAMES,
+                       help="a real model's shape with seeded random weights, made in memory; with --model, written "
+                            "to DIR first if DIR has no config.json")
     model.add_argument("--seed-weights", type=int, default=0, help="seed of a preset's random weights")
     model.add_argument("--device", default="auto", choices=DEVICES, help="where the model runs (one GPU: pick "
                        "it with CUDA_VISIBLE_DEVICES)")
