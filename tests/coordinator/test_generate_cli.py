@@ -127,3 +127,15 @@ def test_moe_prefetch_flags_reach_the_backend_and_keep_the_tokens(capsys, monkey
     assert result["experts"]["prefetch_predicted_total"] > 0 and result["experts"]["prefetch_installed_total"] == 0
     assert main(argv) == 2
     assert "needs a slot cache" in capsys.readouterr().err
+
+
+def test_building_ft_s_parser_imports_no_torch():
+    """`ft --help`, `ft ctl ...` and every command's start build the whole parser: no subcommand module may import
+    torch (or triton) while declaring its flags; the heavy imports come when a command runs."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from ftexpert.coordinator.cli import build_parser; build_parser(); "
+            "heavy = sorted(m for m in ('torch', 'triton') if m in sys.modules); print(heavy); sys.exit(bool(heavy))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, f"building the parser imported {proc.stdout.strip()}{proc.stderr[-2000:]}"

@@ -12,7 +12,7 @@ import logging
 import queue
 import threading
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import grpc
 
@@ -26,8 +26,23 @@ from ftexpert.coordinator.tokenize_pool import TokenizerBusy
 from ftexpert.proto import control_rpc as rpc
 from ftexpert.proto.sampling_params import SamplingParams, check_prompt
 
-if TYPE_CHECKING:
-    from ftexpert.coordinator.server import CoordinatorServer
+
+
+class ControlHost(Protocol):
+    """What the control servicer needs of the server that runs it (coordinator/server.py's CoordinatorServer)."""
+    loop: asyncio.AbstractEventLoop
+    service: Any                        # engine_service.EngineService
+    policy: Any                         # policy.FetchPolicy
+    model: Any                          # openai_requests.ModelInfo
+    drain_timeout_s: float
+
+    def workers(self) -> list[dict[str, Any]]: ...
+
+    async def restart_worker(self, name: str) -> None: ...
+
+    def request_shutdown(self, drain_timeout_s: float | None = None) -> None: ...
+
+    def component_health(self) -> dict[str, bool]: ...
 
 log = logging.getLogger("ft.coordinator.grpc")
 
@@ -78,7 +93,7 @@ def _worker_message(w: dict[str, Any]) -> Any:
 
 
 class ControlServicer:
-    def __init__(self, server: "CoordinatorServer"):
+    def __init__(self, server: "ControlHost"):
         self.server = server
 
     def _run(self, coro, context, timeout_s: float = CALL_TIMEOUT_S) -> Any:
@@ -233,7 +248,7 @@ class ControlServicer:
 class HealthServicer:
     """grpc.health.v1: '' (the whole service), the Control service, and one entry per component."""
 
-    def __init__(self, server: "CoordinatorServer"):
+    def __init__(self, server: "ControlHost"):
         self.server = server
         self._stopping = threading.Event()
 
@@ -272,7 +287,7 @@ class HealthServicer:
 
 
 class GrpcServer:
-    def __init__(self, server: "CoordinatorServer", api_key: str | None, tls: Any = None):
+    def __init__(self, server: "ControlHost", api_key: str | None, tls: Any = None):
         self.tls = tls                        # coordinator.tls.TlsFiles: listen with TLS
         self.health = HealthServicer(server)
         self._server = grpc.server(concurrent.futures.ThreadPoolExecutor(max_workers=MAX_WORKERS,

@@ -1,10 +1,18 @@
 """The expert slot cache: which routed experts are on the GPU, which are fetched, which go to the CPU.
 
 Contract: docs/slot_cache.md. Misses are fetched most recently routed first (ties: the lowest id).
+The names below load on first use (PEP 562), so that `ft bench kernels`' command-line module, which lives in this
+package, does not import torch into every `ft` command that builds the parser.
 """
-from ftexpert.kernels.slot_cache.api import ensure, prefetch_ensure, raise_on_error, set_policy
-from ftexpert.kernels.slot_cache.audit import audit
-from ftexpert.kernels.slot_cache.state import ROUND_MODES, SlotCache, reset
+import importlib
 
-__all__ = ["SlotCache", "audit", "ensure", "prefetch_ensure", "reset", "set_policy", "raise_on_error",
-           "ROUND_MODES"]
+_EXPORTS = {"ensure": "api", "prefetch_ensure": "api", "raise_on_error": "api", "set_policy": "api",
+            "audit": "audit", "ROUND_MODES": "state", "SlotCache": "state", "reset": "state"}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)
