@@ -15,8 +15,9 @@ import argparse
 import os
 import sys
 
-from ftexpert.proto.knobs import add_cli_flag, positive_int_flag
+from ftexpert.proto.knobs import add_cli_flag, positive_int_flag, resolve
 from ftexpert.proto.link_auth import KEY_FILE_ENV, default_engine_addr
+from ftexpert.proto.process_setup import setup_process
 
 DEFAULT_PORT = 1919                     # `ft serve`'s default HTTP port: its default runtime directory
 
@@ -68,21 +69,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ftexpert.proto.process_setup import setup_process
-
     setup_process(f"gpu_worker[{args.name}]", expected_parent_pid=args.parent_pid, log_level=args.log_level)
-    from ftexpert.gpu_worker.worker_main import GpuWorkerOptions, run_gpu_worker   # torch is imported from here on
+    # lazy: torch is imported from here on (after the checklist; never for `ft --help`)
+    from ftexpert.gpu_worker.worker_main import GpuWorkerOptions, run_gpu_worker
 
     if args.max_running_requests < 1:
         raise ValueError("--max-running-requests must be >= 1")
-    from ftexpert.proto.knobs import resolve
-
     knobs = resolve({"pin_gpu_worker": args.pin_gpu_worker, "expert_format": args.expert_format,
                      "moe_slot_audit": args.moe_slot_audit, "pdl": args.pdl,
                      "eviction_freq_weight": args.eviction_freq_weight,
                      "eviction_freq_half_life": args.eviction_freq_half_life, "overlap_decode": args.overlap_decode,
                      **{f: getattr(args, f) for f in ("moe_prefetch", "moe_prefetch_budget", "moe_prefetch_k",
                                                       "moe_prefetch_verify")}})
+    # lazy: torch / triton, like worker_main above
     from ftexpert.gpu_worker.backends.offload.prefetch import settings_from_knobs
     from ftexpert.kernels.pdl import apply_setting
     apply_setting(knobs["pdl"], args.device)
