@@ -16,9 +16,9 @@ from ftexpert.gpu_worker.checkpoint.reader import CheckpointReader
 from ftexpert.gpu_worker.checkpoint.config import MoeConfig
 from ftexpert.gpu_worker.checkpoint.expert_layout import expert_views
 from ftexpert.gpu_worker.checkpoint.expert_sources import CheckpointExpertSource
-import ftexpert.gpu_worker.backends.resident as resident_experts
-from ftexpert.gpu_worker.backends.resident import (gemv_expert_ffn, grouped_expert_ffn, grouped_loop_expert_ffn,
-                                                grouped_mm_applies, grouped_mm_expert_ffn)
+import ftexpert.gpu_worker.backends.expert_compute as expert_compute
+from ftexpert.gpu_worker.backends.expert_compute import (gemv_expert_ffn, grouped_expert_ffn, grouped_loop_expert_ffn,
+                                                      grouped_mm_applies, grouped_mm_expert_ffn)
 from tests.gpu_worker.test_models_util import hf_model, rel_err, save_hf
 
 E, H, I = 8, 64, 32
@@ -98,7 +98,7 @@ def test_grouped_mm_path_rounds_like_the_loop_over_packed_slot_views(dtype, max_
     loop: equal up to the GEMMs' accumulation order (fp32: ~1e-6; bf16: a last bit of the x.dtype results).
     With fewer groups a call may take than the pool has slots (max_groups 16, 7: torch takes at most 1,023), the
     pool goes in windows of groups; 7 leaves windows without a route (slots 35-39 hold none here)."""
-    monkeypatch.setattr(resident_experts, "GROUPED_MM_MAX_GROUPS", max_groups)
+    monkeypatch.setattr(expert_compute, "GROUPED_MM_MAX_GROUPS", max_groups)
     slots = 40
     g = torch.Generator().manual_seed(11)
     pool = (torch.randn(slots, 3 * I * H, generator=g) * 0.1).to(dtype)
@@ -124,13 +124,13 @@ def test_grouped_mm_path_rounds_like_the_loop_over_packed_slot_views(dtype, max_
 def test_the_grouped_mode_takes_grouped_mm_where_it_applies_else_the_loop(monkeypatch):
     """On the CPU grouped_mm_applies is False: the loop; where it applies: torch._grouped_mm."""
     calls = []
-    monkeypatch.setattr(resident_experts, "grouped_mm_expert_ffn", lambda *a: calls.append("mm") or a[0])
-    monkeypatch.setattr(resident_experts, "grouped_loop_expert_ffn", lambda *a: calls.append("loop") or a[0])
+    monkeypatch.setattr(expert_compute, "grouped_mm_expert_ffn", lambda *a: calls.append("mm") or a[0])
+    monkeypatch.setattr(expert_compute, "grouped_loop_expert_ffn", lambda *a: calls.append("loop") or a[0])
     w13, w2 = random_experts()
     x, ids, weights = torch.randn(2, H), torch.zeros(2, 1, dtype=torch.int64), torch.ones(2, 1)
     assert not grouped_mm_applies(x, w13, w2)
     grouped_expert_ffn(x, ids, weights, w13, w2)
-    monkeypatch.setattr(resident_experts, "grouped_mm_applies", lambda *a: True)
+    monkeypatch.setattr(expert_compute, "grouped_mm_applies", lambda *a: True)
     grouped_expert_ffn(x, ids, weights, w13, w2)
     assert calls == ["loop", "mm"]
 
@@ -188,7 +188,7 @@ def test_gpu_grouped_mm_is_bitwise_the_same_over_an_expert_layer_and_a_slot_pool
     assert torch.equal(resident, offload)
 
 
-def test_resident_experts_modes_agree_in_bfloat16():
+def test_expert_compute_modes_agree_in_bfloat16():
     w13, w2 = random_experts(torch.bfloat16, seed=4)
     packed = [pack_experts(w13, w2)]
     layout = ExpertLayout(H, I, torch.bfloat16)

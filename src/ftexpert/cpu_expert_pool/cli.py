@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import argparse
 
+from ftexpert.proto.cpus import parse_cpulist
+from ftexpert.proto.process_setup import setup_process
+
 DEFAULT_HANDSHAKE_TIMEOUT_S = 30.0
 
 
@@ -39,14 +42,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ftexpert.proto.process_setup import setup_process
-
     setup_process(f"cpu_worker[{args.worker_index}]", expected_parent_pid=args.parent_pid,
                   log_level=args.log_level)
-    # Heavy imports only after the checklist.
+    # lazy: torch (both import it) only after the checklist, and never for `ft --help`
     from ftexpert.cpu_expert_pool.worker import WorkerOptions, WorkerSettings, run_cpu_worker
     from ftexpert.proto.cpu_channel import channel_name_for
-    from ftexpert.proto.cpus import parse_cpulist
 
     settings = WorkerSettings(kernel=args.kernel, num_threads=args.threads, spin_us=args.spin_us, hot_ms=args.hot_ms,
                               sleep_max_us=args.sleep_max_us)

@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from ftexpert.cpu_expert_pool.native.act_desc import ExpertActDesc, expert_act_desc
 from ftexpert.cpu_expert_pool.native.build import ISA_BY_NAME, ISA_NAMES, NativeLib, try_load_native
 from ftexpert.cpu_expert_pool.native.quant_desc import QuantFormatDesc, quant_format_desc
+from ftexpert.cpu_expert_pool.native_loop import NativeServeLoop
 from ftexpert.proto.expert_act import apply_act
 from ftexpert.proto.expert_format import dequantize_expert
 from ftexpert.proto.expert_store import ExpertStore
@@ -174,7 +175,6 @@ class ExpertKernel:
         torch kernel (the Python loop then serves)."""
         if self._native is None:
             return None
-        from ftexpert.cpu_expert_pool.native_loop import NativeServeLoop
         return NativeServeLoop(self._native, channel, self.store, isa=self._isa, num_threads=self.num_threads,
                                split=split, worker_index=worker_index, quant_format=self._quant, act=self._act)
 

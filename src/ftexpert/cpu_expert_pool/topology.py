@@ -22,6 +22,7 @@ import re
 from typing import TYPE_CHECKING, Iterable
 
 from ftexpert.proto.cpus import format_cpulist, parse_cpulist, set_process_affinity
+from ftexpert.proto.expert_owners import ExpertSplit
 
 if TYPE_CHECKING:
     import numpy as np
@@ -263,7 +264,6 @@ def place_store_for_workers(store: "ExpertStore", *, num_workers: int | None, re
     (discover_placements with the same count, reserved CPUs and allowed CPUs: `--allowed-cpus`, this
     process's affinity, HybridOptions.worker_flags).
     One node: nothing to do (returns 0). Returns how many experts were bound."""
-    from ftexpert.proto.expert_owners import ExpertSplit
     try:
         placements = discover_placements(num_workers=num_workers, reserved_cpus=reserved_cpus,
                                          sysfs_root=sysfs_root, allowed_cpus=allowed_cpus)

@@ -23,7 +23,7 @@ import json
 import sys
 import time
 
-from ftexpert.proto.knobs import EXPERT_FORMAT_CHOICES
+from ftexpert.proto.knobs import EXPERT_FORMAT_CHOICES, resolve
 
 DEFAULT_STORE_MIB = 2048          # experts read per run: beyond any last-level cache
 DEFAULT_CALLS = 200
@@ -53,6 +53,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    # lazy: torch and the GPU worker's modules, which `ft --help` must not import
     import torch
 
     from ftexpert.proto.bandwidth_profile import default_benchbw_path
@@ -62,7 +63,6 @@ def run(args: argparse.Namespace) -> int:
     from ftexpert.gpu_worker.backends.hybrid.options import device_name
     from ftexpert.gpu_worker.assembly.device import resolve_device
     from ftexpert.gpu_worker.assembly.loader import open_model_source
-    from ftexpert.proto.knobs import resolve
 
     device = resolve_device(args.device)
     source = open_model_source(args.model, args.preset or (None if args.model else "qwen3-30b-a3b"),

@@ -16,6 +16,7 @@ import os
 import sys
 
 from ftexpert.proto.link_auth import KEY_FILE_ENV, default_engine_addr
+from ftexpert.proto.process_setup import setup_process
 
 DEFAULT_PORT = 1919                     # `ft serve`'s default HTTP port: its default runtime directory
 
@@ -41,10 +42,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ftexpert.proto.process_setup import setup_process
-
     setup_process(f"gpu_worker[{args.name}]", expected_parent_pid=args.parent_pid, log_level=args.log_level)
-    from ftexpert.gpu_worker.worker_main import GpuWorkerOptions, run_gpu_worker   # torch is imported from here on
+    # lazy: torch is imported from here on (after the checklist; never for `ft --help`)
+    from ftexpert.gpu_worker.worker_main import GpuWorkerOptions, run_gpu_worker
 
     return run_gpu_worker(GpuWorkerOptions(engine_addr=args.engine_addr, name=args.name, store_name=args.store_name,
                                            key_file=args.engine_key_file, handshake_timeout_s=args.handshake_timeout_s,

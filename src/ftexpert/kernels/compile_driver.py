@@ -9,14 +9,17 @@ import os
 from collections.abc import Callable
 from types import ModuleType
 
+import triton
+
 from ftexpert.kernels.impl import interpreted
+from ftexpert.kernels.slot_cache.ptx_check import compile_for_arch, cubin_resources
 
 
 def cannot_compile_ahead() -> str:
     """Why kernels cannot be compiled ahead of time in this process ('' when they can)."""
     if interpreted():
         return "TRITON_INTERPRET=1 (the kernels are interpreted functions); unset it"
-    try:
+    try:        # a probe: not every triton has these
         from triton.backends.compiler import GPUTarget  # noqa: F401 (a triton that can compile ahead of time)
         from triton.compiler import ASTSource
         ASTSource.__init__.__code__.co_varnames.index("constexprs")
@@ -37,9 +40,6 @@ def run_compile_check(description: str, cases: list, kernels_module: ModuleType,
     if skip:
         print(f"SKIP: {skip}")
         return 0
-    import triton
-    from ftexpert.kernels.slot_cache.ptx_check import compile_for_arch, cubin_resources
-
     cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     failed = 0
     for name, attr, sig, consts, opts, divisible in cases:

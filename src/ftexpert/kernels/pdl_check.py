@@ -15,16 +15,19 @@ import argparse
 import re
 import sys
 
+from ftexpert.kernels.compile_driver import cannot_compile_ahead
+from ftexpert.kernels.decode_attention import triton_kernels as attn
+from ftexpert.kernels.dense_gemv import triton_kernels as gemv
+from ftexpert.kernels.dense_gemv.compile_check import _cases as gemv_cases
+from ftexpert.kernels.moe_decode import triton_kernels as moe
+from ftexpert.kernels.moe_decode.compile_check import _cases as moe_cases
+from ftexpert.kernels.pdl import _triton_has_gdc
+from ftexpert.kernels.slot_cache.ptx_check import compile_for_arch
+
 
 def _cases() -> list[tuple[str, object, dict, dict, dict, list[str], bool]]:
     """(name, kernel, signature, constexprs, compile options, 16-divisible args, loads its weights before
     the wait): every case of the two compile_check modules, as launched, and the attention kernels."""
-    from ftexpert.kernels.decode_attention import triton_kernels as attn
-    from ftexpert.kernels.dense_gemv import triton_kernels as gemv
-    from ftexpert.kernels.dense_gemv.compile_check import _cases as gemv_cases
-    from ftexpert.kernels.moe_decode import triton_kernels as moe
-    from ftexpert.kernels.moe_decode.compile_check import _cases as moe_cases
-
     picked = []
     for module, cases in ((gemv, gemv_cases()), (moe, moe_cases())):
         for name, attr, sig, consts, opts, div in cases:
@@ -90,8 +93,6 @@ def gemv_load_counts(compile_ptx) -> dict[int, int]:
     """linear_gemv's loads before the wait at T = 1, 2, 4, 16 with the same blocks. Only the weight tile may
     be read before the wait, and it does not depend on T, while every token adds loads of its x row: the
     counts must all be equal (and > 0)."""
-    from ftexpert.kernels.dense_gemv import triton_kernels as gemv
-    from ftexpert.kernels.dense_gemv.compile_check import _cases as gemv_cases
     name, attr, sig, consts, opts, div = next(c for c in gemv_cases() if c[1] == "linear_gemv_kernel")
     return {t: loads_before_wait(compile_ptx(gemv.linear_gemv_kernel, sig, {**consts, "T_PAD": t}, opts, div))
             for t in (1, 2, 4, 16)}
@@ -101,16 +102,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="the PDL wait order of the decode kernels, in their PTX")
     parser.add_argument("--arch", type=int, default=90)
     args = parser.parse_args(argv)
-    from ftexpert.kernels.compile_driver import cannot_compile_ahead
     skip = cannot_compile_ahead()
     if skip:
         print(f"SKIP: {skip}")
         return 0
-    from ftexpert.kernels.pdl import _triton_has_gdc
     if not _triton_has_gdc():
         print("SKIP: this triton has no tl.extra.cuda.gdc_wait")
         return 0
-    from ftexpert.kernels.slot_cache.ptx_check import compile_for_arch
 
     def compile_ptx(fn, sig, consts, opts, div) -> str:
         return compile_for_arch(fn, {**sig, "USE_PDL": "constexpr"}, consts, args.arch, divisible=div,

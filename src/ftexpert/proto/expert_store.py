@@ -327,8 +327,6 @@ class ExpertStore:
         (same addresses: views stay valid); the store's bytes are not touched."""
         if self._pinned:
             return True
-        import torch
-
         if not torch.cuda.is_available():
             return False
         self._seg.remap_writable()

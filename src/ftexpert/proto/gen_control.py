@@ -25,7 +25,7 @@ OUTPUT_PATH = os.path.join(PROTO_DIR, "control_descriptors.py")
 def compile_descriptor_set() -> bytes:
     """Serialized FileDescriptorSet of PROTO_FILES, compiled by grpc_tools' bundled protoc."""
     try:
-        from grpc_tools import protoc
+        from grpc_tools import protoc  # optional: grpcio-tools (the test extra)
     except ImportError as exc:  # pragma: no cover - depends on the environment
         raise RuntimeError("grpcio-tools is needed to regenerate: pip install grpcio-tools") from exc
     with tempfile.TemporaryDirectory() as tmp:

@@ -19,6 +19,8 @@ import threading
 import time
 from typing import Any
 
+import zmq
+
 log = logging.getLogger("ft.link")
 
 POLL_TICK_S = 0.1                 # longest the IO thread sleeps without calling on_tick
@@ -44,8 +46,6 @@ class LinkIO(threading.Thread):
 
     def __init__(self, name: str):
         super().__init__(name=name, daemon=True)
-        import zmq
-
         self.zmq = zmq
         self.ctx = zmq.Context.instance()
         self.sock: Any = None

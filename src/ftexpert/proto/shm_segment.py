@@ -15,6 +15,7 @@ import logging
 import mmap
 import os
 import re
+import resource
 import stat
 import struct
 from typing import Any, Iterable
@@ -340,7 +341,7 @@ def cuda_host_register(address: int, nbytes: int, *, what: str) -> bool:
     Register after the bytes are filled: registering first makes the driver touch (zero-fill) the
     pages. Raises RuntimeError naming the usual fixes when the driver refuses.
     """
-    import torch
+    import torch  # lazy: this module is torch-free (the coordinator imports it)
 
     if not torch.cuda.is_available():
         return False
@@ -350,8 +351,6 @@ def cuda_host_register(address: int, nbytes: int, *, what: str) -> bool:
     code = int(torch.cuda.cudart().cudaHostRegister(address, nbytes,
                                                     host_register_portable | host_register_mapped))
     if code != 0:
-        import resource
-
         soft, hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
         limit = "unlimited" if soft == resource.RLIM_INFINITY else f"{soft} bytes"
         try:
@@ -367,7 +366,7 @@ def cuda_host_register(address: int, nbytes: int, *, what: str) -> bool:
 
 
 def cuda_host_unregister(address: int) -> None:
-    import torch
+    import torch  # lazy: this module is torch-free (the coordinator imports it)
 
     if torch.cuda.is_available():
         torch.cuda.cudart().cudaHostUnregister(address)

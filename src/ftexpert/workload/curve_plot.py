@@ -31,7 +31,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("runs", nargs="+", type=Path)
     p.add_argument("--out", required=True, type=Path)
     args = p.parse_args(argv)
-    try:
+    try:        # optional: matplotlib (the soak extra)
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt

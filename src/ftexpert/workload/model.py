@@ -195,7 +195,7 @@ class MoeLM(nn.Module):
         """Compile each decoder layer (regional compilation: the layers share one compiled graph). Their
         many small element-wise ops bound training at these widths; fused, they cost a fraction. A layer
         that fails to compile runs eagerly (dynamo's suppress_errors)."""
-        import torch._dynamo
+        import torch._dynamo  # lazy: ~2 s to import, only when compiling (CUDA training)
 
         torch._dynamo.config.suppress_errors = True
         for layer in self.layers:

@@ -32,6 +32,7 @@ from ftexpert.workload import corpus
 from ftexpert.workload.checkpoint import META, load_checkpoint
 from ftexpert.workload.model import MoeLM
 from ftexpert.proto.routing_trace import RoutingTrace, write_trace
+from ftexpert.workload.routing_args import add_arguments
 
 CACHE_FRACTIONS = (0.10, 0.25, 0.50)
 NUM_CANDIDATES = 16
@@ -216,8 +217,6 @@ def report(model_dir: Path, tokens: int, *, trace_path: Path | None = None, json
 
 
 def main(argv: list[str] | None = None) -> int:
-    from ftexpert.workload.routing_cli import add_arguments
-
     p = argparse.ArgumentParser(prog="routing", description="Routing statistics of a checkpoint "
                                 "written by train_moe, on the corpus's held-out text.")
     add_arguments(p)

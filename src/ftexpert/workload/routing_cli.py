@@ -3,19 +3,12 @@
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", required=True, type=Path)
-    p.add_argument("--tokens", type=int, default=16384, help="held-out tokens to route (default 16384)")
-    p.add_argument("--trace", type=Path, help="also write the routing trace here")
-    p.add_argument("--json", type=Path, help="also write the statistics as JSON here")
-    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+from ftexpert.workload.routing_args import add_arguments  # the dispatcher calls routing_cli.add_arguments
 
 
 def run(args: argparse.Namespace) -> int:
-    from ftexpert.workload.routing import report
+    from ftexpert.workload.routing import report  # lazy: keeps torch out of `ft --help`
 
     if args.tokens < 2:
         raise ValueError("--tokens must be at least 2")

@@ -27,6 +27,7 @@ from ftexpert.workload.curve import Curve, curve_steps
 from ftexpert.workload.model import MoeLM, grouped_mm_available, load_balancing_loss, lm_loss, train_flops_per_token
 from ftexpert.workload.shapes import SHAPES, Shape
 from ftexpert.workload.tokenizer import train_tokenizer
+from ftexpert.workload.train_args import add_arguments, check
 
 WARM_STEPS = 3              # --minutes: steps before the timing starts (compilation, allocator warm-up)
 TIMING_STEPS = 8            # --minutes: steps timed before the step count is fixed
@@ -229,8 +230,6 @@ def _evaluate(model: MoeLM, tok, held: list[str], shape: Shape, dev, autocast, m
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    from ftexpert.workload.train_cli import add_arguments, check
-
     p = argparse.ArgumentParser(prog="train-moe", description="Train a MoE LM and write a Hugging "
                                 "Face Qwen3MoeForCausalLM checkpoint.")
     add_arguments(p)

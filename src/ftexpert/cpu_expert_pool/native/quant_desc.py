@@ -10,6 +10,7 @@ from __future__ import annotations
 import ctypes
 
 from ftexpert.cpu_expert_pool.native.act_desc import ExpertActDesc, act_address
+from ftexpert.cpu_expert_pool.native.errors import ERRORS
 from ftexpert.proto.expert_format import FP8_BLOCK, FormatError, QuantLayout
 
 FORMAT_IDS = {"fp8": 1, "int4": 2, "mxfp4": 3, "nvfp4": 4}     # quant_dots.h FMT_*
@@ -53,8 +54,6 @@ class QuantBindings:
                   split_expert: int = -1, split_limit: int = 0,
                   act: ExpertActDesc | None = None) -> tuple[int, int]:
         """NativeLib.moe_layer for a quantized store; returns (experts used, bytes read)."""
-        from ftexpert.cpu_expert_pool.native.build import ERRORS
-
         rc = self._lib.ft_moe_layer_q(ctypes.addressof(desc), isa, num_threads, layer_base, expert_stride_bytes,
                                       num_experts, hidden_size, intermediate, hidden_ptr, int(hidden_is_bf16),
                                       num_tokens, tok_ptr, expert_ptr, weight_ptr, num_triples, out_ptr,
@@ -66,8 +65,6 @@ class QuantBindings:
     def dequantize_rows(self, desc: QuantFormatDesc, isa: int, expert_ptr: int, hidden_size: int, intermediate: int,
                         matrix: str, row0: int, num_rows: int, out_ptr: int) -> None:
         """Rows [row0, row0 + num_rows) of gate / up / down, fp32 in element order, by `isa`'s decoders."""
-        from ftexpert.cpu_expert_pool.native.build import ERRORS
-
         rc = self._lib.ft_dequantize_rows(ctypes.addressof(desc), isa, expert_ptr, hidden_size, intermediate,
                                           MATRICES[matrix], row0, num_rows, out_ptr)
         if rc != 0:

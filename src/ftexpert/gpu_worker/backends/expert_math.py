@@ -6,7 +6,7 @@
     ffn(mode, x [T, H], ids [T, K], weights [T, K], *, kernel_impl, plan, between, between_down) -> [T, H]
 
 with ``mode`` resolved by `pick_mode` (gemv | grouped) and the semantics of
-resident_experts.expert_ffn / kernels.moe_decode.moe_gemv (a route at -1 adds exactly 0 in the gemv mode;
+expert_compute.expert_ffn / kernels.moe_decode.moe_gemv (a route at -1 adds exactly 0 in the gemv mode;
 ``plan`` / ``between`` / ``between_down``: the copy running beside it, gemv only).
 
 - bf16 (`Bf16Rows`): w13 / w2 views of the rows and the existing kernels (moe_gemv, the grouped GEMMs).
@@ -29,7 +29,6 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-
 import torch.nn.functional as F
 
 from ftexpert.kernels.moe_decode import CopyPlan, moe_gemv
@@ -37,6 +36,7 @@ from ftexpert.kernels.moe_decode.quant import dequantize_rows, moe_gemv_quant
 from ftexpert.proto.expert_act import ExpertAct, apply_act
 from ftexpert.proto.expert_format import FormatError
 
+from ftexpert.gpu_worker.backends.expert_compute import expert_ffn, grouped_expert_ffn
 from ftexpert.gpu_worker.checkpoint.expert_layout import ExpertLayout, bias_views, unpack_experts
 
 # Formats each path computes (a fast kernel that lacks a format narrows its entry; the references take all).
@@ -118,8 +118,6 @@ class Bf16Rows(ExpertRows):
         return self.layout.w13_numel * self.rows.element_size()
 
     def ffn(self, mode, x, ids, weights, *, kernel_impl="auto", plan=None, between=None, between_down=None):
-        from ftexpert.gpu_worker.backends.resident import expert_ffn
-
         if self.layout.act.bias:
             b13, b2 = bias_views(self.rows, self.layout)
             if mode == "gemv":                          # kernels/moe_decode's gemv takes the biases and act
@@ -142,8 +140,6 @@ class QuantRows(ExpertRows):
         self.rows, self.layout, self.quant = rows, layout, layout.quant_layout
 
     def ffn(self, mode, x, ids, weights, *, kernel_impl="auto", plan=None, between=None, between_down=None):
-        from ftexpert.gpu_worker.backends.resident import grouped_expert_ffn
-
         if x.dtype != self.layout.dtype:
             raise TypeError(f"x is {x.dtype}; these {self.layout.fmt.label} experts dequantize to {self.layout.dtype}")
         check_supported(self.layout, mode)

@@ -20,7 +20,15 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ftexpert.proto.expert_format import ExpertFormat
+
+# LINEAR_ATTENTION, FULL_ATTENTION and LinearAttentionShape are imported from here too (re-exported)
+from ftexpert.gpu_worker.checkpoint.config_fields import (DTYPE_NAMES, FULL_ATTENTION, LINEAR_ATTENTION,
+                                                          LinearAttentionShape, first_of)
+from ftexpert.gpu_worker.checkpoint.gpt_oss_config import gpt_oss_config, gpt_oss_hf_dict
 from ftexpert.gpu_worker.checkpoint.quant_config import checkpoint_expert_format
+from ftexpert.gpu_worker.checkpoint.qwen3_next_config import (check_qwen3_next, qwen3_next_fields_from_hf,
+                                                              qwen3_next_hf_fields)
 
 # HF architecture name -> our short name.
 ARCHITECTURES: dict[str, str] = {
@@ -33,40 +41,6 @@ ARCHITECTURES: dict[str, str] = {
 HF_ARCH_OF = {v: k for k, v in ARCHITECTURES.items()}
 HF_MODEL_TYPE_OF = {"qwen3": "qwen3_moe", "olmoe": "olmoe", "mixtral": "mixtral", "qwen3_next": "qwen3_next",
                     "gptoss": "gpt_oss"}
-LINEAR_ATTENTION, FULL_ATTENTION = "linear_attention", "full_attention"   # qwen3_next's layer_types
-
-DTYPE_NAMES = ("float32", "bfloat16", "float16")
-
-
-def _first(raw: dict[str, Any], *keys: str, default: Any = None) -> Any:
-    for key in keys:
-        if raw.get(key) is not None:
-            return raw[key]
-    return default
-
-
-@dataclass(frozen=True)
-class LinearAttentionShape:
-    """qwen3_next's Gated DeltaNet layers: key/value heads and head sizes, the short convolution's width."""
-    num_key_heads: int              # Hk
-    num_value_heads: int            # Hv (a multiple of Hk)
-    key_head_dim: int               # Dk
-    value_head_dim: int             # Dv
-    conv_kernel_dim: int            # the causal depthwise conv1d's kernel (4)
-
-    @property
-    def key_dim(self) -> int:
-        return self.num_key_heads * self.key_head_dim
-
-    @property
-    def value_dim(self) -> int:
-        return self.num_value_heads * self.value_head_dim
-
-    @property
-    def conv_dim(self) -> int:      # channels of the conv: q, k and v
-        return 2 * self.key_dim + self.value_dim
-
-
 @dataclass(frozen=True)
 class MoeConfig:
     arch: str                       # "qwen3" | "olmoe" | "mixtral" | "gptoss"
@@ -112,13 +86,11 @@ class MoeConfig:
             raise ValueError(f"head_dim={self.head_dim} must be even for rotary embeddings")
         if self.dtype not in DTYPE_NAMES:
             raise ValueError(f"dtype {self.dtype!r} is not supported; use one of {', '.join(DTYPE_NAMES)}")
-        from ftexpert.proto.expert_format import ExpertFormat
         object.__setattr__(self, "expert_format", ExpertFormat.parse(self.expert_format).label)
         if isinstance(self.linear_attention, dict):          # replace() passes asdict's dict
             object.__setattr__(self, "linear_attention", LinearAttentionShape(**self.linear_attention))
         object.__setattr__(self, "layer_types", tuple(self.layer_types))
         if self.arch == "qwen3_next":
-            from ftexpert.gpu_worker.checkpoint.qwen3_next_config import check_qwen3_next
             check_qwen3_next(self)
 
     @property
@@ -156,39 +128,38 @@ class MoeConfig:
                 f"{', '.join(ARCHITECTURES)} checkpoints")
         arch = ARCHITECTURES[known[0]]
         if arch == "gptoss":
-            from ftexpert.gpu_worker.checkpoint.gpt_oss_config import gpt_oss_config
             return gpt_oss_config(cls, raw, source)
         _reject_unsupported(arch, raw, source)
         hidden = int(raw["hidden_size"])
         heads = int(raw["num_attention_heads"])
         rope = raw.get("rope_parameters") or {}
         if arch in ("qwen3", "qwen3_next"):
-            experts = _first(raw, "num_experts", "num_local_experts")
+            experts = first_of(raw, "num_experts", "num_local_experts")
             inter = raw["moe_intermediate_size"]
         elif arch == "olmoe":
-            experts = _first(raw, "num_experts", "num_local_experts")
+            experts = first_of(raw, "num_experts", "num_local_experts")
             inter = raw["intermediate_size"]
         else:
-            experts = _first(raw, "num_local_experts", "num_experts")
+            experts = first_of(raw, "num_local_experts", "num_experts")
             inter = raw["intermediate_size"]
         window = raw.get("sliding_window")
         if arch == "qwen3" and not raw.get("use_sliding_window", False):
             window = None
         eos = raw.get("eos_token_id")
         eos_ids = tuple(int(e) for e in (eos if isinstance(eos, list) else [eos] if eos is not None else []))
-        dtype = str(_first(raw, "dtype", "torch_dtype", default="bfloat16")).replace("torch.", "")
+        dtype = str(first_of(raw, "dtype", "torch_dtype", default="bfloat16")).replace("torch.", "")
         quant = raw.get("quantization_config") or {}
         fmt = checkpoint_expert_format(quant, source)        # refuses a quantization it does not load
         return cls(
             arch=arch, vocab_size=int(raw["vocab_size"]), hidden_size=hidden,
             num_layers=int(raw["num_hidden_layers"]), num_heads=heads,
-            num_kv_heads=int(_first(raw, "num_key_value_heads", default=heads)),
-            head_dim=int(_first(raw, "head_dim", default=hidden // heads)),
+            num_kv_heads=int(first_of(raw, "num_key_value_heads", default=heads)),
+            head_dim=int(first_of(raw, "head_dim", default=hidden // heads)),
             num_experts=int(experts), top_k=int(raw["num_experts_per_tok"]),
             expert_intermediate_size=int(inter),
-            rms_norm_eps=float(_first(raw, "rms_norm_eps", default=1e-6)),
-            rope_theta=float(_first(rope, "rope_theta", default=_first(raw, "rope_theta", default=10000.0))),
-            max_position_embeddings=int(_first(raw, "max_position_embeddings", default=32768)),
+            rms_norm_eps=float(first_of(raw, "rms_norm_eps", default=1e-6)),
+            rope_theta=float(first_of(rope, "rope_theta", default=first_of(raw, "rope_theta", default=10000.0))),
+            max_position_embeddings=int(first_of(raw, "max_position_embeddings", default=32768)),
             norm_topk_prob=bool(raw.get("norm_topk_prob", arch == "mixtral")),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             sliding_window=int(window) if window is not None else None,
@@ -217,7 +188,6 @@ class MoeConfig:
     def to_hf_dict(self) -> dict[str, Any]:
         """A config.json that transformers and ``from_hf_dict`` both read back to this config."""
         if self.arch == "gptoss":
-            from ftexpert.gpu_worker.checkpoint.gpt_oss_config import gpt_oss_hf_dict
             return gpt_oss_hf_dict(self)
         raw: dict[str, Any] = {
             "architectures": [self.hf_architecture], "model_type": HF_MODEL_TYPE_OF[self.arch],
@@ -239,7 +209,6 @@ class MoeConfig:
         if self.quantization:
             raw["quantization_config"] = dict(self.quantization)
         if self.arch == "qwen3_next":
-            from ftexpert.gpu_worker.checkpoint.qwen3_next_config import qwen3_next_hf_fields
             raw.update(qwen3_next_hf_fields(self))
             return raw
         inter_dense = self.extra.get("intermediate_size", self.expert_intermediate_size)
@@ -259,7 +228,6 @@ class MoeConfig:
 
 
 def qwen3_next_fields(raw: dict[str, Any], source: str) -> dict[str, Any]:
-    from ftexpert.gpu_worker.checkpoint.qwen3_next_config import qwen3_next_fields_from_hf
     return qwen3_next_fields_from_hf(raw, source)
 
 

@@ -1,83 +1,24 @@
-"""The dense (non-expert) weights: embeddings, attention, norms, routers, lm head.
-
-Kept as plain tensors in dataclasses (no nn.Module): the GPU worker owns them, CUDA graphs capture
-them, and the prefetch predictor reads ``layers[l].router`` directly.
+"""The dense (non-expert) weights: embeddings, attention, norms, routers, lm head: read from a checkpoint
+(`load_dense_weights`), seeded random (`random_dense_weights`) and as a state dict (`dense_state_dict`);
+qwen3_next_weights.py does Qwen3-Next's. The containers (`DenseWeights`, `LayerWeights`) are in dense_tensors.py.
 """
 from __future__ import annotations
-
-from dataclasses import dataclass, fields
 
 import torch
 
 from ftexpert.gpu_worker.checkpoint.reader import CheckpointReader
 from ftexpert.gpu_worker.checkpoint.config import MoeConfig
+# the containers live in dense_tensors.py (qwen3_next_weights.py imports them there); imported from here too
+from ftexpert.gpu_worker.checkpoint.dense_tensors import DenseWeights, LayerWeights, fuse_qkv
 from ftexpert.gpu_worker.checkpoint.expert_sources import seeded_generator
+from ftexpert.gpu_worker.checkpoint.qwen3_next_weights import load_next_dense, next_dense_state_dict, random_next_dense
 from ftexpert.gpu_worker.checkpoint.weight_names import EMBED, FINAL_NORM, LM_HEAD, dense_layer_names, router_alt_name
-
-
-@dataclass
-class LayerWeights:
-    attn_norm: torch.Tensor          # [H]
-    q_proj: torch.Tensor             # [Hq*D, H]
-    k_proj: torch.Tensor             # [Hkv*D, H]
-    v_proj: torch.Tensor             # [Hkv*D, H]
-    o_proj: torch.Tensor             # [H, Hq*D]
-    mlp_norm: torch.Tensor           # [H]
-    router: torch.Tensor             # [E, H]
-    q_norm: torch.Tensor | None = None   # qwen3: [D]; olmoe: [Hq*D]
-    k_norm: torch.Tensor | None = None   # qwen3: [D]; olmoe: [Hkv*D]
-    # gpt-oss: projection biases (attention_bias), the router's bias [E] and the attention sinks [Hq]
-    q_bias: torch.Tensor | None = None   # [Hq*D]
-    k_bias: torch.Tensor | None = None   # [Hkv*D]
-    v_bias: torch.Tensor | None = None   # [Hkv*D]
-    o_bias: torch.Tensor | None = None   # [H]
-    router_bias: torch.Tensor | None = None   # [E]
-    sinks: torch.Tensor | None = None    # [Hq]
-    # [Hq*D + 2*Hkv*D, H] after fuse_qkv (one GEMM for q, k, v); q_proj/k_proj/v_proj are then
-    # row views of it. Never read from or written to a checkpoint.
-    qkv_proj: torch.Tensor | None = None
-
-
-@dataclass
-class DenseWeights:
-    embed: torch.Tensor              # [V, H]
-    layers: list[LayerWeights]
-    final_norm: torch.Tensor         # [H]
-    lm_head: torch.Tensor            # [V, H] (the embedding itself when tied)
-
-    @property
-    def nbytes(self) -> int:
-        seen: set[int] = set()
-        total = 0
-        tensors = [self.embed, self.final_norm, self.lm_head]
-        for layer in self.layers:
-            tensors += [getattr(layer, f.name) for f in fields(layer)]
-        for t in tensors:
-            if t is not None and t.data_ptr() not in seen:
-                seen.add(t.data_ptr())
-                total += t.numel() * t.element_size()
-        return total
-
-
-def fuse_qkv(weights: DenseWeights) -> None:
-    """Concatenate each layer's q/k/v projections into ``qkv_proj`` [Hq*D + 2*Hkv*D, H] and make
-    ``q_proj`` / ``k_proj`` / ``v_proj`` row views of it (no second copy is kept), so attention runs
-    one GEMM instead of three. Values are unchanged: checkpoints and state dicts read the views.
-    Idempotent; one layer at a time (peak extra memory: one layer's projections)."""
-    for layer in weights.layers:
-        if layer.qkv_proj is not None:
-            continue
-        sizes = [layer.q_proj.shape[0], layer.k_proj.shape[0], layer.v_proj.shape[0]]
-        qkv = torch.cat([layer.q_proj, layer.k_proj, layer.v_proj], dim=0)
-        layer.q_proj, layer.k_proj, layer.v_proj = qkv.split(sizes, dim=0)
-        layer.qkv_proj = qkv
 
 
 def load_dense_weights(reader: CheckpointReader, cfg: MoeConfig, device: torch.device | str,
                        dtype: torch.dtype) -> DenseWeights:
     """Read every dense tensor, check its shape against ``cfg``, move it to ``device`` as ``dtype``."""
     if cfg.arch == "qwen3_next":
-        from ftexpert.gpu_worker.checkpoint.qwen3_next_weights import load_next_dense
         return load_next_dense(reader, cfg, device, dtype)
     def get(name: str, shape: tuple[int, ...]) -> torch.Tensor:
         return reader.get(name, shape).to(device=device, dtype=dtype)
@@ -108,7 +49,6 @@ def random_dense_weights(cfg: MoeConfig, device: torch.device | str, dtype: torc
     order of generation; they do depend on the device kind.
     """
     if cfg.arch == "qwen3_next":
-        from ftexpert.gpu_worker.checkpoint.qwen3_next_weights import random_next_dense
         return random_next_dense(cfg, device, dtype, seed, std=std)
     def normal(shape: tuple[int, ...], *key: int) -> torch.Tensor:
         out = torch.empty(shape, device=device, dtype=dtype)
@@ -133,7 +73,6 @@ def random_dense_weights(cfg: MoeConfig, device: torch.device | str, dtype: torc
 def dense_state_dict(cfg: MoeConfig, weights: DenseWeights) -> dict[str, torch.Tensor]:
     """Hub tensor names -> tensors (for writing a checkpoint)."""
     if cfg.arch == "qwen3_next":
-        from ftexpert.gpu_worker.checkpoint.qwen3_next_weights import next_dense_state_dict
         return next_dense_state_dict(cfg, weights)
     state = {EMBED: weights.embed, FINAL_NORM: weights.final_norm}
     if not cfg.tie_word_embeddings:

@@ -15,6 +15,7 @@ from ftexpert.gpu_worker.checkpoint.reader import CheckpointError, CheckpointRea
 from ftexpert.gpu_worker.checkpoint.config import MoeConfig
 from ftexpert.gpu_worker.checkpoint.expert_layout import ExpertLayout, expert_views
 from ftexpert.gpu_worker.checkpoint.gpt_oss_config import expert_act_of
+from ftexpert.gpu_worker.checkpoint.gpt_oss_experts import fill_gpt_oss_layer
 from ftexpert.gpu_worker.checkpoint.weight_names import expert_names, fused_expert_names
 
 
@@ -55,7 +56,6 @@ class CheckpointExpertSource:
             raise ValueError(f"out has {out.shape[0]} experts, the checkpoint {self.num_experts}")
         host = out if out.device.type == "cpu" else self._staging_layer(out)
         if self.cfg.arch == "gptoss":
-            from ftexpert.gpu_worker.checkpoint.gpt_oss_experts import fill_gpt_oss_layer
             fill_gpt_oss_layer(self.reader, layer, self.num_experts, self.layout, host)
         elif self.layer_format(layer) == "hub":
             self._fill_hub(layer, host)

@@ -18,6 +18,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from ftexpert.proto.expert_act import SILU, gpt_oss_act
+
+from ftexpert.gpu_worker.checkpoint.config_fields import DTYPE_NAMES, first_of
+from ftexpert.gpu_worker.checkpoint.quant_config import checkpoint_expert_format
+
 LAYER_TYPES = ("sliding_attention", "full_attention")
 ROPE_TYPES = ("default", "yarn")
 YARN_KEYS = ("factor", "beta_fast", "beta_slow", "original_max_position_embeddings", "truncate",
@@ -89,17 +94,14 @@ def _check(source: str, raw: dict[str, Any], layers: int) -> tuple[list[str], in
 
 def gpt_oss_config(cls, raw: dict[str, Any], source: str):
     """The `MoeConfig` of a gpt-oss config.json (``cls``: MoeConfig)."""
-    from ftexpert.gpu_worker.checkpoint.config import DTYPE_NAMES, _first
-    from ftexpert.gpu_worker.checkpoint.quant_config import checkpoint_expert_format
-
     layers = int(raw["num_hidden_layers"])
     types, window, rope = _check(source, raw, layers)
     hidden, heads = int(raw["hidden_size"]), int(raw["num_attention_heads"])
-    theta = float(_first(raw.get("rope_parameters") or {}, "rope_theta",
-                         default=_first(raw, "rope_theta", default=150000.0)))
+    theta = float(first_of(raw.get("rope_parameters") or {}, "rope_theta",
+                         default=first_of(raw, "rope_theta", default=150000.0)))
     eos = raw.get("eos_token_id")
     eos_ids = tuple(int(e) for e in (eos if isinstance(eos, list) else [eos] if eos is not None else []))
-    dtype = str(_first(raw, "dtype", "torch_dtype", default="bfloat16")).replace("torch.", "")
+    dtype = str(first_of(raw, "dtype", "torch_dtype", default="bfloat16")).replace("torch.", "")
     quant = raw.get("quantization_config") or {}
     fmt = checkpoint_expert_format(quant, source)
     params = {"layer_types": types, "window": window, "rope": rope,
@@ -108,12 +110,12 @@ def gpt_oss_config(cls, raw: dict[str, Any], source: str):
               "attention_bias": bool(raw.get("attention_bias", True))}
     return cls(
         arch="gptoss", vocab_size=int(raw["vocab_size"]), hidden_size=hidden, num_layers=layers,
-        num_heads=heads, num_kv_heads=int(_first(raw, "num_key_value_heads", default=heads)),
-        head_dim=int(_first(raw, "head_dim", default=hidden // heads)),
-        num_experts=int(_first(raw, "num_local_experts", "num_experts")), top_k=int(raw["num_experts_per_tok"]),
+        num_heads=heads, num_kv_heads=int(first_of(raw, "num_key_value_heads", default=heads)),
+        head_dim=int(first_of(raw, "head_dim", default=hidden // heads)),
+        num_experts=int(first_of(raw, "num_local_experts", "num_experts")), top_k=int(raw["num_experts_per_tok"]),
         expert_intermediate_size=int(raw["intermediate_size"]),
-        rms_norm_eps=float(_first(raw, "rms_norm_eps", default=1e-5)), rope_theta=theta,
-        max_position_embeddings=int(_first(raw, "max_position_embeddings", default=131072)),
+        rms_norm_eps=float(first_of(raw, "rms_norm_eps", default=1e-5)), rope_theta=theta,
+        max_position_embeddings=int(first_of(raw, "max_position_embeddings", default=131072)),
         norm_topk_prob=True, tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
         sliding_window=None, dtype=dtype if dtype in DTYPE_NAMES else "bfloat16",
         bos_token_id=raw.get("bos_token_id"), eos_token_ids=eos_ids, pad_token_id=raw.get("pad_token_id"),
@@ -147,8 +149,6 @@ def gpt_oss_hf_dict(cfg) -> dict[str, Any]:
 
 def expert_act_of(cfg):
     """The experts' activation of ``cfg`` (proto/expert_act.py): gpt-oss's clamped SwiGLU with biases, else silu."""
-    from ftexpert.proto.expert_act import SILU, gpt_oss_act
-
     if cfg.arch != "gptoss":
         return SILU
     p = gpt_oss_params(cfg)

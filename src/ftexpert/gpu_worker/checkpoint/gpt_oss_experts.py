@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import torch
 
+from ftexpert.proto.expert_format import ExpertFormat, quantize_matrix
+
 from ftexpert.gpu_worker.checkpoint.reader import CheckpointError, CheckpointReader
 from ftexpert.gpu_worker.checkpoint.expert_layout import ExpertLayout, bias_views, expert_views
 from ftexpert.gpu_worker.checkpoint.weight_names import gpt_oss_expert_names
@@ -69,8 +71,6 @@ def gpt_oss_expert_state(layer: int, packed: torch.Tensor, layout: ExpertLayout,
                          ) -> dict[str, torch.Tensor]:
     """One layer's float expert rows [E, N] under gpt-oss's checkpoint names: transformers' unquantized layout, or
     (``mxfp4``) the hub's ``_blocks`` / ``_scales`` (proto.expert_format's round to nearest), biases either way."""
-    from ftexpert.proto.expert_format import ExpertFormat, quantize_matrix
-
     E, H, I = packed.shape[0], layout.hidden_size, layout.intermediate_size
     gu, gub, down, db = gpt_oss_expert_names(layer)
     b13, b2 = bias_views(packed, layout)

@@ -26,6 +26,7 @@ from ftexpert.gpu_worker.checkpoint.reader import CheckpointError, CheckpointRea
 from ftexpert.gpu_worker.checkpoint.config import MoeConfig
 from ftexpert.gpu_worker.checkpoint.expert_layout import ExpertLayout
 from ftexpert.gpu_worker.checkpoint.gpt_oss_config import expert_act_of
+from ftexpert.gpu_worker.checkpoint.gpt_oss_experts import fill_gpt_oss_biases
 from ftexpert.gpu_worker.checkpoint.quant_config import (CheckpointQuant, QuantCheckpointError, detect_quant_format, parse_quant_config,
                            read_checkpoint_quant)
 from ftexpert.gpu_worker.checkpoint.quant_tensors import (ct_int4_matrix, ct_nvfp4_matrix, fp8_block_matrix, gptq_matrix,
@@ -209,7 +210,6 @@ class QuantCheckpointExpertSource:
             row.zero_()                           # alignment gaps between regions are zero
             pack_expert(gate, up, down, self.quant_layout, out=row)
         if self.layout.bias_numel:                # gpt-oss: the biases at the rows' ends
-            from ftexpert.gpu_worker.checkpoint.gpt_oss_experts import fill_gpt_oss_biases
             fill_gpt_oss_biases(self.reader, layer, self.num_experts, self.layout, host)
         if host is not out:
             out.copy_(host, non_blocking=False)

@@ -3,15 +3,14 @@
 The model interleaves Gated DeltaNet (linear attention) layers with gated full attention: ``layer_types`` names
 each layer's token mixer (``full_attention_interval`` = 4 gives three linear layers, then one full, as in the
 released model). Every layer's FFN is the routed MoE plus one shared expert behind a sigmoid gate.
+
+A ``cfg`` here is a `MoeConfig` (config.py), which imports this module: the type is not imported back.
 """
 from __future__ import annotations
 
-from typing import Any, TYPE_CHECKING
+from typing import Any
 
-from ftexpert.gpu_worker.checkpoint.config import FULL_ATTENTION, LINEAR_ATTENTION, LinearAttentionShape
-
-if TYPE_CHECKING:
-    from ftexpert.gpu_worker.checkpoint.config import MoeConfig
+from ftexpert.gpu_worker.checkpoint.config_fields import FULL_ATTENTION, LINEAR_ATTENTION, LinearAttentionShape
 
 LAYER_TYPES = (LINEAR_ATTENTION, FULL_ATTENTION)
 
@@ -42,7 +41,7 @@ def qwen3_next_fields_from_hf(raw: dict[str, Any], source: str) -> dict[str, Any
                 linear_attention=linear)
 
 
-def check_qwen3_next(cfg: "MoeConfig") -> None:
+def check_qwen3_next(cfg) -> None:
     """Raise for a qwen3_next config this implementation does not compute."""
     lin = cfg.linear_attention
     if lin is None:
@@ -67,12 +66,12 @@ def check_qwen3_next(cfg: "MoeConfig") -> None:
         raise ValueError("qwen3_next with a sliding window is not supported")
 
 
-def rotary_dim(cfg: "MoeConfig") -> int:
+def rotary_dim(cfg) -> int:
     """The leading channels of each head that rotary embeddings rotate (the rest pass through)."""
     return int(cfg.head_dim * cfg.partial_rotary_factor)
 
 
-def qwen3_next_hf_fields(cfg: "MoeConfig") -> dict[str, Any]:
+def qwen3_next_hf_fields(cfg) -> dict[str, Any]:
     """The config.json fields of a qwen3_next `MoeConfig` beyond the common ones (transformers reads them back)."""
     lin = cfg.linear_attention
     return dict(

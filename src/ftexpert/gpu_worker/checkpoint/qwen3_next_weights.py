@@ -14,7 +14,7 @@ import torch
 
 from ftexpert.gpu_worker.checkpoint.reader import CheckpointError, CheckpointReader
 from ftexpert.gpu_worker.checkpoint.config import FULL_ATTENTION, LINEAR_ATTENTION, MoeConfig
-from ftexpert.gpu_worker.checkpoint.dense_weights import DenseWeights
+from ftexpert.gpu_worker.checkpoint.dense_tensors import DenseWeights
 from ftexpert.gpu_worker.checkpoint.expert_sources import seeded_generator
 from ftexpert.gpu_worker.checkpoint.weight_names import EMBED, FINAL_NORM, LM_HEAD
 

@@ -12,6 +12,7 @@ Two expert layouts exist on disk:
 from __future__ import annotations
 
 from ftexpert.gpu_worker.checkpoint.config import MoeConfig
+from ftexpert.gpu_worker.checkpoint.gpt_oss_config import gpt_oss_params
 
 EMBED = "model.embed_tokens.weight"
 FINAL_NORM = "model.norm.weight"
@@ -36,7 +37,6 @@ def dense_layer_names(cfg: MoeConfig, layer: int) -> dict[str, tuple[str, tuple[
         "router": (_moe_prefix(cfg, layer) + ".gate.weight", (cfg.num_experts, H)),
     }
     if cfg.arch == "gptoss":
-        from ftexpert.gpu_worker.checkpoint.gpt_oss_config import gpt_oss_params
         names["router"] = (p + "mlp.router.weight", (cfg.num_experts, H))
         names["router_bias"] = (p + "mlp.router.bias", (cfg.num_experts,))
         names["sinks"] = (p + "self_attn.sinks", (cfg.num_heads,))

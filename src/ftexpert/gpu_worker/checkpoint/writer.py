@@ -22,6 +22,7 @@ from ftexpert.gpu_worker.checkpoint.config import MoeConfig
 from ftexpert.gpu_worker.checkpoint.dense_weights import DenseWeights, dense_state_dict
 from ftexpert.gpu_worker.checkpoint.expert_layout import expert_views, unpack_experts
 from ftexpert.gpu_worker.checkpoint.expert_sources import ExpertSource
+from ftexpert.gpu_worker.checkpoint.gpt_oss_experts import MXFP4_QUANTIZATION, gpt_oss_expert_state
 from ftexpert.gpu_worker.checkpoint.weight_names import expert_names, fused_expert_names
 
 EXPERT_FORMATS = ("hub", "fused", "mxfp4")
@@ -32,7 +33,6 @@ def expert_state_dict(cfg: MoeConfig, layer: int, packed: torch.Tensor, source: 
                       expert_format: str) -> dict[str, torch.Tensor]:
     """One layer's experts under checkpoint names (copies: safetensors refuses tensors sharing memory)."""
     if cfg.arch == "gptoss":
-        from ftexpert.gpu_worker.checkpoint.gpt_oss_experts import gpt_oss_expert_state
         return gpt_oss_expert_state(layer, packed, source.layout, mxfp4=expert_format == "mxfp4")
     if expert_format == "mxfp4":
         raise ValueError("expert_format mxfp4 writes gpt-oss checkpoints only")
@@ -95,7 +95,6 @@ def write_checkpoint(out_dir: str | Path, cfg: MoeConfig, dense: DenseWeights, e
             {"metadata": {"total_size": size}, "weight_map": dict(sorted(weight_map.items()))}, indent=2))
     raw = cfg.to_hf_dict()
     if expert_format == "mxfp4":
-        from ftexpert.gpu_worker.checkpoint.gpt_oss_experts import MXFP4_QUANTIZATION
         raw["quantization_config"] = dict(MXFP4_QUANTIZATION)
     (tmp / "config.json").write_text(json.dumps(raw, indent=2))
     for name, text in (extra_files or {}).items():

@@ -17,26 +17,36 @@ import gc
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
-if TYPE_CHECKING:
-    from ftexpert.gpu_worker.engine.engine import DecodeInputs, Engine
+from ftexpert.gpu_worker.engine.decode_step import DecodeInputs
+from ftexpert.gpu_worker.engine.state_cache import StateCache
+from ftexpert.gpu_worker.models.model import MoeModel
 
 MAX_GRAPHS = 64
 WARMUP_RUNS = 2
 
 
+class DecodeRunner(Protocol):
+    """What the graphs capture: the `Engine`'s decode forward (called through the engine, so that a forward it
+    replaces is the one captured), its model and its linear-layer states."""
+    model: MoeModel
+    states: StateCache | None
+
+    def decode_forward(self, inputs: DecodeInputs) -> torch.Tensor: ...
+
+
 @dataclass
 class _Captured:
     graph: torch.cuda.CUDAGraph
-    inputs: "DecodeInputs"      # static input tensors the graph reads
+    inputs: DecodeInputs        # static input tensors the graph reads
     logits: torch.Tensor        # [T, V] static output the graph writes
 
 
 class DecodeGraphs:
-    def __init__(self, engine: "Engine", max_graphs: int = MAX_GRAPHS):
+    def __init__(self, engine: DecodeRunner, max_graphs: int = MAX_GRAPHS):
         self.engine, self.max_graphs = engine, max_graphs
         self.pool = torch.cuda.graph_pool_handle()
         self.graphs: OrderedDict[tuple, _Captured] = OrderedDict()
@@ -47,11 +57,11 @@ class DecodeGraphs:
     def usable(self, num_requests: int) -> bool:
         return self.engine.model.experts.graph_safe(num_requests * self.engine.model.cfg.top_k)
 
-    def _key(self, inputs: "DecodeInputs") -> tuple:
+    def _key(self, inputs: DecodeInputs) -> tuple:
         return (inputs.token_ids.numel(), inputs.num_rows, inputs.bucket_tokens, inputs.rows_are_slots,
                 self.engine.model.experts.graph_key())      # host state the forward reads
 
-    def run(self, inputs: "DecodeInputs") -> torch.Tensor:
+    def run(self, inputs: DecodeInputs) -> torch.Tensor:
         """Logits [T, V] of the decode forward for `inputs`, through a captured graph."""
         key = self._key(inputs)
         captured = self.graphs.get(key)
@@ -69,8 +79,7 @@ class DecodeGraphs:
         self.replays += 1
         return captured.logits
 
-    def _capture(self, inputs: "DecodeInputs") -> _Captured:
-        from ftexpert.gpu_worker.engine.engine import DecodeInputs
+    def _capture(self, inputs: DecodeInputs) -> _Captured:
         static = DecodeInputs(inputs.token_ids.clone(), inputs.positions.clone(),
                               inputs.slot_ids.clone(), inputs.num_rows, inputs.bucket_tokens,
                               inputs.rows_are_slots)

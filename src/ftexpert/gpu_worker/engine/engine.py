@@ -23,7 +23,9 @@ import torch
 
 from ftexpert.gpu_worker.models.model import MoeModel
 from ftexpert.gpu_worker.models.qwen3_next import StatefulContext
-from ftexpert.gpu_worker.engine.attention import ATTENTION_BACKENDS, DecodeAttention, PrefillAttention, decode_bucket_tokens
+from ftexpert.gpu_worker.engine.attention import ATTENTION_BACKENDS, PrefillAttention, decode_bucket_tokens
+from ftexpert.gpu_worker.engine.cuda_graphs import DecodeGraphs
+from ftexpert.gpu_worker.engine.decode_step import DecodeInputs, decode_forward
 from ftexpert.gpu_worker.engine.kv_cache import KVCache
 from ftexpert.gpu_worker.engine.state_cache import StateCache
 from ftexpert.gpu_worker.engine.request import Request, StepOutput
@@ -85,17 +87,6 @@ class EngineConfig:
                              f"{', '.join(ATTENTION_BACKENDS)}")
 
 
-@dataclass(frozen=True)
-class DecodeInputs:
-    """Everything a decode forward needs; the CUDA-graph runner copies these into static buffers."""
-    token_ids: torch.Tensor     # [T] int64, device: the last token of each request
-    positions: torch.Tensor     # [T] int64, device: its position (seq_len - 1)
-    slot_ids: torch.Tensor      # [T] int64, device: KV cache row
-    num_rows: int               # R: KV rows attended (max slot id + 1)
-    bucket_tokens: int          # attention span (>= max position + 1)
-    rows_are_slots: bool        # slot_ids == arange(T)
-
-
 @dataclass
 class _DecodeStep:
     """A decode step launched: its batch, its sampled ids on the device and (CUDA) their pinned host copy, which
@@ -140,7 +131,6 @@ class Engine:
         self._ahead: _DecodeStep | None = None      # the decode step queued ahead (overlap_decode), not yet read
         self.graphs = None
         if self.config.cuda_graphs and self.device.type == "cuda":
-            from ftexpert.gpu_worker.engine.cuda_graphs import DecodeGraphs
             self.graphs = DecodeGraphs(self)
 
     # ---- public API ---------------------------------------------------------------------------
@@ -306,12 +296,7 @@ class Engine:
     def decode_forward(self, inputs: DecodeInputs) -> torch.Tensor:
         """One token per request -> logits [T, V] fp32. Fixed shapes for (T, R, bucket); no host sync
         unless the expert backend makes one."""
-        attn = DecodeAttention(self.kv, inputs.slot_ids, inputs.positions, inputs.num_rows,
-                               inputs.bucket_tokens, inputs.rows_are_slots, self.model.cfg.sliding_window,
-                               backend=self.config.attention_backend)
-        if self.states is not None:
-            attn = StatefulContext(attn, self.states.decode(inputs.slot_ids))
-        return self.model.forward(inputs.token_ids, inputs.positions, attn)
+        return decode_forward(self.model, self.kv, self.states, inputs, self.config.attention_backend)
 
     def _decode(self, reqs: list[Request]) -> list[StepOutput]:
         t0 = time.perf_counter()

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ftexpert.gpu_worker.checkpoint.config import MoeConfig
-from ftexpert.gpu_worker.checkpoint.dense_weights import DenseWeights
+from ftexpert.gpu_worker.checkpoint.dense_tensors import DenseWeights
 from ftexpert.gpu_worker.backends.expert_backend import ExpertBackend
 from ftexpert.gpu_worker.models.gpt_oss import GptOssModel
 from ftexpert.gpu_worker.models.model import MoeModel

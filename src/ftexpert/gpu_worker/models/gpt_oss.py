@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from ftexpert.gpu_worker.checkpoint.config import MoeConfig
-from ftexpert.gpu_worker.checkpoint.dense_weights import DenseWeights, LayerWeights
+from ftexpert.gpu_worker.checkpoint.dense_tensors import DenseWeights, LayerWeights
 from ftexpert.gpu_worker.backends.expert_backend import ExpertBackend
 from ftexpert.gpu_worker.checkpoint.gpt_oss_config import gpt_oss_params
 from ftexpert.gpu_worker.models.gpt_oss_layers import ScaledRotaryTable, gpt_oss_rms_norm as rms_norm, gpt_oss_route, yarn_inv_freq

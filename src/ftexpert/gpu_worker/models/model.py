@@ -25,7 +25,7 @@ from ftexpert.kernels import dense_gemv
 from ftexpert.kernels import moe_decode as kops
 
 from ftexpert.gpu_worker.checkpoint.config import MoeConfig
-from ftexpert.gpu_worker.checkpoint.dense_weights import DenseWeights, LayerWeights, fuse_qkv
+from ftexpert.gpu_worker.checkpoint.dense_tensors import DenseWeights, LayerWeights, fuse_qkv
 from ftexpert.gpu_worker.models.layers import RotaryTable, apply_rope, rms_norm, route
 from ftexpert.gpu_worker.backends.expert_backend import ExpertBackend
 

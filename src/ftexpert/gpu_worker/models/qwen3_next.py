@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from ftexpert.kernels import dense_gemv
 
 from ftexpert.gpu_worker.checkpoint.config import LINEAR_ATTENTION, MoeConfig
-from ftexpert.gpu_worker.checkpoint.dense_weights import DenseWeights
+from ftexpert.gpu_worker.checkpoint.dense_tensors import DenseWeights
 from ftexpert.gpu_worker.backends.expert_backend import ExpertBackend
 from ftexpert.gpu_worker.models.gated_deltanet import gated_deltanet
 from ftexpert.gpu_worker.models.layers import RotaryTable, route

@@ -133,6 +133,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     l = torch.empty_like(m)
     acc = torch.empty(T, Hq, num_splits, D, dtype=torch.float32, device=q.device)
     window = int(sliding_window) if sliding_window is not None else 0
+    # lazy: the Triton kernels are defined at their first launch (TRITON_INTERPRET is read then)
     from ftexpert.kernels.decode_attention.triton_kernels import decode_attn_merge_kernel, decode_attn_split_kernel
     pdl = pdl_args(q.device)
     decode_attn_split_kernel[(T, Hkv, num_splits)](

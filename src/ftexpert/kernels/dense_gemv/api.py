@@ -142,6 +142,7 @@ def linear_gemv(x: torch.Tensor, w: torch.Tensor, *, impl: str = "auto",
         raise TypeError(f"blocks must be a LinearBlocks or None, got {type(blocks).__name__}")
     if _resolve_impl(impl, x.device) == "reference":
         return reference.linear_gemv_reference(x, w)
+    # lazy: the Triton kernels are defined at their first launch (TRITON_INTERPRET is read then)
     from ftexpert.kernels.dense_gemv.triton_kernels import linear_gemv_kernel
     b = blocks or pick_blocks(N, K, x.dtype)
     y = torch.empty(T, N, dtype=x.dtype, device=x.device)

@@ -16,6 +16,9 @@ from __future__ import annotations
 
 import sys
 
+from ftexpert.kernels.compile_driver import run_compile_check
+from ftexpert.kernels.dense_gemv import triton_kernels
+
 
 def _cases() -> list[tuple[str, str, dict, dict, dict, list[str]]]:
     """(name, kernel attribute, signature, constexprs, options, 16-divisible args)."""
@@ -66,9 +69,6 @@ def _extra(kernel) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from ftexpert.kernels.compile_driver import run_compile_check
-
-    from ftexpert.kernels.dense_gemv import triton_kernels
     return run_compile_check("compile the dense GEMV kernels for an NVIDIA target", _cases(), triton_kernels, argv, extra=_extra)
 
 

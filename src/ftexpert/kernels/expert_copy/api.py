@@ -62,6 +62,7 @@ def copy_plan(slots: torch.Tensor, host_rows: torch.Tensor, evict_slots: torch.T
         raise ValueError("impl='triton' on CPU tensors needs TRITON_INTERPRET=1 (the interpreter)")
     if max_copies <= 0 or hi == lo:
         return
+    # lazy: the Triton kernels are defined at their first launch (TRITON_INTERPRET is read then)
     from ftexpert.kernels.expert_copy.triton_kernels import copy_plan_kernel
     chunks = DEFAULT_CHUNKS if chunks is None else int(chunks)
     block = BLOCK_WORDS if block_words is None else int(block_words)

@@ -70,6 +70,7 @@ def split_pick(routes: torch.Tensor, ids: torch.Tensor, num_missing: torch.Tenso
         split_pick_reference(routes, ids, num_missing, num_fetched, policy, desc, counts, intermediate, SPLIT_UNIT,
                              split_slot)
         return
+    # lazy: the Triton kernels are defined at their first launch (TRITON_INTERPRET is read then)
     from ftexpert.kernels.expert_split.triton_kernels import split_pick_kernel
     R = routes.numel()
     split_pick_kernel[(1,)](routes, ids, R, num_missing, num_fetched, policy, desc, counts, split_slot, SPLIT_UNIT,
@@ -105,6 +106,7 @@ def split_copy(slots: torch.Tensor, host_rows: torch.Tensor, desc: torch.Tensor,
     if _resolve_impl(impl, slots.device) == "reference":
         split_copy_reference(slot_words, host_words, desc, split_slot, hidden, intermediate, part)
         return
+    # lazy: the Triton kernels are defined at their first launch (TRITON_INTERPRET is read then)
     from ftexpert.kernels.expert_split.triton_kernels import split_copy_w2_kernel, split_copy_w13_kernel
     aligned = host_words.data_ptr() % 16 == 0 and host_words.stride(0) % 8 == 0
     hw = hidden * per

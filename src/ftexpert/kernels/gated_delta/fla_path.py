@@ -14,6 +14,7 @@ import functools
 @functools.lru_cache(maxsize=1)
 def _ops():
     try:
+        # optional: fla-core (the linear-attention extra)
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
     except Exception:          # absent, or present but failing to import on this torch / triton
         return None

@@ -37,6 +37,7 @@ def ring(x: torch.Tensor, ids: torch.Tensor, routes: torch.Tensor, weights: torc
     always_ring: ring even when no route is left to this member (benchmarks of the bare round trip).
     split: [2] int32 on the device (kernels/expert_split's desc: expert or -1, limit c): the routes at
     `split_slot` go to the CPU too and the request line carries the split; None: a line without a split."""
+    # lazy: the Triton kernels are defined at their first launch (TRITON_INTERPRET is read then)
     from ftexpert.kernels.handoff.triton_kernels import ring_kernel
     T, H = x.shape
     if x.stride(1) != 1 or not (ids.is_contiguous() and routes.is_contiguous() and weights.is_contiguous()):
@@ -66,6 +67,7 @@ def join(src: torch.Tensor, dst: torch.Tensor, *, addrs: dict[str, int], fail: t
 
     addrs: device addresses of the slot's "out", its request "line", the channel's "done_seq", the
     doorbell's "abort" and "host_fail" words."""
+    # lazy: the Triton kernels are defined at their first launch (TRITON_INTERPRET is read then)
     from ftexpert.kernels.handoff.triton_kernels import join_kernel
     if src.shape != dst.shape or not (src.is_contiguous() and dst.is_contiguous()):
         raise ValueError(f"join: src {tuple(src.shape)} and dst {tuple(dst.shape)} must be contiguous and alike")
@@ -84,6 +86,7 @@ def count_call(counts: torch.Tensor, ids: torch.Tensor, num_indices: torch.Tenso
     length, distinct misses, one call (one offload call when `offload`), routed pairs, distinct hits.
     ids: the call's router expert ids (any shape, at most COUNT_MAX_PAIRS); num_indices,
     num_missing: the slot cache's plan-length and num_missing_full words."""
+    # lazy: the Triton kernels are defined at their first launch (TRITON_INTERPRET is read then)
     from ftexpert.kernels.handoff.triton_kernels import COUNTERS, count_call_kernel
     n = ids.numel()
     if counts.dtype != torch.int64 or counts.numel() != COUNTERS:

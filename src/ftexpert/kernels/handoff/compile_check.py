@@ -13,6 +13,14 @@ import argparse
 import os
 import sys
 
+from ftexpert.kernels.expert_copy import triton_kernels as copy_kernels
+from ftexpert.kernels.expert_copy.api import BLOCK_WORDS
+from ftexpert.kernels.expert_split import triton_kernels as split_kernels
+from ftexpert.kernels.expert_split.api import SPLIT_UNIT, W13_BLOCK, W13_ROWS, W2_ROWS
+from ftexpert.kernels.handoff import triton_kernels
+from ftexpert.kernels.handoff.api import JOIN_BLOCK, RING_BLOCK_H, RING_BLOCK_R
+from ftexpert.kernels.slot_cache.ptx_check import compile_for_arch
+
 
 def cases():
     ring_sig = {"x_ptr": "*bf16", "stride_x": "i32", "T": "i32", "H": "i32", "ids_ptr": "*i32",
@@ -27,13 +35,11 @@ def cases():
                 "done_seq_addr": "i64", "abort_addr": "i64", "fail_ptr": "*i32", "host_fail_addr": "i64",
                 "state_ptr": "*i64", "slot": "i32", "SAME": "constexpr",
                 "BLOCK": "constexpr", "ON_GPU": "constexpr"}
-    from ftexpert.kernels.handoff.api import JOIN_BLOCK, RING_BLOCK_H, RING_BLOCK_R
     ring = dict(HIDDEN_BF16=True, ALWAYS_RING=False, USE_OWNER=True, HAS_SPLIT=False, BLOCK_R=RING_BLOCK_R, BLOCK_H=RING_BLOCK_H,
                 ON_GPU=True)
     copy_sig = {"slots_ptr": "*i16", "host_addr": "i64", "host_row_words": "i32", "evict_ptr": "*i32",
                 "src_ptr": "*i32", "num_indices_ptr": "*i32", "row_words": "i32", "chunk_words": "i32",
                 "col_lo": "i32", "col_hi": "i32", "BLOCK": "constexpr", "ALIGNED": "constexpr"}
-    from ftexpert.kernels.expert_copy.api import BLOCK_WORDS
     return [("plan copy aligned", "copy_plan_kernel", copy_sig, dict(BLOCK=BLOCK_WORDS, ALIGNED=True)),
             ("ring owner bf16", "ring_kernel", ring_sig, ring),
             ("ring owner bf16 split", "ring_kernel", ring_sig, {**ring, "HAS_SPLIT": True}),
@@ -51,7 +57,6 @@ def cases():
 
 def split_cases():
     """kernels/expert_split: the split slot's copy reads host memory like the plan copy (16-byte vectors)."""
-    from ftexpert.kernels.expert_split.api import SPLIT_UNIT, W13_BLOCK, W13_ROWS, W2_ROWS
     head = {"slots_ptr": "*i16", "host_addr": "i64", "host_row_words": "i32", "desc_ptr": "*i32", "split_slot": "i32",
             "row_words": "i32"}
     w13 = {**head, "HW": "i32", "I": "i32", "ROWS": "constexpr", "BLOCK": "constexpr", "ALIGNED": "constexpr"}
@@ -70,12 +75,6 @@ def main(argv: list[str] | None = None) -> int:
     if os.environ.get("TRITON_INTERPRET") == "1":
         print("SKIP: TRITON_INTERPRET=1; unset it")
         return 0
-    from ftexpert.kernels.expert_copy import triton_kernels as copy_kernels
-    from ftexpert.kernels.slot_cache.ptx_check import compile_for_arch
-
-    from ftexpert.kernels.expert_split import triton_kernels as split_kernels
-
-    from ftexpert.kernels.handoff import triton_kernels
     for name, kernel, signature, constexprs in cases():
         module = copy_kernels if kernel == "copy_plan_kernel" else split_kernels if kernel.startswith("split_") \
             else triton_kernels

@@ -230,6 +230,7 @@ def moe_gemv(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: tor
         return torch.zeros_like(x)
     if w13.stride(2) != 1 or w2.stride(2) != 1:
         raise ValueError("w13 and w2 need a contiguous last dimension")
+    # lazy: the Triton kernels are defined at their first launch (TRITON_INTERPRET is read then)
     from ftexpert.kernels.moe_decode.triton_kernels import moe_down_kernel, moe_gate_up_kernel, moe_sum_k_kernel
     b = blocks or DEFAULT_GEMV_BLOCKS
     inter = w2.shape[2]
@@ -291,6 +292,7 @@ def _rows3(t: torch.Tensor, n: int) -> tuple[torch.Tensor, int, int, int, int]:
 
 def _norm_launch(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor,
                  eps: float) -> tuple[torch.Tensor | None, torch.Tensor]:
+    # lazy: the Triton kernels are defined at their first launch (TRITON_INTERPRET is read then)
     from ftexpert.kernels.moe_decode.triton_kernels import rms_norm_kernel
     n = x.shape[-1]
     xv, r1, r2, sx1, sx2 = _rows3(x, n)
@@ -394,6 +396,7 @@ def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, q_norm: torch.Tensor | None, 
             kv.k_cache.index_copy_(0, kv.index, k_out)
             kv.v_cache.index_copy_(0, kv.index, kv.v)
         return q_out, k_out
+    # lazy: the Triton kernels are defined at their first launch (TRITON_INTERPRET is read then)
     from ftexpert.kernels.moe_decode.triton_kernels import qk_norm_rope_kernel
     if q.stride(2) != 1:
         q = q.contiguous()
@@ -449,6 +452,7 @@ def route_topk(logits: torch.Tensor, top_k: int, *, softmax_first: bool = True, 
         raise ValueError(f"logits must be [T, E] with 0 < top_k <= E, got {tuple(logits.shape)}, top_k={top_k}")
     if _resolve_impl(impl, logits.device) == "reference":
         return reference.route_topk_reference(logits, top_k, softmax_first, renorm)
+    # lazy: the Triton kernels are defined at their first launch (TRITON_INTERPRET is read then)
     from ftexpert.kernels.moe_decode.triton_kernels import route_topk_kernel
     T, E = logits.shape
     if logits.stride(1) != 1:

@@ -13,6 +13,9 @@ from __future__ import annotations
 
 import sys
 
+from ftexpert.kernels.compile_driver import run_compile_check
+from ftexpert.kernels.moe_decode import triton_kernels
+
 
 def _cases() -> list[tuple[str, str, dict, dict, dict, list[str]]]:
     """(name, kernel attribute, signature, constexprs, options, 16-divisible args)."""
@@ -81,9 +84,6 @@ def _cases() -> list[tuple[str, str, dict, dict, dict, list[str]]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from ftexpert.kernels.compile_driver import run_compile_check
-
-    from ftexpert.kernels.moe_decode import triton_kernels
     return run_compile_check("compile the decode kernels for an NVIDIA target", _cases(), triton_kernels, argv)
 
 

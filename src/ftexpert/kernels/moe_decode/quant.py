@@ -167,6 +167,7 @@ def moe_gemv_quant(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, ro
                                                         act if swiglu else None)
     if T == 0 or K == 0:
         return torch.zeros_like(x)
+    # lazy: the Triton kernels are defined at their first launch (TRITON_INTERPRET is read then)
     from ftexpert.kernels.moe_decode.quant_kernels import moe_down_quant_kernel, moe_gate_up_quant_kernel
     from ftexpert.kernels.moe_decode.triton_kernels import moe_sum_k_kernel
     a = _layout_args(layout)
@@ -247,6 +248,7 @@ def dequantize_rows(rows_u8: torch.Tensor, ids: torch.Tensor, layout: QuantLayou
         return w13, w2
     if n == 0:
         return w13, w2
+    # lazy: the Triton kernels are defined at their first launch (TRITON_INTERPRET is read then)
     from ftexpert.kernels.moe_decode.quant_kernels import dequantize_rows_kernel
     a = _layout_args(layout)
     b = blocks or DEFAULT_DEQUANT_BLOCKS

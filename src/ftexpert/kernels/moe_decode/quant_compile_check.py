@@ -10,6 +10,10 @@ from __future__ import annotations
 
 import sys
 
+from ftexpert.kernels.compile_driver import run_compile_check
+from ftexpert.kernels.dense_gemv.compile_check import loop_conversions
+from ftexpert.kernels.moe_decode import quant_kernels
+
 FORMATS = {"fp8": (0, 128, 128), "int4-g128": (1, 128, 1), "int4-g32": (1, 32, 1), "mxfp4": (2, 32, 1),
            "nvfp4": (3, 16, 1)}          # name: (FMT, GROUP, ROW_BLOCK)
 
@@ -55,14 +59,10 @@ def _cases() -> list[tuple[str, str, dict, dict, dict, list[str]]]:
 
 
 def _extra(kernel) -> str:
-    from ftexpert.kernels.dense_gemv.compile_check import loop_conversions
     return f"  shared {kernel.metadata.shared}  loop cvt {loop_conversions(kernel.asm['ttgir'])}"
 
 
 def main(argv: list[str] | None = None) -> int:
-    from ftexpert.kernels.compile_driver import run_compile_check
-
-    from ftexpert.kernels.moe_decode import quant_kernels
     return run_compile_check("compile the quantized-slot decode kernels for an NVIDIA target", _cases(), quant_kernels,
                              argv, extra=_extra)
 

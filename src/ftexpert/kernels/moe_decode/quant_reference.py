@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ftexpert.proto.expert_act import apply_act
 from ftexpert.proto.expert_format import QuantLayout, dequantize_expert
 
 
@@ -64,7 +65,6 @@ def moe_gemv_quant_reference(x: torch.Tensor, ids: torch.Tensor, weights: torch.
     if act is None:
         a = (F.silu(h[:, :inter]) * h[:, inter:]).unsqueeze(2)               # [P, I, 1] x.dtype
     else:
-        from ftexpert.proto.expert_act import apply_act
         a = apply_act(h, act).unsqueeze(2)
     y = torch.bmm(w2.index_select(0, pick), a.float()).squeeze(2)            # [P, H] fp32
     if b2 is not None:

@@ -9,6 +9,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ftexpert.proto.expert_act import apply_act
+
 
 def moe_gemv_reference(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: torch.Tensor,
                        w2: torch.Tensor, b13: torch.Tensor | None = None, b2: torch.Tensor | None = None,
@@ -35,7 +37,6 @@ def moe_gemv_reference(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
     if act is None:
         a = (F.silu(h[:, :inter]) * h[:, inter:]).unsqueeze(2)         # [P, I, 1] x.dtype
     else:
-        from ftexpert.proto.expert_act import apply_act
         a = apply_act(h, act).unsqueeze(2)
     if b2 is None:
         y = torch.bmm(w2.index_select(0, safe), a).squeeze(2)          # [P, H] x.dtype

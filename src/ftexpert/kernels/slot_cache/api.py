@@ -143,6 +143,7 @@ def ensure(cache: SlotCache, layer: int, expert_ids: torch.Tensor, *,
     if path == "small" and num_routes > SMALL_ROUTES_MAX:
         raise ValueError(f"path='small' takes at most {SMALL_ROUTES_MAX} routes, got {num_routes}")
     if path != "general" and num_routes <= SMALL_ROUTES_MAX:
+        # lazy: the Triton kernels are defined at their first launch (TRITON_INTERPRET is read then)
         from ftexpert.kernels.slot_cache.triton_decode import ensure_small_kernel
         # The victim list relies on keys that only grow between its builds. With the frequency-weighted key a
         # slot's new key after a hit or an install (step + 1 + W * its expert's routes) can fall below older slots'
@@ -161,6 +162,7 @@ def ensure(cache: SlotCache, layer: int, expert_ids: torch.Tensor, *,
             USE_POLICY=use_device_policy, USE_FREQ=cache.freq_weight > 0,
             num_warps=SMALL_WARPS, **shape)
         return
+    # lazy: the Triton kernels are defined at their first launch (TRITON_INTERPRET is read then)
     from ftexpert.kernels.slot_cache.triton_kernels import ensure_kernel
     tile = slot_tile or min(_next_pow2(cache.num_slots), DEFAULT_SLOT_TILE)
     ensure_kernel[(1,)](
@@ -195,6 +197,7 @@ def prefetch_ensure(cache: SlotCache, layer: int, candidates: torch.Tensor, budg
     if impl == "reference":
         reference.prefetch_ensure_reference(cache, layer, candidates, budget)
         return
+    # lazy: the Triton kernels are defined at their first launch (TRITON_INTERPRET is read then)
     from ftexpert.kernels.slot_cache.triton_kernels import prefetch_kernel
     tile = slot_tile or min(_next_pow2(cache.num_slots), DEFAULT_SLOT_TILE)
     pool = cache.pool_base(layer) // cache.num_slots

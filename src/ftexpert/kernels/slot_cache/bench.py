@@ -12,7 +12,8 @@ import statistics
 
 import torch
 
-from ftexpert.kernels.slot_cache import SlotCache, ensure
+from ftexpert.kernels.slot_cache import SlotCache, ensure, triton_decode
+from ftexpert.kernels.slot_cache.api import SINGLE_PROGRAM_SLOTS, SMALL_WARPS, small_launch, small_part
 from ftexpert.kernels.slot_cache.state import DEFAULT_VICTIM_LIST
 
 CALLS_PER_REPLAY = 64
@@ -88,8 +89,6 @@ def bench_case(num_slots, layers, experts, miss: bool, tile: int | None, reps: i
 
 def resource_report(tile: int, victim_list: int, num_slots: int) -> tuple[int, int]:
     """(registers, spills) of the compiled decode kernel."""
-    from ftexpert.kernels.slot_cache import triton_decode
-    from ftexpert.kernels.slot_cache.api import SMALL_WARPS, small_launch
     cache = SlotCache.create(61, 512, num_slots, device="cuda", victim_list=victim_list)
     ids = torch.arange(TOP_K, device="cuda")
     common = (ids, ids.numel(), cache.slot_for_id, cache.id_of_slot, cache.usage, cache.step,
@@ -106,7 +105,6 @@ def resource_report(tile: int, victim_list: int, num_slots: int) -> tuple[int, i
 
 
 def main(argv: list[str] | None = None) -> int:
-    from ftexpert.kernels.slot_cache.api import SINGLE_PROGRAM_SLOTS, small_part
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sweep", action="store_true",
                         help="time every decode-kernel setting in SWEEP, not only the defaults")

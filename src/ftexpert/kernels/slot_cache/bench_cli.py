@@ -11,5 +11,5 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ftexpert.kernels.slot_cache.bench import main
+    from ftexpert.kernels.slot_cache.bench import main  # lazy: the benchmark's CUDA / triton stack, not for `ft --help`
     return main((["--sweep"] if args.sweep else []) + ["--reps", str(args.reps)])

@@ -22,6 +22,11 @@ import subprocess
 import sys
 import tempfile
 
+import triton
+
+from ftexpert.kernels.slot_cache import triton_decode, triton_kernels
+from ftexpert.kernels.slot_cache.api import small_launch
+
 
 def canonical_ptx(ptx: str) -> str:
     code = ptx.split(".section", 1)[0]                       # the debug sections follow the code
@@ -49,7 +54,6 @@ def ptx_counts(text: str) -> dict[str, int]:
 
 def cubin_resources(cubin: bytes) -> dict[str, int]:
     """Registers and local memory (bytes; > 0 means spills) per cuobjdump --dump-resource-usage."""
-    import triton
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as fh:
         fh.write(cubin)
@@ -64,7 +68,7 @@ def compile_for_arch(fn, signature: dict, constexprs: dict, arch: int, *, divisi
     """triton.compile of a @triton.jit `fn` for sm_<arch> without a GPU (Triton's front end, LLVM and its
     bundled ptxas). divisible: argument names the JIT would mark 16-divisible at launch (aligned
     pointers and sizes); options: compile options (default 4 warps)."""
-    import triton
+    # lazy: not every triton has these (compile_driver.cannot_compile_ahead probes them before a compile)
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
     attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in divisible} or None
@@ -91,7 +95,6 @@ def cases():
         small[k] = "constexpr"
     for k in ("NUM_EXPERTS", "E_BLOCK", "ROUTE_TILE", "SLOT_TILE", "USE_POLICY", "USE_FREQ"):
         general[k] = "constexpr"
-    from ftexpert.kernels.slot_cache.api import small_launch
 
     def small_case(name, experts, slots, victim_list, use_policy, use_freq=False):
         shape = small_launch(10, slots, victim_list)
@@ -121,7 +124,6 @@ def main(argv: list[str] | None = None) -> int:
     if os.environ.get("TRITON_INTERPRET") == "1":
         print("SKIP: TRITON_INTERPRET=1; unset it")
         return 0
-    from ftexpert.kernels.slot_cache import triton_decode, triton_kernels
     if args.out:
         os.makedirs(args.out, exist_ok=True)
     table = [f"{'config':20s} {'sha256':16s} {'regs':>5s} {'local':>6s} {'bar.sync':>8s} {'atom/red':>8s} {'instrs':>6s}"]
