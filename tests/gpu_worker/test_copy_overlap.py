@@ -13,7 +13,7 @@ import torch
 from ftexpert.gpu_worker.backends import expert_math
 from ftexpert.gpu_worker.checkpoint.expert_layout import ExpertLayout, unpack_experts
 from ftexpert.gpu_worker.backends.expert_math import expert_rows
-from ftexpert.gpu_worker.backends.resident import expert_ffn
+from ftexpert.gpu_worker.backends.expert_compute import expert_ffn
 from ftexpert.gpu_worker.backends.offload.decode_copy import CopyTimer, DecodeCopy
 from ftexpert.kernels.moe_decode import CopyPlan, GemvBlocks, moe_gemv
 from ftexpert.kernels.moe_decode import reference as ref

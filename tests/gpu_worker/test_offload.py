@@ -251,7 +251,7 @@ def test_gpu_frequency_weighted_eviction_is_lossless():
 def test_eviction_freq_weight_travels_from_the_cli_to_the_backend(monkeypatch, capsys):
     """The eviction knobs are resolved once by the CLI (flag > FREETOKEN_* > default) and passed down as arguments;
     the backend reads no environment."""
-    from ftexpert.gpu_worker import api as gpu_worker_api
+    from ftexpert.gpu_worker.assembly import build
     monkeypatch.setenv("FREETOKEN_EVICTION_FREQ_WEIGHT", "32")
     loaded = load_model(device="cpu", moe_strategy="offload", moe_cache_size=32)
     try:
@@ -267,7 +267,7 @@ def test_eviction_freq_weight_travels_from_the_cli_to_the_backend(monkeypatch, c
         seen.append((kwargs["freq_weight"], kwargs["freq_half_life"]))
         raise Stop
 
-    monkeypatch.setattr(gpu_worker_api, "load_attached_model", capture)
+    monkeypatch.setattr(build, "make_attached_expert_backend", capture)
     monkeypatch.setenv("FREETOKEN_EVICTION_FREQ_HALF_LIFE", "0")
     for flags, want in (([], (32, 0)), (["--eviction-freq-weight", "7", "--eviction-freq-half-life", "96"], (7, 96))):
         with pytest.raises(Stop):
@@ -285,7 +285,7 @@ def _check_each_layer_against_host_weights(backend, device: str) -> list:
     a run every copy has landed, so only this catches a GEMM that read a slot too early).
     Returns the list that collects (layer, relative error) of calls that disagree."""
     from ftexpert.gpu_worker.checkpoint.expert_layout import unpack_experts
-    from ftexpert.gpu_worker.backends.resident import expert_ffn, pick_mode
+    from ftexpert.gpu_worker.backends.expert_compute import expert_ffn, pick_mode
     weights = [unpack_experts(backend.host.layers[layer].to(device), backend.layout)
                for layer in range(backend.num_layers)]
     wrong = []

@@ -19,7 +19,7 @@ from ftexpert.gpu_worker.checkpoint.config import MoeConfig
 from ftexpert.gpu_worker.models.layers import apply_rope, rms_norm as model_rms_norm, route
 from ftexpert.gpu_worker.models.model import MoeModel
 from ftexpert.gpu_worker.checkpoint.presets import random_model_parts
-from ftexpert.gpu_worker.backends.resident import pick_mode
+from ftexpert.gpu_worker.backends.expert_compute import pick_mode
 from ftexpert.kernels.moe_decode import (GemvBlocks, KvWrite, add_rms_norm, moe_gemv, qk_norm_rope, rms_norm, rope,
                                 route_topk)
 from ftexpert.kernels.moe_decode import reference as ref

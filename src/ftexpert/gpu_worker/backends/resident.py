@@ -4,8 +4,7 @@ per layer (expert_layout).
 Every MoE layer routes, then calls ``experts.forward(layer_idx, x, topk_ids, topk_weights)``
 (`ExpertBackend`, expert_backend.py). The FFN's two modes (``grouped`` for prefill, ``gemv`` for small decode
 batches) and the rule that picks one (`pick_mode`: ``auto`` takes ``gemv`` on CUDA when T*K <= gather_max_pairs,
-default 32, settable) are in expert_compute.py, shared with the offload and hybrid backends, which import them
-from here too.
+default 32, settable) are in expert_compute.py, shared with the offload and hybrid backends.
 
 Quantized experts (``layout.fmt``: fp8, int4-g*, mxfp4, nvfp4) are held as their bytes, one uint8 row an expert,
 and computed through the same seam as every backend's (expert_math.py: dequantize the routed rows to the model
@@ -16,11 +15,7 @@ from __future__ import annotations
 import torch
 
 from ftexpert.gpu_worker.backends.expert_backend import ExpertBackend
-# the compute functions live in expert_compute.py (expert_math.py imports them there); imported from here too
-from ftexpert.gpu_worker.backends.expert_compute import (GRAPH_SAFE_MODES, GROUPED_MM_MAX_GROUPS, MODES,
-                                                         expert_ffn, gemv_expert_ffn, grouped_expert_ffn,
-                                                         grouped_loop_expert_ffn, grouped_mm_applies,
-                                                         grouped_mm_expert_ffn, pick_mode)
+from ftexpert.gpu_worker.backends.expert_compute import GRAPH_SAFE_MODES, MODES, pick_mode
 from ftexpert.gpu_worker.checkpoint.expert_layout import ExpertLayout
 from ftexpert.gpu_worker.backends.expert_math import expert_rows
 from ftexpert.gpu_worker.checkpoint.expert_sources import ExpertSource

@@ -42,7 +42,7 @@ import torch
 
 from ftexpert.gpu_worker.backends.expert_backend import ExpertBackend
 from ftexpert.gpu_worker.backends.expert_math import expert_rows
-from ftexpert.gpu_worker.backends.resident import MODES
+from ftexpert.gpu_worker.backends.expert_compute import MODES
 from ftexpert.gpu_worker.backends.offload import HostExperts
 from ftexpert.gpu_worker.backends.offload.prefetch import PrefetchSettings, Predictor
 from ftexpert.gpu_worker.backends.offload.slot_pool import SlotPool, eviction_settings

@@ -10,12 +10,12 @@ from __future__ import annotations
 import torch
 
 from ftexpert.gpu_worker.backends.expert_math import ExpertRows
-from ftexpert.gpu_worker.backends.resident import GRAPH_SAFE_MODES, pick_mode
+from ftexpert.gpu_worker.backends.expert_compute import GRAPH_SAFE_MODES, pick_mode
 from ftexpert.kernels import handoff as kernels_handoff
 
 
 class SlotGemm:
-    """rows: the expert math over the slot pool (expert_math.expert_rows); mode: auto | grouped | gemv (resident.MODES);
+    """rows: the expert math over the slot pool (expert_math.expert_rows); mode: auto | grouped | gemv (expert_compute.MODES);
     gather_max_pairs: the largest call the gemv mode takes under auto."""
 
     def __init__(self, rows: ExpertRows, *, on_cuda: bool, mode: str, gather_max_pairs: int):

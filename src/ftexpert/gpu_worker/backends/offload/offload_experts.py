@@ -25,7 +25,7 @@ import torch
 
 from ftexpert.gpu_worker.backends.expert_backend import ExpertBackend
 from ftexpert.gpu_worker.backends.expert_math import expert_rows
-from ftexpert.gpu_worker.backends.resident import GRAPH_SAFE_MODES, MODES, pick_mode
+from ftexpert.gpu_worker.backends.expert_compute import GRAPH_SAFE_MODES, MODES, pick_mode
 from ftexpert.kernels.handoff import COUNT_MAX_PAIRS, COUNTERS, count_call
 from ftexpert.kernels.slot_cache import SlotCache, ensure, prefetch_ensure
 from ftexpert.kernels.slot_cache.api import MAX_PREFETCH_CANDIDATES
