@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+sys.path[:0] = [str(Path(__file__).resolve().parents[1] / "src"), str(Path(__file__).resolve().parents[1])]   # ftexpert, bench
 
 from bench.bench_engine import _sync, pcie_store_bandwidth  # noqa: E402
 import ftexpert.gpu_worker.engine.attention as attention  # noqa: E402
