@@ -139,3 +139,16 @@ def test_building_ft_s_parser_imports_no_torch():
             "heavy = sorted(m for m in ('torch', 'triton') if m in sys.modules); print(heavy); sys.exit(bool(heavy))")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, f"building the parser imported {proc.stdout.strip()}{proc.stderr[-2000:]}"
+
+
+def test_the_slot_cache_packages_names_are_its_functions_whatever_was_imported_first():
+    """The slot-cache package loads its names on first use: each is the function or class, never a submodule of
+    the same name, whichever module was imported before."""
+    import subprocess
+    import sys
+
+    code = ("import inspect, ftexpert.kernels.slot_cache.audit, ftexpert.kernels.slot_cache.api as api; "
+            "import ftexpert.kernels.slot_cache as sc; "
+            "bad = [n for n in sc.__all__ if inspect.ismodule(getattr(sc, n))]; print(bad); sys.exit(bool(bad))")
+    proc = subprocess.run([sys.executable, "-c", "import sys; " + code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-2000:]

@@ -12,7 +12,8 @@ from ftexpert.coordinator.process_set import options_from_serve_args
 from ftexpert.gpu_worker.engine import Engine, EngineConfig, SamplingParams
 from ftexpert.gpu_worker.assembly.loader import load_model
 from ftexpert.proto.engine_spec import spec_from_args
-from ftexpert.kernels.slot_cache import SlotCache, audit, ensure
+from ftexpert.kernels.slot_cache import SlotCache, ensure
+from ftexpert.kernels.slot_cache.audit import audit
 from tests.kernels.slot_cache_util import RouteGen
 
 PROMPT = [5, 17, 42, 99, 3, 250, 7, 64, 11, 300, 8]

@@ -8,7 +8,8 @@ import logging
 
 import torch
 
-from ftexpert.kernels.slot_cache import SlotCache, audit, reset
+from ftexpert.kernels.slot_cache import SlotCache, reset
+from ftexpert.kernels.slot_cache.audit import audit
 from ftexpert.proto.knobs import KNOBS_BY_FIELD
 
 from ftexpert.gpu_worker.backends.offload.prefetch import COUNTERS as PREFETCH_COUNTERS, Lookahead, PrefetchSettings, Predictor
