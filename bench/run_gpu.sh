@@ -296,16 +296,16 @@ PY
       lim() { echo $(( $1 * ${COMPARE_STRETCH:-100} / 100 )); }     # COMPARE_STRETCH=150: every limit x 1.5
       old=$(cd "$old" && pwd) || { status=1; continue; }
       new=$PWD
-      export HYBRID_VARIANT OLD_HYBRID_VARIANT=${OLD_HYBRID_VARIANT:-=hybrid split device}
+      export HYBRID_VARIANT OLD_HYBRID_VARIANT=${OLD_HYBRID_VARIANT:-$HYBRID_VARIANT}
       mkdir -p "$OUT/old" "$OUT/new"
       parts=" ${COMPARE_PARTS:-engine hybrid handoff ensure ttft_1k} "     # a subset: e.g. COMPARE_PARTS=engine
       want() { case $parts in *" $1 "*) return 0;; *) return 1;; esac; }
       for side in old new; do
         if [ $side = old ]; then
           cd "$old"; base=$OUT; OUT=$base/old; use_tree "$old"
-          # the older tree's flags: the copy kernel was one of several decode copy modes; the hand-off had a name
+          # an older tree's flags: where the copy kernel was one of several decode copy modes, it is asked for
           want engine && run engine $(lim 110) python3 bench/bench_engine.py --runs 3 --prompt-tokens 1024 \
-            --decode-tokens 128 --fractions 0.25,0.5 --offload-copy kernel
+            --decode-tokens 128 --fractions 0.25,0.5 $(grep -q -- --offload-copy bench/bench_engine.py && echo --offload-copy kernel)
           want hybrid && run hybrid $(lim 80) python3 bench/bench_hybrid.py --runs 3 --decode-tokens 64 --handoff-calls 200 \
             --no-resident --variants "$OLD_HYBRID_VARIANT" --json-out "$OUT/bench_hybrid.json"
         else
