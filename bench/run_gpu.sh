@@ -301,6 +301,9 @@ PY
       parts=" ${COMPARE_PARTS:-engine hybrid handoff ensure ttft_1k} "     # a subset: e.g. COMPARE_PARTS=engine
       want() { case $parts in *" $1 "*) return 0;; *) return 1;; esac; }
       for side in old new; do
+        # a bench cut off by its limit leaves its expert store behind (named by its pid: nothing reclaims it), and
+        # the next side would find /dev/shm full: nothing else runs here, so both sides start from an empty one
+        rm -f /dev/shm/ft-experts-*
         if [ $side = old ]; then
           cd "$old"; base=$OUT; OUT=$base/old; use_tree "$old"
           # an older tree's flags: where the copy kernel was one of several decode copy modes, it is asked for
