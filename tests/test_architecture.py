@@ -27,3 +27,16 @@ def test_the_import_contracts_hold():
                          timeout=300)
     assert run.returncode == 0, f"import contracts broken:\n{run.stdout}\n{run.stderr}"
     assert "0 broken" in run.stdout, run.stdout
+
+
+def test_one_engine_assembly():
+    """Every engine of the service is built by gpu_worker/assembly/build.py (build_engine, and BuiltEngine's
+    fresh_engine for a restart over the same model): no other module of src/ calls Engine(...)."""
+    import ast
+
+    callers = []
+    for path in sorted((REPO / "src" / "ftexpert").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and getattr(node.func, "id", getattr(node.func, "attr", None)) == "Engine":
+                callers.append(str(path.relative_to(REPO)))
+    assert callers and set(callers) == {"src/ftexpert/gpu_worker/assembly/build.py"}, callers

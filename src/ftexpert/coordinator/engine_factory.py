@@ -47,8 +47,6 @@ def served_engine(built: Any, spec: Any, served_model_name: str | None = None) -
     does not reload weights."""
     import torch     # lazy: the inline engine's process has it loaded already; `ft serve` alone does not
 
-    from ftexpert.gpu_worker.api import Engine
-
     source = built.source
     if source.tokenizer is None:
         raise FileNotFoundError(f"{source.description} has no tokenizer.json; the HTTP API needs one to turn text "
@@ -57,7 +55,7 @@ def served_engine(built: Any, spec: Any, served_model_name: str | None = None) -
     first = [built.engine]
 
     def engine_factory() -> Any:
-        return first.pop() if first else Engine(built.model, built.engine.config, source.eos_token_ids)
+        return first.pop() if first else built.fresh_engine()
 
     name = served_name(spec.model, spec.preset, served_model_name)
     gpu_name = torch.cuda.get_device_name(built.device) if built.device.type == "cuda" else ""

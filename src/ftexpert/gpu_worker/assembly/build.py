@@ -51,6 +51,10 @@ class BuiltEngine:
     def model(self) -> Any:
         return self.engine.model
 
+    def fresh_engine(self) -> Engine:
+        """Another engine over the same model and settings (a restart that reloads no weights)."""
+        return Engine(self.model, self.engine.config, self.source.eos_token_ids)
+
     def close(self) -> None:
         """Detach the expert backend from the store and the channels (their owner unlinks them)."""
         self.experts.close()
