@@ -23,9 +23,9 @@ from ftexpert.gpu_worker.backends.hybrid.options import HybridOptions
 from ftexpert.gpu_worker.assembly.build import Attachment, BuiltEngine, build_engine, pin_engine_process
 from ftexpert.gpu_worker.assembly.attached_backends import make_attached_expert_backend, needs_host_store
 from ftexpert.gpu_worker.assembly.device import resolve_device
-from ftexpert.gpu_worker.assembly.loader import DEFAULT_MODEL_DIR, LoadedModel, ModelSource, load_model, open_model_source
-from ftexpert.gpu_worker.models.architectures import make_model
-from ftexpert.gpu_worker.backends.offload.prefetch import PREFETCH_KNOBS, PrefetchSettings, attach_prefetch, settings_from_knobs
+from ftexpert.gpu_worker.assembly.loader import (DEFAULT_MODEL_DIR, LoadedModel, ModelSource, assemble_model, load_model,
+                                                 open_model_source)
+from ftexpert.gpu_worker.backends.offload.prefetch import PREFETCH_KNOBS, PrefetchSettings, settings_from_knobs
 from ftexpert.gpu_worker.backends.offload.host_store import HostExperts
 from ftexpert.gpu_worker.worker_loop import gpu_busy_loop
 from ftexpert.proto.cpu_channel import channel_hidden_dtype
@@ -61,18 +61,7 @@ def load_attached_model(source: ModelSource, device: torch.device, *, moe_strate
                                            cpu_channels=cpu_channels, cache_size=moe_cache_size, hybrid=hybrid,
                                            worker_info=worker_info, freq_weight=freq_weight,
                                            freq_half_life=freq_half_life)
-    try:
-        dense = source.load_dense(device)
-        cfg = source.cfg
-        model = make_model(cfg, dense, experts, max_positions=min(32768, cfg.max_position_embeddings))
-        attach_prefetch(model, prefetch)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-    except BaseException:
-        close = getattr(experts, "close", None)
-        if close is not None:
-            close()
-        raise
+    model = assemble_model(source, experts, device, prefetch)
     if pin_driving_process and moe_strategy in ("cpu", "hybrid"):
         (hybrid or HybridOptions()).pin_driving_process("the engine's process")
     return LoadedModel(source=source, model=model, device=device, load_time_s=time.perf_counter() - t0)

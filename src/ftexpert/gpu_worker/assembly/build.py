@@ -5,7 +5,7 @@ its coordinator sent in WELCOME), `ft serve --workers inline`, `ft generate`, th
 order: the PDL setting; the device; the checkpoint (`open_model_source`, unless the caller opened it already
 to fill the expert store); the expert backend (over the host resources the coordinator's `ExpertResources`
 made, when an `Attachment` names them; else the strategies that need none); the dense weights and the
-architecture's forward (`make_model`); the lookahead prefetch; the `Engine`.
+architecture's forward and the lookahead prefetch (`assemble_model`, loader.py); the `Engine`.
 """
 from __future__ import annotations
 
@@ -18,17 +18,13 @@ import torch
 from ftexpert.gpu_worker.assembly.attached_backends import make_attached_expert_backend
 from ftexpert.gpu_worker.assembly.backends import make_expert_backend
 from ftexpert.gpu_worker.assembly.device import resolve_device
-from ftexpert.gpu_worker.assembly.loader import ModelSource, open_model_source
+from ftexpert.gpu_worker.assembly.loader import ModelSource, assemble_model, open_model_source
 from ftexpert.gpu_worker.backends.expert_backend import ExpertBackend
 from ftexpert.gpu_worker.backends.hybrid.options import HybridOptions
-from ftexpert.gpu_worker.backends.offload.prefetch import attach_prefetch, settings_from_knobs
+from ftexpert.gpu_worker.backends.offload.prefetch import settings_from_knobs
 from ftexpert.gpu_worker.engine import Engine, EngineConfig
-from ftexpert.gpu_worker.models.architectures import make_model
 from ftexpert.kernels.pdl import apply_setting
 from ftexpert.proto.engine_spec import EngineSpec
-
-MAX_POSITIONS = 32768                # rotary tables are built for at most this many positions
-
 
 @dataclass(frozen=True)
 class Attachment:
@@ -102,19 +98,16 @@ def build_engine(spec: EngineSpec, *, attachment: Attachment | None = None, sour
                                                freq_half_life=spec.eviction_freq_half_life)
     else:
         experts = make_expert_backend(spec.moe_strategy, source.experts, device, cache_size=spec.moe_cache_size,
-                                      hybrid=options)
+                                      hybrid=options, top_k=source.cfg.top_k)
+    model = assemble_model(source, experts, device, settings_from_knobs(spec.to_wire()))
     try:
-        cfg = source.cfg
-        model = make_model(cfg, source.load_dense(device), experts,
-                           max_positions=min(MAX_POSITIONS, cfg.max_position_embeddings))
-        attach_prefetch(model, settings_from_knobs(spec.to_wire()))
         engine = Engine(model, EngineConfig(max_running_requests=spec.max_running_requests,
                                             max_context_tokens=spec.max_context_tokens,
                                             slot_audit_every=spec.moe_slot_audit,
                                             prefill_chunk_tokens=spec.prefill_chunk_tokens,
                                             overlap_decode=spec.overlap), source.eos_token_ids)
         if device.type == "cuda":
-            torch.cuda.synchronize(device)
+            torch.cuda.synchronize(device)          # the KV cache allocated: the load time covers it
     except BaseException:
         experts.close()
         raise

@@ -33,6 +33,7 @@ from ftexpert.gpu_worker.assembly.device import resolve_device, resolve_dtype
 from ftexpert.gpu_worker.assembly.backends import make_expert_backend
 from ftexpert.gpu_worker.checkpoint.expert_sources import CheckpointExpertSource, ExpertSource, RandomExpertSource
 from ftexpert.gpu_worker.checkpoint.format_sources import DequantizingExpertSource, QuantizingExpertSource
+from ftexpert.gpu_worker.backends.offload.prefetch import attach_prefetch
 from ftexpert.gpu_worker.models.architectures import make_model
 from ftexpert.gpu_worker.models.model import MoeModel
 from ftexpert.gpu_worker.checkpoint.presets import DEFAULT_MODEL_DIR, TINY, preset_config, random_model_parts
@@ -43,6 +44,8 @@ from ftexpert.gpu_worker.checkpoint.tiny import ensure_tiny_checkpoint, write_ti
 from ftexpert.gpu_worker.checkpoint.tokenizer import TextTokenizer, generation_eos_ids
 from ftexpert.proto.expert_format import ExpertFormat, FormatError
 
+
+MAX_POSITIONS = 32768                # rotary tables are built for at most this many positions
 
 
 @dataclass
@@ -192,11 +195,23 @@ def load_model(model_dir: str | Path | None = None, preset: str | None = None, *
     source = open_model_source(model_dir, preset, dtype=dtype, seed=seed, device=device, expert_format=expert_format)
     experts = make_expert_backend(moe_strategy, source.experts, device, cache_size=moe_cache_size,
                                   mode=expert_compute, hybrid=hybrid, top_k=source.cfg.top_k)
-    dense = source.load_dense(device)
-    model = make_model(source.cfg, dense, experts, max_positions=min(32768, source.cfg.max_position_embeddings),
-                       fused_kernels=fused_kernels)
-    from ftexpert.gpu_worker.backends.offload.prefetch import attach_prefetch
-    attach_prefetch(model, prefetch)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    model = assemble_model(source, experts, device, prefetch, fused_kernels=fused_kernels)
     return LoadedModel(source=source, model=model, device=device, load_time_s=time.perf_counter() - t0)
+
+
+def assemble_model(source: ModelSource, experts, device: torch.device, prefetch=None, *,
+                   fused_kernels: bool | None = None) -> MoeModel:
+    """The architecture's forward over `experts` (an ExpertBackend, closed here if this fails): the dense weights
+    on `device`, rotary tables for up to MAX_POSITIONS, the lookahead prefetch (`prefetch`: PrefetchSettings or
+    None). Every model the GPU worker builds is assembled here."""
+    try:
+        cfg = source.cfg
+        model = make_model(cfg, source.load_dense(device), experts,
+                           max_positions=min(MAX_POSITIONS, cfg.max_position_embeddings), fused_kernels=fused_kernels)
+        attach_prefetch(model, prefetch)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    except BaseException:
+        experts.close()
+        raise
+    return model
