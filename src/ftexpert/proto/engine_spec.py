@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 from dataclasses import dataclass
 from typing import Any, Mapping
 
@@ -169,8 +170,6 @@ def spec_from_args(args: argparse.Namespace, environ: Mapping[str, str] | None =
                    **overrides: Any) -> EngineSpec:
     """The spec of parsed `add_engine_flags` flags, the FREETOKEN_* knobs resolved once (flag > env > default).
     `overrides`: fields the caller sets itself (e.g. max_running_requests=1 for `ft generate`)."""
-    import os
-
     resolved = resolve({k: getattr(args, k, None) for k in ENGINE_KNOBS}, environ)
     knobs = {k: resolved[k] for k in ENGINE_KNOBS}
     model = getattr(args, "model", None)

@@ -9,6 +9,7 @@ architecture's forward and the lookahead prefetch (`assemble_model`, loader.py);
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -59,8 +60,6 @@ class BuiltEngine:
 def hybrid_options(spec: EngineSpec, base: HybridOptions | None = None) -> HybridOptions:
     """The cpu / hybrid backends' options: `base` (ft generate's CPU-side flags; default: the defaults) with the
     spec's reserved CPUs and pin setting."""
-    import dataclasses
-
     return dataclasses.replace(base or HybridOptions(), reserve_cpus=spec.reserve_cpus,
                                pin_gpu_worker=spec.pin_gpu_worker == "on")
 
