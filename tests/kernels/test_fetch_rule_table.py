@@ -3,9 +3,10 @@ stochastic mode's draws, the recency promotion and the caps through `ensure` (re
 
 The other slot-cache tests compare the kernels with the reference; these compare both with literal tables written
 from the contract (docs/slot_cache.md), so a wrong rule in fetch_rule.py fails here even where kernel and reference
-still agree. The tables hold what the code must return with f in Q16 (round(f * 65536)); where that differs from the
-exact-rational rule a comment at the row says so, and `test_tables_are_the_written_rule_on_q16` checks both, from a
-Fraction transcription of the rule (never from fetch_rule.py or reference.py).
+still agree. The tables hold the rule on the exact f: f travels in Q16 (round(f * 65536)), and the code takes a
+product within the encoding's error of a whole count as that count, so no cell may differ from the exact-rational
+rule; `test_tables_are_the_exact_rule` checks the tables against a Fraction transcription of the rule (never
+against fetch_rule.py or reference.py).
 """
 from __future__ import annotations
 
@@ -36,7 +37,7 @@ MIN_WAIT = {
     0.25: [0, 0, 0, 0, 1, 1, 1, 2, 2, 4],    # M=3 (0.75) and M=7 (1.75) are ties: floor
     0.4: [0, 0, 1, 1, 1, 2, 3, 3, 4, 6],     # M=4 (1.6) a tie: floor
     0.5: [0, 0, 1, 1, 2, 2, 3, 4, 5, 8],     # odd M: ties, floor
-    0.6: [0, 1, 1, 2, 3, 3, 4, 5, 6, 10],    # M=4: Q16 gives 3 (f_q > 0.6 breaks the exact tie at 2.4 upward); exact: 2
+    0.6: [0, 1, 1, 2, 2, 3, 4, 5, 6, 10],    # M=4 (2.4) a tie: floor, though f_q16 is a hair above 0.6
     0.75: [0, 1, 2, 2, 3, 4, 5, 6, 8, 12],   # M=3 (2.25) and M=7 (5.25) are ties: floor
     0.9: [0, 1, 2, 3, 4, 5, 7, 8, 9, 15],
     1.0: [0, 1, 2, 3, 4, 5, 7, 8, 10, 16],
@@ -44,11 +45,11 @@ MIN_WAIT = {
 # prefer-fetch: ceil(fM)
 PREFER_FETCH = {
     0.0: [0, 0, 0, 0, 0, 0, 0, 0, 0, 0],
-    0.1: [0, 1, 1, 1, 1, 1, 1, 1, 2, 2],     # M=10: Q16 gives 2 (10 * 6554 is just above 65536); exact: 1
+    0.1: [0, 1, 1, 1, 1, 1, 1, 1, 1, 2],     # M=10: 1, though 10 * 6554 is just above 65536
     0.25: [0, 1, 1, 1, 1, 2, 2, 2, 3, 4],
     0.4: [0, 1, 1, 2, 2, 2, 3, 4, 4, 7],
     0.5: [0, 1, 1, 2, 2, 3, 4, 4, 5, 8],
-    0.6: [0, 1, 2, 2, 3, 4, 5, 5, 7, 10],    # M=5: Q16 gives 4, exact 3; M=10: Q16 gives 7, exact 6
+    0.6: [0, 1, 2, 2, 3, 3, 5, 5, 6, 10],    # M=5: 3 and M=10: 6, though f_q16 * M is just above
     0.75: [0, 1, 2, 3, 3, 4, 6, 6, 8, 12],
     0.9: [0, 1, 2, 3, 4, 5, 7, 8, 9, 15],
     1.0: [0, 1, 2, 3, 4, 5, 7, 8, 10, 16],
@@ -58,17 +59,15 @@ FLOOR = {
     0.0: [0, 0, 0, 0, 0, 0, 0, 0, 0, 0],
     0.1: [0, 0, 0, 0, 0, 0, 0, 0, 1, 1],
     0.25: [0, 0, 0, 0, 1, 1, 1, 2, 2, 4],
-    0.4: [0, 0, 0, 1, 1, 1, 2, 3, 3, 6],     # M=5: Q16 gives 1, exact 2; M=10: Q16 gives 3, exact 4
+    0.4: [0, 0, 0, 1, 1, 2, 2, 3, 4, 6],     # M=5: 2 and M=10: 4, though f_q16 * M is just below
     0.5: [0, 0, 1, 1, 2, 2, 3, 4, 5, 8],
     0.6: [0, 0, 1, 1, 2, 3, 4, 4, 6, 9],
     0.75: [0, 0, 1, 2, 3, 3, 5, 6, 7, 12],
-    0.9: [0, 0, 1, 2, 3, 4, 6, 7, 8, 14],    # M=10: Q16 gives 8, exact 9
+    0.9: [0, 0, 1, 2, 3, 4, 6, 7, 9, 14],    # M=10: 9, though f_q16 * M is just below
     1.0: [0, 1, 2, 3, 4, 5, 7, 8, 10, 16],
 }
 TABLES = {"min-wait": MIN_WAIT, "prefer-fetch": PREFER_FETCH, "split": FLOOR}
-# the cells above where Q16 and the exact-rational rule part: (mode, M, f)
-Q16_DEVIATIONS = {("min-wait", 4, 0.6), ("prefer-fetch", 10, 0.1), ("prefer-fetch", 5, 0.6),
-                  ("prefer-fetch", 10, 0.6), ("split", 5, 0.4), ("split", 10, 0.4), ("split", 10, 0.9)}
+
 
 
 def cells(modes):
@@ -95,17 +94,21 @@ def test_round_mode_codes_and_q16():
     assert {f: fraction_to_q16(f) for f in FS} == Q16
 
 
-def test_tables_are_the_written_rule_on_q16():
-    """Every hand value equals the rule on f_q = Q16[f] / 65536, and it equals the rule on the exact f everywhere
-    but the cells listed in Q16_DEVIATIONS (a check of the tables, not of the code)."""
-    deviations = set()
+def test_tables_are_the_exact_rule():
+    """Every hand value equals the rule on the exact rational f (a check of the tables, not of the code)."""
     for mode, table in TABLES.items():
         for f in FS:
             for m, want in zip(MS, table[f]):
-                assert exact_rule(mode, m, Fraction(Q16[f], 1 << 16)) == want, (mode, m, f)
-                if exact_rule(mode, m, Fraction(str(f))) != want:
-                    deviations.add((mode, m, f))
-    assert deviations == Q16_DEVIATIONS
+                assert exact_rule(mode, m, Fraction(str(f))) == want, (mode, m, f)
+
+
+def test_q16_alone_would_miss_the_whole_counts():
+    """The cells where the raw Q16 product lies on the wrong side of a whole count (so the snap to it is what makes
+    the tables hold): the rule on f_q16 / 65536 without the snap gives another count there."""
+    off = {(mode, m, f) for mode, table in TABLES.items() for f in FS for m, want in zip(MS, table[f])
+           if exact_rule(mode, m, Fraction(Q16[f], 1 << 16)) != want}
+    assert off == {("min-wait", 4, 0.6), ("prefer-fetch", 10, 0.1), ("prefer-fetch", 5, 0.6),
+                   ("prefer-fetch", 10, 0.6), ("split", 5, 0.4), ("split", 10, 0.4), ("split", 10, 0.9)}
 
 
 @pytest.mark.parametrize("mode, m, f", cells(TABLES))
@@ -124,15 +127,16 @@ DRAW16 = {(0, 1, 0): 5113, (0, 1, 1): 32984, (0, 2, 0): 55025, (0, 3, 0): 18887,
           (0, 2 ** 32 + 5, 0): 29811, (2 ** 40 + 7, 9, 2): 53873, (7, 1, 3): 174}
 DRAWS = [(seed, step) for seed in range(80) for step in range(1, 51)]   # 4000 (seed, step) pairs, layer 0
 TOL = 0.04   # on the +1 frequency over 4000 draws: its standard deviation is at most 0.008, so 5 sigma
-# f*M is an integer but f_q*M is not, so rare draws give the other count: (M, f, seed, step, k) with layer 0
+# f*M is an integer but f_q16*M is not: draws that fall between f_q16*M and the whole count, so without the snap to
+# it they would give the other count. (M, f, seed, step) with layer 0, and the draw.
 Q16_STOCHASTIC = [
-    (5, 0.4, 17, 1525, 1),    # draw 65534 >= frac 65534: k = 1, not 0.4*5 = 2
-    (5, 0.4, 21, 462, 1),     # draw 65535
-    (10, 0.4, 33, 1801, 3),   # draw 65532 >= frac 65532: k = 3, not 4
-    (10, 0.9, 33, 1801, 8),   # draw 65532 >= frac 65532: k = 8, not 9
-    (10, 0.1, 4, 210, 2),     # draw 3 < frac 4: k = 2, not 1
-    (10, 0.6, 4, 210, 7),     # draw 3 < frac 4: k = 7, not 6
-    (5, 0.6, 20, 282, 4),     # draw 1 < frac 2: k = 4, not 3
+    (5, 0.4, 17, 1525, 65534),    # f_q16*M = 2 - 2/65536: the draw 65534 would give 1
+    (5, 0.4, 21, 462, 65535),
+    (10, 0.4, 33, 1801, 65532),   # 4 - 4/65536: would give 3
+    (10, 0.9, 33, 1801, 65532),   # 9 - 4/65536: would give 8
+    (10, 0.1, 4, 210, 3),         # 1 + 4/65536: the draw 3 would give 2
+    (10, 0.6, 4, 210, 3),         # 6 + 4/65536: would give 7
+    (5, 0.6, 20, 282, 1),         # 3 + 2/65536: would give 4
 ]
 
 
@@ -143,24 +147,25 @@ def test_draw16_is_pinned():
 @pytest.mark.parametrize("mode, m, f", cells(["stochastic"]))
 def test_stochastic_floor_or_floor_plus_one(mode, m, f):
     """Each draw gives floor(fM) or floor(fM) + 1, the same again for the same (seed, step, layer); the +1 comes
-    with frequency frac(fM) (exact f: the Q16 cells come out within TOL too); integral fM (Q16-exact) every time."""
+    with frequency frac(fM) (of the exact f); integral fM gives fM every time."""
     lo = FLOOR[f][MS.index(m)]
     ks = [fetch_count(m, Q16[f], ROUND_MODES[mode], seed=seed, step=step, layer=0) for seed, step in DRAWS]
     assert set(ks) <= {lo, lo + 1}
     assert ks[:50] == [fetch_count(m, Q16[f], ROUND_MODES[mode], seed=seed, step=step, layer=0)
                        for seed, step in DRAWS[:50]]
     exact = Fraction(str(f)) * m
-    if exact.denominator == 1 and not any((m, f) == (c[0], c[1]) for c in Q16_STOCHASTIC):
+    if exact.denominator == 1:
         assert ks == [int(exact)] * len(DRAWS)
     freq = ks.count(lo + 1) / len(ks)
     assert abs(freq - float(exact - lo)) <= TOL, f"+1 in {freq:.4f} of draws, frac(fM) = {float(exact - lo):.4f}"
 
 
-@pytest.mark.parametrize("m, f, seed, step, want", [pytest.param(*c, id=f"stochastic-M{c[0]}-f{c[1]}-s{c[2]}")
+@pytest.mark.parametrize("m, f, seed, step, draw", [pytest.param(*c, id=f"stochastic-M{c[0]}-f{c[1]}-s{c[2]}")
                                                     for c in Q16_STOCHASTIC])
-def test_stochastic_q16_off_integer(m, f, seed, step, want):
-    """Where f*M is an integer but f is not exact in Q16, a rare draw gives the other count (documents Q16)."""
-    assert fetch_count(m, Q16[f], ROUND_MODES["stochastic"], seed=seed, step=step, layer=0) == want
+def test_stochastic_whole_count_despite_q16(m, f, seed, step, draw):
+    """Where f*M is a whole count but f_q16*M is not, the draws between them still give the whole count."""
+    assert draw16(seed, step, 0) == draw
+    assert fetch_count(m, Q16[f], ROUND_MODES["stochastic"], seed=seed, step=step, layer=0) == int(Fraction(str(f)) * m)
 
 
 # ---- through ensure: promotion and caps ---------------------------------------------------------------------

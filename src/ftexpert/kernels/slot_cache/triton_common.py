@@ -41,11 +41,13 @@ def _fetch_count(num_misses, num_hits, num_slots, first_key, max_fetch, frac_q16
     # recency promotion, and the cap at the slots this call does not use. first_key: the largest
     # _order_key (its low bit says whether the first miss was routed before).
     prod = frac_q16 * num_misses
+    rest = prod & 0xFFFF            # within M units of a whole count: that count (fetch_rule.snapped_product)
+    prod = tl.where(rest <= num_misses, prod - rest, tl.where(rest >= 65536 - num_misses, prod - rest + 65536, prod))
     lo = prod >> 16
     hi = lo + 1
     cost_lo = tl.maximum(lo * (65536 - frac_q16), (num_misses - lo) * frac_q16)
     cost_hi = tl.maximum(hi * (65536 - frac_q16), (num_misses - hi) * frac_q16)
-    k_minwait = tl.where(cost_hi < cost_lo, hi, lo)
+    k_minwait = tl.where(cost_hi < cost_lo - num_misses, hi, lo)
     k_stoch = lo
     if round_mode == 1:     # the draw is a chain of ~40 dependent integer ops: only when it is used
         k_stoch = lo + (_draw16(seed, step, layer) < (prod & 0xFFFF)).to(tl.int64)
