@@ -340,7 +340,7 @@ PY
       run peer_build "${PEER_BUILD_LIMIT:-590}" bash bench/peer_llamacpp/build.sh cuda
       tail -n 12 "$OUT/peer_build.log" | cut -c1-200
       if [ -x bench/peer_llamacpp/bin/cuda/llama-bench ]; then
-        tar -C bench/peer_llamacpp/bin -cJf - cuda | split -b 15m -d - "$OUT/peer_bin_cuda.tar.xz.part-"
+        tar -C bench/peer_llamacpp/bin -cf - cuda | xz -T0 -6 | split -b 15m -d - "$OUT/peer_bin_cuda.tar.xz.part-"
         ls -la "$OUT"/peer_bin_cuda.tar.xz.part-*
       fi
       ;;
