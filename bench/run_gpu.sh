@@ -22,6 +22,13 @@
 #   architectures  qwen3-next-80b-a3b (NVFP4) and gpt-oss-120b: resident and offload at 10 / 25 / 50%; TTFT at 32K
 #            of qwen3-next-80b-a3b against qwen3-30b-a3b                                       (~10 min)
 #   soak     ft soak on the GPU for SOAK_S s (default 540), hybrid, CPU- and GPU-worker kills; report in $OUT/soak
+#   peer_build  builds llama-bench (CUDA sm_90) from bench/peer_llamacpp/llama.cpp (carry it; fetch_source.sh makes
+#            it) and packs bench/peer_llamacpp/bin/cuda into $OUT/peer_bin_cuda.tar.xz.part-* (carry those back as
+#            bench/peer_llamacpp/dist/ for later calls); PEER_BUILD_LIMIT s (default 590)          (~6-9 min)
+#   peer     llama.cpp side by side (docs/PEERS.md): bench/peer_llamacpp/run_peer.py over PEER_JOBS (default
+#            qwen3-30b-a3b:bf16) and PEER_PARTS (default theirs,engine,hybrid,prefill); llama-bench from
+#            bench/peer_llamacpp/bin/cuda, else unpacked from bench/peer_llamacpp/dist/; PEER_MERGE: earlier
+#            peer_results.jsonl files for the table; PEER_ARGS: more run_peer.py flags           (~9 min a job)
 #   all      tests kernels engine hybrid prefill (more than one device call's 10 minutes: run suites one by one)
 #   compare OLD_TREE  OLD_TREE is an older checkout (e.g. `git archive OLDREV | tar -x -C /tmp/old`); its benches take
 #            the flags of that tree (the old side's commands below), this tree's the current ones; one table, both
@@ -327,8 +334,29 @@ PY
       cd "$new"; use_tree "$new"
       summary old="$OUT/old" new="$OUT/new" | tee "$OUT/compare.txt"
       ;;
+    peer_build)
+      # llama.cpp's llama-bench for the side-by-side benchmark; a build cut by the limit keeps its objects: run the
+      # suite again on the warm machine and ninja goes on from there
+      run peer_build "${PEER_BUILD_LIMIT:-590}" bash bench/peer_llamacpp/build.sh cuda
+      tail -n 12 "$OUT/peer_build.log" | cut -c1-200
+      if [ -x bench/peer_llamacpp/bin/cuda/llama-bench ]; then
+        tar -C bench/peer_llamacpp/bin -cf - cuda | xz -T0 -6 | split -b 15m -d - "$OUT/peer_bin_cuda.tar.xz.part-"
+        ls -la "$OUT"/peer_bin_cuda.tar.xz.part-*
+      fi
+      ;;
+    peer)
+      # llama.cpp and this project side by side (docs/PEERS.md), one table last
+      if [ ! -x bench/peer_llamacpp/bin/cuda/llama-bench ] && compgen -G "bench/peer_llamacpp/dist/peer_bin_cuda.tar.xz.part-*" >/dev/null; then
+        mkdir -p bench/peer_llamacpp/bin && cat bench/peer_llamacpp/dist/peer_bin_cuda.tar.xz.part-* | tar -xJf - -C bench/peer_llamacpp/bin
+      fi
+      rm -f /dev/shm/ft-experts-*
+      run peer "${PEER_LIMIT:-595}" python3 bench/peer_llamacpp/run_peer.py --jobs "${PEER_JOBS:-qwen3-30b-a3b:bf16}" \
+        --parts "${PEER_PARTS:-theirs,engine,hybrid,prefill}" --out "$OUT" --total-s "${PEER_TOTAL_S:-570}" ${PEER_MERGE:+--merge $PEER_MERGE} ${PEER_ARGS:-}
+      grep -E "^\[run_peer" "$OUT/peer.log" | tail -n 12 | cut -c1-200
+      cat "$OUT/peer_table.md" 2>/dev/null
+      ;;
     *)
-      echo "unknown suite: $s (tests, kernels, engine, hybrid, prefill, routing, workload, prefetch, prefetch_trained, architectures, soak, all, compare OLD_TREE)" >&2; status=2
+      echo "unknown suite: $s (tests, kernels, engine, hybrid, prefill, routing, workload, prefetch, prefetch_trained, architectures, soak, peer_build, peer, all, compare OLD_TREE)" >&2; status=2
       ;;
   esac
 done

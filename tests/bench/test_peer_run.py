@@ -1,0 +1,135 @@
+"""bench/peer_llamacpp/run_peer.py: llama.cpp's and this project's figures into one table (docs/PEERS.md).
+
+A stand-in llama-bench (a script printing jsonl rows the way llama-bench -o jsonl does) checks the llama.cpp side's
+command and how its rows map to shares of the experts on the GPU; canned bench_engine.py output checks ours; the
+table pairs the two. With a CPU build of llama-bench at hand, the tiny model runs through the real one.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("gguf")
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+DRIVER = os.path.join(REPO, "bench", "peer_llamacpp", "run_peer.py")
+
+
+def _run_peer():
+    spec = importlib.util.spec_from_file_location("peer_run_peer", DRIVER)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+rp = _run_peer()
+
+FAKE_BENCH = r'''#!/usr/bin/env python3
+import json, sys
+a = sys.argv[1:]
+if "--help" in a:
+    print("usage: llama-bench [options]\n  -ncmoe, --n-cpu-moe <n>\n  -d, --n-depth <n>")
+    sys.exit(0)
+def opt(k):
+    return a[a.index(k) + 1]
+open(sys.argv[0] + ".args", "w").write(json.dumps(a))
+for nc in map(int, opt("-ncmoe").split(",")):
+    for d in map(int, opt("-d").split(",")):
+        for n_p, n_g in ((int(opt("-p")), 0), (0, int(opt("-n")))):
+            ts = [1000.0 / (1 + nc) + d / 1000 + i for i in range(int(opt("-r")))] if n_p else \
+                 [100.0 / (1 + nc) + i for i in range(int(opt("-r")))]
+            print(json.dumps({"build_commit": "unknown", "build_number": 0, "n_cpu_moe": nc, "n_threads": int(opt("-t")),
+                              "n_prompt": n_p, "n_gen": n_g, "n_depth": d, "avg_ts": sum(ts) / len(ts),
+                              "samples_ts": ts, "gpu_info": "fake", "cpu_info": "fake"}))
+'''
+
+
+def test_theirs_runs_one_llama_bench_over_the_shares_and_maps_its_rows(tmp_path):
+    fake = tmp_path / "llama-bench"
+    fake.write_text(FAKE_BENCH)
+    fake.chmod(0o755)
+    out = tmp_path / "out"
+    p = subprocess.run([sys.executable, DRIVER, "--tiny", "--jobs", "qwen3-30b-a3b:q4_0", "--parts", "theirs",
+                        "--llama-bench", str(fake), "--out", str(out), "--gguf-dir", str(tmp_path), "--runs", "3",
+                        "--shares", "0.5", "--threads", "4", "--prompt-tokens", "64", "--decode-tokens", "8",
+                        "--gguf-threads", "1"], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    args = json.loads((tmp_path / "llama-bench.args").read_text())
+    # the tiny shape has 2 layers: all on the CPU, one (half of the experts on the GPU), none
+    assert args[args.index("-ncmoe") + 1] == "2,1,0"
+    assert args[args.index("-ngl") + 1] == "99" and args[args.index("-fa") + 1] == "1"
+    assert args[args.index("-d") + 1] == "0,64" and args[args.index("-t") + 1] == "4"
+    assert not list(tmp_path.glob("*.gguf"))                   # deleted after the run
+    recs = [json.loads(line) for line in (out / "peer_results.jsonl").read_text().splitlines()]
+    theirs = {(r["kind"], r["share"]): r for r in recs if r.get("side") == "theirs" and r["kind"] != "other"}
+    assert set(theirs) == {(k, s) for k in ("decode", "prefill") for s in (0.0, 0.5, 1.0)}
+    # decode = tg at depth --prompt-tokens, prefill = pp at depth 0; the median of the samples
+    assert theirs["decode", 1.0]["tok_s"] == 101.0 and theirs["decode", 1.0]["test"] == "tg8@d64"
+    assert theirs["prefill", 0.0]["tok_s"] == pytest.approx(1000.0 / 3 + 1)
+    assert theirs["decode", 0.5]["name"] == "llama.cpp -ncmoe 1"
+    assert any(r.get("kind") == "gguf_write" for r in recs)
+    assert "| qwen3-30b-a3b | q4_0 | decode | 100% | llama.cpp -ncmoe 0 | 101.00 |" in (out / "peer_table.md").read_text()
+
+
+def _engine_text() -> str:
+    """bench_engine.py's lines for two routings (its print formats)."""
+    lines = ["loaded qwen3-30b-a3b resident in 20.0 s",
+             "resident graphs model [300.0, 310.0, 305.0] (graph launch 20 us of a 3300 us step, host time)",
+             "resident graphs zipf:1.0 [290.0, 295.0, 299.0] (graph launch 20 us of a 3300 us step, host time)",
+             "host store 58.0 GB filled and pinned (True) in 30.0 s",
+             "offload 25% model [120.0, 125.0, 130.0] ",
+             "offload 25% zipf:1.0 [40.0, 42.0, 41.0] ",
+             "", "qwen3-30b-a3b bfloat16 bf16 experts, NVIDIA H200, ...",
+             f"{'backend':<20} {'slots':>5} {'tok/s':>7}"]
+    for name, slots, tok, miss in (("resident graphs model", "-", 305.0, 0.0), ("resident graphs zipf:1.0", "-", 295.0, 0.0),
+                                   ("offload 25% model", 1536, 125.0, 3.5), ("offload 25% zipf:1.0", 1536, 41.0, 61.2)):
+        lines.append(f"{name:<20} {slots!s:>5} {tok:>7.2f} {50.0:>8.2f} {80:>5.0f} {70:>7.0f} {60:>5.0f} "
+                     f"{miss:>8.1f} {40.0:>9.1f} {'True':>8} {70.1:>7.1f} {1.01:>7.2f}")
+    return "\n".join(lines)
+
+
+def test_engine_rows_and_the_table_pair_ours_with_theirs(tmp_path, monkeypatch):
+    monkeypatch.setattr(rp, "run_cmd", lambda cmd, log_path, timeout, env=None: (0, _engine_text()))
+    res = rp.Results(tmp_path / "r.jsonl")
+    args = type("A", (), dict(runs=3, prompt_tokens=1024, decode_tokens=128, shares=[0.25], part_timeout=9,
+                              routing_ours="model,zipf:1.0"))()
+    rp.part_engine(args, "qwen3-30b-a3b", "bf16", res, tmp_path)
+    ours = [json.loads(line) for line in (tmp_path / "r.jsonl").read_text().splitlines()]
+    got = {(r["name"], r["routing"]): (r["share"], r["tok_s"], r["misses_per_token"]) for r in ours}
+    assert got == {("resident", "model"): (1.0, 305.0, 0.0), ("resident", "zipf:1.0"): (1.0, 295.0, 0.0),
+                   ("offload 25%", "model"): (0.25, 125.0, 3.5), ("offload 25%", "zipf:1.0"): (0.25, 41.0, 61.2)}
+    res.add(kind="decode", side="theirs", model="qwen3-30b-a3b", experts="bf16", share=0.25,
+            name="llama.cpp -ncmoe 36", tok_s=20.5)
+    res.add(kind="decode", side="theirs", model="qwen3-30b-a3b", experts="bf16", share=0.0,
+            name="llama.cpp -ncmoe 48", tok_s=15.0)
+    text = rp.table(rp.read_records([tmp_path / "r.jsonl"]))
+    assert "| 25% | llama.cpp -ncmoe 36 | 20.50 | offload 25% | zipf:1.0, 61.2 miss/tok | 41.00 | 2.00 |" in text
+    assert "| 25% | llama.cpp -ncmoe 36 | 20.50 | offload 25% | model, 3.5 miss/tok | 125.00 | 6.10 |" in text
+    assert "| 100% | not measured | nan | resident | model, 0.0 miss/tok | 305.00 | - |" in text
+    assert "| 0% | llama.cpp -ncmoe 48 | 15.00 | - | - | - | - |" in text        # theirs alone: a row of its own
+
+
+def _cpu_llama_bench():
+    path = os.environ.get("PEER_LLAMA_BENCH") or os.path.join(REPO, "bench", "peer_llamacpp", "bin", "cpu",
+                                                               "llama-bench")
+    return path if os.access(path, os.X_OK) else None
+
+
+@pytest.mark.skipif(_cpu_llama_bench() is None, reason="no llama-bench build (bench/peer_llamacpp/build.sh cpu)")
+def test_theirs_through_the_real_llama_bench_on_the_tiny_model(tmp_path):
+    out = tmp_path / "out"
+    p = subprocess.run([sys.executable, DRIVER, "--tiny", "--jobs", "gpt-oss-120b:mxfp4", "--parts", "theirs",
+                        "--llama-bench", _cpu_llama_bench(), "--out", str(out), "--gguf-dir", str(tmp_path),
+                        "--runs", "1", "--shares", "0.5", "--threads", "2", "--prompt-tokens", "16",
+                        "--decode-tokens", "4"], capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stdout[-3000:]
+    recs = [json.loads(line) for line in (out / "peer_results.jsonl").read_text().splitlines()]
+    theirs = {(r["kind"], r["share"]) for r in recs if r.get("side") == "theirs"}
+    assert {("decode", 0.0), ("decode", 0.5), ("decode", 1.0), ("prefill", 1.0)} <= theirs, theirs
+    assert all(r["tok_s"] > 0 for r in recs if r.get("side") == "theirs")
