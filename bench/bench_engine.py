@@ -30,6 +30,10 @@ from ftexpert.gpu_worker.models.synthetic_routing import SyntheticRouting  # noq
 from ftexpert.gpu_worker.backends.offload import HostExperts, OffloadExperts, resolve_cache_slots  # noqa: E402
 import ftexpert.kernels.expert_copy.api as expert_copy_api  # noqa: E402
 from ftexpert.kernels.pdl import apply_setting as apply_pdl  # noqa: E402
+try:                                  # run as bench/bench_engine.py (bench/ on sys.path) or imported as bench.bench_engine
+    from hbm_roofline import describe as describe_hbm, hbm_bandwidth, step_bytes  # noqa: E402
+except ImportError:
+    from bench.hbm_roofline import describe as describe_hbm, hbm_bandwidth, step_bytes  # noqa: E402
 
 
 def _copy_chunks(args) -> list[int]:
@@ -235,7 +239,7 @@ def _trace_path(args, name: str) -> str | None:
     return os.path.join(args.trace_dir, "trace_" + re.sub(r"[^A-Za-z0-9.]+", "_", name).strip("_") + ".json")
 
 
-def _table(args, source, rows, bw, bw_hot=None, bw_single=None) -> int:
+def _table(args, source, rows, bw, bw_hot=None, bw_single=None, hbm=None) -> int:
     expert_bytes = source.layout.expert_nbytes
     total_expert_bytes = source.num_layers * source.num_experts * expert_bytes
     device = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
@@ -247,15 +251,20 @@ def _table(args, source, rows, bw, bw_hot=None, bw_single=None) -> int:
           f"experts of the pinned store back to back (the roofline's) {(bw or 0) / 1e9:.1f} GB/s, the same timed "
           f"one copy at a time (%single) {(bw_single or 0) / 1e9:.1f} GB/s, one pinned buffer copied again and "
           f"again (%hot) {(bw_hot or 0) / 1e9:.1f} GB/s")
-    print(f"{'backend':<20} {'slots':>5} {'tok/s':>7} {'roofline':>8} {'%roof':>5} {'%single':>7} {'%hot':>5} {'miss/tok':>8} "
-          f"{'copy GB/s':>9} {'lossless':>8} {'GPU GiB':>7} {'RSS/exp':>7}")
+    hbm_roof = float("nan")
+    if hbm is not None:                  # (bytes a step, HBM bytes/s): the resident step's bound, every row beside it
+        hbm_roof = args.batch * hbm[1] / hbm[0]["total"]
+        print(describe_hbm(*hbm) + f": {hbm_roof:.1f} tok/s")
+    print(f"{'backend':<20} {'slots':>5} {'tok/s':>7} {'HBM roof':>8} {'%HBM':>4} {'roofline':>8} {'%roof':>5} {'%single':>7} "
+          f"{'%hot':>5} {'miss/tok':>8} {'copy GB/s':>9} {'lossless':>8} {'GPU GiB':>7} {'RSS/exp':>7}")
     for name, slots, r, peak, rss in rows:
         miss = r.get("misses_per_token")
         roof = bw / (miss * expert_bytes) if miss and bw else float("nan")
         pct = 100 * r["decode_tok_s"] / roof if miss and bw else float("nan")
         pct_hot = 100 * r["decode_tok_s"] * miss * expert_bytes / bw_hot if miss and bw_hot else float("nan")
         pct_single = 100 * r["decode_tok_s"] * miss * expert_bytes / bw_single if miss and bw_single else float("nan")
-        print(f"{name:<20} {slots!s:>5} {r['decode_tok_s']:>7.2f} {roof:>8.2f} {pct:>5.0f} {pct_single:>7.0f} {pct_hot:>5.0f} "
+        print(f"{name:<20} {slots!s:>5} {r['decode_tok_s']:>7.2f} {hbm_roof:>8.1f} {100 * r['decode_tok_s'] / hbm_roof:>4.0f} "
+              f"{roof:>8.2f} {pct:>5.0f} {pct_single:>7.0f} {pct_hot:>5.0f} "
               f"{(miss or 0):>8.1f} {r.get('copy_gb_s', 0):>9.1f} {str(r.get('lossless', '-')):>8} "
               f"{peak / 2**30:>7.1f} {rss / total_expert_bytes:>7.2f}")
     return 0
@@ -383,8 +392,12 @@ def main() -> int:
             host_profile_decode(engine, prompt, args.host_profile)
         del engine
     source = loaded.source.experts
+    hbm = None
+    if args.device == "cuda":            # the resident step's HBM roofline (bench/hbm_roofline.py)
+        contexts = [n + args.decode_tokens // 2 for n in lengths]      # a request's mean context while decoding
+        hbm = (step_bytes(loaded.model, source.layout.expert_nbytes, contexts), hbm_bandwidth())
     if not args.fractions:
-        return _table(args, source, rows, None)
+        return _table(args, source, rows, None, hbm=hbm)
     expert_bytes = source.layout.expert_nbytes
     loaded.model.experts = None
     gc.collect()
@@ -436,7 +449,7 @@ def main() -> int:
     finally:
         host.close()
 
-    return _table(args, source, rows, bw, bw_hot, bw_single)
+    return _table(args, source, rows, bw, bw_hot, bw_single, hbm=hbm)
 
 
 if __name__ == "__main__":

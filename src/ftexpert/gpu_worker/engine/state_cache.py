@@ -43,6 +43,23 @@ class StateRows:
             c.recurrent[layer, self.slot].copy_(recurrent[0])
         else:
             c.conv[layer].index_copy_(0, self.rows, conv.to(c.conv.dtype))
+            self.write_recurrent(layer, recurrent)
+
+    def conv_rows(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """A decode step's conv state in place: (the layer's conv cache [B, C, K-1], a view, and ``rows`` [T]) for a
+        kernel that reads and shifts those rows itself (kernels/next_decode gdn_decode_pre), as read + write would;
+        a CUDA graph captures it over the live rows like the index_copy_ of `write`. None for a prefill chunk."""
+        return None if self.rows is None else (self.cache.conv[layer], self.rows)
+
+    def read_recurrent(self, layer: int) -> torch.Tensor:
+        """The recurrent state alone (a decode step whose conv rows go through `conv_rows`): [T, Hv, Dk, Dv] fp32."""
+        return self.read(layer)[1] if self.rows is None else self.cache.recurrent[layer].index_select(0, self.rows)
+
+    def write_recurrent(self, layer: int, recurrent: torch.Tensor) -> None:
+        c = self.cache
+        if self.rows is None:
+            c.recurrent[layer, self.slot].copy_(recurrent[0])
+        else:
             c.recurrent[layer].index_copy_(0, self.rows, recurrent.float())
 
 

@@ -3,7 +3,10 @@ sequence with its carried state, the gated delta rule (kernels/gated_delta) with
 and the output projection.
 
 The forward's T tokens are B = ``states.num_seqs`` sequences of L = T / B consecutive tokens (a prefill chunk:
-B = 1; a decode step: L = 1). A chunk of one token runs the recurrence; longer ones the chunked form.
+B = 1; a decode step: L = 1). A chunk of one token runs the recurrence; longer ones the chunked form. With
+``kernel_impl`` (the model's fused forward) a decode step whose states give their conv rows in place
+(``states.conv_rows``) runs kernels/next_decode around the recurrence: one launch for the conv update, splits and
+gates, one for RMSNormGated; otherwise the torch code below (the kernels' reference) runs.
 """
 from __future__ import annotations
 
@@ -11,29 +14,17 @@ import torch
 import torch.nn.functional as F
 
 from ftexpert.kernels import gated_delta
+from ftexpert.kernels import next_decode as kn
+from ftexpert.kernels.next_decode.reference import causal_conv, decay_gates, gated_rms_norm, split_qkvz
 
 from ftexpert.gpu_worker.checkpoint.config import MoeConfig
 
 
-def causal_conv(x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Depthwise causal conv1d + SiLU. x [B, L, C], state [B, C, K-1] (the sequence's last K-1 inputs before x),
-    weight [C, K] -> (out [B, L, C], new state [B, C, K-1])."""
-    full = torch.cat((state.to(x.dtype), x.transpose(1, 2)), dim=-1)              # [B, C, K-1+L]
-    out = F.conv1d(full, weight.unsqueeze(1), groups=weight.shape[0])             # [B, C, L]
-    return F.silu(out).transpose(1, 2), full[:, :, -(weight.shape[1] - 1):]
-
-
-def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNormGated: w * norm(x) (cast to x's dtype first) * silu(gate), over the last axis."""
-    x32 = x.float()
-    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return ((weight * x32.to(x.dtype)) * F.silu(gate.float())).to(x.dtype)
-
-
 def gated_deltanet(cfg: MoeConfig, w, h: torch.Tensor, states, layer: int, impl: str = "auto",
-                   linear=F.linear) -> torch.Tensor:
+                   linear=F.linear, kernel_impl: str | None = None) -> torch.Tensor:
     """h [T, H] (normed) -> [T, H]; reads and writes linear layer ``layer``'s state rows in ``states``. ``linear``:
-    the dense projection (the model's: F.linear or a decode GEMV)."""
+    the dense projection (the model's: F.linear or a decode GEMV); ``kernel_impl``: the next_decode kernels' impl
+    for a decode step (None: the torch code)."""
     lin = cfg.linear_attention
     T = h.shape[0]
     Hk, Hv, Dk, Dv = lin.num_key_heads, lin.num_value_heads, lin.key_head_dim, lin.value_head_dim
@@ -42,18 +33,35 @@ def gated_deltanet(cfg: MoeConfig, w, h: torch.Tensor, states, layer: int, impl:
     if T % B:
         raise ValueError(f"{T} tokens do not split into {B} sequences of equal length")
     L = T // B
-    # in_proj_qkvz rows are grouped per key head: [q Dk | k Dk | v r*Dv | z r*Dv]; in_proj_ba: [b r | a r]
-    q, k, v, z = linear(h, w.in_proj_qkvz).view(T, Hk, 2 * Dk + 2 * r * Dv).split([Dk, Dk, r * Dv, r * Dv], -1)
-    b, a = linear(h, w.in_proj_ba).view(T, Hk, 2 * r).split([r, r], -1)
+    qkvz, ba = linear(h, w.in_proj_qkvz), linear(h, w.in_proj_ba)
+    conv_rows = states.conv_rows(layer) if kernel_impl is not None and L == 1 else None
+    if conv_rows is not None:
+        return _decode_fused(cfg, w, qkvz, ba, states, layer, conv_rows, impl, linear, kernel_impl)
+    q, k, v, z, b, a = split_qkvz(qkvz, ba, Hk, Dk, r, Dv)
     mixed = torch.cat((q.reshape(T, -1), k.reshape(T, -1), v.reshape(T, -1)), dim=-1)   # [T, C]
     conv_state, rec_state = states.read(layer)
     mixed, conv_state = causal_conv(mixed.view(B, L, -1), conv_state, w.conv1d)
     q, k, v = mixed.split([lin.key_dim, lin.key_dim, lin.value_dim], dim=-1)
     q, k, v = q.reshape(B, L, Hk, Dk), k.reshape(B, L, Hk, Dk), v.reshape(B, L, Hv, Dv)
-    beta = b.reshape(B, L, Hv).sigmoid()
-    g = -w.A_log.float().exp() * F.softplus(a.reshape(B, L, Hv).float() + w.dt_bias.float())   # [B, L, Hv]
+    g, beta = decay_gates(b.reshape(B, L, Hv), a.reshape(B, L, Hv), w.A_log, w.dt_bias)   # [B, L, Hv] each
     rule = gated_delta.recurrent_gated_delta_rule if L == 1 else gated_delta.chunk_gated_delta_rule
     o, rec_state = rule(q, k, v, g, beta, rec_state, impl=impl)                   # [B, L, Hv, Dv]
     states.write(layer, conv_state, rec_state)
     o = gated_rms_norm(o.reshape(T, Hv, Dv), z.reshape(T, Hv, Dv), w.linear_norm, cfg.rms_norm_eps)
     return linear(o.reshape(T, Hv * Dv), w.out_proj)                            # [T, H]
+
+
+def _decode_fused(cfg: MoeConfig, w, qkvz: torch.Tensor, ba: torch.Tensor, states, layer: int,
+                  conv_rows: tuple[torch.Tensor, torch.Tensor], impl: str, linear, kernel_impl: str) -> torch.Tensor:
+    """A decode step (L = 1) through kernels/next_decode: the conv state rows updated in place by the first kernel,
+    the recurrent state read and written through ``states`` around the gated delta rule."""
+    lin = cfg.linear_attention
+    T = qkvz.shape[0]
+    heads = kn.DeltaNetHeads(lin.num_key_heads, lin.num_value_heads, lin.key_head_dim, lin.value_head_dim)
+    r = heads.Hv // heads.Hk
+    q, k, v, g, beta = kn.gdn_decode_pre(qkvz, ba, *conv_rows, w.conv1d, w.A_log, w.dt_bias, heads, impl=kernel_impl)
+    o, rec_state = gated_delta.recurrent_gated_delta_rule(q, k, v, g, beta, states.read_recurrent(layer), impl=impl)
+    states.write_recurrent(layer, rec_state)
+    z = split_qkvz(qkvz, ba, heads.Hk, heads.Dk, r, heads.Dv)[3].unflatten(-1, (r, heads.Dv))   # [T, Hk, r, Dv]
+    o = kn.gated_rms_norm(o.view(T, heads.Hv, heads.Dv), z, w.linear_norm, cfg.rms_norm_eps, impl=kernel_impl)
+    return linear(o.view(T, heads.Hv * heads.Dv), w.out_proj)                    # [T, H]

@@ -10,13 +10,19 @@ an `ExpertBackend`. What differs, as in transformers' modeling_gpt_oss:
 - the experts' clamped SwiGLU with biases, carried by the expert rows (layout.act: proto/expert_act.py), so every
   backend (resident, offload, cpu, hybrid) computes it.
 
-There is one forward (the plain torch one): ``fused_kernels=True`` is refused, since the fused kernels of
-kernels/moe_decode have no biases or sinks.
+Two forwards with the same rounding points, as for `MoeModel`: the plain torch one and the fused one
+(``fused_kernels``, the CUDA default): MoeModel's fused loop with gpt-oss's fp32-weight RMSNorm fused with the
+residual adds (kernels/next_decode, offset 0), the rotary embedding and the KV cache write in one launch
+(kernels/moe_decode rope; the sinks and windows stay in the attention), the router's top-k and softmax (rounded to
+the model dtype) in one launch. The projections keep F.linear with their biases (no fuse_qkv).
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from ftexpert.kernels import moe_decode as kops
+from ftexpert.kernels import next_decode as kn
 
 from ftexpert.gpu_worker.checkpoint.config import MoeConfig
 from ftexpert.gpu_worker.checkpoint.dense_tensors import DenseWeights, LayerWeights
@@ -30,14 +36,12 @@ from ftexpert.gpu_worker.models.model import AttentionContext, MoeModel
 class GptOssModel(MoeModel):
     def __init__(self, cfg: MoeConfig, dense: DenseWeights, experts: ExpertBackend, max_positions: int,
                  fused_kernels: bool | None = None):
-        if fused_kernels:
-            raise ValueError("gpt-oss runs the plain forward only: the fused kernels (kernels/moe_decode) have no "
-                             "attention sinks or projection biases; leave fused_kernels unset")
         if not experts.layout.act.bias:
             raise ValueError(f"a gpt-oss model needs experts with gpt-oss's biased clamped SwiGLU; the backend's "
                              f"experts compute {experts.layout.act.label}")
         self.params = gpt_oss_params(cfg)
-        super().__init__(cfg, dense, experts, max_positions, fused_kernels=False)
+        super().__init__(cfg, dense, experts, max_positions, fused_kernels=False)     # (no fuse_qkv)
+        self.fused_kernels = self.device.type == "cuda" if fused_kernels is None else bool(fused_kernels)
         for i, layer in enumerate(dense.layers):
             if layer.sinks is None or layer.router_bias is None:
                 raise ValueError(f"gpt-oss layer {i} lacks its attention sinks or router bias")
@@ -59,6 +63,8 @@ class GptOssModel(MoeModel):
         eps = self.cfg.rms_norm_eps
         x = F.embedding(token_ids, self.dense.embed)                    # [T, H]
         cos, sin = self.rope.lookup(positions, self.dtype)              # [T, 1, D]
+        if self.fused_kernels:
+            return self._forward_fused(x, positions, cos, sin, attn, logit_rows)
         for i, layer in enumerate(self.dense.layers):
             x = x + self._attention(i, layer, rms_norm(x, layer.attn_norm, eps), cos, sin, attn)
             x = x + self._moe(i, layer, rms_norm(x, layer.mlp_norm, eps), positions)
@@ -68,18 +74,43 @@ class GptOssModel(MoeModel):
         return F.linear(x, self.dense.lm_head).float()                  # [R, V]
 
     def _attention(self, i: int, layer: LayerWeights, h: torch.Tensor, cos: torch.Tensor,
-                   sin: torch.Tensor, attn: AttentionContext) -> torch.Tensor:
+                   sin: torch.Tensor, attn: AttentionContext, fused: bool = False) -> torch.Tensor:
         cfg = self.cfg
         T = h.shape[0]
         q = F.linear(h, layer.q_proj, layer.q_bias).view(T, cfg.num_heads, cfg.head_dim)       # [T, Hq, D]
         k = F.linear(h, layer.k_proj, layer.k_bias).view(T, cfg.num_kv_heads, cfg.head_dim)    # [T, Hkv, D]
         v = F.linear(h, layer.v_proj, layer.v_bias).view(T, cfg.num_kv_heads, cfg.head_dim)    # [T, Hkv, D]
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = attn.attend(i, q, k, v, sinks=layer.sinks, sliding_window=self.params.layer_window(i))
+        kv = attn.kv_write(i, v) if fused else None          # the fused forward: the KV write inside the rope kernel
+        if fused:
+            q, k = kops.rope(q, k, cos, sin, impl=self.kernel_impl, kv=kv)
+        else:
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        out = attn.attend(i, q, k, v, kv_written=kv is not None, sinks=layer.sinks,
+                          sliding_window=self.params.layer_window(i))
         return F.linear(out.reshape(T, cfg.q_size), layer.o_proj, layer.o_bias)               # [T, H]
 
-    def _moe(self, i: int, layer: LayerWeights, h: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        topk_ids, topk_weights = gpt_oss_route(h, layer.router, layer.router_bias, self.cfg.top_k)
+    def _moe(self, i: int, layer: LayerWeights, h: torch.Tensor, positions: torch.Tensor,
+             fused: bool = False) -> torch.Tensor:
+        if fused:                       # top-k of the biased logits, softmax over those k rounded to their dtype
+            topk_ids, topk_weights = kops.route_topk(F.linear(h, layer.router, layer.router_bias), self.cfg.top_k,
+                                                     softmax_first=False, round_weights=True, impl=self.kernel_impl)
+        else:
+            topk_ids, topk_weights = gpt_oss_route(h, layer.router, layer.router_bias, self.cfg.top_k)
         if self.routing_override is not None:
             topk_ids = self.routing_override.ids(i, positions)
         return self.experts.forward(i, h, topk_ids, topk_weights)       # [T, H]
+
+    # -- the fused forward: MoeModel._forward_fused over these -------------------------------------------------
+    def _add_norm(self, x: torch.Tensor, delta: torch.Tensor | None,
+                  weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        eps, impl = self.cfg.rms_norm_eps, self.kernel_impl
+        if delta is None:
+            return x, kn.rms_norm(x, weight, eps, offset=0.0, impl=impl)
+        return kn.add_rms_norm(x, delta, weight, eps, offset=0.0, impl=impl)
+
+    def _attention_fused(self, i: int, layer: LayerWeights, h: torch.Tensor, cos: torch.Tensor,
+                         sin: torch.Tensor, attn: AttentionContext) -> torch.Tensor:
+        return self._attention(i, layer, h, cos, sin, attn, fused=True)
+
+    def _moe_fused(self, i: int, layer: LayerWeights, h: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self._moe(i, layer, h, positions, fused=True)

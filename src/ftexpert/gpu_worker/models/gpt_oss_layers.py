@@ -10,6 +10,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from ftexpert.kernels.next_decode.reference import offset_rms_norm
+
 from ftexpert.gpu_worker.models.layers import RotaryTable
 
 
@@ -60,10 +62,9 @@ class ScaledRotaryTable(RotaryTable):
 
 
 def gpt_oss_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """GptOssRMSNorm: fp32 statistics and the weight applied in fp32, then cast to x's dtype."""
-    x32 = x.float()
-    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return (weight.float() * x32).to(x.dtype)
+    """GptOssRMSNorm: fp32 statistics and the weight applied in fp32, then cast to x's dtype (the (offset + w) norm
+    of kernels/next_decode with offset 0)."""
+    return offset_rms_norm(x, weight, eps, offset=0.0)
 
 
 def gpt_oss_route(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, top_k: int

@@ -139,18 +139,24 @@ class MoeModel(DenseLinearChoice):
     def _forward_fused(self, x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                        attn: AttentionContext, logit_rows: torch.Tensor | None) -> torch.Tensor:
         """The forward above with each residual add fused into the next norm: x [T, H] embeddings."""
-        eps, impl = self.cfg.rms_norm_eps, self.kernel_impl
         layers = self.dense.layers
         norms = [w for layer in layers for w in (layer.attn_norm, layer.mlp_norm)] + [self.dense.final_norm]
-        h = kops.rms_norm(x, norms[0], eps, impl=impl)                   # [T, H]
+        h = self._add_norm(x, None, norms[0])[1]                        # [T, H]
         for i, layer in enumerate(layers):
-            x, h = kops.add_rms_norm(x, self._attention_fused(i, layer, h, cos, sin, attn), norms[2 * i + 1],
-                                     eps, impl=impl)
-            x, h = kops.add_rms_norm(x, self._moe_fused(i, layer, h, positions), norms[2 * i + 2], eps,
-                                     impl=impl)
+            x, h = self._add_norm(x, self._attention_fused(i, layer, h, cos, sin, attn), norms[2 * i + 1])
+            x, h = self._add_norm(x, self._moe_fused(i, layer, h, positions), norms[2 * i + 2])
         if logit_rows is not None:
             h = h.index_select(0, logit_rows)                           # [R, H] (the norm is per row)
         return F.linear(h, self.dense.lm_head).float()                  # [R, V]
+
+    def _add_norm(self, x: torch.Tensor, delta: torch.Tensor | None,
+                  weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The fused forward's residual add + RMSNorm, one launch -> (x + delta, its norm); delta None: the norm
+        alone (x returned as it is)."""
+        eps, impl = self.cfg.rms_norm_eps, self.kernel_impl
+        if delta is None:
+            return x, kops.rms_norm(x, weight, eps, impl=impl)
+        return kops.add_rms_norm(x, delta, weight, eps, impl=impl)
 
     def _linear(self, h: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """A dense projection of the fused forward: kernels.dense_gemv where it beats cuBLAS (one decode token;

@@ -6,6 +6,8 @@ causal conv1d, the gated delta rule with its recurrent state, an output gate thr
 on the first ``partial_rotary_factor`` of each head, the service's KV cache through the `AttentionContext`). Every
 layer's FFN is the routed MoE through the `ExpertBackend` (so offload / cpu / hybrid serve its experts) plus a
 shared expert scaled by ``sigmoid(shared_expert_gate . x)``. Its RMSNorms compute ``(1 + w) * norm(x)`` in fp32.
+Two forwards with the same rounding points, as for `MoeModel`: the plain torch one below (the CPU default) and
+the fused one (``fused_kernels``, the CUDA default: qwen3_next_fused.py, kernels/next_decode).
 
 The per-sequence state of the linear layers comes with the attention context: the engine passes a
 `StatefulContext` (its KV context and the rows of its state cache, engine/state_cache.py). The model keeps no state
@@ -20,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from ftexpert.kernels import dense_gemv
+from ftexpert.kernels.next_decode.reference import apply_partial_rope, offset_rms_norm as next_rms_norm
 
 from ftexpert.gpu_worker.checkpoint.config import LINEAR_ATTENTION, MoeConfig
 from ftexpert.gpu_worker.checkpoint.dense_tensors import DenseWeights
@@ -27,6 +30,7 @@ from ftexpert.gpu_worker.backends.expert_backend import ExpertBackend
 from ftexpert.gpu_worker.models.gated_deltanet import gated_deltanet
 from ftexpert.gpu_worker.models.layers import RotaryTable, route
 from ftexpert.gpu_worker.models.model import AttentionContext, DenseLinearChoice
+from ftexpert.gpu_worker.models.qwen3_next_fused import NextFusedForward
 from ftexpert.gpu_worker.checkpoint.qwen3_next_config import rotary_dim
 from ftexpert.gpu_worker.checkpoint.qwen3_next_weights import NextLayerWeights
 
@@ -42,6 +46,16 @@ class SequenceStates(Protocol):
     def write(self, layer: int, conv: torch.Tensor, recurrent: torch.Tensor) -> None:
         """Store these sequences' new states (same shapes as `read`)."""
 
+    def conv_rows(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """A decode step: (the layer's conv cache [N, C, K-1], these sequences' rows [B] int64 in it), for a kernel
+        that updates the rows in place instead of `read` / `write` of the conv state; None where it cannot."""
+
+    def read_recurrent(self, layer: int) -> torch.Tensor:
+        """The recurrent half of `read`."""
+
+    def write_recurrent(self, layer: int, recurrent: torch.Tensor) -> None:
+        """The recurrent half of `write`."""
+
 
 @dataclass
 class StatefulContext:
@@ -51,32 +65,12 @@ class StatefulContext:
     states: SequenceStates
 
 
-def next_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Qwen3-Next's RMSNorm: (1 + w) * x / rms(x), all in fp32, cast back to x's dtype."""
-    x32 = x.float()
-    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return (x32 * (1.0 + weight.float())).to(x.dtype)
-
-
-def apply_partial_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [T, heads, D], cos/sin [T, 1, R] -> rotary on the first R channels, the rest unchanged."""
-    R = cos.shape[-1]
-    rot, rest = x[..., :R], x[..., R:]
-    half = R // 2
-    rotated = torch.cat((-rot[..., half:], rot[..., :half]), dim=-1)
-    return torch.cat((rot * cos + rotated * sin, rest), dim=-1)
-
-
-class Qwen3NextModel(DenseLinearChoice):
+class Qwen3NextModel(NextFusedForward, DenseLinearChoice):
     def __init__(self, cfg: MoeConfig, dense: DenseWeights, experts: ExpertBackend, max_positions: int,
                  fused_kernels: bool | None = None):
-        """fused_kernels: None or False (qwen3_next runs the plain torch forward; the fused kernels of
-        kernels/moe_decode compute the other architectures' attention and norms)."""
+        """fused_kernels: the fused forward (qwen3_next_fused.py: kernels/next_decode); None: on CUDA only."""
         if cfg.arch != "qwen3_next":
             raise ValueError(f"Qwen3NextModel serves qwen3_next, not {cfg.arch!r} (use MoeModel)")
-        if fused_kernels:
-            raise ValueError("fused_kernels=True is not available for qwen3_next (its gated attention, (1 + w) "
-                             "norms and Gated DeltaNet layers run the plain torch forward); pass None or False")
         if experts.num_layers != cfg.num_layers or experts.num_experts != cfg.num_experts:
             raise ValueError(f"expert backend has {experts.num_layers} layers x {experts.num_experts} "
                              f"experts; the model needs {cfg.num_layers} x {cfg.num_experts}")
@@ -87,7 +81,8 @@ class Qwen3NextModel(DenseLinearChoice):
         self.dtype = dense.embed.dtype
         self.rotary_dim = rotary_dim(cfg)
         self.rope = RotaryTable(self.rotary_dim, cfg.rope_theta, max_positions, self.device)
-        self.fused_kernels = False
+        self.fused_kernels = self.device.type == "cuda" if fused_kernels is None else bool(fused_kernels)
+        self.kernel_impl = "auto"         # kernels.next_decode / moe_decode impl of the fused forward ("triton": tests)
         self.delta_impl = "auto"          # kernels.gated_delta impl: "auto" | "fla" | "reference"
         # the dense projections at decode sizes: "gemv" (kernels/dense_gemv, on CUDA) or "torch" (F.linear)
         self._dense_linear = "gemv" if self.device.type == "cuda" else "torch"
@@ -105,7 +100,7 @@ class Qwen3NextModel(DenseLinearChoice):
         """A dense projection: kernels.dense_gemv where it beats cuBLAS (``dense_linear`` "gemv": one decode token,
         router-sized outputs to 4), else F.linear."""
         if self._dense_linear == "gemv" and dense_gemv.preferred(h.shape[0], w.shape[0]):
-            return dense_gemv.linear_gemv(h, w)
+            return dense_gemv.linear_gemv(h, w, impl=self.kernel_impl)
         return F.linear(h, w)
 
     def ensure_positions(self, max_positions: int) -> None:
@@ -122,6 +117,8 @@ class Qwen3NextModel(DenseLinearChoice):
         cfg, eps = self.cfg, self.cfg.rms_norm_eps
         x = F.embedding(token_ids, self.dense.embed)                    # [T, H]
         cos, sin = self.rope.lookup(positions, self.dtype)              # [T, 1, R]
+        if self.fused_kernels:
+            return self._forward_fused(x, positions, cos, sin, attn, logit_rows)
         for i, layer in enumerate(self.dense.layers):
             h = next_rms_norm(x, layer.attn_norm, eps)
             if cfg.layer_types[i] == LINEAR_ATTENTION:

@@ -112,6 +112,11 @@ def _accurate(device: torch.device) -> bool:
     return device.type == "cuda" and not interpreted()
 
 
+def emulate_bf16(t: torch.Tensor) -> bool:
+    """The kernels' EMU_BF16 (triton_kernels._rnd): bfloat16 rounding by hand, in the interpreter only."""
+    return t.dtype == torch.bfloat16 and interpreted()
+
+
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
@@ -438,12 +443,14 @@ def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
 # ----------------------------------------------------------------------------------------------
 
 def route_topk(logits: torch.Tensor, top_k: int, *, softmax_first: bool = True, renorm: bool = False,
-               impl: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+               round_weights: bool = False, impl: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
     """Top-k routing after the router GEMM, one launch: logits [T, E] -> (ids [T, K] int64, weights
     [T, K] fp32), ids in descending order of probability (ties: the lowest id).
 
-    softmax_first (qwen3 / olmoe): softmax over E in fp32, top-k, divide by their sum when
-    ``renorm`` (norm_topk_prob); else (mixtral): top-k of the logits, softmax over those k.
+    softmax_first (qwen3 / olmoe / qwen3_next): softmax over E in fp32, top-k, divide by their sum when
+    ``renorm`` (norm_topk_prob); else (mixtral, gpt-oss): top-k of the logits, softmax over those k.
+    ``round_weights``: the weights rounded to the logits' dtype, then fp32 (qwen3_next's
+    ``.to(h.dtype).float()``; gpt-oss's softmax in the logits' dtype).
     Same math as layers.route; the fp32 sums may be added in another order (weights can differ
     in the last bit).
     """
@@ -451,7 +458,8 @@ def route_topk(logits: torch.Tensor, top_k: int, *, softmax_first: bool = True, 
     if logits.dim() != 2 or not 0 < top_k <= logits.shape[1]:
         raise ValueError(f"logits must be [T, E] with 0 < top_k <= E, got {tuple(logits.shape)}, top_k={top_k}")
     if _resolve_impl(impl, logits.device) == "reference":
-        return reference.route_topk_reference(logits, top_k, softmax_first, renorm)
+        ids, weights = reference.route_topk_reference(logits, top_k, softmax_first, renorm)
+        return ids, (weights.to(logits.dtype).float() if round_weights else weights)
     # lazy: the Triton kernels are defined at their first launch (TRITON_INTERPRET is read then)
     from ftexpert.kernels.moe_decode.triton_kernels import route_topk_kernel
     T, E = logits.shape
@@ -465,5 +473,6 @@ def route_topk(logits: torch.Tensor, top_k: int, *, softmax_first: bool = True, 
     route_topk_kernel[(T,)](
         logits, ids, weights, E, logits.stride(0), K=top_k, BLOCK_E=block,
         BLOCK_K=_next_pow2(top_k), SOFTMAX_FIRST=bool(softmax_first), RENORM=bool(renorm),
-        ACCURATE=_accurate(logits.device), num_warps=_row_warps(block), **pdl_args(logits.device))
+        ACCURATE=_accurate(logits.device), num_warps=_row_warps(block), ROUND=bool(round_weights),
+        EMU_BF16=emulate_bf16(logits), **pdl_args(logits.device))
     return ids, weights

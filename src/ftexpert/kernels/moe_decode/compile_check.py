@@ -80,6 +80,11 @@ def _cases() -> list[tuple[str, str, dict, dict, dict, list[str]]]:
          dict(K=8, BLOCK_E=128, BLOCK_K=8, SOFTMAX_FIRST=True, RENORM=True, ACCURATE=True), w1, []),
         ("route top-k/softmax (mixtral)", "route_topk_kernel", route_sig,
          dict(K=2, BLOCK_E=8, BLOCK_K=2, SOFTMAX_FIRST=False, RENORM=False, ACCURATE=True), w1, []),
+        ("route 512 top-10, weights rounded (qwen3-next)", "route_topk_kernel", route_sig,
+         dict(K=10, BLOCK_E=512, BLOCK_K=16, SOFTMAX_FIRST=True, RENORM=True, ACCURATE=True, ROUND=True),
+         {"num_warps": 2}, []),
+        ("route 128 top-4 top-k/softmax rounded (gpt-oss)", "route_topk_kernel", route_sig,
+         dict(K=4, BLOCK_E=128, BLOCK_K=4, SOFTMAX_FIRST=False, RENORM=False, ACCURATE=True, ROUND=True), w1, []),
     ]
 
 

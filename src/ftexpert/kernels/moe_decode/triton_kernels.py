@@ -54,6 +54,19 @@ def _rsqrt(x, ACCURATE: tl.constexpr):
     return y
 
 
+@triton.jit
+def _rnd(x, DT: tl.constexpr, EMU_BF16: tl.constexpr):
+    """fp32 x rounded to DT (to nearest, ties to even), as a DT value. EMU_BF16 (set for bfloat16 in the Triton
+    interpreter, whose conversion truncates): the rounding done on the bits, after which the conversion is exact."""
+    if EMU_BF16:
+        b = x.to(tl.uint32, bitcast=True)
+        b = ((b + 0x7FFF + ((b >> 16) & 1)) >> 16) << 16
+        y = b.to(tl.float32, bitcast=True).to(DT)
+    else:
+        y = x.to(DT)
+    return y
+
+
 # ----------------------------------------------------------------------------------------------
 # MoE GEMV: gate/up (A), down (B), fixed-order sum over k (C)
 # ----------------------------------------------------------------------------------------------
@@ -404,6 +417,8 @@ def route_topk_kernel(
     RENORM: tl.constexpr,          # divide the top-k probabilities by their sum (norm_topk_prob)
     ACCURATE: tl.constexpr,
     USE_PDL: tl.constexpr = False,   # launched with PDL: wait for the kernel before first (kernels/pdl.py)
+    ROUND: tl.constexpr = False,     # the weights rounded to the logits' dtype (then stored as fp32)
+    EMU_BF16: tl.constexpr = False,  # see _rnd
 ):
     """Grid (T,). Ties pick the lowest expert id; ids are clamped to [0, E) (NaN logits)."""
     pdl_enter(USE_PDL)
@@ -433,4 +448,6 @@ def route_topk_kernel(
         mx = tl.max(tl.where(km, top, float("-inf")), axis=0)
         ex = tl.where(km, _exp(top - mx, ACCURATE), 0.0)
         top = _div(ex, tl.zeros_like(ex) + tl.sum(ex, axis=0), ACCURATE)
+    if ROUND:
+        top = _rnd(top, logits_ptr.dtype.element_ty, EMU_BF16).to(tl.float32)
     tl.store(w_ptr + t * K + kk, top, mask=km)

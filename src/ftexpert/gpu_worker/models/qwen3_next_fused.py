@@ -1,0 +1,77 @@
+"""The fused forward of `Qwen3NextModel` (``fused_kernels``; the CUDA default): the plain forward of qwen3_next.py
+with its element-wise work in kernels/next_decode.
+
+- every residual add fused into the next (1 + w) RMSNorm, the MoE's one with the shared expert's gate (its
+  one-row GEMV too) and the combine: two launches a layer for what was ~25;
+- Gated DeltaNet, decode steps: the conv update (state rows in place), splits and gates in one launch before the
+  gated delta rule, RMSNormGated in one after it (gated_deltanet.py);
+- gated attention: the (1 + w) q/k norms, the partial rotary embedding and the KV cache write in one launch, the
+  sigmoid output gate in one;
+- the router: softmax, top-k, renormalise and the rounding of the weights to the model dtype in one launch
+  (kernels/moe_decode route_topk); the shared expert's silu * up in one.
+
+Numerics: the plain forward's rounding points; the two differ only in the order of fp32 sums (norm statistics,
+softmax sums, GEMV accumulation), so logits agree to rounding. On CPU the fused forward runs the kernels' torch
+references unless ``kernel_impl = "triton"`` (the Triton interpreter, for tests).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ftexpert.kernels import next_decode as kn
+
+from ftexpert.gpu_worker.checkpoint.config import LINEAR_ATTENTION
+from ftexpert.gpu_worker.checkpoint.qwen3_next_weights import NextLayerWeights
+from ftexpert.gpu_worker.models.gated_deltanet import gated_deltanet
+from ftexpert.gpu_worker.models.model import AttentionContext
+
+
+class NextFusedForward:
+    """The fused forward's methods, mixed into `Qwen3NextModel` (which holds cfg, dense, experts, linear, ...)."""
+
+    def _forward_fused(self, x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                       ctx, logit_rows: torch.Tensor | None) -> torch.Tensor:
+        """x [T, H] embeddings -> logits [R, V] fp32; ctx: the StatefulContext."""
+        cfg, eps, impl = self.cfg, self.cfg.rms_norm_eps, self.kernel_impl
+        layers = self.dense.layers
+        h = kn.rms_norm(x, layers[0].attn_norm, eps, impl=impl)                     # [T, H]
+        for i, layer in enumerate(layers):
+            if cfg.layer_types[i] == LINEAR_ATTENTION:
+                mixed = gated_deltanet(cfg, layer, h, ctx.states, self.mixer_index[i], self.delta_impl, self.linear,
+                                       kernel_impl=impl)
+            else:
+                mixed = self._attention_fused(self.mixer_index[i], layer, h, cos, sin, ctx.attn)
+            x, h = kn.add_rms_norm(x, mixed, layer.mlp_norm, eps, impl=impl)
+            routed, shared = self._moe_fused(i, layer, h, positions)
+            after = layers[i + 1].attn_norm if i + 1 < len(layers) else self.dense.final_norm
+            x, h = kn.add_rms_norm(x, routed, after, eps, shared=kn.SharedExpert(shared, h, layer.shared_expert_gate),
+                                   impl=impl)
+        if logit_rows is not None:
+            h = h.index_select(0, logit_rows)                                       # [R, H] (the norm is per row)
+        return F.linear(h, self.dense.lm_head).float()                              # [R, V]
+
+    def _attention_fused(self, kv_layer: int, layer: NextLayerWeights, h: torch.Tensor, cos: torch.Tensor,
+                         sin: torch.Tensor, attn: AttentionContext) -> torch.Tensor:
+        cfg, impl = self.cfg, self.kernel_impl
+        T, Hq, Hkv, D = h.shape[0], cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        qg = self.linear(h, layer.q_proj).view(T, Hq, 2 * D)                       # per head: query, gate
+        k = self.linear(h, layer.k_proj).view(T, Hkv, D)
+        v = self.linear(h, layer.v_proj).view(T, Hkv, D)
+        kv = attn.kv_write(kv_layer, v)                                             # the KV write fused into rope
+        q, k = kn.qk_norm_partial_rope(qg[..., :D], k, layer.q_norm, layer.k_norm, cos, sin, cfg.rms_norm_eps,
+                                       kv=kv, impl=impl)
+        out = attn.attend(kv_layer, q, k, v, kv_written=kv is not None)            # [T, Hq, D]
+        return self.linear(kn.sigmoid_gate(out, qg[..., D:], impl=impl), layer.o_proj)   # [T, H]
+
+    def _moe_fused(self, i: int, layer: NextLayerWeights, h: torch.Tensor,
+                   positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (the routed experts' output, the shared expert's output before its gate), [T, H] each."""
+        cfg, impl = self.cfg, self.kernel_impl
+        ids, weights = kn.route_topk(self.linear(h, layer.router), cfg.top_k, softmax_first=True,
+                                     renorm=cfg.norm_topk_prob, round_weights=True, impl=impl)   # [T, K] each
+        if self.routing_override is not None:
+            ids = self.routing_override.ids(i, positions)
+        routed = self.experts.forward(i, h, ids, weights)                           # [T, H]
+        act = kn.silu_mul(self.linear(h, layer.shared_gate_proj), self.linear(h, layer.shared_up_proj), impl=impl)
+        return routed, self.linear(act, layer.shared_down_proj)

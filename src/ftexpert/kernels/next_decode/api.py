@@ -1,0 +1,289 @@
+"""Entry points of the Qwen3-Next / gpt-oss decode kernels: validation, then the Triton kernel or the torch
+reference (``impl``: kernels/impl.py; "triton" on CPU tensors runs the interpreter).
+
+Nothing here syncs with the host or depends on tensor values on the host: every function is CUDA-graph
+capturable for fixed shapes (outputs are allocated per call, inside the graph's pool). `gdn_decode_pre` updates
+the conv state rows it is given in place (the rows a captured graph reads and writes: engine/state_cache.py).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ftexpert.kernels.impl import resolve_impl
+from ftexpert.kernels.moe_decode import KvWrite
+from ftexpert.kernels.moe_decode.api import _accurate, _cdiv, _check_float, _next_pow2, _row_warps, emulate_bf16
+from ftexpert.kernels.next_decode import reference
+from ftexpert.kernels.pdl import pdl_args
+
+MAX_ROW = 65536          # the widest row a one-program-a-row kernel here takes
+
+
+def _common(t: torch.Tensor) -> dict:
+    """The launch arguments every kernel here takes."""
+    return dict(ACCURATE=_accurate(t.device), EMU_BF16=emulate_bf16(t), enable_fp_fusion=False, **pdl_args(t.device))
+
+
+def _check_like(name: str, t: torch.Tensor, like: torch.Tensor, shape: tuple) -> None:
+    if tuple(t.shape) != tuple(shape) or t.dtype != like.dtype or t.device != like.device:
+        raise ValueError(f"{name} must be {list(shape)} {like.dtype} on {like.device}, got {list(t.shape)} "
+                         f"{t.dtype} on {t.device}")
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """t with a contiguous last dimension (a view where it has one already)."""
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# (offset + w) RMSNorm, fused residual add, shared expert gate and combine
+# ---------------------------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class SharedExpert:
+    """Qwen3-Next's shared expert beside the routed ones: its output `out` [T, N], the MoE input `h` [T, N] and
+    the gate's weight row `gate_weight` [1, N]; the MoE output is routed + sigmoid(h . gate_weight) * out."""
+    out: torch.Tensor
+    h: torch.Tensor
+    gate_weight: torch.Tensor
+
+
+def _norm_args(x: torch.Tensor, weight: torch.Tensor) -> None:
+    _check_float("x", x)
+    if x.dim() != 2 or x.shape[1] > MAX_ROW:
+        raise ValueError(f"x must be [T, N] with N <= {MAX_ROW}, got {tuple(x.shape)}")
+    _check_like("weight", weight, x, (x.shape[1],))
+
+
+def _norm_launch(x, delta, weight, eps, offset, shared: SharedExpert | None):
+    from ftexpert.kernels.next_decode.triton_kernels import offset_norm_kernel
+    T, N = x.shape
+    x = _rows(x)
+    x_new = torch.empty(T, N, dtype=x.dtype, device=x.device) if delta is not None else None
+    normed = torch.empty(T, N, dtype=x.dtype, device=x.device)
+    if T == 0:
+        return x_new, normed
+    d = _rows(delta) if delta is not None else x
+    s, h = (_rows(shared.out), _rows(shared.h)) if shared is not None else (x, x)
+    gw = shared.gate_weight.reshape(N).contiguous() if shared is not None else weight
+    block = _next_pow2(N)
+    offset_norm_kernel[(T,)](
+        x, x.stride(0), d, d.stride(0), s, s.stride(0), h, h.stride(0), gw, weight.contiguous(),
+        x_new if x_new is not None else normed, normed, N, float(eps), 1.0 / N, float(offset),
+        HAS_ADD=delta is not None, SHARED=shared is not None, BLOCK=block, num_warps=_row_warps(block), **_common(x))
+    return x_new, normed
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, offset: float = 1.0,
+             impl: str = "auto") -> torch.Tensor:
+    """x [T, N] -> DT((offset + w) * x / rms(x)) computed in fp32, one launch: Qwen3-Next's norm (offset 1),
+    gpt-oss's (offset 0). weight [N] in x's dtype."""
+    _norm_args(x, weight)
+    if resolve_impl(impl, x.device) == "reference":
+        return reference.offset_rms_norm(x, weight, eps, offset)
+    return _norm_launch(x, None, weight, eps, offset, None)[1]
+
+
+def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float, *, offset: float = 1.0,
+                 shared: SharedExpert | None = None, impl: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+    """The residual add fused with the next norm, one launch: -> (x_new = x + delta, rms_norm(x_new)), [T, N] each.
+    With `shared`, delta is the routed experts' output and the add takes routed + sigmoid(h . gate_weight) * out
+    (the gate's dot product in fp32, rounded as its GEMV; every op rounded to x's dtype as torch rounds)."""
+    _norm_args(x, weight)
+    _check_like("delta", delta, x, x.shape)
+    if shared is not None:
+        _check_like("shared.out", shared.out, x, x.shape)
+        _check_like("shared.h", shared.h, x, x.shape)
+        _check_like("shared.gate_weight", shared.gate_weight, x, (1, x.shape[1]))
+    if resolve_impl(impl, x.device) == "reference":
+        parts = None if shared is None else (shared.out, shared.h, shared.gate_weight)
+        return reference.add_rms_norm(x, delta, weight, eps, offset, parts)
+    return _norm_launch(x, delta, weight, eps, offset, shared)
+
+
+def _gated_mul(a: torch.Tensor, g: torch.Tensor, silu: bool) -> torch.Tensor:
+    """a, g [T, H, D] (last dim contiguous) -> DT(a * DT(act(g))) [T, H, D] contiguous, one launch."""
+    from ftexpert.kernels.next_decode.triton_kernels import gated_mul_kernel
+    T, H, D = a.shape
+    a, g = _rows(a), _rows(g)
+    out = torch.empty(T, H, D, dtype=a.dtype, device=a.device)
+    if out.numel():
+        block = min(1024, _next_pow2(D))
+        gated_mul_kernel[(T, H, _cdiv(D, block))](a, a.stride(0), a.stride(1), g, g.stride(0), g.stride(1), out, H, D,
+                                                 SILU=silu, BLOCK=block, num_warps=_row_warps(block), **_common(a))
+    return out
+
+
+def _gated_args(name: str, a: torch.Tensor, gate: torch.Tensor, dims: int) -> None:
+    _check_float(name, a)
+    if a.dim() != dims:
+        raise ValueError(f"{name} must have {dims} dimensions, got {tuple(a.shape)}")
+    _check_like("gate", gate, a, a.shape)
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor, *, impl: str = "auto") -> torch.Tensor:
+    """gate, up [T, N] -> silu(gate) * up [T, N] (each op rounded to their dtype), one launch."""
+    _gated_args("up", up, gate, 2)
+    if resolve_impl(impl, gate.device) == "reference":
+        return reference.silu_mul(gate, up)
+    return _gated_mul(up.unsqueeze(1), gate.unsqueeze(1), silu=True).squeeze(1)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Gated DeltaNet, decode
+# ---------------------------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class DeltaNetHeads:
+    """A Gated DeltaNet layer's head counts and sizes (Hv a multiple of Hk)."""
+    Hk: int
+    Hv: int
+    Dk: int
+    Dv: int
+
+
+def gdn_decode_pre(qkvz: torch.Tensor, ba: torch.Tensor, conv_cache: torch.Tensor, rows: torch.Tensor,
+                   conv_weight: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor, heads: DeltaNetHeads, *,
+                   impl: str = "auto"):
+    """A decode step of a Gated DeltaNet layer (T sequences, one token each) between its projections and the gated
+    delta rule, one launch: the causal conv1d + SiLU over each sequence's conv state, which is shifted by the new
+    input in place, the split into q / k / v, and the gates.
+
+    qkvz [T, Hk*(2Dk + 2r*Dv)], ba [T, Hk*2r]: the projections (rows grouped per key head, last dim contiguous);
+    conv_cache [N, C, K-1] in qkvz's dtype (a layer of the state cache, last dim contiguous), rows [T] int64 on the
+    device: each sequence's row of it (distinct: not checked, that would sync); conv_weight [C, K]; A_log,
+    dt_bias [Hv] (any float dtype).
+    -> q, k [T, 1, Hv, Dk] (already expanded to the value heads), v [T, 1, Hv, Dv], g [T, 1, Hv] fp32,
+    beta [T, 1, Hv] -- contiguous, as the gated delta rule takes them (kernels/gated_delta).
+    """
+    Hk, Hv, Dk, Dv = heads.Hk, heads.Hv, heads.Dk, heads.Dv
+    _check_float("qkvz", qkvz)
+    if Hv % Hk:
+        raise ValueError(f"value heads ({Hv}) must be a multiple of key heads ({Hk})")
+    r = Hv // Hk
+    T = qkvz.shape[0]
+    C = 2 * Hk * Dk + Hv * Dv
+    if qkvz.dim() != 2 or qkvz.shape[1] != Hk * (2 * Dk + 2 * r * Dv):
+        raise ValueError(f"qkvz must be [T, {Hk * (2 * Dk + 2 * r * Dv)}], got {tuple(qkvz.shape)}")
+    _check_like("ba", ba, qkvz, (T, 2 * Hv))
+    if conv_cache.dim() != 3 or conv_cache.shape[1] != C or conv_cache.shape[2] < 1 or conv_cache.dtype != qkvz.dtype:
+        raise ValueError(f"conv_cache must be [N, {C}, K-1] in {qkvz.dtype}, got {tuple(conv_cache.shape)} "
+                         f"{conv_cache.dtype}")
+    K = conv_cache.shape[2] + 1
+    _check_like("conv_weight", conv_weight, qkvz, (C, K))
+    if rows.dtype != torch.int64 or tuple(rows.shape) != (T,):
+        raise ValueError(f"rows must be int64 [{T}], got {rows.dtype} {tuple(rows.shape)}")
+    for name, t in (("A_log", A_log), ("dt_bias", dt_bias)):
+        if tuple(t.shape) != (Hv,) or t.device != qkvz.device:
+            raise ValueError(f"{name} must be [{Hv}] on {qkvz.device}, got {tuple(t.shape)} on {t.device}")
+    if resolve_impl(impl, qkvz.device) == "reference":
+        return reference.gdn_decode_pre(qkvz, ba, conv_cache, rows, conv_weight, A_log, dt_bias, Hk, Hv, Dk, Dv)
+    from ftexpert.kernels.next_decode.triton_kernels import gdn_pre_kernel
+    if conv_cache.stride(2) != 1:
+        raise ValueError("conv_cache needs a contiguous last dimension (it is updated in place)")
+    dev, dt = qkvz.device, qkvz.dtype
+    q = torch.empty(T, 1, Hv, Dk, dtype=dt, device=dev)
+    k = torch.empty(T, 1, Hv, Dk, dtype=dt, device=dev)
+    v = torch.empty(T, 1, Hv, Dv, dtype=dt, device=dev)
+    g = torch.empty(T, 1, Hv, dtype=torch.float32, device=dev)
+    beta = torch.empty(T, 1, Hv, dtype=dt, device=dev)
+    if T:
+        qkvz, ba = _rows(qkvz), _rows(ba)
+        block_v = _next_pow2(r * Dv)
+        gdn_pre_kernel[(T, Hk)](
+            qkvz, qkvz.stride(0), ba, ba.stride(0), conv_cache, conv_cache.stride(0), conv_cache.stride(1),
+            rows.contiguous(), conv_weight.contiguous(), A_log.contiguous(), dt_bias.contiguous(), q, k, v, g, beta,
+            Hk, Hv, Dk, Dv, r, K=K, BLOCK_DK=_next_pow2(Dk), BLOCK_V=block_v, BLOCK_R=_next_pow2(r),
+            num_warps=2, **_common(qkvz))
+    return q, k, v, g, beta
+
+
+def gated_rms_norm(o: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float, *,
+                   impl: str = "auto") -> torch.Tensor:
+    """RMSNormGated after the gated delta rule, one launch: o [T, Hv, Dv], z [T, G, R, Dv] (value head g*R + r;
+    a view of the qkvz projection works: last dim contiguous), weight [Dv] in o's dtype ->
+    DT(DT(w * DT(norm(o))) * silu(z in fp32)) [T, Hv, Dv] contiguous."""
+    _check_float("o", o)
+    if o.dim() != 3 or z.dim() != 4 or z.shape[0] != o.shape[0] or z.shape[1] * z.shape[2] != o.shape[1] \
+            or z.shape[3] != o.shape[2]:
+        raise ValueError(f"o must be [T, Hv, Dv] and z [T, G, R, Dv] with G*R = Hv, got {tuple(o.shape)}, "
+                         f"{tuple(z.shape)}")
+    if z.dtype != o.dtype or z.device != o.device:
+        raise ValueError(f"z ({z.dtype} on {z.device}) must match o ({o.dtype} on {o.device})")
+    T, Hv, Dv = o.shape
+    _check_like("weight", weight, o, (Dv,))
+    if resolve_impl(impl, o.device) == "reference":
+        return reference.gated_rms_norm(o, z.reshape(T, Hv, Dv), weight, eps)
+    from ftexpert.kernels.next_decode.triton_kernels import gated_norm_kernel
+    o, z = _rows(o), _rows(z)
+    out = torch.empty(T, Hv, Dv, dtype=o.dtype, device=o.device)
+    if T:
+        block = _next_pow2(Dv)
+        gated_norm_kernel[(T, Hv)](o, o.stride(0), o.stride(1), z, z.stride(0), z.stride(1), z.stride(2),
+                                   weight.contiguous(), out, Hv, z.shape[2], Dv, float(eps), 1.0 / Dv, BLOCK_D=block,
+                                   num_warps=_row_warps(block), **_common(o))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Gated attention
+# ---------------------------------------------------------------------------------------------------------------
+
+def qk_norm_partial_rope(q: torch.Tensor, k: torch.Tensor, q_norm: torch.Tensor, k_norm: torch.Tensor,
+                         cos: torch.Tensor, sin: torch.Tensor, eps: float, *, kv: KvWrite | None = None,
+                         impl: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+    """Qwen3-Next's per-head (1 + w) RMSNorm of q and k, then the rotary embedding on each head's first R channels,
+    one launch for both; with `kv` (moe_decode's KvWrite) the same launch writes the roped k and the given v into
+    the KV cache rows kv.index (as index_copy_ of them would).
+
+    q [T, Hq, D], k [T, Hkv, D] (strided views allowed, last dim contiguous: q may be the query half of the
+    projection that carries the output gate); q_norm / k_norm [D] in q's dtype; cos / sin [T, 1, R] or [T, R] in
+    q's dtype, R even and <= D. -> new contiguous q [T, Hq, D], k [T, Hkv, D] (reference.qk_norm_partial_rope).
+    """
+    _check_float("q", q)
+    if q.dim() != 3 or k.dim() != 3 or q.shape[0] != k.shape[0] or q.shape[2] != k.shape[2]:
+        raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} must be [T, Hq, D] and [T, Hkv, D]")
+    T, Hq, D = q.shape
+    Hkv = k.shape[1]
+    R = cos.shape[-1]
+    if R % 2 or R > D or cos.numel() != T * R or sin.shape != cos.shape:
+        raise ValueError(f"cos / sin must be [T, 1, R] with R even and <= {D}, got {tuple(cos.shape)}, "
+                         f"{tuple(sin.shape)}")
+    for name, t, shape in (("k", k, k.shape), ("q_norm", q_norm, (D,)), ("k_norm", k_norm, (D,)),
+                           ("cos", cos, cos.shape), ("sin", sin, cos.shape)):
+        _check_like(name, t, q, shape)
+    if kv is not None:
+        kv.check(k)
+    if resolve_impl(impl, q.device) == "reference":
+        cos3, sin3 = cos.reshape(T, 1, R), sin.reshape(T, 1, R)
+        q_out, k_out = reference.qk_norm_partial_rope(q, k, q_norm, k_norm, cos3, sin3, eps)
+        if kv is not None:
+            kv.k_cache.index_copy_(0, kv.index, k_out)
+            kv.v_cache.index_copy_(0, kv.index, kv.v)
+        return q_out, k_out
+    from ftexpert.kernels.next_decode.triton_kernels import qk_norm_partial_rope_kernel
+    q, k = _rows(q), _rows(k)
+    cos2, sin2 = _rows(cos.reshape(T, R)), _rows(sin.reshape(T, R))
+    q_out = torch.empty(T, Hq, D, dtype=q.dtype, device=q.device)
+    k_out = torch.empty(T, Hkv, D, dtype=q.dtype, device=q.device)
+    if T == 0:
+        return q_out, k_out
+    block = _next_pow2(D)
+    qk_norm_partial_rope_kernel[(T, Hq + Hkv)](
+        q, k, q_out, k_out, q_norm.contiguous(), k_norm.contiguous(), cos2, sin2, Hq, Hkv, D, R,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos2.stride(0), sin2.stride(0), float(eps), 1.0 / D, 1.0,
+        kv.k_cache if kv is not None else k_out, kv.v_cache if kv is not None else k_out,
+        kv.v if kv is not None else k_out, kv.index.contiguous() if kv is not None else q_out,
+        kv.v.stride(0) if kv is not None else 0, kv.v.stride(1) if kv is not None else 0,
+        BLOCK_D=block, HAS_KV=kv is not None, num_warps=_row_warps(block), **_common(q))
+    return q_out, k_out
+
+
+def sigmoid_gate(out: torch.Tensor, gate: torch.Tensor, *, impl: str = "auto") -> torch.Tensor:
+    """Gated attention's output gate, one launch: out [T, Hq, D] * sigmoid(gate [T, Hq, D]) -> [T, Hq * D]
+    (gate may be the gate half of the q projection: last dim contiguous)."""
+    _gated_args("out", out, gate, 3)
+    if resolve_impl(impl, out.device) == "reference":
+        return reference.sigmoid_gate(out, gate)
+    return _gated_mul(out, gate, silu=False).view(out.shape[0], -1)

@@ -1,0 +1,108 @@
+"""The fused forwards of Qwen3-Next and gpt-oss (kernels/next_decode, moe_decode's rope and router) against their
+plain torch forwards, on tiny random float32 checkpoints: with the kernels' torch references the fused forward is
+the plain one op for op (bit-equal logits); with the Triton kernels (the interpreter here, natively on a GPU) the
+engine's greedy tokens are the plain forward's and a decode step's logits agree within 1e-5 relative error.
+Prefill chunks and decode steps both run; a decode step takes the Gated DeltaNet decode kernels (conv state rows
+in place) and writes K/V from the rope kernel."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ftexpert.gpu_worker.assembly.loader import load_model
+from ftexpert.gpu_worker.engine import Engine, EngineConfig, SamplingParams
+from ftexpert.gpu_worker.engine.attention import DecodeAttention, PrefillAttention
+from ftexpert.gpu_worker.engine.kv_cache import KVCache
+from ftexpert.gpu_worker.engine.state_cache import StateCache
+from ftexpert.gpu_worker.models.qwen3_next import StatefulContext
+from ftexpert.kernels import next_decode
+from tests.conftest import KERNEL_DEVICE
+from tests.gpu_worker.gpt_oss_util import hf_gpt_oss
+from tests.gpu_worker.qwen3_next_util import hf_qwen3_next, save
+from tests.gpu_worker.test_models_util import prompt_ids, rel_err
+
+DEV = KERNEL_DEVICE
+PROMPTS = [prompt_ids(9, seed=20), prompt_ids(5, seed=21)]
+
+
+@pytest.fixture(scope="module")
+def next_dir(tmp_path_factory):
+    return save(hf_qwen3_next(seed=7), tmp_path_factory.mktemp("next"))
+
+
+@pytest.fixture(scope="module")
+def gpt_oss_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("gpt_oss")
+    hf_gpt_oss(seed=7).save_pretrained(str(path))
+    return path
+
+
+def models(path, kernel_impl: str):
+    plain = load_model(path, device=DEV, dtype="float32", fused_kernels=False)
+    fused = load_model(path, device=DEV, dtype="float32", fused_kernels=True)
+    fused.model.kernel_impl = kernel_impl
+    assert fused.model.fused_kernels and not plain.model.fused_kernels
+    return plain, fused
+
+
+def greedy(loaded, n: int = 6) -> list[list[int]]:
+    engine = Engine(loaded.model, EngineConfig(max_running_requests=2, max_context_tokens=64, prefill_chunk_tokens=4,
+                                               cuda_graphs=False), eos_token_ids=())
+    return engine.generate(PROMPTS, SamplingParams(max_new_tokens=n, ignore_eos=True))
+
+
+def decode_logits(loaded) -> tuple[torch.Tensor, StateCache | None, KVCache]:
+    """Prefill both prompts (one chunk each), then one decode step of the two: its logits [2, V]."""
+    cfg, model = loaded.cfg, loaded.model
+    kv = KVCache(cfg, 2, 32, torch.float32, torch.device(DEV))
+    states = StateCache(cfg, 2, torch.float32, torch.device(DEV)) if cfg.linear_attention is not None else None
+
+    def ctx(attn, rows):
+        return attn if states is None else StatefulContext(attn, rows)
+    for slot, ids in enumerate(PROMPTS):
+        n = len(ids)
+        attn = PrefillAttention(kv, slot, 0, n)
+        model.forward(torch.tensor(ids, device=DEV), torch.arange(n, device=DEV),
+                      ctx(attn, None if states is None else states.prefill(slot, 0)))
+    slots, positions = torch.tensor([1, 0], device=DEV), torch.tensor([len(PROMPTS[1]), len(PROMPTS[0])], device=DEV)
+    attn = DecodeAttention(kv, slots, positions, num_rows=2, bucket_tokens=16, rows_are_slots=False)
+    logits = model.forward(torch.tensor([3, 7], device=DEV), positions,
+                           ctx(attn, None if states is None else states.decode(slots)))
+    return logits, states, kv
+
+
+@pytest.mark.parametrize("arch", ["qwen3_next", "gpt_oss"])
+def test_fused_forward_with_the_references_is_the_plain_forward(arch, next_dir, gpt_oss_dir):
+    plain, fused = models(next_dir if arch == "qwen3_next" else gpt_oss_dir, "reference")
+    (a, states_a, kv_a), (b, states_b, kv_b) = decode_logits(plain), decode_logits(fused)
+    assert torch.equal(a, b)
+    assert torch.equal(kv_a.k, kv_b.k) and torch.equal(kv_a.v, kv_b.v)
+    if states_a is not None:
+        assert torch.equal(states_a.conv, states_b.conv) and torch.equal(states_a.recurrent, states_b.recurrent)
+
+
+@pytest.mark.parametrize("arch", ["qwen3_next", "gpt_oss"])
+def test_fused_kernels_give_the_plain_tokens_and_logits(arch, next_dir, gpt_oss_dir, monkeypatch, no_tf32):
+    plain, fused = models(next_dir if arch == "qwen3_next" else gpt_oss_dir, "triton")
+    calls = {"gdn": 0, "kv_written": 0}
+    real_pre, real_attend = next_decode.gdn_decode_pre, DecodeAttention.attend
+
+    def pre(*args, **kw):
+        calls["gdn"] += 1
+        return real_pre(*args, **kw)
+
+    def attend(self, *args, kv_written=False, **kw):
+        calls["kv_written"] += kv_written
+        return real_attend(self, *args, kv_written=kv_written, **kw)
+    monkeypatch.setattr(next_decode, "gdn_decode_pre", pre)
+    monkeypatch.setattr(DecodeAttention, "attend", attend)
+    (a, states_a, kv_a), (b, states_b, kv_b) = decode_logits(plain), decode_logits(fused)
+    assert rel_err(b, a) < 1e-5
+    assert rel_err(kv_b.k, kv_a.k) < 1e-5 and rel_err(kv_b.v, kv_a.v) < 1e-5
+    if states_a is not None:
+        assert rel_err(states_b.conv, states_a.conv) < 1e-5 and rel_err(states_b.recurrent, states_a.recurrent) < 1e-5
+    cfg = fused.cfg
+    linear = 0 if cfg.linear_attention is None else sum(t == "linear_attention" for t in cfg.layer_types)
+    assert calls["gdn"] == linear                                 # the decode step's Gated DeltaNet kernels
+    assert calls["kv_written"] == cfg.num_layers - linear         # and every attention layer's KV from its rope
+    assert greedy(fused) == greedy(plain)
