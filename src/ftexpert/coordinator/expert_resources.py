@@ -22,7 +22,7 @@ import time
 from typing import Any
 
 from ftexpert.coordinator.supervisor import Supervisor, WorkerSpec
-from ftexpert.proto.cpu_channel import DEFAULT_CPU_MAX_TOKENS, channel_hidden_dtype, channel_name_for, create_worker_channel
+from ftexpert.proto.shm_layout import DEFAULT_CPU_MAX_TOKENS, channel_hidden_dtype, channel_name_for, create_worker_channel
 from ftexpert.proto.cpus import parse_cpulist
 
 log = logging.getLogger("ft.coordinator.expert_resources")

@@ -28,7 +28,7 @@ from ftexpert.gpu_worker.assembly.loader import (DEFAULT_MODEL_DIR, LoadedModel,
 from ftexpert.gpu_worker.backends.offload.prefetch import PREFETCH_KNOBS, PrefetchSettings, settings_from_knobs
 from ftexpert.gpu_worker.backends.offload.host_store import HostExperts
 from ftexpert.gpu_worker.worker_loop import gpu_busy_loop
-from ftexpert.proto.cpu_channel import channel_hidden_dtype
+from ftexpert.proto.shm_layout import channel_hidden_dtype
 from ftexpert.proto.expert_store import ExpertStore
 
 __all__ = ["Attachment", "BuiltEngine", "build_engine", "pin_engine_process", "DEFAULT_MODEL_DIR", "PREFETCH_KNOBS", "PrefetchSettings", "settings_from_knobs", "Engine", "EngineConfig", "HostExperts", "gpu_busy_loop", "HybridOptions", "attach_cpu_pool", "LoadedModel", "ModelSource", "SamplingParams",
