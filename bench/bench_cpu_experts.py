@@ -27,7 +27,8 @@ import torch  # noqa: E402
 from ftexpert.cpu_expert_pool.expert_kernel import ExpertKernel  # noqa: E402
 from ftexpert.cpu_expert_pool.topology import discover_placements  # noqa: E402
 from ftexpert.cpu_expert_pool.native.build import ISA_NAMES, try_load_native  # noqa: E402
-from ftexpert.proto.expert_format import ExpertFormat, quantize_expert  # noqa: E402
+from ftexpert.kernels.expert_reference import quantize_expert  # noqa: E402
+from ftexpert.proto.expert_format import ExpertFormat  # noqa: E402
 from ftexpert.proto.expert_store import ExpertStore  # noqa: E402
 
 GB = 1e9

@@ -35,7 +35,8 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import triton  # noqa: E402
 
-from ftexpert.proto.cpu_channel import CpuPoolClient, create_worker_channel  # noqa: E402
+from ftexpert.proto.cpu_channel import CpuPoolClient  # noqa: E402
+from ftexpert.proto.shm_layout import create_worker_channel  # noqa: E402
 from ftexpert.cpu_expert_pool.api import CpuWorkerProc  # noqa: E402
 from ftexpert.kernels.handoff.triton_kernels import _ld_sys  # noqa: E402
 from ftexpert.proto.expert_store import ExpertStore  # noqa: E402

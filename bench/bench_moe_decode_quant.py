@@ -56,7 +56,7 @@ def block_variants(b0):
 
 def quantized_rows(layout, E: int, gen: torch.Generator) -> torch.Tensor:
     """[E, expert_nbytes] uint8 on the GPU: DISTINCT_EXPERTS random experts quantized, repeated over E slots."""
-    from ftexpert.proto.expert_format import quantize_expert
+    from ftexpert.kernels.expert_reference import quantize_expert
     H, I = layout.hidden_size, layout.intermediate_size
     rows = torch.empty(E, layout.expert_nbytes, dtype=torch.uint8, device="cuda")
     for e in range(min(E, DISTINCT_EXPERTS)):

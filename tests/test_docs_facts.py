@@ -136,6 +136,19 @@ def test_the_module_tables_files_exist():
     assert absent == []
 
 
+def test_the_module_tables_name_every_module():
+    """A module or folder added to one of those packages (a new proto contract, a coordinator module) is named in
+    its row, so the table says what each package holds."""
+    unnamed = []
+    for row in first_table(section(text(ARCHITECTURE), "Modules")):
+        folder = CODE.fullmatch(row[0]).group(1)
+        base = REPO / folder
+        found = {p.name for p in base.glob("*.py") if p.name != "__init__.py"}
+        found |= {f"{p.name}/" for p in base.iterdir() if p.is_dir() and not p.name.startswith(("__", "."))}
+        unnamed += [f"{folder}{name}" for name in sorted(found - set(named_paths(row[1])))]
+    assert unnamed == [], f"modules ARCHITECTURE.md's module table does not name: {unnamed}"
+
+
 def test_the_package_table_lists_every_package():
     rows = first_table(section(text(ARCHITECTURE), "Packages are processes"))
     documented = {CODE.fullmatch(row[0]).group(1) for row in rows}

@@ -24,13 +24,13 @@ free_port = free_loopback_port
 
 
 class Proc:
-    """One ft process with its output in a file."""
+    """One ft process with its output in a file (`command`: what runs `args`, by default the `ft` command)."""
 
-    def __init__(self, args: list[str], log_path: Path, env: dict | None = None):
+    def __init__(self, args: list[str], log_path: Path, env: dict | None = None, command: list[str] = FT):
         self.args = args
         self.log_path = log_path
         self._log = open(log_path, "wb")
-        self.popen = subprocess.Popen(FT + args, cwd=REPO, env={**ENV, **(env or {})}, stdin=subprocess.DEVNULL, stdout=self._log,
+        self.popen = subprocess.Popen(command + args, cwd=REPO, env={**ENV, **(env or {})}, stdin=subprocess.DEVNULL, stdout=self._log,
                                       stderr=subprocess.STDOUT)
 
     @property
@@ -73,14 +73,16 @@ class Proc:
 
 
 class Server(Proc):
-    """`ft serve` on free loopback ports."""
+    """`ft serve` on free loopback ports (the tests' model, `--preset tiny`, unless `extra` names one or
+    `default_model` asks for the embedded default; it is served as "tiny" either way)."""
 
-    def __init__(self, extra: list[str], log_path: Path, *, grpc: bool = True, env: dict | None = None):
+    def __init__(self, extra: list[str], log_path: Path, *, grpc: bool = True, env: dict | None = None,
+                 command: list[str] = FT, default_model: bool = False):
         self.port = free_port()
         self.grpc_port = free_port() if grpc else -1
-        model = [] if {"--model", "--preset"} & set(extra) else ["--preset", "tiny"]   # (the tests' model)
+        model = [] if {"--model", "--preset"} & set(extra) or default_model else ["--preset", "tiny"]
         super().__init__(["serve", "--port", str(self.port), "--grpc-port", str(self.grpc_port), *model,
-                          "--served-model-name", "tiny", "--drain-timeout-s", "5", *extra], log_path, env)
+                          "--served-model-name", "tiny", "--drain-timeout-s", "5", *extra], log_path, env, command)
 
     def wait_listening(self, timeout_s: float = 90.0) -> "Server":
         self.wait_for_output("ft serve: tiny", timeout_s)

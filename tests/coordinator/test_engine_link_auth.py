@@ -151,7 +151,7 @@ def test_the_default_address_is_ipc_in_a_private_directory(tmp_path, monkeypatch
     monkeypatch.delenv("RUNTIME_DIRECTORY", raising=False)
     monkeypatch.setenv("XDG_RUNTIME_DIR", str(base))
     for port, expect in ((1919, f"ipc://{base}/ft-1919/engine.sock"), (0, None)):
-        procs = ProcessSet(ProcessSetOptions(attach=True, spec=SPEC, http_port=port), None)
+        procs = ProcessSet(ProcessSetOptions(attach=True, spec=SPEC, http_port=port))
         addr = procs.engine_addr()
         assert addr.startswith(f"ipc://{base}/ft-") and (expect is None or addr == expect)
         directory = procs.runtime_dir(addr)

@@ -1,7 +1,7 @@
-"""ProcessSet's plan without starting anything: the children `ft serve --workers process` would start
+"""ProcessSet's plan without starting the workers: the children `ft serve --workers process` would start
 (the cpu/hybrid strategies add `ft worker cpu` per worker), each argv accepted by ft's own parser; the GPU
 worker's argv carries no engine setting (the engine spec travels whole in WELCOME), and the spec it gets is the
-one `ft serve` resolved from its flags."""
+one `ft serve` resolved from its flags. The model's facts and the store come from a real `ft worker store`."""
 from __future__ import annotations
 
 import os
@@ -10,7 +10,7 @@ import pytest
 
 from ftexpert.coordinator.cli import build_parser
 from ftexpert.coordinator.process_set import ProcessSet, default_store_name, options_from_serve_args
-from ftexpert.gpu_worker.api import build_engine, open_model_source
+from ftexpert.gpu_worker.api import build_engine
 from ftexpert.proto import engine_messages as em
 from ftexpert.proto.engine_spec import EngineSpec, spec_from_args
 
@@ -19,10 +19,10 @@ ENGINE_FLAGS = ("--model", "--preset", "--moe-strategy", "--moe-cache-size", "--
 
 
 @pytest.mark.parametrize("strategy,cpu_workers", [("resident", 0), ("offload", 0), ("hybrid", 2), ("cpu", 1)])
-def test_worker_specs_and_the_spec_the_gpu_worker_gets(strategy, cpu_workers, tmp_path):
+def test_worker_specs_and_the_spec_the_gpu_worker_gets(strategy, cpu_workers):
     from ftexpert.coordinator.engine_link import EngineLinkServer
 
-    serve = build_parser().parse_args(["serve", "--model", str(tmp_path / "m"), "--moe-strategy", strategy,
+    serve = build_parser().parse_args(["serve", "--preset", "tiny", "--moe-strategy", strategy,
                                        "--moe-cache-size", "16", "--max-context-tokens", "1024", "--port", "2345",
                                        "--num-cpu-workers", str(cpu_workers), "--prefill-chunk-tokens", "96",
                                        "--overlap-decode", "off"])
@@ -30,10 +30,12 @@ def test_worker_specs_and_the_spec_the_gpu_worker_gets(strategy, cpu_workers, tm
     assert options.store_name == default_store_name(2345) == "ft-experts-2345"
     assert options.spec.moe_cache_size == "16" and options.spec.max_context_tokens == 1024
     assert (options.spec.prefill_chunk_tokens, options.spec.overlap) == (96, False)
-    assert options.spec.model == str(tmp_path / "m")
+    assert (options.spec.model, options.spec.preset) == (None, "tiny")
     options.store_name = store = f"ft-test-ps-{os.getpid()}"                # the resources are made for real
-    procs = ProcessSet(options, open_model_source(None, None, device="cpu"))
-    res = procs.create_resources()
+    procs = ProcessSet(options)
+    model = procs.open_model()                                              # by `ft worker store`
+    res = procs.resources
+    assert model.vocab_size > 0 and model.tokenizer_dir and res.model is model
     procs.link = EngineLinkServer("tcp://127.0.0.1:0", options.spec)        # bound, not started
     try:
         specs = procs.worker_specs()

@@ -65,8 +65,7 @@ def test_ready_watchdog_and_status_for_the_coordinator_and_the_gpu_worker(tmp_pa
                  tmp_path / "serve.log", grpc=False, env=coord_notify.env())
     worker = None
     try:
-        coord_notify.wait_for("STATUS=creating the expert store; waiting for the GPU worker to load and say READY",
-                              60, srv)
+        coord_notify.wait_for("STATUS=waiting for the GPU worker to load and say READY", 60, srv)
         time.sleep(1.0)
         coord_notify.poll()
         assert not [m for m in coord_notify.lines() if "READY=1" in m]           # no worker yet: not ready

@@ -8,10 +8,11 @@ import uuid
 import pytest
 import torch
 
-from ftexpert.proto.cpu_channel import create_worker_channel
+from ftexpert.proto.shm_layout import create_worker_channel
 from ftexpert.cpu_expert_pool.api import CpuWorkerProc
 from ftexpert.cpu_expert_pool.reference import expert_weights, reference_moe_layer
-from ftexpert.proto.expert_act import apply_act, gpt_oss_act
+from ftexpert.proto.expert_act import gpt_oss_act
+from ftexpert.kernels.expert_reference import apply_act
 from ftexpert.proto.expert_store import ExpertStore
 
 GPT_OSS = gpt_oss_act().label

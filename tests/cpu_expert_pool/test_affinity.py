@@ -221,13 +221,12 @@ def test_inline_serve_hands_its_options_to_the_engine(monkeypatch):
 def test_serve_and_generate_flags_reach_the_workers(tmp_path):
     from ftexpert.coordinator.engine_link import EngineLinkServer
     from ftexpert.coordinator.process_set import ProcessSet, options_from_serve_args
-    from ftexpert.gpu_worker.api import open_model_source
 
     serve = build_parser().parse_args(["serve", "--moe-strategy", "hybrid", "--num-cpu-workers", "1",
                                        "--reserve-cpus", "0", "--pin-gpu-worker", "off"])
     from ftexpert.coordinator.expert_resources import CpuWorkerSettings, ExpertResources
 
-    procs = ProcessSet(options_from_serve_args(serve, spec_from_args(serve)), open_model_source(None, None, device="cpu"))
+    procs = ProcessSet(options_from_serve_args(serve, spec_from_args(serve)))
     procs.link = EngineLinkServer("tcp://127.0.0.1:0", procs.options.spec)        # bound, not started
     procs.resources = ExpertResources("hybrid", CpuWorkerSettings(num_workers=1, reserve_cpus="0"))
     procs.resources._plan_workers()                                                # no store, no channel made

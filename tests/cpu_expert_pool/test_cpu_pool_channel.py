@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from ftexpert.cpu_expert_pool import channel as ch
-from ftexpert.proto.cpu_channel import CpuPoolClient, WorkerDead, WorkerError, WorkerTimeout, create_worker_channel
+from ftexpert.proto.cpu_channel import CpuPoolClient, WorkerDead, WorkerError, WorkerTimeout
+from ftexpert.proto.shm_layout import create_worker_channel
 from ftexpert.cpu_expert_pool.channel import IdlePolicy, IdleWaiter, WorkerChannel
 from ftexpert.cpu_expert_pool.expert_kernel import ExpertKernel
 from ftexpert.cpu_expert_pool.reference import reference_moe_layer

@@ -1,5 +1,5 @@
 """The compiled kernel over quantized experts (native/quant_ffn.c) in lockstep with the plain reference
-(proto.expert_format.dequantize_expert, then float64 math), for every format, odd group counts, batch 1 and 4,
+(kernels.expert_reference.dequantize_expert, then float64 math), for every format, odd group counts, batch 1 and 4,
 every ISA path this CPU has (the portable C one always), the AVX-512 code on emulated intrinsics where SIMDe's
 headers are installed, through ExpertKernel, the raw binding and the C serve loop; silu experts and gpt-oss's
 (biased, clamped SwiGLU, with gate / up large enough that the clamp bites: test_the_activation_is_seen); and its
@@ -29,8 +29,7 @@ from ftexpert.cpu_expert_pool.native.act_desc import expert_act_desc
 from ftexpert.cpu_expert_pool.native.build import ISA_NAMES, NativeUnavailable, build_library, try_load_native
 from ftexpert.cpu_expert_pool.native.quant_desc import QuantBindings, QuantFormatDesc, quant_format_desc
 from ftexpert.cpu_expert_pool.reference import expert_weights, reference_moe_layer
-from ftexpert.proto.expert_act import apply_act
-from ftexpert.proto.expert_format import dequantize_expert, quantize_expert
+from ftexpert.kernels.expert_reference import apply_act, dequantize_expert, quantize_expert
 from ftexpert.proto.expert_store import ExpertStore
 from tests.cpu_expert_pool.cpu_pool_util import BIASED_GAIN, GPT_OSS, check_act_is_seen, fill_biases
 
@@ -366,7 +365,8 @@ def test_a_descriptor_that_does_not_fit_is_refused(store):
 # The C serve loop and the worker's loop
 # ---------------------------------------------------------------------------------------------
 def _rig(store: ExpertStore):
-    from ftexpert.proto.cpu_channel import CpuPoolClient, create_worker_channel
+    from ftexpert.proto.cpu_channel import CpuPoolClient
+    from ftexpert.proto.shm_layout import create_worker_channel
     from ftexpert.cpu_expert_pool.channel import WorkerChannel
 
     seg = create_worker_channel(f"{store.name}.cpu0-{uuid.uuid4().hex[:6]}", t_max=8, hidden=store.shape.hidden,

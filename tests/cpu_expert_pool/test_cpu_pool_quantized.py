@@ -12,7 +12,8 @@ import torch
 from ftexpert.cpu_expert_pool.expert_kernel import ExpertKernel, torch_moe_layer
 from ftexpert.cpu_expert_pool.native.build import try_load_native
 from ftexpert.cpu_expert_pool.reference import reference_moe_layer
-from ftexpert.proto.expert_format import ExpertFormat, FormatError, dequantize_expert, quantize_expert
+from ftexpert.proto.expert_format import ExpertFormat, FormatError
+from ftexpert.kernels.expert_reference import dequantize_expert, quantize_expert
 from ftexpert.proto.expert_store import ExpertStore
 
 H, I, E = 128, 64, 5

@@ -16,7 +16,8 @@ import numpy as np
 import pytest
 import torch
 
-from ftexpert.proto.cpu_channel import CpuPoolClient, WorkerError, create_worker_channel
+from ftexpert.proto.cpu_channel import CpuPoolClient, WorkerError
+from ftexpert.proto.shm_layout import create_worker_channel
 from ftexpert.cpu_expert_pool.channel import WorkerChannel
 from ftexpert.cpu_expert_pool.expert_kernel import ExpertKernel
 from ftexpert.cpu_expert_pool.native.build import try_load_native

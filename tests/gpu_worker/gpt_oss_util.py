@@ -7,7 +7,8 @@ from pathlib import Path
 
 import torch
 
-from ftexpert.proto.expert_format import ExpertFormat, dequantize_matrix, quantize_matrix
+from ftexpert.proto.expert_format import ExpertFormat
+from ftexpert.kernels.expert_reference import dequantize_matrix, quantize_matrix
 
 VOCAB = 128
 WINDOW = 8          # the tiny sliding window: prompts of 11 and 23 tokens run past it

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from ftexpert.proto.expert_format import fp4_decode, fp4_encode
+from ftexpert.kernels.expert_reference import fp4_decode, fp4_encode
 from tests.gpu_worker.test_models_util import hf_model
 
 KINDS = ("fp8", "gptq", "gptq-v2-asym", "ct-int4", "ct-int4-asym", "mxfp4", "modelopt-nvfp4", "ct-nvfp4")

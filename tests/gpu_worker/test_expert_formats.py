@@ -16,7 +16,8 @@ from ftexpert.gpu_worker.assembly.loader import open_model_source
 from ftexpert.gpu_worker.backends.resident import ResidentExperts
 from ftexpert.gpu_worker.backends.offload import HostExperts
 from ftexpert.gpu_worker.backends.offload.host_store import layout_hash
-from ftexpert.proto.expert_format import ExpertFormat, FormatError, QuantLayout, dequantize_expert, quantize_expert
+from ftexpert.proto.expert_format import ExpertFormat, FormatError, QuantLayout
+from ftexpert.kernels.expert_reference import dequantize_expert, quantize_expert
 
 TINY_FORMATS = ("fp8", "int4-g32", "int4-g64", "mxfp4", "nvfp4")   # the tiny model: H = I = 64
 PROMPT = [5, 17, 42, 99, 3, 250, 7, 64, 11, 300, 8]

@@ -133,7 +133,7 @@ def test_quantized_at_load_keeps_the_biases(pair):
     """--expert-format mxfp4 on the unquantized checkpoint: the rows' biases are the float rows' exactly, and the
     weights are quantize_expert's of them."""
     from ftexpert.gpu_worker.checkpoint.expert_layout import bias_views, expert_views
-    from ftexpert.proto.expert_format import quantize_expert
+    from ftexpert.kernels.expert_reference import quantize_expert
     _, path, ours = pair
     quant = load_model(path, device="cpu", dtype="float32", expert_format="mxfp4")
     qlay, flay = quant.model.experts.layout, ours.model.experts.layout

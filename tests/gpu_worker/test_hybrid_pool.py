@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from ftexpert.proto.cpu_channel import create_worker_channel
+from ftexpert.proto.shm_layout import create_worker_channel
 from ftexpert.cpu_expert_pool.api import CpuWorkerProc
 from ftexpert.cpu_expert_pool.reference import reference_moe_layer
 from ftexpert.gpu_worker.backends.hybrid import CpuPool

@@ -2,7 +2,7 @@
 
 Each tiny checkpoint (tests/gpu_worker/quant_checkpoints.py) carries the format's own float32
 dequantization (the compressed-tensors library, transformers' fp8 / mxfp4 code, the published GPTQ and
-ModelOpt decoders); our source's expert bytes, decoded by proto.expert_format.dequantize_expert, must
+ModelOpt decoders); our source's expert bytes, decoded by kernels.expert_reference.dequantize_expert, must
 equal it bit for bit, and a transformers model running them must give the reference logits."""
 from __future__ import annotations
 
@@ -19,8 +19,9 @@ from ftexpert.gpu_worker.checkpoint.quant_checkpoint import (DequantizingReader,
                                                 dequantize_dense, detect_quant_format)
 from ftexpert.gpu_worker.checkpoint.quant_tensors import gptq_matrix
 from ftexpert.gpu_worker.checkpoint.weight_names import expert_names
-from ftexpert.proto.expert_format import ExpertFormat, FormatError, dequantize_expert, dequantize_matrix, e4m3_decode, \
-    fp4_decode, unpack_nibbles
+from ftexpert.proto.expert_format import ExpertFormat, FormatError
+from ftexpert.kernels.expert_reference import (dequantize_expert, dequantize_matrix, e4m3_decode, fp4_decode,
+                                              unpack_nibbles)
 from tests.gpu_worker.quant_checkpoints import (KINDS, gptq_reference, hf_model, load_hub_state,
                                                 write_quant_checkpoint)
 from tests.gpu_worker.test_models_util import prompt_ids, rel_err

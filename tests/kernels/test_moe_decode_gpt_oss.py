@@ -104,7 +104,7 @@ def test_biased_quantized_gemv_matches_the_model_maths(fmt, impl):
     the dequantized weights."""
     from ftexpert.gpu_worker.checkpoint.expert_layout import ExpertLayout, bias_views
     from ftexpert.kernels.moe_decode.quant import dequantize_rows, moe_gemv_quant
-    from ftexpert.proto.expert_format import quantize_expert
+    from ftexpert.kernels.expert_reference import quantize_expert
     x, ids, w, w13, w2, b13, b2 = case(H=64, I=32)
     S, I2, H = w13.shape
     lay = ExpertLayout(H, I2 // 2, torch.float32, fmt, ACT)

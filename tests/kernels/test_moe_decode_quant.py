@@ -16,8 +16,8 @@ from ftexpert.kernels.moe_decode import CopyPlan, GemvBlocks
 from ftexpert.kernels.moe_decode import reference as ref
 from ftexpert.kernels.moe_decode.quant import GATE_UP_REGIONS, DequantBlocks, dequantize_rows, moe_gemv_quant
 from ftexpert.kernels.moe_decode.quant_reference import dequantize_rows_reference, moe_gemv_quant_reference
-from ftexpert.proto.expert_format import (ExpertFormat, FormatError, QuantLayout, dequantize_expert, quantize_expert,
-                                 unpack_expert)
+from ftexpert.proto.expert_format import ExpertFormat, FormatError, QuantLayout
+from ftexpert.kernels.expert_reference import dequantize_expert, quantize_expert, unpack_expert
 from tests.conftest import KERNEL_DEVICE, assert_compile_check
 
 DEV = KERNEL_DEVICE

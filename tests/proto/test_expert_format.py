@@ -5,8 +5,9 @@ import struct
 import pytest
 import torch
 
-from ftexpert.proto.expert_format import (FORMATS, ExpertFormat, FormatError, QuantLayout, dequantize_expert,
-                                 dequantize_matrix, quantize_expert, quantize_matrix, unpack_expert)
+from ftexpert.proto.expert_format import FORMATS, ExpertFormat, FormatError, QuantLayout
+from ftexpert.kernels.expert_reference import (dequantize_expert, dequantize_matrix, quantize_expert, quantize_matrix,
+                                              unpack_expert)
 
 QUANT = ["fp8", "int4", "int4-g32", "int4-g64", "mxfp4", "nvfp4"]
 E2M1 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]

@@ -239,7 +239,8 @@ def test_attached_processes_share_pages_instead_of_copying(shm_name):
 
 @pytest.mark.parametrize("fmt", ["fp8", "int4-g32", "mxfp4", "nvfp4"])
 def test_a_quantized_store_holds_one_expert_as_its_format_bytes(shm_name, fmt):
-    from ftexpert.proto.expert_format import ExpertFormat, FormatError, QuantLayout, dequantize_expert, quantize_expert
+    from ftexpert.proto.expert_format import ExpertFormat, FormatError, QuantLayout
+    from ftexpert.kernels.expert_reference import dequantize_expert, quantize_expert
     f = ExpertFormat.parse(fmt)
     h, i = 64, 96                                   # divisible by every group size
     store = make_store(shm_name, hidden=h, intermediate=i, fmt=fmt)

@@ -1,8 +1,10 @@
 """`ft`: the one command line of the service.
 
-Subcommands live in their own modules and are imported only when chosen, so `ft --help` stays fast
-and needs no GPU stack. A subcommand module provides ``add_arguments(parser)`` and ``run(args) -> int``;
-both must be importable without importing torch at module level.
+Subcommands live in their own modules and are imported only when chosen: `ft serve ...` imports the serve
+module alone (not the workers' command-line modules), `ft --help` none of them, so `ft --help` stays fast and
+needs no GPU stack, and `ft serve` in process mode imports no module of the GPU worker. A subcommand module
+provides ``add_arguments(parser)`` and ``run(args) -> int``; both must be importable without importing torch at
+module level. ``build_parser()`` without a command line declares every subcommand's flags (tests, docs).
 """
 from __future__ import annotations
 
@@ -24,6 +26,8 @@ COMMANDS: list[tuple[str, str, str]] = [
     ("generate", "ftexpert.coordinator.generate_cli", "run one completion through the engine in this process (no server)"),
     ("worker cpu", "ftexpert.cpu_expert_pool.cli", "run one CPU expert worker (computes expert misses on the CPU)"),
     ("worker gpu", "ftexpert.gpu_worker.worker_cli", "run the GPU worker (model, KV cache, engine loop) for a coordinator"),
+    ("worker store", "ftexpert.gpu_worker.store_cli",
+     "open the model for a coordinator, report its facts and fill its expert store (ft serve starts it)"),
 ]
 
 
@@ -34,7 +38,24 @@ def version() -> str:
         return "0.1.0+src"
 
 
-def build_parser() -> argparse.ArgumentParser:
+def chosen_command(argv: list[str]) -> str | None:
+    """The subcommand `argv` names (its leading words, e.g. "worker gpu"), or None (no command, or an unknown one:
+    then every subcommand is declared, so that argparse's help and errors are the full ones)."""
+    words = []
+    for arg in argv:
+        if arg.startswith("-"):
+            break
+        words.append(arg)
+    for name, _, _ in COMMANDS:
+        if words[:len(name.split())] == name.split():
+            return name
+    return None
+
+
+def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
+    """ft's parser. `argv` given: only the subcommand it names gets its flags (and its module imported); the
+    others are listed with their one-line help."""
+    only = chosen_command(argv) if argv is not None else None
     parser = argparse.ArgumentParser(
         prog="ft", description="Disaggregated Mixture-of-Experts serving (GPU slot cache + CPU experts).")
     parser.add_argument("--version", action="version", version=f"ft {version()}")
@@ -52,12 +73,14 @@ def build_parser() -> argparse.ArgumentParser:
             sub_action = groups[key]
         sp = sub_action.add_parser(words[-1], help=help_text, description=help_text)
         sp.set_defaults(_module=module)
-        importlib.import_module(module).add_arguments(sp)
+        if only is None or only == name:
+            importlib.import_module(module).add_arguments(sp)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else argv
+    parser = build_parser(argv)
     args = parser.parse_args(argv)
     module = getattr(args, "_module", None)
     if module is None:

@@ -1,16 +1,23 @@
 """`ExpertResources`: the one owner of the host-side resources of the offload, cpu and hybrid strategies.
 
-    res = ExpertResources.create(source, "hybrid", store_name="ft-experts-1919", cpu=CpuWorkerSettings())
+    res = ExpertResources.open_in_child(spec, store_name="ft-experts-1919", cpu=CpuWorkerSettings())  # ft serve
+    res = ExpertResources.create(source, "hybrid", store_name=..., cpu=...)   # ft generate, ft serve --workers inline
     specs = res.cpu_worker_specs()      # `ft serve`: supervised with the GPU worker by one Supervisor
     res.start_cpu_workers()             # `ft generate`, `ft serve --workers inline`: a Supervisor of its own
-    ...                                 # the engine attaches: gpu_worker.api.load_attached_model(res.store_name, ...)
-    res.close()                         # workers stopped, channels and store unlinked (by their creator only)
+    ...                                 # the engine attaches: Attachment(res.store_name, res.channel_names)
+    res.close()                         # workers stopped, channels and store unlinked (by their creator, this owner)
 
-In every mode the coordinator's side creates, in this order: the shared-memory expert store (filled
-from the checkpoint once; for cpu/hybrid its pages bound to the NUMA nodes of the workers that own
-them), one hot-path channel per CPU worker, and the CPU workers (`ft worker cpu`, one command line:
-cpu_expert_pool.api.worker_argv) under coordinator/supervisor.py (HELLO with the store's config hash,
-READY, heartbeats, restarts with back-off). They outlive GPU-worker restarts. The engine only attaches.
+In every mode the coordinator's side creates, in this order: the shared-memory expert store (sized from the
+model's facts, proto/model_facts.py; for cpu/hybrid its pages bound to the NUMA nodes of the workers that own
+them; then filled from the checkpoint once), one hot-path channel per CPU worker, and the CPU workers (`ft worker
+cpu`, one command line: cpu_expert_pool.api.worker_argv) under coordinator/supervisor.py (HELLO with the store's
+config hash, READY, heartbeats, restarts with back-off). They outlive GPU-worker restarts. The engine only attaches.
+
+Who reads the checkpoint: `open_in_child` (`ft serve`, process mode and --attach) has `ft worker store`
+(coordinator/model_child.py) open the model, report its facts and fill the store this owner created, so this
+process imports neither torch nor the model-loading code; `create` (the modes that build the engine in this
+process anyway) fills it here from a gpu_worker.api.ModelSource. Either way this process created the store and
+the channels, so it unlinks them, and a killed coordinator leaves segments the next start reclaims.
 """
 from __future__ import annotations
 
@@ -19,11 +26,16 @@ import functools
 import logging
 import os
 import time
-from typing import Any
+from typing import Any, Callable
 
+from ftexpert.coordinator.model_child import ModelChild
 from ftexpert.coordinator.supervisor import Supervisor, WorkerSpec
-from ftexpert.proto.cpu_channel import DEFAULT_CPU_MAX_TOKENS, channel_hidden_dtype, channel_name_for, create_worker_channel
 from ftexpert.proto.cpus import parse_cpulist
+from ftexpert.proto.engine_spec import EngineSpec
+from ftexpert.proto.expert_store import ExpertStore
+from ftexpert.proto.model_facts import ModelFacts
+from ftexpert.proto.shm_layout import (DEFAULT_CPU_MAX_TOKENS, channel_hidden_dtype, channel_name_for,
+                                       create_worker_channel)
 
 log = logging.getLogger("ft.coordinator.expert_resources")
 
@@ -69,7 +81,8 @@ def reclaim_stale_host_memory() -> list[Any]:
 class ExpertResources:
     def __init__(self, strategy: str, cpu: CpuWorkerSettings):
         self.strategy, self.cpu = strategy, cpu
-        self.host: Any = None                  # gpu_worker.api.HostExperts we created (owner: unlinks it)
+        self.model: ModelFacts | None = None   # the model's facts (open_in_child, create)
+        self.store: ExpertStore | None = None   # the expert store we created (owner: unlinks it)
         self.channels: list[Any] = []          # ShmSegment per CPU worker (owner)
         self.channel_names: list[str] = []
         self.num_cpu_workers = 0
@@ -78,16 +91,42 @@ class ExpertResources:
         self._flags: list[str] = []
 
     @classmethod
+    def open_in_child(cls, spec: EngineSpec, *, store_name: str, cpu: CpuWorkerSettings | None = None,
+                      log_level: str = "INFO", timeout_s: float | None = None) -> "ExpertResources":
+        """The model's facts (`model`) from `ft worker store`, and for offload / cpu / hybrid the store it fills
+        and the CPU workers' channels (cpu, hybrid). No torch and no model code in this process. timeout_s: a
+        limit for each of the child's two steps (open the model, fill the store); None: as long as they take."""
+        res = cls(spec.moe_strategy, cpu or CpuWorkerSettings())
+        reclaim_stale_host_memory()
+        child = ModelChild(spec, fill_store=spec.moe_strategy in HOST_STORE_STRATEGIES, log_level=log_level,
+                           timeout_s=timeout_s)
+        try:
+            res.model = child.open()
+            if child.fill_store:
+                res._create(res.model, store_name, lambda store: child.fill(store.name))
+            child.close()
+        except BaseException:
+            child.kill()
+            res.close()
+            raise
+        return res
+
+    @classmethod
     def create(cls, source: Any, strategy: str, *, store_name: str, cpu: CpuWorkerSettings | None = None,
                staging_device: Any = None) -> "ExpertResources":
         """The store (offload, cpu, hybrid) and the CPU workers' channels (cpu, hybrid) for `source`
-        (gpu_worker.api.ModelSource); nothing for resident. The workers start with cpu_worker_specs()."""
+        (gpu_worker.api.ModelSource), filled in this process; nothing for resident. The workers start with
+        cpu_worker_specs()."""
         res = cls(strategy, cpu or CpuWorkerSettings())
         reclaim_stale_host_memory()
         if strategy not in HOST_STORE_STRATEGIES:
             return res
+        # lazy: the modes that call this load the model in this process anyway; `ft serve` alone does not
+        from ftexpert.gpu_worker.api import fill_expert_store, model_facts
+
         try:
-            res._create(source, store_name, staging_device)
+            res.model = model_facts(source)
+            res._create(res.model, store_name, lambda store: fill_expert_store(store, source.experts, staging_device))
         except BaseException:
             res.close()
             raise
@@ -128,9 +167,9 @@ class ExpertResources:
                                                        hidden_dtype=channel_hidden_dtype(model_dtype)))
             self.channel_names.append(name)
 
-    def _create(self, source: Any, store_name: str, staging_device: Any) -> None:
+    def _create(self, facts: ModelFacts, store_name: str, fill: Callable[[ExpertStore], Any]) -> None:
+        """Create the store for `facts`, place its pages (cpu / hybrid), have `fill` write it, then the channels."""
         from ftexpert.cpu_expert_pool import api as cpu_api
-        from ftexpert.gpu_worker.api import create_expert_store
 
         place = None                         # for cpu/hybrid: expert pages on the NUMA nodes of their workers
         if self.strategy in CPU_STRATEGIES:
@@ -138,12 +177,20 @@ class ExpertResources:
             reserved_set = parse_cpulist(reserved)
             place = functools.partial(cpu_api.place_store_for_workers, num_workers=self.num_cpu_workers,
                                       reserved_cpus=reserved_set, allowed_cpus=allowed)
+        shape = facts.store_shape
+        self.store = ExpertStore.create(store_name, num_layers=shape.num_layers, num_experts=shape.num_experts,
+                                        hidden=shape.hidden, intermediate=shape.intermediate, dtype=shape.dtype,
+                                        config_hash=facts.config_hash, fmt=shape.fmt, act=shape.act)
+        self.store_name, self.config_hash = self.store.name, self.store.config_hash
+        if place is not None:
+            place(self.store)                # before the fill: pages are placed where they are first written
         t0 = time.perf_counter()
-        self.host = create_expert_store(source, name=store_name, staging_device=staging_device, before_fill=place)
-        self.store_name, self.config_hash = self.host.store.name, self.host.store.config_hash
-        log.info("expert store %r filled: %.2f GiB in %.1f s", store_name, self.host.nbytes / 1024 ** 3,
+        fill(self.store)
+        if not self.store.is_ready:
+            raise RuntimeError(f"expert store {store_name!r}: its filler returned without marking it ready")
+        log.info("expert store %r filled: %.2f GiB in %.1f s", store_name, self.store.nbytes / 1024 ** 3,
                  time.perf_counter() - t0)
-        self._create_channels(source.cfg.hidden_size, source.cfg.top_k, source.dtype)
+        self._create_channels(facts.hidden_size, facts.top_k, facts.dtype)
 
     def reserved_cpus(self) -> str:
         """The CPUs the workers keep off (what the GPU-driving process pins itself to)."""
@@ -186,7 +233,8 @@ class ExpertResources:
             seg.close()
             seg.unlink()
         self.channels, self.channel_names = [], []
-        if self.host is not None:
-            self.host.close()                    # the creator: unlinks the store's name
-            self.host = None
+        if self.store is not None:
+            self.store.close()
+            self.store.unlink()                  # the creator: unlinks the store's name
+            self.store = None
         self.store_name = self.config_hash = ""

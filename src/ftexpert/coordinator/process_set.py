@@ -1,10 +1,14 @@
 """The coordinator's worker processes (`ft serve --workers process`, and `--attach`): `ProcessSet`.
 
-start(), in this order:
-  1-2. the expert store and the CPU workers' channels, through the one owner of those
-     (coordinator/expert_resources.py): the store under a fixed name, filled from the checkpoint once
-     (a segment of that name left by a killed run, its creator dead, is reclaimed; a live one is an
-     error naming its pid).
+open_model() (start() calls it first when the caller did not):
+  1. `ft worker store` (coordinator/model_child.py) opens the model the spec names and reports its facts
+     (proto/model_facts.py: vocabulary, tokenizer directory, the experts' shape and format); this process
+     imports neither torch nor the model-loading code.
+  2. the expert store and the CPU workers' channels, through the one owner of those
+     (coordinator/expert_resources.py): the store created here under a fixed name from those facts and filled
+     by that child, which then exits (a segment of that name left by a killed run, its creator dead, is
+     reclaimed; a live one is an error naming its pid).
+start(), then:
   3. the engine link: a fresh key in the private runtime directory (proto/link_auth.py: engine.key, 0600,
      in a 0700 directory of this user), then a ROUTER on --engine-addr (default ipc://<that dir>/engine.sock;
      TCP only on loopback and only when asked for); a worker proves the key before it learns anything.
@@ -15,7 +19,7 @@ start(), in this order:
      pins itself once loaded (--pin-gpu-worker).
      `--attach`: nothing is started; the GPU worker (systemd: ft-gpu-worker@0) must say HELLO + READY
      within --worker-ready-timeout-s.
-  5. READY's facts are checked against the coordinator's model (vocabulary).
+  5. READY's facts are checked against the model's facts (vocabulary).
 stop(): SHUTDOWN to the GPU worker, the supervisor stops its children, the link closes, then the
 channels and the store are unlinked (by their creator, this process, only).
 """
@@ -35,6 +39,7 @@ from ftexpert.coordinator.remote_engine import RemoteEngine
 from ftexpert.proto import engine_messages as em
 from ftexpert.proto import link_auth
 from ftexpert.proto.engine_spec import EngineSpec
+from ftexpert.proto.model_facts import ModelFacts
 
 log = logging.getLogger("ft.coordinator.process_set")
 
@@ -75,10 +80,9 @@ def options_from_serve_args(args: Any, spec: EngineSpec) -> ProcessSetOptions:
 
 
 class ProcessSet:
-    def __init__(self, options: ProcessSetOptions, source: Any):
+    def __init__(self, options: ProcessSetOptions):
         self.options = options
-        self.source = source                 # gpu_worker.api.ModelSource (experts, cfg, tokenizer)
-        self.resources: ExpertResources | None = None    # the store and the CPU channels (their owner)
+        self.resources: ExpertResources | None = None    # the model's facts, the store and the CPU channels
         self.link: EngineLinkServer | None = None
         self.supervisor: Any = None
         self.remote: RemoteEngine | None = None
@@ -89,9 +93,17 @@ class ProcessSet:
 
     # ------------------------------------------------------------------ start
 
+    def open_model(self) -> ModelFacts:
+        """The model's facts; the store filled and the channels made, for the strategies that use them (once)."""
+        res = self.resources or self.create_resources()
+        assert res.model is not None
+        return res.model
+
     def start(self) -> em.Ready:
         o = self.options
-        res = self.create_resources()
+        self.open_model()
+        res = self.resources
+        assert res is not None
         addr = self.engine_addr()
         secret = link_auth.new_secret()
         self.key_file = link_auth.write_secret(self.runtime_dir(addr), secret)
@@ -135,14 +147,16 @@ class ProcessSet:
         return link_auth.private_dir(directory)
 
     def create_resources(self) -> ExpertResources:
-        """The store and the CPU workers' channels, through their owner (kept until stop())."""
+        """The model's facts, the store and the CPU workers' channels, through their owner (kept until stop())."""
         o = self.options
         cpu = CpuWorkerSettings(num_workers=max(1, o.spec.num_cpu_workers), reserve_cpus=o.spec.reserve_cpus,
                                 log_level=o.log_level, ready_timeout_s=o.worker_ready_timeout_s,
                                 backoff_initial_s=o.backoff_initial_s, backoff_max_s=o.backoff_max_s,
                                 max_restarts=o.max_restarts)
-        self.resources = ExpertResources.create(self.source, o.spec.moe_strategy,
-                                                store_name=o.store_name or default_store_name(0), cpu=cpu)
+        # no time limit: filling the store takes what the checkpoint's size and the disk make it take (as it did
+        # in this process before); SIGTERM at start-up interrupts the wait, and the child dies with this process
+        self.resources = ExpertResources.open_in_child(o.spec, store_name=o.store_name or default_store_name(0),
+                                                       cpu=cpu, log_level=o.log_level)
         return self.resources
 
     def worker_specs(self) -> list[Any]:
@@ -173,7 +187,8 @@ class ProcessSet:
             self.on_gave_up(err.name, str(err), err.name == GPU_WORKER_NAME)
 
     def _check_facts(self, facts: em.Ready) -> None:
-        vocab = self.source.cfg.vocab_size
+        assert self.resources is not None and self.resources.model is not None
+        vocab = self.resources.model.vocab_size
         if facts.vocab_size != vocab:
             raise RuntimeError(f"the GPU worker (pid {facts.pid}) loaded a model with a vocabulary of "
                                f"{facts.vocab_size} tokens, the coordinator's tokenizer model has {vocab}: start "

@@ -9,10 +9,12 @@ Listens on 127.0.0.1 unless --host says otherwise; a non-loopback address needs 
 --api-key-file: never on the command line, which `ps` shows everyone) or an explicit --insecure. SIGTERM / SIGINT drain: no new requests, the ones in flight finish (up to
 --drain-timeout-s), then it stops (and stops its worker processes).
 
---workers process (the default): this process is the coordinator; it creates the shared-memory expert
-store when the strategy needs one, starts `ft worker gpu` (and `ft worker cpu` for cpu/hybrid) as
-supervised children and restarts them (coordinator/process_set.py). --attach: the same, but the workers
-are started by someone else and connect. --workers inline: one process, the engine in a thread.
+--workers process (the default): this process is the coordinator and imports neither torch nor the model-loading
+code: a short-lived `ft worker store` child opens the model and reports its facts (tokenizer, vocabulary, the
+experts' shape) and fills the shared-memory expert store this process creates when the strategy needs one; then
+it starts `ft worker gpu` (and `ft worker cpu` for cpu/hybrid) as supervised children and restarts them
+(coordinator/process_set.py). --attach: the same, but the GPU worker is started by someone else and connects.
+--workers inline: one process, the engine in a thread.
 """
 from __future__ import annotations
 
@@ -24,7 +26,7 @@ import signal
 import sys
 
 from ftexpert.coordinator.auth import add_api_key_flags
-from ftexpert.proto.engine_spec import EngineSpec, add_engine_flags, spec_from_args
+from ftexpert.proto.engine_spec import DEFAULT_MODEL_DIR, EngineSpec, add_engine_flags, spec_from_args
 from ftexpert.proto.knobs import add_cli_flag, positive_int_flag, resolve
 
 DEFAULT_PORT = 1919
@@ -107,8 +109,6 @@ def build_policy_from_args(args: argparse.Namespace, expert_format, gpu_name: st
 def use_default_model(args: argparse.Namespace) -> None:
     """Neither --model nor --preset: the embedded default model (a small trained MoE in the package)."""
     if not args.model and not args.preset:
-        from ftexpert.gpu_worker.api import DEFAULT_MODEL_DIR
-
         args.model = str(DEFAULT_MODEL_DIR)
 
 
@@ -206,46 +206,42 @@ def listen_config(args: argparse.Namespace):
 
 
 def run_processes(args: argparse.Namespace, spec: EngineSpec) -> int:
-    """The coordinator with its GPU worker (and CPU workers) as separate processes."""
-    from ftexpert.coordinator.engine_factory import expert_format_of, served_name
+    """The coordinator with its GPU worker (and CPU workers) as separate processes. This process imports no
+    torch: `ft worker store` opens the model for it (tests/coordinator/test_process_boundary.py checks)."""
+    from ftexpert.coordinator.engine_factory import codec_of, expert_format_of, served_name
     from ftexpert.coordinator.engine_service import EngineService
     from ftexpert.coordinator.openai_requests import ModelInfo
     from ftexpert.coordinator.process_set import ProcessSet, options_from_serve_args
     from ftexpert.coordinator.server import CoordinatorServer
-    from ftexpert.coordinator.text_codec import TextCodec
-    from ftexpert.gpu_worker.api import open_model_source
+    from ftexpert.proto.sd_notify import process_notifier
 
     listen = listen_config(args)
-    source = open_model_source(spec.model, spec.preset, device="cpu", dtype=spec.dtype,   # tokenizer, config,
-                               seed=spec.seed_weights, expert_format=spec.expert_format)   # the experts to store
-    if source.tokenizer is None:
-        raise FileNotFoundError(f"{spec.model or spec.preset} has no tokenizer.json; the HTTP API needs one to turn "
-                                f"text into tokens (put the model's tokenizer.json beside its weights)")
-    codec = TextCodec.from_text_tokenizer(source.tokenizer, source.eos_token_ids)
-    procs = ProcessSet(options_from_serve_args(args, spec), source)
+    procs = ProcessSet(options_from_serve_args(args, spec))
 
     def interrupted(signum, _frame):            # before the event loop takes the signals over
         raise KeyboardInterrupt(f"signal {signum} during start-up")
 
     previous = {sig: signal.signal(sig, interrupted) for sig in (signal.SIGTERM, signal.SIGINT)}
     server = None
-    from ftexpert.proto.sd_notify import process_notifier
-    process_notifier().status("creating the expert store; waiting for the GPU worker to load and say READY")
+    notifier = process_notifier()
     try:
+        notifier.status("opening the model (ft worker store); filling the expert store where the strategy has one")
+        model = procs.open_model()
+        codec = codec_of(model)
+        notifier.status("waiting for the GPU worker to load and say READY")
         facts = procs.start()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-        policy = build_policy_from_args(args, expert_format_of(source.cfg, source.expert_format.label),
-                                        facts.gpu_name)
+        policy = build_policy_from_args(args, expert_format_of(model), facts.gpu_name)
         service = EngineService(procs.engine_client(), codec.decode, policy=policy,
                                 request_timeout_s=args.request_timeout_s,
                                 max_pending_requests=args.max_pending_requests)
         name = served_name(spec.model, spec.preset, args.served_model_name)
-        model = ModelInfo(name, facts.max_context_tokens, codec)
-        server = CoordinatorServer(service, model, policy, listen, supervisor=procs.supervisor)
+        server = CoordinatorServer(service, ModelInfo(name, facts.max_context_tokens, codec), policy, listen,
+                                   supervisor=procs.supervisor)
         procs.on_gave_up = lambda name, message, gpu: server.worker_gave_up(name, message, gpu_worker=gpu)
         where = "attached" if args.attach else f"pid {facts.pid}"
-        serve_forever(server, listen, name, f"{source.description}; GPU worker {where} on {facts.device}")
+        serve_forever(server, listen, name, f"{model.description}; GPU worker {where} on {facts.device}")
     finally:
         procs.stop()
     if server is not None and server.exit_code:

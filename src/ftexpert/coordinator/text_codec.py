@@ -149,7 +149,9 @@ class TextCodec:
     eos_token_ids: list[int] = field(default_factory=list)
 
     @classmethod
-    def from_model_dir(cls, model_dir: str) -> "TextCodec":
+    def from_model_dir(cls, model_dir: str, eos_token_ids: Sequence[int] | None = None) -> "TextCodec":
+        """The tokenizer files of `model_dir`. eos_token_ids: the model's end-of-sequence ids where the caller knows
+        them (`ft serve`: ModelFacts, which adds config.json's); None: generation_config.json's and the eos token's."""
         from tokenizers import Tokenizer
 
         path = os.path.join(model_dir, "tokenizer.json")
@@ -170,6 +172,8 @@ class TextCodec:
             log.info("%s has no chat template: chat requests use ChatML", model_dir)
             template = None
         bos, eos = _token_text(config.get("bos_token")), _token_text(config.get("eos_token"))
+        if eos_token_ids is not None:
+            return cls(tokenizer, ChatTemplate(template, bos, eos), sorted(set(eos_token_ids)))
         eos_ids: list[int] = []
         gen = _read_json(os.path.join(model_dir, "generation_config.json"))
         raw = gen.get("eos_token_id")

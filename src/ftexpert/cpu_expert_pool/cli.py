@@ -46,7 +46,7 @@ def run(args: argparse.Namespace) -> int:
                   log_level=args.log_level)
     # lazy: torch (both import it) only after the checklist, and never for `ft --help`
     from ftexpert.cpu_expert_pool.worker import WorkerOptions, WorkerSettings, run_cpu_worker
-    from ftexpert.proto.cpu_channel import channel_name_for
+    from ftexpert.proto.shm_layout import channel_name_for
 
     settings = WorkerSettings(kernel=args.kernel, num_threads=args.threads, spin_us=args.spin_us, hot_ms=args.hot_ms,
                               sleep_max_us=args.sleep_max_us)

@@ -32,8 +32,7 @@ from ftexpert.cpu_expert_pool.native.act_desc import ExpertActDesc, expert_act_d
 from ftexpert.cpu_expert_pool.native.build import ISA_BY_NAME, ISA_NAMES, NativeLib, try_load_native
 from ftexpert.cpu_expert_pool.native.quant_desc import QuantFormatDesc, quant_format_desc
 from ftexpert.cpu_expert_pool.native_loop import NativeServeLoop
-from ftexpert.proto.expert_act import apply_act
-from ftexpert.proto.expert_format import dequantize_expert
+from ftexpert.kernels.expert_reference import apply_act, dequantize_expert
 from ftexpert.proto.expert_store import ExpertStore
 from ftexpert.proto.shm_layout import SPLIT_CHANNEL_UNIT
 
@@ -70,7 +69,7 @@ def check_split(store: ExpertStore, split_expert: int, split_limit: int) -> None
 def expert_weights(store: ExpertStore, layer: int, expert: int,
                    dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(w13 [2I, H], w2 [H, I]) of one expert: zero-copy views (bf16 format; cast to ``dtype`` when given), or its
-    bytes dequantized (proto.expert_format.dequantize_expert, float32) and cast to ``dtype`` (default: the store's
+    bytes dequantized (kernels.expert_reference.dequantize_expert, float32) and cast to ``dtype`` (default: the store's
     model dtype)."""
     dtype = store.dtype if dtype is None else dtype
     if not store.expert_format.quantized:

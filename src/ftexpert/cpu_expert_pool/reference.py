@@ -3,15 +3,14 @@
 out[t] = sum over triples k with token t of  weight_k * down_e(silu(gate_e(x_t)) * up_e(x_t)),
 with e = expert_k (biased experts: gpt-oss's clamped SwiGLU over the biased gate/up, plus the down bias;
 proto/expert_act.py); weights come from the store (bf16 upcast; a quantized expert through
-proto.expert_format.dequantize_expert), all math in ``dtype`` (float32, or float64 for a tighter bound).
+kernels.expert_reference.dequantize_expert), all math in ``dtype`` (float32, or float64 for a tighter bound).
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
-from ftexpert.proto.expert_act import apply_act
-from ftexpert.proto.expert_format import dequantize_expert
+from ftexpert.kernels.expert_reference import apply_act, dequantize_expert
 from ftexpert.proto.expert_store import ExpertStore
 
 

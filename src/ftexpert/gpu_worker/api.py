@@ -2,14 +2,16 @@
 `ft generate` and its resource owner); everything else in gpu_worker is internal to it.
 
 - the checkpoint's expert layout and loader: ``open_model_source`` (config, tokenizer, `ExpertSource`),
-  ``create_expert_store`` (the shared-memory expert store filled from it: its creator owns it);
+  ``model_facts`` (what the coordinator serves by, proto/model_facts.py), ``fill_expert_store`` (write the
+  experts into a shared-memory store its owner created);
 - building an engine: ``build_engine(spec)`` (proto/engine_spec.py), over the store and CPU channels an
   ``Attachment`` names where someone else created them; ``Engine`` / ``SamplingParams``;
 - for benchmarks that take a model apart: ``load_attached_model`` and ``load_model`` (dense weights, the expert
   backend, the `MoeModel`, no engine);
 - ``HybridOptions`` (the cpu / hybrid backends' settings) and ``channel_hidden_dtype``.
 
-Importing this module imports torch.
+Importing this module imports torch: `ft serve` in process mode does not import it (gpu_worker/store_main.py
+opens the model for it in a child).
 """
 from __future__ import annotations
 
@@ -24,24 +26,16 @@ from ftexpert.gpu_worker.assembly.build import Attachment, BuiltEngine, build_en
 from ftexpert.gpu_worker.assembly.attached_backends import make_attached_expert_backend, needs_host_store
 from ftexpert.gpu_worker.assembly.device import resolve_device
 from ftexpert.gpu_worker.assembly.loader import (DEFAULT_MODEL_DIR, LoadedModel, ModelSource, assemble_model, load_model,
-                                                 open_model_source)
+                                                 model_facts, open_model_source)
 from ftexpert.gpu_worker.backends.offload.prefetch import PREFETCH_KNOBS, PrefetchSettings, settings_from_knobs
-from ftexpert.gpu_worker.backends.offload.host_store import HostExperts
+from ftexpert.gpu_worker.backends.offload.host_store import HostExperts, fill_expert_store
 from ftexpert.gpu_worker.worker_loop import gpu_busy_loop
-from ftexpert.proto.cpu_channel import channel_hidden_dtype
+from ftexpert.proto.shm_layout import channel_hidden_dtype
 from ftexpert.proto.expert_store import ExpertStore
 
 __all__ = ["Attachment", "BuiltEngine", "build_engine", "pin_engine_process", "DEFAULT_MODEL_DIR", "PREFETCH_KNOBS", "PrefetchSettings", "settings_from_knobs", "Engine", "EngineConfig", "HostExperts", "gpu_busy_loop", "HybridOptions", "attach_cpu_pool", "LoadedModel", "ModelSource", "SamplingParams",
-           "channel_hidden_dtype", "create_expert_store", "load_attached_model", "load_model", "needs_host_store",
-           "open_model_source", "resolve_device"]
-
-
-def create_expert_store(source: ModelSource, *, name: str, staging_device: torch.device | None = None,
-                        before_fill: Callable[[ExpertStore], object] | None = None) -> HostExperts:
-    """The shared-memory expert store `name`, filled from the checkpoint (its creator unlinks it on close()).
-    Not pinned: whoever attaches to it for DMA pins its own mapping."""
-    return HostExperts.create_filled(source.experts, name=name, pin=False, staging_device=staging_device,
-                                     before_fill=before_fill)
+           "channel_hidden_dtype", "fill_expert_store", "load_attached_model", "load_model", "model_facts",
+           "needs_host_store", "open_model_source", "resolve_device"]
 
 
 def load_attached_model(source: ModelSource, device: torch.device, *, moe_strategy: str, store_name: str = "",

@@ -4,7 +4,8 @@
 optionally with one split expert computed over a prefix of its channels, wait for its partial sums);
 its errors (``WorkerDead``, ``WorkerTimeout``, ``WorkerError``) say what the caller falls back on.
 ``ChannelEnd`` maps what both ends share; the worker's end (``WorkerChannel``) is in
-cpu_expert_pool/channel.py. ``create_worker_channel`` is the owner's (the coordinator's) call.
+cpu_expert_pool/channel.py. The owner's (the coordinator's) calls, torch-free, are in proto/shm_layout.py
+(``create_worker_channel``, ``channel_name_for``, ``channel_hidden_dtype``).
 No sockets and no pickling here: plain loads and stores on shared memory.
 """
 from __future__ import annotations
@@ -20,7 +21,7 @@ import torch
 
 from ftexpert.proto.shm_layout import (DONE_SEQ_OFFSET, HEARTBEAT_NS_OFFSET, NUM_SLOTS, REQUEST_SEQ_OFFSET, SPLIT_CHANNEL_UNIT,
                               STATUS_NAMES, STATUS_OK, STATUS_PROTOCOL_ERROR, WORKER_SERVING, WORKER_STATE_NAMES,
-                              WORKER_STOPPED, ChannelLayout, ChannelViews, attach_channel, create_channel)
+                              WORKER_STOPPED, ChannelViews, attach_channel)
 from ftexpert.proto.shm_segment import ShmSegment, cuda_host_register, cuda_host_unregister, process_start_ticks
 
 NS_PER_S = 1_000_000_000
@@ -28,8 +29,6 @@ LIVENESS_CHECK_INTERVAL_S = 0.001     # client: how often a waiting call checks 
 CLIENT_SPIN_S = 0.002                 # client: spin this long in wait() before sleeping between checks
 CLIENT_SLEEP_S = 50e-6
 INT32_MIN, INT32_MAX = -2 ** 31, 2 ** 31 - 1
-DEFAULT_CPU_MAX_TOKENS = 512          # tokens a channel takes (forwards with more fetch every miss: hybrid's prefill chunk)
-CHANNEL_HIDDEN_DTYPES = {torch.bfloat16: "bfloat16", torch.float32: "float32", torch.float16: "float32"}
 
 
 class WorkerDead(RuntimeError):
@@ -42,24 +41,6 @@ class WorkerTimeout(TimeoutError):
 
 class WorkerError(RuntimeError):
     """The CPU worker answered with an error status (bad request, compute error)."""
-
-
-def channel_name_for(store_name: str, worker_index: int) -> str:
-    """The default channel name of worker `worker_index` of the pool serving `store_name`."""
-    return f"{store_name}.cpu{worker_index}"
-
-
-def channel_hidden_dtype(model_dtype: torch.dtype) -> str:
-    """The channel carries hidden states in bf16 for bf16 models, else in fp32 (fp16 is widened)."""
-    if model_dtype not in CHANNEL_HIDDEN_DTYPES:
-        raise ValueError(f"the CPU pool takes bf16, fp16 or fp32 hidden states, not {model_dtype}")
-    return CHANNEL_HIDDEN_DTYPES[model_dtype]
-
-
-def create_worker_channel(name: str, *, t_max: int, hidden: int, max_triples: int,
-                          hidden_dtype: str = "bfloat16") -> ShmSegment:
-    """Coordinator: create one worker's channel (it outlives worker restarts; unlink it at shutdown)."""
-    return create_channel(name, ChannelLayout(t_max, hidden, max_triples, hidden_dtype))
 
 
 class _Words:

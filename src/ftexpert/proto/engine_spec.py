@@ -15,6 +15,7 @@ import argparse
 import dataclasses
 import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Mapping
 
 from ftexpert.proto.knobs import KNOBS_BY_FIELD, add_cli_flag, positive_int_flag, resolve
@@ -28,6 +29,9 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 PRESET_NAMES = ("tiny", "qwen3-30b-a3b", "olmoe-1b-7b", "mixtral-8x7b", "qwen3-next-80b-a3b", "gpt-oss-20b",
                 "gpt-oss-120b")
 DEFAULT_MAX_RUNNING_REQUESTS = 8
+# the embedded default model (neither --model nor --preset): its files ship in the GPU worker's checkpoint package;
+# its path is named here so that `ft serve` resolves the default without importing the model-loading code
+DEFAULT_MODEL_DIR = Path(__file__).resolve().parents[1] / "gpu_worker" / "checkpoint" / "data" / "default-moe"
 
 # the FREETOKEN_* knobs that are engine settings (proto/knobs.py holds their types, defaults and help)
 ENGINE_KNOBS = ("expert_format", "overlap_decode", "eviction_freq_weight", "eviction_freq_half_life",

@@ -15,8 +15,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
 BIAS_ALIGN = 16
 ACT_NAMES = ("silu", "swiglu-clamp")
 
@@ -67,14 +65,3 @@ def gpt_oss_act(alpha: float = 1.702, limit: float = 7.0) -> ExpertAct:
 def bias_offset(weight_bytes: int) -> int:
     """Byte offset of a row's biases after ``weight_bytes`` of weights."""
     return -(-weight_bytes // BIAS_ALIGN) * BIAS_ALIGN
-
-
-def apply_act(gate_up: torch.Tensor, act: ExpertAct) -> torch.Tensor:
-    """gate_up [..., 2I] (gate's I then up's I, biases added) -> h [..., I] in its dtype (transformers' rounding)."""
-    inter = gate_up.shape[-1] // 2
-    gate, up = gate_up[..., :inter], gate_up[..., inter:]
-    if act.name == "silu":
-        return torch.nn.functional.silu(gate) * up
-    gate = gate.clamp(max=act.limit)
-    up = up.clamp(min=-act.limit, max=act.limit)
-    return (up + 1) * (gate * torch.sigmoid(gate * act.alpha))

@@ -19,6 +19,10 @@ Legend: L layers, E experts per layer, H hidden size, I expert intermediate size
 
 Attaching maps the same pages (no copy): N attached processes add no private memory for weights.
 Fill first, then ``pin_for_cuda`` (registering first would make the driver zero-fill the pages).
+
+The coordinator imports this module and creates, places and unlinks the store without torch: the shape's sizes
+are computed from dtype names, and torch is imported lazily, by the tensor views and the writes, which only
+the processes that read or fill the experts use.
 """
 from __future__ import annotations
 
@@ -26,14 +30,15 @@ import dataclasses
 import logging
 import os
 import warnings
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from ftexpert.proto.expert_act import ExpertAct, bias_offset
 from ftexpert.proto.expert_format import ExpertFormat, FormatError, QuantLayout
 from ftexpert.proto.shm_segment import (COMMON_HEADER_BYTES, HUGE_PAGE_BYTES, PAGE_BYTES, SEGMENT_READY, ShmError,
                               ShmSegment, cuda_host_register, cuda_host_unregister, round_up)
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger(__name__)
 
@@ -43,16 +48,23 @@ STORE_KIND = "expert store"
 HEADER_BYTES = PAGE_BYTES
 DATA_ALIGN_BYTES = HUGE_PAGE_BYTES
 EXPERT_ALIGN_BYTES = PAGE_BYTES
-STORE_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+STORE_DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}     # the model dtypes a store holds: bytes each
 
-__all__ = ["ExpertStore", "StoreShape", "ShmError", "STORE_DTYPES"]
+__all__ = ["ExpertStore", "StoreShape", "ShmError", "STORE_DTYPE_BYTES"]
 
 
-def dtype_name(dtype: torch.dtype | str) -> str:
+def dtype_name(dtype: "torch.dtype | str") -> str:
+    """The name of a model dtype ("bfloat16"), given as a name or a torch dtype (read by its name: no torch here)."""
     name = dtype if isinstance(dtype, str) else str(dtype).removeprefix("torch.")
-    if name not in STORE_DTYPES:
-        raise ValueError(f"expert dtype {dtype!r} is not supported; use one of {', '.join(STORE_DTYPES)}")
+    if name not in STORE_DTYPE_BYTES:
+        raise ValueError(f"expert dtype {dtype!r} is not supported; use one of {', '.join(STORE_DTYPE_BYTES)}")
     return name
+
+
+def _torch():
+    import torch  # lazy: the coordinator imports this module and never builds a tensor view
+
+    return torch
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,7 +73,7 @@ class StoreShape:
     num_experts: int
     hidden: int          # H
     intermediate: int    # I
-    dtype: str           # a key of STORE_DTYPES: the model's compute dtype
+    dtype: str           # a key of STORE_DTYPE_BYTES: the model's compute dtype
     fmt: str = "bf16"    # the experts' format: an ExpertFormat label (bf16, fp8, int4-g128, mxfp4, nvfp4)
     act: str = "silu"    # the experts' activation: an ExpertAct label (a biased one ends each row with biases)
 
@@ -88,17 +100,23 @@ class StoreShape:
         return QuantLayout(self.hidden, self.intermediate, self.expert_format)
 
     @property
-    def storage_dtype(self) -> torch.dtype:
+    def storage_dtype(self) -> "torch.dtype":
         """The element type of layer_view: the model dtype (bf16 format), else uint8 bytes."""
-        return torch.uint8 if self.expert_format.quantized else self.torch_dtype
+        return _torch().uint8 if self.expert_format.quantized else self.torch_dtype
 
     @property
-    def torch_dtype(self) -> torch.dtype:
-        return STORE_DTYPES[self.dtype]
+    def torch_dtype(self) -> "torch.dtype":
+        return getattr(_torch(), self.dtype)
+
+    @property
+    def dtype_bytes(self) -> int:
+        """Bytes of one value of the model dtype."""
+        return STORE_DTYPE_BYTES[self.dtype]
 
     @property
     def item_bytes(self) -> int:
-        return torch.empty((), dtype=self.storage_dtype).element_size()
+        """Bytes of one element of layer_view: the model dtype's (bf16 format), else 1."""
+        return 1 if self.expert_format.quantized else self.dtype_bytes
 
     @property
     def w13_numel(self) -> int:
@@ -111,8 +129,7 @@ class StoreShape:
         if self.expert_format.quantized:
             if not biases:
                 return self.quant_layout.expert_nbytes
-            size = torch.empty((), dtype=self.torch_dtype).element_size()
-            return bias_offset(self.quant_layout.expert_nbytes) + biases * size
+            return bias_offset(self.quant_layout.expert_nbytes) + biases * self.dtype_bytes
         return self.w13_numel + self.hidden * self.intermediate + biases
 
     @property
@@ -124,7 +141,7 @@ class StoreShape:
         """Byte offset of a biased expert's biases in its row: after the weights (quantized: aligned, bias_offset)."""
         if self.expert_format.quantized:
             return bias_offset(self.quant_layout.expert_nbytes)
-        return (self.w13_numel + self.hidden * self.intermediate) * self.torch_dtype.itemsize
+        return (self.w13_numel + self.hidden * self.intermediate) * self.dtype_bytes
 
     @property
     def expert_stride(self) -> int:
@@ -159,17 +176,24 @@ class ExpertStore:
             seg.close()
             raise ShmError(f"{STORE_KIND} {seg.name!r}: meta ({meta}) does not match its size "
                            f"({seg.nbytes} bytes) or this build's layout; recreate it with this build")
-        with warnings.catch_warnings():   # a read-only mapping gives a read-only buffer; writes would fault
-            warnings.simplefilter("ignore", UserWarning)
-            # data_u8: [data_bytes] uint8 over the data region, no copy.
-            self._data_u8 = torch.frombuffer(seg.u8, dtype=torch.uint8, count=self.shape.data_bytes,
-                                             offset=self.data_offset)
+        self._data: "torch.Tensor | None" = None       # the data region as a tensor, made at its first use
         self._pinned = False
+
+    @property
+    def _data_u8(self) -> "torch.Tensor":
+        """[data_bytes] uint8 over the data region, no copy (torch is imported here, at the first view)."""
+        if self._data is None:
+            torch = _torch()
+            with warnings.catch_warnings():   # a read-only mapping gives a read-only buffer; writes would fault
+                warnings.simplefilter("ignore", UserWarning)
+                self._data = torch.frombuffer(self._seg.u8, dtype=torch.uint8, count=self.shape.data_bytes,
+                                              offset=self.data_offset)
+        return self._data
 
     # -- construction ---------------------------------------------------------------------------
     @classmethod
     def create(cls, name: str, *, num_layers: int, num_experts: int, hidden: int, intermediate: int,
-               dtype: torch.dtype | str, config_hash: str, fmt: str = "bf16", act: str = "silu") -> "ExpertStore":
+               dtype: "torch.dtype | str", config_hash: str, fmt: str = "bf16", act: str = "silu") -> "ExpertStore":
         """Create the segment (uninitialised data; fill it, then ``mark_ready``). The creator owns unlink.
 
         ``fmt`` is the experts' format (an ExpertFormat label); ``dtype`` the model's compute dtype; ``act`` their
@@ -220,7 +244,7 @@ class ExpertStore:
         return self.shape.num_experts
 
     @property
-    def dtype(self) -> torch.dtype:
+    def dtype(self) -> "torch.dtype":
         """The model's compute dtype (the experts' element type in the bf16 format)."""
         return self.shape.torch_dtype
 
@@ -256,7 +280,7 @@ class ExpertStore:
         return (layer * self.num_experts + expert) * self.expert_stride
 
     # -- views ----------------------------------------------------------------------------------
-    def layer_view(self, layer: int) -> torch.Tensor:
+    def layer_view(self, layer: int) -> "torch.Tensor":
         """[E, expert_numel] tensor over layer `layer` (zero-copy, row stride padded): the model dtype in
         the bf16 format, one expert's bytes (uint8) a row in a quantized one."""
         self._check_index(layer, 0)
@@ -266,11 +290,11 @@ class ExpertStore:
         flat = u8.view(shape.storage_dtype)
         return flat.as_strided((shape.num_experts, shape.expert_numel), (self.expert_stride // item, 1))
 
-    def expert_views(self, layer: int, expert: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def expert_views(self, layer: int, expert: int) -> "tuple[torch.Tensor, torch.Tensor]":
         """(w13 [2I, H], w2 [H, I]) of one expert, zero-copy (bf16 format; see expert_bytes_view)."""
         if self.expert_format.quantized:
             raise FormatError(f"expert store {self.name!r} holds {self.shape.fmt} experts: read them with "
-                              "expert_bytes_view and proto.expert_format.unpack_expert")
+                              "expert_bytes_view and kernels.expert_reference.unpack_expert")
         off = self.expert_offset(layer, expert)
         flat = self._data_u8[off:off + self.expert_bytes].view(self.shape.torch_dtype)
         shape = self.shape
@@ -279,24 +303,24 @@ class ExpertStore:
                                                                                              shape.intermediate)
         return w13, w2
 
-    def expert_biases(self, layer: int, expert: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def expert_biases(self, layer: int, expert: int) -> "tuple[torch.Tensor, torch.Tensor]":
         """(b13 [2I], b2 [H]) of one expert of a biased store, zero-copy, in the compute dtype (any format)."""
         shape = self.shape
         n = shape.expert_act.bias_numel(shape.hidden, shape.intermediate)
         if not n:
             raise FormatError(f"expert store {self.name!r} holds {shape.act} experts, which have no biases")
         off = self.expert_offset(layer, expert) + shape.bias_byte_offset
-        size = shape.torch_dtype.itemsize
+        size = shape.dtype_bytes
         vals = self._data_u8[off: off + n * size].view(shape.torch_dtype)
         return vals[: 2 * shape.intermediate], vals[2 * shape.intermediate:]
 
-    def expert_bytes_view(self, layer: int, expert: int) -> torch.Tensor:
+    def expert_bytes_view(self, layer: int, expert: int) -> "torch.Tensor":
         """One expert's bytes [expert_bytes] uint8, zero-copy (any format)."""
         off = self.expert_offset(layer, expert)
         return self._data_u8[off:off + self.expert_bytes]
 
     # -- writing (creator, or an attacher with readonly=False) ------------------------------------
-    def write_layer(self, layer: int, packed: torch.Tensor) -> None:
+    def write_layer(self, layer: int, packed: "torch.Tensor") -> None:
         """packed: [E, expert_numel] (w13 rows then w2 rows per expert, flattened), any float dtype."""
         self._require_writable("write_layer")
         expected = (self.num_experts, self.shape.expert_numel)
@@ -305,8 +329,8 @@ class ExpertStore:
                              "([experts, 2*I*H + H*I]: gate rows, up rows, then down, flattened)")
         self.layer_view(layer).copy_(packed)
 
-    def write_expert(self, layer: int, expert: int, *, gate: torch.Tensor, up: torch.Tensor,
-                     down: torch.Tensor) -> None:
+    def write_expert(self, layer: int, expert: int, *, gate: "torch.Tensor", up: "torch.Tensor",
+                     down: "torch.Tensor") -> None:
         """HF tensors: gate_proj.weight [I, H], up_proj.weight [I, H], down_proj.weight [H, I]."""
         self._require_writable("write_expert")
         h, i = self.shape.hidden, self.shape.intermediate
@@ -327,7 +351,7 @@ class ExpertStore:
         (same addresses: views stay valid); the store's bytes are not touched."""
         if self._pinned:
             return True
-        if not torch.cuda.is_available():
+        if not _torch().cuda.is_available():
             return False
         self._seg.remap_writable()
         self._pinned = cuda_host_register(self.data_ptr, self.nbytes, what=f"{STORE_KIND} {self.name!r}")
@@ -340,7 +364,7 @@ class ExpertStore:
         if self._pinned:
             cuda_host_unregister(self.data_ptr)
             self._pinned = False
-        del self._data_u8
+        self._data = None
         self._seg.close()
 
     def unlink(self) -> None:

@@ -11,6 +11,8 @@ import os
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
+from ftexpert.proto.expert_format import ExpertFormat, FormatError
+
 ENV_PREFIX = "FREETOKEN_"
 
 
@@ -75,7 +77,6 @@ def _expert_format(raw: str) -> str:
     """auto, or an expert format label (proto.expert_format.ExpertFormat.parse), normalised: int4 -> int4-g128."""
     if raw.strip().lower() == "auto":
         return "auto"
-    from ftexpert.proto.expert_format import ExpertFormat, FormatError  # lazy: imports torch; knobs is torch-free
     try:
         return ExpertFormat.parse(raw).label
     except FormatError as exc:

@@ -247,3 +247,28 @@ def attach_channel(name: str) -> tuple[ShmSegment, ChannelLayout]:
                             kind="CPU-worker channel",
                             hint="create it first (coordinator, or create_channel) and pass the same name")
     return seg, ChannelLayout.from_meta(seg.meta)
+
+
+# -- the owner's calls (the coordinator's side: torch-free, it creates the channels before any worker exists) --
+DEFAULT_CPU_MAX_TOKENS = 512          # tokens a channel takes (forwards with more fetch every miss: hybrid's prefill chunk)
+CHANNEL_HIDDEN_DTYPES = {"bfloat16": "bfloat16", "float32": "float32", "float16": "float32"}
+
+
+def channel_name_for(store_name: str, worker_index: int) -> str:
+    """The default channel name of worker `worker_index` of the pool serving `store_name`."""
+    return f"{store_name}.cpu{worker_index}"
+
+
+def channel_hidden_dtype(model_dtype: Any) -> str:
+    """The channel carries hidden states in bf16 for bf16 models, else in fp32 (fp16 is widened). `model_dtype`:
+    a dtype name ("bfloat16") or a torch dtype (read by its name, so this module needs no torch)."""
+    name = str(model_dtype).removeprefix("torch.")
+    if name not in CHANNEL_HIDDEN_DTYPES:
+        raise ValueError(f"the CPU pool takes bf16, fp16 or fp32 hidden states, not {model_dtype}")
+    return CHANNEL_HIDDEN_DTYPES[name]
+
+
+def create_worker_channel(name: str, *, t_max: int, hidden: int, max_triples: int,
+                          hidden_dtype: str = "bfloat16") -> ShmSegment:
+    """The owner: create one worker's channel (it outlives worker restarts; unlink it at shutdown)."""
+    return create_channel(name, ChannelLayout(t_max, hidden, max_triples, hidden_dtype))

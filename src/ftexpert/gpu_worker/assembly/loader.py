@@ -2,7 +2,9 @@
 
 Two steps, so that processes that need only part of a model can stop after the first:
 - ``open_model_source(model_dir, preset)`` -> `ModelSource`: config, dtype, tokenizer, EOS ids, the
-  `ExpertSource` (the coordinator fills the shared-memory expert store from it) and a dense loader.
+  `ExpertSource` (the shared-memory expert store is filled from it) and a dense loader.
+- ``model_facts(source)`` -> `ModelFacts` (proto/model_facts.py): what the coordinator needs to know of it
+  (vocabulary, tokenizer directory, the experts' shape and format), torch-free;
 - ``load_model(...)`` -> `LoadedModel`: dense weights on the device, the expert backend chosen by
   ``moe_strategy`` (expert_backends.py), and the `MoeModel`.
 
@@ -33,6 +35,7 @@ from ftexpert.gpu_worker.assembly.device import resolve_device, resolve_dtype
 from ftexpert.gpu_worker.assembly.backends import make_expert_backend
 from ftexpert.gpu_worker.checkpoint.expert_sources import CheckpointExpertSource, ExpertSource, RandomExpertSource
 from ftexpert.gpu_worker.checkpoint.format_sources import DequantizingExpertSource, QuantizingExpertSource
+from ftexpert.gpu_worker.backends.offload.host_store import layout_hash
 from ftexpert.gpu_worker.backends.offload.prefetch import attach_prefetch
 from ftexpert.gpu_worker.models.architectures import make_model
 from ftexpert.gpu_worker.models.model import MoeModel
@@ -43,6 +46,7 @@ from ftexpert.gpu_worker.checkpoint.quant_config import resolve_served_format
 from ftexpert.gpu_worker.checkpoint.tiny import ensure_tiny_checkpoint, write_tiny_checkpoint
 from ftexpert.gpu_worker.checkpoint.tokenizer import TextTokenizer, generation_eos_ids
 from ftexpert.proto.expert_format import ExpertFormat, FormatError
+from ftexpert.proto.model_facts import ModelFacts
 
 
 MAX_POSITIONS = 32768                # rotary tables are built for at most this many positions
@@ -83,6 +87,21 @@ class LoadedModel:
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
         return self.source.eos_token_ids
+
+
+def model_facts(source: ModelSource) -> ModelFacts:
+    """The facts of `source` the coordinator serves by: vocabulary, tokenizer, EOS ids, the experts' shape, dtype,
+    format and store config hash. The EOS ids are the source's and its tokenizer's (what TextCodec takes)."""
+    experts, lay = source.experts, source.experts.layout
+    tokenizer = source.tokenizer
+    eos = set(source.eos_token_ids) | set(tokenizer.eos_token_ids if tokenizer is not None else ())
+    directory = tokenizer.directory if tokenizer is not None else None
+    return ModelFacts(description=source.description, vocab_size=source.cfg.vocab_size,
+                      hidden_size=source.cfg.hidden_size, top_k=source.cfg.top_k, num_layers=experts.num_layers,
+                      num_experts=experts.num_experts, expert_intermediate_size=lay.intermediate_size,
+                      dtype=str(lay.dtype).removeprefix("torch."), expert_format=lay.fmt.label,
+                      expert_act=lay.act.label, config_hash=layout_hash(experts), eos_token_ids=tuple(sorted(eos)),
+                      tokenizer_dir=str(directory) if directory is not None else "")
 
 
 def serve_experts_as(source: ExpertSource, fmt: ExpertFormat, dtype: torch.dtype) -> ExpertSource:

@@ -33,7 +33,8 @@ import torch.nn.functional as F
 
 from ftexpert.kernels.moe_decode import CopyPlan, moe_gemv
 from ftexpert.kernels.moe_decode.quant import dequantize_rows, moe_gemv_quant
-from ftexpert.proto.expert_act import ExpertAct, apply_act
+from ftexpert.proto.expert_act import ExpertAct
+from ftexpert.kernels.expert_reference import apply_act
 from ftexpert.proto.expert_format import FormatError
 
 from ftexpert.gpu_worker.backends.expert_compute import expert_ffn, grouped_expert_ffn

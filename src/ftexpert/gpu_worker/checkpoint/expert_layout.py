@@ -160,7 +160,7 @@ def _bf16_only(layout: ExpertLayout, what: str) -> None:
     if layout.fmt.quantized:
         raise FormatError(f"{what}: {layout.fmt.label} experts are bytes, not w13 / w2 matrices; compute over them "
                           "through gpu_worker.backends.expert_math (expert_rows), or dequantize them "
-                          "(proto.expert_format.dequantize_expert)")
+                          "(kernels.expert_reference.dequantize_expert)")
 
 
 def unpack_experts(packed: torch.Tensor, layout: ExpertLayout) -> tuple[torch.Tensor, torch.Tensor]:

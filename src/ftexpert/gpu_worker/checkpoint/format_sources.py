@@ -2,7 +2,7 @@
 
 - `QuantizingExpertSource(inner, fmt)`: a float source (a bf16 checkpoint, a preset's random weights) whose
   experts are quantized while each layer is loaded: the inner source fills a staging layer on ``out``'s device,
-  then every expert goes through ``proto.expert_format.quantize_expert`` (round to nearest) into its row of
+  then every expert goes through ``kernels.expert_reference.quantize_expert`` (round to nearest) into its row of
   ``out`` (uint8). On the CPU the bytes are exactly quantize_expert's of the inner source's weights; on a GPU the
   same torch ops run there (fast for a 60 GB preset).
 - `DequantizingExpertSource(inner, dtype)`: a quantized source (a quantized checkpoint) served as bf16:
@@ -17,7 +17,8 @@ import time
 
 import torch
 
-from ftexpert.proto.expert_format import ExpertFormat, FormatError, dequantize_expert, quantize_expert
+from ftexpert.proto.expert_format import ExpertFormat, FormatError
+from ftexpert.kernels.expert_reference import dequantize_expert, quantize_expert
 
 from ftexpert.gpu_worker.checkpoint.expert_layout import bias_views, expert_views
 from ftexpert.gpu_worker.checkpoint.expert_sources import ExpertSource

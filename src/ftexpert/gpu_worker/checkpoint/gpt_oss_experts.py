@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import torch
 
-from ftexpert.proto.expert_format import ExpertFormat, quantize_matrix
+from ftexpert.proto.expert_format import ExpertFormat
+from ftexpert.kernels.expert_reference import quantize_matrix
 
 from ftexpert.gpu_worker.checkpoint.reader import CheckpointError, CheckpointReader
 from ftexpert.gpu_worker.checkpoint.expert_layout import ExpertLayout, bias_views, expert_views
@@ -70,7 +71,7 @@ def interleave(t: torch.Tensor) -> torch.Tensor:
 def gpt_oss_expert_state(layer: int, packed: torch.Tensor, layout: ExpertLayout, mxfp4: bool = False
                          ) -> dict[str, torch.Tensor]:
     """One layer's float expert rows [E, N] under gpt-oss's checkpoint names: transformers' unquantized layout, or
-    (``mxfp4``) the hub's ``_blocks`` / ``_scales`` (proto.expert_format's round to nearest), biases either way."""
+    (``mxfp4``) the hub's ``_blocks`` / ``_scales`` (kernels.expert_reference's round to nearest), biases either way."""
     E, H, I = packed.shape[0], layout.hidden_size, layout.intermediate_size
     gu, gub, down, db = gpt_oss_expert_names(layer)
     b13, b2 = bias_views(packed, layout)

@@ -8,8 +8,6 @@ GPU without any host copy of the experts.
 """
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
 
 from ftexpert.gpu_worker.checkpoint.config import LinearAttentionShape, MoeConfig
@@ -18,11 +16,13 @@ from ftexpert.gpu_worker.checkpoint.dense_weights import DenseWeights, random_de
 from ftexpert.gpu_worker.checkpoint.expert_layout import ExpertLayout
 from ftexpert.gpu_worker.checkpoint.expert_sources import RandomExpertSource
 from ftexpert.gpu_worker.checkpoint.gpt_oss_config import expert_act_of
+from ftexpert.proto.engine_spec import DEFAULT_MODEL_DIR
 
 # The embedded default model of `ft serve` / `ft generate` (neither --model nor --preset): a small MoE
 # trained on the bundled corpus by `ft bench train-moe --shape default` (docs/WORKLOAD.md), shipped in
 # the package. Library callers without a model get the tiny seeded-random model (`TINY`) instead.
-DEFAULT_MODEL_DIR = Path(__file__).with_name("data") / "default-moe"
+# (its path is in proto/engine_spec.py, which the coordinator reads without torch; this is the same folder,
+# data/default-moe beside this file)
 
 TINY = "tiny"   # the embedded default (tiny.py): written to a cache dir with a tokenizer
 

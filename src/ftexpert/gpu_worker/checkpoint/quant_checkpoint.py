@@ -20,7 +20,8 @@ from pathlib import Path
 
 import torch
 
-from ftexpert.proto.expert_format import ExpertFormat, QuantLayout, QuantMatrix, dequantize_matrix, pack_expert
+from ftexpert.proto.expert_format import ExpertFormat, QuantLayout
+from ftexpert.kernels.expert_reference import QuantMatrix, dequantize_matrix, pack_expert
 
 from ftexpert.gpu_worker.checkpoint.reader import CheckpointError, CheckpointReader
 from ftexpert.gpu_worker.checkpoint.config import MoeConfig

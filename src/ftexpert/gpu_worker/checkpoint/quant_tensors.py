@@ -1,4 +1,4 @@
-"""One quantized matrix as a published checkpoint stores it -> `proto.expert_format.QuantMatrix`, exactly.
+"""One quantized matrix as a published checkpoint stores it -> `kernels.expert_reference.QuantMatrix`, exactly.
 
 Every function takes the tensors of one matrix ``[rows, K]`` (Hugging Face ``[out, in]``) as read from
 safetensors and returns the codes, scales and zero points of our format (proto/expert_format.py) such
@@ -56,7 +56,8 @@ import sys
 
 import torch
 
-from ftexpert.proto.expert_format import FP8_BLOCK, QuantMatrix
+from ftexpert.proto.expert_format import FP8_BLOCK
+from ftexpert.kernels.expert_reference import QuantMatrix
 
 from ftexpert.gpu_worker.checkpoint.reader import CheckpointError
 

@@ -42,8 +42,9 @@ def generation_eos_ids(model_dir: str | Path) -> tuple[int, ...]:
 
 
 class TextTokenizer:
-    def __init__(self, tokenizer: Tokenizer, config: dict[str, Any] | None = None):
+    def __init__(self, tokenizer: Tokenizer, config: dict[str, Any] | None = None, directory: Path | None = None):
         self.tokenizer = tokenizer
+        self.directory = directory             # where its files are (from_dir): other processes load it from there
         config = config or {}
         self.chat_template: str | None = config.get("chat_template")
         self.eos_token: str | None = _token_text(config.get("eos_token"))
@@ -65,7 +66,7 @@ class TextTokenizer:
         jinja = Path(model_dir) / CHAT_TEMPLATE_FILE
         if not config.get("chat_template") and jinja.is_file():       # transformers 5 / gpt-oss: its own file
             config = {**config, "chat_template": jinja.read_text()}
-        return cls(tok, config)
+        return cls(tok, config, Path(model_dir))
 
     @property
     def vocab_size(self) -> int:

@@ -121,7 +121,7 @@ def moe_gemv_quant(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, ro
 
     rows_u8: [S, row_stride] uint8, row e = one expert in `layout` (proto.expert_format.QuantLayout: fp8,
         int4, mxfp4 or nvfp4), row_stride >= layout.expert_nbytes, rows 16-byte aligned; the weights are
-        decoded in registers to the float32 values of proto.expert_format.dequantize_matrix, bit for bit.
+        decoded in registers to the float32 values of kernels.expert_reference.dequantize_matrix, bit for bit.
     x, ids, weights, plan, between, between_down: as moe_gemv (ids -1: the route adds exactly 0 and reads
         nothing; ids are not checked against S). Rounding as moe_gemv with float32 weights: gate/up in fp32
         rounded to x.dtype, silu and act in x.dtype, down in fp32 rounded to x.dtype, times the routing weight

@@ -3,7 +3,7 @@
 A slot row holds one expert in the byte layout of proto/expert_format.py (QuantLayout): codes, then
 scales, then (int4) zero points, then (nvfp4) three float32 globals, every region 16-byte aligned. The
 kernels read the codes as uint8 and decode them in registers to the float32 value
-proto.expert_format.dequantize_matrix computes, bit for bit (same roundings, in the same order):
+kernels.expert_reference.dequantize_matrix computes, bit for bit (same roundings, in the same order):
 
     fp8    w = e4m3(code) * scale[r // 128, k // 128]                        (scale float32)
     int4   w = (u - zero) * scale                                            (scale float32, zero uint8)

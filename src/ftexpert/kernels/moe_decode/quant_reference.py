@@ -1,6 +1,6 @@
 """Plain torch references of the quantized-slot kernels (quant_kernels.py): the oracle of their lockstep
 tests, and what impl="reference" runs. They decode with the format's own reference codec
-(proto.expert_format.dequantize_expert) and then do moe_gemv_reference's math with float32 weights.
+(kernels.expert_reference.dequantize_expert) and then do moe_gemv_reference's math with float32 weights.
 They read tensor values on the host (the distinct routed rows): not CUDA-graph capturable.
 """
 from __future__ import annotations
@@ -8,8 +8,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ftexpert.proto.expert_act import apply_act
-from ftexpert.proto.expert_format import QuantLayout, dequantize_expert
+from ftexpert.kernels.expert_reference import apply_act, dequantize_expert
+from ftexpert.proto.expert_format import QuantLayout
 
 
 def _decoded(rows_u8: torch.Tensor, ids: torch.Tensor, layout: QuantLayout) -> tuple[torch.Tensor, torch.Tensor]:

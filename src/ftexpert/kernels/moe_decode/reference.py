@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ftexpert.proto.expert_act import apply_act
+from ftexpert.kernels.expert_reference import apply_act
 
 
 def moe_gemv_reference(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: torch.Tensor,
@@ -22,7 +22,7 @@ def moe_gemv_reference(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
     Rounding, as gathered_expert_ffn: h = w13[id] @ x in x.dtype; silu(gate) in x.dtype; times up
     in x.dtype; down in x.dtype; times w in fp32; summed over k in fp32 in k order; cast to x.dtype.
     b13 [S, 2I] / b2 [S, H] (both or neither): biases added to gate/up and down before their rounding; act: a
-    proto.expert_act.ExpertAct (None: silu), applied by its apply_act.
+    proto.expert_act.ExpertAct (None: silu), applied by kernels.expert_reference.apply_act.
     """
     T, K = ids.shape
     H, inter = x.shape[1], w2.shape[2]

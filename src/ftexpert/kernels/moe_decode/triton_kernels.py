@@ -96,7 +96,7 @@ def _gate_up_act(gate, up, e, rows, I, b13_ptr, stride_b, alpha, limit, DT: tl.c
                  BIAS: tl.constexpr, SWIGLU: tl.constexpr):
     """gate / up [BLOCK_N] fp32 dot products -> act [BLOCK_N] in DT: the biases (BIAS: b13[e], gate's then up's)
     added before gate / up are rounded to DT, then silu(gate) * up or (SWIGLU) gpt-oss's clamped SwiGLU
-    (proto/expert_act.py apply_act), rounding after each op as torch does in DT."""
+    (kernels/expert_reference.py apply_act), rounding after each op as torch does in DT."""
     if BIAS:
         b_row = b13_ptr + e * stride_b
         bmask = rows < I
@@ -153,7 +153,7 @@ def moe_gate_up_kernel(
 
     BIAS adds b13[id] to gate / up before they are rounded (F.linear with a bias); SWIGLU computes
     (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g), g = min(gate, limit), rounding after each op as
-    torch does in x.dtype (proto/expert_act.py apply_act), instead of silu(gate) * up.
+    torch does in x.dtype (kernels/expert_reference.py apply_act), instead of silu(gate) * up.
 
     gate = w13[id, n] . x[t], up = w13[id, I + n] . x[t] in fp32, each rounded to x.dtype (the bmm
     output of gathered_expert_ffn); silu(gate) rounded; silu(gate) * up rounded. A pair with id < 0

@@ -29,13 +29,13 @@ from typing import Callable, Iterator
 import numpy as np
 import torch
 
-from ftexpert.proto.cpu_channel import CpuPoolClient, create_worker_channel
 from ftexpert.cpu_expert_pool.api import CpuWorkerProc
+from ftexpert.kernels.expert_reference import quantize_expert
+from ftexpert.proto.cpu_channel import CpuPoolClient
+from ftexpert.proto.expert_format import ExpertFormat
 from ftexpert.proto.expert_owners import ExpertSplit
-from ftexpert.proto.expert_format import ExpertFormat, quantize_expert
 from ftexpert.proto.expert_store import ExpertStore, StoreShape
-
-from ftexpert.proto.cpu_channel import channel_hidden_dtype
+from ftexpert.proto.shm_layout import channel_hidden_dtype, create_worker_channel
 
 WARMUP_CALLS = 10
 BENCH_DISTINCT = 8          # quantized bench stores: experts quantized, their bytes repeated (the copies read them all)

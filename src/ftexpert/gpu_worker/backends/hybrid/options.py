@@ -16,7 +16,7 @@ import os
 import torch
 
 from ftexpert.kernels.slot_cache.state import ROUND_MODES
-from ftexpert.proto.cpu_channel import DEFAULT_CPU_MAX_TOKENS
+from ftexpert.proto.shm_layout import DEFAULT_CPU_MAX_TOKENS
 from ftexpert.proto.cpus import default_reserved_cpus, format_cpulist, parse_cpulist, set_process_affinity
 from ftexpert.proto.knobs import KNOBS_BY_FIELD
 

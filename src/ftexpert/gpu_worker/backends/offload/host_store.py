@@ -1,8 +1,11 @@
 """Host copy of every expert, once, in the shared-memory expert store (pinned for DMA).
 
-The single-process engine (`ft generate`) creates its own store; the service's GPU worker attaches
-to the one the coordinator created. Either way the bytes live in one POSIX shared-memory segment
-that the CPU expert pool maps read-only and the GPU reads by DMA after `cudaHostRegister`.
+The service's store is created by the coordinator's side (coordinator/expert_resources.py) and filled by
+``fill_expert_store``: in that process (`ft generate`, `ft serve --workers inline`) or in `ft worker store`
+(`ft serve`, whose coordinator imports no torch); the GPU worker attaches (``HostExperts.attach``). An engine
+built without that owner, and the benchmarks, make a store of their own (``HostExperts.create_filled``). Either
+way the bytes live in one POSIX shared-memory segment that the CPU expert pool maps read-only and the GPU reads
+by DMA after `cudaHostRegister`.
 """
 from __future__ import annotations
 
@@ -33,6 +36,31 @@ def layout_hash(source: ExpertSource) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
+def fill_expert_store(store: ExpertStore, source: ExpertSource,
+                      staging_device: torch.device | str | None = None) -> None:
+    """Write every expert of `source` into `store` (created empty for its layout, attached writable here), layer by
+    layer, then mark it ready. With a CUDA `staging_device` each layer is produced on the GPU and copied down
+    (random presets then hold the values a `resident` run on that GPU computes with). Its creator may be another
+    process: `ft serve`'s coordinator creates the store and `ft worker store` fills it."""
+    lay = source.layout
+    if store.config_hash != layout_hash(source) or store.num_layers != source.num_layers \
+            or store.num_experts != source.num_experts:
+        raise ValueError(f"expert store {store.name!r} ({store.num_layers} x {store.num_experts} experts, config "
+                         f"{store.config_hash}) was not made for these experts ({source.num_layers} x "
+                         f"{source.num_experts}, config {layout_hash(source)}): create it from the same model")
+    staging = None
+    if staging_device is not None and torch.device(staging_device).type == "cuda":
+        staging = lay.empty_layer(source.num_experts, device=staging_device)
+    for layer in range(source.num_layers):
+        view = store.layer_view(layer)
+        if staging is None:
+            source.fill_layer(layer, view)
+        else:
+            source.fill_layer(layer, staging)
+            view.copy_(staging)
+    store.mark_ready()
+
+
 class HostExperts:
     """Per-layer [E, N] views of the expert store (uint8 rows for a quantized format); `owns` says whether this
     process unlinks it."""
@@ -47,7 +75,7 @@ class HostExperts:
     def create_filled(cls, source: ExpertSource, *, name: str | None = None,
                       staging_device: torch.device | str | None = None, pin: bool = True,
                       before_fill: Callable[[ExpertStore], object] | None = None) -> "HostExperts":
-        """Create a store and fill it layer by layer from `source`.
+        """Create a store and fill it layer by layer from `source` (fill_expert_store).
 
         With a CUDA `staging_device`, each layer is produced on the GPU and copied down: random
         presets then hold the same values as a `resident` run on that GPU, and generating 58 GB
@@ -67,16 +95,7 @@ class HostExperts:
             host = cls(store, lay, owns=True)
             if before_fill is not None:
                 before_fill(store)
-            staging = None
-            if staging_device is not None and torch.device(staging_device).type == "cuda":
-                staging = lay.empty_layer(source.num_experts, device=staging_device)
-            for layer, view in enumerate(host.layers):
-                if staging is None:
-                    source.fill_layer(layer, view)
-                else:
-                    source.fill_layer(layer, staging)
-                    view.copy_(staging)
-            store.mark_ready()
+            fill_expert_store(store, source, staging_device)
             if pin and torch.cuda.is_available():
                 host.pinned = store.pin_for_cuda()
         except BaseException:
