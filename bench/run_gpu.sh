@@ -234,8 +234,8 @@ while [ $# -gt 0 ]; do
       # the predictor): off against auto (the default), interleaved run by run in one process. One part a device
       # call (PREFETCH_PART):
       #   bf16, nvfp4  offload at 10 / 25 / 50% caches, batch PREFETCH_BATCH (1, or 4)           (~5 min each)
-      #   hybrid       offload and hybrid split at 25%, off and auto (bench_hybrid --rounds 2), bf16 then nvfp4, batch 1
-      #                                                                                          (~6 min)
+      #   hybrid       offload and hybrid split at 25%, off and auto (bench_hybrid --rounds 2), bf16 then nvfp4, batch 1;
+      #                each row a fresh backend, so auto starts cold each row: 128 decode tokens a run   (~6 min)
       #   budgets      the fixed budgets 2 / 4 / 8 (on) and measure against off, bf16, 25 / 50%, batch 1   (~5 min)
       tr=trace:src/ftexpert/workload/data/qwen3-30b-a3b-routing.trace
       n=${PREFETCH_TOKENS:-64}      # decode tokens of each run
@@ -250,7 +250,7 @@ while [ $# -gt 0 ]; do
         hybrid)
           for f in bf16 nvfp4; do
             run "prefetch_hybrid_$f" "${PREFETCH_HYBRID_LIMIT:-270}" python3 bench/bench_hybrid.py --expert-format "$f" \
-              --runs 2 --rounds 2 --decode-tokens "$n" --handoff-calls 200 --no-resident \
+              --runs 2 --rounds 2 --decode-tokens "${PREFETCH_HYBRID_TOKENS:-128}" --handoff-calls 200 --no-resident \
               --variants "=offload,$HYBRID_VARIANT" --prefetch-budgets auto --routing "$tr" \
               --json-out "$OUT/prefetch_hybrid_$f.json"
             grep -hE "^(B_pcie|row: )" "$OUT/prefetch_hybrid_$f.log" | cut -c1-200
