@@ -14,7 +14,8 @@ moved together a second) gives the "shared roofline" column beside it.
 Greedy tokens are compared with the resident run's (offload must match; cpu/hybrid compute misses
 with the CPU kernel, whose bf16 accumulation order differs: a late divergence is expected there).
 --prefetch-budgets B,...: every variant also with the lookahead prefetch on at each budget (rows "NAME prefetchB";
-their JSON rows carry the prefetch counters over the warm-up and the runs).
+"auto": the auto prefetch, rows "NAME prefetchauto"; their JSON rows carry the prefetch counters over the warm-up
+and the runs, and auto's what the rule saw at the end).
 Then the hand-off round trip GPU -> CPU process -> GPU (hidden state down, a 0-triple request through
 the channel, the zero partial sum up, synchronised) p50/p99 over --handoff-calls calls.
 
@@ -232,7 +233,7 @@ def variants(args) -> list[tuple[str, dict | None]]:
     if args.variants:
         keep = [v.strip() for v in args.variants.split(",")]
         out = [v for v in out if any(v[0].startswith(k) if not k.startswith("=") else v[0] == k[1:] for k in keep)]
-    budgets = [int(b) for b in args.prefetch_budgets.split(",") if b.strip()]
+    budgets = [b.strip() if b.strip() == "auto" else int(b) for b in args.prefetch_budgets.split(",") if b.strip()]
     if budgets:                 # each variant also with the lookahead prefetch on at each budget ("... prefetch4")
         out += [(f"{n} prefetch{b}", {**p, "prefetch": b}) for n, p in out for b in budgets]
     weights = freq_weights(args.freq_weights)
@@ -284,7 +285,7 @@ def main() -> int:
                         help="layer calls between halvings of the route counts, for every variant whose weight is "
                              "above 0 (0: never; default: FREETOKEN_EVICTION_FREQ_HALF_LIFE)")
     parser.add_argument("--prefetch-budgets", default="",
-                        help="comma list: every variant also with the lookahead prefetch on at these budgets (docs/"
+                        help="comma list: every variant also with the lookahead prefetch on at these budgets, or auto (docs/"
                              "PREFETCH.md; a trace's recorded candidates stand in for the predictor with trace:FILE)")
     parser.add_argument("--no-resident", action="store_true", help="skip the resident run (no token check)")
     parser.add_argument("--handoff-calls", type=int, default=10_000)
@@ -379,7 +380,8 @@ def main() -> int:
                 backend = HybridExperts(host, slots, device, pool, owns_host=False, owns_pool=False, **policy,
                                         **eviction)
             loaded.model.experts = backend
-            attach_prefetch(loaded.model, PrefetchSettings(mode="on", budget=budget) if budget else None)
+            attach_prefetch(loaded.model, PrefetchSettings(mode="auto") if budget == "auto" else
+                            PrefetchSettings(mode="on", budget=budget) if budget else None)
             engine = Engine(loaded.model, econf, eos_token_ids=())
             tick = live_tuner(engine, backend, fraction, pcie.gb_s, cpu.gb_s, device_name(device),
                               fraction_given=args.fetch_fraction is not None) if tune else None
@@ -390,6 +392,8 @@ def main() -> int:
             if isinstance(backend, HybridExperts):
                 r["fetch_fraction"] = float(backend.policy["fetch_fraction"])      # the tuner's last f
             r["prefetch"] = backend.prefetch_counters() if budget else None
+            if budget == "auto":
+                r["prefetch_auto"] = backend.slot_pool.lookahead.report()
             del engine
             r["same_tokens"] = None if reference_tokens is None else r["tokens"] == reference_tokens
             r["first_diff"] = None if reference_tokens is None else next(

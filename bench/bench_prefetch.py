@@ -1,7 +1,8 @@
-"""Decode tok/s of the offload backend with the lookahead prefetch off and on, interleaved A/B (GPU).
+"""Decode tok/s of the offload backend with the lookahead prefetch off, auto, on (fixed budgets) or measure,
+interleaved A/B (GPU).
 
-    python bench/bench_prefetch.py --routing trace:workload/data/qwen3-30b-a3b-routing.trace \\
-        --fractions 0.25,0.5 --batch 1,4 --prefetch off,on --prefetch-budget 2,4,8
+    python bench/bench_prefetch.py --routing trace:src/ftexpert/workload/data/qwen3-30b-a3b-routing.trace \\
+        --fractions 0.25,0.5 --batch 1,4 --prefetch off,auto,on --prefetch-budget 2,4,8
 
 A random-weight preset has no real router, so with `--routing trace:FILE` the trace's recorded predictor candidates
 (its trained model's layer-L router on layer L-1's input) stand in for the live predictor (TracePredictor); with
@@ -10,7 +11,10 @@ offload backend; every run resets its slots and sets the configuration (SetPolic
 configurations alternate run by run (A, B, C, A, B, C, ...) and share the machine's drift. Reported per
 configuration (medians over --runs): decode tok/s, demand misses per token, useful predictions per layer, precision,
 the share of would-be demand misses covered (useful / (useful + misses)), the peak GPU memory against prefetch off,
-and whether the tokens equal prefetch off's (seeded sampling: the same tokens when lossless).
+and whether the tokens equal prefetch off's (seeded sampling: the same tokens when lossless). `auto` and `measure`
+rows also give what the auto rule saw at the end of their last run ("auto:" lines): the mean idle window a layer and
+the count it allowed, the link bandwidth it measured, whether it predicted, the expected time it saves a step, and
+(measure) the share of demand misses its choice would have covered.
 """
 from __future__ import annotations
 
@@ -30,14 +34,15 @@ from ftexpert.gpu_worker.assembly.loader import load_model  # noqa: E402
 from ftexpert.gpu_worker.models.synthetic_routing import SyntheticRouting  # noqa: E402
 from ftexpert.gpu_worker.backends.offload import HostExperts, OffloadExperts, resolve_cache_slots  # noqa: E402
 from ftexpert.gpu_worker.backends.offload.prefetch import PrefetchSettings, model_predictor  # noqa: E402
+from ftexpert.proto.knobs import EXPERT_FORMAT_CHOICES  # noqa: E402
 
 
 def _configs(args) -> list[tuple[str, int]]:
     out = []
     for mode in [m.strip() for m in args.prefetch.split(",") if m.strip()]:
-        if mode not in ("off", "measure", "on"):
-            raise SystemExit(f"--prefetch {mode!r}: give off, measure, on (comma-separated)")
-        budgets = [int(b) for b in args.prefetch_budget.split(",") if b.strip()] if mode != "off" else [0]
+        if mode not in ("off", "auto", "measure", "on"):
+            raise SystemExit(f"--prefetch {mode!r}: give off, auto, measure, on (comma-separated)")
+        budgets = [int(b) for b in args.prefetch_budget.split(",") if b.strip()] if mode not in ("off", "auto") else [0]
         out += [(mode, b) for b in budgets]
     return out
 
@@ -45,8 +50,10 @@ def _configs(args) -> list[tuple[str, int]]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--preset", default="qwen3-30b-a3b")
+    parser.add_argument("--expert-format", default="auto", choices=EXPERT_FORMAT_CHOICES,
+                        help="the experts' format (auto: the preset's, bf16 for qwen3-30b-a3b)")
     parser.add_argument("--device", default="cuda", help="cpu: a smoke test of this script")
-    parser.add_argument("--routing", default="trace:workload/data/qwen3-30b-a3b-routing.trace")
+    parser.add_argument("--routing", default="trace:src/ftexpert/workload/data/qwen3-30b-a3b-routing.trace")
     parser.add_argument("--fractions", default="0.25,0.5")
     parser.add_argument("--batch", default="1,4")
     parser.add_argument("--prefetch", default="off,on")
@@ -55,20 +62,23 @@ def main() -> int:
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--prompt-tokens", type=int, default=1024)
     parser.add_argument("--decode-tokens", type=int, default=256)
+    parser.add_argument("--warmup-tokens", type=int, default=32,
+                        help="decode tokens of each configuration's warm-up run (graph capture; auto's first samples)")
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--graphs", choices=("on", "off"), default="on")
     args = parser.parse_args()
     be.engine_temperature = args.temperature
     configs = _configs(args)
-    loaded = load_model(preset=args.preset, device=args.device, moe_strategy="resident")
+    auto_lines: list[str] = []
+    loaded = load_model(preset=args.preset, device=args.device, moe_strategy="resident", expert_format=args.expert_format)
     cfg = loaded.cfg
     source = loaded.source.experts
     loaded.model.experts = None
     torch.cuda.empty_cache() if torch.cuda.is_available() else None
     host = HostExperts.create_filled(source, staging_device=args.device if args.device == "cuda" else None)
     gen = torch.Generator().manual_seed(0)
-    print(f"| routing {args.routing}, {args.preset}, {args.decode_tokens} tokens after {args.prompt_tokens}, "
-          f"median of {args.runs} interleaved runs |")
+    print(f"| routing {args.routing}, {args.preset} {source.layout.fmt.label}, {args.decode_tokens} tokens "
+          f"after {args.prompt_tokens}, median of {args.runs} interleaved runs |")
     print("| cache | batch | prefetch | budget | decode tok/s | vs off | misses/token | useful/layer | precision | "
           "covered | peak GPU MiB vs off | lossless |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
@@ -96,9 +106,11 @@ def main() -> int:
                         backend.reset_slots()
                         be._reset_peak()
                         before = backend.prefetch_counters()
-                        r = be.decode_run(engines[c], prompts, args.decode_tokens if run else 32, backend)
+                        r = be.decode_run(engines[c], prompts, args.decode_tokens if run else args.warmup_tokens,
+                                          backend)
                         after = backend.prefetch_counters()
-                        r.update({k: after[k] - before[k] for k in after}, peak=be._peak())
+                        r.update({k: after[k] - before[k] for k in after}, peak=be._peak(),
+                                 auto=backend.lookahead.report())
                         if run:
                             results[c].append(r)
                 off = results.get(("off", 0))
@@ -120,12 +132,36 @@ def main() -> int:
                           f"{useful / (useful + miss_total) if useful + miss_total else 0:.0%} | {peak:+.1f} | "
                           f"{lossless} |" if off_tok_s else f"| {frac:.0%} | {batch} | {c} | {tok_s:.1f} |",
                           flush=True)
+                for c in configs:
+                    if c[0] in ("auto", "measure"):
+                        auto_lines.append(auto_line(frac, batch, c, results[c]))
                 loaded.model.experts = None
                 del engines, backend
                 torch.cuda.empty_cache() if torch.cuda.is_available() else None
     finally:
         host.close()
+    for line in auto_lines:
+        print(line)
     return 0
+
+
+def auto_line(frac: float, batch: int, config: tuple[str, int], rs: list[dict]) -> str:
+    """What the auto rule saw at the end of the configuration's last run, and (measure) what its choice would have
+    covered over the runs: auto_useful / (auto_useful + demand misses)."""
+    rep = rs[-1]["auto"]
+    windows = [w for w in rep["windows_s"][1:]]
+    allowed = rep["allowed"][1:]
+    useful = sum(r["prefetch_auto_useful_total"] for r in rs)
+    chosen = sum(r["prefetch_auto_predicted_total"] for r in rs)
+    n_tokens = sum(sum(len(t) for t in r["tokens"]) for r in rs)
+    misses = sum(r["misses_per_token"] * sum(len(t) for t in r["tokens"]) for r in rs)
+    covered = useful / (useful + misses) if useful + misses else 0.0
+    return (f"auto: {frac:.0%} batch {batch} {config[0]}{'' if config[0] == 'auto' else f' {config[1]}'}: window "
+            f"{1e6 * sum(windows) / max(len(windows), 1):.1f} us a layer (mean), allowed "
+            f"{sum(allowed) / max(len(allowed), 1):.2f} a layer (max {max(allowed, default=0)}), link "
+            f"{rep['bandwidth'] / 1e9:.1f} GB/s, predicting {rep['active']}, expected gain "
+            f"{1e3 * rep['gain_s_per_step']:.3f} ms a step; its choice: {chosen / max(n_tokens, 1):.2f} a token, "
+            f"precision {useful / chosen if chosen else 0:.2f}, covers {covered:.0%} of the demand misses")
 
 
 if __name__ == "__main__":

@@ -11,12 +11,12 @@
 #            side on the one GPU) and the embedded default model (DEFAULT_TOKENS, default 40M); routing statistics
 #            of both routing shapes (16,384 held-out tokens), the qwen3 trace (4,096 tokens); all of it, with the
 #            default model, in $OUT/workload.tar.xz                                            (~10 min)
-#   routing  zipf:1.0 against the trained trace (workload/data/qwen3-30b-a3b-routing.trace) at the qwen3-30b-a3b
+#   routing  zipf:1.0 against the trained trace (src/ftexpert/workload/data/qwen3-30b-a3b-routing.trace) at the qwen3-30b-a3b
 #            shape: offload at 10 / 25 / 50% and hybrid at 25%, misses per token and rooflines  (~5 min)
-#   prefetch the lookahead prefetch at the qwen3-30b-a3b shape, off / on at budgets 2, 4, 8, 25 / 50% caches, batch
-#            1 and 4 (PREFETCH_BATCH), on the trained trace, and on zipf:1.0 at 25%; hybrid at 25% off / on (budget
-#            4). PREFETCH_TOKENS decode tokens a run (128); with 64, batch 1 alone took ~5 min of the trace part, so
-#            run PREFETCH_BATCH=1 and PREFETCH_BATCH=4 as separate device calls
+#   prefetch the lookahead prefetch at the qwen3-30b-a3b shape on the trained trace, off against auto, in parts
+#            (PREFETCH_PART, one device call each): bf16 and nvfp4 (offload at 10 / 25 / 50%, batch PREFETCH_BATCH
+#            1 or 4; ~5 min each), hybrid (offload and hybrid at 25%, bf16 and nvfp4; ~6 min), budgets (the fixed
+#            budgets 2 / 4 / 8 and measure against off and auto; ~5 min). PREFETCH_TOKENS decode tokens a run (64)
 #   prefetch_trained  trains olmoe-routing (PREFETCH_TRAIN_MINUTES, default 3); its prediction quality at budgets
 #            1, 2, 4, 8; ft serve prefetch off against on, 60 cold prompts, 256 tokens (the openai wheel in .whl/)
 #   architectures  qwen3-next-80b-a3b (NVFP4) and gpt-oss-120b: resident and offload at 10 / 25 / 50%; TTFT at 32K
@@ -203,7 +203,7 @@ while [ $# -gt 0 ]; do
       summary this="$OUT"
       ;;
     routing)
-      tr=trace:workload/data/qwen3-30b-a3b-routing.trace
+      tr=trace:src/ftexpert/workload/data/qwen3-30b-a3b-routing.trace
       run engine_routing "$T" python3 bench/bench_engine.py --runs 2 --prompt-tokens 1024 --decode-tokens 128 \
         --fractions 0.1,0.25,0.5 --routing "zipf:1.0,$tr"
       for r in zipf:1.0 "$tr"; do
@@ -237,18 +237,37 @@ while [ $# -gt 0 ]; do
       grep -hE "^ *(layer|all) " "$w"/routing_*.log | cut -c1-220
       ;;
     prefetch)
-      # the lookahead prefetch at the qwen3-30b-a3b shape: the trained trace's candidates, then zipf as the lower bound
-      tr=trace:workload/data/qwen3-30b-a3b-routing.trace
-      n=${PREFETCH_TOKENS:-128}      # decode tokens of each run
-      run prefetch_trace "${PREFETCH_TRACE_LIMIT:-$T}" python3 bench/bench_prefetch.py --routing "$tr" --fractions 0.25,0.5 \
-        --batch "${PREFETCH_BATCH:-1,4}" --prefetch off,on --prefetch-budget 2,4,8 --runs 2 --decode-tokens "$n"
-      run prefetch_zipf "${PREFETCH_ZIPF_LIMIT:-240}" python3 bench/bench_prefetch.py --routing zipf:1.0 --fractions 0.25 \
-        --batch 1 --prefetch off,on --prefetch-budget 4 --runs 2 --decode-tokens "$n"
-      run prefetch_hybrid "${PREFETCH_HYBRID_LIMIT:-150}" python3 bench/bench_hybrid.py --runs 2 --decode-tokens 64 \
-        --handoff-calls 200 --no-resident --variants "$HYBRID_VARIANT" --prefetch-budgets 4 --routing "$tr" \
-        --json-out "$OUT/prefetch_hybrid.json"
-      grep -h "^|" "$OUT"/prefetch_trace.log "$OUT"/prefetch_zipf.log | cut -c1-220
-      grep -hE "^(B_pcie|row: )" "$OUT"/prefetch_hybrid.log | cut -c1-200
+      # the lookahead prefetch at the qwen3-30b-a3b shape on the trained trace (its recorded candidates stand in for
+      # the predictor): off against auto (the default), interleaved run by run in one process. One part a device
+      # call (PREFETCH_PART):
+      #   bf16, nvfp4  offload at 10 / 25 / 50% caches, batch PREFETCH_BATCH (1, or 4)           (~5 min each)
+      #   hybrid       offload and hybrid split at 25%, off and auto (bench_hybrid --rounds 2), bf16 then nvfp4, batch 1;
+      #                each row a fresh backend, so auto starts cold each row: 128 decode tokens a run   (~6 min)
+      #   budgets      the fixed budgets 2 / 4 / 8 (on) and measure against off, bf16, 25 / 50%, batch 1   (~5 min)
+      tr=trace:src/ftexpert/workload/data/qwen3-30b-a3b-routing.trace
+      n=${PREFETCH_TOKENS:-64}      # decode tokens of each run
+      b=${PREFETCH_BATCH:-1}
+      part=${PREFETCH_PART:-bf16}
+      case "$part" in
+        bf16|nvfp4)
+          run "prefetch_${part}_b$b" "${PREFETCH_LIMIT:-$T}" python3 bench/bench_prefetch.py --routing "$tr" \
+            --expert-format "$part" --fractions 0.1,0.25,0.5 --batch "$b" --prefetch off,auto --runs 2 \
+            --decode-tokens "$n" --warmup-tokens 96
+          grep -hE "^(\||auto:)" "$OUT/prefetch_${part}_b$b.log" | cut -c1-260 ;;
+        hybrid)
+          for f in bf16 nvfp4; do
+            run "prefetch_hybrid_$f" "${PREFETCH_HYBRID_LIMIT:-270}" python3 bench/bench_hybrid.py --expert-format "$f" \
+              --runs 2 --rounds 2 --decode-tokens "${PREFETCH_HYBRID_TOKENS:-128}" --handoff-calls 200 --no-resident \
+              --variants "=offload,$HYBRID_VARIANT" --prefetch-budgets auto --routing "$tr" \
+              --json-out "$OUT/prefetch_hybrid_$f.json"
+            grep -hE "^(B_pcie|row: )" "$OUT/prefetch_hybrid_$f.log" | cut -c1-200
+          done ;;
+        budgets)
+          run prefetch_budgets "${PREFETCH_LIMIT:-$T}" python3 bench/bench_prefetch.py --routing "$tr" --fractions 0.25,0.5 \
+            --batch "$b" --prefetch off,auto,on,measure --prefetch-budget 2,4,8 --runs 2 --decode-tokens "$n"
+          grep -hE "^(\||auto:)" "$OUT/prefetch_budgets.log" | cut -c1-260 ;;
+        *) echo "PREFETCH_PART=$part: bf16, nvfp4, hybrid or budgets" >&2; status=2 ;;
+      esac
       ;;
     prefetch_trained)
       # a trained olmoe-routing checkpoint (PREFETCH_TRAIN_MINUTES), its predictions at budgets 1, 2, 4, 8, and the

@@ -61,3 +61,6 @@ def test_prefetch_budgets_add_a_prefetch_row_per_variant_and_budget():
     assert set(rows) == {f"{n}{s}" for n in ("offload", "hybrid split") for s in ("", " prefetch2", " prefetch4")}
     assert rows["hybrid split prefetch4"] == {**rows["hybrid split"], "prefetch": 4}
     assert "prefetch" not in rows["offload"]
+    args.prefetch_budgets = "auto"
+    rows = dict(bench.variants(args))
+    assert rows["offload prefetchauto"] == {**rows["offload"], "prefetch": "auto"}

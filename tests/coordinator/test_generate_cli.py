@@ -111,7 +111,7 @@ def test_cli_preset_choices_match_the_registry():
 
 def test_moe_prefetch_flags_reach_the_backend_and_keep_the_tokens(capsys, monkeypatch):
     """--moe-prefetch on (offload): the resident tokens, and the backend counted its installs; the knob alone
-    (FREETOKEN_MOE_PREFETCH) does the same; resident refuses it with the fix."""
+    (FREETOKEN_MOE_PREFETCH) does the same; resident refuses it with the fix; the default, auto, keeps the tokens."""
     argv = ["generate", "--prompt-ids", "1,2,3,4", "--max-new-tokens", "8", "--ignore-eos", "--device", "cpu", "--json"]
     assert main(argv) == 0
     resident = last_json(capsys)["token_ids"]
@@ -127,6 +127,13 @@ def test_moe_prefetch_flags_reach_the_backend_and_keep_the_tokens(capsys, monkey
     assert result["experts"]["prefetch_predicted_total"] > 0 and result["experts"]["prefetch_installed_total"] == 0
     assert main(argv) == 2
     assert "needs a slot cache" in capsys.readouterr().err
+    monkeypatch.delenv("FREETOKEN_MOE_PREFETCH")
+    assert main([*argv, "--moe-strategy", "offload", "--moe-cache-size", "8"]) == 0     # the default: auto
+    result = last_json(capsys)
+    assert result["token_ids"] == resident
+    # a CPU measures no idle link time: auto installs nothing, and does not even predict
+    assert result["experts"]["prefetch_installed_total"] == result["experts"]["prefetch_predicted_total"] == 0
+    assert main(argv) == 0, "resident takes the default auto as nothing"
 
 
 def test_building_ft_s_parser_imports_no_torch():

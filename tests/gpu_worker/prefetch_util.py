@@ -113,3 +113,15 @@ def assert_identical(a, b, what: str) -> None:
     assert len(logits_a) == len(logits_b), f"{what}: {len(logits_a)} forwards against {len(logits_b)}"
     for i, (x, y) in enumerate(zip(logits_a, logits_b)):
         assert torch.equal(x, y), f"{what}: forward {i}'s logits differ (max {float((x - y).abs().max()):.3g})"
+
+
+def open_windows(backend, copies: float = 3.0) -> None:
+    """Give the auto rule measurements a GPU's link probe would take (a CPU has no copy engine beside the compute,
+    so it measures no idle window): every layer's window holds `copies` expert copies. The precision per rank is
+    then measured on the CPU as on a GPU."""
+    la = backend.slot_pool.lookahead
+    for layer in range(backend.num_layers):
+        la.rule.observe_window(layer, copies * 1e-3)
+    la.rule.observe_bandwidth(la.expert_bytes, 1e-3)
+    la.update_allowances()
+    assert la.active

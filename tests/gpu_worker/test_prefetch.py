@@ -11,7 +11,7 @@ import torch
 from ftexpert.gpu_worker.assembly.loader import load_model
 from ftexpert.gpu_worker.backends.offload.prefetch import PrefetchSettings, RouterPredictor, attach_prefetch
 
-from tests.gpu_worker.prefetch_util import assert_identical, decode_run, offload_model
+from tests.gpu_worker.prefetch_util import assert_identical, decode_run, offload_model, open_windows
 
 DECODE_STEPS = 200
 
@@ -61,20 +61,54 @@ def test_prefetch_on_gives_the_same_tokens_and_logits_as_off(references, per_lay
             assert counters["expert_misses_total"] < ref_counters["expert_misses_total"]
 
 
-def test_measure_counts_without_changing_the_cache(references):
-    """measure: the same tokens and logits, the same demand misses as off (nothing installed), useful > 0."""
-    model = _loaded(False, PrefetchSettings(mode="measure", budget=4))
+def run_mode(settings: PrefetchSettings, *, per_layer: bool = False, batch: int = 1, windows: bool = False):
+    """A decode run of the embedded model with the prefetch `settings` (`windows`: an idle window given to auto's
+    rule first, open_windows): the run, the backend's counters and what auto's rule decided (Lookahead.report)."""
+    model = _loaded(per_layer, settings)
     try:
-        run = decode_run(model, batch=1, decode_steps=DECODE_STEPS)
-        counters = model.experts.counters()
+        if windows:
+            open_windows(model.experts)
+        run = decode_run(model, batch=batch, decode_steps=DECODE_STEPS)
+        return run, model.experts.counters(), model.experts.lookahead.report()
     finally:
         model.experts.close()
+
+
+def test_measure_counts_without_changing_the_cache(references):
+    """measure: the same tokens and logits, the same demand misses as off (nothing installed), useful > 0; with a
+    window measured it also scores what auto would have chosen."""
+    run, counters, report = run_mode(PrefetchSettings(mode="measure", budget=4), windows=True)
     ref_run, ref_counters = references[False, 1]
     assert_identical(ref_run, run, "measure")
     assert counters["prefetch_installed_total"] == 0
     assert counters["expert_misses_total"] == ref_counters["expert_misses_total"]
     assert counters["experts_fetched_total"] == ref_counters["experts_fetched_total"]
     assert 0 < counters["prefetch_useful_total"] <= counters["prefetch_predicted_total"]
+    assert 0 < counters["prefetch_auto_useful_total"] <= counters["prefetch_auto_predicted_total"]
+    assert report["gain_s_per_step"] > 0 and any(report["allowed"])
+
+
+@pytest.mark.parametrize("per_layer", [False, True], ids=["global", "per-layer"])
+@pytest.mark.parametrize("batch", [1, 2])
+def test_auto_gives_the_same_tokens_and_logits_as_off(references, per_layer, batch):
+    """auto with an idle window measured: it predicts, measures each rank's precision, installs what clears the
+    break-even (the per-layer counts on the device), and the output is off's bit for bit."""
+    run, counters, report = run_mode(PrefetchSettings(mode="auto"), per_layer=per_layer, batch=batch, windows=True)
+    ref_run, _ = references[per_layer, batch]
+    assert_identical(ref_run, run, f"auto {'per-layer' if per_layer else 'global'} batch {batch}")
+    assert any(report["allowed"]), "the rule allowed nothing: the test proves nothing"
+    assert counters["prefetch_installed_total"] > 0
+    assert counters["prefetch_installed_total"] <= counters["prefetch_auto_predicted_total"]
+    assert 0 < counters["prefetch_auto_useful_total"] <= counters["prefetch_auto_predicted_total"]
+
+
+def test_auto_without_measurements_does_nothing(references):
+    """A cold start (on a CPU: always, no window is measured): auto runs no predictor and installs nothing."""
+    run, counters, _ = run_mode(PrefetchSettings(mode="auto"))
+    ref_run, ref_counters = references[False, 1]
+    assert_identical(ref_run, run, "auto, cold")
+    assert counters["prefetch_predicted_total"] == counters["prefetch_installed_total"] == 0
+    assert counters["expert_misses_total"] == ref_counters["expert_misses_total"]
 
 
 def test_settings_refuse_what_they_do_not_understand():
@@ -88,9 +122,10 @@ def test_settings_refuse_what_they_do_not_understand():
         PrefetchSettings(verify="bytes")
 
 
-def test_resident_refuses_a_prefetch_and_accepts_off():
+def test_resident_refuses_a_prefetch_and_accepts_off_and_auto():
     loaded = load_model(device="cpu")
     attach_prefetch(loaded.model, PrefetchSettings(mode="off"))
+    attach_prefetch(loaded.model, PrefetchSettings(mode="auto"))      # the default: nothing without a slot cache
     with pytest.raises(ValueError, match="needs a slot cache"):
         attach_prefetch(loaded.model, PrefetchSettings(mode="on"))
 

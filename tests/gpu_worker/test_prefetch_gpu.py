@@ -1,7 +1,8 @@
 """The lookahead prefetch on the GPU (marked gpu: the H200 runs these): bit identity with prefetch off inside the
 decode CUDA graphs and eagerly, batch 1 and 2, global and per-layer pools, the model's router and a garbage
 predictor, with delay kernels on the predictor and copy streams (a copy or a prediction that is late must still be
-waited for); and the negative control: without the compute stream's join the same delay changes the output."""
+waited for); and the negative control: without the compute stream's join the same delay changes the output. auto
+(its link probe's events in the graphs, and installing with a window held) and measure the same."""
 from __future__ import annotations
 
 import pytest
@@ -9,7 +10,7 @@ import torch
 
 from ftexpert.gpu_worker.backends.offload.prefetch import Lookahead, PrefetchSettings
 
-from tests.gpu_worker.prefetch_util import assert_identical, decode_run, offload_model
+from tests.gpu_worker.prefetch_util import assert_identical, decode_run, offload_model, open_windows
 
 pytestmark = pytest.mark.gpu
 STEPS = 200
@@ -75,3 +76,44 @@ def test_gpu_a_missing_join_changes_the_output(monkeypatch):
     assert counters["prefetch_useful_total"] > 0
     with pytest.raises(AssertionError, match="differ"):
         assert_identical(ref, run, "missing join")
+
+
+def _run_auto(per_layer, settings, batch, graphs, windows: bool):
+    """`_run` for auto / measure; `windows`: a window given to the rule (open_windows) and kept there (the probe's
+    own window samples dropped), so that auto installs whatever the tiny model's real windows are."""
+    model = offload_model(per_layer, settings, "router", device="cuda")
+    la = model.experts.lookahead
+    try:
+        if windows:
+            open_windows(model.experts)
+            la.rule.observe_window = lambda layer, seconds: None
+            la.rule.observe_join = lambda layer, seconds: None
+        run = decode_run(model, batch=batch, decode_steps=STEPS, cuda_graphs=graphs)
+        return run, model.experts.counters(), la
+    finally:
+        model.experts.close()
+
+
+@pytest.mark.parametrize("graphs", [True, False], ids=["graphs", "eager"])
+@pytest.mark.parametrize("per_layer", [False, True], ids=["global", "per-layer"])
+@pytest.mark.parametrize("batch", [1, 2])
+def test_gpu_prefetch_auto_is_bit_identical_and_its_probe_measures(monkeypatch, graphs, per_layer, batch):
+    """auto in the decode graphs and eagerly: with the probe's real measurements (its events captured in the timed
+    steps' graphs, read without a sync: windows, bandwidth and per-rank precision reach the rule), and with a window
+    held open so that it installs, under delayed streams: the tokens and logits of off."""
+    ref, _ = _run(per_layer, None, "router", batch, graphs)
+    run, counters, la = _run_auto(per_layer, PrefetchSettings(mode="auto"), batch, graphs, windows=False)
+    assert_identical(ref, run, f"auto, measured, graphs={graphs} per_layer={per_layer} batch={batch}")
+    assert la.rule.bandwidth.samples > 0 and any(w.samples for w in la.rule.windows), "the probe measured nothing"
+    delayed_streams(monkeypatch)
+    run, counters, la = _run_auto(per_layer, PrefetchSettings(mode="auto"), batch, graphs, windows=True)
+    assert_identical(ref, run, f"auto, window held, graphs={graphs} per_layer={per_layer} batch={batch}")
+    assert counters["prefetch_installed_total"] > 0 and any(la.allowed)
+
+
+def test_gpu_measure_scores_auto_in_the_graphs():
+    ref, _ = _run(False, None, "router", 1, True)
+    run, counters, la = _run_auto(False, PrefetchSettings(mode="measure", budget=2), 1, True, windows=True)
+    assert_identical(ref, run, "measure")
+    assert counters["prefetch_installed_total"] == 0
+    assert 0 < counters["prefetch_auto_useful_total"] <= counters["prefetch_auto_predicted_total"]

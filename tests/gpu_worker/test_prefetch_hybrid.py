@@ -12,7 +12,7 @@ import torch
 
 from ftexpert.kernels.slot_cache import reset
 from tests.cpu_expert_pool.cpu_pool_util import load_with_resources
-from tests.gpu_worker.prefetch_util import decode_run
+from tests.gpu_worker.prefetch_util import decode_run, open_windows
 from tests.gpu_worker.test_hybrid import TEST_WORKER_ARGS, options_for_tests
 
 STEPS = 100
@@ -33,16 +33,19 @@ def _run(loaded, mode: str, batch: int):
     backend = loaded.model.experts
     reset(backend.cache)
     backend.set_policy(prefetch=mode, prefetch_budget=2)
+    if mode == "auto":
+        open_windows(backend)
     before = backend.counters()
     run = decode_run(loaded.model, batch=batch, decode_steps=STEPS)
     after = backend.counters()
     return run, {k: after[k] - before[k] for k in after if isinstance(after[k], (int, float))}
 
 
-@pytest.mark.parametrize("batch", [1, 2])
-def test_hybrid_prefetch_on_gives_off_tokens_and_moves_cpu_misses_to_gpu_hits(hybrid, batch):
+@pytest.mark.parametrize("batch, mode", [(1, "on"), (2, "on"), (1, "auto")])
+def test_hybrid_prefetch_on_gives_off_tokens_and_moves_cpu_misses_to_gpu_hits(hybrid, batch, mode):
+    """on, and auto with an idle window measured (a right guess weighed by the fetch fraction, 0.5 here)."""
     (tokens_off, logits_off), off = _run(hybrid, "off", batch)
-    (tokens_on, logits_on), on = _run(hybrid, "on", batch)
+    (tokens_on, logits_on), on = _run(hybrid, mode, batch)
     assert tokens_on == tokens_off
     assert len(logits_on) == len(logits_off)
     for i, (a, b) in enumerate(zip(logits_off, logits_on)):

@@ -331,3 +331,38 @@ def test_decode_kernel_at_its_packing_limits():
                                 slot_tile=64, num_tokens=16, top_k=4, fetch_fraction=0.7, path="small",
                                 victim_list=64)
     assert fetched > 150, "the pool never filled and evicted"
+
+
+@pytest.mark.parametrize("device_budgets", [(0, 1, 3, 9), (2, -1, 5, 0)], ids=["rising", "mixed"])
+def test_prefetch_device_budget_and_ranks_match_the_reference(device_budgets):
+    """prefetch_ensure with a device-side budget (the `auto` prefetch's per-layer count, read by the kernel) and the
+    per-candidate ranks among the non-resident ones: Triton and the reference in lockstep, the installs capped by
+    min(budget, device budget), the ranks -1 for resident, duplicate and invalid candidates."""
+    layers, experts, slots = 3, 16, 24
+    ref = SlotCache.create(layers, experts, slots)
+    ker = SlotCache.create(layers, experts, slots, device=KERNEL_DEVICE, victim_list=4)
+    gen = RouteGen(layers, experts, 5)
+    for call, allow in enumerate(device_budgets * 2):
+        layer = call % layers
+        ids = gen.routes(layer, 2, 3)
+        ensure(ref, layer, ids.clone(), impl="reference", fetch_fraction=1.0)
+        ensure(ker, layer, ids.to(KERNEL_DEVICE), impl="triton", fetch_fraction=1.0, slot_tile=32)
+        nxt = (layer + 1) % layers
+        cand = torch.cat([gen.candidates(6), torch.tensor([-1, 3, 3])])          # an invalid one, a duplicate
+        resident = {e for e in range(experts) if int(ref.slot_for_id[nxt][e]) >= 0}
+        ranks = {}
+        for impl, cache, dev in (("reference", ref, "cpu"), ("triton", ker, KERNEL_DEVICE)):
+            out = torch.full((cand.numel(),), 7, dtype=torch.int64, device=dev)
+            prefetch_ensure(cache, nxt, cand.to(dev), 4, impl=impl, device_budget=torch.tensor([allow], device=dev),
+                            ranks_out=out)
+            ranks[impl] = out.cpu().tolist()
+        assert_same_state(ref, ker, f"call {call}")
+        assert ranks["reference"] == ranks["triton"], f"call {call}"
+        want, expected = [], []
+        for e in cand.tolist():
+            fresh = 0 <= e < experts and e not in want and e not in resident
+            expected.append(len(want) if fresh else -1)
+            if fresh:
+                want.append(e)
+        assert ranks["reference"] == expected
+        assert int(ref.prefetch_num_indices) == min(4, max(allow, 0), len(want))

@@ -42,7 +42,7 @@ def test_flags_over_the_environment_over_the_defaults():
     spec = spec_from_args(parse("--pdl", "off"), env)
     assert (spec.overlap_decode, spec.overlap, spec.moe_slot_audit, spec.pdl) == ("off", False, 3, "off")
     default = spec_from_args(parse(), {})
-    assert (default.overlap, default.moe_slot_audit, default.pdl, default.moe_prefetch) == (None, 0, "auto", "off")
+    assert (default.overlap, default.moe_slot_audit, default.pdl, default.moe_prefetch) == (None, 0, "auto", "auto")
     assert spec_from_args(parse("--model", "rel/dir"), {}).model.endswith("/rel/dir")       # made absolute
     with pytest.raises(ValueError, match="FREETOKEN_PDL='sometimes'"):
         spec_from_args(parse(), {"FREETOKEN_PDL": "sometimes"})
@@ -56,6 +56,8 @@ def test_flags_over_the_environment_over_the_defaults():
     ({"moe_cache_size": "0"}, "moe_cache_size: expected a slot count"),
     ({"expert_format": "int5"}, "expert_format='int5'"),
     ({"moe_prefetch": "on"}, "needs a slot cache"),                 # resident has none
+    ({"moe_prefetch": "measure"}, "needs a slot cache"),
+    ({"moe_strategy": "offload", "moe_prefetch": "sometimes"}, "moe_prefetch='sometimes' is not one of auto"),
     ({"moe_prefetch_verify": "meta"}, "needs a slot cache"),
 ])
 def test_a_spec_that_cannot_be_built_is_refused_naming_the_field(fields, message):
@@ -65,7 +67,22 @@ def test_a_spec_that_cannot_be_built_is_refused_naming_the_field(fields, message
 
 def test_prefetch_on_a_slot_cache_is_accepted():
     for strategy in ("offload", "cpu", "hybrid"):
-        assert EngineSpec(moe_strategy=strategy, moe_prefetch="on").moe_prefetch == "on"
+        for mode in ("on", "auto", "measure", "off"):
+            assert EngineSpec(moe_strategy=strategy, moe_prefetch=mode).moe_prefetch == mode
+
+
+def test_auto_prefetch_is_the_default_everywhere_and_nothing_without_a_slot_cache():
+    """auto is the spec's, the flags' and the knob's default; resident (no slot cache) takes it as nothing; the flag
+    and the environment accept it and still refuse what is not a mode."""
+    assert EngineSpec().moe_prefetch == "auto" and EngineSpec(moe_strategy="resident").moe_prefetch == "auto"
+    assert spec_from_args(parse("--moe-strategy", "offload"), {}).moe_prefetch == "auto"
+    assert spec_from_args(parse("--moe-strategy", "offload", "--moe-prefetch", "off"), {}).moe_prefetch == "off"
+    assert spec_from_args(parse("--moe-strategy", "hybrid"), {"FREETOKEN_MOE_PREFETCH": "on"}).moe_prefetch == "on"
+    assert spec_from_args(parse(), {"FREETOKEN_MOE_PREFETCH": "auto"}).moe_prefetch == "auto"
+    with pytest.raises(SystemExit):
+        parse("--moe-prefetch", "sometimes")
+    with pytest.raises(ValueError, match="FREETOKEN_MOE_PREFETCH='always' is not valid"):
+        spec_from_args(parse(), {"FREETOKEN_MOE_PREFETCH": "always"})
 
 
 def test_welcome_carries_the_spec_whole_and_refuses_a_bad_one():

@@ -44,6 +44,13 @@ def test_bad_environment_gets_a_clear_error(env, message):
         read_env(env)
 
 
+def test_the_prefetch_knob_takes_auto_its_default():
+    assert resolve({}, {})["moe_prefetch"] == "auto"
+    for mode in ("auto", "off", "measure", "on"):
+        assert read_env({"FREETOKEN_MOE_PREFETCH": mode})["moe_prefetch"] == mode
+    assert resolve({"moe_prefetch": "off"}, {"FREETOKEN_MOE_PREFETCH": "auto"})["moe_prefetch"] == "off"
+
+
 def test_the_slot_audit_knob_reads_the_environment_and_the_cli():
     assert read_env({"FREETOKEN_MOE_SLOT_AUDIT": "10"})["moe_slot_audit"] == 10
     assert resolve({"moe_slot_audit": 3}, {})["moe_slot_audit"] == 3

@@ -47,7 +47,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     tune.add_argument("--auto", dest="auto_tune", action="store_true", default=None, help="re-tune f online")
     tune.add_argument("--no-auto", dest="auto_tune", action="store_false", help="keep f fixed")
     pset.add_argument("--round", choices=("min-wait", "stochastic", "prefer-fetch", "split"), help="rounding of f*M")
-    pset.add_argument("--prefetch", choices=("off", "measure", "on"),
+    pset.add_argument("--prefetch", choices=("auto", "off", "measure", "on"),
                       help="the lookahead expert prefetch (offload, hybrid; docs/PREFETCH.md)")
     pset.add_argument("--prefetch-budget", type=int, help="experts the prefetch installs per layer, 1..128")
     sub.add_parser("workers", help="supervised workers and their state")

@@ -95,7 +95,7 @@ class PolicySettings:
     fetch_fraction_max: float = DEFAULT_FRACTION_MAX
     auto_tune: bool = True
     fetch_round: str = KNOBS_BY_FIELD["fetch_round"].default      # split: on the device hand-off (docs/HYBRID.md)
-    prefetch: str = ""          # the lookahead prefetch set live: off | measure | on; "": as the engine started
+    prefetch: str = ""          # the lookahead prefetch set live: auto | off | measure | on; "": as started
     prefetch_budget: int = 0    # its experts per layer, 1..128; 0: as the engine started
 
     def validate(self) -> None:

@@ -146,7 +146,7 @@ class SetPolicy:
     fetch_round: str
     cpu_share_names: list[str]    # the tuner's CPU work split: worker names ...
     cpu_share_values: list[float]  # ... and their shares (empty: keep the current split)
-    prefetch: str = ""            # the lookahead prefetch: off | measure | on ("": unchanged)
+    prefetch: str = ""            # the lookahead prefetch: auto | off | measure | on ("": unchanged)
     prefetch_budget: int = 0      # its experts per layer (0: unchanged)
 
     def fields(self) -> dict:

@@ -76,7 +76,7 @@ class EngineSpec:
     pin_gpu_worker: str = "on"                  # cpu / hybrid: the engine's process pins itself to those
     eviction_freq_weight: int = 0
     eviction_freq_half_life: int = 3072
-    moe_prefetch: str = "off"                   # the lookahead prefetch (docs/PREFETCH.md)
+    moe_prefetch: str = "auto"                  # the lookahead prefetch (docs/PREFETCH.md)
     moe_prefetch_budget: int = 4
     moe_prefetch_k: int = 16
     moe_prefetch_verify: str = "off"
@@ -109,9 +109,15 @@ class EngineSpec:
                 raise SpecError(f"moe_cache_size: {exc}") from None
         if self.num_cpu_workers < 0:
             raise SpecError(f"num_cpu_workers={self.num_cpu_workers} must be >= 0 (0: one per NUMA node)")
-        if (self.moe_prefetch != "off" or self.moe_prefetch_verify != "off") and self.moe_strategy == "resident":
-            raise SpecError(f"--moe-prefetch / --moe-prefetch-verify: the lookahead prefetch needs a slot cache "
-                            f"(--moe-strategy offload, cpu or hybrid), not {self.moe_strategy}")
+        for name in ("moe_prefetch", "moe_prefetch_verify"):
+            if getattr(self, name) not in KNOBS_BY_FIELD[name].choices:
+                raise SpecError(f"{name}={getattr(self, name)!r} is not one of "
+                                f"{', '.join(KNOBS_BY_FIELD[name].choices)}")
+        # auto (the default) is nothing without a slot cache; measure, on and the verifier are asked for explicitly
+        if ((self.moe_prefetch not in ("off", "auto") or self.moe_prefetch_verify != "off")
+                and self.moe_strategy == "resident"):
+            raise SpecError(f"--moe-prefetch {self.moe_prefetch} / --moe-prefetch-verify: the lookahead prefetch "
+                            f"needs a slot cache (--moe-strategy offload, cpu or hybrid), not {self.moe_strategy}")
 
     @property
     def uses_cpu_pool(self) -> bool:

@@ -122,16 +122,19 @@ KNOBS: tuple[Knob, ...] = (
     Knob("FREETOKEN_MOE_SLOT_AUDIT", "moe_slot_audit", _nonneg_int, 0,
          "every N decode steps, check the slot-cache invariants on the host and the bytes of a few slots; "
          "on a problem, log it and empty the cache (0 = never)"),
-    Knob("FREETOKEN_MOE_PREFETCH", "moe_prefetch", str, "off",
+    Knob("FREETOKEN_MOE_PREFETCH", "moe_prefetch", str, "auto",
          "offload and hybrid: the lookahead expert prefetch (docs/PREFETCH.md). While layer L-1 computes, layer L's "
-         "router applied to layer L-1's router input predicts layer L's experts; on: the first --moe-prefetch-budget "
-         "non-resident ones are copied into low-priority slots (lossless: the same tokens and logits as off); "
-         "measure: counted (useful predictions, precision) without copying; off (default): nothing",
-         choices=("off", "measure", "on")),
+         "router applied to layer L-1's router input predicts layer L's experts, copied into low-priority slots "
+         "(lossless: the same tokens and logits as off). auto (default): per layer as many as fit in the PCIe "
+         "link's measured idle time and clear the measured precision's break-even (none where the link has no idle "
+         "time; nothing without a slot cache); on: the first --moe-prefetch-budget non-resident ones; measure: "
+         "counted (useful predictions, precision, what auto would choose) without copying; off: nothing",
+         choices=("auto", "off", "measure", "on")),
     Knob("FREETOKEN_MOE_PREFETCH_BUDGET", "moe_prefetch_budget", lambda raw: _int_in(raw, 1, 128), 4,
-         "with --moe-prefetch on/measure: experts installed (or counted) per layer, 1..128"),
+         "with --moe-prefetch on/measure: experts installed (or counted) per layer, 1..128 (auto sizes its own)"),
     Knob("FREETOKEN_MOE_PREFETCH_K", "moe_prefetch_k", lambda raw: _int_in(raw, 1, 128), 16,
-         "with --moe-prefetch on/measure: the predictor's ranked candidates per layer, 1..128"),
+         "with --moe-prefetch auto/on/measure: the predictor's ranked candidates per layer, 1..128 (auto installs "
+         "at most this many)"),
     Knob("FREETOKEN_MOE_PREFETCH_VERIFY", "moe_prefetch_verify", str, "off",
          "a debug detector for offload and hybrid decode steps (a host sync a layer; no decode CUDA graphs): meta "
          "checks every routed slot's maps after ensure; 1 also compares the slots' bytes with the host rows before "

@@ -60,8 +60,8 @@ class ExpertBackend(abc.ABC):
     def set_prefetch(self, settings, predictor) -> None:
         """The lookahead expert prefetch (gpu_worker/backends/offload/prefetch.py, docs/PREFETCH.md): `settings` a
         PrefetchSettings, `predictor` the next layer's candidates. Only a backend with a slot cache prefetches; the
-        others accept mode off alone."""
-        if settings.mode != "off":
+        others accept off, and auto (the default: a prefetch where there is a slot cache, so nothing here)."""
+        if settings.mode not in ("off", "auto"):
             raise ValueError(f"expert prefetch (mode {settings.mode}) needs a slot cache: --moe-strategy offload or "
                              f"hybrid, not {type(self).__name__}")
 

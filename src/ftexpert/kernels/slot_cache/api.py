@@ -179,12 +179,17 @@ def ensure(cache: SlotCache, layer: int, expert_ids: torch.Tensor, *,
 
 def prefetch_ensure(cache: SlotCache, layer: int, candidates: torch.Tensor, budget: int, *,
                     impl: str = "auto", check_ids: bool | None = None,
-                    slot_tile: int | None = None) -> None:
+                    slot_tile: int | None = None, device_budget: torch.Tensor | None = None,
+                    ranks_out: torch.Tensor | None = None) -> None:
     """Install the first `budget` non-resident `candidates` of `layer` as low-priority slots.
 
     candidates: [C] int32|int64 expert ids in priority order (-1 = none; duplicates count once).
     Victims follow the eviction key and never include a slot used at the current step. The copy
     plan goes to cache.prefetch_evict_slots / prefetch_src_indices / prefetch_num_indices.
+    device_budget: [1] int32|int64 on the cache's device: installs at most min(budget, its value), read by the
+    kernel (no host sync; a captured graph follows later writes of it). ranks_out: [>= C] int32|int64 on the
+    device: each candidate's rank among the distinct valid non-resident ones (0, 1, ...; -1 for the others),
+    written whether or not it is installed.
     """
     _check_layer(cache, layer)
     _check_ids(cache, "candidates", candidates, check_ids)
@@ -193,9 +198,15 @@ def prefetch_ensure(cache: SlotCache, layer: int, candidates: torch.Tensor, budg
                          f"got {candidates.numel()}; pass the top of the prediction only")
     if not isinstance(budget, int) or budget < 0:
         raise ValueError(f"budget must be an int >= 0, got {budget!r}")
+    for name, t, size in (("device_budget", device_budget, 1), ("ranks_out", ranks_out, candidates.numel())):
+        if t is not None and (t.device != cache.device or t.dtype not in (torch.int32, torch.int64)
+                              or t.numel() < size or not t.is_contiguous()):
+            raise ValueError(f"{name} must be a contiguous int32/int64 tensor of at least {size} elements on "
+                             f"{cache.device}, got {t.dtype} {tuple(t.shape)} on {t.device}")
     impl = _resolve_impl(impl, cache.device)
     if impl == "reference":
-        reference.prefetch_ensure_reference(cache, layer, candidates, budget)
+        reference.prefetch_ensure_reference(cache, layer, candidates, budget, device_budget=device_budget,
+                                            ranks_out=ranks_out)
         return
     # lazy: the Triton kernels are defined at their first launch (TRITON_INTERPRET is read then)
     from ftexpert.kernels.slot_cache.triton_kernels import prefetch_kernel
@@ -205,9 +216,12 @@ def prefetch_ensure(cache: SlotCache, layer: int, candidates: torch.Tensor, budg
         candidates, candidates.numel(), budget, cache.slot_for_id, cache.id_of_slot, cache.usage,
         cache.step, cache.prefetch_evict_slots, cache.prefetch_src_indices,
         cache.prefetch_num_indices, cache.victim_keys[pool], cache.expert_count, cache.freq_weight, layer,
-        cache.pool_base(layer), cache.num_slots, NUM_EXPERTS=cache.num_experts,
+        cache.pool_base(layer), cache.num_slots,
+        device_budget if device_budget is not None else candidates,
+        ranks_out if ranks_out is not None else candidates, NUM_EXPERTS=cache.num_experts,
         C_BLOCK=max(16, _next_pow2(candidates.numel())), SLOT_TILE=max(16, _next_pow2(tile)),
-        V_BLOCK=cache.victim_keys.shape[1], USE_FREQ=cache.freq_weight > 0, num_warps=GENERAL_WARPS)
+        V_BLOCK=cache.victim_keys.shape[1], USE_FREQ=cache.freq_weight > 0,
+        HAS_DEVICE_BUDGET=device_budget is not None, HAS_RANKS_OUT=ranks_out is not None, num_warps=GENERAL_WARPS)
 
 
 def raise_on_error(cache: SlotCache) -> None:

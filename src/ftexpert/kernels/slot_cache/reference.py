@@ -131,20 +131,29 @@ def ensure_reference(cache: SlotCache, layer: int, expert_ids: torch.Tensor, *,
     expert_ids.copy_(torch.from_numpy(out).view(expert_ids.shape).to(expert_ids.dtype))
 
 
-def prefetch_ensure_reference(cache: SlotCache, layer: int, candidates: torch.Tensor,
-                              budget: int) -> None:
-    """Install the first `budget` non-resident candidates as low-priority (usage 0) slots."""
+def prefetch_ensure_reference(cache: SlotCache, layer: int, candidates: torch.Tensor, budget: int, *,
+                              device_budget: torch.Tensor | None = None,
+                              ranks_out: torch.Tensor | None = None) -> None:
+    """Install the first `budget` (and at most `device_budget`) non-resident candidates as low-priority (usage 0)
+    slots; `ranks_out`: each candidate's rank among the distinct valid non-resident ones, -1 for the others."""
     st = _HostState(cache)
     num_experts = cache.num_experts
     base = cache.pool_base(layer)
     row = layer * num_experts
     step = int(st.step[0])
-    chosen: list[int] = []
+    if device_budget is not None:
+        budget = min(budget, max(int(device_budget.reshape(-1)[0]), 0))
+    wanted: list[int] = []
+    ranks: list[int] = []
     for e in candidates.reshape(-1).cpu().tolist():
-        if len(chosen) == budget:
-            break
-        if 0 <= e < num_experts and e not in chosen and st.slot_for_id[row + e] < 0:
-            chosen.append(e)
+        if 0 <= e < num_experts and e not in wanted and st.slot_for_id[row + e] < 0:
+            ranks.append(len(wanted))
+            wanted.append(e)
+        else:
+            ranks.append(-1)
+    chosen = wanted[:budget]
+    if ranks_out is not None and ranks:
+        ranks_out.reshape(-1)[:len(ranks)].copy_(torch.tensor(ranks, dtype=ranks_out.dtype))
     victims = _victims(st, base, cache.num_slots, step, len(chosen), cache.freq_weight)
     for i, (e, slot) in enumerate(zip(chosen, victims)):
         _install(st, slot, row + e, 0)

@@ -156,11 +156,15 @@ def prefetch_kernel(
     count_ptr,            # [L*E] int64 routes seen per expert (USE_FREQ)
     freq_weight,
     layer, pool_base, num_slots,
+    device_budget_ptr,    # [1] int32|int64: at most this many installs too (HAS_DEVICE_BUDGET)
+    ranks_out_ptr,        # [C] int32|int64: each candidate's rank among the wanted, -1 for the rest (HAS_RANKS_OUT)
     NUM_EXPERTS: tl.constexpr,
     C_BLOCK: tl.constexpr,       # next power of two >= C
     SLOT_TILE: tl.constexpr,
     V_BLOCK: tl.constexpr,       # victim-list length (>= 1)
     USE_FREQ: tl.constexpr,
+    HAS_DEVICE_BUDGET: tl.constexpr = False,
+    HAS_RANKS_OUT: tl.constexpr = False,
 ):
     step = tl.load(step_ptr)
     row = layer * NUM_EXPERTS
@@ -173,6 +177,10 @@ def prefetch_kernel(
     resident = tl.load(slot_for_id_ptr + row + e, mask=valid, other=-1) >= 0
     want = valid & (dup == 0) & (resident == 0)
     rank = tl.cumsum(want.to(tl.int32), axis=0) - 1
+    if HAS_RANKS_OUT:
+        tl.store(ranks_out_ptr + ci, tl.where(want, rank, -1).to(ranks_out_ptr.dtype.element_ty), mask=ci < num_cand)
+    if HAS_DEVICE_BUDGET:
+        budget = tl.minimum(budget, tl.maximum(tl.load(device_budget_ptr).to(tl.int32), 0))
     chosen = want & (rank < budget)
     num_chosen = tl.sum(chosen.to(tl.int32), axis=0)
 

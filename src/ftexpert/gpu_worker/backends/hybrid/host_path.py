@@ -85,7 +85,7 @@ class HostPath:
         if nxt is not None:
             prefetch_ensure(self.cache, nxt, self._candidates, self._candidates.numel(), check_ids=False)
         elif self.slot_pool.after_ensure(layer_idx):   # the lookahead's install for the next layer (decode-sized)
-            nxt, prefetch_len = layer_idx + 1, self.slot_pool.lookahead.settings.budget
+            nxt, prefetch_len = layer_idx + 1, self.slot_pool.lookahead.plan_length
         self.slot_pool.verify(layer_idx, ids, routes)
         t0 = time.perf_counter()
         plan = self.readback.read(self.cache, max_plan=min(self.num_experts, T * K), ids=ids,

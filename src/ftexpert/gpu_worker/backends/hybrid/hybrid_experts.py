@@ -247,8 +247,20 @@ class HybridExperts(ExpertBackend):
 
     # -- the slot pool's side of ExpertBackend ---------------------------------------------------------
     def set_prefetch(self, settings: PrefetchSettings, predictor: Predictor | None) -> None:
-        """The lookahead prefetch (SlotPool.set_prefetch)."""
-        self.slot_pool.set_prefetch(settings, predictor)
+        """The lookahead prefetch (SlotPool.set_prefetch); auto weighs a right guess by `prefetch_saved_share`."""
+        self.slot_pool.set_prefetch(settings, predictor, saved_share=self.prefetch_saved_share)
+
+    def prefetch_saved_share(self) -> float:
+        """The share of a miss's cost a right prefetch guess takes off a decode step (prefetch_budget.py): all of it
+        when every miss is fetched (offload, or the pool down); none under strategy cpu (nothing is fetched, and
+        auto does not start fetching); else the fetch fraction f: a hit takes one miss out of the split, and with
+        the split balanced (the tuner's aim) a miss costs the layer f x its copy whichever side would have taken
+        it."""
+        if not self.cpu_active:
+            return 1.0
+        if self.split_policy.strategy == "cpu":
+            return 0.0
+        return float(self.split_policy.policy.get("fetch_fraction", 1.0))
 
     def prefetch_counters(self) -> dict[str, int]:
         return self.slot_pool.prefetch_counters()
@@ -286,6 +298,7 @@ class HybridExperts(ExpertBackend):
             self._readmit()
         self._hold_degraded = False
         self._in_step = True
+        self.slot_pool.step_begin()
         self.doorbells.arm()
 
     def step_end(self) -> bool:
@@ -293,6 +306,7 @@ class HybridExperts(ExpertBackend):
         marks the worker failed (a late one is killed), clears the flags and switches to offload: the
         caller re-runs the step, which then fetches every miss."""
         self._in_step = False
+        self.slot_pool.step_end()
         self.doorbells.disarm()
         return self.device_path.step_ok()
 

@@ -198,9 +198,11 @@ class OffloadExperts(ExpertBackend):
 
     def step_begin(self) -> None:
         self.timer.begin_step()
+        self.slot_pool.step_begin()
 
     def step_end(self) -> bool:
         self.timer.end_step()
+        self.slot_pool.step_end()
         return True
 
     def _count_on_device(self, ids: torch.Tensor, counts: torch.Tensor | None = None) -> None:

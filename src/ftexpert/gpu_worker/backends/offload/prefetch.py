@@ -9,18 +9,23 @@ Per decode-sized layer call of a backend with a slot cache (`offload`, `hybrid`)
   2. `install(L-1)` right after ensure(L-1), on the compute stream: waits for the predictor, then
      `prefetch_ensure(L, candidates, budget)` installs the first `budget` non-resident candidates as usage-0 slots
      (the next victims when wrong; never a slot used at this step) and writes the prefetch plan. `measure` picks
-     the same experts without installing anything.
+     the same experts without installing anything. `auto` installs at most the rule's count for L, a device
+     tensor the kernel reads (`allow`), and has every candidate's rank among the non-resident ones written.
   3. `copy(L-1)` after layer L-1's demand copy was queued: the prefetch plan copied on the copy stream (the device
      copy kernel, no host sync: graph-capturable), behind that demand copy. On the CPU, at once.
   4. `wait(L)` right after ensure(L): the compute stream waits for the prefetch copy before layer L's GEMMs, its
      demand copy and the next `prefetch_ensure` (which rewrites the plan the copy reads).
+`auto` (docs/PREFETCH.md "auto"): between decode steps `step_begin` reads the link probe (prefetch_probe.py: CUDA
+events in one decode step in 16, read when complete, no host sync) and the per-rank precision counts, updates the
+rule's estimates (prefetch_budget.py) and writes the per-layer counts to `allow`; where no layer's idle window
+holds half a copy it runs no predictor at all. `measure` runs the same probe and scores what auto would choose.
 Every slot-map write (the slot cache's kernels) stays on the compute stream in program order; the predictor and
 copy streams only read maps and copy bytes (tests/gpu_worker/test_prefetch_structure.py checks it).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Protocol
+from typing import Callable, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -29,11 +34,14 @@ from ftexpert.kernels.expert_copy import copy_plan
 from ftexpert.kernels.slot_cache import prefetch_ensure
 from ftexpert.kernels.slot_cache.api import MAX_PREFETCH_CANDIDATES
 
-PREFETCH_MODES = ("off", "measure", "on")
+from ftexpert.gpu_worker.backends.offload.prefetch_budget import OnlineBudget
+from ftexpert.gpu_worker.backends.offload.prefetch_probe import LinkProbe
+
+PREFETCH_MODES = ("off", "measure", "on", "auto")
 VERIFY_MODES = ("off", "meta", "1")
-# device counters: [predicted, useful, installed, routed distinct of predicted layers]
+# device counters: [predicted, useful, installed, layer calls scored, auto's choice, of it routed]
 COUNTERS = ("prefetch_predicted_total", "prefetch_useful_total", "prefetch_installed_total",
-            "prefetch_layer_calls_total")
+            "prefetch_layer_calls_total", "prefetch_auto_predicted_total", "prefetch_auto_useful_total")
 
 
 @dataclass(frozen=True)
@@ -127,10 +135,11 @@ class TracePredictor:
 
 class Lookahead:
     """The prefetch of one backend (see the module docstring). `slots` [S, N] the pool, `host_layers[l]` [E, N]
-    its host rows, `copy_stream` the backend's copy stream (CUDA; None on the CPU)."""
+    its host rows, `copy_stream` the backend's copy stream (CUDA; None on the CPU); `saved_share()`: the
+    share of a miss's cost a right guess takes off the step (offload 1; hybrid its fetch fraction; prefetch_budget.py)."""
 
     def __init__(self, cache, slots: torch.Tensor, host_layers, copy_stream, settings: PrefetchSettings,
-                 predictor: Predictor | None):
+                 predictor: Predictor | None, *, saved_share: Callable[[], float] | None = None):
         if settings.mode != "off" and predictor is None:
             raise ValueError(f"prefetch mode {settings.mode!r} needs a predictor (the model's routers)")
         self.cache, self.slots, self.host_layers = cache, slots, host_layers
@@ -138,6 +147,7 @@ class Lookahead:
         self.device = slots.device
         self.on_cuda = self.device.type == "cuda"
         self.copy_stream = copy_stream
+        self.saved_share = saved_share if saved_share is not None else (lambda: 1.0)
         self.predict_stream = torch.cuda.Stream(device=self.device) if self.on_cuda else None
         self.counts = torch.zeros(len(COUNTERS), dtype=torch.int64, device=self.device)
         self._chosen = torch.full((MAX_PREFETCH_CANDIDATES,), -1, dtype=torch.int64, device=self.device)
@@ -150,14 +160,44 @@ class Lookahead:
         self._copied_layer = -1
         self._copy_after: "torch.cuda.Event | None" = None
         self._installed = False
+        self._decode_call = False                   # the current layer call is decode-sized
+        self._marked_layer = -1                     # the layer whose ready mark the probe took (timed steps)
+        self._fork_mark: "torch.cuda.Event | None" = None
+        # auto (and measure's report of it): the rule, its measurements and the per-layer counts it allows
+        layers, k = cache.num_layers, settings.k
+        self.expert_bytes = slots.shape[1] * slots.element_size()
+        self.rule = OnlineBudget(layers, k, self.expert_bytes)
+        self.probe = LinkProbe(layers, self.device, self.expert_bytes)
+        self.allow = torch.zeros(layers, dtype=torch.int64, device=self.device)    # installs per target layer
+        self.allowed = [0] * layers                                                # its host copy
+        self._allow_host = torch.zeros(layers, dtype=torch.int64, pin_memory=self.on_cuda)
+        self.active = False                         # auto: the predictor runs (some window holds a copy)
+        # [seen, routed] per target layer and rank among the non-resident candidates (column k: resident or none)
+        self.rank_counts = torch.zeros(2, layers, k + 1, dtype=torch.int64, device=self.device)
+        self._ranks_seen = [[0] * (k + 1) for _ in range(layers)]
+        self._ranks_hit = [[0] * (k + 1) for _ in range(layers)]
+        self._cand_buf = torch.full((k,), -1, dtype=torch.int64, device=self.device)
+        self._rank_buf = torch.full((k,), -1, dtype=torch.int64, device=self.device)
+        self._ones = torch.ones(k, dtype=torch.int64, device=self.device)
+        self._tracked = False                       # the pending target's candidates and ranks are in the buffers
+        self.auto_gain_s = 0.0                      # the rule's expected seconds saved per decode step
 
     @property
     def mode(self) -> str:
         return self.settings.mode
 
+    @property
+    def probing(self) -> bool:
+        """The link probe and the rank counts run (auto, and measure's report of what auto would do)."""
+        return self.mode in ("auto", "measure")
+
     def graph_key(self) -> tuple:
         s = self.settings
-        return (s.mode, s.budget, s.k) if s.mode != "off" else ("off",)
+        if s.mode == "off":
+            return ("off",)
+        if s.mode == "on":
+            return (s.mode, s.budget, s.k)
+        return (s.mode, s.budget if s.mode == "measure" else self.active, s.k, self.probe.graph_key())
 
     def set_policy(self, mode: str | None = None, budget: int | None = None) -> None:
         settings = self.settings.with_policy(mode, budget)
@@ -171,10 +211,77 @@ class Lookahead:
     def _compute(self):
         return torch.cuda.current_stream(self.device) if self.on_cuda else None
 
+    @property
+    def _auto_cap(self) -> int:
+        """auto's most installs a layer (the kernel's budget; the per-layer count on the device cuts it)."""
+        return min(self.settings.k, self.cache.num_slots)
+
+    @property
+    def plan_length(self) -> int:
+        """The most entries an install's prefetch plan has (what a readback of it reads)."""
+        return self._auto_cap if self.mode == "auto" else self.settings.budget
+
+    def _predicting(self) -> bool:
+        return self.mode in ("on", "measure") or (self.mode == "auto" and self.active)
+
+    # -- between decode steps: the measurements in, the per-layer counts out ----------------------------
+    def step_begin(self) -> None:
+        """Before a decode step (the backend's step_begin): read what the probe measured SETS timed steps ago (no
+        wait), update the rule's estimates and, when they changed, the per-layer counts on the device (a copy
+        queued on the compute stream before the step) and whether auto predicts at all."""
+        sample = self.probe.begin_step([self.rank_counts])
+        if sample is None or not self.probing:
+            return
+        rule = self.rule
+        for layer, (w, j) in enumerate(zip(sample.windows, sample.joins)):
+            if w is not None:
+                rule.observe_window(layer, w)
+            if j is not None:
+                rule.observe_join(layer, j)
+        rule.observe_bandwidth(sample.copy_bytes, sample.copy_s)
+        if sample.snapshot:
+            self._observe_ranks(sample.snapshot[0])
+        self.update_allowances()
+
+    def step_end(self) -> None:
+        self.probe.end_step([self.rank_counts])
+
+    def _observe_ranks(self, counts: list) -> None:
+        """Cumulative [seen, routed][layer][rank] -> the rule's per-rank precision (the counts since the last)."""
+        for layer in range(self.cache.num_layers):
+            seen, hit = counts[0][layer], counts[1][layer]
+            d_seen = [a - b for a, b in zip(seen, self._ranks_seen[layer])]
+            d_hit = [a - b for a, b in zip(hit, self._ranks_hit[layer])]
+            self._ranks_seen[layer], self._ranks_hit[layer] = list(seen), list(hit)
+            if any(d_seen[:self.settings.k]):
+                self.rule.observe_ranks(layer, d_seen, d_hit)
+
+    def update_allowances(self) -> None:
+        """Apply the rule to the current estimates: the per-layer counts (written to the device when they
+        change), auto's predicting state (some layer's window holds half a copy) and the expected gain."""
+        saved = float(self.saved_share())
+        cap = self._auto_cap
+        allowed = self.rule.budgets(saved, cap) if saved > 0 else [0] * self.cache.num_layers
+        self.active = saved > 0 and self.rule.window_fits()
+        self.auto_gain_s = self.rule.expected_gain_s(saved, cap) if saved > 0 else 0.0
+        if allowed != self.allowed:
+            self.allowed = allowed
+            self._allow_host.copy_(torch.tensor(allowed, dtype=torch.int64))
+            self.allow.copy_(self._allow_host, non_blocking=self.on_cuda)
+
+    def report(self) -> dict:
+        """What the rule sees and decides now (benchmarks, logs): per layer the window used (s) and the count;
+        the bandwidth (bytes/s); the expected seconds saved per decode step; whether auto predicts."""
+        rule = self.rule
+        return {"windows_s": [rule.idle_s(layer) for layer in range(self.cache.num_layers)],
+                "allowed": list(self.allowed), "bandwidth": rule.bandwidth.mean if rule.bandwidth.samples else 0.0,
+                "gain_s_per_step": self.auto_gain_s, "active": self.active}
+
     # -- the steps, in a layer call's order ---------------------------------------------------------
     def begin(self, layer: int, h: torch.Tensor, ids: torch.Tensor, decode_sized: bool) -> None:
         """Start of layer `layer`'s MoE block: score its prediction, fork the next layer's."""
         self._installed = False
+        self._decode_call = decode_sized
         if self.mode == "off":
             return
         if layer == 0 or not decode_sized:
@@ -182,14 +289,25 @@ class Lookahead:
         if self._scored_layer == layer:
             chosen = self._chosen
             valid = chosen >= 0
-            hit = (chosen[:, None] == ids.reshape(1, -1)).any(1) & valid
+            routed = ids.reshape(1, -1)
+            hit = (chosen[:, None] == routed).any(1) & valid
             self.counts[0] += valid.sum()
             self.counts[1] += hit.sum()
             self.counts[3] += 1
+            if self._tracked:         # per rank among the non-resident candidates; auto's choice (measure)
+                rank = self._rank_buf
+                routed_c = (self._cand_buf[:, None] == routed).any(1) & (self._cand_buf >= 0)
+                col = torch.where(rank >= 0, rank, self.settings.k)
+                self.rank_counts[0, layer].index_add_(0, col, self._ones)
+                self.rank_counts[1, layer].index_add_(0, col, routed_c.to(torch.int64))
+                pick = (rank >= 0) & (rank < self.allow[layer])
+                self.counts[4] += pick.sum()
+                self.counts[5] += (pick & routed_c).sum()
         self._scored_layer = -1
+        self._tracked = False
         self._target, self._cand = -1, None
         nxt = layer + 1
-        if not decode_sized or nxt >= self.cache.num_layers:
+        if not decode_sized or nxt >= self.cache.num_layers or not self._predicting():
             return
         if self.on_cuda:
             compute = self._compute()
@@ -204,14 +322,22 @@ class Lookahead:
         self._target = nxt
 
     def wait(self, layer: int) -> None:
-        """Right after ensure(layer): the compute stream waits for the prefetch copy made for `layer`."""
+        """Right after ensure(layer): the probe's mark (the link could take layer's demand copy from here), then
+        the compute stream waits for the prefetch copy made for `layer`."""
+        self._marked_layer = -1
+        if self._decode_call and self.probing and self.probe.timing(layer):
+            compute = self._compute()
+            self.probe.ready(layer, compute, self.cache.num_indices)
+            self._fork_mark = torch.cuda.Event()
+            self._fork_mark.record(compute)
+            self._marked_layer = layer
         if self._copied is not None and self._copied_layer == layer and self.on_cuda:
             self._compute().wait_event(self._copied)
         self._copied, self._copied_layer = None, -1
 
     def install(self, layer: int) -> bool:
         """Right after ensure(layer) (and `wait`): the next layer's prefetch install (or, measuring, its
-        choice). True when a prefetch plan was written (mode on)."""
+        choice). True when a prefetch plan was written (mode on, auto)."""
         nxt = self._target
         if nxt != layer + 1 or self._cand is None or self._installed:
             return False
@@ -220,8 +346,14 @@ class Lookahead:
         if self.on_cuda:
             self._compute().wait_event(self._predicted)
         c = self.cache
-        if self.mode == "on":
-            prefetch_ensure(c, nxt, cand, budget, check_ids=False)
+        if self.mode in ("on", "auto"):
+            if self.mode == "auto":       # at most allow[nxt] of them; every candidate's rank written for scoring
+                budget = self._auto_cap
+                self._track(cand)
+                prefetch_ensure(c, nxt, cand, budget, check_ids=False, device_budget=self.allow[nxt:nxt + 1],
+                                ranks_out=self._rank_buf)
+            else:
+                prefetch_ensure(c, nxt, cand, budget, check_ids=False)
             n = c.prefetch_num_indices.to(torch.int64)
             src = c.prefetch_src_indices[:budget].to(torch.int64)
             chosen = torch.where(self._arange[:budget] < n, src, -1)
@@ -230,15 +362,30 @@ class Lookahead:
                 self._copy_after = torch.cuda.Event()
                 self._copy_after.record(self._compute())
         else:                                            # measure: the same choice, nothing installed
-            chosen = self._dry_choice(nxt, cand, budget)
+            chosen, fresh, rank = self._dry_choice(nxt, cand, budget)
+            self._track(cand, torch.where(fresh, rank, -1))
         self._chosen[:budget].copy_(chosen)
         self._chosen[budget:].fill_(-1)
         self._scored_layer = nxt
-        return self.mode == "on"
+        return self.mode in ("on", "auto")
 
-    def _dry_choice(self, layer: int, cand: torch.Tensor, budget: int) -> torch.Tensor:
+    def _track(self, cand: torch.Tensor, ranks: torch.Tensor | None = None) -> None:
+        """Keep the target's candidates (and their ranks among the non-resident ones, when given; else the
+        install writes them) for scoring per rank at the target's `begin`."""
+        n = cand.numel()
+        self._cand_buf[:n].copy_(cand)
+        if ranks is not None:
+            self._rank_buf[:n].copy_(ranks)
+        if n < self._cand_buf.numel():
+            self._cand_buf[n:].fill_(-1)
+            self._rank_buf[n:].fill_(-1)
+        self._tracked = True
+
+    def _dry_choice(self, layer: int, cand: torch.Tensor,
+                    budget: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """prefetch_ensure's choice without installing: the first `budget` distinct valid non-resident candidates
-        (reads the maps on the compute stream)."""
+        (reads the maps on the compute stream); and per candidate whether it is one of those (fresh) and its rank
+        among them (0-based)."""
         c = self.cache
         n = cand.numel()
         valid = (cand >= 0) & (cand < c.num_experts)
@@ -250,25 +397,38 @@ class Lookahead:
         pick = fresh & (rank <= budget)
         out = torch.full((budget + 1,), -1, dtype=torch.int64, device=cand.device)
         out.scatter_(0, torch.where(pick, rank - 1, budget), torch.where(pick, cand, -1))
-        return out[:budget]      # (index `budget` collects the unpicked: dropped)
+        return out[:budget], fresh, rank - 1      # (index `budget` collects the unpicked: dropped)
 
     def copy(self, layer: int) -> None:
-        """After layer `layer`'s demand copy was queued: the prefetch plan of layer + 1 (mode on)."""
-        if self.mode != "on" or not self._installed or self._target != layer + 1:
+        """After layer `layer`'s demand copy was queued: the prefetch plan of layer + 1 (mode on, auto), behind it
+        on the copy stream; in a timed step (auto, measure) the probe's marks around it. The compute stream joins
+        what this queues at ensure(layer + 1) (`wait`)."""
+        c, nxt = self.cache, layer + 1
+        if nxt >= c.num_layers:
             return
-        c, nxt, budget = self.cache, layer + 1, self.settings.budget
-        host_layer = self.host_layers[nxt]
+        probing = self._marked_layer == layer
+        prefetching = self.mode in ("on", "auto") and self._installed and self._target == nxt
+        if not (probing or prefetching):
+            return
+        cap = self.plan_length
         if not self.on_cuda:
-            copy_plan(self.slots, host_layer, c.prefetch_evict_slots, c.prefetch_src_indices,
-                      c.prefetch_num_indices, max_copies=budget)
+            copy_plan(self.slots, self.host_layers[nxt], c.prefetch_evict_slots, c.prefetch_src_indices,
+                      c.prefetch_num_indices, max_copies=cap)
             return
         side = self.copy_stream
-        side.wait_event(self._copy_after)    # behind the install (and every GEMM queued before it)
-        with torch.cuda.stream(side):
-            copy_plan(self.slots, host_layer, c.prefetch_evict_slots, c.prefetch_src_indices,
-                      c.prefetch_num_indices, max_copies=budget)
-            self._copied = torch.cuda.Event()
-            self._copied.record(side)
+        # behind the install (and every GEMM queued before it); probing alone: behind ensure(layer), which the
+        # demand copy already is (this only makes the marks part of a capture)
+        side.wait_event(self._copy_after if prefetching else self._fork_mark)
+        if probing:
+            self.probe.demand_end(layer, side)
+        if prefetching:
+            with torch.cuda.stream(side):
+                copy_plan(self.slots, self.host_layers[nxt], c.prefetch_evict_slots, c.prefetch_src_indices,
+                          c.prefetch_num_indices, max_copies=cap)
+        if probing:
+            self.probe.fetched_end(nxt, side, c.prefetch_num_indices if prefetching else None)
+        self._copied = torch.cuda.Event()
+        self._copied.record(side)
         self._copied_layer = nxt
 
     def join(self) -> None:
@@ -278,10 +438,11 @@ class Lookahead:
             compute.wait_stream(self.predict_stream)
             compute.wait_stream(self.copy_stream)
         self._target, self._cand, self._copied, self._copied_layer = -1, None, None, -1
+        self._tracked, self._marked_layer = False, -1
 
     def counters(self) -> dict[str, int]:
         """The device counters (one small read): predictions scored, useful ones (installed, or measured, then
-        routed), experts installed, layer calls scored."""
+        routed), experts installed, layer calls scored; auto's choice and its useful part (auto, measure)."""
         return dict(zip(COUNTERS, (int(v) for v in self.counts.tolist())))
 
 

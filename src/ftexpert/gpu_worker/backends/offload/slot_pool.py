@@ -5,6 +5,7 @@ events, the slot audit, and emptying the cache after a call that raised)."""
 from __future__ import annotations
 
 import logging
+from typing import Callable
 
 import torch
 
@@ -82,10 +83,13 @@ class SlotPool:
         self.verifier: SlotVerifier | None = None    # FREETOKEN_MOE_PREFETCH_VERIFY (None: off)
         self.prefetched: dict[int, torch.cuda.Event | None] = {}
 
-    def set_prefetch(self, settings: PrefetchSettings, predictor: Predictor | None) -> None:
-        """The lookahead prefetch (docs/PREFETCH.md): `settings` (mode off | measure | on, budget, K, verify) and
-        the predictor of the next layer's experts (the model's routers: RouterPredictor)."""
-        self.lookahead = Lookahead(self.cache, self.slots, self.host_layers, self.copy_stream, settings, predictor)
+    def set_prefetch(self, settings: PrefetchSettings, predictor: Predictor | None,
+                     saved_share: Callable[[], float] | None = None) -> None:
+        """The lookahead prefetch (docs/PREFETCH.md): `settings` (mode off | measure | on | auto, budget, K, verify),
+        the predictor of the next layer's experts (the model's routers: RouterPredictor) and, for auto, the share
+        of a miss's cost a right guess saves (None: all of it, as in offload; Lookahead)."""
+        self.lookahead = Lookahead(self.cache, self.slots, self.host_layers, self.copy_stream, settings, predictor,
+                                   saved_share=saved_share)
         self.verifier = (None if settings.verify == "off" else
                          SlotVerifier(settings.verify, self.cache, self.slots, self.host_layers))
 
@@ -103,6 +107,15 @@ class SlotPool:
             return False
         la.wait(layer_idx)
         return la.install(layer_idx)
+
+    def step_begin(self) -> None:
+        """Before a decode step: the lookahead's measurements read and its per-layer counts updated."""
+        if self.lookahead is not None:
+            self.lookahead.step_begin()
+
+    def step_end(self) -> None:
+        if self.lookahead is not None:
+            self.lookahead.step_end()
 
     def prefetch_counters(self) -> dict[str, int]:
         """The prefetch's counters (prefetch.COUNTERS; zeros without a lookahead)."""
