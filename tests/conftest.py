@@ -32,6 +32,16 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_gpu)
 
 
+@pytest.fixture(autouse=True)
+def torch_threads():
+    """Each test starts with the process's torch thread count: building a hybrid backend in-process sets it (the
+    GPU worker's engine thread count), and the CPU's float sums, hence a tiny model's greedy text, depend on it."""
+    threads = torch.get_num_threads()
+    yield
+    if torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)
+
+
 @pytest.fixture
 def no_tf32():
     """Exact float32 matmuls on the GPU for tests that compare tokens with the CPU."""

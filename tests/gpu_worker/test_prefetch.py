@@ -93,11 +93,12 @@ def test_measure_counts_without_changing_the_cache(references):
 def test_auto_gives_the_same_tokens_and_logits_as_off(references, per_layer, batch):
     """auto with an idle window measured: it predicts, measures each rank's precision, installs what clears the
     break-even (the per-layer counts on the device), and the output is off's bit for bit."""
-    run, counters, report = run_mode(PrefetchSettings(mode="auto"), per_layer=per_layer, batch=batch, windows=True)
+    run, counters, _ = run_mode(PrefetchSettings(mode="auto"), per_layer=per_layer, batch=batch, windows=True)
     ref_run, _ = references[per_layer, batch]
     assert_identical(ref_run, run, f"auto {'per-layer' if per_layer else 'global'} batch {batch}")
-    assert any(report["allowed"]), "the rule allowed nothing: the test proves nothing"
-    assert counters["prefetch_installed_total"] > 0
+    # installs happen only where the rule's per-layer count on the device is > 0: the rule allowed some during the
+    # run (its last counts, report["allowed"], follow the text's last steps and may be all 0 by the end)
+    assert counters["prefetch_installed_total"] > 0, "the rule allowed nothing: the test proves nothing"
     assert counters["prefetch_installed_total"] <= counters["prefetch_auto_predicted_total"]
     assert 0 < counters["prefetch_auto_useful_total"] <= counters["prefetch_auto_predicted_total"]
 
