@@ -229,8 +229,9 @@ def tiny_served_engine():
 def live_server(tmp_path, *, api_key: str | None = None, engine_kwargs: dict | None = None,
                 request_timeout_s: float = 60.0, max_pending_requests: int = 256, grpc: bool = True,
                 drain_timeout_s: float = 5.0, real_engine: bool = False, context_length: int = CONTEXT_LENGTH,
-                tls=None):
-    """A CoordinatorServer on 127.0.0.1 (free ports) around the fake engine, or the real tiny one."""
+                tls=None, supervisor=None, engine_worker: str | None = None):
+    """A CoordinatorServer on 127.0.0.1 (free ports) around the fake engine, or the real tiny one (`supervisor`,
+    `engine_worker`: as process mode passes them)."""
     model_dir = write_tiny_model_dir(os.path.join(str(tmp_path), "model"))
     box: list = []
     if real_engine:
@@ -255,7 +256,7 @@ def live_server(tmp_path, *, api_key: str | None = None, engine_kwargs: dict | N
         model = ModelInfo(MODEL_NAME, context_length, codec)
         listen = ListenConfig(host="127.0.0.1", port=0, grpc_port=0 if grpc else -1, api_key=api_key,
                               drain_timeout_s=drain_timeout_s, tls=tls)
-        return CoordinatorServer(service, model, policy, listen)
+        return CoordinatorServer(service, model, policy, listen, supervisor=supervisor, engine_worker=engine_worker)
 
     bg = BackgroundServer(build)
     server = bg.start()

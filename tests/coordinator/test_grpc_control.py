@@ -3,6 +3,7 @@ committed descriptor set against the .proto files."""
 from __future__ import annotations
 
 import io
+import json
 import os
 import socket
 import sys
@@ -12,6 +13,7 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
 from coordinator_support import FAKE_TEXT, MODEL_NAME, live_server  # noqa: E402
+from grpc_support import control_channel  # noqa: E402
 
 from ftexpert.proto import control_rpc as rpc  # noqa: E402
 
@@ -24,7 +26,7 @@ def ls(tmp_path_factory):
 
 @pytest.fixture
 def stubs(ls):
-    with grpc.insecure_channel(ls.grpc_address) as channel:
+    with control_channel(ls.grpc_address) as channel:
         yield rpc.ControlStub(channel), rpc.HealthStub(channel)
 
 
@@ -126,7 +128,7 @@ def test_drain_and_resume_over_grpc(ls, stubs):
 
 def test_cancelled_generate_aborts_the_engine_request(tmp_path):
     with live_server(tmp_path, engine_kwargs={"step_delay_s": 0.02}) as server:
-        with grpc.insecure_channel(server.grpc_address) as channel:
+        with control_channel(server.grpc_address) as channel:
             call = rpc.ControlStub(channel).Generate(rpc.msg.GenerateRequest(prompt="x", max_tokens=200), timeout=30)
             first = next(call)
             assert first.text
@@ -204,3 +206,37 @@ def test_ctl_reports_an_unreachable_server(capsys):
     assert ctl_cli.run(args, out=io.StringIO()) == 1
     err = capsys.readouterr().err
     assert "UNAVAILABLE" in err or "DEADLINE_EXCEEDED" in err     # which one depends on the grpcio version
+
+
+class _Supervised:
+    """A process-mode supervisor's view: a CPU worker and the GPU worker that runs the engine."""
+
+    def __init__(self):
+        self.restarted: list[str] = []
+
+    def worker_info(self):
+        return [{"name": name, "kind": kind, "state": "ready", "pid": pid, "restarts": self.restarted.count(name),
+                 "uptime_s": 1.0, "last_heartbeat_age_s": 0.1, "last_error": ""}
+                for name, kind, pid in (("cpu0", "cpu-worker", 101), ("gpu0", "gpu-worker", 102))]
+
+    def restart(self, name: str) -> None:
+        self.restarted.append(name)
+
+
+def test_ft_ctl_workers_lists_each_worker_once(tmp_path):
+    supervisor = _Supervised()
+    with live_server(tmp_path, api_key="k", supervisor=supervisor, engine_worker="gpu0") as server:
+        rc, out = ctl(server, "--json", "workers", api_key="k")
+        names = [w["name"] for w in json.loads(out)["workers"]]
+        assert rc == 0 and sorted(names) == ["cpu0", "gpu0"], names        # not `engine` as well
+        rc, out = ctl(server, "workers", api_key="k")
+        assert out.count("name: gpu0") == 1 and "name: engine" not in out
+        statuses = server.server.component_health()
+        assert "worker/gpu0" in statuses and "worker/engine" not in statuses
+        rc, out = ctl(server, "restart", "gpu0", api_key="k")
+        assert rc == 0 and supervisor.restarted == ["gpu0"] and "name: gpu0" in out
+        rc, out = ctl(server, "restart", "engine", api_key="k")        # the engine's name in every mode
+        assert rc == 0 and "name: gpu0" in out
+    with live_server(tmp_path, api_key="k") as server:                  # inline: the engine is `engine`
+        rc, out = ctl(server, "workers", api_key="k")
+        assert rc == 0 and out.count("name: ") == 1 and "name: engine" in out

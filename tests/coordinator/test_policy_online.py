@@ -4,12 +4,12 @@ from __future__ import annotations
 import os
 import sys
 
-import grpc
 import openai
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
 from coordinator_support import MODEL_NAME, live_server  # noqa: E402
+from grpc_support import control_channel  # noqa: E402
 
 from ftexpert.coordinator.engine_service import telemetry_from_stats  # noqa: E402
 from ftexpert.coordinator.policy import FetchPolicy, PolicySettings  # noqa: E402
@@ -26,7 +26,7 @@ def test_engine_counters_drive_the_tuner_and_the_engine_gets_each_decision(tmp_p
         c = openai.OpenAI(base_url=ls.base_url + "/v1", api_key="x", max_retries=0)
         for _ in range(3):
             c.completions.create(model=MODEL_NAME, prompt="x", max_tokens=100)
-        with grpc.insecure_channel(ls.grpc_address) as channel:
+        with control_channel(ls.grpc_address) as channel:
             policy = rpc.ControlStub(channel).GetPolicy(rpc.msg.GetPolicyRequest(), timeout=10)
         assert policy.telemetry_steps_total > 0 and policy.source == "online"
         assert policy.target_fraction == pytest.approx(0.6, abs=0.01)

@@ -16,6 +16,7 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
 from coordinator_support import MODEL_NAME, live_server  # noqa: E402
+from grpc_support import control_channel  # noqa: E402
 from serve_support import TINY_ARGS, Proc, Server, children_pids, pid_alive  # noqa: E402
 
 from ftexpert.proto import control_rpc as rpc  # noqa: E402
@@ -81,11 +82,12 @@ def test_process_mode_answers_like_the_inline_engine(server, reference):
     assert status == 200 and chat["choices"][0]["message"]["content"] == reference["chat"]
     status, models = server.request("GET", "/v1/models")
     assert models["data"][0]["max_model_len"] == 8192         # from the worker's READY facts
-    with grpc.insecure_channel(f"127.0.0.1:{server.grpc_port}") as channel:
-        workers = {w.name: w for w in rpc.ControlStub(channel).ListWorkers(rpc.msg.ListWorkersRequest(),
-                                                                          timeout=10).workers}
+    with control_channel(f"127.0.0.1:{server.grpc_port}") as channel:
+        listed = rpc.ControlStub(channel).ListWorkers(rpc.msg.ListWorkersRequest(), timeout=10).workers
+    workers = {w.name: w for w in listed}
+    assert len(workers) == len(listed)
     assert workers["gpu0"].state == "ready" and workers["gpu0"].kind == "gpu-worker"
-    assert workers["engine"].kind == "gpu-worker" and workers["engine"].pid == workers["gpu0"].pid
+    assert list(workers) == ["gpu0"]                          # the GPU worker once, by its supervised name
     assert children_pids(server.pid, "worker gpu") == [workers["gpu0"].pid]
 
 
@@ -94,7 +96,7 @@ def test_gpu_worker_killed_mid_stream_fails_clearly_then_is_restarted(server, re
     conn, resp = _stream_events(server, {"prompt": "Hello", "max_tokens": LONG_TOKENS, "ignore_eos": True,
                                          "temperature": 0})
     assert resp.readline().startswith(b"data: ")              # tokens are flowing
-    with grpc.insecure_channel(f"127.0.0.1:{server.grpc_port}") as channel:
+    with control_channel(f"127.0.0.1:{server.grpc_port}") as channel:
         stub = rpc.ControlStub(channel)
         sampling = rpc.msg.SamplingOptions(temperature=0, ignore_eos=True)
         gen = stub.Generate(rpc.msg.GenerateRequest(prompt="Hi", max_tokens=LONG_TOKENS, sampling=sampling),
@@ -116,7 +118,7 @@ def test_gpu_worker_killed_mid_stream_fails_clearly_then_is_restarted(server, re
     assert body["choices"][0]["text"] == reference["completions"][PROMPTS[0]][0]
     (new_pid,) = children_pids(server.pid, "worker gpu")
     assert new_pid != old_pid
-    with grpc.insecure_channel(f"127.0.0.1:{server.grpc_port}") as channel:
+    with control_channel(f"127.0.0.1:{server.grpc_port}") as channel:
         workers = {w.name: w for w in rpc.ControlStub(channel).ListWorkers(rpc.msg.ListWorkersRequest(),
                                                                           timeout=10).workers}
     assert workers["gpu0"].restarts >= 1 and "killed by signal 9" in workers["gpu0"].last_error

@@ -240,3 +240,38 @@ def test_the_stable_period_counts_from_this_childs_ready_not_an_earlier_ones(tmp
             sup.stop()
     assert len((tmp_path / "starts").read_text()) == 3        # the stable one + 2 crashes, then it gave up
     assert any(r.levelno == logging.ERROR and "giving up on worker gpu0" in r.getMessage() for r in caplog.records)
+
+
+def _give_up_advice(mode: str):
+    """The give-up advice of the supervisor's owner in each mode: `ft serve --on-worker-give-up exit|stay` (the
+    process set's), and the inline owner of the CPU workers (`ft serve --workers inline`, `ft generate`)."""
+    from ftexpert.coordinator.cli import build_parser
+    from ftexpert.coordinator.expert_resources import ExpertResources
+    from ftexpert.coordinator.process_set import ProcessSet, options_from_serve_args
+    from ftexpert.proto.engine_spec import spec_from_args
+
+    if mode == "inline":
+        return ExpertResources.give_up_advice
+    args = build_parser().parse_args(["serve", "--preset", "tiny", "--on-worker-give-up", mode])
+    return ProcessSet(options_from_serve_args(args, spec_from_args(args))).give_up_advice
+
+
+@pytest.mark.parametrize("mode", ["exit", "stay", "inline"])
+def test_the_give_up_message_advises_what_brings_the_worker_back_in_each_mode(tmp_path, mode):
+    errors = []
+    sup = Supervisor([spec("gpu0", DIE_AFTER_READY, max_restarts=1, env={**ENV, "STARTS_FILE": str(tmp_path / "s")})],
+                     on_error=errors.append, give_up_advice=_give_up_advice(mode))
+    sup.start()
+    try:
+        wait_until(lambda: any(isinstance(e, WorkerGaveUp) for e in errors), timeout_s=20)
+    finally:
+        sup.stop()
+    message = str(next(e for e in errors if isinstance(e, WorkerGaveUp)))
+    assert "fix the cause (worker gpu0 exited with code 7" in message
+    if mode == "exit":             # the coordinator exits 70: an `ft ctl` call would find nothing to talk to
+        assert "ft ctl" not in message and "exits with code 70" in message and "run `ft serve` again" in message
+    elif mode == "stay":
+        assert message.endswith("then restart it with `ft ctl restart gpu0` (--on-worker-give-up stay: the "
+                                "coordinator keeps serving)")
+    else:                          # no `ft ctl restart` reaches the inline owner's supervisor
+        assert "ft ctl" not in message and "`ft serve --workers inline` or `ft generate`" in message

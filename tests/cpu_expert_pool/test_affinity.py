@@ -338,10 +338,10 @@ def _cpu_worker_pids(server_pid: int) -> dict[int, int]:
 
 
 def _supervised(srv: Server, name: str) -> dict:
-    import grpc
+    from tests.coordinator.grpc_support import control_channel
 
     from ftexpert.proto import control_rpc as rpc
-    with grpc.insecure_channel(f"127.0.0.1:{srv.grpc_port}") as channel:
+    with control_channel(f"127.0.0.1:{srv.grpc_port}") as channel:
         workers = rpc.ControlStub(channel).ListWorkers(rpc.msg.ListWorkersRequest(), timeout=10).workers
     return {w.name: w for w in workers}[name]
 

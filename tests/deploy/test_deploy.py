@@ -127,6 +127,18 @@ def test_env_file_holds_known_knobs_and_loopback_addresses():
         assert env[key].isdigit(), key
 
 
+def test_ft_ctl_of_the_ft_user_finds_the_coordinators_control_key():
+    """With FT_API_KEY empty the coordinator writes its control key in its RuntimeDirectory= (0700, user ft), where
+    `sudo -u ft ft ctl`, which has no $RUNTIME_DIRECTORY, looks too."""
+    from ftexpert.coordinator import control_key
+
+    service = read_unit("ft-coordinator.service")["Service"]
+    assert service["RuntimeDirectoryMode"] == "0700" and service["UMask"] == "0077"
+    assert control_key.SYSTEMD_RUNTIME_DIR == f"/run/{service['RuntimeDirectory']}"
+    assert control_key.SYSTEMD_RUNTIME_DIR in control_key.search_dirs({})
+    assert control_key.search_dirs({"RUNTIME_DIRECTORY": "/run/ft"})[0] == "/run/ft"      # where it writes it
+
+
 def _install(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(["bash", os.path.join(DEPLOY, "install.sh"), *args], capture_output=True, text=True,
                           timeout=60)

@@ -5,8 +5,9 @@ HTTP: `Authorization: Bearer TOKEN`; gRPC: metadata `authorization: Bearer TOKEN
 orchestrators call them without credentials.
 
 The token comes from $FT_API_KEY or a file (`--api-key-file`), never from the command line, which every
-local user can read in `ps`. A key file that others may read is refused. A listener on a non-loopback
-address without a token is refused unless `--insecure` says that is meant (then a warning).
+local user can read in `ps`. A key file that others may read is refused. An HTTP listener on a non-loopback
+address without a token is refused unless `--insecure` says that is meant (then a warning); the gRPC control plane
+is never without one (with no API key it takes the key of coordinator/control_key.py).
 """
 from __future__ import annotations
 
@@ -92,8 +93,8 @@ def check_exposure(host: str, api_key: str | None, what: str, insecure: bool = F
         return None
     if not insecure:
         raise ValueError(f"the {what} would listen on {host}, which is not loopback, with no API key: anyone who "
-                         f"can reach it could generate and control the service. Set {API_KEY_ENV} or "
+                         f"can reach it could generate text with this model. Set {API_KEY_ENV} or "
                          f"--api-key-file, bind to 127.0.0.1, or pass --insecure if that is what you want")
     message = (f"WARNING: the {what} listens on {host}, which is not loopback, and no API key is set (--insecure): "
-               f"anyone who can reach it can generate and control the service.")
+               f"anyone who can reach it can generate text with this model.")
     return message

@@ -8,8 +8,9 @@
     ft ctl generate --prompt "Hello" --max-tokens 32 [--chat] [--temperature 0]
 
 --address (default 127.0.0.1:1920, env FT_CTL_ADDRESS), the key from $FT_API_KEY or --api-key-file (never
-the command line: `ps` shows it), --tls-ca PEM for a server with --tls-cert, --json for machine-readable
-output, --timeout-s for each call.
+the command line: `ps` shows it); with neither, the control key of a server on this host started without an API
+key, when this user may read it (coordinator/control_key.py). --tls-ca PEM for a server with --tls-cert, --json
+for machine-readable output, --timeout-s for each call.
 """
 from __future__ import annotations
 
@@ -111,11 +112,14 @@ def _print_tree(data: Any, indent: int, out) -> None:
 def run(args: argparse.Namespace, out=None) -> int:
     import grpc
 
+    from ftexpert.coordinator import control_key
     from ftexpert.coordinator.auth import resolve_api_key
     from ftexpert.proto import control_rpc as rpc
 
     out = out or sys.stdout
-    api_key = resolve_api_key(args.api_key_file)
+    api_key, key_file, notes = resolve_api_key(args.api_key_file), None, []
+    if api_key is None:                   # a server here without an API key: its control key, if it is ours
+        api_key, key_file, notes = control_key.find(args.address)
     metadata = (("authorization", f"Bearer {api_key}"),) if api_key else ()
     t = args.timeout_s
     if args.tls_ca:
@@ -130,9 +134,19 @@ def run(args: argparse.Namespace, out=None) -> int:
         except grpc.RpcError as exc:
             code = exc.code()
             hint = {grpc.StatusCode.UNAVAILABLE: f" (is `ft serve` running with --grpc-port matching {args.address}?)",
-                    grpc.StatusCode.UNAUTHENTICATED: " (set FT_API_KEY or pass --api-key-file)"}.get(code, "")
+                    grpc.StatusCode.UNAUTHENTICATED: _key_hint(api_key, key_file, notes)}.get(code, "")
             print(f"ft ctl: {code.name}: {exc.details()}{hint}", file=sys.stderr)
             return 1
+
+
+def _key_hint(api_key: str | None, key_file: str | None, notes: list[str]) -> str:
+    """After UNAUTHENTICATED: which key ft ctl sent, or why it had none."""
+    if key_file is not None:
+        return (f" (ft ctl sent the control key in {key_file}, which this server does not take: it was left by an "
+                f"earlier server on that port; set FT_API_KEY or pass --api-key-file with this server's key)")
+    if api_key is not None:
+        return " (the key of FT_API_KEY / --api-key-file is not this server's)"
+    return f" (ft ctl had no key to send{''.join(f'; {note}' for note in notes)})"
 
 
 def _dispatch(args, control, health, rpc, metadata, t, out) -> int:

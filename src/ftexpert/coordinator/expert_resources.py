@@ -215,9 +215,16 @@ class ExpertResources:
         specs = self.cpu_worker_specs()
         if not specs:
             return None
-        self.supervisor = Supervisor(specs)
+        self.supervisor = Supervisor(specs, give_up_advice=self.give_up_advice)
         self.supervisor.start(timeout_s=self.cpu.ready_timeout_s)
         return self.supervisor
+
+    @staticmethod
+    def give_up_advice(name: str) -> str:
+        """start_cpu_workers' supervisor runs in `ft serve --workers inline` and `ft generate`: no `ft ctl restart`
+        reaches it."""
+        return (f"then restart the command that runs {name} (`ft serve --workers inline` or `ft generate`): nothing "
+                f"restarts it in this process")
 
     def worker_info(self) -> list[dict[str, Any]]:
         return self.supervisor.worker_info() if self.supervisor is not None else []

@@ -38,6 +38,8 @@ class ControlHost(Protocol):
 
     def workers(self) -> list[dict[str, Any]]: ...
 
+    def worker(self, name: str) -> dict[str, Any] | None: ...
+
     async def restart_worker(self, name: str) -> None: ...
 
     def request_shutdown(self, drain_timeout_s: float | None = None) -> None: ...
@@ -55,14 +57,17 @@ GENERATE_DEFAULT_MAX_TOKENS = 16
 OPEN_METHOD_PREFIX = f"/{rpc.HEALTH_SERVICE}/"   # health checks need no token
 
 
+API_KEY_REFUSAL = ("missing or wrong API key: send metadata 'authorization: Bearer <key>' with the key the server "
+                   "was started with (FT_API_KEY or ft ctl --api-key-file)")
+
+
 class _AuthInterceptor(grpc.ServerInterceptor):
     def __init__(self, api_key: str | None):
         self.api_key = api_key
+        self.refusal = API_KEY_REFUSAL        # what a caller without the key is told (the control key's own text)
 
         def deny(request, context):
-            context.abort(grpc.StatusCode.UNAUTHENTICATED,
-                          "missing or wrong API key: send metadata 'authorization: Bearer <key>' with the key the "
-                          "server was started with (FT_API_KEY or ft ctl --api-key-file)")
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, self.refusal)
         self._deny = grpc.unary_unary_rpc_method_handler(deny)
 
     def intercept_service(self, continuation, handler_call_details):
@@ -136,15 +141,14 @@ class ControlServicer:
         return rpc.msg.ListWorkersResponse(workers=[_worker_message(w) for w in self.server.workers()])
 
     def RestartWorker(self, request, context):
-        names = [w["name"] for w in self.server.workers()]
-        if request.name not in names:
+        if self.server.worker(request.name) is None:
+            names = sorted({"engine", *(w["name"] for w in self.server.workers())})
             context.abort(grpc.StatusCode.NOT_FOUND, f"no worker named {request.name!r}; workers: {', '.join(names)}")
         try:
             self._run(self.server.restart_worker(request.name), context, timeout_s=600.0)
         except (RuntimeError, ValueError) as exc:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
-        worker = next(w for w in self.server.workers() if w["name"] == request.name)
-        return rpc.msg.RestartWorkerResponse(worker=_worker_message(worker))
+        return rpc.msg.RestartWorkerResponse(worker=_worker_message(self.server.worker(request.name)))
 
     def Drain(self, request, context):
         if request.resume:
@@ -290,9 +294,10 @@ class GrpcServer:
     def __init__(self, server: "ControlHost", api_key: str | None, tls: Any = None):
         self.tls = tls                        # coordinator.tls.TlsFiles: listen with TLS
         self.health = HealthServicer(server)
+        self.auth = _AuthInterceptor(api_key)
         self._server = grpc.server(concurrent.futures.ThreadPoolExecutor(max_workers=MAX_WORKERS,
                                                                          thread_name_prefix="ft-grpc"),
-                                   interceptors=[_AuthInterceptor(api_key)],
+                                   interceptors=[self.auth],
                                    maximum_concurrent_rpcs=MAX_CONCURRENT_RPCS,
                                    options=[("grpc.so_reuseport", 0)])
         self._server.add_generic_rpc_handlers([rpc.control_handlers(ControlServicer(server)),

@@ -140,7 +140,8 @@ def _check_model(body: dict, model: ModelInfo) -> None:
 
 def _refuse_unsupported(body: dict, chat: bool) -> None:
     def refuse(name: str, what: str) -> None:
-        raise bad(f"'{name}' {what} is not supported by this server; remove it", name, "unsupported_parameter")
+        option = f"'{name}' {what}" if what else f"'{name}'"
+        raise bad(f"{option} is not supported by this server; remove it", name, "unsupported_parameter")
 
     if chat:
         if body.get("logprobs") not in (None, False):

@@ -36,6 +36,7 @@ from typing import Any, Callable
 from ftexpert.coordinator.engine_link import EngineLinkServer
 from ftexpert.coordinator.expert_resources import CpuWorkerSettings, ExpertResources
 from ftexpert.coordinator.remote_engine import RemoteEngine
+from ftexpert.coordinator.supervisor import EXIT_WORKERS_GAVE_UP
 from ftexpert.proto import engine_messages as em
 from ftexpert.proto import link_auth
 from ftexpert.proto.engine_spec import EngineSpec
@@ -65,6 +66,7 @@ class ProcessSetOptions:
     backoff_initial_s: float = 0.5
     backoff_max_s: float = 30.0
     max_restarts: int = 5
+    exit_on_give_up: bool = True             # --on-worker-give-up exit: the coordinator exits once one is given up on
     extra_env: dict[str, str] = field(default_factory=dict)
 
 
@@ -76,7 +78,8 @@ def options_from_serve_args(args: Any, spec: EngineSpec) -> ProcessSetOptions:
         spec = dataclasses.replace(spec, num_cpu_workers=default_worker_count())
     return ProcessSetOptions(attach=args.attach, spec=spec, engine_addr=args.engine_addr, http_port=args.port,
                              store_name=args.store_name or default_store_name(args.port),
-                             worker_ready_timeout_s=args.worker_ready_timeout_s, log_level=args.log_level)
+                             worker_ready_timeout_s=args.worker_ready_timeout_s, log_level=args.log_level,
+                             exit_on_give_up=args.on_worker_give_up == "exit")
 
 
 class ProcessSet:
@@ -121,7 +124,8 @@ class ProcessSet:
         else:
             from ftexpert.coordinator.supervisor import Supervisor
 
-            self.supervisor = Supervisor(self.worker_specs(), on_error=self._on_worker_error)   # it logs each
+            self.supervisor = Supervisor(self.worker_specs(), on_error=self._on_worker_error,   # it logs each
+                                         give_up_advice=self.give_up_advice)
             self.supervisor.start()
             facts = self.link.wait_ready(LINK_READY_GRACE_S, what=f"GPU worker {GPU_WORKER_NAME}")
         self._check_facts(facts)
@@ -180,6 +184,14 @@ class ProcessSet:
                                 max_restarts=o.max_restarts))
         return specs
 
+    def give_up_advice(self, name: str) -> str:
+        """What brings worker `name` back once the supervisor gave up on it, in each --on-worker-give-up mode."""
+        if self.options.exit_on_give_up:
+            return (f"then start the set again: the coordinator drains and exits with code {EXIT_WORKERS_GAVE_UP} "
+                    f"(--on-worker-give-up exit) for its service manager to restart it (systemd: Restart=on-failure); "
+                    f"started by hand, run `ft serve` again")
+        return f"then restart it with `ft ctl restart {name}` (--on-worker-give-up stay: the coordinator keeps serving)"
+
     def _on_worker_error(self, err: Exception) -> None:
         from ftexpert.coordinator.supervisor import WorkerGaveUp
 
@@ -203,6 +215,11 @@ class ProcessSet:
             restart = self._restart_gpu_worker if self.supervisor is not None else None
             self.remote = RemoteEngine(self.link, restart_worker=restart)
         return self.remote
+
+    @property
+    def engine_worker(self) -> str | None:
+        """The supervised worker that runs the engine (None with --attach: the GPU worker is not ours)."""
+        return GPU_WORKER_NAME if self.supervisor is not None else None
 
     def _restart_gpu_worker(self) -> None:
         self.supervisor.restart(GPU_WORKER_NAME)

@@ -5,8 +5,10 @@
     ft serve --attach --engine-addr ipc:///run/ft/engine.sock ...   # workers started by systemd
     ft serve --workers inline                 # the engine in this process (debugging, no restarts)
 
-Listens on 127.0.0.1 unless --host says otherwise; a non-loopback address needs an API key ($FT_API_KEY or
---api-key-file: never on the command line, which `ps` shows everyone) or an explicit --insecure. SIGTERM / SIGINT drain: no new requests, the ones in flight finish (up to
+Listens on 127.0.0.1 unless --host says otherwise; a non-loopback HTTP address needs an API key ($FT_API_KEY or
+--api-key-file: never on the command line, which `ps` shows everyone) or an explicit --insecure. Without an API key
+the gRPC control plane requires a key this process writes for its own user, which `ft ctl` of that user finds
+(coordinator/control_key.py). SIGTERM / SIGINT drain: no new requests, the ones in flight finish (up to
 --drain-timeout-s), then it stops (and stops its worker processes).
 
 --workers process (the default): this process is the coordinator and imports neither torch nor the model-loading
@@ -44,7 +46,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     net.add_argument("--grpc-port", type=int, default=DEFAULT_GRPC_PORT, help="gRPC port; -1 = no gRPC listener")
     add_api_key_flags(net)                   # HTTP and gRPC require the token when one is set
     net.add_argument("--insecure", action="store_true",
-                     help="allow a non-loopback --host / --grpc-host without an API key (refused otherwise)")
+                     help="allow a non-loopback --host without an API key (refused otherwise; gRPC then still "
+                          "requires the control key that ft serve writes for its own user)")
     net.add_argument("--tls-cert", default=None, metavar="PEM", help="serve HTTPS and gRPC over TLS: certificate chain")
     net.add_argument("--tls-key", default=None, metavar="PEM", help="the certificate's private key (with --tls-cert)")
     net.add_argument("--drain-timeout-s", type=float, default=30.0, help="how long SIGTERM waits for requests")
@@ -176,6 +179,8 @@ def serve_forever(server, listen, served_model_name: str, description: str) -> N
             print(message, file=sys.stderr)
         grpc_note = (f", gRPC{' (TLS)' if listen.tls else ''} on {listen.grpc_host or listen.host}:{server.grpc_port}"
                      if server.grpc_port else "")
+        if server.control_key is not None:            # no API key: ft ctl of this user reads this one
+            grpc_note += f" (control key {server.control_key.path})"
         print(f"ft serve: {served_model_name} ({description}) on {listen.scheme}://{listen.host}:{server.http_port}/v1"
               f"{grpc_note}", file=sys.stderr, flush=True)
         await server.wait_closed()
@@ -238,7 +243,7 @@ def run_processes(args: argparse.Namespace, spec: EngineSpec) -> int:
                                 max_pending_requests=args.max_pending_requests)
         name = served_name(spec.model, spec.preset, args.served_model_name)
         server = CoordinatorServer(service, ModelInfo(name, facts.max_context_tokens, codec), policy, listen,
-                                   supervisor=procs.supervisor)
+                                   supervisor=procs.supervisor, engine_worker=procs.engine_worker)
         procs.on_gave_up = lambda name, message, gpu: server.worker_gave_up(name, message, gpu_worker=gpu)
         where = "attached" if args.attach else f"pid {facts.pid}"
         serve_forever(server, listen, name, f"{model.description}; GPU worker {where} on {facts.device}")

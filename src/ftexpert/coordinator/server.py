@@ -3,6 +3,10 @@
 `ft serve` builds one and runs it until SIGTERM/SIGINT (or gRPC Shutdown): then it drains (stops
 accepting, waits for requests in flight up to drain_timeout_s, aborts the rest), stops the
 listeners, stops the engine thread, and returns. Tests build one around a fake engine.
+
+Who may call: the HTTP API requires the API key when one is set (else it is open to whoever reaches its address:
+loopback by default); the gRPC control plane always requires a key: the API key, or else the control key this
+server makes and writes for its own user (coordinator/control_key.py), which `ft ctl` finds by itself.
 """
 from __future__ import annotations
 
@@ -14,11 +18,13 @@ from dataclasses import dataclass
 from typing import Any, Awaitable, Callable
 
 from ftexpert.coordinator.auth import check_exposure
+from ftexpert.coordinator.control_key import ControlKey
 from ftexpert.coordinator.engine_service import EngineService
 from ftexpert.coordinator.grpc_server import GrpcServer
 from ftexpert.coordinator.http_api import HttpApi
 from ftexpert.coordinator.openai_requests import ModelInfo
 from ftexpert.coordinator.policy import FetchPolicy
+from ftexpert.coordinator.supervisor import EXIT_WORKERS_GAVE_UP  # the supervisor gave up: systemd restarts the set
 from ftexpert.coordinator.tokenize_pool import DEFAULT_MAX_WAITING, DEFAULT_THREADS, TokenizePool
 from ftexpert.coordinator.tls import TlsFiles
 from ftexpert.proto.control_rpc import CONTROL_SERVICE
@@ -26,7 +32,6 @@ from ftexpert.proto.control_rpc import CONTROL_SERVICE
 log = logging.getLogger("ft.coordinator.server")
 
 DEFAULT_DRAIN_TIMEOUT_S = 30.0
-EXIT_WORKERS_GAVE_UP = 70         # EX_SOFTWARE: the supervisor gave up on a worker; systemd restarts the set
 
 
 @dataclass
@@ -44,15 +49,10 @@ class ListenConfig:
     tls: TlsFiles | None = None           # HTTPS and gRPC over TLS
 
     def check(self) -> list[str]:
-        """ValueError for a listener off loopback without a key (unless insecure); else the warnings to print."""
-        warnings = []
-        for host, what in ((self.host, "HTTP API"), (self.grpc_host or self.host, "gRPC control plane")):
-            if what == "gRPC control plane" and self.grpc_port < 0:
-                continue
-            message = check_exposure(host, self.api_key, what, self.insecure)
-            if message:
-                warnings.append(message)
-        return warnings
+        """ValueError for an HTTP listener off loopback without a key (unless insecure); else the warnings to print.
+        (The gRPC listener is never without one: with no API key it requires the control key.)"""
+        message = check_exposure(self.host, self.api_key, "HTTP API", self.insecure)
+        return [message] if message else []
 
     @property
     def scheme(self) -> str:
@@ -61,9 +61,10 @@ class ListenConfig:
 
 class CoordinatorServer:
     def __init__(self, service: EngineService, model: ModelInfo, policy: FetchPolicy, listen: ListenConfig,
-                 supervisor: Any = None):
+                 supervisor: Any = None, engine_worker: str | None = None):
         self.service = service
         self.supervisor = supervisor          # coordinator.supervisor.Supervisor of worker processes, if any
+        self.engine_worker = engine_worker    # the supervised worker that runs the engine (process mode: gpu0)
         self.model = model
         self.policy = policy
         self.listen = listen
@@ -72,6 +73,7 @@ class CoordinatorServer:
         self.http = HttpApi(service, model, api_key=listen.api_key, tokenize=self.tokenize, workers=self.workers)
         self.exit_code = 0
         self.grpc: GrpcServer | None = None
+        self.control_key: ControlKey | None = None    # the gRPC key when no API key is set
         self.loop: asyncio.AbstractEventLoop | None = None
         self.http_port: int | None = None
         self.grpc_port: int | None = None
@@ -93,9 +95,17 @@ class CoordinatorServer:
         try:
             self.http_port = await self.http.start(self.listen.host, self.listen.port, ssl_context=ssl_context)
             if self.listen.grpc_port >= 0:
-                self.grpc = GrpcServer(self, self.listen.api_key, tls=tls)
+                self.control_key = None if self.listen.api_key else ControlKey()
+                self.grpc = GrpcServer(self, self.listen.api_key or self.control_key.key, tls=tls)
                 self.grpc_port = self.grpc.start(grpc_host, self.listen.grpc_port)
+                if self.control_key is not None:
+                    log.info("gRPC control key (no API key set): %s", self.control_key.write(self.grpc_port))
+                    self.grpc.auth.refusal = self.control_key.refusal()
         except BaseException:
+            if self.grpc is not None and self.grpc.port is not None:
+                self.grpc.stop(0.0)
+            if self.control_key is not None:
+                self.control_key.remove()
             await self.http.stop()
             await self.service.stop()
             raise
@@ -123,6 +133,8 @@ class CoordinatorServer:
             await self.http.stop()
             if self.grpc is not None:
                 await asyncio.get_running_loop().run_in_executor(None, self.grpc.stop, 2.0)
+            if self.control_key is not None:
+                self.control_key.remove()
             await self.service.stop()
         finally:
             self.tokenize.shutdown()
@@ -155,8 +167,22 @@ class CoordinatorServer:
     # -------------------------------------------------------------- control-plane hooks
 
     def workers(self) -> list[dict[str, Any]]:
+        """Each worker process once. The engine is `engine` (inline, or a GPU worker attached from outside), or, when
+        a supervised worker runs it, that worker's entry (the supervisor's view, with the engine link's last error
+        while the supervisor has none of its own)."""
         supervised = self.supervisor.worker_info() if self.supervisor is not None else []
-        return self.service.worker_info() + supervised
+        engine = self.service.worker_info()
+        for w in supervised:
+            if w["name"] == self.engine_worker:
+                w["last_error"] = w["last_error"] or engine[0]["last_error"]
+                return supervised
+        return engine + supervised
+
+    def worker(self, name: str) -> dict[str, Any] | None:
+        """The entry of worker `name`; `engine` names the engine's worker in every mode."""
+        if name == "engine" and self.engine_worker is not None:
+            name = self.engine_worker
+        return next((w for w in self.workers() if w["name"] == name), None)
 
     async def restart_worker(self, name: str) -> None:
         if name == "engine":

@@ -11,7 +11,8 @@ One monitor thread waits (multiprocessing.connection.wait) on every child's proc
 (a pidfd), its link, and a wake-up pipe. A child that exits, or stops sending heartbeats, becomes one
 WorkerError (to `on_error` and to `check()`); it is then restarted after an exponential back-off,
 until `max_restarts` failures in a row mark it failed: then one WorkerGaveUp goes to `on_error` and
-the log (error level). A child READY for `stable_after_s` without failing starts the count (and the
+the log (error level); its message ends with the owner's `give_up_advice` (what brings the worker back in
+that owner's mode). A child READY for `stable_after_s` without failing starts the count (and the
 back-off) afresh: the period runs from this child's READY, never from an earlier child's. Children are plain
 subprocesses (no multiprocessing pickling); the link protocol is in proto/supervised_child.py (the child's
 side).
@@ -36,6 +37,8 @@ from ftexpert.proto.supervised_child import (ENV_FD, ENV_NAME, HEARTBEAT, HELLO,
 log = logging.getLogger("ft.coordinator.supervisor")
 
 MONITOR_TICK_S = 0.25            # longest the monitor sleeps without looking at deadlines
+DEFAULT_GIVE_UP_ADVICE = "then restart the program that started it"
+EXIT_WORKERS_GAVE_UP = 70        # EX_SOFTWARE: `ft serve --on-worker-give-up exit` once a worker is given up on
 STOP_GRACE_S = 3.0               # SHUTDOWN -> SIGTERM -> SIGKILL steps
 
 
@@ -109,12 +112,16 @@ class _Worker:
 
 
 class Supervisor:
-    def __init__(self, specs: list[WorkerSpec], on_error: Callable[[WorkerError], None] | None = None):
+    def __init__(self, specs: list[WorkerSpec], on_error: Callable[[WorkerError], None] | None = None,
+                 give_up_advice: Callable[[str], str] | None = None):
+        """give_up_advice(name): how to bring worker `name` back once this supervisor gave up on it (its owner
+        knows: `ft ctl restart NAME` where the coordinator keeps serving, a restart of the service where it exits)."""
         names = [s.name for s in specs]
         if len(set(names)) != len(names):
             raise ValueError(f"worker names must be unique, got {names}")
         self._workers = {s.name: _Worker(s) for s in specs}
         self._on_error = on_error
+        self._give_up_advice = give_up_advice or (lambda name: DEFAULT_GIVE_UP_ADVICE)
         self._errors: deque[WorkerError] = deque()
         self._lock = threading.RLock()
         self._stopping = False
@@ -282,8 +289,8 @@ class Supervisor:
         if w.failures_in_row > w.spec.max_restarts:
             w.state = "failed"
             gave_up = WorkerGaveUp(w.spec.name, f"worker {w.spec.name} failed {w.failures_in_row} times in a row; "
-                                                f"not restarting it again: fix the cause ({w.last_error}) and "
-                                                f"restart it with `ft ctl restart {w.spec.name}`")
+                                                f"not restarting it again: fix the cause ({w.last_error}), "
+                                                f"{self._give_up_advice(w.spec.name)}")
             w.last_error = str(gave_up)
             log.error("giving up on worker %s: %s", w.spec.name, gave_up)
             self._errors.append(gave_up)

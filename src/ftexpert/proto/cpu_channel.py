@@ -290,7 +290,7 @@ class CpuPoolClient(ChannelEnd):
                     next_check = now + LIVENESS_CHECK_INTERVAL_S
                     if not self.worker_alive():
                         self._fail()
-                        raise WorkerDead(f"CPU worker {self._pid_for_message()} of channel {self.name!r} died "
+                        raise WorkerDead(f"CPU worker{self._pid_for_message()} of channel {self.name!r} died "
                                          f"with layer {layer} (request {seq}) in flight; the coordinator restarts "
                                          "it, meanwhile fetch instead")
                     if now >= give_up:
@@ -340,7 +340,7 @@ class CpuPoolClient(ChannelEnd):
         return self._lines[layer % NUM_SLOTS].resp_compute_ns[0]
 
     def _pid_for_message(self) -> str:
-        return f"(pid {self._pid})" if self._pid else ""
+        return f" (pid {self._pid})" if self._pid else ""
 
     def _fail(self) -> None:
         """After WorkerDead/WorkerTimeout: disconnected until wait_for_worker() succeeds again."""

@@ -29,7 +29,7 @@ import os
 import secrets
 import tempfile
 
-from ftexpert.proto.private_paths import UnsafePath, check_private, private_dir
+from ftexpert.proto.private_paths import UnsafePath, private_dir, read_private, write_private
 
 __all__ = ["UnsafePath", "private_dir", "new_secret", "new_nonce", "prove", "verify", "default_engine_addr",
            "key_file_for", "write_secret", "read_secret"]
@@ -112,25 +112,12 @@ def key_file_for(addr: str, key_file: str | None = None, environ=None) -> str:
 
 def write_secret(directory: str, secret: bytes) -> str:
     """Write the key, hex, to <directory>/engine.key mode 0600 (atomically: a reader sees the old or the new)."""
-    path = os.path.join(directory, KEY_FILE_NAME)
-    tmp = f"{path}.{os.getpid()}.tmp"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-    try:
-        os.write(fd, secret.hex().encode("ascii") + b"\n")
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)
-    return path
+    return write_private(os.path.join(directory, KEY_FILE_NAME), secret.hex().encode("ascii") + b"\n")
 
 
 def read_secret(path: str) -> bytes:
     """The key in `path`; refused unless the file is this user's and mode 0600 (or stricter)."""
-    check_private(path, "engine-link key file")
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
-    try:
-        text = os.read(fd, 4 * SECRET_BYTES).decode("ascii", "replace").strip()
-    finally:
-        os.close(fd)
+    text = read_private(path, "engine-link key file", 4 * SECRET_BYTES)
     try:
         secret = bytes.fromhex(text)
     except ValueError:

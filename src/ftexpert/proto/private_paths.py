@@ -2,7 +2,8 @@
 
 `private_dir(path)` creates (0700) or checks a directory: not a symbolic link, owned by this user, open to
 nobody else, in a parent that another user cannot swap it out of (this user's or root's; writable by others
-only if sticky, as /tmp). `check_private(path)` is the same test for one file (0600). `check_loadable(path)`
+only if sticky, as /tmp). `check_private(path)` is the same test for one file (0600); `write_private(path, data)`
+and `read_private(path, what, limit)` write such a file (atomically) and read one back after that test. `check_loadable(path)`
 is the weaker test for code this process is about to load (a shared library): a regular file of this user
 that nobody else may write.
 """
@@ -69,3 +70,26 @@ def private_dir(path: str, *, tighten: bool = False) -> str:
             os.chmod(path, 0o700)
     check_private(path)
     return path
+
+
+def write_private(path: str, data: bytes) -> str:
+    """Write `data` to `path`, mode 0600, atomically (a reader sees the old file or the new one, never a part of
+    it); a symbolic link planted at the temporary name is not followed. The directory is the caller's to check."""
+    tmp = f"{path}.{os.getpid()}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    try:
+        os.write(fd, data)
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+    return path
+
+
+def read_private(path: str, what: str, limit: int) -> str:
+    """Up to `limit` bytes of `path`, stripped: refused (check_private) unless it is this user's, mode 0600."""
+    check_private(path, what)
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    try:
+        return os.read(fd, limit).decode("ascii", "replace").strip()
+    finally:
+        os.close(fd)
