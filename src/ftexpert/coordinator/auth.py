@@ -1,6 +1,7 @@
 """The bearer token that guards the HTTP API and the gRPC control plane, and the listeners' exposure.
 
-HTTP: `Authorization: Bearer TOKEN`; gRPC: metadata `authorization: Bearer TOKEN`. Liveness probes
+HTTP: `Authorization: Bearer TOKEN` or `x-api-key: TOKEN` (what Anthropic's clients send), on every route;
+gRPC: metadata `authorization: Bearer TOKEN`. Liveness probes
 (HTTP GET /health, grpc.health.v1) stay open, since they reveal nothing but up or down, and
 orchestrators call them without credentials.
 
@@ -62,6 +63,12 @@ def read_key_file(path: str) -> str:
     return key
 
 
+def _key_matches(token: str, api_key: str) -> bool:
+    """Constant-time comparison. aiohttp decodes header bytes that are not UTF-8 as lone surrogates
+    (surrogateescape): they encode back to those bytes, and so simply do not match."""
+    return hmac.compare_digest(token.strip().encode("utf-8", "surrogateescape"), api_key.encode("utf-8"))
+
+
 def bearer_ok(header_value: str | None, api_key: str | None) -> bool:
     """True when no token is configured or the header carries exactly `Bearer <api_key>`."""
     if api_key is None:
@@ -71,7 +78,16 @@ def bearer_ok(header_value: str | None, api_key: str | None) -> bool:
     scheme, _, token = header_value.strip().partition(" ")
     if scheme.lower() != "bearer":
         return False
-    return hmac.compare_digest(token.strip().encode("utf-8"), api_key.encode("utf-8"))
+    return _key_matches(token, api_key)
+
+
+def http_key_ok(authorization: str | None, x_api_key: str | None, api_key: str | None) -> bool:
+    """True when no token is configured, or `Authorization: Bearer <api_key>` or `x-api-key: <api_key>` carries it."""
+    if api_key is None:
+        return True
+    if x_api_key is not None and _key_matches(x_api_key, api_key):
+        return True
+    return bearer_ok(authorization, api_key)
 
 
 def is_loopback(host: str) -> bool:

@@ -93,6 +93,11 @@ class RequestStream:
         self._stops = StopStringMatcher(stop)
         self._rid: int | None = None            # the engine's id, while the engine has this request
 
+    @property
+    def stop_string(self) -> str | None:
+        """The stop string that ended this request (finish_reason 'stop'), or None."""
+        return self._stops.matched
+
     def _deliver(self, token_id: int | None, finished: bool, reason: str | None,
                  error: str | EngineError | None = None) -> None:
         """An event from the engine (or a local terminal event); ignored once terminal."""

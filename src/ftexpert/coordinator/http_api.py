@@ -1,5 +1,6 @@
 """OpenAI-compatible HTTP API on aiohttp: /v1/models, /v1/completions, /v1/chat/completions,
-/health, /metrics.
+/health, /metrics; and Anthropic's Messages API, /v1/messages and /v1/messages/count_tokens (anthropic_api.py),
+whose errors are in Anthropic's shape ({"type": "error", "error": {"type", "message"}}).
 
 Streaming answers are server-sent events (`data: {json}\\n\\n` ..., `data: [DONE]\\n\\n`). A client that
 goes away mid-request cancels its handler (aiohttp's handler_cancellation), whose `finally` aborts
@@ -23,9 +24,12 @@ from typing import Any, AsyncIterator
 
 from aiohttp import web
 
-from ftexpert.coordinator.auth import bearer_ok
-from ftexpert.coordinator.engine_client import EngineError, EngineFailed, EngineUnavailable
+from ftexpert.coordinator.anthropic_api import AnthropicApi
+from ftexpert.coordinator.anthropic_requests import anthropic_error_body, is_anthropic_path
+from ftexpert.coordinator.auth import http_key_ok
+from ftexpert.coordinator.engine_client import EngineError, EngineUnavailable
 from ftexpert.coordinator.engine_service import Chunk, EngineService, RequestStream, RequestTimeout, ServiceUnavailable
+from ftexpert.coordinator.http_common import json_response as _json_response, unavailable_error as _unavailable
 from ftexpert.coordinator.metrics import PROMETHEUS_CONTENT_TYPE, HttpCounters, render_prometheus
 from ftexpert.coordinator.openai_requests import ApiError, GenerationPlan, ModelInfo, parse_chat, parse_completion
 from ftexpert.coordinator.tokenize_pool import RETRY_AFTER_S, TokenizePool, TokenizerBusy
@@ -37,13 +41,8 @@ KEEPALIVE_TIMEOUT_S = 75.0
 OPEN_PATHS = frozenset({"/health"})      # no token needed (liveness probes)
 
 
-def _json_response(data: Any, status: int = 200) -> web.Response:
-    return web.Response(status=status, body=json.dumps(data, ensure_ascii=False).encode("utf-8"),
-                        content_type="application/json")
-
-
-def error_response(err: ApiError) -> web.Response:
-    resp = _json_response(err.body(), err.status)
+def error_response(err: ApiError, anthropic: bool = False) -> web.Response:
+    resp = _json_response(anthropic_error_body(err) if anthropic else err.body(), err.status)
     if err.status == 401:
         resp.headers["WWW-Authenticate"] = "Bearer"
     if err.retry_after_s is not None:
@@ -87,10 +86,13 @@ class HttpApi:
 
     def build_app(self) -> web.Application:
         app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[self._middleware])
+        anthropic = AnthropicApi(self)
         app.router.add_get("/v1/models", self.list_models)
         app.router.add_get("/v1/models/{model_id:.+}", self.get_model)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
+        app.router.add_post("/v1/messages", anthropic.messages)
+        app.router.add_post("/v1/messages/count_tokens", anthropic.count_tokens)
         app.router.add_get("/health", self.health)
         app.router.add_get("/metrics", self.metrics)
         return app
@@ -128,33 +130,36 @@ class HttpApi:
         resource = request.match_info.route.resource
         route = resource.canonical if resource is not None else "unmatched"
         status = 500
+        anthropic = is_anthropic_path(request.path)
         try:
-            if request.path not in OPEN_PATHS and not bearer_ok(request.headers.get("Authorization"), self.api_key):
-                raise ApiError(401, "missing or wrong API key: send 'Authorization: Bearer <key>' with the key "
-                                    "the server was started with (FT_API_KEY / --api-key-file)",
+            if request.path not in OPEN_PATHS and not http_key_ok(request.headers.get("Authorization"),
+                                                                  request.headers.get("x-api-key"), self.api_key):
+                raise ApiError(401, "missing or wrong API key: send 'Authorization: Bearer <key>' or 'x-api-key: "
+                                    "<key>' with the key the server was started with (FT_API_KEY / --api-key-file)",
                                code="invalid_api_key")
             resp = await handler(request)
             status = resp.status
             return resp
         except ApiError as err:
             status = err.status
-            return error_response(err)
+            return error_response(err, anthropic)
         except web.HTTPException as exc:
             status = exc.status
             if exc.status == 405:
                 message = f"{request.method} is not allowed on {request.path}"
             elif exc.status == 404:
-                message = f"no route {request.path}; see /v1/models, /v1/completions, /v1/chat/completions"
+                message = (f"no route {request.path}; see /v1/models, /v1/completions, /v1/chat/completions, "
+                           f"/v1/messages")
             else:
                 message = exc.reason
-            return error_response(ApiError(exc.status, message))
+            return error_response(ApiError(exc.status, message), anthropic)
         except asyncio.CancelledError:
             status = 499     # client closed the request
             raise
         except Exception:  # noqa: BLE001 - one bad request never takes the server down
             log.exception("unhandled error in %s %s", request.method, request.path)
             return error_response(ApiError(500, "internal server error; see the server log",
-                                           type="server_error"))
+                                           type="server_error"), anthropic)
         finally:
             self.counters.count(route, status)
 
@@ -316,15 +321,6 @@ class HttpApi:
         await resp.write(b"data: [DONE]\n\n")
         await resp.write_eof()
         return resp
-
-
-def _unavailable(exc: EngineUnavailable) -> ApiError:
-    """The engine process is gone, restarting, draining: 503, and the client may retry (Retry-After); or the
-    supervisor gave up on it (EngineFailed): 503 `engine_failed`, and retrying here will not help."""
-    if isinstance(exc, EngineFailed):
-        return ApiError(503, f"generation failed: {exc}", type="service_unavailable", code="engine_failed")
-    return ApiError(503, f"generation failed: {exc}", type="service_unavailable", code="engine_unavailable",
-                    retry_after_s=RETRY_AFTER_S)
 
 
 def _usage(streams: list[RequestStream], n: int) -> dict[str, int]:

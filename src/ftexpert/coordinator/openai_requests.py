@@ -172,18 +172,18 @@ def _refuse_unsupported(body: dict, chat: bool) -> None:
         refuse("logit_bias", "")
 
 
-def _parse_stop(body: dict) -> list[str]:
-    stop = body.get("stop")
+def _parse_stop(body: dict, name: str = "stop") -> list[str]:
+    stop = body.get(name)
     if stop is None:
         return []
     if isinstance(stop, str):
         stop = [stop]
     if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
-        raise bad("'stop' must be a string or a list of strings", "stop")
+        raise bad(f"'{name}' must be a string or a list of strings", name)
     if len(stop) > MAX_STOP_STRINGS:
-        raise bad(f"'stop' has {len(stop)} strings; at most {MAX_STOP_STRINGS} are allowed", "stop")
+        raise bad(f"'{name}' has {len(stop)} strings; at most {MAX_STOP_STRINGS} are allowed", name)
     if any(len(s) > MAX_STOP_STRING_CHARS for s in stop):
-        raise bad(f"each stop string must have at most {MAX_STOP_STRING_CHARS} characters", "stop")
+        raise bad(f"each stop string must have at most {MAX_STOP_STRING_CHARS} characters", name)
     return [s for s in stop if s]
 
 
@@ -322,15 +322,19 @@ def parse_chat(body: Any, model: ModelInfo) -> GenerationPlan:
     check_unicode(body)
     _check_model(body, model)
     _refuse_unsupported(body, chat=True)
-    messages = parse_messages(body.get("messages"))
+    prompt_ids = encode_chat_prompt(parse_messages(body.get("messages")), model)
+    max_tokens, param = _parse_max_tokens(body, ("max_completion_tokens", "max_tokens"), None)
+    return _parse_common(body, model, [prompt_ids], max_tokens, param)
+
+
+def encode_chat_prompt(messages: list[ChatMessage], model: ModelInfo) -> list[int]:
+    """The messages through the model's chat template, tokenized; 400 naming 'messages' when they cannot fit."""
     # the template only adds tokens: the messages' text alone must fit
     _check_prompt_bytes(lambda limit: utf8_length_over("".join(m.content for m in messages), limit), model,
                         "messages")
     try:
-        prompt_ids = model.codec.encode_chat(messages, limit=model.context_length)
+        return model.codec.encode_chat(messages, limit=model.context_length)
     except TooManyTokens as exc:
         raise _too_many(exc, model, "messages") from None
     except ValueError as exc:
         raise bad(str(exc), "messages") from None
-    max_tokens, param = _parse_max_tokens(body, ("max_completion_tokens", "max_tokens"), None)
-    return _parse_common(body, model, [prompt_ids], max_tokens, param)
