@@ -14,6 +14,7 @@ from typing import Any
 
 from ftexpert.coordinator.engine_service import EngineService
 from ftexpert.coordinator.inline_engine import InlineEngine
+from ftexpert.coordinator.logprobs import bytes_to_unicode
 from ftexpert.coordinator.openai_requests import ModelInfo
 from ftexpert.coordinator.policy import FetchPolicy, PolicySettings
 from ftexpert.proto.bandwidth_profile import ExpertFormat
@@ -30,23 +31,11 @@ CHATML_TEMPLATE = (
     "'<|im_end|>' + '\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
 
 
-def _bytes_to_unicode() -> dict[int, str]:
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return {b: chr(c) for b, c in zip(bs, cs)}
-
-
 def write_tiny_model_dir(path: str) -> str:
     """tokenizer.json (byte-level, token id == byte value, 3 specials), tokenizer_config.json, configs."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
-    vocab = {ch: b for b, ch in _bytes_to_unicode().items()}
+    vocab = {ch: b for b, ch in bytes_to_unicode().items()}
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
