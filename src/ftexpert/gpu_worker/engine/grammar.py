@@ -120,7 +120,7 @@ class GrammarMasks:
         words = mask_words(vocab_size)
         pin = device.type == "cuda"
         self.host = torch.zeros((max_rows, words), dtype=torch.int32, pin_memory=pin)
-        self.shifts = torch.arange(32, dtype=torch.int32, device=device)
+        self.refused = refused_bits_table(device)
         self._executor = None
 
     def fill(self, states: Sequence[GrammarState]) -> torch.Tensor:
@@ -143,19 +143,25 @@ class GrammarMasks:
     def apply(self, logits: torch.Tensor, rows: Sequence[int], states: Sequence[GrammarState]) -> None:
         """In place: logits [B, V] rows `rows` keep only the tokens their states allow (the rest -inf)."""
         bitmask = self.fill(states).to(self.device, non_blocking=True)
-        apply_token_bitmask_(logits, bitmask, rows, self.shifts)
+        apply_token_bitmask_(logits, bitmask, rows, self.refused)
+
+
+def refused_bits_table(device: torch.device) -> torch.Tensor:
+    """[256, 8] bool: bit i of byte b is clear (the token it stands for is refused)."""
+    return ((torch.arange(256).unsqueeze(1) >> torch.arange(8)) & 1).eq(0).to(device)
 
 
 def apply_token_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor, rows: Sequence[int],
-                         shifts: torch.Tensor | None = None) -> None:
-    """logits [B, V] fp32, bitmask [n, W] int32 (bit t of word t // 32: token t allowed), rows: n row indices ->
-    in place, the disallowed tokens of those rows set to -inf."""
+                         refused: torch.Tensor | None = None) -> None:
+    """logits [B, V] fp32, bitmask [n, W] int32 (bit t of word t // 32: token t allowed; little-endian words),
+    rows: n row indices -> in place, the disallowed tokens of those rows set to -inf. One gather of a byte table
+    (one byte a token, no wider temporary) and one masked fill."""
     n, vocab = len(rows), logits.shape[-1]
-    if shifts is None:
-        shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
-    allowed = ((bitmask.unsqueeze(-1) >> shifts) & 1).view(n, -1)[:, :vocab].bool()        # [n, V]
+    if refused is None:
+        refused = refused_bits_table(logits.device)
+    mask = refused.index_select(0, bitmask.view(torch.uint8).reshape(-1).int()).view(n, -1)[:, :vocab]   # [n, V]
     if n == logits.shape[0] and list(rows) == list(range(n)):
-        logits.masked_fill_(~allowed, float("-inf"))
+        logits.masked_fill_(mask, float("-inf"))
         return
     index = torch.tensor(list(rows), dtype=torch.int64).to(logits.device, non_blocking=True)
-    logits.index_copy_(0, index, logits.index_select(0, index).masked_fill_(~allowed, float("-inf")))
+    logits.index_copy_(0, index, logits.index_select(0, index).masked_fill_(mask, float("-inf")))
