@@ -13,19 +13,11 @@ import openai
 import pytest
 
 from ftexpert.proto.engine_spec import DEFAULT_MODEL_DIR
+from tests.gpu_worker.grammar_util import PERSON
 
 sys.path.insert(0, os.path.dirname(__file__))
 from coordinator_support import MODEL_NAME, live_server  # noqa: E402
 
-PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age", "role", "address", "tags"],
-          "properties": {
-              "name": {"type": "string", "maxLength": 16},
-              "age": {"type": "integer", "minimum": 0, "maximum": 120},
-              "role": {"enum": ["admin", "user", "guest"]},
-              "address": {"type": "object", "additionalProperties": False, "required": ["city", "zip"],
-                          "properties": {"city": {"type": "string", "maxLength": 12},
-                                         "zip": {"type": "string", "pattern": "^[0-9]{5}$"}}},
-              "tags": {"type": "array", "items": {"type": "string", "maxLength": 8}, "maxItems": 3}}}
 ORDER = {"type": "object", "additionalProperties": False, "required": ["id", "status", "lines", "paid"],
          "properties": {
              "id": {"type": "integer", "minimum": 1, "maximum": 99999},

@@ -10,7 +10,6 @@
 """
 from __future__ import annotations
 
-import itertools
 import json
 
 import jsonschema
@@ -25,20 +24,8 @@ from ftexpert.proto.grammar_spec import GrammarSpec
 from ftexpert.proto.sampling_params import SamplingParams
 
 from ftexpert.coordinator.logprobs import TokenPieces
+from tests.gpu_worker.grammar_util import FLAG_DOCS, FLAGS, PERSON
 
-PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age", "role", "address", "tags"],
-          "properties": {
-              "name": {"type": "string", "maxLength": 12},
-              "age": {"type": "integer", "minimum": 0, "maximum": 120},
-              "role": {"enum": ["admin", "user", "guest"]},
-              "address": {"type": "object", "additionalProperties": False, "required": ["city", "zip"],
-                          "properties": {"city": {"type": "string", "maxLength": 10},
-                                         "zip": {"type": "string", "pattern": "^[0-9]{5}$"}}},
-              "tags": {"type": "array", "items": {"type": "string", "maxLength": 6}, "maxItems": 3}}}
-FLAGS = {"type": "object", "additionalProperties": False, "required": ["ok", "color"],
-         "properties": {"ok": {"type": "boolean"}, "color": {"enum": ["red", "green"]}}}
-FLAG_DOCS = [json.dumps({"ok": ok, "color": c}, separators=(",", ":")).encode()
-             for ok, c in itertools.product([True, False], ["red", "green"])]
 WEATHER = {"type": "object", "additionalProperties": False, "required": ["city"],
            "properties": {"city": {"type": "string", "maxLength": 10}}, "x-guidance": {"whitespace_flexible": False}}
 TIME = {"type": "object", "additionalProperties": False, "required": ["zone"],

@@ -16,7 +16,7 @@ from ftexpert.proto import engine_messages as em
 from ftexpert.proto.engine_spec import EngineSpec
 from ftexpert.proto.grammar_spec import GrammarSpec
 from ftexpert.proto.sampling_params import SamplingParams, TokenLogprobs
-from tests.gpu_worker.test_engine_grammar import FLAGS
+from tests.gpu_worker.grammar_util import FLAGS
 
 CPU = torch.device("cpu")
 
