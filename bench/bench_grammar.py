@@ -17,6 +17,7 @@ tokens, bench/qwen_vocab.py, padded to the model's 151,936 logits with --vocab),
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 
@@ -109,7 +110,7 @@ def engine_rows(args) -> list[str]:
             applies += timers.apply_s[-args.steps:]
         free, constrained = statistics.median(free), statistics.median(constrained)
         fill, apply = statistics.median(fills), statistics.median(applies)
-        rows.append(f"| {built.source.description[:60]} | {engine.model.cfg.vocab_size} | {batch} | "
+        rows.append(f"| {os.path.basename(os.path.normpath(args.model))} | {engine.model.cfg.vocab_size} | {batch} | "
                     f"{free * 1e3:.2f} | {constrained * 1e3:.2f} | {fill * 1e6:.0f} ({fill / batch * 1e6:.0f}) | "
                     f"{apply * 1e6:.0f} ({apply / batch * 1e6:.1f}) |")
     return rows

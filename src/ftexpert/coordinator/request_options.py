@@ -77,6 +77,9 @@ def parse_response_format(body: dict, bad: Callable[..., Exception]) -> GrammarS
     grammar = GrammarSpec.json_schema(schema, strict=bool(strict))
     try:
         check_grammar(grammar)
+    except ImportError:
+        raise bad("'response_format' (other than text) needs the grammar engine, which this server lacks "
+                  "(pip install llguidance)", "response_format", "unsupported_parameter") from None
     except GrammarError as exc:
         raise bad(f"'{param}' cannot be enforced: {str(exc)[:1000]}", param, "invalid_json_schema") from None
     return grammar

@@ -92,12 +92,12 @@ class SampledStep:
         return out
 
 
-@torch.inference_mode()
 def sample_step(samplers: list[RequestSampler], logits: torch.Tensor, masks: GrammarMasks | None) -> SampledStep:
     """logits [B, V] fp32 (its constrained rows are masked in place) -> the step's tokens and logprobs."""
     constrained = [i for i, s in enumerate(samplers) if s.grammar is not None]
     if constrained:
-        masks.apply(logits, constrained, [samplers[i].grammar for i in constrained])
+        with torch.inference_mode():             # the forward's logits are inference tensors: masked in place
+            masks.apply(logits, constrained, [samplers[i].grammar for i in constrained])
     tokens = sample_batch_device(samplers, logits)
     rows = [i for i, s in enumerate(samplers) if s.params.logprobs is not None]
     if not rows:
