@@ -109,3 +109,35 @@ def test_sampling_params_with_a_grammar_cross_the_link():
         GrammarSpec("yaml", "x")
     with pytest.raises(ValueError):
         GrammarSpec("json_schema")
+
+
+def test_rows_without_logprobs_or_grammar_pay_nothing(built, monkeypatch):
+    from ftexpert.gpu_worker.engine import sampling
+    from ftexpert.gpu_worker.engine.grammar import GrammarMasks
+
+    calls = {"rows": [], "masked": []}
+    real_rows, real_apply = sampling.logprob_rows, GrammarMasks.apply
+
+    def rows_spy(params, logits, tokens, rows):
+        calls["rows"].append(list(rows))
+        return real_rows(params, logits, tokens, rows)
+
+    def apply_spy(self, logits, rows, states):
+        calls["masked"].append(list(rows))
+        return real_apply(self, logits, rows, states)
+
+    monkeypatch.setattr(sampling, "logprob_rows", rows_spy)
+    monkeypatch.setattr(GrammarMasks, "apply", apply_spy)
+    engine = Engine(built.engine.model, EngineConfig(max_running_requests=4, max_context_tokens=512),
+                    built.source.eos_token_ids, built.engine.grammars)
+    prompt = built.source.tokenizer.encode("And")
+    engine.generate([prompt, prompt], SamplingParams(max_new_tokens=4, ignore_eos=True))
+    assert calls == {"rows": [], "masked": []} and engine._masks is None
+    engine.add_request(prompt, SamplingParams(max_new_tokens=4, ignore_eos=True), request_id="plain")
+    engine.add_request(prompt, SamplingParams(max_new_tokens=4, ignore_eos=True, logprobs=1), request_id="lp")
+    engine.add_request(prompt, SamplingParams(max_new_tokens=4, grammar=GrammarSpec.json_schema(FLAGS)),
+                       request_id="json")
+    while engine.has_work():
+        engine.step()
+    assert calls["rows"] and all(len(r) == 1 for r in calls["rows"])          # only the row that asked
+    assert calls["masked"] and all(len(r) == 1 for r in calls["masked"])      # only the constrained row
