@@ -12,6 +12,8 @@ tokens, bench/qwen_vocab.py, padded to the model's 151,936 logits with --vocab),
 
     PYTHONPATH=src python bench/bench_grammar.py --device cpu                     # the embedded default model
     PYTHONPATH=src python bench/bench_grammar.py --device cuda --model /models/qwen3-30b-a3b
+    PYTHONPATH=src python bench/bench_grammar.py --device cuda --preset qwen3-30b-a3b \
+        --grammar-tokenizer /tmp/qwen3-tokenizer/tokenizer.json      # random weights: Qwen3's vocabulary for the masks
     PYTHONPATH=src python bench/bench_grammar.py --device cpu --tokenizer /tmp/qwen3-tokenizer/tokenizer.json --vocab 151936
 """
 from __future__ import annotations
@@ -94,10 +96,16 @@ def step_times(engine: Engine, batch: int, prompt: list[int], grammar: GrammarSp
 
 
 def engine_rows(args) -> list[str]:
-    spec = EngineSpec(device=args.device, model=args.model, max_running_requests=max(args.batches),
-                      max_context_tokens=args.context)
+    spec = EngineSpec(device=args.device, model=None if args.preset else args.model, preset=args.preset,
+                      max_running_requests=max(args.batches), max_context_tokens=args.context)
     built = build_engine(spec)
     engine, device = built.engine, built.device
+    if args.grammar_tokenizer:              # a preset's tokenizer is the tiny one: mask at a real vocabulary
+        from tokenizers import Tokenizer
+        tok = Tokenizer.from_file(args.grammar_tokenizer)
+        eos = [i for i in (tok.token_to_id(t) for t in ("<|endoftext|>", "<|im_end|>")) if i is not None]
+        engine.grammars = GrammarCompiler.from_tokenizer(tok, engine.model.cfg.vocab_size, eos)
+    label = args.preset or os.path.basename(os.path.normpath(args.model))
     prompt = built.source.tokenizer.encode("The list of names in the book:")
     rows = []
     for batch in args.batches:
@@ -110,7 +118,7 @@ def engine_rows(args) -> list[str]:
             applies += timers.apply_s[-args.steps:]
         free, constrained = statistics.median(free), statistics.median(constrained)
         fill, apply = statistics.median(fills), statistics.median(applies)
-        rows.append(f"| {os.path.basename(os.path.normpath(args.model))} | {engine.model.cfg.vocab_size} | {batch} | "
+        rows.append(f"| {label} | {engine.model.cfg.vocab_size} | {batch} | "
                     f"{free * 1e3:.2f} | {constrained * 1e3:.2f} | {fill * 1e6:.0f} ({fill / batch * 1e6:.0f}) | "
                     f"{apply * 1e6:.0f} ({apply / batch * 1e6:.1f}) |")
     return rows
@@ -161,6 +169,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--model", default=str(DEFAULT_MODEL_DIR), help="checkpoint directory (default: embedded)")
+    ap.add_argument("--preset", default=None, help="random weights of a real shape instead of --model")
+    ap.add_argument("--grammar-tokenizer", default=None, help="the engine's masks over this tokenizer.json")
     ap.add_argument("--batches", default="1,16", type=lambda s: [int(b) for b in s.split(",")])
     ap.add_argument("--warmup", type=int, default=8)
     ap.add_argument("--steps", type=int, default=32, help="timed decode steps of a run")
