@@ -29,6 +29,10 @@
 #            qwen3-30b-a3b:bf16) and PEER_PARTS (default theirs,engine,hybrid,prefill); llama-bench from
 #            bench/peer_llamacpp/bin/cuda, else unpacked from bench/peer_llamacpp/dist/; PEER_MERGE: earlier
 #            peer_results.jsonl files for the table; PEER_ARGS: more run_peer.py flags           (~9 min a job)
+#   grammar  structured output: the gpu test of tests/gpu_worker/test_engine_grammar.py (graphs and overlap on) and
+#            bench/bench_grammar.py at the qwen3-30b-a3b preset, batch 1 and 16, masks over GRAMMAR_TOKENIZER (default
+#            .whl/qwen3-tokenizer.json, written by bench/qwen_vocab.py; without it the preset's tiny vocabulary); needs
+#            the llguidance wheel in .whl/ (docs/DEPENDENCIES.md)                                 (~3 min)
 #   all      tests kernels engine hybrid prefill (more than one device call's 10 minutes: run suites one by one)
 #   compare OLD_TREE  OLD_TREE is an older checkout (e.g. `git archive OLDREV | tar -x -C /tmp/old`); its benches take
 #            the flags of that tree (the old side's commands below), this tree's the current ones; one table, both
@@ -168,6 +172,13 @@ while [ $# -gt 0 ]; do
       # -v: each test's result is logged as it ends, so a run cut by its time limit still names its failures
       run tests "${TESTS_TIMEOUT:-590}" python3 -m pytest -v -rfE -p no:cacheprovider -m gpu $par $skip ${TESTS_ARGS:-tests/}
       grep -E "(FAILED|ERROR) tests/|passed|failed" "$OUT/tests.log" | grep -v "^tests/.* PASSED" | cut -c1-240 | tail -n 30
+      ;;
+    grammar)
+      run grammar_test "$T" python3 -m pytest -q -rfE -p no:cacheprovider -m gpu tests/gpu_worker/test_engine_grammar.py
+      gtok=${GRAMMAR_TOKENIZER:-.whl/qwen3-tokenizer.json}
+      run grammar_bench "$T" python3 bench/bench_grammar.py --device cuda --preset qwen3-30b-a3b --context 1024 \
+        $([ -f "$gtok" ] && echo "--grammar-tokenizer $gtok --tokenizer $gtok --vocab 151936")
+      grep "^|" "$OUT/grammar_bench.log"
       ;;
     kernels)
       run ensure "$T" python3 -m ftexpert.kernels.slot_cache.bench --reps 200 --slots 64,2048,18432,23197

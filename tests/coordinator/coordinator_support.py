@@ -14,6 +14,7 @@ from typing import Any
 
 from ftexpert.coordinator.engine_service import EngineService
 from ftexpert.coordinator.inline_engine import InlineEngine
+from ftexpert.coordinator.logprobs import bytes_to_unicode
 from ftexpert.coordinator.openai_requests import ModelInfo
 from ftexpert.coordinator.policy import FetchPolicy, PolicySettings
 from ftexpert.proto.bandwidth_profile import ExpertFormat
@@ -30,23 +31,11 @@ CHATML_TEMPLATE = (
     "'<|im_end|>' + '\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
 
 
-def _bytes_to_unicode() -> dict[int, str]:
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return {b: chr(c) for b, c in zip(bs, cs)}
-
-
 def write_tiny_model_dir(path: str) -> str:
     """tokenizer.json (byte-level, token id == byte value, 3 specials), tokenizer_config.json, configs."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
-    vocab = {ch: b for b, ch in _bytes_to_unicode().items()}
+    vocab = {ch: b for b, ch in bytes_to_unicode().items()}
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
@@ -214,28 +203,29 @@ TINY_CONTEXT_LENGTH = 512
 _TINY_CACHE: dict = {}
 
 
-def tiny_served_engine():
-    """The real engine on the embedded tiny model (CPU), loaded once per test session."""
-    if "served" not in _TINY_CACHE:
+def tiny_served_engine(model: str | None = None):
+    """The real engine on the tiny model (random weights), or on the checkpoint `model` (e.g. the embedded default
+    model, trained), CPU, loaded once per test session."""
+    if model not in _TINY_CACHE:
         from ftexpert.coordinator.engine_factory import served_engine
         from ftexpert.gpu_worker.api import build_engine
         from ftexpert.proto.engine_spec import EngineSpec
-        spec = EngineSpec(device="cpu", max_running_requests=4, max_context_tokens=TINY_CONTEXT_LENGTH)
-        _TINY_CACHE["served"] = served_engine(build_engine(spec), spec)
-    return _TINY_CACHE["served"]
+        spec = EngineSpec(device="cpu", model=model, max_running_requests=4, max_context_tokens=TINY_CONTEXT_LENGTH)
+        _TINY_CACHE[model] = served_engine(build_engine(spec), spec)
+    return _TINY_CACHE[model]
 
 
 @contextmanager
 def live_server(tmp_path, *, api_key: str | None = None, engine_kwargs: dict | None = None,
                 request_timeout_s: float = 60.0, max_pending_requests: int = 256, grpc: bool = True,
                 drain_timeout_s: float = 5.0, real_engine: bool = False, context_length: int = CONTEXT_LENGTH,
-                tls=None, supervisor=None, engine_worker: str | None = None):
-    """A CoordinatorServer on 127.0.0.1 (free ports) around the fake engine, or the real tiny one (`supervisor`,
-    `engine_worker`: as process mode passes them)."""
+                tls=None, supervisor=None, engine_worker: str | None = None, model: str | None = None):
+    """A CoordinatorServer on 127.0.0.1 (free ports) around the fake engine, or the real tiny one (`model`: a real
+    engine on that checkpoint instead; `supervisor`, `engine_worker`: as process mode passes them)."""
     model_dir = write_tiny_model_dir(os.path.join(str(tmp_path), "model"))
     box: list = []
     if real_engine:
-        served = tiny_served_engine()
+        served = tiny_served_engine(model)
         codec, context_length = served.codec, served.context_length
 
         def factory():

@@ -230,7 +230,7 @@ def test_remote_engine_streams_tokens_and_fails_only_the_lost_sessions_requests(
             assert em.unpack_token_ids(add.prompt_ids) == [5, 6] and add.params == params()
             first.send(em.TokenBatch(1, [rid, 999], [42, 1], [False, False], ["", ""]))   # 999: not ours
             await until(lambda: events.tokens, "the token batch")
-            assert events.tokens == [(rid, 42, False, None)]
+            assert events.tokens == [(rid, 42, False, None, None)]
             assert events.thread is threading.current_thread()    # delivered on the loop
             first.send(em.Stats(["generated_tokens"], [1.0]))
             await until(lambda: events.stats, "the stats")

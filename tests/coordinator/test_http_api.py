@@ -262,7 +262,8 @@ ERROR_CASES = {
     "stop-not-strings": ({**BASE, "stop": [1, 2]}, 400, "stop", None, "/v1/completions"),
     "token-id-out-of-vocab": ({**BASE, "prompt": [1, 2, 10 ** 9]}, 400, "prompt", None, "/v1/completions"),
     "empty-prompt": ({**BASE, "prompt": ""}, 400, "prompt", None, "/v1/completions"),
-    "logprobs-unsupported": ({**BASE, "logprobs": 2}, 400, "logprobs", "unsupported_parameter", "/v1/completions"),
+    "logprobs-above-five": ({**BASE, "logprobs": 6}, 400, "logprobs", None, "/v1/completions"),
+    "logprobs-not-integer": ({**BASE, "logprobs": True}, 400, "logprobs", None, "/v1/completions"),
     "stream-options-without-stream": ({**BASE, "stream_options": {"include_usage": True}}, 400, "stream_options",
                                       None, "/v1/completions"),
     "chat-empty-messages": ({**CHAT, "messages": []}, 400, "messages", None, "/v1/chat/completions"),
@@ -274,6 +275,30 @@ ERROR_CASES = {
                    "/v1/chat/completions"),
     "chat-max-completion-tokens-negative": ({**CHAT, "max_completion_tokens": -3}, 400, "max_completion_tokens",
                                             None, "/v1/chat/completions"),
+    "chat-logprobs-not-bool": ({**CHAT, "logprobs": 1}, 400, "logprobs", None, "/v1/chat/completions"),
+    "chat-top-logprobs-above-20": ({**CHAT, "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs", None,
+                                   "/v1/chat/completions"),
+    "chat-top-logprobs-negative": ({**CHAT, "logprobs": True, "top_logprobs": -1}, 400, "top_logprobs", None,
+                                   "/v1/chat/completions"),
+    "chat-top-logprobs-without-logprobs": ({**CHAT, "top_logprobs": 2}, 400, "top_logprobs", None,
+                                           "/v1/chat/completions"),
+    "chat-response-format-not-object": ({**CHAT, "response_format": "json"}, 400, "response_format", None,
+                                        "/v1/chat/completions"),
+    "chat-response-format-unknown-type": ({**CHAT, "response_format": {"type": "xml"}}, 400, "response_format.type",
+                                          None, "/v1/chat/completions"),
+    "chat-json-schema-missing": ({**CHAT, "response_format": {"type": "json_schema"}}, 400,
+                                 "response_format.json_schema", None, "/v1/chat/completions"),
+    "chat-json-schema-bad-name": ({**CHAT, "response_format": {"type": "json_schema", "json_schema": {
+        "name": "has spaces", "schema": {"type": "object"}}}}, 400, "response_format.json_schema.name", None,
+        "/v1/chat/completions"),
+    "chat-json-schema-not-object": ({**CHAT, "response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": [1]}}}, 400, "response_format.json_schema.schema", None, "/v1/chat/completions"),
+    "chat-json-schema-bad-type": ({**CHAT, "response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "object", "properties": {"a": {"type": "strin"}}}}}}, 400,
+        "response_format.json_schema.schema", "invalid_json_schema", "/v1/chat/completions"),
+    "completion-json-schema-unsatisfiable": ({**BASE, "response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "integer", "minimum": 5, "maximum": 2}}}}, 400,
+        "response_format.json_schema.schema", "invalid_json_schema", "/v1/completions"),
 }
 
 

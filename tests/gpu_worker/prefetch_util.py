@@ -98,7 +98,7 @@ def decode_run(model, *, batch: int, decode_steps: int, device: str = "cpu",
             if batch > 1 and steps == 110 and len(joined) == 1:
                 joined.append(engine.add_request(list(PROMPT_C), SamplingParams(max_new_tokens=60, ignore_eos=True)))
                 tokens[joined[-1]] = []
-            for request_id, token_id, _finished, _reason in engine.step():
+            for request_id, token_id, _finished, _reason, _ in engine.step():
                 tokens[request_id].append(token_id)
             steps += 1
         return [tokens[k] for k in tokens], rec.logits

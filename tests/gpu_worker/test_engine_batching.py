@@ -25,7 +25,7 @@ def solo(tiny, prompt, params=GREEDY, chunk=512):
 
 def drain(engine, tokens):
     while engine.has_work():
-        for rid, token, finished, reason in engine.step():
+        for rid, token, finished, reason, _ in engine.step():
             tokens.setdefault(rid, []).append(token)
 
 
@@ -39,13 +39,13 @@ def test_requests_joining_and_leaving_between_steps_match_solo_runs(tiny):
     tokens: dict = {}
     engine.add_request(prompts["a"], GREEDY, request_id="a")
     for _ in range(3):
-        for rid, token, _, _ in engine.step():
+        for rid, token, _, _, _ in engine.step():
             tokens.setdefault(rid, []).append(token)
     # b prefills in 5 chunks while a decodes; c and d wait for a free KV row.
     for name in ("b", "c", "d"):
         engine.add_request(prompts[name], GREEDY, request_id=name)
     for _ in range(4):
-        for rid, token, _, _ in engine.step():
+        for rid, token, _, _, _ in engine.step():
             tokens.setdefault(rid, []).append(token)
     assert engine.abort("d") and not engine.abort("d")
     engine.add_request(prompts["e"], GREEDY, request_id="e")
@@ -65,7 +65,7 @@ def test_running_request_aborted_frees_its_row_for_the_next(tiny):
     r3 = engine.add_request(p3, GREEDY)
     tokens: dict = {}
     for _ in range(4):
-        for rid, token, _, _ in engine.step():
+        for rid, token, _, _, _ in engine.step():
             tokens.setdefault(rid, []).append(token)
     assert r3 not in tokens                    # waiting: both rows are taken
     assert engine.abort(r1)                    # r3 takes r1's row (0); r2 stays in row 1

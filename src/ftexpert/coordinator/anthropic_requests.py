@@ -226,7 +226,7 @@ def parse_messages_request(body: Any, model: ModelInfo) -> GenerationPlan:
     fields = {"temperature": body.get("temperature"), "top_p": body.get("top_p"), "top_k": body.get("top_k"),
               "stream": body.get("stream"), "stop": _parse_stop(body, "stop_sequences")}
     prompt_ids = encode_chat_prompt(_conversation(body), model)
-    return _parse_common(fields, model, [prompt_ids], max_tokens, param)
+    return _parse_common(fields, model, [prompt_ids], max_tokens, param, chat=True)
 
 
 def parse_count_tokens(body: Any, model: ModelInfo) -> int:

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol, Sequence
 
 from ftexpert.proto import engine_messages as em
-from ftexpert.proto.sampling_params import SamplingParams
+from ftexpert.proto.sampling_params import SamplingParams, TokenLogprobs
 
 log = logging.getLogger("ft.coordinator.engine_client")
 
@@ -50,8 +50,8 @@ class EngineFailed(EngineUnavailable):
 class EngineEvents(Protocol):
     """What the engine tells EngineService, on the event loop."""
 
-    def on_tokens(self, outputs: list[tuple[int, int, bool, str | None]]) -> None:
-        """One engine step: (request id, token id, finished, finish reason) per request of ours."""
+    def on_tokens(self, outputs: list[tuple[int, int, bool, str | None, TokenLogprobs | None]]) -> None:
+        """One engine step: (request id, token id, finished, finish reason, logprobs or None) per request of ours."""
 
     def on_request_failed(self, request_id: int, error: EngineError) -> None:
         """This request ends with `error` (no more events for it)."""
@@ -220,12 +220,13 @@ class LinkedEngineClient(EngineClient):
     def _on_message(self, session: int, msg: Any) -> None:
         if isinstance(msg, em.TokenBatch):
             outputs = []
-            for rid, token, finished, reason in zip(msg.request_ids, msg.token_ids, msg.finished, msg.finish_reasons):
+            for rid, token, finished, reason, logprobs in zip(msg.request_ids, msg.token_ids, msg.finished,
+                                                              msg.finish_reasons, msg.logprobs()):
                 if self._in_flight.get(rid) != session:
                     continue                      # aborted meanwhile
                 if finished:
                     del self._in_flight[rid]
-                outputs.append((rid, token, finished, reason or None))
+                outputs.append((rid, token, finished, reason or None, logprobs))
             if outputs:
                 self._events.on_tokens(outputs)
         elif isinstance(msg, em.RequestFailed):

@@ -18,9 +18,10 @@ from typing import Any, AsyncIterator, Callable, Sequence
 
 from ftexpert.coordinator.detokenizer import IncrementalDetokenizer, StopStringMatcher
 from ftexpert.coordinator.engine_client import EngineClient, EngineError, EngineUnavailable
+from ftexpert.coordinator.logprobs import LogprobEntry, LogprobTrail
 from ftexpert.coordinator.policy import FetchPolicy, StepTelemetry
 from ftexpert.proto import engine_messages as em
-from ftexpert.proto.sampling_params import SamplingParams
+from ftexpert.proto.sampling_params import SamplingParams, TokenLogprobs
 
 DEFAULT_REQUEST_TIMEOUT_S = 600.0
 DEFAULT_MAX_PENDING_REQUESTS = 512
@@ -43,6 +44,7 @@ class Chunk:
     token_ids: list[int]
     finished: bool = False
     finish_reason: str | None = None
+    logprobs: list[LogprobEntry] | None = None   # the request asked: the tokens whose text this chunk completes
 
 
 def telemetry_from_stats(prev: dict[str, float], cur: dict[str, float]) -> StepTelemetry | None:
@@ -91,6 +93,7 @@ class RequestStream:
         self._events: asyncio.Queue = asyncio.Queue()
         self._detok = IncrementalDetokenizer(service.decode, self.prompt_ids)
         self._stops = StopStringMatcher(stop)
+        self._trail = LogprobTrail() if sampling.logprobs is not None else None
         self._rid: int | None = None            # the engine's id, while the engine has this request
 
     @property
@@ -99,13 +102,13 @@ class RequestStream:
         return self._stops.matched
 
     def _deliver(self, token_id: int | None, finished: bool, reason: str | None,
-                 error: str | EngineError | None = None) -> None:
+                 error: str | EngineError | None = None, logprobs: TokenLogprobs | None = None) -> None:
         """An event from the engine (or a local terminal event); ignored once terminal."""
         if self.done:
             return
         if finished or error is not None:
             self.done = True
-        self._events.put_nowait((token_id, finished, reason, error))
+        self._events.put_nowait((token_id, finished, reason, error, logprobs))
 
     def _release_engine(self) -> None:
         """Abort this request in the engine (frees its slots); no event for the consumer."""
@@ -122,6 +125,12 @@ class RequestStream:
         self.service.requests_aborted_total += 1
         self._deliver(None, True, "abort", error)
 
+    def _released(self, text: str, final: bool = False, stopped: bool = False) -> list[LogprobEntry] | None:
+        """The logprobs of the tokens whose text `text` completes (None: the request did not ask for them)."""
+        if self._trail is None:
+            return None
+        return self._trail.finish(text, stopped) if final else self._trail.emit(text)
+
     def close(self) -> None:
         """The consumer is done with this stream (whether or not it read it): abort if unfinished."""
         if not self.done:
@@ -137,7 +146,8 @@ class RequestStream:
                     raise RequestTimeout(f"request exceeded its {self._deadline - self.created_at:.0f} s limit "
                                          f"and was aborted; ask for fewer tokens or raise --request-timeout-s")
                 try:
-                    token_id, finished, reason, error = await asyncio.wait_for(self._events.get(), remaining)
+                    token_id, finished, reason, error, logprobs = await asyncio.wait_for(self._events.get(),
+                                                                                         remaining)
                 except asyncio.TimeoutError:
                     continue
                 if error is not None:
@@ -151,27 +161,33 @@ class RequestStream:
                         self.first_token_at = time.monotonic()
                     stop_ids = self.sampling.stop_token_ids
                     if not (finished and token_id in stop_ids):  # the stop token's text is not shown
-                        text = self._stops.feed(self._detok.add(token_id))
+                        piece = self._detok.add(token_id)
+                        if self._trail is not None:
+                            self._trail.add(token_id, logprobs, piece)
+                        text = self._stops.feed(piece)
                 if self._stops.stopped:
                     if not self.done:
                         self._release_engine()   # the engine would go on: free its slots now
                         self.done = True
                     self.finish_reason = "stop"
                     self.service._finished(self, "stop")
-                    yield Chunk(text, ids, True, "stop")
+                    yield Chunk(text, ids, True, "stop", self._released(text, True, True))
                     return
                 if finished:
-                    text += self._stops.feed(self._detok.flush())
+                    piece = self._detok.flush()
+                    if self._trail is not None:
+                        self._trail.text(piece)
+                    text += self._stops.feed(piece)
                     if self._stops.stopped:
                         reason = "stop"
                     else:
                         text += self._stops.flush()
                     self.finish_reason = FINISH_REASONS.get(str(reason), str(reason or "stop"))
                     self.service._finished(self, self.finish_reason)
-                    yield Chunk(text, ids, True, self.finish_reason)
+                    yield Chunk(text, ids, True, self.finish_reason, self._released(text, True, self._stops.stopped))
                     return
                 if text or ids:
-                    yield Chunk(text, ids)
+                    yield Chunk(text, ids, logprobs=self._released(text))
         finally:
             self.close()               # consumer left early (client gone, cancelled): free the slots
 
@@ -307,15 +323,15 @@ class EngineService:
 
     # ---------------------------------------------------------------- EngineEvents
 
-    def on_tokens(self, outputs: list[tuple[int, int, bool, str | None]]) -> None:
-        for rid, token_id, finished, reason in outputs:
+    def on_tokens(self, outputs: list[tuple[int, int, bool, str | None, TokenLogprobs | None]]) -> None:
+        for rid, token_id, finished, reason, logprobs in outputs:
             stream = self._by_rid.get(rid)
             if stream is None:
                 continue
             if finished:
                 del self._by_rid[rid]
                 stream._rid = None
-            stream._deliver(token_id, finished, reason)
+            stream._deliver(token_id, finished, reason, logprobs=logprobs)
         self.generated_tokens_total += len(outputs)
         now = time.monotonic()
         self._recent_tokens.append((now, len(outputs)))

@@ -139,7 +139,7 @@ def _generate(args: argparse.Namespace, spec: EngineSpec, built, prompt: list[in
     tokens: list[int] = []
     ttft_s, finish_reason, printed = None, None, ""
     while engine.has_work():
-        for _, token, _, reason in engine.step():
+        for _, token, _, reason, _ in engine.step():
             ttft_s = ttft_s if ttft_s is not None else time.perf_counter() - t_run
             tokens.append(token)
             finish_reason = reason

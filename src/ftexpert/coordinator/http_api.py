@@ -30,6 +30,7 @@ from ftexpert.coordinator.auth import http_key_ok
 from ftexpert.coordinator.engine_client import EngineError, EngineUnavailable
 from ftexpert.coordinator.engine_service import Chunk, EngineService, RequestStream, RequestTimeout, ServiceUnavailable
 from ftexpert.coordinator.http_common import json_response as _json_response, unavailable_error as _unavailable
+from ftexpert.coordinator.logprobs import LogprobEntry, TokenPieces, chat_logprobs, completion_logprobs
 from ftexpert.coordinator.metrics import PROMETHEUS_CONTENT_TYPE, HttpCounters, render_prometheus
 from ftexpert.coordinator.openai_requests import ApiError, GenerationPlan, ModelInfo, parse_chat, parse_completion
 from ftexpert.coordinator.tokenize_pool import RETRY_AFTER_S, TokenizePool, TokenizerBusy
@@ -81,6 +82,15 @@ class HttpApi:
         self.counters = HttpCounters()
         self._runner: web.AppRunner | None = None
         self.port: int | None = None
+        self._pieces: TokenPieces | None = None
+
+    def _logprobs(self, entries: list[LogprobEntry] | None, chat: bool) -> dict[str, Any] | None:
+        """A choice's (or a chunk's) `logprobs` in OpenAI's shape; None where the request did not ask."""
+        if entries is None:
+            return None
+        if self._pieces is None:
+            self._pieces = TokenPieces(self.model.codec.tokenizer)
+        return chat_logprobs(entries, self._pieces) if chat else completion_logprobs(entries, self._pieces)
 
     # ------------------------------------------------------------------ app
 
@@ -255,19 +265,24 @@ class HttpApi:
                 return await self._stream_response(request, plan, streams, rid, created, chat)
             texts = [""] * len(streams)
             reasons: list[str | None] = [None] * len(streams)
+            entries: list[list[LogprobEntry] | None] = [None] * len(streams)
             async for index, chunk in _merged(streams):
                 texts[index] += chunk.text
+                if chunk.logprobs is not None:
+                    entries[index] = (entries[index] or []) + chunk.logprobs
                 if chunk.finished:
                     reasons[index] = chunk.finish_reason
             self._observe(streams)
             usage = _usage(streams, plan.n)
+            logprobs = [self._logprobs([] if e is None and s.sampling.logprobs is not None else e, chat)
+                        for e, s in zip(entries, streams)]
             if chat:
-                choices = [{"index": i, "message": {"role": "assistant", "content": t}, "logprobs": None,
-                            "finish_reason": r} for i, (t, r) in enumerate(zip(texts, reasons))]
+                choices = [{"index": i, "message": {"role": "assistant", "content": t}, "logprobs": lp,
+                            "finish_reason": r} for i, (t, r, lp) in enumerate(zip(texts, reasons, logprobs))]
                 return _json_response({"id": rid, "object": "chat.completion", "created": created,
                                        "model": self.model.name, "choices": choices, "usage": usage})
-            choices = [{"index": i, "text": t, "logprobs": None, "finish_reason": r}
-                       for i, (t, r) in enumerate(zip(texts, reasons))]
+            choices = [{"index": i, "text": t, "logprobs": lp, "finish_reason": r}
+                       for i, (t, r, lp) in enumerate(zip(texts, reasons, logprobs))]
             return _json_response({"id": rid, "object": "text_completion", "created": created,
                                    "model": self.model.name, "choices": choices, "usage": usage})
         except EngineUnavailable as exc:
@@ -298,15 +313,16 @@ class HttpApi:
                     await resp.write(frame([{"index": i, "delta": {"role": "assistant", "content": ""},
                                              "logprobs": None, "finish_reason": None}]))
             async for index, chunk in _merged(streams):
+                logprobs = self._logprobs(chunk.logprobs, chat) if chunk.logprobs else None
                 if chat:
-                    if chunk.text:
+                    if chunk.text or logprobs:
                         await resp.write(frame([{"index": index, "delta": {"content": chunk.text},
-                                                 "logprobs": None, "finish_reason": None}]))
+                                                 "logprobs": logprobs, "finish_reason": None}]))
                     if chunk.finished:
                         await resp.write(frame([{"index": index, "delta": {}, "logprobs": None,
                                                  "finish_reason": chunk.finish_reason}]))
-                elif chunk.text or chunk.finished:
-                    await resp.write(frame([{"index": index, "text": chunk.text, "logprobs": None,
+                elif chunk.text or chunk.finished or logprobs:
+                    await resp.write(frame([{"index": index, "text": chunk.text, "logprobs": logprobs,
                                              "finish_reason": chunk.finish_reason if chunk.finished else None}]))
             self._observe(streams)
             if plan.include_usage:

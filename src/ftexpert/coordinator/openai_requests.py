@@ -2,8 +2,8 @@
 
 Every check names the parameter and what would be valid, so a client can fix its request. Numbers
 must be JSON numbers (a bool is not a number here), and unsupported options that would change the
-answer (logprobs, echo, penalties, tools, ...) are refused rather than silently ignored; unknown
-fields are ignored, as most OpenAI-compatible servers do.
+answer (echo, penalties, tools, ...) are refused rather than silently ignored; unknown fields are
+ignored, as most OpenAI-compatible servers do. Logprobs and response_format: request_options.py.
 """
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from ftexpert.coordinator.request_options import parse_logprobs, parse_response_format
 from ftexpert.coordinator.text_codec import CHATML_ROLES, ChatMessage, TextCodec, TooManyTokens
 from ftexpert.coordinator.token_bounds import utf8_length_over
 from ftexpert.proto.sampling_params import BadSamplingParam, PromptTooLong, SamplingParams, check_prompt
@@ -144,21 +145,12 @@ def _refuse_unsupported(body: dict, chat: bool) -> None:
         raise bad(f"{option} is not supported by this server; remove it", name, "unsupported_parameter")
 
     if chat:
-        if body.get("logprobs") not in (None, False):
-            refuse("logprobs", "(true)")
-        if body.get("top_logprobs") not in (None, 0):
-            refuse("top_logprobs", "")
         for name in ("tools", "functions"):
             if body.get(name) not in (None, []):
                 refuse(name, "(tool calling)")
         if body.get("tool_choice") not in (None, "none", "auto"):
             refuse("tool_choice", "")
-        fmt = body.get("response_format")
-        if fmt is not None and fmt != {"type": "text"}:
-            refuse("response_format", "(other than text)")
     else:
-        if body.get("logprobs") not in (None, 0):
-            refuse("logprobs", "")
         if body.get("echo") not in (None, False):
             refuse("echo", "(true)")
         if body.get("best_of") not in (None, 1):
@@ -188,7 +180,7 @@ def _parse_stop(body: dict, name: str = "stop") -> list[str]:
 
 
 def _parse_common(body: dict, model: ModelInfo, prompts: list[list[int]], max_tokens: int | None,
-                  max_tokens_param: str) -> GenerationPlan:
+                  max_tokens_param: str, chat: bool) -> GenerationPlan:
     try:
         for prompt in sorted(prompts, key=len, reverse=True):     # the longest sets the default max_tokens
             max_tokens = check_prompt(prompt, max_tokens, model.context_length, model.codec.vocab_size,
@@ -230,10 +222,12 @@ def _parse_common(body: dict, model: ModelInfo, prompts: list[list[int]], max_to
         raise bad(f"'stop_token_ids' may hold at most {MAX_STOP_STRINGS} ids", "stop_token_ids")
     stop_token_ids = tuple(stop_ids) + (() if ignore_eos else tuple(model.codec.eos_token_ids))
     stop = _parse_stop(body)
+    logprobs = parse_logprobs(body, chat, bad)
+    grammar = parse_response_format(body, bad)
     try:
         sampling = [SamplingParams(max_new_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                                    seed=None if seed is None else (seed + j) % (1 << 63), ignore_eos=ignore_eos,
-                                   stop_token_ids=stop_token_ids)
+                                   stop_token_ids=stop_token_ids, logprobs=logprobs, grammar=grammar)
                     for _prompt in prompts for j in range(n)]
     except BadSamplingParam as exc:
         param = max_tokens_param if exc.field == "max_new_tokens" else exc.field
@@ -283,7 +277,7 @@ def parse_completion(body: Any, model: ModelInfo) -> GenerationPlan:
         else:
             raise bad(f"token ids in 'prompt' must be integers in [0, {model.codec.vocab_size})", "prompt")
     max_tokens, param = _parse_max_tokens(body, ("max_tokens",), COMPLETION_DEFAULT_MAX_TOKENS)
-    return _parse_common(body, model, ids, max_tokens, param)
+    return _parse_common(body, model, ids, max_tokens, param, chat=False)
 
 
 def parse_messages(raw: Any) -> list[ChatMessage]:
@@ -324,7 +318,7 @@ def parse_chat(body: Any, model: ModelInfo) -> GenerationPlan:
     _refuse_unsupported(body, chat=True)
     prompt_ids = encode_chat_prompt(parse_messages(body.get("messages")), model)
     max_tokens, param = _parse_max_tokens(body, ("max_completion_tokens", "max_tokens"), None)
-    return _parse_common(body, model, [prompt_ids], max_tokens, param)
+    return _parse_common(body, model, [prompt_ids], max_tokens, param, chat=True)
 
 
 def encode_chat_prompt(messages: list[ChatMessage], model: ModelInfo) -> list[int]:

@@ -46,7 +46,7 @@ class StepEngine(Protocol):
     def add_request(self, prompt_ids: list[int], params: SamplingParams, request_id: Hashable) -> Hashable: ...
     def abort(self, request_id: Hashable) -> bool: ...
     def has_work(self) -> bool: ...
-    def step(self) -> list[tuple]: ...           # (request id, token id, finished, finish reason) per request
+    def step(self) -> list[tuple]: ...           # (request id, token id, finished, finish reason[, logprobs]) each
     def set_policy(self, **fields: Any) -> None: ...
 
 
@@ -125,17 +125,18 @@ class _Loop:
         if not outputs:
             return
         self.steps += 1
-        rids, tokens, finished, reasons = [], [], [], []
+        rids, tokens, finished, reasons, logprobs = [], [], [], [], []
         for out in outputs:
             rid, token, done, reason = out[0], out[1], bool(out[2]), out[3]
             rids.append(int(rid))
             tokens.append(int(token))
             finished.append(done)
             reasons.append(reason or "")
+            logprobs.append(out[4] if len(out) > 4 else None)
             if done:
                 self.live.discard(rid)
                 self.finished += 1
-        self.send(em.TokenBatch(self.steps, rids, tokens, finished, reasons))
+        self.send(em.token_batch(self.steps, rids, tokens, finished, reasons, logprobs))
 
 
 def gpu_busy_loop(engine: StepEngine, inbox: queue.SimpleQueue, send: Callable[[Any], None], *,

@@ -37,17 +37,17 @@ from typing import Any, Sequence
 import numpy as np
 
 from ftexpert.proto.engine_spec import EngineSpec
-from ftexpert.proto.sampling_params import SamplingParams
+from ftexpert.proto.sampling_params import SamplingParams, TokenLogprobs
 from ftexpert.proto.typed_messages import MessageCodec, MessageError
 
-ENGINE_PROTOCOL_VERSION = 4
+ENGINE_PROTOCOL_VERSION = 5
 HELLO_RESEND_S = 2.0                     # worker: resend HELLO until WELCOME (the coordinator may start later)
 DEFAULT_HEARTBEAT_INTERVAL_S = 1.0
 DEFAULT_PEER_TIMEOUT_S = 10.0            # silence after which either side declares the other gone
 STATS_INTERVAL_S = 0.1
 
-__all__ = ["MessageError", "SamplingParams", "CODEC", "encode", "decode", "spec_hash", "flatten_stats",
-           "pack_token_ids", "unpack_token_ids"]
+__all__ = ["MessageError", "SamplingParams", "TokenLogprobs", "CODEC", "encode", "decode", "spec_hash",
+           "flatten_stats", "pack_token_ids", "unpack_token_ids", "token_batch"]
 
 
 # ---------------------------------------------------------------- handshake
@@ -118,12 +118,36 @@ class Abort:
 
 @dataclasses.dataclass(frozen=True)
 class TokenBatch:
-    """Every token one engine step made; parallel lists, finish_reasons "" while running."""
+    """Every token one engine step made; parallel lists, finish_reasons "" while running. Logprobs, for the
+    requests that asked (empty lists when none did): `lp_counts` per token, -1 for none, else k: `lp_values`
+    holds the token's logprob then k alternatives' logprobs, `lp_ids` those k alternatives' ids (in order)."""
     step: int
     request_ids: list[int]
     token_ids: list[int]
     finished: list[bool]
     finish_reasons: list[str]
+    lp_counts: list[int] = dataclasses.field(default_factory=list)
+    lp_values: list[float] = dataclasses.field(default_factory=list)
+    lp_ids: list[int] = dataclasses.field(default_factory=list)
+
+    def logprobs(self) -> list[TokenLogprobs | None]:
+        """Each token's logprobs (None where its request did not ask), parallel to token_ids."""
+        if not self.lp_counts:
+            return [None] * len(self.token_ids)
+        if len(self.lp_counts) != len(self.token_ids):
+            raise MessageError(f"TokenBatch: {len(self.lp_counts)} logprob counts for {len(self.token_ids)} tokens")
+        out: list[TokenLogprobs | None] = []
+        v = i = 0
+        for k in self.lp_counts:
+            if k < 0:
+                out.append(None)
+                continue
+            if v + 1 + k > len(self.lp_values) or i + k > len(self.lp_ids):
+                raise MessageError("TokenBatch: fewer logprob values than its counts say")
+            out.append(TokenLogprobs(self.lp_values[v], tuple(self.lp_ids[i:i + k]),
+                                     tuple(self.lp_values[v + 1:v + 1 + k])))
+            v, i = v + 1 + k, i + k
+        return out
 
 
 @dataclasses.dataclass(frozen=True)
@@ -223,6 +247,24 @@ def flatten_stats(obj: Any, prefix: str = "", out: dict[str, float] | None = Non
         except (TypeError, ValueError, RuntimeError):
             pass
     return out
+
+
+def token_batch(step: int, request_ids: list[int], token_ids: list[int], finished: list[bool],
+                finish_reasons: list[str], logprobs: Sequence[TokenLogprobs | None]) -> TokenBatch:
+    """A TOKEN_BATCH, its logprobs packed (no list is filled when no token has any)."""
+    counts: list[int] = []
+    values: list[float] = []
+    ids: list[int] = []
+    if any(lp is not None for lp in logprobs):
+        for lp in logprobs:
+            if lp is None:
+                counts.append(-1)
+                continue
+            counts.append(len(lp.top_ids))
+            values.append(float(lp.logprob))
+            values.extend(float(x) for x in lp.top_logprobs)
+            ids.extend(int(t) for t in lp.top_ids)
+    return TokenBatch(step, request_ids, token_ids, finished, finish_reasons, counts, values, ids)
 
 
 def pack_token_ids(ids: Sequence[int]) -> bytes:

@@ -1,11 +1,20 @@
 """`SamplingParams`: how one request is sampled, built and validated once at the front door (HTTP or
 gRPC), carried as is through the engine link (a field of ADD_REQUEST) and used by the GPU worker's
-sampler. `check_prompt` is the one check of a prompt against the engine's context.
+sampler. `TokenLogprobs`: what the sampler reports of one token when its request asked for logprobs.
+`check_prompt` is the one check of a prompt against the engine's context.
+
+Logprobs are taken from the distribution the token was drawn from: log-softmax of the logits after the grammar
+mask (proto/grammar_spec.py) and the temperature (a greedy request counts as temperature 1), with top-k and top-p
+applied (tokens they cut are -inf: never listed, and the kept ones renormalized).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import NamedTuple, Sequence
+
+from ftexpert.proto.grammar_spec import GrammarSpec
+
+MAX_LOGPROBS = 20           # alternatives reported per token at most (OpenAI's top_logprobs bound)
 
 
 @dataclass(frozen=True)
@@ -17,6 +26,8 @@ class SamplingParams:
     seed: int | None = None              # None: a fresh random seed per request
     ignore_eos: bool = False
     stop_token_ids: tuple[int, ...] = ()
+    logprobs: int | None = None          # None: none; n: the token's logprob and the n most likely alternatives
+    grammar: GrammarSpec | None = None   # the output must match it (a token mask in the sampler)
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
@@ -27,11 +38,25 @@ class SamplingParams:
             raise BadSamplingParam("top_p", f"must be in (0, 1], got {self.top_p!r}")
         if self.top_k < 0:
             raise BadSamplingParam("top_k", f"must be 0 (off) or >= 1, got {self.top_k!r}")
+        if self.logprobs is not None and (isinstance(self.logprobs, bool) or not isinstance(self.logprobs, int)
+                                          or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise BadSamplingParam("logprobs", f"must be None or an integer from 0 to {MAX_LOGPROBS}, got "
+                                               f"{self.logprobs!r}")
+        if self.grammar is not None and not isinstance(self.grammar, GrammarSpec):
+            raise BadSamplingParam("grammar", f"must be a GrammarSpec, got {type(self.grammar).__name__}")
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+class TokenLogprobs(NamedTuple):
+    """One generated token's logprob and its most likely alternatives (ids and logprobs, best first; as many as
+    the request asked for, fewer where fewer tokens had a chance)."""
+    logprob: float
+    top_ids: tuple[int, ...] = ()
+    top_logprobs: tuple[float, ...] = ()
 
 
 class BadSamplingParam(ValueError):

@@ -5,8 +5,8 @@
     msg = codec.decode(frames)                  # raises MessageError naming what is wrong
 
 Field types allowed in a message dataclass: bool, int, float, str, bytes, list[<one of those>] and
-tuple[<one of those>, ...], `<scalar> | None`, and a nested dataclass of such fields (sent as a map; e.g.
-ADD_REQUEST's SamplingParams). Decoding checks the declared types, refuses unknown fields and reports
+tuple[<one of those>, ...], `<scalar> | None`, and a nested dataclass of such fields, or `<dataclass> | None` (sent
+as a map or nil; e.g. ADD_REQUEST's SamplingParams and its GrammarSpec). Decoding checks the declared types, refuses unknown fields and reports
 missing ones; numbers declared float arrive as float; a nested dataclass that refuses its values (its
 __post_init__ raises ValueError) is a MessageError.
 """
@@ -65,15 +65,23 @@ def _check_value(value: Any, annotation: Any) -> bool:
 
 
 def _supported(annotation: Any) -> bool:
-    if annotation in SCALARS or (dataclasses.is_dataclass(annotation) and isinstance(annotation, type)):
+    if annotation in SCALARS or _is_nested(annotation):
         return True
     inner = _optional_of(annotation)
     item = _sequence_item(annotation)
-    return (inner in SCALARS) or (item in SCALARS)
+    return (inner in SCALARS) or _is_nested(inner) or (item in SCALARS)
 
 
 def _is_nested(annotation: Any) -> bool:
     return dataclasses.is_dataclass(annotation) and isinstance(annotation, type)
+
+
+def _nested_of(annotation: Any) -> Any:
+    """The dataclass of a `D` or `D | None` field, else None."""
+    if _is_nested(annotation):
+        return annotation
+    inner = _optional_of(annotation)
+    return inner if _is_nested(inner) else None
 
 
 class MessageCodec:
@@ -94,8 +102,9 @@ class MessageCodec:
         for name, annotation in hints.items():
             if not _supported(annotation):
                 raise TypeError(f"{cls.__name__}.{name}: unsupported schema type {annotation!r}")
-            if _is_nested(annotation) and annotation not in self._hints:
-                self._learn(annotation)
+            nested = _nested_of(annotation)
+            if nested is not None and nested not in self._hints:
+                self._learn(nested)
 
     def encode(self, msg: Any) -> list[bytes]:
         cls = type(msg)
@@ -108,10 +117,14 @@ class MessageCodec:
         payload = {}
         for name, annotation in self._hints[cls].items():
             value = getattr(msg, name)
-            if _is_nested(annotation):
-                if not isinstance(value, annotation):
-                    raise MessageError(f"{cls.__name__}.{name}={value!r:.200} is not {annotation.__name__}")
+            nested = _nested_of(annotation)
+            if nested is not None and not (value is None and nested is not annotation):
+                if not isinstance(value, nested):
+                    raise MessageError(f"{cls.__name__}.{name}={value!r:.200} is not {nested.__name__}")
                 payload[name] = self._to_map(value)
+                continue
+            if nested is not None:            # None for a `D | None` field
+                payload[name] = None
                 continue
             if isinstance(value, tuple):
                 value = list(value)
@@ -147,8 +160,10 @@ class MessageCodec:
             raise MessageError(f"{cls.__name__}: missing field(s) {', '.join(missing)}")
         for name, value in payload.items():
             annotation = hints[name]
-            if _is_nested(annotation):
-                payload[name] = self._from_map(annotation, value)
+            nested = _nested_of(annotation)
+            if nested is not None:
+                if not (value is None and nested is not annotation):
+                    payload[name] = self._from_map(nested, value)
                 continue
             if not _check_value(value, annotation):
                 raise MessageError(f"{cls.__name__}.{name}={value!r:.200} is not {annotation}")

@@ -24,6 +24,7 @@ from ftexpert.gpu_worker.backends.expert_backend import ExpertBackend
 from ftexpert.gpu_worker.backends.hybrid.options import HybridOptions
 from ftexpert.gpu_worker.backends.offload.prefetch import settings_from_knobs
 from ftexpert.gpu_worker.engine import Engine, EngineConfig
+from ftexpert.gpu_worker.engine.grammar import GrammarCompiler
 from ftexpert.kernels.pdl import apply_setting
 from ftexpert.proto.engine_spec import EngineSpec
 
@@ -50,11 +51,20 @@ class BuiltEngine:
 
     def fresh_engine(self) -> Engine:
         """Another engine over the same model and settings (a restart that reloads no weights)."""
-        return Engine(self.model, self.engine.config, self.source.eos_token_ids)
+        return Engine(self.model, self.engine.config, self.source.eos_token_ids, self.engine.grammars)
 
     def close(self) -> None:
         """Detach the expert backend from the store and the channels (their owner unlinks them)."""
         self.experts.close()
+
+
+def grammar_compiler(source: ModelSource) -> GrammarCompiler | None:
+    """Structured output's grammar compiler over the model's tokenizer (None without a tokenizer.json); its
+    tokenizer is built on the first constrained request."""
+    if source.tokenizer is None:
+        return None
+    eos = set(source.eos_token_ids) | set(source.tokenizer.eos_token_ids)
+    return GrammarCompiler.from_tokenizer(source.tokenizer.tokenizer, source.cfg.vocab_size, eos)
 
 
 def hybrid_options(spec: EngineSpec, base: HybridOptions | None = None) -> HybridOptions:
@@ -104,7 +114,8 @@ def build_engine(spec: EngineSpec, *, attachment: Attachment | None = None, sour
                                             max_context_tokens=spec.max_context_tokens,
                                             slot_audit_every=spec.moe_slot_audit,
                                             prefill_chunk_tokens=spec.prefill_chunk_tokens,
-                                            overlap_decode=spec.overlap), source.eos_token_ids)
+                                            overlap_decode=spec.overlap), source.eos_token_ids,
+                        grammar_compiler(source))
         if device.type == "cuda":
             torch.cuda.synchronize(device)          # the KV cache allocated: the load time covers it
     except BaseException:

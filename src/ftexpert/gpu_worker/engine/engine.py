@@ -3,13 +3,17 @@
     engine = Engine(model, EngineConfig(max_running_requests=4))
     rid = engine.add_request(prompt_ids, SamplingParams(max_new_tokens=64))
     while engine.has_work():
-        for request_id, token_id, finished, finish_reason in engine.step():
+        for request_id, token_id, finished, finish_reason, logprobs in engine.step():
             ...
 
 Not thread-safe: one thread (the front door's engine loop) calls every method. ``step`` runs at most
 one prefill chunk and one decode forward (see scheduler.py) and returns every token made in it; with
 ``EngineConfig.overlap_decode`` it may also queue the next decode forward, and return the tokens of one
 queued by the call before (so a request can get two tokens from one call).
+
+A request with a grammar (SamplingParams.grammar) is sampled under its token mask (grammar.py): the mask of its
+next token depends on the token just sampled, so no decode step is queued ahead while one is in the batch; its mask
+is computed on the host while the GPU runs the step's forward.
 """
 from __future__ import annotations
 
@@ -26,12 +30,14 @@ from ftexpert.gpu_worker.models.qwen3_next import StatefulContext
 from ftexpert.gpu_worker.engine.attention import ATTENTION_BACKENDS, PrefillAttention, decode_bucket_tokens
 from ftexpert.gpu_worker.engine.cuda_graphs import DecodeGraphs
 from ftexpert.gpu_worker.engine.decode_step import DecodeInputs, decode_forward
+from ftexpert.gpu_worker.engine.grammar import GrammarCompiler, GrammarMasks
 from ftexpert.gpu_worker.engine.kv_cache import KVCache
 from ftexpert.gpu_worker.engine.state_cache import StateCache
 from ftexpert.gpu_worker.engine.request import Request, StepOutput
-from ftexpert.gpu_worker.engine.sampling import FINISH_ABORT, RequestSampler, SamplingParams, sample_batch_device
+from ftexpert.gpu_worker.engine.sampling import FINISH_ABORT, RequestSampler, SampledStep, SamplingParams, sample_step
 from ftexpert.gpu_worker.engine.scheduler import PrefillChunk, Scheduler
 from ftexpert.gpu_worker.engine.stats import EngineStats
+from ftexpert.proto.sampling_params import TokenLogprobs
 
 DEFAULT_MAX_CONTEXT_TOKENS = 32768
 # Prompt tokens a prefill chunk takes unless the config or the expert backend (`preferred_prefill_chunk_tokens`:
@@ -89,12 +95,17 @@ class EngineConfig:
 
 @dataclass
 class _DecodeStep:
-    """A decode step launched: its batch, its sampled ids on the device and (CUDA) their pinned host copy, which
-    holds them once `ready` has completed."""
+    """A decode step launched: its batch, its sampled ids (and logprobs) on the device and (CUDA) their pinned host
+    copies, which hold them once `ready` has completed."""
     reqs: list[Request]
-    tokens: torch.Tensor                    # [B] int64, device
+    sampled: SampledStep
     host: torch.Tensor | None = None        # [B] int64, pinned
+    lp_host: torch.Tensor | None = None     # the logprob lines, pinned
     ready: "torch.cuda.Event | None" = None
+
+    @property
+    def tokens(self) -> torch.Tensor:       # [B] int64, device
+        return self.sampled.tokens
 
     def token_ids(self) -> list[int]:
         """The sampled ids on the host: waits for this step's sampling only, not for anything queued after it."""
@@ -103,10 +114,33 @@ class _DecodeStep:
         self.ready.synchronize()
         return self.host.tolist()
 
+    def logprobs(self) -> dict[int, "TokenLogprobs"]:
+        """Batch row -> the logprobs of its token, for the rows that asked (after token_ids: no further wait)."""
+        if self.sampled.logprobs is None:
+            return {}
+        lines = self.lp_host if self.lp_host is not None else self.sampled.logprobs
+        return self.sampled.read_logprobs(lines.tolist())
+
+
+def launch_copies(sampled: SampledStep, reqs: list[Request]) -> _DecodeStep:
+    """The step's host copies queued behind its sampling (CUDA; elsewhere the tensors are read in place)."""
+    tokens = sampled.tokens
+    if tokens.device.type != "cuda":
+        return _DecodeStep(list(reqs), sampled)
+    host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+    host.copy_(tokens, non_blocking=True)
+    lp_host = None
+    if sampled.logprobs is not None:
+        lp_host = torch.empty(sampled.logprobs.shape, dtype=sampled.logprobs.dtype, pin_memory=True)
+        lp_host.copy_(sampled.logprobs, non_blocking=True)
+    ready = torch.cuda.Event()
+    ready.record()
+    return _DecodeStep(list(reqs), sampled, host, lp_host, ready)
+
 
 class Engine:
     def __init__(self, model: MoeModel, config: EngineConfig | None = None,
-                 eos_token_ids: Iterable[int] | None = None):
+                 eos_token_ids: Iterable[int] | None = None, grammars: GrammarCompiler | None = None):
         self.model, self.config = model, config or EngineConfig()
         cfg = model.cfg
         self.max_context_tokens = (self.config.max_context_tokens
@@ -129,6 +163,8 @@ class Engine:
         overlap = self.config.overlap_decode
         self.overlap_decode = self.device.type == "cuda" if overlap is None else bool(overlap)
         self._ahead: _DecodeStep | None = None      # the decode step queued ahead (overlap_decode), not yet read
+        self.grammars = grammars                    # structured output (None: the model has no tokenizer.json)
+        self._masks: GrammarMasks | None = None     # the constrained rows' bitmask buffers, on first use
         self.graphs = None
         if self.config.cuda_graphs and self.device.type == "cuda":
             self.graphs = DecodeGraphs(self)
@@ -154,7 +190,15 @@ class Engine:
                 request_id = next(self._ids)
         elif self.scheduler.find(request_id) is not None:
             raise ValueError(f"request id {request_id!r} is already in use")
-        self.scheduler.add(Request(request_id, prompt_ids, params, RequestSampler(params, self.device),
+        grammar = None
+        if params.grammar is not None:
+            if self.grammars is None:
+                raise ValueError("structured output needs the model's tokenizer.json, which this model has not")
+            grammar = self.grammars.matcher(params.grammar)         # GrammarError is a ValueError
+            if self._masks is None:
+                self._masks = GrammarMasks(self.config.max_running_requests, self.model.cfg.vocab_size,
+                                           self.device)
+        self.scheduler.add(Request(request_id, prompt_ids, params, RequestSampler(params, self.device, grammar),
                                    self.eos_token_ids, self.max_context_tokens))
         self.stats.requests_added += 1
         return request_id
@@ -224,9 +268,10 @@ class Engine:
         since it was queued made its token for nothing: its KV row was freed, and anything later runs after it);
         the stats, and the slot audit when due. `t0`: when the host began the step (its decode time)."""
         token_ids = step.token_ids()                                                 # host sync (this step's)
+        logprobs = step.logprobs()
         now = time.perf_counter()
         self.stats.num_decode_steps += 1
-        outputs = [r.append_token(t, now) for r, t in zip(step.reqs, token_ids)
+        outputs = [r.append_token(t, now, logprobs.get(i)) for i, (r, t) in enumerate(zip(step.reqs, token_ids))
                    if not r.finished and r.slot is not None]
         self.stats.decode_tokens += len(outputs)
         self.stats.decode_tokens_discarded += len(step.reqs) - len(outputs)
@@ -267,8 +312,9 @@ class Engine:
         req.num_prefilled += n
         outputs = []
         if chunk.is_last:
-            token = int(req.sampler.sample(logits[0]))                               # host sync
-            outputs.append(req.append_token(token, time.perf_counter()))
+            sampled = launch_copies(sample_step([req.sampler], logits, self._masks), [req])
+            token, logprobs = sampled.token_ids()[0], sampled.logprobs()             # host sync
+            outputs.append(req.append_token(token, time.perf_counter(), logprobs.get(0)))
         elif self.device.type == "cuda":
             torch.cuda.synchronize(self.device)                                       # honest timing
         self.stats.num_prefill_chunks += 1
@@ -328,12 +374,14 @@ class Engine:
             return False
         if not self.model.experts.decode_steps_may_overlap():
             return False
+        if any(r.sampler.grammar is not None for r in reqs):    # the next mask needs this step's tokens
+            return False
         return all(len(r.output_ids) + 1 < r.params.max_new_tokens and r.seq_len + 1 <= r.max_context_tokens
                    for r in reqs)
 
     def _launch_decode(self, reqs: list[Request], inputs: DecodeInputs) -> _DecodeStep:
-        """Queue one decode forward and its sampling; the ids stay on the device (and are copied to pinned host
-        memory behind them) until `_DecodeStep.token_ids` reads them."""
+        """Queue one decode forward and its sampling; the ids (and logprobs) stay on the device (and are copied to
+        pinned host memory behind them) until `_DecodeStep.token_ids` reads them."""
         experts = self.model.experts
         # a retried step must start from the same linear-layer states (their update is not idempotent)
         saved = self.states.snapshot(inputs.slot_ids) if self.states is not None else None
@@ -353,14 +401,8 @@ class Engine:
         else:
             raise RuntimeError(f"the expert backend failed the decode step {DECODE_ATTEMPTS} times (its re-run "
                                "fetches every miss and should not fail); see the log for the cause")
-        tokens = sample_batch_device([r.sampler for r in reqs], logits)                # [B] int64, device
-        if tokens.device.type != "cuda":
-            return _DecodeStep(list(reqs), tokens)
-        host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
-        host.copy_(tokens, non_blocking=True)
-        ready = torch.cuda.Event()
-        ready.record()
-        return _DecodeStep(list(reqs), tokens, host, ready)
+        # the grammar masks (computed on the host while the GPU runs the forward), the tokens, the logprobs
+        return launch_copies(sample_step([r.sampler for r in reqs], logits, self._masks), reqs)
 
     def _audit_slots(self, experts) -> None:
         """The slot audit (EngineConfig.slot_audit_every): check the backend's slot cache on the host, and on a

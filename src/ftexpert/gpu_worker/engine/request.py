@@ -6,14 +6,16 @@ from dataclasses import dataclass, field
 from typing import Hashable, NamedTuple
 
 from ftexpert.gpu_worker.engine.sampling import FINISH_LENGTH, FINISH_STOP, RequestSampler, SamplingParams
+from ftexpert.proto.sampling_params import TokenLogprobs
 
 
 class StepOutput(NamedTuple):
-    """One new token of one request; unpacks as (request_id, new_token_id, finished, finish_reason)."""
+    """One new token of one request; unpacks as (request_id, new_token_id, finished, finish_reason, logprobs)."""
     request_id: Hashable
     new_token_id: int
     finished: bool
     finish_reason: str | None   # "stop" | "length" | None while running
+    logprobs: TokenLogprobs | None = None     # when the request asked for them (SamplingParams.logprobs)
 
 
 @dataclass
@@ -49,17 +51,22 @@ class Request:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
-    def append_token(self, token_id: int, now_s: float) -> StepOutput:
-        """Record a generated token and decide whether the request is finished."""
+    def append_token(self, token_id: int, now_s: float, logprobs: TokenLogprobs | None = None) -> StepOutput:
+        """Record a generated token and decide whether the request is finished. A constrained request whose
+        grammar is complete after this token (only EOS may follow) finishes here with "stop"."""
         self.output_ids.append(token_id)
         if self.first_token_time_s is None:
             self.first_token_time_s = now_s
         p = self.params
-        if token_id in p.stop_token_ids or (not p.ignore_eos and token_id in self.eos_token_ids):
+        grammar = self.sampler.grammar
+        if grammar is not None:
+            grammar.accept(token_id)
+        if token_id in p.stop_token_ids or (not p.ignore_eos and token_id in self.eos_token_ids) \
+                or (grammar is not None and grammar.done):
             self.finish_reason = FINISH_STOP
         elif len(self.output_ids) >= p.max_new_tokens or self.seq_len > self.max_context_tokens:
             # seq_len > max_context_tokens: the token just made has no KV position left to be fed at
             self.finish_reason = FINISH_LENGTH
         if self.finished:
             self.finish_time_s = now_s
-        return StepOutput(self.request_id, token_id, self.finished, self.finish_reason)
+        return StepOutput(self.request_id, token_id, self.finished, self.finish_reason, logprobs)
