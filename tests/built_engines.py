@@ -47,7 +47,7 @@ def engine_of(built: BuiltEngine, *, experts=None, **fields: Any) -> Engine:
 
 def build_with_resources(strategy: str, *, cache_size=None, hybrid=None, num_workers: int = 2, worker_args=(),
                          backoff_s: float = 0.1, ready_timeout_s: float = 120.0, model_dir=None,
-                         **fields: Any) -> BuiltEngine:
+                         log_level: str = "WARNING", **fields: Any) -> BuiltEngine:
     """The engine for `strategy` (offload, cpu, hybrid) over host resources from their one owner
     (coordinator/expert_resources.py: the store, the CPU channels, the supervised workers), attached as the GPU
     worker attaches them (an `Attachment`); `model_dir`: that checkpoint instead of the tiny one. `built.resources`
@@ -62,7 +62,7 @@ def build_with_resources(strategy: str, *, cache_size=None, hybrid=None, num_wor
     dev = resolve_device(full.device)
     source = open_model_source(full.model, full.preset, dtype=full.dtype, device=dev, expert_format=full.expert_format)
     cpu = CpuWorkerSettings(num_workers=num_workers, worker_args=tuple(worker_args), backoff_initial_s=backoff_s,
-                            ready_timeout_s=ready_timeout_s, log_level="WARNING")
+                            ready_timeout_s=ready_timeout_s, log_level=log_level)
     resources = ExpertResources.create(source, strategy, store_name=f"ft-test-{os.getpid()}-{uuid.uuid4().hex[:6]}",
                                        cpu=cpu, staging_device=dev if dev.type == "cuda" else None)
     try:
