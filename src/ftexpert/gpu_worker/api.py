@@ -27,13 +27,13 @@ from ftexpert.gpu_worker.assembly.attached_backends import make_attached_expert_
 from ftexpert.gpu_worker.assembly.device import resolve_device
 from ftexpert.gpu_worker.assembly.loader import (DEFAULT_MODEL_DIR, LoadedModel, ModelSource, assemble_model, load_model,
                                                  model_facts, open_model_source)
-from ftexpert.gpu_worker.backends.offload.prefetch import PREFETCH_KNOBS, PrefetchSettings, settings_from_knobs
+from ftexpert.gpu_worker.backends.offload.prefetch import PREFETCH_KNOBS, PrefetchSettings
 from ftexpert.gpu_worker.backends.offload.host_store import HostExperts, fill_expert_store
 from ftexpert.gpu_worker.worker_loop import gpu_busy_loop
 from ftexpert.proto.shm_layout import channel_hidden_dtype
 from ftexpert.proto.expert_store import ExpertStore
 
-__all__ = ["Attachment", "BuiltEngine", "build_engine", "pin_engine_process", "DEFAULT_MODEL_DIR", "PREFETCH_KNOBS", "PrefetchSettings", "settings_from_knobs", "Engine", "EngineConfig", "HostExperts", "gpu_busy_loop", "HybridOptions", "attach_cpu_pool", "LoadedModel", "ModelSource", "SamplingParams",
+__all__ = ["Attachment", "BuiltEngine", "build_engine", "pin_engine_process", "DEFAULT_MODEL_DIR", "PREFETCH_KNOBS", "PrefetchSettings", "Engine", "EngineConfig", "HostExperts", "gpu_busy_loop", "HybridOptions", "attach_cpu_pool", "LoadedModel", "ModelSource", "SamplingParams",
            "channel_hidden_dtype", "fill_expert_store", "load_attached_model", "load_model", "model_facts",
            "needs_host_store", "open_model_source", "resolve_device"]
 

@@ -35,7 +35,7 @@ from ftexpert.gpu_worker.assembly.device import resolve_device
 from ftexpert.gpu_worker.assembly.loader import ModelSource, assemble_model, open_model_source
 from ftexpert.gpu_worker.backends.expert_backend import ExpertBackend
 from ftexpert.gpu_worker.backends.hybrid.options import HybridOptions
-from ftexpert.gpu_worker.backends.offload.prefetch import attach_prefetch, settings_from_knobs
+from ftexpert.gpu_worker.backends.offload.prefetch import PrefetchSettings, attach_prefetch
 from ftexpert.gpu_worker.engine import Engine, EngineConfig
 from ftexpert.gpu_worker.engine.engine import DEFAULT_MAX_CONTEXT_TOKENS
 from ftexpert.gpu_worker.models.synthetic_routing import SyntheticRouting
@@ -100,7 +100,7 @@ class BuiltEngine:
             model.routing_override = _routing(spec, self.source, self.device)
         if experts is None:
             if "routing" in changed or rerouted or any(name in changed for name in PREFETCH_FIELDS):
-                attach_prefetch(model, settings_from_knobs(spec.to_wire()))
+                attach_prefetch(model, _prefetch(spec))
             self.spec = spec
         return _engine(model, spec, self.source)
 
@@ -109,18 +109,25 @@ class BuiltEngine:
         if self.experts is not None:
             self.experts.close()
 
-    def _give_up_model(self) -> Any:
-        """build_engine's `reuse`: the model handed over, its expert backend closed and dropped first (so that its
-        memory is free before the next one is built). This BuiltEngine is empty afterwards."""
-        model, experts = self.model, self.experts
-        if model is None:
+    def release_experts(self) -> None:
+        """Close and drop the expert backend and the engine, keeping the model's dense weights for a later
+        `build_engine(spec, reuse=self)` (a benchmark frees the GPU memory of its resident experts before it fills
+        the host store its next backends share). Only `build_engine(reuse=...)` takes this BuiltEngine after."""
+        if self.model is None:
             raise ValueError("this built engine's model was handed over to another build_engine(reuse=...) already")
-        self.engine = self.experts = self.model = None
-        model.experts = None
-        experts.close()
+        experts, self.engine, self.experts = self.experts, None, None
+        self.model.experts = None
+        if experts is not None:
+            experts.close()
         gc.collect()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
+
+    def _give_up_model(self) -> Any:
+        """build_engine's `reuse`: the model handed over, its expert backend released first (so that its memory is
+        free before the next one is built). This BuiltEngine is empty afterwards."""
+        self.release_experts()
+        model, self.model = self.model, None
         return model
 
 
@@ -171,7 +178,7 @@ def build_engine(spec: EngineSpec, *, attachment: Attachment | None = None, sour
         model = reuse._give_up_model()
     experts = _expert_backend(spec, source, device, attachment, hybrid_options(spec, hybrid)
                               if spec.uses_cpu_pool else None)
-    prefetch = settings_from_knobs(spec.to_wire())
+    prefetch = _prefetch(spec)
     if model is None:
         model = assemble_model(source, experts, device, prefetch, fused_kernels=spec.fused, routing=routing,
                                dense_linear=_dense_linear(spec, device), predictor=predictor)
@@ -207,6 +214,12 @@ def _routing(spec: EngineSpec, source: ModelSource, device: torch.device) -> Syn
     """The synthetic routing table for the engine's whole context (None: the routers decide)."""
     max_context = spec.max_context_tokens or min(DEFAULT_MAX_CONTEXT_TOKENS, source.cfg.max_position_embeddings)
     return SyntheticRouting.parse(spec.routing, source.cfg, max_context, device)
+
+
+def _prefetch(spec: EngineSpec) -> PrefetchSettings:
+    """The lookahead prefetch's settings (its budget and candidates kept when it is off: SetPolicy may turn it on)."""
+    return PrefetchSettings(mode=spec.moe_prefetch, budget=spec.moe_prefetch_budget, k=spec.moe_prefetch_k,
+                            verify=spec.moe_prefetch_verify)
 
 
 def _dense_linear(spec: EngineSpec, device: torch.device) -> str:
