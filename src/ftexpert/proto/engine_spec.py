@@ -18,11 +18,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
+from ftexpert.proto.cli_flags import DEVICES, add_device_flag, add_reserve_cpus_flag
 from ftexpert.proto.knobs import KNOBS_BY_FIELD, add_cli_flag, positive_int_flag, resolve
 
 STRATEGIES = ("resident", "offload", "cpu", "hybrid")
 CPU_POOL_STRATEGIES = ("cpu", "hybrid")           # strategies whose misses CPU expert workers compute
-DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 # --preset's choices: the names of gpu_worker/checkpoint/presets.py's registry, repeated so that parsing the flags
 # imports no torch (tests/coordinator/test_generate_cli.py keeps the two in step)
@@ -212,8 +212,7 @@ def add_engine_flags(parser: argparse.ArgumentParser, *,
                        help="a real model's shape with seeded random weights, made in memory; with --model, written "
                             "to DIR first if DIR has no config.json")
     model.add_argument("--seed-weights", type=int, default=0, help="seed of a preset's random weights")
-    model.add_argument("--device", default="auto", choices=DEVICES, help="where the model runs (one GPU: pick "
-                       "it with CUDA_VISIBLE_DEVICES)")
+    add_device_flag(model)
     model.add_argument("--dtype", default="auto", choices=DTYPES, help="dense weights' dtype (auto: the checkpoint's)")
     add_cli_flag(model, "expert_format")
     experts = parser.add_argument_group("experts")
@@ -228,9 +227,7 @@ def add_engine_flags(parser: argparse.ArgumentParser, *,
                               "(default: one pool shared by every layer)")
     experts.add_argument("--num-cpu-workers", type=int, default=0,
                          help="CPU expert workers for cpu / hybrid (0 = one per NUMA node or core group)")
-    experts.add_argument("--reserve-cpus", default=None, metavar="LIST",
-                         help="cpu / hybrid: CPUs the CPU workers keep off and the engine's process pins itself to "
-                              "(--pin-gpu-worker; default: 0 on machines with >= 4 CPUs)")
+    add_reserve_cpus_flag(experts)
     for field in ("pin_gpu_worker", "eviction_freq_weight", "eviction_freq_half_life", "moe_prefetch",
                   "moe_prefetch_budget", "moe_prefetch_k", "moe_prefetch_verify"):
         add_cli_flag(experts, field)
