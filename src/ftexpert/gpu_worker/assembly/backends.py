@@ -53,5 +53,5 @@ def make_expert_backend(strategy: str, source: ExpertSource, device: torch.devic
     if strategy in ("cpu", "hybrid"):
         raise ValueError(f"--moe-strategy {strategy} attaches to an expert store and CPU workers that the "
                          f"coordinator's ExpertResources creates (coordinator/expert_resources.py): build it with "
-                         f"ftexpert.gpu_worker.api.load_attached_model / make_attached_expert_backend")
+                         f"build_engine(spec, attachment=Attachment(...)) (gpu_worker/assembly/build.py)")
     raise ValueError(f"--moe-strategy {strategy!r} is not one of {', '.join(STRATEGIES)}")
