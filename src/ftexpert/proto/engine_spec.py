@@ -37,6 +37,10 @@ EXPERT_COMPUTE_MODES = ("auto", "grouped", "gemv")       # gpu_worker/backends/e
 ATTENTION_BACKENDS = ("auto", "sdpa", "triton")          # gpu_worker/engine/attention.py
 DENSE_LINEARS = ("auto", "gemv", "torch")                # gpu_worker/models/model.py DENSE_LINEARS, and auto
 EXPERT_COPIES = ("split", "whole")                       # offload / hybrid's decode copy (OffloadExperts split_copy)
+# the fields that take one of a few values: the spec refuses another, their flags offer these
+CHOICES = {"moe_strategy": STRATEGIES, "device": DEVICES, "dtype": DTYPES, "expert_compute": EXPERT_COMPUTE_MODES,
+           "expert_copy": EXPERT_COPIES, "fused_kernels": AUTO_ON_OFF, "dense_linear": DENSE_LINEARS,
+           "overlap_decode": AUTO_ON_OFF, "cuda_graphs": ON_OFF, "attention_backend": ATTENTION_BACKENDS}
 # the embedded default model (neither --model nor --preset): its files ship in the GPU worker's checkpoint package;
 # its path is named here so that `ft serve` resolves the default without importing the model-loading code
 DEFAULT_MODEL_DIR = Path(__file__).resolve().parents[1] / "gpu_worker" / "checkpoint" / "data" / "default-moe"
@@ -140,11 +144,7 @@ class EngineSpec:
             object.__setattr__(self, "expert_format", KNOBS_BY_FIELD["expert_format"].parse(self.expert_format))
         except ValueError as exc:
             raise SpecError(f"expert_format={self.expert_format!r}: {exc}") from None
-        for name, allowed in (("moe_strategy", STRATEGIES), ("device", DEVICES), ("dtype", DTYPES),
-                              ("expert_compute", EXPERT_COMPUTE_MODES), ("expert_copy", EXPERT_COPIES),
-                              ("fused_kernels", AUTO_ON_OFF), ("dense_linear", DENSE_LINEARS),
-                              ("overlap_decode", AUTO_ON_OFF), ("cuda_graphs", ON_OFF),
-                              ("attention_backend", ATTENTION_BACKENDS)):
+        for name, allowed in CHOICES.items():
             if getattr(self, name) not in allowed:
                 raise SpecError(f"{name}={getattr(self, name)!r} is not one of {', '.join(allowed)}")
         if not isinstance(self.moe_cache_per_layer, bool):
@@ -231,19 +231,15 @@ def add_engine_flags(parser: argparse.ArgumentParser, *,
     for field in ("pin_gpu_worker", "eviction_freq_weight", "eviction_freq_half_life", "moe_prefetch",
                   "moe_prefetch_budget", "moe_prefetch_k", "moe_prefetch_verify"):
         add_cli_flag(experts, field)
-    experts.add_argument("--expert-compute", default="auto", choices=EXPERT_COMPUTE_MODES,
-                         help="the experts' FFN on the GPU: grouped (prefill-sized GEMMs), gemv (decode-sized, "
-                              "graph-safe); auto: gemv for small decode batches on CUDA, else grouped")
-    experts.add_argument("--expert-copy", default="split", choices=EXPERT_COPIES,
-                         help="offload / hybrid: a decode step's expert copy in two parts, every w13 then every w2, "
-                              "the fetched routes' gate/up between them (split), or each expert whole")
+    _choice_flag(experts, "expert_compute", "the experts' FFN on the GPU: grouped (prefill-sized GEMMs), gemv "
+                 "(decode-sized, graph-safe); auto: gemv for small decode batches on CUDA, else grouped")
+    _choice_flag(experts, "expert_copy", "offload / hybrid: a decode step's expert copy in two parts, every w13 then "
+                 "every w2, the fetched routes' gate/up between them (split), or each expert whole")
     forward = parser.add_argument_group("forward")
-    forward.add_argument("--fused-kernels", default="auto", choices=AUTO_ON_OFF,
-                         help="the fused forward (kernels/moe_decode: one-launch norms, rope, routing; one qkv GEMM); "
-                              "auto: on CUDA")
-    forward.add_argument("--dense-linear", default="auto", choices=DENSE_LINEARS,
-                         help="decode-sized dense projections through kernels/dense_gemv (gemv) or F.linear (torch); "
-                              "auto: gemv on CUDA")
+    _choice_flag(forward, "fused_kernels", "the fused forward (kernels/moe_decode: one-launch norms, rope, routing; "
+                 "one qkv GEMM); auto: on CUDA")
+    _choice_flag(forward, "dense_linear", "decode-sized dense projections through kernels/dense_gemv (gemv) or "
+                 "F.linear (torch); auto: gemv on CUDA")
     forward.add_argument("--routing", type=routing_flag, default="model", metavar="model|zipf[:SKEW]|trace:FILE",
                          help="benchmarks of random-weight presets: the experts from a seeded table of a skewed "
                               "popularity (zipf) or a recorded trace (`ft bench routing --trace`) instead of the "
@@ -258,12 +254,17 @@ def add_engine_flags(parser: argparse.ArgumentParser, *,
                              "limit, 512); smaller chunks hold up other requests' decode steps for less time and "
                              "need less memory, larger ones reach the first token sooner (offload: each chunk "
                              "costs one pass over the experts)")
-    engine.add_argument("--cuda-graphs", default="on", choices=ON_OFF,
-                        help="replay decode forwards from CUDA graphs where it is safe (on a CUDA device)")
-    engine.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKENDS,
-                        help="decode attention: triton (kernels/decode_attention) or sdpa; auto: triton on CUDA")
+    _choice_flag(engine, "cuda_graphs", "replay decode forwards from CUDA graphs where it is safe (on a CUDA device)")
+    _choice_flag(engine, "attention_backend", "decode attention: triton (kernels/decode_attention) or sdpa; auto: "
+                 "triton on CUDA")
     for field in ("overlap_decode", "moe_slot_audit", "pdl"):
         add_cli_flag(engine, field)
+
+
+def _choice_flag(group: Any, field: str, help: str) -> None:
+    """The flag of a CHOICES field: its values, and the spec's default for it."""
+    default = next(f.default for f in dataclasses.fields(EngineSpec) if f.name == field)
+    group.add_argument("--" + field.replace("_", "-"), default=default, choices=CHOICES[field], help=help)
 
 
 def spec_from_args(args: argparse.Namespace, environ: Mapping[str, str] | None = None,
