@@ -40,9 +40,11 @@ def test_the_spec_reaches_the_engine_the_model_and_the_backend():
 
 def test_fresh_engine_changes_engine_settings_and_refuses_the_rest():
     built = build(max_context_tokens=64)
+    first = built.engine
+    assert built.fresh_engine() is built.engine is not first and first.prefill_chunk_tokens == 4096
     engine = engine_of(built, max_running_requests=1, prefill_chunk_tokens=5, dense_linear="gemv",
                        routing="zipf:1.0")
-    assert engine is not built.engine and engine.model is built.model and built.engine.prefill_chunk_tokens == 4096
+    assert engine is built.engine and engine.model is built.model                # the latest engine over the model
     assert (engine.config.max_running_requests, engine.prefill_chunk_tokens) == (1, 5)
     assert built.model.dense_linear == "gemv" and built.model.routing_override is not None      # the shared model's
     assert built.spec.routing == "zipf:1.0"                                                       # ... and its spec
@@ -61,6 +63,8 @@ def test_reuse_keeps_the_dense_weights_and_closes_the_last_backend():
     dense = resident.model.dense
     resident.release_experts()
     assert resident.experts is None and resident.engine is None and resident.model.experts is None
+    with pytest.raises(ValueError, match="expert backend was released"):
+        resident.fresh_engine()
     host = HostExperts.create_filled(resident.source.experts, pin=False)
     try:
         first = build_engine(spec(max_context_tokens=64, moe_strategy="offload", moe_cache_size="10"),

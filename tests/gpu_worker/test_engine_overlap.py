@@ -192,7 +192,7 @@ def test_without_overlap_nothing_is_queued(tiny):
     engine = _engine(tiny, False)
     engine.generate([prompt_ids(5, seed=60, vocab=tiny.cfg.vocab_size)], GREEDY)
     assert engine.stats.decode_steps_ahead == 0 and engine._ahead is None
-    assert tiny.engine.overlap_decode is False, "off by default on the CPU"
+    assert engine_of(tiny, overlap_decode="auto").overlap_decode is False, "off by default on the CPU"
 
 
 @pytest.mark.gpu

@@ -74,11 +74,12 @@ class BuiltEngine:
 
     def fresh_engine(self, spec: EngineSpec | None = None, *, experts: ExpertBackend | None = None) -> Engine:
         """Another engine over the same model and expert backend (a restart that reloads no weights; a benchmark's
-        or a test's rows over one model). `spec`: the built spec with other engine settings (ENGINE_FIELDS; the
-        routing, dense projections and prefetch change on the shared model, and `self.spec` follows); a model or
+        or a test's rows over one model); it becomes `self.engine`. `spec`: the built spec with other engine settings
+        (ENGINE_FIELDS; the routing, dense projections and prefetch change on the shared model, and `self.spec`
+        follows); a model or
         expert field that differs is refused (SpecError: `build_engine(spec, reuse=self)` makes another backend).
         `experts`: run over this backend instead, the caller's (a test's wrapper or hand-made backend; it closes
-        it), on a shallow copy of the model: the built model and `self.spec` stay as they are."""
+        it), on a shallow copy of the model: the built model, `self.engine` and `self.spec` stay as they are."""
         spec = self.spec if spec is None else spec
         changed = self.spec.differing(spec)
         fixed = [name for name in changed if name not in ENGINE_FIELDS]
@@ -87,6 +88,9 @@ class BuiltEngine:
             raise SpecError(f"{name}={getattr(spec, name)!r}: fresh_engine keeps the built model and experts "
                             f"({name}={getattr(self.spec, name)!r}); build_engine(spec, reuse=built) builds another "
                             f"expert backend over the same dense weights, build_engine(spec) another model")
+        if self.experts is None and experts is None:
+            raise ValueError("this built engine's expert backend was released (release_experts, or handed over to "
+                             "build_engine(reuse=...)): build_engine(spec, reuse=built) gives the model another")
         model = self.model
         if experts is not None:
             model = copy.copy(model)
@@ -98,11 +102,13 @@ class BuiltEngine:
         rerouted = spec.routing != "model" and "max_context_tokens" in changed
         if "routing" in changed or rerouted:
             model.routing_override = _routing(spec, self.source, self.device)
-        if experts is None:
-            if "routing" in changed or rerouted or any(name in changed for name in PREFETCH_FIELDS):
-                attach_prefetch(model, _prefetch(spec))
-            self.spec = spec
-        return _engine(model, spec, self.source)
+        if experts is not None:
+            return _engine(model, spec, self.source)
+        if "routing" in changed or rerouted or any(name in changed for name in PREFETCH_FIELDS):
+            attach_prefetch(model, _prefetch(spec))
+        self.spec, self.engine = spec, None           # (the last engine's memory freed first, unless held elsewhere)
+        self.engine = _engine(model, spec, self.source)
+        return self.engine
 
     def close(self) -> None:
         """Detach the expert backend from the store and the channels (their owner unlinks them)."""
