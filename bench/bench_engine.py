@@ -3,13 +3,16 @@
 qwen3-30b-a3b preset (seeded random weights, bf16), batch 1 (or --batch B requests together), a 1K-token
 prompt, N decode tokens, median of R runs after a warm-up. Offload runs share one host expert store; greedy tokens of every
 offload run are checked against the resident run's. Prints a table last.
+Every engine is built by `build_engine(spec)` (gpu_worker/assembly/build.py): the resident rows are engines over one
+model (`fresh_engine(spec)`: graphs, overlap, dense projections, PDL, routing), the offload rows backends over its
+dense weights and the one host store (`build_engine(spec, attachment=Attachment(host=...), reuse=...)`), with the
+lookahead prefetch off (bench_prefetch.py measures it).
 Usage: python bench/bench_engine.py [--runs 5] [--decode-tokens 256] [--fractions 0.1,0.25,0.5]
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import gc
 import os
 import re
 import statistics
@@ -22,14 +25,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from ftexpert.gpu_worker.engine import Engine, EngineConfig, SamplingParams  # noqa: E402
+from ftexpert.gpu_worker.api import Attachment, Engine, SamplingParams, build_engine  # noqa: E402
 from ftexpert.gpu_worker.models.model import MoeModel  # noqa: E402
-from ftexpert.gpu_worker.assembly.loader import load_model  # noqa: E402
+from ftexpert.proto.engine_spec import routing_flag, spec_from_args  # noqa: E402
 from ftexpert.proto.knobs import EXPERT_FORMAT_CHOICES  # noqa: E402
-from ftexpert.gpu_worker.models.synthetic_routing import SyntheticRouting  # noqa: E402
-from ftexpert.gpu_worker.backends.offload import HostExperts, OffloadExperts, resolve_cache_slots  # noqa: E402
+from ftexpert.gpu_worker.backends.offload import HostExperts, resolve_cache_slots  # noqa: E402
 import ftexpert.kernels.expert_copy.api as expert_copy_api  # noqa: E402
-from ftexpert.kernels.pdl import apply_setting as apply_pdl  # noqa: E402
 try:                                  # run as bench/bench_engine.py (bench/ on sys.path) or imported as bench.bench_engine
     from hbm_roofline import describe as describe_hbm, hbm_bandwidth, step_bytes  # noqa: E402
 except ImportError:
@@ -315,7 +316,7 @@ def main() -> int:
                         help="with --freq-weights W > 0: layer calls between halvings of the route counts (0: never; "
                              "default: FREETOKEN_EVICTION_FREQ_HALF_LIFE, 3072)")
     parser.add_argument("--overlap-decode", default="auto",
-                        help="comma-separated auto, on, off: EngineConfig.overlap_decode for every resident and offload "
+                        help="comma-separated auto, on, off: the engine spec's overlap_decode for every resident and offload "
                              "run (the next decode step queued before this one's tokens are read; auto: on with "
                              "CUDA); several: side by side")
     parser.add_argument("--trace-dir", default=None,
@@ -329,61 +330,68 @@ def main() -> int:
     global engine_temperature
     engine_temperature = args.temperature
     proc = psutil.Process()
-    gen = torch.Generator().manual_seed(0)
     rows = []
 
     t0 = time.perf_counter()
-    loaded = load_model(preset=args.preset, device=args.device, moe_strategy="resident", expert_format=args.expert_format)
-    cfg = loaded.cfg
     if args.batch < 1:
         raise SystemExit(f"--batch {args.batch}: give at least 1")
     lengths = [args.prompt_tokens + i * (args.decode_tokens + 8) for i in range(args.batch)]
-    base = torch.randint(0, cfg.vocab_size, (lengths[-1],), generator=gen).tolist()
-    prompt = [base[:n] for n in lengths]                 # one prompt a request (batch 1: the old single prompt)
-    print(f"loaded {args.preset} resident in {time.perf_counter() - t0:.1f} s", flush=True)
-    econf = EngineConfig(max_running_requests=args.batch,
-                         max_context_tokens=lengths[-1] + args.decode_tokens + 16)
-    # --routing A,B: every configuration once per routing, side by side (each checked against resident's
-    # tokens under the same routing)
-    routings = [(spec, SyntheticRouting.parse(spec, cfg, econf.max_context_tokens, args.device))
-                for spec in args.routing.split(",") if spec.strip()]
-    if not routings:
+    specs = [spec.strip() for spec in args.routing.split(",") if spec.strip()]
+    if not specs:
         raise SystemExit("--routing: give at least one of model, zipf[:SKEW], trace:FILE")
-
-    def routing_label(spec: str) -> str:
-        if len(routings) < 2:
-            return ""
-        return " " + (spec.rsplit("/", 1)[-1].removesuffix(".trace") if spec.startswith("trace:") else spec)
-    reference_by_routing: dict[str, list] = {}
+    for spec in specs:
+        try:
+            routing_flag(spec)
+        except argparse.ArgumentTypeError as exc:
+            raise SystemExit(f"--routing {spec!r}: {exc}") from None
     linears = [v.strip() for v in args.dense_linear.split(",") if v.strip()]
     if not linears or any(v not in MoeModel.DENSE_LINEARS for v in linears):
         raise SystemExit(f"--dense-linear {args.dense_linear!r}: give gemv, torch or both, comma-separated")
-    pdl_modes = ("off", "on") if args.pdl == "both" else (args.pdl,)
-    overlaps_decode = [{"auto": None, "on": True, "off": False}[v.strip()] for v in args.overlap_decode.split(",")
-                       if v.strip()]
+    overlaps_decode = [v.strip() for v in args.overlap_decode.split(",") if v.strip()]
+    if not overlaps_decode or any(v not in ("auto", "on", "off") for v in overlaps_decode):
+        raise SystemExit(f"--overlap-decode {args.overlap_decode!r}: give auto, on, off, comma-separated")
+    # the FREETOKEN_* knobs (PDL, eviction half-life, ...) from the environment, as the CLIs resolve them
+    base = spec_from_args(argparse.Namespace(), preset=args.preset, device=args.device,
+                          expert_format=args.expert_format, max_running_requests=args.batch,
+                          max_context_tokens=lengths[-1] + args.decode_tokens + 16, routing=specs[0],
+                          dense_linear=linears[-1], moe_prefetch="off")
+    built = build_engine(base)
+    cfg = built.cfg
+    base = built.spec
+    gen = torch.Generator().manual_seed(0)
+    base_ids = torch.randint(0, cfg.vocab_size, (lengths[-1],), generator=gen).tolist()
+    prompt = [base_ids[:n] for n in lengths]              # one prompt a request (batch 1: the old single prompt)
+    print(f"loaded {args.preset} resident in {time.perf_counter() - t0:.1f} s", flush=True)
+
+    # --routing A,B: every configuration once per routing, side by side (each checked against resident's
+    # tokens under the same routing)
+    def routing_label(spec: str) -> str:
+        if len(specs) < 2:
+            return ""
+        return " " + (spec.rsplit("/", 1)[-1].removesuffix(".trace") if spec.startswith("trace:") else spec)
+    reference_by_routing: dict[str, list] = {}
+    pdl_modes = ("off", "on") if args.pdl == "both" else (args.pdl or base.pdl,)
 
     def overlap_label(value) -> str:
-        return "" if len(overlaps_decode) < 2 else " overlap " + {None: "auto", True: "on", False: "off"}[value]
+        return "" if len(overlaps_decode) < 2 else f" overlap {value}"
 
-    for (spec, routing), linear, graphs, pdl_mode, od in [
-            (rt, lin, g, p, o) for rt in routings for lin in reversed(linears)
-            for g in ((False, True) if args.graphs == "both" else (args.graphs == "on",))
+    for routing, linear, graphs, pdl_mode, od in [
+            (rt, lin, g, p, o) for rt in specs for lin in reversed(linears)
+            for g in (("off", "on") if args.graphs == "both" else (args.graphs,))
             for p in pdl_modes for o in overlaps_decode]:
-        loaded.model.routing_override = routing
-        reference_tokens = reference_by_routing.get(spec)
-        if pdl_mode is not None:             # read when the kernels launch: this engine's graphs keep it
-            apply_pdl(pdl_mode)
         _reset_peak()
-        loaded.model.dense_linear = linear     # the last one run (the first listed) stays for the offload runs
-        conf = dataclasses.replace(econf, cuda_graphs=graphs, overlap_decode=od)
-        engine = Engine(loaded.model, conf, eos_token_ids=())
+        # (the PDL setting is read when the kernels launch: this engine's graphs keep it; the last dense_linear run,
+        # the first listed, stays for the offload runs)
+        engine = built.fresh_engine(dataclasses.replace(base, routing=routing, dense_linear=linear, cuda_graphs=graphs,
+                                                        pdl=pdl_mode, overlap_decode=od))
         res = measure(engine, prompt, args)
+        reference_tokens = reference_by_routing.get(routing)
         if linear == linears[0]:               # another dense_linear rounds differently: not comparable
             if reference_tokens is not None:
                 res["lossless"] = res["tokens"] == reference_tokens
-            reference_by_routing.setdefault(spec, res["tokens"])
-        name = "resident" + (" graphs" if graphs else " eager") + (f" {linear}" if len(linears) > 1 else "") \
-            + (f" pdl {pdl_mode}" if len(pdl_modes) > 1 else "") + overlap_label(od) + routing_label(spec)
+            reference_by_routing.setdefault(routing, res["tokens"])
+        name = "resident" + (" graphs" if graphs == "on" else " eager") + (f" {linear}" if len(linears) > 1 else "") \
+            + (f" pdl {pdl_mode}" if len(pdl_modes) > 1 else "") + overlap_label(od) + routing_label(routing)
         rows.append((name, "-", res, _peak(), proc.memory_info().rss))
         print(name, res["all_tok_s"], _launch_note(res), flush=True)
         if args.profile and args.device == "cuda":
@@ -391,62 +399,58 @@ def main() -> int:
         if args.host_profile:
             host_profile_decode(engine, prompt, args.host_profile)
         del engine
-    source = loaded.source.experts
+    source = built.source.experts
     hbm = None
     if args.device == "cuda":            # the resident step's HBM roofline (bench/hbm_roofline.py)
         contexts = [n + args.decode_tokens // 2 for n in lengths]      # a request's mean context while decoding
-        hbm = (step_bytes(loaded.model, source.layout.expert_nbytes, contexts), hbm_bandwidth())
+        hbm = (step_bytes(built.model, source.layout.expert_nbytes, contexts), hbm_bandwidth())
     if not args.fractions:
         return _table(args, source, rows, None, hbm=hbm)
     expert_bytes = source.layout.expert_nbytes
-    loaded.model.experts = None
-    gc.collect()
-    torch.cuda.empty_cache()
+    built.release_experts()             # the resident experts' GPU memory, before the host store is filled
     t0 = time.perf_counter()
     host = HostExperts.create_filled(source, staging_device=args.device)
     print(f"host store {host.nbytes / 1e9:.1f} GB filled and pinned ({host.pinned}) in "
           f"{time.perf_counter() - t0:.1f} s", flush=True)
     bw_hot = pcie_bandwidth(expert_bytes) if args.device == "cuda" else 1e9
     bw, bw_single = pcie_store_bandwidth(host) if args.device == "cuda" else (1e9, 1e9)
+    shared = Attachment(host=host)      # every offload backend over this one store (borrowed: closed here)
     try:
         for frac in [float(f) for f in args.fractions.split(",") if f]:
-            splits = {"on": [True], "off": [False], "both": [True, False]}[args.copy_split]
+            splits = {"on": ["split"], "off": ["whole"], "both": ["split", "whole"]}[args.copy_split]
             weights = [int(w) for w in args.freq_weights.split(",") if w.strip()]
-            modes = [(c, sp, p, w, od, rt) for rt in routings for w in weights for c in _copy_chunks(args)
+            modes = [(c, sp, p, w, od, rt) for rt in specs for w in weights for c in _copy_chunks(args)
                      for sp in splits for p in pdl_modes for od in overlaps_decode]
-            for chunks, split, pdl_mode, weight, od, (spec, routing) in modes:
-                loaded.model.routing_override = routing
-                if pdl_mode is not None:
-                    apply_pdl(pdl_mode)
+            for chunks, split, pdl_mode, weight, od, routing in modes:
                 expert_copy_api.DEFAULT_CHUNKS = chunks
                 label = f"c={chunks}" if args.copy_chunks else ""
                 if args.copy_split == "both":
-                    label += " split" if split else " whole"
+                    label += f" {split}"
                 if len(pdl_modes) > 1:
                     label += f" pdl {pdl_mode}"
                 if len(weights) > 1 or weight:
                     label += f" fw{weight}"
-                label = (label + overlap_label(od) + routing_label(spec)).strip()
+                label = (label + overlap_label(od) + routing_label(routing)).strip()
                 slots = resolve_cache_slots(frac, source.num_layers, source.num_experts)
-                backend = OffloadExperts(host, slots, args.device, split_copy=split, freq_weight=weight,
-                                         freq_half_life=args.freq_half_life)
-                loaded.model.experts = backend
+                spec = dataclasses.replace(base, moe_strategy="offload", moe_cache_size=repr(frac), expert_copy=split,
+                                           eviction_freq_weight=weight, routing=routing, pdl=pdl_mode,
+                                           overlap_decode=od, dense_linear=linears[0],
+                                           eviction_freq_half_life=(base.eviction_freq_half_life
+                                                                    if args.freq_half_life is None
+                                                                    else args.freq_half_life))
                 _reset_peak()
-                engine = Engine(loaded.model, dataclasses.replace(econf, overlap_decode=od), eos_token_ids=())
-                r = measure(engine, prompt, args, backend)
-                r["lossless"] = r["tokens"] == reference_by_routing[spec]
+                built = build_engine(spec, attachment=shared, reuse=built)     # the last row's backend closed first
+                r = measure(built.engine, prompt, args, built.experts)
+                r["lossless"] = r["tokens"] == reference_by_routing[routing]
                 name = f"offload {frac:.0%} {label}".strip()
                 rows.append((name, slots, r, _peak(), proc.memory_info().rss))
                 print(name, r["all_tok_s"], _launch_note(r), flush=True)
                 if args.profile and args.device == "cuda":
-                    profile_decode(engine, prompt, args.profile, trace=_trace_path(args, name))
+                    profile_decode(built.engine, prompt, args.profile, trace=_trace_path(args, name))
                 if args.host_profile:
-                    host_profile_decode(engine, prompt, args.host_profile)
-                loaded.model.experts = None             # (the host store is shared: no backend.close())
-                del engine, backend
-                gc.collect()
-                torch.cuda.empty_cache()
+                    host_profile_decode(built.engine, prompt, args.host_profile)
     finally:
+        built.close()
         host.close()
 
     return _table(args, source, rows, bw, bw_hot, bw_single, hbm=hbm)

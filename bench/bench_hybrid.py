@@ -19,6 +19,10 @@ and the runs, and auto's what the rule saw at the end).
 Then the hand-off round trip GPU -> CPU process -> GPU (hidden state down, a 0-triple request through
 the channel, the zero partial sum up, synchronised) p50/p99 over --handoff-calls calls.
 
+Every engine is built by `build_engine(spec)`: each row's backend (its strategy, cache, copy, eviction key and
+prefetch in the spec; f, rounding and promotion in HybridOptions) over the first build's dense weights
+(`reuse=`), the one host store and the one CPU pool (`Attachment(host=..., pool=...)`).
+
     python bench/bench_hybrid.py                                   # on the H200
     python bench/bench_hybrid.py --preset tiny --device cpu --runs 1 --decode-tokens 16 \\
         --prompt-tokens 16 --handoff-calls 500                      # smoke test on a CPU machine
@@ -26,7 +30,7 @@ the channel, the zero partial sum up, synchronised) p50/p99 over --handoff-calls
 from __future__ import annotations
 
 import argparse
-import gc
+import dataclasses
 import json
 import os
 import sys
@@ -38,19 +42,16 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from ftexpert.gpu_worker.engine import Engine, EngineConfig, SamplingParams  # noqa: E402
+from ftexpert.gpu_worker.api import Attachment, Engine, SamplingParams, build_engine, open_model_source  # noqa: E402
 from ftexpert.coordinator.expert_resources import CpuWorkerSettings, ExpertResources  # noqa: E402
 from ftexpert.cpu_expert_pool.api import worker_flags as cpu_worker_flags  # noqa: E402
 from ftexpert.gpu_worker.api import attach_cpu_pool  # noqa: E402
 from ftexpert.gpu_worker.backends.hybrid import HybridExperts, HybridOptions  # noqa: E402
 from ftexpert.gpu_worker.backends.hybrid.bandwidth import copy_bandwidth, cpu_pool_bandwidth, shared_bandwidth  # noqa: E402
 from ftexpert.gpu_worker.backends.hybrid.options import device_name  # noqa: E402
-from ftexpert.gpu_worker.assembly.loader import load_model  # noqa: E402
+from ftexpert.proto.engine_spec import EngineSpec, spec_from_args  # noqa: E402
 from ftexpert.proto.knobs import EXPERT_FORMAT_CHOICES  # noqa: E402
-from ftexpert.gpu_worker.models.synthetic_routing import SyntheticRouting  # noqa: E402
-from ftexpert.gpu_worker.backends.offload import HostExperts, OffloadExperts, resolve_cache_slots  # noqa: E402
-from ftexpert.gpu_worker.backends.offload.prefetch import PrefetchSettings, attach_prefetch  # noqa: E402
-from ftexpert.kernels.pdl import apply_setting as apply_pdl  # noqa: E402
+from ftexpert.gpu_worker.backends.offload import HostExperts, resolve_cache_slots  # noqa: E402
 
 ROUNDS = ("min-wait", "stochastic", "prefer-fetch", "split")   # split: floor on the host paths
 BW_CALLS = 100
@@ -242,6 +243,34 @@ def variants(args) -> list[tuple[str, dict | None]]:
     return out
 
 
+def row_spec(base: EngineSpec, policy: dict, args, fraction: float, shared, pdl_mode: str | None):
+    """A row's engine spec (its strategy, expert copy, eviction key, prefetch and PDL over `base`), its HybridOptions
+    (cpu / hybrid: f, rounding, promotion; `fraction`: the probes' f unless the row names one, "shared": the shared
+    probe's), whether the live tuner drives it, and its prefetch budget (0: off)."""
+    from ftexpert.gpu_worker.backends.hybrid import HybridOptions
+
+    policy = dict(policy)
+    budget = policy.pop("prefetch", 0)
+    fields = dict(moe_strategy=policy.pop("strategy"),
+                  expert_copy="split" if policy.pop("split_copy", True) else "whole",
+                  moe_prefetch="auto" if budget == "auto" else "on" if budget else "off",
+                  moe_prefetch_budget=budget if isinstance(budget, int) and budget else base.moe_prefetch_budget,
+                  pdl=pdl_mode or base.pdl)
+    weight = policy.pop("freq_weight", None)
+    if weight is not None:
+        fields["eviction_freq_weight"] = weight
+    if args.freq_half_life is not None:
+        fields["eviction_freq_half_life"] = args.freq_half_life
+    tune, hybrid = False, None
+    if fields["moe_strategy"] != "offload":
+        policy = {"fetch_fraction": fraction, **policy}     # named rows say otherwise
+        if policy["fetch_fraction"] == "shared":
+            policy["fetch_fraction"] = shared.fetch_fraction if shared is not None else fraction
+        tune = policy.pop("tune", False)
+        hybrid = HybridOptions(**policy)
+    return dataclasses.replace(base, **fields), hybrid, tune, budget
+
+
 def freq_weights(text: str) -> list[int | None]:
     """--freq-weights: the eviction weights W to run every variant with; [None] (the knob's) when not given."""
     weights = [int(w) for w in text.split(",") if w.strip()]
@@ -304,31 +333,25 @@ def main() -> int:
     rows = []
 
     t0 = time.perf_counter()
-    strategy = "offload" if args.no_resident else "resident"
-    loaded = load_model(preset=args.preset, device=device, dtype=args.dtype, moe_strategy=strategy,
-                        moe_cache_size=args.cache, expert_format=args.expert_format)
-    cfg = loaded.cfg
+    source = open_model_source(None, args.preset, dtype=args.dtype, device=device, expert_format=args.expert_format)
+    spec0 = spec_from_args(argparse.Namespace(), preset=args.preset, device=args.device, dtype=args.dtype,
+                           expert_format=args.expert_format, max_running_requests=1,
+                           max_context_tokens=args.prompt_tokens + args.decode_tokens + 16, routing=args.routing,
+                           moe_cache_size=args.cache, moe_prefetch="off")
+    cfg = source.cfg
     prompt = torch.randint(0, cfg.vocab_size, (args.prompt_tokens,), generator=gen).tolist()
-    econf = EngineConfig(max_running_requests=1, max_context_tokens=args.prompt_tokens + args.decode_tokens + 16)
-    loaded.model.routing_override = SyntheticRouting.parse(args.routing, cfg, econf.max_context_tokens, device)
     reference_tokens = None
+    built = None
     if not args.no_resident:
+        built = build_engine(spec0, source=source)
         print(f"loaded {args.preset} resident in {time.perf_counter() - t0:.1f} s", flush=True)
-        res = measure(Engine(loaded.model, econf, eos_token_ids=()), prompt, args, None, device)
+        res = measure(built.engine, prompt, args, None, device)
         rows.append(("resident", res))
         reference_tokens = res["tokens"]
         print("resident", res["all_tok_s"], flush=True)
-    source = loaded.source.experts
-    layout = source.layout
-    if not args.no_resident:
-        loaded.model.experts = None
-        gc.collect()
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-        t0 = time.perf_counter()
-        host = HostExperts.create_filled(source, staging_device=device if device.type == "cuda" else None)
-    else:
-        host = loaded.model.experts.host                   # the offload backend's store (it owns it)
+        built.release_experts()          # the resident experts' GPU memory, before the host store is filled
+    layout = source.experts.layout
+    host = HostExperts.create_filled(source.experts, staging_device=device if device.type == "cuda" else None)
     print(f"host store {host.nbytes / 1e9:.1f} GB (pinned: {host.pinned})", flush=True)
 
     options = HybridOptions()
@@ -353,9 +376,9 @@ def main() -> int:
                                                                  log_level="WARNING"))
     resources.start_cpu_workers()
     pool = attach_cpu_pool(host.store, resources.channel_names, options, worker_info=resources.worker_info)
-    slots = resolve_cache_slots(args.cache, source.num_layers, source.num_experts)
+    slots = resolve_cache_slots(args.cache, source.experts.num_layers, source.experts.num_experts)
     try:
-        handoff = handoff_round_trip(pool, cfg.hidden_size, loaded.source.dtype, device, args.handoff_calls)
+        handoff = handoff_round_trip(pool, cfg.hidden_size, source.dtype, device, args.handoff_calls)
         print(f"hand-off round trip: p50 {handoff['p50_us']:.1f} us, p99 {handoff['p99_us']:.1f} us", flush=True)
         pdl_modes = ("off", "on") if args.pdl == "both" else (args.pdl,)
         listed = [(n + (f" pdl {m}" if len(pdl_modes) > 1 else ""), p, m)
@@ -363,26 +386,15 @@ def main() -> int:
         by_variant: dict[str, list[dict]] = {}
         for round_index, (base, policy, pdl_mode) in [(k, v) for k in range(args.rounds) for v in listed]:
             name = base + (f" round {round_index + 1}" if args.rounds > 1 else "")
-            if pdl_mode is not None:             # read when the kernels launch: this engine's graphs keep it
-                apply_pdl(pdl_mode)
-            tune = False
-            policy = dict(policy)
-            budget = policy.pop("prefetch", 0)
-            eviction = {"freq_half_life": args.freq_half_life}
-            if policy["strategy"] == "offload":     # every miss fetched: the copy kernel, decode in CUDA graphs
-                backend = OffloadExperts(host, slots, device, **{k: v for k, v in policy.items() if k != "strategy"},
-                                         **eviction)
+            spec, hybrid, tune, budget = row_spec(spec0, policy, args, fraction, shared, pdl_mode)
+            # the last row's backend closed first; the store and the pool are borrowed (closed below)
+            if built is None:
+                built = build_engine(spec, source=source, attachment=Attachment(host=host, pool=pool), hybrid=hybrid,
+                                     pin_driving_process=False)
             else:
-                policy = {"fetch_fraction": fraction, **policy}     # named rows say otherwise
-                if policy["fetch_fraction"] == "shared":
-                    policy["fetch_fraction"] = shared.fetch_fraction if shared is not None else fraction
-                tune = policy.pop("tune", False)
-                backend = HybridExperts(host, slots, device, pool, owns_host=False, owns_pool=False, **policy,
-                                        **eviction)
-            loaded.model.experts = backend
-            attach_prefetch(loaded.model, PrefetchSettings(mode="auto") if budget == "auto" else
-                            PrefetchSettings(mode="on", budget=budget) if budget else None)
-            engine = Engine(loaded.model, econf, eos_token_ids=())
+                built = build_engine(spec, attachment=Attachment(host=host, pool=pool), hybrid=hybrid,
+                                     reuse=built, pin_driving_process=False)
+            engine, backend = built.engine, built.experts
             tick = live_tuner(engine, backend, fraction, pcie.gb_s, cpu.gb_s, device_name(device),
                               fraction_given=args.fetch_fraction is not None) if tune else None
             r = measure(engine, prompt, args, backend, device, tick)
@@ -401,16 +413,12 @@ def main() -> int:
             rows.append((name, r))
             by_variant.setdefault(base, []).append(r)
             print("row:", table_row(name, r, both, both_shared, expert_bytes), r["all_tok_s"], flush=True)
-            loaded.model.experts = None
-            if isinstance(backend, HybridExperts):
-                backend.close()          # its device doorbells (owns neither host nor pool)
             del backend
-            gc.collect()
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
         if args.rounds > 1:
             rows += median_rounds(by_variant)
     finally:
+        if built is not None:
+            built.close()                # the last backend (its doorbells; not the store, not the pool)
         pool.close()
         resources.close()                  # the CPU workers stopped, their channels unlinked
         host.close()

@@ -15,6 +15,9 @@ and whether the tokens equal prefetch off's (seeded sampling: the same tokens wh
 rows also give what the auto rule saw at the end of their last run ("auto:" lines): the mean idle window a layer and
 the count it allowed, the link bandwidth it measured, whether it predicted, the expected time it saves a step, and
 (measure) the share of demand misses its choice would have covered.
+Every engine is built by `build_engine(spec)`: per cache fraction and batch one offload backend over the one host
+store (`Attachment(host=...)`, `reuse=` of the last one's dense weights), and an engine a configuration over it
+(`fresh_engine`: each captures its own decode graphs).
 """
 from __future__ import annotations
 
@@ -29,11 +32,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 import bench.bench_engine as be  # noqa: E402
-from ftexpert.gpu_worker.engine import Engine, EngineConfig  # noqa: E402
-from ftexpert.gpu_worker.assembly.loader import load_model  # noqa: E402
-from ftexpert.gpu_worker.models.synthetic_routing import SyntheticRouting  # noqa: E402
-from ftexpert.gpu_worker.backends.offload import HostExperts, OffloadExperts, resolve_cache_slots  # noqa: E402
-from ftexpert.gpu_worker.backends.offload.prefetch import PrefetchSettings, model_predictor  # noqa: E402
+from ftexpert.gpu_worker.api import Attachment, build_engine, open_model_source  # noqa: E402
+from ftexpert.gpu_worker.backends.offload import HostExperts  # noqa: E402
+from ftexpert.proto.engine_spec import spec_from_args  # noqa: E402
 from ftexpert.proto.knobs import EXPERT_FORMAT_CHOICES  # noqa: E402
 
 
@@ -70,12 +71,16 @@ def main() -> int:
     be.engine_temperature = args.temperature
     configs = _configs(args)
     auto_lines: list[str] = []
-    loaded = load_model(preset=args.preset, device=args.device, moe_strategy="resident", expert_format=args.expert_format)
-    cfg = loaded.cfg
-    source = loaded.source.experts
-    loaded.model.experts = None
-    torch.cuda.empty_cache() if torch.cuda.is_available() else None
+    model_source = open_model_source(None, args.preset, device=args.device, expert_format=args.expert_format)
+    cfg = model_source.cfg
+    source = model_source.experts
     host = HostExperts.create_filled(source, staging_device=args.device if args.device == "cuda" else None)
+    # the prefetch off at build (each run sets its configuration live); its predictor of --prefetch-k candidates:
+    # the replayed trace's recorded ones with trace:FILE (TracePredictor), else the model's routers
+    spec0 = spec_from_args(argparse.Namespace(), preset=args.preset, device=args.device,
+                           expert_format=args.expert_format, moe_strategy="offload", routing=args.routing,
+                           cuda_graphs=args.graphs, moe_prefetch="off", moe_prefetch_k=args.prefetch_k)
+    built = None
     gen = torch.Generator().manual_seed(0)
     print(f"| routing {args.routing}, {args.preset} {source.layout.fmt.label}, {args.decode_tokens} tokens "
           f"after {args.prompt_tokens}, median of {args.runs} interleaved runs |")
@@ -87,17 +92,14 @@ def main() -> int:
             lengths = [args.prompt_tokens + i * (args.decode_tokens + 8) for i in range(batch)]
             base = torch.randint(0, cfg.vocab_size, (lengths[-1],), generator=gen).tolist()
             prompts = [base[:n] for n in lengths]
-            econf = EngineConfig(max_running_requests=batch, max_context_tokens=lengths[-1] + args.decode_tokens + 16,
-                                 cuda_graphs=args.graphs == "on")
-            routing = SyntheticRouting.parse(args.routing, cfg, econf.max_context_tokens, args.device)
-            loaded.model.routing_override = routing
-            predictor = model_predictor(loaded.model, args.prefetch_k)
             for frac in [float(f) for f in args.fractions.split(",") if f.strip()]:
-                slots = resolve_cache_slots(frac, source.num_layers, source.num_experts)
-                backend = OffloadExperts(host, slots, args.device)
-                backend.set_prefetch(PrefetchSettings(), predictor)
-                loaded.model.experts = backend
-                engines = {c: Engine(loaded.model, econf, eos_token_ids=()) for c in configs}
+                spec = dataclasses.replace(spec0, max_running_requests=batch, moe_cache_size=repr(frac),
+                                           max_context_tokens=lengths[-1] + args.decode_tokens + 16)
+                # the last backend closed first (the store is borrowed, closed below)
+                built = (build_engine(spec, source=model_source, attachment=Attachment(host=host)) if built is None else
+                         build_engine(spec, attachment=Attachment(host=host), reuse=built))
+                backend = built.experts
+                engines = {c: built.fresh_engine() for c in configs}
                 results: dict = {c: [] for c in configs}
                 for run in range(args.runs + 1):                    # run 0: warm-up (graph capture) of each
                     for c in configs:
@@ -135,10 +137,10 @@ def main() -> int:
                 for c in configs:
                     if c[0] in ("auto", "measure"):
                         auto_lines.append(auto_line(frac, batch, c, results[c]))
-                loaded.model.experts = None
                 del engines, backend
-                torch.cuda.empty_cache() if torch.cuda.is_available() else None
     finally:
+        if built is not None:
+            built.close()
         host.close()
     for line in auto_lines:
         print(line)

@@ -19,6 +19,10 @@ pass over all experts a chunk. This measures, for one prompt and greedy sampling
   runs as offload with the prefill prefetch. Its "copied" column counts whole experts fetched; the roofline is
   shown where it ran as offload.
 
+Every engine is built by `build_engine(spec)`: the resident rows over one model (`fresh_engine`), the offload and
+hybrid rows backends over its dense weights, the one host store and (hybrid) one CPU pool (`Attachment(host=...,
+pool=...)`, `reuse=`), the lookahead prefetch off.
+
 Usage: python bench/bench_prefill.py [--runs 3] [--prompt-tokens 1024] [--chunks 512,1024]
        [--fractions 0.1,0.5] [--variants offload,hybrid]
 Prints one line per run as it goes and a table last.
@@ -26,7 +30,7 @@ Prints one line per run as it goes and a table last.
 from __future__ import annotations
 
 import argparse
-import gc
+import dataclasses
 import sys
 import time
 from pathlib import Path
@@ -37,14 +41,13 @@ sys.path[:0] = [str(Path(__file__).resolve().parents[1] / "src"), str(Path(__fil
 
 from bench.bench_engine import _sync, pcie_store_bandwidth  # noqa: E402
 import ftexpert.gpu_worker.engine.attention as attention  # noqa: E402
-from ftexpert.gpu_worker.engine import Engine, EngineConfig, SamplingParams  # noqa: E402
-from ftexpert.gpu_worker.assembly.loader import load_model  # noqa: E402
+from ftexpert.gpu_worker.api import (Attachment, Engine, HybridOptions, SamplingParams, attach_cpu_pool,  # noqa: E402
+                                     build_engine)
+from ftexpert.proto.engine_spec import spec_from_args  # noqa: E402
 from ftexpert.proto.knobs import EXPERT_FORMAT_CHOICES  # noqa: E402
 from ftexpert.coordinator.expert_resources import CpuWorkerSettings, ExpertResources  # noqa: E402
-from ftexpert.gpu_worker.api import attach_cpu_pool  # noqa: E402
 from ftexpert.gpu_worker.backends.hybrid import HybridExperts  # noqa: E402
-from ftexpert.gpu_worker.models.synthetic_routing import SyntheticRouting  # noqa: E402
-from ftexpert.gpu_worker.backends.offload import HostExperts, OffloadExperts, resolve_cache_slots  # noqa: E402
+from ftexpert.gpu_worker.backends.offload import HostExperts  # noqa: E402
 
 # offload (the decode path is not measured here), and HybridExperts over a CPU pool (--hybrid-fraction,
 # --cpu-workers): a chunk of at most its cpu_max_tokens (512) splits its misses with the CPU pool, a longer one runs
@@ -115,11 +118,12 @@ def main() -> int:
                          f"{', '.join(attention.PREFILL_KERNELS)}; --chunks positive integers "
                          f"(got {args.variants!r}, {args.attention!r}, {args.chunks!r})")
     gen = torch.Generator().manual_seed(0)
-    loaded = load_model(preset=args.preset, device=args.device, moe_strategy="resident", expert_format=args.expert_format)
-    cfg = loaded.cfg
+    base = spec_from_args(argparse.Namespace(), preset=args.preset, device=args.device, expert_format=args.expert_format,
+                          max_running_requests=1, max_context_tokens=args.prompt_tokens + 16, routing=args.routing,
+                          cuda_graphs="off", moe_prefetch="off")
+    built = build_engine(base)
+    cfg = built.cfg
     prompt = torch.randint(0, cfg.vocab_size, (args.prompt_tokens,), generator=gen).tolist()
-    max_ctx = args.prompt_tokens + 16
-    loaded.model.routing_override = SyntheticRouting.parse(args.routing, cfg, max_ctx, args.device)
     rows = []                    # (name, chunk, result, roofline_s or None)
     reference = {}
     def tag(kernel: str) -> str:
@@ -128,21 +132,17 @@ def main() -> int:
     for kernel in reversed(kernels):             # the first last: the offload rows run with it
         attention.PREFILL_KERNEL = kernel
         for chunk in chunks:
-            engine = Engine(loaded.model, EngineConfig(max_running_requests=1, max_context_tokens=max_ctx,
-                                                       prefill_chunk_tokens=chunk, cuda_graphs=False),
-                            eos_token_ids=())
+            engine = built.fresh_engine(dataclasses.replace(base, prefill_chunk_tokens=chunk))
             res = measure(engine, prompt, args.runs)
             reference.setdefault(chunk, {})[kernel] = res["token"]
             rows.append(("resident" + tag(kernel), chunk, res, None))
             print(f"resident{tag(kernel)} chunk {chunk}: TTFT {res['all_ttft_s']} s", flush=True)
             del engine
-    source = loaded.source.experts
+    source = built.source.experts
     expert_bytes = source.layout.expert_nbytes
-    loaded.model.experts = None
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
     fractions = [float(f) for f in args.fractions.split(",") if f.strip()]
+    if fractions:
+        built.release_experts()          # the resident experts' GPU memory, before the host store is filled
     host = HostExperts.create_filled(source, staging_device=args.device) if fractions else None   # (resident only: none)
     bw = pcie_store_bandwidth(host)[0] if args.device == "cuda" and host is not None else 1e9
     pool = None        # started before the first hybrid row: it pins this process to the reserved CPUs, so the
@@ -150,23 +150,19 @@ def main() -> int:
         runs = sorted([(f, v, c) for f in fractions for v in variants for c in chunks],
                       key=lambda run: run[1] == "hybrid")                               # hybrid rows last
         for frac, variant, chunk in runs:
-            slots = resolve_cache_slots(frac, source.num_layers, source.num_experts)
             hybrid = variant == "hybrid"
             if hybrid and pool is None:
                 resources = ExpertResources.over_store(host.store, "hybrid", top_k=cfg.top_k, model_dtype=host.layout.dtype,
                                                        cpu=CpuWorkerSettings(num_workers=args.cpu_workers))
                 resources.start_cpu_workers()
                 pool = attach_cpu_pool(host.store, resources.channel_names, worker_info=resources.worker_info)
-            if hybrid:
-                backend = HybridExperts(host, slots, args.device, pool, owns_host=False, owns_pool=False,
-                                        fetch_fraction=args.hybrid_fraction)
-            else:
-                backend = OffloadExperts(host, slots, args.device)
-            loaded.model.experts = backend
-            engine = Engine(loaded.model, EngineConfig(max_running_requests=1, max_context_tokens=max_ctx,
-                                                       prefill_chunk_tokens=chunk, cuda_graphs=False),
-                            eos_token_ids=())
-            res = measure(engine, prompt, args.runs, backend)
+            # the last row's backend closed first; the store and the pool are borrowed (closed below)
+            built = build_engine(dataclasses.replace(base, moe_strategy=variant, moe_cache_size=repr(frac),
+                                                     prefill_chunk_tokens=chunk),
+                                 attachment=Attachment(host=host, pool=pool), reuse=built, pin_driving_process=False,
+                                 hybrid=HybridOptions(fetch_fraction=args.hybrid_fraction) if hybrid else None)
+            backend = built.experts
+            res = measure(built.engine, prompt, args.runs, backend)
             res["lossless"] = res["token"] == reference[chunk][kernels[0]]
             name = f"{variant} {frac:.0%}" + (f" f={args.hybrid_fraction:g}" if hybrid else "")
             # (a hybrid chunk the CPU shares has no PCIe-only roofline: its roofline columns show -)
@@ -176,14 +172,9 @@ def main() -> int:
             rows.append((name, chunk, res, roof))
             print(f"{name} chunk {chunk}: TTFT {res['all_ttft_s']} s, {res['fetched']} experts copied",
                   flush=True)
-            loaded.model.experts = None
-            if hybrid:
-                backend.close()              # its doorbells (it owns neither the store nor the pool)
-            del engine, backend
-            gc.collect()
-            if torch.cuda.is_available():
-                torch.cuda.empty_cache()
+            del backend
     finally:
+        built.close()                          # the last backend (its doorbells; not the store, not the pool)
         if pool is not None:
             pool.close()
             resources.close()                  # the CPU workers stopped, their channels unlinked

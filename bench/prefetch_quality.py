@@ -8,18 +8,19 @@ Per budget, two greedy runs over the same prompts on an offload backend at --cac
 choice counted against the next layer's routes, nothing installed: precision and useful predictions of the
 predictor itself, coverage = useful / (useful + demand misses)) and `on` (installed and copied: the demand misses
 per token it leaves, against prefetch off; its tokens are checked equal to off's). Figures over every decode
-layer call that had a prediction (layers 1..L-1).
+layer call that had a prediction (layers 1..L-1). Every engine is built by `build_engine(spec)`: the runs' offload
+backends (the prefetch in their spec) over the first build's dense weights and one host store.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import time
 
-from ftexpert.gpu_worker.engine import Engine, EngineConfig, SamplingParams
-from ftexpert.gpu_worker.assembly.loader import load_model
-from ftexpert.gpu_worker.backends.offload import HostExperts, OffloadExperts, resolve_cache_slots
-from ftexpert.gpu_worker.backends.offload.prefetch import PrefetchSettings, attach_prefetch
+from ftexpert.gpu_worker.api import Attachment, SamplingParams, build_engine
+from ftexpert.gpu_worker.backends.offload import HostExperts, resolve_cache_slots
+from ftexpert.proto.engine_spec import EngineSpec
 from ftexpert.workload.corpus import load_documents, split
 
 
@@ -34,18 +35,16 @@ def prompts_from_corpus(tokenizer, count: int, tokens: int) -> list[list[int]]:
     return out
 
 
-def run(loaded, host, slots: int, settings: PrefetchSettings | None, prompts, new_tokens: int, device) -> dict:
-    model = loaded.model
-    model.experts = OffloadExperts(host, slots, device)
-    attach_prefetch(model, settings)
-    engine = Engine(model, EngineConfig(max_running_requests=1, max_context_tokens=1024), eos_token_ids=())
+def run(built, host, spec: EngineSpec, prompts, new_tokens: int):
+    """Greedy tokens over an offload backend of `spec` (its cache and prefetch) on the shared store, and its counters;
+    -> (the result, the engine built: the next run reuses its dense weights)."""
+    built = build_engine(spec, attachment=Attachment(host=host), reuse=built)
     t0 = time.perf_counter()
-    tokens = engine.generate(prompts, SamplingParams(max_new_tokens=new_tokens, ignore_eos=True))
-    c = model.experts.counters()
+    tokens = built.engine.generate(prompts, SamplingParams(max_new_tokens=new_tokens, ignore_eos=True))
+    c = built.experts.counters()
     out = {"tokens": tokens, "seconds": time.perf_counter() - t0, "misses": c["expert_misses_total"],
            "generated": sum(len(t) for t in tokens), **{k: c[k] for k in c if k.startswith("prefetch_")}}
-    model.experts = None
-    return out
+    return out, built
 
 
 def main() -> int:
@@ -60,19 +59,23 @@ def main() -> int:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
-    loaded = load_model(args.model, device=args.device)
-    cfg = loaded.cfg
-    prompts = prompts_from_corpus(loaded.tokenizer, args.prompts, args.prompt_tokens)
-    host = HostExperts.create_filled(loaded.source.experts, staging_device=None)
+    base = EngineSpec(model=args.model, device=args.device, max_running_requests=1, max_context_tokens=1024,
+                      moe_prefetch="off")
+    built = build_engine(base)
+    cfg = built.cfg
+    prompts = prompts_from_corpus(built.source.tokenizer, args.prompts, args.prompt_tokens)
+    built.release_experts()
+    host = HostExperts.create_filled(built.source.experts, staging_device=None)
     slots = resolve_cache_slots(args.cache, cfg.num_layers, cfg.num_experts)
+    offload = dataclasses.replace(base, moe_strategy="offload", moe_cache_size=repr(args.cache), moe_prefetch_k=args.k)
     try:
-        off = run(loaded, host, slots, None, prompts, args.new_tokens, args.device)
+        off, built = run(built, host, offload, prompts, args.new_tokens)
         rows = []
         for budget in [int(b) for b in args.budgets.split(",") if b.strip()]:
-            m = run(loaded, host, slots, PrefetchSettings("measure", budget, args.k), prompts, args.new_tokens,
-                    args.device)
-            on = run(loaded, host, slots, PrefetchSettings("on", budget, args.k), prompts, args.new_tokens,
-                     args.device)
+            m, built = run(built, host, dataclasses.replace(offload, moe_prefetch="measure", moe_prefetch_budget=budget),
+                           prompts, args.new_tokens)
+            on, built = run(built, host, dataclasses.replace(offload, moe_prefetch="on", moe_prefetch_budget=budget),
+                            prompts, args.new_tokens)
             useful, predicted, layers = (m["prefetch_useful_total"], m["prefetch_predicted_total"],
                                          m["prefetch_layer_calls_total"])
             rows.append({"budget": budget, "useful_per_layer": useful / layers if layers else 0.0,
@@ -84,6 +87,7 @@ def main() -> int:
                                                  if on["prefetch_layer_calls_total"] else 0.0),
                          "lossless": on["tokens"] == off["tokens"] and m["tokens"] == off["tokens"]})
     finally:
+        built.close()
         host.close()
     if args.json:
         print(json.dumps({"model": args.model or "default-moe", "cache": args.cache, "slots": slots,

@@ -29,14 +29,44 @@ def test_the_import_contracts_hold():
     assert "0 broken" in run.stdout, run.stdout
 
 
-def test_one_engine_assembly():
-    """Every engine of the service is built by gpu_worker/assembly/build.py (build_engine, and BuiltEngine's
-    fresh_engine for a restart over the same model): no other module of src/ calls Engine(...)."""
+# The Engine class's own unit tests that hand it what no spec carries: they may construct an Engine themselves.
+ENGINE_UNIT_TESTS = {
+    "tests/gpu_worker/test_engine_stops.py": "the stop rules with EOS ids the test chooses (Engine's eos_token_ids)",
+}
+ENGINE_BUILDER = "src/ftexpert/gpu_worker/assembly/build.py"
+
+
+def engine_constructions(root: Path = REPO) -> dict[str, int]:
+    """Every `Engine(...)` call in src/, bench/ and tests/: file -> count."""
     import ast
 
-    callers = []
-    for path in sorted((REPO / "src" / "ftexpert").rglob("*.py")):
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.Call) and getattr(node.func, "id", getattr(node.func, "attr", None)) == "Engine":
-                callers.append(str(path.relative_to(REPO)))
-    assert callers and set(callers) == {"src/ftexpert/gpu_worker/assembly/build.py"}, callers
+    found: dict[str, int] = {}
+    for top in ("src", "bench", "tests"):
+        for path in sorted((root / top).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text(), str(path))):
+                if isinstance(node, ast.Call) and getattr(node.func, "id", getattr(node.func, "attr", None)) == "Engine":
+                    name = str(path.relative_to(root))
+                    found[name] = found.get(name, 0) + 1
+    return found
+
+
+def test_one_engine_assembly():
+    """Every engine is built by gpu_worker/assembly/build.py (build_engine, BuiltEngine.fresh_engine): the service,
+    the benches and the tests alike; only the Engine class's own unit tests (ENGINE_UNIT_TESTS) construct one."""
+    found = engine_constructions()
+    assert found.get(ENGINE_BUILDER), "build.py builds no Engine: this check would prove nothing"
+    others = {name: n for name, n in found.items() if name != ENGINE_BUILDER and name not in ENGINE_UNIT_TESTS}
+    assert not others, (f"Engine(...) constructed outside build_engine: {others}; build it with "
+                        f"gpu_worker.api.build_engine(spec) (tests: tests/built_engines.py)")
+    stale = sorted(set(ENGINE_UNIT_TESTS) - set(found))
+    assert not stale, f"allow-listed files that construct no Engine any more (drop them from the list): {stale}"
+
+
+def test_the_engine_check_sees_a_hand_assembly(tmp_path):
+    """The scan finds `Engine(...)` however it is spelled (a name, an attribute), in each of the three trees."""
+    for top, text in (("src", "engine = Engine(model, EngineConfig())\n"),
+                      ("bench", "import ftexpert.gpu_worker.engine as e\nx = e.Engine(m)\n"),
+                      ("tests", "def f(m):\n    return [Engine(m), Engine(m, None)]\n")):
+        (tmp_path / top).mkdir()
+        (tmp_path / top / "mod.py").write_text(text)
+    assert engine_constructions(tmp_path) == {"src/mod.py": 1, "bench/mod.py": 1, "tests/mod.py": 2}

@@ -1,7 +1,6 @@
 """Shared helpers for the CPU-pool tests."""
 from __future__ import annotations
 
-import os
 import signal
 import uuid
 
@@ -77,45 +76,6 @@ def procs(tmp_path, request):
     for proc in started:
         proc.signal(signal.SIGCONT)
         proc.stop(timeout_s=5)
-
-
-def load_with_resources(strategy: str, *, device: str = "cpu", cache_size=None, hybrid=None, num_workers: int = 2,
-                        worker_args=(), backoff_s: float = 0.1, ready_timeout_s: float = 120.0,
-                        expert_format: str = "auto", model_dir=None, dtype: str = "auto"):
-    """The tiny model's engine model for `strategy` (offload, cpu, hybrid) over host resources from their one
-    owner (coordinator/expert_resources.py: the store, the CPU channels, the supervised workers), attached as
-    the GPU worker does (gpu_worker.api.load_attached_model); `model_dir`: that checkpoint instead (in `dtype`).
-    `loaded.resources` is the owner; closing the
-    backend also closes it (the workers stopped, the channels and the store unlinked)."""
-    from ftexpert.coordinator.expert_resources import CpuWorkerSettings, ExpertResources
-    from ftexpert.gpu_worker.api import load_attached_model, open_model_source, resolve_device
-
-    dev = resolve_device(device)
-    source = open_model_source(model_dir, None, dtype=dtype, device=dev, expert_format=expert_format)
-    cpu = CpuWorkerSettings(num_workers=num_workers, worker_args=tuple(worker_args), backoff_initial_s=backoff_s,
-                            ready_timeout_s=ready_timeout_s, log_level="WARNING")
-    resources = ExpertResources.create(source, strategy, store_name=f"ft-test-{os.getpid()}-{uuid.uuid4().hex[:6]}",
-                                       cpu=cpu, staging_device=dev if dev.type == "cuda" else None)
-    try:
-        resources.start_cpu_workers()
-        loaded = load_attached_model(source, dev, moe_strategy=strategy, store_name=resources.store_name,
-                                     cpu_channels=resources.channel_names, moe_cache_size=cache_size, hybrid=hybrid,
-                                     worker_info=resources.worker_info)
-    except BaseException:
-        resources.close()
-        raise
-    backend = loaded.model.experts
-    close_backend = backend.close
-
-    def close() -> None:
-        try:
-            close_backend()
-        finally:
-            resources.close()
-
-    backend.close = close
-    loaded.resources = resources
-    return loaded
 
 
 def fill_biases(store: ExpertStore, layer: int, expert: int, g: torch.Generator) -> None:

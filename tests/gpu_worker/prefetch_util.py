@@ -5,33 +5,56 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ftexpert.gpu_worker.engine import Engine, EngineConfig, SamplingParams
-from ftexpert.gpu_worker.assembly.loader import load_model
-from ftexpert.gpu_worker.backends.offload import HostExperts, OffloadExperts
-from ftexpert.gpu_worker.backends.offload.prefetch import PrefetchSettings, RandomPredictor, RouterPredictor, attach_prefetch
+from dataclasses import dataclass
+from typing import Any
+
+from ftexpert.gpu_worker.api import BuiltEngine
+from ftexpert.gpu_worker.engine import SamplingParams
+from ftexpert.gpu_worker.assembly.loader import open_model_source
+from ftexpert.gpu_worker.backends.offload import OffloadExperts
+from ftexpert.gpu_worker.backends.offload.prefetch import PrefetchSettings, RandomPredictor, model_predictor
+from tests.built_engines import build, engine_of
 
 # The embedded model: 4 layers x 8 experts, top-2. A global pool of 8 slots (a quarter), or per-layer pools of 4
 # (half a layer); prefill chunks of 2 tokens (4 routes) fit either.
 SLOTS = {False: 8, True: 4}
 
 
+@dataclass
+class Offloaded:
+    """The embedded model's engine, built by build_engine, and the offload backend the test's engines run over: the
+    built one, or per-layer pools of fewer slots than a layer has experts (which a spec refuses: one prefill call
+    can route every expert of a layer; these tests' 2-token chunks route 4), made here over the built one's store."""
+    built: BuiltEngine
+    experts: Any
+
+    def close(self) -> None:
+        if self.experts is not self.built.experts:
+            self.experts.close()
+        self.built.close()
+
+
 def offload_model(per_layer: bool, settings: PrefetchSettings | None, predictor: str = "router", seed: int = 3,
-                  device: str = "cpu"):
-    """The embedded model over an offload backend of SLOTS[per_layer] slots, with the prefetch `settings` (None:
-    none attached) and the `predictor`: router (the model's own) or random (garbage)."""
-    loaded = load_model(device=device)
-    model = loaded.model
+                  device: str = "cpu") -> Offloaded:
+    """The embedded model over an offload backend of SLOTS[per_layer] slots (per layer: a pool of that many for
+    every layer), with the prefetch `settings` (the spec's moe_prefetch fields; None: off) and the `predictor`:
+    router (the model's own) or random (garbage, through build_engine's predictor hook)."""
+    settings = settings or PrefetchSettings(mode="off")
+    pred = None
+    if predictor == "random":
+        pred = RandomPredictor(open_model_source().cfg.num_experts, settings.k, seed=seed, device=device)
+    prefetch = dict(moe_prefetch=settings.mode, moe_prefetch_budget=settings.budget, moe_prefetch_k=settings.k,
+                    moe_prefetch_verify=settings.verify)
     with pytest.MonkeyPatch.context() as mp:
         # the counters by torch ops rather than the count kernel in the interpreter (slow; the GPU runs it)
         mp.delenv("TRITON_INTERPRET", raising=False)
-        staging = torch.device(device) if device == "cuda" else None
-        model.experts = OffloadExperts(HostExperts.create_filled(loaded.source.experts, staging_device=staging),
-                                       SLOTS[per_layer], device, per_layer=per_layer)
-    if settings is not None:
-        pred = (RandomPredictor(model.cfg.num_experts, settings.k, seed=seed, device=device) if predictor == "random"
-                else RouterPredictor([layer.router for layer in model.dense.layers], settings.k))
-        attach_prefetch(model, settings, pred)
-    return model
+        built = build(device=device, moe_strategy="offload", moe_cache_size=SLOTS[False], predictor=pred,
+                      max_running_requests=2, max_context_tokens=512, **({} if per_layer else prefetch))
+        if not per_layer:
+            return Offloaded(built, built.experts)
+        experts = OffloadExperts(built.experts.host, SLOTS[True], device, per_layer=True, owns_host=False)
+    experts.set_prefetch(settings, pred if pred is not None else model_predictor(built.model, settings.k))
+    return Offloaded(built, experts)
 
 
 PROMPT_A = [5, 17, 42, 99, 3, 250, 7, 64, 11, 300, 8]
@@ -77,14 +100,15 @@ class LogitRecorder:
         self._graphs.run, self._graphs._capture = self._run, self._capture
 
 
-def decode_run(model, *, batch: int, decode_steps: int, device: str = "cpu",
+def decode_run(run, *, batch: int, decode_steps: int, device: str = "cpu",
                cuda_graphs: bool = False) -> tuple[list[list[int]], list[torch.Tensor]]:
-    """Greedy tokens and every forward's logits: request A alone; with batch 2, B joins after 20 decode steps and,
-    once B is done, C joins (prefill chunks between decode steps). `decode_steps`: decode forwards in all."""
-    rec = LogitRecorder(model)
+    """Greedy tokens and every forward's logits of an engine over `run` (an Offloaded, or a BuiltEngine) and its
+    experts: request A alone; with batch 2, B joins after 20 decode steps and, once B is done, C joins (prefill
+    chunks between decode steps). `decode_steps`: decode forwards in all."""
+    engine = engine_of(getattr(run, "built", run), experts=run.experts, max_running_requests=max(batch, 1),
+                       max_context_tokens=512, prefill_chunk_tokens=2, cuda_graphs="on" if cuda_graphs else "off")
+    rec = LogitRecorder(engine.model)
     try:
-        engine = Engine(model, EngineConfig(max_running_requests=max(batch, 1), max_context_tokens=512,
-                                            prefill_chunk_tokens=2, cuda_graphs=cuda_graphs), eos_token_ids=())
         params_a = SamplingParams(max_new_tokens=decode_steps + 1, ignore_eos=True)
         tokens: dict = {}
         rid = engine.add_request(list(PROMPT_A), params_a)

@@ -4,8 +4,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ftexpert.gpu_worker.engine import Engine, EngineConfig, SamplingParams
-from ftexpert.gpu_worker.assembly.loader import load_model
+from ftexpert.gpu_worker.engine import SamplingParams
+from tests.built_engines import build, engine_of
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("no_tf32"),
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -16,14 +16,12 @@ pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("no_tf32"),
 def test_graph_decode_equals_eager(num_prompts, strategy, tmp_path, monkeypatch):
     """Offload too: its decode copies (the copy kernel and its timing events) inside the graphs."""
     monkeypatch.setenv("FT_CACHE_DIR", str(tmp_path))
-    loaded = load_model(device="cuda", **({} if strategy == "resident" else dict(moe_strategy="offload",
-                                                                                 moe_cache_size=9)))
+    loaded = build(device="cuda", max_running_requests=3, max_context_tokens=256,
+                   **({} if strategy == "resident" else dict(moe_strategy="offload", moe_cache_size=9)))
     prompts = [[5 + i, 17, 42 + 3 * i, 99, 3][: 3 + i] for i in range(num_prompts)]
     params = SamplingParams(max_new_tokens=40, ignore_eos=True)
-    eager = Engine(loaded.model, EngineConfig(max_running_requests=3, max_context_tokens=256,
-                                              cuda_graphs=False), eos_token_ids=())
-    graphs = Engine(loaded.model, EngineConfig(max_running_requests=3, max_context_tokens=256),
-                    eos_token_ids=())
+    eager = engine_of(loaded, cuda_graphs="off")
+    graphs = engine_of(loaded, cuda_graphs="on")
     try:
         assert eager.generate(prompts, params) == graphs.generate(prompts, params)
         assert graphs.graphs.captures >= 1 and graphs.graphs.replays >= 30
@@ -31,7 +29,7 @@ def test_graph_decode_equals_eager(num_prompts, strategy, tmp_path, monkeypatch)
         if strategy == "offload":          # cumulative over both engines; the graphs' copies are timed too
             assert graphs.stats.copy_time_s_total > eager.stats.copy_time_s_total > 0
     finally:
-        loaded.model.experts.close()
+        loaded.close()
 
 
 def dead_engine_collected_mid_capture() -> tuple[list, list]:
@@ -39,15 +37,14 @@ def dead_engine_collected_mid_capture() -> tuple[list, list]:
     garbage collection where the first engine (a dead Engine <-> DecodeGraphs cycle holding captured graphs) is due:
     frozen out of the collector until the capture, then unfrozen with thresholds of 1 and a burst of allocations."""
     import gc
-    loaded = load_model(device="cuda")
-    conf = EngineConfig(max_running_requests=1, max_context_tokens=128, cuda_graphs=True)
+    loaded = build(device="cuda", max_running_requests=1, max_context_tokens=128, cuda_graphs="on")
     params = SamplingParams(max_new_tokens=6, ignore_eos=True)
-    first = Engine(loaded.model, conf, eos_token_ids=())
+    first = loaded.fresh_engine()
     want = first.generate([[1, 2, 3, 4, 5]], params)
     assert first.graphs.captures > 0
     del first                                      # unreachable now, but a cycle: only the collector frees it
     gc.freeze()
-    second = Engine(loaded.model, conf, eos_token_ids=())
+    second = loaded.fresh_engine()
     plain_forward, burst = second.decode_forward, []
 
     def forward(inputs):

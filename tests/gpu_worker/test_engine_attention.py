@@ -7,11 +7,11 @@ import math
 import pytest
 import torch
 
-from ftexpert.gpu_worker.engine import Engine, EngineConfig, SamplingParams
+from ftexpert.gpu_worker.engine import SamplingParams
 from ftexpert.gpu_worker.engine.attention import DecodeAttention, PrefillAttention, decode_bucket_tokens
 from ftexpert.gpu_worker.engine.kv_cache import KVCache
 from ftexpert.gpu_worker.checkpoint.config import MoeConfig
-from ftexpert.gpu_worker.assembly.loader import load_model
+from tests.built_engines import build
 from tests.gpu_worker.test_models_util import hf_greedy, hf_model, prompt_ids, rel_err, save_hf
 
 
@@ -90,8 +90,7 @@ def test_decode_at_the_end_of_a_32k_context():
 
 
 def test_default_engine_holds_32k_contexts(tmp_path):
-    loaded = load_model(save_hf(hf_model("qwen3", max_position_embeddings=40960), tmp_path / "m"), device="cpu")
-    engine = Engine(loaded.model, EngineConfig())
+    engine = build(save_hf(hf_model("qwen3", max_position_embeddings=40960), tmp_path / "m")).engine
     assert engine.max_context_tokens == 32768 and engine.kv.k.shape[:3] == (2, 4, 32768)
     assert engine.model.rope.max_positions >= 32768
 
@@ -99,10 +98,10 @@ def test_default_engine_holds_32k_contexts(tmp_path):
 def test_long_prompt_in_chunks_matches_transformers(tmp_path):
     """A 1,500-token prompt in 512-token chunks, then decode over a 2,048 bucket: same tokens as transformers."""
     hf = hf_model("qwen3", seed=5)
-    loaded = load_model(save_hf(hf, tmp_path / "m"), device="cpu")
+    loaded = build(save_hf(hf, tmp_path / "m"), max_context_tokens=4096, prefill_chunk_tokens=512)
     prompt = prompt_ids(1500, seed=6)
     expected = hf_greedy(hf, prompt, 6)
-    engine = Engine(loaded.model, EngineConfig(max_context_tokens=4096, prefill_chunk_tokens=512))
+    engine = loaded.engine
     assert engine.generate([prompt], SamplingParams(max_new_tokens=6, ignore_eos=True))[0] == expected
     assert engine.stats.num_prefill_chunks == 3
     with torch.no_grad():

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from ftexpert.gpu_worker.engine import Engine, EngineConfig, SamplingParams
-from ftexpert.gpu_worker.assembly.loader import load_model
+from ftexpert.gpu_worker.engine import SamplingParams
+from tests.built_engines import build, engine_of
 from tests.gpu_worker.test_models_util import hf_model, prompt_ids, save_hf
 
 GREEDY = SamplingParams(max_new_tokens=12, ignore_eos=True)
@@ -14,12 +14,11 @@ GREEDY = SamplingParams(max_new_tokens=12, ignore_eos=True)
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     """A qwen3 model with strong random weights (attention far from uniform, so a KV mix-up shows)."""
-    return load_model(save_hf(hf_model("qwen3", seed=11), tmp_path_factory.mktemp("qwen3")), device="cpu")
+    return build(save_hf(hf_model("qwen3", seed=11), tmp_path_factory.mktemp("qwen3")), max_context_tokens=256)
 
 
 def solo(tiny, prompt, params=GREEDY, chunk=512):
-    engine = Engine(tiny.model, EngineConfig(max_running_requests=1, max_context_tokens=256,
-                                             prefill_chunk_tokens=chunk))
+    engine = engine_of(tiny, max_running_requests=1, max_context_tokens=256, prefill_chunk_tokens=chunk)
     return engine.generate([prompt], params)[0]
 
 
@@ -34,8 +33,7 @@ def test_requests_joining_and_leaving_between_steps_match_solo_runs(tiny):
     prompts = {name: prompt_ids(n, seed=i, vocab=vocab)
                for i, (name, n) in enumerate([("a", 7), ("b", 40), ("c", 3), ("d", 9), ("e", 15)])}
     expected = {name: solo(tiny, p) for name, p in prompts.items()}
-    engine = Engine(tiny.model, EngineConfig(max_running_requests=2, max_context_tokens=256,
-                                             prefill_chunk_tokens=8))
+    engine = engine_of(tiny, max_running_requests=2, max_context_tokens=256, prefill_chunk_tokens=8)
     tokens: dict = {}
     engine.add_request(prompts["a"], GREEDY, request_id="a")
     for _ in range(3):
@@ -59,7 +57,7 @@ def test_requests_joining_and_leaving_between_steps_match_solo_runs(tiny):
 def test_running_request_aborted_frees_its_row_for_the_next(tiny):
     vocab = tiny.cfg.vocab_size
     p1, p2, p3 = (prompt_ids(n, seed=20 + n, vocab=vocab) for n in (6, 8, 10))
-    engine = Engine(tiny.model, EngineConfig(max_running_requests=2, max_context_tokens=256))
+    engine = engine_of(tiny, max_running_requests=2, max_context_tokens=256)
     r1 = engine.add_request(p1, GREEDY)
     r2 = engine.add_request(p2, GREEDY)
     r3 = engine.add_request(p3, GREEDY)
@@ -81,8 +79,7 @@ def test_chunked_prefill_gives_the_same_tokens(tiny, chunk):
 
 
 def test_step_outputs_and_stats(tiny):
-    engine = Engine(tiny.model, EngineConfig(max_running_requests=2, max_context_tokens=64,
-                                             prefill_chunk_tokens=4))
+    engine = engine_of(tiny, max_running_requests=2, max_context_tokens=64, prefill_chunk_tokens=4)
     assert not engine.has_work() and engine.step() == []
     rid = engine.add_request([1, 2, 3, 4, 5, 6], SamplingParams(max_new_tokens=3, ignore_eos=True))
     assert engine.step() == []                 # first chunk (4 tokens): no token yet

@@ -13,11 +13,11 @@ import time
 import pytest
 import torch
 
-from ftexpert.gpu_worker.engine import Engine, EngineConfig, SamplingParams
+from ftexpert.gpu_worker.engine import SamplingParams
 from ftexpert.gpu_worker.engine.attention import PrefillAttention
 from ftexpert.gpu_worker.engine.kv_cache import KVCache
-from ftexpert.gpu_worker.assembly.loader import load_model
 from ftexpert.gpu_worker.checkpoint.tiny import ensure_tiny_checkpoint
+from tests.built_engines import build, engine_of
 from tests.gpu_worker.test_models_util import hf_greedy, hf_model, prompt_ids, rel_err, save_hf
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("no_tf32"),
@@ -37,12 +37,12 @@ def prompts(vocab):
 
 @pytest.mark.parametrize("expert_compute", ["auto", "grouped", "gemv"])
 def test_tiny_cuda_matches_cpu(tiny_dir, expert_compute):
-    cpu = load_model(tiny_dir, device="cpu")
-    gpu = load_model(tiny_dir, device="cuda", expert_compute=expert_compute)
+    cpu = build(tiny_dir, max_context_tokens=256)
+    gpu = build(tiny_dir, device="cuda", expert_compute=expert_compute, max_context_tokens=256)
     assert gpu.model.device.type == "cuda" and gpu.model.experts.packed[0].is_cuda
     ps = prompts(cpu.cfg.vocab_size)
-    expected = Engine(cpu.model, EngineConfig(max_context_tokens=256)).generate(ps, GREEDY)
-    got = Engine(gpu.model, EngineConfig(max_context_tokens=256, prefill_chunk_tokens=8)).generate(ps, GREEDY)
+    expected = cpu.engine.generate(ps, GREEDY)
+    got = engine_of(gpu, prefill_chunk_tokens=8).generate(ps, GREEDY)
     assert got == expected
     kv_c = KVCache(cpu.cfg, 1, 64, torch.float32, torch.device("cpu"))
     kv_g = KVCache(gpu.cfg, 1, 64, torch.float32, gpu.device)
@@ -54,16 +54,16 @@ def test_tiny_cuda_matches_cpu(tiny_dir, expert_compute):
 
 def test_transformers_parity_on_cuda(tmp_path):
     hf = hf_model("qwen3", seed=7)
-    ours = load_model(save_hf(hf, tmp_path / "q"), device="cuda", dtype="float32")
+    ours = build(save_hf(hf, tmp_path / "q"), device="cuda", dtype="float32", max_context_tokens=128)
     prompt = prompt_ids(11, seed=4)
-    engine = Engine(ours.model, EngineConfig(max_context_tokens=128))
+    engine = ours.engine
     assert engine.generate([prompt], GREEDY)[0] == hf_greedy(hf, prompt, 32)
 
 
 def test_bfloat16_and_seeded_sampling_on_cuda(tiny_dir):
-    gpu = load_model(tiny_dir, device="cuda", dtype="bfloat16")
+    gpu = build(tiny_dir, device="cuda", dtype="bfloat16", max_context_tokens=256)
     assert gpu.model.dtype == torch.bfloat16 and gpu.model.experts.packed[0].dtype == torch.bfloat16
-    engine = Engine(gpu.model, EngineConfig(max_context_tokens=256))
+    engine = gpu.engine
     ps = prompts(gpu.cfg.vocab_size)
     params = SamplingParams(max_new_tokens=24, temperature=0.8, top_p=0.9, seed=11, ignore_eos=True)
     first = engine.generate(ps, params)
@@ -72,8 +72,8 @@ def test_bfloat16_and_seeded_sampling_on_cuda(tiny_dir):
 
 
 def test_decode_forward_captures_in_a_cuda_graph(tiny_dir):
-    gpu = load_model(tiny_dir, device="cuda", expert_compute="gemv")
-    engine = Engine(gpu.model, EngineConfig(max_running_requests=3, max_context_tokens=256))
+    gpu = build(tiny_dir, device="cuda", expert_compute="gemv", max_running_requests=3, max_context_tokens=256)
+    engine = gpu.engine
     for p in prompts(gpu.cfg.vocab_size):
         engine.add_request(p, SamplingParams(max_new_tokens=100, ignore_eos=True))
     for _ in range(5):
@@ -107,7 +107,7 @@ def test_qwen3_30b_preset_materialises_fast_on_the_gpu():
         pytest.skip(f"needs ~75 GiB of free GPU memory, {free_bytes / 2**30:.0f} GiB free")
     rss0 = _host_rss_bytes()
     t0 = time.perf_counter()
-    loaded = load_model(preset="qwen3-30b-a3b", device="cuda")
+    loaded = build(preset="qwen3-30b-a3b", device="cuda", max_running_requests=4, max_context_tokens=4096)
     load_s = time.perf_counter() - t0
     rss_growth = _host_rss_bytes() - rss0
     experts = loaded.model.experts
@@ -117,7 +117,7 @@ def test_qwen3_30b_preset_materialises_fast_on_the_gpu():
     assert experts.packed[0].dtype == torch.bfloat16 and experts.packed[0].is_cuda
     assert load_s < 120
     assert rss_growth < 4 * 2**30                      # no host copy of the 54 GiB of experts
-    engine = Engine(loaded.model, EngineConfig(max_running_requests=4, max_context_tokens=4096))
+    engine = loaded.engine
     out = engine.generate([[1, 2, 3, 4]] * 4, SamplingParams(max_new_tokens=16, ignore_eos=True))
     assert all(len(t) == 16 for t in out)
     print(f"decode {engine.stats.decode_tokens_per_s:.1f} tok/s (batch 4, resident, eager)")

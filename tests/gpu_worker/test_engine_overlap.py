@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ftexpert.gpu_worker.engine import Engine, EngineConfig, SamplingParams
-from ftexpert.gpu_worker.assembly.loader import load_model
+from ftexpert.gpu_worker.engine import Engine, SamplingParams
+from tests.built_engines import build, engine_of
 from tests.gpu_worker.test_models_util import hf_model, prompt_ids, save_hf
 
 GREEDY = SamplingParams(max_new_tokens=12, ignore_eos=True)
@@ -18,12 +18,16 @@ GREEDY = SamplingParams(max_new_tokens=12, ignore_eos=True)
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     """A qwen3 model with strong random weights (attention far from uniform, so a position mix-up shows)."""
-    return load_model(save_hf(hf_model("qwen3", seed=11), tmp_path_factory.mktemp("qwen3")), device="cpu")
+    return _build(save_hf(hf_model("qwen3", seed=11), tmp_path_factory.mktemp("qwen3")))
 
 
-def _engine(loaded, overlap: bool, **cfg) -> Engine:
-    conf = {"max_running_requests": 2, "max_context_tokens": 256, "prefill_chunk_tokens": 8, **cfg}
-    return Engine(loaded.model, EngineConfig(overlap_decode=overlap, **conf), eos_token_ids=())
+def _build(model_dir=None, **fields):
+    return build(model_dir, max_running_requests=2, max_context_tokens=256, **fields)
+
+
+def _engine(built, overlap: bool, **fields) -> Engine:
+    conf = {"max_running_requests": 2, "max_context_tokens": 256, "prefill_chunk_tokens": 8, **fields}
+    return engine_of(built, overlap_decode="on" if overlap else "off", **conf)
 
 
 def _queued(engine: Engine, name) -> bool:
@@ -115,14 +119,12 @@ def test_nothing_is_queued_past_a_length_end_or_a_full_context(tiny):
 def test_offload_overlaps_its_steps():
     """Offload (the copy kernel for decode steps, DMA copies for prefill chunks) queues steps ahead and gives
     resident's tokens, with its counters read in full at the end."""
-    from ftexpert.gpu_worker.backends.offload import OffloadExperts
     from tests.gpu_worker.test_offload import PROMPT
     params = {"a": SamplingParams(max_new_tokens=20, ignore_eos=True), "b": GREEDY}
     prompts = {"a": list(PROMPT), "b": list(PROMPT[2:9])}
-    resident = _script(_engine(load_model(device="cpu"), False), prompts, params)
-    loaded = load_model(device="cpu", moe_strategy="offload", moe_cache_size=10)
-    backend = OffloadExperts(loaded.model.experts.host, 10, "cpu")
-    loaded.model.experts = backend
+    resident = _script(_engine(_build(), False), prompts, params)
+    loaded = _build(moe_strategy="offload", moe_cache_size=10)
+    backend = loaded.experts
     try:
         engine = _engine(loaded, True)
         assert _script(engine, prompts, params) == resident
@@ -146,11 +148,9 @@ def test_an_engine_left_idle_by_a_stop_holds_no_step_and_whole_counters():
     """The last request stops on a token with a step of it queued: that step is taken before step() returns, so
     generate() leaves nothing on the device, its discarded token is counted, and the engine's expert counters are the
     backend's (offload, copy kernel)."""
-    from ftexpert.gpu_worker.backends.offload import OffloadExperts
     from tests.gpu_worker.test_offload import PROMPT
-    loaded = load_model(device="cpu", moe_strategy="offload", moe_cache_size=10)
-    backend = OffloadExperts(loaded.model.experts.host, 10, "cpu")
-    loaded.model.experts = backend
+    loaded = _build(moe_strategy="offload", moe_cache_size=10)
+    backend = loaded.experts
     try:
         params, n = _stop_early(loaded, list(PROMPT))
         want = _engine(loaded, False).generate([list(PROMPT)], params)
@@ -167,14 +167,12 @@ def test_an_engine_left_idle_by_a_stop_holds_no_step_and_whole_counters():
 
 def test_slot_audits_keep_their_cadence_when_requests_join():
     """Joins make step() take the queued step first; the audit every 3 decode steps still runs at every third one."""
-    from ftexpert.gpu_worker.backends.offload import OffloadExperts
     from tests.gpu_worker.test_offload import PROMPT
-    loaded = load_model(device="cpu", moe_strategy="offload", moe_cache_size=10)
-    backend = OffloadExperts(loaded.model.experts.host, 10, "cpu")
-    loaded.model.experts = backend
+    loaded = _build(moe_strategy="offload", moe_cache_size=10)
+    backend = loaded.experts
     try:
         for overlap in (False, True):
-            engine = _engine(loaded, overlap, slot_audit_every=3, max_running_requests=4)
+            engine = _engine(loaded, overlap, moe_slot_audit=3, max_running_requests=4)
             engine.add_request(list(PROMPT), SamplingParams(max_new_tokens=30, ignore_eos=True), request_id=0)
             step = 0
             while engine.has_work():
@@ -194,7 +192,7 @@ def test_without_overlap_nothing_is_queued(tiny):
     engine = _engine(tiny, False)
     engine.generate([prompt_ids(5, seed=60, vocab=tiny.cfg.vocab_size)], GREEDY)
     assert engine.stats.decode_steps_ahead == 0 and engine._ahead is None
-    assert Engine(tiny.model, EngineConfig()).overlap_decode is False, "off by default on the CPU"
+    assert engine_of(tiny, overlap_decode="auto").overlap_decode is False, "off by default on the CPU"
 
 
 @pytest.mark.gpu
@@ -203,8 +201,8 @@ def test_gpu_overlapped_steps_in_cuda_graphs_give_the_tokens_without_overlap(str
     """On CUDA, where the next step really runs while the host reads this one's ids: resident and offload (the copy
     kernel and its timing events inside the CUDA graphs) give the tokens of the engine without overlap, with greedy
     and seeded sampled requests joining and one stopping early."""
-    loaded = load_model(device="cuda", **({} if strategy == "resident" else dict(moe_strategy="offload",
-                                                                                 moe_cache_size=9)))
+    loaded = build(device="cuda", max_running_requests=2, max_context_tokens=128, prefill_chunk_tokens=8,
+                   **({} if strategy == "resident" else dict(moe_strategy="offload", moe_cache_size=9)))
     vocab = loaded.cfg.vocab_size
     prompts = {n: prompt_ids(k, seed=70 + i, vocab=vocab) for i, (n, k) in enumerate([("a", 9), ("b", 14), ("c", 4)])}
     params = {"a": SamplingParams(max_new_tokens=40, ignore_eos=True),
@@ -214,9 +212,7 @@ def test_gpu_overlapped_steps_in_cuda_graphs_give_the_tokens_without_overlap(str
     try:
         outs = []
         for overlap in (False, True):
-            engine = Engine(loaded.model, EngineConfig(max_running_requests=2, max_context_tokens=128,
-                                                       prefill_chunk_tokens=8, cuda_graphs=True,
-                                                       overlap_decode=overlap), eos_token_ids=())
+            engine = engine_of(loaded, cuda_graphs="on", overlap_decode="on" if overlap else "off")
             outs.append((_script(engine, prompts, params, join_at=joins), engine))
             torch.cuda.synchronize()
         (plain, plain_engine), (got, engine) = outs
@@ -226,7 +222,7 @@ def test_gpu_overlapped_steps_in_cuda_graphs_give_the_tokens_without_overlap(str
         if strategy == "offload":       # the backend's copy time is cumulative: both runs copied
             assert engine.stats.copy_time_s_total > plain_engine.stats.copy_time_s_total > 0
     finally:
-        loaded.model.experts.close()
+        loaded.close()
 
 
 def test_the_overlap_knob_reaches_the_engine_config(monkeypatch, capsys, tmp_path):
@@ -252,5 +248,5 @@ def test_the_overlap_knob_reaches_the_engine_config(monkeypatch, capsys, tmp_pat
     capsys.readouterr()
     assert seen == [None, True, False, None]
     monkeypatch.setenv("FREETOKEN_OVERLAP_DECODE", "on")
-    assert Engine(load_model(device="cpu").model, EngineConfig()).overlap_decode is False, \
+    assert build(max_context_tokens=64).engine.overlap_decode is False, \
         "the engine reads no knob: None means on CUDA only"

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from ftexpert.gpu_worker.engine import Engine, EngineConfig, SamplingParams
-from ftexpert.gpu_worker.assembly.loader import load_model
+from ftexpert.gpu_worker.engine import Engine, SamplingParams
+from tests.built_engines import build, engine_of
 
 PROMPT = [5, 17, 42, 99, 3, 250, 7]
 
@@ -29,8 +29,8 @@ class FailingSteps:
         return self.ends not in self.fail_on
 
 
-def run(loaded, n: int = 6) -> tuple[list[int], Engine]:
-    engine = Engine(loaded.model, EngineConfig(max_running_requests=1, max_context_tokens=64), eos_token_ids=())
+def run(built, n: int = 6, experts=None) -> tuple[list[int], Engine]:
+    engine = engine_of(built, experts=experts)
     return engine.generate([PROMPT], SamplingParams(max_new_tokens=n, ignore_eos=True))[0], engine
 
 
@@ -38,27 +38,18 @@ def run(loaded, n: int = 6) -> tuple[list[int], Engine]:
 def loaded(tmp_path_factory):
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("FT_CACHE_DIR", str(tmp_path_factory.mktemp("cache")))
-        yield load_model(device="cpu")
+        yield build(max_running_requests=1, max_context_tokens=64)
 
 
 def test_a_failed_decode_step_runs_again_and_gives_the_same_tokens(loaded):
     want, _ = run(loaded)
-    backend = loaded.model.experts
-    loaded.model.experts = hooks = FailingSteps(backend, fail_on=(1, 4))     # steps 1 and 3, once each
-    try:
-        got, engine = run(loaded)
-    finally:
-        loaded.model.experts = backend
+    hooks = FailingSteps(loaded.experts, fail_on=(1, 4))                    # steps 1 and 3, once each
+    got, engine = run(loaded, experts=hooks)
     assert got == want
     assert engine.stats.decode_step_retries == 2
     assert hooks.begins == hooks.ends == engine.stats.num_decode_steps + 2
 
 
 def test_a_step_that_keeps_failing_is_an_error_not_a_sampled_token(loaded):
-    backend = loaded.model.experts
-    loaded.model.experts = FailingSteps(backend, fail_on=range(1, 100))
-    try:
-        with pytest.raises(RuntimeError, match="failed the decode step 2 times"):
-            run(loaded)
-    finally:
-        loaded.model.experts = backend
+    with pytest.raises(RuntimeError, match="failed the decode step 2 times"):
+        run(loaded, experts=FailingSteps(loaded.experts, fail_on=range(1, 100)))

@@ -4,9 +4,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ftexpert.gpu_worker.engine import Engine, EngineConfig, SamplingParams
+from ftexpert.gpu_worker.engine import SamplingParams
 from ftexpert.gpu_worker.engine.sampling import RequestSampler
-from ftexpert.gpu_worker.assembly.loader import load_model
+from tests.built_engines import build, engine_of
 from tests.gpu_worker.test_models_util import hf_model, prompt_ids, save_hf
 
 CPU = torch.device("cpu")
@@ -14,7 +14,7 @@ CPU = torch.device("cpu")
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
-    return load_model(save_hf(hf_model("olmoe", seed=21), tmp_path_factory.mktemp("olmoe")), device="cpu")
+    return build(save_hf(hf_model("olmoe", seed=21), tmp_path_factory.mktemp("olmoe")), max_context_tokens=128)
 
 
 def test_filters_keep_exactly_the_expected_tokens():
@@ -52,21 +52,21 @@ def test_seeded_requests_are_reproducible_and_independent_of_the_batch(model):
     vocab = model.cfg.vocab_size
     params = SamplingParams(max_new_tokens=16, temperature=1.0, top_p=0.95, top_k=50, seed=42, ignore_eos=True)
     prompt = prompt_ids(9, seed=1, vocab=vocab)
-    alone = Engine(model.model, EngineConfig(max_running_requests=1, max_context_tokens=128)).generate([prompt], params)[0]
-    again = Engine(model.model, EngineConfig(max_running_requests=1, max_context_tokens=128)).generate([prompt], params)[0]
+    alone = engine_of(model, max_running_requests=1, max_context_tokens=128).generate([prompt], params)[0]
+    again = engine_of(model, max_running_requests=1, max_context_tokens=128).generate([prompt], params)[0]
     assert alone == again
-    engine = Engine(model.model, EngineConfig(max_running_requests=3, max_context_tokens=128))
+    engine = engine_of(model, max_running_requests=3, max_context_tokens=128)
     other = SamplingParams(max_new_tokens=16, temperature=1.0, seed=7, ignore_eos=True)
     mixed = engine.generate([prompt_ids(5, seed=2, vocab=vocab), prompt, prompt_ids(14, seed=3, vocab=vocab)],
                             params)[1]
     assert mixed == alone
-    seed7 = Engine(model.model, EngineConfig(max_context_tokens=128)).generate([prompt], other)[0]
+    seed7 = engine_of(model, max_context_tokens=128).generate([prompt], other)[0]
     assert seed7 != alone                               # 16 draws at temperature 1: a different seed differs
 
 
 def test_degenerate_sampling_equals_greedy(model):
     prompt = prompt_ids(12, seed=8, vocab=model.cfg.vocab_size)
-    engine = Engine(model.model, EngineConfig(max_context_tokens=128))
+    engine = engine_of(model, max_context_tokens=128)
     greedy = engine.generate([prompt], SamplingParams(max_new_tokens=12, ignore_eos=True))[0]
     top1 = engine.generate([prompt], SamplingParams(max_new_tokens=12, temperature=1.5, top_k=1, seed=3,
                                                     ignore_eos=True))[0]

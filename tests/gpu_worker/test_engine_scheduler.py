@@ -7,8 +7,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ftexpert.gpu_worker.engine import Engine, EngineConfig, SamplingParams
-from ftexpert.gpu_worker.assembly.loader import load_model
+from ftexpert.gpu_worker.engine import EngineConfig, SamplingParams
+from tests.built_engines import build, engine_of
 from tests.gpu_worker.test_models_util import hf_model, prompt_ids, save_hf
 
 PROMPT_LENGTHS = (1, 4, 9, 17)
@@ -17,9 +17,10 @@ MAX_NEW = (1, 3, 6)
 
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
-    loaded = load_model(save_hf(hf_model("qwen3", seed=41), tmp_path_factory.mktemp("q")), device="cpu")
+    loaded = build(save_hf(hf_model("qwen3", seed=41), tmp_path_factory.mktemp("q")), max_running_requests=1,
+                   max_context_tokens=64)
     prompts = [prompt_ids(n, seed=n) for n in PROMPT_LENGTHS]
-    solo = Engine(loaded.model, EngineConfig(max_running_requests=1, max_context_tokens=64))
+    solo = loaded.engine
     longest = solo.generate(prompts, SamplingParams(max_new_tokens=max(MAX_NEW), ignore_eos=True))
     return loaded, prompts, longest
 
@@ -35,8 +36,7 @@ ops = st.lists(st.one_of(
 @given(ops=ops, max_running=st.integers(1, 3), chunk=st.sampled_from([2, 5, 64]))
 def test_random_interleavings_keep_the_invariants(world, ops, max_running, chunk):
     loaded, prompts, longest = world
-    engine = Engine(loaded.model, EngineConfig(max_running_requests=max_running, max_context_tokens=64,
-                                               prefill_chunk_tokens=chunk))
+    engine = engine_of(loaded, max_running_requests=max_running, max_context_tokens=64, prefill_chunk_tokens=chunk)
     added: dict[int, tuple[int, int]] = {}        # request id -> (prompt index, max_new_tokens)
     tokens: dict[int, list[int]] = {}
     ended: dict[int, str] = {}
@@ -80,17 +80,17 @@ def test_prefill_chunk_default_comes_from_the_expert_backend():
     chunking decides the prefill GEMMs' shapes); a configured size always wins, and the scheduler cuts a long
     prompt by it."""
     from ftexpert.gpu_worker.engine.engine import DEFAULT_PREFILL_CHUNK_TOKENS
-    resident = load_model(device="cpu")
-    assert Engine(resident.model, EngineConfig()).prefill_chunk_tokens == DEFAULT_PREFILL_CHUNK_TOKENS == 4096
-    engine = Engine(resident.model, EngineConfig(prefill_chunk_tokens=24, max_context_tokens=128))
+    resident = build(max_context_tokens=128)
+    assert resident.engine.prefill_chunk_tokens == DEFAULT_PREFILL_CHUNK_TOKENS == 4096
+    engine = engine_of(resident, prefill_chunk_tokens=24)
     assert engine.prefill_chunk_tokens == 24
     engine.generate([list(range(1, 60))], SamplingParams(max_new_tokens=1))
     assert engine.stats.num_prefill_chunks == 3                       # 24 + 24 + 11
-    offload = load_model(device="cpu", moe_strategy="offload", moe_cache_size=32)
+    offload = build(moe_strategy="offload", moe_cache_size=32, max_context_tokens=128)
     try:
-        assert Engine(offload.model, EngineConfig()).prefill_chunk_tokens == DEFAULT_PREFILL_CHUNK_TOKENS
-        assert Engine(offload.model, EngineConfig(prefill_chunk_tokens=512)).prefill_chunk_tokens == 512
+        assert offload.engine.prefill_chunk_tokens == DEFAULT_PREFILL_CHUNK_TOKENS
+        assert engine_of(offload, prefill_chunk_tokens=512).prefill_chunk_tokens == 512
     finally:
-        offload.model.experts.close()
+        offload.close()
     with pytest.raises(ValueError, match="prefill_chunk_tokens=0 must be >= 1"):
         EngineConfig(prefill_chunk_tokens=0)

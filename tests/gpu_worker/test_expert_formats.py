@@ -8,8 +8,7 @@ import pytest
 import torch
 
 from ftexpert.coordinator.cli import main
-from ftexpert.gpu_worker.engine import Engine, EngineConfig, SamplingParams
-from ftexpert.gpu_worker.assembly.loader import load_model
+from ftexpert.gpu_worker.engine import SamplingParams
 from ftexpert.gpu_worker.checkpoint.expert_layout import ExpertLayout, expert_views, unpack_experts
 from ftexpert.gpu_worker.checkpoint.format_sources import DequantizingExpertSource, QuantizingExpertSource
 from ftexpert.gpu_worker.assembly.loader import open_model_source
@@ -18,6 +17,7 @@ from ftexpert.gpu_worker.backends.offload import HostExperts
 from ftexpert.gpu_worker.backends.offload.host_store import layout_hash
 from ftexpert.proto.expert_format import ExpertFormat, FormatError, QuantLayout
 from ftexpert.kernels.expert_reference import dequantize_expert, quantize_expert
+from tests.built_engines import build, build_with_resources, engine_of
 
 TINY_FORMATS = ("fp8", "int4-g32", "int4-g64", "mxfp4", "nvfp4")   # the tiny model: H = I = 64
 PROMPT = [5, 17, 42, 99, 3, 250, 7, 64, 11, 300, 8]
@@ -29,9 +29,10 @@ def cache_dir(monkeypatch, tmp_path_factory):
     monkeypatch.setenv("FT_CACHE_DIR", str(tmp_path_factory.getbasetemp() / "tiny-cache"))
 
 
-def greedy(loaded, prompts=(PROMPT, LONG), n: int = 16, chunk: int = 32) -> list[list[int]]:
-    engine = Engine(loaded.model, EngineConfig(max_running_requests=2, max_context_tokens=128,
-                                               prefill_chunk_tokens=chunk), eos_token_ids=())
+def greedy(built, prompts=(PROMPT, LONG), n: int = 16, chunk: int = 32, experts=None) -> list[list[int]]:
+    """`built`'s greedy tokens (`experts`: over that backend instead)."""
+    engine = engine_of(built, max_running_requests=2, max_context_tokens=128, prefill_chunk_tokens=chunk,
+                       experts=experts)
     return engine.generate([list(p) for p in prompts], SamplingParams(max_new_tokens=n, ignore_eos=True))
 
 
@@ -109,15 +110,15 @@ def test_bf16_from_a_quantized_source_is_its_dequantized_weights():
                                          ("nvfp4", "gemv")])
 def test_offload_is_lossless_against_resident_in_the_same_format(label, mode):
     """auto: grouped on the CPU (the distinct routed rows dequantized); gemv: moe_gemv_quant (decode copy path)."""
-    resident = load_model(device="cpu", expert_format=label, expert_compute=mode)
-    loaded = load_model(device="cpu", moe_strategy="offload", moe_cache_size=12, expert_format=label,
-                        expert_compute=mode)
-    backend = loaded.model.experts
+    resident = build(expert_format=label, expert_compute=mode, max_context_tokens=128)
+    loaded = build(moe_strategy="offload", moe_cache_size=12, expert_format=label, expert_compute=mode,
+                   max_context_tokens=128)
+    backend = loaded.experts
     assert backend.slots.dtype == torch.uint8 and backend.layout.fmt.label == label
-    loaded.model.experts = Bitwise(backend, resident.model.experts)
+    bitwise = Bitwise(backend, resident.experts)
     try:
-        assert greedy(loaded) == greedy(resident)
-        assert loaded.model.experts.calls > 0 and not loaded.model.experts.differ
+        assert greedy(loaded, experts=bitwise) == greedy(resident)
+        assert bitwise.calls > 0 and not bitwise.differ
         stats = backend.refresh_stats()
         assert stats.fetched > backend.cache.total_slots        # evicted and fetched again: the copies ran
         assert stats.copy_bytes == stats.fetched * QuantLayout(64, 64, ExpertFormat.parse(label)).expert_nbytes
@@ -127,8 +128,9 @@ def test_offload_is_lossless_against_resident_in_the_same_format(label, mode):
 
 
 def dequantized_resident(label: str, device: str = "cpu"):
-    """The tiny model with its experts replaced by their quantized-then-dequantized weights (model dtype)."""
-    loaded = load_model(device=device, expert_format="bf16")
+    """The tiny model (bf16 experts) and a resident backend of its experts' quantized-then-dequantized weights (model
+    dtype), to run it over."""
+    loaded = build(device=device, expert_format="bf16", max_context_tokens=128)
     quant = open_model_source(expert_format=label).experts
     qlay = quant.layout.quant_layout
     packed = []
@@ -140,17 +142,16 @@ def dequantized_resident(label: str, device: str = "cpu"):
             for view, w in zip(expert_views(out[e], loaded.model.experts.layout), dequantize_expert(qbytes[e], qlay)):
                 view.copy_(w)
         packed.append(out)
-    loaded.model.experts = ResidentExperts(packed, loaded.model.experts.layout)
-    return loaded
+    return loaded, ResidentExperts(packed, loaded.model.experts.layout)
 
 
 @pytest.mark.parametrize("label", ["int4-g32", "nvfp4"])
 def test_resident_quantized_is_the_model_with_dequantized_experts(label):
-    quantized = load_model(device="cpu", expert_format=label)
-    reference = dequantized_resident(label)
-    quantized.model.experts = Bitwise(quantized.model.experts, reference.model.experts)
-    assert greedy(quantized) == greedy(reference)
-    assert quantized.model.experts.calls > 0 and not quantized.model.experts.differ
+    quantized = build(expert_format=label, max_context_tokens=128)
+    reference, dequantized = dequantized_resident(label)
+    bitwise = Bitwise(quantized.experts, dequantized)
+    assert greedy(quantized, experts=bitwise) == greedy(reference, experts=dequantized)
+    assert bitwise.calls > 0 and not bitwise.differ
 
 
 def test_ft_generate_int4_gives_the_tokens_of_the_dequantized_model(capsys):
@@ -159,7 +160,8 @@ def test_ft_generate_int4_gives_the_tokens_of_the_dequantized_model(capsys):
                  "--device", "cpu", "--json"]) == 0
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert result["expert_format"] == "int4-g32"
-    want = greedy(dequantized_resident("int4-g32"), prompts=(PROMPT,), n=12, chunk=4096)[0]
+    reference, dequantized = dequantized_resident("int4-g32")
+    want = greedy(reference, prompts=(PROMPT,), n=12, chunk=4096, experts=dequantized)[0]
     assert result["token_ids"] == want
 
 
@@ -187,21 +189,20 @@ def test_hybrid_on_the_cpu_gives_the_resident_tokens_in_a_quantized_format():
     """The CPU workers compute their share from the quantized store (their torch kernel dequantizes), the GPU side
     from its quantized slots; the sums agree with resident's to fp32 rounding, and the tokens are resident's."""
     from ftexpert.gpu_worker.backends.hybrid import HybridOptions
-    from tests.cpu_expert_pool.cpu_pool_util import load_with_resources
 
     label = "int4-g32"
-    resident = load_model(device="cpu", expert_format=label)
-    loaded = load_with_resources("hybrid", device="cpu", cache_size=12, expert_format=label,
-                                 worker_args=("--threads", "1", "--no-pin", "--hot-ms", "1"),
-                                 hybrid=HybridOptions(fetch_fraction=0.5, cpu_deadline_s=20.0))
-    backend = loaded.model.experts
+    resident = build(expert_format=label, max_context_tokens=128)
+    loaded = build_with_resources("hybrid", cache_size=12, expert_format=label, max_context_tokens=128,
+                                  worker_args=("--threads", "1", "--no-pin", "--hot-ms", "1"),
+                                  hybrid=HybridOptions(fetch_fraction=0.5, cpu_deadline_s=20.0))
+    backend = loaded.experts
     assert backend.host.store.expert_format.label == label and not backend.splits_experts
     diffs = []
     forward = backend.forward
 
     def checked(layer_idx, x, topk_ids, topk_weights):
         out = forward(layer_idx, x, topk_ids, topk_weights)
-        ref = resident.model.experts.forward(layer_idx, x, topk_ids, topk_weights)
+        ref = resident.experts.forward(layer_idx, x, topk_ids, topk_weights)
         diffs.append(float((out - ref).abs().max() / ref.abs().max().clamp_min(1e-30)))
         return out
 

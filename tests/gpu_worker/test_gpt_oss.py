@@ -11,10 +11,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from ftexpert.gpu_worker.engine import Engine, EngineConfig, SamplingParams
+from ftexpert.gpu_worker.engine import SamplingParams
 from ftexpert.gpu_worker.assembly.loader import load_model
 from ftexpert.gpu_worker.checkpoint.config import MoeConfig
-from ftexpert.gpu_worker.backends.offload.prefetch import PrefetchSettings
+from tests.built_engines import build, build_with_resources, engine_of
 from tests.gpu_worker.gpt_oss_util import WINDOW, hf_gpt_oss, save_mxfp4
 from tests.gpu_worker.test_models_parity import prefill_logits
 from tests.gpu_worker.test_models_util import hf_greedy, prompt_ids, rel_err
@@ -27,7 +27,7 @@ def pair(tmp_path_factory):
     hf = hf_gpt_oss(seed=7)
     path = tmp_path_factory.mktemp("gpt_oss")
     hf.save_pretrained(str(path))
-    return hf, path, load_model(path, device="cpu", dtype="float32")
+    return hf, path, build(path, dtype="float32", max_context_tokens=128)
 
 
 def test_config_reads_what_transformers_wrote(pair):
@@ -77,7 +77,7 @@ def test_greedy_generation_matches_transformers(pair):
     hf, _, ours = pair
     prompt = prompt_ids(11, seed=4)
     expected = hf_greedy(hf, prompt, 32)
-    engine = Engine(ours.model, EngineConfig(max_context_tokens=128, prefill_chunk_tokens=4))
+    engine = engine_of(ours, max_context_tokens=128, prefill_chunk_tokens=4)
     assert engine.generate([prompt], SamplingParams(max_new_tokens=32, ignore_eos=True))[0] == expected
 
 
@@ -85,13 +85,12 @@ def test_batched_greedy_generation_matches_transformers(pair):
     hf, _, ours = pair
     prompts = [prompt_ids(n, seed=10 + n) for n in (5, 13, 9)]
     expected = [hf_greedy(hf, p, 20) for p in prompts]
-    engine = Engine(ours.model, EngineConfig(max_running_requests=3, max_context_tokens=128))
+    engine = engine_of(ours, max_running_requests=3, max_context_tokens=128)
     assert engine.generate(prompts, SamplingParams(max_new_tokens=20, ignore_eos=True)) == expected
 
 
-def _greedy(loaded, prompts, n=32):
-    engine = Engine(loaded.model, EngineConfig(max_running_requests=2, max_context_tokens=128,
-                                               prefill_chunk_tokens=4), eos_token_ids=())
+def _greedy(built, prompts, n=32):
+    engine = engine_of(built, max_running_requests=2, max_context_tokens=128, prefill_chunk_tokens=4)
     return engine.generate([list(p) for p in prompts], SamplingParams(max_new_tokens=n, ignore_eos=True))
 
 
@@ -103,21 +102,21 @@ def test_offload_at_a_small_cache_gives_the_resident_tokens(pair, tmp_path, monk
     _, path, ours = pair
     prompts = [prompt_ids(11, seed=4), prompt_ids(17, seed=5)]
     resident = _greedy(ours, prompts)
-    loaded = load_model(path, device="cpu", dtype="float32", moe_strategy="offload", moe_cache_size=10,
-                        prefetch=PrefetchSettings(mode=prefetch, budget=2))
+    loaded = build(path, dtype="float32", moe_strategy="offload", moe_cache_size=10, moe_prefetch=prefetch,
+                   moe_prefetch_budget=2, max_context_tokens=128)
     try:
         assert _greedy(loaded, prompts) == resident
-        counters = loaded.model.experts.counters()
+        counters = loaded.experts.counters()
         assert counters["expert_misses_total"] > 0
         assert (counters["prefetch_useful_total"] > 0) == (prefetch == "on")
     finally:
-        loaded.model.experts.close()
+        loaded.close()
 
 
 def test_mxfp4_checkpoint_matches_transformers_on_the_dequantized_weights(tmp_path):
     hf = hf_gpt_oss(seed=11)
     path = save_mxfp4(hf, tmp_path / "mxfp4")
-    ours = load_model(path, device="cpu", dtype="float32")
+    ours = build(path, dtype="float32", max_context_tokens=128)
     assert ours.model.experts.layout.fmt.label == "mxfp4"
     prompt = prompt_ids(23, seed=3)
     with torch.no_grad():
@@ -176,34 +175,6 @@ def test_configs_it_cannot_compute_are_refused(pair, tmp_path, change, message):
         MoeConfig.from_dir(tmp_path)
 
 
-def _attached(path, strategy, cache_size, expert_format="auto"):
-    """``strategy`` (cpu, hybrid) over real CPU worker processes, attached as the GPU worker does (their log lines
-    reach the coordinator.supervisor logger at INFO)."""
-    import os
-    import uuid
-
-    from ftexpert.coordinator.expert_resources import CpuWorkerSettings, ExpertResources
-    from ftexpert.gpu_worker.api import load_attached_model, open_model_source
-    from ftexpert.gpu_worker.backends.hybrid import HybridOptions
-
-    dev = torch.device("cpu")
-    source = open_model_source(path, None, dtype="float32", device=dev, expert_format=expert_format)
-    cpu = CpuWorkerSettings(num_workers=1, worker_args=("--threads", "1", "--no-pin", "--hot-ms", "1"),
-                            log_level="INFO")
-    resources = ExpertResources.create(source, strategy, store_name=f"ft-test-{os.getpid()}-{uuid.uuid4().hex[:6]}",
-                                       cpu=cpu)
-    try:
-        resources.start_cpu_workers()
-        loaded = load_attached_model(source, dev, moe_strategy=strategy, store_name=resources.store_name,
-                                     cpu_channels=resources.channel_names, moe_cache_size=cache_size,
-                                     hybrid=HybridOptions(cpu_deadline_s=20.0, fetch_fraction=0.5),
-                                     worker_info=resources.worker_info)
-    except BaseException:
-        resources.close()
-        raise
-    return loaded, resources
-
-
 # expert format -> the CPU workers' kernel: an MXFP4 store runs the compiled quant_ffn.c in the C serving loop (the
 # biases in fp32, the compute dtype); a float32 bf16-format store the torch kernel (the compiled bf16 kernel reads
 # bf16 weights only)
@@ -218,25 +189,30 @@ def test_cpu_pool_strategies_give_the_resident_tokens(pair, tmp_path, monkeypatc
     import logging
 
     from ftexpert.coordinator import supervisor
+    from ftexpert.gpu_worker.backends.hybrid import HybridOptions
 
     monkeypatch.setenv("FT_CACHE_DIR", str(tmp_path))
     caplog.set_level(logging.INFO, logger=supervisor.log.name)          # where the workers' stderr lines go
     _, path, ours = pair
     if expert_format != "bf16":
-        ours = load_model(path, device="cpu", dtype="float32", expert_format=expert_format)
+        ours = build(path, dtype="float32", expert_format=expert_format, max_context_tokens=128)
     prompts = [prompt_ids(11, seed=4), prompt_ids(17, seed=5)]
     resident = _greedy(ours, prompts)
-    loaded, resources = _attached(path, strategy, cache_size=10, expert_format=expert_format)
+    # over real CPU worker processes, attached as the GPU worker does (their log lines reach the
+    # coordinator.supervisor logger at INFO)
+    loaded = build_with_resources(strategy, model_dir=path, dtype="float32", cache_size=10,
+                                  expert_format=expert_format, max_context_tokens=128, num_workers=1,
+                                  worker_args=("--threads", "1", "--no-pin", "--hot-ms", "1"), log_level="INFO",
+                                  hybrid=HybridOptions(cpu_deadline_s=20.0, fetch_fraction=0.5))
     try:
         assert _greedy(loaded, prompts) == resident
-        assert loaded.model.experts.counters()["expert_misses_total"] > 0
+        assert loaded.experts.counters()["expert_misses_total"] > 0
         kernels = [m.split(", kernel ")[1].split(",")[0] for m in caplog.messages if "serving channel" in m]
         assert kernels and all(k.startswith(CPU_KERNELS[expert_format]) for k in kernels), caplog.messages[-20:]
         native_loop = any("hot loop: C (ft_serve)" in m for m in caplog.messages)      # the compiled serving loop
         assert native_loop == (CPU_KERNELS[expert_format] == "native-"), caplog.messages[-20:]
     finally:
-        loaded.model.experts.close()
-        resources.close()
+        loaded.close()
 
 
 def _small_preset():
@@ -324,19 +300,19 @@ def test_on_the_gpu_graphs_offload_and_transformers_agree(pair, tmp_path, monkey
     hf, path, _ = pair
     prompts = [prompt_ids(11, seed=4), prompt_ids(17, seed=5)]
 
-    def run(loaded, graphs):
-        engine = Engine(loaded.model, EngineConfig(max_running_requests=2, max_context_tokens=128,
-                                                   prefill_chunk_tokens=4, cuda_graphs=graphs), eos_token_ids=())
+    def run(built, graphs):
+        engine = engine_of(built, max_running_requests=2, max_context_tokens=128, prefill_chunk_tokens=4,
+                           cuda_graphs="on" if graphs else "off")
         return engine.generate([list(p) for p in prompts], SamplingParams(max_new_tokens=32, ignore_eos=True))
 
-    resident = load_model(path, device="cuda", dtype="float32", expert_format=expert_format)
+    resident = build(path, device="cuda", dtype="float32", expert_format=expert_format, max_context_tokens=128)
     eager, graphs = run(resident, False), run(resident, True)
     assert graphs == eager
     if expert_format == "auto":
         assert eager == [hf_greedy(hf, p, 32) for p in prompts]
-    offload = load_model(path, device="cuda", dtype="float32", moe_strategy="offload", moe_cache_size=10,
-                         expert_format=expert_format)
+    offload = build(path, device="cuda", dtype="float32", moe_strategy="offload", moe_cache_size=10,
+                    expert_format=expert_format, max_context_tokens=128)
     try:
         assert run(offload, True) == eager
     finally:
-        offload.model.experts.close()
+        offload.close()

@@ -22,14 +22,13 @@ import types
 import pytest
 import torch
 
-from ftexpert.gpu_worker.engine import Engine, EngineConfig, SamplingParams
+from ftexpert.gpu_worker.engine import Engine, SamplingParams
 from ftexpert.gpu_worker.engine.engine import DEFAULT_PREFILL_CHUNK_TOKENS
 from ftexpert.gpu_worker.backends.hybrid import HybridExperts, HybridOptions
-from ftexpert.gpu_worker.assembly.loader import load_model
 from ftexpert.kernels.slot_cache import ROUND_MODES, reset
 from ftexpert.kernels.slot_cache.state import POLICY_FRAC_Q16, POLICY_PROMOTE, POLICY_ROUND
 from tests.conftest import HAS_CUDA
-from tests.cpu_expert_pool.cpu_pool_util import load_with_resources
+from tests.built_engines import build, build_with_resources, engine_of
 from tests.gpu_worker.test_device_doorbell import stop_worker
 
 PROMPTS = ([5, 17, 42, 99, 3, 250, 7, 64, 11, 300, 8], [300, 11, 64, 7, 250, 3, 99])
@@ -54,18 +53,24 @@ def tiny_cache(tmp_path_factory):
         yield
 
 
-def make_engine(loaded, running: int = 2) -> Engine:
-    return Engine(loaded.model, EngineConfig(max_running_requests=running, max_context_tokens=128,
-                                             prefill_chunk_tokens=4), eos_token_ids=())
+def make_engine(built, running: int = 2, experts=None) -> Engine:
+    """An engine over `built`'s model and `experts` (default: the test's Lockstep, `built.lock`, where it has one)."""
+    return engine_of(built, max_running_requests=running, max_context_tokens=128, prefill_chunk_tokens=4,
+                     experts=experts if experts is not None else getattr(built, "lock", None))
 
 
-def greedy(loaded, prompts=PROMPTS, n: int = NEW_TOKENS) -> list[list[int]]:
-    return make_engine(loaded).generate([list(p) for p in prompts], SamplingParams(max_new_tokens=n, ignore_eos=True))
+def greedy(built, prompts=PROMPTS, n: int = NEW_TOKENS, experts=None) -> list[list[int]]:
+    return make_engine(built, experts=experts).generate([list(p) for p in prompts],
+                                                        SamplingParams(max_new_tokens=n, ignore_eos=True))
+
+
+def resident_build(device: str = "cpu"):
+    return build(device=device, max_running_requests=2, max_context_tokens=128)
 
 
 @pytest.fixture(scope="module")
 def resident(tiny_cache):
-    loaded = load_model(device="cpu")
+    loaded = resident_build()
     return {"tokens": greedy(loaded), "long": greedy(loaded, prompts=PROMPTS[:1], n=FAULT_TOKENS)[0]}
 
 
@@ -92,10 +97,11 @@ class Lockstep:
 
 @pytest.fixture(scope="module")
 def hybrid(tiny_cache):
-    loaded = load_with_resources("hybrid", device="cpu", cache_size=CACHE_SLOTS, worker_args=TEST_WORKER_ARGS,
-                                 hybrid=options_for_tests(fetch_fraction=0.5))
-    backend = loaded.model.experts
-    loaded.model.experts = Lockstep(backend, load_model(device="cpu").model.experts)
+    loaded = build_with_resources("hybrid", cache_size=CACHE_SLOTS, worker_args=TEST_WORKER_ARGS,
+                                  max_running_requests=2, max_context_tokens=128,
+                                  hybrid=options_for_tests(fetch_fraction=0.5))
+    backend = loaded.experts
+    loaded.lock = Lockstep(backend, resident_build().experts)     # the engines of make_engine run over it
     yield loaded
     backend.close()
 
@@ -121,7 +127,7 @@ def delta(backend: HybridExperts, before: dict, name: str) -> float:
 @pytest.mark.parametrize("fetch_round", ["min-wait", "stochastic", "prefer-fetch", "split"])   # split: floor here
 @pytest.mark.parametrize("promote", [True, False], ids=["promote", "no-promote"])
 def test_hybrid_gives_the_resident_tokens(hybrid, resident, fetch_round, promote):
-    lock = hybrid.model.experts
+    lock = hybrid.lock
     backend = lock.backend
     before = fresh(lock, strategy="hybrid", fetch_fraction=0.5, fetch_round=fetch_round, promote=promote, seed=7)
     assert greedy(hybrid) == resident["tokens"]
@@ -140,14 +146,14 @@ def test_hybrid_with_the_frequency_weighted_eviction_key(hybrid, resident):
     """A hybrid backend with the frequency-weighted eviction key (HybridExperts(freq_weight=...), else the knob
     FREETOKEN_EVICTION_FREQ_WEIGHT), over the module's store and CPU pool: the tokens and every layer's sums equal
     resident's (Lockstep), both sides work, every mapped slot holds its expert, and the routes are counted."""
-    shared = hybrid.model.experts.backend
+    shared = hybrid.lock.backend
     shared.pool.deadline_s = LENIENT_DEADLINE_S
     backend = HybridExperts(shared.host, CACHE_SLOTS, "cpu", shared.pool, owns_host=False, owns_pool=False,
                             fetch_fraction=0.5, seed=7, freq_weight=16)
-    lock = Lockstep(backend, hybrid.model.experts.reference)
+    lock = Lockstep(backend, hybrid.lock.reference)
     try:
         assert backend.cache.freq_weight == 16
-        assert greedy(types.SimpleNamespace(model=_with_experts(hybrid.model, lock))) == resident["tokens"]
+        assert greedy(hybrid, experts=lock) == resident["tokens"]
         assert int(backend.cache.expert_count.sum()) > 0
         c = backend.counters()
         assert c["experts_fetched_total"] > 0 and c["cpu_triples_total"] > 0 and c["fallbacks_total"] == 0
@@ -158,7 +164,7 @@ def test_hybrid_with_the_frequency_weighted_eviction_key(hybrid, resident):
 
 
 def test_cpu_strategy_computes_every_miss_on_the_cpu(hybrid, resident):
-    lock = hybrid.model.experts
+    lock = hybrid.lock
     backend = lock.backend
     before = fresh(lock, strategy="cpu")
     assert greedy(hybrid) == resident["tokens"]
@@ -173,7 +179,7 @@ def test_cpu_strategy_computes_every_miss_on_the_cpu(hybrid, resident):
 def test_gemv_mode_takes_the_cpu_routes_at_minus_one(hybrid, resident):
     """The gemv mode (moe_gemv, the CUDA decode default; its torch reference here) gets the routes left
     to the CPU as -1 directly, no (slot 0, weight 0) substitution: same tokens, same per-call sums."""
-    lock = hybrid.model.experts
+    lock = hybrid.lock
     backend = lock.backend
     before = fresh(lock, strategy="hybrid", fetch_fraction=0.5, seed=3)
     backend.mode = "gemv"
@@ -186,7 +192,7 @@ def test_gemv_mode_takes_the_cpu_routes_at_minus_one(hybrid, resident):
 
 
 def test_hits_of_a_warm_pool_still_run_on_the_gpu_in_cpu_mode(hybrid, resident):
-    lock = hybrid.model.experts
+    lock = hybrid.lock
     backend = lock.backend
     fresh(lock, strategy="offload")                   # warm the pool by fetching
     assert greedy(hybrid) == resident["tokens"]
@@ -203,15 +209,16 @@ def test_prefill_chunks_take_the_engines_default_unless_the_strategy_is_cpu(hybr
     25% cache took 7.48 s in 512-token chunks that keep their CPU share, 1.26 s as one chunk run as offload
     (bench/run_gpu.sh prefill), and the prefill prefetch below takes that to the copy roofline. With strategy cpu
     (nothing fetched) the chunks stay within cpu_max_tokens; an explicit chunk size wins either way."""
-    backend = hybrid.model.experts.backend
+    backend = hybrid.lock.backend
     try:
-        fresh(hybrid.model.experts, strategy="hybrid")
+        fresh(hybrid.lock, strategy="hybrid")
         assert backend.preferred_prefill_chunk_tokens() is None
-        model = backend_model(hybrid, backend)
-        assert Engine(model, EngineConfig()).prefill_chunk_tokens == DEFAULT_PREFILL_CHUNK_TOKENS
+        def chunk(size=None):           # over the bare backend (not the test's Lockstep wrapper)
+            return engine_of(hybrid, experts=backend, prefill_chunk_tokens=size).prefill_chunk_tokens
+        assert chunk() == DEFAULT_PREFILL_CHUNK_TOKENS
         backend.set_policy(strategy="cpu")
-        assert Engine(model, EngineConfig()).prefill_chunk_tokens == backend.cpu_max_tokens <= 512
-        assert Engine(model, EngineConfig(prefill_chunk_tokens=2048)).prefill_chunk_tokens == 2048
+        assert chunk() == backend.cpu_max_tokens <= 512
+        assert chunk(2048) == 2048
     finally:
         backend.set_policy(strategy="hybrid")
 
@@ -247,7 +254,7 @@ def _prefill_prefetch_case(lock: Lockstep, resident_loaded, device: str) -> None
         for prefetch in (True, False):
             before = fresh(lock, strategy="hybrid", fetch_fraction=0.5, seed=5)
             backend.prefill_prefetch = prefetch
-            assert run(types.SimpleNamespace(model=_with_experts(resident_loaded.model, lock))) == want
+            assert run(resident_loaded, lock) == want
             assert not backend.slot_pool.prefetched, "a layer did not wait for the experts prefetched for it"
             assert not stale, f"slots that do not hold their expert after a prefill call: {stale[:4]}"
             assert backend.audit_slots(sample_slots=backend.cache.total_slots) == []
@@ -264,9 +271,9 @@ def _prefill_prefetch_case(lock: Lockstep, resident_loaded, device: str) -> None
     assert on["offload_calls_total"] > 0 and on["cpu_triples_total"] > 0     # prefill as offload, decode shared
 
 
-def _prefetch_prompt_tokens(loaded) -> list[list[int]]:
-    engine = Engine(loaded.model, EngineConfig(max_running_requests=1, max_context_tokens=128,
-                                               prefill_chunk_tokens=32), eos_token_ids=())
+def _prefetch_prompt_tokens(built, experts=None) -> list[list[int]]:
+    engine = engine_of(built, max_running_requests=1, max_context_tokens=128, prefill_chunk_tokens=32,
+                       experts=experts)
     return engine.generate([PREFETCH_PROMPT], SamplingParams(max_new_tokens=8, ignore_eos=True))
 
 
@@ -278,24 +285,12 @@ class _NoWait(dict):
         return default
 
 
-def _with_experts(model, experts):
-    import copy
-    model = copy.copy(model)
-    model.experts = experts
-    return model
-
-
 def test_prefill_run_as_offload_streams_the_next_layers_experts(hybrid):
-    _prefill_prefetch_case(hybrid.model.experts, load_model(device="cpu"), "cpu")
-
-
-def backend_model(loaded, backend):
-    """The loaded model with the bare backend (not the test's Lockstep wrapper), for the engine's defaults."""
-    return _with_experts(loaded.model, backend)
+    _prefill_prefetch_case(hybrid.lock, resident_build(), "cpu")
 
 
 def test_policy_changes_live_and_bad_values_change_nothing(hybrid, resident):
-    lock = hybrid.model.experts
+    lock = hybrid.lock
     backend = lock.backend
     before = fresh(lock, strategy="hybrid", fetch_fraction=1.0)
     assert greedy(hybrid) == resident["tokens"]
@@ -328,7 +323,7 @@ def long_run_with_fault(loaded, resident_tokens, sig: int) -> tuple[list[int], d
     """One request of FAULT_TOKENS tokens; worker cpu1 gets `sig` after 6 steps. Once the backend has
     fallen back, stepping pauses until the supervisor reports the restarted worker READY, so that the
     re-admission lands inside the generation (a fast CPU would otherwise finish first)."""
-    backend = loaded.model.experts.backend
+    backend = loaded.lock.backend
     victim = backend.pool.members[1]
     old_pid = victim.pid
     engine = make_engine(loaded, running=1)
@@ -392,7 +387,7 @@ def device_backend(hybrid):
     """A second backend over the module's store and CPU pool that takes the device hand-off (its kernels in the
     Triton interpreter), as the module's Lockstep's backend until the block ends; then closed, and the module's
     host hand-off backend is back."""
-    lock = hybrid.model.experts
+    lock = hybrid.lock
     shared = lock.backend
     backend = HybridExperts(shared.host, CACHE_SLOTS, "cpu", shared.pool, owns_host=False, owns_pool=False,
                             fetch_fraction=0.5, cpu_max_tokens=shared.cpu_max_tokens, device_handoff_on_cpu=True)
@@ -419,7 +414,7 @@ def handoff(request, hybrid):
 
 @interpreter_only
 def test_the_device_handoff_gives_the_resident_tokens(hybrid, resident):
-    lock = hybrid.model.experts
+    lock = hybrid.lock
     with device_backend(hybrid) as backend:
         doorbells = backend.doorbells.by_member
         before = fresh(lock, strategy="hybrid", fetch_fraction=0.5, fetch_round="min-wait", promote=True, seed=7)
@@ -445,7 +440,7 @@ def test_the_device_handoff_gives_the_resident_tokens(hybrid, resident):
 def test_split_rounding_is_min_wait_where_nothing_splits(hybrid, resident):
     """The host hand-off (and prefill) cannot split an expert: under "split" it rounds as min-wait, not floor;
     the same generation fetches exactly what min-wait fetches."""
-    lock = hybrid.model.experts
+    lock = hybrid.lock
     backend = lock.backend
     seen = {}
     for rnd in ("min-wait", "split", "min-wait"):
@@ -470,7 +465,7 @@ def test_split_rounding_splits_one_expert_a_layer_by_channels_on_the_device_path
     """fetch_round split on the device hand-off: the GPU fetches and computes channels [c, I) of one CPU expert
     a layer (the tiny model's I = 64: half of it), the CPU the rest; every layer call matches resident (a CPU
     computing the whole expert besides, or either side the wrong channels, is off by O(1))."""
-    lock = hybrid.model.experts
+    lock = hybrid.lock
     with device_backend(hybrid) as backend:
         before = fresh(lock, strategy="hybrid", fetch_fraction=0.5, fetch_round="split", promote=promote, seed=7)
         assert backend.splits_experts and backend.graph_key()[3] is True
@@ -492,7 +487,7 @@ def test_split_rounding_splits_one_expert_a_layer_by_channels_on_the_device_path
 def test_the_device_path_counts_what_the_host_path_counts(hybrid, resident):
     """Hits, misses, fetches, calls and routed pairs of the device path (counted on the GPU by
     kernels.handoff.count_call, folded between steps) equal the host path's for the same generation."""
-    lock = hybrid.model.experts
+    lock = hybrid.lock
     names = ("expert_hits_total", "expert_misses_total", "experts_fetched_total", "calls", "routed_pairs",
              "offload_calls_total")
     seen = {}
@@ -537,7 +532,7 @@ def hold_first_answers(backend: HybridExperts, pause_s: float = 0.1) -> None:
 def test_the_device_path_counts_the_gpus_wait_for_the_cpu(hybrid, resident):
     """The join kernels' waits (ST_WAIT_NS) reach gpu_wait_for_cpu_s_total (the name the host path's CUDA
     events fill) and cpu_workers.<name>.gpu_wait_s_total, and stay there once the doorbells are closed."""
-    lock = hybrid.model.experts
+    lock = hybrid.lock
     with device_backend(hybrid) as backend:
         before = fresh(lock, strategy="hybrid", fetch_fraction=0.5, fetch_round="min-wait", promote=True, seed=7)
         hold_first_answers(backend)
@@ -569,7 +564,7 @@ def test_graphs_are_keyed_by_the_doorbells_they_ring(hybrid):
 
 
 def test_the_device_handoff_on_a_cpu_needs_the_interpreter(hybrid, monkeypatch):
-    shared = hybrid.model.experts.backend
+    shared = hybrid.lock.backend
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
         HybridExperts(shared.host, CACHE_SLOTS, "cpu", shared.pool, owns_host=False, owns_pool=False,
@@ -580,7 +575,7 @@ def test_the_device_handoff_on_a_cpu_needs_the_interpreter(hybrid, monkeypatch):
 def test_prefill_only_traffic_readmits_a_restarted_worker(hybrid, resident, handoff):
     """Requests that end at their first token never run a decode step (where the device path re-admits
     between graphs): their prefill re-admits a restarted worker itself."""
-    lock = hybrid.model.experts
+    lock = hybrid.lock
     backend = lock.backend
     before = fresh(lock, strategy="hybrid", fetch_fraction=0.25, fetch_round="min-wait", promote=True)
     victim = backend.pool.members[1]
@@ -610,7 +605,7 @@ def test_prefill_only_traffic_readmits_a_restarted_worker(hybrid, resident, hand
 
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP], ids=["sigkill", "sigstop"])
 def test_a_worker_fault_mid_generation_falls_back_then_readmits(hybrid, resident, sig, handoff):
-    lock = hybrid.model.experts
+    lock = hybrid.lock
     backend = lock.backend
     before = fresh(lock, strategy="hybrid", fetch_fraction=0.25, fetch_round="min-wait", promote=True)
     if sig == signal.SIGSTOP:
@@ -670,13 +665,13 @@ def test_gpu_hybrid_and_cpu_match_resident_and_survive_a_sigkill(tiny_cache, str
     """The CUDA paths: the device kernels inside the engine's decode CUDA graphs (decode), and a longer prefill
     chunk on the host hand-off (pinned readback, copy stream and events, GEMMs over slot ids, the H2D join).
     Both give the resident tokens; a SIGKILLed worker's step is re-run as offload, the worker re-admitted."""
-    resident_loaded = load_model(device="cuda")
+    resident_loaded = resident_build("cuda")
     tokens, long = greedy(resident_loaded), greedy(resident_loaded, prompts=PROMPTS[:1], n=FAULT_TOKENS)[0]
-    loaded = load_with_resources(strategy, device="cuda", cache_size=CACHE_SLOTS, worker_args=TEST_WORKER_ARGS,
-                                 hybrid=options_for_tests(fetch_fraction=0.5))
-    backend = loaded.model.experts
-    lock = Lockstep(backend, resident_loaded.model.experts)
-    loaded.model.experts = lock
+    loaded = build_with_resources(strategy, device="cuda", cache_size=CACHE_SLOTS, worker_args=TEST_WORKER_ARGS,
+                                  max_running_requests=2, max_context_tokens=128,
+                                  hybrid=options_for_tests(fetch_fraction=0.5))
+    backend = loaded.experts
+    lock = loaded.lock = Lockstep(backend, resident_loaded.experts)
     try:
         assert greedy(loaded) == tokens
         assert_lockstep(lock)
@@ -691,9 +686,9 @@ def test_gpu_hybrid_and_cpu_match_resident_and_survive_a_sigkill(tiny_cache, str
         prompt = list(PROMPTS[0]) + list(PROMPTS[1]) + [1, 2, 3, 4, 5, 6]
         assert not backend.gemm.decode_sized(len(prompt) * 2)
 
-        def prefill_one(model_loaded):
-            engine = Engine(model_loaded.model, EngineConfig(max_running_requests=1, max_context_tokens=128,
-                                                             prefill_chunk_tokens=64), eos_token_ids=())
+        def prefill_one(built):
+            engine = engine_of(built, max_running_requests=1, max_context_tokens=128, prefill_chunk_tokens=64,
+                               experts=getattr(built, "lock", None))
             return engine.generate([prompt], SamplingParams(max_new_tokens=2, ignore_eos=True))
         assert prefill_one(loaded) == prefill_one(resident_loaded)
         assert_lockstep(lock)
@@ -717,13 +712,13 @@ def test_gpu_split_rounding_in_the_decode_graphs_matches_resident_and_survives_a
     """fetch_round split inside the engine's decode CUDA graphs: the split pick, the split slot's copy on its own
     stream beside the plan copy and the ring's split request replay with the live cache; tokens as resident; a SIGKILLed worker's
     step is re-run as offload (no split), and the worker is re-admitted."""
-    resident_loaded = load_model(device="cuda")
+    resident_loaded = resident_build("cuda")
     tokens, long = greedy(resident_loaded), greedy(resident_loaded, prompts=PROMPTS[:1], n=FAULT_TOKENS)[0]
-    loaded = load_with_resources("hybrid", device="cuda", cache_size=CACHE_SLOTS, worker_args=TEST_WORKER_ARGS,
-                                 hybrid=options_for_tests(fetch_fraction=0.5, fetch_round="split", promote=False))
-    backend = loaded.model.experts
-    lock = Lockstep(backend, resident_loaded.model.experts)
-    loaded.model.experts = lock
+    loaded = build_with_resources("hybrid", device="cuda", cache_size=CACHE_SLOTS, worker_args=TEST_WORKER_ARGS,
+                                  max_running_requests=2, max_context_tokens=128,
+                                  hybrid=options_for_tests(fetch_fraction=0.5, fetch_round="split", promote=False))
+    backend = loaded.experts
+    lock = loaded.lock = Lockstep(backend, resident_loaded.experts)
     try:
         assert backend.splits_experts and backend.graph_safe(2)
         assert greedy(loaded) == tokens
@@ -744,11 +739,12 @@ def test_gpu_split_rounding_in_the_decode_graphs_matches_resident_and_survives_a
 def test_gpu_prefill_run_as_offload_streams_the_next_layers_experts(tiny_cache):
     """The same on the GPU: the prefetch copies run on the copy stream behind the layer's own and the next
     layer waits on their event; a missing wait shows as stale slot bytes (Lockstep, the audit) or tokens."""
-    resident_loaded = load_model(device="cuda")
-    loaded = load_with_resources("hybrid", device="cuda", cache_size=CACHE_SLOTS, worker_args=TEST_WORKER_ARGS,
-                                 hybrid=options_for_tests(fetch_fraction=0.5))
-    backend = loaded.model.experts
-    lock = Lockstep(backend, resident_loaded.model.experts)
+    resident_loaded = resident_build("cuda")
+    loaded = build_with_resources("hybrid", device="cuda", cache_size=CACHE_SLOTS, worker_args=TEST_WORKER_ARGS,
+                                  max_running_requests=2, max_context_tokens=128,
+                                  hybrid=options_for_tests(fetch_fraction=0.5))
+    backend = loaded.experts
+    lock = Lockstep(backend, resident_loaded.experts)
     try:
         _prefill_prefetch_case(lock, resident_loaded, "cuda")
         # The same with the prefetch copies held back on the copy stream (~20 ms a layer), and no sync between
@@ -761,18 +757,17 @@ def test_gpu_prefill_run_as_offload_streams_the_next_layers_experts(tiny_cache):
             queue(*args)
 
         backend.host_path._queue_prefetch_copies = delayed
-        model = types.SimpleNamespace(model=_with_experts(resident_loaded.model, lock))
         backend.cpu_max_tokens = 4
         before = fresh(lock, strategy="hybrid", fetch_fraction=0.5, seed=5)
         backend.slots.zero_()         # reset keeps the bytes: the last run's experts would sit in the same slots
-        assert _prefetch_prompt_tokens(model) == want
+        assert _prefetch_prompt_tokens(resident_loaded, lock) == want
         assert_lockstep(lock)
         assert delta(backend, before, "experts_prefetched_total") > 0
         # negative control: without the wait the delayed copies are read early, and Lockstep sees it
         backend.slot_pool.prefetched = _NoWait()
         fresh(lock, strategy="hybrid", fetch_fraction=0.5, seed=5)
         backend.slots.zero_()
-        _prefetch_prompt_tokens(model)
+        _prefetch_prompt_tokens(resident_loaded, lock)
         torch.cuda.synchronize()
         assert lock.max_rel_diff > MAX_REL_DIFF, "a layer that does not wait for its prefetch went unnoticed"
     finally:
@@ -789,18 +784,18 @@ def test_gpu_a_failed_host_call_leaves_the_device_hand_off_in_step(tiny_cache, r
     behind its channel's sequence would reuse a number: take a stale answer or fail a healthy worker)."""
     long = list(PROMPTS[0]) + list(PROMPTS[1]) + [1, 2, 3, 4, 5, 6]     # 24 tokens x top-2: 48 routes, the host path
 
-    def run(loaded, prompt):
-        engine = Engine(loaded.model, EngineConfig(max_running_requests=2, max_context_tokens=128,
-                                                   prefill_chunk_tokens=64), eos_token_ids=())
+    def run(built, prompt):
+        engine = engine_of(built, max_running_requests=2, max_context_tokens=128, prefill_chunk_tokens=64,
+                           experts=getattr(built, "lock", None))
         return engine.generate([list(prompt)], SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True))
 
-    resident_loaded = load_model(device="cuda")
+    resident_loaded = resident_build("cuda")
     want = run(resident_loaded, PROMPTS[0])                              # 11 tokens: 22 routes, the device path
-    loaded = load_with_resources("hybrid", device="cuda", cache_size=CACHE_SLOTS, worker_args=TEST_WORKER_ARGS,
-                                 hybrid=options_for_tests(fetch_fraction=0.5))
-    backend = loaded.model.experts
-    lock = Lockstep(backend, resident_loaded.model.experts)
-    loaded.model.experts = lock
+    loaded = build_with_resources("hybrid", device="cuda", cache_size=CACHE_SLOTS, worker_args=TEST_WORKER_ARGS,
+                                  max_running_requests=2, max_context_tokens=128,
+                                  hybrid=options_for_tests(fetch_fraction=0.5))
+    backend = loaded.experts
+    lock = loaded.lock = Lockstep(backend, resident_loaded.experts)
     try:
         assert not backend.gemm.decode_sized(len(long) * 2) and backend.gemm.decode_sized(len(PROMPTS[0]) * 2)
         real, calls = backend.host_path._copy, [0]

@@ -5,10 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ftexpert.gpu_worker.engine import Engine, EngineConfig, SamplingParams
+from ftexpert.gpu_worker.engine import SamplingParams
 from ftexpert.gpu_worker.engine.attention import PrefillAttention
 from ftexpert.gpu_worker.engine.kv_cache import KVCache
 from ftexpert.gpu_worker.assembly.loader import load_model
+from tests.built_engines import build, engine_of
 from tests.gpu_worker.test_models_util import hf_greedy, hf_model, prompt_ids, rel_err, save_hf
 
 # id -> (arch, transformers config overrides)
@@ -29,7 +30,7 @@ def variant(request, tmp_path_factory):
     arch, overrides = VARIANTS[request.param]
     hf = hf_model(arch, seed=7, **overrides)
     path = save_hf(hf, tmp_path_factory.mktemp(request.param))
-    ours = load_model(path, device="cpu", dtype="float32")
+    ours = build(path, dtype="float32", max_context_tokens=128)
     return hf, ours
 
 
@@ -61,7 +62,7 @@ def test_greedy_generation_matches_transformers(variant):
     hf, ours = variant
     prompt = prompt_ids(11, seed=4)
     expected = hf_greedy(hf, prompt, 32)
-    engine = Engine(ours.model, EngineConfig(max_context_tokens=128, prefill_chunk_tokens=4))
+    engine = engine_of(ours, max_context_tokens=128, prefill_chunk_tokens=4)
     got = engine.generate([prompt], SamplingParams(max_new_tokens=32, ignore_eos=True))[0]
     assert got == expected
 
@@ -71,7 +72,7 @@ def test_batched_greedy_generation_matches_transformers(variant):
     hf, ours = variant
     prompts = [prompt_ids(n, seed=10 + n) for n in (5, 13, 9)]
     expected = [hf_greedy(hf, p, 20) for p in prompts]
-    engine = Engine(ours.model, EngineConfig(max_running_requests=3, max_context_tokens=128))
+    engine = engine_of(ours, max_running_requests=3, max_context_tokens=128)
     got = engine.generate(prompts, SamplingParams(max_new_tokens=20, ignore_eos=True))
     assert got == expected
 

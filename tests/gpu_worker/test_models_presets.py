@@ -4,13 +4,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ftexpert.gpu_worker.engine import Engine, EngineConfig, SamplingParams
+from ftexpert.gpu_worker.engine import SamplingParams
 from ftexpert.gpu_worker.engine.attention import PrefillAttention
 from ftexpert.gpu_worker.assembly.loader import load_model
 from ftexpert.gpu_worker.checkpoint import presets as presets_mod
 from ftexpert.gpu_worker.checkpoint.config import MoeConfig
 from ftexpert.gpu_worker.checkpoint.tiny import TRAINING_TEXT, ensure_tiny_checkpoint
 from ftexpert.gpu_worker.checkpoint.tokenizer import TextTokenizer
+from tests.built_engines import build
 from tests.gpu_worker.test_models_util import rel_err
 
 
@@ -56,12 +57,12 @@ def test_transformers_reads_our_checkpoints(monkeypatch, tmp_path, arch):
     import transformers
     monkeypatch.setenv("FT_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setitem(presets_mod.PRESETS, "mini", mini(arch))
-    ours = load_model(tmp_path / "mini", preset="mini", device="cpu", seed=1)
+    ours = build(tmp_path / "mini", preset="mini", seed_weights=1, max_context_tokens=64)
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "mini"), dtype=torch.float32).eval()
     prompt = torch.arange(1, 20) * 5 % 96
     with torch.no_grad():
         expected = hf(prompt[None]).logits[0]
-    engine = Engine(ours.model, EngineConfig(max_context_tokens=64))
+    engine = ours.engine
     attn = PrefillAttention(engine.kv, 0, 0, len(prompt))
     got = ours.model.forward(prompt, torch.arange(len(prompt)), attn)
     assert rel_err(got, expected) <= 1e-4
@@ -82,16 +83,16 @@ def test_tiny_checkpoint_is_deterministic_and_cached(tmp_path):
 
 def test_tiny_default_speaks(monkeypatch, tmp_path):
     monkeypatch.setenv("FT_CACHE_DIR", str(tmp_path))
-    loaded = load_model(device="cpu")
+    loaded = build(max_context_tokens=256)
     assert (tmp_path / "tiny-qwen3-moe" / "config.json").is_file()
-    tok = loaded.tokenizer
+    tok = loaded.source.tokenizer
     assert isinstance(tok, TextTokenizer) and tok.vocab_size == loaded.cfg.vocab_size
     assert tok.decode(tok.encode("The quick brown fox")) == "The quick brown fox"
     im_end = tok.tokenizer.token_to_id("<|im_end|>")
-    assert im_end in loaded.eos_token_ids
+    assert im_end in loaded.source.eos_token_ids
     chat = tok.apply_chat_template([{"role": "user", "content": "Hello!"}])
     assert chat == "<|im_start|>user\nHello!<|im_end|>\n<|im_start|>assistant\n"
-    engine = Engine(loaded.model, EngineConfig(max_context_tokens=256), eos_token_ids=loaded.eos_token_ids)
+    engine = loaded.engine                                       # (its EOS ids: the checkpoint's)
     out = engine.generate([tok.encode("The weather is")], SamplingParams(max_new_tokens=24, ignore_eos=True))[0]
     words = tok.decode(out).split()
     known = set(TRAINING_TEXT.split())

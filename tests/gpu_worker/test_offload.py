@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from ftexpert.coordinator.cli import main
-from ftexpert.gpu_worker.engine import Engine, EngineConfig, SamplingParams
+from ftexpert.gpu_worker.engine import SamplingParams
 from ftexpert.gpu_worker.assembly.loader import load_model
-from ftexpert.gpu_worker.assembly.backends import make_expert_backend
 from ftexpert.gpu_worker.backends.offload import resolve_cache_slots
+from tests.built_engines import build, build_with_resources, engine_of
 
 PROMPT = [5, 17, 42, 99, 3, 250, 7, 64, 11, 300, 8]
 
@@ -35,13 +35,14 @@ def assert_slots_hold_their_experts(backend) -> None:
 LONG = [(7 * i + 3) % 300 for i in range(40)]    # 32-token chunks route 64 pairs: the prefill (DMA) path
 
 
-def greedy_tokens(loaded, n: int = 24, prompts=(PROMPT,), chunk: int = 4) -> list[list[int]]:
+def _build(device: str = "cpu", **fields):
+    return build(device=device, max_running_requests=2, max_context_tokens=128, **fields)
+
+
+def greedy_tokens(built, n: int = 24, prompts=(PROMPT,), chunk: int = 4) -> list[list[int]]:
     """Greedy tokens; prefill chunks of `chunk` tokens (4: every call decode-sized, the copy kernel's path)."""
-    engine = Engine(loaded.model, EngineConfig(max_running_requests=2, max_context_tokens=128,
-                                               prefill_chunk_tokens=chunk),
-                    eos_token_ids=())
-    return engine.generate([list(p) for p in prompts], SamplingParams(max_new_tokens=n,
-                                                                      ignore_eos=True))
+    engine = engine_of(built, max_running_requests=2, max_context_tokens=128, prefill_chunk_tokens=chunk)
+    return engine.generate([list(p) for p in prompts], SamplingParams(max_new_tokens=n, ignore_eos=True))
 
 
 @pytest.mark.parametrize("cache_size, per_layer", [(8, False), (13, False), ("0.5", False),
@@ -50,13 +51,10 @@ def test_offload_gives_the_resident_tokens(cache_size, per_layer):
     """Decode steps copy by the copy kernel (its reference on the CPU), the long prompt's 32-token prefill chunks
     by the DMA path with the next layer prefetched; the tokens are resident's either way."""
     prompts = (PROMPT, LONG)
-    resident = greedy_tokens(load_model(device="cpu"), prompts=prompts, chunk=32)
-    loaded = load_model(device="cpu", moe_strategy="offload", moe_cache_size=cache_size)
-    if per_layer:   # rebuild the backend with per-layer pools over the same weights
-        loaded.model.experts.close()
-        loaded.model.experts = make_expert_backend("offload", loaded.source.experts, "cpu",
-                                                   cache_size=cache_size, per_layer=True)
-    backend = loaded.model.experts
+    resident = greedy_tokens(_build(), prompts=prompts, chunk=32)
+    loaded = _build(moe_strategy="offload", moe_cache_size=cache_size, moe_cache_per_layer=per_layer)
+    backend = loaded.experts
+    assert backend.cache.per_layer == per_layer
     wrong = _check_each_layer_against_host_weights(backend, "cpu")
     try:
         assert greedy_tokens(loaded, prompts=prompts, chunk=32) == resident
@@ -76,8 +74,7 @@ def test_offload_gives_the_resident_tokens(cache_size, per_layer):
 
 
 def test_the_store_is_one_shared_segment_unlinked_on_close():
-    loaded = load_model(device="cpu", moe_strategy="offload", moe_cache_size=16)
-    backend = loaded.model.experts
+    backend = _build(moe_strategy="offload", moe_cache_size=16).experts
     path = f"/dev/shm/{backend.host.store.name}"
     assert os.path.exists(path)
     experts_bytes = backend.num_layers * backend.num_experts * backend.layout.expert_nbytes
@@ -139,14 +136,14 @@ def test_ft_generate_offload_cache_too_small(capsys):
 @pytest.mark.gpu
 def test_gpu_offload_matches_resident_on_the_gpu():
     prompts = (PROMPT, PROMPT[:5])
-    resident = greedy_tokens(load_model(device="cuda"), n=32, prompts=prompts)
-    loaded = load_model(device="cuda", moe_strategy="offload", moe_cache_size=9)
+    resident = greedy_tokens(_build("cuda"), n=32, prompts=prompts)
+    loaded = _build("cuda", moe_strategy="offload", moe_cache_size=9)
     try:
         assert greedy_tokens(loaded, n=32, prompts=prompts) == resident
-        assert loaded.model.experts.stats.fetched > 9
-        assert loaded.model.experts.collect_copy_time() > 0
+        assert loaded.experts.stats.fetched > 9
+        assert loaded.experts.collect_copy_time() > 0
     finally:
-        loaded.model.experts.close()
+        loaded.close()
     assert torch.cuda.is_available()
 
 
@@ -155,9 +152,9 @@ def test_decode_copies_count_on_the_device_and_stay_lossless():
     host per call, the counters live on the device (the engine folds them in after each step), and each distinct
     miss is fetched once."""
     prompts = (PROMPT, PROMPT[3:9])
-    resident = greedy_tokens(load_model(device="cpu"), prompts=prompts)
-    loaded = load_model(device="cpu", moe_strategy="offload", moe_cache_size=10)
-    b = loaded.model.experts
+    resident = greedy_tokens(_build(), prompts=prompts)
+    loaded = _build(moe_strategy="offload", moe_cache_size=10)
+    b = loaded.experts
     calls = [0]
     forward = b.forward
 
@@ -184,10 +181,8 @@ def test_offload_reports_hits_misses_and_fetches_to_the_engine_stats(chunk):
     misses = the distinct experts routed (counted here from the router's ids), misses and fetches equal the
     backend's own, and the metrics' hit ratio is theirs."""
     from ftexpert.coordinator.metrics import expert_figures
-    from ftexpert.gpu_worker.backends.offload import OffloadExperts
-    loaded = load_model(device="cpu", moe_strategy="offload", moe_cache_size=10)
-    backend = OffloadExperts(loaded.model.experts.host, 10, "cpu")
-    loaded.model.experts = backend
+    loaded = _build(moe_strategy="offload", moe_cache_size=10)
+    backend = loaded.experts
     distinct = [0]
     forward = backend.forward
 
@@ -196,8 +191,7 @@ def test_offload_reports_hits_misses_and_fetches_to_the_engine_stats(chunk):
         return forward(layer_idx, x, topk_ids, topk_weights)
 
     backend.forward = counting_forward
-    engine = Engine(loaded.model, EngineConfig(max_running_requests=2, max_context_tokens=128,
-                                               prefill_chunk_tokens=chunk), eos_token_ids=())
+    engine = engine_of(loaded, prefill_chunk_tokens=chunk)
     try:
         engine.generate([list(PROMPT), LONG], SamplingParams(max_new_tokens=12, ignore_eos=True))
         s = engine.stats
@@ -218,15 +212,12 @@ def _freq_weight_case(device: str) -> None:
     """The frequency-weighted eviction key (FREETOKEN_EVICTION_FREQ_WEIGHT) changes which experts stay, never the
     tokens: greedy tokens equal resident's, every mapped slot holds its expert, routes are counted; on the tiny
     model's routing it keeps more than LRU does (fewer misses)."""
-    from ftexpert.gpu_worker.backends.offload import OffloadExperts
     prompts = (PROMPT, PROMPT[3:9])
-    resident = greedy_tokens(load_model(device=device), prompts=prompts)
+    resident = greedy_tokens(_build(device), prompts=prompts)
     misses = {}
     for weight in (0, 64):
-        loaded = load_model(device=device, moe_strategy="offload", moe_cache_size=10)
-        # a backend over the loaded one's store (which it closes at the end)
-        backend = OffloadExperts(loaded.model.experts.host, 10, device, freq_weight=weight)
-        loaded.model.experts = backend
+        loaded = _build(device, moe_strategy="offload", moe_cache_size=10, eviction_freq_weight=weight)
+        backend = loaded.experts
         try:
             assert backend.cache.freq_weight == weight
             assert greedy_tokens(loaded, prompts=prompts) == resident
@@ -311,18 +302,17 @@ def _prefill_prefetch_case(device: str, monkeypatch):
     and, as the baseline, with the prefetch patched out."""
     from ftexpert.gpu_worker.backends.offload import offload_experts
 
-    def run(loaded):
-        engine = Engine(loaded.model, EngineConfig(max_running_requests=1, max_context_tokens=128,
-                                                   prefill_chunk_tokens=32), eos_token_ids=())
+    def run(built):
+        engine = engine_of(built, max_running_requests=1, prefill_chunk_tokens=32)
         return engine.generate([LONG], SamplingParams(max_new_tokens=8, ignore_eos=True))
 
-    want = run(load_model(device=device))
+    want = run(_build(device))
     stats = {}
     for prefetch in (True, False):
         if not prefetch:
             monkeypatch.setattr(offload_experts, "prefill_prefetch_layer", lambda *a: None)
-        loaded = load_model(device=device, moe_strategy="offload", moe_cache_size=32)
-        backend = loaded.model.experts
+        loaded = _build(device, moe_strategy="offload", moe_cache_size=32)
+        backend = loaded.experts
         wrong = _check_each_layer_against_host_weights(backend, device)
         try:
             assert run(loaded) == want
@@ -369,16 +359,15 @@ def test_a_call_that_raises_after_ensure_leaves_no_slot_mapped_without_its_bytes
     the next request would read them as hits. The backend empties its cache; the next generation equals resident's
     and every mapped slot holds its expert."""
     prompts = (PROMPT,) if chunk == 4 else (LONG,)
-    resident = greedy_tokens(load_model(device="cpu"), prompts=prompts, chunk=chunk)
-    kwargs = {}
+    resident = greedy_tokens(_build(), prompts=prompts, chunk=chunk)
     if strategy == "hybrid":
         from ftexpert.gpu_worker.backends.hybrid import HybridOptions
-        from tests.cpu_expert_pool.cpu_pool_util import load_with_resources
-        loaded = load_with_resources("hybrid", cache_size="1.0", num_workers=1, worker_args=("--threads", "1"),
-                                     hybrid=HybridOptions(fetch_fraction=0.5, cpu_deadline_s=20.0))   # no eviction hides it
+        loaded = build_with_resources("hybrid", cache_size="1.0", num_workers=1, worker_args=("--threads", "1"),
+                                      max_context_tokens=128,                                 # no eviction hides it
+                                      hybrid=HybridOptions(fetch_fraction=0.5, cpu_deadline_s=20.0))
     else:
-        loaded = load_model(device="cpu", moe_strategy=strategy, moe_cache_size="1.0")   # no eviction hides it
-    backend = loaded.model.experts
+        loaded = _build(moe_strategy=strategy, moe_cache_size="1.0")   # no eviction hides it
+    backend = loaded.experts
     try:
         # offload copies decode-sized calls through its DecodeCopy, prefill chunks through copy_missing; hybrid
         # through its host path's _copy: fail the copies of the 3rd layer call

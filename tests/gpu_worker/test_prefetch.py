@@ -35,7 +35,7 @@ def references(tmp_path_factory):
                 model = _loaded(per_layer, None)
                 out[per_layer, batch] = decode_run(model, batch=batch, decode_steps=DECODE_STEPS), \
                     model.experts.counters()
-                model.experts.close()
+                model.close()
         return out
 
 
@@ -47,7 +47,7 @@ def test_prefetch_on_gives_the_same_tokens_and_logits_as_off(references, per_lay
         run = decode_run(model, batch=batch, decode_steps=DECODE_STEPS)
         counters = model.experts.counters()
     finally:
-        model.experts.close()
+        model.close()
     (ref_run, ref_counters) = references[per_layer, batch]
     assert_identical(ref_run, run, f"offload {'per-layer' if per_layer else 'global'} batch {batch} {predictor}")
     assert counters["prefetch_installed_total"] > 0, "the prefetch installed nothing: the test proves nothing"
@@ -71,7 +71,7 @@ def run_mode(settings: PrefetchSettings, *, per_layer: bool = False, batch: int 
         run = decode_run(model, batch=batch, decode_steps=DECODE_STEPS)
         return run, model.experts.counters(), model.experts.lookahead.report()
     finally:
-        model.experts.close()
+        model.close()
 
 
 def test_measure_counts_without_changing_the_cache(references):
@@ -143,7 +143,7 @@ def test_set_policy_switches_the_mode_live_and_keys_the_graphs():
             backend.set_policy(prefetch="sometimes")
         assert backend.lookahead.settings.mode == "on", "a refused change changes nothing"
     finally:
-        model.experts.close()
+        model.close()
 
 
 def test_the_predictor_is_the_next_layers_router_on_this_layers_input():

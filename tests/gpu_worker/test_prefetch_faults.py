@@ -41,7 +41,7 @@ def test_verify_catches_corrupted_slot_bytes():
         with pytest.raises(SlotVerifyError, match="bytes differ"):
             decode_run(model, batch=1, decode_steps=8)
     finally:
-        model.experts.close()
+        model.close()
 
 
 def test_verify_meta_catches_a_stale_slot_map():
@@ -55,7 +55,7 @@ def test_verify_meta_catches_a_stale_slot_map():
         with pytest.raises(SlotVerifyError, match="stale slot map"):
             decode_run(model, batch=1, decode_steps=8)
     finally:
-        model.experts.close()
+        model.close()
 
 
 def test_verify_catches_a_write_while_the_expert_gemm_reads(monkeypatch):
@@ -76,7 +76,7 @@ def test_verify_catches_a_write_while_the_expert_gemm_reads(monkeypatch):
         with pytest.raises(SlotVerifyError, match="after the expert GEMM"):
             decode_run(model, batch=1, decode_steps=STEPS)
     finally:
-        backend.close()
+        model.close()
 
 
 def test_a_skipped_prefetch_copy_is_caught_by_verify_and_by_the_identity_check(monkeypatch):
@@ -84,20 +84,20 @@ def test_a_skipped_prefetch_copy_is_caught_by_verify_and_by_the_identity_check(m
     try:
         ref = decode_run(reference, batch=1, decode_steps=STEPS)
     finally:
-        reference.experts.close()
+        reference.close()
     monkeypatch.setattr(Lookahead, "copy", lambda self, layer: None)          # the plan installed, never copied
     model = offload_model(False, PrefetchSettings(mode="on", verify="1"))
     try:
         with pytest.raises(SlotVerifyError, match="before the expert GEMM"):
             decode_run(model, batch=1, decode_steps=STEPS)
     finally:
-        model.experts.close()
+        model.close()
     model = offload_model(False, PrefetchSettings(mode="on"))                 # negative control: no detector
     try:
         with pytest.raises(AssertionError, match="differ"):
             assert_identical(ref, decode_run(model, batch=1, decode_steps=STEPS), "skipped copy")
     finally:
-        model.experts.close()
+        model.close()
 
 
 class InFlight:
@@ -140,13 +140,13 @@ def test_evicting_a_slot_whose_prefetch_copy_is_in_flight(monkeypatch, safe):
     try:
         ref = decode_run(reference, batch=1, decode_steps=STEPS)
     finally:
-        reference.experts.close()
+        reference.close()
     inflight = InFlight(monkeypatch, safe)
     model = offload_model(False, PrefetchSettings(mode="on", budget=4), predictor="random")
     try:
         run = decode_run(model, batch=1, decode_steps=STEPS)
     finally:
-        model.experts.close()
+        model.close()
     assert inflight.evicted_in_flight > 0, "no slot was evicted with its prefetch copy in flight: proves nothing"
     if safe:
         assert_identical(ref, run, "in-flight eviction, stream order")

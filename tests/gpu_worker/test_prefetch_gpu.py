@@ -53,7 +53,7 @@ def _run(per_layer, settings, predictor, batch, graphs):
     try:
         return decode_run(model, batch=batch, decode_steps=STEPS, cuda_graphs=graphs), model.experts.counters()
     finally:
-        model.experts.close()
+        model.close()
 
 
 @pytest.mark.parametrize("graphs", [True, False], ids=["graphs", "eager"])
@@ -91,7 +91,7 @@ def _run_auto(per_layer, settings, batch, graphs, windows: bool):
         run = decode_run(model, batch=batch, decode_steps=STEPS, cuda_graphs=graphs)
         return run, model.experts.counters(), la
     finally:
-        model.experts.close()
+        model.close()
 
 
 @pytest.mark.parametrize("graphs", [True, False], ids=["graphs", "eager"])

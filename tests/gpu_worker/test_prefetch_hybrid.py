@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from ftexpert.kernels.slot_cache import reset
-from tests.cpu_expert_pool.cpu_pool_util import load_with_resources
+from tests.built_engines import build_with_resources
 from tests.gpu_worker.prefetch_util import decode_run, open_windows
 from tests.gpu_worker.test_hybrid import TEST_WORKER_ARGS, options_for_tests
 
@@ -23,8 +23,8 @@ MAX_REL_DIFF = 1e-4          # |on - off|_max / |off|_max per forward's logits
 def hybrid(tmp_path_factory):
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("FT_CACHE_DIR", str(tmp_path_factory.mktemp("cache")))
-        loaded = load_with_resources("hybrid", device="cpu", cache_size=8, worker_args=TEST_WORKER_ARGS,
-                                     hybrid=options_for_tests(fetch_fraction=0.5))
+        loaded = build_with_resources("hybrid", cache_size=8, worker_args=TEST_WORKER_ARGS, max_context_tokens=512,
+                                      hybrid=options_for_tests(fetch_fraction=0.5))
         yield loaded
         loaded.model.experts.close()
 
@@ -36,7 +36,7 @@ def _run(loaded, mode: str, batch: int):
     if mode == "auto":
         open_windows(backend)
     before = backend.counters()
-    run = decode_run(loaded.model, batch=batch, decode_steps=STEPS)
+    run = decode_run(loaded, batch=batch, decode_steps=STEPS)
     after = backend.counters()
     return run, {k: after[k] - before[k] for k in after if isinstance(after[k], (int, float))}
 

@@ -9,14 +9,14 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from ftexpert.gpu_worker.engine import Engine, EngineConfig, SamplingParams
+from ftexpert.gpu_worker.engine import Engine, SamplingParams
 from ftexpert.gpu_worker.engine.attention import PrefillAttention
 from ftexpert.gpu_worker.engine.kv_cache import KVCache
 from ftexpert.gpu_worker.engine.state_cache import StateCache
 from ftexpert.gpu_worker.assembly.loader import load_model
 from ftexpert.gpu_worker.checkpoint.reader import CheckpointError
 from ftexpert.gpu_worker.models.qwen3_next import StatefulContext
-from ftexpert.gpu_worker.backends.offload.prefetch import PrefetchSettings
+from tests.built_engines import build, build_with_resources, engine_of
 from tests.gpu_worker.qwen3_next_util import hf_greedy_full, hf_qwen3_next, save
 from tests.gpu_worker.test_models_util import prompt_ids, rel_err
 
@@ -32,7 +32,7 @@ def checkpoint(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def resident(checkpoint):
-    return load_model(checkpoint[1], device="cpu", dtype="float32")
+    return build(checkpoint[1], dtype="float32", max_running_requests=2, max_context_tokens=256)
 
 
 def prefill_logits(loaded, prompt: list[int], chunk: int) -> torch.Tensor:
@@ -49,9 +49,8 @@ def prefill_logits(loaded, prompt: list[int], chunk: int) -> torch.Tensor:
     return torch.cat(out)
 
 
-def engine(loaded, running: int = 1, chunk: int = 4) -> Engine:
-    return Engine(loaded.model, EngineConfig(max_running_requests=running, max_context_tokens=256,
-                                             prefill_chunk_tokens=chunk), eos_token_ids=())
+def engine(built, running: int = 1, chunk: int = 4) -> Engine:
+    return engine_of(built, max_running_requests=running, max_context_tokens=256, prefill_chunk_tokens=chunk)
 
 
 def test_config_reads_the_hybrid_layout(resident):
@@ -115,10 +114,10 @@ def test_offload_at_a_small_cache_gives_the_resident_tokens(checkpoint, resident
     """Offload at 10 of 32 slots, with the lookahead prefetch off and on, gives the resident tokens."""
     prompts = [prompt_ids(13, seed=30), prompt_ids(7, seed=31)]
     expected = engine(resident, running=2).generate(prompts, PARAMS)
-    offload = load_model(checkpoint[1], device="cpu", dtype="float32", moe_strategy="offload", moe_cache_size=10,
-                         prefetch=PrefetchSettings(mode=prefetch, budget=2))
+    offload = build(checkpoint[1], dtype="float32", moe_strategy="offload", moe_cache_size=10, moe_prefetch=prefetch,
+                    moe_prefetch_budget=2, max_running_requests=2, max_context_tokens=256)
     assert engine(offload, running=2).generate(prompts, PARAMS) == expected
-    counters = offload.model.experts.counters()
+    counters = offload.experts.counters()
     assert counters["expert_misses_total"] > 0
     assert (counters["prefetch_useful_total"] > 0) == (prefetch == "on")
 
@@ -158,18 +157,18 @@ def test_hybrid_and_cpu_give_the_resident_tokens(checkpoint, resident, tmp_path,
     """The routed experts split between PCIe fetches and two CPU expert processes (hybrid, a cache of 10 of 32
     experts), or every miss computed by the CPU processes (cpu)."""
     from ftexpert.gpu_worker.backends.hybrid import HybridOptions
-    from tests.cpu_expert_pool.cpu_pool_util import load_with_resources
     monkeypatch.setenv("FT_CACHE_DIR", str(tmp_path))
     prompts = [prompt_ids(13, seed=50), prompt_ids(7, seed=51)]
     expected = engine(resident, running=2).generate(prompts, PARAMS)
-    loaded = load_with_resources(strategy, device="cpu", cache_size=10, model_dir=checkpoint[1], dtype="float32",
-                                 worker_args=("--threads", "1", "--no-pin", "--hot-ms", "1", "--sleep-max-us", "200"),
-                                 hybrid=HybridOptions(cpu_deadline_s=20.0, fetch_fraction=0.5))
+    loaded = build_with_resources(strategy, cache_size=10, model_dir=checkpoint[1], dtype="float32",
+                                  max_running_requests=2, max_context_tokens=256,
+                                  worker_args=("--threads", "1", "--no-pin", "--hot-ms", "1", "--sleep-max-us", "200"),
+                                  hybrid=HybridOptions(cpu_deadline_s=20.0, fetch_fraction=0.5))
     try:
         assert engine(loaded, running=2).generate(prompts, PARAMS) == expected
-        assert loaded.model.experts.counters()["expert_misses_total"] > 0
+        assert loaded.experts.counters()["expert_misses_total"] > 0
     finally:
-        loaded.model.experts.close()
+        loaded.close()
 
 
 def test_the_80b_preset_has_the_real_shapes():
@@ -204,8 +203,8 @@ def test_a_mini_preset_written_to_disk_loads_in_transformers(monkeypatch, tmp_pa
     from ftexpert.gpu_worker.checkpoint import presets
     monkeypatch.setenv("FT_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setitem(presets.PRESETS, "mini-next", mini_next())
-    in_memory = load_model(preset="mini-next", device="cpu", seed=5, expert_format=fmt)
-    on_disk = load_model(tmp_path / "mini", preset="mini-next", device="cpu", seed=5, expert_format=fmt)
+    in_memory = build(preset="mini-next", seed_weights=5, expert_format=fmt, max_context_tokens=256)
+    on_disk = build(tmp_path / "mini", preset="mini-next", seed_weights=5, expert_format=fmt, max_context_tokens=256)
     prompt = [int(t) for t in torch.arange(1, 40) * 5 % 96]
     tokens = engine(in_memory).generate([prompt], SamplingParams(max_new_tokens=8, ignore_eos=True))
     assert engine(on_disk).generate([prompt], SamplingParams(max_new_tokens=8, ignore_eos=True)) == tokens
@@ -223,8 +222,8 @@ def test_gpu_engine_with_cuda_graphs_gives_the_cpu_tokens(checkpoint, resident, 
     rows inside them), two requests joining at different steps give the CPU reference's tokens."""
     prompts = [prompt_ids(70, seed=60), prompt_ids(9, seed=61)]
     expected = engine(resident, running=2, chunk=16).generate(prompts, PARAMS)
-    cuda = load_model(checkpoint[1], device="cuda", dtype="float32", moe_strategy=strategy,
-                      moe_cache_size=10 if strategy == "offload" else None)
+    cuda = build(checkpoint[1], device="cuda", dtype="float32", moe_strategy=strategy, max_running_requests=2,
+                 max_context_tokens=256, moe_cache_size=10 if strategy == "offload" else None)
     eng = engine(cuda, running=2, chunk=16)
     assert eng.graphs is not None
     assert eng.generate(prompts, PARAMS) == expected
@@ -237,7 +236,7 @@ def test_gpu_bf16_decode_follows_its_own_prefill(checkpoint):
     """bf16 on CUDA: each greedy token of the decode steps (recurrent state carried through the graphs) is the argmax
     of one prefill over the same sequence (bf16 rounding may flip a near tie: at most one of 16), and the logits of
     two prefills agree on their common positions."""
-    loaded = load_model(checkpoint[1], device="cuda", dtype="bfloat16")
+    loaded = build(checkpoint[1], device="cuda", dtype="bfloat16", max_context_tokens=256)
     prompt = prompt_ids(40, seed=62)
     tokens = engine(loaded, chunk=64).generate([prompt], SamplingParams(max_new_tokens=16, ignore_eos=True))[0]
     full = prefill_logits_on(loaded, prompt + tokens)

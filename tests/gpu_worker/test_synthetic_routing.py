@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ftexpert.gpu_worker.engine import Engine, EngineConfig, SamplingParams
-from ftexpert.gpu_worker.assembly.loader import load_model
+from ftexpert.gpu_worker.engine import SamplingParams
+from tests.built_engines import build
 from ftexpert.gpu_worker.models.synthetic_routing import SyntheticRouting
 
 PROMPT = [5, 17, 42, 99, 3, 250, 7, 64, 11, 300, 8]
@@ -55,28 +55,23 @@ def test_parse_specs():
         SyntheticRouting.parse("uniform", Cfg, 16, "cpu")
 
 
-def _run(loaded, routing):
-    loaded.model.routing_override = routing
-    engine = Engine(loaded.model, EngineConfig(max_running_requests=1, max_context_tokens=64,
-                                               prefill_chunk_tokens=4), eos_token_ids=())
-    return engine.generate([list(PROMPT)], SamplingParams(max_new_tokens=16, ignore_eos=True))
+def _run(routing: str, **fields) -> tuple[list[list[int]], int | None]:
+    """Greedy tokens of an engine whose spec names `routing` (--routing), and its offload backend's misses."""
+    built = build(routing=routing, max_running_requests=1, max_context_tokens=64, prefill_chunk_tokens=4, **fields)
+    try:
+        assert (built.model.routing_override is None) == (routing == "model")
+        tokens = built.engine.generate([list(PROMPT)], SamplingParams(max_new_tokens=16, ignore_eos=True))
+        stats = getattr(built.experts, "stats", None)
+        return tokens, stats.distinct_misses if stats is not None else None
+    finally:
+        built.close()
 
 
 def test_offload_misses_more_and_stays_lossless_under_synthetic_routing():
-    resident = load_model(device="cpu")
-    cfg = resident.cfg
-    routing = SyntheticRouting(cfg.num_layers, cfg.num_experts, cfg.top_k, 64, skew=0.5, seed=3)
-    want = _run(resident, routing)
-    offload = load_model(device="cpu", moe_strategy="offload", moe_cache_size=cfg.num_experts)
-    try:
-        assert _run(offload, routing) == want
-        with_table = offload.model.experts.stats.distinct_misses
-    finally:
-        offload.model.experts.close()
-    plain = load_model(device="cpu", moe_strategy="offload", moe_cache_size=cfg.num_experts)
-    try:
-        _run(plain, None)
-        without = plain.model.experts.stats.distinct_misses
-    finally:
-        plain.model.experts.close()
+    """The table comes from the engine spec (--routing zipf:0.5), the same for every backend."""
+    want, _ = _run("zipf:0.5")
+    cache = str(build(max_context_tokens=8).cfg.num_experts)
+    got, with_table = _run("zipf:0.5", moe_strategy="offload", moe_cache_size=cache)
+    assert got == want
+    _, without = _run("model", moe_strategy="offload", moe_cache_size=cache)
     assert with_table > without, f"the table should miss more ({with_table} vs {without})"

@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 import torch
 
-from ftexpert.gpu_worker.engine import Engine, EngineConfig, SamplingParams
-from ftexpert.gpu_worker.assembly.loader import load_model
+from ftexpert.gpu_worker.engine import SamplingParams
+from tests.built_engines import build
 from ftexpert.gpu_worker.models.synthetic_routing import SyntheticRouting
 from ftexpert.proto.routing_trace import RoutingTrace, TraceError, write_trace
 
@@ -56,35 +56,33 @@ def test_a_trace_of_another_shape_or_a_broken_file_is_refused_naming_it(tmp_path
         SyntheticRouting.parse(f"trace:{tmp_path / 'missing.trace'}", Cfg, 8, "cpu")
 
 
-def _generate(loaded, routing, seen=None):
-    loaded.model.routing_override = routing
-    if seen is not None:                       # record the ids every MoE layer is handed
-        inner = loaded.model.experts.forward
+def _generate(routing: str, seen=None, **fields):
+    """Greedy tokens of an engine whose spec names `routing` (--routing trace:FILE); `seen`: the ids every MoE layer
+    is handed, recorded."""
+    built = build(routing=routing, max_running_requests=1, max_context_tokens=64, prefill_chunk_tokens=64, **fields)
+    try:
+        if seen is not None:
+            inner = built.experts.forward
 
-        def forward(layer_idx, x, topk_ids, *args, **kwargs):
-            seen.append((layer_idx, topk_ids.clone()))
-            return inner(layer_idx, x, topk_ids, *args, **kwargs)
-        loaded.model.experts.forward = forward
-    engine = Engine(loaded.model, EngineConfig(max_running_requests=1, max_context_tokens=64,
-                                               prefill_chunk_tokens=64), eos_token_ids=())
-    return engine.generate([list(PROMPT)], SamplingParams(max_new_tokens=6, ignore_eos=True))
+            def forward(layer_idx, x, topk_ids, *args, **kwargs):
+                seen.append((layer_idx, topk_ids.clone()))
+                return inner(layer_idx, x, topk_ids, *args, **kwargs)
+            built.experts.forward = forward
+        return built.engine.generate([list(PROMPT)], SamplingParams(max_new_tokens=6, ignore_eos=True))
+    finally:
+        built.close()
 
 
 def test_the_model_routes_as_the_trace_and_offload_stays_lossless(tmp_path):
-    resident = load_model(device="cpu")
-    cfg = resident.cfg
+    cfg = build(max_context_tokens=8).cfg
     trace = _trace(cfg.num_layers, cfg.num_experts, cfg.top_k, 64, seed=4)
-    routing = SyntheticRouting.parse(f"trace:{write_trace(tmp_path / 'r.trace', trace)}", cfg, 64, "cpu")
+    routing = f"trace:{write_trace(tmp_path / 'r.trace', trace)}"
     seen: list = []
-    want = _generate(resident, routing, seen)
+    want = _generate(routing, seen)
     prefill = [ids for layer, ids in seen if ids.shape[0] == len(PROMPT)]
     assert len(prefill) == cfg.num_layers
     for layer, ids in enumerate(prefill):
         assert (ids.numpy() == trace.experts[:len(PROMPT), layer]).all()
     decode = [ids for layer, ids in seen if ids.shape[0] == 1 and layer == 0]
     assert [int(d[0, 0]) for d in decode] == [int(x) for x in trace.experts[len(PROMPT):len(PROMPT) + len(decode), 0, 0]]
-    offload = load_model(device="cpu", moe_strategy="offload", moe_cache_size=cfg.num_experts)
-    try:
-        assert _generate(offload, routing) == want
-    finally:
-        offload.model.experts.close()
+    assert _generate(routing, moe_strategy="offload", moe_cache_size=cfg.num_experts) == want

@@ -10,13 +10,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ftexpert.gpu_worker.engine import Engine, EngineConfig, SamplingParams
+from ftexpert.gpu_worker.engine import EngineConfig, SamplingParams
 from ftexpert.gpu_worker.engine.attention import DecodeAttention, decode_bucket_tokens
 from ftexpert.gpu_worker.engine.kv_cache import KVCache
 from ftexpert.gpu_worker.checkpoint.config import MoeConfig
-from ftexpert.gpu_worker.assembly.loader import load_model
 from ftexpert.kernels.decode_attention import (DEFAULT_BLOCKS, DecodeAttentionBlocks, decode_attention,
                                       decode_attention_reference, split_plan)
+from tests.built_engines import build, engine_of
 from tests.conftest import HAS_CUDA, KERNEL_DEVICE
 from tests.gpu_worker.test_models_util import hf_model, prompt_ids, save_hf
 
@@ -209,13 +209,13 @@ def test_backend_auto_is_sdpa_on_cpu_and_triton_on_cuda():
 def test_engine_generates_the_same_tokens_with_either_backend(tmp_path):
     """Two requests decoding together (qwen3 layout, 2 layers): greedy tokens of backend 'triton'
     (interpreter on CPU) equal those of 'sdpa'."""
-    loaded = load_model(save_hf(hf_model("qwen3", seed=3), tmp_path / "m"), device=KERNEL_DEVICE)
+    loaded = build(save_hf(hf_model("qwen3", seed=3), tmp_path / "m"), device=KERNEL_DEVICE, max_running_requests=2,
+                   max_context_tokens=64, cuda_graphs="off")
     prompts = [prompt_ids(9, seed=1), prompt_ids(4, seed=2)]
     params = SamplingParams(max_new_tokens=4, ignore_eos=True)
     tokens = {}
     for backend in ("sdpa", "triton"):
-        engine = Engine(loaded.model, EngineConfig(max_running_requests=2, max_context_tokens=64,
-                                                   cuda_graphs=False, attention_backend=backend))
+        engine = engine_of(loaded, attention_backend=backend)
         tokens[backend] = engine.generate(prompts, params)
         assert engine.stats.num_decode_steps >= 3
     assert tokens["triton"] == tokens["sdpa"]

@@ -100,21 +100,21 @@ def test_plan_copy_of_rows_that_are_not_a_multiple_of_the_block(chunks):
 @pytest.mark.gpu
 def test_gpu_offload_with_the_copy_kernel_runs_in_graphs_and_matches_resident(tmp_path, monkeypatch,
                                                                              no_tf32):
-    from ftexpert.gpu_worker.engine import Engine, EngineConfig, SamplingParams
-    from ftexpert.gpu_worker.assembly.loader import load_model
+    from ftexpert.gpu_worker.engine import SamplingParams
+    from tests.built_engines import build
     monkeypatch.setenv("FT_CACHE_DIR", str(tmp_path))
     prompts = [[5, 17, 42, 99], [3, 250, 7]]
     params = SamplingParams(max_new_tokens=32, ignore_eos=True)
-    conf = EngineConfig(max_running_requests=2, max_context_tokens=128)
-    resident = Engine(load_model(device="cuda").model, conf, eos_token_ids=()).generate(prompts, params)
-    loaded = load_model(device="cuda", moe_strategy="offload", moe_cache_size=9)
+    conf = dict(device="cuda", max_running_requests=2, max_context_tokens=128)
+    resident = build(**conf).engine.generate(prompts, params)
+    loaded = build(moe_strategy="offload", moe_cache_size=9, **conf)
     try:
-        engine = Engine(loaded.model, conf, eos_token_ids=())
+        engine = loaded.engine
         assert engine.generate(prompts, params) == resident
         assert engine.graphs.replays > 0, "offload decode did not run in CUDA graphs"
-        stats = loaded.model.experts.refresh_stats()
+        stats = loaded.experts.refresh_stats()
         assert stats.fetched > 9 and stats.distinct_misses >= stats.fetched
         # the decode copies are timed by CUDA events inside the graphs
         assert engine.stats.copy_time_s_total > 0
     finally:
-        loaded.model.experts.close()
+        loaded.close()

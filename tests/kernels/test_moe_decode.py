@@ -371,20 +371,19 @@ def test_fused_decode_step_writes_the_kv_cache_like_the_plain_forward(arch, no_t
 
 
 def test_offload_gemv_mode_gives_the_resident_gemv_tokens(tmp_path, monkeypatch):
-    from ftexpert.gpu_worker.engine import Engine, EngineConfig, SamplingParams
-    from ftexpert.gpu_worker.assembly.loader import load_model
+    from ftexpert.gpu_worker.engine import SamplingParams
+    from tests.built_engines import build
     monkeypatch.setenv("FT_CACHE_DIR", str(tmp_path))
     params = SamplingParams(max_new_tokens=12, ignore_eos=True)
-    conf = EngineConfig(max_running_requests=2, max_context_tokens=64, prefill_chunk_tokens=4)
+    conf = dict(max_running_requests=2, max_context_tokens=64, prefill_chunk_tokens=4, expert_compute="gemv")
     prompts = [[5, 17, 42, 99, 3], [250, 7, 64]]
-    resident = load_model(device="cpu", expert_compute="gemv")
-    expected = Engine(resident.model, conf, eos_token_ids=()).generate(prompts, params)
-    loaded = load_model(device="cpu", moe_strategy="offload", moe_cache_size=10, expert_compute="gemv")
+    expected = build(**conf).engine.generate(prompts, params)
+    loaded = build(moe_strategy="offload", moe_cache_size=10, **conf)
     try:
-        assert Engine(loaded.model, conf, eos_token_ids=()).generate(prompts, params) == expected
-        assert loaded.model.experts.stats.fetched > 10
+        assert loaded.engine.generate(prompts, params) == expected
+        assert loaded.experts.stats.fetched > 10
     finally:
-        loaded.model.experts.close()
+        loaded.close()
 
 
 @pytest.mark.slow
@@ -488,21 +487,21 @@ def test_gpu_fused_model_tokens_match_the_plain_forward(tmp_path, monkeypatch, n
     the tokens must be equal. In bfloat16 a rounding flip can move a logit by ~1e-2 and exact
     equality is not guaranteed: its agreement is printed, and its first tokens (after prefill,
     where nothing has diverged yet) must agree."""
-    from ftexpert.gpu_worker.engine import Engine, EngineConfig, SamplingParams
-    from ftexpert.gpu_worker.assembly.loader import load_model
+    from ftexpert.gpu_worker.engine import SamplingParams
+    from tests.built_engines import build
     monkeypatch.setenv("FT_CACHE_DIR", str(tmp_path))
     prompts = [[5, 17, 42, 99], [3, 250, 7], [11, 300, 8, 64, 1]]
     params = SamplingParams(max_new_tokens=16, ignore_eos=True)
-    conf = EngineConfig(max_running_requests=3, max_context_tokens=128)
+    conf = dict(device="cuda", max_running_requests=3, max_context_tokens=128)
     for dtype in ("float32", "bfloat16"):
-        fused = load_model(device="cuda", dtype=dtype)
+        fused = build(dtype=dtype, **conf)
         assert fused.model.fused_kernels and fused.model.experts.choose_mode(3 * 2, fused.device) == "gemv"
-        engine = Engine(fused.model, conf, eos_token_ids=())
+        engine = fused.engine
         got = engine.generate(prompts, params)
         assert engine.graphs is not None and engine.graphs.replays > 0
-        plain = load_model(device="cuda", dtype=dtype, expert_compute="grouped", fused_kernels=False)
+        plain = build(dtype=dtype, expert_compute="grouped", fused_kernels="off", **conf)
         assert not plain.model.fused_kernels
-        expected = Engine(plain.model, conf, eos_token_ids=()).generate(prompts, params)
+        expected = plain.engine.generate(prompts, params)
         same = sum(a == b for g_, e in zip(got, expected) for a, b in zip(g_, e))
         print(f"\n{dtype}: fused tokens = plain tokens for {same} of {16 * len(prompts)}")
         if dtype == "float32":

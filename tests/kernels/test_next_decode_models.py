@@ -9,13 +9,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ftexpert.gpu_worker.assembly.loader import load_model
-from ftexpert.gpu_worker.engine import Engine, EngineConfig, SamplingParams
+from ftexpert.gpu_worker.engine import SamplingParams
 from ftexpert.gpu_worker.engine.attention import DecodeAttention, PrefillAttention
 from ftexpert.gpu_worker.engine.kv_cache import KVCache
 from ftexpert.gpu_worker.engine.state_cache import StateCache
 from ftexpert.gpu_worker.models.qwen3_next import StatefulContext
 from ftexpert.kernels import next_decode
+from tests.built_engines import build, engine_of
 from tests.conftest import KERNEL_DEVICE
 from tests.gpu_worker.gpt_oss_util import hf_gpt_oss
 from tests.gpu_worker.qwen3_next_util import hf_qwen3_next, save
@@ -38,16 +38,17 @@ def gpt_oss_dir(tmp_path_factory):
 
 
 def models(path, kernel_impl: str):
-    plain = load_model(path, device=DEV, dtype="float32", fused_kernels=False)
-    fused = load_model(path, device=DEV, dtype="float32", fused_kernels=True)
+    conf = dict(device=DEV, dtype="float32", max_running_requests=2, max_context_tokens=64, prefill_chunk_tokens=4,
+                cuda_graphs="off")
+    plain = build(path, fused_kernels="off", **conf)
+    fused = build(path, fused_kernels="on", **conf)
     fused.model.kernel_impl = kernel_impl
     assert fused.model.fused_kernels and not plain.model.fused_kernels
     return plain, fused
 
 
 def greedy(loaded, n: int = 6) -> list[list[int]]:
-    engine = Engine(loaded.model, EngineConfig(max_running_requests=2, max_context_tokens=64, prefill_chunk_tokens=4,
-                                               cuda_graphs=False), eos_token_ids=())
+    engine = engine_of(loaded)
     return engine.generate(PROMPTS, SamplingParams(max_new_tokens=n, ignore_eos=True))
 
 

@@ -171,22 +171,23 @@ def test_decode_kernels_are_bitwise_the_same_with_pdl(pdl_env, graph):
 @needs_gpu
 def test_engine_tokens_are_the_same_with_pdl(pdl_env, tmp_path):
     """The tiny model in bf16 on CUDA with CUDA graphs: greedy tokens of three prompts, batched, with
-    PDL off and on (a fresh engine each: its graphs are captured under the setting)."""
-    from ftexpert.gpu_worker.engine import Engine, EngineConfig, SamplingParams
-    from ftexpert.gpu_worker.assembly.loader import load_model
+    PDL off and on (the spec's pdl; a fresh engine each: its graphs are captured under the setting)."""
+    from ftexpert.gpu_worker.engine import SamplingParams
     from ftexpert.gpu_worker.checkpoint.tiny import ensure_tiny_checkpoint
+    from tests.built_engines import build, engine_of
     from tests.gpu_worker.test_models_util import prompt_ids
     pdl_env("auto")
     if not pdl.pdl_enabled(torch.device("cuda")):
         pytest.skip("PDL needs compute capability 9.0 and a Triton with gdc_wait")
     tiny = ensure_tiny_checkpoint(tmp_path / "tiny")
-    loaded = load_model(tiny, device="cuda", dtype="bfloat16")
+    loaded = build(tiny, device="cuda", dtype="bfloat16", max_context_tokens=256)
     ps = [prompt_ids(n, seed=n, vocab=loaded.cfg.vocab_size) for n in (5, 23, 11)]
     params = SamplingParams(max_new_tokens=40, ignore_eos=True)
     tokens = {}
     for value in ("off", "on"):
-        pdl_env(value)
-        tokens[value] = Engine(loaded.model, EngineConfig(max_context_tokens=256)).generate(ps, params)
+        engine = engine_of(loaded, pdl=value)
+        assert pdl.mode() == value
+        tokens[value] = engine.generate(ps, params)
     assert tokens["on"] == tokens["off"]
 
 

@@ -10,10 +10,10 @@ import torch
 from ftexpert.coordinator.cli import build_parser, main
 from ftexpert.coordinator.process_set import options_from_serve_args
 from ftexpert.gpu_worker.engine import Engine, EngineConfig, SamplingParams
-from ftexpert.gpu_worker.assembly.loader import load_model
 from ftexpert.proto.engine_spec import spec_from_args
 from ftexpert.kernels.slot_cache import SlotCache, ensure
 from ftexpert.kernels.slot_cache.audit import audit
+from tests.built_engines import build, engine_of
 from tests.kernels.slot_cache_util import RouteGen
 
 PROMPT = [5, 17, 42, 99, 3, 250, 7, 64, 11, 300, 8]
@@ -153,9 +153,12 @@ def test_whole_rows_go_to_the_latest_slots_and_windows_to_the_others():
     assert any(f"slots {other} " in p for p in audit(cache, slots=slots, host_layers=host, probe_slots=100))
 
 
-def _generate(loaded, audit_every: int, n: int = 16) -> tuple[list[list[int]], Engine]:
-    engine = Engine(loaded.model, EngineConfig(max_running_requests=2, max_context_tokens=128,
-                                               slot_audit_every=audit_every), eos_token_ids=())
+def _build(**fields):
+    return build(max_running_requests=2, max_context_tokens=128, **fields)
+
+
+def _generate(built, audit_every: int, n: int = 16) -> tuple[list[list[int]], Engine]:
+    engine = engine_of(built, moe_slot_audit=audit_every)
     tokens = engine.generate([list(PROMPT), PROMPT[::-1][:7]], SamplingParams(max_new_tokens=n, ignore_eos=True))
     return tokens, engine
 
@@ -166,9 +169,9 @@ def test_the_engine_audits_every_n_steps_and_empties_a_broken_cache(monkeypatch)
     that the broken slots stay in use), so the check can fail."""
     import ftexpert.gpu_worker.engine.engine as engine_module
 
-    resident, _ = _generate(load_model(device="cpu"), 0)
-    loaded = load_model(device="cpu", moe_strategy="offload", moe_cache_size=28)
-    backend = loaded.model.experts
+    resident, _ = _generate(_build(), 0)
+    loaded = _build(moe_strategy="offload", moe_cache_size=28)
+    backend = loaded.experts
     monkeypatch.setattr(engine_module, "SLOT_AUDIT_SAMPLE", backend.cache.total_slots)    # look at every slot
     try:
         tokens, engine = _generate(loaded, 2)
@@ -210,9 +213,9 @@ def test_the_engine_audits_every_n_steps_and_empties_a_broken_cache(monkeypatch)
 
 
 def test_an_audit_that_raises_loses_no_tokens(monkeypatch):
-    resident, _ = _generate(load_model(device="cpu"), 0, n=6)
-    loaded = load_model(device="cpu", moe_strategy="offload", moe_cache_size=9)
-    backend = loaded.model.experts
+    resident, _ = _generate(_build(), 0, n=6)
+    loaded = _build(moe_strategy="offload", moe_cache_size=9)
+    backend = loaded.experts
 
     def broken(*args, **kwargs):
         raise OSError("the host store is gone")
@@ -227,7 +230,7 @@ def test_an_audit_that_raises_loses_no_tokens(monkeypatch):
 
 
 def test_a_backend_without_a_slot_cache_is_not_audited():
-    tokens, engine = _generate(load_model(device="cpu"), 1, n=4)
+    tokens, engine = _generate(_build(), 1, n=4)
     assert engine.stats.num_decode_steps > 0 and engine.stats.slot_audits == 0
 
 

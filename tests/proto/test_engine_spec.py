@@ -3,12 +3,15 @@ refused with the field's name when it cannot be built, and carried whole and typ
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
 import pytest
 
 from ftexpert.coordinator.cli import build_parser
 from ftexpert.proto import engine_messages as em
-from ftexpert.proto.engine_spec import EngineSpec, SpecError, add_engine_flags, cache_size_flag, spec_from_args
+from ftexpert.proto.engine_spec import (ATTENTION_BACKENDS, DENSE_LINEARS, ENGINE_FIELDS, EXPERT_COMPUTE_MODES,
+                                        EXPERT_FIELDS, MODEL_FIELDS, EngineSpec, SpecError, add_engine_flags,
+                                        cache_size_flag, routing_flag, spec_from_args)
 
 
 def parse(*argv: str) -> argparse.Namespace:
@@ -100,3 +103,82 @@ def test_welcome_carries_the_spec_whole_and_refuses_a_bad_one():
     bad["spec"] = {**spec.to_wire(), "fetch_everything": True}       # a field this version does not know
     with pytest.raises(em.MessageError, match="unknown field"):
         em.decode([kind, msgpack.packb(bad, use_bin_type=True)])
+
+
+@pytest.mark.parametrize("fields, message", [
+    ({"cuda_graphs": "maybe"}, "cuda_graphs='maybe' is not one of on, off"),
+    ({"attention_backend": "flash"}, "attention_backend='flash' is not one of auto, sdpa, triton"),
+    ({"expert_compute": "fast"}, "expert_compute='fast' is not one of auto, grouped, gemv"),
+    ({"expert_copy": "half"}, "expert_copy='half' is not one of split, whole"),
+    ({"fused_kernels": "yes"}, "fused_kernels='yes' is not one of auto, on, off"),
+    ({"dense_linear": "cublas"}, "dense_linear='cublas' is not one of auto, gemv, torch"),
+    ({"overlap_decode": "always"}, "overlap_decode='always' is not one of auto, on, off"),
+    ({"routing": "uniform"}, "routing='uniform': expected model, zipf"),
+    ({"routing": "zipf:-1"}, "routing='zipf:-1'"),
+    ({"routing": "trace:"}, "routing='trace:'"),
+    ({"moe_cache_per_layer": "yes", "moe_strategy": "offload"}, "moe_cache_per_layer='yes' must be True or False"),
+    ({"moe_cache_per_layer": True}, "moe_cache_per_layer: per-layer slot pools need a slot cache"),
+])
+def test_the_forward_and_engine_fields_are_refused_naming_the_field(fields, message):
+    with pytest.raises(SpecError, match=message):
+        EngineSpec(**fields)
+
+
+def test_the_forward_and_engine_flags_reach_the_spec():
+    spec = spec_from_args(parse("--cuda-graphs", "off", "--attention-backend", "sdpa", "--expert-compute", "gemv",
+                                "--expert-copy", "whole", "--fused-kernels", "off", "--dense-linear", "torch",
+                                "--routing", "trace:rel/r.trace", "--moe-strategy", "offload",
+                                "--moe-cache-per-layer"), {})
+    assert (spec.cuda_graphs, spec.attention_backend, spec.expert_compute, spec.expert_copy, spec.fused_kernels,
+            spec.fused, spec.dense_linear, spec.moe_cache_per_layer) == \
+        ("off", "sdpa", "gemv", "whole", "off", False, "torch", True)
+    assert spec.routing.startswith("trace:/") and spec.routing.endswith("/rel/r.trace")     # made absolute
+    default = spec_from_args(parse(), {})
+    assert (default.cuda_graphs, default.attention_backend, default.expert_compute, default.expert_copy,
+            default.fused, default.dense_linear, default.routing, default.moe_cache_per_layer) == \
+        ("on", "auto", "auto", "split", None, "auto", "model", False)
+    for bad in (["--routing", "uniform"], ["--cuda-graphs", "maybe"], ["--expert-compute", "fast"]):
+        with pytest.raises(SystemExit):
+            parse(*bad)
+
+
+@pytest.mark.parametrize("raw", ["model", "zipf", "zipf:1.0", "zipf:0", "trace:/x/y.trace"])
+def test_routing_forms(raw):
+    assert routing_flag(raw) == raw
+
+
+def test_every_field_is_in_one_rebuild_group():
+    """What a change of each field rebuilds (build.py's hooks): the model, the expert backend, or the engine only."""
+    names = [f.name for f in dataclasses.fields(EngineSpec)]
+    groups = MODEL_FIELDS + EXPERT_FIELDS + ENGINE_FIELDS
+    assert sorted(groups) == sorted(names) and len(set(groups)) == len(groups)
+    assert EngineSpec(cuda_graphs="off").differing(EngineSpec(dtype="float32")) == ["dtype", "cuda_graphs"]
+
+
+def test_the_torch_free_choices_are_their_homes():
+    from ftexpert.gpu_worker.backends.expert_compute import MODES
+    from ftexpert.gpu_worker.engine.attention import ATTENTION_BACKENDS as ENGINE_BACKENDS
+    from ftexpert.gpu_worker.models.model import MoeModel
+    assert EXPERT_COMPUTE_MODES == MODES and ATTENTION_BACKENDS == ENGINE_BACKENDS
+    assert DENSE_LINEARS == ("auto", *MoeModel.DENSE_LINEARS)
+
+
+# The wire form of the spec at this engine-link protocol version: a field added, dropped or renamed changes what
+# WELCOME carries, so ENGINE_PROTOCOL_VERSION goes up with it (and this list with both).
+WIRE_FIELDS = {6: ("model", "preset", "seed_weights", "device", "dtype", "expert_format", "moe_strategy",
+                   "moe_cache_size", "moe_cache_per_layer", "num_cpu_workers", "reserve_cpus", "pin_gpu_worker",
+                   "eviction_freq_weight", "eviction_freq_half_life", "moe_prefetch", "moe_prefetch_budget",
+                   "moe_prefetch_k", "moe_prefetch_verify", "expert_compute", "expert_copy", "fused_kernels",
+                   "dense_linear", "routing", "max_running_requests", "max_context_tokens", "prefill_chunk_tokens",
+                   "overlap_decode", "cuda_graphs", "attention_backend", "moe_slot_audit", "pdl")}
+
+
+def test_a_new_wire_form_bumps_the_protocol_version():
+    assert em.ENGINE_PROTOCOL_VERSION in WIRE_FIELDS, "a new protocol version: list its spec fields here"
+    assert tuple(EngineSpec().to_wire()) == WIRE_FIELDS[em.ENGINE_PROTOCOL_VERSION], \
+        "EngineSpec's wire form changed: bump proto/engine_messages.py ENGINE_PROTOCOL_VERSION"
+    spec = EngineSpec(moe_strategy="offload", moe_cache_per_layer=True, routing="zipf:0.5", cuda_graphs="off",
+                      expert_copy="whole", fused_kernels="on", dense_linear="torch", attention_backend="sdpa",
+                      expert_compute="gemv")
+    welcome = em.Welcome(3, 99, "ft-experts", [], 1.0, 10.0, spec)
+    assert em.decode(em.encode(welcome)) == welcome

@@ -21,6 +21,7 @@ import os
 import sys
 import time
 
+from ftexpert.proto.cli_flags import add_cpu_threads_flag, add_fetch_fraction_flag
 from ftexpert.proto.engine_spec import EngineSpec, add_engine_flags, spec_from_args
 from ftexpert.proto.knobs import add_cli_flag, resolve
 
@@ -46,11 +47,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     samp.add_argument("--ignore-eos", action="store_true", help="keep going past EOS")
     samp.add_argument("--stop-token-ids", type=_int_list, default=[], metavar="IDS")
     hyb = parser.add_argument_group("cpu and hybrid strategies (docs/HYBRID.md)")
-    hyb.add_argument("--fetch-fraction", type=float, default=None, metavar="F",
-                     help="share of the misses fetched over PCIe, in [0, 1] (default: from the `ft bench bw` "
-                          "profile of this GPU and expert format, else 0.5)")
+    add_fetch_fraction_flag(hyb)
     hyb.add_argument("--no-promote", action="store_true", help="no recency promotion (docs/slot_cache.md)")
-    hyb.add_argument("--cpu-threads", type=int, default=0, help="threads per CPU worker (0: one per core)")
+    add_cpu_threads_flag(hyb)
     hyb.add_argument("--cpu-deadline-ms", type=float, default=1000.0,
                      help="a CPU share not answered within this is fetched instead (the worker is restarted)")
     add_cli_flag(hyb, "fetch_round")

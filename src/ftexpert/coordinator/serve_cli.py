@@ -28,6 +28,7 @@ import signal
 import sys
 
 from ftexpert.coordinator.auth import add_api_key_flags
+from ftexpert.proto.cli_flags import add_fetch_fraction_flag, add_log_level_flag, add_workers_flag
 from ftexpert.proto.engine_spec import DEFAULT_MODEL_DIR, EngineSpec, add_engine_flags, spec_from_args
 from ftexpert.proto.knobs import add_cli_flag, positive_int_flag, resolve
 
@@ -59,9 +60,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     net.add_argument("--tokenizer-max-waiting", type=int, default=16,
                      help="more requests waiting for a tokenizer thread; beyond: HTTP 503 with Retry-After")
     procs = parser.add_argument_group("worker processes")
-    procs.add_argument("--workers", default="process", choices=("process", "inline"),
-                       help="process (default): the engine runs in a supervised `ft worker gpu` child, restarted "
-                            "when it dies; inline: in a thread of this process (no isolation, no restarts)")
+    add_workers_flag(procs)
     procs.add_argument("--attach", action="store_true",
                        help="do not start workers: wait for independently started ones (systemd) to connect")
     procs.add_argument("--engine-addr", default=os.environ.get("FT_ENGINE_ADDR"),
@@ -78,14 +77,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     procs.add_argument("--worker-ready-timeout-s", type=float, default=600.0,
                        help="start-up: how long a worker may take to say READY (loading included)")
     pol = parser.add_argument_group("fetch policy")
-    pol.add_argument("--fetch-fraction", type=float, default=None,
-                     help="fixed fetch fraction f in [0, 1] (default: from `ft bench bw`'s profile, then tuned)")
+    add_fetch_fraction_flag(pol)
     pol.add_argument("--fetch-fraction-min", type=float, default=None, help="lower bound of f for the tuner")
     pol.add_argument("--fetch-fraction-max", type=float, default=None, help="upper bound of f for the tuner")
     pol.add_argument("--no-auto-tune", action="store_true", help="keep f fixed (no online re-tuning)")
     add_cli_flag(pol, "fetch_round")
     add_cli_flag(pol, "benchbw_path")
-    parser.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
+    add_log_level_flag(parser)
 
 
 def build_policy_from_args(args: argparse.Namespace, expert_format, gpu_name: str):

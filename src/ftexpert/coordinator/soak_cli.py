@@ -23,11 +23,13 @@ import sys
 import tempfile
 import time
 
+from ftexpert.proto.cli_flags import add_workers_flag
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--duration-s", type=float, default=60.0, help="how long the load runs")
     parser.add_argument("--concurrency", type=int, default=4, help="client threads")
-    parser.add_argument("--workers", default="process", choices=("process", "inline"), help="ft serve --workers")
+    add_workers_flag(parser)                  # the served engine's, passed to ft serve
     parser.add_argument("--serve-args", default="--device cpu --max-running-requests 4 --max-context-tokens 2048",
                         help="more `ft serve` flags (model, device, strategy)")
     for role, what in (("gpu", "the GPU worker"), ("cpu", "a CPU worker (cpu/hybrid strategies)")):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 
+from ftexpert.proto.cli_flags import add_log_level_flag, add_parent_pid_flag
 from ftexpert.proto.cpus import parse_cpulist
 from ftexpert.proto.process_setup import setup_process
 
@@ -34,11 +35,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sleep-max-us", type=float, default=1000.0, help="longest idle sleep")
     parser.add_argument("--expect-config-hash", default=None, help="refuse a store with another config hash")
     parser.add_argument("--handshake-timeout-s", type=float, default=DEFAULT_HANDSHAKE_TIMEOUT_S)
-    parser.add_argument("--parent-pid", type=int, default=None,
-                        help="exit at once if this is not the parent (closes the die-with-parent race)")
+    add_parent_pid_flag(parser)
     parser.add_argument("--sysfs-root", default="/sys/devices/system", help=argparse.SUPPRESS)
     parser.add_argument("--no-warmup", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--log-level", default="INFO")
+    add_log_level_flag(parser)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -23,7 +23,8 @@ import json
 import sys
 import time
 
-from ftexpert.proto.knobs import EXPERT_FORMAT_CHOICES, resolve
+from ftexpert.proto.cli_flags import add_cpu_threads_flag, add_device_flag, add_reserve_cpus_flag
+from ftexpert.proto.knobs import add_cli_flag, resolve
 
 DEFAULT_STORE_MIB = 2048          # experts read per run: beyond any last-level cache
 DEFAULT_CALLS = 200
@@ -34,21 +35,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     fmt.add_argument("--preset", default=None, help="take H, I and dtype from a preset (tiny, qwen3-30b-a3b, ...)")
     fmt.add_argument("--model", default=None, metavar="DIR", help="take them from a checkpoint's config.json")
     fmt.add_argument("--dtype", default="auto", help="expert dtype (auto: the model's)")
-    fmt.add_argument("--expert-format", default=None, choices=EXPERT_FORMAT_CHOICES,
-                     help="the experts' storage format measured (auto: the checkpoint's; default: "
-                          "$FREETOKEN_EXPERT_FORMAT, else auto)")
-    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    add_cli_flag(fmt, "expert_format")                   # the format measured
+    add_device_flag(parser)
     parser.add_argument("--top-k", type=int, default=None, help="experts per CPU call (default: the model's top-k)")
     parser.add_argument("--cpu-workers", type=int, default=1, help="CPU worker processes, as `ft generate` starts")
-    parser.add_argument("--cpu-threads", type=int, default=0, help="threads per worker (0: one per physical core)")
-    parser.add_argument("--reserve-cpus", default=None, help="CPUs kept free of workers (default: 0 on >= 4 CPUs)")
+    add_cpu_threads_flag(parser)
+    add_reserve_cpus_flag(parser)
     parser.add_argument("--calls", type=int, default=DEFAULT_CALLS, help="timed copies and CPU calls")
     parser.add_argument("--store-mib", type=float, default=DEFAULT_STORE_MIB,
                         help="size of the temporary expert store the measurements read")
     parser.add_argument("--shared", action=argparse.BooleanOptionalAction, default=True,
                         help="also measure both sides at once (the shared-DRAM ceiling of the hybrid roofline)")
     parser.add_argument("--out", default=None, metavar="PATH", help="profile to write (see above)")
-    parser.add_argument("--benchbw-path", default=None, help=argparse.SUPPRESS)
+    add_cli_flag(parser, "benchbw_path")                 # where, when --out is not given
     parser.add_argument("--json", action="store_true", help="print the written entry as JSON last")
 
 

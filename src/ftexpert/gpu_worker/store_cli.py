@@ -10,15 +10,15 @@ from __future__ import annotations
 
 import argparse
 
+from ftexpert.proto.cli_flags import add_log_level_flag, add_parent_pid_flag
 from ftexpert.proto.process_setup import setup_process
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--link-fd", type=int, required=True,
                         help="the inherited socket of the coordinator's model-facts link (proto/model_facts.py)")
-    parser.add_argument("--parent-pid", type=int, default=None,
-                        help="exit at once if this is not the parent (closes the die-with-parent race)")
-    parser.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
+    add_parent_pid_flag(parser)
+    add_log_level_flag(parser)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -15,6 +15,7 @@ import argparse
 import os
 import sys
 
+from ftexpert.proto.cli_flags import add_log_level_flag, add_parent_pid_flag
 from ftexpert.proto.link_auth import KEY_FILE_ENV, default_engine_addr
 from ftexpert.proto.process_setup import setup_process
 
@@ -36,9 +37,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                       help="on SIGTERM: how long requests in flight may run on before they are aborted")
     link.add_argument("--store", default=None, dest="store_name",
                       help="expert store to attach (default: the name the coordinator's WELCOME gives)")
-    link.add_argument("--parent-pid", type=int, default=None,
-                      help="exit at once if this is not the parent (closes the die-with-parent race)")
-    parser.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
+    add_parent_pid_flag(link)
+    add_log_level_flag(parser)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -27,35 +27,58 @@ def make_attached_expert_backend(strategy: str, source: ExpertSource, device: to
                                  store_name: str = "", cpu_channels: list[str] | tuple[str, ...] = (),
                                  cache_size: int | float | str | None = None, mode: str = "auto",
                                  per_layer: bool = False, hybrid=None, worker_info=None,
-                                 freq_weight: int | None = None, freq_half_life: int | None = None) -> ExpertBackend:
+                                 freq_weight: int | None = None, freq_half_life: int | None = None,
+                                 split_copy: bool = True, host=None, pool=None) -> ExpertBackend:
     """The backend for ``strategy``, reading experts from the store ``store_name`` where it needs one.
     ``hybrid``: HybridOptions of cpu / hybrid (None: defaults; its reserve_cpus, the CPUs the owner kept
     free of CPU workers, sets this process's torch threads). ``worker_info``: the owner's supervisor view
     of the workers where it runs in this process (CpuPool.worker_info). ``freq_weight`` / ``freq_half_life``: the
-    slot cache's eviction key (--eviction-freq-weight / --eviction-freq-half-life; None: the knobs' defaults)."""
+    slot cache's eviction key (--eviction-freq-weight / --eviction-freq-half-life; None: the knobs' defaults).
+    ``split_copy``: the decode copy in two parts (--expert-copy split). ``host`` / ``pool``: a store (HostExperts)
+    and a CPU pool (CpuPool) already open in this process, borrowed instead of attached by name: the backend never
+    closes them (a benchmark's rows over one store)."""
     if not needs_host_store(strategy):
         return make_expert_backend(strategy, source, device, cache_size=cache_size, mode=mode)
+    if host is not None:
+        return _over_store(strategy, host, source, device, cpu_channels, owns_host=False, pool=pool,
+                           cache_size=cache_size, mode=mode, per_layer=per_layer, hybrid=hybrid,
+                           worker_info=worker_info, split_copy=split_copy,
+                           eviction=dict(freq_weight=freq_weight, freq_half_life=freq_half_life))
     if not store_name:
         raise ValueError(f"--moe-strategy {strategy} needs the coordinator's expert store, but no store name came "
                          f"with WELCOME (nor --store); start the coordinator with the same --moe-strategy")
     if strategy in CPU_POOL_STRATEGIES and not cpu_channels:
         raise ValueError(f"--moe-strategy {strategy} needs CPU expert workers, but WELCOME named no channels; "
                          f"start the coordinator with --moe-strategy {strategy} and --num-cpu-workers >= 1")
-    from ftexpert.gpu_worker.backends.offload import HostExperts, OffloadExperts, resolve_cache_slots
+    from ftexpert.gpu_worker.backends.offload import HostExperts
 
-    slots = resolve_cache_slots(cache_size, source.num_layers, source.num_experts, per_layer)
     host = HostExperts.attach(store_name, source.layout)
     try:
-        _check_store(host, source, store_name)
-        if strategy == "offload":
-            return OffloadExperts(host, slots, torch.device(device), per_layer=per_layer, mode=mode,
-                                  freq_weight=freq_weight, freq_half_life=freq_half_life)
-        return _attached_hybrid(strategy, host, source, slots, torch.device(device), list(cpu_channels),
-                                per_layer=per_layer, mode=mode, hybrid=hybrid, worker_info=worker_info,
-                                eviction=dict(freq_weight=freq_weight, freq_half_life=freq_half_life))
+        return _over_store(strategy, host, source, device, cpu_channels, owns_host=True, cache_size=cache_size,
+                           mode=mode, per_layer=per_layer, hybrid=hybrid, worker_info=worker_info,
+                           split_copy=split_copy, eviction=dict(freq_weight=freq_weight, freq_half_life=freq_half_life))
     except BaseException:
         host.close()
         raise
+
+
+def _over_store(strategy: str, host, source: ExpertSource, device: torch.device | str, cpu_channels, *,
+                owns_host: bool, pool=None, cache_size, mode: str, per_layer: bool, hybrid, worker_info,
+                split_copy: bool, eviction: dict) -> ExpertBackend:
+    """offload over `host`, or cpu / hybrid over `host` and the CPU workers (`pool`, else attached by the channels'
+    names); `owns_host`: closing the backend closes `host`."""
+    from ftexpert.gpu_worker.backends.offload import OffloadExperts, resolve_cache_slots
+
+    _check_store(host, source, host.store.name)
+    if strategy in CPU_POOL_STRATEGIES and pool is None and not cpu_channels:
+        raise ValueError(f"--moe-strategy {strategy} needs CPU expert workers: give their pool or channels")
+    slots = resolve_cache_slots(cache_size, source.num_layers, source.num_experts, per_layer)
+    if strategy == "offload":
+        return OffloadExperts(host, slots, torch.device(device), per_layer=per_layer, mode=mode,
+                              split_copy=split_copy, owns_host=owns_host, **eviction)
+    return _attached_hybrid(strategy, host, source, slots, torch.device(device), list(cpu_channels), pool=pool,
+                            owns_host=owns_host, per_layer=per_layer, mode=mode, hybrid=hybrid,
+                            worker_info=worker_info, split_copy=split_copy, eviction=eviction)
 
 
 def _check_store(host, source: ExpertSource, store_name: str) -> None:
@@ -72,9 +95,11 @@ def _check_store(host, source: ExpertSource, store_name: str) -> None:
 
 
 def _attached_hybrid(strategy: str, host, source: ExpertSource, slots: int, device: torch.device,
-                     channels: list[str], *, per_layer: bool, mode: str, hybrid=None,
-                     worker_info=None, eviction: dict | None = None) -> ExpertBackend:
-    """HybridExperts over the attached store and the coordinator's CPU workers (their channels)."""
+                     channels: list[str], *, per_layer: bool, mode: str, hybrid=None, pool=None,
+                     owns_host: bool = True, worker_info=None, split_copy: bool = True,
+                     eviction: dict | None = None) -> ExpertBackend:
+    """HybridExperts over the attached store and the coordinator's CPU workers (their channels; `pool`: already
+    attached in this process, borrowed)."""
     from ftexpert.gpu_worker.backends.hybrid import CpuPool, HybridExperts, HybridOptions
     from ftexpert.gpu_worker.backends.hybrid.options import resolve_fetch_fraction
 
@@ -83,17 +108,20 @@ def _attached_hybrid(strategy: str, host, source: ExpertSource, slots: int, devi
     fraction, fraction_source = resolve_fetch_fraction(options, dtype=lay.dtype, hidden_size=lay.hidden_size,
                                                        intermediate_size=lay.intermediate_size, device=device,
                                                        fmt=lay.fmt.label)
-    pool = CpuPool.attach(host.store, channels, deadline_s=options.cpu_deadline_s,
-                          readmit_poll_s=options.readmit_poll_s, ready_timeout_s=options.ready_timeout_s,
-                          worker_info=worker_info)
+    owns_pool = pool is None
+    if pool is None:
+        pool = CpuPool.attach(host.store, channels, deadline_s=options.cpu_deadline_s,
+                              readmit_poll_s=options.readmit_poll_s, ready_timeout_s=options.ready_timeout_s,
+                              worker_info=worker_info)
     try:
         torch.set_num_threads(options.engine_thread_count())    # idle OpenMP threads would spin on their cores
         backend = HybridExperts(host, slots, device, pool, strategy=strategy, fetch_fraction=fraction,
                                 fetch_round=options.fetch_round, promote=options.promote, seed=options.seed,
                                 per_layer=per_layer, mode=mode, cpu_max_tokens=min(options.cpu_max_tokens, pool.t_max),
-                                **(eviction or {}))
+                                owns_host=owns_host, owns_pool=owns_pool, split_copy=split_copy, **(eviction or {}))
         backend.fetch_fraction_source = "strategy cpu" if strategy == "cpu" else fraction_source
         return backend
     except BaseException:
-        pool.close()
+        if owns_pool:
+            pool.close()
         raise

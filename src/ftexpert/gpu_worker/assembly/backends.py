@@ -21,7 +21,8 @@ class BackendNotAvailableError(RuntimeError):
 
 def make_expert_backend(strategy: str, source: ExpertSource, device: torch.device | str,
                         cache_size: int | float | str | None = None, mode: str = "auto",
-                        per_layer: bool = False, hybrid=None, top_k: int | None = None) -> ExpertBackend:
+                        per_layer: bool = False, hybrid=None, top_k: int | None = None, split_copy: bool = True,
+                        freq_weight: int | None = None, freq_half_life: int | None = None) -> ExpertBackend:
     """Build the expert backend for ``strategy`` on ``device``.
 
     cache_size: GPU expert slots for ``offload``, ``cpu`` and ``hybrid``: a count, or a fraction in
@@ -30,6 +31,7 @@ def make_expert_backend(strategy: str, source: ExpertSource, device: torch.devic
     mode: ``ResidentExperts`` compute mode (auto | grouped | gemv).
     hybrid: ``gpu_worker.backends.hybrid.HybridOptions`` for ``cpu`` and ``hybrid`` (None: defaults).
     top_k: experts per token (sizes the CPU pool's channels); default: the source's config, else 8.
+    split_copy, freq_weight, freq_half_life: ``offload``'s decode copy and eviction key (OffloadExperts).
     """
     if strategy == "resident":
         return ResidentExperts.from_source(source, device, mode=mode)
@@ -41,7 +43,8 @@ def make_expert_backend(strategy: str, source: ExpertSource, device: torch.devic
         device = torch.device(device)
         host = HostExperts.create_filled(source, staging_device=device if device.type == "cuda" else None)
         try:
-            backend = OffloadExperts(host, slots, device, per_layer=per_layer, mode=mode)
+            backend = OffloadExperts(host, slots, device, per_layer=per_layer, mode=mode, split_copy=split_copy,
+                                     freq_weight=freq_weight, freq_half_life=freq_half_life)
         except BaseException:
             host.close()
             raise
@@ -50,5 +53,5 @@ def make_expert_backend(strategy: str, source: ExpertSource, device: torch.devic
     if strategy in ("cpu", "hybrid"):
         raise ValueError(f"--moe-strategy {strategy} attaches to an expert store and CPU workers that the "
                          f"coordinator's ExpertResources creates (coordinator/expert_resources.py): build it with "
-                         f"ftexpert.gpu_worker.api.load_attached_model / make_attached_expert_backend")
+                         f"build_engine(spec, attachment=Attachment(...)) (gpu_worker/assembly/build.py)")
     raise ValueError(f"--moe-strategy {strategy!r} is not one of {', '.join(STRATEGIES)}")

@@ -219,15 +219,21 @@ def load_model(model_dir: str | Path | None = None, preset: str | None = None, *
 
 
 def assemble_model(source: ModelSource, experts, device: torch.device, prefetch=None, *,
-                   fused_kernels: bool | None = None) -> MoeModel:
+                   fused_kernels: bool | None = None, routing=None, dense_linear: str | None = None,
+                   predictor=None) -> MoeModel:
     """The architecture's forward over `experts` (an ExpertBackend, closed here if this fails): the dense weights
-    on `device`, rotary tables for up to MAX_POSITIONS, the lookahead prefetch (`prefetch`: PrefetchSettings or
-    None). Every model the GPU worker builds is assembled here."""
+    on `device`, rotary tables for up to MAX_POSITIONS, the synthetic routing (`routing`: a SyntheticRouting or
+    None), the dense projections (`dense_linear`: gemv / torch; None: the model's default), the lookahead prefetch
+    (`prefetch`: PrefetchSettings or None; `predictor`: its predictor, None: the model's). Every model the GPU
+    worker builds is assembled here."""
     try:
         cfg = source.cfg
         model = make_model(cfg, source.load_dense(device), experts,
                            max_positions=min(MAX_POSITIONS, cfg.max_position_embeddings), fused_kernels=fused_kernels)
-        attach_prefetch(model, prefetch)
+        model.routing_override = routing
+        if dense_linear is not None:
+            model.dense_linear = dense_linear
+        attach_prefetch(model, prefetch, predictor)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
     except BaseException:

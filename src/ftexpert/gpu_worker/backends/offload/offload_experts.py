@@ -56,13 +56,15 @@ class OffloadExperts(ExpertBackend):
 
     def __init__(self, host: HostExperts, num_slots: int, device: torch.device | str, *,
                  per_layer: bool = False, mode: str = "auto", gather_max_pairs: int = 32,
-                 split_copy: bool = True, freq_weight: int | None = None, freq_half_life: int | None = None):
+                 split_copy: bool = True, freq_weight: int | None = None, freq_half_life: int | None = None,
+                 owns_host: bool = True):
         """split_copy: the decode copy in two parts, w13 then w2, the fetched routes' gate/up between them
         (DecodeCopy). freq_weight / freq_half_life: the eviction key's frequency weight and the counts' half-life
-        (None: the knobs FREETOKEN_EVICTION_FREQ_WEIGHT and FREETOKEN_EVICTION_FREQ_HALF_LIFE)."""
+        (None: the knobs FREETOKEN_EVICTION_FREQ_WEIGHT and FREETOKEN_EVICTION_FREQ_HALF_LIFE). owns_host: `close`
+        closes `host` too (False: it is shared, e.g. by a benchmark's backends, and its owner closes it)."""
         if mode not in MODES:
             raise ValueError(f"expert compute mode {mode!r} is not one of {', '.join(MODES)}")
-        self.host, self.layout = host, host.layout
+        self.host, self.layout, self.owns_host = host, host.layout, owns_host
         self.num_layers, self.num_experts = host.num_layers, host.num_experts
         self.device = torch.device(device)
         self.mode, self.gather_max_pairs = mode, gather_max_pairs
@@ -317,4 +319,6 @@ class OffloadExperts(ExpertBackend):
         return self.slots.numel() * self.slots.element_size()
 
     def close(self) -> None:
-        self.host.close()
+        if self.owns_host:
+            self.host.close()
+        self.owns_host = False

@@ -71,14 +71,6 @@ class PrefetchSettings:
 PREFETCH_KNOBS = ("moe_prefetch", "moe_prefetch_budget", "moe_prefetch_k", "moe_prefetch_verify")
 
 
-def settings_from_knobs(values: dict) -> PrefetchSettings | None:
-    """PrefetchSettings from resolved knob values (proto.knobs.resolve over PREFETCH_KNOBS); None when the prefetch
-    and its verifier are both off (nothing is built)."""
-    settings = PrefetchSettings(mode=values["moe_prefetch"], budget=values["moe_prefetch_budget"],
-                                k=values["moe_prefetch_k"], verify=values["moe_prefetch_verify"])
-    return None if settings.mode == "off" and settings.verify == "off" else settings
-
-
 class Predictor(Protocol):
     def predict(self, layer: int, h: torch.Tensor) -> torch.Tensor:
         """Ranked candidate expert ids [C] int64 (device, C <= 128, -1 = none) of `layer` from h [T, H], the
