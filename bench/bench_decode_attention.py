@@ -92,7 +92,7 @@ def run_case(args, dtype, T: int, ctx: int, rows: list[dict], device: str = "cud
         print(f"T={T} ctx={ctx:>6} bucket={bucket:>6} {name:<52} {r['us']:8.1f} us  {r['gbps']:7.0f} GB/s  "
               f"{100 * r['roofline']:5.1f}% of {HBM_ROOFLINE_BPS / 1e12:.1f} TB/s", flush=True)
 
-    attns = {b: DecodeAttention(kv, slots, positions, T, bucket, True, args.window, backend=b)
+    attns = {b: DecodeAttention(kv, slots, positions, bucket, args.window, backend=b)
              for b in ("sdpa", "triton")}
     if not args.no_sdpa:
         add("sdpa attend", lambda i: attns["sdpa"].attend(i, q, k_new, v_new))
