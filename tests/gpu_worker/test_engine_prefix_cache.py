@@ -71,20 +71,20 @@ def test_multi_turn_tokens_are_the_same_with_the_prefix_cache_on_and_off(embedde
 def test_a_hit_skips_the_shared_blocks_but_computes_the_last_prompt_token(embedded):
     e = engine(embedded, block=4)
     prompt = ids(24, 5)                                   # 6 full blocks
-    first = run(e, {"a": (prompt, 6)})["a"][0]
+    first = run(e, {"a": (prompt, 5)})["a"][0]            # its last step fills block 7: named as it finishes
     prefilled = e.stats.prefill_tokens
-    assert e.stats.prefix_cache_hit_tokens_total == 0 and e.stats.kv_blocks_cached == 7   # 24 + 5 fed: 7 full
+    assert e.stats.prefix_cache_hit_tokens_total == 0 and e.stats.kv_blocks_cached == 7   # 24 + 4 fed: 7 full
     assert run(e, {"b": (prompt, 4)})["b"][0] == first[:4]
     assert e.stats.prefix_cache_hit_tokens_total == 20   # 5 blocks: the 6th holds the last prompt token
     assert e.stats.prefill_tokens - prefilled == 4
-    longer = prompt + first[:5] + ids(6, 6)              # the next turn: the answer's K/V (block 7) are cached too
+    longer = prompt + first[:4] + ids(6, 6)              # the next turn: the answer's K/V (block 7) are cached too
     e.stats.prefix_cache_hit_tokens_total = 0
     run(e, {"c": (longer, 2)})
     assert e.stats.prefix_cache_hit_tokens_total == 24 + 4
-    other = ids(3, 7) + prompt                            # the same tokens at other positions: no hit
+    other = prompt[:4] + prompt                           # block 0 cached; then the same blocks one block later
     e.stats.prefix_cache_hit_tokens_total = 0
-    run(e, {"d": (other, 2)})
-    assert e.stats.prefix_cache_hit_tokens_total == 0
+    assert run(e, {"d": (other, 4)}) == run(engine(embedded, prefix=False), {"d": (other, 4)})
+    assert e.stats.prefix_cache_hit_tokens_total == 4     # a key covers the whole prefix, hence the position
     assert_idle_and_whole(e)
 
 
