@@ -143,11 +143,12 @@ def test_admission_waits_for_blocks_not_for_rows(embedded):
     assert_idle_and_whole(e)
 
 
-def test_random_adds_aborts_and_steps_leak_no_block(embedded):
+@pytest.mark.parametrize("seed", [7, 8, 9])
+def test_random_adds_aborts_and_steps_leak_no_block(embedded, seed):
     """A seeded soak: requests with shared prefixes join, are aborted (waiting, prefilling, decoding) and finish
     over a pool that forces preemption and eviction; the book is checked after every step, every finished
     request has the tokens of the unconstrained run, and at the end every block is free or cached."""
-    rng = random.Random(7)
+    rng = random.Random(seed)
     prefixes = [ids(11, 30), ids(6, 31)]
     prompts = [prefixes[i % 2] + ids(1 + 3 * i, 40 + i) for i in range(6)]
     longest = {i: run(engine(embedded, prefix=False), {i: (p, 9)})[i][0] for i, p in enumerate(prompts)}
@@ -155,7 +156,7 @@ def test_random_adds_aborts_and_steps_leak_no_block(embedded):
     added: dict = {}
     done: dict = {}
     toks: dict = {}
-    for _ in range(70):
+    for _ in range(300):
         op = rng.random()
         if op < 0.3:
             p, n = rng.randrange(len(prompts)), rng.randint(1, 9)
@@ -182,4 +183,52 @@ def test_random_adds_aborts_and_steps_leak_no_block(embedded):
         if done[rid] != "abort":
             assert toks[rid] == longest[p][:n], rid
     assert e.stats.kv_preemptions_total >= 1 and e.stats.prefix_cache_hit_tokens_total > 0
+    assert_idle_and_whole(e)
+
+
+def test_the_engine_spec_sizes_the_pool(embedded):
+    """--kv-block-size, --kv-cache-gib and --prefix-cache reach the engine build_engine makes."""
+    from ftexpert.gpu_worker.api import DEFAULT_MODEL_DIR, build_engine
+    from ftexpert.proto.engine_spec import EngineSpec
+    cfg = embedded.cfg
+    per_block = 2 * cfg.num_kv_layers * 8 * cfg.kv_size * 4                  # float32 K and V of 8 positions
+    built = build_engine(EngineSpec(model=str(DEFAULT_MODEL_DIR), device="cpu", max_running_requests=2,
+                                    kv_block_size=8, kv_cache_gib=100 * per_block / 2**30, prefix_cache="off"))
+    try:
+        e = built.engine
+        assert (e.kv.block_size, e.kv.num_blocks, e.blocks.prefix_caching) == (8, 100, False)
+        assert e.kv.block_tables.shape == (2, -(-e.max_context_tokens // 8))
+    finally:
+        built.close()
+    default = build_engine(EngineSpec(model=str(DEFAULT_MODEL_DIR), device="cpu", max_running_requests=2))
+    try:
+        e = default.engine
+        assert e.kv.block_size == 16 and e.blocks.prefix_caching
+        assert e.kv.num_blocks * 16 == 2 * e.max_context_tokens             # two full contexts
+    finally:
+        default.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.usefixtures("no_tf32")
+@pytest.mark.parametrize("attention", ["triton", "sdpa"])
+def test_gpu_graphs_and_overlap_over_a_small_pool_give_the_cpu_tokens(tmp_path, attention):
+    """On CUDA: decode steps replayed from CUDA graphs (the block tables changed in place between replays),
+    queued ahead (overlap), over a pool that preempts and evicts, with the prefix cache: the tokens of the
+    unconstrained CPU run."""
+    from ftexpert.gpu_worker.checkpoint.tiny import ensure_tiny_checkpoint
+    from ftexpert.gpu_worker.engine import Engine, EngineConfig
+    path = ensure_tiny_checkpoint(tmp_path / "tiny")
+    cpu, gpu = load_model(path, device="cpu"), load_model(path, device="cuda", expert_compute="gemv")
+    vocab = cpu.cfg.vocab_size
+    base = [(7 * k) % (vocab - 1) + 1 for k in range(21)]
+    requests = {f"r{i}": (base + [(5 * i + k) % (vocab - 1) + 1 for k in range(3 + 2 * i)], 24) for i in range(5)}
+    expected = run(engine(cpu, prefix=False), requests)
+    e = Engine(gpu.model, EngineConfig(max_running_requests=3, max_context_tokens=256, prefill_chunk_tokens=16,
+                                       kv_block_size=16, kv_cache_tokens=160, attention_backend=attention,
+                                       overlap_decode=True), eos_token_ids=())
+    assert run(e, requests) == expected
+    s = e.stats
+    assert s.kv_preemptions_total >= 1 and s.prefix_cache_hit_tokens_total > 0 and s.decode_steps_ahead > 0
+    assert e.graphs is not None and e.graphs.replays > 0
     assert_idle_and_whole(e)

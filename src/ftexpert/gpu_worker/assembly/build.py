@@ -57,6 +57,11 @@ class BuiltEngine:
         self.experts.close()
 
 
+def kv_block_size(spec: EngineSpec) -> dict[str, int]:
+    """EngineConfig's kv_block_size where the spec sets one (else the engine's default)."""
+    return {} if spec.kv_block_size is None else {"kv_block_size": spec.kv_block_size}
+
+
 def hybrid_options(spec: EngineSpec, base: HybridOptions | None = None) -> HybridOptions:
     """The cpu / hybrid backends' options: `base` (ft generate's CPU-side flags; default: the defaults) with the
     spec's reserved CPUs and pin setting."""
@@ -104,7 +109,9 @@ def build_engine(spec: EngineSpec, *, attachment: Attachment | None = None, sour
                                             max_context_tokens=spec.max_context_tokens,
                                             slot_audit_every=spec.moe_slot_audit,
                                             prefill_chunk_tokens=spec.prefill_chunk_tokens,
-                                            overlap_decode=spec.overlap), source.eos_token_ids)
+                                            overlap_decode=spec.overlap, kv_cache_gib=spec.kv_cache_gib,
+                                            prefix_caching=spec.prefix_cache == "on",
+                                            **kv_block_size(spec)), source.eos_token_ids)
         if device.type == "cuda":
             torch.cuda.synchronize(device)          # the KV cache allocated: the load time covers it
     except BaseException:
