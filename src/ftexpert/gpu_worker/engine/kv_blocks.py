@@ -96,8 +96,9 @@ class KVBlocks:
     def grow(self, req: Request) -> None:
         n = self.growth(req)
         if n:
+            start = len(req.blocks)
             req.blocks += self.pool.allocate(n)
-            self.kv.set_row(req.slot, req.blocks)
+            self.kv.set_row(req.slot, req.blocks[start:], start)
 
     # ---- the prefix cache and freeing --------------------------------------------------------
     def register_full(self, req: Request) -> None:

@@ -73,7 +73,7 @@ class KVCache:
         if fixed:
             self.host_tables[:, 0] = torch.arange(max_batch, dtype=torch.int32)
         self.block_tables = self.host_tables.to(device, copy=True)     # a copy on the CPU too: sync writes it
-        self._dirty = False
+        self._dirty: set[int] = set()                                  # rows written since the last sync
 
     @staticmethod
     def nbytes_for(cfg: MoeConfig, num_tokens: int, dtype: torch.dtype) -> int:
@@ -91,16 +91,18 @@ class KVCache:
         return (self.k[layer].view(n, self.num_kv_heads, self.head_dim),
                 self.v[layer].view(n, self.num_kv_heads, self.head_dim))
 
-    def set_row(self, slot: int, blocks: list[int]) -> None:
-        """Slot `slot`'s table row on the host: `blocks` in position order, -1 after them (the device row at the
-        next `sync`)."""
-        if len(blocks) > self.max_blocks_per_seq:
-            raise ValueError(f"{len(blocks)} blocks exceed a row's {self.max_blocks_per_seq}")
+    def set_row(self, slot: int, blocks: list[int], start: int = 0) -> None:
+        """Slot `slot`'s table row on the host from entry `start` on: `blocks` in position order, then -1 where
+        start is 0 (a whole row; else the entries after them are left as they are: a request's new blocks). The
+        device row follows at the next `sync`."""
+        if start + len(blocks) > self.max_blocks_per_seq:
+            raise ValueError(f"{start + len(blocks)} blocks exceed a row's {self.max_blocks_per_seq}")
         row = self.host_tables[slot]
-        row.fill_(-1)
+        if start == 0:
+            row.fill_(-1)
         if blocks:
-            row[:len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
-        self._dirty = True
+            row[start:start + len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
+        self._dirty.add(slot)
 
     def row_blocks(self, slot: int, num_tokens: int) -> list[int]:
         """The blocks holding positions [0, num_tokens) of slot `slot` (host), checked to be there."""
@@ -114,12 +116,16 @@ class KVCache:
         return blocks
 
     def sync(self) -> None:
-        """Copy the host rows to the device if any changed since the last sync: one copy queued on the current
-        stream (from a fresh pinned buffer on CUDA, so the host never waits for work queued before it)."""
+        """Copy the host rows written since the last sync to the device: the rows and their indices in two copies
+        queued on the current stream (from fresh pinned buffers on CUDA, so the host never waits for work queued
+        before them) and one index_copy_ after them."""
         if not self._dirty:
             return
-        self._dirty = False
-        src = self.host_tables
+        slots = sorted(self._dirty)
+        self._dirty.clear()
+        index = torch.tensor(slots, dtype=torch.int64)
+        rows = self.host_tables.index_select(0, index)
         if self.block_tables.device.type == "cuda":
-            src = src.pin_memory()
-        self.block_tables.copy_(src, non_blocking=True)
+            index, rows = index.pin_memory(), rows.pin_memory()
+        device = self.block_tables.device
+        self.block_tables.index_copy_(0, index.to(device, non_blocking=True), rows.to(device, non_blocking=True))
