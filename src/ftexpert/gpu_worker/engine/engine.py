@@ -181,7 +181,7 @@ class Engine:
         return request_id
 
     def abort(self, request_id: Hashable) -> bool:
-        """Drop a waiting or running request and free its KV row; False if it is unknown or done."""
+        """Drop a waiting or running request and free its KV blocks; False if it is unknown or done."""
         req = self.scheduler.find(request_id)
         if req is None:
             return False
@@ -226,7 +226,7 @@ class Engine:
         return outputs
 
     def _release(self, req: Request) -> None:
-        """Take a finished or aborted request out; its KV row and state rows go back to the pool (states zeroed)."""
+        """Take a finished or aborted request out; its KV blocks and state rows go back (states zeroed)."""
         if self.states is not None and req.slot is not None:
             self.states.reset(req.slot)
         self.scheduler.remove(req)
@@ -242,7 +242,7 @@ class Engine:
 
     def _read_step(self, step: _DecodeStep, t0: float | None = None) -> list[StepOutput]:
         """A launched decode step's tokens, appended to its requests still running (one that finished or was aborted
-        since it was queued made its token for nothing: its KV row was freed, and anything later runs after it);
+        since it was queued made its token for nothing: its KV blocks were freed, and anything later runs after it);
         the stats, and the slot audit when due. `t0`: when the host began the step (its decode time)."""
         token_ids = step.token_ids()                                                 # host sync (this step's)
         now = time.perf_counter()
