@@ -28,13 +28,14 @@ from typing import Iterable, Sequence
 ROOT_KEY = b"ft-kv-prefix-root"
 
 
-def chain_keys(keys: list[bytes], tokens: Sequence[int], block_size: int, num_blocks: int) -> list[bytes]:
-    """Extend `keys` (the keys of the first len(keys) blocks of `tokens`) in place to the first `num_blocks` full
-    blocks; returns `keys`. Each key is computed once per request and kept (Request.block_keys)."""
-    for i in range(len(keys), num_blocks):
-        chunk = tokens[i * block_size:(i + 1) * block_size]
+def chain_keys(keys: list[bytes], tokens: Sequence[int], block_size: int) -> list[bytes]:
+    """Extend `keys` (the keys of a sequence's first len(keys) blocks) in place by the keys of the blocks `tokens`
+    fill (the sequence's tokens from block len(keys) on, whole blocks); returns `keys`. Each key is computed once
+    per request and kept (Request.block_keys)."""
+    for j in range(-(-len(tokens) // block_size)):
+        chunk = tokens[j * block_size:(j + 1) * block_size]
         if len(chunk) != block_size:
-            raise ValueError(f"block {i} is not full: {len(chunk)} of {block_size} tokens")
+            raise ValueError(f"block {len(keys)} is not full: {len(chunk)} of {block_size} tokens")
         h = hashlib.blake2b(keys[-1] if keys else ROOT_KEY, digest_size=16)
         h.update(struct.pack(f"<{block_size}q", *chunk))
         keys.append(h.digest())

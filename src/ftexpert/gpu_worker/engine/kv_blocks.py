@@ -56,9 +56,9 @@ class KVBlocks:
 
     # ---- admission ---------------------------------------------------------------------------
     def _keys(self, req: Request, num_blocks: int) -> list[bytes]:
-        if len(req.block_keys) < num_blocks:
-            chain_keys(req.block_keys, req.sequence_ids(0, num_blocks * self.block_size), self.block_size,
-                       num_blocks)
+        have, bs = len(req.block_keys), self.block_size
+        if have < num_blocks:
+            chain_keys(req.block_keys, req.sequence_ids(have * bs, (num_blocks - have) * bs), bs)
         return req.block_keys[:num_blocks]
 
     def _hits(self, req: Request) -> list[int]:

@@ -60,10 +60,10 @@ class Request:
 
     def sequence_ids(self, start: int, n: int) -> list[int]:
         """Tokens [start, start + n) of prompt + output."""
-        prompt = self.num_prompt_tokens
-        if start + n <= prompt:
-            return self.prompt_ids[start:start + n]
-        return (self.prompt_ids + self.output_ids)[start:start + n]
+        prompt, end = self.num_prompt_tokens, start + n
+        if start >= prompt:
+            return self.output_ids[start - prompt:end - prompt]
+        return self.prompt_ids[start:end] + self.output_ids[:max(0, end - prompt)]
 
     def restart(self) -> None:
         """Preempted (its blocks already taken back): its next prefill recomputes every token but the last."""
