@@ -283,11 +283,11 @@ class Engine:
         attn = PrefillAttention(self.kv, req.slot, start, n, self.model.cfg.sliding_window)
         if self.states is not None:
             attn = StatefulContext(attn, self.states.prefill(req.slot, start))
-        rows = torch.tensor([n - 1] if chunk.samples else [], dtype=torch.int64, device=self.device)
+        rows = torch.tensor([n - 1] if chunk.is_last else [], dtype=torch.int64, device=self.device)
         logits = self.model.forward(token_ids, positions, attn, logit_rows=rows)      # [0 or 1, V]
         req.num_prefilled += n
         outputs = []
-        if chunk.samples:
+        if chunk.is_last:
             token = int(req.sampler.sample(logits[0]))                               # host sync
             outputs.append(req.append_token(token, time.perf_counter()))
         elif self.device.type == "cuda":

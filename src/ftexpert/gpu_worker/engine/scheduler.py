@@ -33,13 +33,14 @@ class PrefillChunk:
     num_tokens: int         # C
 
     @property
-    def is_last(self) -> bool:
+    def ends_prefill(self) -> bool:
         return self.start_pos + self.num_tokens == self.request.prefill_len
 
     @property
-    def samples(self) -> bool:
-        """The last chunk of a request with no output yet: its last token's logits give the first token."""
-        return self.is_last and not self.request.output_ids
+    def is_last(self) -> bool:
+        """The last chunk of a request's prompt: its last token's logits give the first token. (The chunk that ends a
+        preempted request's recompute, which has its output already, samples nothing.)"""
+        return self.ends_prefill and not self.request.output_ids
 
 
 @dataclass
