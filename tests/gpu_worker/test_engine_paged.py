@@ -232,3 +232,27 @@ def test_gpu_graphs_and_overlap_over_a_small_pool_give_the_cpu_tokens(tmp_path, 
     assert s.kv_preemptions_total >= 1 and s.prefix_cache_hit_tokens_total > 0 and s.decode_steps_ahead > 0
     assert e.graphs is not None and e.graphs.replays > 0
     assert_idle_and_whole(e)
+
+
+@pytest.mark.parametrize("prefix", [True, False])
+def test_a_preempted_request_resumes_where_it_was(embedded, prefix):
+    """Preempted after 2 tokens of a 7-token prompt (blocks of 4): its recompute covers positions [0, 8), two whole
+    blocks. With the prefix cache both are found cached, so it decodes at once, in a block given at admission for
+    position 8; without, it recomputes them. The tokens are those of a run without preemption."""
+    prompt = ids(7, 50)
+    expected = run(engine(embedded, prefix=False), {"a": (prompt, 6)})["a"][0]
+    e = engine(embedded, prefix=prefix)
+    e.add_request(prompt, greedy(6), request_id="a")
+    toks = []
+    while len(toks) < 2:
+        toks += [o.new_token_id for o in e.step()]
+    req = e.scheduler.find("a")
+    e.scheduler._preempt(req)
+    assert req.prefill_len == 8 and req.slot is None and e.stats.kv_preemptions_total == 1
+    prefilled = e.stats.prefill_tokens
+    while e.has_work():
+        toks += [o.new_token_id for o in e.step()]
+        audit(e)
+    assert toks == expected
+    assert e.stats.prefill_tokens - prefilled == (0 if prefix else 8)
+    assert_idle_and_whole(e)

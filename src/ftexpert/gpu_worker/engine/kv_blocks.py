@@ -5,7 +5,7 @@ The scheduler (scheduler.py) asks it three things:
   hit shares) and `admit` to do it. A hit sets the request's `num_prefilled` past the shared blocks: its prefill
   starts there. A fresh prompt's last token is always computed (its logits are sampled), so at most
   (prompt - 1) // block_size blocks are shared; a preempted request, which samples nothing, may find all of its
-  recompute in the cache and go straight to decoding.
+  recompute in the cache and go straight to decoding (admitted with the blocks of its next decode step).
 - `growth(req)` / `grow`: the blocks a decoding request needs before its next step: those holding positions
   [0, seq_len] (its next position, and the one after it for a decode step queued ahead), at most those of its
   longest possible sequence (`max_tokens`).
@@ -67,16 +67,24 @@ class KVBlocks:
         shareable = req.prefill_len if req.output_ids else req.prefill_len - 1
         return self.pool.match(self._keys(req, shareable // self.block_size))
 
+    def _admitted_blocks(self, req: Request, hits: list[int]) -> int:
+        """Blocks `req` holds once admitted with `hits`: those of its prefill, or, when the hits cover all of it (a
+        preempted request's recompute found cached), those its first decode step needs (`growth`)."""
+        if len(hits) * self.block_size < req.prefill_len:
+            return self.blocks_for(req.prefill_len)
+        limit = self.max_tokens(req.num_prompt_tokens, req.params.max_new_tokens, req.max_context_tokens)
+        return self.blocks_for(min(req.seq_len + 1, limit))
+
     def admission(self, req: Request) -> tuple[list[int], int]:
         """(the cached blocks its sequence starts with, the available blocks admitting it takes up). No side
         effects on the pool."""
         hits = self._hits(req)
-        return hits, self.blocks_for(req.prefill_len) - len(hits) + self.pool.cost(hits)
+        return hits, self._admitted_blocks(req, hits) - len(hits) + self.pool.cost(hits)
 
     def admit(self, req: Request, slot: int, hits: list[int]) -> None:
-        """Give `req` (just given `slot`) the blocks of its prefill: `hits` shared, the rest new."""
+        """Give `req` (just given `slot`) its blocks: `hits` shared, the rest new."""
         self.pool.acquire(hits)
-        req.blocks = hits + self.pool.allocate(self.blocks_for(req.prefill_len) - len(hits))
+        req.blocks = hits + self.pool.allocate(self._admitted_blocks(req, hits) - len(hits))
         req.num_registered = len(hits)
         req.num_prefilled = len(hits) * self.block_size
         self.kv.set_row(slot, req.blocks)

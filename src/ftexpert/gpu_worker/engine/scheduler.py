@@ -148,6 +148,10 @@ class Scheduler:
         self.kv.kv.sync()                               # the block tables to the device, behind queued steps
         self.kv.publish()
         plan = StepPlan(decode=[r for r in self.running if not r.in_prefill and not r.finished])
+        for req in plan.decode:         # a decode step writes position seq_len - 1: never through a -1 entry
+            if len(req.blocks) * self.kv.block_size < req.seq_len:
+                raise RuntimeError(f"request {req.request_id!r} decodes position {req.seq_len - 1} with "
+                                   f"{len(req.blocks)} KV blocks of {self.kv.block_size}")
         for req in self.running:
             if req.in_prefill:
                 n = min(self.prefill_chunk_tokens, req.prefill_len - req.num_prefilled)
