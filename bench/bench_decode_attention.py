@@ -14,7 +14,9 @@ Each row captures CALLS calls (48 = layers) in one CUDA graph, call i on layer i
 CALLS layers (so a call does not find its K/V in L2), and times graph replays with CUDA events; the
 median per call is reported after warm-up. GB/s counts the K/V bytes a call must read (each
 request's seq_len positions of K and V), against the H200's HBM roofline (4.8 TB/s).
-Prints a short table last. Usage: python bench/bench_decode_attention.py [--tokens 1,4] [--sweep]
+The cache is paged as the engine's (`--page`, default 16 positions a block, each request's blocks scattered at
+random over the pool); `--page 0` gives every request one contiguous row (a block of the whole bucket).
+Prints a short table last. Usage: python bench/bench_decode_attention.py [--tokens 1,4] [--page 16] [--sweep]
 """
 from __future__ import annotations
 
@@ -43,6 +45,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--kv-heads", type=int, default=4)
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--window", type=int, default=None, help="sliding window (default: none)")
+    p.add_argument("--page", type=int, default=16, help="positions per KV block, scattered blocks (0: one "
+                   "contiguous row per request)")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     add_graph_timing_args(p)
     p.add_argument("--sweep", action="store_true", help="also time DecodeAttentionBlocks variants")
@@ -68,7 +72,15 @@ def run_case(args, dtype, T: int, ctx: int, rows: list[dict], device: str = "cud
     cfg = MoeConfig(arch="qwen3", vocab_size=8, hidden_size=Hq * D, num_layers=L, num_heads=Hq,
                     num_kv_heads=Hkv, head_dim=D, num_experts=2, top_k=1, expert_intermediate_size=8,
                     rms_norm_eps=1e-6, rope_theta=1e6, max_position_embeddings=args.max_context)
-    kv = KVCache(cfg, T, bucket, dtype, torch.device(device))      # [L, T, bucket, Hkv, D]
+    if args.page:                                                  # [L, T * bucket / page, page, Hkv, D]
+        per_row = -(-bucket // args.page)
+        kv = KVCache(cfg, T, bucket, dtype, torch.device(device), block_size=args.page, num_blocks=T * per_row)
+        blocks = torch.randperm(T * per_row).tolist()              # every request's blocks scattered
+        for slot in range(T):
+            kv.set_row(slot, blocks[slot * per_row:(slot + 1) * per_row])
+        kv.sync()
+    else:
+        kv = KVCache(cfg, T, bucket, dtype, torch.device(device))  # [L, T, bucket, Hkv, D]: one row each
     kv.k.normal_()
     kv.v.normal_()
     slots = torch.arange(T, device=device)
@@ -92,7 +104,7 @@ def run_case(args, dtype, T: int, ctx: int, rows: list[dict], device: str = "cud
         print(f"T={T} ctx={ctx:>6} bucket={bucket:>6} {name:<52} {r['us']:8.1f} us  {r['gbps']:7.0f} GB/s  "
               f"{100 * r['roofline']:5.1f}% of {HBM_ROOFLINE_BPS / 1e12:.1f} TB/s", flush=True)
 
-    attns = {b: DecodeAttention(kv, slots, positions, T, bucket, True, args.window, backend=b)
+    attns = {b: DecodeAttention(kv, slots, positions, bucket, args.window, backend=b)
              for b in ("sdpa", "triton")}
     if not args.no_sdpa:
         add("sdpa attend", lambda i: attns["sdpa"].attend(i, q, k_new, v_new))
@@ -102,7 +114,7 @@ def run_case(args, dtype, T: int, ctx: int, rows: list[dict], device: str = "cud
 
     def kernel(blocks):
         return lambda i: decode_attention(q, kv.k[i], kv.v[i], slots, seq_lens, scale=scale, bucket=bucket,
-                                          sliding_window=args.window, blocks=blocks)
+                                          sliding_window=args.window, blocks=blocks, block_tables=kv.block_tables)
 
     add(f"triton kernel ({splits} splits x {chunk})", kernel(DEFAULT_BLOCKS), DEFAULT_BLOCKS)
     if args.sweep:

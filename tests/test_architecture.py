@@ -32,6 +32,9 @@ def test_the_import_contracts_hold():
 # The Engine class's own unit tests that hand it what no spec carries: they may construct an Engine themselves.
 ENGINE_UNIT_TESTS = {
     "tests/gpu_worker/test_engine_stops.py": "the stop rules with EOS ids the test chooses (Engine's eos_token_ids)",
+    "tests/gpu_worker/test_engine_paged.py": "paging and preemption over pools sized in tokens (kv_cache_tokens)",
+    "tests/gpu_worker/test_engine_grammar.py": "the grammar masks over the test's configs and grammar compiler",
+    "tests/gpu_worker/test_engine_logprobs.py": "the sampler's logprobs beside a recomputation on the test's configs",
 }
 ENGINE_BUILDER = "src/ftexpert/gpu_worker/assembly/build.py"
 

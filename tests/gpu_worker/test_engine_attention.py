@@ -53,8 +53,7 @@ def test_decode_attention_matches_reference(slots, window):
     q = torch.randn(T, 8, 16, generator=g, dtype=torch.float64)
     k_new = torch.randn(T, 2, 16, generator=g, dtype=torch.float64)
     v_new = torch.randn(T, 2, 16, generator=g, dtype=torch.float64)
-    attn = DecodeAttention(kv, torch.tensor(slots), positions, num_rows=max(slots) + 1,
-                           bucket_tokens=decode_bucket_tokens(201, 300), rows_are_slots=slots == [0, 1, 2],
+    attn = DecodeAttention(kv, torch.tensor(slots), positions, bucket_tokens=decode_bucket_tokens(201, 300),
                            sliding_window=window)
     out = attn.attend(1, q, k_new, v_new)
     for t, (slot, pos) in enumerate(zip(slots, positions.tolist())):
@@ -83,7 +82,7 @@ def test_decode_at_the_end_of_a_32k_context():
     q = torch.randn(1, 2, 8, generator=g, dtype=torch.float64)
     k = torch.randn(1, 1, 8, generator=g, dtype=torch.float64)
     pos = 32767
-    attn = DecodeAttention(kv, torch.tensor([0]), torch.tensor([pos]), 1, decode_bucket_tokens(pos + 1, 32768), True)
+    attn = DecodeAttention(kv, torch.tensor([0]), torch.tensor([pos]), decode_bucket_tokens(pos + 1, 32768))
     assert attn.bucket == 32768
     out = attn.attend(0, q, k, k.clone())
     assert torch.allclose(out[0], reference(q[0], kv.k[0, 0], kv.v[0, 0], pos), atol=1e-10)
@@ -91,7 +90,9 @@ def test_decode_at_the_end_of_a_32k_context():
 
 def test_default_engine_holds_32k_contexts(tmp_path):
     engine = build(save_hf(hf_model("qwen3", max_position_embeddings=40960), tmp_path / "m")).engine
-    assert engine.max_context_tokens == 32768 and engine.kv.k.shape[:3] == (2, 4, 32768)
+    # the default pool: the positions of max_running_requests (4) full contexts, in blocks of 16
+    assert engine.max_context_tokens == 32768 and engine.kv.k.shape[:3] == (2, 4 * 2048, 16)
+    assert engine.kv.block_tables.shape == (4, 2048) and engine.kv.block_tables.dtype == torch.int32
     assert engine.model.rope.max_positions >= 32768
 
 

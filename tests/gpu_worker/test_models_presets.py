@@ -6,6 +6,7 @@ import torch
 
 from ftexpert.gpu_worker.engine import SamplingParams
 from ftexpert.gpu_worker.engine.attention import PrefillAttention
+from ftexpert.gpu_worker.engine.kv_cache import KVCache
 from ftexpert.gpu_worker.assembly.loader import load_model
 from ftexpert.gpu_worker.checkpoint import presets as presets_mod
 from ftexpert.gpu_worker.checkpoint.config import MoeConfig
@@ -62,8 +63,7 @@ def test_transformers_reads_our_checkpoints(monkeypatch, tmp_path, arch):
     prompt = torch.arange(1, 20) * 5 % 96
     with torch.no_grad():
         expected = hf(prompt[None]).logits[0]
-    engine = ours.engine
-    attn = PrefillAttention(engine.kv, 0, 0, len(prompt))
+    attn = PrefillAttention(KVCache(ours.model.cfg, 1, 64, torch.float32, torch.device("cpu")), 0, 0, len(prompt))
     got = ours.model.forward(prompt, torch.arange(len(prompt)), attn)
     assert rel_err(got, expected) <= 1e-4
 

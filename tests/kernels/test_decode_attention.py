@@ -170,9 +170,7 @@ def attend_both(kv: KVCache, slots, positions, window, q, k_new, v_new, layer=1)
                         device=dev, dtype=kv.k.dtype)
         kv_b.k.copy_(kv.k)
         kv_b.v.copy_(kv.v)
-        attn = DecodeAttention(kv_b, slot_ids, pos, num_rows=max(slots) + 1, bucket_tokens=bucket,
-                               rows_are_slots=slots == list(range(len(slots))), sliding_window=window,
-                               backend=backend)
+        attn = DecodeAttention(kv_b, slot_ids, pos, bucket_tokens=bucket, sliding_window=window, backend=backend)
         assert attn.backend == backend
         outs.append(attn.attend(layer, q, k_new, v_new))
         caches.append(kv_b)
@@ -197,12 +195,12 @@ def test_triton_backend_matches_sdpa_decode_attention(slots, window):
 def test_backend_auto_is_sdpa_on_cpu_and_triton_on_cuda():
     kv = kv_cache(1, 64, 4, 2, 16, device="cpu")
     one = torch.tensor([0])
-    assert DecodeAttention(kv, one, one, 1, 64, True).backend == "sdpa"
+    assert DecodeAttention(kv, one, one, 64).backend == "sdpa"
     if HAS_CUDA:
         kv = kv_cache(1, 64, 4, 2, 16, device="cuda")
         one = one.cuda()
-        assert DecodeAttention(kv, one, one, 1, 64, True).backend == "triton"
-        assert DecodeAttention(kv, one, one, 1, 64, True, backend="sdpa").backend == "sdpa"
+        assert DecodeAttention(kv, one, one, 64).backend == "triton"
+        assert DecodeAttention(kv, one, one, 64, backend="sdpa").backend == "sdpa"
 
 
 @pytest.mark.usefixtures("no_tf32")

@@ -355,8 +355,7 @@ def test_fused_decode_step_writes_the_kv_cache_like_the_plain_forward(arch, no_t
             model.forward(ids, torch.arange(n, device=DEV), PrefillAttention(kv, slot, 0, n),
                           logit_rows=torch.tensor([n - 1], device=DEV))
         positions = torch.tensor([4, 3], device=DEV)
-        attn = DecodeAttention(kv, torch.tensor([0, 1], device=DEV), positions, num_rows=2, bucket_tokens=16,
-                               rows_are_slots=True)
+        attn = DecodeAttention(kv, torch.tensor([0, 1], device=DEV), positions, bucket_tokens=16)
         logits = model.forward(torch.tensor([11, 12], device=DEV), positions, attn, logit_rows=None)
         results.append((logits, kv))
     (plain_logits, plain_kv), (fused_logits, fused_kv) = results

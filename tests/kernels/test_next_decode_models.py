@@ -66,7 +66,7 @@ def decode_logits(loaded) -> tuple[torch.Tensor, StateCache | None, KVCache]:
         model.forward(torch.tensor(ids, device=DEV), torch.arange(n, device=DEV),
                       ctx(attn, None if states is None else states.prefill(slot, 0)))
     slots, positions = torch.tensor([1, 0], device=DEV), torch.tensor([len(PROMPTS[1]), len(PROMPTS[0])], device=DEV)
-    attn = DecodeAttention(kv, slots, positions, num_rows=2, bucket_tokens=16, rows_are_slots=False)
+    attn = DecodeAttention(kv, slots, positions, bucket_tokens=16)
     logits = model.forward(torch.tensor([3, 7], device=DEV), positions,
                            ctx(attn, None if states is None else states.decode(slots)))
     return logits, states, kv

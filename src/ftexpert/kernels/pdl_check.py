@@ -33,12 +33,12 @@ def _cases() -> list[tuple[str, object, dict, dict, dict, list[str], bool]]:
         for name, attr, sig, consts, opts, div in cases:
             picked.append((name, getattr(module, attr), sig, consts, opts, div, attr == "linear_gemv_kernel"))
     f32 = "*fp32"
-    split_sig = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "rows_ptr": "*i64", "seq_lens_ptr": "*i32",
+    split_sig = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "tables_ptr": "*i32", "rows_ptr": "*i64", "seq_lens_ptr": "*i32",
                  "m_ptr": f32, "l_ptr": f32, "acc_ptr": f32, "stride_qt": "i32", "stride_qh": "i32",
                  "stride_kb": "i64", "stride_ks": "i32", "stride_kh": "i32", "stride_vb": "i64", "stride_vs": "i32",
-                 "stride_vh": "i32", "scale": "fp32", "bucket": "i32", "window": "i32", "chunk": "i32"}
+                 "stride_vh": "i32", "stride_tb": "i32", "scale": "fp32", "bucket": "i32", "window": "i32", "chunk": "i32"}
     split_consts = dict(NUM_SPLITS=8, G=8, GP=16, HEAD_DIM=128, BLOCK_D=128, BLOCK_N=64, HAS_WINDOW=False,
-                        USE_DOT=True, IS_FP32=False)
+                        USE_DOT=True, IS_FP32=False, PAGE=16)
     merge_sig = {"m_ptr": f32, "l_ptr": f32, "acc_ptr": f32, "seq_lens_ptr": "*i32", "out_ptr": "*bf16",
                  "bucket": "i32", "window": "i32", "chunk": "i32"}
     merge_consts = dict(NUM_SPLITS=8, SPLITS_P2=8, HEAD_DIM=128, BLOCK_D=128, HAS_WINDOW=False)

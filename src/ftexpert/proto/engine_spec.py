@@ -59,7 +59,8 @@ EXPERT_FIELDS = ("moe_strategy", "moe_cache_size", "moe_cache_per_layer", "num_c
                  "pin_gpu_worker", "eviction_freq_weight", "eviction_freq_half_life", "expert_compute", "expert_copy")
 ENGINE_FIELDS = ("moe_prefetch", "moe_prefetch_budget", "moe_prefetch_k", "moe_prefetch_verify", "routing",
                  "dense_linear", "max_running_requests", "max_context_tokens", "prefill_chunk_tokens",
-                 "overlap_decode", "cuda_graphs", "attention_backend", "moe_slot_audit", "pdl")
+                 "overlap_decode", "cuda_graphs", "attention_backend", "moe_slot_audit", "pdl", "kv_block_size",
+                 "kv_cache_gib", "prefix_cache")
 
 
 class SpecError(ValueError):
@@ -133,6 +134,9 @@ class EngineSpec:
     max_running_requests: int = DEFAULT_MAX_RUNNING_REQUESTS
     max_context_tokens: int | None = None       # None: the model's, at most 32768
     prefill_chunk_tokens: int | None = None     # None: the engine's default for the backend
+    kv_block_size: int | None = None            # positions per KV block; None: the engine's (16)
+    kv_cache_gib: float | None = None           # the KV pool's memory; None: max_running_requests x max_context_tokens
+    prefix_cache: str = "on"                    # share KV blocks of equal prompt prefixes (off for Qwen3-Next anyway)
     overlap_decode: str = "auto"
     cuda_graphs: str = "on"                     # decode forwards replayed from CUDA graphs (on a CUDA device)
     attention_backend: str = "auto"             # decode attention: sdpa or triton; auto: triton on CUDA
@@ -155,10 +159,14 @@ class EngineSpec:
             raise SpecError(f"routing={self.routing!r}: {exc}") from None
         if self.max_running_requests < 1:
             raise SpecError(f"max_running_requests={self.max_running_requests} must be >= 1")
-        for name in ("max_context_tokens", "prefill_chunk_tokens"):
+        for name in ("max_context_tokens", "prefill_chunk_tokens", "kv_block_size"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise SpecError(f"{name}={value} must be >= 1 (or unset for the default)")
+        if self.kv_cache_gib is not None and not self.kv_cache_gib > 0:
+            raise SpecError(f"kv_cache_gib={self.kv_cache_gib} must be > 0 (or unset for the default)")
+        if self.prefix_cache not in ("on", "off"):
+            raise SpecError(f"prefix_cache={self.prefix_cache!r} is not one of on, off")
         if self.moe_cache_size is not None:
             try:
                 cache_size_flag(self.moe_cache_size)
@@ -199,6 +207,17 @@ class EngineSpec:
 
     def to_wire(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+def positive_float_flag(raw: str) -> float:
+    """argparse type of a size flag (e.g. --kv-cache-gib): a number > 0."""
+    try:
+        value = float(raw)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number > 0, got {raw!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {raw}")
+    return value
 
 
 def add_engine_flags(parser: argparse.ArgumentParser, *,
@@ -257,6 +276,14 @@ def add_engine_flags(parser: argparse.ArgumentParser, *,
     _choice_flag(engine, "cuda_graphs", "replay decode forwards from CUDA graphs where it is safe (on a CUDA device)")
     _choice_flag(engine, "attention_backend", "decode attention: triton (kernels/decode_attention) or sdpa; auto: "
                  "triton on CUDA")
+    engine.add_argument("--kv-block-size", type=positive_int_flag, default=None,
+                        help="positions per KV cache block (default 16): the prefix cache shares whole blocks")
+    engine.add_argument("--kv-cache-gib", type=positive_float_flag, default=None, metavar="GIB",
+                        help="memory of the KV cache's block pool (default: room for max-running-requests full "
+                             "contexts); requests are admitted while its blocks last")
+    engine.add_argument("--prefix-cache", choices=("on", "off"), default="on",
+                        help="reuse the KV blocks of a prompt prefix computed before (default on; models with "
+                             "linear-attention layers, Qwen3-Next, run without)")
     for field in ("overlap_decode", "moe_slot_audit", "pdl"):
         add_cli_flag(engine, field)
 
@@ -291,6 +318,8 @@ def spec_from_args(args: argparse.Namespace, environ: Mapping[str, str] | None =
         max_running_requests=getattr(args, "max_running_requests", DEFAULT_MAX_RUNNING_REQUESTS),
         max_context_tokens=getattr(args, "max_context_tokens", None),
         prefill_chunk_tokens=getattr(args, "prefill_chunk_tokens", None),
+        kv_block_size=getattr(args, "kv_block_size", None), kv_cache_gib=getattr(args, "kv_cache_gib", None),
+        prefix_cache=getattr(args, "prefix_cache", "on"),
         **knobs)
     fields.update(overrides)
     return EngineSpec(**fields)

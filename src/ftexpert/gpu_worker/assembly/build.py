@@ -148,6 +148,11 @@ def grammar_compiler(source: ModelSource) -> GrammarCompiler | None:
     return GrammarCompiler.from_tokenizer(source.tokenizer.tokenizer, source.cfg.vocab_size, eos)
 
 
+def kv_block_size(spec: EngineSpec) -> dict[str, int]:
+    """EngineConfig's kv_block_size where the spec sets one (else the engine's default)."""
+    return {} if spec.kv_block_size is None else {"kv_block_size": spec.kv_block_size}
+
+
 def hybrid_options(spec: EngineSpec, base: HybridOptions | None = None) -> HybridOptions:
     """The cpu / hybrid backends' options: `base` (ft generate's CPU-side flags; default: the defaults) with the
     spec's reserved CPUs and pin setting."""
@@ -252,5 +257,7 @@ def _engine(model: Any, spec: EngineSpec, source: ModelSource, grammars: Grammar
                                       max_context_tokens=spec.max_context_tokens,
                                       prefill_chunk_tokens=spec.prefill_chunk_tokens,
                                       cuda_graphs=spec.cuda_graphs == "on", attention_backend=spec.attention_backend,
-                                      slot_audit_every=spec.moe_slot_audit, overlap_decode=spec.overlap),
+                                      slot_audit_every=spec.moe_slot_audit, overlap_decode=spec.overlap,
+                                      kv_cache_gib=spec.kv_cache_gib, prefix_caching=spec.prefix_cache == "on",
+                                      **kv_block_size(spec)),
                   source.eos_token_ids, grammars if grammars is not None else grammar_compiler(source))

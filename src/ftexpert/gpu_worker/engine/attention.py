@@ -1,23 +1,27 @@
-"""Attention contexts over the `KVCache`, one built per forward.
+"""Attention contexts over the paged `KVCache`, one built per forward.
 
 Both fold the G = Hq / Hkv query heads that share a kv head into SDPA's query-length axis, so grouped
 query attention reads each cached key once and never copies K/V to Hq heads:
 
-    q [T, Hq, D] -> [rows, Hkv, G * T_row, D];  k, v: cache views [rows, Hkv, S_attn, D]
+    q [T, Hq, D] -> [rows, Hkv, G * T_row, D];  k, v: [rows, Hkv, S_attn, D], read through the block tables
 
 - `PrefillAttention`: one request, a chunk of C tokens at positions start..start+C-1; writes the chunk's
-  K/V into the request's row, attends causally over positions [0, start + C). Where SDPA's flash kernel
+  K/V into the request's blocks (its slot's row of the host block table), attends causally over positions
+  [0, start + C): a view of the cache where the request's blocks are consecutive, else one gather of its
+  blocks per layer (index_select of whole blocks). Where SDPA's flash kernel
   applies (CUDA, fp16/bf16, no sliding window: `PREFILL_KERNEL` "auto"), the causal mask is not built at
   all: a lower-right causal bias object (torch.nn.attention.bias.causal_lower_right) with the query heads
   unfolded and grouped-query K/V read in place (enable_gqa); elsewhere the folded layout and an additive
   bias built once per forward (`folded_bias`).
-- `DecodeAttention`: one token for each of T requests. Fixed shapes for CUDA graphs (no host sync),
-  by one of two backends:
+- `DecodeAttention`: one token for each of T requests. Fixed shapes for CUDA graphs (no host sync): the
+  slots' rows of the device block table are read on the device, and the K/V write position of each token
+  (`flat_index`) is computed there from them. One of two backends:
   - "triton" (the default on CUDA): kernels/decode_attention, a flash-decoding kernel that reads only
-    the T requests' rows up to each one's sequence length (grid bounded by the bucket);
-  - "sdpa" (CPU, and the fallback on CUDA): SDPA over cache rows [0, R) and positions [0, bucket)
-    with a mask from a device tensor of sequence lengths. Rows in [0, R) that are not decoding this
-    step attend to one finite dummy position and their output is dropped.
+    the T requests' blocks up to each one's sequence length (grid bounded by the bucket);
+  - "sdpa" (CPU, and the fallback on CUDA): the T requests' positions [0, bucket) gathered through
+    their table rows (kernels.decode_attention.gather_pages), then SDPA with a mask from a device
+    tensor of sequence lengths (positions past a request's length, unused table entries included, are
+    masked and read finite values).
 """
 from __future__ import annotations
 
@@ -26,7 +30,7 @@ import torch.nn.functional as F
 from torch.backends.cuda import SDPAParams, can_use_flash_attention
 from torch.nn.attention.bias import causal_lower_right
 
-from ftexpert.kernels.decode_attention import decode_attention
+from ftexpert.kernels.decode_attention import decode_attention, gather_pages
 from ftexpert.kernels.moe_decode import KvWrite
 
 from ftexpert.gpu_worker.engine.kv_cache import KVCache
@@ -86,12 +90,27 @@ def decode_bucket_tokens(max_seq_len: int, max_context_tokens: int) -> int:
     return min(bucket, max_context_tokens)
 
 
+def consecutive_run(blocks: list[int]) -> int | None:
+    """The first block if `blocks` are consecutive ids (b, b+1, ...), else None."""
+    if blocks and blocks == list(range(blocks[0], blocks[0] + len(blocks))):
+        return blocks[0]
+    return None
+
+
 class PrefillAttention:
     def __init__(self, kv: KVCache, slot: int, start_pos: int, num_tokens: int,
                  sliding_window: int | None = None):
         self.kv, self.slot, self.start, self.end = kv, slot, start_pos, start_pos + num_tokens
         if self.end > kv.max_context_tokens:
             raise ValueError(f"chunk ends at position {self.end} > max_context_tokens {kv.max_context_tokens}")
+        blocks = kv.row_blocks(slot, self.end)                 # the host row: [0, end) must have its blocks
+        self._first = consecutive_run(blocks)                  # consecutive blocks: the context is a view
+        self._num_blocks = len(blocks)
+        if self._first is None:
+            device, bs = kv.k.device, kv.block_size
+            self._pages = torch.tensor(blocks, dtype=torch.int64, device=device)
+            pos = torch.arange(self.start, self.end, device=device)
+            self._write_index = self._pages[pos // bs] * bs + pos % bs            # [C] flat cache index
         self.sliding_window = sliding_window
         self._mask: torch.Tensor | None = None
         self._folded: dict[tuple[int, torch.dtype], torch.Tensor] = {}   # (G, dtype) -> the folded heads' bias
@@ -142,7 +161,27 @@ class PrefillAttention:
         return bool(can_use_flash_attention(SDPAParams(qh, keys, values, None, 0.0, False, True)))
 
     def kv_write(self, layer_idx: int, v: torch.Tensor) -> KvWrite | None:
-        return None                                   # a chunk's K/V: one contiguous copy each in attend
+        return None                                   # a chunk's K/V: written in attend
+
+    def _context(self, cache: torch.Tensor, layer_idx: int) -> torch.Tensor:
+        """Positions [0, end) of this request in one layer's cache: [end, Hkv, D], a view where its blocks are
+        consecutive, else a gather of them."""
+        kv = self.kv
+        if self._first is not None:
+            pages = cache[layer_idx, self._first:self._first + self._num_blocks]
+        else:
+            pages = cache[layer_idx].index_select(0, self._pages)
+        return pages.view(-1, kv.num_kv_heads, kv.head_dim)[: self.end]
+
+    def _write(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """The chunk's k / v [C, Hkv, D] at its positions."""
+        if self._first is not None:
+            self._context(self.kv.k, layer_idx)[self.start:].copy_(k)
+            self._context(self.kv.v, layer_idx)[self.start:].copy_(v)
+            return
+        k_flat, v_flat = self.kv.flat(layer_idx)
+        k_flat.index_copy_(0, self._write_index, k)
+        v_flat.index_copy_(0, self._write_index, v)
 
     def window_mask(self, window: int | None) -> torch.Tensor:
         """[C, S_attn] bool for a layer's own window (None: causal only)."""
@@ -166,10 +205,9 @@ class PrefillAttention:
         G = Hq // Hkv
         if kv_written:
             raise ValueError("PrefillAttention writes the chunk's K/V itself (its kv_write gives None)")
-        self.kv.k[layer_idx, self.slot, self.start:self.end].copy_(k)
-        self.kv.v[layer_idx, self.slot, self.start:self.end].copy_(v)
-        keys = self.kv.k[layer_idx, self.slot, : self.end].transpose(0, 1).unsqueeze(0)    # [1, Hkv, S, D]
-        values = self.kv.v[layer_idx, self.slot, : self.end].transpose(0, 1).unsqueeze(0)  # [1, Hkv, S, D]
+        self._write(layer_idx, k, v)
+        keys = self._context(self.kv.k, layer_idx).transpose(0, 1).unsqueeze(0)            # [1, Hkv, S, D]
+        values = self._context(self.kv.v, layer_idx).transpose(0, 1).unsqueeze(0)          # [1, Hkv, S, D]
         if sinks is not None or sliding_window != CONTEXT_WINDOW:
             window = self.sliding_window if sliding_window == CONTEXT_WINDOW else sliding_window
             qf = q.view(C, Hkv, G, D).permute(1, 2, 0, 3).reshape(1, Hkv, G * C, D)       # row g*C + c
@@ -190,42 +228,40 @@ class PrefillAttention:
 
 
 class DecodeAttention:
-    """slot_ids, positions: [T] int64 device tensors (each slot at most once); num_rows R and bucket
-    are host ints (R > max slot id, bucket >= max position + 1); rows_are_slots: slot_ids == arange(T).
-    backend: "auto" | "sdpa" | "triton" (see the module docstring)."""
+    """slot_ids, positions: [T] int64 device tensors (each slot at most once; slot s's K/V through row s of
+    kv.block_tables, which must hold a block for every position up to its position); bucket_tokens: a host
+    int >= max position + 1. backend: "auto" | "sdpa" | "triton" (see the module docstring)."""
 
-    def __init__(self, kv: KVCache, slot_ids: torch.Tensor, positions: torch.Tensor, num_rows: int,
-                 bucket_tokens: int, rows_are_slots: bool, sliding_window: int | None = None,
-                 backend: str = "auto"):
-        self.kv, self.slot_ids, self.num_rows, self.bucket = kv, slot_ids, num_rows, bucket_tokens
-        self.rows_are_slots, self.sliding_window = rows_are_slots, sliding_window
+    def __init__(self, kv: KVCache, slot_ids: torch.Tensor, positions: torch.Tensor, bucket_tokens: int,
+                 sliding_window: int | None = None, backend: str = "auto"):
+        self.kv, self.slot_ids, self.bucket = kv, slot_ids, bucket_tokens
+        self.sliding_window = sliding_window
         self.backend = resolve_attention_backend(backend, kv.k.device)
-        device = kv.k.device
-        self.flat_index = slot_ids * kv.max_context_tokens + positions                    # [T]
+        bs = kv.block_size
+        page = kv.block_tables[slot_ids, torch.div(positions, bs, rounding_mode="floor")].long()   # [T]
+        self.flat_index = page * bs + positions % bs                                       # [T]
         self.positions = positions
         self._window_masks: dict[int | None, torch.Tensor] = {}
         if self.backend == "triton":
             self.seq_lens = positions + 1                                                  # [T]
             self.mask = None
             return
-        self.mask = self.window_mask(sliding_window)                                       # [R, 1, 1, bucket]
+        self.mask = self.window_mask(sliding_window)                                       # [T, 1, 1, bucket]
 
     def window_mask(self, window: int | None) -> torch.Tensor:
-        """[R, 1, 1, bucket] bool: which cached positions each row attends with ``window`` (None: all)."""
+        """[T, 1, 1, bucket] bool: which positions each request attends with ``window`` (None: all it has)."""
         if window not in self._window_masks:
-            device = self.kv.k.device
-            seq_lens = torch.ones(self.num_rows, dtype=torch.int64, device=device)         # idle rows: 1
-            seq_lens.index_copy_(0, self.slot_ids, self.positions + 1)                     # [R]
-            k_pos = torch.arange(self.bucket, device=device)[None, :]                      # [1, bucket]
-            mask = k_pos < seq_lens[:, None]                                               # [R, bucket]
+            seq_lens = (self.positions + 1)[:, None]                                       # [T, 1]
+            k_pos = torch.arange(self.bucket, device=self.positions.device)[None, :]       # [1, bucket]
+            mask = k_pos < seq_lens                                                        # [T, bucket]
             if window is not None:
-                mask &= k_pos >= seq_lens[:, None] - window
+                mask &= k_pos >= seq_lens - window
             self._window_masks[window] = mask[:, None, None, :]
         return self._window_masks[window]
 
     def kv_write(self, layer_idx: int, v: torch.Tensor) -> KvWrite:
-        """Each request's k/v row at its position, for the rope kernel to write (one launch fewer a layer)."""
-        k_flat, v_flat = self.kv.flat(layer_idx)                                           # [B*S, Hkv, D]
+        """Each request's k/v at its position, for the rope kernel to write (one launch fewer a layer)."""
+        k_flat, v_flat = self.kv.flat(layer_idx)                                           # [NB*BS, Hkv, D]
         return KvWrite(k_flat, v_flat, self.flat_index, v)
 
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
@@ -237,27 +273,23 @@ class DecodeAttention:
         T, Hq, D = q.shape
         Hkv = k.shape[1]
         G = Hq // Hkv
+        kv = self.kv
         if not kv_written:
-            k_flat, v_flat = self.kv.flat(layer_idx)                                       # [B*S, Hkv, D]
+            k_flat, v_flat = kv.flat(layer_idx)                                            # [NB*BS, Hkv, D]
             k_flat.index_copy_(0, self.flat_index, k)
             v_flat.index_copy_(0, self.flat_index, v)
         custom = sinks is not None or sliding_window != CONTEXT_WINDOW
         window = self.sliding_window if sliding_window == CONTEXT_WINDOW else sliding_window
         if self.backend == "triton" and not custom:
-            return decode_attention(q, self.kv.k[layer_idx], self.kv.v[layer_idx], self.slot_ids,
-                                    self.seq_lens, scale=D ** -0.5, bucket=self.bucket,
-                                    sliding_window=self.sliding_window, impl="triton")
-        R, S = self.num_rows, self.bucket
-        keys = self.kv.k[layer_idx, :R, :S].transpose(1, 2)                                # [R, Hkv, S, D]
-        values = self.kv.v[layer_idx, :R, :S].transpose(1, 2)                              # [R, Hkv, S, D]
-        qg = q.view(T, Hkv, G, D)
-        if not self.rows_are_slots:
-            qg = torch.zeros(R, Hkv, G, D, dtype=q.dtype, device=q.device).index_copy_(0, self.slot_ids, qg)
+            return decode_attention(q, kv.k[layer_idx], kv.v[layer_idx], self.slot_ids, self.seq_lens,
+                                    scale=D ** -0.5, bucket=self.bucket, sliding_window=self.sliding_window,
+                                    impl="triton", block_tables=kv.block_tables)
+        keys = gather_pages(kv.k[layer_idx], kv.block_tables, self.slot_ids, self.bucket).transpose(1, 2)
+        values = gather_pages(kv.v[layer_idx], kv.block_tables, self.slot_ids, self.bucket).transpose(1, 2)
+        qg = q.view(T, Hkv, G, D)                                                          # keys [T, Hkv, S, D]
         if custom:
             out = sink_attention(qg, keys, values, self.window_mask(window), _folded_sinks(sinks, Hkv, G, 1),
                                  D ** -0.5)
         else:
             out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=self.mask, scale=D ** -0.5)
-        if not self.rows_are_slots:
-            out = out.index_select(0, self.slot_ids)                                       # [T, Hkv, G, D]
         return out.reshape(T, Hq, D)

@@ -1,11 +1,11 @@
 """CUDA graphs of the decode forward, captured per shape and replayed with each step's inputs.
 
-A decode forward has fixed shapes for a key (T requests, R KV rows, attention bucket, whether rows
-are the slots): `Engine.decode_forward` makes no host sync when the expert backend makes none.
-The first step with a new key captures a graph (after two eager warm-ups on a side stream, which
-write the same K/V values the replay writes); later steps copy their token ids, positions and KV
-rows into the graph's static inputs and replay it. All graphs share one memory pool, and the KV
-cache and weights are outside it, so every replay sees the live cache.
+A decode forward has fixed shapes for a key (T requests, attention bucket): `Engine.decode_forward` makes no
+host sync when the expert backend makes none. The first step with a new key captures a graph (after two eager
+warm-ups on a side stream, which write the same K/V values the replay writes); later steps copy their token ids,
+positions and slots into the graph's static inputs and replay it. All graphs share one memory pool, and the KV
+cache, its block tables and the weights are outside it, so every replay sees the live cache and the block tables
+as the engine last wrote them (in place, between steps: `KVCache.sync`).
 
 An expert backend says with `graph_safe(num_pairs)` whether a forward of that many (token, expert) pairs makes no
 host sync and has fixed shapes (`ResidentExperts` in its gemv mode, offload's decode copy kernel, hybrid's device
@@ -58,7 +58,7 @@ class DecodeGraphs:
         return self.engine.model.experts.graph_safe(num_requests * self.engine.model.cfg.top_k)
 
     def _key(self, inputs: DecodeInputs) -> tuple:
-        return (inputs.token_ids.numel(), inputs.num_rows, inputs.bucket_tokens, inputs.rows_are_slots,
+        return (inputs.token_ids.numel(), inputs.bucket_tokens,
                 self.engine.model.experts.graph_key())      # host state the forward reads
 
     def run(self, inputs: DecodeInputs) -> torch.Tensor:
@@ -81,8 +81,7 @@ class DecodeGraphs:
 
     def _capture(self, inputs: DecodeInputs) -> _Captured:
         static = DecodeInputs(inputs.token_ids.clone(), inputs.positions.clone(),
-                              inputs.slot_ids.clone(), inputs.num_rows, inputs.bucket_tokens,
-                              inputs.rows_are_slots)
+                              inputs.slot_ids.clone(), inputs.bucket_tokens)
         states = self.engine.states             # linear-layer states: the warm-ups must not advance them
         saved = states.snapshot(static.slot_ids) if states is not None else None
         side = torch.cuda.Stream()

@@ -32,6 +32,8 @@ from ftexpert.gpu_worker.engine.cuda_graphs import DecodeGraphs
 from ftexpert.gpu_worker.engine.decode_step import DecodeInputs, decode_forward
 from ftexpert.gpu_worker.engine.grammar import GrammarCompiler, GrammarMasks
 from ftexpert.gpu_worker.engine.kv_cache import KVCache
+from ftexpert.gpu_worker.engine.kv_blocks import KVBlocks
+from ftexpert.gpu_worker.engine.kv_cache import DEFAULT_KV_BLOCK_SIZE, KVCache, pool_blocks
 from ftexpert.gpu_worker.engine.state_cache import StateCache
 from ftexpert.gpu_worker.engine.request import Request, StepOutput
 from ftexpert.gpu_worker.engine.sampling import FINISH_ABORT, RequestSampler, SampledStep, SamplingParams, sample_step
@@ -64,8 +66,14 @@ log = logging.getLogger("ft.engine")
 
 @dataclass(frozen=True)
 class EngineConfig:
-    max_running_requests: int = 4          # KV cache rows = requests decoding together
+    max_running_requests: int = 4          # requests running together (block table rows, state cache rows)
     max_context_tokens: int | None = None  # None: min(32768, the model's max_position_embeddings)
+    # the paged KV cache (kv_cache.py, kv_blocks.py): positions per block, and the pool's size: kv_cache_tokens
+    # (tests, benches) or kv_cache_gib (a memory budget); neither: max_running_requests x max_context_tokens
+    kv_block_size: int = DEFAULT_KV_BLOCK_SIZE
+    kv_cache_tokens: int | None = None
+    kv_cache_gib: float | None = None
+    prefix_caching: bool = True            # share full blocks of equal prefixes (off for linear-attention models)
     prefill_chunk_tokens: int | None = None  # None: the expert backend's preference, else DEFAULT_PREFILL_CHUNK_TOKENS
     cuda_graphs: bool = True               # replay decode forwards from CUDA graphs where safe
     attention_backend: str = "auto"        # decode attention: "triton" | "sdpa"; auto: triton on CUDA
@@ -88,6 +96,14 @@ class EngineConfig:
         if isinstance(self.slot_audit_every, bool) or not isinstance(self.slot_audit_every, int) \
                 or self.slot_audit_every < 0:
             raise ValueError(f"slot_audit_every={self.slot_audit_every!r} must be an integer >= 0 (0: never)")
+        if self.kv_block_size < 1:
+            raise ValueError(f"kv_block_size={self.kv_block_size} must be >= 1")
+        if self.kv_cache_tokens is not None and self.kv_cache_gib is not None:
+            raise ValueError("set kv_cache_tokens or kv_cache_gib, not both")
+        if (self.kv_cache_tokens is not None and self.kv_cache_tokens < 1) or \
+                (self.kv_cache_gib is not None and not self.kv_cache_gib > 0):
+            raise ValueError(f"the KV cache size must be > 0, got kv_cache_tokens={self.kv_cache_tokens}, "
+                             f"kv_cache_gib={self.kv_cache_gib}")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend={self.attention_backend!r} must be one of "
                              f"{', '.join(ATTENTION_BACKENDS)}")
@@ -149,16 +165,21 @@ class Engine:
         self._audit_skip_logged = False
         self.device = model.device
         self.eos_token_ids = frozenset(cfg.eos_token_ids if eos_token_ids is None else eos_token_ids)
+        self.stats = EngineStats()
         self.kv = KVCache(cfg, self.config.max_running_requests, self.max_context_tokens, model.dtype,
-                          self.device)
+                          self.device, block_size=self.config.kv_block_size,
+                          num_blocks=pool_blocks(cfg, model.dtype, self.config.kv_block_size,
+                                                 self.config.max_running_requests * self.max_context_tokens,
+                                                 self.config.kv_cache_tokens, self.config.kv_cache_gib))
+        # prefix caching needs the linear layers' states at block boundaries, which are not kept (README.md)
+        self.blocks = KVBlocks(self.kv, self.config.prefix_caching and cfg.linear_attention is None, self.stats)
         # the linear-attention layers' per-request state (qwen3_next), in the rows of the KV cache's requests
         self.states = (StateCache(cfg, self.config.max_running_requests, model.dtype, self.device)
                        if cfg.linear_attention is not None else None)
         self.prefill_chunk_tokens = (self.config.prefill_chunk_tokens
                                      or model.experts.preferred_prefill_chunk_tokens()
                                      or DEFAULT_PREFILL_CHUNK_TOKENS)
-        self.scheduler = Scheduler(self.config.max_running_requests, self.prefill_chunk_tokens)
-        self.stats = EngineStats()
+        self.scheduler = Scheduler(self.config.max_running_requests, self.prefill_chunk_tokens, self.blocks)
         self._ids = itertools.count()
         overlap = self.config.overlap_decode
         self.overlap_decode = self.device.type == "cuda" if overlap is None else bool(overlap)
@@ -184,6 +205,7 @@ class Engine:
         bad = [t for t in prompt_ids if not 0 <= t < vocab]
         if bad:
             raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+        self.blocks.check_fits(len(prompt_ids), params.max_new_tokens, self.max_context_tokens)
         if request_id is None:
             request_id = next(self._ids)
             while self.scheduler.find(request_id) is not None:   # a caller used this int already
@@ -204,7 +226,7 @@ class Engine:
         return request_id
 
     def abort(self, request_id: Hashable) -> bool:
-        """Drop a waiting or running request and free its KV row; False if it is unknown or done."""
+        """Drop a waiting or running request and free its KV blocks; False if it is unknown or done."""
         req = self.scheduler.find(request_id)
         if req is None:
             return False
@@ -249,7 +271,7 @@ class Engine:
         return outputs
 
     def _release(self, req: Request) -> None:
-        """Take a finished or aborted request out; its KV row and state rows go back to the pool (states zeroed)."""
+        """Take a finished or aborted request out; its KV blocks and state rows go back (states zeroed)."""
         if self.states is not None and req.slot is not None:
             self.states.reset(req.slot)
         self.scheduler.remove(req)
@@ -265,7 +287,7 @@ class Engine:
 
     def _read_step(self, step: _DecodeStep, t0: float | None = None) -> list[StepOutput]:
         """A launched decode step's tokens, appended to its requests still running (one that finished or was aborted
-        since it was queued made its token for nothing: its KV row was freed, and anything later runs after it);
+        since it was queued made its token for nothing: its KV blocks were freed, and anything later runs after it);
         the stats, and the slot audit when due. `t0`: when the host began the step (its decode time)."""
         token_ids = step.token_ids()                                                 # host sync (this step's)
         logprobs = step.logprobs()
@@ -302,7 +324,7 @@ class Engine:
     def _prefill(self, chunk: PrefillChunk) -> list[StepOutput]:
         t0 = time.perf_counter()
         req, start, n = chunk.request, chunk.start_pos, chunk.num_tokens
-        token_ids = torch.tensor(req.prompt_ids[start:start + n], dtype=torch.int64, device=self.device)
+        token_ids = torch.tensor(req.sequence_ids(start, n), dtype=torch.int64, device=self.device)
         positions = torch.arange(start, start + n, dtype=torch.int64, device=self.device)
         attn = PrefillAttention(self.kv, req.slot, start, n, self.model.cfg.sliding_window)
         if self.states is not None:
@@ -325,9 +347,8 @@ class Engine:
     def decode_inputs(self, reqs: list[Request], after: torch.Tensor | None = None) -> DecodeInputs:
         """The next decode step's inputs; `after`: the ids [T] (device) sampled by a step launched for the same
         requests whose tokens the host has not read yet: the inputs of the step after that one."""
-        slots = [r.slot for r in reqs]
         ahead = 0 if after is None else 1
-        rows = [[r.seq_len - 1 + ahead for r in reqs], slots]
+        rows = [[r.seq_len - 1 + ahead for r in reqs], [r.slot for r in reqs]]
         if after is None:
             rows.insert(0, [r.output_ids[-1] for r in reqs])
         host = torch.tensor(rows, dtype=torch.int64)                                  # [3 or 2, T]
@@ -335,12 +356,11 @@ class Engine:
             host = host.pin_memory()
         dev = host.to(self.device, non_blocking=True)
         max_len = max(r.seq_len for r in reqs) + ahead
-        return DecodeInputs(dev[0] if after is None else after, dev[-2], dev[-1], num_rows=max(slots) + 1,
-                            bucket_tokens=decode_bucket_tokens(max_len, self.max_context_tokens),
-                            rows_are_slots=slots == list(range(len(reqs))))
+        return DecodeInputs(dev[0] if after is None else after, dev[-2], dev[-1],
+                            bucket_tokens=decode_bucket_tokens(max_len, self.max_context_tokens))
 
     def decode_forward(self, inputs: DecodeInputs) -> torch.Tensor:
-        """One token per request -> logits [T, V] fp32. Fixed shapes for (T, R, bucket); no host sync
+        """One token per request -> logits [T, V] fp32. Fixed shapes for (T, bucket); no host sync
         unless the expert backend makes one."""
         return decode_forward(self.model, self.kv, self.states, inputs, self.config.attention_backend)
 

@@ -1,4 +1,8 @@
-"""A request's life in the engine: waiting -> prefilling (chunk by chunk) -> decoding -> finished."""
+"""A request's life in the engine: waiting -> prefilling (chunk by chunk) -> decoding -> finished.
+
+A request preempted (its KV blocks taken back when the pool runs out: scheduler.py) goes back to waiting with its
+output kept; when it runs again, its prefill recomputes the K/V of its prompt and its output but the last token
+(`prefill_len`), which the next decode step feeds as usual, and samples nothing."""
 from __future__ import annotations
 
 import time
@@ -26,13 +30,22 @@ class Request:
     sampler: RequestSampler
     eos_token_ids: frozenset[int]
     max_context_tokens: int
-    slot: int | None = None                 # KV cache row while running
-    num_prefilled: int = 0                  # prompt tokens already in the KV cache
+    slot: int | None = None                 # block table row (and state cache row) while running
+    num_prefilled: int = 0                  # tokens of the sequence the prefill put in the KV cache (or found there)
+    prefill_len: int = 0                    # tokens the prefill puts there before decoding (0: the prompt's)
     output_ids: list[int] = field(default_factory=list)
+    blocks: list[int] = field(default_factory=list)           # its KV blocks, in position order (kv_blocks.py)
+    num_registered: int = 0                 # of those, the leading full ones already named in the prefix cache
+    block_keys: list[bytes] = field(default_factory=list)     # prefix keys of its full blocks computed so far
+    preemptions: int = 0
     finish_reason: str | None = None
     arrival_time_s: float = field(default_factory=time.perf_counter)
     first_token_time_s: float | None = None
     finish_time_s: float | None = None
+
+    def __post_init__(self) -> None:
+        if not self.prefill_len:
+            self.prefill_len = len(self.prompt_ids)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -40,7 +53,26 @@ class Request:
 
     @property
     def in_prefill(self) -> bool:
-        return self.num_prefilled < self.num_prompt_tokens
+        return self.num_prefilled < self.prefill_len
+
+    @property
+    def num_kv_tokens(self) -> int:
+        """Positions whose K/V the request's blocks hold (as of its last step read back)."""
+        return self.num_prefilled if self.in_prefill else self.seq_len - 1
+
+    def sequence_ids(self, start: int, n: int) -> list[int]:
+        """Tokens [start, start + n) of prompt + output."""
+        prompt, end = self.num_prompt_tokens, start + n
+        if start >= prompt:
+            return self.output_ids[start - prompt:end - prompt]
+        return self.prompt_ids[start:end] + self.output_ids[:max(0, end - prompt)]
+
+    def restart(self) -> None:
+        """Preempted (its blocks already taken back): its next prefill recomputes every token but the last."""
+        self.num_prefilled = 0
+        self.prefill_len = self.seq_len - 1 if self.output_ids else self.num_prompt_tokens
+        self.num_registered = 0
+        self.preemptions += 1
 
     @property
     def seq_len(self) -> int:

@@ -3,10 +3,11 @@
     conv:      [Llin, B, C, K-1]    the short convolution's last K-1 inputs (model dtype)
     recurrent: [Llin, B, Hv, Dk, Dv] the gated delta rule's state (fp32)
 
-Llin linear layers, B = max_running_requests rows; a request owns row ``slot`` of both caches (its KV row too)
-from admission to finish. Its first prefill chunk zeroes the row (a fresh sequence), every chunk after reads and
-advances it, and each decode step advances it by one token; a finished request's row is zeroed and handed to the
-next one with its KV row. Fixed shapes and device-tensor row indices keep the decode step capturable in a CUDA
+Llin linear layers, B = max_running_requests rows; a request owns row ``slot`` of both caches (and of the KV
+cache's block tables) from admission to finish or preemption. Its first prefill chunk zeroes the row (a fresh
+sequence: a preempted request recomputes from position 0, as the prefix cache is off for these models), every
+chunk after reads and advances it, and each decode step advances it by one token; a finished request's row is
+zeroed and handed to the next one with its slot. Fixed shapes and device-tensor row indices keep the decode step capturable in a CUDA
 graph (the graph reads and writes the live rows). Unlike K/V, whose decode write is idempotent, a state update is
 not: a forward that runs twice for one token (the CUDA-graph warm-ups, a retried decode step) must restore the
 rows first (`snapshot` / `restore`).

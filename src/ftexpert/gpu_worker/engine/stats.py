@@ -25,6 +25,18 @@ class EngineStats:
     requests_added: int = 0
     requests_finished: int = 0
     requests_aborted: int = 0
+    # the paged KV cache (kv_blocks.py): its blocks now, and the prefix cache's lookups since the start
+    kv_block_size: int = 0
+    kv_blocks_total: int = 0
+    kv_blocks_used: int = 0            # held by requests
+    kv_blocks_cached: int = 0          # held by none, named by a prefix key: reusable until evicted
+    kv_blocks_free: int = 0
+    kv_cache_evictions_total: int = 0  # cached blocks taken for new contents
+    kv_preemptions_total: int = 0      # requests whose blocks were taken back to let older ones grow (recomputed)
+    prefix_cache_enabled: bool = False
+    prefix_cache_queries_total: int = 0        # admissions that looked their prompt up
+    prefix_cache_query_tokens_total: int = 0   # tokens those admissions had to prefill
+    prefix_cache_hit_tokens_total: int = 0     # of those, tokens found in the cache (their prefill skipped)
     # Expert backend counters (offload, cpu and hybrid backends; zero for resident), copied after every step.
     expert_hits_total: int = 0
     expert_misses_total: int = 0

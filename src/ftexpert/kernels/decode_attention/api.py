@@ -64,9 +64,9 @@ def split_plan(bucket: int, num_requests: int, num_kv_heads: int,
     return -(-bucket // chunk), chunk
 
 
-def _check(q, k_cache, v_cache, rows, seq_lens, bucket, sliding_window) -> None:
+def _check(q, k_cache, v_cache, rows, seq_lens, bucket, sliding_window, block_tables) -> None:
     if q.dim() != 3 or k_cache.dim() != 4:
-        raise ValueError(f"q must be [T, Hq, D] and the caches [B, S, Hkv, D], got {tuple(q.shape)} and "
+        raise ValueError(f"q must be [T, Hq, D] and the caches [NB, PAGE, Hkv, D], got {tuple(q.shape)} and "
                          f"{tuple(k_cache.shape)}")
     if k_cache.shape != v_cache.shape:
         raise ValueError(f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} differ")
@@ -75,7 +75,7 @@ def _check(q, k_cache, v_cache, rows, seq_lens, bucket, sliding_window) -> None:
     if q.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise TypeError(f"dtype must be float32, bfloat16 or float16, got {q.dtype}")
     T, Hq, D = q.shape
-    B, S, Hkv, Dk = k_cache.shape
+    NB, page, Hkv, Dk = k_cache.shape
     if Dk != D or Hkv < 1 or Hq % Hkv:
         raise ValueError(f"q {tuple(q.shape)} does not fit caches {tuple(k_cache.shape)}: head dims must "
                          f"match and Hq must be a multiple of Hkv")
@@ -83,34 +83,52 @@ def _check(q, k_cache, v_cache, rows, seq_lens, bucket, sliding_window) -> None:
         raise ValueError(f"rows {tuple(rows.shape)} and seq_lens {tuple(seq_lens.shape)} must be [T={T}]")
     if rows.dtype not in (torch.int32, torch.int64) or seq_lens.dtype not in (torch.int32, torch.int64):
         raise TypeError(f"rows and seq_lens must be int32 or int64, got {rows.dtype}, {seq_lens.dtype}")
-    devices = {t.device for t in (q, k_cache, v_cache, rows, seq_lens)}
+    span = page
+    if block_tables is not None:
+        if block_tables.dim() != 2 or block_tables.dtype not in (torch.int32, torch.int64):
+            raise TypeError(f"block_tables must be an int32 or int64 [B, MB] tensor, got {block_tables.dtype} "
+                            f"{tuple(block_tables.shape)}")
+        span = page * block_tables.shape[1]
+    tensors = (q, k_cache, v_cache, rows, seq_lens) + (() if block_tables is None else (block_tables,))
+    devices = {t.device for t in tensors}
     if len(devices) != 1:
         raise ValueError(f"all tensors must be on one device, got {sorted(map(str, devices))}")
-    if not 1 <= bucket <= S:
-        raise ValueError(f"bucket={bucket} must be in [1, S={S}]")
+    if not 1 <= bucket <= span:
+        raise ValueError(f"bucket={bucket} must be in [1, {span}] (the positions a block table row spans: "
+                         f"{span // page} pages of {page})")
     if sliding_window is not None and sliding_window < 1:
         raise ValueError(f"sliding_window={sliding_window} must be >= 1 or None")
 
 
+def contiguous_tables(k_cache: torch.Tensor) -> torch.Tensor:
+    """The block tables of a contiguous cache [B, S, Hkv, D] seen as B pages of S positions: [[0], [1], ...]."""
+    return torch.arange(k_cache.shape[0], dtype=torch.int32, device=k_cache.device).view(-1, 1)
+
+
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, rows: torch.Tensor,
                      seq_lens: torch.Tensor, *, scale: float, bucket: int, sliding_window: int | None = None,
-                     impl: str = "auto", blocks: DecodeAttentionBlocks | None = None) -> torch.Tensor:
-    """Attention of one new token per request over its KV cache row -> out [T, Hq, D] in q.dtype.
+                     impl: str = "auto", blocks: DecodeAttentionBlocks | None = None,
+                     block_tables: torch.Tensor | None = None) -> torch.Tensor:
+    """Attention of one new token per request over its paged KV cache -> out [T, Hq, D] in q.dtype.
 
-    q: [T, Hq, D] (rope'd; the last dim contiguous); k_cache, v_cache: [B, S, Hkv, D] one layer's
-    cache (any strides but the last dim contiguous); rows: [T] int cache row of each request;
-    seq_lens: [T] int, device, valid positions of each request (position + 1, counting the token
-    just written), in [1, bucket]; bucket: host int <= S, >= max(seq_lens): bounds the grid and
-    the positions read (fixed per CUDA graph). Request t's query head h attends to positions
-    p of kv head h // (Hq / Hkv) of row rows[t] with max(0, seq_len - sliding_window) <= p < seq_len;
-    softmax in fp32 with `scale`. rows and seq_lens are not checked against B / bucket (that would
-    need a host sync).
+    q: [T, Hq, D] (rope'd; the last dim contiguous); k_cache, v_cache: [NB, PAGE, Hkv, D] one layer's
+    pool of pages (any strides but the last dim contiguous); block_tables: [B, MB] int, the pages of each
+    table row in position order (position p in page block_tables[r, p // PAGE], at p % PAGE; entries at or
+    past a request's seq_len are never read, so -1 may mark them); None: a contiguous cache [B, S, Hkv, D],
+    row r = page r. rows: [T] int, the table row of each request; seq_lens: [T] int, device, valid positions
+    of each request (position + 1, counting the token just written), in [1, bucket]; bucket: host int <=
+    MB * PAGE, >= max(seq_lens): bounds the grid and the positions read (fixed per CUDA graph). Request t's
+    query head h attends to positions p of kv head h // (Hq / Hkv) with max(0, seq_len - sliding_window) <= p
+    < seq_len; softmax in fp32 with `scale`. rows, seq_lens and the table entries are not checked against the
+    shapes (that would need a host sync).
     """
-    _check(q, k_cache, v_cache, rows, seq_lens, bucket, sliding_window)
+    _check(q, k_cache, v_cache, rows, seq_lens, bucket, sliding_window, block_tables)
+    if block_tables is None:
+        block_tables = contiguous_tables(k_cache)
     impl = _resolve_impl(impl, q.device)
     if impl == "reference":
         return decode_attention_reference(q, k_cache, v_cache, rows, seq_lens, scale=scale, bucket=bucket,
-                                          sliding_window=sliding_window)
+                                          sliding_window=sliding_window, block_tables=block_tables)
     blocks = blocks or DEFAULT_BLOCKS
     T, Hq, D = q.shape
     Hkv = k_cache.shape[2]
@@ -137,14 +155,15 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     from ftexpert.kernels.decode_attention.triton_kernels import decode_attn_merge_kernel, decode_attn_split_kernel
     pdl = pdl_args(q.device)
     decode_attn_split_kernel[(T, Hkv, num_splits)](
-        q, k_cache, v_cache, rows, seq_lens, m, l, acc,
+        q, k_cache, v_cache, block_tables, rows, seq_lens, m, l, acc,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        block_tables.stride(0),
         float(scale), bucket, window, chunk,
         NUM_SPLITS=num_splits, G=G, GP=gp, HEAD_DIM=D, BLOCK_D=block_d, BLOCK_N=block_n,
         HAS_WINDOW=sliding_window is not None, USE_DOT=use_dot, IS_FP32=q.dtype == torch.float32,
-        num_warps=blocks.num_warps, **pdl)
+        PAGE=k_cache.shape[1], num_warps=blocks.num_warps, **pdl)
     decode_attn_merge_kernel[(T, Hq)](
         m, l, acc, seq_lens, out, bucket, window, chunk,
         NUM_SPLITS=num_splits, SPLITS_P2=_next_pow2(num_splits), HEAD_DIM=D, BLOCK_D=_next_pow2(D),

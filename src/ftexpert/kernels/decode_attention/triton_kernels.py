@@ -1,11 +1,16 @@
-"""Flash-decoding: split-K attention of one new token per request over its KV cache row.
+"""Flash-decoding: split-K attention of one new token per request over its paged KV cache.
+
+The cache is a pool of pages (KV blocks) of PAGE positions each, [NB, PAGE, Hkv, D] per layer; request t reads
+the pages its block table row names, ``tables[rows[t]]``: position p lives at position p % PAGE of page
+``tables[rows[t], p // PAGE]``. A contiguous cache [B, S, Hkv, D] is the case PAGE = S, tables = [[0], [1], ...].
 
 Two kernels, launched back to back (api.py):
 
 1. `decode_attn_split_kernel`, grid (T, Hkv, NUM_SPLITS). Program (t, h, s) takes the G = Hq / Hkv
    query heads of request t that share kv head h, a [G, D] tile, and the s-th chunk of positions
-   [s * chunk, (s + 1) * chunk) of row rows[t] of the cache, clipped to the valid positions
+   [s * chunk, (s + 1) * chunk) of request t, clipped to the valid positions
    [max(0, seq_len - window), min(seq_len, bucket)). It walks the chunk BLOCK_N positions at a time
+   (each position's page read from the block table row, so a tile may span several pages)
    with an online softmax (fp32) and writes its partial (max m, sum l, unnormalised acc [G, D]).
    A program whose clipped chunk is empty (beyond seq_len, or before the window) writes nothing and
    ends at once, so the fixed grid of a CUDA graph costs little for short contexts.
@@ -21,8 +26,8 @@ Every block the loop loads holds at least one valid position (the loop starts at
 position of the chunk, not at a BLOCK_N boundary), so the running max is finite after the first
 block and no exp ever sees -inf - (-inf).
 
-Legend: T requests, Hq query heads, Hkv kv heads, G = Hq / Hkv, D head dim, B cache rows,
-S positions per row, NS splits.
+Legend: T requests, Hq query heads, Hkv kv heads, G = Hq / Hkv, D head dim, NB pages of PAGE positions,
+B block table rows of MB entries, NS splits.
 """
 from __future__ import annotations
 
@@ -35,14 +40,16 @@ from ftexpert.kernels.pdl import pdl_enter
 @triton.jit
 def decode_attn_split_kernel(
     q_ptr,                # [T, Hq, D] (last dim contiguous)
-    k_ptr, v_ptr,         # [B, S, Hkv, D] cache views of one layer (last dim contiguous)
-    rows_ptr,             # [T] int: cache row of each request
+    k_ptr, v_ptr,         # [NB, PAGE, Hkv, D] cache views of one layer (last dim contiguous)
+    tables_ptr,           # [B, MB] int: each block table row's pages (entries past a request's length unread)
+    rows_ptr,             # [T] int: block table row of each request
     seq_lens_ptr,         # [T] int: valid positions of each request
     m_ptr, l_ptr,         # [T, Hq, NS] fp32 partial max / sum
     acc_ptr,              # [T, Hq, NS, D] fp32 partial unnormalised output
     stride_qt, stride_qh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
+    stride_tb,            # the block table's row stride
     scale,                # fp32 softmax scale
     bucket,               # positions >= bucket are never read
     window,               # sliding window (used when HAS_WINDOW)
@@ -56,6 +63,7 @@ def decode_attn_split_kernel(
     HAS_WINDOW: tl.constexpr,
     USE_DOT: tl.constexpr,
     IS_FP32: tl.constexpr,
+    PAGE: tl.constexpr,   # positions per page
     USE_PDL: tl.constexpr = False,   # launched with PDL: wait for the kernel before first (kernels/pdl.py)
 ):
     pdl_enter(USE_PDL)
@@ -78,8 +86,9 @@ def decode_attn_split_kernel(
                     mask=g_ok[:, None] & d_ok[None, :], other=0.0)            # [GP, BLOCK_D]
         if not USE_DOT:
             q = q.to(tl.float32)
-        k_base = k_ptr + row * stride_kb + kh * stride_kh
-        v_base = v_ptr + row * stride_vb + kh * stride_vh
+        table = tables_ptr + row * stride_tb
+        k_base = k_ptr + kh * stride_kh
+        v_base = v_ptr + kh * stride_vh
         m_i = tl.full([GP], float("-inf"), tl.float32)
         l_i = tl.zeros([GP], tl.float32)
         acc = tl.zeros([GP, BLOCK_D], tl.float32)
@@ -87,8 +96,10 @@ def decode_attn_split_kernel(
             offs_n = n0 + tl.arange(0, BLOCK_N)                               # [BLOCK_N] positions
             n_ok = offs_n < hi
             kv_mask = n_ok[:, None] & d_ok[None, :]
-            k = tl.load(k_base + offs_n[:, None] * stride_ks + offs_d[None, :], mask=kv_mask,
-                        other=0.0)                                            # [BLOCK_N, BLOCK_D]
+            page = tl.load(table + offs_n // PAGE, mask=n_ok, other=0).to(tl.int64)   # [BLOCK_N]
+            in_page = offs_n % PAGE
+            k = tl.load(k_base + (page * stride_kb + in_page * stride_ks)[:, None] + offs_d[None, :],
+                        mask=kv_mask, other=0.0)                              # [BLOCK_N, BLOCK_D]
             if USE_DOT:
                 if IS_FP32:
                     qk = tl.dot(q, tl.trans(k), input_precision="ieee")       # [GP, BLOCK_N]
@@ -101,8 +112,8 @@ def decode_attn_split_kernel(
             alpha = tl.exp(m_i - m_new)
             p = tl.exp(qk - m_new[:, None])                                   # [GP, BLOCK_N]
             l_i = l_i * alpha + tl.sum(p, axis=1)
-            v = tl.load(v_base + offs_n[:, None] * stride_vs + offs_d[None, :], mask=kv_mask,
-                        other=0.0)                                            # [BLOCK_N, BLOCK_D]
+            v = tl.load(v_base + (page * stride_vb + in_page * stride_vs)[:, None] + offs_d[None, :],
+                        mask=kv_mask, other=0.0)                              # [BLOCK_N, BLOCK_D]
             if USE_DOT:
                 if IS_FP32:
                     pv = tl.dot(p, v, input_precision="ieee")

@@ -1,0 +1,154 @@
+"""Prefix-cache and long-context benchmark of the engine's paged KV cache (engine/README.md, "KV cache").
+
+Two measurements, each on one engine built by `build_engine` (any model, preset, device and expert strategy):
+
+- TTFT of a chat turn: a conversation holds `--history-tokens` tokens (a first turn prefilled and answered with
+  `--answer-tokens` tokens); the next turn adds `--turn-tokens` tokens. Its time to first token with the prefix
+  cache off (the whole history prefilled again) and on (the history's full blocks found cached, only the rest
+  prefilled), median of `--runs` conversations (each with fresh random tokens, so no run finds another's blocks).
+- decode tokens / s of one request at each context of `--decode-contexts` (prompt of that many tokens, then
+  `--decode-tokens` tokens; a warm-up request at the same context first, so that CUDA graphs are captured).
+
+Usage (GPU, the measurements engine/README.md lists as still to be taken):
+    python bench/bench_prefix_cache.py --preset qwen3-30b-a3b --device cuda --moe-strategy resident \\
+        --history-tokens 32768 --turn-tokens 500 --decode-contexts 1024,32768,131072 --kv-cache-gib 24
+    python bench/bench_prefix_cache.py --preset qwen3-30b-a3b --device cuda --moe-strategy offload \\
+        --moe-cache-size 0.25 --history-tokens 32768 --turn-tokens 500 --decode-contexts 1024,32768
+On the CPU, with the embedded default model (its context: 4,096 positions):
+    python bench/bench_prefix_cache.py --device cpu --history-tokens 1024 --turn-tokens 64 --decode-contexts 256,1024
+Prints one line per measurement and, with --json-out, writes them as JSON.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import json
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+from ftexpert.gpu_worker.api import DEFAULT_MODEL_DIR, build_engine  # noqa: E402
+from ftexpert.gpu_worker.engine import Engine, SamplingParams  # noqa: E402
+from ftexpert.proto.engine_spec import EngineSpec  # noqa: E402
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default=None, help="checkpoint directory (default: the embedded model)")
+    p.add_argument("--preset", default=None, help="a real model's shape with random weights")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--moe-strategy", default="resident", choices=("resident", "offload"))
+    p.add_argument("--moe-cache-size", default=None)
+    p.add_argument("--kv-block-size", type=int, default=None)
+    p.add_argument("--kv-cache-gib", type=float, default=None)
+    p.add_argument("--history-tokens", type=int, default=32768)
+    p.add_argument("--answer-tokens", type=int, default=16)
+    p.add_argument("--turn-tokens", type=int, default=500)
+    p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--decode-contexts", default="1024,32768,131072", help="comma-separated; empty: none")
+    p.add_argument("--decode-tokens", type=int, default=64)
+    p.add_argument("--json-out", default=None)
+    return p.parse_args(argv)
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _tokens(n: int, vocab: int, rng: random.Random) -> list[int]:
+    return [rng.randrange(1, vocab) for _ in range(n)]
+
+
+def _greedy(n: int) -> SamplingParams:
+    return SamplingParams(max_new_tokens=n, ignore_eos=True)
+
+
+def _first_token_s(engine: Engine, prompt: list[int], max_new: int) -> tuple[float, list[int]]:
+    """Seconds from add_request to the request's first token, and all its tokens (run to the end)."""
+    _sync()
+    t0 = time.perf_counter()
+    rid = engine.add_request(prompt, _greedy(max_new))
+    ttft, tokens = None, []
+    while engine.has_work():
+        for out in engine.step():
+            if out.request_id == rid:
+                tokens.append(out.new_token_id)
+                if ttft is None:
+                    ttft = time.perf_counter() - t0
+    return ttft, tokens
+
+
+def chat_turn(engine: Engine, args, vocab: int, seed: int) -> dict:
+    """One conversation: a first turn of history, its answer, then the timed turn."""
+    rng = random.Random(seed)
+    history = _tokens(args.history_tokens, vocab, rng)
+    _, answer = _first_token_s(engine, history, args.answer_tokens)
+    hits0 = engine.stats.prefix_cache_hit_tokens_total
+    prompt = history + answer + _tokens(args.turn_tokens, vocab, rng)
+    ttft, _ = _first_token_s(engine, prompt, 1)
+    return {"ttft_s": ttft, "prompt_tokens": len(prompt),
+            "hit_tokens": engine.stats.prefix_cache_hit_tokens_total - hits0}
+
+
+def decode_rate(engine: Engine, ctx: int, n: int, vocab: int) -> float:
+    """Decode tokens / s of one request after a `ctx`-token prompt (a warm-up request at the same context first)."""
+    rng = random.Random(ctx)
+    for _ in range(2):                                   # the first: warm-up (graph capture)
+        s = engine.stats
+        tokens0, time0 = s.decode_tokens, s.decode_time_s
+        _first_token_s(engine, _tokens(ctx, vocab, rng), n)
+    return (s.decode_tokens - tokens0) / (s.decode_time_s - time0)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    contexts = [int(c) for c in args.decode_contexts.split(",") if c.strip()]
+    need = max([args.history_tokens + args.answer_tokens + args.turn_tokens + 1]
+               + [c + args.decode_tokens for c in contexts])
+    model = args.model or (None if args.preset else str(DEFAULT_MODEL_DIR))
+    spec = EngineSpec(model=model, preset=args.preset, device=args.device, dtype=args.dtype,
+                      moe_strategy=args.moe_strategy, moe_cache_size=args.moe_cache_size, max_running_requests=1,
+                      max_context_tokens=need, kv_block_size=args.kv_block_size, kv_cache_gib=args.kv_cache_gib)
+    built = build_engine(spec)
+    rows = []
+    try:
+        model, engine = built.model, built.engine
+        vocab = model.cfg.vocab_size
+        print(f"{type(built.experts).__name__} on {built.device}; KV pool {engine.kv.num_blocks} blocks of "
+              f"{engine.kv.block_size} ({engine.kv.nbytes / 2**30:.2f} GiB); context {need}", flush=True)
+        for prefix in (False, True):
+            built.engine = engine = None                 # one KV pool at a time
+            gc.collect()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+            engine = built.fresh_engine(dataclasses.replace(spec, prefix_cache="on" if prefix else "off"))
+            turns = [chat_turn(engine, args, vocab, seed=run) for run in range(args.runs + 1)][1:]  # 1st: warm-up
+            ttft = statistics.median(t["ttft_s"] for t in turns)
+            row = {"what": "chat turn", "prefix_cache": prefix, "ttft_s": ttft, "runs": len(turns),
+                   "prompt_tokens": turns[0]["prompt_tokens"], "hit_tokens": turns[0]["hit_tokens"]}
+            rows.append(row)
+            print(f"turn of +{args.turn_tokens} tokens to {args.history_tokens}: prefix cache "
+                  f"{'on ' if prefix else 'off'} TTFT {ttft * 1e3:9.1f} ms (median of {len(turns)}), "
+                  f"{row['hit_tokens']} of {row['prompt_tokens']} prompt tokens found cached", flush=True)
+        for ctx in contexts:
+            rate = decode_rate(engine, ctx, args.decode_tokens, vocab)
+            rows.append({"what": "decode", "context": ctx, "tokens_per_s": rate})
+            print(f"decode at a {ctx}-token context: {rate:8.1f} tok/s", flush=True)
+    finally:
+        built.close()
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps(rows, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,132 @@
+"""The prefix cache (engine/block_pool.py, kv_blocks.py): full KV blocks shared by every request whose sequence starts
+with them. Greedy tokens are the same with it on and off over multi-turn conversations that share a system prompt,
+interleaved, with and without a pool small enough to evict; a hit skips the prefill of the shared blocks (but the
+last prompt token); gpt-oss (sliding windows, sinks) shares blocks too; Qwen3-Next, whose linear layers' states are
+not kept at block boundaries, runs with it off and still preempts and recomputes correctly. The embedded default
+model and the tiny gpt-oss / Qwen3-Next checkpoints of the other tests, on the CPU."""
+from __future__ import annotations
+
+import pytest
+
+from ftexpert.gpu_worker.assembly.loader import load_model
+from ftexpert.gpu_worker.worker_loop import engine_stats
+from tests.gpu_worker.test_engine_paged import assert_idle_and_whole, audit, engine, greedy, ids, run
+
+
+@pytest.fixture(scope="module")
+def embedded():
+    return load_model(device="cpu")
+
+
+def converse(e, system: list[int], users: dict[str, list[list[int]]], max_new: int, stagger: int = 2) -> dict:
+    """Conversations over one engine, interleaved: conversation i starts at step stagger * i; each turn's prompt is
+    the one before, its answer and the next user message (the system prompt first). (name, turn) -> tokens."""
+    history = {name: list(system) for name in users}
+    turn = {name: 0 for name in users}
+    live: dict = {}
+    out: dict = {}
+    step = 0
+    while True:
+        for i, name in enumerate(users):
+            if name not in live.values() and turn[name] < len(users[name]) and step >= stagger * i:
+                history[name] += users[name][turn[name]]
+                rid = e.add_request(list(history[name]), greedy(max_new))
+                live[rid] = name
+        if not e.has_work():
+            break
+        for o in e.step():
+            name = live[o.request_id]
+            out.setdefault((name, turn[name]), []).append(o.new_token_id)
+            if o.finished:
+                history[name] += out[(name, turn[name])]
+                turn[name] += 1
+                del live[o.request_id]
+        audit(e)
+        step += 1
+    return out
+
+
+def conversations(seed: int) -> tuple[list[int], dict]:
+    system = ids(37, seed)
+    users = {f"c{i}": [ids(5 + 2 * t + i, seed + 10 * i + t) for t in range(3)] for i in range(3)}
+    return system, users
+
+
+@pytest.mark.parametrize("pool", [None, 96], ids=["roomy", "evicting"])
+def test_multi_turn_tokens_are_the_same_with_the_prefix_cache_on_and_off(embedded, pool):
+    system, users = conversations(seed=3)
+    off = engine(embedded, prefix=False, chunk=8)
+    expected = converse(off, system, users, max_new=6)
+    on = engine(embedded, pool=pool, chunk=8)
+    got = converse(on, system, users, max_new=6)
+    assert got == expected and len(got) == 9
+    s = on.stats
+    assert s.prefix_cache_queries_total >= 9 and s.prefix_cache_hit_tokens_total >= 8 * 36
+    assert s.prefill_tokens < off.stats.prefill_tokens
+    if pool is not None:
+        assert s.kv_cache_evictions_total >= 1
+    assert_idle_and_whole(on)
+
+
+def test_a_hit_skips_the_shared_blocks_but_computes_the_last_prompt_token(embedded):
+    e = engine(embedded, block=4)
+    prompt = ids(24, 5)                                   # 6 full blocks
+    first = run(e, {"a": (prompt, 5)})["a"][0]            # its last step fills block 7: named as it finishes
+    prefilled = e.stats.prefill_tokens
+    assert e.stats.prefix_cache_hit_tokens_total == 0 and e.stats.kv_blocks_cached == 7   # 24 + 4 fed: 7 full
+    assert run(e, {"b": (prompt, 4)})["b"][0] == first[:4]
+    assert e.stats.prefix_cache_hit_tokens_total == 20   # 5 blocks: the 6th holds the last prompt token
+    assert e.stats.prefill_tokens - prefilled == 4
+    longer = prompt + first[:4] + ids(6, 6)              # the next turn: the answer's K/V (block 7) are cached too
+    e.stats.prefix_cache_hit_tokens_total = 0
+    run(e, {"c": (longer, 2)})
+    assert e.stats.prefix_cache_hit_tokens_total == 24 + 4
+    other = prompt[:4] + prompt                           # block 0 cached; then the same blocks one block later
+    e.stats.prefix_cache_hit_tokens_total = 0
+    assert run(e, {"d": (other, 4)}) == run(engine(embedded, prefix=False), {"d": (other, 4)})
+    assert e.stats.prefix_cache_hit_tokens_total == 4     # a key covers the whole prefix, hence the position
+    assert_idle_and_whole(e)
+
+
+def test_the_prefix_cache_figures_reach_the_worker_stats(embedded):
+    e = engine(embedded)
+    run(e, {"a": (ids(20, 8), 3)})
+    names, values = engine_stats(e)
+    stats = dict(zip(names, values))
+    for name in ("prefix_cache_queries_total", "prefix_cache_query_tokens_total", "prefix_cache_hit_tokens_total",
+                 "kv_cache_evictions_total", "kv_preemptions_total", "kv_blocks_total", "kv_blocks_used",
+                 "kv_blocks_cached", "kv_blocks_free", "kv_block_size", "prefix_cache_enabled"):
+        assert name in stats, name
+    assert stats["prefix_cache_enabled"] == 1.0 and stats["kv_blocks_cached"] == 5 and stats["kv_block_size"] == 4
+
+
+def test_gpt_oss_windows_and_sinks_share_blocks(tmp_path):
+    """gpt-oss's sliding-window layers (window 8, blocks of 4) read cached blocks like the full ones."""
+    from tests.gpu_worker.gpt_oss_util import hf_gpt_oss
+    hf = hf_gpt_oss(seed=7)
+    hf.save_pretrained(str(tmp_path / "g"))
+    loaded = load_model(tmp_path / "g", device="cpu", dtype="float32")
+    system = [i % 120 + 1 for i in range(0, 63, 3)]       # 21 tokens, past the window
+    users = {f"c{i}": [[(7 * i + 11 * t + k) % 120 + 1 for k in range(4 + t)] for t in range(2)] for i in range(2)}
+    expected = converse(engine(loaded, prefix=False, chunk=8), system, users, max_new=5)
+    on = engine(loaded, pool=72, chunk=8)
+    assert converse(on, system, users, max_new=5) == expected
+    assert on.stats.prefix_cache_hit_tokens_total > 0
+    assert_idle_and_whole(on)
+
+
+def test_qwen3_next_runs_without_the_prefix_cache_and_recomputes_its_states(tmp_path):
+    """Qwen3-Next: prefix caching is off whatever the config says (a hit could not resume the linear layers'
+    recurrent and conv states, which are kept per request, not per block); a pool that forces preemption still
+    gives the tokens of the unconstrained run (the preempted request's states are rebuilt by its recompute)."""
+    from tests.gpu_worker.qwen3_next_util import hf_qwen3_next, save
+    loaded = load_model(save(hf_qwen3_next(seed=7), tmp_path / "n"), device="cpu", dtype="float32")
+    base = [(5 * k) % 120 + 1 for k in range(10)]
+    requests = {f"r{i}": (base + [(3 * i + k) % 120 + 1 for k in range(2 + i)], 8) for i in range(4)}
+    expected = run(engine(loaded, prefix=False, chunk=8), requests)
+    small = engine(loaded, pool=40, chunk=8)              # prefix_caching=True asked for
+    assert run(small, requests) == expected
+    s = small.stats
+    assert not s.prefix_cache_enabled and s.prefix_cache_queries_total == 0 and s.kv_blocks_cached == 0
+    assert s.kv_preemptions_total >= 1
+    assert_idle_and_whole(small)
