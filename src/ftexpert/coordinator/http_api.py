@@ -24,6 +24,7 @@ from typing import Any, AsyncIterator
 from aiohttp import web
 
 from ftexpert.coordinator.auth import bearer_ok
+from ftexpert.coordinator.chat_output import ChatDeltas, chat_message, finish_reason
 from ftexpert.coordinator.engine_client import EngineError, EngineFailed, EngineUnavailable
 from ftexpert.coordinator.engine_service import Chunk, EngineService, RequestStream, RequestTimeout, ServiceUnavailable
 from ftexpert.coordinator.metrics import PROMETHEUS_CONTENT_TYPE, HttpCounters, render_prometheus
@@ -257,8 +258,11 @@ class HttpApi:
             self._observe(streams)
             usage = _usage(streams, plan.n)
             if chat:
-                choices = [{"index": i, "message": {"role": "assistant", "content": t}, "logprobs": None,
-                            "finish_reason": r} for i, (t, r) in enumerate(zip(texts, reasons))]
+                choices = []
+                for i, (t, r) in enumerate(zip(texts, reasons)):
+                    message, called = chat_message(t, plan.tools, plan.tool_choice)
+                    choices.append({"index": i, "message": message, "logprobs": None,
+                                    "finish_reason": finish_reason(r, called)})
                 return _json_response({"id": rid, "object": "chat.completion", "created": created,
                                        "model": self.model.name, "choices": choices, "usage": usage})
             choices = [{"index": i, "text": t, "logprobs": None, "finish_reason": r}
@@ -287,6 +291,7 @@ class HttpApi:
             return _sse({"id": rid, "object": obj, "created": created, "model": self.model.name,
                          "choices": choices, **usage_field})
 
+        deltas = [ChatDeltas(plan.tools, plan.tool_choice) for _ in streams]
         try:
             if chat:
                 for i in range(len(streams)):
@@ -294,12 +299,14 @@ class HttpApi:
                                              "logprobs": None, "finish_reason": None}]))
             async for index, chunk in _merged(streams):
                 if chat:
-                    if chunk.text:
-                        await resp.write(frame([{"index": index, "delta": {"content": chunk.text},
-                                                 "logprobs": None, "finish_reason": None}]))
+                    out = deltas[index].feed(chunk.text) + (deltas[index].finish() if chunk.finished else [])
+                    for delta in out:
+                        await resp.write(frame([{"index": index, "delta": delta, "logprobs": None,
+                                                 "finish_reason": None}]))
                     if chunk.finished:
                         await resp.write(frame([{"index": index, "delta": {}, "logprobs": None,
-                                                 "finish_reason": chunk.finish_reason}]))
+                                                 "finish_reason": finish_reason(chunk.finish_reason,
+                                                                                deltas[index].made_calls)}]))
                 elif chunk.text or chunk.finished:
                     await resp.write(frame([{"index": index, "text": chunk.text, "logprobs": None,
                                              "finish_reason": chunk.finish_reason if chunk.finished else None}]))
