@@ -31,8 +31,21 @@ CHATML_TEMPLATE = (
     "'<|im_end|>' + '\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
 
 
-def write_tiny_model_dir(path: str) -> str:
-    """tokenizer.json (byte-level, token id == byte value, 3 specials), tokenizer_config.json, configs."""
+def _bytes_to_unicode() -> dict[int, str]:
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {b: chr(c) for b, c in zip(bs, cs)}
+
+
+def write_tiny_model_dir(path: str, chat_template: str = CHATML_TEMPLATE) -> str:
+    """tokenizer.json (byte-level, token id == byte value, 3 specials), tokenizer_config.json (`chat_template`),
+    configs."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
     vocab = {ch: b for b, ch in bytes_to_unicode().items()}
@@ -43,7 +56,7 @@ def write_tiny_model_dir(path: str) -> str:
     os.makedirs(path, exist_ok=True)
     tok.save(os.path.join(path, "tokenizer.json"))
     with open(os.path.join(path, "tokenizer_config.json"), "w") as fh:
-        json.dump({"chat_template": CHATML_TEMPLATE, "eos_token": EOS_TOKEN, "bos_token": None}, fh)
+        json.dump({"chat_template": chat_template, "eos_token": EOS_TOKEN, "bos_token": None}, fh)
     with open(os.path.join(path, "config.json"), "w") as fh:
         json.dump({"max_position_embeddings": CONTEXT_LENGTH}, fh)
     return path
@@ -63,10 +76,11 @@ class FakeEngine:
     engine."""
 
     def __init__(self, max_running: int = 8, step_delay_s: float = 0.0, eos_after: int | None = None,
-                 eos_id: int = 256, context_length: int = CONTEXT_LENGTH):
+                 eos_id: int = 256, context_length: int = CONTEXT_LENGTH, text: str = FAKE_TEXT):
         self.context_length = context_length
         self.max_running = max_running
         self.step_delay_s = step_delay_s
+        self.text = text.encode()
         self.eos_after = eos_after
         self.eos_id = eos_id
         self.waiting: list[int] = []
@@ -119,8 +133,7 @@ class FakeEngine:
     def _token(self, req: FakeRequest) -> int:
         if req.params.temperature > 0 and req.params.seed is not None:
             return req.rng.choice(b"abcdefghijklmnopqrstuvwxyz ")
-        data = FAKE_TEXT.encode()
-        return data[req.produced % len(data)]
+        return self.text[req.produced % len(self.text)]
 
     def step(self):
         self._check_thread()
@@ -219,10 +232,11 @@ def tiny_served_engine(model: str | None = None):
 def live_server(tmp_path, *, api_key: str | None = None, engine_kwargs: dict | None = None,
                 request_timeout_s: float = 60.0, max_pending_requests: int = 256, grpc: bool = True,
                 drain_timeout_s: float = 5.0, real_engine: bool = False, context_length: int = CONTEXT_LENGTH,
-                tls=None, supervisor=None, engine_worker: str | None = None, model: str | None = None):
+                tls=None, supervisor=None, engine_worker: str | None = None, model: str | None = None,
+                chat_template: str = CHATML_TEMPLATE):
     """A CoordinatorServer on 127.0.0.1 (free ports) around the fake engine, or the real tiny one (`model`: a real
     engine on that checkpoint instead; `supervisor`, `engine_worker`: as process mode passes them)."""
-    model_dir = write_tiny_model_dir(os.path.join(str(tmp_path), "model"))
+    model_dir = write_tiny_model_dir(os.path.join(str(tmp_path), "model"), chat_template)
     box: list = []
     if real_engine:
         served = tiny_served_engine(model)

@@ -11,6 +11,7 @@ import threading
 
 import openai
 import pytest
+from ftexpert.coordinator.text_codec import ChatMessage
 
 sys.path.insert(0, os.path.dirname(__file__))
 from coordinator_support import CONTEXT_LENGTH, FAKE_TEXT, MODEL_NAME, live_server  # noqa: E402
@@ -81,7 +82,7 @@ def test_chat_uses_the_template_and_seeded_sampling_repeats(tiny):
     c = client(tiny)
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello!"}]
     expected_prompt = tiny.server.model.codec.encode_chat(
-        [type("M", (), {"role": m["role"], "content": m["content"]})() for m in messages])
+        [ChatMessage(m["role"], m["content"]) for m in messages])
     a = c.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=16, temperature=0.9,
                                   top_p=0.9, seed=1234, extra_body={"top_k": 50, "ignore_eos": True})
     b = c.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=16, temperature=0.9,
@@ -271,8 +272,10 @@ ERROR_CASES = {
                       "/v1/chat/completions"),
     "chat-image-part": ({**CHAT, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400,
                         "messages[0].content", None, "/v1/chat/completions"),
-    "chat-tools": ({**CHAT, "tools": [{"type": "function"}]}, 400, "tools", "unsupported_parameter",
+    "chat-tools": ({**CHAT, "tools": [{"type": "function"}]}, 400, "tools[0].function", None,
                    "/v1/chat/completions"),
+    "chat-tools-template": ({**CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools",
+                            "unsupported_parameter", "/v1/chat/completions"),      # its template renders no tools
     "chat-max-completion-tokens-negative": ({**CHAT, "max_completion_tokens": -3}, 400, "max_completion_tokens",
                                             None, "/v1/chat/completions"),
     "chat-logprobs-not-bool": ({**CHAT, "logprobs": 1}, 400, "logprobs", None, "/v1/chat/completions"),

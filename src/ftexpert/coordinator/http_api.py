@@ -28,6 +28,7 @@ from ftexpert.coordinator.anthropic_api import AnthropicApi
 from ftexpert.coordinator.anthropic_requests import anthropic_error_body, is_anthropic_path
 from ftexpert.coordinator.auth import http_key_ok
 from ftexpert.coordinator.engine_client import EngineError, EngineUnavailable
+from ftexpert.coordinator.chat_output import ChatDeltas, chat_message, finish_reason
 from ftexpert.coordinator.engine_service import Chunk, EngineService, RequestStream, RequestTimeout, ServiceUnavailable
 from ftexpert.coordinator.http_common import json_response as _json_response, unavailable_error as _unavailable
 from ftexpert.coordinator.logprobs import LogprobEntry, TokenPieces, chat_logprobs, completion_logprobs
@@ -277,8 +278,11 @@ class HttpApi:
             logprobs = [self._logprobs([] if e is None and s.sampling.logprobs is not None else e, chat)
                         for e, s in zip(entries, streams)]
             if chat:
-                choices = [{"index": i, "message": {"role": "assistant", "content": t}, "logprobs": lp,
-                            "finish_reason": r} for i, (t, r, lp) in enumerate(zip(texts, reasons, logprobs))]
+                choices = []
+                for i, (t, r, lp) in enumerate(zip(texts, reasons, logprobs)):
+                    message, called = chat_message(t, plan.tools, plan.tool_choice)
+                    choices.append({"index": i, "message": message, "logprobs": lp,
+                                    "finish_reason": finish_reason(r, called)})
                 return _json_response({"id": rid, "object": "chat.completion", "created": created,
                                        "model": self.model.name, "choices": choices, "usage": usage})
             choices = [{"index": i, "text": t, "logprobs": lp, "finish_reason": r}
@@ -307,6 +311,7 @@ class HttpApi:
             return _sse({"id": rid, "object": obj, "created": created, "model": self.model.name,
                          "choices": choices, **usage_field})
 
+        deltas = [ChatDeltas(plan.tools, plan.tool_choice) for _ in streams]
         try:
             if chat:
                 for i in range(len(streams)):
@@ -315,12 +320,16 @@ class HttpApi:
             async for index, chunk in _merged(streams):
                 logprobs = self._logprobs(chunk.logprobs, chat) if chunk.logprobs else None
                 if chat:
-                    if chunk.text or logprobs:
-                        await resp.write(frame([{"index": index, "delta": {"content": chunk.text},
-                                                 "logprobs": logprobs, "finish_reason": None}]))
+                    out = deltas[index].feed(chunk.text) + (deltas[index].finish() if chunk.finished else [])
+                    if logprobs and not out:
+                        out = [{"content": ""}]          # the logprobs of text held back (a possible call's start)
+                    for k, delta in enumerate(out):
+                        await resp.write(frame([{"index": index, "delta": delta,
+                                                 "logprobs": logprobs if k == 0 else None, "finish_reason": None}]))
                     if chunk.finished:
                         await resp.write(frame([{"index": index, "delta": {}, "logprobs": None,
-                                                 "finish_reason": chunk.finish_reason}]))
+                                                 "finish_reason": finish_reason(chunk.finish_reason,
+                                                                                deltas[index].made_calls)}]))
                 elif chunk.text or chunk.finished or logprobs:
                     await resp.write(frame([{"index": index, "text": chunk.text, "logprobs": logprobs,
                                              "finish_reason": chunk.finish_reason if chunk.finished else None}]))

@@ -2,18 +2,19 @@
 
 Every check names the parameter and what would be valid, so a client can fix its request. Numbers
 must be JSON numbers (a bool is not a number here), and unsupported options that would change the
-answer (echo, penalties, tools, ...) are refused rather than silently ignored; unknown fields are
+answer (echo, penalties, ...) are refused rather than silently ignored; unknown fields are
 ignored, as most OpenAI-compatible servers do. Logprobs and response_format: request_options.py.
 """
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from ftexpert.coordinator.request_options import parse_logprobs, parse_response_format
 from ftexpert.coordinator.text_codec import CHATML_ROLES, ChatMessage, TextCodec, TooManyTokens
 from ftexpert.coordinator.token_bounds import utf8_length_over
+from ftexpert.coordinator.tool_calls import Tool, ToolChoice, ToolError, parse_openai_tools
 from ftexpert.proto.sampling_params import BadSamplingParam, PromptTooLong, SamplingParams, check_prompt
 
 MAX_N = 16
@@ -58,6 +59,8 @@ class GenerationPlan:
     stop: list[str]
     stream: bool
     include_usage: bool
+    tools: list[Tool] = field(default_factory=list)          # chat: the tools offered, and the choice
+    tool_choice: ToolChoice = field(default_factory=lambda: ToolChoice("none"))
 
     @property
     def num_choices(self) -> int:
@@ -144,13 +147,7 @@ def _refuse_unsupported(body: dict, chat: bool) -> None:
         option = f"'{name}' {what}" if what else f"'{name}'"
         raise bad(f"{option} is not supported by this server; remove it", name, "unsupported_parameter")
 
-    if chat:
-        for name in ("tools", "functions"):
-            if body.get(name) not in (None, []):
-                refuse(name, "(tool calling)")
-        if body.get("tool_choice") not in (None, "none", "auto"):
-            refuse("tool_choice", "")
-    else:
+    if not chat:
         if body.get("echo") not in (None, False):
             refuse("echo", "(true)")
         if body.get("best_of") not in (None, 1):
@@ -296,6 +293,11 @@ def parse_messages(raw: Any) -> list[ChatMessage]:
         content = m.get("content")
         if content is None and role == "assistant":
             content = ""
+        calls = _parse_tool_calls(m.get("tool_calls"), role, where)
+        call_id = m.get("tool_call_id")
+        if role == "tool" and not isinstance(call_id, str):
+            raise bad(f"{where}.tool_call_id must be the id of the call this tool message answers",
+                      f"{where}.tool_call_id")
         if isinstance(content, list):
             texts = []
             for part in content:
@@ -306,8 +308,31 @@ def parse_messages(raw: Any) -> list[ChatMessage]:
             content = "".join(texts)
         if not isinstance(content, str):
             raise bad(f"{where}.content must be a string or a list of text parts", f"{where}.content")
-        out.append(ChatMessage(role, content))
+        name = m.get("name")
+        out.append(ChatMessage(role, content, calls, call_id if role == "tool" else None,
+                               name if role == "tool" and isinstance(name, str) else None))
     return out
+
+
+def _parse_tool_calls(raw: Any, role: str, where: str) -> list[dict] | None:
+    """An assistant message's `tool_calls` (the calls it made, sent back in the history)."""
+    if raw is None or raw == []:
+        return None
+    if role != "assistant":
+        raise bad(f"{where}.tool_calls is only allowed on assistant messages", f"{where}.tool_calls")
+    if not isinstance(raw, list):
+        raise bad(f"{where}.tool_calls must be a list of calls", f"{where}.tool_calls")
+    calls = []
+    for j, call in enumerate(raw):
+        at = f"{where}.tool_calls[{j}]"
+        fn = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or \
+                not isinstance(fn.get("arguments"), str) or not isinstance(call.get("id"), str):
+            raise bad(f"{at} must be {{\"id\": ..., \"type\": \"function\", \"function\": {{\"name\": ..., "
+                      f"\"arguments\": \"<JSON text>\"}}}}", at)
+        calls.append({"id": call["id"], "type": "function",
+                      "function": {"name": fn["name"], "arguments": fn["arguments"]}})
+    return calls
 
 
 def parse_chat(body: Any, model: ModelInfo) -> GenerationPlan:
@@ -316,18 +341,36 @@ def parse_chat(body: Any, model: ModelInfo) -> GenerationPlan:
     check_unicode(body)
     _check_model(body, model)
     _refuse_unsupported(body, chat=True)
-    prompt_ids = encode_chat_prompt(parse_messages(body.get("messages")), model)
+    messages = parse_messages(body.get("messages"))
+    try:
+        tools, choice = parse_openai_tools(body)
+    except ToolError as exc:
+        raise bad(str(exc), exc.param) from None
+    if choice.mode in ("required", "function"):
+        raise bad(f"'tool_choice' {choice.mode if choice.mode == 'required' else 'naming a function'} needs "
+                  f"constrained decoding, which this server does not have yet; send \"auto\"", "tool_choice",
+                  "unsupported_parameter")
+    rendered_tools = [t.openai() for t in tools] if choice.mode != "none" else None
+    if rendered_tools:
+        try:
+            model.codec.chat_template.check_tools()
+        except ValueError as exc:
+            raise bad(str(exc), "tools", "unsupported_parameter") from None
+    prompt_ids = encode_chat_prompt(messages, model, rendered_tools)
     max_tokens, param = _parse_max_tokens(body, ("max_completion_tokens", "max_tokens"), None)
-    return _parse_common(body, model, [prompt_ids], max_tokens, param, chat=True)
+    plan = _parse_common(body, model, [prompt_ids], max_tokens, param, chat=True)
+    plan.tools, plan.tool_choice = tools, choice
+    return plan
 
 
-def encode_chat_prompt(messages: list[ChatMessage], model: ModelInfo) -> list[int]:
-    """The messages through the model's chat template, tokenized; 400 naming 'messages' when they cannot fit."""
+def encode_chat_prompt(messages: list[ChatMessage], model: ModelInfo, tools: list[dict] | None = None) -> list[int]:
+    """The messages (and `tools`, OpenAI's form) through the model's chat template, tokenized; 400 naming 'messages'
+    when they cannot fit."""
     # the template only adds tokens: the messages' text alone must fit
     _check_prompt_bytes(lambda limit: utf8_length_over("".join(m.content for m in messages), limit), model,
                         "messages")
     try:
-        return model.codec.encode_chat(messages, limit=model.context_length)
+        return model.codec.encode_chat(messages, limit=model.context_length, tools=tools)
     except TooManyTokens as exc:
         raise _too_many(exc, model, "messages") from None
     except ValueError as exc:

@@ -74,6 +74,20 @@ def _count_up_to(tokenizer: Any, text: str, limit: int) -> None:
 class ChatMessage:
     role: str
     content: str
+    tool_calls: list[dict] | None = None    # an assistant turn's calls, OpenAI's form: {id, type, function}
+    tool_call_id: str | None = None         # a tool turn: the call it answers
+    name: str | None = None                 # a tool turn: the function's name
+
+    def template_dict(self) -> dict:
+        """The message as chat templates read it (transformers' form)."""
+        out: dict[str, Any] = {"role": self.role, "content": self.content}
+        if self.tool_calls:
+            out["tool_calls"] = self.tool_calls
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        if self.name is not None:
+            out["name"] = self.name
+        return out
 
 
 def _token_text(value: Any) -> str | None:
@@ -83,8 +97,37 @@ def _token_text(value: Any) -> str | None:
     return value if isinstance(value, str) else None
 
 
-def render_chatml(messages: Sequence[ChatMessage], add_generation_prompt: bool = True) -> str:
-    out = [f"<|im_start|>{m.role}\n{m.content}<|im_end|>\n" for m in messages]
+TOOLS_PREAMBLE = ("# Tools\n\nFunctions you may call are listed as JSON signatures inside <tools></tools>:\n"
+                  "<tools>")
+TOOLS_INSTRUCTION = ("\n</tools>\n\nTo call one, reply with a JSON object holding its name and arguments inside "
+                     "<tool_call></tool_call> tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": "
+                     "<args-json-object>}\n</tool_call>")
+
+
+def _call_text(call: dict) -> str:
+    fn = call.get("function", call)
+    args = fn.get("arguments", {})
+    args = args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
+    return f'<tool_call>\n{{"name": {json.dumps(fn.get("name"), ensure_ascii=False)}, "arguments": {args}}}\n</tool_call>'
+
+
+def render_chatml(messages: Sequence[ChatMessage], add_generation_prompt: bool = True,
+                  tools: Sequence[dict] | None = None) -> str:
+    """ChatML; with `tools`, the tool signatures in the system turn and calls / results in the Hermes form that
+    coordinator/tool_calls.py parses."""
+    out = []
+    rest = list(messages)
+    if tools:
+        system = rest.pop(0).content + "\n\n" if rest and rest[0].role == "system" else ""
+        sigs = "".join("\n" + json.dumps(t, ensure_ascii=False) for t in tools)
+        out.append(f"<|im_start|>system\n{system}{TOOLS_PREAMBLE}{sigs}{TOOLS_INSTRUCTION}<|im_end|>\n")
+    for m in rest:
+        if m.role == "tool":
+            out.append(f"<|im_start|>user\n<tool_response>\n{m.content}\n</tool_response><|im_end|>\n")
+            continue
+        calls = "\n".join(_call_text(c) for c in m.tool_calls or ())
+        sep = "\n" if calls and m.content else ""
+        out.append(f"<|im_start|>{m.role}\n{m.content}{sep}{calls}<|im_end|>\n")
     if add_generation_prompt:
         out.append("<|im_start|>assistant\n")
     return "".join(out)
@@ -131,13 +174,28 @@ class ChatTemplate:
     def kind(self) -> str:
         return "jinja2" if self._compiled is not None else "chatml"
 
-    def render(self, messages: Sequence[ChatMessage], add_generation_prompt: bool = True) -> str:
+    def check_tools(self) -> None:
+        """Raise ValueError where this template cannot be given tools: it never reads them, or it writes calls in
+        a format coordinator/tool_calls.py does not parse (gpt-oss's harmony channels)."""
+        if self.source is None or self._compiled is None:
+            return
+        if "<|channel|>" in self.source:
+            raise ValueError("tool calling is not served for this model: its chat template writes calls in the "
+                             "harmony format, which this server does not parse; send the request without 'tools'")
+        if "tools" not in self.source:
+            raise ValueError("this model's chat template does not render tools; send the request without 'tools' "
+                             "or serve the model with a chat template that renders them")
+
+    def render(self, messages: Sequence[ChatMessage], add_generation_prompt: bool = True,
+               tools: Sequence[dict] | None = None) -> str:
+        """The prompt text; `tools` (OpenAI's form) only where given (check_tools says whether they can be)."""
         if self._compiled is None:
-            return render_chatml(messages, add_generation_prompt)
+            return render_chatml(messages, add_generation_prompt, tools)
         import jinja2
+        extra = {"tools": list(tools)} if tools else {}
         try:
-            return self._compiled.render(messages=[{"role": m.role, "content": m.content} for m in messages],
-                                         add_generation_prompt=add_generation_prompt, **self.special)
+            return self._compiled.render(messages=[m.template_dict() for m in messages],
+                                         add_generation_prompt=add_generation_prompt, **extra, **self.special)
         except jinja2.TemplateError as exc:
             raise ValueError(f"chat template failed on these messages: {exc}") from None
 
@@ -213,7 +271,8 @@ class TextCodec:
         With `limit`, a long text surely over it raises TooManyTokens before it is tokenized whole."""
         return _encode(self.tokenizer, text, add_special_tokens, limit)
 
-    def encode_chat(self, messages: Sequence[ChatMessage], limit: int | None = None) -> list[int]:
+    def encode_chat(self, messages: Sequence[ChatMessage], limit: int | None = None,
+                    tools: Sequence[dict] | None = None) -> list[int]:
         """The chat template rendered and tokenized; only the template's own special tokens are special.
 
         Special-token text inside a message (`<|im_end|><|im_start|>system`) stays text: each occurrence is
@@ -230,7 +289,26 @@ class TextCodec:
                 return f"{PLACEHOLDER_OPEN}{nonce}:{len(found) - 1}{PLACEHOLDER_CLOSE}"
             return self._special_re.sub(mark, content)
 
-        rendered = self.chat_template.render([ChatMessage(m.role, hide(m.content)) for m in messages])
+        def hidden(m: ChatMessage) -> ChatMessage:
+            calls = None
+            if m.tool_calls:
+                calls = [{**c, "function": {**c["function"], "arguments": hide(c["function"]["arguments"])}}
+                         if isinstance(c.get("function", {}).get("arguments"), str) else c for c in m.tool_calls]
+            return ChatMessage(m.role, hide(m.content), calls, m.tool_call_id, m.name)
+
+        def hidden_value(v: Any) -> Any:        # tools' names, descriptions and schemas are client text too
+            if isinstance(v, str):
+                return hide(v)
+            if isinstance(v, dict):
+                return {hidden_value(k): hidden_value(x) for k, x in v.items()}
+            if isinstance(v, list):
+                return [hidden_value(x) for x in v]
+            return v
+
+        if tools:
+            self.chat_template.check_tools()
+            tools = [hidden_value(t) for t in tools]
+        rendered = self.chat_template.render([hidden(m) for m in messages], tools=tools)
         if not found:
             return self.encode(rendered, add_special_tokens=False, limit=limit)
         pieces = re.split(f"{PLACEHOLDER_OPEN}{nonce}:(\\d+){PLACEHOLDER_CLOSE}", rendered)

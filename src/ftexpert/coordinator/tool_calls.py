@@ -1,0 +1,266 @@
+"""Tool calling on the coordinator's side: the tools a request offers (OpenAI's `tools` / `tool_choice`, checked
+field by field), and the model's calls parsed out of the text it writes.
+
+The model's chat template renders the tools (tokenizer_config.json's `chat_template`, given `tools` as
+transformers gives them); the built-in ChatML format renders them itself. The output format is the one of the
+Qwen / Hermes family of templates, which the embedded model's template uses too: a call is
+
+    <tool_call>
+    {"name": "<function name>", "arguments": {<the arguments object>}}
+    </tool_call>
+
+anywhere in the reply, one block per call. `split_calls` cuts a whole reply into its text and its calls;
+`CallStream` does the same on a stream of text pieces, holding back only what could still begin a block. A block
+whose JSON does not parse, or that names no offered tool, stays text (the client sees what the model wrote).
+Templates of another family (gpt-oss's harmony channels) are refused with a clear error rather than parsed wrongly.
+"""
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+OPEN_TAG, CLOSE_TAG = "<tool_call>", "</tool_call>"
+MAX_TOOLS = 128
+MAX_SCHEMA_BYTES = 64 << 10
+_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")          # OpenAI's rule for a function name
+TOOL_CHOICE_MODES = ("auto", "none", "required")
+
+
+class ToolError(ValueError):
+    """A bad tool definition or choice; `param` names the field (the front door maps it to a 400)."""
+
+    def __init__(self, message: str, param: str):
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass(frozen=True)
+class Tool:
+    name: str
+    description: str
+    parameters: dict        # the JSON schema of the arguments object
+
+    def openai(self) -> dict:
+        """The OpenAI form chat templates are given (`tools`)."""
+        fn: dict[str, Any] = {"name": self.name, "parameters": self.parameters}
+        if self.description:
+            fn = {"name": self.name, "description": self.description, "parameters": self.parameters}
+        return {"type": "function", "function": fn}
+
+
+@dataclass(frozen=True)
+class ToolChoice:
+    mode: str = "auto"              # auto | none | required | function
+    name: str | None = None         # mode "function": the one the model must call
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    id: str
+    name: str
+    arguments: str                  # the arguments object as JSON text
+
+    def openai(self, index: int | None = None) -> dict:
+        out: dict[str, Any] = {"id": self.id, "type": "function",
+                               "function": {"name": self.name, "arguments": self.arguments}}
+        return out if index is None else {"index": index, **out}
+
+
+def new_call_id() -> str:
+    return "call_" + uuid.uuid4().hex[:24]
+
+
+# -------------------------------------------------------------------------------------------- definitions
+
+def check_schema(schema: Any, where: str) -> dict:
+    """A tool's `parameters`: a JSON schema object describing an object (the arguments). Only the shape is
+    checked here; the grammar engine compiles it when a call is constrained."""
+    if schema is None:
+        return {"type": "object", "properties": {}}
+    if not isinstance(schema, dict):
+        raise ToolError(f"'{where}' must be a JSON schema object, got {type(schema).__name__}", where)
+    kind = schema.get("type", "object")
+    if kind != "object":
+        raise ToolError(f"'{where}.type' must be \"object\" (a function takes an arguments object), got {kind!r}",
+                        f"{where}.type")
+    if len(json.dumps(schema)) > MAX_SCHEMA_BYTES:
+        raise ToolError(f"'{where}' is over {MAX_SCHEMA_BYTES} bytes of JSON; shorten the schema", where)
+    props = schema.get("properties", {})
+    if not isinstance(props, dict):
+        raise ToolError(f"'{where}.properties' must be an object mapping names to schemas", f"{where}.properties")
+    required = schema.get("required", [])
+    if not isinstance(required, list) or not all(isinstance(r, str) for r in required):
+        raise ToolError(f"'{where}.required' must be a list of property names", f"{where}.required")
+    return schema
+
+
+def parse_tool(raw: Any, where: str) -> Tool:
+    """One OpenAI tool: {"type": "function", "function": {"name", "description"?, "parameters"?, "strict"?}}."""
+    if not isinstance(raw, dict):
+        raise ToolError(f"'{where}' must be an object {{\"type\": \"function\", \"function\": {{...}}}}", where)
+    if raw.get("type") != "function":
+        raise ToolError(f"'{where}.type' must be \"function\" (the only tool type served), got {raw.get('type')!r}",
+                        f"{where}.type")
+    fn = raw.get("function")
+    if not isinstance(fn, dict):
+        raise ToolError(f"'{where}.function' must be an object with 'name' and 'parameters'", f"{where}.function")
+    return make_tool(fn.get("name"), fn.get("description"), fn.get("parameters"), f"{where}.function",
+                     schema_key="parameters")
+
+
+def make_tool(name: Any, description: Any, schema: Any, where: str, schema_key: str) -> Tool:
+    """A tool from its parts (OpenAI's function object, Anthropic's tool); `where` names its object."""
+    if not isinstance(name, str) or not _NAME.match(name):
+        raise ToolError(f"'{where}.name' must be 1 to 64 letters, digits, '_' or '-', got {name!r}", f"{where}.name")
+    if description is not None and not isinstance(description, str):
+        raise ToolError(f"'{where}.description' must be a string", f"{where}.description")
+    return Tool(name, description or "", check_schema(schema, f"{where}.{schema_key}"))
+
+
+def parse_openai_tools(body: dict) -> tuple[list[Tool], ToolChoice]:
+    """`tools` and `tool_choice` of a chat request -> the tools and the choice (auto without tools is none)."""
+    if body.get("functions") is not None or body.get("function_call") is not None:
+        name = "functions" if body.get("functions") is not None else "function_call"
+        raise ToolError(f"'{name}' is the deprecated form of tool calling; send 'tools' and 'tool_choice'", name)
+    raw = body.get("tools")
+    if raw is None:
+        raw = []
+    if not isinstance(raw, list):
+        raise ToolError("'tools' must be a list of {\"type\": \"function\", \"function\": {...}} objects", "tools")
+    if len(raw) > MAX_TOOLS:
+        raise ToolError(f"'tools' has {len(raw)} tools; at most {MAX_TOOLS} are allowed", "tools")
+    tools = [parse_tool(t, f"tools[{i}]") for i, t in enumerate(raw)]
+    names = [t.name for t in tools]
+    dup = next((n for n in names if names.count(n) > 1), None)
+    if dup is not None:
+        raise ToolError(f"'tools' names the function {dup!r} twice; each name must be unique", "tools")
+    choice = parse_tool_choice(body.get("tool_choice"), names)
+    return tools, choice
+
+
+def parse_tool_choice(raw: Any, names: list[str]) -> ToolChoice:
+    if raw is None:
+        return ToolChoice("auto" if names else "none")
+    if isinstance(raw, str):
+        if raw not in TOOL_CHOICE_MODES:
+            raise ToolError(f"'tool_choice' must be one of {', '.join(TOOL_CHOICE_MODES)} or "
+                            f"{{\"type\": \"function\", \"function\": {{\"name\": ...}}}}, got {raw!r}", "tool_choice")
+        if raw != "none" and not names:
+            raise ToolError(f"'tool_choice' {raw!r} needs 'tools'; send the tools the model may call",
+                            "tool_choice")
+        return ToolChoice(raw)
+    if isinstance(raw, dict) and raw.get("type") == "function" and isinstance(raw.get("function"), dict):
+        name = raw["function"].get("name")
+        if name not in names:
+            raise ToolError(f"'tool_choice.function.name' {name!r} is not one of the tools ({', '.join(names) or 'none'})",
+                            "tool_choice.function.name")
+        return ToolChoice("function", name)
+    raise ToolError("'tool_choice' must be \"auto\", \"none\", \"required\" or "
+                    "{\"type\": \"function\", \"function\": {\"name\": ...}}", "tool_choice")
+
+
+def callable_tools(tools: list[Tool], choice: ToolChoice) -> list[Tool]:
+    """The tools the model may call under `choice` (a named choice: that one)."""
+    if choice.mode == "none":
+        return []
+    if choice.mode == "function":
+        return [t for t in tools if t.name == choice.name]
+    return list(tools)
+
+
+# -------------------------------------------------------------------------------------------- the output
+
+def _parse_block(body: str, names: set[str]) -> ToolCall | None:
+    try:
+        doc = json.loads(body)
+    except ValueError:
+        return None
+    if not isinstance(doc, dict) or doc.get("name") not in names:
+        return None
+    args = doc.get("arguments", doc.get("parameters", {}))
+    if isinstance(args, str):            # a model that wrote the arguments as a JSON string
+        try:
+            args = json.loads(args)
+        except ValueError:
+            return None
+    if not isinstance(args, dict):
+        return None
+    return ToolCall(new_call_id(), doc["name"], json.dumps(args, ensure_ascii=False))
+
+
+@dataclass
+class CallStream:
+    """Text pieces in, (text, calls) out as soon as they are known: text outside the blocks goes out at once
+    except a tail that could still start `<tool_call>`; a block goes out as one call when its close tag arrives
+    (or, at `finish`, as text when it never closes or does not parse)."""
+    tools: list[Tool]
+    _names: set[str] = field(init=False)
+    _buf: str = ""
+    _in_block: bool = False
+    calls: list[ToolCall] = field(default_factory=list)
+    text: str = ""                               # all text given out so far (the reply's content)
+
+    def __post_init__(self) -> None:
+        self._names = {t.name for t in self.tools}
+
+    def feed(self, piece: str) -> tuple[str, list[ToolCall]]:
+        self._buf += piece
+        out, calls = [], []
+        while True:
+            if self._in_block:
+                end = self._buf.find(CLOSE_TAG)
+                if end < 0:
+                    break
+                body = self._buf[:end]
+                self._buf = self._buf[end + len(CLOSE_TAG):]
+                self._in_block = False
+                call = _parse_block(body.strip(), self._names)
+                if call is None:
+                    out.append(OPEN_TAG + body + CLOSE_TAG)
+                else:
+                    calls.append(call)
+                continue
+            start = self._buf.find(OPEN_TAG)
+            if start >= 0:
+                out.append(self._buf[:start])
+                self._buf = self._buf[start + len(OPEN_TAG):]
+                self._in_block = True
+                continue
+            keep = _partial_tag_len(self._buf)
+            out.append(self._buf[:len(self._buf) - keep])
+            self._buf = self._buf[len(self._buf) - keep:]
+            break
+        return self._emit("".join(out), calls)
+
+    def finish(self) -> tuple[str, list[ToolCall]]:
+        """The end of the reply: what was held back goes out as text."""
+        rest = (OPEN_TAG + self._buf) if self._in_block else self._buf
+        self._buf, self._in_block = "", False
+        return self._emit(rest, [])
+
+    def _emit(self, text: str, calls: list[ToolCall]) -> tuple[str, list[ToolCall]]:
+        if self.calls and not text.strip():
+            text = ""                           # whitespace between and after calls is not content
+        self.text += text
+        self.calls += calls
+        return text, calls
+
+
+def _partial_tag_len(s: str) -> int:
+    """The length of the longest suffix of `s` that is a proper prefix of OPEN_TAG."""
+    for n in range(min(len(s), len(OPEN_TAG) - 1), 0, -1):
+        if OPEN_TAG.startswith(s[-n:]):
+            return n
+    return 0
+
+
+def split_calls(text: str, tools: list[Tool]) -> tuple[str, list[ToolCall]]:
+    """A whole reply -> (its text without the call blocks, stripped where calls were found; the calls)."""
+    stream = CallStream(tools)
+    a, calls = stream.feed(text)
+    b, _ = stream.finish()
+    content = a + b
+    return (content.strip() if calls else content), calls
