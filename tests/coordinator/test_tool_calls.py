@@ -215,3 +215,55 @@ def test_bad_tool_messages_get_a_400_naming_the_field(scripted, body, param):
     with pytest.raises(openai.BadRequestError) as err:
         _client(scripted).chat.completions.create(model=MODEL_NAME, max_tokens=5, **body)
     assert err.value.body["param"] == param
+
+
+# ------------------------------------------------------------------------------------------ forced calls
+
+# bounded arguments: a free string or extra properties could run the reply past max_tokens
+BOUNDED_WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "required": ["city", "unit"], "additionalProperties": False,
+    "properties": {"city": {"type": "string", "maxLength": 8}, "unit": {"enum": ["C", "F"]}}}}}
+BOUNDED_CLOCK = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {}, "additionalProperties": False}}}
+
+
+@pytest.fixture(scope="module")
+def real(tmp_path_factory):
+    """The embedded model (its own template renders tools): it never learnt to call, so only the grammar makes it."""
+    with live_server(tmp_path_factory.mktemp("forced"), real_engine=True, model=str(DEFAULT_MODEL_DIR)) as ls:
+        yield ls
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
+def test_a_forced_call_parses_against_its_schema(real, choice, stream):
+    jsonschema = pytest.importorskip("jsonschema")
+    tools = [BOUNDED_CLOCK, BOUNDED_WEATHER] if choice == "required" else [BOUNDED_WEATHER]   # (a 512-token context)
+    kwargs = dict(model=MODEL_NAME, max_tokens=70 if choice == "required" else 95, tools=tools,
+                  tool_choice=choice, messages=[{"role": "user", "content": "Weather in Paris?"}], temperature=0)
+    if stream:
+        calls, reasons = {}, []
+        for chunk in _client(real).chat.completions.create(stream=True, **kwargs):
+            for tc in chunk.choices[0].delta.tool_calls or []:
+                calls[tc.index] = (tc.function.name, tc.function.arguments)
+            if chunk.choices[0].finish_reason:
+                reasons.append(chunk.choices[0].finish_reason)
+        (name, arguments), = calls.values()
+        reason = reasons[-1]
+    else:
+        out = _client(real).chat.completions.create(**kwargs).choices[0]
+        (call,) = out.message.tool_calls
+        name, arguments, reason = call.function.name, call.function.arguments, out.finish_reason
+    assert reason == "tool_calls"
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in tools}
+    if choice != "required":
+        assert name == "get_weather"
+    jsonschema.validate(json.loads(arguments), schemas[name])
+
+
+def test_a_forced_call_and_a_response_format_are_refused_together(real):
+    with pytest.raises(openai.BadRequestError) as err:
+        _client(real).chat.completions.create(model=MODEL_NAME, max_tokens=5, tools=[WEATHER], tool_choice="required",
+                                              response_format={"type": "json_object"},
+                                              messages=[{"role": "user", "content": "x"}])
+    assert err.value.body["param"] == "response_format"

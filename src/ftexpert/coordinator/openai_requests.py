@@ -7,6 +7,7 @@ ignored, as most OpenAI-compatible servers do. Logprobs and response_format: req
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -14,7 +15,9 @@ from typing import Any
 from ftexpert.coordinator.request_options import parse_logprobs, parse_response_format
 from ftexpert.coordinator.text_codec import CHATML_ROLES, ChatMessage, TextCodec, TooManyTokens
 from ftexpert.coordinator.token_bounds import utf8_length_over
-from ftexpert.coordinator.tool_calls import Tool, ToolChoice, ToolError, parse_openai_tools
+from ftexpert.coordinator.tool_calls import (Tool, ToolChoice, ToolError, call_grammar, callable_tools,
+                                             parse_openai_tools)
+from ftexpert.proto.grammar_spec import GrammarError, GrammarSpec, check_grammar
 from ftexpert.proto.sampling_params import BadSamplingParam, PromptTooLong, SamplingParams, check_prompt
 
 MAX_N = 16
@@ -346,10 +349,7 @@ def parse_chat(body: Any, model: ModelInfo) -> GenerationPlan:
         tools, choice = parse_openai_tools(body)
     except ToolError as exc:
         raise bad(str(exc), exc.param) from None
-    if choice.mode in ("required", "function"):
-        raise bad(f"'tool_choice' {choice.mode if choice.mode == 'required' else 'naming a function'} needs "
-                  f"constrained decoding, which this server does not have yet; send \"auto\"", "tool_choice",
-                  "unsupported_parameter")
+    forced = _forced_call(body, tools, choice)
     rendered_tools = [t.openai() for t in tools] if choice.mode != "none" else None
     if rendered_tools:
         try:
@@ -360,7 +360,27 @@ def parse_chat(body: Any, model: ModelInfo) -> GenerationPlan:
     max_tokens, param = _parse_max_tokens(body, ("max_completion_tokens", "max_tokens"), None)
     plan = _parse_common(body, model, [prompt_ids], max_tokens, param, chat=True)
     plan.tools, plan.tool_choice = tools, choice
+    if forced is not None:
+        plan.sampling = [dataclasses.replace(p, grammar=forced) for p in plan.sampling]
     return plan
+
+
+def _forced_call(body: dict, tools: list, choice: ToolChoice) -> GrammarSpec | None:
+    """tool_choice "required" or a named function: the grammar of one call block (tool_calls.call_grammar)."""
+    if choice.mode not in ("required", "function"):
+        return None
+    if body.get("response_format") not in (None, {"type": "text"}):
+        raise bad("'response_format' and a 'tool_choice' that forces a call both constrain the reply; send one",
+                  "response_format")
+    grammar = GrammarSpec("grammar", call_grammar(callable_tools(tools, choice)))
+    try:
+        check_grammar(grammar)
+    except GrammarError as exc:
+        raise bad(f"a tool's 'parameters' schema does not compile: {exc}", "tools", "invalid_json_schema") from None
+    except ImportError:
+        raise bad("a 'tool_choice' that forces a call needs the grammar engine (llguidance), which this server "
+                  "lacks; send \"auto\" or install llguidance", "tool_choice", "unsupported_parameter") from None
+    return grammar
 
 
 def encode_chat_prompt(messages: list[ChatMessage], model: ModelInfo, tools: list[dict] | None = None) -> list[int]:

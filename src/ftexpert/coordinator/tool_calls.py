@@ -13,6 +13,10 @@ anywhere in the reply, one block per call. `split_calls` cuts a whole reply into
 `CallStream` does the same on a stream of text pieces, holding back only what could still begin a block. A block
 whose JSON does not parse, or that names no offered tool, stays text (the client sees what the model wrote).
 Templates of another family (gpt-oss's harmony channels) are refused with a clear error rather than parsed wrongly.
+
+`tool_choice` "required" or a named function constrains the reply to one call block (`call_grammar`: a Lark
+grammar for the sampler's grammar mask, proto/grammar_spec.py): the call's name is one of the tools, its arguments
+match that tool's schema, so even a model that never learnt the format answers with a valid call.
 """
 from __future__ import annotations
 
@@ -160,6 +164,18 @@ def parse_tool_choice(raw: Any, names: list[str]) -> ToolChoice:
         return ToolChoice("function", name)
     raise ToolError("'tool_choice' must be \"auto\", \"none\", \"required\" or "
                     "{\"type\": \"function\", \"function\": {\"name\": ...}}", "tool_choice")
+
+
+def call_grammar(tools: list[Tool]) -> str:
+    """The Lark grammar (llguidance's syntax) of one call block to one of `tools`, in the form `split_calls` parses:
+    the literal tags and name, the arguments a JSON value of the tool's schema (compact)."""
+    rules = []
+    for i, tool in enumerate(tools):
+        schema = {**tool.parameters, "x-guidance": {"whitespace_flexible": False}}
+        name = json.dumps(json.dumps(tool.name))[1:-1]            # the name as JSON, escaped for a Lark string
+        rules.append(f'call{i}: "{{\\"name\\": {name}, \\"arguments\\": " %json {json.dumps(schema)} "}}"')
+    alts = " | ".join(f"call{i}" for i in range(len(tools)))
+    return "\n".join([f'start: "{OPEN_TAG}\\n" call "\\n{CLOSE_TAG}"', f"call: {alts}", *rules]) + "\n"
 
 
 def callable_tools(tools: list[Tool], choice: ToolChoice) -> list[Tool]:
