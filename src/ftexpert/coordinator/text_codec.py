@@ -289,14 +289,7 @@ class TextCodec:
                 return f"{PLACEHOLDER_OPEN}{nonce}:{len(found) - 1}{PLACEHOLDER_CLOSE}"
             return self._special_re.sub(mark, content)
 
-        def hidden(m: ChatMessage) -> ChatMessage:
-            calls = None
-            if m.tool_calls:
-                calls = [{**c, "function": {**c["function"], "arguments": hide(c["function"]["arguments"])}}
-                         if isinstance(c.get("function", {}).get("arguments"), str) else c for c in m.tool_calls]
-            return ChatMessage(m.role, hide(m.content), calls, m.tool_call_id, m.name)
-
-        def hidden_value(v: Any) -> Any:        # tools' names, descriptions and schemas are client text too
+        def hidden_value(v: Any) -> Any:        # calls' arguments, tools' names and schemas are client text too
             if isinstance(v, str):
                 return hide(v)
             if isinstance(v, dict):
@@ -308,7 +301,8 @@ class TextCodec:
         if tools:
             self.chat_template.check_tools()
             tools = [hidden_value(t) for t in tools]
-        rendered = self.chat_template.render([hidden(m) for m in messages], tools=tools)
+        rendered = self.chat_template.render([ChatMessage(m.role, hide(m.content), hidden_value(m.tool_calls),
+                                                          m.tool_call_id, m.name) for m in messages], tools=tools)
         if not found:
             return self.encode(rendered, add_special_tokens=False, limit=limit)
         pieces = re.split(f"{PLACEHOLDER_OPEN}{nonce}:(\\d+){PLACEHOLDER_CLOSE}", rendered)

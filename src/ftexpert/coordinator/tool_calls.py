@@ -49,10 +49,8 @@ class Tool:
 
     def openai(self) -> dict:
         """The OpenAI form chat templates are given (`tools`)."""
-        fn: dict[str, Any] = {"name": self.name, "parameters": self.parameters}
-        if self.description:
-            fn = {"name": self.name, "description": self.description, "parameters": self.parameters}
-        return {"type": "function", "function": fn}
+        described = {"description": self.description} if self.description else {}
+        return {"type": "function", "function": {"name": self.name, **described, "parameters": self.parameters}}
 
 
 @dataclass(frozen=True)
