@@ -96,8 +96,14 @@ def test_another_local_user_is_refused_and_told_what_to_do(tmp_path):
         import io, os, sys
         from ftexpert.coordinator import control_key, ctl_cli
         from ftexpert.coordinator.cli import build_parser
-        import google.protobuf.json_format, grpc
+        import contextlib
         args = build_parser().parse_args(["ctl", "--address", sys.argv[1], "--timeout-s", "20", "restart", "engine"])
+        # a refused call as root with a wrong key first: it imports every module the refused path needs (the
+        # interpreter's own folder may be closed to nobody, as CI's mktemp'd venv is); it restarts nothing
+        os.environ["FT_API_KEY"] = "not-the-key"
+        with contextlib.redirect_stderr(io.StringIO()):
+            assert ctl_cli.run(args, out=io.StringIO()) == 1
+        del os.environ["FT_API_KEY"]
         os.setgroups([]); os.setgid({OTHER_UID}); os.setuid({OTHER_UID})
         try:
             open(sys.argv[2]).read()
