@@ -232,9 +232,12 @@ ERROR_CASES = {   # body, status, error type, words the message must hold (the f
     "document-block": ({**MESSAGE, "messages": [{"role": "user", "content": [
         {"type": "document", "source": {"type": "text", "media_type": "text/plain", "data": "x"}}]}]},
         400, "invalid_request_error", ["messages[0].content[0]", "'document'"]),
-    "tool-result-block": ({**MESSAGE, "messages": [{"role": "user", "content": [
+    "tool-result-unanswered": ({**MESSAGE, "messages": [{"role": "user", "content": [
         {"type": "tool_result", "tool_use_id": "t1", "content": "42"}]}]}, 400, "invalid_request_error",
-        ["messages[0].content[0]", "'tool_result'"]),
+        ["messages[0].content[0].tool_use_id", "earlier assistant turn", "'t1'"]),
+    "tool-use-from-the-user": ({**MESSAGE, "messages": [{"role": "user", "content": [
+        {"type": "tool_use", "id": "t1", "name": "f", "input": {}}]}]}, 400, "invalid_request_error",
+        ["messages[0].content[0]", "only an assistant turn"]),
     "unknown-block": ({**MESSAGE, "messages": [{"role": "user", "content": [{"type": "hologram"}]}]}, 400,
                       "invalid_request_error", ["messages[0].content[0]", "'hologram'", "'text'"]),
     "text-not-string": ({**MESSAGE, "messages": [{"role": "user", "content": [{"type": "text", "text": 3}]}]}, 400,
@@ -243,9 +246,10 @@ ERROR_CASES = {   # body, status, error type, words the message must hold (the f
                         ["system[0]", "'image'"]),
     "prefill": ({**MESSAGE, "messages": USER + [{"role": "assistant", "content": "The answer is"}]}, 400,
                 "invalid_request_error", ["messages[1].role", "prefill"]),
-    "tools": ({**MESSAGE, "tools": [{"name": "get_weather", "input_schema": {"type": "object"}}]}, 400,
-              "invalid_request_error", ["'tools'", "remove it"]),
-    "tool-choice-any": ({**MESSAGE, "tool_choice": {"type": "any"}}, 400, "invalid_request_error", ["'tool_choice'"]),
+    "tools": ({**MESSAGE, "tools": [{"type": "web_search_20250305", "name": "web_search"}]}, 400,
+              "invalid_request_error", ["'tools[0].type'", "server tools"]),
+    "tool-choice-any": ({**MESSAGE, "tool_choice": {"type": "any"}}, 400, "invalid_request_error",
+                        ["'tool_choice'", "needs 'tools'"]),
     "thinking": ({**MESSAGE, "thinking": {"type": "enabled", "budget_tokens": 1024}}, 400, "invalid_request_error",
                  ["'thinking'", "disabled"]),
     "structured-output": ({**MESSAGE, "output_config": {"format": {"type": "json_schema", "schema": {}}}}, 400,

@@ -4,7 +4,9 @@ POST /v1/messages/count_tokens.
 A request is parsed and tokenized off the event loop as the OpenAI routes' are (anthropic_requests.py), runs as one
 engine request through HttpApi's submit path, and is answered in Anthropic's shapes: a `message` object, or the
 server-sent events message_start, content_block_start, ping, content_block_delta (text_delta) ..., content_block_stop,
-message_delta (stop_reason, stop_sequence, usage.output_tokens), message_stop. An engine failure after the stream
+message_delta (stop_reason, stop_sequence, usage.output_tokens), message_stop; with tools, the model's calls are
+tool_use blocks (anthropic_output.py: their input streamed as input_json_delta) and the text block opens at the
+first text. An engine failure after the stream
 began is an `event: error` that ends it; errors before that are JSON in Anthropic's error shape, which the HTTP
 middleware writes for these routes (http_api.py). A client that leaves cancels the handler, which frees the
 request's engine slots (RequestStream.close), as on the OpenAI routes.
@@ -17,6 +19,7 @@ from typing import Any, Protocol
 
 from aiohttp import web
 
+from ftexpert.coordinator.anthropic_output import MessageBlocks
 from ftexpert.coordinator.anthropic_requests import anthropic_error_body, parse_count_tokens, parse_messages_request
 from ftexpert.coordinator.engine_client import EngineError, EngineUnavailable
 from ftexpert.coordinator.engine_service import RequestStream, RequestTimeout
@@ -32,11 +35,14 @@ def _event(name: str, data: dict[str, Any]) -> bytes:
             + b"\n\n")
 
 
-def stop_reason(stream: RequestStream) -> tuple[str, str | None]:
-    """Anthropic's stop_reason and stop_sequence for a finished stream."""
+def stop_reason(stream: RequestStream, made_calls: bool = False) -> tuple[str, str | None]:
+    """Anthropic's stop_reason and stop_sequence for a finished stream (`tool_use`: it ended by itself after
+    making calls)."""
     if stream.stop_string is not None:
         return "stop_sequence", stream.stop_string
-    return ("max_tokens" if stream.finish_reason == "length" else "end_turn"), None
+    if stream.finish_reason == "length":
+        return "max_tokens", None
+    return ("tool_use" if made_calls else "end_turn"), None
 
 
 def generation_error(exc: EngineError | RequestTimeout) -> ApiError:
@@ -65,8 +71,9 @@ class AnthropicApi:
     def __init__(self, api: RouteHost):
         self.api = api
 
-    def _message(self, mid: str, content: list[dict], stream: RequestStream, *, done: bool) -> dict[str, Any]:
-        reason, sequence = stop_reason(stream) if done else (None, None)
+    def _message(self, mid: str, content: list[dict], stream: RequestStream, *, done: bool,
+                 made_calls: bool = False) -> dict[str, Any]:
+        reason, sequence = stop_reason(stream, made_calls) if done else (None, None)
         return {"id": mid, "type": "message", "role": "assistant", "content": content, "model": self.api.model.name,
                 "stop_reason": reason, "stop_sequence": sequence,
                 "usage": {"input_tokens": stream.prompt_tokens, "output_tokens": stream.completion_tokens}}
@@ -78,33 +85,44 @@ class AnthropicApi:
         plan = await self.api._parse(request, parse_messages_request)
         [stream] = self.api._submit_all(plan)
         mid = "msg_" + uuid.uuid4().hex
+        blocks = MessageBlocks(plan.tools, plan.tool_choice)
         try:
             if plan.stream:
-                return await self._stream_response(request, stream, mid)
-            text = "".join([chunk.text async for chunk in stream.chunks()])
+                return await self._stream_response(request, stream, mid, blocks)
+            async for chunk in stream.chunks():
+                blocks.feed(chunk.text)
+                if blocks.complete:
+                    stream.end()                   # disable_parallel_tool_use: its one call is made
+            blocks.finish()
             self.api._observe([stream])
-            return json_response(self._message(mid, [{"type": "text", "text": text}], stream, done=True))
+            return json_response(self._message(mid, blocks.final_content(), stream, done=True,
+                                               made_calls=blocks.made_calls))
         except (EngineError, RequestTimeout) as exc:
             raise generation_error(exc) from None
         finally:
             stream.close()
 
-    async def _stream_response(self, request: web.Request, stream: RequestStream, mid: str) -> web.StreamResponse:
+    async def _stream_response(self, request: web.Request, stream: RequestStream, mid: str,
+                               blocks: MessageBlocks) -> web.StreamResponse:
         resp = web.StreamResponse(status=200, headers=SSE_HEADERS)
         await resp.prepare(request)
+
+        async def send(events: list[tuple[str, dict]]) -> None:
+            for name, data in events:
+                await resp.write(_event(name, data))
+
         try:
             await resp.write(_event("message_start", {"type": "message_start",
                                                       "message": self._message(mid, [], stream, done=False)}))
-            await resp.write(_event("content_block_start", {"type": "content_block_start", "index": 0,
-                                                            "content_block": {"type": "text", "text": ""}}))
+            await send(blocks.start())
             await resp.write(_event("ping", {"type": "ping"}))
             async for chunk in stream.chunks():
-                if chunk.text:
-                    await resp.write(_event("content_block_delta", {
-                        "type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": chunk.text}}))
+                await send(blocks.feed(chunk.text))
+                if blocks.complete:
+                    stream.end()                   # disable_parallel_tool_use: its one call is made
+            await send(blocks.finish())
             self.api._observe([stream])
-            reason, sequence = stop_reason(stream)
-            await resp.write(_event("content_block_stop", {"type": "content_block_stop", "index": 0}))
+            reason, sequence = stop_reason(stream, blocks.made_calls)
             await resp.write(_event("message_delta", {"type": "message_delta",
                                                       "delta": {"stop_reason": reason, "stop_sequence": sequence},
                                                       "usage": {"output_tokens": stream.completion_tokens}}))

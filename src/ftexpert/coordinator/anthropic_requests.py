@@ -7,21 +7,26 @@ text blocks of one turn are joined as chat completions joins text parts), and th
 checks the OpenAI routes use (`_parse_common`: check_prompt, SamplingParams, stop strings, the model's EOS).
 
 As on the OpenAI routes, every check names the field and what would be valid, unknown fields are ignored, and
-what this server cannot honour and would change the answer is refused, not ignored: tools, extended thinking,
-structured output, image and document blocks, and a last assistant turn to continue (prefill).
+what this server cannot honour and would change the answer is refused, not ignored: server tools, extended
+thinking, structured output, image and document blocks, and a last assistant turn to continue (prefill).
 
-Content blocks are read one function per block type (BLOCK_PARSERS), each adding what its block says to the
-turn (_Turn) it belongs to: a new block type (tool_use, tool_result) is a function here and what it adds to _Turn.
+Tools (`tools`, `tool_choice`) are read by coordinator/tool_calls.py (parse_anthropic_tools) and rendered by the
+chat template as the OpenAI route's are; tool_use blocks of the history become the assistant's calls, tool_result
+blocks `tool` messages. Content blocks are read one function per block type and role (BLOCK_PARSERS), each adding
+what its block says to the turn (_Turn) it belongs to.
 """
 from __future__ import annotations
 
+import dataclasses
+import json
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from ftexpert.coordinator.openai_requests import (MAX_MESSAGES, ApiError, GenerationPlan, ModelInfo, _check_model,
                                                   _parse_common, _parse_max_tokens, _parse_stop, bad, check_unicode,
-                                                  encode_chat_prompt)
+                                                  encode_chat_prompt, forced_call, rendered_tools)
 from ftexpert.coordinator.text_codec import ChatMessage
+from ftexpert.coordinator.tool_calls import Tool, ToolChoice, ToolError, parse_anthropic_tools
 
 MESSAGES_PATH = "/v1/messages"
 MESSAGE_ROLES = ("user", "assistant")
@@ -62,16 +67,25 @@ def _json_kind(value: Any) -> str:
 
 @dataclass
 class _Turn:
-    """What one turn's content blocks put into the conversation."""
+    """What one turn's content blocks put into the conversation: text; an assistant turn's tool calls (tool_use
+    blocks, in OpenAI's call form, which chat templates read); a user turn's tool results (tool_result blocks),
+    rendered as `tool` messages before the turn's text. `call_ids`: the tool_use ids of the conversation so far
+    and the tools they called (shared by every turn); a tool_result must answer one."""
     role: str
+    call_ids: dict[str, str] = field(default_factory=dict)
     texts: list[str] = field(default_factory=list)
+    calls: list[dict] = field(default_factory=list)
+    results: list[ChatMessage] = field(default_factory=list)
 
     @property
     def empty(self) -> bool:
-        return not any(self.texts)
+        return not any(self.texts) and not self.calls and not self.results
 
     def messages(self) -> list[ChatMessage]:
-        return [ChatMessage(self.role, "".join(self.texts))]
+        text = "".join(self.texts)
+        if self.role == "assistant":
+            return [ChatMessage("assistant", text, self.calls or None)]
+        return self.results + ([ChatMessage(self.role, text)] if text or not self.results else [])
 
 
 BlockParser = Callable[[dict, str, _Turn], None]
@@ -85,16 +99,62 @@ def _text_block(block: dict, where: str, turn: _Turn) -> None:
     turn.texts.append(text)
 
 
-BLOCK_PARSERS: dict[str, BlockParser] = {"text": _text_block}
+def _tool_use_block(block: dict, where: str, turn: _Turn) -> None:
+    """{"type": "tool_use", "id", "name", "input": {...}}: a call the assistant made, sent back in the history."""
+    call_id, name, args = block.get("id"), block.get("name"), block.get("input")
+    if not isinstance(call_id, str) or not call_id:
+        raise bad(f"'{where}.id' must be the call's id (a non-empty string), got {_json_kind(call_id)}", f"{where}.id")
+    if call_id in turn.call_ids:
+        raise bad(f"'{where}.id' {call_id[:100]!r} is the id of an earlier tool_use block; each call's id is unique",
+                  f"{where}.id")
+    if not isinstance(name, str) or not name:
+        raise bad(f"'{where}.name' must be the called tool's name, got {_json_kind(name)}", f"{where}.name")
+    if not isinstance(args, dict):
+        raise bad(f"'{where}.input' must be the call's input object, got {_json_kind(args)}", f"{where}.input")
+    turn.call_ids[call_id] = name
+    turn.calls.append({"id": call_id, "type": "function",
+                       "function": {"name": name, "arguments": json.dumps(args, ensure_ascii=False)}})
+
+
+RESULT_ERROR_PREFIX = "Error: "      # a tool_result with is_error true reaches the model with this before its text
+
+
+def _tool_result_block(block: dict, where: str, turn: _Turn) -> None:
+    """{"type": "tool_result", "tool_use_id", "content"?: a string or text blocks, "is_error"?}: the result of a
+    call of the previous assistant turn. The blocks come before any text of their turn, as Anthropic requires."""
+    call_id = block.get("tool_use_id")
+    if not isinstance(call_id, str) or call_id not in turn.call_ids:
+        raise bad(f"'{where}.tool_use_id' must be the id of a tool_use block of an earlier assistant turn, got "
+                  f"{str(call_id)[:100]!r}", f"{where}.tool_use_id")
+    if any(turn.texts):
+        raise bad(f"'{where}' follows text in its turn: tool_result blocks come first in a user turn, then any text",
+                  where)
+    is_error = block.get("is_error")
+    if is_error is not None and not isinstance(is_error, bool):
+        raise bad(f"'{where}.is_error' must be true or false, got {_json_kind(is_error)}", f"{where}.is_error")
+    result = _Turn("tool")
+    content = block.get("content")
+    if content is not None:
+        _parse_content(content, f"{where}.content", result, RESULT_BLOCK_PARSERS)
+    text = "".join(result.texts)
+    turn.results.append(ChatMessage("tool", (RESULT_ERROR_PREFIX + text) if is_error else text, None, call_id,
+                                    turn.call_ids[call_id]))
+
+
 SYSTEM_BLOCK_PARSERS: dict[str, BlockParser] = {"text": _text_block}
+RESULT_BLOCK_PARSERS: dict[str, BlockParser] = {"text": _text_block}
+BLOCK_PARSERS: dict[str, dict[str, BlockParser]] = {
+    "user": {"text": _text_block, "tool_result": _tool_result_block},
+    "assistant": {"text": _text_block, "tool_use": _tool_use_block},
+}
 
 # block types Anthropic defines that this server refuses, and why
 UNSUPPORTED_BLOCKS = {
     "image": "images are not supported: the served model reads text only",
     "document": "documents are not supported: send the document's text as a text block",
     "search_result": "search result blocks are not supported: send their text as a text block",
-    "tool_use": "tool use is not supported by this server",
-    "tool_result": "tool use is not supported by this server",
+    "tool_use": "only an assistant turn holds tool_use blocks",
+    "tool_result": "only a user turn holds tool_result blocks",
     "server_tool_use": "server tools are not supported by this server",
     "thinking": "extended thinking is not supported by this server",
     "redacted_thinking": "extended thinking is not supported by this server",
@@ -122,7 +182,7 @@ def _parse_content(content: Any, where: str, turn: _Turn, parsers: dict[str, Blo
                 what = f"has type {kind!r}: {why}"
             else:
                 what = "has no 'type'" if kind is None else f"has the unknown type {str(kind)[:100]!r}"
-            raise bad(f"'{at}' {what}; the content block type accepted here is {valid}", f"{at}.type",
+            raise bad(f"'{at}' {what}; the content block types accepted here: {valid}", f"{at}.type",
                       "unsupported_content_block" if why else None)
         parser(block, at, turn)
 
@@ -130,6 +190,7 @@ def _parse_content(content: Any, where: str, turn: _Turn, parsers: dict[str, Blo
 def _conversation(body: dict) -> list[ChatMessage]:
     """`system` and `messages` as the chat template's messages."""
     out: list[ChatMessage] = []
+    call_ids: dict[str, str] = {}
     system = body.get("system")
     if system is not None:
         turn = _Turn("system")
@@ -150,10 +211,11 @@ def _conversation(body: dict) -> list[ChatMessage]:
         if role not in MESSAGE_ROLES:
             hint = "; a system prompt goes in the top-level 'system' field" if role == "system" else ""
             raise bad(f"'{where}.role' must be 'user' or 'assistant', got {str(role)[:100]!r}{hint}", f"{where}.role")
-        turn = _Turn(role)
-        _parse_content(message.get("content"), f"{where}.content", turn, BLOCK_PARSERS)
+        turn = _Turn(role, call_ids)
+        _parse_content(message.get("content"), f"{where}.content", turn, BLOCK_PARSERS[role])
         if turn.empty:
-            raise bad(f"'{where}.content' is empty; every message needs some non-empty text", f"{where}.content")
+            raise bad(f"'{where}.content' is empty; every message needs some non-empty text, a tool_use or a "
+                      f"tool_result block", f"{where}.content")
         out += turn.messages()
     if raw[-1]["role"] == "assistant":
         last = f"messages[{len(raw) - 1}].role"
@@ -168,11 +230,6 @@ def _refuse_unsupported(body: dict) -> None:
     def refuse(name: str, what: str) -> None:
         raise bad(f"'{name}' ({what}) is not supported by this server; remove it", name, "unsupported_parameter")
 
-    if body.get("tools") not in (None, []):
-        refuse("tools", "tool use")
-    choice = body.get("tool_choice")
-    if choice is not None and not (isinstance(choice, dict) and choice.get("type") in ("auto", "none")):
-        refuse("tool_choice", "only {\"type\": \"auto\"} or {\"type\": \"none\"} can be honoured without tools")
     thinking = body.get("thinking")
     if thinking is not None and thinking != {"type": "disabled"}:
         refuse("thinking", "extended thinking; {\"type\": \"disabled\"} is accepted")
@@ -225,10 +282,29 @@ def parse_messages_request(body: Any, model: ModelInfo) -> GenerationPlan:
     # the fields the OpenAI routes share, under their names there (top_k: Anthropic's, also an OpenAI extension)
     fields = {"temperature": body.get("temperature"), "top_p": body.get("top_p"), "top_k": body.get("top_k"),
               "stream": body.get("stream"), "stop": _parse_stop(body, "stop_sequences")}
-    prompt_ids = encode_chat_prompt(_conversation(body), model)
-    return _parse_common(fields, model, [prompt_ids], max_tokens, param, chat=True)
+    tools, choice = _tools(body)
+    forced = forced_call(tools, choice)
+    plan = _parse_common(fields, model, [_prompt(body, model, tools, choice)], max_tokens, param, chat=True)
+    plan.tools, plan.tool_choice = tools, choice
+    if forced is not None:
+        plan.sampling = [dataclasses.replace(p, grammar=forced) for p in plan.sampling]
+    return plan
+
+
+def _tools(body: dict) -> tuple[list[Tool], ToolChoice]:
+    try:
+        return parse_anthropic_tools(body)
+    except ToolError as exc:
+        raise bad(str(exc), exc.param) from None
+
+
+def _prompt(body: dict, model: ModelInfo, tools: list[Tool], choice: ToolChoice) -> list[int]:
+    """The conversation and the tools through the model's chat template, tokenized."""
+    return encode_chat_prompt(_conversation(body), model, rendered_tools(tools, choice, model))
 
 
 def parse_count_tokens(body: Any, model: ModelInfo) -> int:
-    """A POST /v1/messages/count_tokens body -> the prompt's tokens, rendered as /v1/messages renders it."""
-    return len(encode_chat_prompt(_conversation(_checked(body, model)), model))
+    """A POST /v1/messages/count_tokens body -> the prompt's tokens, rendered as /v1/messages renders it (with
+    its tools)."""
+    body = _checked(body, model)
+    return len(_prompt(body, model, *_tools(body)))

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ftexpert.coordinator.tool_calls import CallStream, Tool, ToolChoice, callable_tools, split_calls
+from ftexpert.coordinator.tool_calls import CallStream, Tool, ToolCall, ToolChoice, callable_tools, split_calls
 
 
 def finish_reason(reason: str | None, made_calls: bool) -> str | None:
@@ -17,7 +17,7 @@ def chat_message(text: str, tools: list[Tool], choice: ToolChoice) -> tuple[dict
     offered = callable_tools(tools, choice)
     if not offered:
         return {"role": "assistant", "content": text}, False
-    content, calls = split_calls(text, offered)
+    content, calls = split_calls(text, offered, single=not choice.parallel)
     if not calls:
         return {"role": "assistant", "content": content}, False
     return {"role": "assistant", "content": content or None,
@@ -30,20 +30,28 @@ class ChatDeltas:
 
     def __init__(self, tools: list[Tool], choice: ToolChoice):
         offered = callable_tools(tools, choice)
-        self._calls = CallStream(offered) if offered else None
+        self._calls = CallStream(offered, single=not choice.parallel) if offered else None
         self.made_calls = False
+
+    @property
+    def complete(self) -> bool:
+        """The one call a request with parallel_tool_calls false may make has been made: end the generation."""
+        return self._calls is not None and self._calls.complete
 
     def feed(self, text: str) -> list[dict[str, Any]]:
         if self._calls is None:
             return [{"content": text}] if text else []
-        return self._deltas(*self._calls.feed(text))
+        return self._deltas(self._calls.feed_items(text))
 
     def finish(self) -> list[dict[str, Any]]:
-        return self._deltas(*self._calls.finish()) if self._calls is not None else []
+        return self._deltas(self._calls.finish_items()) if self._calls is not None else []
 
-    def _deltas(self, text: str, calls) -> list[dict[str, Any]]:
-        out: list[dict[str, Any]] = [{"content": text}] if text else []
-        start = len(self._calls.calls) - len(calls)
-        out += [{"tool_calls": [call.openai(start + i)]} for i, call in enumerate(calls)]
-        self.made_calls = self.made_calls or bool(calls)
+    def _deltas(self, items: list[str | ToolCall]) -> list[dict[str, Any]]:
+        out: list[dict[str, Any]] = []
+        for item in items:
+            if isinstance(item, str):
+                out.append({"content": item})
+            else:
+                out.append({"tool_calls": [item.openai(self._calls.calls.index(item))]})
+                self.made_calls = True
         return out

@@ -125,6 +125,15 @@ class RequestStream:
         self.service.requests_aborted_total += 1
         self._deliver(None, True, "abort", error)
 
+    def end(self) -> None:
+        """The consumer has what the request asked for before the engine finished (the one tool call a request
+        allows): free the engine's slots and end the stream as stopped (finish_reason 'stop'), not aborted. Events
+        already queued are still read; the last chunk is the stop."""
+        if self.done:
+            return
+        self._release_engine()
+        self._deliver(None, True, "stop")
+
     def _released(self, text: str, final: bool = False, stopped: bool = False) -> list[LogprobEntry] | None:
         """The logprobs of the tokens whose text `text` completes (None: the request did not ask for them)."""
         if self._trail is None:

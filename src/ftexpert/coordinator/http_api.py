@@ -267,8 +267,13 @@ class HttpApi:
             texts = [""] * len(streams)
             reasons: list[str | None] = [None] * len(streams)
             entries: list[list[LogprobEntry] | None] = [None] * len(streams)
+            watch = [ChatDeltas(plan.tools, plan.tool_choice) for _ in streams] if chat else []
             async for index, chunk in _merged(streams):
                 texts[index] += chunk.text
+                if watch and not watch[index].complete:
+                    watch[index].feed(chunk.text)
+                    if watch[index].complete:
+                        streams[index].end()         # parallel_tool_calls false: its one call is made
                 if chunk.logprobs is not None:
                     entries[index] = (entries[index] or []) + chunk.logprobs
                 if chunk.finished:
@@ -321,6 +326,8 @@ class HttpApi:
                 logprobs = self._logprobs(chunk.logprobs, chat) if chunk.logprobs else None
                 if chat:
                     out = deltas[index].feed(chunk.text) + (deltas[index].finish() if chunk.finished else [])
+                    if deltas[index].complete and not chunk.finished:
+                        streams[index].end()         # parallel_tool_calls false: its one call is made
                     if logprobs and not out:
                         out = [{"content": ""}]          # the logprobs of text held back (a possible call's start)
                     for k, delta in enumerate(out):

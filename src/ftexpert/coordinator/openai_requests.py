@@ -349,14 +349,11 @@ def parse_chat(body: Any, model: ModelInfo) -> GenerationPlan:
         tools, choice = parse_openai_tools(body)
     except ToolError as exc:
         raise bad(str(exc), exc.param) from None
-    forced = _forced_call(body, tools, choice)
-    rendered_tools = [t.openai() for t in tools] if choice.mode != "none" else None
-    if rendered_tools:
-        try:
-            model.codec.chat_template.check_tools()
-        except ValueError as exc:
-            raise bad(str(exc), "tools", "unsupported_parameter") from None
-    prompt_ids = encode_chat_prompt(messages, model, rendered_tools)
+    if choice.mode in ("required", "function") and body.get("response_format") not in (None, {"type": "text"}):
+        raise bad("'response_format' and a 'tool_choice' that forces a call both constrain the reply; send one",
+                  "response_format")
+    forced = forced_call(tools, choice)
+    prompt_ids = encode_chat_prompt(messages, model, rendered_tools(tools, choice, model))
     max_tokens, param = _parse_max_tokens(body, ("max_completion_tokens", "max_tokens"), None)
     plan = _parse_common(body, model, [prompt_ids], max_tokens, param, chat=True)
     plan.tools, plan.tool_choice = tools, choice
@@ -365,13 +362,23 @@ def parse_chat(body: Any, model: ModelInfo) -> GenerationPlan:
     return plan
 
 
-def _forced_call(body: dict, tools: list, choice: ToolChoice) -> GrammarSpec | None:
-    """tool_choice "required" or a named function: the grammar of one call block (tool_calls.call_grammar)."""
+def rendered_tools(tools: list[Tool], choice: ToolChoice, model: ModelInfo) -> list[dict] | None:
+    """The tools the chat template is given (OpenAI's form; none when the choice is none), or a 400 where the
+    model's template cannot take them."""
+    if not tools or choice.mode == "none":
+        return None
+    try:
+        model.codec.chat_template.check_tools()
+    except ValueError as exc:
+        raise bad(str(exc), "tools", "unsupported_parameter") from None
+    return [t.openai() for t in tools]
+
+
+def forced_call(tools: list[Tool], choice: ToolChoice) -> GrammarSpec | None:
+    """A choice that requires a call ("required" / any, or a named function): the grammar of one call block
+    (tool_calls.call_grammar); otherwise None."""
     if choice.mode not in ("required", "function"):
         return None
-    if body.get("response_format") not in (None, {"type": "text"}):
-        raise bad("'response_format' and a 'tool_choice' that forces a call both constrain the reply; send one",
-                  "response_format")
     grammar = GrammarSpec("grammar", call_grammar(callable_tools(tools, choice)))
     try:
         check_grammar(grammar)

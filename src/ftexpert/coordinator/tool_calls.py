@@ -57,6 +57,7 @@ class Tool:
 class ToolChoice:
     mode: str = "auto"              # auto | none | required | function
     name: str | None = None         # mode "function": the one the model must call
+    parallel: bool = True           # False: at most one call (generation ends when the first call closes)
 
 
 @dataclass(frozen=True)
@@ -122,25 +123,89 @@ def make_tool(name: Any, description: Any, schema: Any, where: str, schema_key: 
     return Tool(name, description or "", check_schema(schema, f"{where}.{schema_key}"))
 
 
-def parse_openai_tools(body: dict) -> tuple[list[Tool], ToolChoice]:
-    """`tools` and `tool_choice` of a chat request -> the tools and the choice (auto without tools is none)."""
-    if body.get("functions") is not None or body.get("function_call") is not None:
-        name = "functions" if body.get("functions") is not None else "function_call"
-        raise ToolError(f"'{name}' is the deprecated form of tool calling; send 'tools' and 'tool_choice'", name)
+def _tool_list(body: dict, parse: Any, form: str) -> list[Tool]:
+    """`tools`: a list of at most MAX_TOOLS tools, each parsed by `parse(raw, where)`, names unique."""
     raw = body.get("tools")
     if raw is None:
         raw = []
     if not isinstance(raw, list):
-        raise ToolError("'tools' must be a list of {\"type\": \"function\", \"function\": {...}} objects", "tools")
+        raise ToolError(f"'tools' must be a list of {form} objects", "tools")
     if len(raw) > MAX_TOOLS:
         raise ToolError(f"'tools' has {len(raw)} tools; at most {MAX_TOOLS} are allowed", "tools")
-    tools = [parse_tool(t, f"tools[{i}]") for i, t in enumerate(raw)]
+    tools = [parse(t, f"tools[{i}]") for i, t in enumerate(raw)]
     names = [t.name for t in tools]
     dup = next((n for n in names if names.count(n) > 1), None)
     if dup is not None:
         raise ToolError(f"'tools' names the function {dup!r} twice; each name must be unique", "tools")
-    choice = parse_tool_choice(body.get("tool_choice"), names)
-    return tools, choice
+    return tools
+
+
+def _flag(value: Any, name: str, default: bool) -> bool:
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise ToolError(f"'{name}' must be true or false, got {value!r}", name)
+    return value
+
+
+def parse_openai_tools(body: dict) -> tuple[list[Tool], ToolChoice]:
+    """`tools`, `tool_choice` and `parallel_tool_calls` of a chat request -> the tools and the choice (auto without
+    tools is none)."""
+    if body.get("functions") is not None or body.get("function_call") is not None:
+        name = "functions" if body.get("functions") is not None else "function_call"
+        raise ToolError(f"'{name}' is the deprecated form of tool calling; send 'tools' and 'tool_choice'", name)
+    tools = _tool_list(body, parse_tool, '{"type": "function", "function": {...}}')
+    choice = parse_tool_choice(body.get("tool_choice"), [t.name for t in tools])
+    parallel = _flag(body.get("parallel_tool_calls"), "parallel_tool_calls", True)
+    return tools, ToolChoice(choice.mode, choice.name, parallel)
+
+
+# Anthropic's tool_choice types -> ToolChoice modes
+ANTHROPIC_CHOICES = {"auto": "auto", "any": "required", "tool": "function", "none": "none"}
+
+
+def parse_anthropic_tool(raw: Any, where: str) -> Tool:
+    """One Anthropic client tool: {"name", "description"?, "input_schema", "type"?: "custom", "cache_control"?}.
+    Server tools (web search, code execution, ...) run at Anthropic, not here: refused."""
+    if not isinstance(raw, dict):
+        raise ToolError(f"'{where}' must be an object {{\"name\": ..., \"description\": ..., \"input_schema\": "
+                        f"{{...}}}}", where)
+    kind = raw.get("type")
+    if kind not in (None, "custom"):
+        raise ToolError(f"'{where}.type' is {str(kind)[:100]!r}: server tools run on Anthropic's side and are not served "
+                        f"here; send client tools ({{\"name\", \"description\", \"input_schema\"}}, type \"custom\" or "
+                        f"none)", f"{where}.type")
+    if raw.get("input_schema") is None:
+        raise ToolError(f"'{where}.input_schema' is required: the JSON schema of the tool's input object, such as "
+                        f"{{\"type\": \"object\", \"properties\": {{...}}}}", f"{where}.input_schema")
+    return make_tool(raw.get("name"), raw.get("description"), raw.get("input_schema"), where,
+                     schema_key="input_schema")
+
+
+def parse_anthropic_tools(body: dict) -> tuple[list[Tool], ToolChoice]:
+    """`tools` and `tool_choice` of a Messages request -> the tools and the choice: auto / any (a call is
+    required) / tool (that one) / none, and `disable_parallel_tool_use` (at most one call)."""
+    tools = _tool_list(body, parse_anthropic_tool, '{"name": ..., "input_schema": {...}}')
+    names = [t.name for t in tools]
+    raw = body.get("tool_choice")
+    if raw is None:
+        return tools, ToolChoice("auto" if names else "none")
+    kinds = ", ".join(repr(k) for k in ANTHROPIC_CHOICES)
+    if not isinstance(raw, dict) or raw.get("type") not in ANTHROPIC_CHOICES:
+        raise ToolError(f"'tool_choice' must be an object whose 'type' is one of {kinds}, such as "
+                        f"{{\"type\": \"auto\"}}", "tool_choice")
+    mode = ANTHROPIC_CHOICES[raw["type"]]
+    if mode != "none" and not names:
+        raise ToolError(f"'tool_choice' of type {raw['type']!r} needs 'tools'; send the tools the model may call",
+                        "tool_choice")
+    name = None
+    if mode == "function":
+        name = raw.get("name")
+        if name not in names:
+            raise ToolError(f"'tool_choice.name' {name!r} is not one of the tools ({', '.join(names)})",
+                            "tool_choice.name")
+    parallel = not _flag(raw.get("disable_parallel_tool_use"), "tool_choice.disable_parallel_tool_use", False)
+    return tools, ToolChoice(mode, name, parallel)
 
 
 def parse_tool_choice(raw: Any, names: list[str]) -> ToolChoice:
@@ -207,23 +272,31 @@ def _parse_block(body: str, names: set[str]) -> ToolCall | None:
 
 @dataclass
 class CallStream:
-    """Text pieces in, (text, calls) out as soon as they are known: text outside the blocks goes out at once
-    except a tail that could still start `<tool_call>`; a block goes out as one call when its close tag arrives
-    (or, at `finish`, as text when it never closes or does not parse)."""
+    """Text pieces in, the reply's items out in order as soon as they are known (`feed_items`: text strings and
+    ToolCalls): text outside the blocks goes out at once except a tail that could still start `<tool_call>`; a
+    block goes out as one call when its close tag arrives (or, at the end, as text when it never closes or does not
+    parse). After a call, whitespace alone is held until text follows it, and dropped at the end: the whitespace
+    between and after calls is not content. `single`: the first call completes the reply (`complete`); what
+    follows it is dropped. `feed` / `finish` give the same as (text, calls), for consumers that need no order."""
     tools: list[Tool]
+    single: bool = False
+    complete: bool = False
     _names: set[str] = field(init=False)
     _buf: str = ""
     _in_block: bool = False
+    _ws: str = ""                                # whitespace after a call, held
     calls: list[ToolCall] = field(default_factory=list)
     text: str = ""                               # all text given out so far (the reply's content)
 
     def __post_init__(self) -> None:
         self._names = {t.name for t in self.tools}
 
-    def feed(self, piece: str) -> tuple[str, list[ToolCall]]:
+    def feed_items(self, piece: str) -> list[str | ToolCall]:
+        items: list[str | ToolCall] = []
+        if self.complete:
+            return items
         self._buf += piece
-        out, calls = [], []
-        while True:
+        while not self.complete:
             if self._in_block:
                 end = self._buf.find(CLOSE_TAG)
                 if end < 0:
@@ -233,34 +306,58 @@ class CallStream:
                 self._in_block = False
                 call = _parse_block(body.strip(), self._names)
                 if call is None:
-                    out.append(OPEN_TAG + body + CLOSE_TAG)
+                    self._text(items, OPEN_TAG + body + CLOSE_TAG)
                 else:
-                    calls.append(call)
+                    self._call(items, call)
                 continue
             start = self._buf.find(OPEN_TAG)
             if start >= 0:
-                out.append(self._buf[:start])
+                self._text(items, self._buf[:start])
                 self._buf = self._buf[start + len(OPEN_TAG):]
                 self._in_block = True
                 continue
             keep = _partial_tag_len(self._buf)
-            out.append(self._buf[:len(self._buf) - keep])
+            self._text(items, self._buf[:len(self._buf) - keep])
             self._buf = self._buf[len(self._buf) - keep:]
             break
-        return self._emit("".join(out), calls)
+        if self.complete:
+            self._buf, self._in_block = "", False
+        return items
+
+    def finish_items(self) -> list[str | ToolCall]:
+        """The end of the reply: what was held back goes out as text."""
+        items: list[str | ToolCall] = []
+        if not self.complete:
+            self._text(items, (OPEN_TAG + self._buf) if self._in_block else self._buf)
+        self._buf, self._in_block, self._ws = "", False, ""
+        return items
+
+    def feed(self, piece: str) -> tuple[str, list[ToolCall]]:
+        return _pair(self.feed_items(piece))
 
     def finish(self) -> tuple[str, list[ToolCall]]:
-        """The end of the reply: what was held back goes out as text."""
-        rest = (OPEN_TAG + self._buf) if self._in_block else self._buf
-        self._buf, self._in_block = "", False
-        return self._emit(rest, [])
+        return _pair(self.finish_items())
 
-    def _emit(self, text: str, calls: list[ToolCall]) -> tuple[str, list[ToolCall]]:
-        if self.calls and not text.strip():
-            text = ""                           # whitespace between and after calls is not content
+    def _text(self, items: list, text: str) -> None:
+        if not text:
+            return
+        if self.calls:
+            if not text.strip():
+                self._ws += text
+                return
+            text, self._ws = self._ws + text, ""
         self.text += text
-        self.calls += calls
-        return text, calls
+        items.append(text)
+
+    def _call(self, items: list, call: ToolCall) -> None:
+        self._ws = ""
+        self.calls.append(call)
+        items.append(call)
+        self.complete = self.single
+
+
+def _pair(items: list[str | ToolCall]) -> tuple[str, list[ToolCall]]:
+    return "".join(i for i in items if isinstance(i, str)), [i for i in items if isinstance(i, ToolCall)]
 
 
 def _partial_tag_len(s: str) -> int:
@@ -271,9 +368,10 @@ def _partial_tag_len(s: str) -> int:
     return 0
 
 
-def split_calls(text: str, tools: list[Tool]) -> tuple[str, list[ToolCall]]:
-    """A whole reply -> (its text without the call blocks, stripped where calls were found; the calls)."""
-    stream = CallStream(tools)
+def split_calls(text: str, tools: list[Tool], single: bool = False) -> tuple[str, list[ToolCall]]:
+    """A whole reply -> (its text without the call blocks, stripped where calls were found; the calls; with
+    `single`, only the first call and nothing after it)."""
+    stream = CallStream(tools, single)
     a, calls = stream.feed(text)
     b, _ = stream.finish()
     content = a + b
