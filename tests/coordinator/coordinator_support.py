@@ -31,18 +31,22 @@ CHATML_TEMPLATE = (
     "'<|im_end|>' + '\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
 
 
-def write_tiny_model_dir(path: str, chat_template: str = CHATML_TEMPLATE) -> str:
-    """tokenizer.json (byte-level, token id == byte value, 3 specials), tokenizer_config.json (`chat_template`),
-    configs."""
+def write_tiny_model_dir(path: str, chat_template: str = CHATML_TEMPLATE, specials: tuple[str, ...] = (),
+                         stop_tokens: tuple[str, ...] = ()) -> str:
+    """tokenizer.json (byte-level, token id == byte value, 3 specials and `specials` from id 259),
+    tokenizer_config.json (`chat_template`), configs (generation_config.json's eos ids: `stop_tokens`)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
     vocab = {ch: b for b, ch in bytes_to_unicode().items()}
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens([EOS_TOKEN, "<|im_start|>", "<|im_end|>"])
+    tok.add_special_tokens([EOS_TOKEN, "<|im_start|>", "<|im_end|>", *specials])
     os.makedirs(path, exist_ok=True)
     tok.save(os.path.join(path, "tokenizer.json"))
+    if stop_tokens:
+        with open(os.path.join(path, "generation_config.json"), "w") as fh:
+            json.dump({"eos_token_id": [tok.token_to_id(t) for t in stop_tokens]}, fh)
     with open(os.path.join(path, "tokenizer_config.json"), "w") as fh:
         json.dump({"chat_template": chat_template, "eos_token": EOS_TOKEN, "bos_token": None}, fh)
     with open(os.path.join(path, "config.json"), "w") as fh:
@@ -64,8 +68,10 @@ class FakeEngine:
     engine."""
 
     def __init__(self, max_running: int = 8, step_delay_s: float = 0.0, eos_after: int | None = None,
-                 eos_id: int = 256, context_length: int = CONTEXT_LENGTH, text: str = FAKE_TEXT):
+                 eos_id: int = 256, context_length: int = CONTEXT_LENGTH, text: str = FAKE_TEXT,
+                 token_ids: list[int] | None = None):
         self.context_length = context_length
+        self.token_ids = token_ids          # a script of ids (special tokens too) instead of `text`'s bytes
         self.max_running = max_running
         self.step_delay_s = step_delay_s
         self.text = text.encode()
@@ -121,6 +127,8 @@ class FakeEngine:
     def _token(self, req: FakeRequest) -> int:
         if req.params.temperature > 0 and req.params.seed is not None:
             return req.rng.choice(b"abcdefghijklmnopqrstuvwxyz ")
+        if self.token_ids is not None:
+            return self.token_ids[req.produced % len(self.token_ids)]
         return self.text[req.produced % len(self.text)]
 
     def step(self):
@@ -221,10 +229,11 @@ def live_server(tmp_path, *, api_key: str | None = None, engine_kwargs: dict | N
                 request_timeout_s: float = 60.0, max_pending_requests: int = 256, grpc: bool = True,
                 drain_timeout_s: float = 5.0, real_engine: bool = False, context_length: int = CONTEXT_LENGTH,
                 tls=None, supervisor=None, engine_worker: str | None = None, model: str | None = None,
-                chat_template: str = CHATML_TEMPLATE):
+                chat_template: str = CHATML_TEMPLATE, specials: tuple[str, ...] = (),
+                stop_tokens: tuple[str, ...] = ()):
     """A CoordinatorServer on 127.0.0.1 (free ports) around the fake engine, or the real tiny one (`model`: a real
     engine on that checkpoint instead; `supervisor`, `engine_worker`: as process mode passes them)."""
-    model_dir = write_tiny_model_dir(os.path.join(str(tmp_path), "model"), chat_template)
+    model_dir = write_tiny_model_dir(os.path.join(str(tmp_path), "model"), chat_template, specials, stop_tokens)
     box: list = []
     if real_engine:
         served = tiny_served_engine(model)

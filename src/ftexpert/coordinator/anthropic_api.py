@@ -85,7 +85,7 @@ class AnthropicApi:
         plan = await self.api._parse(request, parse_messages_request)
         [stream] = self.api._submit_all(plan)
         mid = "msg_" + uuid.uuid4().hex
-        blocks = MessageBlocks(plan.tools, plan.tool_choice)
+        blocks = MessageBlocks(plan.tools, plan.tool_choice, plan.harmony)
         try:
             if plan.stream:
                 return await self._stream_response(request, stream, mid, blocks)

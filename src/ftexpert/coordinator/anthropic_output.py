@@ -5,14 +5,17 @@ Text pieces go in as they decode; out come the events of the blocks they complet
 the first text after a call (or at the start), a call closes the text block before it and is sent whole as one
 `tool_use` block (content_block_start with an empty input, one `input_json_delta` holding the input's JSON,
 content_block_stop). The same object gives the whole reply's `content` for a plain response, so both forms say the
-same thing. stop_reason is `tool_use` when a reply that ended by itself made calls.
+same thing. stop_reason is `tool_use` when a reply that ended by itself made calls. A harmony reply (gpt-oss) is
+parsed by harmony.py: its final channel is the text, its analysis channel (reasoning) is left out, as extended
+thinking is not served.
 """
 from __future__ import annotations
 
 import json
 from typing import Any
 
-from ftexpert.coordinator.tool_calls import CallStream, Tool, ToolCall, ToolChoice, callable_tools
+from ftexpert.coordinator.harmony import reply_parser
+from ftexpert.coordinator.tool_calls import Tool, ToolCall, ToolChoice
 
 Event = tuple[str, dict[str, Any]]
 TOOL_USE_ID_PREFIX = "toolu_"
@@ -26,9 +29,8 @@ def tool_use_id(call: ToolCall) -> str:
 class MessageBlocks:
     """One reply: text pieces in (`feed`, then `finish`), the stream events out; `content` is the blocks so far."""
 
-    def __init__(self, tools: list[Tool], choice: ToolChoice):
-        offered = callable_tools(tools, choice)
-        self._calls = CallStream(offered, single=not choice.parallel) if offered else None
+    def __init__(self, tools: list[Tool], choice: ToolChoice, harmony: bool = False):
+        self._calls = reply_parser(tools, choice, harmony)
         self.content: list[dict[str, Any]] = []
         self._text_open = False                  # the last block is a text block still taking deltas
 
@@ -74,7 +76,14 @@ class MessageBlocks:
         return out
 
     def _items(self, items: list[str | ToolCall]) -> list[Event]:
-        return [e for item in items for e in (self._text(item) if isinstance(item, str) else self._call(item))]
+        events: list[Event] = []
+        for item in items:
+            if isinstance(item, str):
+                events += self._text(item)
+            elif isinstance(item, ToolCall):
+                events += self._call(item)
+            # Reasoning (a harmony reply's analysis channel): no thinking blocks, as extended thinking is off
+        return events
 
     def _open_text(self) -> list[Event]:
         index = len(self.content)

@@ -17,14 +17,14 @@ what its block says to the turn (_Turn) it belongs to.
 """
 from __future__ import annotations
 
-import dataclasses
 import json
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from ftexpert.coordinator.openai_requests import (MAX_MESSAGES, ApiError, GenerationPlan, ModelInfo, _check_model,
                                                   _parse_common, _parse_max_tokens, _parse_stop, bad, check_unicode,
-                                                  encode_chat_prompt, forced_call, rendered_tools)
+                                                  encode_chat_prompt, forced_call, rendered_tools,
+                                                  with_tools)
 from ftexpert.coordinator.text_codec import ChatMessage
 from ftexpert.coordinator.tool_calls import Tool, ToolChoice, ToolError, parse_anthropic_tools
 
@@ -283,12 +283,9 @@ def parse_messages_request(body: Any, model: ModelInfo) -> GenerationPlan:
     fields = {"temperature": body.get("temperature"), "top_p": body.get("top_p"), "top_k": body.get("top_k"),
               "stream": body.get("stream"), "stop": _parse_stop(body, "stop_sequences")}
     tools, choice = _tools(body)
-    forced = forced_call(tools, choice)
+    forced = forced_call(tools, choice, model)
     plan = _parse_common(fields, model, [_prompt(body, model, tools, choice)], max_tokens, param, chat=True)
-    plan.tools, plan.tool_choice = tools, choice
-    if forced is not None:
-        plan.sampling = [dataclasses.replace(p, grammar=forced) for p in plan.sampling]
-    return plan
+    return with_tools(plan, tools, choice, forced, model)
 
 
 def _tools(body: dict) -> tuple[list[Tool], ToolChoice]:

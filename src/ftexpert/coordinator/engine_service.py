@@ -78,7 +78,7 @@ class RequestStream:
     """One generation; lives on the event loop. Iterate `chunks()`; call `abort()` when the client goes."""
 
     def __init__(self, service: "EngineService", prompt_ids: Sequence[int], sampling: SamplingParams,
-                 stop: Sequence[str], deadline_s: float):
+                 stop: Sequence[str], deadline_s: float, decode: Callable[[Sequence[int]], str] | None = None):
         self.id = uuid.uuid4().hex
         self.service = service
         self.prompt_ids = list(prompt_ids)
@@ -91,7 +91,7 @@ class RequestStream:
         self.first_token_at: float | None = None
         self._deadline = self.created_at + deadline_s
         self._events: asyncio.Queue = asyncio.Queue()
-        self._detok = IncrementalDetokenizer(service.decode, self.prompt_ids)
+        self._detok = IncrementalDetokenizer(decode or service.decode, self.prompt_ids)
         self._stops = StopStringMatcher(stop)
         self._trail = LogprobTrail() if sampling.logprobs is not None else None
         self._rid: int | None = None            # the engine's id, while the engine has this request
@@ -261,7 +261,9 @@ class EngineService:
 
     # ---------------------------------------------------------------- requests
 
-    def submit(self, prompt_ids: Sequence[int], sampling: SamplingParams, stop: Sequence[str] = ()) -> RequestStream:
+    def submit(self, prompt_ids: Sequence[int], sampling: SamplingParams, stop: Sequence[str] = (),
+               decode: Callable[[Sequence[int]], str] | None = None) -> RequestStream:
+        """A request's stream; `decode`: its text's decoder where not the service's (special tokens kept)."""
         if self.stopped:
             raise ServiceUnavailable("the server is shutting down; retry against another replica")
         if self.draining:
@@ -269,7 +271,7 @@ class EngineService:
                                      "or against another replica")
         if len(self.live) >= self.max_pending_requests:
             raise ServiceUnavailable(f"too many requests in flight ({len(self.live)}); retry shortly")
-        stream = RequestStream(self, prompt_ids, sampling, stop, self.request_timeout_s)
+        stream = RequestStream(self, prompt_ids, sampling, stop, self.request_timeout_s, decode)
         self.live.add(stream)
         self._idle.clear()
         self.requests_total += 1

@@ -237,11 +237,12 @@ class HttpApi:
 
     def _submit_all(self, plan: GenerationPlan) -> list[RequestStream]:
         streams: list[RequestStream] = []
+        decode = self.model.codec.decode_special if plan.harmony else None
         try:
             k = 0
             for prompt in plan.prompts:
                 for _ in range(plan.n):
-                    streams.append(self.service.submit(prompt, plan.sampling[k], plan.stop))
+                    streams.append(self.service.submit(prompt, plan.sampling[k], plan.stop, decode))
                     k += 1
         except ServiceUnavailable as exc:
             for s in streams:
@@ -267,7 +268,7 @@ class HttpApi:
             texts = [""] * len(streams)
             reasons: list[str | None] = [None] * len(streams)
             entries: list[list[LogprobEntry] | None] = [None] * len(streams)
-            watch = [ChatDeltas(plan.tools, plan.tool_choice) for _ in streams] if chat else []
+            watch = [ChatDeltas(plan.tools, plan.tool_choice, plan.harmony) for _ in streams] if chat else []
             async for index, chunk in _merged(streams):
                 texts[index] += chunk.text
                 if watch and not watch[index].complete:
@@ -285,7 +286,7 @@ class HttpApi:
             if chat:
                 choices = []
                 for i, (t, r, lp) in enumerate(zip(texts, reasons, logprobs)):
-                    message, called = chat_message(t, plan.tools, plan.tool_choice)
+                    message, called = chat_message(t, plan.tools, plan.tool_choice, plan.harmony)
                     choices.append({"index": i, "message": message, "logprobs": lp,
                                     "finish_reason": finish_reason(r, called)})
                 return _json_response({"id": rid, "object": "chat.completion", "created": created,
@@ -316,7 +317,7 @@ class HttpApi:
             return _sse({"id": rid, "object": obj, "created": created, "model": self.model.name,
                          "choices": choices, **usage_field})
 
-        deltas = [ChatDeltas(plan.tools, plan.tool_choice) for _ in streams]
+        deltas = [ChatDeltas(plan.tools, plan.tool_choice, plan.harmony) for _ in streams]
         try:
             if chat:
                 for i in range(len(streams)):

@@ -12,6 +12,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from ftexpert.coordinator.harmony import call_grammar as harmony_call_grammar
 from ftexpert.coordinator.request_options import parse_logprobs, parse_response_format
 from ftexpert.coordinator.text_codec import CHATML_ROLES, ChatMessage, TextCodec, TooManyTokens
 from ftexpert.coordinator.token_bounds import utf8_length_over
@@ -64,6 +65,7 @@ class GenerationPlan:
     include_usage: bool
     tools: list[Tool] = field(default_factory=list)          # chat: the tools offered, and the choice
     tool_choice: ToolChoice = field(default_factory=lambda: ToolChoice("none"))
+    harmony: bool = False            # chat with a harmony template: the text keeps special tokens, harmony.py parses it
 
     @property
     def num_choices(self) -> int:
@@ -352,11 +354,17 @@ def parse_chat(body: Any, model: ModelInfo) -> GenerationPlan:
     if choice.mode in ("required", "function") and body.get("response_format") not in (None, {"type": "text"}):
         raise bad("'response_format' and a 'tool_choice' that forces a call both constrain the reply; send one",
                   "response_format")
-    forced = forced_call(tools, choice)
+    forced = forced_call(tools, choice, model)
     prompt_ids = encode_chat_prompt(messages, model, rendered_tools(tools, choice, model))
     max_tokens, param = _parse_max_tokens(body, ("max_completion_tokens", "max_tokens"), None)
-    plan = _parse_common(body, model, [prompt_ids], max_tokens, param, chat=True)
-    plan.tools, plan.tool_choice = tools, choice
+    return with_tools(_parse_common(body, model, [prompt_ids], max_tokens, param, chat=True), tools, choice, forced,
+                      model)
+
+
+def with_tools(plan: GenerationPlan, tools: list[Tool], choice: ToolChoice, forced: GrammarSpec | None,
+               model: ModelInfo) -> GenerationPlan:
+    """A chat plan with its tools, the reply's format, and the forced call's grammar on every choice."""
+    plan.tools, plan.tool_choice, plan.harmony = tools, choice, model.codec.chat_template.harmony
     if forced is not None:
         plan.sampling = [dataclasses.replace(p, grammar=forced) for p in plan.sampling]
     return plan
@@ -374,12 +382,13 @@ def rendered_tools(tools: list[Tool], choice: ToolChoice, model: ModelInfo) -> l
     return [t.openai() for t in tools]
 
 
-def forced_call(tools: list[Tool], choice: ToolChoice) -> GrammarSpec | None:
-    """A choice that requires a call ("required" / any, or a named function): the grammar of one call block
-    (tool_calls.call_grammar); otherwise None."""
+def forced_call(tools: list[Tool], choice: ToolChoice, model: ModelInfo) -> GrammarSpec | None:
+    """A choice that requires a call ("required" / any, or a named function): the grammar of one call in the
+    model's format (tool_calls.call_grammar, or harmony.call_grammar); otherwise None."""
     if choice.mode not in ("required", "function"):
         return None
-    grammar = GrammarSpec("grammar", call_grammar(callable_tools(tools, choice)))
+    grammar_of = harmony_call_grammar if model.codec.chat_template.harmony else call_grammar
+    grammar = GrammarSpec("grammar", grammar_of(callable_tools(tools, choice)))
     try:
         check_grammar(grammar)
     except GrammarError as exc:

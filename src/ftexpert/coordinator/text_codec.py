@@ -82,12 +82,25 @@ class ChatMessage:
         """The message as chat templates read it (transformers' form)."""
         out: dict[str, Any] = {"role": self.role, "content": self.content}
         if self.tool_calls:
-            out["tool_calls"] = self.tool_calls
+            out["tool_calls"] = [_with_object_arguments(c) for c in self.tool_calls]
         if self.tool_call_id is not None:
             out["tool_call_id"] = self.tool_call_id
         if self.name is not None:
             out["name"] = self.name
         return out
+
+
+def _with_object_arguments(call: dict) -> dict:
+    """A call as templates read it (transformers' form): `function.arguments` an object, not OpenAI's JSON text,
+    where the text is one (gpt-oss's template writes `arguments | tojson`; Qwen's take either)."""
+    fn = call.get("function")
+    if not isinstance(fn, dict) or not isinstance(fn.get("arguments"), str):
+        return call
+    try:
+        args = json.loads(fn["arguments"])
+    except ValueError:
+        return call
+    return {**call, "function": {**fn, "arguments": args}} if isinstance(args, dict) else call
 
 
 def _token_text(value: Any) -> str | None:
@@ -174,14 +187,15 @@ class ChatTemplate:
     def kind(self) -> str:
         return "jinja2" if self._compiled is not None else "chatml"
 
+    @property
+    def harmony(self) -> bool:
+        """The template writes gpt-oss's harmony format (channels): replies are parsed by coordinator/harmony.py."""
+        return self.source is not None and self._compiled is not None and "<|channel|>" in self.source
+
     def check_tools(self) -> None:
-        """Raise ValueError where this template cannot be given tools: it never reads them, or it writes calls in
-        a format coordinator/tool_calls.py does not parse (gpt-oss's harmony channels)."""
+        """Raise ValueError where this template cannot be given tools: it never reads them."""
         if self.source is None or self._compiled is None:
             return
-        if "<|channel|>" in self.source:
-            raise ValueError("tool calling is not served for this model: its chat template writes calls in the "
-                             "harmony format, which this server does not parse; send the request without 'tools'")
         if "tools" not in self.source:
             raise ValueError("this model's chat template does not render tools; send the request without 'tools' "
                              "or serve the model with a chat template that renders them")
@@ -337,6 +351,10 @@ class TextCodec:
 
     def decode(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+
+    def decode_special(self, ids: Sequence[int]) -> str:
+        """The text with special tokens' text kept (a harmony reply's channel markers)."""
+        return self.tokenizer.decode(list(ids), skip_special_tokens=False)
 
     @property
     def vocab_size(self) -> int:

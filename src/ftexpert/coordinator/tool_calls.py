@@ -234,11 +234,15 @@ def call_grammar(tools: list[Tool]) -> str:
     the literal tags and name, the arguments a JSON value of the tool's schema (compact)."""
     rules = []
     for i, tool in enumerate(tools):
-        schema = {**tool.parameters, "x-guidance": {"whitespace_flexible": False}}
         name = json.dumps(json.dumps(tool.name))[1:-1]            # the name as JSON, escaped for a Lark string
-        rules.append(f'call{i}: "{{\\"name\\": {name}, \\"arguments\\": " %json {json.dumps(schema)} "}}"')
+        rules.append(f'call{i}: "{{\\"name\\": {name}, \\"arguments\\": " {schema_rule(tool)} "}}"')
     alts = " | ".join(f"call{i}" for i in range(len(tools)))
     return "\n".join([f'start: "{OPEN_TAG}\\n" call "\\n{CLOSE_TAG}"', f"call: {alts}", *rules]) + "\n"
+
+
+def schema_rule(tool: Tool) -> str:
+    """The Lark item of a call's arguments: a JSON value of the tool's schema, compact."""
+    return f"%json {json.dumps({**tool.parameters, 'x-guidance': {'whitespace_flexible': False}})}"
 
 
 def callable_tools(tools: list[Tool], choice: ToolChoice) -> list[Tool]:
