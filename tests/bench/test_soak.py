@@ -25,9 +25,10 @@ def test_soak_ci_run_passes_every_check(tmp_path):
     summary = json.loads((out / "report.json").read_text())
     assert all(c["ok"] for c in summary["checks"]), summary["checks"]
     names = {c["name"] for c in summary["checks"]}
-    assert {"open files: no growth", "threads: no growth", "shared memory: no growth"} <= names
+    assert {"open files: no growth", "threads: no growth", "shared memory: no growth",
+            "KV blocks: none held after the load", "prefix cache: agent histories reused"} <= names
     kinds = {k["kind"]: k for k in summary["kinds"]}
-    for kind in ("completion", "stream", "chat", "sampled", "bad", "disconnect"):
+    for kind in ("completion", "stream", "chat", "sampled", "bad", "disconnect", "agent"):
         assert kinds[kind]["ok"] > 0, f"no successful {kind} request: {kinds[kind]}"
     (kill,) = summary["kills"]
     assert kill["role"] == "gpu" and kill["recovered_s"] is not None and kill["recovered_s"] < 30

@@ -8,10 +8,11 @@
 Clients (threads, each with its own seeded generator) loop until the deadline over: greedy completions
 (checked against a reference taken before the load, so batching must not change greedy tokens), greedy
 streams, chats, seeded sampled completions (the same seed must give the same text), bad requests (each must
-be a 4xx JSON error), and clients that disconnect mid-stream. Faults: SIGKILL of the GPU worker and of a CPU
+be a 4xx JSON error), clients that disconnect mid-stream, and agent-like conversations (a shared system prompt,
+histories growing turn by turn, every reply checked; the prefix cache must serve their histories). Faults: SIGKILL of the GPU worker and of a CPU
 worker on a schedule. Checks: answers, errors (503s count as the outage of a GPU-worker kill only), requests
-left inside, growth of memory, open files, threads and shared memory, recovery, a clean SIGTERM stop, no
-/dev/shm segment left. The report folder (--out) gets report.json, report.png and server.log. Exit code 0
+left inside, KV blocks held after the load, the prefix cache's hit share, growth of memory, open files, threads
+and shared memory, recovery, a clean SIGTERM stop, no /dev/shm segment left. The report folder (--out) gets report.json, report.png and server.log. Exit code 0
 when every check passed, 1 otherwise.
 """
 from __future__ import annotations
@@ -77,6 +78,7 @@ def run(args: argparse.Namespace) -> int:
             time.sleep(0.1)
             inside = soak.requests_inside()
         time.sleep(1.0)                                      # restarted workers finish their start-up threads
+        soak.read_engine_after()
         after = soak.sample().tree
     finally:
         if soak.proc is not None and soak.proc.poll() is None:

@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 
 from ftexpert.coordinator.ports import free_loopback_port
 from ftexpert.cpu_expert_pool.api import IMPORT_ROOT, worker_env
-from ftexpert.coordinator.soak.probes import TreeSample, metric_values, pids_of, sample_tree
+from ftexpert.coordinator.soak import agent
+from ftexpert.coordinator.soak.probes import TreeSample, metric_values, named_values, pids_of, sample_tree
 
 PROMPTS = ["Hello", "The weather is", "Question: what is two plus two?", "Once upon a time",
            "The quick brown fox", "A mixture of experts model"]
@@ -31,8 +32,8 @@ RECOVERY_TIMEOUT_S = 120.0
 MAX_REQUESTS_PER_CLIENT = 1_000_000
 UNAVAILABLE_BACKOFF_S = 0.05          # a client's pause after a 503
 OUTAGE_GRACE_S = 1.0                  # after /health is ok again, stragglers of the outage still count as outage
-KINDS = {"completion": 30, "stream": 25, "chat": 15, "sampled": 5, "bad": 15, "disconnect": 10}
-GOOD_KINDS = ("completion", "stream", "chat", "sampled")
+KINDS = {"completion": 25, "stream": 20, "chat": 15, "sampled": 5, "bad": 15, "disconnect": 10, "agent": 10}
+GOOD_KINDS = ("completion", "stream", "chat", "sampled", "agent")
 BAD_BODIES = [b"{not json", json.dumps({"model": "soak", "prompt": "x", "max_tokens": -1}).encode(),
               json.dumps({"model": "no-such-model", "prompt": "x"}).encode(),
               json.dumps({"model": "soak"}).encode(),
@@ -74,6 +75,8 @@ class Soak:
     store_name: str = ""
     reference: dict = field(default_factory=dict)
     sampled: dict = field(default_factory=dict)
+    scripts: list = field(default_factory=list)          # the agent conversations (soak/agent.py)
+    engine_after: dict = field(default_factory=dict)     # the engine's counters and stats after the load
     outcomes: list = field(default_factory=list)
     kills: list = field(default_factory=list)
     samples: list = field(default_factory=list)
@@ -164,6 +167,9 @@ class Soak:
         if status != 200:
             raise RuntimeError(f"reference chat failed: {status} {raw[:300]!r}")
         self.reference["<chat>"] = json.loads(raw)["choices"][0]["message"]["content"]
+        context = json.loads(self.get("/v1/models")[1])["data"][0]["max_model_len"]
+        self.scripts = agent.make_scripts(self.args.seed)
+        agent.take_references(self.scripts, self.post, context)
 
     # ------------------------------------------------------------------ one request of each kind
 
@@ -173,6 +179,12 @@ class Soak:
             return self.stream(rng.choice(PROMPTS))
         if kind == "disconnect":
             return (*self.disconnect(rng), None)
+        if kind == "agent":
+            result, detail = agent.replay(rng.choice(self.scripts), self.post)
+            if result == "failed":
+                status, _, text = detail.partition(" ")
+                return (*self.failure(int(status), text.encode()), None)
+            return result, detail, None
         return (*self.plain(kind, rng), None)
 
     def plain(self, kind: str, rng: random.Random) -> tuple[str, str]:
@@ -352,3 +364,8 @@ class Soak:
     def requests_inside(self) -> float:
         values = metric_values(self.get("/metrics")[1].decode())
         return values.get("ft_requests_running", 0.0) + values.get("ft_requests_waiting", 0.0)
+
+    def read_engine_after(self) -> None:
+        """The engine's counters and stats once the load is over (the prefix cache's hits, the KV blocks held)."""
+        text = self.get("/metrics")[1].decode()
+        self.engine_after = {**named_values(text, "ft_engine_counter_total"), **named_values(text, "ft_engine_stat")}

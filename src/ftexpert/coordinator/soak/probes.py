@@ -90,3 +90,19 @@ def metric_values(text: str) -> dict[str, float]:
             except ValueError:
                 pass
     return out
+
+
+_LABEL = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)\{name="([^"]*)"\}\s+([-+0-9.eEinfNa]+)')
+
+
+def named_values(text: str, metric: str) -> dict[str, float]:
+    """Prometheus text -> the series of `metric` labelled by `name` (ft_engine_counter_total, ft_engine_stat)."""
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        m = _LABEL.match(line)
+        if m and m.group(1) == metric:
+            try:
+                out[m.group(2)] = float(m.group(3))
+            except ValueError:
+                pass
+    return out

@@ -35,7 +35,8 @@ def kind_rows(soak: Soak) -> list[dict]:
 
 
 def timeline(soak: Soak, start: float, end: float, window_s: float) -> list[dict]:
-    """Per window: tok/s (from the server's generated-tokens counter), good-request latency percentiles, the
+    """Per window: tok/s (from the server's generated-tokens counter), good-request latency percentiles (an agent
+    conversation is several requests: its time is in the kind table only), the
     longest and p99 gap between stream events, requests by result."""
     windows = []
     n = max(1, math.ceil((end - start) / window_s))
@@ -43,7 +44,7 @@ def timeline(soak: Soak, start: float, end: float, window_s: float) -> list[dict
     for i in range(n):
         lo, hi = start + i * window_s, min(end, start + (i + 1) * window_s)
         inside = [o for o in soak.outcomes if lo <= o.started + o.latency_s < hi]
-        lat = [o.latency_s * 1000 for o in inside if o.result == "ok" and o.kind in GOOD_KINDS]
+        lat = [o.latency_s * 1000 for o in inside if o.result == "ok" and o.kind in GOOD_KINDS and o.kind != "agent"]
         gaps = [o.max_gap_s * 1000 for o in inside if o.max_gap_s is not None and o.result == "ok"]
         edge = [s for s in samples if lo <= s.t <= hi]
         tok_s = ((edge[-1].generated_tokens - edge[0].generated_tokens) / (edge[-1].t - edge[0].t)
@@ -71,6 +72,30 @@ def growth_checks(args, before, after) -> list[tuple[str, bool, str]]:
     ]
 
 
+MIN_PREFIX_HIT_SHARE = 0.5    # of the prompt tokens the engine looked up (agent histories dominate them)
+
+
+def engine_checks(soak: Soak) -> list[tuple[str, bool, str]]:
+    """From the engine's figures after the load: no KV block held by a request (every block is free or cached),
+    and, with the prefix cache on, the agents' shared system prompt and histories found in it. A GPU-worker kill
+    restarts the figures with the new engine: they cover the engine that served last."""
+    stats = soak.engine_after
+    checks = []
+    if "kv_blocks_used" in stats:
+        checks.append(("KV blocks: none held after the load", stats["kv_blocks_used"] == 0,
+                       f"{stats['kv_blocks_used']:g} used, {stats.get('kv_blocks_cached', 0):g} cached, "
+                       f"{stats.get('kv_blocks_free', 0):g} free of {stats.get('kv_blocks_total', 0):g}"))
+    if stats.get("prefix_cache_enabled"):
+        queried = stats.get("prefix_cache_query_tokens_total", 0.0)
+        hit = stats.get("prefix_cache_hit_tokens_total", 0.0)
+        agents_ok = any(o.kind == "agent" and o.result == "ok" for o in soak.outcomes)
+        share = hit / queried if queried else 0.0
+        checks.append(("prefix cache: agent histories reused", not agents_ok or share >= MIN_PREFIX_HIT_SHARE,
+                       f"{hit:g} of {queried:g} prompt tokens found in the cache ({share:.0%}, at least "
+                       f"{MIN_PREFIX_HIT_SHARE:.0%})"))
+    return checks
+
+
 def judge(soak: Soak, *, before, after, inside: float, exit_code, leaked: list[str]) -> list[tuple[str, bool, str]]:
     args = soak.args
     for o in soak.outcomes:
@@ -85,6 +110,7 @@ def judge(soak: Soak, *, before, after, inside: float, exit_code, leaked: list[s
                not any(o.result == "wrong" for o in soak.outcomes if o.kind == "bad"), ""),
               ("no unexpected errors", errors == 0, f"{errors} errors"),
               ("no request left inside the server", inside == 0, f"{inside:g} running+waiting")]
+    checks += engine_checks(soak)
     checks += growth_checks(args, before, after)
     for role in ("gpu", "cpu"):
         kills = [k for k in soak.kills if k.role == role]
@@ -114,6 +140,8 @@ def write_report(soak: Soak, checks, *, start: float, end: float, before, after)
         "before": before.as_dict(), "after": after.as_dict(),
         "kills": [{"role": k.role, "pid": k.pid, "at_s": k.at - start,
                    "recovered_s": (k.recovered - k.at) if k.recovered else None} for k in soak.kills],
+        "agent_scripts": [{"turns": len(sc.turns), "prompt_tokens": sc.prompt_tokens} for sc in soak.scripts],
+        "engine_after": soak.engine_after,
         "timeline": windows,
         "samples": [{"t_s": s.t - start, "generated_tokens": s.generated_tokens, **s.tree.as_dict()}
                     for s in soak.samples],
