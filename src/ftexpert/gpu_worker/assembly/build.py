@@ -38,7 +38,7 @@ from ftexpert.gpu_worker.backends.hybrid.options import HybridOptions
 from ftexpert.gpu_worker.backends.offload.prefetch import PrefetchSettings, attach_prefetch
 from ftexpert.gpu_worker.engine import Engine, EngineConfig
 from ftexpert.gpu_worker.engine.grammar import GrammarCompiler
-from ftexpert.gpu_worker.engine.engine import DEFAULT_MAX_CONTEXT_TOKENS
+from ftexpert.gpu_worker.engine.engine import context_tokens
 from ftexpert.gpu_worker.models.synthetic_routing import SyntheticRouting
 from ftexpert.kernels.pdl import apply_setting
 from ftexpert.proto.engine_spec import ENGINE_FIELDS, MODEL_FIELDS, EngineSpec, SpecError
@@ -234,7 +234,7 @@ def _expert_backend(spec: EngineSpec, source: ModelSource, device: torch.device,
 
 def _routing(spec: EngineSpec, source: ModelSource, device: torch.device) -> SyntheticRouting | None:
     """The synthetic routing table for the engine's whole context (None: the routers decide)."""
-    max_context = spec.max_context_tokens or min(DEFAULT_MAX_CONTEXT_TOKENS, source.cfg.max_position_embeddings)
+    max_context = context_tokens(spec.max_context_tokens, source.cfg)
     return SyntheticRouting.parse(spec.routing, source.cfg, max_context, device)
 
 

@@ -229,7 +229,7 @@ def assemble_model(source: ModelSource, experts, device: torch.device, prefetch=
     try:
         cfg = source.cfg
         model = make_model(cfg, source.load_dense(device), experts,
-                           max_positions=min(MAX_POSITIONS, cfg.max_position_embeddings), fused_kernels=fused_kernels)
+                           max_positions=min(MAX_POSITIONS, cfg.context_length), fused_kernels=fused_kernels)
         model.routing_override = routing
         if dense_linear is not None:
             model.dense_linear = dense_linear

@@ -24,7 +24,7 @@ from ftexpert.proto.expert_format import ExpertFormat
 
 # LINEAR_ATTENTION, FULL_ATTENTION and LinearAttentionShape are imported from here too (re-exported)
 from ftexpert.gpu_worker.checkpoint.config_fields import (DTYPE_NAMES, FULL_ATTENTION, LINEAR_ATTENTION,
-                                                          LinearAttentionShape, first_of)
+                                                          LinearAttentionShape, first_of, parse_rope)
 from ftexpert.gpu_worker.checkpoint.gpt_oss_config import gpt_oss_config, gpt_oss_hf_dict
 from ftexpert.gpu_worker.checkpoint.quant_config import checkpoint_expert_format
 from ftexpert.gpu_worker.checkpoint.qwen3_next_config import (check_qwen3_next, qwen3_next_fields_from_hf,
@@ -65,6 +65,7 @@ class MoeConfig:
     eos_token_ids: tuple[int, ...] = ()
     pad_token_id: int | None = None
     expert_format: str = "bf16"     # the experts' format in the checkpoint (quantization_config; bf16: float)
+    rope_scaling: dict[str, Any] = field(default_factory=dict)   # {}: the default RoPE; YaRN's parameters
     extra: dict[str, Any] = field(default_factory=dict, compare=False)  # unparsed HF fields to keep
     quantization: dict[str, Any] = field(default_factory=dict, compare=False)  # the raw quantization_config
     # qwen3_next only: each layer's token mixer, the rotary share of head_dim, the shared expert's width and
@@ -99,6 +100,16 @@ class MoeConfig:
         if not self.layer_types:
             return self.num_layers
         return sum(t == FULL_ATTENTION for t in self.layer_types)
+
+    @property
+    def context_length(self) -> int:
+        """The longest context the model computes as trained: max_position_embeddings, or with YaRN the
+        original context times its factor where that is longer (Qwen3: 32,768 x 4 = 131,072)."""
+        rope = self.rope_scaling
+        if rope.get("rope_type") == "yarn" and rope.get("factor") is not None:
+            scaled = int(float(rope["factor"]) * int(rope["original_max_position_embeddings"]))
+            return max(self.max_position_embeddings, scaled)
+        return self.max_position_embeddings
 
     @property
     def q_size(self) -> int:
@@ -159,6 +170,7 @@ class MoeConfig:
             expert_intermediate_size=int(inter),
             rms_norm_eps=float(first_of(raw, "rms_norm_eps", default=1e-6)),
             rope_theta=float(first_of(rope, "rope_theta", default=first_of(raw, "rope_theta", default=10000.0))),
+            rope_scaling=parse_rope(raw, source),
             max_position_embeddings=int(first_of(raw, "max_position_embeddings", default=32768)),
             norm_topk_prob=bool(raw.get("norm_topk_prob", arch == "mixtral")),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
@@ -196,7 +208,7 @@ class MoeConfig:
             "num_key_value_heads": self.num_kv_heads, "head_dim": self.head_dim,
             "num_experts_per_tok": self.top_k, "rms_norm_eps": self.rms_norm_eps,
             "rope_theta": self.rope_theta,
-            "rope_parameters": {"rope_theta": self.rope_theta, "rope_type": "default"},
+            "rope_parameters": {"rope_theta": self.rope_theta, "rope_type": "default", **self.rope_scaling},
             "max_position_embeddings": self.max_position_embeddings,
             "tie_word_embeddings": self.tie_word_embeddings, "hidden_act": "silu",
             "attention_bias": False, "attention_dropout": 0.0, "torch_dtype": self.dtype,
@@ -233,11 +245,6 @@ def qwen3_next_fields(raw: dict[str, Any], source: str) -> dict[str, Any]:
 
 def _reject_unsupported(arch: str, raw: dict[str, Any], source: str) -> None:
     """Raise for config features this implementation does not compute (never silently ignore)."""
-    rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
-    rope_type = rope.get("rope_type", rope.get("type", "default")) if rope else "default"
-    if rope_type != "default":
-        raise ValueError(f"{source}: rope type {rope_type!r} is not supported (only default RoPE); "
-                         f"remove rope_scaling or use a checkpoint without it")
     act = raw.get("hidden_act", "silu")
     if act != "silu":
         raise ValueError(f"{source}: hidden_act={act!r} is not supported (only silu)")

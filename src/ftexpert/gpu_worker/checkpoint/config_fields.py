@@ -10,6 +10,31 @@ from typing import Any
 LINEAR_ATTENTION, FULL_ATTENTION = "linear_attention", "full_attention"   # qwen3_next's layer_types
 
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
+ROPE_TYPES = ("default", "yarn")
+YARN_KEYS = ("factor", "beta_fast", "beta_slow", "original_max_position_embeddings", "truncate",
+             "attention_factor")
+
+
+def parse_rope(raw: dict[str, Any], source: str) -> dict[str, Any]:
+    """config.json's `rope_parameters` (or the older `rope_scaling`) -> {} for the default RoPE, or YaRN's
+    parameters with rope_type "yarn" (computed by gpu_worker/models/layers.py: yarn_inv_freq). Another type, or a
+    YaRN field that is not computed (DeepSeek's mscale), is refused, naming the file."""
+    rope = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type not in ROPE_TYPES:
+        raise ValueError(f"{source}: rope type {rope_type!r} is not supported (only {', '.join(ROPE_TYPES)}); "
+                         f"remove rope_scaling or use a checkpoint without it")
+    if rope_type == "default":
+        return {}
+    if rope.get("original_max_position_embeddings") is None:
+        raise ValueError(f"{source}: rope_parameters (yarn) lacks original_max_position_embeddings, the context the "
+                         f"model was trained at (32768 for Qwen3)")
+    unknown = sorted(set(rope) - set(YARN_KEYS) - {"rope_type", "type", "rope_theta", "mscale", "mscale_all_dim",
+                                                  "partial_rotary_factor"})
+    if unknown or rope.get("mscale") or rope.get("mscale_all_dim"):
+        raise ValueError(f"{source}: rope_parameters fields {unknown or ['mscale']} are not supported for YaRN "
+                         f"(known: {', '.join(YARN_KEYS)})")
+    return {"rope_type": "yarn", **{k: rope[k] for k in YARN_KEYS if rope.get(k) is not None}}
 
 
 def first_of(raw: dict[str, Any], *keys: str, default: Any = None) -> Any:

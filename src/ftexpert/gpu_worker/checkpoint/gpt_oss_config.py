@@ -20,13 +20,10 @@ from typing import Any
 
 from ftexpert.proto.expert_act import SILU, gpt_oss_act
 
-from ftexpert.gpu_worker.checkpoint.config_fields import DTYPE_NAMES, first_of
+from ftexpert.gpu_worker.checkpoint.config_fields import DTYPE_NAMES, first_of, parse_rope
 from ftexpert.gpu_worker.checkpoint.quant_config import checkpoint_expert_format
 
 LAYER_TYPES = ("sliding_attention", "full_attention")
-ROPE_TYPES = ("default", "yarn")
-YARN_KEYS = ("factor", "beta_fast", "beta_slow", "original_max_position_embeddings", "truncate",
-             "attention_factor")
 
 
 @dataclass(frozen=True)
@@ -71,24 +68,11 @@ def _check(source: str, raw: dict[str, Any], layers: int) -> tuple[list[str], in
         window = int(window)
     else:
         window = None
-    rope = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type not in ROPE_TYPES:
-        raise ValueError(f"{source}: rope type {rope_type!r} is not supported for gpt-oss (only "
-                         f"{', '.join(ROPE_TYPES)})")
-    if rope_type == "yarn":
-        if rope.get("original_max_position_embeddings") is None:
-            raise ValueError(f"{source}: rope_parameters (yarn) lacks original_max_position_embeddings")
-        unknown = sorted(set(rope) - set(YARN_KEYS) - {"rope_type", "type", "rope_theta", "mscale",
-                                                      "mscale_all_dim"})
-        if unknown or rope.get("mscale") or rope.get("mscale_all_dim"):
-            raise ValueError(f"{source}: rope_parameters fields {unknown or ['mscale']} are not supported "
-                             f"for gpt-oss's YaRN")
+    rope = parse_rope(raw, source) or {"rope_type": "default"}
     act = raw.get("hidden_act", "silu")
     if act != "silu":
         raise ValueError(f"{source}: hidden_act={act!r} is not supported (gpt-oss's experts use their "
                          f"clamped SwiGLU)")
-    rope = {k: rope[k] for k in ("rope_type", *YARN_KEYS) if rope.get(k) is not None} | {"rope_type": rope_type}
     return types, window, rope
 
 
@@ -115,6 +99,7 @@ def gpt_oss_config(cls, raw: dict[str, Any], source: str):
         num_experts=int(first_of(raw, "num_local_experts", "num_experts")), top_k=int(raw["num_experts_per_tok"]),
         expert_intermediate_size=int(raw["intermediate_size"]),
         rms_norm_eps=float(first_of(raw, "rms_norm_eps", default=1e-5)), rope_theta=theta,
+        rope_scaling=rope if rope["rope_type"] == "yarn" else {},
         max_position_embeddings=int(first_of(raw, "max_position_embeddings", default=131072)),
         norm_topk_prob=True, tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
         sliding_window=None, dtype=dtype if dtype in DTYPE_NAMES else "bfloat16",

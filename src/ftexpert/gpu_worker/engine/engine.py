@@ -67,7 +67,7 @@ log = logging.getLogger("ft.engine")
 @dataclass(frozen=True)
 class EngineConfig:
     max_running_requests: int = 4          # requests running together (block table rows, state cache rows)
-    max_context_tokens: int | None = None  # None: min(32768, the model's max_position_embeddings)
+    max_context_tokens: int | None = None  # None: min(32768, the model's context: context_tokens)
     # the paged KV cache (kv_cache.py, kv_blocks.py): positions per block, and the pool's size: kv_cache_tokens
     # (tests, benches) or kv_cache_gib (a memory budget); neither: max_running_requests x max_context_tokens
     kv_block_size: int = DEFAULT_KV_BLOCK_SIZE
@@ -154,13 +154,27 @@ def launch_copies(sampled: SampledStep, reqs: list[Request]) -> _DecodeStep:
     return _DecodeStep(list(reqs), sampled, host, lp_host, ready)
 
 
+def context_tokens(asked: int | None, cfg) -> int:
+    """The engine's longest context: `asked` (--max-context-tokens), or min(32768, the model's context). More than
+    the model computes as trained (cfg.context_length: max_position_embeddings, or YaRN's original context x
+    factor) is refused: the positions past it would be out of distribution and the answers quietly worse."""
+    if asked is None:
+        return min(DEFAULT_MAX_CONTEXT_TOKENS, cfg.context_length)
+    if asked > cfg.context_length:
+        yarn = "YaRN's scaled context" if cfg.rope_scaling else "max_position_embeddings"
+        raise ValueError(f"max_context_tokens={asked} is longer than the model's context of {cfg.context_length} "
+                         f"tokens ({yarn} in config.json); lower --max-context-tokens, or for a longer context give "
+                         f"the checkpoint YaRN in config.json (Qwen3: \"rope_scaling\": {{\"rope_type\": \"yarn\", "
+                         f"\"factor\": 4.0, \"original_max_position_embeddings\": 32768}})")
+    return int(asked)
+
+
 class Engine:
     def __init__(self, model: MoeModel, config: EngineConfig | None = None,
                  eos_token_ids: Iterable[int] | None = None, grammars: GrammarCompiler | None = None):
         self.model, self.config = model, config or EngineConfig()
         cfg = model.cfg
-        self.max_context_tokens = (self.config.max_context_tokens
-                                   or min(DEFAULT_MAX_CONTEXT_TOKENS, cfg.max_position_embeddings))
+        self.max_context_tokens = context_tokens(self.config.max_context_tokens, cfg)
         model.ensure_positions(self.max_context_tokens)
         self._audit_skip_logged = False
         self.device = model.device

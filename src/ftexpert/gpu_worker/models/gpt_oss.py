@@ -5,7 +5,7 @@ an `ExpertBackend`. What differs, as in transformers' modeling_gpt_oss:
 - q/k/v/o projections with biases (``attention_bias``);
 - attention sinks (one logit per head in every softmax's denominator) and, per layer, a sliding window
   (``sliding_attention``: the last ``window`` keys) or full attention: ``attend(..., sinks=, sliding_window=)``;
-- YaRN rotary frequencies with their attention scaling on cos / sin (gpt_oss_layers.py);
+- YaRN rotary frequencies with their attention scaling on cos / sin (layers.py: rotary_table);
 - the router: top-k of the biased logits, softmax over those k;
 - the experts' clamped SwiGLU with biases, carried by the expert rows (layout.act: proto/expert_act.py), so every
   backend (resident, offload, cpu, hybrid) computes it.
@@ -28,7 +28,7 @@ from ftexpert.gpu_worker.checkpoint.config import MoeConfig
 from ftexpert.gpu_worker.checkpoint.dense_tensors import DenseWeights, LayerWeights
 from ftexpert.gpu_worker.backends.expert_backend import ExpertBackend
 from ftexpert.gpu_worker.checkpoint.gpt_oss_config import gpt_oss_params
-from ftexpert.gpu_worker.models.gpt_oss_layers import ScaledRotaryTable, gpt_oss_rms_norm as rms_norm, gpt_oss_route, yarn_inv_freq
+from ftexpert.gpu_worker.models.gpt_oss_layers import gpt_oss_rms_norm as rms_norm, gpt_oss_route
 from ftexpert.gpu_worker.models.layers import apply_rope
 from ftexpert.gpu_worker.models.model import AttentionContext, MoeModel
 
@@ -45,16 +45,7 @@ class GptOssModel(MoeModel):
         for i, layer in enumerate(dense.layers):
             if layer.sinks is None or layer.router_bias is None:
                 raise ValueError(f"gpt-oss layer {i} lacks its attention sinks or router bias")
-        self.rope = self._rotary(max_positions)
-
-    def _rotary(self, max_positions: int) -> ScaledRotaryTable:
-        inv, scaling = yarn_inv_freq(self.cfg.head_dim, self.cfg.rope_theta, self.params.rope,
-                                     self.cfg.max_position_embeddings)
-        return ScaledRotaryTable(inv, scaling, max_positions, self.device)
-
-    def ensure_positions(self, max_positions: int) -> None:
-        if self.rope.max_positions < max_positions:
-            self.rope = self._rotary(max_positions)
+        # the rotary table: MoeModel's, YaRN from cfg.rope_scaling (layers.rotary_table)
 
     @torch.inference_mode()
     def forward(self, token_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionContext,

@@ -26,7 +26,7 @@ from ftexpert.kernels import moe_decode as kops
 
 from ftexpert.gpu_worker.checkpoint.config import MoeConfig
 from ftexpert.gpu_worker.checkpoint.dense_tensors import DenseWeights, LayerWeights, fuse_qkv
-from ftexpert.gpu_worker.models.layers import RotaryTable, apply_rope, rms_norm, route
+from ftexpert.gpu_worker.models.layers import apply_rope, rms_norm, rotary_table, route
 from ftexpert.gpu_worker.backends.expert_backend import ExpertBackend
 
 
@@ -70,7 +70,7 @@ class MoeModel(DenseLinearChoice):
         self.cfg, self.dense, self.experts = cfg, dense, experts
         self.device = dense.embed.device
         self.dtype = dense.embed.dtype
-        self.rope = RotaryTable(cfg.head_dim, cfg.rope_theta, max_positions, self.device)
+        self.rope = rotary_table(cfg, cfg.head_dim, max_positions, self.device)
         self.fused_kernels = self.device.type == "cuda" if fused_kernels is None else bool(fused_kernels)
         self.kernel_impl = "auto"     # kernels.moe_decode impl of the fused forward ("triton": tests)
         # the fused forward's dense projections (qkv, o_proj, router) where kernels/dense_gemv beats cuBLAS
@@ -84,7 +84,7 @@ class MoeModel(DenseLinearChoice):
     def ensure_positions(self, max_positions: int) -> None:
         """Grow the rotary table to cover positions 0..max_positions-1."""
         if self.rope.max_positions < max_positions:
-            self.rope = RotaryTable(self.cfg.head_dim, self.cfg.rope_theta, max_positions, self.device)
+            self.rope = rotary_table(self.cfg, self.cfg.head_dim, max_positions, self.device)
 
     @torch.inference_mode()
     def forward(self, token_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionContext,

@@ -28,7 +28,7 @@ from ftexpert.gpu_worker.checkpoint.config import LINEAR_ATTENTION, MoeConfig
 from ftexpert.gpu_worker.checkpoint.dense_tensors import DenseWeights
 from ftexpert.gpu_worker.backends.expert_backend import ExpertBackend
 from ftexpert.gpu_worker.models.gated_deltanet import gated_deltanet
-from ftexpert.gpu_worker.models.layers import RotaryTable, route
+from ftexpert.gpu_worker.models.layers import rotary_table, route
 from ftexpert.gpu_worker.models.model import AttentionContext, DenseLinearChoice
 from ftexpert.gpu_worker.models.qwen3_next_fused import NextFusedForward
 from ftexpert.gpu_worker.checkpoint.qwen3_next_config import rotary_dim
@@ -80,7 +80,7 @@ class Qwen3NextModel(NextFusedForward, DenseLinearChoice):
         self.device = dense.embed.device
         self.dtype = dense.embed.dtype
         self.rotary_dim = rotary_dim(cfg)
-        self.rope = RotaryTable(self.rotary_dim, cfg.rope_theta, max_positions, self.device)
+        self.rope = rotary_table(cfg, self.rotary_dim, max_positions, self.device)
         self.fused_kernels = self.device.type == "cuda" if fused_kernels is None else bool(fused_kernels)
         self.kernel_impl = "auto"         # kernels.next_decode / moe_decode impl of the fused forward ("triton": tests)
         self.delta_impl = "auto"          # kernels.gated_delta impl: "auto" | "fla" | "reference"
@@ -105,7 +105,7 @@ class Qwen3NextModel(NextFusedForward, DenseLinearChoice):
 
     def ensure_positions(self, max_positions: int) -> None:
         if self.rope.max_positions < max_positions:
-            self.rope = RotaryTable(self.rotary_dim, self.cfg.rope_theta, max_positions, self.device)
+            self.rope = rotary_table(self.cfg, self.rotary_dim, max_positions, self.device)
 
     @torch.inference_mode()
     def forward(self, token_ids: torch.Tensor, positions: torch.Tensor, attn: StatefulContext,
