@@ -101,9 +101,9 @@ def run(args: argparse.Namespace) -> int:
     source = open_model_source(spec.model, spec.preset, dtype=spec.dtype, seed=spec.seed_weights, device=device,
                                expert_format=spec.expert_format)
     prompt = _prompt_ids(args, source.tokenizer)
-    if spec.max_context_tokens is None:      # just what this request can use, up to 32K (the engine stops at a full context)
-        spec = dataclasses.replace(spec, max_context_tokens=max(len(prompt), min(len(prompt) + args.max_new_tokens,
-                                                                                 32768)))
+    if spec.max_context_tokens is None:      # just what this request can use, up to 32K and the model's context
+        wanted = max(len(prompt), min(len(prompt) + args.max_new_tokens, 32768))
+        spec = dataclasses.replace(spec, max_context_tokens=min(wanted, source.cfg.context_length))
     resources = None
     try:
         attachment = None
