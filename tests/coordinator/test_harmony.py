@@ -123,17 +123,10 @@ def test_the_forced_call_grammar_walks_only_to_calls_the_parser_reads(harmony_co
     check_grammar(spec)
     vocab = harmony_codec.vocab_size
     compiler = GrammarCompiler.from_tokenizer(harmony_codec.tokenizer, vocab, harmony_codec.eos_token_ids)
-    call_id = harmony_codec.tokenizer.token_to_id("<|call|>")
-    rng = random.Random(7)
     names = set()
-    for _walk in range(12):
-        state, ids = compiler.matcher(spec), []
-        while not state.done and len(ids) < 200:
-            token = rng.choice(sorted(state.allowed(vocab)))
-            ids.append(token)
-            state.accept(token)
-        assert state.done and ids[-1] == call_id, harmony_codec.decode_special(ids)
-        stream, items = _parse(harmony_codec.decode_special(ids[:-1]), 10_000, tools=BOUNDED)
+    for text in _walks(harmony_codec, spec, 12, seed=7):
+        assert text.endswith("<|call|>"), text
+        stream, items = _parse(text[:-len("<|call|>")], 10_000, tools=BOUNDED)
         (call,) = stream.calls
         names.add(call.name)
         schema = next(t.parameters for t in BOUNDED if t.name == call.name)
@@ -143,6 +136,50 @@ def test_the_forced_call_grammar_walks_only_to_calls_the_parser_reads(harmony_co
     refused = harmony_codec.encode("<|channel|>final", add_special_tokens=False)
     state.accept(refused[0])
     assert refused[1] not in state.allowed(vocab)                      # only commentary to=functions. may follow
+
+
+def _walks(codec: TextCodec, spec, walks: int, seed: int, steps: int = 200, to_the_end: bool = True) -> list[str]:
+    """Random walks through `spec`'s token mask (to its end, or `steps` tokens): each walk's text (special tokens
+    kept)."""
+    from ftexpert.gpu_worker.engine.grammar import GrammarCompiler
+
+    compiler = GrammarCompiler.from_tokenizer(codec.tokenizer, codec.vocab_size, codec.eos_token_ids)
+    rng, out = random.Random(seed), []
+    for _ in range(walks):
+        state, ids = compiler.matcher(spec), []
+        while not state.done and len(ids) < steps:
+            token = rng.choice(sorted(state.allowed(codec.vocab_size)))
+            ids.append(token)
+            state.accept(token)
+        assert state.done or not to_the_end, codec.decode_special(ids)
+        out.append(codec.decode_special(ids))
+    return out
+
+
+ANSWER_SCHEMA = {"type": "object", "required": ["city", "ok"], "additionalProperties": False,
+                 "properties": {"city": {"type": "string", "maxLength": 5}, "ok": {"type": "boolean"}}}
+
+
+def test_a_response_format_is_the_final_channels_message(harmony_codec, tmp_path):
+    """On a harmony model, response_format's JSON comes as the final channel's message: the parser's content."""
+    pytest.importorskip("llguidance")
+    jsonschema = pytest.importorskip("jsonschema")
+    from ftexpert.coordinator.openai_requests import ModelInfo, parse_chat
+
+    model = ModelInfo("tiny", 4096, harmony_codec)
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "x"}], "max_tokens": 100,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": ANSWER_SCHEMA}}}
+    plan = parse_chat(body, model)
+    (params,) = plan.sampling
+    assert plan.harmony and params.grammar.kind == "grammar" and "<|channel|>" in params.grammar.text
+    for text in _walks(harmony_codec, params.grammar, 8, seed=3):
+        _, items = _parse(text, 10_000)
+        assert all(isinstance(i, str) for i in items)
+        jsonschema.validate(json.loads("".join(items)), ANSWER_SCHEMA)
+    plain = parse_chat({**body, "response_format": {"type": "json_object"}}, model).sampling[0].grammar
+    for text in _walks(harmony_codec, plain, 4, seed=4, steps=12, to_the_end=False):   # (any object: unbounded)
+        assert text.startswith("<|channel|>final<|message|>{"), text
+        assert "".join(_parse(text, 10_000)[1]).startswith("{")
 
 
 def test_the_template_renders_calls_as_objects_and_results(harmony_codec):

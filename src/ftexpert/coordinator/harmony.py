@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 from ftexpert.coordinator.tool_calls import (CallStream, Tool, ToolCall, ToolChoice, callable_tools, new_call_id,
                                              schema_rule)
+from ftexpert.proto.grammar_spec import GrammarSpec
 
 START, END, MESSAGE, CHANNEL = "<|start|>", "<|end|>", "<|message|>", "<|channel|>"
 CONSTRAIN, RETURN, CALL = "<|constrain|>", "<|return|>", "<|call|>"
@@ -177,3 +178,17 @@ def call_grammar(tools: list[Tool]) -> str:
         rules.append(f'call{i}: {name} " " <|constrain|> "json" <|message|> {schema_rule(tool)} <|call|>')
     alts = " | ".join(f"call{i}" for i in range(len(tools)))
     return "\n".join(['start: <|channel|> "commentary to=functions." call', f"call: {alts}", *rules]) + "\n"
+
+
+def final_message_grammar(spec: GrammarSpec) -> GrammarSpec:
+    """`response_format`'s JSON grammar for a harmony reply: the answer as the final channel's message
+    (`<|channel|>final<|message|>` then the JSON value; then the model's stop token), so the parser reads it as the
+    content. Compact JSON, and a non-strict schema's unimplemented keywords ignored, as for other models."""
+    if spec.kind == "json_object":
+        schema: dict = {"type": "object"}
+    else:
+        loaded = json.loads(spec.text)
+        schema = loaded if isinstance(loaded, dict) else ({} if loaded else {"not": {}})
+    options = {"whitespace_flexible": False, **({} if spec.strict else {"lenient": True})}
+    schema = {**schema, "x-guidance": {**schema.get("x-guidance", {}), **options}}
+    return GrammarSpec("grammar", f'start: <|channel|> "final" <|message|> %json {json.dumps(schema)}\n')

@@ -12,7 +12,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from ftexpert.coordinator.harmony import call_grammar as harmony_call_grammar
+from ftexpert.coordinator.harmony import call_grammar as harmony_call_grammar, final_message_grammar
 from ftexpert.coordinator.request_options import parse_logprobs, parse_response_format
 from ftexpert.coordinator.text_codec import CHATML_ROLES, ChatMessage, TextCodec, TooManyTokens
 from ftexpert.coordinator.token_bounds import utf8_length_over
@@ -363,10 +363,14 @@ def parse_chat(body: Any, model: ModelInfo) -> GenerationPlan:
 
 def with_tools(plan: GenerationPlan, tools: list[Tool], choice: ToolChoice, forced: GrammarSpec | None,
                model: ModelInfo) -> GenerationPlan:
-    """A chat plan with its tools, the reply's format, and the forced call's grammar on every choice."""
+    """A chat plan with its tools, the reply's format, and the forced call's grammar on every choice (a harmony
+    model's `response_format` grammar put in its final channel: harmony.final_message_grammar)."""
     plan.tools, plan.tool_choice, plan.harmony = tools, choice, model.codec.chat_template.harmony
     if forced is not None:
         plan.sampling = [dataclasses.replace(p, grammar=forced) for p in plan.sampling]
+    elif plan.harmony:
+        plan.sampling = [p if p.grammar is None else dataclasses.replace(p, grammar=final_message_grammar(p.grammar))
+                         for p in plan.sampling]
     return plan
 
 
