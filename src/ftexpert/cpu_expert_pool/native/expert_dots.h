@@ -126,6 +126,16 @@ DEFINE_DOT2_AVX512(6) DEFINE_DOT2_AVX512(7) DEFINE_DOT2_AVX512(8)
 DEFINE_DOT2_BF16(2) DEFINE_DOT2_BF16(3) DEFINE_DOT2_BF16(4) DEFINE_DOT2_BF16(5) DEFINE_DOT2_BF16(6)
 DEFINE_DOT2_BF16(7) DEFINE_DOT2_BF16(8)
 
+/* One token reads two rows as streams (the next rows follow them in the store); the hardware prefetcher restarts at
+   every 4 KiB page, so each new line of a row asks for the line BF16_PREFETCH_AHEAD bytes ahead (quant_dots.h does
+   the same for the quantized rows). */
+#define BF16_PREFETCH_AHEAD 2048
+#define PREFETCH_ROWS(wa, wb, k)                 /* k: an element index, at most 32 apart each call */         \
+    if (((k) & 31) == 0) {                                                                                      \
+        _mm_prefetch((const char *)((wa) + (k)) + BF16_PREFETCH_AHEAD, _MM_HINT_T0);                            \
+        _mm_prefetch((const char *)((wb) + (k)) + BF16_PREFETCH_AHEAD, _MM_HINT_T0);                            \
+    }
+
 /* One token: two chains per row, so four independent chains in flight. */
 T_AVX2 static void dot2_avx2_1(const uint16_t *wa, const uint16_t *wb, int K, const float *xbase, int64_t xs,
                                const int32_t *idx, float *ra, float *rb) {
@@ -133,6 +143,7 @@ T_AVX2 static void dot2_avx2_1(const uint16_t *wa, const uint16_t *wb, int K, co
     __m256 a0 = _mm256_setzero_ps(), a1 = a0, b0 = a0, b1 = a0;
     int k = 0;
     for (; k + 16 <= K; k += 16) {
+        PREFETCH_ROWS(wa, wb, k)
         __m256 x0 = _mm256_loadu_ps(x + k), x1 = _mm256_loadu_ps(x + k + 8);
         a0 = _mm256_fmadd_ps(widen8(wa + k), x0, a0); a1 = _mm256_fmadd_ps(widen8(wa + k + 8), x1, a1);
         b0 = _mm256_fmadd_ps(widen8(wb + k), x0, b0); b1 = _mm256_fmadd_ps(widen8(wb + k + 8), x1, b1);
@@ -148,6 +159,7 @@ T_AVX512 static void dot2_avx512_1(const uint16_t *wa, const uint16_t *wb, int K
     __m512 a0 = _mm512_setzero_ps(), a1 = a0, b0 = a0, b1 = a0;
     int k = 0;
     for (; k + 32 <= K; k += 32) {
+        PREFETCH_ROWS(wa, wb, k)
         __m512 x0 = _mm512_loadu_ps(x + k), x1 = _mm512_loadu_ps(x + k + 16);
         a0 = _mm512_fmadd_ps(widen16(wa + k), x0, a0); a1 = _mm512_fmadd_ps(widen16(wa + k + 16), x1, a1);
         b0 = _mm512_fmadd_ps(widen16(wb + k), x0, b0); b1 = _mm512_fmadd_ps(widen16(wb + k + 16), x1, b1);
@@ -167,6 +179,8 @@ T_BF16 static void dot2_bf16_1(const uint16_t *wa, const uint16_t *wb, int K, co
     __m512 a0 = _mm512_setzero_ps(), a1 = a0, b0 = a0, b1 = a0;
     int k = 0;
     for (; k + 64 <= K; k += 64) {
+        PREFETCH_ROWS(wa, wb, k)
+        PREFETCH_ROWS(wa, wb, k + 32)
         __m512i x0 = _mm512_loadu_si512(x + k), x1 = _mm512_loadu_si512(x + k + 32);
         a0 = _mm512_dpbf16_ps(a0, BH(_mm512_loadu_si512(wa + k)), BH(x0));
         a1 = _mm512_dpbf16_ps(a1, BH(_mm512_loadu_si512(wa + k + 32)), BH(x1));

@@ -140,6 +140,7 @@ T_AVX2Q INLINE_Q void dotq_avx2(const int fmt, const int NB, int G, const qrow *
             if (n == FP8_BLOCK && fp8_block_fast_256(wa, k0, n) && fp8_block_fast_256(wb, k0, n)) {
                 for (; k < end; k += 16) {
                     __m256 va[2], vb[2];
+                    PREFETCH_CODES(wa, wb, k)
                     fp8x16_256(wa, k, ma, 1, va);
                     fp8x16_256(wb, k, mb, 1, vb);
                     ACC256(NB, 2, va, vb, k)
@@ -163,6 +164,7 @@ T_AVX2Q INLINE_Q void dotq_avx2(const int fmt, const int NB, int G, const qrow *
             const __m256 sa = _mm256_set1_ps(wa->fscales[g]), sb = _mm256_set1_ps(wb->fscales[g]);
             for (const int end = k + G < K ? k + G : K; k < end; k += CHUNK) {
                 __m256 va[4], vb[4];
+                PREFETCH_CODES(wa, wb, k / 2)
                 int4x32_magic_256(wa->codes, k, za, sa, va);
                 int4x32_magic_256(wb->codes, k, zb, sb, vb);
                 ACC256(NB, 4, va, vb, k)
@@ -177,6 +179,7 @@ T_AVX2Q INLINE_Q void dotq_avx2(const int fmt, const int NB, int G, const qrow *
             for (int g = g0; g < g0 + 8 && g + gpc <= ng; g += gpc) {
                 const int k = g * G, j = g - g0, j1 = j + gpc - 1;
                 __m256 va[4], vb[4];
+                PREFETCH_CODES(wa, wb, k / 2)
                 fp4x32_256(wa->codes, k, va);
                 fp4x32_256(wb->codes, k, vb);
                 const __m256 sa0 = _mm256_set1_ps(sa[j]), sa1 = _mm256_set1_ps(sa[j1]);

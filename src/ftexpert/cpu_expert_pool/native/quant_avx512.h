@@ -119,6 +119,7 @@ T_AVX512Q INLINE_Q void dotq_avx512(const int fmt, const int NB, int G, const qr
             if (n == FP8_BLOCK && fp8_block_fast_512(wa, k0, n) && fp8_block_fast_512(wb, k0, n)) {
                 for (; k < end; k += 32) {
                     __m512 va[2], vb[2];
+                    PREFETCH_CODES(wa, wb, k)
                     fp8x32_512(wa, k, ma, 1, va);
                     fp8x32_512(wb, k, mb, 1, vb);
                     ACC512(NB, 2, va, vb, k)
@@ -146,6 +147,7 @@ T_AVX512Q INLINE_Q void dotq_avx512(const int fmt, const int NB, int G, const qr
             const __m512 tta = table512(wa, g), ttb = table512(wb, g);
             for (const int end = k + G < K ? k + G : K; k < end; k += CHUNK) {
                 __m512 va[2], vb[2];
+                PREFETCH_CODES(wa, wb, k / 2)
                 nib32_512(wa->codes, k, tta, va);
                 nib32_512(wb->codes, k, ttb, vb);
                 ACC512(NB, 2, va, vb, k)
@@ -161,6 +163,7 @@ T_AVX512Q INLINE_Q void dotq_avx512(const int fmt, const int NB, int G, const qr
             for (int g = g0; g < g0 + 16 && g + gpc <= ng; g += gpc) {
                 const int k = g * G, j = g - g0, j1 = j + gpc - 1;
                 __m512 va[2], vb[2];
+                PREFETCH_CODES(wa, wb, k / 2)
                 nib32_512(wa->codes, k, lut, va);
                 nib32_512(wb->codes, k, lut, vb);
                 /* lanes 0..7 hold elements of the chunk's first 16 (group j), lanes 8..15 of its second (j1) */

@@ -105,6 +105,35 @@ static qrow quant_row(const ft_quant_format *f, const uint8_t *e, int H, int I, 
     return q;
 }
 
+/* quant_row's addressing of one matrix, computed once an expert and matrix (it divides by the group size and
+   multiplies 64-bit counts); a row is then a few multiply-adds (qmat_row), which the short rows of 4-bit formats
+   (a down row of I = 768 weights is 384 bytes) would otherwise pay on every row pair. */
+typedef struct {
+    const uint8_t *codes, *scales, *zeros;
+    int64_t code_stride, scale_stride;     /* bytes a row (fp8 scales: a block row of 128 rows) */
+    int fp8;
+    float global;
+} qmat;
+
+static qmat quant_mat(const ft_quant_format *f, const uint8_t *e, int H, int I, int m) {
+    const qrow r0 = quant_row(f, e, H, I, m, 0);
+    const int64_t K = m == 2 ? I : H;
+    const int64_t per_row = f->format == FMT_FP8 ? ceil_div(K, FP8_BLOCK) : K / f->group_size;
+    const qmat q = {r0.codes, f->format <= FMT_INT4 ? (const uint8_t *)r0.fscales : r0.bscales, r0.zeros,
+                    code_row_bytes(f, K), per_row * scale_item(f), f->format == FMT_FP8, r0.global};
+    return q;
+}
+
+static inline qrow qmat_row(const qmat *q, int r, int fmt) {
+    const int64_t srow = q->fp8 ? r / FP8_BLOCK : r;
+    const uint8_t *s = q->scales + srow * q->scale_stride;
+    qrow row = {q->codes + (int64_t)r * q->code_stride, NULL, NULL, NULL, q->global};
+    if (fmt <= FMT_INT4) row.fscales = (const float *)s;
+    else row.bscales = s;
+    if (fmt == FMT_INT4) row.zeros = q->zeros + srow * (q->scale_stride / 4);
+    return row;
+}
+
 /* ---------------------------------------------------------------- scratch (grow-only, per process) */
 static pthread_mutex_t q_lock = PTHREAD_MUTEX_INITIALIZER;
 typedef struct { void *ptr; size_t bytes; } qbuffer;
@@ -198,12 +227,14 @@ int ft_moe_layer_q(const ft_quant_format *qf, int isa, int num_threads,
 
         /* phase 1: h = act(gate . x, up . x) (silu: silu(g) * u), this thread's row pairs */
         float ra[TOKEN_CHUNK], rb[TOKEN_CHUNK];
-        int g1 = 0;
+        int g1 = 0, mat_g = -1;
+        qmat gate_m, up_m;
         for (int64_t item = items1 * tid / nth, end1 = items1 * (tid + 1) / nth; item < end1; ++item) {
             while (item >= g_item[g1 + 1]) ++g1;
             const int g = g1, i = (int)(item - g_item[g]), B = g_start[g + 1] - g_start[g];
             const uint8_t *e = base + (int64_t)g_expert[g] * expert_stride_bytes;
-            const qrow gate = quant_row(qf, e, H, I, 0, i), up = quant_row(qf, e, H, I, 1, i);
+            if (g != mat_g) { gate_m = quant_mat(qf, e, H, I, 0); up_m = quant_mat(qf, e, H, I, 1); mat_g = g; }
+            const qrow gate = qmat_row(&gate_m, i, fmt), up = qmat_row(&up_m, i, fmt);
             float *h = hbuf + (int64_t)g_start[g] * I;
             const int pos = four ? perm4_pos(i, I) : i;
             const float bg = ft_bias(act, e, i), bu = ft_bias(act, e, (int64_t)I + i);
@@ -222,9 +253,10 @@ int ft_moe_layer_q(const ft_quant_format *qf, int isa, int num_threads,
             const int start = g_start[g], B = g_start[g + 1] - start, K = g_lim[g];
             const uint8_t *e = base + (int64_t)g_expert[g] * expert_stride_bytes;
             const float *h = hbuf + (int64_t)start * I;
+            const qmat down_m = quant_mat(qf, e, H, I, 2);
             for (int j = j0; j < j1; j += 2) {
                 const int pair = j + 1 < j1;                 /* odd tail: the second row repeats the first */
-                const qrow da = quant_row(qf, e, H, I, 2, j), db = quant_row(qf, e, H, I, 2, j + pair);
+                const qrow da = qmat_row(&down_m, j, fmt), db = qmat_row(&down_m, j + pair, fmt);
                 const float ba = ft_bias(act, e, 2 * (int64_t)I + j), bb = ft_bias(act, e, 2 * (int64_t)I + j + pair);
                 for (int b0 = 0; b0 < B; b0 += TOKEN_CHUNK) {
                     const int nb = B - b0 < TOKEN_CHUNK ? B - b0 : TOKEN_CHUNK;
