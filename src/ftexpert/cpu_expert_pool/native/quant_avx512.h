@@ -160,6 +160,17 @@ T_AVX512Q INLINE_Q void dotq_avx512(const int fmt, const int NB, int G, const qr
         for (int g0 = 0; g0 < ng; g0 += 16) {
             fp4_scales16_512(fmt, wa, g0, ng, sa);
             fp4_scales16_512(fmt, wb, g0, ng, sb);
+            if (gpc == 1) {                    /* mxfp4: one scale a chunk, put into the table (the same products) */
+                for (int g = g0; g < g0 + 16 && g < ng; ++g) {
+                    const int k = g * G;
+                    __m512 va[2], vb[2];
+                    PREFETCH_CODES(wa, wb, k / 2)
+                    nib32_512(wa->codes, k, _mm512_mul_ps(lut, _mm512_set1_ps(sa[g - g0])), va);
+                    nib32_512(wb->codes, k, _mm512_mul_ps(lut, _mm512_set1_ps(sb[g - g0])), vb);
+                    ACC512(NB, 2, va, vb, k)
+                }
+                continue;
+            }
             for (int g = g0; g < g0 + 16 && g + gpc <= ng; g += gpc) {
                 const int k = g * G, j = g - g0, j1 = j + gpc - 1;
                 __m512 va[2], vb[2];
