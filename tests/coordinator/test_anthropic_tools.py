@@ -316,3 +316,14 @@ def test_a_forced_call_parses_against_its_schema(real, choice, stream):
     if choice["type"] == "tool":
         assert use.name == "get_weather"
     jsonschema.validate(use.input, {t["name"]: t["input_schema"] for t in tools}[use.name])
+
+
+def test_a_forced_call_whose_schema_does_not_compile_is_a_400_naming_the_tools(scripted):
+    pytest.importorskip("llguidance")
+    broken = {"name": "get_weather", "input_schema": {"type": "object", "properties": {"city": {"type": "nonsense"}}}}
+    with pytest.raises(anthropic.BadRequestError) as info:
+        _client(scripted).messages.create(model=MODEL_NAME, max_tokens=20, tools=[broken], messages=ASK,
+                                          tool_choice={"type": "any"})
+    message = info.value.body["error"]["message"]
+    assert info.value.body["error"]["type"] == "invalid_request_error"
+    assert "'input_schema'" in message and "does not compile" in message

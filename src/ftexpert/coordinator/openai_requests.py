@@ -396,7 +396,8 @@ def forced_call(tools: list[Tool], choice: ToolChoice, model: ModelInfo) -> Gram
     try:
         check_grammar(grammar)
     except GrammarError as exc:
-        raise bad(f"a tool's 'parameters' schema does not compile: {exc}", "tools", "invalid_json_schema") from None
+        raise bad(f"a tool's schema ('parameters', or Anthropic's 'input_schema') does not compile: {exc}", "tools",
+                  "invalid_json_schema") from None
     except ImportError:
         raise bad("a 'tool_choice' that forces a call needs the grammar engine (llguidance), which this server "
                   "lacks; send \"auto\" or install llguidance", "tool_choice", "unsupported_parameter") from None
