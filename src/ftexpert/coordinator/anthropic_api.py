@@ -131,5 +131,8 @@ class AnthropicApi:
             await resp.write(_event("error", anthropic_error_body(generation_error(exc))))
         except ConnectionError:
             return resp                       # client gone: the caller's finally aborts the stream
-        await resp.write_eof()
+        try:
+            await resp.write_eof()
+        except ConnectionError:
+            pass                              # client gone after the last event: nothing left to tell it
         return resp

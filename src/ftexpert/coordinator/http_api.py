@@ -351,8 +351,11 @@ class HttpApi:
             await resp.write(_sse(err.body()))
         except (ConnectionResetError, ConnectionError):
             return resp                       # client gone: the caller's finally aborts the streams
-        await resp.write(b"data: [DONE]\n\n")
-        await resp.write_eof()
+        try:
+            await resp.write(b"data: [DONE]\n\n")
+            await resp.write_eof()
+        except ConnectionError:
+            pass                              # client gone after the last chunk: nothing left to tell it
         return resp
 
 

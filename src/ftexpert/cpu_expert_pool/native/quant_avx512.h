@@ -171,15 +171,18 @@ T_AVX512Q INLINE_Q void dotq_avx512(const int fmt, const int NB, int G, const qr
                 }
                 continue;
             }
+            /* nvfp4: lanes 0..7 hold elements of the chunk's first 16 (group j), lanes 8..15 of its second (j + 1):
+               the scale vector is the 16 scales permuted by {j x 8, j + 1 x 8} */
+            const __m512 scales_a = _mm512_loadu_ps(sa), scales_b = _mm512_loadu_ps(sb);
+            __m512i pair = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
             for (int g = g0; g < g0 + 16 && g + gpc <= ng; g += gpc) {
-                const int k = g * G, j = g - g0, j1 = j + gpc - 1;
+                const int k = g * G;
                 __m512 va[2], vb[2];
                 PREFETCH_CODES(wa, wb, k / 2)
                 nib32_512(wa->codes, k, lut, va);
                 nib32_512(wb->codes, k, lut, vb);
-                /* lanes 0..7 hold elements of the chunk's first 16 (group j), lanes 8..15 of its second (j1) */
-                const __m512 s_a = _mm512_mask_blend_ps(0xff00, _mm512_set1_ps(sa[j]), _mm512_set1_ps(sa[j1]));
-                const __m512 s_b = _mm512_mask_blend_ps(0xff00, _mm512_set1_ps(sb[j]), _mm512_set1_ps(sb[j1]));
+                const __m512 s_a = _mm512_permutexvar_ps(pair, scales_a), s_b = _mm512_permutexvar_ps(pair, scales_b);
+                pair = _mm512_add_epi32(pair, _mm512_set1_epi32(2));
                 va[0] = _mm512_mul_ps(va[0], s_a); va[1] = _mm512_mul_ps(va[1], s_a);
                 vb[0] = _mm512_mul_ps(vb[0], s_b); vb[1] = _mm512_mul_ps(vb[1], s_b);
                 ACC512(NB, 2, va, vb, k)

@@ -129,7 +129,7 @@ static void dotq_scalar(int fmt, int G, const qrow *wa, const qrow *wb, int K, c
 /* 4-bit rows are short (a qwen3-30b-a3b down row is 384 bytes) and a thread walks rows of two matrices at once,
    so the hardware prefetcher, which restarts at every 4 KiB page, leaves the codes' loads waiting on DRAM: each
    new line of codes asks for the line PREFETCH_AHEAD bytes ahead in both rows (the next rows follow in the store;
-   mxfp4 at batch 1 on one core: +38% with AVX-512, +42% with AVX2). */
+   docs/BENCHMARKS.md, "CPU expert kernel", has the before / after). */
 #define PREFETCH_AHEAD 2048
 #define PREFETCH_CODES(wa, wb, off)       /* off: the codes' byte offset, at most one line apart each call */   \
     if (((off) & 63) == 0) {                                                                                    \
