@@ -38,7 +38,11 @@ class ChatDeltas:
 
     def __init__(self, tools: list[Tool], choice: ToolChoice, harmony: bool = False):
         self._parser = reply_parser(tools, choice, harmony)
-        self.made_calls = False
+        self._calls_sent = 0                     # the index of the next call's delta
+
+    @property
+    def made_calls(self) -> bool:
+        return self._calls_sent > 0
 
     @property
     def complete(self) -> bool:
@@ -61,6 +65,6 @@ class ChatDeltas:
             elif isinstance(item, Reasoning):
                 out.append({"reasoning_content": item.text})
             else:
-                out.append({"tool_calls": [item.openai(self._parser.calls.index(item))]})
-                self.made_calls = True
+                out.append({"tool_calls": [item.openai(self._calls_sent)]})
+                self._calls_sent += 1
         return out

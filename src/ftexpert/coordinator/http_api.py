@@ -268,7 +268,9 @@ class HttpApi:
             texts = [""] * len(streams)
             reasons: list[str | None] = [None] * len(streams)
             entries: list[list[LogprobEntry] | None] = [None] * len(streams)
-            watch = [ChatDeltas(plan.tools, plan.tool_choice, plan.harmony) for _ in streams] if chat else []
+            # parallel_tool_calls false: the reply is parsed as it comes, to end it at its first call
+            single = chat and not plan.tool_choice.parallel
+            watch = [ChatDeltas(plan.tools, plan.tool_choice, plan.harmony) for _ in streams] if single else []
             async for index, chunk in _merged(streams):
                 texts[index] += chunk.text
                 if watch and not watch[index].complete:

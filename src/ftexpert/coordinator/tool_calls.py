@@ -290,7 +290,6 @@ class CallStream:
     _in_block: bool = False
     _ws: str = ""                                # whitespace after a call, held
     calls: list[ToolCall] = field(default_factory=list)
-    text: str = ""                               # all text given out so far (the reply's content)
 
     def __post_init__(self) -> None:
         self._names = {t.name for t in self.tools}
@@ -350,7 +349,6 @@ class CallStream:
                 self._ws += text
                 return
             text, self._ws = self._ws + text, ""
-        self.text += text
         items.append(text)
 
     def _call(self, items: list, call: ToolCall) -> None:

@@ -77,13 +77,13 @@ def take_references(scripts: list[Script], post: Post, context_tokens: int) -> N
         script.turns = script.turns[:len(script.replies)]
 
 
-def replay(script: Script, post: Post) -> tuple[str, str]:
-    """(result, detail) of one conversation under load: ok when every reply equals the reference; "failed" with
-    "<status> <body>" when a turn got no answer."""
+def replay(script: Script, post: Post, failure: Callable[[int, bytes], "tuple[str, str]"]) -> tuple[str, str]:
+    """(result, detail) of one conversation under load: ok when every reply equals the reference; a turn that got
+    no answer: `failure(status, body)` (the harness's classification)."""
     for turn in range(len(script.turns)):
         status, raw = post("/v1/chat/completions", body(script, turn))
         if status != 200:
-            return "failed", f"{status} {raw[:300].decode(errors='replace')}"
+            return failure(status, raw)
         text = json.loads(raw)["choices"][0]["message"]["content"]
         if text != script.replies[turn]:
             return "wrong", f"agent turn {turn}: {text!r} != {script.replies[turn]!r}"

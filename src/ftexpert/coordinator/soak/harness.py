@@ -180,11 +180,7 @@ class Soak:
         if kind == "disconnect":
             return (*self.disconnect(rng), None)
         if kind == "agent":
-            result, detail = agent.replay(rng.choice(self.scripts), self.post)
-            if result == "failed":
-                status, _, text = detail.partition(" ")
-                return (*self.failure(int(status), text.encode()), None)
-            return result, detail, None
+            return (*agent.replay(rng.choice(self.scripts), self.post, self.failure), None)
         return (*self.plain(kind, rng), None)
 
     def plain(self, kind: str, rng: random.Random) -> tuple[str, str]:
