@@ -8,6 +8,9 @@ Two measurements, each on one engine built by `build_engine` (any model, preset,
   prefilled), median of `--runs` conversations (each with fresh random tokens, so no run finds another's blocks).
 - decode tokens / s of one request at each context of `--decode-contexts` (prompt of that many tokens, then
   `--decode-tokens` tokens; a warm-up request at the same context first, so that CUDA graphs are captured).
+- a batch (`--batch B --batch-context C`): B requests of C-token prompts decoding together on an engine that offers
+  `--batch-max-context` tokens a request, its KV pool `--kv-cache-gib`: the pool's bytes beside what one fixed row
+  of the longest context per request slot would take (B x max context), and the batch's decode tokens / s.
 
 Usage (GPU, the measurements engine/README.md lists as still to be taken):
     python bench/bench_prefix_cache.py --preset qwen3-30b-a3b --device cuda --moe-strategy resident \\
@@ -36,6 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from ftexpert.gpu_worker.api import DEFAULT_MODEL_DIR, build_engine  # noqa: E402
 from ftexpert.gpu_worker.engine import Engine, SamplingParams  # noqa: E402
+from ftexpert.gpu_worker.engine.kv_cache import KVCache  # noqa: E402
 from ftexpert.proto.engine_spec import EngineSpec  # noqa: E402
 
 
@@ -55,6 +59,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--decode-contexts", default="1024,32768,131072", help="comma-separated; empty: none")
     p.add_argument("--decode-tokens", type=int, default=64)
+    p.add_argument("--batch", type=int, default=0, help="requests decoding together; 0: no batch row")
+    p.add_argument("--batch-context", type=int, default=8192, help="each batched request's prompt tokens")
+    p.add_argument("--batch-max-context", type=int, default=131072,
+                   help="the context a request may reach on the batch's engine (its block tables' length)")
     p.add_argument("--json-out", default=None)
     return p.parse_args(argv)
 
@@ -109,6 +117,22 @@ def decode_rate(engine: Engine, ctx: int, n: int, vocab: int) -> float:
     return (s.decode_tokens - tokens0) / (s.decode_time_s - time0)
 
 
+def batch_rate(engine: Engine, batch: int, ctx: int, n: int, vocab: int) -> tuple[float, int]:
+    """Decode tokens / s of `batch` requests of `ctx`-token prompts running together (a warm-up batch first), and
+    the most KV blocks they held at once."""
+    rng = random.Random(batch * ctx)
+    peak = 0
+    for _ in range(2):                                   # the first: warm-up (graph capture at this batch)
+        s = engine.stats
+        tokens0, time0 = s.decode_tokens, s.decode_time_s
+        for _ in range(batch):
+            engine.add_request(_tokens(ctx, vocab, rng), _greedy(n))
+        while engine.has_work():
+            engine.step()
+            peak = max(peak, engine.blocks.pool.num_used)
+    return (s.decode_tokens - tokens0) / (s.decode_time_s - time0), peak
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     contexts = [int(c) for c in args.decode_contexts.split(",") if c.strip()]
@@ -143,6 +167,24 @@ def main(argv=None) -> int:
             rate = decode_rate(engine, ctx, args.decode_tokens, vocab)
             rows.append({"what": "decode", "context": ctx, "tokens_per_s": rate})
             print(f"decode at a {ctx}-token context: {rate:8.1f} tok/s", flush=True)
+        if args.batch:
+            built.engine = engine = None
+            gc.collect()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+            bspec = dataclasses.replace(spec, max_running_requests=args.batch,
+                                        max_context_tokens=args.batch_max_context)
+            engine = built.fresh_engine(bspec)
+            fixed = KVCache.nbytes_for(model.cfg, args.batch * args.batch_max_context, engine.kv.k.dtype)
+            rate, peak = batch_rate(engine, args.batch, args.batch_context, args.decode_tokens, vocab)
+            rows.append({"what": "batch", "batch": args.batch, "context": args.batch_context,
+                         "max_context": args.batch_max_context, "tokens_per_s": rate,
+                         "pool_bytes": engine.kv.nbytes, "fixed_rows_bytes": fixed, "peak_blocks": peak,
+                         "block_bytes": engine.kv.nbytes // engine.kv.num_blocks})
+            print(f"batch {args.batch} at a {args.batch_context}-token context (requests may reach "
+                  f"{args.batch_max_context}): {rate:8.1f} tok/s together; KV pool {engine.kv.nbytes / 2**30:.2f} GiB, "
+                  f"peak {peak} of {engine.kv.num_blocks} blocks in use; fixed rows of the longest context would take "
+                  f"{fixed / 2**30:.1f} GiB", flush=True)
     finally:
         built.close()
     if args.json_out:
