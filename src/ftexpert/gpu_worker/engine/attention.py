@@ -30,10 +30,10 @@ import torch.nn.functional as F
 from torch.backends.cuda import SDPAParams, can_use_flash_attention
 from torch.nn.attention.bias import causal_lower_right
 
-from ftexpert.kernels.decode_attention import decode_attention, gather_pages
+from ftexpert.kernels.decode_attention import decode_attention, gather_pages, gather_window
 from ftexpert.kernels.moe_decode import KvWrite
 
-from ftexpert.gpu_worker.engine.kv_cache import KVCache
+from ftexpert.gpu_worker.engine.kv_cache import KVCache, KVGroup
 
 MIN_DECODE_BUCKET_TOKENS = 64
 ATTENTION_BACKENDS = ("auto", "sdpa", "triton")
@@ -97,25 +97,69 @@ def consecutive_run(blocks: list[int]) -> int | None:
     return None
 
 
+class _GroupChunk:
+    """A prefill chunk's view of one layer group (kv_cache.KVGroup): the blocks of positions [base, end) of the
+    slot's row, base = the group's first block for the chunk's first query times BS (0 but for a window group)."""
+
+    def __init__(self, group: KVGroup, slot: int, start: int, end: int):
+        self.group, self.start, self.end = group, start, end
+        self.first = group.first_block(start)
+        self.base = self.first * group.block_size
+        blocks = group.row_blocks(slot, end, self.first)      # the host row: [base, end) must have its blocks
+        self.run = consecutive_run(blocks)                     # consecutive blocks: the context is a view
+        self.num_blocks = len(blocks)
+        if self.run is None:
+            device, bs = group.k.device, group.block_size
+            self.pages = torch.tensor(blocks, dtype=torch.int64, device=device)
+            pos = torch.arange(start, end, device=device)
+            self.write_index = self.pages[pos // bs - self.first] * bs + pos % bs     # [C] flat cache index
+
+    def context(self, cache: torch.Tensor, local: int) -> torch.Tensor:
+        """Positions [base, end) in one layer of the group's cache: [end - base, Hkv, D], a view where the blocks
+        are consecutive, else a gather of them."""
+        g = self.group
+        if self.run is not None:
+            pages = cache[local, self.run:self.run + self.num_blocks]
+        else:
+            pages = cache[local].index_select(0, self.pages)
+        return pages.view(-1, g.num_kv_heads, g.head_dim)[: self.end - self.base]
+
+    def write(self, local: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """The chunk's k / v [C, Hkv, D] at its positions."""
+        at = self.start - self.base
+        if self.run is not None:
+            self.context(self.group.k, local)[at:].copy_(k)
+            self.context(self.group.v, local)[at:].copy_(v)
+            return
+        k_flat, v_flat = self.group.flat(local)
+        k_flat.index_copy_(0, self.write_index, k)
+        v_flat.index_copy_(0, self.write_index, v)
+
+
+def _layer_window(group: KVGroup, asked: int | None | str, context: int | None) -> int | None:
+    """The window a layer attends with: asked (CONTEXT_WINDOW: the context's); a window group's layer must ask for
+    its group's window or none (the group keeps no more)."""
+    window = context if asked == CONTEXT_WINDOW else asked
+    if group.window is not None:
+        if window is not None and window != group.window:
+            raise ValueError(f"a layer of the KV cache's window group (window {group.window}) asked for window "
+                             f"{window}; the group keeps only its own window")
+        return group.window
+    return window
+
+
 class PrefillAttention:
     def __init__(self, kv: KVCache, slot: int, start_pos: int, num_tokens: int,
                  sliding_window: int | None = None):
         self.kv, self.slot, self.start, self.end = kv, slot, start_pos, start_pos + num_tokens
         if self.end > kv.max_context_tokens:
             raise ValueError(f"chunk ends at position {self.end} > max_context_tokens {kv.max_context_tokens}")
-        blocks = kv.row_blocks(slot, self.end)                 # the host row: [0, end) must have its blocks
-        self._first = consecutive_run(blocks)                  # consecutive blocks: the context is a view
-        self._num_blocks = len(blocks)
-        if self._first is None:
-            device, bs = kv.k.device, kv.block_size
-            self._pages = torch.tensor(blocks, dtype=torch.int64, device=device)
-            pos = torch.arange(self.start, self.end, device=device)
-            self._write_index = self._pages[pos // bs] * bs + pos % bs            # [C] flat cache index
+        self._chunks = [_GroupChunk(g, slot, self.start, self.end) for g in kv.groups]
         self.sliding_window = sliding_window
         self._mask: torch.Tensor | None = None
         self._folded: dict[tuple[int, torch.dtype], torch.Tensor] = {}   # (G, dtype) -> the folded heads' bias
         self._flash: bool | None = None          # whether attend takes the flash path (decided at its first call)
-        self._window_masks: dict[int | None, torch.Tensor] = {}    # a per-call window's [C, S_attn] mask
+        self._window_masks: dict[tuple[int | None, int], torch.Tensor] = {}   # (window, base): its [C, S] mask
 
     @property
     def mask(self) -> torch.Tensor:
@@ -163,39 +207,19 @@ class PrefillAttention:
     def kv_write(self, layer_idx: int, v: torch.Tensor) -> KvWrite | None:
         return None                                   # a chunk's K/V: written in attend
 
-    def _context(self, cache: torch.Tensor, layer_idx: int) -> torch.Tensor:
-        """Positions [0, end) of this request in one layer's cache: [end, Hkv, D], a view where its blocks are
-        consecutive, else a gather of them."""
-        kv = self.kv
-        if self._first is not None:
-            pages = cache[layer_idx, self._first:self._first + self._num_blocks]
-        else:
-            pages = cache[layer_idx].index_select(0, self._pages)
-        return pages.view(-1, kv.num_kv_heads, kv.head_dim)[: self.end]
-
-    def _write(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """The chunk's k / v [C, Hkv, D] at its positions."""
-        if self._first is not None:
-            self._context(self.kv.k, layer_idx)[self.start:].copy_(k)
-            self._context(self.kv.v, layer_idx)[self.start:].copy_(v)
-            return
-        k_flat, v_flat = self.kv.flat(layer_idx)
-        k_flat.index_copy_(0, self._write_index, k)
-        v_flat.index_copy_(0, self._write_index, v)
-
-    def window_mask(self, window: int | None) -> torch.Tensor:
-        """[C, S_attn] bool for a layer's own window (None: causal only)."""
-        if window == self.sliding_window:
+    def window_mask(self, window: int | None, base: int = 0) -> torch.Tensor:
+        """[C, S] bool for a layer's own window (None: causal only) over keys [base, end)."""
+        if window == self.sliding_window and base == 0:
             return self.mask
-        if window not in self._window_masks:
+        if (window, base) not in self._window_masks:
             device = self.kv.k.device
             q_pos = torch.arange(self.start, self.end, device=device)[:, None]
-            k_pos = torch.arange(self.end, device=device)[None, :]
+            k_pos = torch.arange(base, self.end, device=device)[None, :]
             mask = k_pos <= q_pos
             if window is not None:
                 mask &= k_pos > q_pos - window
-            self._window_masks[window] = mask
-        return self._window_masks[window]
+            self._window_masks[(window, base)] = mask
+        return self._window_masks[(window, base)]
 
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
                kv_written: bool = False, sinks: torch.Tensor | None = None,
@@ -205,13 +229,15 @@ class PrefillAttention:
         G = Hq // Hkv
         if kv_written:
             raise ValueError("PrefillAttention writes the chunk's K/V itself (its kv_write gives None)")
-        self._write(layer_idx, k, v)
-        keys = self._context(self.kv.k, layer_idx).transpose(0, 1).unsqueeze(0)            # [1, Hkv, S, D]
-        values = self._context(self.kv.v, layer_idx).transpose(0, 1).unsqueeze(0)          # [1, Hkv, S, D]
-        if sinks is not None or sliding_window != CONTEXT_WINDOW:
-            window = self.sliding_window if sliding_window == CONTEXT_WINDOW else sliding_window
+        group, local = self.kv.layer_group(layer_idx)
+        chunk = self._chunks[self.kv.groups.index(group)]
+        chunk.write(local, k, v)
+        keys = chunk.context(group.k, local).transpose(0, 1).unsqueeze(0)                  # [1, Hkv, S, D]
+        values = chunk.context(group.v, local).transpose(0, 1).unsqueeze(0)                # [1, Hkv, S, D]
+        if sinks is not None or sliding_window != CONTEXT_WINDOW or group.window is not None:
+            window = _layer_window(group, sliding_window, self.sliding_window)
             qf = q.view(C, Hkv, G, D).permute(1, 2, 0, 3).reshape(1, Hkv, G * C, D)       # row g*C + c
-            mask = self.window_mask(window).repeat(G, 1)                                   # [G*C, S]
+            mask = self.window_mask(window, chunk.base).repeat(G, 1)                       # [G*C, S]
             out = sink_attention(qf, keys, values, mask, _folded_sinks(sinks, Hkv, G, C), D ** -0.5)
             return out.view(Hkv, G, C, D).permute(2, 0, 1, 3).reshape(C, Hq, D)
         if self._flash is None:
@@ -228,9 +254,11 @@ class PrefillAttention:
 
 
 class DecodeAttention:
-    """slot_ids, positions: [T] int64 device tensors (each slot at most once; slot s's K/V through row s of
-    kv.block_tables, which must hold a block for every position up to its position); bucket_tokens: a host
-    int >= max position + 1. backend: "auto" | "sdpa" | "triton" (see the module docstring)."""
+    """slot_ids, positions: [T] int64 device tensors (each slot at most once; slot s's K/V through row s of each
+    layer group's block table, which must hold a block for every position up to its position that the group keeps);
+    bucket_tokens: a host int >= max position + 1. backend: "auto" | "sdpa" | "triton" (see the module docstring).
+    A window group's layers (kv_cache.py) read only the blocks of their window: the Triton kernel starts at the
+    window's first position, the SDPA path gathers the window's blocks alone (`gather_window`)."""
 
     def __init__(self, kv: KVCache, slot_ids: torch.Tensor, positions: torch.Tensor, bucket_tokens: int,
                  sliding_window: int | None = None, backend: str = "auto"):
@@ -238,12 +266,14 @@ class DecodeAttention:
         self.sliding_window = sliding_window
         self.backend = resolve_attention_backend(backend, kv.k.device)
         bs = kv.block_size
-        page = kv.block_tables[slot_ids, torch.div(positions, bs, rounding_mode="floor")].long()   # [T]
-        self.flat_index = page * bs + positions % bs                                       # [T]
+        block = torch.div(positions, bs, rounding_mode="floor")
+        self._flat = [group.block_tables[slot_ids, block].long() * bs + positions % bs for group in kv.groups]
+        self.flat_index = self._flat[0]                                                    # [T]
         self.positions = positions
+        self.seq_lens = positions + 1                                                      # [T]
         self._window_masks: dict[int | None, torch.Tensor] = {}
+        self._group_masks: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         if self.backend == "triton":
-            self.seq_lens = positions + 1                                                  # [T]
             self.mask = None
             return
         self.mask = self.window_mask(sliding_window)                                       # [T, 1, 1, bucket]
@@ -251,7 +281,7 @@ class DecodeAttention:
     def window_mask(self, window: int | None) -> torch.Tensor:
         """[T, 1, 1, bucket] bool: which positions each request attends with ``window`` (None: all it has)."""
         if window not in self._window_masks:
-            seq_lens = (self.positions + 1)[:, None]                                       # [T, 1]
+            seq_lens = self.seq_lens[:, None]                                              # [T, 1]
             k_pos = torch.arange(self.bucket, device=self.positions.device)[None, :]       # [1, bucket]
             mask = k_pos < seq_lens                                                        # [T, bucket]
             if window is not None:
@@ -259,10 +289,19 @@ class DecodeAttention:
             self._window_masks[window] = mask[:, None, None, :]
         return self._window_masks[window]
 
+    def _window_mask_of(self, g: int, positions: torch.Tensor, window: int) -> torch.Tensor:
+        """[T, 1, 1, S] bool over a window group's gathered positions [T, S] (the same for each of its layers)."""
+        if g not in self._group_masks:
+            seq_lens = self.seq_lens[:, None]
+            mask = (positions < seq_lens) & (positions >= seq_lens - window)
+            self._group_masks[g] = mask[:, None, None, :]
+        return self._group_masks[g]
+
     def kv_write(self, layer_idx: int, v: torch.Tensor) -> KvWrite:
         """Each request's k/v at its position, for the rope kernel to write (one launch fewer a layer)."""
-        k_flat, v_flat = self.kv.flat(layer_idx)                                           # [NB*BS, Hkv, D]
-        return KvWrite(k_flat, v_flat, self.flat_index, v)
+        group, local = self.kv.layer_group(layer_idx)
+        k_flat, v_flat = group.flat(local)                                                 # [NB*BS, Hkv, D]
+        return KvWrite(k_flat, v_flat, self._flat[self.kv.groups.index(group)], v)
 
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
                kv_written: bool = False, sinks: torch.Tensor | None = None,
@@ -273,23 +312,30 @@ class DecodeAttention:
         T, Hq, D = q.shape
         Hkv = k.shape[1]
         G = Hq // Hkv
-        kv = self.kv
+        group, local = self.kv.layer_group(layer_idx)
+        g = self.kv.groups.index(group)
         if not kv_written:
-            k_flat, v_flat = kv.flat(layer_idx)                                            # [NB*BS, Hkv, D]
-            k_flat.index_copy_(0, self.flat_index, k)
-            v_flat.index_copy_(0, self.flat_index, v)
-        custom = sinks is not None or sliding_window != CONTEXT_WINDOW
-        window = self.sliding_window if sliding_window == CONTEXT_WINDOW else sliding_window
-        if self.backend == "triton" and not custom:
-            return decode_attention(q, kv.k[layer_idx], kv.v[layer_idx], self.slot_ids, self.seq_lens,
-                                    scale=D ** -0.5, bucket=self.bucket, sliding_window=self.sliding_window,
-                                    impl="triton", block_tables=kv.block_tables)
-        keys = gather_pages(kv.k[layer_idx], kv.block_tables, self.slot_ids, self.bucket).transpose(1, 2)
-        values = gather_pages(kv.v[layer_idx], kv.block_tables, self.slot_ids, self.bucket).transpose(1, 2)
+            k_flat, v_flat = group.flat(local)                                             # [NB*BS, Hkv, D]
+            k_flat.index_copy_(0, self._flat[g], k)
+            v_flat.index_copy_(0, self._flat[g], v)
+        custom = sinks is not None or sliding_window != CONTEXT_WINDOW or group.window is not None
+        window = _layer_window(group, sliding_window, self.sliding_window)
         qg = q.view(T, Hkv, G, D)                                                          # keys [T, Hkv, S, D]
-        if custom:
-            out = sink_attention(qg, keys, values, self.window_mask(window), _folded_sinks(sinks, Hkv, G, 1),
-                                 D ** -0.5)
+        if self.backend == "triton" and (not custom or (sinks is None and group.window is not None)):
+            return decode_attention(q, group.k[local], group.v[local], self.slot_ids, self.seq_lens,
+                                    scale=D ** -0.5, bucket=self.bucket, sliding_window=window,
+                                    impl="triton", block_tables=group.block_tables)
+        if group.window is not None:                     # the window's blocks only: entries before it are -1
+            keys, pos = gather_window(group.k[local], group.block_tables, self.slot_ids, self.seq_lens, window)
+            values, _ = gather_window(group.v[local], group.block_tables, self.slot_ids, self.seq_lens, window)
+            mask = self._window_mask_of(g, pos, window)
+            keys, values = keys.transpose(1, 2), values.transpose(1, 2)
         else:
-            out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=self.mask, scale=D ** -0.5)
+            keys = gather_pages(group.k[local], group.block_tables, self.slot_ids, self.bucket).transpose(1, 2)
+            values = gather_pages(group.v[local], group.block_tables, self.slot_ids, self.bucket).transpose(1, 2)
+            mask = self.window_mask(window) if custom else self.mask
+        if custom:
+            out = sink_attention(qg, keys, values, mask, _folded_sinks(sinks, Hkv, G, 1), D ** -0.5)
+        else:
+            out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=mask, scale=D ** -0.5)
         return out.reshape(T, Hq, D)

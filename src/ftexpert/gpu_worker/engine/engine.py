@@ -31,9 +31,8 @@ from ftexpert.gpu_worker.engine.attention import ATTENTION_BACKENDS, PrefillAtte
 from ftexpert.gpu_worker.engine.cuda_graphs import DecodeGraphs
 from ftexpert.gpu_worker.engine.decode_step import DecodeInputs, decode_forward
 from ftexpert.gpu_worker.engine.grammar import GrammarCompiler, GrammarMasks
-from ftexpert.gpu_worker.engine.kv_cache import KVCache
 from ftexpert.gpu_worker.engine.kv_blocks import KVBlocks
-from ftexpert.gpu_worker.engine.kv_cache import DEFAULT_KV_BLOCK_SIZE, KVCache, pool_blocks
+from ftexpert.gpu_worker.engine.kv_cache import DEFAULT_KV_BLOCK_SIZE, KVCache, pool_sizes
 from ftexpert.gpu_worker.engine.state_cache import StateCache
 from ftexpert.gpu_worker.engine.request import Request, StepOutput
 from ftexpert.gpu_worker.engine.sampling import FINISH_ABORT, RequestSampler, SampledStep, SamplingParams, sample_step
@@ -69,7 +68,10 @@ class EngineConfig:
     max_running_requests: int = 4          # requests running together (block table rows, state cache rows)
     max_context_tokens: int | None = None  # None: min(32768, the model's context: context_tokens)
     # the paged KV cache (kv_cache.py, kv_blocks.py): positions per block, and the pool's size: kv_cache_tokens
-    # (tests, benches) or kv_cache_gib (a memory budget); neither: max_running_requests x max_context_tokens
+    # (tests, benches: the full-context layers' positions) or kv_cache_gib (a memory budget for all layers);
+    # neither: max_running_requests x max_context_tokens. The sliding-window layers of a model with both kinds
+    # (gpt-oss) have their own pool of max_running_requests x their bounded blocks (kv_cache.pool_sizes), inside
+    # kv_cache_gib, beside kv_cache_tokens
     kv_block_size: int = DEFAULT_KV_BLOCK_SIZE
     kv_cache_tokens: int | None = None
     kv_cache_gib: float | None = None
@@ -180,19 +182,22 @@ class Engine:
         self.device = model.device
         self.eos_token_ids = frozenset(cfg.eos_token_ids if eos_token_ids is None else eos_token_ids)
         self.stats = EngineStats()
-        self.kv = KVCache(cfg, self.config.max_running_requests, self.max_context_tokens, model.dtype,
-                          self.device, block_size=self.config.kv_block_size,
-                          num_blocks=pool_blocks(cfg, model.dtype, self.config.kv_block_size,
-                                                 self.config.max_running_requests * self.max_context_tokens,
-                                                 self.config.kv_cache_tokens, self.config.kv_cache_gib))
-        # prefix caching needs the linear layers' states at block boundaries, which are not kept (README.md)
-        self.blocks = KVBlocks(self.kv, self.config.prefix_caching and cfg.linear_attention is None, self.stats)
-        # the linear-attention layers' per-request state (qwen3_next), in the rows of the KV cache's requests
-        self.states = (StateCache(cfg, self.config.max_running_requests, model.dtype, self.device)
-                       if cfg.linear_attention is not None else None)
         self.prefill_chunk_tokens = (self.config.prefill_chunk_tokens
                                      or model.experts.preferred_prefill_chunk_tokens()
                                      or DEFAULT_PREFILL_CHUNK_TOKENS)
+        # the full-context layers' pool, and the sliding-window layers' (gpt-oss) where the model has both
+        full_blocks, window_blocks = pool_sizes(
+            cfg, model.dtype, self.config.kv_block_size, self.config.max_running_requests, self.max_context_tokens,
+            self.prefill_chunk_tokens, self.config.kv_cache_tokens, self.config.kv_cache_gib)
+        self.kv = KVCache(cfg, self.config.max_running_requests, self.max_context_tokens, model.dtype,
+                          self.device, block_size=self.config.kv_block_size, num_blocks=full_blocks,
+                          window_num_blocks=window_blocks or None)
+        # prefix caching needs the linear layers' states at block boundaries, which are not kept (README.md)
+        self.blocks = KVBlocks(self.kv, self.config.prefix_caching and cfg.linear_attention is None, self.stats,
+                               self.prefill_chunk_tokens)
+        # the linear-attention layers' per-request state (qwen3_next), in the rows of the KV cache's requests
+        self.states = (StateCache(cfg, self.config.max_running_requests, model.dtype, self.device)
+                       if cfg.linear_attention is not None else None)
         self.scheduler = Scheduler(self.config.max_running_requests, self.prefill_chunk_tokens, self.blocks)
         self._ids = itertools.count()
         overlap = self.config.overlap_decode

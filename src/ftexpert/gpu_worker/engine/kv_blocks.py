@@ -15,20 +15,44 @@ The scheduler (scheduler.py) asks it three things:
 `register_full(req)`, called before each plan, names the blocks a request filled since (prefill chunks, decode
 steps). Prefix caching is off for models with linear-attention layers (Qwen3-Next): their recurrent and conv
 states at a block boundary are not kept, and without them a hit could not resume the sequence (engine/README.md).
+
+All of that is the full-context group's (`KVCache.groups[0]`, `pool`); a cache with a window group (the
+sliding-window layers) has its blocks kept by `window` (window_blocks.py): admitted only when it too has the blocks
+(`Admission.window_cost`), moved along with each request in `grow`, named, freed and audited beside.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass, field
 
 from ftexpert.gpu_worker.engine.block_pool import BlockPool, chain_keys
 from ftexpert.gpu_worker.engine.kv_cache import KVCache
 from ftexpert.gpu_worker.engine.request import Request
 from ftexpert.gpu_worker.engine.stats import EngineStats
+from ftexpert.gpu_worker.engine.window_blocks import WindowBlocks
+
+
+@dataclass
+class Admission:
+    """What admitting a waiting request takes: the full-context group's cached blocks its sequence starts with and
+    the available blocks it uses up; the window group's likewise (none without one)."""
+    hits: list[int]
+    cost: int
+    window_hits: list[int] = field(default_factory=list)
+    window_cost: int = 0
 
 
 class KVBlocks:
-    def __init__(self, kv: KVCache, prefix_caching: bool, stats: EngineStats | None = None):
+    def __init__(self, kv: KVCache, prefix_caching: bool, stats: EngineStats | None = None,
+                 prefill_chunk_tokens: int | None = None):
+        """prefill_chunk_tokens: the scheduler's chunk (needed where the cache has a window group)."""
         self.kv, self.pool = kv, BlockPool(kv.num_blocks)
         self.block_size = kv.block_size
         self.prefix_caching = prefix_caching
+        self.window: WindowBlocks | None = None
+        if kv.window_group is not None:
+            if prefill_chunk_tokens is None:
+                raise ValueError("a KV cache with a window group needs prefill_chunk_tokens (its blocks per request)")
+            self.window = WindowBlocks(kv.window_group, prefill_chunk_tokens, prefix_caching)
         self.stats = stats if stats is not None else EngineStats()
         self.stats.kv_block_size = kv.block_size
         self.stats.prefix_cache_enabled = prefix_caching
@@ -75,19 +99,35 @@ class KVBlocks:
         limit = self.max_tokens(req.num_prompt_tokens, req.params.max_new_tokens, req.max_context_tokens)
         return self.blocks_for(min(req.seq_len + 1, limit))
 
-    def admission(self, req: Request) -> tuple[list[int], int]:
-        """(the cached blocks its sequence starts with, the available blocks admitting it takes up). No side
-        effects on the pool."""
-        hits = self._hits(req)
-        return hits, self._admitted_blocks(req, hits) - len(hits) + self.pool.cost(hits)
+    def _limit(self, req: Request) -> int:
+        return self.max_tokens(req.num_prompt_tokens, req.params.max_new_tokens, req.max_context_tokens)
 
-    def admit(self, req: Request, slot: int, hits: list[int]) -> None:
-        """Give `req` (just given `slot`) its blocks: `hits` shared, the rest new."""
+    def admission(self, req: Request) -> Admission:
+        """What admitting `req` takes (its prefix hits, shortened to those whose window blocks are cached too, and
+        the available blocks of each group). No side effects on the pools."""
+        hits = self._hits(req)
+        adm = Admission(hits, 0)
+        if self.window is not None:
+            h, adm.window_hits = self.window.shorten(req.block_keys, len(hits))
+            adm.hits = hits = hits[:h]
+            adm.window_cost = self.window.cost(req, h * self.block_size, adm.window_hits, self._limit(req))
+        adm.cost = self._admitted_blocks(req, hits) - len(hits) + self.pool.cost(hits)
+        return adm
+
+    def window_fits(self, adm: Admission) -> bool:
+        """Whether the window group has the blocks `adm` takes (always, where there is none)."""
+        return self.window is None or adm.window_cost <= self.window.pool.num_available
+
+    def admit(self, req: Request, slot: int, adm: Admission) -> None:
+        """Give `req` (just given `slot`) its blocks: the hits shared, the rest new."""
+        hits = adm.hits
         self.pool.acquire(hits)
         req.blocks = hits + self.pool.allocate(self._admitted_blocks(req, hits) - len(hits))
         req.num_registered = len(hits)
         req.num_prefilled = len(hits) * self.block_size
         self.kv.set_row(slot, req.blocks)
+        if self.window is not None:
+            self.window.admit(req, slot, req.num_prefilled, adm.window_hits, self._limit(req))
         if self.prefix_caching:
             self.stats.prefix_cache_queries_total += 1
             self.stats.prefix_cache_query_tokens_total += req.prefill_len
@@ -102,17 +142,23 @@ class KVBlocks:
         return max(0, self.blocks_for(min(req.seq_len + 1, limit)) - len(req.blocks))
 
     def grow(self, req: Request) -> None:
+        """Give `req` the blocks of its next step (`growth`; the window group: release those before its window, add
+        those of its next chunk or decode step)."""
         n = self.growth(req)
         if n:
             start = len(req.blocks)
             req.blocks += self.pool.allocate(n)
             self.kv.set_row(req.slot, req.blocks[start:], start)
+        if self.window is not None:
+            self.window.advance(req, self._limit(req))
 
     # ---- the prefix cache and freeing --------------------------------------------------------
     def register_full(self, req: Request) -> None:
-        """Name `req`'s blocks that are full of K/V and not yet named."""
+        """Name `req`'s blocks that are full of K/V and not yet named (in each group)."""
         if not self.prefix_caching:
             return
+        if self.window is not None:
+            self.window.register(req, lambda n: self._keys(req, n))
         full = min(req.num_kv_tokens // self.block_size, len(req.blocks))
         if full <= req.num_registered:
             return
@@ -122,10 +168,12 @@ class KVBlocks:
         req.num_registered = full
 
     def free(self, req: Request) -> None:
-        """Take `req`'s blocks back (the full ones stay cached) and clear its table row."""
+        """Take `req`'s blocks back (the full ones stay cached) and clear its table rows."""
         if not req.blocks:
             return
         self.register_full(req)
+        if self.window is not None:
+            self.window.free(req)
         self.pool.release(reversed(req.blocks))           # its last blocks are evicted first
         req.blocks = []
         req.num_registered = 0
@@ -138,3 +186,9 @@ class KVBlocks:
         s.kv_blocks_total = pool.num_blocks
         s.kv_blocks_used, s.kv_blocks_cached, s.kv_blocks_free = pool.num_used, pool.num_cached, pool.num_free
         s.kv_cache_evictions_total = pool.evictions
+        if self.window is not None:
+            w = self.window.pool
+            s.kv_window_blocks_total = w.num_blocks
+            s.kv_window_blocks_used, s.kv_window_blocks_cached, s.kv_window_blocks_free = (
+                w.num_used, w.num_cached, w.num_free)
+            s.kv_window_evictions_total = w.evictions

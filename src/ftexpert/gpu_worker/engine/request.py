@@ -37,6 +37,11 @@ class Request:
     blocks: list[int] = field(default_factory=list)           # its KV blocks, in position order (kv_blocks.py)
     num_registered: int = 0                 # of those, the leading full ones already named in the prefix cache
     block_keys: list[bytes] = field(default_factory=list)     # prefix keys of its full blocks computed so far
+    # the KV cache's window group (window_blocks.py): its blocks from block window_first on, those below
+    # window_registered already named in the prefix cache
+    window_blocks: list[int] = field(default_factory=list)
+    window_first: int = 0
+    window_registered: int = 0
     preemptions: int = 0
     finish_reason: str | None = None
     arrival_time_s: float = field(default_factory=time.perf_counter)

@@ -14,6 +14,9 @@ Blocks (kv_blocks.py), planned oldest request first:
    when a slot (block table row, state cache row; max_running_requests of them) is free and the available blocks
    cover its prefill, less what the prefix cache shares, with one block to spare per running request (so that
    it is not preempted again at once). Free slots are handed out lowest first.
+A KV cache with a window group (the sliding-window layers: kv_cache.py, window_blocks.py) gives each request's window
+its blocks in `grow` too, and releases those before the window; that pool holds every running request's bound, so it
+takes no part in preemption, and admission checks it too.
 """
 from __future__ import annotations
 
@@ -22,7 +25,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Hashable
 
-from ftexpert.gpu_worker.engine.kv_blocks import KVBlocks
+from ftexpert.gpu_worker.engine.kv_blocks import Admission, KVBlocks
 from ftexpert.gpu_worker.engine.request import Request
 
 
@@ -104,10 +107,11 @@ class Scheduler:
     def _growth(self) -> int:
         return sum(self.kv.growth(r) for r in self.running)
 
-    def _admissible(self, req: Request, available: int) -> tuple[list[int], bool]:
-        """(its prefix hits, whether the head of the queue would be admitted with `available` blocks)."""
-        hits, cost = self.kv.admission(req)
-        return hits, cost + len(self.running) <= available
+    def _admissible(self, req: Request, available: int) -> tuple[Admission, bool]:
+        """(what admitting it takes, whether the head of the queue would be admitted with `available` blocks of the
+        full-context group; the window group, where there is one, must have its blocks too)."""
+        adm = self.kv.admission(req)
+        return adm, adm.cost + len(self.running) <= available and self.kv.window_fits(adm)
 
     def next_decode_only(self) -> list[Request] | None:
         """The requests the next `plan` will decode, when it will run nothing else (no request to admit or
@@ -138,12 +142,12 @@ class Scheduler:
                 self.kv.grow(req)
         while not preempted and self.waiting and self._free_slots:
             req = self.waiting[0]
-            hits, ok = self._admissible(req, self.kv.pool.num_available)
+            adm, ok = self._admissible(req, self.kv.pool.num_available)
             if not ok:
                 break
             self.waiting.popleft()
             req.slot = heapq.heappop(self._free_slots)
-            self.kv.admit(req, req.slot, hits)
+            self.kv.admit(req, req.slot, adm)
             self.running.append(req)
         self.kv.kv.sync()                               # the block tables to the device, behind queued steps
         self.kv.publish()

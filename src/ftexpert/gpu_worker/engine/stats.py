@@ -33,6 +33,12 @@ class EngineStats:
     kv_blocks_free: int = 0
     kv_cache_evictions_total: int = 0  # cached blocks taken for new contents
     kv_preemptions_total: int = 0      # requests whose blocks were taken back to let older ones grow (recomputed)
+    # the window group's pool (the sliding-window layers' blocks, kv_cache.py; all 0 for a model without one)
+    kv_window_blocks_total: int = 0
+    kv_window_blocks_used: int = 0
+    kv_window_blocks_cached: int = 0
+    kv_window_blocks_free: int = 0
+    kv_window_evictions_total: int = 0
     prefix_cache_enabled: bool = False
     prefix_cache_queries_total: int = 0        # admissions that looked their prompt up
     prefix_cache_query_tokens_total: int = 0   # tokens those admissions had to prefill

@@ -10,7 +10,7 @@ cuDNN's flash fprop at ~32 us per layer for a 1,280-token context on the H200). 
 (triton_kernels.py) with a plain torch reference beside it (reference.py), dispatched by api.py.
 """
 from ftexpert.kernels.decode_attention.api import DEFAULT_BLOCKS, DecodeAttentionBlocks, decode_attention, split_plan
-from ftexpert.kernels.decode_attention.reference import decode_attention_reference, gather_pages
+from ftexpert.kernels.decode_attention.reference import decode_attention_reference, gather_pages, gather_window
 
-__all__ = ["decode_attention", "decode_attention_reference", "gather_pages", "DecodeAttentionBlocks",
+__all__ = ["decode_attention", "decode_attention_reference", "gather_pages", "gather_window", "DecodeAttentionBlocks",
            "DEFAULT_BLOCKS", "split_plan"]
