@@ -14,11 +14,12 @@ import torch
 
 from ftexpert.gpu_worker.engine import SamplingParams
 from ftexpert.gpu_worker.engine import engine as engine_module
-from ftexpert.gpu_worker.engine.engine import Engine, EngineConfig
+from ftexpert.gpu_worker.engine.engine import Engine
 from ftexpert.gpu_worker.engine.kv_blocks import KVBlocks
-from ftexpert.gpu_worker.engine.kv_cache import KVCache, pool_sizes, window_blocks_per_request, window_split
+from ftexpert.gpu_worker.engine.kv_cache import (KVCache, block_nbytes, pool_sizes, window_blocks_per_request,
+                                                 window_split)
 from ftexpert.kernels.decode_attention import decode_attention, decode_attention_reference
-from tests.built_engines import build
+from tests.built_engines import build, engine_of
 from tests.conftest import KERNEL_DEVICE
 from tests.gpu_worker.gpt_oss_util import WINDOW, hf_gpt_oss
 from tests.gpu_worker.test_models_util import hf_greedy, prompt_ids
@@ -47,9 +48,10 @@ def expected(pair, prompts):
 
 
 def make_engine(built, **fields) -> Engine:
-    config = dict(max_running_requests=3, max_context_tokens=128, kv_block_size=BS, prefill_chunk_tokens=5)
+    config = dict(max_running_requests=3, max_context_tokens=128, kv_block_size=BS, prefill_chunk_tokens=5,
+                  prefix_cache="on", kv_cache_gib=None)          # every field: the built spec follows the last
     config.update(fields)
-    return Engine(built.model, EngineConfig(**config))
+    return engine_of(built, **config)
 
 
 def whole_context_engine(built, monkeypatch, **fields) -> Engine:
@@ -126,12 +128,12 @@ def test_greedy_tokens_equal_transformers_and_the_whole_context_cache(pair, prom
     whole-context cache's; the window group's memory per request stays bounded and nothing leaks."""
     _, built = pair
     params = SamplingParams(max_new_tokens=NEW, ignore_eos=True)
-    engine = make_engine(built, prefix_caching=False)
+    engine = make_engine(built, prefix_cache="off")
     got, most = run_checked(engine, prompts, params)
     assert got == expected
     assert most == engine.blocks.window.bound                 # the bound is reached, and never passed
     assert_no_leak(engine)
-    reference = whole_context_engine(built, monkeypatch, prefix_caching=False)
+    reference = whole_context_engine(built, monkeypatch, prefix_cache="off")
     assert reference.generate(prompts, params) == expected
     # the window layers keep 3 requests x 4 blocks of 4 positions, not 3 x 128 positions
     assert engine.kv.window_group.num_blocks == 3 * engine.blocks.window.bound == 12
@@ -143,7 +145,12 @@ def test_preemption_under_a_tiny_pool(pair, prompts, expected):
     """A full-context pool that holds one request and a bit: requests are preempted and recomputed (their window
     blocks released and rebuilt), and the tokens stay transformers'."""
     _, built = pair
-    engine = make_engine(built, kv_cache_tokens=(45 + NEW) + 3 * BS, prefill_chunk_tokens=7)
+    cfg = built.cfg
+    full_blocks = -(-(45 + NEW) // BS) + 3                  # the longest request and 3 blocks
+    gib = (full_blocks * block_nbytes(cfg, 1, BS, torch.float32)
+           + 3 * window_blocks_per_request(WINDOW, BS, 7) * block_nbytes(cfg, 2, BS, torch.float32)) / 2**30
+    engine = make_engine(built, kv_cache_gib=gib, prefill_chunk_tokens=7)
+    assert engine.kv.num_blocks == full_blocks
     got, _ = run_checked(engine, prompts, SamplingParams(max_new_tokens=NEW, ignore_eos=True))
     assert got == expected
     assert engine.stats.kv_preemptions_total > 0

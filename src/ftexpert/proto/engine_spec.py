@@ -279,8 +279,10 @@ def add_engine_flags(parser: argparse.ArgumentParser, *,
     engine.add_argument("--kv-block-size", type=positive_int_flag, default=None,
                         help="positions per KV cache block (default 16): the prefix cache shares whole blocks")
     engine.add_argument("--kv-cache-gib", type=positive_float_flag, default=None, metavar="GIB",
-                        help="memory of the KV cache's block pool (default: room for max-running-requests full "
-                             "contexts); requests are admitted while its blocks last")
+                        help="memory of the KV cache's block pools (default: room for max-running-requests full "
+                             "contexts); requests are admitted while its blocks last. A model with sliding-window "
+                             "layers (gpt-oss) takes their pool (max-running-requests x their window and prefill "
+                             "chunk) out of it first; the rest holds the full-attention layers")
     engine.add_argument("--prefix-cache", choices=("on", "off"), default="on",
                         help="reuse the KV blocks of a prompt prefix computed before (default on; models with "
                              "linear-attention layers, Qwen3-Next, run without)")

@@ -162,6 +162,11 @@ class PrefillAttention:
         self._window_masks: dict[tuple[int | None, int], torch.Tensor] = {}   # (window, base): its [C, S] mask
 
     @property
+    def _first(self) -> int | None:
+        """The first group's first block where the chunk's context is its consecutive blocks (a view), else None."""
+        return self._chunks[0].run
+
+    @property
     def mask(self) -> torch.Tensor:
         """[C, S_attn] bool: query c may attend key s. Built at first use: the flash path never needs it (at a
         4,096-token chunk late in a 32K context it would be 128 MiB)."""
