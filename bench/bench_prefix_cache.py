@@ -180,7 +180,7 @@ def main(argv=None) -> int:
             rows.append({"what": "batch", "batch": args.batch, "context": args.batch_context,
                          "max_context": args.batch_max_context, "tokens_per_s": rate,
                          "pool_bytes": engine.kv.nbytes, "fixed_rows_bytes": fixed, "peak_blocks": peak,
-                         "block_bytes": engine.kv.nbytes // engine.kv.num_blocks})
+                         "block_bytes": engine.kv.groups[0].nbytes // engine.kv.num_blocks})
             print(f"batch {args.batch} at a {args.batch_context}-token context (requests may reach "
                   f"{args.batch_max_context}): {rate:8.1f} tok/s together; KV pool {engine.kv.nbytes / 2**30:.2f} GiB, "
                   f"peak {peak} of {engine.kv.num_blocks} blocks in use; fixed rows of the longest context would take "

@@ -64,12 +64,14 @@ def whole_context_engine(built, monkeypatch, **fields) -> Engine:
 
 
 def check_windows(engine: Engine) -> int:
-    """The invariants after a step: every running request holds at most the bound of window blocks, exactly those of
+    """The invariants after a step: every running request holds at most the bound of window blocks (the one whose
+    prefill chunk ran: the chunk's bound; the others: a decode step's), exactly those of
     its table row from its first window block on, -1 before; the window pool's ref counts equal the rows'. Returns
     the most window blocks a request holds."""
     wb, group = engine.blocks.window, engine.kv.window_group
     most = 0
     held: Counter = Counter()
+    assert sum(len(r.window_blocks) > wb.decode_bound for r in engine.scheduler.running) <= 1   # one chunk at most
     for req in engine.scheduler.running:
         n = len(req.window_blocks)
         most = max(most, n)
@@ -135,10 +137,11 @@ def test_greedy_tokens_equal_transformers_and_the_whole_context_cache(pair, prom
     assert_no_leak(engine)
     reference = whole_context_engine(built, monkeypatch, prefix_cache="off")
     assert reference.generate(prompts, params) == expected
-    # the window layers keep 3 requests x 4 blocks of 4 positions, not 3 x 128 positions
-    assert engine.kv.window_group.num_blocks == 3 * engine.blocks.window.bound == 12
+    # the window layers keep one chunk's 4 blocks of 4 positions and 2 x 3 decoding ones, not 3 x 128 positions
+    wb = engine.blocks.window
+    assert (wb.bound, wb.decode_bound) == (4, 3) and engine.kv.window_group.num_blocks == 4 + 2 * 3
     assert engine.kv.num_blocks == reference.kv.num_blocks == 3 * 128 // BS
-    assert engine.kv.nbytes == reference.kv.nbytes * (1 + 2 * 12 / 96) // 3
+    assert engine.kv.nbytes * 3 == reference.kv.nbytes * (1 + 2 * 10 / 96)
 
 
 def test_preemption_under_a_tiny_pool(pair, prompts, expected):
@@ -148,9 +151,9 @@ def test_preemption_under_a_tiny_pool(pair, prompts, expected):
     cfg = built.cfg
     full_blocks = -(-(45 + NEW) // BS) + 3                  # the longest request and 3 blocks
     gib = (full_blocks * block_nbytes(cfg, 1, BS, torch.float32)
-           + 3 * window_blocks_per_request(WINDOW, BS, 7) * block_nbytes(cfg, 2, BS, torch.float32)) / 2**30
+           + (5 + 2 * 3) * block_nbytes(cfg, 2, BS, torch.float32)) / 2**30
     engine = make_engine(built, kv_cache_gib=gib, prefill_chunk_tokens=7)
-    assert engine.kv.num_blocks == full_blocks
+    assert engine.kv.num_blocks == full_blocks and engine.kv.window_group.num_blocks == 5 + 2 * 3
     got, _ = run_checked(engine, prompts, SamplingParams(max_new_tokens=NEW, ignore_eos=True))
     assert got == expected
     assert engine.stats.kv_preemptions_total > 0
@@ -224,7 +227,7 @@ def test_a_kv_budget_too_small_for_the_window_pool_says_what_to_do(pair):
     with pytest.raises(ValueError, match="sliding-window layers.*raise kv_cache_gib"):
         make_engine(built, kv_cache_gib=1e-6)
     sizes = pool_sizes(built.cfg, torch.float32, BS, 3, 128, 5, gib=0.01)
-    assert sizes[1] == 3 * window_blocks_per_request(WINDOW, BS, 5)
+    assert sizes[1] == window_blocks_per_request(WINDOW, BS, 5) + 2 * window_blocks_per_request(WINDOW, BS, 1)
 
 
 @pytest.mark.parametrize("impl", ["reference", "triton"])

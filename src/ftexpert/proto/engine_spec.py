@@ -281,8 +281,8 @@ def add_engine_flags(parser: argparse.ArgumentParser, *,
     engine.add_argument("--kv-cache-gib", type=positive_float_flag, default=None, metavar="GIB",
                         help="memory of the KV cache's block pools (default: room for max-running-requests full "
                              "contexts); requests are admitted while its blocks last. A model with sliding-window "
-                             "layers (gpt-oss) takes their pool (max-running-requests x their window and prefill "
-                             "chunk) out of it first; the rest holds the full-attention layers")
+                             "layers (gpt-oss) takes their pool (max-running-requests windows and one prefill chunk) "
+                             "out of it first; the rest holds the full-attention layers")
     engine.add_argument("--prefix-cache", choices=("on", "off"), default="on",
                         help="reuse the KV blocks of a prompt prefix computed before (default on; models with "
                              "linear-attention layers, Qwen3-Next, run without)")

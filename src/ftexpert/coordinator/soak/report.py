@@ -85,6 +85,9 @@ def engine_checks(soak: Soak) -> list[tuple[str, bool, str]]:
         checks.append(("KV blocks: none held after the load", stats["kv_blocks_used"] == 0,
                        f"{stats['kv_blocks_used']:g} used, {stats.get('kv_blocks_cached', 0):g} cached, "
                        f"{stats.get('kv_blocks_free', 0):g} free of {stats.get('kv_blocks_total', 0):g}"))
+    if stats.get("kv_window_blocks_total"):         # the sliding-window layers' pool (gpt-oss)
+        checks.append(("KV window blocks: none held after the load", stats.get("kv_window_blocks_used", 0) == 0,
+                       f"{stats.get('kv_window_blocks_used', 0):g} used of {stats['kv_window_blocks_total']:g}"))
     if stats.get("prefix_cache_enabled"):
         queried = stats.get("prefix_cache_query_tokens_total", 0.0)
         hit = stats.get("prefix_cache_hit_tokens_total", 0.0)

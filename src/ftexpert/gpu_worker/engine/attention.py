@@ -22,6 +22,10 @@ query attention reads each cached key once and never copies K/V to Hq heads:
     their table rows (kernels.decode_attention.gather_pages), then SDPA with a mask from a device
     tensor of sequence lengths (positions past a request's length, unused table entries included, are
     masked and read finite values).
+Each layer reads and writes its own layer group's pool and table rows (kv_cache.KVGroup). A window group's layers
+(gpt-oss's sliding layers, whose blocks before the window are released: -1 entries) read only their window: prefill
+from the block of the chunk's first query's window on, decode through `gather_window` (SDPA path) or the Triton
+kernel, which starts at the window's first position.
 """
 from __future__ import annotations
 

@@ -70,7 +70,7 @@ class EngineConfig:
     # the paged KV cache (kv_cache.py, kv_blocks.py): positions per block, and the pool's size: kv_cache_tokens
     # (tests, benches: the full-context layers' positions) or kv_cache_gib (a memory budget for all layers);
     # neither: max_running_requests x max_context_tokens. The sliding-window layers of a model with both kinds
-    # (gpt-oss) have their own pool of max_running_requests x their bounded blocks (kv_cache.pool_sizes), inside
+    # (gpt-oss) have their own pool of max_running_requests windows and one chunk (kv_cache.pool_sizes), inside
     # kv_cache_gib, beside kv_cache_tokens
     kv_block_size: int = DEFAULT_KV_BLOCK_SIZE
     kv_cache_tokens: int | None = None

@@ -152,6 +152,12 @@ class KVBlocks:
         if self.window is not None:
             self.window.advance(req, self._limit(req))
 
+    def prefill(self, req: Request, num_tokens: int) -> None:
+        """`req` runs a prefill chunk of `num_tokens` in this step: the window group's blocks it writes (the
+        full-context group gave it its whole prefill's at admission)."""
+        if self.window is not None:
+            self.window.advance(req, self._limit(req), num_tokens)
+
     # ---- the prefix cache and freeing --------------------------------------------------------
     def register_full(self, req: Request) -> None:
         """Name `req`'s blocks that are full of K/V and not yet named (in each group)."""

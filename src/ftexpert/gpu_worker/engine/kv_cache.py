@@ -73,19 +73,21 @@ def block_nbytes(cfg: MoeConfig, num_layers: int, block_size: int, dtype: torch.
 
 def pool_sizes(cfg: MoeConfig, dtype: torch.dtype, block_size: int, max_running: int, max_context: int,
                chunk_tokens: int, tokens: int | None = None, gib: float | None = None) -> tuple[int, int]:
-    """(full-context group blocks, window group blocks; 0: no window group). The window group holds
-    max_running x `window_blocks_per_request` blocks: every running request its bound, so it never runs out. The full
+    """(full-context group blocks, window group blocks; 0: no window group). The window group holds the bound of the
+    one request whose prefill chunk runs (`window_blocks_per_request` at chunk_tokens) and max_running - 1 decoding
+    ones' (at a chunk of 1): every running request its bound, so it never runs out (window_blocks.py). The full
     group: `tokens` positions (rounded up to whole blocks), or what `gib` GiB hold once the window group's share is
     taken, else max_running x max_context positions (the memory a fixed row per request took)."""
     full, sliding, window = window_split(cfg)
-    win_blocks = max_running * window_blocks_per_request(window, block_size, chunk_tokens) if sliding else 0
+    win_blocks = (window_blocks_per_request(window, block_size, chunk_tokens)
+                  + (max_running - 1) * window_blocks_per_request(window, block_size, 1)) if sliding else 0
     if gib is not None:
         win_bytes = win_blocks * block_nbytes(cfg, len(sliding), block_size, dtype)
         per_block = block_nbytes(cfg, len(full), block_size, dtype)
         n = (int(gib * 2**30) - win_bytes) // per_block
         if n < 1:
-            extra = (f" once the sliding-window layers' {win_bytes} bytes ({win_blocks} blocks: "
-                     f"max_running_requests={max_running} x their window) are taken" if sliding else "")
+            extra = (f" once the sliding-window layers' {win_bytes} bytes ({win_blocks} blocks for "
+                     f"max_running_requests={max_running} windows and one prefill chunk) are taken" if sliding else "")
             raise ValueError(f"kv_cache_gib={gib} holds not one KV block of {block_size} tokens ({per_block} "
                              f"bytes){extra}; raise kv_cache_gib")
         return n, win_blocks

@@ -15,8 +15,9 @@ Blocks (kv_blocks.py), planned oldest request first:
    cover its prefill, less what the prefix cache shares, with one block to spare per running request (so that
    it is not preempted again at once). Free slots are handed out lowest first.
 A KV cache with a window group (the sliding-window layers: kv_cache.py, window_blocks.py) gives each request's window
-its blocks in `grow` too, and releases those before the window; that pool holds every running request's bound, so it
-takes no part in preemption, and admission checks it too.
+its blocks in `grow` too, and releases those before the window, and the request whose prefill chunk runs its chunk's
+blocks; that pool holds every running request's bound, so it takes no part in preemption, and admission checks it
+too.
 """
 from __future__ import annotations
 
@@ -149,8 +150,6 @@ class Scheduler:
             req.slot = heapq.heappop(self._free_slots)
             self.kv.admit(req, req.slot, adm)
             self.running.append(req)
-        self.kv.kv.sync()                               # the block tables to the device, behind queued steps
-        self.kv.publish()
         plan = StepPlan(decode=[r for r in self.running if not r.in_prefill and not r.finished])
         for req in plan.decode:         # a decode step writes position seq_len - 1: never through a -1 entry
             if len(req.blocks) * self.kv.block_size < req.seq_len:
@@ -160,5 +159,8 @@ class Scheduler:
             if req.in_prefill:
                 n = min(self.prefill_chunk_tokens, req.prefill_len - req.num_prefilled)
                 plan.prefill = PrefillChunk(req, req.num_prefilled, n)
+                self.kv.prefill(req, n)                 # the window group's blocks of the chunk
                 break
+        self.kv.kv.sync()                               # the block tables to the device, behind queued steps
+        self.kv.publish()
         return plan

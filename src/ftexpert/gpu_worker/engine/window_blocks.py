@@ -5,10 +5,13 @@ A request holds the window group's blocks [first, end) of its positions (`Reques
 - first: the block of the first key its next query reads, `KVGroup.first_block(num_kv_tokens)` (the next query is at
   position num_kv_tokens: its next prefill chunk's first, or its next decode step's); the blocks before it no
   present or future query of the request reads, so each step (`advance`, before the plan) releases them;
-- end: those its next prefill chunk writes (`prefill_chunk_tokens` at most), or, decoding, the blocks of positions
-  [0, seq_len] as in the full-context group (its next position and the one after it, for a step queued ahead).
-So a request holds at most `window_blocks_per_request` blocks, and the pool, sized max_running_requests x that
-(`kv_cache.pool_sizes`), never runs out: admission checks it anyway and growth needs no preemption.
+- end: prefilling, those of the positions it has written, and for the one request whose chunk the plan runs, those
+  that chunk writes too (`prefill`, `prefill_chunk_tokens` at most); decoding, the blocks of positions [0, seq_len]
+  as in the full-context group (its next position and the one after it, for a step queued ahead).
+So the request whose chunk runs holds at most `window_blocks_per_request(window, BS, chunk)` blocks (`bound`), every
+other one at most `window_blocks_per_request(window, BS, 1)` (`decode_bound`), and the pool, sized for one of the
+first and max_running_requests - 1 of the second (`kv_cache.pool_sizes`), never runs out: admission checks it
+anyway and growth needs no preemption.
 
 Prefix cache: the window group's full blocks are named under the same keys as the full-context group's (block i of
 a sequence: its chain key), and one released, named, becomes cached rather than free. A hit on the full-context
@@ -33,16 +36,18 @@ class WindowBlocks:
         self.block_size, self.chunk = group.block_size, prefill_chunk_tokens
         self.prefix_caching = prefix_caching
         self.bound = window_blocks_per_request(group.window, group.block_size, prefill_chunk_tokens)
+        self.decode_bound = window_blocks_per_request(group.window, group.block_size, 1)
 
     def _blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def target(self, req: Request, num_kv_tokens: int, decode_limit: int) -> tuple[int, int]:
+    def target(self, req: Request, num_kv_tokens: int, decode_limit: int, chunk: int = 0) -> tuple[int, int]:
         """[first, end): the blocks `req` needs before its next step when its K/V hold `num_kv_tokens` positions;
-        decode_limit: the positions its longest sequence may need (KVBlocks.max_tokens)."""
+        decode_limit: the positions its longest sequence may need (KVBlocks.max_tokens); chunk: the positions of
+        the prefill chunk it runs next (0: none in this step)."""
         first = self.group.first_block(num_kv_tokens)
-        if num_kv_tokens < req.prefill_len:                                  # prefilling: the next chunk's
-            end = self._blocks_for(min(num_kv_tokens + self.chunk, req.prefill_len))
+        if num_kv_tokens < req.prefill_len:                                  # prefilling: the written ones, the chunk's
+            end = self._blocks_for(min(num_kv_tokens + chunk, req.prefill_len))
         else:
             end = self._blocks_for(min(req.seq_len + 1, decode_limit))
         return first, max(first, end)
@@ -81,16 +86,17 @@ class WindowBlocks:
     def _allocate(self, n: int) -> list[int]:
         if n > self.pool.num_available:     # the pool holds every running request's bound: never, unless misused
             raise RuntimeError(f"the KV cache's window group has {self.pool.num_available} blocks available, "
-                               f"{n} needed; it holds {self.pool.num_blocks} (max_running_requests x "
-                               f"{self.bound}): build the cache with kv_cache.pool_sizes")
+                               f"{n} needed; it holds {self.pool.num_blocks}, fewer than {self.bound} + "
+                               f"(max_running_requests - 1) x {self.decode_bound}: build the cache with "
+                               f"kv_cache.pool_sizes")
         return self.pool.allocate(n)
 
-    def advance(self, req: Request, decode_limit: int) -> None:
-        """Release `req`'s blocks before its window and give it those of its next step (before the plan; its full
-        blocks named first: `register`)."""
+    def advance(self, req: Request, decode_limit: int, chunk: int = 0) -> None:
+        """Release `req`'s blocks before its window and give it those of its next step (`chunk`: the positions of
+        its prefill chunk in this step, 0: none). Before the plan, its full blocks named first (`register`)."""
         if req.finished or req.slot is None:
             return
-        first, end = self.target(req, req.num_kv_tokens, decode_limit)
+        first, end = self.target(req, req.num_kv_tokens, decode_limit, chunk)
         drop = min(max(0, first - req.window_first), len(req.window_blocks))
         if drop:
             self.pool.release(req.window_blocks[:drop])                     # named ones stay cached
@@ -104,9 +110,9 @@ class WindowBlocks:
             new = self._allocate(end - have)
             req.window_blocks += new
             self.group.set_row(req.slot, new, have)
-        if len(req.window_blocks) > self.bound:
+        if len(req.window_blocks) > (self.bound if chunk else self.decode_bound):
             raise RuntimeError(f"request {req.request_id!r} holds {len(req.window_blocks)} window blocks, more "
-                               f"than the bound {self.bound}")
+                               f"than its bound {self.bound if chunk else self.decode_bound}")
 
     def register(self, req: Request, keys: Callable[[int], list[bytes]]) -> None:
         """Name `req`'s window blocks full of K/V (keys(n): its first n blocks' keys)."""
