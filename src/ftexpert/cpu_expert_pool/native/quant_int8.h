@@ -69,10 +69,11 @@ static const int32_t EVEN_DWORDS[16] = {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 2
 static inline uint64_t mask64(int n) { return n >= 64 ? ~0ull : n <= 0 ? 0ull : (1ull << n) - 1; }
 
 /* The 16 lane scales of super-block s of a row of K values (lane l: values 256 s + 16 l .., in group
-   (256 s + 16 l) / G; lanes past K: 0); int4 also 16 - zero in every byte of a lane (*zv). */
+   (256 s + 16 l) / G; lanes past K's last group: 0; a split row's K may end inside a group: its lanes past K meet
+   zero codes and zero activations); int4 also 16 - zero in every byte of a lane (*zv). */
 T_VNNI INLINE_Q __m512 q8_scales(int fmt, int G, const qrow *r, int s, int K, __m512i *zv) {
     const int shift = G == 16 ? 0 : G == 32 ? 1 : G == 64 ? 2 : 3;          /* lanes a group: 1 << shift */
-    const int g0 = s * (Q8_SB / G), left = K / G - g0, n = left < (16 >> shift) ? left : (16 >> shift);
+    const int g0 = s * (Q8_SB / G), left = (K + G - 1) / G - g0, n = left < (16 >> shift) ? left : (16 >> shift);
     const __mmask16 m = mask16(n);
     const __m512i lane_group = _mm512_srli_epi32(_mm512_loadu_si512(IOTA16), shift);
     __m512 sg;                                                                  /* groups g0 .. g0 + n - 1 */
