@@ -409,7 +409,8 @@ def test_serve_loop_answers_like_the_reference(store, rig):
     from ftexpert.cpu_expert_pool.worker import WorkerStats
 
     wc, client = rig
-    loop = ExpertKernel(store, kernel="native", num_threads=2, act_quant="fp32").serve_loop(wc, split=None, worker_index=0)
+    kernel = ExpertKernel(store, kernel="native", num_threads=2, act_quant="fp32")
+    loop = kernel.serve_loop(wc, split=None, worker_index=0)
     batches = {layer: make_batch(store, 1 + 3 * layer, 2, torch.bfloat16, seed=layer) for layer in (0, 1)}   # B1, B4
     for layer, (hidden, tok, exp, w) in batches.items():
         client.submit(layer, hidden, (tok, exp, w))
@@ -430,9 +431,8 @@ def test_worker_loop_serves_a_quantized_store(nvfp4_rig, monkeypatch, loop):
 
     store, wc, client = nvfp4_rig
     monkeypatch.setenv("FT_WORKER_LOOP", loop)
-    options = WorkerOptions(store.name, wc.name, settings=WorkerSettings(kernel="native", act_quant="fp32", num_threads=1,
-                                                                                 hot_ms=5.0),
-                            pin_threads=False, warmup=False)
+    settings = WorkerSettings(kernel="native", act_quant="fp32", num_threads=1, hot_ms=5.0)
+    options = WorkerOptions(store.name, wc.name, settings=settings, pin_threads=False, warmup=False)
     worker = CpuWorker(options, types.SimpleNamespace(num_threads=1, compute_cpus=(0,)), store, wc)
     inbox: queue.Queue = queue.Queue()
     thread = threading.Thread(target=cpu_busy_loop, args=(worker, inbox), daemon=True)

@@ -52,7 +52,8 @@ def run(args: argparse.Namespace) -> int:
     from ftexpert.cpu_expert_pool.worker import WorkerOptions, WorkerSettings, run_cpu_worker
     from ftexpert.proto.shm_layout import channel_name_for
 
-    settings = WorkerSettings(kernel=args.kernel, act_quant=args.act_quant, num_threads=args.threads, spin_us=args.spin_us, hot_ms=args.hot_ms,
+    settings = WorkerSettings(kernel=args.kernel, act_quant=args.act_quant, num_threads=args.threads,
+                              spin_us=args.spin_us, hot_ms=args.hot_ms,
                               sleep_max_us=args.sleep_max_us)
     options = WorkerOptions(
         store_name=args.store, channel_name=args.channel or channel_name_for(args.store, args.worker_index),

@@ -182,8 +182,8 @@ class ExpertKernel:
         if act_quant == "fp32":
             return False
         fmt = self.store.expert_format
-        why = (f"the {fmt.label} store is not a 4-bit format ({', '.join(INT8_FORMATS)})" if fmt.name not in INT8_FORMATS
-               else "the compiled kernel is not in use" if self._native is None
+        why = (f"the {fmt.label} store is not a 4-bit format ({', '.join(INT8_FORMATS)})"
+               if fmt.name not in INT8_FORMATS else "the compiled kernel is not in use" if self._native is None
                else f"the kernel runs {ISA_NAMES[self._isa]}, not avx512" if self._isa != QUANT_TOP_ISA
                else "this CPU has no AVX-512 VNNI" if not self._native.quant.int8_available else "")
         if why and act_quant == "int8":

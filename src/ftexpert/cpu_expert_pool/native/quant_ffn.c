@@ -13,6 +13,9 @@
  * Each output element is computed by one thread in a fixed order: results do not depend on the thread count.
  *
  * ISAs: 2 and above (AVX-512 BF16, AMX) run the AVX-512F code, 1 AVX2, 0 portable C (see quant_dots.h).
+ * int8 activations (ft_quant_format.act_int8, 4-bit formats, ISA 2 on a CPU with AVX-512 VNNI): phase 0 also
+ * quantizes x, phase 1 stores h in element order, and between phases 1 and 2 every h row is quantized over its
+ * g_lim values (quant_int8.h); the dot products are then integer.
  * Legend: T tokens, H hidden, I intermediate, E experts, n triples, G experts used, B tokens of one, c split_limit.
  */
 #define _GNU_SOURCE
