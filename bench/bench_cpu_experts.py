@@ -108,7 +108,8 @@ def bench_format(fmt: str, args, batches: list[int], top_k: int, dram_rows: list
         # One compute thread per physical core (SMT siblings left idle), as the worker pins them.
         cpus = list(discover_placements()[0].compute_cpus)[:args.threads]
         for kernel_name in kernels:
-            kernel = ExpertKernel(store, kernel=kernel_name, num_threads=args.threads)
+            kernel = ExpertKernel(store, kernel=kernel_name, num_threads=args.threads, act_quant=args.act_quant)
+            label = kernel.name + ("+int8" if kernel.activations == "int8" else "")     # int8 activations
             if not args.no_pin and len(cpus) == args.threads:
                 kernel.pin_threads(cpus)
             for batch in batches:
@@ -127,7 +128,7 @@ def bench_format(fmt: str, args, batches: list[int], top_k: int, dram_rows: list
 
                 sec = median_s(one_call, args.repeats, args.warmup)
                 gbps = top_k * store.expert_bytes / sec / GB
-                rows.append((fmt, kernel.name, batch, store.expert_bytes / 1e6, sec * 1e6, sec * 1e6 / top_k, gbps,
+                rows.append((fmt, label, batch, store.expert_bytes / 1e6, sec * 1e6, sec * 1e6 / top_k, gbps,
                              100 * gbps / dram_gbps))
     finally:
         store.close()
@@ -145,6 +146,8 @@ def main() -> int:
                         help="experts each call computes (top-k); every token uses all of them")
     parser.add_argument("--repeats", type=int, default=40)
     parser.add_argument("--warmup", type=int, default=8)
+    parser.add_argument("--act-quant", default="auto", choices=("auto", "fp32", "int8"),
+                        help="activations of the 4-bit formats (ExpertKernel's act_quant; auto: int8 on AVX-512 VNNI)")
     parser.add_argument("--isas", action="store_true", help="also time every compiled ISA this CPU has")
     parser.add_argument("--no-pin", action="store_true", help="do not pin compute threads to cores")
     parser.add_argument("--format", default="bf16",

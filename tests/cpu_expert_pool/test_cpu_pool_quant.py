@@ -5,6 +5,9 @@ headers are installed, through ExpertKernel, the raw binding and the C serve loo
 (biased, clamped SwiGLU, with gate / up large enough that the clamp bites: test_the_activation_is_seen); and its
 decoders bit for bit against dequantize_matrix.
 
+These tests pin act_quant="fp32" (the fp32-activation path); the int8-activation path (the default of the 4-bit
+formats on AVX-512 VNNI CPUs) has its own lockstep tests: test_cpu_pool_int8.py.
+
 Tolerance: TOL = 1e-5 of the output's largest magnitude. The kernel's dequantized weights equal the reference's
 exactly (test_decoders_are_bit_exact; the dot products use the same decoders), so what is left is fp32 arithmetic
 against float64: sums over K <= 384 terms in the vector lanes' order (about sqrt(K) * 2**-24 of the terms' scale:
@@ -128,7 +131,7 @@ def emulated():
     try:
         path = build_library(sources=(NATIVE_DIR / "quant_ffn.c",), stem="libft_quant_emulated",
                              headers=tuple(NATIVE_DIR / f for f in ("expert_act.h", "quant_dots.h", "quant_avx512.h",
-                                                                    "quant_avx2.h", "simde_shim.h")),
+                                                                    "quant_avx2.h", "quant_int8.h", "simde_shim.h")),
                              extra_flags=("-DFT_EMULATE_AVX512",))
     except NativeUnavailable as exc:
         pytest.fail(f"the emulated AVX-512 build failed: {exc}")
@@ -195,7 +198,7 @@ def test_kernel_matches_the_reference(store, isa, batch):
     hidden, tok, exp, w = make_batch(store, *BATCHES[batch], seed=len(batch) + isa)
     ref = reference_moe_layer(store, 1, hidden, tok, exp, w, dtype=torch.float64)
     out = torch.full(ref.shape, float("nan"))
-    kernel = ExpertKernel(store, kernel=f"native-{ISA_NAMES[isa]}", num_threads=2)
+    kernel = ExpertKernel(store, kernel=f"native-{ISA_NAMES[isa]}", num_threads=2, act_quant="fp32")
     stats = kernel(1, hidden, tok, exp, w, out)
     assert kernel.name == f"native-{ISA_NAMES[isa]}"
     assert stats.num_experts == len(set(exp.tolist())) and stats.weight_bytes == stats.num_experts * store.expert_bytes
@@ -276,7 +279,7 @@ def test_the_tolerance_sees_a_decoding_error(store):
     """The reference of the expert with one group's scale taken from its neighbour is far outside TOL."""
     hidden, tok, exp, w = make_batch(store, 1, 1, torch.bfloat16, seed=4)
     out = torch.empty(hidden.shape)
-    ExpertKernel(store, kernel="native", num_threads=1)(0, hidden, tok, exp, w, out)
+    ExpertKernel(store, kernel="native", num_threads=1, act_quant="fp32")(0, hidden, tok, exp, w, out)
     w13, w2 = expert_weights(store, 0, int(exp[0]))
     group = 128 if store.expert_format.name == "fp8" else store.expert_format.group_size
     wrong = w13.clone()
@@ -308,8 +311,8 @@ def test_split_expert_reads_a_prefix_of_the_channels(store, isa):
     split_expert = int(exp[0])
     if store.shape.expert_act.bias:               # the down bias belongs to one side: refused, by Python and by C
         with pytest.raises(ValueError, match="not split by channels"):
-            ExpertKernel(store, kernel=f"native-{ISA_NAMES[isa]}")(1, hidden, tok, exp, w, torch.empty(hidden.shape),
-                                                                  split_expert=split_expert, split_limit=c)
+            ExpertKernel(store, kernel=f"native-{ISA_NAMES[isa]}", act_quant="fp32")(
+                1, hidden, tok, exp, w, torch.empty(hidden.shape), split_expert=split_expert, split_limit=c)
         with pytest.raises(ValueError, match="invalid split"):
             call_raw(NATIVE.quant, quant_format_desc(store.shape.quant_layout), isa, store, 1, hidden, tok, exp, w,
                      split_expert=split_expert, split_limit=c)
@@ -334,7 +337,7 @@ def test_results_do_not_depend_on_the_thread_count(store):
     outs = []
     for threads in (1, 2, 3):
         out = torch.empty(hidden.shape)
-        ExpertKernel(store, kernel="native", num_threads=threads)(1, hidden, tok, exp, w, out)
+        ExpertKernel(store, kernel="native", num_threads=threads, act_quant="fp32")(1, hidden, tok, exp, w, out)
         outs.append(out)
     assert all(torch.equal(outs[0], o) for o in outs[1:])
 
@@ -406,7 +409,8 @@ def test_serve_loop_answers_like_the_reference(store, rig):
     from ftexpert.cpu_expert_pool.worker import WorkerStats
 
     wc, client = rig
-    loop = ExpertKernel(store, kernel="native", num_threads=2).serve_loop(wc, split=None, worker_index=0)
+    kernel = ExpertKernel(store, kernel="native", num_threads=2, act_quant="fp32")
+    loop = kernel.serve_loop(wc, split=None, worker_index=0)
     batches = {layer: make_batch(store, 1 + 3 * layer, 2, torch.bfloat16, seed=layer) for layer in (0, 1)}   # B1, B4
     for layer, (hidden, tok, exp, w) in batches.items():
         client.submit(layer, hidden, (tok, exp, w))
@@ -427,8 +431,8 @@ def test_worker_loop_serves_a_quantized_store(nvfp4_rig, monkeypatch, loop):
 
     store, wc, client = nvfp4_rig
     monkeypatch.setenv("FT_WORKER_LOOP", loop)
-    options = WorkerOptions(store.name, wc.name, settings=WorkerSettings(kernel="native", num_threads=1, hot_ms=5.0),
-                            pin_threads=False, warmup=False)
+    settings = WorkerSettings(kernel="native", act_quant="fp32", num_threads=1, hot_ms=5.0)
+    options = WorkerOptions(store.name, wc.name, settings=settings, pin_threads=False, warmup=False)
     worker = CpuWorker(options, types.SimpleNamespace(num_threads=1, compute_cpus=(0,)), store, wc)
     inbox: queue.Queue = queue.Queue()
     thread = threading.Thread(target=cpu_busy_loop, args=(worker, inbox), daemon=True)

@@ -21,6 +21,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-workers", type=int, default=1, help="workers in the pool (placement splits cores)")
     parser.add_argument("--kernel", default="auto",
                         help="auto | torch | native | native-avx512_bf16 | native-avx512 | native-avx2 | native-scalar")
+    parser.add_argument("--act-quant", default="auto", choices=("auto", "fp32", "int8"),
+                        help="activations of 4-bit experts (int4, mxfp4, nvfp4): int8 in blocks of 16 with integer "
+                             "dot products (AVX-512 VNNI; faster, docs/QUANTIZATION.md states the error), fp32, or "
+                             "auto: int8 where the CPU has AVX-512 VNNI")
     parser.add_argument("--threads", type=int, default=0, help="compute threads (0 = one per physical core)")
     parser.add_argument("--reserve-cpus", default="", help="CPU list left to other processes, e.g. 0-1")
     parser.add_argument("--allowed-cpus", default=None, metavar="LIST",
@@ -48,7 +52,8 @@ def run(args: argparse.Namespace) -> int:
     from ftexpert.cpu_expert_pool.worker import WorkerOptions, WorkerSettings, run_cpu_worker
     from ftexpert.proto.shm_layout import channel_name_for
 
-    settings = WorkerSettings(kernel=args.kernel, num_threads=args.threads, spin_us=args.spin_us, hot_ms=args.hot_ms,
+    settings = WorkerSettings(kernel=args.kernel, act_quant=args.act_quant, num_threads=args.threads,
+                              spin_us=args.spin_us, hot_ms=args.hot_ms,
                               sleep_max_us=args.sleep_max_us)
     options = WorkerOptions(
         store_name=args.store, channel_name=args.channel or channel_name_for(args.store, args.worker_index),

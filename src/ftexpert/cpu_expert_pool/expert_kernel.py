@@ -13,6 +13,12 @@ here), ``auto`` (native when it builds, else torch, with a log line saying why).
 Quantized stores (``store.expert_format``: fp8, int4-g*, mxfp4, nvfp4) use native/quant_ffn.c, which
 dequantizes in registers to fp32 and has avx512, avx2 and scalar paths (no avx512_bf16 or AMX one: the
 dequantized weights are fp32); ``native`` there means the best of those three.
+Activations of the 4-bit formats (int4, mxfp4, nvfp4) on the AVX-512 path: ``act_quant`` (the worker's
+``--act-quant``). ``int8`` quantizes them to int8 in blocks of 16 with an fp32 scale and takes integer dot products
+(AVX-512 VNNI; native/quant_int8.h): about twice the speed where the fp32 path is compute-bound, at a relative
+error docs/QUANTIZATION.md states ("CPU activations"). ``fp32`` keeps them fp32 (the reference's numerics to
+fp32 rounding). ``auto`` (the default) is int8 where the CPU has AVX-512 VNNI and the store a 4-bit format, else
+fp32; other formats and ISAs always run fp32.
 Biased experts with gpt-oss's clamped SwiGLU (``store.shape.expert_act``, proto/expert_act.py) run in both compiled
 kernels, every ISA and format: they read the biases from the end of each expert row (native/act_desc.py describes
 the activation and where the biases are), add the gate / up biases before the clamp and out += w * (down . h +
@@ -30,7 +36,7 @@ import torch.nn.functional as F
 
 from ftexpert.cpu_expert_pool.native.act_desc import ExpertActDesc, expert_act_desc
 from ftexpert.cpu_expert_pool.native.build import ISA_BY_NAME, ISA_NAMES, NativeLib, try_load_native
-from ftexpert.cpu_expert_pool.native.quant_desc import QuantFormatDesc, quant_format_desc
+from ftexpert.cpu_expert_pool.native.quant_desc import INT8_FORMATS, QuantFormatDesc, quant_format_desc
 from ftexpert.cpu_expert_pool.native_loop import NativeServeLoop
 from ftexpert.kernels.expert_reference import apply_act, dequantize_expert
 from ftexpert.proto.expert_store import ExpertStore
@@ -39,6 +45,7 @@ from ftexpert.proto.shm_layout import SPLIT_CHANNEL_UNIT
 log = logging.getLogger(__name__)
 
 KERNELS = ("auto", "torch", "native", *(f"native-{name}" for name in ISA_BY_NAME))
+ACT_QUANTS = ("auto", "fp32", "int8")      # the 4-bit formats' activations on the AVX-512 path (see above)
 QUANT_TOP_ISA = ISA_BY_NAME["avx512"]      # quant_ffn.c's widest path
 
 
@@ -127,9 +134,11 @@ def _check_triples(store: ExpertStore, num_tokens: int, token_idx: torch.Tensor,
 class ExpertKernel:
     """The kernel a CPU worker uses; construct once per process (sets thread counts)."""
 
-    def __init__(self, store: ExpertStore, *, kernel: str = "auto", num_threads: int = 1):
+    def __init__(self, store: ExpertStore, *, kernel: str = "auto", num_threads: int = 1, act_quant: str = "auto"):
         if kernel not in KERNELS:
             raise ValueError(f"kernel {kernel!r} is not known; choose one of {', '.join(KERNELS)}")
+        if act_quant not in ACT_QUANTS:
+            raise ValueError(f"act_quant {act_quant!r} is not known; choose one of {', '.join(ACT_QUANTS)}")
         if num_threads <= 0:
             raise ValueError(f"num_threads must be > 0, got {num_threads}")
         self.store = store
@@ -163,7 +172,28 @@ class ExpertKernel:
                 if self._isa > self._native.best_isa:
                     raise ValueError(f"kernel {kernel!r} needs {ISA_NAMES[self._isa]}, this CPU tops out at "
                                      f"{self._native.best_isa_name}; use --kernel native")
+        self.act_int8 = self._pick_act_int8(act_quant)
+        if self.act_int8:
+            self._quant = quant_format_desc(store.shape.quant_layout, act_int8=True)
         torch.set_num_threads(num_threads)
+
+    def _pick_act_int8(self, act_quant: str) -> bool:
+        """int8 activations where act_quant asks for them (auto: wherever they run); ValueError where "int8" cannot."""
+        if act_quant == "fp32":
+            return False
+        fmt = self.store.expert_format
+        why = (f"the {fmt.label} store is not a 4-bit format ({', '.join(INT8_FORMATS)})"
+               if fmt.name not in INT8_FORMATS else "the compiled kernel is not in use" if self._native is None
+               else f"the kernel runs {ISA_NAMES[self._isa]}, not avx512" if self._isa != QUANT_TOP_ISA
+               else "this CPU has no AVX-512 VNNI" if not self._native.quant.int8_available else "")
+        if why and act_quant == "int8":
+            raise ValueError(f"act_quant 'int8' unavailable: {why}; use act_quant 'fp32' or 'auto'")
+        return not why
+
+    @property
+    def activations(self) -> str:
+        """How the activations enter the dot products: "int8" (quant_int8.h) or "fp32"."""
+        return "int8" if self.act_int8 else "fp32"
 
     @property
     def name(self) -> str:

@@ -42,6 +42,7 @@ SUPERVISOR_HEARTBEAT_S = 1.0
 class WorkerSettings:
     """How the worker computes and waits (its `ft worker cpu` flags)."""
     kernel: str = "auto"              # auto | torch | native | native-<isa> (see expert_kernel.KERNELS)
+    act_quant: str = "auto"           # auto | fp32 | int8: 4-bit formats' activations (expert_kernel.ACT_QUANTS)
     num_threads: int = 0              # 0 = one per physical core of the placement
     spin_us: float = 50.0             # idle: spin this long between sleeps
     hot_ms: float = 50.0              # after a request: spin continuously this long
@@ -100,7 +101,7 @@ class CpuWorker:
         self.stats = WorkerStats()
         st = self.settings = options.settings
         num_threads = st.num_threads or placement.num_threads
-        self.kernel = ExpertKernel(store, kernel=st.kernel, num_threads=num_threads)
+        self.kernel = ExpertKernel(store, kernel=st.kernel, num_threads=num_threads, act_quant=st.act_quant)
         if options.pin_threads and num_threads == len(placement.compute_cpus):
             pinned = self.kernel.pin_threads(list(placement.compute_cpus))
             log.info("kernel %s, %d threads%s", self.kernel.name, num_threads, ", pinned one per core" if pinned else "")

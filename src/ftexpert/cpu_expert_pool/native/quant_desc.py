@@ -1,7 +1,8 @@
 """The quantized expert kernel's view of a format (quant_ffn.c's ``ft_quant_format``) and its ctypes bindings.
 
 ``quant_format_desc(layout)`` turns a ``proto.expert_format.QuantLayout`` into the struct the C code reads: the
-format id, the group size and each region's byte offset within one expert (-1 where the format has none). The C
+format id, the group size, each region's byte offset within one expert (-1 where the format has none) and whether
+the activations are quantized to int8 (``act_int8``: 4-bit formats on AVX-512 VNNI, native/quant_int8.h). The C
 side takes the region shapes from H, I and the format by proto/expert_format.py's formulas and checks that every
 region fits ``expert_bytes`` (ERR_BAD_FORMAT otherwise), so a layout change there fails loudly here.
 """
@@ -16,23 +17,28 @@ from ftexpert.proto.expert_format import FP8_BLOCK, FormatError, QuantLayout
 FORMAT_IDS = {"fp8": 1, "int4": 2, "mxfp4": 3, "nvfp4": 4}     # quant_dots.h FMT_*
 REGIONS = ("codes_w13", "codes_w2", "scales_w13", "scales_w2", "zeros_w13", "zeros_w2", "globals")
 MATRICES = {"gate": 0, "up": 1, "down": 2}                      # ft_dequantize_rows's m
+INT8_FORMATS = ("int4", "mxfp4", "nvfp4")                       # quant_int8.h's formats
 
 
 class QuantFormatDesc(ctypes.Structure):
     """Mirror of quant_ffn.c's ft_quant_format (all int64)."""
     _fields_ = [("format", ctypes.c_int64), ("group_size", ctypes.c_int64), ("expert_bytes", ctypes.c_int64),
-                *((name, ctypes.c_int64) for name in REGIONS)]
+                *((name, ctypes.c_int64) for name in REGIONS), ("act_int8", ctypes.c_int64)]
 
 
-def quant_format_desc(layout: QuantLayout) -> QuantFormatDesc:
-    """The struct for one expert of ``layout`` (keep it alive while C holds its address)."""
+def quant_format_desc(layout: QuantLayout, act_int8: bool = False) -> QuantFormatDesc:
+    """The struct for one expert of ``layout`` (keep it alive while C holds its address); act_int8: the int8
+    activation path (4-bit formats only; the C side refuses it on a CPU without AVX-512 VNNI)."""
     fmt = layout.fmt
     if fmt.name not in FORMAT_IDS:
         raise FormatError(f"the compiled CPU expert kernel has no {fmt.label} path; it reads "
                           f"{', '.join(FORMAT_IDS)} (and bf16 through ft_moe_layer)")
+    if act_int8 and fmt.name not in INT8_FORMATS:
+        raise FormatError(f"int8 activations are for the 4-bit formats ({', '.join(INT8_FORMATS)}), not {fmt.label}")
     regions = layout.regions
     return QuantFormatDesc(FORMAT_IDS[fmt.name], FP8_BLOCK if fmt.name == "fp8" else fmt.group_size,
-                           layout.expert_nbytes, *(regions[name][0] if name in regions else -1 for name in REGIONS))
+                           layout.expert_nbytes, *(regions[name][0] if name in regions else -1 for name in REGIONS),
+                           int(act_int8))
 
 
 class QuantBindings:
@@ -45,7 +51,12 @@ class QuantBindings:
                                        c_p, c_p, c_p, c_int, c_p, c_p, c_int, c_int, c_p]
         lib.ft_dequantize_rows.restype = c_int
         lib.ft_dequantize_rows.argtypes = [c_p, c_int, c_p, c_int, c_int, c_int, c_int, c_int, c_p]
+        lib.ft_quant_int8_available.restype = c_int
+        lib.ft_quant_int8_available.argtypes = []
+        lib.ft_quant_dot_i8.restype = c_int
+        lib.ft_quant_dot_i8.argtypes = [c_p, c_p, c_int, c_int, c_int, c_int, c_int, c_p, c_int, c_p]
         self._lib = lib
+        self.int8_available = bool(lib.ft_quant_int8_available())     # AVX-512 VNNI here
         self._stats = (ctypes.c_int64 * 2)()
 
     def moe_layer(self, desc: QuantFormatDesc, isa: int, num_threads: int, layer_base: int, expert_stride_bytes: int,
@@ -69,3 +80,12 @@ class QuantBindings:
                                           MATRICES[matrix], row0, num_rows, out_ptr)
         if rc != 0:
             raise ValueError(f"ft_dequantize_rows: {ERRORS.get(rc, f'error {rc}')}")
+
+    def dot_i8(self, desc: QuantFormatDesc, expert_ptr: int, hidden_size: int, intermediate: int, matrix: str,
+               row0: int, num_rows: int, x_ptr: int, batch: int, out_ptr: int) -> None:
+        """The int8 path's dot products (a test hook): out [batch, num_rows] = rows [row0, row0 + num_rows) of
+        gate / up / down . x [batch, K] fp32, x quantized as the layer quantizes it."""
+        rc = self._lib.ft_quant_dot_i8(ctypes.addressof(desc), expert_ptr, hidden_size, intermediate,
+                                       MATRICES[matrix], row0, num_rows, x_ptr, batch, out_ptr)
+        if rc != 0:
+            raise ValueError(f"ft_quant_dot_i8: {ERRORS.get(rc, f'error {rc}')}")

@@ -13,6 +13,9 @@
  * Each output element is computed by one thread in a fixed order: results do not depend on the thread count.
  *
  * ISAs: 2 and above (AVX-512 BF16, AMX) run the AVX-512F code, 1 AVX2, 0 portable C (see quant_dots.h).
+ * int8 activations (ft_quant_format.act_int8, 4-bit formats, ISA 2 on a CPU with AVX-512 VNNI): phase 0 also
+ * quantizes x, phase 1 stores h in element order, and between phases 1 and 2 every h row is quantized over its
+ * g_lim values (quant_int8.h); the dot products are then integer.
  * Legend: T tokens, H hidden, I intermediate, E experts, n triples, G experts used, B tokens of one, c split_limit.
  */
 #define _GNU_SOURCE
@@ -44,6 +47,7 @@ int ft_best_isa(void);               /* expert_ffn.c */
 
 #include "expert_act.h"
 #include "quant_dots.h"
+#include "quant_int8.h"
 
 /* One quantized expert's layout: ft_quant_format (cpu_expert_pool/native/quant_desc.py builds it from a
    proto.expert_format.QuantLayout). Offsets are bytes from the expert's first byte, -1 for an absent region. */
@@ -52,6 +56,7 @@ typedef struct {
     int64_t group_size;        /* int4 32 / 64 / 128, mxfp4 32, nvfp4 16; fp8 128 (the block side) */
     int64_t expert_bytes;      /* QuantLayout.expert_nbytes */
     int64_t codes_w13, codes_w2, scales_w13, scales_w2, zeros_w13, zeros_w2, globals;
+    int64_t act_int8;          /* 1: int8 activations (4-bit formats, AVX-512 VNNI: quant_int8.h); 0: fp32 */
 } ft_quant_format;
 
 static int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
@@ -75,6 +80,7 @@ int ft_quant_format_check(const ft_quant_format *f, int H, int I, int64_t expert
                          : f->format == FMT_INT4 ? (G == 32 || G == 64 || G == 128)
                          : f->format == FMT_MXFP4 ? G == 32 : G == 16;
     if (!ok_group || H <= 0 || I <= 0) return ERR_BAD_FORMAT;
+    if (f->act_int8 != 0 && (f->act_int8 != 1 || f->format == FMT_FP8)) return ERR_BAD_FORMAT;
     if (f->format != FMT_FP8 && (H % G || I % G)) return ERR_BAD_FORMAT;
     if (f->expert_bytes <= 0 || f->expert_bytes > expert_stride_bytes) return ERR_BAD_FORMAT;
     const int int4 = f->format == FMT_INT4, nv = f->format == FMT_NVFP4;
@@ -171,8 +177,9 @@ int ft_moe_layer_q(const ft_quant_format *qf, int isa, int num_threads,
         if (tok[k] < 0 || tok[k] >= T) return ERR_BAD_TOKEN;
         if (expert[k] < 0 || expert[k] >= num_experts) return ERR_BAD_EXPERT;
     }
-    const int fmt = (int)qf->format, G = (int)qf->group_size, four = fmt != FMT_FP8;
+    const int fmt = (int)qf->format, G = (int)qf->group_size, four = fmt != FMT_FP8, i8 = qf->act_int8 != 0;
     if (isa > ISA_AVX512) isa = ISA_AVX512;
+    if (i8 && (isa != ISA_AVX512 || !ft_quant_int8_available())) return ERR_BAD_ISA;
 
     pthread_mutex_lock(&q_lock);
     const size_t a_e = align_up((size_t)(num_experts + 1) * 4), a_n = align_up((size_t)(n + 1) * 4);
@@ -200,12 +207,17 @@ int ft_moe_layer_q(const ft_quant_format *qf, int isa, int num_threads,
         swt[pos] = weight[k];
     }
     for (int k = 0; k < n; ++k) iota[k] = k;
-    /* x [T, H] fp32, h [n, I] fp32 (group g's rows from g_start[g]), g_item[g]: phase-1 row pairs before g */
+    /* x [T, H] fp32, h [n, I] fp32 (group g's rows from g_start[g]), g_item[g]: phase-1 row pairs before g;
+       int8 activations: x and h quantized, rows of x8s / h8s bytes (quant_int8.h) */
+    const int64_t x8s = i8 ? q8_row_bytes(H) : 0, h8s = i8 ? q8_row_bytes(I) : 0;
     const size_t off_h = align_up((size_t)T * H * 4), off_items = off_h + align_up((size_t)n * I * 4);
-    uint8_t *w = (uint8_t *)reserve(&q_work, off_items + (size_t)(ng + 1) * 8);
+    const size_t off_x8 = off_items + align_up((size_t)(ng + 1) * 8), off_h8 = off_x8 + align_up((size_t)(T * x8s));
+    uint8_t *w = (uint8_t *)reserve(&q_work, off_h8 + (size_t)(n * h8s));
     if (!w) { pthread_mutex_unlock(&q_lock); return ERR_NO_MEMORY; }
     float *xq = (float *)w, *hbuf = (float *)(w + off_h);
     int64_t *g_item = (int64_t *)(w + off_items);
+    uint8_t *x8 = w + off_x8, *h8 = w + off_h8;
+    const int perm = four && !i8;                  /* the fp32 path's permuted activations */
     g_item[0] = 0;
     for (int g = 0; g < ng; ++g) g_item[g + 1] = g_item[g] + g_lim[g];
     const int64_t items1 = g_item[ng];
@@ -221,8 +233,9 @@ int ft_moe_layer_q(const ft_quant_format *qf, int isa, int num_threads,
             for (int k = 0; k < H; ++k) {
                 const float v = hidden_is_bf16 ? bf16_to_f32(((const uint16_t *)hidden)[t * H + k])
                                                : ((const float *)hidden)[t * H + k];
-                xq[t * H + (four ? perm4_pos(k, H) : k)] = v;
+                xq[t * H + (perm ? perm4_pos(k, H) : k)] = v;
             }
+        for (int64_t t = t0; i8 && t < t1; ++t) q8_quantize_row(xq + t * H, H, fmt, x8 + t * x8s);
         #pragma omp barrier
 
         /* phase 1: h = act(gate . x, up . x) (silu: silu(g) * u), this thread's row pairs */
@@ -236,16 +249,28 @@ int ft_moe_layer_q(const ft_quant_format *qf, int isa, int num_threads,
             if (g != mat_g) { gate_m = quant_mat(qf, e, H, I, 0); up_m = quant_mat(qf, e, H, I, 1); mat_g = g; }
             const qrow gate = qmat_row(&gate_m, i, fmt), up = qmat_row(&up_m, i, fmt);
             float *h = hbuf + (int64_t)g_start[g] * I;
-            const int pos = four ? perm4_pos(i, I) : i;
+            const int pos = perm ? perm4_pos(i, I) : i;
             const float bg = ft_bias(act, e, i), bu = ft_bias(act, e, (int64_t)I + i);
             for (int b0 = 0; b0 < B; b0 += TOKEN_CHUNK) {
                 const int nb = B - b0 < TOKEN_CHUNK ? B - b0 : TOKEN_CHUNK;
+#if defined(__x86_64__)
+                if (i8) dot8_rows(fmt, G, &gate, &up, H, x8, x8s, stok + g_start[g] + b0, nb, ra, rb);
+                else
+#endif
                 dotq_rows(isa, fmt, G, &gate, &up, H, xq, H, stok + g_start[g] + b0, nb, ra, rb);
                 ft_gate_rows(act, ra, rb, nb, bg, bu);                    /* ra = h */
                 for (int b = 0; b < nb; ++b) h[(int64_t)(b0 + b) * I + pos] = ra[b];
             }
         }
         #pragma omp barrier
+        if (i8) {                              /* h quantized, a row's first g_lim values (a split: c) */
+            int g = 0;
+            for (int r = (int)((int64_t)n * tid / nth), r1 = (int)((int64_t)n * (tid + 1) / nth); r < r1; ++r) {
+                while (r >= g_start[g + 1]) ++g;
+                q8_quantize_row(hbuf + (int64_t)r * I, g_lim[g], fmt, h8 + r * h8s);
+            }
+            #pragma omp barrier
+        }
 
         /* phase 2: out[tok, j] += w * (down_j[:lim] . h + b_down[j]), this thread's rows j, every group */
         const int j0 = (int)((int64_t)H * tid / nth), j1 = (int)((int64_t)H * (tid + 1) / nth);
@@ -260,6 +285,10 @@ int ft_moe_layer_q(const ft_quant_format *qf, int isa, int num_threads,
                 const float ba = ft_bias(act, e, 2 * (int64_t)I + j), bb = ft_bias(act, e, 2 * (int64_t)I + j + pair);
                 for (int b0 = 0; b0 < B; b0 += TOKEN_CHUNK) {
                     const int nb = B - b0 < TOKEN_CHUNK ? B - b0 : TOKEN_CHUNK;
+#if defined(__x86_64__)
+                    if (i8) dot8_rows(fmt, G, &da, &db, K, h8 + (start + b0) * h8s, h8s, iota, nb, ra, rb);
+                    else
+#endif
                     dotq_rows(isa, fmt, G, &da, &db, K, h + (int64_t)b0 * I, I, iota, nb, ra, rb);
                     for (int b = 0; b < nb; ++b) {
                         float *o = out + (int64_t)stok[start + b0 + b] * H + j;
@@ -314,5 +343,38 @@ int ft_dequantize_rows(const ft_quant_format *qf, int isa, const void *expert_ba
             }
         }
     }
+    return 0;
+}
+
+/* Test hook of the int8 path (tests/cpu_expert_pool/test_cpu_pool_int8.py): out[b, r - row0] = row r of matrix m
+   (0 gate, 1 up, 2 down) . x[b] over the matrix's K, x [B, K] fp32 quantized by q8_quantize_row, rows taken in pairs
+   as the layer takes them (an odd last row paired with itself). */
+int ft_quant_dot_i8(const ft_quant_format *qf, const void *expert_base, int H, int I, int m, int row0, int nrows,
+                    const float *x, int B, float *out) {
+    if (!ft_quant_int8_available()) return ERR_BAD_ISA;
+    if (ft_quant_format_check(qf, H, I, qf ? qf->expert_bytes : 0) || qf->format == FMT_FP8) return ERR_BAD_FORMAT;
+    const int K = m == 2 ? I : H, rows = m == 2 ? H : I, fmt = (int)qf->format, G = (int)qf->group_size;
+    if (m < 0 || m > 2 || row0 < 0 || nrows < 0 || row0 + nrows > rows || B <= 0 || B > TOKEN_CHUNK)
+        return ERR_BAD_ARGS;
+    const int64_t xs = q8_row_bytes(K);
+    uint8_t *xq = (uint8_t *)aligned_alloc(ALIGN_BYTES, align_up((size_t)(B * xs)));
+    if (!xq) return ERR_NO_MEMORY;
+    for (int b = 0; b < B; ++b) q8_quantize_row(x + (int64_t)b * K, K, fmt, xq + b * xs);
+#if defined(__x86_64__)
+    int32_t idx[TOKEN_CHUNK];
+    float ra[TOKEN_CHUNK], rb[TOKEN_CHUNK];
+    for (int b = 0; b < B; ++b) idx[b] = b;
+    for (int r = row0; r < row0 + nrows; r += 2) {
+        const int pair = r + 1 < row0 + nrows;
+        const qrow a = quant_row(qf, (const uint8_t *)expert_base, H, I, m, r);
+        const qrow c = quant_row(qf, (const uint8_t *)expert_base, H, I, m, r + pair);
+        dot8_rows(fmt, G, &a, &c, K, xq, xs, idx, B, ra, rb);
+        for (int b = 0; b < B; ++b) {
+            out[(int64_t)b * nrows + r - row0] = ra[b];
+            if (pair) out[(int64_t)b * nrows + r + 1 - row0] = rb[b];
+        }
+    }
+#endif
+    free(xq);
     return 0;
 }

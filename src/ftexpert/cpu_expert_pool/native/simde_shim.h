@@ -58,6 +58,11 @@ static inline __m128i _mm_maskz_loadu_epi8(__mmask16 k, const void *p) {
     for (int i = 0; i < 16; ++i) r[i] = (k >> i) & 1 ? ((const uint8_t *)p)[i] : 0;
     return _mm_loadu_si128((const __m128i *)r);
 }
+static inline __m512i _mm512_maskz_loadu_epi8(uint64_t k, const void *p) {
+    uint8_t r[64];
+    for (int i = 0; i < 64; ++i) r[i] = (k >> i) & 1 ? ((const uint8_t *)p)[i] : 0;
+    return _mm512_loadu_si512(r);
+}
 static inline __m512 _mm512_maskz_loadu_ps(__mmask16 k, const float *p) {
     float r[16];
     for (int i = 0; i < 16; ++i) r[i] = (k >> i) & 1 ? p[i] : 0.0f;
