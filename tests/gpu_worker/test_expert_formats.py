@@ -185,15 +185,18 @@ def test_a_store_of_another_format_is_refused_on_attach():
         host.close()
 
 
-def test_hybrid_on_the_cpu_gives_the_resident_tokens_in_a_quantized_format():
-    """The CPU workers compute their share from the quantized store (their torch kernel dequantizes), the GPU side
-    from its quantized slots; the sums agree with resident's to fp32 rounding, and the tokens are resident's."""
+@pytest.mark.parametrize("act_quant, bound", [("fp32", 1e-5), ("auto", 3e-2)])
+def test_hybrid_on_the_cpu_gives_the_resident_tokens_in_a_quantized_format(act_quant, bound):
+    """The CPU workers compute their share from the quantized store, the GPU side from its quantized slots; with fp32
+    activations on the CPU the sums agree with resident's to fp32 rounding, with the default (int8 activations where
+    the CPU has AVX-512 VNNI: docs/QUANTIZATION.md) within its stated 3% bound; the tokens are resident's."""
     from ftexpert.gpu_worker.backends.hybrid import HybridOptions
 
     label = "int4-g32"
     resident = build(expert_format=label, max_context_tokens=128)
     loaded = build_with_resources("hybrid", cache_size=12, expert_format=label, max_context_tokens=128,
-                                  worker_args=("--threads", "1", "--no-pin", "--hot-ms", "1"),
+                                  worker_args=("--threads", "1", "--no-pin", "--hot-ms", "1",
+                                               "--act-quant", act_quant),
                                   hybrid=HybridOptions(fetch_fraction=0.5, cpu_deadline_s=20.0))
     backend = loaded.experts
     assert backend.host.store.expert_format.label == label and not backend.splits_experts
@@ -211,6 +214,6 @@ def test_hybrid_on_the_cpu_gives_the_resident_tokens_in_a_quantized_format():
         assert greedy(loaded, n=12, chunk=4) == greedy(resident, n=12, chunk=4)
         counters = backend.counters()
         assert counters["cpu_triples_total"] > 0 and counters["experts_fetched_total"] > 0
-        assert counters["fallbacks_total"] == 0 and diffs and max(diffs) < 1e-5
+        assert counters["fallbacks_total"] == 0 and diffs and max(diffs) < bound
     finally:
         backend.close()
