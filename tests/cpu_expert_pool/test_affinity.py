@@ -407,3 +407,25 @@ def test_the_attached_backend_sizes_torch_threads_by_the_reserved_list(monkeypat
         "hybrid", types.SimpleNamespace(store=None), source.experts, 8, torch.device("cpu"), ["ch0"],
         per_layer=False, mode="auto", hybrid=HybridOptions(reserve_cpus=reserve))
     assert backend is made and seen == [threads]
+
+
+@pytest.mark.parametrize("act_quant", ["auto", "fp32", "int8"])
+def test_the_specs_cpu_act_quant_reaches_every_workers_command_line(fake_affinity, act_quant):
+    """`ft serve --cpu-act-quant X` (EngineSpec.cpu_act_quant) -> CpuWorkerSettings.act_quant -> each worker's
+    --act-quant X (its WorkerSettings.act_quant); a worker_args flag given later wins, as argparse reads it last."""
+    import argparse
+
+    from ftexpert.coordinator.expert_resources import CpuWorkerSettings, ExpertResources
+    from ftexpert.proto.engine_spec import EngineSpec, add_engine_flags, spec_from_args
+
+    parser = argparse.ArgumentParser()
+    add_engine_flags(parser)
+    spec = spec_from_args(parser.parse_args(["--moe-strategy", "hybrid", "--cpu-act-quant", act_quant]), environ={})
+    assert spec.cpu_act_quant == act_quant and EngineSpec().cpu_act_quant == "auto"
+    res = ExpertResources("hybrid", CpuWorkerSettings(num_workers=2, act_quant=spec.cpu_act_quant))
+    res._plan_workers()
+    res.store_name, res.channel_names = "s", ["s.cpu0", "s.cpu1"]
+    for worker in res.cpu_worker_specs():
+        assert build_parser().parse_args(worker.argv[3:]).act_quant == act_quant
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--cpu-act-quant", "int4"])

@@ -177,6 +177,12 @@ WIRE_FIELDS = {6: ("model", "preset", "seed_weights", "device", "dtype", "expert
                    "eviction_freq_weight", "eviction_freq_half_life", "moe_prefetch", "moe_prefetch_budget",
                    "moe_prefetch_k", "moe_prefetch_verify", "expert_compute", "expert_copy", "fused_kernels",
                    "dense_linear", "routing", "max_running_requests", "max_context_tokens", "prefill_chunk_tokens",
+                   "kv_block_size", "kv_cache_gib", "prefix_cache", "overlap_decode", "cuda_graphs", "attention_backend", "moe_slot_audit", "pdl"),
+               7: ("model", "preset", "seed_weights", "device", "dtype", "expert_format", "moe_strategy",
+                   "moe_cache_size", "moe_cache_per_layer", "num_cpu_workers", "reserve_cpus", "cpu_act_quant", "pin_gpu_worker",
+                   "eviction_freq_weight", "eviction_freq_half_life", "moe_prefetch", "moe_prefetch_budget",
+                   "moe_prefetch_k", "moe_prefetch_verify", "expert_compute", "expert_copy", "fused_kernels",
+                   "dense_linear", "routing", "max_running_requests", "max_context_tokens", "prefill_chunk_tokens",
                    "kv_block_size", "kv_cache_gib", "prefix_cache", "overlap_decode", "cuda_graphs", "attention_backend", "moe_slot_audit", "pdl")}
 
 

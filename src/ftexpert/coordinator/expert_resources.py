@@ -52,6 +52,7 @@ class CpuWorkerSettings:
     num_workers: int = 0                   # 0: one per NUMA node or core group
     threads: int = 0                       # compute threads per worker (0: one per physical core)
     reserve_cpus: str | None = None        # kept free of workers (the GPU-driving process pins itself there)
+    act_quant: str = "auto"                # 4-bit experts' activations (the workers' --act-quant)
     worker_args: tuple[str, ...] = ()      # more `ft worker cpu` flags (e.g. --hot-ms 5 --no-pin)
     t_max: int = DEFAULT_CPU_MAX_TOKENS    # tokens a channel takes
     log_level: str = "INFO"
@@ -96,7 +97,7 @@ class ExpertResources:
         """The model's facts (`model`) from `ft worker store`, and for offload / cpu / hybrid the store it fills
         and the CPU workers' channels (cpu, hybrid). No torch and no model code in this process. timeout_s: a
         limit for each of the child's two steps (open the model, fill the store); None: as long as they take."""
-        res = cls(spec.moe_strategy, cpu or CpuWorkerSettings())
+        res = cls(spec.moe_strategy, cpu or CpuWorkerSettings(act_quant=spec.cpu_act_quant))
         reclaim_stale_host_memory()
         child = ModelChild(spec, fill_store=spec.moe_strategy in HOST_STORE_STRATEGIES, log_level=log_level,
                            timeout_s=timeout_s)
@@ -156,7 +157,8 @@ class ExpertResources:
         allowed = sorted(os.sched_getaffinity(0))        # before anyone in this process pins itself
         reserved = cpu_api.reserved_cpus(cpu.reserve_cpus, allowed)
         self._flags = cpu_api.worker_flags(threads=cpu.threads, reserve_cpus=reserved, allowed_cpus=allowed,
-                                           extra=("--log-level", cpu.log_level, *cpu.worker_args))
+                                           extra=("--log-level", cpu.log_level, "--act-quant", cpu.act_quant,
+                                                  *cpu.worker_args))
         return reserved, allowed
 
     def _create_channels(self, hidden: int, top_k: int, model_dtype: Any) -> None:

@@ -72,7 +72,7 @@ def cpu_worker_settings(args: argparse.Namespace, spec: EngineSpec):
     from ftexpert.cpu_expert_pool.api import default_worker_count
 
     return CpuWorkerSettings(num_workers=spec.num_cpu_workers or default_worker_count(), threads=args.cpu_threads,
-                             reserve_cpus=spec.reserve_cpus)
+                             reserve_cpus=spec.reserve_cpus, act_quant=spec.cpu_act_quant)
 
 
 def _prompt_ids(args: argparse.Namespace, tokenizer) -> list[int]:

@@ -154,6 +154,7 @@ class ProcessSet:
         """The model's facts, the store and the CPU workers' channels, through their owner (kept until stop())."""
         o = self.options
         cpu = CpuWorkerSettings(num_workers=max(1, o.spec.num_cpu_workers), reserve_cpus=o.spec.reserve_cpus,
+                                act_quant=o.spec.cpu_act_quant,
                                 log_level=o.log_level, ready_timeout_s=o.worker_ready_timeout_s,
                                 backoff_initial_s=o.backoff_initial_s, backoff_max_s=o.backoff_max_s,
                                 max_restarts=o.max_restarts)

@@ -286,6 +286,7 @@ def run_inline(args: argparse.Namespace, spec: EngineSpec) -> int:
             source = open_model_source(spec.model, spec.preset, dtype=spec.dtype, seed=spec.seed_weights,
                                        device=device, expert_format=spec.expert_format)
             cpu = CpuWorkerSettings(num_workers=spec.num_cpu_workers, reserve_cpus=spec.reserve_cpus,
+                                    act_quant=spec.cpu_act_quant,
                                     log_level=args.log_level, ready_timeout_s=args.worker_ready_timeout_s)
             resources = ExpertResources.create(source, spec.moe_strategy, cpu=cpu,
                                                store_name=args.store_name or default_store_name(args.port),

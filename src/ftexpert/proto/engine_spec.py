@@ -37,10 +37,12 @@ EXPERT_COMPUTE_MODES = ("auto", "grouped", "gemv")       # gpu_worker/backends/e
 ATTENTION_BACKENDS = ("auto", "sdpa", "triton")          # gpu_worker/engine/attention.py
 DENSE_LINEARS = ("auto", "gemv", "torch")                # gpu_worker/models/model.py DENSE_LINEARS, and auto
 EXPERT_COPIES = ("split", "whole")                       # offload / hybrid's decode copy (OffloadExperts split_copy)
+CPU_ACT_QUANTS = ("auto", "fp32", "int8")                # cpu_expert_pool/expert_kernel.py ACT_QUANTS
 # the fields that take one of a few values: the spec refuses another, their flags offer these
 CHOICES = {"moe_strategy": STRATEGIES, "device": DEVICES, "dtype": DTYPES, "expert_compute": EXPERT_COMPUTE_MODES,
            "expert_copy": EXPERT_COPIES, "fused_kernels": AUTO_ON_OFF, "dense_linear": DENSE_LINEARS,
-           "overlap_decode": AUTO_ON_OFF, "cuda_graphs": ON_OFF, "attention_backend": ATTENTION_BACKENDS}
+           "overlap_decode": AUTO_ON_OFF, "cuda_graphs": ON_OFF, "attention_backend": ATTENTION_BACKENDS,
+           "cpu_act_quant": CPU_ACT_QUANTS}
 # the embedded default model (neither --model nor --preset): its files ship in the GPU worker's checkpoint package;
 # its path is named here so that `ft serve` resolves the default without importing the model-loading code
 DEFAULT_MODEL_DIR = Path(__file__).resolve().parents[1] / "gpu_worker" / "checkpoint" / "data" / "default-moe"
@@ -56,6 +58,7 @@ ENGINE_KNOBS = ("expert_format", "overlap_decode", "eviction_freq_weight", "evic
 # same model and experts (`BuiltEngine.fresh_engine(spec)`). Every field is in exactly one (a test checks).
 MODEL_FIELDS = ("model", "preset", "seed_weights", "device", "dtype", "expert_format", "fused_kernels")
 EXPERT_FIELDS = ("moe_strategy", "moe_cache_size", "moe_cache_per_layer", "num_cpu_workers", "reserve_cpus",
+                 "cpu_act_quant",
                  "pin_gpu_worker", "eviction_freq_weight", "eviction_freq_half_life", "expert_compute", "expert_copy")
 ENGINE_FIELDS = ("moe_prefetch", "moe_prefetch_budget", "moe_prefetch_k", "moe_prefetch_verify", "routing",
                  "dense_linear", "max_running_requests", "max_context_tokens", "prefill_chunk_tokens",
@@ -116,6 +119,7 @@ class EngineSpec:
     moe_cache_per_layer: bool = False           # every layer its own pool of moe_cache_size // layers slots
     num_cpu_workers: int = 0                    # cpu / hybrid: CPU expert workers (0: one per NUMA node)
     reserve_cpus: str | None = None             # cpu / hybrid: CPUs the CPU workers keep off
+    cpu_act_quant: str = "auto"                 # cpu / hybrid: the CPU workers' 4-bit experts' activations
     pin_gpu_worker: str = "on"                  # cpu / hybrid: the engine's process pins itself to those
     eviction_freq_weight: int = 0
     eviction_freq_half_life: int = 3072
@@ -247,6 +251,9 @@ def add_engine_flags(parser: argparse.ArgumentParser, *,
     experts.add_argument("--num-cpu-workers", type=int, default=0,
                          help="CPU expert workers for cpu / hybrid (0 = one per NUMA node or core group)")
     add_reserve_cpus_flag(experts)
+    _choice_flag(experts, "cpu_act_quant", "cpu / hybrid: the CPU workers' activations of 4-bit experts (int4, mxfp4, "
+                 "nvfp4): int8 in blocks of 16 with integer dot products (faster; docs/QUANTIZATION.md states the "
+                 "error), fp32, or auto: int8 where the CPU has AVX-512 VNNI")
     for field in ("pin_gpu_worker", "eviction_freq_weight", "eviction_freq_half_life", "moe_prefetch",
                   "moe_prefetch_budget", "moe_prefetch_k", "moe_prefetch_verify"):
         add_cli_flag(experts, field)
@@ -313,6 +320,7 @@ def spec_from_args(args: argparse.Namespace, environ: Mapping[str, str] | None =
         moe_cache_size=getattr(args, "moe_cache_size", None),
         moe_cache_per_layer=getattr(args, "moe_cache_per_layer", False),
         num_cpu_workers=getattr(args, "num_cpu_workers", 0), reserve_cpus=getattr(args, "reserve_cpus", None),
+        cpu_act_quant=getattr(args, "cpu_act_quant", "auto"),
         expert_compute=getattr(args, "expert_compute", "auto"), expert_copy=getattr(args, "expert_copy", "split"),
         fused_kernels=getattr(args, "fused_kernels", "auto"), dense_linear=getattr(args, "dense_linear", "auto"),
         routing=routing, cuda_graphs=getattr(args, "cuda_graphs", "on"),
