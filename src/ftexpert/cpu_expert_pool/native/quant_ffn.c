@@ -209,7 +209,7 @@ int ft_moe_layer_q(const ft_quant_format *qf, int isa, int num_threads,
     for (int k = 0; k < n; ++k) iota[k] = k;
     /* x [T, H] fp32, h [n, I] fp32 (group g's rows from g_start[g]), g_item[g]: phase-1 row pairs before g;
        int8 activations: x and h quantized, rows of x8s / h8s bytes (quant_int8.h) */
-    const int64_t x8s = i8 ? q8_row_bytes(H) : 0, h8s = i8 ? q8_row_bytes(I) : 0;
+    const int64_t x8s = i8 ? q8_row_bytes(H, fmt, G) : 0, h8s = i8 ? q8_row_bytes(I, fmt, G) : 0;
     const size_t off_h = align_up((size_t)T * H * 4), off_items = off_h + align_up((size_t)n * I * 4);
     const size_t off_x8 = off_items + align_up((size_t)(ng + 1) * 8), off_h8 = off_x8 + align_up((size_t)(T * x8s));
     uint8_t *w = (uint8_t *)reserve(&q_work, off_h8 + (size_t)(n * h8s));
@@ -235,7 +235,7 @@ int ft_moe_layer_q(const ft_quant_format *qf, int isa, int num_threads,
                                                : ((const float *)hidden)[t * H + k];
                 xq[t * H + (perm ? perm4_pos(k, H) : k)] = v;
             }
-        for (int64_t t = t0; i8 && t < t1; ++t) q8_quantize_row(xq + t * H, H, fmt, x8 + t * x8s);
+        for (int64_t t = t0; i8 && t < t1; ++t) q8_quantize_row(xq + t * H, H, fmt, G, x8 + t * x8s);
         #pragma omp barrier
 
         /* phase 1: h = act(gate . x, up . x) (silu: silu(g) * u), this thread's row pairs */
@@ -267,7 +267,7 @@ int ft_moe_layer_q(const ft_quant_format *qf, int isa, int num_threads,
             int g = 0;
             for (int r = (int)((int64_t)n * tid / nth), r1 = (int)((int64_t)n * (tid + 1) / nth); r < r1; ++r) {
                 while (r >= g_start[g + 1]) ++g;
-                q8_quantize_row(hbuf + (int64_t)r * I, g_lim[g], fmt, h8 + r * h8s);
+                q8_quantize_row(hbuf + (int64_t)r * I, g_lim[g], fmt, G, h8 + r * h8s);
             }
             #pragma omp barrier
         }
@@ -356,10 +356,10 @@ int ft_quant_dot_i8(const ft_quant_format *qf, const void *expert_base, int H, i
     const int K = m == 2 ? I : H, rows = m == 2 ? H : I, fmt = (int)qf->format, G = (int)qf->group_size;
     if (m < 0 || m > 2 || row0 < 0 || nrows < 0 || row0 + nrows > rows || B <= 0 || B > TOKEN_CHUNK)
         return ERR_BAD_ARGS;
-    const int64_t xs = q8_row_bytes(K);
+    const int64_t xs = q8_row_bytes(K, fmt, G);
     uint8_t *xq = (uint8_t *)aligned_alloc(ALIGN_BYTES, align_up((size_t)(B * xs)));
     if (!xq) return ERR_NO_MEMORY;
-    for (int b = 0; b < B; ++b) q8_quantize_row(x + (int64_t)b * K, K, fmt, xq + b * xs);
+    for (int b = 0; b < B; ++b) q8_quantize_row(x + (int64_t)b * K, K, fmt, G, xq + b * xs);
 #if defined(__x86_64__)
     int32_t idx[TOKEN_CHUNK];
     float ra[TOKEN_CHUNK], rb[TOKEN_CHUNK];

@@ -4,16 +4,20 @@
  *
  * Activations: blocks of Q8_BLOCK = 16 consecutive values (k = 16 j .. 16 j + 15 of a row) share one fp32 scale
  * s = amax / 127, and each value is q = rint(x * (127 / amax)) in [-127, 127] (0 for a zero block). Weights: the
- * 4-bit codes as integers plus an offset that makes them unsigned (vpdpbusd multiplies unsigned by signed bytes):
- *   int4   u - z + 16   in [1, 31]   (u the code, z the group's zero point)
+ * 4-bit codes as unsigned bytes (vpdpbusd multiplies unsigned by signed bytes):
+ *   int4   u            in [0, 15]   (u the code; the group's zero point z comes out once a row, below)
  *   fp4    2 v + 12     in [0, 24]   (v the e2m1 value: 2 v is one of 0, 1, 2, 3, 4, 6, 8, 12 or its negative;
  *                                    one vpshufb of the code)
- * The offset comes back out through the block's sum of q: each row of quantized activations carries
- * -offset * sum(q) for every block, the dot products' starting value. A block lies in one weight group (the groups
- * are 16, 32, 64 or 128 values), so a row . x = sum over blocks of group_scale * s * (integer dot), times 1/2 for fp4.
+ * A block lies in one weight group (the groups are 16, 32, 64 or 128 values), so a row . x = sum over blocks of
+ * group_scale * s * (integer dot), times 1/2 for fp4. fp4's offset comes back out through the block's sum of q:
+ * each row of quantized activations carries -12 * sum(q) for every block, the dot products' starting value. int4's
+ * zero point through the group's sum S_g = sum over its blocks of s * sum(q) (fp32): row . x = sum over blocks of
+ * scale_g * s * (u . q) - sum over groups of scale_g * z_g * S_g, the second sum one 16-wide multiply-add per 16
+ * groups of a row and token (the rows of int4 activations carry S_g for the row's ceil(K / G) groups).
  *
  * Layout of a quantized row: super-blocks of Q8_SB = 256 values (16 blocks, one an int32 lane), Q8_SB_BYTES each:
- * 4 vectors of 64 q bytes, then the 16 int32 corrections, then the 16 fp32 scales. Byte (2 p + h) * 64 + 4 l + i
+ * 4 vectors of 64 q bytes, then the 16 int32 corrections (int4: 0), then the 16 fp32 scales; int4 then S_g, padded
+ * with zeros to a multiple of 16 floats. Byte (2 p + h) * 64 + 4 l + i
  * holds value 16 l + 8 p + 2 i + h: lane l of vector 2 p + h meets the low (h = 0) or high nibbles of the row's
  * code bytes 8 l + 4 p .. + 3, which one vpermt2d of the super-block's 128 code bytes puts there.
  * A row's tail (K not a multiple of 256) is zero: zero codes times zero activations, zero scales.
@@ -25,12 +29,18 @@
 #define Q8_SB 256
 #define Q8_SB_BYTES 384
 
-static inline int64_t q8_row_bytes(int K) { return (int64_t)((K + Q8_SB - 1) / Q8_SB) * Q8_SB_BYTES; }
-static inline int q8_offset(int fmt) { return fmt == FMT_INT4 ? 16 : 12; }
+static inline int q8_groups(int K, int G) { return (K + G - 1) / G; }
+static inline int64_t q8_sb_bytes(int K) { return (int64_t)((K + Q8_SB - 1) / Q8_SB) * Q8_SB_BYTES; }
+/* Bytes of a quantized row of K values for `fmt` weights in groups of G (int4: S_g after the super-blocks). */
+static inline int64_t q8_row_bytes(int K, int fmt, int G) {
+    return q8_sb_bytes(K) + (fmt == FMT_INT4 ? (int64_t)(q8_groups(K, G) + 15) / 16 * 64 : 0);
+}
 
-/* x [K] fp32 (element order) -> dst [q8_row_bytes(K)] for a row of `fmt` weights (the offset's correction). */
-static void q8_quantize_row(const float *x, int K, int fmt, uint8_t *dst) {
-    const int off = q8_offset(fmt);
+/* x [K] fp32 (element order) -> dst [q8_row_bytes(K, fmt, G)] for a row of `fmt` weights in groups of G. */
+static void q8_quantize_row(const float *x, int K, int fmt, int G, uint8_t *dst) {
+    const int off = fmt == FMT_INT4 ? 0 : 12;
+    float *S = (float *)(dst + q8_sb_bytes(K));                          /* int4: the groups' sums */
+    if (fmt == FMT_INT4) memset(S, 0, (size_t)(q8_groups(K, G) + 15) / 16 * 64);
     for (int k0 = 0; k0 < K; k0 += Q8_SB, dst += Q8_SB_BYTES) {
         int8_t *q = (int8_t *)dst;
         int32_t nc[16];
@@ -50,6 +60,7 @@ static void q8_quantize_row(const float *x, int K, int fmt, uint8_t *dst) {
             }
             nc[l] = -off * sum;
             sx[l] = amax / 127.0f;
+            if (fmt == FMT_INT4 && n > 0) S[b0 / G] += sx[l] * (float)sum;
         }
         memcpy(dst + Q8_SB, nc, sizeof nc);
         memcpy(dst + Q8_SB + 64, sx, sizeof sx);
@@ -70,18 +81,15 @@ static inline uint64_t mask64(int n) { return n >= 64 ? ~0ull : n <= 0 ? 0ull : 
 
 /* The 16 lane scales of super-block s of a row of K values (lane l: values 256 s + 16 l .., in group
    (256 s + 16 l) / G; lanes past K's last group: 0; a split row's K may end inside a group: its lanes past K meet
-   zero codes and zero activations); int4 also 16 - zero in every byte of a lane (*zv). */
-T_VNNI INLINE_Q __m512 q8_scales(int fmt, int G, const qrow *r, int s, int K, __m512i *zv) {
+   zero codes and zero activations). */
+T_VNNI INLINE_Q __m512 q8_scales(int fmt, int G, const qrow *r, int s, int K) {
     const int shift = G == 16 ? 0 : G == 32 ? 1 : G == 64 ? 2 : 3;          /* lanes a group: 1 << shift */
-    const int g0 = s * (Q8_SB / G), left = (K + G - 1) / G - g0, n = left < (16 >> shift) ? left : (16 >> shift);
+    const int g0 = s * (Q8_SB / G), left = q8_groups(K, G) - g0, n = left < (16 >> shift) ? left : (16 >> shift);
     const __mmask16 m = mask16(n);
     const __m512i lane_group = _mm512_srli_epi32(_mm512_loadu_si512(IOTA16), shift);
     __m512 sg;                                                                  /* groups g0 .. g0 + n - 1 */
     if (fmt == FMT_INT4) {
         sg = _mm512_maskz_loadu_ps(m, r->fscales + g0);
-        const __m512i z = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(m, r->zeros + g0));
-        const __m512i zl = _mm512_permutexvar_epi32(lane_group, _mm512_sub_epi32(_mm512_set1_epi32(16), z));
-        *zv = _mm512_mullo_epi32(zl, _mm512_set1_epi32(0x01010101));
     } else {
         float s16[16];
         fp4_scales16_512(fmt, r, g0, g0 + n, s16);
@@ -90,8 +98,15 @@ T_VNNI INLINE_Q __m512 q8_scales(int fmt, int G, const qrow *r, int s, int K, __
     return _mm512_permutexvar_ps(lane_group, sg);
 }
 
+/* int4: scale_g * z_g for the row's groups g .. g + 15 (0 from its ceil(K / G)-th on). */
+T_VNNI INLINE_Q __m512 q8_zero_scales(const qrow *r, int g, int ng) {
+    const __mmask16 m = mask16(ng - g);
+    const __m512 z = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(m, r->zeros + g)));
+    return _mm512_mul_ps(_mm512_maskz_loadu_ps(m, r->fscales + g), z);
+}
+
 /* Super-block s's weights as the unsigned integers above, in the activations' byte order (w[4]). */
-T_VNNI INLINE_Q void q8_weights(int fmt, const qrow *r, int s, int K, __m512i zv, __m512i *w) {
+T_VNNI INLINE_Q void q8_weights(int fmt, const qrow *r, int s, int K, __m512i *w) {
     const uint8_t *c = r->codes + (int64_t)s * (Q8_SB / 2);
     const int nbytes = (K - s * Q8_SB) / 2;
     __m512i in0, in1;
@@ -109,35 +124,44 @@ T_VNNI INLINE_Q void q8_weights(int fmt, const qrow *r, int s, int K, __m512i zv
     w[1] = _mm512_and_si512(_mm512_srli_epi16(d0, 4), nib);
     w[2] = _mm512_and_si512(d1, nib);
     w[3] = _mm512_and_si512(_mm512_srli_epi16(d1, 4), nib);
-    if (fmt == FMT_INT4) {
-        for (int v = 0; v < 4; ++v) w[v] = _mm512_add_epi8(w[v], zv);
-    } else {
+    if (fmt != FMT_INT4) {
         const __m512i lut = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)FP4_X2_U8));
         for (int v = 0; v < 4; ++v) w[v] = _mm512_shuffle_epi8(lut, w[v]);
     }
 }
 
-/* ra[b] = wa . x_b, rb[b] = wb . x_b for NB tokens (x_b: the quantized row at xq + idx[b] * xs): per super-block
-   and token, 4 vpdpbusd a row from the block corrections, then one fp32 multiply-add by group scale x block scale. */
+/* ra[b] = wa . x_b, rb[b] = wb . x_b for NB tokens (x_b: the quantized row at xq + idx[b] * xs): int4 first takes
+   the zero points out (sum over groups of scale x zero x S_g), then per super-block and token 4 vpdpbusd a row (fp4:
+   from the block corrections), then one fp32 multiply-add by group scale x block scale. */
 T_VNNI INLINE_Q void dot8_avx512(const int fmt, const int NB, int G, const qrow *wa, const qrow *wb, int K,
                                  const uint8_t *xq, int64_t xs, const int32_t *idx, float *ra, float *rb) {
     const uint8_t *x[QNB_AVX512];
     __m512 fa[QNB_AVX512], fb[QNB_AVX512];
+    const int nsb = (K + Q8_SB - 1) / Q8_SB;
     for (int b = 0; b < NB; ++b) {
         x[b] = xq + (int64_t)idx[b] * xs;
         fa[b] = fb[b] = _mm512_setzero_ps();
     }
-    __m512i za = _mm512_setzero_si512(), zb = za;
-    for (int s = 0, nsb = (K + Q8_SB - 1) / Q8_SB; s < nsb; ++s) {
+    if (fmt == FMT_INT4) {
+        for (int g = 0, ng = q8_groups(K, G); g < ng; g += 16) {
+            const __m512 za = q8_zero_scales(wa, g, ng), zb = q8_zero_scales(wb, g, ng);
+            for (int b = 0; b < NB; ++b) {
+                const __m512 S = _mm512_loadu_ps((const float *)(x[b] + (int64_t)nsb * Q8_SB_BYTES) + g);
+                fa[b] = _mm512_fnmadd_ps(za, S, fa[b]);
+                fb[b] = _mm512_fnmadd_ps(zb, S, fb[b]);
+            }
+        }
+    }
+    for (int s = 0; s < nsb; ++s) {
         PREFETCH_CODES(wa, wb, s * (Q8_SB / 2))
         PREFETCH_CODES(wa, wb, s * (Q8_SB / 2) + 64)
-        const __m512 sa = q8_scales(fmt, G, wa, s, K, &za), sb = q8_scales(fmt, G, wb, s, K, &zb);
+        const __m512 sa = q8_scales(fmt, G, wa, s, K), sb = q8_scales(fmt, G, wb, s, K);
         __m512i va[4], vb[4];
-        q8_weights(fmt, wa, s, K, za, va);
-        q8_weights(fmt, wb, s, K, zb, vb);
+        q8_weights(fmt, wa, s, K, va);
+        q8_weights(fmt, wb, s, K, vb);
         for (int b = 0; b < NB; ++b) {
             const uint8_t *xb = x[b] + (int64_t)s * Q8_SB_BYTES;
-            __m512i ia = _mm512_loadu_si512(xb + Q8_SB), ib = ia;
+            __m512i ia = fmt == FMT_INT4 ? _mm512_setzero_si512() : _mm512_loadu_si512(xb + Q8_SB), ib = ia;
             for (int v = 0; v < 4; ++v) {
                 const __m512i xv = _mm512_loadu_si512(xb + 64 * v);
                 ia = _mm512_dpbusd_epi32(ia, va[v], xv);
