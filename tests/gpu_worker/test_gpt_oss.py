@@ -202,7 +202,8 @@ def test_cpu_pool_strategies_give_the_resident_tokens(pair, tmp_path, monkeypatc
     # coordinator.supervisor logger at INFO)
     loaded = build_with_resources(strategy, model_dir=path, dtype="float32", cache_size=10,
                                   expert_format=expert_format, max_context_tokens=128, num_workers=1,
-                                  worker_args=("--threads", "1", "--no-pin", "--hot-ms", "1"), log_level="INFO",
+                                  worker_args=("--threads", "1", "--no-pin", "--hot-ms", "1", "--act-quant", "fp32"),
+                                  log_level="INFO",
                                   hybrid=HybridOptions(cpu_deadline_s=20.0, fetch_fraction=0.5))
     try:
         assert _greedy(loaded, prompts) == resident
