@@ -197,22 +197,27 @@ def test_a_tool_call_grammar_constrains_the_model(built):
 
 # ---------------------------------------------------------------- CUDA: graphs and overlap
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_constrained_requests_with_cuda_graphs_and_overlap():
-    built = build_engine(EngineSpec(device="cuda", model=DEFAULT_MODEL_DIR, max_running_requests=4,
+@pytest.mark.parametrize("device", [pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU")]), "cpu"])
+def test_constrained_requests_with_cuda_graphs_and_overlap(device):
+    """Constrained requests beside an unconstrained one with the decode step queued ahead (and, on CUDA, replayed
+    from CUDA graphs): no step is queued ahead while a constrained request runs; "free" outlasts them (more tokens
+    than either may take) and then runs on alone, queued ahead."""
+    built = build_engine(EngineSpec(device=device, model=DEFAULT_MODEL_DIR, max_running_requests=4,
                                     max_context_tokens=512, overlap_decode="on"))
     engine = built.engine
-    assert engine.graphs is not None and engine.overlap_decode
+    assert engine.overlap_decode and (engine.graphs is not None) == (device == "cuda")
     tok = built.source.tokenizer
     out = run(engine, {
         "person": (tok.encode("The quick brown fox"), SamplingParams(max_new_tokens=200,
                                                                      grammar=GrammarSpec.json_schema(PERSON))),
         "flags": (tok.encode("Yes"), SamplingParams(max_new_tokens=60, temperature=0.9, seed=3, logprobs=3,
                                                     grammar=GrammarSpec.json_schema(FLAGS))),
-        "free": (tok.encode("And he said"), SamplingParams(max_new_tokens=40, ignore_eos=True))})
+        "free": (tok.encode("And he said"), SamplingParams(max_new_tokens=240, ignore_eos=True))})
     for rid, schema in (("person", PERSON), ("flags", FLAGS)):
         ids, reason = out[rid]
         assert reason == "stop", (rid, text_of(built, ids))
         jsonschema.validate(json.loads(text_of(built, ids)), schema)
-    assert engine.graphs.replays > 0 and engine.stats.decode_steps_ahead > 0   # "free" ran on alone, ahead
+    assert len(out["free"][0]) == 240 > max(len(out["person"][0]), len(out["flags"][0]))
+    assert engine.stats.decode_steps_ahead > 0           # "free" ran on alone, queued ahead
+    assert device == "cpu" or engine.graphs.replays > 0
