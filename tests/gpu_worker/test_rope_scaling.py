@@ -102,3 +102,15 @@ def test_a_context_beyond_the_models_is_refused(yarn_pair, tmp_path):
     plain = _edited(yarn_pair[1], tmp_path, rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
     with pytest.raises(ValueError, match=r"context of 64 tokens \(max_position_embeddings.*rope_scaling"):
         build(plain, max_context_tokens=128)
+
+
+def test_the_128k_preset_is_qwen3_30b_with_its_model_cards_yarn():
+    from ftexpert.gpu_worker.checkpoint.presets import preset_config
+
+    base, long = preset_config("qwen3-30b-a3b"), preset_config("qwen3-30b-a3b-128k")
+    assert base.context_length == 40960 and long.context_length == 131072
+    assert long.rope_scaling == {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}
+    same = {k: v for k, v in vars(base).items() if k != "rope_scaling"}
+    assert {k: v for k, v in vars(long).items() if k != "rope_scaling"} == same
+    # the config a worker is given carries the scaling, so a checkpoint written from the preset reads it back
+    assert MoeConfig.from_hf_dict(long.to_hf_dict()).context_length == 131072

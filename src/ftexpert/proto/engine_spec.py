@@ -26,8 +26,8 @@ CPU_POOL_STRATEGIES = ("cpu", "hybrid")           # strategies whose misses CPU 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 # --preset's choices: the names of gpu_worker/checkpoint/presets.py's registry, repeated so that parsing the flags
 # imports no torch (tests/coordinator/test_generate_cli.py keeps the two in step)
-PRESET_NAMES = ("tiny", "qwen3-30b-a3b", "olmoe-1b-7b", "mixtral-8x7b", "qwen3-next-80b-a3b", "gpt-oss-20b",
-                "gpt-oss-120b")
+PRESET_NAMES = ("tiny", "qwen3-30b-a3b", "olmoe-1b-7b", "mixtral-8x7b", "qwen3-next-80b-a3b", "qwen3-30b-a3b-128k",
+                "gpt-oss-20b", "gpt-oss-120b")
 DEFAULT_MAX_RUNNING_REQUESTS = 8
 ON_OFF = ("on", "off")
 AUTO_ON_OFF = ("auto", "on", "off")

@@ -8,6 +8,8 @@ GPU without any host copy of the experts.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from ftexpert.gpu_worker.checkpoint.config import LinearAttentionShape, MoeConfig
@@ -77,6 +79,11 @@ def _gpt_oss(layers: int, experts: int) -> MoeConfig:
                      "original_max_position_embeddings": 4096, "truncate": False}}})
 
 
+# Qwen/Qwen3-30B-A3B at 131,072 tokens: the YaRN scaling its model card gives for long contexts (config.json's
+# rope_scaling {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768})
+PRESETS["qwen3-30b-a3b-128k"] = dataclasses.replace(
+    PRESETS["qwen3-30b-a3b"],
+    rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768})
 PRESETS["gpt-oss-20b"] = _gpt_oss(24, 32)       # openai/gpt-oss-20b
 PRESETS["gpt-oss-120b"] = _gpt_oss(36, 128)     # openai/gpt-oss-120b
 
