@@ -2,8 +2,9 @@
 
 Engine rows (the model given, on the device given): B requests decode together, unconstrained, then constrained by
 a JSON schema that cannot end within the run (an array of at least 500 short strings), --rounds runs of each kind
-alternated; medians over their --steps decode steps after --warmup each. Columns: the unconstrained step, the constrained step, and inside the constrained step the
-host's mask fill (llguidance, all B rows) and the mask's application to the logits (the device's time: CUDA events on
+alternated; medians over their --steps decode steps after --warmup each. At B > 1 a further row constrains one
+request of the B (does one constrained request slow the others?). Columns: the unconstrained step, the constrained step, and inside the constrained step the
+host's mask fill (llguidance, all constrained rows; per token: per constrained row) and the mask's application to the logits (the device's time: CUDA events on
 a GPU), each per step and per token. A constrained step also gives up the queue-ahead of the next step
 (docs/STRUCTURED_OUTPUT.md), which the step times include.
 
@@ -75,11 +76,13 @@ class Timers:
 
 
 def step_times(engine: Engine, batch: int, prompt: list[int], grammar: GrammarSpec | None, warmup: int,
-               steps: int) -> list[float]:
-    """Seconds of each decode step (every request decoding) after the warm-up."""
+               steps: int, constrained: int | None = None) -> list[float]:
+    """Seconds of each decode step (every request decoding) after the warm-up; `grammar` constrains the first
+    `constrained` requests (None: all of them)."""
+    constrained = batch if constrained is None else constrained
     for i in range(batch):
         engine.add_request(prompt, SamplingParams(max_new_tokens=warmup + steps + 8, ignore_eos=True,
-                                                  grammar=grammar), request_id=i)
+                                                  grammar=grammar if i < constrained else None), request_id=i)
     while any(r.in_prefill for r in engine.scheduler.running) or engine.scheduler.waiting:
         engine.step()
     times = []
@@ -108,19 +111,22 @@ def engine_rows(args) -> list[str]:
     label = args.preset or os.path.basename(os.path.normpath(args.model))
     prompt = built.source.tokenizer.encode("The list of names in the book:")
     rows = []
-    for batch in args.batches:
+    # (batch, constrained rows): every row constrained, and at batch > 1 one constrained row among free ones
+    cases = [(b, b) for b in args.batches] + [(b, 1) for b in args.batches if b > 1 and args.one_of]
+    for batch, n in cases:
         free, constrained, fills, applies = [], [], [], []
         for _ in range(args.rounds):           # alternated, so that a busy moment of the machine hits both
             free += step_times(engine, batch, prompt, None, args.warmup, args.steps)
             with Timers(device) as timers:
-                constrained += step_times(engine, batch, prompt, ENDLESS, args.warmup, args.steps)
+                constrained += step_times(engine, batch, prompt, ENDLESS, args.warmup, args.steps, n)
             fills += timers.fill_s[-args.steps:]
             applies += timers.apply_s[-args.steps:]
         free, constrained = statistics.median(free), statistics.median(constrained)
         fill, apply = statistics.median(fills), statistics.median(applies)
-        rows.append(f"| {label} | {engine.model.cfg.vocab_size} | {batch} | "
-                    f"{free * 1e3:.2f} | {constrained * 1e3:.2f} | {fill * 1e6:.0f} ({fill / batch * 1e6:.0f}) | "
-                    f"{apply * 1e6:.0f} ({apply / batch * 1e6:.1f}) |")
+        what = label if n == batch else f"{label}, {n} of {batch} constrained"
+        rows.append(f"| {what} | {engine.model.cfg.vocab_size} | {batch} | "
+                    f"{free * 1e3:.2f} | {constrained * 1e3:.2f} | {fill * 1e6:.0f} ({fill / n * 1e6:.0f}) | "
+                    f"{apply * 1e6:.0f} ({apply / n * 1e6:.1f}) |")
     return rows
 
 
@@ -179,6 +185,8 @@ def main() -> None:
     ap.add_argument("--tokenizer", action="append", default=[], help="a tokenizer.json: mask-only rows at its vocab")
     ap.add_argument("--vocab", type=int, default=0, help="mask width of the mask-only rows (0: the tokenizer's)")
     ap.add_argument("--no-engine", action="store_true", help="mask-only rows alone")
+    ap.add_argument("--no-one-of", dest="one_of", action="store_false",
+                    help="without the rows of one constrained request among B-1 free ones")
     args = ap.parse_args()
     print("| what | vocab | batch | unconstrained step ms | constrained step ms | mask fill us/step (/token) "
           "| mask apply us/step (/token) |")
