@@ -33,6 +33,9 @@
 #            bench/bench_grammar.py at the qwen3-30b-a3b preset, batch 1 and 16, masks over GRAMMAR_TOKENIZER (default
 #            .whl/qwen3-tokenizer.json, written by bench/qwen_vocab.py; without it the preset's tiny vocabulary); needs
 #            the llguidance wheel in .whl/ (docs/DEPENDENCIES.md)                                 (~3 min)
+#   prefix   the paged KV cache (bench_prefix_cache.py, qwen3-30b-a3b-128k): a 500-token turn on a 32K history with the
+#            prefix cache off and on, decode at 1K / 32K / 128K, batch 16 at 8K; resident, then offload 25% (PREFIX_PARTS)
+#                                                                                            (~9 min)
 #   all      tests kernels engine hybrid prefill (more than one device call's 10 minutes: run suites one by one)
 #   compare OLD_TREE  OLD_TREE is an older checkout (e.g. `git archive OLDREV | tar -x -C /tmp/old`); its benches take
 #            the flags of that tree (the old side's commands below), this tree's the current ones; one table, both
@@ -179,6 +182,21 @@ while [ $# -gt 0 ]; do
       run grammar_bench "$T" python3 bench/bench_grammar.py --device cuda --preset qwen3-30b-a3b --context 1024 \
         $([ -f "$gtok" ] && echo "--grammar-tokenizer $gtok --tokenizer $gtok --vocab 151936")
       grep "^|" "$OUT/grammar_bench.log"
+      ;;
+    prefix)
+      # the paged KV cache's prefix cache and long contexts: TTFT of a 500-token turn on a 32K history (prefix cache
+      # off / on), decode at 1K / 32K / 128K contexts, batch 16 at 8K on a pool that fixed 128K rows would not fit;
+      # resident, then offload at 25% (PREFIX_PARTS: some of resident offload)
+      pargs="--preset qwen3-30b-a3b-128k --device cuda --history-tokens 32768 --turn-tokens 500 --kv-cache-gib 12.5"
+      parts=" ${PREFIX_PARTS:-resident offload} "
+      case $parts in *" resident "*)
+        run prefix_resident "${PREFIX_LIMIT:-270}" python3 bench/bench_prefix_cache.py $pargs --moe-strategy resident \
+          --decode-contexts 1024,32768,131008 --batch 16 --batch-context 8192 --batch-max-context 131072 \
+          --json-out "$OUT/prefix_resident.json";; esac
+      case $parts in *" offload "*)
+        run prefix_offload "${PREFIX_LIMIT:-300}" python3 bench/bench_prefix_cache.py $pargs --moe-strategy offload \
+          --moe-cache-size 0.25 --runs 2 --decode-contexts 1024,32768,131008 --json-out "$OUT/prefix_offload.json";; esac
+      grep -hE "^(turn|decode|batch|[A-Z][a-zA-Z]+Experts)" "$OUT"/prefix_*.log | cut -c1-220
       ;;
     kernels)
       run ensure "$T" python3 -m ftexpert.kernels.slot_cache.bench --reps 200 --slots 64,2048,18432,23197
@@ -386,7 +404,7 @@ PY
       cat "$OUT/peer_table.md" 2>/dev/null
       ;;
     *)
-      echo "unknown suite: $s (tests, kernels, engine, hybrid, prefill, routing, workload, prefetch, prefetch_trained, architectures, soak, peer_build, peer, all, compare OLD_TREE)" >&2; status=2
+      echo "unknown suite: $s (tests, kernels, engine, hybrid, prefill, routing, workload, prefetch, prefetch_trained, architectures, soak, peer_build, peer, prefix, all, compare OLD_TREE)" >&2; status=2
       ;;
   esac
 done
