@@ -747,13 +747,15 @@ def test_gpu_prefill_run_as_offload_streams_the_next_layers_experts(tiny_cache):
     lock = Lockstep(backend, resident_loaded.experts)
     try:
         _prefill_prefetch_case(lock, resident_loaded, "cuda")
-        # The same with the prefetch copies held back on the copy stream (~20 ms a layer), and no sync between
-        # layers: only the wait on their event keeps the next layer's GEMMs from reading the slots early.
+        # The same with the prefetch copies held back on the copy stream (~0.2 s a layer), and no sync between
+        # layers: only the wait on their event keeps the next layer's GEMMs from reading the slots early. (~20 ms
+        # was too short for the negative control on a machine running 6 test files: the host took longer than that
+        # to queue the next layer, so the copies had landed anyway.)
         want = _prefetch_prompt_tokens(resident_loaded)
         queue = backend.host_path._queue_prefetch_copies
 
         def delayed(*args):
-            torch.cuda._sleep(40_000_000)
+            torch.cuda._sleep(400_000_000)
             queue(*args)
 
         backend.host_path._queue_prefetch_copies = delayed
