@@ -286,6 +286,10 @@ def main() -> int:
                              "request i's prompt is --prompt-tokens + i * (--decode-tokens + 8) tokens, so that no two "
                              "requests decode at the same position (the synthetic routing draws per position); "
                              "tok/s counts every request's tokens")
+    parser.add_argument("--expert-compute", default="auto", choices=("auto", "grouped", "gemv"),
+                        help="the experts' FFN on the GPU for every row (EngineSpec.expert_compute): auto takes gemv "
+                             "(CUDA-graph safe) up to 32 (token, expert) pairs, grouped GEMMs (eager) above; at --batch 16 "
+                             "compare auto with gemv")
     parser.add_argument("--temperature", type=float, default=1.0,
                         help="seeded sampling: varied tokens route like real text, not one loop")
     parser.add_argument("--graphs", choices=("on", "off", "both"), default="on",
@@ -354,7 +358,7 @@ def main() -> int:
     base = spec_from_args(argparse.Namespace(), preset=args.preset, device=args.device,
                           expert_format=args.expert_format, max_running_requests=args.batch,
                           max_context_tokens=lengths[-1] + args.decode_tokens + 16, routing=specs[0],
-                          dense_linear=linears[-1], moe_prefetch="off")
+                          dense_linear=linears[-1], moe_prefetch="off", expert_compute=args.expert_compute)
     built = build_engine(base)
     cfg = built.cfg
     base = built.spec

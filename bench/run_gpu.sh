@@ -33,6 +33,8 @@
 #            bench/bench_grammar.py at the qwen3-30b-a3b preset, batch 1 and 16, masks over GRAMMAR_TOKENIZER (default
 #            .whl/qwen3-tokenizer.json, written by bench/qwen_vocab.py; without it the preset's tiny vocabulary); needs
 #            the llguidance wheel in .whl/ (docs/DEPENDENCIES.md)                                 (~3 min)
+#   batch    throughput at batch (BATCH_SIZES, default 1 4 16; BATCH_PRESET; BATCH_FRACTIONS, default none: resident
+#            only): bench_engine.py --batch B, and at B > 4 with --expert-compute gemv beside auto   (~1.5 min a run)
 #   prefix   the paged KV cache (bench_prefix_cache.py, qwen3-30b-a3b-128k): a 500-token turn on a 32K history with the
 #            prefix cache off and on, decode at 1K / 32K / 128K, batch 16 at 8K; resident, then offload 25% (PREFIX_PARTS)
 #                                                                                            (~9 min)
@@ -182,6 +184,18 @@ while [ $# -gt 0 ]; do
       run grammar_bench "$T" python3 bench/bench_grammar.py --device cuda --preset qwen3-30b-a3b --context 1024 \
         $([ -f "$gtok" ] && echo "--grammar-tokenizer $gtok --tokenizer $gtok --vocab 151936")
       grep "^|" "$OUT/grammar_bench.log"
+      ;;
+    batch)
+      # throughput at batch: bench_engine.py --batch B (aggregate tok/s, HBM roofline) for B in BATCH_SIZES, the
+      # default expert compute (gemv to 32 pairs, grouped GEMMs above, eager) and gemv forced (CUDA graphs at any B)
+      for b in ${BATCH_SIZES:-1 4 16}; do
+        for ec in auto gemv; do
+          [ "$b" -le 4 ] && [ $ec = gemv ] && continue       # (auto is gemv there)
+          run batch_${b}_$ec "$T" python3 bench/bench_engine.py --preset "${BATCH_PRESET:-qwen3-30b-a3b}" --runs 2 \
+            --prompt-tokens 1024 --decode-tokens 64 --batch "$b" --fractions "${BATCH_FRACTIONS:-}" --expert-compute $ec
+        done
+      done
+      grep -hE "^(resident|offload)" "$OUT"/batch_*.log | cut -c1-200
       ;;
     prefix)
       # the paged KV cache's prefix cache and long contexts: TTFT of a 500-token turn on a 32K history (prefix cache
@@ -404,7 +418,7 @@ PY
       cat "$OUT/peer_table.md" 2>/dev/null
       ;;
     *)
-      echo "unknown suite: $s (tests, kernels, engine, hybrid, prefill, routing, workload, prefetch, prefetch_trained, architectures, soak, peer_build, peer, prefix, all, compare OLD_TREE)" >&2; status=2
+      echo "unknown suite: $s (tests, kernels, engine, hybrid, prefill, routing, workload, prefetch, prefetch_trained, architectures, soak, peer_build, peer, batch, prefix, all, compare OLD_TREE)" >&2; status=2
       ;;
   esac
 done
