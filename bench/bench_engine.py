@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from ftexpert.gpu_worker.api import Attachment, Engine, SamplingParams, build_engine  # noqa: E402
 from ftexpert.gpu_worker.models.model import MoeModel  # noqa: E402
-from ftexpert.proto.engine_spec import routing_flag, spec_from_args  # noqa: E402
+from ftexpert.proto.engine_spec import EXPERT_COMPUTE_MODES, routing_flag, spec_from_args  # noqa: E402
 from ftexpert.proto.knobs import EXPERT_FORMAT_CHOICES  # noqa: E402
 from ftexpert.gpu_worker.backends.offload import HostExperts, resolve_cache_slots  # noqa: E402
 import ftexpert.kernels.expert_copy.api as expert_copy_api  # noqa: E402
@@ -286,7 +286,7 @@ def main() -> int:
                              "request i's prompt is --prompt-tokens + i * (--decode-tokens + 8) tokens, so that no two "
                              "requests decode at the same position (the synthetic routing draws per position); "
                              "tok/s counts every request's tokens")
-    parser.add_argument("--expert-compute", default="auto", choices=("auto", "grouped", "gemv"),
+    parser.add_argument("--expert-compute", default="auto", choices=EXPERT_COMPUTE_MODES,
                         help="the experts' FFN on the GPU for every row (EngineSpec.expert_compute): auto takes gemv "
                              "(CUDA-graph safe) up to 32 (token, expert) pairs, grouped GEMMs (eager) above; at --batch 16 "
                              "compare auto with gemv")
