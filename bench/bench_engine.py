@@ -288,8 +288,8 @@ def main() -> int:
                              "tok/s counts every request's tokens")
     parser.add_argument("--expert-compute", default="auto", choices=EXPERT_COMPUTE_MODES,
                         help="the experts' FFN on the GPU for every row (EngineSpec.expert_compute): auto takes gemv "
-                             "(CUDA-graph safe) up to 32 (token, expert) pairs, grouped GEMMs (eager) above; at --batch 16 "
-                             "compare auto with gemv")
+                             "(CUDA-graph safe) up to 32 (token, expert) pairs, grouped GEMMs above (in the graphs too for bf16 "
+                             "on Hopper+); at --batch 16 compare auto with gemv")
     parser.add_argument("--temperature", type=float, default=1.0,
                         help="seeded sampling: varied tokens route like real text, not one loop")
     parser.add_argument("--graphs", choices=("on", "off", "both"), default="on",

@@ -34,7 +34,8 @@
 #            .whl/qwen3-tokenizer.json, written by bench/qwen_vocab.py; without it the preset's tiny vocabulary); needs
 #            the llguidance wheel in .whl/ (docs/DEPENDENCIES.md)                                 (~3 min)
 #   batch    throughput at batch (BATCH_SIZES, default 1 4 16; BATCH_PRESET; BATCH_FRACTIONS, default none: resident
-#            only): bench_engine.py --batch B, and at B > 1 with --expert-compute gemv beside auto   (~1.5 min a run)
+#            only): bench_engine.py --batch B, and at B > 1 auto eager and in graphs, with --expert-compute gemv
+#            beside it                                                                       (~1.5 min a run)
 #   prefix   the paged KV cache (bench_prefix_cache.py, qwen3-30b-a3b-128k): a 500-token turn on a 32K history with the
 #            prefix cache off and on, decode at 1K / 32K / 128K, batch 16 at 8K; resident, then offload 25% (PREFIX_PARTS)
 #                                                                                            (~9 min)
@@ -187,12 +188,15 @@ while [ $# -gt 0 ]; do
       ;;
     batch)
       # throughput at batch: bench_engine.py --batch B (aggregate tok/s, HBM roofline) for B in BATCH_SIZES, the
-      # default expert compute (gemv to 32 pairs, grouped GEMMs above, eager) and gemv forced (CUDA graphs at any B)
+      # default expert compute (gemv to 32 pairs, grouped GEMMs above: in the CUDA graphs for bf16 on Hopper+), there
+      # eager beside graphs (--graphs both), and gemv forced (CUDA graphs at any B)
       for b in ${BATCH_SIZES:-1 4 16}; do
         for ec in auto gemv; do
           [ "$b" -eq 1 ] && [ $ec = gemv ] && continue       # (auto is gemv at batch 1: top-k <= 32 pairs)
+          g=on; [ "$b" -gt 1 ] && [ $ec = auto ] && g=both
           run batch_${b}_$ec "$T" python3 bench/bench_engine.py --preset "${BATCH_PRESET:-qwen3-30b-a3b}" --runs 2 \
-            --prompt-tokens 1024 --decode-tokens 64 --batch "$b" --fractions "${BATCH_FRACTIONS:-}" --expert-compute $ec
+            --prompt-tokens 1024 --decode-tokens 64 --batch "$b" --fractions "${BATCH_FRACTIONS:-}" \
+            --expert-compute $ec --graphs $g
         done
       done
       grep -hE "^(resident|offload)" "$OUT"/batch_*.log | cut -c1-200

@@ -32,6 +32,26 @@ def test_graph_decode_equals_eager(num_prompts, strategy, tmp_path, monkeypatch)
         loaded.close()
 
 
+def test_graph_decode_in_the_grouped_mode_equals_eager(tmp_path, monkeypatch):
+    """The grouped expert mode (bf16 on Hopper+: torch._grouped_mm with its offsets on the device), which `auto`
+    takes for decode batches above 32 pairs, captured in the decode graphs: the same tokens as eager."""
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("the grouped mode is captured only where torch._grouped_mm runs (compute capability 9.0+)")
+    monkeypatch.setenv("FT_CACHE_DIR", str(tmp_path))
+    loaded = build(device="cuda", dtype="bfloat16", expert_compute="grouped", max_running_requests=4,
+                   max_context_tokens=256)
+    prompts = [[5 + i, 17, 42 + 3 * i, 99, 3] for i in range(4)]
+    params = SamplingParams(max_new_tokens=40, ignore_eos=True)
+    eager = engine_of(loaded, cuda_graphs="off")
+    graphs = engine_of(loaded, cuda_graphs="on")
+    try:
+        assert graphs.model.experts.graph_safe(4 * graphs.model.cfg.top_k)
+        assert eager.generate(prompts, params) == graphs.generate(prompts, params)
+        assert graphs.graphs.captures >= 1 and graphs.graphs.replays >= 30
+    finally:
+        loaded.close()
+
+
 def dead_engine_collected_mid_capture() -> tuple[list, list]:
     """Tokens of the tiny model from a first engine, and from a second one whose first graph capture runs automatic
     garbage collection where the first engine (a dead Engine <-> DecodeGraphs cycle holding captured graphs) is due:

@@ -17,8 +17,8 @@ from ftexpert.gpu_worker.checkpoint.config import MoeConfig
 from ftexpert.gpu_worker.checkpoint.expert_layout import expert_views
 from ftexpert.gpu_worker.checkpoint.expert_sources import CheckpointExpertSource
 import ftexpert.gpu_worker.backends.expert_compute as expert_compute
-from ftexpert.gpu_worker.backends.expert_compute import (gemv_expert_ffn, grouped_expert_ffn, grouped_loop_expert_ffn,
-                                                      grouped_mm_applies, grouped_mm_expert_ffn)
+from ftexpert.gpu_worker.backends.expert_compute import (gemv_expert_ffn, group_ends, grouped_expert_ffn,
+                                                      grouped_loop_expert_ffn, grouped_mm_applies, grouped_mm_expert_ffn)
 from tests.gpu_worker.test_models_util import hf_model, rel_err, save_hf
 
 E, H, I = 8, 64, 32
@@ -204,6 +204,77 @@ def test_expert_compute_modes_agree_in_bfloat16():
     for retired in ("fast", "gather"):
         with pytest.raises(ValueError, match="not one of auto, grouped, gemv"):
             ResidentExperts(packed, layout, mode=retired)
+
+
+@pytest.mark.parametrize("ids, groups, ends", [
+    ([0, 0, 2, 2, 2, 4], 6, [2, 2, 5, 5, 6, 6]),       # empty groups between and after
+    ([3], 4, [0, 0, 0, 1]),
+    ([], 3, [0, 0, 0]),
+    ([1, 1, 1, 1], 2, [0, 4]),
+])
+def test_group_ends_are_the_end_rows_of_each_expert_group(ids, groups, ends):
+    got = group_ends(torch.tensor(ids, dtype=torch.int64), groups)
+    assert got.dtype == torch.int32 and got.tolist() == ends
+
+
+@pytest.mark.parametrize("groups, pairs", [(8, 64), (128, 128), (128, 3), (1023, 4096)])
+def test_group_ends_equal_the_cumulated_counts(groups, pairs):
+    g = torch.Generator().manual_seed(groups + pairs)
+    ids = (torch.randint(0, groups, (pairs,), generator=g) ** 2) % groups      # skewed: some groups empty
+    expected = torch.cumsum(torch.bincount(ids, minlength=groups), 0)
+    assert torch.equal(group_ends(torch.sort(ids).values, groups).long(), expected)
+
+
+def test_graph_safe_takes_the_grouped_mode_only_where_it_is_capturable(monkeypatch):
+    """gemv is always capturable; grouped only where every layer's rows take the sync-free path (never on the
+    CPU, never for biased experts)."""
+    w13, w2 = random_experts(torch.bfloat16, seed=6)
+    layout = ExpertLayout(H, I, torch.bfloat16)
+    backend = ResidentExperts([pack_experts(w13, w2)], layout, mode="grouped")
+    assert not backend.graph_safe(128)                                  # on the CPU: no _grouped_mm capture
+    assert ResidentExperts([pack_experts(w13, w2)], layout, mode="gemv").graph_safe(128)
+    import ftexpert.gpu_worker.backends.expert_math as expert_math
+    monkeypatch.setattr(expert_math, "grouped_capturable", lambda *a: True)
+    assert ResidentExperts([pack_experts(w13, w2)], layout, mode="grouped").graph_safe(128)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_grouped_mode_runs_in_a_cuda_graph_at_a_decode_batch():
+    """Batch 16 x top-8 = 128 pairs, above gemv's 32: `auto` takes the grouped mode over a resident layer of
+    qwen3-30b-a3b's shape, graph_safe says it can be captured, and a captured call replayed with new routes (spread,
+    all on 8 experts) gives bitwise what an eager call gives."""
+    dev, dtype = torch.device("cuda"), torch.bfloat16
+    if torch.cuda.get_device_capability(dev) < (9, 0):
+        pytest.skip("torch._grouped_mm needs compute capability 9.0+")
+    h, inter, experts, T, K = 2048, 768, 128, 16, 8
+    g = torch.Generator(device=dev).manual_seed(11)
+    layer = (torch.randn(experts, 3 * inter * h, generator=g, device=dev) * 0.02).to(dtype)
+    backend = ResidentExperts([layer], ExpertLayout(h, inter, dtype), mode="auto")
+    assert backend.choose_mode(T * K, dev) == "grouped" and backend.graph_safe(T * K)
+
+    def routes(spread: bool):
+        x = torch.randn(T, h, generator=g, device=dev).to(dtype)
+        pick = experts if spread else K
+        ids = torch.stack([torch.randperm(pick, generator=g, device=dev)[:K] for _ in range(T)])
+        return x, ids, torch.softmax(torch.randn(T, K, generator=g, device=dev), -1)
+
+    static = [t.clone() for t in routes(True)]
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            backend.forward(0, *static)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = backend.forward(0, *static)
+    for spread in (True, False, True):
+        new = routes(spread)
+        for dst, src in zip(static, new):
+            dst.copy_(src)
+        graph.replay()
+        assert torch.equal(out, backend.forward(0, *new))
 
 
 def test_checkpoint_source_fills_hub_and_fused_layouts_identically(tmp_path):

@@ -10,7 +10,10 @@ backends, and the expert math's bf16 rows (expert_math.py), so that greedy token
 Two ways to compute, same result up to fp32 summation order:
 - ``grouped``: sort the (token, expert) pairs by expert and run the GEMMs per expert group: two
   `torch._grouped_mm` launches over all experts where they apply (CUDA bf16, Hopper+), else one GEMM pair per
-  routed expert with one host sync per layer (the per-expert counts). Reads each routed expert once. For prefill.
+  routed expert with one host sync per layer (the per-expert counts). Reads each routed expert once. For prefill,
+  and for decode batches above gather_max_pairs: up to GROUPED_MM_MAX_GROUPS experts (a resident layer) the
+  `_grouped_mm` path makes no host sync and has fixed shapes, so it is captured in the decode graphs too
+  (`grouped_capturable`).
 - ``gemv``: `kernels.moe_decode.moe_gemv`, Triton GEMVs that read the T*K routed experts in place
   (no copy). No host sync, fixed shapes (CUDA-graph capturable); for small decode batches. On CPU
   it runs its torch reference.
@@ -27,7 +30,7 @@ import torch.nn.functional as F
 from ftexpert.kernels.moe_decode import moe_gemv
 
 MODES = ("auto", "grouped", "gemv")
-GRAPH_SAFE_MODES = ("gemv",)       # no host sync, fixed shapes
+GRAPH_SAFE_MODES = ("gemv",)       # no host sync, fixed shapes, whatever the weights (grouped: grouped_capturable)
 # Groups one torch._grouped_mm call takes (its check is group_count < 1024: "Can't process more than 1024 groups"); a larger
 # slot pool (offload / hybrid at 25% of qwen3-30b-a3b's experts: 1,536 slots) goes in windows of this many.
 GROUPED_MM_MAX_GROUPS = 1023
@@ -45,6 +48,24 @@ def grouped_mm_applies(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> 
     sizes = (x.shape[1], w13.shape[1], w2.shape[2], w13.stride(0), w2.stride(0), w13.stride(1), w2.stride(1))
     aligned = all(v % 8 == 0 for v in sizes) and all(t.data_ptr() % 16 == 0 for t in (x, w13, w2))
     return aligned and w13.stride(2) == 1 and w2.stride(2) == 1 and x.stride(1) == 1
+
+
+def group_ends(sorted_ids: torch.Tensor, groups: int) -> torch.Tensor:
+    """[groups] int32: entry g = how many of ``sorted_ids`` (ascending, in 0..groups-1) are <= g, the end row of
+    group g. A search on the device: no host sync (torch.bincount syncs to size its output)."""
+    bounds = torch.arange(groups, device=sorted_ids.device, dtype=sorted_ids.dtype)
+    return torch.searchsorted(sorted_ids, bounds, right=True).to(torch.int32)
+
+
+def grouped_capturable(w13: torch.Tensor, w2: torch.Tensor, dtype: torch.dtype) -> bool:
+    """Whether the grouped mode over these weights, for activations of ``dtype``, is the sync-free
+    `grouped_mm_expert_ffn` (both GEMMs' group offsets stay on the device; at most GROUPED_MM_MAX_GROUPS groups,
+    one call each): then a decode forward in the grouped mode can be captured in a CUDA graph (torch._grouped_mm
+    on Hopper or later takes its offsets on the device; torch's fallback below Hopper syncs, and is not taken)."""
+    if w13.shape[0] > GROUPED_MM_MAX_GROUPS or w13.device.type != "cuda":
+        return False
+    probe = torch.empty(0, w13.shape[2], dtype=dtype, device=w13.device)   # a fresh activation's alignment
+    return grouped_mm_applies(probe, w13, w2)
 
 
 def grouped_expert_ffn(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
@@ -74,8 +95,8 @@ def grouped_mm_expert_ffn(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights:
     T, K = topk_ids.shape
     groups = w13.shape[0]
     flat_ids = topk_ids.reshape(-1)                                   # [P = T*K]
-    order = torch.argsort(flat_ids, stable=True)                      # pairs grouped by expert
-    offs = torch.cumsum(torch.bincount(flat_ids, minlength=groups), 0).to(torch.int32)   # [E] group ends
+    sorted_ids, order = torch.sort(flat_ids, stable=True)             # pairs grouped by expert
+    offs = group_ends(sorted_ids, groups)                             # [E] int32
     x_sorted = x.index_select(0, order // K)                          # [P, H]
     if groups <= GROUPED_MM_MAX_GROUPS:
         y_sorted = _grouped_ffn_rows(x_sorted, w13, w2, offs)        # [P, H] x.dtype

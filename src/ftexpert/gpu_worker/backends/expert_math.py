@@ -13,7 +13,7 @@ expert_compute.expert_ffn / kernels.moe_decode.moe_gemv (a route at -1 adds exac
 - quantized (`QuantRows`): gemv -> ``moe_gemv_quant(x, ids, weights, rows_u8, layout, impl=..., plan=...,
   between=..., between_down=...)``; grouped (prefill) -> the distinct routed rows dequantized by
   ``dequantize_rows(rows_u8, ids, layout, out_dtype)`` to x.dtype, then the grouped GEMMs over them (a host sync:
-  the distinct ids; the grouped mode syncs anyway and is never captured).
+  the distinct ids: the quantized grouped mode is never captured; the bf16 one is where `grouped_capturable`).
 
 Biased experts with gpt-oss's clamped SwiGLU (``layout.act``, proto/expert_act.py): bf16 gemv -> moe_gemv with the
 rows' bias tails and the activation (``b13=, b2=, act=``), quantized gemv -> moe_gemv_quant likewise; the grouped
@@ -37,7 +37,7 @@ from ftexpert.proto.expert_act import ExpertAct
 from ftexpert.kernels.expert_reference import apply_act
 from ftexpert.proto.expert_format import FormatError
 
-from ftexpert.gpu_worker.backends.expert_compute import expert_ffn, grouped_expert_ffn
+from ftexpert.gpu_worker.backends.expert_compute import expert_ffn, grouped_capturable, grouped_expert_ffn
 from ftexpert.gpu_worker.checkpoint.expert_layout import ExpertLayout, bias_views, unpack_experts
 
 # Formats each path computes (a fast kernel that lacks a format narrows its entry; the references take all).
@@ -64,6 +64,11 @@ class ExpertRows:
             plan: CopyPlan | None = None, between: Callable[[], None] | None = None,
             between_down: Callable[[], None] | None = None) -> torch.Tensor:
         raise NotImplementedError
+
+    @property
+    def grouped_capturable(self) -> bool:
+        """Whether the grouped mode over these rows makes no host sync and has fixed shapes (CUDA-graph capturable)."""
+        return False
 
     @property
     def w13_bytes(self) -> int:
@@ -111,6 +116,11 @@ class Bf16Rows(ExpertRows):
     def __init__(self, rows: torch.Tensor, layout: ExpertLayout):
         self.rows, self.layout = rows, layout
         self.w13, self.w2 = unpack_experts(rows, layout)
+
+    @property
+    def grouped_capturable(self) -> bool:
+        # biased experts take act_expert_ffn (a sync for the distinct ids); else expert_compute's rule
+        return not self.layout.act.bias and grouped_capturable(self.w13, self.w2, self.layout.dtype)
 
     @property
     def w13_bytes(self) -> int:

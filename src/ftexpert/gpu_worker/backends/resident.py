@@ -36,6 +36,7 @@ class ResidentExperts(ExpertBackend):
         self.num_experts = packed[0].shape[0] if packed else 0
         self.rows = [expert_rows(p, layout) for p in packed]          # the expert math over each layer's rows
         self.kernel_impl = "auto"     # moe_gemv: Triton on CUDA, reference on CPU ("triton": tests)
+        self._grouped_capturable: bool | None = None     # graph_safe's answer for the grouped mode, once known
 
     @classmethod
     def from_source(cls, source: ExpertSource, device: torch.device | str, mode: str = "auto",
@@ -52,8 +53,14 @@ class ResidentExperts(ExpertBackend):
         return pick_mode(self.mode, device.type == "cuda", num_pairs, self.gather_max_pairs)
 
     def graph_safe(self, num_pairs: int) -> bool:
-        """Capturable in a CUDA graph for this many (token, expert) pairs: the gemv mode."""
-        return self.choose_mode(num_pairs, self.packed[0].device) in GRAPH_SAFE_MODES
+        """Capturable in a CUDA graph for this many (token, expert) pairs: the gemv mode, and the grouped mode where
+        every layer's rows take it without a host sync (bf16 on Hopper+, expert_compute.grouped_capturable)."""
+        mode = self.choose_mode(num_pairs, self.packed[0].device)
+        if mode in GRAPH_SAFE_MODES:
+            return True
+        if self._grouped_capturable is None:
+            self._grouped_capturable = all(r.grouped_capturable for r in self.rows)
+        return self._grouped_capturable
 
     def forward(self, layer_idx: int, x: torch.Tensor, topk_ids: torch.Tensor,
                 topk_weights: torch.Tensor) -> torch.Tensor:

@@ -8,8 +8,9 @@ cache, its block tables and the weights are outside it, so every replay sees the
 as the engine last wrote them (in place, between steps: `KVCache.sync`).
 
 An expert backend says with `graph_safe(num_pairs)` whether a forward of that many (token, expert) pairs makes no
-host sync and has fixed shapes (`ResidentExperts` in its gemv mode, offload's decode copy kernel, hybrid's device
-hand-off), and with `graph_key()` what host state a captured forward depends on; other steps run eagerly.
+host sync and has fixed shapes (`ResidentExperts` in its gemv mode and, bf16 on Hopper+, its grouped one;
+offload's decode copy kernel, hybrid's device hand-off), and with `graph_key()` what host state a captured forward
+depends on; other steps run eagerly.
 """
 from __future__ import annotations
 
