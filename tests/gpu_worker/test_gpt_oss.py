@@ -89,6 +89,16 @@ def test_batched_greedy_generation_matches_transformers(pair):
     assert engine.generate(prompts, SamplingParams(max_new_tokens=20, ignore_eos=True)) == expected
 
 
+def test_the_triton_decode_attention_with_sinks_gives_transformers_tokens(pair):
+    """The decode attention's Triton kernel (the Triton interpreter here) with the sinks in its merge, on the full
+    and the sliding layers (one window group, one not): transformers' greedy tokens, two requests past the window."""
+    hf, _, ours = pair
+    prompts = [prompt_ids(n, seed=30 + n) for n in (21, 6)]
+    expected = [hf_greedy(hf, p, 12) for p in prompts]
+    engine = engine_of(ours, max_running_requests=2, max_context_tokens=128, attention_backend="triton")
+    assert engine.generate(prompts, SamplingParams(max_new_tokens=12, ignore_eos=True)) == expected
+
+
 def _greedy(built, prompts, n=32):
     engine = engine_of(built, max_running_requests=2, max_context_tokens=128, prefill_chunk_tokens=4)
     return engine.generate([list(p) for p in prompts], SamplingParams(max_new_tokens=n, ignore_eos=True))

@@ -32,12 +32,12 @@ def make_cache(B, S, Hkv, D, dtype=torch.float32, device=KERNEL_DEVICE, seed=0):
     return k, v
 
 
-def run_both(q, k, v, rows, seq_lens, bucket, window=None, blocks=SMALL, scale=None):
+def run_both(q, k, v, rows, seq_lens, bucket, window=None, blocks=SMALL, scale=None, sinks=None):
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     out = decode_attention(q, k, v, rows, seq_lens, scale=scale, bucket=bucket, sliding_window=window,
-                           impl="triton", blocks=blocks)
+                           impl="triton", blocks=blocks, sinks=sinks)
     ref = decode_attention_reference(q, k, v, rows, seq_lens, scale=scale, bucket=bucket,
-                                     sliding_window=window)
+                                     sliding_window=window, sinks=sinks)
     return out, ref
 
 
@@ -68,6 +68,39 @@ def test_lockstep_with_reference(case):
     out, ref = run_both(q, k, v, rows, seq_lens, bucket, window, SMALL)
     assert out.shape == (T, G * Hkv, D) and out.dtype == torch.float32
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.usefixtures("no_tf32")
+@pytest.mark.parametrize("case", ["g8-d32-t2-full-bucket", "g8-d16-t4-window", "g2-d32-t3", "mha-d16-t1-len1"])
+def test_lockstep_with_reference_with_sinks(case):
+    """gpt-oss's attention sinks (a logit per head in the denominator, taken in the merge kernel): sinks around
+    the scores' own size, so that they move the output."""
+    G, D, T, lens, bucket, window = CASES[case]
+    Hkv, B, S = 2, 6, 160
+    k, v = make_cache(B, S, Hkv, D, seed=len(case))
+    g = torch.Generator().manual_seed(2)
+    q = torch.randn(T, G * Hkv, D, generator=g).to(KERNEL_DEVICE)
+    rows = torch.randperm(B, generator=g)[:T].to(KERNEL_DEVICE)
+    seq_lens = torch.tensor(lens).to(KERNEL_DEVICE)
+    sinks = (2 * torch.randn(G * Hkv, generator=g)).to(KERNEL_DEVICE)
+    out, ref = run_both(q, k, v, rows, seq_lens, bucket, window, SMALL, sinks=sinks)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    plain, _ = run_both(q, k, v, rows, seq_lens, bucket, window, SMALL)
+    assert (out - plain).abs().max() > 1e-2                                  # the sinks did something
+
+
+def test_reference_sinks_against_hand_computed_values():
+    """One position: out = v0 * e^s / (e^s + e^sink); a sink of -inf (none) leaves v0; a sink equal to the score
+    halves it."""
+    D = 4
+    k = torch.zeros(1, 8, 1, D)
+    v = torch.zeros(1, 8, 1, D)
+    v[0, 0, 0] = torch.tensor([1.0, -2.0, 4.0, 0.5])
+    q = torch.zeros(1, 1, D)                                                 # score 0 against every key
+    one = torch.tensor([0]), torch.tensor([1])
+    for sink, share in ((float("-inf"), 1.0), (0.0, 0.5), (1.0, 1 / (1 + torch.e)), (-2.0, 1 / (1 + torch.e ** -2))):
+        out = decode_attention_reference(q, k, v, *one, scale=1.0, bucket=8, sinks=torch.tensor([sink]))
+        torch.testing.assert_close(out[0, 0], v[0, 0, 0] * share, rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.usefixtures("no_tf32")
@@ -138,6 +171,10 @@ def test_bad_arguments():
         decode_attention(q, k, v, rows, lens, impl="cudnn", **kw)
     with pytest.raises(ValueError, match="sliding_window"):
         decode_attention(q, k, v, rows, lens, sliding_window=0, **kw)
+    with pytest.raises(ValueError, match=r"sinks must be a float \[Hq=4\]"):
+        decode_attention(q, k, v, rows, lens, sinks=torch.zeros(2), **kw)
+    with pytest.raises(ValueError, match="sinks"):
+        decode_attention(q, k, v, rows, lens, sinks=torch.zeros(4, dtype=torch.int32), **kw)
     with pytest.raises(ValueError, match="attention_backend"):
         EngineConfig(attention_backend="flash")
     assert decode_attention(q, k, v, rows, lens, impl="auto", **kw).shape == (1, 4, 16)   # reference
@@ -158,7 +195,7 @@ def kv_cache(max_batch, max_ctx, heads, kv_heads, head_dim, device=KERNEL_DEVICE
     return kv
 
 
-def attend_both(kv: KVCache, slots, positions, window, q, k_new, v_new, layer=1):
+def attend_both(kv: KVCache, slots, positions, window, q, k_new, v_new, layer=1, sinks=None):
     """The same step through backend 'sdpa' and 'triton' on copies of the cache -> (sdpa, triton, caches)."""
     dev = kv.k.device
     slot_ids = torch.tensor(slots, device=dev)
@@ -172,7 +209,7 @@ def attend_both(kv: KVCache, slots, positions, window, q, k_new, v_new, layer=1)
         kv_b.v.copy_(kv.v)
         attn = DecodeAttention(kv_b, slot_ids, pos, bucket_tokens=bucket, sliding_window=window, backend=backend)
         assert attn.backend == backend
-        outs.append(attn.attend(layer, q, k_new, v_new))
+        outs.append(attn.attend(layer, q, k_new, v_new, **({} if sinks is None else {"sinks": sinks})))
         caches.append(kv_b)
     return outs[0], outs[1], caches
 
@@ -189,6 +226,21 @@ def test_triton_backend_matches_sdpa_decode_attention(slots, window):
     q, k_new, v_new = (torch.randn(T, h, D, generator=g).to(KERNEL_DEVICE) for h in (Hq, Hkv, Hkv))
     sdpa, triton_out, (kv_s, kv_t) = attend_both(kv, slots, positions, window, q, k_new, v_new)
     assert torch.equal(kv_s.k, kv_t.k) and torch.equal(kv_s.v, kv_t.v)       # the same K/V written
+    torch.testing.assert_close(triton_out, sdpa, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.usefixtures("no_tf32")
+@pytest.mark.parametrize("window", [None, 7], ids=["full", "window7"])
+def test_triton_backend_with_sinks_matches_the_eager_sink_attention(window):
+    """gpt-oss's layers: sinks (and a sliding window) through the Triton kernel equal the eager sink softmax the
+    'sdpa' backend runs."""
+    Hq, Hkv, D = 8, 2, 16
+    kv = kv_cache(max_batch=5, max_ctx=200, heads=Hq, kv_heads=Hkv, head_dim=D)
+    slots, positions = [3, 0, 2], [17, 130, 0]
+    g = torch.Generator().manual_seed(9)
+    q, k_new, v_new = (torch.randn(3, h, D, generator=g).to(KERNEL_DEVICE) for h in (Hq, Hkv, Hkv))
+    sinks = torch.randn(Hq, generator=g).to(KERNEL_DEVICE)
+    sdpa, triton_out, _ = attend_both(kv, slots, positions, window, q, k_new, v_new, sinks=sinks)
     torch.testing.assert_close(triton_out, sdpa, rtol=1e-5, atol=1e-5)
 
 
@@ -255,6 +307,23 @@ def test_bf16_qwen3_shapes_on_gpu(T, lens, bucket, window):
     out = decode_attention(q, k, v, rows, seq_lens, scale=D ** -0.5, bucket=bucket, sliding_window=window)
     ref = fp32_reference(q, k, v, rows, seq_lens, scale=D ** -0.5, bucket=bucket, sliding_window=window)
     assert out.dtype == torch.bfloat16
+    bf16_close(out, ref)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("lens,bucket,window", [([1100, 70], 2048, None), ([1100, 5000], 8192, 128)])
+def test_bf16_gpt_oss_shapes_with_sinks_on_gpu(lens, bucket, window):
+    """gpt-oss-120b's heads (Hq 64, Hkv 8, D 64), its bf16 sinks, full and 128-token sliding layers."""
+    Hq, Hkv, D, T, B = 64, 8, 64, len(lens), 3
+    k, v = make_cache(B, bucket, Hkv, D, dtype=torch.bfloat16, device="cuda", seed=21)
+    g = torch.Generator().manual_seed(22)
+    q = (2 * torch.randn(T, Hq, D, generator=g)).to(torch.bfloat16).cuda()
+    sinks = (3 * torch.randn(Hq, generator=g)).to(torch.bfloat16).cuda()
+    rows, seq_lens = torch.tensor([2, 0]).cuda(), torch.tensor(lens).cuda()
+    out = decode_attention(q, k, v, rows, seq_lens, scale=D ** -0.5, bucket=bucket, sliding_window=window,
+                           sinks=sinks)
+    ref = fp32_reference(q, k, v, rows, seq_lens, scale=D ** -0.5, bucket=bucket, sliding_window=window,
+                         sinks=sinks)
     bf16_close(out, ref)
 
 

@@ -17,7 +17,8 @@ query attention reads each cached key once and never copies K/V to Hq heads:
   slots' rows of the device block table are read on the device, and the K/V write position of each token
   (`flat_index`) is computed there from them. One of two backends:
   - "triton" (the default on CUDA): kernels/decode_attention, a flash-decoding kernel that reads only
-    the T requests' blocks up to each one's sequence length (grid bounded by the bucket);
+    the T requests' blocks up to each one's sequence length (grid bounded by the bucket), gpt-oss's sinks
+    taken in its merge;
   - "sdpa" (CPU, and the fallback on CUDA): the T requests' positions [0, bucket) gathered through
     their table rows (kernels.decode_attention.gather_pages), then SDPA with a mask from a device
     tensor of sequence lengths (positions past a request's length, unused table entries included, are
@@ -330,10 +331,10 @@ class DecodeAttention:
         custom = sinks is not None or sliding_window != CONTEXT_WINDOW or group.window is not None
         window = _layer_window(group, sliding_window, self.sliding_window)
         qg = q.view(T, Hkv, G, D)                                                          # keys [T, Hkv, S, D]
-        if self.backend == "triton" and (not custom or (sinks is None and group.window is not None)):
+        if self.backend == "triton" and (not custom or group.window is not None or sinks is not None):
             return decode_attention(q, group.k[local], group.v[local], self.slot_ids, self.seq_lens,
                                     scale=D ** -0.5, bucket=self.bucket, sliding_window=window,
-                                    impl="triton", block_tables=group.block_tables)
+                                    impl="triton", block_tables=group.block_tables, sinks=sinks)
         if group.window is not None:                     # the window's blocks only: entries before it are -1
             keys, pos = gather_window(group.k[local], group.block_tables, self.slot_ids, self.seq_lens, window)
             values, _ = gather_window(group.v[local], group.block_tables, self.slot_ids, self.seq_lens, window)

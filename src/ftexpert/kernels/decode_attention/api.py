@@ -108,7 +108,7 @@ def contiguous_tables(k_cache: torch.Tensor) -> torch.Tensor:
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, rows: torch.Tensor,
                      seq_lens: torch.Tensor, *, scale: float, bucket: int, sliding_window: int | None = None,
                      impl: str = "auto", blocks: DecodeAttentionBlocks | None = None,
-                     block_tables: torch.Tensor | None = None) -> torch.Tensor:
+                     block_tables: torch.Tensor | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of one new token per request over its paged KV cache -> out [T, Hq, D] in q.dtype.
 
     q: [T, Hq, D] (rope'd; the last dim contiguous); k_cache, v_cache: [NB, PAGE, Hkv, D] one layer's
@@ -119,16 +119,22 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     of each request (position + 1, counting the token just written), in [1, bucket]; bucket: host int <=
     MB * PAGE, >= max(seq_lens): bounds the grid and the positions read (fixed per CUDA graph). Request t's
     query head h attends to positions p of kv head h // (Hq / Hkv) with max(0, seq_len - sliding_window) <= p
-    < seq_len; softmax in fp32 with `scale`. rows, seq_lens and the table entries are not checked against the
-    shapes (that would need a host sync).
+    < seq_len; softmax in fp32 with `scale`; sinks: [Hq] float (gpt-oss's attention sinks), head h's softmax
+    takes one more logit, sinks[h], that attends to nothing. rows, seq_lens and the table entries are not checked
+    against the shapes (that would need a host sync).
     """
     _check(q, k_cache, v_cache, rows, seq_lens, bucket, sliding_window, block_tables)
+    if sinks is not None and (sinks.shape != (q.shape[1],) or sinks.device != q.device
+                              or not sinks.dtype.is_floating_point):
+        raise ValueError(f"sinks must be a float [Hq={q.shape[1]}] tensor on {q.device}, got {sinks.dtype} "
+                         f"{tuple(sinks.shape)} on {sinks.device}")
     if block_tables is None:
         block_tables = contiguous_tables(k_cache)
     impl = _resolve_impl(impl, q.device)
     if impl == "reference":
         return decode_attention_reference(q, k_cache, v_cache, rows, seq_lens, scale=scale, bucket=bucket,
-                                          sliding_window=sliding_window, block_tables=block_tables)
+                                          sliding_window=sliding_window, block_tables=block_tables,
+                                          sinks=sinks)
     blocks = blocks or DEFAULT_BLOCKS
     T, Hq, D = q.shape
     Hkv = k_cache.shape[2]
@@ -165,7 +171,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         HAS_WINDOW=sliding_window is not None, USE_DOT=use_dot, IS_FP32=q.dtype == torch.float32,
         PAGE=k_cache.shape[1], num_warps=blocks.num_warps, **pdl)
     decode_attn_merge_kernel[(T, Hq)](
-        m, l, acc, seq_lens, out, bucket, window, chunk,
+        m, l, acc, seq_lens, out, m if sinks is None else sinks.contiguous(), bucket, window, chunk,
         NUM_SPLITS=num_splits, SPLITS_P2=_next_pow2(num_splits), HEAD_DIM=D, BLOCK_D=_next_pow2(D),
-        HAS_WINDOW=sliding_window is not None, num_warps=blocks.merge_warps, **pdl)
+        HAS_WINDOW=sliding_window is not None, HAS_SINKS=sinks is not None, num_warps=blocks.merge_warps, **pdl)
     return out

@@ -2,7 +2,8 @@
 
 Same semantics as the Triton kernels: request t's query head h attends to positions p of kv head
 h // G (G = Hq / Hkv), for max(0, seq_len - window) <= p < min(seq_len, bucket), position p read from page
-block_tables[rows[t], p // PAGE] at p % PAGE. No host sync (CUDA-graph capturable too), but it gathers the
+block_tables[rows[t], p // PAGE] at p % PAGE; with sinks, head h's softmax has one more logit, sinks[h], whose
+probability goes to no position. No host sync (CUDA-graph capturable too), but it gathers the
 K/V positions through the table (index_select of whole pages) into a copy: [0, bucket), or, with a sliding window,
 only the pages from the one holding the window's first position on (`gather_window`), so a table entry before the
 window (-1 where the cache released it) is never read.
@@ -42,9 +43,11 @@ def gather_window(cache: torch.Tensor, block_tables: torch.Tensor, rows: torch.T
 def decode_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                rows: torch.Tensor, seq_lens: torch.Tensor, *, scale: float, bucket: int,
                                sliding_window: int | None = None,
-                               block_tables: torch.Tensor | None = None) -> torch.Tensor:
+                               block_tables: torch.Tensor | None = None,
+                               sinks: torch.Tensor | None = None) -> torch.Tensor:
     """q [T, Hq, D]; k_cache, v_cache [NB, PAGE, Hkv, D]; block_tables [B, MB] int (None: a contiguous cache
-    [B, S, Hkv, D], row r = page r); rows, seq_lens [T] int -> out [T, Hq, D] q.dtype."""
+    [B, S, Hkv, D], row r = page r); rows, seq_lens [T] int; sinks [Hq] (gpt-oss): one more logit per head in
+    each softmax's denominator, attending to nothing -> out [T, Hq, D] q.dtype."""
     T, Hq, D = q.shape
     Hkv = k_cache.shape[2]
     G = Hq // Hkv
@@ -66,6 +69,10 @@ def decode_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     if sliding_window is not None:
         valid &= pos >= lens - sliding_window
     scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
-    probs = torch.softmax(scores, dim=-1)                                    # [T, Hkv, G, S]
+    if sinks is not None:                                                    # the sink's column, then dropped
+        sink = sinks.float().view(1, Hkv, G, 1).expand(T, Hkv, G, 1)
+        probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+    else:
+        probs = torch.softmax(scores, dim=-1)                                # [T, Hkv, G, S]
     out = torch.einsum("thgs,tshd->thgd", probs, values)                     # [T, Hkv, G, D]
     return out.reshape(T, Hq, D).to(q.dtype)

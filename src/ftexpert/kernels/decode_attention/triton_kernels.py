@@ -15,7 +15,8 @@ Two kernels, launched back to back (api.py):
    A program whose clipped chunk is empty (beyond seq_len, or before the window) writes nothing and
    ends at once, so the fixed grid of a CUDA graph costs little for short contexts.
 2. `decode_attn_merge_kernel`, grid (T, Hq): out = sum_s exp(m_s - M) acc_s / sum_s exp(m_s - M) l_s
-   over the non-empty splits only (the same clipping, from seq_len), M = max_s m_s.
+   over the non-empty splits only (the same clipping, from seq_len), M = max_s m_s. With HAS_SINKS (gpt-oss)
+   head h's sink logit joins the denominator: M = max(max_s m_s, sink), denominator + exp(sink - M).
 
 Scores: ``USE_DOT`` multiplies the [GP, D] query tile (G rows padded with zeros to GP >= 16, as
 tl.dot needs) by the [BLOCK_N, D] key tile on tensor cores, and p [GP, BLOCK_N] (rounded to the
@@ -136,12 +137,14 @@ def decode_attn_merge_kernel(
     acc_ptr,              # [T, Hq, NS, D] fp32
     seq_lens_ptr,         # [T] int
     out_ptr,              # [T, Hq, D] (contiguous), the query dtype
+    sinks_ptr,            # [Hq] the heads' sink logits (read when HAS_SINKS)
     bucket, window, chunk,
     NUM_SPLITS: tl.constexpr,
     SPLITS_P2: tl.constexpr,  # NUM_SPLITS padded to a power of two
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
     USE_PDL: tl.constexpr = False,   # launched with PDL: wait for the kernel before first (kernels/pdl.py)
 ):
     pdl_enter(USE_PDL)
@@ -161,9 +164,14 @@ def decode_attn_merge_kernel(
     l = tl.load(l_ptr + base + offs_s, mask=s_ok, other=0.0)
     acc = tl.load(acc_ptr + (base + offs_s)[:, None] * HEAD_DIM + offs_d[None, :],
                   mask=s_ok[:, None] & d_ok[None, :], other=0.0)              # [SPLITS_P2, BLOCK_D]
-    m_max = tl.max(m, axis=0)
+    m_max = tl.max(m, axis=0)                                                 # finite: seq_len >= 1
+    if HAS_SINKS:
+        sink = tl.load(sinks_ptr + h).to(tl.float32)
+        m_max = tl.maximum(m_max, sink)
     w = tl.where(s_ok, tl.exp(m - m_max), 0.0)                                # [SPLITS_P2]
     denom = tl.sum(w * l, axis=0)
+    if HAS_SINKS:
+        denom += tl.exp(sink - m_max)
     out = tl.sum(w[:, None] * acc, axis=0) / denom                            # [BLOCK_D]
     tl.store(out_ptr + (t.to(tl.int64) * tl.num_programs(1) + h) * HEAD_DIM + offs_d,
              out.to(out_ptr.dtype.element_ty), mask=d_ok)
