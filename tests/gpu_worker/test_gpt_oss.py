@@ -50,6 +50,18 @@ def test_logits_match_transformers(pair, chunk):
     assert rel_err(got, expected) <= REL_TOL
 
 
+def test_logits_match_transformers_with_one_query_slices(pair, monkeypatch):
+    """The sinks' and windows' prefill in slices of one query each (a logits budget of 1 byte), as a long context
+    is: the same logits."""
+    from ftexpert.gpu_worker.engine import sink_attention
+    hf, _, ours = pair
+    monkeypatch.setattr(sink_attention, "CUSTOM_LOGITS_BYTES", 1)
+    prompt = prompt_ids(23, seed=3)
+    with torch.no_grad():
+        expected = hf(torch.tensor([prompt])).logits[0].float()
+    assert rel_err(prefill_logits(ours, prompt, 64), expected) <= REL_TOL
+
+
 def test_the_window_and_the_sinks_matter(pair):
     """A model that ignored the window or the sinks would be off by far more than REL_TOL."""
     hf, _, ours = pair

@@ -39,6 +39,8 @@ from ftexpert.kernels.decode_attention import decode_attention, gather_pages, ga
 from ftexpert.kernels.moe_decode import KvWrite
 
 from ftexpert.gpu_worker.engine.kv_cache import KVCache, KVGroup
+from ftexpert.gpu_worker.engine.sink_attention import (chunked_sink_attention, folded_sinks, sink_attention,
+                                                       sink_key_attention)
 
 MIN_DECODE_BUCKET_TOKENS = 64
 ATTENTION_BACKENDS = ("auto", "sdpa", "triton")
@@ -48,33 +50,6 @@ ATTENTION_BACKENDS = ("auto", "sdpa", "triton")
 PREFILL_KERNELS = ("auto", "bias")
 PREFILL_KERNEL = "auto"
 CONTEXT_WINDOW = "context"      # attend's default sliding_window: the one the context was built with
-
-
-def sink_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
-                   sinks: torch.Tensor | None, scale: float) -> torch.Tensor:
-    """Eager attention with optional sinks over the folded layout. q [R, Hkv, M, D], keys / values
-    [R, Hkv, S, D], mask: additive float or bool (True: attend), broadcast to [R, Hkv, M, S]; sinks
-    [Hkv, M] (each folded query row's head's sink) or None -> [R, Hkv, M, D]."""
-    logits = torch.matmul(q, keys.transpose(-1, -2)) * scale                          # [R, Hkv, M, S]
-    if mask.dtype == torch.bool:
-        logits = logits.masked_fill(~mask, float("-inf"))
-    else:
-        logits = logits + mask
-    if sinks is not None:
-        sink = sinks.to(logits.dtype)[None, :, :, None].expand(logits.shape[0], -1, -1, 1)
-        logits = torch.cat([logits, sink], dim=-1)
-    logits = logits - logits.max(dim=-1, keepdim=True).values
-    probs = torch.softmax(logits, dim=-1, dtype=logits.dtype)
-    if sinks is not None:
-        probs = probs[..., :-1]
-    return torch.matmul(probs.to(values.dtype), values)
-
-
-def _folded_sinks(sinks: torch.Tensor | None, hkv: int, group: int, rows_per_head: int) -> torch.Tensor | None:
-    """sinks [Hq] -> [Hkv, G * rows_per_head]: folded row g * rows_per_head + c has head h * G + g's sink."""
-    if sinks is None:
-        return None
-    return sinks.view(hkv, group, 1).expand(hkv, group, rows_per_head).reshape(hkv, group * rows_per_head)
 
 
 def resolve_attention_backend(backend: str, device: torch.device) -> str:
@@ -164,7 +139,7 @@ class PrefillAttention:
         self._mask: torch.Tensor | None = None
         self._folded: dict[tuple[int, torch.dtype], torch.Tensor] = {}   # (G, dtype) -> the folded heads' bias
         self._flash: bool | None = None          # whether attend takes the flash path (decided at its first call)
-        self._window_masks: dict[tuple[int | None, int], torch.Tensor] = {}   # (window, base): its [C, S] mask
+        self._sink_flash: bool | None = None     # whether flash takes a full layer's sinks as a key (likewise)
 
     @property
     def _first(self) -> int | None:
@@ -217,20 +192,6 @@ class PrefillAttention:
     def kv_write(self, layer_idx: int, v: torch.Tensor) -> KvWrite | None:
         return None                                   # a chunk's K/V: written in attend
 
-    def window_mask(self, window: int | None, base: int = 0) -> torch.Tensor:
-        """[C, S] bool for a layer's own window (None: causal only) over keys [base, end)."""
-        if window == self.sliding_window and base == 0:
-            return self.mask
-        if (window, base) not in self._window_masks:
-            device = self.kv.k.device
-            q_pos = torch.arange(self.start, self.end, device=device)[:, None]
-            k_pos = torch.arange(base, self.end, device=device)[None, :]
-            mask = k_pos <= q_pos
-            if window is not None:
-                mask &= k_pos > q_pos - window
-            self._window_masks[(window, base)] = mask
-        return self._window_masks[(window, base)]
-
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
                kv_written: bool = False, sinks: torch.Tensor | None = None,
                sliding_window: int | None | str = CONTEXT_WINDOW) -> torch.Tensor:
@@ -246,10 +207,13 @@ class PrefillAttention:
         values = chunk.context(group.v, local).transpose(0, 1).unsqueeze(0)                # [1, Hkv, S, D]
         if sinks is not None or sliding_window != CONTEXT_WINDOW or group.window is not None:
             window = _layer_window(group, sliding_window, self.sliding_window)
-            qf = q.view(C, Hkv, G, D).permute(1, 2, 0, 3).reshape(1, Hkv, G * C, D)       # row g*C + c
-            mask = self.window_mask(window, chunk.base).repeat(G, 1)                       # [G*C, S]
-            out = sink_attention(qf, keys, values, mask, _folded_sinks(sinks, Hkv, G, C), D ** -0.5)
-            return out.view(Hkv, G, C, D).permute(2, 0, 1, 3).reshape(C, Hq, D)
+            if sinks is not None and window is None and PREFILL_KERNEL == "auto" and self._sink_flash is not False:
+                out = sink_key_attention(q, keys, values, sinks, D ** -0.5)     # flash, the sink as a key
+                self._sink_flash = out is not None
+                if out is not None:
+                    return out
+            return chunked_sink_attention(q, keys, values, start=self.start, base=chunk.base, window=window,
+                                          sinks=sinks, scale=D ** -0.5)
         if self._flash is None:
             self._flash = self._flash_applies(q, keys, values)
         if self._flash:        # query c attends keys [0, start + c]: causal, aligned to the lower right
@@ -345,7 +309,7 @@ class DecodeAttention:
             values = gather_pages(group.v[local], group.block_tables, self.slot_ids, self.bucket).transpose(1, 2)
             mask = self.window_mask(window) if custom else self.mask
         if custom:
-            out = sink_attention(qg, keys, values, mask, _folded_sinks(sinks, Hkv, G, 1), D ** -0.5)
+            out = sink_attention(qg, keys, values, mask, folded_sinks(sinks, Hkv, G, 1), D ** -0.5)
         else:
             out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=mask, scale=D ** -0.5)
         return out.reshape(T, Hq, D)
