@@ -62,6 +62,22 @@ def test_logits_match_transformers_with_one_query_slices(pair, monkeypatch):
     assert rel_err(prefill_logits(ours, prompt, 64), expected) <= REL_TOL
 
 
+def test_the_fused_forward_matches_transformers(pair, tmp_path):
+    """The fused forward (the CUDA default; its kernels' references here): q / k / v in one biased GEMM over the
+    concatenated weights and biases (the projections views of them), the fused norms, rope and routing."""
+    hf, path, _ = pair
+    fused = build(path, dtype="float32", max_context_tokens=128, fused_kernels="on")
+    layer = fused.model.dense.layers[0]
+    assert fused.model.fused_kernels and layer.qkv_proj is not None and layer.qkv_bias is not None
+    assert layer.k_bias.data_ptr() == layer.qkv_bias[layer.q_bias.numel():].data_ptr()      # views, no copies
+    prompt = prompt_ids(23, seed=3)
+    with torch.no_grad():
+        expected = hf(torch.tensor([prompt])).logits[0].float()
+    assert rel_err(prefill_logits(fused, prompt, 64), expected) <= REL_TOL
+    short = prompt_ids(11, seed=4)                # (transformers' generate is checked up to 11-13 tokens here)
+    assert _greedy(fused, [short], 16) == [hf_greedy(hf, short, 16)]
+
+
 def test_the_window_and_the_sinks_matter(pair):
     """A model that ignored the window or the sinks would be off by far more than REL_TOL."""
     hf, _, ours = pair

@@ -34,6 +34,7 @@ class LayerWeights:
     # [Hq*D + 2*Hkv*D, H] after fuse_qkv (one GEMM for q, k, v); q_proj/k_proj/v_proj are then
     # row views of it. Never read from or written to a checkpoint.
     qkv_proj: torch.Tensor | None = None
+    qkv_bias: torch.Tensor | None = None     # likewise [Hq*D + 2*Hkv*D] where the projections have biases
 
 
 @dataclass
@@ -60,7 +61,7 @@ class DenseWeights:
 def fuse_qkv(weights: DenseWeights) -> None:
     """Concatenate each layer's q/k/v projections into ``qkv_proj`` [Hq*D + 2*Hkv*D, H] and make
     ``q_proj`` / ``k_proj`` / ``v_proj`` row views of it (no second copy is kept), so attention runs
-    one GEMM instead of three. Values are unchanged: checkpoints and state dicts read the views.
+    one GEMM instead of three; their biases, where they have them, into ``qkv_bias`` likewise. Values are unchanged: checkpoints and state dicts read the views.
     Idempotent; one layer at a time (peak extra memory: one layer's projections)."""
     for layer in weights.layers:
         if layer.qkv_proj is not None:
@@ -69,3 +70,7 @@ def fuse_qkv(weights: DenseWeights) -> None:
         qkv = torch.cat([layer.q_proj, layer.k_proj, layer.v_proj], dim=0)
         layer.q_proj, layer.k_proj, layer.v_proj = qkv.split(sizes, dim=0)
         layer.qkv_proj = qkv
+        if layer.q_bias is not None:                   # gpt-oss: the biases likewise, one vector and its views
+            bias = torch.cat([layer.q_bias, layer.k_bias, layer.v_bias])
+            layer.q_bias, layer.k_bias, layer.v_bias = bias.split(sizes)
+            layer.qkv_bias = bias

@@ -14,7 +14,7 @@ Two forwards with the same rounding points, as for `MoeModel`: the plain torch o
 (``fused_kernels``, the CUDA default): MoeModel's fused loop with gpt-oss's fp32-weight RMSNorm fused with the
 residual adds (kernels/next_decode, offset 0), the rotary embedding and the KV cache write in one launch
 (kernels/moe_decode rope; the sinks and windows stay in the attention), the router's top-k and softmax (rounded to
-the model dtype) in one launch. The projections keep F.linear with their biases (no fuse_qkv).
+the model dtype) in one launch, and one biased GEMM for q, k and v (dense_tensors.fuse_qkv).
 """
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ from ftexpert.kernels import moe_decode as kops
 from ftexpert.kernels import next_decode as kn
 
 from ftexpert.gpu_worker.checkpoint.config import MoeConfig
-from ftexpert.gpu_worker.checkpoint.dense_tensors import DenseWeights, LayerWeights
+from ftexpert.gpu_worker.checkpoint.dense_tensors import DenseWeights, LayerWeights, fuse_qkv
 from ftexpert.gpu_worker.backends.expert_backend import ExpertBackend
 from ftexpert.gpu_worker.checkpoint.gpt_oss_config import gpt_oss_params
 from ftexpert.gpu_worker.models.gpt_oss_layers import gpt_oss_rms_norm as rms_norm, gpt_oss_route
@@ -40,8 +40,10 @@ class GptOssModel(MoeModel):
             raise ValueError(f"a gpt-oss model needs experts with gpt-oss's biased clamped SwiGLU; the backend's "
                              f"experts compute {experts.layout.act.label}")
         self.params = gpt_oss_params(cfg)
-        super().__init__(cfg, dense, experts, max_positions, fused_kernels=False)     # (no fuse_qkv)
+        super().__init__(cfg, dense, experts, max_positions, fused_kernels=False)
         self.fused_kernels = self.device.type == "cuda" if fused_kernels is None else bool(fused_kernels)
+        if self.fused_kernels:
+            fuse_qkv(dense)                              # one biased GEMM for q, k and v
         for i, layer in enumerate(dense.layers):
             if layer.sinks is None or layer.router_bias is None:
                 raise ValueError(f"gpt-oss layer {i} lacks its attention sinks or router bias")
@@ -68,9 +70,15 @@ class GptOssModel(MoeModel):
                    sin: torch.Tensor, attn: AttentionContext, fused: bool = False) -> torch.Tensor:
         cfg = self.cfg
         T = h.shape[0]
-        q = F.linear(h, layer.q_proj, layer.q_bias).view(T, cfg.num_heads, cfg.head_dim)       # [T, Hq, D]
-        k = F.linear(h, layer.k_proj, layer.k_bias).view(T, cfg.num_kv_heads, cfg.head_dim)    # [T, Hkv, D]
-        v = F.linear(h, layer.v_proj, layer.v_bias).view(T, cfg.num_kv_heads, cfg.head_dim)    # [T, Hkv, D]
+        if fused and layer.qkv_proj is not None:        # one GEMM (dense_tensors.fuse_qkv): strided views
+            kv_size = cfg.num_kv_heads * cfg.head_dim
+            q, k, v = F.linear(h, layer.qkv_proj, layer.qkv_bias).split([cfg.q_size, kv_size, kv_size], dim=1)
+        else:
+            q, k, v = (F.linear(h, layer.q_proj, layer.q_bias), F.linear(h, layer.k_proj, layer.k_bias),
+                       F.linear(h, layer.v_proj, layer.v_bias))
+        q = q.view(T, cfg.num_heads, cfg.head_dim)                                             # [T, Hq, D]
+        k = k.view(T, cfg.num_kv_heads, cfg.head_dim)                                          # [T, Hkv, D]
+        v = v.view(T, cfg.num_kv_heads, cfg.head_dim)                                          # [T, Hkv, D]
         kv = attn.kv_write(i, v) if fused else None          # the fused forward: the KV write inside the rope kernel
         if fused:
             q, k = kops.rope(q, k, cos, sin, impl=self.kernel_impl, kv=kv)
