@@ -188,11 +188,11 @@ while [ $# -gt 0 ]; do
       ;;
     batch)
       # throughput at batch: bench_engine.py --batch B (aggregate tok/s, HBM roofline) for B in BATCH_SIZES, the
-      # default expert compute (gemv to 32 pairs, grouped GEMMs above: in the CUDA graphs for bf16 on Hopper+), there
-      # eager beside graphs (--graphs both), and gemv forced (CUDA graphs at any B)
+      # default expert compute (resident: gemv to 128 pairs, grouped GEMMs above, in the CUDA graphs for bf16 on
+      # Hopper+), eager beside graphs (--graphs both), and gemv forced (CUDA graphs at any B)
       for b in ${BATCH_SIZES:-1 4 16}; do
         for ec in auto gemv; do
-          [ "$b" -eq 1 ] && [ $ec = gemv ] && continue       # (auto is gemv at batch 1: top-k <= 32 pairs)
+          [ "$b" -eq 1 ] && [ $ec = gemv ] && continue       # (auto is gemv at batch 1)
           g=on; [ "$b" -gt 1 ] && [ $ec = auto ] && g=both
           run batch_${b}_$ec "$T" python3 bench/bench_engine.py --preset "${BATCH_PRESET:-qwen3-30b-a3b}" --runs 2 \
             --prompt-tokens 1024 --decode-tokens 64 --batch "$b" --fractions "${BATCH_FRACTIONS:-}" \

@@ -241,7 +241,7 @@ def test_graph_safe_takes_the_grouped_mode_only_where_it_is_capturable(monkeypat
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_gpu_grouped_mode_runs_in_a_cuda_graph_at_a_decode_batch():
-    """Batch 16 x top-8 = 128 pairs, above gemv's 32: `auto` takes the grouped mode over a resident layer of
+    """Batch 16 x top-8 = 128 pairs, above a gemv bound of 32: `auto` takes the grouped mode over a resident layer of
     qwen3-30b-a3b's shape, graph_safe says it can be captured, and a captured call replayed with new routes (spread,
     all on 8 experts) gives bitwise what an eager call gives."""
     dev, dtype = torch.device("cuda"), torch.bfloat16
@@ -250,7 +250,7 @@ def test_gpu_grouped_mode_runs_in_a_cuda_graph_at_a_decode_batch():
     h, inter, experts, T, K = 2048, 768, 128, 16, 8
     g = torch.Generator(device=dev).manual_seed(11)
     layer = (torch.randn(experts, 3 * inter * h, generator=g, device=dev) * 0.02).to(dtype)
-    backend = ResidentExperts([layer], ExpertLayout(h, inter, dtype), mode="auto")
+    backend = ResidentExperts([layer], ExpertLayout(h, inter, dtype), mode="auto", gather_max_pairs=32)
     assert backend.choose_mode(T * K, dev) == "grouped" and backend.graph_safe(T * K)
 
     def routes(spread: bool):

@@ -284,6 +284,7 @@ def test_resident_gemv_mode_choice_and_result():
     assert pick_mode("auto", False, 8, 32) == "grouped" and pick_mode("gemv", False, 99, 32) == "gemv"
     backend = ResidentExperts([pack_experts(w13, w2).to(DEV)], layout, mode="auto")
     assert backend.choose_mode(16, cuda) == "gemv" and backend.choose_mode(16, cpu) == "grouped"
+    assert backend.choose_mode(128, cuda) == "gemv" and backend.choose_mode(129, cuda) == "grouped"   # resident's bound
     gemv = ResidentExperts([pack_experts(w13, w2).to(DEV)], layout, mode="gemv")
     gemv.kernel_impl = "triton"
     assert gemv.graph_safe(1000)

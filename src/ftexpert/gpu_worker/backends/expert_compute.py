@@ -17,7 +17,7 @@ Two ways to compute, same result up to fp32 summation order:
 - ``gemv``: `kernels.moe_decode.moe_gemv`, Triton GEMVs that read the T*K routed experts in place
   (no copy). No host sync, fixed shapes (CUDA-graph capturable); for small decode batches. On CPU
   it runs its torch reference.
-``auto`` takes ``gemv`` on CUDA when T*K <= gather_max_pairs (default 32, settable), else
+``auto`` takes ``gemv`` on CUDA when T*K <= gather_max_pairs (the backend's: resident 128, offload / hybrid 32), else
 ``grouped``. Forcing ``gemv`` applies to prefill too, where a long prompt would read T*K experts: meant for
 tests. The offload and hybrid backends choose with the same rule (`pick_mode`, `expert_ffn`), so that
 greedy tokens agree across backends.

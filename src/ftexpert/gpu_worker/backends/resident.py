@@ -4,7 +4,7 @@ per layer (expert_layout).
 Every MoE layer routes, then calls ``experts.forward(layer_idx, x, topk_ids, topk_weights)``
 (`ExpertBackend`, expert_backend.py). The FFN's two modes (``grouped`` for prefill, ``gemv`` for small decode
 batches) and the rule that picks one (`pick_mode`: ``auto`` takes ``gemv`` on CUDA when T*K <= gather_max_pairs,
-default 32, settable) are in expert_compute.py, shared with the offload and hybrid backends.
+here RESIDENT_GEMV_MAX_PAIRS = 128, settable) are in expert_compute.py, shared with the offload and hybrid backends.
 
 Quantized experts (``layout.fmt``: fp8, int4-g*, mxfp4, nvfp4) are held as their bytes, one uint8 row an expert,
 and computed through the same seam as every backend's (expert_math.py: dequantize the routed rows to the model
@@ -21,11 +21,18 @@ from ftexpert.gpu_worker.backends.expert_math import expert_rows
 from ftexpert.gpu_worker.checkpoint.expert_sources import ExpertSource
 
 
+# auto's gemv bound for resident experts, in (token, expert) pairs: qwen3-30b-a3b bf16 at batch 16 (128 pairs) decodes
+# 1,005.9 tok/s with gemv in the CUDA graphs against 831.9 with the grouped GEMMs in them and 196.6 eagerly (H100,
+# `BATCH_SIZES="1 16" bash bench/run_gpu.sh batch`, docs/BENCHMARKS.md "Decode at batch"). Offload and hybrid keep
+# 32: their decode copy plans are sized by it.
+RESIDENT_GEMV_MAX_PAIRS = 128
+
+
 class ResidentExperts(ExpertBackend):
     """All experts in device memory; ``packed[l]`` is layer l's [E, N] tensor."""
 
     def __init__(self, packed: list[torch.Tensor], layout: ExpertLayout, mode: str = "auto",
-                 gather_max_pairs: int = 32):
+                 gather_max_pairs: int = RESIDENT_GEMV_MAX_PAIRS):
         if mode not in MODES:
             raise ValueError(f"expert compute mode {mode!r} is not one of {', '.join(MODES)}")
         for p in packed:
@@ -40,7 +47,7 @@ class ResidentExperts(ExpertBackend):
 
     @classmethod
     def from_source(cls, source: ExpertSource, device: torch.device | str, mode: str = "auto",
-                    gather_max_pairs: int = 32) -> "ResidentExperts":
+                    gather_max_pairs: int = RESIDENT_GEMV_MAX_PAIRS) -> "ResidentExperts":
         """Allocate each layer on ``device`` and let the source fill it in place."""
         packed = []
         for layer in range(source.num_layers):
