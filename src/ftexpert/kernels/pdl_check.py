@@ -40,8 +40,8 @@ def _cases() -> list[tuple[str, object, dict, dict, dict, list[str], bool]]:
     split_consts = dict(NUM_SPLITS=8, G=8, GP=16, HEAD_DIM=128, BLOCK_D=128, BLOCK_N=64, HAS_WINDOW=False,
                         USE_DOT=True, IS_FP32=False, PAGE=16)
     merge_sig = {"m_ptr": f32, "l_ptr": f32, "acc_ptr": f32, "seq_lens_ptr": "*i32", "out_ptr": "*bf16",
-                 "bucket": "i32", "window": "i32", "chunk": "i32"}
-    merge_consts = dict(NUM_SPLITS=8, SPLITS_P2=8, HEAD_DIM=128, BLOCK_D=128, HAS_WINDOW=False)
+                 "sinks_ptr": "*bf16", "bucket": "i32", "window": "i32", "chunk": "i32"}
+    merge_consts = dict(NUM_SPLITS=8, SPLITS_P2=8, HEAD_DIM=128, BLOCK_D=128, HAS_WINDOW=False, HAS_SINKS=True)
     for name, fn, sig, consts in (("decode attention split", attn.decode_attn_split_kernel, split_sig, split_consts),
                                   ("decode attention merge", attn.decode_attn_merge_kernel, merge_sig, merge_consts)):
         picked.append((name, fn, {**sig, **{k: "constexpr" for k in consts}}, consts, {"num_warps": 4}, [], False))
