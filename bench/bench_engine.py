@@ -32,9 +32,11 @@ from ftexpert.proto.knobs import EXPERT_FORMAT_CHOICES  # noqa: E402
 from ftexpert.gpu_worker.backends.offload import HostExperts, resolve_cache_slots  # noqa: E402
 import ftexpert.kernels.expert_copy.api as expert_copy_api  # noqa: E402
 try:                                  # run as bench/bench_engine.py (bench/ on sys.path) or imported as bench.bench_engine
-    from hbm_roofline import describe as describe_hbm, hbm_bandwidth, routed_experts_per_layer, step_bytes  # noqa: E402
+    from hbm_roofline import (describe as describe_hbm, hbm_bandwidth,  # noqa: E402
+                              routed_experts_per_layer, step_bytes)
 except ImportError:
-    from bench.hbm_roofline import describe as describe_hbm, hbm_bandwidth, routed_experts_per_layer, step_bytes  # noqa: E402
+    from bench.hbm_roofline import (describe as describe_hbm, hbm_bandwidth,  # noqa: E402
+                                    routed_experts_per_layer, step_bytes)
 
 
 def _copy_chunks(args) -> list[int]:
@@ -288,8 +290,9 @@ def main() -> int:
                              "tok/s counts every request's tokens")
     parser.add_argument("--expert-compute", default="auto", choices=EXPERT_COMPUTE_MODES,
                         help="the experts' FFN on the GPU for every row (EngineSpec.expert_compute): auto takes gemv "
-                             "(CUDA-graph safe) up to the backend's bound (resident 128 (token, expert) pairs, offload / hybrid 32), "
-                             "grouped GEMMs above (in the graphs too for resident bf16 on Hopper+)")
+                             "(CUDA-graph safe) up to the backend's bound (resident 128 (token, expert) pairs, "
+                             "offload / hybrid 32), grouped GEMMs above (in the graphs too for resident bf16 on "
+                             "Hopper+)")
     parser.add_argument("--temperature", type=float, default=1.0,
                         help="seeded sampling: varied tokens route like real text, not one loop")
     parser.add_argument("--graphs", choices=("on", "off", "both"), default="on",

@@ -75,5 +75,6 @@ def step_bytes(model, expert_bytes: int, contexts: list[int],
 
 def describe(parts: dict[str, int], bw: float) -> str:
     return (f"HBM roofline: {parts['total'] / 1e9:.2f} GB a step (dense {parts['weights'] / 1e9:.2f}, experts "
-            f"{parts['experts'] / 1e9:.2f} ({parts['experts_per_layer']:.1f} a layer), KV {parts['kv'] / 1e9:.3f}, states {parts['states'] / 1e9:.3f}) / "
+            f"{parts['experts'] / 1e9:.2f} ({parts['experts_per_layer']:.1f} a layer), KV {parts['kv'] / 1e9:.3f}, "
+            f"states {parts['states'] / 1e9:.3f}) / "
             f"{bw / 1e9:.0f} GB/s (device-to-device copy, median)")

@@ -18,7 +18,8 @@ from ftexpert.gpu_worker.checkpoint.expert_layout import expert_views
 from ftexpert.gpu_worker.checkpoint.expert_sources import CheckpointExpertSource
 import ftexpert.gpu_worker.backends.expert_compute as expert_compute
 from ftexpert.gpu_worker.backends.expert_compute import (gemv_expert_ffn, group_ends, grouped_expert_ffn,
-                                                      grouped_loop_expert_ffn, grouped_mm_applies, grouped_mm_expert_ffn)
+                                                      grouped_loop_expert_ffn, grouped_mm_applies,
+                                                      grouped_mm_expert_ffn)
 from tests.gpu_worker.test_models_util import hf_model, rel_err, save_hf
 
 E, H, I = 8, 64, 32

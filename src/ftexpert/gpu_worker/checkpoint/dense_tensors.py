@@ -61,8 +61,9 @@ class DenseWeights:
 def fuse_qkv(weights: DenseWeights) -> None:
     """Concatenate each layer's q/k/v projections into ``qkv_proj`` [Hq*D + 2*Hkv*D, H] and make
     ``q_proj`` / ``k_proj`` / ``v_proj`` row views of it (no second copy is kept), so attention runs
-    one GEMM instead of three; their biases, where they have them, into ``qkv_bias`` likewise. Values are unchanged: checkpoints and state dicts read the views.
-    Idempotent; one layer at a time (peak extra memory: one layer's projections)."""
+    one GEMM instead of three; their biases, where they have them, into ``qkv_bias`` likewise. Values are
+    unchanged: checkpoints and state dicts read the views. Idempotent; one layer at a time (peak extra memory: one
+    layer's projections)."""
     for layer in weights.layers:
         if layer.qkv_proj is not None:
             continue
