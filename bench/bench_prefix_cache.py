@@ -42,6 +42,11 @@ from ftexpert.gpu_worker.engine import Engine, SamplingParams  # noqa: E402
 from ftexpert.gpu_worker.engine.kv_cache import KVCache  # noqa: E402
 from ftexpert.proto.engine_spec import EngineSpec  # noqa: E402
 
+try:                                  # run as bench/bench_prefix_cache.py (bench/ on sys.path) or imported from bench
+    from hbm_roofline import hbm_bandwidth, routed_experts_per_layer, step_bytes  # noqa: E402
+except ImportError:
+    from bench.hbm_roofline import hbm_bandwidth, routed_experts_per_layer, step_bytes  # noqa: E402
+
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -163,10 +168,21 @@ def main(argv=None) -> int:
             print(f"turn of +{args.turn_tokens} tokens to {args.history_tokens}: prefix cache "
                   f"{'on ' if prefix else 'off'} TTFT {ttft * 1e3:9.1f} ms (median of {len(turns)}), "
                   f"{row['hit_tokens']} of {row['prompt_tokens']} prompt tokens found cached", flush=True)
+        bw = hbm_bandwidth() if engine.device.type == "cuda" and args.moe_strategy == "resident" else None
         for ctx in contexts:
             rate = decode_rate(engine, ctx, args.decode_tokens, vocab)
-            rows.append({"what": "decode", "context": ctx, "tokens_per_s": rate})
-            print(f"decode at a {ctx}-token context: {rate:8.1f} tok/s", flush=True)
+            row = {"what": "decode", "context": ctx, "tokens_per_s": rate}
+            note = ""
+            if bw is not None:           # the resident step's bound at this context (bench/hbm_roofline.py)
+                mid = ctx + args.decode_tokens // 2                      # the request's mean context while decoding
+                steps = [[ctx + s] for s in range(args.decode_tokens)]
+                parts = step_bytes(model, built.source.experts.layout.expert_nbytes, [mid],
+                                   routed_experts_per_layer(model, steps))
+                row.update(hbm_roofline_tok_s=bw / parts["total"], step_bytes=parts, hbm_bytes_per_s=bw)
+                note = (f"; HBM roofline {bw / parts['total']:.1f} tok/s ({parts['total'] / 1e9:.2f} GB a step, KV "
+                        f"{parts['kv'] / 1e9:.2f}; {bw / 1e9:.0f} GB/s), {100 * rate * parts['total'] / bw:.0f}% of it")
+            rows.append(row)
+            print(f"decode at a {ctx}-token context: {rate:8.1f} tok/s{note}", flush=True)
         if args.batch:
             built.engine = engine = None
             gc.collect()
