@@ -27,6 +27,7 @@ DEFAULT_TIMEOUT_S = 30.0
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--address", default=os.environ.get("FT_CTL_ADDRESS", DEFAULT_ADDRESS),
                         help=f"gRPC address of the coordinator [env FT_CTL_ADDRESS, default {DEFAULT_ADDRESS}]")
+    # lazy: gRPC and the control stubs load only when `ft ctl` runs a command (`ft --help` start-up time)
     from ftexpert.coordinator.auth import add_api_key_flags
 
     add_api_key_flags(parser)
@@ -74,6 +75,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _to_dict(message: Any) -> dict:
+    # lazy: gRPC and the control stubs load only when `ft ctl` runs a command (`ft --help` start-up time)
     from google.protobuf import json_format
     try:      # protobuf >= 5.26
         return json_format.MessageToDict(message, preserving_proto_field_name=True,
@@ -110,8 +112,10 @@ def _print_tree(data: Any, indent: int, out) -> None:
 
 
 def run(args: argparse.Namespace, out=None) -> int:
+    # lazy: gRPC and the control stubs load only when `ft ctl` runs a command (`ft --help` start-up time)
     import grpc
 
+    # lazy: gRPC and the control stubs load only when `ft ctl` runs a command (`ft --help` start-up time)
     from ftexpert.coordinator import control_key
     from ftexpert.coordinator.auth import resolve_api_key
     from ftexpert.proto import control_rpc as rpc

@@ -32,10 +32,13 @@ from ftexpert.coordinator.model_child import ModelChild
 from ftexpert.coordinator.supervisor import Supervisor, WorkerSpec
 from ftexpert.proto.cpus import parse_cpulist
 from ftexpert.proto.engine_spec import EngineSpec
-from ftexpert.proto.expert_store import ExpertStore
+from ftexpert.cpu_expert_pool import api as cpu_api
+from ftexpert.cpu_expert_pool.api import worker_argv, worker_env
+from ftexpert.proto.expert_store import STORE_MAGIC, ExpertStore
+from ftexpert.proto.shm_segment import reclaim_stale_segments
 from ftexpert.proto.model_facts import ModelFacts
-from ftexpert.proto.shm_layout import (DEFAULT_CPU_MAX_TOKENS, channel_hidden_dtype, channel_name_for,
-                                       create_worker_channel)
+from ftexpert.proto.shm_layout import (CHANNEL_MAGIC, DEFAULT_CPU_MAX_TOKENS, channel_hidden_dtype,
+                                       channel_name_for, create_worker_channel)
 
 log = logging.getLogger("ft.coordinator.expert_resources")
 
@@ -72,10 +75,6 @@ class CpuWorkerSettings:
 def reclaim_stale_host_memory() -> list[Any]:
     """Every expert store and CPU channel in /dev/shm of this user whose creator died (a killed run, on any
     port, under any name), unlinked and logged (names, bytes); live ones and other users' are kept."""
-    from ftexpert.proto.expert_store import STORE_MAGIC
-    from ftexpert.proto.shm_layout import CHANNEL_MAGIC
-    from ftexpert.proto.shm_segment import reclaim_stale_segments
-
     return reclaim_stale_segments((STORE_MAGIC, CHANNEL_MAGIC))
 
 
@@ -150,8 +149,6 @@ class ExpertResources:
         return res
 
     def _plan_workers(self) -> tuple[str, list[int]]:
-        from ftexpert.cpu_expert_pool import api as cpu_api
-
         cpu = self.cpu
         self.num_cpu_workers = cpu.num_workers or cpu_api.default_worker_count()
         allowed = sorted(os.sched_getaffinity(0))        # before anyone in this process pins itself
@@ -171,8 +168,6 @@ class ExpertResources:
 
     def _create(self, facts: ModelFacts, store_name: str, fill: Callable[[ExpertStore], Any]) -> None:
         """Create the store for `facts`, place its pages (cpu / hybrid), have `fill` write it, then the channels."""
-        from ftexpert.cpu_expert_pool import api as cpu_api
-
         place = None                         # for cpu/hybrid: expert pages on the NUMA nodes of their workers
         if self.strategy in CPU_STRATEGIES:
             reserved, allowed = self._plan_workers()
@@ -196,13 +191,10 @@ class ExpertResources:
 
     def reserved_cpus(self) -> str:
         """The CPUs the workers keep off (what the GPU-driving process pins itself to)."""
-        from ftexpert.cpu_expert_pool import api as cpu_api
         return cpu_api.reserved_cpus(self.cpu.reserve_cpus)
 
     def cpu_worker_specs(self) -> list[WorkerSpec]:
         """The supervised `ft worker cpu` children, one per channel."""
-        from ftexpert.cpu_expert_pool.api import worker_argv, worker_env
-
         cpu = self.cpu
         return [WorkerSpec(f"cpu{i}", worker_argv(store_name=self.store_name, channel_name=name, worker_index=i,
                                                    num_workers=self.num_cpu_workers, flags=self._flags),

@@ -59,6 +59,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def hybrid_options(args: argparse.Namespace):
     """HybridOptions from the flags; knobs by precedence flag > FREETOKEN_* environment > default."""
+    # lazy: torch and the GPU worker load only when the command runs (`ft --help` start-up time)
     from ftexpert.gpu_worker.api import HybridOptions
 
     knobs = resolve({k: getattr(args, k, None) for k in ("fetch_round", "benchbw_path")})
@@ -68,6 +69,7 @@ def hybrid_options(args: argparse.Namespace):
 
 
 def cpu_worker_settings(args: argparse.Namespace, spec: EngineSpec):
+    # lazy: torch and the GPU worker load only when the command runs (`ft --help` start-up time)
     from ftexpert.coordinator.expert_resources import CpuWorkerSettings
     from ftexpert.cpu_expert_pool.api import default_worker_count
 
@@ -90,6 +92,7 @@ def _prompt_ids(args: argparse.Namespace, tokenizer) -> list[int]:
 
 
 def run(args: argparse.Namespace) -> int:
+    # lazy: torch and the GPU worker load only when the command runs (`ft --help` start-up time)
     from ftexpert.coordinator.expert_resources import HOST_STORE_STRATEGIES, ExpertResources
     from ftexpert.coordinator.serve_cli import use_default_model
     from ftexpert.gpu_worker.api import Attachment, build_engine, open_model_source, resolve_device
@@ -126,6 +129,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _generate(args: argparse.Namespace, spec: EngineSpec, built, prompt: list[int], t_start: float,
               load_s: float) -> int:
+    # lazy: torch and the GPU worker load only when the command runs (`ft --help` start-up time)
     from ftexpert.gpu_worker.api import SamplingParams
 
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,

@@ -36,7 +36,8 @@ from typing import Any, Callable
 from ftexpert.coordinator.engine_link import EngineLinkServer
 from ftexpert.coordinator.expert_resources import CpuWorkerSettings, ExpertResources
 from ftexpert.coordinator.remote_engine import RemoteEngine
-from ftexpert.coordinator.supervisor import EXIT_WORKERS_GAVE_UP
+from ftexpert.coordinator.supervisor import EXIT_WORKERS_GAVE_UP, Supervisor, WorkerGaveUp, WorkerSpec
+from ftexpert.cpu_expert_pool.api import FT_COMMAND, default_worker_count, worker_env
 from ftexpert.proto import engine_messages as em
 from ftexpert.proto import link_auth
 from ftexpert.proto.engine_spec import EngineSpec
@@ -74,7 +75,6 @@ def options_from_serve_args(args: Any, spec: EngineSpec) -> ProcessSetOptions:
     """`ft serve`'s process-set flags around the engine `spec` (its CPU worker count resolved: 0 = one per NUMA
     node or core group)."""
     if spec.uses_cpu_pool and spec.num_cpu_workers <= 0:
-        from ftexpert.cpu_expert_pool.api import default_worker_count
         spec = dataclasses.replace(spec, num_cpu_workers=default_worker_count())
     return ProcessSetOptions(attach=args.attach, spec=spec, engine_addr=args.engine_addr, http_port=args.port,
                              store_name=args.store_name or default_store_name(args.port),
@@ -122,8 +122,6 @@ class ProcessSet:
                   file=sys.stderr, flush=True)
             facts = self.link.wait_ready(o.worker_ready_timeout_s)
         else:
-            from ftexpert.coordinator.supervisor import Supervisor
-
             self.supervisor = Supervisor(self.worker_specs(), on_error=self._on_worker_error,   # it logs each
                                          give_up_advice=self.give_up_advice)
             self.supervisor.start()
@@ -166,9 +164,6 @@ class ProcessSet:
 
     def worker_specs(self) -> list[Any]:
         """The supervised children: `ft worker cpu` x N (cpu/hybrid: the owner's), then `ft worker gpu`."""
-        from ftexpert.coordinator.supervisor import WorkerSpec
-        from ftexpert.cpu_expert_pool.api import FT_COMMAND, worker_env
-
         o = self.options
         assert self.link is not None and self.resources is not None
         env = {"PYTHONPATH": worker_env()["PYTHONPATH"], **o.extra_env}
@@ -194,8 +189,6 @@ class ProcessSet:
         return f"then restart it with `ft ctl restart {name}` (--on-worker-give-up stay: the coordinator keeps serving)"
 
     def _on_worker_error(self, err: Exception) -> None:
-        from ftexpert.coordinator.supervisor import WorkerGaveUp
-
         if isinstance(err, WorkerGaveUp) and self.on_gave_up is not None:
             self.on_gave_up(err.name, str(err), err.name == GPU_WORKER_NAME)
 

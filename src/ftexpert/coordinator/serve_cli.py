@@ -87,6 +87,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def build_policy_from_args(args: argparse.Namespace, expert_format, gpu_name: str):
+    # lazy: `ft --help` and the other subcommands do not load the server; process mode never loads the GPU worker
     from ftexpert.coordinator.policy import DEFAULT_FRACTION_MAX, DEFAULT_FRACTION_MIN, PolicySettings, build_policy
 
     knobs = resolve({k: getattr(args, k, None) for k in ("fetch_round", "benchbw_path")})
@@ -116,6 +117,7 @@ def use_default_model(args: argparse.Namespace) -> None:
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=getattr(logging, args.log_level), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # lazy: `ft --help` and the other subcommands do not load the server; process mode never loads the GPU worker
     from ftexpert.proto.sd_notify import process_notifier
     process_notifier().status("starting")         # (and the workers it starts do not inherit $NOTIFY_SOCKET)
     use_default_model(args)
@@ -143,6 +145,7 @@ def listen_addresses(args: argparse.Namespace) -> list[tuple[str, str, int, str]
 
 def check_listeners(args: argparse.Namespace) -> None:
     """Before the model loads: a taken port is found in a second, not after minutes of loading."""
+    # lazy: `ft --help` and the other subcommands do not load the server; process mode never loads the GPU worker
     from ftexpert.coordinator.ports import check_listen_addresses
 
     check_listen_addresses(listen_addresses(args))
@@ -151,6 +154,7 @@ def check_listeners(args: argparse.Namespace) -> None:
 def serve_forever(server, listen, served_model_name: str, description: str) -> None:
     """Run the server until it stops; under systemd READY=1 once it listens (and its engine is READY), then
     WATCHDOG=1 and STATUS= from a task on the event loop (a blocked loop stops them)."""
+    # lazy: `ft --help` and the other subcommands do not load the server; process mode never loads the GPU worker
     import asyncio
 
     from ftexpert.coordinator.server import run as run_loop
@@ -191,6 +195,7 @@ def serve_forever(server, listen, served_model_name: str, description: str) -> N
 
 def listen_config(args: argparse.Namespace):
     """The listeners, checked before anything loads: the key (file or env), TLS files, exposure."""
+    # lazy: `ft --help` and the other subcommands do not load the server; process mode never loads the GPU worker
     from ftexpert.coordinator.auth import resolve_api_key
     from ftexpert.coordinator.server import ListenConfig
     from ftexpert.coordinator.tls import TlsFiles
@@ -211,6 +216,7 @@ def listen_config(args: argparse.Namespace):
 def run_processes(args: argparse.Namespace, spec: EngineSpec) -> int:
     """The coordinator with its GPU worker (and CPU workers) as separate processes. This process imports no
     torch: `ft worker store` opens the model for it (tests/coordinator/test_process_boundary.py checks)."""
+    # lazy: `ft --help` and the other subcommands do not load the server; process mode never loads the GPU worker
     from ftexpert.coordinator.engine_factory import codec_of, expert_format_of, served_name
     from ftexpert.coordinator.engine_service import EngineService
     from ftexpert.coordinator.openai_requests import ModelInfo
@@ -268,10 +274,12 @@ def inline_spec(args: argparse.Namespace, environ=None) -> EngineSpec:
 def run_inline(args: argparse.Namespace, spec: EngineSpec) -> int:
     """One process: the engine in a thread of the coordinator, built by the GPU worker's `build_engine` over the
     host resources of the same owner as the process mode (coordinator/expert_resources.py)."""
+    # lazy: `ft --help` and the other subcommands do not load the server; process mode never loads the GPU worker
     from ftexpert.coordinator.engine_factory import served_engine
     from ftexpert.coordinator.engine_service import EngineService
     from ftexpert.coordinator.expert_resources import (HOST_STORE_STRATEGIES, CpuWorkerSettings, ExpertResources,
                                                        reclaim_stale_host_memory)
+    # lazy: `ft --help` and the other subcommands do not load the server; process mode never loads the GPU worker
     from ftexpert.coordinator.inline_engine import InlineEngine
     from ftexpert.coordinator.openai_requests import ModelInfo
     from ftexpert.coordinator.process_set import default_store_name

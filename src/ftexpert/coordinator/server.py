@@ -210,6 +210,7 @@ class CoordinatorServer:
 def new_event_loop() -> asyncio.AbstractEventLoop:
     """uvloop where installed (faster sockets), else asyncio's default loop."""
     try:
+        # optional: uvloop where installed
         import uvloop
         return uvloop.new_event_loop()
     except ImportError:

@@ -52,6 +52,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    # lazy: the soak harness loads only when `ft soak` runs (`ft --help` start-up time)
     from ftexpert.coordinator.soak.harness import Soak
     from ftexpert.coordinator.soak.probes import TreeSample, shm_segments
     from ftexpert.coordinator.soak.report import judge, kind_rows, write_report

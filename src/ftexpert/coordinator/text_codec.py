@@ -162,6 +162,7 @@ class ChatTemplate:
 
     @staticmethod
     def _compile(source: str):
+        # lazy: an optional library, loaded where a model's files need it
         import jinja2
         from jinja2.sandbox import ImmutableSandboxedEnvironment
 
@@ -205,6 +206,7 @@ class ChatTemplate:
         """The prompt text; `tools` (OpenAI's form) only where given (check_tools says whether they can be)."""
         if self._compiled is None:
             return render_chatml(messages, add_generation_prompt, tools)
+        # lazy: an optional library, loaded where a model's files need it
         import jinja2
         extra = {"tools": list(tools)} if tools else {}
         try:
@@ -224,6 +226,7 @@ class TextCodec:
     def from_model_dir(cls, model_dir: str, eos_token_ids: Sequence[int] | None = None) -> "TextCodec":
         """The tokenizer files of `model_dir`. eos_token_ids: the model's end-of-sequence ids where the caller knows
         them (`ft serve`: ModelFacts, which adds config.json's); None: generation_config.json's and the eos token's."""
+        # lazy: an optional library, loaded where a model's files need it
         from tokenizers import Tokenizer
 
         path = os.path.join(model_dir, "tokenizer.json")

@@ -42,6 +42,7 @@ class TlsFiles:
         return ctx
 
     def grpc_credentials(self):
+        # lazy: gRPC loads only where the control plane serves TLS
         import grpc
 
         with open(self.key, "rb") as f:

@@ -44,7 +44,7 @@ def attach_cpu_pool(store: ExpertStore, channel_names: list[str], options: Hybri
     """A CpuPool on the owner's channels (a benchmark that builds HybridExperts itself); this process's torch
     threads set to options.engine_thread_count() and, where the options say so, it pins itself to the reserved
     CPUs (the workers' flags were resolved before the pin)."""
-    from ftexpert.gpu_worker.backends.hybrid.cpu_pool import CpuPool
+    from ftexpert.gpu_worker.backends.hybrid.cpu_pool import CpuPool   # lazy: ZMQ loads only for cpu / hybrid
 
     options = options or HybridOptions()
     pool = CpuPool.attach(store, list(channel_names), deadline_s=options.cpu_deadline_s,

@@ -126,9 +126,10 @@ def say_hello(link: CoordinatorLink, inbox: queue.SimpleQueue, hello: em.Hello, 
 def load_engine(opts: GpuWorkerOptions, welcome: em.Welcome) -> LoadedEngine:
     """The engine WELCOME's spec describes, its experts attached to the coordinator's store (and CPU workers'
     channels); for cpu / hybrid this process then pins itself to the CPUs the CPU workers keep off."""
+    # lazy: torch loads from here on (the CLI's process checklist runs before it)
     import torch
 
-    from ftexpert.gpu_worker.assembly.build import Attachment, build_engine    # lazy: torch loads from here on
+    from ftexpert.gpu_worker.assembly.build import Attachment, build_engine
 
     spec = welcome.spec
     store = opts.store_name or welcome.store_name

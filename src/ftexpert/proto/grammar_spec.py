@@ -72,7 +72,7 @@ def llguidance_grammar(spec: GrammarSpec) -> str:
 def check_grammar(spec: GrammarSpec) -> None:
     """Compile `spec` without a tokenizer; GrammarError with the grammar engine's message if it does not compile
     (a bad type, a dangling $ref, an unsatisfiable range, an unimplemented keyword when strict, a Lark error)."""
-    from llguidance import LLMatcher
+    from llguidance import LLMatcher        # lazy: only processes that meet a grammar load it
 
     message = LLMatcher.validate_grammar(llguidance_grammar(spec))
     if message and not message.startswith("WARNING"):

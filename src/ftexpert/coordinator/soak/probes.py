@@ -23,6 +23,7 @@ class TreeSample:
 
 
 def process_tree(pid: int) -> list:
+    # lazy: psutil (the soak extra) loads only for a soak
     import psutil
 
     try:

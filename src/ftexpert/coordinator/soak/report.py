@@ -160,6 +160,7 @@ def plot(report: dict, path: str) -> str | None:
     """report.png: tok/s; latency p50/p90/p99; stream token gaps; RSS, open files and threads; kills marked.
     None (and no file) without matplotlib (`pip install -e ".[soak]"`)."""
     try:
+        # optional: matplotlib (the soak extra)
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt

@@ -12,6 +12,8 @@ from __future__ import annotations
 import torch
 
 from ftexpert.gpu_worker.assembly.backends import make_expert_backend
+from ftexpert.gpu_worker.backends.offload import HostExperts, OffloadExperts, resolve_cache_slots
+from ftexpert.gpu_worker.backends.offload.host_store import layout_hash
 from ftexpert.gpu_worker.checkpoint.expert_sources import ExpertSource
 from ftexpert.gpu_worker.backends.expert_backend import ExpertBackend
 
@@ -50,8 +52,6 @@ def make_attached_expert_backend(strategy: str, source: ExpertSource, device: to
     if strategy in CPU_POOL_STRATEGIES and not cpu_channels:
         raise ValueError(f"--moe-strategy {strategy} needs CPU expert workers, but WELCOME named no channels; "
                          f"start the coordinator with --moe-strategy {strategy} and --num-cpu-workers >= 1")
-    from ftexpert.gpu_worker.backends.offload import HostExperts
-
     host = HostExperts.attach(store_name, source.layout)
     try:
         return _over_store(strategy, host, source, device, cpu_channels, owns_host=True, cache_size=cache_size,
@@ -67,8 +67,6 @@ def _over_store(strategy: str, host, source: ExpertSource, device: torch.device 
                 split_copy: bool, eviction: dict) -> ExpertBackend:
     """offload over `host`, or cpu / hybrid over `host` and the CPU workers (`pool`, else attached by the channels'
     names); `owns_host`: closing the backend closes `host`."""
-    from ftexpert.gpu_worker.backends.offload import OffloadExperts, resolve_cache_slots
-
     _check_store(host, source, host.store.name)
     if strategy in CPU_POOL_STRATEGIES and pool is None and not cpu_channels:
         raise ValueError(f"--moe-strategy {strategy} needs CPU expert workers: give their pool or channels")
@@ -82,8 +80,6 @@ def _over_store(strategy: str, host, source: ExpertSource, device: torch.device 
 
 
 def _check_store(host, source: ExpertSource, store_name: str) -> None:
-    from ftexpert.gpu_worker.backends.offload.host_store import layout_hash
-
     expected = layout_hash(source)
     if host.store.config_hash != expected:
         raise ValueError(f"expert store {store_name!r} has config hash {host.store.config_hash!r}, this model "
@@ -100,6 +96,7 @@ def _attached_hybrid(strategy: str, host, source: ExpertSource, slots: int, devi
                      eviction: dict | None = None) -> ExpertBackend:
     """HybridExperts over the attached store and the coordinator's CPU workers (their channels; `pool`: already
     attached in this process, borrowed)."""
+    # lazy: the hybrid backend and its ZMQ client load only where cpu / hybrid is asked for (start-up time)
     from ftexpert.gpu_worker.backends.hybrid import CpuPool, HybridExperts, HybridOptions
     from ftexpert.gpu_worker.backends.hybrid.options import resolve_fetch_fraction
 

@@ -6,8 +6,11 @@ live in gpu_worker/backends/hybrid (docs/HYBRID.md).
 """
 from __future__ import annotations
 
+import atexit
+
 import torch
 
+from ftexpert.gpu_worker.backends.offload import HostExperts, OffloadExperts, resolve_cache_slots
 from ftexpert.gpu_worker.checkpoint.expert_sources import ExpertSource
 from ftexpert.gpu_worker.backends.expert_backend import ExpertBackend
 from ftexpert.gpu_worker.backends.resident import ResidentExperts
@@ -36,9 +39,6 @@ def make_expert_backend(strategy: str, source: ExpertSource, device: torch.devic
     if strategy == "resident":
         return ResidentExperts.from_source(source, device, mode=mode)
     if strategy == "offload":
-        import atexit
-
-        from ftexpert.gpu_worker.backends.offload import HostExperts, OffloadExperts, resolve_cache_slots
         slots = resolve_cache_slots(cache_size, source.num_layers, source.num_experts, per_layer)
         device = torch.device(device)
         host = HostExperts.create_filled(source, staging_device=device if device.type == "cuda" else None)

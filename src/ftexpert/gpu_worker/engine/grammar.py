@@ -56,7 +56,7 @@ class GrammarState:
 
     def allowed(self, vocab_size: int) -> set[int]:
         """The tokens allowed next (a test's view; the sampler uses GrammarMasks)."""
-        import numpy as np
+        import numpy as np          # lazy: only this test view needs numpy
 
         row = np.zeros((1, mask_words(vocab_size)), dtype=np.int32)
         self.matcher.unsafe_compute_mask_ptr(row.ctypes.data, row.nbytes)
@@ -84,7 +84,7 @@ class GrammarCompiler:
     @property
     def tokenizer(self):
         if self._tokenizer is None:
-            import llguidance
+            import llguidance       # lazy, as every llguidance import here: an optional dependency, loaded on first use
 
             try:
                 self._tokenizer = llguidance.LLTokenizer(self.tokenizer_json, n_vocab=self.vocab_size,
@@ -98,6 +98,7 @@ class GrammarCompiler:
         key = spec.key()
         compiled = self._cache.get(key)
         if compiled is None:
+            # lazy: llguidance, an optional dependency
             from llguidance import LLMatcher
 
             compiled = LLMatcher(self.tokenizer, llguidance_grammar(spec), log_level=0)
@@ -132,6 +133,7 @@ class GrammarMasks:
             states[0].matcher.unsafe_compute_mask_ptr(rows.data_ptr(), row_bytes)
         else:
             if self._executor is None:
+                # lazy: llguidance, an optional dependency
                 import llguidance
 
                 threads = max(1, min(MASK_THREADS, len(os.sched_getaffinity(0))))

@@ -57,6 +57,7 @@ def _norm_args(x: torch.Tensor, weight: torch.Tensor) -> None:
 
 
 def _norm_launch(x, delta, weight, eps, offset, shared: SharedExpert | None):
+    # lazy: the Triton kernels are defined at their first launch (TRITON_INTERPRET is read then)
     from ftexpert.kernels.next_decode.triton_kernels import offset_norm_kernel
     T, N = x.shape
     x = _rows(x)
@@ -104,6 +105,7 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps
 
 def _gated_mul(a: torch.Tensor, g: torch.Tensor, silu: bool) -> torch.Tensor:
     """a, g [T, H, D] (last dim contiguous) -> DT(a * DT(act(g))) [T, H, D] contiguous, one launch."""
+    # lazy: the Triton kernels are defined at their first launch (TRITON_INTERPRET is read then)
     from ftexpert.kernels.next_decode.triton_kernels import gated_mul_kernel
     T, H, D = a.shape
     a, g = _rows(a), _rows(g)
@@ -179,6 +181,7 @@ def gdn_decode_pre(qkvz: torch.Tensor, ba: torch.Tensor, conv_cache: torch.Tenso
             raise ValueError(f"{name} must be [{Hv}] on {qkvz.device}, got {tuple(t.shape)} on {t.device}")
     if resolve_impl(impl, qkvz.device) == "reference":
         return reference.gdn_decode_pre(qkvz, ba, conv_cache, rows, conv_weight, A_log, dt_bias, Hk, Hv, Dk, Dv)
+    # lazy: the Triton kernels are defined at their first launch (TRITON_INTERPRET is read then)
     from ftexpert.kernels.next_decode.triton_kernels import gdn_pre_kernel
     if conv_cache.stride(2) != 1:
         raise ValueError("conv_cache needs a contiguous last dimension (it is updated in place)")
@@ -215,6 +218,7 @@ def gated_rms_norm(o: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: 
     _check_like("weight", weight, o, (Dv,))
     if resolve_impl(impl, o.device) == "reference":
         return reference.gated_rms_norm(o, z.reshape(T, Hv, Dv), weight, eps)
+    # lazy: the Triton kernels are defined at their first launch (TRITON_INTERPRET is read then)
     from ftexpert.kernels.next_decode.triton_kernels import gated_norm_kernel
     o, z = _rows(o), _rows(z)
     out = torch.empty(T, Hv, Dv, dtype=o.dtype, device=o.device)
@@ -262,6 +266,7 @@ def qk_norm_partial_rope(q: torch.Tensor, k: torch.Tensor, q_norm: torch.Tensor,
             kv.k_cache.index_copy_(0, kv.index, k_out)
             kv.v_cache.index_copy_(0, kv.index, kv.v)
         return q_out, k_out
+    # lazy: the Triton kernels are defined at their first launch (TRITON_INTERPRET is read then)
     from ftexpert.kernels.next_decode.triton_kernels import qk_norm_partial_rope_kernel
     q, k = _rows(q), _rows(k)
     cos2, sin2 = _rows(cos.reshape(T, R)), _rows(sin.reshape(T, R))

@@ -18,7 +18,8 @@ import torch
 from ftexpert.kernels.slot_cache.state import ROUND_MODES
 from ftexpert.proto.shm_layout import DEFAULT_CPU_MAX_TOKENS
 from ftexpert.proto.cpus import default_reserved_cpus, format_cpulist, parse_cpulist, set_process_affinity
-from ftexpert.proto.knobs import KNOBS_BY_FIELD
+from ftexpert.proto.bandwidth_profile import ExpertFormat, default_benchbw_path, load_bandwidth_profile
+from ftexpert.proto.knobs import KNOBS_BY_FIELD, resolve
 
 log = logging.getLogger("ft.hybrid")
 
@@ -90,7 +91,6 @@ class HybridOptions:
     def pins_gpu_worker(self) -> bool:
         if self.pin_gpu_worker is not None:
             return self.pin_gpu_worker
-        from ftexpert.proto.knobs import resolve
         return resolve()["pin_gpu_worker"] == "on"
 
     def driving_process_cpus(self) -> tuple[int, ...]:
@@ -150,10 +150,6 @@ def resolve_fetch_fraction(options: HybridOptions, *, dtype: torch.dtype, hidden
     (`fmt`: the store's, an expert format label), or 0.5."""
     if options.fetch_fraction is not None:
         return float(options.fetch_fraction), "flag"
-    from ftexpert.proto.bandwidth_profile import ExpertFormat, default_benchbw_path, load_bandwidth_profile
-
-    from ftexpert.proto.knobs import resolve
-
     path = resolve({"benchbw_path": options.benchbw_path or None})["benchbw_path"] or default_benchbw_path()
     profile = load_bandwidth_profile(path, ExpertFormat(str(dtype).removeprefix("torch."), hidden_size,
                                                         intermediate_size, fmt), device_name(device))
