@@ -2,7 +2,8 @@
 # The GPU machine's tests and benchmarks, in suites named by what they check; each suite ends with a short table.
 # Usage: bash bench/run_gpu.sh [SUITE ...]          (default: tests)
 #        bash bench/run_gpu.sh compare OLD_TREE     (the headline benchmarks of OLD_TREE and of this tree side by side)
-#   tests    every test marked gpu                                                          (~8 min)
+#   tests    every test marked gpu; TESTS_WORKERS pytest-xdist workers (6 fill one call), TESTS_ARGS instead of
+#            tests/, TESTS_TIMEOUT (s)                                                        (~8 min)
 #   kernels  slot-cache ensure kernel, decode attention, the MoE decode kernels (bf16 and quantized)  (~4 min)
 #   engine   resident decode, offload at 10 / 25 / 50% (qwen3-30b-a3b preset), TTFT at 1K     (~6 min)
 #   hybrid   hybrid at 25%, the hand-off round trip, the CPU expert kernel                   (~6 min)
@@ -172,12 +173,29 @@ while [ $# -gt 0 ]; do
     tests)
       # the two files that import the openai client hold no gpu test; the GPU machine may lack the package
       skip=$(python3 -c 'import openai' 2>/dev/null || echo "--ignore=tests/coordinator/test_http_api.py --ignore=tests/coordinator/test_policy_online.py")
-      # TESTS_WORKERS > 1: that many pytest processes (pytest-xdist), a test file each at a time (TESTS_DIST=load:
-      # a test each, for a few files of many slow tests)
-      par=$([ "${TESTS_WORKERS:-1}" -gt 1 ] && echo "-n ${TESTS_WORKERS} --dist ${TESTS_DIST:-loadfile}")
-      # -v: each test's result is logged as it ends, so a run cut by its time limit still names its failures
-      run tests "${TESTS_TIMEOUT:-590}" python3 -m pytest -v -rfE -p no:cacheprovider -m gpu $par $skip ${TESTS_ARGS:-tests/}
-      grep -E "(FAILED|ERROR) tests/|passed|failed" "$OUT/tests.log" | grep -v "^tests/.* PASSED" | cut -c1-240 | tail -n 30
+      # -v: each test's result is logged as it ends, so a run cut by its time limit still names its failures;
+      # --durations: the slowest tests, to keep the suite inside one device call
+      pyt="python3 -m pytest -v -rfE --durations=25 -p no:cacheprovider -m gpu"
+      w=${TESTS_WORKERS:-1}
+      # Files of many slow tests that share no module fixture: on one worker each they held the suite past a
+      # device call's 10 minutes (test_slot_cache_gpu, test_prefetch_gpu). With TESTS_WORKERS >= 4 and the whole
+      # suite, they run beside the rest, a test at a time over TESTS_SPREAD_WORKERS (2) pytest-xdist workers
+      # (--dist load), and every other file whole on one of the other workers (loadfile: module fixtures built
+      # once). (xdist's loadgroup would say this in one run, but does not group under pytest 9.2: xdist #1386.)
+      spread="tests/kernels/test_slot_cache_gpu.py tests/gpu_worker/test_prefetch_gpu.py"
+      sw=${TESTS_SPREAD_WORKERS:-2}
+      if [ "$w" -ge 4 ] && [ -z "${TESTS_ARGS:-}" ] && [ "$sw" -ge 1 ] && [ "$sw" -lt "$w" ]; then
+        ign=$(for f in $spread; do printf -- "--ignore=%s " "$f"; done)
+        ( run tests_spread "${TESTS_TIMEOUT:-590}" $pyt -n "$sw" --dist load $spread; exit $status ) &
+        spid=$!
+        run tests "${TESTS_TIMEOUT:-590}" $pyt -n $((w - sw)) --dist loadfile $skip $ign tests/
+        wait "$spid" || status=1
+      else
+        par=$([ "$w" -gt 1 ] && echo "-n $w --dist ${TESTS_DIST:-loadfile}")
+        run tests "${TESTS_TIMEOUT:-590}" $pyt $par $skip ${TESTS_ARGS:-tests/}
+      fi
+      grep -hE "^(FAILED|ERROR) tests/|^=+ .* in [0-9.]+s" "$OUT"/tests.log "$OUT"/tests_spread.log 2>/dev/null \
+        | cut -c1-240 | tail -n 30
       ;;
     grammar)
       run grammar_test "$T" python3 -m pytest -q -rfE -p no:cacheprovider -m gpu tests/gpu_worker/test_engine_grammar.py
