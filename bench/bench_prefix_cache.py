@@ -43,9 +43,9 @@ from ftexpert.gpu_worker.engine.kv_cache import KVCache  # noqa: E402
 from ftexpert.proto.engine_spec import EngineSpec  # noqa: E402
 
 try:                                  # run as bench/bench_prefix_cache.py (bench/ on sys.path) or imported from bench
-    from hbm_roofline import hbm_bandwidth, routed_experts_per_layer, step_bytes  # noqa: E402
+    from hbm_roofline import describe, hbm_bandwidth, routed_experts_per_layer, step_bytes  # noqa: E402
 except ImportError:
-    from bench.hbm_roofline import hbm_bandwidth, routed_experts_per_layer, step_bytes  # noqa: E402
+    from bench.hbm_roofline import describe, hbm_bandwidth, routed_experts_per_layer, step_bytes  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -178,9 +178,9 @@ def main(argv=None) -> int:
                 steps = [[ctx + s] for s in range(args.decode_tokens)]
                 parts = step_bytes(model, built.source.experts.layout.expert_nbytes, [mid],
                                    routed_experts_per_layer(model, steps))
-                row.update(hbm_roofline_tok_s=bw / parts["total"], step_bytes=parts, hbm_bytes_per_s=bw)
-                note = (f"; HBM roofline {bw / parts['total']:.1f} tok/s ({parts['total'] / 1e9:.2f} GB a step, KV "
-                        f"{parts['kv'] / 1e9:.2f}; {bw / 1e9:.0f} GB/s), {100 * rate * parts['total'] / bw:.0f}% of it")
+                roof = bw / parts["total"]
+                row.update(hbm_roofline_tok_s=roof, step_bytes=parts, hbm_bytes_per_s=bw)
+                note = f"; {describe(parts, bw)}: {roof:.1f} tok/s, {100 * rate / roof:.0f}% of it"
             rows.append(row)
             print(f"decode at a {ctx}-token context: {rate:8.1f} tok/s{note}", flush=True)
         if args.batch:

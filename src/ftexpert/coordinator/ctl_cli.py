@@ -20,6 +20,9 @@ import os
 import sys
 from typing import Any
 
+from ftexpert.coordinator import control_key
+from ftexpert.coordinator.auth import add_api_key_flags, resolve_api_key
+
 DEFAULT_ADDRESS = "127.0.0.1:1920"
 DEFAULT_TIMEOUT_S = 30.0
 
@@ -27,9 +30,6 @@ DEFAULT_TIMEOUT_S = 30.0
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--address", default=os.environ.get("FT_CTL_ADDRESS", DEFAULT_ADDRESS),
                         help=f"gRPC address of the coordinator [env FT_CTL_ADDRESS, default {DEFAULT_ADDRESS}]")
-    # lazy: gRPC and the control stubs load only when `ft ctl` runs a command (`ft --help` start-up time)
-    from ftexpert.coordinator.auth import add_api_key_flags
-
     add_api_key_flags(parser)
     parser.add_argument("--tls-ca", default=os.environ.get("FT_CTL_TLS_CA"), metavar="PEM",
                         help="connect over TLS, trusting this CA (or self-signed) certificate [env FT_CTL_TLS_CA]")
@@ -75,8 +75,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _to_dict(message: Any) -> dict:
-    # lazy: gRPC and the control stubs load only when `ft ctl` runs a command (`ft --help` start-up time)
-    from google.protobuf import json_format
+    from google.protobuf import json_format      # lazy: protobuf loads only when `ft ctl` prints a reply
     try:      # protobuf >= 5.26
         return json_format.MessageToDict(message, preserving_proto_field_name=True,
                                          always_print_fields_with_no_presence=True)
@@ -115,9 +114,6 @@ def run(args: argparse.Namespace, out=None) -> int:
     # lazy: gRPC and the control stubs load only when `ft ctl` runs a command (`ft --help` start-up time)
     import grpc
 
-    # lazy: gRPC and the control stubs load only when `ft ctl` runs a command (`ft --help` start-up time)
-    from ftexpert.coordinator import control_key
-    from ftexpert.coordinator.auth import resolve_api_key
     from ftexpert.proto import control_rpc as rpc
 
     out = out or sys.stdout

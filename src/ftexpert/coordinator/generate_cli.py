@@ -69,7 +69,7 @@ def hybrid_options(args: argparse.Namespace):
 
 
 def cpu_worker_settings(args: argparse.Namespace, spec: EngineSpec):
-    # lazy: torch and the GPU worker load only when the command runs (`ft --help` start-up time)
+    # lazy: the host resources' modules (numpy) load only when the command runs (`ft --help` start-up time)
     from ftexpert.coordinator.expert_resources import CpuWorkerSettings
     from ftexpert.cpu_expert_pool.api import default_worker_count
 

@@ -21,16 +21,23 @@ it starts `ft worker gpu` (and `ft worker cpu` for cpu/hybrid) as supervised chi
 from __future__ import annotations
 
 import argparse
+import asyncio
 import dataclasses
 import logging
 import os
 import signal
 import sys
 
-from ftexpert.coordinator.auth import add_api_key_flags
+from ftexpert.coordinator.auth import add_api_key_flags, resolve_api_key
+from ftexpert.coordinator.openai_requests import ModelInfo
+from ftexpert.coordinator.policy import DEFAULT_FRACTION_MAX, DEFAULT_FRACTION_MIN, PolicySettings, build_policy
+from ftexpert.coordinator.ports import check_listen_addresses
+from ftexpert.coordinator.tls import TlsFiles
+from ftexpert.coordinator.tokenize_pool import DEFAULT_THREADS
 from ftexpert.proto.cli_flags import add_fetch_fraction_flag, add_log_level_flag, add_workers_flag
 from ftexpert.proto.engine_spec import DEFAULT_MODEL_DIR, EngineSpec, add_engine_flags, spec_from_args
 from ftexpert.proto.knobs import add_cli_flag, positive_int_flag, resolve
+from ftexpert.proto.sd_notify import process_notifier
 
 DEFAULT_PORT = 1919
 DEFAULT_GRPC_PORT = 1920
@@ -87,9 +94,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def build_policy_from_args(args: argparse.Namespace, expert_format, gpu_name: str):
-    # lazy: `ft --help` and the other subcommands do not load the server; process mode never loads the GPU worker
-    from ftexpert.coordinator.policy import DEFAULT_FRACTION_MAX, DEFAULT_FRACTION_MIN, PolicySettings, build_policy
-
     knobs = resolve({k: getattr(args, k, None) for k in ("fetch_round", "benchbw_path")})
     given = args.fetch_fraction
     # the tuner's default bounds widen to a fixed --fetch-fraction (0 = every miss on the CPU pool): it is used as
@@ -117,8 +121,6 @@ def use_default_model(args: argparse.Namespace) -> None:
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=getattr(logging, args.log_level), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    # lazy: `ft --help` and the other subcommands do not load the server; process mode never loads the GPU worker
-    from ftexpert.proto.sd_notify import process_notifier
     process_notifier().status("starting")         # (and the workers it starts do not inherit $NOTIFY_SOCKET)
     use_default_model(args)
     if args.attach and args.workers == "inline":
@@ -145,20 +147,13 @@ def listen_addresses(args: argparse.Namespace) -> list[tuple[str, str, int, str]
 
 def check_listeners(args: argparse.Namespace) -> None:
     """Before the model loads: a taken port is found in a second, not after minutes of loading."""
-    # lazy: `ft --help` and the other subcommands do not load the server; process mode never loads the GPU worker
-    from ftexpert.coordinator.ports import check_listen_addresses
-
     check_listen_addresses(listen_addresses(args))
 
 
 def serve_forever(server, listen, served_model_name: str, description: str) -> None:
     """Run the server until it stops; under systemd READY=1 once it listens (and its engine is READY), then
     WATCHDOG=1 and STATUS= from a task on the event loop (a blocked loop stops them)."""
-    # lazy: `ft --help` and the other subcommands do not load the server; process mode never loads the GPU worker
-    import asyncio
-
-    from ftexpert.coordinator.server import run as run_loop
-    from ftexpert.proto.sd_notify import process_notifier
+    from ftexpert.coordinator.server import run as run_loop      # lazy: aiohttp and gRPC load only to serve
 
     notifier = process_notifier()
 
@@ -195,11 +190,7 @@ def serve_forever(server, listen, served_model_name: str, description: str) -> N
 
 def listen_config(args: argparse.Namespace):
     """The listeners, checked before anything loads: the key (file or env), TLS files, exposure."""
-    # lazy: `ft --help` and the other subcommands do not load the server; process mode never loads the GPU worker
-    from ftexpert.coordinator.auth import resolve_api_key
-    from ftexpert.coordinator.server import ListenConfig
-    from ftexpert.coordinator.tls import TlsFiles
-    from ftexpert.coordinator.tokenize_pool import DEFAULT_THREADS
+    from ftexpert.coordinator.server import ListenConfig         # lazy: aiohttp and gRPC load only to serve
 
     listen = ListenConfig(host=args.host, port=args.port, grpc_host=args.grpc_host, grpc_port=args.grpc_port,
                           api_key=resolve_api_key(args.api_key_file), drain_timeout_s=args.drain_timeout_s,
@@ -216,13 +207,11 @@ def listen_config(args: argparse.Namespace):
 def run_processes(args: argparse.Namespace, spec: EngineSpec) -> int:
     """The coordinator with its GPU worker (and CPU workers) as separate processes. This process imports no
     torch: `ft worker store` opens the model for it (tests/coordinator/test_process_boundary.py checks)."""
-    # lazy: `ft --help` and the other subcommands do not load the server; process mode never loads the GPU worker
+    # lazy: the server's stack (aiohttp, gRPC, ZMQ, numpy) loads only to serve (`ft --help` start-up time)
     from ftexpert.coordinator.engine_factory import codec_of, expert_format_of, served_name
     from ftexpert.coordinator.engine_service import EngineService
-    from ftexpert.coordinator.openai_requests import ModelInfo
     from ftexpert.coordinator.process_set import ProcessSet, options_from_serve_args
     from ftexpert.coordinator.server import CoordinatorServer
-    from ftexpert.proto.sd_notify import process_notifier
 
     listen = listen_config(args)
     procs = ProcessSet(options_from_serve_args(args, spec))
@@ -274,14 +263,12 @@ def inline_spec(args: argparse.Namespace, environ=None) -> EngineSpec:
 def run_inline(args: argparse.Namespace, spec: EngineSpec) -> int:
     """One process: the engine in a thread of the coordinator, built by the GPU worker's `build_engine` over the
     host resources of the same owner as the process mode (coordinator/expert_resources.py)."""
-    # lazy: `ft --help` and the other subcommands do not load the server; process mode never loads the GPU worker
+    # lazy: the server's stack, and torch with the GPU worker, load only for an inline serve (start-up time)
     from ftexpert.coordinator.engine_factory import served_engine
     from ftexpert.coordinator.engine_service import EngineService
     from ftexpert.coordinator.expert_resources import (HOST_STORE_STRATEGIES, CpuWorkerSettings, ExpertResources,
                                                        reclaim_stale_host_memory)
-    # lazy: `ft --help` and the other subcommands do not load the server; process mode never loads the GPU worker
     from ftexpert.coordinator.inline_engine import InlineEngine
-    from ftexpert.coordinator.openai_requests import ModelInfo
     from ftexpert.coordinator.process_set import default_store_name
     from ftexpert.coordinator.server import CoordinatorServer
     from ftexpert.gpu_worker.api import Attachment, build_engine, open_model_source, resolve_device

@@ -84,7 +84,7 @@ class GrammarCompiler:
     @property
     def tokenizer(self):
         if self._tokenizer is None:
-            import llguidance       # lazy, as every llguidance import here: an optional dependency, loaded on first use
+            import llguidance       # lazy: llguidance, an optional dependency
 
             try:
                 self._tokenizer = llguidance.LLTokenizer(self.tokenizer_json, n_vocab=self.vocab_size,
