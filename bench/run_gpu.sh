@@ -45,7 +45,9 @@
 #            the flags of that tree (the old side's commands below), this tree's the current ones; one table, both
 #            columns (~9 min; COMPARE_STRETCH=150 gives each command 1.5x its limit). HYBRID_VARIANT and
 #            OLD_HYBRID_VARIANT name the hybrid row (bench_hybrid.py --variants) of this tree and of the old one;
-#            COMPARE_PARTS picks some of: engine hybrid handoff ensure ttft_1k (default: all).
+#            COMPARE_PARTS picks some of: rows25 engine hybrid handoff ensure ttft_1k (default: rows25 ensure, which
+#            fits one call: rows25 is resident, offload 25% and hybrid 25% from one bench_hybrid.py run a side, so
+#            each side fills its 58 GB host store once; engine and hybrid fill one each).
 # SECTION_TIMEOUT (s, default 540) bounds each command of a suite. Logs go to $OUT (the device tool's output folder)
 # when it is set, else ./out; docs/BENCHMARKS.md says what each figure is and where it stands.
 set -u
@@ -115,6 +117,13 @@ def handoff_p50(lines):                  # bench_handoff.py: the device kernels 
             return float(cells[1]) if len(cells) > 1 else None
     return None
 
+def handoff_line(lines):                 # bench_hybrid.py: "hand-off round trip: p50 X us, p99 Y us"
+    for line in lines:
+        m = re.match(r"hand-off round trip: p50 ([\d.]+) us", line)
+        if m:
+            return float(m.group(1))
+    return None
+
 def ensure_us(lines, slots, column):     # kernels.slot_cache.bench: the default setting's row
     for line in lines:
         cells = line.split()
@@ -137,6 +146,11 @@ METRICS = [
     ("offload 25%, tok/s", lambda d, old: run_median(read(d, "engine"), r"offload (?:0\.25 |25%)")),
     ("offload 50%, tok/s", lambda d, old: run_median(read(d, "engine"), r"offload (?:0\.5 |50%)")),
     ("hybrid 25%, tok/s", lambda d, old: hybrid_row(read(d, "hybrid"), old_variant if old else variant)),
+    # rows25: bench_hybrid.py's resident, offload and hybrid rows at 25% (256-token prompt, 64 decode tokens)
+    ("rows25 resident, tok/s", lambda d, old: run_median(read(d, "rows25"), r"resident")),
+    ("rows25 offload 25%, tok/s", lambda d, old: hybrid_row(read(d, "rows25"), "=offload")),
+    ("rows25 hybrid 25%, tok/s", lambda d, old: hybrid_row(read(d, "rows25"), old_variant if old else variant)),
+    ("rows25 hand-off p50, us", lambda d, old: handoff_line(read(d, "rows25"))),
     ("hand-off round trip p50, us", lambda d, old: handoff_p50(read(d, "handoff"))),
     ("ensure 2,048 slots all hits, us", lambda d, old: ensure_us(read(d, "ensure"), 2048, 0)),
     ("ensure 2,048 slots 1 fetch, us", lambda d, old: ensure_us(read(d, "ensure"), 2048, 1)),
@@ -389,7 +403,7 @@ PY
       new=$PWD
       export HYBRID_VARIANT OLD_HYBRID_VARIANT=${OLD_HYBRID_VARIANT:-$HYBRID_VARIANT}
       mkdir -p "$OUT/old" "$OUT/new"
-      parts=" ${COMPARE_PARTS:-engine hybrid handoff ensure ttft_1k} "     # a subset: e.g. COMPARE_PARTS=engine
+      parts=" ${COMPARE_PARTS:-rows25 ensure} "     # a subset: e.g. COMPARE_PARTS=engine
       want() { case $parts in *" $1 "*) return 0;; *) return 1;; esac; }
       for side in old new; do
         # a bench cut off by its limit leaves its expert store behind (named by its pid: nothing reclaims it), and
@@ -409,6 +423,10 @@ PY
           want hybrid && run hybrid $(lim 80) python3 bench/bench_hybrid.py --runs 3 --decode-tokens 64 --handoff-calls 200 \
             --no-resident --variants "$HYBRID_VARIANT" --json-out "$OUT/bench_hybrid.json"
         fi
+        # resident, offload 25% and hybrid 25% over one host store fill (the hybrid bench's own rows, both trees)
+        want rows25 && run rows25 $(lim 235) python3 bench/bench_hybrid.py --runs 3 --decode-tokens 64 \
+          --handoff-calls 200 --variants "=offload,$([ $side = old ] && echo "$OLD_HYBRID_VARIANT" || echo "$HYBRID_VARIANT")" \
+          --json-out "$OUT/bench_hybrid_rows25.json"
         want handoff && run handoff $(lim 25) python3 bench/bench_handoff.py --mode gpu --client-cpu 0 --calls 2000
         want ensure && run ensure $(lim 20) python3 -m "$(mod kernels.slot_cache.bench)" --reps 100 --slots 2048,23197
         want ttft_1k && run ttft_1k $(lim 35) python3 bench/bench_prefill.py --runs 3 --prompt-tokens 1024 --chunks 4096 \
