@@ -21,7 +21,9 @@
 #   prefetch_trained  trains olmoe-routing (PREFETCH_TRAIN_MINUTES, default 3); its prediction quality at budgets
 #            1, 2, 4, 8; ft serve prefetch off against on, 60 cold prompts, 256 tokens (the openai wheel in .whl/)
 #   architectures  qwen3-next-80b-a3b (NVFP4) and gpt-oss-120b: resident and offload at 10 / 25 / 50%; TTFT at 32K
-#            of qwen3-next-80b-a3b against qwen3-30b-a3b                                       (~10 min)
+#            of qwen3-next-80b-a3b against qwen3-30b-a3b (~10 min: more than one call; ARCH_PARTS, some of next gptoss
+#            ttft); ARCH_FRACTIONS the offload shares (0.1,0.25,0.5; empty: resident only); ARCH_PROFILE N: the
+#            kernels of N profiled decode steps after each row (bench_engine.py --profile)
 #   soak     ft soak on the GPU for SOAK_S s (default 540), hybrid, CPU- and GPU-worker kills; report in $OUT/soak
 #   peer_build  builds llama-bench (CUDA sm_90) from bench/peer_llamacpp/llama.cpp (carry it; fetch_source.sh makes
 #            it) and packs bench/peer_llamacpp/bin/cuda into $OUT/peer_bin_cuda.tar.xz.part-* (carry those back as
@@ -364,16 +366,22 @@ while [ $# -gt 0 ]; do
       ;;
     architectures)
       # Qwen3-Next (NVFP4 experts) and gpt-oss-120b (MXFP4): resident and offload at 10 / 25 / 50%, TTFT at 1K and 32K
-      run next_engine "$T" python3 bench/bench_engine.py --preset qwen3-next-80b-a3b --expert-format nvfp4 --runs 2 \
-        --prompt-tokens 1024 --decode-tokens 256 --fractions 0.1,0.25,0.5
-      run gptoss_engine "$T" python3 bench/bench_engine.py --preset gpt-oss-120b --runs 2 --prompt-tokens 1024 \
-        --decode-tokens 256 --fractions 0.1,0.25,0.5
-      run next_ttft "$T" python3 bench/bench_prefill.py --preset qwen3-next-80b-a3b --expert-format nvfp4 --runs 2 \
-        --prompt-tokens 32768 --chunks 4096 --fractions ""
-      run qwen3_ttft "$T" python3 bench/bench_prefill.py --preset qwen3-30b-a3b --runs 2 --prompt-tokens 32768 \
-        --chunks 4096 --fractions ""
-      grep -hE "^(backend|resident|offload)" "$OUT"/next_engine.log "$OUT"/gptoss_engine.log | cut -c1-200
-      tail -n 4 "$OUT/next_ttft.log" "$OUT/qwen3_ttft.log" | cut -c1-200
+      aparts=" ${ARCH_PARTS:-next gptoss ttft} "
+      afr=${ARCH_FRACTIONS-0.1,0.25,0.5}
+      aprof=$([ "${ARCH_PROFILE:-0}" -gt 0 ] && echo "--profile $ARCH_PROFILE")
+      case $aparts in *" next "*)
+        run next_engine "$T" python3 bench/bench_engine.py --preset qwen3-next-80b-a3b --expert-format nvfp4 --runs 2 \
+          --prompt-tokens 1024 --decode-tokens 256 --fractions "$afr" $aprof;; esac
+      case $aparts in *" gptoss "*)
+        run gptoss_engine "$T" python3 bench/bench_engine.py --preset gpt-oss-120b --runs 2 --prompt-tokens 1024 \
+          --decode-tokens 256 --fractions "$afr" $aprof;; esac
+      case $aparts in *" ttft "*)
+        run next_ttft "$T" python3 bench/bench_prefill.py --preset qwen3-next-80b-a3b --expert-format nvfp4 --runs 2 \
+          --prompt-tokens 32768 --chunks 4096 --fractions ""
+        run qwen3_ttft "$T" python3 bench/bench_prefill.py --preset qwen3-30b-a3b --runs 2 --prompt-tokens 32768 \
+          --chunks 4096 --fractions "";; esac
+      grep -hE "^(backend|resident|offload|profile:)" "$OUT"/next_engine.log "$OUT"/gptoss_engine.log 2>/dev/null | cut -c1-200
+      tail -n 4 "$OUT/next_ttft.log" "$OUT/qwen3_ttft.log" 2>/dev/null | cut -c1-200
       ;;
     soak)
       # ft soak on the GPU (SOAK_S, default 540: one device command is limited to 10 minutes), hybrid, a float32
