@@ -12,6 +12,8 @@ Two kernels, launched back to back (api.py):
    [max(0, seq_len - window), min(seq_len, bucket)). It walks the chunk BLOCK_N positions at a time
    (each position's page read from the block table row, so a tile may span several pages)
    with an online softmax (fp32) and writes its partial (max m, sum l, unnormalised acc [G, D]).
+   A tile's page numbers are read one tile ahead (the first before the query), and its K and V are
+   loaded together, so the table read is not a dependent load in front of each tile's K.
    A program whose clipped chunk is empty (beyond seq_len, or before the window) writes nothing and
    ends at once, so the fixed grid of a CUDA graph costs little for short contexts.
 2. `decode_attn_merge_kernel`, grid (T, Hq): out = sum_s exp(m_s - M) acc_s / sum_s exp(m_s - M) l_s
@@ -78,6 +80,10 @@ def decode_attn_split_kernel(
         lo = tl.maximum(lo, seq_len - window)
     if lo < hi:
         row = tl.load(rows_ptr + t).to(tl.int64)
+        table = tables_ptr + row * stride_tb
+        # the first tile's pages, before the query: a page read is a dependent load ahead of every K / V load
+        offs_n = lo + tl.arange(0, BLOCK_N)
+        page_next = tl.load(table + offs_n // PAGE, mask=offs_n < hi, other=0).to(tl.int64)
         offs_g = tl.arange(0, GP)
         offs_d = tl.arange(0, BLOCK_D)
         d_ok = offs_d < HEAD_DIM
@@ -87,7 +93,6 @@ def decode_attn_split_kernel(
                     mask=g_ok[:, None] & d_ok[None, :], other=0.0)            # [GP, BLOCK_D]
         if not USE_DOT:
             q = q.to(tl.float32)
-        table = tables_ptr + row * stride_tb
         k_base = k_ptr + kh * stride_kh
         v_base = v_ptr + kh * stride_vh
         m_i = tl.full([GP], float("-inf"), tl.float32)
@@ -97,10 +102,15 @@ def decode_attn_split_kernel(
             offs_n = n0 + tl.arange(0, BLOCK_N)                               # [BLOCK_N] positions
             n_ok = offs_n < hi
             kv_mask = n_ok[:, None] & d_ok[None, :]
-            page = tl.load(table + offs_n // PAGE, mask=n_ok, other=0).to(tl.int64)   # [BLOCK_N]
+            page = page_next                                                  # [BLOCK_N]
             in_page = offs_n % PAGE
             k = tl.load(k_base + (page * stride_kb + in_page * stride_ks)[:, None] + offs_d[None, :],
                         mask=kv_mask, other=0.0)                              # [BLOCK_N, BLOCK_D]
+            v = tl.load(v_base + (page * stride_vb + in_page * stride_vs)[:, None] + offs_d[None, :],
+                        mask=kv_mask, other=0.0)                              # [BLOCK_N, BLOCK_D]
+            # the next tile's pages, read while this tile computes
+            offs_next = offs_n + BLOCK_N
+            page_next = tl.load(table + offs_next // PAGE, mask=offs_next < hi, other=0).to(tl.int64)
             if USE_DOT:
                 if IS_FP32:
                     qk = tl.dot(q, tl.trans(k), input_precision="ieee")       # [GP, BLOCK_N]
@@ -113,8 +123,6 @@ def decode_attn_split_kernel(
             alpha = tl.exp(m_i - m_new)
             p = tl.exp(qk - m_new[:, None])                                   # [GP, BLOCK_N]
             l_i = l_i * alpha + tl.sum(p, axis=1)
-            v = tl.load(v_base + (page * stride_vb + in_page * stride_vs)[:, None] + offs_d[None, :],
-                        mask=kv_mask, other=0.0)                              # [BLOCK_N, BLOCK_D]
             if USE_DOT:
                 if IS_FP32:
                     pv = tl.dot(p, v, input_precision="ieee")
