@@ -21,7 +21,7 @@ from tests.conftest import HAS_CUDA, KERNEL_DEVICE
 from tests.gpu_worker.test_models_util import hf_model, prompt_ids, save_hf
 
 # Small blocks so that tiny buckets still split into several chunks of several loop steps.
-SMALL = DecodeAttentionBlocks(block_n=16, min_chunk=32, target_programs=64)
+SMALL = DecodeAttentionBlocks(block_n=16, min_chunk=32, short_min_chunk=32, target_programs=64)
 
 
 def make_cache(B, S, Hkv, D, dtype=torch.float32, device=KERNEL_DEVICE, seed=0):
@@ -115,7 +115,7 @@ def test_default_blocks_and_strided_inputs():
     assert not q.is_contiguous()
     rows = torch.tensor([2, 0]).to(KERNEL_DEVICE)
     seq_lens = torch.tensor([200, 256]).to(KERNEL_DEVICE)
-    assert split_plan(bucket, T, Hkv)[0] == 2
+    assert split_plan(bucket, T, Hkv)[0] == 4
     out, ref = run_both(q, k, v, rows, seq_lens, bucket, blocks=DEFAULT_BLOCKS)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
@@ -148,6 +148,9 @@ def test_split_plan():
                 assert chunk % blocks.block_n == 0 and n * chunk >= bucket and (n - 1) * chunk < bucket
                 assert 1 <= n <= blocks.max_splits
     # qwen3-30b-a3b (Hkv=4): the documented plans
+    assert split_plan(512, 1, 4) == (8, 64)
+    assert split_plan(64, 1, 4) == (1, 64)
+    assert split_plan(1024, 1, 4) == (8, 128)
     assert split_plan(2048, 1, 4) == (16, 128)
     assert split_plan(32768, 1, 4) == (64, 512)
     assert split_plan(2048, 4, 4) == (16, 128)

@@ -17,7 +17,7 @@ from tests.conftest import KERNEL_DEVICE
 from tests.gpu_worker.test_engine_attention import reference
 from tests.kernels.test_decode_attention import make_cache   # [pages, page, Hkv, D] of random values
 
-SMALL = DecodeAttentionBlocks(block_n=16, min_chunk=32, target_programs=64)
+SMALL = DecodeAttentionBlocks(block_n=16, min_chunk=32, short_min_chunk=32, target_programs=64)
 
 
 def scattered_tables(lens, page, num_pages, rows_total, max_pages, seed):

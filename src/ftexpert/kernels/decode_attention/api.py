@@ -28,12 +28,17 @@ class DecodeAttentionBlocks:
     `python bench/bench_decode_attention.py --sweep` times alternatives).
 
     The bucket is cut into NS chunks: NS = the largest power of two <= target_programs / (T * Hkv),
-    at most max_splits, with chunks of at least min_chunk positions; a chunk is a multiple of
-    block_n. qwen3-30b-a3b (Hkv=4) at T=1: bucket 2,048 -> 16 splits of 128 positions (64 programs),
-    bucket 32,768 -> 64 splits of 512 (256 programs); at T=4, 16 splits.
+    at most max_splits, with chunks of at least min_chunk positions (short_min_chunk for a bucket of at most
+    short_bucket positions); a chunk is a multiple of block_n. qwen3-30b-a3b (Hkv=4) at T=1: bucket 512 -> 8
+    splits of 64, bucket 2,048 -> 16 splits of 128 positions (64 programs), bucket 32,768 -> 64 splits of 512
+    (256 programs); at T=4, 16 splits. Short buckets take one tile a program: on the H100 (the --sweep of
+    bench_decode_attention.py, T=1, 320 positions in a 512 bucket) 8 splits of 64 took 5.4 us against 6.6 us
+    for 4 of 128; from 2,048 positions 128-position chunks were as fast or faster.
     """
     block_n: int = 64
     min_chunk: int = 128
+    short_min_chunk: int = 64
+    short_bucket: int = 512
     target_programs: int = 256
     max_splits: int = 64
     num_warps: int = 4
@@ -58,7 +63,8 @@ def split_plan(bucket: int, num_requests: int, num_kv_heads: int,
     if bucket < 1:
         raise ValueError(f"bucket={bucket} must be >= 1")
     want = _prev_pow2(max(1, blocks.target_programs // max(1, num_requests * num_kv_heads)))
-    splits = max(1, min(want, blocks.max_splits, -(-bucket // max(1, blocks.min_chunk))))
+    min_chunk = blocks.short_min_chunk if bucket <= blocks.short_bucket else blocks.min_chunk
+    splits = max(1, min(want, blocks.max_splits, -(-bucket // max(1, min_chunk))))
     chunk = -(-bucket // splits)
     chunk = -(-chunk // blocks.block_n) * blocks.block_n
     return -(-bucket // chunk), chunk
