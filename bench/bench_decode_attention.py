@@ -56,7 +56,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def sweep_variants(b0):
-    out = [replace(b0, block_n=n, min_chunk=c) for n in (32, 64, 128) for c in (64, 128, 256, 512) if c >= n]
+    out = [replace(b0, block_n=n, min_chunk=c, short_min_chunk=c) for n in (32, 64, 128) for c in (64, 128, 256, 512) if c >= n]
     out += [replace(b0, target_programs=p) for p in (128, 512, 1024)]
     out += [replace(b0, num_warps=w) for w in (2, 8)]
     return [b for b in out if b != b0]
