@@ -40,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 from ftexpert.gpu_worker.api import DEFAULT_MODEL_DIR, build_engine  # noqa: E402
 from ftexpert.gpu_worker.engine import Engine, SamplingParams  # noqa: E402
 from ftexpert.gpu_worker.engine.kv_cache import KVCache  # noqa: E402
-from ftexpert.proto.engine_spec import EngineSpec  # noqa: E402
+from ftexpert.proto.engine_spec import EngineSpec, routing_flag  # noqa: E402
 
 try:                                  # run as bench/bench_prefix_cache.py (bench/ on sys.path) or imported from bench
     from hbm_roofline import describe, hbm_bandwidth, routed_experts_per_layer, step_bytes  # noqa: E402
@@ -68,6 +68,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--batch-context", type=int, default=8192, help="each batched request's prompt tokens")
     p.add_argument("--batch-max-context", type=int, default=131072,
                    help="the context a request may reach on the batch's engine (its block tables' length)")
+    p.add_argument("--routing", type=routing_flag, default="model",
+                   help="model (the preset's router; random weights route nearly every token alike), zipf[:SKEW] or "
+                        "trace:FILE (gpu_worker/models/synthetic_routing.py), as bench_engine.py --routing")
     p.add_argument("--json-out", default=None)
     return p.parse_args(argv)
 
@@ -85,8 +88,9 @@ def _greedy(n: int) -> SamplingParams:
     return SamplingParams(max_new_tokens=n, ignore_eos=True)
 
 
-def _first_token_s(engine: Engine, prompt: list[int], max_new: int) -> tuple[float, list[int]]:
-    """Seconds from add_request to the request's first token, and all its tokens (run to the end)."""
+def _first_token_s(engine: Engine, prompt: list[int], max_new: int, at_first=None) -> tuple[float, list[int]]:
+    """Seconds from add_request to the request's first token, and all its tokens (run to the end); `at_first()`
+    is called once the first token is out (the prefill done, the decode not begun)."""
     _sync()
     t0 = time.perf_counter()
     rid = engine.add_request(prompt, _greedy(max_new))
@@ -97,29 +101,46 @@ def _first_token_s(engine: Engine, prompt: list[int], max_new: int) -> tuple[flo
                 tokens.append(out.new_token_id)
                 if ttft is None:
                     ttft = time.perf_counter() - t0
+                    if at_first is not None:
+                        at_first()
     return ttft, tokens
 
 
-def chat_turn(engine: Engine, args, vocab: int, seed: int) -> dict:
-    """One conversation: a first turn of history, its answer, then the timed turn."""
+def _copied(experts) -> tuple[int, int]:
+    """(distinct misses, experts fetched) so far of an offload backend; (0, 0) for one without a slot cache."""
+    if not hasattr(experts, "refresh_stats"):
+        return 0, 0
+    st = experts.refresh_stats()
+    return st.distinct_misses, st.fetched
+
+
+def chat_turn(engine: Engine, args, vocab: int, seed: int, experts=None) -> dict:
+    """One conversation: a first turn of history, its answer, then the timed turn (and, for an offload backend,
+    the experts it fetched: every expert a prefill chunk routes to and the cache lacks crosses PCIe)."""
     rng = random.Random(seed)
     history = _tokens(args.history_tokens, vocab, rng)
     _, answer = _first_token_s(engine, history, args.answer_tokens)
     hits0 = engine.stats.prefix_cache_hit_tokens_total
     prompt = history + answer + _tokens(args.turn_tokens, vocab, rng)
+    fetched0 = _copied(experts)[1]
     ttft, _ = _first_token_s(engine, prompt, 1)
     return {"ttft_s": ttft, "prompt_tokens": len(prompt),
-            "hit_tokens": engine.stats.prefix_cache_hit_tokens_total - hits0}
+            "hit_tokens": engine.stats.prefix_cache_hit_tokens_total - hits0,
+            "experts_fetched": _copied(experts)[1] - fetched0}
 
 
-def decode_rate(engine: Engine, ctx: int, n: int, vocab: int) -> float:
-    """Decode tokens / s of one request after a `ctx`-token prompt (a warm-up request at the same context first)."""
+def decode_rate(engine: Engine, ctx: int, n: int, vocab: int, experts=None) -> tuple[float, float]:
+    """(decode tokens / s, distinct misses a decode token: 0 without a slot cache) of one request after a
+    `ctx`-token prompt (a warm-up request at the same context first); the misses from its first token on."""
     rng = random.Random(ctx)
+    misses0 = [0]
     for _ in range(2):                                   # the first: warm-up (graph capture)
         s = engine.stats
         tokens0, time0 = s.decode_tokens, s.decode_time_s
-        _first_token_s(engine, _tokens(ctx, vocab, rng), n)
-    return (s.decode_tokens - tokens0) / (s.decode_time_s - time0)
+        _first_token_s(engine, _tokens(ctx, vocab, rng), n,
+                       at_first=lambda: misses0.__setitem__(0, _copied(experts)[0]))
+    tokens = s.decode_tokens - tokens0
+    return tokens / (s.decode_time_s - time0), (_copied(experts)[0] - misses0[0]) / max(1, tokens)
 
 
 def batch_rate(engine: Engine, batch: int, ctx: int, n: int, vocab: int) -> tuple[float, int]:
@@ -146,33 +167,43 @@ def main(argv=None) -> int:
     model = args.model or (None if args.preset else str(DEFAULT_MODEL_DIR))
     spec = EngineSpec(model=model, preset=args.preset, device=args.device, dtype=args.dtype,
                       moe_strategy=args.moe_strategy, moe_cache_size=args.moe_cache_size, max_running_requests=1,
-                      max_context_tokens=need, kv_block_size=args.kv_block_size, kv_cache_gib=args.kv_cache_gib)
+                      max_context_tokens=need, kv_block_size=args.kv_block_size, kv_cache_gib=args.kv_cache_gib,
+                      routing=args.routing)
     built = build_engine(spec)
     rows = []
     try:
         model, engine = built.model, built.engine
         vocab = model.cfg.vocab_size
-        print(f"{type(built.experts).__name__} on {built.device}; KV pool {engine.kv.num_blocks} blocks of "
-              f"{engine.kv.block_size} ({engine.kv.nbytes / 2**30:.2f} GiB); context {need}", flush=True)
+        experts = built.experts
+        print(f"{type(experts).__name__} on {built.device}; KV pool {engine.kv.num_blocks} blocks of "
+              f"{engine.kv.block_size} ({engine.kv.nbytes / 2**30:.2f} GiB); context {need}; routing {args.routing}",
+              flush=True)
         for prefix in (False, True):
             built.engine = engine = None                 # one KV pool at a time
             gc.collect()
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
             engine = built.fresh_engine(dataclasses.replace(spec, prefix_cache="on" if prefix else "off"))
-            turns = [chat_turn(engine, args, vocab, seed=run) for run in range(args.runs + 1)][1:]  # 1st: warm-up
+            turns = [chat_turn(engine, args, vocab, seed=run, experts=experts)
+                     for run in range(args.runs + 1)][1:]                                      # the 1st: warm-up
             ttft = statistics.median(t["ttft_s"] for t in turns)
+            fetched = statistics.median(t["experts_fetched"] for t in turns)
             row = {"what": "chat turn", "prefix_cache": prefix, "ttft_s": ttft, "runs": len(turns),
-                   "prompt_tokens": turns[0]["prompt_tokens"], "hit_tokens": turns[0]["hit_tokens"]}
+                   "prompt_tokens": turns[0]["prompt_tokens"], "hit_tokens": turns[0]["hit_tokens"],
+                   "experts_fetched": fetched}
             rows.append(row)
             print(f"turn of +{args.turn_tokens} tokens to {args.history_tokens}: prefix cache "
                   f"{'on ' if prefix else 'off'} TTFT {ttft * 1e3:9.1f} ms (median of {len(turns)}), "
-                  f"{row['hit_tokens']} of {row['prompt_tokens']} prompt tokens found cached", flush=True)
+                  f"{row['hit_tokens']} of {row['prompt_tokens']} prompt tokens found cached"
+                  + (f", {fetched:.0f} experts fetched" if hasattr(experts, "refresh_stats") else ""), flush=True)
         bw = hbm_bandwidth() if engine.device.type == "cuda" and args.moe_strategy == "resident" else None
         for ctx in contexts:
-            rate = decode_rate(engine, ctx, args.decode_tokens, vocab)
+            rate, misses = decode_rate(engine, ctx, args.decode_tokens, vocab, experts)
             row = {"what": "decode", "context": ctx, "tokens_per_s": rate}
             note = ""
+            if hasattr(experts, "refresh_stats"):
+                row["misses_per_token"] = misses
+                note = f"; {misses:.1f} misses a token"
             if bw is not None:           # the resident step's bound at this context (bench/hbm_roofline.py)
                 mid = ctx + args.decode_tokens // 2                      # the request's mean context while decoding
                 steps = [[ctx + s] for s in range(args.decode_tokens)]

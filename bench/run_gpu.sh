@@ -40,7 +40,9 @@
 #            only): bench_engine.py --batch B, and at B > 1 auto eager and in graphs, with --expert-compute gemv
 #            beside it                                                                       (~1.5 min a run)
 #   prefix   the paged KV cache (bench_prefix_cache.py, qwen3-30b-a3b-128k): a 500-token turn on a 32K history with the
-#            prefix cache off and on, decode at 1K / 32K / 128K, batch 16 at 8K; resident, then offload 25% (PREFIX_PARTS)
+#            prefix cache off and on, decode at 1K / 32K / 128K, batch 16 at 8K; resident, then offload 25% (PREFIX_PARTS;
+#            its routing PREFIX_ROUTING, default zipf:1.0 as the engine suite's: the preset's random router sends
+#            nearly every token to the same experts; the experts each turn fetched and the misses a decode token)
 #                                                                                            (~9 min)
 #   all      tests kernels engine hybrid prefill (more than one device call's 10 minutes: run suites one by one)
 #   compare OLD_TREE  OLD_TREE is an older checkout (e.g. `git archive OLDREV | tar -x -C /tmp/old`); its benches take
@@ -249,7 +251,8 @@ while [ $# -gt 0 ]; do
           --json-out "$OUT/prefix_resident.json";; esac
       case $parts in *" offload "*)
         run prefix_offload "${PREFIX_LIMIT:-300}" python3 bench/bench_prefix_cache.py $pargs --moe-strategy offload \
-          --moe-cache-size 0.25 --runs 2 --decode-contexts 1024,32768,131008 --json-out "$OUT/prefix_offload.json";; esac
+          --moe-cache-size 0.25 --runs 2 --decode-contexts 1024,32768,131008 --routing "${PREFIX_ROUTING:-zipf:1.0}" \
+          --json-out "$OUT/prefix_offload.json";; esac
       grep -hE "^(turn|decode|batch|[A-Z][a-zA-Z]+Experts)" "$OUT"/prefix_*.log | cut -c1-220
       ;;
     kernels)

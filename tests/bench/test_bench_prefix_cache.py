@@ -29,3 +29,29 @@ def test_runs_on_the_cpu_with_the_embedded_model(tmp_path):
     # of 4,096 positions for 3 slots would take more
     assert batch["batch"] == 3 and batch["tokens_per_s"] > 0 and batch["peak_blocks"] == 9
     assert batch["pool_bytes"] <= 0.01 * 2**30 < batch["fixed_rows_bytes"]
+
+
+def test_offload_rows_count_the_experts_each_turn_fetched(tmp_path):
+    """Offload with a synthetic routing: the turn without the prefix cache prefills the whole history and fetches
+    more experts than the turn that finds it cached; each decode row says its misses a token; resident rows say
+    neither."""
+    out = tmp_path / "rows.json"
+    proc = subprocess.run([sys.executable, SCRIPT, "--device", "cpu", "--history-tokens", "256", "--answer-tokens",
+                           "4", "--turn-tokens", "8", "--runs", "1", "--decode-contexts", "32", "--decode-tokens", "8",
+                           "--moe-strategy", "offload", "--moe-cache-size", "16", "--routing", "zipf:1.0",
+                           "--json-out", str(out)], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": os.path.join(REPO, "src")})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    off, on, decode = json.loads(out.read_text())
+    assert "routing zipf:1.0" in proc.stdout
+    assert on["hit_tokens"] == 256 and off["hit_tokens"] == 0
+    # the embedded model: 4 layers of 8 experts, 16 slots for the 32: a 268-token prefill routes to all of them
+    assert off["experts_fetched"] > on["experts_fetched"] > 0
+    assert 0 < decode["misses_per_token"] <= 2 * 4      # top-2 of 8 over 4 layers: at most 8 distinct a token
+    assert "misses a token" in proc.stdout and "experts fetched" in proc.stdout
+
+
+def test_an_unknown_routing_is_refused():
+    proc = subprocess.run([sys.executable, SCRIPT, "--device", "cpu", "--routing", "uniform"], capture_output=True,
+                          text=True, timeout=120, env={**os.environ, "PYTHONPATH": os.path.join(REPO, "src")})
+    assert proc.returncode == 2 and "--routing" in proc.stderr
