@@ -28,11 +28,13 @@ def ids(n: int, seed: int) -> list[int]:
 
 
 def engine(loaded, *, pool: int | None = None, block: int = 4, prefix: bool = True, running: int = 3,
-           chunk: int = 16, ctx: int = 256, overlap: bool = False) -> Engine:
-    """An engine with a pool of `pool` tokens (None: the default, room for every request)."""
+           chunk: int = 16, ctx: int = 256, overlap: bool = False, checkpoints: int | None = None) -> Engine:
+    """An engine with a pool of `pool` tokens (None: the default, room for every request); `checkpoints`: the
+    linear layers' kept states (EngineConfig.state_checkpoints)."""
     return Engine(loaded.model, EngineConfig(max_running_requests=running, max_context_tokens=ctx,
                                              prefill_chunk_tokens=chunk, kv_block_size=block,
-                                             kv_cache_tokens=pool, prefix_caching=prefix, overlap_decode=overlap),
+                                             kv_cache_tokens=pool, prefix_caching=prefix, overlap_decode=overlap,
+                                             state_checkpoints=checkpoints),
                   eos_token_ids=())
 
 

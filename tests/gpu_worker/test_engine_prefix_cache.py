@@ -1,8 +1,9 @@
 """The prefix cache (engine/block_pool.py, kv_blocks.py): full KV blocks shared by every request whose sequence starts
 with them. Greedy tokens are the same with it on and off over multi-turn conversations that share a system prompt,
 interleaved, with and without a pool small enough to evict; a hit skips the prefill of the shared blocks (but the
-last prompt token); gpt-oss (sliding windows, sinks) shares blocks too; Qwen3-Next, whose linear layers' states are
-not kept at block boundaries, runs with it off and still preempts and recomputes correctly. The embedded default
+last prompt token); gpt-oss (sliding windows, sinks) shares blocks too; Qwen3-Next resumes its linear layers' states
+from the checkpoint a conversation's last turn kept at a block boundary (and without such checkpoints runs with the
+prefix cache off and still preempts and recomputes correctly). The embedded default
 model and the tiny gpt-oss / Qwen3-Next checkpoints of the other tests, on the CPU."""
 from __future__ import annotations
 
@@ -115,18 +116,86 @@ def test_gpt_oss_windows_and_sinks_share_blocks(tmp_path):
     assert_idle_and_whole(on)
 
 
-def test_qwen3_next_runs_without_the_prefix_cache_and_recomputes_its_states(tmp_path):
-    """Qwen3-Next: prefix caching is off whatever the config says (a hit could not resume the linear layers'
-    recurrent and conv states, which are kept per request, not per block); a pool that forces preemption still
-    gives the tokens of the unconstrained run (the preempted request's states are rebuilt by its recompute)."""
+@pytest.fixture(scope="module")
+def next_model(tmp_path_factory):
     from tests.gpu_worker.qwen3_next_util import hf_qwen3_next, save
-    loaded = load_model(save(hf_qwen3_next(seed=7), tmp_path / "n"), device="cpu", dtype="float32")
+    return load_model(save(hf_qwen3_next(seed=7), tmp_path_factory.mktemp("next") / "n"), device="cpu",
+                      dtype="float32")
+
+
+def next_conversations() -> tuple[list[int], dict]:
+    system = [(5 * k) % 120 + 1 for k in range(13)]
+    users = {f"c{i}": [[(7 * i + 11 * t + k) % 120 + 1 for k in range(3 + 2 * t + i)] for t in range(3)]
+             for i in range(3)}
+    return system, users
+
+
+@pytest.mark.parametrize("pool, keep, overlap", [(None, None, False), (None, None, True), (60, None, False),
+                                                  (None, 1, False)],
+                         ids=["roomy", "overlap", "evicting", "one-state-kept"])
+def test_qwen3_next_multi_turn_tokens_are_the_same_with_the_prefix_cache_on_and_off(next_model, pool, keep,
+                                                                                    overlap):
+    """Qwen3-Next: a hit resumes the linear layers' recurrent and conv states from the checkpoint its conversation's
+    last turn kept at a block boundary (state_checkpoints.py), so its greedy tokens are those of the run without
+    the prefix cache: interleaved conversations, a decode step queued ahead (the boundary copies ordered behind
+    it), a pool small enough to evict and preempt, and a store of one state (each conversation evicts the
+    others')."""
+    system, users = next_conversations()
+    expected = converse(engine(next_model, prefix=False, chunk=8), system, users, max_new=6)
+    on = engine(next_model, pool=pool, chunk=8, overlap=overlap, checkpoints=keep)
+    assert converse(on, system, users, max_new=6) == expected
+    s = on.stats
+    assert s.prefix_cache_enabled and s.state_checkpoints_saved_total > 0
+    if keep is None and pool is None:
+        assert s.prefix_cache_hit_tokens_total > 0 and s.state_checkpoint_restores_total > 0
+    assert s.state_checkpoints_cached <= (keep or 2 * 3)
+    if pool is not None:
+        assert s.kv_cache_evictions_total > 0
+    assert_idle_and_whole(on)
+
+
+def test_qwen3_next_hits_end_where_a_state_was_kept(next_model):
+    """A turn's hit is the longest run of cached blocks that ends at a kept state: the conversation's first turn
+    (13 + 3 prompt tokens, 6 generated, blocks of 4) keeps the state after its last complete block, 20 tokens; the
+    next turn resends those and more, and resumes at 20, not at the longest run of cached K/V blocks."""
+    system, users = next_conversations()
+    e = engine(next_model, chunk=8)
+    first = system + users["c0"][0]
+    answer = run(e, {"t0": (first, 6)})["t0"][0]
+    assert e.stats.state_checkpoints_saved_total == 1 and e.stats.state_checkpoints_cached == 1
+    second = first + answer + users["c0"][1]
+    hits0 = e.stats.prefix_cache_hit_tokens_total
+    run(e, {"t1": (second, 2)})
+    assert e.stats.prefix_cache_hit_tokens_total - hits0 == 20 and e.stats.state_checkpoint_restores_total == 1
+    # a prompt that shares cached K/V blocks but no kept state is no hit: it starts at 0
+    hits0 = e.stats.prefix_cache_hit_tokens_total
+    run(e, {"t2": (first[:12] + [119, 118, 117, 116, 115], 2)})
+    assert e.stats.prefix_cache_hit_tokens_total == hits0
+
+
+def test_qwen3_next_without_state_checkpoints_has_no_prefix_cache_and_recomputes_its_states(next_model):
+    """state_checkpoints=0: prefix caching is off for Qwen3-Next whatever prefix_caching says; a pool that forces
+    preemption still gives the tokens of the unconstrained run (the preempted request's states are rebuilt by its
+    recompute)."""
     base = [(5 * k) % 120 + 1 for k in range(10)]
     requests = {f"r{i}": (base + [(3 * i + k) % 120 + 1 for k in range(2 + i)], 8) for i in range(4)}
-    expected = run(engine(loaded, prefix=False, chunk=8), requests)
-    small = engine(loaded, pool=40, chunk=8)              # prefix_caching=True asked for
+    expected = run(engine(next_model, prefix=False, chunk=8), requests)
+    small = engine(next_model, pool=40, chunk=8, checkpoints=0)              # prefix_caching=True asked for
     assert run(small, requests) == expected
     s = small.stats
     assert not s.prefix_cache_enabled and s.prefix_cache_queries_total == 0 and s.kv_blocks_cached == 0
-    assert s.kv_preemptions_total >= 1
+    assert s.kv_preemptions_total >= 1 and s.state_checkpoints_saved_total == 0
+    assert_idle_and_whole(small)
+
+
+def test_qwen3_next_preempted_requests_resume_from_their_kept_states(next_model):
+    """With the prefix cache on, a pool that forces preemption: the preempted request keeps its last boundary's
+    state and its blocks, and its recompute resumes there; the tokens are the unconstrained run's."""
+    base = [(5 * k) % 120 + 1 for k in range(10)]
+    requests = {f"r{i}": (base + [(3 * i + k) % 120 + 1 for k in range(2 + i)], 8) for i in range(4)}
+    expected = run(engine(next_model, prefix=False, chunk=8), requests)
+    small = engine(next_model, pool=40, chunk=8)
+    assert run(small, requests) == expected
+    s = small.stats
+    assert s.prefix_cache_enabled and s.kv_preemptions_total >= 1 and s.state_checkpoint_restores_total >= 1
     assert_idle_and_whole(small)

@@ -34,6 +34,7 @@ from ftexpert.gpu_worker.engine.grammar import GrammarCompiler, GrammarMasks
 from ftexpert.gpu_worker.engine.kv_blocks import KVBlocks
 from ftexpert.gpu_worker.engine.kv_cache import DEFAULT_KV_BLOCK_SIZE, KVCache, pool_sizes
 from ftexpert.gpu_worker.engine.state_cache import StateCache
+from ftexpert.gpu_worker.engine.state_checkpoints import StateCheckpoints
 from ftexpert.gpu_worker.engine.request import Request, StepOutput
 from ftexpert.gpu_worker.engine.sampling import FINISH_ABORT, RequestSampler, SampledStep, SamplingParams, sample_step
 from ftexpert.gpu_worker.engine.scheduler import PrefillChunk, Scheduler
@@ -75,7 +76,10 @@ class EngineConfig:
     kv_block_size: int = DEFAULT_KV_BLOCK_SIZE
     kv_cache_tokens: int | None = None
     kv_cache_gib: float | None = None
-    prefix_caching: bool = True            # share full blocks of equal prefixes (off for linear-attention models)
+    prefix_caching: bool = True            # share full blocks of equal prefixes
+    # a model with linear-attention layers (Qwen3-Next): the block-boundary states its prefix hits resume from, kept
+    # for the prefix cache (state_checkpoints.py); None: 2 x max_running_requests; 0: no prefix caching for it
+    state_checkpoints: int | None = None
     prefill_chunk_tokens: int | None = None  # None: the expert backend's preference, else DEFAULT_PREFILL_CHUNK_TOKENS
     cuda_graphs: bool = True               # replay decode forwards from CUDA graphs where safe
     attention_backend: str = "auto"        # decode attention: "triton" | "sdpa"; auto: triton on CUDA
@@ -100,6 +104,9 @@ class EngineConfig:
             raise ValueError(f"slot_audit_every={self.slot_audit_every!r} must be an integer >= 0 (0: never)")
         if self.kv_block_size < 1:
             raise ValueError(f"kv_block_size={self.kv_block_size} must be >= 1")
+        if self.state_checkpoints is not None and self.state_checkpoints < 0:
+            raise ValueError(f"state_checkpoints={self.state_checkpoints} must be >= 0 (0: no prefix caching for "
+                             f"a model with linear-attention layers)")
         if self.kv_cache_tokens is not None and self.kv_cache_gib is not None:
             raise ValueError("set kv_cache_tokens or kv_cache_gib, not both")
         if (self.kv_cache_tokens is not None and self.kv_cache_tokens < 1) or \
@@ -192,12 +199,16 @@ class Engine:
         self.kv = KVCache(cfg, self.config.max_running_requests, self.max_context_tokens, model.dtype,
                           self.device, block_size=self.config.kv_block_size, num_blocks=full_blocks,
                           window_num_blocks=window_blocks or None)
-        # prefix caching needs the linear layers' states at block boundaries, which are not kept (README.md)
-        self.blocks = KVBlocks(self.kv, self.config.prefix_caching and cfg.linear_attention is None, self.stats,
-                               self.prefill_chunk_tokens)
-        # the linear-attention layers' per-request state (qwen3_next), in the rows of the KV cache's requests
+        # the linear-attention layers' per-request state (qwen3_next), in the rows of the KV cache's requests, and
+        # their states at block boundaries for the prefix cache's hits (state_checkpoints.py)
         self.states = (StateCache(cfg, self.config.max_running_requests, model.dtype, self.device)
                        if cfg.linear_attention is not None else None)
+        keep = self.config.state_checkpoints
+        keep = 2 * self.config.max_running_requests if keep is None else keep
+        prefix = self.config.prefix_caching and (self.states is None or keep > 0)
+        self.checkpoints = (StateCheckpoints(self.states, keep, self.config.kv_block_size)
+                            if self.states is not None and prefix else None)
+        self.blocks = KVBlocks(self.kv, prefix, self.stats, self.prefill_chunk_tokens, self.checkpoints)
         self.scheduler = Scheduler(self.config.max_running_requests, self.prefill_chunk_tokens, self.blocks)
         self._ids = itertools.count()
         overlap = self.config.overlap_decode
@@ -351,6 +362,8 @@ class Engine:
         rows = torch.tensor([n - 1] if chunk.is_last else [], dtype=torch.int64, device=self.device)
         logits = self.model.forward(token_ids, positions, attn, logit_rows=rows)      # [0 or 1, V]
         req.num_prefilled += n
+        if self.checkpoints is not None and (start + n) % self.kv.block_size == 0:
+            self.checkpoints.mark([req.slot], [start + n])                             # a block boundary
         outputs = []
         if chunk.is_last:
             sampled = launch_copies(sample_step([req.sampler], logits, self._masks), [req])
@@ -391,7 +404,7 @@ class Engine:
         if current is None:
             current = self._launch_decode(reqs, self.decode_inputs(reqs))
         if self._may_queue_next(reqs):
-            self._ahead = self._launch_decode(reqs, self.decode_inputs(reqs, after=current.tokens))
+            self._ahead = self._launch_decode(reqs, self.decode_inputs(reqs, after=current.tokens), ahead=1)
             self.stats.decode_steps_ahead += 1
         try:
             return self._read_step(current, t0)
@@ -418,9 +431,10 @@ class Engine:
         return all(len(r.output_ids) + 1 < r.params.max_new_tokens and r.seq_len + 1 <= r.max_context_tokens
                    for r in reqs)
 
-    def _launch_decode(self, reqs: list[Request], inputs: DecodeInputs) -> _DecodeStep:
+    def _launch_decode(self, reqs: list[Request], inputs: DecodeInputs, ahead: int = 0) -> _DecodeStep:
         """Queue one decode forward and its sampling; the ids (and logprobs) stay on the device (and are copied to
-        pinned host memory behind them) until `_DecodeStep.token_ids` reads them."""
+        pinned host memory behind them) until `_DecodeStep.token_ids` reads them. `ahead`: 1 for the step queued
+        after one whose tokens the host has not read (each request's position one further)."""
         experts = self.model.experts
         # a retried step must start from the same linear-layer states (their update is not idempotent)
         saved = self.states.snapshot(inputs.slot_ids) if self.states is not None else None
@@ -440,6 +454,10 @@ class Engine:
         else:
             raise RuntimeError(f"the expert backend failed the decode step {DECODE_ATTEMPTS} times (its re-run "
                                "fetches every miss and should not fail); see the log for the cause")
+        if self.checkpoints is not None:              # requests whose step wrote a block's last position
+            bs = self.kv.block_size
+            ends = [(r.slot, r.seq_len + ahead) for r in reqs if (r.seq_len + ahead) % bs == 0]
+            self.checkpoints.mark([s for s, _ in ends], [b for _, b in ends])
         # the grammar masks (computed on the host while the GPU runs the forward), the tokens, the logprobs
         return launch_copies(sample_step([r.sampler for r in reqs], logits, self._masks), reqs)
 

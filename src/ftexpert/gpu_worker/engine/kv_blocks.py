@@ -13,8 +13,10 @@ The scheduler (scheduler.py) asks it three things:
   prefix cache first (so the next turn of a conversation, or the preempted request itself, finds them).
 
 `register_full(req)`, called before each plan, names the blocks a request filled since (prefill chunks, decode
-steps). Prefix caching is off for models with linear-attention layers (Qwen3-Next): their recurrent and conv
-states at a block boundary are not kept, and without them a hit could not resume the sequence (engine/README.md).
+steps). A model with linear-attention layers (Qwen3-Next) must also resume their recurrent and conv states where a
+hit ends: with `checkpoints` (state_checkpoints.py) a hit is shortened to end where a state was kept, that state is
+restored at admission, and a leaving request keeps its last boundary's state; without them its prefix caching is
+off (engine/README.md).
 
 All of that is the full-context group's (`KVCache.groups[0]`, `pool`); a cache with a window group (the
 sliding-window layers) has its blocks kept by `window` (window_blocks.py): admitted only when it too has the blocks
@@ -27,6 +29,7 @@ from dataclasses import dataclass, field
 from ftexpert.gpu_worker.engine.block_pool import BlockPool, chain_keys
 from ftexpert.gpu_worker.engine.kv_cache import KVCache
 from ftexpert.gpu_worker.engine.request import Request
+from ftexpert.gpu_worker.engine.state_checkpoints import StateCheckpoints
 from ftexpert.gpu_worker.engine.stats import EngineStats
 from ftexpert.gpu_worker.engine.window_blocks import WindowBlocks
 
@@ -43,9 +46,11 @@ class Admission:
 
 class KVBlocks:
     def __init__(self, kv: KVCache, prefix_caching: bool, stats: EngineStats | None = None,
-                 prefill_chunk_tokens: int | None = None):
-        """prefill_chunk_tokens: the scheduler's chunk (needed where the cache has a window group)."""
+                 prefill_chunk_tokens: int | None = None, checkpoints: StateCheckpoints | None = None):
+        """prefill_chunk_tokens: the scheduler's chunk (needed where the cache has a window group); checkpoints: the
+        linear layers' kept states (a model with such layers, prefix caching on)."""
         self.kv, self.pool = kv, BlockPool(kv.num_blocks)
+        self.checkpoints = checkpoints if prefix_caching else None
         self.block_size = kv.block_size
         self.prefix_caching = prefix_caching
         self.window: WindowBlocks | None = None
@@ -89,7 +94,11 @@ class KVBlocks:
         if not self.prefix_caching:
             return []
         shareable = req.prefill_len if req.output_ids else req.prefill_len - 1
-        return self.pool.match(self._keys(req, shareable // self.block_size))
+        keys = self._keys(req, shareable // self.block_size)
+        hits = self.pool.match(keys)
+        if self.checkpoints is not None:            # only as far as a kept state of the linear layers
+            hits = hits[:self.checkpoints.usable_hits(keys, len(hits))]
+        return hits
 
     def _admitted_blocks(self, req: Request, hits: list[int]) -> int:
         """Blocks `req` holds once admitted with `hits`: those of its prefill, or, when the hits cover all of it (a
@@ -126,6 +135,8 @@ class KVBlocks:
         req.num_registered = len(hits)
         req.num_prefilled = len(hits) * self.block_size
         self.kv.set_row(slot, req.blocks)
+        if self.checkpoints is not None:
+            self.checkpoints.restore(slot, req.block_keys, len(hits))
         if self.window is not None:
             self.window.admit(req, slot, req.num_prefilled, adm.window_hits, self._limit(req))
         if self.prefix_caching:
@@ -178,6 +189,8 @@ class KVBlocks:
         if not req.blocks:
             return
         self.register_full(req)
+        if self.checkpoints is not None and req.slot is not None:
+            self.checkpoints.keep(req.slot, req.block_keys, req.num_registered)
         if self.window is not None:
             self.window.free(req)
         self.pool.release(reversed(req.blocks))           # its last blocks are evicted first
@@ -192,6 +205,10 @@ class KVBlocks:
         s.kv_blocks_total = pool.num_blocks
         s.kv_blocks_used, s.kv_blocks_cached, s.kv_blocks_free = pool.num_used, pool.num_cached, pool.num_free
         s.kv_cache_evictions_total = pool.evictions
+        if self.checkpoints is not None:
+            c = self.checkpoints
+            s.state_checkpoints_cached = c.num_cached
+            s.state_checkpoints_saved_total, s.state_checkpoint_restores_total = c.saved_total, c.restored_total
         if self.window is not None:
             w = self.window.pool
             s.kv_window_blocks_total = w.num_blocks

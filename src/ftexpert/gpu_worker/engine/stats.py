@@ -43,6 +43,10 @@ class EngineStats:
     prefix_cache_queries_total: int = 0        # admissions that looked their prompt up
     prefix_cache_query_tokens_total: int = 0   # tokens those admissions had to prefill
     prefix_cache_hit_tokens_total: int = 0     # of those, tokens found in the cache (their prefill skipped)
+    # a model with linear-attention layers (state_checkpoints.py): the states kept at block boundaries for its hits
+    state_checkpoints_cached: int = 0          # kept now
+    state_checkpoints_saved_total: int = 0     # kept since the start (a leaving request's last boundary)
+    state_checkpoint_restores_total: int = 0   # admissions that resumed from one
     # Expert backend counters (offload, cpu and hybrid backends; zero for resident), copied after every step.
     expert_hits_total: int = 0
     expert_misses_total: int = 0
