@@ -141,11 +141,15 @@ def test_qwen3_next_multi_turn_tokens_are_the_same_with_the_prefix_cache_on_and_
     it), a pool small enough to evict and preempt, and a store of one state (each conversation evicts the
     others')."""
     system, users = next_conversations()
-    expected = converse(engine(next_model, prefix=False, chunk=8), system, users, max_new=6)
+    # with a step queued ahead: one conversation at a time, so that its decode steps run in a steady batch and
+    # queue ahead, some of them completing a block
+    stagger, max_new = (100, 9) if overlap else (2, 6)
+    expected = converse(engine(next_model, prefix=False, chunk=8), system, users, max_new=max_new, stagger=stagger)
     on = engine(next_model, pool=pool, chunk=8, overlap=overlap, checkpoints=keep)
-    assert converse(on, system, users, max_new=6) == expected
+    assert converse(on, system, users, max_new=max_new, stagger=stagger) == expected
     s = on.stats
     assert s.prefix_cache_enabled and s.state_checkpoints_saved_total > 0
+    assert (s.decode_steps_ahead > 0) == overlap
     if keep is None and pool is None:
         assert s.prefix_cache_hit_tokens_total > 0 and s.state_checkpoint_restores_total > 0
     assert s.state_checkpoints_cached <= (keep or 2 * 3)
