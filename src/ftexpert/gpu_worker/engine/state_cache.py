@@ -5,8 +5,8 @@
 
 Llin linear layers, B = max_running_requests rows; a request owns row ``slot`` of both caches (and of the KV
 cache's block tables) from admission to finish or preemption. Its first prefill chunk zeroes the row (a fresh
-sequence: a preempted request recomputes from position 0, as the prefix cache is off for these models), every
-chunk after reads and advances it, and each decode step advances it by one token; a finished request's row is
+sequence), unless a prefix hit restored the state kept where the hit ends (state_checkpoints.py) and its prefill
+starts there; every chunk after reads and advances it, and each decode step advances it by one token; a finished request's row is
 zeroed and handed to the next one with its slot. Fixed shapes and device-tensor row indices keep the decode step capturable in a CUDA
 graph (the graph reads and writes the live rows). Unlike K/V, whose decode write is idempotent, a state update is
 not: a forward that runs twice for one token (the CUDA-graph warm-ups, a retried decode step) must restore the
