@@ -32,9 +32,11 @@ from ftexpert.proto.knobs import EXPERT_FORMAT_CHOICES  # noqa: E402
 from ftexpert.gpu_worker.backends.offload import HostExperts, resolve_cache_slots  # noqa: E402
 import ftexpert.kernels.expert_copy.api as expert_copy_api  # noqa: E402
 try:                                  # run as bench/bench_engine.py (bench/ on sys.path) or imported as bench.bench_engine
+    from kernel_table import gpu_kernel_table  # noqa: E402
     from hbm_roofline import (describe as describe_hbm, hbm_bandwidth,  # noqa: E402
                               routed_experts_per_layer, step_bytes)
 except ImportError:
+    from bench.kernel_table import gpu_kernel_table  # noqa: E402
     from bench.hbm_roofline import (describe as describe_hbm, hbm_bandwidth,  # noqa: E402
                                     routed_experts_per_layer, step_bytes)
 
@@ -196,20 +198,8 @@ def profile_decode(engine: Engine, prompts: list[list[int]], steps: int, top: in
     if trace:
         prof.export_chrome_trace(trace)
         print(f"profile: trace written to {trace}")
-    events = [e for e in prof.key_averages() if e.device_type.name == "CUDA" or
-              getattr(e, "self_device_time_total", 0) > 0]
-    if not events:
-        print("profile: no GPU kernels recorded")
-        return
-    key = "self_device_time_total" if hasattr(events[0], "self_device_time_total") else "self_cuda_time_total"
-    events.sort(key=lambda e: getattr(e, key), reverse=True)
-    total = sum(getattr(e, key) for e in events)
-    print(f"\nprofile: {steps} decode steps, GPU time {total / 1e3 / steps:.3f} ms/step "
-          f"({total / steps / 1e3:.3f} ms), top {top} kernels:")
-    print(f"{'us/step':>9} {'calls/step':>10} {'%':>5}  name")
-    for e in events[:top]:
-        t = getattr(e, key)
-        print(f"{t / steps:>9.1f} {e.count / steps:>10.1f} {100 * t / total:>5.1f}  {e.key[:90]}")
+    for line in gpu_kernel_table(prof, steps, "step", top):
+        print(line)
 
 
 def host_profile_decode(engine: Engine, prompts: list[list[int]], steps: int, top: int = 22) -> None:

@@ -44,8 +44,10 @@ from ftexpert.proto.engine_spec import EngineSpec, routing_flag  # noqa: E402
 
 try:                                  # run as bench/bench_prefix_cache.py (bench/ on sys.path) or imported from bench
     from hbm_roofline import describe, hbm_bandwidth, routed_experts_per_layer, step_bytes  # noqa: E402
+    from kernel_table import gpu_kernel_table  # noqa: E402
 except ImportError:
     from bench.hbm_roofline import describe, hbm_bandwidth, routed_experts_per_layer, step_bytes  # noqa: E402
+    from bench.kernel_table import gpu_kernel_table  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -71,6 +73,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--routing", type=routing_flag, default="model",
                    help="model (the preset's router; random weights route nearly every token alike), zipf[:SKEW] or "
                         "trace:FILE (gpu_worker/models/synthetic_routing.py), as bench_engine.py --routing")
+    p.add_argument("--profile", action="store_true",
+                   help="one more turn of each kind, profiled (torch.profiler): its GPU kernels, and the host's time "
+                        "outside them")
     p.add_argument("--json-out", default=None)
     return p.parse_args(argv)
 
@@ -127,6 +132,22 @@ def chat_turn(engine: Engine, args, vocab: int, seed: int, experts=None) -> dict
     return {"ttft_s": ttft, "prompt_tokens": len(prompt),
             "hit_tokens": engine.stats.prefix_cache_hit_tokens_total - hits0,
             "experts_fetched": _copied(experts)[1] - fetched0}
+
+
+def profile_turn(engine: Engine, args, vocab: int, seed: int, label: str) -> None:
+    """One more conversation, its timed turn under torch.profiler: the GPU kernels of the turn's prefill and first
+    token, and the turn's wall time beside their sum (what the host and idle gaps take)."""
+    from torch.profiler import ProfilerActivity, profile      # lazy: only with --profile
+    prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
+    rng = random.Random(seed)
+    history = _tokens(args.history_tokens, vocab, rng)
+    _, answer = _first_token_s(engine, history, args.answer_tokens)
+    prompt = history + answer + _tokens(args.turn_tokens, vocab, rng)
+    with prof:
+        ttft, _ = _first_token_s(engine, prompt, 1)
+    print(f"profile of a turn, prefix cache {label}: TTFT {ttft * 1e3:.1f} ms (profiled)", flush=True)
+    for line in gpu_kernel_table(prof, 1, "turn", top=20):
+        print(line, flush=True)
 
 
 def decode_rate(engine: Engine, ctx: int, n: int, vocab: int, experts=None) -> tuple[float, float]:
@@ -192,6 +213,8 @@ def main(argv=None) -> int:
                    "prompt_tokens": turns[0]["prompt_tokens"], "hit_tokens": turns[0]["hit_tokens"],
                    "experts_fetched": fetched}
             rows.append(row)
+            if args.profile:
+                profile_turn(engine, args, vocab, 1000 + prefix, "on" if prefix else "off")
             print(f"turn of +{args.turn_tokens} tokens to {args.history_tokens}: prefix cache "
                   f"{'on ' if prefix else 'off'} TTFT {ttft * 1e3:9.1f} ms (median of {len(turns)}), "
                   f"{row['hit_tokens']} of {row['prompt_tokens']} prompt tokens found cached"

@@ -42,7 +42,8 @@
 #   prefix   the paged KV cache (bench_prefix_cache.py, qwen3-30b-a3b-128k): a 500-token turn on a 32K history with the
 #            prefix cache off and on, decode at 1K / 32K / 128K, batch 16 at 8K; resident, then offload 25% (PREFIX_PARTS;
 #            its routing PREFIX_ROUTING, default zipf:1.0 as the engine suite's: the preset's random router sends
-#            nearly every token to the same experts; the experts each turn fetched and the misses a decode token)
+#            nearly every token to the same experts; the experts each turn fetched and the misses a decode token);
+#            PREFIX_PROFILE=1: the kernels of one more turn of each kind (bench_prefix_cache.py --profile)
 #                                                                                            (~9 min)
 #   all      tests kernels engine hybrid prefill (more than one device call's 10 minutes: run suites one by one)
 #   compare OLD_TREE  OLD_TREE is an older checkout (e.g. `git archive OLDREV | tar -x -C /tmp/old`); its benches take
@@ -244,6 +245,7 @@ while [ $# -gt 0 ]; do
       # off / on), decode at 1K / 32K / 128K contexts, batch 16 at 8K on a pool that fixed 128K rows would not fit;
       # resident, then offload at 25% (PREFIX_PARTS: some of resident offload)
       pargs="--preset qwen3-30b-a3b-128k --device cuda --history-tokens 32768 --turn-tokens 500 --kv-cache-gib 12.5"
+      [ -n "${PREFIX_PROFILE:-}" ] && pargs="$pargs --profile"        # one more turn of each kind, its kernels
       parts=" ${PREFIX_PARTS:-resident offload} "
       case $parts in *" resident "*)
         run prefix_resident "${PREFIX_LIMIT:-270}" python3 bench/bench_prefix_cache.py $pargs --moe-strategy resident \
@@ -253,7 +255,7 @@ while [ $# -gt 0 ]; do
         run prefix_offload "${PREFIX_LIMIT:-300}" python3 bench/bench_prefix_cache.py $pargs --moe-strategy offload \
           --moe-cache-size 0.25 --runs 2 --decode-contexts 1024,32768,131008 --routing "${PREFIX_ROUTING:-zipf:1.0}" \
           --json-out "$OUT/prefix_offload.json";; esac
-      grep -hE "^(turn|decode|batch|[A-Z][a-zA-Z]+Experts)" "$OUT"/prefix_*.log | cut -c1-220
+      grep -hE "^(turn|decode|batch|profile of|[A-Z][a-zA-Z]+Experts)" "$OUT"/prefix_*.log | cut -c1-220
       ;;
     kernels)
       run ensure "$T" python3 -m ftexpert.kernels.slot_cache.bench --reps 200 --slots 64,2048,18432,23197

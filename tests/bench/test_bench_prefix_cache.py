@@ -17,7 +17,8 @@ def test_runs_on_the_cpu_with_the_embedded_model(tmp_path):
     proc = subprocess.run([sys.executable, SCRIPT, "--device", "cpu", "--history-tokens", "64", "--answer-tokens",
                            "4", "--turn-tokens", "8", "--runs", "1", "--decode-contexts", "32", "--decode-tokens", "4",
                            "--batch", "3", "--batch-context", "40", "--batch-max-context", "4096",
-                           "--kv-cache-gib", "0.01", "--json-out", str(out)], capture_output=True, text=True, timeout=300,
+                           "--kv-cache-gib", "0.01", "--profile", "--json-out", str(out)], capture_output=True, text=True,
+                          timeout=300,
                           env={**os.environ, "PYTHONPATH": os.path.join(REPO, "src")})
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = json.loads(out.read_text())
@@ -29,6 +30,8 @@ def test_runs_on_the_cpu_with_the_embedded_model(tmp_path):
     # of 4,096 positions for 3 slots would take more
     assert batch["batch"] == 3 and batch["tokens_per_s"] > 0 and batch["peak_blocks"] == 9
     assert batch["pool_bytes"] <= 0.01 * 2**30 < batch["fixed_rows_bytes"]
+    # --profile: one more turn of each kind, profiled (no GPU kernels on the CPU), beside the medians' rows
+    assert "profile of a turn, prefix cache off" in proc.stdout and "profile of a turn, prefix cache on" in proc.stdout
 
 
 def test_offload_rows_count_the_experts_each_turn_fetched(tmp_path):
