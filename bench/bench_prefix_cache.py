@@ -41,6 +41,7 @@ from ftexpert.gpu_worker.api import DEFAULT_MODEL_DIR, build_engine  # noqa: E40
 from ftexpert.gpu_worker.engine import Engine, SamplingParams  # noqa: E402
 from ftexpert.gpu_worker.engine.kv_cache import KVCache  # noqa: E402
 from ftexpert.proto.engine_spec import EngineSpec, routing_flag  # noqa: E402
+from ftexpert.proto.knobs import EXPERT_FORMAT_CHOICES  # noqa: E402
 
 try:                                  # run as bench/bench_prefix_cache.py (bench/ on sys.path) or imported from bench
     from hbm_roofline import describe, hbm_bandwidth, routed_experts_per_layer, step_bytes  # noqa: E402
@@ -56,6 +57,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--preset", default=None, help="a real model's shape with random weights")
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto")
+    p.add_argument("--expert-format", default="auto", choices=EXPERT_FORMAT_CHOICES,
+                   help="the experts' format (auto: the checkpoint's or the preset's)")
     p.add_argument("--moe-strategy", default="resident", choices=("resident", "offload"))
     p.add_argument("--moe-cache-size", default=None)
     p.add_argument("--kv-block-size", type=int, default=None)
@@ -125,12 +128,13 @@ def chat_turn(engine: Engine, args, vocab: int, seed: int, experts=None) -> dict
     rng = random.Random(seed)
     history = _tokens(args.history_tokens, vocab, rng)
     _, answer = _first_token_s(engine, history, args.answer_tokens)
-    hits0 = engine.stats.prefix_cache_hit_tokens_total
+    hits0, restores0 = engine.stats.prefix_cache_hit_tokens_total, engine.stats.state_checkpoint_restores_total
     prompt = history + answer + _tokens(args.turn_tokens, vocab, rng)
     fetched0 = _copied(experts)[1]
     ttft, _ = _first_token_s(engine, prompt, 1)
     return {"ttft_s": ttft, "prompt_tokens": len(prompt),
             "hit_tokens": engine.stats.prefix_cache_hit_tokens_total - hits0,
+            "state_restores": engine.stats.state_checkpoint_restores_total - restores0,
             "experts_fetched": _copied(experts)[1] - fetched0}
 
 
@@ -187,6 +191,7 @@ def main(argv=None) -> int:
                + [c + args.decode_tokens for c in contexts])
     model = args.model or (None if args.preset else str(DEFAULT_MODEL_DIR))
     spec = EngineSpec(model=model, preset=args.preset, device=args.device, dtype=args.dtype,
+                      expert_format=args.expert_format,
                       moe_strategy=args.moe_strategy, moe_cache_size=args.moe_cache_size, max_running_requests=1,
                       max_context_tokens=need, kv_block_size=args.kv_block_size, kv_cache_gib=args.kv_cache_gib,
                       routing=args.routing)
@@ -211,14 +216,15 @@ def main(argv=None) -> int:
             fetched = statistics.median(t["experts_fetched"] for t in turns)
             row = {"what": "chat turn", "prefix_cache": prefix, "ttft_s": ttft, "runs": len(turns),
                    "prompt_tokens": turns[0]["prompt_tokens"], "hit_tokens": turns[0]["hit_tokens"],
-                   "experts_fetched": fetched}
+                   "experts_fetched": fetched, "state_restores": turns[0]["state_restores"]}
             rows.append(row)
             if args.profile:
                 profile_turn(engine, args, vocab, 1000 + prefix, "on" if prefix else "off")
             print(f"turn of +{args.turn_tokens} tokens to {args.history_tokens}: prefix cache "
                   f"{'on ' if prefix else 'off'} TTFT {ttft * 1e3:9.1f} ms (median of {len(turns)}), "
                   f"{row['hit_tokens']} of {row['prompt_tokens']} prompt tokens found cached"
-                  + (f", {fetched:.0f} experts fetched" if hasattr(experts, "refresh_stats") else ""), flush=True)
+                  + (f", {fetched:.0f} experts fetched" if hasattr(experts, "refresh_stats") else "")
+                  + (", the linear layers' state restored" if row["state_restores"] else ""), flush=True)
         bw = hbm_bandwidth() if engine.device.type == "cuda" and args.moe_strategy == "resident" else None
         for ctx in contexts:
             rate, misses = decode_rate(engine, ctx, args.decode_tokens, vocab, experts)

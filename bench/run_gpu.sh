@@ -43,7 +43,8 @@
 #            prefix cache off and on, decode at 1K / 32K / 128K, batch 16 at 8K; resident, then offload 25% (PREFIX_PARTS;
 #            its routing PREFIX_ROUTING, default zipf:1.0 as the engine suite's: the preset's random router sends
 #            nearly every token to the same experts; the experts each turn fetched and the misses a decode token);
-#            PREFIX_PROFILE=1: the kernels of one more turn of each kind (bench_prefix_cache.py --profile)
+#            PREFIX_PROFILE=1: the kernels of one more turn of each kind (bench_prefix_cache.py --profile);
+#            PREFIX_PARTS=next: the same turn on qwen3-next-80b-a3b (NVFP4, resident), whose hits resume kept states
 #                                                                                            (~9 min)
 #   all      tests kernels engine hybrid prefill (more than one device call's 10 minutes: run suites one by one)
 #   compare OLD_TREE  OLD_TREE is an older checkout (e.g. `git archive OLDREV | tar -x -C /tmp/old`); its benches take
@@ -251,6 +252,11 @@ while [ $# -gt 0 ]; do
         run prefix_resident "${PREFIX_LIMIT:-270}" python3 bench/bench_prefix_cache.py $pargs --moe-strategy resident \
           --decode-contexts 1024,32768,131008 --batch 16 --batch-context 8192 --batch-max-context 131072 \
           --json-out "$OUT/prefix_resident.json";; esac
+      case $parts in *" next "*)           # Qwen3-Next: a hit resumes the linear layers' kept states
+        run prefix_next "${PREFIX_LIMIT:-300}" python3 bench/bench_prefix_cache.py --preset qwen3-next-80b-a3b \
+          --expert-format nvfp4 --device cuda --history-tokens 32768 --turn-tokens 500 --kv-cache-gib 8 \
+          --moe-strategy resident --runs 2 --decode-contexts "" ${PREFIX_PROFILE:+--profile} \
+          --json-out "$OUT/prefix_next.json";; esac
       case $parts in *" offload "*)
         run prefix_offload "${PREFIX_LIMIT:-300}" python3 bench/bench_prefix_cache.py $pargs --moe-strategy offload \
           --moe-cache-size 0.25 --runs 2 --decode-contexts 1024,32768,131008 --routing "${PREFIX_ROUTING:-zipf:1.0}" \

@@ -58,3 +58,20 @@ def test_an_unknown_routing_is_refused():
     proc = subprocess.run([sys.executable, SCRIPT, "--device", "cpu", "--routing", "uniform"], capture_output=True,
                           text=True, timeout=120, env={**os.environ, "PYTHONPATH": os.path.join(REPO, "src")})
     assert proc.returncode == 2 and "--routing" in proc.stderr
+
+
+def test_qwen3_next_turns_resume_the_kept_state(tmp_path):
+    """A tiny Qwen3-Next: the turn with the prefix cache finds the history up to the last block the first turn
+    completed (200 history + 16 answer tokens: 208, blocks of 16) and resumes the linear layers' state kept there."""
+    from tests.gpu_worker.qwen3_next_util import hf_qwen3_next, save
+    model = save(hf_qwen3_next(seed=7), tmp_path / "next")
+    out = tmp_path / "rows.json"
+    proc = subprocess.run([sys.executable, SCRIPT, "--model", str(model), "--device", "cpu", "--history-tokens", "200",
+                           "--turn-tokens", "20", "--runs", "1", "--decode-contexts", "", "--json-out", str(out)],
+                          capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": os.path.join(REPO, "src")})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    off, on = json.loads(out.read_text())
+    assert (off["hit_tokens"], off["state_restores"]) == (0, 0)
+    assert (on["hit_tokens"], on["state_restores"], on["prompt_tokens"]) == (208, 1, 236)
+    assert "the linear layers' state restored" in proc.stdout
