@@ -473,6 +473,10 @@ PY
         mkdir -p bench/peer_llamacpp/bin && cat bench/peer_llamacpp/dist/peer_bin_cuda.tar.xz.part-* | tar -xJf - -C bench/peer_llamacpp/bin
       fi
       rm -f /dev/shm/ft-experts-*
+      # the CUDA 13 runtime and cuBLAS the binary loads: the toolkit's, else those of torch's nvidia wheels (a
+      # binary built elsewhere, build.sh CUDA_ROOT=..., finds them here as one built on this machine does)
+      nvlib=$(python3 -c 'import nvidia, os; print(os.path.join(list(nvidia.__path__)[0], "cu13", "lib"))' 2>/dev/null)
+      export LD_LIBRARY_PATH=/usr/local/cuda/lib64${nvlib:+:$nvlib}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
       run peer "${PEER_LIMIT:-595}" python3 bench/peer_llamacpp/run_peer.py --jobs "${PEER_JOBS:-qwen3-30b-a3b:bf16}" \
         --parts "${PEER_PARTS:-theirs,engine,hybrid,prefill}" --out "$OUT" --total-s "${PEER_TOTAL_S:-570}" ${PEER_MERGE:+--merge $PEER_MERGE} ${PEER_ARGS:-}
       grep -E "^\[run_peer" "$OUT/peer.log" | tail -n 12 | cut -c1-200

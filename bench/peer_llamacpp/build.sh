@@ -6,6 +6,12 @@
 #   CUDA_ARCH CMAKE_CUDA_ARCHITECTURES (default 90; the H200 is sm_90)
 #   BUILD_DIR build folder (default bench/peer_llamacpp/build/<cpu|cuda>): kept between calls while the GPU
 #             machine stays warm; a second run only relinks what changed
+#   CUDA_ROOT a CUDA toolkit other than /usr/local/cuda: a folder with bin/nvcc, include/, lib/ (e.g. the pip wheels
+#             nvidia-cuda-nvcc, -runtime, -crt, -cccl, -nvvm and nvidia-cublas 13.0.x installed with --target, their
+#             nvidia/cu13 folder). A machine without a GPU driver links against a stub libcuda.so (made here, in
+#             the build folder): the binary then finds the driver's libcuda.so.1 where it runs
+#   CPU_ISA   native (default: the CPU backend for this machine's ISA) or spr (AVX-512 F/CD/VL/DQ/BW/VBMI/VNNI/BF16
+#             and AMX tile/int8/bf16, named: a build away from the GPU machine for its Sapphire Rapids CPU)
 # Prints the configure and build times and the size of what bin/ holds.
 set -euo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
@@ -25,13 +31,33 @@ common=(-G Ninja -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=ON
   -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_TOOLS=ON
   -DLLAMA_BUILD_APP=OFF -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_BUILD_COMMON=ON
   -DLLAMA_OPENSSL=OFF -DLLAMA_SUBPROCESS=OFF -DLLAMA_CURL=OFF -DLLAMA_BUILD_IS_DEV=OFF
-  -DGGML_NATIVE=ON -DGGML_OPENMP=ON -DGGML_BACKEND_DL=OFF -DGGML_CPU_ALL_VARIANTS=OFF
+  -DGGML_OPENMP=ON -DGGML_BACKEND_DL=OFF -DGGML_CPU_ALL_VARIANTS=OFF
   -DCMAKE_INSTALL_RPATH='$ORIGIN' -DCMAKE_BUILD_WITH_INSTALL_RPATH=ON)
+case ${CPU_ISA:-native} in
+  native) common+=(-DGGML_NATIVE=ON) ;;
+  spr) common+=(-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON
+                -DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON
+                -DGGML_AMX_TILE=ON -DGGML_AMX_INT8=ON -DGGML_AMX_BF16=ON) ;;
+  *) echo "build.sh: CPU_ISA native or spr, not $CPU_ISA" >&2; exit 2 ;;
+esac
 case $KIND in
   cuda)
-    export PATH=/usr/local/cuda/bin:$PATH
+    root=${CUDA_ROOT:-/usr/local/cuda}
+    export PATH=$root/bin:$PATH
     extra=(-DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES="${CUDA_ARCH:-90}" -DGGML_CUDA_FA_ALL_QUANTS=OFF
-           -DGGML_CUDA_NCCL=OFF -DGGML_CUDA_GRAPHS=ON -DCMAKE_CUDA_COMPILER="${CUDACXX:-$(command -v nvcc)}") ;;
+           -DGGML_CUDA_NCCL=OFF -DGGML_CUDA_GRAPHS=ON -DCMAKE_CUDA_COMPILER="${CUDACXX:-$(command -v nvcc)}")
+    if [ -n "${CUDA_ROOT:-}" ]; then
+      # the wheels' lib/ holds only versioned libraries: add the names the linker asks for, lib64/, and a stub of the
+      # driver's libcuda.so (lib/stubs/, where FindCUDAToolkit looks) for a machine without a GPU driver
+      [ -e "$root/lib64" ] || ln -s lib "$root/lib64"
+      for l in cudart cublas cublasLt; do [ -e "$root/lib/lib$l.so" ] || ln -s "lib$l.so.13" "$root/lib/lib$l.so"; done
+      if [ ! -e "$root/lib/stubs/libcuda.so" ]; then
+        mkdir -p "$root/lib/stubs"
+        echo 'void ft_libcuda_stub(void) {}' > "$root/lib/stubs/stub.c"
+        cc -shared -fPIC -o "$root/lib/stubs/libcuda.so" -Wl,-soname,libcuda.so.1 "$root/lib/stubs/stub.c"
+      fi
+      extra+=(-DCUDAToolkit_ROOT="$root" -DCMAKE_EXE_LINKER_FLAGS="-Wl,--allow-shlib-undefined -L$root/lib/stubs")
+    fi ;;
   cpu)  extra=(-DGGML_CUDA=OFF) ;;
   *) echo "build.sh: cuda or cpu, not $KIND" >&2; exit 2 ;;
 esac
