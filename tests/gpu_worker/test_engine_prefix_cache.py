@@ -203,3 +203,85 @@ def test_qwen3_next_preempted_requests_resume_from_their_kept_states(next_model)
     s = small.stats
     assert s.prefix_cache_enabled and s.kv_preemptions_total >= 1 and s.state_checkpoint_restores_total >= 1
     assert_idle_and_whole(small)
+
+
+def alone_tokens(loaded, prompt: list[int], params) -> list[int]:
+    """The tokens of `prompt` run alone with the prefix cache off (chunks of 8, blocks of 4)."""
+    e = engine(loaded, prefix=False, chunk=8, running=1)
+    e.add_request(list(prompt), params)
+    out = []
+    while e.has_work():
+        out += [o.new_token_id for o in e.step()]
+    return out
+
+
+@pytest.mark.parametrize("seed, pool, keep, overlap, running", [(0, None, None, True, 3), (1, 48, None, True, 3),
+                                                                 (2, 64, 1, True, 2), (3, 40, 2, False, 3)])
+def test_qwen3_next_turns_that_stop_abort_and_preempt_match_the_turn_run_alone(next_model, seed, pool, keep,
+                                                                               overlap, running):
+    """Random conversations on one engine: answers that end on stop tokens (some with a decode step queued ahead that
+    completes a block the request never keeps), aborts (the partial answer joins the history), answers shorter than
+    a block (the hit then ends where a prefill chunk did), pools small enough to evict and preempt, stores of one or
+    two states. Every finished turn's tokens equal those of its prompt run alone without the prefix cache."""
+    import random
+    from ftexpert.gpu_worker.engine import SamplingParams
+    rng = random.Random(seed)
+    e = engine(next_model, pool=pool, chunk=8, overlap=overlap, checkpoints=keep, running=running)
+    system = [rng.randrange(1, 120) for _ in range(rng.randrange(3, 14))]
+    hist = {c: list(system) for c in range(4)}
+    live, got, turns, mismatches = {}, {}, 0, []
+    for _ in range(300):
+        for c in range(4):
+            if c not in live.values() and rng.random() < 0.3 and len(hist[c]) < (150 if pool is None else pool - 24):
+                hist[c] += [rng.randrange(1, 120) for _ in range(rng.randrange(1, 9))]
+                params = SamplingParams(max_new_tokens=rng.randrange(2, 14),
+                                        stop_token_ids=tuple(rng.sample(range(120), 4)))
+                rid = e.add_request(list(hist[c]), params)
+                live[rid] = c
+                got[rid] = (list(hist[c]), params, [])
+        if not e.has_work():
+            continue
+        if live and rng.random() < 0.05:                   # an abort, at times with a decode step in flight
+            rid = rng.choice(sorted(live))
+            e.abort(rid)
+            hist[live.pop(rid)] += got[rid][2]
+        for o in e.step():
+            if o.request_id not in live:
+                continue
+            got[o.request_id][2].append(o.new_token_id)
+            if o.finished:
+                c = live.pop(o.request_id)
+                prompt, params, toks = got[o.request_id]
+                turns += 1
+                if toks != alone_tokens(next_model, prompt, params):
+                    mismatches.append((c, len(prompt)))
+                hist[c] += toks
+        audit(e)
+    s = e.stats
+    assert mismatches == [] and turns >= 5
+    if pool is None:                                       # room to keep: later turns resume kept states
+        assert s.state_checkpoint_restores_total > 0 and s.prefix_cache_hit_tokens_total > 0
+    else:                                                  # the small pools evict (and, at 40, preempt)
+        assert s.kv_cache_evictions_total > 0
+    assert (s.decode_steps_ahead > 0) == overlap
+
+
+def test_qwen3_next_a_preempted_request_may_find_its_whole_recompute_kept(next_model):
+    """A pool that preempts, answers long enough that a preempted request's recompute is all cached with its state
+    kept at its end: it goes straight back to decoding (no prefill) and its tokens are the unconstrained run's."""
+    base = [(5 * k) % 120 + 1 for k in range(10)]
+    requests = {f"r{i}": (base + [(3 * i + k) % 120 + 1 for k in range(2 + i)], 13) for i in range(4)}
+    expected = run(engine(next_model, prefix=False, chunk=8), requests)
+    small = engine(next_model, pool=40, chunk=8)
+    whole = []                          # admissions whose hit covered the whole prefill (a preempted request's)
+    admit = small.blocks.admit
+
+    def watched(req, slot, adm):
+        admit(req, slot, adm)
+        if req.output_ids and not req.in_prefill:
+            whole.append(req.request_id)
+    small.blocks.admit = watched
+    assert run(small, requests) == expected
+    s = small.stats
+    assert s.kv_preemptions_total >= 1 and s.state_checkpoint_restores_total >= 1 and whole
+    assert_idle_and_whole(small)

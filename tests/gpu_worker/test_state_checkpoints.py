@@ -52,7 +52,7 @@ def test_a_leaving_request_keeps_its_last_boundary(boundary, registered, kept):
     if boundary is not None:
         c.mark([1], [boundary])
     assert c.keep(1, KEYS, registered) is kept
-    assert c.num_cached == int(kept) and c.slot_tokens[1] == 0
+    assert c.num_cached == int(kept) and c.boundaries(1) == [0, 0]
     if kept:
         assert c.usable_hits(KEYS, 4) == boundary // BS
 
@@ -71,10 +71,30 @@ def test_the_store_evicts_the_least_recently_used_and_hits_end_at_a_kept_state()
     # a restore into row 1: the state kept after 8 tokens (value 2), which becomes that row's checkpoint; using k1
     # makes k2 the least recently used, so the next state kept evicts k2
     c.restore(1, KEYS, 2)
-    assert (st.conv[:, 1] == 2.0).all() and (st.recurrent[:, 1] == 2.0).all() and c.slot_tokens[1] == 8
+    assert (st.conv[:, 1] == 2.0).all() and (st.recurrent[:, 1] == 2.0).all() and c.boundaries(1) == [8, 0]
     fill(st, 0, 4.0)
     c.mark([0], [16])
     assert c.keep(0, KEYS, 4)
     assert c.usable_hits(KEYS, 3) == 2 and c.usable_hits(KEYS, 4) == 4 and c.restored_total == 1
     c.restore(0, KEYS, 0)                                            # no hit: a fresh row, no checkpoint
-    assert c.slot_tokens[0] == 0
+    assert c.boundaries(0) == [0, 0]
+
+
+def test_a_block_completed_by_a_step_the_request_never_keeps_leaves_the_one_before():
+    """A decode step queued ahead completes block 2 (12 tokens) of a request that then stops: that block is not
+    named (2 blocks are), so the checkpoint before it, at 8 tokens, is the one kept; a third boundary overwrites the
+    oldest of the two rows."""
+    st = states()
+    c = StateCheckpoints(st, 2, BS)
+    fill(st, 0, 1.0)
+    c.mark([0], [8])
+    fill(st, 0, 2.0)
+    c.mark([0], [12])
+    assert c.boundaries(0) == [12, 8]
+    assert c.keep(0, KEYS, 2) and c.usable_hits(KEYS, 4) == 2
+    c.restore(1, KEYS, 2)
+    assert (st.conv[:, 1] == 1.0).all()                              # the state after 8 tokens, not 12
+    for value, b in ((3.0, 12), (4.0, 16)):
+        fill(st, 1, value)
+        c.mark([1], [b])
+    assert c.boundaries(1) == [16, 12]                               # the restored 8 was the older row

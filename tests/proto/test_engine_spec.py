@@ -24,13 +24,16 @@ def parse(*argv: str) -> argparse.Namespace:
 def test_serve_and_generate_declare_the_same_flags_with_the_same_types(command):
     args = build_parser().parse_args([*command, "--moe-cache-size", "0.5", "--max-context-tokens", "64",
                                       "--moe-strategy", "offload", "--expert-format", "int4", "--kv-block-size", "32",
-                                      "--kv-cache-gib", "1.5", "--prefix-cache", "off"])
+                                      "--kv-cache-gib", "1.5", "--prefix-cache", "off", "--state-checkpoints", "3"])
     spec = spec_from_args(args, {})
     assert (spec.moe_cache_size, spec.max_context_tokens, spec.moe_strategy, spec.expert_format) == \
         ("0.5", 64, "offload", "int4-g128")
-    assert (spec.kv_block_size, spec.kv_cache_gib, spec.prefix_cache) == (32, 1.5, "off")
+    assert (spec.kv_block_size, spec.kv_cache_gib, spec.prefix_cache, spec.state_checkpoints) == (32, 1.5, "off", 3)
     default = spec_from_args(build_parser().parse_args(command), {})
-    assert (default.kv_block_size, default.kv_cache_gib, default.prefix_cache) == (None, None, "on")
+    assert (default.kv_block_size, default.kv_cache_gib, default.prefix_cache, default.state_checkpoints) == \
+        (None, None, "on", None)
+    with pytest.raises(SystemExit):                    # refused at parse time, naming the flag (argparse's exit 2)
+        build_parser().parse_args([*command, "--state-checkpoints", "-1"])
 
 
 @pytest.mark.parametrize("raw, text", [("256", "256"), ("1", "1"), ("0.25", "0.25"), ("1.0", "1.0"), (" 8 ", "8")])
@@ -69,6 +72,7 @@ def test_flags_over_the_environment_over_the_defaults():
     ({"kv_block_size": 0}, "kv_block_size=0 must be >= 1"),
     ({"kv_cache_gib": 0.0}, "kv_cache_gib=0.0 must be > 0"),
     ({"prefix_cache": "maybe"}, "prefix_cache='maybe' is not one of on, off"),
+    ({"state_checkpoints": -1}, "state_checkpoints=-1 must be >= 0"),
 ])
 def test_a_spec_that_cannot_be_built_is_refused_naming_the_field(fields, message):
     with pytest.raises(SpecError, match=message):
@@ -183,7 +187,14 @@ WIRE_FIELDS = {6: ("model", "preset", "seed_weights", "device", "dtype", "expert
                    "eviction_freq_weight", "eviction_freq_half_life", "moe_prefetch", "moe_prefetch_budget",
                    "moe_prefetch_k", "moe_prefetch_verify", "expert_compute", "expert_copy", "fused_kernels",
                    "dense_linear", "routing", "max_running_requests", "max_context_tokens", "prefill_chunk_tokens",
-                   "kv_block_size", "kv_cache_gib", "prefix_cache", "overlap_decode", "cuda_graphs", "attention_backend", "moe_slot_audit", "pdl")}
+                   "kv_block_size", "kv_cache_gib", "prefix_cache", "overlap_decode", "cuda_graphs", "attention_backend", "moe_slot_audit", "pdl"),
+               8: ("model", "preset", "seed_weights", "device", "dtype", "expert_format", "moe_strategy",
+                   "moe_cache_size", "moe_cache_per_layer", "num_cpu_workers", "reserve_cpus", "cpu_act_quant",
+                   "pin_gpu_worker", "eviction_freq_weight", "eviction_freq_half_life", "moe_prefetch",
+                   "moe_prefetch_budget", "moe_prefetch_k", "moe_prefetch_verify", "expert_compute", "expert_copy",
+                   "fused_kernels", "dense_linear", "routing", "max_running_requests", "max_context_tokens",
+                   "prefill_chunk_tokens", "kv_block_size", "kv_cache_gib", "prefix_cache", "state_checkpoints",
+                   "overlap_decode", "cuda_graphs", "attention_backend", "moe_slot_audit", "pdl")}
 
 
 def test_a_new_wire_form_bumps_the_protocol_version():

@@ -40,7 +40,7 @@ from ftexpert.proto.engine_spec import EngineSpec
 from ftexpert.proto.sampling_params import SamplingParams, TokenLogprobs
 from ftexpert.proto.typed_messages import MessageCodec, MessageError
 
-ENGINE_PROTOCOL_VERSION = 7            # 5: EngineSpec's forward and engine fields (cuda_graphs, routing, ...); 6: token logprobs and grammars; 7: the spec's cpu_act_quant
+ENGINE_PROTOCOL_VERSION = 8            # 5: EngineSpec's forward and engine fields (cuda_graphs, routing, ...); 6: token logprobs and grammars; 7: the spec's cpu_act_quant; 8: its state_checkpoints
 HELLO_RESEND_S = 2.0                     # worker: resend HELLO until WELCOME (the coordinator may start later)
 DEFAULT_HEARTBEAT_INTERVAL_S = 1.0
 DEFAULT_PEER_TIMEOUT_S = 10.0            # silence after which either side declares the other gone

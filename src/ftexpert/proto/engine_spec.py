@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from ftexpert.proto.cli_flags import DEVICES, add_device_flag, add_reserve_cpus_flag
-from ftexpert.proto.knobs import KNOBS_BY_FIELD, add_cli_flag, positive_int_flag, resolve
+from ftexpert.proto.knobs import KNOBS_BY_FIELD, add_cli_flag, nonnegative_int_flag, positive_int_flag, resolve
 
 STRATEGIES = ("resident", "offload", "cpu", "hybrid")
 CPU_POOL_STRATEGIES = ("cpu", "hybrid")           # strategies whose misses CPU expert workers compute
@@ -63,7 +63,7 @@ EXPERT_FIELDS = ("moe_strategy", "moe_cache_size", "moe_cache_per_layer", "num_c
 ENGINE_FIELDS = ("moe_prefetch", "moe_prefetch_budget", "moe_prefetch_k", "moe_prefetch_verify", "routing",
                  "dense_linear", "max_running_requests", "max_context_tokens", "prefill_chunk_tokens",
                  "overlap_decode", "cuda_graphs", "attention_backend", "moe_slot_audit", "pdl", "kv_block_size",
-                 "kv_cache_gib", "prefix_cache")
+                 "kv_cache_gib", "prefix_cache", "state_checkpoints")
 
 
 class SpecError(ValueError):
@@ -140,7 +140,9 @@ class EngineSpec:
     prefill_chunk_tokens: int | None = None     # None: the engine's default for the backend
     kv_block_size: int | None = None            # positions per KV block; None: the engine's (16)
     kv_cache_gib: float | None = None           # the KV pool's memory; None: max_running_requests x max_context_tokens
-    prefix_cache: str = "on"                    # share KV blocks of equal prompt prefixes (off for Qwen3-Next anyway)
+    prefix_cache: str = "on"                    # share KV blocks of equal prompt prefixes
+    state_checkpoints: int | None = None        # linear-attention models: states kept for prefix hits (None: the
+                                                # engine's default, max_running_requests; 0: no prefix cache for them)
     overlap_decode: str = "auto"
     cuda_graphs: str = "on"                     # decode forwards replayed from CUDA graphs (on a CUDA device)
     attention_backend: str = "auto"             # decode attention: sdpa or triton; auto: triton on CUDA
@@ -171,6 +173,9 @@ class EngineSpec:
             raise SpecError(f"kv_cache_gib={self.kv_cache_gib} must be > 0 (or unset for the default)")
         if self.prefix_cache not in ("on", "off"):
             raise SpecError(f"prefix_cache={self.prefix_cache!r} is not one of on, off")
+        if self.state_checkpoints is not None and self.state_checkpoints < 0:
+            raise SpecError(f"state_checkpoints={self.state_checkpoints} must be >= 0 (0: no prefix cache for a model "
+                            f"with linear-attention layers; unset for the default)")
         if self.moe_cache_size is not None:
             try:
                 cache_size_flag(self.moe_cache_size)
@@ -291,8 +296,13 @@ def add_engine_flags(parser: argparse.ArgumentParser, *,
                              "layers (gpt-oss) takes their pool (max-running-requests windows and one prefill chunk) "
                              "out of it first; the rest holds the full-attention layers")
     engine.add_argument("--prefix-cache", choices=("on", "off"), default="on",
-                        help="reuse the KV blocks of a prompt prefix computed before (default on; models with "
-                             "linear-attention layers, Qwen3-Next, run without)")
+                        help="reuse the KV blocks of a prompt prefix computed before (default on; a model with "
+                             "linear-attention layers, Qwen3-Next, resumes their states from those kept by "
+                             "--state-checkpoints)")
+    engine.add_argument("--state-checkpoints", type=nonnegative_int_flag, default=None, metavar="N",
+                        help="a model with linear-attention layers (Qwen3-Next): the states at block boundaries kept "
+                             "for prefix hits, one per recent conversation (default: max-running-requests; 74 MiB "
+                             "each at qwen3-next-80b-a3b, and two more a running request); 0: no prefix cache for it")
     for field in ("overlap_decode", "moe_slot_audit", "pdl"):
         add_cli_flag(engine, field)
 
@@ -330,6 +340,7 @@ def spec_from_args(args: argparse.Namespace, environ: Mapping[str, str] | None =
         prefill_chunk_tokens=getattr(args, "prefill_chunk_tokens", None),
         kv_block_size=getattr(args, "kv_block_size", None), kv_cache_gib=getattr(args, "kv_cache_gib", None),
         prefix_cache=getattr(args, "prefix_cache", "on"),
+        state_checkpoints=getattr(args, "state_checkpoints", None),
         **knobs)
     fields.update(overrides)
     return EngineSpec(**fields)

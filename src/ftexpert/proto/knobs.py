@@ -52,6 +52,17 @@ def positive_int_flag(raw: str) -> int:
     return value
 
 
+def nonnegative_int_flag(raw: str) -> int:
+    """argparse type of a count flag where 0 means none (e.g. --state-checkpoints)."""
+    try:
+        value = int(raw)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 0, got {raw!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
 def _nonneg_int(raw: str) -> int:
     value = int(raw)
     if value < 0:

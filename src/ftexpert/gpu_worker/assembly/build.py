@@ -259,5 +259,6 @@ def _engine(model: Any, spec: EngineSpec, source: ModelSource, grammars: Grammar
                                       cuda_graphs=spec.cuda_graphs == "on", attention_backend=spec.attention_backend,
                                       slot_audit_every=spec.moe_slot_audit, overlap_decode=spec.overlap,
                                       kv_cache_gib=spec.kv_cache_gib, prefix_caching=spec.prefix_cache == "on",
+                                      state_checkpoints=spec.state_checkpoints,
                                       **kv_block_size(spec)),
                   source.eos_token_ids, grammars if grammars is not None else grammar_compiler(source))

@@ -78,7 +78,7 @@ class EngineConfig:
     kv_cache_gib: float | None = None
     prefix_caching: bool = True            # share full blocks of equal prefixes
     # a model with linear-attention layers (Qwen3-Next): the block-boundary states its prefix hits resume from, kept
-    # for the prefix cache (state_checkpoints.py); None: 2 x max_running_requests; 0: no prefix caching for it
+    # for the prefix cache (state_checkpoints.py); None: max_running_requests; 0: no prefix caching for it
     state_checkpoints: int | None = None
     prefill_chunk_tokens: int | None = None  # None: the expert backend's preference, else DEFAULT_PREFILL_CHUNK_TOKENS
     cuda_graphs: bool = True               # replay decode forwards from CUDA graphs where safe
@@ -204,7 +204,7 @@ class Engine:
         self.states = (StateCache(cfg, self.config.max_running_requests, model.dtype, self.device)
                        if cfg.linear_attention is not None else None)
         keep = self.config.state_checkpoints
-        keep = 2 * self.config.max_running_requests if keep is None else keep
+        keep = self.config.max_running_requests if keep is None else keep
         prefix = self.config.prefix_caching and (self.states is None or keep > 0)
         self.checkpoints = (StateCheckpoints(self.states, keep, self.config.kv_block_size)
                             if self.states is not None and prefix else None)

@@ -51,6 +51,10 @@ class KVBlocks:
         linear layers' kept states (a model with such layers, prefix caching on)."""
         self.kv, self.pool = kv, BlockPool(kv.num_blocks)
         self.checkpoints = checkpoints if prefix_caching else None
+        if self.checkpoints is not None and kv.window_group is not None:
+            # a hit is cut once for the kept states and once for the window's blocks: not both (no model has both)
+            raise ValueError("a KV cache with a window group (sliding-window layers) and kept linear-layer states "
+                             "(state checkpoints) in one model is not supported")
         self.block_size = kv.block_size
         self.prefix_caching = prefix_caching
         self.window: WindowBlocks | None = None

@@ -4,23 +4,26 @@ models with such layers (Qwen3-Next) too.
 A prefix hit skips the prefill of the blocks it shares; for a model whose linear layers carry a recurrent and a conv
 state from token to token, the request must also start from the state those blocks leave behind. Keeping one at
 every block boundary would cost, for qwen3-next-80b-a3b, 74 MiB a boundary (36 layers of a 32 x 128 x 128 fp32
-recurrent state and a 48 KiB conv state) against 384 KiB of K/V for the block. Instead, each request keeps **one**:
+recurrent state and a 48 KiB conv state) against 384 KiB of K/V for the block. Instead:
 
-- its **boundary checkpoint** (a row of `slot_conv` / `slot_recurrent`, beside its state cache row): a copy of its
-  states taken after the forward that completes a block, in a prefill chunk ending on a boundary or in the decode
-  step that writes a block's last position (every `block_size` tokens, one copy of the request's rows behind that
-  step on the device, outside the CUDA graphs); a later boundary overwrites it;
-- when the request leaves (finished, aborted or preempted), that checkpoint goes into the **store**, named by the
-  prefix key of the block it closes (the key covers every token up to the boundary), if that block is named in
-  the prefix cache. The store keeps `capacity` checkpoints, least recently used evicted first.
+- each running request keeps its **two latest boundary checkpoints** (rows of `slot_conv` / `slot_recurrent`,
+  two per state cache row): a copy of its states taken right after a forward that ends on a block boundary, a
+  prefill chunk ending there (chunks are multiples of the block size, so every chunk but a prompt's last does) or a
+  decode step writing a block's last position (every `block_size` decode tokens). The newer overwrites the older.
+  Two, because a decode step queued ahead (overlap_decode) may complete a block whose token the request then never
+  keeps (it stopped or was aborted meanwhile): the one before is still there;
+- when the request leaves (finished, aborted or preempted), its newest checkpoint whose block is named in the
+  prefix cache goes into the **store**, under the prefix key of the block it closes (the key covers every token up
+  to the boundary). The store keeps `capacity` checkpoints, the least recently used evicted first.
 
-A conversation's next turn resends its history, so it finds the checkpoint its last turn left at the last boundary
-that turn completed: admission shortens the K/V prefix hit to the longest run of cached blocks that ends at a
-checkpoint (`usable_hits`) and restores that state into the request's row (`restore`); the tokens after it are
-prefilled as usual. A hit with no checkpoint behind it is no hit: the request prefills from 0.
+A conversation's next turn resends its history, so it finds the checkpoint its last turn left: admission shortens
+the K/V prefix hit to the longest run of cached blocks that ends at a kept state (`usable_hits`) and restores that
+state into the request's row (`restore`); the tokens after it are prefilled as usual. A hit with no kept state behind
+it is no hit: the request prefills from 0. Only a request's last boundary is kept, so two conversations that share a
+system prompt do not share its state (each finds its own).
 
-Everything happens in stream order on the device (copies of rows by index), so a decode step queued ahead
-(overlap_decode) and its checkpoint copy stay in order; the host keeps only which boundary each row holds.
+The copies are rows by Python index on the current stream, behind the forward that made them and before any queued
+after; nothing here waits for the device, and the host keeps only which boundary each row holds.
 """
 from __future__ import annotations
 
@@ -29,6 +32,8 @@ from collections import OrderedDict
 import torch
 
 from ftexpert.gpu_worker.engine.state_cache import StateCache
+
+ROWS_PER_REQUEST = 2      # the latest two boundaries: a step queued ahead may complete a block the request never keeps
 
 
 class StateCheckpoints:
@@ -43,11 +48,16 @@ class StateCheckpoints:
             free_bytes, _ = torch.cuda.mem_get_info(conv.device)
             if need > free_bytes:
                 raise RuntimeError(
-                    f"the linear layers' state checkpoints need {need / 2**30:.2f} GiB ({B} request rows and "
-                    f"{capacity} kept for the prefix cache) but {conv.device} has {free_bytes / 2**30:.2f} GiB free; "
-                    f"lower max_running_requests or turn the prefix cache off (--prefix-cache off)")
-        self.slot_conv, self.slot_recurrent = torch.zeros_like(conv), torch.zeros_like(rec)
-        self.slot_tokens = [0] * B                                   # the boundary each row holds (0: none)
+                    f"the linear layers' state checkpoints need {need / 2**30:.2f} GiB ({ROWS_PER_REQUEST} for each of "
+                    f"{B} request rows and {capacity} kept for the prefix cache) but {conv.device} has "
+                    f"{free_bytes / 2**30:.2f} GiB free; lower --state-checkpoints or max_running_requests, or turn "
+                    f"the prefix cache off (--prefix-cache off)")
+        rows = ROWS_PER_REQUEST * B                                  # request row s: checkpoint rows 2s, 2s + 1
+        self.slot_conv = torch.zeros((conv.shape[0], rows) + tuple(conv.shape[2:]), dtype=conv.dtype,
+                                     device=conv.device)
+        self.slot_recurrent = torch.zeros((rec.shape[0], rows) + tuple(rec.shape[2:]), dtype=rec.dtype,
+                                          device=rec.device)
+        self.row_tokens = [0] * rows                                 # the boundary each checkpoint row holds (0: none)
         self.store_conv = torch.zeros((capacity,) + tuple(conv.shape[:1] + conv.shape[2:]), dtype=conv.dtype,
                                       device=conv.device)            # [N, Llin, C, K-1]
         self.store_recurrent = torch.zeros((capacity,) + tuple(rec.shape[:1] + rec.shape[2:]), dtype=rec.dtype,
@@ -61,33 +71,44 @@ class StateCheckpoints:
     def nbytes_for(states: StateCache, capacity: int) -> int:
         """Bytes of the request rows' checkpoints and a store of `capacity`."""
         per_row = states.nbytes // states.max_batch
-        return per_row * (states.max_batch + capacity)
+        return per_row * (ROWS_PER_REQUEST * states.max_batch + capacity)
 
     @property
     def num_cached(self) -> int:
         return len(self._entry)
 
-    # ---- a running request's boundary checkpoint ------------------------------------------------
+    def _rows(self, slot: int) -> range:
+        return range(ROWS_PER_REQUEST * slot, ROWS_PER_REQUEST * (slot + 1))
+
+    def boundaries(self, slot: int) -> list[int]:
+        """The boundaries (tokens) the request in `slot` holds checkpoints at, newest first (0: an empty row)."""
+        return sorted((self.row_tokens[r] for r in self._rows(slot)), reverse=True)
+
+    def _copy_in(self, row: int, conv: torch.Tensor, recurrent: torch.Tensor, boundary: int) -> None:
+        self.slot_conv[:, row].copy_(conv)
+        self.slot_recurrent[:, row].copy_(recurrent)
+        self.row_tokens[row] = boundary
+
+    # ---- a running request's boundary checkpoints -----------------------------------------------
     def mark(self, slots: list[int], boundaries: list[int]) -> None:
         """Rows `slots` just completed a block: their states (after `boundaries[i]` tokens, multiples of the block
-        size) are copied to their checkpoint rows, behind the forward that made them."""
-        if not slots:
-            return
-        for b in boundaries:
+        size) are copied over each one's older checkpoint row, behind the forward that made them."""
+        for s, b in zip(slots, boundaries):
             if b <= 0 or b % self.block_size:
                 raise ValueError(f"a state checkpoint at {b} tokens is not on a block boundary of {self.block_size}")
-        idx = torch.tensor(slots, dtype=torch.int64, device=self.slot_conv.device)
-        self.slot_conv.index_copy_(1, idx, self.states.conv.index_select(1, idx))
-        self.slot_recurrent.index_copy_(1, idx, self.states.recurrent.index_select(1, idx))
-        for s, b in zip(slots, boundaries):
-            self.slot_tokens[s] = b
+            row = min(self._rows(s), key=lambda r: self.row_tokens[r])          # the older (or empty) row
+            self._copy_in(row, self.states.conv[:, s], self.states.recurrent[:, s], b)
 
     def keep(self, slot: int, keys: list[bytes], num_registered: int) -> bool:
-        """The request in `slot` leaves: its checkpoint goes into the store, named by the key of the block it closes,
-        where that block is among its `num_registered` blocks named in the prefix cache (`keys`: their prefix keys).
-        The row is cleared. Whether one was kept."""
-        b, self.slot_tokens[slot] = self.slot_tokens[slot] // self.block_size, 0
-        if b == 0 or b > num_registered:
+        """The request in `slot` leaves: its newest checkpoint whose block is among its `num_registered` blocks named
+        in the prefix cache (`keys`: their prefix keys) goes into the store under that block's key. Its rows are
+        cleared. Whether one was kept."""
+        rows = [r for r in self._rows(slot) if 0 < self.row_tokens[r] <= num_registered * self.block_size]
+        row = max(rows, key=lambda r: self.row_tokens[r], default=None)
+        b = 0 if row is None else self.row_tokens[row] // self.block_size
+        for r in self._rows(slot):
+            self.row_tokens[r] = 0
+        if row is None:
             return False
         key = keys[b - 1]
         if key in self._entry:                            # the same prefix's state is there already
@@ -97,8 +118,8 @@ class StateCheckpoints:
             _, entry = self._entry.popitem(last=False)    # the least recently used
             self._free.append(entry)
         entry = self._free.pop()
-        self.store_conv[entry].copy_(self.slot_conv[:, slot])
-        self.store_recurrent[entry].copy_(self.slot_recurrent[:, slot])
+        self.store_conv[entry].copy_(self.slot_conv[:, row])
+        self.store_recurrent[entry].copy_(self.slot_recurrent[:, row])
         self._entry[key] = entry
         self.saved_total += 1
         return True
@@ -114,15 +135,16 @@ class StateCheckpoints:
 
     def restore(self, slot: int, keys: list[bytes], num_hits: int) -> None:
         """Start row `slot` from the state kept after block `num_hits` (`usable_hits` gave it; 0: a fresh row, which
-        the first prefill chunk zeroes); the row's checkpoint is that boundary."""
+        the first prefill chunk zeroes); that boundary becomes the row's checkpoint."""
+        for r in self._rows(slot):
+            self.row_tokens[r] = 0
         if num_hits == 0:
-            self.slot_tokens[slot] = 0
             return
-        entry = self._entry[keys[num_hits - 1]]
-        self._entry.move_to_end(keys[num_hits - 1])
+        key = keys[num_hits - 1]
+        entry = self._entry[key]
+        self._entry.move_to_end(key)
         self.states.conv[:, slot].copy_(self.store_conv[entry])
         self.states.recurrent[:, slot].copy_(self.store_recurrent[entry])
-        self.slot_conv[:, slot].copy_(self.store_conv[entry])
-        self.slot_recurrent[:, slot].copy_(self.store_recurrent[entry])
-        self.slot_tokens[slot] = num_hits * self.block_size
+        self._copy_in(self._rows(slot)[0], self.store_conv[entry], self.store_recurrent[entry],
+                      num_hits * self.block_size)
         self.restored_total += 1
