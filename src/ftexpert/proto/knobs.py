@@ -40,27 +40,25 @@ class Knob:
             raise ValueError(f"{source}={raw!r} is not valid: {exc}") from None
 
 
-def positive_int_flag(raw: str) -> int:
-    """argparse type of a count flag (e.g. --prefill-chunk-tokens): refused at parse time, before anything
-    loads, with the flag's name in argparse's message."""
+def _int_flag(raw: str, minimum: int) -> int:
     try:
         value = int(raw)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {raw!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+        raise argparse.ArgumentTypeError(f"expected a whole number >= {minimum}, got {raw!r}") from None
+    if value < minimum:
+        raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {value}")
     return value
+
+
+def positive_int_flag(raw: str) -> int:
+    """argparse type of a count flag (e.g. --prefill-chunk-tokens): refused at parse time, before anything
+    loads, with the flag's name in argparse's message."""
+    return _int_flag(raw, 1)
 
 
 def nonnegative_int_flag(raw: str) -> int:
     """argparse type of a count flag where 0 means none (e.g. --state-checkpoints)."""
-    try:
-        value = int(raw)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number >= 0, got {raw!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
-    return value
+    return _int_flag(raw, 0)
 
 
 def _nonneg_int(raw: str) -> int:
