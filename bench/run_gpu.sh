@@ -44,7 +44,8 @@
 #            its routing PREFIX_ROUTING, default zipf:1.0 as the engine suite's: the preset's random router sends
 #            nearly every token to the same experts; the experts each turn fetched and the misses a decode token);
 #            PREFIX_PROFILE=1: the kernels of one more turn of each kind (bench_prefix_cache.py --profile);
-#            PREFIX_PARTS=next: the same turn on qwen3-next-80b-a3b (NVFP4, resident), whose hits resume kept states
+#            PREFIX_PARTS=next: the same turn on qwen3-next-80b-a3b (NVFP4, resident), whose hits resume kept states;
+#            first, bench_prefill_attention.py: one layer's attention of the hit's 516-token chunk and of a 4K chunk
 #                                                                                            (~9 min)
 #   all      tests kernels engine hybrid prefill (more than one device call's 10 minutes: run suites one by one)
 #   compare OLD_TREE  OLD_TREE is an older checkout (e.g. `git archive OLDREV | tar -x -C /tmp/old`); its benches take
@@ -248,6 +249,8 @@ while [ $# -gt 0 ]; do
       pargs="--preset qwen3-30b-a3b-128k --device cuda --history-tokens 32768 --turn-tokens 500 --kv-cache-gib 12.5"
       [ -n "${PREFIX_PROFILE:-}" ] && pargs="$pargs --profile"        # one more turn of each kind, its kernels
       parts=" ${PREFIX_PARTS:-resident offload} "
+      # one layer's prefill attention of the hit's 516-token chunk against a 4K chunk, each SDPA backend (~20 s)
+      run prefill_attention 60 python3 bench/bench_prefill_attention.py --chunks 516,4096 --context 33284
       case $parts in *" resident "*)
         run prefix_resident "${PREFIX_LIMIT:-270}" python3 bench/bench_prefix_cache.py $pargs --moe-strategy resident \
           --decode-contexts 1024,32768,131008 --batch 16 --batch-context 8192 --batch-max-context 131072 \
@@ -262,6 +265,7 @@ while [ $# -gt 0 ]; do
           --moe-cache-size 0.25 --runs 2 --decode-contexts 1024,32768,131008 --routing "${PREFIX_ROUTING:-zipf:1.0}" \
           --json-out "$OUT/prefix_offload.json";; esac
       grep -hE "^(turn|decode|batch|profile of|[A-Z][a-zA-Z]+Experts)" "$OUT"/prefix_*.log | cut -c1-220
+      grep -E "^ +[0-9]+ " "$OUT/prefill_attention.log" | cut -c1-160
       ;;
     kernels)
       run ensure "$T" python3 -m ftexpert.kernels.slot_cache.bench --reps 200 --slots 64,2048,18432,23197
