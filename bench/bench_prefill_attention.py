@@ -88,7 +88,8 @@ def main(argv=None) -> int:
             if ref is None:
                 ref = out
             elif not torch.allclose(out.float(), ref.float(), atol=2e-2, rtol=2e-2):
-                print(f"{C:>6} {name:<10} differs from flash by {(out.float() - ref.float()).abs().max():.3g}")
+                print(f"{C:>6} {name:<10} differs from the first backend's output by "
+                      f"{(out.float() - ref.float()).abs().max():.3g}")
             us = time_call(call, args.reps, args.warmup)
             print(f"{C:>6} {name:<10} {us:>10.1f} {flops / us / 1e6:>9.1f}", flush=True)
     return 0

@@ -24,6 +24,7 @@ Prints one line per measurement and, with --json-out, writes them as JSON.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import gc
 import json
@@ -122,16 +123,18 @@ def _copied(experts) -> tuple[int, int]:
     return st.distinct_misses, st.fetched
 
 
-def chat_turn(engine: Engine, args, vocab: int, seed: int, experts=None) -> dict:
+def chat_turn(engine: Engine, args, vocab: int, seed: int, experts=None, profiler=None) -> dict:
     """One conversation: a first turn of history, its answer, then the timed turn (and, for an offload backend,
-    the experts it fetched: every expert a prefill chunk routes to and the cache lacks crosses PCIe)."""
+    the experts it fetched: every expert a prefill chunk routes to and the cache lacks crosses PCIe); `profiler`:
+    a torch.profiler.profile around the timed turn."""
     rng = random.Random(seed)
     history = _tokens(args.history_tokens, vocab, rng)
     _, answer = _first_token_s(engine, history, args.answer_tokens)
     hits0, restores0 = engine.stats.prefix_cache_hit_tokens_total, engine.stats.state_checkpoint_restores_total
     prompt = history + answer + _tokens(args.turn_tokens, vocab, rng)
     fetched0 = _copied(experts)[1]
-    ttft, _ = _first_token_s(engine, prompt, 1)
+    with profiler if profiler is not None else contextlib.nullcontext():
+        ttft, _ = _first_token_s(engine, prompt, 1)
     return {"ttft_s": ttft, "prompt_tokens": len(prompt),
             "hit_tokens": engine.stats.prefix_cache_hit_tokens_total - hits0,
             "state_restores": engine.stats.state_checkpoint_restores_total - restores0,
@@ -143,12 +146,7 @@ def profile_turn(engine: Engine, args, vocab: int, seed: int, label: str) -> Non
     token, and the turn's wall time beside their sum (what the host and idle gaps take)."""
     from torch.profiler import ProfilerActivity, profile      # lazy: only with --profile
     prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
-    rng = random.Random(seed)
-    history = _tokens(args.history_tokens, vocab, rng)
-    _, answer = _first_token_s(engine, history, args.answer_tokens)
-    prompt = history + answer + _tokens(args.turn_tokens, vocab, rng)
-    with prof:
-        ttft, _ = _first_token_s(engine, prompt, 1)
+    ttft = chat_turn(engine, args, vocab, seed, profiler=prof)["ttft_s"]
     print(f"profile of a turn, prefix cache {label}: TTFT {ttft * 1e3:.1f} ms (profiled)", flush=True)
     for line in gpu_kernel_table(prof, 1, "turn", top=20):
         print(line, flush=True)

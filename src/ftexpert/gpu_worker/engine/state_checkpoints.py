@@ -40,7 +40,7 @@ class StateCheckpoints:
     def __init__(self, states: StateCache, capacity: int, block_size: int):
         if capacity < 1:
             raise ValueError(f"state checkpoint capacity={capacity} must be >= 1 (0: no prefix cache, not this store)")
-        self.states, self.capacity, self.block_size = states, capacity, block_size
+        self.states, self.block_size = states, block_size
         conv, rec = states.conv, states.recurrent                    # [Llin, B, ...]
         B = states.max_batch
         need = self.nbytes_for(states, capacity)
