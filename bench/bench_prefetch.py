@@ -67,6 +67,9 @@ def main() -> int:
                         help="decode tokens of each configuration's warm-up run (graph capture; auto's first samples)")
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--graphs", choices=("on", "off"), default="on")
+    parser.add_argument("--profile", type=int, default=0, metavar="N",
+                        help="after each cache fraction's runs, the GPU kernels of N decode steps of each "
+                             "configuration (torch profiler), to see what a configuration adds to a step")
     args = parser.parse_args()
     be.engine_temperature = args.temperature
     configs = _configs(args)
@@ -108,11 +111,12 @@ def main() -> int:
                         backend.reset_slots()
                         be._reset_peak()
                         before = backend.prefetch_counters()
+                        captures = _captures(engines[c])
                         r = be.decode_run(engines[c], prompts, args.decode_tokens if run else args.warmup_tokens,
                                           backend)
                         after = backend.prefetch_counters()
                         r.update({k: after[k] - before[k] for k in after}, peak=be._peak(),
-                                 auto=backend.lookahead.report())
+                                 auto=backend.lookahead.report(), captures=_captures(engines[c]) - captures)
                         if run:
                             results[c].append(r)
                 off = results.get(("off", 0))
@@ -137,6 +141,16 @@ def main() -> int:
                 for c in configs:
                     if c[0] in ("auto", "measure"):
                         auto_lines.append(auto_line(frac, batch, c, results[c]))
+                    captured = sum(r["captures"] for r in results[c])
+                    if captured:      # a capture inside a timed run costs the run its time
+                        print(f"graphs: {frac:.0%} batch {batch} {c[0]} {c[1] or ''}: {captured} decode graph(s) "
+                              f"captured inside the measured runs", flush=True)
+                if args.profile and args.device == "cuda":
+                    for c in configs:
+                        backend.set_policy(prefetch=c[0], prefetch_budget=c[1] or None)
+                        backend.reset_slots()
+                        print(f"profile: {frac:.0%} batch {batch} prefetch {c[0]} {c[1] or ''}", flush=True)
+                        be.profile_decode(engines[c], prompts, args.profile)
                 del engines, backend
     finally:
         if built is not None:
@@ -145,6 +159,11 @@ def main() -> int:
     for line in auto_lines:
         print(line)
     return 0
+
+
+def _captures(engine) -> int:
+    """Decode graphs the engine captured so far (0 without graphs)."""
+    return engine.graphs.captures if engine.graphs is not None else 0
 
 
 def auto_line(frac: float, batch: int, config: tuple[str, int], rs: list[dict]) -> str:

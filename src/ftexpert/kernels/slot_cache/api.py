@@ -1,4 +1,4 @@
-"""Public entry points of the slot cache: `ensure`, `prefetch_ensure`, `set_policy`, `reset`.
+"""Public entry points of the slot cache: `ensure`, `prefetch_ensure`, `prefetch_score`, `set_policy`, `reset`.
 
 `impl="auto"` runs the Triton kernel on CUDA tensors and the reference elsewhere; `"triton"` on CPU
 tensors needs TRITON_INTERPRET=1 set before this package is imported (the Triton interpreter).
@@ -222,6 +222,56 @@ def prefetch_ensure(cache: SlotCache, layer: int, candidates: torch.Tensor, budg
         C_BLOCK=max(16, _next_pow2(candidates.numel())), SLOT_TILE=max(16, _next_pow2(tile)),
         V_BLOCK=cache.victim_keys.shape[1], USE_FREQ=cache.freq_weight > 0,
         HAS_DEVICE_BUDGET=device_budget is not None, HAS_RANKS_OUT=ranks_out is not None, num_warps=GENERAL_WARPS)
+
+
+PREFETCH_SCORE_COUNTERS = 6
+
+
+def prefetch_score(routed: torch.Tensor, chosen: torch.Tensor, chosen_len: int, num_chosen: torch.Tensor | None,
+                   counts: torch.Tensor, *, cand: torch.Tensor | None = None, ranks: torch.Tensor | None = None,
+                   k: int = 0, allow: torch.Tensor | None = None, seen: torch.Tensor | None = None,
+                   hit: torch.Tensor | None = None, count_installed: bool = False, impl: str = "auto") -> None:
+    """Score one layer call's lookahead prefetch against the experts the layer routed, in one launch (no host sync).
+
+    routed [R]: the routed expert ids. chosen [>= chosen_len]: the prefetch's choice for the layer (-1 = none); only
+    the first min(chosen_len, num_chosen[0]) count (num_chosen None: chosen_len). counts [6] int64 (the lookahead's
+    COUNTERS) gains: the valid chosen, those routed, the valid chosen again when `count_installed` (they were
+    installed), and 1 (a layer call scored). With `cand` ([C] the predictor's candidates) also per lane i < k: the
+    candidate (none past C) and its rank ranks[i] among the non-resident ones (-1: resident, a duplicate or none):
+    seen[rank, else k] += 1 and hit[...] += routed; and of those with 0 <= rank < allow[0] (auto's choice) the
+    count to counts[4] and the routed ones to counts[5]. seen, hit: [k + 1] int64."""
+    if counts.numel() != PREFETCH_SCORE_COUNTERS or counts.dtype != torch.int64:
+        raise ValueError(f"counts must be [{PREFETCH_SCORE_COUNTERS}] int64, got {counts.dtype} {tuple(counts.shape)}")
+    if not 0 <= chosen_len <= chosen.numel():
+        raise ValueError(f"chosen_len {chosen_len} outside [0, {chosen.numel()}]")
+    if cand is not None:
+        if any(t is None for t in (ranks, allow, seen, hit)):
+            raise ValueError("scoring candidates needs ranks, allow, seen and hit")
+        if not cand.numel() <= k <= MAX_PREFETCH_CANDIDATES or ranks.numel() < cand.numel():
+            raise ValueError(f"k must lie in [candidates ({cand.numel()}), {MAX_PREFETCH_CANDIDATES}] and ranks "
+                             f"hold every candidate; got k {k}, ranks {ranks.numel()}")
+        for name, t in (("seen", seen), ("hit", hit)):
+            if t.numel() != k + 1 or t.dtype != torch.int64 or not t.is_contiguous():
+                raise ValueError(f"{name} must be a contiguous [{k + 1}] int64 tensor, got {t.dtype} "
+                                 f"{tuple(t.shape)}")
+    if chosen_len > MAX_PREFETCH_CANDIDATES:
+        raise ValueError(f"chosen_len at most {MAX_PREFETCH_CANDIDATES}, got {chosen_len}")
+    impl = _resolve_impl(impl, counts.device)
+    if impl == "reference":
+        reference.prefetch_score_reference(routed, chosen, chosen_len, num_chosen, counts, cand=cand, ranks=ranks,
+                                           k=k, allow=allow, seen=seen, hit=hit, count_installed=count_installed)
+        return
+    # lazy: the Triton kernels are defined at their first launch (TRITON_INTERPRET is read then)
+    from ftexpert.kernels.slot_cache.triton_kernels import prefetch_score_kernel
+    track = cand is not None
+    num_routed = routed.numel()
+    prefetch_score_kernel[(1,)](
+        routed, num_routed, chosen, chosen_len, num_chosen if num_chosen is not None else chosen,
+        cand if track else chosen, cand.numel() if track else 0, ranks if track else chosen, k,
+        allow if track else chosen, counts, seen if track else counts, hit if track else counts,
+        R_BLOCK=min(64, max(16, _next_pow2(num_routed))), C_BLOCK=max(16, _next_pow2(chosen_len)),
+        K_BLOCK=max(16, _next_pow2(k)), HAS_NUM=num_chosen is not None, TRACK=track,
+        COUNT_INSTALLED=count_installed, num_warps=SMALL_WARPS)
 
 
 def raise_on_error(cache: SlotCache) -> None:

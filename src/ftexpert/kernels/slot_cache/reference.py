@@ -163,3 +163,35 @@ def prefetch_ensure_reference(cache: SlotCache, layer: int, candidates: torch.Te
     st.commit()
     if victims:   # usage 0 lowers keys: the kernels' victim list is no longer the smallest keys
         cache.forget_victims(base // cache.num_slots)
+
+
+def prefetch_score_reference(routed: torch.Tensor, chosen: torch.Tensor, chosen_len: int,
+                             num_chosen: torch.Tensor | None, counts: torch.Tensor, *,
+                             cand: torch.Tensor | None = None, ranks: torch.Tensor | None = None, k: int = 0,
+                             allow: torch.Tensor | None = None, seen: torch.Tensor | None = None,
+                             hit: torch.Tensor | None = None, count_installed: bool = False) -> None:
+    """The prefetch's scoring of one layer call (api.prefetch_score), one entry at a time."""
+    routes = set(routed.reshape(-1).tolist())
+    n = chosen_len if num_chosen is None else min(chosen_len, int(num_chosen.reshape(-1)[0]))
+    picked = [e for e in chosen.reshape(-1)[:n].tolist() if e >= 0]
+    add = [0] * counts.numel()
+    add[0] = len(picked)
+    add[1] = sum(e in routes for e in picked)
+    add[2] = len(picked) if count_installed else 0
+    add[3] = 1
+    if cand is not None:
+        ids, rk = cand.reshape(-1).tolist(), ranks.reshape(-1)[:cand.numel()].tolist()
+        allowed = int(allow.reshape(-1)[0])
+        seen_add, hit_add = [0] * (k + 1), [0] * (k + 1)
+        for lane in range(k):
+            e, r = (ids[lane], rk[lane]) if lane < len(ids) else (-1, -1)
+            routed_here = e >= 0 and e in routes
+            col = r if r >= 0 else k
+            seen_add[col] += 1
+            hit_add[col] += routed_here
+            if 0 <= r < allowed:
+                add[4] += 1
+                add[5] += routed_here
+        seen += torch.tensor(seen_add, dtype=seen.dtype, device=seen.device)
+        hit += torch.tensor(hit_add, dtype=hit.dtype, device=hit.device)
+    counts += torch.tensor(add, dtype=counts.dtype, device=counts.device)

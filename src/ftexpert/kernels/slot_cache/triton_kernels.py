@@ -209,3 +209,54 @@ def prefetch_kernel(
     tl.store(vkeys_ptr + vb, tl.full((V_BLOCK,), 0x7FFFFFFFFFFFFFFF, tl.int64),
              mask=vb < tl.where(installed > 0, V_BLOCK, 0))
     tl.store(num_indices_ptr, installed.to(tl.int32))
+
+
+@triton.jit
+def _in_routed(x, routed_ptr, num_routed, R_BLOCK: tl.constexpr):
+    """Per lane of x [N] int64: whether it is one of the num_routed ids at routed_ptr."""
+    ri = tl.arange(0, R_BLOCK)
+    found = x * 0
+    for r0 in range(0, num_routed, R_BLOCK):
+        r = tl.load(routed_ptr + r0 + ri, mask=r0 + ri < num_routed, other=-2).to(tl.int64)
+        found = tl.maximum(found, tl.max((x[:, None] == r[None, :]).to(tl.int64), axis=1))
+    return found > 0
+
+
+@triton.jit
+def prefetch_score_kernel(
+    routed_ptr, num_routed,     # [R] int32|int64 the layer's routed expert ids
+    chosen_ptr, chosen_len,     # [>= chosen_len] int32|int64 the prefetch's choice for the layer (-1 = none)
+    num_chosen_ptr,             # [1] int32: only the first this many count (HAS_NUM; else chosen_len)
+    cand_ptr, num_cand,         # [num_cand] int32|int64 the predictor's candidates for the layer (TRACK)
+    ranks_ptr,                  # [>= num_cand] int32|int64 each one's rank among the non-resident ones, -1 else
+    k,                          # lanes scored per rank (>= num_cand; lanes past num_cand count as none)
+    allow_ptr,                  # [1] int32|int64 the count auto allowed the layer (TRACK)
+    counts_ptr,                 # [6] int64 prefetch.COUNTERS
+    seen_ptr, hit_ptr,          # [k + 1] int64 the layer's per-rank counts, column k: resident or none (TRACK)
+    R_BLOCK: tl.constexpr, C_BLOCK: tl.constexpr, K_BLOCK: tl.constexpr,
+    HAS_NUM: tl.constexpr, TRACK: tl.constexpr, COUNT_INSTALLED: tl.constexpr,
+):
+    ci = tl.arange(0, C_BLOCK)
+    n = chosen_len + tl.zeros((), tl.int64)
+    if HAS_NUM:
+        n = tl.minimum(n, tl.load(num_chosen_ptr).to(tl.int64))
+    chosen = tl.load(chosen_ptr + ci, mask=ci < n, other=-1).to(tl.int64)
+    valid = chosen >= 0
+    hit = _in_routed(chosen, routed_ptr, num_routed, R_BLOCK) & valid
+    tl.atomic_add(counts_ptr + 0, tl.sum(valid.to(tl.int64), axis=0))
+    tl.atomic_add(counts_ptr + 1, tl.sum(hit.to(tl.int64), axis=0))
+    if COUNT_INSTALLED:
+        tl.atomic_add(counts_ptr + 2, tl.sum(valid.to(tl.int64), axis=0))
+    tl.atomic_add(counts_ptr + 3, tl.full((), 1, tl.int64))
+    if TRACK:
+        ki = tl.arange(0, K_BLOCK)
+        cand = tl.load(cand_ptr + ki, mask=ki < num_cand, other=-1).to(tl.int64)
+        rank = tl.load(ranks_ptr + ki, mask=ki < num_cand, other=-1).to(tl.int64)
+        routed = _in_routed(cand, routed_ptr, num_routed, R_BLOCK) & (cand >= 0)
+        col = tl.where(rank >= 0, rank, k)
+        lane = ki < k
+        tl.atomic_add(seen_ptr + col, tl.full((K_BLOCK,), 1, tl.int64), mask=lane)
+        tl.atomic_add(hit_ptr + col, routed.to(tl.int64), mask=lane)
+        pick = (rank >= 0) & (rank < tl.load(allow_ptr).to(tl.int64)) & lane
+        tl.atomic_add(counts_ptr + 4, tl.sum(pick.to(tl.int64), axis=0))
+        tl.atomic_add(counts_ptr + 5, tl.sum((pick & routed).to(tl.int64), axis=0))

@@ -3,7 +3,7 @@ copy them into low-priority slots, so that fewer of layer L's experts are misses
 
 Per decode-sized layer call of a backend with a slot cache (`offload`, `hybrid`), `Lookahead` does, in order:
   1. `begin(L-1, h, ids)` at the start of layer L-1's MoE block: scores layer L-1's own prediction (made at L-2)
-     against its routes (device counters), then forks the predictor: layer L's router applied to h, layer L-1's
+     against its routes (`prefetch_score`: one launch updating the device counters and auto's per-rank counts), then forks the predictor: layer L's router applied to h, layer L-1's
      router input (`RouterPredictor`), top-K candidates. On CUDA on a predictor stream forked from the compute
      stream; it reads no cache state. On the CPU the same maths in program order.
   2. `install(L-1)` right after ensure(L-1), on the compute stream: waits for the predictor, then
@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from ftexpert.kernels.expert_copy import copy_plan
-from ftexpert.kernels.slot_cache import prefetch_ensure
+from ftexpert.kernels.slot_cache import prefetch_ensure, prefetch_score
 from ftexpert.kernels.slot_cache.api import MAX_PREFETCH_CANDIDATES
 
 from ftexpert.gpu_worker.backends.offload.prefetch_budget import OnlineBudget
@@ -142,8 +142,8 @@ class Lookahead:
         self.saved_share = saved_share if saved_share is not None else (lambda: 1.0)
         self.predict_stream = torch.cuda.Stream(device=self.device) if self.on_cuda else None
         self.counts = torch.zeros(len(COUNTERS), dtype=torch.int64, device=self.device)
-        self._chosen = torch.full((MAX_PREFETCH_CANDIDATES,), -1, dtype=torch.int64, device=self.device)
-        self._arange = torch.arange(MAX_PREFETCH_CANDIDATES, device=self.device)
+        self._chosen = torch.full((MAX_PREFETCH_CANDIDATES,), -1, dtype=torch.int64, device=self.device)  # measure
+        self._chosen_len = 0                        # entries of the scored layer's choice (its plan, or _chosen)
         self._cand: torch.Tensor | None = None      # the pending prediction (for layer _target)
         self._predicted: "torch.cuda.Event | None" = None
         self._target = -1                           # the layer the pending prediction is for
@@ -168,10 +168,8 @@ class Lookahead:
         self.rank_counts = torch.zeros(2, layers, k + 1, dtype=torch.int64, device=self.device)
         self._ranks_seen = [[0] * (k + 1) for _ in range(layers)]
         self._ranks_hit = [[0] * (k + 1) for _ in range(layers)]
-        self._cand_buf = torch.full((k,), -1, dtype=torch.int64, device=self.device)
         self._rank_buf = torch.full((k,), -1, dtype=torch.int64, device=self.device)
-        self._ones = torch.ones(k, dtype=torch.int64, device=self.device)
-        self._tracked = False                       # the pending target's candidates and ranks are in the buffers
+        self._tracked: torch.Tensor | None = None   # the scored layer's candidates (their ranks in _rank_buf)
         self.auto_gain_s = 0.0                      # the rule's expected seconds saved per decode step
 
     @property
@@ -278,25 +276,16 @@ class Lookahead:
             return
         if layer == 0 or not decode_sized:
             self._target = self._scored_layer = -1      # a new forward, or a prefill call: nothing pending
-        if self._scored_layer == layer:
-            chosen = self._chosen
-            valid = chosen >= 0
-            routed = ids.reshape(1, -1)
-            hit = (chosen[:, None] == routed).any(1) & valid
-            self.counts[0] += valid.sum()
-            self.counts[1] += hit.sum()
-            self.counts[3] += 1
-            if self._tracked:         # per rank among the non-resident candidates; auto's choice (measure)
-                rank = self._rank_buf
-                routed_c = (self._cand_buf[:, None] == routed).any(1) & (self._cand_buf >= 0)
-                col = torch.where(rank >= 0, rank, self.settings.k)
-                self.rank_counts[0, layer].index_add_(0, col, self._ones)
-                self.rank_counts[1, layer].index_add_(0, col, routed_c.to(torch.int64))
-                pick = (rank >= 0) & (rank < self.allow[layer])
-                self.counts[4] += pick.sum()
-                self.counts[5] += (pick & routed_c).sum()
+        if self._scored_layer == layer:       # one launch: the choice (and auto's per-rank counts) against the routes
+            installs = self.mode in ("on", "auto")
+            c = self.cache
+            prefetch_score(ids.reshape(-1), c.prefetch_src_indices if installs else self._chosen, self._chosen_len,
+                           c.prefetch_num_indices if installs else None, self.counts, cand=self._tracked,
+                           ranks=self._rank_buf, k=self.settings.k, allow=self.allow[layer:layer + 1],
+                           seen=self.rank_counts[0, layer], hit=self.rank_counts[1, layer],
+                           count_installed=installs)
         self._scored_layer = -1
-        self._tracked = False
+        self._tracked = None
         self._target, self._cand = -1, None
         nxt = layer + 1
         if not decode_sized or nxt >= self.cache.num_layers or not self._predicting():
@@ -341,37 +330,22 @@ class Lookahead:
         if self.mode in ("on", "auto"):
             if self.mode == "auto":       # at most allow[nxt] of them; every candidate's rank written for scoring
                 budget = self._auto_cap
-                self._track(cand)
                 prefetch_ensure(c, nxt, cand, budget, check_ids=False, device_budget=self.allow[nxt:nxt + 1],
                                 ranks_out=self._rank_buf)
+                self._tracked = cand
             else:
                 prefetch_ensure(c, nxt, cand, budget, check_ids=False)
-            n = c.prefetch_num_indices.to(torch.int64)
-            src = c.prefetch_src_indices[:budget].to(torch.int64)
-            chosen = torch.where(self._arange[:budget] < n, src, -1)
-            self.counts[2] += n[0]
             if self.on_cuda:
                 self._copy_after = torch.cuda.Event()
                 self._copy_after.record(self._compute())
         else:                                            # measure: the same choice, nothing installed
             chosen, fresh, rank = self._dry_choice(nxt, cand, budget)
-            self._track(cand, torch.where(fresh, rank, -1))
-        self._chosen[:budget].copy_(chosen)
-        self._chosen[budget:].fill_(-1)
+            self._rank_buf[:cand.numel()].copy_(torch.where(fresh, rank, -1))
+            self._tracked = cand
+            self._chosen[:budget].copy_(chosen)
+        self._chosen_len = min(budget, c.prefetch_src_indices.numel())   # the plan's (or _chosen's) first entries
         self._scored_layer = nxt
         return self.mode in ("on", "auto")
-
-    def _track(self, cand: torch.Tensor, ranks: torch.Tensor | None = None) -> None:
-        """Keep the target's candidates (and their ranks among the non-resident ones, when given; else the
-        install writes them) for scoring per rank at the target's `begin`."""
-        n = cand.numel()
-        self._cand_buf[:n].copy_(cand)
-        if ranks is not None:
-            self._rank_buf[:n].copy_(ranks)
-        if n < self._cand_buf.numel():
-            self._cand_buf[n:].fill_(-1)
-            self._rank_buf[n:].fill_(-1)
-        self._tracked = True
 
     def _dry_choice(self, layer: int, cand: torch.Tensor,
                     budget: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -430,7 +404,7 @@ class Lookahead:
             compute.wait_stream(self.predict_stream)
             compute.wait_stream(self.copy_stream)
         self._target, self._cand, self._copied, self._copied_layer = -1, None, None, -1
-        self._tracked, self._marked_layer = False, -1
+        self._tracked, self._marked_layer = None, -1
 
     def counters(self) -> dict[str, int]:
         """The device counters (one small read): predictions scored, useful ones (installed, or measured, then
