@@ -12,7 +12,8 @@ with B_pcie and B_cpu measured here first (gpu_worker/backends/hybrid/bandwidth.
 then both at once (shared_bandwidth: the two share the host DRAM), whose combined figure (the bytes both
 moved together a second) gives the "shared roofline" column beside it.
 Greedy tokens are compared with the resident run's (offload must match; cpu/hybrid compute misses
-with the CPU kernel, whose bf16 accumulation order differs: a late divergence is expected there).
+with the CPU kernel, whose bf16 accumulation order differs: a late divergence is expected there). The engines' prefix
+cache is off unless --prefix-cache on: every run prefills the whole prompt and starts its decode from the same state.
 --prefetch-budgets B,...: every variant also with the lookahead prefetch on at each budget (rows "NAME prefetchB";
 "auto": the auto prefetch, rows "NAME prefetchauto"; their JSON rows carry the prefetch counters over the warm-up
 and the runs, and auto's what the rule saw at the end).
@@ -327,6 +328,10 @@ def main() -> int:
                         help="with --profile: each variant's Chrome trace (trace_<variant>.json) goes here, for "
                              "bench/trace_summary.py")
     parser.add_argument("--json-out", default=None, help="write every row as JSON here (default: $OUT/bench_hybrid.json)")
+    parser.add_argument("--prefix-cache", choices=("on", "off"), default="off",
+                        help="the engines' prefix cache (default off: every run prefills the whole prompt, so each "
+                             "starts its decode from the same state, as before the prefix cache existed; on: the "
+                             "runs after the warm-up find the prompt cached and prefill only its last block)")
     args = parser.parse_args()
     device = torch.device(args.device)
     gen = torch.Generator().manual_seed(0)
@@ -337,7 +342,7 @@ def main() -> int:
     spec0 = spec_from_args(argparse.Namespace(), preset=args.preset, device=args.device, dtype=args.dtype,
                            expert_format=args.expert_format, max_running_requests=1,
                            max_context_tokens=args.prompt_tokens + args.decode_tokens + 16, routing=args.routing,
-                           moe_cache_size=args.cache, moe_prefetch="off")
+                           moe_cache_size=args.cache, moe_prefetch="off", prefix_cache=args.prefix_cache)
     cfg = source.cfg
     prompt = torch.randint(0, cfg.vocab_size, (args.prompt_tokens,), generator=gen).tolist()
     reference_tokens = None
