@@ -111,7 +111,7 @@ def test_cli_preset_choices_match_the_registry():
 
 def test_moe_prefetch_flags_reach_the_backend_and_keep_the_tokens(capsys, monkeypatch):
     """--moe-prefetch on (offload): the resident tokens, and the backend counted its installs; the knob alone
-    (FREETOKEN_MOE_PREFETCH) does the same; resident refuses it with the fix; the default, auto, keeps the tokens."""
+    (FREETOKEN_MOE_PREFETCH) does the same; resident refuses it with the fix; auto keeps the tokens, and off is the default."""
     argv = ["generate", "--prompt-ids", "1,2,3,4", "--max-new-tokens", "8", "--ignore-eos", "--device", "cpu", "--json"]
     assert main(argv) == 0
     resident = last_json(capsys)["token_ids"]
@@ -128,7 +128,10 @@ def test_moe_prefetch_flags_reach_the_backend_and_keep_the_tokens(capsys, monkey
     assert main(argv) == 2
     assert "needs a slot cache" in capsys.readouterr().err
     monkeypatch.delenv("FREETOKEN_MOE_PREFETCH")
-    assert main([*argv, "--moe-strategy", "offload", "--moe-cache-size", "8"]) == 0     # the default: auto
+    assert main([*argv, "--moe-strategy", "offload", "--moe-cache-size", "8"]) == 0     # the default: off
+    result = last_json(capsys)
+    assert result["token_ids"] == resident and result["experts"]["prefetch_layer_calls_total"] == 0
+    assert main([*argv, "--moe-strategy", "offload", "--moe-cache-size", "8", "--moe-prefetch", "auto"]) == 0
     result = last_json(capsys)
     assert result["token_ids"] == resident
     # a CPU measures no idle link time: auto installs nothing, and does not even predict

@@ -126,7 +126,7 @@ def test_settings_refuse_what_they_do_not_understand():
 def test_resident_refuses_a_prefetch_and_accepts_off_and_auto():
     loaded = load_model(device="cpu")
     attach_prefetch(loaded.model, PrefetchSettings(mode="off"))
-    attach_prefetch(loaded.model, PrefetchSettings(mode="auto"))      # the default: nothing without a slot cache
+    attach_prefetch(loaded.model, PrefetchSettings(mode="auto"))      # auto: nothing without a slot cache
     with pytest.raises(ValueError, match="needs a slot cache"):
         attach_prefetch(loaded.model, PrefetchSettings(mode="on"))
 

@@ -52,7 +52,7 @@ def test_flags_over_the_environment_over_the_defaults():
     spec = spec_from_args(parse("--pdl", "off"), env)
     assert (spec.overlap_decode, spec.overlap, spec.moe_slot_audit, spec.pdl) == ("off", False, 3, "off")
     default = spec_from_args(parse(), {})
-    assert (default.overlap, default.moe_slot_audit, default.pdl, default.moe_prefetch) == (None, 0, "auto", "auto")
+    assert (default.overlap, default.moe_slot_audit, default.pdl, default.moe_prefetch) == (None, 0, "auto", "off")
     assert spec_from_args(parse("--model", "rel/dir"), {}).model.endswith("/rel/dir")       # made absolute
     with pytest.raises(ValueError, match="FREETOKEN_PDL='sometimes'"):
         spec_from_args(parse(), {"FREETOKEN_PDL": "sometimes"})
@@ -85,11 +85,14 @@ def test_prefetch_on_a_slot_cache_is_accepted():
             assert EngineSpec(moe_strategy=strategy, moe_prefetch=mode).moe_prefetch == mode
 
 
-def test_auto_prefetch_is_the_default_everywhere_and_nothing_without_a_slot_cache():
-    """auto is the spec's, the flags' and the knob's default; resident (no slot cache) takes it as nothing; the flag
-    and the environment accept it and still refuse what is not a mode."""
-    assert EngineSpec().moe_prefetch == "auto" and EngineSpec(moe_strategy="resident").moe_prefetch == "auto"
-    assert spec_from_args(parse("--moe-strategy", "offload"), {}).moe_prefetch == "auto"
+def test_prefetch_is_off_by_default_everywhere_and_auto_is_nothing_without_a_slot_cache():
+    """off is the spec's, the flags' and the knob's default (docs/PREFETCH.md: until auto is measured no slower);
+    resident (no slot cache) takes auto as nothing; the flag and the environment accept every mode and still refuse
+    what is not one."""
+    assert EngineSpec().moe_prefetch == "off"
+    assert EngineSpec(moe_strategy="resident", moe_prefetch="auto").moe_prefetch == "auto"
+    assert spec_from_args(parse("--moe-strategy", "offload"), {}).moe_prefetch == "off"
+    assert spec_from_args(parse("--moe-strategy", "offload", "--moe-prefetch", "auto"), {}).moe_prefetch == "auto"
     assert spec_from_args(parse("--moe-strategy", "offload", "--moe-prefetch", "off"), {}).moe_prefetch == "off"
     assert spec_from_args(parse("--moe-strategy", "hybrid"), {"FREETOKEN_MOE_PREFETCH": "on"}).moe_prefetch == "on"
     assert spec_from_args(parse(), {"FREETOKEN_MOE_PREFETCH": "auto"}).moe_prefetch == "auto"

@@ -44,8 +44,8 @@ def test_bad_environment_gets_a_clear_error(env, message):
         read_env(env)
 
 
-def test_the_prefetch_knob_takes_auto_its_default():
-    assert resolve({}, {})["moe_prefetch"] == "auto"
+def test_the_prefetch_knob_defaults_to_off_and_takes_every_mode():
+    assert resolve({}, {})["moe_prefetch"] == "off"
     for mode in ("auto", "off", "measure", "on"):
         assert read_env({"FREETOKEN_MOE_PREFETCH": mode})["moe_prefetch"] == mode
     assert resolve({"moe_prefetch": "off"}, {"FREETOKEN_MOE_PREFETCH": "auto"})["moe_prefetch"] == "off"

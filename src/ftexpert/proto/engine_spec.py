@@ -123,7 +123,7 @@ class EngineSpec:
     pin_gpu_worker: str = "on"                  # cpu / hybrid: the engine's process pins itself to those
     eviction_freq_weight: int = 0
     eviction_freq_half_life: int = 3072
-    moe_prefetch: str = "auto"                  # the lookahead prefetch (docs/PREFETCH.md)
+    moe_prefetch: str = "off"                   # the lookahead prefetch (docs/PREFETCH.md)
     moe_prefetch_budget: int = 4
     moe_prefetch_k: int = 16
     moe_prefetch_verify: str = "off"

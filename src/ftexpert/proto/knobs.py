@@ -131,13 +131,13 @@ KNOBS: tuple[Knob, ...] = (
     Knob("FREETOKEN_MOE_SLOT_AUDIT", "moe_slot_audit", _nonneg_int, 0,
          "every N decode steps, check the slot-cache invariants on the host and the bytes of a few slots; "
          "on a problem, log it and empty the cache (0 = never)"),
-    Knob("FREETOKEN_MOE_PREFETCH", "moe_prefetch", str, "auto",
+    Knob("FREETOKEN_MOE_PREFETCH", "moe_prefetch", str, "off",
          "offload and hybrid: the lookahead expert prefetch (docs/PREFETCH.md). While layer L-1 computes, layer L's "
          "router applied to layer L-1's router input predicts layer L's experts, copied into low-priority slots "
-         "(lossless: the same tokens and logits as off). auto (default): per layer as many as fit in the PCIe "
+         "(lossless: the same tokens and logits as off). auto: per layer as many as fit in the PCIe "
          "link's measured idle time and clear the measured precision's break-even (none where the link has no idle "
          "time; nothing without a slot cache); on: the first --moe-prefetch-budget non-resident ones; measure: "
-         "counted (useful predictions, precision, what auto would choose) without copying; off: nothing",
+         "counted (useful predictions, precision, what auto would choose) without copying; off (default, until auto is measured no slower than off on the GPU: docs/PREFETCH.md): nothing",
          choices=("auto", "off", "measure", "on")),
     Knob("FREETOKEN_MOE_PREFETCH_BUDGET", "moe_prefetch_budget", lambda raw: _int_in(raw, 1, 128), 4,
          "with --moe-prefetch on/measure: experts installed (or counted) per layer, 1..128 (auto sizes its own)"),
