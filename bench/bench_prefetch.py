@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 import statistics
 import sys
@@ -67,6 +68,9 @@ def main() -> int:
                         help="decode tokens of each configuration's warm-up run (graph capture; auto's first samples)")
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--graphs", choices=("on", "off"), default="on")
+    parser.add_argument("--record-probe", default=None, metavar="FILE",
+                        help="write every link-probe sample the auto and measure runs read (windows, join waits, "
+                             "copies, per-rank counts: prefetch.sample_record) to this JSON file, per configuration")
     parser.add_argument("--profile", type=int, default=0, metavar="N",
                         help="after each cache fraction's runs, the GPU kernels of N decode steps of each "
                              "configuration (torch profiler), to see what a configuration adds to a step")
@@ -74,6 +78,8 @@ def main() -> int:
     be.engine_temperature = args.temperature
     configs = _configs(args)
     auto_lines: list[str] = []
+    recorded: dict = {}
+    expert_bytes = 0
     model_source = open_model_source(None, args.preset, device=args.device, expert_format=args.expert_format)
     cfg = model_source.cfg
     source = model_source.experts
@@ -102,6 +108,7 @@ def main() -> int:
                 built = (build_engine(spec, source=model_source, attachment=Attachment(host=host)) if built is None else
                          build_engine(spec, attachment=Attachment(host=host), reuse=built))
                 backend = built.experts
+                expert_bytes = backend.lookahead.expert_bytes
                 engines = {c: built.fresh_engine() for c in configs}
                 results: dict = {c: [] for c in configs}
                 for run in range(args.runs + 1):                    # run 0: warm-up (graph capture) of each
@@ -112,6 +119,7 @@ def main() -> int:
                         be._reset_peak()
                         before = backend.prefetch_counters()
                         captures = _captures(engines[c])
+                        backend.lookahead.recording = [] if args.record_probe and run and mode != "off" else None
                         r = be.decode_run(engines[c], prompts, args.decode_tokens if run else args.warmup_tokens,
                                           backend)
                         after = backend.prefetch_counters()
@@ -119,6 +127,10 @@ def main() -> int:
                                  auto=backend.lookahead.report(), captures=_captures(engines[c]) - captures)
                         if run:
                             results[c].append(r)
+                        if backend.lookahead.recording:
+                            recorded.setdefault(f"{source.layout.fmt.label}-{mode}{budget or ''}-{frac:g}-b{batch}",
+                                                []).extend(backend.lookahead.recording)
+                        backend.lookahead.recording = None
                 off = results.get(("off", 0))
                 for c in configs:
                     rs = results[c]
@@ -158,6 +170,13 @@ def main() -> int:
         host.close()
     for line in auto_lines:
         print(line)
+    if args.record_probe:
+        with open(args.record_probe, "w") as f:
+            json.dump({"about": "link-probe samples of bench_prefetch.py's measured runs (prefetch.sample_record), "
+                                f"{args.preset}, routing {args.routing}, {args.decode_tokens} decode tokens a run",
+                       "layers": cfg.num_layers, "k": args.prefetch_k, "expert_bytes": expert_bytes,
+                       "scenarios": {name: {"samples": s} for name, s in recorded.items()}}, f)
+        print(f"probe samples: {sum(len(s) for s in recorded.values())} written to {args.record_probe}")
     return 0
 
 

@@ -18,7 +18,8 @@
 #            (PREFETCH_PART, one device call each): bf16 and nvfp4 (offload at 10 / 25 / 50%, batch PREFETCH_BATCH
 #            1 or 4; ~5 min each), hybrid (offload and hybrid at 25%, bf16 and nvfp4; ~6 min), budgets (the fixed
 #            budgets 2 / 4 / 8 and measure against off and auto; ~5 min). PREFETCH_TOKENS decode tokens a run (64);
-#            PREFETCH_PROFILE=N: the GPU kernels of N decode steps of each configuration (bf16, nvfp4)
+#            PREFETCH_PROFILE=N: the GPU kernels of N decode steps of each configuration (bf16, nvfp4); their probe
+#            samples go to $OUT/prefetch_probe_<part>_b<batch>.json (recorded timings for the budget rule's tests)
 #   prefetch_trained  trains olmoe-routing (PREFETCH_TRAIN_MINUTES, default 3); its prediction quality at budgets
 #            1, 2, 4, 8; ft serve prefetch off against on, 60 cold prompts, 256 tokens (the openai wheel in .whl/)
 #   architectures  qwen3-next-80b-a3b (NVFP4) and gpt-oss-120b: resident and offload at 10 / 25 / 50%; TTFT at 32K
@@ -351,7 +352,8 @@ while [ $# -gt 0 ]; do
         bf16|nvfp4)
           run "prefetch_${part}_b$b" "${PREFETCH_LIMIT:-$T}" python3 bench/bench_prefetch.py --routing "$tr" \
             --expert-format "$part" --fractions 0.1,0.25,0.5 --batch "$b" --prefetch off,auto --runs 2 \
-            --decode-tokens "$n" --warmup-tokens 96 ${PREFETCH_PROFILE:+--profile $PREFETCH_PROFILE}
+            --decode-tokens "$n" --warmup-tokens 96 ${PREFETCH_PROFILE:+--profile $PREFETCH_PROFILE} \
+            --record-probe "$OUT/prefetch_probe_${part}_b$b.json"
           grep -hE "^(\||auto:|graphs:)" "$OUT/prefetch_${part}_b$b.log" | cut -c1-260 ;;
         hybrid)
           for f in bf16 nvfp4; do

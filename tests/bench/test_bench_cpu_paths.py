@@ -25,8 +25,9 @@ RUNS = {
                      "--variants", "offload,=cpu,=hybrid split", "--prefetch-budgets", "auto", "--fetch-fraction",
                      "0.5"],
     "bench_prefetch": ["--device", "cpu", "--runs", "1", "--prompt-tokens", "16", "--preset", "tiny",
-                       "--routing", "zipf:1.0", "--fractions", "0.5", "--batch", "1,2", "--prefetch", "off,on",
-                       "--prefetch-budget", "2", "--decode-tokens", "8", "--warmup-tokens", "4"],
+                       "--routing", "zipf:1.0", "--fractions", "0.5", "--batch", "1,2", "--prefetch", "off,on,measure",
+                       "--prefetch-budget", "2", "--decode-tokens", "8", "--warmup-tokens", "4",
+                       "--record-probe", "{tmp}/probe.json"],
     "prefetch_quality": ["--budgets", "2", "--prompts", "2", "--prompt-tokens", "16", "--new-tokens", "8", "--json"],
 }
 
@@ -35,7 +36,8 @@ def _run(name: str, tmp_path) -> str:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [os.path.join(REPO, "src"), REPO,
                                                                       os.environ.get("PYTHONPATH", "")])),
            "FT_CACHE_DIR": str(tmp_path / "cache"), "OUT": str(tmp_path)}
-    proc = subprocess.run([sys.executable, os.path.join(REPO, "bench", f"{name}.py"), *RUNS[name]], cwd=REPO,
+    args = [a.replace("{tmp}", str(tmp_path)) for a in RUNS[name]]
+    proc = subprocess.run([sys.executable, os.path.join(REPO, "bench", f"{name}.py"), *args], cwd=REPO,
                           env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc.stdout
@@ -50,7 +52,10 @@ def test_a_bench_runs_its_cpu_path_and_its_rows_are_lossless(name, tmp_path):
         assert rows and all(r["lossless"] for r in rows)
     elif name == "bench_prefetch":
         rows = [line for line in out.splitlines() if line.startswith("| 50% |")]
-        assert len(rows) == 4 and all(line.rstrip(" |").endswith("True") for line in rows), out
+        assert len(rows) == 6 and all(line.rstrip(" |").endswith("True") for line in rows), out
+        probe = json.loads((tmp_path / "probe.json").read_text())       # the measure runs' probe samples
+        samples = [x for name, sc in probe["scenarios"].items() if "measure" in name for x in sc["samples"]]
+        assert samples and all(len(x["rank_counts"][0]) == probe["layers"] for x in samples), probe
     elif name == "bench_hybrid":
         rows = json.loads((tmp_path / "bench_hybrid.json").read_text())["rows"]
         assert {r["backend"] for r in rows} >= {"resident", "offload", "cpu", "hybrid split", "hybrid split prefetchauto"}

@@ -171,6 +171,7 @@ class Lookahead:
         self._rank_buf = torch.full((k,), -1, dtype=torch.int64, device=self.device)
         self._tracked: torch.Tensor | None = None   # the scored layer's candidates (their ranks in _rank_buf)
         self.auto_gain_s = 0.0                      # the rule's expected seconds saved per decode step
+        self.recording: list[dict] | None = None    # a list: every probe sample read is appended (benchmarks)
 
     @property
     def mode(self) -> str:
@@ -222,6 +223,8 @@ class Lookahead:
         sample = self.probe.begin_step([self.rank_counts])
         if sample is None or not self.probing:
             return
+        if self.recording is not None:
+            self.recording.append(sample_record(sample))
         rule = self.rule
         for layer, (w, j) in enumerate(zip(sample.windows, sample.joins)):
             if w is not None:
@@ -410,6 +413,17 @@ class Lookahead:
         """The device counters (one small read): predictions scored, useful ones (installed, or measured, then
         routed), experts installed, layer calls scored; auto's choice and its useful part (auto, measure)."""
         return dict(zip(COUNTERS, (int(v) for v in self.counts.tolist())))
+
+
+def sample_record(sample) -> dict:
+    """A probe sample as plain data (bench_prefetch.py --record-probe): per layer the idle window and the join wait
+    (us; None: not measured), the copies' bytes and their time on the link (us), and the cumulative per-rank counts
+    [seen, routed][layer][rank] (column k: resident or none) as read with it."""
+    def us(v):
+        return None if v is None else round(v * 1e6, 2)
+    return {"windows_us": [us(w) for w in sample.windows], "joins_us": [us(j) for j in sample.joins],
+            "copy_bytes": sample.copy_bytes, "copy_us": us(sample.copy_s),
+            "rank_counts": sample.snapshot[0] if sample.snapshot else None}
 
 
 def model_predictor(model, k: int) -> Predictor:
