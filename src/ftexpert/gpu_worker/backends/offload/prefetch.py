@@ -346,7 +346,8 @@ class Lookahead:
             self._rank_buf[:cand.numel()].copy_(torch.where(fresh, rank, -1))
             self._tracked = cand
             self._chosen[:budget].copy_(chosen)
-        self._chosen_len = min(budget, c.prefetch_src_indices.numel())   # the plan's (or _chosen's) first entries
+        plan = c.prefetch_src_indices if self.mode in ("on", "auto") else self._chosen
+        self._chosen_len = min(budget, plan.numel())     # the plan's (or measure's choice's) first entries
         self._scored_layer = nxt
         return self.mode in ("on", "auto")
 
