@@ -119,7 +119,8 @@ def main() -> int:
                         be._reset_peak()
                         before = backend.prefetch_counters()
                         captures = _captures(engines[c])
-                        backend.lookahead.recording = [] if args.record_probe and run and mode != "off" else None
+                        recording = args.record_probe and run and mode in ("auto", "measure")
+                        backend.lookahead.recording = [] if recording else None
                         r = be.decode_run(engines[c], prompts, args.decode_tokens if run else args.warmup_tokens,
                                           backend)
                         after = backend.prefetch_counters()

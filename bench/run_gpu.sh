@@ -18,8 +18,9 @@
 #            (PREFETCH_PART, one device call each): bf16 and nvfp4 (offload at 10 / 25 / 50%, batch PREFETCH_BATCH
 #            1 or 4; ~5 min each), hybrid (offload and hybrid at 25%, bf16 and nvfp4; ~6 min), budgets (the fixed
 #            budgets 2 / 4 / 8 and measure against off and auto; ~5 min). PREFETCH_TOKENS decode tokens a run (64);
-#            PREFETCH_PROFILE=N: the GPU kernels of N decode steps of each configuration (bf16, nvfp4); their probe
-#            samples go to $OUT/prefetch_probe_<part>_b<batch>.json (recorded timings for the budget rule's tests)
+#            bf16 and nvfp4 also write the auto runs' probe samples to $OUT/prefetch_probe_<part>_b<batch>.json
+#            (recorded timings for the budget rule's tests) and, with PREFETCH_PROFILE=N, print the GPU kernels of N
+#            decode steps of each configuration
 #   prefetch_trained  trains olmoe-routing (PREFETCH_TRAIN_MINUTES, default 3); its prediction quality at budgets
 #            1, 2, 4, 8; ft serve prefetch off against on, 60 cold prompts, 256 tokens (the openai wheel in .whl/)
 #   architectures  qwen3-next-80b-a3b (NVFP4) and gpt-oss-120b: resident and offload at 10 / 25 / 50%; TTFT at 32K

@@ -137,7 +137,8 @@ KNOBS: tuple[Knob, ...] = (
          "(lossless: the same tokens and logits as off). auto: per layer as many as fit in the PCIe "
          "link's measured idle time and clear the measured precision's break-even (none where the link has no idle "
          "time; nothing without a slot cache); on: the first --moe-prefetch-budget non-resident ones; measure: "
-         "counted (useful predictions, precision, what auto would choose) without copying; off (default, until auto is measured no slower than off on the GPU: docs/PREFETCH.md): nothing",
+         "counted (useful predictions, precision, what auto would choose) without copying; off (default, until "
+         "auto is measured no slower than off on the GPU: docs/PREFETCH.md): nothing",
          choices=("auto", "off", "measure", "on")),
     Knob("FREETOKEN_MOE_PREFETCH_BUDGET", "moe_prefetch_budget", lambda raw: _int_in(raw, 1, 128), 4,
          "with --moe-prefetch on/measure: experts installed (or counted) per layer, 1..128 (auto sizes its own)"),

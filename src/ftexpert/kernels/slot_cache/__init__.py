@@ -7,8 +7,8 @@ package, does not import torch into every `ft` command that builds the parser.
 import importlib
 
 # (the audit is imported from its module, `slot_cache.audit`: a package attribute of that name is the submodule)
-_EXPORTS = {"ensure": "api", "prefetch_ensure": "api", "prefetch_score": "api", "raise_on_error": "api", "set_policy": "api",
-            "ROUND_MODES": "state", "SlotCache": "state", "reset": "state"}
+_EXPORTS = {"ensure": "api", "prefetch_ensure": "api", "prefetch_score": "api", "raise_on_error": "api",
+            "set_policy": "api", "ROUND_MODES": "state", "SlotCache": "state", "reset": "state"}
 
 __all__ = sorted(_EXPORTS)
 

@@ -3,9 +3,9 @@ copy them into low-priority slots, so that fewer of layer L's experts are misses
 
 Per decode-sized layer call of a backend with a slot cache (`offload`, `hybrid`), `Lookahead` does, in order:
   1. `begin(L-1, h, ids)` at the start of layer L-1's MoE block: scores layer L-1's own prediction (made at L-2)
-     against its routes (`prefetch_score`: one launch updating the device counters and auto's per-rank counts), then forks the predictor: layer L's router applied to h, layer L-1's
-     router input (`RouterPredictor`), top-K candidates. On CUDA on a predictor stream forked from the compute
-     stream; it reads no cache state. On the CPU the same maths in program order.
+     against its routes (`prefetch_score`: one launch updating the device counters and auto's per-rank counts),
+     then forks the predictor: layer L's router applied to h, layer L-1's router input (`RouterPredictor`), top-K
+     candidates. On CUDA on a predictor stream forked from the compute stream; it reads no cache state. On the CPU the same maths in program order.
   2. `install(L-1)` right after ensure(L-1), on the compute stream: waits for the predictor, then
      `prefetch_ensure(L, candidates, budget)` installs the first `budget` non-resident candidates as usage-0 slots
      (the next victims when wrong; never a slot used at this step) and writes the prefetch plan. `measure` picks
@@ -143,7 +143,9 @@ class Lookahead:
         self.predict_stream = torch.cuda.Stream(device=self.device) if self.on_cuda else None
         self.counts = torch.zeros(len(COUNTERS), dtype=torch.int64, device=self.device)
         self._chosen = torch.full((MAX_PREFETCH_CANDIDATES,), -1, dtype=torch.int64, device=self.device)  # measure
-        self._chosen_len = 0                        # entries of the scored layer's choice (its plan, or _chosen)
+        # the scored layer's choice: (its entries: the install's plan, or measure's _chosen; how many of them; the
+        # plan's count on the device, None for measure), set by `install`, read by the target's `begin`
+        self._scored: tuple[torch.Tensor, int, torch.Tensor | None] | None = None
         self._cand: torch.Tensor | None = None      # the pending prediction (for layer _target)
         self._predicted: "torch.cuda.Event | None" = None
         self._target = -1                           # the layer the pending prediction is for
@@ -280,13 +282,11 @@ class Lookahead:
         if layer == 0 or not decode_sized:
             self._target = self._scored_layer = -1      # a new forward, or a prefill call: nothing pending
         if self._scored_layer == layer:       # one launch: the choice (and auto's per-rank counts) against the routes
-            installs = self.mode in ("on", "auto")
-            c = self.cache
-            prefetch_score(ids.reshape(-1), c.prefetch_src_indices if installs else self._chosen, self._chosen_len,
-                           c.prefetch_num_indices if installs else None, self.counts, cand=self._tracked,
+            chosen, length, num = self._scored
+            prefetch_score(ids.reshape(-1), chosen, length, num, self.counts, cand=self._tracked,
                            ranks=self._rank_buf, k=self.settings.k, allow=self.allow[layer:layer + 1],
                            seen=self.rank_counts[0, layer], hit=self.rank_counts[1, layer],
-                           count_installed=installs)
+                           count_installed=num is not None)
         self._scored_layer = -1
         self._tracked = None
         self._target, self._cand = -1, None
@@ -341,13 +341,14 @@ class Lookahead:
             if self.on_cuda:
                 self._copy_after = torch.cuda.Event()
                 self._copy_after.record(self._compute())
+            plan = c.prefetch_src_indices
+            self._scored = (plan, min(budget, plan.numel()), c.prefetch_num_indices)
         else:                                            # measure: the same choice, nothing installed
             chosen, fresh, rank = self._dry_choice(nxt, cand, budget)
             self._rank_buf[:cand.numel()].copy_(torch.where(fresh, rank, -1))
             self._tracked = cand
             self._chosen[:budget].copy_(chosen)
-        plan = c.prefetch_src_indices if self.mode in ("on", "auto") else self._chosen
-        self._chosen_len = min(budget, plan.numel())     # the plan's (or measure's choice's) first entries
+            self._scored = (self._chosen, min(budget, self._chosen.numel()), None)
         self._scored_layer = nxt
         return self.mode in ("on", "auto")
 
