@@ -121,6 +121,7 @@ def decode_run(engine: Engine, prompts: list[list[int]], num_tokens: int, backen
     _sync()
     graphs = engine.graphs
     launch0 = (graphs.replay_host_s, graphs.replays) if graphs is not None else (0.0, 0)
+    capture0 = (graphs.captures, graphs.capture_s) if graphs is not None else (0, 0.0)
     first = sum(len(t) for t in tokens.values())
     marks: list[tuple] = []                 # CUDA events around each graph replay: the GPU's share of a step
     if graphs is not None and torch.cuda.is_available():
@@ -146,6 +147,12 @@ def decode_run(engine: Engine, prompts: list[list[int]], num_tokens: int, backen
     elapsed = time.perf_counter() - t0
     n = sum(len(t) for t in tokens.values()) - first           # tokens decoded in the timed phase
     result = {"tokens": [tokens[i] for i in range(len(prompts))], "decode_tok_s": n / elapsed}
+    if graphs is not None and graphs.captures > capture0[0]:
+        # graphs captured inside the timed phase (a backend state first seen there): their host time, and the
+        # speed without it (what the run decodes at once every graph it needs exists)
+        capture_s = graphs.capture_s - capture0[1]
+        result.update(captures=graphs.captures - capture0[0], capture_s=capture_s,
+                      decode_tok_s_without_captures=n / max(elapsed - capture_s, 1e-9))
     if graphs is not None and graphs.replays > launch0[1]:
         result["launch_us"] = 1e6 * (graphs.replay_host_s - launch0[0]) / (graphs.replays - launch0[1])
     if len(marks) > 2:

@@ -161,8 +161,13 @@ def test_the_lookahead_follows_the_reference_on_recorded_timings(name, monkeypat
     counts it writes to the device equal the reference's after every sample."""
     nbytes, steps = samples(name)
     layers = len(steps[0].windows)
-    la = lookahead_for(layers, 8, nbytes)
-    ref = ReferenceBudget(layers, 8, nbytes)
+    follow_the_reference(lookahead_for(layers, 8, nbytes), ReferenceBudget(layers, 8, nbytes), steps, name,
+                         monkeypatch)
+
+
+def follow_the_reference(la, ref, steps: list[ProbeSample], name: str, monkeypatch) -> None:
+    """Feed `steps` to the Lookahead as its probe's samples (Lookahead.step_begin) and to the reference: after every
+    sample the per-layer counts it writes to the device equal the reference's."""
     feed = iter(steps)
     monkeypatch.setattr(la.probe, "begin_step", lambda snapshot: next(feed))
     for i, s in enumerate(steps):

@@ -52,6 +52,7 @@ class DecodeGraphs:
         self.pool = torch.cuda.graph_pool_handle()
         self.graphs: OrderedDict[tuple, _Captured] = OrderedDict()
         self.captures = 0
+        self.capture_s = 0.0        # host time inside captures (their warm-up forwards included), summed
         self.replays = 0
         self.replay_host_s = 0.0    # host time inside graph.replay() (cudaGraphLaunch), summed over replays
 
@@ -67,7 +68,9 @@ class DecodeGraphs:
         key = self._key(inputs)
         captured = self.graphs.get(key)
         if captured is None:
+            t0 = time.perf_counter()
             captured = self._capture(inputs)
+            self.capture_s += time.perf_counter() - t0
         else:
             self.graphs.move_to_end(key)
         static = captured.inputs

@@ -110,7 +110,7 @@ class DevicePath:
         else:
             ensure(c, layer_idx, routes, fetch_fraction=1.0, round_mode=p["fetch_round"],
                    promote=bool(p["promote"]), check_ids=False)
-        self.slot_pool.after_ensure(layer_idx)    # lookahead: this layer's prefetch joined, the next one's installed
+        self.slot_pool.wait_prefetch(layer_idx)   # lookahead: this layer's prefetch joined (the next installed below)
         self.slot_pool.verify(layer_idx, ids, routes)
         max_copies = min(T * K, c.num_slots)
         split = to_cpu and self.splits_experts
@@ -135,6 +135,7 @@ class DevicePath:
                                                       split_slot=self.split_slot)
             kernels_handoff.count_call(self._device_counts, ids, c.num_indices, c.num_missing_full,
                                        offload=not to_cpu)
+            self.slot_pool.install_prefetch(layer_idx)     # lookahead: the next layer's, beside this copy
         mode = self.gemm.mode_for(routes.numel())
         if mode == "gemv":             # routes at -1 (the CPU's) add 0; the copy beside the hits' GEMMs
             out = self.decode_copy.run(layer_idx, x, routes, topk_weights, mode=mode, max_copies=max_copies,

@@ -144,9 +144,10 @@ class DecodeCopy:
             extra_copy: "Callable[[int], None] | None" = None, extra_slot: int = -1) -> torch.Tensor:
         """The copy of the last `ensure`'s plan for layer `layer_idx`, then the expert FFN over `slot_ids` (routes
         at -1 add 0 in the gemv mode). `max_copies`: an upper bound of the plan's length (default: the routes, at
-        most the pool). `after_fork` (the counters, the CPU hand-off's rings) runs on the compute stream right after
-        the copy is launched, beside it; serially, before the copy. It must not read or write the slots, nor write
-        the plan, the routes or x. If anything raises after the fork, the copy streams are joined and the error
+        most the pool). `after_fork` (the counters, the CPU hand-off's rings, the lookahead's install of the next layer)
+        runs on the compute stream right after the copy is launched, beside it; serially, before the copy. It must not
+        read or write the slots, nor write this copy's plan (evict_slots, src_indices, num_indices), the routes or x
+        (the install writes the slot maps and the prefetch plan, which the copy does not read). If anything raises after the fork, the copy streams are joined and the error
         re-raised; serially it raises before the copy, and the layer's slots that `ensure` just mapped are left
         unfilled (the backend's `forget_slots_after_error` empties the cache). `extra_copy(part)` (the hybrid
         backend's split expert, kernels/expert_split) fills pool row `extra_slot`: part 0 (w13), then part 1 (w2),

@@ -147,12 +147,15 @@ class OffloadExperts(ExpertBackend):
         if self._decode_sized(n):
             if ready is not None:
                 torch.cuda.current_stream(self.device).wait_event(ready)
-            # this layer's prefetch copy waited for (before its GEMMs and the next install), then the next layer's
-            # prefetch installed, right after this ensure
-            self.slot_pool.after_ensure(layer_idx)
+            # this layer's prefetch copy waited for (before its GEMMs and the next install); the next layer's
+            # prefetch installed once this layer's demand copy is launched, beside it
+            self.slot_pool.wait_prefetch(layer_idx)
             self.slot_pool.verify(layer_idx, topk_ids, slot_ids)
-            out = self.copy.run(layer_idx, x, slot_ids, topk_weights, mode=mode,
-                                after_fork=lambda: self._count_on_device(topk_ids))
+
+            def after_fork() -> None:
+                self._count_on_device(topk_ids)
+                self.slot_pool.install_prefetch(layer_idx)
+            out = self.copy.run(layer_idx, x, slot_ids, topk_weights, mode=mode, after_fork=after_fork)
             if la is not None:
                 la.copy(layer_idx)          # the next layer's prefetch plan, behind this demand copy
             self.slot_pool.verify(layer_idx, topk_ids, slot_ids, after=True)

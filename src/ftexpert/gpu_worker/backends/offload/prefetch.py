@@ -2,19 +2,22 @@
 copy them into low-priority slots, so that fewer of layer L's experts are misses when its router runs.
 
 Per decode-sized layer call of a backend with a slot cache (`offload`, `hybrid`), `Lookahead` does, in order:
-  1. `begin(L-1, h, ids)` at the start of layer L-1's MoE block: scores layer L-1's own prediction (made at L-2)
-     against its routes (`prefetch_score`: one launch updating the device counters and auto's per-rank counts),
-     then forks the predictor: layer L's router applied to h, layer L-1's router input (`RouterPredictor`), top-K
-     candidates. On CUDA on a predictor stream forked from the compute stream; it reads no cache state. On the CPU the same maths in program order.
-  2. `install(L-1)` right after ensure(L-1), on the compute stream: waits for the predictor, then
-     `prefetch_ensure(L, candidates, budget)` installs the first `budget` non-resident candidates as usage-0 slots
-     (the next victims when wrong; never a slot used at this step) and writes the prefetch plan. `measure` picks
-     the same experts without installing anything. `auto` installs at most the rule's count for L, a device
-     tensor the kernel reads (`allow`), and has every candidate's rank among the non-resident ones written.
-  3. `copy(L-1)` after layer L-1's demand copy was queued: the prefetch plan copied on the copy stream (the device
-     copy kernel, no host sync: graph-capturable), behind that demand copy. On the CPU, at once.
-  4. `wait(L)` right after ensure(L): the compute stream waits for the prefetch copy before layer L's GEMMs, its
-     demand copy and the next `prefetch_ensure` (which rewrites the plan the copy reads).
+  1. `begin(L-1, h, ids)` at the start of layer L-1's MoE block: keeps layer L-1's routes for the score of its own
+     prediction (made at L-2), then forks the predictor: layer L's router applied to h, layer L-1's router input
+     (`RouterPredictor`), top-K candidates. On CUDA on a predictor stream forked from the compute stream; it reads
+     no cache state. On the CPU the same maths in program order.
+  2. `wait(L-1)` right after ensure(L-1): the probe's mark, and the compute stream waits for L-1's prefetch copy.
+  3. `install(L-1)` on the compute stream, where the device paths launch it: right after layer L-1's demand copy
+     was launched (the decode copy's after_fork), while the compute stream would wait for that copy anyway, so the
+     wait for the predictor and these two launches stay off the step's critical path (the host path: right after
+     `wait`, before its readback). First the kept score (`prefetch_score`: one launch updating the device counters
+     and auto's per-rank counts, reading L-1's plan before it is rewritten), then `prefetch_ensure(L, candidates,
+     budget)` installs the first `budget` non-resident candidates as usage-0 slots (the next victims when wrong;
+     never a slot used at this step) and writes the prefetch plan. `measure` picks the same experts without
+     installing anything. `auto` installs at most the rule's count for L, a device tensor the kernel reads
+     (`allow`), and has every candidate's rank among the non-resident ones written.
+  4. `copy(L-1)` after layer L-1's demand copy was queued: the prefetch plan copied on the copy stream (the device
+     copy kernel, no host sync: graph-capturable), behind that demand copy and the install. On the CPU, at once.
 `auto` (docs/PREFETCH.md "auto"): between decode steps `step_begin` reads the link probe (prefetch_probe.py: CUDA
 events in one decode step in 16, read when complete, no host sync) and the per-rank precision counts, updates the
 rule's estimates (prefetch_budget.py) and writes the per-layer counts to `allow`; where no layer's idle window
@@ -172,6 +175,8 @@ class Lookahead:
         self._ranks_hit = [[0] * (k + 1) for _ in range(layers)]
         self._rank_buf = torch.full((k,), -1, dtype=torch.int64, device=self.device)
         self._tracked: torch.Tensor | None = None   # the scored layer's candidates (their ranks in _rank_buf)
+        # (layer, its routes, its candidates): kept by `begin`, scored by `install` (or the next `begin`)
+        self._pending_score: tuple | None = None
         self.auto_gain_s = 0.0                      # the rule's expected seconds saved per decode step
         self.recording: list[dict] | None = None    # a list: every probe sample read is appended (benchmarks)
 
@@ -197,6 +202,7 @@ class Lookahead:
         if settings.mode != "off" and self.predictor is None:
             raise ValueError(f"prefetch mode {settings.mode!r} needs a predictor (the model's routers)")
         self.settings = settings
+        self._pending_score = None          # a score kept under the old policy is dropped
 
     def set_predictor(self, predictor: Predictor | None) -> None:
         self.predictor = predictor
@@ -274,19 +280,17 @@ class Lookahead:
 
     # -- the steps, in a layer call's order ---------------------------------------------------------
     def begin(self, layer: int, h: torch.Tensor, ids: torch.Tensor, decode_sized: bool) -> None:
-        """Start of layer `layer`'s MoE block: score its prediction, fork the next layer's."""
+        """Start of layer `layer`'s MoE block: keep its routes for the score of its prediction (run by `install`, or
+        by the next `begin` / `join` where no install follows), fork the next layer's prediction."""
         self._installed = False
         self._decode_call = decode_sized
         if self.mode == "off":
             return
+        self._flush_score()                   # a call that ran no install: its score now
         if layer == 0 or not decode_sized:
             self._target = self._scored_layer = -1      # a new forward, or a prefill call: nothing pending
-        if self._scored_layer == layer:       # one launch: the choice (and auto's per-rank counts) against the routes
-            chosen, length, num = self._scored
-            prefetch_score(ids.reshape(-1), chosen, length, num, self.counts, cand=self._tracked,
-                           ranks=self._rank_buf, k=self.settings.k, allow=self.allow[layer:layer + 1],
-                           seen=self.rank_counts[0, layer], hit=self.rank_counts[1, layer],
-                           count_installed=num is not None)
+        if self._scored_layer == layer:
+            self._pending_score = (layer, ids.reshape(-1), self._tracked)
         self._scored_layer = -1
         self._tracked = None
         self._target, self._cand = -1, None
@@ -319,9 +323,23 @@ class Lookahead:
             self._compute().wait_event(self._copied)
         self._copied, self._copied_layer = None, -1
 
+    def _flush_score(self) -> None:
+        """The pending score (`begin`): one launch on the compute stream, the choice (and auto's per-rank counts)
+        against the layer's routes. It reads the scored layer's plan and ranks, so it runs before the next
+        install rewrites them."""
+        if self._pending_score is None:
+            return
+        layer, routed, tracked = self._pending_score
+        self._pending_score = None
+        chosen, length, num = self._scored
+        prefetch_score(routed, chosen, length, num, self.counts, cand=tracked, ranks=self._rank_buf,
+                       k=self.settings.k, allow=self.allow[layer:layer + 1], seen=self.rank_counts[0, layer],
+                       hit=self.rank_counts[1, layer], count_installed=num is not None)
+
     def install(self, layer: int) -> bool:
         """Right after ensure(layer) (and `wait`): the next layer's prefetch install (or, measuring, its
         choice). True when a prefetch plan was written (mode on, auto)."""
+        self._flush_score()
         nxt = self._target
         if nxt != layer + 1 or self._cand is None or self._installed:
             return False
@@ -404,6 +422,7 @@ class Lookahead:
 
     def join(self) -> None:
         """Join every side stream into the compute stream (after a call that raised, before a capture ends)."""
+        self._pending_score = None          # a raised call's routes are not scored
         if self.on_cuda:
             compute = self._compute()
             compute.wait_stream(self.predict_stream)

@@ -101,12 +101,22 @@ class SlotPool:
 
     def after_ensure(self, layer_idx: int) -> bool:
         """Right after a layer's ensure: wait for its lookahead prefetch copy, install the next layer's. True when a
-        prefetch plan for layer + 1 was written (mode on)."""
-        la = self.lookahead
-        if la is None:
-            return False
-        la.wait(layer_idx)
-        return la.install(layer_idx)
+        prefetch plan for layer + 1 was written (mode on, auto). The host path's order: its readback reads the plan."""
+        self.wait_prefetch(layer_idx)
+        return self.install_prefetch(layer_idx)
+
+    def wait_prefetch(self, layer_idx: int) -> None:
+        """Right after a layer's ensure: the lookahead's probe mark, and the compute stream waits for the layer's
+        prefetch copy."""
+        if self.lookahead is not None:
+            self.lookahead.wait(layer_idx)
+
+    def install_prefetch(self, layer_idx: int) -> bool:
+        """After `wait_prefetch` and before the next layer's ensure, on the compute stream: the layer's prediction
+        scored, the next layer's installed. The device paths call it once the layer's demand copy is launched (the
+        decode copy's after_fork), where the compute stream would wait for that copy anyway, so the wait for the
+        predictor and the install stay off the step's critical path. True when a prefetch plan was written."""
+        return self.lookahead.install(layer_idx) if self.lookahead is not None else False
 
     def step_begin(self) -> None:
         """Before a decode step: the lookahead's measurements read and its per-layer counts updated."""
