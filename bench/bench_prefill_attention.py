@@ -3,7 +3,9 @@ queries attending, causally aligned to the lower right, over all S positions (th
 33,284 positions). The engine's call is SDPA with a lower-right causal bias and grouped-query K/V
 (engine/attention.py, `PrefillAttention.attend`, the flash path); beside it the same call under each SDPA backend
 that takes it (flash, cuDNN, memory-efficient), so that a chunk whose work spreads over too few thread blocks
-(flash's grid is ceil(C / 128) x heads) shows as low TFLOP/s against a long chunk's.
+(flash's grid is ceil(C / 128) x heads) shows as low TFLOP/s against a long chunk's; and the engine's split of a
+short chunk after a long history (engine/prefix_attention.py: history and chunk in two flash calls merged by their
+log-sum-exp), with whether the engine takes it for that chunk.
 
 qwen3-30b-a3b heads by default (Hq 32, Hkv 4, D 128, bf16). Each row: median of --reps CUDA-event timings after
 --warmup calls; TFLOP/s counts the causal work, 4 x D x Hq x (C x (S - C) + C x (C + 1) / 2). Needs a CUDA GPU.
@@ -14,11 +16,15 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import causal_lower_right
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+from ftexpert.gpu_worker.engine.prefix_attention import prefix_split_attention, split_applies  # noqa: E402
 
 BACKENDS = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
             "efficient": SDPBackend.EFFICIENT_ATTENTION}
@@ -92,6 +98,21 @@ def main(argv=None) -> int:
                       f"{(out.float() - ref.float()).abs().max():.3g}")
             us = time_call(call, args.reps, args.warmup)
             print(f"{C:>6} {name:<10} {us:>10.1f} {flops / us / 1e6:>9.1f}", flush=True)
+        # the engine's split for a short chunk after a long history (engine/prefix_attention.py): the history
+        # unmasked with the query heads folded, the chunk causally, merged by their log-sum-exp
+        if S - C >= 1:
+            qc = q[0].transpose(0, 1).contiguous()                                      # [C, Hq, D]
+
+            def split():
+                return prefix_split_attention(qc, keys, values, S - C, D ** -0.5)
+            out = split()
+            applies = split_applies(C, Hq, S - C, dev)
+            if ref is not None and not torch.allclose(out.transpose(0, 1).unsqueeze(0).float(), ref.float(),
+                                                      atol=2e-2, rtol=2e-2):
+                print(f"{C:>6} split      differs from the first backend's output")
+            us = time_call(split, args.reps, args.warmup)
+            print(f"{C:>6} {'split':<10} {us:>10.1f} {flops / us / 1e6:>9.1f}  (the engine takes it: "
+                  f"{'yes' if applies else 'no'})", flush=True)
     return 0
 
 

@@ -171,8 +171,25 @@ def test_prefill_kernel_setting_is_checked(monkeypatch):
     monkeypatch.setattr(attention, "PREFILL_KERNEL", "flashy")
     kv = kv_cache(max_batch=1, max_ctx=16)
     q, k = torch.zeros(2, 8, 16, dtype=torch.float64), torch.zeros(2, 2, 16, dtype=torch.float64)
-    with pytest.raises(ValueError, match="PREFILL_KERNEL must be one of auto, bias"):
+    with pytest.raises(ValueError, match="PREFILL_KERNEL must be one of auto, flash, bias"):
         PrefillAttention(kv, 0, 0, 2).attend(0, q, k, k)
+
+
+def qwen3_heads_case(context: int, chunk: int, seed: int):
+    """qwen3-30b-a3b's attention heads (32 query, 4 kv, 128 wide) in bf16 on CUDA: a one-layer KV cache of `context`
+    positions filled with random K / V, and a chunk's q, k, v of `chunk` tokens."""
+    heads, kv_heads, d = 32, 4, 128
+    cfg = MoeConfig(arch="qwen3", vocab_size=8, hidden_size=heads * d, num_layers=1, num_heads=heads,
+                    num_kv_heads=kv_heads, head_dim=d, num_experts=2, top_k=1, expert_intermediate_size=8,
+                    rms_norm_eps=1e-5, rope_theta=1e4, max_position_embeddings=context)
+    kv = KVCache(cfg, 1, context, torch.bfloat16, torch.device("cuda"))
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    kv.k.copy_(torch.randn(kv.k.shape, generator=g, device="cuda").bfloat16())
+    kv.v.copy_(torch.randn(kv.v.shape, generator=g, device="cuda").bfloat16())
+    q = torch.randn(chunk, heads, d, generator=g, device="cuda").bfloat16()
+    k = torch.randn(chunk, kv_heads, d, generator=g, device="cuda").bfloat16()
+    v = torch.randn(chunk, kv_heads, d, generator=g, device="cuda").bfloat16()
+    return kv, q, k, v
 
 
 @pytest.mark.gpu
@@ -182,17 +199,8 @@ def test_gpu_prefill_flash_path_matches_the_reference_and_the_bias(monkeypatch, 
     """qwen3-30b-a3b's heads (32 query, 4 kv, 128 wide) in bf16: the lower-right causal flash path is taken, and
     its output agrees with the per-token fp64 reference and with the folded-bias path within bf16 rounding."""
     from ftexpert.gpu_worker.engine import attention
-    heads, kv_heads, d = 32, 4, 128
-    cfg = MoeConfig(arch="qwen3", vocab_size=8, hidden_size=heads * d, num_layers=1, num_heads=heads,
-                    num_kv_heads=kv_heads, head_dim=d, num_experts=2, top_k=1, expert_intermediate_size=8,
-                    rms_norm_eps=1e-5, rope_theta=1e4, max_position_embeddings=2048)
-    kv = KVCache(cfg, 1, 2048, torch.bfloat16, torch.device("cuda"))
-    g = torch.Generator(device="cuda").manual_seed(4)
-    kv.k.copy_(torch.randn(kv.k.shape, generator=g, device="cuda").bfloat16())
-    kv.v.copy_(torch.randn(kv.v.shape, generator=g, device="cuda").bfloat16())
-    q = torch.randn(chunk, heads, d, generator=g, device="cuda").bfloat16()
-    k = torch.randn(chunk, kv_heads, d, generator=g, device="cuda").bfloat16()
-    v = torch.randn(chunk, kv_heads, d, generator=g, device="cuda").bfloat16()
+    kv, q, k, v = qwen3_heads_case(2048, chunk, seed=4)
+    heads, d = q.shape[1:]
     flash = PrefillAttention(kv, 0, start, chunk)
     out = flash.attend(0, q, k, v)
     assert flash._flash is True and out.shape == (chunk, heads, d) and out.is_contiguous()

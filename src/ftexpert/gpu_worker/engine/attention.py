@@ -12,7 +12,8 @@ query attention reads each cached key once and never copies K/V to Hq heads:
   applies (CUDA, fp16/bf16, no sliding window: `PREFILL_KERNEL` "auto"), the causal mask is not built at
   all: a lower-right causal bias object (torch.nn.attention.bias.causal_lower_right) with the query heads
   unfolded and grouped-query K/V read in place (enable_gqa); elsewhere the folded layout and an additive
-  bias built once per forward (`folded_bias`).
+  bias built once per forward (`folded_bias`). A short chunk after a long history (a prefix hit's turn) takes
+  the flash kernel in two parts merged by their log-sum-exp (prefix_attention.py), so that its work fills the SMs.
 - `DecodeAttention`: one token for each of T requests. Fixed shapes for CUDA graphs (no host sync): the
   slots' rows of the device block table are read on the device, and the K/V write position of each token
   (`flat_index`) is computed there from them. One of two backends:
@@ -39,15 +40,18 @@ from ftexpert.kernels.decode_attention import decode_attention, gather_pages, ga
 from ftexpert.kernels.moe_decode import KvWrite
 
 from ftexpert.gpu_worker.engine.kv_cache import KVCache, KVGroup
+from ftexpert.gpu_worker.engine.prefix_attention import prefix_split_attention, split_applies
 from ftexpert.gpu_worker.engine.sink_attention import (chunked_sink_attention, folded_sinks, sink_attention,
                                                        sink_key_attention)
 
 MIN_DECODE_BUCKET_TOKENS = 64
 ATTENTION_BACKENDS = ("auto", "sdpa", "triton")
 # Prefill attention: "auto" = the flash kernel with a lower-right causal bias object where it applies (no mask in
-# memory: late in a 32K context a 4,096-token chunk's folded bias is 2 GiB for qwen3-30b-a3b), else the folded
-# bias; "bias" = always the folded bias (the reference that benchmarks and tests compare the flash path with).
-PREFILL_KERNELS = ("auto", "bias")
+# memory: late in a 32K context a 4,096-token chunk's folded bias is 2 GiB for qwen3-30b-a3b), split into history and
+# chunk where a short chunk follows a long history (prefix_attention.py), else the folded bias; "flash" = the same
+# without the split (what benchmarks compare it with); "bias" = always the folded bias (the reference that
+# benchmarks and tests compare the flash path with).
+PREFILL_KERNELS = ("auto", "flash", "bias")
 PREFILL_KERNEL = "auto"
 CONTEXT_WINDOW = "context"      # attend's default sliding_window: the one the context was built with
 
@@ -139,6 +143,7 @@ class PrefillAttention:
         self._mask: torch.Tensor | None = None
         self._folded: dict[tuple[int, torch.dtype], torch.Tensor] = {}   # (G, dtype) -> the folded heads' bias
         self._flash: bool | None = None          # whether attend takes the flash path (decided at its first call)
+        self._split: bool | None = None          # whether that path splits history and chunk (likewise)
         self._sink_flash: bool | None = None     # whether flash takes a full layer's sinks as a key (likewise)
 
     @property
@@ -216,6 +221,11 @@ class PrefillAttention:
                                           sinks=sinks, scale=D ** -0.5)
         if self._flash is None:
             self._flash = self._flash_applies(q, keys, values)
+        if self._flash and self._split is None:
+            self._split = (PREFILL_KERNEL == "auto" and keys.shape[2] == self.end
+                           and split_applies(C, Hq, self.start, q.device))
+        if self._flash and self._split:     # a short chunk after a long history: history and chunk, merged
+            return prefix_split_attention(q, keys, values, self.start, D ** -0.5)
         if self._flash:        # query c attends keys [0, start + c]: causal, aligned to the lower right
             qh = q.transpose(0, 1).unsqueeze(0)                                            # [1, Hq, C, D]
             out = F.scaled_dot_product_attention(qh, keys, values, attn_mask=causal_lower_right(C, self.end),
