@@ -8,7 +8,10 @@ qwen3-30b-a3b attention shapes (Hq=32, Hkv=4, D=128, bf16), T = 1 and 4 decoding
 - ``sdpa attend`` / ``triton attend``: `DecodeAttention.attend` with backend "sdpa" / "triton" (the
   per-layer cost in a decode step: the K/V write of the new token, then attention);
 - ``triton kernel``: `decode_attention` alone (split + merge kernels);
-- with ``--sweep``: the kernel under other `DecodeAttentionBlocks`.
+- with ``--sweep``: the kernel under other `DecodeAttentionBlocks`, labelled by their fields: block sizes and
+  splits (``--sweep-set blocks``), and the split kernel's page addressing `pages` x `num_stages`
+  (``--sweep-set pages``: ``pages=... st=...``, st - for Triton's default), the latter also as a table of its own,
+  pages by num_stages, last.
 
 Each row captures CALLS calls (48 = layers) in one CUDA graph, call i on layer i of a KV cache of
 CALLS layers (so a call does not find its K/V in L2), and times graph replays with CUDA events; the
@@ -16,7 +19,10 @@ median per call is reported after warm-up. GB/s counts the K/V bytes a call must
 request's seq_len positions of K and V), against the H200's HBM roofline (4.8 TB/s).
 The cache is paged as the engine's (`--page`, default 16 positions a block, each request's blocks scattered at
 random over the pool); `--page 0` gives every request one contiguous row (a block of the whole bucket).
-Prints a short table last. Usage: python bench/bench_decode_attention.py [--tokens 1,4] [--page 16] [--sweep]
+`--page 0` with the default kernel is the "before paging" baseline (its table is [[0], [1], ...], so the kernel
+still reads one page id a tile, of a page of the whole bucket).
+Prints a short table last. Usage: python bench/bench_decode_attention.py [--tokens 1,4] [--page 16] [--sweep
+[--sweep-set pages]]
 """
 from __future__ import annotations
 
@@ -50,16 +56,37 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     add_graph_timing_args(p)
     p.add_argument("--sweep", action="store_true", help="also time DecodeAttentionBlocks variants")
+    p.add_argument("--sweep-set", default="all", choices=["all", "blocks", "pages"],
+                   help="which variants --sweep times: block sizes and splits, the page addressing x num_stages "
+                        "(pages, PAGES_STAGES), or both (all); implies --sweep")
     p.add_argument("--no-sdpa", action="store_true", help="skip the SDPA rows")
     p.add_argument("--json-out", default=None, help="write every result here as JSON")
     return p.parse_args(argv)
 
 
-def sweep_variants(b0):
-    out = [replace(b0, block_n=n, min_chunk=c, short_min_chunk=c) for n in (32, 64, 128) for c in (64, 128, 256, 512) if c >= n]
-    out += [replace(b0, target_programs=p) for p in (128, 512, 1024)]
-    out += [replace(b0, num_warps=w) for w in (2, 8)]
-    return [b for b in out if b != b0]
+# the sweep's num_stages for each page addressing (None: Triton's default, 3 on NVIDIA, so "ahead" at 3 re-times the
+# default kernel: a noise check); "inloop" / "grouped" / "early" read the page ids with a load the pipeliner treats
+# as an indirection level, which it double-buffers only from num_stages=5 (Triton 3.9's TTGIR for sm_90)
+PAGES_STAGES = {"ahead": (1, 2, 3, 4), "inloop": (None, 1, 2, 3, 4, 5), "grouped": (None, 1, 2, 3, 4, 5),
+                "early": (None, 1, 2, 3, 4, 5)}
+
+
+def sweep_variants(b0, sets: str = "all"):
+    """The DecodeAttentionBlocks --sweep times besides b0 (the default), in order, without duplicates."""
+    out = []
+    if sets in ("all", "blocks"):
+        out += [replace(b0, block_n=n, min_chunk=c, short_min_chunk=c) for n in (32, 64, 128)
+                for c in (64, 128, 256, 512) if c >= n]
+        out += [replace(b0, target_programs=p) for p in (128, 512, 1024)]
+        out += [replace(b0, num_warps=w) for w in (2, 8)]
+    if sets in ("all", "pages"):
+        out += [replace(b0, pages=pg, num_stages=st) for pg, stages in PAGES_STAGES.items() for st in stages]
+    return [b for i, b in enumerate(out) if b != b0 and b not in out[:i]]
+
+
+def variant_label(b, splits: int, chunk: int) -> str:
+    return (f"n{b.block_n} chunk>={b.min_chunk} P{b.target_programs} w{b.num_warps} pages={b.pages} "
+            f"st={'-' if b.num_stages is None else b.num_stages} ({splits}x{chunk})")
 
 
 def run_case(args, dtype, T: int, ctx: int, rows: list[dict], device: str = "cuda", timer=time_graph) -> None:
@@ -97,11 +124,11 @@ def run_case(args, dtype, T: int, ctx: int, rows: list[dict], device: str = "cud
         except Exception as exc:                                   # e.g. out of resources
             print(f"T={T} ctx={ctx} {name}: failed ({type(exc).__name__}: {exc})"[:240], flush=True)
             return
-        rows.append(dict(name=name, T=T, ctx=ctx, bucket=bucket, us=s * 1e6, gbps=kv_bytes / s / 1e9,
-                         roofline=kv_bytes / s / HBM_ROOFLINE_BPS,
+        rows.append(dict(name=name, T=T, ctx=ctx, bucket=bucket, page=args.page, us=s * 1e6,
+                         gbps=kv_bytes / s / 1e9, roofline=kv_bytes / s / HBM_ROOFLINE_BPS,
                          blocks=asdict(blocks) if blocks is not None else None))
         r = rows[-1]
-        print(f"T={T} ctx={ctx:>6} bucket={bucket:>6} {name:<52} {r['us']:8.1f} us  {r['gbps']:7.0f} GB/s  "
+        print(f"T={T} ctx={ctx:>6} bucket={bucket:>6} {name:<68} {r['us']:8.1f} us  {r['gbps']:7.0f} GB/s  "
               f"{100 * r['roofline']:5.1f}% of {HBM_ROOFLINE_BPS / 1e12:.1f} TB/s", flush=True)
 
     attns = {b: DecodeAttention(kv, slots, positions, bucket, args.window, backend=b)
@@ -118,10 +145,8 @@ def run_case(args, dtype, T: int, ctx: int, rows: list[dict], device: str = "cud
 
     add(f"triton kernel ({splits} splits x {chunk})", kernel(DEFAULT_BLOCKS), DEFAULT_BLOCKS)
     if args.sweep:
-        for b in sweep_variants(DEFAULT_BLOCKS):
-            n, c = split_plan(bucket, T, Hkv, b)
-            label = f"n{b.block_n} chunk>={b.min_chunk} P{b.target_programs} w{b.num_warps} ({n}x{c})"
-            add(label, kernel(b), b)
+        for b in sweep_variants(DEFAULT_BLOCKS, args.sweep_set):
+            add(variant_label(b, *split_plan(bucket, T, Hkv, b)), kernel(b), b)
 
 
 def print_table(rows: list[dict], sweep: bool) -> None:
@@ -134,7 +159,7 @@ def print_table(rows: list[dict], sweep: bool) -> None:
             sd, ta, ke = get.get("sdpa attend"), get.get("triton attend"), get.get("triton kernel")
             if ke is None:
                 continue
-            best = min((r for r in case if r["name"].startswith(("triton kernel", "n"))), key=lambda r: r["us"])
+            best = min((r for r in case if r["blocks"] is not None), key=lambda r: r["us"])
             speed = f"{sd['us'] / ta['us']:7.1f}x" if sd and ta else "      -"
             print(f"{T:>4} {ctx:>6} {ke['bucket']:>7} {sd['us'] if sd else float('nan'):>9.1f} "
                   f"{ta['us'] if ta else float('nan'):>17.1f} {ke['us']:>10.1f} {speed} {ke['gbps']:>12.0f} "
@@ -142,8 +167,34 @@ def print_table(rows: list[dict], sweep: bool) -> None:
                                                       if sweep and best is not ke else ""))
 
 
+def print_pages_table(rows: list[dict]) -> None:
+    """The page addressing x num_stages rows (the default block sizes otherwise) of each (T, context): us a call;
+    the default kernel is pages=ahead at st=default; * marks each case's fastest."""
+    from ftexpert.kernels.decode_attention import DEFAULT_BLOCKS
+    base = {k: v for k, v in asdict(DEFAULT_BLOCKS).items() if k not in ("pages", "num_stages")}
+    mine = [r for r in rows if r["blocks"] is not None
+            and {k: v for k, v in r["blocks"].items() if k not in ("pages", "num_stages")} == base]
+    stages = sorted({r["blocks"]["num_stages"] for r in mine}, key=lambda st: -1 if st is None else st)
+    if len(mine) < 2:
+        return
+    print(f"\nsplit kernel page addressing x num_stages, us a call (page {rows[0]['page']}; default: ahead at st=-; "
+          f"* fastest)")
+    print("   T    ctx  pages    " + "".join(f"{'st=' + ('-' if st is None else str(st)):>9}" for st in stages))
+    for T in sorted({r["T"] for r in mine}):
+        for ctx in sorted({r["ctx"] for r in mine if r["T"] == T}):
+            case = {(r["blocks"]["pages"], r["blocks"]["num_stages"]): r["us"] for r in mine
+                    if r["T"] == T and r["ctx"] == ctx}
+            best = min(case.values())
+            for pages in dict.fromkeys(r["blocks"]["pages"] for r in mine):
+                cells = "".join(f"{case[pages, st]:8.2f}{'*' if case[pages, st] == best else ' '}"
+                                if (pages, st) in case else f"{'':>9}" for st in stages)
+                print(f"{T:>4} {ctx:>6}  {pages:<8} {cells}")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.sweep_set != "all":
+        args.sweep = True
     if not torch.cuda.is_available():
         print("needs a CUDA GPU", file=sys.stderr)
         return 1
@@ -160,6 +211,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(rows, indent=1))
     print_table(rows, args.sweep)
+    print_pages_table(rows)
     return 0
 
 
