@@ -2,8 +2,8 @@
 plain torch forwards, on tiny random float32 checkpoints: with the kernels' torch references the fused forward is
 the plain one op for op (bit-equal logits); with the Triton kernels (the interpreter here, natively on a GPU) the
 engine's greedy tokens are the plain forward's and a decode step's logits agree within 1e-5 relative error.
-Prefill chunks and decode steps both run; a decode step takes the Gated DeltaNet decode kernels (conv state rows
-in place) and writes K/V from the rope kernel."""
+Prefill chunks and decode steps both run; a decode step takes the Gated DeltaNet decode kernels (conv and recurrent
+state rows in place) and writes K/V from the rope kernel."""
 from __future__ import annotations
 
 import pytest
@@ -89,17 +89,22 @@ def test_fused_forward_with_the_references_is_the_plain_forward(arch, next_dir, 
 @pytest.mark.parametrize("arch", ["qwen3_next", "gpt_oss"])
 def test_fused_kernels_give_the_plain_tokens_and_logits(arch, next_dir, gpt_oss_dir, monkeypatch, no_tf32):
     plain, fused = models(next_dir if arch == "qwen3_next" else gpt_oss_dir, "triton")
-    calls = {"gdn": 0, "kv_written": 0}
-    real_pre, real_attend = next_decode.gdn_decode_pre, DecodeAttention.attend
+    calls = {"gdn": 0, "rule": 0, "kv_written": 0}
+    real_pre, real_rule, real_attend = next_decode.gdn_decode_pre, next_decode.gdn_decode_rule, DecodeAttention.attend
 
     def pre(*args, **kw):
         calls["gdn"] += 1
         return real_pre(*args, **kw)
 
+    def rule(*args, **kw):
+        calls["rule"] += 1
+        return real_rule(*args, **kw)
+
     def attend(self, *args, kv_written=False, **kw):
         calls["kv_written"] += kv_written
         return real_attend(self, *args, kv_written=kv_written, **kw)
     monkeypatch.setattr(next_decode, "gdn_decode_pre", pre)
+    monkeypatch.setattr(next_decode, "gdn_decode_rule", rule)
     monkeypatch.setattr(DecodeAttention, "attend", attend)
     (a, states_a, kv_a), (b, states_b, kv_b) = decode_logits(plain), decode_logits(fused)
     assert rel_err(b, a) < 1e-5
@@ -108,6 +113,6 @@ def test_fused_kernels_give_the_plain_tokens_and_logits(arch, next_dir, gpt_oss_
         assert rel_err(states_b.conv, states_a.conv) < 1e-5 and rel_err(states_b.recurrent, states_a.recurrent) < 1e-5
     cfg = fused.cfg
     linear = 0 if cfg.linear_attention is None else sum(t == "linear_attention" for t in cfg.layer_types)
-    assert calls["gdn"] == linear                                 # the decode step's Gated DeltaNet kernels
+    assert calls["gdn"] == calls["rule"] == linear                # the decode step's Gated DeltaNet kernels
     assert calls["kv_written"] == cfg.num_layers - linear         # and every attention layer's KV from its rope
     assert greedy(fused) == greedy(plain)

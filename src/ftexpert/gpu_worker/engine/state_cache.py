@@ -10,7 +10,9 @@ starts there; every chunk after reads and advances it, and each decode step adva
 zeroed and handed to the next one with its slot. Fixed shapes and device-tensor row indices keep the decode step capturable in a CUDA
 graph (the graph reads and writes the live rows). Unlike K/V, whose decode write is idempotent, a state update is
 not: a forward that runs twice for one token (the CUDA-graph warm-ups, a retried decode step) must restore the
-rows first (`snapshot` / `restore`).
+rows first (`snapshot` / `restore`). A decode step's kernels may update its rows in place (`StateRows.conv_rows`,
+`StateRows.recurrent_rows`) instead of a gather before and a scatter after: they change the same rows of the same
+tensors, so that contract holds unchanged.
 """
 from __future__ import annotations
 
@@ -52,8 +54,17 @@ class StateRows:
         a CUDA graph captures it over the live rows like the index_copy_ of `write`. None for a prefill chunk."""
         return None if self.rows is None else (self.cache.conv[layer], self.rows)
 
+    def recurrent_rows(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """A decode step's recurrent state in place: (the layer's recurrent cache [B, Hv, Dk, Dv] fp32, a view, and
+        ``rows`` [T]) for a kernel that reads the rows, advances them by the token and writes them back itself
+        (kernels/next_decode gdn_decode_rule), as `read_recurrent` + `write_recurrent` would, without the gather and
+        the scatter. The same rows of the same tensor change, so `StateCache.snapshot` / `restore` cover it, and a
+        CUDA graph captures it over the live rows. None for a prefill chunk."""
+        return None if self.rows is None else (self.cache.recurrent[layer], self.rows)
+
     def read_recurrent(self, layer: int) -> torch.Tensor:
-        """The recurrent state alone (a decode step whose conv rows go through `conv_rows`): [T, Hv, Dk, Dv] fp32."""
+        """The recurrent state alone, a copy of the rows: [T, Hv, Dk, Dv] fp32 (a fused decode step updates them in
+        place through `recurrent_rows` instead)."""
         return self.read(layer)[1] if self.rows is None else self.cache.recurrent[layer].index_select(0, self.rows)
 
     def write_recurrent(self, layer: int, recurrent: torch.Tensor) -> None:

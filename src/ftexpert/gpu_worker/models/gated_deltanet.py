@@ -4,9 +4,10 @@ and the output projection.
 
 The forward's T tokens are B = ``states.num_seqs`` sequences of L = T / B consecutive tokens (a prefill chunk:
 B = 1; a decode step: L = 1). A chunk of one token runs the recurrence; longer ones the chunked form. With
-``kernel_impl`` (the model's fused forward) a decode step whose states give their conv rows in place
-(``states.conv_rows``) runs kernels/next_decode around the recurrence: one launch for the conv update, splits and
-gates, one for RMSNormGated; otherwise the torch code below (the kernels' reference) runs.
+``kernel_impl`` (the model's fused forward) a decode step whose states give their rows in place
+(``states.conv_rows``, ``states.recurrent_rows``) runs kernels/next_decode: one launch for the conv update, splits
+and gates, one for the gated delta rule on the recurrent state rows in place (no gather and scatter of the 2 MiB
+rows at Qwen3-Next's shapes), one for RMSNormGated; otherwise the torch code below (the kernels' reference) runs.
 """
 from __future__ import annotations
 
@@ -22,9 +23,10 @@ from ftexpert.gpu_worker.checkpoint.config import MoeConfig
 
 def gated_deltanet(cfg: MoeConfig, w, h: torch.Tensor, states, layer: int, impl: str = "auto",
                    linear=F.linear, kernel_impl: str | None = None) -> torch.Tensor:
-    """h [T, H] (normed) -> [T, H]; reads and writes linear layer ``layer``'s state rows in ``states``. ``linear``:
-    the dense projection (the model's: F.linear or a decode GEMV); ``kernel_impl``: the next_decode kernels' impl
-    for a decode step (None: the torch code)."""
+    """h [T, H] (normed) -> [T, H]; reads and writes linear layer ``layer``'s state rows in ``states``. ``impl``:
+    kernels/gated_delta's impl for the torch code (prefill chunks; decode without kernel_impl); ``linear``: the dense
+    projection (the model's: F.linear or a decode GEMV); ``kernel_impl``: the next_decode kernels' impl for a decode
+    step, the gated delta rule's included (None: the torch code)."""
     lin = cfg.linear_attention
     T = h.shape[0]
     Hk, Hv, Dk, Dv = lin.num_key_heads, lin.num_value_heads, lin.key_head_dim, lin.value_head_dim
@@ -36,7 +38,7 @@ def gated_deltanet(cfg: MoeConfig, w, h: torch.Tensor, states, layer: int, impl:
     qkvz, ba = linear(h, w.in_proj_qkvz), linear(h, w.in_proj_ba)
     conv_rows = states.conv_rows(layer) if kernel_impl is not None and L == 1 else None
     if conv_rows is not None:
-        return _decode_fused(cfg, w, qkvz, ba, states, layer, conv_rows, impl, linear, kernel_impl)
+        return _decode_fused(cfg, w, qkvz, ba, states, layer, conv_rows, linear, kernel_impl)
     q, k, v, z, b, a = split_qkvz(qkvz, ba, Hk, Dk, r, Dv)
     mixed = torch.cat((q.reshape(T, -1), k.reshape(T, -1), v.reshape(T, -1)), dim=-1)   # [T, C]
     conv_state, rec_state = states.read(layer)
@@ -52,16 +54,17 @@ def gated_deltanet(cfg: MoeConfig, w, h: torch.Tensor, states, layer: int, impl:
 
 
 def _decode_fused(cfg: MoeConfig, w, qkvz: torch.Tensor, ba: torch.Tensor, states, layer: int,
-                  conv_rows: tuple[torch.Tensor, torch.Tensor], impl: str, linear, kernel_impl: str) -> torch.Tensor:
+                  conv_rows: tuple[torch.Tensor, torch.Tensor], linear, kernel_impl: str) -> torch.Tensor:
     """A decode step (L = 1) through kernels/next_decode: the conv state rows updated in place by the first kernel,
-    the recurrent state read and written through ``states`` around the gated delta rule."""
+    the recurrent state rows by the gated delta rule's (gdn_decode_rule: with kernel_impl "reference" its torch
+    reference, a gather, kernels/gated_delta's reference rule and a scatter, whatever the model's delta impl)."""
     lin = cfg.linear_attention
     T = qkvz.shape[0]
     heads = kn.DeltaNetHeads(lin.num_key_heads, lin.num_value_heads, lin.key_head_dim, lin.value_head_dim)
     r = heads.Hv // heads.Hk
     q, k, v, g, beta = kn.gdn_decode_pre(qkvz, ba, *conv_rows, w.conv1d, w.A_log, w.dt_bias, heads, impl=kernel_impl)
-    o, rec_state = gated_delta.recurrent_gated_delta_rule(q, k, v, g, beta, states.read_recurrent(layer), impl=impl)
-    states.write_recurrent(layer, rec_state)
+    o = kn.gdn_decode_rule(q.squeeze(1), k.squeeze(1), v.squeeze(1), g.squeeze(1), beta.squeeze(1),
+                           *states.recurrent_rows(layer), impl=kernel_impl)              # [T, Hv, Dv]
     z = split_qkvz(qkvz, ba, heads.Hk, heads.Dk, r, heads.Dv)[3].unflatten(-1, (r, heads.Dv))   # [T, Hk, r, Dv]
-    o = kn.gated_rms_norm(o.view(T, heads.Hv, heads.Dv), z, w.linear_norm, cfg.rms_norm_eps, impl=kernel_impl)
+    o = kn.gated_rms_norm(o, z, w.linear_norm, cfg.rms_norm_eps, impl=kernel_impl)
     return linear(o.view(T, heads.Hv * heads.Dv), w.out_proj)                    # [T, H]

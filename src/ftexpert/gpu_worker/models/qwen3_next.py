@@ -50,6 +50,11 @@ class SequenceStates(Protocol):
         """A decode step: (the layer's conv cache [N, C, K-1], these sequences' rows [B] int64 in it), for a kernel
         that updates the rows in place instead of `read` / `write` of the conv state; None where it cannot."""
 
+    def recurrent_rows(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """A decode step: (the layer's recurrent cache [N, Hv, Dk, Dv] fp32, these sequences' rows [B] int64 in it),
+        for a kernel that advances the rows in place instead of `read_recurrent` / `write_recurrent`; None where it
+        cannot."""
+
     def read_recurrent(self, layer: int) -> torch.Tensor:
         """The recurrent half of `read`."""
 

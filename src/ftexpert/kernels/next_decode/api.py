@@ -3,7 +3,8 @@ reference (``impl``: kernels/impl.py; "triton" on CPU tensors runs the interpret
 
 Nothing here syncs with the host or depends on tensor values on the host: every function is CUDA-graph
 capturable for fixed shapes (outputs are allocated per call, inside the graph's pool). `gdn_decode_pre` updates
-the conv state rows it is given in place (the rows a captured graph reads and writes: engine/state_cache.py).
+the conv state rows it is given in place, `gdn_decode_rule` the recurrent state rows (the rows a captured graph
+reads and writes: engine/state_cache.py).
 """
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ftexpert.kernels.gated_delta.reference import L2_EPS
 from ftexpert.kernels.impl import resolve_impl
 from ftexpert.kernels.moe_decode import KvWrite
 from ftexpert.kernels.moe_decode.api import _accurate, _cdiv, _check_float, _next_pow2, _row_warps, emulate_bf16
@@ -18,6 +20,8 @@ from ftexpert.kernels.next_decode import reference
 from ftexpert.kernels.pdl import pdl_args
 
 MAX_ROW = 65536          # the widest row a one-program-a-row kernel here takes
+MAX_HEAD_DIM = 256       # gdn_decode_rule: the widest Dk (one program holds it whole) and Dv
+DELTA_BLOCK_V = 32       # gdn_decode_rule: the default Dv tile (a [Dk, 32] fp32 slice of the state a program)
 
 
 def _common(t: torch.Tensor) -> dict:
@@ -200,6 +204,65 @@ def gdn_decode_pre(qkvz: torch.Tensor, ba: torch.Tensor, conv_cache: torch.Tenso
             Hk, Hv, Dk, Dv, r, K=K, BLOCK_DK=_next_pow2(Dk), BLOCK_V=block_v, BLOCK_R=_next_pow2(r),
             num_warps=2, **_common(qkvz))
     return q, k, v, g, beta
+
+
+def gdn_decode_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                    state: torch.Tensor, rows: torch.Tensor, *, block_v: int | None = None,
+                    impl: str = "auto") -> torch.Tensor:
+    """The gated delta rule's decode step (one token a sequence) on the state cache in place, one launch: the state
+    rows ``rows`` of ``state`` are read, advanced by the token and written back by the kernel itself (no gather and
+    scatter of the rows around it; the reference does those: reference.gdn_decode_rule).
+
+    q, k [T, Hqk, Dk] (gdn_decode_pre's, already expanded: Hqk = Hv; or per key head: value head h takes q/k head
+    h // (Hv / Hqk)), v [T, Hv, Dv] (q, k, v one float dtype, strided views allowed, last dim contiguous); g [T, Hv]
+    (the log decay, fp32 or any float dtype), beta [T, Hv] any float dtype; state [N, Hv, Dk, Dv] fp32 (a layer of
+    the state cache, last dim contiguous), rows [T] int64 on the device: each sequence's row of it (distinct: not
+    checked, that would sync). q and k are L2-normalised and q scaled by Dk^-0.5 here, as kernels/gated_delta does.
+    -> o [T, Hv, Dv] in v's dtype, contiguous. ``block_v``: the kernel's Dv tile (a power of two; default
+    DELTA_BLOCK_V, at most Dv's next power of two).
+    """
+    _check_float("v", v)
+    if q.dim() != 3 or v.dim() != 3 or q.shape[0] != v.shape[0]:
+        raise ValueError(f"q must be [T, Hqk, Dk] and v [T, Hv, Dv], got {tuple(q.shape)}, {tuple(v.shape)}")
+    T, Hqk, Dk = q.shape
+    Hv, Dv = v.shape[1], v.shape[2]
+    if Hqk == 0 or Hv % Hqk:
+        raise ValueError(f"value heads ({Hv}) must be a multiple of q/k heads ({Hqk})")
+    if max(Dk, Dv) > MAX_HEAD_DIM:
+        raise ValueError(f"head dims must be <= {MAX_HEAD_DIM}, got Dk {Dk}, Dv {Dv}")
+    _check_like("q", q, v, q.shape)
+    _check_like("k", k, v, q.shape)
+    for name, t in (("g", g), ("beta", beta)):
+        if tuple(t.shape) != (T, Hv) or not t.is_floating_point() or t.device != v.device:
+            raise ValueError(f"{name} must be a float [{T}, {Hv}] on {v.device}, got {t.dtype} {tuple(t.shape)} on "
+                             f"{t.device}")
+    if state.dim() != 4 or tuple(state.shape[1:]) != (Hv, Dk, Dv) or state.dtype != torch.float32 \
+            or state.device != v.device:
+        raise ValueError(f"state must be [N, {Hv}, {Dk}, {Dv}] float32 on {v.device}, got {tuple(state.shape)} "
+                         f"{state.dtype} on {state.device}")
+    if rows.dtype != torch.int64 or tuple(rows.shape) != (T,) or rows.device != v.device:
+        raise ValueError(f"rows must be int64 [{T}] on {v.device}, got {rows.dtype} {tuple(rows.shape)} on "
+                         f"{rows.device}")
+    block_v = min(DELTA_BLOCK_V if block_v is None else int(block_v), _next_pow2(Dv))
+    if block_v < 1 or block_v & (block_v - 1):
+        raise ValueError(f"block_v must be a power of two, got {block_v}")
+    if resolve_impl(impl, v.device) == "reference":
+        return reference.gdn_decode_rule(q, k, v, g, beta, state, rows)
+    if state.stride(3) != 1:
+        raise ValueError("state needs a contiguous last dimension (it is updated in place)")
+    # lazy: the Triton kernels are defined at their first launch (TRITON_INTERPRET is read then)
+    from ftexpert.kernels.next_decode.triton_kernels import gdn_recurrent_kernel
+    o = torch.empty(T, Hv, Dv, dtype=v.dtype, device=v.device)
+    if T == 0:
+        return o
+    q, k, v = _rows(q), _rows(k), _rows(v)
+    block_k = _next_pow2(Dk)
+    gdn_recurrent_kernel[(T, Hv, _cdiv(Dv, block_v))](
+        q, q.stride(0), q.stride(1), k, k.stride(0), k.stride(1), v, v.stride(0), v.stride(1),
+        g.contiguous(), beta.contiguous(), state, state.stride(0), state.stride(1), state.stride(2),
+        rows.contiguous(), o, Hv, Dk, Dv, Hv // Hqk, float(Dk ** -0.5), L2_EPS,
+        BLOCK_K=block_k, BLOCK_V=block_v, num_warps=_row_warps(block_k * block_v), **_common(v))
+    return o
 
 
 def gated_rms_norm(o: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float, *,

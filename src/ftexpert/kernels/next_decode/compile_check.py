@@ -29,6 +29,11 @@ def _cases() -> list[tuple[str, str, dict, dict, dict, list[str]]]:
                {**dict.fromkeys("qkvz_ptr ba_ptr cache_ptr w_ptr q_ptr k_ptr v_ptr beta_ptr".split(), b),
                 "rows_ptr": "*i64", "alog_ptr": "*fp32", "dtb_ptr": "*fp32", "g_ptr": "*fp32", "s_row": "i64",
                 **dict.fromkeys("K BLOCK_DK BLOCK_V BLOCK_R ACCURATE EMU_BF16".split(), "constexpr")})
+    rule = _sig("q_ptr sq_t sq_h k_ptr sk_t sk_h v_ptr sv_t sv_h g_ptr beta_ptr state_ptr s_row s_h s_k rows_ptr o_ptr "
+                "Hv Dk Dv G scale eps BLOCK_K BLOCK_V ACCURATE EMU_BF16",
+                {**dict.fromkeys("q_ptr k_ptr v_ptr beta_ptr o_ptr".split(), b), "g_ptr": "*fp32",
+                 "state_ptr": "*fp32", "rows_ptr": "*i64", "s_row": "i64", "scale": "fp32", "eps": "fp32",
+                 **dict.fromkeys("BLOCK_K BLOCK_V ACCURATE EMU_BF16".split(), "constexpr")})
     gnorm = _sig("o_ptr so_t so_h z_ptr sz_t sz_g sz_r w_ptr out_ptr Hv R Dv eps inv_d BLOCK_D ACCURATE EMU_BF16",
                  {**dict.fromkeys("o_ptr z_ptr w_ptr out_ptr".split(), b), "eps": "fp32", "inv_d": "fp32",
                   **dict.fromkeys("BLOCK_D ACCURATE EMU_BF16".split(), "constexpr")})
@@ -51,6 +56,9 @@ def _cases() -> list[tuple[str, str, dict, dict, dict, list[str]]]:
         ("shared expert silu * up", "gated_mul_kernel", gate, dict(SILU=True, BLOCK=512, **ACC), w(2), []),
         ("Gated DeltaNet decode pre (Dk = Dv = 128, r = 2, K = 4)", "gdn_pre_kernel", pre,
          dict(K=4, BLOCK_DK=128, BLOCK_V=256, BLOCK_R=2, **ACC), w(2), []),
+        ("gated delta rule, decode, state rows in place (Dk = Dv = 128, Dv tile 32)", "gdn_recurrent_kernel", rule,
+         dict(BLOCK_K=128, BLOCK_V=32, **ACC), w(4),
+         "q_ptr sq_t sq_h k_ptr sk_t sk_h v_ptr sv_t sv_h state_ptr s_row s_h s_k o_ptr Dk Dv".split()),
         ("RMSNormGated (Dv = 128)", "gated_norm_kernel", gnorm, dict(BLOCK_D=128, **ACC), w(1), []),
         ("q/k (1 + w) norm + partial rope + KV write (D = 256)", "qk_norm_partial_rope_kernel", rope,
          dict(BLOCK_D=256, HAS_KV=True, **ACC), w(1), []),

@@ -12,6 +12,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ftexpert.kernels.gated_delta.reference import recurrent_gated_delta_rule
+
 
 def offset_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 1.0) -> torch.Tensor:
     """(offset + w) * x / rms(x), all in fp32, cast back to x's dtype: Qwen3-Next's RMSNorm (offset 1) and
@@ -88,6 +90,18 @@ def gdn_decode_pre(qkvz: torch.Tensor, ba: torch.Tensor, conv_cache: torch.Tenso
     k = k.reshape(T, 1, Hk, Dk).repeat_interleave(r, dim=2)
     g, beta = decay_gates(b.reshape(T, 1, Hv), a.reshape(T, 1, Hv), A_log, dt_bias)
     return q, k, v.reshape(T, 1, Hv, Dv), g, beta
+
+
+def gdn_decode_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                    state: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """The gated delta rule's decode step (one token a sequence) on the rows ``rows`` [T] of ``state``
+    [N, Hv, Dk, Dv] fp32 as the layer ran it before the in-place kernel: gather the rows, the rule's reference
+    (kernels/gated_delta, which L2-normalises q / k and scales q), scatter the new state. q, k [T, Hqk, Dk],
+    v [T, Hv, Dv], g, beta [T, Hv] -> o [T, Hv, Dv] in v's dtype."""
+    o, new = recurrent_gated_delta_rule(q.unsqueeze(1), k.unsqueeze(1), v.unsqueeze(1), g.unsqueeze(1),
+                                        beta.unsqueeze(1), state.index_select(0, rows))
+    state.index_copy_(0, rows, new)
+    return o.squeeze(1)
 
 
 def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -99,7 +99,8 @@ def offset_norm_kernel(
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Gated DeltaNet, decode: conv update + splits + gates before the recurrence; RMSNormGated after it
+# Gated DeltaNet, decode: conv update + splits + gates before the recurrence; the recurrence on the state cache in
+# place; RMSNormGated after it
 # ---------------------------------------------------------------------------------------------------------------
 
 @triton.jit
@@ -175,6 +176,56 @@ def gdn_pre_kernel(
     g = -_exp(alog, ACCURATE) * _softplus(a + dtb, ACCURATE)
     tl.store(g_ptr + t * Hv + heads, g, mask=mr)
     tl.store(beta_ptr + t * Hv + heads, _rnd(_sigmoid(b, ACCURATE), DT, EMU_BF16), mask=mr)
+
+
+@triton.jit
+def gdn_recurrent_kernel(
+    q_ptr, sq_t, sq_h,    # [T, Hqk, Dk] strides (sq_t, sq_h, 1); value head h reads q/k head h // G
+    k_ptr, sk_t, sk_h,    # [T, Hqk, Dk] strides (sk_t, sk_h, 1)
+    v_ptr, sv_t, sv_h,    # [T, Hv, Dv] strides (sv_t, sv_h, 1)
+    g_ptr, beta_ptr,      # [T, Hv] contiguous: the log decay g (fp32) and beta
+    state_ptr, s_row, s_h, s_k,  # the layer's recurrent cache [N, Hv, Dk, Dv] fp32: row / head / key strides, (.., 1)
+    rows_ptr,             # [T] int64: each sequence's row of the cache (distinct)
+    o_ptr,                # [T, Hv, Dv] contiguous out, in v's dtype
+    Hv, Dk, Dv, G, scale, eps,
+    BLOCK_K: tl.constexpr,  # >= Dk, a power of two: the whole key dim (the norms and S^T k reduce over it)
+    BLOCK_V: tl.constexpr,  # the Dv tile of this program
+    ACCURATE: tl.constexpr, EMU_BF16: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
+):
+    """Grid (T, Hv, cdiv(Dv, BLOCK_V)): the gated delta rule's decode step (one token) of value head h of token t
+    on the state slice S = state[rows[t], h, :, v-block] [Dk, BLOCK_V], read and written back in place. In fp32, in
+    the order of kernels/gated_delta/reference.py: q = (q * rsqrt(sum(q^2) + eps)) * scale, k = k * rsqrt(sum(k^2)
+    + eps); S = S * exp(g); delta = (v - S^T k) * beta; S = S + k delta^T; o = DT(S^T q). The programs of one
+    (t, h) recompute the norms of q and k (Dk wide) and share nothing else: each loads its slice before it stores
+    it, and no other program touches it (rows distinct)."""
+    pdl_enter(USE_PDL)
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    hk = h // G
+    dk = tl.arange(0, BLOCK_K)
+    mk = dk < Dk
+    dv = tl.program_id(2) * BLOCK_V + tl.arange(0, BLOCK_V)
+    mv = dv < Dv
+    DT = o_ptr.dtype.element_ty
+    q = tl.load(q_ptr + t * sq_t + hk * sq_h + dk, mask=mk, other=0.0).to(tl.float32)
+    k = tl.load(k_ptr + t * sk_t + hk * sk_h + dk, mask=mk, other=0.0).to(tl.float32)
+    q = q * _rsqrt(tl.sum(q * q, axis=0) + eps, ACCURATE)
+    q = q * scale
+    k = k * _rsqrt(tl.sum(k * k, axis=0) + eps, ACCURATE)
+    v = tl.load(v_ptr + t * sv_t + h * sv_h + dv, mask=mv, other=0.0).to(tl.float32)
+    g = tl.load(g_ptr + t * Hv + h).to(tl.float32)
+    beta = tl.load(beta_ptr + t * Hv + h).to(tl.float32)
+    s_ptrs = state_ptr + tl.load(rows_ptr + t) * s_row + h * s_h + dk[:, None] * s_k + dv[None, :]
+    m2 = mk[:, None] & mv[None, :]
+    S = tl.load(s_ptrs, mask=m2, other=0.0)
+    S = S * _exp(g, ACCURATE)
+    recalled = tl.sum(S * k[:, None], axis=0)                           # [BLOCK_V]: S^T k
+    delta = (v - recalled) * beta
+    S = S + k[:, None] * delta[None, :]
+    o = tl.sum(S * q[:, None], axis=0)
+    tl.store(s_ptrs, S, mask=m2)
+    tl.store(o_ptr + (t * Hv + h) * Dv + dv, _rnd(o, DT, EMU_BF16), mask=mv)
 
 
 @triton.jit
