@@ -50,8 +50,14 @@ class ExpertBackend(abc.ABC):
 
     def step_end(self) -> bool:
         """After a decode step's forwards: False asks the engine to run the step again (the backend has made
-        the re-run safe, e.g. by fetching every miss)."""
+        the re-run safe, e.g. by fetching every miss). Only a backend whose `step_may_fail` is True may."""
         return True
+
+    def step_may_fail(self) -> bool:
+        """Whether this decode step's `step_end` may return False. The engine keeps a copy of the step's linear-layer
+        state rows (Qwen3-Next) only then, since a re-run must start from them: ~2 MiB a layer and sequence copied
+        every step otherwise."""
+        return False
 
     def set_policy(self, **fields) -> None:
         """The coordinator's fetch policy (coordinator/policy.py) whenever it changes; a backend without a

@@ -436,10 +436,15 @@ class Engine:
         pinned host memory behind them) until `_DecodeStep.token_ids` reads them. `ahead`: 1 for the step queued
         after one whose tokens the host has not read (each request's position one further)."""
         experts = self.model.experts
-        # a retried step must start from the same linear-layer states (their update is not idempotent)
-        saved = self.states.snapshot(inputs.slot_ids) if self.states is not None else None
+        # a retried step must start from the same linear-layer states (their update is not idempotent): copied
+        # where the backend's step may fail (the hybrid's device hand-off), not in every step of the others
+        may_fail = experts.step_may_fail()
+        saved = self.states.snapshot(inputs.slot_ids) if self.states is not None and may_fail else None
         for attempt in range(DECODE_ATTEMPTS):
-            if attempt and saved is not None:
+            if attempt and self.states is not None:
+                if saved is None:
+                    raise RuntimeError("the expert backend failed a decode step although its step_may_fail() said "
+                                       "it could not, so the linear layers' states were not kept for the re-run")
                 self.states.restore(inputs.slot_ids, saved)
             experts.step_begin()
             if self.graphs is not None and self.graphs.usable(len(reqs)):

@@ -292,6 +292,10 @@ class HybridExperts(ExpertBackend):
         """No: step_end must see each step's hand-off end (a failed step is re-run) before the next is queued."""
         return False
 
+    def step_may_fail(self) -> bool:
+        """Yes: a device hand-off that fails inside the step fails the step (step_end)."""
+        return True
+
     def step_begin(self) -> None:
         """Before a decode step (the engine calls it): re-admit restarted workers, wake the watchdog."""
         if self.degraded and not self._hold_degraded:
