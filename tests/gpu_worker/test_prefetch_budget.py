@@ -186,25 +186,32 @@ EXPECTED = {                 # the count most layers settle on (module docstring
 }
 
 
+def feed_rule(rule: OnlineBudget, steps: list[ProbeSample]):
+    """Each sample into the rule as Lookahead.step_begin feeds it: the windows, the join waits, the copies' bandwidth
+    and the per-rank counts since the last sample; yields the rule's per-layer counts after each sample."""
+    last = None
+    for s in steps:
+        for layer, (w, j) in enumerate(zip(s.windows, s.joins)):
+            if w is not None:
+                rule.observe_window(layer, w)
+            if j is not None:
+                rule.observe_join(layer, j)
+        rule.observe_bandwidth(s.copy_bytes, s.copy_s)
+        seen, hits = s.snapshot[0]
+        for layer in range(rule.num_layers):
+            d_seen = [a - (last[0][layer][r] if last else 0) for r, a in enumerate(seen[layer])]
+            d_hits = [a - (last[1][layer][r] if last else 0) for r, a in enumerate(hits[layer])]
+            rule.observe_ranks(layer, d_seen, d_hits)
+        last = (seen, hits)
+        yield rule.budgets()
+
+
 @pytest.mark.parametrize("name", sorted(EXPECTED))
 def test_the_rule_converges_and_falls_to_zero_on_a_saturated_link(name):
     nbytes, steps = samples(name)
     layers = len(steps[0].windows)
     rule = OnlineBudget(layers, 8, nbytes)
-    history = []
-    last = None
-    for s in steps:
-        for layer, w in enumerate(s.windows):
-            if w is not None:
-                rule.observe_window(layer, w)
-        rule.observe_bandwidth(s.copy_bytes, s.copy_s)
-        seen, hits = s.snapshot[0]
-        for layer in range(layers):
-            d_seen = [a - (last[0][layer][r] if last else 0) for r, a in enumerate(seen[layer])]
-            d_hits = [a - (last[1][layer][r] if last else 0) for r, a in enumerate(hits[layer])]
-            rule.observe_ranks(layer, d_seen, d_hits)
-        last = (seen, hits)
-        history.append(rule.budgets())
+    history = [list(b) for b in feed_rule(rule, steps)]
     final = history[-1][1:]
     assert max(set(final), key=final.count) == EXPECTED[name], final
     assert sum(n == EXPECTED[name] for n in final) >= 0.8 * len(final)

@@ -14,7 +14,7 @@ import pytest
 
 from ftexpert.gpu_worker.backends.offload.prefetch_budget import OnlineBudget
 from ftexpert.gpu_worker.backends.offload.prefetch_probe import ProbeSample
-from tests.gpu_worker.test_prefetch_budget import ReferenceBudget, follow_the_reference, lookahead_for
+from tests.gpu_worker.test_prefetch_budget import ReferenceBudget, feed_rule, follow_the_reference, lookahead_for
 
 RECORDED = json.loads((Path(__file__).with_name("data") / "prefetch_probe_nvfp4_h100.json").read_text())
 SCENARIOS = sorted(RECORDED["scenarios"])
@@ -69,21 +69,8 @@ def test_the_lookahead_follows_the_reference_on_recorded_samples(name, monkeypat
 
 def _rule_after(name: str) -> OnlineBudget:
     rule = OnlineBudget(RECORDED["layers"], RECORDED["k"], RECORDED["expert_bytes"])
-    last = None
-    for s in recorded_samples(name):
-        for layer, (w, j) in enumerate(zip(s.windows, s.joins)):
-            if w is not None:
-                rule.observe_window(layer, w)
-            if j is not None:
-                rule.observe_join(layer, j)
-        rule.observe_bandwidth(s.copy_bytes, s.copy_s)
-        seen, hits = s.snapshot[0]
-        for layer in range(rule.num_layers):
-            d_seen = [a - (last[0][layer][r] if last else 0) for r, a in enumerate(seen[layer])]
-            d_hits = [a - (last[1][layer][r] if last else 0) for r, a in enumerate(hits[layer])]
-            if any(d_seen[:rule.k]):
-                rule.observe_ranks(layer, d_seen, d_hits)
-        last = (seen, hits)
+    for _ in feed_rule(rule, recorded_samples(name)):
+        pass
     return rule
 
 

@@ -221,12 +221,12 @@ class PrefillAttention:
                                           sinks=sinks, scale=D ** -0.5)
         if self._flash is None:
             self._flash = self._flash_applies(q, keys, values)
-        if self._flash and self._split is None:
-            self._split = (PREFILL_KERNEL == "auto" and keys.shape[2] == self.end
-                           and split_applies(C, Hq, self.start, q.device))
-        if self._flash and self._split:     # a short chunk after a long history: history and chunk, merged
-            return prefix_split_attention(q, keys, values, self.start, D ** -0.5)
         if self._flash:        # query c attends keys [0, start + c]: causal, aligned to the lower right
+            if self._split is None:
+                self._split = (PREFILL_KERNEL == "auto" and keys.shape[2] == self.end
+                               and split_applies(C, Hq, self.start, q.device))
+            if self._split:    # a short chunk after a long history: history and chunk, merged
+                return prefix_split_attention(q, keys, values, self.start, D ** -0.5)
             qh = q.transpose(0, 1).unsqueeze(0)                                            # [1, Hq, C, D]
             out = F.scaled_dot_product_attention(qh, keys, values, attn_mask=causal_lower_right(C, self.end),
                                                  scale=D ** -0.5, enable_gqa=True)         # [1, Hq, C, D]

@@ -438,8 +438,8 @@ class Engine:
         experts = self.model.experts
         # a retried step must start from the same linear-layer states (their update is not idempotent): copied
         # where the backend's step may fail (the hybrid's device hand-off), not in every step of the others
-        may_fail = experts.step_may_fail()
-        saved = self.states.snapshot(inputs.slot_ids) if self.states is not None and may_fail else None
+        saved = (self.states.snapshot(inputs.slot_ids) if self.states is not None and experts.step_may_fail()
+                 else None)
         for attempt in range(DECODE_ATTEMPTS):
             if attempt and self.states is not None:
                 if saved is None:

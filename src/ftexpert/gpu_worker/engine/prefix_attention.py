@@ -26,6 +26,11 @@ SPLIT_MIN_HISTORY = 2048       # positions before the chunk below which the plai
 FLASH_BLOCK_M = 128            # the flash kernel's query rows a thread block (head dim 128, bf16 / fp16)
 
 
+def _acc_dtype(t: torch.Tensor) -> torch.dtype:
+    """The dtype the plain path and the merge compute in: fp64 for fp64 inputs, else fp32."""
+    return torch.float64 if t.dtype == torch.float64 else torch.float32
+
+
 def split_applies(num_queries: int, num_heads: int, start: int, device: torch.device) -> bool:
     """Whether `prefix_split_attention` should replace the plain flash call for a chunk of `num_queries` queries of
     `num_heads` heads at positions start..: CUDA, a long history, and a plain grid under two waves."""
@@ -43,7 +48,7 @@ def attention_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: 
     if q.device.type == "cuda":
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)[:2]
         return out, lse[..., :q.shape[2]].float()
-    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    acc = _acc_dtype(q)
     s = torch.matmul(q.to(acc), k.to(acc).transpose(-1, -2)) * scale                    # [1, H, M, N]
     if causal:
         M, N = s.shape[-2:]
@@ -72,6 +77,6 @@ def prefix_split_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Te
     v_own = values[:, :, start:].repeat_interleave(G, dim=1)
     o_own, lse_own = attention_lse(qh, k_own, v_own, causal=True, scale=scale)
     o_own, lse_own = o_own[0].transpose(0, 1), lse_own[0].transpose(0, 1)               # [C, Hq, D], [C, Hq]
-    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    acc = _acc_dtype(q)
     w = torch.sigmoid((lse_hist - lse_own).to(acc))[..., None]                           # [C, Hq, 1]
     return (w * o_hist.to(acc) + (1.0 - w) * o_own.to(acc)).to(q.dtype)
