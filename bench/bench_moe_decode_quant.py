@@ -49,8 +49,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def block_variants(b0):
-    out = [replace(b0, gate_up_block_n=n, gate_up_block_k=k) for n in (2, 4, 8, 16) for k in (256, 512, 1024)]
-    out += [replace(b0, down_block_n=n, down_block_k=k) for n in (8, 16, 32) for k in (128, 256, 512)]
+    # 4-bit codes are a quarter of bf16's bytes a column, so longer K steps keep as many bytes in flight
+    gu = [(n, k) for n in (2, 4, 8, 16) for k in (256, 512, 1024)] + [(1, 1024), (1, 2048), (2, 2048)]
+    dn = [(n, k) for n in (8, 16, 32) for k in (128, 256, 512)] + [(4, 1024), (8, 1024), (16, 1024)]
+    out = [replace(b0, gate_up_block_n=n, gate_up_block_k=k) for n, k in gu]
+    out += [replace(b0, down_block_n=n, down_block_k=k) for n, k in dn]
     return [b for b in out if b != b0]
 
 
