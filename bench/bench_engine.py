@@ -28,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 from ftexpert.gpu_worker.api import Attachment, Engine, SamplingParams, build_engine  # noqa: E402
 from ftexpert.gpu_worker.models.model import MoeModel  # noqa: E402
 from ftexpert.proto.engine_spec import EXPERT_COMPUTE_MODES, routing_flag, spec_from_args  # noqa: E402
+from ftexpert.proto.knobs import positive_int_flag  # noqa: E402
 from ftexpert.proto.knobs import EXPERT_FORMAT_CHOICES  # noqa: E402
 from ftexpert.gpu_worker.backends.offload import HostExperts, resolve_cache_slots  # noqa: E402
 import ftexpert.kernels.expert_copy.api as expert_copy_api  # noqa: E402
@@ -319,6 +320,9 @@ def main() -> int:
     parser.add_argument("--freq-half-life", type=int, default=None,
                         help="with --freq-weights W > 0: layer calls between halvings of the route counts (0: never; "
                              "default: FREETOKEN_EVICTION_FREQ_HALF_LIFE, 3072)")
+    parser.add_argument("--kv-block-size", type=positive_int_flag, default=None,
+                        help="positions per KV block (default: the engine's, 16); a block of the whole context "
+                             "(e.g. 2048 here) gives each request one page, as the KV rows before paging")
     parser.add_argument("--overlap-decode", default="auto",
                         help="comma-separated auto, on, off: the engine spec's overlap_decode for every resident and offload "
                              "run (the next decode step queued before this one's tokens are read; auto: on with "
@@ -358,7 +362,8 @@ def main() -> int:
     base = spec_from_args(argparse.Namespace(), preset=args.preset, device=args.device,
                           expert_format=args.expert_format, max_running_requests=args.batch,
                           max_context_tokens=lengths[-1] + args.decode_tokens + 16, routing=specs[0],
-                          dense_linear=linears[-1], moe_prefetch="off", expert_compute=args.expert_compute)
+                          dense_linear=linears[-1], moe_prefetch="off", expert_compute=args.expert_compute,
+                          kv_block_size=args.kv_block_size)
     built = build_engine(base)
     cfg = built.cfg
     base = built.spec

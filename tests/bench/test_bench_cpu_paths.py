@@ -18,7 +18,8 @@ SMALL = ["--device", "cpu", "--runs", "1", "--prompt-tokens", "16"]
 
 RUNS = {
     "bench_engine": [*SMALL, "--preset", "tiny", "--decode-tokens", "8", "--fractions", "0.5", "--batch", "2",
-                     "--graphs", "both", "--copy-split", "both", "--routing", "model,zipf:0.5", "--expert-compute", "gemv"],
+                     "--graphs", "both", "--copy-split", "both", "--routing", "model,zipf:0.5", "--expert-compute", "gemv",
+                     "--kv-block-size", "32"],
     "bench_prefill": [*SMALL, "--preset", "tiny", "--chunks", "8,64", "--fractions", "0.5",
                       "--variants", "offload,hybrid", "--attention", "auto,bias"],
     "bench_hybrid": [*SMALL, "--preset", "tiny", "--decode-tokens", "8", "--handoff-calls", "50", "--cache", "16",
