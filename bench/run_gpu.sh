@@ -297,7 +297,7 @@ while [ $# -gt 0 ]; do
         run attn_page$pg 30 python3 bench/bench_decode_attention.py --no-sdpa --tokens 1 --contexts 1024,32768 --page $pg
       done
       for kb in 16 2048; do
-        run engine_kv$kb 75 python3 bench/bench_engine.py --runs 3 --prompt-tokens 1024 --decode-tokens 128 \
+        run engine_kv$kb 95 python3 bench/bench_engine.py --runs 3 --prompt-tokens 1024 --decode-tokens 128 \
           --fractions "" --kv-block-size $kb
       done
       grep -hE "^\| (mxfp4|nvfp4|bf16)" "$OUT"/quant_gptoss.log "$OUT"/quant_next.log | cut -c1-160
