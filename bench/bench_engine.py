@@ -28,8 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 from ftexpert.gpu_worker.api import Attachment, Engine, SamplingParams, build_engine  # noqa: E402
 from ftexpert.gpu_worker.models.model import MoeModel  # noqa: E402
 from ftexpert.proto.engine_spec import EXPERT_COMPUTE_MODES, routing_flag, spec_from_args  # noqa: E402
-from ftexpert.proto.knobs import positive_int_flag  # noqa: E402
-from ftexpert.proto.knobs import EXPERT_FORMAT_CHOICES  # noqa: E402
+from ftexpert.proto.knobs import EXPERT_FORMAT_CHOICES, positive_int_flag  # noqa: E402
 from ftexpert.gpu_worker.backends.offload import HostExperts, resolve_cache_slots  # noqa: E402
 import ftexpert.kernels.expert_copy.api as expert_copy_api  # noqa: E402
 try:                                  # run as bench/bench_engine.py (bench/ on sys.path) or imported as bench.bench_engine

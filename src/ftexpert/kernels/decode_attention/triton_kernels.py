@@ -144,16 +144,15 @@ def decode_attn_split_kernel(
                             mask=kv_mask, other=0.0)                          # [BLOCK_N, BLOCK_D]
                 v = tl.load(v_base + (page * stride_vb + in_page * stride_vs)[:, None] + offs_d[None, :],
                             mask=kv_mask, other=0.0)                          # [BLOCK_N, BLOCK_D]
+                # the next tile's pages, read while this tile computes
+                offs_next = offs_n + BLOCK_N
+                page_next = tl.load(table + offs_next // PAGE, mask=offs_next < hi, other=0).to(tl.int64)
             else:                                                             # ids read from n0 alone
                 ids = _tile_ids(table, n0, hi, PAGE, BLOCK_N, GROUP, OFFS_I32)    # [GROUP or BLOCK_N]
                 k_rows = _tile_rows(ids, n0, stride_kb, stride_ks, PAGE, BLOCK_N, GROUP, OFFS_I32)   # [BLOCK_N]
                 v_rows = _tile_rows(ids, n0, stride_vb, stride_vs, PAGE, BLOCK_N, GROUP, OFFS_I32)
                 k = tl.load(k_base + k_rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
                 v = tl.load(v_base + v_rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-            if PAGES == 0:
-                # the next tile's pages, read while this tile computes
-                offs_next = offs_n + BLOCK_N
-                page_next = tl.load(table + offs_next // PAGE, mask=offs_next < hi, other=0).to(tl.int64)
             if USE_DOT:
                 if IS_FP32:
                     qk = tl.dot(q, tl.trans(k), input_precision="ieee")       # [GP, BLOCK_N]
