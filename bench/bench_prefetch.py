@@ -15,7 +15,8 @@ there is captured there, once; the "graphs:" line gives their count, time and th
 the share of would-be demand misses covered (useful / (useful + misses)), the peak GPU memory against prefetch off,
 and whether the tokens equal prefetch off's (seeded sampling: the same tokens when lossless). `auto` and `measure`
 rows also give what the auto rule saw at the end of their last run ("auto:" lines): the mean idle window a layer and
-the count it allowed, the link bandwidth it measured, whether it predicted, the expected time it saves a step, and
+the count it allowed, the link bandwidth it measured, whether it would predict, the guard's decision from the
+measured step times (prefetch_guard.py), the expected time it saves a step, and
 (measure) the share of demand misses its choice would have covered.
 Every engine is built by `build_engine(spec)`: per cache fraction and batch one offload backend over the one host
 store (`Attachment(host=...)`, `reuse=` of the last one's dense weights), and an engine a configuration over it
@@ -197,6 +198,14 @@ def _captures(engine) -> int:
     return engine.graphs.captures if engine.graphs is not None else 0
 
 
+def guard_text(guard: dict | None) -> str:
+    """The guard's state (prefetch_guard.py): its decision from the measured step times and the median ratio."""
+    if not guard or guard["ratio"] is None:
+        return " (guard: no step compared)"
+    state = {None: "exploring", True: "on", False: "off"}[guard["decided_on"]]
+    return f" (guard: {state}, steps on / off {guard['ratio']:.3f} over {guard['ratios']} block pairs)"
+
+
 def auto_line(frac: float, batch: int, config: tuple[str, int], rs: list[dict]) -> str:
     """What the auto rule saw at the end of the configuration's last run, and (measure) what its choice would have
     covered over the runs: auto_useful / (auto_useful + demand misses)."""
@@ -211,7 +220,7 @@ def auto_line(frac: float, batch: int, config: tuple[str, int], rs: list[dict]) 
     return (f"auto: {frac:.0%} batch {batch} {config[0]}{'' if config[0] == 'auto' else f' {config[1]}'}: window "
             f"{1e6 * sum(windows) / max(len(windows), 1):.1f} us a layer (mean), allowed "
             f"{sum(allowed) / max(len(allowed), 1):.2f} a layer (max {max(allowed, default=0)}), link "
-            f"{rep['bandwidth'] / 1e9:.1f} GB/s, predicting {rep['active']}, expected gain "
+            f"{rep['bandwidth'] / 1e9:.1f} GB/s, predicting {rep['active']}{guard_text(rep.get('guard'))}, expected gain "
             f"{1e3 * rep['gain_s_per_step']:.3f} ms a step; its choice: {chosen / max(n_tokens, 1):.2f} a token, "
             f"precision {useful / chosen if chosen else 0:.2f}, covers {covered:.0%} of the demand misses")
 

@@ -266,7 +266,7 @@ while [ $# -gt 0 ]; do
           --moe-strategy resident --runs 2 --decode-contexts "" ${PREFIX_PROFILE:+--profile} \
           --json-out "$OUT/prefix_next.json";; esac
       case $parts in *" offload "*)
-        run prefix_offload "${PREFIX_LIMIT:-300}" python3 bench/bench_prefix_cache.py $pargs --moe-strategy offload \
+        run prefix_offload "${PREFIX_LIMIT:-340}" python3 bench/bench_prefix_cache.py $pargs --moe-strategy offload \
           --moe-cache-size 0.25 --runs 2 --decode-contexts 1024,32768,131008 --routing "${PREFIX_ROUTING:-zipf:1.0}" \
           --json-out "$OUT/prefix_offload.json";; esac
       grep -hE "^(turn|decode|batch|profile of|[A-Z][a-zA-Z]+Experts)" "$OUT"/prefix_*.log | cut -c1-220

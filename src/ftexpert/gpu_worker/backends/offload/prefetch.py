@@ -38,6 +38,7 @@ from ftexpert.kernels.slot_cache import prefetch_ensure, prefetch_score
 from ftexpert.kernels.slot_cache.api import MAX_PREFETCH_CANDIDATES
 
 from ftexpert.gpu_worker.backends.offload.prefetch_budget import OnlineBudget
+from ftexpert.gpu_worker.backends.offload.prefetch_guard import StepGuard, StepTimer
 from ftexpert.gpu_worker.backends.offload.prefetch_probe import LinkProbe
 
 PREFETCH_MODES = ("off", "measure", "on", "auto")
@@ -168,7 +169,12 @@ class Lookahead:
         self.allow = torch.zeros(layers, dtype=torch.int64, device=self.device)    # installs per target layer
         self.allowed = [0] * layers                                                # its host copy
         self._allow_host = torch.zeros(layers, dtype=torch.int64, pin_memory=self.on_cuda)
-        self.active = False                         # auto: the predictor runs (some window holds a copy)
+        self.rule_active = False                    # auto: the rule would predict (some window holds a copy)
+        self.active = False                         # auto: the predictor runs in this step (the rule and the guard)
+        self.guard = StepGuard()                    # auto: predicting kept only where it makes steps faster
+        self.guarded = self.on_cuda                 # the guard times GPU steps (a CPU measures no idle window, so
+                                                    # auto predicts there only where a test gives the rule windows)
+        self.step_timer = StepTimer(self.device)
         # [seen, routed] per target layer and rank among the non-resident candidates (column k: resident or none)
         self.rank_counts = torch.zeros(2, layers, k + 1, dtype=torch.int64, device=self.device)
         self._ranks_seen = [[0] * (k + 1) for _ in range(layers)]
@@ -227,10 +233,21 @@ class Lookahead:
     def step_begin(self) -> None:
         """Before a decode step (the backend's step_begin): read what the probe measured SETS timed steps ago (no
         wait), update the rule's estimates and, when they changed, the per-layer counts on the device (a copy
-        queued on the compute stream before the step) and whether auto predicts at all."""
+        queued on the compute stream before the step) and whether the rule would predict at all; where it would,
+        the guard's schedule says whether this step does, and the step's forward is timed for it."""
         sample = self.probe.begin_step([self.rank_counts])
-        if sample is None or not self.probing:
-            return
+        guarded = self.guarded and self.mode == "auto"
+        if guarded:
+            for (block, index, on), seconds in self.step_timer.poll():
+                self.guard.observe(block, index, on, seconds)
+        if sample is not None and self.probing:
+            self._read_sample(sample)
+        if guarded and self.rule_active:
+            self.active = self.guard.next_on()      # the guard's block schedule (prefetch_guard.py)
+            self.step_timer.begin(self.guard.last)
+
+    def _read_sample(self, sample) -> None:
+        """A probe sample into the rule's estimates, then the per-layer counts and the rule's predicting state."""
         if self.recording is not None:
             self.recording.append(sample_record(sample))
         rule = self.rule
@@ -246,6 +263,7 @@ class Lookahead:
 
     def step_end(self) -> None:
         self.probe.end_step([self.rank_counts])
+        self.step_timer.end()
 
     def _observe_ranks(self, counts: list) -> None:
         """Cumulative [seen, routed][layer][rank] -> the rule's per-rank precision (the counts since the last)."""
@@ -263,7 +281,7 @@ class Lookahead:
         saved = float(self.saved_share())
         cap = self._auto_cap
         allowed = self.rule.budgets(saved, cap) if saved > 0 else [0] * self.cache.num_layers
-        self.active = saved > 0 and self.rule.window_fits()
+        self.rule_active = self.active = saved > 0 and self.rule.window_fits()
         self.auto_gain_s = self.rule.expected_gain_s(saved, cap) if saved > 0 else 0.0
         if allowed != self.allowed:
             self.allowed = allowed
@@ -276,7 +294,7 @@ class Lookahead:
         rule = self.rule
         return {"windows_s": [rule.idle_s(layer) for layer in range(self.cache.num_layers)],
                 "allowed": list(self.allowed), "bandwidth": rule.bandwidth.mean if rule.bandwidth.samples else 0.0,
-                "gain_s_per_step": self.auto_gain_s, "active": self.active}
+                "gain_s_per_step": self.auto_gain_s, "active": self.rule_active, "guard": self.guard.report()}
 
     # -- the steps, in a layer call's order ---------------------------------------------------------
     def begin(self, layer: int, h: torch.Tensor, ids: torch.Tensor, decode_sized: bool) -> None:
