@@ -54,7 +54,19 @@ def block_variants(b0):
     dn = [(n, k) for n in (8, 16, 32) for k in (128, 256, 512)] + [(4, 1024), (8, 1024), (16, 1024)]
     out = [replace(b0, gate_up_block_n=n, gate_up_block_k=k) for n, k in gu]
     out += [replace(b0, down_block_n=n, down_block_k=k) for n, k in dn]
+    # the best gate/up and down of the H100 sweeps together (mxfp4 at gpt-oss-120b's shape, nvfp4 at qwen3-next's)
+    both = replace(b0, gate_up_block_n=8, down_block_n=8)
+    out.append(both)
+    # a scale a group's sum instead of a weight (GemvBlocks.quant_group_sum; the 4-bit formats, else the same)
+    out += [replace(b, quant_group_sum=True) for b in (b0, replace(b0, gate_up_block_n=8),
+                                                        replace(b0, down_block_n=8), both,
+                                                        replace(b0, gate_up_block_k=1024, down_block_k=512))]
     return [b for b in out if b != b0]
+
+
+def variant_name(b) -> str:
+    return (f"gu n{b.gate_up_block_n} k{b.gate_up_block_k} / dn n{b.down_block_n} k{b.down_block_k}"
+            + (" gsum" if b.quant_group_sum else ""))
 
 
 def quantized_rows(layout, E: int, gen: torch.Generator) -> torch.Tensor:
@@ -118,7 +130,9 @@ def run(args, rows_out: list[dict]) -> None:
         add("moe_gemv_quant", DEFAULT_GEMV_BLOCKS, lambda i: moe_gemv_quant(x, ids[i], weights, slots, layout))
         if args.sweep:
             for b in block_variants(DEFAULT_GEMV_BLOCKS):
-                tag = f"gu n{b.gate_up_block_n} k{b.gate_up_block_k} / dn n{b.down_block_n} k{b.down_block_k}"
+                if b.quant_group_sum and label in ("fp8", "bf16"):
+                    continue                                          # (the same kernel as without)
+                tag = variant_name(b)
                 try:
                     add(tag, b, lambda i, b=b: moe_gemv_quant(x, ids[i], weights, slots, layout, blocks=b))
                 except Exception as exc:                              # e.g. out of resources

@@ -9,6 +9,8 @@ into several ragged steps. Tests marked `gpu` run bf16 at qwen3-30b-a3b shapes o
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -126,8 +128,14 @@ GEMV_CASES = {
 }
 
 
-@pytest.mark.parametrize("case", list(GEMV_CASES))
-def test_moe_gemv_quant_lockstep(case):
+GSUM_CASES = ["int4-g32-t4-k3-missing", "int4-g64-t1-k5-fp16", "mxfp4-t1-k6-missing", "mxfp4-t4-k2-fp16",
+              "nvfp4-t4-k4-missing", "nvfp4-t1-k8"]
+
+
+@pytest.mark.parametrize("case,group_sum", [(c, False) for c in GEMV_CASES] + [(c, True) for c in GSUM_CASES])
+def test_moe_gemv_quant_lockstep(case, group_sum):
+    """The Triton kernels against the reference; group_sum: a scale applied to each group's sum (the 4-bit
+    formats' GemvBlocks.quant_group_sum), the same bound."""
     label, T, K, S, missing, dtype = GEMV_CASES[case]
     rows, layout = slot_rows(label, S, seed=T * 7 + K)
     ids, weights = routes(T, K, S, seed=T + K, missing=missing)
@@ -135,7 +143,7 @@ def test_moe_gemv_quant_lockstep(case):
     x = torch.randn(T, SHAPES[label][0], generator=torch.Generator().manual_seed(K)).to(dtype)
     expected = moe_gemv_quant_reference(x, ids, weights, rows, layout)
     got = moe_gemv_quant(x.to(DEV), ids.to(torch.int32).to(DEV), weights.to(DEV), rows.to(DEV), layout,
-                         impl="triton", blocks=BLOCKS)
+                         impl="triton", blocks=replace(BLOCKS, quant_group_sum=group_sum))
     assert got.dtype == dtype and got.shape == x.shape and torch.isfinite(got).all()
     # float32: summation order only; float16: that, and a rounding flip of an fp16 intermediate now and then
     assert rel_max(got, expected) < (1e-5 if dtype == torch.float32 else 4e-3)

@@ -41,12 +41,19 @@ class GemvBlocks:
     4x512: 72; down 16x256: 48; no spills. With every program resident, the bytes in flight per loop
     step are P * rows * block_k * 2 (T=1: ~6 MB for gate/up), whatever block_n is; block_n sets how
     evenly the programs spread over the SMs.
+
+    quant_group_sum (moe_gemv_quant's 4-bit formats only): each group's products summed before its scale is
+    applied, one multiply a group instead of two a weight (the decode of a 4-bit weight is ~6 instructions
+    beside its one multiply-add, and these kernels are bound by that work, not by HBM: docs/QUANTIZATION.md).
+    Results differ from the default by rounding (nvfp4's scale is not a power of two). Not the default until
+    measured (`bench_moe_decode_quant.py --sweep` times it).
     """
     gate_up_block_n: int = 4
     gate_up_block_k: int = 512
     down_block_n: int = 16
     down_block_k: int = 256
     sum_block: int = 1024
+    quant_group_sum: bool = False     # moe_gemv_quant, 4-bit formats: a scale a group's sum, not a weight (GSUM)
 
 
 DEFAULT_GEMV_BLOCKS = GemvBlocks()

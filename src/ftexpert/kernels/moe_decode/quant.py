@@ -103,6 +103,8 @@ def check_rows(rows_u8: torch.Tensor, layout: QuantLayout, hidden_size: int | No
 
 
 def _check_blocks(b: GemvBlocks) -> None:
+    if not isinstance(b.quant_group_sum, bool):
+        raise TypeError(f"GemvBlocks.quant_group_sum must be a bool, got {b.quant_group_sum!r}")
     for name in ("gate_up_block_n", "gate_up_block_k", "down_block_n", "down_block_k"):
         v = getattr(b, name)
         if v < 1 or v & (v - 1) or (name.endswith("_k") and v < MIN_BLOCK_K):
@@ -199,7 +201,7 @@ def moe_gemv_quant(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, ro
             EVEN_N=inter % b.gate_up_block_n == 0, EVEN_K=H % b.gate_up_block_k == 0,
             ACCURATE=accurate, PLAN=part, PLAN_MAX=plan_max, num_warps=GEMV_WARPS,
             b13_ptr=x if b13 is None else b13, stride_b=0 if b13 is None else b13.stride(0), alpha=alpha,
-            limit=limit, BIAS=b13 is not None, SWIGLU=swiglu, **pdl)
+            limit=limit, BIAS=b13 is not None, SWIGLU=swiglu, GSUM=b.quant_group_sum, **pdl)
         if part == 2 and between_down is not None:
             between_down()              # the plan's w2 bytes are read only after this
         moe_down_quant_kernel[(P, _cdiv(H, b.down_block_n))](
@@ -208,7 +210,8 @@ def moe_gemv_quant(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, ro
             BLOCK_N=b.down_block_n, BLOCK_K=b.down_block_k,
             EVEN_N=H % b.down_block_n == 0, EVEN_K=inter % b.down_block_k == 0,
             PLAN=part, PLAN_MAX=plan_max, num_warps=GEMV_WARPS,
-            b2_ptr=y if b2 is None else b2, stride_b=0 if b2 is None else b2.stride(0), BIAS=b2 is not None, **pdl)
+            b2_ptr=y if b2 is None else b2, stride_b=0 if b2 is None else b2.stride(0), BIAS=b2 is not None,
+            GSUM=b.quant_group_sum, **pdl)
     out = torch.empty(T, H, dtype=x.dtype, device=x.device)           # [T, H]
     moe_sum_k_kernel[(T, _cdiv(H, b.sum_block))](y, out, K, H, BLOCK=b.sum_block, num_warps=GEMV_WARPS, **pdl)
     return out

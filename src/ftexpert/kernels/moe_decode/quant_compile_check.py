@@ -55,6 +55,15 @@ def _cases() -> list[tuple[str, str, dict, dict, dict, list[str]]]:
             (f"{name} dequantize_rows 16x256", "dequantize_rows_kernel", dq_sig,
              dict(**f, BLOCK_N=16, BLOCK_K=256), w4, dq_div),
         ]
+        if fmt != 0:                     # the 4-bit formats' scale a group's sum (GemvBlocks.quant_group_sum)
+            cases += [
+                (f"{name} gate_up 4x512 even, group sum", "moe_gate_up_quant_kernel", gate_up_sig,
+                 dict(**f, BLOCK_N=4, BLOCK_K=512, EVEN_N=True, EVEN_K=True, ACCURATE=True, GSUM=True, **whole), w4,
+                 gate_up_div),
+                (f"{name} down 16x256 ragged, group sum, split", "moe_down_quant_kernel", down_sig,
+                 dict(**f, BLOCK_N=16, BLOCK_K=256, EVEN_N=False, EVEN_K=False, GSUM=True, PLAN=1, PLAN_MAX=8), w4,
+                 down_div),
+            ]
     return cases
 
 

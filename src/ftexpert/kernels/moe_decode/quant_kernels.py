@@ -46,6 +46,8 @@ E2M1_FIX: tl.constexpr = tl.constexpr(2.0 ** 126)     # float32 bits of an E2M1 
 MAGIC_2P23: tl.constexpr = tl.constexpr(0x4B000000)   # float32 bits of 2**23
 E4M3_MASK: tl.constexpr = tl.constexpr(0x87F00000 - (1 << 32))   # bits 31 and 26..20 (as an int32)
 E2M1_MASK: tl.constexpr = tl.constexpr(0x81C00000 - (1 << 32))   # bits 31 and 24..22 (as an int32)
+GSUM_X: tl.constexpr = tl.constexpr(2.0 ** 64)       # GSUM, E2M1: x scaled so that (value * 2**-126) * x' is normal
+GSUM_UNDO: tl.constexpr = tl.constexpr(2.0 ** 62)    # ... and a group's sum scaled back: 2**126 / 2**64
 
 
 @triton.jit
@@ -58,11 +60,17 @@ def _e4m3_to_f32(b):
 
 
 @triton.jit
+def _e2m1_bits(top):
+    """int32 with an E2M1 nibble in bits 31..28 -> its float32 value * 2**-126 (exact, a subnormal or tiny
+    normal): shifted right arithmetically by 6 and masked, the sign is in bit 31 and exponent, mantissa in bits
+    24..22."""
+    return ((top >> 6) & E2M1_MASK).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _e2m1_to_f32(top):
-    """int32 with an E2M1 nibble in bits 31..28 -> its float32 value (exact, -0.0 for 0x8): shifted right
-    arithmetically by 6 and masked, the sign is in bit 31 and exponent, mantissa in bits 24..22."""
-    bits = (top >> 6) & E2M1_MASK
-    return bits.to(tl.float32, bitcast=True) * E2M1_FIX
+    """int32 with an E2M1 nibble in bits 31..28 -> its float32 value (exact, -0.0 for 0x8)."""
+    return _e2m1_bits(top) * E2M1_FIX
 
 
 @triton.jit
@@ -74,7 +82,8 @@ def _e8m0_to_f32(e):
 @triton.jit
 def _weight_tile(row_ptr, code_off, scale_off, zero_off, glob, rows, k0, NROWS, KDIM, row_bytes, n_scale_cols,
                  FMT: tl.constexpr, GROUP: tl.constexpr, ROW_BLOCK: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, MASK_N: tl.constexpr, MASK_K: tl.constexpr):
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, MASK_N: tl.constexpr, MASK_K: tl.constexpr,
+                 GSUM: tl.constexpr = False):
     """Rows `rows` [BLOCK_N], columns k0 .. k0 + BLOCK_K of one quantized matrix [NROWS, KDIM] of the expert
     at row_ptr (uint8), decoded to float32 -> (wa, wb). fp8: wa = wb = the weights [BLOCK_N, NG, GL]
     (column k0 + g * GL + c at [:, g, c]); 4-bit formats: wa = the even columns, wb = the odd ones, each
@@ -85,6 +94,10 @@ def _weight_tile(row_ptr, code_off, scale_off, zero_off, glob, rows, k0, NROWS, 
     offsets of its scales / zeros ([ceil(NROWS / ROW_BLOCK), n_scale_cols]); glob: nvfp4's float32 global.
     GROUP: the format's group along K (128 for fp8's blocks), ROW_BLOCK: rows a scale covers (128 for
     fp8, else 1). Masked-off weights (rows >= NROWS, columns >= KDIM) come out 0.0.
+    Returns (wa, wb, s). GSUM (4-bit formats): the weights without their group's scale, which comes back as
+    s [BLOCK_N, NG, 1] for the caller to apply to each group's sum (one multiply a group, not one a weight);
+    for E2M1 also without the 2**126 that makes them their values (x' = x * GSUM_X and the group's sum times
+    GSUM_UNDO restore it: every product exact up to a power of two). Otherwise s = 1.0 (already applied).
     """
     GL: tl.constexpr = GROUP if GROUP < BLOCK_K else BLOCK_K
     NG: tl.constexpr = BLOCK_K // GL
@@ -121,6 +134,7 @@ def _weight_tile(row_ptr, code_off, scale_off, zero_off, glob, rows, k0, NROWS, 
             s = tl.load(scale_ptr + sidx, mask=gmask, other=0.0)
         wa = _e4m3_to_f32(codes) * s
         wb = wa
+        s = 1.0
     else:
         HB: tl.constexpr = GL // 2                                     # bytes of a group's GL 4-bit codes
         b3 = tl.arange(0, HB)[None, None, :]
@@ -140,8 +154,12 @@ def _weight_tile(row_ptr, code_off, scale_off, zero_off, glob, rows, k0, NROWS, 
                 s = tl.load(scale_ptr + sidx, mask=gmask, other=0.0)
                 z = tl.load(row_ptr + zero_off + sidx, mask=gmask, other=0).to(tl.int32)
             zf = (z | MAGIC_2P23).to(tl.float32, bitcast=True)         # 2**23 + zero
-            wa = ((lo | MAGIC_2P23).to(tl.float32, bitcast=True) - zf) * s
-            wb = ((hi | MAGIC_2P23).to(tl.float32, bitcast=True) - zf) * s
+            wa = (lo | MAGIC_2P23).to(tl.float32, bitcast=True) - zf
+            wb = (hi | MAGIC_2P23).to(tl.float32, bitcast=True) - zf
+            if not GSUM:
+                wa = wa * s
+                wb = wb * s
+                s = 1.0
         else:
             if gmask is None:
                 sb = tl.load(row_ptr + scale_off + sidx)
@@ -151,9 +169,14 @@ def _weight_tile(row_ptr, code_off, scale_off, zero_off, glob, rows, k0, NROWS, 
                 s = _e8m0_to_f32(sb.to(tl.int32))
             else:
                 s = _e4m3_to_f32(sb) * glob                            # fp32(e4m3(s) * global), as the codec
-            wa = _e2m1_to_f32(codes << 28) * s                         # the low nibble to bits 31..28
-            wb = _e2m1_to_f32(codes << 24) * s                         # the high one
-    return wa, wb
+            if GSUM:                                                   # the values * 2**-126
+                wa = _e2m1_bits(codes << 28)
+                wb = _e2m1_bits(codes << 24)
+            else:
+                wa = _e2m1_to_f32(codes << 28) * s                     # the low nibble to bits 31..28
+                wb = _e2m1_to_f32(codes << 24) * s                     # the high one
+                s = 1.0
+    return wa, wb, s
 
 
 @triton.jit
@@ -180,6 +203,22 @@ def _act_tile(v_ptr, k0, KDIM, FMT: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: 
             v = tl.load(v_ptr + cols)
         va, vb = tl.split(v.to(tl.float32))
     return va, vb
+
+
+@triton.jit
+def _gsum_act(va, vb, FMT: tl.constexpr):
+    """GSUM: the activation tiles as the undecoded E2M1 weights need them (times GSUM_X; int4: as they are)."""
+    if FMT == FMT_INT4:
+        return va, vb
+    return va * GSUM_X, vb * GSUM_X
+
+
+@triton.jit
+def _gsum_scale(part, s, FMT: tl.constexpr):
+    """GSUM: a group's sum [BLOCK_N, NG, 1] times its scale (E2M1: first times GSUM_UNDO, back to the values)."""
+    if FMT == FMT_INT4:
+        return part * s
+    return (part * GSUM_UNDO) * s
 
 
 @triton.jit
@@ -222,6 +261,7 @@ def moe_gate_up_quant_kernel(
     b13_ptr=None, stride_b=0, alpha=0.0, limit=0.0,   # BIAS / SWIGLU: as moe_gate_up_kernel
     BIAS: tl.constexpr = False,
     SWIGLU: tl.constexpr = False,
+    GSUM: tl.constexpr = False,      # 4-bit formats: each group's scale applied to its sum (_weight_tile)
 ):
     """Grid (P, cdiv(I, BLOCK_N)): moe_gate_up_kernel over quantized rows. gate = w_gate[n] . x[t] and
     up = w_up[n] . x[t] in fp32 with the decoded float32 weights, each rounded to x.dtype; silu(gate)
@@ -243,19 +283,25 @@ def moe_gate_up_quant_kernel(
         g_gate = _nvfp4_global(row_ptr, glob_off, 0, FMT)
         g_up = _nvfp4_global(row_ptr, glob_off, 1, FMT)
         GA: tl.constexpr = GL if FMT == FMT_FP8 else GL // 2
-        acc_g = tl.zeros([BLOCK_N, NG, GA], dtype=tl.float32)
-        acc_u = tl.zeros([BLOCK_N, NG, GA], dtype=tl.float32)
+        GS: tl.constexpr = GSUM and FMT != FMT_FP8
+        GA2: tl.constexpr = 1 if GS else GA
+        acc_g = tl.zeros([BLOCK_N, NG, GA2], dtype=tl.float32)
+        acc_u = tl.zeros([BLOCK_N, NG, GA2], dtype=tl.float32)
         for k0 in range(0, H, BLOCK_K):
             xa, xb = _act_tile(x_row, k0, H, FMT, BLOCK_K, GROUP, not EVEN_K)
-            ga, gb = _weight_tile(row_ptr, codes_off, scales_gate_off, zeros_gate_off, g_gate, rows, k0, I, H,
-                                  code_row_bytes, n_scale_cols, FMT, GROUP, ROW_BLOCK, BLOCK_N, BLOCK_K,
-                                  not EVEN_N, not EVEN_K)
-            ua, ub = _weight_tile(row_ptr, up_codes, scales_up_off, zeros_up_off, g_up, rows, k0, I, H,
-                                  code_row_bytes, n_scale_cols, FMT, GROUP, ROW_BLOCK, BLOCK_N, BLOCK_K,
-                                  not EVEN_N, not EVEN_K)
+            ga, gb, sg = _weight_tile(row_ptr, codes_off, scales_gate_off, zeros_gate_off, g_gate, rows, k0, I, H,
+                                      code_row_bytes, n_scale_cols, FMT, GROUP, ROW_BLOCK, BLOCK_N, BLOCK_K,
+                                      not EVEN_N, not EVEN_K, GS)
+            ua, ub, su = _weight_tile(row_ptr, up_codes, scales_up_off, zeros_up_off, g_up, rows, k0, I, H,
+                                      code_row_bytes, n_scale_cols, FMT, GROUP, ROW_BLOCK, BLOCK_N, BLOCK_K,
+                                      not EVEN_N, not EVEN_K, GS)
             if FMT == FMT_FP8:
                 acc_g += ga * xa
                 acc_u += ua * xa
+            elif GS:                                                   # a group's sum, then its scale
+                xa, xb = _gsum_act(xa, xb, FMT)
+                acc_g += _gsum_scale(tl.expand_dims(tl.sum(ga * xa + gb * xb, axis=2), 2), sg, FMT)
+                acc_u += _gsum_scale(tl.expand_dims(tl.sum(ua * xa + ub * xb, axis=2), 2), su, FMT)
             else:                                                      # even columns, then odd ones
                 acc_g += ga * xa                                       # (two fused multiply-adds)
                 acc_g += gb * xb
@@ -298,6 +344,7 @@ def moe_down_quant_kernel(
     USE_PDL: tl.constexpr = False,
     b2_ptr=None, stride_b=0,  # BIAS: down's biases [S, H] (triton_kernels._down_out)
     BIAS: tl.constexpr = False,
+    GSUM: tl.constexpr = False,   # as moe_gate_up_quant_kernel
 ):
     """Grid (P, cdiv(H, BLOCK_N)): y[p, n] = float(x.dtype(w2[n] . act[p] (+ b2[n]))) * w[p] (fp32), w2 decoded
     in registers; exactly 0.0 for a pair with id < 0, which reads neither weights nor its act row."""
@@ -316,14 +363,19 @@ def moe_down_quant_kernel(
             a_row = act_ptr + p.to(tl.int64) * I
             g_down = _nvfp4_global(row_ptr, glob_off, 2, FMT)
             GA: tl.constexpr = GL if FMT == FMT_FP8 else GL // 2
-            acc = tl.zeros([BLOCK_N, NG, GA], dtype=tl.float32)
+            GS: tl.constexpr = GSUM and FMT != FMT_FP8
+            GA2: tl.constexpr = 1 if GS else GA
+            acc = tl.zeros([BLOCK_N, NG, GA2], dtype=tl.float32)
             for k0 in range(0, I, BLOCK_K):
                 aa, ab = _act_tile(a_row, k0, I, FMT, BLOCK_K, GROUP, not EVEN_K)
-                wa, wb = _weight_tile(row_ptr, codes_off, scales_off, zeros_off, g_down, rows, k0, H, I,
-                                      code_row_bytes, n_scale_cols,
-                                      FMT, GROUP, ROW_BLOCK, BLOCK_N, BLOCK_K, not EVEN_N, not EVEN_K)
+                wa, wb, sw = _weight_tile(row_ptr, codes_off, scales_off, zeros_off, g_down, rows, k0, H, I,
+                                          code_row_bytes, n_scale_cols,
+                                          FMT, GROUP, ROW_BLOCK, BLOCK_N, BLOCK_K, not EVEN_N, not EVEN_K, GS)
                 if FMT == FMT_FP8:
                     acc += wa * aa
+                elif GS:
+                    aa, ab = _gsum_act(aa, ab, FMT)
+                    acc += _gsum_scale(tl.expand_dims(tl.sum(wa * aa + wb * ab, axis=2), 2), sw, FMT)
                 else:
                     acc += wa * aa
                     acc += wb * ab
@@ -399,7 +451,7 @@ def dequantize_rows_kernel(
     rows = rt * BLOCK_N + tl.arange(0, BLOCK_N)
     k0 = kt * BLOCK_K
     glob = _nvfp4_global(row_ptr, glob_off, which, FMT)
-    wa, wb = _weight_tile(row_ptr, code_off, scale_off, zero_off, glob, rows, k0, nrows, kdim, row_bytes, n_cols,
+    wa, wb, _ = _weight_tile(row_ptr, code_off, scale_off, zero_off, glob, rows, k0, nrows, kdim, row_bytes, n_cols,
                           FMT, GROUP, ROW_BLOCK, BLOCK_N, BLOCK_K, True, True)
     if FMT == FMT_FP8:
         w = wa
