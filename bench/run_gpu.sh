@@ -50,6 +50,7 @@
 #            nearly every token to the same experts; the experts each turn fetched and the misses a decode token);
 #            PREFIX_PROFILE=1: the kernels of one more turn of each kind (bench_prefix_cache.py --profile);
 #            PREFIX_PARTS=next: the same turn on qwen3-next-80b-a3b (NVFP4, resident), whose hits resume kept states;
+#            PREFIX_PARTS=gptoss: the turn and decode at 1K / 32K / 128K on gpt-oss-120b (MXFP4, resident, YaRN x32);
 #            first, bench_prefill_attention.py: one layer's attention of the hit's 516-token chunk and of a 4K chunk
 #                                                                                            (~9 min)
 #   all      tests kernels engine hybrid prefill (more than one device call's 10 minutes: run suites one by one)
@@ -250,7 +251,7 @@ while [ $# -gt 0 ]; do
     prefix)
       # the paged KV cache's prefix cache and long contexts: TTFT of a 500-token turn on a 32K history (prefix cache
       # off / on), decode at 1K / 32K / 128K contexts, batch 16 at 8K on a pool that fixed 128K rows would not fit;
-      # resident, then offload at 25% (PREFIX_PARTS: some of resident offload)
+      # resident, then offload at 25% (PREFIX_PARTS: some of resident next gptoss offload; default resident offload)
       pargs="--preset qwen3-30b-a3b-128k --device cuda --history-tokens 32768 --turn-tokens 500 --kv-cache-gib 12.5"
       [ -n "${PREFIX_PROFILE:-}" ] && pargs="$pargs --profile"        # one more turn of each kind, its kernels
       parts=" ${PREFIX_PARTS:-resident offload} "
@@ -265,6 +266,10 @@ while [ $# -gt 0 ]; do
           --expert-format nvfp4 --device cuda --history-tokens 32768 --turn-tokens 500 --kv-cache-gib 8 \
           --moe-strategy resident --runs 2 --decode-contexts "" ${PREFIX_PROFILE:+--profile} \
           --json-out "$OUT/prefix_next.json";; esac
+      case $parts in *" gptoss "*)         # gpt-oss-120b at 128K: YaRN x32, the sliding layers keeping their window
+        run prefix_gptoss "${PREFIX_LIMIT:-300}" python3 bench/bench_prefix_cache.py --preset gpt-oss-120b \
+          --device cuda --history-tokens 32768 --turn-tokens 500 --kv-cache-gib 5 --moe-strategy resident --runs 2 \
+          --decode-contexts 1024,32768,131008 ${PREFIX_PROFILE:+--profile} --json-out "$OUT/prefix_gptoss.json";; esac
       case $parts in *" offload "*)
         run prefix_offload "${PREFIX_LIMIT:-340}" python3 bench/bench_prefix_cache.py $pargs --moe-strategy offload \
           --moe-cache-size 0.25 --runs 2 --decode-contexts 1024,32768,131008 --routing "${PREFIX_ROUTING:-zipf:1.0}" \
