@@ -9,9 +9,8 @@ qwen3-30b-a3b attention shapes (Hq=32, Hkv=4, D=128, bf16), T = 1 and 4 decoding
   per-layer cost in a decode step: the K/V write of the new token, then attention);
 - ``triton kernel``: `decode_attention` alone (split + merge kernels);
 - with ``--sweep``: the kernel under other `DecodeAttentionBlocks`, labelled by their fields: block sizes and
-  splits (``--sweep-set blocks``), and the split kernel's page addressing `pages` x `num_stages`
-  (``--sweep-set pages``: ``pages=... st=...``, st - for Triton's default), the latter also as a table of its own,
-  pages by num_stages, last.
+  splits (``--sweep-set blocks``), and the split kernel's software pipelining depth `num_stages`
+  (``--sweep-set stages``: ``st=...``, st - for Triton's default), the latter also as a table of its own, last.
 
 Each row captures CALLS calls (48 = layers) in one CUDA graph, call i on layer i of a KV cache of
 CALLS layers (so a call does not find its K/V in L2), and times graph replays with CUDA events; the
@@ -22,7 +21,7 @@ random over the pool); `--page 0` gives every request one contiguous row (a bloc
 `--page 0` with the default kernel is the "before paging" baseline (its table is [[0], [1], ...], so the kernel
 still reads one page id a tile, of a page of the whole bucket).
 Prints a short table last. Usage: python bench/bench_decode_attention.py [--tokens 1,4] [--page 16] [--sweep
-[--sweep-set pages]]
+[--sweep-set stages]]
 """
 from __future__ import annotations
 
@@ -56,19 +55,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     add_graph_timing_args(p)
     p.add_argument("--sweep", action="store_true", help="also time DecodeAttentionBlocks variants")
-    p.add_argument("--sweep-set", default="all", choices=["all", "blocks", "pages"],
-                   help="which variants --sweep times: block sizes and splits, the page addressing x num_stages "
-                        "(pages, PAGES_STAGES), or both (all); implies --sweep")
+    p.add_argument("--sweep-set", default="all", choices=["all", "blocks", "stages"],
+                   help="which variants --sweep times: block sizes and splits, the split kernel's num_stages "
+                        "(stages, STAGES), or both (all); implies --sweep")
     p.add_argument("--no-sdpa", action="store_true", help="skip the SDPA rows")
     p.add_argument("--json-out", default=None, help="write every result here as JSON")
     return p.parse_args(argv)
 
 
-# the sweep's num_stages for each page addressing (None: Triton's default, 3 on NVIDIA, so "ahead" at 3 re-times the
-# default kernel: a noise check); "inloop" / "grouped" / "early" read the page ids with a load the pipeliner treats
-# as an indirection level, which it double-buffers only from num_stages=5 (Triton 3.9's TTGIR for sm_90)
-PAGES_STAGES = {"ahead": (1, 2, 3, 4), "inloop": (None, 1, 2, 3, 4, 5), "grouped": (None, 1, 2, 3, 4, 5),
-                "early": (None, 1, 2, 3, 4, 5)}
+# the sweep's num_stages (None, Triton's default, 3 on NVIDIA, is the default kernel; 3 re-times it: a noise check)
+STAGES = (1, 2, 3, 4, 5)
 
 
 def sweep_variants(b0, sets: str = "all"):
@@ -79,13 +75,13 @@ def sweep_variants(b0, sets: str = "all"):
                 for c in (64, 128, 256, 512) if c >= n]
         out += [replace(b0, target_programs=p) for p in (128, 512, 1024)]
         out += [replace(b0, num_warps=w) for w in (2, 8)]
-    if sets in ("all", "pages"):
-        out += [replace(b0, pages=pg, num_stages=st) for pg, stages in PAGES_STAGES.items() for st in stages]
+    if sets in ("all", "stages"):
+        out += [replace(b0, num_stages=st) for st in STAGES]
     return [b for i, b in enumerate(out) if b != b0 and b not in out[:i]]
 
 
 def variant_label(b, splits: int, chunk: int) -> str:
-    return (f"n{b.block_n} chunk>={b.min_chunk} P{b.target_programs} w{b.num_warps} pages={b.pages} "
+    return (f"n{b.block_n} chunk>={b.min_chunk} P{b.target_programs} w{b.num_warps} "
             f"st={'-' if b.num_stages is None else b.num_stages} ({splits}x{chunk})")
 
 
@@ -167,28 +163,25 @@ def print_table(rows: list[dict], sweep: bool) -> None:
                                                       if sweep and best is not ke else ""))
 
 
-def print_pages_table(rows: list[dict]) -> None:
-    """The page addressing x num_stages rows (the default block sizes otherwise) of each (T, context): us a call;
-    the default kernel is pages=ahead at st=default; * marks each case's fastest."""
+def print_stages_table(rows: list[dict]) -> None:
+    """The num_stages rows (the default block sizes otherwise) of each (T, context): us a call; the default kernel
+    is st=-; * marks each case's fastest."""
     from ftexpert.kernels.decode_attention import DEFAULT_BLOCKS
-    base = {k: v for k, v in asdict(DEFAULT_BLOCKS).items() if k not in ("pages", "num_stages")}
+    base = {k: v for k, v in asdict(DEFAULT_BLOCKS).items() if k != "num_stages"}
     mine = [r for r in rows if r["blocks"] is not None
-            and {k: v for k, v in r["blocks"].items() if k not in ("pages", "num_stages")} == base]
+            and {k: v for k, v in r["blocks"].items() if k != "num_stages"} == base]
     stages = sorted({r["blocks"]["num_stages"] for r in mine}, key=lambda st: -1 if st is None else st)
     if len(mine) < 2:
         return
-    print(f"\nsplit kernel page addressing x num_stages, us a call (page {rows[0]['page']}; default: ahead at st=-; "
-          f"* fastest)")
-    print("   T    ctx  pages    " + "".join(f"{'st=' + ('-' if st is None else str(st)):>9}" for st in stages))
+    print(f"\nsplit kernel num_stages, us a call (page {rows[0]['page']}; default: st=-; * fastest)")
+    print("   T    ctx " + "".join(f"{'st=' + ('-' if st is None else str(st)):>9}" for st in stages))
     for T in sorted({r["T"] for r in mine}):
         for ctx in sorted({r["ctx"] for r in mine if r["T"] == T}):
-            case = {(r["blocks"]["pages"], r["blocks"]["num_stages"]): r["us"] for r in mine
-                    if r["T"] == T and r["ctx"] == ctx}
+            case = {r["blocks"]["num_stages"]: r["us"] for r in mine if r["T"] == T and r["ctx"] == ctx}
             best = min(case.values())
-            for pages in dict.fromkeys(r["blocks"]["pages"] for r in mine):
-                cells = "".join(f"{case[pages, st]:8.2f}{'*' if case[pages, st] == best else ' '}"
-                                if (pages, st) in case else f"{'':>9}" for st in stages)
-                print(f"{T:>4} {ctx:>6}  {pages:<8} {cells}")
+            cells = "".join(f"{case[st]:8.2f}{'*' if case[st] == best else ' '}" if st in case else f"{'':>9}"
+                            for st in stages)
+            print(f"{T:>4} {ctx:>6} {cells}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -211,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(rows, indent=1))
     print_table(rows, args.sweep)
-    print_pages_table(rows)
+    print_stages_table(rows)
     return 0
 
 

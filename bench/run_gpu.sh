@@ -5,8 +5,8 @@
 #   tests    every test marked gpu; TESTS_WORKERS pytest-xdist workers (6 fill one call), TESTS_ARGS instead of
 #            tests/, TESTS_TIMEOUT (s)                                                        (~8 min)
 #   kernels  slot-cache ensure kernel, decode attention, the MoE decode kernels (bf16 and quantized)  (~4 min)
-#   tuning   the 4-bit MoE GEMV's block sweep at gpt-oss-120b's and qwen3-next's shapes; the decode attention's page
-#            addressing and page size; resident decode at KV pages of 16 and of the whole context    (~5 min)
+#   tuning   the 4-bit MoE GEMV's block sweep (and its scale a group's sum) at gpt-oss-120b's and qwen3-next's shapes;
+#            the decode attention's num_stages                                               (~3 min)
 #   engine   resident decode, offload at 10 / 25 / 50% (qwen3-30b-a3b preset), TTFT at 1K     (~6 min)
 #   hybrid   hybrid at 25%, the hand-off round trip, the CPU expert kernel                   (~6 min)
 #   prefill  TTFT at 1K and 4K prompts: resident, offload 25%, hybrid 25%                     (~5 min)
@@ -287,28 +287,19 @@ while [ $# -gt 0 ]; do
       summary this="$OUT"
       ;;
     tuning)
-      # block sizes and page layouts of the decode kernels, measured where they are not yet tuned: the 4-bit MoE GEMV's
-      # GemvBlocks sweep at gpt-oss-120b's (MXFP4, 4 of 128 experts, H = I = 2880) and qwen3-next-80b-a3b's shapes
-      # (NVFP4, 10 of 512, H 2048, I 512); the decode attention's page addressing x num_stages, and its cost at pages
-      # of 0 (one row a request) / 16 / 64 positions; the resident decode at KV pages of 16 (the default) and of the
-      # whole context (one page a request)                                                    (~5 min)
-      run quant_gptoss 100 python3 bench/bench_moe_decode_quant.py --formats mxfp4 --experts 128 --hidden 2880 \
+      # block sizes of the decode kernels, measured where they are not yet tuned: the 4-bit MoE GEMV's GemvBlocks sweep
+      # (its block shapes and the scale a group's sum, quant_group_sum) at gpt-oss-120b's (MXFP4, 4 of 128 experts,
+      # H = I = 2880) and qwen3-next-80b-a3b's shapes (NVFP4, 10 of 512, H 2048, I 512); the decode attention's
+      # num_stages at T = 1 and 4, 1K and 32K contexts                                          (~3 min)
+      run quant_gptoss 120 python3 bench/bench_moe_decode_quant.py --formats mxfp4 --experts 128 --hidden 2880 \
         --inter 2880 --top-k 4 --tokens 1 --sweep --skip-dequant --json-out "$OUT/quant_gptoss.json"
-      run quant_next 100 python3 bench/bench_moe_decode_quant.py --formats nvfp4 --experts 512 --hidden 2048 \
+      run quant_next 120 python3 bench/bench_moe_decode_quant.py --formats nvfp4 --experts 512 --hidden 2048 \
         --inter 512 --top-k 10 --tokens 1 --sweep --skip-dequant --json-out "$OUT/quant_next.json"
-      run attn_pages 90 python3 bench/bench_decode_attention.py --no-sdpa --sweep-set pages --tokens 1 \
-        --contexts 1024,4096 --json-out "$OUT/attn_pages.json"
-      for pg in 0 16 64; do
-        run attn_page$pg 30 python3 bench/bench_decode_attention.py --no-sdpa --tokens 1 --contexts 1024,32768 --page $pg
-      done
-      for kb in 16 2048; do
-        run engine_kv$kb 95 python3 bench/bench_engine.py --runs 3 --prompt-tokens 1024 --decode-tokens 128 \
-          --fractions "" --kv-block-size $kb
-      done
+      run attn_stages 120 python3 bench/bench_decode_attention.py --no-sdpa --sweep-set stages --tokens 1,4 \
+        --contexts 1024,32768 --json-out "$OUT/attn_stages.json"
+      grep -hE "^(mxfp4|nvfp4|bf16) " "$OUT"/quant_gptoss.log "$OUT"/quant_next.log | cut -c1-120
       grep -hE "^\| (mxfp4|nvfp4|bf16)" "$OUT"/quant_gptoss.log "$OUT"/quant_next.log | cut -c1-160
-      tail -n 8 "$OUT/attn_pages.log" | cut -c1-160
-      for pg in 0 16 64; do echo "page $pg:"; tail -n 3 "$OUT/attn_page$pg.log" | cut -c1-160; done
-      grep -hE "^resident" "$OUT"/engine_kv16.log "$OUT"/engine_kv2048.log | cut -c1-160
+      tail -n 6 "$OUT/attn_stages.log" | cut -c1-160
       ;;
     engine)
       run engine "$T" python3 bench/bench_engine.py --runs 3 --prompt-tokens 1024 --decode-tokens 256 \

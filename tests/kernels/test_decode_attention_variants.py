@@ -1,12 +1,11 @@
-"""kernels/decode_attention's page addressing choices (`DecodeAttentionBlocks.pages`) and `num_stages`: every
-choice in lockstep with the torch reference, and in the Triton interpreter bit for bit with the default ("ahead"),
-over scattered block tables of pages that divide BLOCK_N, that do not (24 with block_n 64), that hold several tiles
-(32 with block_n 16) and of one position, contiguous rows, sliding windows (tiles that start off a page boundary),
-sinks, T = 1 and 3, G = 8 (tl.dot) and G = 2 (broadcast), fp32 and bf16 (the interpreter's bf16 tl.dot is wrong: there
-bf16 is checked against the reference on the broadcast path only). The host's launch choices (GROUP, int32 offsets,
-num_stages) are read off the launch. A compile check builds every choice for sm_90 with Triton's real compiler; the
-`gpu` tests run the same lockstep compiled on CUDA (at Triton's default num_stages and at 5), and bf16 at
-qwen3-30b-a3b shapes; the bench's `--sweep-set pages` runs end to end on the CPU with a stub timer."""
+"""kernels/decode_attention's split kernel over the page layouts it must address and its `num_stages` launch option:
+in lockstep with the torch reference over scattered block tables of pages that divide BLOCK_N, that do not (24 with
+block_n 64), that hold several tiles (32 with block_n 16) and of one position, contiguous rows, sliding windows
+(tiles that start off a page boundary), sinks, T = 1 and 3, G = 8 (tl.dot) and G = 2 (broadcast), fp32 and bf16
+(the interpreter's bf16 tl.dot is wrong: there bf16 is checked against the reference on the broadcast path only).
+num_stages is read off the launch. A compile check builds the kernel for sm_90 with Triton's real compiler; the `gpu`
+tests run the same lockstep compiled on CUDA (at Triton's default num_stages and at 4), and bf16 at qwen3-30b-a3b
+shapes; the bench's `--sweep-set stages` runs end to end on the CPU with a stub timer."""
 from __future__ import annotations
 
 import functools
@@ -20,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ftexpert.kernels.decode_attention import (DEFAULT_BLOCKS, PAGES, DecodeAttentionBlocks, decode_attention,
+from ftexpert.kernels.decode_attention import (DEFAULT_BLOCKS, DecodeAttentionBlocks, decode_attention,
                                                decode_attention_reference)
 from ftexpert.kernels.decode_attention import api, triton_kernels
 from tests.conftest import HAS_CUDA, KERNEL_DEVICE
@@ -44,10 +43,10 @@ CASES = {
 }
 
 
-def blocks_for(block_n: int, pages: str = "ahead", num_stages: int | None = None) -> DecodeAttentionBlocks:
-    """Chunks of two tiles, so that a program walks more than one (the ids carried, or read, a tile ahead)."""
+def blocks_for(block_n: int, num_stages: int | None = None) -> DecodeAttentionBlocks:
+    """Chunks of two tiles, so that a program walks more than one (the ids carried a tile ahead)."""
     return DecodeAttentionBlocks(block_n=block_n, min_chunk=2 * block_n, short_min_chunk=2 * block_n,
-                                 target_programs=64, pages=pages, num_stages=num_stages)
+                                 target_programs=64, num_stages=num_stages)
 
 
 def make_case(name: str, dtype=torch.float32):
@@ -84,8 +83,8 @@ def bf16_near(out: torch.Tensor, ref: torch.Tensor) -> None:
 
 
 @functools.lru_cache(maxsize=None)
-def ahead_output(name: str, dtype=torch.float32) -> torch.Tensor:
-    """The default addressing's output on CASES[name] (computed once)."""
+def default_output(name: str, dtype=torch.float32) -> torch.Tensor:
+    """The kernel's output on CASES[name] at Triton's default num_stages (computed once)."""
     args, kw, block_n = make_case(name, dtype)
     return decode_attention(*args, impl="triton", blocks=blocks_for(block_n), **kw)
 
@@ -113,80 +112,39 @@ def spy(monkeypatch) -> LaunchSpy:
 # ---- lockstep in the interpreter (compiled where there is a GPU; the GPU suite runs the `gpu` ones below) --------
 
 @pytest.mark.usefixtures("no_tf32")
-@pytest.mark.parametrize("pages", PAGES)
 @pytest.mark.parametrize("case", list(CASES))
-def test_pages_in_lockstep_with_the_reference(case, pages):
-    args, kw, block_n = make_case(case)
-    out = ahead_output(case) if pages == "ahead" else decode_attention(*args, impl="triton",
-                                                                       blocks=blocks_for(block_n, pages), **kw)
-    torch.testing.assert_close(out, reference(args, kw), rtol=1e-5, atol=1e-5)
-    if not HAS_CUDA:                           # the interpreter: the same float operations on the same values
-        assert torch.equal(out, ahead_output(case))
+def test_in_lockstep_with_the_reference(case):
+    args, kw, _ = make_case(case)
+    torch.testing.assert_close(default_output(case), reference(args, kw), rtol=1e-5, atol=1e-5)
 
 
 BF16_CASES = ["g2-t1-page16-bn64-sinks", "g2-t3-page24-bn64", "g8-t3-page16-bn32", "g8-t3-page16-window-sinks"]
 
 
-@pytest.mark.parametrize("pages", [p for p in PAGES if p != "ahead"])
-@pytest.mark.parametrize("case", BF16_CASES)
-def test_pages_in_bf16(case, pages):
-    args, kw, block_n = make_case(case, torch.bfloat16)
-    out = decode_attention(*args, impl="triton", blocks=blocks_for(block_n, pages), **kw)
+@pytest.mark.parametrize("case", [c for c in BF16_CASES if HAS_CUDA or CASES[c][0] < api.DOT_MIN_GROUP])
+def test_bf16(case):
+    args, kw, _ = make_case(case, torch.bfloat16)
+    out = default_output(case, torch.bfloat16)
     assert out.dtype == torch.bfloat16
-    if HAS_CUDA:
-        bf16_near(out, ahead_output(case, torch.bfloat16))
-    else:
-        assert torch.equal(out, ahead_output(case, torch.bfloat16))
-    if HAS_CUDA or CASES[case][0] < api.DOT_MIN_GROUP:
-        bf16_near(out, reference(args, kw))
+    bf16_near(out, reference(args, kw))
 
 
 @pytest.mark.usefixtures("no_tf32")
 @pytest.mark.parametrize("num_stages", STAGES)
-@pytest.mark.parametrize("pages", PAGES)
-def test_num_stages_is_a_launch_option(spy, pages, num_stages):
+def test_num_stages_is_a_launch_option(spy, num_stages):
     """The interpreter ignores num_stages; the launch gets it (absent: Triton's default) and the result holds."""
     case = "g8-t1-page32-bn16"
     args, kw, block_n = make_case(case)
-    out = decode_attention(*args, impl="triton", blocks=blocks_for(block_n, pages, num_stages), **kw)
+    out = decode_attention(*args, impl="triton", blocks=blocks_for(block_n, num_stages), **kw)
     torch.testing.assert_close(out, reference(args, kw), rtol=1e-5, atol=1e-5)
     (launch,) = spy.launches
     assert launch.get("num_stages") == num_stages and ("num_stages" in launch) == (num_stages is not None)
-    assert launch["PAGES"] == PAGES.index(pages)
-
-
-# (case, pages, fits int32, expected GROUP, expected OFFS_I32)
-LAUNCHES = [
-    ("g2-t1-page16-bn64-sinks", "grouped", True, 4, True),
-    ("g2-t1-page16-bn64-sinks", "early", False, 4, False),         # int64 where the cache's span does not fit
-    ("g8-t3-page1-bn16", "grouped", True, 16, True),
-    ("g8-t3-page16-window-sinks", "grouped", True, 0, True),      # tiles off page boundaries: an id a position
-    ("g8-t3-page16-window-sinks", "early", False, 0, False),
-    ("g2-t3-page24-bn64", "early", True, 0, True),                # PAGE does not divide BLOCK_N
-    ("g8-t1-page32-bn16", "grouped", False, 1, False),            # the tile inside one page
-    ("g8-t3-contiguous", "early", True, 1, True),
-    ("g8-t3-page16-bn32", "inloop", True, 0, False),
-    ("g8-t3-page16-bn32", "ahead", True, 0, False),
-]
-
-
-@pytest.mark.usefixtures("no_tf32")
-@pytest.mark.parametrize("case,pages,fits,group,int32", LAUNCHES)
-def test_the_hosts_addressing_choices(spy, monkeypatch, case, pages, fits, group, int32):
-    if not fits:
-        monkeypatch.setattr(api, "INT32_SPAN", 1)                  # as if the layer spanned 2**31 elements or more
-    args, kw, block_n = make_case(case)
-    out = decode_attention(*args, impl="triton", blocks=blocks_for(block_n, pages), **kw)
-    (launch,) = spy.launches
-    assert (launch["PAGES"], launch["GROUP"], launch["OFFS_I32"]) == (PAGES.index(pages), group, int32)
-    torch.testing.assert_close(out, reference(args, kw), rtol=1e-5, atol=1e-5)
     if not HAS_CUDA:
-        assert torch.equal(out, ahead_output(case))
+        assert torch.equal(out, default_output(case))
 
 
 @pytest.mark.usefixtures("no_tf32")
-@pytest.mark.parametrize("pages", PAGES)
-def test_k_and_v_of_different_strides(pages):
+def test_k_and_v_of_different_strides():
     """K a layer of a pool [2, NB, PAGE, Hkv, D], V the first D columns of a wider one: the page and position
     strides of K and V differ, and each is used for its own."""
     args, kw, block_n = make_case("g8-t3-page16-bn32")
@@ -197,26 +155,15 @@ def test_k_and_v_of_different_strides(pages):
     v_wide[..., :D] = v
     k2, v2 = k_pool[1], v_wide[..., :D]
     assert k2.stride()[:2] != v2.stride()[:2] and k2.storage_offset() > 0
-    out = decode_attention(q, k2, v2, rows, lens, impl="triton", blocks=blocks_for(block_n, pages), **kw)
+    out = decode_attention(q, k2, v2, rows, lens, impl="triton", blocks=blocks_for(block_n), **kw)
     torch.testing.assert_close(out, reference(args, kw), rtol=1e-5, atol=1e-5)
 
 
-def test_offsets_fit_int32_from_the_cache_views_span():
-    """A layer's view of a pool: its own span counts, pages and all (meta tensors: shapes and strides, no memory)."""
-    fits = api._offsets_fit_int32
-    assert fits(torch.empty(48, 8192, 16, 4, 128, device="meta")[47], 128)        # [L, NB, ...]: 2**26 a layer
-    assert not fits(torch.empty(8192, 48, 16, 4, 128, device="meta")[:, 47], 128)  # [NB, L, ...]: pages 48 layers apart
-    big = torch.empty(2 ** 31 // (16 * 4 * 128), 16, 4, 128, device="meta")        # 2**31 elements
-    assert not fits(big, 128) and fits(big[:-1], 128)
-
-
 def test_bad_blocks_are_refused():
-    with pytest.raises(ValueError, match=r"pages='paged': must be one of 'ahead', 'inloop', 'grouped', 'early'"):
-        DecodeAttentionBlocks(pages="paged")
     for bad in (0, -1, 2.0, "3", True):
         with pytest.raises(ValueError, match="num_stages"):
             DecodeAttentionBlocks(num_stages=bad)
-    assert DEFAULT_BLOCKS.pages == "ahead" and DEFAULT_BLOCKS.num_stages is None
+    assert DEFAULT_BLOCKS.num_stages is None
 
 
 def test_the_cases_see_every_page():
@@ -242,31 +189,28 @@ def test_the_cases_see_every_page():
 
 @pytest.mark.gpu
 @pytest.mark.usefixtures("no_tf32")
-@pytest.mark.parametrize("num_stages", [None, 5])
-@pytest.mark.parametrize("pages", PAGES)
-def test_lockstep_cases_on_gpu(pages, num_stages):
-    """Every case of the interpreter's lockstep, compiled (at Triton's default num_stages and at 5, where the
-    pipeliner double-buffers the non-"ahead" choices): fp32 against the reference, bf16 (BF16_CASES) against the
-    reference and the default's output."""
+@pytest.mark.parametrize("num_stages", [None, 4])
+def test_lockstep_cases_on_gpu(num_stages):
+    """Every case of the interpreter's lockstep, compiled (at Triton's default num_stages and at 4): fp32 against the
+    reference, bf16 (BF16_CASES) against the reference and the default's output."""
     for case in CASES:
         args, kw, block_n = make_case(case)
-        out = decode_attention(*args, impl="triton", blocks=blocks_for(block_n, pages, num_stages), **kw)
+        out = decode_attention(*args, impl="triton", blocks=blocks_for(block_n, num_stages), **kw)
         torch.testing.assert_close(out, reference(args, kw), rtol=1e-5, atol=1e-5, msg=case)
     for case in BF16_CASES:
         args, kw, block_n = make_case(case, torch.bfloat16)
-        out = decode_attention(*args, impl="triton", blocks=blocks_for(block_n, pages, num_stages), **kw)
+        out = decode_attention(*args, impl="triton", blocks=blocks_for(block_n, num_stages), **kw)
         bf16_near(out, reference(args, kw))
-        bf16_near(out, ahead_output(case, torch.bfloat16))
+        bf16_near(out, default_output(case, torch.bfloat16))
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("num_stages", [None, 5])
-@pytest.mark.parametrize("pages", PAGES)
-def test_bf16_qwen3_shapes_on_gpu(pages, num_stages):
-    """Scattered pages of 16 (full and a 512 window) and contiguous rows, every addressing choice in lockstep with
-    the fp32 reference and with the default's output."""
+@pytest.mark.parametrize("num_stages", [None, 4])
+def test_bf16_qwen3_shapes_on_gpu(num_stages):
+    """Scattered pages of 16 (full and a 512 window) and contiguous rows in lockstep with the fp32 reference and
+    with the default launch's output."""
     Hq, Hkv_, Dq, page = 32, 4, 128, 16
-    blocks = DecodeAttentionBlocks(pages=pages, num_stages=num_stages)
+    blocks = DecodeAttentionBlocks(num_stages=num_stages)
     g = torch.Generator().manual_seed(11)
     for lens, window, paged in (([1280, 77, 4096], None, True), ([3000, 2048], 512, True), ([1100, 4096], None, False)):
         bucket, T = 4096, len(lens)
@@ -292,15 +236,16 @@ COMPILE = r"""
 import json, sys
 from ftexpert.kernels.compile_driver import run_compile_check
 from ftexpert.kernels.decode_attention import triton_kernels
-sys.exit(run_compile_check("compile the split kernel's page addressing choices", json.loads(sys.argv[1]),
+sys.exit(run_compile_check("compile the decode attention's split kernel", json.loads(sys.argv[1]),
                            triton_kernels, []))
 """
 
 
 def compile_cases() -> list:
     """(name, kernel, signature, constexprs, options, 16-divisible args): qwen3-30b-a3b's split kernel (bf16, G 8,
-    tl.dot) under every choice, Triton's default num_stages and 5, and the broadcast path with a window in fp32."""
-    def case(name, pages, group, int32, stages=None, dt="bf16", G=8, window=False, page=16):
+    tl.dot) at Triton's default num_stages and at 1 and 5, contiguous rows, and the broadcast path with a window in
+    fp32."""
+    def case(name, stages=None, dt="bf16", G=8, window=False, page=16):
         ints = ["stride_qt", "stride_qh", "stride_kb", "stride_ks", "stride_kh", "stride_vb", "stride_vs",
                 "stride_vh", "stride_tb", "bucket", "window", "chunk"]
         sig = {"q_ptr": f"*{dt}", "k_ptr": f"*{dt}", "v_ptr": f"*{dt}", "tables_ptr": "*i32", "rows_ptr": "*i64",
@@ -308,23 +253,16 @@ def compile_cases() -> list:
                **{a: "i32" for a in ints}}
         dot = G >= api.DOT_MIN_GROUP
         consts = dict(NUM_SPLITS=16, G=G, GP=16 if dot else G, HEAD_DIM=128, BLOCK_D=128, BLOCK_N=64,
-                      HAS_WINDOW=window, USE_DOT=dot, IS_FP32=dt == "fp32", PAGE=page, PAGES=PAGES.index(pages),
-                      GROUP=group, OFFS_I32=int32)
+                      HAS_WINDOW=window, USE_DOT=dot, IS_FP32=dt == "fp32", PAGE=page)
         sig.update({c: "constexpr" for c in consts})
         opts = {"num_warps": 4} if stages is None else {"num_warps": 4, "num_stages": stages}
         divisible = [a for a in sig if a.endswith("_ptr")] + ["stride_kb", "stride_vb", "stride_ks", "stride_vs"]
         return [f"{name} st={stages or '-'}", "decode_attn_split_kernel", sig, consts, opts, divisible]
-    cases = [case("ahead", "ahead", 0, False), case("inloop", "inloop", 0, False)]
-    for stages in (None, 5):
-        cases += [case("grouped", "grouped", 4, True, stages), case("early", "early", 4, True, stages)]
-    cases += [case("grouped int64", "grouped", 4, False), case("early contiguous rows", "early", 1, True, page=4096),
-              case("grouped page 24", "grouped", 0, True, page=24),
-              case("grouped window fp32 G2", "grouped", 0, True, dt="fp32", G=2, window=True),
-              case("early G2", "early", 4, True, G=2)]
-    return cases
+    return [case("pages of 16"), case("pages of 16", 1), case("pages of 16", 5), case("contiguous rows", page=4096),
+            case("window fp32 G2", dt="fp32", G=2, window=True)]
 
 
-def test_every_choice_compiles_for_sm90():
+def test_the_split_kernel_compiles_for_sm90():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run([sys.executable, "-c", COMPILE, json.dumps(compile_cases())], capture_output=True,
                           text=True, env=env, cwd=REPO, timeout=300)
@@ -347,23 +285,21 @@ def bench(monkeypatch):
 
 
 def test_bench_sweep_variants(bench):
-    pages = bench.sweep_variants(DEFAULT_BLOCKS, "pages")
-    assert len(pages) == len(set(pages)) and DEFAULT_BLOCKS not in pages
-    assert {(b.pages, b.num_stages) for b in pages} | {("ahead", None)} == {
-        (p, s) for p, stages in bench.PAGES_STAGES.items() for s in stages} | {("ahead", None)}
-    assert all(s in bench.PAGES_STAGES[p] for p in PAGES for s in (1, 2, 3, 4))
-    assert set(pages) <= set(bench.sweep_variants(DEFAULT_BLOCKS))
-    assert not any(b.pages != "ahead" for b in bench.sweep_variants(DEFAULT_BLOCKS, "blocks"))
-    args = bench.parse_args(["--sweep-set", "pages"])
-    assert args.sweep_set == "pages" and bench.parse_args([]).sweep_set == "all"
+    stages = bench.sweep_variants(DEFAULT_BLOCKS, "stages")
+    assert len(stages) == len(set(stages)) and DEFAULT_BLOCKS not in stages
+    assert [b.num_stages for b in stages] == list(bench.STAGES)
+    assert set(stages) <= set(bench.sweep_variants(DEFAULT_BLOCKS))
+    assert not any(b.num_stages is not None for b in bench.sweep_variants(DEFAULT_BLOCKS, "blocks"))
+    args = bench.parse_args(["--sweep-set", "stages"])
+    assert args.sweep_set == "stages" and bench.parse_args([]).sweep_set == "all"
 
 
 @pytest.mark.skipif(HAS_CUDA, reason="the bench's CPU rows go through the interpreter, which is off with a GPU")
-def test_bench_pages_sweep_runs_and_labels_every_variant(bench, capsys):
-    """--sweep-set pages on tiny shapes with a stub timer (one call, a made-up time): a row a variant, each label
-    naming its pages and num_stages, and the pages table marking one fastest a case."""
+def test_bench_stages_sweep_runs_and_labels_every_variant(bench, capsys):
+    """--sweep-set stages on tiny shapes with a stub timer (one call, a made-up time): a row a variant, each label
+    naming its num_stages, and the stages table marking one fastest a case."""
     args = bench.parse_args(["--tokens", "1", "--contexts", "40", "--max-context", "64", "--heads", "8",
-                             "--kv-heads", "2", "--head-dim", "16", "--calls", "2", "--no-sdpa", "--sweep-set", "pages",
+                             "--kv-heads", "2", "--head-dim", "16", "--calls", "2", "--no-sdpa", "--sweep-set", "stages",
                              "--dtype", "float32"])
     args.sweep = True
     times = iter(range(100, 1, -1))
@@ -374,10 +310,10 @@ def test_bench_pages_sweep_runs_and_labels_every_variant(bench, capsys):
     rows: list[dict] = []
     bench.run_case(args, torch.float32, 1, 40, rows, device="cpu", timer=timer)
     names = [r["name"] for r in rows]
-    variants = bench.sweep_variants(DEFAULT_BLOCKS, "pages")
+    variants = bench.sweep_variants(DEFAULT_BLOCKS, "stages")
     assert len(rows) == 2 + len(variants) and len(set(names)) == len(names)
     for b, name in zip(variants, names[2:]):
-        assert f"pages={b.pages} st={'-' if b.num_stages is None else b.num_stages} " in name
-    bench.print_pages_table(rows)
-    table = capsys.readouterr().out.split("split kernel page addressing")[1]
-    assert table.count("*") == 2 and all(f" {p} " in table for p in PAGES)     # the header's and the fastest
+        assert f" st={b.num_stages} " in name
+    bench.print_stages_table(rows)
+    table = capsys.readouterr().out.split("split kernel num_stages")[1]
+    assert table.count("*") == 2 and all(f"st={st}" in table for st in bench.STAGES)   # the header's and the fastest

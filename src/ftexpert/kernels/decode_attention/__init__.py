@@ -9,9 +9,9 @@ It replaces SDPA with a [rows, 1, 1, bucket] boolean mask in `DecodeAttention` o
 cuDNN's flash fprop at ~32 us per layer for a 1,280-token context on the H200). A Triton kernel
 (triton_kernels.py) with a plain torch reference beside it (reference.py), dispatched by api.py.
 """
-from ftexpert.kernels.decode_attention.api import (DEFAULT_BLOCKS, PAGES, DecodeAttentionBlocks, decode_attention,
+from ftexpert.kernels.decode_attention.api import (DEFAULT_BLOCKS, DecodeAttentionBlocks, decode_attention,
                                                    split_plan)
 from ftexpert.kernels.decode_attention.reference import decode_attention_reference, gather_pages, gather_window
 
 __all__ = ["decode_attention", "decode_attention_reference", "gather_pages", "gather_window", "DecodeAttentionBlocks",
-           "DEFAULT_BLOCKS", "PAGES", "split_plan"]
+           "DEFAULT_BLOCKS", "split_plan"]

@@ -20,8 +20,6 @@ from ftexpert.kernels.pdl import pdl_args
 from ftexpert.kernels.decode_attention.reference import decode_attention_reference
 
 DOT_MIN_GROUP = 4      # tl.dot for G >= this many query heads per kv head, a broadcast-sum below
-PAGES = ("ahead", "inloop", "grouped", "early")   # DecodeAttentionBlocks.pages: the split kernel's page addressing
-INT32_SPAN = 2 ** 31   # "grouped" computes row offsets in int32 when a layer's cache spans fewer elements
 
 @dataclass(frozen=True)
 class DecodeAttentionBlocks:
@@ -37,19 +35,10 @@ class DecodeAttentionBlocks:
     bench_decode_attention.py, T=1, 320 positions in a 512 bucket) 8 splits of 64 took 5.4 us against 6.6 us
     for 4 of 128; from 2,048 positions 128-position chunks were as fast or faster.
 
-    pages: how the split kernel finds a tile's rows in the paged cache (PAGES; triton_kernels.py's docstring says
-    more); every choice reads the same positions and computes the same result. "ahead" (the default, the kernel as
-    it was) reads a tile's page ids one tile ahead, a value carried through the loop; "inloop" reads them in the
-    loop from the loop index alone, which leaves Triton's software pipeliner free to issue them a stage before the
-    K / V loads they address; "grouped" reads them in the loop too, but only BLOCK_N // PAGE ids a tile (one where
-    a tile lies inside a page), each multiplied by the page stride once and broadcast over its page's positions,
-    in int32 where the layer's cache spans fewer than 2**31 elements, when PAGE divides BLOCK_N or BLOCK_N divides
-    PAGE and there is no sliding window (with one, a tile need not start on a page boundary: then an id a
-    position, as "inloop", still in int32 where allowed); "early" is "grouped" with the request's table row read
-    beside seq_len, not after the empty-split test. num_stages: the split kernel's software pipelining depth, a
-    launch option (None: Triton's default, 3 on NVIDIA; the non-"ahead" choices double-buffer K / V only from 5).
-    The choices other than the defaults are not timed yet: `python bench/bench_decode_attention.py --sweep-set
-    pages` times them beside the default on the GPU.
+    num_stages: the split kernel's software pipelining depth, a launch option (None: Triton's default, 3 on
+    NVIDIA). On an H100 (`bench_decode_attention.py --sweep-set stages`, T = 1, 2026-12-07, as the rows of the
+    then page-addressing sweep) the default was the
+    fastest: 7.10 us at a 1K context against 7.3-8.0 at 1, 2, 4; 10.40 at 4K against 10.45-11.73.
     """
     block_n: int = 64
     min_chunk: int = 128
@@ -59,12 +48,9 @@ class DecodeAttentionBlocks:
     max_splits: int = 64
     num_warps: int = 4
     merge_warps: int = 4
-    pages: str = "ahead"
     num_stages: int | None = None
 
     def __post_init__(self):
-        if self.pages not in PAGES:
-            raise ValueError(f"pages={self.pages!r}: must be one of {', '.join(map(repr, PAGES))}")
         if self.num_stages is not None and (type(self.num_stages) is not int or self.num_stages < 1):
             raise ValueError(f"num_stages={self.num_stages!r}: must be None (Triton's default) or an int >= 1")
 
@@ -130,12 +116,6 @@ def _check(q, k_cache, v_cache, rows, seq_lens, bucket, sliding_window, block_ta
         raise ValueError(f"sliding_window={sliding_window} must be >= 1 or None")
 
 
-def _offsets_fit_int32(cache: torch.Tensor, block_d: int) -> bool:
-    """Whether the largest element offset of a layer's cache view, with the head dim padded to block_d, fits in
-    int32: then so does every row offset page * stride(0) + in_page * stride(1) (+ the column) the kernel forms."""
-    return sum((n - 1) * st for n, st in zip(cache.shape, cache.stride())) + block_d < INT32_SPAN
-
-
 def contiguous_tables(k_cache: torch.Tensor) -> torch.Tensor:
     """The block tables of a contiguous cache [B, S, Hkv, D] seen as B pages of S positions: [[0], [1], ...]."""
     return torch.arange(k_cache.shape[0], dtype=torch.int32, device=k_cache.device).view(-1, 1)
@@ -197,10 +177,6 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     from ftexpert.kernels.decode_attention.triton_kernels import decode_attn_merge_kernel, decode_attn_split_kernel
     pdl = pdl_args(q.device)
     page = k_cache.shape[1]
-    grouped = blocks.pages in ("grouped", "early")
-    group = 0
-    if grouped and sliding_window is None and (block_n % page == 0 or page % block_n == 0):
-        group = max(1, block_n // page)                 # tiles start on multiples of block_n (chunks are)
     opts = {} if blocks.num_stages is None else {"num_stages": blocks.num_stages}
     decode_attn_split_kernel[(T, Hkv, num_splits)](
         q, k_cache, v_cache, block_tables, rows, seq_lens, m, l, acc,
@@ -211,9 +187,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         float(scale), bucket, window, chunk,
         NUM_SPLITS=num_splits, G=G, GP=gp, HEAD_DIM=D, BLOCK_D=block_d, BLOCK_N=block_n,
         HAS_WINDOW=sliding_window is not None, USE_DOT=use_dot, IS_FP32=q.dtype == torch.float32,
-        PAGE=page, PAGES=PAGES.index(blocks.pages), GROUP=group,
-        OFFS_I32=grouped and _offsets_fit_int32(k_cache, block_d) and _offsets_fit_int32(v_cache, block_d),
-        num_warps=blocks.num_warps, **opts, **pdl)
+        PAGE=page, num_warps=blocks.num_warps, **opts, **pdl)
     decode_attn_merge_kernel[(T, Hq)](
         m, l, acc, seq_lens, out, m if sinks is None else sinks.contiguous(), bucket, window, chunk,
         NUM_SPLITS=num_splits, SPLITS_P2=_next_pow2(num_splits), HEAD_DIM=D, BLOCK_D=_next_pow2(D),

@@ -12,7 +12,7 @@ Two kernels, launched back to back (api.py):
    [max(0, seq_len - window), min(seq_len, bucket)). It walks the chunk BLOCK_N positions at a time
    (each position's page read from the block table row, so a tile may span several pages)
    with an online softmax (fp32) and writes its partial (max m, sum l, unnormalised acc [G, D]).
-   A tile's K and V are loaded together; how it finds their rows is PAGES, below.
+   A tile's K and V are loaded together; how it finds their rows is below (page addressing).
    A program whose clipped chunk is empty (beyond seq_len, or before the window) writes nothing and
    ends at once, so the fixed grid of a CUDA graph costs little for short contexts.
 2. `decode_attn_merge_kernel`, grid (T, Hq): out = sum_s exp(m_s - M) acc_s / sum_s exp(m_s - M) l_s
@@ -24,29 +24,12 @@ tl.dot needs) by the [BLOCK_N, D] key tile on tensor cores, and p [GP, BLOCK_N] 
 cache dtype, as flash attention does) by the [BLOCK_N, D] value tile; otherwise (small G) a
 broadcast product and tl.sum, in fp32. fp32 inputs take tl.dot's "ieee" precision (no TF32).
 
-Page addressing, PAGES (api.py's `DecodeAttentionBlocks.pages`). Every choice reads the same positions and
-computes the same result (the float operations are the same; only the addresses are formed differently):
-- 0 "ahead", the default (the kernel as it was before the choices): a tile's page ids, one a position, read one
-  tile ahead (the first tile's before the query) and carried through the loop, so the table read is not a
-  dependent load right in front of each tile's K.
-- 1 "inloop": each tile reads its ids in the loop from the loop index alone (`_tile_ids`), nothing carried, so
-  Triton's software pipeliner may schedule the id load a stage ahead of the K / V loads it addresses.
-- 2 "grouped": as "inloop", but where the tile starts on a page boundary (no sliding window: chunks and tiles
-  start on multiples of BLOCK_N) and PAGE divides BLOCK_N, GROUP = BLOCK_N // PAGE ids a tile (GROUP = 1 where
-  BLOCK_N divides PAGE: the tile lies inside one page), each multiplied by the page stride once and broadcast over
-  its positions as a [GROUP, BLOCK_N // GROUP] tile reshaped (`_tile_rows`); otherwise (GROUP = 0) an id a
-  position. With OFFS_I32 (the host found every offset of the layer's cache view below 2**31) the ids and row
-  offsets are int32, else int64.
-- 3 "early": "grouped", with the request's block table row read beside seq_len rather than after the empty-split
-  test, so the chain row -> page ids -> K / V starts one load earlier (the test `row >= 0`, always true, keeps
-  ptxas from sinking that load past the exit).
-What Triton 3.9 makes of them for sm_90 at qwen3-30b-a3b's shapes (compiled on a CPU and read from the TTGIR and
-SASS, not timed): at the default num_stages (3) "ahead" double-buffers K / V but reads the second tile's ids only
-after the first tile's have arrived (two dependent table reads before the second tile's K); the other three, at
-num_stages 3 and 4, read the ids with cp.async, a level of indirection to the pipeliner, and keep one K / V buffer
-(the next tile's K / V issued after this tile's compute); at 5 they double-buffer, the first two tiles' ids read
-together. Which is fastest awaits measurement on the GPU: `python bench/bench_decode_attention.py --sweep
---sweep-set pages` (num_stages is a launch option, `DecodeAttentionBlocks.num_stages`).
+Page addressing: a tile's page ids, one a position, are read one tile ahead (the first tile's before the query) and
+carried through the loop, so the table read is not a dependent load right in front of each tile's K. Three other
+ways (ids read in the loop from its index alone; one id a page, broadcast; the table row read beside seq_len) were
+measured against it on an H100 (bench_decode_attention.py's page-addressing sweep, T = 1, num_stages 1-5, 2026-12-07):
+each was slower at every num_stages, 7.5-10.0 against 7.1 us at a 1K context and 11.0-13.7 against 10.4 at 4K, and
+they were removed (docs/BENCHMARKS.md).
 
 Every block the loop loads holds at least one valid position (the loop starts at the first valid
 position of the chunk, not at a BLOCK_N boundary), so the running max is finite after the first
@@ -90,9 +73,6 @@ def decode_attn_split_kernel(
     USE_DOT: tl.constexpr,
     IS_FP32: tl.constexpr,
     PAGE: tl.constexpr,   # positions per page
-    PAGES: tl.constexpr = 0,         # page addressing: 0 "ahead", 1 "inloop", 2 "grouped", 3 "early" (api.PAGES)
-    GROUP: tl.constexpr = 0,         # "grouped" / "early": page ids per tile (0: an id per position, as "inloop")
-    OFFS_I32: tl.constexpr = False,  # "grouped" / "early": ids and row offsets in int32 (the host checked the span)
     USE_PDL: tl.constexpr = False,   # launched with PDL: wait for the kernel before first (kernels/pdl.py)
 ):
     pdl_enter(USE_PDL)
@@ -100,25 +80,16 @@ def decode_attn_split_kernel(
     kh = tl.program_id(1)
     s = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + t).to(tl.int64)
-    if PAGES == 3:
-        row_early = tl.load(rows_ptr + t).to(tl.int64)                       # beside seq_len, not behind it
     lo = s.to(tl.int64) * chunk
     hi = tl.minimum(tl.minimum(lo + chunk, seq_len), bucket)
     if HAS_WINDOW:
         lo = tl.maximum(lo, seq_len - window)
-    run = lo < hi
-    if PAGES == 3:
-        run = run & (row_early >= 0)    # always true: the test keeps ptxas from sinking the row load past the exit
-    if run:
-        if PAGES == 3:
-            row = row_early
-        else:
-            row = tl.load(rows_ptr + t).to(tl.int64)
+    if lo < hi:
+        row = tl.load(rows_ptr + t).to(tl.int64)
         table = tables_ptr + row * stride_tb
-        if PAGES == 0:
-            # the first tile's pages, before the query: a page read is a dependent load ahead of every K / V load
-            offs_n = lo + tl.arange(0, BLOCK_N)
-            page_next = tl.load(table + offs_n // PAGE, mask=offs_n < hi, other=0).to(tl.int64)
+        # the first tile's pages, before the query: a page read is a dependent load ahead of every K / V load
+        offs_n = lo + tl.arange(0, BLOCK_N)
+        page_next = tl.load(table + offs_n // PAGE, mask=offs_n < hi, other=0).to(tl.int64)
         offs_g = tl.arange(0, GP)
         offs_d = tl.arange(0, BLOCK_D)
         d_ok = offs_d < HEAD_DIM
@@ -137,22 +108,15 @@ def decode_attn_split_kernel(
             offs_n = n0 + tl.arange(0, BLOCK_N)                               # [BLOCK_N] positions
             n_ok = offs_n < hi
             kv_mask = n_ok[:, None] & d_ok[None, :]
-            if PAGES == 0:
-                page = page_next                                              # [BLOCK_N]
-                in_page = offs_n % PAGE
-                k = tl.load(k_base + (page * stride_kb + in_page * stride_ks)[:, None] + offs_d[None, :],
-                            mask=kv_mask, other=0.0)                          # [BLOCK_N, BLOCK_D]
-                v = tl.load(v_base + (page * stride_vb + in_page * stride_vs)[:, None] + offs_d[None, :],
-                            mask=kv_mask, other=0.0)                          # [BLOCK_N, BLOCK_D]
-                # the next tile's pages, read while this tile computes
-                offs_next = offs_n + BLOCK_N
-                page_next = tl.load(table + offs_next // PAGE, mask=offs_next < hi, other=0).to(tl.int64)
-            else:                                                             # ids read from n0 alone
-                ids = _tile_ids(table, n0, hi, PAGE, BLOCK_N, GROUP, OFFS_I32)    # [GROUP or BLOCK_N]
-                k_rows = _tile_rows(ids, n0, stride_kb, stride_ks, PAGE, BLOCK_N, GROUP, OFFS_I32)   # [BLOCK_N]
-                v_rows = _tile_rows(ids, n0, stride_vb, stride_vs, PAGE, BLOCK_N, GROUP, OFFS_I32)
-                k = tl.load(k_base + k_rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-                v = tl.load(v_base + v_rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+            page = page_next                                                  # [BLOCK_N]
+            in_page = offs_n % PAGE
+            k = tl.load(k_base + (page * stride_kb + in_page * stride_ks)[:, None] + offs_d[None, :],
+                        mask=kv_mask, other=0.0)                              # [BLOCK_N, BLOCK_D]
+            v = tl.load(v_base + (page * stride_vb + in_page * stride_vs)[:, None] + offs_d[None, :],
+                        mask=kv_mask, other=0.0)                              # [BLOCK_N, BLOCK_D]
+            # the next tile's pages, read while this tile computes
+            offs_next = offs_n + BLOCK_N
+            page_next = tl.load(table + offs_next // PAGE, mask=offs_next < hi, other=0).to(tl.int64)
             if USE_DOT:
                 if IS_FP32:
                     qk = tl.dot(q, tl.trans(k), input_precision="ieee")       # [GP, BLOCK_N]
@@ -179,50 +143,6 @@ def decode_attn_split_kernel(
         tl.store(l_ptr + part, l_i, mask=g_ok)
         tl.store(acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], acc,
                  mask=g_ok[:, None] & d_ok[None, :])
-
-
-@triton.jit
-def _tile_ids(table, n0, hi, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, GROUP: tl.constexpr,
-              OFFS_I32: tl.constexpr):
-    """The page ids of the tile of positions n0 + [0, BLOCK_N), read from the block table row `table`, those at or
-    past hi masked to 0. GROUP > 0 (the tile starts on a page boundary, or lies inside one page): [GROUP] ids, one
-    a page; GROUP = 0: [BLOCK_N] ids, one a position."""
-    if GROUP > 0:
-        offs_j = tl.arange(0, GROUP)
-        ids = tl.load(table + n0 // PAGE + offs_j, mask=n0 + offs_j * (BLOCK_N // GROUP) < hi, other=0)
-    else:
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        ids = tl.load(table + offs_n // PAGE, mask=offs_n < hi, other=0)
-    if OFFS_I32:
-        ids = ids.to(tl.int32)
-    else:
-        ids = ids.to(tl.int64)
-    return ids
-
-
-@triton.jit
-def _tile_rows(ids, n0, stride_b, stride_s, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, GROUP: tl.constexpr,
-               OFFS_I32: tl.constexpr):
-    """[BLOCK_N] row offsets ids * stride_b + in_page * stride_s of the tile's positions n0 + [0, BLOCK_N), from
-    _tile_ids. GROUP > 0: each id multiplied once, broadcast over its BLOCK_N // GROUP positions as a
-    [GROUP, BLOCK_N // GROUP] tile reshaped (row-major: position order)."""
-    if GROUP > 0:
-        SUB: tl.constexpr = BLOCK_N // GROUP                                  # positions an id covers
-        if GROUP == 1:
-            in_page = n0 % PAGE + tl.arange(0, SUB)                           # a tile inside one page
-        else:
-            in_page = tl.arange(0, SUB)                                       # page-aligned: whole pages
-        if OFFS_I32:
-            in_page = in_page.to(tl.int32)
-        else:
-            in_page = in_page.to(tl.int64)
-        rows = tl.reshape(ids[:, None] * stride_b + (in_page * stride_s)[None, :], [BLOCK_N])
-    else:
-        in_page = (n0 + tl.arange(0, BLOCK_N)) % PAGE
-        if OFFS_I32:
-            in_page = in_page.to(tl.int32)
-        rows = ids * stride_b + in_page * stride_s
-    return rows
 
 
 @triton.jit
