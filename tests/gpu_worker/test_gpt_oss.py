@@ -78,6 +78,27 @@ def test_the_fused_forward_matches_transformers(pair, tmp_path):
     assert _greedy(fused, [short], 16) == [hf_greedy(hf, short, 16)]
 
 
+def test_the_fused_forwards_biased_projections_through_dense_gemv(pair, monkeypatch):
+    """`dense_linear` gemv (the CUDA default): a decode token's q/k/v, o and router projections go through
+    kernels/dense_gemv with their biases (here its reference; the kernel's lockstep: tests/kernels/test_dense_gemv.py),
+    and greedy decoding still gives transformers' tokens."""
+    from ftexpert.kernels import dense_gemv
+    hf, path, _ = pair
+    biased = []
+    real = dense_gemv.linear_gemv
+
+    def spy(h, w, **kw):
+        biased.append(kw.get("bias") is not None)
+        return real(h, w, **kw)
+    monkeypatch.setattr(dense_gemv, "linear_gemv", spy)
+    fused = build(path, dtype="float32", max_context_tokens=128, fused_kernels="on", dense_linear="gemv")
+    assert fused.model.dense_linear == "gemv"
+    short = prompt_ids(11, seed=4)
+    assert _greedy(fused, [short], 16) == [hf_greedy(hf, short, 16)]
+    layers = len(fused.model.dense.layers)
+    assert sum(biased) >= 15 * 3 * layers and all(biased)             # 15 decode steps x (qkv, o, router) a layer
+
+
 def test_the_window_and_the_sinks_matter(pair):
     """A model that ignored the window or the sinks would be off by far more than REL_TOL."""
     hf, _, ours = pair

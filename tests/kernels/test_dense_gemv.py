@@ -76,6 +76,32 @@ def test_linear_gemv_lockstep(case):
     assert torch.equal(linear_gemv(x, w, impl="triton", blocks=blocks), got)            # deterministic
 
 
+@pytest.mark.parametrize("case", ["t1-ragged-n37-k70", "t4-ragged-strided-x-and-w", "t16-picked-blocks-strided-x",
+                                  "t7-n-smaller-than-block"])
+def test_linear_gemv_with_a_bias_lockstep(case):
+    """gpt-oss's biased projections: the bias added to the fp32 sums before the rounding, every row its own (a
+    bias of the outputs' size, so a wrong or missing one moves the result far past the tolerance)."""
+    T, N, K, blocks, strided_x, strided_w = LOCKSTEP_CASES[case]
+    x, w = operands(T, N, K, seed=T * 13 + N, strided_x=strided_x, strided_w=strided_w, device=DEV)
+    b = (10 * torch.randn(N, generator=torch.Generator().manual_seed(N))).to(DEV)
+    expected = ref.linear_gemv_reference(x.cpu(), w.cpu(), b.cpu())
+    got = linear_gemv(x, w, impl="triton", blocks=blocks, bias=b)
+    assert got.shape == (T, N) and rel_max(got, expected) < FP32_TOL
+    assert rel_max(got, F.linear(x.cpu(), w.cpu(), b.cpu())) < FP32_TOL
+    assert rel_max(linear_gemv(x, w, impl="triton", blocks=blocks), expected) > 1e-2      # the bias counts
+    zero_k = linear_gemv(x[:, :0], w[:, :0], impl="triton", bias=b)
+    assert torch.equal(zero_k.cpu(), b.cpu().expand(T, N))
+
+
+def test_linear_gemv_refuses_a_bad_bias():
+    x, w = torch.randn(2, 16), torch.randn(8, 16)
+    for bad in (torch.randn(7), torch.randn(8, 1), torch.randn(8).double(), torch.empty(8, device="meta")):
+        with pytest.raises(ValueError, match=r"bias must be \[8\] torch.float32 on cpu"):
+            linear_gemv(x, w, bias=bad)
+    with pytest.raises(ValueError, match="contiguous"):
+        linear_gemv(x, w, bias=torch.randn(16)[::2])
+
+
 def test_linear_gemv_rows_do_not_depend_on_the_batch():
     """Row t of a T = 4 (T_PAD 4) or T = 3 call is bitwise the row computed alone (T = 1), with one
     blocks setting; NaN in another row of x does not leak into row t."""
@@ -156,7 +182,8 @@ def test_linear_blocks_reject_bad_values(kwargs, match):
 def test_auto_on_cpu_runs_the_reference(monkeypatch):
     calls = []
     real = ref.linear_gemv_reference
-    monkeypatch.setattr(dense_api.reference, "linear_gemv_reference", lambda x, w: calls.append(1) or real(x, w))
+    monkeypatch.setattr(dense_api.reference, "linear_gemv_reference",
+                        lambda x, w, b=None: calls.append(1) or real(x, w, b))
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
         x, w = operands(3, 10, 24, seed=2, dtype=dtype)
         got = linear_gemv(x, w)
@@ -169,6 +196,13 @@ def test_triton_on_cpu_needs_the_interpreter(monkeypatch):
     x, w = operands(1, 4, 8, seed=0)
     with pytest.raises(ValueError, match="TRITON_INTERPRET"):
         linear_gemv(x, w, impl="triton")
+
+
+def test_the_references_bias_is_added_before_its_one_rounding():
+    x, w = operands(3, 16, 64, seed=8, dtype=torch.bfloat16)
+    b = torch.randn(16).to(torch.bfloat16)
+    got = ref.linear_gemv_reference(x, w, b)
+    assert torch.equal(got, (x.float() @ w.float().T + b.float()).to(torch.bfloat16))
 
 
 def test_reference_rounds_once_like_cublas():

@@ -14,7 +14,9 @@ Two forwards with the same rounding points, as for `MoeModel`: the plain torch o
 (``fused_kernels``, the CUDA default): MoeModel's fused loop with gpt-oss's fp32-weight RMSNorm fused with the
 residual adds (kernels/next_decode, offset 0), the rotary embedding and the KV cache write in one launch
 (kernels/moe_decode rope; the sinks and windows stay in the attention), the router's top-k and softmax (rounded to
-the model dtype) in one launch, and one biased GEMM for q, k and v (dense_tensors.fuse_qkv).
+the model dtype) in one launch, and one biased GEMM for q, k and v (dense_tensors.fuse_qkv); its decode-sized
+projections (q/k/v, o, the router) go through kernels/dense_gemv with their biases where MoeModel's do
+(`dense_linear`).
 """
 from __future__ import annotations
 
@@ -72,7 +74,7 @@ class GptOssModel(MoeModel):
         T = h.shape[0]
         if fused and layer.qkv_proj is not None:        # one GEMM (dense_tensors.fuse_qkv): strided views
             kv_size = cfg.num_kv_heads * cfg.head_dim
-            q, k, v = F.linear(h, layer.qkv_proj, layer.qkv_bias).split([cfg.q_size, kv_size, kv_size], dim=1)
+            q, k, v = self._linear(h, layer.qkv_proj, layer.qkv_bias).split([cfg.q_size, kv_size, kv_size], dim=1)
         else:
             q, k, v = (F.linear(h, layer.q_proj, layer.q_bias), F.linear(h, layer.k_proj, layer.k_bias),
                        F.linear(h, layer.v_proj, layer.v_bias))
@@ -86,12 +88,14 @@ class GptOssModel(MoeModel):
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         out = attn.attend(i, q, k, v, kv_written=kv is not None, sinks=layer.sinks,
                           sliding_window=self.params.layer_window(i))
+        if fused:
+            return self._linear(out.reshape(T, cfg.q_size), layer.o_proj, layer.o_bias)        # [T, H]
         return F.linear(out.reshape(T, cfg.q_size), layer.o_proj, layer.o_bias)               # [T, H]
 
     def _moe(self, i: int, layer: LayerWeights, h: torch.Tensor, positions: torch.Tensor,
              fused: bool = False) -> torch.Tensor:
         if fused:                       # top-k of the biased logits, softmax over those k rounded to their dtype
-            topk_ids, topk_weights = kops.route_topk(F.linear(h, layer.router, layer.router_bias), self.cfg.top_k,
+            topk_ids, topk_weights = kops.route_topk(self._linear(h, layer.router, layer.router_bias), self.cfg.top_k,
                                                      softmax_first=False, round_weights=True, impl=self.kernel_impl)
         else:
             topk_ids, topk_weights = gpt_oss_route(h, layer.router, layer.router_bias, self.cfg.top_k)

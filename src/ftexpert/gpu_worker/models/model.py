@@ -158,12 +158,12 @@ class MoeModel(DenseLinearChoice):
             return x, kops.rms_norm(x, weight, eps, impl=impl)
         return kops.add_rms_norm(x, delta, weight, eps, impl=impl)
 
-    def _linear(self, h: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        """A dense projection of the fused forward: kernels.dense_gemv where it beats cuBLAS (one decode token;
-        the router up to 4), else F.linear."""
+    def _linear(self, h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+        """A dense projection of the fused forward (+ its bias b): kernels.dense_gemv where it beats cuBLAS (one
+        decode token; the router up to 4), else F.linear."""
         if self._dense_linear == "gemv" and dense_gemv.preferred(h.shape[0], w.shape[0]):
-            return dense_gemv.linear_gemv(h, w, impl=self.kernel_impl)
-        return F.linear(h, w)
+            return dense_gemv.linear_gemv(h, w, impl=self.kernel_impl, bias=b)
+        return F.linear(h, w, b)
 
     def _attention_fused(self, i: int, layer: LayerWeights, h: torch.Tensor, cos: torch.Tensor,
                          sin: torch.Tensor, attn: AttentionContext) -> torch.Tensor:

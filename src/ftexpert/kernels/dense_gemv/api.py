@@ -102,8 +102,8 @@ def preferred(T: int, N: int) -> bool:
 
 
 def linear_gemv(x: torch.Tensor, w: torch.Tensor, *, impl: str = "auto",
-                blocks: LinearBlocks | None = None) -> torch.Tensor:
-    """Decode-sized dense linear layer without bias: y = x @ w.T -> [T, N] in x.dtype, freshly allocated.
+                blocks: LinearBlocks | None = None, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Decode-sized dense linear layer: y = x @ w.T (+ bias) -> [T, N] in x.dtype, freshly allocated.
 
     x: [T, K] float32 | bfloat16 | float16 with 0 <= T <= MAX_T (16; a larger batch raises ValueError:
         use F.linear), any row stride, contiguous last dimension (a column slice of a wider tensor
@@ -116,6 +116,8 @@ def linear_gemv(x: torch.Tensor, w: torch.Tensor, *, impl: str = "auto",
     from N, K and the dtype only), row t of a T = 4 call is bitwise the row computed with T = 1.
     One launch.
     blocks: LinearBlocks, or None for pick_blocks(N, K, x.dtype).
+    bias: [N] in x.dtype on x's device (contiguous), or None: added to the fp32 sums before the rounding (as
+    cuBLAS's bias epilogue, F.linear with a bias).
     With programmatic dependent launch (kernels/pdl.py) each program reads its first weight tile before
     it waits for the kernel queued before it: w must be a weight, not the output of a kernel that may
     still be running on this stream.
@@ -140,8 +142,14 @@ def linear_gemv(x: torch.Tensor, w: torch.Tensor, *, impl: str = "auto",
             raise ValueError(f"{name} {tuple(t.shape)} needs a contiguous last dimension, got strides {t.stride()}")
     if blocks is not None and not isinstance(blocks, LinearBlocks):
         raise TypeError(f"blocks must be a LinearBlocks or None, got {type(blocks).__name__}")
+    if bias is not None:
+        if bias.shape != (N,) or bias.dtype != x.dtype or bias.device != x.device:
+            raise ValueError(f"bias must be [{N}] {x.dtype} on {x.device} (one per row of w), got "
+                             f"{tuple(bias.shape)} {bias.dtype} on {bias.device}")
+        if N > 1 and bias.stride(0) != 1:
+            raise ValueError(f"bias {tuple(bias.shape)} must be contiguous, got stride {bias.stride()}")
     if _resolve_impl(impl, x.device) == "reference":
-        return reference.linear_gemv_reference(x, w)
+        return reference.linear_gemv_reference(x, w, bias)
     # lazy: the Triton kernels are defined at their first launch (TRITON_INTERPRET is read then)
     from ftexpert.kernels.dense_gemv.triton_kernels import linear_gemv_kernel
     b = blocks or pick_blocks(N, K, x.dtype)
@@ -149,9 +157,9 @@ def linear_gemv(x: torch.Tensor, w: torch.Tensor, *, impl: str = "auto",
     if T == 0 or N == 0:
         return y
     if K == 0:
-        return y.zero_()
+        return y.zero_() if bias is None else y.copy_(bias.expand(T, N))
     linear_gemv_kernel[(_cdiv(N, b.block_n),)](
         x, w, y, T, N, K, x.stride(0), w.stride(0),
         BLOCK_N=b.block_n, BLOCK_K=b.block_k, T_PAD=_next_pow2(T), EVEN_K=K % b.block_k == 0,
-        num_warps=b.num_warps, **pdl_args(x.device))
+        num_warps=b.num_warps, b_ptr=x if bias is None else bias, BIAS=bias is not None, **pdl_args(x.device))
     return y

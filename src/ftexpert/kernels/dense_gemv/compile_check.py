@@ -29,10 +29,14 @@ def _cases() -> list[tuple[str, str, dict, dict, dict, list[str]]]:
     div = ["x_ptr", "w_ptr", "out_ptr", "N", "K", "stride_xt", "stride_wn"]
     w4 = {"num_warps": 4}
 
-    def gemv(name, dt, out, bn, bk, t_pad, even=True, opts=w4):
-        return (name, "linear_gemv_kernel", sig(dt, out),
-                dict(BLOCK_N=bn, BLOCK_K=bk, T_PAD=t_pad, EVEN_K=even), opts, div)
+    def gemv(name, dt, out, bn, bk, t_pad, even=True, opts=w4, bias=False):
+        extra = {"b_ptr": f"*{dt}", "BIAS": "constexpr"} if bias else {}
+        return (name, "linear_gemv_kernel", {**sig(dt, out), **extra},
+                dict(BLOCK_N=bn, BLOCK_K=bk, T_PAD=t_pad, EVEN_K=even, **({"BIAS": True} if bias else {})), opts,
+                div + (["b_ptr"] if bias else []))
     return [
+        gemv("gpt-oss qkv / o_proj with bias 1x2048 T=1 ragged K", "bf16", "bf16", 1, 2048, 1, even=False, bias=True),
+        gemv("gpt-oss router with bias 1x2048 T=4 ragged K", "bf16", "bf16", 1, 2048, 4, even=False, bias=True),
         gemv("qkv / o_proj / router 1x2048 T=1 (the default)", "bf16", "bf16", 1, 2048, 1),
         gemv("router 1x2048 T=2", "bf16", "bf16", 1, 2048, 2),
         gemv("qkv / o_proj 4x1024 T=1", "bf16", "bf16", 4, 1024, 1),

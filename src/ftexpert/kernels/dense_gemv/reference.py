@@ -4,7 +4,11 @@ from __future__ import annotations
 import torch
 
 
-def linear_gemv_reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """y = x @ w.T -> [T, N] in x.dtype: x [T, K], w [N, K], products and sums in fp32, one rounding
-    to x.dtype at the end (what cuBLAS does for bf16 / fp16 with an fp32 compute type)."""
-    return (x.float() @ w.float().T).to(x.dtype)
+def linear_gemv_reference(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+    """y = x @ w.T (+ b) -> [T, N] in x.dtype: x [T, K], w [N, K], b [N], products, sums and the bias in fp32, one
+    rounding to x.dtype at the end (what cuBLAS does for bf16 / fp16 with an fp32 compute type and its bias
+    epilogue)."""
+    y = x.float() @ w.float().T
+    if b is not None:
+        y = y + b.float()
+    return y.to(x.dtype)

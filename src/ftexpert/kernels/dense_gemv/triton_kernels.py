@@ -64,8 +64,11 @@ def linear_gemv_kernel(
     EVEN_K: tl.constexpr,     # K % BLOCK_K == 0: no column masks
     USE_PDL: tl.constexpr = False,   # launched with PDL (kernels/pdl.py): the first weight tile is
                                      # loaded before the wait for the kernel before this one
+    b_ptr=None,               # BIAS: [N] x.dtype, added in fp32 before the one rounding
+    BIAS: tl.constexpr = False,
 ):
-    """Grid (cdiv(N, BLOCK_N),). Program j: out[t, n] for every token t < T and n in [j*BLOCK_N, (j+1)*BLOCK_N).
+    """Grid (cdiv(N, BLOCK_N),). Program j: out[t, n] for every token t < T and n in [j*BLOCK_N, (j+1)*BLOCK_N)
+    (+ b[n] with BIAS, in fp32 before the rounding).
 
     Each weight tile is loaded once and multiplied with the x row of every token (x.dtype -> fp32,
     products and sums in fp32); tl.sum reduces a token's [BLOCK_N, BLOCK_K] products over K into
@@ -92,6 +95,8 @@ def linear_gemv_kernel(
         kk = k0 + cols[None, :]                                              # [1, BLOCK_K]
         wv = _load_w_tile(w_rows, kk, K, EVEN_K)                             # [BLOCK_N, BLOCK_K]
         acc = _gemv_step(acc, wv, x_ptr, kk, K, T, stride_xt, toks, T_PAD, EVEN_K)
+    if BIAS:
+        acc += tl.load(b_ptr + tl.minimum(rows, N - 1)).to(tl.float32)[:, None]
     out = out_ptr + toks[None, :] * N + rows[:, None]                        # [BLOCK_N, T_PAD]
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=(toks[None, :] < T) & (rows[:, None] < N))
 
