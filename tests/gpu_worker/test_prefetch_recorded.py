@@ -111,3 +111,29 @@ def test_with_the_windows_shut_the_recorded_rule_allows_nothing():
             rule.observe_join(layer, 0.0)
     assert all(rule.budget(layer) == 0 for layer in range(rule.num_layers))
     assert not rule.window_fits()
+
+
+BF16 = json.loads((Path(__file__).with_name("data") / "prefetch_probe_bf16_h100.json").read_text())
+
+
+@pytest.mark.parametrize("name", sorted(BF16["scenarios"]))
+def test_bf16_experts_recorded_windows_hold_no_copy(name):
+    """bf16 experts (9.44 MB, data/prefetch_probe_bf16_h100.json: the same suite's bf16 part, H100, on 768fe7c):
+    a copy takes ~190-220 us on the recorded link against windows of ~45-57 us a layer, so no candidate clears its
+    break-even, the rule allows nothing and auto runs no predictor, as the measured rows did ("predicting False",
+    auto within 0.6% of off)."""
+    rule = OnlineBudget(BF16["layers"], BF16["k"], BF16["expert_bytes"])
+    samples = [ProbeSample([None if w is None else w * 1e-6 for w in r["windows_us"]],
+                           [None if j is None else j * 1e-6 for j in r["joins_us"]], float(r["copy_bytes"]),
+                           (r["copy_us"] or 0.0) * 1e-6, [r["rank_counts"]] if r["rank_counts"] else [])
+               for r in BF16["scenarios"][name]["samples"]]
+    assert len(samples) >= 4 and BF16["expert_bytes"] == 9_437_184
+    for _ in feed_rule(rule, samples):
+        pass
+    t = BF16["expert_bytes"] / rule.bandwidth.mean
+    assert 150e-6 < t < 260e-6
+    windows = [rule.idle_s(layer) for layer in range(1, rule.num_layers)]
+    assert max(windows) < t / 2
+    assert all(rule.budget(layer, cap=BF16["k"]) == 0 for layer in range(rule.num_layers))
+    assert not rule.window_fits() and rule.expected_gain_s() == 0.0
+
