@@ -232,6 +232,52 @@ def _nvfp4_global(row_ptr, glob_off, which, FMT: tl.constexpr):
 
 
 @triton.jit
+def _gate_up_step(acc_g, acc_u, x_row, k0, H, I, row_ptr, codes_off, up_codes, scales_gate_off, scales_up_off,
+                  zeros_gate_off, zeros_up_off, g_gate, g_up, rows, code_row_bytes, n_scale_cols,
+                  FMT: tl.constexpr, GROUP: tl.constexpr, ROW_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr,
+                  BLOCK_K: tl.constexpr, MASK_N: tl.constexpr, MASK_K: tl.constexpr, GS: tl.constexpr):
+    """One K step of moe_gate_up_quant_kernel: columns k0 .. k0 + BLOCK_K of gate's and up's rows into their
+    accumulators. MASK_K only for the ragged last step (the kernel runs the whole steps unmasked first)."""
+    xa, xb = _act_tile(x_row, k0, H, FMT, BLOCK_K, GROUP, MASK_K)
+    ga, gb, sg = _weight_tile(row_ptr, codes_off, scales_gate_off, zeros_gate_off, g_gate, rows, k0, I, H,
+                              code_row_bytes, n_scale_cols, FMT, GROUP, ROW_BLOCK, BLOCK_N, BLOCK_K, MASK_N, MASK_K, GS)
+    ua, ub, su = _weight_tile(row_ptr, up_codes, scales_up_off, zeros_up_off, g_up, rows, k0, I, H,
+                              code_row_bytes, n_scale_cols, FMT, GROUP, ROW_BLOCK, BLOCK_N, BLOCK_K, MASK_N, MASK_K, GS)
+    if FMT == FMT_FP8:
+        acc_g += ga * xa
+        acc_u += ua * xa
+    elif GS:                                                           # a group's sum, then its scale
+        xa, xb = _gsum_act(xa, xb, FMT)
+        acc_g += _gsum_scale(tl.expand_dims(tl.sum(ga * xa + gb * xb, axis=2), 2), sg, FMT)
+        acc_u += _gsum_scale(tl.expand_dims(tl.sum(ua * xa + ub * xb, axis=2), 2), su, FMT)
+    else:                                                              # even columns, then odd ones
+        acc_g += ga * xa                                               # (two fused multiply-adds)
+        acc_g += gb * xb
+        acc_u += ua * xa
+        acc_u += ub * xb
+    return acc_g, acc_u
+
+
+@triton.jit
+def _down_step(acc, a_row, k0, H, I, row_ptr, codes_off, scales_off, zeros_off, g_down, rows, code_row_bytes,
+               n_scale_cols, FMT: tl.constexpr, GROUP: tl.constexpr, ROW_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr,
+               BLOCK_K: tl.constexpr, MASK_N: tl.constexpr, MASK_K: tl.constexpr, GS: tl.constexpr):
+    """One K step of moe_down_quant_kernel (as _gate_up_step)."""
+    aa, ab = _act_tile(a_row, k0, I, FMT, BLOCK_K, GROUP, MASK_K)
+    wa, wb, sw = _weight_tile(row_ptr, codes_off, scales_off, zeros_off, g_down, rows, k0, H, I, code_row_bytes,
+                              n_scale_cols, FMT, GROUP, ROW_BLOCK, BLOCK_N, BLOCK_K, MASK_N, MASK_K, GS)
+    if FMT == FMT_FP8:
+        acc += wa * aa
+    elif GS:
+        aa, ab = _gsum_act(aa, ab, FMT)
+        acc += _gsum_scale(tl.expand_dims(tl.sum(wa * aa + wb * ab, axis=2), 2), sw, FMT)
+    else:
+        acc += wa * aa
+        acc += wb * ab
+    return acc
+
+
+@triton.jit
 def moe_gate_up_quant_kernel(
     x_ptr,                # [T, H] x.dtype, row stride stride_xt, columns contiguous
     ids_ptr,              # [P] int32|int64: slot rows (-1: pair not on the GPU)
@@ -287,26 +333,17 @@ def moe_gate_up_quant_kernel(
         GA2: tl.constexpr = 1 if GS else GA
         acc_g = tl.zeros([BLOCK_N, NG, GA2], dtype=tl.float32)
         acc_u = tl.zeros([BLOCK_N, NG, GA2], dtype=tl.float32)
-        for k0 in range(0, H, BLOCK_K):
-            xa, xb = _act_tile(x_row, k0, H, FMT, BLOCK_K, GROUP, not EVEN_K)
-            ga, gb, sg = _weight_tile(row_ptr, codes_off, scales_gate_off, zeros_gate_off, g_gate, rows, k0, I, H,
-                                      code_row_bytes, n_scale_cols, FMT, GROUP, ROW_BLOCK, BLOCK_N, BLOCK_K,
-                                      not EVEN_N, not EVEN_K, GS)
-            ua, ub, su = _weight_tile(row_ptr, up_codes, scales_up_off, zeros_up_off, g_up, rows, k0, I, H,
-                                      code_row_bytes, n_scale_cols, FMT, GROUP, ROW_BLOCK, BLOCK_N, BLOCK_K,
-                                      not EVEN_N, not EVEN_K, GS)
-            if FMT == FMT_FP8:
-                acc_g += ga * xa
-                acc_u += ua * xa
-            elif GS:                                                   # a group's sum, then its scale
-                xa, xb = _gsum_act(xa, xb, FMT)
-                acc_g += _gsum_scale(tl.expand_dims(tl.sum(ga * xa + gb * xb, axis=2), 2), sg, FMT)
-                acc_u += _gsum_scale(tl.expand_dims(tl.sum(ua * xa + ub * xb, axis=2), 2), su, FMT)
-            else:                                                      # even columns, then odd ones
-                acc_g += ga * xa                                       # (two fused multiply-adds)
-                acc_g += gb * xb
-                acc_u += ua * xa
-                acc_u += ub * xb
+        k_full = H // BLOCK_K * BLOCK_K                                # whole steps unmasked, then the ragged one
+        for k0 in range(0, k_full, BLOCK_K):
+            acc_g, acc_u = _gate_up_step(acc_g, acc_u, x_row, k0, H, I, row_ptr, codes_off, up_codes, scales_gate_off,
+                                         scales_up_off, zeros_gate_off, zeros_up_off, g_gate, g_up, rows,
+                                         code_row_bytes, n_scale_cols, FMT, GROUP, ROW_BLOCK, BLOCK_N, BLOCK_K,
+                                         not EVEN_N, False, GS)
+        if not EVEN_K:
+            acc_g, acc_u = _gate_up_step(acc_g, acc_u, x_row, k_full, H, I, row_ptr, codes_off, up_codes,
+                                         scales_gate_off, scales_up_off, zeros_gate_off, zeros_up_off, g_gate, g_up,
+                                         rows, code_row_bytes, n_scale_cols, FMT, GROUP, ROW_BLOCK, BLOCK_N, BLOCK_K,
+                                         not EVEN_N, True, GS)
         act = _gate_up_act(tl.sum(tl.sum(acc_g, axis=2), axis=1), tl.sum(tl.sum(acc_u, axis=2), axis=1), e, rows,
                            I, b13_ptr, stride_b, alpha, limit, DT, ACCURATE, BIAS, SWIGLU)
         if EVEN_N:
@@ -366,19 +403,15 @@ def moe_down_quant_kernel(
             GS: tl.constexpr = GSUM and FMT != FMT_FP8
             GA2: tl.constexpr = 1 if GS else GA
             acc = tl.zeros([BLOCK_N, NG, GA2], dtype=tl.float32)
-            for k0 in range(0, I, BLOCK_K):
-                aa, ab = _act_tile(a_row, k0, I, FMT, BLOCK_K, GROUP, not EVEN_K)
-                wa, wb, sw = _weight_tile(row_ptr, codes_off, scales_off, zeros_off, g_down, rows, k0, H, I,
-                                          code_row_bytes, n_scale_cols,
-                                          FMT, GROUP, ROW_BLOCK, BLOCK_N, BLOCK_K, not EVEN_N, not EVEN_K, GS)
-                if FMT == FMT_FP8:
-                    acc += wa * aa
-                elif GS:
-                    aa, ab = _gsum_act(aa, ab, FMT)
-                    acc += _gsum_scale(tl.expand_dims(tl.sum(wa * aa + wb * ab, axis=2), 2), sw, FMT)
-                else:
-                    acc += wa * aa
-                    acc += wb * ab
+            k_full = I // BLOCK_K * BLOCK_K                            # whole steps unmasked, then the ragged one
+            for k0 in range(0, k_full, BLOCK_K):
+                acc = _down_step(acc, a_row, k0, H, I, row_ptr, codes_off, scales_off, zeros_off, g_down, rows,
+                                 code_row_bytes, n_scale_cols, FMT, GROUP, ROW_BLOCK, BLOCK_N, BLOCK_K, not EVEN_N,
+                                 False, GS)
+            if not EVEN_K:
+                acc = _down_step(acc, a_row, k_full, H, I, row_ptr, codes_off, scales_off, zeros_off, g_down, rows,
+                                 code_row_bytes, n_scale_cols, FMT, GROUP, ROW_BLOCK, BLOCK_N, BLOCK_K, not EVEN_N,
+                                 True, GS)
             y = _down_out(tl.sum(tl.sum(acc, axis=2), axis=1), e, rows, H, b2_ptr, stride_b,
                           tl.load(rw_ptr + p).to(tl.float32), DT, BIAS)               # [BLOCK_N]
         else:
