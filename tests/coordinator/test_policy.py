@@ -240,5 +240,8 @@ def test_prefetch_figures():
 
     got = prefetch_figures({"prefetch_predicted_total": 40, "prefetch_useful_total": 10,
                             "prefetch_layer_calls_total": 20, "expert_misses_total": 30})
-    assert got == {"prefetch_precision": 0.25, "prefetch_useful_per_layer": 0.5, "prefetch_covered_share": 0.25}
+    assert got == {"prefetch_precision": 0.25, "prefetch_useful_per_layer": 0.5, "prefetch_covered_share": 0.25,
+                   "prefetch_auto_predicting_share": 0.0}
     assert prefetch_figures({})["prefetch_precision"] == 0.0
+    guarded = prefetch_figures({"prefetch_auto_steps_total": 160, "prefetch_auto_predicting_steps_total": 40})
+    assert guarded["prefetch_auto_predicting_share"] == 0.25

@@ -186,3 +186,5 @@ def test_the_lookahead_predicts_in_the_guards_blocks(monkeypatch):
     assert la.guard.decided_on is False and la.rule_active
     assert sum(modes[8 * 16:]) == 2 * 8            # blocks 31 and 47
     assert la.report()["guard"]["decided_on"] is False
+    counts = la.counters()
+    assert counts["prefetch_auto_steps_total"] == 8 * 48 and counts["prefetch_auto_predicting_steps_total"] == sum(modes)

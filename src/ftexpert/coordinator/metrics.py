@@ -8,7 +8,8 @@ Series (docs/METRICS.md lists them with their meaning):
   ft_prompt_tokens_total, ft_generation_tokens_total                         counters
   ft_generation_tokens_per_second                                            gauge, last 5 s
   ft_expert_hit_ratio, ft_expert_misses_per_token, ft_pcie_gigabytes_per_second     gauges
-  ft_prefetch_precision, ft_prefetch_useful_per_layer, ft_prefetch_covered_share    gauges (the lookahead prefetch)
+  ft_prefetch_precision, ft_prefetch_useful_per_layer, ft_prefetch_covered_share,
+  ft_prefetch_auto_predicting_share                                           gauges (the lookahead prefetch)
   ft_experts_fetched_total, ft_experts_cpu_total, ft_cpu_expert_seconds_total       counters
   ft_fetch_fraction, ft_fetch_fraction_target, ft_policy_pcie_gigabytes_per_second,
   ft_policy_cpu_gigabytes_per_second, ft_cpu_worker_share{worker}             gauges
@@ -81,9 +82,12 @@ def prefetch_figures(stats: dict[str, float]) -> dict[str, float]:
     useful = stats.get("prefetch_useful_total", 0.0)
     layers = stats.get("prefetch_layer_calls_total", 0.0)
     misses = _stat(stats, "misses") or 0.0
+    auto_steps = stats.get("prefetch_auto_steps_total", 0.0)
     return {"prefetch_precision": useful / predicted if predicted else 0.0,
             "prefetch_useful_per_layer": useful / layers if layers else 0.0,
-            "prefetch_covered_share": useful / (useful + misses) if useful + misses else 0.0}
+            "prefetch_covered_share": useful / (useful + misses) if useful + misses else 0.0,
+            "prefetch_auto_predicting_share": (stats.get("prefetch_auto_predicting_steps_total", 0.0) / auto_steps
+                                               if auto_steps else 0.0)}
 
 
 class Histogram:
@@ -213,6 +217,9 @@ def render_prometheus(service: "EngineService", http: HttpCounters | None = None
         s["prefetch_useful_per_layer"])
     one("ft_prefetch_covered_share", "gauge", "Lookahead prefetch: useful / (useful + demand misses).",
         s["prefetch_covered_share"])
+    one("ft_prefetch_auto_predicting_share", "gauge", "Lookahead prefetch auto: of the decode steps its rule would "
+        "predict in, the share its guard let it (the measured step times said it gains).",
+        s["prefetch_auto_predicting_share"])
     p = s["policy"]
     if p is not None:
         one("ft_fetch_fraction", "gauge", "Fetch fraction f in force (fetch about f*M of M misses).",

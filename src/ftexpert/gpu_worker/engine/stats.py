@@ -66,6 +66,8 @@ class EngineStats:
     prefetch_layer_calls_total: int = 0    # layer calls whose prefetch was scored
     prefetch_auto_predicted_total: int = 0  # experts auto's rule chose (auto: installed; measure: would have)
     prefetch_auto_useful_total: int = 0    # of those, routed by the layer they were chosen for
+    prefetch_auto_steps_total: int = 0     # auto: decode steps its rule would predict in
+    prefetch_auto_predicting_steps_total: int = 0   # of those, the steps its guard let the predictor run
 
     def absorb_expert_counters(self, counters: Mapping[str, Any]) -> None:
         """Take the backend's cumulative counters (only the names above)."""
@@ -92,4 +94,5 @@ _EXPERT_COUNTERS = ("expert_hits_total", "expert_misses_total", "experts_fetched
                     "copy_time_s_total", "cpu_experts_total", "cpu_expert_time_s_total", "gpu_wait_for_cpu_s_total",
                     "gpu_wait_for_copy_s_total", "gpu_wait_for_cpu_unpaired_s_total", "cpu_workers",
                     "prefetch_predicted_total", "prefetch_useful_total", "prefetch_installed_total",
-                    "prefetch_layer_calls_total", "prefetch_auto_predicted_total", "prefetch_auto_useful_total")
+                    "prefetch_layer_calls_total", "prefetch_auto_predicted_total", "prefetch_auto_useful_total",
+                    "prefetch_auto_steps_total", "prefetch_auto_predicting_steps_total")

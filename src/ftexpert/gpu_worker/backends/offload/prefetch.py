@@ -46,6 +46,8 @@ VERIFY_MODES = ("off", "meta", "1")
 # device counters: [predicted, useful, installed, layer calls scored, auto's choice, of it routed]
 COUNTERS = ("prefetch_predicted_total", "prefetch_useful_total", "prefetch_installed_total",
             "prefetch_layer_calls_total", "prefetch_auto_predicted_total", "prefetch_auto_useful_total")
+# host counters of auto: decode steps its rule would predict in, and of those the steps the guard let it
+STEP_COUNTERS = ("prefetch_auto_steps_total", "prefetch_auto_predicting_steps_total")
 
 
 @dataclass(frozen=True)
@@ -175,6 +177,7 @@ class Lookahead:
         self.guarded = self.on_cuda                 # the guard times GPU steps (a CPU measures no idle window, so
                                                     # auto predicts there only where a test gives the rule windows)
         self.step_timer = StepTimer(self.device)
+        self.step_counts = [0, 0]                   # STEP_COUNTERS
         # [seen, routed] per target layer and rank among the non-resident candidates (column k: resident or none)
         self.rank_counts = torch.zeros(2, layers, k + 1, dtype=torch.int64, device=self.device)
         self._ranks_seen = [[0] * (k + 1) for _ in range(layers)]
@@ -245,6 +248,9 @@ class Lookahead:
         if guarded and self.rule_active:
             self.active = self.guard.next_on()      # the guard's block schedule (prefetch_guard.py)
             self.step_timer.begin(self.guard.last)
+        if self.mode == "auto" and self.rule_active:
+            self.step_counts[0] += 1
+            self.step_counts[1] += int(self.active)
 
     def _read_sample(self, sample) -> None:
         """A probe sample into the rule's estimates, then the per-layer counts and the rule's predicting state."""
@@ -450,8 +456,9 @@ class Lookahead:
 
     def counters(self) -> dict[str, int]:
         """The device counters (one small read): predictions scored, useful ones (installed, or measured, then
-        routed), experts installed, layer calls scored; auto's choice and its useful part (auto, measure)."""
-        return dict(zip(COUNTERS, (int(v) for v in self.counts.tolist())))
+        routed), experts installed, layer calls scored; auto's choice and its useful part (auto, measure); and the
+        host's STEP_COUNTERS (auto: the decode steps its rule would predict in, those the predictor ran in)."""
+        return {**dict(zip(COUNTERS, (int(v) for v in self.counts.tolist()))), **dict(zip(STEP_COUNTERS, self.step_counts))}
 
 
 def sample_record(sample) -> dict:

@@ -13,7 +13,8 @@ from ftexpert.kernels.slot_cache import SlotCache, reset
 from ftexpert.kernels.slot_cache.audit import audit
 from ftexpert.proto.knobs import KNOBS_BY_FIELD
 
-from ftexpert.gpu_worker.backends.offload.prefetch import COUNTERS as PREFETCH_COUNTERS, Lookahead, PrefetchSettings, Predictor
+from ftexpert.gpu_worker.backends.offload.prefetch import (COUNTERS, STEP_COUNTERS, Lookahead, PrefetchSettings,
+                                                             Predictor)
 from ftexpert.gpu_worker.backends.offload.verify import SlotVerifier
 
 log = logging.getLogger(__name__)
@@ -130,7 +131,7 @@ class SlotPool:
     def prefetch_counters(self) -> dict[str, int]:
         """The prefetch's counters (prefetch.COUNTERS; zeros without a lookahead)."""
         if self.lookahead is None:
-            return dict.fromkeys(PREFETCH_COUNTERS, 0)
+            return dict.fromkeys(COUNTERS + STEP_COUNTERS, 0)
         return self.lookahead.counters()
 
     def prefetch_policy(self, fields: dict) -> None:
