@@ -19,7 +19,8 @@
 #   prefetch the lookahead prefetch at the qwen3-30b-a3b shape on the trained trace, off against auto, in parts
 #            (PREFETCH_PART, one device call each): bf16 and nvfp4 (offload at 10 / 25 / 50%, batch PREFETCH_BATCH
 #            1 or 4; ~5 min each), hybrid (offload and hybrid at 25%, bf16 and nvfp4; ~6 min), budgets (the fixed
-#            budgets 2 / 4 / 8 and measure against off and auto; ~5 min). PREFETCH_TOKENS decode tokens a run (64);
+#            budgets 2 / 4 / 8 and measure against off and auto; ~5 min), long (nvfp4 25% at a 32K context), zipf
+#            (nvfp4 under zipf:1.0), gptoss (gpt-oss-120b MXFP4, its own router). PREFETCH_TOKENS decode tokens a run (64);
 #            bf16 and nvfp4 also write the auto runs' probe samples to $OUT/prefetch_probe_<part>_b<batch>.json
 #            (recorded timings for the budget rule's tests) and, with PREFETCH_PROFILE=N, print the GPU kernels of N
 #            decode steps of each configuration
@@ -367,6 +368,10 @@ while [ $# -gt 0 ]; do
       #   hybrid       offload and hybrid split at 25%, off and auto (bench_hybrid --rounds 2), bf16 then nvfp4, batch 1;
       #                each row a fresh backend, so auto starts cold each row: 128 decode tokens a run   (~6 min)
       #   budgets      the fixed budgets 2 / 4 / 8 (on) and measure against off, bf16, 25 / 50%, batch 1   (~5 min)
+      #   long         nvfp4 at 25%, a 32K-token context (--prompt-tokens 32768), batch 1       (~4 min)
+      #   zipf         nvfp4 at 10 / 25 / 50% with zipf:1.0 routing: the preset's random routers predict nothing
+      #                better than chance (the lower bound: auto must not lose)                 (~4 min)
+      #   gptoss       gpt-oss-120b (MXFP4), offload at 10 / 25 / 50%, its own router on the random weights (~6 min)
       tr=trace:src/ftexpert/workload/data/qwen3-30b-a3b-routing.trace
       n=${PREFETCH_TOKENS:-64}      # decode tokens of each run
       b=${PREFETCH_BATCH:-1}
@@ -390,7 +395,17 @@ while [ $# -gt 0 ]; do
           run prefetch_budgets "${PREFETCH_LIMIT:-$T}" python3 bench/bench_prefetch.py --routing "$tr" --fractions 0.25,0.5 \
             --batch "$b" --prefetch off,auto,on,measure --prefetch-budget 2,4,8 --runs 2 --decode-tokens "$n"
           grep -hE "^(\||auto:)" "$OUT/prefetch_budgets.log" | cut -c1-260 ;;
-        *) echo "PREFETCH_PART=$part: bf16, nvfp4, hybrid or budgets" >&2; status=2 ;;
+        long|zipf|gptoss)
+          case "$part" in
+            long) pargs="--expert-format nvfp4 --routing $tr --fractions 0.25 --prompt-tokens 32768" ;;
+            zipf) pargs="--expert-format nvfp4 --routing zipf:1.0 --fractions 0.1,0.25,0.5" ;;
+            gptoss) pargs="--preset gpt-oss-120b --routing model --fractions 0.1,0.25,0.5" ;;
+          esac
+          run "prefetch_${part}_b$b" "${PREFETCH_LIMIT:-$T}" python3 bench/bench_prefetch.py $pargs --batch "$b" \
+            --prefetch off,auto --runs 2 --decode-tokens "$n" --warmup-tokens 96 \
+            --record-probe "$OUT/prefetch_probe_${part}_b$b.json"
+          grep -hE "^(\||auto:|graphs:)" "$OUT/prefetch_${part}_b$b.log" | cut -c1-260 ;;
+        *) echo "PREFETCH_PART=$part: bf16, nvfp4, hybrid, budgets, long, zipf or gptoss" >&2; status=2 ;;
       esac
       ;;
     prefetch_trained)
