@@ -83,9 +83,10 @@ def test_times_that_arrive_late_or_not_at_all_give_the_same_decision():
     assert lossy.decided_on is False and lossy.report()["ratio"] == pytest.approx(1.04)
 
 
-def test_the_decision_follows_a_change():
+def test_the_decision_follows_a_change(caplog):
     """Predicting gains 15% at first (a cold cache), then costs 4% (a warm one): the guard turns it off within
-    a few check blocks, and on again when it gains again."""
+    a few check blocks, and on again when it gains again; each change is logged once."""
+    caplog.set_level("INFO", logger="ftexpert.gpu_worker.backends.offload.prefetch_guard")
     g = StepGuard()
     phase = {"r": 0.85}
     run(g, lambda i, on: phase["r"] * 1e-3 if on else 1e-3, 8 * 40)
@@ -97,6 +98,8 @@ def test_the_decision_follows_a_change():
     phase["r"] = 0.8
     run(g, lambda i, on: phase["r"] * 1e-3 if on else 1e-3, 8 * 16 * 6)
     assert g.decided_on is True
+    changes = [r.getMessage() for r in caplog.records if "prefetch auto" in r.getMessage()]
+    assert [m.split("predictor ")[1].split(" ")[0] for m in changes] == ["runs", "stops", "runs"], changes
 
 
 # (true on / off ratio, decision it must reach, bound on the mean step time / the better mode's)

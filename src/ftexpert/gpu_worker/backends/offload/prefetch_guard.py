@@ -22,12 +22,15 @@ losing mode (1/16 of the gain, or of the loss).
 """
 from __future__ import annotations
 
+import logging
 import statistics
 import time
 from collections import deque
 from dataclasses import dataclass, field
 
 import torch
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -105,7 +108,12 @@ class StepGuard:
             on_s, off_s = (med, self._prev[1]) if on else (self._prev[1], med)
             self.ratios.append(on_s / off_s)
             if len(self.ratios) >= self.explore:
-                self.decided_on = statistics.median(self.ratios) < 1.0 - self.margin
+                ratio = statistics.median(self.ratios)
+                decided = ratio < 1.0 - self.margin
+                if decided != self.decided_on:
+                    log.info("prefetch auto: the predictor %s (decode steps with it / without: %.3f, the median of "
+                             "%d block pairs)", "runs" if decided else "stops", ratio, len(self.ratios))
+                self.decided_on = decided
         self._prev = (on, med)
 
     def report(self) -> dict:
