@@ -32,11 +32,11 @@ from ftexpert.proto.knobs import EXPERT_FORMAT_CHOICES, positive_int_flag  # noq
 from ftexpert.gpu_worker.backends.offload import HostExperts, resolve_cache_slots  # noqa: E402
 import ftexpert.kernels.expert_copy.api as expert_copy_api  # noqa: E402
 try:                                  # run as bench/bench_engine.py (bench/ on sys.path) or imported as bench.bench_engine
-    from kernel_table import gpu_kernel_table  # noqa: E402
+    from kernel_table import family_table, gpu_kernel_table, kernel_rows  # noqa: E402
     from hbm_roofline import (describe as describe_hbm, hbm_bandwidth,  # noqa: E402
                               routed_experts_per_layer, step_bytes)
 except ImportError:
-    from bench.kernel_table import gpu_kernel_table  # noqa: E402
+    from bench.kernel_table import family_table, gpu_kernel_table, kernel_rows  # noqa: E402
     from bench.hbm_roofline import (describe as describe_hbm, hbm_bandwidth,  # noqa: E402
                                     routed_experts_per_layer, step_bytes)
 
@@ -195,10 +195,11 @@ def _profiled_steps(engine: Engine, prompts: list[list[int]], steps: int, profil
 
 
 def profile_decode(engine: Engine, prompts: list[list[int]], steps: int, top: int = 25,
-                   trace: str | None = None) -> None:
+                   trace: str | None = None, hbm: tuple[dict, float] | None = None) -> None:
     """Print the `top` GPU kernels by total time over `steps` decode steps of the prompts' requests together
     (torch.profiler); with `trace`, also write the Chrome trace (every kernel with its stream, start and
-    duration) to that path."""
+    duration) to that path; with `hbm` (step_bytes' parts, the measured HBM bytes/s), the rate each kernel family
+    reads its bytes at (kernel_table.family_table)."""
     from torch.profiler import ProfilerActivity, profile
     prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
     _profiled_steps(engine, prompts, steps, prof)
@@ -207,6 +208,10 @@ def profile_decode(engine: Engine, prompts: list[list[int]], steps: int, top: in
         print(f"profile: trace written to {trace}")
     for line in gpu_kernel_table(prof, steps, "step", top):
         print(line)
+    if hbm is not None:
+        head = engine.model.dense.lm_head
+        for line in family_table(kernel_rows(prof, steps), hbm[0], head.numel() * head.element_size(), hbm[1]):
+            print(line)
 
 
 def host_profile_decode(engine: Engine, prompts: list[list[int]], steps: int, top: int = 22) -> None:
@@ -332,7 +337,8 @@ def main() -> int:
                         help="after each resident and offload run, cProfile this many decode steps (host functions)")
     parser.add_argument("--profile", type=int, default=0,
                         help="after each resident and offload run, profile this many decode steps and print the "
-                             "top GPU kernels")
+                             "top GPU kernels (resident: also each kernel family's rate against the measured HBM "
+                             "bandwidth, bench/kernel_table.py)")
     args = parser.parse_args()
     global engine_temperature
     engine_temperature = args.temperature
@@ -383,6 +389,12 @@ def main() -> int:
     def overlap_label(value) -> str:
         return "" if len(overlaps_decode) < 2 else f" overlap {value}"
 
+    hbm = None
+    if args.device == "cuda":            # the resident step's HBM roofline (bench/hbm_roofline.py)
+        contexts = [n + args.decode_tokens // 2 for n in lengths]      # a request's mean context while decoding
+        steps = [[n + s for n in lengths] for s in range(args.decode_tokens)]    # the decode steps' positions
+        hbm = (step_bytes(built.model, built.source.experts.layout.expert_nbytes, contexts,
+                          routed_experts_per_layer(built.model, steps)), hbm_bandwidth())
     for routing, linear, graphs, pdl_mode, od in [
             (rt, lin, g, p, o) for rt in specs for lin in reversed(linears)
             for g in (("off", "on") if args.graphs == "both" else (args.graphs,))
@@ -403,17 +415,11 @@ def main() -> int:
         rows.append((name, "-", res, _peak(), proc.memory_info().rss))
         print(name, res["all_tok_s"], _launch_note(res), flush=True)
         if args.profile and args.device == "cuda":
-            profile_decode(engine, prompt, args.profile, trace=_trace_path(args, name))
+            profile_decode(engine, prompt, args.profile, trace=_trace_path(args, name), hbm=hbm)
         if args.host_profile:
             host_profile_decode(engine, prompt, args.host_profile)
         del engine
     source = built.source.experts
-    hbm = None
-    if args.device == "cuda":            # the resident step's HBM roofline (bench/hbm_roofline.py)
-        contexts = [n + args.decode_tokens // 2 for n in lengths]      # a request's mean context while decoding
-        steps = [[n + s for n in lengths] for s in range(args.decode_tokens)]    # the decode steps' positions
-        hbm = (step_bytes(built.model, source.layout.expert_nbytes, contexts,
-                          routed_experts_per_layer(built.model, steps)), hbm_bandwidth())
     if not args.fractions:
         return _table(args, source, rows, None, hbm=hbm)
     expert_bytes = source.layout.expert_nbytes
