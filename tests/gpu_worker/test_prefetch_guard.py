@@ -153,6 +153,12 @@ def test_the_cpu_step_timer_gives_each_step_its_tag_in_order():
     out = t.poll()
     assert [tag for tag, _ in out] == ["a", "b", "c"] and all(s > 0 for _, s in out)
     assert t.poll() == []
+    t.begin("old")
+    t.end()
+    t.begin("open")
+    t.clear()                               # a new policy: nothing of the old guard's is read
+    t.end()
+    assert t.poll() == []
 
 
 def test_the_lookahead_predicts_in_the_guards_blocks(monkeypatch):
@@ -189,5 +195,7 @@ def test_the_lookahead_predicts_in_the_guards_blocks(monkeypatch):
     assert la.guard.decided_on is False and la.rule_active
     assert sum(modes[8 * 16:]) == 2 * 8            # blocks 31 and 47
     assert la.report()["guard"]["decided_on"] is False
+    la.set_policy(mode="off")                       # a new mode: a new guard
+    assert la.guard.decided_on is None and la.guard.report()["ratios"] == 0
     counts = la.counters()
     assert counts["prefetch_auto_steps_total"] == 8 * 48 and counts["prefetch_auto_predicting_steps_total"] == sum(modes)

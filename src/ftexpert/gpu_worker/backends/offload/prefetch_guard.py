@@ -164,6 +164,11 @@ class StepTimer:
         """A step that was begun and will not end (it raised): forget it."""
         self._open = None
 
+    def clear(self) -> None:
+        """Forget every step not yet read (a new policy: their tags belong to a guard that is gone)."""
+        self._pending.clear()
+        self._open = None
+
     def poll(self) -> list[tuple[object, float]]:
         out = []
         while self._pending:
