@@ -147,9 +147,7 @@ def test_the_cpu_step_timer_gives_each_step_its_tag_in_order():
         t.begin(tag)
         sum(range(1000))
         t.end()
-    t.begin("raised")                       # a step that never ends is forgotten
-    t.drop_open()
-    t.end()
+    t.begin("raised")                       # a step that never ends is forgotten (the next begin replaces it)
     out = t.poll()
     assert [tag for tag, _ in out] == ["a", "b", "c"] and all(s > 0 for _, s in out)
     assert t.poll() == []

@@ -461,7 +461,8 @@ class Lookahead:
         """The device counters (one small read): predictions scored, useful ones (installed, or measured, then
         routed), experts installed, layer calls scored; auto's choice and its useful part (auto, measure); and the
         host's STEP_COUNTERS (auto: the decode steps its rule would predict in, those the predictor ran in)."""
-        return {**dict(zip(COUNTERS, (int(v) for v in self.counts.tolist()))), **dict(zip(STEP_COUNTERS, self.step_counts))}
+        return {**dict(zip(COUNTERS, (int(v) for v in self.counts.tolist()))),
+                **dict(zip(STEP_COUNTERS, self.step_counts))}
 
 
 def sample_record(sample) -> dict:

@@ -125,8 +125,8 @@ class StepGuard:
 class StepTimer:
     """The GPU time of each timed decode step's forward: a CUDA event pair around it on the compute stream, read
     when the end event has completed (`query`, no wait); on a CPU the forward's host time (it runs in program
-    order). `begin(tag)` before the forward, `end()` after it; `poll()` gives the (tag, seconds) of the finished
-    steps in order."""
+    order). `begin(tag)` before the forward, `end()` after it (a step that raised never ends: the next `begin`
+    replaces it); `poll()` gives the (tag, seconds) of the finished steps in order."""
     RING = 64
 
     def __init__(self, device: torch.device):
@@ -159,10 +159,6 @@ class StepTimer:
             self._pending.append((ref, tag))
         else:
             self._pending.append((time.perf_counter() - ref, tag))
-
-    def drop_open(self) -> None:
-        """A step that was begun and will not end (it raised): forget it."""
-        self._open = None
 
     def clear(self) -> None:
         """Forget every step not yet read (a new policy: their tags belong to a guard that is gone)."""
