@@ -136,7 +136,8 @@ def part_theirs(args, model: str, experts: str, res: Results, out: Path) -> None
     for s in args.shares:
         ncmoe.setdefault(round((1 - s) * L), 1 - round((1 - s) * L) / L)
     ncmoe[0] = 1.0
-    order = sorted(ncmoe, reverse=True)
+    # the most experts on the GPU first: a run cut short by its limit loses the slow CPU-heavy rows, not the others
+    order = sorted(ncmoe)
     threads = args.threads or physical_cores()
     cmd = [bench, "-m", str(path), "-ngl", "99", "-ncmoe", ",".join(map(str, order)), "-fa", "1",
            "-p", str(args.prompt_tokens), "-n", str(args.decode_tokens), "-d", f"0,{args.prompt_tokens}",

@@ -62,7 +62,7 @@ def test_theirs_runs_one_llama_bench_over_the_shares_and_maps_its_rows(tmp_path)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
     args = json.loads((tmp_path / "llama-bench.args").read_text())
     # the tiny shape has 2 layers: all on the CPU, one (half of the experts on the GPU), none
-    assert args[args.index("-ncmoe") + 1] == "2,1,0"
+    assert args[args.index("-ncmoe") + 1] == "0,1,2"
     assert args[args.index("-ngl") + 1] == "99" and args[args.index("-fa") + 1] == "1"
     assert args[args.index("-d") + 1] == "0,64" and args[args.index("-t") + 1] == "4"
     assert not list(tmp_path.glob("*.gguf"))                   # deleted after the run
