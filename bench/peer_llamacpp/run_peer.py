@@ -6,7 +6,8 @@ For each job MODEL:EXPERTS (e.g. qwen3-30b-a3b:bf16, gpt-oss-120b:mxfp4), in thi
            over -ncmoe L, round((1-s) L) for every share s, 0 (L = the layers): the experts of that many layers
            computed on the CPU, the rest on the GPU, i.e. s of the experts' bytes on the GPU (llama.cpp's way to
            give its experts a GPU budget); each with pp1024 (prefill from an empty context) and tg128 at depth
-           1024 (decode after a 1K context); flash attention on, threads = physical cores, -r --runs, median of
+           1024 (decode after a 1K context) (--prefill-depth 1024: the prefill a 1K chunk after the 1K context, so
+           that llama-bench runs only those two of its four depth x test pairs); flash attention on, threads = physical cores, -r --runs, median of
            its samples. The file is deleted after (unless --keep-gguf). If this llama-bench knows an expert GPU
            cache option (--moe-cache-mib, not in b11434), that is said in the log; no row is made of it.
   engine   bench/bench_engine.py: resident, and offload at every share (a slot cache of s of all experts),
@@ -140,7 +141,8 @@ def part_theirs(args, model: str, experts: str, res: Results, out: Path) -> None
     order = sorted(ncmoe)
     threads = args.threads or physical_cores()
     cmd = [bench, "-m", str(path), "-ngl", "99", "-ncmoe", ",".join(map(str, order)), "-fa", "1",
-           "-p", str(args.prompt_tokens), "-n", str(args.decode_tokens), "-d", f"0,{args.prompt_tokens}",
+           "-p", str(args.prompt_tokens), "-n", str(args.decode_tokens), "-d",
+           ",".join(str(d) for d in sorted({args.prefill_depth, args.prompt_tokens})),
            "-t", str(threads), "-r", str(args.runs), "-o", "jsonl"]
     try:
         rc, text = run_cmd(cmd, out / f"theirs_{model}_{experts}.log", args.part_timeout)
@@ -156,12 +158,12 @@ def part_theirs(args, model: str, experts: str, res: Results, out: Path) -> None
             continue
         n_p, n_g, depth, nc = r["n_prompt"], r["n_gen"], r["n_depth"], r["n_cpu_moe"]
         share = ncmoe.get(nc, 1 - nc / L)
-        if n_g == 0 and depth == 0:
+        if n_g == 0 and depth == args.prefill_depth:
             kind = "prefill"
         elif n_p == 0 and depth == args.prompt_tokens:
             kind = "decode"
         else:
-            kind = "other"                            # tg at depth 0, pp at depth 1024: kept, not in the table
+            kind = "other"                            # the other depth of each test: kept, not in the table
         res.add(kind=kind, side="theirs", model=model, experts=experts, share=share,
                 name=f"llama.cpp -ncmoe {nc}", test=f"{'pp' if n_p else 'tg'}{n_p or n_g}@d{depth}",
                 tok_s=median(r.get("samples_ts", [])) or r["avg_ts"], runs=r.get("samples_ts"),
@@ -331,6 +333,9 @@ def main() -> int:
                    help="ours' routings: model (the preset's own router on its random weights, as llama.cpp's), "
                         "zipf:S, trace (the model's trained trace where the tree has one); engine runs each, "
                         "hybrid and prefill the first")
+    p.add_argument("--prefill-depth", type=int, default=0,
+                   help="theirs: the context before the pp test: 0 (from empty) or --prompt-tokens (after the decode "
+                        "test's context: llama-bench then runs half as many tests)")
     p.add_argument("--threads", type=int, default=0, help="llama-bench -t (default: physical cores, as ours)")
     p.add_argument("--cpu-threads", type=int, default=0, help="ours' CPU pool threads (default: its own)")
     p.add_argument("--llama-bench", default=str(HERE / "bin" / "cuda" / "llama-bench"))
@@ -346,6 +351,8 @@ def main() -> int:
     p.add_argument("--merge", nargs="*", default=[], help="more peer_results.jsonl files for the table")
     p.add_argument("--table-only", action="store_true")
     args = p.parse_args()
+    if args.prefill_depth not in (0, args.prompt_tokens):
+        raise SystemExit(f"--prefill-depth {args.prefill_depth}: give 0 or --prompt-tokens ({args.prompt_tokens})")
     args.shares = [float(s) for s in args.shares.split(",") if s.strip()]
     args.hybrid_shares = [float(s) for s in args.hybrid_shares.split(",") if s.strip()]
     out = Path(args.out)

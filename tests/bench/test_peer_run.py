@@ -77,6 +77,26 @@ def test_theirs_runs_one_llama_bench_over_the_shares_and_maps_its_rows(tmp_path)
     assert "| qwen3-30b-a3b | q4_0 | decode | 100% | llama.cpp -ncmoe 0 | 101.00 |" in (out / "peer_table.md").read_text()
 
 
+def test_prefill_depth_runs_only_the_two_tests_of_the_table(tmp_path):
+    fake = tmp_path / "llama-bench"
+    fake.write_text(FAKE_BENCH)
+    fake.chmod(0o755)
+    out = tmp_path / "out"
+    common = [sys.executable, DRIVER, "--tiny", "--jobs", "qwen3-30b-a3b:q4_0", "--parts", "theirs", "--llama-bench",
+              str(fake), "--out", str(out), "--gguf-dir", str(tmp_path), "--runs", "2", "--shares", "0.5",
+              "--threads", "4", "--prompt-tokens", "64", "--decode-tokens", "8", "--gguf-threads", "1"]
+    p = subprocess.run(common + ["--prefill-depth", "64"], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    args = json.loads((tmp_path / "llama-bench.args").read_text())
+    assert args[args.index("-d") + 1] == "64"                 # one depth: pp and tg both after the 64-token context
+    recs = [json.loads(line) for line in (out / "peer_results.jsonl").read_text().splitlines()]
+    theirs = {(r["kind"], r["share"]): r for r in recs if r.get("side") == "theirs"}
+    assert {k for k, _ in theirs} == {"decode", "prefill"}    # nothing run that the table leaves out
+    assert theirs["prefill", 1.0]["test"] == "pp64@d64" and theirs["decode", 1.0]["test"] == "tg8@d64"
+    bad = subprocess.run(common + ["--prefill-depth", "32"], capture_output=True, text=True, timeout=60)
+    assert bad.returncode != 0 and "give 0 or --prompt-tokens" in bad.stderr
+
+
 def _engine_text() -> str:
     """bench_engine.py's lines for two routings (its print formats)."""
     lines = ["loaded qwen3-30b-a3b resident in 20.0 s",
