@@ -111,6 +111,19 @@ def gguf_dir(args, need_bytes: int) -> Path:
     raise SystemExit("no folder with room for the GGUF file: give --gguf-dir")
 
 
+def ncmoe_plan(n_layer: int, shares: list[float]) -> dict[int, tuple[float, float]]:
+    """llama-bench's -ncmoe values for the shares of the experts' bytes on the GPU: -ncmoe N keeps the experts of N
+    of the n_layer layers on the CPU, so a share s is N = round((1 - s) n_layer), whose own share 1 - N / n_layer is
+    the nearest a whole layer gives (10% of 48 layers: N = 43, 10.4%). Returns N -> (the share s its row is paired
+    with ours at, the share it holds); every expert on the CPU (N = n_layer) and on the GPU (N = 0) always."""
+    plan = {n_layer: (0.0, 0.0)}
+    for s in shares:
+        n = round((1 - s) * n_layer)
+        plan.setdefault(n, (s, 1 - n / n_layer))
+    plan[0] = (1.0, 1.0)
+    return plan
+
+
 def part_theirs(args, model: str, experts: str, res: Results, out: Path) -> None:
     sys.path.insert(0, str(HERE))
     import make_gguf as mg
@@ -133,10 +146,7 @@ def part_theirs(args, model: str, experts: str, res: Results, out: Path) -> None
                 path=str(path))
         log(f"wrote {r['bytes'] / 1e9:.1f} GB in {time.perf_counter() - t0:.0f} s")
     L = shape.n_layer
-    ncmoe = {L: 0.0}                                 # layers of experts on the CPU -> share of experts on the GPU
-    for s in args.shares:
-        ncmoe.setdefault(round((1 - s) * L), 1 - round((1 - s) * L) / L)
-    ncmoe[0] = 1.0
+    ncmoe = ncmoe_plan(L, args.shares)
     # the most experts on the GPU first: a run cut short by its limit loses the slow CPU-heavy rows, not the others
     order = sorted(ncmoe)
     threads = args.threads or physical_cores()
@@ -157,15 +167,15 @@ def part_theirs(args, model: str, experts: str, res: Results, out: Path) -> None
         except json.JSONDecodeError:
             continue
         n_p, n_g, depth, nc = r["n_prompt"], r["n_gen"], r["n_depth"], r["n_cpu_moe"]
-        share = ncmoe.get(nc, 1 - nc / L)
+        share, actual = ncmoe.get(nc, (1 - nc / L, 1 - nc / L))
         if n_g == 0 and depth == args.prefill_depth:
             kind = "prefill"
         elif n_p == 0 and depth == args.prompt_tokens:
             kind = "decode"
         else:
             kind = "other"                            # the other depth of each test: kept, not in the table
-        res.add(kind=kind, side="theirs", model=model, experts=experts, share=share,
-                name=f"llama.cpp -ncmoe {nc}", test=f"{'pp' if n_p else 'tg'}{n_p or n_g}@d{depth}",
+        res.add(kind=kind, side="theirs", model=model, experts=experts, share=share, gpu_share=round(actual, 4),
+                name=f"llama.cpp -ncmoe {nc}" + (f" ({actual:.1%})" if abs(actual - share) > 1e-6 else ""), test=f"{'pp' if n_p else 'tg'}{n_p or n_g}@d{depth}",
                 tok_s=median(r.get("samples_ts", [])) or r["avg_ts"], runs=r.get("samples_ts"),
                 threads=r.get("n_threads"), build=f"{r.get('build_number')} {r.get('build_commit')}",
                 gpu=r.get("gpu_info"), cpu=r.get("cpu_info"))

@@ -97,6 +97,21 @@ def test_prefill_depth_runs_only_the_two_tests_of_the_table(tmp_path):
     assert bad.returncode != 0 and "give 0 or --prompt-tokens" in bad.stderr
 
 
+@pytest.mark.parametrize("layers, shares, expected", [
+    # qwen3-30b-a3b's 48 layers: 10% is 43 layers on the CPU (10.4% on the GPU), paired with ours' 10% row
+    (48, [0.1, 0.25, 0.5], {48: (0.0, 0.0), 43: (0.1, 5 / 48), 36: (0.25, 0.25), 24: (0.5, 0.5), 0: (1.0, 1.0)}),
+    # gpt-oss-120b's 36 layers: 10% is 32 on the CPU (11.1%)
+    (36, [0.1, 0.25, 0.5], {36: (0.0, 0.0), 32: (0.1, 4 / 36), 27: (0.25, 0.25), 18: (0.5, 0.5), 0: (1.0, 1.0)}),
+    # two layers: 25% rounds to every layer on the CPU, which keeps its own row (0%)
+    (2, [0.25, 0.5], {2: (0.0, 0.0), 1: (0.5, 0.5), 0: (1.0, 1.0)}),
+])
+def test_ncmoe_plan_pairs_each_share_with_the_nearest_whole_layers(layers, shares, expected):
+    plan = rp.ncmoe_plan(layers, shares)
+    assert plan.keys() == expected.keys()
+    for n, (nominal, actual) in expected.items():
+        assert plan[n][0] == nominal and plan[n][1] == pytest.approx(actual)
+
+
 def _engine_text() -> str:
     """bench_engine.py's lines for two routings (its print formats)."""
     lines = ["loaded qwen3-30b-a3b resident in 20.0 s",
