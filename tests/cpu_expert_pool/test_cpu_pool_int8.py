@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import ctypes
 
+import numpy as np
 import pytest
 import torch
 
@@ -263,3 +264,41 @@ def test_emulated_int8_path_matches_the_reference(store, emulated):
     x = activations(3, W.shape[1], seed=3)
     got = dot_i8(emulated, store, "down", 0, W.shape[0], x)
     assert rel_err(got, (int8_activations(x).double() @ W.double().T).float()) <= TOL
+
+
+# ---------------------------------------------------------------------------------------------
+# The activations' quantizer: the vector one writes the plain one's bytes
+# ---------------------------------------------------------------------------------------------
+def quantizer_inputs(batch: int, K: int, seed: int) -> np.ndarray:
+    """Gaussian rows with block scales from 1e-6 to 1e4, a zero block, an outlier, and a block of exact ties (its
+    amax 127, so each value x.5 is x.5 after scaling and must round to even)."""
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((batch, K)) * 10.0 ** np.repeat(rng.integers(-6, 5, (K + 15) // 16), 16)[:K]
+    x[:, 16:32] = 0
+    x[:, 5::97] *= 50
+    if K >= 48:
+        x[:, 32:48] = [127, 2.5, 3.5, -0.5, 0.5, -1.5, 1.5, 126.5, -126.5, 64.5, -64.5, 0.49999997, 5.5, -5.5, 7.5, 8.5]
+    return x.astype(np.float32)
+
+
+@needs_int8
+@pytest.mark.parametrize("fmt,G", [("int4", 32), ("int4", 128), ("int4", 64), ("mxfp4", 32), ("nvfp4", 16)])
+@pytest.mark.parametrize("K", [16, 17, 255, 256, 272, 768, 2048, 2880])
+def test_the_vector_quantizer_writes_the_plain_quantizers_bytes(fmt, G, K):
+    x = quantizer_inputs(3, K, seed=K + G)
+    plain = NATIVE.quant.q8_rows(fmt, G, x, plain=True)
+    assert plain.shape[1] >= K and plain.any()
+    np.testing.assert_array_equal(NATIVE.quant.q8_rows(fmt, G, x, plain=False), plain)
+
+
+def test_the_emulated_vector_quantizer_writes_the_plain_quantizers_bytes(emulated):
+    for fmt, G, K in (("int4", 32, 288), ("mxfp4", 32, 2880), ("nvfp4", 16, 272)):
+        x = quantizer_inputs(2, K, seed=K)
+        np.testing.assert_array_equal(emulated.q8_rows(fmt, G, x, plain=False), emulated.q8_rows(fmt, G, x, plain=True))
+
+
+def test_the_quantizer_hook_refuses_an_unknown_group():
+    if NATIVE is None:
+        pytest.skip("no compiled kernel")
+    with pytest.raises(ValueError, match="ft_quant_q8_rows"):
+        NATIVE.quant.q8_rows("mxfp4", 24, np.zeros((1, 64), np.float32), plain=True)

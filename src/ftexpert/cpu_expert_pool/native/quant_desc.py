@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import ctypes
 
+import numpy as np
+
 from ftexpert.cpu_expert_pool.native.act_desc import ExpertActDesc, act_address
 from ftexpert.cpu_expert_pool.native.errors import ERRORS
 from ftexpert.proto.expert_format import FP8_BLOCK, FormatError, QuantLayout
@@ -55,6 +57,8 @@ class QuantBindings:
         lib.ft_quant_int8_available.argtypes = []
         lib.ft_quant_dot_i8.restype = c_int
         lib.ft_quant_dot_i8.argtypes = [c_p, c_p, c_int, c_int, c_int, c_int, c_int, c_p, c_int, c_p]
+        lib.ft_quant_q8_rows.restype = c_i64
+        lib.ft_quant_q8_rows.argtypes = [c_p, c_int, c_int, c_int, c_int, c_int, c_p]
         self._lib = lib
         self.int8_available = bool(lib.ft_quant_int8_available())     # AVX-512 VNNI here
         self._stats = (ctypes.c_int64 * 2)()
@@ -89,3 +93,16 @@ class QuantBindings:
                                        MATRICES[matrix], row0, num_rows, x_ptr, batch, out_ptr)
         if rc != 0:
             raise ValueError(f"ft_quant_dot_i8: {ERRORS.get(rc, f'error {rc}')}")
+
+    def q8_rows(self, fmt: str, group_size: int, x: np.ndarray, plain: bool) -> np.ndarray:
+        """The int8 path's quantized activations (a test hook): x [batch, K] fp32 -> [batch, row bytes] uint8, by
+        the layer's quantizer or (plain) by its value-by-value reference."""
+        x = np.ascontiguousarray(x, dtype=np.float32)
+        batch, K = x.shape
+        row = self._lib.ft_quant_q8_rows(None, K, FORMAT_IDS[fmt], group_size, 0, int(plain), None)
+        out = np.zeros((batch, max(row, 0)), dtype=np.uint8)
+        rc = row if row < 0 else self._lib.ft_quant_q8_rows(x.ctypes.data, K, FORMAT_IDS[fmt], group_size, batch,
+                                                            int(plain), out.ctypes.data)
+        if rc < 0:
+            raise ValueError(f"ft_quant_q8_rows: {ERRORS.get(int(rc), f'error {rc}')}")
+        return out

@@ -346,6 +346,21 @@ int ft_dequantize_rows(const ft_quant_format *qf, int isa, const void *expert_ba
     return 0;
 }
 
+/* The int8 path's quantized activations (a test hook): rows [B, K] fp32 -> dst [B, q8_row_bytes] by the layer's
+   quantizer (plain = 0) or by q8_quantize_row_ref (plain = 1), for fmt (FMT_INT4 / MXFP4 / NVFP4) weights in groups
+   of G. Returns the row's bytes (B = 0: only that), or a negative error. */
+int64_t ft_quant_q8_rows(const float *x, int K, int fmt, int G, int B, int plain, uint8_t *dst) {
+    if (K <= 0 || B < 0 || (fmt != FMT_INT4 && fmt != FMT_MXFP4 && fmt != FMT_NVFP4)
+        || (G != 16 && G != 32 && G != 64 && G != 128)) return ERR_BAD_ARGS;
+    if (!plain && !ft_quant_int8_available()) return ERR_BAD_ISA;
+    const int64_t xs = q8_row_bytes(K, fmt, G);
+    for (int b = 0; b < B; ++b) {
+        if (plain) q8_quantize_row_ref(x + (int64_t)b * K, K, fmt, G, dst + b * xs);
+        else q8_quantize_row(x + (int64_t)b * K, K, fmt, G, dst + b * xs);
+    }
+    return xs;
+}
+
 /* Test hook of the int8 path (tests/cpu_expert_pool/test_cpu_pool_int8.py): out[b, r - row0] = row r of matrix m
    (0 gate, 1 up, 2 down) . x[b] over the matrix's K, x [B, K] fp32 quantized by q8_quantize_row, rows taken in pairs
    as the layer takes them (an odd last row paired with itself). */

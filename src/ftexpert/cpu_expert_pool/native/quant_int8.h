@@ -36,8 +36,9 @@ static inline int64_t q8_row_bytes(int K, int fmt, int G) {
     return q8_sb_bytes(K) + (fmt == FMT_INT4 ? (int64_t)(q8_groups(K, G) + 15) / 16 * 64 : 0);
 }
 
-/* x [K] fp32 (element order) -> dst [q8_row_bytes(K, fmt, G)] for a row of `fmt` weights in groups of G. */
-static void q8_quantize_row(const float *x, int K, int fmt, int G, uint8_t *dst) {
+/* x [K] fp32 (element order) -> dst [q8_row_bytes(K, fmt, G)] for a row of `fmt` weights in groups of G: the plain
+   one, value by value (the reference of q8_quantize_row_512, byte for byte: ft_quant_q8_row). */
+static void q8_quantize_row_ref(const float *x, int K, int fmt, int G, uint8_t *dst) {
     const int off = fmt == FMT_INT4 ? 0 : 12;
     float *S = (float *)(dst + q8_sb_bytes(K));                          /* int4: the groups' sums */
     if (fmt == FMT_INT4) memset(S, 0, (size_t)(q8_groups(K, G) + 15) / 16 * 64);
@@ -60,7 +61,7 @@ static void q8_quantize_row(const float *x, int K, int fmt, int G, uint8_t *dst)
             }
             nc[l] = -off * sum;
             sx[l] = amax / 127.0f;
-            if (fmt == FMT_INT4 && n > 0) S[b0 / G] += sx[l] * (float)sum;
+            if (fmt == FMT_INT4 && n > 0) S[b0 / G] = fmaf(sx[l], (float)sum, S[b0 / G]);   /* one rounding */
         }
         memcpy(dst + Q8_SB, nc, sizeof nc);
         memcpy(dst + Q8_SB + 64, sx, sizeof sx);
@@ -127,6 +128,39 @@ T_VNNI INLINE_Q void q8_weights(int fmt, const qrow *r, int s, int K, __m512i *w
     if (fmt != FMT_INT4) {
         const __m512i lut = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)FP4_X2_U8));
         for (int v = 0; v < 4; ++v) w[v] = _mm512_shuffle_epi8(lut, w[v]);
+    }
+}
+
+/* q8_quantize_row_ref's bytes with a block of 16 values a vector: the same fp32 operations (127 / amax, x times it
+   rounded to nearest even by vcvtps2dq, whose default rounding rintf's is; amax / 127; int4's group sums in the same
+   order, each term by fmaf, which a build may not contract differently), a block's 16 bytes put in place by one vpshufb and four 4-byte stores. */
+static const uint8_t Q8_BLOCK_ORDER[16] = {0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11, 13, 15};
+T_VNNI static void q8_quantize_row_512(const float *x, int K, int fmt, int G, uint8_t *dst) {
+    const int off = fmt == FMT_INT4 ? 0 : 12;
+    float *S = (float *)(dst + q8_sb_bytes(K));
+    if (fmt == FMT_INT4) memset(S, 0, (size_t)(q8_groups(K, G) + 15) / 16 * 64);
+    const __m128i order = _mm_loadu_si128((const __m128i *)Q8_BLOCK_ORDER);
+    const __m512i lo = _mm512_set1_epi32(-127), hi = _mm512_set1_epi32(127);
+    for (int k0 = 0; k0 < K; k0 += Q8_SB, dst += Q8_SB_BYTES) {
+        int32_t nc[16];
+        float sx[16];
+        for (int l = 0; l < 16; ++l) {
+            const int b0 = k0 + Q8_BLOCK * l, n = K - b0 <= 0 ? 0 : K - b0 < Q8_BLOCK ? K - b0 : Q8_BLOCK;
+            const __m512 v = _mm512_maskz_loadu_ps(mask16(n), x + (n > 0 ? b0 : 0));
+            const float amax = _mm512_reduce_max_ps(_mm512_abs_ps(v));
+            const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+            __m512i r = _mm512_cvtps_epi32(_mm512_mul_ps(v, _mm512_set1_ps(inv)));
+            r = _mm512_min_epi32(_mm512_max_epi32(r, lo), hi);
+            uint8_t b[16];
+            _mm_storeu_si128((__m128i *)b, _mm_shuffle_epi8(_mm512_cvtepi32_epi8(r), order));
+            for (int p = 0; p < 4; ++p) memcpy(dst + p * 64 + 4 * l, b + 4 * p, 4);
+            const int sum = _mm512_reduce_add_epi32(r);
+            nc[l] = -off * sum;
+            sx[l] = amax / 127.0f;
+            if (fmt == FMT_INT4 && n > 0) S[b0 / G] = fmaf(sx[l], (float)sum, S[b0 / G]);   /* one rounding */
+        }
+        memcpy(dst + Q8_SB, nc, sizeof nc);
+        memcpy(dst + Q8_SB + 64, sx, sizeof sx);
     }
 }
 
@@ -203,6 +237,15 @@ static inline void dot8_rows(int fmt, int G, const qrow *wa, const qrow *wb, int
     }
 }
 #endif /* __x86_64__ */
+
+/* The int8 path's activations (it runs only where ft_quant_int8_available: AVX-512 there). */
+static inline void q8_quantize_row(const float *x, int K, int fmt, int G, uint8_t *dst) {
+#if defined(__x86_64__)
+    q8_quantize_row_512(x, K, fmt, G, dst);
+#else
+    q8_quantize_row_ref(x, K, fmt, G, dst);
+#endif
+}
 
 /* 1 where the int8 path runs here: x86-64 with AVX-512 F/BW/VL and VNNI (the emulated test build: always). */
 int ft_quant_int8_available(void) {

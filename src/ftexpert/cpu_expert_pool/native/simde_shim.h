@@ -8,6 +8,7 @@
 #include <simde/x86/avx512.h>
 #include <simde/x86/f16c.h>
 #include <simde/x86/fma.h>
+#include <math.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -72,6 +73,31 @@ static inline void _mm512_mask_storeu_ps(float *p, __mmask16 k, __m512 a) {
     float v[16];
     _mm512_storeu_ps(v, a);
     for (int i = 0; i < 16; ++i) if ((k >> i) & 1) p[i] = v[i];
+}
+static inline __m512i _mm512_cvtps_epi32(__m512 a) {           /* nearest, ties to even (MXCSR's default) */
+    float v[16]; int32_t r[16];
+    _mm512_storeu_ps(v, a);
+    for (int i = 0; i < 16; ++i) r[i] = (int32_t)rintf(v[i]);
+    return _mm512_loadu_si512(r);
+}
+static inline float _mm512_reduce_max_ps(__m512 a) {
+    float v[16], m;
+    _mm512_storeu_ps(v, a);
+    m = v[0];
+    for (int i = 1; i < 16; ++i) m = v[i] > m ? v[i] : m;
+    return m;
+}
+static inline int _mm512_reduce_add_epi32(__m512i a) {
+    int32_t v[16], s = 0;
+    _mm512_storeu_si512(v, a);
+    for (int i = 0; i < 16; ++i) s += v[i];
+    return s;
+}
+static inline __m128i _mm512_cvtepi32_epi8(__m512i a) {        /* the low byte of each lane (vpmovdb) */
+    int32_t v[16]; int8_t r[16];
+    _mm512_storeu_si512(v, a);
+    for (int i = 0; i < 16; ++i) r[i] = (int8_t)v[i];
+    return _mm_loadu_si128((const __m128i *)r);
 }
 static inline float _mm512_reduce_add_ps(__m512 a) {
     float v[16], s = 0;
