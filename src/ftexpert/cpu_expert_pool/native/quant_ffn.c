@@ -140,6 +140,24 @@ static inline qrow qmat_row(const qmat *q, int r, int fmt) {
     return row;
 }
 
+/* Rows r0 .. r0 + rows - 1 of q: their first PREFETCH_AHEAD code bytes and their scales' first lines, towards L2.
+   PREFETCH_CODES runs PREFETCH_AHEAD ahead of the row a thread reads, so a stream that starts cold (the next
+   expert's rows, the next phase's) would wait on DRAM for its first lines; this asks for them one expert or
+   one phase before. */
+static inline void prefetch_rows(const qmat *q, int r0, int rows, int fmt) {
+#if defined(__x86_64__)
+    if (rows <= 0) return;
+    const qrow r = qmat_row(q, r0, fmt);
+    const int64_t nc = (int64_t)rows * q->code_stride, ns = (int64_t)rows * q->scale_stride;
+    const char *c = (const char *)r.codes;
+    const char *sc = fmt <= FMT_INT4 ? (const char *)r.fscales : (const char *)r.bscales;
+    for (int64_t o = 0; o < (nc < PREFETCH_AHEAD ? nc : PREFETCH_AHEAD); o += 64) _mm_prefetch(c + o, _MM_HINT_T1);
+    for (int64_t o = 0; o < (ns < 256 ? ns : 256); o += 64) _mm_prefetch(sc + o, _MM_HINT_T1);
+#else
+    (void)q; (void)r0; (void)rows; (void)fmt;
+#endif
+}
+
 /* ---------------------------------------------------------------- scratch (grow-only, per process) */
 static pthread_mutex_t q_lock = PTHREAD_MUTEX_INITIALIZER;
 typedef struct { void *ptr; size_t bytes; } qbuffer;
@@ -236,17 +254,36 @@ int ft_moe_layer_q(const ft_quant_format *qf, int isa, int num_threads,
                 xq[t * H + (perm ? perm4_pos(k, H) : k)] = v;
             }
         for (int64_t t = t0; i8 && t < t1; ++t) q8_quantize_row(xq + t * H, H, fmt, G, x8 + t * x8s);
+        const int64_t first1 = items1 * tid / nth, end1 = items1 * (tid + 1) / nth;
+        if (first1 < end1) {                   /* this thread's first gate / up rows, while the others finish */
+            int g = 0;
+            while (first1 >= g_item[g + 1]) ++g;
+            const uint8_t *e = base + (int64_t)g_expert[g] * expert_stride_bytes;
+            const qmat gm = quant_mat(qf, e, H, I, 0), um = quant_mat(qf, e, H, I, 1);
+            const int i = (int)(first1 - g_item[g]), n = (int)((end1 < g_item[g + 1] ? end1 : g_item[g + 1]) - first1);
+            prefetch_rows(&gm, i, n, fmt);
+            prefetch_rows(&um, i, n, fmt);
+        }
         #pragma omp barrier
 
         /* phase 1: h = act(gate . x, up . x) (silu: silu(g) * u), this thread's row pairs */
         float ra[TOKEN_CHUNK], rb[TOKEN_CHUNK];
         int g1 = 0, mat_g = -1;
         qmat gate_m, up_m;
-        for (int64_t item = items1 * tid / nth, end1 = items1 * (tid + 1) / nth; item < end1; ++item) {
+        for (int64_t item = first1; item < end1; ++item) {
             while (item >= g_item[g1 + 1]) ++g1;
             const int g = g1, i = (int)(item - g_item[g]), B = g_start[g + 1] - g_start[g];
             const uint8_t *e = base + (int64_t)g_expert[g] * expert_stride_bytes;
-            if (g != mat_g) { gate_m = quant_mat(qf, e, H, I, 0); up_m = quant_mat(qf, e, H, I, 1); mat_g = g; }
+            if (g != mat_g) {
+                gate_m = quant_mat(qf, e, H, I, 0); up_m = quant_mat(qf, e, H, I, 1); mat_g = g;
+                if (end1 > g_item[g + 1]) {    /* the range goes on into the next expert: its first rows */
+                    const uint8_t *e1 = base + (int64_t)g_expert[g + 1] * expert_stride_bytes;
+                    const qmat gm = quant_mat(qf, e1, H, I, 0), um = quant_mat(qf, e1, H, I, 1);
+                    const int n = (int)((end1 < g_item[g + 2] ? end1 : g_item[g + 2]) - g_item[g + 1]);
+                    prefetch_rows(&gm, 0, n, fmt);
+                    prefetch_rows(&um, 0, n, fmt);
+                }
+            }
             const qrow gate = qmat_row(&gate_m, i, fmt), up = qmat_row(&up_m, i, fmt);
             float *h = hbuf + (int64_t)g_start[g] * I;
             const int pos = perm ? perm4_pos(i, I) : i;
@@ -262,6 +299,12 @@ int ft_moe_layer_q(const ft_quant_format *qf, int isa, int num_threads,
                 for (int b = 0; b < nb; ++b) h[(int64_t)(b0 + b) * I + pos] = ra[b];
             }
         }
+        /* phase 2's rows: this thread's j0 .. j1 of every expert's down matrix */
+        const int j0 = (int)((int64_t)H * tid / nth), j1 = (int)((int64_t)H * (tid + 1) / nth);
+        if (ng > 0) {                          /* the first expert's, while the others finish phase 1 */
+            const qmat dm = quant_mat(qf, base + (int64_t)g_expert[0] * expert_stride_bytes, H, I, 2);
+            prefetch_rows(&dm, j0, j1 - j0, fmt);
+        }
         #pragma omp barrier
         if (i8) {                              /* h quantized, a row's first g_lim values (a split: c) */
             int g = 0;
@@ -273,12 +316,15 @@ int ft_moe_layer_q(const ft_quant_format *qf, int isa, int num_threads,
         }
 
         /* phase 2: out[tok, j] += w * (down_j[:lim] . h + b_down[j]), this thread's rows j, every group */
-        const int j0 = (int)((int64_t)H * tid / nth), j1 = (int)((int64_t)H * (tid + 1) / nth);
         for (int g = 0; g < ng; ++g) {
             const int start = g_start[g], B = g_start[g + 1] - start, K = g_lim[g];
             const uint8_t *e = base + (int64_t)g_expert[g] * expert_stride_bytes;
             const float *h = hbuf + (int64_t)start * I;
             const qmat down_m = quant_mat(qf, e, H, I, 2);
+            if (g + 1 < ng) {                  /* the next expert's rows, one expert ahead */
+                const qmat next = quant_mat(qf, base + (int64_t)g_expert[g + 1] * expert_stride_bytes, H, I, 2);
+                prefetch_rows(&next, j0, j1 - j0, fmt);
+            }
             for (int j = j0; j < j1; j += 2) {
                 const int pair = j + 1 < j1;                 /* odd tail: the second row repeats the first */
                 const qrow da = qmat_row(&down_m, j, fmt), db = qmat_row(&down_m, j + pair, fmt);
