@@ -14,7 +14,8 @@ from dataclasses import replace
 import pytest
 import torch
 
-from ftexpert.kernels.moe_decode import CopyPlan, GemvBlocks
+from ftexpert.kernels.moe_decode import DEFAULT_GEMV_BLOCKS, CopyPlan, GemvBlocks
+from ftexpert.kernels.moe_decode.api import QUANT_GEMV_BLOCKS
 from ftexpert.kernels.moe_decode import reference as ref
 from ftexpert.kernels.moe_decode.quant import GATE_UP_REGIONS, DequantBlocks, dequantize_rows, moe_gemv_quant
 from ftexpert.kernels.moe_decode.quant_reference import dequantize_rows_reference, moe_gemv_quant_reference
@@ -149,6 +150,26 @@ def test_moe_gemv_quant_lockstep(case, group_sum):
     assert rel_max(got, expected) < (1e-5 if dtype == torch.float32 else 4e-3)
     if (ids < 0).all(dim=1).any():
         assert not got[(ids < 0).all(dim=1).to(DEV)].any()
+
+
+@pytest.mark.parametrize("case", ["mxfp4-t1-k6-missing", "nvfp4-t4-k4-missing"])
+def test_the_default_blocks_of_the_fp4_formats_are_the_measured_ones_and_match_the_reference(case):
+    """mxfp4 and nvfp4 run QUANT_GEMV_BLOCKS when no blocks are given (the sweep's winner: 8 x 512 / 8 x 256 and
+    the scale a group's sum), in lockstep with the reference; the other formats keep DEFAULT_GEMV_BLOCKS."""
+    assert QUANT_GEMV_BLOCKS["mxfp4"].quant_group_sum and QUANT_GEMV_BLOCKS["nvfp4"].quant_group_sum
+    assert (QUANT_GEMV_BLOCKS["mxfp4"].gate_up_block_n, QUANT_GEMV_BLOCKS["mxfp4"].down_block_n) == (8, 8)
+    assert set(QUANT_GEMV_BLOCKS) == {"mxfp4", "nvfp4"} and not DEFAULT_GEMV_BLOCKS.quant_group_sum
+    label, T, K, S, missing, dtype = GEMV_CASES[case]
+    rows, layout = slot_rows(label, S, seed=T + K)
+    ids, weights = routes(T, K, S, seed=T * K, missing=missing)
+    x = torch.randn(T, SHAPES[label][0], generator=torch.Generator().manual_seed(T)).to(dtype)
+    expected = moe_gemv_quant_reference(x, ids, weights, rows, layout)
+    got = moe_gemv_quant(x.to(DEV), ids.to(torch.int32).to(DEV), weights.to(DEV), rows.to(DEV), layout, impl="triton")
+    assert rel_max(got, expected) < 1e-5
+    with pytest.MonkeyPatch.context() as mp:                      # no blocks given: the format's are the ones read
+        mp.setitem(QUANT_GEMV_BLOCKS, layout.fmt.name, GemvBlocks(gate_up_block_n=3))
+        with pytest.raises(ValueError, match="gate_up_block_n = 3"):
+            moe_gemv_quant(x.to(DEV), ids.to(torch.int32).to(DEV), weights.to(DEV), rows.to(DEV), layout)
 
 
 def test_the_reference_is_moe_gemv_reference_over_the_decoded_experts():

@@ -45,8 +45,8 @@ class GemvBlocks:
     quant_group_sum (moe_gemv_quant's 4-bit formats only): each group's products summed before its scale is
     applied, one multiply a group instead of two a weight (the decode of a 4-bit weight is ~6 instructions
     beside its one multiply-add, and these kernels are bound by that work, not by HBM: docs/QUANTIZATION.md).
-    Results differ from the default by rounding (nvfp4's scale is not a power of two). Not the default until
-    measured (`bench_moe_decode_quant.py --sweep` times it).
+    Results differ from the plain order by rounding (nvfp4's scale is not a power of two). The default of mxfp4
+    and nvfp4 (QUANT_GEMV_BLOCKS), where the sweep measured it; int4 keeps it off until measured.
     """
     gate_up_block_n: int = 4
     gate_up_block_k: int = 512
@@ -57,6 +57,12 @@ class GemvBlocks:
 
 
 DEFAULT_GEMV_BLOCKS = GemvBlocks()
+# moe_gemv_quant's blocks by format where they differ from DEFAULT_GEMV_BLOCKS: the `tuning` suite's sweep on the
+# H100 (`bench_moe_decode_quant.py --sweep`, docs/QUANTIZATION.md) took gpt-oss-120b's MXFP4 pair from 46.6 to 38.4 us
+# a layer and qwen3-next's NVFP4 pair from 21.4 to 18.3 us with gate/up 8 x 512, down 8 x 256 and the scale a
+# group's sum; the next-best variants were 2-4 us slower, and no variant without the group sum came within 5 us.
+QUANT_GEMV_BLOCKS = {name: GemvBlocks(gate_up_block_n=8, gate_up_block_k=512, down_block_n=8, down_block_k=256,
+                                      quant_group_sum=True) for name in ("mxfp4", "nvfp4")}
 
 
 @dataclass(frozen=True)

@@ -18,8 +18,8 @@ from ftexpert.kernels.pdl import pdl_args
 from ftexpert.proto.expert_format import FP8_BLOCK, FormatError, QuantLayout
 
 from ftexpert.kernels.moe_decode import quant_reference
-from ftexpert.kernels.moe_decode.api import (DEFAULT_GEMV_BLOCKS, GEMV_WARPS, CopyPlan, GemvBlocks, _accurate, _cdiv, _check_float, _next_pow2,
-                  check_bias_args)
+from ftexpert.kernels.moe_decode.api import (DEFAULT_GEMV_BLOCKS, GEMV_WARPS, QUANT_GEMV_BLOCKS, CopyPlan, GemvBlocks,
+                                             _accurate, _cdiv, _check_float, _next_pow2, check_bias_args)
 
 FORMAT_IDS = {"fp8": 0, "int4": 1, "mxfp4": 2, "nvfp4": 3}     # quant_kernels.FMT_*
 ROW_ALIGN = 16          # bytes: slot rows (their start and stride) hold float32 scales at 16-byte aligned offsets
@@ -153,7 +153,7 @@ def moe_gemv_quant(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, ro
                              "the plan's slots (without it the second launch would not wait)")
     if between_down is not None and between is None:
         raise ValueError("moe_gemv_quant: between_down() is the second half of a two-part wait; give between() too")
-    b = blocks or DEFAULT_GEMV_BLOCKS
+    b = blocks or QUANT_GEMV_BLOCKS.get(layout.fmt.name, DEFAULT_GEMV_BLOCKS)
     _check_blocks(b)
     T, H = x.shape
     swiglu, alpha, limit = check_bias_args(x, b13, b2, act, rows_u8.shape[0], 2 * layout.intermediate_size, H)
