@@ -21,6 +21,7 @@
 #            1 or 4; ~5 min each), hybrid (offload and hybrid at 25%, bf16 and nvfp4; ~6 min), budgets (the fixed
 #            budgets 2 / 4 / 8 and measure against off and auto; ~5 min), long (nvfp4 25% at a 32K context), zipf
 #            (nvfp4 under zipf:1.0), gptoss (gpt-oss-120b MXFP4, its own router). PREFETCH_TOKENS decode tokens a run (64);
+#            PREFETCH_MODES the modes of those parts (default off,auto; off,auto,measure adds auto's probe without a prediction);
 #            bf16 and nvfp4 also write the auto runs' probe samples to $OUT/prefetch_probe_<part>_b<batch>.json
 #            (recorded timings for the budget rule's tests) and, with PREFETCH_PROFILE=N, print the GPU kernels of N
 #            decode steps of each configuration
@@ -379,7 +380,7 @@ while [ $# -gt 0 ]; do
       case "$part" in
         bf16|nvfp4)
           run "prefetch_${part}_b$b" "${PREFETCH_LIMIT:-$T}" python3 bench/bench_prefetch.py --routing "$tr" \
-            --expert-format "$part" --fractions 0.1,0.25,0.5 --batch "$b" --prefetch off,auto --runs 2 \
+            --expert-format "$part" --fractions 0.1,0.25,0.5 --batch "$b" --prefetch "${PREFETCH_MODES:-off,auto}" --runs 2 \
             --decode-tokens "$n" --warmup-tokens 96 ${PREFETCH_PROFILE:+--profile $PREFETCH_PROFILE} \
             --record-probe "$OUT/prefetch_probe_${part}_b$b.json"
           grep -hE "^(\||auto:|graphs:)" "$OUT/prefetch_${part}_b$b.log" | cut -c1-260 ;;
@@ -402,7 +403,7 @@ while [ $# -gt 0 ]; do
             gptoss) pargs="--preset gpt-oss-120b --routing model --fractions 0.1,0.25,0.5" ;;
           esac
           run "prefetch_${part}_b$b" "${PREFETCH_LIMIT:-$T}" python3 bench/bench_prefetch.py $pargs --batch "$b" \
-            --prefetch off,auto --runs 2 --decode-tokens "$n" --warmup-tokens 96 \
+            --prefetch "${PREFETCH_MODES:-off,auto}" --runs 2 --decode-tokens "$n" --warmup-tokens 96 \
             --record-probe "$OUT/prefetch_probe_${part}_b$b.json"
           grep -hE "^(\||auto:|graphs:)" "$OUT/prefetch_${part}_b$b.log" | cut -c1-260 ;;
         *) echo "PREFETCH_PART=$part: bf16, nvfp4, hybrid, budgets, long, zipf or gptoss" >&2; status=2 ;;
