@@ -14,6 +14,7 @@ psutil, msgpack (and gcc for the compiled path).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import sys
@@ -78,14 +79,23 @@ def fill_store(store: ExpertStore) -> None:
         view[e].copy_(base.roll(e))
 
 
-def bench_format(fmt: str, args, batches: list[int], top_k: int, dram_rows: list) -> list[tuple]:
-    """The rows of one format: its store, the DRAM read just before, then every kernel and batch."""
-    name = f"ft-bench-experts-{os.getpid()}-{fmt}"
-    store = ExpertStore.create(name, num_layers=1, num_experts=args.experts, dtype=torch.bfloat16,
-                               config_hash="bench", fmt=fmt, **QWEN3_30B_A3B)
-    rows = []
+@contextlib.contextmanager
+def filled_store(fmt: str, experts: int, tag: str):
+    """A one-layer store of `experts` experts of the qwen3-30b-a3b shape in `fmt`, filled (fill_store), unlinked after."""
+    store = ExpertStore.create(f"ft-bench-{tag}-{os.getpid()}-{fmt}", num_layers=1, num_experts=experts,
+                               dtype=torch.bfloat16, config_hash="bench", fmt=fmt, **QWEN3_30B_A3B)
     try:
         fill_store(store)
+        yield store
+    finally:
+        store.close()
+        store.unlink()
+
+
+def bench_format(fmt: str, args, batches: list[int], top_k: int, dram_rows: list) -> list[tuple]:
+    """The rows of one format: its store, the DRAM read just before, then every kernel and batch."""
+    rows = []
+    with filled_store(fmt, args.experts, "experts") as store:
         print(f"{fmt} store: {args.experts} experts x {store.expert_bytes / 1e6:.2f} MB = {store.nbytes / GB:.2f} GB, "
               f"{top_k} experts a call, threads {args.threads}, torch {torch.__version__}")
         if store.nbytes < SMALL_STORE_BYTES:
@@ -132,9 +142,6 @@ def bench_format(fmt: str, args, batches: list[int], top_k: int, dram_rows: list
                 gbps = top_k * store.expert_bytes / sec / GB
                 rows.append((fmt, label, batch, store.expert_bytes / 1e6, sec * 1e6, sec * 1e6 / top_k, gbps,
                              100 * gbps / dram_gbps))
-    finally:
-        store.close()
-        store.unlink()
     return rows
 
 

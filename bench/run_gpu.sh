@@ -10,6 +10,8 @@
 #   engine   resident decode, offload at 10 / 25 / 50% (qwen3-30b-a3b preset), TTFT at 1K     (~6 min)
 #   hybrid   hybrid at 25%, the hand-off round trip, the CPU expert kernel                   (~6 min)
 #   prefill  TTFT at 1K and 4K prompts: resident, offload 25%, hybrid 25%                     (~5 min)
+#   cpu      the host's CPU expert kernel alone, 4-bit formats: bench_cpu_experts.py at batch 1 / 4, 8 and 1 experts a
+#            call, then bench_cpu_phases.py (where a call's time goes: phases, barriers, the parts around) (~1 min)
 #   workload trains the olmoe-routing and qwen3-30b-a3b-routing shapes (WORKLOAD_MINUTES each, default 6.5, side by
 #            side on the one GPU) and the embedded default model (DEFAULT_TOKENS, default 40M); routing statistics
 #            of both routing shapes (16,384 held-out tokens), the qwen3 trace (4,096 tokens); all of it, with the
@@ -319,6 +321,15 @@ while [ $# -gt 0 ]; do
       tail -n 8 "$OUT/handoff.log" | cut -c1-160; echo; tail -n 12 "$OUT/cpu_experts.log" | cut -c1-160
       summary this="$OUT"
       ;;
+    cpu)
+      for k in 8 1; do
+        run "cpu_experts_$k" 120 python3 bench/bench_cpu_experts.py --format int4-g128,mxfp4,nvfp4 --batches 1,4 \
+          --repeats 50 --experts 64 --experts-per-call "$k"
+      done
+      run cpu_phases 120 python3 bench/bench_cpu_phases.py --format mxfp4,nvfp4 --batches 1,4 --experts-per-call 1,8
+      grep -hE "^(int4|mxfp4|nvfp4) +native|DRAM.*native" "$OUT"/cpu_experts_*.log | cut -c1-160
+      tail -n 9 "$OUT/cpu_phases.log" | cut -c1-160
+      ;;
     prefill)
       run ttft_1k "$T" python3 bench/bench_prefill.py --runs 3 --prompt-tokens 1024 --chunks 4096 --fractions 0.25 \
         ${PREFILL_VARIANTS:+--variants "$PREFILL_VARIANTS"}
@@ -529,7 +540,7 @@ PY
       cat "$OUT/peer_table.md" 2>/dev/null
       ;;
     *)
-      echo "unknown suite: $s (tests, kernels, tuning, engine, hybrid, prefill, routing, workload, prefetch, prefetch_trained, architectures, soak, peer_build, peer, batch, prefix, all, compare OLD_TREE)" >&2; status=2
+      echo "unknown suite: $s (tests, kernels, tuning, engine, hybrid, cpu, prefill, routing, workload, prefetch, prefetch_trained, architectures, soak, peer_build, peer, batch, prefix, all, compare OLD_TREE)" >&2; status=2
       ;;
   esac
 done

@@ -245,7 +245,8 @@ def emulated():
     try:
         path = build_library(sources=(NATIVE_DIR / "quant_ffn.c",), stem="libft_quant_emulated",
                              headers=tuple(NATIVE_DIR / f for f in ("expert_act.h", "quant_dots.h", "quant_avx512.h",
-                                                                    "quant_avx2.h", "quant_int8.h", "simde_shim.h")),
+                                                                    "quant_avx2.h", "quant_int8.h", "simde_shim.h",
+                                                                    "phase_times.h")),
                              extra_flags=("-DFT_EMULATE_AVX512",))
     except NativeUnavailable as exc:
         pytest.fail(f"the emulated build failed: {exc}")

@@ -35,7 +35,8 @@ SOURCES = (Path(__file__).with_name("expert_ffn.c"),     # the expert kernel (it
            Path(__file__).with_name("threads.c"),        # thread pinning and the bandwidth probe's reads
            Path(__file__).with_name("quant_ffn.c"))      # the quantized experts' kernel (fp8, int4, mxfp4, nvfp4)
 HEADERS = tuple(Path(__file__).with_name(name) for name in ("expert_act.h", "expert_dots.h", "quant_dots.h",
-                                                             "quant_avx512.h", "quant_avx2.h", "quant_int8.h"))
+                                                             "quant_avx512.h", "quant_avx2.h", "quant_int8.h",
+                                                             "phase_times.h"))
 CFLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-fno-strict-aliasing", "-Wall")
 LIBS = ("-lm",)
 BUILD_TIMEOUT_S = 120

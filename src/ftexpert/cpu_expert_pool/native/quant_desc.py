@@ -57,6 +57,8 @@ class QuantBindings:
         lib.ft_quant_int8_available.argtypes = []
         lib.ft_quant_dot_i8.restype = c_int
         lib.ft_quant_dot_i8.argtypes = [c_p, c_p, c_int, c_int, c_int, c_int, c_int, c_p, c_int, c_p]
+        lib.ft_quant_phase_times.restype = c_int
+        lib.ft_quant_phase_times.argtypes = [c_p, c_int]
         lib.ft_quant_q8_rows.restype = c_i64
         lib.ft_quant_q8_rows.argtypes = [c_p, c_int, c_int, c_int, c_int, c_int, c_p]
         self._lib = lib
@@ -106,3 +108,14 @@ class QuantBindings:
         if rc < 0:
             raise ValueError(f"ft_quant_q8_rows: {ERRORS.get(int(rc), f'error {rc}')}")
         return out
+
+    def phase_times(self) -> tuple[int, int, np.ndarray] | None:
+        """The last moe_layer call's stamps in a build with -DFT_PHASE_TIMES (native/phase_times.h): (call entry ns,
+        call exit ns, marks [threads, 8] ns); None in any other build."""
+        buf = np.zeros(3 + 256 * 8, dtype=np.int64)
+        n = self._lib.ft_quant_phase_times(buf.ctypes.data, buf.size)
+        if n < 0:
+            return None
+        threads = int(buf[2])
+        return int(buf[0]), int(buf[1]), buf[3:3 + threads * 8].reshape(threads, 8).copy()
+

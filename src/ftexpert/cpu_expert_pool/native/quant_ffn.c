@@ -48,6 +48,7 @@ int ft_best_isa(void);               /* expert_ffn.c */
 #include "expert_act.h"
 #include "quant_dots.h"
 #include "quant_int8.h"
+#include "phase_times.h"
 
 /* One quantized expert's layout: ft_quant_format (cpu_expert_pool/native/quant_desc.py builds it from a
    proto.expert_format.QuantLayout). Offsets are bytes from the expert's first byte, -1 for an absent region. */
@@ -183,6 +184,7 @@ int ft_moe_layer_q(const ft_quant_format *qf, int isa, int num_threads,
                    const void *hidden, int hidden_is_bf16, int T,
                    const int32_t *tok, const int32_t *expert, const float *weight, int n,
                    float *out, int64_t *stats_out, int split_expert, int split_limit, const ft_expert_act *act) {
+    PHASE_CALL(0);
     if (isa < ISA_SCALAR || isa > ft_best_isa()) return ERR_BAD_ISA;
     if (H <= 0 || I <= 0 || T < 0 || n < 0 || num_experts <= 0 || num_threads <= 0) return ERR_BAD_ARGS;
     if (ft_quant_format_check(qf, H, I, expert_stride_bytes)) return ERR_BAD_FORMAT;
@@ -244,6 +246,7 @@ int ft_moe_layer_q(const ft_quant_format *qf, int isa, int num_threads,
     #pragma omp parallel num_threads(num_threads)
     {
         const int tid = omp_get_thread_num(), nth = omp_get_num_threads();
+        PHASE_MARK(tid, nth, 0);
         /* phase 0: zero out[T, H]; x -> fp32 (4-bit formats: permuted) */
         const int64_t t0 = (int64_t)T * tid / nth, t1 = (int64_t)T * (tid + 1) / nth;
         memset(out + t0 * H, 0, (size_t)(t1 - t0) * H * 4);
@@ -264,7 +267,9 @@ int ft_moe_layer_q(const ft_quant_format *qf, int isa, int num_threads,
             prefetch_rows(&gm, i, n, fmt);
             prefetch_rows(&um, i, n, fmt);
         }
+        PHASE_MARK(tid, nth, 1);
         #pragma omp barrier
+        PHASE_MARK(tid, nth, 2);
 
         /* phase 1: h = act(gate . x, up . x) (silu: silu(g) * u), this thread's row pairs */
         float ra[TOKEN_CHUNK], rb[TOKEN_CHUNK];
@@ -305,15 +310,21 @@ int ft_moe_layer_q(const ft_quant_format *qf, int isa, int num_threads,
             const qmat dm = quant_mat(qf, base + (int64_t)g_expert[0] * expert_stride_bytes, H, I, 2);
             prefetch_rows(&dm, j0, j1 - j0, fmt);
         }
+        PHASE_MARK(tid, nth, 3);
         #pragma omp barrier
+        PHASE_MARK(tid, nth, 4);
         if (i8) {                              /* h quantized, a row's first g_lim values (a split: c) */
             int g = 0;
             for (int r = (int)((int64_t)n * tid / nth), r1 = (int)((int64_t)n * (tid + 1) / nth); r < r1; ++r) {
                 while (r >= g_start[g + 1]) ++g;
                 q8_quantize_row(hbuf + (int64_t)r * I, g_lim[g], fmt, G, h8 + r * h8s);
             }
+            PHASE_MARK(tid, nth, 5);
             #pragma omp barrier
+        } else {
+            PHASE_MARK(tid, nth, 5);
         }
+        PHASE_MARK(tid, nth, 6);
 
         /* phase 2: out[tok, j] += w * (down_j[:lim] . h + b_down[j]), this thread's rows j, every group */
         for (int g = 0; g < ng; ++g) {
@@ -344,8 +355,10 @@ int ft_moe_layer_q(const ft_quant_format *qf, int isa, int num_threads,
                 }
             }
         }
+        PHASE_MARK(tid, nth, 7);
     }
     pthread_mutex_unlock(&q_lock);
+    PHASE_CALL(1);
     if (stats_out) {
         stats_out[0] = ng;
         int64_t bytes = 0;
