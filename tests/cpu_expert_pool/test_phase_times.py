@@ -3,15 +3,12 @@ reading of them: the stamps of a real call are ordered phase by phase inside the
 none, and the columns come out of a hand-made set of stamps as computed by hand."""
 from __future__ import annotations
 
-import ctypes
-
 import numpy as np
 import pytest
 import torch
 
-from ftexpert.cpu_expert_pool.native.act_desc import expert_act_desc
-from ftexpert.cpu_expert_pool.native.build import HEADERS, SOURCES, NativeUnavailable, build_library
-from ftexpert.cpu_expert_pool.native.quant_desc import QuantBindings, quant_format_desc
+from ftexpert.cpu_expert_pool.native.build import NativeUnavailable
+from ftexpert.cpu_expert_pool.native.quant_desc import quant_format_desc
 from tests.bench.test_bench_cpu_paths import _bench
 from tests.cpu_expert_pool.test_cpu_pool_quant import NATIVE, call_raw, make_batch, make_store
 
@@ -33,11 +30,9 @@ def test_the_columns_of_hand_made_stamps():
 def test_a_calls_stamps_are_ordered_inside_it_and_the_workers_library_has_none():
     assert NATIVE.quant.phase_times() is None
     try:
-        path = build_library(sources=SOURCES, headers=HEADERS, stem="libft_expert_ffn_phases",
-                             extra_flags=("-DFT_PHASE_TIMES",))
+        lib = _bench("bench_cpu_phases").phase_library()
     except NativeUnavailable as exc:
         pytest.fail(f"the phase build failed: {exc}")
-    lib = QuantBindings(ctypes.CDLL(str(path)))
     store = make_store("mxfp4")
     try:
         hidden, tok, exp, w = make_batch(store, 3, 2, torch.bfloat16, seed=1)

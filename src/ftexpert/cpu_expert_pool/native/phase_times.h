@@ -1,5 +1,5 @@
 /* Where a call of ft_moe_layer_q spends its time, by phase and thread: a build with -DFT_PHASE_TIMES only
- * (bench/bench_cpu_experts.py --phases builds quant_ffn.c so; the worker's library has no marks and no cost).
+ * (bench/bench_cpu_phases.py builds the kernel's library so; the worker's library has no marks and no cost).
  * Each thread stamps CLOCK_MONOTONIC at the marks below; the call stamps its entry and exit. The last call's stamps
  * are read by ft_quant_phase_times. Marks: 0 the parallel region entered; 1 phase 0 done (x converted and
  * quantized); 2 past its barrier; 3 phase 1 done (gate / up); 4 past its barrier; 5 h quantized (int8 path; else

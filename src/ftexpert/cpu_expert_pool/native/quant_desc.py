@@ -20,6 +20,7 @@ FORMAT_IDS = {"fp8": 1, "int4": 2, "mxfp4": 3, "nvfp4": 4}     # quant_dots.h FM
 REGIONS = ("codes_w13", "codes_w2", "scales_w13", "scales_w2", "zeros_w13", "zeros_w2", "globals")
 MATRICES = {"gate": 0, "up": 1, "down": 2}                      # ft_dequantize_rows's m
 INT8_FORMATS = ("int4", "mxfp4", "nvfp4")                       # quant_int8.h's formats
+PH_MAX_THREADS, PH_MARKS = 256, 8                               # phase_times.h: threads stamped, marks a thread
 
 
 class QuantFormatDesc(ctypes.Structure):
@@ -112,10 +113,9 @@ class QuantBindings:
     def phase_times(self) -> tuple[int, int, np.ndarray] | None:
         """The last moe_layer call's stamps in a build with -DFT_PHASE_TIMES (native/phase_times.h): (call entry ns,
         call exit ns, marks [threads, 8] ns); None in any other build."""
-        buf = np.zeros(3 + 256 * 8, dtype=np.int64)
+        buf = np.zeros(3 + PH_MAX_THREADS * PH_MARKS, dtype=np.int64)
         n = self._lib.ft_quant_phase_times(buf.ctypes.data, buf.size)
         if n < 0:
             return None
         threads = int(buf[2])
-        return int(buf[0]), int(buf[1]), buf[3:3 + threads * 8].reshape(threads, 8).copy()
-
+        return int(buf[0]), int(buf[1]), buf[3:3 + threads * PH_MARKS].reshape(threads, PH_MARKS).copy()

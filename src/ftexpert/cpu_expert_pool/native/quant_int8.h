@@ -37,7 +37,7 @@ static inline int64_t q8_row_bytes(int K, int fmt, int G) {
 }
 
 /* x [K] fp32 (element order) -> dst [q8_row_bytes(K, fmt, G)] for a row of `fmt` weights in groups of G: the plain
-   one, value by value (the reference of q8_quantize_row_512, byte for byte: ft_quant_q8_row). */
+   one, value by value (the reference of q8_quantize_row_512, byte for byte: ft_quant_q8_rows). */
 static void q8_quantize_row_ref(const float *x, int K, int fmt, int G, uint8_t *dst) {
     const int off = fmt == FMT_INT4 ? 0 : 12;
     float *S = (float *)(dst + q8_sb_bytes(K));                          /* int4: the groups' sums */
@@ -133,7 +133,8 @@ T_VNNI INLINE_Q void q8_weights(int fmt, const qrow *r, int s, int K, __m512i *w
 
 /* q8_quantize_row_ref's bytes with a block of 16 values a vector: the same fp32 operations (127 / amax, x times it
    rounded to nearest even by vcvtps2dq, whose default rounding rintf's is; amax / 127; int4's group sums in the same
-   order, each term by fmaf, which a build may not contract differently), a block's 16 bytes put in place by one vpshufb and four 4-byte stores. */
+   order, each term by fmaf, which a build may not contract differently), a block's 16 bytes put in place by one
+   vpshufb and four 4-byte stores. */
 static const uint8_t Q8_BLOCK_ORDER[16] = {0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11, 13, 15};
 T_VNNI static void q8_quantize_row_512(const float *x, int K, int fmt, int G, uint8_t *dst) {
     const int off = fmt == FMT_INT4 ? 0 : 12;
