@@ -60,7 +60,8 @@ DEFAULT_GEMV_BLOCKS = GemvBlocks()
 # moe_gemv_quant's blocks by format where they differ from DEFAULT_GEMV_BLOCKS: the `tuning` suite's sweep on the
 # H100 (`bench_moe_decode_quant.py --sweep`, docs/QUANTIZATION.md) took gpt-oss-120b's MXFP4 pair from 46.6 to 38.4 us
 # a layer and qwen3-next's NVFP4 pair from 21.4 to 18.3 us with gate/up 8 x 512, down 8 x 256 and the scale a
-# group's sum; the next-best variants were 2-4 us slower, and no variant without the group sum came within 5 us.
+# group's sum. The other group-sum variants: 40.3-41.6 us (MXFP4), 18.2-19.7 (NVFP4; 18.2 with gate/up 4 x 512, within
+# the sweep's spread); the best without the group sum: 45.6 and 20.4.
 QUANT_GEMV_BLOCKS = {name: GemvBlocks(gate_up_block_n=8, gate_up_block_k=512, down_block_n=8, down_block_k=256,
                                       quant_group_sum=True) for name in ("mxfp4", "nvfp4")}
 
