@@ -54,6 +54,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--skip-small", action="store_true", help="only the MoE FFN (no norm / rope / router)")
     p.add_argument("--skip-linear", action="store_true", help="no dense projections (linear_gemv vs F.linear)")
     p.add_argument("--linear-only", action="store_true", help="only the dense projections")
+    p.add_argument("--linear-shapes", default="",
+                   help="the dense projections as NAME=NxK,... instead of qkv / o_proj / router from --hidden, "
+                        "--heads, --kv-heads, --head-dim (e.g. qwen3-next's: run_gpu.sh tuning)")
     p.add_argument("--json-out", default=None, help="write every result here as JSON")
     return p.parse_args(argv)
 
@@ -176,12 +179,25 @@ def linear_variants(picked, K: int, dtype: torch.dtype) -> list:
     return unique
 
 
+def parse_linear_shapes(text: str) -> list[tuple[str, int, int]]:
+    """--linear-shapes "in_qkvz=12288x2048,out=2048x4096" -> [(name, N, K), ...]."""
+    shapes = []
+    for item in text.split(","):
+        name, _, dims = item.strip().partition("=")
+        n, _, k = dims.partition("x")
+        if not (name and n.isdigit() and k.isdigit() and int(n) > 0 and int(k) > 0):
+            raise SystemExit(f"--linear-shapes: {item!r} is not NAME=NxK (N outputs, K inputs, both > 0)")
+        shapes.append((name, int(n), int(k)))
+    return shapes
+
+
 def linear_cases(args, dtype, rows: list[dict]) -> None:
     import torch.nn.functional as F
 
     from ftexpert.kernels.dense_gemv import MAX_T, linear_gemv, pick_blocks
     H, Hq, Hkv, D, E = args.hidden, args.heads, args.kv_heads, args.head_dim, args.experts
-    shapes = [("qkv", (Hq + 2 * Hkv) * D, H), ("o_proj", H, Hq * D), ("router", E, H)]
+    shapes = ([("qkv", (Hq + 2 * Hkv) * D, H), ("o_proj", H, Hq * D), ("router", E, H)] if not args.linear_shapes
+              else parse_linear_shapes(args.linear_shapes))
     gen = torch.Generator(device="cuda").manual_seed(2)
     for short, N, K in shapes:
         name = f"linear {short} {N}x{K}"

@@ -6,7 +6,8 @@
 #            tests/, TESTS_TIMEOUT (s)                                                        (~8 min)
 #   kernels  slot-cache ensure kernel, decode attention, the MoE decode kernels (bf16 and quantized)  (~4 min)
 #   tuning   the 4-bit MoE GEMV's block sweep (and its scale a group's sum) at gpt-oss-120b's and qwen3-next's shapes;
-#            the decode attention's num_stages                                               (~3 min)
+#            the dense projections' LinearBlocks sweep at the same models' shapes; the decode attention's num_stages
+#                                                                                            (~4 min)
 #   engine   resident decode, offload at 10 / 25 / 50% (qwen3-30b-a3b preset), TTFT at 1K     (~6 min)
 #   hybrid   hybrid at 25%, the hand-off round trip, the CPU expert kernel                   (~6 min)
 #   prefill  TTFT at 1K and 4K prompts: resident, offload 25%, hybrid 25%                     (~5 min)
@@ -299,10 +300,16 @@ while [ $# -gt 0 ]; do
         --inter 2880 --top-k 4 --tokens 1 --sweep --skip-dequant --json-out "$OUT/quant_gptoss.json"
       run quant_next 120 python3 bench/bench_moe_decode_quant.py --formats nvfp4 --experts 512 --hidden 2048 \
         --inter 512 --top-k 10 --tokens 1 --sweep --skip-dequant --json-out "$OUT/quant_next.json"
+      # the dense projections' LinearBlocks sweep at qwen3-next-80b-a3b's and gpt-oss-120b's shapes (linear_gemv is
+      # the decode step's largest kernel there: docs/QWEN3_NEXT.md's profile)
+      run linear_arch 150 python3 bench/bench_moe_decode.py --linear-only --tokens 1 --sweep --linear-shapes \
+        next_in_qkvz=12288x2048,next_ba=64x2048,next_out=2048x4096,next_attn_qkv=9216x2048,next_attn_o=2048x4096,next_shared_gu=1024x2048,next_shared_down=2048x512,next_router=512x2048,oss_qkv=5120x2880,oss_o=2880x4096,oss_router=128x2880 \
+        --json-out "$OUT/linear_arch.json"
       run attn_stages 120 python3 bench/bench_decode_attention.py --no-sdpa --sweep-set stages --tokens 1,4 \
         --contexts 1024,32768 --json-out "$OUT/attn_stages.json"
       grep -hE "^(mxfp4|nvfp4|bf16) " "$OUT"/quant_gptoss.log "$OUT"/quant_next.log | cut -c1-120
       grep -hE "^\| (mxfp4|nvfp4|bf16)" "$OUT"/quant_gptoss.log "$OUT"/quant_next.log | cut -c1-160
+      grep -E "best sweep variant|^\| linear" "$OUT/linear_arch.log" | cut -c1-160
       tail -n 6 "$OUT/attn_stages.log" | cut -c1-160
       ;;
     engine)

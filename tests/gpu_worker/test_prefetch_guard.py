@@ -193,7 +193,20 @@ def test_the_lookahead_predicts_in_the_guards_blocks(monkeypatch):
     assert la.guard.decided_on is False and la.rule_active
     assert sum(modes[8 * 16:]) == 2 * 8            # blocks 31 and 47
     assert la.report()["guard"]["decided_on"] is False
-    la.set_policy(mode="off")                       # a new mode: a new guard
-    assert la.guard.decided_on is None and la.guard.report()["ratios"] == 0
     counts = la.counters()
     assert counts["prefetch_auto_steps_total"] == 8 * 48 and counts["prefetch_auto_predicting_steps_total"] == sum(modes)
+    # away from auto and back (a benchmark's interleaved runs, an operator's SetPolicy): the decision and its ratios
+    # are kept, so the backend does not explore again; the step a pause left open is not compared with later ones
+    ratios = la.guard.report()["ratios"]
+    la.step_begin()                                 # a step whose time never arrives: the switch drops it
+    la.set_policy(mode="off")
+    assert la.guard.decided_on is False and la.guard.report()["ratios"] == ratios
+    la.set_policy(mode="auto")
+    resumed = []
+    for _ in range(8 * 16):
+        la.step_begin()
+        resumed.append(la.active)
+        la.step_end()
+    # steps 385 .. 512 are blocks 48 .. 63: off but for check block 63 (a new guard would explore: on, off, on ...)
+    assert resumed == [False] * (8 * 63 - 385) + [True] * 8 + [False], "the winner at once, then a check block"
+    assert la.guard.decided_on is False and la.guard.report()["ratios"] >= ratios

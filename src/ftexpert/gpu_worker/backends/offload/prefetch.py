@@ -210,8 +210,8 @@ class Lookahead:
         settings = self.settings.with_policy(mode, budget)
         if settings.mode != "off" and self.predictor is None:
             raise ValueError(f"prefetch mode {settings.mode!r} needs a predictor (the model's routers)")
-        if settings.mode != self.settings.mode:     # the guard starts over, its pending step times dropped
-            self.guard = StepGuard()
+        if settings.mode != self.settings.mode:     # the guard keeps its decision, its pending step times dropped
+            self.guard.pause()
             self.step_timer.clear()
         self.settings = settings
         self._pending_score = None          # a score kept under the old policy is dropped

@@ -14,8 +14,9 @@ the first `settle` (the step after a switch). It compares each block with the bl
 differ: the ratio on / off of their medians. First it alternates modes until it has `explore` ratios; then it runs
 the winner (on while the median of its last `window` ratios is below 1 - `margin`) and one block in `check_every` in
 the other mode, whose ratio against the block before it keeps the decision current as the cache warms, the batch
-changes or the context grows. What it costs: the exploration's blocks, then one block in `check_every` in the
-losing mode (1/16 of the gain, or of the loss).
+changes or the context grows. What it costs: the exploration's blocks (once a backend: a policy switch away from
+`auto` and back keeps the decision, `pause`), then one block in `check_every` in the losing mode (1/16 of the gain,
+or of the loss).
 
 `StepGuard` is pure Python (tests/gpu_worker/test_prefetch_guard.py: a table of outcomes on step times);
 `StepTimer` holds the events.
@@ -115,6 +116,14 @@ class StepGuard:
                              "%d block pairs)", "runs" if decided else "stops", ratio, len(self.ratios))
                 self.decided_on = decided
         self._prev = (on, med)
+
+    def pause(self) -> None:
+        """The mode leaves `auto` (SetPolicy): the open block and the block before it are dropped (the steps that
+        resume are not compared with steps before the pause), the decision and its ratios are kept. A backend that
+        comes back to `auto` runs its winner at once, the check blocks keeping the decision current, instead of
+        exploring again: the exploration is paid once a backend."""
+        self._modes.clear()
+        self._times, self._open, self._prev = [], -1, None
 
     def report(self) -> dict:
         """The guard's state: its decision (None while exploring), the median ratio on / off, how many it holds."""
