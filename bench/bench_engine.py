@@ -174,7 +174,17 @@ def measure(engine, prompts, args, backend=None) -> dict:
     runs = [decode_run(engine, prompts, args.decode_tokens, backend) for _ in range(args.runs)]
     best = sorted(runs, key=lambda r: r["decode_tok_s"])[len(runs) // 2]       # the median run
     best["all_tok_s"] = [round(r["decode_tok_s"], 2) for r in runs]
+    # the tokens compared across configurations: every configuration's first measured run (the median run is another
+    # run in each); whether this engine's own runs gave the same tokens is the table's "*" (lossless_cell)
+    best["first_tokens"] = runs[0]["tokens"]
+    best["runs_agree"] = all(r["tokens"] == runs[0]["tokens"] for r in runs)
     return best
+
+
+def lossless_cell(r: dict) -> str:
+    """The table's lossless cell: the first run's tokens equal the reference's (True / False), '-' for the reference
+    itself; a '*' where the configuration's own runs disagreed with each other."""
+    return f"{r.get('lossless', '-')}{'' if r.get('runs_agree', True) else '*'}"
 
 
 def _profiled_steps(engine: Engine, prompts: list[list[int]], steps: int, profiler) -> None:
@@ -260,19 +270,30 @@ def _table(args, source, rows, bw, bw_hot=None, bw_single=None, hbm=None) -> int
     if hbm is not None:                  # (bytes a step, HBM bytes/s): the resident step's bound, every row beside it
         hbm_roof = args.batch * hbm[1] / hbm[0]["total"]
         print(describe_hbm(*hbm) + f": {hbm_roof:.1f} tok/s")
-    print(f"{'backend':<20} {'slots':>5} {'tok/s':>7} {'HBM roof':>8} {'%HBM':>4} {'roofline':>8} {'%roof':>5} {'%single':>7} "
-          f"{'%hot':>5} {'miss/tok':>8} {'copy GB/s':>9} {'lossless':>8} {'GPU GiB':>7} {'RSS/exp':>7}")
+    print(table_header())
     for name, slots, r, peak, rss in rows:
         miss = r.get("misses_per_token")
         roof = bw / (miss * expert_bytes) if miss and bw else float("nan")
         pct = 100 * r["decode_tok_s"] / roof if miss and bw else float("nan")
         pct_hot = 100 * r["decode_tok_s"] * miss * expert_bytes / bw_hot if miss and bw_hot else float("nan")
         pct_single = 100 * r["decode_tok_s"] * miss * expert_bytes / bw_single if miss and bw_single else float("nan")
-        print(f"{name:<20} {slots!s:>5} {r['decode_tok_s']:>7.2f} {hbm_roof:>8.1f} {100 * r['decode_tok_s'] / hbm_roof:>4.0f} "
-              f"{roof:>8.2f} {pct:>5.0f} {pct_single:>7.0f} {pct_hot:>5.0f} "
-              f"{(miss or 0):>8.1f} {r.get('copy_gb_s', 0):>9.1f} {str(r.get('lossless', '-')):>8} "
-              f"{peak / 2**30:>7.1f} {rss / total_expert_bytes:>7.2f}")
+        print(table_line(name, slots, r["decode_tok_s"], hbm_roof, roof, pct, pct_single, pct_hot, miss or 0,
+                         r.get("copy_gb_s", 0), lossless_cell(r), peak / 2**30, rss / total_expert_bytes))
     return 0
+
+
+def table_header() -> str:
+    """The last table's header (bench/peer_llamacpp/run_peer.py finds its columns by their places in it)."""
+    return (f"{'backend':<20} {'slots':>5} {'tok/s':>7} {'HBM roof':>8} {'%HBM':>4} {'roofline':>8} {'%roof':>5} "
+            f"{'%single':>7} {'%hot':>5} {'miss/tok':>8} {'copy GB/s':>9} {'lossless':>8} {'GPU GiB':>7} {'RSS/exp':>7}")
+
+
+def table_line(name, slots, tok_s, hbm_roof, roof, pct, pct_single, pct_hot, miss, copy_gb_s, lossless, gib,
+               rss_per_expert_byte) -> str:
+    """A row of the last table, each cell right-aligned under its header."""
+    return (f"{name:<20} {slots!s:>5} {tok_s:>7.2f} {hbm_roof:>8.1f} {100 * tok_s / hbm_roof:>4.0f} "
+            f"{roof:>8.2f} {pct:>5.0f} {pct_single:>7.0f} {pct_hot:>5.0f} "
+            f"{miss:>8.1f} {copy_gb_s:>9.1f} {str(lossless):>8} {gib:>7.1f} {rss_per_expert_byte:>7.2f}")
 
 
 def main() -> int:
@@ -408,8 +429,8 @@ def main() -> int:
         reference_tokens = reference_by_routing.get(routing)
         if linear == linears[0]:               # another dense_linear rounds differently: not comparable
             if reference_tokens is not None:
-                res["lossless"] = res["tokens"] == reference_tokens
-            reference_by_routing.setdefault(routing, res["tokens"])
+                res["lossless"] = res["first_tokens"] == reference_tokens
+            reference_by_routing.setdefault(routing, res["first_tokens"])
         name = "resident" + (" graphs" if graphs == "on" else " eager") + (f" {linear}" if len(linears) > 1 else "") \
             + (f" pdl {pdl_mode}" if len(pdl_modes) > 1 else "") + overlap_label(od) + routing_label(routing)
         rows.append((name, "-", res, _peak(), proc.memory_info().rss))
@@ -457,7 +478,7 @@ def main() -> int:
                 _reset_peak()
                 built = build_engine(spec, attachment=shared, reuse=built)     # the last row's backend closed first
                 r = measure(built.engine, prompt, args, built.experts)
-                r["lossless"] = r["tokens"] == reference_by_routing[routing]
+                r["lossless"] = r["first_tokens"] == reference_by_routing[routing]
                 name = f"offload {frac:.0%} {label}".strip()
                 rows.append((name, slots, r, _peak(), proc.memory_info().rss))
                 print(name, r["all_tok_s"], _launch_note(r), flush=True)

@@ -56,7 +56,11 @@ case $KIND in
         echo 'void ft_libcuda_stub(void) {}' > "$root/lib/stubs/stub.c"
         cc -shared -fPIC -o "$root/lib/stubs/libcuda.so" -Wl,-soname,libcuda.so.1 "$root/lib/stubs/stub.c"
       fi
-      extra+=(-DCUDAToolkit_ROOT="$root" -DCMAKE_EXE_LINKER_FLAGS="-Wl,--allow-shlib-undefined -L$root/lib/stubs")
+      # --no-as-needed: the stub defines none of the driver's functions, so a linker that drops unused libraries
+      # would leave libcuda.so.1 out of libggml-cuda.so's needed list, and the binary would stop at its first
+      # driver call ("undefined symbol: cuDeviceGet") where it runs
+      extra+=(-DCUDAToolkit_ROOT="$root" -DCMAKE_EXE_LINKER_FLAGS="-Wl,--allow-shlib-undefined -L$root/lib/stubs"
+              -DCMAKE_SHARED_LINKER_FLAGS="-Wl,--no-as-needed")
     fi ;;
   cpu)  extra=(-DGGML_CUDA=OFF) ;;
   *) echo "build.sh: cuda or cpu, not $KIND" >&2; exit 2 ;;
@@ -75,3 +79,7 @@ for f in "$BUILD"/bin/*.so*; do [ -e "$f" ] && cp -a "$f" "$BIN"/; done
 echo "build.sh: $KIND configure $((t1 - t0)) s, build $((t2 - t1)) s with $JOBS jobs"
 ls -la "$BIN"; du -sh "$BIN"
 "$BIN"/llama-bench --help 2>&1 | grep -E -- "n-cpu-moe|override-tensor|moe-cache|n-depth" || true
+if [ "$KIND" = cuda ] && command -v readelf >/dev/null; then
+  readelf -d "$BIN"/libggml-cuda.so | grep -q 'NEEDED.*libcuda\.so' \
+    || { echo "build.sh: libggml-cuda.so does not name libcuda.so.1 among its needed libraries" >&2; exit 1; }
+fi

@@ -216,13 +216,15 @@ def part_engine(args, model: str, experts: str, res: Results, out: Path) -> None
         if m:
             rows.append((m.group(1) + m.group(3), m))
     misses = {}
-    for line in text.splitlines():                    # the table last: NAME slots tok/s roof %roof %single %hot miss/tok
+    # the table last (bench_engine.table_line): a name (which may overrun its 20 places), then one-word cells, of
+    # which miss/tok is the fifth from the end (copy GB/s, lossless, GPU GiB and RSS/exp after it)
+    for line in text.splitlines():
         for name, _ in rows:
             if line.startswith(name + " ") and "[" not in line:
                 cells = line[len(name):].split()
-                if len(cells) > 6:
+                if len(cells) >= 5:
                     try:
-                        misses[name] = float(cells[6])
+                        misses[name] = float(cells[-5])
                     except ValueError:
                         pass
     for name, m in rows:
@@ -310,8 +312,9 @@ def table(records: list[dict]) -> str:
             continue
         ratio = f"{r['tok_s'] / t['tok_s']:.2f}" if t and t.get("tok_s") else "-"
         miss = f", {r['misses_per_token']:.1f} miss/tok" if r.get("misses_per_token") is not None else ""
+        their_tok = f"{t['tok_s']:.2f}" if t else "-"
         lines.append(f"| {r['model']} | {r['experts']} | {r['kind']} | {r['share']:.0%} | "
-                     f"{t['name'] if t else 'not measured'} | {t['tok_s'] if t else float('nan'):.2f} | {r['name']} | "
+                     f"{t['name'] if t else 'not measured'} | {their_tok} | {r['name']} | "
                      f"{r.get('routing', '-')}{miss} | {r['tok_s']:.2f} | {ratio} |")
     return "\n".join(lines)
 

@@ -16,6 +16,8 @@ import pytest
 
 pytest.importorskip("gguf")
 
+from bench.bench_engine import table_header, table_line  # noqa: E402
+
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DRIVER = os.path.join(REPO, "bench", "peer_llamacpp", "run_peer.py")
 
@@ -120,12 +122,11 @@ def _engine_text() -> str:
              "host store 58.0 GB filled and pinned (True) in 30.0 s",
              "offload 25% model [120.0, 125.0, 130.0] ",
              "offload 25% zipf:1.0 [40.0, 42.0, 41.0] ",
-             "", "qwen3-30b-a3b bfloat16 bf16 experts, NVIDIA H200, ...",
-             f"{'backend':<20} {'slots':>5} {'tok/s':>7}"]
+             "", "qwen3-30b-a3b bfloat16 bf16 experts, NVIDIA H200, ...", table_header()]
+    # the table as bench_engine prints it (its own formatter): every other cell a number unlike the misses
     for name, slots, tok, miss in (("resident graphs model", "-", 305.0, 0.0), ("resident graphs zipf:1.0", "-", 295.0, 0.0),
                                    ("offload 25% model", 1536, 125.0, 3.5), ("offload 25% zipf:1.0", 1536, 41.0, 61.2)):
-        lines.append(f"{name:<20} {slots!s:>5} {tok:>7.2f} {50.0:>8.2f} {80:>5.0f} {70:>7.0f} {60:>5.0f} "
-                     f"{miss:>8.1f} {40.0:>9.1f} {'True':>8} {70.1:>7.1f} {1.01:>7.2f}")
+        lines.append(table_line(name, slots, tok, 483.5, 50.0, 80.0, 77.0, 76.0, miss, 40.0, True, 70.1, 1.01))
     return "\n".join(lines)
 
 
@@ -146,7 +147,7 @@ def test_engine_rows_and_the_table_pair_ours_with_theirs(tmp_path, monkeypatch):
     text = rp.table(rp.read_records([tmp_path / "r.jsonl"]))
     assert "| 25% | llama.cpp -ncmoe 36 | 20.50 | offload 25% | zipf:1.0, 61.2 miss/tok | 41.00 | 2.00 |" in text
     assert "| 25% | llama.cpp -ncmoe 36 | 20.50 | offload 25% | model, 3.5 miss/tok | 125.00 | 6.10 |" in text
-    assert "| 100% | not measured | nan | resident | model, 0.0 miss/tok | 305.00 | - |" in text
+    assert "| 100% | not measured | - | resident | model, 0.0 miss/tok | 305.00 | - |" in text
     assert "| 0% | llama.cpp -ncmoe 48 | 15.00 | - | - | - | - |" in text        # theirs alone: a row of its own
 
 
