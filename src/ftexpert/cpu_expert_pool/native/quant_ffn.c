@@ -9,7 +9,7 @@
  * Same structure as ft_moe_layer: triples grouped by expert (counting sort), one OpenMP team; phase 0 zeroes
  * out and converts x to fp32 (4-bit formats: permuted per block of 32, perm4_pos); phase 1 splits the gate/up
  * row pairs [0, lim_g) of all groups (h = act(g, u), fp32, stored permuted for 4-bit formats); phase 2 splits
- * the H output rows. A split expert (split_limit c > 0) reads gate/up rows [0, c) and down columns [0, c).
+ * the H output rows. Both phases hand out their rows in chunks, each to the thread that comes for it first. A split expert (split_limit c > 0) reads gate/up rows [0, c) and down columns [0, c).
  * Each output element is computed by one thread in a fixed order: results do not depend on the thread count.
  *
  * ISAs: 2 and above (AVX-512 BF16, AMX) run the AVX-512F code, 1 AVX2, 0 portable C (see quant_dots.h).
@@ -242,10 +242,19 @@ int ft_moe_layer_q(const ft_quant_format *qf, int isa, int num_threads,
     for (int g = 0; g < ng; ++g) g_item[g + 1] = g_item[g] + g_lim[g];
     const int64_t items1 = g_item[ng];
     const uint8_t *base = (const uint8_t *)layer_base;
+    /* Phases 1 and 2 hand out their rows in chunks: thread t's first chunk is chunk t (known before the barrier,
+       so its first rows can be asked for there), each later one the next not yet taken (one atomic add). The
+       threads of a team do not read at one rate (bench_cpu_phases.py: the slowest took 1.7-2.3x the fastest over
+       fixed ranges), so fixed ranges would end with the slowest. Which thread computes a row does not change its
+       value, nor the order of any sum. */
+    int64_t taken1 = 0, taken2 = 0;
 
     #pragma omp parallel num_threads(num_threads)
     {
         const int tid = omp_get_thread_num(), nth = omp_get_num_threads();
+        /* chunk sizes: about four chunks a thread; phase 2's even, so that its row pairs stay inside a chunk */
+        const int64_t ch1 = items1 / ((int64_t)nth * 4) > 8 ? ceil_div(items1, (int64_t)nth * 4) : 8;
+        const int64_t ch2 = ((H / (nth * 4) > 16 ? ceil_div(H, (int64_t)nth * 4) : 16) + 1) / 2 * 2;
         PHASE_MARK(tid, nth, 0);
         /* phase 0: zero out[T, H]; x -> fp32 (4-bit formats: permuted) */
         const int64_t t0 = (int64_t)T * tid / nth, t1 = (int64_t)T * (tid + 1) / nth;
@@ -257,7 +266,7 @@ int ft_moe_layer_q(const ft_quant_format *qf, int isa, int num_threads,
                 xq[t * H + (perm ? perm4_pos(k, H) : k)] = v;
             }
         for (int64_t t = t0; i8 && t < t1; ++t) q8_quantize_row(xq + t * H, H, fmt, G, x8 + t * x8s);
-        const int64_t first1 = items1 * tid / nth, end1 = items1 * (tid + 1) / nth;
+        const int64_t first1 = (int64_t)tid * ch1, end1 = first1 + ch1 < items1 ? first1 + ch1 : items1;
         if (first1 < end1) {                   /* this thread's first gate / up rows, while the others finish */
             int g = 0;
             while (first1 >= g_item[g + 1]) ++g;
@@ -271,20 +280,24 @@ int ft_moe_layer_q(const ft_quant_format *qf, int isa, int num_threads,
         #pragma omp barrier
         PHASE_MARK(tid, nth, 2);
 
-        /* phase 1: h = act(gate . x, up . x) (silu: silu(g) * u), this thread's row pairs */
+        /* phase 1: h = act(gate . x, up . x) (silu: silu(g) * u), this thread's chunks of row pairs (a thread's
+           chunks come in rising order, so its expert index g1 only moves forward) */
         float ra[TOKEN_CHUNK], rb[TOKEN_CHUNK];
         int g1 = 0, mat_g = -1;
         qmat gate_m, up_m;
-        for (int64_t item = first1; item < end1; ++item) {
+        for (int64_t c0 = first1; c0 < items1;
+             c0 = (int64_t)nth * ch1 + __atomic_fetch_add(&taken1, ch1, __ATOMIC_RELAXED)) {
+          const int64_t c1 = c0 + ch1 < items1 ? c0 + ch1 : items1;
+          for (int64_t item = c0; item < c1; ++item) {
             while (item >= g_item[g1 + 1]) ++g1;
             const int g = g1, i = (int)(item - g_item[g]), B = g_start[g + 1] - g_start[g];
             const uint8_t *e = base + (int64_t)g_expert[g] * expert_stride_bytes;
             if (g != mat_g) {
                 gate_m = quant_mat(qf, e, H, I, 0); up_m = quant_mat(qf, e, H, I, 1); mat_g = g;
-                if (end1 > g_item[g + 1]) {    /* the range goes on into the next expert: its first rows */
+                if (c1 > g_item[g + 1]) {      /* the chunk goes on into the next expert: its first rows */
                     const uint8_t *e1 = base + (int64_t)g_expert[g + 1] * expert_stride_bytes;
                     const qmat gm = quant_mat(qf, e1, H, I, 0), um = quant_mat(qf, e1, H, I, 1);
-                    const int n = (int)((end1 < g_item[g + 2] ? end1 : g_item[g + 2]) - g_item[g + 1]);
+                    const int n = (int)((c1 < g_item[g + 2] ? c1 : g_item[g + 2]) - g_item[g + 1]);
                     prefetch_rows(&gm, 0, n, fmt);
                     prefetch_rows(&um, 0, n, fmt);
                 }
@@ -303,12 +316,13 @@ int ft_moe_layer_q(const ft_quant_format *qf, int isa, int num_threads,
                 ft_gate_rows(act, ra, rb, nb, bg, bu);                    /* ra = h */
                 for (int b = 0; b < nb; ++b) h[(int64_t)(b0 + b) * I + pos] = ra[b];
             }
+          }
         }
-        /* phase 2's rows: this thread's j0 .. j1 of every expert's down matrix */
-        const int j0 = (int)((int64_t)H * tid / nth), j1 = (int)((int64_t)H * (tid + 1) / nth);
-        if (ng > 0) {                          /* the first expert's, while the others finish phase 1 */
+        /* phase 2's first chunk: this thread's rows tid * ch2 .. of every expert's down matrix */
+        const int64_t first2 = (int64_t)tid * ch2;
+        if (ng > 0 && first2 < H) {            /* the first expert's, while the others finish phase 1 */
             const qmat dm = quant_mat(qf, base + (int64_t)g_expert[0] * expert_stride_bytes, H, I, 2);
-            prefetch_rows(&dm, j0, j1 - j0, fmt);
+            prefetch_rows(&dm, (int)first2, (int)(first2 + ch2 < H ? ch2 : H - first2), fmt);
         }
         PHASE_MARK(tid, nth, 3);
         #pragma omp barrier
@@ -326,8 +340,12 @@ int ft_moe_layer_q(const ft_quant_format *qf, int isa, int num_threads,
         }
         PHASE_MARK(tid, nth, 6);
 
-        /* phase 2: out[tok, j] += w * (down_j[:lim] . h + b_down[j]), this thread's rows j, every group */
-        for (int g = 0; g < ng; ++g) {
+        /* phase 2: out[tok, j] += w * (down_j[:lim] . h + b_down[j]), this thread's chunks of rows j, every group
+           in order for each row */
+        for (int64_t r0 = first2; r0 < H;
+             r0 = (int64_t)nth * ch2 + __atomic_fetch_add(&taken2, ch2, __ATOMIC_RELAXED)) {
+          const int j0 = (int)r0, j1 = (int)(r0 + ch2 < H ? r0 + ch2 : H);
+          for (int g = 0; g < ng; ++g) {
             const int start = g_start[g], B = g_start[g + 1] - start, K = g_lim[g];
             const uint8_t *e = base + (int64_t)g_expert[g] * expert_stride_bytes;
             const float *h = hbuf + (int64_t)start * I;
@@ -354,6 +372,7 @@ int ft_moe_layer_q(const ft_quant_format *qf, int isa, int num_threads,
                     }
                 }
             }
+          }
         }
         PHASE_MARK(tid, nth, 7);
     }
