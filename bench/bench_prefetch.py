@@ -17,7 +17,9 @@ and whether the tokens equal prefetch off's (seeded sampling: the same tokens wh
 rows also give what the auto rule saw at the end of their last run ("auto:" lines): the mean idle window a layer and
 the count it allowed, the link bandwidth it measured, whether it would predict, the guard's decision from the
 measured step times (prefetch_guard.py), the expected time it saves a step, and
-(measure) the share of demand misses its choice would have covered.
+(measure) the share of demand misses its choice would have covered. With CUDA graphs, "steps:" lines split each
+configuration's step into the GPU's time inside the decode graph and its idle time between graphs (the host's work
+between steps), medians and means (a cost of one step in N moves the mean only).
 Every engine is built by `build_engine(spec)`: per cache fraction and batch one offload backend over the one host
 store (`Attachment(host=...)`, `reuse=` of the last one's dense weights), and an engine a configuration over it
 (`fresh_engine`: each captures its own decode graphs).
@@ -157,6 +159,8 @@ def main() -> int:
                 for c in configs:
                     if c[0] in ("auto", "measure"):
                         auto_lines.append(auto_line(frac, batch, c, results[c]))
+                    if all("graph_ms" in r for r in results[c]):   # where a step's time goes: in the graph or between
+                        print(steps_line(frac, batch, c, results[c]), flush=True)
                     captured = sum(r["captures"] for r in results[c])
                     if captured:      # a capture inside a timed run: the table's tok/s leaves its host time out
                         took = sum(r.get("capture_s", 0.0) for r in results[c])
@@ -204,6 +208,16 @@ def guard_text(guard: dict | None) -> str:
         return " (guard: no step compared)"
     state = {None: "exploring", True: "on", False: "off"}[guard["decided_on"]]
     return f" (guard: {state}, steps on / off {guard['ratio']:.3f} over {guard['ratios']} block pairs)"
+
+
+def steps_line(frac: float, batch: int, config: tuple[str, int], rs: list[dict]) -> str:
+    """A configuration's decode step split into the GPU's time inside the graph and between graphs (decode_run's
+    per-run medians and means), the median over its runs."""
+    def med(key: str) -> float:
+        return statistics.median(r[key] for r in rs)
+    return (f"steps: {frac:.0%} batch {batch} {config[0]} {config[1] or ''}: GPU in the graph {med('graph_ms'):.3f} ms "
+            f"(mean {med('graph_mean_ms'):.3f}), between graphs {med('between_ms'):.3f} ms (mean "
+            f"{med('between_mean_ms'):.3f}), medians of the runs")
 
 
 def auto_line(frac: float, batch: int, config: tuple[str, int], rs: list[dict]) -> str:

@@ -401,7 +401,7 @@ while [ $# -gt 0 ]; do
             --expert-format "$part" --fractions 0.1,0.25,0.5 --batch "$b" --prefetch "${PREFETCH_MODES:-off,auto}" --runs 2 \
             --decode-tokens "$n" --warmup-tokens 96 ${PREFETCH_PROFILE:+--profile $PREFETCH_PROFILE} \
             --record-probe "$OUT/prefetch_probe_${part}_b$b.json"
-          grep -hE "^(\||auto:|graphs:)" "$OUT/prefetch_${part}_b$b.log" | cut -c1-260 ;;
+          grep -hE "^(\||auto:|graphs:|steps:)" "$OUT/prefetch_${part}_b$b.log" | cut -c1-260 ;;
         hybrid)
           for f in bf16 nvfp4; do
             run "prefetch_hybrid_$f" "${PREFETCH_HYBRID_LIMIT:-270}" python3 bench/bench_hybrid.py --expert-format "$f" \
@@ -423,7 +423,7 @@ while [ $# -gt 0 ]; do
           run "prefetch_${part}_b$b" "${PREFETCH_LIMIT:-$T}" python3 bench/bench_prefetch.py $pargs --batch "$b" \
             --prefetch "${PREFETCH_MODES:-off,auto}" --runs 2 --decode-tokens "$n" --warmup-tokens 96 \
             --record-probe "$OUT/prefetch_probe_${part}_b$b.json"
-          grep -hE "^(\||auto:|graphs:)" "$OUT/prefetch_${part}_b$b.log" | cut -c1-260 ;;
+          grep -hE "^(\||auto:|graphs:|steps:)" "$OUT/prefetch_${part}_b$b.log" | cut -c1-260 ;;
         *) echo "PREFETCH_PART=$part: bf16, nvfp4, hybrid, budgets, long, zipf or gptoss" >&2; status=2 ;;
       esac
       ;;

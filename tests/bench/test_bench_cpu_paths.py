@@ -93,3 +93,14 @@ def test_bench_hybrid_rows_become_engine_specs_and_hybrid_options():
     assert (hybrid.fetch_fraction, hybrid.fetch_round, hybrid.promote, tune) == (0.7, "split", True, True)
     spec, hybrid, _, budget = bench.row_spec(base, {"strategy": "cpu"}, args, 0.3, None, None)
     assert spec.moe_strategy == "cpu" and spec.moe_prefetch == "off" and hybrid.fetch_fraction == 0.3 and budget == 0
+
+
+def test_bench_prefetch_steps_line_is_the_median_over_runs_of_each_figure():
+    """The "steps:" line: each figure the median of its runs' values, the in-graph and between-graph times apart."""
+    bench = _bench("bench_prefetch")
+    runs = [dict(graph_ms=5.0, graph_mean_ms=5.5, between_ms=0.10, between_mean_ms=0.30),
+            dict(graph_ms=5.2, graph_mean_ms=5.9, between_ms=0.12, between_mean_ms=0.50),
+            dict(graph_ms=9.0, graph_mean_ms=9.9, between_ms=0.90, between_mean_ms=0.90)]
+    assert bench.steps_line(0.5, 1, ("auto", 0), runs) == (
+        "steps: 50% batch 1 auto : GPU in the graph 5.200 ms (mean 5.900), between graphs 0.120 ms (mean 0.500), "
+        "medians of the runs")
