@@ -66,6 +66,7 @@
 #            COMPARE_PARTS picks some of: rows25 engine hybrid handoff ensure ttft_1k (default: rows25 ensure, which
 #            fits one call: rows25 is resident, offload 25% and hybrid 25% from one bench_hybrid.py run a side, so
 #            each side fills its 58 GB host store once; engine and hybrid fill one each).
+# The packages the GPU machine lacks: `bash bench/gpu_wheels.sh` here writes them into .whl/ (carried; installed below).
 # SECTION_TIMEOUT (s, default 540) bounds each command of a suite. Logs go to $OUT (the device tool's output folder)
 # when it is set, else ./out; docs/BENCHMARKS.md says what each figure is and where it stands.
 set -u
@@ -524,12 +525,8 @@ PY
     peer_build)
       # llama.cpp's llama-bench for the side-by-side benchmark; a build cut by the limit keeps its objects: run the
       # suite again on the warm machine and ninja goes on from there
-      run peer_build "${PEER_BUILD_LIMIT:-590}" bash bench/peer_llamacpp/build.sh cuda
+      PACK="$OUT" run peer_build "${PEER_BUILD_LIMIT:-590}" bash bench/peer_llamacpp/build.sh cuda
       tail -n 12 "$OUT/peer_build.log" | cut -c1-200
-      if [ -x bench/peer_llamacpp/bin/cuda/llama-bench ]; then
-        tar -C bench/peer_llamacpp/bin -cf - cuda | xz -T0 -6 | split -b 15m -d - "$OUT/peer_bin_cuda.tar.xz.part-"
-        ls -la "$OUT"/peer_bin_cuda.tar.xz.part-*
-      fi
       ;;
     peer)
       # llama.cpp and this project side by side (docs/PEERS.md), one table last

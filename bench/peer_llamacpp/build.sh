@@ -10,8 +10,13 @@
 #             nvidia-cuda-nvcc, -runtime, -crt, -cccl, -nvvm and nvidia-cublas 13.0.x installed with --target, their
 #             nvidia/cu13 folder). A machine without a GPU driver links against a stub libcuda.so (made here, in
 #             the build folder): the binary then finds the driver's libcuda.so.1 where it runs
+#             CUDA_ROOT=wheels: those wheels (13.0, ~0.5 GB) installed with pip into bench/peer_llamacpp/cuda13/ first
 #   CPU_ISA   native (default: the CPU backend for this machine's ISA) or spr (AVX-512 F/CD/VL/DQ/BW/VBMI/VNNI/BF16
 #             and AMX tile/int8/bf16, named: a build away from the GPU machine for its Sapphire Rapids CPU)
+#   PACK      a folder: bin/<kind> packed there as peer_bin_<kind>.tar.xz.part-NN (xz, 15 MB parts: what a device
+#             call carries as bench/peer_llamacpp/dist/ and the peer suite unpacks)
+# Away from the GPU machine (2 cores: ~28 min): CUDA_ROOT=wheels CPU_ISA=spr PACK=bench/peer_llamacpp/dist \
+#   bash bench/peer_llamacpp/build.sh cuda
 # Prints the configure and build times and the size of what bin/ holds.
 set -euo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
@@ -42,6 +47,12 @@ case ${CPU_ISA:-native} in
 esac
 case $KIND in
   cuda)
+    if [ "${CUDA_ROOT:-}" = wheels ]; then
+      CUDA_ROOT=$HERE/cuda13/nvidia/cu13
+      [ -x "$CUDA_ROOT/bin/nvcc" ] || python3 -m pip install -q --no-deps --only-binary=:all: --target "$HERE/cuda13" \
+        nvidia-cuda-nvcc==13.0.88 nvidia-cuda-crt==13.0.88 nvidia-nvvm==13.0.88 nvidia-cuda-runtime==13.0.96 \
+        nvidia-cuda-cccl==13.0.85 nvidia-cublas==13.0.2.14
+    fi
     root=${CUDA_ROOT:-/usr/local/cuda}
     export PATH=$root/bin:$PATH
     extra=(-DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES="${CUDA_ARCH:-90}" -DGGML_CUDA_FA_ALL_QUANTS=OFF
@@ -82,4 +93,9 @@ ls -la "$BIN"; du -sh "$BIN"
 if [ "$KIND" = cuda ] && command -v readelf >/dev/null; then
   readelf -d "$BIN"/libggml-cuda.so | grep -q 'NEEDED.*libcuda\.so' \
     || { echo "build.sh: libggml-cuda.so does not name libcuda.so.1 among its needed libraries" >&2; exit 1; }
+fi
+if [ -n "${PACK:-}" ]; then
+  mkdir -p "$PACK" && rm -f "$PACK"/peer_bin_"$KIND".tar.xz.part-*
+  tar -C "$HERE/bin" -cf - "$KIND" | xz -T0 -6 | split -b 15m -d - "$PACK/peer_bin_$KIND.tar.xz.part-"
+  ls -la "$PACK"/peer_bin_"$KIND".tar.xz.part-*
 fi
