@@ -538,12 +538,6 @@ PY
       # binary built elsewhere, build.sh CUDA_ROOT=..., finds them here as one built on this machine does)
       nvlib=$(python3 -c 'import nvidia, os; print(os.path.join(list(nvidia.__path__)[0], "cu13", "lib"))' 2>/dev/null)
       export LD_LIBRARY_PATH=/usr/local/cuda/lib64${nvlib:+:$nvlib}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
-      # a binary linked before build.sh kept libcuda.so.1 among libggml-cuda.so's needed libraries stops at its first
-      # driver call: the driver's library preloaded instead
-      if ! readelf -d bench/peer_llamacpp/bin/cuda/libggml-cuda.so 2>/dev/null | grep -q 'NEEDED.*libcuda\.so'; then
-        export LD_PRELOAD=$(ldconfig -p | awk '/libcuda\.so\.1 /{print $NF; exit}')
-        echo "   llama-bench: libggml-cuda.so names no libcuda.so.1: preloading ${LD_PRELOAD:-(none found)}"
-      fi
       run peer "${PEER_LIMIT:-595}" python3 bench/peer_llamacpp/run_peer.py --jobs "${PEER_JOBS:-qwen3-30b-a3b:bf16}" \
         --parts "${PEER_PARTS:-theirs,engine,hybrid,prefill}" --out "$OUT" --total-s "${PEER_TOTAL_S:-570}" ${PEER_MERGE:+--merge $PEER_MERGE} ${PEER_ARGS:-}
       grep -E "^\[run_peer" "$OUT/peer.log" | tail -n 12 | cut -c1-200

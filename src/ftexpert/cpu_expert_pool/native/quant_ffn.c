@@ -9,7 +9,8 @@
  * Same structure as ft_moe_layer: triples grouped by expert (counting sort), one OpenMP team; phase 0 zeroes
  * out and converts x to fp32 (4-bit formats: permuted per block of 32, perm4_pos); phase 1 splits the gate/up
  * row pairs [0, lim_g) of all groups (h = act(g, u), fp32, stored permuted for 4-bit formats); phase 2 splits
- * the H output rows. Both phases hand out their rows in chunks, each to the thread that comes for it first. A split expert (split_limit c > 0) reads gate/up rows [0, c) and down columns [0, c).
+ * the H output rows; both hand out their rows in chunks, each to the thread that comes for it first. A split
+ * expert (split_limit c > 0) reads gate/up rows [0, c) and down columns [0, c).
  * Each output element is computed by one thread in a fixed order: results do not depend on the thread count.
  *
  * ISAs: 2 and above (AVX-512 BF16, AMX) run the AVX-512F code, 1 AVX2, 0 portable C (see quant_dots.h).
@@ -61,6 +62,15 @@ typedef struct {
 } ft_quant_format;
 
 static int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+/* Rows a chunk of a phase's `total`: about four chunks a thread, at least `least`. */
+static inline int64_t chunk_rows(int64_t total, int nth, int64_t least) {
+    const int64_t c = ceil_div(total, (int64_t)nth * 4);
+    return c > least ? c : least;
+}
+/* The first row of the next chunk not yet taken (chunks 0 .. nth - 1 are the threads' first, by their numbers). */
+static inline int64_t next_chunk(int nth, int64_t rows, int64_t *taken) {
+    return (int64_t)nth * rows + __atomic_fetch_add(taken, rows, __ATOMIC_RELAXED);
+}
 static int64_t code_row_bytes(const ft_quant_format *f, int64_t k) { return f->format == FMT_FP8 ? k : k / 2; }
 static int64_t scale_count(const ft_quant_format *f, int64_t rows, int64_t k) {     /* one matrix */
     return f->format == FMT_FP8 ? ceil_div(rows, FP8_BLOCK) * ceil_div(k, FP8_BLOCK) : rows * (k / f->group_size);
@@ -253,8 +263,7 @@ int ft_moe_layer_q(const ft_quant_format *qf, int isa, int num_threads,
     {
         const int tid = omp_get_thread_num(), nth = omp_get_num_threads();
         /* chunk sizes: about four chunks a thread; phase 2's even, so that its row pairs stay inside a chunk */
-        const int64_t ch1 = items1 / ((int64_t)nth * 4) > 8 ? ceil_div(items1, (int64_t)nth * 4) : 8;
-        const int64_t ch2 = ((H / (nth * 4) > 16 ? ceil_div(H, (int64_t)nth * 4) : 16) + 1) / 2 * 2;
+        const int64_t ch1 = chunk_rows(items1, nth, 8), ch2 = (chunk_rows(H, nth, 16) + 1) / 2 * 2;
         PHASE_MARK(tid, nth, 0);
         /* phase 0: zero out[T, H]; x -> fp32 (4-bit formats: permuted) */
         const int64_t t0 = (int64_t)T * tid / nth, t1 = (int64_t)T * (tid + 1) / nth;
@@ -285,8 +294,7 @@ int ft_moe_layer_q(const ft_quant_format *qf, int isa, int num_threads,
         float ra[TOKEN_CHUNK], rb[TOKEN_CHUNK];
         int g1 = 0, mat_g = -1;
         qmat gate_m, up_m;
-        for (int64_t c0 = first1; c0 < items1;
-             c0 = (int64_t)nth * ch1 + __atomic_fetch_add(&taken1, ch1, __ATOMIC_RELAXED)) {
+        for (int64_t c0 = first1; c0 < items1; c0 = next_chunk(nth, ch1, &taken1)) {
           const int64_t c1 = c0 + ch1 < items1 ? c0 + ch1 : items1;
           for (int64_t item = c0; item < c1; ++item) {
             while (item >= g_item[g1 + 1]) ++g1;
@@ -342,8 +350,7 @@ int ft_moe_layer_q(const ft_quant_format *qf, int isa, int num_threads,
 
         /* phase 2: out[tok, j] += w * (down_j[:lim] . h + b_down[j]), this thread's chunks of rows j, every group
            in order for each row */
-        for (int64_t r0 = first2; r0 < H;
-             r0 = (int64_t)nth * ch2 + __atomic_fetch_add(&taken2, ch2, __ATOMIC_RELAXED)) {
+        for (int64_t r0 = first2; r0 < H; r0 = next_chunk(nth, ch2, &taken2)) {
           const int j0 = (int)r0, j1 = (int)(r0 + ch2 < H ? r0 + ch2 : H);
           for (int g = 0; g < ng; ++g) {
             const int start = g_start[g], B = g_start[g + 1] - start, K = g_lim[g];
@@ -391,7 +398,7 @@ int ft_moe_layer_q(const ft_quant_format *qf, int isa, int num_threads,
 
 /* Dequantize rows [row0, row0 + nrows) of matrix m (0 gate, 1 up, 2 down) of the expert at expert_base into
    out [nrows, K] fp32, in element order, with the decoders of `isa` that the dot products use (tests compare
-   them bit for bit with proto/expert_format.py's dequantize_matrix). */
+   them bit for bit with kernels/expert_reference.py's dequantize_matrix). */
 int ft_dequantize_rows(const ft_quant_format *qf, int isa, const void *expert_base, int H, int I, int m, int row0,
                        int nrows, float *out) {
     if (isa < ISA_SCALAR || isa > ft_best_isa()) return ERR_BAD_ISA;
