@@ -13,6 +13,7 @@ from ftexpert.gpu_worker.engine import SamplingParams
 from ftexpert.gpu_worker.engine.attention import DecodeAttention, PrefillAttention
 from ftexpert.gpu_worker.engine.kv_cache import KVCache
 from ftexpert.gpu_worker.engine.state_cache import StateCache
+from ftexpert.gpu_worker.checkpoint.qwen3_next_weights import FUSED_PROJECTIONS, fuse_next_projections
 from ftexpert.gpu_worker.models.qwen3_next import StatefulContext
 from ftexpert.kernels import next_decode
 from tests.built_engines import build, engine_of
@@ -79,6 +80,10 @@ def decode_logits(loaded) -> tuple[torch.Tensor, StateCache | None, KVCache]:
 @pytest.mark.parametrize("arch", ["qwen3_next", "gpt_oss"])
 def test_fused_forward_with_the_references_is_the_plain_forward(arch, next_dir, gpt_oss_dir):
     plain, fused = models(next_dir if arch == "qwen3_next" else gpt_oss_dir, "reference")
+    if arch == "qwen3_next":
+        # the fused forward's projections that read one input are one GEMM each (fuse_next_projections), which on
+        # CPU may sum in another order than the separate GEMMs; the plain forward takes the same fused weights
+        fuse_next_projections(plain.model.dense)
     (a, states_a, kv_a), (b, states_b, kv_b) = decode_logits(plain), decode_logits(fused)
     assert torch.equal(a, b)
     assert torch.equal(kv_a.k, kv_b.k) and torch.equal(kv_a.v, kv_b.v)
@@ -116,3 +121,29 @@ def test_fused_kernels_give_the_plain_tokens_and_logits(arch, next_dir, gpt_oss_
     assert calls["gdn"] == calls["rule"] == linear                # the decode step's Gated DeltaNet kernels
     assert calls["kv_written"] == cfg.num_layers - linear         # and every attention layer's KV from its rope
     assert greedy(fused) == greedy(plain)
+
+
+def test_qwen3_next_fused_forward_runs_one_projection_per_input(next_dir, monkeypatch):
+    """fuse_next_projections: the router with the shared expert's gate and up, in_proj_qkvz with in_proj_ba, q with
+    k and v are one weight each, whose parts are row views (no second copy), and a decode step runs four dense
+    projections a layer (the fused input one, the output one, the MoE's fused one, the shared expert's down)."""
+    plain, fused = models(next_dir, "reference")
+    for mine, theirs in zip(fused.model.dense.layers, plain.model.dense.layers):
+        for whole, parts in FUSED_PROJECTIONS.items():
+            if getattr(theirs, parts[0]) is None:                 # the other attention kind's group
+                assert getattr(mine, whole) is None
+                continue
+            w = getattr(mine, whole)
+            assert torch.equal(w, torch.cat([getattr(theirs, p) for p in parts]))
+            assert all(getattr(mine, p).untyped_storage().data_ptr() == w.untyped_storage().data_ptr() for p in parts)
+        assert all(getattr(theirs, whole) is None for whole in FUSED_PROJECTIONS)
+    shapes = []
+    real = fused.model.linear
+
+    def counting(h, w):
+        if h.shape[0] == 2:                                       # the decode step of the two prompts
+            shapes.append(tuple(w.shape))
+        return real(h, w)
+    monkeypatch.setattr(fused.model, "linear", counting)
+    decode_logits(fused)
+    assert len(shapes) == 4 * fused.cfg.num_layers, shapes

@@ -44,6 +44,37 @@ class NextLayerWeights:
     q_norm: torch.Tensor | None = None         # [D] (1 + w)
     k_norm: torch.Tensor | None = None         # [D] (1 + w)
     router_bias: None = None                   # Qwen3-Next's router has no bias (the field every layer kind has)
+    # fuse_next_projections: the projections that read the same input as one weight each (the fields above become
+    # row views of these; None until fused)
+    moe_in_proj: torch.Tensor | None = None    # [E + 2*Is, H]: router, shared gate, shared up
+    in_proj_all: torch.Tensor | None = None    # linear_attention: [rows of in_proj_qkvz + in_proj_ba, H]
+    qkv_proj: torch.Tensor | None = None       # full_attention: [2*Hq*D + 2*Hkv*D, H]: q (with its gate), k, v
+
+
+# the groups of projections that read one input, fused by fuse_next_projections: fused field -> its parts in order
+FUSED_PROJECTIONS = {
+    "moe_in_proj": ("router", "shared_gate_proj", "shared_up_proj"),
+    "in_proj_all": ("in_proj_qkvz", "in_proj_ba"),
+    "qkv_proj": ("q_proj", "k_proj", "v_proj"),
+}
+
+
+def fuse_next_projections(weights: DenseWeights) -> None:
+    """Concatenate each layer's projections that read the same input (`FUSED_PROJECTIONS`: the MoE's router with the
+    shared expert's gate and up; a linear-attention layer's in_proj_qkvz with in_proj_ba; a full-attention layer's q,
+    k and v) into one weight, and make the parts row views of it (no second copy is kept), so a decode step runs one
+    GEMV where it ran two or three. Each output row is the same dot product as before (the decode GEMV's blocks
+    depend on K only), so values are unchanged; checkpoints and state dicts read the views. Idempotent; one group at
+    a time (peak extra memory: one group's weights)."""
+    for layer in weights.layers:
+        for fused, parts in FUSED_PROJECTIONS.items():
+            tensors = [getattr(layer, name) for name in parts]
+            if getattr(layer, fused) is not None or any(t is None for t in tensors):
+                continue
+            whole = torch.cat(tensors, dim=0)
+            for name, view in zip(parts, whole.split([t.shape[0] for t in tensors], dim=0)):
+                setattr(layer, name, view)
+            setattr(layer, fused, whole)
 
 
 # fields that hold fp32 values whatever the model dtype (the decay's parameters)

@@ -35,7 +35,10 @@ def gated_deltanet(cfg: MoeConfig, w, h: torch.Tensor, states, layer: int, impl:
     if T % B:
         raise ValueError(f"{T} tokens do not split into {B} sequences of equal length")
     L = T // B
-    qkvz, ba = linear(h, w.in_proj_qkvz), linear(h, w.in_proj_ba)
+    if getattr(w, "in_proj_all", None) is not None:             # fused (fuse_next_projections): one GEMM, views
+        qkvz, ba = linear(h, w.in_proj_all).split([w.in_proj_qkvz.shape[0], w.in_proj_ba.shape[0]], dim=1)
+    else:
+        qkvz, ba = linear(h, w.in_proj_qkvz), linear(h, w.in_proj_ba)
     conv_rows = states.conv_rows(layer) if kernel_impl is not None and L == 1 else None
     if conv_rows is not None:
         return _decode_fused(cfg, w, qkvz, ba, states, layer, conv_rows, linear, kernel_impl)

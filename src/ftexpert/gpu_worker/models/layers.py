@@ -105,13 +105,16 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + _rotate_half(x) * sin
 
 
-def route(cfg: MoeConfig, x: torch.Tensor, router_weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Top-k routing. x [T, H], router_weight [E, H] -> (topk_ids [T, K] int64, topk_weights [T, K] fp32).
+def route(cfg: MoeConfig, x: torch.Tensor, router_weight: torch.Tensor, logits: torch.Tensor | None = None
+          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k routing. x [T, H], router_weight [E, H] -> (topk_ids [T, K] int64, topk_weights [T, K] fp32);
+    ``logits`` [T, E]: x's router logits where the caller has them already (a fused projection), else computed here.
 
     qwen3 / olmoe: softmax over all experts, top-k, renormalise when ``norm_topk_prob``.
     mixtral: top-k of the logits, softmax over those k (= softmax, top-k, renormalise).
     """
-    logits = F.linear(x, router_weight)                                 # [T, E]
+    if logits is None:
+        logits = F.linear(x, router_weight)                             # [T, E]
     if cfg.arch == "mixtral":
         top_logits, topk_ids = torch.topk(logits.float(), cfg.top_k, dim=-1)
         return topk_ids, torch.softmax(top_logits, dim=-1)

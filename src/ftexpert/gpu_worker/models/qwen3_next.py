@@ -32,7 +32,7 @@ from ftexpert.gpu_worker.models.layers import rotary_table, route
 from ftexpert.gpu_worker.models.model import AttentionContext, DenseLinearChoice
 from ftexpert.gpu_worker.models.qwen3_next_fused import NextFusedForward
 from ftexpert.gpu_worker.checkpoint.qwen3_next_config import rotary_dim
-from ftexpert.gpu_worker.checkpoint.qwen3_next_weights import NextLayerWeights
+from ftexpert.gpu_worker.checkpoint.qwen3_next_weights import NextLayerWeights, fuse_next_projections
 
 
 class SequenceStates(Protocol):
@@ -73,7 +73,8 @@ class StatefulContext:
 class Qwen3NextModel(NextFusedForward, DenseLinearChoice):
     def __init__(self, cfg: MoeConfig, dense: DenseWeights, experts: ExpertBackend, max_positions: int,
                  fused_kernels: bool | None = None):
-        """fused_kernels: the fused forward (qwen3_next_fused.py: kernels/next_decode); None: on CUDA only."""
+        """fused_kernels: the fused forward (qwen3_next_fused.py: kernels/next_decode); None: on CUDA only. When on,
+        the projections that read one input are concatenated in place (qwen3_next_weights.fuse_next_projections)."""
         if cfg.arch != "qwen3_next":
             raise ValueError(f"Qwen3NextModel serves qwen3_next, not {cfg.arch!r} (use MoeModel)")
         if experts.num_layers != cfg.num_layers or experts.num_experts != cfg.num_experts:
@@ -100,6 +101,8 @@ class Qwen3NextModel(NextFusedForward, DenseLinearChoice):
             self.mixer_index.append(counts[kind])
             counts[kind] += 1
         self.num_linear_layers, self.num_full_layers = counts["linear"], counts["full"]
+        if self.fused_kernels:
+            fuse_next_projections(dense)
 
     def linear(self, h: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """A dense projection: kernels.dense_gemv where it beats cuBLAS (``dense_linear`` "gemv": one decode token,
@@ -140,22 +143,44 @@ class Qwen3NextModel(NextFusedForward, DenseLinearChoice):
     def _attention(self, kv_layer: int, layer: NextLayerWeights, h: torch.Tensor, cos: torch.Tensor,
                    sin: torch.Tensor, attn: AttentionContext) -> torch.Tensor:
         cfg = self.cfg
-        T, Hq, Hkv, D = h.shape[0], cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        q, gate = self.linear(h, layer.q_proj).view(T, Hq, 2 * D).chunk(2, dim=-1)   # [T, Hq, D] each
+        qg, k, v = self._qkv(layer, h)
+        q, gate = qg.chunk(2, dim=-1)                                    # [T, Hq, D] each
         q = next_rms_norm(q, layer.q_norm, cfg.rms_norm_eps)
-        k = next_rms_norm(self.linear(h, layer.k_proj).view(T, Hkv, D), layer.k_norm, cfg.rms_norm_eps)
-        v = self.linear(h, layer.v_proj).view(T, Hkv, D)
+        k = next_rms_norm(k, layer.k_norm, cfg.rms_norm_eps)
         q, k = apply_partial_rope(q, cos, sin), apply_partial_rope(k, cos, sin)
         out = attn.attend(kv_layer, q.contiguous(), k.contiguous(), v)  # [T, Hq, D]
+        T = h.shape[0]
         out = out.reshape(T, cfg.q_size) * torch.sigmoid(gate.reshape(T, cfg.q_size))
         return self.linear(out, layer.o_proj)                              # [T, H]
 
+    def _qkv(self, layer: NextLayerWeights, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """A full-attention layer's projections -> q with its gate [T, Hq, 2D] (per head D query, then D gate
+        values), k, v [T, Hkv, D]: one GEMM where they are fused (fuse_next_projections; strided views), else three."""
+        cfg = self.cfg
+        T, Hq, Hkv, D = h.shape[0], cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        if layer.qkv_proj is not None:
+            qg, k, v = self.linear(h, layer.qkv_proj).split([2 * Hq * D, Hkv * D, Hkv * D], dim=1)
+        else:
+            qg, k, v = self.linear(h, layer.q_proj), self.linear(h, layer.k_proj), self.linear(h, layer.v_proj)
+        return qg.view(T, Hq, 2 * D), k.view(T, Hkv, D), v.view(T, Hkv, D)
+
+    def _moe_inputs(self, layer: NextLayerWeights, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The MoE's projections of its input -> router logits [T, E], shared expert gate and up [T, Is]: one GEMM
+        where they are fused (fuse_next_projections; strided views), else three."""
+        if layer.moe_in_proj is not None:
+            E, Is = self.cfg.num_experts, self.cfg.shared_expert_intermediate_size
+            logits, gate, up = self.linear(h, layer.moe_in_proj).split([E, Is, Is], dim=1)
+            return logits, gate, up
+        return (F.linear(h, layer.router), self.linear(h, layer.shared_gate_proj),     # the router as route() ran it
+                self.linear(h, layer.shared_up_proj))
+
     def _moe(self, i: int, layer: NextLayerWeights, h: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        topk_ids, topk_weights = route(self.cfg, h, layer.router)       # [T, K], [T, K]
+        logits, gate, up = self._moe_inputs(layer, h)
+        topk_ids, topk_weights = route(self.cfg, h, layer.router, logits=logits)   # [T, K], [T, K]
         if self.routing_override is not None:
             topk_ids = self.routing_override.ids(i, positions)
         # the weights rounded to the model dtype first, as transformers does; the backends take fp32
         routed = self.experts.forward(i, h, topk_ids, topk_weights.to(h.dtype).float())   # [T, H]
-        act = F.silu(self.linear(h, layer.shared_gate_proj)) * self.linear(h, layer.shared_up_proj)
+        act = F.silu(gate) * up
         shared = self.linear(act, layer.shared_down_proj)
         return routed + torch.sigmoid(self.linear(h, layer.shared_expert_gate)) * shared

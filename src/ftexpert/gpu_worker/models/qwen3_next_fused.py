@@ -8,7 +8,9 @@ with its element-wise work in kernels/next_decode.
 - gated attention: the (1 + w) q/k norms, the partial rotary embedding and the KV cache write in one launch, the
   sigmoid output gate in one;
 - the router: softmax, top-k, renormalise and the rounding of the weights to the model dtype in one launch
-  (kernels/moe_decode route_topk); the shared expert's silu * up in one.
+  (kernels/moe_decode route_topk); the shared expert's silu * up in one;
+- the projections that read one input as one GEMV (qwen3_next_weights.fuse_next_projections): the router with the
+  shared expert's gate and up, in_proj_qkvz with in_proj_ba, q with k and v.
 
 Numerics: the plain forward's rounding points; the two differ only in the order of fp32 sums (norm statistics,
 softmax sums, GEMV accumulation), so logits agree to rounding. On CPU the fused forward runs the kernels' torch
@@ -54,10 +56,8 @@ class NextFusedForward:
     def _attention_fused(self, kv_layer: int, layer: NextLayerWeights, h: torch.Tensor, cos: torch.Tensor,
                          sin: torch.Tensor, attn: AttentionContext) -> torch.Tensor:
         cfg, impl = self.cfg, self.kernel_impl
-        T, Hq, Hkv, D = h.shape[0], cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        qg = self.linear(h, layer.q_proj).view(T, Hq, 2 * D)                       # per head: query, gate
-        k = self.linear(h, layer.k_proj).view(T, Hkv, D)
-        v = self.linear(h, layer.v_proj).view(T, Hkv, D)
+        D = cfg.head_dim
+        qg, k, v = self._qkv(layer, h)                                              # qg per head: query, gate
         kv = attn.kv_write(kv_layer, v)                                             # the KV write fused into rope
         q, k = kn.qk_norm_partial_rope(qg[..., :D], k, layer.q_norm, layer.k_norm, cos, sin, cfg.rms_norm_eps,
                                        kv=kv, impl=impl)
@@ -68,10 +68,11 @@ class NextFusedForward:
                    positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """-> (the routed experts' output, the shared expert's output before its gate), [T, H] each."""
         cfg, impl = self.cfg, self.kernel_impl
-        ids, weights = kn.route_topk(self.linear(h, layer.router), cfg.top_k, softmax_first=True,
-                                     renorm=cfg.norm_topk_prob, round_weights=True, impl=impl)   # [T, K] each
+        logits, gate, up = self._moe_inputs(layer, h)
+        ids, weights = kn.route_topk(logits, cfg.top_k, softmax_first=True, renorm=cfg.norm_topk_prob,
+                                     round_weights=True, impl=impl)                 # [T, K] each
         if self.routing_override is not None:
             ids = self.routing_override.ids(i, positions)
         routed = self.experts.forward(i, h, ids, weights)                           # [T, H]
-        act = kn.silu_mul(self.linear(h, layer.shared_gate_proj), self.linear(h, layer.shared_up_proj), impl=impl)
+        act = kn.silu_mul(gate, up, impl=impl)
         return routed, self.linear(act, layer.shared_down_proj)
