@@ -252,3 +252,24 @@ def prefill_logits_on(loaded, ids: list[int]) -> torch.Tensor:
     states = StateCache(cfg, max_batch=1, dtype=loaded.model.dtype, device=dev)
     attn = StatefulContext(PrefillAttention(kv, 0, 0, len(ids)), states.prefill(0, 0))
     return loaded.model.forward(torch.tensor(ids, device=dev), torch.arange(len(ids), device=dev), attn).float().cpu()
+
+
+def test_a_checkpoint_written_from_fused_projections_holds_the_separate_tensors(tmp_path):
+    """fuse_next_projections leaves the parts as row views of one tensor each; the checkpoint writer writes each part
+    as a tensor of its own, with the values of the unfused weights."""
+    from safetensors.torch import load_file
+    from ftexpert.gpu_worker.checkpoint.expert_sources import RandomExpertSource
+    from ftexpert.gpu_worker.checkpoint.qwen3_next_weights import fuse_next_projections, random_next_dense
+    from ftexpert.gpu_worker.checkpoint.dense_weights import dense_state_dict
+    from ftexpert.gpu_worker.checkpoint.writer import write_checkpoint
+    cfg = mini_next()
+    fused = random_next_dense(cfg, "cpu", torch.float32, seed=3)
+    fuse_next_projections(fused)
+    assert fused.layers[0].moe_in_proj is not None
+    experts = RandomExpertSource(cfg, torch.float32, seed=3, std=0.02)
+    written = {}
+    for path in write_checkpoint(tmp_path / "ckpt", cfg, fused, experts).glob("*.safetensors"):
+        written.update(load_file(path))
+    expected = dense_state_dict(cfg, random_next_dense(cfg, "cpu", torch.float32, seed=3))
+    for name, t in expected.items():
+        assert torch.equal(written[name], t), name
