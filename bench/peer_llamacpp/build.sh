@@ -77,6 +77,11 @@ case $KIND in
   *) echo "build.sh: cuda or cpu, not $KIND" >&2; exit 2 ;;
 esac
 mkdir -p "$(dirname "$BUILD")"
+# llama.cpp's build-info asks git for its commit from the source folder, and would find this project's repository
+# around it (llama-bench then reported this tree's commit as its build); the source distribution has no git
+# metadata of its own, so its build stays "unknown" and docs/PEERS.md names the release (b11434)
+export GIT_CEILING_DIRECTORIES
+GIT_CEILING_DIRECTORIES=$(dirname "$(cd "$SRC" && pwd)")
 t0=$(date +%s)
 cmake -S "$SRC" -B "$BUILD" "${common[@]}" "${extra[@]}" > "$BUILD.configure.log" 2>&1 \
   || { tail -n 40 "$BUILD.configure.log"; exit 1; }
