@@ -263,6 +263,8 @@ def row_spec(base: EngineSpec, policy: dict, args, fraction: float, shared, pdl_
     if args.freq_half_life is not None:
         fields["eviction_freq_half_life"] = args.freq_half_life
     tune, hybrid = False, None
+    if fields["moe_strategy"] == "cpu" and getattr(args, "cpu_cache", ""):
+        fields["moe_cache_size"] = args.cpu_cache
     if fields["moe_strategy"] != "offload":
         policy = {"fetch_fraction": fraction, **policy}     # named rows say otherwise
         if policy["fetch_fraction"] == "shared":
@@ -288,6 +290,9 @@ def main() -> int:
     parser.add_argument("--dtype", default="auto", help="auto: the preset's (bf16 for qwen3-30b-a3b)")
     parser.add_argument("--device", default="cuda", help="cpu: a smoke test of this script")
     parser.add_argument("--cache", default="0.25", help="GPU expert slots: a fraction of all experts, or a count")
+    parser.add_argument("--cpu-cache", default="",
+                        help="the cpu rows' GPU expert slots (a fraction or a count; default: --cache), so that one run "
+                             "measures cpu at its smallest cache beside hybrid at --cache over one host store")
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--prompt-tokens", type=int, default=256)
     parser.add_argument("--decode-tokens", type=int, default=96)
@@ -403,6 +408,7 @@ def main() -> int:
             tick = live_tuner(engine, backend, fraction, pcie.gb_s, cpu.gb_s, device_name(device),
                               fraction_given=args.fetch_fraction is not None) if tune else None
             r = measure(engine, prompt, args, backend, device, tick)
+            r["cache"] = spec.moe_cache_size
             if args.profile and device.type == "cuda":
                 from bench_engine import _trace_path, profile_decode   # bench/ is sys.path[0]
                 profile_decode(engine, [prompt], args.profile, trace=_trace_path(args, name))
@@ -429,7 +435,10 @@ def main() -> int:
         host.close()
 
     gpu = device_name(device)
-    print(f"\n{args.preset} {layout.dtype}, {gpu}, batch 1, cache {args.cache} ({slots} slots), prompt "
+    cpu_slots = (f"; cpu rows {args.cpu_cache} ("
+                 f"{resolve_cache_slots(args.cpu_cache, source.experts.num_layers, source.experts.num_experts)} slots)"
+                 if args.cpu_cache else "")
+    print(f"\n{args.preset} {layout.dtype}, {gpu}, batch 1, cache {args.cache} ({slots} slots){cpu_slots}, prompt "
           f"{args.prompt_tokens}, {args.decode_tokens} decode tokens, routing {args.routing}, median of "
           f"{args.runs} runs; expert "
           f"{expert_bytes / 1e6:.2f} MB; B_pcie {pcie.gb_s:.1f} GB/s, B_cpu {cpu.gb_s:.1f} GB/s "

@@ -238,29 +238,43 @@ def part_engine(args, model: str, experts: str, res: Results, out: Path) -> None
 
 
 def part_hybrid(args, model: str, experts: str, res: Results, out: Path) -> None:
+    """Ours' `cpu` row (its smallest cache: one layer's experts) and `hybrid split` at each --hybrid-shares: the
+    first share and `cpu` in one bench_hybrid.py run over one host store (--cpu-cache), each further share in a run
+    of its own."""
     sys.path.insert(0, str(REPO / "src"))
     from ftexpert.gpu_worker.checkpoint.presets import preset_config
     n_experts = preset_config(model).num_experts
     routing = ours_routings(args, model)[0]
-    runs_spec = [("cpu", str(n_experts), "=cpu", 0.0)] + [
-        (f"hybrid {s:.0%}", str(s), "=hybrid split", s) for s in args.hybrid_shares]
-    for label, cache, variant, share in runs_spec:
+    shares = args.hybrid_shares or [0.25]
+    for i, share in enumerate(shares):
+        with_cpu = i == 0
+        variants = "=cpu,=hybrid split" if with_cpu else "=hybrid split"
+        label = ("cpu+" if with_cpu else "") + f"hybrid{share:.0%}".replace("%", "")
         cmd = [sys.executable, "bench/bench_hybrid.py", "--preset", model, "--expert-format", OURS_FORMAT[experts],
                "--runs", str(args.runs), "--prompt-tokens", str(args.prompt_tokens), "--decode-tokens",
-               str(args.decode_tokens), "--cache", cache, "--variants", variant, "--no-resident",
+               str(args.decode_tokens), "--cache", str(share), "--variants", variants, "--no-resident",
                "--handoff-calls", "200", "--routing", routing,
-               "--json-out", str(out / f"ours_hybrid_{model}_{experts}_{label.replace(' ', '').replace('%', '')}.json")]
+               "--json-out", str(out / f"ours_hybrid_{model}_{experts}_{label}.json")]
+        if with_cpu:
+            cmd += ["--cpu-cache", str(n_experts)]
         if args.cpu_threads:
             cmd += ["--cpu-threads", str(args.cpu_threads)]
-        _, text = run_cmd(cmd, out / f"ours_hybrid_{model}_{experts}_{label.replace(' ', '').replace('%', '')}.log",
-                          args.part_timeout)
-        for line in text.splitlines():
-            m = re.match(r"^row: (\S.*?)\s+(\d+\.\d+)\s.*\[([^\]]*)\]\s*$", line)
-            if m:
-                runs = [float(v) for v in re.findall(r"[\d.]+", m.group(3))]
-                res.add(kind="decode", side="ours", model=model, experts=experts, share=share,
-                        name=f"{m.group(1)} (cache {cache})", routing=routing_name(routing),
-                        tok_s=median(runs) or float(m.group(2)), runs=runs)
+        _, text = run_cmd(cmd, out / f"ours_hybrid_{model}_{experts}_{label}.log", args.part_timeout)
+        for name, tok_s, runs in hybrid_rows(text):
+            cpu_row = name == "cpu"
+            res.add(kind="decode", side="ours", model=model, experts=experts, share=0.0 if cpu_row else share,
+                    name=f"{name} (cache {n_experts if cpu_row else share})", routing=routing_name(routing),
+                    tok_s=median(runs) or tok_s, runs=runs)
+
+
+def hybrid_rows(text: str) -> list[tuple[str, float, list[float]]]:
+    """bench_hybrid.py's "row:" lines (as each row ends: NAME, tok/s, ..., [the runs' tok/s]) -> (name, tok/s, runs)."""
+    rows = []
+    for line in text.splitlines():
+        m = re.match(r"^row: (\S.*?)\s+(\d+\.\d+)\s.*\[([^\]]*)\]\s*$", line)
+        if m:
+            rows.append((m.group(1), float(m.group(2)), [float(v) for v in re.findall(r"[\d.]+", m.group(3))]))
+    return rows
 
 
 def part_prefill(args, model: str, experts: str, res: Results, out: Path) -> None:

@@ -24,7 +24,7 @@ RUNS = {
                       "--variants", "offload,hybrid", "--attention", "auto,bias"],
     "bench_hybrid": [*SMALL, "--preset", "tiny", "--decode-tokens", "8", "--handoff-calls", "50", "--cache", "16",
                      "--variants", "offload,=cpu,=hybrid split", "--prefetch-budgets", "auto", "--fetch-fraction",
-                     "0.5"],
+                     "0.5", "--cpu-cache", "8"],
     "bench_prefetch": ["--device", "cpu", "--runs", "1", "--prompt-tokens", "16", "--preset", "tiny",
                        "--routing", "zipf:1.0", "--fractions", "0.5", "--batch", "1,2", "--prefetch", "off,on,measure",
                        "--prefetch-budget", "2", "--decode-tokens", "8", "--warmup-tokens", "4",
@@ -61,6 +61,8 @@ def test_a_bench_runs_its_cpu_path_and_its_rows_are_lossless(name, tmp_path):
         rows = json.loads((tmp_path / "bench_hybrid.json").read_text())["rows"]
         assert {r["backend"] for r in rows} >= {"resident", "offload", "cpu", "hybrid split", "hybrid split prefetchauto"}
         assert all(r["same_tokens"] in (None, True) for r in rows if r["backend"].startswith("offload")), rows
+        caches = {r["backend"]: r.get("cache") for r in rows}      # --cpu-cache: the cpu row's own cache
+        assert (caches["cpu"], caches["hybrid split"], caches["offload"]) == ("8", "16", "16"), caches
     else:                          # the table's rows: every offload (and hybrid) one lossless against resident
         table = out[out.index("\nbackend"):].splitlines()[2:]
         offload = [line for line in table if line.startswith(("offload", "hybrid"))]
@@ -93,6 +95,12 @@ def test_bench_hybrid_rows_become_engine_specs_and_hybrid_options():
     assert (hybrid.fetch_fraction, hybrid.fetch_round, hybrid.promote, tune) == (0.7, "split", True, True)
     spec, hybrid, _, budget = bench.row_spec(base, {"strategy": "cpu"}, args, 0.3, None, None)
     assert spec.moe_strategy == "cpu" and spec.moe_prefetch == "off" and hybrid.fetch_fraction == 0.3 and budget == 0
+    assert spec.moe_cache_size == "16"
+    # --cpu-cache: the cpu rows' own cache, the other rows keep --cache
+    with_cpu_cache = argparse.Namespace(freq_half_life=None, cpu_cache="8")
+    assert bench.row_spec(base, {"strategy": "cpu"}, with_cpu_cache, 0.3, None, None)[0].moe_cache_size == "8"
+    assert bench.row_spec(base, {"strategy": "hybrid", "fetch_round": "split", "promote": True}, with_cpu_cache, 0.3,
+                          None, None)[0].moe_cache_size == "16"
 
 
 def test_bench_prefetch_steps_line_is_the_median_over_runs_of_each_figure():

@@ -151,6 +151,46 @@ def test_engine_rows_and_the_table_pair_ours_with_theirs(tmp_path, monkeypatch):
     assert "| 0% | llama.cpp -ncmoe 48 | 15.00 | - | - | - | - |" in text        # theirs alone: a row of its own
 
 
+def _hybrid_text(rows: list[tuple[str, float]]) -> str:
+    """bench_hybrid.py's lines (its own row formatter), each row's "row:" line as it ends, then the table."""
+    from bench.bench_hybrid import TABLE_HEADER, table_row
+    lines = ["host store 58.0 GB (pinned: True)", "B_pcie 53.0 GB/s, B_cpu 73.3 GB/s -> f 0.419"]
+    made = [(name, dict(decode_tok_s=tok, misses_per_token=169.1, same_tokens=None)) for name, tok in rows]
+    lines += [f"row: {table_row(name, r, 126e9, 109e9, 9437184)} {[tok, tok + 1.0]}" for (name, r), (_, tok)
+              in zip(made, rows)]
+    lines += ["", TABLE_HEADER] + [table_row(name, r, 126e9, 109e9, 9437184) for name, r in made]
+    return "\n".join(lines)
+
+
+def test_hybrid_runs_cpu_beside_the_first_share_over_one_store(tmp_path, monkeypatch):
+    """Ours' cpu row (one layer's experts cached) rides the first hybrid share's bench_hybrid.py run (--cpu-cache);
+    each further share runs alone; the rows land at their shares, cpu at 0% beside llama.cpp's all-CPU row."""
+    cmds = []
+
+    def fake(cmd, log_path, timeout, env=None):
+        cmds.append(cmd)
+        both = "--cpu-cache" in cmd
+        share = float(cmd[cmd.index("--cache") + 1])
+        return 0, _hybrid_text(([("cpu", 17.0)] if both else []) + [("hybrid split", 40.0 + 100 * share)])
+    monkeypatch.setattr(rp, "run_cmd", fake)
+    res = rp.Results(tmp_path / "r.jsonl")
+    args = type("A", (), dict(runs=2, prompt_tokens=1024, decode_tokens=128, hybrid_shares=[0.25, 0.5],
+                              part_timeout=9, routing_ours="zipf:1.0", cpu_threads=0))()
+    rp.part_hybrid(args, "qwen3-30b-a3b", "bf16", res, tmp_path)
+    opt = [{c[i]: c[i + 1] for i in range(len(c) - 1) if c[i] in ("--cache", "--variants", "--cpu-cache")}
+           for c in cmds]
+    assert [(o["--cache"], o["--variants"], o.get("--cpu-cache")) for o in opt] == [
+        ("0.25", "=cpu,=hybrid split", "128"), ("0.5", "=hybrid split", None)]
+    ours = [json.loads(line) for line in (tmp_path / "r.jsonl").read_text().splitlines()]
+    assert {(r["name"], r["share"], r["tok_s"]) for r in ours} == {
+        ("cpu (cache 128)", 0.0, 17.5), ("hybrid split (cache 0.25)", 0.25, 65.5),
+        ("hybrid split (cache 0.5)", 0.5, 90.5)}
+    res.add(kind="decode", side="theirs", model="qwen3-30b-a3b", experts="bf16", share=0.0,
+            name="llama.cpp -ncmoe 48", tok_s=17.0)
+    text = rp.table(rp.read_records([tmp_path / "r.jsonl"]))
+    assert "| 0% | llama.cpp -ncmoe 48 | 17.00 | cpu (cache 128) | zipf:1.0 | 17.50 | 1.03 |" in text, text
+
+
 def _cpu_llama_bench():
     path = os.environ.get("PEER_LLAMA_BENCH") or os.path.join(REPO, "bench", "peer_llamacpp", "bin", "cpu",
                                                                "llama-bench")
