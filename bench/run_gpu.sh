@@ -13,6 +13,7 @@
 #   prefill  TTFT at 1K and 4K prompts: resident, offload 25%, hybrid 25%                     (~5 min)
 #   cpu      the host's CPU expert kernel alone, 4-bit formats: bench_cpu_experts.py at batch 1 / 4, 8 and 1 experts a
 #            call, then bench_cpu_phases.py (where a call's time goes: phases, barriers, the parts around) (~1 min)
+#   cpu_ab OLD_TREE  bench_cpu_phases.py of OLD_TREE and of this tree, CPU_AB_ROUNDS (3) rounds interleaved  (~2 min)
 #   workload trains the olmoe-routing and qwen3-30b-a3b-routing shapes (WORKLOAD_MINUTES each, default 6.5, side by
 #            side on the one GPU) and the embedded default model (DEFAULT_TOKENS, default 40M); routing statistics
 #            of both routing shapes (16,384 held-out tokens), the qwen3 trace (4,096 tokens); all of it, with the
@@ -338,6 +339,29 @@ while [ $# -gt 0 ]; do
       grep -hE "^(int4|mxfp4|nvfp4) +native|DRAM.*native" "$OUT"/cpu_experts_*.log | cut -c1-160
       tail -n 9 "$OUT/cpu_phases.log" | cut -c1-160
       ;;
+    cpu_ab)
+      # the CPU expert kernel's phases, OLD_TREE against this one, CPU_AB_ROUNDS rounds (default 3) interleaved (the
+      # host's memory is shared with other work: its rate moves between runs, so a side-by-side needs turns); each
+      # tree runs its own bench_cpu_phases.py, which builds that tree's library (OLD_TREE: a whole `git archive` of
+      # src and bench, as bench_cpu_phases.py imports bench_cpu_experts.py beside it)
+      old=${1:?cpu_ab needs OLD_TREE: a directory with an older checkout}; shift
+      old=$(cd "$old" && pwd) || { status=1; continue; }
+      new=$PWD
+      for r in $(seq 1 "${CPU_AB_ROUNDS:-3}"); do
+        for side in old new; do
+          tree=$([ $side = old ] && echo "$old" || echo "$new"); cd "$tree"; use_tree "$tree"
+          run "cpu_ab_${side}_$r" 90 python3 bench/bench_cpu_phases.py --format mxfp4,nvfp4 --batches 1,4 \
+            --experts-per-call 1,8 --repeats 100
+        done
+      done
+      cd "$new"; use_tree "$new"
+      for side in old new; do
+        echo "-- $side (rounds 1..${CPU_AB_ROUNDS:-3}): format, experts, batch, call us"
+        for f in "$OUT"/cpu_ab_${side}_*.log; do
+          grep -E "^(mxfp4|nvfp4) " "$f" | awk '{printf "%s %s %s %s; ", $1, $3, $4, $5} END {print ""}'
+        done
+      done
+      ;;
     prefill)
       run ttft_1k "$T" python3 bench/bench_prefill.py --runs 3 --prompt-tokens 1024 --chunks 4096 --fractions 0.25 \
         ${PREFILL_VARIANTS:+--variants "$PREFILL_VARIANTS"}
@@ -544,7 +568,7 @@ PY
       cat "$OUT/peer_table.md" 2>/dev/null
       ;;
     *)
-      echo "unknown suite: $s (tests, kernels, tuning, engine, hybrid, cpu, prefill, routing, workload, prefetch, prefetch_trained, architectures, soak, peer_build, peer, batch, prefix, all, compare OLD_TREE)" >&2; status=2
+      echo "unknown suite: $s (tests, kernels, tuning, engine, hybrid, cpu, cpu_ab OLD_TREE, prefill, routing, workload, prefetch, prefetch_trained, architectures, soak, peer_build, peer, batch, prefix, all, compare OLD_TREE)" >&2; status=2
       ;;
   esac
 done
