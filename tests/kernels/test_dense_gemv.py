@@ -183,7 +183,7 @@ def test_auto_on_cpu_runs_the_reference(monkeypatch):
     calls = []
     real = ref.linear_gemv_reference
     monkeypatch.setattr(dense_api.reference, "linear_gemv_reference",
-                        lambda x, w, b=None: calls.append(1) or real(x, w, b))
+                        lambda x, w, b=None, up=None: calls.append(1) or real(x, w, b, up))
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
         x, w = operands(3, 10, 24, seed=2, dtype=dtype)
         got = linear_gemv(x, w)
@@ -317,3 +317,60 @@ def test_gpu_linear_gemv_in_a_cuda_graph(blocks, no_tf32):
     torch.cuda.synchronize()
     assert torch.equal(static, linear_gemv(x_new, w, blocks=blocks))
     bf16_close(static, ref.linear_gemv_reference(x_new, w))
+
+
+# -- the gated input (up=: a shared expert's down projection of silu(gate) * up) ------------------
+
+def gated_operands(T, N, K, seed, dtype, device):
+    """gate, up: column slices of one [T, 2K + 5] tensor, as the fused MoE input projection gives them; w [N, K]."""
+    g = torch.Generator().manual_seed(seed)
+    both = (3 * torch.randn(T, 2 * K + 5, generator=g)).to(dtype).to(device)
+    w = torch.randn(N, K, generator=g).to(dtype).to(device)
+    return both[:, 5:5 + K], both[:, 5 + K:], w
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("T, N, K, blocks", [(1, 37, 70, SMALL), (3, 16, 64, EVEN), (2, 24, 48, None),
+                                             (5, 9, 100, LinearBlocks(block_n=4, block_k=32, num_warps=1))])
+def test_linear_gemv_with_a_gated_input_is_silu_mul_then_the_gemv(dtype, T, N, K, blocks):
+    """up=: bit for bit next_decode's Triton silu_mul followed by the same GEMV (the roundings of the activation
+    made in the kernel), and the reference (torch silu * up, then the fp32 GEMV) within the lockstep tolerance."""
+    from ftexpert.kernels import next_decode
+    gate, up, w = gated_operands(T, N, K, seed=T * 11 + K, dtype=dtype, device=DEV)
+    fused = linear_gemv(gate, w, impl="triton", blocks=blocks, up=up)
+    two = linear_gemv(next_decode.silu_mul(gate, up, impl="triton"), w, impl="triton", blocks=blocks)
+    assert torch.equal(fused, two)
+    if dtype == torch.float32:
+        assert rel_max(fused, ref.linear_gemv_reference(gate, w, None, up)) < FP32_TOL
+        assert rel_max(fused, F.linear(F.silu(gate) * up, w)) < FP32_TOL
+    assert torch.equal(linear_gemv(gate, w, impl="reference", up=up), ref.linear_gemv_reference(gate, w, None, up))
+
+
+def test_linear_gemv_refuses_a_bad_up():
+    gate, up, w = gated_operands(2, 8, 16, seed=1, dtype=torch.float32, device="cpu")
+    with pytest.raises(ValueError, match=r"up must be \[2, 16\] torch.float32"):
+        linear_gemv(gate, w, up=up[:1])
+    with pytest.raises(ValueError, match="up must be"):
+        linear_gemv(gate, w, up=up.double())
+    with pytest.raises(ValueError, match="up .* needs a contiguous last dimension"):
+        linear_gemv(gate, w, up=torch.randn(16, 2).T)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("T", [1, 2, 4])
+def test_gpu_linear_gemv_gated_bf16_at_the_shared_expert_shape(T, no_tf32):
+    """qwen3-next's shared expert down [2048, 512] over the gate and up views of the fused MoE input projection:
+    bit for bit the Triton silu_mul then the GEMV (libdevice exp and IEEE division in both), in and out of a graph."""
+    from ftexpert.kernels import next_decode
+    gate, up, w = gated_operands(T, 2048, 512, seed=T, dtype=torch.bfloat16, device="cuda")
+    w = w * 0.02
+    fused = linear_gemv(gate, w, up=up)
+    assert torch.equal(fused, linear_gemv(next_decode.silu_mul(gate, up), w))
+    bf16_close(fused, ref.linear_gemv_reference(gate, w, None, up))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = linear_gemv(gate, w, up=up)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(captured, fused)

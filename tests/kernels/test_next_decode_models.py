@@ -147,3 +147,23 @@ def test_qwen3_next_fused_forward_runs_one_projection_per_input(next_dir, monkey
     monkeypatch.setattr(fused.model, "linear", counting)
     decode_logits(fused)
     assert len(shapes) == 4 * fused.cfg.num_layers, shapes
+
+
+def test_qwen3_next_shared_expert_down_takes_the_gated_gemv(next_dir, monkeypatch, no_tf32):
+    """With the decode GEMV on (dense_linear "gemv", the CUDA default), a decode step's shared expert runs its
+    silu(gate) * up inside the down projection's GEMV (dense_gemv's up=), one call a layer, and the step's logits
+    stay the plain forward's within the Triton tolerance."""
+    from ftexpert.kernels import dense_gemv
+    plain, fused = models(next_dir, "triton")
+    fused.model.dense_linear = "gemv"
+    gated = []
+    real = dense_gemv.linear_gemv
+
+    def spy(x, w, **kw):
+        if kw.get("up") is not None:
+            gated.append(x.shape[0])
+        return real(x, w, **kw)
+    monkeypatch.setattr(dense_gemv, "linear_gemv", spy)
+    (a, _, _), (b, _, _) = decode_logits(plain), decode_logits(fused)
+    assert rel_err(b, a) < 1e-5
+    assert gated == [2] * fused.cfg.num_layers          # the decode step's two tokens, every layer; prefill: cuBLAS

@@ -8,7 +8,7 @@ with its element-wise work in kernels/next_decode.
 - gated attention: the (1 + w) q/k norms, the partial rotary embedding and the KV cache write in one launch, the
   sigmoid output gate in one;
 - the router: softmax, top-k, renormalise and the rounding of the weights to the model dtype in one launch
-  (kernels/moe_decode route_topk); the shared expert's silu * up in one;
+  (kernels/moe_decode route_topk); the shared expert's silu * up inside its down projection's GEMV (one launch);
 - the projections that read one input as one GEMV (qwen3_next_weights.fuse_next_projections): the router with the
   shared expert's gate and up, in_proj_qkvz with in_proj_ba, q with k and v.
 
@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ftexpert.kernels import next_decode as kn
+from ftexpert.kernels import dense_gemv, next_decode as kn
 
 from ftexpert.gpu_worker.checkpoint.config import LINEAR_ATTENTION
 from ftexpert.gpu_worker.checkpoint.qwen3_next_weights import NextLayerWeights
@@ -74,5 +74,12 @@ class NextFusedForward:
         if self.routing_override is not None:
             ids = self.routing_override.ids(i, positions)
         routed = self.experts.forward(i, h, ids, weights)                           # [T, H]
-        act = kn.silu_mul(gate, up, impl=impl)
-        return routed, self.linear(act, layer.shared_down_proj)
+        return routed, self.linear_glu(gate, up, layer.shared_down_proj)
+
+    def linear_glu(self, gate: torch.Tensor, up: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """The shared expert's down projection of silu(gate) * up: one launch where the decode GEMV is taken
+        (kernels/dense_gemv with the gated input made in the kernel, the roundings of next_decode's silu_mul), else
+        the activation kernel, then the projection."""
+        if self.dense_linear == "gemv" and dense_gemv.preferred(gate.shape[0], w.shape[0]):
+            return dense_gemv.linear_gemv(gate, w, impl=self.kernel_impl, up=up)
+        return self.linear(kn.silu_mul(gate, up, impl=self.kernel_impl), w)

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ftexpert.kernels.impl import IMPLS, resolve_impl as _resolve_impl  # noqa: F401 (IMPLS re-exported: one dispatch rule)
+from ftexpert.kernels.impl import IMPLS, interpreted, resolve_impl as _resolve_impl  # noqa: F401 (IMPLS re-exported: one dispatch rule)
 from ftexpert.kernels.pdl import pdl_args
 
 from ftexpert.kernels.dense_gemv import reference
@@ -102,7 +102,8 @@ def preferred(T: int, N: int) -> bool:
 
 
 def linear_gemv(x: torch.Tensor, w: torch.Tensor, *, impl: str = "auto",
-                blocks: LinearBlocks | None = None, bias: torch.Tensor | None = None) -> torch.Tensor:
+                blocks: LinearBlocks | None = None, bias: torch.Tensor | None = None,
+                up: torch.Tensor | None = None) -> torch.Tensor:
     """Decode-sized dense linear layer: y = x @ w.T (+ bias) -> [T, N] in x.dtype, freshly allocated.
 
     x: [T, K] float32 | bfloat16 | float16 with 0 <= T <= MAX_T (16; a larger batch raises ValueError:
@@ -121,6 +122,10 @@ def linear_gemv(x: torch.Tensor, w: torch.Tensor, *, impl: str = "auto",
     With programmatic dependent launch (kernels/pdl.py) each program reads its first weight tile before
     it waits for the kernel queued before it: w must be a weight, not the output of a kernel that may
     still be running on this stream.
+    up: [T, K] in x.dtype on x's device (any row stride, contiguous last dimension), or None. Given, x is a
+    gate and the layer's input is the gated activation DT(DT(silu(x)) * up), with the roundings of
+    kernels/next_decode's silu_mul (a shared expert's down projection in one launch, no activation tensor):
+    bit for bit the Triton silu_mul followed by this GEMV.
     """
     if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise TypeError(f"x must be float32, bfloat16 or float16, got {x.dtype}")
@@ -148,8 +153,14 @@ def linear_gemv(x: torch.Tensor, w: torch.Tensor, *, impl: str = "auto",
                              f"{tuple(bias.shape)} {bias.dtype} on {bias.device}")
         if N > 1 and bias.stride(0) != 1:
             raise ValueError(f"bias {tuple(bias.shape)} must be contiguous, got stride {bias.stride()}")
+    if up is not None:
+        if up.shape != x.shape or up.dtype != x.dtype or up.device != x.device:
+            raise ValueError(f"up must be {list(x.shape)} {x.dtype} on {x.device} (the gate's shape), got "
+                             f"{list(up.shape)} {up.dtype} on {up.device}")
+        if K > 1 and up.stride(1) != 1:
+            raise ValueError(f"up {tuple(up.shape)} needs a contiguous last dimension, got strides {up.stride()}")
     if _resolve_impl(impl, x.device) == "reference":
-        return reference.linear_gemv_reference(x, w, bias)
+        return reference.linear_gemv_reference(x, w, bias, up)
     # lazy: the Triton kernels are defined at their first launch (TRITON_INTERPRET is read then)
     from ftexpert.kernels.dense_gemv.triton_kernels import linear_gemv_kernel
     b = blocks or pick_blocks(N, K, x.dtype)
@@ -161,5 +172,8 @@ def linear_gemv(x: torch.Tensor, w: torch.Tensor, *, impl: str = "auto",
     linear_gemv_kernel[(_cdiv(N, b.block_n),)](
         x, w, y, T, N, K, x.stride(0), w.stride(0),
         BLOCK_N=b.block_n, BLOCK_K=b.block_k, T_PAD=_next_pow2(T), EVEN_K=K % b.block_k == 0,
-        num_warps=b.num_warps, b_ptr=x if bias is None else bias, BIAS=bias is not None, **pdl_args(x.device))
+        num_warps=b.num_warps, b_ptr=x if bias is None else bias, BIAS=bias is not None, **pdl_args(x.device),
+        **({} if up is None else dict(u_ptr=up, stride_ut=up.stride(0), GLU=True,
+                                      ACCURATE=x.device.type == "cuda" and not interpreted(),
+                                      EMU_BF16=x.dtype == torch.bfloat16 and interpreted())))
     return y

@@ -29,12 +29,18 @@ def _cases() -> list[tuple[str, str, dict, dict, dict, list[str]]]:
     div = ["x_ptr", "w_ptr", "out_ptr", "N", "K", "stride_xt", "stride_wn"]
     w4 = {"num_warps": 4}
 
-    def gemv(name, dt, out, bn, bk, t_pad, even=True, opts=w4, bias=False):
+    def gemv(name, dt, out, bn, bk, t_pad, even=True, opts=w4, bias=False, glu=False):
         extra = {"b_ptr": f"*{dt}", "BIAS": "constexpr"} if bias else {}
+        consts = {"BIAS": True} if bias else {}
+        if glu:         # the gated input (up=): up's pointer and row stride, silu with libdevice (ACCURATE) as on a GPU
+            extra.update({"u_ptr": f"*{dt}", "stride_ut": "i32", "GLU": "constexpr", "ACCURATE": "constexpr"})
+            consts.update(GLU=True, ACCURATE=True)
         return (name, "linear_gemv_kernel", {**sig(dt, out), **extra},
-                dict(BLOCK_N=bn, BLOCK_K=bk, T_PAD=t_pad, EVEN_K=even, **({"BIAS": True} if bias else {})), opts,
-                div + (["b_ptr"] if bias else []))
+                dict(BLOCK_N=bn, BLOCK_K=bk, T_PAD=t_pad, EVEN_K=even, **consts), opts,
+                div + (["b_ptr"] if bias else []) + (["u_ptr", "stride_ut"] if glu else []))
     return [
+        gemv("qwen3-next shared down, gated input 1x512 T=1", "bf16", "bf16", 1, 512, 1, glu=True),
+        gemv("qwen3-next shared down, gated input 1x512 T=4", "bf16", "bf16", 1, 512, 4, glu=True),
         gemv("gpt-oss qkv / o_proj with bias 1x2048 T=1 ragged K", "bf16", "bf16", 1, 2048, 1, even=False, bias=True),
         gemv("gpt-oss router with bias 1x2048 T=4 ragged K", "bf16", "bf16", 1, 2048, 4, even=False, bias=True),
         gemv("qkv / o_proj / router 1x2048 T=1 (the default)", "bf16", "bf16", 1, 2048, 1),

@@ -1,8 +1,9 @@
 """Triton kernels of `linear_gemv`; `reference.py` holds the plain torch oracle.
 
 Only plain features: tl.load / tl.store with masks, tl.sum, tl.where, tl.minimum, scalar `if`,
-`range` and `tl.static_range` loops. No tl.dot (T <= 16 rows of x against a weight tile is an
-elementwise product and a row sum per token, accumulated in fp32), no atomics.
+`range` and `tl.static_range` loops (GLU: moe_decode's silu and rounding helpers). No tl.dot (T <= 16
+rows of x against a weight tile is an elementwise product and a row sum per token, accumulated in
+fp32), no atomics.
 
 Legend: T tokens (rows of x), T_PAD the power of two >= T, N output features (rows of w), K input
 features.
@@ -23,6 +24,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from ftexpert.kernels.moe_decode.triton_kernels import _rnd, _silu
 from ftexpert.kernels.pdl import pdl_enter
 
 
@@ -37,15 +39,31 @@ def _load_w_tile(w_rows, kk, K, EVEN_K: tl.constexpr):
 
 
 @triton.jit
+def _x_row(x_row, kk, K, EVEN_K: tl.constexpr):
+    """A token's x at columns kk [1, BLOCK_K], in x's dtype (columns past K read 0)."""
+    if EVEN_K:
+        xv = tl.load(x_row + kk)
+    else:
+        xv = tl.load(x_row + kk, mask=kk < K, other=0.0)
+    return xv
+
+
+@triton.jit
 def _gemv_step(acc, wv, x_row0, kk, K, T, stride_xt, toks,
-               T_PAD: tl.constexpr, EVEN_K: tl.constexpr):
-    """acc[:, t] += the row sums of wv * x[t, kk] for every token t < T (fp32)."""
+               T_PAD: tl.constexpr, EVEN_K: tl.constexpr,
+               u_row0=None, stride_ut=0, GLU: tl.constexpr = False, ACCURATE: tl.constexpr = False,
+               EMU_BF16: tl.constexpr = False):
+    """acc[:, t] += the row sums of wv * x[t, kk] for every token t < T (fp32). GLU: the input is
+    DT(DT(silu(x[t])) * u[t]) (next_decode's silu_mul, its roundings), made here from the gate x and the up u."""
     for t in tl.static_range(T_PAD):
         if t < T:
-            if EVEN_K:
-                xv = tl.load(x_row0 + t * stride_xt + kk).to(tl.float32)      # [1, BLOCK_K]
-            else:
-                xv = tl.load(x_row0 + t * stride_xt + kk, mask=kk < K, other=0.0).to(tl.float32)
+            xv = _x_row(x_row0 + t * stride_xt, kk, K, EVEN_K)                  # [1, BLOCK_K]
+            if GLU:
+                DT = xv.dtype
+                act = _rnd(_silu(xv.to(tl.float32), ACCURATE), DT, EMU_BF16).to(tl.float32)
+                uv = _x_row(u_row0 + t * stride_ut, kk, K, EVEN_K).to(tl.float32)
+                xv = _rnd(uv * act, DT, EMU_BF16)
+            xv = xv.to(tl.float32)
             part = tl.sum(wv * xv, axis=1)                                    # [BLOCK_N]
             acc = tl.where(toks[None, :] == t, acc + part[:, None], acc)
     return acc
@@ -66,9 +84,15 @@ def linear_gemv_kernel(
                                      # loaded before the wait for the kernel before this one
     b_ptr=None,               # BIAS: [N] x.dtype, added in fp32 before the one rounding
     BIAS: tl.constexpr = False,
+    u_ptr=None, stride_ut=0,  # GLU: up [T, K] x.dtype (row stride stride_ut); x is the gate
+    GLU: tl.constexpr = False,
+    ACCURATE: tl.constexpr = False,   # GLU's silu: libdevice exp and IEEE division (a GPU, not the interpreter)
+    EMU_BF16: tl.constexpr = False,   # GLU's roundings to bfloat16 by hand (the interpreter)
 ):
     """Grid (cdiv(N, BLOCK_N),). Program j: out[t, n] for every token t < T and n in [j*BLOCK_N, (j+1)*BLOCK_N)
-    (+ b[n] with BIAS, in fp32 before the rounding).
+    (+ b[n] with BIAS, in fp32 before the rounding). GLU: the input row of token t is DT(DT(silu(x[t])) * u[t]),
+    computed per loop step for the step's columns (every program recomputes it: a few exps a column against the
+    launch of a separate activation kernel).
 
     Each weight tile is loaded once and multiplied with the x row of every token (x.dtype -> fp32,
     products and sums in fp32); tl.sum reduces a token's [BLOCK_N, BLOCK_K] products over K into
@@ -90,11 +114,13 @@ def linear_gemv_kernel(
     w_first = _load_w_tile(w_rows, cols[None, :], K, EVEN_K)
     pdl_enter(USE_PDL)
     acc = tl.zeros([BLOCK_N, T_PAD], dtype=tl.float32)
-    acc = _gemv_step(acc, w_first, x_ptr, cols[None, :], K, T, stride_xt, toks, T_PAD, EVEN_K)
+    acc = _gemv_step(acc, w_first, x_ptr, cols[None, :], K, T, stride_xt, toks, T_PAD, EVEN_K,
+                     u_ptr, stride_ut, GLU, ACCURATE, EMU_BF16)
     for k0 in range(BLOCK_K, K, BLOCK_K):
         kk = k0 + cols[None, :]                                              # [1, BLOCK_K]
         wv = _load_w_tile(w_rows, kk, K, EVEN_K)                             # [BLOCK_N, BLOCK_K]
-        acc = _gemv_step(acc, wv, x_ptr, kk, K, T, stride_xt, toks, T_PAD, EVEN_K)
+        acc = _gemv_step(acc, wv, x_ptr, kk, K, T, stride_xt, toks, T_PAD, EVEN_K,
+                         u_ptr, stride_ut, GLU, ACCURATE, EMU_BF16)
     if BIAS:
         acc += tl.load(b_ptr + tl.minimum(rows, N - 1)).to(tl.float32)[:, None]
     out = out_ptr + toks[None, :] * N + rows[:, None]                        # [BLOCK_N, T_PAD]

@@ -46,6 +46,19 @@ def _div(a, b, ACCURATE: tl.constexpr):
 
 
 @triton.jit
+def _sigmoid(x, ACCURATE: tl.constexpr):
+    """1 / (1 + exp(-x)) in fp32 (torch's sigmoid)."""
+    one = tl.zeros_like(x) + 1.0
+    return _div(one, 1.0 + _exp(-x, ACCURATE), ACCURATE)
+
+
+@triton.jit
+def _silu(x, ACCURATE: tl.constexpr):
+    """x / (1 + exp(-x)) in fp32 (torch's silu)."""
+    return _div(x, 1.0 + _exp(-x, ACCURATE), ACCURATE)
+
+
+@triton.jit
 def _rsqrt(x, ACCURATE: tl.constexpr):
     if ACCURATE:
         y = libdevice.rsqrt(x)

@@ -15,21 +15,8 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from ftexpert.kernels.moe_decode.triton_kernels import _div, _exp, _rnd, _rsqrt
+from ftexpert.kernels.moe_decode.triton_kernels import _div, _exp, _rnd, _rsqrt, _sigmoid, _silu
 from ftexpert.kernels.pdl import pdl_enter
-
-
-@triton.jit
-def _sigmoid(x, ACCURATE: tl.constexpr):
-    """1 / (1 + exp(-x)) in fp32 (torch's sigmoid)."""
-    one = tl.zeros_like(x) + 1.0
-    return _div(one, 1.0 + _exp(-x, ACCURATE), ACCURATE)
-
-
-@triton.jit
-def _silu(x, ACCURATE: tl.constexpr):
-    """x / (1 + exp(-x)) in fp32 (torch's silu)."""
-    return _div(x, 1.0 + _exp(-x, ACCURATE), ACCURATE)
 
 
 @triton.jit
