@@ -184,10 +184,35 @@ def measure(engine, prompts, args, backend=None) -> dict:
     return best
 
 
+def first_diff(tokens: list[list[int]], reference: list[list[int]]) -> int | None:
+    """The first decode position (0: the token sampled from the prefill's logits) at which any request's tokens
+    differ from the reference's (a shorter list differs where it ends); None where all are equal."""
+    if len(tokens) != len(reference):
+        return 0
+    found = []
+    for got, ref in zip(tokens, reference):
+        i = next((i for i, (a, b) in enumerate(zip(got, ref)) if a != b), None)
+        if i is None and len(got) != len(ref):
+            i = min(len(got), len(ref))
+        if i is not None:
+            found.append(i)
+    return min(found) if found else None
+
+
+def compare_to(r: dict, reference: list[list[int]]) -> None:
+    """r's lossless (its first run's tokens equal the reference's) and, where not, the first differing position."""
+    r["first_diff"] = first_diff(r["first_tokens"], reference)
+    r["lossless"] = r["first_diff"] is None
+
+
 def lossless_cell(r: dict) -> str:
-    """The table's lossless cell: the first run's tokens equal the reference's (True / False), '-' for the reference
-    itself; a '*' where the configuration's own runs disagreed with each other."""
-    return f"{r.get('lossless', '-')}{'' if r.get('runs_agree', True) else '*'}"
+    """The table's lossless cell: the first run's tokens equal the reference's (True / False@N, N the first decode
+    position that differs: 0 is the token sampled from the prefill's logits), '-' for the reference itself; a '*'
+    where the configuration's own runs disagreed with each other."""
+    cell = str(r.get("lossless", "-"))
+    if r.get("lossless") is False and r.get("first_diff") is not None:
+        cell += f"@{r['first_diff']}"
+    return cell + ("" if r.get("runs_agree", True) else "*")
 
 
 def _profiled_steps(engine: Engine, prompts: list[list[int]], steps: int, profiler) -> None:
@@ -432,7 +457,7 @@ def main() -> int:
         reference_tokens = reference_by_routing.get(routing)
         if linear == linears[0]:               # another dense_linear rounds differently: not comparable
             if reference_tokens is not None:
-                res["lossless"] = res["first_tokens"] == reference_tokens
+                compare_to(res, reference_tokens)
             reference_by_routing.setdefault(routing, res["first_tokens"])
         name = "resident" + (" graphs" if graphs == "on" else " eager") + (f" {linear}" if len(linears) > 1 else "") \
             + (f" pdl {pdl_mode}" if len(pdl_modes) > 1 else "") + overlap_label(od) + routing_label(routing)
@@ -481,7 +506,7 @@ def main() -> int:
                 _reset_peak()
                 built = build_engine(spec, attachment=shared, reuse=built)     # the last row's backend closed first
                 r = measure(built.engine, prompt, args, built.experts)
-                r["lossless"] = r["first_tokens"] == reference_by_routing[routing]
+                compare_to(r, reference_by_routing[routing])
                 name = f"offload {frac:.0%} {label}".strip()
                 rows.append((name, slots, r, _peak(), proc.memory_info().rss))
                 print(name, r["all_tok_s"], _launch_note(r), flush=True)

@@ -112,3 +112,22 @@ def test_bench_prefetch_steps_line_is_the_median_over_runs_of_each_figure():
     assert bench.steps_line(0.5, 1, ("auto", 0), runs) == (
         "steps: 50% batch 1 auto : GPU in the graph 5.200 ms (mean 5.900), between graphs 0.120 ms (mean 0.500), "
         "medians of the runs")
+
+
+def test_bench_engine_lossless_cell_names_the_first_differing_position():
+    """The lossless cell: True, or False@N with N the first decode position at which any request differs (0: the
+    token sampled from the prefill's logits), and '*' where the configuration's own runs disagreed."""
+    bench = _bench("bench_engine")
+    ref = [[5, 6, 7, 8], [1, 2, 3, 4]]
+    cases = [([[5, 6, 7, 8], [1, 2, 3, 4]], True, None, "True"),
+             ([[5, 6, 7, 9], [1, 2, 0, 4]], False, 2, "False@2"),
+             ([[0, 6, 7, 8], [1, 2, 3, 4]], False, 0, "False@0"),
+             ([[5, 6], [1, 2, 3, 4]], False, 2, "False@2")]
+    for tokens, lossless, diff, cell in cases:
+        r = {"first_tokens": tokens}
+        bench.compare_to(r, ref)
+        assert (r["lossless"], r["first_diff"], bench.lossless_cell(r)) == (lossless, diff, cell)
+    r = {"first_tokens": ref, "runs_agree": False}
+    bench.compare_to(r, [[5, 6, 7, 8], [1, 2, 3, 5]])
+    assert bench.lossless_cell(r) == "False@3*"
+    assert bench.lossless_cell({}) == "-"
