@@ -106,6 +106,23 @@ def test_moe_gemv_lockstep(case):
         assert torch.equal(got[1].cpu(), torch.zeros(H))
 
 
+@pytest.mark.parametrize("case", ["t3-k4-missing-repeat-int32", "t1-k8-default-blocks"])
+def test_moe_gemv_partials_sum_to_the_call(case):
+    """partials=True: the weighted per-route outputs [T, K, H] fp32 (a missing route exactly 0) whose sum in k order
+    (reference.sum_routes) is the summed call bit for bit (float32); the reference's likewise."""
+    T, K, H, I, S, blocks, missing, repeat, id_dtype = GEMV_CASES[case]
+    w13, w2 = experts(S, H, I, seed=T * 31 + K)
+    ids, weights = routes(T, K, S, seed=T + 7 * K, missing=missing, repeat=repeat, dtype=id_dtype)
+    x = torch.randn(T, H, generator=torch.Generator().manual_seed(5))
+    args = (x.to(DEV), ids.to(DEV), weights.to(DEV), w13.to(DEV), w2.to(DEV))
+    parts = moe_gemv(*args, impl="triton", blocks=blocks, partials=True)
+    assert parts.shape == (T, K, H) and parts.dtype == torch.float32 and not parts[(ids < 0).to(DEV)].any()
+    assert torch.equal(ref.sum_routes(parts, x.dtype), moe_gemv(*args, impl="triton", blocks=blocks))
+    ref_parts = ref.moe_gemv_reference(x, ids, weights, w13, w2, partials=True)
+    assert torch.equal(ref.sum_routes(ref_parts, x.dtype), ref.moe_gemv_reference(x, ids, weights, w13, w2))
+    assert rel_max(parts, ref_parts) < 1e-5
+
+
 def test_moe_gemv_missing_routes_read_no_weights():
     """-1 routes point before row 0 of a view whose backing row there is NaN: nothing leaks in."""
     S, H, I, T, K = 5, 32, 16, 2, 3

@@ -331,3 +331,23 @@ def test_gpu_moe_gemv_quant_bf16_at_qwen3_shapes(label, T):
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(static, got)
+
+
+@pytest.mark.parametrize("case", ["nvfp4-t4-k4-missing", "mxfp4-t1-k6-missing", "int4-g128-t2-k2", "fp8-t1-k8"])
+def test_partials_are_the_routes_outputs_whose_sum_is_the_call(case):
+    """partials=True: the weighted per-route outputs [T, K, H] fp32 (a missing route exactly 0), whose sum in k order
+    (reference.sum_routes) is the summed call bit for bit (float32: the sum launch rounds nothing); the reference's
+    partials likewise."""
+    from ftexpert.kernels.moe_decode.reference import sum_routes
+    label, T, K, S, missing, dtype = GEMV_CASES[case]
+    rows, layout = slot_rows(label, S, seed=T * 7 + K)
+    ids, weights = routes(T, K, S, seed=T + K, missing=missing)
+    x = torch.randn(T, SHAPES[label][0], generator=torch.Generator().manual_seed(K)).to(dtype)
+    args = (x.to(DEV), ids.to(DEV), weights.to(DEV), rows.to(DEV), layout)
+    parts = moe_gemv_quant(*args, impl="triton", blocks=BLOCKS, partials=True)
+    assert parts.shape == (T, K, x.shape[1]) and parts.dtype == torch.float32
+    assert not parts[(ids < 0).to(DEV)].any()
+    assert torch.equal(sum_routes(parts, x.dtype), moe_gemv_quant(*args, impl="triton", blocks=BLOCKS))
+    ref_parts = moe_gemv_quant_reference(x, ids, weights, rows, layout, partials=True)
+    assert torch.equal(sum_routes(ref_parts, x.dtype), moe_gemv_quant_reference(x, ids, weights, rows, layout))
+    assert rel_max(parts, ref_parts) < 1e-5

@@ -66,6 +66,31 @@ def test_norms_lockstep(dtype, T, N, offset):
         close(got, want)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("T, K, N", [(1, 10, 64), (3, 4, 100), (2, 1, 48)])
+def test_add_rms_norm_sums_per_route_outputs_as_the_sum_launch(dtype, T, K, N):
+    """delta [T, K, N] fp32 (the resident backend's per-route outputs): summed in k order and rounded to x's dtype
+    first, so the result is add_rms_norm of the summed routes (moe_decode's sum_routes), with and without the shared
+    expert; the kernel against the reference, and the reference exactly so."""
+    from ftexpert.kernels.moe_decode.reference import sum_routes
+    g = torch.Generator().manual_seed(T * K + N)
+    x, w = rand(T, N, dtype=dtype, scale=2, gen=g), rand(N, dtype=dtype, scale=0.3, gen=g)
+    parts = rand(T, K, N, gen=g)
+    routed = sum_routes(parts, dtype)
+    shared = kn.SharedExpert(rand(T, N, dtype=dtype, gen=g), rand(T, N, dtype=dtype, gen=g),
+                             rand(1, N, dtype=dtype, scale=0.2, gen=g))
+    for sh in (None, shared):
+        got, want = both(kn.add_rms_norm, x, parts, w, 1e-6, shared=sh)
+        for a, b, c in zip(got, want, kn.add_rms_norm(x, routed, w, 1e-6, shared=sh, impl="reference")):
+            close(a, b)
+            assert torch.equal(b, c)
+        if dtype == torch.float32:                       # the kernel: bit for bit its own call on the summed routes
+            for a, c in zip(got, kn.add_rms_norm(x, routed, w, 1e-6, shared=sh, impl="triton")):
+                assert torch.equal(a, c)
+    with pytest.raises(ValueError, match="per-route outputs must be"):
+        kn.add_rms_norm(x, parts.to(dtype=torch.float64), w, 1e-6)
+
+
 def test_norm_references_are_the_models_norms():
     g = torch.Generator().manual_seed(1)
     x, w = torch.randn(3, 40, generator=g).bfloat16(), (torch.randn(40, generator=g) * 0.3).bfloat16()

@@ -167,3 +167,23 @@ def test_qwen3_next_shared_expert_down_takes_the_gated_gemv(next_dir, monkeypatc
     (a, _, _), (b, _, _) = decode_logits(plain), decode_logits(fused)
     assert rel_err(b, a) < 1e-5
     assert gated == [2] * fused.cfg.num_layers          # the decode step's two tokens, every layer; prefill: cuBLAS
+
+
+def test_qwen3_next_decode_sums_the_routes_in_the_norm(next_dir, monkeypatch, no_tf32):
+    """With the resident backend's gemv mode (a decode step on CUDA), the MoE's routed output reaches the next
+    add_rms_norm as per-route outputs [T, K, H] fp32, which it sums (no sum launch); the step's logits stay the
+    plain forward's within the Triton tolerance, and its tokens the plain forward's."""
+    plain, fused = models(next_dir, "triton")
+    fused.model.experts.mode, fused.model.experts.kernel_impl = "gemv", "triton"
+    seen = []
+    real = next_decode.add_rms_norm
+
+    def spy(x, delta, *args, **kw):
+        seen.append(delta.dim())
+        return real(x, delta, *args, **kw)
+    monkeypatch.setattr(next_decode, "add_rms_norm", spy)
+    (a, _, _), (b, _, _) = decode_logits(plain), decode_logits(fused)
+    assert rel_err(b, a) < 1e-5
+    # the gemv mode forced: both prompts' prefills and the decode step, every layer (auto takes it for decode sizes)
+    assert seen.count(3) == 3 * fused.cfg.num_layers
+    assert greedy(fused) == greedy(plain)

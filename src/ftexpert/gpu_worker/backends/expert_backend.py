@@ -25,8 +25,11 @@ class ExpertBackend(abc.ABC):
 
     @abc.abstractmethod
     def forward(self, layer_idx: int, x: torch.Tensor, topk_ids: torch.Tensor,
-                topk_weights: torch.Tensor) -> torch.Tensor:
-        """x [T, H], topk_ids / topk_weights [T, K] -> sum_k w_k * expert_k(x) [T, H], in x's dtype."""
+                topk_weights: torch.Tensor, partials: bool = False) -> torch.Tensor:
+        """x [T, H], topk_ids / topk_weights [T, K] -> sum_k w_k * expert_k(x) [T, H], in x's dtype. partials: the
+        caller takes the weighted per-route outputs w_k * expert_k(x) [T, K, H] fp32 instead where the backend has
+        them without their sum (resident decode: one launch fewer; kernels/next_decode's add_rms_norm sums them in
+        k order): a backend returns either."""
 
     def graph_safe(self, num_pairs: int) -> bool:
         """Whether a forward of `num_pairs` (token, expert) routes may be captured in a CUDA graph (no host

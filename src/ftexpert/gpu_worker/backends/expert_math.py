@@ -62,7 +62,9 @@ class ExpertRows:
 
     def ffn(self, mode: str, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, *, kernel_impl: str = "auto",
             plan: CopyPlan | None = None, between: Callable[[], None] | None = None,
-            between_down: Callable[[], None] | None = None) -> torch.Tensor:
+            between_down: Callable[[], None] | None = None, partials: bool = False) -> torch.Tensor:
+        """-> [T, H]; with partials, the gemv mode's weighted per-route outputs [T, K, H] fp32 instead (the other
+        paths still give the sum: ExpertBackend.forward)."""
         raise NotImplementedError
 
     @property
@@ -128,17 +130,18 @@ class Bf16Rows(ExpertRows):
             return 0
         return self.layout.w13_numel * self.rows.element_size()
 
-    def ffn(self, mode, x, ids, weights, *, kernel_impl="auto", plan=None, between=None, between_down=None):
+    def ffn(self, mode, x, ids, weights, *, kernel_impl="auto", plan=None, between=None, between_down=None,
+            partials=False):
         if self.layout.act.bias:
             b13, b2 = bias_views(self.rows, self.layout)
             if mode == "gemv":                          # kernels/moe_decode's gemv takes the biases and act
                 return moe_gemv(x, ids, weights, self.w13, self.w2, impl=kernel_impl, plan=plan, between=between,
-                                between_down=between_down, b13=b13, b2=b2, act=self.layout.act)
+                                between_down=between_down, b13=b13, b2=b2, act=self.layout.act, partials=partials)
             _run_hooks(between, between_down)
             return act_expert_ffn(x, ids, weights, self.w13, self.w2, b13, b2, self.layout.act)
-        if mode == "gemv" and (plan is not None or between is not None):
+        if mode == "gemv" and (plan is not None or between is not None or partials):
             return moe_gemv(x, ids, weights, self.w13, self.w2, impl=kernel_impl, plan=plan, between=between,
-                            between_down=between_down)
+                            between_down=between_down, partials=partials)
         _run_hooks(between, between_down)
         return expert_ffn(mode, x, ids, weights, self.w13, self.w2, kernel_impl=kernel_impl)
 
@@ -150,14 +153,16 @@ class QuantRows(ExpertRows):
         layout.check(rows)
         self.rows, self.layout, self.quant = rows, layout, layout.quant_layout
 
-    def ffn(self, mode, x, ids, weights, *, kernel_impl="auto", plan=None, between=None, between_down=None):
+    def ffn(self, mode, x, ids, weights, *, kernel_impl="auto", plan=None, between=None, between_down=None,
+            partials=False):
         if x.dtype != self.layout.dtype:
             raise TypeError(f"x is {x.dtype}; these {self.layout.fmt.label} experts dequantize to {self.layout.dtype}")
         check_supported(self.layout, mode)
         if self.layout.act.bias and mode == "gemv":     # the quantized gemv takes the biases and act too
             b13, b2 = bias_views(self.rows, self.layout)
             return moe_gemv_quant(x, ids, weights, self.rows, self.quant, impl=kernel_impl, plan=plan,
-                                  between=between, between_down=between_down, b13=b13, b2=b2, act=self.layout.act)
+                                  between=between, between_down=between_down, b13=b13, b2=b2, act=self.layout.act,
+                                  partials=partials)
         if self.layout.act.bias:
             _run_hooks(between, between_down)
             distinct, local = _routed(ids)
@@ -166,7 +171,7 @@ class QuantRows(ExpertRows):
             return act_expert_ffn(x, local, weights, w13, w2, b13[distinct], b2[distinct], self.layout.act)
         if mode == "gemv":
             return moe_gemv_quant(x, ids, weights, self.rows, self.quant, impl=kernel_impl, plan=plan,
-                                  between=between, between_down=between_down)
+                                  between=between, between_down=between_down, partials=partials)
         _run_hooks(between, between_down)
         distinct, local = torch.unique(ids.reshape(-1).to(torch.int64), return_inverse=True)   # sorted: same groups
         w13, w2 = dequantize_rows(self.rows, distinct, self.quant, x.dtype)          # [n, 2I, H], [n, H, I]

@@ -70,9 +70,10 @@ class ResidentExperts(ExpertBackend):
         return self._grouped_capturable
 
     def forward(self, layer_idx: int, x: torch.Tensor, topk_ids: torch.Tensor,
-                topk_weights: torch.Tensor) -> torch.Tensor:
+                topk_weights: torch.Tensor, partials: bool = False) -> torch.Tensor:
         mode = self.choose_mode(topk_ids.numel(), x.device)
-        return self.rows[layer_idx].ffn(mode, x, topk_ids, topk_weights, kernel_impl=self.kernel_impl)
+        return self.rows[layer_idx].ffn(mode, x, topk_ids, topk_weights, kernel_impl=self.kernel_impl,
+                                        partials=partials)
 
     def nbytes(self) -> int:
         return sum(p.numel() * p.element_size() for p in self.packed)

@@ -2,7 +2,8 @@
 with its element-wise work in kernels/next_decode.
 
 - every residual add fused into the next (1 + w) RMSNorm, the MoE's one with the shared expert's gate (its
-  one-row GEMV too) and the combine: two launches a layer for what was ~25;
+  one-row GEMV too), the combine and, at decode sizes on the resident backend, the routed experts' sum over k (their
+  per-route outputs: ExpertBackend.forward's `partials`): two launches a layer for what was ~25;
 - Gated DeltaNet, decode steps: the conv update (state rows in place), splits and gates in one launch before the
   gated delta rule, RMSNormGated in one after it (gated_deltanet.py);
 - gated attention: the (1 + w) q/k norms, the partial rotary embedding and the KV cache write in one launch, the
@@ -66,14 +67,17 @@ class NextFusedForward:
 
     def _moe_fused(self, i: int, layer: NextLayerWeights, h: torch.Tensor,
                    positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """-> (the routed experts' output, the shared expert's output before its gate), [T, H] each."""
+        """-> (the routed experts' output [T, H] or per-route outputs [T, K, H] fp32, the shared expert's output before
+        its gate [T, H])."""
         cfg, impl = self.cfg, self.kernel_impl
         logits, gate, up = self._moe_inputs(layer, h)
         ids, weights = kn.route_topk(logits, cfg.top_k, softmax_first=True, renorm=cfg.norm_topk_prob,
                                      round_weights=True, impl=impl)                 # [T, K] each
         if self.routing_override is not None:
             ids = self.routing_override.ids(i, positions)
-        routed = self.experts.forward(i, h, ids, weights)                           # [T, H]
+        # [T, H], or at decode sizes the resident backend's weighted per-route outputs [T, K, H] fp32, which the
+        # next add_rms_norm sums (one launch fewer a layer)
+        routed = self.experts.forward(i, h, ids, weights, partials=True)
         return routed, self.linear_glu(gate, up, layer.shared_down_proj)
 
     def linear_glu(self, gate: torch.Tensor, up: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

@@ -180,7 +180,7 @@ def moe_gemv(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: tor
              w2: torch.Tensor, *, impl: str = "auto", blocks: GemvBlocks | None = None,
              plan: CopyPlan | None = None, between: Callable[[], None] | None = None,
              between_down: Callable[[], None] | None = None, b13: torch.Tensor | None = None,
-             b2: torch.Tensor | None = None, act=None) -> torch.Tensor:
+             b2: torch.Tensor | None = None, act=None, partials: bool = False) -> torch.Tensor:
     """MoE FFN of a decode batch, reading the routed experts in place: -> [T, H] in x.dtype.
 
         y[t] = sum_k weights[t, k] * down_e(silu(gate_e x[t]) * up_e x[t]),   e = ids[t, k]
@@ -244,9 +244,9 @@ def moe_gemv(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: tor
         if between_down is not None:
             between_down()
     if impl == "reference":
-        return reference.moe_gemv_reference(x, ids, weights, w13, w2, b13, b2, act if swiglu else None)
+        return reference.moe_gemv_reference(x, ids, weights, w13, w2, b13, b2, act if swiglu else None, partials)
     if T == 0 or K == 0:
-        return torch.zeros_like(x)
+        return torch.zeros(T, K, H, device=x.device) if partials else torch.zeros_like(x)
     if w13.stride(2) != 1 or w2.stride(2) != 1:
         raise ValueError("w13 and w2 need a contiguous last dimension")
     # lazy: the Triton kernels are defined at their first launch (TRITON_INTERPRET is read then)
@@ -286,6 +286,8 @@ def moe_gemv(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: tor
             EVEN_N=H % b.down_block_n == 0, EVEN_K=inter % b.down_block_k == 0,
             PLAN=part, PLAN_MAX=plan_max, num_warps=GEMV_WARPS,
             b2_ptr=y if b2 is None else b2, stride_b=b2.stride(0) if b2 is not None else 0, BIAS=b2 is not None, **pdl)
+    if partials:                                                      # the caller sums them (k order)
+        return y.view(T, K, H)
     out = torch.empty(T, H, dtype=x.dtype, device=x.device)           # [T, H]
     moe_sum_k_kernel[(T, _cdiv(H, b.sum_block))](y, out, K, H, BLOCK=b.sum_block, num_warps=GEMV_WARPS, **pdl)
     return out

@@ -116,7 +116,7 @@ def moe_gemv_quant(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, ro
                    layout: QuantLayout, *, impl: str = "auto", blocks: GemvBlocks | None = None,
                    plan: CopyPlan | None = None, between: Callable[[], None] | None = None,
                    between_down: Callable[[], None] | None = None, b13: torch.Tensor | None = None,
-                   b2: torch.Tensor | None = None, act=None) -> torch.Tensor:
+                   b2: torch.Tensor | None = None, act=None, partials: bool = False) -> torch.Tensor:
     """`moe_gemv` over quantized slot rows: -> [T, H] in x.dtype.
 
         y[t] = sum_k weights[t, k] * down_e(silu(gate_e x[t]) * up_e x[t]),   e = ids[t, k]
@@ -166,9 +166,9 @@ def moe_gemv_quant(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, ro
             between_down()
     if impl == "reference":
         return quant_reference.moe_gemv_quant_reference(x, ids, weights, rows_u8, layout, b13, b2,
-                                                        act if swiglu else None)
+                                                        act if swiglu else None, partials)
     if T == 0 or K == 0:
-        return torch.zeros_like(x)
+        return torch.zeros(T, K, H, device=x.device) if partials else torch.zeros_like(x)
     # lazy: the Triton kernels are defined at their first launch (TRITON_INTERPRET is read then)
     from ftexpert.kernels.moe_decode.quant_kernels import moe_down_quant_kernel, moe_gate_up_quant_kernel
     from ftexpert.kernels.moe_decode.triton_kernels import moe_sum_k_kernel
@@ -212,6 +212,8 @@ def moe_gemv_quant(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, ro
             PLAN=part, PLAN_MAX=plan_max, num_warps=GEMV_WARPS,
             b2_ptr=y if b2 is None else b2, stride_b=0 if b2 is None else b2.stride(0), BIAS=b2 is not None,
             GSUM=b.quant_group_sum, **pdl)
+    if partials:                                                      # the caller sums them (k order)
+        return y.view(T, K, H)
     out = torch.empty(T, H, dtype=x.dtype, device=x.device)           # [T, H]
     moe_sum_k_kernel[(T, _cdiv(H, b.sum_block))](y, out, K, H, BLOCK=b.sum_block, num_warps=GEMV_WARPS, **pdl)
     return out

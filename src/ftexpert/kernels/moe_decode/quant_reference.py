@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from ftexpert.kernels.expert_reference import apply_act, dequantize_expert
+from ftexpert.kernels.moe_decode.reference import sum_routes
 from ftexpert.proto.expert_format import QuantLayout
 
 
@@ -36,23 +37,22 @@ def dequantize_rows_reference(rows_u8: torch.Tensor, ids: torch.Tensor, layout: 
 
 def moe_gemv_quant_reference(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, rows_u8: torch.Tensor,
                              layout: QuantLayout, b13: torch.Tensor | None = None, b2: torch.Tensor | None = None,
-                             act=None) -> torch.Tensor:
+                             act=None, partials: bool = False) -> torch.Tensor:
     """y[t] = sum_k w[t,k] * down(silu(gate x[t]) * up x[t]) over the slot rows ids[t,k] of rows_u8 -> [T, H].
 
     Weights decoded to float32 by the reference codec; rounding as moe_gemv_reference: h = w13 @ x in
     fp32, rounded to x.dtype; silu(gate) in x.dtype; times up in x.dtype; down in fp32 rounded to x.dtype;
     times w in fp32; summed over k in fp32 in k order (0, 1, ...); cast to x.dtype. -1 adds exactly 0.
     b13 [S, 2I] / b2 [S, H]: biases added before gate/up's and down's rounding; act: an ExpertAct (None: silu).
+    partials: the weighted per-route outputs [T, K, H] fp32 instead of their sum (reference.sum_routes).
     """
     T, K = ids.shape
     H, inter = x.shape[1], layout.intermediate_size
-    if T == 0 or K == 0:
-        return torch.zeros_like(x)
+    if T == 0 or K == 0 or not bool((ids >= 0).any()):
+        return torch.zeros(T, K, H, device=x.device) if partials else torch.zeros_like(x)
     flat = ids.reshape(-1).long()                                      # [P], p = t*K + k
     valid = flat >= 0
     used, slot_of = torch.unique(flat[valid], return_inverse=True)     # the distinct routed rows
-    if len(used) == 0:
-        return torch.zeros_like(x)
     w13, w2 = _decoded(rows_u8, used, layout)                          # [U, 2I, H], [U, H, I] fp32
     pick = torch.zeros_like(flat)
     pick[valid] = slot_of
@@ -72,7 +72,4 @@ def moe_gemv_quant_reference(x: torch.Tensor, ids: torch.Tensor, weights: torch.
     y = y.to(x.dtype)                                                        # [P, H] x.dtype
     y = y.float() * weights.reshape(-1, 1).float()                     # [P, H] fp32
     y = torch.where(valid.unsqueeze(1), y, torch.zeros_like(y)).view(T, K, H)
-    acc = y[:, 0]
-    for k in range(1, K):                                              # fixed order: k = 0, 1, ...
-        acc = acc + y[:, k]
-    return acc.to(x.dtype)
+    return y if partials else sum_routes(y, x.dtype)

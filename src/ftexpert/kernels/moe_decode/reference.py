@@ -14,7 +14,7 @@ from ftexpert.kernels.expert_reference import apply_act
 
 def moe_gemv_reference(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: torch.Tensor,
                        w2: torch.Tensor, b13: torch.Tensor | None = None, b2: torch.Tensor | None = None,
-                       act=None) -> torch.Tensor:
+                       act=None, partials: bool = False) -> torch.Tensor:
     """y[t] = sum_k w[t,k] * down(silu(gate x[t]) * up x[t]) over the experts ids[t,k] -> [T, H] x.dtype.
 
     x [T, H]; ids [T, K] int32|int64 rows of w13 [S, 2I, H] and w2 [S, H, I], -1: the pair adds
@@ -23,6 +23,7 @@ def moe_gemv_reference(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
     in x.dtype; down in x.dtype; times w in fp32; summed over k in fp32 in k order; cast to x.dtype.
     b13 [S, 2I] / b2 [S, H] (both or neither): biases added to gate/up and down before their rounding; act: a
     proto.expert_act.ExpertAct (None: silu), applied by kernels.expert_reference.apply_act.
+    partials: the weighted per-route outputs [T, K, H] fp32 instead of their sum (`sum_routes` of them is the sum).
     """
     T, K = ids.shape
     H, inter = x.shape[1], w2.shape[2]
@@ -44,10 +45,16 @@ def moe_gemv_reference(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
         y = torch.baddbmm(b2.index_select(0, safe).unsqueeze(2), w2.index_select(0, safe), a).squeeze(2)
     y = y.float() * weights.reshape(-1, 1).float()                     # [P, H] fp32
     y = torch.where(valid.unsqueeze(1), y, torch.zeros_like(y)).view(T, K, H)
+    return y if partials else sum_routes(y, x.dtype)
+
+
+def sum_routes(y: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The weighted per-route outputs y [T, K, H] fp32 (K >= 1) -> their sum over k in fp32 in k order (0, 1, ...),
+    cast to dtype: [T, H] (moe_sum_k_kernel's order; next_decode's add_rms_norm sums its partials so)."""
     acc = y[:, 0]
-    for k in range(1, K):                                              # fixed order: k = 0, 1, ...
+    for k in range(1, y.shape[1]):                                     # fixed order: k = 0, 1, ...
         acc = acc + y[:, k]
-    return acc.to(x.dtype)
+    return acc.to(dtype)
 
 
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

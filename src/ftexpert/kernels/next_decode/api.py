@@ -69,14 +69,16 @@ def _norm_launch(x, delta, weight, eps, offset, shared: SharedExpert | None):
     normed = torch.empty(T, N, dtype=x.dtype, device=x.device)
     if T == 0:
         return x_new, normed
-    d = _rows(delta) if delta is not None else x
+    parts = delta is not None and delta.dim() == 3
+    d = (delta.contiguous() if parts else _rows(delta)) if delta is not None else x
     s, h = (_rows(shared.out), _rows(shared.h)) if shared is not None else (x, x)
     gw = shared.gate_weight.reshape(N).contiguous() if shared is not None else weight
     block = _next_pow2(N)
     offset_norm_kernel[(T,)](
         x, x.stride(0), d, d.stride(0), s, s.stride(0), h, h.stride(0), gw, weight.contiguous(),
         x_new if x_new is not None else normed, normed, N, float(eps), 1.0 / N, float(offset),
-        HAS_ADD=delta is not None, SHARED=shared is not None, BLOCK=block, num_warps=_row_warps(block), **_common(x))
+        HAS_ADD=delta is not None, SHARED=shared is not None, BLOCK=block, num_warps=_row_warps(block), **_common(x),
+        **(dict(n_routes=d.shape[1], PARTS=True) if parts else {}))
     return x_new, normed
 
 
@@ -94,9 +96,17 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps
                  shared: SharedExpert | None = None, impl: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
     """The residual add fused with the next norm, one launch: -> (x_new = x + delta, rms_norm(x_new)), [T, N] each.
     With `shared`, delta is the routed experts' output and the add takes routed + sigmoid(h . gate_weight) * out
-    (the gate's dot product in fp32, rounded as its GEMV; every op rounded to x's dtype as torch rounds)."""
+    (the gate's dot product in fp32, rounded as its GEMV; every op rounded to x's dtype as torch rounds). delta may
+    also be [T, K, N] fp32: the routed experts' weighted per-route outputs (moe_decode's `partials=True`), which the
+    kernel sums in k order and rounds to x's dtype first, as moe_decode's sum launch would (one launch fewer)."""
     _norm_args(x, weight)
-    _check_like("delta", delta, x, x.shape)
+    if delta.dim() == 3:
+        if delta.dtype != torch.float32 or delta.shape[0] != x.shape[0] or delta.shape[2] != x.shape[1] \
+                or delta.shape[1] < 1 or delta.device != x.device:
+            raise ValueError(f"delta as per-route outputs must be [{x.shape[0]}, K >= 1, {x.shape[1]}] float32 on "
+                             f"{x.device}, got {list(delta.shape)} {delta.dtype} on {delta.device}")
+    else:
+        _check_like("delta", delta, x, x.shape)
     if shared is not None:
         _check_like("shared.out", shared.out, x, x.shape)
         _check_like("shared.h", shared.h, x, x.shape)

@@ -24,6 +24,11 @@ def _cases() -> list[tuple[str, str, dict, dict, dict, list[str]]]:
                 "ACCURATE EMU_BF16", {**dict.fromkeys("x_ptr d_ptr s_ptr h_ptr gw_ptr w_ptr xo_ptr no_ptr".split(), b),
                                       **dict.fromkeys("eps inv_n offset".split(), "fp32"),
                                       **dict.fromkeys("HAS_ADD SHARED BLOCK ACCURATE EMU_BF16".split(), "constexpr")})
+    parts = _sig("x_ptr sx d_ptr sd s_ptr ss h_ptr sh gw_ptr w_ptr xo_ptr no_ptr N eps inv_n offset HAS_ADD SHARED BLOCK "
+                 "ACCURATE EMU_BF16 n_routes PARTS",
+                 {**dict.fromkeys("x_ptr s_ptr h_ptr gw_ptr w_ptr xo_ptr no_ptr".split(), b), "d_ptr": "*fp32",
+                  **dict.fromkeys("eps inv_n offset".split(), "fp32"),
+                  **dict.fromkeys("HAS_ADD SHARED BLOCK ACCURATE EMU_BF16 PARTS".split(), "constexpr")})
     pre = _sig("qkvz_ptr s_qkvz ba_ptr s_ba cache_ptr s_row s_c rows_ptr w_ptr alog_ptr dtb_ptr q_ptr k_ptr v_ptr g_ptr "
                "beta_ptr Hk Hv Dk Dv R K BLOCK_DK BLOCK_V BLOCK_R ACCURATE EMU_BF16",
                {**dict.fromkeys("qkvz_ptr ba_ptr cache_ptr w_ptr q_ptr k_ptr v_ptr beta_ptr".split(), b),
@@ -53,6 +58,8 @@ def _cases() -> list[tuple[str, str, dict, dict, dict, list[str]]]:
          dict(HAS_ADD=True, SHARED=False, BLOCK=4096, **ACC), w(8), []),
         ("add + shared gate/combine + norm", "offset_norm_kernel", norm,
          dict(HAS_ADD=True, SHARED=True, BLOCK=2048, **ACC), w(4), []),
+        ("add + the routes' sum (10 per-route outputs) + shared gate/combine + norm", "offset_norm_kernel", parts,
+         dict(HAS_ADD=True, SHARED=True, BLOCK=2048, PARTS=True, **ACC), w(4), []),
         ("shared expert silu * up", "gated_mul_kernel", gate, dict(SILU=True, BLOCK=512, **ACC), w(2), []),
         ("Gated DeltaNet decode pre (Dk = Dv = 128, r = 2, K = 4)", "gdn_pre_kernel", pre,
          dict(K=4, BLOCK_DK=128, BLOCK_V=256, BLOCK_R=2, **ACC), w(2), []),

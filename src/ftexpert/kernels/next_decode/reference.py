@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from ftexpert.kernels.gated_delta.reference import recurrent_gated_delta_rule
+from ftexpert.kernels.moe_decode.reference import sum_routes
 
 
 def offset_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 1.0) -> torch.Tensor:
@@ -34,7 +35,10 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps
                  shared: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """The residual add and the next norm: (x + delta, offset_rms_norm of it); with ``shared`` = (shared expert
-    output, h, gate weight [1, H]), delta is the routed output and the add takes shared_combine(delta, ...)."""
+    output, h, gate weight [1, H]), delta is the routed output and the add takes shared_combine(delta, ...). A delta
+    of [T, K, H] fp32 is the routed experts' weighted per-route outputs, summed first (moe_decode's sum_routes)."""
+    if delta.dim() == 3:
+        delta = sum_routes(delta, x.dtype)
     if shared is not None:
         delta = shared_combine(delta, *shared)
     x = x + delta

@@ -57,9 +57,13 @@ def offset_norm_kernel(
     BLOCK: tl.constexpr,  # >= N, a power of two
     ACCURATE: tl.constexpr, EMU_BF16: tl.constexpr,
     USE_PDL: tl.constexpr = False,
+    n_routes=1,           # PARTS: K, the routes of a token
+    PARTS: tl.constexpr = False,   # delta is [T, K, N] fp32 (row stride sd, route stride N): the routed experts'
+                                   # weighted per-route outputs, summed here in k order and rounded to DT
 ):
-    """Grid (T,). [SHARED: delta = DT(delta + DT(DT(sigmoid(DT(h . gw))) * shared))]; [HAS_ADD: x = DT(x + delta),
-    stored]; out = DT((x * rsqrt(mean(x^2) + eps)) * (offset + w)) in fp32 (reference.offset_rms_norm)."""
+    """Grid (T,). [PARTS: delta = DT(((y_0 + y_1) + y_2) + ...), fp32 in k order: moe_sum_k's sum];
+    [SHARED: delta = DT(delta + DT(DT(sigmoid(DT(h . gw))) * shared))]; [HAS_ADD: x = DT(x + delta), stored];
+    out = DT((x * rsqrt(mean(x^2) + eps)) * (offset + w)) in fp32 (reference.offset_rms_norm)."""
     pdl_enter(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
@@ -69,6 +73,10 @@ def offset_norm_kernel(
     xf = x.to(tl.float32)
     if HAS_ADD:
         d = tl.load(d_ptr + t * sd + offs, mask=m, other=0.0).to(tl.float32)
+        if PARTS:
+            for k in range(1, n_routes):
+                d += tl.load(d_ptr + t * sd + k * N + offs, mask=m, other=0.0)
+            d = _rnd(d, DT, EMU_BF16).to(tl.float32)
         if SHARED:
             hv = tl.load(h_ptr + t * sh + offs, mask=m, other=0.0).to(tl.float32)
             gw = tl.load(gw_ptr + offs, mask=m, other=0.0).to(tl.float32)
