@@ -169,11 +169,12 @@ def test_qwen3_next_shared_expert_down_takes_the_gated_gemv(next_dir, monkeypatc
     assert gated == [2] * fused.cfg.num_layers          # the decode step's two tokens, every layer; prefill: cuBLAS
 
 
-def test_qwen3_next_decode_sums_the_routes_in_the_norm(next_dir, monkeypatch, no_tf32):
+@pytest.mark.parametrize("arch", ["qwen3_next", "gpt_oss"])
+def test_decode_sums_the_routes_in_the_norm(arch, next_dir, gpt_oss_dir, monkeypatch, no_tf32):
     """With the resident backend's gemv mode (a decode step on CUDA), the MoE's routed output reaches the next
-    add_rms_norm as per-route outputs [T, K, H] fp32, which it sums (no sum launch); the step's logits stay the
-    plain forward's within the Triton tolerance, and its tokens the plain forward's."""
-    plain, fused = models(next_dir, "triton")
+    add_rms_norm as per-route outputs [T, K, H] fp32, which it sums (no sum launch; gpt-oss's biased experts too);
+    the step's logits stay the plain forward's within the Triton tolerance, and its tokens the plain forward's."""
+    plain, fused = models(next_dir if arch == "qwen3_next" else gpt_oss_dir, "triton")
     fused.model.experts.mode, fused.model.experts.kernel_impl = "gemv", "triton"
     seen = []
     real = next_decode.add_rms_norm

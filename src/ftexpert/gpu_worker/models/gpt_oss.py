@@ -101,7 +101,9 @@ class GptOssModel(MoeModel):
             topk_ids, topk_weights = gpt_oss_route(h, layer.router, layer.router_bias, self.cfg.top_k)
         if self.routing_override is not None:
             topk_ids = self.routing_override.ids(i, positions)
-        return self.experts.forward(i, h, topk_ids, topk_weights)       # [T, H]
+        # fused: at decode sizes the resident backend's per-route outputs [T, K, H] fp32, summed by the next
+        # add_rms_norm (kernels/next_decode; one launch fewer a layer); else [T, H]
+        return self.experts.forward(i, h, topk_ids, topk_weights, partials=fused)
 
     # -- the fused forward: MoeModel._forward_fused over these -------------------------------------------------
     def _add_norm(self, x: torch.Tensor, delta: torch.Tensor | None,
