@@ -329,8 +329,14 @@ def tiny_model(cfg: MoeConfig, fused: bool, device: str) -> MoeModel:
 
 
 @pytest.mark.parametrize("arch", ["qwen3", "olmoe", "mixtral"])
-def test_fused_forward_matches_the_plain_forward(arch, no_tf32):
+def test_fused_forward_matches_the_plain_forward(arch, no_tf32, monkeypatch):
+    """...and the fused forward's MoE hands its per-route outputs to the next add_rms_norm (gemv: no sum launch)."""
     from ftexpert.gpu_worker.engine.attention import PrefillAttention
+    from ftexpert.kernels import moe_decode
+    deltas = []
+    real = moe_decode.add_rms_norm
+    monkeypatch.setattr(moe_decode, "add_rms_norm",
+                        lambda x, delta, *a, **kw: deltas.append(delta.dim()) or real(x, delta, *a, **kw))
     from ftexpert.gpu_worker.engine.kv_cache import KVCache
     cfg = tiny_cfg(arch)
     plain, fused = tiny_model(cfg, False, DEV), tiny_model(cfg, True, DEV)
@@ -347,6 +353,28 @@ def test_fused_forward_matches_the_plain_forward(arch, no_tf32):
                                     logit_rows=torch.tensor([1, 3], device=DEV)))
     assert logits[1].shape == (2, cfg.vocab_size)
     assert rel_max(logits[1], logits[0]) < 1e-5
+    assert deltas.count(3) == cfg.num_layers and deltas.count(2) == cfg.num_layers     # MoE: per-route; attention
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("T, K, N", [(1, 8, 64), (3, 2, 100), (2, 1, 48)])
+def test_add_rms_norm_sums_per_route_outputs_as_the_sum_launch(dtype, T, K, N):
+    """x [T, N] with delta [T, K, N] fp32: the kernel sums the routes as moe_gemv's sum launch does (bit for bit
+    its own call on the launch's sum, whose rounding the interpreter shares), the reference as sum_routes."""
+    from ftexpert.kernels.moe_decode import add_rms_norm, triton_kernels
+    g = torch.Generator().manual_seed(T * K + N)
+    x = (torch.randn(T, N, generator=g) * 2).to(dtype).to(DEV)
+    w = (torch.randn(N, generator=g) * 0.3).to(dtype).to(DEV)
+    parts = torch.randn(T, K, N, generator=g).to(DEV)
+    summed = torch.empty(T, N, dtype=dtype, device=DEV)        # moe_gemv's sum launch on the parts
+    triton_kernels.moe_sum_k_kernel[(T, 1)](parts, summed, K, N, BLOCK=128)
+    for a, b in zip(add_rms_norm(x, parts, w, 1e-6, impl="triton"), add_rms_norm(x, summed, w, 1e-6, impl="triton")):
+        assert torch.equal(a, b)
+    for a, b in zip(add_rms_norm(x.cpu(), parts.cpu(), w.cpu(), 1e-6, impl="reference"),
+                    ref.add_rms_norm_reference(x.cpu(), ref.sum_routes(parts.cpu(), dtype), w.cpu(), 1e-6)):
+        assert torch.equal(a, b)
+    with pytest.raises(ValueError, match="per-route outputs must be"):
+        add_rms_norm(x, parts.double(), w, 1e-6)
 
 
 @pytest.mark.parametrize("arch", ["qwen3", "mixtral"])

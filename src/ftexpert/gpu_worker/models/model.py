@@ -201,4 +201,6 @@ class MoeModel(DenseLinearChoice):
                                                  impl=self.kernel_impl)  # [T, K] int64, [T, K] fp32
         if self.routing_override is not None:
             topk_ids = self.routing_override.ids(i, positions)
-        return self.experts.forward(i, h, topk_ids, topk_weights)       # [T, H]
+        # [T, H], or at decode sizes the resident backend's per-route outputs [T, K, H] fp32, which the next
+        # add_rms_norm sums (one launch fewer a layer)
+        return self.experts.forward(i, h, topk_ids, topk_weights, partials=True)

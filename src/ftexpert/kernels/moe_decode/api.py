@@ -317,7 +317,11 @@ def _norm_launch(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tens
     from ftexpert.kernels.moe_decode.triton_kernels import rms_norm_kernel
     n = x.shape[-1]
     xv, r1, r2, sx1, sx2 = _rows3(x, n)
-    if delta is not None:
+    parts = delta is not None and delta.dim() == x.dim() + 1
+    if parts:                                   # [T, K, N] fp32 per-route outputs: one row of x each T
+        dv, sd1, sd2 = delta.contiguous(), delta.shape[1] * n, 0
+        x_new = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    elif delta is not None:
         dv, _, _, sd1, sd2 = _rows3(delta, n)
         x_new = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     else:
@@ -325,13 +329,16 @@ def _norm_launch(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tens
     normed = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     rows = r1 * r2
     if rows == 0 or n == 0:
+        if parts:
+            delta = reference.sum_routes(delta, x.dtype) if delta.shape[1] else torch.zeros_like(x)
         return (None if delta is None else x + delta), normed
     block = _next_pow2(n)
     weight = weight.contiguous()
     rms_norm_kernel[(rows,)](
         xv, dv, weight, x_new if x_new is not None else normed, normed, r2, n, sx1, sx2, sd1, sd2,
         float(eps), 1.0 / n, HAS_ADD=delta is not None, BLOCK=block,
-        ACCURATE=_accurate(x.device), num_warps=_row_warps(block), **pdl_args(x.device))
+        ACCURATE=_accurate(x.device), num_warps=_row_warps(block), **pdl_args(x.device),
+        **(dict(n_routes=delta.shape[1], PARTS=True) if parts else {}))
     return x_new, normed
 
 
@@ -365,9 +372,16 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps
     """The residual add fused with the next RMSNorm, one launch: -> (x_new, normed), both [..., N].
 
     x_new = x + delta in x.dtype (torch's rounding of the add); normed = rms_norm(x_new, weight, eps).
+    x [T, N] with delta [T, K, N] float32: the routed experts' weighted per-route outputs (moe_gemv's `partials`),
+    summed in k order and rounded to x.dtype first, as moe_gemv's sum launch does (one launch fewer).
     """
     _check_norm(x, weight)
-    if delta.shape != x.shape or delta.dtype != x.dtype or delta.device != x.device:
+    if x.dim() == 2 and delta.dim() == 3:
+        if delta.dtype != torch.float32 or delta.shape[0] != x.shape[0] or delta.shape[2] != x.shape[1] \
+                or delta.shape[1] < 1 or delta.device != x.device:
+            raise ValueError(f"delta as per-route outputs must be [{x.shape[0]}, K >= 1, {x.shape[1]}] float32 on "
+                             f"{x.device}, got {list(delta.shape)} {delta.dtype} on {delta.device}")
+    elif delta.shape != x.shape or delta.dtype != x.dtype or delta.device != x.device:
         raise ValueError(f"delta {tuple(delta.shape)} {delta.dtype} must match x {tuple(x.shape)} {x.dtype}")
     if _resolve_impl(impl, x.device) == "reference":
         return reference.add_rms_norm_reference(x, delta, weight, eps)

@@ -66,7 +66,10 @@ def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tor
 
 def add_rms_norm_reference(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
                            eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(x + delta in x.dtype, rms_norm of that) -- the residual add and the next layer's norm."""
+    """(x + delta in x.dtype, rms_norm of that) -- the residual add and the next layer's norm. delta [T, K, N] fp32
+    with x [T, N]: the routed experts' per-route outputs, summed first (sum_routes)."""
+    if delta.dim() == x.dim() + 1:
+        delta = sum_routes(delta, x.dtype)
     x_new = x + delta
     return x_new, rms_norm_reference(x_new, weight, eps)
 

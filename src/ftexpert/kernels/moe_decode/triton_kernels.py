@@ -313,9 +313,13 @@ def rms_norm_kernel(
     BLOCK: tl.constexpr,      # >= N, a power of two
     ACCURATE: tl.constexpr,
     USE_PDL: tl.constexpr = False,   # launched with PDL: wait for the kernel before first (kernels/pdl.py)
+    n_routes=1,               # PARTS: K
+    PARTS: tl.constexpr = False,     # delta is [R1, K, N] fp32 (strides (sd1, N, 1); R2 = 1): the routed experts'
+                                     # weighted per-route outputs, summed here as moe_sum_k_kernel sums them
 ):
-    """Grid (R1*R2,): one row each. [x_new = DT(x + delta)]; r = rsqrt(mean(x^2) + eps) in fp32;
-    out = DT(w * DT(x * r)) -- layers.rms_norm's rounding points."""
+    """Grid (R1*R2,): one row each. [PARTS: delta = DT(((y_0 + y_1) + y_2) + ...), fp32 in k order];
+    [x_new = DT(x + delta)]; r = rsqrt(mean(x^2) + eps) in fp32; out = DT(w * DT(x * r)) -- layers.rms_norm's
+    rounding points."""
     pdl_enter(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     i1 = row // R2
@@ -326,6 +330,10 @@ def rms_norm_kernel(
     DT = x.dtype
     if HAS_ADD:
         d = tl.load(d_ptr + i1 * sd1 + i2 * sd2 + offs, mask=m, other=0.0)
+        if PARTS:
+            for k in range(1, n_routes):
+                d += tl.load(d_ptr + i1 * sd1 + k * N + offs, mask=m, other=0.0)
+            d = d.to(DT)
         x = (x.to(tl.float32) + d.to(tl.float32)).to(DT)
         tl.store(xo_ptr + row * N + offs, x, mask=m)
     xf = x.to(tl.float32)
