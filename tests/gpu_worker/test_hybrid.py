@@ -84,7 +84,8 @@ class Lockstep:
     def __getattr__(self, name):
         return getattr(self.backend, name)
 
-    def forward(self, layer_idx, x, topk_ids, topk_weights):
+    def forward(self, layer_idx, x, topk_ids, topk_weights, partials=False):
+        # the sums are compared: a fused forward's request for per-route outputs is not passed on (either is valid)
         out = self.backend.forward(layer_idx, x, topk_ids, topk_weights)
         if out.is_cuda and torch.cuda.is_current_stream_capturing():
             return out         # a decode graph being captured (device hand-off): its warm-ups were compared
@@ -237,7 +238,7 @@ def _prefill_prefetch_case(lock: Lockstep, resident_loaded, device: str) -> None
     cpu_max, prefetch_was = backend.cpu_max_tokens, backend.prefill_prefetch
     seen, stale = {}, []
 
-    def audited(layer_idx, x, topk_ids, topk_weights):
+    def audited(layer_idx, x, topk_ids, topk_weights, partials=False):    # (hybrid returns the sum)
         """After each prefill call, every mapped slot (the prefetched ones too) holds its expert's bytes: the
         decode steps that follow evict the prefetched slots the chunk did not use, so a check at the end
         would miss a prefetch copy that never ran."""
