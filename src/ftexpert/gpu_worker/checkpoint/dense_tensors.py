@@ -58,20 +58,24 @@ class DenseWeights:
         return total
 
 
+def fuse_rows(layer, whole: str, parts: tuple[str, ...]) -> None:
+    """Concatenate the tensors of fields ``parts`` of ``layer`` along dim 0 into field ``whole`` and make the parts row
+    views of it (no second copy is kept): one GEMM where there were len(parts). Values are unchanged. Nothing to do
+    where ``whole`` is set already or a part is None."""
+    tensors = [getattr(layer, name) for name in parts]
+    if getattr(layer, whole) is not None or any(t is None for t in tensors):
+        return
+    fused = torch.cat(tensors, dim=0)
+    for name, view in zip(parts, fused.split([t.shape[0] for t in tensors], dim=0)):
+        setattr(layer, name, view)
+    setattr(layer, whole, fused)
+
+
 def fuse_qkv(weights: DenseWeights) -> None:
     """Concatenate each layer's q/k/v projections into ``qkv_proj`` [Hq*D + 2*Hkv*D, H] and make
-    ``q_proj`` / ``k_proj`` / ``v_proj`` row views of it (no second copy is kept), so attention runs
-    one GEMM instead of three; their biases, where they have them, into ``qkv_bias`` likewise. Values are
-    unchanged: checkpoints and state dicts read the views. Idempotent; one layer at a time (peak extra memory: one
-    layer's projections)."""
+    ``q_proj`` / ``k_proj`` / ``v_proj`` row views of it (`fuse_rows`), so attention runs one GEMM instead of
+    three; their biases, where they have them (gpt-oss), into ``qkv_bias`` likewise. Checkpoints and state dicts read
+    the views. Idempotent; one layer at a time (peak extra memory: one layer's projections)."""
     for layer in weights.layers:
-        if layer.qkv_proj is not None:
-            continue
-        sizes = [layer.q_proj.shape[0], layer.k_proj.shape[0], layer.v_proj.shape[0]]
-        qkv = torch.cat([layer.q_proj, layer.k_proj, layer.v_proj], dim=0)
-        layer.q_proj, layer.k_proj, layer.v_proj = qkv.split(sizes, dim=0)
-        layer.qkv_proj = qkv
-        if layer.q_bias is not None:                   # gpt-oss: the biases likewise, one vector and its views
-            bias = torch.cat([layer.q_bias, layer.k_bias, layer.v_bias])
-            layer.q_bias, layer.k_bias, layer.v_bias = bias.split(sizes)
-            layer.qkv_bias = bias
+        fuse_rows(layer, "qkv_proj", ("q_proj", "k_proj", "v_proj"))
+        fuse_rows(layer, "qkv_bias", ("q_bias", "k_bias", "v_bias"))

@@ -14,7 +14,7 @@ import torch
 
 from ftexpert.gpu_worker.checkpoint.reader import CheckpointError, CheckpointReader
 from ftexpert.gpu_worker.checkpoint.config import FULL_ATTENTION, LINEAR_ATTENTION, MoeConfig
-from ftexpert.gpu_worker.checkpoint.dense_tensors import DenseWeights
+from ftexpert.gpu_worker.checkpoint.dense_tensors import DenseWeights, fuse_rows
 from ftexpert.gpu_worker.checkpoint.expert_sources import seeded_generator
 from ftexpert.gpu_worker.checkpoint.weight_names import EMBED, FINAL_NORM, LM_HEAD
 
@@ -62,19 +62,13 @@ FUSED_PROJECTIONS = {
 def fuse_next_projections(weights: DenseWeights) -> None:
     """Concatenate each layer's projections that read the same input (`FUSED_PROJECTIONS`: the MoE's router with the
     shared expert's gate and up; a linear-attention layer's in_proj_qkvz with in_proj_ba; a full-attention layer's q,
-    k and v) into one weight, and make the parts row views of it (no second copy is kept), so a decode step runs one
+    k and v) into one weight whose row views the parts become (dense_tensors.fuse_rows), so a decode step runs one
     GEMV where it ran two or three. Each output row is the same dot product as before (the decode GEMV's blocks
     depend on K only), so values are unchanged; checkpoints and state dicts read the views. Idempotent; one group at
     a time (peak extra memory: one group's weights)."""
     for layer in weights.layers:
         for fused, parts in FUSED_PROJECTIONS.items():
-            tensors = [getattr(layer, name) for name in parts]
-            if getattr(layer, fused) is not None or any(t is None for t in tensors):
-                continue
-            whole = torch.cat(tensors, dim=0)
-            for name, view in zip(parts, whole.split([t.shape[0] for t in tensors], dim=0)):
-                setattr(layer, name, view)
-            setattr(layer, fused, whole)
+            fuse_rows(layer, fused, parts)
 
 
 # fields that hold fp32 values whatever the model dtype (the decay's parameters)

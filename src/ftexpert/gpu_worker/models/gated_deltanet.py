@@ -35,7 +35,7 @@ def gated_deltanet(cfg: MoeConfig, w, h: torch.Tensor, states, layer: int, impl:
     if T % B:
         raise ValueError(f"{T} tokens do not split into {B} sequences of equal length")
     L = T // B
-    if getattr(w, "in_proj_all", None) is not None:             # fused (fuse_next_projections): one GEMM, views
+    if w.in_proj_all is not None:                               # fused (fuse_next_projections): one GEMM, views
         qkvz, ba = linear(h, w.in_proj_all).split([w.in_proj_qkvz.shape[0], w.in_proj_ba.shape[0]], dim=1)
     else:
         qkvz, ba = linear(h, w.in_proj_qkvz), linear(h, w.in_proj_ba)

@@ -330,7 +330,7 @@ def _norm_launch(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tens
     rows = r1 * r2
     if rows == 0 or n == 0:
         if parts:
-            delta = reference.sum_routes(delta, x.dtype) if delta.shape[1] else torch.zeros_like(x)
+            delta = reference.sum_routes(delta, x.dtype)
         return (None if delta is None else x + delta), normed
     block = _next_pow2(n)
     weight = weight.contiguous()
@@ -367,6 +367,14 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, impl: str = "
     return _norm_launch(x, None, weight, eps)[1]
 
 
+def check_route_partials(x: torch.Tensor, delta: torch.Tensor) -> None:
+    """delta must be the per-route outputs of x's rows: [T, K >= 1, N] float32 on x's device, x [T, N]."""
+    if delta.dtype != torch.float32 or delta.shape[0] != x.shape[0] or delta.shape[2] != x.shape[1] \
+            or delta.shape[1] < 1 or delta.device != x.device:
+        raise ValueError(f"delta as per-route outputs must be [{x.shape[0]}, K >= 1, {x.shape[1]}] float32 on "
+                         f"{x.device}, got {list(delta.shape)} {delta.dtype} on {delta.device}")
+
+
 def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float, *,
                  impl: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
     """The residual add fused with the next RMSNorm, one launch: -> (x_new, normed), both [..., N].
@@ -377,10 +385,7 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps
     """
     _check_norm(x, weight)
     if x.dim() == 2 and delta.dim() == 3:
-        if delta.dtype != torch.float32 or delta.shape[0] != x.shape[0] or delta.shape[2] != x.shape[1] \
-                or delta.shape[1] < 1 or delta.device != x.device:
-            raise ValueError(f"delta as per-route outputs must be [{x.shape[0]}, K >= 1, {x.shape[1]}] float32 on "
-                             f"{x.device}, got {list(delta.shape)} {delta.dtype} on {delta.device}")
+        check_route_partials(x, delta)
     elif delta.shape != x.shape or delta.dtype != x.dtype or delta.device != x.device:
         raise ValueError(f"delta {tuple(delta.shape)} {delta.dtype} must match x {tuple(x.shape)} {x.dtype}")
     if _resolve_impl(impl, x.device) == "reference":

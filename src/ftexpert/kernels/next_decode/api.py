@@ -15,7 +15,8 @@ import torch
 from ftexpert.kernels.gated_delta.reference import L2_EPS
 from ftexpert.kernels.impl import resolve_impl
 from ftexpert.kernels.moe_decode import KvWrite
-from ftexpert.kernels.moe_decode.api import _accurate, _cdiv, _check_float, _next_pow2, _row_warps, emulate_bf16
+from ftexpert.kernels.moe_decode.api import (_accurate, _cdiv, _check_float, _next_pow2, _row_warps,
+                                            check_route_partials, emulate_bf16)
 from ftexpert.kernels.next_decode import reference
 from ftexpert.kernels.pdl import pdl_args
 
@@ -101,10 +102,7 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps
     kernel sums in k order and rounds to x's dtype first, as moe_decode's sum launch would (one launch fewer)."""
     _norm_args(x, weight)
     if delta.dim() == 3:
-        if delta.dtype != torch.float32 or delta.shape[0] != x.shape[0] or delta.shape[2] != x.shape[1] \
-                or delta.shape[1] < 1 or delta.device != x.device:
-            raise ValueError(f"delta as per-route outputs must be [{x.shape[0]}, K >= 1, {x.shape[1]}] float32 on "
-                             f"{x.device}, got {list(delta.shape)} {delta.dtype} on {delta.device}")
+        check_route_partials(x, delta)
     else:
         _check_like("delta", delta, x, x.shape)
     if shared is not None:

@@ -193,8 +193,8 @@ class HybridExperts(ExpertBackend):
     # -- forward ----------------------------------------------------------------------------------
     def forward(self, layer_idx: int, x: torch.Tensor, topk_ids: torch.Tensor,
                 topk_weights: torch.Tensor, partials: bool = False) -> torch.Tensor:
-        """(always the sum: `partials` is not taken here) `_forward`; if it raises, no slot mapped by this call may be read before its copy lands
-        (`forget_slots_after_error`)."""
+        """`_forward` (always the sum: `partials` is not taken here); if it raises, no slot mapped by this call may be
+        read before its copy lands (`forget_slots_after_error`)."""
         try:
             return self._forward(layer_idx, x, topk_ids, topk_weights)
         except BaseException as exc:
