@@ -245,14 +245,15 @@ def part_hybrid(args, model: str, experts: str, res: Results, out: Path) -> None
     from ftexpert.gpu_worker.checkpoint.presets import preset_config
     n_experts = preset_config(model).num_experts
     routing = ours_routings(args, model)[0]
-    shares = args.hybrid_shares or [0.25]
-    for i, share in enumerate(shares):
+    # no hybrid share: the cpu row alone (at its own cache)
+    for i, share in enumerate(args.hybrid_shares or [None]):
         with_cpu = i == 0
-        variants = "=cpu,=hybrid split" if with_cpu else "=hybrid split"
-        label = ("cpu+" if with_cpu else "") + f"hybrid{share:.0%}".replace("%", "")
+        variants = ",".join((["=cpu"] if with_cpu else []) + (["=hybrid split"] if share is not None else []))
+        label = ("cpu+" if with_cpu else "") + ("" if share is None else f"hybrid{share:.0%}".replace("%", ""))
         cmd = [sys.executable, "bench/bench_hybrid.py", "--preset", model, "--expert-format", OURS_FORMAT[experts],
                "--runs", str(args.runs), "--prompt-tokens", str(args.prompt_tokens), "--decode-tokens",
-               str(args.decode_tokens), "--cache", str(share), "--variants", variants, "--no-resident",
+               str(args.decode_tokens), "--cache", str(n_experts if share is None else share), "--variants", variants,
+               "--no-resident",
                "--handoff-calls", "200", "--routing", routing,
                "--json-out", str(out / f"ours_hybrid_{model}_{experts}_{label}.json")]
         if with_cpu:

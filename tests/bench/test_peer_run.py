@@ -189,6 +189,11 @@ def test_hybrid_runs_cpu_beside_the_first_share_over_one_store(tmp_path, monkeyp
             name="llama.cpp -ncmoe 48", tok_s=17.0)
     text = rp.table(rp.read_records([tmp_path / "r.jsonl"]))
     assert "| 0% | llama.cpp -ncmoe 48 | 17.00 | cpu (cache 128) | zipf:1.0 | 17.50 | 1.03 |" in text, text
+    cmds.clear()
+    args.hybrid_shares = []                                      # no hybrid share: cpu alone at its own cache
+    rp.part_hybrid(args, "qwen3-30b-a3b", "bf16", rp.Results(tmp_path / "alone.jsonl"), tmp_path)
+    assert [(c[c.index("--cache") + 1], c[c.index("--variants") + 1], "--cpu-cache" in c) for c in cmds] == [
+        ("128", "=cpu", True)]
 
 
 def _cpu_llama_bench():
