@@ -8,8 +8,8 @@ call, as triton.testing.do_bench does, would time L2 reads), the median per call
 counts the bytes a call must read at least: its distinct routed experts in the format's bytes (codes,
 scales, zero points), against the H200's HBM roofline (4.8 TB/s). Then `dequantize_rows` of all E slots into
 a bf16 scratch (the prefill's way to the grouped GEMMs): GB/s of bytes read plus written.
-`--sweep` also times GemvBlocks variants per format, `--words-sweep` the E2M1 codes read as words. Usage:
-    python bench/bench_moe_decode_quant.py [--formats fp8,int4,mxfp4,nvfp4] [--tokens 1,4] [--sweep] [--words-sweep]
+`--sweep` also times GemvBlocks variants per format. Usage:
+    python bench/bench_moe_decode_quant.py [--formats fp8,int4,mxfp4,nvfp4] [--tokens 1,4] [--sweep]
     python bench/bench_moe_decode_quant.py --dry-run      (the cases, without a GPU)
 """
 from __future__ import annotations
@@ -42,8 +42,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--top-k", type=int, default=8)
     add_graph_timing_args(p)
     p.add_argument("--sweep", action="store_true", help="also time GemvBlocks variants of moe_gemv_quant")
-    p.add_argument("--words-sweep", action="store_true",
-                   help="mxfp4 / nvfp4: also time the codes read as words (GemvBlocks.quant_words) at several blocks")
     p.add_argument("--skip-dequant", action="store_true", help="no dequantize_rows row")
     p.add_argument("--dry-run", action="store_true", help="list the cases and layouts, run nothing (no GPU needed)")
     p.add_argument("--json-out", default=None, help="write every result here as JSON")
@@ -66,20 +64,9 @@ def block_variants(b0):
     return [b for b in out if b != b0]
 
 
-def word_variants():
-    """GemvBlocks.quant_words at gate/up and down blocks around the 4-bit defaults (a word is 8 columns, so longer K
-    steps keep a thread's words per step as the bytes did)."""
-    pairs = [((8, 512), (8, 256)), ((8, 1024), (8, 256)), ((4, 1024), (8, 256)), ((16, 512), (8, 256)),
-             ((2, 2048), (8, 256)), ((8, 1024), (8, 512)), ((8, 1024), (4, 512)), ((8, 1024), (16, 256)),
-             ((8, 1024), (16, 512))]
-    from ftexpert.kernels.moe_decode import GemvBlocks
-    return [GemvBlocks(gate_up_block_n=gn, gate_up_block_k=gk, down_block_n=dn, down_block_k=dk, quant_group_sum=True,
-                       quant_words=True) for (gn, gk), (dn, dk) in pairs]
-
-
 def variant_name(b) -> str:
     return (f"gu n{b.gate_up_block_n} k{b.gate_up_block_k} / dn n{b.down_block_n} k{b.down_block_k}"
-            + (" gsum" if b.quant_group_sum else "") + (" words" if b.quant_words else ""))
+            + (" gsum" if b.quant_group_sum else ""))
 
 
 def quantized_rows(layout, E: int, gen: torch.Generator) -> torch.Tensor:
@@ -141,11 +128,8 @@ def run(args, rows_out: list[dict]) -> None:
             continue
         slots, layout = operands
         add("moe_gemv_quant", DEFAULT_GEMV_BLOCKS, lambda i: moe_gemv_quant(x, ids[i], weights, slots, layout))
-        variants = block_variants(DEFAULT_GEMV_BLOCKS) if args.sweep else []
-        if args.words_sweep and label in ("mxfp4", "nvfp4"):
-            variants += word_variants()
-        if variants:
-            for b in variants:
+        if args.sweep:
+            for b in block_variants(DEFAULT_GEMV_BLOCKS):
                 if b.quant_group_sum and label in ("fp8", "bf16"):
                     continue                                          # (the same kernel as without)
                 tag = variant_name(b)

@@ -133,15 +133,10 @@ GSUM_CASES = ["int4-g32-t4-k3-missing", "int4-g64-t1-k5-fp16", "mxfp4-t1-k6-miss
               "nvfp4-t4-k4-missing", "nvfp4-t1-k8"]
 
 
-WORDS_CASES = ["mxfp4-t1-k6-missing", "mxfp4-t4-k2-fp16", "nvfp4-t4-k4-missing", "nvfp4-t1-k8"]
-
-
-@pytest.mark.parametrize("case,group_sum,words", [(c, False, False) for c in GEMV_CASES]
-                         + [(c, True, False) for c in GSUM_CASES] + [(c, True, True) for c in WORDS_CASES])
-def test_moe_gemv_quant_lockstep(case, group_sum, words):
+@pytest.mark.parametrize("case,group_sum", [(c, False) for c in GEMV_CASES] + [(c, True) for c in GSUM_CASES])
+def test_moe_gemv_quant_lockstep(case, group_sum):
     """The Triton kernels against the reference; group_sum: a scale applied to each group's sum (the 4-bit
-    formats' GemvBlocks.quant_group_sum), the same bound; words: the E2M1 codes read as 32-bit words, a scale
-    each word's sum (quant_words.py), the same bound."""
+    formats' GemvBlocks.quant_group_sum), the same bound."""
     label, T, K, S, missing, dtype = GEMV_CASES[case]
     rows, layout = slot_rows(label, S, seed=T * 7 + K)
     ids, weights = routes(T, K, S, seed=T + K, missing=missing)
@@ -149,7 +144,7 @@ def test_moe_gemv_quant_lockstep(case, group_sum, words):
     x = torch.randn(T, SHAPES[label][0], generator=torch.Generator().manual_seed(K)).to(dtype)
     expected = moe_gemv_quant_reference(x, ids, weights, rows, layout)
     got = moe_gemv_quant(x.to(DEV), ids.to(torch.int32).to(DEV), weights.to(DEV), rows.to(DEV), layout,
-                         impl="triton", blocks=replace(BLOCKS, quant_group_sum=group_sum, quant_words=words))
+                         impl="triton", blocks=replace(BLOCKS, quant_group_sum=group_sum))
     assert got.dtype == dtype and got.shape == x.shape and torch.isfinite(got).all()
     # float32: summation order only; float16: that, and a rounding flip of an fp16 intermediate now and then
     assert rel_max(got, expected) < (1e-5 if dtype == torch.float32 else 4e-3)
@@ -270,12 +265,6 @@ def test_bad_arguments_get_clear_errors():
                                                               torch.zeros(1, dtype=torch.int32), 1))
     with pytest.raises(ValueError, match="impl"):
         moe_gemv_quant(x, ids, w, rows, layout, impl="fast")
-    with pytest.raises(ValueError, match="quant_group_sum=True"):
-        moe_gemv_quant(x, ids, w, rows, layout, impl="triton", blocks=GemvBlocks(quant_words=True))
-    int4_rows, int4_layout = slot_rows("int4-g32", 2)
-    with pytest.raises(ValueError, match="not int4"):
-        moe_gemv_quant(torch.randn(1, int4_layout.hidden_size), ids, w, int4_rows, int4_layout, impl="triton",
-                       blocks=GemvBlocks(quant_group_sum=True, quant_words=True))
     with pytest.raises(FormatError, match="group size 32 does not divide"):
         QuantLayout(100, 64, ExpertFormat("mxfp4"))
     with pytest.raises(TypeError, match="out_dtype"):
@@ -362,45 +351,3 @@ def test_partials_are_the_routes_outputs_whose_sum_is_the_call(case):
     ref_parts = moe_gemv_quant_reference(x, ids, weights, rows, layout, partials=True)
     assert torch.equal(sum_routes(ref_parts, x.dtype), moe_gemv_quant_reference(x, ids, weights, rows, layout))
     assert rel_max(parts, ref_parts) < 1e-5
-
-
-WORD_BLOCKS = [GemvBlocks(gate_up_block_n=8, gate_up_block_k=512, down_block_n=8, down_block_k=256,
-                          quant_group_sum=True, quant_words=True),
-               GemvBlocks(gate_up_block_n=8, gate_up_block_k=1024, down_block_n=8, down_block_k=512,
-                          quant_group_sum=True, quant_words=True)]
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("label,H,I,K", [("nvfp4", 2048, 512, 10), ("mxfp4", 2880, 2880, 4)])
-@pytest.mark.parametrize("T", [1, 4])
-@pytest.mark.parametrize("blocks", WORD_BLOCKS, ids=["words-8x512", "words-8x1024"])
-def test_gpu_moe_gemv_quant_words_at_the_real_shapes(label, H, I, K, T, blocks):
-    """The codes read as words (GemvBlocks.quant_words) at qwen3-next's NVFP4 and gpt-oss-120b's MXFP4 shapes (2,880:
-    a ragged last K step at both blocks), bf16, against the reference on the GPU (the bounds of the bf16 test above);
-    deterministic; split = unsplit; the same inside a CUDA graph."""
-    S = K + 4
-    rows, layout = gpu_rows(label, S, H, I, seed=T + H)
-    ids, weights = routes(T, K, S, seed=T, missing=1 if T > 1 else 0)
-    ids, weights = ids.cuda(), torch.softmax(weights, -1).cuda()
-    x = torch.randn(T, H, generator=torch.Generator().manual_seed(T)).to(torch.bfloat16).cuda()
-    expected = moe_gemv_quant_reference(x, ids, weights, rows, layout)
-    got = moe_gemv_quant(x, ids, weights, rows, layout, blocks=blocks)
-    assert got.dtype == torch.bfloat16 and torch.isfinite(got).all()
-    assert rel_max(got, expected) < 8 * BF16_ULP
-    assert ((got.float() - expected.float()).norm() / expected.float().norm()).item() < 2 * BF16_ULP
-    assert torch.equal(moe_gemv_quant(x, ids, weights, rows, layout, blocks=blocks), got)
-    plan = CopyPlan(ids.view(-1)[:3].clamp(min=0).to(torch.int32), torch.tensor([3], dtype=torch.int32, device="cuda"), 3)
-    assert torch.equal(moe_gemv_quant(x, ids, weights, rows, layout, blocks=blocks, plan=plan, between=lambda: None),
-                       got)
-    graph = torch.cuda.CUDAGraph()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        moe_gemv_quant(x, ids, weights, rows, layout, blocks=blocks)
-    torch.cuda.current_stream().wait_stream(side)
-    with torch.cuda.graph(graph):
-        static = moe_gemv_quant(x, ids, weights, rows, layout, blocks=blocks)
-    graph.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(static, got)

@@ -47,9 +47,6 @@ class GemvBlocks:
     beside its one multiply-add, and these kernels are bound by that work, not by HBM: docs/QUANTIZATION.md).
     Results differ from the plain order by rounding (nvfp4's scale is not a power of two). The default of mxfp4
     and nvfp4 (QUANT_GEMV_BLOCKS), where the sweep measured it; int4 keeps it off until measured.
-    quant_words (mxfp4 and nvfp4, with quant_group_sum): the codes read as 32-bit words of 8 nibbles, a scale
-    each word's sum, nvfp4's global once a row (quant_words.py: no byte extracts, one multiply-add a weight; the
-    K loop's instructions a weight at gate/up 8 x 512, sm_90: 6.3 -> 5.2).
     """
     gate_up_block_n: int = 4
     gate_up_block_k: int = 512
@@ -57,7 +54,6 @@ class GemvBlocks:
     down_block_k: int = 256
     sum_block: int = 1024
     quant_group_sum: bool = False     # moe_gemv_quant, 4-bit formats: a scale a group's sum, not a weight (GSUM)
-    quant_words: bool = False         # moe_gemv_quant, mxfp4 / nvfp4 with quant_group_sum: codes read as words
 
 
 DEFAULT_GEMV_BLOCKS = GemvBlocks()

@@ -24,7 +24,6 @@ from ftexpert.kernels.moe_decode.api import (DEFAULT_GEMV_BLOCKS, GEMV_WARPS, QU
 FORMAT_IDS = {"fp8": 0, "int4": 1, "mxfp4": 2, "nvfp4": 3}     # quant_kernels.FMT_*
 ROW_ALIGN = 16          # bytes: slot rows (their start and stride) hold float32 scales at 16-byte aligned offsets
 MIN_BLOCK_K = 16
-WORD_FORMATS = ("mxfp4", "nvfp4")    # GemvBlocks.quant_words: the E2M1 formats
 # The regions of a slot row each launch of a split call reads (moe_gemv_quant's between / between_down): a copy in
 # two parts lands these before between() returns, and the rest (the down projection's) before between_down().
 GATE_UP_REGIONS = ("codes_w13", "scales_w13", "zeros_w13", "globals")
@@ -104,11 +103,8 @@ def check_rows(rows_u8: torch.Tensor, layout: QuantLayout, hidden_size: int | No
 
 
 def _check_blocks(b: GemvBlocks) -> None:
-    for name in ("quant_group_sum", "quant_words"):
-        if not isinstance(getattr(b, name), bool):
-            raise TypeError(f"GemvBlocks.{name} must be a bool, got {getattr(b, name)!r}")
-    if b.quant_words and not b.quant_group_sum:
-        raise ValueError("GemvBlocks.quant_words sums each word before its scale: set quant_group_sum=True with it")
+    if not isinstance(b.quant_group_sum, bool):
+        raise TypeError(f"GemvBlocks.quant_group_sum must be a bool, got {b.quant_group_sum!r}")
     for name in ("gate_up_block_n", "gate_up_block_k", "down_block_n", "down_block_k"):
         v = getattr(b, name)
         if v < 1 or v & (v - 1) or (name.endswith("_k") and v < MIN_BLOCK_K):
@@ -159,9 +155,6 @@ def moe_gemv_quant(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, ro
         raise ValueError("moe_gemv_quant: between_down() is the second half of a two-part wait; give between() too")
     b = blocks or QUANT_GEMV_BLOCKS.get(layout.fmt.name, DEFAULT_GEMV_BLOCKS)
     _check_blocks(b)
-    if b.quant_words and layout.fmt.name not in WORD_FORMATS:
-        raise ValueError(f"GemvBlocks.quant_words reads E2M1 codes ({', '.join(WORD_FORMATS)}), not "
-                         f"{layout.fmt.name}: leave it off for this format")
     T, H = x.shape
     swiglu, alpha, limit = check_bias_args(x, b13, b2, act, rows_u8.shape[0], 2 * layout.intermediate_size, H)
     impl = resolve_impl(impl, x.device)
@@ -208,7 +201,7 @@ def moe_gemv_quant(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, ro
             EVEN_N=inter % b.gate_up_block_n == 0, EVEN_K=H % b.gate_up_block_k == 0,
             ACCURATE=accurate, PLAN=part, PLAN_MAX=plan_max, num_warps=GEMV_WARPS,
             b13_ptr=x if b13 is None else b13, stride_b=0 if b13 is None else b13.stride(0), alpha=alpha,
-            limit=limit, BIAS=b13 is not None, SWIGLU=swiglu, GSUM=b.quant_group_sum, WORDS=b.quant_words, **pdl)
+            limit=limit, BIAS=b13 is not None, SWIGLU=swiglu, GSUM=b.quant_group_sum, **pdl)
         if part == 2 and between_down is not None:
             between_down()              # the plan's w2 bytes are read only after this
         moe_down_quant_kernel[(P, _cdiv(H, b.down_block_n))](
@@ -218,7 +211,7 @@ def moe_gemv_quant(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, ro
             EVEN_N=H % b.down_block_n == 0, EVEN_K=inter % b.down_block_k == 0,
             PLAN=part, PLAN_MAX=plan_max, num_warps=GEMV_WARPS,
             b2_ptr=y if b2 is None else b2, stride_b=0 if b2 is None else b2.stride(0), BIAS=b2 is not None,
-            GSUM=b.quant_group_sum, WORDS=b.quant_words, **pdl)
+            GSUM=b.quant_group_sum, **pdl)
     if partials:                                                      # the caller sums them (k order)
         return y.view(T, K, H)
     out = torch.empty(T, H, dtype=x.dtype, device=x.device)           # [T, H]

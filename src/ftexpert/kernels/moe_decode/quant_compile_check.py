@@ -64,15 +64,6 @@ def _cases() -> list[tuple[str, str, dict, dict, dict, list[str]]]:
                  dict(**f, BLOCK_N=16, BLOCK_K=256, EVEN_N=False, EVEN_K=False, GSUM=True, PLAN=1, PLAN_MAX=8), w4,
                  down_div),
             ]
-        if fmt in (2, 3):                # mxfp4, nvfp4: the codes read as words (GemvBlocks.quant_words)
-            cases += [
-                (f"{name} gate_up 8x1024 even, words", "moe_gate_up_quant_kernel", gate_up_sig,
-                 dict(**f, BLOCK_N=8, BLOCK_K=1024, EVEN_N=True, EVEN_K=True, ACCURATE=True, GSUM=True, WORDS=True,
-                      **whole), w4, gate_up_div),
-                (f"{name} down 8x256 ragged, words, split", "moe_down_quant_kernel", down_sig,
-                 dict(**f, BLOCK_N=8, BLOCK_K=256, EVEN_N=False, EVEN_K=False, GSUM=True, WORDS=True, PLAN=1,
-                      PLAN_MAX=8), w4, down_div),
-            ]
     return cases
 
 

@@ -37,11 +37,46 @@ from ftexpert.kernels.pdl import pdl_enter
 
 from ftexpert.kernels.moe_decode.triton_kernels import _div, _down_out, _exp, _gate_up_act, _route_active
 
-from ftexpert.kernels.moe_decode.quant_decode import (E2M1_FIX, E2M1_MASK, E4M3_FIX, E4M3_MASK, FMT_FP8, FMT_INT4,
-                                                      FMT_MXFP4, FMT_NVFP4, GSUM_UNDO, GSUM_X, MAGIC_2P23, _e2m1_bits,
-                                                      _e2m1_to_f32, _e4m3_to_f32, _e8m0_to_f32)
-from ftexpert.kernels.moe_decode.quant_words import down_words_step, gate_up_words_step
-from ftexpert.kernels.moe_decode.quant_words import finish as words_finish
+FMT_FP8: tl.constexpr = tl.constexpr(0)
+FMT_INT4: tl.constexpr = tl.constexpr(1)
+FMT_MXFP4: tl.constexpr = tl.constexpr(2)
+FMT_NVFP4: tl.constexpr = tl.constexpr(3)
+E4M3_FIX: tl.constexpr = tl.constexpr(2.0 ** 120)     # float32 bits of an E4M3 byte moved into place: value * 2**-120
+E2M1_FIX: tl.constexpr = tl.constexpr(2.0 ** 126)     # float32 bits of an E2M1 nibble moved into place: value * 2**-126
+MAGIC_2P23: tl.constexpr = tl.constexpr(0x4B000000)   # float32 bits of 2**23
+E4M3_MASK: tl.constexpr = tl.constexpr(0x87F00000 - (1 << 32))   # bits 31 and 26..20 (as an int32)
+E2M1_MASK: tl.constexpr = tl.constexpr(0x81C00000 - (1 << 32))   # bits 31 and 24..22 (as an int32)
+GSUM_X: tl.constexpr = tl.constexpr(2.0 ** 64)       # GSUM, E2M1: x scaled so that (value * 2**-126) * x' is normal
+GSUM_UNDO: tl.constexpr = tl.constexpr(2.0 ** 62)    # ... and a group's sum scaled back: 2**126 / 2**64
+
+
+@triton.jit
+def _e4m3_to_f32(b):
+    """uint8 E4M3 bytes -> their float32 values (exact; NaN codes give +-480). The byte
+    sign-extended and shifted by 20 has the sign in bits 31..27 and exponent, mantissa in 26..20; the mask
+    keeps bit 31 and 26..20 (one PRMT / shift / LOP3 a byte on the GPU)."""
+    bits = (b.to(tl.int8, bitcast=True).to(tl.int32) << 20) & E4M3_MASK
+    return bits.to(tl.float32, bitcast=True) * E4M3_FIX
+
+
+@triton.jit
+def _e2m1_bits(top):
+    """int32 with an E2M1 nibble in bits 31..28 -> its float32 value * 2**-126 (exact, a subnormal or tiny
+    normal): shifted right arithmetically by 6 and masked, the sign is in bit 31 and exponent, mantissa in bits
+    24..22."""
+    return ((top >> 6) & E2M1_MASK).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _e2m1_to_f32(top):
+    """int32 with an E2M1 nibble in bits 31..28 -> its float32 value (exact, -0.0 for 0x8)."""
+    return _e2m1_bits(top) * E2M1_FIX
+
+
+@triton.jit
+def _e8m0_to_f32(e):
+    """int32 holding an E8M0 byte -> 2**(e - 127) in float32 (e = 0: the subnormal 2**-127; 255: inf)."""
+    return tl.where(e == 0, 0x00400000, e << 23).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -273,7 +308,6 @@ def moe_gate_up_quant_kernel(
     BIAS: tl.constexpr = False,
     SWIGLU: tl.constexpr = False,
     GSUM: tl.constexpr = False,      # 4-bit formats: each group's scale applied to its sum (_weight_tile)
-    WORDS: tl.constexpr = False,     # E2M1 formats: the codes read as 32-bit words, with GSUM's sums (quant_words.py)
 ):
     """Grid (P, cdiv(I, BLOCK_N)): moe_gate_up_kernel over quantized rows. gate = w_gate[n] . x[t] and
     up = w_up[n] . x[t] in fp32 with the decoded float32 weights, each rounded to x.dtype; silu(gate)
@@ -297,33 +331,19 @@ def moe_gate_up_quant_kernel(
         GA: tl.constexpr = GL if FMT == FMT_FP8 else GL // 2
         GS: tl.constexpr = GSUM and FMT != FMT_FP8
         GA2: tl.constexpr = 1 if GS else GA
+        acc_g = tl.zeros([BLOCK_N, NG, GA2], dtype=tl.float32)
+        acc_u = tl.zeros([BLOCK_N, NG, GA2], dtype=tl.float32)
         k_full = H // BLOCK_K * BLOCK_K                                # whole steps unmasked, then the ragged one
-        if WORDS:
-            wg = tl.zeros([BLOCK_N, BLOCK_K // 8], dtype=tl.float32)
-            wu = tl.zeros([BLOCK_N, BLOCK_K // 8], dtype=tl.float32)
-            for k0 in range(0, k_full, BLOCK_K):
-                wg, wu = gate_up_words_step(wg, wu, x_row, k0, H, I, row_ptr, codes_off, up_codes, scales_gate_off,
-                                            scales_up_off, rows, code_row_bytes, n_scale_cols, FMT, GROUP, BLOCK_N,
-                                            BLOCK_K, not EVEN_N, False)
-            if not EVEN_K:
-                wg, wu = gate_up_words_step(wg, wu, x_row, k_full, H, I, row_ptr, codes_off, up_codes,
-                                            scales_gate_off, scales_up_off, rows, code_row_bytes, n_scale_cols, FMT,
-                                            GROUP, BLOCK_N, BLOCK_K, not EVEN_N, True)
-            acc_g = words_finish(wg, g_gate)
-            acc_u = words_finish(wu, g_up)
-        else:
-            acc_g = tl.zeros([BLOCK_N, NG, GA2], dtype=tl.float32)
-            acc_u = tl.zeros([BLOCK_N, NG, GA2], dtype=tl.float32)
-            for k0 in range(0, k_full, BLOCK_K):
-                acc_g, acc_u = _gate_up_step(acc_g, acc_u, x_row, k0, H, I, row_ptr, codes_off, up_codes,
-                                             scales_gate_off, scales_up_off, zeros_gate_off, zeros_up_off, g_gate,
-                                             g_up, rows, code_row_bytes, n_scale_cols, FMT, GROUP, ROW_BLOCK, BLOCK_N,
-                                             BLOCK_K, not EVEN_N, False, GS)
-            if not EVEN_K:
-                acc_g, acc_u = _gate_up_step(acc_g, acc_u, x_row, k_full, H, I, row_ptr, codes_off, up_codes,
-                                             scales_gate_off, scales_up_off, zeros_gate_off, zeros_up_off, g_gate,
-                                             g_up, rows, code_row_bytes, n_scale_cols, FMT, GROUP, ROW_BLOCK, BLOCK_N,
-                                             BLOCK_K, not EVEN_N, True, GS)
+        for k0 in range(0, k_full, BLOCK_K):
+            acc_g, acc_u = _gate_up_step(acc_g, acc_u, x_row, k0, H, I, row_ptr, codes_off, up_codes, scales_gate_off,
+                                         scales_up_off, zeros_gate_off, zeros_up_off, g_gate, g_up, rows,
+                                         code_row_bytes, n_scale_cols, FMT, GROUP, ROW_BLOCK, BLOCK_N, BLOCK_K,
+                                         not EVEN_N, False, GS)
+        if not EVEN_K:
+            acc_g, acc_u = _gate_up_step(acc_g, acc_u, x_row, k_full, H, I, row_ptr, codes_off, up_codes,
+                                         scales_gate_off, scales_up_off, zeros_gate_off, zeros_up_off, g_gate, g_up,
+                                         rows, code_row_bytes, n_scale_cols, FMT, GROUP, ROW_BLOCK, BLOCK_N, BLOCK_K,
+                                         not EVEN_N, True, GS)
         act = _gate_up_act(tl.sum(tl.sum(acc_g, axis=2), axis=1), tl.sum(tl.sum(acc_u, axis=2), axis=1), e, rows,
                            I, b13_ptr, stride_b, alpha, limit, DT, ACCURATE, BIAS, SWIGLU)
         if EVEN_N:
@@ -362,7 +382,6 @@ def moe_down_quant_kernel(
     b2_ptr=None, stride_b=0,  # BIAS: down's biases [S, H] (triton_kernels._down_out)
     BIAS: tl.constexpr = False,
     GSUM: tl.constexpr = False,   # as moe_gate_up_quant_kernel
-    WORDS: tl.constexpr = False,  # as moe_gate_up_quant_kernel
 ):
     """Grid (P, cdiv(H, BLOCK_N)): y[p, n] = float(x.dtype(w2[n] . act[p] (+ b2[n]))) * w[p] (fp32), w2 decoded
     in registers; exactly 0.0 for a pair with id < 0, which reads neither weights nor its act row."""
@@ -383,28 +402,16 @@ def moe_down_quant_kernel(
             GA: tl.constexpr = GL if FMT == FMT_FP8 else GL // 2
             GS: tl.constexpr = GSUM and FMT != FMT_FP8
             GA2: tl.constexpr = 1 if GS else GA
+            acc = tl.zeros([BLOCK_N, NG, GA2], dtype=tl.float32)
             k_full = I // BLOCK_K * BLOCK_K                            # whole steps unmasked, then the ragged one
-            if WORDS:
-                wacc = tl.zeros([BLOCK_N, BLOCK_K // 8], dtype=tl.float32)
-                for k0 in range(0, k_full, BLOCK_K):
-                    wacc = down_words_step(wacc, a_row, k0, H, I, row_ptr, codes_off, scales_off, rows,
-                                           code_row_bytes, n_scale_cols, FMT, GROUP, BLOCK_N, BLOCK_K, not EVEN_N,
-                                           False)
-                if not EVEN_K:
-                    wacc = down_words_step(wacc, a_row, k_full, H, I, row_ptr, codes_off, scales_off, rows,
-                                           code_row_bytes, n_scale_cols, FMT, GROUP, BLOCK_N, BLOCK_K, not EVEN_N,
-                                           True)
-                acc = words_finish(wacc, g_down)
-            else:
-                acc = tl.zeros([BLOCK_N, NG, GA2], dtype=tl.float32)
-                for k0 in range(0, k_full, BLOCK_K):
-                    acc = _down_step(acc, a_row, k0, H, I, row_ptr, codes_off, scales_off, zeros_off, g_down, rows,
-                                     code_row_bytes, n_scale_cols, FMT, GROUP, ROW_BLOCK, BLOCK_N, BLOCK_K,
-                                     not EVEN_N, False, GS)
-                if not EVEN_K:
-                    acc = _down_step(acc, a_row, k_full, H, I, row_ptr, codes_off, scales_off, zeros_off, g_down,
-                                     rows, code_row_bytes, n_scale_cols, FMT, GROUP, ROW_BLOCK, BLOCK_N, BLOCK_K,
-                                     not EVEN_N, True, GS)
+            for k0 in range(0, k_full, BLOCK_K):
+                acc = _down_step(acc, a_row, k0, H, I, row_ptr, codes_off, scales_off, zeros_off, g_down, rows,
+                                 code_row_bytes, n_scale_cols, FMT, GROUP, ROW_BLOCK, BLOCK_N, BLOCK_K, not EVEN_N,
+                                 False, GS)
+            if not EVEN_K:
+                acc = _down_step(acc, a_row, k_full, H, I, row_ptr, codes_off, scales_off, zeros_off, g_down, rows,
+                                 code_row_bytes, n_scale_cols, FMT, GROUP, ROW_BLOCK, BLOCK_N, BLOCK_K, not EVEN_N,
+                                 True, GS)
             y = _down_out(tl.sum(tl.sum(acc, axis=2), axis=1), e, rows, H, b2_ptr, stride_b,
                           tl.load(rw_ptr + p).to(tl.float32), DT, BIAS)               # [BLOCK_N]
         else:
