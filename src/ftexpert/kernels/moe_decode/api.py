@@ -44,7 +44,7 @@ class GemvBlocks:
 
     quant_group_sum (moe_gemv_quant's 4-bit formats only): each group's products summed before its scale is
     applied, one multiply a group instead of two a weight (the decode of a 4-bit weight is ~6 instructions
-    beside its one multiply-add, and these kernels are bound by that work, not by HBM: docs/QUANTIZATION.md).
+    beside its one multiply-add; these kernels are not bound by HBM: docs/QUANTIZATION.md).
     Results differ from the plain order by rounding (nvfp4's scale is not a power of two). The default of mxfp4
     and nvfp4 (QUANT_GEMV_BLOCKS), where the sweep measured it; int4 keeps it off until measured.
     """
