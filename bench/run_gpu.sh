@@ -8,6 +8,10 @@
 #   tuning   the 4-bit MoE GEMV's block sweep (and its scale a group's sum) at gpt-oss-120b's and qwen3-next's shapes;
 #            the dense projections' LinearBlocks sweep at the same models' shapes; the decode attention's num_stages
 #                                                                                            (~4 min)
+#   quant_profile  where the 4-bit MoE decode GEMV's time goes at qwen3-next's NVFP4 and gpt-oss-120b's MXFP4 shapes:
+#            the K loops of the kernels as this machine's Triton compiles them (SASS), then Nsight Compute's counters
+#            of two calls (speed of light, occupancy, warp stalls per issued instruction; bench/profile_quant_gemv.py)
+#                                                                                            (~3 min)
 #   engine   resident decode, offload at 10 / 25 / 50% (qwen3-30b-a3b preset), TTFT at 1K     (~6 min)
 #   hybrid   hybrid at 25%, the hand-off round trip, the CPU expert kernel                   (~6 min)
 #   prefill  TTFT at 1K and 4K prompts: resident, offload 25%, hybrid 25%                     (~5 min)
@@ -313,6 +317,23 @@ while [ $# -gt 0 ]; do
       grep -hE "^\| (mxfp4|nvfp4|bf16)" "$OUT"/quant_gptoss.log "$OUT"/quant_next.log | cut -c1-160
       grep -E "best sweep variant|^\| linear" "$OUT/linear_arch.log" | cut -c1-160
       tail -n 6 "$OUT/attn_stages.log" | cut -c1-160
+      ;;
+    quant_profile)
+      # ncu needs a machine whose runtime lets it read the counters (the device notes: Firecracker yes, gVisor no);
+      # --clock-control none leaves the clocks as the other suites run them
+      for shape in next gptoss; do
+        run quant_sass_$shape 150 python3 bench/profile_quant_gemv.py --shape $shape --sass
+        if command -v ncu >/dev/null; then
+          run quant_ncu_$shape 240 ncu --clock-control none -k regex:quant_kernel --launch-skip 8 --launch-count 4 \
+            --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
+            --metrics "$(python3 bench/profile_quant_gemv.py --metrics-list)" --csv --page details \
+            --log-file "$OUT/ncu_$shape.csv" python3 bench/profile_quant_gemv.py --shape $shape --calls 12
+          python3 bench/profile_quant_gemv.py --summarize-ncu "$OUT/ncu_$shape.csv" | tee "$OUT/ncu_$shape.txt"
+        else
+          echo "   (no ncu on PATH: the counters are left out)"
+        fi
+        grep -h "loop" "$OUT/quant_sass_$shape.log" | cut -c1-200
+      done
       ;;
     engine)
       run engine "$T" python3 bench/bench_engine.py --runs 3 --prompt-tokens 1024 --decode-tokens 256 \
