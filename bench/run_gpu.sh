@@ -38,7 +38,8 @@
 #   architectures  qwen3-next-80b-a3b (NVFP4) and gpt-oss-120b: resident and offload at 10 / 25 / 50%; TTFT at 32K
 #            of qwen3-next-80b-a3b against qwen3-30b-a3b (~10 min: more than one call; ARCH_PARTS, some of next gptoss
 #            ttft); ARCH_FRACTIONS the offload shares (0.1,0.25,0.5; empty: resident only); ARCH_PROFILE N: the
-#            kernels of N profiled decode steps after each row (bench_engine.py --profile)
+#            kernels of N profiled decode steps after each row (bench_engine.py --profile); ARCH_OLD=DIR: each engine
+#            row also in an older checkout (git archive REV src bench), right after this tree's, without the profile
 #   soak     ft soak on the GPU for SOAK_S s (default 540), hybrid, CPU- and GPU-worker kills; report in $OUT/soak
 #   peer_build  builds llama-bench (CUDA sm_90) from bench/peer_llamacpp/llama.cpp (carry it; fetch_source.sh makes
 #            it) and packs bench/peer_llamacpp/bin/cuda into $OUT/peer_bin_cuda.tar.xz.part-* (carry those back as
@@ -490,18 +491,27 @@ while [ $# -gt 0 ]; do
       aparts=" ${ARCH_PARTS:-next gptoss ttft} "
       afr=${ARCH_FRACTIONS-0.1,0.25,0.5}
       aprof=$([ "${ARCH_PROFILE:-0}" -gt 0 ] && echo "--profile $ARCH_PROFILE")
-      case $aparts in *" next "*)
-        run next_engine "$T" python3 bench/bench_engine.py --preset qwen3-next-80b-a3b --expert-format nvfp4 --runs 2 \
-          --prompt-tokens 1024 --decode-tokens 256 --fractions "$afr" $aprof;; esac
-      case $aparts in *" gptoss "*)
-        run gptoss_engine "$T" python3 bench/bench_engine.py --preset gpt-oss-120b --runs 2 --prompt-tokens 1024 \
-          --decode-tokens 256 --fractions "$afr" $aprof;; esac
+      # ARCH_OLD=DIR: the same engine rows in an older checkout too, after each of this tree's (one call, one machine)
+      arch_old=${ARCH_OLD:+$(cd "$ARCH_OLD" && pwd)}
+      arch_row() {   # NAME ARGS...: the row in this tree, then (ARCH_OLD) in the old one, whose log gets an _old suffix
+        local name=$1; shift
+        run "$name" "$T" python3 bench/bench_engine.py --runs 2 --prompt-tokens 1024 --decode-tokens 256 \
+          --fractions "$afr" "$@" $aprof
+        if [ -n "$arch_old" ]; then
+          ( cd "$arch_old" && use_tree "$arch_old" && run "${name}_old" "$T" python3 bench/bench_engine.py --runs 2 \
+              --prompt-tokens 1024 --decode-tokens 256 --fractions "$afr" "$@"; exit $status ) || status=1
+        fi
+      }
+      case $aparts in *" next "*) arch_row next_engine --preset qwen3-next-80b-a3b --expert-format nvfp4;; esac
+      case $aparts in *" gptoss "*) arch_row gptoss_engine --preset gpt-oss-120b;; esac
       case $aparts in *" ttft "*)
         run next_ttft "$T" python3 bench/bench_prefill.py --preset qwen3-next-80b-a3b --expert-format nvfp4 --runs 2 \
           --prompt-tokens 32768 --chunks 4096 --fractions ""
         run qwen3_ttft "$T" python3 bench/bench_prefill.py --preset qwen3-30b-a3b --runs 2 --prompt-tokens 32768 \
           --chunks 4096 --fractions "";; esac
-      grep -hE "^(backend|resident|offload|profile:)" "$OUT"/next_engine.log "$OUT"/gptoss_engine.log 2>/dev/null | cut -c1-200
+      for f in next_engine next_engine_old gptoss_engine gptoss_engine_old; do
+        [ -f "$OUT/$f.log" ] && { echo "-- $f"; grep -hE "^(backend|resident|offload|profile:)" "$OUT/$f.log" | cut -c1-200; }
+      done
       tail -n 4 "$OUT/next_ttft.log" "$OUT/qwen3_ttft.log" 2>/dev/null | cut -c1-200
       ;;
     soak)
