@@ -325,11 +325,13 @@ while [ $# -gt 0 ]; do
       for shape in next gptoss; do
         run quant_sass_$shape 150 python3 bench/profile_quant_gemv.py --shape $shape --sass
         if command -v ncu >/dev/null; then
-          run quant_ncu_$shape 240 ncu --clock-control none -k regex:quant_kernel --launch-skip 8 --launch-count 4 \
-            --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
-            --metrics "$(python3 bench/profile_quant_gemv.py --metrics-list)" --csv --page details \
-            --log-file "$OUT/ncu_$shape.csv" python3 bench/profile_quant_gemv.py --shape $shape --calls 12
-          python3 bench/profile_quant_gemv.py --summarize-ncu "$OUT/ncu_$shape.csv" | tee "$OUT/ncu_$shape.txt"
+          # the sections, then the raw stall metrics in a run of their own (a metric this ncu lacks fails only that one)
+          ncu_run() { run "quant_ncu_${shape}_$1" 150 ncu --clock-control none -k regex:quant_kernel --launch-skip 8 \
+            --launch-count 4 "${@:2}" --csv --page details --log-file "$OUT/ncu_${shape}_$1.csv" \
+            python3 bench/profile_quant_gemv.py --shape $shape --calls 12
+            python3 bench/profile_quant_gemv.py --summarize-ncu "$OUT/ncu_${shape}_$1.csv" | tee "$OUT/ncu_${shape}_$1.txt"; }
+          ncu_run sections --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats
+          ncu_run stalls --metrics "$(python3 bench/profile_quant_gemv.py --metrics-list)"
         else
           echo "   (no ncu on PATH: the counters are left out)"
         fi
