@@ -14,7 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ftexpert.kernels.impl import IMPLS, interpreted, resolve_impl as _resolve_impl  # noqa: F401 (IMPLS re-exported: one dispatch rule)
+from ftexpert.kernels.impl import IMPLS, resolve_impl as _resolve_impl  # noqa: F401 (IMPLS re-exported: one dispatch rule)
+from ftexpert.kernels.moe_decode.api import _accurate, emulate_bf16
 from ftexpert.kernels.pdl import pdl_args
 
 from ftexpert.kernels.dense_gemv import reference
@@ -174,6 +175,5 @@ def linear_gemv(x: torch.Tensor, w: torch.Tensor, *, impl: str = "auto",
         BLOCK_N=b.block_n, BLOCK_K=b.block_k, T_PAD=_next_pow2(T), EVEN_K=K % b.block_k == 0,
         num_warps=b.num_warps, b_ptr=x if bias is None else bias, BIAS=bias is not None, **pdl_args(x.device),
         **({} if up is None else dict(u_ptr=up, stride_ut=up.stride(0), GLU=True,
-                                      ACCURATE=x.device.type == "cuda" and not interpreted(),
-                                      EMU_BF16=x.dtype == torch.bfloat16 and interpreted())))
+                                      ACCURATE=_accurate(x.device), EMU_BF16=emulate_bf16(x))))
     return y

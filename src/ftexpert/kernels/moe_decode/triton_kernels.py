@@ -276,6 +276,17 @@ def moe_down_kernel(
 
 
 @triton.jit
+def route_sum(base, offs, m, K, stride):
+    """The K weighted per-route outputs of one token at base (route k at base + k * stride, fp32), columns offs
+    (mask m) -> ((y_0 + y_1) + y_2) + ... in fp32, k order: the one order moe_sum_k_kernel and the norms that take
+    per-route outputs (rms_norm_kernel, next_decode's offset_norm_kernel) sum them in."""
+    acc = tl.load(base + offs, mask=m, other=0.0)
+    for k in range(1, K):
+        acc += tl.load(base + k * stride + offs, mask=m, other=0.0)
+    return acc
+
+
+@triton.jit
 def moe_sum_k_kernel(
     y_ptr,                # [T, K, H] fp32
     out_ptr,              # [T, H] x.dtype out
@@ -288,10 +299,7 @@ def moe_sum_k_kernel(
     t = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     m = offs < H
-    base = y_ptr + t * K * H
-    acc = tl.load(base + offs, mask=m, other=0.0)
-    for k in range(1, K):
-        acc += tl.load(base + k * H + offs, mask=m, other=0.0)
+    acc = route_sum(y_ptr + t * K * H, offs, m, K, H)
     tl.store(out_ptr + t * H + offs, acc.to(out_ptr.dtype.element_ty), mask=m)
 
 
@@ -329,11 +337,10 @@ def rms_norm_kernel(
     x = tl.load(x_ptr + i1 * sx1 + i2 * sx2 + offs, mask=m, other=0.0)
     DT = x.dtype
     if HAS_ADD:
-        d = tl.load(d_ptr + i1 * sd1 + i2 * sd2 + offs, mask=m, other=0.0)
         if PARTS:
-            for k in range(1, n_routes):
-                d += tl.load(d_ptr + i1 * sd1 + k * N + offs, mask=m, other=0.0)
-            d = d.to(DT)
+            d = route_sum(d_ptr + i1 * sd1, offs, m, n_routes, N).to(DT)
+        else:
+            d = tl.load(d_ptr + i1 * sd1 + i2 * sd2 + offs, mask=m, other=0.0)
         x = (x.to(tl.float32) + d.to(tl.float32)).to(DT)
         tl.store(xo_ptr + row * N + offs, x, mask=m)
     xf = x.to(tl.float32)

@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from ftexpert.kernels.moe_decode.triton_kernels import _div, _exp, _rnd, _rsqrt, _sigmoid, _silu
+from ftexpert.kernels.moe_decode.triton_kernels import _div, _exp, _rnd, _rsqrt, _sigmoid, _silu, route_sum
 from ftexpert.kernels.pdl import pdl_enter
 
 
@@ -72,11 +72,10 @@ def offset_norm_kernel(
     DT = x.dtype
     xf = x.to(tl.float32)
     if HAS_ADD:
-        d = tl.load(d_ptr + t * sd + offs, mask=m, other=0.0).to(tl.float32)
         if PARTS:
-            for k in range(1, n_routes):
-                d += tl.load(d_ptr + t * sd + k * N + offs, mask=m, other=0.0)
-            d = _rnd(d, DT, EMU_BF16).to(tl.float32)
+            d = _rnd(route_sum(d_ptr + t * sd, offs, m, n_routes, N), DT, EMU_BF16).to(tl.float32)
+        else:
+            d = tl.load(d_ptr + t * sd + offs, mask=m, other=0.0).to(tl.float32)
         if SHARED:
             hv = tl.load(h_ptr + t * sh + offs, mask=m, other=0.0).to(tl.float32)
             gw = tl.load(gw_ptr + offs, mask=m, other=0.0).to(tl.float32)
