@@ -42,6 +42,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--top-k", type=int, default=8)
     add_graph_timing_args(p)
     p.add_argument("--sweep", action="store_true", help="also time GemvBlocks variants of moe_gemv_quant")
+    p.add_argument("--mma-sweep", action="store_true",
+                   help="also time the tensor-core gate/up (GemvBlocks.quant_mma; mxfp4, nvfp4) beside the defaults")
     p.add_argument("--skip-dequant", action="store_true", help="no dequantize_rows row")
     p.add_argument("--dry-run", action="store_true", help="list the cases and layouts, run nothing (no GPU needed)")
     p.add_argument("--json-out", default=None, help="write every result here as JSON")
@@ -64,9 +66,17 @@ def block_variants(b0):
     return [b for b in out if b != b0]
 
 
+def mma_variants(b0, group: int):
+    """The tensor-core gate/up (quant_mma) on the format's defaults: 32 or 64 rows a program, K steps of 16 or 32
+    groups, the automatic column ranges or one range, 4 or 8 warps."""
+    return [replace(b0, quant_mma=True, gate_up_block_n=n, gate_up_block_k=k * group, mma_split=s, mma_warps=w)
+            for n in (32, 64) for k in (16, 32) for s in (0, 1) for w in (4, 8)]
+
+
 def variant_name(b) -> str:
     return (f"gu n{b.gate_up_block_n} k{b.gate_up_block_k} / dn n{b.down_block_n} k{b.down_block_k}"
-            + (" gsum" if b.quant_group_sum else ""))
+            + (" gsum" if b.quant_group_sum else "")
+            + (f" mma split {b.mma_split or 'auto'} w{b.mma_warps}" if b.quant_mma else ""))
 
 
 def quantized_rows(layout, E: int, gen: torch.Generator) -> torch.Tensor:
@@ -90,6 +100,7 @@ def cases(args) -> list[tuple[str, int]]:
 
 def run(args, rows_out: list[dict]) -> None:
     from ftexpert.kernels.moe_decode import DEFAULT_GEMV_BLOCKS, moe_gemv
+    from ftexpert.kernels.moe_decode.api import QUANT_GEMV_BLOCKS
     from ftexpert.kernels.moe_decode.quant import dequantize_rows, moe_gemv_quant
     from ftexpert.proto.expert_format import ExpertFormat, QuantLayout
     E, H, I, K = args.experts, args.hidden, args.inter, args.top_k
@@ -132,6 +143,13 @@ def run(args, rows_out: list[dict]) -> None:
             for b in block_variants(DEFAULT_GEMV_BLOCKS):
                 if b.quant_group_sum and label in ("fp8", "bf16"):
                     continue                                          # (the same kernel as without)
+                tag = variant_name(b)
+                try:
+                    add(tag, b, lambda i, b=b: moe_gemv_quant(x, ids[i], weights, slots, layout, blocks=b))
+                except Exception as exc:                              # e.g. out of resources
+                    print(f"{label} T={T} {tag}: failed ({type(exc).__name__}: {exc})"[:200], flush=True)
+        if args.mma_sweep and label in QUANT_GEMV_BLOCKS:
+            for b in mma_variants(QUANT_GEMV_BLOCKS[label], layout.fmt.group_size):
                 tag = variant_name(b)
                 try:
                     add(tag, b, lambda i, b=b: moe_gemv_quant(x, ids[i], weights, slots, layout, blocks=b))

@@ -8,6 +8,8 @@
 #   tuning   the 4-bit MoE GEMV's block sweep (and its scale a group's sum) at gpt-oss-120b's and qwen3-next's shapes;
 #            the dense projections' LinearBlocks sweep at the same models' shapes; the decode attention's num_stages
 #                                                                                            (~4 min)
+#   quant_mma the tensor-core 4-bit gate/up (GemvBlocks.quant_mma) timed beside the defaults at gpt-oss-120b's and
+#            qwen3-next's shapes (bench_moe_decode_quant.py --mma-sweep, T = 1 and 4), then its GPU tests  (~3 min)
 #   quant_profile  where the 4-bit MoE decode GEMV's time goes at qwen3-next's NVFP4 and gpt-oss-120b's MXFP4 shapes:
 #            the K loops of the kernels as this machine's Triton compiles them (SASS), then Nsight Compute's counters
 #            of two calls (speed of light, occupancy, warp stalls per issued instruction; bench/profile_quant_gemv.py)
@@ -318,6 +320,17 @@ while [ $# -gt 0 ]; do
       grep -hE "^\| (mxfp4|nvfp4|bf16)" "$OUT"/quant_gptoss.log "$OUT"/quant_next.log | cut -c1-160
       grep -E "best sweep variant|^\| linear" "$OUT/linear_arch.log" | cut -c1-160
       tail -n 6 "$OUT/attn_stages.log" | cut -c1-160
+      ;;
+    quant_mma)
+      # the tensor-core gate/up (GemvBlocks.quant_mma) beside the defaults at gpt-oss-120b's and qwen3-next's shapes,
+      # then its GPU tests (against the reference at those shapes, deterministic, in a CUDA graph)      (~3 min)
+      run mma_gptoss 150 python3 bench/bench_moe_decode_quant.py --formats mxfp4 --experts 128 --hidden 2880 \
+        --inter 2880 --top-k 4 --tokens 1,4 --mma-sweep --skip-dequant --json-out "$OUT/mma_gptoss.json"
+      run mma_next 150 python3 bench/bench_moe_decode_quant.py --formats nvfp4 --experts 512 --hidden 2048 \
+        --inter 512 --top-k 10 --tokens 1,4 --mma-sweep --skip-dequant --json-out "$OUT/mma_next.json"
+      run mma_tests 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_moe_decode_quant_mma.py
+      grep -hE "^(mxfp4|nvfp4) " "$OUT"/mma_gptoss.log "$OUT"/mma_next.log | cut -c1-120
+      tail -n 3 "$OUT/mma_tests.log"
       ;;
     quant_profile)
       # ncu needs a machine whose runtime lets it read the counters (the device notes: Firecracker yes, gVisor no);

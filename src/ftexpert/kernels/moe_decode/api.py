@@ -47,6 +47,13 @@ class GemvBlocks:
     beside its one multiply-add; these kernels are not bound by HBM: docs/QUANTIZATION.md).
     Results differ from the plain order by rounding (nvfp4's scale is not a power of two). The default of mxfp4
     and nvfp4 (QUANT_GEMV_BLOCKS), where the sweep measured it; int4 keeps it off until measured.
+
+    quant_mma (moe_gemv_quant, mxfp4 and nvfp4 only): the gate/up GEMV on the tensor cores
+    (quant_mma_kernels.py: weights decoded to bfloat16 two an instruction, the group sums as a dot with the
+    block-diagonal activations); gate_up_block_n >= 16 rows and gate_up_block_k / group >= 16 groups, over
+    mma_split column ranges (0: the fewest, a power of two, that give 512 programs or more; each split's sums are
+    added in order by a second launch), mma_warps warps a program. Off until timed on the GPU
+    (docs/QUANTIZATION.md).
     """
     gate_up_block_n: int = 4
     gate_up_block_k: int = 512
@@ -54,6 +61,9 @@ class GemvBlocks:
     down_block_k: int = 256
     sum_block: int = 1024
     quant_group_sum: bool = False     # moe_gemv_quant, 4-bit formats: a scale a group's sum, not a weight (GSUM)
+    quant_mma: bool = False           # moe_gemv_quant, mxfp4 / nvfp4: gate/up on the tensor cores
+    mma_split: int = 0                # quant_mma: column ranges of gate/up (0: auto)
+    mma_warps: int = 8                # quant_mma: warps of a gate/up program
 
 
 DEFAULT_GEMV_BLOCKS = GemvBlocks()

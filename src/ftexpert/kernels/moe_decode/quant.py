@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ftexpert.kernels.impl import resolve_impl
+from ftexpert.kernels.impl import interpreted, resolve_impl
 from ftexpert.kernels.pdl import pdl_args
 from ftexpert.proto.expert_format import FP8_BLOCK, FormatError, QuantLayout
 
@@ -102,9 +102,17 @@ def check_rows(rows_u8: torch.Tensor, layout: QuantLayout, hidden_size: int | No
                          "allocate the slot pool with a row stride that is a multiple of 16")
 
 
+MMA_MIN_PROGRAMS = 512  # quant_mma's automatic split: the fewest column ranges that give this many programs
+
+
 def _check_blocks(b: GemvBlocks) -> None:
-    if not isinstance(b.quant_group_sum, bool):
-        raise TypeError(f"GemvBlocks.quant_group_sum must be a bool, got {b.quant_group_sum!r}")
+    for name in ("quant_group_sum", "quant_mma"):
+        if not isinstance(getattr(b, name), bool):
+            raise TypeError(f"GemvBlocks.{name} must be a bool, got {getattr(b, name)!r}")
+    if b.mma_split < 0 or b.mma_split & (b.mma_split - 1):
+        raise ValueError(f"GemvBlocks.mma_split = {b.mma_split}: 0 (auto) or a power of two")
+    if b.mma_warps not in (1, 2, 4, 8, 16):
+        raise ValueError(f"GemvBlocks.mma_warps = {b.mma_warps}: 1, 2, 4, 8 or 16")
     for name in ("gate_up_block_n", "gate_up_block_k", "down_block_n", "down_block_k"):
         v = getattr(b, name)
         if v < 1 or v & (v - 1) or (name.endswith("_k") and v < MIN_BLOCK_K):
@@ -156,6 +164,8 @@ def moe_gemv_quant(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, ro
     b = blocks or QUANT_GEMV_BLOCKS.get(layout.fmt.name, DEFAULT_GEMV_BLOCKS)
     _check_blocks(b)
     T, H = x.shape
+    if b.quant_mma:
+        _check_mma(b, layout, x)
     swiglu, alpha, limit = check_bias_args(x, b13, b2, act, rows_u8.shape[0], 2 * layout.intermediate_size, H)
     impl = resolve_impl(impl, x.device)
     K = ids.shape[1]
@@ -190,18 +200,22 @@ def moe_gemv_quant(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, ro
         extra = plan.extra_slot if plan.extra_slot >= 0 else -2
         parts, plan_args, plan_max = (1, 2), (plan.slots, plan.length, extra), _next_pow2(max(1, plan.max_len))
     stride_row = rows_u8.stride(0)
+    bias = dict(b13_ptr=x if b13 is None else b13, stride_b=0 if b13 is None else b13.stride(0), alpha=alpha,
+                limit=limit, BIAS=b13 is not None, SWIGLU=swiglu)
     for part in parts:
         if part == 2 and between is not None:
             between()                   # the copy's slots are read only after this
-        moe_gate_up_quant_kernel[(P, _cdiv(inter, b.gate_up_block_n))](
-            x, ids_flat, rows_u8, act, *plan_args, K, H, inter, x.stride(0), stride_row,
-            a.codes13, layout.code_row_bytes(H), a.scales_gate, a.scales_up, a.zeros_gate, a.zeros_up, a.globals,
-            a.scale_cols13, **fmt,
-            BLOCK_N=b.gate_up_block_n, BLOCK_K=b.gate_up_block_k,
-            EVEN_N=inter % b.gate_up_block_n == 0, EVEN_K=H % b.gate_up_block_k == 0,
-            ACCURATE=accurate, PLAN=part, PLAN_MAX=plan_max, num_warps=GEMV_WARPS,
-            b13_ptr=x if b13 is None else b13, stride_b=0 if b13 is None else b13.stride(0), alpha=alpha,
-            limit=limit, BIAS=b13 is not None, SWIGLU=swiglu, GSUM=b.quant_group_sum, **pdl)
+        if b.quant_mma:
+            _gate_up_mma(x, ids_flat, rows_u8, act, plan_args, K, H, layout, a, b, part, plan_max, accurate, bias, pdl)
+        else:
+            moe_gate_up_quant_kernel[(P, _cdiv(inter, b.gate_up_block_n))](
+                x, ids_flat, rows_u8, act, *plan_args, K, H, inter, x.stride(0), stride_row,
+                a.codes13, layout.code_row_bytes(H), a.scales_gate, a.scales_up, a.zeros_gate, a.zeros_up, a.globals,
+                a.scale_cols13, **fmt,
+                BLOCK_N=b.gate_up_block_n, BLOCK_K=b.gate_up_block_k,
+                EVEN_N=inter % b.gate_up_block_n == 0, EVEN_K=H % b.gate_up_block_k == 0,
+                ACCURATE=accurate, PLAN=part, PLAN_MAX=plan_max, num_warps=GEMV_WARPS,
+                GSUM=b.quant_group_sum, **bias, **pdl)
         if part == 2 and between_down is not None:
             between_down()              # the plan's w2 bytes are read only after this
         moe_down_quant_kernel[(P, _cdiv(H, b.down_block_n))](
@@ -217,6 +231,53 @@ def moe_gemv_quant(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, ro
     out = torch.empty(T, H, dtype=x.dtype, device=x.device)           # [T, H]
     moe_sum_k_kernel[(T, _cdiv(H, b.sum_block))](y, out, K, H, BLOCK=b.sum_block, num_warps=GEMV_WARPS, **pdl)
     return out
+
+
+def _check_mma(b: GemvBlocks, layout: QuantLayout, x: torch.Tensor) -> None:
+    """GemvBlocks.quant_mma's conditions, each refused with what to change."""
+    name = layout.fmt.name
+    if name not in ("mxfp4", "nvfp4"):
+        raise ValueError(f"GemvBlocks.quant_mma runs mxfp4 and nvfp4 experts, not {name}: leave it off for {name}")
+    group = layout.fmt.group_size
+    if b.gate_up_block_n < 16 or b.gate_up_block_k // group < 16:
+        raise ValueError(f"GemvBlocks.quant_mma: gate_up_block_n = {b.gate_up_block_n} must be >= 16 and "
+                         f"gate_up_block_k = {b.gate_up_block_k} must hold >= 16 groups of {group} "
+                         f"(>= {16 * group}): the tensor cores' tile")
+    if not interpreted() and x.dtype != torch.bfloat16:
+        raise ValueError(f"GemvBlocks.quant_mma rounds the activations to bfloat16 on the GPU; x is {x.dtype}: "
+                         "give bfloat16 activations or leave quant_mma off")
+
+
+def mma_split(b: GemvBlocks, P: int, I: int, H: int) -> int:
+    """quant_mma's column ranges: GemvBlocks.mma_split, or (0) the fewest (a power of two) that give
+    MMA_MIN_PROGRAMS programs, at most one K step each."""
+    steps = _cdiv(H, b.gate_up_block_k)
+    if b.mma_split:
+        return min(b.mma_split, steps)
+    split, programs = 1, P * _cdiv(I, b.gate_up_block_n)
+    while programs * split < MMA_MIN_PROGRAMS and split * 2 <= steps:
+        split *= 2
+    return split
+
+
+def _gate_up_mma(x, ids_flat, rows_u8, act, plan_args, K, H, layout, a, b, part, plan_max, accurate, bias, pdl):
+    """The gate/up launch of GemvBlocks.quant_mma (quant_mma_kernels.py), then, split, the activations' launch."""
+    from ftexpert.kernels.moe_decode.quant_mma_kernels import moe_act_from_parts_kernel, moe_gate_up_quant_mma_kernel
+    P, inter, bn, bk = ids_flat.shape[0], layout.intermediate_size, b.gate_up_block_n, b.gate_up_block_k
+    split = mma_split(b, P, inter, H)
+    k_split = _cdiv(_cdiv(H, bk), split) * bk
+    split = _cdiv(H, k_split)                          # (a range past H would add nothing)
+    parts = act if split == 1 else torch.empty(split, P, 2, inter, dtype=torch.float32, device=x.device)
+    moe_gate_up_quant_mma_kernel[(P, _cdiv(inter, bn), split)](
+        x, ids_flat, rows_u8, act, parts, *plan_args, K, H, inter, P, x.stride(0), rows_u8.stride(0),
+        a.codes13, layout.code_row_bytes(H), a.scales_gate, a.scales_up, a.globals, a.scale_cols13, k_split,
+        FMT=a.fmt, GROUP=a.group, BLOCK_N=bn, BLOCK_K=bk, EVEN_N=inter % bn == 0, EVEN_K=H % bk == 0,
+        ACCURATE=accurate, PLAN=part, PLAN_MAX=plan_max, SPLIT=split, ASM=not interpreted(), num_warps=b.mma_warps,
+        **bias, **pdl)
+    if split > 1:
+        moe_act_from_parts_kernel[(P, _cdiv(inter, b.sum_block))](
+            parts, ids_flat, act, *plan_args, P, inter, BLOCK=b.sum_block, ACCURATE=accurate, PLAN=part,
+            PLAN_MAX=plan_max, SPLIT=split, num_warps=GEMV_WARPS, **bias, **pdl)
 
 
 def dequantize_rows(rows_u8: torch.Tensor, ids: torch.Tensor, layout: QuantLayout, out_dtype: torch.dtype, *,

@@ -1,5 +1,5 @@
-"""Compile the quantized-slot kernels (quant_kernels.py) for an NVIDIA target without a GPU, every format,
-even and ragged tiles, split and unsplit (see compile_check.py for what this catches and when it SKIPs).
+"""Compile the quantized-slot kernels (quant_kernels.py, and quant_mma_kernels.py's tensor-core gate/up for mxfp4
+and nvfp4) for an NVIDIA target without a GPU, every format, even and ragged tiles, split and unsplit (see compile_check.py for what this catches and when it SKIPs).
 
     python -m ftexpert.kernels.moe_decode.quant_compile_check [--arch 90] [--resources]
 
@@ -9,10 +9,11 @@ inside the K loop (each a round trip through shared memory every step; 0 is what
 from __future__ import annotations
 
 import sys
+from types import SimpleNamespace
 
 from ftexpert.kernels.compile_driver import run_compile_check
 from ftexpert.kernels.dense_gemv.compile_check import loop_conversions
-from ftexpert.kernels.moe_decode import quant_kernels
+from ftexpert.kernels.moe_decode import quant_kernels, quant_mma_kernels
 
 FORMATS = {"fp8": (0, 128, 128), "int4-g128": (1, 128, 1), "int4-g32": (1, 32, 1), "mxfp4": (2, 32, 1),
            "nvfp4": (3, 16, 1)}          # name: (FMT, GROUP, ROW_BLOCK)
@@ -64,6 +65,22 @@ def _cases() -> list[tuple[str, str, dict, dict, dict, list[str]]]:
                  dict(**f, BLOCK_N=16, BLOCK_K=256, EVEN_N=False, EVEN_K=False, GSUM=True, PLAN=1, PLAN_MAX=8), w4,
                  down_div),
             ]
+    mma_sig = {**{k: v for k, v in gate_up_sig.items() if k not in ("zeros_gate_off", "zeros_up_off")},
+               "parts_ptr": "*fp32", "P": "i32", "k_split": "i32"}
+    mma_div = [d for d in gate_up_div if d not in ("zeros_gate_off", "zeros_up_off")] + ["k_split"]
+    parts_sig = {"parts_ptr": "*fp32", "ids_ptr": "*i64", "act_ptr": f"*{dt}", "plan_ptr": "*i32", "nplan_ptr": "*i32",
+                 "extra_slot": "i32", "P": "i32", "I": "i32"}
+    for name, fmt, group, bk in (("nvfp4", 3, 16, 256), ("mxfp4", 2, 32, 512)):
+        f = dict(FMT=fmt, GROUP=group, BLOCK_K=bk, ACCURATE=True, ASM=True)
+        cases += [
+            (f"{name} gate_up mma 64x{bk} even, one range", "moe_gate_up_quant_mma_kernel", mma_sig,
+             dict(**f, BLOCK_N=64, EVEN_N=True, EVEN_K=True, SPLIT=1, **whole), w4, mma_div),
+            (f"{name} gate_up mma 32x{bk} ragged, 4 ranges, biases and SwiGLU, split: in the plan",
+             "moe_gate_up_quant_mma_kernel", mma_sig,
+             dict(**f, BLOCK_N=32, EVEN_N=False, EVEN_K=False, SPLIT=4, PLAN=2, PLAN_MAX=8, BIAS=True, SWIGLU=True), w4, mma_div),
+        ]
+    cases.append(("act from 8 ranges' sums", "moe_act_from_parts_kernel", parts_sig,
+                  dict(BLOCK=1024, ACCURATE=True, SPLIT=8, **whole), w4, ["parts_ptr", "ids_ptr", "act_ptr", "I"]))
     return cases
 
 
@@ -72,7 +89,9 @@ def _extra(kernel) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return run_compile_check("compile the quantized-slot decode kernels for an NVIDIA target", _cases(), quant_kernels,
+    kernels = SimpleNamespace(**vars(quant_kernels), **{k: v for k, v in vars(quant_mma_kernels).items()
+                                                        if k.endswith("_kernel")})
+    return run_compile_check("compile the quantized-slot decode kernels for an NVIDIA target", _cases(), kernels,
                              argv, extra=_extra)
 
 
