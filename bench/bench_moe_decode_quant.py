@@ -67,16 +67,23 @@ def block_variants(b0):
 
 
 def mma_variants(b0, group: int):
-    """The tensor-core gate/up (quant_mma) on the format's defaults: 32 or 64 rows a program, K steps of 16 or 32
-    groups, the automatic column ranges or one range, 4 or 8 warps."""
-    return [replace(b0, quant_mma=True, gate_up_block_n=n, gate_up_block_k=k * group, mma_split=s, mma_warps=w)
-            for n in (32, 64) for k in (16, 32) for s in (0, 1) for w in (4, 8)]
+    """The tensor-core GEMVs (quant_mma, quant_mma_down) on the format's defaults: gate/up with 32 or 64 rows a
+    program, K steps of 16 or 32 groups, the automatic ranges or one, 4 or 8 warps; down with 64 or 128 rows, 16
+    groups a step, 4 or 8 warps; and both together."""
+    gu = [replace(b0, quant_mma=True, gate_up_block_n=n, gate_up_block_k=k * group, mma_split=s, mma_warps=w)
+          for n in (32, 64) for k in (16, 32) for s in (0, 1) for w in (4, 8)]
+    dn = [replace(b0, quant_mma_down=True, down_block_n=n, down_block_k=16 * group, mma_warps=w)
+          for n in (64, 128) for w in (4, 8)]
+    both = [replace(b0, quant_mma=True, quant_mma_down=True, gate_up_block_n=64, gate_up_block_k=16 * group,
+                    down_block_n=128, down_block_k=16 * group, mma_warps=w) for w in (4, 8)]
+    return gu + dn + both
 
 
 def variant_name(b) -> str:
     return (f"gu n{b.gate_up_block_n} k{b.gate_up_block_k} / dn n{b.down_block_n} k{b.down_block_k}"
             + (" gsum" if b.quant_group_sum else "")
-            + (f" mma split {b.mma_split or 'auto'} w{b.mma_warps}" if b.quant_mma else ""))
+            + (" mma" if b.quant_mma else "") + (" mma-down" if b.quant_mma_down else "")
+            + (f" split {b.mma_split or 'auto'} w{b.mma_warps}" if b.quant_mma or b.quant_mma_down else ""))
 
 
 def quantized_rows(layout, E: int, gen: torch.Generator) -> torch.Tensor:

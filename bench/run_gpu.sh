@@ -8,8 +8,9 @@
 #   tuning   the 4-bit MoE GEMV's block sweep (and its scale a group's sum) at gpt-oss-120b's and qwen3-next's shapes;
 #            the dense projections' LinearBlocks sweep at the same models' shapes; the decode attention's num_stages
 #                                                                                            (~4 min)
-#   quant_mma the tensor-core 4-bit gate/up (GemvBlocks.quant_mma) timed beside the defaults at gpt-oss-120b's and
-#            qwen3-next's shapes (bench_moe_decode_quant.py --mma-sweep, T = 1 and 4), then its GPU tests  (~3 min)
+#   quant_mma the tensor-core 4-bit gate/up and down (GemvBlocks.quant_mma, quant_mma_down) timed beside the
+#            defaults at gpt-oss-120b's and qwen3-next's shapes (bench_moe_decode_quant.py --mma-sweep, T = 1 and 4),
+#            then their GPU tests                                                            (~4 min)
 #   quant_profile  where the 4-bit MoE decode GEMV's time goes at qwen3-next's NVFP4 and gpt-oss-120b's MXFP4 shapes:
 #            the K loops of the kernels as this machine's Triton compiles them (SASS), then Nsight Compute's counters
 #            of two calls (speed of light, occupancy, warp stalls per issued instruction; bench/profile_quant_gemv.py)
@@ -322,14 +323,15 @@ while [ $# -gt 0 ]; do
       tail -n 6 "$OUT/attn_stages.log" | cut -c1-160
       ;;
     quant_mma)
-      # the tensor-core gate/up (GemvBlocks.quant_mma) beside the defaults at gpt-oss-120b's and qwen3-next's shapes,
-      # then its GPU tests (against the reference at those shapes, deterministic, in a CUDA graph)      (~3 min)
+      # the tensor-core gate/up and down (GemvBlocks.quant_mma, quant_mma_down) beside the defaults at gpt-oss-120b's
+      # and qwen3-next's shapes, then their GPU tests (against the reference at those shapes, deterministic, in a
+      # CUDA graph)                                                                            (~4 min)
       run mma_gptoss 150 python3 bench/bench_moe_decode_quant.py --formats mxfp4 --experts 128 --hidden 2880 \
         --inter 2880 --top-k 4 --tokens 1,4 --mma-sweep --skip-dequant --json-out "$OUT/mma_gptoss.json"
       run mma_next 150 python3 bench/bench_moe_decode_quant.py --formats nvfp4 --experts 512 --hidden 2048 \
         --inter 512 --top-k 10 --tokens 1,4 --mma-sweep --skip-dequant --json-out "$OUT/mma_next.json"
       run mma_tests 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_moe_decode_quant_mma.py
-      grep -hE "^(mxfp4|nvfp4) " "$OUT"/mma_gptoss.log "$OUT"/mma_next.log | cut -c1-120
+      grep -hE "^(mxfp4|nvfp4) " "$OUT"/mma_gptoss.log "$OUT"/mma_next.log | cut -c1-130
       tail -n 3 "$OUT/mma_tests.log"
       ;;
     quant_profile)

@@ -1,4 +1,5 @@
-"""kernels/moe_decode/quant_mma_kernels.py: the 4-bit gate/up GEMV on the tensor cores (GemvBlocks.quant_mma).
+"""kernels/moe_decode/quant_mma_kernels.py: the 4-bit gate/up and down GEMVs on the tensor cores
+(GemvBlocks.quant_mma, quant_mma_down).
 
 - DECODE_ASM, the PTX that turns 4 code bytes into bfloat16 pairs on the GPU, is run here by a small emulator of
   its five opcodes (parsed from the kernel's own text, so an edit to it is what is tested) on every byte value in
@@ -27,11 +28,10 @@ from tests.conftest import KERNEL_DEVICE
 from tests.kernels.test_moe_decode_quant import BF16_ULP, gpu_rows, rel_max, routes
 
 DEV = KERNEL_DEVICE
-MMA = {"nvfp4": GemvBlocks(gate_up_block_n=16, gate_up_block_k=256, down_block_n=16, down_block_k=64, sum_block=64,
-                           quant_mma=True),
-       "mxfp4": GemvBlocks(gate_up_block_n=16, gate_up_block_k=512, down_block_n=16, down_block_k=64, sum_block=64,
-                           quant_mma=True)}
-
+MMA = {"nvfp4": GemvBlocks(gate_up_block_n=16, gate_up_block_k=256, down_block_n=16, down_block_k=256, sum_block=64,
+                           quant_mma=True, quant_mma_down=True),
+       "mxfp4": GemvBlocks(gate_up_block_n=16, gate_up_block_k=512, down_block_n=16, down_block_k=512, sum_block=64,
+                           quant_mma=True, quant_mma_down=True)}
 
 # -- the decode's PTX, emulated ---------------------------------------------------------------------
 
@@ -147,43 +147,51 @@ def expert_rows(label: str, S: int, H: int, I: int, seed: int) -> tuple[torch.Te
     return rows, layout
 
 
-# label, H, I, T, K, S, missing, mma_split, dtype: K steps of 256 (nvfp4) / 512 (mxfp4) columns, ragged at the end
+# label, H, I, T, K, S, missing, mma_split, dtype, (gate/up, down) on the tensor cores: K steps of 256 (nvfp4) /
+# 512 (mxfp4) columns, ragged at the end (down's K is I)
 CASES = {
-    "nvfp4-4-steps-ragged-auto-split": ("nvfp4", 800, 48, 2, 3, 5, 1, 0, torch.float32),
-    "nvfp4-one-range-t1": ("nvfp4", 512, 32, 1, 4, 6, 0, 1, torch.float32),
-    "nvfp4-two-ranges-fp16": ("nvfp4", 768, 16, 3, 2, 4, 1, 2, torch.float16),
-    "mxfp4-3-steps-ragged-auto-split": ("mxfp4", 1088, 64, 2, 3, 5, 1, 0, torch.float32),
+    "nvfp4-4-steps-ragged-auto-split": ("nvfp4", 800, 48, 2, 3, 5, 1, 0, torch.float32, (True, False)),
+    "nvfp4-one-range-t1": ("nvfp4", 512, 32, 1, 4, 6, 0, 1, torch.float32, (True, True)),
+    "nvfp4-two-ranges-fp16": ("nvfp4", 768, 16, 3, 2, 4, 1, 2, torch.float16, (True, True)),
+    "nvfp4-down-only-ragged-ranges": ("nvfp4", 96, 560, 2, 3, 5, 1, 0, torch.float32, (False, True)),
+    "mxfp4-3-steps-ragged-auto-split": ("mxfp4", 1088, 64, 2, 3, 5, 1, 0, torch.float32, (True, True)),
+    "mxfp4-down-two-ranges": ("mxfp4", 64, 1088, 1, 3, 4, 0, 2, torch.float32, (False, True)),
 }
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_the_tensor_core_gate_up_is_in_lockstep_with_the_reference(case):
-    label, H, I, T, K, S, missing, split, dtype = CASES[case]
+def test_the_tensor_core_gemvs_are_in_lockstep_with_the_reference(case):
+    label, H, I, T, K, S, missing, split, dtype, (gate_up, down) = CASES[case]
     rows, layout = expert_rows(label, S, H, I, seed=H + I)
     ids, weights = routes(T, K, S, seed=T * K, missing=missing)
     x = torch.randn(T, H, generator=torch.Generator().manual_seed(K)).to(dtype)
-    blocks = replace(MMA[label], mma_split=split)
+    blocks = replace(MMA[label], mma_split=split, quant_mma=gate_up, quant_mma_down=down)
     expected = moe_gemv_quant_reference(x, ids, weights, rows, layout)
     got = moe_gemv_quant(x.to(DEV), ids.to(torch.int32).to(DEV), weights.to(DEV), rows.to(DEV), layout,
                          impl="triton", blocks=blocks)
     assert got.dtype == dtype and torch.isfinite(got).all()
     assert rel_max(got, expected) < (1e-5 if dtype == torch.float32 else 4e-3)
     plain = moe_gemv_quant(x.to(DEV), ids.to(torch.int32).to(DEV), weights.to(DEV), rows.to(DEV), layout,
-                           impl="triton", blocks=replace(blocks, quant_mma=False))
+                           impl="triton", blocks=replace(blocks, quant_mma=False, quant_mma_down=False))
     assert rel_max(got, plain) < (1e-5 if dtype == torch.float32 else 4e-3)
+    if missing:                                    # a route not on the GPU adds exactly 0: its partial is 0.0
+        parts = moe_gemv_quant(x.to(DEV), ids.to(torch.int32).to(DEV), weights.to(DEV), rows.to(DEV), layout,
+                               impl="triton", blocks=blocks, partials=True)
+        assert not parts[(ids < 0).to(DEV)].any()
 
 
 def test_the_ranges_split_as_the_rule_says():
     """mma_split: the fewest ranges (powers of two) reaching MMA_MIN_PROGRAMS programs, at most one K step each,
-    or the one asked for (capped at the K steps)."""
-    b = GemvBlocks(gate_up_block_n=64, gate_up_block_k=256, quant_mma=True)
+    or the one asked for (capped at the K steps); down's rows are H and its K is I."""
+    b = GemvBlocks(gate_up_block_n=64, gate_up_block_k=256, down_block_n=64, down_block_k=256, quant_mma=True)
     assert MMA_MIN_PROGRAMS == 512
-    assert mma_split(b, P=10, I=512, H=2048) == 8               # qwen3-next: 80 programs -> 640
-    assert mma_split(b, P=4, I=2880, H=2880) == 4               # gpt-oss: 45 row blocks x 4 routes = 180 -> 720
-    assert mma_split(b, P=64, I=512, H=2048) == 1               # already 512
-    assert mma_split(b, P=1, I=64, H=512) == 2                  # capped at H's two K steps
-    assert mma_split(replace(b, mma_split=4), P=1, I=64, H=512) == 2
-    assert mma_split(replace(b, mma_split=2), P=1, I=64, H=4096) == 2
+    assert mma_split(b, P=10, rows=512, kdim=2048) == 8              # qwen3-next gate/up: 80 programs -> 640
+    assert mma_split(b, P=10, rows=2048, kdim=512, down=True) == 2   # its down: 320 -> 640, I = two K steps
+    assert mma_split(replace(b, gate_up_block_k=512), P=4, rows=2880, kdim=2880) == 4   # gpt-oss: 180 -> 720
+    assert mma_split(b, P=64, rows=512, kdim=2048) == 1              # already 512
+    assert mma_split(b, P=1, rows=64, kdim=512) == 2                 # capped at the two K steps
+    assert mma_split(replace(b, mma_split=4), P=1, rows=64, kdim=512) == 2
+    assert mma_split(replace(b, mma_split=2), P=1, rows=64, kdim=4096) == 2
 
 
 def test_a_copy_plan_split_is_the_unsplit_call_bit_for_bit():
@@ -201,10 +209,11 @@ def test_a_copy_plan_split_is_the_unsplit_call_bit_for_bit():
 
 
 def test_gpt_oss_biases_and_clamped_swiglu():
-    """The activation (biases, clamp, SwiGLU) after the ranges' sums, as the float32 path computes it."""
+    """The activation (biases, clamp, SwiGLU) after the ranges' sums and down's bias before its rounding, as the
+    float32 path computes them."""
     from ftexpert.gpu_worker.checkpoint.expert_layout import ExpertLayout, bias_views
     from tests.kernels.test_moe_decode_gpt_oss import ACT, case
-    x, ids, w, w13, w2, b13, b2 = case(H=1088, I=64, scale=0.2)
+    x, ids, w, w13, w2, b13, b2 = case(T=2, K=3, H=576, I=544, scale=0.2)
     S, I2, H = w13.shape
     lay = ExpertLayout(H, I2 // 2, torch.float32, "mxfp4", ACT)
     host = lay.zeros_layer(S)
@@ -215,10 +224,10 @@ def test_gpt_oss_biases_and_clamped_swiglu():
     c13.copy_(b13), c2.copy_(b2)
     kw = dict(b13=c13, b2=c2, act=ACT)
     want = moe_gemv_quant(x, ids, w, rows, lay.quant_layout, impl="reference", **kw)
-    for split in (1, 2):
+    for split, down in ((1, False), (2, True)):
         got = moe_gemv_quant(x, ids, w, rows, lay.quant_layout, impl="triton",
-                             blocks=replace(MMA["mxfp4"], mma_split=split), **kw)
-        assert rel_max(got, want) < 1e-5, split
+                             blocks=replace(MMA["mxfp4"], mma_split=split, quant_mma_down=down), **kw)
+        assert rel_max(got, want) < 1e-5, (split, down)
 
 
 def test_what_it_cannot_run_is_refused_with_what_to_change():
@@ -229,6 +238,8 @@ def test_what_it_cannot_run_is_refused_with_what_to_change():
         moe_gemv_quant(*args, impl="triton", blocks=replace(MMA["nvfp4"], gate_up_block_k=128))
     with pytest.raises(ValueError, match="gate_up_block_n = 8 must be >= 16"):
         moe_gemv_quant(*args, impl="triton", blocks=replace(MMA["nvfp4"], gate_up_block_n=8))
+    with pytest.raises(ValueError, match="down_block_k = 64 must hold >= 16 groups of 16"):
+        moe_gemv_quant(*args, impl="triton", blocks=replace(MMA["nvfp4"], quant_mma=False, down_block_k=64))
     with pytest.raises(ValueError, match="mma_split = 3: 0 \\(auto\\) or a power of two"):
         moe_gemv_quant(*args, impl="triton", blocks=replace(MMA["nvfp4"], mma_split=3))
     with pytest.raises(ValueError, match="mma_warps = 3: 1, 2, 4, 8 or 16"):
@@ -247,7 +258,7 @@ def test_what_it_cannot_run_is_refused_with_what_to_change():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("shape", ["qwen3-next", "gpt-oss"])
 @pytest.mark.parametrize("T", [1, 2])
-def test_gpu_tensor_core_gate_up_bf16_at_the_real_shapes(shape, T):
+def test_gpu_tensor_core_gemvs_bf16_at_the_real_shapes(shape, T):
     """bfloat16 on the tensor cores (the PTX decode, bfloat16 dots) against the reference at the real experts'
     shapes, with the automatic ranges: the same bound as the float32 path's GPU test; deterministic; the same in a
     CUDA graph; and bfloat16 activations required."""
@@ -257,8 +268,8 @@ def test_gpu_tensor_core_gate_up_bf16_at_the_real_shapes(shape, T):
     ids, weights = routes(T, K, S, seed=T, missing=1 if T > 1 else 0)
     ids, weights = ids.cuda(), torch.softmax(weights, -1).cuda()
     x = torch.randn(T, H, generator=torch.Generator().manual_seed(T)).to(torch.bfloat16).cuda()
-    blocks = GemvBlocks(gate_up_block_n=64, gate_up_block_k=bk, down_block_n=8, down_block_k=256,
-                        quant_group_sum=True, quant_mma=True)
+    blocks = GemvBlocks(gate_up_block_n=64, gate_up_block_k=bk, down_block_n=64, down_block_k=bk,
+                        quant_group_sum=True, quant_mma=True, quant_mma_down=True)
     expected = moe_gemv_quant_reference(x, ids, weights, rows, layout)
     got = moe_gemv_quant(x, ids, weights, rows, layout, blocks=blocks)
     assert got.dtype == torch.bfloat16 and torch.isfinite(got).all()

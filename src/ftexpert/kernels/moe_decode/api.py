@@ -52,8 +52,8 @@ class GemvBlocks:
     (quant_mma_kernels.py: weights decoded to bfloat16 two an instruction, the group sums as a dot with the
     block-diagonal activations); gate_up_block_n >= 16 rows and gate_up_block_k / group >= 16 groups, over
     mma_split column ranges (0: the fewest, a power of two, that give 512 programs or more; each split's sums are
-    added in order by a second launch), mma_warps warps a program. Off until timed on the GPU
-    (docs/QUANTIZATION.md).
+    added in order by a second launch), mma_warps warps a program; quant_mma_down the same for down
+    (down_block_n >= 16, down_block_k >= 16 groups). Off until timed on the GPU (docs/QUANTIZATION.md).
     """
     gate_up_block_n: int = 4
     gate_up_block_k: int = 512
@@ -62,6 +62,7 @@ class GemvBlocks:
     sum_block: int = 1024
     quant_group_sum: bool = False     # moe_gemv_quant, 4-bit formats: a scale a group's sum, not a weight (GSUM)
     quant_mma: bool = False           # moe_gemv_quant, mxfp4 / nvfp4: gate/up on the tensor cores
+    quant_mma_down: bool = False      # ... and down (down_block_n, down_block_k)
     mma_split: int = 0                # quant_mma: column ranges of gate/up (0: auto)
     mma_warps: int = 8                # quant_mma: warps of a gate/up program
 

@@ -106,7 +106,7 @@ MMA_MIN_PROGRAMS = 512  # quant_mma's automatic split: the fewest column ranges 
 
 
 def _check_blocks(b: GemvBlocks) -> None:
-    for name in ("quant_group_sum", "quant_mma"):
+    for name in ("quant_group_sum", "quant_mma", "quant_mma_down"):
         if not isinstance(getattr(b, name), bool):
             raise TypeError(f"GemvBlocks.{name} must be a bool, got {getattr(b, name)!r}")
     if b.mma_split < 0 or b.mma_split & (b.mma_split - 1):
@@ -164,7 +164,7 @@ def moe_gemv_quant(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, ro
     b = blocks or QUANT_GEMV_BLOCKS.get(layout.fmt.name, DEFAULT_GEMV_BLOCKS)
     _check_blocks(b)
     T, H = x.shape
-    if b.quant_mma:
+    if b.quant_mma or b.quant_mma_down:
         _check_mma(b, layout, x)
     swiglu, alpha, limit = check_bias_args(x, b13, b2, act, rows_u8.shape[0], 2 * layout.intermediate_size, H)
     impl = resolve_impl(impl, x.device)
@@ -218,6 +218,9 @@ def moe_gemv_quant(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, ro
                 GSUM=b.quant_group_sum, **bias, **pdl)
         if part == 2 and between_down is not None:
             between_down()              # the plan's w2 bytes are read only after this
+        if b.quant_mma_down:
+            _down_mma(act, ids_flat, rw_flat, rows_u8, y, plan_args, H, layout, a, b, part, plan_max, b2, pdl)
+            continue
         moe_down_quant_kernel[(P, _cdiv(H, b.down_block_n))](
             act, ids_flat, rw_flat, rows_u8, y, *plan_args, H, inter, stride_row,
             a.codes2, layout.code_row_bytes(inter), a.scales2, a.zeros2, a.globals, a.scale_cols2, **fmt,
@@ -234,39 +237,65 @@ def moe_gemv_quant(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, ro
 
 
 def _check_mma(b: GemvBlocks, layout: QuantLayout, x: torch.Tensor) -> None:
-    """GemvBlocks.quant_mma's conditions, each refused with what to change."""
+    """GemvBlocks.quant_mma's / quant_mma_down's conditions, each refused with what to change."""
     name = layout.fmt.name
     if name not in ("mxfp4", "nvfp4"):
         raise ValueError(f"GemvBlocks.quant_mma runs mxfp4 and nvfp4 experts, not {name}: leave it off for {name}")
     group = layout.fmt.group_size
-    if b.gate_up_block_n < 16 or b.gate_up_block_k // group < 16:
-        raise ValueError(f"GemvBlocks.quant_mma: gate_up_block_n = {b.gate_up_block_n} must be >= 16 and "
-                         f"gate_up_block_k = {b.gate_up_block_k} must hold >= 16 groups of {group} "
-                         f"(>= {16 * group}): the tensor cores' tile")
+    tiles = ([("gate_up", b.gate_up_block_n, b.gate_up_block_k)] if b.quant_mma else []) + \
+        ([("down", b.down_block_n, b.down_block_k)] if b.quant_mma_down else [])
+    for which, bn, bk in tiles:
+        if bn < 16 or bk // group < 16:
+            raise ValueError(f"GemvBlocks.quant_mma: {which}_block_n = {bn} must be >= 16 and {which}_block_k = {bk} "
+                             f"must hold >= 16 groups of {group} (>= {16 * group}): the tensor cores' tile")
     if not interpreted() and x.dtype != torch.bfloat16:
         raise ValueError(f"GemvBlocks.quant_mma rounds the activations to bfloat16 on the GPU; x is {x.dtype}: "
                          "give bfloat16 activations or leave quant_mma off")
 
 
-def mma_split(b: GemvBlocks, P: int, I: int, H: int) -> int:
-    """quant_mma's column ranges: GemvBlocks.mma_split, or (0) the fewest (a power of two) that give
-    MMA_MIN_PROGRAMS programs, at most one K step each."""
-    steps = _cdiv(H, b.gate_up_block_k)
+def mma_split(b: GemvBlocks, P: int, rows: int, kdim: int, down: bool = False) -> int:
+    """quant_mma's column ranges of gate/up (rows I, kdim H) or down (rows H, kdim I): GemvBlocks.mma_split, or
+    (0) the fewest (a power of two) that give MMA_MIN_PROGRAMS programs, at most one K step each."""
+    bn, bk = (b.down_block_n, b.down_block_k) if down else (b.gate_up_block_n, b.gate_up_block_k)
+    steps = _cdiv(kdim, bk)
     if b.mma_split:
         return min(b.mma_split, steps)
-    split, programs = 1, P * _cdiv(I, b.gate_up_block_n)
+    split, programs = 1, P * _cdiv(rows, bn)
     while programs * split < MMA_MIN_PROGRAMS and split * 2 <= steps:
         split *= 2
     return split
+
+
+def _ranges(b: GemvBlocks, P: int, rows: int, kdim: int, down: bool) -> tuple[int, int]:
+    """(ranges, columns a range): a range past kdim would add nothing, so none is launched."""
+    bk = b.down_block_k if down else b.gate_up_block_k
+    k_split = _cdiv(_cdiv(kdim, bk), mma_split(b, P, rows, kdim, down)) * bk
+    return _cdiv(kdim, k_split), k_split
+
+
+def _down_mma(act, ids_flat, rw_flat, rows_u8, y, plan_args, H, layout, a, b, part, plan_max, b2, pdl):
+    """The down launch of GemvBlocks.quant_mma_down (quant_mma_kernels.py), then, split, the outputs' launch."""
+    from ftexpert.kernels.moe_decode.quant_mma_kernels import moe_down_from_parts_kernel, moe_down_quant_mma_kernel
+    P, inter, bn, bk = ids_flat.shape[0], layout.intermediate_size, b.down_block_n, b.down_block_k
+    split, k_split = _ranges(b, P, H, inter, down=True)
+    parts = y if split == 1 else torch.empty(split, P, H, dtype=torch.float32, device=y.device)
+    bias = dict(b2_ptr=y if b2 is None else b2, stride_b=0 if b2 is None else b2.stride(0), BIAS=b2 is not None)
+    moe_down_quant_mma_kernel[(P, _cdiv(H, bn), split)](
+        act, ids_flat, rw_flat, rows_u8, y, parts, *plan_args, H, inter, P, rows_u8.stride(0),
+        a.codes2, layout.code_row_bytes(inter), a.scales2, a.globals, a.scale_cols2, k_split,
+        FMT=a.fmt, GROUP=a.group, BLOCK_N=bn, BLOCK_K=bk, EVEN_N=H % bn == 0, EVEN_K=inter % bk == 0,
+        PLAN=part, PLAN_MAX=plan_max, SPLIT=split, ASM=not interpreted(), num_warps=b.mma_warps, **bias, **pdl)
+    if split > 1:
+        moe_down_from_parts_kernel[(P, _cdiv(H, b.sum_block))](
+            parts, ids_flat, rw_flat, y, act, *plan_args, P, H, BLOCK=b.sum_block, PLAN=part, PLAN_MAX=plan_max,
+            SPLIT=split, num_warps=GEMV_WARPS, **bias, **pdl)
 
 
 def _gate_up_mma(x, ids_flat, rows_u8, act, plan_args, K, H, layout, a, b, part, plan_max, accurate, bias, pdl):
     """The gate/up launch of GemvBlocks.quant_mma (quant_mma_kernels.py), then, split, the activations' launch."""
     from ftexpert.kernels.moe_decode.quant_mma_kernels import moe_act_from_parts_kernel, moe_gate_up_quant_mma_kernel
     P, inter, bn, bk = ids_flat.shape[0], layout.intermediate_size, b.gate_up_block_n, b.gate_up_block_k
-    split = mma_split(b, P, inter, H)
-    k_split = _cdiv(_cdiv(H, bk), split) * bk
-    split = _cdiv(H, k_split)                          # (a range past H would add nothing)
+    split, k_split = _ranges(b, P, inter, H, down=False)
     parts = act if split == 1 else torch.empty(split, P, 2, inter, dtype=torch.float32, device=x.device)
     moe_gate_up_quant_mma_kernel[(P, _cdiv(inter, bn), split)](
         x, ids_flat, rows_u8, act, parts, *plan_args, K, H, inter, P, x.stride(0), rows_u8.stride(0),

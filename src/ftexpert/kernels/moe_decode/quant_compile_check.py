@@ -66,7 +66,8 @@ def _cases() -> list[tuple[str, str, dict, dict, dict, list[str]]]:
                  down_div),
             ]
     mma_sig = {**{k: v for k, v in gate_up_sig.items() if k not in ("zeros_gate_off", "zeros_up_off")},
-               "parts_ptr": "*fp32", "P": "i32", "k_split": "i32"}
+               "parts_ptr": "*fp32", "P": "i32", "k_split": "i32", "b13_ptr": f"*{dt}", "stride_b": "i32",
+               "alpha": "fp32", "limit": "fp32"}
     mma_div = [d for d in gate_up_div if d not in ("zeros_gate_off", "zeros_up_off")] + ["k_split"]
     parts_sig = {"parts_ptr": "*fp32", "ids_ptr": "*i64", "act_ptr": f"*{dt}", "plan_ptr": "*i32", "nplan_ptr": "*i32",
                  "extra_slot": "i32", "P": "i32", "I": "i32"}
@@ -74,11 +75,28 @@ def _cases() -> list[tuple[str, str, dict, dict, dict, list[str]]]:
         f = dict(FMT=fmt, GROUP=group, BLOCK_K=bk, ACCURATE=True, ASM=True)
         cases += [
             (f"{name} gate_up mma 64x{bk} even, one range", "moe_gate_up_quant_mma_kernel", mma_sig,
-             dict(**f, BLOCK_N=64, EVEN_N=True, EVEN_K=True, SPLIT=1, **whole), w4, mma_div),
+             dict(**f, BLOCK_N=64, EVEN_N=True, EVEN_K=True, SPLIT=1, **whole), {"num_warps": 8}, mma_div),
             (f"{name} gate_up mma 32x{bk} ragged, 4 ranges, biases and SwiGLU, split: in the plan",
              "moe_gate_up_quant_mma_kernel", mma_sig,
              dict(**f, BLOCK_N=32, EVEN_N=False, EVEN_K=False, SPLIT=4, PLAN=2, PLAN_MAX=8, BIAS=True, SWIGLU=True), w4, mma_div),
         ]
+    down_mma_sig = {**{k: v for k, v in down_sig.items() if k != "zeros_off"}, "parts_ptr": "*fp32", "P": "i32",
+                    "k_split": "i32", "b2_ptr": f"*{dt}", "stride_b": "i32"}
+    down_mma_div = [d for d in down_div if d != "zeros_off"] + ["k_split"]
+    for name, fmt, group, bk in (("nvfp4", 3, 16, 256), ("mxfp4", 2, 32, 512)):
+        f = dict(FMT=fmt, GROUP=group, BLOCK_K=bk, ASM=True)
+        cases += [
+            (f"{name} down mma 64x{bk} even, one range", "moe_down_quant_mma_kernel", down_mma_sig,
+             dict(**f, BLOCK_N=64, EVEN_N=True, EVEN_K=True, SPLIT=1, **whole), {"num_warps": 8}, down_mma_div),
+            (f"{name} down mma 32x{bk} ragged, 2 ranges, bias, split: off the plan", "moe_down_quant_mma_kernel",
+             down_mma_sig, dict(**f, BLOCK_N=32, EVEN_N=False, EVEN_K=False, SPLIT=2, PLAN=1, PLAN_MAX=8, BIAS=True),
+             w4, down_mma_div),
+        ]
+    cases.append(("down from 4 ranges' sums, bias", "moe_down_from_parts_kernel",
+                  {"parts_ptr": "*fp32", "ids_ptr": "*i64", "rw_ptr": "*fp32", "y_ptr": "*fp32", "act_ptr": f"*{dt}",
+                   "plan_ptr": "*i32", "nplan_ptr": "*i32", "extra_slot": "i32", "P": "i32", "H": "i32",
+                   "b2_ptr": f"*{dt}", "stride_b": "i32"},
+                  dict(BLOCK=1024, SPLIT=4, BIAS=True, **whole), w4, ["parts_ptr", "ids_ptr", "y_ptr", "H"]))
     cases.append(("act from 8 ranges' sums", "moe_act_from_parts_kernel", parts_sig,
                   dict(BLOCK=1024, ACCURATE=True, SPLIT=8, **whole), w4, ["parts_ptr", "ids_ptr", "act_ptr", "I"]))
     return cases

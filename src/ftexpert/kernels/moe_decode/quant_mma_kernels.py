@@ -35,7 +35,7 @@ import triton.language as tl
 from ftexpert.kernels.pdl import pdl_enter
 
 from ftexpert.kernels.moe_decode.quant_kernels import FMT_NVFP4, _e2m1_bits, _e4m3_to_f32, _e8m0_to_f32, _nvfp4_global
-from ftexpert.kernels.moe_decode.triton_kernels import _gate_up_act, _route_active
+from ftexpert.kernels.moe_decode.triton_kernels import _down_out, _gate_up_act, _route_active
 
 XS: tl.constexpr = tl.constexpr(100)                          # activations x 2**XS before their bfloat16 rounding
 X_SCALE: tl.constexpr = tl.constexpr(2.0 ** 100)
@@ -100,51 +100,57 @@ def _group_scales(row_ptr, scale_off, glob, rows, g0, n_scale_cols, smask, FMT: 
 
 
 @triton.jit
-def _mma_step(acc_g, acc_u, x_row, k0, H, row_ptr, codes_off, up_codes, scales_gate_off, scales_up_off, g_gate, g_up,
-              rows, code_row_bytes, n_scale_cols, row_ok, FMT: tl.constexpr, GROUP: tl.constexpr,
-              BLOCK_K: tl.constexpr, EVEN_N: tl.constexpr, MASK_K: tl.constexpr, ASM: tl.constexpr):
-    """One K step: columns k0 .. k0 + BLOCK_K of gate's and up's rows into the [NG, BLOCK_N] group-sum accumulators."""
+def _block_diag(v_row, k0, KDIM, GROUP: tl.constexpr, BLOCK_K: tl.constexpr, MASK_K: tl.constexpr,
+                ASM: tl.constexpr):
+    """Columns k0 .. k0 + BLOCK_K of a vector (x or act), times 2**XS, as the block-diagonal (even, odd) operands
+    [NG, BLOCK_K / 2]: row g holds group g's columns, zeros elsewhere (bfloat16 with ASM, else float32)."""
+    HB: tl.constexpr = BLOCK_K // 2
+    NG: tl.constexpr = BLOCK_K // GROUP
+    c = tl.arange(0, HB)
+    if MASK_K:
+        ve = tl.load(v_row + k0 + 2 * c, mask=k0 + 2 * c < KDIM, other=0.0).to(tl.float32)
+        vo = tl.load(v_row + k0 + 2 * c + 1, mask=k0 + 2 * c + 1 < KDIM, other=0.0).to(tl.float32)
+    else:
+        ve = tl.load(v_row + k0 + 2 * c).to(tl.float32)
+        vo = tl.load(v_row + k0 + 2 * c + 1).to(tl.float32)
+    diag = (c[None, :] // (GROUP // 2)) == tl.arange(0, NG)[:, None]   # [NG, HB]: column c is in group g
+    va = tl.where(diag, ve[None, :] * X_SCALE, 0.0)
+    vb = tl.where(diag, vo[None, :] * X_SCALE, 0.0)
+    if ASM:
+        va = va.to(tl.bfloat16)
+        vb = vb.to(tl.bfloat16)
+    return va, vb
+
+
+@triton.jit
+def _group_sums(va, vb, k0, KDIM, row_ptr, codes_off, scale_off, glob, rows, code_row_bytes, n_scale_cols, row_ok,
+                FMT: tl.constexpr, GROUP: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_N: tl.constexpr,
+                MASK_K: tl.constexpr, ASM: tl.constexpr):
+    """One matrix's rows `rows`, columns k0 .. k0 + BLOCK_K, against the block-diagonal operands: its (group, row)
+    sums times their scales, [NG, BLOCK_N] float32."""
     HB: tl.constexpr = BLOCK_K // 2
     NG: tl.constexpr = BLOCK_K // GROUP
     c = tl.arange(0, HB)
     g = tl.arange(0, NG)
     MASKED: tl.constexpr = MASK_K or not EVEN_N
-    if MASK_K:
-        xe = tl.load(x_row + k0 + 2 * c, mask=k0 + 2 * c < H, other=0.0).to(tl.float32)
-        xo = tl.load(x_row + k0 + 2 * c + 1, mask=k0 + 2 * c + 1 < H, other=0.0).to(tl.float32)
-        cmask = row_ok[None, :] & (k0 + 2 * c[:, None] < H)
-        smask = row_ok[None, :] & (k0 + g[:, None] * GROUP < H)
-    else:
-        xe = tl.load(x_row + k0 + 2 * c).to(tl.float32)
-        xo = tl.load(x_row + k0 + 2 * c + 1).to(tl.float32)
-        cmask = row_ok[None, :] & (c[:, None] >= 0)
-        smask = row_ok[None, :] & (g[:, None] >= 0)
-    diag = (c[None, :] // (GROUP // 2)) == g[:, None]                  # [NG, HB]: column c is in group g
-    if ASM:
-        xa = tl.where(diag, xe[None, :] * X_SCALE, 0.0).to(tl.bfloat16)
-        xb = tl.where(diag, xo[None, :] * X_SCALE, 0.0).to(tl.bfloat16)
-    else:
-        xa = tl.where(diag, xe[None, :] * X_SCALE, 0.0)
-        xb = tl.where(diag, xo[None, :] * X_SCALE, 0.0)
     offs = rows[None, :] * code_row_bytes + k0 // 2 + c[:, None]       # [HB, BLOCK_N]: byte c of each row
     if MASKED:
-        ge, go = _e2m1_tiles(tl.load(row_ptr + codes_off + offs, mask=cmask, other=0), ASM)
-        ue, uo = _e2m1_tiles(tl.load(row_ptr + up_codes + offs, mask=cmask, other=0), ASM)
+        if MASK_K:
+            cmask = row_ok[None, :] & (k0 + 2 * c[:, None] < KDIM)
+            smask = row_ok[None, :] & (k0 + g[:, None] * GROUP < KDIM)
+        else:
+            cmask = row_ok[None, :] & (c[:, None] >= 0)
+            smask = row_ok[None, :] & (g[:, None] >= 0)
+        we, wo = _e2m1_tiles(tl.load(row_ptr + codes_off + offs, mask=cmask, other=0), ASM)
     else:
-        ge, go = _e2m1_tiles(tl.load(row_ptr + codes_off + offs), ASM)
-        ue, uo = _e2m1_tiles(tl.load(row_ptr + up_codes + offs), ASM)
+        smask = None
+        we, wo = _e2m1_tiles(tl.load(row_ptr + codes_off + offs), ASM)
+    scale = _group_scales(row_ptr, scale_off, glob, rows, k0 // GROUP, n_scale_cols, smask, FMT, NG, MASKED)
     if ASM:
-        pg = tl.dot(xb, go, tl.dot(xa, ge))
-        pu = tl.dot(xb, uo, tl.dot(xa, ue))
+        part = tl.dot(vb, wo, tl.dot(va, we))
     else:
-        pg = tl.dot(xb, go, tl.dot(xa, ge, input_precision="ieee"), input_precision="ieee")
-        pu = tl.dot(xb, uo, tl.dot(xa, ue, input_precision="ieee"), input_precision="ieee")
-    g0 = k0 // GROUP
-    acc_g += (pg * UNDO) * _group_scales(row_ptr, scales_gate_off, g_gate, rows, g0, n_scale_cols, smask, FMT, NG,
-                                                       MASKED)
-    acc_u += (pu * UNDO) * _group_scales(row_ptr, scales_up_off, g_up, rows, g0, n_scale_cols, smask, FMT, NG,
-                                                       MASKED)
-    return acc_g, acc_u
+        part = tl.dot(vb, wo, tl.dot(va, we, input_precision="ieee"), input_precision="ieee")
+    return (part * UNDO) * scale
 
 
 @triton.jit
@@ -195,14 +201,18 @@ def moe_gate_up_quant_mma_kernel(
         k_hi = tl.minimum(k_lo + k_split, H)
         k_full = k_lo + (k_hi - k_lo) // BLOCK_K * BLOCK_K                # whole steps unmasked, then the ragged one
         for k0 in range(k_lo, k_full, BLOCK_K):
-            acc_g, acc_u = _mma_step(acc_g, acc_u, x_row, k0, H, row_ptr, codes_off, up_codes, scales_gate_off,
-                                     scales_up_off, g_gate, g_up, rows, code_row_bytes, n_scale_cols, row_ok, FMT,
-                                     GROUP, BLOCK_K, EVEN_N, False, ASM)
+            xa, xb = _block_diag(x_row, k0, H, GROUP, BLOCK_K, False, ASM)
+            acc_g += _group_sums(xa, xb, k0, H, row_ptr, codes_off, scales_gate_off, g_gate, rows, code_row_bytes,
+                                 n_scale_cols, row_ok, FMT, GROUP, BLOCK_K, EVEN_N, False, ASM)
+            acc_u += _group_sums(xa, xb, k0, H, row_ptr, up_codes, scales_up_off, g_up, rows, code_row_bytes,
+                                 n_scale_cols, row_ok, FMT, GROUP, BLOCK_K, EVEN_N, False, ASM)
         if not EVEN_K:
             if k_full < k_hi:
-                acc_g, acc_u = _mma_step(acc_g, acc_u, x_row, k_full, H, row_ptr, codes_off, up_codes,
-                                         scales_gate_off, scales_up_off, g_gate, g_up, rows, code_row_bytes,
-                                         n_scale_cols, row_ok, FMT, GROUP, BLOCK_K, EVEN_N, True, ASM)
+                xa, xb = _block_diag(x_row, k_full, H, GROUP, BLOCK_K, True, ASM)
+                acc_g += _group_sums(xa, xb, k_full, H, row_ptr, codes_off, scales_gate_off, g_gate, rows,
+                                     code_row_bytes, n_scale_cols, row_ok, FMT, GROUP, BLOCK_K, EVEN_N, True, ASM)
+                acc_u += _group_sums(xa, xb, k_full, H, row_ptr, up_codes, scales_up_off, g_up, rows,
+                                     code_row_bytes, n_scale_cols, row_ok, FMT, GROUP, BLOCK_K, EVEN_N, True, ASM)
         gate = tl.sum(acc_g, axis=0)
         up = tl.sum(acc_u, axis=0)
         if SPLIT == 1:
@@ -248,3 +258,100 @@ def moe_act_from_parts_kernel(
         act = _gate_up_act(gate, up, e, rows, I, b13_ptr, stride_b, alpha, limit, act_ptr.dtype.element_ty,
                            ACCURATE, BIAS, SWIGLU)
         tl.store(act_ptr + p.to(tl.int64) * I + rows, act, mask=ok)
+
+
+@triton.jit
+def moe_down_quant_mma_kernel(
+    act_ptr, ids_ptr, rw_ptr, rows_ptr, y_ptr,   # as moe_down_quant_kernel
+    parts_ptr,            # SPLIT > 1: [SPLIT, P, H] float32 out: each split's down sums
+    plan_ptr, nplan_ptr, extra_slot,
+    H, I, P,
+    stride_row,
+    codes_off, code_row_bytes, scales_off, glob_off, n_scale_cols,
+    k_split,              # columns of act a split covers (a multiple of BLOCK_K)
+    FMT: tl.constexpr,
+    GROUP: tl.constexpr,
+    BLOCK_N: tl.constexpr,    # output rows (of H) a program, >= 16
+    BLOCK_K: tl.constexpr,    # columns of act a K step: BLOCK_K / GROUP >= 16 groups
+    EVEN_N: tl.constexpr,     # H % BLOCK_N == 0
+    EVEN_K: tl.constexpr,     # I % BLOCK_K == 0
+    PLAN: tl.constexpr,
+    PLAN_MAX: tl.constexpr,
+    SPLIT: tl.constexpr,
+    ASM: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
+    b2_ptr=None, stride_b=0,
+    BIAS: tl.constexpr = False,
+):
+    """Grid (P, cdiv(H, BLOCK_N), SPLIT): moe_down_quant_kernel's y (SPLIT 1: w[p] * DT(down . act[p] (+ b2)),
+    exactly 0.0 for a pair with id < 0), or the split's sums into parts (y then by moe_down_from_parts_kernel)."""
+    pdl_enter(USE_PDL)
+    p = tl.program_id(0)
+    j = tl.program_id(1)
+    s = tl.program_id(2)
+    e = tl.load(ids_ptr + p).to(tl.int64)
+    if _route_active(e, plan_ptr, nplan_ptr, extra_slot, PLAN, PLAN_MAX):
+        rows = j * BLOCK_N + tl.arange(0, BLOCK_N)
+        row_ok = rows < H
+        if e >= 0:
+            NG: tl.constexpr = BLOCK_K // GROUP
+            row_ptr = rows_ptr + e * stride_row
+            a_row = act_ptr + p.to(tl.int64) * I
+            g_down = _nvfp4_global(row_ptr, glob_off, 2, FMT)
+            acc = tl.zeros([NG, BLOCK_N], dtype=tl.float32)
+            k_lo = s * k_split
+            k_hi = tl.minimum(k_lo + k_split, I)
+            k_full = k_lo + (k_hi - k_lo) // BLOCK_K * BLOCK_K
+            for k0 in range(k_lo, k_full, BLOCK_K):
+                aa, ab = _block_diag(a_row, k0, I, GROUP, BLOCK_K, False, ASM)
+                acc += _group_sums(aa, ab, k0, I, row_ptr, codes_off, scales_off, g_down, rows, code_row_bytes,
+                                   n_scale_cols, row_ok, FMT, GROUP, BLOCK_K, EVEN_N, False, ASM)
+            if not EVEN_K:
+                if k_full < k_hi:
+                    aa, ab = _block_diag(a_row, k_full, I, GROUP, BLOCK_K, True, ASM)
+                    acc += _group_sums(aa, ab, k_full, I, row_ptr, codes_off, scales_off, g_down, rows,
+                                       code_row_bytes, n_scale_cols, row_ok, FMT, GROUP, BLOCK_K, EVEN_N, True, ASM)
+            d = tl.sum(acc, axis=0)
+            if SPLIT == 1:
+                y = _down_out(d, e, rows, H, b2_ptr, stride_b, tl.load(rw_ptr + p).to(tl.float32),
+                              act_ptr.dtype.element_ty, BIAS)
+                tl.store(y_ptr + p.to(tl.int64) * H + rows, y, mask=row_ok)
+            else:
+                tl.store(parts_ptr + (s.to(tl.int64) * P + p) * H + rows, d, mask=row_ok)
+        else:
+            if SPLIT == 1:
+                tl.store(y_ptr + p.to(tl.int64) * H + rows, tl.zeros([BLOCK_N], dtype=tl.float32), mask=row_ok)
+
+
+@triton.jit
+def moe_down_from_parts_kernel(
+    parts_ptr,            # [SPLIT, P, H] float32: each split's down sums
+    ids_ptr, rw_ptr, y_ptr, act_ptr,   # act_ptr: only its dtype is read (the rounding of down's output)
+    plan_ptr, nplan_ptr, extra_slot,
+    P, H,
+    BLOCK: tl.constexpr,
+    PLAN: tl.constexpr,
+    PLAN_MAX: tl.constexpr,
+    SPLIT: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
+    b2_ptr=None, stride_b=0,
+    BIAS: tl.constexpr = False,
+):
+    """Grid (P, cdiv(H, BLOCK)): y[p] from the splits' sums, added in split order, as moe_down_quant_kernel writes
+    it (0.0 for a pair with id < 0; the pairs of another launch of a split call are left alone)."""
+    pdl_enter(USE_PDL)
+    p = tl.program_id(0)
+    j = tl.program_id(1)
+    e = tl.load(ids_ptr + p).to(tl.int64)
+    if _route_active(e, plan_ptr, nplan_ptr, extra_slot, PLAN, PLAN_MAX):
+        rows = j * BLOCK + tl.arange(0, BLOCK)
+        ok = rows < H
+        if e >= 0:
+            d = tl.zeros([BLOCK], dtype=tl.float32)
+            for s in tl.static_range(SPLIT):
+                d += tl.load(parts_ptr + (s * P + p.to(tl.int64)) * H + rows, mask=ok, other=0.0)
+            y = _down_out(d, e, rows, H, b2_ptr, stride_b, tl.load(rw_ptr + p).to(tl.float32),
+                          act_ptr.dtype.element_ty, BIAS)
+        else:
+            y = tl.zeros([BLOCK], dtype=tl.float32)
+        tl.store(y_ptr + p.to(tl.int64) * H + rows, y, mask=ok)
