@@ -324,6 +324,20 @@ def table_line(name, slots, tok_s, hbm_roof, roof, pct, pct_single, pct_hot, mis
             f"{miss:>8.1f} {copy_gb_s:>9.1f} {str(lossless):>8} {gib:>7.1f} {rss_per_expert_byte:>7.2f}")
 
 
+def use_tensor_core_gemvs() -> None:
+    """--quant-gemv mma: the mxfp4 / nvfp4 defaults of this process with gate/up and down on the tensor cores."""
+    from dataclasses import replace
+
+    from ftexpert.kernels.moe_decode.api import QUANT_GEMV_BLOCKS
+    from ftexpert.proto.expert_format import ExpertFormat
+    for name, b in list(QUANT_GEMV_BLOCKS.items()):
+        group = ExpertFormat.parse(name).group_size
+        QUANT_GEMV_BLOCKS[name] = replace(b, quant_mma=True, quant_mma_down=True, gate_up_block_n=64,
+                                          gate_up_block_k=16 * group, down_block_n=128, down_block_k=16 * group,
+                                          mma_warps=8)
+    print(f"quant gemv: {QUANT_GEMV_BLOCKS}", flush=True)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--preset", default="qwen3-30b-a3b")
@@ -380,6 +394,10 @@ def main() -> int:
                         help="comma-separated auto, on, off: the engine spec's overlap_decode for every resident and offload "
                              "run (the next decode step queued before this one's tokens are read; auto: on with "
                              "CUDA); several: side by side")
+    parser.add_argument("--quant-gemv", choices=("default", "mma"), default="default",
+                        help="mxfp4 / nvfp4 experts' decode GEMVs: the defaults (QUANT_GEMV_BLOCKS), or both on the "
+                             "tensor cores (GemvBlocks.quant_mma and quant_mma_down: gate/up 64 rows, down 128, 16 "
+                             "groups a K step, 8 warps; docs/QUANTIZATION.md), for this process")
     parser.add_argument("--trace-dir", default=None,
                         help="with --profile: write each profiled run's Chrome trace (trace_<backend>.json) here")
     parser.add_argument("--host-profile", type=int, default=0,
@@ -412,6 +430,8 @@ def main() -> int:
     overlaps_decode = [v.strip() for v in args.overlap_decode.split(",") if v.strip()]
     if not overlaps_decode or any(v not in ("auto", "on", "off") for v in overlaps_decode):
         raise SystemExit(f"--overlap-decode {args.overlap_decode!r}: give auto, on, off, comma-separated")
+    if args.quant_gemv == "mma":
+        use_tensor_core_gemvs()
     # the FREETOKEN_* knobs (PDL, eviction half-life, ...) from the environment, as the CLIs resolve them
     base = spec_from_args(argparse.Namespace(), preset=args.preset, device=args.device,
                           expert_format=args.expert_format, max_running_requests=args.batch,

@@ -10,7 +10,8 @@
 #                                                                                            (~4 min)
 #   quant_mma the tensor-core 4-bit gate/up and down (GemvBlocks.quant_mma, quant_mma_down) timed beside the
 #            defaults at gpt-oss-120b's and qwen3-next's shapes (bench_moe_decode_quant.py --mma-sweep, T = 1 and 4),
-#            then their GPU tests                                                            (~4 min)
+#            then their GPU tests (~4 min); MMA_ENGINE=1: qwen3-next-80b-a3b's resident decode with the defaults and
+#            with both on the tensor cores (bench_engine.py --quant-gemv default|mma; ~5 min more)
 #   quant_profile  where the 4-bit MoE decode GEMV's time goes at qwen3-next's NVFP4 and gpt-oss-120b's MXFP4 shapes:
 #            the K loops of the kernels as this machine's Triton compiles them (SASS), then Nsight Compute's counters
 #            of two calls (speed of light, occupancy, warp stalls per issued instruction; bench/profile_quant_gemv.py)
@@ -331,6 +332,14 @@ while [ $# -gt 0 ]; do
       run mma_next 150 python3 bench/bench_moe_decode_quant.py --formats nvfp4 --experts 512 --hidden 2048 \
         --inter 512 --top-k 10 --tokens 1,4 --mma-sweep --skip-dequant --json-out "$OUT/mma_next.json"
       run mma_tests 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_moe_decode_quant_mma.py
+      if [ -n "${MMA_ENGINE:-}" ]; then
+        # qwen3-next-80b-a3b's resident decode with the defaults, then with both GEMVs on the tensor cores
+        for q in default mma; do
+          run "mma_engine_$q" 300 python3 bench/bench_engine.py --preset qwen3-next-80b-a3b --expert-format nvfp4 \
+            --runs 2 --prompt-tokens 1024 --decode-tokens 256 --fractions "" --quant-gemv $q
+          grep -hE "^(backend|resident)" "$OUT/mma_engine_$q.log" | cut -c1-200
+        done
+      fi
       grep -hE "^(mxfp4|nvfp4) " "$OUT"/mma_gptoss.log "$OUT"/mma_next.log | cut -c1-130
       tail -n 3 "$OUT/mma_tests.log"
       ;;
