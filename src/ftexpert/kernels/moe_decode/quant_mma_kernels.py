@@ -1,5 +1,6 @@
-"""The 4-bit gate/up GEMV on the tensor cores (GemvBlocks.quant_mma; mxfp4 and nvfp4 experts): what
-`moe_gate_up_quant_kernel` computes, with the products summed by `tl.dot` instead of float32 multiply-adds.
+"""The 4-bit gate/up and down GEMVs on the tensor cores (GemvBlocks.quant_mma, quant_mma_down; mxfp4 and nvfp4
+experts): what `moe_gate_up_quant_kernel` and `moe_down_quant_kernel` compute, with the products summed by `tl.dot`
+instead of float32 multiply-adds.
 
 Why (docs/QUANTIZATION.md, the Nsight profile): the float32 path issues 7-12 instructions a weight, about 3.7 of
 them to place a nibble's bits as a float32, and is bound by instruction issue at 19-45% of the HBM rate. Here:
@@ -21,7 +22,9 @@ them to place a nibble's bits as a float32, and is bound by instruction issue at
 - **Split K.** A program covers BLOCK_N gate rows and as many up rows over one of SPLIT column ranges (grid
   (P, cdiv(I, BLOCK_N), SPLIT)): the tensor cores want tens of rows a program, which alone leaves too few programs
   for a 512-wide expert. With SPLIT > 1 each program writes its gate and up sums to parts [SPLIT, P, 2, I] float32
-  and `moe_act_from_parts_kernel` adds them in split order (deterministic) before the activation.
+  and `moe_act_from_parts_kernel` adds them in split order (deterministic) before the activation; down's ranges
+  likewise go through parts [SPLIT, P, H] and `moe_down_from_parts_kernel` (before down's rounding to x.dtype and
+  the routing weight).
 
 Under the Triton interpreter (CI) the decode is the float32 one (`_e2m1_bits`, the same values) and the dots are
 float32 (`input_precision="ieee"`): the same sums in another precision of the operands. tests/kernels/
