@@ -246,6 +246,8 @@ def test_what_it_cannot_run_is_refused_with_what_to_change():
         moe_gemv_quant(*args, impl="triton", blocks=replace(MMA["nvfp4"], mma_warps=3))
     with pytest.raises(TypeError, match="quant_mma must be a bool"):
         moe_gemv_quant(*args, impl="triton", blocks=replace(MMA["nvfp4"], quant_mma=1))
+    ref = moe_gemv_quant(*args, impl="reference", blocks=MMA["nvfp4"])       # the reference takes any dtype
+    assert torch.isfinite(ref).all()
     i_rows, i_layout = expert_rows("int4-g32", 2, 256, 32, seed=1)
     with pytest.raises(ValueError, match="runs mxfp4 and nvfp4 experts, not int4: leave it off for int4"):
         moe_gemv_quant(x.to(DEV), ids.to(DEV), w.to(DEV), i_rows.to(DEV), i_layout, impl="triton",

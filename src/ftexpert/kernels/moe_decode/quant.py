@@ -164,10 +164,10 @@ def moe_gemv_quant(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, ro
     b = blocks or QUANT_GEMV_BLOCKS.get(layout.fmt.name, DEFAULT_GEMV_BLOCKS)
     _check_blocks(b)
     T, H = x.shape
-    if b.quant_mma or b.quant_mma_down:
-        _check_mma(b, layout, x)
     swiglu, alpha, limit = check_bias_args(x, b13, b2, act, rows_u8.shape[0], 2 * layout.intermediate_size, H)
     impl = resolve_impl(impl, x.device)
+    if b.quant_mma or b.quant_mma_down:
+        _check_mma(b, layout, x, impl)
     K = ids.shape[1]
     split = plan is not None and impl != "reference" and T > 0 and K > 0
     if not split and between is not None:
@@ -236,8 +236,9 @@ def moe_gemv_quant(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, ro
     return out
 
 
-def _check_mma(b: GemvBlocks, layout: QuantLayout, x: torch.Tensor) -> None:
-    """GemvBlocks.quant_mma's / quant_mma_down's conditions, each refused with what to change."""
+def _check_mma(b: GemvBlocks, layout: QuantLayout, x: torch.Tensor, impl: str) -> None:
+    """GemvBlocks.quant_mma's / quant_mma_down's conditions, each refused with what to change (the activations'
+    dtype only where the tensor cores run it: the reference and the interpreter take any)."""
     name = layout.fmt.name
     if name not in ("mxfp4", "nvfp4"):
         raise ValueError(f"GemvBlocks.quant_mma runs mxfp4 and nvfp4 experts, not {name}: leave it off for {name}")
@@ -248,7 +249,7 @@ def _check_mma(b: GemvBlocks, layout: QuantLayout, x: torch.Tensor) -> None:
         if bn < 16 or bk // group < 16:
             raise ValueError(f"GemvBlocks.quant_mma: {which}_block_n = {bn} must be >= 16 and {which}_block_k = {bk} "
                              f"must hold >= 16 groups of {group} (>= {16 * group}): the tensor cores' tile")
-    if not interpreted() and x.dtype != torch.bfloat16:
+    if impl == "triton" and not interpreted() and x.dtype != torch.bfloat16:
         raise ValueError(f"GemvBlocks.quant_mma rounds the activations to bfloat16 on the GPU; x is {x.dtype}: "
                          "give bfloat16 activations or leave quant_mma off")
 
