@@ -10,8 +10,8 @@
 #                                                                                            (~4 min)
 #   quant_mma the tensor-core 4-bit gate/up and down (GemvBlocks.quant_mma, quant_mma_down) timed beside the
 #            defaults at gpt-oss-120b's and qwen3-next's shapes (bench_moe_decode_quant.py --mma-sweep, T = 1 and 4),
-#            then their GPU tests (~4 min); MMA_ENGINE=1: qwen3-next-80b-a3b's resident decode with the defaults and
-#            with both on the tensor cores (bench_engine.py --quant-gemv default|mma; ~5 min more)
+#            then their GPU tests (~4 min); MMA_PARTS=engine (a call of its own): qwen3-next-80b-a3b's resident decode
+#            with the defaults and with both on the tensor cores (bench_engine.py --quant-gemv default|mma; ~8 min)
 #   quant_profile  where the 4-bit MoE decode GEMV's time goes at qwen3-next's NVFP4 and gpt-oss-120b's MXFP4 shapes:
 #            the K loops of the kernels as this machine's Triton compiles them (SASS), then Nsight Compute's counters
 #            of two calls (speed of light, occupancy, warp stalls per issued instruction; bench/profile_quant_gemv.py)
@@ -324,24 +324,29 @@ while [ $# -gt 0 ]; do
       tail -n 6 "$OUT/attn_stages.log" | cut -c1-160
       ;;
     quant_mma)
-      # the tensor-core gate/up and down (GemvBlocks.quant_mma, quant_mma_down) beside the defaults at gpt-oss-120b's
-      # and qwen3-next's shapes, then their GPU tests (against the reference at those shapes, deterministic, in a
-      # CUDA graph)                                                                            (~4 min)
-      run mma_gptoss 150 python3 bench/bench_moe_decode_quant.py --formats mxfp4 --experts 128 --hidden 2880 \
-        --inter 2880 --top-k 4 --tokens 1,4 --mma-sweep --skip-dequant --json-out "$OUT/mma_gptoss.json"
-      run mma_next 150 python3 bench/bench_moe_decode_quant.py --formats nvfp4 --experts 512 --hidden 2048 \
-        --inter 512 --top-k 10 --tokens 1,4 --mma-sweep --skip-dequant --json-out "$OUT/mma_next.json"
-      run mma_tests 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_moe_decode_quant_mma.py
-      if [ -n "${MMA_ENGINE:-}" ]; then
-        # qwen3-next-80b-a3b's resident decode with the defaults, then with both GEMVs on the tensor cores
+      # the tensor-core gate/up and down (GemvBlocks.quant_mma, quant_mma_down), in parts (MMA_PARTS, default "sweep
+      # tests": one device call): sweep, both beside the defaults at gpt-oss-120b's and qwen3-next's shapes; tests,
+      # their GPU tests (against the reference at those shapes, deterministic, in a CUDA graph); engine,
+      # qwen3-next-80b-a3b's resident decode with the defaults, then with both on the tensor cores (a call of its own)
+      mparts=" ${MMA_PARTS:-sweep tests} "
+      if [[ $mparts == *" sweep "* ]]; then
+        run mma_gptoss 150 python3 bench/bench_moe_decode_quant.py --formats mxfp4 --experts 128 --hidden 2880 \
+          --inter 2880 --top-k 4 --tokens 1,4 --mma-sweep --skip-dequant --json-out "$OUT/mma_gptoss.json"
+        run mma_next 150 python3 bench/bench_moe_decode_quant.py --formats nvfp4 --experts 512 --hidden 2048 \
+          --inter 512 --top-k 10 --tokens 1,4 --mma-sweep --skip-dequant --json-out "$OUT/mma_next.json"
+        grep -hE "^(mxfp4|nvfp4) " "$OUT"/mma_gptoss.log "$OUT"/mma_next.log | cut -c1-130
+      fi
+      if [[ $mparts == *" tests "* ]]; then
+        run mma_tests 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_moe_decode_quant_mma.py
+        tail -n 3 "$OUT/mma_tests.log"
+      fi
+      if [[ $mparts == *" engine "* ]]; then
         for q in default mma; do
-          run "mma_engine_$q" 300 python3 bench/bench_engine.py --preset qwen3-next-80b-a3b --expert-format nvfp4 \
+          run "mma_engine_$q" 280 python3 bench/bench_engine.py --preset qwen3-next-80b-a3b --expert-format nvfp4 \
             --runs 2 --prompt-tokens 1024 --decode-tokens 256 --fractions "" --quant-gemv $q
           grep -hE "^(backend|resident)" "$OUT/mma_engine_$q.log" | cut -c1-200
         done
       fi
-      grep -hE "^(mxfp4|nvfp4) " "$OUT"/mma_gptoss.log "$OUT"/mma_next.log | cut -c1-130
-      tail -n 3 "$OUT/mma_tests.log"
       ;;
     quant_profile)
       # ncu needs a machine whose runtime lets it read the counters (the device notes: Firecracker yes, gVisor no);
