@@ -146,22 +146,17 @@ def run(args, rows_out: list[dict]) -> None:
             continue
         slots, layout = operands
         add("moe_gemv_quant", DEFAULT_GEMV_BLOCKS, lambda i: moe_gemv_quant(x, ids[i], weights, slots, layout))
-        if args.sweep:
-            for b in block_variants(DEFAULT_GEMV_BLOCKS):
-                if b.quant_group_sum and label in ("fp8", "bf16"):
-                    continue                                          # (the same kernel as without)
-                tag = variant_name(b)
-                try:
-                    add(tag, b, lambda i, b=b: moe_gemv_quant(x, ids[i], weights, slots, layout, blocks=b))
-                except Exception as exc:                              # e.g. out of resources
-                    print(f"{label} T={T} {tag}: failed ({type(exc).__name__}: {exc})"[:200], flush=True)
+        variants = []
+        if args.sweep:              # (the group sum is the same kernel as without for fp8)
+            variants += [b for b in block_variants(DEFAULT_GEMV_BLOCKS) if not (b.quant_group_sum and label == "fp8")]
         if args.mma_sweep and label in QUANT_GEMV_BLOCKS:
-            for b in mma_variants(QUANT_GEMV_BLOCKS[label], layout.fmt.group_size):
-                tag = variant_name(b)
-                try:
-                    add(tag, b, lambda i, b=b: moe_gemv_quant(x, ids[i], weights, slots, layout, blocks=b))
-                except Exception as exc:                              # e.g. out of resources
-                    print(f"{label} T={T} {tag}: failed ({type(exc).__name__}: {exc})"[:200], flush=True)
+            variants += mma_variants(QUANT_GEMV_BLOCKS[label], layout.fmt.group_size)
+        for b in variants:
+            tag = variant_name(b)
+            try:
+                add(tag, b, lambda i, b=b: moe_gemv_quant(x, ids[i], weights, slots, layout, blocks=b))
+            except Exception as exc:                                  # e.g. out of resources
+                print(f"{label} T={T} {tag}: failed ({type(exc).__name__}: {exc})"[:200], flush=True)
         if not args.skip_dequant and T == int(args.tokens.split(",")[0]):
             all_ids = torch.arange(E, device="cuda")
             scratch = torch.empty(E, 3 * H * I, dtype=torch.bfloat16, device="cuda")

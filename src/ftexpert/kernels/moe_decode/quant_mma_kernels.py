@@ -38,11 +38,11 @@ import triton.language as tl
 from ftexpert.kernels.pdl import pdl_enter
 
 from ftexpert.kernels.moe_decode.quant_kernels import FMT_NVFP4, _e2m1_bits, _e4m3_to_f32, _e8m0_to_f32, _nvfp4_global
-from ftexpert.kernels.moe_decode.triton_kernels import _down_out, _gate_up_act, _route_active
+from ftexpert.kernels.moe_decode.triton_kernels import _down_out, _gate_up_act, _route_active, route_sum
 
-XS: tl.constexpr = tl.constexpr(100)                          # activations x 2**XS before their bfloat16 rounding
-X_SCALE: tl.constexpr = tl.constexpr(2.0 ** 100)
-UNDO: tl.constexpr = tl.constexpr(2.0 ** 26)                  # 2**(126 - XS): the group sums back to their values
+XS = 100                                                      # activations x 2**XS before their bfloat16 rounding
+X_SCALE: tl.constexpr = tl.constexpr(2.0 ** XS)
+UNDO: tl.constexpr = tl.constexpr(2.0 ** (126 - XS))          # the group sums back to their values
 
 # 4 code bytes ($4; byte i = columns 2i (low nibble) and 2i + 1 (high nibble)) -> bfloat16 bits of e2m1 * 2**-126:
 # $0, $1 the low nibbles of bytes (0, 1) and (2, 3), $2, $3 the high nibbles, each a pair (element 2i in the low
@@ -252,12 +252,9 @@ def moe_act_from_parts_kernel(
     if (e >= 0) & _route_active(e, plan_ptr, nplan_ptr, extra_slot, PLAN, PLAN_MAX):
         rows = j * BLOCK + tl.arange(0, BLOCK)
         ok = rows < I
-        gate = tl.zeros([BLOCK], dtype=tl.float32)
-        up = tl.zeros([BLOCK], dtype=tl.float32)
-        for s in tl.static_range(SPLIT):
-            base = parts_ptr + (s * P + p.to(tl.int64)) * (2 * I)
-            gate += tl.load(base + rows, mask=ok, other=0.0)
-            up += tl.load(base + I + rows, mask=ok, other=0.0)
+        base = parts_ptr + p.to(tl.int64) * (2 * I)
+        gate = route_sum(base, rows, ok, SPLIT, P * (2 * I))
+        up = route_sum(base + I, rows, ok, SPLIT, P * (2 * I))
         act = _gate_up_act(gate, up, e, rows, I, b13_ptr, stride_b, alpha, limit, act_ptr.dtype.element_ty,
                            ACCURATE, BIAS, SWIGLU)
         tl.store(act_ptr + p.to(tl.int64) * I + rows, act, mask=ok)
@@ -350,9 +347,7 @@ def moe_down_from_parts_kernel(
         rows = j * BLOCK + tl.arange(0, BLOCK)
         ok = rows < H
         if e >= 0:
-            d = tl.zeros([BLOCK], dtype=tl.float32)
-            for s in tl.static_range(SPLIT):
-                d += tl.load(parts_ptr + (s * P + p.to(tl.int64)) * H + rows, mask=ok, other=0.0)
+            d = route_sum(parts_ptr + p.to(tl.int64) * H, rows, ok, SPLIT, P * H)
             y = _down_out(d, e, rows, H, b2_ptr, stride_b, tl.load(rw_ptr + p).to(tl.float32),
                           act_ptr.dtype.element_ty, BIAS)
         else:
